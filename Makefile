@@ -1,0 +1,104 @@
+# pagekv — one non-recursive Makefile, out-of-tree build.
+#
+#   make                      build/libpagekv.a, build/libpagekv.so, build/pagekv
+#   make check                build and run every test binary (Check), print a summary
+#   make check SAN=address,undefined   the same under ASan+UBSan (build dir build/san-address-undefined)
+#   make check SAN=thread     the same under TSan
+#   make install PREFIX=/usr/local
+#   make format / make format-check
+#
+# Each src/<module>/*.c goes into the library; tools/*.c and bench/*.c make the CLI;
+# each tests/test_*.c is its own test binary linked with tests/support/*.c.
+
+CC      ?= cc
+PREFIX  ?= /usr/local
+SAN     ?=
+WERROR  ?= $(if $(CI),-Werror,)
+PKGS    := ucx jansson libmicrohttpd openssl
+
+comma   := ,
+ifeq ($(SAN),)
+BUILD   ?= build
+SANFLAGS :=
+else
+BUILD   ?= build/san-$(subst $(comma),-,$(SAN))
+SANFLAGS := -fsanitize=$(SAN) -fno-omit-frame-pointer -fno-sanitize-recover=all
+endif
+
+OPT      ?= -O2
+WARN     := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wformat=2 \
+            -Wno-unused-parameter $(WERROR)
+CPPFLAGS += -Iinclude -Isrc -D_GNU_SOURCE $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
+CFLAGS   += -std=c11 -g $(OPT) -fPIC -pthread $(WARN) $(SANFLAGS)
+LDFLAGS  += -pthread $(SANFLAGS)
+LDLIBS   += $(shell pkg-config --libs $(PKGS) 2>/dev/null) -lm
+TEST_LIBS := $(shell pkg-config --libs check 2>/dev/null) $(shell pkg-config --libs libcurl 2>/dev/null)
+
+LIB_SRC   := $(sort $(wildcard src/*/*.c))
+CLI_SRC   := $(sort $(wildcard tools/*.c bench/*.c))
+TSUP_SRC  := $(sort $(wildcard tests/support/*.c))
+TEST_SRC  := $(sort $(wildcard tests/test_*.c))
+FUZZ_SRC  := $(sort $(wildcard tests/fuzz/fuzz_*.c))
+
+LIB_OBJ   := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)
+CLI_OBJ   := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
+TSUP_OBJ  := $(TSUP_SRC:%.c=$(BUILD)/obj/%.o)
+TEST_BIN  := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
+
+ALIB := $(BUILD)/libpagekv.a
+SLIB := $(BUILD)/libpagekv.so
+CLI  := $(BUILD)/pagekv
+
+.SECONDARY:
+.PHONY: all check install format format-check clean deps test demo
+# The README's two commands: each installs missing Debian packages, then builds.
+test:
+	scripts/deps.sh
+	$(MAKE) --no-print-directory check
+demo:
+	scripts/deps.sh
+	$(MAKE) --no-print-directory all
+	$(BUILD)/pagekv demo
+all: $(ALIB) $(SLIB) $(CLI)
+
+$(BUILD)/obj/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) -MMD -MP -c $< -o $@
+
+$(ALIB): $(LIB_OBJ)
+	@mkdir -p $(dir $@)
+	rm -f $@ && ar rcs $@ $^
+
+$(SLIB): $(LIB_OBJ)
+	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+$(CLI): $(CLI_OBJ) $(ALIB)
+	$(CC) $(LDFLAGS) -o $@ $(CLI_OBJ) $(ALIB) $(LDLIBS)
+
+$(BUILD)/tests/%: $(BUILD)/obj/tests/%.o $(TSUP_OBJ) $(ALIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $< $(TSUP_OBJ) $(ALIB) $(TEST_LIBS) $(LDLIBS)
+
+# Each test binary forks every test (Check's default) with its own timeout.
+# scripts/run-tests.sh prints one line per binary and a closing "N passed, N failed".
+check: all $(TEST_BIN)
+	@BUILD=$(BUILD) SAN=$(SAN) scripts/run-tests.sh $(TEST_BIN)
+
+install: all
+	install -d $(DESTDIR)$(PREFIX)/include/pagekv $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/bin
+	install -m 644 include/pagekv/*.h $(DESTDIR)$(PREFIX)/include/pagekv/
+	install -m 644 $(ALIB) $(SLIB) $(DESTDIR)$(PREFIX)/lib/
+	install -m 755 $(CLI) $(DESTDIR)$(PREFIX)/bin/
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@LIBS@|$(shell pkg-config --libs $(PKGS) 2>/dev/null) -lm -pthread|' \
+	    pagekv.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/pagekv.pc
+
+FMT_FILES = $(shell git ls-files '*.c' '*.h' 2>/dev/null)
+format:
+	clang-format -i $(FMT_FILES)
+format-check:
+	clang-format --dry-run -Werror $(FMT_FILES)
+
+clean:
+	rm -rf build
+
+-include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)

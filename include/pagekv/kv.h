@@ -1,0 +1,167 @@
+/*
+ * pagekv KV cache: sequences of K/V positions stored either in the paged pool
+ * (PKV_BACKEND_PAGED, the product) or in one contiguous buffer per sequence
+ * (PKV_BACKEND_DENSE, the honest baseline). Both sit behind one sequence interface.
+ *
+ * Memory layout of one position range ("run"): for layer l and KV head h, K of token t
+ * is at  run.k + h * run.head_stride + t * head_dim  (elements of the cache dtype), V
+ * likewise from run.v. Paged: a run is one block (head_stride = block_tokens * head_dim);
+ * dense: a run is the whole sequence (head_stride = capacity * head_dim).
+ *
+ * Writing protocol: pkv_seq_reserve() makes positions [length, n) writable (allocating
+ * blocks and copying a shared partial block first: copy-on-write); the caller writes
+ * K/V through pkv_seq_slot(); pkv_seq_append() then records the token ids of positions
+ * [length, length + n): from then on their K/V is complete and, once a block is full,
+ * immutable and shareable through the prefix cache.
+ *
+ * Thread safety: a pkv_kv_t may be used from several threads. Calls that change
+ * bookkeeping (create/free/reserve/append/fork/pin/unpin/reset/stats) take the cache's
+ * mutex and may run concurrently. A sequence is owned by one thread at a time: calls on
+ * the same pkv_seq_t must not run concurrently. K/V bytes are not guarded: a block is
+ * written only by the sequence that owns it exclusively (refcount 1) before its
+ * positions are appended; appended full blocks are read-only. A transfer worker may pin
+ * blocks (pkv_kv_pin) and read them while the engine runs: a pinned block is never
+ * freed, evicted or reused until unpinned.
+ */
+#ifndef PAGEKV_KV_H
+#define PAGEKV_KV_H
+
+#include "pagekv/pagekv.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum { PKV_DTYPE_F32 = 0, PKV_DTYPE_F16 = 1, PKV_DTYPE_BF16 = 2 } pkv_dtype_t;
+size_t pkv_dtype_size(pkv_dtype_t dt);
+const char *pkv_dtype_name(pkv_dtype_t dt);
+int pkv_dtype_parse(const char *s, pkv_dtype_t *out);
+/* Convert n values between f32 and the dtype (round to nearest even). */
+void pkv_dtype_from_f32(pkv_dtype_t dt, void *dst, const float *src, size_t n);
+void pkv_dtype_to_f32(pkv_dtype_t dt, float *dst, const void *src, size_t n);
+
+typedef struct {
+    uint32_t layers;
+    uint32_t kv_heads;
+    uint32_t head_dim;
+    uint32_t block_tokens; /* 0 -> 16 */
+    pkv_dtype_t dtype;
+} pkv_geometry_t;
+
+/* K+V bytes of one token in every layer. */
+size_t pkv_geometry_token_bytes(const pkv_geometry_t *g);
+
+typedef enum { PKV_BACKEND_PAGED = 0, PKV_BACKEND_DENSE = 1 } pkv_backend_t;
+const char *pkv_backend_name(pkv_backend_t b);
+int pkv_backend_parse(const char *s, pkv_backend_t *out);
+
+typedef struct {
+    pkv_geometry_t geo;
+    pkv_backend_t backend;
+    uint64_t budget_bytes;    /* cap on committed KV bytes; 0 = none */
+    uint64_t reserve_bytes;   /* address space to reserve when no budget; 0 -> 64 GiB */
+    uint32_t retain_granules; /* empty granules kept committed (hysteresis); default 1 */
+    bool no_prefix_cache;     /* disable prefix caching */
+    bool hugepages;           /* paged: ask for THP on commit */
+} pkv_kv_config_t;
+
+typedef struct pkv_kv pkv_kv_t;
+typedef struct pkv_seq pkv_seq_t;
+
+/* Create a KV cache. On success *out owns everything; free with pkv_kv_destroy. */
+int pkv_kv_create(const pkv_kv_config_t *cfg, pkv_kv_t **out);
+/* Frees the cache. Every sequence must have been freed (aborts otherwise: a caller bug). */
+void pkv_kv_destroy(pkv_kv_t *kv);
+const pkv_geometry_t *pkv_kv_geometry(const pkv_kv_t *kv);
+pkv_backend_t pkv_kv_backend(const pkv_kv_t *kv);
+
+typedef struct {
+    uint64_t salt;           /* per-tenant prefix-cache salt */
+    const int32_t *tokens;   /* the prompt */
+    uint32_t n_tokens;       /* >= 1 */
+    uint32_t reserve_tokens; /* capacity to reserve at admission: >= n_tokens, or 0 = n_tokens */
+} pkv_seq_params_t;
+
+/* Admission: adopt the longest cached prefix of the prompt (whole blocks, never the whole
+ * prompt: at least one token is left to compute) and reserve capacity for
+ * reserve_tokens positions, or fail with no side effect:
+ *   PKV_ERR_NOFIT   the request can never fit the budget (message logged with numbers),
+ *   PKV_ERR_NOSPACE not enough free + evictable memory now.
+ * On success *out is the sequence, with length = *n_cached (adopted tokens). */
+int pkv_seq_create(pkv_kv_t *kv, const pkv_seq_params_t *p, pkv_seq_t **out, uint32_t *n_cached);
+/* Free a sequence: its full, hashed blocks become cached (evictable); the rest free. */
+void pkv_seq_free(pkv_seq_t *seq);
+/* Ensure capacity for n_tokens positions; copy-on-write of a shared partial block. No side
+ * effect on failure (NOSPACE / NOFIT / NOMEM). */
+int pkv_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens);
+/* Record tokens for positions [length, length + n): their K/V has been written. Requires
+ * length + n <= capacity. Full blocks get their prefix key and become shareable. */
+int pkv_seq_append(pkv_seq_t *seq, const int32_t *tokens, uint32_t n);
+/* Child shares every block of the parent (a partial last block is copied on first write). */
+int pkv_seq_fork(pkv_seq_t *parent, pkv_seq_t **out);
+uint32_t pkv_seq_length(const pkv_seq_t *seq);
+uint32_t pkv_seq_capacity(const pkv_seq_t *seq);
+
+/* Where K/V of position pos (< capacity) in layer sits: *k and *v point at head 0;
+ * head h is at + h * *head_stride elements. Write only positions >= length. */
+void pkv_seq_slot(const pkv_seq_t *seq, uint32_t pos, uint32_t layer, void **k, void **v,
+                  size_t *head_stride);
+
+typedef struct {
+    const void *k, *v;  /* head 0, first token of the run */
+    uint32_t pos;       /* first position */
+    uint32_t n_tokens;  /* positions in the run */
+    size_t head_stride; /* elements between heads */
+} pkv_kv_run_t;
+/* Fill out[] with the runs covering positions [begin, end) of layer, in order. Returns
+ * the number of runs written (at most max); *next is the position after the last run. */
+uint32_t pkv_seq_runs(const pkv_seq_t *seq, uint32_t layer, uint32_t begin, uint32_t end,
+                      pkv_kv_run_t *out, uint32_t max, uint32_t *next);
+
+/* ---- paged-only: block access for transfers (PKV_ERR_UNSUPPORTED on dense) -------- */
+/* The block ids of a sequence's table (valid until the sequence changes). */
+int pkv_seq_blocks(const pkv_seq_t *seq, const uint32_t **ids, uint32_t *n);
+size_t pkv_kv_block_bytes(const pkv_kv_t *kv);
+/* Base address of a block (layout [layer][k|v][head][token][dim]). */
+void *pkv_kv_block_ptr(const pkv_kv_t *kv, uint32_t block);
+/* Take / drop an extra reference on live or cached blocks (a transfer's lease). Pin
+ * fails with PKV_ERR_NOTFOUND, pinning nothing, if any id is free or out of range. */
+int pkv_kv_pin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n);
+void pkv_kv_unpin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n);
+
+/* ---- cache control and accounting --------------------------------------------------- */
+/* Drop every cached (unreferenced) block and return empty granules to the OS. */
+void pkv_kv_reset_cache(pkv_kv_t *kv);
+
+typedef struct {
+    uint64_t committed_bytes;      /* KV memory held from the OS now */
+    uint64_t peak_committed_bytes;
+    uint64_t reserved_bytes;       /* address space reserved (paged) */
+    uint64_t budget_bytes;         /* 0 = none */
+    uint64_t granule_bytes;        /* paged: commit unit; dense: 0 */
+    uint32_t storage_ranges;       /* separately reserved ranges (paged) */
+    uint64_t block_bytes;
+    uint64_t token_bytes;
+    uint64_t blocks_capacity;      /* blocks the budget / reservation allows */
+    uint64_t blocks_live;          /* refcount > 0 */
+    uint64_t blocks_cached;        /* refcount 0, hashed, evictable */
+    uint64_t blocks_free;          /* committed, unused */
+    uint64_t live_tokens;          /* positions held by live sequences (sum of lengths) */
+    uint64_t sequences;
+    uint64_t prefix_queries;       /* admissions that looked up the cache */
+    uint64_t prefix_query_tokens;  /* prompt tokens looked up */
+    uint64_t prefix_hit_tokens;    /* tokens adopted from the cache */
+    uint64_t evictions;            /* cached blocks dropped */
+    uint64_t cow_copies;
+    uint64_t commits, decommits;   /* granules */
+    uint64_t rejected_nofit, rejected_nospace;
+} pkv_kv_stats_t;
+void pkv_kv_stats(pkv_kv_t *kv, pkv_kv_stats_t *out);
+
+/* Check every invariant (expensive); PKV_OK or PKV_ERR_CORRUPT with a logged reason. */
+int pkv_kv_validate(pkv_kv_t *kv);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,20 @@
+#!/bin/sh
+# Run each test binary (Check forks each test with its own timeout), collect Check's
+# per-binary result line, and close with "N passed, N failed" for the whole suite.
+set -u
+passed=0; failed=0; bad_bins=""
+for t in "$@"; do
+    out=$(CK_DEFAULT_TIMEOUT=${CK_DEFAULT_TIMEOUT:-120} "$t" 2>&1); rc=$?
+    line=$(printf '%s\n' "$out" | grep -E '^[0-9]+%: Checks:' | tail -n 1)
+    echo "$(basename "$t"): ${line:-no summary (exit $rc)}"
+    n=$(printf '%s' "$line" | sed -n 's/.*Checks: \([0-9]*\).*/\1/p')
+    f=$(printf '%s' "$line" | sed -n 's/.*Failures: \([0-9]*\).*/\1/p')
+    e=$(printf '%s' "$line" | sed -n 's/.*Errors: \([0-9]*\).*/\1/p')
+    if [ -z "$n" ]; then failed=$((failed + 1)); bad_bins="$bad_bins $t"; printf '%s\n' "$out" | tail -n 40; continue; fi
+    passed=$((passed + n - f - e)); failed=$((failed + f + e))
+    if [ $((f + e)) -ne 0 ] || [ $rc -ne 0 ]; then
+        bad_bins="$bad_bins $t"; printf '%s\n' "$out" | grep -vE '^[0-9]+%: Checks:|^Running suite' | tail -n 40
+    fi
+done
+echo "$passed passed, $failed failed"
+[ -z "$bad_bins" ]

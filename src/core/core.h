@@ -1,0 +1,35 @@
+/*
+ * core: internal helpers shared by every module (not installed).
+ */
+#ifndef PKV_CORE_CORE_H
+#define PKV_CORE_CORE_H
+
+#include "pagekv/pagekv.h"
+
+#include <pthread.h>
+#include <time.h>
+
+#define PKV_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define PKV_MAX(a, b) ((a) > (b) ? (a) : (b))
+#define PKV_DIV_UP(a, b) (((a) + (b)-1) / (b))
+#define PKV_ALIGN_UP(a, b) (PKV_DIV_UP(a, b) * (b))
+#define PKV_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
+
+/* Broken invariant: print where and abort. Never used for bad input. */
+#define PKV_ASSERT(cond)                                                                       \
+    do {                                                                                       \
+        if (!(cond)) pkv__panic(__FILE__, __LINE__, #cond);                                    \
+    } while (0)
+_Noreturn void pkv__panic(const char *file, int line, const char *what);
+
+#define PKV_LOGE(mod, ...) pkv_log(PKV_LOG_ERROR, mod, __VA_ARGS__)
+#define PKV_LOGW(mod, ...) pkv_log(PKV_LOG_WARN, mod, __VA_ARGS__)
+#define PKV_LOGI(mod, ...) pkv_log(PKV_LOG_INFO, mod, __VA_ARGS__)
+#define PKV_LOGD(mod, ...) pkv_log(PKV_LOG_DEBUG, mod, __VA_ARGS__)
+
+/* Condition variables in pagekv wait on CLOCK_MONOTONIC deadlines. */
+int pkv__cond_init_monotonic(pthread_cond_t *cond);
+struct timespec pkv__deadline_to_monotonic(uint64_t deadline_ns);
+struct timespec pkv__deadline_to_realtime(uint64_t deadline_ns);
+
+#endif

@@ -1,0 +1,54 @@
+/*
+ * prim: the only module that talks to the OS about memory (mmap, madvise, mlock,
+ * memfd) and reads the process's own accounting from /proc. Every other module goes
+ * through these calls, so the OS surface is one small file.
+ */
+#ifndef PKV_PRIM_PRIM_H
+#define PKV_PRIM_PRIM_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdbool.h>
+
+#define PKV_PRIM_PAGE 4096u
+#define PKV_PRIM_HUGE (2u << 20)
+
+/* Reserve `size` bytes of address space (no RSS, no commit charge), aligned to
+ * `align` (a power of two >= 4 KiB). Reads or writes before commit are a bug.
+ * Returns PKV_OK and *out, or PKV_ERR_NOMEM. */
+int pkv_prim_reserve(size_t size, size_t align, void **out);
+/* Release a reservation made by pkv_prim_reserve (whole range). */
+void pkv_prim_release(void *addr, size_t size);
+/* Make [addr, addr+size) readable, writable and resident, prefaulted
+ * (MADV_POPULATE_WRITE; touching each page where the kernel lacks it). On failure
+ * nothing stays committed. `huge`: ask for transparent huge pages first. */
+int pkv_prim_commit(void *addr, size_t size, bool huge);
+/* Return [addr, addr+size) to the OS at once (RSS drops) and make it inaccessible. */
+int pkv_prim_decommit(void *addr, size_t size);
+/* Pin / unpin resident pages (mlock). PKV_ERR_IO where the OS refuses. */
+int pkv_prim_lock(void *addr, size_t size);
+void pkv_prim_unlock(void *addr, size_t size);
+
+/* A memfd of `size` bytes (sparse) mapped MAP_SHARED, address-space only.
+ * *fd_out stays open for sharing with a peer; close with pkv_prim_shared_close. */
+int pkv_prim_shared_create(const char *name, size_t size, int *fd_out, void **addr_out);
+int pkv_prim_shared_map(int fd, size_t size, void **addr_out);
+void pkv_prim_shared_close(int fd, void *addr, size_t size);
+/* Punch pages of a memfd-backed range out (returns their memory). */
+int pkv_prim_shared_decommit(int fd, void *addr, size_t offset, size_t size);
+
+/* The process's memory as the OS reports it. */
+typedef struct {
+    uint64_t rss_bytes;     /* VmRSS */
+    uint64_t hwm_bytes;     /* VmHWM */
+    uint64_t rss_anon_bytes;
+    uint64_t rss_shmem_bytes;
+} pkv_prim_mem_t;
+/* Read /proc/<pid>/status (pid 0: self). */
+int pkv_prim_mem_read(int pid, pkv_prim_mem_t *out);
+/* Pss and Rss from /proc/<pid>/smaps_rollup (slow: ~14 ms at 4 GiB). */
+int pkv_prim_smaps_read(int pid, uint64_t *rss_bytes, uint64_t *pss_bytes);
+/* Reset VmHWM to the current RSS (writes 5 to /proc/self/clear_refs). */
+int pkv_prim_hwm_reset(void);
+
+#endif

@@ -1,0 +1,42 @@
+/*
+ * Test support: every tests/test_*.c is its own Check binary.
+ *   PKV_TEST_MAIN(make_suite) defines main(): runs the suite (forking each test with
+ *   Check's timeout), prints Check's summary line, exits non-zero on failure.
+ * Seeds: tests that draw random numbers take PKV_TEST_SEED from the environment
+ * when set, and print the seed they used on failure.
+ */
+#ifndef PKV_TESTUTIL_H
+#define PKV_TESTUTIL_H
+
+#include <check.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define PKV_TEST_MAIN(make_suite)                                                              \
+    int main(void)                                                                             \
+    {                                                                                          \
+        SRunner *sr = srunner_create(make_suite());                                            \
+        srunner_run_all(sr, CK_NORMAL);                                                        \
+        int failed = srunner_ntests_failed(sr);                                                \
+        srunner_free(sr);                                                                      \
+        return failed ? EXIT_FAILURE : EXIT_SUCCESS;                                           \
+    }
+
+/* splitmix64: a small seeded generator (no hidden global state). */
+static inline uint64_t pkv_test_rand(uint64_t *state)
+{
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+static inline uint32_t pkv_test_below(uint64_t *state, uint32_t n)
+{
+    return n ? (uint32_t)(pkv_test_rand(state) % n) : 0;
+}
+/* The seed for this run: PKV_TEST_SEED or `fallback`. */
+uint64_t pkv_test_seed(uint64_t fallback);
+/* VmRSS of this process in bytes. */
+uint64_t pkv_test_rss(void);
+
+#endif

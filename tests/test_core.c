@@ -1,0 +1,66 @@
+/* core: status names, deadlines, log sink and levels. */
+#include "support/testutil.h"
+
+#include "core/core.h"
+
+#include <stdio.h>
+#include <string.h>
+
+START_TEST(status_names)
+{
+    ck_assert_str_eq(pkv_status_str(PKV_OK), "ok");
+    ck_assert_str_eq(pkv_status_str(PKV_ERR_NOFIT), "nofit");
+    ck_assert_str_eq(pkv_status_str(PKV_ERR_PEER_LOST), "peer_lost");
+    ck_assert_str_eq(pkv_status_str(-999), "unknown");
+}
+END_TEST
+
+START_TEST(deadlines_are_monotonic_and_saturate)
+{
+    uint64_t a = pkv_now_ns();
+    uint64_t d = pkv_deadline_after_ns(1000000);
+    ck_assert_uint_ge(d, a + 1000000);
+    ck_assert_uint_eq(pkv_deadline_after_ns(UINT64_MAX), PKV_DEADLINE_NEVER);
+    ck_assert_uint_ge(pkv_now_ns(), a);
+}
+END_TEST
+
+struct captured {
+    int n;
+    char last[256];
+    pkv_log_level_t level;
+};
+static void capture_sink(void *arg, pkv_log_level_t level, const char *module, const char *line)
+{
+    struct captured *c = arg;
+    c->n++;
+    c->level = level;
+    snprintf(c->last, sizeof(c->last), "%s|%s", module, line);
+}
+
+START_TEST(log_sink_and_level)
+{
+    struct captured c = {0};
+    pkv_log_set_sink(capture_sink, &c);
+    pkv_log_set_level(PKV_LOG_WARN);
+    pkv_log(PKV_LOG_INFO, "test", "dropped %d", 1);
+    ck_assert_int_eq(c.n, 0);
+    pkv_log(PKV_LOG_ERROR, "test", "kept %d", 2);
+    ck_assert_int_eq(c.n, 1);
+    ck_assert_str_eq(c.last, "test|kept 2");
+    ck_assert_int_eq(c.level, PKV_LOG_ERROR);
+    pkv_log_set_sink(NULL, NULL);
+}
+END_TEST
+
+static Suite *core_suite(void)
+{
+    Suite *s = suite_create("core");
+    TCase *tc = tcase_create("core");
+    tcase_add_test(tc, status_names);
+    tcase_add_test(tc, deadlines_are_monotonic_and_saturate);
+    tcase_add_test(tc, log_sink_and_level);
+    suite_add_tcase(s, tc);
+    return s;
+}
+PKV_TEST_MAIN(core_suite)

@@ -1,0 +1,136 @@
+/*
+ * pagekv: the command-line entry point. `pagekv help` lists the commands.
+ */
+#include "cli.h"
+
+#include "pagekv/pagekv.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static int cmd_version(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    printf("pagekv %s\n", pkv_version());
+    return 0;
+}
+
+static int cmd_help(int argc, char **argv);
+
+static const pkv_cli_cmd_t commands[] = {
+    {"version", cmd_version, "print the version"},
+    {"bench", pkv_cmd_bench, "run a benchmark: pagekv bench <pool> [--json FILE] ..."},
+    {"demo", pkv_cmd_demo, "run the main job on the built-in model"},
+    {"help", cmd_help, "list the commands"},
+};
+
+static int cmd_help(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    printf("usage: pagekv <command> [options]\n\ncommands:\n");
+    for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
+        printf("  %-10s %s\n", commands[i].name, commands[i].summary);
+    printf("\n`pagekv <command> --help` shows a command's options.\n");
+    return 0;
+}
+
+static const struct {
+    const char *name;
+    int (*run)(int argc, char **argv);
+    const char *summary;
+} benches[] = {
+    {"pool", pkv_bench_pool, "KV pool: alloc/free, prefix hashing, commit, growth, reset"},
+};
+
+int pkv_cmd_bench(int argc, char **argv)
+{
+    if (argc >= 2) {
+        for (size_t i = 0; i < sizeof(benches) / sizeof(benches[0]); i++)
+            if (!strcmp(argv[1], benches[i].name)) return benches[i].run(argc - 1, argv + 1);
+    }
+    fprintf(stderr, "usage: pagekv bench <name> [options]\n\nbenchmarks:\n");
+    for (size_t i = 0; i < sizeof(benches) / sizeof(benches[0]); i++)
+        fprintf(stderr, "  %-10s %s\n", benches[i].name, benches[i].summary);
+    return argc >= 2 && strcmp(argv[1], "--help") ? 2 : 0;
+}
+
+int pkv_cmd_demo(int argc, char **argv)
+{
+    /* Until the disaggregated demo lands, the main job is the pool benchmark. */
+    char *args[] = {"pool", NULL};
+    (void)argc;
+    (void)argv;
+    return pkv_bench_pool(1, args);
+}
+
+int pkv_cli_parse_u64(const char *s, uint64_t lo, uint64_t hi, uint64_t *out)
+{
+    if (!s || !*s || *s == '-') return -1;
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || *end || v < lo || v > hi) return -1;
+    *out = v;
+    return 0;
+}
+
+int pkv_cli_parse_bytes(const char *s, uint64_t *out)
+{
+    if (!s || !*s || *s == '-') return -1;
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || !isfinite(v) || v < 0) return -1;
+    double mult = 1;
+    if (*end) {
+        switch (*end) {
+        case 'k': case 'K': mult = 1024.0; break;
+        case 'm': case 'M': mult = 1024.0 * 1024; break;
+        case 'g': case 'G': mult = 1024.0 * 1024 * 1024; break;
+        case 't': case 'T': mult = 1024.0 * 1024 * 1024 * 1024; break;
+        default: return -1;
+        }
+        end++;
+        if (*end == 'i') end++;
+        if (*end == 'B') end++;
+        if (*end) return -1;
+    }
+    v *= mult;
+    if (v >= 18446744073709551615.0) return -1;
+    *out = (uint64_t)v;
+    return 0;
+}
+
+int pkv_cli_usage_error(const char *cmd, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "pagekv %s: ", cmd);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    return 2;
+}
+
+bool pkv_cli_progress_enabled(void)
+{
+    return isatty(STDERR_FILENO);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) return cmd_help(0, NULL), 2;
+    for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
+        if (!strcmp(argv[1], commands[i].name)) return commands[i].run(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) return cmd_help(0, NULL);
+    if (!strcmp(argv[1], "--version")) return cmd_version(0, NULL);
+    fprintf(stderr, "pagekv: unknown command '%s' (try `pagekv help`)\n", argv[1]);
+    return 2;
+}
