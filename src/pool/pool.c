@@ -599,12 +599,7 @@ static int pool_seq_fork(pkv_seq_t *parent, pkv_seq_t **out)
     uint32_t nb = PKV_DIV_UP(parent->length, T);
     pool_seq_t *c = seq_alloc(p, parent->salt, nb);
     if (!c) return PKV_ERR_NOMEM;
-    int rc = pkv_seq_base_copy(&c->base, parent);
-    if (rc) {
-        free(c->blocks);
-        free(c);
-        return rc;
-    }
+    pkv_seq_base_copy(&c->base, parent);
     memcpy(c->blocks, ps->blocks, (size_t)nb * sizeof(uint32_t));
     c->nb = nb;
     /* A shared partial block must be copied before either side writes it. */
