@@ -136,10 +136,8 @@ int pkv_prim_shared_commit(int fd, void *addr, size_t offset, size_t size)
 static int prim_open_proc(int pid, const char *what)
 {
     char path[64];
-    if (pid == 0)
-        snprintf(path, sizeof(path), "/proc/self/%s", what);
-    else
-        snprintf(path, sizeof(path), "/proc/%d/%s", pid, what);
+    if (pid == 0) snprintf(path, sizeof(path), "/proc/self/%s", what);
+    else snprintf(path, sizeof(path), "/proc/%d/%s", pid, what);
     return open(path, O_RDONLY | O_CLOEXEC);
 }
 
