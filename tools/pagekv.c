@@ -47,6 +47,7 @@ static const struct {
     const char *summary;
 } benches[] = {
     {"pool", pkv_bench_pool, "KV pool: alloc/free, prefix hashing, commit, growth, reset"},
+    {"staging", pkv_bench_staging, "host staging: fixed slots vs per-transfer on one load"},
 };
 
 int pkv_cmd_bench(int argc, char **argv)
