@@ -54,7 +54,8 @@ static int32_t str_lookup2(const struct pkv_tok *t, const uint8_t *a, size_t al,
         if (slot == 0) return -1;
         int32_t id = slot - 1;
         const uint8_t *p = (const uint8_t *)t->arena + t->piece_off[id];
-        if (t->piece_len[id] == al + bl && !memcmp(p, a, al) && !memcmp(p + al, b, bl)) return id;
+        if (t->piece_len[id] == al + bl && !memcmp(p, a, al) && (bl == 0 || !memcmp(p + al, b, bl)))
+            return id;
         h = (h + 1) & t->str_mask;
     }
 }
