@@ -450,6 +450,74 @@ START_TEST(chat_template_builtin)
 }
 END_TEST
 
+/* Valid UTF-8 text streamed token by token through decode_token and the hold-back
+ * helper: every emitted chunk ends on a character boundary, and all bytes come out once. */
+static bool utf8_valid(const uint8_t *s, size_t n)
+{
+    for (size_t i = 0; i < n;) {
+        size_t need = s[i] < 0x80 ? 1 : (s[i] & 0xE0) == 0xC0 ? 2 : (s[i] & 0xF0) == 0xE0 ? 3 : 4;
+        if (i + need > n) return false;
+        for (size_t k = 1; k < need; k++)
+            if ((s[i + k] & 0xC0) != 0x80) return false;
+        i += need;
+    }
+    return true;
+}
+
+START_TEST(utf8_streaming_and_stop_ids)
+{
+    pkv_tok_t *tok = builtin();
+    uint64_t seed = pkv_test_seed(0x57f8), rng = seed;
+    static const char *chars[] = {"a", " ", "\xc3\xa9", "\xe2\x82\xac", "\xf0\x9f\x98\x80",
+                                  "q", "9"};
+    for (int it = 0; it < 300; it++) {
+        char text[400];
+        size_t len = 0;
+        for (int k = (int)pkv_test_below(&rng, 80); k > 0; k--) {
+            const char *c = chars[pkv_test_below(&rng, ARRAY_LEN(chars))];
+            memcpy(text + len, c, strlen(c));
+            len += strlen(c);
+        }
+        int32_t *ids;
+        size_t n;
+        ck_assert_int_eq(pkv_tok_encode_alloc(tok, text, len, false, &ids, &n), PKV_OK);
+        char out[800], pending[800];
+        size_t olen = 0, plen = 0;
+        for (size_t i = 0; i < n; i++) {
+            const char *p;
+            size_t l;
+            ck_assert_int_eq(pkv_tok_decode_token(tok, i ? ids[i - 1] : -1, ids[i], &p, &l),
+                             PKV_OK);
+            memcpy(pending + plen, p, l);
+            plen += l;
+            size_t emit = pkv_tok_utf8_complete(pending, plen);
+            ck_assert_msg(utf8_valid((const uint8_t *)pending, emit),
+                          "chunk splits a character (seed %llu)", (unsigned long long)seed);
+            memcpy(out + olen, pending, emit);
+            olen += emit;
+            memmove(pending, pending + emit, plen - emit);
+            plen -= emit;
+        }
+        ck_assert_uint_eq(plen, 0); /* valid text leaves nothing pending */
+        ck_assert(olen == len && !memcmp(out, text, len));
+        free(ids);
+    }
+    /* invalid bytes go out at once; incomplete tails are held */
+    ck_assert_uint_eq(pkv_tok_utf8_complete("ab\xff", 3), 3);
+    ck_assert_uint_eq(pkv_tok_utf8_complete("ab\xe2\x82", 4), 2);
+    ck_assert_uint_eq(pkv_tok_utf8_complete("\xf0\x9f\x98", 3), 0);
+    ck_assert_uint_eq(pkv_tok_utf8_complete("\xf0\x9f\x98\x80", 4), 4);
+    ck_assert_uint_eq(pkv_tok_utf8_complete("\x80\x80\x80", 3), 3);
+    ck_assert_uint_eq(pkv_tok_utf8_complete("", 0), 0);
+    /* stop ids: EOS and the end-of-turn marker, nothing else */
+    int32_t v = pkv_tok_vocab_size(tok), stops = 0;
+    for (int32_t id = 0; id < v; id++) stops += pkv_tok_is_stop(tok, id);
+    ck_assert_int_eq(stops, 2);
+    ck_assert(pkv_tok_is_stop(tok, pkv_tok_eos(tok)) && pkv_tok_is_stop(tok, v - 1));
+    pkv_tok_destroy(tok);
+}
+END_TEST
+
 struct thread_arg {
     const pkv_tok_t *tok;
     const char *text;
@@ -886,6 +954,7 @@ static Suite *tokenizer_suite(void)
     tcase_add_test(tc, encode_capacity_and_bad_arguments);
     tcase_add_test(tc, specials_cannot_be_forged);
     tcase_add_test(tc, chat_template_builtin);
+    tcase_add_test(tc, utf8_streaming_and_stop_ids);
     tcase_add_test(tc, concurrent_encode_shares_one_tokenizer);
     suite_add_tcase(s, tc);
     TCase *l2 = tcase_create("llama2c");

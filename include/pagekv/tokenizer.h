@@ -3,10 +3,11 @@
  *
  * Two kinds behind one handle:
  *   - builtin (pkv_tok_create_builtin): a byte-level BPE whose merge table is compiled
- *     into the library (trained on general English text by tools/gen_bpe_vocab; see
- *     docs/design/tokenizer.md). Ids 0..255 are the 256 single bytes, then the merges,
- *     then the special tokens (BOS, EOS and the chat markers) at the end of the vocab.
- *     Every byte string encodes (byte fallback), and decode(encode(s)) == s exactly.
+ *     into the library (trained on general English text shipped by Debian packages, by
+ *     `pagekv tokenizer train` via scripts/gen-bpe-merges.sh; see docs/design/tokenizer.md). Ids
+ * 0..255 are the 256 single bytes, then the merges, then the special tokens (BOS, EOS and the chat
+ * markers) at the end of the vocab. Every byte string encodes (byte fallback), and
+ * decode(encode(s)) == s exactly.
  *   - llama2c (pkv_tok_load_llama2c): llama2.c's tokenizer.bin (scores + pieces), with
  *     its sentencepiece-like greedy merge-by-score encode, a dummy-prefix space, and
  *     <0xXX> byte-fallback pieces. BOS = 1, EOS = 2.
@@ -62,6 +63,9 @@ int32_t pkv_tok_bos(const pkv_tok_t *tok);
 int32_t pkv_tok_eos(const pkv_tok_t *tok);
 /* True for BOS, EOS, chat markers (builtin) and unk/BOS/EOS (llama2c). */
 bool pkv_tok_is_special(const pkv_tok_t *tok, int32_t id);
+/* True for ids that end a generation: EOS, and for the builtin also <|end|> (the
+ * marker that closes a turn in the chat template). */
+bool pkv_tok_is_stop(const pkv_tok_t *tok, int32_t id);
 
 /* An upper bound on the ids pkv_tok_encode produces for `len` bytes of text
  * (with add_bos): size `out` with it to never see PKV_ERR_NOSPACE. */
@@ -86,6 +90,13 @@ int pkv_tok_encode_alloc(const pkv_tok_t *tok, const char *text, size_t len, boo
  * of a sequence equals pkv_tok_decode of it. PKV_ERR_INVALID for an id out of range. */
 int pkv_tok_decode_token(const pkv_tok_t *tok, int32_t prev_id, int32_t id, const char **bytes,
                          size_t *len);
+/* Streaming helper: how many of `len` bytes can be emitted now without splitting a
+ * UTF-8 sequence, i.e. `len` minus the bytes of an incomplete but still possible
+ * sequence at the end (at most 3). Invalid bytes are not held back (they can never
+ * complete), so a caller that holds back the rest, prepends it to the next piece, and
+ * flushes it when the stream ends emits every byte exactly once. */
+size_t pkv_tok_utf8_complete(const char *bytes, size_t len);
+
 /* Decode a whole sequence into a malloc'd buffer (*text_out, caller frees; always
  * NUL-terminated for convenience, *len_out excludes the NUL; the text may contain NULs).
  * decode(encode(s, add_bos)) == s for every byte string s with the builtin tokenizer,

@@ -293,6 +293,9 @@ int pkv__bpe_encode(const struct pkv_tok *t, const uint8_t *s, size_t len, int32
                 break;
             }
             out[(*n)++] = s[i];
+        } else if (m > INT32_MAX / 4) {
+            rc = PKV_ERR_NOFIT; /* positions are int32 (a 512 MiB word is not text) */
+            break;
         } else {
             rc = encode_piece(t, &sc, s + i, m, out, cap, n);
             if (rc) break;

@@ -63,6 +63,26 @@ bool pkv_tok_is_special(const pkv_tok_t *tok, int32_t id)
     return id >= 0 && id < tok->vocab_size && tok->special[id];
 }
 
+bool pkv_tok_is_stop(const pkv_tok_t *tok, int32_t id)
+{
+    if (id == tok->eos) return true;
+    return tok->kind == PKV_TOK_KIND_BUILTIN && id == tok->bos + PKV__BPE_SPECIAL_END;
+}
+
+size_t pkv_tok_utf8_complete(const char *bytes, size_t len)
+{
+    const uint8_t *s = (const uint8_t *)bytes;
+    /* find the last lead byte within the final 3 bytes */
+    for (size_t back = 1; back <= 3 && back <= len; back++) {
+        uint8_t c = s[len - back];
+        if ((c & 0xC0) == 0x80) continue; /* continuation: keep looking for its lead */
+        size_t need = (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : (c & 0xF8) == 0xF0 ? 4 : 1;
+        /* an incomplete sequence is held back; complete or invalid ones go out */
+        return need > back ? len - back : len;
+    }
+    return len;
+}
+
 size_t pkv_tok_max_tokens(const pkv_tok_t *tok, size_t len)
 {
     (void)tok;
