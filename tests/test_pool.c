@@ -620,6 +620,108 @@ START_TEST(bad_config_rejected)
 }
 END_TEST
 
+
+/* ---- concurrency: the engine runs while transfer workers hold pins --------------------- */
+
+#include <pthread.h>
+
+typedef struct {
+    uint32_t ids[64];
+    uint32_t n;
+    uint64_t sum; /* checksum of the blocks' bytes when pinned */
+} lease_t;
+
+typedef struct {
+    pkv_kv_t *kv;
+    pthread_mutex_t mu; /* guards q, n, done */
+    pthread_cond_t cv;
+    lease_t q[64];
+    uint32_t n;
+    bool done;
+    uint64_t served;
+} lease_queue_t;
+
+static uint64_t blocks_sum(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
+{
+    uint64_t s = 0;
+    size_t bb = pkv_kv_block_bytes(kv);
+    for (uint32_t i = 0; i < n; i++) {
+        const uint64_t *w = pkv_kv_block_ptr(kv, ids[i]);
+        for (size_t j = 0; j < bb / 8; j += 7) s = s * 31 + w[j];
+    }
+    return s;
+}
+
+static void *lease_worker(void *arg)
+{
+    lease_queue_t *q = arg;
+    for (;;) {
+        pthread_mutex_lock(&q->mu);
+        while (!q->n && !q->done) pthread_cond_wait(&q->cv, &q->mu);
+        if (!q->n) {
+            pthread_mutex_unlock(&q->mu);
+            return NULL;
+        }
+        lease_t l = q->q[--q->n];
+        pthread_mutex_unlock(&q->mu);
+        /* The blocks are pinned: their bytes cannot change while we read them. */
+        PKV_CHECK(blocks_sum(q->kv, l.ids, l.n) == l.sum);
+        pkv_kv_unpin(q->kv, l.ids, l.n);
+        __atomic_add_fetch(&q->served, 1, __ATOMIC_RELAXED);
+    }
+}
+
+START_TEST(pins_from_worker_threads_while_engine_runs)
+{
+    lease_queue_t q = {.n = 0};
+    pkv_kv_config_t cfg = {.geo = prop_geo, .granule_bytes = 32768, .budget_bytes = 40 * 32768};
+    ck_assert_int_eq(pkv_kv_create(&cfg, &q.kv), PKV_OK);
+    pthread_mutex_init(&q.mu, NULL);
+    pthread_cond_init(&q.cv, NULL);
+    pthread_t th[2];
+    for (int i = 0; i < 2; i++) pthread_create(&th[i], NULL, lease_worker, &q);
+    model_t m = {.kv = q.kv, .rng = pkv_test_seed(77)};
+    for (int step = 0; step < 4000; step++) {
+        uint32_t op = pkv_test_below(&m.rng, 100);
+        if (op < 35) op_create(&m);
+        else if (op < 60) op_append(&m);
+        else if (op < 80) op_free(&m);
+        else if (m.n) { /* register a transfer: pin the full blocks, hand them to a worker */
+            ref_seq_t *r = &m.s[pkv_test_below(&m.rng, m.n)];
+            const uint32_t *ids;
+            uint32_t nb, full = pkv_seq_length(r->seq) / 16;
+            pkv_seq_blocks(r->seq, &ids, &nb);
+            lease_t l = {.n = PKV_MIN(full, 64)};
+            if (!l.n) continue;
+            memcpy(l.ids, ids, l.n * sizeof(uint32_t));
+            PKV_CHECK_EQ(pkv_kv_pin(q.kv, l.ids, l.n), PKV_OK);
+            l.sum = blocks_sum(q.kv, l.ids, l.n);
+            pthread_mutex_lock(&q.mu);
+            if (q.n < 64) {
+                q.q[q.n++] = l;
+                pthread_cond_signal(&q.cv);
+                l.n = 0;
+            }
+            pthread_mutex_unlock(&q.mu);
+            if (l.n) pkv_kv_unpin(q.kv, l.ids, l.n);
+        }
+    }
+    pthread_mutex_lock(&q.mu);
+    q.done = true;
+    pthread_cond_broadcast(&q.cv);
+    pthread_mutex_unlock(&q.mu);
+    for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+    ck_assert_uint_gt(q.served, 100);
+    check_all(&m, 77);
+    while (m.n) op_free(&m);
+    pkv_kv_stats_t st;
+    pkv_kv_stats(q.kv, &st);
+    ck_assert_uint_eq(st.blocks_live, 0); /* every pin came back */
+    ck_assert_int_eq(pkv_kv_validate(q.kv), PKV_OK);
+    pkv_kv_destroy(q.kv);
+}
+END_TEST
+
 static Suite *pool_suite(void)
 {
     Suite *s = suite_create("pool");
@@ -640,6 +742,7 @@ static Suite *pool_suite(void)
     tcase_add_test(tc, pins_keep_blocks_alive);
     tcase_add_test(tc, dtype_round_trip);
     tcase_add_test(tc, bad_config_rejected);
+    tcase_add_test(tc, pins_from_worker_threads_while_engine_runs);
     suite_add_tcase(s, tc);
     return s;
 }
