@@ -25,8 +25,7 @@ static int cmd_help(int argc, char **argv);
 
 static const pkv_cli_cmd_t commands[] = {
     {"version", cmd_version, "print the version"},
-    {"bench", pkv_cmd_bench,
-     "run a benchmark: pagekv bench <name> [--json FILE] (see `pagekv bench`)"},
+    {"bench", pkv_cmd_bench, "run a benchmark: pagekv bench <name> [--json FILE] (see `pagekv bench`)"},
     {"demo", pkv_cmd_demo, "run the main job on the built-in model"},
     {"tokenizer", pkv_cmd_tokenizer,
      "train the builtin BPE / encode text: pagekv tokenizer <train|encode>"},
