@@ -786,8 +786,11 @@ static size_t streamer_write(char *p, size_t sz, size_t n, void *arg)
     memcpy(st->all + st->len, p, k);
     st->len += k;
     st->all[st->len] = 0;
-    int ev = 0;
-    for (const char *q = st->all; (q = strstr(q, "\n\n")); q += 2) ev++;
+    /* Count event ends in the new bytes only (one may straddle the previous write). */
+    size_t from = st->len - k > 0 ? st->len - k - 1 : 0;
+    int ev = atomic_load(&st->events);
+    for (size_t i = from; i + 1 < st->len; i++)
+        if (st->all[i] == '\n' && st->all[i + 1] == '\n') ev++;
     atomic_store(&st->events, ev);
     int stop = atomic_load(&st->stop_after);
     if (stop && ev >= stop) return 0; /* abort: curl closes the socket */
@@ -939,6 +942,110 @@ START_TEST(queue_full_gets_429)
     free(a.all);
     free(b.all);
     pkv_server_destroy(s);
+}
+END_TEST
+
+/* A small llama2.c checkpoint and tokenizer.bin written here: the server runs real
+ * checkpoint files through --model / --tokenizer. */
+static void write_llama2c(const char *model_path, const char *tok_path)
+{
+    enum { D = 32, H = 64, L = 2, HEADS = 4, KVH = 2, V = 300, SEQ = 128 };
+    size_t hs = D / HEADS, kvd = KVH * hs;
+    size_t n = (size_t)V * D + (size_t)L * (D + D * D + 2 * kvd * D + D * D + D + 3 * D * H) + D +
+               (size_t)SEQ * hs;
+    float *w = malloc(n * sizeof(float));
+    ck_assert_ptr_nonnull(w);
+    uint64_t rng = 77;
+    for (size_t i = 0; i < n; i++) w[i] = (float)((int)(pkv_test_rand(&rng) % 2001) - 1000) * 3e-4f;
+    FILE *f = fopen(model_path, "wb");
+    ck_assert_ptr_nonnull(f);
+    int32_t h[7] = {D, H, L, HEADS, KVH, V, SEQ}; /* positive vocab: shared classifier */
+    ck_assert_uint_eq(fwrite(h, sizeof(h), 1, f), 1);
+    ck_assert_uint_eq(fwrite(w, sizeof(float), n, f), n);
+    fclose(f);
+    free(w);
+    /* <unk> <s> </s>, 256 byte pieces, then text pieces */
+    f = fopen(tok_path, "wb");
+    ck_assert_ptr_nonnull(f);
+    int32_t maxlen = 16;
+    fwrite(&maxlen, sizeof(maxlen), 1, f);
+    for (int id = 0; id < V; id++) {
+        char piece[16];
+        static const char *words[] = {" the", " a", "he", "llo",  " hello",
+                                      "in",   "st", " [", "INST", "]"};
+        if (id == 0)
+            snprintf(piece, sizeof(piece), "<unk>");
+        else if (id == 1)
+            snprintf(piece, sizeof(piece), "<s>");
+        else if (id == 2)
+            snprintf(piece, sizeof(piece), "</s>");
+        else if (id < 259)
+            snprintf(piece, sizeof(piece), "<0x%02X>", id - 3);
+        else if (id < 269)
+            snprintf(piece, sizeof(piece), "%s", words[id - 259]);
+        else
+            snprintf(piece, sizeof(piece), "w%d", id);
+        float score = id < 259 ? 0.0f : -(float)id;
+        int32_t len = (int32_t)strlen(piece);
+        fwrite(&score, sizeof(score), 1, f);
+        fwrite(&len, sizeof(len), 1, f);
+        fwrite(piece, 1, (size_t)len, f);
+    }
+    fclose(f);
+}
+
+START_TEST(llama2c_checkpoint_serves)
+{
+    char model[128], tok[128];
+    snprintf(model, sizeof(model), "/tmp/pkv_test_server_%d_model.bin", (int)getpid());
+    snprintf(tok, sizeof(tok), "/tmp/pkv_test_server_%d_tok.bin", (int)getpid());
+    write_llama2c(model, tok);
+    pkv_server_config_t cfg = base_config();
+    cfg.model_path = model;
+    cfg.tokenizer_path = tok;
+    cfg.served_name = "story";
+    pkv_server_t *s = start(cfg);
+    unlink(model);
+    unlink(tok);
+    uint16_t port = pkv_server_port(s);
+    json_t *m = get_json(port, "/v1/models");
+    ck_assert_str_eq(js(m, "data.0.id"), "story");
+    ck_assert_int_eq(ji(m, "data.0.max_model_len"), 128);
+    json_decref(m);
+    long st;
+    json_t *d = post_json(
+        port, "/v1/completions",
+        "{\"model\":\"story\",\"prompt\":\"hello the\",\"max_tokens\":10,\"temperature\":0}", &st);
+    ck_assert_int_eq(st, 200);
+    check_usage(jp(d, "usage"), -1);
+    json_decref(d);
+    d = post_json(port, "/v1/chat/completions",
+                  "{\"model\":\"story\",\"messages\":[{\"role\":\"user\",\"content\":\"hello\"}],"
+                  "\"max_tokens\":5,\"temperature\":0}",
+                  &st);
+    ck_assert_int_eq(st, 200);
+    ck_assert_ptr_nonnull(jp(d, "choices.0.message.content"));
+    json_decref(d);
+    d = post_json(port, "/v1/completions",
+                  "{\"model\":\"story\",\"prompt\":\"hello\",\"max_tokens\":127}", &st);
+    ck_assert_int_eq(st, 400);
+    ck_assert_str_eq(js(d, "error.code"), "context_length_exceeded");
+    json_decref(d);
+    pkv_server_destroy(s);
+    /* Bad combinations are refused at creation. */
+    pkv_server_config_t bad = base_config();
+    bad.model_path = "/nonexistent/model.bin";
+    pkv_server_t *none = NULL;
+    ck_assert_int_eq(pkv_server_create(&bad, &none), PKV_ERR_INVALID); /* no tokenizer */
+    bad.tokenizer_path = "/nonexistent/tok.bin";
+    ck_assert_int_eq(pkv_server_create(&bad, &none), PKV_ERR_IO);
+    bad = base_config();
+    bad.preset = "gpt-5";
+    ck_assert_int_eq(pkv_server_create(&bad, &none), PKV_ERR_INVALID);
+    bad = base_config();
+    bad.max_context = 5000; /* above tiny's 4096 */
+    ck_assert_int_eq(pkv_server_create(&bad, &none), PKV_ERR_INVALID);
+    ck_assert_ptr_null(none);
 }
 END_TEST
 
@@ -1300,12 +1407,12 @@ START_TEST(sigterm_drains_in_flight)
     ck_assert_str_eq(js(h, "status"), "ok");
     json_decref(h);
 
-    streamer_t st = {
-        .port = c.port,
-        .body = "{\"model\":\"tiny\",\"prompt\":\"Finish me before you go\","
-                "\"temperature\":0,\"max_tokens\":1500,\"ignore_eos\":true,\"stream\":true,"
-                "\"stream_options\":{\"include_usage\":true}}",
-        .stop_after = 0};
+    streamer_t st = {.port = c.port,
+                     .body =
+                         "{\"model\":\"tiny\",\"prompt\":\"Finish me before you go\","
+                         "\"temperature\":0,\"max_tokens\":500,\"ignore_eos\":true,\"stream\":true,"
+                         "\"stream_options\":{\"include_usage\":true}}",
+                     .stop_after = 0};
     pthread_t th;
     ck_assert_int_eq(pthread_create(&th, NULL, streamer_main, &st), 0);
     while (atomic_load(&st.events) < 2) usleep(1000);
@@ -1320,7 +1427,10 @@ START_TEST(sigterm_drains_in_flight)
         ck_assert_msg(pkv_now_ns() < deadline, "still accepting 10 s after SIGTERM");
         usleep(5000);
     }
+    int events_at_refusal = atomic_load(&st.events);
     pthread_join(th, NULL);
+    /* Refused while the stream was still going (500 tokens outlast the signal). */
+    ck_assert_int_lt(events_at_refusal, atomic_load(&st.events));
     /* The in-flight stream ran to its end. */
     ck_assert_int_eq(st.cc, CURLE_OK);
     ck_assert_int_eq(st.status, 200);
@@ -1328,7 +1438,7 @@ START_TEST(sigterm_drains_in_flight)
     sse_parse(st.all, st.len, false, &sse);
     ck_assert(sse.done);
     ck_assert_str_eq(sse.finish, "length");
-    ck_assert_int_eq(ji(sse.usage, "completion_tokens"), 1500);
+    ck_assert_int_eq(ji(sse.usage, "completion_tokens"), 500);
     sse_free(&sse);
     free(st.all);
     int status = child_wait(&c, 60);
@@ -1514,6 +1624,7 @@ static Suite *server_suite(void)
     tcase_add_test(tc, disconnect_mid_stream_frees_sequence);
     tcase_add_test(tc, queue_full_gets_429);
     tcase_add_test(tc, metrics_parse_as_prometheus);
+    tcase_add_test(tc, llama2c_checkpoint_serves);
     tcase_add_test(tc, cli_rejects_bad_flags);
     tcase_add_test(tc, sigterm_drains_in_flight);
     suite_add_tcase(s, tc);
