@@ -27,6 +27,8 @@ static const pkv_cli_cmd_t commands[] = {
     {"version", cmd_version, "print the version"},
     {"bench", pkv_cmd_bench, "run a benchmark: pagekv bench <pool> [--json FILE] ..."},
     {"demo", pkv_cmd_demo, "run the main job on the built-in model"},
+    {"tokenizer", pkv_cmd_tokenizer,
+     "train the builtin BPE / encode text: pagekv tokenizer <train|encode>"},
     {"help", cmd_help, "list the commands"},
 };
 
@@ -47,6 +49,8 @@ static const struct {
     const char *summary;
 } benches[] = {
     {"pool", pkv_bench_pool, "KV pool: alloc/free, prefix hashing, commit, growth, reset"},
+    {"tokenizer", pkv_bench_tokenizer,
+     "tokenizer: encode speed and chars/token on filler and prose"},
 };
 
 int pkv_cmd_bench(int argc, char **argv)
@@ -91,11 +95,24 @@ int pkv_cli_parse_bytes(const char *s, uint64_t *out)
     double mult = 1;
     if (*end) {
         switch (*end) {
-        case 'k': case 'K': mult = 1024.0; break;
-        case 'm': case 'M': mult = 1024.0 * 1024; break;
-        case 'g': case 'G': mult = 1024.0 * 1024 * 1024; break;
-        case 't': case 'T': mult = 1024.0 * 1024 * 1024 * 1024; break;
-        default: return -1;
+        case 'k':
+        case 'K':
+            mult = 1024.0;
+            break;
+        case 'm':
+        case 'M':
+            mult = 1024.0 * 1024;
+            break;
+        case 'g':
+        case 'G':
+            mult = 1024.0 * 1024 * 1024;
+            break;
+        case 't':
+        case 'T':
+            mult = 1024.0 * 1024 * 1024 * 1024;
+            break;
+        default:
+            return -1;
         }
         end++;
         if (*end == 'i') end++;
