@@ -358,7 +358,8 @@ static int dense_seq_fork(pkv_seq_t *parent, pkv_seq_t **out)
     dense_buf_t *b = calloc(1, sizeof(*b)), *evicted = NULL;
     int rc = PKV_ERR_NOMEM;
     if (!s || !b || !(b->data = malloc(buf_bytes(d, cap)))) goto fail;
-    if ((rc = pkv_seq_base_copy(&s->base, parent))) goto fail;
+    if ((rc = pkv_seq_base_init(&s->base, parent->kv, parent->salt))) goto fail;
+    pkv_seq_base_copy(&s->base, parent);
     b->cap = cap;
     pthread_mutex_lock(&d->lock);
     rc = dense_make_room(d, buf_bytes(d, cap), NULL, &evicted);

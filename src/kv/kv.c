@@ -198,15 +198,13 @@ void pkv_seq_base_fini(struct pkv_seq *s)
     s->tail = NULL;
 }
 
-int pkv_seq_base_copy(struct pkv_seq *dst, const struct pkv_seq *src)
+void pkv_seq_base_copy(struct pkv_seq *dst, const struct pkv_seq *src)
 {
-    int rc = pkv_seq_base_init(dst, src->kv, src->salt);
-    if (rc) return rc;
+    dst->salt = src->salt;
     dst->length = src->length;
     dst->capacity = src->capacity;
     dst->last_key = src->last_key;
     memcpy(dst->tail, src->tail, src->kv->geo.block_tokens * sizeof(int32_t));
-    return PKV_OK;
 }
 
 void pkv_seq_base_append(struct pkv_seq *s, const int32_t *tokens, uint32_t n,

@@ -71,7 +71,8 @@ static inline int pkv_key_eq(const pkv_key_t *a, const pkv_key_t *b)
  * block that fills. */
 int pkv_seq_base_init(struct pkv_seq *s, pkv_kv_t *kv, uint64_t salt);
 void pkv_seq_base_fini(struct pkv_seq *s);
-int pkv_seq_base_copy(struct pkv_seq *dst, const struct pkv_seq *src);
+/* Copy the token side of src into dst (initialized by pkv_seq_base_init). */
+void pkv_seq_base_copy(struct pkv_seq *dst, const struct pkv_seq *src);
 typedef void (*pkv_seq_full_fn)(struct pkv_seq *s, uint32_t block, const pkv_key_t *key,
                                 void *arg);
 void pkv_seq_base_append(struct pkv_seq *s, const int32_t *tokens, uint32_t n,

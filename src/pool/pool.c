@@ -8,6 +8,7 @@
  * preference for sparse granules). One mutex guards all metadata; no OS call runs under it.
  */
 #include "kv/kv_int.h"
+#include "pool/pool.h"
 #include "prim/prim.h"
 
 #include <pthread.h>
@@ -598,12 +599,7 @@ static int pool_seq_fork(pkv_seq_t *parent, pkv_seq_t **out)
     uint32_t nb = PKV_DIV_UP(parent->length, T);
     pool_seq_t *c = seq_alloc(p, parent->salt, nb);
     if (!c) return PKV_ERR_NOMEM;
-    int rc = pkv_seq_base_copy(&c->base, parent);
-    if (rc) {
-        free(c->blocks);
-        free(c);
-        return rc;
-    }
+    pkv_seq_base_copy(&c->base, parent);
     memcpy(c->blocks, ps->blocks, (size_t)nb * sizeof(uint32_t));
     c->nb = nb;
     /* A shared partial block must be copied before either side writes it. */
@@ -942,3 +938,18 @@ static const pkv_kv_ops_t pool_ops = {
     .stats = pool_stats,
     .validate = pool_validate,
 };
+
+int pkv_pool_blocks_alloc(pkv_kv_t *kv, uint32_t n, uint32_t *ids)
+{
+    if (!kv || kv->backend != PKV_BACKEND_PAGED) return PKV_ERR_UNSUPPORTED;
+    pool_t *p = pool_of(kv);
+    pthread_mutex_lock(&p->lock);
+    int rc = n > pool_available(p, 0) ? PKV_ERR_NOSPACE : pool_alloc(p, n, ids);
+    pthread_mutex_unlock(&p->lock);
+    return rc;
+}
+
+void pkv_pool_blocks_free(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
+{
+    pkv_kv_unpin(kv, ids, n);
+}
