@@ -190,7 +190,6 @@ static void run(const scenario_t *sc, pkv_backend_t be, const run_cfg_t *rc, uin
                               .max_batch_size = rc->max_batch,
                               .prefill_chunk = rc->prefill_chunk,
                               .step_tokens = rc->step_tokens,
-                              .eos_id = -1,
                               .manual = !rc->threaded};
     pkv_engine_t *e = NULL;
     ck_assert_int_eq(pkv_engine_create(&ec, &e), PKV_OK);

@@ -49,6 +49,8 @@ typedef struct pkv_request pkv_request_t;
 typedef int (*pkv_engine_detok_fn)(void *arg, int32_t prev_id, int32_t id, const char **bytes,
                                    size_t *len);
 
+#define PKV_ENGINE_MAX_EOS 8
+
 typedef struct {
     pkv_model_t *model;        /* borrowed: used only by the run loop */
     pkv_kv_t *kv;              /* borrowed: geometry must match the model */
@@ -58,7 +60,8 @@ typedef struct {
     uint32_t step_tokens;      /* tokens per step over the batch; 0 -> 512 (>= max_batch_size) */
     uint32_t reserve_ahead;    /* generation positions reserved at admission (capped by
                                   max_tokens); 0 -> none beyond the first */
-    int32_t eos_id;            /* end of sequence (< 0: none) */
+    const int32_t *eos_ids;    /* ids that end a generation (copied; e.g. EOS and <|end|>) */
+    uint32_t n_eos_ids;        /* at most PKV_ENGINE_MAX_EOS */
     pkv_engine_detok_fn detok; /* optional: text output and stop strings need it */
     void *detok_arg;
     bool manual; /* no run thread: the caller drives pkv_engine_step */

@@ -90,6 +90,7 @@ struct pkv_request {
 
 struct pkv_engine {
     pkv_engine_config_t cfg;
+    int32_t eos[PKV_ENGINE_MAX_EOS]; /* cfg.eos_ids points here */
     uint32_t vocab, max_seq;
     size_t token_bytes;
     pthread_t thread;
@@ -499,7 +500,8 @@ static void after_sample(pkv_engine_t *e, pkv_request_t *r, int32_t tok, const f
     }
     pkv_finish_t why = PKV_FINISH_NONE;
     size_t text_end = r->text_len;
-    if (!r->ignore_eos && e->cfg.eos_id >= 0 && tok == e->cfg.eos_id) why = PKV_FINISH_STOP;
+    for (uint32_t i = 0; !r->ignore_eos && i < e->cfg.n_eos_ids; i++)
+        if (tok == e->eos[i]) why = PKV_FINISH_STOP;
     if (why == PKV_FINISH_NONE && r->n_stop) {
         /* A match cannot start before pub_before: a suffix that could begin one is held. */
         size_t best = SIZE_MAX;
@@ -656,13 +658,23 @@ int pkv_engine_create(const pkv_engine_config_t *cfg, pkv_engine_t **out)
                  c.max_batch_size, c.step_tokens);
         return PKV_ERR_INVALID;
     }
-    if (c.eos_id >= (int32_t)mc->vocab_size) {
-        PKV_LOGE("engine", "eos id %d outside the vocabulary (%u)", c.eos_id, mc->vocab_size);
+    if (c.n_eos_ids > PKV_ENGINE_MAX_EOS || (c.n_eos_ids && !c.eos_ids)) {
+        PKV_LOGE("engine", "bad config: %u end-of-sequence ids (max %d)", c.n_eos_ids,
+                 PKV_ENGINE_MAX_EOS);
         return PKV_ERR_INVALID;
+    }
+    for (uint32_t i = 0; i < c.n_eos_ids; i++) {
+        if (c.eos_ids[i] < 0 || (uint32_t)c.eos_ids[i] >= mc->vocab_size) {
+            PKV_LOGE("engine", "eos id %d outside the vocabulary (%u)", c.eos_ids[i],
+                     mc->vocab_size);
+            return PKV_ERR_INVALID;
+        }
     }
     pkv_engine_t *e = calloc(1, sizeof(*e));
     if (!e) return PKV_ERR_NOMEM;
     e->cfg = c;
+    memcpy(e->eos, c.eos_ids, c.n_eos_ids * sizeof(int32_t));
+    e->cfg.eos_ids = e->eos;
     e->vocab = mc->vocab_size;
     e->max_seq = mc->max_seq_len;
     e->token_bytes = pkv_geometry_token_bytes(g);

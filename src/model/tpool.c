@@ -34,8 +34,10 @@
 #define TPOOL_PAUSE() ((void)0)
 #endif
 
-/* Spin iterations (each a pause, ~10-40 ns) before a worker sleeps or the owner waits. */
-#define TPOOL_SPIN 4000
+/* Spin iterations (each a pause, ~20 ns on Zen 3) before a worker sleeps or the owner
+ * blocks: long enough to bridge the serial gaps between the parallel loops of one
+ * forward pass (tens of microseconds), short enough not to burn a shared core. */
+#define TPOOL_SPIN 2000
 
 struct pkv_tpool {
     uint32_t n_workers;
