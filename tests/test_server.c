@@ -6,7 +6,7 @@
  * in cached_tokens, every error class (and that nothing changed), queue full (429 with
  * Retry-After), a prompt that can never fit the KV budget, a client disconnecting
  * mid-stream, /metrics through a strict Prometheus parser, SIGTERM drain; plus the
- * output assembler (stop ids, UTF-8) and the fuzz corpus replay.
+ * output assembler (finish reasons, UTF-8) and the fuzz corpus replay.
  */
 #include "support/testutil.h"
 
@@ -1455,53 +1455,37 @@ END_TEST
 /* ---- pure pieces: output assembly, UTF-8, the fuzz corpus -------------------------------------
  */
 
-START_TEST(gen_stop_id_cuts_text)
+START_TEST(gen_finish_and_figures)
 {
-    pkv_tok_t *tok;
-    ck_assert_int_eq(pkv_tok_create_builtin(&tok), PKV_OK);
-    int32_t eos = pkv_tok_eos(tok), end = -1;
-    for (int32_t id = 0; id < pkv_tok_vocab_size(tok); id++)
-        if (pkv_tok_is_stop(tok, id) && id != eos) end = id;
-    ck_assert_int_ge(end, 0); /* the builtin's <|end|> */
-    int32_t *ids;
-    size_t n;
-    ck_assert_int_eq(pkv_tok_encode_alloc(tok, "hello world again", 17, false, &ids, &n), PKV_OK);
-    ck_assert_uint_ge(n, 2);
-    /* The engine saw: ids..., <|end|>, more ids; text of all of them, in two reads. */
-    int32_t toks[64];
-    memcpy(toks, ids, n * sizeof(int32_t));
-    toks[n] = end;
-    memcpy(toks + n + 1, ids, n * sizeof(int32_t));
     pkv_server_gen_t g;
-    pkv_server_gen_init(&g, tok, eos, 5, true);
-    const char *full = "hello world againhello world again";
-    pkv_request_output_t o1 = {.tokens = toks, .n_tokens = 1, .text = full, .text_len = 3};
+    pkv_server_gen_init(&g);
     const char *t;
     size_t l;
-    ck_assert(!pkv_server_gen_feed(&g, &o1, &t, &l));
-    ck_assert_uint_eq(l, 3);
-    pkv_request_output_t o2 = {
-        .tokens = toks + 1, .n_tokens = (uint32_t)(2 * n), .text = full + 3, .text_len = 31};
-    ck_assert(pkv_server_gen_feed(&g, &o2, &t, &l)); /* stop id: cancel */
-    ck_assert_uint_eq(l, 14);                        /* "hello world again" minus the 3 */
-    ck_assert(!memcmp(t, "lo world again", 14));
-    pkv_request_output_t o3 = {.finished = true,
-                               .finish = PKV_FINISH_CANCELLED,
-                               .status = PKV_ERR_CANCELLED,
-                               .prompt_tokens = 9,
-                               .completion_tokens = (uint32_t)(2 * n + 3),
-                               .text = "x",
-                               .text_len = 1};
-    ck_assert(!pkv_server_gen_feed(&g, &o3, &t, &l));
-    ck_assert_uint_eq(l, 0);
+    pkv_request_output_t o1 = {.text = "abc", .text_len = 3, .n_tokens = 2};
+    pkv_server_gen_feed(&g, &o1, &t, &l);
+    ck_assert(t == o1.text && l == 3);
+    ck_assert_ptr_null(pkv_server_gen_finish_reason(&g)); /* not finished yet */
+    pkv_request_output_t o2 = {.text = "d",
+                               .text_len = 1,
+                               .finished = true,
+                               .finish = PKV_FINISH_STOP,
+                               .prompt_tokens = 7,
+                               .cached_tokens = 4,
+                               .completion_tokens = 3};
+    pkv_server_gen_feed(&g, &o2, &t, &l);
     ck_assert_str_eq(pkv_server_gen_finish_reason(&g), "stop");
-    ck_assert_uint_eq(g.completion_tokens, n + 1);
-    /* ignore_eos: stop ids are ordinary tokens. */
-    pkv_server_gen_init(&g, tok, eos, 5, false);
-    ck_assert(!pkv_server_gen_feed(&g, &o2, &t, &l));
-    ck_assert_uint_eq(l, 31);
-    free(ids);
-    pkv_tok_destroy(tok);
+    ck_assert_uint_eq(g.prompt_tokens, 7);
+    ck_assert_uint_eq(g.cached_tokens, 4);
+    ck_assert_uint_eq(g.completion_tokens, 3);
+    o2.finish = PKV_FINISH_LENGTH;
+    pkv_server_gen_feed(&g, &o2, &t, &l);
+    ck_assert_str_eq(pkv_server_gen_finish_reason(&g), "length");
+    o2.finish = PKV_FINISH_CANCELLED;
+    pkv_server_gen_feed(&g, &o2, &t, &l);
+    ck_assert_ptr_null(pkv_server_gen_finish_reason(&g)); /* an error, not a finish reason */
+    o2.finish = PKV_FINISH_ERROR;
+    pkv_server_gen_feed(&g, &o2, &t, &l);
+    ck_assert_ptr_null(pkv_server_gen_finish_reason(&g));
 }
 END_TEST
 
@@ -1629,7 +1613,7 @@ static Suite *server_suite(void)
     tcase_add_test(tc, sigterm_drains_in_flight);
     suite_add_tcase(s, tc);
     TCase *pure = tcase_create("pure");
-    tcase_add_test(pure, gen_stop_id_cuts_text);
+    tcase_add_test(pure, gen_finish_and_figures);
     tcase_add_test(pure, utf8_sanitize_piecewise_equals_whole);
     tcase_add_test(pure, fuzz_corpus_replays);
     suite_add_tcase(s, pure);

@@ -5,59 +5,29 @@
 
 #include <string.h>
 
-void pkv_server_gen_init(pkv_server_gen_t *g, const pkv_tok_t *tok, int32_t eos_id,
-                         int32_t last_prompt_id, bool stop_ids)
+void pkv_server_gen_init(pkv_server_gen_t *g)
 {
     memset(g, 0, sizeof(*g));
-    g->tok = tok;
-    g->eos_id = eos_id;
-    g->prev = last_prompt_id;
-    g->stop_ids = stop_ids;
 }
 
-bool pkv_server_gen_feed(pkv_server_gen_t *g, const pkv_request_output_t *o, const char **text,
+void pkv_server_gen_feed(pkv_server_gen_t *g, const pkv_request_output_t *o, const char **text,
                          size_t *len)
 {
-    bool just_stopped = false;
-    for (uint32_t i = 0; i < o->n_tokens && !g->stopped; i++) {
-        int32_t t = o->tokens[i];
-        g->n_tokens++;
-        if (g->stop_ids && t != g->eos_id && pkv_tok_is_stop(g->tok, t)) {
-            g->stopped = just_stopped = true;
-            g->stop_bytes = g->token_bytes;
-            g->stop_tokens = g->n_tokens;
-            break;
-        }
-        const char *b;
-        size_t l = 0;
-        if (pkv_tok_decode_token(g->tok, g->prev, t, &b, &l) == PKV_OK) g->token_bytes += l;
-        g->prev = t;
-    }
-    uint64_t start = g->raw;
-    g->raw += o->text_len;
-    size_t pass = o->text_len;
-    if (g->stopped)
-        pass = start >= g->stop_bytes
-                   ? 0
-                   : (size_t)(g->stop_bytes - start < pass ? g->stop_bytes - start : pass);
     *text = o->text;
-    *len = pass;
-    if (o->finished) {
-        g->finished = true;
-        g->finish = o->finish;
-        g->status = o->status;
-        g->prompt_tokens = o->prompt_tokens;
-        g->cached_tokens = o->cached_tokens;
-        g->completion_tokens = g->stopped ? g->stop_tokens : o->completion_tokens;
-        g->preemptions = o->preemptions;
-    }
-    return just_stopped;
+    *len = o->text_len;
+    if (!o->finished) return;
+    g->finished = true;
+    g->finish = o->finish;
+    g->status = o->status;
+    g->prompt_tokens = o->prompt_tokens;
+    g->cached_tokens = o->cached_tokens;
+    g->completion_tokens = o->completion_tokens;
+    g->preemptions = o->preemptions;
 }
 
 const char *pkv_server_gen_finish_reason(const pkv_server_gen_t *g)
 {
     if (!g->finished) return NULL;
-    if (g->stopped) return "stop";
     if (g->finish == PKV_FINISH_STOP) return "stop";
     if (g->finish == PKV_FINISH_LENGTH) return "length";
     return NULL;

@@ -526,7 +526,7 @@ static int stream_take(stream_t *st, const pkv_request_output_t *o)
 {
     const char *text;
     size_t len;
-    if (pkv_server_gen_feed(&st->gen, o, &text, &len)) pkv_request_cancel(st->req);
+    pkv_server_gen_feed(&st->gen, o, &text, &len);
     note_first(st->s, st->t_submit, &st->first_seen, o);
     int rc = PKV_OK;
     if (len) {
@@ -676,7 +676,7 @@ static enum MHD_Result handle_generate(pkv_server_t *s, struct MHD_Connection *c
 
     MHD_socket fd = conn_fd(c);
     pkv_server_gen_t g;
-    pkv_server_gen_init(&g, s->tok, pkv_tok_eos(s->tok), ids[n_ids - 1], !r.ignore_eos);
+    pkv_server_gen_init(&g);
     char rid[48];
     snprintf(rid, sizeof(rid), "%s-%016llx", kind == PKV_SREQ_CHAT ? "chatcmpl" : "cmpl",
              (unsigned long long)(id ^ ((uint64_t)s->created << 32)));
@@ -694,7 +694,7 @@ static enum MHD_Result handle_generate(pkv_server_t *s, struct MHD_Connection *c
         char *acc = NULL;
         size_t acc_len = 0, acc_cap = 0;
         for (;;) {
-            if (pkv_server_gen_feed(&g, &o, &text, &len)) pkv_request_cancel(req);
+            pkv_server_gen_feed(&g, &o, &text, &len);
             note_first(s, t_submit, &first_seen, &o);
             if (acc_len + len > acc_cap) {
                 size_t cap = PKV_MAX(acc_cap * 2, acc_len + len + 256);
@@ -992,12 +992,18 @@ static int build_stack(pkv_server_t *s, const pkv_server_config_t *cfg)
     pkv_kv_stats_t ks;
     pkv_kv_stats(s->kv, &ks);
     s->budget_bytes = ks.budget_bytes;
+    /* Every id that ends a turn ends a generation: EOS, and the builtin's <|end|>. */
+    int32_t eos[PKV_ENGINE_MAX_EOS];
+    uint32_t n_eos = 0;
+    for (int32_t id = 0; id < pkv_tok_vocab_size(s->tok) && n_eos < PKV_ENGINE_MAX_EOS; id++)
+        if (pkv_tok_is_stop(s->tok, id)) eos[n_eos++] = id;
     pkv_engine_config_t ec = {.model = s->model,
                               .kv = s->kv,
                               .max_batch_size = s->max_batch,
                               .max_queue = cfg->max_queue,
                               .prefill_chunk = cfg->prefill_chunk,
-                              .eos_id = pkv_tok_eos(s->tok),
+                              .eos_ids = eos,
+                              .n_eos_ids = n_eos,
                               .detok = detok,
                               .detok_arg = s->tok};
     if ((rc = pkv_engine_create(&ec, &s->engine))) {
