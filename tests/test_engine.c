@@ -14,6 +14,7 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #define VOCAB 64u
 
@@ -36,8 +37,8 @@ static pkv_model_t *tiny_model(void)
 
 static pkv_kv_t *make_kv(pkv_model_t *m, pkv_backend_t be, uint64_t budget, bool no_cache)
 {
-    pkv_kv_config_t kc = {.backend = be, .budget_bytes = budget, .no_prefix_cache = no_cache,
-                          .granule_bytes = 4096};
+    pkv_kv_config_t kc = {
+        .backend = be, .budget_bytes = budget, .no_prefix_cache = no_cache, .granule_bytes = 4096};
     pkv_model_geometry(m, PKV_DTYPE_F32, 4, &kc.geo);
     pkv_kv_t *kv = NULL;
     ck_assert_int_eq(pkv_kv_create(&kc, &kv), PKV_OK);
@@ -53,11 +54,16 @@ static int test_detok(void *arg, int32_t prev, int32_t id, const char **bytes, s
     static const char letters[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
     static const char e1[] = "\xc3", e2[] = "\xa9";
     if (id < 0 || id >= (int32_t)VOCAB) return PKV_ERR_INVALID;
-    if (id == 60) *bytes = "STOP", *len = 4;
-    else if (id == 61) *bytes = e1, *len = 1;
-    else if (id == 62) *bytes = e2, *len = 1;
-    else if (id == 63) *bytes = "\n", *len = 1;
-    else *bytes = &letters[id], *len = 1;
+    if (id == 60)
+        *bytes = "STOP", *len = 4;
+    else if (id == 61)
+        *bytes = e1, *len = 1;
+    else if (id == 62)
+        *bytes = e2, *len = 1;
+    else if (id == 63)
+        *bytes = "\n", *len = 1;
+    else
+        *bytes = &letters[id], *len = 1;
     return PKV_OK;
 }
 
@@ -99,7 +105,8 @@ static void collect(pkv_request_t *q, collected_t *c)
     memset(c, 0, sizeof(*c));
     for (;;) {
         pkv_request_output_t o;
-        ck_assert_int_eq(pkv_request_read(q, pkv_deadline_after_ns(60ull * 1000000000), &o), PKV_OK);
+        ck_assert_int_eq(pkv_request_read(q, pkv_deadline_after_ns(60ull * 1000000000), &o),
+                         PKV_OK);
         c->reads++;
         ck_assert_uint_le(c->n + o.n_tokens, 512);
         memcpy(c->toks + c->n, o.tokens, o.n_tokens * sizeof(int32_t));
@@ -143,7 +150,7 @@ START_TEST(greedy_matches_direct_model)
 {
     for (int be = 0; be < 2; be++) {
         rig_t r;
-        rig_init(&r, be, 0, (pkv_engine_config_t){.prefill_chunk = 7, .eos_id = -1});
+        rig_init(&r, be, 0, (pkv_engine_config_t){.prefill_chunk = 7});
         int32_t prompt[30], want[20];
         make_prompt(prompt, 30, 1);
         direct_greedy(r.m, prompt, 30, 20, want);
@@ -188,7 +195,7 @@ START_TEST(eos_stops)
     direct_greedy(m, prompt, 10, 12, want);
     pkv_model_destroy(m);
     /* The 6th greedy token is EOS: generation stops there, with it. */
-    rig_init(&r, PKV_BACKEND_PAGED, 0, (pkv_engine_config_t){.eos_id = want[5]});
+    rig_init(&r, PKV_BACKEND_PAGED, 0, (pkv_engine_config_t){.eos_ids = &want[5], .n_eos_ids = 1});
     uint32_t first = 0;
     while (want[first] != want[5]) first++;
     pkv_request_params_t p = {.prompt = prompt, .n_prompt = 10, .max_tokens = 12};
@@ -229,16 +236,16 @@ static int script_detok(void *arg, int32_t prev, int32_t id, const char **bytes,
 
 START_TEST(stop_strings_hold_back_and_cut)
 {
-    script_t sc = {{"he", "ll", "o <", "|e", "n", "d|> tail", "x", "x", "x", "x", "x", "x",
-                    "x", "x", "x", "x"}};
+    script_t sc = {{"he", "ll", "o <", "|e", "n", "d|> tail", "x", "x", "x", "x", "x", "x", "x",
+                    "x", "x", "x"}};
     atomic_store(&script_pos, 0);
-    pkv_engine_config_t ec = {.detok = script_detok, .detok_arg = &sc, .eos_id = -1, .manual = true};
+    pkv_engine_config_t ec = {.detok = script_detok, .detok_arg = &sc, .manual = true};
     rig_t r;
     rig_init(&r, PKV_BACKEND_PAGED, 0, ec);
     int32_t prompt[5] = {1, 2, 3, 4, 5};
     const char *stops[2] = {"<|end|>", "zzz"};
-    pkv_request_params_t p = {.prompt = prompt, .n_prompt = 5, .max_tokens = 16, .stop = stops,
-                              .n_stop = 2};
+    pkv_request_params_t p = {
+        .prompt = prompt, .n_prompt = 5, .max_tokens = 16, .stop = stops, .n_stop = 2};
     pkv_request_t *q;
     ck_assert_int_eq(pkv_engine_submit(r.e, &p, &q), PKV_OK);
     /* Step by step: text that could begin "<|end|>" is never published early. */
@@ -271,10 +278,10 @@ START_TEST(utf8_never_split)
 {
     /* Force the model's output through a detok where tokens 61, 62 are halves of one
      * character: check every read ends on a boundary by generating with a script. */
-    script_t sc = {{"a", "\xc3", "\xa9", "b", "\xe2\x82", "\xac", "c", "\xf0\x9f", "\x98",
-                    "\x80", "d", "d", "d", "d", "d", "d"}};
+    script_t sc = {{"a", "\xc3", "\xa9", "b", "\xe2\x82", "\xac", "c", "\xf0\x9f", "\x98", "\x80",
+                    "d", "d", "d", "d", "d", "d"}};
     atomic_store(&script_pos, 0);
-    pkv_engine_config_t ec = {.detok = script_detok, .detok_arg = &sc, .eos_id = -1, .manual = true};
+    pkv_engine_config_t ec = {.detok = script_detok, .detok_arg = &sc, .manual = true};
     rig_t r;
     rig_init(&r, PKV_BACKEND_DENSE, 0, ec);
     int32_t prompt[3] = {7, 8, 9};
@@ -386,8 +393,7 @@ END_TEST
 START_TEST(cancel_queued_and_running)
 {
     rig_t r;
-    rig_init(&r, PKV_BACKEND_PAGED, 0,
-             (pkv_engine_config_t){.manual = true, .max_batch_size = 1, .eos_id = -1});
+    rig_init(&r, PKV_BACKEND_PAGED, 0, (pkv_engine_config_t){.manual = true, .max_batch_size = 1});
     int32_t prompt[8];
     make_prompt(prompt, 8, 4);
     pkv_request_params_t p = {.prompt = prompt, .n_prompt = 8, .max_tokens = 100};
@@ -426,8 +432,7 @@ END_TEST
 START_TEST(priority_admits_first)
 {
     rig_t r;
-    rig_init(&r, PKV_BACKEND_PAGED, 0,
-             (pkv_engine_config_t){.manual = true, .max_batch_size = 1, .eos_id = -1});
+    rig_init(&r, PKV_BACKEND_PAGED, 0, (pkv_engine_config_t){.manual = true, .max_batch_size = 1});
     int32_t prompt[6];
     make_prompt(prompt, 6, 5);
     pkv_request_params_t p = {.prompt = prompt, .n_prompt = 6, .max_tokens = 3};
@@ -470,12 +475,12 @@ START_TEST(preemption_victim_order)
      * two whole requests, not three. */
     rig_t r;
     rig_init(&r, PKV_BACKEND_PAGED, 26 * block,
-             (pkv_engine_config_t){.manual = true, .max_batch_size = 3, .eos_id = -1});
+             (pkv_engine_config_t){.manual = true, .max_batch_size = 3});
     int32_t prio[3] = {1, 0, 1};
     pkv_request_t *q[3];
     for (int i = 0; i < 3; i++) {
-        pkv_request_params_t p = {.prompt = prompts[i], .n_prompt = 8, .max_tokens = 40,
-                                  .priority = prio[i]};
+        pkv_request_params_t p = {
+            .prompt = prompts[i], .n_prompt = 8, .max_tokens = 40, .priority = prio[i]};
         ck_assert_int_eq(pkv_engine_submit(r.e, &p, &q[i]), PKV_OK);
     }
     bool busy = true;
@@ -489,7 +494,8 @@ START_TEST(preemption_victim_order)
             !first_victim_preempts[2]) {
             for (int i = 0; i < 3; i++) {
                 pkv_request_output_t o;
-                if (pkv_request_read(q[i], 0, &o) == PKV_OK) first_victim_preempts[i] = o.preemptions;
+                if (pkv_request_read(q[i], 0, &o) == PKV_OK)
+                    first_victim_preempts[i] = o.preemptions;
             }
         }
     }
@@ -524,7 +530,7 @@ START_TEST(last_running_not_preempted)
     pkv_kv_destroy(kv0);
     pkv_model_destroy(m0);
     rig_t r;
-    rig_init(&r, PKV_BACKEND_PAGED, 8 * block, (pkv_engine_config_t){.manual = true, .eos_id = -1});
+    rig_init(&r, PKV_BACKEND_PAGED, 8 * block, (pkv_engine_config_t){.manual = true});
     int32_t prompt[10];
     make_prompt(prompt, 10, 9);
     pkv_request_params_t p = {.prompt = prompt, .n_prompt = 10, .max_tokens = 100};
@@ -557,8 +563,7 @@ static int first_victim(const uint32_t n_prompt[2], uint64_t budget_blocks)
     pkv_model_destroy(m0);
     rig_t r;
     rig_init(&r, PKV_BACKEND_PAGED, budget_blocks * ks.block_bytes,
-             (pkv_engine_config_t){.manual = true, .eos_id = -1, .prefill_chunk = 4,
-                                   .step_tokens = 8});
+             (pkv_engine_config_t){.manual = true, .prefill_chunk = 4, .step_tokens = 8});
     pkv_request_t *q[2];
     int32_t prompt[2][32];
     for (int i = 0; i < 2; i++) {
@@ -595,14 +600,18 @@ END_TEST
 START_TEST(seeded_sampling_is_reproducible)
 {
     rig_t r;
-    rig_init(&r, PKV_BACKEND_PAGED, 0, (pkv_engine_config_t){.eos_id = -1});
+    rig_init(&r, PKV_BACKEND_PAGED, 0, (pkv_engine_config_t){0});
     int32_t prompt[12];
     make_prompt(prompt, 12, 6);
     collected_t c[3];
     uint64_t seeds[3] = {99, 99, 100};
     for (int i = 0; i < 3; i++) {
-        pkv_request_params_t p = {.prompt = prompt, .n_prompt = 12, .max_tokens = 30,
-                                  .temperature = 1.5f, .top_p = 0.95f, .seed = seeds[i]};
+        pkv_request_params_t p = {.prompt = prompt,
+                                  .n_prompt = 12,
+                                  .max_tokens = 30,
+                                  .temperature = 1.5f,
+                                  .top_p = 0.95f,
+                                  .seed = seeds[i]};
         pkv_request_t *q;
         ck_assert_int_eq(pkv_engine_submit(r.e, &p, &q), PKV_OK);
         collect(q, &c[i]);
@@ -618,7 +627,7 @@ END_TEST
 START_TEST(prefix_hits_reported)
 {
     rig_t r;
-    rig_init(&r, PKV_BACKEND_PAGED, 0, (pkv_engine_config_t){.eos_id = -1});
+    rig_init(&r, PKV_BACKEND_PAGED, 0, (pkv_engine_config_t){0});
     int32_t prompt[41];
     make_prompt(prompt, 41, 7);
     collected_t c[2];
@@ -650,17 +659,23 @@ static void on_notify(void *arg)
 START_TEST(notify_and_destroy_with_live_requests)
 {
     rig_t r;
-    rig_init(&r, PKV_BACKEND_DENSE, 0, (pkv_engine_config_t){.eos_id = -1, .max_batch_size = 2});
+    rig_init(&r, PKV_BACKEND_DENSE, 0, (pkv_engine_config_t){.max_batch_size = 2});
     int32_t prompt[8];
     make_prompt(prompt, 8, 8);
     atomic_store(&notified, 0);
-    pkv_request_params_t p = {.prompt = prompt, .n_prompt = 8, .max_tokens = 400,
-                              .notify = on_notify};
+    pkv_request_params_t p = {
+        .prompt = prompt, .n_prompt = 8, .max_tokens = 400, .notify = on_notify};
     pkv_request_t *q[4];
     for (int i = 0; i < 4; i++) ck_assert_int_eq(pkv_engine_submit(r.e, &p, &q[i]), PKV_OK);
     pkv_request_output_t o;
     ck_assert_int_eq(pkv_request_read(q[0], pkv_deadline_after_ns(60ull * 1000000000), &o), PKV_OK);
     ck_assert_uint_ge(o.n_tokens, 1);
+    /* notify runs right after the output is published: give it a moment. */
+    uint64_t until = pkv_deadline_after_ns(10ull * 1000000000);
+    while (atomic_load(&notified) == 0 && pkv_now_ns() < until) {
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+    }
     ck_assert_int_gt(atomic_load(&notified), 0);
     /* Destroy while two run and two wait: all finish cancelled (shutdown), handles stay
      * valid until released. */
@@ -689,8 +704,11 @@ typedef struct {
 static void *client_main(void *arg)
 {
     client_t *c = arg;
-    pkv_request_params_t p = {.prompt = c->prompt, .n_prompt = 10, .max_tokens = 12,
-                              .temperature = c->idx % 2 ? 0.8f : 0.0f, .seed = (uint64_t)c->idx};
+    pkv_request_params_t p = {.prompt = c->prompt,
+                              .n_prompt = 10,
+                              .max_tokens = 12,
+                              .temperature = c->idx % 2 ? 0.8f : 0.0f,
+                              .seed = (uint64_t)c->idx};
     pkv_request_t *q;
     if (pkv_engine_submit(c->e, &p, &q) != PKV_OK) return NULL;
     for (;;) {
@@ -707,7 +725,7 @@ static void *client_main(void *arg)
 START_TEST(concurrent_clients)
 {
     rig_t r;
-    rig_init(&r, PKV_BACKEND_PAGED, 0, (pkv_engine_config_t){.eos_id = -1, .max_batch_size = 4});
+    rig_init(&r, PKV_BACKEND_PAGED, 0, (pkv_engine_config_t){.max_batch_size = 4});
     enum { N = 8 };
     client_t cl[N];
     pthread_t th[N];

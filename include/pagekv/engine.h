@@ -49,19 +49,22 @@ typedef struct pkv_request pkv_request_t;
 typedef int (*pkv_engine_detok_fn)(void *arg, int32_t prev_id, int32_t id, const char **bytes,
                                    size_t *len);
 
+#define PKV_ENGINE_MAX_EOS 8
+
 typedef struct {
-    pkv_model_t *model;      /* borrowed: used only by the run loop */
-    pkv_kv_t *kv;            /* borrowed: geometry must match the model */
-    uint32_t max_batch_size; /* sequences running at once; 0 -> 8 */
-    uint32_t max_queue;      /* requests waiting; 0 -> 256; beyond: PKV_ERR_BUSY */
-    uint32_t prefill_chunk;  /* prompt tokens per sequence per step; 0 -> 256 */
-    uint32_t step_tokens;    /* tokens per step over the batch; 0 -> 512 (>= max_batch_size) */
-    uint32_t reserve_ahead;  /* generation positions reserved at admission (capped by
-                                max_tokens); 0 -> none beyond the first */
-    int32_t eos_id;          /* end of sequence (< 0: none) */
+    pkv_model_t *model;        /* borrowed: used only by the run loop */
+    pkv_kv_t *kv;              /* borrowed: geometry must match the model */
+    uint32_t max_batch_size;   /* sequences running at once; 0 -> 8 */
+    uint32_t max_queue;        /* requests waiting; 0 -> 256; beyond: PKV_ERR_BUSY */
+    uint32_t prefill_chunk;    /* prompt tokens per sequence per step; 0 -> 256 */
+    uint32_t step_tokens;      /* tokens per step over the batch; 0 -> 512 (>= max_batch_size) */
+    uint32_t reserve_ahead;    /* generation positions reserved at admission (capped by
+                                  max_tokens); 0 -> none beyond the first */
+    const int32_t *eos_ids;    /* ids that end a generation (copied; e.g. EOS and <|end|>) */
+    uint32_t n_eos_ids;        /* at most PKV_ENGINE_MAX_EOS */
     pkv_engine_detok_fn detok; /* optional: text output and stop strings need it */
     void *detok_arg;
-    bool manual;             /* no run thread: the caller drives pkv_engine_step */
+    bool manual; /* no run thread: the caller drives pkv_engine_step */
 } pkv_engine_config_t;
 
 /* Create the engine (and, unless manual, start its run loop). */
@@ -71,22 +74,22 @@ int pkv_engine_create(const pkv_engine_config_t *cfg, pkv_engine_t **out);
  * valid until released. NULL is a no-op. */
 void pkv_engine_destroy(pkv_engine_t *e);
 
-#define PKV_ENGINE_MAX_STOP 4
+#define PKV_ENGINE_MAX_STOP     4
 #define PKV_ENGINE_MAX_STOP_LEN 128
 
 typedef struct {
-    const int32_t *prompt;  /* copied */
-    uint32_t n_prompt;      /* >= 1 */
-    uint32_t max_tokens;    /* >= 1; n_prompt + max_tokens <= the model's max_seq_len */
-    float temperature;      /* 0: greedy (argmax); else sample */
-    float top_p;            /* nucleus: (0, 1]; 0 -> 1 */
-    uint64_t seed;          /* the request's RNG seed (sampling only) */
-    int32_t priority;       /* higher is admitted first and preempted last */
-    uint64_t salt;          /* per-tenant prefix-cache salt */
+    const int32_t *prompt;   /* copied */
+    uint32_t n_prompt;       /* >= 1 */
+    uint32_t max_tokens;     /* >= 1; n_prompt + max_tokens <= the model's max_seq_len */
+    float temperature;       /* 0: greedy (argmax); else sample */
+    float top_p;             /* nucleus: (0, 1]; 0 -> 1 */
+    uint64_t seed;           /* the request's RNG seed (sampling only) */
+    int32_t priority;        /* higher is admitted first and preempted last */
+    uint64_t salt;           /* per-tenant prefix-cache salt */
     const char *const *stop; /* up to PKV_ENGINE_MAX_STOP strings (copied); need detok */
     uint32_t n_stop;
     bool ignore_eos;
-    bool want_logits;       /* keep each generated token's logits (tests, debugging) */
+    bool want_logits; /* keep each generated token's logits (tests, debugging) */
     /* Called from the run loop after new output or the finish was published, outside
      * every lock. Must not block; may call pkv_request_read/cancel/release. */
     void (*notify)(void *arg);
@@ -110,13 +113,13 @@ const char *pkv_finish_name(pkv_finish_t f); /* "stop", "length", "cancelled", "
 typedef struct {
     const int32_t *tokens; /* tokens generated since the previous read */
     uint32_t n_tokens;
-    const char *text;      /* text since the previous read: never part of a stop string,
-                              never a split UTF-8 sequence (until the finish flushes) */
+    const char *text; /* text since the previous read: never part of a stop string,
+                         never a split UTF-8 sequence (until the finish flushes) */
     size_t text_len;
-    const float *logits;   /* want_logits: n_tokens x vocab_size, else NULL */
-    bool finished;         /* set once, on the read that returns the last output */
+    const float *logits; /* want_logits: n_tokens x vocab_size, else NULL */
+    bool finished;       /* set once, on the read that returns the last output */
     pkv_finish_t finish;
-    int status;            /* PKV_OK, or why for PKV_FINISH_ERROR / CANCELLED */
+    int status; /* PKV_OK, or why for PKV_FINISH_ERROR / CANCELLED */
     uint32_t prompt_tokens;
     uint32_t cached_tokens; /* prompt tokens adopted from the prefix cache at admission */
     uint32_t completion_tokens;
@@ -146,7 +149,7 @@ typedef struct {
     uint64_t recompute_tokens; /* tokens re-prefilled after preemption */
     uint64_t generated_tokens;
     uint64_t steps;
-    uint64_t forward_ns;       /* time in the model's forward pass */
+    uint64_t forward_ns; /* time in the model's forward pass */
 } pkv_engine_stats_t;
 void pkv_engine_stats(pkv_engine_t *e, pkv_engine_stats_t *out);
 

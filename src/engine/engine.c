@@ -90,6 +90,7 @@ struct pkv_request {
 
 struct pkv_engine {
     pkv_engine_config_t cfg;
+    int32_t eos[PKV_ENGINE_MAX_EOS]; /* cfg.eos_ids points here */
     uint32_t vocab, max_seq;
     size_t token_bytes;
     pthread_t thread;
@@ -110,21 +111,26 @@ struct pkv_engine {
     pkv_request_t **running; /* (max_batch_size) in admission order */
     pkv_request_t **order;   /* (max_batch_size) scratch: running in rank order */
     uint32_t n_running;
-    pkv_model_item_t *items;   /* (max_batch_size) */
-    pkv_request_t **item_req;  /* (max_batch_size) */
-    float *logits;             /* (max_batch_size, vocab) */
-    float *probs;              /* (vocab) */
-    pkv_sample_cand_t *cand;   /* (vocab) */
+    pkv_model_item_t *items;  /* (max_batch_size) */
+    pkv_request_t **item_req; /* (max_batch_size) */
+    float *logits;            /* (max_batch_size, vocab) */
+    float *probs;             /* (vocab) */
+    pkv_sample_cand_t *cand;  /* (vocab) */
 };
 
 const char *pkv_finish_name(pkv_finish_t f)
 {
     switch (f) {
-    case PKV_FINISH_STOP: return "stop";
-    case PKV_FINISH_LENGTH: return "length";
-    case PKV_FINISH_CANCELLED: return "cancelled";
-    case PKV_FINISH_ERROR: return "error";
-    default: return "none";
+    case PKV_FINISH_STOP:
+        return "stop";
+    case PKV_FINISH_LENGTH:
+        return "length";
+    case PKV_FINISH_CANCELLED:
+        return "cancelled";
+    case PKV_FINISH_ERROR:
+        return "error";
+    default:
+        return "none";
     }
 }
 
@@ -181,20 +187,28 @@ static void queue_insert_locked(pkv_engine_t *e, pkv_request_t *r)
     while (at && !ranks_before(r, at)) at = at->qnext;
     r->qnext = at;
     r->qprev = at ? at->qprev : e->q_tail;
-    if (r->qprev) r->qprev->qnext = r;
-    else e->q_head = r;
-    if (at) at->qprev = r;
-    else e->q_tail = r;
+    if (r->qprev)
+        r->qprev->qnext = r;
+    else
+        e->q_head = r;
+    if (at)
+        at->qprev = r;
+    else
+        e->q_tail = r;
     e->n_queued++;
     r->state = REQ_QUEUED;
 }
 
 static void queue_remove_locked(pkv_engine_t *e, pkv_request_t *r)
 {
-    if (r->qprev) r->qprev->qnext = r->qnext;
-    else e->q_head = r->qnext;
-    if (r->qnext) r->qnext->qprev = r->qprev;
-    else e->q_tail = r->qprev;
+    if (r->qprev)
+        r->qprev->qnext = r->qnext;
+    else
+        e->q_head = r->qnext;
+    if (r->qnext)
+        r->qnext->qprev = r->qprev;
+    else
+        e->q_tail = r->qprev;
     r->qprev = r->qnext = NULL;
     e->n_queued--;
 }
@@ -214,10 +228,18 @@ static void finish_locked(pkv_engine_t *e, pkv_request_t *r, pkv_finish_t why, i
     r->pub_tokens = r->n_gen;
     r->pub_text = text_end;
     switch (why) {
-    case PKV_FINISH_STOP: e->st.finished_stop++; break;
-    case PKV_FINISH_LENGTH: e->st.finished_length++; break;
-    case PKV_FINISH_CANCELLED: e->st.finished_cancelled++; break;
-    default: e->st.finished_error++; break;
+    case PKV_FINISH_STOP:
+        e->st.finished_stop++;
+        break;
+    case PKV_FINISH_LENGTH:
+        e->st.finished_length++;
+        break;
+    case PKV_FINISH_CANCELLED:
+        e->st.finished_cancelled++;
+        break;
+    default:
+        e->st.finished_error++;
+        break;
     }
     pthread_cond_broadcast(&r->cv);
 }
@@ -301,8 +323,8 @@ static int admit(pkv_engine_t *e, pkv_request_t *r)
     uint32_t last_pos = r->n_prompt + r->max_tokens - 1; /* positions ever computed */
     uint32_t reserve = PKV_MIN((uint64_t)n_total + e->cfg.reserve_ahead, (uint64_t)last_pos);
     if (reserve < n_total) reserve = n_total;
-    pkv_seq_params_t sp = {.salt = r->salt, .tokens = r->tokens, .n_tokens = n_total,
-                           .reserve_tokens = reserve};
+    pkv_seq_params_t sp = {
+        .salt = r->salt, .tokens = r->tokens, .n_tokens = n_total, .reserve_tokens = reserve};
     pkv_seq_t *seq = NULL;
     uint32_t cached = 0;
     int rc = pkv_seq_create(e->cfg.kv, &sp, &seq, &cached);
@@ -478,13 +500,15 @@ static void after_sample(pkv_engine_t *e, pkv_request_t *r, int32_t tok, const f
     }
     pkv_finish_t why = PKV_FINISH_NONE;
     size_t text_end = r->text_len;
-    if (!r->ignore_eos && e->cfg.eos_id >= 0 && tok == e->cfg.eos_id) why = PKV_FINISH_STOP;
+    for (uint32_t i = 0; !r->ignore_eos && i < e->cfg.n_eos_ids; i++)
+        if (tok == e->eos[i]) why = PKV_FINISH_STOP;
     if (why == PKV_FINISH_NONE && r->n_stop) {
         /* A match cannot start before pub_before: a suffix that could begin one is held. */
         size_t best = SIZE_MAX;
         size_t from = pub_before;
         for (uint32_t s = 0; s < r->n_stop; s++) {
-            const char *hit = memmem(r->text + from, r->text_len - from, r->stop[s], r->stop_len[s]);
+            const char *hit =
+                memmem(r->text + from, r->text_len - from, r->stop[s], r->stop_len[s]);
             if (hit && (size_t)(hit - r->text) < best) best = (size_t)(hit - r->text);
         }
         if (best != SIZE_MAX) {
@@ -514,8 +538,10 @@ static int engine_step(pkv_engine_t *e)
         pthread_mutex_lock(&e->lock);
         bool c = r->cancel;
         pthread_mutex_unlock(&e->lock);
-        if (c) run_finish(e, r, PKV_FINISH_CANCELLED, PKV_ERR_CANCELLED, r->text_len, true);
-        else i++;
+        if (c)
+            run_finish(e, r, PKV_FINISH_CANCELLED, PKV_ERR_CANCELLED, r->text_len, true);
+        else
+            i++;
     }
     /* 2. admission */
     admit_queued(e);
@@ -632,13 +658,23 @@ int pkv_engine_create(const pkv_engine_config_t *cfg, pkv_engine_t **out)
                  c.max_batch_size, c.step_tokens);
         return PKV_ERR_INVALID;
     }
-    if (c.eos_id >= (int32_t)mc->vocab_size) {
-        PKV_LOGE("engine", "eos id %d outside the vocabulary (%u)", c.eos_id, mc->vocab_size);
+    if (c.n_eos_ids > PKV_ENGINE_MAX_EOS || (c.n_eos_ids && !c.eos_ids)) {
+        PKV_LOGE("engine", "bad config: %u end-of-sequence ids (max %d)", c.n_eos_ids,
+                 PKV_ENGINE_MAX_EOS);
         return PKV_ERR_INVALID;
+    }
+    for (uint32_t i = 0; i < c.n_eos_ids; i++) {
+        if (c.eos_ids[i] < 0 || (uint32_t)c.eos_ids[i] >= mc->vocab_size) {
+            PKV_LOGE("engine", "eos id %d outside the vocabulary (%u)", c.eos_ids[i],
+                     mc->vocab_size);
+            return PKV_ERR_INVALID;
+        }
     }
     pkv_engine_t *e = calloc(1, sizeof(*e));
     if (!e) return PKV_ERR_NOMEM;
     e->cfg = c;
+    memcpy(e->eos, c.eos_ids, c.n_eos_ids * sizeof(int32_t));
+    e->cfg.eos_ids = e->eos;
     e->vocab = mc->vocab_size;
     e->max_seq = mc->max_seq_len;
     e->token_bytes = pkv_geometry_token_bytes(g);
@@ -727,20 +763,29 @@ int pkv_engine_submit(pkv_engine_t *e, const pkv_request_params_t *p, pkv_reques
 {
     if (!e || !p || !out) return PKV_ERR_INVALID;
     const char *why = NULL;
-    if (!p->prompt || !p->n_prompt) why = "empty prompt";
-    else if (!p->max_tokens) why = "max_tokens must be >= 1";
-    else if ((uint64_t)p->n_prompt + p->max_tokens > e->max_seq) why = "prompt + max_tokens exceeds the model's context";
-    else if (!isfinite(p->temperature) || p->temperature < 0) why = "temperature must be >= 0";
-    else if (!(p->top_p >= 0.0f && p->top_p <= 1.0f)) why = "top_p must be in [0, 1]";
-    else if (p->n_stop > PKV_ENGINE_MAX_STOP) why = "too many stop strings";
-    else if (p->n_stop && !e->cfg.detok) why = "stop strings need a detokenizer";
-    else if (p->want_logits && (uint64_t)p->max_tokens * e->vocab > (1ull << 26)) why = "want_logits: max_tokens x vocab too large";
+    if (!p->prompt || !p->n_prompt)
+        why = "empty prompt";
+    else if (!p->max_tokens)
+        why = "max_tokens must be >= 1";
+    else if ((uint64_t)p->n_prompt + p->max_tokens > e->max_seq)
+        why = "prompt + max_tokens exceeds the model's context";
+    else if (!isfinite(p->temperature) || p->temperature < 0)
+        why = "temperature must be >= 0";
+    else if (!(p->top_p >= 0.0f && p->top_p <= 1.0f))
+        why = "top_p must be in [0, 1]";
+    else if (p->n_stop > PKV_ENGINE_MAX_STOP)
+        why = "too many stop strings";
+    else if (p->n_stop && !e->cfg.detok)
+        why = "stop strings need a detokenizer";
+    else if (p->want_logits && (uint64_t)p->max_tokens * e->vocab > (1ull << 26))
+        why = "want_logits: max_tokens x vocab too large";
     for (uint32_t i = 0; !why && i < p->n_stop; i++) {
         size_t l = p->stop && p->stop[i] ? strlen(p->stop[i]) : 0;
         if (!l || l >= PKV_ENGINE_MAX_STOP_LEN) why = "stop strings must be 1..127 bytes";
     }
     for (uint32_t i = 0; !why && i < p->n_prompt; i++)
-        if (p->prompt[i] < 0 || (uint32_t)p->prompt[i] >= e->vocab) why = "prompt token out of range";
+        if (p->prompt[i] < 0 || (uint32_t)p->prompt[i] >= e->vocab)
+            why = "prompt token out of range";
     if (why) {
         PKV_LOGE("engine", "request rejected: %s", why);
         return PKV_ERR_INVALID;
@@ -790,7 +835,8 @@ int pkv_engine_submit(pkv_engine_t *e, const pkv_request_params_t *p, pkv_reques
 
     pthread_mutex_lock(&e->lock);
     int rc = PKV_OK;
-    if (e->stopping || e->draining) rc = PKV_ERR_SHUTDOWN;
+    if (e->stopping || e->draining)
+        rc = PKV_ERR_SHUTDOWN;
     else if (e->n_queued >= e->cfg.max_queue) {
         rc = PKV_ERR_BUSY;
         e->st.rejected_busy++;

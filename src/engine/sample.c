@@ -28,8 +28,8 @@ static int cand_cmp(const void *a, const void *b)
     return x->id < y->id ? -1 : x->id > y->id;
 }
 
-int32_t pkv_sample(const float *logits, uint32_t n, float temperature, float top_p,
-                   uint64_t *rng, float *probs, pkv_sample_cand_t *cand)
+int32_t pkv_sample(const float *logits, uint32_t n, float temperature, float top_p, uint64_t *rng,
+                   float *probs, pkv_sample_cand_t *cand)
 {
     if (!(temperature > 0.0f) || n == 1) return pkv_sample_argmax(logits, n);
     float mx = logits[pkv_sample_argmax(logits, n)];

@@ -25,9 +25,12 @@
 #include <string.h>
 #include <unistd.h>
 
-#define LOGIT_ROWS   16u
-#define MM_ROW_BLOCK 32u
-#define MM_COL_BLOCK 64u
+#define LOGIT_ROWS 16u
+/* Below this many multiply-adds a parallel loop runs on the calling thread: waking a
+ * worker costs more than it saves (and results do not depend on it). */
+#define PARALLEL_MIN_MACS (1u << 19)
+#define MM_ROW_BLOCK      32u
+#define MM_COL_BLOCK      64u
 
 struct pkv_model_row {
     uint32_t seg;
@@ -377,6 +380,10 @@ static void matmul(pkv_model_t *m, const float *x, size_t ldx, uint32_t rows, ui
                   .ldy = ldy};
     j.n_cb = PKV_DIV_UP(j.cols, MM_COL_BLOCK);
     uint32_t n_rb = PKV_DIV_UP(rows, MM_ROW_BLOCK);
+    if ((uint64_t)rows * K * ldw < PARALLEL_MIN_MACS) {
+        for (uint32_t t = 0; t < n_rb * j.n_cb; t++) mm_task(&j, t, 0);
+        return;
+    }
     pkv_tpool_run(m->pool, mm_task, &j, n_rb * j.n_cb);
 }
 
@@ -508,6 +515,8 @@ static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg
     }
     att_job_t aj = {.m = m, .dt = dt, .es = es, .scale = 1.0f / sqrtf((float)hd)};
     uint32_t npairs = 0;
+    uint64_t att_macs = 0; /* per layer: positions read x query dims x 2 (scores, V) */
+    for (uint32_t r = 0; r < rows; r++) att_macs += (uint64_t)(m->rows[r].pos + 1) * m->qdim * 2;
     for (uint32_t sg = 0; sg < nseg; sg++) {
         for (uint32_t r = 0; r < m->segs[sg].n; r += 2) {
             m->pairs[npairs].row = m->segs[sg].row0 + r;
@@ -528,7 +537,11 @@ static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg
         write_kv(m, rows, l, dt, es);
         int rc = collect_runs(m, nseg, l);
         if (rc) return rc;
-        pkv_tpool_run(m->pool, att_task, &aj, npairs * c->n_kv_heads);
+        if (att_macs < PARALLEL_MIN_MACS) {
+            for (uint32_t t = 0; t < npairs * c->n_kv_heads; t++) att_task(&aj, t, 0);
+        } else {
+            pkv_tpool_run(m->pool, att_task, &aj, npairs * c->n_kv_heads);
+        }
         matmul(m, m->att, m->ld_q, rows, m->qdim, ly->wo, m->ld_d, m->tmp, m->ld_d);
         for (uint32_t r = 0; r < rows; r++) {
             float *x = m->x + (size_t)r * m->ld_d;

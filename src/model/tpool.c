@@ -25,6 +25,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -33,8 +34,10 @@
 #define TPOOL_PAUSE() ((void)0)
 #endif
 
-/* Spin iterations (each a pause, ~10-40 ns) before a worker sleeps or the owner waits. */
-#define TPOOL_SPIN 4000
+/* Spin iterations (each a pause, ~20 ns on Zen 3) before a worker sleeps or the owner
+ * blocks: long enough to bridge the serial gaps between the parallel loops of one
+ * forward pass (tens of microseconds), short enough not to burn a shared core. */
+#define TPOOL_SPIN 2000
 
 struct pkv_tpool {
     uint32_t n_workers;
@@ -52,6 +55,7 @@ struct pkv_tpool {
     pkv_tpool_fn fn;
     void *arg;
     uint32_t n_tasks;
+    pid_t pid; /* creator: a forked child has no workers and runs tasks inline */
 };
 
 struct worker_start {
@@ -111,6 +115,7 @@ int pkv_tpool_create(uint32_t n_threads, const char *name, pkv_tpool_t **out)
     pkv_tpool_t *p = calloc(1, sizeof(*p));
     if (!p) return PKV_ERR_NOMEM;
     snprintf(p->name, sizeof(p->name), "%s", name ? name : "pkv-pool");
+    p->pid = getpid();
     uint32_t nw = n_threads > 1 ? n_threads - 1 : 0;
     int rc = PKV_ERR_NOMEM;
     if (nw && !(p->threads = calloc(nw, sizeof(pthread_t)))) goto fail_alloc;
@@ -153,6 +158,7 @@ fail_alloc:
 void pkv_tpool_destroy(pkv_tpool_t *p)
 {
     if (!p) return;
+    if (getpid() != p->pid) p->n_workers = 0; /* forked child: the threads are not ours */
     atomic_store(&p->stop, true);
     pthread_mutex_lock(&p->lock);
     pthread_cond_broadcast(&p->wake);
@@ -173,7 +179,7 @@ uint32_t pkv_tpool_threads(const pkv_tpool_t *p)
 void pkv_tpool_run(pkv_tpool_t *p, pkv_tpool_fn fn, void *arg, uint32_t n_tasks)
 {
     if (n_tasks == 0) return;
-    if (p->n_workers == 0 || n_tasks == 1) {
+    if (p->n_workers == 0 || n_tasks == 1 || getpid() != p->pid) {
         for (uint32_t i = 0; i < n_tasks; i++) fn(arg, i, 0);
         return;
     }

@@ -8,7 +8,8 @@
  * depend on the thread count or on scheduling.
  *
  * One run at a time: pkv_tpool_run is called from one thread (the pool's owner).
- * Workers are named "<name>-<i>" and joined by pkv_tpool_destroy.
+ * Workers are named "<name>-<i>" and joined by pkv_tpool_destroy. In a forked child
+ * (which has no copies of the workers) tasks run on the calling thread.
  */
 #ifndef PKV_MODEL_TPOOL_H
 #define PKV_MODEL_TPOOL_H
