@@ -119,6 +119,7 @@ typedef struct {
     bool have_reset;
     uint64_t committed_after_reset;
     int exit_status; /* the server's wait status after SIGTERM; -1: killed by us */
+    char exit_text[48];
 } fp_run_t;
 
 /* ---- the server's counters -------------------------------------------------------------- */
@@ -407,9 +408,9 @@ static int fp_server_start(const fp_opts_t *o, fp_run_t *run, const char *const 
     fp_log_tail(run->log_path, tail, sizeof(tail));
     if (exited)
         snprintf(run->error, sizeof(run->error),
-                 "the server exited (status %d) before it was "
-                 "ready; log %s ends: %s",
-                 status, run->log_path, tail);
+                 "the server %s %d before it was ready; log %s ends: %s",
+                 WIFSIGNALED(status) ? "was killed by signal" : "exited with status",
+                 WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status), run->log_path, tail);
     else
         snprintf(run->error, sizeof(run->error),
                  "the server was not ready within 300 s "
@@ -421,6 +422,18 @@ static int fp_server_start(const fp_opts_t *o, fp_run_t *run, const char *const 
     }
     if (s.pidfd >= 0) close(s.pidfd);
     return PKV_ERR_IO;
+}
+
+static void fp_exit_text(int status, char *out, size_t cap)
+{
+    if (status < 0)
+        snprintf(out, cap, "SIGKILL after 30 s");
+    else if (WIFEXITED(status))
+        snprintf(out, cap, "exit %d", WEXITSTATUS(status));
+    else if (WIFSIGNALED(status))
+        snprintf(out, cap, "signal %d", WTERMSIG(status));
+    else
+        snprintf(out, cap, "wait status %d", status);
 }
 
 /* SIGTERM (the server drains and exits), SIGKILL after 30 s. Returns the wait status, or
@@ -1087,12 +1100,19 @@ static void fp_run_one(const fp_opts_t *o, fp_run_t *r, unsigned index, unsigned
     fp_sampler_fini(&sp, r);
     r->exit_status = fp_server_stop(&srv);
     if (c.progress) fprintf(stderr, "\r\033[K");
+    fp_exit_text(r->exit_status, r->exit_text, sizeof(r->exit_text));
+    if (r->exit_status != 0)
+        fprintf(stderr,
+                "pagekv bench footprint: %s %s: the server did not exit cleanly after "
+                "SIGTERM (%s); log %s\n",
+                fp_scenario_names[r->scenario], pkv_backend_name(r->backend), r->exit_text,
+                r->log_path);
     for (int p = 0; p < PH_N; p++)
         r->ph[p].w = pkv_fp_window(r->samples, r->n_samples, r->ph[p].begin_ns,
                                    p == PH_LOAD ? r->ready_ns : r->ph[p].end_ns);
     r->ok = rc == PKV_OK;
     if (r->ok) fp_run_summarize(r);
-    if (r->ok && !o->keep_logs) unlink(r->log_path);
+    if (r->ok && r->exit_status == 0 && !o->keep_logs) unlink(r->log_path);
 }
 
 static void fp_run_free(fp_run_t *r)
@@ -1367,7 +1387,9 @@ static void fp_print_report(const fp_opts_t *o, fp_run_t *runs, size_t n, fp_tar
                t[i].state == 1   ? "MET"
                : t[i].state == 0 ? "MISSED"
                                  : "NOT MEASURED",
-               t[i].name, t[i].detail[0] ? t[i].detail : "(scenario not run)");
+               t[i].name,
+               t[i].detail[0] ? t[i].detail
+                              : "(not run: ratios need the scenario on both backends)");
     int failed = 0;
     for (size_t i = 0; i < n; i++) failed += !runs[i].ok;
     if (failed) printf("\n%d run%s failed (see stderr).\n", failed, failed > 1 ? "s" : "");
@@ -1425,7 +1447,7 @@ static json_t *fp_run_json(const fp_run_t *r)
     json_object_update(o, x);
     json_decref(x);
     json_object_set_new(o, "kv_storage_ranges_assumed", json_boolean(r->ranges_assumed));
-    json_object_set_new(o, "server_exit_status", json_integer(r->exit_status));
+    json_object_set_new(o, "server_exit", json_string(r->exit_text));
     json_object_set_new(o, "load_s", json_real((double)(r->ready_ns - r->start_ns) / FP_NS));
     if (r->have_reset)
         json_object_set_new(o, "committed_after_reset_bytes",
