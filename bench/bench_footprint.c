@@ -113,6 +113,10 @@ typedef struct {
     double wall_s;
     json_t *stats, *stats_after_reset; /* the server's /v1/cache/stats objects */
     uint64_t kv_committed_peak, kv_committed_polled_max, kv_live_polled_max_bytes, kv_min;
+    /* OS against the counters, at the end of settle: anonymous memory grown since the end
+     * of settle_load (smaps_rollup) and the KV cache's committed bytes then. */
+    int64_t anon_growth;
+    uint64_t kv_committed_end;
     uint64_t block_bytes, token_bytes, granule_bytes, storage_ranges, budget;
     uint32_t block_tokens;
     bool ranges_assumed; /* the server did not report storage_ranges */
@@ -982,7 +986,11 @@ static void fp_run_summarize(fp_run_t *r)
     }
     for (size_t i = 0; i < r->n_kv; i++)
         r->kv_committed_polled_max = PKV_MAX(r->kv_committed_polled_max, r->kv[i].committed);
+    if (r->ph[PH_SETTLE_LOAD].have_smaps && st->have_smaps)
+        r->anon_growth = (int64_t)st->smaps.anonymous_bytes -
+                         (int64_t)r->ph[PH_SETTLE_LOAD].smaps.anonymous_bytes;
     if (r->stats) {
+        fp_stat(r->stats, K_COMMITTED, &r->kv_committed_end);
         fp_stat(r->stats, K_PEAK, &r->kv_committed_peak);
         fp_stat(r->stats, K_BLOCK_BYTES, &r->block_bytes);
         fp_stat(r->stats, K_TOKEN_BYTES, &r->token_bytes);
@@ -1185,6 +1193,18 @@ static double f_wall(const fp_run_t *r)
 {
     return r->wall_s;
 }
+static double f_anon(const fp_run_t *r)
+{
+    return (double)r->anon_growth / FP_MIB;
+}
+static double f_kvend(const fp_run_t *r)
+{
+    return mib(r->kv_committed_end);
+}
+static double f_anon_minus_kv(const fp_run_t *r)
+{
+    return ((double)r->anon_growth - (double)r->kv_committed_end) / FP_MIB;
+}
 static double f_cached(const fp_run_t *r)
 {
     return (double)r->cached_tokens;
@@ -1381,6 +1401,22 @@ static void fp_print_report(const fp_opts_t *o, fp_run_t *runs, size_t n, fp_tar
             printf("| %s | %s | %s |\n", fp_scenario_names[sc], a, b);
         }
     }
+    printf("\nThe OS against the KV cache's own counters, at the end of settle: anonymous memory "
+           "grown since the end of settle_load (smaps_rollup) and the server's committed_bytes.\n\n"
+           "| scenario | backend | anon growth MiB | KV committed MiB | difference MiB |\n"
+           "|---|---|---|---|---|\n");
+    for (int sc = 0; sc < SC_N; sc++) {
+        for (int b = 0; b < 2; b++) {
+            if (!o->scenario[sc] || !o->backend[b]) continue;
+            size_t ns = fp_select(runs, n, sc, (pkv_backend_t)b, sel);
+            char c[3][64];
+            fp_cell(c[0], 64, fp_field(sel, ns, f_anon), 1, false);
+            fp_cell(c[1], 64, fp_field(sel, ns, f_kvend), 1, false);
+            fp_cell(c[2], 64, fp_field(sel, ns, f_anon_minus_kv), 1, true);
+            printf("| %s | %s | %s | %s | %s |\n", fp_scenario_names[sc],
+                   pkv_backend_name((pkv_backend_t)b), c[0], c[1], c[2]);
+        }
+    }
     printf("\n### targets\n\n");
     for (int i = 0; i < nt; i++)
         printf("- %s %s: %s\n",
@@ -1447,6 +1483,8 @@ static json_t *fp_run_json(const fp_run_t *r)
     json_object_update(o, x);
     json_decref(x);
     json_object_set_new(o, "kv_storage_ranges_assumed", json_boolean(r->ranges_assumed));
+    json_object_set_new(o, "anon_growth_bytes", json_integer((json_int_t)r->anon_growth));
+    json_object_set_new(o, "kv_committed_end_bytes", json_integer((json_int_t)r->kv_committed_end));
     json_object_set_new(o, "server_exit", json_string(r->exit_text));
     json_object_set_new(o, "load_s", json_real((double)(r->ready_ns - r->start_ns) / FP_NS));
     if (r->have_reset)
