@@ -352,7 +352,7 @@ static int fp_read_file(const char *path, char *buf, size_t cap)
 
 /* fork + exec the server with stdout/stderr to run->log_path; wait for its port and
  * for /health. On failure the child is gone and run->error says why. */
-static int fp_server_start(const fp_opts_t *o, fp_run_t *run, const char *const *argv,
+static int fp_server_spawn(const fp_opts_t *o, fp_run_t *run, const char *const *argv,
                            fp_server_t *out)
 {
     snprintf(run->log_path, sizeof(run->log_path), "/tmp/pagekv-footprint-%d-XXXXXX",
@@ -385,9 +385,15 @@ static int fp_server_start(const fp_opts_t *o, fp_run_t *run, const char *const 
     }
     close(lfd);
     if (nullfd >= 0) close(nullfd);
-    fp_server_t s = {.pid = pid, .pidfd = fp_pidfd_open(pid), .port = 0};
+    *out = (fp_server_t){.pid = pid, .pidfd = fp_pidfd_open(pid), .port = 0};
+    return PKV_OK;
+}
 
-    /* The port line, then /health. */
+/* Wait for the port line in the log, then for /health. On failure the server is gone
+ * (killed if it was still there) and run->error says why. */
+static int fp_server_wait_ready(fp_run_t *run, fp_server_t *srv)
+{
+    fp_server_t s = *srv;
     uint64_t deadline = pkv_deadline_after_ns(300 * FP_NS);
     char *log = malloc(65536);
     int status = 0;
@@ -403,7 +409,7 @@ static int fp_server_start(const fp_opts_t *o, fp_run_t *run, const char *const 
         if (fp_http_json(s.port, "GET", "/health", 2.0, &j, err, sizeof(err)) == 0) {
             json_decref(j);
             run->ready_ns = pkv_now_ns();
-            *out = s;
+            *srv = s;
             return PKV_OK;
         }
         exited = fp_server_wait(&s, 100, &status);
@@ -425,6 +431,7 @@ static int fp_server_start(const fp_opts_t *o, fp_run_t *run, const char *const 
         fp_server_wait(&s, 10000, &status);
     }
     if (s.pidfd >= 0) close(s.pidfd);
+    srv->pidfd = -1;
     return PKV_ERR_IO;
 }
 
@@ -1039,7 +1046,7 @@ static void fp_run_one(const fp_opts_t *o, fp_run_t *r, unsigned index, unsigned
                                 i ? " " : "", argv[i]);
 
     fp_server_t srv;
-    if (fp_server_start(o, r, argv, &srv)) return;
+    if (fp_server_spawn(o, r, argv, &srv)) return;
     fp_sampler_t sp;
     fp_ctx_t c = {.o = o,
                   .run = r,
@@ -1054,7 +1061,15 @@ static void fp_run_one(const fp_opts_t *o, fp_run_t *r, unsigned index, unsigned
         r->exit_status = fp_server_stop(&srv);
         return;
     }
-    /* The load phase (exec to ready) is known only now; its samples start at ready. */
+    if (c.progress)
+        fprintf(stderr, "\r\033[K[%u/%u] %s %s: starting the server", index, total,
+                fp_scenario_names[r->scenario], pkv_backend_name(r->backend));
+    if (fp_server_wait_ready(r, &srv)) {
+        fp_sampler_fini(&sp, r);
+        if (c.progress) fprintf(stderr, "\r\033[K");
+        return;
+    }
+    /* The load phase: fork to ready. */
     r->ph[PH_LOAD].begin_ns = r->start_ns;
     r->ph[PH_LOAD].end_ns = r->ready_ns;
     int rc = PKV_OK;
