@@ -65,9 +65,11 @@ static uint64_t rng_next(uint64_t *s)
     return z ^ (z >> 31);
 }
 
+static bool use_thp;
+
 static int make_kv(pkv_model_t *m, pkv_backend_t be, pkv_dtype_t dt, pkv_kv_t **out)
 {
-    pkv_kv_config_t kc = {.backend = be, .no_prefix_cache = true};
+    pkv_kv_config_t kc = {.backend = be, .no_prefix_cache = true, .hugepages = use_thp};
     pkv_model_geometry(m, dt, 16, &kc.geo);
     return pkv_kv_create(&kc, out);
 }
@@ -195,6 +197,8 @@ int pkv_bench_model(int argc, char **argv)
                 return pkv_cli_usage_error("bench model", "--contexts: e.g. 512,4096");
         } else if (!strcmp(argv[i], "--no-batch8")) {
             do8 = false;
+        } else if (!strcmp(argv[i], "--hugepages")) {
+            use_thp = true;
         } else {
             printf("usage: pagekv bench model [--json FILE] [--preset NAME] [--runs N]\n"
                    "         [--decode-steps N] [--threads N] [--dtype bf16] "
