@@ -2,10 +2,9 @@
 # Run each test binary (Check forks each test with its own timeout), collect Check's
 # per-binary result line, and close with "N passed, N failed" for the whole suite.
 set -u
-# Under TSan, UCX's memory hooks (libucm patches madvise) crash any thread at exit:
-# glibc madvises the dying thread's stack, which re-enters TSan through libucm after
-# the thread's TSan state is gone (SIGSEGV in __tsan::MutexPreReadLock). The suite
-# needs no UCX memory events, so they are off for SAN=thread runs.
+# libucm (UCX, linked into every binary) patches libc's madvise; under TSan a thread's
+# exit (glibc madvises its stack) then crashes inside the hook. Tests need no UCX memory
+# events, so turn them off for TSan runs.
 case "${SAN:-}" in *thread*) export UCX_MEM_EVENTS="${UCX_MEM_EVENTS:-no}" ;; esac
 passed=0; failed=0; bad_bins=""
 for t in "$@"; do

@@ -32,6 +32,7 @@ int pkv_cmd_tokenizer(int argc, char **argv);
 
 /* Benchmarks (bench/). */
 int pkv_bench_pool(int argc, char **argv);
+int pkv_bench_staging(int argc, char **argv);
 int pkv_bench_tokenizer(int argc, char **argv);
 
 #endif

@@ -25,7 +25,7 @@ static int cmd_help(int argc, char **argv);
 
 static const pkv_cli_cmd_t commands[] = {
     {"version", cmd_version, "print the version"},
-    {"bench", pkv_cmd_bench, "run a benchmark: pagekv bench <pool> [--json FILE] ..."},
+    {"bench", pkv_cmd_bench, "run a benchmark: pagekv bench <name> [--json FILE] (see `pagekv bench`)"},
     {"demo", pkv_cmd_demo, "run the main job on the built-in model"},
     {"tokenizer", pkv_cmd_tokenizer,
      "train the builtin BPE / encode text: pagekv tokenizer <train|encode>"},
@@ -49,6 +49,7 @@ static const struct {
     const char *summary;
 } benches[] = {
     {"pool", pkv_bench_pool, "KV pool: alloc/free, prefix hashing, commit, growth, reset"},
+    {"staging", pkv_bench_staging, "host staging: fixed slots vs per-transfer on one load"},
     {"tokenizer", pkv_bench_tokenizer,
      "tokenizer: encode speed and chars/token on filler and prose"},
 };
