@@ -17,6 +17,14 @@
 
 #define ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 
+/* Check's ck_assert_* records the line through a pipe to the parent on every call (a
+ * syscall each); loops over millions of tokens check with this instead, which only
+ * calls into Check on failure. */
+#define REQUIRE(cond, ...)                                                                         \
+    do {                                                                                           \
+        if (!(cond)) ck_abort_msg(__VA_ARGS__);                                                    \
+    } while (0)
+
 /* Loaders log every rejection; tests that reject thousands of files keep them quiet. */
 static void quiet_sink(void *arg, pkv_log_level_t level, const char *module, const char *line)
 {
@@ -95,38 +103,43 @@ static size_t round_trip(const pkv_tok_t *tok, const char *s, size_t len, bool b
 {
     int32_t *ids = NULL;
     size_t n = 0;
-    ck_assert_int_eq(pkv_tok_encode_alloc(tok, s, len, bos, &ids, &n), PKV_OK);
-    ck_assert_uint_le(n, pkv_tok_max_tokens(tok, len));
+    REQUIRE(pkv_tok_encode_alloc(tok, s, len, bos, &ids, &n) == PKV_OK, "encode (seed %llu)",
+            (unsigned long long)seed);
+    REQUIRE(n <= pkv_tok_max_tokens(tok, len), "over max_tokens (seed %llu)",
+            (unsigned long long)seed);
     for (size_t i = 0; i < n; i++) {
         if (bos && i == 0) {
-            ck_assert_int_eq(ids[0], pkv_tok_bos(tok));
+            REQUIRE(ids[0] == pkv_tok_bos(tok), "no BOS (seed %llu)", (unsigned long long)seed);
             continue;
         }
-        ck_assert_msg(ids[i] >= 0 && ids[i] < pkv_tok_vocab_size(tok), "id %d (seed %llu)",
-                      (int)ids[i], (unsigned long long)seed);
+        REQUIRE(ids[i] >= 0 && ids[i] < pkv_tok_vocab_size(tok), "id %d (seed %llu)", (int)ids[i],
+                (unsigned long long)seed);
         /* a special id from text: forged (llama2c's <unk> stands for bytes without a piece) */
-        ck_assert_msg(!pkv_tok_is_special(tok, ids[i]) ||
-                          (pkv_tok_kind(tok) == PKV_TOK_KIND_LLAMA2C && ids[i] == 0),
-                      "special id %d from text (seed %llu)", (int)ids[i], (unsigned long long)seed);
+        REQUIRE(!pkv_tok_is_special(tok, ids[i]) ||
+                    (pkv_tok_kind(tok) == PKV_TOK_KIND_LLAMA2C && ids[i] == 0),
+                "special id %d from text (seed %llu)", (int)ids[i], (unsigned long long)seed);
     }
     char *back = NULL;
     size_t blen = 0;
-    ck_assert_int_eq(pkv_tok_decode(tok, ids, n, &back, &blen), PKV_OK);
-    ck_assert_msg(blen == len && memcmp(back, s, len) == 0,
-                  "round trip failed: %zu bytes -> %zu bytes (seed %llu)", len, blen,
-                  (unsigned long long)seed);
-    ck_assert_int_eq(back[blen], '\0');
+    REQUIRE(pkv_tok_decode(tok, ids, n, &back, &blen) == PKV_OK, "decode (seed %llu)",
+            (unsigned long long)seed);
+    REQUIRE(blen == len && memcmp(back, s, len) == 0,
+            "round trip failed: %zu bytes -> %zu bytes (seed %llu)", len, blen,
+            (unsigned long long)seed);
+    REQUIRE(back[blen] == '\0', "decode not NUL-terminated");
     /* streaming: the pieces of decode_token concatenate to the same bytes */
     size_t off = 0;
     for (size_t i = 0; i < n; i++) {
         const char *p;
         size_t l;
-        ck_assert_int_eq(pkv_tok_decode_token(tok, i ? ids[i - 1] : -1, ids[i], &p, &l), PKV_OK);
-        ck_assert_msg(off + l <= len && memcmp(s + off, p, l) == 0,
-                      "streamed piece %zu differs (seed %llu)", i, (unsigned long long)seed);
+        REQUIRE(pkv_tok_decode_token(tok, i ? ids[i - 1] : -1, ids[i], &p, &l) == PKV_OK,
+                "decode_token (seed %llu)", (unsigned long long)seed);
+        REQUIRE(off + l <= len && memcmp(s + off, p, l) == 0,
+                "streamed piece %zu differs (seed %llu)", i, (unsigned long long)seed);
         off += l;
     }
-    ck_assert_uint_eq(off, len);
+    REQUIRE(off == len, "streamed %zu of %zu bytes (seed %llu)", off, len,
+            (unsigned long long)seed);
     free(back);
     free(ids);
     return bos ? n - 1 : n;
@@ -491,8 +504,8 @@ START_TEST(utf8_streaming_and_stop_ids)
             memcpy(pending + plen, p, l);
             plen += l;
             size_t emit = pkv_tok_utf8_complete(pending, plen);
-            ck_assert_msg(utf8_valid((const uint8_t *)pending, emit),
-                          "chunk splits a character (seed %llu)", (unsigned long long)seed);
+            REQUIRE(utf8_valid((const uint8_t *)pending, emit),
+                    "chunk splits a character (seed %llu)", (unsigned long long)seed);
             memcpy(out + olen, pending, emit);
             olen += emit;
             memmove(pending, pending + emit, plen - emit);
@@ -777,12 +790,12 @@ START_TEST(llama2c_matches_reference_and_round_trips)
                 text[i] = c < 8 ? "abc ehlo"[c] : c < 10 ? '\n' : (char)pkv_test_below(&rng, 256);
             }
             size_t n = 0;
-            ck_assert_int_eq(pkv_tok_encode(tok, text, len, false, got, 256, &n), PKV_OK);
+            REQUIRE(pkv_tok_encode(tok, text, len, false, got, 256, &n) == PKV_OK, "encode");
             size_t wn = ref_encode(&v, text, len, want);
-            ck_assert_msg(n == wn && !memcmp(got, want, n * sizeof(int32_t)),
-                          "llama2c encode differs from the reference (seed %llu, vocab %d, "
-                          "iteration %d)",
-                          (unsigned long long)seed, voc, it);
+            REQUIRE(n == wn && !memcmp(got, want, n * sizeof(int32_t)),
+                    "llama2c encode differs from the reference (seed %llu, vocab %d, "
+                    "iteration %d)",
+                    (unsigned long long)seed, voc, it);
             round_trip(tok, text, len, it & 1, seed);
         }
         pkv_tok_destroy(tok);
@@ -804,8 +817,9 @@ START_TEST(llama2c_rejects_truncated_and_corrupt)
     for (size_t cut = 0; cut < len; cut++) {
         uint8_t *copy = malloc(cut ? cut : 1); /* exact size: ASan sees any overread */
         memcpy(copy, good, cut);
-        ck_assert_int_eq(pkv_tok_load_llama2c_mem(copy, cut, v.n, &tok), PKV_ERR_CORRUPT);
-        ck_assert_ptr_eq(tok, (pkv_tok_t *)0x1);
+        REQUIRE(pkv_tok_load_llama2c_mem(copy, cut, v.n, &tok) == PKV_ERR_CORRUPT,
+                "prefix of %zu bytes accepted", cut);
+        REQUIRE(tok == (pkv_tok_t *)0x1, "output written on failure");
         free(copy);
     }
     /* trailing bytes / wrong vocab size */
