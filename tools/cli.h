@@ -29,10 +29,13 @@ bool pkv_cli_progress_enabled(void);
 int pkv_cmd_bench(int argc, char **argv);
 int pkv_cmd_demo(int argc, char **argv);
 int pkv_cmd_tokenizer(int argc, char **argv);
+int pkv_cmd_serve(int argc, char **argv);
+int pkv_cmd_generate(int argc, char **argv);
 
 /* Benchmarks (bench/). */
 int pkv_bench_pool(int argc, char **argv);
 int pkv_bench_staging(int argc, char **argv);
 int pkv_bench_tokenizer(int argc, char **argv);
+int pkv_bench_model(int argc, char **argv);
 
 #endif
