@@ -852,12 +852,9 @@ out:
 
 /* ---- create / destroy -------------------------------------------------------------- */
 
-static void pool_destroy(pkv_kv_t *kv)
+/* Free the metadata arrays and the pool object (the range and lock are the caller's). */
+static void pool_free(pool_t *p)
 {
-    pool_t *p = pool_of(kv);
-    PKV_ASSERT(p->n_seqs == 0);
-    pkv_prim_release(p->addr, p->reserved);
-    pthread_mutex_destroy(&p->lock);
     free(p->blk);
     free(p->gr);
     free(p->bucket);
@@ -865,6 +862,15 @@ static void pool_destroy(pkv_kv_t *kv)
     free(p->uncommitted);
     free(p->htab);
     free(p);
+}
+
+static void pool_destroy(pkv_kv_t *kv)
+{
+    pool_t *p = pool_of(kv);
+    PKV_ASSERT(p->n_seqs == 0);
+    pkv_prim_release(p->addr, p->reserved);
+    pthread_mutex_destroy(&p->lock);
+    pool_free(p);
 }
 
 int pkv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
@@ -932,13 +938,7 @@ int pkv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
 fail_reserve:
     pkv_prim_release(p->addr, p->reserved);
 fail:
-    free(p->blk);
-    free(p->gr);
-    free(p->bucket);
-    free(p->bucket_bits);
-    free(p->uncommitted);
-    free(p->htab);
-    free(p);
+    pool_free(p);
     return rc;
 }
 
