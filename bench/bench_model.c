@@ -16,7 +16,11 @@
  *                                 target <= 10 (2 cores)
  *
  * The prefix cache is disabled (no_prefix_cache): every sequence computes and reads its
- * own K/V. Tokens are seeded random ids.
+ * own K/V. Tokens are seeded random ids. The paged pool asks for transparent huge pages
+ * on commit (its 2 MiB granules are huge-page aligned; --no-hugepages turns that off);
+ * the dense baseline uses malloc/realloc as it does in the library (with THP in
+ * "madvise" mode it gets 4 KiB pages unless GLIBC_TUNABLES=glibc.malloc.hugetlb=1).
+ * Blocks hold 16 tokens (the pool's default; --block-tokens).
  */
 #include "../tools/cli.h"
 #include "bench.h"
@@ -65,10 +69,13 @@ static uint64_t rng_next(uint64_t *s)
     return z ^ (z >> 31);
 }
 
+static bool use_thp = true;
+static uint32_t block_tokens = 16;
+
 static int make_kv(pkv_model_t *m, pkv_backend_t be, pkv_dtype_t dt, pkv_kv_t **out)
 {
-    pkv_kv_config_t kc = {.backend = be, .no_prefix_cache = true};
-    pkv_model_geometry(m, dt, 16, &kc.geo);
+    pkv_kv_config_t kc = {.backend = be, .no_prefix_cache = true, .hugepages = use_thp};
+    pkv_model_geometry(m, dt, block_tokens, &kc.geo);
     return pkv_kv_create(&kc, out);
 }
 
@@ -195,10 +202,18 @@ int pkv_bench_model(int argc, char **argv)
                 return pkv_cli_usage_error("bench model", "--contexts: e.g. 512,4096");
         } else if (!strcmp(argv[i], "--no-batch8")) {
             do8 = false;
+        } else if (!strcmp(argv[i], "--no-hugepages")) {
+            use_thp = false;
+        } else if (!strcmp(argv[i], "--block-tokens") && v) {
+            uint64_t bt;
+            if (pkv_cli_parse_u64(argv[++i], 1, 4096, &bt))
+                return pkv_cli_usage_error("bench model", "--block-tokens: 1..4096");
+            block_tokens = (uint32_t)bt;
         } else {
             printf("usage: pagekv bench model [--json FILE] [--preset NAME] [--runs N]\n"
                    "         [--decode-steps N] [--threads N] [--dtype bf16] "
-                   "[--contexts 512,4096] [--no-batch8]\n");
+                   "[--contexts 512,4096] [--no-batch8]\n"
+                   "         [--block-tokens N] [--no-hugepages]\n");
             return strcmp(argv[i], "--help") ? 2 : 0;
         }
     }
@@ -346,6 +361,8 @@ int pkv_bench_model(int argc, char **argv)
             "prefill_3700_llama_s_dense", p_dense, "loadavg_before", load0, "loadavg_after", load1);
         if (have4096) json_object_set_new(o, "decode_paged_over_dense_4096", json_real(r4096));
         json_object_set_new(o, "kernels", json_string(pkv_model_kernels(m)));
+        json_object_set_new(o, "block_tokens", json_integer(block_tokens));
+        json_object_set_new(o, "paged_hugepages", json_boolean(use_thp));
         rc = pkv_bench_write_json(json, o) ? 1 : 0;
         json_decref(o);
     } else {

@@ -553,20 +553,21 @@ START_TEST(invariant_to_backend_blocks_chunks_threads)
             ck_assert_int_eq(pkv_model_create_builtin(&c, 77, &rt, &ms[t]), PKV_OK);
         }
         for (int dt = 0; dt < 3; dt++) {
-            int32_t toks[150];
-            for (int i = 0; i < 150; i++) toks[i] = (int32_t)pkv_test_below(&rs, 128);
+            int32_t toks[100];
+            for (int i = 0; i < 100; i++) toks[i] = (int32_t)pkv_test_below(&rs, 128);
             /* Every schedule ends at the same positions (the decode tail), so the logits
              * of the last 4 chunks must agree exactly. */
-            uint32_t sched[4][8] = {{146, 1, 1, 1, 1},
-                                    {1, 17, 64, 33, 32, 1, 1, 1},
-                                    {100, 46, 1, 1, 1, 1},
-                                    {3, 3, 3, 137, 1, 1, 1, 1}};
+            uint32_t sched[4][8] = {{96, 1, 1, 1, 1},
+                                    {1, 17, 40, 19, 20, 1, 1, 1},
+                                    {60, 36, 1, 1, 1, 1},
+                                    {3, 3, 3, 87, 1, 1, 1, 1}};
             uint32_t nch[4] = {5, 8, 6, 8};
             float ref[5 * 128], got[8 * 128];
             run_schedule(ms[1], PKV_BACKEND_DENSE, dt, 16, toks, sched[0], nch[0], ref);
             for (int sc = 0; sc < 4; sc++) {
                 for (uint32_t mi = 0; mi < 3; mi++) {
                     for (int be = 0; be < 2; be++) {
+                        if (mi == 1 && be == 1 && sc == 0) continue; /* the reference run */
                         uint32_t bt = be == 0 ? (sc % 2 ? 1 : 16) : 16;
                         run_schedule(ms[mi], be, dt, bt, toks, sched[sc], nch[sc], got);
                         ck_assert_msg(

@@ -175,7 +175,7 @@ int pkv_cmd_generate(int argc, char **argv)
                 n_ids, (unsigned long long)max_tokens, mc->max_seq_len);
         goto out;
     }
-    pkv_kv_config_t kc = {.backend = backend};
+    pkv_kv_config_t kc = {.backend = backend, .hugepages = true};
     pkv_model_geometry(model, dtype, 16, &kc.geo);
     if ((st = pkv_kv_create(&kc, &kv))) {
         fprintf(stderr, "pagekv generate: KV cache: %s\n", pkv_status_str(st));
