@@ -29,6 +29,7 @@ bool pkv_cli_progress_enabled(void);
 int pkv_cmd_bench(int argc, char **argv);
 int pkv_cmd_demo(int argc, char **argv);
 int pkv_cmd_tokenizer(int argc, char **argv);
+int pkv_cmd_serve(int argc, char **argv);
 int pkv_cmd_generate(int argc, char **argv);
 
 /* Benchmarks (bench/). */
