@@ -119,6 +119,20 @@ int pkv_prim_shared_decommit(int fd, void *addr, size_t offset, size_t size)
     return PKV_OK;
 }
 
+int pkv_prim_shared_commit(int fd, void *addr, size_t offset, size_t size)
+{
+    char *p = (char *)addr + offset;
+    if (madvise(p, size, MADV_POPULATE_WRITE) == 0) return PKV_OK;
+    if (errno == EINVAL) { /* kernel older than 5.14: allocate, then fault in */
+        if (fallocate(fd, 0, (off_t)offset, (off_t)size) == 0) {
+            prim_touch(p, size);
+            return PKV_OK;
+        }
+    }
+    (void)fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)offset, (off_t)size);
+    return PKV_ERR_NOMEM;
+}
+
 static int prim_open_proc(int pid, const char *what)
 {
     char path[64];

@@ -36,6 +36,10 @@ int pkv_prim_shared_map(int fd, size_t size, void **addr_out);
 void pkv_prim_shared_close(int fd, void *addr, size_t size);
 /* Punch pages of a memfd-backed range out (returns their memory). */
 int pkv_prim_shared_decommit(int fd, void *addr, size_t offset, size_t size);
+/* Make [offset, offset+size) of a memfd mapped at `addr` resident, prefaulted in this
+ * mapping (MADV_POPULATE_WRITE; fallocate and touch where the kernel lacks it). On
+ * failure the range is punched out again. PKV_ERR_NOMEM when the memory is not there. */
+int pkv_prim_shared_commit(int fd, void *addr, size_t offset, size_t size);
 
 /* The process's memory as the OS reports it. */
 typedef struct {
