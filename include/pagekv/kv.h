@@ -61,6 +61,7 @@ typedef struct {
     uint64_t budget_bytes;    /* cap on committed KV bytes; 0 = none */
     uint64_t reserve_bytes;   /* address space to reserve when no budget; 0 -> 64 GiB */
     uint32_t retain_granules; /* empty granules kept committed (hysteresis); default 1 */
+    uint64_t granule_bytes;   /* paged commit unit, multiple of 4 KiB; 0 -> 2 MiB */
     bool no_prefix_cache;     /* disable prefix caching */
     bool hugepages;           /* paged: ask for THP on commit */
 } pkv_kv_config_t;

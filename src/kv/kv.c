@@ -1,0 +1,340 @@
+/*
+ * kv: the KV cache front. Validates arguments, then dispatches to the paged pool
+ * (src/pool) or the dense baseline (src/dense). Also holds what both share: dtype
+ * conversion, geometry arithmetic, prefix keys and the token side of a sequence.
+ */
+#define OPENSSL_API_COMPAT 0x10101000L /* SHA256_Init: ~100 ns a block vs ~150 via EVP */
+#include "kv/kv_int.h"
+
+#include <openssl/sha.h>
+#include <stdlib.h>
+#include <string.h>
+
+size_t pkv_dtype_size(pkv_dtype_t dt)
+{
+    return dt == PKV_DTYPE_F32 ? 4 : 2;
+}
+
+const char *pkv_dtype_name(pkv_dtype_t dt)
+{
+    switch (dt) {
+    case PKV_DTYPE_F32: return "f32";
+    case PKV_DTYPE_F16: return "f16";
+    case PKV_DTYPE_BF16: return "bf16";
+    }
+    return "?";
+}
+
+int pkv_dtype_parse(const char *s, pkv_dtype_t *out)
+{
+    static const struct {
+        const char *name;
+        pkv_dtype_t dt;
+    } names[] = {{"f32", PKV_DTYPE_F32}, {"f16", PKV_DTYPE_F16}, {"bf16", PKV_DTYPE_BF16}};
+    for (size_t i = 0; s && i < PKV_ARRAY_LEN(names); i++)
+        if (!strcmp(s, names[i].name)) return *out = names[i].dt, PKV_OK;
+    return PKV_ERR_INVALID;
+}
+
+const char *pkv_backend_name(pkv_backend_t b)
+{
+    return b == PKV_BACKEND_DENSE ? "dense" : "paged";
+}
+
+int pkv_backend_parse(const char *s, pkv_backend_t *out)
+{
+    if (s && !strcmp(s, "paged")) return *out = PKV_BACKEND_PAGED, PKV_OK;
+    if (s && !strcmp(s, "dense")) return *out = PKV_BACKEND_DENSE, PKV_OK;
+    return PKV_ERR_INVALID;
+}
+
+static uint16_t f32_to_f16(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u, e = (x >> 23) & 0xffu, m = x & 0x7fffffu;
+    if (e == 0xff) return (uint16_t)(sign | 0x7c00u | (m ? 0x200u : 0)); /* inf / nan */
+    int32_t he = (int32_t)e - 127 + 15;
+    if (he >= 31) return (uint16_t)(sign | 0x7c00u);                    /* overflow */
+    if (he <= 0) {                                                       /* subnormal */
+        if (he < -10) return (uint16_t)sign;
+        m |= 0x800000u;
+        uint32_t shift = (uint32_t)(14 - he);
+        uint32_t hm = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (hm & 1))) hm++;
+        return (uint16_t)(sign | hm);
+    }
+    uint32_t hm = m >> 13, rem = m & 0x1fffu;
+    uint32_t h = sign | ((uint32_t)he << 10) | hm;
+    if (rem > 0x1000u || (rem == 0x1000u && (hm & 1))) h++; /* may carry into exponent: ok */
+    return (uint16_t)h;
+}
+
+static float f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, x;
+    if (e == 0) {
+        if (m == 0) {
+            x = sign;
+        } else { /* subnormal: normalize */
+            e = 127 - 15 + 1;
+            while (!(m & 0x400u)) m <<= 1, e--;
+            x = sign | (e << 23) | ((m & 0x3ffu) << 13);
+        }
+    } else if (e == 31) {
+        x = sign | 0x7f800000u | (m << 13);
+    } else {
+        x = sign | ((e + 127 - 15) << 23) | (m << 13);
+    }
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+static uint16_t f32_to_bf16(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u); /* quiet nan */
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+
+static float bf16_to_f32(uint16_t b)
+{
+    uint32_t x = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+void pkv_dtype_from_f32(pkv_dtype_t dt, void *dst, const float *src, size_t n)
+{
+    uint16_t *d16 = dst;
+    switch (dt) {
+    case PKV_DTYPE_F32: memcpy(dst, src, n * 4); break;
+    case PKV_DTYPE_F16:
+        for (size_t i = 0; i < n; i++) d16[i] = f32_to_f16(src[i]);
+        break;
+    case PKV_DTYPE_BF16:
+        for (size_t i = 0; i < n; i++) d16[i] = f32_to_bf16(src[i]);
+        break;
+    }
+}
+
+void pkv_dtype_to_f32(pkv_dtype_t dt, float *dst, const void *src, size_t n)
+{
+    const uint16_t *s16 = src;
+    switch (dt) {
+    case PKV_DTYPE_F32: memcpy(dst, src, n * 4); break;
+    case PKV_DTYPE_F16:
+        for (size_t i = 0; i < n; i++) dst[i] = f16_to_f32(s16[i]);
+        break;
+    case PKV_DTYPE_BF16:
+        for (size_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s16[i]);
+        break;
+    }
+}
+
+size_t pkv_geometry_token_bytes(const pkv_geometry_t *g)
+{
+    return 2ull * g->layers * g->kv_heads * g->head_dim * pkv_dtype_size(g->dtype);
+}
+
+/* ---- prefix keys --------------------------------------------------------------------- */
+
+void pkv_prefix_root(uint64_t salt, pkv_key_t *out)
+{
+    uint8_t buf[11 + 8];
+    memcpy(buf, "pagekv-root", 11);
+    for (int i = 0; i < 8; i++) buf[11 + i] = (uint8_t)(salt >> (8 * i));
+    SHA256(buf, sizeof(buf), out->b);
+}
+
+void pkv_prefix_next(const pkv_key_t *parent, const int32_t *tokens, uint32_t n, pkv_key_t *out)
+{
+    SHA256_CTX c;
+    SHA256_Init(&c);
+    SHA256_Update(&c, parent->b, PKV_KEY_BYTES);
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    SHA256_Update(&c, tokens, (size_t)n * 4);
+#else
+    for (uint32_t i = 0; i < n; i++) {
+        uint8_t le[4] = {(uint8_t)tokens[i], (uint8_t)(tokens[i] >> 8),
+                         (uint8_t)(tokens[i] >> 16), (uint8_t)((uint32_t)tokens[i] >> 24)};
+        SHA256_Update(&c, le, 4);
+    }
+#endif
+    SHA256_Final(out->b, &c);
+}
+
+uint32_t pkv_prefix_keys(const pkv_kv_t *kv, uint64_t salt, const int32_t *tokens,
+                         uint32_t n_tokens, pkv_key_t *keys)
+{
+    uint32_t T = kv->geo.block_tokens, nb = n_tokens ? (n_tokens - 1) / T : 0;
+    pkv_key_t parent;
+    pkv_prefix_root(salt, &parent);
+    for (uint32_t b = 0; b < nb; b++) {
+        pkv_prefix_next(&parent, tokens + (size_t)b * T, T, &keys[b]);
+        parent = keys[b];
+    }
+    return nb;
+}
+
+int pkv_seq_base_init(struct pkv_seq *s, pkv_kv_t *kv, uint64_t salt)
+{
+    s->tail = calloc(kv->geo.block_tokens, sizeof(int32_t));
+    if (!s->tail) return PKV_ERR_NOMEM;
+    s->kv = kv;
+    s->length = s->capacity = 0;
+    s->salt = salt;
+    pkv_prefix_root(salt, &s->last_key);
+    return PKV_OK;
+}
+
+void pkv_seq_base_fini(struct pkv_seq *s)
+{
+    free(s->tail);
+    s->tail = NULL;
+}
+
+int pkv_seq_base_copy(struct pkv_seq *dst, const struct pkv_seq *src)
+{
+    int rc = pkv_seq_base_init(dst, src->kv, src->salt);
+    if (rc) return rc;
+    dst->length = src->length;
+    dst->capacity = src->capacity;
+    dst->last_key = src->last_key;
+    memcpy(dst->tail, src->tail, src->kv->geo.block_tokens * sizeof(int32_t));
+    return PKV_OK;
+}
+
+void pkv_seq_base_append(struct pkv_seq *s, const int32_t *tokens, uint32_t n,
+                         pkv_seq_full_fn full, void *arg)
+{
+    uint32_t T = s->kv->geo.block_tokens;
+    for (uint32_t i = 0; i < n; i++) {
+        s->tail[s->length % T] = tokens[i];
+        s->length++;
+        if (s->length % T == 0) {
+            pkv_key_t key;
+            pkv_prefix_next(&s->last_key, s->tail, T, &key);
+            s->last_key = key;
+            if (full) full(s, s->length / T - 1, &key, arg);
+        }
+    }
+}
+
+/* ---- dispatch ---------------------------------------------------------------------- */
+
+int pkv_kv_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
+{
+    if (!cfg || !out) return PKV_ERR_INVALID;
+    const pkv_geometry_t *g = &cfg->geo;
+    uint32_t T = g->block_tokens ? g->block_tokens : 16;
+    if (!g->layers || !g->kv_heads || !g->head_dim || g->layers > 1024 || g->kv_heads > 1024 ||
+        g->head_dim > 4096 || T > 4096 || g->dtype > PKV_DTYPE_BF16) {
+        PKV_LOGE("kv", "invalid geometry: layers %u kv_heads %u head_dim %u block_tokens %u",
+                 g->layers, g->kv_heads, g->head_dim, T);
+        return PKV_ERR_INVALID;
+    }
+    if (cfg->backend == PKV_BACKEND_PAGED) return pkv_pool_create(cfg, out);
+    if (cfg->backend == PKV_BACKEND_DENSE) return pkv_dense_create(cfg, out);
+    return PKV_ERR_INVALID;
+}
+
+void pkv_kv_destroy(pkv_kv_t *kv)
+{
+    if (kv) kv->ops->destroy(kv);
+}
+
+const pkv_geometry_t *pkv_kv_geometry(const pkv_kv_t *kv)
+{
+    return &kv->geo;
+}
+
+pkv_backend_t pkv_kv_backend(const pkv_kv_t *kv)
+{
+    return kv->backend;
+}
+
+size_t pkv_kv_block_bytes(const pkv_kv_t *kv)
+{
+    return kv->block_bytes;
+}
+
+int pkv_seq_create(pkv_kv_t *kv, const pkv_seq_params_t *p, pkv_seq_t **out, uint32_t *n_cached)
+{
+    if (!kv || !p || !out || !p->tokens || p->n_tokens == 0) return PKV_ERR_INVALID;
+    if (p->reserve_tokens && p->reserve_tokens < p->n_tokens) return PKV_ERR_INVALID;
+    return kv->ops->seq_create(kv, p, out, n_cached);
+}
+
+void pkv_seq_free(pkv_seq_t *seq)
+{
+    if (seq) seq->kv->ops->seq_free(seq);
+}
+
+int pkv_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens)
+{
+    if (!seq) return PKV_ERR_INVALID;
+    if (n_tokens <= seq->capacity) return PKV_OK;
+    return seq->kv->ops->seq_reserve(seq, n_tokens);
+}
+
+int pkv_seq_append(pkv_seq_t *seq, const int32_t *tokens, uint32_t n)
+{
+    if (!seq || (n && !tokens)) return PKV_ERR_INVALID;
+    if (n > seq->capacity - seq->length) return PKV_ERR_INVALID;
+    return n ? seq->kv->ops->seq_append(seq, tokens, n) : PKV_OK;
+}
+
+int pkv_seq_fork(pkv_seq_t *parent, pkv_seq_t **out)
+{
+    if (!parent || !out) return PKV_ERR_INVALID;
+    return parent->kv->ops->seq_fork(parent, out);
+}
+
+uint32_t pkv_seq_length(const pkv_seq_t *seq)
+{
+    return seq->length;
+}
+
+uint32_t pkv_seq_capacity(const pkv_seq_t *seq)
+{
+    return seq->capacity;
+}
+
+void pkv_seq_slot(const pkv_seq_t *seq, uint32_t pos, uint32_t layer, void **k, void **v,
+                  size_t *head_stride)
+{
+    PKV_ASSERT(pos < seq->capacity && layer < seq->kv->geo.layers);
+    seq->kv->ops->seq_slot(seq, pos, layer, k, v, head_stride);
+}
+
+uint32_t pkv_seq_runs(const pkv_seq_t *seq, uint32_t layer, uint32_t begin, uint32_t end,
+                      pkv_kv_run_t *out, uint32_t max, uint32_t *next)
+{
+    PKV_ASSERT(begin <= end && end <= seq->capacity && layer < seq->kv->geo.layers);
+    if (begin == end || max == 0) {
+        if (next) *next = begin;
+        return 0;
+    }
+    return seq->kv->ops->seq_runs(seq, layer, begin, end, out, max, next);
+}
+
+void pkv_kv_reset_cache(pkv_kv_t *kv)
+{
+    kv->ops->reset_cache(kv);
+}
+
+void pkv_kv_stats(pkv_kv_t *kv, pkv_kv_stats_t *out)
+{
+    memset(out, 0, sizeof(*out));
+    kv->ops->stats(kv, out);
+}
+
+int pkv_kv_validate(pkv_kv_t *kv)
+{
+    return kv->ops->validate(kv);
+}

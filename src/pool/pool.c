@@ -1,0 +1,944 @@
+/*
+ * pool: the paged KV pool. Design, invariants and locking: docs/design/pool.md.
+ *
+ * In short: one reserved range cut into granules of whole blocks; granules are
+ * committed on first need and decommitted (with hysteresis) when all their blocks are
+ * free; blocks are refcounted (free / live / cached); full blocks are keyed by a chained
+ * SHA-256 prefix key and, once unreferenced, stay cached until evicted (LRU with a
+ * preference for sparse granules). One mutex guards all metadata; no OS call runs under it.
+ */
+#include "kv/kv_int.h"
+#include "prim/prim.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NONE UINT32_MAX
+#define POOL_MAX_BLOCKS (16u << 20)
+#define POOL_EVICT_WINDOW 16
+#define POOL_DEFAULT_RESERVE (64ull << 30)
+
+enum { BLK_FREE = 0, BLK_LIVE, BLK_CACHED };
+enum { GR_UNCOMMITTED = 0, GR_COMMITTING, GR_COMMITTED, GR_DECOMMITTING };
+
+typedef struct {
+    pkv_key_t key;               /* valid when hashed */
+    uint32_t ref;                /* sequences + pins holding it */
+    uint32_t next;               /* FREE: next free block in the granule */
+    uint32_t lru_prev, lru_next; /* CACHED: LRU list (head = oldest) */
+    uint32_t hnext;              /* hashed: hash chain */
+    uint8_t state;
+    uint8_t hashed; /* full, keyed, in the hash table */
+} pool_block_t;
+
+typedef struct {
+    uint32_t used;      /* live + cached blocks */
+    uint32_t nfree;     /* free blocks (COMMITTED only) */
+    uint32_t free_head; /* free list */
+    uint32_t prev, next; /* bucket list, or pending-decommit list */
+    uint8_t state;
+    uint8_t in_bucket; /* in bucket[used]: COMMITTED and nfree > 0 */
+} pool_granule_t;
+
+typedef struct pool_seq pool_seq_t;
+
+typedef struct {
+    struct pkv_kv base;
+    /* immutable after create */
+    uint8_t *addr;         /* the reserved range */
+    size_t reserved;       /* its size */
+    size_t stride;         /* bytes per granule (whole blocks, 4 KiB aligned) */
+    uint32_t bpg;          /* blocks per granule */
+    uint32_t n_granules;   /* granules in the reservation */
+    uint32_t max_granules; /* granules the budget allows */
+    uint32_t retain;       /* empty granules kept committed */
+    bool prefix_cache, huge;
+    uint64_t budget;
+
+    pthread_mutex_t lock; /* guards everything below */
+    pool_block_t *blk;    /* [n_granules * bpg] */
+    pool_granule_t *gr;   /* [n_granules] */
+    uint32_t *bucket;     /* [bpg] heads of granule lists by used count */
+    uint64_t *bucket_bits; /* non-empty buckets */
+    uint32_t n_empty;      /* granules in bucket[0] */
+    uint32_t *uncommitted; /* stack of UNCOMMITTED granules, lowest id on top */
+    uint32_t n_uncommitted;
+    uint32_t committed;     /* granules COMMITTING + COMMITTED + DECOMMITTING */
+    uint32_t decommit_head; /* pending decommits (DECOMMITTING), via gr[].next */
+    uint32_t *htab;
+    uint32_t hmask;
+    uint32_t lru_head, lru_tail;
+    uint64_t n_live, n_cached, n_free; /* blocks; n_free counts COMMITTED granules only */
+    pool_seq_t *seqs;                  /* live sequences (for validate) */
+    uint64_t n_seqs, live_tokens;
+    uint64_t peak_committed;
+    uint64_t q_count, q_tokens, hit_tokens, evictions, cow, commits, decommits;
+    uint64_t rej_nofit, rej_nospace;
+} pool_t;
+
+struct pool_seq {
+    struct pkv_seq base;
+    uint32_t *blocks; /* block table [cap] */
+    uint32_t nb, cap;
+    pool_seq_t *prev, *next; /* pool->seqs, guarded by pool->lock */
+};
+
+static const pkv_kv_ops_t pool_ops;
+
+static inline pool_t *pool_of(const pkv_kv_t *kv)
+{
+    return (pool_t *)kv;
+}
+
+static inline uint8_t *block_addr(const pool_t *p, uint32_t id)
+{
+    return p->addr + (size_t)(id / p->bpg) * p->stride + (size_t)(id % p->bpg) * p->base.block_bytes;
+}
+
+/* ---- granule buckets ---------------------------------------------------------------- */
+
+static void bucket_insert(pool_t *p, uint32_t g)
+{
+    pool_granule_t *gr = &p->gr[g];
+    uint32_t u = gr->used;
+    gr->prev = NONE;
+    gr->next = p->bucket[u];
+    if (gr->next != NONE) p->gr[gr->next].prev = g;
+    p->bucket[u] = g;
+    p->bucket_bits[u / 64] |= 1ull << (u % 64);
+    gr->in_bucket = 1;
+    if (u == 0) p->n_empty++;
+}
+
+static void bucket_remove(pool_t *p, uint32_t g)
+{
+    pool_granule_t *gr = &p->gr[g];
+    uint32_t u = gr->used;
+    if (gr->prev != NONE) p->gr[gr->prev].next = gr->next;
+    else p->bucket[u] = gr->next;
+    if (gr->next != NONE) p->gr[gr->next].prev = gr->prev;
+    if (p->bucket[u] == NONE) p->bucket_bits[u / 64] &= ~(1ull << (u % 64));
+    gr->in_bucket = 0;
+    if (u == 0) p->n_empty--;
+}
+
+/* The committed granule with a free block and the most used blocks; NONE if none. */
+static uint32_t bucket_densest(const pool_t *p)
+{
+    for (int64_t w = (int64_t)((p->bpg - 1) / 64); w >= 0; w--) {
+        uint64_t bits = p->bucket_bits[w];
+        if (bits) return p->bucket[(uint32_t)w * 64 + 63 - (uint32_t)__builtin_clzll(bits)];
+    }
+    return NONE;
+}
+
+/* ---- LRU and hash table ------------------------------------------------------------ */
+
+static void lru_push_mru(pool_t *p, uint32_t id)
+{
+    pool_block_t *b = &p->blk[id];
+    b->lru_next = NONE;
+    b->lru_prev = p->lru_tail;
+    if (p->lru_tail != NONE) p->blk[p->lru_tail].lru_next = id;
+    else p->lru_head = id;
+    p->lru_tail = id;
+}
+
+static void lru_remove(pool_t *p, uint32_t id)
+{
+    pool_block_t *b = &p->blk[id];
+    if (b->lru_prev != NONE) p->blk[b->lru_prev].lru_next = b->lru_next;
+    else p->lru_head = b->lru_next;
+    if (b->lru_next != NONE) p->blk[b->lru_next].lru_prev = b->lru_prev;
+    else p->lru_tail = b->lru_prev;
+}
+
+static uint32_t htab_find(const pool_t *p, const pkv_key_t *key)
+{
+    for (uint32_t id = p->htab[pkv_key_hash(key) & p->hmask]; id != NONE; id = p->blk[id].hnext)
+        if (pkv_key_eq(&p->blk[id].key, key)) return id;
+    return NONE;
+}
+
+static void htab_insert(pool_t *p, uint32_t id)
+{
+    uint32_t *head = &p->htab[pkv_key_hash(&p->blk[id].key) & p->hmask];
+    p->blk[id].hnext = *head;
+    *head = id;
+    p->blk[id].hashed = 1;
+}
+
+static void htab_remove(pool_t *p, uint32_t id)
+{
+    uint32_t *link = &p->htab[pkv_key_hash(&p->blk[id].key) & p->hmask];
+    while (*link != id) link = &p->blk[*link].hnext;
+    *link = p->blk[id].hnext;
+    p->blk[id].hashed = 0;
+}
+
+/* ---- block life cycle (all under lock) ---------------------------------------------- */
+
+/* Take the free block from the densest committed granule. Requires n_free > 0. */
+static uint32_t block_take(pool_t *p)
+{
+    uint32_t g = bucket_densest(p);
+    PKV_ASSERT(g != NONE);
+    pool_granule_t *gr = &p->gr[g];
+    bucket_remove(p, g);
+    uint32_t id = gr->free_head;
+    gr->free_head = p->blk[id].next;
+    gr->nfree--;
+    gr->used++;
+    if (gr->nfree) bucket_insert(p, g);
+    p->n_free--;
+    p->n_live++;
+    pool_block_t *b = &p->blk[id];
+    b->state = BLK_LIVE;
+    b->ref = 1;
+    b->hashed = 0;
+    return id;
+}
+
+/* Return a block (ref 0, not cached) to its granule; queue the granule for decommit
+ * when it empties and more than `retain` empty granules exist (unless `keep`). */
+static void block_put(pool_t *p, uint32_t id, bool keep)
+{
+    uint32_t g = id / p->bpg;
+    pool_granule_t *gr = &p->gr[g];
+    pool_block_t *b = &p->blk[id];
+    b->state = BLK_FREE;
+    b->next = gr->free_head;
+    gr->free_head = id;
+    if (gr->in_bucket) bucket_remove(p, g);
+    gr->used--;
+    gr->nfree++;
+    bucket_insert(p, g);
+    p->n_free++;
+    if (gr->used == 0 && !keep && p->n_empty > p->retain) {
+        bucket_remove(p, g);
+        gr->state = GR_DECOMMITTING;
+        p->n_free -= p->bpg;
+        gr->next = p->decommit_head;
+        p->decommit_head = g;
+    }
+}
+
+/* Drop one reference; at zero the block becomes cached (hashed, cache on) or free. */
+static void block_unref(pool_t *p, uint32_t id)
+{
+    pool_block_t *b = &p->blk[id];
+    PKV_ASSERT(b->state == BLK_LIVE && b->ref > 0);
+    if (--b->ref) return;
+    p->n_live--;
+    if (b->hashed) {
+        b->state = BLK_CACHED;
+        p->n_cached++;
+        lru_push_mru(p, id);
+    } else {
+        block_put(p, id, false);
+    }
+}
+
+static void block_ref(pool_t *p, uint32_t id)
+{
+    pool_block_t *b = &p->blk[id];
+    if (b->state == BLK_CACHED) {
+        lru_remove(p, id);
+        b->state = BLK_LIVE;
+        p->n_cached--;
+        p->n_live++;
+    }
+    b->ref++;
+}
+
+/* Evict one cached block: among the POOL_EVICT_WINDOW oldest, the one in the sparsest
+ * granule, so that whole granules empty out. */
+static void evict_one(pool_t *p, bool keep)
+{
+    uint32_t best = p->lru_head, id = p->lru_head;
+    for (int i = 0; i < POOL_EVICT_WINDOW && id != NONE; i++, id = p->blk[id].lru_next)
+        if (p->gr[id / p->bpg].used < p->gr[best / p->bpg].used) best = id;
+    PKV_ASSERT(best != NONE);
+    lru_remove(p, best);
+    htab_remove(p, best);
+    p->n_cached--;
+    p->evictions++;
+    block_put(p, best, keep);
+}
+
+/* ---- commit / decommit (OS calls outside the lock) --------------------------------- */
+
+static void pool_note_peak(pool_t *p)
+{
+    uint64_t c = (uint64_t)p->committed * p->stride;
+    if (c > p->peak_committed) p->peak_committed = c;
+}
+
+/* Decommit queued granules. Called with the lock held; drops and retakes it. */
+static void pool_flush_decommits(pool_t *p)
+{
+    while (p->decommit_head != NONE) {
+        uint32_t head = p->decommit_head;
+        p->decommit_head = NONE;
+        pthread_mutex_unlock(&p->lock);
+        for (uint32_t g = head; g != NONE; g = p->gr[g].next)
+            pkv_prim_decommit(p->addr + (size_t)g * p->stride, p->stride);
+        pthread_mutex_lock(&p->lock);
+        for (uint32_t g = head, next; g != NONE; g = next) {
+            next = p->gr[g].next;
+            p->gr[g].state = GR_UNCOMMITTED;
+            p->uncommitted[p->n_uncommitted++] = g;
+            p->committed--;
+            p->decommits++;
+        }
+    }
+}
+
+/* Commit up to `want` granules. Lock held; dropped around the OS calls. Returns the
+ * number committed (0 with rc NOMEM when the OS refused all). */
+static uint32_t pool_commit(pool_t *p, uint32_t want)
+{
+    uint32_t ids[64], n = 0, ok = 0;
+    want = PKV_MIN(want, (uint32_t)PKV_ARRAY_LEN(ids));
+    while (n < want && p->n_uncommitted && p->committed < p->max_granules) {
+        ids[n] = p->uncommitted[--p->n_uncommitted];
+        p->gr[ids[n]].state = GR_COMMITTING;
+        p->committed++;
+        n++;
+    }
+    pool_note_peak(p);
+    pthread_mutex_unlock(&p->lock);
+    int rc[64];
+    for (uint32_t i = 0; i < n; i++)
+        rc[i] = pkv_prim_commit(p->addr + (size_t)ids[i] * p->stride, p->stride, p->huge);
+    pthread_mutex_lock(&p->lock);
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t g = ids[i];
+        pool_granule_t *gr = &p->gr[g];
+        if (rc[i] != PKV_OK) {
+            gr->state = GR_UNCOMMITTED;
+            p->uncommitted[p->n_uncommitted++] = g;
+            p->committed--;
+            continue;
+        }
+        gr->state = GR_COMMITTED;
+        gr->used = 0;
+        gr->nfree = p->bpg;
+        gr->free_head = NONE;
+        for (uint32_t j = p->bpg; j-- > 0;) {
+            uint32_t id = g * p->bpg + j;
+            p->blk[id].state = BLK_FREE;
+            p->blk[id].next = gr->free_head;
+            gr->free_head = id;
+        }
+        p->n_free += p->bpg;
+        bucket_insert(p, g);
+        p->commits++;
+        ok++;
+    }
+    return ok;
+}
+
+/* Blocks obtainable now without touching live data: free + committable + evictable. */
+static uint64_t pool_available(const pool_t *p, uint64_t cached_excluded)
+{
+    uint64_t committable = PKV_MIN((uint64_t)p->n_uncommitted,
+                                   (uint64_t)(p->max_granules - PKV_MIN(p->committed, p->max_granules)));
+    return p->n_free + committable * p->bpg + (p->n_cached - cached_excluded);
+}
+
+/* Allocate n blocks into ids[], all or nothing. Lock held (may be dropped to commit).
+ * Prefers free committed blocks, then new granules, then eviction. */
+static int pool_alloc(pool_t *p, uint32_t n, uint32_t *ids)
+{
+    for (;;) {
+        if (p->n_free >= n) {
+            for (uint32_t i = 0; i < n; i++) ids[i] = block_take(p);
+            return PKV_OK;
+        }
+        uint64_t deficit = n - p->n_free;
+        if (p->n_uncommitted && p->committed < p->max_granules) {
+            if (pool_commit(p, (uint32_t)PKV_MIN(PKV_DIV_UP(deficit, p->bpg), 64)) == 0)
+                return PKV_ERR_NOMEM;
+            continue;
+        }
+        if (p->n_cached < deficit) return PKV_ERR_NOSPACE;
+        while (p->n_free < n) evict_one(p, true);
+    }
+}
+
+/* ---- sequences --------------------------------------------------------------------- */
+
+static int seq_grow_table(pool_seq_t *s, uint32_t nb)
+{
+    if (nb <= s->cap) return PKV_OK;
+    uint32_t cap = PKV_MAX(nb, s->cap ? s->cap * 2 : 16);
+    uint32_t *t = realloc(s->blocks, (size_t)cap * sizeof(uint32_t));
+    if (!t) return PKV_ERR_NOMEM;
+    s->blocks = t;
+    s->cap = cap;
+    return PKV_OK;
+}
+
+static void seq_link(pool_t *p, pool_seq_t *s)
+{
+    s->prev = NULL;
+    s->next = p->seqs;
+    if (p->seqs) p->seqs->prev = s;
+    p->seqs = s;
+    p->n_seqs++;
+}
+
+static void seq_unlink(pool_t *p, pool_seq_t *s)
+{
+    if (s->prev) s->prev->next = s->next;
+    else p->seqs = s->next;
+    if (s->next) s->next->prev = s->prev;
+    p->n_seqs--;
+}
+
+static pool_seq_t *seq_alloc(pool_t *p, uint64_t salt, uint32_t nb)
+{
+    pool_seq_t *s = calloc(1, sizeof(*s));
+    if (!s) return NULL;
+    if (pkv_seq_base_init(&s->base, &p->base, salt) || seq_grow_table(s, PKV_MAX(nb, 1))) {
+        pkv_seq_base_fini(&s->base);
+        free(s);
+        return NULL;
+    }
+    return s;
+}
+
+static void seq_dealloc(pool_seq_t *s)
+{
+    pkv_seq_base_fini(&s->base);
+    free(s->blocks);
+    free(s);
+}
+
+static int pool_nofit(pool_t *p, uint64_t blocks_needed)
+{
+    p->rej_nofit++;
+    PKV_LOGW("pool",
+             "request can never fit: needs %llu blocks (%llu bytes), budget holds %llu blocks "
+             "(%llu bytes)",
+             (unsigned long long)blocks_needed,
+             (unsigned long long)(blocks_needed * p->base.block_bytes),
+             (unsigned long long)p->max_granules * p->bpg, (unsigned long long)p->budget);
+    return PKV_ERR_NOFIT;
+}
+
+static int pool_seq_create(pkv_kv_t *kv, const pkv_seq_params_t *prm, pkv_seq_t **out,
+                           uint32_t *n_cached)
+{
+    pool_t *p = pool_of(kv);
+    uint32_t T = kv->geo.block_tokens;
+    uint32_t reserve = PKV_MAX(prm->reserve_tokens, prm->n_tokens);
+    uint32_t nb_total = PKV_DIV_UP(reserve, T);
+    uint64_t max_blocks = (uint64_t)p->max_granules * p->bpg;
+    int rc;
+    if (nb_total > max_blocks) {
+        pthread_mutex_lock(&p->lock);
+        rc = pool_nofit(p, nb_total);
+        pthread_mutex_unlock(&p->lock);
+        return rc;
+    }
+    uint32_t nk = p->prefix_cache ? (prm->n_tokens - 1) / T : 0;
+    pkv_key_t *keys = nk ? malloc((size_t)nk * sizeof(*keys)) : NULL;
+    pool_seq_t *s = seq_alloc(p, prm->salt, nb_total);
+    if ((nk && !keys) || !s) {
+        rc = PKV_ERR_NOMEM;
+        goto fail;
+    }
+    nk = nk ? pkv_prefix_keys(kv, prm->salt, prm->tokens, prm->n_tokens, keys) : 0; /* unlocked */
+
+    pthread_mutex_lock(&p->lock);
+    uint32_t hits = 0, cached_hits = 0;
+    for (; hits < nk; hits++) {
+        uint32_t id = htab_find(p, &keys[hits]);
+        if (id == NONE) break;
+        s->blocks[hits] = id;
+        cached_hits += p->blk[id].state == BLK_CACHED;
+    }
+    uint32_t need = nb_total - hits;
+    if (need > pool_available(p, cached_hits)) {
+        p->rej_nospace++;
+        pthread_mutex_unlock(&p->lock);
+        rc = PKV_ERR_NOSPACE;
+        goto fail;
+    }
+    for (uint32_t i = 0; i < hits; i++) block_ref(p, s->blocks[i]);
+    rc = pool_alloc(p, need, s->blocks + hits);
+    if (rc) {
+        for (uint32_t i = 0; i < hits; i++) block_unref(p, s->blocks[i]);
+        if (rc == PKV_ERR_NOSPACE) p->rej_nospace++;
+        pool_flush_decommits(p);
+        pthread_mutex_unlock(&p->lock);
+        goto fail;
+    }
+    s->nb = nb_total;
+    s->base.length = hits * T;
+    s->base.capacity = nb_total * T;
+    if (hits) s->base.last_key = keys[hits - 1];
+    seq_link(p, s);
+    p->live_tokens += s->base.length;
+    p->q_count++;
+    p->q_tokens += prm->n_tokens;
+    p->hit_tokens += (uint64_t)hits * T;
+    pthread_mutex_unlock(&p->lock);
+    free(keys);
+    *out = &s->base;
+    if (n_cached) *n_cached = hits * T;
+    return PKV_OK;
+fail:
+    if (s) seq_dealloc(s);
+    free(keys);
+    return rc;
+}
+
+static void pool_seq_free(pkv_seq_t *seq)
+{
+    pool_seq_t *s = (pool_seq_t *)seq;
+    pool_t *p = pool_of(seq->kv);
+    pthread_mutex_lock(&p->lock);
+    /* Last block first: the LRU then evicts a sequence's tail before its head. */
+    for (uint32_t i = s->nb; i-- > 0;) block_unref(p, s->blocks[i]);
+    p->live_tokens -= seq->length;
+    seq_unlink(p, s);
+    pool_flush_decommits(p);
+    pthread_mutex_unlock(&p->lock);
+    seq_dealloc(s);
+}
+
+static int pool_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens)
+{
+    pool_seq_t *s = (pool_seq_t *)seq;
+    pool_t *p = pool_of(seq->kv);
+    uint32_t T = seq->kv->geo.block_tokens;
+    uint32_t nb = PKV_MAX(PKV_DIV_UP(n_tokens, T), s->nb);
+    uint32_t partial = seq->length % T ? seq->length / T : NONE; /* block index being filled */
+    int rc = seq_grow_table(s, nb);
+    if (rc) return rc;
+    if (nb > (uint64_t)p->max_granules * p->bpg) {
+        pthread_mutex_lock(&p->lock);
+        rc = pool_nofit(p, nb);
+        pthread_mutex_unlock(&p->lock);
+        return rc;
+    }
+    pthread_mutex_lock(&p->lock);
+    bool cow = partial != NONE && partial < s->nb && p->blk[s->blocks[partial]].ref > 1;
+    uint32_t need = nb - s->nb + (cow ? 1 : 0), fresh[1];
+    if (need > pool_available(p, 0)) {
+        p->rej_nospace++;
+        pthread_mutex_unlock(&p->lock);
+        return PKV_ERR_NOSPACE;
+    }
+    /* New table entries first, the COW copy's block last (into fresh[0]). */
+    rc = pool_alloc(p, nb - s->nb, s->blocks + s->nb);
+    if (rc == PKV_OK && cow) {
+        rc = pool_alloc(p, 1, fresh);
+        if (rc) {
+            for (uint32_t i = s->nb; i < nb; i++) block_unref(p, s->blocks[i]);
+            pool_flush_decommits(p);
+        }
+    }
+    if (rc) {
+        if (rc == PKV_ERR_NOSPACE) p->rej_nospace++;
+        pthread_mutex_unlock(&p->lock);
+        return rc;
+    }
+    pthread_mutex_unlock(&p->lock);
+    if (cow) {
+        /* We hold a reference on the shared block: no sharer writes it (each copies
+         * first, as we do), so the copy runs unlocked. */
+        uint32_t old = s->blocks[partial];
+        memcpy(block_addr(p, fresh[0]), block_addr(p, old), seq->kv->block_bytes);
+        pthread_mutex_lock(&p->lock);
+        s->blocks[partial] = fresh[0];
+        block_unref(p, old);
+        p->cow++;
+        pool_flush_decommits(p);
+        pthread_mutex_unlock(&p->lock);
+    }
+    s->nb = nb;
+    seq->capacity = nb * T;
+    return PKV_OK;
+}
+
+static void pool_publish(struct pkv_seq *seq, uint32_t block, const pkv_key_t *key, void *arg)
+{
+    pool_seq_t *s = (pool_seq_t *)seq;
+    pool_t *p = arg;
+    if (!p->prefix_cache) return;
+    pthread_mutex_lock(&p->lock);
+    uint32_t id = s->blocks[block];
+    if (!p->blk[id].hashed && htab_find(p, key) == NONE) {
+        p->blk[id].key = *key;
+        htab_insert(p, id);
+    }
+    pthread_mutex_unlock(&p->lock);
+}
+
+static int pool_seq_append(pkv_seq_t *seq, const int32_t *tokens, uint32_t n)
+{
+    pool_t *p = pool_of(seq->kv);
+    pkv_seq_base_append(seq, tokens, n, pool_publish, p);
+    pthread_mutex_lock(&p->lock);
+    p->live_tokens += n;
+    pthread_mutex_unlock(&p->lock);
+    return PKV_OK;
+}
+
+static int pool_seq_fork(pkv_seq_t *parent, pkv_seq_t **out)
+{
+    pool_seq_t *ps = (pool_seq_t *)parent;
+    pool_t *p = pool_of(parent->kv);
+    uint32_t T = parent->kv->geo.block_tokens;
+    uint32_t nb = PKV_DIV_UP(parent->length, T);
+    pool_seq_t *c = seq_alloc(p, parent->salt, nb);
+    if (!c) return PKV_ERR_NOMEM;
+    int rc = pkv_seq_base_copy(&c->base, parent);
+    if (rc) {
+        free(c->blocks);
+        free(c);
+        return rc;
+    }
+    memcpy(c->blocks, ps->blocks, (size_t)nb * sizeof(uint32_t));
+    c->nb = nb;
+    /* A shared partial block must be copied before either side writes it. */
+    c->base.capacity = parent->length;
+    if (parent->length % T) parent->capacity = parent->length;
+    pthread_mutex_lock(&p->lock);
+    for (uint32_t i = 0; i < nb; i++) block_ref(p, c->blocks[i]);
+    seq_link(p, c);
+    p->live_tokens += parent->length;
+    pthread_mutex_unlock(&p->lock);
+    *out = &c->base;
+    return PKV_OK;
+}
+
+static void pool_seq_slot(const pkv_seq_t *seq, uint32_t pos, uint32_t layer, void **k, void **v,
+                          size_t *head_stride)
+{
+    const pool_seq_t *s = (const pool_seq_t *)seq;
+    const pool_t *p = pool_of(seq->kv);
+    const pkv_geometry_t *g = &seq->kv->geo;
+    size_t es = seq->kv->elem_bytes, T = g->block_tokens, D = g->head_dim, H = g->kv_heads;
+    uint8_t *base = block_addr(p, s->blocks[pos / T]) + ((size_t)layer * 2 * H * T + pos % T) * D * es;
+    *k = base;
+    *v = base + H * T * D * es;
+    *head_stride = T * D;
+}
+
+static uint32_t pool_seq_runs(const pkv_seq_t *seq, uint32_t layer, uint32_t begin, uint32_t end,
+                              pkv_kv_run_t *out, uint32_t max, uint32_t *next)
+{
+    uint32_t T = seq->kv->geo.block_tokens, n = 0, pos = begin;
+    while (pos < end && n < max) {
+        uint32_t stop = PKV_MIN(end, (pos / T + 1) * T);
+        void *k, *v;
+        size_t hs;
+        pool_seq_slot(seq, pos, layer, &k, &v, &hs);
+        out[n++] = (pkv_kv_run_t){.k = k, .v = v, .pos = pos, .n_tokens = stop - pos, .head_stride = hs};
+        pos = stop;
+    }
+    if (next) *next = pos;
+    return n;
+}
+
+/* ---- paged-only block API ------------------------------------------------------------ */
+
+int pkv_seq_blocks(const pkv_seq_t *seq, const uint32_t **ids, uint32_t *n)
+{
+    if (!seq || seq->kv->backend != PKV_BACKEND_PAGED) return PKV_ERR_UNSUPPORTED;
+    const pool_seq_t *s = (const pool_seq_t *)seq;
+    *ids = s->blocks;
+    *n = s->nb;
+    return PKV_OK;
+}
+
+void *pkv_kv_block_ptr(const pkv_kv_t *kv, uint32_t block)
+{
+    if (kv->backend != PKV_BACKEND_PAGED) return NULL;
+    const pool_t *p = pool_of(kv);
+    return block < p->n_granules * p->bpg ? block_addr(p, block) : NULL;
+}
+
+int pkv_kv_pin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
+{
+    if (!kv || kv->backend != PKV_BACKEND_PAGED) return PKV_ERR_UNSUPPORTED;
+    pool_t *p = pool_of(kv);
+    pthread_mutex_lock(&p->lock);
+    for (uint32_t i = 0; i < n; i++) {
+        if (ids[i] >= p->n_granules * p->bpg || p->blk[ids[i]].state == BLK_FREE) {
+            pthread_mutex_unlock(&p->lock);
+            return PKV_ERR_NOTFOUND;
+        }
+    }
+    for (uint32_t i = 0; i < n; i++) block_ref(p, ids[i]);
+    pthread_mutex_unlock(&p->lock);
+    return PKV_OK;
+}
+
+void pkv_kv_unpin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
+{
+    if (!kv || kv->backend != PKV_BACKEND_PAGED) return;
+    pool_t *p = pool_of(kv);
+    pthread_mutex_lock(&p->lock);
+    for (uint32_t i = 0; i < n; i++) block_unref(p, ids[i]);
+    pool_flush_decommits(p);
+    pthread_mutex_unlock(&p->lock);
+}
+
+/* ---- cache control, stats, validation --------------------------------------------- */
+
+static void pool_reset_cache(pkv_kv_t *kv)
+{
+    pool_t *p = pool_of(kv);
+    pthread_mutex_lock(&p->lock);
+    while (p->n_cached) evict_one(p, false);
+    pool_flush_decommits(p);
+    pthread_mutex_unlock(&p->lock);
+}
+
+static void pool_stats(pkv_kv_t *kv, pkv_kv_stats_t *o)
+{
+    pool_t *p = pool_of(kv);
+    pthread_mutex_lock(&p->lock);
+    o->committed_bytes = (uint64_t)p->committed * p->stride;
+    o->peak_committed_bytes = p->peak_committed;
+    o->reserved_bytes = p->reserved;
+    o->budget_bytes = p->budget;
+    o->granule_bytes = p->stride;
+    o->storage_ranges = 1;
+    o->block_bytes = kv->block_bytes;
+    o->token_bytes = kv->token_bytes;
+    o->blocks_capacity = (uint64_t)p->max_granules * p->bpg;
+    o->blocks_live = p->n_live;
+    o->blocks_cached = p->n_cached;
+    o->blocks_free = p->n_free;
+    o->live_tokens = p->live_tokens;
+    o->sequences = p->n_seqs;
+    o->prefix_queries = p->q_count;
+    o->prefix_query_tokens = p->q_tokens;
+    o->prefix_hit_tokens = p->hit_tokens;
+    o->evictions = p->evictions;
+    o->cow_copies = p->cow;
+    o->commits = p->commits;
+    o->decommits = p->decommits;
+    o->rejected_nofit = p->rej_nofit;
+    o->rejected_nospace = p->rej_nospace;
+    pthread_mutex_unlock(&p->lock);
+}
+
+#define CHECK(cond, ...)                                                                       \
+    do {                                                                                       \
+        if (!(cond)) {                                                                         \
+            PKV_LOGE("pool", "validate: " __VA_ARGS__);                                        \
+            rc = PKV_ERR_CORRUPT;                                                              \
+            goto out;                                                                          \
+        }                                                                                      \
+    } while (0)
+
+static int pool_validate(pkv_kv_t *kv)
+{
+    pool_t *p = pool_of(kv);
+    uint32_t nblk = p->n_granules * p->bpg;
+    uint32_t *seq_refs = calloc(nblk, sizeof(uint32_t));
+    if (!seq_refs) return PKV_ERR_NOMEM;
+    int rc = PKV_OK;
+    pthread_mutex_lock(&p->lock);
+    uint64_t live = 0, cached = 0, free_ = 0, committed = 0, empty = 0, lru = 0, hashed = 0;
+    uint64_t seqs = 0, tokens = 0;
+    for (pool_seq_t *s = p->seqs; s; s = s->next, seqs++) {
+        uint32_t T = kv->geo.block_tokens;
+        CHECK(s->base.length <= s->base.capacity && s->base.capacity <= s->nb * T,
+              "seq length %u capacity %u blocks %u", s->base.length, s->base.capacity, s->nb);
+        for (uint32_t i = 0; i < s->nb; i++) {
+            CHECK(s->blocks[i] < nblk, "seq block id %u out of range", s->blocks[i]);
+            seq_refs[s->blocks[i]]++;
+        }
+        /* Writable positions lie in blocks owned alone. */
+        for (uint32_t b = s->base.length / T;
+             s->base.capacity > s->base.length && b < PKV_DIV_UP(s->base.capacity, T); b++)
+            CHECK(!p->blk[s->blocks[b]].hashed, "writable block %u is hashed", s->blocks[b]);
+        tokens += s->base.length;
+    }
+    CHECK(seqs == p->n_seqs && tokens == p->live_tokens, "sequence count/tokens drift");
+    for (pool_seq_t *s = p->seqs; s; s = s->next) /* no other sequence can see them */
+        for (uint32_t b = s->base.length / kv->geo.block_tokens;
+             s->base.capacity > s->base.length && b < PKV_DIV_UP(s->base.capacity, kv->geo.block_tokens); b++)
+            CHECK(seq_refs[s->blocks[b]] == 1, "writable block %u shared by %u sequences",
+                  s->blocks[b], seq_refs[s->blocks[b]]);
+    for (uint32_t g = 0; g < p->n_granules; g++) {
+        pool_granule_t *gr = &p->gr[g];
+        if (gr->state != GR_COMMITTED) {
+            CHECK(gr->state == GR_UNCOMMITTED || gr->state == GR_DECOMMITTING ||
+                      gr->state == GR_COMMITTING,
+                  "granule %u bad state", g);
+            if (gr->state != GR_UNCOMMITTED) committed++;
+            continue;
+        }
+        committed++;
+        uint32_t used = 0, nfree = 0;
+        for (uint32_t j = 0; j < p->bpg; j++) {
+            uint32_t id = g * p->bpg + j;
+            pool_block_t *b = &p->blk[id];
+            if (b->state == BLK_FREE) {
+                nfree++;
+                CHECK(seq_refs[id] == 0, "free block %u in a sequence", id);
+                continue;
+            }
+            used++;
+            if (b->state == BLK_LIVE) {
+                live++;
+                CHECK(b->ref >= seq_refs[id] && b->ref > 0, "block %u ref %u < seq refs %u", id,
+                      b->ref, seq_refs[id]);
+            } else {
+                CHECK(b->state == BLK_CACHED && b->ref == 0 && b->hashed && seq_refs[id] == 0,
+                      "cached block %u inconsistent", id);
+                cached++;
+            }
+            if (b->hashed) {
+                hashed++;
+                CHECK(htab_find(p, &b->key) == id, "hashed block %u not found by its key", id);
+            }
+        }
+        uint32_t walk = 0;
+        for (uint32_t id = gr->free_head; id != NONE; id = p->blk[id].next, walk++)
+            CHECK(walk < p->bpg && id / p->bpg == g && p->blk[id].state == BLK_FREE,
+                  "granule %u free list corrupt", g);
+        CHECK(used == gr->used && nfree == gr->nfree && walk == nfree && used + nfree == p->bpg,
+              "granule %u counts used %u/%u free %u/%u", g, used, gr->used, nfree, gr->nfree);
+        CHECK(gr->in_bucket == (nfree > 0), "granule %u bucket membership", g);
+        free_ += nfree;
+        empty += used == 0;
+    }
+    for (uint32_t id = p->lru_head, prev = NONE; id != NONE; prev = id, id = p->blk[id].lru_next) {
+        CHECK(p->blk[id].state == BLK_CACHED && p->blk[id].lru_prev == prev, "LRU list corrupt");
+        CHECK(++lru <= cached, "LRU longer than cached count");
+    }
+    uint64_t in_table = 0;
+    for (uint32_t h = 0; h <= p->hmask; h++)
+        for (uint32_t id = p->htab[h]; id != NONE; id = p->blk[id].hnext) in_table++;
+    CHECK(live == p->n_live && cached == p->n_cached && free_ == p->n_free && lru == cached,
+          "block counts live %llu/%llu cached %llu/%llu free %llu/%llu", (unsigned long long)live,
+          (unsigned long long)p->n_live, (unsigned long long)cached,
+          (unsigned long long)p->n_cached, (unsigned long long)free_,
+          (unsigned long long)p->n_free);
+    CHECK(in_table == hashed, "hash table holds %llu, hashed %llu", (unsigned long long)in_table,
+          (unsigned long long)hashed);
+    CHECK(committed == p->committed && committed <= p->max_granules, "committed granules drift");
+    CHECK(empty == p->n_empty, "empty granule count drift");
+    CHECK(committed + p->n_uncommitted == p->n_granules, "granule stack drift");
+out:
+    pthread_mutex_unlock(&p->lock);
+    free(seq_refs);
+    return rc;
+}
+
+/* ---- create / destroy -------------------------------------------------------------- */
+
+static void pool_destroy(pkv_kv_t *kv)
+{
+    pool_t *p = pool_of(kv);
+    PKV_ASSERT(p->n_seqs == 0);
+    pkv_prim_release(p->addr, p->reserved);
+    pthread_mutex_destroy(&p->lock);
+    free(p->blk);
+    free(p->gr);
+    free(p->bucket);
+    free(p->bucket_bits);
+    free(p->uncommitted);
+    free(p->htab);
+    free(p);
+}
+
+int pkv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
+{
+    pool_t *p = calloc(1, sizeof(*p));
+    if (!p) return PKV_ERR_NOMEM;
+    int rc = PKV_ERR_NOMEM;
+    p->base.ops = &pool_ops;
+    p->base.geo = cfg->geo;
+    p->base.geo.block_tokens = cfg->geo.block_tokens ? cfg->geo.block_tokens : 16;
+    p->base.backend = PKV_BACKEND_PAGED;
+    p->base.elem_bytes = pkv_dtype_size(cfg->geo.dtype);
+    p->base.token_bytes = pkv_geometry_token_bytes(&p->base.geo);
+    p->base.block_bytes = p->base.token_bytes * p->base.geo.block_tokens;
+    size_t bb = p->base.block_bytes;
+    uint64_t gran = cfg->granule_bytes ? cfg->granule_bytes : PKV_PRIM_HUGE;
+    if (gran % PKV_PRIM_PAGE) {
+        PKV_LOGE("pool", "granule_bytes %llu is not a multiple of 4 KiB", (unsigned long long)gran);
+        free(p);
+        return PKV_ERR_INVALID;
+    }
+    p->bpg = (uint32_t)PKV_MAX(1, gran / bb);
+    p->stride = PKV_ALIGN_UP((size_t)p->bpg * bb, PKV_PRIM_PAGE);
+    p->budget = cfg->budget_bytes;
+    uint64_t span = cfg->budget_bytes ? cfg->budget_bytes
+                                      : (cfg->reserve_bytes ? cfg->reserve_bytes : POOL_DEFAULT_RESERVE);
+    uint64_t ng = span / p->stride;
+    ng = PKV_MIN(ng, POOL_MAX_BLOCKS / p->bpg);
+    if (ng == 0) {
+        PKV_LOGE("pool", "budget %llu bytes is smaller than one granule (%zu bytes)",
+                 (unsigned long long)span, p->stride);
+        free(p);
+        return cfg->budget_bytes ? PKV_ERR_NOFIT : PKV_ERR_INVALID;
+    }
+    p->n_granules = p->max_granules = (uint32_t)ng;
+    p->reserved = (size_t)ng * p->stride;
+    p->retain = cfg->retain_granules ? cfg->retain_granules : 1;
+    p->prefix_cache = !cfg->no_prefix_cache;
+    p->huge = cfg->hugepages;
+    uint32_t nblk = p->n_granules * p->bpg, hsize = 64;
+    while (hsize < nblk / 2) hsize <<= 1;
+    p->blk = calloc(nblk, sizeof(*p->blk));
+    p->gr = calloc(p->n_granules, sizeof(*p->gr));
+    p->bucket = malloc((size_t)p->bpg * sizeof(uint32_t));
+    p->bucket_bits = calloc(PKV_DIV_UP(p->bpg, 64), sizeof(uint64_t));
+    p->uncommitted = malloc((size_t)p->n_granules * sizeof(uint32_t));
+    p->htab = malloc((size_t)hsize * sizeof(uint32_t));
+    if (!p->blk || !p->gr || !p->bucket || !p->bucket_bits || !p->uncommitted || !p->htab)
+        goto fail;
+    p->hmask = hsize - 1;
+    memset(p->htab, 0xff, (size_t)hsize * sizeof(uint32_t));
+    memset(p->bucket, 0xff, (size_t)p->bpg * sizeof(uint32_t));
+    for (uint32_t g = 0; g < p->n_granules; g++) p->uncommitted[g] = p->n_granules - 1 - g;
+    p->n_uncommitted = p->n_granules;
+    p->lru_head = p->lru_tail = p->decommit_head = NONE;
+    rc = pkv_prim_reserve(p->reserved, PKV_PRIM_HUGE, (void **)&p->addr);
+    if (rc) goto fail;
+    if (pthread_mutex_init(&p->lock, NULL) != 0) {
+        rc = PKV_ERR_NOMEM;
+        goto fail_reserve;
+    }
+    *out = &p->base;
+    return PKV_OK;
+fail_reserve:
+    pkv_prim_release(p->addr, p->reserved);
+fail:
+    free(p->blk);
+    free(p->gr);
+    free(p->bucket);
+    free(p->bucket_bits);
+    free(p->uncommitted);
+    free(p->htab);
+    free(p);
+    return rc;
+}
+
+static const pkv_kv_ops_t pool_ops = {
+    .destroy = pool_destroy,
+    .seq_create = pool_seq_create,
+    .seq_free = pool_seq_free,
+    .seq_reserve = pool_seq_reserve,
+    .seq_append = pool_seq_append,
+    .seq_fork = pool_seq_fork,
+    .seq_slot = pool_seq_slot,
+    .seq_runs = pool_seq_runs,
+    .reset_cache = pool_reset_cache,
+    .stats = pool_stats,
+    .validate = pool_validate,
+};
