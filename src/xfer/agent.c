@@ -329,22 +329,36 @@ int xf_sockaddr_parse(const char *addr, struct sockaddr_storage *ss, socklen_t *
  * every transport's own table (uct_config_modify), where names carry no transport
  * prefix: "ERROR_HANDLING" reaches both shm transports (posix, sysv), "TX_SEG_SIZE" /
  * "RX_SEG_SIZE" reach tcp. */
+static bool tls_may_use(const char *tls, const char *const *names)
+{
+    if (!tls || !*tls || tls[0] == '^' || strstr(tls, "all")) return true;
+    for (; *names; names++)
+        if (strstr(tls, *names)) return true;
+    return false;
+}
+
 static void ucx_config(ucp_config_t *uc)
 {
-    static const char *const defaults[][3] = {
-        /* key, value, the environment variable that overrides it */
-        {"ZCOPY_THRESH", "inf", "UCX_ZCOPY_THRESH"},
-        {"KEEPALIVE_INTERVAL", "1s", "UCX_KEEPALIVE_INTERVAL"},
-        {"TX_SEG_SIZE", "64k", "UCX_TCP_TX_SEG_SIZE"},
-        {"RX_SEG_SIZE", "64k", "UCX_TCP_RX_SEG_SIZE"},
-        {"MM_ERROR_HANDLING", "y", "UCX_POSIX_ERROR_HANDLING"},
+    static const char *const any[] = {"", NULL};
+    static const char *const tcp[] = {"tcp", NULL};
+    static const char *const shm[] = {"shm", "posix", "sysv", "mm", NULL};
+    static const struct {
+        const char *key, *value, *env; /* env: the variable that overrides it */
+        const char *const *tls;        /* only when UCX_TLS may select one of these */
+    } defaults[] = {
+        {"ZCOPY_THRESH", "inf", "UCX_ZCOPY_THRESH", any},
+        {"KEEPALIVE_INTERVAL", "1s", "UCX_KEEPALIVE_INTERVAL", any},
+        {"TX_SEG_SIZE", "64k", "UCX_TCP_TX_SEG_SIZE", tcp},
+        {"RX_SEG_SIZE", "64k", "UCX_TCP_RX_SEG_SIZE", tcp},
+        {"MM_ERROR_HANDLING", "y", "UCX_POSIX_ERROR_HANDLING", shm},
     };
+    const char *tls = getenv("UCX_TLS");
     for (size_t i = 0; i < PKV_ARRAY_LEN(defaults); i++) {
-        if (getenv(defaults[i][2])) continue;
-        ucs_status_t s = ucp_config_modify(uc, defaults[i][0], defaults[i][1]);
+        if (getenv(defaults[i].env) || !tls_may_use(tls, defaults[i].tls)) continue;
+        ucs_status_t s = ucp_config_modify(uc, defaults[i].key, defaults[i].value);
         if (s != UCS_OK)
-            PKV_LOGW(XF_MOD, "UCX setting %s=%s not applied: %s", defaults[i][0], defaults[i][1],
-                     ucs_status_string(s));
+            PKV_LOGW(XF_MOD, "UCX setting %s=%s not applied: %s", defaults[i].key,
+                     defaults[i].value, ucs_status_string(s));
     }
 }
 

@@ -203,15 +203,17 @@ void pkv_xfer_read_free(pkv_xfer_read_t *rd)
 }
 
 /* ---- state machine (progress thread) ------------------------------------------------------ */
+/* The callback runs first, then waiters see the outcome: once pkv_xfer_read_wait
+ * returns, the callback has returned too. */
 static void deliver(pkv_xfer_read_t *rd, int outcome, uint64_t bytes)
 {
+    if (rd->fn) rd->fn(rd->arg, rd, outcome);
     pthread_mutex_lock(&rd->mu);
     rd->done = true;
     rd->outcome = outcome;
     rd->bytes = bytes;
     pthread_cond_broadcast(&rd->cv);
     pthread_mutex_unlock(&rd->mu);
-    if (rd->fn) rd->fn(rd->arg, rd, outcome);
 }
 
 /* Return staging and pins once nothing refers to the read (idempotent). */
