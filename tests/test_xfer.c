@@ -78,16 +78,17 @@ static pkv_seq_t *seq_with(pkv_kv_t *kv, uint32_t n_tokens, bool append, int32_t
     return s;
 }
 
+/* Written on the agent's progress thread, polled by the test: atomics. */
 typedef struct {
-    int calls;
-    int outcome;
+    atomic_int calls;
+    atomic_int outcome;
 } reg_cb_t;
 static void reg_cb(void *arg, uint64_t request_id, int outcome)
 {
     (void)request_id;
     reg_cb_t *c = arg;
-    c->calls++;
-    c->outcome = outcome;
+    atomic_store(&c->outcome, outcome);
+    atomic_fetch_add(&c->calls, 1);
 }
 
 static uint64_t live_blocks(pkv_kv_t *kv)
@@ -134,7 +135,7 @@ START_TEST(api_bad_input_changes_nothing)
                      PKV_ERR_INVALID);
     ck_assert_ptr_null(h);
     ck_assert_uint_eq(live_blocks(p.kv), live_p);
-    reg_cb_t rc1 = {0};
+    reg_cb_t rc1 = {0, 0};
     ck_assert_int_eq(pkv_xfer_register(p.a, 1, sids, sn, PKV_DEADLINE_NEVER, reg_cb, &rc1, &h),
                      PKV_OK);
     pkv_xfer_handle_t *h2 = NULL;
@@ -173,9 +174,9 @@ START_TEST(api_bad_input_changes_nothing)
 
     /* Unregister: the callback says cancelled and the pins return. */
     ck_assert_int_eq(pkv_xfer_unregister(p.a, 1), PKV_OK);
-    for (int i = 0; i < 200 && !rc1.calls; i++) usleep(5000);
-    ck_assert_int_eq(rc1.calls, 1);
-    ck_assert_int_eq(rc1.outcome, PKV_ERR_CANCELLED);
+    for (int i = 0; i < 200 && !atomic_load(&rc1.calls); i++) usleep(5000);
+    ck_assert_int_eq(atomic_load(&rc1.calls), 1);
+    ck_assert_int_eq(atomic_load(&rc1.outcome), PKV_ERR_CANCELLED);
     pkv_xfer_stats(p.a, &s);
     ck_assert_uint_eq(s.registrations, 0);
     ck_assert_uint_eq(s.pinned_blocks, 0);
@@ -191,28 +192,28 @@ START_TEST(api_bad_input_changes_nothing)
     pkv_xfer_read_free(rd);
 
     /* Expiry: the lease runs out, the callback says timeout, the pins return. */
-    reg_cb_t rc2 = {0};
+    reg_cb_t rc2 = {0, 0};
     pkv_xfer_handle_t *h3;
     ck_assert_int_eq(
         pkv_xfer_register(p.a, 2, sids, sn, pkv_deadline_after_ns(50000000ull), reg_cb, &rc2, &h3),
         PKV_OK);
-    for (int i = 0; i < 400 && !rc2.calls; i++) usleep(5000);
-    ck_assert_int_eq(rc2.calls, 1);
-    ck_assert_int_eq(rc2.outcome, PKV_ERR_TIMEOUT);
+    for (int i = 0; i < 400 && !atomic_load(&rc2.calls); i++) usleep(5000);
+    ck_assert_int_eq(atomic_load(&rc2.calls), 1);
+    ck_assert_int_eq(atomic_load(&rc2.outcome), PKV_ERR_TIMEOUT);
     pkv_xfer_stats(p.a, &s);
     ck_assert_uint_eq(s.expired, 1);
     ck_assert_uint_eq(s.pinned_blocks, 0);
 
     /* Destroy with a live registration: callback shutdown, pins returned. */
-    reg_cb_t rc3 = {0};
+    reg_cb_t rc3 = {0, 0};
     pkv_xfer_handle_t *h4;
     ck_assert_int_eq(pkv_xfer_register(p.a, 3, sids, sn, PKV_DEADLINE_NEVER, reg_cb, &rc3, &h4),
                      PKV_OK);
     ck_assert_uint_gt(live_blocks(p.kv), live_p - 1);
     pkv_xfer_agent_destroy(p.a);
     p.a = NULL;
-    ck_assert_int_eq(rc3.calls, 1);
-    ck_assert_int_eq(rc3.outcome, PKV_ERR_SHUTDOWN);
+    ck_assert_int_eq(atomic_load(&rc3.calls), 1);
+    ck_assert_int_eq(atomic_load(&rc3.outcome), PKV_ERR_SHUTDOWN);
     ck_assert_uint_eq(live_blocks(p.kv), live_p);
 
     pkv_xfer_handle_free(h);
@@ -226,15 +227,15 @@ START_TEST(api_bad_input_changes_nothing)
 END_TEST
 
 typedef struct {
-    int calls;
-    int outcome;
+    atomic_int calls;
+    atomic_int outcome;
 } done_cb_t;
 static void done_cb(void *arg, pkv_xfer_read_t *rd, int outcome)
 {
     (void)rd;
     done_cb_t *d = arg;
-    d->calls++;
-    d->outcome = outcome;
+    atomic_store(&d->outcome, outcome);
+    atomic_fetch_add(&d->calls, 1);
 }
 
 START_TEST(in_process_read_ok_then_sent_once)
@@ -250,7 +251,7 @@ START_TEST(in_process_read_ok_then_sent_once)
     uint32_t sn, dn;
     pkv_seq_blocks(src, &sids, &sn);
     pkv_seq_blocks(dst, &dids, &dn);
-    reg_cb_t sent = {0};
+    reg_cb_t sent = {0, 0};
     pkv_xfer_handle_t *h;
     ck_assert_int_eq(pkv_xfer_register(p.a, 9, sids, sn, PKV_DEADLINE_NEVER, reg_cb, &sent, &h),
                      PKV_OK);
@@ -260,7 +261,7 @@ START_TEST(in_process_read_ok_then_sent_once)
     ck_assert_int_eq(pkv_xfer_handle_encode(h, buf, sizeof(buf), &len), PKV_OK);
     pkv_xfer_handle_t *hc;
     ck_assert_int_eq(pkv_xfer_handle_decode(buf, len, &hc), PKV_OK);
-    done_cb_t d = {0};
+    done_cb_t d = {0, 0};
     pkv_xfer_read_t *rd;
     ck_assert_int_eq(
         pkv_xfer_read(c.a, hc, dids, dn, pkv_deadline_after_ns(5000000000ull), done_cb, &d, &rd),
@@ -268,8 +269,8 @@ START_TEST(in_process_read_ok_then_sent_once)
     int oc = -1;
     ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(6000000000ull), &oc), PKV_OK);
     ck_assert_int_eq(oc, PKV_OK);
-    ck_assert_int_eq(d.calls, 1);
-    ck_assert_int_eq(d.outcome, PKV_OK);
+    ck_assert_int_eq(atomic_load(&d.calls), 1);
+    ck_assert_int_eq(atomic_load(&d.outcome), PKV_OK);
     ck_assert_uint_eq(pkv_xfer_read_bytes(rd), (uint64_t)sn * pkv_kv_block_bytes(p.kv));
     ck_assert_uint_eq(pattern_apply(dst, g, 42, 0, 37, false), 0);
     /* ok arrives after staging and pins are back */
@@ -279,9 +280,9 @@ START_TEST(in_process_read_ok_then_sent_once)
     ck_assert_uint_eq(s.pinned_blocks, 0);
     ck_assert_uint_eq(s.reads_done[0], 1);
     /* The producer counts it sent once, on the ACK. */
-    for (int i = 0; i < 400 && !sent.calls; i++) usleep(5000);
-    ck_assert_int_eq(sent.calls, 1);
-    ck_assert_int_eq(sent.outcome, PKV_OK);
+    for (int i = 0; i < 400 && !atomic_load(&sent.calls); i++) usleep(5000);
+    ck_assert_int_eq(atomic_load(&sent.calls), 1);
+    ck_assert_int_eq(atomic_load(&sent.outcome), PKV_OK);
     pkv_xfer_stats(p.a, &s);
     ck_assert_uint_eq(s.sent, 1);
     ck_assert_uint_eq(s.registrations, 0);
@@ -300,7 +301,7 @@ START_TEST(in_process_read_ok_then_sent_once)
     pkv_seq_free(dst);
     side_free(&c);
     side_free(&p);
-    ck_assert_int_eq(sent.calls, 1); /* destroy did not call it again */
+    ck_assert_int_eq(atomic_load(&sent.calls), 1); /* destroy did not call it again */
 }
 END_TEST
 
