@@ -331,6 +331,7 @@ static pkv_stage_t *make_stage(const xh_case_t *c, uint32_t pages)
     sc.page_bytes = c->page_bytes ? c->page_bytes : 64 << 10;
     uint32_t per = pages_for(c, sc.page_bytes);
     sc.pool_pages = pages ? pages : per * (c->sequential ? 2 : c->n_requests) + 4;
+    sc.idle_release_ns = 5000000000ull; /* keep warm pages across the timed reads */
     sc.pin = false;
     pkv_stage_t *st;
     int rc = pkv_stage_create(&sc, &st);
@@ -556,10 +557,11 @@ static void consumer_main(const xh_case_t *c, int from_parent)
         int rc = pkv_xfer_read(a, h[r], ids, n, start[r] + c->deadline_ms * 1000000ull, on_done,
                                &slot[r], &rd[r]);
         if (rc) child_fail("read", rc);
-        if (!c->sequential && r + 1 < nreq) continue;
-        /* Wait for this read (sequential) or all of them, acting on the hook's trigger. */
+        bool one_by_one = r < c->warmup || c->sequential;
+        if (!one_by_one && r + 1 < nreq) continue;
+        /* Wait for this read (one by one) or the whole batch, acting on the hook's trigger. */
         uint64_t give_up = pkv_now_ns() + (c->deadline_ms + 10000) * 1000000ull;
-        for (uint32_t q = c->sequential ? r : 0; q <= r; q++) {
+        for (uint32_t q = one_by_one ? r : c->warmup; q <= r; q++) {
             while (!atomic_load(&slot[q].done) && pkv_now_ns() < give_up) {
                 if (atomic_load(&g_trigger)) {
                     atomic_store(&g_trigger, 0);

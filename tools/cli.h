@@ -30,5 +30,6 @@ int pkv_cmd_demo(int argc, char **argv);
 
 /* Benchmarks (bench/). */
 int pkv_bench_pool(int argc, char **argv);
+int pkv_bench_xfer(int argc, char **argv);
 
 #endif

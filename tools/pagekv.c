@@ -47,6 +47,7 @@ static const struct {
     const char *summary;
 } benches[] = {
     {"pool", pkv_bench_pool, "KV pool: alloc/free, prefix hashing, commit, growth, reset"},
+    {"xfer", pkv_bench_xfer, "KV transfer: GB/s same host and tcp, kill detection, fault matrix"},
 };
 
 int pkv_cmd_bench(int argc, char **argv)
