@@ -272,7 +272,7 @@ static void fault_check(const xh_case_t *c, const xh_result_t *r, fm_row_t *row)
         row->outcomes[idx < 0 ? 8 : idx]++;
         double ms = (double)r->elapsed_ns[0] / 1e6;
         if (ms > row->worst_ms) row->worst_ms = ms;
-        if (!xh_outcome_expected(c->fault, oc)) violation(row, "outcome %s", pkv_status_str(oc));
+        if (!xh_outcome_expected(c, oc)) violation(row, "outcome %s", pkv_status_str(oc));
         if (ms > (double)c->deadline_ms + 1000) violation(row, "outcome after %.0f ms", ms);
         if (oc == PKV_OK) {
             n_ok++;

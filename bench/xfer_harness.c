@@ -58,9 +58,9 @@ const char *xh_fault_name(xh_fault_t f)
     return f < XH_NFAULTS ? fault_names[f] : "?";
 }
 
-bool xh_outcome_expected(xh_fault_t f, int oc)
+bool xh_outcome_expected(const xh_case_t *c, int oc)
 {
-    switch (f) {
+    switch (c->fault) {
     case XH_NONE:
         return oc == PKV_OK;
     case XH_PRODUCER_KILLED_BEFORE:
@@ -73,11 +73,14 @@ bool xh_outcome_expected(xh_fault_t f, int oc)
         return oc == PKV_OK || oc == PKV_ERR_PEER_LOST;
     case XH_CONSUMER_KILLED_DURING:
         return false; /* the consumer reports nothing */
+    /* Shared arena: the consumer copies from the producer's staging and needs none. */
     case XH_STAGING_FULL_CONSUMER:
+        return oc == (c->shared ? PKV_OK : PKV_ERR_TIMEOUT);
+    case XH_NOFIT_CONSUMER:
+        return oc == (c->shared ? PKV_OK : PKV_ERR_NOFIT);
     case XH_STAGING_FULL_PRODUCER:
     case XH_DEADLINE:
         return oc == PKV_ERR_TIMEOUT;
-    case XH_NOFIT_CONSUMER:
     case XH_NOFIT_PRODUCER:
         return oc == PKV_ERR_NOFIT;
     case XH_WRONG_TOKEN:
@@ -333,6 +336,7 @@ static pkv_stage_t *make_stage(const xh_case_t *c, uint32_t pages)
     sc.pool_pages = pages ? pages : per * (c->sequential ? 2 : c->n_requests) + 4;
     sc.idle_release_ns = 5000000000ull; /* keep warm pages across the timed reads */
     sc.pin = false;
+    sc.shared = c->shared;
     pkv_stage_t *st;
     int rc = pkv_stage_create(&sc, &st);
     if (rc) child_fail("stage create", rc);
@@ -362,6 +366,7 @@ static pkv_xfer_agent_t *make_agent(const xh_case_t *c, pkv_kv_t *kv, pkv_stage_
     xc.listen_host = host;
     xc.chunk_bytes = c->chunk_bytes;
     xc.workers = c->workers;
+    xc.no_shared = !c->shared;
     pkv_xfer_agent_t *a;
     int rc = pkv_xfer_agent_create(&xc, &a);
     if (rc) child_fail("agent create", rc);

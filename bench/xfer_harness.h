@@ -54,6 +54,8 @@ typedef struct {
     uint64_t seed;
     xh_fault_t fault;
     bool tcp;               /* UCX_TLS=tcp in both children */
+    bool shared;            /* producer staging is a memfd arena the consumer maps (same
+                               host): payload bypasses UCX */
     const char *netns_prod; /* named network namespaces (ip netns) or NULL */
     const char *netns_cons;
     const char *prod_host; /* producer listen address; NULL: 127.0.0.1 */
@@ -84,8 +86,8 @@ typedef struct {
 } xh_result_t;
 
 const char *xh_fault_name(xh_fault_t f);
-/* The outcomes a consumer may see for a fault (ok where the data all arrived). */
-bool xh_outcome_expected(xh_fault_t f, int outcome);
+/* The outcomes a consumer may see in a case (ok where the data all arrived). */
+bool xh_outcome_expected(const xh_case_t *c, int outcome);
 /* Does the producer report survive this fault? */
 bool xh_producer_reports(xh_fault_t f);
 bool xh_consumer_reports(xh_fault_t f);

@@ -314,8 +314,9 @@ static void check_accounting(const xh_case_t *c, const xh_result_t *r)
         ck_assert_msg(WIFEXITED(r->cons_wstatus) && WEXITSTATUS(r->cons_wstatus) == 0,
                       "consumer exit status %d", r->cons_wstatus);
         for (uint32_t i = 0; i < c->n_requests; i++) {
-            ck_assert_msg(xh_outcome_expected(c->fault, r->outcome[i]), "%s: request %u ended %s",
-                          xh_fault_name(c->fault), i, pkv_status_str(r->outcome[i]));
+            ck_assert_msg(xh_outcome_expected(c, r->outcome[i]), "%s%s: request %u ended %s",
+                          xh_fault_name(c->fault), c->shared ? " (shared arena)" : "", i,
+                          pkv_status_str(r->outcome[i]));
             /* Every outcome within deadline + 1 s of its read call. */
             ck_assert_msg(r->elapsed_ns[i] <= (c->deadline_ms + 1000) * 1000000ull,
                           "%s: outcome after %.0f ms (deadline %llu ms)", xh_fault_name(c->fault),
@@ -386,18 +387,19 @@ static void run_random_rounds(int rounds, bool tcp, const char *ns_a, const char
         xh_case_t c;
         random_case(&c, &seed);
         c.tcp = tcp;
+        c.shared = !tcp && (round % 2); /* same host: alternate UCX and shared arena */
         c.netns_prod = ns_a;
         c.netns_cons = ns_b;
         c.prod_host = ns_a ? "10.250.0.1" : NULL;
         xh_result_t r;
         ck_assert_int_eq(xh_run(&c, &r), 0);
-        if (!r.ok || r.outcome[0] != PKV_OK)
+        if (!r.ok || r.outcome[0] != PKV_OK || r.sent != c.n_requests)
             fprintf(stderr,
                     "round %d (PKV_TEST_SEED=%llu): %u layers %u heads %u dim %u tok/block "
-                    "dtype %d, %u tokens x %u requests, chunk %u, page %u\n",
+                    "dtype %d, %u tokens x %u requests, chunk %u, page %u, %s\n",
                     round, (unsigned long long)first, c.geo.layers, c.geo.kv_heads, c.geo.head_dim,
                     c.geo.block_tokens, c.geo.dtype, c.n_tokens, c.n_requests, c.chunk_bytes,
-                    c.page_bytes);
+                    c.page_bytes, c.shared ? "shared arena" : "UCX payload");
         check_accounting(&c, &r);
         for (uint32_t i = 0; i < c.n_requests; i++) {
             uint32_t T = c.geo.block_tokens;
@@ -426,14 +428,17 @@ START_TEST(netns_veth_tcp)
 }
 END_TEST
 
+/* _i < XH_NFAULTS: payload through UCX; above: through the shared arena. */
 START_TEST(fault_case)
 {
-    xh_fault_t f = (xh_fault_t)_i;
+    xh_fault_t f = (xh_fault_t)(_i % XH_NFAULTS);
+    bool shared = _i >= XH_NFAULTS;
     int repeat = (int)env_u64("PKV_XFER_FAULT_REPEAT", 1);
     for (int k = 0; k < repeat; k++) {
         xh_case_t c;
         xh_case_default(&c);
         c.fault = f;
+        c.shared = shared;
         c.seed = 100 + (uint64_t)k;
         xh_result_t r;
         ck_assert_int_eq(xh_run(&c, &r), 0);
@@ -454,7 +459,7 @@ static Suite *xfer_suite(void)
     tcase_set_timeout(two, 120);
     tcase_add_test(two, loopback_random_geometries);
     tcase_add_test(two, netns_veth_tcp);
-    tcase_add_loop_test(two, fault_case, XH_NONE, XH_NFAULTS);
+    tcase_add_loop_test(two, fault_case, XH_NONE, 2 * XH_NFAULTS);
     suite_add_tcase(s, two);
     return s;
 }

@@ -89,7 +89,7 @@ START_TEST(versions_and_types_are_checked)
     for (int t = 0; t < 256; t++) {
         buf[5] = (uint8_t)t;
         int rc = pkv_xfer_wire_decode(buf, len, &m);
-        if (t < PKV_WIRE_READ || t > PKV_WIRE_HEARTBEAT) ck_assert_int_eq(rc, PKV_ERR_PROTO);
+        if (t < PKV_WIRE_READ || t > PKV_WIRE_CLOSE) ck_assert_int_eq(rc, PKV_ERR_PROTO);
     }
     buf[5] = PKV_WIRE_HEARTBEAT;
     buf[6] = 1; /* flags must be zero */
@@ -130,12 +130,54 @@ START_TEST(read_limits_are_enforced)
     r = sample_read();
     ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len), PKV_OK);
     pkv_wire_msg_t m;
-    size_t nruns_at = PKV_WIRE_HEADER_BYTES + 64;
+    size_t nruns_at = PKV_WIRE_HEADER_BYTES + 68;
     buf[nruns_at] = 2;
     ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     buf[nruns_at] = 1;
     buf[nruns_at + 8] = 0; /* run count 0 */
     ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+}
+END_TEST
+
+START_TEST(shared_data_and_read_flags)
+{
+    uint64_t pieces[] = {4096, 8192, 65536, 4096};
+    pkv_wire_data_t d = {
+        .xfer_id = 5, .layer = 2, .flags = PKV_WIRE_DATA_SHARED, .bytes = 12288, .checksum = 77};
+    uint8_t buf[256];
+    size_t len;
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, buf, sizeof(buf), &len), PKV_OK);
+    ck_assert_uint_eq(len, pkv_xfer_wire_data_bytes(2));
+    pkv_wire_msg_t m;
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
+    ck_assert_uint_eq(m.u.data.n_pieces, 2);
+    uint64_t off, l;
+    pkv_xfer_wire_data_piece(&m.u.data, 1, &off, &l);
+    ck_assert_uint_eq(off, 65536);
+    ck_assert_uint_eq(l, 4096);
+    /* pieces must add up to the layer's bytes */
+    d.bytes = 12289;
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, buf, sizeof(buf), &len),
+                     PKV_ERR_INVALID);
+    buf[PKV_WIRE_HEADER_BYTES + 16] ^= 1; /* bytes field no longer matches the pieces */
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    /* a plain DATA carries no pieces; unknown flags are rejected */
+    d.flags = 0;
+    d.bytes = 12288;
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, buf, sizeof(buf), &len),
+                     PKV_ERR_INVALID);
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, NULL, 0, buf, sizeof(buf), &len), PKV_OK);
+    buf[PKV_WIRE_HEADER_BYTES + 12] = 2;
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    pkv_wire_read_t r = sample_read();
+    uint32_t blocks[] = {1};
+    r.flags = PKV_WIRE_READ_SHARED;
+    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len), PKV_OK);
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
+    ck_assert_uint_eq(m.u.read.flags, PKV_WIRE_READ_SHARED);
+    r.flags = 2;
+    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len),
+                     PKV_ERR_INVALID);
 }
 END_TEST
 
@@ -185,7 +227,29 @@ START_TEST(handle_roundtrip_and_rejects)
     ck_assert_mem_eq(g->token, h->token, PKV_XFER_TOKEN_BYTES);
     ck_assert_uint_eq(g->n_blocks, n);
     ck_assert_mem_eq(g->blocks, h->blocks, 4 * n);
+    ck_assert(!g->local.present);
     pkv_xfer_handle_free(g);
+    /* with the same-host section */
+    h->local.present = true;
+    h->local.pid = 4242;
+    h->local.fd = 17;
+    h->local.arena_bytes = 1 << 26;
+    h->local.ino = 99;
+    h->local.boot_id[3] = 0xab;
+    size_t need2 = pkv_xfer_handle_bytes(h);
+    ck_assert_uint_eq(need2, need + 40);
+    uint8_t *buf2 = malloc(need2);
+    size_t len2;
+    ck_assert_int_eq(pkv_xfer_handle_encode(h, buf2, need2, &len2), PKV_OK);
+    ck_assert_int_eq(pkv_xfer_handle_decode(buf2, len2, &g), PKV_OK);
+    ck_assert(g->local.present);
+    ck_assert_uint_eq(g->local.pid, 4242);
+    ck_assert_int_eq(g->local.fd, 17);
+    ck_assert_uint_eq(g->local.ino, 99);
+    ck_assert_uint_eq(g->local.boot_id[3], 0xab);
+    pkv_xfer_handle_free(g);
+    free(buf2);
+    h->local.present = false;
     for (size_t k = 0; k < len; k++) {
         g = NULL;
         ck_assert_int_eq(pkv_xfer_handle_decode(buf, k, &g), PKV_ERR_PROTO);
@@ -302,6 +366,7 @@ static Suite *wire_suite(void)
     tcase_add_test(tc, every_truncation_is_rejected);
     tcase_add_test(tc, versions_and_types_are_checked);
     tcase_add_test(tc, read_limits_are_enforced);
+    tcase_add_test(tc, shared_data_and_read_flags);
     tcase_add_test(tc, fail_carries_reason_and_text);
     tcase_add_test(tc, handle_roundtrip_and_rejects);
     tcase_add_test(tc, checksum_streams_and_detects_flips);

@@ -61,6 +61,8 @@ typedef struct {
     uint64_t peer_timeout_ns; /* a peer silent this long is lost; 0 -> 1 s */
     uint32_t chunk_bytes;     /* payload message size; 0 -> 1 MiB */
     uint32_t max_inflight;    /* payload sends in flight per transfer; 0 -> 8 */
+    bool no_shared;           /* consumer: never map a same-host producer's staging arena
+                                 (always move the payload through UCX) */
 } pkv_xfer_config_t;
 
 /* Create an agent: UCX context, worker, listener, progress thread and workers. Bad config
@@ -82,6 +84,15 @@ typedef struct {
     uint8_t token[PKV_XFER_TOKEN_BYTES];
     char addr[PKV_XFER_ADDR_MAX]; /* producer "host:port" */
     pkv_geometry_t geo;           /* producer pool geometry (block_tokens resolved) */
+    struct {                      /* same-host shared staging, offered when the producer's
+                                     stage is a memfd arena (stage config `shared`) */
+        bool present;
+        uint32_t pid;         /* producer process */
+        int32_t fd;           /* the arena's memfd in that process */
+        uint64_t arena_bytes; /* its size */
+        uint64_t ino;         /* its inode: a consumer checks it before mapping */
+        uint8_t boot_id[16];  /* the kernel's boot id: same host, same boot */
+    } local;
     uint32_t n_blocks;
     uint32_t blocks[]; /* (n_blocks) producer block ids, in sequence order */
 } pkv_xfer_handle_t;

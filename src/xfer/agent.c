@@ -28,12 +28,15 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <fcntl.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define SHUTDOWN_QUIESCE_NS 2000000000ull /* wait for transfers to quiesce */
 #define SHUTDOWN_CTL_NS     300000000ull  /* let FAIL messages leave */
 #define SHUTDOWN_CLOSE_NS   2000000000ull /* wait for closes and requests */
+#define SHUTDOWN_FLUSH_NS   500000000ull  /* wait for CLOSE replies */
 
 int xf_random(void *buf, size_t n)
 {
@@ -216,8 +219,17 @@ static bool shutdown_step(pkv_xfer_agent_t *a, uint64_t now)
         bool ctl_done = true;
         for (xf_peer_t *p = a->peers; p; p = p->next)
             if (p->ctl_inflight) ctl_done = false;
-        if ((quiet && (ctl_done || now - a->stop_ns > SHUTDOWN_CTL_NS)) ||
-            now - a->stop_ns > SHUTDOWN_QUIESCE_NS) {
+        bool give_up = now - a->stop_ns > SHUTDOWN_QUIESCE_NS;
+        if (!a->flushing &&
+            ((quiet && (ctl_done || now - a->stop_ns > SHUTDOWN_CTL_NS)) || give_up)) {
+            /* A send that completed locally has only reached our kernel or the shared
+             * FIFO, and a forced close can drop it at the receiver: CLOSE handshake first
+             * (bounded), so the last ACKs and FAILs are processed, then force-close. */
+            xf_peers_say_close(a);
+            a->flushing = true;
+            a->flush_deadline_ns = now + SHUTDOWN_FLUSH_NS;
+        }
+        if (a->flushing && (xf_peers_close_answered(a) || now > a->flush_deadline_ns)) {
             xf_peer_close_all(a, true);
             a->eps_closing = true;
             a->stop_ns = now; /* the close phase has its own bound */
@@ -454,6 +466,27 @@ static void ucx_close(pkv_xfer_agent_t *a, bool clean)
     if (a->ctx) ucp_cleanup(a->ctx);
 }
 
+/* /proc/sys/kernel/random/boot_id: 32 hex digits (with dashes) -> 16 bytes. */
+static bool read_boot_id(uint8_t out[16])
+{
+    char txt[64] = {0};
+    int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return false;
+    ssize_t n = read(fd, txt, sizeof(txt) - 1);
+    close(fd);
+    if (n <= 0) return false;
+    int nib = 0;
+    memset(out, 0, 16);
+    for (ssize_t i = 0; i < n && nib < 32; i++) {
+        char ch = txt[i];
+        int v = ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10 : -1;
+        if (v < 0) continue;
+        out[nib / 2] |= (uint8_t)(nib % 2 ? v : v << 4);
+        nib++;
+    }
+    return nib == 32;
+}
+
 static int config_resolve(const pkv_xfer_config_t *in, pkv_xfer_config_t *c)
 {
     *c = *in;
@@ -512,6 +545,16 @@ int pkv_xfer_agent_create(const pkv_xfer_config_t *cfg, pkv_xfer_agent_t **out)
     a->jobs_tail = &a->jobs;
     a->seats_tail = &a->seats;
     a->next_peer_id = 1;
+    a->have_boot_id = read_boot_id(a->boot_id);
+    a->arena_fd = pkv_stage_memfd(c.stage);
+    if (a->arena_fd >= 0) {
+        struct stat sb;
+        a->arena_bytes = (uint64_t)pkv_stage_pool_pages(c.stage) * a->page_bytes;
+        if (fstat(a->arena_fd, &sb) == 0)
+            a->arena_ino = (uint64_t)sb.st_ino;
+        else
+            a->arena_fd = -1;
+    }
     rc = pkv_xfer_wire_check_geometry(&a->geo, &a->layer_bytes);
     if (rc || !a->page_bytes) {
         PKV_LOGE(XF_MOD, "config: pool geometry or staging page size out of range");

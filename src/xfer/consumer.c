@@ -25,10 +25,16 @@
 
 enum { LF_HEADER = 1, LF_QUEUED = 2, LF_STORED = 4 };
 
+static void send_read(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd);
+
 static void read_free_mem(pkv_xfer_read_t *rd)
 {
     if (rd->chunks)
         for (uint32_t c = 0; c < rd->v.n_chunks; c++) free(rd->chunks[c].iov);
+    if (rd->layer_pieces)
+        for (uint32_t l = 0; l < rd->v.layers; l++) free(rd->layer_pieces[l]);
+    free(rd->layer_pieces);
+    free(rd->layer_npieces);
     xf_view_fini(&rd->v);
     free(rd->chunks);
     free(rd->src_blocks);
@@ -99,9 +105,18 @@ int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_
     rd->ev_layer = calloc(L, sizeof(xf_event_t));
     rd->job_layer = calloc(L, sizeof(xf_job_t));
     rd->chunks = calloc(rd->v.n_chunks, sizeof(xf_chunk_t));
+    rd->layer_pieces = calloc(L, sizeof(uint64_t *));
+    rd->layer_npieces = calloc(L, sizeof(uint32_t));
     if (!rd->src_blocks || !rd->layer_chunks || !rd->layer_flags || !rd->layer_sum ||
-        !rd->ev_layer || !rd->job_layer || !rd->chunks)
+        !rd->ev_layer || !rd->job_layer || !rd->chunks || !rd->layer_pieces || !rd->layer_npieces)
         goto fail_mem;
+    /* Same host and boot: we may copy straight from the producer's shared arena. */
+    rd->want_shared = h->local.present && !a->cfg.no_shared && a->have_boot_id &&
+                      !memcmp(h->local.boot_id, a->boot_id, sizeof(a->boot_id));
+    rd->local_pid = h->local.pid;
+    rd->local_fd = h->local.fd;
+    rd->local_ino = h->local.ino;
+    rd->local_bytes = h->local.arena_bytes;
     memcpy(rd->src_blocks, h->blocks, sizeof(uint32_t) * n);
     rd->request_id = h->request_id;
     memcpy(rd->token, h->token, sizeof(rd->token));
@@ -142,6 +157,8 @@ int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_
     return PKV_OK;
 
 fail_mem:
+    free(rd->layer_pieces);
+    free(rd->layer_npieces);
     free(rd->chunks);
     free(rd->src_blocks);
     free(rd->layer_chunks);
@@ -273,6 +290,21 @@ static void finish(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, int outcome, bool t
     rd->state = XF_READ_DONE;
     rd->done_ns = pkv_now_ns();
     atomic_store(&rd->v.abort, true);
+    if (outcome == PKV_OK && pkv_log_get_level() >= PKV_LOG_DEBUG) {
+        if (rd->shared)
+            PKV_LOGD(XF_MOD, "read %llu ok (shared arena): %llu bytes stored +%.2f ms",
+                     (unsigned long long)rd->xfer_id,
+                     (unsigned long long)(rd->v.layer_total * rd->v.layers),
+                     (rd->done_ns - rd->t_start) / 1e6);
+        else
+            PKV_LOGD(XF_MOD,
+                     "read %llu ok: %llu bytes; seated +%.2f ms, first chunk +%.2f, last chunk "
+                     "+%.2f, stored +%.2f",
+                     (unsigned long long)rd->xfer_id,
+                     (unsigned long long)(rd->v.layer_total * rd->v.layers),
+                     (rd->t_seated - rd->t_start) / 1e6, (rd->t_first - rd->t_start) / 1e6,
+                     (rd->t_last - rd->t_start) / 1e6, (rd->done_ns - rd->t_start) / 1e6);
+    }
     if (outcome != PKV_OK)
         PKV_LOGI(XF_MOD, "read %llu (request %llu from %s) ends %s: %s",
                  (unsigned long long)rd->xfer_id, (unsigned long long)rd->request_id, rd->addr,
@@ -318,6 +350,7 @@ void xf_reads_admit(pkv_xfer_agent_t *a, pkv_xfer_read_t *list)
         if (a->next_xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS)) a->next_xfer_id = 1;
         rd->v.stage_id = rd->xfer_id;
         rd->state = XF_READ_QUEUED;
+        rd->t_start = pkv_now_ns();
         rd->peer = xf_peer_connect(a, rd->addr);
         if (!rd->peer) {
             finish(a, rd, PKV_ERR_PEER_LOST, false, "cannot create an endpoint to the producer");
@@ -327,6 +360,16 @@ void xf_reads_admit(pkv_xfer_agent_t *a, pkv_xfer_read_t *list)
         rd->peer->refs++;
         if (atomic_load(&rd->cancel_req)) {
             finish(a, rd, PKV_ERR_CANCELLED, false, "cancelled");
+            settle(a, rd);
+            continue;
+        }
+        if (rd->want_shared)
+            rd->arena = xf_peer_map_arena(rd->peer, rd->local_pid, rd->local_fd, rd->local_ino,
+                                          rd->local_bytes);
+        if (rd->arena) {
+            /* No staging of our own: the producer's arena is the staging. */
+            rd->shared = true;
+            send_read(a, rd);
             settle(a, rd);
             continue;
         }
@@ -361,7 +404,10 @@ void xf_read_job(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l)
     if (atomic_load(&rd->v.abort)) {
         ev->status = PKV_ERR_CANCELLED;
     } else {
-        uint64_t sum = xf_view_copy_layer(&rd->v, a, l, false);
+        uint64_t sum = rd->shared
+                           ? xf_view_copy_layer_from(&rd->v, a, l, rd->arena, rd->layer_pieces[l],
+                                                     rd->layer_npieces[l])
+                           : xf_view_copy_layer(&rd->v, a, l, false);
         ev->status = sum == ev->checksum ? PKV_OK : PKV_ERR_CORRUPT;
     }
     xf_event_post(a, ev);
@@ -405,6 +451,8 @@ static void recv_done(void *request, ucs_status_t status, const ucp_tag_recv_inf
         /* cancelled by us, or completed after the read ended: nothing to do */
     } else if (status == UCS_OK) {
         uint64_t off, len;
+        rd->t_last = pkv_now_ns();
+        if (!rd->t_first) rd->t_first = rd->t_last;
         xf_chunk_span(&rd->v, ch->index, &off, &len);
         uint32_t l = ch->index / rd->v.chunks_per_layer;
         if (info->length != len) {
@@ -458,6 +506,13 @@ static void start_reading(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
             rd->recvs_inflight++;
         }
     }
+    send_read(a, rd);
+}
+
+/* Send READ with the time left; the read is READING from then on. */
+static void send_read(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
+{
+    xf_view_t *v = &rd->v;
     uint64_t now = pkv_now_ns();
     if (now >= rd->deadline_ns) {
         finish(a, rd, PKV_ERR_TIMEOUT, false, "deadline passed while seating staging");
@@ -471,6 +526,7 @@ static void start_reading(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
     r.budget_ns = PKV_MIN(rd->deadline_ns - now, PKV_WIRE_MAX_BUDGET_NS);
     r.geo = a->geo;
     r.chunk_bytes = v->chunk_bytes;
+    r.flags = rd->shared ? PKV_WIRE_READ_SHARED : 0;
     uint32_t runs = pkv_xfer_wire_count_runs(rd->src_blocks, v->n_blocks);
     size_t cap = pkv_xfer_wire_read_bytes(runs), len;
     uint8_t *buf = malloc(cap);
@@ -508,6 +564,7 @@ void xf_read_event(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, xf_event_t *ev)
     switch (ev->kind) {
     case XF_EV_SEATED:
         rd->seat_pending = false;
+        rd->t_seated = pkv_now_ns();
         if (ev->status == PKV_OK) {
             XF_STAT_ADD(a, staging_pages_held, rd->v.pages);
             if (xf_view_set_grant(&rd->v, ev->grant)) {
@@ -563,12 +620,33 @@ void xf_read_on_data(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_data_t *d
 {
     pkv_xfer_read_t *rd = find_read(a, p, d->xfer_id);
     if (!rd || rd->finished) return; /* late message for an ended read */
+    bool shared_msg = d->flags & PKV_WIRE_DATA_SHARED;
     if (rd->state != XF_READ_READING || d->layer >= rd->v.layers || d->bytes != rd->v.layer_total ||
-        (rd->layer_flags[d->layer] & LF_HEADER)) {
+        (rd->layer_flags[d->layer] & LF_HEADER) || shared_msg != rd->shared) {
         XF_STAT_ADD(a, proto_errors, 1);
         finish(a, rd, PKV_ERR_CORRUPT, true, "DATA message does not match the plan");
         settle(a, rd);
         return;
+    }
+    if (shared_msg) {
+        /* Every piece must lie inside the arena we mapped. */
+        uint64_t *pc = malloc(16 * (size_t)d->n_pieces);
+        bool inside = pc != NULL;
+        for (uint32_t i = 0; inside && i < d->n_pieces; i++) {
+            pkv_xfer_wire_data_piece(d, i, &pc[2 * i], &pc[2 * i + 1]);
+            inside = pc[2 * i] + pc[2 * i + 1] <= rd->local_bytes;
+        }
+        if (!inside) {
+            free(pc);
+            XF_STAT_ADD(a, proto_errors, 1);
+            finish(a, rd, PKV_ERR_CORRUPT, true, "shared DATA outside the producer's arena");
+            settle(a, rd);
+            return;
+        }
+        rd->layer_pieces[d->layer] = pc;
+        rd->layer_npieces[d->layer] = d->n_pieces;
+        rd->layer_chunks[d->layer] = rd->v.chunks_per_layer;
+        fault(a, PKV_XFER_FAULT_READ_LAYER_RECEIVED, d->layer);
     }
     rd->layer_flags[d->layer] |= LF_HEADER;
     rd->layer_sum[d->layer] = d->checksum;

@@ -18,9 +18,14 @@
  */
 #include "xfer/xfer_int.h"
 
+#include "prim/prim.h"
+
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 int xf_sockaddr_parse(const char *addr, struct sockaddr_storage *ss, socklen_t *len);
 
@@ -44,6 +49,7 @@ static xf_peer_t *peer_new(pkv_xfer_agent_t *a, bool outgoing)
     p->next_hb_ns = p->last_rx_ns; /* say hello at once */
     p->queued_tail = &p->queued;
     p->established = !outgoing; /* a server endpoint is wired up when accepted */
+    p->map_fd = -1;
     return p;
 }
 
@@ -142,8 +148,12 @@ void xf_peer_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const char *why)
     if (p->state != XF_PEER_ACTIVE) return;
     p->state = XF_PEER_FAILED;
     XF_STAT_SUB(a, peers, 1);
-    XF_STAT_ADD(a, peers_lost, 1);
-    PKV_LOGI(XF_MOD, "peer %u (%s) lost: %s", p->id, p->addr, why);
+    if (p->remote_closing) {
+        PKV_LOGD(XF_MOD, "peer %u (%s) closed the connection", p->id, p->addr);
+    } else {
+        XF_STAT_ADD(a, peers_lost, 1);
+        PKV_LOGI(XF_MOD, "peer %u (%s) lost: %s", p->id, p->addr, why);
+    }
     peer_drop_queued(p);
     xf_reads_peer_lost(a, p);
     xf_serves_peer_lost(a, p);
@@ -163,6 +173,32 @@ void xf_peer_close_all(pkv_xfer_agent_t *a, bool force)
     }
 }
 
+static void send_close(pkv_xfer_agent_t *a, xf_peer_t *p, uint32_t flags)
+{
+    pkv_wire_close_t cl = {.agent_id = a->agent_id, .flags = flags};
+    uint8_t buf[64];
+    size_t len;
+    if (pkv_xfer_wire_encode_close(&cl, buf, sizeof(buf), &len) == PKV_OK)
+        xf_ctl_send(a, p, buf, len);
+}
+
+/* Shutdown: ask every live peer to confirm it has processed everything we sent. */
+void xf_peers_say_close(pkv_xfer_agent_t *a)
+{
+    for (xf_peer_t *p = a->peers; p; p = p->next)
+        if (p->state == XF_PEER_ACTIVE && p->ep && p->established && !p->close_sent) {
+            p->close_sent = true;
+            send_close(a, p, 0);
+        }
+}
+
+bool xf_peers_close_answered(pkv_xfer_agent_t *a)
+{
+    for (xf_peer_t *p = a->peers; p; p = p->next)
+        if (p->state == XF_PEER_ACTIVE && p->close_sent && !p->close_acked) return false;
+    return true;
+}
+
 /* A peer is gone for good once its close completed and nothing refers to it. */
 bool xf_peers_closed(pkv_xfer_agent_t *a)
 {
@@ -171,13 +207,49 @@ bool xf_peers_closed(pkv_xfer_agent_t *a)
     return true;
 }
 
+static void peer_free(xf_peer_t *p)
+{
+    if (p->map_base) pkv_prim_shared_close(p->map_fd, p->map_base, p->map_size);
+    free(p);
+}
+
 void xf_peers_free(pkv_xfer_agent_t *a)
 {
     while (a->peers) {
         xf_peer_t *p = a->peers;
         a->peers = p->next;
-        free(p);
+        peer_free(p);
     }
+}
+
+/* Map a same-host producer's staging arena through /proc/<pid>/fd/<fd>, checking that the
+ * file there is the one the handle names (inode) and is large enough. One mapping per
+ * peer; it lives as long as the peer. Returns the mapping or NULL (then the read moves
+ * its payload through UCX instead). */
+const uint8_t *xf_peer_map_arena(xf_peer_t *p, uint32_t pid, int32_t fd, uint64_t ino,
+                                 uint64_t bytes)
+{
+    if (p->map_base)
+        return p->map_pid == pid && p->map_ino == ino && p->map_size >= bytes ? p->map_base : NULL;
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%u/fd/%d", pid, fd);
+    int mfd = open(path, O_RDWR | O_CLOEXEC);
+    if (mfd < 0) return NULL;
+    struct stat sb;
+    void *base = NULL;
+    if (fstat(mfd, &sb) || (uint64_t)sb.st_ino != ino || (uint64_t)sb.st_size < bytes ||
+        pkv_prim_shared_map(mfd, bytes, &base)) {
+        close(mfd);
+        return NULL;
+    }
+    p->map_fd = mfd;
+    p->map_base = base;
+    p->map_size = bytes;
+    p->map_pid = pid;
+    p->map_ino = ino;
+    PKV_LOGD(XF_MOD, "peer %u: mapped the producer's staging arena (%llu bytes)", p->id,
+             (unsigned long long)bytes);
+    return base;
 }
 
 /* ---- control messages ------------------------------------------------------------------ */
@@ -329,7 +401,7 @@ void xf_peers_tick(pkv_xfer_agent_t *a, uint64_t now)
         }
         if (p->state == XF_PEER_CLOSED && !p->refs && !p->ctl_inflight) {
             *pp = p->next;
-            free(p);
+            peer_free(p);
             continue;
         }
         if (p->state == XF_PEER_CLOSED && p->ctl_inflight && now > p->close_deadline_ns &&

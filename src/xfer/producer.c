@@ -25,6 +25,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static int cmp_u32(const void *x, const void *y)
 {
@@ -80,6 +81,15 @@ int pkv_xfer_register(pkv_xfer_agent_t *a, uint64_t request_id, const uint32_t *
     memcpy(h->token, r->token, sizeof(h->token));
     snprintf(h->addr, sizeof(h->addr), "%s", a->addr);
     h->geo = a->geo;
+    if (a->arena_fd >= 0 && a->have_boot_id && a->arena_bytes <= PKV_WIRE_MAX_ARENA) {
+        /* Offer our shared staging arena to a consumer on this host. */
+        h->local.present = true;
+        h->local.pid = (uint32_t)getpid();
+        h->local.fd = a->arena_fd;
+        h->local.arena_bytes = a->arena_bytes;
+        h->local.ino = a->arena_ino;
+        memcpy(h->local.boot_id, a->boot_id, sizeof(h->local.boot_id));
+    }
     h->n_blocks = n;
     memcpy(h->blocks, blocks, sizeof(uint32_t) * n);
 
@@ -258,6 +268,13 @@ static void serve_finish(pkv_xfer_agent_t *a, xf_serve_t *s, int outcome, bool t
     s->outcome = outcome;
     s->done_ns = pkv_now_ns();
     atomic_store(&s->v.abort, true);
+    if (outcome == PKV_OK && pkv_log_get_level() >= PKV_LOG_DEBUG)
+        PKV_LOGD(XF_MOD,
+                 "serve %llu ok: seated +%.2f ms, layer 0 staged +%.2f, last staged +%.2f, "
+                 "all left +%.2f, ACK +%.2f",
+                 (unsigned long long)s->xfer_id, (s->t_seated - s->t_start) / 1e6,
+                 (s->t_first_ready - s->t_start) / 1e6, (s->t_last_ready - s->t_start) / 1e6,
+                 (s->t_all_sent - s->t_start) / 1e6, (s->done_ns - s->t_start) / 1e6);
     if (outcome != PKV_OK) {
         XF_STAT_ADD(a, serves_failed, 1);
         PKV_LOGI(XF_MOD, "serve of request %llu to peer %u (xfer %llu) ends %s: %s",
@@ -326,6 +343,10 @@ void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *
         reject(a, p, r, PKV_ERR_REJECTED, "geometry differs");
         return;
     }
+    if ((r->flags & PKV_WIRE_READ_SHARED) && a->arena_fd < 0) {
+        reject(a, p, r, PKV_ERR_REJECTED, "no shared staging arena here");
+        return;
+    }
     if (r->budget_ns == 0) {
         reject(a, p, r, PKV_ERR_TIMEOUT, "no time left");
         return;
@@ -382,6 +403,8 @@ void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *
     s->xfer_id = r->xfer_id;
     s->request_id = r->request_id;
     s->deadline_ns = now + r->budget_ns;
+    s->shared = r->flags & PKV_WIRE_READ_SHARED;
+    s->t_start = now;
     s->v.stage_id = (1ull << 62) | (a->next_serve_id++ & ((1ull << 62) - 1));
     for (uint32_t c = 0; c < s->v.n_chunks; c++) {
         s->chunks[c].owner = s;
@@ -441,7 +464,7 @@ static void send_data_header(pkv_xfer_agent_t *a, xf_serve_t *s, uint32_t l)
         .xfer_id = s->xfer_id, .layer = l, .bytes = s->v.layer_total, .checksum = s->layer_sum[l]};
     uint8_t buf[64];
     size_t len;
-    if (pkv_xfer_wire_encode_data(&d, buf, sizeof(buf), &len) == PKV_OK)
+    if (pkv_xfer_wire_encode_data(&d, NULL, 0, buf, sizeof(buf), &len) == PKV_OK)
         xf_ctl_send(a, s->peer, buf, len);
 }
 
@@ -467,6 +490,7 @@ static void send_done(void *request, ucs_status_t status, void *user_data)
             fault(a, PKV_XFER_FAULT_SERVE_LAYER_SENT, l);
         if (s->chunks_sent == s->v.n_chunks && !s->state_done) {
             s->state = XF_SERVE_WAIT_ACK;
+            s->t_all_sent = pkv_now_ns();
             fault(a, PKV_XFER_FAULT_SERVE_ALL_SENT, 0);
         }
     }
@@ -475,10 +499,50 @@ static void send_done(void *request, ucs_status_t status, void *user_data)
     serve_settle(a, s);
 }
 
+/* Shared arena: announce each staged layer with its arena pieces; no payload moves. */
+static void pump_shared(pkv_xfer_agent_t *a, xf_serve_t *s)
+{
+    while (!s->state_done && s->layers_sent < s->layers_ready) {
+        uint32_t l = s->layers_sent;
+        uint32_t cap = s->v.grant->nruns;
+        uint64_t *pieces = malloc(sizeof(uint64_t) * 2 * cap);
+        uint32_t n = pieces ? xf_view_arena_pieces(&s->v, (uint64_t)l * s->v.layer_total,
+                                                   s->v.layer_total, pieces, cap)
+                            : 0;
+        pkv_wire_data_t d = {.xfer_id = s->xfer_id,
+                             .layer = l,
+                             .flags = PKV_WIRE_DATA_SHARED,
+                             .bytes = s->v.layer_total,
+                             .checksum = s->layer_sum[l]};
+        size_t cap_b = pkv_xfer_wire_data_bytes(n), len;
+        uint8_t *buf = n ? malloc(cap_b) : NULL;
+        int rc = buf ? pkv_xfer_wire_encode_data(&d, pieces, n, buf, cap_b, &len) : PKV_ERR_NOMEM;
+        if (rc == PKV_OK) rc = xf_ctl_send(a, s->peer, buf, len);
+        free(buf);
+        free(pieces);
+        if (rc) {
+            serve_finish(a, s, rc == PKV_ERR_PEER_LOST ? PKV_ERR_PEER_LOST : PKV_ERR_NOFIT,
+                         rc != PKV_ERR_PEER_LOST, "cannot announce a staged layer");
+            return;
+        }
+        s->layers_sent++;
+        fault(a, PKV_XFER_FAULT_SERVE_LAYER_SENT, l);
+        if (s->layers_sent == s->v.layers && !s->state_done) {
+            s->state = XF_SERVE_WAIT_ACK;
+            s->t_all_sent = pkv_now_ns();
+            fault(a, PKV_XFER_FAULT_SERVE_ALL_SENT, 0);
+        }
+    }
+}
+
 /* Post payload sends for staged layers, at most max_inflight outstanding. */
 static void pump(pkv_xfer_agent_t *a, xf_serve_t *s)
 {
     s->pump_needed = false;
+    if (s->shared) {
+        pump_shared(a, s);
+        return;
+    }
     uint32_t ready = s->layers_ready * s->v.chunks_per_layer;
     while (!s->state_done && s->next_chunk < ready && s->sends_inflight < a->cfg.max_inflight) {
         uint32_t c = s->next_chunk;
@@ -539,6 +603,7 @@ void xf_serve_event(pkv_xfer_agent_t *a, xf_serve_t *s, xf_event_t *ev)
     switch (ev->kind) {
     case XF_EV_SEATED:
         s->seat_pending = false;
+        s->t_seated = pkv_now_ns();
         if (ev->status == PKV_OK) {
             XF_STAT_ADD(a, staging_pages_held, s->v.pages);
             if (xf_view_set_grant(&s->v, ev->grant)) {
@@ -558,6 +623,8 @@ void xf_serve_event(pkv_xfer_agent_t *a, xf_serve_t *s, xf_event_t *ev)
         }
         break;
     case XF_EV_LAYER_READY:
+        s->t_last_ready = pkv_now_ns();
+        if (!ev->layer) s->t_first_ready = s->t_last_ready;
         s->layer_sum[ev->layer] = ev->checksum;
         s->layers_ready = ev->layer + 1; /* one job posts layers in order */
         pump(a, s);
@@ -583,7 +650,8 @@ void xf_serve_on_ack(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_ack_t *k)
     xf_serve_t *s = find_serve(a, p, k->xfer_id);
     if (!s || s->state_done) return;
     uint64_t total = s->v.layer_total * s->v.layers;
-    if (k->request_id != s->request_id || k->bytes != total || s->next_chunk != s->v.n_chunks) {
+    bool all_out = s->shared ? s->layers_sent == s->v.layers : s->next_chunk == s->v.n_chunks;
+    if (k->request_id != s->request_id || k->bytes != total || !all_out) {
         XF_STAT_ADD(a, proto_errors, 1);
         serve_finish(a, s, PKV_ERR_REJECTED, true, "ACK does not match the transfer");
         serve_settle(a, s);

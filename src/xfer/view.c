@@ -184,3 +184,63 @@ void xf_view_corrupt(const xf_view_t *v, uint32_t l)
     uint8_t *p = stage_at(v, (uint64_t)l * v->layer_total + v->layer_total / 2, &contig);
     *p ^= 0x5a;
 }
+
+uint32_t xf_view_arena_pieces(const xf_view_t *v, uint64_t off, uint64_t len, uint64_t *out,
+                              uint32_t cap)
+{
+    uint32_t n = 0;
+    while (len) {
+        uint32_t lo = 0, hi = v->grant->nruns;
+        while (hi - lo > 1) {
+            uint32_t mid = lo + (hi - lo) / 2;
+            if (v->run_off[mid] <= off)
+                lo = mid;
+            else
+                hi = mid;
+        }
+        uint64_t k = PKV_MIN(v->run_off[lo + 1] - off, len);
+        uint64_t at = v->grant->runs[lo].offset + (off - v->run_off[lo]);
+        if (n && out[2 * (n - 1)] + out[2 * (n - 1) + 1] == at) {
+            out[2 * (n - 1) + 1] += k; /* adjacent runs in the arena: one piece */
+        } else {
+            if (n == cap) return 0;
+            out[2 * n] = at;
+            out[2 * n + 1] = k;
+            n++;
+        }
+        off += k;
+        len -= k;
+    }
+    return n;
+}
+
+uint64_t xf_view_copy_layer_from(const xf_view_t *v, pkv_xfer_agent_t *a, uint32_t l,
+                                 const uint8_t *arena, const uint64_t *pieces, uint32_t n)
+{
+    pkv_xfer_sum_t sum;
+    pkv_xfer_sum_init(&sum);
+    uint64_t lb = a->layer_bytes;
+    uint32_t p = 0;  /* current piece */
+    uint64_t in = 0; /* bytes of it already consumed */
+    for (uint32_t i = 0; i < v->n_blocks;) {
+        uint8_t *start = (uint8_t *)pkv_kv_block_ptr(a->kv, v->blocks[i]) + (uint64_t)l * lb;
+        uint32_t j = i + 1;
+        while (j < v->n_blocks &&
+               (uint8_t *)pkv_kv_block_ptr(a->kv, v->blocks[j]) + (uint64_t)l * lb ==
+                   start + (uint64_t)(j - i) * lb)
+            j++;
+        uint64_t len = (uint64_t)(j - i) * lb;
+        uint8_t *dst = start;
+        while (len) {
+            PKV_ASSERT(p < n); /* the pieces were checked to cover the layer */
+            uint64_t k = PKV_MIN(pieces[2 * p + 1] - in, len);
+            pkv_xfer_sum_copy(&sum, dst, arena + pieces[2 * p] + in, k);
+            dst += k;
+            len -= k;
+            in += k;
+            if (in == pieces[2 * p + 1]) p++, in = 0;
+        }
+        i = j;
+    }
+    return pkv_xfer_sum_final(&sum);
+}

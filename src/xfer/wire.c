@@ -11,16 +11,20 @@
  * Bodies (all little-endian):
  *   READ      u64 xfer_id, u64 request_id, u8 token[16], u64 budget_ns,
  *             u32 layers, u32 kv_heads, u32 head_dim, u32 block_tokens, u32 dtype,
- *             u32 chunk_bytes, u32 n_runs, n_runs x {u32 first_block, u32 count}
- *   DATA      u64 xfer_id, u32 layer, u32 reserved (0), u64 bytes, u64 checksum
+ *             u32 chunk_bytes, u32 flags (SHARED), u32 n_runs,
+ *             n_runs x {u32 first_block, u32 count}
+ *   DATA      u64 xfer_id, u32 layer, u32 flags (SHARED), u64 bytes, u64 checksum,
+ *             if SHARED: u32 n_pieces, u32 reserved (0), n_pieces x {u64 offset, u64 length}
  *   ACK       u64 xfer_id, u64 request_id, u64 bytes
  *   FAIL      u64 xfer_id, u64 request_id, i32 reason, u16 text_len, u16 reserved (0),
  *             text_len bytes of printable ASCII
  *   HEARTBEAT u64 agent_id, u64 seq
+ *   CLOSE     u64 agent_id, u32 flags (REPLY), u32 reserved (0)
  *
- * Handle (PKVH v1): u32 magic "PKVH", u8 version 1, u8 addr_len, u16 reserved (0),
+ * Handle (PKVH v1): u32 magic "PKVH", u8 version 1, u8 addr_len, u16 flags (LOCAL),
  *   u64 request_id, u8 token[16], u32 layers, kv_heads, head_dim, block_tokens, dtype,
- *   u32 n_blocks, addr_len bytes of address, n_blocks x u32 block id.
+ *   u32 n_blocks, if LOCAL: {u32 pid, u32 fd, u64 arena_bytes, u64 ino, u8 boot_id[16]},
+ *   addr_len bytes of address, n_blocks x u32 block id.
  */
 #include "xfer/wire.h"
 
@@ -29,11 +33,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define READ_FIXED_BYTES   68u
+#define READ_FIXED_BYTES   72u
 #define DATA_BYTES         32u
+#define DATA_PIECES_HDR    8u
+#define HANDLE_LOCAL       1u
+#define HANDLE_LOCAL_BYTES 40u
 #define ACK_BYTES          24u
 #define FAIL_FIXED_BYTES   24u
 #define HB_BYTES           16u
+#define CLOSE_BYTES        16u
 #define HANDLE_MAGIC       0x48564B50u /* bytes "PKVH" */
 #define HANDLE_VERSION     1
 #define HANDLE_FIXED_BYTES 56u
@@ -171,6 +179,19 @@ uint32_t pkv_xfer_wire_count_runs(const uint32_t *blocks, uint32_t n)
     return runs;
 }
 
+static uint64_t le64(const uint8_t *b)
+{
+    return (uint64_t)le32(b) | (uint64_t)le32(b + 4) << 32;
+}
+
+void pkv_xfer_wire_data_piece(const pkv_wire_data_t *d, uint32_t i, uint64_t *offset,
+                              uint64_t *length)
+{
+    PKV_ASSERT(i < d->n_pieces);
+    *offset = le64(d->pieces + 16 * (size_t)i);
+    *length = le64(d->pieces + 16 * (size_t)i + 8);
+}
+
 void pkv_xfer_wire_read_run(const pkv_wire_read_t *r, uint32_t i, uint32_t *first, uint32_t *count)
 {
     PKV_ASSERT(i < r->n_runs);
@@ -207,8 +228,9 @@ static int decode_read(rcur_t *c, pkv_wire_read_t *r)
         !get_bytes(c, r->token, sizeof(r->token)) || !get_u64(c, &r->budget_ns) ||
         !get_u32(c, &r->geo.layers) || !get_u32(c, &r->geo.kv_heads) ||
         !get_u32(c, &r->geo.head_dim) || !get_u32(c, &r->geo.block_tokens) || !get_u32(c, &dtype) ||
-        !get_u32(c, &r->chunk_bytes) || !get_u32(c, &r->n_runs))
+        !get_u32(c, &r->chunk_bytes) || !get_u32(c, &r->flags) || !get_u32(c, &r->n_runs))
         return PKV_ERR_PROTO;
+    if (r->flags & ~PKV_WIRE_READ_SHARED) return PKV_ERR_PROTO;
     if (r->xfer_id == 0 || r->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS)) return PKV_ERR_PROTO;
     if (r->budget_ns > PKV_WIRE_MAX_BUDGET_NS) return PKV_ERR_PROTO;
     if (dtype > PKV_DTYPE_BF16) return PKV_ERR_PROTO;
@@ -250,17 +272,36 @@ int pkv_xfer_wire_decode(const void *buf, size_t len, pkv_wire_msg_t *out)
         if (decode_read(&c, &m.u.read)) return PKV_ERR_PROTO;
         break;
     case PKV_WIRE_DATA: {
-        uint32_t reserved;
-        if (c.left != DATA_BYTES) return PKV_ERR_PROTO;
-        get_u64(&c, &m.u.data.xfer_id);
-        get_u32(&c, &m.u.data.layer);
-        get_u32(&c, &reserved);
-        get_u64(&c, &m.u.data.bytes);
-        get_u64(&c, &m.u.data.checksum);
-        if (reserved || m.u.data.xfer_id == 0 ||
-            m.u.data.xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) ||
-            m.u.data.layer >= PKV_WIRE_MAX_LAYERS || m.u.data.bytes > PKV_WIRE_MAX_BYTES)
+        pkv_wire_data_t *d = &m.u.data;
+        if (c.left < DATA_BYTES) return PKV_ERR_PROTO;
+        get_u64(&c, &d->xfer_id);
+        get_u32(&c, &d->layer);
+        get_u32(&c, &d->flags);
+        get_u64(&c, &d->bytes);
+        get_u64(&c, &d->checksum);
+        if ((d->flags & ~PKV_WIRE_DATA_SHARED) || d->xfer_id == 0 ||
+            d->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) || d->layer >= PKV_WIRE_MAX_LAYERS ||
+            d->bytes > PKV_WIRE_MAX_BYTES)
             return PKV_ERR_PROTO;
+        if (!(d->flags & PKV_WIRE_DATA_SHARED)) {
+            if (c.left) return PKV_ERR_PROTO;
+            break;
+        }
+        uint32_t reserved;
+        if (!get_u32(&c, &d->n_pieces) || !get_u32(&c, &reserved) || reserved || d->n_pieces < 1 ||
+            d->n_pieces > PKV_WIRE_MAX_PIECES || c.left != 16 * (size_t)d->n_pieces)
+            return PKV_ERR_PROTO;
+        d->pieces = c.p;
+        uint64_t sum = 0;
+        for (uint32_t i = 0; i < d->n_pieces; i++) {
+            uint64_t off, plen;
+            pkv_xfer_wire_data_piece(d, i, &off, &plen);
+            if (plen < 1 || off >= PKV_WIRE_MAX_ARENA || plen > PKV_WIRE_MAX_ARENA - off)
+                return PKV_ERR_PROTO;
+            sum += plen; /* each < 2^44, at most 2^15 of them: no overflow */
+        }
+        if (sum != d->bytes) return PKV_ERR_PROTO;
+        c.left = 0;
         break;
     }
     case PKV_WIRE_ACK:
@@ -295,6 +336,15 @@ int pkv_xfer_wire_decode(const void *buf, size_t len, pkv_wire_msg_t *out)
         get_u64(&c, &m.u.hb.agent_id);
         get_u64(&c, &m.u.hb.seq);
         break;
+    case PKV_WIRE_CLOSE: {
+        uint32_t reserved;
+        if (c.left != CLOSE_BYTES) return PKV_ERR_PROTO;
+        get_u64(&c, &m.u.close.agent_id);
+        get_u32(&c, &m.u.close.flags);
+        get_u32(&c, &reserved);
+        if (reserved || (m.u.close.flags & ~PKV_WIRE_CLOSE_REPLY)) return PKV_ERR_PROTO;
+        break;
+    }
     default:
         return PKV_ERR_PROTO;
     }
@@ -314,8 +364,8 @@ int pkv_xfer_wire_encode_read(const pkv_wire_read_t *r, const uint32_t *blocks, 
     if (!r || !blocks || !buf || !len) return PKV_ERR_INVALID;
     uint32_t n_runs = pkv_xfer_wire_count_runs(blocks, n);
     if (r->xfer_id == 0 || r->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) ||
-        r->budget_ns > PKV_WIRE_MAX_BUDGET_NS || n_runs < 1 || n_runs > PKV_WIRE_MAX_RUNS ||
-        check_read_sizes(&r->geo, n, r->chunk_bytes))
+        (r->flags & ~PKV_WIRE_READ_SHARED) || r->budget_ns > PKV_WIRE_MAX_BUDGET_NS || n_runs < 1 ||
+        n_runs > PKV_WIRE_MAX_RUNS || check_read_sizes(&r->geo, n, r->chunk_bytes))
         return PKV_ERR_INVALID;
     size_t need = pkv_xfer_wire_read_bytes(n_runs);
     if (need > PKV_WIRE_MAX_MSG) return PKV_ERR_INVALID;
@@ -332,6 +382,7 @@ int pkv_xfer_wire_encode_read(const pkv_wire_read_t *r, const uint32_t *blocks, 
     put_u32(&c, r->geo.block_tokens);
     put_u32(&c, (uint32_t)r->geo.dtype);
     put_u32(&c, r->chunk_bytes);
+    put_u32(&c, r->flags);
     put_u32(&c, n_runs);
     for (uint32_t i = 0; i < n;) {
         uint32_t j = i + 1;
@@ -344,21 +395,49 @@ int pkv_xfer_wire_encode_read(const pkv_wire_read_t *r, const uint32_t *blocks, 
     return PKV_OK;
 }
 
-int pkv_xfer_wire_encode_data(const pkv_wire_data_t *d, void *buf, size_t cap, size_t *len)
+size_t pkv_xfer_wire_data_bytes(uint32_t n_pieces)
+{
+    return PKV_WIRE_HEADER_BYTES + DATA_BYTES +
+           (n_pieces ? DATA_PIECES_HDR + 16 * (size_t)n_pieces : 0);
+}
+
+int pkv_xfer_wire_encode_data(const pkv_wire_data_t *d, const uint64_t *pieces, uint32_t n_pieces,
+                              void *buf, size_t cap, size_t *len)
 {
     if (!d || !buf || !len) return PKV_ERR_INVALID;
-    if (d->xfer_id == 0 || d->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) ||
-        d->layer >= PKV_WIRE_MAX_LAYERS || d->bytes > PKV_WIRE_MAX_BYTES)
+    bool shared = d->flags & PKV_WIRE_DATA_SHARED;
+    if ((d->flags & ~PKV_WIRE_DATA_SHARED) || d->xfer_id == 0 ||
+        d->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) || d->layer >= PKV_WIRE_MAX_LAYERS ||
+        d->bytes > PKV_WIRE_MAX_BYTES || shared != (n_pieces > 0) ||
+        n_pieces > PKV_WIRE_MAX_PIECES || (n_pieces && !pieces))
         return PKV_ERR_INVALID;
-    if (cap < PKV_WIRE_HEADER_BYTES + DATA_BYTES) return PKV_ERR_NOSPACE;
+    uint64_t sum = 0;
+    for (uint32_t i = 0; i < n_pieces; i++) {
+        uint64_t off = pieces[2 * i], l = pieces[2 * i + 1];
+        if (l < 1 || off >= PKV_WIRE_MAX_ARENA || l > PKV_WIRE_MAX_ARENA - off)
+            return PKV_ERR_INVALID;
+        sum += l;
+    }
+    if (shared && sum != d->bytes) return PKV_ERR_INVALID;
+    size_t need = pkv_xfer_wire_data_bytes(n_pieces);
+    if (need > PKV_WIRE_MAX_MSG) return PKV_ERR_INVALID;
+    if (cap < need) return PKV_ERR_NOSPACE;
     wcur_t c = {buf, cap};
-    put_header(&c, PKV_WIRE_DATA, DATA_BYTES);
+    put_header(&c, PKV_WIRE_DATA, (uint32_t)(need - PKV_WIRE_HEADER_BYTES));
     put_u64(&c, d->xfer_id);
     put_u32(&c, d->layer);
-    put_u32(&c, 0);
+    put_u32(&c, d->flags);
     put_u64(&c, d->bytes);
     put_u64(&c, d->checksum);
-    *len = PKV_WIRE_HEADER_BYTES + DATA_BYTES;
+    if (shared) {
+        put_u32(&c, n_pieces);
+        put_u32(&c, 0);
+        for (uint32_t i = 0; i < n_pieces; i++) {
+            put_u64(&c, pieces[2 * i]);
+            put_u64(&c, pieces[2 * i + 1]);
+        }
+    }
+    *len = need;
     return PKV_OK;
 }
 
@@ -412,6 +491,19 @@ int pkv_xfer_wire_encode_heartbeat(const pkv_wire_heartbeat_t *h, void *buf, siz
     return PKV_OK;
 }
 
+int pkv_xfer_wire_encode_close(const pkv_wire_close_t *cl, void *buf, size_t cap, size_t *len)
+{
+    if (!cl || !buf || !len || (cl->flags & ~PKV_WIRE_CLOSE_REPLY)) return PKV_ERR_INVALID;
+    if (cap < PKV_WIRE_HEADER_BYTES + CLOSE_BYTES) return PKV_ERR_NOSPACE;
+    wcur_t c = {buf, cap};
+    put_header(&c, PKV_WIRE_CLOSE, CLOSE_BYTES);
+    put_u64(&c, cl->agent_id);
+    put_u32(&c, cl->flags);
+    put_u32(&c, 0);
+    *len = PKV_WIRE_HEADER_BYTES + CLOSE_BYTES;
+    return PKV_OK;
+}
+
 /* ---- handles (public) ----------------------------------------------------------------- */
 /* An address is "host:port": host of [0-9A-Za-z.-] or a bracketed IPv6 literal. */
 static bool addr_valid(const char *a, size_t n)
@@ -452,6 +544,18 @@ bool pkv_xfer_wire_addr_valid(const char *addr)
     return addr && addr_valid(addr, strnlen(addr, PKV_XFER_ADDR_MAX));
 }
 
+static bool local_valid(const pkv_xfer_handle_t *h)
+{
+    return h->local.pid >= 1 && h->local.pid < (1u << 30) && h->local.fd >= 0 &&
+           h->local.arena_bytes >= 4096 && h->local.arena_bytes <= PKV_WIRE_MAX_ARENA;
+}
+
+static size_t handle_bytes(const pkv_xfer_handle_t *h, size_t al)
+{
+    return HANDLE_FIXED_BYTES + (h->local.present ? HANDLE_LOCAL_BYTES : 0) + al +
+           4 * (size_t)h->n_blocks;
+}
+
 static int handle_check(const pkv_xfer_handle_t *h, size_t *addr_len)
 {
     uint64_t lb;
@@ -459,6 +563,7 @@ static int handle_check(const pkv_xfer_handle_t *h, size_t *addr_len)
     if (al >= PKV_XFER_ADDR_MAX || !addr_valid(h->addr, al)) return PKV_ERR_INVALID;
     if (h->n_blocks < 1 || h->n_blocks > PKV_WIRE_MAX_BLOCKS) return PKV_ERR_INVALID;
     if (pkv_xfer_wire_check_geometry(&h->geo, &lb)) return PKV_ERR_INVALID;
+    if (h->local.present && !local_valid(h)) return PKV_ERR_INVALID;
     *addr_len = al;
     return PKV_OK;
 }
@@ -467,20 +572,20 @@ size_t pkv_xfer_handle_bytes(const pkv_xfer_handle_t *h)
 {
     size_t al;
     if (!h || handle_check(h, &al)) return 0;
-    return HANDLE_FIXED_BYTES + al + 4 * (size_t)h->n_blocks;
+    return handle_bytes(h, al);
 }
 
 int pkv_xfer_handle_encode(const pkv_xfer_handle_t *h, void *buf, size_t cap, size_t *len)
 {
     size_t al;
     if (!h || !buf || !len || handle_check(h, &al)) return PKV_ERR_INVALID;
-    size_t need = HANDLE_FIXED_BYTES + al + 4 * (size_t)h->n_blocks;
+    size_t need = handle_bytes(h, al);
     if (cap < need) return PKV_ERR_NOSPACE;
     wcur_t c = {buf, cap};
     put_u32(&c, HANDLE_MAGIC);
     put_u8(&c, HANDLE_VERSION);
     put_u8(&c, (uint8_t)al);
-    put_u16(&c, 0);
+    put_u16(&c, h->local.present ? HANDLE_LOCAL : 0);
     put_u64(&c, h->request_id);
     put_bytes(&c, h->token, PKV_XFER_TOKEN_BYTES);
     put_u32(&c, h->geo.layers);
@@ -489,6 +594,13 @@ int pkv_xfer_handle_encode(const pkv_xfer_handle_t *h, void *buf, size_t cap, si
     put_u32(&c, h->geo.block_tokens);
     put_u32(&c, (uint32_t)h->geo.dtype);
     put_u32(&c, h->n_blocks);
+    if (h->local.present) {
+        put_u32(&c, h->local.pid);
+        put_u32(&c, (uint32_t)h->local.fd);
+        put_u64(&c, h->local.arena_bytes);
+        put_u64(&c, h->local.ino);
+        put_bytes(&c, h->local.boot_id, sizeof(h->local.boot_id));
+    }
     put_bytes(&c, h->addr, al);
     for (uint32_t i = 0; i < h->n_blocks; i++) put_u32(&c, h->blocks[i]);
     *len = need;
@@ -501,16 +613,27 @@ int pkv_xfer_handle_decode(const void *buf, size_t len, pkv_xfer_handle_t **out)
     rcur_t c = {buf, len};
     uint32_t magic, dtype, n;
     uint8_t version, al;
-    uint16_t reserved;
+    uint16_t flags;
     pkv_xfer_handle_t tmp;
     memset(&tmp, 0, sizeof(tmp));
-    if (!get_u32(&c, &magic) || !get_u8(&c, &version) || !get_u8(&c, &al) ||
-        !get_u16(&c, &reserved) || !get_u64(&c, &tmp.request_id) ||
-        !get_bytes(&c, tmp.token, PKV_XFER_TOKEN_BYTES) || !get_u32(&c, &tmp.geo.layers) ||
-        !get_u32(&c, &tmp.geo.kv_heads) || !get_u32(&c, &tmp.geo.head_dim) ||
-        !get_u32(&c, &tmp.geo.block_tokens) || !get_u32(&c, &dtype) || !get_u32(&c, &n))
+    if (!get_u32(&c, &magic) || !get_u8(&c, &version) || !get_u8(&c, &al) || !get_u16(&c, &flags) ||
+        !get_u64(&c, &tmp.request_id) || !get_bytes(&c, tmp.token, PKV_XFER_TOKEN_BYTES) ||
+        !get_u32(&c, &tmp.geo.layers) || !get_u32(&c, &tmp.geo.kv_heads) ||
+        !get_u32(&c, &tmp.geo.head_dim) || !get_u32(&c, &tmp.geo.block_tokens) ||
+        !get_u32(&c, &dtype) || !get_u32(&c, &n))
         return PKV_ERR_PROTO;
-    if (magic != HANDLE_MAGIC || version != HANDLE_VERSION || reserved) return PKV_ERR_PROTO;
+    if (magic != HANDLE_MAGIC || version != HANDLE_VERSION || (flags & ~HANDLE_LOCAL))
+        return PKV_ERR_PROTO;
+    if (flags & HANDLE_LOCAL) {
+        uint32_t fd;
+        tmp.local.present = true;
+        if (!get_u32(&c, &tmp.local.pid) || !get_u32(&c, &fd) ||
+            !get_u64(&c, &tmp.local.arena_bytes) || !get_u64(&c, &tmp.local.ino) ||
+            !get_bytes(&c, tmp.local.boot_id, sizeof(tmp.local.boot_id)))
+            return PKV_ERR_PROTO;
+        tmp.local.fd = (int32_t)fd;
+        if (!local_valid(&tmp)) return PKV_ERR_PROTO;
+    }
     if (al >= PKV_XFER_ADDR_MAX || dtype > PKV_DTYPE_BF16) return PKV_ERR_PROTO;
     if (n < 1 || n > PKV_WIRE_MAX_BLOCKS) return PKV_ERR_PROTO;
     if (c.left != al + 4 * (size_t)n) return PKV_ERR_PROTO;

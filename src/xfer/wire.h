@@ -35,7 +35,10 @@ enum {
     PKV_WIRE_ACK = 3,
     PKV_WIRE_FAIL = 4,
     PKV_WIRE_HEARTBEAT = 5,
+    PKV_WIRE_CLOSE = 6,
 };
+/* CLOSE flags: this is the answer to a CLOSE request. */
+#define PKV_WIRE_CLOSE_REPLY 1u
 
 /* Limits every decoded message is checked against. */
 #define PKV_WIRE_MAX_MSG          (1u << 20) /* whole control message */
@@ -49,7 +52,9 @@ enum {
 #define PKV_WIRE_MAX_CHUNK        (64u << 20)
 #define PKV_WIRE_MAX_BYTES        (1ull << 40) /* bytes in one transfer */
 #define PKV_WIRE_MAX_BUDGET_NS    (24ull * 3600 * 1000000000ull)
-#define PKV_WIRE_MAX_TEXT         128u /* FAIL reason text */
+#define PKV_WIRE_MAX_TEXT         128u         /* FAIL reason text */
+#define PKV_WIRE_MAX_PIECES       32768u       /* arena pieces in one shared DATA */
+#define PKV_WIRE_MAX_ARENA        (1ull << 44) /* a shared staging arena's bytes */
 #define PKV_WIRE_XFER_ID_BITS     38
 #define PKV_WIRE_CHUNK_BITS       24
 
@@ -69,16 +74,26 @@ typedef struct {
     uint64_t budget_ns;   /* time left before the consumer's deadline when sent */
     pkv_geometry_t geo;   /* the consumer's pool geometry (must equal the producer's) */
     uint32_t chunk_bytes; /* payload chunk size (tag message size) */
+    uint32_t flags;       /* PKV_WIRE_READ_SHARED */
     uint32_t n_runs;      /* block runs in the plan */
     uint32_t n_blocks;    /* sum of run counts (set by the decoder) */
     const uint8_t *runs;  /* n_runs x {u32 first, u32 count}, little-endian (decoder: into buf) */
 } pkv_wire_read_t;
 
+/* READ flags: the consumer has mapped the producer's shared staging arena (same host):
+ * send DATA with arena offsets instead of payload messages. */
+#define PKV_WIRE_READ_SHARED 1u
+/* DATA flags: the layer's bytes are in the producer's shared arena at `pieces`. */
+#define PKV_WIRE_DATA_SHARED 1u
+
 typedef struct {
     uint64_t xfer_id;
     uint32_t layer;
-    uint64_t bytes;    /* payload bytes of the layer */
-    uint64_t checksum; /* pkv_xfer_sum over the layer's bytes in stream order */
+    uint32_t flags;        /* PKV_WIRE_DATA_SHARED */
+    uint64_t bytes;        /* payload bytes of the layer */
+    uint64_t checksum;     /* pkv_xfer_sum over the layer's bytes in stream order */
+    uint32_t n_pieces;     /* shared: pieces covering the layer in stream order */
+    const uint8_t *pieces; /* n_pieces x {u64 offset, u64 length} (decoder: into buf) */
 } pkv_wire_data_t;
 
 typedef struct {
@@ -99,6 +114,14 @@ typedef struct {
     uint64_t seq;
 } pkv_wire_heartbeat_t;
 
+/* An agent about to close the connection sends CLOSE and waits (bounded) for the reply:
+ * messages travel in order, so the reply proves the peer processed everything before it
+ * (the last ACKs and FAILs) — a local send completion only means our kernel has it. */
+typedef struct {
+    uint64_t agent_id;
+    uint32_t flags; /* PKV_WIRE_CLOSE_REPLY */
+} pkv_wire_close_t;
+
 typedef struct {
     uint8_t type;
     union {
@@ -107,6 +130,7 @@ typedef struct {
         pkv_wire_ack_t ack;
         pkv_wire_fail_t fail;
         pkv_wire_heartbeat_t hb;
+        pkv_wire_close_t close;
     } u;
 } pkv_wire_msg_t;
 
@@ -115,6 +139,9 @@ typedef struct {
 int pkv_xfer_wire_decode(const void *buf, size_t len, pkv_wire_msg_t *out);
 /* Run i (< n_runs) of a decoded or to-be-encoded READ. */
 void pkv_xfer_wire_read_run(const pkv_wire_read_t *r, uint32_t i, uint32_t *first, uint32_t *count);
+/* Piece i (< n_pieces) of a decoded shared DATA. */
+void pkv_xfer_wire_data_piece(const pkv_wire_data_t *d, uint32_t i, uint64_t *offset,
+                              uint64_t *length);
 /* Is reason an outcome a FAIL may carry? */
 bool pkv_xfer_wire_reason_valid(int32_t reason);
 
@@ -135,10 +162,15 @@ uint32_t pkv_xfer_wire_count_runs(const uint32_t *blocks, uint32_t n);
 size_t pkv_xfer_wire_read_bytes(uint32_t n_runs);
 int pkv_xfer_wire_encode_read(const pkv_wire_read_t *r, const uint32_t *blocks, uint32_t n,
                               void *buf, size_t cap, size_t *len);
-int pkv_xfer_wire_encode_data(const pkv_wire_data_t *d, void *buf, size_t cap, size_t *len);
+/* pieces: n_pieces x {offset, length} for a shared DATA (flags & PKV_WIRE_DATA_SHARED),
+ * else NULL / 0; d->pieces / d->n_pieces are ignored. */
+size_t pkv_xfer_wire_data_bytes(uint32_t n_pieces);
+int pkv_xfer_wire_encode_data(const pkv_wire_data_t *d, const uint64_t *pieces, uint32_t n_pieces,
+                              void *buf, size_t cap, size_t *len);
 int pkv_xfer_wire_encode_ack(const pkv_wire_ack_t *a, void *buf, size_t cap, size_t *len);
 int pkv_xfer_wire_encode_fail(const pkv_wire_fail_t *f, void *buf, size_t cap, size_t *len);
 int pkv_xfer_wire_encode_heartbeat(const pkv_wire_heartbeat_t *h, void *buf, size_t cap,
                                    size_t *len);
+int pkv_xfer_wire_encode_close(const pkv_wire_close_t *c, void *buf, size_t cap, size_t *len);
 
 #endif

@@ -113,9 +113,16 @@ struct xf_peer { /* every field [P] */
     uint32_t ctl_inflight; /* control sends not yet completed */
     uint32_t refs;         /* transfers using this peer */
     bool established;      /* the other side has spoken: control sends may go out */
-    xf_ctl_buf_t *queued;  /* control messages waiting for establishment */
+    int map_fd;            /* outgoing, same host: the producer's staging arena, mapped */
+    uint8_t *map_base;
+    uint64_t map_size, map_ino;
+    uint32_t map_pid;
+    xf_ctl_buf_t *queued; /* control messages waiting for establishment */
     xf_ctl_buf_t **queued_tail;
     void *close_req;
+    bool close_sent;     /* shutdown: we sent CLOSE ... */
+    bool close_acked;    /* ... and the peer answered it */
+    bool remote_closing; /* the peer sent CLOSE: its disconnect is expected */
     uint64_t close_deadline_ns;
     bool close_done;
 };
@@ -156,8 +163,10 @@ struct xf_serve {
     xf_view_t v; /* [I] blocks are producer pool blocks */
     /* [P] */
     xf_serve_state_t state;
-    bool state_done;      /* outcome decided */
-    bool pump_needed;     /* a send completed: post more from the loop */
+    bool state_done;  /* outcome decided */
+    bool shared;      /* DATA carries arena offsets; the consumer copies from our arena */
+    bool pump_needed; /* a send completed: post more from the loop */
+    uint64_t t_start, t_seated, t_first_ready, t_last_ready, t_all_sent; /* debug timing */
     bool stage_cancelled; /* we cancelled a waiting acquire */
     int outcome;
     uint64_t done_ns;
@@ -218,13 +227,22 @@ struct pkv_xfer_read {
     uint32_t *layer_chunks; /* (layers) chunks received */
     uint8_t *layer_flags;   /* (layers) bit0 header seen, bit1 verify queued, bit2 verified */
     uint64_t *layer_sum;    /* (layers) checksum from DATA */
+    bool want_shared;       /* [I] the handle offers a same-host arena we may map */
+    uint32_t local_pid;     /* [I] ... its producer pid, memfd, inode, size */
+    int32_t local_fd;
+    uint64_t local_ino, local_bytes;
+    bool shared;             /* copying straight from the producer's arena */
+    const uint8_t *arena;    /* the mapping (the peer owns it) */
+    uint64_t **layer_pieces; /* (layers) shared: {offset, length} pairs from DATA */
+    uint32_t *layer_npieces;
     uint32_t layers_verified;
     bool zombie;
     bool quiesced;   /* staging and pins returned */
     bool released;   /* the agent dropped its reference */
     bool cancelling; /* inside cancel_recvs: settle() must wait */
     bool slow_logged;
-    bool stage_cancelled; /* we cancelled a waiting acquire */
+    bool stage_cancelled;                        /* we cancelled a waiting acquire */
+    uint64_t t_start, t_seated, t_first, t_last; /* debug timing */
     uint64_t done_ns;
     bool cancel_recvs; /* recvs still posted must be cancelled from the loop */
     xf_chunk_t *chunks;
@@ -253,6 +271,10 @@ struct pkv_xfer_agent {
     size_t page_bytes;    /* staging page */
     char addr[PKV_XFER_ADDR_MAX];
     uint64_t agent_id;
+    bool have_boot_id;
+    uint8_t boot_id[16]; /* this host's boot: same-host shared staging */
+    int arena_fd;        /* our stage's memfd (-1: not shared) */
+    uint64_t arena_bytes, arena_ino;
     ucp_context_h ctx;
     ucp_worker_h worker;
     ucp_listener_h listener;
@@ -293,6 +315,8 @@ struct pkv_xfer_agent {
     uint64_t stop_ns; /* when shutdown began */
     bool stop_started;
     bool eps_closing;
+    bool flushing;
+    uint64_t flush_deadline_ns;
     uint64_t last_timer_ns;
     xf_stats_t st;
 };
@@ -309,8 +333,12 @@ xf_peer_t *xf_peer_connect(pkv_xfer_agent_t *a, const char *addr);
 void xf_peer_accept(pkv_xfer_agent_t *a, ucp_conn_request_h req);
 xf_peer_t *xf_peer_by_ep(pkv_xfer_agent_t *a, ucp_ep_h ep);
 void xf_peer_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const char *why);
+const uint8_t *xf_peer_map_arena(xf_peer_t *p, uint32_t pid, int32_t fd, uint64_t ino,
+                                 uint64_t bytes);
 void xf_peers_tick(pkv_xfer_agent_t *a, uint64_t now);
 void xf_peer_close_all(pkv_xfer_agent_t *a, bool force);
+void xf_peers_say_close(pkv_xfer_agent_t *a);
+bool xf_peers_close_answered(pkv_xfer_agent_t *a);
 bool xf_peers_closed(pkv_xfer_agent_t *a);
 void xf_peers_free(pkv_xfer_agent_t *a);
 int xf_ctl_send(pkv_xfer_agent_t *a, xf_peer_t *p, void *buf, size_t len);
@@ -336,6 +364,12 @@ void *xf_seater_main(void *arg);
 /* view.c copies */
 uint64_t xf_view_copy_layer(const xf_view_t *v, pkv_xfer_agent_t *a, uint32_t l, bool to_stage);
 void xf_view_corrupt(const xf_view_t *v, uint32_t l);
+/* Arena {offset, length} pieces of stream range [off, off+len); 0 when more than cap. */
+uint32_t xf_view_arena_pieces(const xf_view_t *v, uint64_t off, uint64_t len, uint64_t *out,
+                              uint32_t cap);
+/* Consumer, shared: copy layer l from a mapped producer arena into the pool. */
+uint64_t xf_view_copy_layer_from(const xf_view_t *v, pkv_xfer_agent_t *a, uint32_t l,
+                                 const uint8_t *arena, const uint64_t *pieces, uint32_t n);
 
 /* consumer.c */
 void xf_reads_admit(pkv_xfer_agent_t *a, pkv_xfer_read_t *list);

@@ -48,14 +48,24 @@ static void check_roundtrip(const uint8_t *data, size_t size, const pkv_wire_msg
         expand_runs(&m->u.read, blocks);
         rc = pkv_xfer_wire_encode_read(&m->u.read, blocks, m->u.read.n_blocks, buf, cap, &len);
         break;
-    case PKV_WIRE_DATA:
-        rc = pkv_xfer_wire_encode_data(&m->u.data, buf, cap, &len);
+    case PKV_WIRE_DATA: {
+        const pkv_wire_data_t *d = &m->u.data;
+        uint64_t *pieces = d->n_pieces ? malloc(16 * (size_t)d->n_pieces) : NULL;
+        FUZZ_CHECK(!d->n_pieces || pieces);
+        for (uint32_t i = 0; i < d->n_pieces; i++)
+            pkv_xfer_wire_data_piece(d, i, &pieces[2 * i], &pieces[2 * i + 1]);
+        rc = pkv_xfer_wire_encode_data(d, pieces, d->n_pieces, buf, cap, &len);
+        free(pieces);
         break;
+    }
     case PKV_WIRE_ACK:
         rc = pkv_xfer_wire_encode_ack(&m->u.ack, buf, cap, &len);
         break;
     case PKV_WIRE_FAIL:
         rc = pkv_xfer_wire_encode_fail(&m->u.fail, buf, cap, &len);
+        break;
+    case PKV_WIRE_CLOSE:
+        rc = pkv_xfer_wire_encode_close(&m->u.close, buf, cap, &len);
         break;
     case PKV_WIRE_HEARTBEAT:
         rc = pkv_xfer_wire_encode_heartbeat(&m->u.hb, buf, cap, &len);

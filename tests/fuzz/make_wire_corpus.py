@@ -11,7 +11,7 @@ import struct
 import sys
 
 MAGIC = 0x58564B50
-READ, DATA, ACK, FAIL, HB = 1, 2, 3, 4, 5
+READ, DATA, ACK, FAIL, HB, CLOSE = 1, 2, 3, 4, 5, 6
 TIMEOUT, PEER_LOST, NOFIT, REJECTED, CANCELLED, CORRUPT, SHUTDOWN = -5, -11, -4, -12, -7, -13, -6
 
 
@@ -21,9 +21,9 @@ def msg(t, body, version=1, flags=0, body_len=None):
 
 
 def read_body(xfer=7, req=42, token=bytes(range(16)), budget=10**9, geo=(4, 2, 64, 16, 1),
-              chunk=1 << 20, runs=((10, 3), (20, 1))):
+              chunk=1 << 20, runs=((10, 3), (20, 1)), flags=0):
     b = struct.pack('<QQ', xfer, req) + token + struct.pack('<Q', budget)
-    b += struct.pack('<5I', *geo) + struct.pack('<II', chunk, len(runs))
+    b += struct.pack('<5I', *geo) + struct.pack('<III', chunk, flags, len(runs))
     for f, c in runs:
         b += struct.pack('<II', f, c)
     return b
@@ -33,10 +33,25 @@ def fail_body(xfer=7, req=42, reason=REJECTED, text=b'bad token'):
     return struct.pack('<QQiHH', xfer, req, reason, len(text), 0) + text
 
 
+def data_body(xfer=7, layer=3, flags=0, nbytes=65536, checksum=0x1234, pieces=None, reserved=0):
+    b = struct.pack('<QIIQQ', xfer, layer, flags, nbytes, checksum)
+    if pieces is not None:
+        b += struct.pack('<II', len(pieces), reserved)
+        for off, ln in pieces:
+            b += struct.pack('<QQ', off, ln)
+    return b
+
+
 def handle(req=42, token=bytes(16), addr=b'127.0.0.1:4000', geo=(4, 2, 64, 16, 1), blocks=(1, 2, 3),
-           version=1):
-    b = struct.pack('<IBBH', 0x48564B50, version, len(addr), 0) + struct.pack('<Q', req) + token
-    b += struct.pack('<5I', *geo) + struct.pack('<I', len(blocks)) + addr
+           version=1, local=None, flags=None):
+    if flags is None:
+        flags = 1 if local else 0
+    b = struct.pack('<IBBH', 0x48564B50, version, len(addr), flags) + struct.pack('<Q', req) + token
+    b += struct.pack('<5I', *geo) + struct.pack('<I', len(blocks))
+    if local:
+        pid, fd, size, ino, boot = local
+        b += struct.pack('<IIQQ', pid, fd, size, ino) + boot
+    b += addr
     for x in blocks:
         b += struct.pack('<I', x)
     return b
@@ -48,12 +63,20 @@ def main(out):
         'ok-read': msg(READ, read_body()),
         'ok-read-one-run': msg(READ, read_body(runs=((0, 1),))),
         'ok-read-f32': msg(READ, read_body(geo=(32, 8, 128, 16, 0), runs=((5, 100), (1000, 7)))),
-        'ok-data': msg(DATA, struct.pack('<QIIQQ', 7, 3, 0, 65536, 0x1234)),
+        'ok-data': msg(DATA, data_body()),
+        'ok-data-shared': msg(DATA, data_body(flags=1, nbytes=12288, pieces=((4096, 8192), (65536, 4096)))),
+        'ok-read-shared': msg(READ, read_body(flags=1)),
+        'ok-handle-local': handle(local=(1234, 7, 1 << 26, 99, bytes(range(16)))),
         'ok-ack': msg(ACK, struct.pack('<QQQ', 7, 42, 1 << 20)),
         'ok-fail': msg(FAIL, fail_body()),
         'ok-fail-empty': msg(FAIL, fail_body(reason=TIMEOUT, text=b'')),
         'ok-fail-shutdown': msg(FAIL, fail_body(xfer=0, reason=SHUTDOWN, text=b'bye')),
         'ok-heartbeat': msg(HB, struct.pack('<QQ', 0xabcdef, 9)),
+        'ok-close': msg(CLOSE, struct.pack('<QII', 0xabcdef, 0, 0)),
+        'ok-close-reply': msg(CLOSE, struct.pack('<QII', 0xabcdef, 1, 0)),
+        'bad-close-flags': msg(CLOSE, struct.pack('<QII', 1, 2, 0)),
+        'bad-close-reserved': msg(CLOSE, struct.pack('<QII', 1, 0, 1)),
+        'bad-close-short': msg(CLOSE, struct.pack('<QI', 1, 0)),
         'ok-handle': handle(),
         'ok-handle-v6': handle(addr=b'[::1]:5000', blocks=tuple(range(100))),
         'bad-empty': b'',
@@ -80,8 +103,19 @@ def main(out):
         'bad-read-budget': msg(READ, read_body(budget=1 << 62)),
         'bad-read-too-many-chunks': msg(READ, read_body(geo=(4096, 1, 1024, 1, 0), chunk=4096,
                                                         runs=((0, 1 << 12),))),
-        'bad-data-reserved': msg(DATA, struct.pack('<QIIQQ', 7, 3, 1, 65536, 0)),
-        'bad-data-layer': msg(DATA, struct.pack('<QIIQQ', 7, 5000, 0, 65536, 0)),
+        'bad-data-flags': msg(DATA, data_body(flags=2)),
+        'bad-data-layer': msg(DATA, data_body(layer=5000)),
+        'bad-data-shared-no-pieces': msg(DATA, data_body(flags=1)),
+        'bad-data-pieces-sum': msg(DATA, data_body(flags=1, nbytes=5, pieces=((0, 4),))),
+        'bad-data-piece-empty': msg(DATA, data_body(flags=1, nbytes=4, pieces=((0, 4), (8, 0)))),
+        'bad-data-piece-reserved': msg(DATA, data_body(flags=1, nbytes=4, pieces=((0, 4),), reserved=1)),
+        'bad-data-piece-beyond': msg(DATA, data_body(flags=1, nbytes=4, pieces=(((1 << 44) - 2, 4),))),
+        'bad-data-plain-trailing': msg(DATA, data_body() + b'\0' * 8),
+        'bad-read-flags': msg(READ, read_body(flags=2)),
+        'bad-handle-flags': handle(flags=2),
+        'bad-handle-local-pid': handle(local=(0, 7, 1 << 26, 99, bytes(16))),
+        'bad-handle-local-size': handle(local=(5, 7, 100, 99, bytes(16))),
+        'bad-handle-local-truncated': handle(local=(5, 7, 1 << 26, 99, bytes(16)))[:-20],
         'bad-ack-zero-id': msg(ACK, struct.pack('<QQQ', 0, 42, 1)),
         'bad-fail-reason': msg(FAIL, fail_body(reason=0)),
         'bad-fail-reason-unknown': msg(FAIL, fail_body(reason=-99)),
