@@ -333,7 +333,8 @@ static pkv_stage_t *make_stage(const xh_case_t *c, uint32_t pages)
     pkv_stage_config_default(&sc);
     sc.page_bytes = c->page_bytes ? c->page_bytes : 64 << 10;
     uint32_t per = pages_for(c, sc.page_bytes);
-    sc.pool_pages = pages ? pages : per * (c->sequential ? 2 : c->n_requests) + 4;
+    uint32_t batch = c->sequential ? 2 : PKV_MAX(c->warmup, c->n_requests - c->warmup);
+    sc.pool_pages = pages ? pages : per * PKV_MAX(batch, 1) + 4;
     sc.idle_release_ns = 5000000000ull; /* keep warm pages across the timed reads */
     sc.pin = false;
     sc.shared = c->shared;
@@ -562,11 +563,13 @@ static void consumer_main(const xh_case_t *c, int from_parent)
         int rc = pkv_xfer_read(a, h[r], ids, n, start[r] + c->deadline_ms * 1000000ull, on_done,
                                &slot[r], &rd[r]);
         if (rc) child_fail("read", rc);
-        bool one_by_one = r < c->warmup || c->sequential;
-        if (!one_by_one && r + 1 < nreq) continue;
-        /* Wait for this read (one by one) or the whole batch, acting on the hook's trigger. */
+        /* Batches: [0, warmup) then [warmup, nreq), unless reading one by one. */
+        bool batch_end = c->sequential || r + 1 == c->warmup || r + 1 == nreq;
+        if (!batch_end) continue;
+        uint32_t first = c->sequential ? r : r < c->warmup ? 0 : c->warmup;
+        /* Wait for this read or the whole batch, acting on the hook's trigger. */
         uint64_t give_up = pkv_now_ns() + (c->deadline_ms + 10000) * 1000000ull;
-        for (uint32_t q = one_by_one ? r : c->warmup; q <= r; q++) {
+        for (uint32_t q = first; q <= r; q++) {
             while (!atomic_load(&slot[q].done) && pkv_now_ns() < give_up) {
                 if (atomic_load(&g_trigger)) {
                     atomic_store(&g_trigger, 0);

@@ -46,7 +46,8 @@ typedef struct {
     uint32_t n_tokens;    /* per request */
     uint32_t n_requests;  /* <= XH_MAX_REQ */
     bool sequential;      /* read one request after another (timing) instead of all at once */
-    uint32_t warmup;      /* the first `warmup` requests are read one by one before the rest */
+    uint32_t warmup;      /* the first `warmup` requests are read first, the same way (one by
+                             one or as a batch), before the rest */
     uint32_t chunk_bytes; /* 0: agent default */
     uint32_t page_bytes;  /* staging page; 0: 64 KiB */
     uint32_t prod_pages, cons_pages; /* staging arena pages; 0: enough for every request */
