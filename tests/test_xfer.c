@@ -44,7 +44,7 @@ static void side_make(side_t *s, const pkv_geometry_t *g)
     pkv_stage_config_t sc;
     pkv_stage_config_default(&sc);
     sc.page_bytes = 4096;
-    sc.pool_pages = 256;
+    sc.pool_pages = 1024;
     sc.pin = false;
     ck_assert_int_eq(pkv_stage_create(&sc, &s->st), PKV_OK);
     pkv_xfer_config_t xc;
@@ -52,6 +52,8 @@ static void side_make(side_t *s, const pkv_geometry_t *g)
     xc.kv = s->kv;
     xc.stage = s->st;
     xc.chunk_bytes = 4096;
+    xc.max_inflight = 256;
+    xc.no_shared = true;
     ck_assert_int_eq(pkv_xfer_agent_create(&xc, &s->a), PKV_OK);
 }
 
@@ -305,6 +307,60 @@ START_TEST(in_process_read_ok_then_sent_once)
 }
 END_TEST
 
+/* Payload for a read that already ended (here: corrupt at layer 0 while 256 small chunks
+ * are in flight) is drained by the consumer, so the producer's sends all complete and
+ * both sides go idle with nothing held. */
+START_TEST(stale_payload_is_drained)
+{
+    side_t p, c;
+    pkv_geometry_t g = {
+        .layers = 8, .kv_heads = 2, .head_dim = 64, .block_tokens = 16, .dtype = PKV_DTYPE_F16};
+    side_make(&p, &g);
+    side_make(&c, &g);
+    pkv_xfer_faults_t f = {.corrupt_layer = 0};
+    pkv_xfer_set_faults(p.a, &f);
+    pkv_seq_t *src = seq_with(p.kv, 200, true, 3);
+    pkv_seq_t *dst = seq_with(c.kv, 200, false, 3);
+    const uint32_t *sids, *dids;
+    uint32_t sn, dn;
+    pkv_seq_blocks(src, &sids, &sn);
+    pkv_seq_blocks(dst, &dids, &dn);
+    uint64_t stale = 0;
+    for (int it = 0; it < 3; it++) {
+        pkv_xfer_handle_t *h;
+        ck_assert_int_eq(
+            pkv_xfer_register(p.a, 50 + (uint64_t)it, sids, sn, PKV_DEADLINE_NEVER, NULL, NULL, &h),
+            PKV_OK);
+        pkv_xfer_read_t *rd;
+        ck_assert_int_eq(
+            pkv_xfer_read(c.a, h, dids, dn, pkv_deadline_after_ns(5000000000ull), NULL, NULL, &rd),
+            PKV_OK);
+        int oc = 0;
+        ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(6000000000ull), &oc), PKV_OK);
+        ck_assert_int_eq(oc, PKV_ERR_CORRUPT);
+        ck_assert_int_eq(pkv_xfer_wait_idle(p.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
+        ck_assert_int_eq(pkv_xfer_wait_idle(c.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
+        pkv_xfer_stats_t s;
+        pkv_xfer_stats(c.a, &s);
+        stale = s.stale_dropped;
+        ck_assert_uint_eq(s.staging_pages_held, 0);
+        ck_assert_uint_eq(s.pinned_blocks, 0);
+        pkv_xfer_stats(p.a, &s);
+        ck_assert_uint_eq(s.sent, 0);
+        ck_assert_uint_eq(s.staging_pages_held, 0);
+        ck_assert_uint_eq(s.written_off, 0);
+        pkv_xfer_read_free(rd);
+        pkv_xfer_handle_free(h);
+        ck_assert_int_eq(pkv_xfer_unregister(p.a, 50 + (uint64_t)it), PKV_OK);
+    }
+    ck_assert_uint_gt(stale, 0); /* the drain path really ran */
+    pkv_seq_free(src);
+    pkv_seq_free(dst);
+    side_free(&c);
+    side_free(&p);
+}
+END_TEST
+
 /* ---- two processes ---------------------------------------------------------------------- */
 static void check_accounting(const xh_case_t *c, const xh_result_t *r)
 {
@@ -454,6 +510,7 @@ static Suite *xfer_suite(void)
     tcase_set_timeout(api, 60);
     tcase_add_test(api, api_bad_input_changes_nothing);
     tcase_add_test(api, in_process_read_ok_then_sent_once);
+    tcase_add_test(api, stale_payload_is_drained);
     suite_add_tcase(s, api);
     TCase *two = tcase_create("two_process");
     tcase_set_timeout(two, 120);

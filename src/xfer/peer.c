@@ -63,7 +63,9 @@ static void peer_link(pkv_xfer_agent_t *a, xf_peer_t *p)
 xf_peer_t *xf_peer_connect(pkv_xfer_agent_t *a, const char *addr)
 {
     for (xf_peer_t *p = a->peers; p; p = p->next)
-        if (p->outgoing && p->state == XF_PEER_ACTIVE && !strcmp(p->addr, addr)) return p;
+        if (p->outgoing && p->state == XF_PEER_ACTIVE && !p->remote_closing &&
+            !strcmp(p->addr, addr))
+            return p;
     struct sockaddr_storage ss;
     socklen_t sl;
     if (xf_sockaddr_parse(addr, &ss, &sl)) {
