@@ -335,6 +335,12 @@ static pkv_stage_t *make_stage(const xh_case_t *c, uint32_t pages)
     uint32_t per = pages_for(c, sc.page_bytes);
     uint32_t batch = c->sequential ? 2 : PKV_MAX(c->warmup, c->n_requests - c->warmup);
     sc.pool_pages = pages ? pages : per * PKV_MAX(batch, 1) + 4;
+    if (c->fixed_slots) {
+        sc.mode = PKV_STAGE_FIXED_SLOTS;
+        sc.slot_pages = pages ? pages : per + 1;
+        sc.slots = pages ? 1 : PKV_MAX(batch, 1);
+        sc.pool_pages = 0;
+    }
     sc.idle_release_ns = 5000000000ull; /* keep warm pages across the timed reads */
     sc.pin = false;
     sc.shared = c->shared;

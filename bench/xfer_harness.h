@@ -50,6 +50,7 @@ typedef struct {
                              one or as a batch), before the rest */
     uint32_t chunk_bytes; /* 0: agent default */
     uint32_t page_bytes;  /* staging page; 0: 64 KiB */
+    bool fixed_slots;     /* stages in fixed-slot mode (a slot fits one request) */
     uint32_t prod_pages, cons_pages; /* staging arena pages; 0: enough for every request */
     uint64_t deadline_ms;
     uint64_t seed;

@@ -444,6 +444,7 @@ static void run_random_rounds(int rounds, bool tcp, const char *ns_a, const char
         random_case(&c, &seed);
         c.tcp = tcp;
         c.shared = !tcp && (round % 2); /* same host: alternate UCX and shared arena */
+        c.fixed_slots = round % 3 == 2; /* and now and then fixed-slot staging */
         c.netns_prod = ns_a;
         c.netns_cons = ns_b;
         c.prod_host = ns_a ? "10.250.0.1" : NULL;
@@ -452,10 +453,11 @@ static void run_random_rounds(int rounds, bool tcp, const char *ns_a, const char
         if (!r.ok || r.outcome[0] != PKV_OK || r.sent != c.n_requests)
             fprintf(stderr,
                     "round %d (PKV_TEST_SEED=%llu): %u layers %u heads %u dim %u tok/block "
-                    "dtype %d, %u tokens x %u requests, chunk %u, page %u, %s\n",
+                    "dtype %d, %u tokens x %u requests, chunk %u, page %u, %s%s\n",
                     round, (unsigned long long)first, c.geo.layers, c.geo.kv_heads, c.geo.head_dim,
                     c.geo.block_tokens, c.geo.dtype, c.n_tokens, c.n_requests, c.chunk_bytes,
-                    c.page_bytes, c.shared ? "shared arena" : "UCX payload");
+                    c.page_bytes, c.shared ? "shared arena" : "UCX payload",
+                    c.fixed_slots ? ", fixed slots" : "");
         check_accounting(&c, &r);
         for (uint32_t i = 0; i < c.n_requests; i++) {
             uint32_t T = c.geo.block_tokens;
