@@ -263,6 +263,29 @@ START_TEST(in_process_read_ok_then_sent_once)
     ck_assert_int_eq(pkv_xfer_handle_encode(h, buf, sizeof(buf), &len), PKV_OK);
     pkv_xfer_handle_t *hc;
     ck_assert_int_eq(pkv_xfer_handle_decode(buf, len, &hc), PKV_OK);
+    /* Only the registered blocks can be read: the right token with one block id swapped for
+     * another live block of the pool is refused, and nothing is counted. */
+    pkv_seq_t *other = seq_with(p.kv, 8, true, 900);
+    const uint32_t *oids;
+    uint32_t on;
+    pkv_seq_blocks(other, &oids, &on);
+    uint32_t saved = hc->blocks[1];
+    hc->blocks[1] = oids[0];
+    pkv_xfer_read_t *bad;
+    int boc = 0;
+    ck_assert_int_eq(
+        pkv_xfer_read(c.a, hc, dids, dn, pkv_deadline_after_ns(3000000000ull), NULL, NULL, &bad),
+        PKV_OK);
+    ck_assert_int_eq(pkv_xfer_read_wait(bad, pkv_deadline_after_ns(5000000000ull), &boc), PKV_OK);
+    ck_assert_int_eq(boc, PKV_ERR_REJECTED);
+    pkv_xfer_read_free(bad);
+    hc->blocks[1] = saved;
+    pkv_xfer_stats_t ps;
+    pkv_xfer_stats(p.a, &ps);
+    ck_assert_uint_eq(ps.rejected, 1);
+    ck_assert_uint_eq(ps.serves_started, 0);
+    pkv_seq_free(other);
+
     done_cb_t d = {0, 0};
     pkv_xfer_read_t *rd;
     ck_assert_int_eq(
