@@ -308,6 +308,10 @@ static void fault_check(const xh_case_t *c, const xh_result_t *r, fm_row_t *row)
                       (unsigned long long)r->prod_active_left,
                       (unsigned long long)r->prod_staging_left,
                       (unsigned long long)r->prod_blocks_live);
+        if (r->written_off)
+            violation(row, "%llu UCX operations written off", (unsigned long long)r->written_off);
+        if (!xh_consumer_reports(c->fault) && r->serves_failed != r->serves_started)
+            violation(row, "a serve to the dead consumer did not end");
         if (r->registrations_left != UINT64_MAX && r->prod_pins_left != r->registrations_left * 32)
             violation(row, "producer pins %llu for %llu registrations",
                       (unsigned long long)r->prod_pins_left,

@@ -51,6 +51,7 @@ static const char *const fault_names[XH_NFAULTS] = {
     [XH_SHUTDOWN_CONSUMER] = "shutdown mid-transfer (consumer)",
     [XH_SHUTDOWN_PRODUCER] = "shutdown mid-transfer (producer)",
     [XH_CANCEL] = "cancel mid-transfer",
+    [XH_CONSUMER_STOPPED] = "consumer SIGSTOPped",
 };
 
 const char *xh_fault_name(xh_fault_t f)
@@ -72,6 +73,7 @@ bool xh_outcome_expected(const xh_case_t *c, int oc)
     case XH_PRODUCER_KILLED_AFTER:
         return oc == PKV_OK || oc == PKV_ERR_PEER_LOST;
     case XH_CONSUMER_KILLED_DURING:
+    case XH_CONSUMER_STOPPED:
         return false; /* the consumer reports nothing */
     /* Shared arena: the consumer copies from the producer's staging and needs none. */
     case XH_STAGING_FULL_CONSUMER:
@@ -105,7 +107,7 @@ bool xh_producer_reports(xh_fault_t f)
 
 bool xh_consumer_reports(xh_fault_t f)
 {
-    return f != XH_CONSUMER_KILLED_DURING;
+    return f != XH_CONSUMER_KILLED_DURING && f != XH_CONSUMER_STOPPED;
 }
 
 void xh_case_default(xh_case_t *c)
@@ -256,7 +258,7 @@ static int enter_netns(const char *name)
 }
 
 typedef struct {
-    uint64_t sent, serves_started, serves_failed, rejected, registrations_left;
+    uint64_t sent, serves_started, serves_failed, rejected, registrations_left, written_off;
     uint64_t active_left, staging_left, pins_left, blocks_live;
     int32_t stage_rc;
     uint64_t stage_leaked;
@@ -305,7 +307,7 @@ static void producer_hook(void *arg, pkv_xfer_fault_point_t pt, uint32_t layer)
          * when the other side acts (SHUTDOWN_*, CANCEL). */
         if (f == XH_DEADLINE) usleep((useconds_t)(g_case->deadline_ms * 1000 / 3));
         if (f == XH_SHUTDOWN_CONSUMER || f == XH_SHUTDOWN_PRODUCER || f == XH_CANCEL ||
-            f == XH_CONSUMER_KILLED_DURING)
+            f == XH_CONSUMER_KILLED_DURING || f == XH_CONSUMER_STOPPED)
             usleep(100000);
     }
 }
@@ -316,6 +318,11 @@ static void consumer_hook(void *arg, pkv_xfer_fault_point_t pt, uint32_t layer)
     xh_fault_t f = g_case->fault;
     if (pt == PKV_XFER_FAULT_READ_LAYER_RECEIVED && layer == 1) {
         if (f == XH_CONSUMER_KILLED_DURING) raise(SIGKILL);
+        if (f == XH_CONSUMER_STOPPED) {
+            uint64_t now = pkv_now_ns();
+            send_msg(g_report_fd, M_KILLTIME, &now, sizeof(now));
+            raise(SIGSTOP);
+        }
         if (f == XH_SHUTDOWN_CONSUMER || f == XH_CANCEL) atomic_store(&g_trigger, 1);
     }
 }
@@ -482,6 +489,7 @@ static void producer_main(const xh_case_t *c, int from_parent)
         rep.registrations_left = s.registrations;
         rep.active_left = s.active_transfers;
         rep.pins_left = s.pinned_blocks;
+        rep.written_off = s.written_off;
         pkv_xfer_agent_destroy(a);
     } else {
         rep.registrations_left = UINT64_MAX; /* unknown: the agent is gone */
@@ -715,9 +723,18 @@ int xh_run(const xh_case_t *c, xh_result_t *r)
         goto out;
     }
     send_msg(c_in, M_HANDLES, handles, handles_len);
-
-    /* The consumer's report (or its death). */
     void *pl = NULL;
+    if (c->fault == XH_CONSUMER_STOPPED) {
+        /* The consumer stops itself mid-transfer: the producer must notice on its own
+         * (heartbeats), fail the serve and get its sends back; then the consumer dies. */
+        if (recv_msg(c_out, &type, &pl, &len, t_end) == 0 && type == M_KILLTIME && len == 8)
+            memcpy(&r->kill_at_ns, pl, 8);
+        free(pl);
+        pl = NULL;
+        usleep(3000000);
+        kill(cpid, SIGKILL);
+    }
+    /* The consumer's report (or its death). */
     int rc = recv_msg(c_out, &type, &pl, &len, t_end);
     if (rc == 0 && type == M_CREPORT && len == sizeof(cons_report_t)) {
         cons_report_t cr;
@@ -774,6 +791,7 @@ int xh_run(const xh_case_t *c, xh_result_t *r)
                 r->serves_failed = pr.serves_failed;
                 r->rejected = pr.rejected;
                 r->registrations_left = pr.registrations_left;
+                r->written_off = pr.written_off;
                 r->prod_active_left = pr.active_left;
                 r->prod_staging_left = pr.staging_left;
                 r->prod_pins_left = pr.pins_left;

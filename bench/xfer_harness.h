@@ -38,6 +38,7 @@ typedef enum {
     XH_SHUTDOWN_CONSUMER, /* consumer destroys its agent mid-transfer */
     XH_SHUTDOWN_PRODUCER, /* producer destroys its agent mid-transfer */
     XH_CANCEL,            /* consumer cancels mid-transfer */
+    XH_CONSUMER_STOPPED,  /* consumer raises SIGSTOP when layer 1 arrived (killed later) */
     XH_NFAULTS
 } xh_fault_t;
 
@@ -81,7 +82,7 @@ typedef struct {
     uint64_t cons_stage_leaked;
     /* producer */
     uint64_t kill_at_ns; /* when the producer was killed (self or parent), 0 if not */
-    uint64_t sent, serves_started, serves_failed, rejected, registrations_left;
+    uint64_t sent, serves_started, serves_failed, rejected, registrations_left, written_off;
     uint64_t prod_active_left, prod_staging_left, prod_pins_left, prod_blocks_live;
     int prod_stage_rc;
     uint64_t prod_stage_leaked;

@@ -426,6 +426,9 @@ static void check_accounting(const xh_case_t *c, const xh_result_t *r)
         ck_assert_uint_eq(r->prod_blocks_live, 0);
         ck_assert_int_eq(r->prod_stage_rc, PKV_OK);
         ck_assert_uint_eq(r->prod_stage_leaked, 0);
+        ck_assert_uint_eq(r->written_off, 0);
+        if (!xh_consumer_reports(c->fault)) /* the serve ended without an ACK */
+            ck_assert_uint_eq(r->serves_failed, r->serves_started);
         if (r->registrations_left != UINT64_MAX) {
             ck_assert_uint_eq(r->registrations_left, c->n_requests - r->sent);
             uint32_t T = c->geo.block_tokens ? c->geo.block_tokens : 16;

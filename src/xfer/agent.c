@@ -219,9 +219,9 @@ static bool shutdown_step(pkv_xfer_agent_t *a, uint64_t now)
         bool ctl_done = true;
         for (xf_peer_t *p = a->peers; p; p = p->next)
             if (p->ctl_inflight) ctl_done = false;
-        bool give_up = now - a->stop_ns > SHUTDOWN_QUIESCE_NS;
+        bool give_up = xf_since(now, a->stop_ns) > SHUTDOWN_QUIESCE_NS;
         if (!a->flushing &&
-            ((quiet && (ctl_done || now - a->stop_ns > SHUTDOWN_CTL_NS)) || give_up)) {
+            ((quiet && (ctl_done || xf_since(now, a->stop_ns) > SHUTDOWN_CTL_NS)) || give_up)) {
             /* A send that completed locally has only reached our kernel or the shared
              * FIFO, and a forced close can drop it at the receiver: CLOSE handshake first
              * (bounded), so the last ACKs and FAILs are processed, then force-close. */
@@ -237,7 +237,7 @@ static bool shutdown_step(pkv_xfer_agent_t *a, uint64_t now)
         return false;
     }
     if (quiet && xf_peers_closed(a) && !a->discards_inflight) return true;
-    if (now - a->stop_ns > SHUTDOWN_CLOSE_NS) {
+    if (xf_since(now, a->stop_ns) > SHUTDOWN_CLOSE_NS) {
         PKV_LOGE(XF_MOD,
                  "shutdown: UCX requests still pending after %llu ms (%s%s%u discards); "
                  "leaking the UCX worker rather than destroying it under them",

@@ -684,18 +684,18 @@ void xf_reads_tick(pkv_xfer_agent_t *a, uint64_t now)
             continue;
         }
         if (rd->zombie) continue;
-        if (!rd->slow_logged && now - rd->done_ns > XF_CLOSE_WAIT_NS) {
+        if (!rd->slow_logged && xf_since(now, rd->done_ns) > XF_CLOSE_WAIT_NS) {
             rd->slow_logged = true;
             PKV_LOGD(XF_MOD, "read %llu ended %.0f ms ago, still waiting: seat %d jobs %u recvs %u",
-                     (unsigned long long)rd->xfer_id, (now - rd->done_ns) / 1e6, rd->seat_pending,
-                     rd->jobs_pending, rd->recvs_inflight);
+                     (unsigned long long)rd->xfer_id, xf_since(now, rd->done_ns) / 1e6,
+                     rd->seat_pending, rd->jobs_pending, rd->recvs_inflight);
         }
-        if (rd->recvs_inflight && now - rd->done_ns > 2 * XF_CLOSE_WAIT_NS) {
+        if (rd->recvs_inflight && xf_since(now, rd->done_ns) > 2 * XF_CLOSE_WAIT_NS) {
             /* Receives neither completed nor failed: force the endpoint closed, and if
              * even that leaves them pending, write them off (keep the staging). */
             if (rd->peer && rd->peer->state == XF_PEER_ACTIVE) {
                 xf_peer_fail(a, rd->peer, "payload receives stuck after the read ended");
-            } else if (now - rd->done_ns > 3 * XF_CLOSE_WAIT_NS) {
+            } else if (xf_since(now, rd->done_ns) > 3 * XF_CLOSE_WAIT_NS) {
                 PKV_LOGE(XF_MOD, "read %llu: %u receives never completed; written off",
                          (unsigned long long)rd->xfer_id, rd->recvs_inflight);
                 XF_STAT_ADD(a, written_off, rd->recvs_inflight);

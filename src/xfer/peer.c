@@ -383,7 +383,7 @@ void xf_peers_tick(pkv_xfer_agent_t *a, uint64_t now)
                 char why[96];
                 snprintf(why, sizeof(why), "endpoint error: %s", ucs_status_string(p->err));
                 xf_peer_fail(a, p, why);
-            } else if (now - p->last_rx_ns > a->cfg.peer_timeout_ns) {
+            } else if (xf_since(now, p->last_rx_ns) > a->cfg.peer_timeout_ns) {
                 xf_peer_fail(a, p, "silent past the peer timeout");
             } else if (now >= p->next_hb_ns && p->established) {
                 /* A stalled peer stops completing our sends: don't pile heartbeats up. */

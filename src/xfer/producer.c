@@ -178,7 +178,7 @@ static xf_reg_t *unlink_reg(pkv_xfer_agent_t *a, xf_reg_t *r)
 
 void xf_regs_tick(pkv_xfer_agent_t *a, uint64_t now)
 {
-    if (now - a->last_timer_ns < 1000000ull) return; /* at most every ms */
+    if (xf_since(now, a->last_timer_ns) < 1000000ull) return; /* at most every ms */
     a->last_timer_ns = now;
     xf_reg_t *ending = NULL;
     pthread_mutex_lock(&a->lock);
@@ -687,10 +687,11 @@ void xf_serves_tick(pkv_xfer_agent_t *a, uint64_t now)
                 serve_finish(a, s, PKV_ERR_TIMEOUT, true, "deadline passed");
             else if (s->pump_needed)
                 pump(a, s);
-        } else if (s->sends_inflight && !s->zombie && now - s->done_ns > 2 * XF_CLOSE_WAIT_NS) {
+        } else if (s->sends_inflight && !s->zombie &&
+                   xf_since(now, s->done_ns) > 2 * XF_CLOSE_WAIT_NS) {
             if (s->peer->state == XF_PEER_ACTIVE) {
                 xf_peer_fail(a, s->peer, "payload sends stuck after the transfer ended");
-            } else if (now - s->done_ns > 3 * XF_CLOSE_WAIT_NS) {
+            } else if (xf_since(now, s->done_ns) > 3 * XF_CLOSE_WAIT_NS) {
                 PKV_LOGE(XF_MOD,
                          "serve %llu: %u sends never completed; written off (staging "
                          "kept)",

@@ -398,6 +398,13 @@ void xf_serve_seat(pkv_xfer_agent_t *a, xf_serve_t *s);
 void xf_regs_tick(pkv_xfer_agent_t *a, uint64_t now);
 void xf_regs_shutdown(pkv_xfer_agent_t *a);
 
+/* Time from `then` to `now`, 0 when `then` is later: the loop reads the clock once per
+ * iteration, and a transfer that ends during the iteration carries a later stamp. */
+static inline uint64_t xf_since(uint64_t now, uint64_t then)
+{
+    return now > then ? now - then : 0;
+}
+
 #define XF_STAT_ADD(a, f, n) atomic_fetch_add_explicit(&(a)->st.f, (n), memory_order_relaxed)
 #define XF_STAT_SUB(a, f, n) atomic_fetch_sub_explicit(&(a)->st.f, (n), memory_order_relaxed)
 
