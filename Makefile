@@ -30,7 +30,7 @@ WARN     := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wfo
             -Wno-unused-parameter $(WERROR)
 CPPFLAGS += -Iinclude -Isrc -D_GNU_SOURCE $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 CFLAGS   += -std=c11 -g $(OPT) -fPIC -pthread $(WARN) $(SANFLAGS)
-LDFLAGS  += -pthread $(SANFLAGS)
+LDFLAGS  += -pthread -Wl,--as-needed $(SANFLAGS)
 LDLIBS   += $(shell pkg-config --libs $(PKGS) 2>/dev/null) -lm
 TEST_LIBS := $(shell pkg-config --libs check 2>/dev/null) $(shell pkg-config --libs libcurl 2>/dev/null)
 

@@ -510,12 +510,13 @@ START_TEST(large_request_is_not_starved_by_small_ones)
                      PKV_OK);
     uint64_t waited = pkv_now_ns() - t0;
     /* While the big one holds all 32 pages nobody else can be granted: the count now is
-     * the count at its grant. At most the 4 small transfers already holding pages when
-     * it parked (each finishes within ~1.5 ms) ran before it; with FIFO admission every
-     * later arrival queues behind it, so at most 4 grants happen in between (each
-     * thread's in-flight acquire that was granted just before the big one parked). */
+     * the count at its grant. With FIFO admission every small acquire that arrives after
+     * the big one queues behind it, so only the (at most 4) small requests already queued
+     * or holding when it arrived run first. Allow one more each for a main thread that is
+     * descheduled between reading `before` and parking on a loaded machine. A greedy
+     * policy fails the acquire above instead: the big request times out. */
     unsigned between = atomic_load(&granted) - before;
-    ck_assert_msg(between <= 4, "%u small grants overtook the large request", between);
+    ck_assert_msg(between <= 8, "%u small grants overtook the large request", between);
     ck_assert_uint_lt(waited, 1000 * MS);
     pkv_stage_stats_t s = stats_of(st);
     ck_assert_uint_eq(s.pages_free, 0);

@@ -20,16 +20,23 @@ int pkv_cli_parse_bytes(const char *s, uint64_t *out);
 /* Parse an unsigned integer within [lo, hi]. -1 on bad input. */
 int pkv_cli_parse_u64(const char *s, uint64_t lo, uint64_t hi, uint64_t *out);
 /* Print "pagekv NAME: message" to stderr and return 2 (usage error exit code). */
-int pkv_cli_usage_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+int pkv_cli_usage_error(const char *cmd, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 /* True when stderr is a terminal (progress lines go there). */
 bool pkv_cli_progress_enabled(void);
 
 /* Commands. */
 int pkv_cmd_bench(int argc, char **argv);
 int pkv_cmd_demo(int argc, char **argv);
+int pkv_cmd_tokenizer(int argc, char **argv);
+int pkv_cmd_serve(int argc, char **argv);
+int pkv_cmd_generate(int argc, char **argv);
 
 /* Benchmarks (bench/). */
 int pkv_bench_pool(int argc, char **argv);
+int pkv_bench_staging(int argc, char **argv);
+int pkv_bench_tokenizer(int argc, char **argv);
+int pkv_bench_model(int argc, char **argv);
 int pkv_bench_xfer(int argc, char **argv);
 
 #endif

@@ -135,26 +135,26 @@ void pkv_kv_unpin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n);
 void pkv_kv_reset_cache(pkv_kv_t *kv);
 
 typedef struct {
-    uint64_t committed_bytes;      /* KV memory held from the OS now */
+    uint64_t committed_bytes; /* KV memory held from the OS now */
     uint64_t peak_committed_bytes;
-    uint64_t reserved_bytes;       /* address space reserved (paged) */
-    uint64_t budget_bytes;         /* 0 = none */
-    uint64_t granule_bytes;        /* paged: commit unit; dense: 0 */
-    uint32_t storage_ranges;       /* separately reserved ranges (paged) */
+    uint64_t reserved_bytes; /* address space reserved (paged) */
+    uint64_t budget_bytes;   /* 0 = none */
+    uint64_t granule_bytes;  /* paged: commit unit; dense: 0 */
+    uint32_t storage_ranges; /* separately reserved ranges (paged) */
     uint64_t block_bytes;
     uint64_t token_bytes;
-    uint64_t blocks_capacity;      /* blocks the budget / reservation allows */
-    uint64_t blocks_live;          /* refcount > 0 */
-    uint64_t blocks_cached;        /* refcount 0, hashed, evictable */
-    uint64_t blocks_free;          /* committed, unused */
-    uint64_t live_tokens;          /* positions held by live sequences (sum of lengths) */
+    uint64_t blocks_capacity; /* blocks the budget / reservation allows */
+    uint64_t blocks_live;     /* refcount > 0 */
+    uint64_t blocks_cached;   /* refcount 0, hashed, evictable */
+    uint64_t blocks_free;     /* committed, unused */
+    uint64_t live_tokens;     /* positions held by live sequences (sum of lengths) */
     uint64_t sequences;
-    uint64_t prefix_queries;       /* admissions that looked up the cache */
-    uint64_t prefix_query_tokens;  /* prompt tokens looked up */
-    uint64_t prefix_hit_tokens;    /* tokens adopted from the cache */
-    uint64_t evictions;            /* cached blocks dropped */
+    uint64_t prefix_queries;      /* admissions that looked up the cache */
+    uint64_t prefix_query_tokens; /* prompt tokens looked up */
+    uint64_t prefix_hit_tokens;   /* tokens adopted from the cache */
+    uint64_t evictions;           /* cached blocks dropped */
     uint64_t cow_copies;
-    uint64_t commits, decommits;   /* granules */
+    uint64_t commits, decommits; /* granules */
     uint64_t rejected_nofit, rejected_nospace;
 } pkv_kv_stats_t;
 void pkv_kv_stats(pkv_kv_t *kv, pkv_kv_stats_t *out);

@@ -653,9 +653,10 @@ int pkv_stage_destroy(pkv_stage_t *st, uint64_t drain_deadline_ns, size_t *leake
     pkv_stage_shutdown(st);
     pthread_mutex_lock(&st->lock);
     st->draining = true;
-    struct timespec ts = pkv__deadline_to_monotonic(drain_deadline_ns);
-    while (st->stats.transfers_live > 0 && pkv_now_ns() < drain_deadline_ns)
+    while (st->stats.transfers_live > 0 && pkv_now_ns() < drain_deadline_ns) {
+        struct timespec ts = pkv__deadline_to_monotonic(drain_deadline_ns);
         pthread_cond_timedwait(&st->drain_cond, &st->lock, &ts);
+    }
     /* Threads still inside acquire were woken by shutdown; they only need the lock. */
     while (st->parked > 0) pthread_cond_wait(&st->drain_cond, &st->lock);
     size_t nleak = 0, copying = 0;
@@ -744,7 +745,6 @@ static int stage_park(pkv_stage_t *st, stage_waiter_t *w, uint64_t deadline_ns, 
     if (w->status != 1) return w->status;
     *blocked = true;
     st->parked++;
-    struct timespec ts = pkv__deadline_to_monotonic(deadline_ns);
     while (w->status == 1) {
         if (pkv_now_ns() >= deadline_ns) {
             waiter_unlink(st, w);
@@ -753,6 +753,8 @@ static int stage_park(pkv_stage_t *st, stage_waiter_t *w, uint64_t deadline_ns, 
             stage_serve(st); /* we may have held the head of the line */
             break;
         }
+        /* Recomputed each time: PKV_DEADLINE_NEVER maps to "an hour from now". */
+        struct timespec ts = pkv__deadline_to_monotonic(deadline_ns);
         pthread_cond_timedwait(&w->cond, &st->lock, &ts);
     }
     st->parked--;

@@ -1,0 +1,107 @@
+/*
+ * pagekv server: an OpenAI-compatible HTTP/1.1 server over the engine (`pagekv serve`).
+ *
+ * One pkv_server_t owns the whole stack: the model (a built-in preset or a llama2.c
+ * checkpoint), its tokenizer, the KV cache (paged or dense, under a byte budget), the
+ * continuous-batching engine, and the HTTP daemon (libmicrohttpd, one thread per
+ * connection, connections capped).
+ *
+ * Endpoints
+ *   POST /v1/completions, POST /v1/chat/completions   (non-streaming, or server-sent
+ *        events with "stream": true: `data: {...}` chunks, then `data: [DONE]`)
+ *   GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus text),
+ *        /v1/cache/stats (JSON)
+ *   POST /v1/cache/reset (drop every cached prefix block)
+ * Errors are {"error": {"message", "type", "param", "code"}} with the fitting status;
+ * a refused request changes nothing in the server's state.
+ *
+ * Lifecycle: pkv_server_create listens at once; pkv_server_quiesce stops accepting
+ * (new connections are refused, new requests on open connections get 503) and
+ * pkv_server_wait_idle waits for the requests in flight; pkv_server_destroy cancels
+ * whatever is still running and frees everything.
+ *
+ * Thread safety: every function may be called from any thread; quiesce, wait_idle and
+ * destroy are for the owner (destroy last, once).
+ */
+#ifndef PAGEKV_SERVER_H
+#define PAGEKV_SERVER_H
+
+#include "pagekv/kv.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct pkv_server pkv_server_t;
+
+typedef enum {
+    PKV_SERVER_BUDGET_AUTO = 0, /* max_batch_size x max_context tokens of KV, at most half
+                                   the machine's memory */
+    PKV_SERVER_BUDGET_NONE = 1, /* no cap */
+    PKV_SERVER_BUDGET_BYTES = 2 /* budget_bytes */
+} pkv_server_budget_t;
+
+typedef struct {
+    /* HTTP */
+    const char *host;         /* NULL -> "127.0.0.1" (numeric IPv4/IPv6 or a name) */
+    uint16_t port;            /* 0 -> an ephemeral port (pkv_server_port tells which) */
+    uint32_t max_connections; /* 0 -> 256 */
+    uint64_t max_body_bytes;  /* request bodies above it get 413; 0 -> 4 MiB */
+    uint32_t retry_after_s;   /* Retry-After on 429; 0 -> 1 */
+    /* model: a preset, or a llama2.c checkpoint with its tokenizer */
+    const char *preset;         /* NULL -> "tiny" (used when model_path is NULL) */
+    const char *model_path;     /* llama2.c checkpoint */
+    const char *tokenizer_path; /* llama2.c tokenizer.bin (required with model_path) */
+    const char *served_name;    /* the "model" requests must name; NULL -> the preset
+                                   name or the checkpoint's file name */
+    uint64_t weight_seed;       /* built-in weights; 0 -> 1 */
+    uint32_t threads;           /* model threads; 0 -> online CPUs, at most 8 */
+    /* KV cache */
+    pkv_backend_t backend;
+    pkv_dtype_t kv_dtype;
+    uint32_t block_tokens; /* 0 -> 16 */
+    pkv_server_budget_t budget_mode;
+    uint64_t budget_bytes; /* with PKV_SERVER_BUDGET_BYTES */
+    bool no_prefix_cache;
+    /* engine */
+    uint32_t max_batch_size;     /* 0 -> 8 */
+    uint32_t max_queue;          /* requests waiting beyond the batch; 0 -> 256 */
+    uint32_t max_context;        /* prompt + completion tokens; 0 -> the model's length */
+    uint32_t prefill_chunk;      /* 0 -> the engine's default */
+    uint32_t default_max_tokens; /* /v1/completions without max_tokens; 0 -> 16 */
+} pkv_server_config_t;
+
+/* Build the stack and start listening. Errors: PKV_ERR_INVALID (bad configuration,
+ * logged), PKV_ERR_IO (files, or the address cannot be bound), PKV_ERR_CORRUPT (bad
+ * checkpoint), PKV_ERR_NOFIT (budget below one block), PKV_ERR_NOMEM. */
+int pkv_server_create(const pkv_server_config_t *cfg, pkv_server_t **out);
+/* Cancel what is still in flight, stop the daemon (its threads joined), free
+ * everything. NULL is a no-op. */
+void pkv_server_destroy(pkv_server_t *s);
+
+/* The bound port. */
+uint16_t pkv_server_port(const pkv_server_t *s);
+
+typedef struct {
+    const char *model_name; /* served name */
+    const char *kernels;    /* "avx2" / "portable" */
+    pkv_backend_t backend;
+    uint32_t max_context;
+    uint32_t max_batch_size;
+    uint64_t budget_bytes; /* 0 = none */
+    uint64_t token_bytes;  /* KV bytes per token */
+    uint32_t block_tokens;
+} pkv_server_info_t;
+void pkv_server_info(const pkv_server_t *s, pkv_server_info_t *out);
+
+/* Stop accepting: the listening socket is closed, /health answers 503, new generation
+ * requests get 503; requests in flight continue. Idempotent. */
+void pkv_server_quiesce(pkv_server_t *s);
+/* Wait until no generation request is in flight (each response fully sent or its
+ * client gone) or the deadline: PKV_OK / PKV_ERR_TIMEOUT. */
+int pkv_server_wait_idle(pkv_server_t *s, uint64_t deadline_ns);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,24 @@
+/*
+ * sample: next-token choice from logits. Greedy (argmax, lowest id on ties) or
+ * temperature + nucleus (top-p) sampling driven by a caller-owned RNG state, so the
+ * same state and logits always give the same token.
+ */
+#ifndef PKV_ENGINE_SAMPLE_H
+#define PKV_ENGINE_SAMPLE_H
+
+#include <stdint.h>
+
+typedef struct {
+    float p;
+    int32_t id;
+} pkv_sample_cand_t;
+
+/* splitmix64 step; returns a float in [0, 1). */
+float pkv_sample_rand01(uint64_t *state);
+int32_t pkv_sample_argmax(const float *logits, uint32_t n);
+/* temperature <= 0: argmax (rng untouched). Else one draw from the rng. probs and cand
+ * are scratch of n entries. */
+int32_t pkv_sample(const float *logits, uint32_t n, float temperature, float top_p, uint64_t *rng,
+                   float *probs, pkv_sample_cand_t *cand);
+
+#endif

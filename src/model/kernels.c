@@ -1,0 +1,643 @@
+/*
+ * kernels: portable and AVX2/FMA/F16C inner loops (see kernels.h for the contract that
+ * keeps every output element's arithmetic independent of tiling).
+ */
+#include "model/kernels.h"
+
+#include <math.h>
+#include <string.h>
+
+#define PKV_KMIN(a, b) ((a) < (b) ? (a) : (b))
+
+/* ---- scalar conversions ---------------------------------------------------------- */
+
+float pkv_half_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: renormalize */
+            int e = -1;
+            do {
+                e++;
+                man <<= 1;
+            } while (!(man & 0x400u));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
+float pkv_bf16_to_f32(uint16_t h)
+{
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
+static inline void row_to_f32(const void *src, pkv_dtype_t dt, uint32_t n, float *dst)
+{
+    switch (dt) {
+    case PKV_DTYPE_F32:
+        memcpy(dst, src, n * sizeof(float));
+        break;
+    case PKV_DTYPE_F16:
+        for (uint32_t i = 0; i < n; i++) dst[i] = pkv_half_to_f32(((const uint16_t *)src)[i]);
+        break;
+    case PKV_DTYPE_BF16:
+        for (uint32_t i = 0; i < n; i++) dst[i] = pkv_bf16_to_f32(((const uint16_t *)src)[i]);
+        break;
+    }
+}
+
+static inline size_t dt_size(pkv_dtype_t dt)
+{
+    return dt == PKV_DTYPE_F32 ? 4 : 2;
+}
+
+/* ---- portable set ---------------------------------------------------------------- */
+
+static void matmul_portable(const float *x, size_t ldx, uint32_t rows, uint32_t K, const float *w,
+                            size_t ldw, uint32_t c0, uint32_t c1, float *y, size_t ldy)
+{
+    for (uint32_t r = 0; r < rows; r++) {
+        float *yr = y + r * ldy;
+        const float *xr = x + r * ldx;
+        for (uint32_t c = c0; c < c1; c++) yr[c] = 0.0f;
+        for (uint32_t k = 0; k < K; k++) {
+            float xv = xr[k];
+            const float *wr = w + k * ldw;
+            for (uint32_t c = c0; c < c1; c++) yr[c] = yr[c] + xv * wr[c];
+        }
+    }
+}
+
+static float dot_portable(const float *q, const float *k, uint32_t hd)
+{
+    float dot = 0.0f;
+    for (uint32_t d = 0; d < hd; d++) dot = dot + q[d] * k[d];
+    return dot;
+}
+
+static void scores_portable(const float *qa, const float *qb, uint32_t na, uint32_t nb,
+                            const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0, uint32_t nh,
+                            uint32_t group, uint32_t hd, pkv_dtype_t dt, float scale, float *oa,
+                            float *ob, size_t ostride)
+{
+    float kt[1024];
+    size_t es = dt_size(dt);
+    uint32_t n = qb ? nb : na;
+    for (uint32_t i = 0; i < nruns && runs[i].pos < n; i++) {
+        uint32_t p1 = runs[i].pos + runs[i].n_tokens < n ? runs[i].pos + runs[i].n_tokens : n;
+        for (uint32_t h = 0; h < nh; h++) {
+            const char *base =
+                (const char *)runs[i].k + (size_t)(h0 + h) * runs[i].head_stride * es;
+            for (uint32_t p = runs[i].pos; p < p1; p++) {
+                row_to_f32(base + (size_t)(p - runs[i].pos) * hd * es, dt, hd, kt);
+                for (uint32_t j = 0; j < group; j++) {
+                    size_t qi = (size_t)h * group + j;
+                    if (p < na) oa[qi * ostride + p] = dot_portable(qa + qi * hd, kt, hd) * scale;
+                    if (qb && p < nb)
+                        ob[qi * ostride + p] = dot_portable(qb + qi * hd, kt, hd) * scale;
+                }
+            }
+        }
+    }
+}
+
+static void softmax_portable(float *s, uint32_t n)
+{
+    float m = -INFINITY;
+    for (uint32_t i = 0; i < n; i++) m = s[i] > m ? s[i] : m;
+    float sum = 0.0f;
+    for (uint32_t i = 0; i < n; i++) {
+        s[i] = expf(s[i] - m);
+        sum = sum + s[i];
+    }
+    float inv = 1.0f / sum;
+    for (uint32_t i = 0; i < n; i++) s[i] = s[i] * inv;
+}
+
+static void av_portable(const float *pa, const float *pb, uint32_t na, uint32_t nb,
+                        const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0, uint32_t nh,
+                        uint32_t group, uint32_t hd, pkv_dtype_t dt, size_t pstride, float *aa,
+                        float *ab)
+{
+    float vt[1024];
+    size_t es = dt_size(dt);
+    uint32_t n = pb ? nb : na;
+    for (uint32_t i = 0; i < nruns && runs[i].pos < n; i++) {
+        uint32_t p1 = runs[i].pos + runs[i].n_tokens < n ? runs[i].pos + runs[i].n_tokens : n;
+        for (uint32_t h = 0; h < nh; h++) {
+            const char *base =
+                (const char *)runs[i].v + (size_t)(h0 + h) * runs[i].head_stride * es;
+            for (uint32_t p = runs[i].pos; p < p1; p++) {
+                row_to_f32(base + (size_t)(p - runs[i].pos) * hd * es, dt, hd, vt);
+                for (uint32_t j = 0; j < group; j++) {
+                    size_t qi = (size_t)h * group + j;
+                    if (p < na) {
+                        float pt = pa[qi * pstride + p], *acc = aa + qi * hd;
+                        for (uint32_t d = 0; d < hd; d++) acc[d] = acc[d] + pt * vt[d];
+                    }
+                    if (pb && p < nb) {
+                        float pt = pb[qi * pstride + p], *acc = ab + qi * hd;
+                        for (uint32_t d = 0; d < hd; d++) acc[d] = acc[d] + pt * vt[d];
+                    }
+                }
+            }
+        }
+    }
+}
+
+static float sumsq_portable(const float *x, uint32_t n)
+{
+    float s = 0.0f;
+    for (uint32_t i = 0; i < n; i++) s = s + x[i] * x[i];
+    return s;
+}
+
+static const pkv_kernels_t kernels_portable = {
+    .name = "portable",
+    .matmul = matmul_portable,
+    .scores = scores_portable,
+    .softmax = softmax_portable,
+    .av = av_portable,
+    .sumsq = sumsq_portable,
+};
+
+const pkv_kernels_t *pkv_kernels_portable(void)
+{
+    return &kernels_portable;
+}
+
+/* ---- AVX2 / FMA / F16C set --------------------------------------------------------- */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#define AVX2_FN     __attribute__((target("avx2,fma,f16c")))
+#define AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
+
+AVX2_INLINE __m256 ld_f32(const void *p)
+{
+    return _mm256_loadu_ps((const float *)p);
+}
+AVX2_INLINE __m256 ld_f16(const void *p)
+{
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+AVX2_INLINE __m256 ld_bf16(const void *p)
+{
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+AVX2_INLINE __m256 ld_dt(const void *p, pkv_dtype_t dt)
+{
+    return dt == PKV_DTYPE_F32 ? ld_f32(p) : dt == PKV_DTYPE_F16 ? ld_f16(p) : ld_bf16(p);
+}
+
+/* r[i] = ((a_i0 + a_i1) + (a_i2 + a_i3)) + ((a_i4 + a_i5) + (a_i6 + a_i7)) for each of
+ * the 8 vectors: a fixed tree per vector, whatever the other vectors hold. */
+AVX2_INLINE __m256 reduce8(const __m256 a[8])
+{
+    __m256 h01 = _mm256_hadd_ps(a[0], a[1]);
+    __m256 h23 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 h45 = _mm256_hadd_ps(a[4], a[5]);
+    __m256 h67 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 h0123 = _mm256_hadd_ps(h01, h23);
+    __m256 h4567 = _mm256_hadd_ps(h45, h67);
+    __m256 lo = _mm256_permute2f128_ps(h0123, h4567, 0x20);
+    __m256 hi = _mm256_permute2f128_ps(h0123, h4567, 0x31);
+    return _mm256_add_ps(lo, hi);
+}
+
+/* The same tree for one vector. */
+AVX2_INLINE float reduce1(__m256 a)
+{
+    __m256 h = _mm256_hadd_ps(a, a);
+    h = _mm256_hadd_ps(h, h);
+    __m128 lo = _mm256_castps256_ps128(h);
+    __m128 hi = _mm256_extractf128_ps(h, 1);
+    return _mm_cvtss_f32(_mm_add_ss(lo, hi));
+}
+
+AVX2_INLINE __m256i tail_mask(uint32_t n) /* lanes < n set, n in [0, 8] */
+{
+    static const int32_t m[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+    return _mm256_loadu_si256((const __m256i *)(m + 8 - n));
+}
+
+/* Cephes-style expf: range reduction by ln 2, degree-5 polynomial, 2^n by exponent
+ * arithmetic. Max relative error ~2 ulp on [-87, 88]; used for softmax only. */
+AVX2_INLINE __m256 exp256(__m256 x)
+{
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447504f));
+    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+    fx = _mm256_floor_ps(fx);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    __m256 x2 = _mm256_mul_ps(x, x);
+    y = _mm256_fmadd_ps(y, x2, x);
+    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+    __m256i n = _mm256_cvttps_epi32(fx);
+    n = _mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+/* R rows x 16 columns, k ascending. */
+AVX2_INLINE void mm_tile(const float *x, size_t ldx, uint32_t K, const float *w, size_t ldw,
+                         float *y, size_t ldy, const int R)
+{
+    __m256 a[4][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    for (uint32_t k = 0; k < K; k++) {
+        __m256 w0 = _mm256_loadu_ps(w + k * ldw);
+        __m256 w1 = _mm256_loadu_ps(w + k * ldw + 8);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
+            a[r][0] = _mm256_fmadd_ps(xb, w0, a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(xb, w1, a[r][1]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(y + r * ldy, a[r][0]);
+        _mm256_storeu_ps(y + r * ldy + 8, a[r][1]);
+    }
+}
+
+AVX2_FN static void matmul_avx2(const float *x, size_t ldx, uint32_t rows, uint32_t K,
+                                const float *w, size_t ldw, uint32_t c0, uint32_t c1, float *y,
+                                size_t ldy)
+{
+    uint32_t r = 0;
+    for (; r + 4 <= rows; r += 4)
+        for (uint32_t c = c0; c < c1; c += 16)
+            mm_tile(x + r * ldx, ldx, K, w + c, ldw, y + r * ldy + c, ldy, 4);
+    uint32_t left = rows - r;
+    for (uint32_t c = c0; c < c1 && left; c += 16) {
+        const float *xr = x + r * ldx;
+        float *yr = y + r * ldy + c;
+        switch (left) {
+        case 3:
+            mm_tile(xr, ldx, K, w + c, ldw, yr, ldy, 3);
+            break;
+        case 2:
+            mm_tile(xr, ldx, K, w + c, ldw, yr, ldy, 2);
+            break;
+        default:
+            mm_tile(xr, ldx, K, w + c, ldw, yr, ldy, 1);
+            break;
+        }
+    }
+}
+
+/* Prime the next run's region for heads from h0: its first 512 bytes. A paged block
+ * holds a layer's heads back to back, so the hardware prefetcher then streams the rest;
+ * without this every 16-token block starts with exposed misses. (Prefetching whole
+ * runs fills the miss buffers and stalls; measured slower.) */
+#define PREFETCH_LINES 8
+AVX2_INLINE void prefetch_run_start(const void *base, size_t head_stride, uint32_t h0, size_t es)
+{
+    const char *p = (const char *)base + (size_t)h0 * head_stride * es;
+    for (int l = 0; l < PREFETCH_LINES; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
+}
+
+/* One query against up to 8 tokens: lanes of missing tokens read token 0, dropped. */
+AVX2_INLINE void s_1x8(const float *q, const char *k, uint32_t nt, uint32_t hd, size_t es,
+                       pkv_dtype_t dt, __m256 scale, float *out)
+{
+    size_t ts = (size_t)hd * es;
+    const char *k0 = k, *k1 = k + (nt > 1) * ts, *k2 = k + (nt > 2) * 2 * ts;
+    const char *k3 = k + (nt > 3) * 3 * ts, *k4 = k + (nt > 4) * 4 * ts;
+    const char *k5 = k + (nt > 5) * 5 * ts, *k6 = k + (nt > 6) * 6 * ts;
+    const char *k7 = k + (nt > 7) * 7 * ts;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (uint32_t d = 0; d < hd; d += 8) {
+        __m256 qv = _mm256_loadu_ps(q + d);
+        size_t o = d * es;
+        a0 = _mm256_fmadd_ps(qv, ld_dt(k0 + o, dt), a0);
+        a1 = _mm256_fmadd_ps(qv, ld_dt(k1 + o, dt), a1);
+        a2 = _mm256_fmadd_ps(qv, ld_dt(k2 + o, dt), a2);
+        a3 = _mm256_fmadd_ps(qv, ld_dt(k3 + o, dt), a3);
+        a4 = _mm256_fmadd_ps(qv, ld_dt(k4 + o, dt), a4);
+        a5 = _mm256_fmadd_ps(qv, ld_dt(k5 + o, dt), a5);
+        a6 = _mm256_fmadd_ps(qv, ld_dt(k6 + o, dt), a6);
+        a7 = _mm256_fmadd_ps(qv, ld_dt(k7 + o, dt), a7);
+    }
+    __m256 a[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    __m256 s = _mm256_mul_ps(reduce8(a), scale);
+    if (nt == 8)
+        _mm256_storeu_ps(out, s);
+    else
+        _mm256_maskstore_ps(out, tail_mask(nt), s);
+}
+
+/* Two queries against up to 4 tokens (each K load feeds both). */
+AVX2_INLINE void s_2x4(const float *qa, const float *qb, const char *k, uint32_t nt, uint32_t hd,
+                       size_t es, pkv_dtype_t dt, __m256 scale, float *oa, float *ob)
+{
+    size_t ts = (size_t)hd * es;
+    const char *k0 = k, *k1 = k + (nt > 1) * ts, *k2 = k + (nt > 2) * 2 * ts;
+    const char *k3 = k + (nt > 3) * 3 * ts;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (uint32_t d = 0; d < hd; d += 8) {
+        __m256 qav = _mm256_loadu_ps(qa + d), qbv = _mm256_loadu_ps(qb + d);
+        size_t o = d * es;
+        __m256 kv = ld_dt(k0 + o, dt);
+        a0 = _mm256_fmadd_ps(qav, kv, a0);
+        b0 = _mm256_fmadd_ps(qbv, kv, b0);
+        kv = ld_dt(k1 + o, dt);
+        a1 = _mm256_fmadd_ps(qav, kv, a1);
+        b1 = _mm256_fmadd_ps(qbv, kv, b1);
+        kv = ld_dt(k2 + o, dt);
+        a2 = _mm256_fmadd_ps(qav, kv, a2);
+        b2 = _mm256_fmadd_ps(qbv, kv, b2);
+        kv = ld_dt(k3 + o, dt);
+        a3 = _mm256_fmadd_ps(qav, kv, a3);
+        b3 = _mm256_fmadd_ps(qbv, kv, b3);
+    }
+    __m256 a[8] = {a0, a1, a2, a3, b0, b1, b2, b3};
+    __m256 s = _mm256_mul_ps(reduce8(a), scale);
+    __m128 sa = _mm256_castps256_ps128(s), sb = _mm256_extractf128_ps(s, 1);
+    if (nt == 4) {
+        _mm_storeu_ps(oa, sa);
+        _mm_storeu_ps(ob, sb);
+    } else {
+        __m128i mask = _mm256_castsi256_si128(tail_mask(nt));
+        _mm_maskstore_ps(oa, mask, sa);
+        _mm_maskstore_ps(ob, mask, sb);
+    }
+}
+
+AVX2_INLINE void scores_dt(const float *qa, const float *qb, uint32_t na, uint32_t nb,
+                           const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0, uint32_t nh,
+                           uint32_t group, uint32_t hd, pkv_dtype_t dt, float scale, float *oa,
+                           float *ob, size_t ostride)
+{
+    size_t es = dt == PKV_DTYPE_F32 ? 4 : 2;
+    size_t ts = (size_t)hd * es;
+    __m256 sc = _mm256_set1_ps(scale);
+    uint32_t n = qb ? nb : na;
+    for (uint32_t i = 0; i < nruns && runs[i].pos < n; i++) {
+        uint32_t p0 = runs[i].pos;
+        uint32_t p1 = p0 + runs[i].n_tokens < n ? p0 + runs[i].n_tokens : n;
+        if (i + 1 < nruns) prefetch_run_start(runs[i + 1].k, runs[i + 1].head_stride, h0, es);
+        for (uint32_t h = 0; h < nh; h++) {
+            const char *base =
+                (const char *)runs[i].k + (size_t)(h0 + h) * runs[i].head_stride * es;
+            for (uint32_t j = 0; j < group; j++) {
+                size_t qi = (size_t)h * group + j;
+                const float *q1 = qa + qi * hd;
+                float *o1 = oa + qi * ostride;
+                if (qb) {
+                    const float *q2 = qb + qi * hd;
+                    float *o2 = ob + qi * ostride;
+                    uint32_t e = p1 < na ? p1 : na;
+                    for (uint32_t t = p0; t < e; t += 4)
+                        s_2x4(q1, q2, base + (t - p0) * ts, e - t < 4 ? e - t : 4, hd, es, dt, sc,
+                              o1 + t, o2 + t);
+                    for (uint32_t t = e > p0 ? e : p0; t < p1; t += 8)
+                        s_1x8(q2, base + (t - p0) * ts, p1 - t < 8 ? p1 - t : 8, hd, es, dt, sc,
+                              o2 + t);
+                } else {
+                    for (uint32_t t = p0; t < p1; t += 8)
+                        s_1x8(q1, base + (t - p0) * ts, p1 - t < 8 ? p1 - t : 8, hd, es, dt, sc,
+                              o1 + t);
+                }
+            }
+        }
+    }
+}
+
+AVX2_FN static void scores_avx2(const float *qa, const float *qb, uint32_t na, uint32_t nb,
+                                const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0, uint32_t nh,
+                                uint32_t group, uint32_t hd, pkv_dtype_t dt, float scale, float *oa,
+                                float *ob, size_t ostride)
+{
+    switch (dt) {
+    case PKV_DTYPE_F32:
+        scores_dt(qa, qb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F32, scale, oa, ob,
+                  ostride);
+        break;
+    case PKV_DTYPE_F16:
+        scores_dt(qa, qb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F16, scale, oa, ob,
+                  ostride);
+        break;
+    case PKV_DTYPE_BF16:
+        scores_dt(qa, qb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_BF16, scale, oa, ob,
+                  ostride);
+        break;
+    }
+}
+
+AVX2_FN static void softmax_avx2(float *s, uint32_t n)
+{
+    uint32_t n8 = n & ~7u;
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (uint32_t i = 0; i < n8; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + i));
+    float m = -INFINITY;
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mv);
+    for (int i = 0; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
+    for (uint32_t i = n8; i < n; i++) m = s[i] > m ? s[i] : m;
+    __m256 mb = _mm256_set1_ps(m);
+    __m256 sum = _mm256_setzero_ps();
+    for (uint32_t i = 0; i < n8; i += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), mb));
+        _mm256_storeu_ps(s + i, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    if (n8 < n) {
+        __m256i mask = tail_mask(n - n8);
+        __m256 e = exp256(_mm256_sub_ps(_mm256_maskload_ps(s + n8, mask), mb));
+        e = _mm256_and_ps(e, _mm256_castsi256_ps(mask));
+        _mm256_maskstore_ps(s + n8, mask, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    __m256 inv = _mm256_set1_ps(1.0f / reduce1(sum));
+    for (uint32_t i = 0; i < n8; i += 8)
+        _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), inv));
+    if (n8 < n) {
+        __m256i mask = tail_mask(n - n8);
+        _mm256_maskstore_ps(s + n8, mask, _mm256_mul_ps(_mm256_maskload_ps(s + n8, mask), inv));
+    }
+}
+
+/* One query over the tokens [0, n) of one run (base: its first row for this head),
+ * dims [d0, d0 + 8 NV): the accumulators round-trip through memory between runs, which
+ * changes no bit. */
+AVX2_INLINE void av1_run(const float *p, uint32_t p0, uint32_t n, const char *base, size_t ts,
+                         size_t es, pkv_dtype_t dt, float *acc, const int NV)
+{
+    __m256 a[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; j++) a[j] = _mm256_loadu_ps(acc + 8 * j);
+    for (uint32_t t = 0; t < n; t++) {
+        __m256 pv = _mm256_broadcast_ss(p + p0 + t);
+        const char *vt = base + t * ts;
+#pragma GCC unroll 8
+        for (int j = 0; j < NV; j++) a[j] = _mm256_fmadd_ps(pv, ld_dt(vt + 8 * j * es, dt), a[j]);
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; j++) _mm256_storeu_ps(acc + 8 * j, a[j]);
+}
+
+/* Two queries: tokens [0, e) feed both, [e, n) only b. */
+AVX2_INLINE void av2_run(const float *pa, const float *pb, uint32_t p0, uint32_t e, uint32_t n,
+                         const char *base, size_t ts, size_t es, pkv_dtype_t dt, float *aa,
+                         float *ab, const int NV)
+{
+    __m256 a[4], b[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; j++) {
+        a[j] = _mm256_loadu_ps(aa + 8 * j);
+        b[j] = _mm256_loadu_ps(ab + 8 * j);
+    }
+    uint32_t t = 0;
+    for (; t < e; t++) {
+        __m256 pva = _mm256_broadcast_ss(pa + p0 + t), pvb = _mm256_broadcast_ss(pb + p0 + t);
+        const char *vt = base + t * ts;
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++) {
+            __m256 v = ld_dt(vt + 8 * j * es, dt);
+            a[j] = _mm256_fmadd_ps(pva, v, a[j]);
+            b[j] = _mm256_fmadd_ps(pvb, v, b[j]);
+        }
+    }
+    for (; t < n; t++) {
+        __m256 pvb = _mm256_broadcast_ss(pb + p0 + t);
+        const char *vt = base + t * ts;
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++) b[j] = _mm256_fmadd_ps(pvb, ld_dt(vt + 8 * j * es, dt), b[j]);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; j++) {
+        _mm256_storeu_ps(aa + 8 * j, a[j]);
+        _mm256_storeu_ps(ab + 8 * j, b[j]);
+    }
+}
+
+AVX2_INLINE void av_dt(const float *pa, const float *pb, uint32_t na, uint32_t nb,
+                       const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0, uint32_t nh,
+                       uint32_t group, uint32_t hd, pkv_dtype_t dt, size_t pstride, float *aa,
+                       float *ab)
+{
+    size_t es = dt == PKV_DTYPE_F32 ? 4 : 2;
+    size_t ts = (size_t)hd * es;
+    uint32_t n = pb ? nb : na;
+    for (uint32_t i = 0; i < nruns && runs[i].pos < n; i++) {
+        uint32_t p0 = runs[i].pos;
+        uint32_t p1 = p0 + runs[i].n_tokens < n ? p0 + runs[i].n_tokens : n;
+        if (i + 1 < nruns) prefetch_run_start(runs[i + 1].v, runs[i + 1].head_stride, h0, es);
+        for (uint32_t h = 0; h < nh; h++) {
+            const char *base =
+                (const char *)runs[i].v + (size_t)(h0 + h) * runs[i].head_stride * es;
+            for (uint32_t j = 0; j < group; j++) {
+                size_t qi = (size_t)h * group + j;
+                const float *p1a = pa + qi * pstride;
+                float *acc_a = aa + qi * hd;
+                if (pb) {
+                    const float *p1b = pb + qi * pstride;
+                    float *acc_b = ab + qi * hd;
+                    uint32_t e = p1 < na ? p1 : na;
+                    uint32_t ne = e > p0 ? e - p0 : 0, nn = p1 - p0;
+                    uint32_t d = 0;
+                    for (; d + 32 <= hd; d += 32)
+                        av2_run(p1a, p1b, p0, ne, nn, base + d * es, ts, es, dt, acc_a + d,
+                                acc_b + d, 4);
+                    for (; d < hd; d += 8)
+                        av2_run(p1a, p1b, p0, ne, nn, base + d * es, ts, es, dt, acc_a + d,
+                                acc_b + d, 1);
+                } else {
+                    uint32_t nn = p1 - p0, d = 0;
+                    for (; d + 64 <= hd; d += 64)
+                        av1_run(p1a, p0, nn, base + d * es, ts, es, dt, acc_a + d, 8);
+                    for (; d + 16 <= hd; d += 16)
+                        av1_run(p1a, p0, nn, base + d * es, ts, es, dt, acc_a + d, 2);
+                    for (; d < hd; d += 8)
+                        av1_run(p1a, p0, nn, base + d * es, ts, es, dt, acc_a + d, 1);
+                }
+            }
+        }
+    }
+}
+
+AVX2_FN static void av_avx2(const float *pa, const float *pb, uint32_t na, uint32_t nb,
+                            const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0, uint32_t nh,
+                            uint32_t group, uint32_t hd, pkv_dtype_t dt, size_t pstride, float *aa,
+                            float *ab)
+{
+    switch (dt) {
+    case PKV_DTYPE_F32:
+        av_dt(pa, pb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F32, pstride, aa, ab);
+        break;
+    case PKV_DTYPE_F16:
+        av_dt(pa, pb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F16, pstride, aa, ab);
+        break;
+    case PKV_DTYPE_BF16:
+        av_dt(pa, pb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_BF16, pstride, aa, ab);
+        break;
+    }
+}
+
+AVX2_FN static float sumsq_avx2(const float *x, uint32_t n)
+{
+    __m256 a = _mm256_setzero_ps();
+    uint32_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        a = _mm256_fmadd_ps(v, v, a);
+    }
+    if (i < n) {
+        __m256 v = _mm256_maskload_ps(x + i, tail_mask(n - i));
+        a = _mm256_fmadd_ps(v, v, a);
+    }
+    return reduce1(a);
+}
+
+static const pkv_kernels_t kernels_avx2 = {
+    .name = "avx2",
+    .matmul = matmul_avx2,
+    .scores = scores_avx2,
+    .softmax = softmax_avx2,
+    .av = av_avx2,
+    .sumsq = sumsq_avx2,
+};
+
+const pkv_kernels_t *pkv_kernels_avx2(uint32_t head_dim)
+{
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return NULL;
+    unsigned a, b, c, d;
+    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
+    if (!(c & (1u << 29))) return NULL; /* F16C */
+    if (head_dim % 8) return NULL;
+    return &kernels_avx2;
+}
+#else
+const pkv_kernels_t *pkv_kernels_avx2(uint32_t head_dim)
+{
+    (void)head_dim;
+    return NULL;
+}
+#endif

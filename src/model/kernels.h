@@ -1,0 +1,64 @@
+/*
+ * kernels: the model's inner loops, in a portable C version and an AVX2/FMA/F16C
+ * version chosen once at model creation (runtime CPU check; the build does not pass
+ * -mavx2).
+ *
+ * Reproducibility contract (what makes paged == dense bit for bit, and a token's
+ * result independent of its batch, chunk and thread): every output element is computed
+ * by one fixed sequence of operations that depends only on the element's own inputs,
+ * never on how the work around it is tiled:
+ *   matmul   y[r][c] = fold over k ascending of fma(x[r][k], w[k][c], .) from 0
+ *   scores   s_t = scale * tree-sum of 8 lanes, lane j folding d = j, j+8, ... ascending
+ *   softmax  elementwise exp(s - max); sum over positions with lane = pos mod 8, then
+ *            a fixed tree; p = e * (1 / sum)
+ *   av       acc[d] = fold over positions ascending of fma(p_t, v_t[d], .)
+ * A run boundary, a batch of 1 or 8, a tail of 3 tokens: all take the same path per
+ * element. The two kernel sets differ from each other (fma vs mul+add, exp
+ * polynomial vs libm); a process uses one set for every backend.
+ */
+#ifndef PKV_MODEL_KERNELS_H
+#define PKV_MODEL_KERNELS_H
+
+#include "pagekv/kv.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct {
+    const char *name;
+    /* y[r][c] = sum_k x[r][k] * w[k][c] for r < rows, c in [c0, c1): c0 and c1 are
+     * multiples of 16, w has ldw >= c1 columns. */
+    void (*matmul)(const float *x, size_t ldx, uint32_t rows, uint32_t K, const float *w,
+                   size_t ldw, uint32_t c0, uint32_t c1, float *y, size_t ldy);
+    /* Attention scores for KV heads [h0, h0 + nh) of the runs (in position order,
+     * contiguous from position 0), `group` query heads per KV head. Query head j of KV
+     * head h (j < group) of query a is at qa + ((h - h0) * group + j) * hd and writes
+     * its scores to oa + ((h - h0) * group + j) * ostride: oa[..][t] = scale * dot(q,
+     * k_t) for t < na. Likewise query b (qb, ob, nb) when qb is not NULL (na <= nb).
+     * Runs are the outer loop and heads the inner one, so a paged block's K region for
+     * those heads is read front to back. */
+    void (*scores)(const float *qa, const float *qb, uint32_t na, uint32_t nb,
+                   const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0, uint32_t nh,
+                   uint32_t group, uint32_t hd, pkv_dtype_t dt, float scale, float *oa, float *ob,
+                   size_t ostride);
+    /* s[0..n) <- softmax(s[0..n)). */
+    void (*softmax)(float *s, uint32_t n);
+    /* For the same heads: aa[..][d] += sum over t < na ascending of pa[..][t] * v_t[d]
+     * (pa rows at pstride, aa rows at hd), and likewise ab with pb over t < nb. */
+    void (*av)(const float *pa, const float *pb, uint32_t na, uint32_t nb, const pkv_kv_run_t *runs,
+               uint32_t nruns, uint32_t h0, uint32_t nh, uint32_t group, uint32_t hd,
+               pkv_dtype_t dt, size_t pstride, float *aa, float *ab);
+    /* sum of x[i]^2 in a fixed order. */
+    float (*sumsq)(const float *x, uint32_t n);
+} pkv_kernels_t;
+
+/* The portable set. */
+const pkv_kernels_t *pkv_kernels_portable(void);
+/* The AVX2 set when the CPU has AVX2+FMA+F16C and head_dim % 8 == 0, else NULL. */
+const pkv_kernels_t *pkv_kernels_avx2(uint32_t head_dim);
+
+/* Exact conversions of one value (f16/bf16 -> f32 is exact). */
+float pkv_half_to_f32(uint16_t h);
+float pkv_bf16_to_f32(uint16_t h);
+
+#endif

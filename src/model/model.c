@@ -1,0 +1,666 @@
+/*
+ * model: the forward pass of a llama-architecture decoder over a pkv_kv_t, and the
+ * built-in models (presets with real KV geometry, seeded weights).
+ *
+ * A forward call is cut into passes of at most `chunk` rows (a row is one token of one
+ * sequence). A pass runs every layer for its rows: RMSNorm, fused QKV matmul, RoPE,
+ * K/V written into the cache through pkv_seq_slot (in the cache dtype), attention over
+ * the runs pkv_seq_runs returns (paged: one per block; dense: one), output projection,
+ * RMSNorm, fused W1|W3 matmul, SwiGLU, W2 matmul. Rows of one sequence in a later
+ * pass see the K/V an earlier pass wrote, so splitting into passes is the same as
+ * chunked prefill. Token ids are appended only at the end, after every layer's K/V of
+ * every new position is written.
+ *
+ * Why results never depend on batching, runs, chunking or threads: each output element
+ * has one fixed arithmetic path (kernels.h), each parallel task writes disjoint
+ * outputs, attention scores of a query go to a scratch array indexed by position, the
+ * softmax runs over that array, and V is folded in position order.
+ */
+#include "model/model_int.h"
+
+#include "core/core.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define LOGIT_ROWS 16u
+/* Below this many multiply-adds a parallel loop runs on the calling thread: waking a
+ * worker costs more than it saves (and results do not depend on it). */
+#define PARALLEL_MIN_MACS (1u << 19)
+#define MM_ROW_BLOCK      32u
+#define MM_COL_BLOCK      64u
+
+struct pkv_model_row {
+    uint32_t seg;
+    uint32_t pos;
+    int32_t token;
+};
+
+struct pkv_model_pair {
+    uint32_t row;
+    bool two; /* row + 1 (same segment, next position) too */
+};
+
+struct pkv_model_seg {
+    pkv_seq_t *seq;
+    uint32_t item;
+    uint32_t pos0; /* position of the segment's first row */
+    uint32_t n;    /* rows */
+    uint32_t row0;
+    uint32_t run0, nruns; /* into m->runs for the current layer */
+    bool logits;          /* the item's last token is this segment's last row */
+};
+
+/* ---- presets ------------------------------------------------------------------------ */
+
+typedef struct {
+    const char *name;
+    pkv_model_config_t cfg;
+} preset_t;
+
+/* Only the KV geometry (layers, kv_heads, head_dim) follows the real model; query heads
+ * equal KV heads and the residual / MLP widths are small, so compute stays cheap while
+ * the KV bytes per token are the real model's. */
+static const preset_t presets[] = {
+    {"tiny",
+     {.dim = 32,
+      .hidden_dim = 64,
+      .n_layers = 2,
+      .n_heads = 4,
+      .n_kv_heads = 2,
+      .head_dim = 16,
+      .max_seq_len = 4096,
+      .rope_theta = 10000.0f,
+      .norm_eps = 1e-5f}},
+    {"llama-3.2-1b",
+     {.dim = 128,
+      .hidden_dim = 256,
+      .n_layers = 16,
+      .n_heads = 8,
+      .n_kv_heads = 8,
+      .head_dim = 64,
+      .max_seq_len = 32768,
+      .rope_theta = 500000.0f,
+      .norm_eps = 1e-5f}},
+    {"qwen3-0.6b",
+     {.dim = 128,
+      .hidden_dim = 256,
+      .n_layers = 28,
+      .n_heads = 8,
+      .n_kv_heads = 8,
+      .head_dim = 128,
+      .max_seq_len = 32768,
+      .rope_theta = 1000000.0f,
+      .norm_eps = 1e-6f}},
+};
+
+const char *const *pkv_model_preset_names(void)
+{
+    static const char *const names[] = {"tiny", "llama-3.2-1b", "qwen3-0.6b", NULL};
+    return names;
+}
+
+int pkv_model_preset(const char *name, pkv_model_config_t *out)
+{
+    if (!out) return PKV_ERR_INVALID;
+    if (!name) name = "tiny";
+    for (size_t i = 0; i < PKV_ARRAY_LEN(presets); i++) {
+        if (!strcmp(presets[i].name, name)) {
+            *out = presets[i].cfg;
+            return PKV_OK;
+        }
+    }
+    return PKV_ERR_NOTFOUND;
+}
+
+/* ---- allocation ---------------------------------------------------------------------- */
+
+static uint32_t pad16(uint32_t n)
+{
+    return (n + 15u) & ~15u;
+}
+
+static int config_check(const pkv_model_config_t *c)
+{
+    const char *why = NULL;
+    if (!c->dim || c->dim > 65536)
+        why = "dim must be in [1, 65536]";
+    else if (!c->hidden_dim || c->hidden_dim > 262144)
+        why = "hidden_dim must be in [1, 262144]";
+    else if (!c->n_layers || c->n_layers > 1024)
+        why = "n_layers must be in [1, 1024]";
+    else if (!c->n_kv_heads || c->n_kv_heads > 1024)
+        why = "n_kv_heads must be in [1, 1024]";
+    else if (!c->n_heads || c->n_heads % c->n_kv_heads)
+        why = "n_heads must be a positive multiple of n_kv_heads";
+    else if (c->n_heads > 1024)
+        why = "n_heads must be at most 1024";
+    else if (!c->head_dim || c->head_dim % 2 || c->head_dim > 1024)
+        why = "head_dim must be even and in [2, 1024]";
+    else if (!c->vocab_size || c->vocab_size > (1u << 22))
+        why = "vocab_size must be in [1, 4M]";
+    else if (!c->max_seq_len || c->max_seq_len > (1u << 22))
+        why = "max_seq_len must be in [1, 4M]";
+    else if (!(c->rope_theta > 1.0f) || !isfinite(c->rope_theta))
+        why = "rope_theta must be > 1";
+    else if (!(c->norm_eps > 0.0f) || !(c->norm_eps < 1.0f))
+        why = "norm_eps must be in (0, 1)";
+    else if ((uint64_t)c->n_heads * c->head_dim > 65536)
+        why = "n_heads * head_dim too large";
+    if (why) {
+        PKV_LOGE("model", "bad model config: %s", why);
+        return PKV_ERR_INVALID;
+    }
+    return PKV_OK;
+}
+
+static void *alloc_floats(size_t n)
+{
+    void *p = NULL;
+    if (posix_memalign(&p, 64, (n ? n : 1) * sizeof(float))) return NULL;
+    memset(p, 0, (n ? n : 1) * sizeof(float));
+    return p;
+}
+
+void pkv_model_destroy(pkv_model_t *m)
+{
+    if (!m) return;
+    pkv_tpool_destroy(m->pool);
+    free(m->runs);
+    free(m->pairs);
+    free(m->segs);
+    free(m->rows);
+    free(m->scores);
+    free(m->lout);
+    free(m->lrows);
+    free(m->rope);
+    free(m->hid);
+    free(m->h13);
+    free(m->tmp);
+    free(m->att);
+    free(m->qkv);
+    free(m->xb);
+    free(m->x);
+    free(m->layers);
+    free(m->weights);
+    free(m);
+}
+
+int pkv__model_alloc(const pkv_model_config_t *cfg, const pkv_model_runtime_t *rt,
+                     pkv_model_t **out)
+{
+    int rc = config_check(cfg);
+    if (rc) return rc;
+    pkv_model_runtime_t r = rt ? *rt : (pkv_model_runtime_t){0};
+    if (r.threads > 64 || r.chunk_tokens > 65536) {
+        PKV_LOGE("model", "bad runtime: threads %u (max 64), chunk_tokens %u (max 65536)",
+                 r.threads, r.chunk_tokens);
+        return PKV_ERR_INVALID;
+    }
+    pkv_model_t *m = calloc(1, sizeof(*m));
+    if (!m) return PKV_ERR_NOMEM;
+    m->cfg = *cfg;
+    const pkv_model_config_t *c = &m->cfg;
+    m->kern = r.portable ? NULL : pkv_kernels_avx2(c->head_dim);
+    if (!m->kern) m->kern = pkv_kernels_portable();
+    if (!r.threads) {
+        long n = sysconf(_SC_NPROCESSORS_ONLN);
+        r.threads = n < 1 ? 1 : n > 8 ? 8 : (uint32_t)n;
+    }
+    m->threads = r.threads;
+    m->chunk = r.chunk_tokens ? r.chunk_tokens : 128;
+    m->qdim = c->n_heads * c->head_dim;
+    m->kvdim = c->n_kv_heads * c->head_dim;
+    m->ld_d = pad16(c->dim);
+    m->ld_qkv = pad16(m->qdim + 2 * m->kvdim);
+    m->ld_q = pad16(m->qdim);
+    m->ld_h2 = pad16(2 * c->hidden_dim);
+    m->ld_v = pad16(c->vocab_size);
+
+    size_t D = c->dim, H = c->hidden_dim, L = c->n_layers;
+    size_t per_layer =
+        D + D * m->ld_qkv + (size_t)m->qdim * m->ld_d + D + D * m->ld_h2 + H * m->ld_d;
+    m->weights_floats = (size_t)c->vocab_size * D + L * per_layer + D + D * m->ld_v;
+    rc = PKV_ERR_NOMEM;
+    if (!(m->weights = alloc_floats(m->weights_floats))) goto fail;
+    if (!(m->layers = calloc(L, sizeof(*m->layers)))) goto fail;
+    float *p = m->weights;
+    m->emb = p, p += (size_t)c->vocab_size * D;
+    for (size_t l = 0; l < L; l++) {
+        pkv_model_layer_t *ly = &m->layers[l];
+        ly->rms_att = p, p += D;
+        ly->wqkv = p, p += D * m->ld_qkv;
+        ly->wo = p, p += (size_t)m->qdim * m->ld_d;
+        ly->rms_ffn = p, p += D;
+        ly->w13 = p, p += D * m->ld_h2;
+        ly->w2 = p, p += H * m->ld_d;
+    }
+    m->rms_final = p, p += D;
+    m->wcls = p, p += D * m->ld_v;
+    PKV_ASSERT((size_t)(p - m->weights) == m->weights_floats);
+
+    size_t C = m->chunk;
+    if (!(m->x = alloc_floats(C * m->ld_d)) || !(m->xb = alloc_floats(C * m->ld_d)) ||
+        !(m->qkv = alloc_floats(C * m->ld_qkv)) || !(m->att = alloc_floats(C * m->ld_q)) ||
+        !(m->tmp = alloc_floats(C * m->ld_d)) || !(m->h13 = alloc_floats(C * m->ld_h2)) ||
+        !(m->hid = alloc_floats(C * H)) || !(m->rope = alloc_floats(C * c->head_dim)) ||
+        !(m->lrows = alloc_floats(LOGIT_ROWS * m->ld_d)) ||
+        !(m->lout = alloc_floats(LOGIT_ROWS * (size_t)m->ld_v)) ||
+        !(m->scores = alloc_floats((size_t)m->threads * 2 * c->n_heads * c->max_seq_len)) ||
+        !(m->rows = calloc(C, sizeof(*m->rows))) || !(m->segs = calloc(C, sizeof(*m->segs))) ||
+        !(m->pairs = calloc(C, sizeof(*m->pairs))))
+        goto fail;
+    if ((rc = pkv_tpool_create(m->threads, "pkv-model", &m->pool))) goto fail;
+    *out = m;
+    return PKV_OK;
+fail:
+    pkv_model_destroy(m);
+    return rc;
+}
+
+/* ---- built-in weights -------------------------------------------------------------------- */
+
+static uint64_t splitmix(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* rows x cols of uniform(-scale, scale) into a matrix with leading dimension ld; the
+ * stream depends only on (seed, tensor id), so tensors are independent of each other. */
+static void fill_uniform(float *w, size_t rows, size_t cols, size_t ld, uint64_t seed,
+                         uint64_t tensor, float scale)
+{
+    uint64_t s = seed ^ (tensor * 0xd1b54a32d192ed03ull);
+    for (size_t r = 0; r < rows; r++)
+        for (size_t c = 0; c < cols; c++) {
+            float u = (float)(splitmix(&s) >> 40) * (1.0f / 16777216.0f); /* [0, 1) */
+            w[r * ld + c] = (2.0f * u - 1.0f) * scale;
+        }
+}
+
+int pkv_model_create_builtin(const pkv_model_config_t *cfg, uint64_t seed,
+                             const pkv_model_runtime_t *rt, pkv_model_t **out)
+{
+    if (!cfg || !out) return PKV_ERR_INVALID;
+    pkv_model_t *m;
+    int rc = pkv__model_alloc(cfg, rt, &m);
+    if (rc) return rc;
+    const pkv_model_config_t *c = &m->cfg;
+    size_t D = c->dim, H = c->hidden_dim;
+    /* uniform(-a, a) has variance a^2 / 3: a = sqrt(3 / fan_in) keeps unit variance. */
+    float s_d = sqrtf(3.0f / (float)D), s_q = sqrtf(3.0f / (float)m->qdim);
+    float s_h = sqrtf(3.0f / (float)H);
+    float depth = 1.0f / sqrtf(2.0f * (float)c->n_layers);
+    uint64_t t = 1;
+    fill_uniform(m->emb, c->vocab_size, D, D, seed, t++, 1.0f);
+    for (uint32_t l = 0; l < c->n_layers; l++) {
+        pkv_model_layer_t *ly = &m->layers[l];
+        for (size_t i = 0; i < D; i++) ly->rms_att[i] = ly->rms_ffn[i] = 1.0f;
+        fill_uniform(ly->wqkv, D, m->qdim + 2 * m->kvdim, m->ld_qkv, seed, t++, s_d);
+        fill_uniform(ly->wo, m->qdim, D, m->ld_d, seed, t++, s_q * depth);
+        fill_uniform(ly->w13, D, 2 * H, m->ld_h2, seed, t++, s_d);
+        fill_uniform(ly->w2, H, D, m->ld_d, seed, t++, s_h * depth);
+    }
+    for (size_t i = 0; i < D; i++) m->rms_final[i] = 1.0f;
+    /* A classifier gain of 4 gives peaked, varied next-token distributions. */
+    fill_uniform(m->wcls, D, c->vocab_size, m->ld_v, seed, t++, 4.0f * s_d);
+    *out = m;
+    return PKV_OK;
+}
+
+const pkv_model_config_t *pkv_model_config(const pkv_model_t *m)
+{
+    return &m->cfg;
+}
+
+const char *pkv_model_kernels(const pkv_model_t *m)
+{
+    return m->kern->name;
+}
+
+uint32_t pkv_model_threads(const pkv_model_t *m)
+{
+    return m->threads;
+}
+
+void pkv_model_geometry(const pkv_model_t *m, pkv_dtype_t dtype, uint32_t block_tokens,
+                        pkv_geometry_t *out)
+{
+    *out = (pkv_geometry_t){.layers = m->cfg.n_layers,
+                            .kv_heads = m->cfg.n_kv_heads,
+                            .head_dim = m->cfg.head_dim,
+                            .block_tokens = block_tokens,
+                            .dtype = dtype};
+}
+
+/* ---- forward --------------------------------------------------------------------------- */
+
+typedef struct {
+    const pkv_kernels_t *k;
+    const float *x;
+    size_t ldx;
+    uint32_t rows, K;
+    const float *w;
+    size_t ldw;
+    uint32_t cols; /* multiple of 16 */
+    float *y;
+    size_t ldy;
+    uint32_t n_cb;
+} mm_job_t;
+
+static void mm_task(void *arg, uint32_t task, uint32_t thread)
+{
+    (void)thread;
+    const mm_job_t *j = arg;
+    uint32_t r0 = (task / j->n_cb) * MM_ROW_BLOCK;
+    uint32_t c0 = (task % j->n_cb) * MM_COL_BLOCK;
+    uint32_t rows = PKV_MIN(MM_ROW_BLOCK, j->rows - r0);
+    uint32_t c1 = PKV_MIN(c0 + MM_COL_BLOCK, j->cols);
+    j->k->matmul(j->x + r0 * j->ldx, j->ldx, rows, j->K, j->w, j->ldw, c0, c1, j->y + r0 * j->ldy,
+                 j->ldy);
+}
+
+static void matmul(pkv_model_t *m, const float *x, size_t ldx, uint32_t rows, uint32_t K,
+                   const float *w, size_t ldw, float *y, size_t ldy)
+{
+    mm_job_t j = {.k = m->kern,
+                  .x = x,
+                  .ldx = ldx,
+                  .rows = rows,
+                  .K = K,
+                  .w = w,
+                  .ldw = ldw,
+                  .cols = (uint32_t)ldw,
+                  .y = y,
+                  .ldy = ldy};
+    j.n_cb = PKV_DIV_UP(j.cols, MM_COL_BLOCK);
+    uint32_t n_rb = PKV_DIV_UP(rows, MM_ROW_BLOCK);
+    if ((uint64_t)rows * K * ldw < PARALLEL_MIN_MACS) {
+        for (uint32_t t = 0; t < n_rb * j.n_cb; t++) mm_task(&j, t, 0);
+        return;
+    }
+    pkv_tpool_run(m->pool, mm_task, &j, n_rb * j.n_cb);
+}
+
+static void rmsnorm(const pkv_model_t *m, const float *x, const float *w, float *o)
+{
+    uint32_t n = m->cfg.dim;
+    float ss = m->kern->sumsq(x, n) / (float)n + m->cfg.norm_eps;
+    float inv = 1.0f / sqrtf(ss);
+    for (uint32_t i = 0; i < n; i++) o[i] = w[i] * (inv * x[i]);
+}
+
+/* Rotate adjacent pairs (llama2.c's convention) of n_heads vectors of head_dim. */
+static void rope_apply(float *v, uint32_t n_heads, uint32_t hd, const float *cs)
+{
+    for (uint32_t h = 0; h < n_heads; h++) {
+        float *q = v + h * hd;
+        for (uint32_t i = 0; i < hd; i += 2) {
+            float c = cs[i], s = cs[i + 1];
+            float a = q[i], b = q[i + 1];
+            q[i] = a * c - b * s;
+            q[i + 1] = a * s + b * c;
+        }
+    }
+}
+
+typedef struct {
+    pkv_model_t *m;
+    pkv_dtype_t dt;
+    size_t es;
+    float scale;
+    uint32_t splits;         /* head groups per row pair */
+    uint32_t heads_per_task; /* KV heads per group */
+} att_job_t;
+
+/* A task is one or two rows of one segment (adjacent positions share K/V loads) and a
+ * group of KV heads with their query heads. Whole groups of heads per task let a paged
+ * block's K (then V) region of one layer be read front to back. */
+static void att_task(void *arg, uint32_t task, uint32_t thread)
+{
+    const att_job_t *j = arg;
+    pkv_model_t *m = j->m;
+    const pkv_model_config_t *c = &m->cfg;
+    uint32_t hd = c->head_dim, group = c->n_heads / c->n_kv_heads, S = c->max_seq_len;
+    uint32_t pr = task / j->splits, h0 = (task % j->splits) * j->heads_per_task;
+    uint32_t nh = j->heads_per_task, nq = nh * group;
+    uint32_t ra = m->pairs[pr].row, rb = ra + 1;
+    bool two = m->pairs[pr].two;
+    const struct pkv_model_seg *seg = &m->segs[m->rows[ra].seg];
+    const pkv_kv_run_t *runs = m->runs + seg->run0;
+    uint32_t na = m->rows[ra].pos + 1, nb = two ? m->rows[rb].pos + 1 : 0;
+    float *sa = m->scores + (size_t)thread * 2 * c->n_heads * S, *sb = sa + (size_t)c->n_heads * S;
+    const float *qa = m->qkv + (size_t)ra * m->ld_qkv + (size_t)h0 * group * hd;
+    const float *qb = two ? qa + m->ld_qkv : NULL;
+    float *oa = m->att + (size_t)ra * m->ld_q + (size_t)h0 * group * hd, *ob = oa + m->ld_q;
+    m->kern->scores(qa, qb, na, nb, runs, seg->nruns, h0, nh, group, hd, j->dt, j->scale, sa, sb,
+                    S);
+    for (uint32_t q = 0; q < nq; q++) {
+        m->kern->softmax(sa + (size_t)q * S, na);
+        if (two) m->kern->softmax(sb + (size_t)q * S, nb);
+    }
+    memset(oa, 0, (size_t)nq * hd * sizeof(float));
+    if (two) memset(ob, 0, (size_t)nq * hd * sizeof(float));
+    m->kern->av(sa, two ? sb : NULL, na, nb, runs, seg->nruns, h0, nh, group, hd, j->dt, S, oa,
+                two ? ob : NULL);
+}
+
+/* Runs covering [0, end) of every segment for `layer`, appended to m->runs. */
+static int collect_runs(pkv_model_t *m, uint32_t nseg, uint32_t layer)
+{
+    size_t used = 0;
+    for (uint32_t s = 0; s < nseg; s++) {
+        struct pkv_model_seg *sg = &m->segs[s];
+        uint32_t end = sg->pos0 + sg->n, at = 0;
+        sg->run0 = (uint32_t)used;
+        while (at < end) {
+            if (used == m->runs_cap) {
+                size_t cap = m->runs_cap ? m->runs_cap * 2 : 256;
+                pkv_kv_run_t *nr = realloc(m->runs, cap * sizeof(*nr));
+                if (!nr) return PKV_ERR_NOMEM;
+                m->runs = nr;
+                m->runs_cap = cap;
+            }
+            uint32_t next = at;
+            uint32_t got = pkv_seq_runs(sg->seq, layer, at, end, m->runs + used,
+                                        (uint32_t)(m->runs_cap - used), &next);
+            for (uint32_t i = 0; i < got; i++) {
+                const pkv_kv_run_t *rn = &m->runs[used + i];
+                PKV_ASSERT(rn->pos == at && rn->n_tokens > 0);
+                at += rn->n_tokens;
+            }
+            PKV_ASSERT(got > 0 && next == at);
+            used += got;
+        }
+        sg->nruns = (uint32_t)(used - sg->run0);
+    }
+    return PKV_OK;
+}
+
+static void write_kv(pkv_model_t *m, uint32_t rows, uint32_t layer, pkv_dtype_t dt, size_t es)
+{
+    const pkv_model_config_t *c = &m->cfg;
+    uint32_t hd = c->head_dim;
+    for (uint32_t r = 0; r < rows; r++) {
+        const float *k = m->qkv + (size_t)r * m->ld_qkv + m->qdim;
+        const float *v = k + m->kvdim;
+        void *kp, *vp;
+        size_t stride;
+        pkv_seq_slot(m->segs[m->rows[r].seg].seq, m->rows[r].pos, layer, &kp, &vp, &stride);
+        for (uint32_t g = 0; g < c->n_kv_heads; g++) {
+            pkv_dtype_from_f32(dt, (char *)kp + (size_t)g * stride * es, k + (size_t)g * hd, hd);
+            pkv_dtype_from_f32(dt, (char *)vp + (size_t)g * stride * es, v + (size_t)g * hd, hd);
+        }
+    }
+}
+
+static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg, uint32_t rows,
+                    pkv_dtype_t dt)
+{
+    const pkv_model_config_t *c = &m->cfg;
+    uint32_t D = c->dim, H = c->hidden_dim, hd = c->head_dim;
+    size_t es = pkv_dtype_size(dt);
+    for (uint32_t r = 0; r < rows; r++) {
+        memcpy(m->x + (size_t)r * m->ld_d, m->emb + (size_t)m->rows[r].token * D,
+               D * sizeof(float));
+        float *cs = m->rope + (size_t)r * hd;
+        for (uint32_t i = 0; i < hd; i += 2) {
+            float freq = 1.0f / powf(c->rope_theta, (float)i / (float)hd);
+            float val = (float)m->rows[r].pos * freq;
+            cs[i] = cosf(val);
+            cs[i + 1] = sinf(val);
+        }
+    }
+    att_job_t aj = {.m = m, .dt = dt, .es = es, .scale = 1.0f / sqrtf((float)hd)};
+    uint32_t npairs = 0;
+    /* Split heads into groups only as far as needed to give every thread work. */
+    aj.splits = 1;
+    uint64_t att_macs = 0; /* per layer: positions read x query dims x 2 (scores, V) */
+    for (uint32_t r = 0; r < rows; r++) att_macs += (uint64_t)(m->rows[r].pos + 1) * m->qdim * 2;
+    for (uint32_t sg = 0; sg < nseg; sg++) {
+        for (uint32_t r = 0; r < m->segs[sg].n; r += 2) {
+            m->pairs[npairs].row = m->segs[sg].row0 + r;
+            m->pairs[npairs].two = r + 1 < m->segs[sg].n;
+            npairs++;
+        }
+    }
+    while (npairs * aj.splits < 2 * m->threads && c->n_kv_heads % (aj.splits * 2) == 0)
+        aj.splits *= 2;
+    aj.heads_per_task = c->n_kv_heads / aj.splits;
+    for (uint32_t l = 0; l < c->n_layers; l++) {
+        const pkv_model_layer_t *ly = &m->layers[l];
+        for (uint32_t r = 0; r < rows; r++)
+            rmsnorm(m, m->x + (size_t)r * m->ld_d, ly->rms_att, m->xb + (size_t)r * m->ld_d);
+        matmul(m, m->xb, m->ld_d, rows, D, ly->wqkv, m->ld_qkv, m->qkv, m->ld_qkv);
+        for (uint32_t r = 0; r < rows; r++) {
+            float *q = m->qkv + (size_t)r * m->ld_qkv;
+            rope_apply(q, c->n_heads, hd, m->rope + (size_t)r * hd);
+            rope_apply(q + m->qdim, c->n_kv_heads, hd, m->rope + (size_t)r * hd);
+        }
+        write_kv(m, rows, l, dt, es);
+        int rc = collect_runs(m, nseg, l);
+        if (rc) return rc;
+        if (att_macs < PARALLEL_MIN_MACS) {
+            for (uint32_t t = 0; t < npairs * aj.splits; t++) att_task(&aj, t, 0);
+        } else {
+            pkv_tpool_run(m->pool, att_task, &aj, npairs * aj.splits);
+        }
+        matmul(m, m->att, m->ld_q, rows, m->qdim, ly->wo, m->ld_d, m->tmp, m->ld_d);
+        for (uint32_t r = 0; r < rows; r++) {
+            float *x = m->x + (size_t)r * m->ld_d;
+            const float *t = m->tmp + (size_t)r * m->ld_d;
+            for (uint32_t i = 0; i < D; i++) x[i] = x[i] + t[i];
+            rmsnorm(m, x, ly->rms_ffn, m->xb + (size_t)r * m->ld_d);
+        }
+        matmul(m, m->xb, m->ld_d, rows, D, ly->w13, m->ld_h2, m->h13, m->ld_h2);
+        for (uint32_t r = 0; r < rows; r++) {
+            const float *a = m->h13 + (size_t)r * m->ld_h2;
+            float *h = m->hid + (size_t)r * H;
+            for (uint32_t i = 0; i < H; i++) h[i] = a[i] / (1.0f + expf(-a[i])) * a[H + i];
+        }
+        matmul(m, m->hid, H, rows, H, ly->w2, m->ld_d, m->tmp, m->ld_d);
+        for (uint32_t r = 0; r < rows; r++) {
+            float *x = m->x + (size_t)r * m->ld_d;
+            const float *t = m->tmp + (size_t)r * m->ld_d;
+            for (uint32_t i = 0; i < D; i++) x[i] = x[i] + t[i];
+        }
+    }
+    /* Logits for segments that end their item, LOGIT_ROWS at a time. */
+    uint32_t s = 0;
+    while (s < nseg) {
+        uint32_t segs_of[LOGIT_ROWS], nl = 0;
+        for (; s < nseg && nl < LOGIT_ROWS; s++) {
+            const struct pkv_model_seg *sg = &m->segs[s];
+            if (!sg->logits) continue;
+            uint32_t r = sg->row0 + sg->n - 1;
+            rmsnorm(m, m->x + (size_t)r * m->ld_d, m->rms_final, m->lrows + (size_t)nl * m->ld_d);
+            segs_of[nl++] = s;
+        }
+        if (!nl) break;
+        matmul(m, m->lrows, m->ld_d, nl, D, m->wcls, m->ld_v, m->lout, m->ld_v);
+        for (uint32_t i = 0; i < nl; i++)
+            memcpy(items[m->segs[segs_of[i]].item].logits, m->lout + (size_t)i * m->ld_v,
+                   c->vocab_size * sizeof(float));
+    }
+    return PKV_OK;
+}
+
+int pkv_model_forward(pkv_model_t *m, pkv_kv_t *kv, const pkv_model_item_t *items, uint32_t n_items)
+{
+    if (!m || !kv || !items || !n_items) return PKV_ERR_INVALID;
+    const pkv_model_config_t *c = &m->cfg;
+    const pkv_geometry_t *g = pkv_kv_geometry(kv);
+    if (g->layers != c->n_layers || g->kv_heads != c->n_kv_heads || g->head_dim != c->head_dim) {
+        PKV_LOGE("model",
+                 "KV geometry %u layers x %u heads x %u dim does not match the model's %u x %u "
+                 "x %u",
+                 g->layers, g->kv_heads, g->head_dim, c->n_layers, c->n_kv_heads, c->head_dim);
+        return PKV_ERR_INVALID;
+    }
+    for (uint32_t i = 0; i < n_items; i++) {
+        const pkv_model_item_t *it = &items[i];
+        if (!it->seq || !it->tokens || !it->n_tokens) {
+            PKV_LOGE("model", "forward item %u: no sequence or no tokens", i);
+            return PKV_ERR_INVALID;
+        }
+        uint64_t end = (uint64_t)pkv_seq_length(it->seq) + it->n_tokens;
+        if (end > pkv_seq_capacity(it->seq) || end > c->max_seq_len) {
+            PKV_LOGE("model",
+                     "forward item %u: positions up to %llu exceed capacity %u or the model's "
+                     "max_seq_len %u",
+                     i, (unsigned long long)end, pkv_seq_capacity(it->seq), c->max_seq_len);
+            return PKV_ERR_INVALID;
+        }
+        for (uint32_t t = 0; t < it->n_tokens; t++) {
+            if (it->tokens[t] < 0 || (uint32_t)it->tokens[t] >= c->vocab_size) {
+                PKV_LOGE("model", "forward item %u: token %d out of range [0, %u)", i,
+                         it->tokens[t], c->vocab_size);
+                return PKV_ERR_INVALID;
+            }
+        }
+        for (uint32_t j = 0; j < i; j++) {
+            if (items[j].seq == it->seq) {
+                PKV_LOGE("model", "forward items %u and %u share a sequence", j, i);
+                return PKV_ERR_INVALID;
+            }
+        }
+    }
+    uint32_t it = 0, off = 0;
+    while (it < n_items) {
+        uint32_t rows = 0, nseg = 0;
+        while (it < n_items && rows < m->chunk) {
+            const pkv_model_item_t *item = &items[it];
+            uint32_t take = PKV_MIN(item->n_tokens - off, m->chunk - rows);
+            struct pkv_model_seg *sg = &m->segs[nseg];
+            sg->seq = item->seq;
+            sg->item = it;
+            sg->pos0 = pkv_seq_length(item->seq) + off;
+            sg->n = take;
+            sg->row0 = rows;
+            sg->logits = item->logits && off + take == item->n_tokens;
+            for (uint32_t t = 0; t < take; t++) {
+                m->rows[rows + t] = (struct pkv_model_row){
+                    .seg = nseg, .pos = sg->pos0 + t, .token = item->tokens[off + t]};
+            }
+            rows += take;
+            nseg++;
+            off += take;
+            if (off == item->n_tokens) it++, off = 0;
+        }
+        int rc = run_pass(m, items, nseg, rows, g->dtype);
+        if (rc) return rc;
+    }
+    for (uint32_t i = 0; i < n_items; i++) {
+        int rc = pkv_seq_append(items[i].seq, items[i].tokens, items[i].n_tokens);
+        if (rc) {
+            PKV_LOGE("model", "forward item %u: append failed: %s", i, pkv_status_str(rc));
+            return rc;
+        }
+    }
+    return PKV_OK;
+}

@@ -1,0 +1,41 @@
+/*
+ * server generation output: turns the engine's reads of one request into the text and
+ * figures a response carries, the same way for streamed and non-streamed responses.
+ *
+ * Stop ids (EOS and the builtin's <|end|>) are the engine's job (pkv_engine_config_t
+ * eos_ids); what is left here is valid UTF-8 for JSON. A byte-level model can emit any
+ * bytes; each maximal invalid subsequence becomes U+FFFD. The engine never splits a
+ * possibly-valid sequence between reads (it holds an incomplete one back until the
+ * finish), so sanitizing piece by piece gives the same text as sanitizing the whole:
+ * streamed and non-streamed responses agree byte for byte.
+ *
+ * Pure: no I/O, no locks.
+ */
+#ifndef PKV_SERVER_GEN_H
+#define PKV_SERVER_GEN_H
+
+#include "pagekv/engine.h"
+
+typedef struct {
+    bool finished;
+    pkv_finish_t finish; /* the engine's */
+    int status;
+    uint32_t prompt_tokens, cached_tokens, completion_tokens, preemptions;
+} pkv_server_gen_t;
+
+void pkv_server_gen_init(pkv_server_gen_t *g);
+/* Take one read: *text / *len is the part of o->text to pass on (raw bytes; sanitize
+ * before putting it in JSON); the figures are recorded from the finishing read. */
+void pkv_server_gen_feed(pkv_server_gen_t *g, const pkv_request_output_t *o, const char **text,
+                         size_t *len);
+/* After the finishing read: "stop" or "length", or NULL when the request ended otherwise
+ * (cancelled or failed: see g->finish and g->status). */
+const char *pkv_server_gen_finish_reason(const pkv_server_gen_t *g);
+
+/* Bytes pkv_server_utf8_sanitize may write for `len` input bytes. */
+#define PKV_SERVER_UTF8_MAX(len) ((len)*3)
+/* Copy `len` bytes to `out` (room for PKV_SERVER_UTF8_MAX(len)), replacing each maximal
+ * invalid subpart (Unicode 15, 3.9) with U+FFFD. Returns the bytes written. */
+size_t pkv_server_utf8_sanitize(const char *in, size_t len, char *out);
+
+#endif

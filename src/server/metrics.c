@@ -1,0 +1,229 @@
+/*
+ * server metrics: the Prometheus text exposition of /metrics and the /v1/cache/stats
+ * document, rendered from one snapshot of the server's, the engine's and the KV cache's
+ * counters. Names: `pagekv_` prefix, counters end in `_total`, sizes in `_bytes`, times
+ * in `_seconds`; every family has HELP and TYPE lines.
+ */
+#include "server/server_int.h"
+
+#include "core/core.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+const char *const pkv_server_route_label[PKV_ROUTE_COUNT] = {"/v1/completions",
+                                                             "/v1/chat/completions",
+                                                             "/v1/models",
+                                                             "/v1/models/{id}",
+                                                             "/health",
+                                                             "/metrics",
+                                                             "/v1/cache/stats",
+                                                             "/v1/cache/reset",
+                                                             "other"};
+
+const int pkv_server_codes[PKV_SERVER_N_CODES] = {200, 400, 404, 405, 413, 429, 500, 503, 0};
+
+int pkv_server_code_index(int status)
+{
+    for (int i = 0; i < PKV_SERVER_N_CODES - 1; i++)
+        if (pkv_server_codes[i] == status) return i;
+    return PKV_SERVER_N_CODES - 1; /* anything else */
+}
+
+const char *const pkv_server_rejection_label[PKV_REJ_COUNT] = {
+    "invalid_request", "model_not_found", "context_length", "kv_budget",
+    "queue_full",      "body_too_large",  "shutting_down"};
+
+const double pkv_server_hist_bounds[PKV_SERVER_HIST_BUCKETS] = {
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0};
+
+void pkv_server_hist_add(pkv_server_hist_t *h, double seconds)
+{
+    int b = 0;
+    while (b < PKV_SERVER_HIST_BUCKETS && seconds > pkv_server_hist_bounds[b]) b++;
+    h->bucket[b]++;
+    h->count++;
+    h->sum += seconds;
+}
+
+static void family(FILE *f, const char *name, const char *type, const char *help)
+{
+    fprintf(f, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+static void one(FILE *f, const char *name, const char *type, const char *help, uint64_t v)
+{
+    family(f, name, type, help);
+    fprintf(f, "%s %llu\n", name, (unsigned long long)v);
+}
+
+static void hist(FILE *f, const char *name, const char *help, const pkv_server_hist_t *h)
+{
+    family(f, name, "histogram", help);
+    uint64_t cum = 0;
+    for (int b = 0; b < PKV_SERVER_HIST_BUCKETS; b++) {
+        cum += h->bucket[b];
+        fprintf(f, "%s_bucket{le=\"%g\"} %llu\n", name, pkv_server_hist_bounds[b],
+                (unsigned long long)cum);
+    }
+    cum += h->bucket[PKV_SERVER_HIST_BUCKETS];
+    fprintf(f, "%s_bucket{le=\"+Inf\"} %llu\n", name, (unsigned long long)cum);
+    fprintf(f, "%s_sum %.9g\n", name, h->sum);
+    fprintf(f, "%s_count %llu\n", name, (unsigned long long)h->count);
+}
+
+char *pkv_server_metrics_render(const pkv_server_counters_t *c, const pkv_engine_stats_t *es,
+                                const pkv_kv_stats_t *ks, uint64_t rss_bytes, size_t *len)
+{
+    char *buf = NULL;
+    size_t n = 0;
+    FILE *f = open_memstream(&buf, &n);
+    if (!f) return NULL;
+
+    /* HTTP */
+    family(f, "pagekv_http_requests_total", "counter",
+           "HTTP requests answered, by route and status code.");
+    for (int r = 0; r < PKV_ROUTE_COUNT; r++)
+        for (int k = 0; k < PKV_SERVER_N_CODES; k++) {
+            if (!c->http[r][k] && !(k == 0 && r <= PKV_ROUTE_CHAT)) continue;
+            if (pkv_server_codes[k])
+                fprintf(f, "pagekv_http_requests_total{route=\"%s\",code=\"%d\"} %llu\n",
+                        pkv_server_route_label[r], pkv_server_codes[k],
+                        (unsigned long long)c->http[r][k]);
+            else
+                fprintf(f, "pagekv_http_requests_total{route=\"%s\",code=\"other\"} %llu\n",
+                        pkv_server_route_label[r], (unsigned long long)c->http[r][k]);
+        }
+    family(f, "pagekv_requests_rejected_total", "counter",
+           "Generation requests refused before reaching the engine, by reason.");
+    for (int r = 0; r < PKV_REJ_COUNT; r++)
+        fprintf(f, "pagekv_requests_rejected_total{reason=\"%s\"} %llu\n",
+                pkv_server_rejection_label[r], (unsigned long long)c->rejected[r]);
+    one(f, "pagekv_client_disconnects_total", "counter",
+        "Generation requests whose client went away before the response ended (request cancelled).",
+        c->disconnects);
+    one(f, "pagekv_stream_responses_total", "counter",
+        "Streamed (server-sent events) responses started.", c->streams);
+    one(f, "pagekv_requests_in_flight", "gauge",
+        "Generation requests being served by the HTTP layer.", c->in_flight);
+    one(f, "pagekv_cache_resets_total", "counter", "POST /v1/cache/reset calls.", c->cache_resets);
+    hist(f, "pagekv_time_to_first_token_seconds",
+         "Time from submission to the first generated token.", &c->ttft);
+    hist(f, "pagekv_request_duration_seconds", "Time from submission to the last generated token.",
+         &c->e2e);
+
+    /* engine */
+    one(f, "pagekv_requests_running", "gauge", "Requests in the running batch.", es->running);
+    one(f, "pagekv_requests_queued", "gauge", "Requests waiting for admission.", es->queued);
+    one(f, "pagekv_requests_submitted_total", "counter", "Requests accepted by the engine.",
+        es->submitted);
+    one(f, "pagekv_engine_queue_full_total", "counter",
+        "Submissions refused because the queue was full.", es->rejected_busy);
+    family(f, "pagekv_requests_finished_total", "counter", "Requests finished, by reason.");
+    fprintf(f, "pagekv_requests_finished_total{reason=\"stop\"} %llu\n",
+            (unsigned long long)es->finished_stop);
+    fprintf(f, "pagekv_requests_finished_total{reason=\"length\"} %llu\n",
+            (unsigned long long)es->finished_length);
+    fprintf(f, "pagekv_requests_finished_total{reason=\"cancelled\"} %llu\n",
+            (unsigned long long)es->finished_cancelled);
+    fprintf(f, "pagekv_requests_finished_total{reason=\"error\"} %llu\n",
+            (unsigned long long)es->finished_error);
+    one(f, "pagekv_preemptions_total", "counter", "Running requests preempted by recompute.",
+        es->preemptions);
+    one(f, "pagekv_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.",
+        es->prompt_tokens);
+    one(f, "pagekv_prompt_cached_tokens_total", "counter",
+        "Prompt tokens adopted from the prefix cache at admission.", es->cached_tokens);
+    one(f, "pagekv_recompute_tokens_total", "counter", "Tokens re-prefilled after preemption.",
+        es->recompute_tokens);
+    one(f, "pagekv_generation_tokens_total", "counter", "Tokens generated.", es->generated_tokens);
+    one(f, "pagekv_engine_steps_total", "counter", "Engine steps (forward passes).", es->steps);
+    family(f, "pagekv_engine_forward_seconds_total", "counter",
+           "Time spent in the model's forward pass.");
+    fprintf(f, "pagekv_engine_forward_seconds_total %.9g\n", (double)es->forward_ns / 1e9);
+
+    /* KV cache */
+    one(f, "pagekv_kv_committed_bytes", "gauge", "KV memory held from the OS.",
+        ks->committed_bytes);
+    one(f, "pagekv_kv_peak_committed_bytes", "gauge", "Peak of pagekv_kv_committed_bytes.",
+        ks->peak_committed_bytes);
+    one(f, "pagekv_kv_reserved_bytes", "gauge", "Address space reserved for the paged pool.",
+        ks->reserved_bytes);
+    one(f, "pagekv_kv_budget_bytes", "gauge", "Cap on committed KV memory (0: none).",
+        ks->budget_bytes);
+    one(f, "pagekv_kv_block_bytes", "gauge", "Bytes of one KV block.", ks->block_bytes);
+    one(f, "pagekv_kv_token_bytes", "gauge", "KV bytes of one token in every layer.",
+        ks->token_bytes);
+    one(f, "pagekv_kv_blocks_capacity", "gauge", "Blocks the budget or reservation allows.",
+        ks->blocks_capacity);
+    family(f, "pagekv_kv_blocks", "gauge", "KV blocks by state.");
+    fprintf(f, "pagekv_kv_blocks{state=\"live\"} %llu\n", (unsigned long long)ks->blocks_live);
+    fprintf(f, "pagekv_kv_blocks{state=\"cached\"} %llu\n", (unsigned long long)ks->blocks_cached);
+    fprintf(f, "pagekv_kv_blocks{state=\"free\"} %llu\n", (unsigned long long)ks->blocks_free);
+    one(f, "pagekv_kv_sequences", "gauge", "Live sequences.", ks->sequences);
+    one(f, "pagekv_kv_live_tokens", "gauge", "Positions held by live sequences.", ks->live_tokens);
+    one(f, "pagekv_kv_prefix_queries_total", "counter",
+        "Admissions that looked up the prefix cache.", ks->prefix_queries);
+    one(f, "pagekv_kv_prefix_query_tokens_total", "counter",
+        "Prompt tokens looked up in the prefix cache.", ks->prefix_query_tokens);
+    one(f, "pagekv_kv_prefix_hit_tokens_total", "counter",
+        "Prompt tokens adopted from the prefix cache.", ks->prefix_hit_tokens);
+    one(f, "pagekv_kv_evictions_total", "counter", "Cached blocks evicted.", ks->evictions);
+    one(f, "pagekv_kv_cow_copies_total", "counter", "Copy-on-write block copies.", ks->cow_copies);
+    one(f, "pagekv_kv_granule_commits_total", "counter", "Granules committed.", ks->commits);
+    one(f, "pagekv_kv_granule_decommits_total", "counter", "Granules returned to the OS.",
+        ks->decommits);
+    family(f, "pagekv_kv_admission_rejections_total", "counter",
+           "Sequence admissions refused by the KV cache, by reason (nospace is retried later).");
+    fprintf(f, "pagekv_kv_admission_rejections_total{reason=\"nofit\"} %llu\n",
+            (unsigned long long)ks->rejected_nofit);
+    fprintf(f, "pagekv_kv_admission_rejections_total{reason=\"nospace\"} %llu\n",
+            (unsigned long long)ks->rejected_nospace);
+    if (rss_bytes)
+        one(f, "pagekv_process_resident_memory_bytes", "gauge", "VmRSS of the server process.",
+            rss_bytes);
+
+    if (fclose(f)) {
+        free(buf);
+        return NULL;
+    }
+    *len = n;
+    return buf;
+}
+
+json_t *pkv_server_cache_stats_json(const pkv_server_counters_t *c, const pkv_engine_stats_t *es,
+                                    const pkv_kv_stats_t *ks, pkv_backend_t backend,
+                                    uint32_t block_tokens)
+{
+    json_t *rej = json_object();
+    for (int r = 0; r < PKV_REJ_COUNT; r++)
+        json_object_set_new(rej, pkv_server_rejection_label[r],
+                            json_integer((json_int_t)c->rejected[r]));
+    json_object_set_new(rej, "kv_admission_nofit", json_integer((json_int_t)ks->rejected_nofit));
+    json_object_set_new(rej, "kv_admission_nospace",
+                        json_integer((json_int_t)ks->rejected_nospace));
+    double rate = ks->prefix_query_tokens
+                      ? (double)ks->prefix_hit_tokens / (double)ks->prefix_query_tokens
+                      : 0.0;
+    json_t *doc = json_pack(
+        "{s:s, s:i, s:I, s:I, s:I, s:i, s:o, s:I, s:I, s:I, s:{s:I, s:I, s:I, s:I}, s:I, s:I,"
+        " s:{s:I, s:I, s:I, s:f}, s:I, s:I, s:I, s:I, s:I, s:o,"
+        " s:{s:I, s:I, s:I, s:I}}",
+        "backend", pkv_backend_name(backend), "block_tokens", (int)block_tokens, "block_bytes",
+        (json_int_t)ks->block_bytes, "token_bytes", (json_int_t)ks->token_bytes, "granule_bytes",
+        (json_int_t)ks->granule_bytes, "storage_ranges", (int)ks->storage_ranges, "budget_bytes",
+        ks->budget_bytes ? json_integer((json_int_t)ks->budget_bytes) : json_null(),
+        "committed_bytes", (json_int_t)ks->committed_bytes, "peak_committed_bytes",
+        (json_int_t)ks->peak_committed_bytes, "reserved_bytes", (json_int_t)ks->reserved_bytes,
+        "blocks", "capacity", (json_int_t)ks->blocks_capacity, "live", (json_int_t)ks->blocks_live,
+        "cached", (json_int_t)ks->blocks_cached, "free", (json_int_t)ks->blocks_free, "sequences",
+        (json_int_t)ks->sequences, "live_tokens", (json_int_t)ks->live_tokens, "prefix_cache",
+        "queries", (json_int_t)ks->prefix_queries, "query_tokens",
+        (json_int_t)ks->prefix_query_tokens, "hit_tokens", (json_int_t)ks->prefix_hit_tokens,
+        "hit_rate", rate, "evictions", (json_int_t)ks->evictions, "cow_copies",
+        (json_int_t)ks->cow_copies, "granule_commits", (json_int_t)ks->commits, "granule_decommits",
+        (json_int_t)ks->decommits, "cache_resets", (json_int_t)c->cache_resets, "rejections", rej,
+        "requests", "in_flight", (json_int_t)c->in_flight, "running", (json_int_t)es->running,
+        "queued", (json_int_t)es->queued, "submitted", (json_int_t)es->submitted);
+    return doc;
+}

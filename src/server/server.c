@@ -1,0 +1,1163 @@
+/*
+ * server: the HTTP layer over the engine (behaviour in server.h; design in
+ * docs/design/server.md).
+ *
+ * Threads. libmicrohttpd runs one listening thread and one thread per connection
+ * (MHD_USE_THREAD_PER_CONNECTION, connections capped). A connection's thread runs the
+ * access handler and, for a streamed response, the content reader; both may block, but
+ * only in pkv_request_read with a short deadline (WAIT_SLICE_NS) in a loop that checks,
+ * between slices, whether the client is gone (poll: POLLRDHUP/POLLHUP/POLLERR on the
+ * connection's socket) and whether the server is being destroyed. A gone client's
+ * request is cancelled at once (pkv_request_release), so its sequence is freed at the
+ * engine's next step; the engine bounds every request by max_tokens, so no thread
+ * waits forever.
+ *
+ * Request flow (POST /v1/completions, /v1/chat/completions):
+ *   1. first call: route, method (405), path (404), Content-Length (413);
+ *   2. body chunks accumulate up to max_body_bytes (more: 413 at the end);
+ *   3. last call: parse (request.c; pure), tokenize and check the context, check the KV
+ *      budget (400 with the numbers), count the request in flight, submit (429 with
+ *      Retry-After when the queue is full, 503 when draining);
+ *   4. wait for the first output: an admission failure still gets a proper status;
+ *   5. non-streaming: read to the end and answer once; streaming: answer 200 with a
+ *      callback response whose reader turns each engine read into SSE events.
+ * Refusals happen before submission, so a refused request changes nothing but the
+ * rejection counters.
+ *
+ * Locking. s->lock guards s->ctr (every counter and histogram), s->draining, s->next_id
+ * and s->rng; s->idle_cv signals ctr.in_flight reaching 0. s->stopping is atomic (read
+ * by waiting threads between slices). Nothing blocks, allocates from the OS or calls
+ * into the engine or MHD under s->lock.
+ */
+#include "pagekv/server.h"
+
+#include "pagekv/engine.h"
+#include "pagekv/model.h"
+#include "pagekv/tokenizer.h"
+
+#include "core/core.h"
+#include "server/gen.h"
+#include "server/request.h"
+#include "server/server_int.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <microhttpd.h>
+#include <netdb.h>
+#include <poll.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#define WAIT_SLICE_NS (100ull * 1000 * 1000)
+#define SSE_BLOCK     16384
+
+struct pkv_server {
+    char *host, *served_name;
+    pkv_tok_t *tok;
+    pkv_model_t *model;
+    pkv_kv_t *kv;
+    pkv_engine_t *engine;
+    struct MHD_Daemon *mhd;
+    MHD_socket quiesced_fd; /* the listening socket after quiesce: closed after stop */
+    uint16_t port;
+    uint32_t max_context, max_batch, block_tokens, default_max_tokens, retry_after_s;
+    uint64_t max_body, budget_bytes, token_bytes;
+    pkv_backend_t backend;
+    time_t created;
+    atomic_bool stopping;
+
+    pthread_mutex_t lock; /* guards: ctr, draining, next_id, rng (see the top comment) */
+    pthread_cond_t idle_cv;
+    pkv_server_counters_t ctr;
+    bool draining;
+    uint64_t next_id;
+    uint64_t rng;
+};
+
+/* One HTTP request (MHD's con_cls): created on the first call, freed when MHD reports
+ * the request completed. */
+typedef struct {
+    pkv_server_route_t route;
+    char *body;
+    size_t len, cap;
+    bool too_large;
+    bool in_flight; /* counted in ctr.in_flight: released in the completed callback */
+    bool answered;
+} http_req_t;
+
+/* A streamed response (the content reader's state), owned by the MHD response. */
+typedef struct {
+    pkv_server_t *s;
+    pkv_request_t *req;
+    pkv_server_gen_t gen;
+    pkv_sreq_kind_t kind;
+    bool include_usage;
+    char id[48];
+    time_t created;
+    MHD_socket fd;
+    uint64_t t_submit;
+    bool first_seen;
+    char *buf; /* SSE bytes not yet handed to MHD */
+    size_t len, pos, cap;
+    bool done; /* [DONE] queued */
+} stream_t;
+
+/* ---- small helpers --------------------------------------------------------------------- */
+
+static uint64_t splitmix(uint64_t *state)
+{
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static int detok(void *arg, int32_t prev, int32_t id, const char **bytes, size_t *len)
+{
+    return pkv_tok_decode_token(arg, prev, id, bytes, len);
+}
+
+/* The peer closed or reset its end. A pipelined next request makes the socket readable
+ * but not RDHUP; a client that half-closes after sending is treated as gone. */
+static bool client_gone(MHD_socket fd)
+{
+    if (fd == MHD_INVALID_SOCKET) return false;
+    struct pollfd p = {.fd = fd, .events = POLLRDHUP};
+    return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL));
+}
+
+static MHD_socket conn_fd(struct MHD_Connection *c)
+{
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    return ci ? ci->connect_fd : MHD_INVALID_SOCKET;
+}
+
+static uint64_t proc_rss(void)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    if (!f) return 0;
+    char line[256];
+    unsigned long long kb = 0;
+    while (fgets(line, sizeof(line), f))
+        if (sscanf(line, "VmRSS: %llu kB", &kb) == 1) break;
+    fclose(f);
+    return kb * 1024ull;
+}
+
+static void count_rejection(pkv_server_t *s, pkv_server_rejection_t why)
+{
+    pthread_mutex_lock(&s->lock);
+    s->ctr.rejected[why]++;
+    pthread_mutex_unlock(&s->lock);
+}
+
+static void in_flight_done(pkv_server_t *s)
+{
+    pthread_mutex_lock(&s->lock);
+    PKV_ASSERT(s->ctr.in_flight > 0);
+    if (--s->ctr.in_flight == 0) pthread_cond_broadcast(&s->idle_cv);
+    pthread_mutex_unlock(&s->lock);
+}
+
+/* ---- responses ------------------------------------------------------------------------- */
+
+static enum MHD_Result queue(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr, int status,
+                             struct MHD_Response *resp)
+{
+    if (!resp) return MHD_NO;
+    enum MHD_Result ok = MHD_queue_response(c, (unsigned)status, resp);
+    MHD_destroy_response(resp);
+    pthread_mutex_lock(&s->lock);
+    s->ctr.http[hr->route][pkv_server_code_index(status)]++;
+    pthread_mutex_unlock(&s->lock);
+    hr->answered = true;
+    return ok;
+}
+
+static struct MHD_Response *text_response(char *text, size_t len, const char *type)
+{
+    struct MHD_Response *r = MHD_create_response_from_buffer(len, text, MHD_RESPMEM_MUST_FREE);
+    if (!r) {
+        free(text);
+        return NULL;
+    }
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
+    return r;
+}
+
+/* Answer with a JSON document (the reference is consumed). */
+static enum MHD_Result answer_json(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr,
+                                   int status, json_t *doc)
+{
+    char *text = doc ? json_dumps(doc, JSON_COMPACT) : NULL;
+    json_decref(doc);
+    if (!text) return MHD_NO;
+    size_t len = strlen(text);
+    /* A trailing newline is friendlier to curl users; JSON parsers ignore it. */
+    char *nl = realloc(text, len + 2);
+    if (!nl) {
+        free(text);
+        return MHD_NO;
+    }
+    nl[len] = '\n';
+    nl[len + 1] = 0;
+    return queue(s, c, hr, status, text_response(nl, len + 1, "application/json"));
+}
+
+static json_t *error_doc(const pkv_server_error_t *err)
+{
+    return json_pack("{s:{s:s, s:s, s:s?, s:s}}", "error", "message", err->message, "type",
+                     err->type, "param", err->param, "code", err->code);
+}
+
+static enum MHD_Result answer_error(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr,
+                                    const pkv_server_error_t *err)
+{
+    PKV_LOGI("server", "%s: %d %s: %s", pkv_server_route_label[hr->route], err->status, err->code,
+             err->message);
+    json_t *doc = error_doc(err);
+    char *text = doc ? json_dumps(doc, JSON_COMPACT) : NULL;
+    json_decref(doc);
+    if (!text) return MHD_NO;
+    struct MHD_Response *r = text_response(text, strlen(text), "application/json");
+    if (r && err->status == 429) {
+        char ra[16];
+        snprintf(ra, sizeof(ra), "%u", s->retry_after_s);
+        MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, ra);
+    }
+    if (r && err->status == 503) MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, "5");
+    return queue(s, c, hr, err->status, r);
+}
+
+static enum MHD_Result answer_errorf(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr,
+                                     int status, const char *type, const char *code,
+                                     const char *msg)
+{
+    pkv_server_error_t err;
+    pkv_server_error_set(&err, status, type, code, NULL, "%s", msg);
+    return answer_error(s, c, hr, &err);
+}
+
+/* ---- routing ----------------------------------------------------------------------- */
+
+static const struct {
+    const char *path;
+    pkv_server_route_t route;
+    const char *allow; /* methods */
+} routes[] = {
+    {"/v1/completions", PKV_ROUTE_COMPLETIONS, "POST"},
+    {"/v1/chat/completions", PKV_ROUTE_CHAT, "POST"},
+    {"/v1/models", PKV_ROUTE_MODELS, "GET, HEAD"},
+    {"/health", PKV_ROUTE_HEALTH, "GET, HEAD"},
+    {"/metrics", PKV_ROUTE_METRICS, "GET, HEAD"},
+    {"/v1/cache/stats", PKV_ROUTE_CACHE_STATS, "GET, HEAD"},
+    {"/v1/cache/reset", PKV_ROUTE_CACHE_RESET, "POST"},
+};
+
+static bool method_allowed(const char *allow, const char *method)
+{
+    if (!strcmp(method, "POST")) return !strcmp(allow, "POST");
+    if (!strcmp(method, "GET") || !strcmp(method, "HEAD")) return strcmp(allow, "POST") != 0;
+    return false;
+}
+
+/* ---- simple endpoints -------------------------------------------------------------------- */
+
+static json_t *model_doc(pkv_server_t *s)
+{
+    return json_pack("{s:s, s:s, s:I, s:s, s:i}", "id", s->served_name, "object", "model",
+                     "created", (json_int_t)s->created, "owned_by", "pagekv", "max_model_len",
+                     (int)s->max_context);
+}
+
+static enum MHD_Result handle_simple(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr,
+                                     const char *url)
+{
+    switch (hr->route) {
+    case PKV_ROUTE_MODELS:
+        return answer_json(s, c, hr, 200,
+                           json_pack("{s:s, s:[o]}", "object", "list", "data", model_doc(s)));
+    case PKV_ROUTE_MODEL: {
+        const char *id = url + strlen("/v1/models/");
+        if (strcmp(id, s->served_name)) {
+            pkv_server_error_t err;
+            pkv_server_error_set(&err, 404, "invalid_request_error", "model_not_found", "model",
+                                 "the model '%.100s' does not exist", id);
+            return answer_error(s, c, hr, &err);
+        }
+        return answer_json(s, c, hr, 200, model_doc(s));
+    }
+    case PKV_ROUTE_HEALTH: {
+        pthread_mutex_lock(&s->lock);
+        bool draining = s->draining;
+        pthread_mutex_unlock(&s->lock);
+        return answer_json(s, c, hr, draining ? 503 : 200,
+                           json_pack("{s:s}", "status", draining ? "draining" : "ok"));
+    }
+    case PKV_ROUTE_METRICS: {
+        pkv_engine_stats_t es;
+        pkv_kv_stats_t ks;
+        pkv_server_counters_t ctr;
+        pkv_engine_stats(s->engine, &es);
+        pkv_kv_stats(s->kv, &ks);
+        pthread_mutex_lock(&s->lock);
+        ctr = s->ctr;
+        pthread_mutex_unlock(&s->lock);
+        size_t len = 0;
+        char *text = pkv_server_metrics_render(&ctr, &es, &ks, proc_rss(), &len);
+        if (!text) return MHD_NO;
+        return queue(s, c, hr, 200,
+                     text_response(text, len, "text/plain; version=0.0.4; charset=utf-8"));
+    }
+    case PKV_ROUTE_CACHE_STATS: {
+        pkv_engine_stats_t es;
+        pkv_kv_stats_t ks;
+        pkv_server_counters_t ctr;
+        pkv_engine_stats(s->engine, &es);
+        pkv_kv_stats(s->kv, &ks);
+        pthread_mutex_lock(&s->lock);
+        ctr = s->ctr;
+        pthread_mutex_unlock(&s->lock);
+        return answer_json(
+            s, c, hr, 200,
+            pkv_server_cache_stats_json(&ctr, &es, &ks, s->backend, s->block_tokens));
+    }
+    case PKV_ROUTE_CACHE_RESET: {
+        if (hr->len) {
+            /* The endpoint takes no parameters: an empty body or an empty JSON object. */
+            json_t *doc = json_loadb(hr->body, hr->len, 0, NULL);
+            bool empty = json_is_object(doc) && json_object_size(doc) == 0;
+            json_decref(doc);
+            if (!empty) {
+                count_rejection(s, PKV_REJ_INVALID);
+                return answer_errorf(s, c, hr, 400, "invalid_request_error", "invalid_json",
+                                     "/v1/cache/reset takes no parameters (empty body or {})");
+            }
+        }
+        pkv_kv_stats_t before, after;
+        pkv_kv_stats(s->kv, &before);
+        pkv_kv_reset_cache(s->kv);
+        pkv_kv_stats(s->kv, &after);
+        pthread_mutex_lock(&s->lock);
+        s->ctr.cache_resets++;
+        pthread_mutex_unlock(&s->lock);
+        uint64_t dropped = before.blocks_cached > after.blocks_cached
+                               ? before.blocks_cached - after.blocks_cached
+                               : 0;
+        return answer_json(s, c, hr, 200,
+                           json_pack("{s:b, s:I, s:I, s:I}", "reset", 1, "dropped_blocks",
+                                     (json_int_t)dropped, "committed_bytes_before",
+                                     (json_int_t)before.committed_bytes, "committed_bytes_after",
+                                     (json_int_t)after.committed_bytes));
+    }
+    default:
+        return answer_errorf(s, c, hr, 500, "server_error", "internal_error", "unrouted request");
+    }
+}
+
+/* ---- generation ----------------------------------------------------------------------- */
+
+static json_t *usage_doc(const pkv_server_gen_t *g)
+{
+    return json_pack("{s:i, s:i, s:i, s:{s:i}}", "prompt_tokens", (int)g->prompt_tokens,
+                     "completion_tokens", (int)g->completion_tokens, "total_tokens",
+                     (int)(g->prompt_tokens + g->completion_tokens), "prompt_tokens_details",
+                     "cached_tokens", (int)g->cached_tokens);
+}
+
+/* The error a request that ended without stop/length reports. */
+static void gen_error(pkv_server_t *s, const pkv_server_gen_t *g, uint32_t n_prompt,
+                      uint32_t max_tokens, pkv_server_error_t *err)
+{
+    if (g->status == PKV_ERR_NOFIT || g->status == PKV_ERR_NOSPACE) {
+        pkv_kv_stats_t ks;
+        pkv_kv_stats(s->kv, &ks);
+        pkv_server_error_set(
+            err, 400, "invalid_request_error", "kv_budget_exceeded", NULL,
+            "the request (%u prompt + %u completion tokens) can never fit the KV "
+            "cache budget: %llu bytes per token, budget %llu bytes (%llu blocks of "
+            "%llu bytes)",
+            n_prompt, max_tokens, (unsigned long long)ks.token_bytes,
+            (unsigned long long)ks.budget_bytes, (unsigned long long)ks.blocks_capacity,
+            (unsigned long long)ks.block_bytes);
+    } else if (g->status == PKV_ERR_SHUTDOWN || atomic_load(&s->stopping)) {
+        pkv_server_error_set(err, 503, "service_unavailable", "shutting_down", NULL,
+                             "the server is shutting down");
+    } else {
+        pkv_server_error_set(err, 500, "server_error", "internal_error", NULL,
+                             "generation failed: %s", pkv_status_str(g->status));
+    }
+}
+
+/* Can a request of `positions` KV positions ever fit the budget? */
+static bool kv_fits(pkv_server_t *s, uint32_t n_prompt, uint32_t max_tokens,
+                    pkv_server_error_t *err)
+{
+    if (!s->budget_bytes) return true;
+    pkv_kv_stats_t ks;
+    pkv_kv_stats(s->kv, &ks);
+    uint64_t positions =
+        (uint64_t)n_prompt + max_tokens - 1; /* the last token's K/V is never written */
+    uint64_t blocks = PKV_DIV_UP(positions, s->block_tokens);
+    bool fits = s->backend == PKV_BACKEND_PAGED ? blocks <= ks.blocks_capacity
+                                                : positions * ks.token_bytes <= ks.budget_bytes;
+    if (!fits)
+        pkv_server_error_set(
+            err, 400, "invalid_request_error", "kv_budget_exceeded", NULL,
+            "the request can never fit the KV cache budget: %u prompt + %u "
+            "completion tokens need %llu positions = %llu blocks of %u tokens "
+            "(%llu bytes); the budget is %llu bytes (%llu blocks)",
+            n_prompt, max_tokens, (unsigned long long)positions, (unsigned long long)blocks,
+            s->block_tokens,
+            (unsigned long long)(s->backend == PKV_BACKEND_PAGED ? blocks * ks.block_bytes
+                                                                 : positions * ks.token_bytes),
+            (unsigned long long)ks.budget_bytes, (unsigned long long)ks.blocks_capacity);
+    return fits;
+}
+
+/* Wait for the next output, watching the client and the server. PKV_OK with *o;
+ * PKV_ERR_CANCELLED (client gone) or PKV_ERR_SHUTDOWN (server destroyed). */
+static int wait_output(pkv_server_t *s, pkv_request_t *req, MHD_socket fd, pkv_request_output_t *o)
+{
+    for (;;) {
+        if (atomic_load(&s->stopping)) return PKV_ERR_SHUTDOWN;
+        if (client_gone(fd)) return PKV_ERR_CANCELLED;
+        int rc = pkv_request_read(req, pkv_deadline_after_ns(WAIT_SLICE_NS), o);
+        if (rc != PKV_ERR_TIMEOUT) return rc;
+    }
+}
+
+static void note_first(pkv_server_t *s, uint64_t t_submit, bool *seen,
+                       const pkv_request_output_t *o)
+{
+    if (*seen || (!o->n_tokens && !o->finished)) return;
+    *seen = true;
+    if (!o->n_tokens) return;
+    pthread_mutex_lock(&s->lock);
+    pkv_server_hist_add(&s->ctr.ttft, (double)(pkv_now_ns() - t_submit) / 1e9);
+    pthread_mutex_unlock(&s->lock);
+}
+
+static void note_end(pkv_server_t *s, uint64_t t_submit)
+{
+    pthread_mutex_lock(&s->lock);
+    pkv_server_hist_add(&s->ctr.e2e, (double)(pkv_now_ns() - t_submit) / 1e9);
+    pthread_mutex_unlock(&s->lock);
+}
+
+static json_t *sanitized_string(const char *text, size_t len)
+{
+    char *clean = malloc(PKV_SERVER_UTF8_MAX(len) + 1);
+    if (!clean) return NULL;
+    size_t n = pkv_server_utf8_sanitize(text, len, clean);
+    json_t *j = json_stringn(clean, n);
+    free(clean);
+    return j;
+}
+
+static json_t *completion_doc(pkv_server_t *s, pkv_sreq_kind_t kind, const char *id, time_t created,
+                              json_t *text, const char *finish, json_t *usage)
+{
+    json_t *choice;
+    if (kind == PKV_SREQ_CHAT)
+        choice = json_pack("{s:i, s:{s:s, s:o}, s:n, s:s}", "index", 0, "message", "role",
+                           "assistant", "content", text, "logprobs", "finish_reason", finish);
+    else
+        choice = json_pack("{s:i, s:o, s:n, s:s}", "index", 0, "text", text, "logprobs",
+                           "finish_reason", finish);
+    return json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o}", "id", id, "object",
+                     kind == PKV_SREQ_CHAT ? "chat.completion" : "text_completion", "created",
+                     (json_int_t)created, "model", s->served_name, "choices", choice, "usage",
+                     usage);
+}
+
+/* ---- streaming ----------------------------------------------------------------------- */
+
+static int sse_append(stream_t *st, const char *data, size_t n)
+{
+    if (st->len + n > st->cap) {
+        size_t cap = PKV_MAX(st->cap * 2, st->len + n + 1024);
+        char *nb = realloc(st->buf, cap);
+        if (!nb) return PKV_ERR_NOMEM;
+        st->buf = nb;
+        st->cap = cap;
+    }
+    memcpy(st->buf + st->len, data, n);
+    st->len += n;
+    return PKV_OK;
+}
+
+/* Queue `data: <doc>\n\n` (the reference is consumed). */
+static int sse_event(stream_t *st, json_t *doc)
+{
+    char *text = doc ? json_dumps(doc, JSON_COMPACT) : NULL;
+    json_decref(doc);
+    if (!text) return PKV_ERR_NOMEM;
+    int rc = sse_append(st, "data: ", 6);
+    if (!rc) rc = sse_append(st, text, strlen(text));
+    if (!rc) rc = sse_append(st, "\n\n", 2);
+    free(text);
+    return rc;
+}
+
+static json_t *chunk_doc(stream_t *st, json_t *delta_or_text, const char *finish)
+{
+    json_t *choice;
+    if (st->kind == PKV_SREQ_CHAT)
+        choice = json_pack("{s:i, s:o, s:n, s:s?}", "index", 0, "delta", delta_or_text, "logprobs",
+                           "finish_reason", finish);
+    else
+        choice = json_pack("{s:i, s:o, s:n, s:s?}", "index", 0, "text", delta_or_text, "logprobs",
+                           "finish_reason", finish);
+    return json_pack("{s:s, s:s, s:I, s:s, s:[o]}", "id", st->id, "object",
+                     st->kind == PKV_SREQ_CHAT ? "chat.completion.chunk" : "text_completion",
+                     "created", (json_int_t)st->created, "model", st->s->served_name, "choices",
+                     choice);
+}
+
+/* Turn one engine read into events. */
+static int stream_take(stream_t *st, const pkv_request_output_t *o)
+{
+    const char *text;
+    size_t len;
+    pkv_server_gen_feed(&st->gen, o, &text, &len);
+    note_first(st->s, st->t_submit, &st->first_seen, o);
+    int rc = PKV_OK;
+    if (len) {
+        json_t *piece = sanitized_string(text, len);
+        if (!piece) return PKV_ERR_NOMEM;
+        json_t *body = st->kind == PKV_SREQ_CHAT ? json_pack("{s:o}", "content", piece) : piece;
+        if ((rc = sse_event(st, chunk_doc(st, body, NULL)))) return rc;
+    }
+    if (!o->finished) return PKV_OK;
+    note_end(st->s, st->t_submit);
+    const char *finish = pkv_server_gen_finish_reason(&st->gen);
+    if (finish) {
+        json_t *empty = st->kind == PKV_SREQ_CHAT ? json_object() : json_string("");
+        if ((rc = sse_event(st, chunk_doc(st, empty, finish)))) return rc;
+        if (st->include_usage) {
+            json_t *doc =
+                json_pack("{s:s, s:s, s:I, s:s, s:[], s:o}", "id", st->id, "object",
+                          st->kind == PKV_SREQ_CHAT ? "chat.completion.chunk" : "text_completion",
+                          "created", (json_int_t)st->created, "model", st->s->served_name,
+                          "choices", "usage", usage_doc(&st->gen));
+            if ((rc = sse_event(st, doc))) return rc;
+        }
+    } else {
+        pkv_server_error_t err;
+        gen_error(st->s, &st->gen, st->gen.prompt_tokens, 0, &err);
+        if ((rc = sse_event(st, error_doc(&err)))) return rc;
+    }
+    st->done = true;
+    return sse_append(st, "data: [DONE]\n\n", 14);
+}
+
+static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
+{
+    stream_t *st = cls;
+    (void)pos;
+    for (;;) {
+        if (st->pos < st->len) {
+            size_t n = PKV_MIN(max, st->len - st->pos);
+            memcpy(buf, st->buf + st->pos, n);
+            st->pos += n;
+            if (st->pos == st->len) st->pos = st->len = 0;
+            return (ssize_t)n;
+        }
+        if (st->done) return MHD_CONTENT_READER_END_OF_STREAM;
+        pkv_request_output_t o;
+        int rc = wait_output(st->s, st->req, st->fd, &o);
+        if (rc) {
+            /* Client gone or server going away: cancel now, not when MHD frees us. */
+            pkv_request_cancel(st->req);
+            return MHD_CONTENT_READER_END_WITH_ERROR;
+        }
+        if (stream_take(st, &o)) {
+            pkv_request_cancel(st->req);
+            return MHD_CONTENT_READER_END_WITH_ERROR;
+        }
+    }
+}
+
+static void stream_free(void *cls)
+{
+    stream_t *st = cls;
+    pkv_request_release(st->req); /* cancels an unfinished request */
+    free(st->buf);
+    free(st);
+}
+
+/* ---- the generation handler ------------------------------------------------------------- */
+
+static enum MHD_Result handle_generate(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr)
+{
+    pkv_sreq_kind_t kind = hr->route == PKV_ROUTE_CHAT ? PKV_SREQ_CHAT : PKV_SREQ_COMPLETIONS;
+    pkv_server_limits_t lim = {.max_context = s->max_context};
+    pkv_server_request_t r;
+    pkv_server_error_t err;
+    if (pkv_server_request_parse(kind, hr->body, hr->len, s->served_name, &lim, &r, &err)) {
+        count_rejection(s, err.status == 404 ? PKV_REJ_MODEL : PKV_REJ_INVALID);
+        return answer_error(s, c, hr, &err);
+    }
+    int32_t *ids = NULL;
+    uint32_t n_ids = 0, max_tokens = 0;
+    enum MHD_Result ret;
+    if (pkv_server_request_prompt(&r, s->tok, &lim, s->default_max_tokens, &ids, &n_ids,
+                                  &max_tokens, &err)) {
+        count_rejection(s, !strcmp(err.code, "context_length_exceeded") ? PKV_REJ_CONTEXT
+                                                                        : PKV_REJ_INVALID);
+        ret = answer_error(s, c, hr, &err);
+        goto out_req;
+    }
+    if (!kv_fits(s, n_ids, max_tokens, &err)) {
+        count_rejection(s, PKV_REJ_KV_BUDGET);
+        ret = answer_error(s, c, hr, &err);
+        goto out_ids;
+    }
+
+    pthread_mutex_lock(&s->lock);
+    bool draining = s->draining;
+    uint64_t id = ++s->next_id;
+    uint64_t seed = r.has_seed ? r.seed : splitmix(&s->rng);
+    if (!draining) s->ctr.in_flight++;
+    pthread_mutex_unlock(&s->lock);
+    if (draining) {
+        count_rejection(s, PKV_REJ_SHUTTING_DOWN);
+        ret = answer_errorf(s, c, hr, 503, "service_unavailable", "shutting_down",
+                            "the server is shutting down");
+        goto out_ids;
+    }
+    hr->in_flight = true;
+
+    pkv_request_params_t p = {.prompt = ids,
+                              .n_prompt = n_ids,
+                              .max_tokens = max_tokens,
+                              .temperature = r.temperature,
+                              .top_p = r.top_p,
+                              .seed = seed,
+                              .priority = r.priority,
+                              .salt = r.salt,
+                              .stop = r.stop,
+                              .n_stop = r.n_stop,
+                              .ignore_eos = r.ignore_eos};
+    uint64_t t_submit = pkv_now_ns();
+    pkv_request_t *req = NULL;
+    int rc = pkv_engine_submit(s->engine, &p, &req);
+    if (rc) {
+        if (rc == PKV_ERR_BUSY) {
+            count_rejection(s, PKV_REJ_QUEUE_FULL);
+            pkv_server_error_set(&err, 429, "rate_limit_error", "queue_full", NULL,
+                                 "the request queue is full; retry later");
+        } else if (rc == PKV_ERR_SHUTDOWN) {
+            count_rejection(s, PKV_REJ_SHUTTING_DOWN);
+            pkv_server_error_set(&err, 503, "service_unavailable", "shutting_down", NULL,
+                                 "the server is shutting down");
+        } else if (rc == PKV_ERR_NOFIT) {
+            count_rejection(s, PKV_REJ_KV_BUDGET);
+            pkv_server_gen_t g = {.status = rc};
+            gen_error(s, &g, n_ids, max_tokens, &err);
+        } else if (rc == PKV_ERR_INVALID) {
+            count_rejection(s, PKV_REJ_INVALID);
+            pkv_server_error_set(&err, 400, "invalid_request_error", "invalid_value", NULL,
+                                 "the engine refused the request's parameters");
+        } else {
+            pkv_server_error_set(&err, 500, "server_error", "internal_error", NULL,
+                                 "submitting the request failed: %s", pkv_status_str(rc));
+        }
+        ret = answer_error(s, c, hr, &err);
+        goto out_ids;
+    }
+
+    MHD_socket fd = conn_fd(c);
+    pkv_server_gen_t g;
+    pkv_server_gen_init(&g);
+    char rid[48];
+    snprintf(rid, sizeof(rid), "%s-%016llx", kind == PKV_SREQ_CHAT ? "chatcmpl" : "cmpl",
+             (unsigned long long)(id ^ ((uint64_t)s->created << 32)));
+    time_t created = time(NULL);
+    bool first_seen = false;
+
+    /* The first output (or the finish): admission errors still get a status. */
+    pkv_request_output_t o;
+    rc = wait_output(s, req, fd, &o);
+    if (rc) goto gone;
+    const char *text;
+    size_t len;
+
+    if (!r.stream) {
+        char *acc = NULL;
+        size_t acc_len = 0, acc_cap = 0;
+        for (;;) {
+            pkv_server_gen_feed(&g, &o, &text, &len);
+            note_first(s, t_submit, &first_seen, &o);
+            if (acc_len + len > acc_cap) {
+                size_t cap = PKV_MAX(acc_cap * 2, acc_len + len + 256);
+                char *nb = realloc(acc, cap);
+                if (!nb) {
+                    free(acc);
+                    pkv_request_release(req);
+                    ret = answer_errorf(s, c, hr, 500, "server_error", "out_of_memory",
+                                        "out of memory");
+                    goto out_ids;
+                }
+                acc = nb;
+                acc_cap = cap;
+            }
+            if (len) memcpy(acc + acc_len, text, len);
+            acc_len += len;
+            if (o.finished) break;
+            if ((rc = wait_output(s, req, fd, &o))) {
+                free(acc);
+                goto gone;
+            }
+        }
+        pkv_request_release(req);
+        note_end(s, t_submit);
+        const char *finish = pkv_server_gen_finish_reason(&g);
+        if (!finish) {
+            free(acc);
+            gen_error(s, &g, n_ids, max_tokens, &err);
+            ret = answer_error(s, c, hr, &err);
+            goto out_ids;
+        }
+        json_t *jt = sanitized_string(acc ? acc : "", acc_len);
+        free(acc);
+        if (!jt) {
+            ret = MHD_NO;
+            goto out_ids;
+        }
+        ret = answer_json(s, c, hr, 200,
+                          completion_doc(s, kind, rid, created, jt, finish, usage_doc(&g)));
+        goto out_ids;
+    }
+
+    /* Streaming: an admission failure before any output is still a plain error. */
+    if (o.finished && !o.n_tokens && o.finish != PKV_FINISH_STOP && o.finish != PKV_FINISH_LENGTH) {
+        pkv_server_gen_feed(&g, &o, &text, &len);
+        pkv_request_release(req);
+        gen_error(s, &g, n_ids, max_tokens, &err);
+        ret = answer_error(s, c, hr, &err);
+        goto out_ids;
+    }
+    stream_t *st = calloc(1, sizeof(*st));
+    if (!st) {
+        pkv_request_release(req);
+        ret = MHD_NO;
+        goto out_ids;
+    }
+    st->s = s;
+    st->req = req;
+    st->gen = g;
+    st->kind = kind;
+    st->include_usage = r.include_usage;
+    memcpy(st->id, rid, sizeof(st->id));
+    st->created = created;
+    st->fd = fd;
+    st->t_submit = t_submit;
+    st->first_seen = first_seen;
+    rc = PKV_OK;
+    if (kind == PKV_SREQ_CHAT)
+        rc = sse_event(
+            st, chunk_doc(st, json_pack("{s:s, s:s}", "role", "assistant", "content", ""), NULL));
+    if (!rc) rc = stream_take(st, &o);
+    struct MHD_Response *resp = rc ? NULL
+                                   : MHD_create_response_from_callback(
+                                         MHD_SIZE_UNKNOWN, SSE_BLOCK, stream_read, st, stream_free);
+    if (!resp) {
+        stream_free(st);
+        ret = MHD_NO;
+        goto out_ids;
+    }
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+    pthread_mutex_lock(&s->lock);
+    s->ctr.streams++;
+    pthread_mutex_unlock(&s->lock);
+    ret = queue(s, c, hr, 200, resp);
+    goto out_ids;
+
+gone:
+    /* The client went away (or the server is being destroyed): cancel at once. */
+    pkv_request_release(req);
+    ret = MHD_NO; /* MHD closes the connection */
+
+out_ids:
+    free(ids);
+out_req:
+    pkv_server_request_free(&r);
+    return ret;
+}
+
+/* ---- MHD callbacks --------------------------------------------------------------------- */
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,
+                                  const char *method, const char *version, const char *upload,
+                                  size_t *upload_size, void **con_cls)
+{
+    pkv_server_t *s = cls;
+    http_req_t *hr = *con_cls;
+    if (!hr) {
+        hr = calloc(1, sizeof(*hr));
+        if (!hr) return MHD_NO;
+        *con_cls = hr;
+        hr->route = PKV_ROUTE_OTHER;
+        const char *allow = NULL;
+        for (size_t i = 0; i < PKV_ARRAY_LEN(routes); i++)
+            if (!strcmp(url, routes[i].path)) hr->route = routes[i].route, allow = routes[i].allow;
+        if (!allow && !strncmp(url, "/v1/models/", 11) && url[11])
+            hr->route = PKV_ROUTE_MODEL, allow = "GET, HEAD";
+        if (!allow) {
+            char msg[160];
+            snprintf(msg, sizeof(msg), "no such endpoint: %.100s", url);
+            return answer_errorf(s, c, hr, 404, "not_found_error", "not_found", msg);
+        }
+        if (!method_allowed(allow, method)) {
+            pkv_server_error_t err;
+            pkv_server_error_set(&err, 405, "invalid_request_error", "method_not_allowed", NULL,
+                                 "method %.16s is not allowed on %s (allowed: %s)", method, url,
+                                 allow);
+            json_t *doc = error_doc(&err);
+            char *text = doc ? json_dumps(doc, JSON_COMPACT) : NULL;
+            json_decref(doc);
+            if (!text) return MHD_NO;
+            struct MHD_Response *r = text_response(text, strlen(text), "application/json");
+            if (r) MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, allow);
+            return queue(s, c, hr, 405, r);
+        }
+        const char *cl =
+            MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+        if (cl) {
+            char *end;
+            errno = 0;
+            unsigned long long n = strtoull(cl, &end, 10);
+            if (!errno && end != cl && n > s->max_body) {
+                if (hr->route <= PKV_ROUTE_CHAT) count_rejection(s, PKV_REJ_BODY_TOO_LARGE);
+                char msg[160];
+                snprintf(msg, sizeof(msg),
+                         "the request body (%llu bytes) is over the limit (%llu bytes)", n,
+                         (unsigned long long)s->max_body);
+                return answer_errorf(s, c, hr, 413, "invalid_request_error", "body_too_large", msg);
+            }
+        }
+        return MHD_YES;
+    }
+    if (hr->answered) {
+        *upload_size = 0; /* answered early: discard whatever body follows */
+        return MHD_YES;
+    }
+    if (*upload_size) {
+        size_t n = *upload_size;
+        *upload_size = 0;
+        if (hr->too_large || hr->len + n > s->max_body) {
+            hr->too_large = true;
+            return MHD_YES;
+        }
+        if (hr->len + n + 1 > hr->cap) {
+            size_t cap = PKV_MAX(hr->cap * 2, hr->len + n + 1);
+            if (cap > s->max_body + 1) cap = s->max_body + 1;
+            char *nb = realloc(hr->body, cap);
+            if (!nb) return MHD_NO;
+            hr->body = nb;
+            hr->cap = cap;
+        }
+        memcpy(hr->body + hr->len, upload, n);
+        hr->len += n;
+        return MHD_YES;
+    }
+    (void)version;
+    if (hr->too_large) {
+        if (hr->route <= PKV_ROUTE_CHAT) count_rejection(s, PKV_REJ_BODY_TOO_LARGE);
+        char msg[160];
+        snprintf(msg, sizeof(msg), "the request body is over the limit (%llu bytes)",
+                 (unsigned long long)s->max_body);
+        return answer_errorf(s, c, hr, 413, "invalid_request_error", "body_too_large", msg);
+    }
+    if (hr->route == PKV_ROUTE_COMPLETIONS || hr->route == PKV_ROUTE_CHAT)
+        return handle_generate(s, c, hr);
+    return handle_simple(s, c, hr, url);
+}
+
+static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
+                         enum MHD_RequestTerminationCode toe)
+{
+    pkv_server_t *s = cls;
+    http_req_t *hr = *con_cls;
+    (void)c;
+    if (!hr) return;
+    *con_cls = NULL;
+    if (hr->in_flight) {
+        if (toe != MHD_REQUEST_TERMINATED_COMPLETED_OK &&
+            toe != MHD_REQUEST_TERMINATED_DAEMON_SHUTDOWN) {
+            pthread_mutex_lock(&s->lock);
+            s->ctr.disconnects++;
+            pthread_mutex_unlock(&s->lock);
+        }
+        in_flight_done(s);
+    }
+    free(hr->body);
+    free(hr);
+}
+
+static void on_mhd_log(void *cls, const char *fmt, va_list ap)
+{
+    char line[512];
+    vsnprintf(line, sizeof(line), fmt, ap);
+    size_t n = strlen(line);
+    while (n && (line[n - 1] == '\n' || line[n - 1] == '\r')) line[--n] = 0;
+    PKV_LOGI("server", "libmicrohttpd: %s", line);
+}
+
+/* ---- lifecycle ----------------------------------------------------------------------- */
+
+static int build_stack(pkv_server_t *s, const pkv_server_config_t *cfg)
+{
+    pkv_model_runtime_t rt = {.threads = cfg->threads};
+    int rc;
+    const char *preset = cfg->preset ? cfg->preset : "tiny";
+    if (cfg->model_path || cfg->tokenizer_path) {
+        if (!cfg->model_path || !cfg->tokenizer_path) {
+            PKV_LOGE("server", "a llama2.c model needs both --model and --tokenizer");
+            return PKV_ERR_INVALID;
+        }
+        if ((rc = pkv_model_load_llama2c(cfg->model_path, &rt, &s->model))) return rc;
+        const pkv_model_config_t *mc = pkv_model_config(s->model);
+        if ((rc = pkv_tok_load_llama2c(cfg->tokenizer_path, (int32_t)mc->vocab_size, &s->tok)))
+            return rc;
+    } else {
+        pkv_model_config_t mc;
+        if (pkv_model_preset(preset, &mc)) {
+            PKV_LOGE("server", "unknown preset '%s'", preset);
+            return PKV_ERR_INVALID;
+        }
+        if ((rc = pkv_tok_create_builtin(&s->tok))) return rc;
+        mc.vocab_size = (uint32_t)pkv_tok_vocab_size(s->tok);
+        if (cfg->max_context) {
+            if (cfg->max_context > mc.max_seq_len) {
+                PKV_LOGE("server", "--max-context %u is above the preset's length (%u)",
+                         cfg->max_context, mc.max_seq_len);
+                return PKV_ERR_INVALID;
+            }
+            mc.max_seq_len = cfg->max_context;
+        }
+        if ((rc = pkv_model_create_builtin(&mc, cfg->weight_seed ? cfg->weight_seed : 1, &rt,
+                                           &s->model)))
+            return rc;
+    }
+    const pkv_model_config_t *mc = pkv_model_config(s->model);
+    s->max_context = cfg->max_context ? cfg->max_context : mc->max_seq_len;
+    if (s->max_context > mc->max_seq_len || s->max_context < 2) {
+        PKV_LOGE("server", "--max-context %u must be in [2, %u] (the model's length)",
+                 s->max_context, mc->max_seq_len);
+        return PKV_ERR_INVALID;
+    }
+    if (pkv_tok_vocab_size(s->tok) != (int32_t)mc->vocab_size) {
+        PKV_LOGE("server", "tokenizer vocabulary (%d) differs from the model's (%u)",
+                 pkv_tok_vocab_size(s->tok), mc->vocab_size);
+        return PKV_ERR_INVALID;
+    }
+    s->max_batch = cfg->max_batch_size ? cfg->max_batch_size : 8;
+    s->block_tokens = cfg->block_tokens ? cfg->block_tokens : 16;
+    pkv_kv_config_t kc = {.backend = cfg->backend, .no_prefix_cache = cfg->no_prefix_cache};
+    pkv_model_geometry(s->model, cfg->kv_dtype, s->block_tokens, &kc.geo);
+    s->token_bytes = pkv_geometry_token_bytes(&kc.geo);
+    switch (cfg->budget_mode) {
+    case PKV_SERVER_BUDGET_NONE:
+        kc.budget_bytes = 0;
+        break;
+    case PKV_SERVER_BUDGET_BYTES:
+        if (!cfg->budget_bytes) {
+            PKV_LOGE("server", "a KV budget of 0 bytes (use 'none' for no cap)");
+            return PKV_ERR_INVALID;
+        }
+        kc.budget_bytes = cfg->budget_bytes;
+        break;
+    default: {
+        uint64_t want = (uint64_t)s->max_batch * s->max_context * s->token_bytes;
+        long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+        uint64_t half = pages > 0 && psz > 0 ? (uint64_t)pages * (uint64_t)psz / 2 : want;
+        kc.budget_bytes = PKV_MAX(PKV_MIN(want, half), 4ull << 20);
+    }
+    }
+    s->backend = cfg->backend;
+    if ((rc = pkv_kv_create(&kc, &s->kv))) {
+        PKV_LOGE("server", "creating the KV cache failed: %s", pkv_status_str(rc));
+        return rc;
+    }
+    pkv_kv_stats_t ks;
+    pkv_kv_stats(s->kv, &ks);
+    s->budget_bytes = ks.budget_bytes;
+    /* Every id that ends a turn ends a generation: EOS, and the builtin's <|end|>. */
+    int32_t eos[PKV_ENGINE_MAX_EOS];
+    uint32_t n_eos = 0;
+    for (int32_t id = 0; id < pkv_tok_vocab_size(s->tok) && n_eos < PKV_ENGINE_MAX_EOS; id++)
+        if (pkv_tok_is_stop(s->tok, id)) eos[n_eos++] = id;
+    pkv_engine_config_t ec = {.model = s->model,
+                              .kv = s->kv,
+                              .max_batch_size = s->max_batch,
+                              .max_queue = cfg->max_queue,
+                              .prefill_chunk = cfg->prefill_chunk,
+                              .eos_ids = eos,
+                              .n_eos_ids = n_eos,
+                              .detok = detok,
+                              .detok_arg = s->tok};
+    if ((rc = pkv_engine_create(&ec, &s->engine))) {
+        PKV_LOGE("server", "creating the engine failed: %s", pkv_status_str(rc));
+        return rc;
+    }
+    return PKV_OK;
+}
+
+static int start_http(pkv_server_t *s, const pkv_server_config_t *cfg)
+{
+    struct addrinfo hints = {
+        .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
+    struct addrinfo *ai = NULL;
+    char port[8];
+    snprintf(port, sizeof(port), "%u", cfg->port);
+    int gai = getaddrinfo(s->host, port, &hints, &ai);
+    if (gai) {
+        PKV_LOGE("server", "cannot resolve --host '%s': %s", s->host, gai_strerror(gai));
+        return PKV_ERR_INVALID;
+    }
+    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION |
+                     MHD_USE_POLL | MHD_USE_ITC | MHD_USE_ERROR_LOG;
+    if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
+    s->mhd = MHD_start_daemon(
+        flags, cfg->port, NULL, NULL, on_request, s, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
+        MHD_OPTION_CONNECTION_LIMIT, (unsigned)(cfg->max_connections ? cfg->max_connections : 256),
+        MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)120, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
+        MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, s, MHD_OPTION_END);
+    freeaddrinfo(ai);
+    if (!s->mhd) {
+        PKV_LOGE("server", "cannot listen on %s:%u (address in use or not local?)", s->host,
+                 cfg->port);
+        return PKV_ERR_IO;
+    }
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->mhd, MHD_DAEMON_INFO_BIND_PORT);
+    s->port = di ? di->port : cfg->port;
+    return PKV_OK;
+}
+
+static void free_stack(pkv_server_t *s)
+{
+    pkv_engine_destroy(s->engine);
+    pkv_kv_destroy(s->kv);
+    pkv_model_destroy(s->model);
+    pkv_tok_destroy(s->tok);
+}
+
+int pkv_server_create(const pkv_server_config_t *cfg, pkv_server_t **out)
+{
+    if (!cfg || !out) return PKV_ERR_INVALID;
+    pkv_server_t *s = calloc(1, sizeof(*s));
+    if (!s) return PKV_ERR_NOMEM;
+    int rc = PKV_ERR_NOMEM;
+    s->quiesced_fd = MHD_INVALID_SOCKET;
+    s->max_body = cfg->max_body_bytes ? cfg->max_body_bytes : 4ull << 20;
+    s->retry_after_s = cfg->retry_after_s ? cfg->retry_after_s : 1;
+    s->default_max_tokens = cfg->default_max_tokens ? cfg->default_max_tokens : 16;
+    s->created = time(NULL);
+    s->rng = (uint64_t)pkv_now_ns() ^ ((uint64_t)getpid() << 32);
+    atomic_init(&s->stopping, false);
+    if (pthread_mutex_init(&s->lock, NULL)) goto fail_lock;
+    if (pkv__cond_init_monotonic(&s->idle_cv)) goto fail_cv;
+    if (!(s->host = strdup(cfg->host ? cfg->host : "127.0.0.1"))) goto fail_host;
+    if ((rc = build_stack(s, cfg))) goto fail_stack;
+    const char *name = cfg->served_name;
+    if (!name && cfg->model_path) {
+        name = strrchr(cfg->model_path, '/');
+        name = name ? name + 1 : cfg->model_path;
+    }
+    if (!name) name = cfg->preset ? cfg->preset : "tiny";
+    if (!*name || strlen(name) > 200) {
+        PKV_LOGE("server", "the served model name must be 1..200 bytes");
+        rc = PKV_ERR_INVALID;
+        goto fail_stack;
+    }
+    rc = PKV_ERR_NOMEM;
+    if (!(s->served_name = strdup(name))) goto fail_stack;
+    if ((rc = start_http(s, cfg))) goto fail_http;
+    *out = s;
+    return PKV_OK;
+
+fail_http:
+    free(s->served_name);
+fail_stack:
+    free_stack(s);
+    free(s->host);
+fail_host:
+    pthread_cond_destroy(&s->idle_cv);
+fail_cv:
+    pthread_mutex_destroy(&s->lock);
+fail_lock:
+    free(s);
+    return rc;
+}
+
+void pkv_server_quiesce(pkv_server_t *s)
+{
+    pthread_mutex_lock(&s->lock);
+    bool first = !s->draining;
+    s->draining = true;
+    pthread_mutex_unlock(&s->lock);
+    if (!first) return;
+    s->quiesced_fd = MHD_quiesce_daemon(s->mhd);
+    /* MHD stops polling the socket but it stays open until after MHD_stop_daemon, and the
+     * kernel would keep completing handshakes into its backlog: connections that then
+     * hang. shutdown() stops the listening (new connections are refused) while the
+     * descriptor stays valid for any MHD thread still holding it. */
+    if (s->quiesced_fd != MHD_INVALID_SOCKET) shutdown(s->quiesced_fd, SHUT_RDWR);
+}
+
+int pkv_server_wait_idle(pkv_server_t *s, uint64_t deadline_ns)
+{
+    int rc = PKV_OK;
+    pthread_mutex_lock(&s->lock);
+    while (s->ctr.in_flight) {
+        if (pkv_now_ns() >= deadline_ns) {
+            rc = PKV_ERR_TIMEOUT;
+            break;
+        }
+        struct timespec ts = pkv__deadline_to_monotonic(deadline_ns);
+        pthread_cond_timedwait(&s->idle_cv, &s->lock, &ts);
+    }
+    pthread_mutex_unlock(&s->lock);
+    return rc;
+}
+
+void pkv_server_destroy(pkv_server_t *s)
+{
+    if (!s) return;
+    atomic_store(&s->stopping, true); /* waiting handlers give up within one slice */
+    MHD_stop_daemon(s->mhd);          /* joins every connection thread */
+    if (s->quiesced_fd != MHD_INVALID_SOCKET) close(s->quiesced_fd);
+    free_stack(s);
+    free(s->served_name);
+    free(s->host);
+    pthread_cond_destroy(&s->idle_cv);
+    pthread_mutex_destroy(&s->lock);
+    free(s);
+}
+
+uint16_t pkv_server_port(const pkv_server_t *s)
+{
+    return s->port;
+}
+
+void pkv_server_info(const pkv_server_t *s, pkv_server_info_t *out)
+{
+    out->model_name = s->served_name;
+    out->kernels = pkv_model_kernels(s->model);
+    out->backend = s->backend;
+    out->max_context = s->max_context;
+    out->max_batch_size = s->max_batch;
+    out->budget_bytes = s->budget_bytes;
+    out->token_bytes = s->token_bytes;
+    out->block_tokens = s->block_tokens;
+}

@@ -1,0 +1,1623 @@
+/*
+ * server: a real HTTP client (libcurl) against servers the tests start on ephemeral
+ * ports, in-process through include/pagekv/server.h, and as a child `pagekv serve`
+ * process for the CLI and SIGTERM. Completions, chat, streaming (the same text streamed
+ * and not at temperature 0, paged and dense alike), 8 concurrent requests, prefix hits
+ * in cached_tokens, every error class (and that nothing changed), queue full (429 with
+ * Retry-After), a prompt that can never fit the KV budget, a client disconnecting
+ * mid-stream, /metrics through a strict Prometheus parser, SIGTERM drain; plus the
+ * output assembler (finish reasons, UTF-8) and the fuzz corpus replay.
+ */
+#include "support/testutil.h"
+
+#include "pagekv/server.h"
+#include "server/gen.h"
+#include "server/request.h"
+
+#include <curl/curl.h>
+#include <jansson.h>
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/select.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+/* The fuzz target itself: its property checks abort on a violation. */
+#include "fuzz/fuzz_request.c"
+
+/* ---- HTTP client ------------------------------------------------------------------------ */
+
+typedef struct {
+    long status;
+    char *body;
+    size_t len;
+    char headers[8192];
+    size_t hlen;
+    CURLcode cc;
+} resp_t;
+
+static size_t on_body(char *p, size_t sz, size_t n, void *arg)
+{
+    resp_t *r = arg;
+    size_t k = sz * n;
+    char *nb = realloc(r->body, r->len + k + 1);
+    if (!nb) return 0;
+    r->body = nb;
+    memcpy(r->body + r->len, p, k);
+    r->len += k;
+    r->body[r->len] = 0;
+    return k;
+}
+
+static size_t on_header(char *p, size_t sz, size_t n, void *arg)
+{
+    resp_t *r = arg;
+    size_t k = sz * n;
+    if (r->hlen + k < sizeof(r->headers)) {
+        memcpy(r->headers + r->hlen, p, k);
+        r->hlen += k;
+        r->headers[r->hlen] = 0;
+    }
+    return k;
+}
+
+static void resp_free(resp_t *r)
+{
+    free(r->body);
+    memset(r, 0, sizeof(*r));
+}
+
+/* One request; body NULL for none. Returns the curl code (the status is in r). */
+static CURLcode http(uint16_t port, const char *method, const char *path, const char *body,
+                     size_t body_len, resp_t *r)
+{
+    memset(r, 0, sizeof(*r));
+    CURL *c = curl_easy_init();
+    PKV_CHECK(c != NULL);
+    char url[256];
+    snprintf(url, sizeof(url), "http://127.0.0.1:%u%s", port, path);
+    curl_easy_setopt(c, CURLOPT_URL, url);
+    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(c, CURLOPT_TIMEOUT, 60L);
+    curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT, 10L);
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_body);
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, r);
+    curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, on_header);
+    curl_easy_setopt(c, CURLOPT_HEADERDATA, r);
+    struct curl_slist *h = curl_slist_append(NULL, "Content-Type: application/json");
+    h = curl_slist_append(h, "Expect:");
+    curl_easy_setopt(c, CURLOPT_HTTPHEADER, h);
+    if (!strcmp(method, "HEAD"))
+        curl_easy_setopt(c, CURLOPT_NOBODY, 1L);
+    else
+        curl_easy_setopt(c, CURLOPT_CUSTOMREQUEST, method);
+    if (body) {
+        curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
+        curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)body_len);
+    }
+    r->cc = curl_easy_perform(c);
+    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &r->status);
+    curl_slist_free_all(h);
+    curl_easy_cleanup(c);
+    return r->cc;
+}
+
+static json_t *post_json(uint16_t port, const char *path, const char *body, long *status)
+{
+    resp_t r;
+    ck_assert_int_eq(http(port, "POST", path, body, strlen(body), &r), CURLE_OK);
+    *status = r.status;
+    json_error_t je;
+    json_t *doc = json_loadb(r.body ? r.body : "", r.len, JSON_ALLOW_NUL, &je);
+    ck_assert_msg(doc != NULL, "response is not JSON (%s): %.300s", je.text, r.body ? r.body : "");
+    resp_free(&r);
+    return doc;
+}
+
+static json_t *get_json(uint16_t port, const char *path)
+{
+    resp_t r;
+    ck_assert_int_eq(http(port, "GET", path, NULL, 0, &r), CURLE_OK);
+    ck_assert_int_eq(r.status, 200);
+    json_t *doc = json_loadb(r.body, r.len, JSON_ALLOW_NUL, NULL);
+    ck_assert_ptr_nonnull(doc);
+    resp_free(&r);
+    return doc;
+}
+
+/* A member by path: "a.b.0.c" (numbers index arrays). NULL when absent. */
+static json_t *jp(json_t *doc, const char *path)
+{
+    char buf[256];
+    snprintf(buf, sizeof(buf), "%s", path);
+    json_t *v = doc;
+    for (char *save = NULL, *t = strtok_r(buf, ".", &save); t && v;
+         t = strtok_r(NULL, ".", &save)) {
+        if (json_is_array(v))
+            v = json_array_get(v, strtoul(t, NULL, 10));
+        else
+            v = json_object_get(v, t);
+    }
+    return v;
+}
+
+static long long ji(json_t *doc, const char *path)
+{
+    json_t *v = jp(doc, path);
+    ck_assert_msg(json_is_integer(v), "%s is not an integer", path);
+    return json_integer_value(v);
+}
+
+static const char *js(json_t *doc, const char *path)
+{
+    json_t *v = jp(doc, path);
+    ck_assert_msg(json_is_string(v), "%s is not a string", path);
+    return json_string_value(v);
+}
+
+/* ---- servers ------------------------------------------------------------------------------ */
+
+static pkv_server_config_t base_config(void)
+{
+    pkv_server_config_t c = {.threads = 1, .kv_dtype = PKV_DTYPE_F16};
+    return c;
+}
+
+static pkv_server_t *start(pkv_server_config_t cfg)
+{
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    pkv_server_t *s = NULL;
+    ck_assert_int_eq(pkv_server_create(&cfg, &s), PKV_OK);
+    ck_assert_uint_gt(pkv_server_port(s), 0);
+    return s;
+}
+
+/* ---- SSE ---------------------------------------------------------------------------------- */
+
+typedef struct {
+    json_t *events[4096];
+    int n;
+    bool done;        /* data: [DONE] came last */
+    char text[65536]; /* concatenated text / delta.content */
+    size_t text_len;
+    const char *finish;
+    json_t *usage;
+} sse_t;
+
+static void sse_parse(const char *body, size_t len, bool chat, sse_t *out)
+{
+    memset(out, 0, sizeof(*out));
+    size_t i = 0;
+    while (i < len) {
+        const char *end = strstr(body + i, "\n\n");
+        ck_assert_msg(end != NULL, "unterminated SSE event at %zu", i);
+        size_t elen = (size_t)(end - (body + i));
+        ck_assert_msg(elen > 6 && !strncmp(body + i, "data: ", 6), "bad SSE line: %.60s", body + i);
+        ck_assert_msg(!out->done, "event after [DONE]");
+        if (elen == 12 && !strncmp(body + i + 6, "[DONE]", 6)) {
+            out->done = true;
+        } else {
+            json_t *ev = json_loadb(body + i + 6, elen - 6, JSON_ALLOW_NUL, NULL);
+            ck_assert_msg(ev != NULL, "event is not JSON: %.*s", (int)elen, body + i);
+            ck_assert_int_lt(out->n, 4096);
+            out->events[out->n++] = ev;
+            ck_assert_msg(!json_object_get(ev, "error"), "error event: %.*s", (int)elen, body + i);
+            json_t *ch = jp(ev, "choices.0");
+            if (ch) {
+                json_t *t = chat ? jp(ch, "delta.content") : json_object_get(ch, "text");
+                if (json_is_string(t)) {
+                    size_t tl = json_string_length(t);
+                    ck_assert_uint_lt(out->text_len + tl, sizeof(out->text));
+                    memcpy(out->text + out->text_len, json_string_value(t), tl);
+                    out->text_len += tl;
+                }
+                json_t *f = json_object_get(ch, "finish_reason");
+                if (json_is_string(f)) {
+                    ck_assert_msg(!out->finish, "two finish reasons");
+                    out->finish = json_string_value(f);
+                }
+            }
+            if (json_object_get(ev, "usage")) out->usage = json_object_get(ev, "usage");
+        }
+        i += elen + 2;
+    }
+}
+
+static void sse_free(sse_t *s)
+{
+    for (int i = 0; i < s->n; i++) json_decref(s->events[i]);
+}
+
+/* ---- checks shared by tests ----------------------------------------------------------------- */
+
+static void check_usage(json_t *usage, long long completion)
+{
+    ck_assert_ptr_nonnull(usage);
+    long long p = ji(usage, "prompt_tokens"), c = ji(usage, "completion_tokens");
+    ck_assert_int_gt(p, 0);
+    if (completion >= 0) ck_assert_int_eq(c, completion);
+    ck_assert_int_eq(ji(usage, "total_tokens"), p + c);
+    ck_assert_int_ge(ji(usage, "prompt_tokens_details.cached_tokens"), 0);
+    ck_assert_int_le(ji(usage, "prompt_tokens_details.cached_tokens"), p);
+}
+
+/* A completion's text (malloc'd) at temperature 0. */
+static char *complete(uint16_t port, const char *prompt, int max_tokens, json_t **doc_out)
+{
+    char body[8192];
+    json_t *req = json_pack("{s:s, s:s, s:i, s:i}", "model", "tiny", "prompt", prompt, "max_tokens",
+                            max_tokens, "temperature", 0);
+    char *b = json_dumps(req, 0);
+    snprintf(body, sizeof(body), "%s", b);
+    free(b);
+    json_decref(req);
+    long st;
+    json_t *doc = post_json(port, "/v1/completions", body, &st);
+    ck_assert_msg(st == 200, "status %ld", st);
+    char *text = strdup(js(doc, "choices.0.text"));
+    if (doc_out)
+        *doc_out = doc;
+    else
+        json_decref(doc);
+    return text;
+}
+
+static void wait_quiet(uint16_t port);
+
+/* ---- tests ----------------------------------------------------------------------------------- */
+
+START_TEST(completions_and_chat)
+{
+    pkv_server_t *s = start(base_config());
+    uint16_t port = pkv_server_port(s);
+    long st;
+    json_t *d =
+        post_json(port, "/v1/completions",
+                  "{\"model\":\"tiny\",\"prompt\":\"The quick brown fox\",\"max_tokens\":12,"
+                  "\"temperature\":0,\"ignore_eos\":true}",
+                  &st);
+    ck_assert_int_eq(st, 200);
+    ck_assert_str_eq(js(d, "object"), "text_completion");
+    ck_assert_str_eq(js(d, "model"), "tiny");
+    ck_assert(!strncmp(js(d, "id"), "cmpl-", 5));
+    ck_assert_str_eq(js(d, "choices.0.finish_reason"), "length");
+    ck_assert_int_eq(ji(d, "choices.0.index"), 0);
+    check_usage(jp(d, "usage"), 12);
+    char *first = strdup(js(d, "choices.0.text"));
+    ck_assert_uint_gt(strlen(first), 0);
+    json_decref(d);
+    /* Deterministic at temperature 0. */
+    char *again = complete(port, "The quick brown fox", 12, NULL);
+    ck_assert_str_eq(again, first);
+    free(again);
+    free(first);
+
+    d = post_json(
+        port, "/v1/chat/completions",
+        "{\"model\":\"tiny\",\"messages\":[{\"role\":\"system\",\"content\":\"Be brief.\"},"
+        "{\"role\":\"user\",\"content\":\"Hello there\"}],\"max_tokens\":9,\"temperature\":0}",
+        &st);
+    ck_assert_int_eq(st, 200);
+    ck_assert_str_eq(js(d, "object"), "chat.completion");
+    ck_assert(!strncmp(js(d, "id"), "chatcmpl-", 9));
+    ck_assert_str_eq(js(d, "choices.0.message.role"), "assistant");
+    const char *fr = js(d, "choices.0.finish_reason");
+    ck_assert(!strcmp(fr, "length") || !strcmp(fr, "stop"));
+    check_usage(jp(d, "usage"), -1);
+    ck_assert_int_le(ji(d, "usage.completion_tokens"), 9);
+    char *chat_text = strdup(js(d, "choices.0.message.content"));
+    long long chat_prompt = ji(d, "usage.prompt_tokens");
+    json_decref(d);
+    /* Content as text parts renders the same prompt and text. */
+    d = post_json(
+        port, "/v1/chat/completions",
+        "{\"model\":\"tiny\",\"messages\":[{\"role\":\"system\",\"content\":\"Be brief.\"},"
+        "{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"Hello \"},"
+        "{\"type\":\"text\",\"text\":\"there\"}]}],\"max_tokens\":9,\"temperature\":0}",
+        &st);
+    ck_assert_int_eq(st, 200);
+    ck_assert_int_eq(ji(d, "usage.prompt_tokens"), chat_prompt);
+    ck_assert_str_eq(js(d, "choices.0.message.content"), chat_text);
+    json_decref(d);
+    free(chat_text);
+
+    /* Token-id prompts: the ids of the text prompt give the same completion. */
+    pkv_tok_t *tok;
+    ck_assert_int_eq(pkv_tok_create_builtin(&tok), PKV_OK);
+    int32_t *ids;
+    size_t n;
+    ck_assert_int_eq(pkv_tok_encode_alloc(tok, "The quick brown fox", 19, true, &ids, &n), PKV_OK);
+    json_t *arr = json_array();
+    for (size_t i = 0; i < n; i++) json_array_append_new(arr, json_integer(ids[i]));
+    json_t *req = json_pack("{s:s, s:o, s:i, s:i, s:b}", "model", "tiny", "prompt", arr,
+                            "max_tokens", 12, "temperature", 0, "ignore_eos", 1);
+    char *body = json_dumps(req, 0);
+    d = post_json(port, "/v1/completions", body, &st);
+    ck_assert_int_eq(st, 200);
+    char *by_text = complete(port, "The quick brown fox", 12, NULL);
+    ck_assert_str_eq(js(d, "choices.0.text"), by_text);
+    free(by_text);
+    json_decref(d);
+    free(body);
+    json_decref(req);
+    free(ids);
+    pkv_tok_destroy(tok);
+
+    /* models, health */
+    d = get_json(port, "/v1/models");
+    ck_assert_str_eq(js(d, "object"), "list");
+    ck_assert_str_eq(js(d, "data.0.id"), "tiny");
+    ck_assert_int_eq(ji(d, "data.0.max_model_len"), 4096);
+    json_decref(d);
+    d = get_json(port, "/v1/models/tiny");
+    ck_assert_str_eq(js(d, "id"), "tiny");
+    json_decref(d);
+    d = get_json(port, "/health");
+    ck_assert_str_eq(js(d, "status"), "ok");
+    json_decref(d);
+    resp_t r;
+    ck_assert_int_eq(http(port, "HEAD", "/health", NULL, 0, &r), CURLE_OK);
+    ck_assert_int_eq(r.status, 200);
+    resp_free(&r);
+    pkv_server_destroy(s);
+}
+END_TEST
+
+static void stream_vs_plain(pkv_server_t *s, bool chat, const char *what)
+{
+    uint16_t port = pkv_server_port(s);
+    json_t *req = chat ? json_pack("{s:s, s:[{s:s, s:s}], s:i, s:i, s:b}", "model", "tiny",
+                                   "messages", "role", "user", "content", what, "max_tokens", 40,
+                                   "temperature", 0, "ignore_eos", 1)
+                       : json_pack("{s:s, s:s, s:i, s:i, s:b}", "model", "tiny", "prompt", what,
+                                   "max_tokens", 40, "temperature", 0, "ignore_eos", 1);
+    const char *path = chat ? "/v1/chat/completions" : "/v1/completions";
+    char *plain = json_dumps(req, 0);
+    json_object_set_new(req, "stream", json_true());
+    json_object_set_new(req, "stream_options", json_pack("{s:b}", "include_usage", 1));
+    char *streamed = json_dumps(req, 0);
+    json_decref(req);
+    long st;
+    json_t *d = post_json(port, path, plain, &st);
+    ck_assert_int_eq(st, 200);
+    const char *text = js(d, chat ? "choices.0.message.content" : "choices.0.text");
+    size_t text_len =
+        json_string_length(jp(d, chat ? "choices.0.message.content" : "choices.0.text"));
+
+    resp_t r;
+    ck_assert_int_eq(http(port, "POST", path, streamed, strlen(streamed), &r), CURLE_OK);
+    ck_assert_int_eq(r.status, 200);
+    ck_assert_ptr_nonnull(strcasestr(r.headers, "content-type: text/event-stream"));
+    sse_t sse;
+    sse_parse(r.body, r.len, chat, &sse);
+    ck_assert(sse.done);
+    ck_assert_int_ge(sse.n, 3);
+    ck_assert_str_eq(sse.finish, "length");
+    ck_assert_uint_eq(sse.text_len, text_len);
+    ck_assert_msg(!memcmp(sse.text, text, sse.text_len), "streamed text differs:\n%s\n%.*s", text,
+                  (int)sse.text_len, sse.text);
+    check_usage(sse.usage, 40);
+    ck_assert_int_eq(ji(sse.usage, "prompt_tokens"), ji(d, "usage.prompt_tokens"));
+    for (int i = 0; i < sse.n; i++) {
+        ck_assert_str_eq(js(sse.events[i], "object"),
+                         chat ? "chat.completion.chunk" : "text_completion");
+        ck_assert_str_eq(js(sse.events[i], "id"), js(sse.events[0], "id"));
+    }
+    if (chat) ck_assert_str_eq(js(sse.events[0], "choices.0.delta.role"), "assistant");
+    sse_free(&sse);
+    resp_free(&r);
+    json_decref(d);
+    free(plain);
+    free(streamed);
+}
+
+START_TEST(streaming_matches_non_streaming)
+{
+    pkv_server_t *s = start(base_config());
+    stream_vs_plain(s, false, "Streaming and plain responses carry the same text");
+    stream_vs_plain(s, true, "Tell me about KV caches");
+    pkv_server_destroy(s);
+}
+END_TEST
+
+START_TEST(dense_backend_same_text)
+{
+    pkv_server_config_t cfg = base_config();
+    pkv_server_t *paged = start(cfg);
+    char *a = complete(pkv_server_port(paged), "Paged and dense give the same tokens", 30, NULL);
+    pkv_server_destroy(paged);
+    cfg.backend = PKV_BACKEND_DENSE;
+    pkv_server_t *dense = start(cfg);
+    char *b = complete(pkv_server_port(dense), "Paged and dense give the same tokens", 30, NULL);
+    ck_assert_str_eq(a, b);
+    stream_vs_plain(dense, false, "Dense streaming");
+    json_t *st = get_json(pkv_server_port(dense), "/v1/cache/stats");
+    ck_assert_str_eq(js(st, "backend"), "dense");
+    json_decref(st);
+    pkv_server_destroy(dense);
+    free(a);
+    free(b);
+}
+END_TEST
+
+typedef struct {
+    uint16_t port;
+    int i;
+    char *text;
+    long status;
+} conc_t;
+
+static void *conc_main(void *arg)
+{
+    conc_t *c = arg;
+    char body[512];
+    snprintf(body, sizeof(body),
+             "{\"model\":\"tiny\",\"prompt\":\"Concurrent request number %d asks for text\","
+             "\"max_tokens\":%d,\"temperature\":0,\"ignore_eos\":true}",
+             c->i, 20 + c->i);
+    resp_t r;
+    if (http(c->port, "POST", "/v1/completions", body, strlen(body), &r) == CURLE_OK) {
+        c->status = r.status;
+        json_t *d = json_loadb(r.body, r.len, JSON_ALLOW_NUL, NULL);
+        json_t *t = jp(d, "choices.0.text");
+        long long ct = json_integer_value(jp(d, "usage.completion_tokens"));
+        if (json_is_string(t) && ct == 20 + c->i) c->text = strdup(json_string_value(t));
+        json_decref(d);
+    }
+    resp_free(&r);
+    return NULL;
+}
+
+START_TEST(eight_concurrent_requests)
+{
+    pkv_server_t *s = start(base_config());
+    uint16_t port = pkv_server_port(s);
+    conc_t c[8];
+    pthread_t th[8];
+    for (int i = 0; i < 8; i++) {
+        c[i] = (conc_t){.port = port, .i = i};
+        ck_assert_int_eq(pthread_create(&th[i], NULL, conc_main, &c[i]), 0);
+    }
+    for (int i = 0; i < 8; i++) pthread_join(th[i], NULL);
+    for (int i = 0; i < 8; i++) {
+        ck_assert_int_eq(c[i].status, 200);
+        ck_assert_ptr_nonnull(c[i].text);
+    }
+    /* Batching does not change results: each prompt alone gives the same text. */
+    for (int i = 0; i < 8; i += 3) {
+        conc_t one = {.port = port, .i = i};
+        conc_main(&one);
+        ck_assert_str_eq(one.text, c[i].text);
+        free(one.text);
+    }
+    wait_quiet(port);
+    json_t *st = get_json(port, "/v1/cache/stats");
+    ck_assert_int_eq(ji(st, "requests.submitted"), 11);
+    ck_assert_int_eq(ji(st, "sequences"), 0);
+    ck_assert_int_eq(ji(st, "requests.in_flight"), 0);
+    json_decref(st);
+    for (int i = 0; i < 8; i++) free(c[i].text);
+    pkv_server_destroy(s);
+}
+END_TEST
+
+START_TEST(prefix_hit_reported)
+{
+    pkv_server_t *s = start(base_config());
+    uint16_t port = pkv_server_port(s);
+    char prompt[4096] = "";
+    for (int i = 0; i < 40; i++)
+        strcat(prompt, "The shared system prompt repeats itself for a while. ");
+    json_t *d1, *d2, *d3;
+    char *t1 = complete(port, prompt, 8, &d1);
+    char *t2 = complete(port, prompt, 8, &d2);
+    long long n = ji(d1, "usage.prompt_tokens");
+    ck_assert_int_gt(n, 200);
+    ck_assert_int_eq(ji(d1, "usage.prompt_tokens_details.cached_tokens"), 0);
+    /* Every whole block but the one holding the last prompt token is adopted. */
+    ck_assert_int_eq(ji(d2, "usage.prompt_tokens_details.cached_tokens"), (n - 1) / 16 * 16);
+    ck_assert_str_eq(t1, t2); /* same tokens with or without the cache */
+    json_t *st = get_json(port, "/v1/cache/stats");
+    ck_assert_int_eq(ji(st, "prefix_cache.hit_tokens"), (n - 1) / 16 * 16);
+    ck_assert_int_gt(ji(st, "blocks.cached"), 0);
+    json_decref(st);
+    /* After a reset the prefix is gone. */
+    long code;
+    json_t *rd = post_json(port, "/v1/cache/reset", "", &code);
+    ck_assert_int_eq(code, 200);
+    ck_assert_int_gt(ji(rd, "dropped_blocks"), 0);
+    json_decref(rd);
+    st = get_json(port, "/v1/cache/stats");
+    ck_assert_int_eq(ji(st, "blocks.cached"), 0);
+    ck_assert_int_eq(ji(st, "cache_resets"), 1);
+    json_decref(st);
+    char *t3 = complete(port, prompt, 8, &d3);
+    ck_assert_int_eq(ji(d3, "usage.prompt_tokens_details.cached_tokens"), 0);
+    ck_assert_str_eq(t3, t1);
+    /* A different cache_salt does not share the prefix. */
+    json_t *req = json_pack("{s:s, s:s, s:i, s:i, s:s}", "model", "tiny", "prompt", prompt,
+                            "max_tokens", 4, "temperature", 0, "cache_salt", "tenant-b");
+    char *body = json_dumps(req, 0);
+    json_t *d4 = post_json(port, "/v1/completions", body, &code);
+    ck_assert_int_eq(code, 200);
+    ck_assert_int_eq(ji(d4, "usage.prompt_tokens_details.cached_tokens"), 0);
+    json_decref(d4);
+    free(body);
+    json_decref(req);
+    free(t1);
+    free(t2);
+    free(t3);
+    json_decref(d1);
+    json_decref(d2);
+    json_decref(d3);
+    pkv_server_destroy(s);
+}
+END_TEST
+
+/* Wait until the HTTP layer has finished with every request: the completion of a
+ * response is reported to the server after its last byte went out, so a client can
+ * see the response a moment before in_flight drops. */
+static void wait_quiet(uint16_t port)
+{
+    uint64_t deadline = pkv_deadline_after_ns(10ull * 1000000000);
+    for (;;) {
+        json_t *st = get_json(port, "/v1/cache/stats");
+        bool quiet = ji(st, "requests.in_flight") == 0 && ji(st, "requests.running") == 0 &&
+                     ji(st, "sequences") == 0;
+        json_decref(st);
+        if (quiet) return;
+        ck_assert_msg(pkv_now_ns() < deadline, "requests still in flight after 10 s");
+        usleep(2000);
+    }
+}
+
+/* The parts of /v1/cache/stats a refused request must not change. */
+static void state_of(uint16_t port, long long out[12])
+{
+    wait_quiet(port);
+    json_t *st = get_json(port, "/v1/cache/stats");
+    static const char *keys[] = {"committed_bytes",
+                                 "blocks.live",
+                                 "blocks.cached",
+                                 "blocks.free",
+                                 "sequences",
+                                 "live_tokens",
+                                 "prefix_cache.queries",
+                                 "prefix_cache.query_tokens",
+                                 "evictions",
+                                 "requests.submitted",
+                                 "requests.running",
+                                 "requests.in_flight"};
+    for (int i = 0; i < 12; i++) out[i] = ji(st, keys[i]);
+    json_decref(st);
+}
+
+typedef struct {
+    const char *method, *path, *body;
+    long status;
+    const char *code; /* error.code, or NULL for a non-JSON check */
+    const char *rejection;
+} bad_case_t;
+
+START_TEST(errors_change_nothing)
+{
+    pkv_server_config_t cfg = base_config();
+    cfg.max_context = 256;
+    cfg.max_body_bytes = 64 * 1024;
+    pkv_server_t *s = start(cfg);
+    uint16_t port = pkv_server_port(s);
+    /* Some state first, so that "unchanged" means something. */
+    free(complete(port, "Warm up the cache with a prompt that fills a block or two of KV.", 4,
+                  NULL));
+
+    static char long_prompt[2048], huge[100 * 1024];
+    char *lp = long_prompt;
+    lp += sprintf(lp, "{\"model\":\"tiny\",\"prompt\":\"");
+    for (int i = 0; i < 200; i++) lp += sprintf(lp, "word%d ", i);
+    sprintf(lp, "\",\"max_tokens\":4}");
+    memset(huge, 'a', sizeof(huge) - 1);
+    memcpy(huge, "{\"model\":\"tiny\",\"prompt\":\"", 26);
+    memcpy(huge + sizeof(huge) - 3, "\"}", 3);
+
+    const bad_case_t cases[] = {
+        {"POST", "/v1/completions", "{", 400, "invalid_json", "invalid_request"},
+        {"POST", "/v1/completions", "", 400, "invalid_json", "invalid_request"},
+        {"POST", "/v1/completions", "[1,2]", 400, "invalid_json", "invalid_request"},
+        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":\"a\",\"prompt\":\"b\"}", 400,
+         "invalid_json", "invalid_request"},
+        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":\"\xff\"}", 400, "invalid_json",
+         "invalid_request"},
+        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":\"x\",\"max_tokens\":\"5\"}",
+         400, "invalid_type", "invalid_request"},
+        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":\"x\",\"temperature\":\"hot\"}",
+         400, "invalid_type", "invalid_request"},
+        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":\"x\",\"stream\":1}", 400,
+         "invalid_type", "invalid_request"},
+        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":7}", 400, "invalid_type",
+         "invalid_request"},
+        {"POST", "/v1/chat/completions", "{\"model\":\"tiny\",\"messages\":\"hi\"}", 400,
+         "invalid_type", "invalid_request"},
+        {"POST", "/v1/completions", "{\"prompt\":\"x\"}", 400, "missing_field", "invalid_request"},
+        {"POST", "/v1/completions", "{\"model\":\"tiny\"}", 400, "missing_field",
+         "invalid_request"},
+        {"POST", "/v1/chat/completions", "{\"model\":\"tiny\"}", 400, "missing_field",
+         "invalid_request"},
+        {"POST", "/v1/chat/completions", "{\"model\":\"tiny\",\"messages\":[{\"role\":\"user\"}]}",
+         400, "missing_field", "invalid_request"},
+        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":\"x\",\"bogus\":1}", 400,
+         "unknown_parameter", "invalid_request"},
+        {"POST", "/v1/completions", "{\"model\":\"gpt-4o\",\"prompt\":\"x\"}", 404,
+         "model_not_found", "model_not_found"},
+        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":\"\"}", 400, "invalid_value",
+         "invalid_request"},
+        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":[]}", 400, "invalid_value",
+         "invalid_request"},
+        {"POST", "/v1/chat/completions", "{\"model\":\"tiny\",\"messages\":[]}", 400,
+         "invalid_value", "invalid_request"},
+        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":\"x\",\"max_tokens\":-1}", 400,
+         "invalid_value", "invalid_request"},
+        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":\"x\",\"max_tokens\":0}", 400,
+         "invalid_value", "invalid_request"},
+        {"POST", "/v1/completions",
+         "{\"model\":\"tiny\",\"prompt\":\"x\",\"max_tokens\":1000000000000}", 400, "invalid_value",
+         "invalid_request"},
+        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":\"x\",\"max_tokens\":255}", 400,
+         "context_length_exceeded", "context_length"},
+        {"POST", "/v1/completions", long_prompt, 400, "context_length_exceeded", "context_length"},
+        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":\"x\",\"n\":3}", 400,
+         "unsupported_parameter", "invalid_request"},
+        {"POST", "/v1/chat/completions",
+         "{\"model\":\"tiny\",\"messages\":[{\"role\":\"wizard\",\"content\":\"x\"}]}", 400,
+         "invalid_value", "invalid_request"},
+        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":[5,99999]}", 400,
+         "invalid_value", "invalid_request"},
+        {"POST", "/v1/completions", huge, 413, "body_too_large", "body_too_large"},
+        {"GET", "/v1/completions", NULL, 405, "method_not_allowed", NULL},
+        {"PUT", "/v1/chat/completions", "{}", 405, "method_not_allowed", NULL},
+        {"DELETE", "/v1/models", NULL, 405, "method_not_allowed", NULL},
+        {"GET", "/v1/cache/reset", NULL, 405, "method_not_allowed", NULL},
+        {"POST", "/v1/cache/reset", "{\"all\":true}", 400, "invalid_json", "invalid_request"},
+        {"GET", "/v2/completions", NULL, 404, "not_found", NULL},
+        {"POST", "/", "{}", 404, "not_found", NULL},
+        {"GET", "/v1/models/gpt-4o", NULL, 404, "model_not_found", NULL},
+    };
+    long long before[12], after[12];
+    state_of(port, before);
+    json_t *st0 = get_json(port, "/v1/cache/stats");
+    long long rej_expect[8] = {0};
+    static const char *rej_names[] = {"invalid_request", "model_not_found", "context_length",
+                                      "kv_budget",       "queue_full",      "body_too_large",
+                                      "shutting_down"};
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        const bad_case_t *c = &cases[i];
+        resp_t r;
+        ck_assert_int_eq(http(port, c->method, c->path, c->body, c->body ? strlen(c->body) : 0, &r),
+                         CURLE_OK);
+        ck_assert_msg(r.status == c->status, "case %zu (%s %s): status %ld, want %ld: %s", i,
+                      c->method, c->path, r.status, c->status, r.body ? r.body : "");
+        json_t *d = json_loadb(r.body ? r.body : "", r.len, JSON_ALLOW_NUL, NULL);
+        ck_assert_msg(d != NULL, "case %zu: error body is not JSON", i);
+        ck_assert_str_eq(js(d, "error.code"), c->code);
+        ck_assert_uint_gt(strlen(js(d, "error.message")), 0);
+        ck_assert_uint_gt(strlen(js(d, "error.type")), 0);
+        if (c->status == 405) ck_assert_ptr_nonnull(strcasestr(r.headers, "\nAllow: "));
+        if (!strcmp(c->code, "context_length_exceeded"))
+            ck_assert_ptr_nonnull(strstr(js(d, "error.message"), "256"));
+        json_decref(d);
+        resp_free(&r);
+        for (int k = 0; c->rejection && k < 7; k++)
+            if (!strcmp(rej_names[k], c->rejection)) rej_expect[k]++;
+    }
+    state_of(port, after);
+    for (int i = 0; i < 12; i++) ck_assert_int_eq(after[i], before[i]);
+    json_t *st1 = get_json(port, "/v1/cache/stats");
+    for (int k = 0; k < 7; k++) {
+        char key[64];
+        snprintf(key, sizeof(key), "rejections.%s", rej_names[k]);
+        ck_assert_msg(ji(st1, key) - ji(st0, key) == rej_expect[k], "%s: %lld, want %lld", key,
+                      ji(st1, key) - ji(st0, key), rej_expect[k]);
+    }
+    json_decref(st0);
+    json_decref(st1);
+    /* Still serving. */
+    free(complete(port, "Still fine after all that", 4, NULL));
+    pkv_server_destroy(s);
+}
+END_TEST
+
+START_TEST(prompt_never_fits_budget)
+{
+    pkv_server_config_t cfg = base_config();
+    cfg.backend = PKV_BACKEND_DENSE;
+    cfg.budget_mode = PKV_SERVER_BUDGET_BYTES;
+    cfg.budget_bytes = 64 * 1024; /* 256 tokens of tiny f16 KV */
+    pkv_server_t *s = start(cfg);
+    uint16_t port = pkv_server_port(s);
+    char body[8192], *p = body;
+    p += sprintf(p, "{\"model\":\"tiny\",\"prompt\":\"");
+    for (int i = 0; i < 200; i++) p += sprintf(p, "budget%d ", i);
+    sprintf(p, "\",\"max_tokens\":8}");
+    long long before[12], after[12];
+    state_of(port, before);
+    long st;
+    json_t *d = post_json(port, "/v1/completions", body, &st);
+    ck_assert_int_eq(st, 400);
+    ck_assert_str_eq(js(d, "error.code"), "kv_budget_exceeded");
+    const char *msg = js(d, "error.message");
+    ck_assert_ptr_nonnull(strstr(msg, "65536"));     /* the budget */
+    ck_assert_ptr_nonnull(strstr(msg, "positions")); /* what the request needs */
+    json_decref(d);
+    state_of(port, after);
+    for (int i = 0; i < 12; i++) ck_assert_int_eq(after[i], before[i]);
+    json_t *sd = get_json(port, "/v1/cache/stats");
+    ck_assert_int_eq(ji(sd, "rejections.kv_budget"), 1);
+    ck_assert_int_eq(ji(sd, "budget_bytes"), 65536);
+    json_decref(sd);
+    free(complete(port, "A short prompt fits", 8, NULL));
+    pkv_server_destroy(s);
+}
+END_TEST
+
+/* A streaming client that stops reading (and closes) after `stop_after` events, or
+ * reads to the end when 0. */
+typedef struct {
+    uint16_t port;
+    const char *body;
+    atomic_int stop_after;
+    atomic_int events;
+    long status;
+    CURLcode cc;
+    char *all;
+    size_t len;
+} streamer_t;
+
+static size_t streamer_write(char *p, size_t sz, size_t n, void *arg)
+{
+    streamer_t *st = arg;
+    size_t k = sz * n;
+    char *nb = realloc(st->all, st->len + k + 1);
+    if (!nb) return 0;
+    st->all = nb;
+    memcpy(st->all + st->len, p, k);
+    st->len += k;
+    st->all[st->len] = 0;
+    /* Count event ends in the new bytes only (one may straddle the previous write). */
+    size_t from = st->len - k > 0 ? st->len - k - 1 : 0;
+    int ev = atomic_load(&st->events);
+    for (size_t i = from; i + 1 < st->len; i++)
+        if (st->all[i] == '\n' && st->all[i + 1] == '\n') ev++;
+    atomic_store(&st->events, ev);
+    int stop = atomic_load(&st->stop_after);
+    if (stop && ev >= stop) return 0; /* abort: curl closes the socket */
+    return k;
+}
+
+static void *streamer_main(void *arg)
+{
+    streamer_t *st = arg;
+    CURL *c = curl_easy_init();
+    char url[128];
+    snprintf(url, sizeof(url), "http://127.0.0.1:%u/v1/completions", st->port);
+    curl_easy_setopt(c, CURLOPT_URL, url);
+    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(c, CURLOPT_TIMEOUT, 120L);
+    curl_easy_setopt(c, CURLOPT_POSTFIELDS, st->body);
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, streamer_write);
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, st);
+    st->cc = curl_easy_perform(c);
+    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &st->status);
+    curl_easy_cleanup(c);
+    return NULL;
+}
+
+static long long metric(uint16_t port, const char *sample)
+{
+    resp_t r;
+    ck_assert_int_eq(http(port, "GET", "/metrics", NULL, 0, &r), CURLE_OK);
+    ck_assert_int_eq(r.status, 200);
+    long long v = -1;
+    size_t sl = strlen(sample);
+    for (char *line = r.body; line && *line;) {
+        char *nl = strchr(line, '\n');
+        if (!strncmp(line, sample, sl) && line[sl] == ' ') v = atoll(line + sl + 1);
+        line = nl ? nl + 1 : NULL;
+    }
+    resp_free(&r);
+    ck_assert_msg(v >= 0, "metric %s missing", sample);
+    return v;
+}
+
+START_TEST(disconnect_mid_stream_frees_sequence)
+{
+    pkv_server_t *s = start(base_config());
+    uint16_t port = pkv_server_port(s);
+    streamer_t st = {.port = port,
+                     .body = "{\"model\":\"tiny\",\"prompt\":\"Go on and on\",\"max_tokens\":4000,"
+                             "\"ignore_eos\":true,\"stream\":true}",
+                     .stop_after = 3};
+    streamer_main(&st);
+    ck_assert_int_eq(st.cc, CURLE_WRITE_ERROR); /* we hung up */
+    ck_assert_int_eq(st.status, 200);
+    /* The sequence is freed at once: no live sequence, nothing running, within a bound
+     * that is generous for a loaded machine yet far below generating 4000 tokens. */
+    uint64_t deadline = pkv_deadline_after_ns(5ull * 1000000000);
+    for (;;) {
+        json_t *cs = get_json(port, "/v1/cache/stats");
+        bool freed = ji(cs, "sequences") == 0 && ji(cs, "requests.running") == 0 &&
+                     ji(cs, "requests.in_flight") == 0;
+        json_decref(cs);
+        if (freed) break;
+        ck_assert_msg(pkv_now_ns() < deadline, "the sequence was not freed within 5 s");
+        usleep(10 * 1000);
+    }
+    ck_assert_int_eq(metric(port, "pagekv_requests_finished_total{reason=\"cancelled\"}"), 1);
+    ck_assert_int_eq(metric(port, "pagekv_requests_finished_total{reason=\"length\"}"), 0);
+    ck_assert_int_eq(metric(port, "pagekv_client_disconnects_total"), 1);
+    ck_assert_int_lt(metric(port, "pagekv_generation_tokens_total"), 4000);
+    free(st.all);
+    /* The same for a non-streaming request whose client gives up. */
+    resp_t r;
+    memset(&r, 0, sizeof(r));
+    CURL *c = curl_easy_init();
+    char url[128];
+    snprintf(url, sizeof(url), "http://127.0.0.1:%u/v1/completions", port);
+    curl_easy_setopt(c, CURLOPT_URL, url);
+    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, 300L);
+    curl_easy_setopt(
+        c, CURLOPT_POSTFIELDS,
+        "{\"model\":\"tiny\",\"prompt\":\"Wait for it\",\"max_tokens\":4000,\"ignore_eos\":true}");
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_body);
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, &r);
+    CURLcode cc = curl_easy_perform(c);
+    curl_easy_cleanup(c);
+    resp_free(&r);
+    if (cc == CURLE_OPERATION_TIMEDOUT) {
+        deadline = pkv_deadline_after_ns(5ull * 1000000000);
+        while (metric(port, "pagekv_requests_finished_total{reason=\"cancelled\"}") < 2) {
+            ck_assert_msg(pkv_now_ns() < deadline, "the abandoned request was not cancelled");
+            usleep(10 * 1000);
+        }
+        ck_assert_int_eq(metric(port, "pagekv_client_disconnects_total"), 2);
+    } /* else: 4000 tokens came back within 300 ms; nothing to observe */
+    pkv_server_destroy(s);
+}
+END_TEST
+
+START_TEST(queue_full_gets_429)
+{
+    pkv_server_config_t cfg = base_config();
+    cfg.max_batch_size = 1;
+    cfg.max_queue = 1;
+    cfg.retry_after_s = 3;
+    pkv_server_t *s = start(cfg);
+    uint16_t port = pkv_server_port(s);
+    /* A: running (the only batch slot); B: queued (the only queue slot); C: refused. */
+    streamer_t a = {.port = port,
+                    .body = "{\"model\":\"tiny\",\"prompt\":\"Hold the slot\",\"max_tokens\":4000,"
+                            "\"ignore_eos\":true,\"stream\":true}",
+                    .stop_after = 0};
+    pthread_t ta, tb;
+    ck_assert_int_eq(pthread_create(&ta, NULL, streamer_main, &a), 0);
+    while (atomic_load(&a.events) < 1) usleep(1000);
+    streamer_t b = {
+        .port = port,
+        .body = "{\"model\":\"tiny\",\"prompt\":\"Wait in line\",\"max_tokens\":2,\"stream\":true}",
+        .stop_after = 0};
+    ck_assert_int_eq(pthread_create(&tb, NULL, streamer_main, &b), 0);
+    for (;;) {
+        json_t *cs = get_json(port, "/v1/cache/stats");
+        long long q = ji(cs, "requests.queued");
+        json_decref(cs);
+        if (q == 1) break;
+        usleep(1000);
+    }
+    resp_t r;
+    const char *body = "{\"model\":\"tiny\",\"prompt\":\"No room\",\"max_tokens\":2}";
+    ck_assert_int_eq(http(port, "POST", "/v1/completions", body, strlen(body), &r), CURLE_OK);
+    ck_assert_int_eq(r.status, 429);
+    ck_assert_ptr_nonnull(strcasestr(r.headers, "\nRetry-After: 3"));
+    json_t *d = json_loadb(r.body, r.len, JSON_ALLOW_NUL, NULL);
+    ck_assert_str_eq(js(d, "error.code"), "queue_full");
+    json_decref(d);
+    resp_free(&r);
+    /* Free the slot by hanging up A: B then runs to completion. */
+    atomic_store(&a.stop_after, atomic_load(&a.events) + 1);
+    pthread_join(ta, NULL);
+    pthread_join(tb, NULL);
+    ck_assert_int_eq(b.status, 200);
+    sse_t sse;
+    sse_parse(b.all, b.len, false, &sse);
+    ck_assert(sse.done);
+    sse_free(&sse);
+    json_t *cs = get_json(port, "/v1/cache/stats");
+    ck_assert_int_eq(ji(cs, "rejections.queue_full"), 1);
+    ck_assert_int_eq(ji(cs, "requests.submitted"), 2);
+    json_decref(cs);
+    free(a.all);
+    free(b.all);
+    pkv_server_destroy(s);
+}
+END_TEST
+
+/* A small llama2.c checkpoint and tokenizer.bin written here: the server runs real
+ * checkpoint files through --model / --tokenizer. */
+static void write_llama2c(const char *model_path, const char *tok_path)
+{
+    enum { D = 32, H = 64, L = 2, HEADS = 4, KVH = 2, V = 300, SEQ = 128 };
+    size_t hs = D / HEADS, kvd = KVH * hs;
+    size_t n = (size_t)V * D + (size_t)L * (D + D * D + 2 * kvd * D + D * D + D + 3 * D * H) + D +
+               (size_t)SEQ * hs;
+    float *w = malloc(n * sizeof(float));
+    ck_assert_ptr_nonnull(w);
+    uint64_t rng = 77;
+    for (size_t i = 0; i < n; i++) w[i] = (float)((int)(pkv_test_rand(&rng) % 2001) - 1000) * 3e-4f;
+    FILE *f = fopen(model_path, "wb");
+    ck_assert_ptr_nonnull(f);
+    int32_t h[7] = {D, H, L, HEADS, KVH, V, SEQ}; /* positive vocab: shared classifier */
+    ck_assert_uint_eq(fwrite(h, sizeof(h), 1, f), 1);
+    ck_assert_uint_eq(fwrite(w, sizeof(float), n, f), n);
+    fclose(f);
+    free(w);
+    /* <unk> <s> </s>, 256 byte pieces, then text pieces */
+    f = fopen(tok_path, "wb");
+    ck_assert_ptr_nonnull(f);
+    int32_t maxlen = 16;
+    fwrite(&maxlen, sizeof(maxlen), 1, f);
+    for (int id = 0; id < V; id++) {
+        char piece[16];
+        static const char *words[] = {" the", " a", "he", "llo",  " hello",
+                                      "in",   "st", " [", "INST", "]"};
+        if (id == 0)
+            snprintf(piece, sizeof(piece), "<unk>");
+        else if (id == 1)
+            snprintf(piece, sizeof(piece), "<s>");
+        else if (id == 2)
+            snprintf(piece, sizeof(piece), "</s>");
+        else if (id < 259)
+            snprintf(piece, sizeof(piece), "<0x%02X>", id - 3);
+        else if (id < 269)
+            snprintf(piece, sizeof(piece), "%s", words[id - 259]);
+        else
+            snprintf(piece, sizeof(piece), "w%d", id);
+        float score = id < 259 ? 0.0f : -(float)id;
+        int32_t len = (int32_t)strlen(piece);
+        fwrite(&score, sizeof(score), 1, f);
+        fwrite(&len, sizeof(len), 1, f);
+        fwrite(piece, 1, (size_t)len, f);
+    }
+    fclose(f);
+}
+
+START_TEST(llama2c_checkpoint_serves)
+{
+    char model[128], tok[128];
+    snprintf(model, sizeof(model), "/tmp/pkv_test_server_%d_model.bin", (int)getpid());
+    snprintf(tok, sizeof(tok), "/tmp/pkv_test_server_%d_tok.bin", (int)getpid());
+    write_llama2c(model, tok);
+    pkv_server_config_t cfg = base_config();
+    cfg.model_path = model;
+    cfg.tokenizer_path = tok;
+    cfg.served_name = "story";
+    pkv_server_t *s = start(cfg);
+    unlink(model);
+    unlink(tok);
+    uint16_t port = pkv_server_port(s);
+    json_t *m = get_json(port, "/v1/models");
+    ck_assert_str_eq(js(m, "data.0.id"), "story");
+    ck_assert_int_eq(ji(m, "data.0.max_model_len"), 128);
+    json_decref(m);
+    long st;
+    json_t *d = post_json(
+        port, "/v1/completions",
+        "{\"model\":\"story\",\"prompt\":\"hello the\",\"max_tokens\":10,\"temperature\":0}", &st);
+    ck_assert_int_eq(st, 200);
+    check_usage(jp(d, "usage"), -1);
+    json_decref(d);
+    d = post_json(port, "/v1/chat/completions",
+                  "{\"model\":\"story\",\"messages\":[{\"role\":\"user\",\"content\":\"hello\"}],"
+                  "\"max_tokens\":5,\"temperature\":0}",
+                  &st);
+    ck_assert_int_eq(st, 200);
+    ck_assert_ptr_nonnull(jp(d, "choices.0.message.content"));
+    json_decref(d);
+    d = post_json(port, "/v1/completions",
+                  "{\"model\":\"story\",\"prompt\":\"hello\",\"max_tokens\":127}", &st);
+    ck_assert_int_eq(st, 400);
+    ck_assert_str_eq(js(d, "error.code"), "context_length_exceeded");
+    json_decref(d);
+    pkv_server_destroy(s);
+    /* Bad combinations are refused at creation. */
+    pkv_server_config_t bad = base_config();
+    bad.model_path = "/nonexistent/model.bin";
+    pkv_server_t *none = NULL;
+    ck_assert_int_eq(pkv_server_create(&bad, &none), PKV_ERR_INVALID); /* no tokenizer */
+    bad.tokenizer_path = "/nonexistent/tok.bin";
+    ck_assert_int_eq(pkv_server_create(&bad, &none), PKV_ERR_IO);
+    bad = base_config();
+    bad.preset = "gpt-5";
+    ck_assert_int_eq(pkv_server_create(&bad, &none), PKV_ERR_INVALID);
+    bad = base_config();
+    bad.max_context = 5000; /* above tiny's 4096 */
+    ck_assert_int_eq(pkv_server_create(&bad, &none), PKV_ERR_INVALID);
+    ck_assert_ptr_null(none);
+}
+END_TEST
+
+/* ---- a strict Prometheus text-format parser ----------------------------------------------- */
+
+typedef struct {
+    char name[128];
+    char type[16];
+    bool help;
+    bool closed;
+} prom_family_t;
+
+static bool prom_name_ok(const char *s, size_t n)
+{
+    if (!n) return false;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        bool alpha = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_' || c == ':';
+        if (!alpha && !(i && c >= '0' && c <= '9')) return false;
+    }
+    return true;
+}
+
+static bool ends_with(const char *s, const char *suf)
+{
+    size_t a = strlen(s), b = strlen(suf);
+    return a >= b && !strcmp(s + a - b, suf);
+}
+
+/* Parses the exposition; fails the test on any violation. Returns the sample count. */
+static int prom_check(const char *text)
+{
+    prom_family_t fam[128];
+    int nf = 0, cur = -1, samples = 0;
+    char seen[512][192];
+    int nseen = 0;
+    double last_bucket = -1, bucket_le = -INFINITY;
+    const char *p = text;
+    ck_assert_msg(*p, "empty exposition");
+    while (*p) {
+        const char *nl = strchr(p, '\n');
+        ck_assert_msg(nl != NULL, "last line lacks a newline");
+        size_t len = (size_t)(nl - p);
+        char line[512];
+        ck_assert_uint_lt(len, sizeof(line));
+        memcpy(line, p, len);
+        line[len] = 0;
+        p = nl + 1;
+        ck_assert_msg(len > 0 && line[len - 1] != ' ', "empty line or trailing space: '%s'", line);
+        if (line[0] == '#') {
+            char kw[8], name[160];
+            int off = 0;
+            ck_assert_msg(sscanf(line, "# %7s %159s %n", kw, name, &off) == 2 && off > 0,
+                          "bad comment line: %s", line);
+            ck_assert_msg(prom_name_ok(name, strlen(name)), "bad name in: %s", line);
+            int f = -1;
+            for (int i = 0; i < nf; i++)
+                if (!strcmp(fam[i].name, name)) f = i;
+            if (f < 0) {
+                ck_assert_int_lt(nf, 128);
+                f = nf++;
+                memset(&fam[f], 0, sizeof(fam[f]));
+                snprintf(fam[f].name, sizeof(fam[f].name), "%s", name);
+                if (cur >= 0) fam[cur].closed = true;
+                cur = f;
+            }
+            ck_assert_msg(f == cur && !fam[f].closed, "family %s resumes after another", name);
+            if (!strcmp(kw, "HELP")) {
+                ck_assert_msg(!fam[f].help, "second HELP for %s", name);
+                ck_assert_msg(line[off] != 0, "empty HELP for %s", name);
+                fam[f].help = true;
+            } else if (!strcmp(kw, "TYPE")) {
+                ck_assert_msg(!fam[f].type[0], "second TYPE for %s", name);
+                const char *t = line + off;
+                ck_assert_msg(!strcmp(t, "counter") || !strcmp(t, "gauge") ||
+                                  !strcmp(t, "histogram") || !strcmp(t, "summary") ||
+                                  !strcmp(t, "untyped"),
+                              "bad type: %s", line);
+                snprintf(fam[f].type, sizeof(fam[f].type), "%s", t);
+            } else {
+                ck_abort_msg("unknown comment: %s", line);
+            }
+            continue;
+        }
+        /* sample: name{labels} value */
+        size_t nlen = strcspn(line, "{ ");
+        ck_assert_msg(prom_name_ok(line, nlen), "bad sample name: %s", line);
+        char name[160];
+        snprintf(name, sizeof(name), "%.*s", (int)nlen, line);
+        ck_assert_msg(cur >= 0 && fam[cur].type[0] && fam[cur].help, "sample before HELP/TYPE: %s",
+                      line);
+        const prom_family_t *F = &fam[cur];
+        char suffix[32] = "";
+        if (!strcmp(F->type, "histogram")) {
+            size_t fl = strlen(F->name);
+            ck_assert_msg(!strncmp(name, F->name, fl), "sample %s outside family %s", name,
+                          F->name);
+            snprintf(suffix, sizeof(suffix), "%s", name + fl);
+            ck_assert_msg(!strcmp(suffix, "_bucket") || !strcmp(suffix, "_sum") ||
+                              !strcmp(suffix, "_count"),
+                          "bad histogram sample %s", name);
+        } else {
+            ck_assert_msg(!strcmp(name, F->name), "sample %s outside family %s", name, F->name);
+        }
+        const char *q = line + nlen;
+        char le[32] = "";
+        if (*q == '{') {
+            q++;
+            bool first = true;
+            while (*q != '}') {
+                if (!first) {
+                    ck_assert_msg(*q == ',', "expected ',' in labels: %s", line);
+                    q++;
+                }
+                first = false;
+                size_t ln = strcspn(q, "=");
+                ck_assert_msg(prom_name_ok(q, ln) && q[ln] == '=' && q[ln + 1] == '"',
+                              "bad label in: %s", line);
+                bool is_le = ln == 2 && !strncmp(q, "le", 2);
+                q += ln + 2;
+                char val[32];
+                size_t vn = 0;
+                while (*q && *q != '"') {
+                    if (*q == '\\') {
+                        q++;
+                        ck_assert_msg(*q == '\\' || *q == '"' || *q == 'n', "bad escape: %s", line);
+                    }
+                    ck_assert_msg(*q, "unterminated label value: %s", line);
+                    if (vn < sizeof(val) - 1) val[vn++] = *q;
+                    q++;
+                }
+                val[vn] = 0;
+                ck_assert_msg(*q == '"', "unterminated label value: %s", line);
+                q++;
+                if (is_le) snprintf(le, sizeof(le), "%s", val);
+            }
+            q++;
+        }
+        ck_assert_msg(*q == ' ', "expected a space before the value: %s", line);
+        q++;
+        char *end;
+        double v;
+        if (!strcmp(q, "+Inf"))
+            v = INFINITY;
+        else if (!strcmp(q, "-Inf"))
+            v = -INFINITY;
+        else if (!strcmp(q, "NaN"))
+            v = NAN;
+        else {
+            v = strtod(q, &end);
+            ck_assert_msg(end != q && *end == 0, "bad value (or a timestamp): %s", line);
+        }
+        ck_assert_msg(!(v < 0) || strcmp(F->type, "counter"), "negative counter: %s", line);
+        /* no duplicate series */
+        char series[192];
+        snprintf(series, sizeof(series), "%.*s", (int)(q - line - 1), line);
+        for (int i = 0; i < nseen; i++)
+            ck_assert_msg(strcmp(seen[i], series), "duplicate series %s", series);
+        ck_assert_int_lt(nseen, 512);
+        snprintf(seen[nseen++], sizeof(seen[0]), "%s", series);
+        if (!strcmp(suffix, "_bucket")) {
+            ck_assert_msg(le[0], "bucket without le: %s", line);
+            double bound = !strcmp(le, "+Inf") ? INFINITY : strtod(le, NULL);
+            ck_assert_msg(bound > bucket_le || last_bucket < 0, "le not ascending: %s", line);
+            ck_assert_msg(v >= last_bucket, "buckets not cumulative: %s", line);
+            bucket_le = bound;
+            last_bucket = v;
+        } else if (!strcmp(suffix, "_count")) {
+            ck_assert_msg(isinf(bucket_le) && v == last_bucket,
+                          "_count differs from the +Inf bucket: %s", line);
+            last_bucket = -1;
+            bucket_le = -INFINITY;
+        }
+        samples++;
+    }
+    /* naming: pagekv_ prefix, counters _total, sizes _bytes */
+    for (int i = 0; i < nf; i++) {
+        ck_assert_msg(!strncmp(fam[i].name, "pagekv_", 7), "%s lacks the pagekv_ prefix",
+                      fam[i].name);
+        ck_assert_msg(fam[i].type[0] && fam[i].help, "%s lacks HELP or TYPE", fam[i].name);
+        if (!strcmp(fam[i].type, "counter"))
+            ck_assert_msg(ends_with(fam[i].name, "_total"), "counter %s lacks _total", fam[i].name);
+        else
+            ck_assert_msg(!ends_with(fam[i].name, "_total"), "non-counter %s ends in _total",
+                          fam[i].name);
+        if (strstr(fam[i].name, "_bytes"))
+            ck_assert_msg(ends_with(fam[i].name, "_bytes") ||
+                              ends_with(fam[i].name, "_bytes_total"),
+                          "%s: _bytes is not the unit suffix", fam[i].name);
+    }
+    return samples;
+}
+
+START_TEST(metrics_parse_as_prometheus)
+{
+    pkv_server_t *s = start(base_config());
+    uint16_t port = pkv_server_port(s);
+    /* The parser itself rejects what it should. */
+    static const char *const broken[] = {
+        "pagekv_x_total 1\n", /* no TYPE */
+        "# HELP pagekv_x_total h\n# TYPE pagekv_x_total counter\npagekv_x_total one\n",
+        "# HELP pagekv_x h\n# TYPE pagekv_x counter\npagekv_x 1\n", /* counter w/o _total */
+        "# HELP pagekv_x_total h\n# TYPE pagekv_x_total counter\npagekv_x_total{a=\"1\" 1\n",
+        "# HELP pagekv_x_total h\n# TYPE pagekv_x_total counter\npagekv_x_total 1",
+    };
+    for (size_t i = 0; i < sizeof(broken) / sizeof(broken[0]); i++) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            prom_check(broken[i]); /* a failing check ends the child with an error */
+            _exit(0);
+        }
+        int status;
+        waitpid(pid, &status, 0);
+        ck_assert_msg(!(WIFEXITED(status) && WEXITSTATUS(status) == 0),
+                      "parser accepted broken input %zu", i);
+    }
+    free(complete(port, "Some traffic before scraping", 6, NULL));
+    stream_vs_plain(s, false, "and a stream");
+    resp_t r;
+    ck_assert_int_eq(http(port, "GET", "/nope", NULL, 0, &r), CURLE_OK);
+    resp_free(&r);
+    ck_assert_int_eq(http(port, "GET", "/metrics", NULL, 0, &r), CURLE_OK);
+    ck_assert_int_eq(r.status, 200);
+    ck_assert_ptr_nonnull(strcasestr(r.headers, "content-type: text/plain; version=0.0.4"));
+    int n = prom_check(r.body);
+    ck_assert_int_gt(n, 40);
+    ck_assert_ptr_nonnull(strstr(r.body, "pagekv_kv_committed_bytes "));
+    ck_assert_ptr_nonnull(strstr(r.body, "pagekv_requests_finished_total{reason=\"length\"} 3\n"));
+    ck_assert_ptr_nonnull(
+        strstr(r.body, "pagekv_http_requests_total{route=\"other\",code=\"404\"} 1\n"));
+    ck_assert_ptr_nonnull(strstr(r.body, "pagekv_time_to_first_token_seconds_count 3\n"));
+    resp_free(&r);
+    pkv_server_destroy(s);
+}
+END_TEST
+
+/* ---- the CLI as a child process ------------------------------------------------------------- */
+
+static void pagekv_path(char *out, size_t n)
+{
+    char self[2048];
+    ssize_t k = readlink("/proc/self/exe", self, sizeof(self) - 1);
+    ck_assert_int_gt(k, 0);
+    self[k] = 0;
+    char *slash = strrchr(self, '/'); /* BUILD/tests/test_server */
+    *slash = 0;
+    slash = strrchr(self, '/');
+    *slash = 0;
+    snprintf(out, n, "%s/pagekv", self);
+    ck_assert_msg(access(out, X_OK) == 0, "%s not built", out);
+}
+
+typedef struct {
+    pid_t pid;
+    int err_fd; /* the child's stderr */
+    uint16_t port;
+    char log[16384];
+    size_t log_len;
+} child_t;
+
+static void child_read(child_t *c, int timeout_ms)
+{
+    struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
+    fd_set fds;
+    FD_ZERO(&fds);
+    FD_SET(c->err_fd, &fds);
+    if (select(c->err_fd + 1, &fds, NULL, NULL, &tv) <= 0) return;
+    ssize_t k = read(c->err_fd, c->log + c->log_len, sizeof(c->log) - 1 - c->log_len);
+    if (k > 0) c->log_len += (size_t)k;
+    c->log[c->log_len] = 0;
+}
+
+static void child_start(child_t *c, char *const argv[])
+{
+    memset(c, 0, sizeof(*c));
+    int fds[2];
+    ck_assert_int_eq(pipe(fds), 0);
+    pid_t parent = getpid();
+    c->pid = fork();
+    ck_assert_int_ge(c->pid, 0);
+    if (c->pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive a failed test */
+        if (getppid() != parent) _exit(99);
+        dup2(fds[1], 2);
+        close(fds[0]);
+        close(fds[1]);
+        execv(argv[0], argv);
+        _exit(98);
+    }
+    close(fds[1]);
+    c->err_fd = fds[0];
+}
+
+static int child_wait(child_t *c, int timeout_s)
+{
+    uint64_t deadline = pkv_deadline_after_ns((uint64_t)timeout_s * 1000000000ull);
+    int status = 0;
+    for (;;) {
+        pid_t w = waitpid(c->pid, &status, WNOHANG);
+        if (w == c->pid) break;
+        child_read(c, 10);
+        if (pkv_now_ns() > deadline) {
+            kill(c->pid, SIGKILL);
+            waitpid(c->pid, &status, 0);
+            ck_abort_msg("pagekv serve did not exit within %d s; log:\n%s", timeout_s, c->log);
+        }
+    }
+    while (c->log_len < sizeof(c->log) - 1) {
+        ssize_t k = read(c->err_fd, c->log + c->log_len, sizeof(c->log) - 1 - c->log_len);
+        if (k <= 0) break;
+        c->log_len += (size_t)k;
+    }
+    c->log[c->log_len] = 0;
+    close(c->err_fd);
+    return status;
+}
+
+START_TEST(cli_rejects_bad_flags)
+{
+    char bin[4096];
+    pagekv_path(bin, sizeof(bin));
+    char *const cases[][4] = {
+        {bin, "serve", "--kv-cache-budget", "12X"},
+        {bin, "serve", "--kv-backend", "sparse"},
+        {bin, "serve", "--port", "70000"},
+        {bin, "serve", "--bogus", "1"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        char *argv[5] = {cases[i][0], cases[i][1], cases[i][2], cases[i][3], NULL};
+        child_t c;
+        child_start(&c, argv);
+        int status = child_wait(&c, 30);
+        ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 2, "case %zu: status %d, log %s",
+                      i, status, c.log);
+        ck_assert_ptr_nonnull(strstr(c.log, "pagekv serve: "));
+    }
+}
+END_TEST
+
+START_TEST(sigterm_drains_in_flight)
+{
+    char bin[4096];
+    pagekv_path(bin, sizeof(bin));
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    char *argv[] = {bin, "serve", "--port", "0", "--threads", "1", NULL};
+    child_t c;
+    child_start(&c, argv);
+    uint64_t deadline = pkv_deadline_after_ns(30ull * 1000000000);
+    const char *at;
+    while (!(at = strstr(c.log, "listening on 127.0.0.1:"))) {
+        ck_assert_msg(pkv_now_ns() < deadline, "no listening line; log:\n%s", c.log);
+        child_read(&c, 100);
+    }
+    c.port = (uint16_t)atoi(at + strlen("listening on 127.0.0.1:"));
+    ck_assert_uint_gt(c.port, 0);
+
+    /* `pagekv serve` with no model files answers. */
+    json_t *h = get_json(c.port, "/health");
+    ck_assert_str_eq(js(h, "status"), "ok");
+    json_decref(h);
+
+    streamer_t st = {.port = c.port,
+                     .body =
+                         "{\"model\":\"tiny\",\"prompt\":\"Finish me before you go\","
+                         "\"temperature\":0,\"max_tokens\":500,\"ignore_eos\":true,\"stream\":true,"
+                         "\"stream_options\":{\"include_usage\":true}}",
+                     .stop_after = 0};
+    pthread_t th;
+    ck_assert_int_eq(pthread_create(&th, NULL, streamer_main, &st), 0);
+    while (atomic_load(&st.events) < 2) usleep(1000);
+    ck_assert_int_eq(kill(c.pid, SIGTERM), 0);
+    /* Draining: new connections are refused (the listening socket is closed). */
+    deadline = pkv_deadline_after_ns(10ull * 1000000000);
+    for (;;) {
+        resp_t r;
+        CURLcode cc = http(c.port, "GET", "/health", NULL, 0, &r);
+        resp_free(&r);
+        if (cc == CURLE_COULDNT_CONNECT) break;
+        ck_assert_msg(pkv_now_ns() < deadline, "still accepting 10 s after SIGTERM");
+        usleep(5000);
+    }
+    int events_at_refusal = atomic_load(&st.events);
+    pthread_join(th, NULL);
+    /* Refused while the stream was still going (500 tokens outlast the signal). */
+    ck_assert_int_lt(events_at_refusal, atomic_load(&st.events));
+    /* The in-flight stream ran to its end. */
+    ck_assert_int_eq(st.cc, CURLE_OK);
+    ck_assert_int_eq(st.status, 200);
+    sse_t sse;
+    sse_parse(st.all, st.len, false, &sse);
+    ck_assert(sse.done);
+    ck_assert_str_eq(sse.finish, "length");
+    ck_assert_int_eq(ji(sse.usage, "completion_tokens"), 500);
+    sse_free(&sse);
+    free(st.all);
+    int status = child_wait(&c, 60);
+    ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "exit status %d; log:\n%s", status,
+                  c.log);
+    ck_assert_ptr_nonnull(strstr(c.log, "draining"));
+    ck_assert_ptr_nonnull(strstr(c.log, "stopped"));
+    ck_assert_msg(!strstr(c.log, "Sanitizer") && !strstr(c.log, "runtime error"),
+                  "sanitizer report:\n%s", c.log);
+    ck_assert_ptr_null(strstr(c.log, "cancelling"));
+}
+END_TEST
+
+/* ---- pure pieces: output assembly, UTF-8, the fuzz corpus -------------------------------------
+ */
+
+START_TEST(gen_finish_and_figures)
+{
+    pkv_server_gen_t g;
+    pkv_server_gen_init(&g);
+    const char *t;
+    size_t l;
+    pkv_request_output_t o1 = {.text = "abc", .text_len = 3, .n_tokens = 2};
+    pkv_server_gen_feed(&g, &o1, &t, &l);
+    ck_assert(t == o1.text && l == 3);
+    ck_assert_ptr_null(pkv_server_gen_finish_reason(&g)); /* not finished yet */
+    pkv_request_output_t o2 = {.text = "d",
+                               .text_len = 1,
+                               .finished = true,
+                               .finish = PKV_FINISH_STOP,
+                               .prompt_tokens = 7,
+                               .cached_tokens = 4,
+                               .completion_tokens = 3};
+    pkv_server_gen_feed(&g, &o2, &t, &l);
+    ck_assert_str_eq(pkv_server_gen_finish_reason(&g), "stop");
+    ck_assert_uint_eq(g.prompt_tokens, 7);
+    ck_assert_uint_eq(g.cached_tokens, 4);
+    ck_assert_uint_eq(g.completion_tokens, 3);
+    o2.finish = PKV_FINISH_LENGTH;
+    pkv_server_gen_feed(&g, &o2, &t, &l);
+    ck_assert_str_eq(pkv_server_gen_finish_reason(&g), "length");
+    o2.finish = PKV_FINISH_CANCELLED;
+    pkv_server_gen_feed(&g, &o2, &t, &l);
+    ck_assert_ptr_null(pkv_server_gen_finish_reason(&g)); /* an error, not a finish reason */
+    o2.finish = PKV_FINISH_ERROR;
+    pkv_server_gen_feed(&g, &o2, &t, &l);
+    ck_assert_ptr_null(pkv_server_gen_finish_reason(&g));
+}
+END_TEST
+
+/* The engine's rule for where a text piece may end (engine.c safe_text_end, UTF-8 part). */
+static size_t engine_safe_end(const unsigned char *s, size_t from, size_t end)
+{
+    for (size_t back = 1; back <= 4 && end - from >= back; back++) {
+        unsigned char c = s[end - back];
+        if ((c & 0xc0) == 0x80) continue;
+        size_t need = c >= 0xf0 ? 4 : c >= 0xe0 ? 3 : c >= 0xc0 ? 2 : 1;
+        if (need > back) end -= back;
+        break;
+    }
+    return end;
+}
+
+START_TEST(utf8_sanitize_piecewise_equals_whole)
+{
+    char out[64];
+    static const struct {
+        const char *in;
+        size_t len;
+        const char *want;
+    } cases[] = {
+        {"abc", 3, "abc"},
+        {"caf\xc3\xa9", 5, "caf\xc3\xa9"},
+        {"\xff", 1, "\xef\xbf\xbd"},
+        {"\xc3", 1, "\xef\xbf\xbd"},
+        {"\xe2\x82", 2, "\xef\xbf\xbd"}, /* truncated 3-byte: one U+FFFD */
+        {"\xe0\x80\x80", 3, "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd"}, /* overlong */
+        {"\xed\xa0\x80", 3, "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd"}, /* surrogate */
+        {"\xf0\x9f\x98\x80!", 5, "\xf0\x9f\x98\x80!"},
+        {"\xf4\x90\x80\x80", 4, "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd"},
+        {"a\x00b", 3, "a\x00b"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        size_t n = pkv_server_utf8_sanitize(cases[i].in, cases[i].len, out);
+        size_t wl = i == 9 ? 3 : strlen(cases[i].want);
+        ck_assert_msg(n == wl && !memcmp(out, cases[i].want, n), "case %zu", i);
+    }
+    /* Random byte soup cut where the engine may cut: piecewise == whole, always valid. */
+    uint64_t seed = pkv_test_seed(0x5eed), rng = seed;
+    for (int iter = 0; iter < 2000; iter++) {
+        unsigned char s[48];
+        size_t len = pkv_test_below(&rng, sizeof(s)) + 1;
+        for (size_t i = 0; i < len; i++) {
+            uint32_t k = pkv_test_below(&rng, 4);
+            s[i] = (unsigned char)(k == 0   ? pkv_test_below(&rng, 128)
+                                   : k == 1 ? 0x80 + pkv_test_below(&rng, 64)
+                                            : 0xc0 + pkv_test_below(&rng, 64));
+        }
+        char whole[3 * 48], pieces[3 * 48];
+        size_t wn = pkv_server_utf8_sanitize((const char *)s, len, whole), pn = 0, from = 0;
+        while (from < len) {
+            size_t end = from + 1 + pkv_test_below(&rng, (uint32_t)(len - from));
+            size_t safe = end == len ? len : engine_safe_end(s, from, end);
+            if (safe == from) safe = end == len ? len : from; /* nothing publishable yet */
+            if (safe == from) continue;
+            pn += pkv_server_utf8_sanitize((const char *)s + from, safe - from, pieces + pn);
+            from = safe;
+        }
+        ck_assert_msg(wn == pn && !memcmp(whole, pieces, wn), "seed %llu iter %d",
+                      (unsigned long long)seed, iter);
+        json_t *j = json_stringn(whole, wn);
+        ck_assert_msg(j != NULL, "not valid UTF-8 after sanitizing (seed %llu)",
+                      (unsigned long long)seed);
+        json_decref(j);
+    }
+}
+END_TEST
+
+START_TEST(fuzz_corpus_replays)
+{
+    const char *dir = getenv("PKV_REQUEST_CORPUS");
+    if (!dir) dir = "tests/fuzz/corpus/request";
+    DIR *d = opendir(dir);
+    ck_assert_msg(d != NULL, "corpus directory %s missing (run from the repository root)", dir);
+    static uint8_t buf[1 << 16];
+    int ok = 0, bad = 0;
+    for (struct dirent *e; (e = readdir(d));) {
+        if (e->d_name[0] == '.') continue;
+        char path[512];
+        snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
+        FILE *f = fopen(path, "rb");
+        ck_assert_ptr_nonnull(f);
+        size_t n = fread(buf, 1, sizeof(buf), f);
+        fclose(f);
+        LLVMFuzzerTestOneInput(buf, n); /* aborts on a broken property */
+        ck_assert_uint_ge(n, 1);
+        pkv_log_set_sink(fuzz_quiet, NULL);
+        int outcome = fuzz_request_one(buf[0] & 1 ? PKV_SREQ_CHAT : PKV_SREQ_COMPLETIONS,
+                                       (const char *)buf + 1, n - 1);
+        pkv_log_set_sink(NULL, NULL);
+        if (!strncmp(e->d_name, "ok-", 3)) {
+            ck_assert_msg(outcome == 2, "%s should be accepted (outcome %d)", e->d_name, outcome);
+            ok++;
+        } else if (!strncmp(e->d_name, "bad-", 4)) {
+            ck_assert_msg(outcome < 2, "%s should be refused", e->d_name);
+            bad++;
+        }
+    }
+    closedir(d);
+    ck_assert_int_ge(ok, 10);
+    ck_assert_int_ge(bad, 50);
+}
+END_TEST
+
+static Suite *server_suite(void)
+{
+    Suite *s = suite_create("server");
+    TCase *tc = tcase_create("http");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, completions_and_chat);
+    tcase_add_test(tc, streaming_matches_non_streaming);
+    tcase_add_test(tc, dense_backend_same_text);
+    tcase_add_test(tc, eight_concurrent_requests);
+    tcase_add_test(tc, prefix_hit_reported);
+    tcase_add_test(tc, errors_change_nothing);
+    tcase_add_test(tc, prompt_never_fits_budget);
+    tcase_add_test(tc, disconnect_mid_stream_frees_sequence);
+    tcase_add_test(tc, queue_full_gets_429);
+    tcase_add_test(tc, metrics_parse_as_prometheus);
+    tcase_add_test(tc, llama2c_checkpoint_serves);
+    tcase_add_test(tc, cli_rejects_bad_flags);
+    tcase_add_test(tc, sigterm_drains_in_flight);
+    suite_add_tcase(s, tc);
+    TCase *pure = tcase_create("pure");
+    tcase_add_test(pure, gen_finish_and_figures);
+    tcase_add_test(pure, utf8_sanitize_piecewise_equals_whole);
+    tcase_add_test(pure, fuzz_corpus_replays);
+    suite_add_tcase(s, pure);
+    return s;
+}
+
+PKV_TEST_MAIN(server_suite)

@@ -1,0 +1,195 @@
+/*
+ * pagekv serve: the OpenAI-compatible HTTP server (include/pagekv/server.h).
+ *
+ * Signals: SIGTERM and SIGINT are blocked in every thread and taken by the main thread
+ * with sigwait. The first one drains: the server stops accepting (the listening socket
+ * closes, new requests on open connections get 503) and waits up to --drain-timeout for
+ * the requests in flight to finish, then everything is torn down and the process exits
+ * 0. A second signal during the drain cancels what is left at once.
+ */
+#include "cli.h"
+
+#include "pagekv/server.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: pagekv serve [options]\n"
+            "\n"
+            "An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions,\n"
+            "/v1/models, /health, /metrics, /v1/cache/stats, /v1/cache/reset).\n"
+            "With no options it serves the built-in 'tiny' model on 127.0.0.1:8000.\n"
+            "\n"
+            "HTTP:\n"
+            "  --host ADDR               address to listen on (default 127.0.0.1)\n"
+            "  --port N                  port (default 8000; 0 = pick a free one)\n"
+            "  --max-connections N       concurrent connections (default 256)\n"
+            "  --max-body-bytes BYTES    request body limit, K/M/G suffixes (default 4M)\n"
+            "  --drain-timeout SECONDS   on SIGTERM, wait this long for requests (default 30)\n"
+            "model:\n"
+            "  --preset NAME             built-in model: tiny (default), llama-3.2-1b, qwen3-0.6b\n"
+            "  --model FILE              llama2.c checkpoint (needs --tokenizer)\n"
+            "  --tokenizer FILE          llama2.c tokenizer.bin\n"
+            "  --served-model-name NAME  the name requests use (default: preset or file name)\n"
+            "  --seed N                  built-in weights seed (default 1)\n"
+            "  --threads N               model threads (default: CPUs, at most 8)\n"
+            "KV cache:\n"
+            "  --kv-backend paged|dense  (default paged)\n"
+            "  --kv-dtype f32|f16|bf16   (default f16)\n"
+            "  --kv-cache-budget BYTES|auto|none   cap on KV memory, K/M/G suffixes (default\n"
+            "                            auto: max-batch-size x max-context tokens)\n"
+            "  --block-tokens N          tokens per KV block (default 16)\n"
+            "  --no-prefix-cache         disable automatic prefix caching\n"
+            "engine:\n"
+            "  --max-batch-size N        sequences running at once (default 8)\n"
+            "  --max-queue-depth N       requests waiting; beyond it 429 (default 256)\n"
+            "  --max-context N           prompt + completion tokens (default: the model's)\n"
+            "  --prefill-chunk N         prompt tokens per sequence per step (default 256)\n"
+            "  --default-max-tokens N    /v1/completions without max_tokens (default 16)\n");
+}
+
+static int parse_u32(const char *cmd, const char *flag, const char *v, uint64_t lo, uint64_t hi,
+                     uint32_t *out)
+{
+    uint64_t x;
+    if (pkv_cli_parse_u64(v, lo, hi, &x))
+        return pkv_cli_usage_error(cmd, "%s wants an integer in [%llu, %llu], got '%s'", flag,
+                                   (unsigned long long)lo, (unsigned long long)hi, v);
+    *out = (uint32_t)x;
+    return 0;
+}
+
+int pkv_cmd_serve(int argc, char **argv)
+{
+    const char *cmd = "serve";
+    pkv_server_config_t cfg = {.port = 8000, .kv_dtype = PKV_DTYPE_F16};
+    uint32_t drain_s = 30, port = 8000;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(stdout);
+            return 0;
+        }
+        if (!strcmp(a, "--no-prefix-cache")) {
+            cfg.no_prefix_cache = true;
+            continue;
+        }
+        if (i + 1 >= argc)
+            return pkv_cli_usage_error(cmd, "unknown option or missing value: %s", a);
+        const char *v = argv[++i];
+        int bad = 0;
+        if (!strcmp(a, "--host"))
+            cfg.host = v;
+        else if (!strcmp(a, "--port"))
+            bad = parse_u32(cmd, a, v, 0, 65535, &port);
+        else if (!strcmp(a, "--max-connections"))
+            bad = parse_u32(cmd, a, v, 1, 65536, &cfg.max_connections);
+        else if (!strcmp(a, "--max-body-bytes")) {
+            if (pkv_cli_parse_bytes(v, &cfg.max_body_bytes) || cfg.max_body_bytes < 64)
+                return pkv_cli_usage_error(
+                    cmd, "--max-body-bytes wants a size >= 64 bytes, got '%s'", v);
+        } else if (!strcmp(a, "--drain-timeout"))
+            bad = parse_u32(cmd, a, v, 0, 86400, &drain_s);
+        else if (!strcmp(a, "--preset"))
+            cfg.preset = v;
+        else if (!strcmp(a, "--model"))
+            cfg.model_path = v;
+        else if (!strcmp(a, "--tokenizer"))
+            cfg.tokenizer_path = v;
+        else if (!strcmp(a, "--served-model-name"))
+            cfg.served_name = v;
+        else if (!strcmp(a, "--seed")) {
+            if (pkv_cli_parse_u64(v, 0, UINT64_MAX, &cfg.weight_seed))
+                return pkv_cli_usage_error(cmd, "--seed wants an integer, got '%s'", v);
+        } else if (!strcmp(a, "--threads"))
+            bad = parse_u32(cmd, a, v, 1, 256, &cfg.threads);
+        else if (!strcmp(a, "--kv-backend")) {
+            if (pkv_backend_parse(v, &cfg.backend))
+                return pkv_cli_usage_error(cmd, "--kv-backend wants paged or dense, got '%s'", v);
+        } else if (!strcmp(a, "--kv-dtype")) {
+            if (pkv_dtype_parse(v, &cfg.kv_dtype))
+                return pkv_cli_usage_error(cmd, "--kv-dtype wants f32, f16 or bf16, got '%s'", v);
+        } else if (!strcmp(a, "--kv-cache-budget")) {
+            if (!strcmp(v, "auto"))
+                cfg.budget_mode = PKV_SERVER_BUDGET_AUTO;
+            else if (!strcmp(v, "none"))
+                cfg.budget_mode = PKV_SERVER_BUDGET_NONE;
+            else if (!pkv_cli_parse_bytes(v, &cfg.budget_bytes) && cfg.budget_bytes > 0)
+                cfg.budget_mode = PKV_SERVER_BUDGET_BYTES;
+            else
+                return pkv_cli_usage_error(
+                    cmd, "--kv-cache-budget wants BYTES (K/M/G), auto or none, got '%s'", v);
+        } else if (!strcmp(a, "--block-tokens"))
+            bad = parse_u32(cmd, a, v, 1, 4096, &cfg.block_tokens);
+        else if (!strcmp(a, "--max-batch-size"))
+            bad = parse_u32(cmd, a, v, 1, 1024, &cfg.max_batch_size);
+        else if (!strcmp(a, "--max-queue-depth"))
+            bad = parse_u32(cmd, a, v, 1, 1u << 20, &cfg.max_queue);
+        else if (!strcmp(a, "--max-context"))
+            bad = parse_u32(cmd, a, v, 2, 1u << 22, &cfg.max_context);
+        else if (!strcmp(a, "--prefill-chunk"))
+            bad = parse_u32(cmd, a, v, 1, 1u << 20, &cfg.prefill_chunk);
+        else if (!strcmp(a, "--default-max-tokens"))
+            bad = parse_u32(cmd, a, v, 1, 1u << 22, &cfg.default_max_tokens);
+        else
+            return pkv_cli_usage_error(cmd, "unknown option %s (see pagekv serve --help)", a);
+        if (bad) return bad;
+    }
+    cfg.port = (uint16_t)port;
+
+    /* Before any thread exists, so that every thread inherits the mask. */
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    pkv_server_t *srv = NULL;
+    int rc = pkv_server_create(&cfg, &srv);
+    if (rc) {
+        fprintf(stderr, "pagekv serve: cannot start: %s\n", pkv_status_str(rc));
+        return 1;
+    }
+    pkv_server_info_t info;
+    pkv_server_info(srv, &info);
+    const char *host = cfg.host ? cfg.host : "127.0.0.1";
+    bool v6 = strchr(host, ':') != NULL;
+    fprintf(stderr,
+            "pagekv serve: listening on %s%s%s:%u (model %s, %s kernels, %s KV, budget %llu bytes, "
+            "%llu bytes/token, context %u, batch %u)\n",
+            v6 ? "[" : "", host, v6 ? "]" : "", pkv_server_port(srv), info.model_name, info.kernels,
+            pkv_backend_name(info.backend), (unsigned long long)info.budget_bytes,
+            (unsigned long long)info.token_bytes, info.max_context, info.max_batch_size);
+    fflush(stderr);
+
+    int sig = 0;
+    while (sigwait(&sigs, &sig) != 0) {
+    }
+    fprintf(stderr, "pagekv serve: %s: draining (up to %u s)\n",
+            sig == SIGINT ? "SIGINT" : "SIGTERM", drain_s);
+    pkv_server_quiesce(srv);
+    uint64_t deadline = pkv_deadline_after_ns((uint64_t)drain_s * 1000000000ull);
+    bool drained = false, forced = false;
+    while (!drained && !forced) {
+        uint64_t slice = pkv_deadline_after_ns(100ull * 1000 * 1000);
+        drained = pkv_server_wait_idle(srv, slice < deadline ? slice : deadline) == PKV_OK;
+        if (drained) break;
+        if (pkv_now_ns() >= deadline) break;
+        struct timespec zero = {0, 0};
+        if (sigtimedwait(&sigs, NULL, &zero) >= 0) forced = true;
+    }
+    if (!drained)
+        fprintf(stderr, "pagekv serve: %s: cancelling the requests still in flight\n",
+                forced ? "second signal" : "drain timeout");
+    pkv_server_destroy(srv);
+    fprintf(stderr, "pagekv serve: stopped\n");
+    return 0;
+}
