@@ -825,9 +825,31 @@ static int sh(const char *cmd)
     return rc == 0 ? 0 : -1;
 }
 
+/* Namespaces named pkvx<pid>a/b whose process is gone were left by a run that failed
+ * before cleaning up: remove them (never another live run's). */
+static void netns_reap_stale(void)
+{
+    FILE *f = popen("ip netns list 2>/dev/null", "r");
+    if (!f) return;
+    char line[256];
+    while (fgets(line, sizeof(line), f)) {
+        unsigned pid;
+        char side;
+        char path[64];
+        if (sscanf(line, "pkvx%u%c", &pid, &side) != 2 || (side != 'a' && side != 'b')) continue;
+        snprintf(path, sizeof(path), "/proc/%u", pid);
+        if (access(path, F_OK) == 0) continue;
+        char cmd[96];
+        snprintf(cmd, sizeof(cmd), "ip netns del pkvx%u%c 2>/dev/null", pid, side);
+        if (system(cmd)) continue;
+    }
+    pclose(f);
+}
+
 int xh_netns_create(char a[16], char b[16], char *why, size_t why_len)
 {
-    unsigned id = (unsigned)getpid() % 100000;
+    netns_reap_stale();
+    unsigned id = (unsigned)getpid(); /* "vx<pid>a" stays within IFNAMSIZ */
     snprintf(a, 16, "pkvx%ua", id);
     snprintf(b, 16, "pkvx%ub", id);
     char cmd[512];
