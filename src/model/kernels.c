@@ -311,11 +311,11 @@ AVX2_FN static void matmul_avx2(const float *x, size_t ldx, uint32_t rows, uint3
     }
 }
 
-/* Prime the next run's region for heads from h0: its first 512 bytes. A paged block
+/* Prime the next run's region for heads from h0: its first 1 KiB. A paged block
  * holds a layer's heads back to back, so the hardware prefetcher then streams the rest;
  * without this every 16-token block starts with exposed misses. (Prefetching whole
  * runs fills the miss buffers and stalls; measured slower.) */
-#define PREFETCH_LINES 8
+#define PREFETCH_LINES 16
 AVX2_INLINE void prefetch_run_start(const void *base, size_t head_stride, uint32_t h0, size_t es)
 {
     const char *p = (const char *)base + (size_t)h0 * head_stride * es;
