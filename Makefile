@@ -14,7 +14,7 @@ CC      ?= cc
 PREFIX  ?= /usr/local
 SAN     ?=
 WERROR  ?= $(if $(CI),-Werror,)
-PKGS    := ucx jansson libmicrohttpd openssl
+PKGS    := ucx jansson libmicrohttpd openssl libcurl
 
 comma   := ,
 ifeq ($(SAN),)

@@ -51,6 +51,8 @@ static const struct {
     const char *summary;
 } benches[] = {
     {"pool", pkv_bench_pool, "KV pool: alloc/free, prefix hashing, commit, growth, reset"},
+    {"footprint", pkv_bench_footprint,
+     "server memory over HTTP workloads, paged vs dense (starts `pagekv serve`)"},
     {"staging", pkv_bench_staging, "host staging: fixed slots vs per-transfer on one load"},
     {"model", pkv_bench_model, "model: prefill / decode tokens/s, paged vs dense, batch 1 and 8"},
     {"tokenizer", pkv_bench_tokenizer,
