@@ -34,8 +34,10 @@ int pkv_cmd_generate(int argc, char **argv);
 
 /* Benchmarks (bench/). */
 int pkv_bench_pool(int argc, char **argv);
+int pkv_bench_footprint(int argc, char **argv);
 int pkv_bench_staging(int argc, char **argv);
 int pkv_bench_tokenizer(int argc, char **argv);
 int pkv_bench_model(int argc, char **argv);
+int pkv_bench_xfer(int argc, char **argv);
 
 #endif

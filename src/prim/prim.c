@@ -136,8 +136,10 @@ int pkv_prim_shared_commit(int fd, void *addr, size_t offset, size_t size)
 static int prim_open_proc(int pid, const char *what)
 {
     char path[64];
-    if (pid == 0) snprintf(path, sizeof(path), "/proc/self/%s", what);
-    else snprintf(path, sizeof(path), "/proc/%d/%s", pid, what);
+    if (pid == 0)
+        snprintf(path, sizeof(path), "/proc/self/%s", what);
+    else
+        snprintf(path, sizeof(path), "/proc/%d/%s", pid, what);
     return open(path, O_RDONLY | O_CLOEXEC);
 }
 
@@ -188,9 +190,38 @@ int pkv_prim_smaps_read(int pid, uint64_t *rss_bytes, uint64_t *pss_bytes)
 
 int pkv_prim_hwm_reset(void)
 {
-    int fd = open("/proc/self/clear_refs", O_WRONLY | O_CLOEXEC);
+    return pkv_prim_hwm_reset_pid(0);
+}
+
+int pkv_prim_hwm_reset_pid(int pid)
+{
+    char path[64];
+    if (pid == 0)
+        snprintf(path, sizeof(path), "/proc/self/clear_refs");
+    else
+        snprintf(path, sizeof(path), "/proc/%d/clear_refs", pid);
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
     if (fd < 0) return PKV_ERR_IO;
     ssize_t n = write(fd, "5", 1);
     close(fd);
     return n == 1 ? PKV_OK : PKV_ERR_IO;
+}
+
+int pkv_prim_smaps_rollup(int pid, pkv_prim_smaps_t *out)
+{
+    char buf[4096];
+    int rc = prim_read_proc(pid, "smaps_rollup", buf, sizeof(buf));
+    if (rc) return rc;
+    pkv_prim_smaps_t m = {
+        .rss_bytes = prim_field_kib(buf, "\nRss:"),
+        .pss_bytes = prim_field_kib(buf, "\nPss:"),
+        .pss_anon_bytes = prim_field_kib(buf, "\nPss_Anon:"),
+        .pss_file_bytes = prim_field_kib(buf, "\nPss_File:"),
+        .anonymous_bytes = prim_field_kib(buf, "\nAnonymous:"),
+        .anon_huge_bytes = prim_field_kib(buf, "\nAnonHugePages:"),
+        .private_dirty_bytes = prim_field_kib(buf, "\nPrivate_Dirty:"),
+        .swap_bytes = prim_field_kib(buf, "\nSwap:"),
+    };
+    *out = m;
+    return PKV_OK;
 }

@@ -43,8 +43,8 @@ int pkv_prim_shared_commit(int fd, void *addr, size_t offset, size_t size);
 
 /* The process's memory as the OS reports it. */
 typedef struct {
-    uint64_t rss_bytes;     /* VmRSS */
-    uint64_t hwm_bytes;     /* VmHWM */
+    uint64_t rss_bytes; /* VmRSS */
+    uint64_t hwm_bytes; /* VmHWM */
     uint64_t rss_anon_bytes;
     uint64_t rss_shmem_bytes;
 } pkv_prim_mem_t;
@@ -54,5 +54,17 @@ int pkv_prim_mem_read(int pid, pkv_prim_mem_t *out);
 int pkv_prim_smaps_read(int pid, uint64_t *rss_bytes, uint64_t *pss_bytes);
 /* Reset VmHWM to the current RSS (writes 5 to /proc/self/clear_refs). */
 int pkv_prim_hwm_reset(void);
+/* The same for another process (pid 0: self); needs the right to write its clear_refs. */
+int pkv_prim_hwm_reset_pid(int pid);
+
+/* /proc/<pid>/smaps_rollup, the fields that say where resident memory is. */
+typedef struct {
+    uint64_t rss_bytes, pss_bytes;
+    uint64_t pss_anon_bytes, pss_file_bytes; /* 0 where the kernel lacks the field */
+    uint64_t anonymous_bytes, anon_huge_bytes;
+    uint64_t private_dirty_bytes, swap_bytes;
+} pkv_prim_smaps_t;
+/* Read /proc/<pid>/smaps_rollup (pid 0: self). *out is written only on success. */
+int pkv_prim_smaps_rollup(int pid, pkv_prim_smaps_t *out);
 
 #endif
