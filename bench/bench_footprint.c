@@ -113,6 +113,10 @@ typedef struct {
     double wall_s;
     json_t *stats, *stats_after_reset; /* the server's /v1/cache/stats objects */
     uint64_t kv_committed_peak, kv_committed_polled_max, kv_live_polled_max_bytes, kv_min;
+    /* OS against the counters, at the end of settle: anonymous memory grown since the end
+     * of settle_load (smaps_rollup) and the KV cache's committed bytes then. */
+    int64_t anon_growth;
+    uint64_t kv_committed_end;
     uint64_t block_bytes, token_bytes, granule_bytes, storage_ranges, budget;
     uint32_t block_tokens;
     bool ranges_assumed; /* the server did not report storage_ranges */
@@ -348,7 +352,7 @@ static int fp_read_file(const char *path, char *buf, size_t cap)
 
 /* fork + exec the server with stdout/stderr to run->log_path; wait for its port and
  * for /health. On failure the child is gone and run->error says why. */
-static int fp_server_start(const fp_opts_t *o, fp_run_t *run, const char *const *argv,
+static int fp_server_spawn(const fp_opts_t *o, fp_run_t *run, const char *const *argv,
                            fp_server_t *out)
 {
     snprintf(run->log_path, sizeof(run->log_path), "/tmp/pagekv-footprint-%d-XXXXXX",
@@ -381,9 +385,15 @@ static int fp_server_start(const fp_opts_t *o, fp_run_t *run, const char *const 
     }
     close(lfd);
     if (nullfd >= 0) close(nullfd);
-    fp_server_t s = {.pid = pid, .pidfd = fp_pidfd_open(pid), .port = 0};
+    *out = (fp_server_t){.pid = pid, .pidfd = fp_pidfd_open(pid), .port = 0};
+    return PKV_OK;
+}
 
-    /* The port line, then /health. */
+/* Wait for the port line in the log, then for /health. On failure the server is gone
+ * (killed if it was still there) and run->error says why. */
+static int fp_server_wait_ready(fp_run_t *run, fp_server_t *srv)
+{
+    fp_server_t s = *srv;
     uint64_t deadline = pkv_deadline_after_ns(300 * FP_NS);
     char *log = malloc(65536);
     int status = 0;
@@ -399,7 +409,7 @@ static int fp_server_start(const fp_opts_t *o, fp_run_t *run, const char *const 
         if (fp_http_json(s.port, "GET", "/health", 2.0, &j, err, sizeof(err)) == 0) {
             json_decref(j);
             run->ready_ns = pkv_now_ns();
-            *out = s;
+            *srv = s;
             return PKV_OK;
         }
         exited = fp_server_wait(&s, 100, &status);
@@ -421,6 +431,7 @@ static int fp_server_start(const fp_opts_t *o, fp_run_t *run, const char *const 
         fp_server_wait(&s, 10000, &status);
     }
     if (s.pidfd >= 0) close(s.pidfd);
+    srv->pidfd = -1;
     return PKV_ERR_IO;
 }
 
@@ -982,7 +993,11 @@ static void fp_run_summarize(fp_run_t *r)
     }
     for (size_t i = 0; i < r->n_kv; i++)
         r->kv_committed_polled_max = PKV_MAX(r->kv_committed_polled_max, r->kv[i].committed);
+    if (r->ph[PH_SETTLE_LOAD].have_smaps && st->have_smaps)
+        r->anon_growth = (int64_t)st->smaps.anonymous_bytes -
+                         (int64_t)r->ph[PH_SETTLE_LOAD].smaps.anonymous_bytes;
     if (r->stats) {
+        fp_stat(r->stats, K_COMMITTED, &r->kv_committed_end);
         fp_stat(r->stats, K_PEAK, &r->kv_committed_peak);
         fp_stat(r->stats, K_BLOCK_BYTES, &r->block_bytes);
         fp_stat(r->stats, K_TOKEN_BYTES, &r->token_bytes);
@@ -1031,7 +1046,7 @@ static void fp_run_one(const fp_opts_t *o, fp_run_t *r, unsigned index, unsigned
                                 i ? " " : "", argv[i]);
 
     fp_server_t srv;
-    if (fp_server_start(o, r, argv, &srv)) return;
+    if (fp_server_spawn(o, r, argv, &srv)) return;
     fp_sampler_t sp;
     fp_ctx_t c = {.o = o,
                   .run = r,
@@ -1046,7 +1061,15 @@ static void fp_run_one(const fp_opts_t *o, fp_run_t *r, unsigned index, unsigned
         r->exit_status = fp_server_stop(&srv);
         return;
     }
-    /* The load phase (exec to ready) is known only now; its samples start at ready. */
+    if (c.progress)
+        fprintf(stderr, "\r\033[K[%u/%u] %s %s: starting the server", index, total,
+                fp_scenario_names[r->scenario], pkv_backend_name(r->backend));
+    if (fp_server_wait_ready(r, &srv)) {
+        fp_sampler_fini(&sp, r);
+        if (c.progress) fprintf(stderr, "\r\033[K");
+        return;
+    }
+    /* The load phase: fork to ready. */
     r->ph[PH_LOAD].begin_ns = r->start_ns;
     r->ph[PH_LOAD].end_ns = r->ready_ns;
     int rc = PKV_OK;
@@ -1184,6 +1207,18 @@ static double f_kvmin(const fp_run_t *r)
 static double f_wall(const fp_run_t *r)
 {
     return r->wall_s;
+}
+static double f_anon(const fp_run_t *r)
+{
+    return (double)r->anon_growth / FP_MIB;
+}
+static double f_kvend(const fp_run_t *r)
+{
+    return mib(r->kv_committed_end);
+}
+static double f_anon_minus_kv(const fp_run_t *r)
+{
+    return ((double)r->anon_growth - (double)r->kv_committed_end) / FP_MIB;
 }
 static double f_cached(const fp_run_t *r)
 {
@@ -1381,6 +1416,22 @@ static void fp_print_report(const fp_opts_t *o, fp_run_t *runs, size_t n, fp_tar
             printf("| %s | %s | %s |\n", fp_scenario_names[sc], a, b);
         }
     }
+    printf("\nThe OS against the KV cache's own counters, at the end of settle: anonymous memory "
+           "grown since the end of settle_load (smaps_rollup) and the server's committed_bytes.\n\n"
+           "| scenario | backend | anon growth MiB | KV committed MiB | difference MiB |\n"
+           "|---|---|---|---|---|\n");
+    for (int sc = 0; sc < SC_N; sc++) {
+        for (int b = 0; b < 2; b++) {
+            if (!o->scenario[sc] || !o->backend[b]) continue;
+            size_t ns = fp_select(runs, n, sc, (pkv_backend_t)b, sel);
+            char c[3][64];
+            fp_cell(c[0], 64, fp_field(sel, ns, f_anon), 1, false);
+            fp_cell(c[1], 64, fp_field(sel, ns, f_kvend), 1, false);
+            fp_cell(c[2], 64, fp_field(sel, ns, f_anon_minus_kv), 1, true);
+            printf("| %s | %s | %s | %s | %s |\n", fp_scenario_names[sc],
+                   pkv_backend_name((pkv_backend_t)b), c[0], c[1], c[2]);
+        }
+    }
     printf("\n### targets\n\n");
     for (int i = 0; i < nt; i++)
         printf("- %s %s: %s\n",
@@ -1447,6 +1498,8 @@ static json_t *fp_run_json(const fp_run_t *r)
     json_object_update(o, x);
     json_decref(x);
     json_object_set_new(o, "kv_storage_ranges_assumed", json_boolean(r->ranges_assumed));
+    json_object_set_new(o, "anon_growth_bytes", json_integer((json_int_t)r->anon_growth));
+    json_object_set_new(o, "kv_committed_end_bytes", json_integer((json_int_t)r->kv_committed_end));
     json_object_set_new(o, "server_exit", json_string(r->exit_text));
     json_object_set_new(o, "load_s", json_real((double)(r->ready_ns - r->start_ns) / FP_NS));
     if (r->have_reset)
