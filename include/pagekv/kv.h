@@ -114,7 +114,8 @@ typedef struct {
     uint32_t n_tokens;  /* positions in the run */
     size_t head_stride; /* elements between heads */
 } pkv_kv_run_t;
-/* Fill out[] with the runs covering positions [begin, end) of layer, in order. Returns
+/* Fill out[] with the runs covering positions [begin, end) of layer, in order; end may
+ * reach capacity, so a forward pass can read K/V it wrote but has not appended yet. Returns
  * the number of runs written (at most max); *next is the position after the last run. */
 uint32_t pkv_seq_runs(const pkv_seq_t *seq, uint32_t layer, uint32_t begin, uint32_t end,
                       pkv_kv_run_t *out, uint32_t max, uint32_t *next);
