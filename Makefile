@@ -50,7 +50,7 @@ SLIB := $(BUILD)/libpagekv.so
 CLI  := $(BUILD)/pagekv
 
 .SECONDARY:
-.PHONY: all check install format format-check clean deps test demo
+.PHONY: all check install format format-check clean deps test demo fuzz fuzz-bins
 # The README's two commands: each installs missing Debian packages, then builds.
 test:
 	scripts/deps.sh
@@ -83,6 +83,17 @@ $(BUILD)/tests/%: $(BUILD)/obj/tests/%.o $(TSUP_OBJ) $(ALIB)
 # scripts/run-tests.sh prints one line per binary and a closing "N passed, N failed".
 check: all $(TEST_BIN)
 	@BUILD=$(BUILD) SAN=$(SAN) scripts/run-tests.sh $(TEST_BIN)
+
+# libFuzzer targets (tests/fuzz/fuzz_*.c), the library instrumented too:
+#   make fuzz  ->  build/san-fuzzer-no-link-address-undefined/fuzz/fuzz_*  (run: BIN CORPUS_DIR)
+# Their corpora are replayed by the test suite without libFuzzer.
+FUZZ_BIN := $(FUZZ_SRC:tests/fuzz/%.c=$(BUILD)/fuzz/%)
+fuzz:
+	$(MAKE) --no-print-directory CC=clang SAN=fuzzer-no-link,address,undefined fuzz-bins
+fuzz-bins: $(FUZZ_BIN)
+$(BUILD)/fuzz/%: tests/fuzz/%.c $(ALIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) -fsanitize=fuzzer $< $(ALIB) $(LDLIBS) -o $@
 
 install: all
 	install -d $(DESTDIR)$(PREFIX)/include/pagekv $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/bin

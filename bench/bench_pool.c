@@ -157,7 +157,8 @@ int pkv_bench_pool(int argc, char **argv)
     const char *json = NULL;
     uint64_t rounds = 101;
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
+        if (!strcmp(argv[i], "--json") && i + 1 < argc)
+            json = argv[++i];
         else if (!strcmp(argv[i], "--rounds") && i + 1 < argc) {
             if (pkv_cli_parse_u64(argv[++i], 3, 100000, &rounds))
                 return pkv_cli_usage_error("bench pool", "--rounds takes 3..100000");
@@ -200,17 +201,15 @@ int pkv_bench_pool(int argc, char **argv)
     printf("| granule_bytes | %llu | |\n", (unsigned long long)gp.granule);
     printf("| storage_ranges | %u | |\n", gp.ranges);
     if (json) {
-        json_t *o = json_pack("{s:f, s:f, s:f, s:f, s:f, s:I, s:I, s:I, s:I, s:I, s:I, s:I}",
-                              "alloc_free_ns_median", af, "prefix_hash_ns_per_token", ph,
-                              "commit_s_per_gib", cs, "growth_peak_over_final", gp.peak_over_final,
-                              "growth_peak_over_final_dense", gd.peak_over_final,
-                              "committed_after_reset_bytes", (json_int_t)gp.committed_after_reset,
-                              "granule_bytes", (json_int_t)gp.granule, "storage_ranges",
-                              (json_int_t)gp.ranges, "growth_peak_rss_bytes",
-                              (json_int_t)gp.peak_rss, "growth_final_rss_bytes",
-                              (json_int_t)gp.final_rss, "growth_peak_rss_bytes_dense",
-                              (json_int_t)gd.peak_rss, "growth_final_rss_bytes_dense",
-                              (json_int_t)gd.final_rss);
+        json_t *o = json_pack(
+            "{s:f, s:f, s:f, s:f, s:f, s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "alloc_free_ns_median",
+            af, "prefix_hash_ns_per_token", ph, "commit_s_per_gib", cs, "growth_peak_over_final",
+            gp.peak_over_final, "growth_peak_over_final_dense", gd.peak_over_final,
+            "committed_after_reset_bytes", (json_int_t)gp.committed_after_reset, "granule_bytes",
+            (json_int_t)gp.granule, "storage_ranges", (json_int_t)gp.ranges,
+            "growth_peak_rss_bytes", (json_int_t)gp.peak_rss, "growth_final_rss_bytes",
+            (json_int_t)gp.final_rss, "growth_peak_rss_bytes_dense", (json_int_t)gd.peak_rss,
+            "growth_final_rss_bytes_dense", (json_int_t)gd.final_rss);
         int rc = o ? pkv_bench_write_json(json, o) : -1;
         json_decref(o);
         if (rc) return 1;

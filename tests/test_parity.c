@@ -11,6 +11,15 @@
 
 #include "pagekv/engine.h"
 
+/* Sanitizer builds run 5-20x slower: fewer random workloads there. */
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define WORKLOADS          2
+#define PRESSURE_WORKLOADS 1
+#else
+#define WORKLOADS          4
+#define PRESSURE_WORKLOADS 3
+#endif
+
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
@@ -368,8 +377,8 @@ static Suite *parity_suite(void)
     TCase *tc = tcase_create("parity");
     tcase_set_timeout(tc, 180);
     tcase_add_checked_fixture(tc, model_setup, model_teardown);
-    tcase_add_loop_test(tc, paged_equals_dense_random_workloads, 0, 4);
-    tcase_add_loop_test(tc, paged_equals_dense_under_pressure, 0, 3);
+    tcase_add_loop_test(tc, paged_equals_dense_random_workloads, 0, WORKLOADS);
+    tcase_add_loop_test(tc, paged_equals_dense_under_pressure, 0, PRESSURE_WORKLOADS);
     tcase_add_test(tc, paged_equals_dense_threaded);
     suite_add_tcase(s, tc);
     return s;

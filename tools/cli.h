@@ -38,5 +38,6 @@ int pkv_bench_footprint(int argc, char **argv);
 int pkv_bench_staging(int argc, char **argv);
 int pkv_bench_tokenizer(int argc, char **argv);
 int pkv_bench_model(int argc, char **argv);
+int pkv_bench_xfer(int argc, char **argv);
 
 #endif

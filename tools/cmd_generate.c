@@ -6,8 +6,8 @@
  *                   [--temperature T] [--top-p P] [--seed S] [--stop STR]... [--chat]
  *                   [--threads N] [--weights-seed S] [--stats]
  *
- * Only the completion text goes to stdout (streamed as the engine publishes it); errors
- * and --stats go to stderr.
+ * Only the completion text goes to stdout (streamed as the engine publishes it; a final
+ * newline only when stdout is a terminal); errors and --stats go to stderr.
  */
 #include "cli.h"
 
@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static int detok(void *arg, int32_t prev, int32_t id, const char **bytes, size_t *len)
 {
@@ -175,7 +176,7 @@ int pkv_cmd_generate(int argc, char **argv)
                 n_ids, (unsigned long long)max_tokens, mc->max_seq_len);
         goto out;
     }
-    pkv_kv_config_t kc = {.backend = backend};
+    pkv_kv_config_t kc = {.backend = backend, .hugepages = true};
     pkv_model_geometry(model, dtype, 16, &kc.geo);
     if ((st = pkv_kv_create(&kc, &kv))) {
         fprintf(stderr, "pagekv generate: KV cache: %s\n", pkv_status_str(st));
@@ -221,7 +222,7 @@ int pkv_cmd_generate(int argc, char **argv)
         goto out;
     }
     if (st == PKV_OK) {
-        fputc('\n', stdout);
+        if (isatty(STDOUT_FILENO)) fputc('\n', stdout); /* piped: exactly the completion */
         rc = 0;
     }
     if (stats) {

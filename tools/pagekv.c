@@ -26,9 +26,11 @@ static int cmd_help(int argc, char **argv);
 static const pkv_cli_cmd_t commands[] = {
     {"version", cmd_version, "print the version"},
     {"serve", pkv_cmd_serve, "OpenAI-compatible HTTP server: pagekv serve [--port N] ..."},
-    {"bench", pkv_cmd_bench, "run a benchmark: pagekv bench <name> [--json FILE] (see `pagekv bench`)"},
+    {"bench", pkv_cmd_bench,
+     "run a benchmark: pagekv bench <name> [--json FILE] (see `pagekv bench`)"},
     {"demo", pkv_cmd_demo, "run the main job on the built-in model"},
-    {"generate", pkv_cmd_generate, "complete a prompt: pagekv generate --prompt TEXT [--preset NAME]"},
+    {"generate", pkv_cmd_generate,
+     "complete a prompt: pagekv generate --prompt TEXT [--preset NAME]"},
     {"tokenizer", pkv_cmd_tokenizer,
      "train the builtin BPE / encode text: pagekv tokenizer <train|encode>"},
     {"help", cmd_help, "list the commands"},
@@ -57,6 +59,7 @@ static const struct {
     {"model", pkv_bench_model, "model: prefill / decode tokens/s, paged vs dense, batch 1 and 8"},
     {"tokenizer", pkv_bench_tokenizer,
      "tokenizer: encode speed and chars/token on filler and prose"},
+    {"xfer", pkv_bench_xfer, "KV transfer: GB/s same host and tcp, kill detection, fault matrix"},
 };
 
 int pkv_cmd_bench(int argc, char **argv)

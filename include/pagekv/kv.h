@@ -114,7 +114,8 @@ typedef struct {
     uint32_t n_tokens;  /* positions in the run */
     size_t head_stride; /* elements between heads */
 } pkv_kv_run_t;
-/* Fill out[] with the runs covering positions [begin, end) of layer, in order. Returns
+/* Fill out[] with the runs covering positions [begin, end) of layer, in order; end may
+ * reach capacity, so a forward pass can read K/V it wrote but has not appended yet. Returns
  * the number of runs written (at most max); *next is the position after the last run. */
 uint32_t pkv_seq_runs(const pkv_seq_t *seq, uint32_t layer, uint32_t begin, uint32_t end,
                       pkv_kv_run_t *out, uint32_t max, uint32_t *next);
@@ -135,26 +136,26 @@ void pkv_kv_unpin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n);
 void pkv_kv_reset_cache(pkv_kv_t *kv);
 
 typedef struct {
-    uint64_t committed_bytes;      /* KV memory held from the OS now */
+    uint64_t committed_bytes; /* KV memory held from the OS now */
     uint64_t peak_committed_bytes;
-    uint64_t reserved_bytes;       /* address space reserved (paged) */
-    uint64_t budget_bytes;         /* 0 = none */
-    uint64_t granule_bytes;        /* paged: commit unit; dense: 0 */
-    uint32_t storage_ranges;       /* separately reserved ranges (paged) */
+    uint64_t reserved_bytes; /* address space reserved (paged) */
+    uint64_t budget_bytes;   /* 0 = none */
+    uint64_t granule_bytes;  /* paged: commit unit; dense: 0 */
+    uint32_t storage_ranges; /* separately reserved ranges (paged) */
     uint64_t block_bytes;
     uint64_t token_bytes;
-    uint64_t blocks_capacity;      /* blocks the budget / reservation allows */
-    uint64_t blocks_live;          /* refcount > 0 */
-    uint64_t blocks_cached;        /* refcount 0, hashed, evictable */
-    uint64_t blocks_free;          /* committed, unused */
-    uint64_t live_tokens;          /* positions held by live sequences (sum of lengths) */
+    uint64_t blocks_capacity; /* blocks the budget / reservation allows */
+    uint64_t blocks_live;     /* refcount > 0 */
+    uint64_t blocks_cached;   /* refcount 0, hashed, evictable */
+    uint64_t blocks_free;     /* committed, unused */
+    uint64_t live_tokens;     /* positions held by live sequences (sum of lengths) */
     uint64_t sequences;
-    uint64_t prefix_queries;       /* admissions that looked up the cache */
-    uint64_t prefix_query_tokens;  /* prompt tokens looked up */
-    uint64_t prefix_hit_tokens;    /* tokens adopted from the cache */
-    uint64_t evictions;            /* cached blocks dropped */
+    uint64_t prefix_queries;      /* admissions that looked up the cache */
+    uint64_t prefix_query_tokens; /* prompt tokens looked up */
+    uint64_t prefix_hit_tokens;   /* tokens adopted from the cache */
+    uint64_t evictions;           /* cached blocks dropped */
     uint64_t cow_copies;
-    uint64_t commits, decommits;   /* granules */
+    uint64_t commits, decommits; /* granules */
     uint64_t rejected_nofit, rejected_nospace;
 } pkv_kv_stats_t;
 void pkv_kv_stats(pkv_kv_t *kv, pkv_kv_stats_t *out);

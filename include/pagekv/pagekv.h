@@ -21,9 +21,9 @@
 extern "C" {
 #endif
 
-#define PKV_VERSION_MAJOR 0
-#define PKV_VERSION_MINOR 1
-#define PKV_VERSION_PATCH 0
+#define PKV_VERSION_MAJOR  0
+#define PKV_VERSION_MINOR  1
+#define PKV_VERSION_PATCH  0
 #define PKV_VERSION_STRING "0.1.0"
 
 typedef enum {
@@ -41,7 +41,7 @@ typedef enum {
     PKV_ERR_PEER_LOST = -11,
     PKV_ERR_REJECTED = -12,
     PKV_ERR_CORRUPT = -13,
-    PKV_ERR_PROTO = -14,    /* malformed or unsupported message */
+    PKV_ERR_PROTO = -14, /* malformed or unsupported message */
     PKV_ERR_UNSUPPORTED = -15,
 } pkv_status_t;
 

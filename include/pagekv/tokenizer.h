@@ -100,7 +100,9 @@ size_t pkv_tok_utf8_complete(const char *bytes, size_t len);
 /* Decode a whole sequence into a malloc'd buffer (*text_out, caller frees; always
  * NUL-terminated for convenience, *len_out excludes the NUL; the text may contain NULs).
  * decode(encode(s, add_bos)) == s for every byte string s with the builtin tokenizer,
- * and with llama2c when every byte of s is representable (byte pieces present). */
+ * and with llama2c when every byte of s is representable (byte pieces present).
+ * ids[0] is taken as the start of a sequence (llama2c drops the dummy-prefix space
+ * there); to decode a continuation, use pkv_tok_decode_token with the real prev_id. */
 int pkv_tok_decode(const pkv_tok_t *tok, const int32_t *ids, size_t n, char **text_out,
                    size_t *len_out);
 
@@ -133,7 +135,9 @@ typedef struct {
  *           never close a turn or open another.
  * llama2c:  the Llama 2 chat format: BOS "[INST] <<SYS>>\n" system "\n<</SYS>>\n\n"
  *           user " [/INST]" then " " assistant " " EOS, BOS "[INST] " ... per turn.
- *           Its markers are text (as in Llama 2 itself) apart from BOS/EOS.
+ *           Its markers are text (as in Llama 2 itself) apart from BOS/EOS; turns must
+ *           alternate user/assistant; add_generation_prompt has no effect (a user turn
+ *           always ends with " [/INST]").
  * A system message is allowed only first. PKV_ERR_INVALID for a bad role/order. */
 int pkv_tok_chat_template(const pkv_tok_t *tok, const pkv_chat_msg_t *msgs, size_t n,
                           bool add_generation_prompt, int32_t **ids_out, size_t *n_out);

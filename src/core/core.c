@@ -17,23 +17,40 @@
 const char *pkv_status_str(int status)
 {
     switch (status) {
-    case PKV_OK: return "ok";
-    case PKV_ERR_INVALID: return "invalid";
-    case PKV_ERR_NOMEM: return "nomem";
-    case PKV_ERR_NOSPACE: return "nospace";
-    case PKV_ERR_NOFIT: return "nofit";
-    case PKV_ERR_TIMEOUT: return "timeout";
-    case PKV_ERR_SHUTDOWN: return "shutdown";
-    case PKV_ERR_CANCELLED: return "cancelled";
-    case PKV_ERR_NOTFOUND: return "notfound";
-    case PKV_ERR_BUSY: return "busy";
-    case PKV_ERR_IO: return "io";
-    case PKV_ERR_PEER_LOST: return "peer_lost";
-    case PKV_ERR_REJECTED: return "rejected";
-    case PKV_ERR_CORRUPT: return "corrupt";
-    case PKV_ERR_PROTO: return "proto";
-    case PKV_ERR_UNSUPPORTED: return "unsupported";
-    default: return "unknown";
+    case PKV_OK:
+        return "ok";
+    case PKV_ERR_INVALID:
+        return "invalid";
+    case PKV_ERR_NOMEM:
+        return "nomem";
+    case PKV_ERR_NOSPACE:
+        return "nospace";
+    case PKV_ERR_NOFIT:
+        return "nofit";
+    case PKV_ERR_TIMEOUT:
+        return "timeout";
+    case PKV_ERR_SHUTDOWN:
+        return "shutdown";
+    case PKV_ERR_CANCELLED:
+        return "cancelled";
+    case PKV_ERR_NOTFOUND:
+        return "notfound";
+    case PKV_ERR_BUSY:
+        return "busy";
+    case PKV_ERR_IO:
+        return "io";
+    case PKV_ERR_PEER_LOST:
+        return "peer_lost";
+    case PKV_ERR_REJECTED:
+        return "rejected";
+    case PKV_ERR_CORRUPT:
+        return "corrupt";
+    case PKV_ERR_PROTO:
+        return "proto";
+    case PKV_ERR_UNSUPPORTED:
+        return "unsupported";
+    default:
+        return "unknown";
     }
 }
 
@@ -89,7 +106,7 @@ int pkv__cond_init_monotonic(pthread_cond_t *cond)
 
 /* ---- logging ---------------------------------------------------------------------- */
 
-static _Atomic int log_level = -1; /* -1: not yet read from PKV_LOG */
+static _Atomic int log_level = -1;                            /* -1: not yet read from PKV_LOG */
 static pthread_mutex_t log_mutex = PTHREAD_MUTEX_INITIALIZER; /* guards log_sink, log_arg */
 static pkv_log_sink_fn log_sink;
 static void *log_arg;

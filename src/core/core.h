@@ -9,16 +9,16 @@
 #include <pthread.h>
 #include <time.h>
 
-#define PKV_MIN(a, b) ((a) < (b) ? (a) : (b))
-#define PKV_MAX(a, b) ((a) > (b) ? (a) : (b))
-#define PKV_DIV_UP(a, b) (((a) + (b)-1) / (b))
+#define PKV_MIN(a, b)      ((a) < (b) ? (a) : (b))
+#define PKV_MAX(a, b)      ((a) > (b) ? (a) : (b))
+#define PKV_DIV_UP(a, b)   (((a) + (b)-1) / (b))
 #define PKV_ALIGN_UP(a, b) (PKV_DIV_UP(a, b) * (b))
-#define PKV_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
+#define PKV_ARRAY_LEN(a)   (sizeof(a) / sizeof((a)[0]))
 
 /* Broken invariant: print where and abort. Never used for bad input. */
-#define PKV_ASSERT(cond)                                                                       \
-    do {                                                                                       \
-        if (!(cond)) pkv__panic(__FILE__, __LINE__, #cond);                                    \
+#define PKV_ASSERT(cond)                                                                           \
+    do {                                                                                           \
+        if (!(cond)) pkv__panic(__FILE__, __LINE__, #cond);                                        \
     } while (0)
 _Noreturn void pkv__panic(const char *file, int line, const char *what);
 

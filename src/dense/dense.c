@@ -33,7 +33,7 @@ typedef struct dense_key {
 
 struct dense_buf {
     uint8_t *data;
-    uint32_t cap; /* tokens */
+    uint32_t cap;       /* tokens */
     dense_key_t **keys; /* keys of this buffer that are in the table */
     uint32_t n_keys, keys_cap;
     bool cached;
@@ -90,10 +90,14 @@ static void key_unlink(dense_t *d, dense_key_t *e)
 
 static void lru_remove(dense_t *d, dense_buf_t *b)
 {
-    if (b->lru_prev) b->lru_prev->lru_next = b->lru_next;
-    else d->lru_head = b->lru_next;
-    if (b->lru_next) b->lru_next->lru_prev = b->lru_prev;
-    else d->lru_tail = b->lru_prev;
+    if (b->lru_prev)
+        b->lru_prev->lru_next = b->lru_next;
+    else
+        d->lru_head = b->lru_next;
+    if (b->lru_next)
+        b->lru_next->lru_prev = b->lru_prev;
+    else
+        d->lru_tail = b->lru_prev;
     b->lru_prev = b->lru_next = NULL;
 }
 
@@ -101,8 +105,10 @@ static void lru_push(dense_t *d, dense_buf_t *b)
 {
     b->lru_next = NULL;
     b->lru_prev = d->lru_tail;
-    if (d->lru_tail) d->lru_tail->lru_next = b;
-    else d->lru_head = b;
+    if (d->lru_tail)
+        d->lru_tail->lru_next = b;
+    else
+        d->lru_head = b;
     d->lru_tail = b;
 }
 
@@ -180,7 +186,8 @@ static void rows_copy(const dense_t *d, uint8_t *dst, uint32_t dst_cap, const ui
 {
     const pkv_geometry_t *g = &d->base.geo;
     size_t rows = 2ull * g->layers * g->kv_heads, tok = (size_t)g->head_dim * d->base.elem_bytes;
-    for (size_t r = 0; r < rows; r++) memcpy(dst + r * dst_cap * tok, src + r * src_cap * tok, n * tok);
+    for (size_t r = 0; r < rows; r++)
+        memcpy(dst + r * dst_cap * tok, src + r * src_cap * tok, n * tok);
 }
 
 static int dense_seq_create(pkv_kv_t *kv, const pkv_seq_params_t *prm, pkv_seq_t **out,
@@ -401,7 +408,8 @@ static uint32_t dense_seq_runs(const pkv_seq_t *seq, uint32_t layer, uint32_t be
     void *k, *v;
     size_t hs;
     dense_seq_slot(seq, begin, layer, &k, &v, &hs);
-    out[0] = (pkv_kv_run_t){.k = k, .v = v, .pos = begin, .n_tokens = end - begin, .head_stride = hs};
+    out[0] =
+        (pkv_kv_run_t){.k = k, .v = v, .pos = begin, .n_tokens = end - begin, .head_stride = hs};
     if (next) *next = end;
     return 1;
 }
@@ -455,7 +463,8 @@ static int dense_validate(pkv_kv_t *kv)
     for (dense_buf_t *b = d->lru_head; b; b = b->lru_next, n++) {
         cached += buf_bytes(d, b->cap);
         for (uint32_t i = 0; i < b->n_keys; i++)
-            if (key_find(d, &b->keys[i]->key) != b->keys[i] || b->keys[i]->buf != b) rc = PKV_ERR_CORRUPT;
+            if (key_find(d, &b->keys[i]->key) != b->keys[i] || b->keys[i]->buf != b)
+                rc = PKV_ERR_CORRUPT;
     }
     if (cached != d->cached_bytes || n != d->n_cached_bufs || d->committed < cached ||
         (d->budget && d->committed > d->budget))

@@ -673,7 +673,7 @@ int pkv_engine_create(const pkv_engine_config_t *cfg, pkv_engine_t **out)
     pkv_engine_t *e = calloc(1, sizeof(*e));
     if (!e) return PKV_ERR_NOMEM;
     e->cfg = c;
-    memcpy(e->eos, c.eos_ids, c.n_eos_ids * sizeof(int32_t));
+    if (c.n_eos_ids) memcpy(e->eos, c.eos_ids, c.n_eos_ids * sizeof(int32_t));
     e->cfg.eos_ids = e->eos;
     e->vocab = mc->vocab_size;
     e->max_seq = mc->max_seq_len;

@@ -18,9 +18,12 @@ size_t pkv_dtype_size(pkv_dtype_t dt)
 const char *pkv_dtype_name(pkv_dtype_t dt)
 {
     switch (dt) {
-    case PKV_DTYPE_F32: return "f32";
-    case PKV_DTYPE_F16: return "f16";
-    case PKV_DTYPE_BF16: return "bf16";
+    case PKV_DTYPE_F32:
+        return "f32";
+    case PKV_DTYPE_F16:
+        return "f16";
+    case PKV_DTYPE_BF16:
+        return "bf16";
     }
     return "?";
 }
@@ -55,8 +58,8 @@ static uint16_t f32_to_f16(float f)
     uint32_t sign = (x >> 16) & 0x8000u, e = (x >> 23) & 0xffu, m = x & 0x7fffffu;
     if (e == 0xff) return (uint16_t)(sign | 0x7c00u | (m ? 0x200u : 0)); /* inf / nan */
     int32_t he = (int32_t)e - 127 + 15;
-    if (he >= 31) return (uint16_t)(sign | 0x7c00u);                    /* overflow */
-    if (he <= 0) {                                                       /* subnormal */
+    if (he >= 31) return (uint16_t)(sign | 0x7c00u); /* overflow */
+    if (he <= 0) {                                   /* subnormal */
         if (he < -10) return (uint16_t)sign;
         m |= 0x800000u;
         uint32_t shift = (uint32_t)(14 - he);
@@ -112,7 +115,9 @@ void pkv_dtype_from_f32(pkv_dtype_t dt, void *dst, const float *src, size_t n)
 {
     uint16_t *d16 = dst;
     switch (dt) {
-    case PKV_DTYPE_F32: memcpy(dst, src, n * 4); break;
+    case PKV_DTYPE_F32:
+        memcpy(dst, src, n * 4);
+        break;
     case PKV_DTYPE_F16:
         for (size_t i = 0; i < n; i++) d16[i] = f32_to_f16(src[i]);
         break;
@@ -126,7 +131,9 @@ void pkv_dtype_to_f32(pkv_dtype_t dt, float *dst, const void *src, size_t n)
 {
     const uint16_t *s16 = src;
     switch (dt) {
-    case PKV_DTYPE_F32: memcpy(dst, src, n * 4); break;
+    case PKV_DTYPE_F32:
+        memcpy(dst, src, n * 4);
+        break;
     case PKV_DTYPE_F16:
         for (size_t i = 0; i < n; i++) dst[i] = f16_to_f32(s16[i]);
         break;
@@ -160,8 +167,8 @@ void pkv_prefix_next(const pkv_key_t *parent, const int32_t *tokens, uint32_t n,
     SHA256_Update(&c, tokens, (size_t)n * 4);
 #else
     for (uint32_t i = 0; i < n; i++) {
-        uint8_t le[4] = {(uint8_t)tokens[i], (uint8_t)(tokens[i] >> 8),
-                         (uint8_t)(tokens[i] >> 16), (uint8_t)((uint32_t)tokens[i] >> 24)};
+        uint8_t le[4] = {(uint8_t)tokens[i], (uint8_t)(tokens[i] >> 8), (uint8_t)(tokens[i] >> 16),
+                         (uint8_t)((uint32_t)tokens[i] >> 24)};
         SHA256_Update(&c, le, 4);
     }
 #endif
@@ -207,8 +214,8 @@ void pkv_seq_base_copy(struct pkv_seq *dst, const struct pkv_seq *src)
     memcpy(dst->tail, src->tail, src->kv->geo.block_tokens * sizeof(int32_t));
 }
 
-void pkv_seq_base_append(struct pkv_seq *s, const int32_t *tokens, uint32_t n,
-                         pkv_seq_full_fn full, void *arg)
+void pkv_seq_base_append(struct pkv_seq *s, const int32_t *tokens, uint32_t n, pkv_seq_full_fn full,
+                         void *arg)
 {
     uint32_t T = s->kv->geo.block_tokens;
     for (uint32_t i = 0; i < n; i++) {

@@ -17,8 +17,7 @@ typedef struct {
 
 typedef struct {
     void (*destroy)(pkv_kv_t *kv);
-    int (*seq_create)(pkv_kv_t *kv, const pkv_seq_params_t *p, pkv_seq_t **out,
-                      uint32_t *n_cached);
+    int (*seq_create)(pkv_kv_t *kv, const pkv_seq_params_t *p, pkv_seq_t **out, uint32_t *n_cached);
     void (*seq_free)(pkv_seq_t *seq);
     int (*seq_reserve)(pkv_seq_t *seq, uint32_t n_tokens);
     int (*seq_append)(pkv_seq_t *seq, const int32_t *tokens, uint32_t n);
@@ -34,11 +33,11 @@ typedef struct {
 
 struct pkv_kv {
     const pkv_kv_ops_t *ops;
-    pkv_geometry_t geo;      /* block_tokens filled in */
+    pkv_geometry_t geo; /* block_tokens filled in */
     pkv_backend_t backend;
-    size_t elem_bytes;       /* dtype size */
-    size_t token_bytes;      /* K+V, all layers, one position */
-    size_t block_bytes;      /* token_bytes * block_tokens */
+    size_t elem_bytes;  /* dtype size */
+    size_t token_bytes; /* K+V, all layers, one position */
+    size_t block_bytes; /* token_bytes * block_tokens */
 };
 
 /* The part of a sequence every backend keeps. Owned by one thread at a time. */
@@ -73,10 +72,9 @@ int pkv_seq_base_init(struct pkv_seq *s, pkv_kv_t *kv, uint64_t salt);
 void pkv_seq_base_fini(struct pkv_seq *s);
 /* Copy the token side of src into dst (initialized by pkv_seq_base_init). */
 void pkv_seq_base_copy(struct pkv_seq *dst, const struct pkv_seq *src);
-typedef void (*pkv_seq_full_fn)(struct pkv_seq *s, uint32_t block, const pkv_key_t *key,
-                                void *arg);
-void pkv_seq_base_append(struct pkv_seq *s, const int32_t *tokens, uint32_t n,
-                         pkv_seq_full_fn full, void *arg);
+typedef void (*pkv_seq_full_fn)(struct pkv_seq *s, uint32_t block, const pkv_key_t *key, void *arg);
+void pkv_seq_base_append(struct pkv_seq *s, const int32_t *tokens, uint32_t n, pkv_seq_full_fn full,
+                         void *arg);
 /* Keys of the prompt's adoptable blocks: at most (n_tokens - 1) / block_tokens. */
 uint32_t pkv_prefix_keys(const pkv_kv_t *kv, uint64_t salt, const int32_t *tokens,
                          uint32_t n_tokens, pkv_key_t *keys);

@@ -91,19 +91,27 @@ static float dot_portable(const float *q, const float *k, uint32_t hd)
 }
 
 static void scores_portable(const float *qa, const float *qb, uint32_t na, uint32_t nb,
-                            const pkv_kv_run_t *runs, uint32_t nruns, uint32_t head, uint32_t hd,
-                            pkv_dtype_t dt, float scale, float *oa, float *ob)
+                            const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0, uint32_t nh,
+                            uint32_t group, uint32_t hd, pkv_dtype_t dt, float scale, float *oa,
+                            float *ob, size_t ostride)
 {
     float kt[1024];
     size_t es = dt_size(dt);
     uint32_t n = qb ? nb : na;
     for (uint32_t i = 0; i < nruns && runs[i].pos < n; i++) {
-        const char *base = (const char *)runs[i].k + (size_t)head * runs[i].head_stride * es;
         uint32_t p1 = runs[i].pos + runs[i].n_tokens < n ? runs[i].pos + runs[i].n_tokens : n;
-        for (uint32_t p = runs[i].pos; p < p1; p++) {
-            row_to_f32(base + (size_t)(p - runs[i].pos) * hd * es, dt, hd, kt);
-            if (p < na) oa[p] = dot_portable(qa, kt, hd) * scale;
-            if (qb && p < nb) ob[p] = dot_portable(qb, kt, hd) * scale;
+        for (uint32_t h = 0; h < nh; h++) {
+            const char *base =
+                (const char *)runs[i].k + (size_t)(h0 + h) * runs[i].head_stride * es;
+            for (uint32_t p = runs[i].pos; p < p1; p++) {
+                row_to_f32(base + (size_t)(p - runs[i].pos) * hd * es, dt, hd, kt);
+                for (uint32_t j = 0; j < group; j++) {
+                    size_t qi = (size_t)h * group + j;
+                    if (p < na) oa[qi * ostride + p] = dot_portable(qa + qi * hd, kt, hd) * scale;
+                    if (qb && p < nb)
+                        ob[qi * ostride + p] = dot_portable(qb + qi * hd, kt, hd) * scale;
+                }
+            }
         }
     }
 }
@@ -122,21 +130,32 @@ static void softmax_portable(float *s, uint32_t n)
 }
 
 static void av_portable(const float *pa, const float *pb, uint32_t na, uint32_t nb,
-                        const pkv_kv_run_t *runs, uint32_t nruns, uint32_t head, uint32_t hd,
-                        pkv_dtype_t dt, float *aa, float *ab)
+                        const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0, uint32_t nh,
+                        uint32_t group, uint32_t hd, pkv_dtype_t dt, size_t pstride, float *aa,
+                        float *ab)
 {
     float vt[1024];
     size_t es = dt_size(dt);
     uint32_t n = pb ? nb : na;
     for (uint32_t i = 0; i < nruns && runs[i].pos < n; i++) {
-        const char *base = (const char *)runs[i].v + (size_t)head * runs[i].head_stride * es;
         uint32_t p1 = runs[i].pos + runs[i].n_tokens < n ? runs[i].pos + runs[i].n_tokens : n;
-        for (uint32_t p = runs[i].pos; p < p1; p++) {
-            row_to_f32(base + (size_t)(p - runs[i].pos) * hd * es, dt, hd, vt);
-            if (p < na)
-                for (uint32_t d = 0; d < hd; d++) aa[d] = aa[d] + pa[p] * vt[d];
-            if (pb && p < nb)
-                for (uint32_t d = 0; d < hd; d++) ab[d] = ab[d] + pb[p] * vt[d];
+        for (uint32_t h = 0; h < nh; h++) {
+            const char *base =
+                (const char *)runs[i].v + (size_t)(h0 + h) * runs[i].head_stride * es;
+            for (uint32_t p = runs[i].pos; p < p1; p++) {
+                row_to_f32(base + (size_t)(p - runs[i].pos) * hd * es, dt, hd, vt);
+                for (uint32_t j = 0; j < group; j++) {
+                    size_t qi = (size_t)h * group + j;
+                    if (p < na) {
+                        float pt = pa[qi * pstride + p], *acc = aa + qi * hd;
+                        for (uint32_t d = 0; d < hd; d++) acc[d] = acc[d] + pt * vt[d];
+                    }
+                    if (pb && p < nb) {
+                        float pt = pb[qi * pstride + p], *acc = ab + qi * hd;
+                        for (uint32_t d = 0; d < hd; d++) acc[d] = acc[d] + pt * vt[d];
+                    }
+                }
+            }
         }
     }
 }
@@ -292,15 +311,15 @@ AVX2_FN static void matmul_avx2(const float *x, size_t ldx, uint32_t rows, uint3
     }
 }
 
-/* Prefetch rows [0, n) x bytes [off, off + len) of a run (row stride ts) into cache. */
-AVX2_INLINE void prefetch_rows(const char *base, uint32_t n, size_t ts, size_t off, size_t len)
+/* Prime the next run's region for heads from h0: its first 1 KiB. A paged block
+ * holds a layer's heads back to back, so the hardware prefetcher then streams the rest;
+ * without this every 16-token block starts with exposed misses. (Prefetching whole
+ * runs fills the miss buffers and stalls; measured slower.) */
+#define PREFETCH_LINES 16
+AVX2_INLINE void prefetch_run_start(const void *base, size_t head_stride, uint32_t h0, size_t es)
 {
-    if (len == ts) {
-        for (size_t b = 0; b < (size_t)n * ts; b += 64) _mm_prefetch(base + b, _MM_HINT_T0);
-    } else {
-        for (uint32_t t = 0; t < n; t++)
-            for (size_t b = 0; b < len; b += 64) _mm_prefetch(base + t * ts + off + b, _MM_HINT_T0);
-    }
+    const char *p = (const char *)base + (size_t)h0 * head_stride * es;
+    for (int l = 0; l < PREFETCH_LINES; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
 }
 
 /* One query against up to 8 tokens: lanes of missing tokens read token 0, dropped. */
@@ -371,47 +390,62 @@ AVX2_INLINE void s_2x4(const float *qa, const float *qb, const char *k, uint32_t
 }
 
 AVX2_INLINE void scores_dt(const float *qa, const float *qb, uint32_t na, uint32_t nb,
-                           const pkv_kv_run_t *runs, uint32_t nruns, uint32_t head, uint32_t hd,
-                           pkv_dtype_t dt, float scale, float *oa, float *ob)
+                           const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0, uint32_t nh,
+                           uint32_t group, uint32_t hd, pkv_dtype_t dt, float scale, float *oa,
+                           float *ob, size_t ostride)
 {
     size_t es = dt == PKV_DTYPE_F32 ? 4 : 2;
     size_t ts = (size_t)hd * es;
     __m256 sc = _mm256_set1_ps(scale);
     uint32_t n = qb ? nb : na;
     for (uint32_t i = 0; i < nruns && runs[i].pos < n; i++) {
-        const char *base = (const char *)runs[i].k + (size_t)head * runs[i].head_stride * es;
         uint32_t p0 = runs[i].pos;
         uint32_t p1 = p0 + runs[i].n_tokens < n ? p0 + runs[i].n_tokens : n;
-        if (i + 1 < nruns && runs[i + 1].pos < n)
-            prefetch_rows((const char *)runs[i + 1].k + (size_t)head * runs[i + 1].head_stride * es,
-                          PKV_KMIN(runs[i + 1].n_tokens, n - runs[i + 1].pos), ts, 0, ts);
-        if (qb) {
-            uint32_t e = p1 < na ? p1 : na;
-            for (uint32_t t = p0; t < e; t += 4)
-                s_2x4(qa, qb, base + (t - p0) * ts, e - t < 4 ? e - t : 4, hd, es, dt, sc, oa + t,
-                      ob + t);
-            for (uint32_t t = e > p0 ? e : p0; t < p1; t += 8)
-                s_1x8(qb, base + (t - p0) * ts, p1 - t < 8 ? p1 - t : 8, hd, es, dt, sc, ob + t);
-        } else {
-            for (uint32_t t = p0; t < p1; t += 8)
-                s_1x8(qa, base + (t - p0) * ts, p1 - t < 8 ? p1 - t : 8, hd, es, dt, sc, oa + t);
+        if (i + 1 < nruns) prefetch_run_start(runs[i + 1].k, runs[i + 1].head_stride, h0, es);
+        for (uint32_t h = 0; h < nh; h++) {
+            const char *base =
+                (const char *)runs[i].k + (size_t)(h0 + h) * runs[i].head_stride * es;
+            for (uint32_t j = 0; j < group; j++) {
+                size_t qi = (size_t)h * group + j;
+                const float *q1 = qa + qi * hd;
+                float *o1 = oa + qi * ostride;
+                if (qb) {
+                    const float *q2 = qb + qi * hd;
+                    float *o2 = ob + qi * ostride;
+                    uint32_t e = p1 < na ? p1 : na;
+                    for (uint32_t t = p0; t < e; t += 4)
+                        s_2x4(q1, q2, base + (t - p0) * ts, e - t < 4 ? e - t : 4, hd, es, dt, sc,
+                              o1 + t, o2 + t);
+                    for (uint32_t t = e > p0 ? e : p0; t < p1; t += 8)
+                        s_1x8(q2, base + (t - p0) * ts, p1 - t < 8 ? p1 - t : 8, hd, es, dt, sc,
+                              o2 + t);
+                } else {
+                    for (uint32_t t = p0; t < p1; t += 8)
+                        s_1x8(q1, base + (t - p0) * ts, p1 - t < 8 ? p1 - t : 8, hd, es, dt, sc,
+                              o1 + t);
+                }
+            }
         }
     }
 }
 
 AVX2_FN static void scores_avx2(const float *qa, const float *qb, uint32_t na, uint32_t nb,
-                                const pkv_kv_run_t *runs, uint32_t nruns, uint32_t head,
-                                uint32_t hd, pkv_dtype_t dt, float scale, float *oa, float *ob)
+                                const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0, uint32_t nh,
+                                uint32_t group, uint32_t hd, pkv_dtype_t dt, float scale, float *oa,
+                                float *ob, size_t ostride)
 {
     switch (dt) {
     case PKV_DTYPE_F32:
-        scores_dt(qa, qb, na, nb, runs, nruns, head, hd, PKV_DTYPE_F32, scale, oa, ob);
+        scores_dt(qa, qb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F32, scale, oa, ob,
+                  ostride);
         break;
     case PKV_DTYPE_F16:
-        scores_dt(qa, qb, na, nb, runs, nruns, head, hd, PKV_DTYPE_F16, scale, oa, ob);
+        scores_dt(qa, qb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F16, scale, oa, ob,
+                  ostride);
         break;
     case PKV_DTYPE_BF16:
-        scores_dt(qa, qb, na, nb, runs, nruns, head, hd, PKV_DTYPE_BF16, scale, oa, ob);
+        scores_dt(qa, qb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_BF16, scale, oa, ob,
+                  ostride);
         break;
     }
 }
@@ -449,115 +483,119 @@ AVX2_FN static void softmax_avx2(float *s, uint32_t n)
     }
 }
 
-/* One query, dims [d0, d0 + 8 NV): accumulators stay in registers across runs. */
-AVX2_INLINE void av1_block(const float *p, uint32_t n, const pkv_kv_run_t *runs, uint32_t nruns,
-                           uint32_t head, uint32_t hd, pkv_dtype_t dt, uint32_t d0, float *acc,
-                           const int NV)
+/* One query over the tokens [0, n) of one run (base: its first row for this head),
+ * dims [d0, d0 + 8 NV): the accumulators round-trip through memory between runs, which
+ * changes no bit. */
+AVX2_INLINE void av1_run(const float *p, uint32_t p0, uint32_t n, const char *base, size_t ts,
+                         size_t es, pkv_dtype_t dt, float *acc, const int NV)
 {
-    size_t es = dt == PKV_DTYPE_F32 ? 4 : 2;
-    size_t ts = (size_t)hd * es;
     __m256 a[8];
 #pragma GCC unroll 8
-    for (int j = 0; j < NV; j++) a[j] = _mm256_loadu_ps(acc + d0 + 8 * j);
-    for (uint32_t i = 0; i < nruns && runs[i].pos < n; i++) {
-        const char *base =
-            (const char *)runs[i].v + (size_t)head * runs[i].head_stride * es + d0 * es;
-        uint32_t p0 = runs[i].pos;
-        uint32_t p1 = p0 + runs[i].n_tokens < n ? p0 + runs[i].n_tokens : n;
-        if (i + 1 < nruns && runs[i + 1].pos < n)
-            prefetch_rows((const char *)runs[i + 1].v + (size_t)head * runs[i + 1].head_stride * es,
-                          PKV_KMIN(runs[i + 1].n_tokens, n - runs[i + 1].pos), ts, d0 * es,
-                          (size_t)NV * 8 * es);
-        for (uint32_t t = p0; t < p1; t++) {
-            __m256 pv = _mm256_broadcast_ss(p + t);
-            const char *vt = base + (t - p0) * ts;
+    for (int j = 0; j < NV; j++) a[j] = _mm256_loadu_ps(acc + 8 * j);
+    for (uint32_t t = 0; t < n; t++) {
+        __m256 pv = _mm256_broadcast_ss(p + p0 + t);
+        const char *vt = base + t * ts;
 #pragma GCC unroll 8
-            for (int j = 0; j < NV; j++)
-                a[j] = _mm256_fmadd_ps(pv, ld_dt(vt + 8 * j * es, dt), a[j]);
-        }
+        for (int j = 0; j < NV; j++) a[j] = _mm256_fmadd_ps(pv, ld_dt(vt + 8 * j * es, dt), a[j]);
     }
 #pragma GCC unroll 8
-    for (int j = 0; j < NV; j++) _mm256_storeu_ps(acc + d0 + 8 * j, a[j]);
+    for (int j = 0; j < NV; j++) _mm256_storeu_ps(acc + 8 * j, a[j]);
 }
 
-/* Two queries (na <= nb), dims [d0, d0 + 8 NV): each V load feeds both. */
-AVX2_INLINE void av2_block(const float *pa, const float *pb, uint32_t na, uint32_t nb,
-                           const pkv_kv_run_t *runs, uint32_t nruns, uint32_t head, uint32_t hd,
-                           pkv_dtype_t dt, uint32_t d0, float *aa, float *ab, const int NV)
+/* Two queries: tokens [0, e) feed both, [e, n) only b. */
+AVX2_INLINE void av2_run(const float *pa, const float *pb, uint32_t p0, uint32_t e, uint32_t n,
+                         const char *base, size_t ts, size_t es, pkv_dtype_t dt, float *aa,
+                         float *ab, const int NV)
 {
-    size_t es = dt == PKV_DTYPE_F32 ? 4 : 2;
-    size_t ts = (size_t)hd * es;
     __m256 a[4], b[4];
 #pragma GCC unroll 4
     for (int j = 0; j < NV; j++) {
-        a[j] = _mm256_loadu_ps(aa + d0 + 8 * j);
-        b[j] = _mm256_loadu_ps(ab + d0 + 8 * j);
+        a[j] = _mm256_loadu_ps(aa + 8 * j);
+        b[j] = _mm256_loadu_ps(ab + 8 * j);
     }
-    for (uint32_t i = 0; i < nruns && runs[i].pos < nb; i++) {
-        const char *base =
-            (const char *)runs[i].v + (size_t)head * runs[i].head_stride * es + d0 * es;
-        uint32_t p0 = runs[i].pos;
-        uint32_t p1 = p0 + runs[i].n_tokens < nb ? p0 + runs[i].n_tokens : nb;
-        uint32_t e = p1 < na ? p1 : na;
-        if (i + 1 < nruns && runs[i + 1].pos < nb)
-            prefetch_rows((const char *)runs[i + 1].v + (size_t)head * runs[i + 1].head_stride * es,
-                          PKV_KMIN(runs[i + 1].n_tokens, nb - runs[i + 1].pos), ts, d0 * es,
-                          (size_t)NV * 8 * es);
-        uint32_t t = p0;
-        for (; t < e; t++) {
-            __m256 pva = _mm256_broadcast_ss(pa + t), pvb = _mm256_broadcast_ss(pb + t);
-            const char *vt = base + (t - p0) * ts;
+    uint32_t t = 0;
+    for (; t < e; t++) {
+        __m256 pva = _mm256_broadcast_ss(pa + p0 + t), pvb = _mm256_broadcast_ss(pb + p0 + t);
+        const char *vt = base + t * ts;
 #pragma GCC unroll 4
-            for (int j = 0; j < NV; j++) {
-                __m256 v = ld_dt(vt + 8 * j * es, dt);
-                a[j] = _mm256_fmadd_ps(pva, v, a[j]);
-                b[j] = _mm256_fmadd_ps(pvb, v, b[j]);
-            }
+        for (int j = 0; j < NV; j++) {
+            __m256 v = ld_dt(vt + 8 * j * es, dt);
+            a[j] = _mm256_fmadd_ps(pva, v, a[j]);
+            b[j] = _mm256_fmadd_ps(pvb, v, b[j]);
         }
-        for (; t < p1; t++) {
-            __m256 pvb = _mm256_broadcast_ss(pb + t);
-            const char *vt = base + (t - p0) * ts;
+    }
+    for (; t < n; t++) {
+        __m256 pvb = _mm256_broadcast_ss(pb + p0 + t);
+        const char *vt = base + t * ts;
 #pragma GCC unroll 4
-            for (int j = 0; j < NV; j++)
-                b[j] = _mm256_fmadd_ps(pvb, ld_dt(vt + 8 * j * es, dt), b[j]);
-        }
+        for (int j = 0; j < NV; j++) b[j] = _mm256_fmadd_ps(pvb, ld_dt(vt + 8 * j * es, dt), b[j]);
     }
 #pragma GCC unroll 4
     for (int j = 0; j < NV; j++) {
-        _mm256_storeu_ps(aa + d0 + 8 * j, a[j]);
-        _mm256_storeu_ps(ab + d0 + 8 * j, b[j]);
+        _mm256_storeu_ps(aa + 8 * j, a[j]);
+        _mm256_storeu_ps(ab + 8 * j, b[j]);
     }
 }
 
 AVX2_INLINE void av_dt(const float *pa, const float *pb, uint32_t na, uint32_t nb,
-                       const pkv_kv_run_t *runs, uint32_t nruns, uint32_t head, uint32_t hd,
-                       pkv_dtype_t dt, float *aa, float *ab)
+                       const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0, uint32_t nh,
+                       uint32_t group, uint32_t hd, pkv_dtype_t dt, size_t pstride, float *aa,
+                       float *ab)
 {
-    uint32_t d = 0;
-    if (pb) {
-        for (; d + 32 <= hd; d += 32)
-            av2_block(pa, pb, na, nb, runs, nruns, head, hd, dt, d, aa, ab, 4);
-        for (; d < hd; d += 8) av2_block(pa, pb, na, nb, runs, nruns, head, hd, dt, d, aa, ab, 1);
-        return;
+    size_t es = dt == PKV_DTYPE_F32 ? 4 : 2;
+    size_t ts = (size_t)hd * es;
+    uint32_t n = pb ? nb : na;
+    for (uint32_t i = 0; i < nruns && runs[i].pos < n; i++) {
+        uint32_t p0 = runs[i].pos;
+        uint32_t p1 = p0 + runs[i].n_tokens < n ? p0 + runs[i].n_tokens : n;
+        if (i + 1 < nruns) prefetch_run_start(runs[i + 1].v, runs[i + 1].head_stride, h0, es);
+        for (uint32_t h = 0; h < nh; h++) {
+            const char *base =
+                (const char *)runs[i].v + (size_t)(h0 + h) * runs[i].head_stride * es;
+            for (uint32_t j = 0; j < group; j++) {
+                size_t qi = (size_t)h * group + j;
+                const float *p1a = pa + qi * pstride;
+                float *acc_a = aa + qi * hd;
+                if (pb) {
+                    const float *p1b = pb + qi * pstride;
+                    float *acc_b = ab + qi * hd;
+                    uint32_t e = p1 < na ? p1 : na;
+                    uint32_t ne = e > p0 ? e - p0 : 0, nn = p1 - p0;
+                    uint32_t d = 0;
+                    for (; d + 32 <= hd; d += 32)
+                        av2_run(p1a, p1b, p0, ne, nn, base + d * es, ts, es, dt, acc_a + d,
+                                acc_b + d, 4);
+                    for (; d < hd; d += 8)
+                        av2_run(p1a, p1b, p0, ne, nn, base + d * es, ts, es, dt, acc_a + d,
+                                acc_b + d, 1);
+                } else {
+                    uint32_t nn = p1 - p0, d = 0;
+                    for (; d + 64 <= hd; d += 64)
+                        av1_run(p1a, p0, nn, base + d * es, ts, es, dt, acc_a + d, 8);
+                    for (; d + 16 <= hd; d += 16)
+                        av1_run(p1a, p0, nn, base + d * es, ts, es, dt, acc_a + d, 2);
+                    for (; d < hd; d += 8)
+                        av1_run(p1a, p0, nn, base + d * es, ts, es, dt, acc_a + d, 1);
+                }
+            }
+        }
     }
-    for (; d + 64 <= hd; d += 64) av1_block(pa, na, runs, nruns, head, hd, dt, d, aa, 8);
-    for (; d + 16 <= hd; d += 16) av1_block(pa, na, runs, nruns, head, hd, dt, d, aa, 2);
-    for (; d < hd; d += 8) av1_block(pa, na, runs, nruns, head, hd, dt, d, aa, 1);
 }
 
 AVX2_FN static void av_avx2(const float *pa, const float *pb, uint32_t na, uint32_t nb,
-                            const pkv_kv_run_t *runs, uint32_t nruns, uint32_t head, uint32_t hd,
-                            pkv_dtype_t dt, float *aa, float *ab)
+                            const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0, uint32_t nh,
+                            uint32_t group, uint32_t hd, pkv_dtype_t dt, size_t pstride, float *aa,
+                            float *ab)
 {
     switch (dt) {
     case PKV_DTYPE_F32:
-        av_dt(pa, pb, na, nb, runs, nruns, head, hd, PKV_DTYPE_F32, aa, ab);
+        av_dt(pa, pb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F32, pstride, aa, ab);
         break;
     case PKV_DTYPE_F16:
-        av_dt(pa, pb, na, nb, runs, nruns, head, hd, PKV_DTYPE_F16, aa, ab);
+        av_dt(pa, pb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F16, pstride, aa, ab);
         break;
     case PKV_DTYPE_BF16:
-        av_dt(pa, pb, na, nb, runs, nruns, head, hd, PKV_DTYPE_BF16, aa, ab);
+        av_dt(pa, pb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_BF16, pstride, aa, ab);
         break;
     }
 }

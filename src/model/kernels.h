@@ -30,18 +30,24 @@ typedef struct {
      * multiples of 16, w has ldw >= c1 columns. */
     void (*matmul)(const float *x, size_t ldx, uint32_t rows, uint32_t K, const float *w,
                    size_t ldw, uint32_t c0, uint32_t c1, float *y, size_t ldy);
-    /* Attention scores of one or two queries over KV head `head` of the runs (in position
-     * order, contiguous from position 0): oa[t] = scale * dot(qa, k_t) for t < na and,
-     * when qb is not NULL, ob[t] = scale * dot(qb, k_t) for t < nb (na <= nb). */
+    /* Attention scores for KV heads [h0, h0 + nh) of the runs (in position order,
+     * contiguous from position 0), `group` query heads per KV head. Query head j of KV
+     * head h (j < group) of query a is at qa + ((h - h0) * group + j) * hd and writes
+     * its scores to oa + ((h - h0) * group + j) * ostride: oa[..][t] = scale * dot(q,
+     * k_t) for t < na. Likewise query b (qb, ob, nb) when qb is not NULL (na <= nb).
+     * Runs are the outer loop and heads the inner one, so a paged block's K region for
+     * those heads is read front to back. */
     void (*scores)(const float *qa, const float *qb, uint32_t na, uint32_t nb,
-                   const pkv_kv_run_t *runs, uint32_t nruns, uint32_t head, uint32_t hd,
-                   pkv_dtype_t dt, float scale, float *oa, float *ob);
+                   const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0, uint32_t nh,
+                   uint32_t group, uint32_t hd, pkv_dtype_t dt, float scale, float *oa, float *ob,
+                   size_t ostride);
     /* s[0..n) <- softmax(s[0..n)). */
     void (*softmax)(float *s, uint32_t n);
-    /* aa[d] += sum over t < na ascending of pa[t] * v_t[d], and likewise ab with pb over
-     * t < nb when pb is not NULL. */
+    /* For the same heads: aa[..][d] += sum over t < na ascending of pa[..][t] * v_t[d]
+     * (pa rows at pstride, aa rows at hd), and likewise ab with pb over t < nb. */
     void (*av)(const float *pa, const float *pb, uint32_t na, uint32_t nb, const pkv_kv_run_t *runs,
-               uint32_t nruns, uint32_t head, uint32_t hd, pkv_dtype_t dt, float *aa, float *ab);
+               uint32_t nruns, uint32_t h0, uint32_t nh, uint32_t group, uint32_t hd,
+               pkv_dtype_t dt, size_t pstride, float *aa, float *ab);
     /* sum of x[i]^2 in a fixed order. */
     float (*sumsq)(const float *x, uint32_t n);
 } pkv_kernels_t;

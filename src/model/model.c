@@ -248,7 +248,7 @@ int pkv__model_alloc(const pkv_model_config_t *cfg, const pkv_model_runtime_t *r
         !(m->hid = alloc_floats(C * H)) || !(m->rope = alloc_floats(C * c->head_dim)) ||
         !(m->lrows = alloc_floats(LOGIT_ROWS * m->ld_d)) ||
         !(m->lout = alloc_floats(LOGIT_ROWS * (size_t)m->ld_v)) ||
-        !(m->scores = alloc_floats((size_t)m->threads * 2 * c->max_seq_len)) ||
+        !(m->scores = alloc_floats((size_t)m->threads * 2 * c->n_heads * c->max_seq_len)) ||
         !(m->rows = calloc(C, sizeof(*m->rows))) || !(m->segs = calloc(C, sizeof(*m->segs))) ||
         !(m->pairs = calloc(C, sizeof(*m->pairs))))
         goto fail;
@@ -414,37 +414,40 @@ typedef struct {
     pkv_dtype_t dt;
     size_t es;
     float scale;
+    uint32_t splits;         /* head groups per row pair */
+    uint32_t heads_per_task; /* KV heads per group */
 } att_job_t;
 
-/* A task is one or two rows of one segment (adjacent positions share K/V loads) and one
- * KV head with its group of query heads. */
+/* A task is one or two rows of one segment (adjacent positions share K/V loads) and a
+ * group of KV heads with their query heads. Whole groups of heads per task let a paged
+ * block's K (then V) region of one layer be read front to back. */
 static void att_task(void *arg, uint32_t task, uint32_t thread)
 {
     const att_job_t *j = arg;
     pkv_model_t *m = j->m;
     const pkv_model_config_t *c = &m->cfg;
-    uint32_t hd = c->head_dim, group = c->n_heads / c->n_kv_heads;
-    uint32_t pr = task / c->n_kv_heads, g = task % c->n_kv_heads;
+    uint32_t hd = c->head_dim, group = c->n_heads / c->n_kv_heads, S = c->max_seq_len;
+    uint32_t pr = task / j->splits, h0 = (task % j->splits) * j->heads_per_task;
+    uint32_t nh = j->heads_per_task, nq = nh * group;
     uint32_t ra = m->pairs[pr].row, rb = ra + 1;
     bool two = m->pairs[pr].two;
     const struct pkv_model_seg *seg = &m->segs[m->rows[ra].seg];
     const pkv_kv_run_t *runs = m->runs + seg->run0;
     uint32_t na = m->rows[ra].pos + 1, nb = two ? m->rows[rb].pos + 1 : 0;
-    float *sa = m->scores + (size_t)thread * 2 * c->max_seq_len, *sb = sa + c->max_seq_len;
-    for (uint32_t h = g * group; h < (g + 1) * group; h++) {
-        const float *qa = m->qkv + (size_t)ra * m->ld_qkv + (size_t)h * hd;
-        const float *qb = two ? qa + m->ld_qkv : NULL;
-        float *oa = m->att + (size_t)ra * m->ld_q + (size_t)h * hd, *ob = oa + m->ld_q;
-        m->kern->scores(qa, qb, na, nb, runs, seg->nruns, g, hd, j->dt, j->scale, sa, sb);
-        m->kern->softmax(sa, na);
-        memset(oa, 0, hd * sizeof(float));
-        if (two) {
-            m->kern->softmax(sb, nb);
-            memset(ob, 0, hd * sizeof(float));
-        }
-        m->kern->av(sa, two ? sb : NULL, na, nb, runs, seg->nruns, g, hd, j->dt, oa,
-                    two ? ob : NULL);
+    float *sa = m->scores + (size_t)thread * 2 * c->n_heads * S, *sb = sa + (size_t)c->n_heads * S;
+    const float *qa = m->qkv + (size_t)ra * m->ld_qkv + (size_t)h0 * group * hd;
+    const float *qb = two ? qa + m->ld_qkv : NULL;
+    float *oa = m->att + (size_t)ra * m->ld_q + (size_t)h0 * group * hd, *ob = oa + m->ld_q;
+    m->kern->scores(qa, qb, na, nb, runs, seg->nruns, h0, nh, group, hd, j->dt, j->scale, sa, sb,
+                    S);
+    for (uint32_t q = 0; q < nq; q++) {
+        m->kern->softmax(sa + (size_t)q * S, na);
+        if (two) m->kern->softmax(sb + (size_t)q * S, nb);
     }
+    memset(oa, 0, (size_t)nq * hd * sizeof(float));
+    if (two) memset(ob, 0, (size_t)nq * hd * sizeof(float));
+    m->kern->av(sa, two ? sb : NULL, na, nb, runs, seg->nruns, h0, nh, group, hd, j->dt, S, oa,
+                two ? ob : NULL);
 }
 
 /* Runs covering [0, end) of every segment for `layer`, appended to m->runs. */
@@ -515,6 +518,8 @@ static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg
     }
     att_job_t aj = {.m = m, .dt = dt, .es = es, .scale = 1.0f / sqrtf((float)hd)};
     uint32_t npairs = 0;
+    /* Split heads into groups only as far as needed to give every thread work. */
+    aj.splits = 1;
     uint64_t att_macs = 0; /* per layer: positions read x query dims x 2 (scores, V) */
     for (uint32_t r = 0; r < rows; r++) att_macs += (uint64_t)(m->rows[r].pos + 1) * m->qdim * 2;
     for (uint32_t sg = 0; sg < nseg; sg++) {
@@ -524,6 +529,9 @@ static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg
             npairs++;
         }
     }
+    while (npairs * aj.splits < 2 * m->threads && c->n_kv_heads % (aj.splits * 2) == 0)
+        aj.splits *= 2;
+    aj.heads_per_task = c->n_kv_heads / aj.splits;
     for (uint32_t l = 0; l < c->n_layers; l++) {
         const pkv_model_layer_t *ly = &m->layers[l];
         for (uint32_t r = 0; r < rows; r++)
@@ -538,9 +546,9 @@ static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg
         int rc = collect_runs(m, nseg, l);
         if (rc) return rc;
         if (att_macs < PARALLEL_MIN_MACS) {
-            for (uint32_t t = 0; t < npairs * c->n_kv_heads; t++) att_task(&aj, t, 0);
+            for (uint32_t t = 0; t < npairs * aj.splits; t++) att_task(&aj, t, 0);
         } else {
-            pkv_tpool_run(m->pool, att_task, &aj, npairs * c->n_kv_heads);
+            pkv_tpool_run(m->pool, att_task, &aj, npairs * aj.splits);
         }
         matmul(m, m->att, m->ld_q, rows, m->qdim, ly->wo, m->ld_d, m->tmp, m->ld_d);
         for (uint32_t r = 0; r < rows; r++) {

@@ -15,9 +15,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define NONE UINT32_MAX
-#define POOL_MAX_BLOCKS (16u << 20)
-#define POOL_EVICT_WINDOW 16
+#define NONE                 UINT32_MAX
+#define POOL_MAX_BLOCKS      (16u << 20)
+#define POOL_EVICT_WINDOW    16
 #define POOL_DEFAULT_RESERVE (64ull << 30)
 
 enum { BLK_FREE = 0, BLK_LIVE, BLK_CACHED };
@@ -34,9 +34,9 @@ typedef struct {
 } pool_block_t;
 
 typedef struct {
-    uint32_t used;      /* live + cached blocks */
-    uint32_t nfree;     /* free blocks (COMMITTED only) */
-    uint32_t free_head; /* free list */
+    uint32_t used;       /* live + cached blocks */
+    uint32_t nfree;      /* free blocks (COMMITTED only) */
+    uint32_t free_head;  /* free list */
     uint32_t prev, next; /* bucket list, or pending-decommit list */
     uint8_t state;
     uint8_t in_bucket; /* in bucket[used]: COMMITTED and nfree > 0 */
@@ -57,10 +57,10 @@ typedef struct {
     bool prefix_cache, huge;
     uint64_t budget;
 
-    pthread_mutex_t lock; /* guards everything below */
-    pool_block_t *blk;    /* [n_granules * bpg] */
-    pool_granule_t *gr;   /* [n_granules] */
-    uint32_t *bucket;     /* [bpg] heads of granule lists by used count */
+    pthread_mutex_t lock;  /* guards everything below */
+    pool_block_t *blk;     /* [n_granules * bpg] */
+    pool_granule_t *gr;    /* [n_granules] */
+    uint32_t *bucket;      /* [bpg] heads of granule lists by used count */
     uint64_t *bucket_bits; /* non-empty buckets */
     uint32_t n_empty;      /* granules in bucket[0] */
     uint32_t *uncommitted; /* stack of UNCOMMITTED granules, lowest id on top */
@@ -94,7 +94,8 @@ static inline pool_t *pool_of(const pkv_kv_t *kv)
 
 static inline uint8_t *block_addr(const pool_t *p, uint32_t id)
 {
-    return p->addr + (size_t)(id / p->bpg) * p->stride + (size_t)(id % p->bpg) * p->base.block_bytes;
+    return p->addr + (size_t)(id / p->bpg) * p->stride +
+           (size_t)(id % p->bpg) * p->base.block_bytes;
 }
 
 /* ---- granule buckets ---------------------------------------------------------------- */
@@ -116,8 +117,10 @@ static void bucket_remove(pool_t *p, uint32_t g)
 {
     pool_granule_t *gr = &p->gr[g];
     uint32_t u = gr->used;
-    if (gr->prev != NONE) p->gr[gr->prev].next = gr->next;
-    else p->bucket[u] = gr->next;
+    if (gr->prev != NONE)
+        p->gr[gr->prev].next = gr->next;
+    else
+        p->bucket[u] = gr->next;
     if (gr->next != NONE) p->gr[gr->next].prev = gr->prev;
     if (p->bucket[u] == NONE) p->bucket_bits[u / 64] &= ~(1ull << (u % 64));
     gr->in_bucket = 0;
@@ -141,18 +144,24 @@ static void lru_push_mru(pool_t *p, uint32_t id)
     pool_block_t *b = &p->blk[id];
     b->lru_next = NONE;
     b->lru_prev = p->lru_tail;
-    if (p->lru_tail != NONE) p->blk[p->lru_tail].lru_next = id;
-    else p->lru_head = id;
+    if (p->lru_tail != NONE)
+        p->blk[p->lru_tail].lru_next = id;
+    else
+        p->lru_head = id;
     p->lru_tail = id;
 }
 
 static void lru_remove(pool_t *p, uint32_t id)
 {
     pool_block_t *b = &p->blk[id];
-    if (b->lru_prev != NONE) p->blk[b->lru_prev].lru_next = b->lru_next;
-    else p->lru_head = b->lru_next;
-    if (b->lru_next != NONE) p->blk[b->lru_next].lru_prev = b->lru_prev;
-    else p->lru_tail = b->lru_prev;
+    if (b->lru_prev != NONE)
+        p->blk[b->lru_prev].lru_next = b->lru_next;
+    else
+        p->lru_head = b->lru_next;
+    if (b->lru_next != NONE)
+        p->blk[b->lru_next].lru_prev = b->lru_prev;
+    else
+        p->lru_tail = b->lru_prev;
 }
 
 static uint32_t htab_find(const pool_t *p, const pkv_key_t *key)
@@ -344,8 +353,9 @@ static uint32_t pool_commit(pool_t *p, uint32_t want)
 /* Blocks obtainable now without touching live data: free + committable + evictable. */
 static uint64_t pool_available(const pool_t *p, uint64_t cached_excluded)
 {
-    uint64_t committable = PKV_MIN((uint64_t)p->n_uncommitted,
-                                   (uint64_t)(p->max_granules - PKV_MIN(p->committed, p->max_granules)));
+    uint64_t committable =
+        PKV_MIN((uint64_t)p->n_uncommitted,
+                (uint64_t)(p->max_granules - PKV_MIN(p->committed, p->max_granules)));
     return p->n_free + committable * p->bpg + (p->n_cached - cached_excluded);
 }
 
@@ -393,8 +403,10 @@ static void seq_link(pool_t *p, pool_seq_t *s)
 
 static void seq_unlink(pool_t *p, pool_seq_t *s)
 {
-    if (s->prev) s->prev->next = s->next;
-    else p->seqs = s->next;
+    if (s->prev)
+        s->prev->next = s->next;
+    else
+        p->seqs = s->next;
     if (s->next) s->next->prev = s->prev;
     p->n_seqs--;
 }
@@ -621,7 +633,8 @@ static void pool_seq_slot(const pkv_seq_t *seq, uint32_t pos, uint32_t layer, vo
     const pool_t *p = pool_of(seq->kv);
     const pkv_geometry_t *g = &seq->kv->geo;
     size_t es = seq->kv->elem_bytes, T = g->block_tokens, D = g->head_dim, H = g->kv_heads;
-    uint8_t *base = block_addr(p, s->blocks[pos / T]) + ((size_t)layer * 2 * H * T + pos % T) * D * es;
+    uint8_t *base =
+        block_addr(p, s->blocks[pos / T]) + ((size_t)layer * 2 * H * T + pos % T) * D * es;
     *k = base;
     *v = base + H * T * D * es;
     *head_stride = T * D;
@@ -636,7 +649,8 @@ static uint32_t pool_seq_runs(const pkv_seq_t *seq, uint32_t layer, uint32_t beg
         void *k, *v;
         size_t hs;
         pool_seq_slot(seq, pos, layer, &k, &v, &hs);
-        out[n++] = (pkv_kv_run_t){.k = k, .v = v, .pos = pos, .n_tokens = stop - pos, .head_stride = hs};
+        out[n++] =
+            (pkv_kv_run_t){.k = k, .v = v, .pos = pos, .n_tokens = stop - pos, .head_stride = hs};
         pos = stop;
     }
     if (next) *next = pos;
@@ -728,13 +742,13 @@ static void pool_stats(pkv_kv_t *kv, pkv_kv_stats_t *o)
     pthread_mutex_unlock(&p->lock);
 }
 
-#define CHECK(cond, ...)                                                                       \
-    do {                                                                                       \
-        if (!(cond)) {                                                                         \
-            PKV_LOGE("pool", "validate: " __VA_ARGS__);                                        \
-            rc = PKV_ERR_CORRUPT;                                                              \
-            goto out;                                                                          \
-        }                                                                                      \
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            PKV_LOGE("pool", "validate: " __VA_ARGS__);                                            \
+            rc = PKV_ERR_CORRUPT;                                                                  \
+            goto out;                                                                              \
+        }                                                                                          \
     } while (0)
 
 static int pool_validate(pkv_kv_t *kv)
@@ -764,7 +778,9 @@ static int pool_validate(pkv_kv_t *kv)
     CHECK(seqs == p->n_seqs && tokens == p->live_tokens, "sequence count/tokens drift");
     for (pool_seq_t *s = p->seqs; s; s = s->next) /* no other sequence can see them */
         for (uint32_t b = s->base.length / kv->geo.block_tokens;
-             s->base.capacity > s->base.length && b < PKV_DIV_UP(s->base.capacity, kv->geo.block_tokens); b++)
+             s->base.capacity > s->base.length &&
+             b < PKV_DIV_UP(s->base.capacity, kv->geo.block_tokens);
+             b++)
             CHECK(seq_refs[s->blocks[b]] == 1, "writable block %u shared by %u sequences",
                   s->blocks[b], seq_refs[s->blocks[b]]);
     for (uint32_t g = 0; g < p->n_granules; g++) {
@@ -836,12 +852,9 @@ out:
 
 /* ---- create / destroy -------------------------------------------------------------- */
 
-static void pool_destroy(pkv_kv_t *kv)
+/* Free the metadata arrays and the pool object (the range and lock are the caller's). */
+static void pool_free(pool_t *p)
 {
-    pool_t *p = pool_of(kv);
-    PKV_ASSERT(p->n_seqs == 0);
-    pkv_prim_release(p->addr, p->reserved);
-    pthread_mutex_destroy(&p->lock);
     free(p->blk);
     free(p->gr);
     free(p->bucket);
@@ -849,6 +862,15 @@ static void pool_destroy(pkv_kv_t *kv)
     free(p->uncommitted);
     free(p->htab);
     free(p);
+}
+
+static void pool_destroy(pkv_kv_t *kv)
+{
+    pool_t *p = pool_of(kv);
+    PKV_ASSERT(p->n_seqs == 0);
+    pkv_prim_release(p->addr, p->reserved);
+    pthread_mutex_destroy(&p->lock);
+    pool_free(p);
 }
 
 int pkv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
@@ -873,8 +895,9 @@ int pkv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
     p->bpg = (uint32_t)PKV_MAX(1, gran / bb);
     p->stride = PKV_ALIGN_UP((size_t)p->bpg * bb, PKV_PRIM_PAGE);
     p->budget = cfg->budget_bytes;
-    uint64_t span = cfg->budget_bytes ? cfg->budget_bytes
-                                      : (cfg->reserve_bytes ? cfg->reserve_bytes : POOL_DEFAULT_RESERVE);
+    uint64_t span = cfg->budget_bytes
+                        ? cfg->budget_bytes
+                        : (cfg->reserve_bytes ? cfg->reserve_bytes : POOL_DEFAULT_RESERVE);
     uint64_t ng = span / p->stride;
     ng = PKV_MIN(ng, POOL_MAX_BLOCKS / p->bpg);
     if (ng == 0) {
@@ -915,13 +938,7 @@ int pkv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
 fail_reserve:
     pkv_prim_release(p->addr, p->reserved);
 fail:
-    free(p->blk);
-    free(p->gr);
-    free(p->bucket);
-    free(p->bucket_bits);
-    free(p->uncommitted);
-    free(p->htab);
-    free(p);
+    pool_free(p);
     return rc;
 }
 

@@ -136,8 +136,10 @@ int pkv_prim_shared_commit(int fd, void *addr, size_t offset, size_t size)
 static int prim_open_proc(int pid, const char *what)
 {
     char path[64];
-    if (pid == 0) snprintf(path, sizeof(path), "/proc/self/%s", what);
-    else snprintf(path, sizeof(path), "/proc/%d/%s", pid, what);
+    if (pid == 0)
+        snprintf(path, sizeof(path), "/proc/self/%s", what);
+    else
+        snprintf(path, sizeof(path), "/proc/%d/%s", pid, what);
     return open(path, O_RDONLY | O_CLOEXEC);
 }
 
@@ -194,8 +196,10 @@ int pkv_prim_hwm_reset(void)
 int pkv_prim_hwm_reset_pid(int pid)
 {
     char path[64];
-    if (pid == 0) snprintf(path, sizeof(path), "/proc/self/clear_refs");
-    else snprintf(path, sizeof(path), "/proc/%d/clear_refs", pid);
+    if (pid == 0)
+        snprintf(path, sizeof(path), "/proc/self/clear_refs");
+    else
+        snprintf(path, sizeof(path), "/proc/%d/clear_refs", pid);
     int fd = open(path, O_WRONLY | O_CLOEXEC);
     if (fd < 0) return PKV_ERR_IO;
     ssize_t n = write(fd, "5", 1);

@@ -43,8 +43,8 @@ int pkv_prim_shared_commit(int fd, void *addr, size_t offset, size_t size);
 
 /* The process's memory as the OS reports it. */
 typedef struct {
-    uint64_t rss_bytes;     /* VmRSS */
-    uint64_t hwm_bytes;     /* VmHWM */
+    uint64_t rss_bytes; /* VmRSS */
+    uint64_t hwm_bytes; /* VmHWM */
     uint64_t rss_anon_bytes;
     uint64_t rss_shmem_bytes;
 } pkv_prim_mem_t;

@@ -206,12 +206,12 @@ json_t *pkv_server_cache_stats_json(const pkv_server_counters_t *c, const pkv_en
                       ? (double)ks->prefix_hit_tokens / (double)ks->prefix_query_tokens
                       : 0.0;
     json_t *doc = json_pack(
-        "{s:s, s:i, s:I, s:I, s:I, s:o, s:I, s:I, s:I, s:{s:I, s:I, s:I, s:I}, s:I, s:I,"
+        "{s:s, s:i, s:I, s:I, s:I, s:i, s:o, s:I, s:I, s:I, s:{s:I, s:I, s:I, s:I}, s:I, s:I,"
         " s:{s:I, s:I, s:I, s:f}, s:I, s:I, s:I, s:I, s:I, s:o,"
         " s:{s:I, s:I, s:I, s:I}}",
         "backend", pkv_backend_name(backend), "block_tokens", (int)block_tokens, "block_bytes",
         (json_int_t)ks->block_bytes, "token_bytes", (json_int_t)ks->token_bytes, "granule_bytes",
-        (json_int_t)ks->granule_bytes, "budget_bytes",
+        (json_int_t)ks->granule_bytes, "storage_ranges", (int)ks->storage_ranges, "budget_bytes",
         ks->budget_bytes ? json_integer((json_int_t)ks->budget_bytes) : json_null(),
         "committed_bytes", (json_int_t)ks->committed_bytes, "peak_committed_bytes",
         (json_int_t)ks->peak_committed_bytes, "reserved_bytes", (json_int_t)ks->reserved_bytes,

@@ -106,48 +106,5 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 }
 
 #ifdef PKV_FUZZ_REPLAY_MAIN
-static int replay_file(const char *path)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) return -1;
-    size_t cap = 4096, n = 0;
-    uint8_t *buf = malloc(cap);
-    for (size_t r; buf && (r = fread(buf + n, 1, cap - n, f)) > 0;) {
-        n += r;
-        if (n < cap) continue;
-        uint8_t *grown = realloc(buf, cap *= 2);
-        if (!grown) free(buf);
-        buf = grown;
-    }
-    fclose(f);
-    if (!buf) return -1;
-    LLVMFuzzerTestOneInput(buf, n);
-    free(buf);
-    return 0;
-}
-
-int main(int argc, char **argv)
-{
-    int files = 0;
-    for (int i = 1; i < argc; i++) {
-        DIR *d = opendir(argv[i]);
-        if (!d) {
-            if (replay_file(argv[i])) {
-                fprintf(stderr, "cannot read %s\n", argv[i]);
-                return 1;
-            }
-            files++;
-            continue;
-        }
-        for (struct dirent *e; (e = readdir(d));) {
-            if (e->d_name[0] == '.') continue;
-            char path[4096];
-            snprintf(path, sizeof(path), "%s/%s", argv[i], e->d_name);
-            if (replay_file(path) == 0) files++;
-        }
-        closedir(d);
-    }
-    printf("fuzz_tokenizer: replayed %d inputs, no failure\n", files);
-    return 0;
-}
+#include "replay_main.h"
 #endif

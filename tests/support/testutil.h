@@ -12,28 +12,28 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define PKV_TEST_MAIN(make_suite)                                                              \
-    int main(void)                                                                             \
-    {                                                                                          \
-        SRunner *sr = srunner_create(make_suite());                                            \
-        srunner_run_all(sr, CK_NORMAL);                                                        \
-        int failed = srunner_ntests_failed(sr);                                                \
-        srunner_free(sr);                                                                      \
-        return failed ? EXIT_FAILURE : EXIT_SUCCESS;                                           \
+#define PKV_TEST_MAIN(make_suite)                                                                  \
+    int main(void)                                                                                 \
+    {                                                                                              \
+        SRunner *sr = srunner_create(make_suite());                                                \
+        srunner_run_all(sr, CK_NORMAL);                                                            \
+        int failed = srunner_ntests_failed(sr);                                                    \
+        srunner_free(sr);                                                                          \
+        return failed ? EXIT_FAILURE : EXIT_SUCCESS;                                               \
     }
 
 /* An assertion for hot loops: Check's ck_assert_* records every passing call (a write
  * per call in fork mode), which dominates tight property loops. */
-#define PKV_CHECK(cond)                                                                        \
-    do {                                                                                       \
-        if (!(cond)) ck_abort_msg("%s:%d: check failed: %s", __FILE__, __LINE__, #cond);       \
+#define PKV_CHECK(cond)                                                                            \
+    do {                                                                                           \
+        if (!(cond)) ck_abort_msg("%s:%d: check failed: %s", __FILE__, __LINE__, #cond);           \
     } while (0)
-#define PKV_CHECK_EQ(a, b)                                                                     \
-    do {                                                                                       \
-        long long pkv_a_ = (long long)(a), pkv_b_ = (long long)(b);                            \
-        if (pkv_a_ != pkv_b_)                                                                  \
-            ck_abort_msg("%s:%d: %s == %s failed: %lld != %lld", __FILE__, __LINE__, #a, #b,     \
-                         pkv_a_, pkv_b_);                                                      \
+#define PKV_CHECK_EQ(a, b)                                                                         \
+    do {                                                                                           \
+        long long pkv_a_ = (long long)(a), pkv_b_ = (long long)(b);                                \
+        if (pkv_a_ != pkv_b_)                                                                      \
+            ck_abort_msg("%s:%d: %s == %s failed: %lld != %lld", __FILE__, __LINE__, #a, #b,       \
+                         pkv_a_, pkv_b_);                                                          \
     } while (0)
 
 /* splitmix64: a small seeded generator (no hidden global state). */

@@ -1,0 +1,524 @@
+/*
+ * pagekv bench xfer: the transfer engine between two processes (bench/xfer_harness.c).
+ *
+ *   throughput   GB/s (1e9 bytes/s) of 64 KiB, 1 MiB and 16 MiB transfers, same host
+ *                (UCX picks shared memory) and over tcp (UCX_TLS=tcp on loopback), every
+ *                byte verified by the consumer. Two figures per size: 8 reads in flight
+ *                (aggregate bytes over the batch's wall time: the figure compared with
+ *                ucx_perftest, which keeps 8 sends outstanding) and one read at a time
+ *                (median of the reads' own times: latency-bound for small sizes). The
+ *                first read of each run is a warm-up, excluded.
+ *   references   single-thread memcpy of 16 MiB, and `ucx_perftest -t tag_bw -O 8 -e` over
+ *                tcp at the same sizes with the same UCX tcp settings, measured in this run
+ *   kill detect  kill -9 of a producer mid-transfer to the consumer's peer_lost, both paths
+ *   fault matrix (--fault-matrix N) every fault case N times; see the table's columns
+ *
+ * Output: Markdown on stdout; --json FILE adds results [{path, size, gbps, ...}],
+ * memcpy_gbps, ucx_perftest_tcp_gbps (1 MiB), kill_detect_ms (same host, median) and the
+ * details.
+ */
+#include "../tools/cli.h"
+#include "xfer_harness.h"
+
+#include "core/core.h"
+#include "pagekv/xfer.h"
+
+#include <fcntl.h>
+#include <jansson.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double median(double *v, size_t n)
+{
+    if (!n) return 0;
+    qsort(v, n, sizeof(double), cmp_double);
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+static void progress(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void progress(const char *fmt, ...)
+{
+    if (!pkv_cli_progress_enabled()) return;
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "\r\033[K");
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+}
+
+static void progress_done(void)
+{
+    if (pkv_cli_progress_enabled()) fprintf(stderr, "\r\033[K");
+}
+
+/* ---- references ------------------------------------------------------------------------ */
+static double memcpy_gbps(size_t bytes, int reps)
+{
+    uint8_t *a = malloc(bytes), *b = malloc(bytes);
+    double v[9];
+    if (!a || !b) {
+        free(a);
+        free(b);
+        return 0;
+    }
+    memset(a, 1, bytes);
+    memset(b, 2, bytes);
+    for (int s = 0; s < 9; s++) {
+        uint64_t t0 = pkv_now_ns();
+        for (int r = 0; r < reps; r++) {
+            memcpy(b, a, bytes);
+            __asm__ volatile("" ::"r"(b) : "memory");
+        }
+        v[s] = (double)bytes * reps / (double)(pkv_now_ns() - t0);
+    }
+    free(a);
+    free(b);
+    return median(v, 9);
+}
+
+#define PERFTEST_ENV                                                                               \
+    "UCX_TLS=tcp UCX_ZCOPY_THRESH=inf UCX_TCP_TX_SEG_SIZE=64k UCX_TCP_RX_SEG_SIZE=64k "
+
+/* ucx_perftest tag_bw over tcp on loopback at `size`: GB/s, or -1 when it cannot run. */
+static double perftest_gbps(size_t size, int port)
+{
+    size_t iters = PKV_MIN((size_t)20000, PKV_MAX((size_t)128, ((size_t)2 << 30) / size));
+    char cmd[512];
+    snprintf(cmd, sizeof(cmd), PERFTEST_ENV "exec ucx_perftest -p %d >/dev/null 2>&1", port);
+    fflush(NULL);
+    pid_t srv = fork();
+    if (srv < 0) return -1;
+    if (srv == 0) {
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    double gbps = -1;
+    for (int attempt = 0; attempt < 10 && gbps < 0; attempt++) {
+        usleep(300000);
+        snprintf(cmd, sizeof(cmd),
+                 PERFTEST_ENV "ucx_perftest 127.0.0.1 -p %d -t tag_bw -s %zu -n %zu -w %zu -O 8 "
+                              "-e -f 2>/dev/null",
+                 port, size, iters, iters / 10);
+        FILE *f = popen(cmd, "r");
+        if (!f) break;
+        char line[512];
+        while (fgets(line, sizeof(line), f)) {
+            double v[8];
+            if (sscanf(line, "%lf %lf %lf %lf %lf %lf %lf %lf", &v[0], &v[1], &v[2], &v[3], &v[4],
+                       &v[5], &v[6], &v[7]) == 8)
+                gbps = v[5] * 1048576.0 / 1e9; /* overall bandwidth, MB/s of 2^20 bytes */
+        }
+        pclose(f);
+    }
+    kill(srv, SIGKILL);
+    waitpid(srv, NULL, 0);
+    return gbps;
+}
+
+/* ---- our transfers ---------------------------------------------------------------------- */
+/* Paths: same host through the shared staging arena (what a same-host pair uses), tcp on
+ * loopback (UCX_TLS=tcp), and same host with the payload through UCX shared memory. */
+enum { PATH_SAME_HOST, PATH_TCP, PATH_SAME_HOST_UCX, NPATHS };
+static const char *const path_names[NPATHS] = {"same_host", "tcp", "same_host_ucx"};
+
+/* Geometry with 64 KiB blocks: 4 layers x 4 heads x 64 dim x 16 tokens, f16. */
+static void size_case(xh_case_t *c, size_t bytes, int path)
+{
+    xh_case_default(c);
+    c->geo = (pkv_geometry_t){
+        .layers = 4, .kv_heads = 4, .head_dim = 64, .block_tokens = 16, .dtype = PKV_DTYPE_F16};
+    c->n_tokens = (uint32_t)(bytes / (64 << 10)) * 16;
+    c->chunk_bytes = 1 << 20;
+    c->page_bytes = 64 << 10;
+    c->deadline_ms = 30000;
+    c->tcp = path == PATH_TCP;
+    c->shared = path == PATH_SAME_HOST;
+}
+
+typedef struct {
+    double batch_gbps;  /* median over runs of (bytes of 8 reads) / (their wall time) */
+    double single_gbps; /* median over reads of bytes / read time, one at a time */
+    int runs, reads;
+    bool ok;
+    char why[160];
+} tput_t;
+
+static bool run_ok(const xh_result_t *r, uint32_t n, char *why, size_t wl)
+{
+    if (!r->ok) {
+        snprintf(why, wl, "harness: %.120s", r->error[0] ? r->error : "report missing");
+        return false;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        if (r->outcome[i] != PKV_OK || r->mismatched_positions[i]) {
+            snprintf(why, wl, "read %u: %s, %u positions differ", i, pkv_status_str(r->outcome[i]),
+                     r->mismatched_positions[i]);
+            return false;
+        }
+    }
+    return true;
+}
+
+static tput_t measure(size_t bytes, int path, int runs, int single_reads)
+{
+    tput_t t = {.ok = true};
+    double batch[16], single[64];
+    int nb = 0, ns = 0;
+    for (int run = 0; run < runs && t.ok; run++) {
+        xh_case_t c;
+        xh_result_t r;
+        size_case(&c, bytes, path);
+        c.seed = 7 + (uint64_t)run;
+        c.warmup = 8; /* a first batch commits and maps every page the timed one uses */
+        c.n_requests = 8 + 8;
+        xh_run(&c, &r);
+        if (!(t.ok = run_ok(&r, c.n_requests, t.why, sizeof(t.why)))) break;
+        uint64_t first = UINT64_MAX, last = 0, total = 0;
+        for (uint32_t i = c.warmup; i < c.n_requests; i++) {
+            first = PKV_MIN(first, r.done_at_ns[i] - r.elapsed_ns[i]);
+            last = PKV_MAX(last, r.done_at_ns[i]);
+            total += r.bytes[i];
+        }
+        batch[nb++] = (double)total / (double)(last - first);
+    }
+    if (t.ok) {
+        xh_case_t c;
+        xh_result_t r;
+        size_case(&c, bytes, path);
+        c.seed = 99;
+        c.warmup = 1;
+        c.sequential = true;
+        c.n_requests = 1 + (uint32_t)single_reads;
+        xh_run(&c, &r);
+        if ((t.ok = run_ok(&r, c.n_requests, t.why, sizeof(t.why))))
+            for (uint32_t i = c.warmup; i < c.n_requests; i++)
+                single[ns++] = (double)r.bytes[i] / (double)r.elapsed_ns[i];
+    }
+    t.batch_gbps = median(batch, (size_t)nb);
+    t.single_gbps = median(single, (size_t)ns);
+    t.runs = nb;
+    t.reads = ns;
+    return t;
+}
+
+typedef struct {
+    double median_ms, max_ms;
+    int runs;
+    char outcomes[96];
+} kill_t;
+
+static kill_t kill_detect(int path, int runs)
+{
+    kill_t k = {0};
+    double v[64];
+    int n = 0, other = 0;
+    for (int i = 0; i < runs && i < 64; i++) {
+        xh_case_t c;
+        xh_result_t r;
+        xh_case_default(&c);
+        c.fault = XH_PRODUCER_KILLED_DURING;
+        c.tcp = path == PATH_TCP;
+        c.shared = path == PATH_SAME_HOST;
+        c.seed = 300 + (uint64_t)i;
+        c.deadline_ms = 10000;
+        xh_run(&c, &r);
+        if (r.ok && r.outcome[0] == PKV_ERR_PEER_LOST && r.kill_at_ns && r.done_at_ns[0])
+            v[n++] = (double)(r.done_at_ns[0] - r.kill_at_ns) / 1e6;
+        else
+            other++;
+    }
+    k.runs = n;
+    snprintf(k.outcomes, sizeof(k.outcomes), "%d peer_lost%s", n,
+             other ? ", some runs did not end peer_lost" : "");
+    if (n) {
+        k.median_ms = median(v, (size_t)n);
+        k.max_ms = v[n - 1]; /* sorted by median() */
+    }
+    return k;
+}
+
+/* ---- the fault matrix --------------------------------------------------------------------- */
+typedef struct {
+    int runs;
+    int outcomes[9]; /* by pkv_xfer_outcome_index, [8] = none (consumer killed) */
+    double worst_ms;
+    int violations;
+    char first_violation[200];
+} fm_row_t;
+
+static void violation(fm_row_t *row, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void violation(fm_row_t *row, const char *fmt, ...)
+{
+    if (!row->violations++) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(row->first_violation, sizeof(row->first_violation), fmt, ap);
+        va_end(ap);
+    }
+}
+
+static void fault_check(const xh_case_t *c, const xh_result_t *r, fm_row_t *row)
+{
+    if (!r->ok) return violation(row, "harness: %s", r->error[0] ? r->error : "report missing");
+    uint64_t n_ok = 0;
+    if (xh_consumer_reports(c->fault)) {
+        if (!WIFEXITED(r->cons_wstatus) || WEXITSTATUS(r->cons_wstatus))
+            violation(row, "consumer exit status %d", r->cons_wstatus);
+        int oc = r->outcome[0], idx = pkv_xfer_outcome_index(oc);
+        row->outcomes[idx < 0 ? 8 : idx]++;
+        double ms = (double)r->elapsed_ns[0] / 1e6;
+        if (ms > row->worst_ms) row->worst_ms = ms;
+        if (!xh_outcome_expected(c, oc)) violation(row, "outcome %s", pkv_status_str(oc));
+        if (ms > (double)c->deadline_ms + 1000) violation(row, "outcome after %.0f ms", ms);
+        if (oc == PKV_OK) {
+            n_ok++;
+            if (r->mismatched_positions[0])
+                violation(row, "%u positions differ", r->mismatched_positions[0]);
+        }
+        if (r->cons_active_left || r->cons_pins_left || r->cons_staging_left ||
+            r->cons_blocks_live || r->cons_stage_rc || r->cons_stage_leaked)
+            violation(row, "consumer kept resources (transfers %llu pins %llu pages %llu)",
+                      (unsigned long long)r->cons_active_left,
+                      (unsigned long long)r->cons_pins_left,
+                      (unsigned long long)r->cons_staging_left);
+    } else {
+        row->outcomes[8]++;
+        if (!WIFSIGNALED(r->cons_wstatus)) violation(row, "consumer was not killed");
+    }
+    if (xh_producer_reports(c->fault)) {
+        if (!WIFEXITED(r->prod_wstatus) || WEXITSTATUS(r->prod_wstatus))
+            violation(row, "producer exit status %d", r->prod_wstatus);
+        if (r->sent != n_ok)
+            violation(row, "producer counted %llu sent, consumer stored %llu",
+                      (unsigned long long)r->sent, (unsigned long long)n_ok);
+        if (r->prod_active_left || r->prod_staging_left || r->prod_blocks_live ||
+            r->prod_stage_rc || r->prod_stage_leaked)
+            violation(row, "producer kept resources (transfers %llu pages %llu blocks %llu)",
+                      (unsigned long long)r->prod_active_left,
+                      (unsigned long long)r->prod_staging_left,
+                      (unsigned long long)r->prod_blocks_live);
+        if (r->written_off)
+            violation(row, "%llu UCX operations written off", (unsigned long long)r->written_off);
+        if (!xh_consumer_reports(c->fault) && r->serves_failed != r->serves_started)
+            violation(row, "a serve to the dead consumer did not end");
+        if (r->registrations_left != UINT64_MAX && r->prod_pins_left != r->registrations_left * 32)
+            violation(row, "producer pins %llu for %llu registrations",
+                      (unsigned long long)r->prod_pins_left,
+                      (unsigned long long)r->registrations_left);
+    } else if (!WIFSIGNALED(r->prod_wstatus)) {
+        violation(row, "producer was not killed");
+    }
+}
+
+static const char *const outcome_names[9] = {"ok",      "timeout",  "peer_lost",
+                                             "nofit",   "rejected", "cancelled",
+                                             "corrupt", "shutdown", "(killed)"};
+
+static void outcomes_str(const fm_row_t *row, char *buf, size_t len)
+{
+    buf[0] = '\0';
+    for (int i = 0; i < 9; i++) {
+        if (!row->outcomes[i]) continue;
+        size_t l = strlen(buf);
+        snprintf(buf + l, len - l, "%s%s x%d", l ? ", " : "", outcome_names[i], row->outcomes[i]);
+    }
+}
+
+/* ---- main ------------------------------------------------------------------------------------ */
+static int usage(void)
+{
+    fprintf(stderr,
+            "usage: pagekv bench xfer [--runs N] [--kill-runs N] [--fault-matrix N] [--tcp-only]\n"
+            "                         [--no-perftest] [--no-throughput] [--json FILE]\n"
+            "  --runs N          8-in-flight batches per size and path (default 3)\n"
+            "  --kill-runs N     kill -9 runs per path for the detection time (default 5)\n"
+            "  --fault-matrix N  run every fault case N times (default 0: skip)\n");
+    return 2;
+}
+
+int pkv_bench_xfer(int argc, char **argv)
+{
+    uint64_t runs = 3, kill_runs = 5, fm_runs = 0;
+    const char *json_path = NULL;
+    bool perftest = true, throughput = true;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) return usage(), 0;
+        if (!strcmp(a, "--no-perftest")) {
+            perftest = false;
+        } else if (!strcmp(a, "--no-throughput")) {
+            throughput = false;
+        } else if (i + 1 < argc && !strcmp(a, "--runs")) {
+            if (pkv_cli_parse_u64(argv[++i], 1, 15, &runs)) return usage();
+        } else if (i + 1 < argc && !strcmp(a, "--kill-runs")) {
+            if (pkv_cli_parse_u64(argv[++i], 0, 64, &kill_runs)) return usage();
+        } else if (i + 1 < argc && !strcmp(a, "--fault-matrix")) {
+            if (pkv_cli_parse_u64(argv[++i], 0, 10000, &fm_runs)) return usage();
+        } else if (i + 1 < argc && !strcmp(a, "--json")) {
+            json_path = argv[++i];
+        } else {
+            return pkv_cli_usage_error("bench xfer", "unknown option '%s'", a);
+        }
+    }
+    pkv_log_set_level(PKV_LOG_ERROR);
+
+    static const size_t sizes[] = {64 << 10, 1 << 20, 16 << 20};
+    static const char *const size_names[] = {"64 KiB", "1 MiB", "16 MiB"};
+    enum { NS = 3 };
+    json_t *root = json_object(), *results = json_array();
+
+    progress("memcpy reference ...");
+    double mc = memcpy_gbps(16 << 20, 16);
+    json_object_set_new(root, "memcpy_gbps", json_real(mc));
+
+    double pt[NS] = {-1, -1, -1};
+    if (perftest)
+        for (int s = 0; s < NS; s++) {
+            progress("ucx_perftest tag_bw tcp %s ...", size_names[s]);
+            pt[s] = perftest_gbps(sizes[s], 21000 + (int)(getpid() % 4000) + s);
+        }
+
+    tput_t tp[NPATHS][NS];
+    memset(tp, 0, sizeof(tp));
+    if (throughput) {
+        for (int path = 0; path < NPATHS; path++)
+            for (int s = 0; s < NS; s++) {
+                progress("transfers %s %s ...", path_names[path], size_names[s]);
+                tp[path][s] = measure(sizes[s], path, (int)runs, 8);
+            }
+    }
+    kill_t kd[NPATHS];
+    memset(kd, 0, sizeof(kd));
+    for (int path = 0; path < NPATHS && kill_runs; path++) {
+        progress("kill -9 detection %s ...", path_names[path]);
+        kd[path] = kill_detect(path, (int)kill_runs);
+    }
+    progress_done();
+
+    printf("# pagekv bench xfer\n\n");
+    printf("Two processes on this host, every byte verified by the consumer. GB/s = 1e9 "
+           "bytes/s.\n\n");
+    printf("memcpy (single thread, 16 MiB, median of 9): **%.2f GB/s**\n\n", mc);
+    if (throughput) {
+        json_t *ucx_shm = json_array();
+        printf("| path | size | 8 in flight GB/s | one at a time GB/s | vs memcpy | ucx_perftest "
+               "tcp GB/s | vs perftest |\n|---|---|---|---|---|---|---|\n");
+        for (int path = 0; path < NPATHS; path++)
+            for (int s = 0; s < NS; s++) {
+                tput_t *t = &tp[path][s];
+                if (!t->ok) {
+                    printf("| %s | %s | failed: %s | | | | |\n", path_names[path], size_names[s],
+                           t->why);
+                    continue;
+                }
+                char ref[32] = "", vs[32] = "";
+                if (path == PATH_TCP && pt[s] > 0) {
+                    snprintf(ref, sizeof(ref), "%.2f", pt[s]);
+                    snprintf(vs, sizeof(vs), "%.2fx", t->batch_gbps / pt[s]);
+                }
+                printf("| %s | %s | %.2f | %.2f | %.2fx | %s | %s |\n", path_names[path],
+                       size_names[s], t->batch_gbps, t->single_gbps, t->batch_gbps / mc, ref, vs);
+                json_t *o = json_object();
+                json_object_set_new(o, "path", json_string(path_names[path]));
+                json_object_set_new(o, "size", json_integer((json_int_t)sizes[s]));
+                json_object_set_new(o, "gbps", json_real(t->batch_gbps));
+                json_object_set_new(o, "gbps_one_at_a_time", json_real(t->single_gbps));
+                json_object_set_new(o, "batches", json_integer(t->runs));
+                json_object_set_new(o, "single_reads", json_integer(t->reads));
+                json_array_append_new(path == PATH_SAME_HOST_UCX ? ucx_shm : results, o);
+            }
+        json_object_set_new(root, "same_host_ucx", ucx_shm);
+        printf("\nsame_host: payload through the producer's shared staging arena (memfd mapped "
+               "by the consumer); same_host_ucx: payload through UCX (shared memory + tcp lanes, "
+               "zero-copy off per UCX-NOTES); tcp: UCX_TLS=tcp on loopback. 8 in flight: "
+               "median over %llu batches of 8 reads (bytes / batch wall time); one at a time: "
+               "median of 8 reads. Targets: same host >= 0.6 x memcpy, tcp >= 0.8 x "
+               "ucx_perftest.\n\n",
+               (unsigned long long)runs);
+    }
+    json_object_set_new(root, "results", results);
+    json_object_set_new(root, "ucx_perftest_tcp_gbps", json_real(pt[1]));
+    json_t *ptj = json_object();
+    for (int s = 0; s < NS; s++) json_object_set_new(ptj, size_names[s], json_real(pt[s]));
+    json_object_set_new(root, "ucx_perftest_tcp_gbps_by_size", ptj);
+    if (kill_runs) {
+        printf("| kill -9 of the producer mid-transfer | runs | median ms | max ms |\n"
+               "|---|---|---|---|\n");
+        for (int path = 0; path < NPATHS; path++)
+            printf("| %s | %s | %.0f | %.0f |\n", path_names[path], kd[path].outcomes,
+                   kd[path].median_ms, kd[path].max_ms);
+        printf("\nTarget: detected <= 1500 ms.\n\n");
+        json_object_set_new(root, "kill_detect_ms", json_real(kd[0].median_ms));
+        json_object_set_new(root, "kill_detect_ms_max",
+                            json_real(PKV_MAX(PKV_MAX(kd[0].max_ms, kd[1].max_ms), kd[2].max_ms)));
+        json_object_set_new(root, "kill_detect_ms_tcp", json_real(kd[1].median_ms));
+    }
+
+    int failures = 0;
+    if (fm_runs) {
+        json_t *fm = json_array();
+        printf("## Fault matrix (%llu runs per case, same host)\n\n"
+               "| case | payload | runs | outcomes seen | worst ms | deadline ms | violations "
+               "|\n|---|---|---|---|---|---|---|\n",
+               (unsigned long long)fm_runs);
+        for (int fi = 0; fi < 2 * (XH_NFAULTS - 1); fi++) {
+            int f = XH_PRODUCER_KILLED_BEFORE + fi / 2;
+            fm_row_t row;
+            memset(&row, 0, sizeof(row));
+            xh_case_t c;
+            xh_case_default(&c);
+            c.fault = (xh_fault_t)f;
+            c.shared = fi % 2;
+            for (uint64_t k = 0; k < fm_runs; k++) {
+                progress("fault matrix: %s %llu/%llu", xh_fault_name(c.fault),
+                         (unsigned long long)k + 1, (unsigned long long)fm_runs);
+                xh_result_t r;
+                c.seed = 1000 + k;
+                xh_run(&c, &r);
+                row.runs++;
+                fault_check(&c, &r, &row);
+            }
+            progress_done();
+            char oc[256];
+            outcomes_str(&row, oc, sizeof(oc));
+            printf("| %s | %s | %d | %s | %.0f | %llu | %d%s%s |\n", xh_fault_name(c.fault),
+                   c.shared ? "shared arena" : "UCX", row.runs, oc, row.worst_ms,
+                   (unsigned long long)c.deadline_ms, row.violations, row.violations ? ": " : "",
+                   row.first_violation);
+            fflush(stdout);
+            failures += row.violations;
+            json_t *o = json_object();
+            json_object_set_new(o, "case", json_string(xh_fault_name(c.fault)));
+            json_object_set_new(o, "payload", json_string(c.shared ? "shared_arena" : "ucx"));
+            json_object_set_new(o, "runs", json_integer(row.runs));
+            json_object_set_new(o, "outcomes", json_string(oc));
+            json_object_set_new(o, "worst_ms", json_real(row.worst_ms));
+            json_object_set_new(o, "deadline_ms", json_integer((json_int_t)c.deadline_ms));
+            json_object_set_new(o, "violations", json_integer(row.violations));
+            json_array_append_new(fm, o);
+        }
+        printf("\nworst ms: read() call to the consumer's outcome (consumer-killed rows: none). "
+               "A violation is an outcome outside the expected set, later than deadline + 1 s, "
+               "a request counted sent without a stored copy, a staging page, pin or transfer "
+               "not returned, or a process that crashed.\n");
+        json_object_set_new(root, "fault_matrix", fm);
+    }
+    if (json_path && json_dump_file(root, json_path, JSON_INDENT(2))) {
+        fprintf(stderr, "pagekv bench xfer: cannot write %s\n", json_path);
+        json_decref(root);
+        return 1;
+    }
+    json_decref(root);
+    return failures ? 1 : 0;
+}

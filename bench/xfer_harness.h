@@ -1,0 +1,108 @@
+/*
+ * Two-process transfer harness shared by `pagekv bench xfer` and tests/test_xfer.c.
+ *
+ * xh_run() forks a producer and a consumer process. The calling process never touches
+ * UCX (UCX and fork do not mix): each child builds its own pool, stage and agent after
+ * the fork. The producer fills its pool with a seeded pattern, registers the requests
+ * and hands the encoded handles to the consumer (through the parent); the consumer reads
+ * them, checks every byte through its own pool's addressing, and both report their
+ * accounting back over pipes. Faults are injected at exact points by the children's
+ * fault hooks (raise(SIGKILL) / raise(SIGSTOP) / sleeps) or by the parent (kill -9
+ * before the read, network namespaces).
+ */
+#ifndef PKV_BENCH_XFER_HARNESS_H
+#define PKV_BENCH_XFER_HARNESS_H
+
+#include "pagekv/kv.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#define XH_MAX_REQ 64
+
+typedef enum {
+    XH_NONE = 0,
+    XH_PRODUCER_KILLED_BEFORE, /* kill -9 after registering, before the read */
+    XH_PRODUCER_KILLED_DURING, /* producer raises SIGKILL after layer 1 left */
+    XH_PRODUCER_KILLED_AFTER,  /* ... after every chunk left, before the ACK */
+    XH_CONSUMER_KILLED_DURING, /* consumer raises SIGKILL when layer 1 arrived */
+    XH_PRODUCER_STOPPED,       /* producer raises SIGSTOP after layer 1 left */
+    XH_STAGING_FULL_CONSUMER,  /* consumer staging held by someone else until the end */
+    XH_STAGING_FULL_PRODUCER,  /* producer staging held by someone else */
+    XH_NOFIT_CONSUMER,         /* consumer staging smaller than the transfer */
+    XH_NOFIT_PRODUCER,         /* producer staging smaller than the transfer */
+    XH_DEADLINE,               /* producer stages slowly (sleep per layer): deadline passes */
+    XH_WRONG_TOKEN,
+    XH_UNKNOWN_REQUEST,
+    XH_CORRUPT,           /* producer flips a staged byte after checksumming */
+    XH_SHUTDOWN_CONSUMER, /* consumer destroys its agent mid-transfer */
+    XH_SHUTDOWN_PRODUCER, /* producer destroys its agent mid-transfer */
+    XH_CANCEL,            /* consumer cancels mid-transfer */
+    XH_CONSUMER_STOPPED,  /* consumer raises SIGSTOP when layer 1 arrived (killed later) */
+    XH_NFAULTS
+} xh_fault_t;
+
+typedef struct {
+    pkv_geometry_t geo;
+    uint32_t n_tokens;    /* per request */
+    uint32_t n_requests;  /* <= XH_MAX_REQ */
+    bool sequential;      /* read one request after another (timing) instead of all at once */
+    uint32_t warmup;      /* the first `warmup` requests are read first, the same way (one by
+                             one or as a batch), before the rest */
+    uint32_t chunk_bytes; /* 0: agent default */
+    uint32_t page_bytes;  /* staging page; 0: 64 KiB */
+    bool fixed_slots;     /* stages in fixed-slot mode (a slot fits one request) */
+    uint32_t prod_pages, cons_pages; /* staging arena pages; 0: enough for every request */
+    uint64_t deadline_ms;
+    uint64_t seed;
+    xh_fault_t fault;
+    bool tcp;               /* UCX_TLS=tcp in both children */
+    bool shared;            /* producer staging is a memfd arena the consumer maps (same
+                               host): payload bypasses UCX */
+    const char *netns_prod; /* named network namespaces (ip netns) or NULL */
+    const char *netns_cons;
+    const char *prod_host; /* producer listen address; NULL: 127.0.0.1 */
+    uint32_t workers;      /* copy workers per agent; 0: default */
+    uint64_t timeout_ms;   /* the parent gives up (kills both) after this; 0: deadline + 20 s */
+} xh_case_t;
+
+typedef struct {
+    bool ok;         /* both sides ran the protocol (a child that crashed or hung: false) */
+    char error[160]; /* what went wrong in the harness itself */
+    int prod_wstatus, cons_wstatus; /* waitpid statuses (-1 not reaped) */
+    bool prod_report, cons_report;  /* final reports received */
+    /* consumer */
+    int32_t outcome[XH_MAX_REQ];
+    uint64_t elapsed_ns[XH_MAX_REQ]; /* read() call to outcome */
+    uint64_t done_at_ns[XH_MAX_REQ]; /* CLOCK_MONOTONIC at the outcome */
+    uint32_t mismatched_positions[XH_MAX_REQ];
+    uint64_t bytes[XH_MAX_REQ];
+    uint64_t cons_active_left, cons_staging_left, cons_pins_left, cons_blocks_live;
+    int cons_stage_rc;
+    uint64_t cons_stage_leaked;
+    /* producer */
+    uint64_t kill_at_ns; /* when the producer was killed (self or parent), 0 if not */
+    uint64_t sent, serves_started, serves_failed, rejected, registrations_left, written_off;
+    uint64_t prod_active_left, prod_staging_left, prod_pins_left, prod_blocks_live;
+    int prod_stage_rc;
+    uint64_t prod_stage_leaked;
+} xh_result_t;
+
+const char *xh_fault_name(xh_fault_t f);
+/* The outcomes a consumer may see in a case (ok where the data all arrived). */
+bool xh_outcome_expected(const xh_case_t *c, int outcome);
+/* Does the producer report survive this fault? */
+bool xh_producer_reports(xh_fault_t f);
+bool xh_consumer_reports(xh_fault_t f);
+
+/* Fill defaults for a small fault-matrix case (8 layers, 2 MiB per request). */
+void xh_case_default(xh_case_t *c);
+/* Run one case. Returns 0 when the harness itself worked (see r->ok / r->error). */
+int xh_run(const xh_case_t *c, xh_result_t *r);
+
+/* Two network namespaces joined by a veth pair (10.250.0.1 / 10.250.0.2). Names are
+ * written to a and b (16 bytes each). Returns 0, or -1 with a reason in why. */
+int xh_netns_create(char a[16], char b[16], char *why, size_t why_len);
+void xh_netns_destroy(const char *a, const char *b);
+
+#endif

@@ -1,0 +1,188 @@
+/*
+ * pagekv transfer engine (SPEC part 6): moves a request's KV blocks from the pool of a
+ * producer process (prefill) into the pool of a consumer process (decode) over UCX,
+ * through host staging, within one absolute deadline per transfer.
+ *
+ * Roles (one agent can play both):
+ *   Producer  pkv_xfer_register() pins a request's blocks under a lease with an expiry,
+ *             draws a random 128-bit token and returns a handle (request id, producer
+ *             address, geometry, block ids, token) that travels to the consumer as bytes
+ *             (pkv_xfer_handle_encode / _decode). The registration ends when a consumer
+ *             acknowledges a complete transfer ("sent"), when the lease expires, on
+ *             pkv_xfer_unregister(), or at agent destroy; its callback says which.
+ *   Consumer  pkv_xfer_read(handle, destination blocks, deadline) pulls the blocks into
+ *             the local pool and completes with exactly one typed outcome:
+ *               PKV_OK             every layer arrived, checksums matched, bytes stored
+ *               PKV_ERR_TIMEOUT    the deadline passed (locally or at the producer)
+ *               PKV_ERR_PEER_LOST  the producer died, went silent (~1 s) or shut down
+ *               PKV_ERR_NOFIT      staging on either side can never hold the transfer
+ *               PKV_ERR_REJECTED   unknown request, wrong token, blocks not registered,
+ *                                  geometry mismatch, request busy, or a bad message
+ *               PKV_ERR_CANCELLED  pkv_xfer_cancel()
+ *               PKV_ERR_CORRUPT    a layer's checksum did not match
+ *               PKV_ERR_SHUTDOWN   this agent was destroyed while the read ran
+ *             Only an acknowledgement from the consumer makes the producer count a
+ *             request as sent; the consumer acknowledges only after every layer has
+ *             been verified and stored.
+ *
+ * Threads: an agent runs one progress thread (the only caller of UCX) and fixed pools of
+ * copy and staging-seat workers, all named and joined by pkv_xfer_agent_destroy.
+ * Callbacks run on the progress thread with no pagekv lock held: they must return
+ * quickly and must not call pkv_xfer_agent_destroy or wait on a read.
+ *
+ * Every function may be called from any thread, except that pkv_xfer_agent_destroy must
+ * not run concurrently with other calls on the same agent.
+ */
+#ifndef PAGEKV_XFER_H
+#define PAGEKV_XFER_H
+
+#include "pagekv/kv.h"
+#include "pagekv/pagekv.h"
+#include "pagekv/stage.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PKV_XFER_TOKEN_BYTES 16
+#define PKV_XFER_ADDR_MAX    64 /* "host:port" plus NUL */
+
+typedef struct pkv_xfer_agent pkv_xfer_agent_t;
+typedef struct pkv_xfer_read pkv_xfer_read_t;
+
+typedef struct {
+    pkv_kv_t *kv;             /* the paged pool transfers read from / write to; not owned */
+    pkv_stage_t *stage;       /* host staging; not owned; must outlive the agent */
+    const char *listen_host;  /* NULL -> "127.0.0.1" (loopback unless told otherwise) */
+    uint16_t listen_port;     /* 0 -> any free port (see pkv_xfer_agent_address) */
+    uint32_t workers;         /* copy workers; 0 -> 2 */
+    uint32_t seat_workers;    /* threads that wait for staging; 0 -> 2 */
+    uint64_t heartbeat_ns;    /* 0 -> 250 ms */
+    uint64_t peer_timeout_ns; /* a peer silent this long is lost; 0 -> 1 s */
+    uint32_t chunk_bytes;     /* payload message size; 0 -> 1 MiB */
+    uint32_t max_inflight;    /* payload sends in flight per transfer; 0 -> 8 */
+    bool no_shared;           /* consumer: never map a same-host producer's staging arena
+                                 (always move the payload through UCX) */
+} pkv_xfer_config_t;
+
+/* Create an agent: UCX context, worker, listener, progress thread and workers. Bad config
+ * is PKV_ERR_INVALID; a UCX failure PKV_ERR_IO (logged). On success *out owns it all. */
+int pkv_xfer_agent_create(const pkv_xfer_config_t *cfg, pkv_xfer_agent_t **out);
+
+/* End every transfer (reads complete with PKV_ERR_SHUTDOWN, peers get FAIL shutdown),
+ * unpin every registration (callback with PKV_ERR_SHUTDOWN), return all staging, close
+ * the endpoints within a bounded time, join every thread, free everything. Reads not yet
+ * freed stay valid for pkv_xfer_read_wait / _free. NULL is a no-op. */
+void pkv_xfer_agent_destroy(pkv_xfer_agent_t *agent);
+
+/* The address peers use to reach this agent: "host:port". Valid for the agent's life. */
+const char *pkv_xfer_agent_address(const pkv_xfer_agent_t *agent);
+
+/* ---- handles --------------------------------------------------------------------------- */
+typedef struct {
+    uint64_t request_id;
+    uint8_t token[PKV_XFER_TOKEN_BYTES];
+    char addr[PKV_XFER_ADDR_MAX]; /* producer "host:port" */
+    pkv_geometry_t geo;           /* producer pool geometry (block_tokens resolved) */
+    struct {                      /* same-host shared staging, offered when the producer's
+                                     stage is a memfd arena (stage config `shared`) */
+        bool present;
+        uint32_t pid;         /* producer process */
+        int32_t fd;           /* the arena's memfd in that process */
+        uint64_t arena_bytes; /* its size */
+        uint64_t ino;         /* its inode: a consumer checks it before mapping */
+        uint8_t boot_id[16];  /* the kernel's boot id: same host, same boot */
+    } local;
+    uint32_t n_blocks;
+    uint32_t blocks[]; /* (n_blocks) producer block ids, in sequence order */
+} pkv_xfer_handle_t;
+
+/* Bytes pkv_xfer_handle_encode needs (0 for an invalid handle). */
+size_t pkv_xfer_handle_bytes(const pkv_xfer_handle_t *h);
+/* PKV_OK and *len; PKV_ERR_NOSPACE when cap is short; PKV_ERR_INVALID for a bad handle. */
+int pkv_xfer_handle_encode(const pkv_xfer_handle_t *h, void *buf, size_t cap, size_t *len);
+/* Parse bytes (every field bounds-checked). PKV_OK and a new *out (free with
+ * pkv_xfer_handle_free), PKV_ERR_PROTO for malformed input, PKV_ERR_NOMEM. */
+int pkv_xfer_handle_decode(const void *buf, size_t len, pkv_xfer_handle_t **out);
+void pkv_xfer_handle_free(pkv_xfer_handle_t *h);
+
+/* ---- producer -------------------------------------------------------------------------- */
+/* Called once when a registration ends: PKV_OK = sent (acknowledged), PKV_ERR_TIMEOUT =
+ * lease expired, PKV_ERR_CANCELLED = unregistered, PKV_ERR_SHUTDOWN = agent destroyed. */
+typedef void (*pkv_xfer_sent_fn)(void *arg, uint64_t request_id, int outcome);
+
+/* Register blocks[0..n) of the pool under request_id until expiry_ns (absolute). Pins
+ * the blocks (PKV_ERR_NOTFOUND when one is not live or cached, nothing pinned),
+ * PKV_ERR_BUSY when request_id is registered, PKV_ERR_INVALID for bad arguments,
+ * PKV_ERR_UNSUPPORTED on a dense pool. On PKV_OK *out is a new handle (free with
+ * pkv_xfer_handle_free; it does not end the registration). fn may be NULL. */
+int pkv_xfer_register(pkv_xfer_agent_t *agent, uint64_t request_id, const uint32_t *blocks,
+                      uint32_t n, uint64_t expiry_ns, pkv_xfer_sent_fn fn, void *arg,
+                      pkv_xfer_handle_t **out);
+/* End a registration now (a transfer serving it is failed with FAIL cancelled; the
+ * pins drop when its copies finish). PKV_ERR_NOTFOUND when not registered. */
+int pkv_xfer_unregister(pkv_xfer_agent_t *agent, uint64_t request_id);
+
+/* ---- consumer -------------------------------------------------------------------------- */
+/* Called exactly once with the read's outcome (see the list at the top), before
+ * pkv_xfer_read_wait can return it. It must not wait on any read. */
+typedef void (*pkv_xfer_done_fn)(void *arg, pkv_xfer_read_t *rd, int outcome);
+
+/* Start pulling h's blocks into dst[0..n) (n == h->n_blocks; dst blocks must be live in
+ * this agent's pool and are pinned until the read ends), finishing by deadline_ns.
+ * Checks done here return at once with nothing started: PKV_ERR_INVALID (bad handle,
+ * n mismatch, geometry differs from the local pool), PKV_ERR_NOTFOUND (a dst block is
+ * not live), PKV_ERR_SHUTDOWN. On PKV_OK *out is the read (free with pkv_xfer_read_free)
+ * and fn (may be NULL) will be called once with the outcome. */
+int pkv_xfer_read(pkv_xfer_agent_t *agent, const pkv_xfer_handle_t *h, const uint32_t *dst,
+                  uint32_t n, uint64_t deadline_ns, pkv_xfer_done_fn fn, void *arg,
+                  pkv_xfer_read_t **out);
+/* Wait until the read has an outcome or wait_deadline_ns passes (0: just poll).
+ * PKV_OK with *outcome set, or PKV_ERR_TIMEOUT when it is still running. */
+int pkv_xfer_read_wait(pkv_xfer_read_t *rd, uint64_t wait_deadline_ns, int *outcome);
+/* Ask the read to end with PKV_ERR_CANCELLED (a no-op once it has an outcome). */
+void pkv_xfer_cancel(pkv_xfer_read_t *rd);
+/* Drop the caller's reference (cancelling a running read). Staging and pins are returned
+ * by the agent as soon as no copy or UCX operation touches them. NULL is a no-op. */
+void pkv_xfer_read_free(pkv_xfer_read_t *rd);
+/* Payload bytes the read stored (valid once it has an outcome). */
+uint64_t pkv_xfer_read_bytes(const pkv_xfer_read_t *rd);
+
+/* ---- accounting ------------------------------------------------------------------------ */
+typedef struct {
+    /* consumer */
+    uint64_t reads_started;
+    uint64_t reads_done[8];  /* by outcome: ok, timeout, peer_lost, nofit, rejected,
+                                cancelled, corrupt, shutdown (pkv_xfer_outcome_index) */
+    uint64_t bytes_received; /* verified and stored */
+    /* producer */
+    uint64_t registered;     /* registrations made */
+    uint64_t registrations;  /* live now */
+    uint64_t pinned_blocks;  /* pins held now (registrations plus running reads' dst) */
+    uint64_t serves_started; /* READs accepted */
+    uint64_t serves_failed;  /* accepted READs that ended without ACK */
+    uint64_t sent;           /* registrations acknowledged by a consumer */
+    uint64_t bytes_sent;     /* payload bytes of acknowledged transfers */
+    uint64_t rejected;       /* READs refused (unknown request, token, blocks, ...) */
+    uint64_t expired;        /* registrations whose lease ran out */
+    /* both */
+    uint64_t active_transfers;   /* reads and serves not yet fully quiesced */
+    uint64_t staging_pages_held; /* pages held by this agent's transfers now */
+    uint64_t peers;              /* live peers */
+    uint64_t peers_lost;
+    uint64_t proto_errors;  /* messages that failed to decode */
+    uint64_t stale_dropped; /* payload messages for ended transfers, discarded */
+    uint64_t written_off;   /* UCX operations abandoned after a forced close */
+} pkv_xfer_stats_t;
+
+int pkv_xfer_outcome_index(int outcome); /* 0..7 for an outcome, -1 otherwise */
+void pkv_xfer_stats(pkv_xfer_agent_t *agent, pkv_xfer_stats_t *out);
+
+/* Wait until no transfer holds staging, pins of a read, or UCX operations (registrations
+ * keep their pins). PKV_OK, or PKV_ERR_TIMEOUT at deadline_ns. */
+int pkv_xfer_wait_idle(pkv_xfer_agent_t *agent, uint64_t deadline_ns);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,766 @@
+/*
+ * xfer agent: owns the UCX context, worker and listener, the progress thread, the
+ * copy and seat worker pools, and the queues between them.
+ *
+ * The progress loop (one thread, "pkv-xfer-prog") runs for the agent's whole life:
+ *   1. take new reads and worker events from the locked queues,
+ *   2. drive UCX (ucp_worker_progress) — error callbacks, keepalives, completions and
+ *      active messages only happen here, so the loop never stops, idle included,
+ *   3. timers: heartbeats and peer liveness, transfer deadlines, cancels, lease expiry,
+ *   4. drain stale payload messages, then sleep on the worker's event fd and our wake
+ *      eventfd (armed with ucp_worker_arm) unless data is moving.
+ * Shutdown (destroy) is also driven by this loop: fail every transfer with shutdown, wait
+ * (bounded) for them to quiesce, close every endpoint, wait (bounded) for every request,
+ * and only then let destroy free the worker — UCX asserts if a worker is destroyed with
+ * requests pending, so if some never complete the worker is deliberately leaked and
+ * logged instead.
+ */
+#include "xfer/xfer_int.h"
+
+#include "xfer/sum.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <fcntl.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define SHUTDOWN_QUIESCE_NS 2000000000ull /* wait for transfers to quiesce */
+#define SHUTDOWN_CTL_NS     300000000ull  /* let FAIL messages leave */
+#define SHUTDOWN_CLOSE_NS   2000000000ull /* wait for closes and requests */
+#define SHUTDOWN_FLUSH_NS   500000000ull  /* wait for CLOSE replies */
+
+int xf_random(void *buf, size_t n)
+{
+    uint8_t *p = buf;
+    while (n) {
+        ssize_t r = getrandom(p, n, 0);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return PKV_ERR_IO;
+        }
+        p += r;
+        n -= (size_t)r;
+    }
+    return PKV_OK;
+}
+
+/* ---- queues ------------------------------------------------------------------------- */
+void xf_wake(pkv_xfer_agent_t *a)
+{
+    uint64_t one = 1;
+    ssize_t r = write(a->wake_fd, &one, sizeof(one));
+    (void)r; /* EAGAIN: the counter is already non-zero, the loop will wake */
+}
+
+void xf_event_post(pkv_xfer_agent_t *a, xf_event_t *ev)
+{
+    ev->next = NULL;
+    pthread_mutex_lock(&a->lock);
+    *a->events_tail = ev;
+    a->events_tail = &ev->next;
+    pthread_mutex_unlock(&a->lock);
+    xf_wake(a);
+}
+
+void xf_job_post(pkv_xfer_agent_t *a, xf_job_t *job, bool seat)
+{
+    job->next = NULL;
+    pthread_mutex_lock(&a->lock);
+    if (seat) {
+        *a->seats_tail = job;
+        a->seats_tail = &job->next;
+        pthread_cond_signal(&a->seat_cond);
+    } else {
+        *a->jobs_tail = job;
+        a->jobs_tail = &job->next;
+        pthread_cond_signal(&a->job_cond);
+    }
+    pthread_mutex_unlock(&a->lock);
+}
+
+void xf_busy_add(pkv_xfer_agent_t *a, int delta)
+{
+    pthread_mutex_lock(&a->lock);
+    a->busy = (uint64_t)((int64_t)a->busy + delta);
+    /* the counter moves with `busy`, so wait_idle and stats never disagree */
+    if (delta > 0)
+        XF_STAT_ADD(a, active_transfers, (uint64_t)delta);
+    else
+        XF_STAT_SUB(a, active_transfers, (uint64_t)-delta);
+    if (!a->busy) pthread_cond_broadcast(&a->idle_cond);
+    pthread_mutex_unlock(&a->lock);
+}
+
+/* Worker and seater threads: pop a job, run it, repeat; exit when told and the queue is
+ * empty (the progress thread has quiesced every transfer before that). */
+static void *thread_main(pkv_xfer_agent_t *a, bool seat)
+{
+    for (;;) {
+        pthread_mutex_lock(&a->lock);
+        xf_job_t **q = seat ? &a->seats : &a->jobs;
+        while (!*q && !a->threads_stop)
+            pthread_cond_wait(seat ? &a->seat_cond : &a->job_cond, &a->lock);
+        xf_job_t *job = *q;
+        if (!job) {
+            pthread_mutex_unlock(&a->lock);
+            return NULL;
+        }
+        *q = job->next;
+        if (!*q) {
+            if (seat)
+                a->seats_tail = &a->seats;
+            else
+                a->jobs_tail = &a->jobs;
+        }
+        pthread_mutex_unlock(&a->lock);
+        switch (job->kind) {
+        case XF_JOB_SEAT:
+            if (job->is_serve)
+                xf_serve_seat(a, job->owner);
+            else
+                xf_read_seat(a, job->owner);
+            break;
+        case XF_JOB_PRODUCE:
+            xf_serve_job(a, job->owner);
+            break;
+        case XF_JOB_VERIFY:
+            xf_read_job(a, job->owner, job->layer);
+            break;
+        }
+    }
+}
+
+void *xf_worker_main(void *arg)
+{
+    return thread_main(arg, false);
+}
+
+void *xf_seater_main(void *arg)
+{
+    return thread_main(arg, true);
+}
+
+/* ---- the progress loop ------------------------------------------------------------------ */
+static void on_conn_request(ucp_conn_request_h req, void *arg)
+{
+    pkv_xfer_agent_t *a = arg;
+    if (a->n_conn_reqs == PKV_ARRAY_LEN(a->conn_reqs) || a->stop_started) {
+        ucp_listener_reject(a->listener, req);
+        return;
+    }
+    a->conn_reqs[a->n_conn_reqs++] = req;
+}
+
+static void process_events(pkv_xfer_agent_t *a, xf_event_t *ev)
+{
+    while (ev) {
+        xf_event_t *next = ev->next; /* the handler may free ev's owner */
+        if (ev->is_serve)
+            xf_serve_event(a, ev->owner, ev);
+        else
+            xf_read_event(a, ev->owner, ev);
+        ev = next;
+    }
+}
+
+static bool progress_once(pkv_xfer_agent_t *a)
+{
+    bool any = false;
+    for (int i = 0; i < 256; i++) {
+        if (!ucp_worker_progress(a->worker)) break;
+        any = true;
+    }
+    for (uint32_t i = 0; i < a->n_conn_reqs; i++) xf_peer_accept(a, a->conn_reqs[i]);
+    a->n_conn_reqs = 0;
+    return any;
+}
+
+/* Sleep until UCX or a queue has something, or timeout_ms passes. */
+static void wait_events(pkv_xfer_agent_t *a, int timeout_ms)
+{
+    ucs_status_t s = ucp_worker_arm(a->worker);
+    if (s == UCS_ERR_BUSY) return; /* events already pending */
+    if (s != UCS_OK) {
+        /* Cannot arm: never block on the fd, just nap briefly. */
+        struct timespec ts = {0, 200000};
+        nanosleep(&ts, NULL);
+        return;
+    }
+    struct epoll_event evs[2];
+    int n = epoll_wait(a->epfd, evs, 2, timeout_ms);
+    (void)n;
+}
+
+static bool shutdown_step(pkv_xfer_agent_t *a, uint64_t now)
+{
+    if (!a->stop_started) {
+        a->stop_started = true;
+        a->stop_ns = now;
+        if (a->listener) {
+            ucp_listener_destroy(a->listener);
+            a->listener = NULL;
+        }
+        /* progress_once() answered every connection request already. */
+        xf_reads_shutdown(a);
+        xf_serves_shutdown(a);
+        xf_regs_shutdown(a);
+    }
+    bool quiet = !a->reads && !a->serves;
+    if (!a->eps_closing) {
+        bool ctl_done = true;
+        for (xf_peer_t *p = a->peers; p; p = p->next)
+            if (p->ctl_inflight) ctl_done = false;
+        bool give_up = xf_since(now, a->stop_ns) > SHUTDOWN_QUIESCE_NS;
+        if (!a->flushing &&
+            ((quiet && (ctl_done || xf_since(now, a->stop_ns) > SHUTDOWN_CTL_NS)) || give_up)) {
+            /* A send that completed locally has only reached our kernel or the shared
+             * FIFO, and a forced close can drop it at the receiver: CLOSE handshake first
+             * (bounded), so the last ACKs and FAILs are processed, then force-close. */
+            xf_peers_say_close(a);
+            a->flushing = true;
+            a->flush_deadline_ns = now + SHUTDOWN_FLUSH_NS;
+        }
+        if (a->flushing && (xf_peers_close_answered(a) || now > a->flush_deadline_ns)) {
+            xf_peer_close_all(a, true);
+            a->eps_closing = true;
+            a->stop_ns = now; /* the close phase has its own bound */
+        }
+        return false;
+    }
+    if (quiet && xf_peers_closed(a) && !a->discards_inflight) return true;
+    if (xf_since(now, a->stop_ns) > SHUTDOWN_CLOSE_NS) {
+        PKV_LOGE(XF_MOD,
+                 "shutdown: UCX requests still pending after %llu ms (%s%s%u discards); "
+                 "leaking the UCX worker rather than destroying it under them",
+                 (unsigned long long)(SHUTDOWN_CLOSE_NS / 1000000), quiet ? "" : "transfers, ",
+                 xf_peers_closed(a) ? "" : "endpoints, ", a->discards_inflight);
+        return true;
+    }
+    return false;
+}
+
+static void *progress_main(void *arg)
+{
+    pkv_xfer_agent_t *a = arg;
+    uint32_t idle_spins = 0;
+    bool clean = false;
+    for (;;) {
+        uint64_t cnt;
+        ssize_t r = read(a->wake_fd, &cnt, sizeof(cnt));
+        (void)r;
+        pthread_mutex_lock(&a->lock);
+        pkv_xfer_read_t *nr = a->new_reads;
+        a->new_reads = NULL;
+        a->new_reads_tail = &a->new_reads;
+        xf_event_t *ev = a->events;
+        a->events = NULL;
+        a->events_tail = &a->events;
+        bool stopping = a->stopping;
+        pthread_mutex_unlock(&a->lock);
+
+        bool worked = nr || ev;
+        if (nr) xf_reads_admit(a, nr);
+        if (ev) process_events(a, ev);
+        if (progress_once(a)) worked = true;
+
+        uint64_t now = pkv_now_ns();
+        xf_peers_tick(a, now);
+        xf_reads_tick(a, now);
+        xf_serves_tick(a, now);
+        xf_regs_tick(a, now);
+        xf_drain_stale(a);
+
+        if (stopping && shutdown_step(a, now)) {
+            clean = !a->reads && !a->serves && xf_peers_closed(a) && !a->discards_inflight;
+            break;
+        }
+        if (worked) {
+            idle_spins = 0;
+            continue;
+        }
+        bool moving = xf_reads_active_data(a) || xf_serves_active_data(a);
+        if (moving && ++idle_spins < 64) {
+            sched_yield();
+            continue;
+        }
+        idle_spins = 0;
+        wait_events(a, moving ? 1 : (a->reads || a->serves || stopping) ? 5 : 50);
+    }
+    pthread_mutex_lock(&a->lock);
+    a->progress_exited = true;
+    pthread_mutex_unlock(&a->lock);
+    return (void *)(uintptr_t)clean;
+}
+
+/* ---- create / destroy ------------------------------------------------------------------- */
+static int parse_host(const char *host, uint16_t port, struct sockaddr_storage *ss, socklen_t *len)
+{
+    memset(ss, 0, sizeof(*ss));
+    struct sockaddr_in *in4 = (struct sockaddr_in *)ss;
+    struct sockaddr_in6 *in6 = (struct sockaddr_in6 *)ss;
+    if (inet_pton(AF_INET, host, &in4->sin_addr) == 1) {
+        in4->sin_family = AF_INET;
+        in4->sin_port = htons(port);
+        *len = sizeof(*in4);
+        return PKV_OK;
+    }
+    if (inet_pton(AF_INET6, host, &in6->sin6_addr) == 1) {
+        in6->sin6_family = AF_INET6;
+        in6->sin6_port = htons(port);
+        *len = sizeof(*in6);
+        return PKV_OK;
+    }
+    return PKV_ERR_INVALID;
+}
+
+int xf_sockaddr_parse(const char *addr, struct sockaddr_storage *ss, socklen_t *len);
+int xf_sockaddr_parse(const char *addr, struct sockaddr_storage *ss, socklen_t *len)
+{
+    char host[PKV_XFER_ADDR_MAX];
+    if (!pkv_xfer_wire_addr_valid(addr)) return PKV_ERR_INVALID;
+    const char *colon = strrchr(addr, ':');
+    size_t hl = (size_t)(colon - addr);
+    const char *h = addr;
+    if (addr[0] == '[') h++, hl -= 2;
+    memcpy(host, h, hl);
+    host[hl] = '\0';
+    return parse_host(host, (uint16_t)atoi(colon + 1), ss, len);
+}
+
+/* Settings from UCX-NOTES.md that make the push path survive failures; an explicit
+ * environment variable always wins. ucp_config_modify hands keys it does not know to
+ * every transport's own table (uct_config_modify), where names carry no transport
+ * prefix: "ERROR_HANDLING" reaches both shm transports (posix, sysv), "TX_SEG_SIZE" /
+ * "RX_SEG_SIZE" reach tcp. */
+static bool tls_may_use(const char *tls, const char *const *names)
+{
+    if (!tls || !*tls || tls[0] == '^' || strstr(tls, "all")) return true;
+    for (; *names; names++)
+        if (strstr(tls, *names)) return true;
+    return false;
+}
+
+static void ucx_config(ucp_config_t *uc)
+{
+    static const char *const any[] = {"", NULL};
+    static const char *const tcp[] = {"tcp", NULL};
+    static const char *const shm[] = {"shm", "posix", "sysv", "mm", NULL};
+    static const struct {
+        const char *key, *value, *env; /* env: the variable that overrides it */
+        const char *const *tls;        /* only when UCX_TLS may select one of these */
+    } defaults[] = {
+        {"ZCOPY_THRESH", "inf", "UCX_ZCOPY_THRESH", any},
+        {"KEEPALIVE_INTERVAL", "1s", "UCX_KEEPALIVE_INTERVAL", any},
+        {"TX_SEG_SIZE", "64k", "UCX_TCP_TX_SEG_SIZE", tcp},
+        {"RX_SEG_SIZE", "64k", "UCX_TCP_RX_SEG_SIZE", tcp},
+        {"MM_ERROR_HANDLING", "y", "UCX_POSIX_ERROR_HANDLING", shm},
+    };
+    const char *tls = getenv("UCX_TLS");
+    for (size_t i = 0; i < PKV_ARRAY_LEN(defaults); i++) {
+        if (getenv(defaults[i].env) || !tls_may_use(tls, defaults[i].tls)) continue;
+        ucs_status_t s = ucp_config_modify(uc, defaults[i].key, defaults[i].value);
+        if (s != UCS_OK)
+            PKV_LOGW(XF_MOD, "UCX setting %s=%s not applied: %s", defaults[i].key,
+                     defaults[i].value, ucs_status_string(s));
+    }
+}
+
+static int ucx_open(pkv_xfer_agent_t *a, const char *host)
+{
+    ucp_config_t *uc;
+    ucs_status_t s = ucp_config_read(NULL, NULL, &uc);
+    if (s != UCS_OK) {
+        PKV_LOGE(XF_MOD, "ucp_config_read: %s", ucs_status_string(s));
+        return PKV_ERR_IO;
+    }
+    ucx_config(uc);
+    ucp_params_t pp = {
+        .field_mask = UCP_PARAM_FIELD_FEATURES,
+        .features = UCP_FEATURE_TAG | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
+    };
+    s = ucp_init(&pp, uc, &a->ctx);
+    ucp_config_release(uc);
+    if (s != UCS_OK) {
+        PKV_LOGE(XF_MOD, "ucp_init: %s", ucs_status_string(s));
+        return PKV_ERR_IO;
+    }
+    ucp_worker_params_t wp = {
+        .field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+        .thread_mode = UCS_THREAD_MODE_SINGLE,
+    };
+    s = ucp_worker_create(a->ctx, &wp, &a->worker);
+    if (s != UCS_OK) {
+        PKV_LOGE(XF_MOD, "ucp_worker_create: %s", ucs_status_string(s));
+        return PKV_ERR_IO;
+    }
+    ucp_am_handler_param_t hp = {
+        .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                      UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS,
+        .id = XF_AM_CTRL,
+        .flags = UCP_AM_FLAG_WHOLE_MSG,
+        .cb = xf_am_ctrl,
+        .arg = a,
+    };
+    s = ucp_worker_set_am_recv_handler(a->worker, &hp);
+    if (s != UCS_OK) {
+        PKV_LOGE(XF_MOD, "ucp_worker_set_am_recv_handler: %s", ucs_status_string(s));
+        return PKV_ERR_IO;
+    }
+    if (xf_discard_dt_create(a)) return PKV_ERR_IO;
+    s = ucp_worker_get_efd(a->worker, &a->ucx_efd);
+    if (s != UCS_OK) {
+        PKV_LOGE(XF_MOD, "ucp_worker_get_efd: %s", ucs_status_string(s));
+        return PKV_ERR_IO;
+    }
+
+    struct sockaddr_storage ss;
+    socklen_t sl;
+    if (parse_host(host, a->cfg.listen_port, &ss, &sl)) {
+        PKV_LOGE(XF_MOD, "listen host '%s' is not an IPv4 or IPv6 address", host);
+        return PKV_ERR_INVALID;
+    }
+    ucp_listener_params_t lp = {
+        .field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER,
+        .sockaddr = {.addr = (struct sockaddr *)&ss, .addrlen = sl},
+        .conn_handler = {.cb = on_conn_request, .arg = a},
+    };
+    s = ucp_listener_create(a->worker, &lp, &a->listener);
+    if (s != UCS_OK) {
+        PKV_LOGE(XF_MOD, "listen on %s port %u: %s", host, a->cfg.listen_port,
+                 ucs_status_string(s));
+        return PKV_ERR_IO;
+    }
+    ucp_listener_attr_t la = {.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR};
+    s = ucp_listener_query(a->listener, &la);
+    if (s != UCS_OK) {
+        PKV_LOGE(XF_MOD, "ucp_listener_query: %s", ucs_status_string(s));
+        return PKV_ERR_IO;
+    }
+    uint16_t port = la.sockaddr.ss_family == AF_INET6
+                        ? ntohs(((struct sockaddr_in6 *)&la.sockaddr)->sin6_port)
+                        : ntohs(((struct sockaddr_in *)&la.sockaddr)->sin_port);
+    if (ss.ss_family == AF_INET6)
+        snprintf(a->addr, sizeof(a->addr), "[%s]:%u", host, port);
+    else
+        snprintf(a->addr, sizeof(a->addr), "%s:%u", host, port);
+    return PKV_OK;
+}
+
+static void ucx_close(pkv_xfer_agent_t *a, bool clean)
+{
+    if (a->listener) ucp_listener_destroy(a->listener);
+    a->listener = NULL;
+    if (!clean) return; /* leaked on purpose: see the file comment */
+    xf_peers_free(a);
+    if (a->discard_dt) ucp_dt_destroy(a->discard_dt);
+    if (a->worker) ucp_worker_destroy(a->worker);
+    if (a->ctx) ucp_cleanup(a->ctx);
+}
+
+/* /proc/sys/kernel/random/boot_id: 32 hex digits (with dashes) -> 16 bytes. */
+static bool read_boot_id(uint8_t out[16])
+{
+    char txt[64] = {0};
+    int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return false;
+    ssize_t n = read(fd, txt, sizeof(txt) - 1);
+    close(fd);
+    if (n <= 0) return false;
+    int nib = 0;
+    memset(out, 0, 16);
+    for (ssize_t i = 0; i < n && nib < 32; i++) {
+        char ch = txt[i];
+        int v = ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10 : -1;
+        if (v < 0) continue;
+        out[nib / 2] |= (uint8_t)(nib % 2 ? v : v << 4);
+        nib++;
+    }
+    return nib == 32;
+}
+
+static int config_resolve(const pkv_xfer_config_t *in, pkv_xfer_config_t *c)
+{
+    *c = *in;
+    if (!c->kv || !c->stage) {
+        PKV_LOGE(XF_MOD, "config: kv and stage are required");
+        return PKV_ERR_INVALID;
+    }
+    if (!c->workers) c->workers = 2;
+    if (!c->seat_workers) c->seat_workers = 2;
+    if (!c->heartbeat_ns) c->heartbeat_ns = 250000000ull;
+    if (!c->peer_timeout_ns) c->peer_timeout_ns = 1000000000ull;
+    if (!c->chunk_bytes) c->chunk_bytes = 1u << 20;
+    if (!c->max_inflight) c->max_inflight = 8;
+    if (c->workers > 64 || c->seat_workers > 64 || c->max_inflight > 1024 ||
+        c->chunk_bytes < PKV_WIRE_MIN_CHUNK || c->chunk_bytes > PKV_WIRE_MAX_CHUNK ||
+        c->peer_timeout_ns < 2 * c->heartbeat_ns) {
+        PKV_LOGE(XF_MOD,
+                 "config: out of range (workers %u, seat_workers %u, max_inflight %u, "
+                 "chunk_bytes %u, heartbeat %llu ns, peer timeout %llu ns)",
+                 c->workers, c->seat_workers, c->max_inflight, c->chunk_bytes,
+                 (unsigned long long)c->heartbeat_ns, (unsigned long long)c->peer_timeout_ns);
+        return PKV_ERR_INVALID;
+    }
+    return PKV_OK;
+}
+
+static void name_thread(pthread_t t, const char *prefix, unsigned i)
+{
+    char name[16];
+    snprintf(name, sizeof(name), "%s%u", prefix, i);
+    pthread_setname_np(t, name);
+}
+
+int pkv_xfer_agent_create(const pkv_xfer_config_t *cfg, pkv_xfer_agent_t **out)
+{
+    if (!cfg || !out) return PKV_ERR_INVALID;
+    pkv_xfer_config_t c;
+    int rc = config_resolve(cfg, &c);
+    if (rc) return rc;
+    if (pkv_kv_backend(c.kv) != PKV_BACKEND_PAGED) {
+        PKV_LOGE(XF_MOD, "config: transfers need the paged pool");
+        return PKV_ERR_UNSUPPORTED;
+    }
+    pkv_xfer_agent_t *a = calloc(1, sizeof(*a));
+    if (!a) return PKV_ERR_NOMEM;
+    a->cfg = c;
+    a->cfg.listen_host = NULL; /* not kept: the caller owns the string */
+    a->kv = c.kv;
+    a->stage = c.stage;
+    a->geo = *pkv_kv_geometry(c.kv);
+    a->page_bytes = pkv_stage_page_bytes(c.stage);
+    a->faults.corrupt_layer = -1;
+    a->ucx_efd = a->wake_fd = a->epfd = -1;
+    a->new_reads_tail = &a->new_reads;
+    a->events_tail = &a->events;
+    a->jobs_tail = &a->jobs;
+    a->seats_tail = &a->seats;
+    a->next_peer_id = 1;
+    a->have_boot_id = read_boot_id(a->boot_id);
+    a->arena_fd = pkv_stage_memfd(c.stage);
+    if (a->arena_fd >= 0) {
+        struct stat sb;
+        a->arena_bytes = (uint64_t)pkv_stage_pool_pages(c.stage) * a->page_bytes;
+        if (fstat(a->arena_fd, &sb) == 0)
+            a->arena_ino = (uint64_t)sb.st_ino;
+        else
+            a->arena_fd = -1;
+    }
+    rc = pkv_xfer_wire_check_geometry(&a->geo, &a->layer_bytes);
+    if (rc || !a->page_bytes) {
+        PKV_LOGE(XF_MOD, "config: pool geometry or staging page size out of range");
+        rc = PKV_ERR_INVALID;
+        goto fail_free;
+    }
+    uint64_t rnd[3];
+    if ((rc = xf_random(rnd, sizeof(rnd)))) goto fail_free;
+    a->agent_id = rnd[0];
+    a->next_xfer_id = 1 + rnd[1] % ((1ull << PKV_WIRE_XFER_ID_BITS) / 2);
+    a->next_serve_id = rnd[2] >> 8;
+
+    if (pthread_mutex_init(&a->lock, NULL)) {
+        rc = PKV_ERR_NOMEM;
+        goto fail_free;
+    }
+    if (pkv__cond_init_monotonic(&a->job_cond) || pkv__cond_init_monotonic(&a->seat_cond) ||
+        pkv__cond_init_monotonic(&a->idle_cond)) {
+        rc = PKV_ERR_NOMEM;
+        goto fail_lock;
+    }
+    a->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    a->epfd = epoll_create1(EPOLL_CLOEXEC);
+    if (a->wake_fd < 0 || a->epfd < 0) {
+        PKV_LOGE(XF_MOD, "eventfd/epoll: %s", strerror(errno));
+        rc = PKV_ERR_IO;
+        goto fail_fds;
+    }
+    rc = ucx_open(a, c.listen_host ? c.listen_host : "127.0.0.1");
+    if (rc) goto fail_ucx;
+    struct epoll_event e1 = {.events = EPOLLIN, .data.fd = a->wake_fd};
+    struct epoll_event e2 = {.events = EPOLLIN, .data.fd = a->ucx_efd};
+    if (epoll_ctl(a->epfd, EPOLL_CTL_ADD, a->wake_fd, &e1) ||
+        epoll_ctl(a->epfd, EPOLL_CTL_ADD, a->ucx_efd, &e2)) {
+        PKV_LOGE(XF_MOD, "epoll_ctl: %s", strerror(errno));
+        rc = PKV_ERR_IO;
+        goto fail_ucx;
+    }
+
+    a->workers = calloc(c.workers, sizeof(pthread_t));
+    a->seaters = calloc(c.seat_workers, sizeof(pthread_t));
+    if (!a->workers || !a->seaters) {
+        rc = PKV_ERR_NOMEM;
+        goto fail_threads;
+    }
+    for (; a->n_workers < c.workers; a->n_workers++) {
+        if (pthread_create(&a->workers[a->n_workers], NULL, xf_worker_main, a)) {
+            rc = PKV_ERR_NOMEM;
+            goto fail_threads;
+        }
+        name_thread(a->workers[a->n_workers], "pkv-xfer-w", a->n_workers);
+    }
+    for (; a->n_seaters < c.seat_workers; a->n_seaters++) {
+        if (pthread_create(&a->seaters[a->n_seaters], NULL, xf_seater_main, a)) {
+            rc = PKV_ERR_NOMEM;
+            goto fail_threads;
+        }
+        name_thread(a->seaters[a->n_seaters], "pkv-xfer-s", a->n_seaters);
+    }
+    if (pthread_create(&a->progress_thread, NULL, progress_main, a)) {
+        rc = PKV_ERR_NOMEM;
+        goto fail_threads;
+    }
+    pthread_setname_np(a->progress_thread, "pkv-xfer-prog");
+    PKV_LOGI(XF_MOD, "agent %016llx listening on %s", (unsigned long long)a->agent_id, a->addr);
+    *out = a;
+    return PKV_OK;
+
+fail_threads:
+    pthread_mutex_lock(&a->lock);
+    a->threads_stop = true;
+    pthread_cond_broadcast(&a->job_cond);
+    pthread_cond_broadcast(&a->seat_cond);
+    pthread_mutex_unlock(&a->lock);
+    for (uint32_t i = 0; i < a->n_workers; i++) pthread_join(a->workers[i], NULL);
+    for (uint32_t i = 0; i < a->n_seaters; i++) pthread_join(a->seaters[i], NULL);
+    free(a->workers);
+    free(a->seaters);
+fail_ucx:
+    ucx_close(a, true);
+fail_fds:
+    if (a->wake_fd >= 0) close(a->wake_fd);
+    if (a->epfd >= 0) close(a->epfd);
+    pthread_cond_destroy(&a->job_cond);
+    pthread_cond_destroy(&a->seat_cond);
+    pthread_cond_destroy(&a->idle_cond);
+fail_lock:
+    pthread_mutex_destroy(&a->lock);
+fail_free:
+    free(a);
+    return rc;
+}
+
+void pkv_xfer_agent_destroy(pkv_xfer_agent_t *a)
+{
+    if (!a) return;
+    pthread_mutex_lock(&a->lock);
+    a->stopping = true;
+    pthread_mutex_unlock(&a->lock);
+    xf_wake(a);
+    void *clean = NULL;
+    pthread_join(a->progress_thread, &clean);
+
+    pthread_mutex_lock(&a->lock);
+    a->threads_stop = true;
+    pthread_cond_broadcast(&a->job_cond);
+    pthread_cond_broadcast(&a->seat_cond);
+    pthread_mutex_unlock(&a->lock);
+    for (uint32_t i = 0; i < a->n_workers; i++) pthread_join(a->workers[i], NULL);
+    for (uint32_t i = 0; i < a->n_seaters; i++) pthread_join(a->seaters[i], NULL);
+    free(a->workers);
+    free(a->seaters);
+
+    ucx_close(a, clean != NULL);
+    close(a->wake_fd);
+    close(a->epfd);
+    pthread_cond_destroy(&a->job_cond);
+    pthread_cond_destroy(&a->seat_cond);
+    pthread_cond_destroy(&a->idle_cond);
+    pthread_mutex_destroy(&a->lock);
+    if (clean) free(a);
+}
+
+const char *pkv_xfer_agent_address(const pkv_xfer_agent_t *a)
+{
+    return a ? a->addr : "";
+}
+
+void pkv_xfer_set_faults(pkv_xfer_agent_t *a, const pkv_xfer_faults_t *f)
+{
+    pthread_mutex_lock(&a->lock);
+    if (f)
+        a->faults = *f;
+    else {
+        memset(&a->faults, 0, sizeof(a->faults));
+        a->faults.corrupt_layer = -1;
+    }
+    pthread_mutex_unlock(&a->lock);
+}
+
+/* ---- accounting ------------------------------------------------------------------------- */
+int pkv_xfer_outcome_index(int outcome)
+{
+    switch (outcome) {
+    case PKV_OK:
+        return 0;
+    case PKV_ERR_TIMEOUT:
+        return 1;
+    case PKV_ERR_PEER_LOST:
+        return 2;
+    case PKV_ERR_NOFIT:
+        return 3;
+    case PKV_ERR_REJECTED:
+        return 4;
+    case PKV_ERR_CANCELLED:
+        return 5;
+    case PKV_ERR_CORRUPT:
+        return 6;
+    case PKV_ERR_SHUTDOWN:
+        return 7;
+    default:
+        return -1;
+    }
+}
+
+#define LD(f) atomic_load_explicit(&a->st.f, memory_order_relaxed)
+void pkv_xfer_stats(pkv_xfer_agent_t *a, pkv_xfer_stats_t *out)
+{
+    if (!a || !out) return;
+    pkv_xfer_stats_t s;
+    memset(&s, 0, sizeof(s));
+    s.reads_started = LD(reads_started);
+    for (int i = 0; i < 8; i++) s.reads_done[i] = LD(reads_done[i]);
+    s.bytes_received = LD(bytes_received);
+    s.registered = LD(registered);
+    s.registrations = LD(registrations);
+    s.pinned_blocks = LD(pinned_blocks);
+    s.serves_started = LD(serves_started);
+    s.serves_failed = LD(serves_failed);
+    s.sent = LD(sent);
+    s.bytes_sent = LD(bytes_sent);
+    s.rejected = LD(rejected);
+    s.expired = LD(expired);
+    s.active_transfers = LD(active_transfers);
+    s.staging_pages_held = LD(staging_pages_held);
+    s.peers = LD(peers);
+    s.peers_lost = LD(peers_lost);
+    s.proto_errors = LD(proto_errors);
+    s.stale_dropped = LD(stale_dropped);
+    s.written_off = LD(written_off);
+    *out = s;
+}
+#undef LD
+
+int pkv_xfer_wait_idle(pkv_xfer_agent_t *a, uint64_t deadline_ns)
+{
+    if (!a) return PKV_ERR_INVALID;
+    struct timespec ts = pkv__deadline_to_monotonic(deadline_ns);
+    int rc = PKV_OK;
+    pthread_mutex_lock(&a->lock);
+    while (a->busy) {
+        if (pthread_cond_timedwait(&a->idle_cond, &a->lock, &ts) == ETIMEDOUT && a->busy) {
+            rc = PKV_ERR_TIMEOUT;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&a->lock);
+    return rc;
+}

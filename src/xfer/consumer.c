@@ -1,0 +1,735 @@
+/*
+ * xfer consumer: pkv_xfer_read and its state machine (progress thread).
+ *
+ *   QUEUED --admit--> SEATING --staging seated--> READING --all layers stored--> DONE(ok)
+ *      any state --deadline | cancel | peer lost | FAIL | corrupt | shutdown--> DONE(...)
+ *
+ * SEATING   connect to the producer (or reuse the endpoint), take this transfer's
+ *           staging pages on a seat thread, waiting at most until the deadline.
+ * READING   every chunk's tag receive is posted into staging, then READ (token, plan,
+ *           the time left) goes to the producer. A layer whose chunks have all arrived
+ *           and whose DATA (checksum) has arrived is copied staging -> pool by a copy
+ *           worker, checksummed on the way; a mismatch ends the read corrupt. When every
+ *           layer is stored the consumer sends ACK and the read ends ok.
+ * DONE      the outcome is delivered at once (condvar + callback); local failures send
+ *           FAIL to the producer. Posted receives are cancelled, a waiting seat is
+ *           cancelled in the stage, running copies see `abort`. The read quiesces when no
+ *           seat, copy or receive refers to it: staging is released, pins dropped, the
+ *           agent's reference dropped. For ok, that happens before delivery.
+ */
+#include "xfer/xfer_int.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { LF_HEADER = 1, LF_QUEUED = 2, LF_STORED = 4 };
+
+static void send_read(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd);
+
+static void read_free_mem(pkv_xfer_read_t *rd)
+{
+    if (rd->chunks)
+        for (uint32_t c = 0; c < rd->v.n_chunks; c++) free(rd->chunks[c].iov);
+    if (rd->layer_pieces)
+        for (uint32_t l = 0; l < rd->v.layers; l++) free(rd->layer_pieces[l]);
+    free(rd->layer_pieces);
+    free(rd->layer_npieces);
+    xf_view_fini(&rd->v);
+    free(rd->chunks);
+    free(rd->src_blocks);
+    free(rd->layer_chunks);
+    free(rd->layer_flags);
+    free(rd->layer_sum);
+    free(rd->ev_layer);
+    free(rd->job_layer);
+    pthread_cond_destroy(&rd->cv);
+    pthread_mutex_destroy(&rd->mu);
+    free(rd);
+}
+
+void xf_read_unref(pkv_xfer_read_t *rd)
+{
+    if (atomic_fetch_sub(&rd->refs, 1) == 1) read_free_mem(rd);
+}
+
+/* ---- API ---------------------------------------------------------------------------------- */
+static bool geo_equal(const pkv_geometry_t *x, const pkv_geometry_t *y)
+{
+    return x->layers == y->layers && x->kv_heads == y->kv_heads && x->head_dim == y->head_dim &&
+           x->block_tokens == y->block_tokens && x->dtype == y->dtype;
+}
+
+int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_t *dst, uint32_t n,
+                  uint64_t deadline_ns, pkv_xfer_done_fn fn, void *arg, pkv_xfer_read_t **out)
+{
+    if (!a || !h || !dst || !out || n != h->n_blocks || !n || !deadline_ns) return PKV_ERR_INVALID;
+    if (!pkv_xfer_wire_addr_valid(h->addr)) {
+        PKV_LOGW(XF_MOD, "read: handle address '%.*s' is not host:port", PKV_XFER_ADDR_MAX - 1,
+                 h->addr);
+        return PKV_ERR_INVALID;
+    }
+    if (!geo_equal(&h->geo, &a->geo)) {
+        PKV_LOGW(XF_MOD,
+                 "read: request %llu geometry (%u layers, %u heads, %u dim, %u tokens) "
+                 "differs from the local pool's",
+                 (unsigned long long)h->request_id, h->geo.layers, h->geo.kv_heads, h->geo.head_dim,
+                 h->geo.block_tokens);
+        return PKV_ERR_INVALID;
+    }
+    pthread_mutex_lock(&a->lock);
+    bool stopping = a->stopping;
+    pthread_mutex_unlock(&a->lock);
+    if (stopping) return PKV_ERR_SHUTDOWN;
+
+    int rc = PKV_ERR_NOMEM;
+    pkv_xfer_read_t *rd = calloc(1, sizeof(*rd));
+    if (!rd) return PKV_ERR_NOMEM;
+    if (pthread_mutex_init(&rd->mu, NULL)) goto fail_rd;
+    if (pkv__cond_init_monotonic(&rd->cv)) goto fail_mu;
+    rc = xf_view_init(&rd->v, a, n, dst, a->cfg.chunk_bytes);
+    if (rc) {
+        if (rc == PKV_ERR_NOFIT) {
+            PKV_LOGW(XF_MOD, "read: request %llu (%u blocks) exceeds the transfer limits",
+                     (unsigned long long)h->request_id, n);
+            rc = PKV_ERR_INVALID;
+        }
+        goto fail_cv;
+    }
+    rc = PKV_ERR_NOMEM;
+    uint32_t L = rd->v.layers;
+    rd->src_blocks = malloc(sizeof(uint32_t) * n);
+    rd->layer_chunks = calloc(L, sizeof(uint32_t));
+    rd->layer_flags = calloc(L, 1);
+    rd->layer_sum = calloc(L, sizeof(uint64_t));
+    rd->ev_layer = calloc(L, sizeof(xf_event_t));
+    rd->job_layer = calloc(L, sizeof(xf_job_t));
+    rd->chunks = calloc(rd->v.n_chunks, sizeof(xf_chunk_t));
+    rd->layer_pieces = calloc(L, sizeof(uint64_t *));
+    rd->layer_npieces = calloc(L, sizeof(uint32_t));
+    if (!rd->src_blocks || !rd->layer_chunks || !rd->layer_flags || !rd->layer_sum ||
+        !rd->ev_layer || !rd->job_layer || !rd->chunks || !rd->layer_pieces || !rd->layer_npieces)
+        goto fail_mem;
+    /* Same host and boot: we may copy straight from the producer's shared arena. */
+    rd->want_shared = h->local.present && !a->cfg.no_shared && a->have_boot_id &&
+                      !memcmp(h->local.boot_id, a->boot_id, sizeof(a->boot_id));
+    rd->local_pid = h->local.pid;
+    rd->local_fd = h->local.fd;
+    rd->local_ino = h->local.ino;
+    rd->local_bytes = h->local.arena_bytes;
+    memcpy(rd->src_blocks, h->blocks, sizeof(uint32_t) * n);
+    rd->request_id = h->request_id;
+    memcpy(rd->token, h->token, sizeof(rd->token));
+    snprintf(rd->addr, sizeof(rd->addr), "%s", h->addr);
+    rd->deadline_ns = deadline_ns;
+    rd->fn = fn;
+    rd->arg = arg;
+    atomic_init(&rd->refs, 2); /* caller + agent */
+    atomic_init(&rd->cancel_req, false);
+    for (uint32_t c = 0; c < rd->v.n_chunks; c++) {
+        rd->chunks[c].owner = rd;
+        rd->chunks[c].index = c;
+    }
+    rc = pkv_kv_pin(a->kv, dst, n);
+    if (rc) {
+        PKV_LOGW(XF_MOD, "read: request %llu: destination blocks not live (%s)",
+                 (unsigned long long)h->request_id, pkv_status_str(rc));
+        goto fail_mem;
+    }
+    pthread_mutex_lock(&a->lock);
+    if (a->stopping) {
+        pthread_mutex_unlock(&a->lock);
+        pkv_kv_unpin(a->kv, dst, n);
+        rc = PKV_ERR_SHUTDOWN;
+        goto fail_mem;
+    }
+    rd->agent = a;
+    rd->next_new = NULL;
+    *a->new_reads_tail = rd;
+    a->new_reads_tail = &rd->next_new;
+    a->busy++;
+    XF_STAT_ADD(a, active_transfers, 1);
+    pthread_mutex_unlock(&a->lock);
+    XF_STAT_ADD(a, reads_started, 1);
+    XF_STAT_ADD(a, pinned_blocks, n);
+    xf_wake(a);
+    *out = rd;
+    return PKV_OK;
+
+fail_mem:
+    free(rd->layer_pieces);
+    free(rd->layer_npieces);
+    free(rd->chunks);
+    free(rd->src_blocks);
+    free(rd->layer_chunks);
+    free(rd->layer_flags);
+    free(rd->layer_sum);
+    free(rd->ev_layer);
+    free(rd->job_layer);
+    xf_view_fini(&rd->v);
+fail_cv:
+    pthread_cond_destroy(&rd->cv);
+fail_mu:
+    pthread_mutex_destroy(&rd->mu);
+fail_rd:
+    free(rd);
+    return rc;
+}
+
+int pkv_xfer_read_wait(pkv_xfer_read_t *rd, uint64_t wait_deadline_ns, int *outcome)
+{
+    if (!rd || !outcome) return PKV_ERR_INVALID;
+    struct timespec ts = pkv__deadline_to_monotonic(wait_deadline_ns);
+    pthread_mutex_lock(&rd->mu);
+    while (!rd->done && wait_deadline_ns && pkv_now_ns() < wait_deadline_ns)
+        pthread_cond_timedwait(&rd->cv, &rd->mu, &ts);
+    bool done = rd->done;
+    int oc = rd->outcome;
+    pthread_mutex_unlock(&rd->mu);
+    if (!done) return PKV_ERR_TIMEOUT;
+    *outcome = oc;
+    return PKV_OK;
+}
+
+uint64_t pkv_xfer_read_bytes(const pkv_xfer_read_t *rd)
+{
+    if (!rd) return 0;
+    pthread_mutex_t *mu = (pthread_mutex_t *)&rd->mu;
+    pthread_mutex_lock(mu);
+    uint64_t b = rd->bytes;
+    pthread_mutex_unlock(mu);
+    return b;
+}
+
+void pkv_xfer_cancel(pkv_xfer_read_t *rd)
+{
+    if (!rd) return;
+    atomic_store(&rd->cancel_req, true);
+    /* The agent may be gone (destroyed): then the read already has its outcome. */
+    pthread_mutex_lock(&rd->mu);
+    pkv_xfer_agent_t *a = rd->done ? NULL : rd->agent;
+    pthread_mutex_unlock(&rd->mu);
+    if (a) xf_wake(a);
+}
+
+void pkv_xfer_read_free(pkv_xfer_read_t *rd)
+{
+    if (!rd) return;
+    pkv_xfer_cancel(rd);
+    xf_read_unref(rd);
+}
+
+/* ---- state machine (progress thread) ------------------------------------------------------ */
+/* The callback runs first, then waiters see the outcome: once pkv_xfer_read_wait
+ * returns, the callback has returned too. */
+static void deliver(pkv_xfer_read_t *rd, int outcome, uint64_t bytes)
+{
+    if (rd->fn) rd->fn(rd->arg, rd, outcome);
+    pthread_mutex_lock(&rd->mu);
+    rd->done = true;
+    rd->outcome = outcome;
+    rd->bytes = bytes;
+    pthread_cond_broadcast(&rd->cv);
+    pthread_mutex_unlock(&rd->mu);
+}
+
+/* Return staging and pins once nothing refers to the read (idempotent). */
+static bool quiesce(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
+{
+    if (rd->quiesced) return true;
+    if (!rd->finished || rd->seat_pending || rd->jobs_pending || rd->recvs_inflight) return false;
+    rd->quiesced = true;
+    if (rd->v.grant) {
+        /* After our own stage cancel raced a successful acquire, the stage has
+         * already taken the pages back: CANCELLED or NOTFOUND are expected then. */
+        int rc = pkv_stage_release(a->stage, rd->v.stage_id);
+        if (rc && rc != PKV_ERR_CANCELLED && !(rc == PKV_ERR_NOTFOUND && rd->stage_cancelled))
+            PKV_LOGW(XF_MOD, "read %llu: stage release: %s", (unsigned long long)rd->xfer_id,
+                     pkv_status_str(rc));
+        XF_STAT_SUB(a, staging_pages_held, rd->v.pages);
+        pkv_stage_grant_free(rd->v.grant);
+        rd->v.grant = NULL;
+    }
+    pkv_kv_unpin(a->kv, rd->v.blocks, rd->v.n_blocks);
+    XF_STAT_SUB(a, pinned_blocks, rd->v.n_blocks);
+    if (rd->peer) rd->peer->refs--;
+    rd->peer = NULL;
+    for (pkv_xfer_read_t **pp = &a->reads; *pp; pp = &(*pp)->next)
+        if (*pp == rd) {
+            *pp = rd->next;
+            break;
+        }
+    return true;
+}
+
+/* The last thing any handler does with a read: once it is finished and quiesced, the
+ * agent lets go of it (which may free it). Never touch rd after calling this. */
+static void settle(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
+{
+    if (!rd->finished || rd->released || rd->cancelling || !quiesce(a, rd)) return;
+    rd->released = true;
+    pthread_mutex_lock(&rd->mu);
+    rd->agent = NULL;
+    pthread_mutex_unlock(&rd->mu);
+    xf_busy_add(a, -1);
+    xf_read_unref(rd);
+}
+
+static int fail_reason(int outcome)
+{
+    return pkv_xfer_wire_reason_valid(outcome) ? outcome : PKV_ERR_CANCELLED;
+}
+
+/* Decide the read's outcome (once). `tell` sends FAIL to the producer. The caller still
+ * owns rd afterwards and must end with settle(). */
+static void finish(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, int outcome, bool tell,
+                   const char *why)
+{
+    if (rd->finished) return;
+    rd->finished = true;
+    rd->state = XF_READ_DONE;
+    rd->done_ns = pkv_now_ns();
+    atomic_store(&rd->v.abort, true);
+    if (outcome == PKV_OK && pkv_log_get_level() >= PKV_LOG_DEBUG) {
+        if (rd->shared)
+            PKV_LOGD(XF_MOD, "read %llu ok (shared arena): %llu bytes stored +%.2f ms",
+                     (unsigned long long)rd->xfer_id,
+                     (unsigned long long)(rd->v.layer_total * rd->v.layers),
+                     (rd->done_ns - rd->t_start) / 1e6);
+        else
+            PKV_LOGD(XF_MOD,
+                     "read %llu ok: %llu bytes; seated +%.2f ms, first chunk +%.2f, last chunk "
+                     "+%.2f, stored +%.2f",
+                     (unsigned long long)rd->xfer_id,
+                     (unsigned long long)(rd->v.layer_total * rd->v.layers),
+                     (rd->t_seated - rd->t_start) / 1e6, (rd->t_first - rd->t_start) / 1e6,
+                     (rd->t_last - rd->t_start) / 1e6, (rd->done_ns - rd->t_start) / 1e6);
+    }
+    if (outcome != PKV_OK)
+        PKV_LOGI(XF_MOD, "read %llu (request %llu from %s) ends %s: %s",
+                 (unsigned long long)rd->xfer_id, (unsigned long long)rd->request_id, rd->addr,
+                 pkv_status_str(outcome), why);
+    if (tell && rd->read_sent && rd->peer && rd->peer->state == XF_PEER_ACTIVE)
+        xf_send_fail(a, rd->peer, rd->xfer_id, rd->request_id, fail_reason(outcome), why);
+    if (rd->seat_pending) {
+        pkv_stage_cancel(a->stage, rd->v.stage_id);
+        rd->stage_cancelled = true;
+    }
+    rd->cancel_recvs = rd->recvs_inflight > 0;
+    int idx = pkv_xfer_outcome_index(outcome);
+    XF_STAT_ADD(a, reads_done[idx < 0 ? 5 : idx], 1);
+    uint64_t bytes = outcome == PKV_OK ? rd->v.layer_total * rd->v.layers : 0;
+    if (outcome == PKV_OK) XF_STAT_ADD(a, bytes_received, bytes);
+    quiesce(a, rd); /* for ok: staging and pins are back before the caller hears */
+    deliver(rd, outcome, bytes);
+}
+
+/* Cancel every posted receive. A cancelled receive's callback may run inside
+ * ucp_request_cancel; `cancelling` keeps it from letting go of rd mid-loop. Ends with
+ * settle(): the caller must not touch rd afterwards. */
+static void cancel_recvs(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
+{
+    rd->cancel_recvs = false;
+    rd->cancelling = true;
+    for (uint32_t c = 0; c < rd->v.n_chunks; c++) {
+        void *req = rd->chunks[c].req;
+        if (req) ucp_request_cancel(a->worker, req); /* completes with UCS_ERR_CANCELED */
+    }
+    rd->cancelling = false;
+    settle(a, rd);
+}
+
+void xf_reads_admit(pkv_xfer_agent_t *a, pkv_xfer_read_t *list)
+{
+    while (list) {
+        pkv_xfer_read_t *rd = list;
+        list = rd->next_new;
+        rd->next = a->reads;
+        a->reads = rd;
+        rd->xfer_id = a->next_xfer_id++;
+        if (a->next_xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS)) a->next_xfer_id = 1;
+        rd->v.stage_id = rd->xfer_id;
+        rd->state = XF_READ_QUEUED;
+        rd->t_start = pkv_now_ns();
+        rd->peer = xf_peer_connect(a, rd->addr);
+        if (!rd->peer) {
+            finish(a, rd, PKV_ERR_PEER_LOST, false, "cannot create an endpoint to the producer");
+            settle(a, rd);
+            continue;
+        }
+        rd->peer->refs++;
+        if (atomic_load(&rd->cancel_req)) {
+            finish(a, rd, PKV_ERR_CANCELLED, false, "cancelled");
+            settle(a, rd);
+            continue;
+        }
+        if (rd->want_shared)
+            rd->arena = xf_peer_map_arena(rd->peer, rd->local_pid, rd->local_fd, rd->local_ino,
+                                          rd->local_bytes);
+        if (rd->arena) {
+            /* No staging of our own: the producer's arena is the staging. */
+            rd->shared = true;
+            send_read(a, rd);
+            settle(a, rd);
+            continue;
+        }
+        rd->state = XF_READ_SEATING;
+        rd->seat_pending = true;
+        rd->job_seat.kind = XF_JOB_SEAT;
+        rd->job_seat.is_serve = false;
+        rd->job_seat.owner = rd;
+        rd->ev_seated.kind = XF_EV_SEATED;
+        rd->ev_seated.owner = rd;
+        xf_job_post(a, &rd->job_seat, true);
+    }
+}
+
+/* Seat thread. */
+void xf_read_seat(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
+{
+    pkv_stage_grant_t *g = NULL;
+    int rc = PKV_ERR_CANCELLED;
+    if (!atomic_load(&rd->v.abort))
+        rc = pkv_stage_acquire(a->stage, rd->v.stage_id, rd->peer ? rd->peer->id : 0, rd->v.pages,
+                               rd->deadline_ns, &g);
+    rd->ev_seated.status = rc;
+    rd->ev_seated.grant = rc == PKV_OK ? g : NULL;
+    xf_event_post(a, &rd->ev_seated);
+}
+
+/* Copy worker: store layer l and check its checksum. */
+void xf_read_job(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l)
+{
+    xf_event_t *ev = &rd->ev_layer[l];
+    if (atomic_load(&rd->v.abort)) {
+        ev->status = PKV_ERR_CANCELLED;
+    } else {
+        uint64_t sum = rd->shared
+                           ? xf_view_copy_layer_from(&rd->v, a, l, rd->arena, rd->layer_pieces[l],
+                                                     rd->layer_npieces[l])
+                           : xf_view_copy_layer(&rd->v, a, l, false);
+        ev->status = sum == ev->checksum ? PKV_OK : PKV_ERR_CORRUPT;
+    }
+    xf_event_post(a, ev);
+}
+
+static void maybe_verify(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l)
+{
+    uint8_t f = rd->layer_flags[l];
+    if (rd->finished || !(f & LF_HEADER) || (f & LF_QUEUED) ||
+        rd->layer_chunks[l] != rd->v.chunks_per_layer)
+        return;
+    rd->layer_flags[l] |= LF_QUEUED;
+    xf_event_t *ev = &rd->ev_layer[l];
+    ev->kind = XF_EV_VERIFIED;
+    ev->owner = rd;
+    ev->layer = l;
+    ev->checksum = rd->layer_sum[l];
+    xf_job_t *job = &rd->job_layer[l];
+    job->kind = XF_JOB_VERIFY;
+    job->owner = rd;
+    job->layer = l;
+    rd->jobs_pending++;
+    xf_job_post(a, job, false);
+}
+
+static void fault(pkv_xfer_agent_t *a, pkv_xfer_fault_point_t pt, uint32_t layer)
+{
+    if (a->faults.fn) a->faults.fn(a->faults.arg, pt, layer);
+}
+
+static void recv_done(void *request, ucs_status_t status, const ucp_tag_recv_info_t *info,
+                      void *user_data)
+{
+    xf_chunk_t *ch = user_data;
+    pkv_xfer_read_t *rd = ch->owner;
+    pkv_xfer_agent_t *a = rd->agent;
+    ch->req = NULL;
+    rd->recvs_inflight--;
+    ucp_request_free(request);
+    if (rd->finished) {
+        /* cancelled by us, or completed after the read ended: nothing to do */
+    } else if (status == UCS_OK) {
+        uint64_t off, len;
+        rd->t_last = pkv_now_ns();
+        if (!rd->t_first) rd->t_first = rd->t_last;
+        xf_chunk_span(&rd->v, ch->index, &off, &len);
+        uint32_t l = ch->index / rd->v.chunks_per_layer;
+        if (info->length != len) {
+            finish(a, rd, PKV_ERR_CORRUPT, true, "payload chunk of the wrong length");
+        } else if (++rd->layer_chunks[l] == rd->v.chunks_per_layer) {
+            fault(a, PKV_XFER_FAULT_READ_LAYER_RECEIVED, l);
+            maybe_verify(a, rd, l);
+        }
+    } else if (status == UCS_ERR_MESSAGE_TRUNCATED) {
+        finish(a, rd, PKV_ERR_CORRUPT, true, "payload chunk larger than planned");
+    } else {
+        char why[96];
+        snprintf(why, sizeof(why), "payload receive failed: %s", ucs_status_string(status));
+        finish(a, rd, PKV_ERR_PEER_LOST, false, why);
+    }
+    settle(a, rd);
+}
+
+static void start_reading(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
+{
+    xf_view_t *v = &rd->v;
+    for (uint32_t c = 0; c < v->n_chunks; c++) {
+        xf_chunk_t *ch = &rd->chunks[c];
+        uint64_t off, len;
+        void *buf;
+        size_t count;
+        ucp_datatype_t dt;
+        xf_chunk_span(v, c, &off, &len);
+        if (xf_chunk_buffer(v, ch, off, len, &buf, &count, &dt)) {
+            finish(a, rd, PKV_ERR_NOFIT, false, "out of memory posting receives");
+            return;
+        }
+        ucp_request_param_t prm = {
+            .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                            UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
+            .cb = {.recv = recv_done},
+            .datatype = dt,
+            .user_data = ch,
+        };
+        void *req = ucp_tag_recv_nbx(a->worker, buf, count, pkv_wire_data_tag(rd->xfer_id, c),
+                                     UINT64_MAX, &prm);
+        if (UCS_PTR_IS_ERR(req)) {
+            char why[96];
+            snprintf(why, sizeof(why), "posting a receive: %s",
+                     ucs_status_string(UCS_PTR_STATUS(req)));
+            finish(a, rd, PKV_ERR_NOFIT, false, why);
+            return;
+        }
+        if (req) {
+            ch->req = req;
+            rd->recvs_inflight++;
+        }
+    }
+    send_read(a, rd);
+}
+
+/* Send READ with the time left; the read is READING from then on. */
+static void send_read(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
+{
+    xf_view_t *v = &rd->v;
+    uint64_t now = pkv_now_ns();
+    if (now >= rd->deadline_ns) {
+        finish(a, rd, PKV_ERR_TIMEOUT, false, "deadline passed while seating staging");
+        return;
+    }
+    pkv_wire_read_t r;
+    memset(&r, 0, sizeof(r));
+    r.xfer_id = rd->xfer_id;
+    r.request_id = rd->request_id;
+    memcpy(r.token, rd->token, sizeof(r.token));
+    r.budget_ns = PKV_MIN(rd->deadline_ns - now, PKV_WIRE_MAX_BUDGET_NS);
+    r.geo = a->geo;
+    r.chunk_bytes = v->chunk_bytes;
+    r.flags = rd->shared ? PKV_WIRE_READ_SHARED : 0;
+    uint32_t runs = pkv_xfer_wire_count_runs(rd->src_blocks, v->n_blocks);
+    size_t cap = pkv_xfer_wire_read_bytes(runs), len;
+    uint8_t *buf = malloc(cap);
+    int rc = buf ? pkv_xfer_wire_encode_read(&r, rd->src_blocks, v->n_blocks, buf, cap, &len)
+                 : PKV_ERR_NOMEM;
+    if (rc == PKV_OK) rc = xf_ctl_send(a, rd->peer, buf, len);
+    free(buf);
+    if (rc == PKV_ERR_PEER_LOST) {
+        finish(a, rd, PKV_ERR_PEER_LOST, false, "producer endpoint failed");
+        return;
+    }
+    if (rc) {
+        finish(a, rd, PKV_ERR_REJECTED, false, "the plan does not fit a READ message");
+        return;
+    }
+    rd->read_sent = true;
+    rd->state = XF_READ_READING;
+}
+
+static int seat_outcome(int rc)
+{
+    switch (rc) {
+    case PKV_ERR_NOFIT:
+    case PKV_ERR_TIMEOUT:
+    case PKV_ERR_SHUTDOWN:
+    case PKV_ERR_CANCELLED:
+        return rc;
+    default:
+        return PKV_ERR_NOFIT; /* NOMEM, BUSY, INVALID: staging cannot seat it */
+    }
+}
+
+void xf_read_event(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, xf_event_t *ev)
+{
+    switch (ev->kind) {
+    case XF_EV_SEATED:
+        rd->seat_pending = false;
+        rd->t_seated = pkv_now_ns();
+        if (ev->status == PKV_OK) {
+            XF_STAT_ADD(a, staging_pages_held, rd->v.pages);
+            if (xf_view_set_grant(&rd->v, ev->grant)) {
+                rd->v.grant = ev->grant; /* keep it reachable for release */
+                finish(a, rd, PKV_ERR_NOFIT, true, "staging grant smaller than asked");
+            } else if (!rd->finished) {
+                start_reading(a, rd);
+            }
+        } else if (!rd->finished) {
+            char why[96];
+            snprintf(why, sizeof(why), "consumer staging for %u pages: %s", rd->v.pages,
+                     pkv_status_str(ev->status));
+            finish(a, rd, seat_outcome(ev->status), false, why);
+        }
+        break;
+    case XF_EV_VERIFIED: {
+        uint32_t l = ev->layer;
+        rd->jobs_pending--;
+        if (rd->finished) break;
+        if (ev->status == PKV_ERR_CORRUPT) {
+            char why[64];
+            snprintf(why, sizeof(why), "layer %u checksum mismatch", l);
+            finish(a, rd, PKV_ERR_CORRUPT, true, why);
+            break;
+        }
+        rd->layer_flags[l] |= LF_STORED;
+        if (++rd->layers_verified == rd->v.layers) {
+            pkv_wire_ack_t k = {.xfer_id = rd->xfer_id,
+                                .request_id = rd->request_id,
+                                .bytes = rd->v.layer_total * rd->v.layers};
+            uint8_t buf[64];
+            size_t len;
+            if (pkv_xfer_wire_encode_ack(&k, buf, sizeof(buf), &len) == PKV_OK)
+                xf_ctl_send(a, rd->peer, buf, len);
+            finish(a, rd, PKV_OK, false, "ok");
+        }
+        break;
+    }
+    default:
+        PKV_ASSERT(!"unexpected read event");
+    }
+    settle(a, rd);
+}
+
+static pkv_xfer_read_t *find_read(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id)
+{
+    for (pkv_xfer_read_t *rd = a->reads; rd; rd = rd->next)
+        if (rd->xfer_id == xfer_id && rd->peer == p) return rd;
+    return NULL;
+}
+
+void xf_read_on_data(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_data_t *d)
+{
+    pkv_xfer_read_t *rd = find_read(a, p, d->xfer_id);
+    if (!rd || rd->finished) return; /* late message for an ended read */
+    bool shared_msg = d->flags & PKV_WIRE_DATA_SHARED;
+    if (rd->state != XF_READ_READING || d->layer >= rd->v.layers || d->bytes != rd->v.layer_total ||
+        (rd->layer_flags[d->layer] & LF_HEADER) || shared_msg != rd->shared) {
+        XF_STAT_ADD(a, proto_errors, 1);
+        finish(a, rd, PKV_ERR_CORRUPT, true, "DATA message does not match the plan");
+        settle(a, rd);
+        return;
+    }
+    if (shared_msg) {
+        /* Every piece must lie inside the arena we mapped. */
+        uint64_t *pc = malloc(16 * (size_t)d->n_pieces);
+        bool inside = pc != NULL;
+        for (uint32_t i = 0; inside && i < d->n_pieces; i++) {
+            pkv_xfer_wire_data_piece(d, i, &pc[2 * i], &pc[2 * i + 1]);
+            inside = pc[2 * i] + pc[2 * i + 1] <= rd->local_bytes;
+        }
+        if (!inside) {
+            free(pc);
+            XF_STAT_ADD(a, proto_errors, 1);
+            finish(a, rd, PKV_ERR_CORRUPT, true, "shared DATA outside the producer's arena");
+            settle(a, rd);
+            return;
+        }
+        rd->layer_pieces[d->layer] = pc;
+        rd->layer_npieces[d->layer] = d->n_pieces;
+        rd->layer_chunks[d->layer] = rd->v.chunks_per_layer;
+        fault(a, PKV_XFER_FAULT_READ_LAYER_RECEIVED, d->layer);
+    }
+    rd->layer_flags[d->layer] |= LF_HEADER;
+    rd->layer_sum[d->layer] = d->checksum;
+    maybe_verify(a, rd, d->layer);
+}
+
+void xf_read_on_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_fail_t *f)
+{
+    pkv_xfer_read_t *rd = find_read(a, p, f->xfer_id);
+    if (!rd || rd->finished) return;
+    int outcome = f->reason;
+    if (outcome == PKV_ERR_SHUTDOWN) outcome = PKV_ERR_PEER_LOST; /* the producer went away */
+    if (outcome == PKV_ERR_CANCELLED) outcome = PKV_ERR_REJECTED; /* it withdrew the request */
+    char why[PKV_WIRE_MAX_TEXT + 32];
+    snprintf(why, sizeof(why), "producer: %s (%s)", pkv_status_str(f->reason), f->text);
+    finish(a, rd, outcome, false, why);
+    settle(a, rd);
+}
+
+void xf_reads_tick(pkv_xfer_agent_t *a, uint64_t now)
+{
+    pkv_xfer_read_t *next;
+    for (pkv_xfer_read_t *rd = a->reads; rd; rd = next) {
+        next = rd->next; /* finish() may unlink rd */
+        if (!rd->finished) {
+            if (atomic_load(&rd->cancel_req))
+                finish(a, rd, PKV_ERR_CANCELLED, true, "cancelled");
+            else if (now >= rd->deadline_ns)
+                finish(a, rd, PKV_ERR_TIMEOUT, true, "deadline passed");
+            settle(a, rd);
+            continue;
+        }
+        if (rd->cancel_recvs) {
+            cancel_recvs(a, rd);
+            continue;
+        }
+        if (rd->zombie) continue;
+        if (!rd->slow_logged && xf_since(now, rd->done_ns) > XF_CLOSE_WAIT_NS) {
+            rd->slow_logged = true;
+            PKV_LOGD(XF_MOD, "read %llu ended %.0f ms ago, still waiting: seat %d jobs %u recvs %u",
+                     (unsigned long long)rd->xfer_id, xf_since(now, rd->done_ns) / 1e6,
+                     rd->seat_pending, rd->jobs_pending, rd->recvs_inflight);
+        }
+        if (rd->recvs_inflight && xf_since(now, rd->done_ns) > 2 * XF_CLOSE_WAIT_NS) {
+            /* Receives neither completed nor failed: force the endpoint closed, and if
+             * even that leaves them pending, write them off (keep the staging). */
+            if (rd->peer && rd->peer->state == XF_PEER_ACTIVE) {
+                xf_peer_fail(a, rd->peer, "payload receives stuck after the read ended");
+            } else if (xf_since(now, rd->done_ns) > 3 * XF_CLOSE_WAIT_NS) {
+                PKV_LOGE(XF_MOD, "read %llu: %u receives never completed; written off",
+                         (unsigned long long)rd->xfer_id, rd->recvs_inflight);
+                XF_STAT_ADD(a, written_off, rd->recvs_inflight);
+                rd->zombie = true;
+            }
+        }
+    }
+}
+
+void xf_reads_peer_lost(pkv_xfer_agent_t *a, xf_peer_t *p)
+{
+    pkv_xfer_read_t *next;
+    for (pkv_xfer_read_t *rd = a->reads; rd; rd = next) {
+        next = rd->next;
+        if (rd->peer == p && !rd->finished) {
+            finish(a, rd, PKV_ERR_PEER_LOST, false, "producer lost");
+            settle(a, rd);
+        }
+    }
+}
+
+void xf_reads_shutdown(pkv_xfer_agent_t *a)
+{
+    pkv_xfer_read_t *next;
+    for (pkv_xfer_read_t *rd = a->reads; rd; rd = next) {
+        next = rd->next;
+        finish(a, rd, PKV_ERR_SHUTDOWN, true, "consumer agent shutting down");
+        settle(a, rd);
+    }
+}
+
+bool xf_reads_active_data(pkv_xfer_agent_t *a)
+{
+    for (pkv_xfer_read_t *rd = a->reads; rd; rd = rd->next)
+        if (rd->state == XF_READ_READING) return true;
+    return false;
+}

@@ -1,0 +1,567 @@
+/*
+ * xfer peers: one UCX endpoint per connection, always in peer error-handling mode with
+ * an error callback (only such an endpoint reports the other side's death). A consumer
+ * connects to the producer's listener (outgoing peer); the producer creates its own
+ * endpoint from the connection request (incoming peer). Both sides send HEARTBEAT every
+ * heartbeat_ns and count any message as a sign of life; a peer silent for
+ * peer_timeout_ns, or whose endpoint reports an error, is failed: its transfers end
+ * peer_lost at once, the endpoint is force-closed from the loop, and the peer is freed
+ * once no transfer and no request refers to it (requests still pending XF_CLOSE_WAIT_NS
+ * after the close are written off and the peer is kept, never reused).
+ *
+ * Control messages are UCX active messages (eager only, reply-ep flag set so the
+ * receiver knows which endpoint they came on). Payload arrives as tag messages; any
+ * payload message no posted receive wanted (its transfer ended) is drained here into a
+ * discarding datatype, so a sender never waits on a receiver that gave up.
+ *
+ * Every function here runs on the progress thread.
+ */
+#include "xfer/xfer_int.h"
+
+#include "prim/prim.h"
+
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+int xf_sockaddr_parse(const char *addr, struct sockaddr_storage *ss, socklen_t *len);
+
+static void peer_drop_queued(xf_peer_t *p);
+
+static void peer_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
+{
+    xf_peer_t *p = arg;
+    (void)ep;
+    if (p->err == UCS_OK) p->err = status;
+}
+
+static xf_peer_t *peer_new(pkv_xfer_agent_t *a, bool outgoing)
+{
+    xf_peer_t *p = calloc(1, sizeof(*p));
+    if (!p) return NULL;
+    p->id = a->next_peer_id++;
+    p->outgoing = outgoing;
+    p->state = XF_PEER_ACTIVE;
+    p->last_rx_ns = pkv_now_ns();
+    p->next_hb_ns = p->last_rx_ns; /* say hello at once */
+    p->queued_tail = &p->queued;
+    p->established = !outgoing; /* a server endpoint is wired up when accepted */
+    p->map_fd = -1;
+    return p;
+}
+
+static void peer_link(pkv_xfer_agent_t *a, xf_peer_t *p)
+{
+    p->next = a->peers;
+    a->peers = p;
+    XF_STAT_ADD(a, peers, 1);
+}
+
+xf_peer_t *xf_peer_connect(pkv_xfer_agent_t *a, const char *addr)
+{
+    for (xf_peer_t *p = a->peers; p; p = p->next)
+        if (p->outgoing && p->state == XF_PEER_ACTIVE && !p->remote_closing &&
+            !strcmp(p->addr, addr))
+            return p;
+    struct sockaddr_storage ss;
+    socklen_t sl;
+    if (xf_sockaddr_parse(addr, &ss, &sl)) {
+        PKV_LOGW(XF_MOD, "peer address '%s' is not numeric host:port", addr);
+        return NULL;
+    }
+    xf_peer_t *p = peer_new(a, true);
+    if (!p) return NULL;
+    snprintf(p->addr, sizeof(p->addr), "%s", addr);
+    ucp_ep_params_t ep = {
+        .field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER,
+        .flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER,
+        .sockaddr = {.addr = (struct sockaddr *)&ss, .addrlen = sl},
+        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+        .err_handler = {.cb = peer_err_cb, .arg = p},
+    };
+    ucs_status_t s = ucp_ep_create(a->worker, &ep, &p->ep);
+    if (s != UCS_OK) {
+        PKV_LOGW(XF_MOD, "connect to %s: %s", addr, ucs_status_string(s));
+        free(p);
+        return NULL;
+    }
+    peer_link(a, p);
+    PKV_LOGD(XF_MOD, "peer %u: connecting to %s", p->id, addr);
+    return p;
+}
+
+void xf_peer_accept(pkv_xfer_agent_t *a, ucp_conn_request_h req)
+{
+    xf_peer_t *p = peer_new(a, false);
+    if (!p) {
+        ucp_listener_reject(a->listener, req);
+        return;
+    }
+    snprintf(p->addr, sizeof(p->addr), "incoming");
+    ucp_ep_params_t ep = {
+        .field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER,
+        .conn_request = req,
+        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+        .err_handler = {.cb = peer_err_cb, .arg = p},
+    };
+    ucs_status_t s = ucp_ep_create(a->worker, &ep, &p->ep);
+    if (s != UCS_OK) {
+        PKV_LOGW(XF_MOD, "accept: %s", ucs_status_string(s));
+        free(p);
+        return;
+    }
+    peer_link(a, p);
+    PKV_LOGD(XF_MOD, "peer %u: accepted", p->id);
+}
+
+xf_peer_t *xf_peer_by_ep(pkv_xfer_agent_t *a, ucp_ep_h ep)
+{
+    if (!ep) return NULL;
+    for (xf_peer_t *p = a->peers; p; p = p->next)
+        if (p->ep == ep) return p;
+    return NULL;
+}
+
+static void peer_close(pkv_xfer_agent_t *a, xf_peer_t *p)
+{
+    (void)a;
+    if (!p->ep || p->state == XF_PEER_CLOSING || p->state == XF_PEER_CLOSED) return;
+    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                               .flags = UCP_EP_CLOSE_FLAG_FORCE};
+    void *req = ucp_ep_close_nbx(p->ep, &prm);
+    p->close_deadline_ns = pkv_now_ns() + XF_CLOSE_WAIT_NS;
+    if (req == NULL || UCS_PTR_IS_ERR(req)) {
+        p->state = XF_PEER_CLOSED;
+        p->close_done = true;
+        p->ep = NULL;
+    } else {
+        p->close_req = req;
+        p->state = XF_PEER_CLOSING;
+    }
+}
+
+void xf_peer_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const char *why)
+{
+    if (p->state != XF_PEER_ACTIVE) return;
+    p->state = XF_PEER_FAILED;
+    XF_STAT_SUB(a, peers, 1);
+    if (p->remote_closing) {
+        PKV_LOGD(XF_MOD, "peer %u (%s) closed the connection", p->id, p->addr);
+    } else {
+        XF_STAT_ADD(a, peers_lost, 1);
+        PKV_LOGI(XF_MOD, "peer %u (%s) lost: %s", p->id, p->addr, why);
+    }
+    peer_drop_queued(p);
+    xf_reads_peer_lost(a, p);
+    xf_serves_peer_lost(a, p);
+    peer_close(a, p);
+}
+
+void xf_peer_close_all(pkv_xfer_agent_t *a, bool force)
+{
+    (void)force;
+    for (xf_peer_t *p = a->peers; p; p = p->next) {
+        if (p->state == XF_PEER_ACTIVE) {
+            p->state = XF_PEER_FAILED;
+            XF_STAT_SUB(a, peers, 1);
+        }
+        peer_drop_queued(p);
+        peer_close(a, p);
+    }
+}
+
+static void send_close(pkv_xfer_agent_t *a, xf_peer_t *p, uint32_t flags)
+{
+    pkv_wire_close_t cl = {.agent_id = a->agent_id, .flags = flags};
+    uint8_t buf[64];
+    size_t len;
+    if (pkv_xfer_wire_encode_close(&cl, buf, sizeof(buf), &len) == PKV_OK)
+        xf_ctl_send(a, p, buf, len);
+}
+
+/* Shutdown: ask every live peer to confirm it has processed everything we sent. */
+void xf_peers_say_close(pkv_xfer_agent_t *a)
+{
+    for (xf_peer_t *p = a->peers; p; p = p->next)
+        if (p->state == XF_PEER_ACTIVE && p->ep && p->established && !p->close_sent) {
+            p->close_sent = true;
+            send_close(a, p, 0);
+        }
+}
+
+bool xf_peers_close_answered(pkv_xfer_agent_t *a)
+{
+    for (xf_peer_t *p = a->peers; p; p = p->next)
+        if (p->state == XF_PEER_ACTIVE && p->close_sent && !p->close_acked) return false;
+    return true;
+}
+
+/* A peer is gone for good once its close completed and nothing refers to it. */
+bool xf_peers_closed(pkv_xfer_agent_t *a)
+{
+    for (xf_peer_t *p = a->peers; p; p = p->next)
+        if (p->state != XF_PEER_CLOSED || p->ctl_inflight) return false;
+    return true;
+}
+
+static void peer_free(xf_peer_t *p)
+{
+    if (p->map_base) pkv_prim_shared_close(p->map_fd, p->map_base, p->map_size);
+    free(p);
+}
+
+void xf_peers_free(pkv_xfer_agent_t *a)
+{
+    while (a->peers) {
+        xf_peer_t *p = a->peers;
+        a->peers = p->next;
+        peer_free(p);
+    }
+}
+
+/* Map a same-host producer's staging arena through /proc/<pid>/fd/<fd>, checking that the
+ * file there is the one the handle names (inode) and is large enough. One mapping per
+ * peer; it lives as long as the peer. Returns the mapping or NULL (then the read moves
+ * its payload through UCX instead). */
+const uint8_t *xf_peer_map_arena(xf_peer_t *p, uint32_t pid, int32_t fd, uint64_t ino,
+                                 uint64_t bytes)
+{
+    if (p->map_base)
+        return p->map_pid == pid && p->map_ino == ino && p->map_size >= bytes ? p->map_base : NULL;
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%u/fd/%d", pid, fd);
+    int mfd = open(path, O_RDWR | O_CLOEXEC);
+    if (mfd < 0) return NULL;
+    struct stat sb;
+    void *base = NULL;
+    if (fstat(mfd, &sb) || (uint64_t)sb.st_ino != ino || (uint64_t)sb.st_size < bytes ||
+        pkv_prim_shared_map(mfd, bytes, &base)) {
+        close(mfd);
+        return NULL;
+    }
+    p->map_fd = mfd;
+    p->map_base = base;
+    p->map_size = bytes;
+    p->map_pid = pid;
+    p->map_ino = ino;
+    PKV_LOGD(XF_MOD, "peer %u: mapped the producer's staging arena (%llu bytes)", p->id,
+             (unsigned long long)bytes);
+    return base;
+}
+
+/* ---- control messages ------------------------------------------------------------------ */
+struct xf_ctl_buf {
+    xf_ctl_buf_t *next; /* queued on a peer not yet established */
+    xf_peer_t *peer;
+    size_t len;
+    uint8_t data[];
+};
+typedef xf_ctl_buf_t ctl_buf_t;
+
+static void ctl_sent(void *request, ucs_status_t status, void *user_data)
+{
+    ctl_buf_t *b = user_data;
+    xf_peer_t *p = b->peer;
+    p->ctl_inflight--;
+    if (status != UCS_OK && status != UCS_ERR_CANCELED && p->err == UCS_OK) {
+        PKV_LOGD(XF_MOD, "peer %u: control message type %u (%zu bytes) failed: %s", p->id,
+                 b->len > 5 ? b->data[5] : 0, b->len, ucs_status_string(status));
+        p->err = status;
+    }
+    free(b);
+    ucp_request_free(request);
+}
+
+static int ctl_post(xf_peer_t *p, ctl_buf_t *b)
+{
+    size_t len = b->len;
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                        UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
+        .flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER,
+        .cb = {.send = ctl_sent},
+        .user_data = b,
+    };
+    void *req = ucp_am_send_nbx(p->ep, XF_AM_CTRL, NULL, 0, b->data, len, &prm);
+    if (UCS_PTR_IS_ERR(req)) {
+        ucs_status_t s = UCS_PTR_STATUS(req);
+        PKV_LOGD(XF_MOD, "peer %u: control message type %u (%zu bytes) refused: %s", p->id,
+                 len > 5 ? b->data[5] : 0, len, ucs_status_string(s));
+        free(b);
+        if (p->err == UCS_OK) p->err = s;
+        return PKV_ERR_PEER_LOST;
+    }
+    if (req == NULL) { /* completed at once (not expected with NO_IMM_CMPL) */
+        free(b);
+        return PKV_OK;
+    }
+    p->ctl_inflight++;
+    return PKV_OK;
+}
+
+/* Send a control message (copied). On a connecting endpoint it waits in the peer's queue
+ * until the other side has spoken: an active message with the reply flag posted while
+ * the client endpoint is still being wired up can fail with "Invalid parameter" in UCX
+ * 1.13, which would be misread as a lost peer. */
+int xf_ctl_send(pkv_xfer_agent_t *a, xf_peer_t *p, void *msg, size_t len)
+{
+    (void)a;
+    if (p->state != XF_PEER_ACTIVE || !p->ep) return PKV_ERR_PEER_LOST;
+    ctl_buf_t *b = malloc(sizeof(*b) + len);
+    if (!b) return PKV_ERR_NOMEM;
+    b->next = NULL;
+    b->peer = p;
+    b->len = len;
+    memcpy(b->data, msg, len);
+    if (!p->established) {
+        *p->queued_tail = b;
+        p->queued_tail = &b->next;
+        return PKV_OK;
+    }
+    return ctl_post(p, b);
+}
+
+static void peer_established(xf_peer_t *p)
+{
+    p->established = true;
+    ctl_buf_t *b = p->queued;
+    p->queued = NULL;
+    p->queued_tail = &p->queued;
+    while (b) {
+        ctl_buf_t *next = b->next;
+        ctl_post(p, b);
+        b = next;
+    }
+}
+
+static void peer_drop_queued(xf_peer_t *p)
+{
+    while (p->queued) {
+        ctl_buf_t *b = p->queued;
+        p->queued = b->next;
+        free(b);
+    }
+    p->queued_tail = &p->queued;
+}
+
+void xf_send_fail(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, uint64_t request_id,
+                  int reason, const char *text)
+{
+    pkv_wire_fail_t f;
+    memset(&f, 0, sizeof(f));
+    f.xfer_id = xfer_id;
+    f.request_id = request_id;
+    f.reason = reason;
+    snprintf(f.text, sizeof(f.text), "%s", text ? text : "");
+    uint8_t buf[PKV_WIRE_HEADER_BYTES + 24 + PKV_WIRE_MAX_TEXT];
+    size_t len;
+    if (pkv_xfer_wire_encode_fail(&f, buf, sizeof(buf), &len) == PKV_OK)
+        xf_ctl_send(a, p, buf, len);
+}
+
+static void send_heartbeat(pkv_xfer_agent_t *a, xf_peer_t *p)
+{
+    pkv_wire_heartbeat_t h = {.agent_id = a->agent_id, .seq = ++p->hb_seq};
+    uint8_t buf[64];
+    size_t len;
+    if (pkv_xfer_wire_encode_heartbeat(&h, buf, sizeof(buf), &len) == PKV_OK)
+        xf_ctl_send(a, p, buf, len);
+}
+
+void xf_peers_tick(pkv_xfer_agent_t *a, uint64_t now)
+{
+    xf_peer_t **pp = &a->peers;
+    while (*pp) {
+        xf_peer_t *p = *pp;
+        if (p->state == XF_PEER_ACTIVE) {
+            if (p->err != UCS_OK) {
+                char why[96];
+                snprintf(why, sizeof(why), "endpoint error: %s", ucs_status_string(p->err));
+                xf_peer_fail(a, p, why);
+            } else if (xf_since(now, p->last_rx_ns) > a->cfg.peer_timeout_ns) {
+                xf_peer_fail(a, p, "silent past the peer timeout");
+            } else if (now >= p->next_hb_ns && p->established) {
+                /* A stalled peer stops completing our sends: don't pile heartbeats up. */
+                if (p->ctl_inflight < 16) send_heartbeat(a, p);
+                p->next_hb_ns = now + a->cfg.heartbeat_ns;
+            }
+        }
+        if (p->state == XF_PEER_CLOSING) {
+            ucs_status_t s = ucp_request_check_status(p->close_req);
+            if (s != UCS_INPROGRESS) {
+                ucp_request_free(p->close_req);
+                p->close_req = NULL;
+                p->ep = NULL;
+                p->state = XF_PEER_CLOSED;
+                p->close_done = true;
+            }
+        }
+        if (p->state == XF_PEER_CLOSED && !p->refs && !p->ctl_inflight) {
+            *pp = p->next;
+            peer_free(p);
+            continue;
+        }
+        if (p->state == XF_PEER_CLOSED && p->ctl_inflight && now > p->close_deadline_ns &&
+            p->close_deadline_ns) {
+            PKV_LOGW(XF_MOD,
+                     "peer %u: %u control sends never completed after close; "
+                     "written off",
+                     p->id, p->ctl_inflight);
+            XF_STAT_ADD(a, written_off, p->ctl_inflight);
+            p->close_deadline_ns = 0; /* log once; the peer is kept, never reused */
+        }
+        pp = &p->next;
+    }
+}
+
+/* ---- incoming control messages --------------------------------------------------------- */
+ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, void *data,
+                        size_t length, const ucp_am_recv_param_t *param)
+{
+    pkv_xfer_agent_t *a = arg;
+    (void)header;
+    (void)header_length;
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+        /* We only ever send control messages eager: this is not one of ours. */
+        XF_STAT_ADD(a, proto_errors, 1);
+        return UCS_OK;
+    }
+    ucp_ep_h ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : NULL;
+    xf_peer_t *p = xf_peer_by_ep(a, ep);
+    if (!p || p->state != XF_PEER_ACTIVE) return UCS_OK;
+    p->last_rx_ns = pkv_now_ns();
+    if (!p->established) peer_established(p);
+    pkv_wire_msg_t m;
+    if (pkv_xfer_wire_decode(data, length, &m)) {
+        XF_STAT_ADD(a, proto_errors, 1);
+        PKV_LOGW(XF_MOD, "peer %u: malformed control message (%zu bytes) dropped", p->id, length);
+        return UCS_OK;
+    }
+    switch (m.type) {
+    case PKV_WIRE_READ:
+        if (p->outgoing) goto wrong_side;
+        xf_serve_on_read(a, p, &m.u.read);
+        break;
+    case PKV_WIRE_ACK:
+        if (p->outgoing) goto wrong_side;
+        xf_serve_on_ack(a, p, &m.u.ack);
+        break;
+    case PKV_WIRE_DATA:
+        if (!p->outgoing) goto wrong_side;
+        xf_read_on_data(a, p, &m.u.data);
+        break;
+    case PKV_WIRE_FAIL:
+        if (p->outgoing)
+            xf_read_on_fail(a, p, &m.u.fail);
+        else
+            xf_serve_on_fail(a, p, &m.u.fail);
+        break;
+    case PKV_WIRE_HEARTBEAT:
+        p->remote_agent_id = m.u.hb.agent_id;
+        break;
+    }
+    return UCS_OK;
+wrong_side:
+    XF_STAT_ADD(a, proto_errors, 1);
+    PKV_LOGW(XF_MOD, "peer %u: message type %u on the wrong side of the connection dropped", p->id,
+             m.type);
+    return UCS_OK;
+}
+
+/* ---- stale payload ---------------------------------------------------------------------- */
+/* A generic datatype whose unpack throws the bytes away: receiving into it costs no
+ * buffer, whatever the message size. The state is the byte count plus one. */
+static void *dd_start_pack(void *context, const void *buffer, size_t count)
+{
+    (void)context;
+    (void)buffer;
+    return (void *)(uintptr_t)(count + 1);
+}
+static void *dd_start_unpack(void *context, void *buffer, size_t count)
+{
+    (void)context;
+    (void)buffer;
+    return (void *)(uintptr_t)(count + 1);
+}
+static size_t dd_packed_size(void *state)
+{
+    return (size_t)((uintptr_t)state - 1);
+}
+static size_t dd_pack(void *state, size_t offset, void *dest, size_t max_length)
+{
+    (void)state;
+    (void)offset;
+    (void)dest;
+    (void)max_length;
+    return 0;
+}
+static ucs_status_t dd_unpack(void *state, size_t offset, const void *src, size_t length)
+{
+    (void)state;
+    (void)offset;
+    (void)src;
+    (void)length;
+    return UCS_OK;
+}
+static void dd_finish(void *state)
+{
+    (void)state;
+}
+
+int xf_discard_dt_create(pkv_xfer_agent_t *a)
+{
+    static const ucp_generic_dt_ops_t ops = {
+        .start_pack = dd_start_pack,
+        .start_unpack = dd_start_unpack,
+        .packed_size = dd_packed_size,
+        .pack = dd_pack,
+        .unpack = dd_unpack,
+        .finish = dd_finish,
+    };
+    ucs_status_t s = ucp_dt_create_generic(&ops, NULL, &a->discard_dt);
+    if (s != UCS_OK) {
+        PKV_LOGE(XF_MOD, "ucp_dt_create_generic: %s", ucs_status_string(s));
+        return PKV_ERR_IO;
+    }
+    return PKV_OK;
+}
+
+static void discard_done(void *request, ucs_status_t status, const ucp_tag_recv_info_t *info,
+                         void *user_data)
+{
+    pkv_xfer_agent_t *a = user_data;
+    (void)status;
+    (void)info;
+    a->discards_inflight--;
+    ucp_request_free(request);
+}
+
+void xf_drain_stale(pkv_xfer_agent_t *a)
+{
+    for (int i = 0; i < 64; i++) {
+        ucp_tag_recv_info_t info;
+        ucp_tag_message_h msg =
+            ucp_tag_probe_nb(a->worker, PKV_WIRE_TAG_KIND, PKV_WIRE_TAG_KIND_MASK, 1, &info);
+        if (!msg) return;
+        ucp_request_param_t prm = {
+            .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                            UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
+            .cb = {.recv = discard_done},
+            .datatype = a->discard_dt,
+            .user_data = a,
+        };
+        void *req = ucp_tag_msg_recv_nbx(a->worker, NULL, info.length, msg, &prm);
+        XF_STAT_ADD(a, stale_dropped, 1);
+        if (UCS_PTR_IS_ERR(req)) {
+            PKV_LOGW(XF_MOD, "discarding a stale payload message: %s",
+                     ucs_status_string(UCS_PTR_STATUS(req)));
+            continue;
+        }
+        if (req) a->discards_inflight++;
+    }
+}

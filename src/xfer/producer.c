@@ -1,0 +1,734 @@
+/*
+ * xfer producer: registrations (pkv_xfer_register) and the serve state machine that
+ * answers a consumer's READ (progress thread).
+ *
+ *   READ --checks--> SEATING --staging seated--> SENDING --all chunks left--> WAIT_ACK
+ *        --ACK--> DONE(ok): the registration counts as sent and ends
+ *   any state --deadline | FAIL | peer lost | unregister | shutdown--> DONE(...)
+ *
+ * Checks before anything is allocated: the request is registered and live, the token
+ * matches (constant time), the geometry equals ours, every planned block belongs to the
+ * registration, no other transfer serves it now. A refusal is FAIL rejected.
+ * SEATING   staging for the whole transfer on a seat thread, until the consumer's
+ *           deadline (its remaining budget from READ, measured on our clock).
+ * SENDING   one copy job stages layer after layer (pool -> staging, checksummed); as each
+ *           layer is staged its chunks are posted as tag sends, at most max_inflight at a
+ *           time, followed by the layer's DATA (checksum) — copy and send overlap.
+ * WAIT_ACK  every send completed locally, which only means the bytes left this process.
+ * Only ACK makes the request sent. On failure the serve stops posting, tells the
+ * consumer (FAIL) unless the consumer told us, and quiesces once the copy job has
+ * returned and every send has completed (sends to a lost peer complete when its
+ * endpoint is force-closed); the registration becomes readable again unless it ended.
+ */
+#include "xfer/xfer_int.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static int cmp_u32(const void *x, const void *y)
+{
+    uint32_t a = *(const uint32_t *)x, b = *(const uint32_t *)y;
+    return a < b ? -1 : a > b;
+}
+
+static bool token_equal(const uint8_t *x, const uint8_t *y)
+{
+    volatile uint8_t d = 0;
+    for (int i = 0; i < PKV_XFER_TOKEN_BYTES; i++) d |= x[i] ^ y[i];
+    return d == 0;
+}
+
+static void fault(pkv_xfer_agent_t *a, pkv_xfer_fault_point_t pt, uint32_t layer)
+{
+    if (a->faults.fn) a->faults.fn(a->faults.arg, pt, layer);
+}
+
+/* ---- registrations --------------------------------------------------------------------- */
+static void reg_free(pkv_xfer_agent_t *a, xf_reg_t *r)
+{
+    pkv_kv_unpin(a->kv, r->blocks, r->n);
+    XF_STAT_SUB(a, pinned_blocks, r->n);
+    free(r->blocks);
+    free(r->sorted);
+    free(r);
+}
+
+int pkv_xfer_register(pkv_xfer_agent_t *a, uint64_t request_id, const uint32_t *blocks, uint32_t n,
+                      uint64_t expiry_ns, pkv_xfer_sent_fn fn, void *arg, pkv_xfer_handle_t **out)
+{
+    if (!a || !blocks || !out || !n || n > PKV_WIRE_MAX_BLOCKS) return PKV_ERR_INVALID;
+    int rc = PKV_ERR_NOMEM;
+    xf_reg_t *r = calloc(1, sizeof(*r));
+    pkv_xfer_handle_t *h = malloc(sizeof(*h) + sizeof(uint32_t) * n);
+    if (!r || !h) goto fail;
+    r->blocks = malloc(sizeof(uint32_t) * n);
+    r->sorted = malloc(sizeof(uint32_t) * n);
+    if (!r->blocks || !r->sorted) goto fail;
+    memcpy(r->blocks, blocks, sizeof(uint32_t) * n);
+    memcpy(r->sorted, blocks, sizeof(uint32_t) * n);
+    qsort(r->sorted, n, sizeof(uint32_t), cmp_u32);
+    r->n = n;
+    r->request_id = request_id;
+    r->expiry_ns = expiry_ns;
+    r->fn = fn;
+    r->arg = arg;
+    if ((rc = xf_random(r->token, sizeof(r->token)))) goto fail;
+
+    memset(h, 0, sizeof(*h));
+    h->request_id = request_id;
+    memcpy(h->token, r->token, sizeof(h->token));
+    snprintf(h->addr, sizeof(h->addr), "%s", a->addr);
+    h->geo = a->geo;
+    if (a->arena_fd >= 0 && a->have_boot_id && a->arena_bytes <= PKV_WIRE_MAX_ARENA) {
+        /* Offer our shared staging arena to a consumer on this host. */
+        h->local.present = true;
+        h->local.pid = (uint32_t)getpid();
+        h->local.fd = a->arena_fd;
+        h->local.arena_bytes = a->arena_bytes;
+        h->local.ino = a->arena_ino;
+        memcpy(h->local.boot_id, a->boot_id, sizeof(h->local.boot_id));
+    }
+    h->n_blocks = n;
+    memcpy(h->blocks, blocks, sizeof(uint32_t) * n);
+
+    rc = pkv_kv_pin(a->kv, blocks, n);
+    if (rc) goto fail;
+    pthread_mutex_lock(&a->lock);
+    bool dup = false;
+    for (xf_reg_t *x = a->regs; x; x = x->next)
+        if (x->request_id == request_id) dup = true;
+    if (a->stopping || dup) {
+        pthread_mutex_unlock(&a->lock);
+        pkv_kv_unpin(a->kv, blocks, n);
+        rc = dup ? PKV_ERR_BUSY : PKV_ERR_SHUTDOWN;
+        goto fail;
+    }
+    r->next = a->regs;
+    a->regs = r;
+    pthread_mutex_unlock(&a->lock);
+    XF_STAT_ADD(a, pinned_blocks, n);
+    XF_STAT_ADD(a, registered, 1);
+    XF_STAT_ADD(a, registrations, 1);
+    xf_wake(a); /* the loop watches the expiry */
+    *out = h;
+    return PKV_OK;
+fail:
+    if (r) {
+        free(r->blocks);
+        free(r->sorted);
+    }
+    free(r);
+    free(h);
+    return rc;
+}
+
+int pkv_xfer_unregister(pkv_xfer_agent_t *a, uint64_t request_id)
+{
+    if (!a) return PKV_ERR_INVALID;
+    int rc = PKV_ERR_NOTFOUND;
+    pthread_mutex_lock(&a->lock);
+    for (xf_reg_t *r = a->regs; r; r = r->next)
+        if (r->request_id == request_id && !r->unregister_req) {
+            r->unregister_req = true;
+            rc = PKV_OK;
+        }
+    pthread_mutex_unlock(&a->lock);
+    if (rc == PKV_OK) xf_wake(a);
+    return rc;
+}
+
+static void serve_finish(pkv_xfer_agent_t *a, xf_serve_t *s, int outcome, bool tell,
+                         const char *why);
+static void serve_settle(pkv_xfer_agent_t *a, xf_serve_t *s);
+
+/* End a registration already unlinked from a->regs. */
+static void reg_end(pkv_xfer_agent_t *a, xf_reg_t *r, int outcome)
+{
+    r->ended = true;
+    r->end_outcome = outcome;
+    XF_STAT_SUB(a, registrations, 1);
+    if (outcome == PKV_ERR_TIMEOUT) XF_STAT_ADD(a, expired, 1);
+    if (r->fn) r->fn(r->arg, r->request_id, outcome);
+    xf_serve_t *s = r->serving;
+    if (s) {
+        if (!s->state_done) {
+            serve_finish(
+                a, s, outcome == PKV_ERR_SHUTDOWN ? PKV_ERR_SHUTDOWN : PKV_ERR_CANCELLED, true,
+                outcome == PKV_ERR_SHUTDOWN ? "producer shutting down" : "request withdrawn");
+            serve_settle(a, s); /* frees r too once the serve quiesces */
+        }
+        return;
+    }
+    reg_free(a, r);
+}
+
+static xf_reg_t *unlink_reg(pkv_xfer_agent_t *a, xf_reg_t *r)
+{
+    pthread_mutex_lock(&a->lock);
+    for (xf_reg_t **pp = &a->regs; *pp; pp = &(*pp)->next)
+        if (*pp == r) {
+            *pp = r->next;
+            break;
+        }
+    pthread_mutex_unlock(&a->lock);
+    return r;
+}
+
+void xf_regs_tick(pkv_xfer_agent_t *a, uint64_t now)
+{
+    if (xf_since(now, a->last_timer_ns) < 1000000ull) return; /* at most every ms */
+    a->last_timer_ns = now;
+    xf_reg_t *ending = NULL;
+    pthread_mutex_lock(&a->lock);
+    for (xf_reg_t **pp = &a->regs; *pp;) {
+        xf_reg_t *r = *pp;
+        /* A lease that runs out while a transfer serves it waits for that transfer. */
+        bool expired = now >= r->expiry_ns && !r->serving;
+        if (r->unregister_req || expired) {
+            *pp = r->next;
+            r->next = ending;
+            r->end_outcome = r->unregister_req ? PKV_ERR_CANCELLED : PKV_ERR_TIMEOUT;
+            ending = r;
+            continue;
+        }
+        pp = &r->next;
+    }
+    pthread_mutex_unlock(&a->lock);
+    while (ending) {
+        xf_reg_t *r = ending;
+        ending = r->next;
+        reg_end(a, r, r->end_outcome);
+    }
+}
+
+void xf_regs_shutdown(pkv_xfer_agent_t *a)
+{
+    pthread_mutex_lock(&a->lock);
+    xf_reg_t *all = a->regs;
+    a->regs = NULL;
+    pthread_mutex_unlock(&a->lock);
+    while (all) {
+        xf_reg_t *r = all;
+        all = r->next;
+        reg_end(a, r, PKV_ERR_SHUTDOWN);
+    }
+}
+
+/* ---- serves ---------------------------------------------------------------------------- */
+static void serve_free(xf_serve_t *s)
+{
+    if (s->chunks)
+        for (uint32_t c = 0; c < s->v.n_chunks; c++) free(s->chunks[c].iov);
+    xf_view_fini(&s->v);
+    free(s->chunks);
+    free(s->layer_sum);
+    free(s->layer_done);
+    free(s->ev_layer);
+    free(s);
+}
+
+static bool serve_quiesce(pkv_xfer_agent_t *a, xf_serve_t *s)
+{
+    if (!s->state_done || s->seat_pending || s->jobs_pending || s->sends_inflight) return false;
+    if (s->v.grant) {
+        int rc = pkv_stage_release(a->stage, s->v.stage_id);
+        if (rc && rc != PKV_ERR_CANCELLED && !(rc == PKV_ERR_NOTFOUND && s->stage_cancelled))
+            PKV_LOGW(XF_MOD, "serve %llu: stage release: %s", (unsigned long long)s->xfer_id,
+                     pkv_status_str(rc));
+        XF_STAT_SUB(a, staging_pages_held, s->v.pages);
+    }
+    xf_reg_t *r = s->reg;
+    r->serving = NULL;
+    if (r->ended) reg_free(a, r);
+    s->peer->refs--;
+    for (xf_serve_t **pp = &a->serves; *pp; pp = &(*pp)->next)
+        if (*pp == s) {
+            *pp = s->next;
+            break;
+        }
+    return true;
+}
+
+/* The last thing a handler does with a serve: frees it once quiesced. */
+static void serve_settle(pkv_xfer_agent_t *a, xf_serve_t *s)
+{
+    if (s->zombie || !serve_quiesce(a, s)) return;
+    xf_busy_add(a, -1);
+    serve_free(s);
+}
+
+static void serve_finish(pkv_xfer_agent_t *a, xf_serve_t *s, int outcome, bool tell,
+                         const char *why)
+{
+    if (s->state_done) return;
+    s->state_done = true;
+    s->state = XF_SERVE_DONE;
+    s->outcome = outcome;
+    s->done_ns = pkv_now_ns();
+    atomic_store(&s->v.abort, true);
+    if (outcome == PKV_OK && pkv_log_get_level() >= PKV_LOG_DEBUG)
+        PKV_LOGD(XF_MOD,
+                 "serve %llu ok: seated +%.2f ms, layer 0 staged +%.2f, last staged +%.2f, "
+                 "all left +%.2f, ACK +%.2f",
+                 (unsigned long long)s->xfer_id, (s->t_seated - s->t_start) / 1e6,
+                 (s->t_first_ready - s->t_start) / 1e6, (s->t_last_ready - s->t_start) / 1e6,
+                 (s->t_all_sent - s->t_start) / 1e6, (s->done_ns - s->t_start) / 1e6);
+    if (outcome != PKV_OK) {
+        XF_STAT_ADD(a, serves_failed, 1);
+        PKV_LOGI(XF_MOD, "serve of request %llu to peer %u (xfer %llu) ends %s: %s",
+                 (unsigned long long)s->request_id, s->peer->id, (unsigned long long)s->xfer_id,
+                 pkv_status_str(outcome), why);
+    }
+    if (tell && s->peer->state == XF_PEER_ACTIVE)
+        xf_send_fail(a, s->peer, s->xfer_id, s->request_id,
+                     pkv_xfer_wire_reason_valid(outcome) ? outcome : PKV_ERR_CANCELLED, why);
+    if (s->seat_pending) {
+        pkv_stage_cancel(a->stage, s->v.stage_id);
+        s->stage_cancelled = true;
+    }
+}
+
+static void reject(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *r, int reason,
+                   const char *why)
+{
+    XF_STAT_ADD(a, rejected, 1);
+    PKV_LOGI(XF_MOD, "READ for request %llu from peer %u refused (%s): %s",
+             (unsigned long long)r->request_id, p->id, pkv_status_str(reason), why);
+    xf_send_fail(a, p, r->xfer_id, r->request_id, reason, why);
+}
+
+static bool geo_equal(const pkv_geometry_t *x, const pkv_geometry_t *y)
+{
+    return x->layers == y->layers && x->kv_heads == y->kv_heads && x->head_dim == y->head_dim &&
+           x->block_tokens == y->block_tokens && x->dtype == y->dtype;
+}
+
+void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *r)
+{
+    uint64_t now = pkv_now_ns();
+    if (a->stop_started) {
+        xf_send_fail(a, p, r->xfer_id, r->request_id, PKV_ERR_SHUTDOWN, "producer shutting down");
+        return;
+    }
+    for (xf_serve_t *s = a->serves; s; s = s->next)
+        if (s->peer == p && s->xfer_id == r->xfer_id) {
+            reject(a, p, r, PKV_ERR_REJECTED, "duplicate transfer id");
+            return;
+        }
+    xf_reg_t *reg = NULL;
+    pthread_mutex_lock(&a->lock);
+    for (xf_reg_t *x = a->regs; x; x = x->next)
+        if (x->request_id == r->request_id && !x->unregister_req) reg = x;
+    pthread_mutex_unlock(&a->lock);
+    /* reg stays valid: only this thread unlinks and frees registrations. */
+    if (!reg) {
+        reject(a, p, r, PKV_ERR_REJECTED, "unknown request");
+        return;
+    }
+    if (!token_equal(reg->token, r->token)) {
+        reject(a, p, r, PKV_ERR_REJECTED, "bad token");
+        return;
+    }
+    if (now >= reg->expiry_ns) {
+        reject(a, p, r, PKV_ERR_REJECTED, "lease expired");
+        return;
+    }
+    if (reg->serving) {
+        reject(a, p, r, PKV_ERR_REJECTED, "request busy with another read");
+        return;
+    }
+    if (!geo_equal(&r->geo, &a->geo)) {
+        reject(a, p, r, PKV_ERR_REJECTED, "geometry differs");
+        return;
+    }
+    if ((r->flags & PKV_WIRE_READ_SHARED) && a->arena_fd < 0) {
+        reject(a, p, r, PKV_ERR_REJECTED, "no shared staging arena here");
+        return;
+    }
+    if (r->budget_ns == 0) {
+        reject(a, p, r, PKV_ERR_TIMEOUT, "no time left");
+        return;
+    }
+
+    uint32_t *blocks = malloc(sizeof(uint32_t) * r->n_blocks);
+    if (!blocks) {
+        reject(a, p, r, PKV_ERR_NOFIT, "out of memory");
+        return;
+    }
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < r->n_runs; i++) {
+        uint32_t first, count;
+        pkv_xfer_wire_read_run(r, i, &first, &count);
+        for (uint32_t j = 0; j < count; j++) {
+            uint32_t b = first + j;
+            if (!bsearch(&b, reg->sorted, reg->n, sizeof(uint32_t), cmp_u32)) {
+                free(blocks);
+                {
+                    reject(a, p, r, PKV_ERR_REJECTED, "block not registered for the request");
+                    return;
+                }
+            }
+            blocks[k++] = b;
+        }
+    }
+
+    xf_serve_t *s = calloc(1, sizeof(*s));
+    int rc = s ? xf_view_init(&s->v, a, r->n_blocks, blocks, r->chunk_bytes) : PKV_ERR_NOMEM;
+    free(blocks);
+    if (rc) {
+        free(s);
+        {
+            reject(a, p, r, PKV_ERR_NOFIT,
+                   rc == PKV_ERR_NOFIT ? "exceeds transfer limits" : "out of memory");
+            return;
+        }
+    }
+    uint32_t L = s->v.layers;
+    s->layer_sum = calloc(L, sizeof(uint64_t));
+    s->layer_done = calloc(L, sizeof(uint32_t));
+    s->ev_layer = calloc(L, sizeof(xf_event_t));
+    s->chunks = calloc(s->v.n_chunks, sizeof(xf_chunk_t));
+    if (!s->layer_sum || !s->layer_done || !s->ev_layer || !s->chunks) {
+        serve_free(s);
+        {
+            reject(a, p, r, PKV_ERR_NOFIT, "out of memory");
+            return;
+        }
+    }
+    s->agent = a;
+    s->peer = p;
+    s->reg = reg;
+    s->xfer_id = r->xfer_id;
+    s->request_id = r->request_id;
+    s->deadline_ns = now + r->budget_ns;
+    s->shared = r->flags & PKV_WIRE_READ_SHARED;
+    s->t_start = now;
+    s->v.stage_id = (1ull << 62) | (a->next_serve_id++ & ((1ull << 62) - 1));
+    for (uint32_t c = 0; c < s->v.n_chunks; c++) {
+        s->chunks[c].owner = s;
+        s->chunks[c].is_serve = true;
+        s->chunks[c].index = c;
+    }
+    s->state = XF_SERVE_SEATING;
+    s->seat_pending = true;
+    reg->serving = s;
+    p->refs++;
+    s->next = a->serves;
+    a->serves = s;
+    xf_busy_add(a, 1);
+    XF_STAT_ADD(a, serves_started, 1);
+    s->job_seat = (xf_job_t){.kind = XF_JOB_SEAT, .is_serve = true, .owner = s};
+    s->ev_seated = (xf_event_t){.kind = XF_EV_SEATED, .is_serve = true, .owner = s};
+    fault(a, PKV_XFER_FAULT_SERVE_READ, 0);
+    xf_job_post(a, &s->job_seat, true);
+}
+
+/* Seat thread. */
+void xf_serve_seat(pkv_xfer_agent_t *a, xf_serve_t *s)
+{
+    pkv_stage_grant_t *g = NULL;
+    int rc = PKV_ERR_CANCELLED;
+    if (!atomic_load(&s->v.abort))
+        rc =
+            pkv_stage_acquire(a->stage, s->v.stage_id, s->peer->id, s->v.pages, s->deadline_ns, &g);
+    s->ev_seated.status = rc;
+    s->ev_seated.grant = rc == PKV_OK ? g : NULL;
+    xf_event_post(a, &s->ev_seated);
+}
+
+/* Copy worker: stage every layer in order, announcing each as it is ready. */
+void xf_serve_job(pkv_xfer_agent_t *a, xf_serve_t *s)
+{
+    for (uint32_t l = 0; l < s->v.layers; l++) {
+        if (atomic_load(&s->v.abort)) break;
+        uint64_t sum = xf_view_copy_layer(&s->v, a, l, true);
+        if (a->faults.corrupt_layer == (int32_t)l) xf_view_corrupt(&s->v, l);
+        fault(a, PKV_XFER_FAULT_SERVE_COPIED, l);
+        xf_event_t *ev = &s->ev_layer[l];
+        ev->kind = XF_EV_LAYER_READY;
+        ev->is_serve = true;
+        ev->owner = s;
+        ev->layer = l;
+        ev->checksum = sum;
+        xf_event_post(a, ev);
+    }
+    s->ev_job_done = (xf_event_t){.kind = XF_EV_JOB_DONE, .is_serve = true, .owner = s};
+    xf_event_post(a, &s->ev_job_done);
+}
+
+static void send_data_header(pkv_xfer_agent_t *a, xf_serve_t *s, uint32_t l)
+{
+    pkv_wire_data_t d = {
+        .xfer_id = s->xfer_id, .layer = l, .bytes = s->v.layer_total, .checksum = s->layer_sum[l]};
+    uint8_t buf[64];
+    size_t len;
+    if (pkv_xfer_wire_encode_data(&d, NULL, 0, buf, sizeof(buf), &len) == PKV_OK)
+        xf_ctl_send(a, s->peer, buf, len);
+}
+
+static void send_done(void *request, ucs_status_t status, void *user_data)
+{
+    xf_chunk_t *ch = user_data;
+    xf_serve_t *s = ch->owner;
+    pkv_xfer_agent_t *a = s->agent;
+    ch->req = NULL;
+    s->sends_inflight--;
+    ucp_request_free(request);
+    if (s->state_done) {
+        /* late completion after the serve ended */
+    } else if (status != UCS_OK) {
+        char why[96];
+        snprintf(why, sizeof(why), "payload send failed: %s", ucs_status_string(status));
+        if (s->peer->err == UCS_OK) s->peer->err = status;
+        serve_finish(a, s, PKV_ERR_PEER_LOST, false, why);
+    } else {
+        uint32_t l = ch->index / s->v.chunks_per_layer;
+        s->chunks_sent++;
+        if (++s->layer_done[l] == s->v.chunks_per_layer)
+            fault(a, PKV_XFER_FAULT_SERVE_LAYER_SENT, l);
+        if (s->chunks_sent == s->v.n_chunks && !s->state_done) {
+            s->state = XF_SERVE_WAIT_ACK;
+            s->t_all_sent = pkv_now_ns();
+            fault(a, PKV_XFER_FAULT_SERVE_ALL_SENT, 0);
+        }
+    }
+    /* more sends are posted by the loop (pump) rather than from inside this callback */
+    s->pump_needed = true;
+    serve_settle(a, s);
+}
+
+/* Shared arena: announce each staged layer with its arena pieces; no payload moves. */
+static void pump_shared(pkv_xfer_agent_t *a, xf_serve_t *s)
+{
+    while (!s->state_done && s->layers_sent < s->layers_ready) {
+        uint32_t l = s->layers_sent;
+        uint32_t cap = s->v.grant->nruns;
+        uint64_t *pieces = malloc(sizeof(uint64_t) * 2 * cap);
+        uint32_t n = pieces ? xf_view_arena_pieces(&s->v, (uint64_t)l * s->v.layer_total,
+                                                   s->v.layer_total, pieces, cap)
+                            : 0;
+        pkv_wire_data_t d = {.xfer_id = s->xfer_id,
+                             .layer = l,
+                             .flags = PKV_WIRE_DATA_SHARED,
+                             .bytes = s->v.layer_total,
+                             .checksum = s->layer_sum[l]};
+        size_t cap_b = pkv_xfer_wire_data_bytes(n), len;
+        uint8_t *buf = n ? malloc(cap_b) : NULL;
+        int rc = buf ? pkv_xfer_wire_encode_data(&d, pieces, n, buf, cap_b, &len) : PKV_ERR_NOMEM;
+        if (rc == PKV_OK) rc = xf_ctl_send(a, s->peer, buf, len);
+        free(buf);
+        free(pieces);
+        if (rc) {
+            serve_finish(a, s, rc == PKV_ERR_PEER_LOST ? PKV_ERR_PEER_LOST : PKV_ERR_NOFIT,
+                         rc != PKV_ERR_PEER_LOST, "cannot announce a staged layer");
+            return;
+        }
+        s->layers_sent++;
+        fault(a, PKV_XFER_FAULT_SERVE_LAYER_SENT, l);
+        if (s->layers_sent == s->v.layers && !s->state_done) {
+            s->state = XF_SERVE_WAIT_ACK;
+            s->t_all_sent = pkv_now_ns();
+            fault(a, PKV_XFER_FAULT_SERVE_ALL_SENT, 0);
+        }
+    }
+}
+
+/* Post payload sends for staged layers, at most max_inflight outstanding. */
+static void pump(pkv_xfer_agent_t *a, xf_serve_t *s)
+{
+    s->pump_needed = false;
+    if (s->shared) {
+        pump_shared(a, s);
+        return;
+    }
+    uint32_t ready = s->layers_ready * s->v.chunks_per_layer;
+    while (!s->state_done && s->next_chunk < ready && s->sends_inflight < a->cfg.max_inflight) {
+        uint32_t c = s->next_chunk;
+        xf_chunk_t *ch = &s->chunks[c];
+        uint64_t off, len;
+        void *buf;
+        size_t count;
+        ucp_datatype_t dt;
+        xf_chunk_span(&s->v, c, &off, &len);
+        if (xf_chunk_buffer(&s->v, ch, off, len, &buf, &count, &dt)) {
+            serve_finish(a, s, PKV_ERR_NOFIT, true, "out of memory posting sends");
+            return;
+        }
+        ucp_request_param_t prm = {
+            .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                            UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
+            .cb = {.send = send_done},
+            .datatype = dt,
+            .user_data = ch,
+        };
+        void *req =
+            ucp_tag_send_nbx(s->peer->ep, buf, count, pkv_wire_data_tag(s->xfer_id, c), &prm);
+        if (UCS_PTR_IS_ERR(req)) {
+            char why[96];
+            snprintf(why, sizeof(why), "posting a payload send: %s",
+                     ucs_status_string(UCS_PTR_STATUS(req)));
+            if (s->peer->err == UCS_OK) s->peer->err = UCS_PTR_STATUS(req);
+            serve_finish(a, s, PKV_ERR_PEER_LOST, false, why);
+            return;
+        }
+        s->next_chunk++;
+        if (req) {
+            ch->req = req;
+            s->sends_inflight++;
+        } else {
+            s->chunks_sent++; /* not expected with NO_IMM_CMPL */
+        }
+        if (s->next_chunk % s->v.chunks_per_layer == 0)
+            send_data_header(a, s, s->next_chunk / s->v.chunks_per_layer - 1);
+    }
+}
+
+static int seat_reason(int rc)
+{
+    switch (rc) {
+    case PKV_ERR_NOFIT:
+    case PKV_ERR_TIMEOUT:
+    case PKV_ERR_SHUTDOWN:
+    case PKV_ERR_CANCELLED:
+        return rc;
+    default:
+        return PKV_ERR_NOFIT;
+    }
+}
+
+void xf_serve_event(pkv_xfer_agent_t *a, xf_serve_t *s, xf_event_t *ev)
+{
+    switch (ev->kind) {
+    case XF_EV_SEATED:
+        s->seat_pending = false;
+        s->t_seated = pkv_now_ns();
+        if (ev->status == PKV_OK) {
+            XF_STAT_ADD(a, staging_pages_held, s->v.pages);
+            if (xf_view_set_grant(&s->v, ev->grant)) {
+                s->v.grant = ev->grant;
+                serve_finish(a, s, PKV_ERR_NOFIT, true, "staging grant smaller than asked");
+            } else if (!s->state_done) {
+                s->state = XF_SERVE_SENDING;
+                s->jobs_pending++;
+                s->job_produce = (xf_job_t){.kind = XF_JOB_PRODUCE, .is_serve = true, .owner = s};
+                xf_job_post(a, &s->job_produce, false);
+            }
+        } else if (!s->state_done) {
+            char why[96];
+            snprintf(why, sizeof(why), "producer staging for %u pages: %s", s->v.pages,
+                     pkv_status_str(ev->status));
+            serve_finish(a, s, seat_reason(ev->status), true, why);
+        }
+        break;
+    case XF_EV_LAYER_READY:
+        s->t_last_ready = pkv_now_ns();
+        if (!ev->layer) s->t_first_ready = s->t_last_ready;
+        s->layer_sum[ev->layer] = ev->checksum;
+        s->layers_ready = ev->layer + 1; /* one job posts layers in order */
+        pump(a, s);
+        break;
+    case XF_EV_JOB_DONE:
+        s->jobs_pending--;
+        break;
+    default:
+        PKV_ASSERT(!"unexpected serve event");
+    }
+    serve_settle(a, s);
+}
+
+static xf_serve_t *find_serve(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id)
+{
+    for (xf_serve_t *s = a->serves; s; s = s->next)
+        if (s->peer == p && s->xfer_id == xfer_id) return s;
+    return NULL;
+}
+
+void xf_serve_on_ack(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_ack_t *k)
+{
+    xf_serve_t *s = find_serve(a, p, k->xfer_id);
+    if (!s || s->state_done) return;
+    uint64_t total = s->v.layer_total * s->v.layers;
+    bool all_out = s->shared ? s->layers_sent == s->v.layers : s->next_chunk == s->v.n_chunks;
+    if (k->request_id != s->request_id || k->bytes != total || !all_out) {
+        XF_STAT_ADD(a, proto_errors, 1);
+        serve_finish(a, s, PKV_ERR_REJECTED, true, "ACK does not match the transfer");
+        serve_settle(a, s);
+        return;
+    }
+    /* The only place a request becomes sent. */
+    s->acked = true;
+    serve_finish(a, s, PKV_OK, false, "acknowledged");
+    XF_STAT_ADD(a, sent, 1);
+    XF_STAT_ADD(a, bytes_sent, total);
+    xf_reg_t *r = s->reg;
+    if (!r->ended) reg_end(a, unlink_reg(a, r), PKV_OK);
+    serve_settle(a, s);
+}
+
+void xf_serve_on_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_fail_t *f)
+{
+    xf_serve_t *s = find_serve(a, p, f->xfer_id);
+    if (!s || s->state_done) return;
+    char why[PKV_WIRE_MAX_TEXT + 32];
+    snprintf(why, sizeof(why), "consumer: %s (%s)", pkv_status_str(f->reason), f->text);
+    serve_finish(a, s, f->reason, false, why);
+    serve_settle(a, s);
+}
+
+void xf_serves_tick(pkv_xfer_agent_t *a, uint64_t now)
+{
+    xf_serve_t *next;
+    for (xf_serve_t *s = a->serves; s; s = next) {
+        next = s->next;
+        if (!s->state_done) {
+            if (now >= s->deadline_ns)
+                serve_finish(a, s, PKV_ERR_TIMEOUT, true, "deadline passed");
+            else if (s->pump_needed)
+                pump(a, s);
+        } else if (s->sends_inflight && !s->zombie &&
+                   xf_since(now, s->done_ns) > 2 * XF_CLOSE_WAIT_NS) {
+            if (s->peer->state == XF_PEER_ACTIVE) {
+                xf_peer_fail(a, s->peer, "payload sends stuck after the transfer ended");
+            } else if (xf_since(now, s->done_ns) > 3 * XF_CLOSE_WAIT_NS) {
+                PKV_LOGE(XF_MOD,
+                         "serve %llu: %u sends never completed; written off (staging "
+                         "kept)",
+                         (unsigned long long)s->xfer_id, s->sends_inflight);
+                XF_STAT_ADD(a, written_off, s->sends_inflight);
+                s->zombie = true;
+            }
+        }
+        serve_settle(a, s);
+    }
+}
+
+void xf_serves_peer_lost(pkv_xfer_agent_t *a, xf_peer_t *p)
+{
+    xf_serve_t *next;
+    for (xf_serve_t *s = a->serves; s; s = next) {
+        next = s->next;
+        if (s->peer == p && !s->state_done) {
+            serve_finish(a, s, PKV_ERR_PEER_LOST, false, "consumer lost");
+            serve_settle(a, s);
+        }
+    }
+}
+
+void xf_serves_shutdown(pkv_xfer_agent_t *a)
+{
+    xf_serve_t *next;
+    for (xf_serve_t *s = a->serves; s; s = next) {
+        next = s->next;
+        serve_finish(a, s, PKV_ERR_SHUTDOWN, true, "producer shutting down");
+        serve_settle(a, s);
+    }
+}
+
+bool xf_serves_active_data(pkv_xfer_agent_t *a)
+{
+    for (xf_serve_t *s = a->serves; s; s = s->next)
+        if (s->state == XF_SERVE_SENDING || s->state == XF_SERVE_WAIT_ACK) return true;
+    return false;
+}

@@ -1,0 +1,98 @@
+/*
+ * xfer payload checksum: see sum.h. The bulk loop handles 32-byte groups (one word per
+ * lane); bytes that do not complete a group wait in `carry`, so the result depends only
+ * on the byte stream, never on how it was split.
+ */
+#include "xfer/sum.h"
+
+#include <string.h>
+
+void pkv_xfer_sum_init(pkv_xfer_sum_t *s)
+{
+    memset(s, 0, sizeof(*s));
+}
+
+static inline void group(pkv_xfer_sum_t *s, const uint8_t *p)
+{
+    uint64_t w[4];
+    memcpy(w, p, 32);
+    for (int j = 0; j < 4; j++) {
+        s->a[j] += w[j];
+        s->b[j] += s->a[j];
+    }
+}
+
+/* The bulk of both update() and copy(): whole groups, local accumulators. */
+static void groups(pkv_xfer_sum_t *s, uint8_t *dst, const uint8_t *src, size_t ngroups)
+{
+    uint64_t a0 = s->a[0], a1 = s->a[1], a2 = s->a[2], a3 = s->a[3];
+    uint64_t b0 = s->b[0], b1 = s->b[1], b2 = s->b[2], b3 = s->b[3];
+    for (size_t g = 0; g < ngroups; g++, src += 32) {
+        uint64_t w[4];
+        memcpy(w, src, 32);
+        if (dst) {
+            memcpy(dst, w, 32);
+            dst += 32;
+        }
+        a0 += w[0], a1 += w[1], a2 += w[2], a3 += w[3];
+        b0 += a0, b1 += a1, b2 += a2, b3 += a3;
+    }
+    s->a[0] = a0, s->a[1] = a1, s->a[2] = a2, s->a[3] = a3;
+    s->b[0] = b0, s->b[1] = b1, s->b[2] = b2, s->b[3] = b3;
+}
+
+static void stream(pkv_xfer_sum_t *s, uint8_t *dst, const uint8_t *src, size_t n)
+{
+    s->total += n;
+    if (s->ncarry) {
+        size_t k = 32 - s->ncarry < n ? 32 - s->ncarry : n;
+        memcpy(s->carry + s->ncarry, src, k);
+        if (dst) memcpy(dst, src, k), dst += k;
+        s->ncarry += (uint32_t)k;
+        src += k;
+        n -= k;
+        if (s->ncarry < 32) return;
+        group(s, s->carry);
+        s->ncarry = 0;
+    }
+    size_t ng = n / 32;
+    groups(s, dst, src, ng);
+    src += ng * 32;
+    if (dst) dst += ng * 32;
+    n -= ng * 32;
+    if (n) {
+        memcpy(s->carry, src, n);
+        if (dst) memcpy(dst, src, n);
+        s->ncarry = (uint32_t)n;
+    }
+}
+
+void pkv_xfer_sum_update(pkv_xfer_sum_t *s, const void *p, size_t n)
+{
+    stream(s, NULL, p, n);
+}
+
+void pkv_xfer_sum_copy(pkv_xfer_sum_t *s, void *dst, const void *src, size_t n)
+{
+    stream(s, dst, src, n);
+}
+
+static uint64_t mix(uint64_t h, uint64_t v)
+{
+    h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    h ^= h >> 31;
+    h *= 0xbf58476d1ce4e5b9ull;
+    return h ^ (h >> 29);
+}
+
+uint64_t pkv_xfer_sum_final(const pkv_xfer_sum_t *s)
+{
+    pkv_xfer_sum_t t = *s;
+    if (t.ncarry) {
+        memset(t.carry + t.ncarry, 0, 32 - t.ncarry);
+        group(&t, t.carry);
+    }
+    uint64_t h = t.total;
+    for (int j = 0; j < 4; j++) h = mix(mix(h, t.a[j]), t.b[j]);
+    return h;
+}

@@ -1,0 +1,29 @@
+/*
+ * xfer payload checksum (internal): a Fletcher-style sum over 64-bit words in four
+ * interleaved lanes, fused with the copy that moves the bytes anyway (pool <-> staging),
+ * so verifying costs little beyond the copy. It detects every single-word change and
+ * reorderings of words; it is an integrity check, not a MAC (the token guards access).
+ *
+ * Streaming: update() over any split of a byte stream gives the same result as one
+ * update() over the whole, so producer and consumer may cut a layer differently.
+ */
+#ifndef PKV_XFER_SUM_H
+#define PKV_XFER_SUM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct {
+    uint64_t a[4], b[4]; /* lane sums and sums of sums */
+    uint64_t total;      /* bytes consumed */
+    uint8_t carry[32];   /* bytes of an incomplete 32-byte group */
+    uint32_t ncarry;
+} pkv_xfer_sum_t;
+
+void pkv_xfer_sum_init(pkv_xfer_sum_t *s);
+void pkv_xfer_sum_update(pkv_xfer_sum_t *s, const void *p, size_t n);
+/* memcpy(dst, src, n) and update(s, src, n) in one pass. */
+void pkv_xfer_sum_copy(pkv_xfer_sum_t *s, void *dst, const void *src, size_t n);
+uint64_t pkv_xfer_sum_final(const pkv_xfer_sum_t *s);
+
+#endif

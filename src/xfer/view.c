@@ -1,0 +1,246 @@
+/*
+ * xfer views: how a transfer's bytes are laid out in the stream, in staging and in the
+ * pool, and the copy plans between them.
+ *
+ * Stream order (identical on both sides): layer-major, then block in plan order:
+ *   stream offset of (layer l, plan block i) = (l * n_blocks + i) * layer_bytes
+ * where layer_bytes is one block's slice of one layer (K then V, every head: the pool's
+ * block layout [layer][k|v][head][token][dim] makes that slice contiguous). A layer is
+ * n_blocks * layer_bytes long and is cut into chunks of chunk_bytes (the last shorter);
+ * chunk c of the transfer is chunk (c % chunks_per_layer) of layer (c / chunks_per_layer).
+ *
+ * Staging is the grant's runs walked in order; a stream range may cross runs, so copies
+ * and payload buffers are split (payload buffers become a UCX iov).
+ *
+ * Copy plans coalesce: consecutive plan blocks whose layer slices are adjacent in the
+ * pool (that is, adjacent blocks when the pool has one layer) and adjacent in staging
+ * are copied as one segment.
+ */
+#include "xfer/xfer_int.h"
+
+#include "xfer/sum.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+int xf_view_init(xf_view_t *v, pkv_xfer_agent_t *a, uint32_t n_blocks, const uint32_t *blocks,
+                 uint32_t chunk_bytes)
+{
+    memset(v, 0, sizeof(*v));
+    uint64_t lb = a->layer_bytes;
+    if (!n_blocks || n_blocks > PKV_WIRE_MAX_BLOCKS) return PKV_ERR_INVALID;
+    uint64_t layer_total = lb * n_blocks; /* lb < 2^47 / layers, n < 2^20: checked below */
+    if (layer_total / n_blocks != lb || layer_total > PKV_WIRE_MAX_BYTES / a->geo.layers)
+        return PKV_ERR_NOFIT;
+    uint64_t total = layer_total * a->geo.layers;
+    uint64_t cpl = PKV_DIV_UP(layer_total, chunk_bytes);
+    uint64_t pages = PKV_DIV_UP(total, a->page_bytes);
+    if (cpl * a->geo.layers >= (1ull << PKV_WIRE_CHUNK_BITS) || pages > UINT32_MAX)
+        return PKV_ERR_NOFIT;
+    v->blocks = malloc(sizeof(uint32_t) * n_blocks);
+    if (!v->blocks) return PKV_ERR_NOMEM;
+    memcpy(v->blocks, blocks, sizeof(uint32_t) * n_blocks);
+    v->n_blocks = n_blocks;
+    v->layers = a->geo.layers;
+    v->layer_total = layer_total;
+    v->chunk_bytes = chunk_bytes;
+    v->chunks_per_layer = (uint32_t)cpl;
+    v->n_chunks = (uint32_t)(cpl * a->geo.layers);
+    v->pages = (uint32_t)pages;
+    atomic_init(&v->abort, false);
+    return PKV_OK;
+}
+
+void xf_view_fini(xf_view_t *v)
+{
+    free(v->blocks);
+    free(v->run_off);
+    pkv_stage_grant_free(v->grant);
+    v->blocks = NULL;
+    v->run_off = NULL;
+    v->grant = NULL;
+}
+
+int xf_view_set_grant(xf_view_t *v, pkv_stage_grant_t *g)
+{
+    uint64_t *off = malloc(sizeof(uint64_t) * ((size_t)g->nruns + 1));
+    if (!off) return PKV_ERR_NOMEM;
+    off[0] = 0;
+    for (uint32_t r = 0; r < g->nruns; r++)
+        off[r + 1] = off[r] + (uint64_t)g->runs[r].count * g->page_bytes;
+    if (off[g->nruns] < v->layer_total * v->layers) {
+        free(off);
+        return PKV_ERR_NOFIT; /* the stage gave fewer pages than asked: a stage bug */
+    }
+    v->grant = g;
+    v->run_off = off;
+    return PKV_OK;
+}
+
+/* Address of stream offset `off` in staging and the contiguous bytes from there. */
+static uint8_t *stage_at(const xf_view_t *v, uint64_t off, uint64_t *contig)
+{
+    uint32_t lo = 0, hi = v->grant->nruns; /* run r covers [run_off[r], run_off[r+1]) */
+    while (hi - lo > 1) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (v->run_off[mid] <= off)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    *contig = v->run_off[lo + 1] - off;
+    return (uint8_t *)v->grant->runs[lo].addr + (off - v->run_off[lo]);
+}
+
+void xf_chunk_span(const xf_view_t *v, uint32_t c, uint64_t *off, uint64_t *len)
+{
+    uint32_t l = c / v->chunks_per_layer, j = c % v->chunks_per_layer;
+    uint64_t in_layer = (uint64_t)j * v->chunk_bytes;
+    *off = (uint64_t)l * v->layer_total + in_layer;
+    *len = PKV_MIN((uint64_t)v->chunk_bytes, v->layer_total - in_layer);
+}
+
+int xf_chunk_buffer(const xf_view_t *v, xf_chunk_t *ch, uint64_t off, uint64_t len, void **buf,
+                    size_t *count, ucp_datatype_t *dt)
+{
+    uint64_t contig;
+    uint8_t *p = stage_at(v, off, &contig);
+    if (contig >= len) {
+        *buf = p;
+        *count = len;
+        *dt = ucp_dt_make_contig(1);
+        return PKV_OK;
+    }
+    uint32_t n = 0;
+    for (uint64_t o = off, left = len; left; n++) {
+        stage_at(v, o, &contig);
+        uint64_t k = PKV_MIN(contig, left);
+        o += k;
+        left -= k;
+    }
+    free(ch->iov);
+    ch->iov = calloc(n, sizeof(ucp_dt_iov_t));
+    if (!ch->iov) return PKV_ERR_NOMEM;
+    ch->iovcnt = n;
+    uint32_t i = 0;
+    for (uint64_t o = off, left = len; left; i++) {
+        uint8_t *q = stage_at(v, o, &contig);
+        uint64_t k = PKV_MIN(contig, left);
+        ch->iov[i].buffer = q;
+        ch->iov[i].length = k;
+        o += k;
+        left -= k;
+    }
+    *buf = ch->iov;
+    *count = n;
+    *dt = ucp_dt_make_iov();
+    return PKV_OK;
+}
+
+/* Copy pool <-> staging for stream range [off, off+len) starting at pool address `pool`,
+ * checksumming the bytes in stream order. */
+static void seg_copy(const xf_view_t *v, uint64_t off, uint8_t *pool, uint64_t len, bool to_stage,
+                     pkv_xfer_sum_t *sum)
+{
+    while (len) {
+        uint64_t contig;
+        uint8_t *st = stage_at(v, off, &contig);
+        uint64_t k = PKV_MIN(contig, len);
+        if (to_stage)
+            pkv_xfer_sum_copy(sum, st, pool, k);
+        else
+            pkv_xfer_sum_copy(sum, pool, st, k);
+        off += k;
+        pool += k;
+        len -= k;
+    }
+}
+
+/* Copy one layer between its pool slices and staging following the coalesced plan.
+ * Returns the layer's checksum over the stream bytes. */
+uint64_t xf_view_copy_layer(const xf_view_t *v, pkv_xfer_agent_t *a, uint32_t l, bool to_stage)
+{
+    pkv_xfer_sum_t sum;
+    pkv_xfer_sum_init(&sum);
+    uint64_t lb = a->layer_bytes;
+    uint64_t base = (uint64_t)l * v->layer_total;
+    for (uint32_t i = 0; i < v->n_blocks;) {
+        uint8_t *start = (uint8_t *)pkv_kv_block_ptr(a->kv, v->blocks[i]) + (uint64_t)l * lb;
+        uint32_t j = i + 1;
+        while (j < v->n_blocks &&
+               (uint8_t *)pkv_kv_block_ptr(a->kv, v->blocks[j]) + (uint64_t)l * lb ==
+                   start + (uint64_t)(j - i) * lb)
+            j++;
+        seg_copy(v, base + (uint64_t)i * lb, start, (uint64_t)(j - i) * lb, to_stage, &sum);
+        i = j;
+    }
+    return pkv_xfer_sum_final(&sum);
+}
+
+/* Flip one staged byte of layer l (fault injection). */
+void xf_view_corrupt(const xf_view_t *v, uint32_t l)
+{
+    uint64_t contig;
+    uint8_t *p = stage_at(v, (uint64_t)l * v->layer_total + v->layer_total / 2, &contig);
+    *p ^= 0x5a;
+}
+
+uint32_t xf_view_arena_pieces(const xf_view_t *v, uint64_t off, uint64_t len, uint64_t *out,
+                              uint32_t cap)
+{
+    uint32_t n = 0;
+    while (len) {
+        uint32_t lo = 0, hi = v->grant->nruns;
+        while (hi - lo > 1) {
+            uint32_t mid = lo + (hi - lo) / 2;
+            if (v->run_off[mid] <= off)
+                lo = mid;
+            else
+                hi = mid;
+        }
+        uint64_t k = PKV_MIN(v->run_off[lo + 1] - off, len);
+        uint64_t at = v->grant->runs[lo].offset + (off - v->run_off[lo]);
+        if (n && out[2 * (n - 1)] + out[2 * (n - 1) + 1] == at) {
+            out[2 * (n - 1) + 1] += k; /* adjacent runs in the arena: one piece */
+        } else {
+            if (n == cap) return 0;
+            out[2 * n] = at;
+            out[2 * n + 1] = k;
+            n++;
+        }
+        off += k;
+        len -= k;
+    }
+    return n;
+}
+
+uint64_t xf_view_copy_layer_from(const xf_view_t *v, pkv_xfer_agent_t *a, uint32_t l,
+                                 const uint8_t *arena, const uint64_t *pieces, uint32_t n)
+{
+    pkv_xfer_sum_t sum;
+    pkv_xfer_sum_init(&sum);
+    uint64_t lb = a->layer_bytes;
+    uint32_t p = 0;  /* current piece */
+    uint64_t in = 0; /* bytes of it already consumed */
+    for (uint32_t i = 0; i < v->n_blocks;) {
+        uint8_t *start = (uint8_t *)pkv_kv_block_ptr(a->kv, v->blocks[i]) + (uint64_t)l * lb;
+        uint32_t j = i + 1;
+        while (j < v->n_blocks &&
+               (uint8_t *)pkv_kv_block_ptr(a->kv, v->blocks[j]) + (uint64_t)l * lb ==
+                   start + (uint64_t)(j - i) * lb)
+            j++;
+        uint64_t len = (uint64_t)(j - i) * lb;
+        uint8_t *dst = start;
+        while (len) {
+            PKV_ASSERT(p < n); /* the pieces were checked to cover the layer */
+            uint64_t k = PKV_MIN(pieces[2 * p + 1] - in, len);
+            pkv_xfer_sum_copy(&sum, dst, arena + pieces[2 * p] + in, k);
+            dst += k;
+            len -= k;
+            in += k;
+            if (in == pieces[2 * p + 1]) p++, in = 0;
+        }
+        i = j;
+    }
+    return pkv_xfer_sum_final(&sum);
+}

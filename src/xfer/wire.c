@@ -1,0 +1,658 @@
+/*
+ * xfer wire format v1: encoders and the bounds-checked decoder for control messages,
+ * and the KV handle's byte form (public: pkv_xfer_handle_encode / _decode).
+ *
+ * Decoding rule: a cursor over [buf, buf + len) hands out fields only after checking
+ * that they fit; every count is checked against its limit before it is multiplied, and
+ * every derived size is computed with overflow checks. Anything unexpected (bad magic,
+ * unknown version or type, non-zero reserved bits, a length that does not match the
+ * body exactly, an out-of-range value) is PKV_ERR_PROTO with nothing written.
+ *
+ * Bodies (all little-endian):
+ *   READ      u64 xfer_id, u64 request_id, u8 token[16], u64 budget_ns,
+ *             u32 layers, u32 kv_heads, u32 head_dim, u32 block_tokens, u32 dtype,
+ *             u32 chunk_bytes, u32 flags (SHARED), u32 n_runs,
+ *             n_runs x {u32 first_block, u32 count}
+ *   DATA      u64 xfer_id, u32 layer, u32 flags (SHARED), u64 bytes, u64 checksum,
+ *             if SHARED: u32 n_pieces, u32 reserved (0), n_pieces x {u64 offset, u64 length}
+ *   ACK       u64 xfer_id, u64 request_id, u64 bytes
+ *   FAIL      u64 xfer_id, u64 request_id, i32 reason, u16 text_len, u16 reserved (0),
+ *             text_len bytes of printable ASCII
+ *   HEARTBEAT u64 agent_id, u64 seq
+ *   CLOSE     u64 agent_id, u32 flags (REPLY), u32 reserved (0)
+ *
+ * Handle (PKVH v1): u32 magic "PKVH", u8 version 1, u8 addr_len, u16 flags (LOCAL),
+ *   u64 request_id, u8 token[16], u32 layers, kv_heads, head_dim, block_tokens, dtype,
+ *   u32 n_blocks, if LOCAL: {u32 pid, u32 fd, u64 arena_bytes, u64 ino, u8 boot_id[16]},
+ *   addr_len bytes of address, n_blocks x u32 block id.
+ */
+#include "xfer/wire.h"
+
+#include "core/core.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define READ_FIXED_BYTES   72u
+#define DATA_BYTES         32u
+#define DATA_PIECES_HDR    8u
+#define HANDLE_LOCAL       1u
+#define HANDLE_LOCAL_BYTES 40u
+#define ACK_BYTES          24u
+#define FAIL_FIXED_BYTES   24u
+#define HB_BYTES           16u
+#define CLOSE_BYTES        16u
+#define HANDLE_MAGIC       0x48564B50u /* bytes "PKVH" */
+#define HANDLE_VERSION     1
+#define HANDLE_FIXED_BYTES 56u
+
+/* ---- little-endian cursors ----------------------------------------------------------- */
+typedef struct {
+    const uint8_t *p;
+    size_t left;
+} rcur_t;
+
+static bool get_bytes(rcur_t *c, void *dst, size_t n)
+{
+    if (c->left < n) return false;
+    memcpy(dst, c->p, n);
+    c->p += n;
+    c->left -= n;
+    return true;
+}
+static bool get_u8(rcur_t *c, uint8_t *v)
+{
+    return get_bytes(c, v, 1);
+}
+static bool get_u16(rcur_t *c, uint16_t *v)
+{
+    uint8_t b[2];
+    if (!get_bytes(c, b, 2)) return false;
+    *v = (uint16_t)(b[0] | (b[1] << 8));
+    return true;
+}
+static bool get_u32(rcur_t *c, uint32_t *v)
+{
+    uint8_t b[4];
+    if (!get_bytes(c, b, 4)) return false;
+    *v = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
+    return true;
+}
+static bool get_u64(rcur_t *c, uint64_t *v)
+{
+    uint32_t lo, hi;
+    if (!get_u32(c, &lo) || !get_u32(c, &hi)) return false;
+    *v = (uint64_t)hi << 32 | lo;
+    return true;
+}
+
+static uint32_t le32(const uint8_t *b)
+{
+    return (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
+}
+
+typedef struct {
+    uint8_t *p;
+    size_t left;
+} wcur_t;
+
+static void put_bytes(wcur_t *c, const void *src, size_t n)
+{
+    PKV_ASSERT(c->left >= n); /* callers size the buffer first */
+    memcpy(c->p, src, n);
+    c->p += n;
+    c->left -= n;
+}
+static void put_u8(wcur_t *c, uint8_t v)
+{
+    put_bytes(c, &v, 1);
+}
+static void put_u16(wcur_t *c, uint16_t v)
+{
+    uint8_t b[2] = {(uint8_t)v, (uint8_t)(v >> 8)};
+    put_bytes(c, b, 2);
+}
+static void put_u32(wcur_t *c, uint32_t v)
+{
+    uint8_t b[4] = {(uint8_t)v, (uint8_t)(v >> 8), (uint8_t)(v >> 16), (uint8_t)(v >> 24)};
+    put_bytes(c, b, 4);
+}
+static void put_u64(wcur_t *c, uint64_t v)
+{
+    put_u32(c, (uint32_t)v);
+    put_u32(c, (uint32_t)(v >> 32));
+}
+
+static void put_header(wcur_t *c, uint8_t type, uint32_t body_len)
+{
+    put_u32(c, PKV_WIRE_MAGIC);
+    put_u8(c, PKV_WIRE_VERSION);
+    put_u8(c, type);
+    put_u16(c, 0);
+    put_u32(c, body_len);
+}
+
+/* ---- shared checks -------------------------------------------------------------------- */
+/* Element size of a wire dtype (kept here so the decoder depends on nothing else). */
+static uint64_t dtype_bytes(pkv_dtype_t dt)
+{
+    return dt == PKV_DTYPE_F32 ? 4 : 2;
+}
+
+int pkv_xfer_wire_check_geometry(const pkv_geometry_t *g, uint64_t *layer_bytes)
+{
+    if (g->layers < 1 || g->layers > PKV_WIRE_MAX_LAYERS) return PKV_ERR_PROTO;
+    if (g->kv_heads < 1 || g->kv_heads > PKV_WIRE_MAX_HEADS) return PKV_ERR_PROTO;
+    if (g->head_dim < 1 || g->head_dim > PKV_WIRE_MAX_HEAD_DIM) return PKV_ERR_PROTO;
+    if (g->block_tokens < 1 || g->block_tokens > PKV_WIRE_MAX_BLOCK_TOKENS) return PKV_ERR_PROTO;
+    if ((unsigned)g->dtype > PKV_DTYPE_BF16) return PKV_ERR_PROTO;
+    /* 2 * 2^12 * 2^16 * 2^16 * 4 = 2^47: no overflow in 64 bits. */
+    uint64_t lb = 2ull * g->kv_heads * g->block_tokens * g->head_dim * dtype_bytes(g->dtype);
+    uint64_t block;
+    if (__builtin_mul_overflow(lb, (uint64_t)g->layers, &block) || block > PKV_WIRE_MAX_BYTES)
+        return PKV_ERR_PROTO;
+    *layer_bytes = lb;
+    return PKV_OK;
+}
+
+bool pkv_xfer_wire_reason_valid(int32_t reason)
+{
+    switch (reason) {
+    case PKV_ERR_TIMEOUT:
+    case PKV_ERR_PEER_LOST:
+    case PKV_ERR_NOFIT:
+    case PKV_ERR_REJECTED:
+    case PKV_ERR_CANCELLED:
+    case PKV_ERR_CORRUPT:
+    case PKV_ERR_SHUTDOWN:
+        return true;
+    default:
+        return false;
+    }
+}
+
+uint32_t pkv_xfer_wire_count_runs(const uint32_t *blocks, uint32_t n)
+{
+    uint32_t runs = 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (i == 0 || blocks[i] != blocks[i - 1] + 1 || blocks[i - 1] == UINT32_MAX) runs++;
+    return runs;
+}
+
+static uint64_t le64(const uint8_t *b)
+{
+    return (uint64_t)le32(b) | (uint64_t)le32(b + 4) << 32;
+}
+
+void pkv_xfer_wire_data_piece(const pkv_wire_data_t *d, uint32_t i, uint64_t *offset,
+                              uint64_t *length)
+{
+    PKV_ASSERT(i < d->n_pieces);
+    *offset = le64(d->pieces + 16 * (size_t)i);
+    *length = le64(d->pieces + 16 * (size_t)i + 8);
+}
+
+void pkv_xfer_wire_read_run(const pkv_wire_read_t *r, uint32_t i, uint32_t *first, uint32_t *count)
+{
+    PKV_ASSERT(i < r->n_runs);
+    *first = le32(r->runs + 8 * (size_t)i);
+    *count = le32(r->runs + 8 * (size_t)i + 4);
+}
+
+/* Bytes of a READ transfer: layers * n_blocks * layer_bytes, bounded; chunk count bounded. */
+static int check_read_sizes(const pkv_geometry_t *g, uint32_t n_blocks, uint32_t chunk_bytes)
+{
+    uint64_t lb, per_layer;
+    if (pkv_xfer_wire_check_geometry(g, &lb)) return PKV_ERR_PROTO;
+    if (n_blocks < 1 || n_blocks > PKV_WIRE_MAX_BLOCKS) return PKV_ERR_PROTO;
+    if (chunk_bytes < PKV_WIRE_MIN_CHUNK || chunk_bytes > PKV_WIRE_MAX_CHUNK) return PKV_ERR_PROTO;
+    if (__builtin_mul_overflow(lb, (uint64_t)n_blocks, &per_layer)) return PKV_ERR_PROTO;
+    if (per_layer > PKV_WIRE_MAX_BYTES / g->layers) return PKV_ERR_PROTO;
+    uint64_t chunks = PKV_DIV_UP(per_layer, chunk_bytes) * g->layers;
+    if (chunks >= (1ull << PKV_WIRE_CHUNK_BITS)) return PKV_ERR_PROTO;
+    return PKV_OK;
+}
+
+static bool printable(const char *s, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (s[i] < 0x20 || s[i] > 0x7e) return false;
+    return true;
+}
+
+/* ---- decode --------------------------------------------------------------------------- */
+static int decode_read(rcur_t *c, pkv_wire_read_t *r)
+{
+    uint32_t dtype;
+    if (!get_u64(c, &r->xfer_id) || !get_u64(c, &r->request_id) ||
+        !get_bytes(c, r->token, sizeof(r->token)) || !get_u64(c, &r->budget_ns) ||
+        !get_u32(c, &r->geo.layers) || !get_u32(c, &r->geo.kv_heads) ||
+        !get_u32(c, &r->geo.head_dim) || !get_u32(c, &r->geo.block_tokens) || !get_u32(c, &dtype) ||
+        !get_u32(c, &r->chunk_bytes) || !get_u32(c, &r->flags) || !get_u32(c, &r->n_runs))
+        return PKV_ERR_PROTO;
+    if (r->flags & ~PKV_WIRE_READ_SHARED) return PKV_ERR_PROTO;
+    if (r->xfer_id == 0 || r->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS)) return PKV_ERR_PROTO;
+    if (r->budget_ns > PKV_WIRE_MAX_BUDGET_NS) return PKV_ERR_PROTO;
+    if (dtype > PKV_DTYPE_BF16) return PKV_ERR_PROTO;
+    r->geo.dtype = (pkv_dtype_t)dtype;
+    if (r->n_runs < 1 || r->n_runs > PKV_WIRE_MAX_RUNS) return PKV_ERR_PROTO;
+    if (c->left != 8 * (size_t)r->n_runs) return PKV_ERR_PROTO;
+    r->runs = c->p;
+    uint64_t total = 0;
+    for (uint32_t i = 0; i < r->n_runs; i++) {
+        uint32_t first, count;
+        pkv_xfer_wire_read_run(r, i, &first, &count);
+        if (count < 1 || (uint64_t)first + count - 1 > UINT32_MAX) return PKV_ERR_PROTO;
+        total += count;
+        if (total > PKV_WIRE_MAX_BLOCKS) return PKV_ERR_PROTO;
+    }
+    r->n_blocks = (uint32_t)total;
+    c->left = 0;
+    return check_read_sizes(&r->geo, r->n_blocks, r->chunk_bytes);
+}
+
+int pkv_xfer_wire_decode(const void *buf, size_t len, pkv_wire_msg_t *out)
+{
+    if (!buf || len < PKV_WIRE_HEADER_BYTES || len > PKV_WIRE_MAX_MSG || !out) return PKV_ERR_PROTO;
+    rcur_t c = {buf, len};
+    uint32_t magic = 0, body_len = 0;
+    uint8_t version = 0, type = 0;
+    uint16_t flags = 0;
+    if (!get_u32(&c, &magic) || !get_u8(&c, &version) || !get_u8(&c, &type) ||
+        !get_u16(&c, &flags) || !get_u32(&c, &body_len))
+        return PKV_ERR_PROTO;
+    if (magic != PKV_WIRE_MAGIC || version != PKV_WIRE_VERSION || flags != 0) return PKV_ERR_PROTO;
+    if (body_len != c.left) return PKV_ERR_PROTO;
+
+    pkv_wire_msg_t m;
+    memset(&m, 0, sizeof(m));
+    m.type = type;
+    switch (type) {
+    case PKV_WIRE_READ:
+        if (decode_read(&c, &m.u.read)) return PKV_ERR_PROTO;
+        break;
+    case PKV_WIRE_DATA: {
+        pkv_wire_data_t *d = &m.u.data;
+        if (c.left < DATA_BYTES) return PKV_ERR_PROTO;
+        get_u64(&c, &d->xfer_id);
+        get_u32(&c, &d->layer);
+        get_u32(&c, &d->flags);
+        get_u64(&c, &d->bytes);
+        get_u64(&c, &d->checksum);
+        if ((d->flags & ~PKV_WIRE_DATA_SHARED) || d->xfer_id == 0 ||
+            d->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) || d->layer >= PKV_WIRE_MAX_LAYERS ||
+            d->bytes > PKV_WIRE_MAX_BYTES)
+            return PKV_ERR_PROTO;
+        if (!(d->flags & PKV_WIRE_DATA_SHARED)) {
+            if (c.left) return PKV_ERR_PROTO;
+            break;
+        }
+        uint32_t reserved;
+        if (!get_u32(&c, &d->n_pieces) || !get_u32(&c, &reserved) || reserved || d->n_pieces < 1 ||
+            d->n_pieces > PKV_WIRE_MAX_PIECES || c.left != 16 * (size_t)d->n_pieces)
+            return PKV_ERR_PROTO;
+        d->pieces = c.p;
+        uint64_t sum = 0;
+        for (uint32_t i = 0; i < d->n_pieces; i++) {
+            uint64_t off, plen;
+            pkv_xfer_wire_data_piece(d, i, &off, &plen);
+            if (plen < 1 || off >= PKV_WIRE_MAX_ARENA || plen > PKV_WIRE_MAX_ARENA - off)
+                return PKV_ERR_PROTO;
+            sum += plen; /* each < 2^44, at most 2^15 of them: no overflow */
+        }
+        if (sum != d->bytes) return PKV_ERR_PROTO;
+        c.left = 0;
+        break;
+    }
+    case PKV_WIRE_ACK:
+        if (c.left != ACK_BYTES) return PKV_ERR_PROTO;
+        get_u64(&c, &m.u.ack.xfer_id);
+        get_u64(&c, &m.u.ack.request_id);
+        get_u64(&c, &m.u.ack.bytes);
+        if (m.u.ack.xfer_id == 0 || m.u.ack.xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) ||
+            m.u.ack.bytes > PKV_WIRE_MAX_BYTES)
+            return PKV_ERR_PROTO;
+        break;
+    case PKV_WIRE_FAIL: {
+        uint32_t reason;
+        uint16_t text_len, reserved;
+        if (c.left < FAIL_FIXED_BYTES) return PKV_ERR_PROTO;
+        get_u64(&c, &m.u.fail.xfer_id);
+        get_u64(&c, &m.u.fail.request_id);
+        get_u32(&c, &reason);
+        get_u16(&c, &text_len);
+        get_u16(&c, &reserved);
+        m.u.fail.reason = (int32_t)reason;
+        if (reserved || text_len > PKV_WIRE_MAX_TEXT || c.left != text_len) return PKV_ERR_PROTO;
+        if (m.u.fail.xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS)) return PKV_ERR_PROTO;
+        if (!pkv_xfer_wire_reason_valid(m.u.fail.reason)) return PKV_ERR_PROTO;
+        get_bytes(&c, m.u.fail.text, text_len);
+        m.u.fail.text[text_len] = '\0';
+        if (!printable(m.u.fail.text, text_len)) return PKV_ERR_PROTO;
+        break;
+    }
+    case PKV_WIRE_HEARTBEAT:
+        if (c.left != HB_BYTES) return PKV_ERR_PROTO;
+        get_u64(&c, &m.u.hb.agent_id);
+        get_u64(&c, &m.u.hb.seq);
+        break;
+    case PKV_WIRE_CLOSE: {
+        uint32_t reserved;
+        if (c.left != CLOSE_BYTES) return PKV_ERR_PROTO;
+        get_u64(&c, &m.u.close.agent_id);
+        get_u32(&c, &m.u.close.flags);
+        get_u32(&c, &reserved);
+        if (reserved || (m.u.close.flags & ~PKV_WIRE_CLOSE_REPLY)) return PKV_ERR_PROTO;
+        break;
+    }
+    default:
+        return PKV_ERR_PROTO;
+    }
+    *out = m;
+    return PKV_OK;
+}
+
+/* ---- encode --------------------------------------------------------------------------- */
+size_t pkv_xfer_wire_read_bytes(uint32_t n_runs)
+{
+    return PKV_WIRE_HEADER_BYTES + READ_FIXED_BYTES + 8 * (size_t)n_runs;
+}
+
+int pkv_xfer_wire_encode_read(const pkv_wire_read_t *r, const uint32_t *blocks, uint32_t n,
+                              void *buf, size_t cap, size_t *len)
+{
+    if (!r || !blocks || !buf || !len) return PKV_ERR_INVALID;
+    uint32_t n_runs = pkv_xfer_wire_count_runs(blocks, n);
+    if (r->xfer_id == 0 || r->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) ||
+        (r->flags & ~PKV_WIRE_READ_SHARED) || r->budget_ns > PKV_WIRE_MAX_BUDGET_NS || n_runs < 1 ||
+        n_runs > PKV_WIRE_MAX_RUNS || check_read_sizes(&r->geo, n, r->chunk_bytes))
+        return PKV_ERR_INVALID;
+    size_t need = pkv_xfer_wire_read_bytes(n_runs);
+    if (need > PKV_WIRE_MAX_MSG) return PKV_ERR_INVALID;
+    if (cap < need) return PKV_ERR_NOSPACE;
+    wcur_t c = {buf, cap};
+    put_header(&c, PKV_WIRE_READ, (uint32_t)(need - PKV_WIRE_HEADER_BYTES));
+    put_u64(&c, r->xfer_id);
+    put_u64(&c, r->request_id);
+    put_bytes(&c, r->token, sizeof(r->token));
+    put_u64(&c, r->budget_ns);
+    put_u32(&c, r->geo.layers);
+    put_u32(&c, r->geo.kv_heads);
+    put_u32(&c, r->geo.head_dim);
+    put_u32(&c, r->geo.block_tokens);
+    put_u32(&c, (uint32_t)r->geo.dtype);
+    put_u32(&c, r->chunk_bytes);
+    put_u32(&c, r->flags);
+    put_u32(&c, n_runs);
+    for (uint32_t i = 0; i < n;) {
+        uint32_t j = i + 1;
+        while (j < n && blocks[j - 1] != UINT32_MAX && blocks[j] == blocks[j - 1] + 1) j++;
+        put_u32(&c, blocks[i]);
+        put_u32(&c, j - i);
+        i = j;
+    }
+    *len = need;
+    return PKV_OK;
+}
+
+size_t pkv_xfer_wire_data_bytes(uint32_t n_pieces)
+{
+    return PKV_WIRE_HEADER_BYTES + DATA_BYTES +
+           (n_pieces ? DATA_PIECES_HDR + 16 * (size_t)n_pieces : 0);
+}
+
+int pkv_xfer_wire_encode_data(const pkv_wire_data_t *d, const uint64_t *pieces, uint32_t n_pieces,
+                              void *buf, size_t cap, size_t *len)
+{
+    if (!d || !buf || !len) return PKV_ERR_INVALID;
+    bool shared = d->flags & PKV_WIRE_DATA_SHARED;
+    if ((d->flags & ~PKV_WIRE_DATA_SHARED) || d->xfer_id == 0 ||
+        d->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) || d->layer >= PKV_WIRE_MAX_LAYERS ||
+        d->bytes > PKV_WIRE_MAX_BYTES || shared != (n_pieces > 0) ||
+        n_pieces > PKV_WIRE_MAX_PIECES || (n_pieces && !pieces))
+        return PKV_ERR_INVALID;
+    uint64_t sum = 0;
+    for (uint32_t i = 0; i < n_pieces; i++) {
+        uint64_t off = pieces[2 * i], l = pieces[2 * i + 1];
+        if (l < 1 || off >= PKV_WIRE_MAX_ARENA || l > PKV_WIRE_MAX_ARENA - off)
+            return PKV_ERR_INVALID;
+        sum += l;
+    }
+    if (shared && sum != d->bytes) return PKV_ERR_INVALID;
+    size_t need = pkv_xfer_wire_data_bytes(n_pieces);
+    if (need > PKV_WIRE_MAX_MSG) return PKV_ERR_INVALID;
+    if (cap < need) return PKV_ERR_NOSPACE;
+    wcur_t c = {buf, cap};
+    put_header(&c, PKV_WIRE_DATA, (uint32_t)(need - PKV_WIRE_HEADER_BYTES));
+    put_u64(&c, d->xfer_id);
+    put_u32(&c, d->layer);
+    put_u32(&c, d->flags);
+    put_u64(&c, d->bytes);
+    put_u64(&c, d->checksum);
+    if (shared) {
+        put_u32(&c, n_pieces);
+        put_u32(&c, 0);
+        for (uint32_t i = 0; i < n_pieces; i++) {
+            put_u64(&c, pieces[2 * i]);
+            put_u64(&c, pieces[2 * i + 1]);
+        }
+    }
+    *len = need;
+    return PKV_OK;
+}
+
+int pkv_xfer_wire_encode_ack(const pkv_wire_ack_t *a, void *buf, size_t cap, size_t *len)
+{
+    if (!a || !buf || !len) return PKV_ERR_INVALID;
+    if (a->xfer_id == 0 || a->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) ||
+        a->bytes > PKV_WIRE_MAX_BYTES)
+        return PKV_ERR_INVALID;
+    if (cap < PKV_WIRE_HEADER_BYTES + ACK_BYTES) return PKV_ERR_NOSPACE;
+    wcur_t c = {buf, cap};
+    put_header(&c, PKV_WIRE_ACK, ACK_BYTES);
+    put_u64(&c, a->xfer_id);
+    put_u64(&c, a->request_id);
+    put_u64(&c, a->bytes);
+    *len = PKV_WIRE_HEADER_BYTES + ACK_BYTES;
+    return PKV_OK;
+}
+
+int pkv_xfer_wire_encode_fail(const pkv_wire_fail_t *f, void *buf, size_t cap, size_t *len)
+{
+    if (!f || !buf || !len) return PKV_ERR_INVALID;
+    size_t tl = strnlen(f->text, PKV_WIRE_MAX_TEXT + 1);
+    if (tl > PKV_WIRE_MAX_TEXT || !printable(f->text, tl) ||
+        f->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) || !pkv_xfer_wire_reason_valid(f->reason))
+        return PKV_ERR_INVALID;
+    size_t need = PKV_WIRE_HEADER_BYTES + FAIL_FIXED_BYTES + tl;
+    if (cap < need) return PKV_ERR_NOSPACE;
+    wcur_t c = {buf, cap};
+    put_header(&c, PKV_WIRE_FAIL, (uint32_t)(FAIL_FIXED_BYTES + tl));
+    put_u64(&c, f->xfer_id);
+    put_u64(&c, f->request_id);
+    put_u32(&c, (uint32_t)f->reason);
+    put_u16(&c, (uint16_t)tl);
+    put_u16(&c, 0);
+    put_bytes(&c, f->text, tl);
+    *len = need;
+    return PKV_OK;
+}
+
+int pkv_xfer_wire_encode_heartbeat(const pkv_wire_heartbeat_t *h, void *buf, size_t cap,
+                                   size_t *len)
+{
+    if (!h || !buf || !len) return PKV_ERR_INVALID;
+    if (cap < PKV_WIRE_HEADER_BYTES + HB_BYTES) return PKV_ERR_NOSPACE;
+    wcur_t c = {buf, cap};
+    put_header(&c, PKV_WIRE_HEARTBEAT, HB_BYTES);
+    put_u64(&c, h->agent_id);
+    put_u64(&c, h->seq);
+    *len = PKV_WIRE_HEADER_BYTES + HB_BYTES;
+    return PKV_OK;
+}
+
+int pkv_xfer_wire_encode_close(const pkv_wire_close_t *cl, void *buf, size_t cap, size_t *len)
+{
+    if (!cl || !buf || !len || (cl->flags & ~PKV_WIRE_CLOSE_REPLY)) return PKV_ERR_INVALID;
+    if (cap < PKV_WIRE_HEADER_BYTES + CLOSE_BYTES) return PKV_ERR_NOSPACE;
+    wcur_t c = {buf, cap};
+    put_header(&c, PKV_WIRE_CLOSE, CLOSE_BYTES);
+    put_u64(&c, cl->agent_id);
+    put_u32(&c, cl->flags);
+    put_u32(&c, 0);
+    *len = PKV_WIRE_HEADER_BYTES + CLOSE_BYTES;
+    return PKV_OK;
+}
+
+/* ---- handles (public) ----------------------------------------------------------------- */
+/* An address is "host:port": host of [0-9A-Za-z.-] or a bracketed IPv6 literal. */
+static bool addr_valid(const char *a, size_t n)
+{
+    if (n < 3 || n >= PKV_XFER_ADDR_MAX) return false;
+    const char *colon = memrchr(a, ':', n);
+    if (!colon || colon == a) return false;
+    size_t hl = (size_t)(colon - a), pl = n - hl - 1;
+    if (pl < 1 || pl > 5) return false;
+    unsigned port = 0;
+    for (size_t i = 0; i < pl; i++) {
+        char ch = colon[1 + i];
+        if (ch < '0' || ch > '9') return false;
+        port = port * 10 + (unsigned)(ch - '0');
+    }
+    if (port < 1 || port > 65535) return false;
+    if (a[0] == '[') {
+        if (hl < 3 || a[hl - 1] != ']') return false;
+        for (size_t i = 1; i + 1 < hl; i++) {
+            char ch = a[i];
+            if (!((ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'f') ||
+                  (ch >= 'A' && ch <= 'F') || ch == ':' || ch == '.'))
+                return false;
+        }
+        return true;
+    }
+    for (size_t i = 0; i < hl; i++) {
+        char ch = a[i];
+        if (!((ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+              ch == '.' || ch == '-'))
+            return false;
+    }
+    return true;
+}
+
+bool pkv_xfer_wire_addr_valid(const char *addr)
+{
+    return addr && addr_valid(addr, strnlen(addr, PKV_XFER_ADDR_MAX));
+}
+
+static bool local_valid(const pkv_xfer_handle_t *h)
+{
+    return h->local.pid >= 1 && h->local.pid < (1u << 30) && h->local.fd >= 0 &&
+           h->local.arena_bytes >= 4096 && h->local.arena_bytes <= PKV_WIRE_MAX_ARENA;
+}
+
+static size_t handle_bytes(const pkv_xfer_handle_t *h, size_t al)
+{
+    return HANDLE_FIXED_BYTES + (h->local.present ? HANDLE_LOCAL_BYTES : 0) + al +
+           4 * (size_t)h->n_blocks;
+}
+
+static int handle_check(const pkv_xfer_handle_t *h, size_t *addr_len)
+{
+    uint64_t lb;
+    size_t al = strnlen(h->addr, PKV_XFER_ADDR_MAX);
+    if (al >= PKV_XFER_ADDR_MAX || !addr_valid(h->addr, al)) return PKV_ERR_INVALID;
+    if (h->n_blocks < 1 || h->n_blocks > PKV_WIRE_MAX_BLOCKS) return PKV_ERR_INVALID;
+    if (pkv_xfer_wire_check_geometry(&h->geo, &lb)) return PKV_ERR_INVALID;
+    if (h->local.present && !local_valid(h)) return PKV_ERR_INVALID;
+    *addr_len = al;
+    return PKV_OK;
+}
+
+size_t pkv_xfer_handle_bytes(const pkv_xfer_handle_t *h)
+{
+    size_t al;
+    if (!h || handle_check(h, &al)) return 0;
+    return handle_bytes(h, al);
+}
+
+int pkv_xfer_handle_encode(const pkv_xfer_handle_t *h, void *buf, size_t cap, size_t *len)
+{
+    size_t al;
+    if (!h || !buf || !len || handle_check(h, &al)) return PKV_ERR_INVALID;
+    size_t need = handle_bytes(h, al);
+    if (cap < need) return PKV_ERR_NOSPACE;
+    wcur_t c = {buf, cap};
+    put_u32(&c, HANDLE_MAGIC);
+    put_u8(&c, HANDLE_VERSION);
+    put_u8(&c, (uint8_t)al);
+    put_u16(&c, h->local.present ? HANDLE_LOCAL : 0);
+    put_u64(&c, h->request_id);
+    put_bytes(&c, h->token, PKV_XFER_TOKEN_BYTES);
+    put_u32(&c, h->geo.layers);
+    put_u32(&c, h->geo.kv_heads);
+    put_u32(&c, h->geo.head_dim);
+    put_u32(&c, h->geo.block_tokens);
+    put_u32(&c, (uint32_t)h->geo.dtype);
+    put_u32(&c, h->n_blocks);
+    if (h->local.present) {
+        put_u32(&c, h->local.pid);
+        put_u32(&c, (uint32_t)h->local.fd);
+        put_u64(&c, h->local.arena_bytes);
+        put_u64(&c, h->local.ino);
+        put_bytes(&c, h->local.boot_id, sizeof(h->local.boot_id));
+    }
+    put_bytes(&c, h->addr, al);
+    for (uint32_t i = 0; i < h->n_blocks; i++) put_u32(&c, h->blocks[i]);
+    *len = need;
+    return PKV_OK;
+}
+
+int pkv_xfer_handle_decode(const void *buf, size_t len, pkv_xfer_handle_t **out)
+{
+    if (!buf || !out) return PKV_ERR_INVALID;
+    rcur_t c = {buf, len};
+    uint32_t magic, dtype, n;
+    uint8_t version, al;
+    uint16_t flags;
+    pkv_xfer_handle_t tmp;
+    memset(&tmp, 0, sizeof(tmp));
+    if (!get_u32(&c, &magic) || !get_u8(&c, &version) || !get_u8(&c, &al) || !get_u16(&c, &flags) ||
+        !get_u64(&c, &tmp.request_id) || !get_bytes(&c, tmp.token, PKV_XFER_TOKEN_BYTES) ||
+        !get_u32(&c, &tmp.geo.layers) || !get_u32(&c, &tmp.geo.kv_heads) ||
+        !get_u32(&c, &tmp.geo.head_dim) || !get_u32(&c, &tmp.geo.block_tokens) ||
+        !get_u32(&c, &dtype) || !get_u32(&c, &n))
+        return PKV_ERR_PROTO;
+    if (magic != HANDLE_MAGIC || version != HANDLE_VERSION || (flags & ~HANDLE_LOCAL))
+        return PKV_ERR_PROTO;
+    if (flags & HANDLE_LOCAL) {
+        uint32_t fd;
+        tmp.local.present = true;
+        if (!get_u32(&c, &tmp.local.pid) || !get_u32(&c, &fd) ||
+            !get_u64(&c, &tmp.local.arena_bytes) || !get_u64(&c, &tmp.local.ino) ||
+            !get_bytes(&c, tmp.local.boot_id, sizeof(tmp.local.boot_id)))
+            return PKV_ERR_PROTO;
+        tmp.local.fd = (int32_t)fd;
+        if (!local_valid(&tmp)) return PKV_ERR_PROTO;
+    }
+    if (al >= PKV_XFER_ADDR_MAX || dtype > PKV_DTYPE_BF16) return PKV_ERR_PROTO;
+    if (n < 1 || n > PKV_WIRE_MAX_BLOCKS) return PKV_ERR_PROTO;
+    if (c.left != al + 4 * (size_t)n) return PKV_ERR_PROTO;
+    tmp.geo.dtype = (pkv_dtype_t)dtype;
+    tmp.n_blocks = n;
+    uint64_t lb;
+    if (pkv_xfer_wire_check_geometry(&tmp.geo, &lb)) return PKV_ERR_PROTO;
+    get_bytes(&c, tmp.addr, al);
+    tmp.addr[al] = '\0';
+    if (!addr_valid(tmp.addr, al)) return PKV_ERR_PROTO;
+    pkv_xfer_handle_t *h = malloc(sizeof(*h) + 4 * (size_t)n);
+    if (!h) return PKV_ERR_NOMEM;
+    *h = tmp;
+    for (uint32_t i = 0; i < n; i++) get_u32(&c, &h->blocks[i]);
+    *out = h;
+    return PKV_OK;
+}
+
+void pkv_xfer_handle_free(pkv_xfer_handle_t *h)
+{
+    free(h);
+}

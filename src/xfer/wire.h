@@ -1,0 +1,176 @@
+/*
+ * xfer wire format, version 1 (internal to src/xfer).
+ *
+ * Every control message is one UCX active message whose payload is:
+ *
+ *   header (12 bytes, little-endian)
+ *     u32 magic    0x58564B50 ("PKVX")
+ *     u8  version  1; anything else is rejected (PKV_ERR_PROTO)
+ *     u8  type     READ | DATA | ACK | FAIL | HEARTBEAT
+ *     u16 flags    0 in version 1
+ *     u32 body_len exactly the bytes that follow
+ *   body (per type, see wire.c and docs/design/xfer.md)
+ *
+ * The decoder validates every length, count, id and enumerated value against the
+ * limits below before anything is used, never reads past `len`, never allocates,
+ * and sets *out only on success. The payload bytes of a transfer travel as UCX tag
+ * messages (tag layout below); only their per-layer checksum is in a DATA message.
+ */
+#ifndef PKV_XFER_WIRE_H
+#define PKV_XFER_WIRE_H
+
+#include "pagekv/kv.h"
+#include "pagekv/xfer.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define PKV_WIRE_MAGIC        0x58564B50u
+#define PKV_WIRE_VERSION      1
+#define PKV_WIRE_HEADER_BYTES 12u
+
+enum {
+    PKV_WIRE_READ = 1,
+    PKV_WIRE_DATA = 2,
+    PKV_WIRE_ACK = 3,
+    PKV_WIRE_FAIL = 4,
+    PKV_WIRE_HEARTBEAT = 5,
+    PKV_WIRE_CLOSE = 6,
+};
+/* CLOSE flags: this is the answer to a CLOSE request. */
+#define PKV_WIRE_CLOSE_REPLY 1u
+
+/* Limits every decoded message is checked against. */
+#define PKV_WIRE_MAX_MSG          (1u << 20) /* whole control message */
+#define PKV_WIRE_MAX_RUNS         65536u     /* block runs in one READ */
+#define PKV_WIRE_MAX_BLOCKS       (1u << 20) /* blocks in one READ / handle */
+#define PKV_WIRE_MAX_LAYERS       4096u
+#define PKV_WIRE_MAX_HEADS        4096u
+#define PKV_WIRE_MAX_HEAD_DIM     65536u
+#define PKV_WIRE_MAX_BLOCK_TOKENS 65536u
+#define PKV_WIRE_MIN_CHUNK        4096u
+#define PKV_WIRE_MAX_CHUNK        (64u << 20)
+#define PKV_WIRE_MAX_BYTES        (1ull << 40) /* bytes in one transfer */
+#define PKV_WIRE_MAX_BUDGET_NS    (24ull * 3600 * 1000000000ull)
+#define PKV_WIRE_MAX_TEXT         128u         /* FAIL reason text */
+#define PKV_WIRE_MAX_PIECES       32768u       /* arena pieces in one shared DATA */
+#define PKV_WIRE_MAX_ARENA        (1ull << 44) /* a shared staging arena's bytes */
+#define PKV_WIRE_XFER_ID_BITS     38
+#define PKV_WIRE_CHUNK_BITS       24
+
+/* Tag of payload chunk `chunk` of transfer `xfer_id` (the consumer's id). The two top
+ * bits mark a pagekv data tag; every data tag of the worker matches PKV_WIRE_TAG_KIND_MASK. */
+#define PKV_WIRE_TAG_KIND      (2ull << 62)
+#define PKV_WIRE_TAG_KIND_MASK (3ull << 62)
+static inline uint64_t pkv_wire_data_tag(uint64_t xfer_id, uint32_t chunk)
+{
+    return PKV_WIRE_TAG_KIND | (xfer_id << PKV_WIRE_CHUNK_BITS) | (uint64_t)chunk;
+}
+
+typedef struct {
+    uint64_t xfer_id;    /* consumer's transfer id, 1 .. 2^38-1 */
+    uint64_t request_id; /* producer's registration */
+    uint8_t token[PKV_XFER_TOKEN_BYTES];
+    uint64_t budget_ns;   /* time left before the consumer's deadline when sent */
+    pkv_geometry_t geo;   /* the consumer's pool geometry (must equal the producer's) */
+    uint32_t chunk_bytes; /* payload chunk size (tag message size) */
+    uint32_t flags;       /* PKV_WIRE_READ_SHARED */
+    uint32_t n_runs;      /* block runs in the plan */
+    uint32_t n_blocks;    /* sum of run counts (set by the decoder) */
+    const uint8_t *runs;  /* n_runs x {u32 first, u32 count}, little-endian (decoder: into buf) */
+} pkv_wire_read_t;
+
+/* READ flags: the consumer has mapped the producer's shared staging arena (same host):
+ * send DATA with arena offsets instead of payload messages. */
+#define PKV_WIRE_READ_SHARED 1u
+/* DATA flags: the layer's bytes are in the producer's shared arena at `pieces`. */
+#define PKV_WIRE_DATA_SHARED 1u
+
+typedef struct {
+    uint64_t xfer_id;
+    uint32_t layer;
+    uint32_t flags;        /* PKV_WIRE_DATA_SHARED */
+    uint64_t bytes;        /* payload bytes of the layer */
+    uint64_t checksum;     /* pkv_xfer_sum over the layer's bytes in stream order */
+    uint32_t n_pieces;     /* shared: pieces covering the layer in stream order */
+    const uint8_t *pieces; /* n_pieces x {u64 offset, u64 length} (decoder: into buf) */
+} pkv_wire_data_t;
+
+typedef struct {
+    uint64_t xfer_id;
+    uint64_t request_id;
+    uint64_t bytes; /* bytes the consumer verified and stored */
+} pkv_wire_ack_t;
+
+typedef struct {
+    uint64_t xfer_id;
+    uint64_t request_id;
+    int32_t reason; /* an outcome status: timeout, nofit, rejected, cancelled, corrupt, ... */
+    char text[PKV_WIRE_MAX_TEXT + 1]; /* printable ASCII, NUL-terminated */
+} pkv_wire_fail_t;
+
+typedef struct {
+    uint64_t agent_id;
+    uint64_t seq;
+} pkv_wire_heartbeat_t;
+
+/* An agent about to close the connection sends CLOSE and waits (bounded) for the reply:
+ * messages travel in order, so the reply proves the peer processed everything before it
+ * (the last ACKs and FAILs) — a local send completion only means our kernel has it. */
+typedef struct {
+    uint64_t agent_id;
+    uint32_t flags; /* PKV_WIRE_CLOSE_REPLY */
+} pkv_wire_close_t;
+
+typedef struct {
+    uint8_t type;
+    union {
+        pkv_wire_read_t read;
+        pkv_wire_data_t data;
+        pkv_wire_ack_t ack;
+        pkv_wire_fail_t fail;
+        pkv_wire_heartbeat_t hb;
+        pkv_wire_close_t close;
+    } u;
+} pkv_wire_msg_t;
+
+/* Decode one message. PKV_OK and *out, or PKV_ERR_PROTO (nothing written). A READ's
+ * `runs` points into buf: buf must outlive the use of out->u.read. */
+int pkv_xfer_wire_decode(const void *buf, size_t len, pkv_wire_msg_t *out);
+/* Run i (< n_runs) of a decoded or to-be-encoded READ. */
+void pkv_xfer_wire_read_run(const pkv_wire_read_t *r, uint32_t i, uint32_t *first, uint32_t *count);
+/* Piece i (< n_pieces) of a decoded shared DATA. */
+void pkv_xfer_wire_data_piece(const pkv_wire_data_t *d, uint32_t i, uint64_t *offset,
+                              uint64_t *length);
+/* Is reason an outcome a FAIL may carry? */
+bool pkv_xfer_wire_reason_valid(int32_t reason);
+
+/* Geometry checks shared by READ and handles: PKV_OK or PKV_ERR_PROTO. On success
+ * *layer_bytes is the bytes of one block's slice of one layer (K and V, all heads). */
+int pkv_xfer_wire_check_geometry(const pkv_geometry_t *g, uint64_t *layer_bytes);
+
+/* Is addr a "host:port" we would accept in a handle? */
+bool pkv_xfer_wire_addr_valid(const char *addr);
+
+/* Number of runs of consecutive ids in blocks[0..n). */
+uint32_t pkv_xfer_wire_count_runs(const uint32_t *blocks, uint32_t n);
+
+/* Encoders: write the message into buf (cap bytes). PKV_OK and *len, PKV_ERR_NOSPACE when
+ * cap is too small, PKV_ERR_INVALID when a field is out of the limits above (so nothing
+ * we send fails our own decoder). encode_read takes the plan as a block list and
+ * coalesces it into runs; r->runs / r->n_runs / r->n_blocks are ignored. */
+size_t pkv_xfer_wire_read_bytes(uint32_t n_runs);
+int pkv_xfer_wire_encode_read(const pkv_wire_read_t *r, const uint32_t *blocks, uint32_t n,
+                              void *buf, size_t cap, size_t *len);
+/* pieces: n_pieces x {offset, length} for a shared DATA (flags & PKV_WIRE_DATA_SHARED),
+ * else NULL / 0; d->pieces / d->n_pieces are ignored. */
+size_t pkv_xfer_wire_data_bytes(uint32_t n_pieces);
+int pkv_xfer_wire_encode_data(const pkv_wire_data_t *d, const uint64_t *pieces, uint32_t n_pieces,
+                              void *buf, size_t cap, size_t *len);
+int pkv_xfer_wire_encode_ack(const pkv_wire_ack_t *a, void *buf, size_t cap, size_t *len);
+int pkv_xfer_wire_encode_fail(const pkv_wire_fail_t *f, void *buf, size_t cap, size_t *len);
+int pkv_xfer_wire_encode_heartbeat(const pkv_wire_heartbeat_t *h, void *buf, size_t cap,
+                                   size_t *len);
+int pkv_xfer_wire_encode_close(const pkv_wire_close_t *c, void *buf, size_t cap, size_t *len);
+
+#endif

@@ -1,0 +1,31 @@
+/*
+ * xfer: what other parts of pagekv (tests, benchmarks) may use beyond the public
+ * header: fault injection. Not installed.
+ */
+#ifndef PKV_XFER_XFER_H
+#define PKV_XFER_XFER_H
+
+#include "pagekv/xfer.h"
+
+typedef enum {
+    PKV_XFER_FAULT_SERVE_READ,          /* progress thread: producer accepted a READ */
+    PKV_XFER_FAULT_SERVE_COPIED,        /* copy worker: producer staged a layer (may sleep) */
+    PKV_XFER_FAULT_SERVE_LAYER_SENT,    /* progress thread: every chunk of a layer left */
+    PKV_XFER_FAULT_SERVE_ALL_SENT,      /* progress thread: all chunks left; waiting for ACK */
+    PKV_XFER_FAULT_READ_LAYER_RECEIVED, /* progress thread: consumer has a layer's chunks */
+} pkv_xfer_fault_point_t;
+
+typedef struct {
+    /* Called at each point (layer = the layer concerned, 0 where none) with no lock
+     * held. A test may sleep, raise a signal, or record; it must not call back into
+     * the agent. NULL: no hook. */
+    void (*fn)(void *arg, pkv_xfer_fault_point_t point, uint32_t layer);
+    void *arg;
+    int32_t corrupt_layer; /* >= 0: the producer flips a staged byte of this layer after
+                              checksumming it (the consumer must report corrupt); -1 none */
+} pkv_xfer_faults_t;
+
+/* Install fault hooks. Call before the agent's first transfer. */
+void pkv_xfer_set_faults(pkv_xfer_agent_t *agent, const pkv_xfer_faults_t *faults);
+
+#endif

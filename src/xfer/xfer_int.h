@@ -1,0 +1,411 @@
+/*
+ * xfer internals shared by the files of src/xfer (not for other modules).
+ *
+ * Threading invariant (the whole module rests on it):
+ *   - The progress thread is the only thread that calls UCX, and the only one that
+ *     changes a transfer's state, a peer, or the reads/serves lists. Fields marked
+ *     [P] are touched by the progress thread only and need no lock.
+ *   - Workers (copy) and seaters (staging) read a transfer's immutable fields [I]
+ *     (set before the job is queued, unchanged until the transfer is freed, which
+ *     happens only after every job has reported back), check its atomic `abort`, and
+ *     report through the event queue: they never change a transfer's state.
+ *   - API threads hand work to the progress thread through agent->lock-guarded queues
+ *     ([L] fields) plus a wake-up eventfd; they never touch [P] fields.
+ *   - A transfer is freed only once quiesced: no seat job, no copy job, no UCX request
+ *     still referring to it. Staging is released and pins dropped at that point.
+ * Lock order: agent->lock, then rd->mu (never the other way); no UCX call, callback,
+ * allocation or kv/stage call is made while agent->lock is held.
+ */
+#ifndef PKV_XFER_INT_H
+#define PKV_XFER_INT_H
+
+#include "pagekv/xfer.h"
+
+#include "core/core.h"
+#include "xfer/wire.h"
+#include "xfer/xfer.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <ucp/api/ucp.h>
+
+#define XF_MOD           "xfer"
+#define XF_AM_CTRL       7               /* UCX active-message id of control messages */
+#define XF_CLOSE_WAIT_NS (2000000000ull) /* bounded wait for requests after a forced close */
+
+typedef struct xf_peer xf_peer_t;
+typedef struct xf_serve xf_serve_t;
+typedef struct xf_reg xf_reg_t;
+typedef struct xf_event xf_event_t;
+typedef struct xf_chunk xf_chunk_t;
+typedef struct xf_ctl_buf xf_ctl_buf_t;
+
+/* ---- events: workers -> progress thread (intrusive, preallocated per transfer) -------- */
+typedef enum {
+    XF_EV_SEATED,      /* seat job finished: status, grant */
+    XF_EV_LAYER_READY, /* producer copied layer into staging: layer, checksum */
+    XF_EV_VERIFIED,    /* consumer stored layer: layer, status (OK / CORRUPT) */
+    XF_EV_JOB_DONE,    /* a copy job returned */
+} xf_event_kind_t;
+
+struct xf_event {
+    xf_event_t *next; /* [L] */
+    xf_event_kind_t kind;
+    bool is_serve; /* owner is an xf_serve_t, else a pkv_xfer_read_t */
+    void *owner;
+    uint32_t layer;
+    int status;
+    uint64_t checksum;
+    pkv_stage_grant_t *grant;
+};
+
+/* ---- jobs: progress thread -> workers -------------------------------------------------- */
+typedef enum { XF_JOB_PRODUCE, XF_JOB_VERIFY, XF_JOB_SEAT } xf_job_kind_t;
+typedef struct xf_job {
+    struct xf_job *next; /* [L] */
+    xf_job_kind_t kind;
+    bool is_serve;
+    void *owner;
+    uint32_t layer; /* VERIFY */
+} xf_job_t;
+
+/* ---- the staging and copy view shared by both directions [I] -------------------------- */
+typedef struct {
+    uint64_t stage_id;
+    uint32_t n_blocks;
+    uint32_t *blocks; /* (n_blocks) pool blocks in stream order (src or dst) */
+    uint32_t layers;
+    uint64_t layer_total; /* n_blocks * layer_bytes */
+    uint32_t chunk_bytes;
+    uint32_t chunks_per_layer;
+    uint32_t n_chunks;
+    uint32_t pages;
+    pkv_stage_grant_t *grant; /* set by the SEATED event, before any copy job */
+    uint64_t *run_off;        /* (grant->nruns + 1) stream offset of each run */
+    atomic_bool abort;        /* ask running jobs to stop early */
+} xf_view_t;
+
+/* ---- one payload chunk (a tag message) ------------------------------------------------- */
+struct xf_chunk {
+    void *owner; /* xf_serve_t or pkv_xfer_read_t */
+    bool is_serve;
+    uint32_t index;
+    void *req;         /* [P] UCX request while in flight */
+    ucp_dt_iov_t *iov; /* [P] when the chunk spans staging runs */
+    uint32_t iovcnt;
+};
+
+/* ---- peers ----------------------------------------------------------------------------- */
+typedef enum { XF_PEER_ACTIVE, XF_PEER_FAILED, XF_PEER_CLOSING, XF_PEER_CLOSED } xf_peer_state_t;
+
+struct xf_peer { /* every field [P] */
+    xf_peer_t *next;
+    uint32_t id; /* staging peer id, unique within the agent */
+    bool outgoing;
+    char addr[PKV_XFER_ADDR_MAX]; /* outgoing: the address we connected to */
+    ucp_ep_h ep;
+    xf_peer_state_t state;
+    ucs_status_t err; /* set by the error callback, handled in the loop */
+    uint64_t last_rx_ns;
+    uint64_t next_hb_ns;
+    uint64_t hb_seq;
+    uint64_t remote_agent_id;
+    uint32_t ctl_inflight; /* control sends not yet completed */
+    uint32_t refs;         /* transfers using this peer */
+    bool established;      /* the other side has spoken: control sends may go out */
+    int map_fd;            /* outgoing, same host: the producer's staging arena, mapped */
+    uint8_t *map_base;
+    uint64_t map_size, map_ino;
+    uint32_t map_pid;
+    xf_ctl_buf_t *queued; /* control messages waiting for establishment */
+    xf_ctl_buf_t **queued_tail;
+    void *close_req;
+    bool close_sent;     /* shutdown: we sent CLOSE ... */
+    bool close_acked;    /* ... and the peer answered it */
+    bool remote_closing; /* the peer sent CLOSE: its disconnect is expected */
+    uint64_t close_deadline_ns;
+    bool close_done;
+};
+
+/* ---- producer registrations ------------------------------------------------------------ */
+struct xf_reg {
+    xf_reg_t *next; /* [L] */
+    uint64_t request_id;
+    uint8_t token[PKV_XFER_TOKEN_BYTES];
+    uint64_t expiry_ns;
+    pkv_xfer_sent_fn fn;
+    void *arg;
+    uint32_t n;
+    uint32_t *blocks;    /* (n) in sequence order */
+    uint32_t *sorted;    /* (n) ascending, for membership checks */
+    bool unregister_req; /* [L] */
+    xf_serve_t *serving; /* [P] */
+    bool ended;          /* [P] removed from the list; pins drop when not serving */
+    int end_outcome;     /* [P] */
+};
+
+/* ---- producer transfer (one accepted READ) --------------------------------------------- */
+typedef enum {
+    XF_SERVE_SEATING,
+    XF_SERVE_SENDING,
+    XF_SERVE_WAIT_ACK,
+    XF_SERVE_DONE
+} xf_serve_state_t;
+
+struct xf_serve {
+    xf_serve_t *next; /* [P] */
+    pkv_xfer_agent_t *agent;
+    xf_peer_t *peer;  /* [I] */
+    xf_reg_t *reg;    /* [I] */
+    uint64_t xfer_id; /* the consumer's id */
+    uint64_t request_id;
+    uint64_t deadline_ns;
+    xf_view_t v; /* [I] blocks are producer pool blocks */
+    /* [P] */
+    xf_serve_state_t state;
+    bool state_done;  /* outcome decided */
+    bool shared;      /* DATA carries arena offsets; the consumer copies from our arena */
+    bool pump_needed; /* a send completed: post more from the loop */
+    uint64_t t_start, t_seated, t_first_ready, t_last_ready, t_all_sent; /* debug timing */
+    bool stage_cancelled; /* we cancelled a waiting acquire */
+    int outcome;
+    uint64_t done_ns;
+    bool seat_pending;
+    uint32_t jobs_pending;
+    uint32_t layers_ready;
+    uint64_t *layer_sum; /* (layers) */
+    uint32_t next_chunk; /* next chunk to post */
+    uint32_t chunks_sent;
+    uint32_t sends_inflight;
+    uint32_t layers_sent; /* layers whose every chunk completed */
+    bool acked;
+    bool zombie;
+    uint32_t *layer_done; /* (layers) chunks of the layer completed */
+    xf_chunk_t *chunks;   /* (n_chunks) */
+    xf_event_t ev_seated, ev_job_done;
+    xf_event_t *ev_layer; /* (layers) */
+    xf_job_t job_seat, job_produce;
+};
+
+/* ---- consumer transfer ----------------------------------------------------------------- */
+typedef enum {
+    XF_READ_QUEUED,
+    XF_READ_SEATING,
+    XF_READ_READING,
+    XF_READ_DONE,
+} xf_read_state_t;
+
+struct pkv_xfer_read {
+    pkv_xfer_agent_t *agent; /* NULL once the agent has let go (destroy) */
+    atomic_int refs;         /* caller + agent */
+    atomic_bool cancel_req;
+    pthread_mutex_t mu; /* guards done, outcome, bytes */
+    pthread_cond_t cv;
+    bool done;
+    int outcome;
+    uint64_t bytes;
+    pkv_xfer_done_fn fn;
+    void *arg;
+    struct pkv_xfer_read *next_new; /* [L] agent->new_reads */
+    /* [I] */
+    uint64_t xfer_id;
+    uint64_t request_id;
+    uint8_t token[PKV_XFER_TOKEN_BYTES];
+    char addr[PKV_XFER_ADDR_MAX];
+    uint32_t *src_blocks; /* (n) producer ids from the handle */
+    uint64_t deadline_ns;
+    xf_view_t v; /* blocks are local destination blocks */
+    /* [P] */
+    struct pkv_xfer_read *next;
+    xf_read_state_t state;
+    bool finished; /* outcome decided (delivery may follow) */
+    xf_peer_t *peer;
+    bool read_sent;
+    bool seat_pending;
+    uint32_t jobs_pending;
+    uint32_t recvs_inflight;
+    uint32_t *layer_chunks; /* (layers) chunks received */
+    uint8_t *layer_flags;   /* (layers) bit0 header seen, bit1 verify queued, bit2 verified */
+    uint64_t *layer_sum;    /* (layers) checksum from DATA */
+    bool want_shared;       /* [I] the handle offers a same-host arena we may map */
+    uint32_t local_pid;     /* [I] ... its producer pid, memfd, inode, size */
+    int32_t local_fd;
+    uint64_t local_ino, local_bytes;
+    bool shared;             /* copying straight from the producer's arena */
+    const uint8_t *arena;    /* the mapping (the peer owns it) */
+    uint64_t **layer_pieces; /* (layers) shared: {offset, length} pairs from DATA */
+    uint32_t *layer_npieces;
+    uint32_t layers_verified;
+    bool zombie;
+    bool quiesced;   /* staging and pins returned */
+    bool released;   /* the agent dropped its reference */
+    bool cancelling; /* inside cancel_recvs: settle() must wait */
+    bool slow_logged;
+    bool stage_cancelled;                        /* we cancelled a waiting acquire */
+    uint64_t t_start, t_seated, t_first, t_last; /* debug timing */
+    uint64_t done_ns;
+    bool cancel_recvs; /* recvs still posted must be cancelled from the loop */
+    xf_chunk_t *chunks;
+    xf_event_t ev_seated;
+    xf_event_t *ev_layer; /* (layers) */
+    xf_job_t job_seat;
+    xf_job_t *job_layer; /* (layers) */
+};
+
+/* ---- the agent ------------------------------------------------------------------------- */
+typedef struct {
+    _Atomic uint64_t reads_started, reads_done[8], bytes_received;
+    _Atomic uint64_t registered, registrations, pinned_blocks, serves_started, serves_failed, sent,
+        bytes_sent, rejected, expired;
+    _Atomic uint64_t active_transfers, staging_pages_held, peers, peers_lost, proto_errors,
+        stale_dropped, written_off;
+} xf_stats_t;
+
+struct pkv_xfer_agent {
+    /* [I] after create */
+    pkv_xfer_config_t cfg;
+    pkv_kv_t *kv;
+    pkv_stage_t *stage;
+    pkv_geometry_t geo;
+    uint64_t layer_bytes; /* one block's slice of one layer */
+    size_t page_bytes;    /* staging page */
+    char addr[PKV_XFER_ADDR_MAX];
+    uint64_t agent_id;
+    bool have_boot_id;
+    uint8_t boot_id[16]; /* this host's boot: same-host shared staging */
+    int arena_fd;        /* our stage's memfd (-1: not shared) */
+    uint64_t arena_bytes, arena_ino;
+    ucp_context_h ctx;
+    ucp_worker_h worker;
+    ucp_listener_h listener;
+    ucp_datatype_t discard_dt;
+    int ucx_efd, wake_fd, epfd;
+    pthread_t progress_thread;
+    pthread_t *workers;
+    pthread_t *seaters;
+    uint32_t n_workers, n_seaters;
+    pkv_xfer_faults_t faults;
+
+    pthread_mutex_t lock;
+    pthread_cond_t job_cond;  /* workers wait here */
+    pthread_cond_t seat_cond; /* seaters wait here */
+    pthread_cond_t idle_cond; /* wait_idle waits here */
+    /* [L] */
+    pkv_xfer_read_t *new_reads, **new_reads_tail;
+    xf_event_t *events, **events_tail;
+    xf_job_t *jobs, **jobs_tail;
+    xf_job_t *seats, **seats_tail;
+    xf_reg_t *regs;
+    bool stopping;     /* destroy began */
+    bool threads_stop; /* workers and seaters exit when their queue is empty */
+    bool progress_exited;
+    uint64_t busy; /* transfers not yet quiesced (mirror for wait_idle) */
+    bool wake_pending;
+
+    /* [P] */
+    xf_peer_t *peers;
+    pkv_xfer_read_t *reads;
+    xf_serve_t *serves;
+    ucp_conn_request_h conn_reqs[64];
+    uint32_t n_conn_reqs;
+    uint32_t next_peer_id;
+    uint64_t next_xfer_id;  /* consumer ids (tags), random start */
+    uint64_t next_serve_id; /* producer stage ids */
+    uint32_t discards_inflight;
+    uint64_t stop_ns; /* when shutdown began */
+    bool stop_started;
+    bool eps_closing;
+    bool flushing;
+    uint64_t flush_deadline_ns;
+    uint64_t last_timer_ns;
+    xf_stats_t st;
+};
+
+/* agent.c */
+void xf_wake(pkv_xfer_agent_t *a);
+void xf_event_post(pkv_xfer_agent_t *a, xf_event_t *ev);
+void xf_job_post(pkv_xfer_agent_t *a, xf_job_t *job, bool seat);
+void xf_busy_add(pkv_xfer_agent_t *a, int delta);
+int xf_random(void *buf, size_t n);
+
+/* peer.c */
+xf_peer_t *xf_peer_connect(pkv_xfer_agent_t *a, const char *addr);
+void xf_peer_accept(pkv_xfer_agent_t *a, ucp_conn_request_h req);
+xf_peer_t *xf_peer_by_ep(pkv_xfer_agent_t *a, ucp_ep_h ep);
+void xf_peer_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const char *why);
+const uint8_t *xf_peer_map_arena(xf_peer_t *p, uint32_t pid, int32_t fd, uint64_t ino,
+                                 uint64_t bytes);
+void xf_peers_tick(pkv_xfer_agent_t *a, uint64_t now);
+void xf_peer_close_all(pkv_xfer_agent_t *a, bool force);
+void xf_peers_say_close(pkv_xfer_agent_t *a);
+bool xf_peers_close_answered(pkv_xfer_agent_t *a);
+bool xf_peers_closed(pkv_xfer_agent_t *a);
+void xf_peers_free(pkv_xfer_agent_t *a);
+int xf_ctl_send(pkv_xfer_agent_t *a, xf_peer_t *p, void *buf, size_t len);
+void xf_send_fail(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, uint64_t request_id,
+                  int reason, const char *text);
+ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, void *data,
+                        size_t length, const ucp_am_recv_param_t *param);
+void xf_drain_stale(pkv_xfer_agent_t *a);
+int xf_discard_dt_create(pkv_xfer_agent_t *a);
+
+/* view.c: staging views, copy plans, workers */
+int xf_view_init(xf_view_t *v, pkv_xfer_agent_t *a, uint32_t n_blocks, const uint32_t *blocks,
+                 uint32_t chunk_bytes);
+void xf_view_fini(xf_view_t *v);
+int xf_view_set_grant(xf_view_t *v, pkv_stage_grant_t *grant);
+void xf_chunk_span(const xf_view_t *v, uint32_t c, uint64_t *off, uint64_t *len);
+/* Describe stream bytes [off, off+len) as a buffer or an iov; PKV_ERR_NOMEM. */
+int xf_chunk_buffer(const xf_view_t *v, xf_chunk_t *ch, uint64_t off, uint64_t len, void **buf,
+                    size_t *count, ucp_datatype_t *dt);
+void *xf_worker_main(void *arg);
+void *xf_seater_main(void *arg);
+
+/* view.c copies */
+uint64_t xf_view_copy_layer(const xf_view_t *v, pkv_xfer_agent_t *a, uint32_t l, bool to_stage);
+void xf_view_corrupt(const xf_view_t *v, uint32_t l);
+/* Arena {offset, length} pieces of stream range [off, off+len); 0 when more than cap. */
+uint32_t xf_view_arena_pieces(const xf_view_t *v, uint64_t off, uint64_t len, uint64_t *out,
+                              uint32_t cap);
+/* Consumer, shared: copy layer l from a mapped producer arena into the pool. */
+uint64_t xf_view_copy_layer_from(const xf_view_t *v, pkv_xfer_agent_t *a, uint32_t l,
+                                 const uint8_t *arena, const uint64_t *pieces, uint32_t n);
+
+/* consumer.c */
+void xf_reads_admit(pkv_xfer_agent_t *a, pkv_xfer_read_t *list);
+void xf_read_event(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, xf_event_t *ev);
+void xf_read_on_data(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_data_t *d);
+void xf_read_on_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_fail_t *f);
+void xf_reads_tick(pkv_xfer_agent_t *a, uint64_t now);
+void xf_reads_peer_lost(pkv_xfer_agent_t *a, xf_peer_t *p);
+void xf_reads_shutdown(pkv_xfer_agent_t *a);
+bool xf_reads_active_data(pkv_xfer_agent_t *a);
+void xf_read_job(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t layer);
+void xf_read_seat(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd);
+void xf_read_unref(pkv_xfer_read_t *rd);
+
+/* producer.c */
+void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *r);
+void xf_serve_on_ack(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_ack_t *k);
+void xf_serve_on_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_fail_t *f);
+void xf_serve_event(pkv_xfer_agent_t *a, xf_serve_t *s, xf_event_t *ev);
+void xf_serves_tick(pkv_xfer_agent_t *a, uint64_t now);
+void xf_serves_peer_lost(pkv_xfer_agent_t *a, xf_peer_t *p);
+void xf_serves_shutdown(pkv_xfer_agent_t *a);
+bool xf_serves_active_data(pkv_xfer_agent_t *a);
+void xf_serve_job(pkv_xfer_agent_t *a, xf_serve_t *s);
+void xf_serve_seat(pkv_xfer_agent_t *a, xf_serve_t *s);
+void xf_regs_tick(pkv_xfer_agent_t *a, uint64_t now);
+void xf_regs_shutdown(pkv_xfer_agent_t *a);
+
+/* Time from `then` to `now`, 0 when `then` is later: the loop reads the clock once per
+ * iteration, and a transfer that ends during the iteration carries a later stamp. */
+static inline uint64_t xf_since(uint64_t now, uint64_t then)
+{
+    return now > then ? now - then : 0;
+}
+
+#define XF_STAT_ADD(a, f, n) atomic_fetch_add_explicit(&(a)->st.f, (n), memory_order_relaxed)
+#define XF_STAT_SUB(a, f, n) atomic_fetch_sub_explicit(&(a)->st.f, (n), memory_order_relaxed)
+
+#endif

@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Write the seed corpus for tests/fuzz/fuzz_wire.c: an independent encoding of wire v1.
+
+ok-*   must decode (tests/test_xfer_wire.c asserts it)
+bad-*  must be rejected
+Files found by fuzzing are added as crash-free inputs without a prefix rule.
+Usage: tests/fuzz/make_wire_corpus.py tests/fuzz/corpus/wire
+"""
+import os
+import struct
+import sys
+
+MAGIC = 0x58564B50
+READ, DATA, ACK, FAIL, HB, CLOSE = 1, 2, 3, 4, 5, 6
+TIMEOUT, PEER_LOST, NOFIT, REJECTED, CANCELLED, CORRUPT, SHUTDOWN = -5, -11, -4, -12, -7, -13, -6
+
+
+def msg(t, body, version=1, flags=0, body_len=None):
+    bl = len(body) if body_len is None else body_len
+    return struct.pack('<IBBHI', MAGIC, version, t, flags, bl) + body
+
+
+def read_body(xfer=7, req=42, token=bytes(range(16)), budget=10**9, geo=(4, 2, 64, 16, 1),
+              chunk=1 << 20, runs=((10, 3), (20, 1)), flags=0):
+    b = struct.pack('<QQ', xfer, req) + token + struct.pack('<Q', budget)
+    b += struct.pack('<5I', *geo) + struct.pack('<III', chunk, flags, len(runs))
+    for f, c in runs:
+        b += struct.pack('<II', f, c)
+    return b
+
+
+def fail_body(xfer=7, req=42, reason=REJECTED, text=b'bad token'):
+    return struct.pack('<QQiHH', xfer, req, reason, len(text), 0) + text
+
+
+def data_body(xfer=7, layer=3, flags=0, nbytes=65536, checksum=0x1234, pieces=None, reserved=0):
+    b = struct.pack('<QIIQQ', xfer, layer, flags, nbytes, checksum)
+    if pieces is not None:
+        b += struct.pack('<II', len(pieces), reserved)
+        for off, ln in pieces:
+            b += struct.pack('<QQ', off, ln)
+    return b
+
+
+def handle(req=42, token=bytes(16), addr=b'127.0.0.1:4000', geo=(4, 2, 64, 16, 1), blocks=(1, 2, 3),
+           version=1, local=None, flags=None):
+    if flags is None:
+        flags = 1 if local else 0
+    b = struct.pack('<IBBH', 0x48564B50, version, len(addr), flags) + struct.pack('<Q', req) + token
+    b += struct.pack('<5I', *geo) + struct.pack('<I', len(blocks))
+    if local:
+        pid, fd, size, ino, boot = local
+        b += struct.pack('<IIQQ', pid, fd, size, ino) + boot
+    b += addr
+    for x in blocks:
+        b += struct.pack('<I', x)
+    return b
+
+
+def main(out):
+    os.makedirs(out, exist_ok=True)
+    seeds = {
+        'ok-read': msg(READ, read_body()),
+        'ok-read-one-run': msg(READ, read_body(runs=((0, 1),))),
+        'ok-read-f32': msg(READ, read_body(geo=(32, 8, 128, 16, 0), runs=((5, 100), (1000, 7)))),
+        'ok-data': msg(DATA, data_body()),
+        'ok-data-shared': msg(DATA, data_body(flags=1, nbytes=12288, pieces=((4096, 8192), (65536, 4096)))),
+        'ok-read-shared': msg(READ, read_body(flags=1)),
+        'ok-handle-local': handle(local=(1234, 7, 1 << 26, 99, bytes(range(16)))),
+        'ok-ack': msg(ACK, struct.pack('<QQQ', 7, 42, 1 << 20)),
+        'ok-fail': msg(FAIL, fail_body()),
+        'ok-fail-empty': msg(FAIL, fail_body(reason=TIMEOUT, text=b'')),
+        'ok-fail-shutdown': msg(FAIL, fail_body(xfer=0, reason=SHUTDOWN, text=b'bye')),
+        'ok-heartbeat': msg(HB, struct.pack('<QQ', 0xabcdef, 9)),
+        'ok-close': msg(CLOSE, struct.pack('<QII', 0xabcdef, 0, 0)),
+        'ok-close-reply': msg(CLOSE, struct.pack('<QII', 0xabcdef, 1, 0)),
+        'bad-close-flags': msg(CLOSE, struct.pack('<QII', 1, 2, 0)),
+        'bad-close-reserved': msg(CLOSE, struct.pack('<QII', 1, 0, 1)),
+        'bad-close-short': msg(CLOSE, struct.pack('<QI', 1, 0)),
+        'ok-handle': handle(),
+        'ok-handle-v6': handle(addr=b'[::1]:5000', blocks=tuple(range(100))),
+        'bad-empty': b'',
+        'bad-short-header': msg(HB, b'')[:7],
+        'bad-magic': b'XXXX' + msg(HB, struct.pack('<QQ', 1, 1))[4:],
+        'bad-version-2': msg(HB, struct.pack('<QQ', 1, 1), version=2),
+        'bad-version-0': msg(HB, struct.pack('<QQ', 1, 1), version=0),
+        'bad-flags': msg(HB, struct.pack('<QQ', 1, 1), flags=1),
+        'bad-type': msg(99, b''),
+        'bad-body-len-long': msg(HB, struct.pack('<QQ', 1, 1), body_len=17),
+        'bad-body-len-short': msg(HB, struct.pack('<QQ', 1, 1), body_len=15),
+        'bad-hb-trailing': msg(HB, struct.pack('<QQB', 1, 1, 0)),
+        'bad-read-zero-id': msg(READ, read_body(xfer=0)),
+        'bad-read-id-too-big': msg(READ, read_body(xfer=1 << 38)),
+        'bad-read-no-runs': msg(READ, read_body(runs=())),
+        'bad-read-zero-count': msg(READ, read_body(runs=((1, 0),))),
+        'bad-read-run-wraps': msg(READ, read_body(runs=((0xFFFFFFFF, 2),))),
+        'bad-read-runs-count-lies': msg(READ, read_body()[:-8]),
+        'bad-read-too-many-blocks': msg(READ, read_body(runs=((0, 1 << 20), (1 << 21, 1)))),
+        'bad-read-dtype': msg(READ, read_body(geo=(4, 2, 64, 16, 3))),
+        'bad-read-zero-layers': msg(READ, read_body(geo=(0, 2, 64, 16, 1))),
+        'bad-read-huge-geometry': msg(READ, read_body(geo=(4096, 4096, 65536, 65536, 0))),
+        'bad-read-chunk-small': msg(READ, read_body(chunk=100)),
+        'bad-read-budget': msg(READ, read_body(budget=1 << 62)),
+        'bad-read-too-many-chunks': msg(READ, read_body(geo=(4096, 1, 1024, 1, 0), chunk=4096,
+                                                        runs=((0, 1 << 12),))),
+        'bad-data-flags': msg(DATA, data_body(flags=2)),
+        'bad-data-layer': msg(DATA, data_body(layer=5000)),
+        'bad-data-shared-no-pieces': msg(DATA, data_body(flags=1)),
+        'bad-data-pieces-sum': msg(DATA, data_body(flags=1, nbytes=5, pieces=((0, 4),))),
+        'bad-data-piece-empty': msg(DATA, data_body(flags=1, nbytes=4, pieces=((0, 4), (8, 0)))),
+        'bad-data-piece-reserved': msg(DATA, data_body(flags=1, nbytes=4, pieces=((0, 4),), reserved=1)),
+        'bad-data-piece-beyond': msg(DATA, data_body(flags=1, nbytes=4, pieces=(((1 << 44) - 2, 4),))),
+        'bad-data-plain-trailing': msg(DATA, data_body() + b'\0' * 8),
+        'bad-read-flags': msg(READ, read_body(flags=2)),
+        'bad-handle-flags': handle(flags=2),
+        'bad-handle-local-pid': handle(local=(0, 7, 1 << 26, 99, bytes(16))),
+        'bad-handle-local-size': handle(local=(5, 7, 100, 99, bytes(16))),
+        'bad-handle-local-truncated': handle(local=(5, 7, 1 << 26, 99, bytes(16)))[:-20],
+        'bad-ack-zero-id': msg(ACK, struct.pack('<QQQ', 0, 42, 1)),
+        'bad-fail-reason': msg(FAIL, fail_body(reason=0)),
+        'bad-fail-reason-unknown': msg(FAIL, fail_body(reason=-99)),
+        'bad-fail-text-unprintable': msg(FAIL, fail_body(text=b'a\nb')),
+        'bad-fail-text-long': msg(FAIL, fail_body(text=b'x' * 129)),
+        'bad-fail-text-len-lies': msg(FAIL, fail_body()[:-1]),
+        'bad-handle-version': handle(version=2),
+        'bad-handle-addr': handle(addr=b'host name:1'),
+        'bad-handle-port': handle(addr=b'127.0.0.1:70000'),
+        'bad-handle-no-blocks': handle(blocks=()),
+        'bad-handle-truncated': handle()[:-1],
+    }
+    for name, data in seeds.items():
+        with open(os.path.join(out, name), 'wb') as f:
+            f.write(data)
+
+
+if __name__ == '__main__':
+    main(sys.argv[1] if len(sys.argv) > 1 else 'tests/fuzz/corpus/wire')

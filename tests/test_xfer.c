@@ -1,0 +1,551 @@
+/*
+ * xfer: the transfer engine end to end.
+ *   - API checks in one process (two agents over loopback): bad input changes nothing,
+ *     registrations end with the right callback and return their pins.
+ *   - Two processes on loopback move KV of random sizes and geometries, bytes compared
+ *     exactly through the consumer pool's own addressing.
+ *   - The same across two network namespaces joined by a veth pair with UCX_TLS=tcp.
+ *   - The fault matrix: every case ends with the right typed outcome within deadline +
+ *     1 s, nothing counted sent that was not acknowledged, no crash, every staging page
+ *     and pin returned. PKV_XFER_FAULT_REPEAT (default 1) repeats each case; the big
+ *     repeated matrix is `pagekv bench xfer --fault-matrix N`.
+ * The two-process harness lives in bench/xfer_harness.c (shared with the benchmark).
+ */
+#include "support/testutil.h"
+
+#include "../bench/xfer_harness.c"
+
+#include <stdio.h>
+#include <string.h>
+
+static uint64_t env_u64(const char *name, uint64_t fallback)
+{
+    const char *s = getenv(name);
+    return s && *s ? strtoull(s, NULL, 10) : fallback;
+}
+
+/* ---- in-process API checks ------------------------------------------------------------ */
+typedef struct {
+    pkv_kv_t *kv;
+    pkv_stage_t *st;
+    pkv_xfer_agent_t *a;
+} side_t;
+
+static const pkv_geometry_t SMALL = {
+    .layers = 3, .kv_heads = 2, .head_dim = 32, .block_tokens = 8, .dtype = PKV_DTYPE_BF16};
+
+static void side_make(side_t *s, const pkv_geometry_t *g)
+{
+    pkv_kv_config_t kc;
+    memset(&kc, 0, sizeof(kc));
+    kc.geo = *g;
+    kc.no_prefix_cache = true;
+    ck_assert_int_eq(pkv_kv_create(&kc, &s->kv), PKV_OK);
+    pkv_stage_config_t sc;
+    pkv_stage_config_default(&sc);
+    sc.page_bytes = 4096;
+    sc.pool_pages = 1024;
+    sc.pin = false;
+    ck_assert_int_eq(pkv_stage_create(&sc, &s->st), PKV_OK);
+    pkv_xfer_config_t xc;
+    memset(&xc, 0, sizeof(xc));
+    xc.kv = s->kv;
+    xc.stage = s->st;
+    xc.chunk_bytes = 4096;
+    xc.max_inflight = 256;
+    xc.no_shared = true;
+    ck_assert_int_eq(pkv_xfer_agent_create(&xc, &s->a), PKV_OK);
+}
+
+static void side_free(side_t *s)
+{
+    pkv_xfer_agent_destroy(s->a);
+    size_t leaked = 1;
+    ck_assert_int_eq(pkv_stage_destroy(s->st, pkv_deadline_after_ns(2000000000ull), &leaked),
+                     PKV_OK);
+    ck_assert_uint_eq(leaked, 0);
+    pkv_kv_destroy(s->kv);
+}
+
+static pkv_seq_t *seq_with(pkv_kv_t *kv, uint32_t n_tokens, bool append, int32_t base)
+{
+    int32_t tok[256];
+    for (uint32_t i = 0; i < n_tokens; i++) tok[i] = base + (int32_t)i;
+    pkv_seq_params_t sp = {
+        .tokens = tok, .n_tokens = append ? n_tokens : 1, .reserve_tokens = n_tokens};
+    pkv_seq_t *s;
+    uint32_t cached;
+    ck_assert_int_eq(pkv_seq_create(kv, &sp, &s, &cached), PKV_OK);
+    if (append) ck_assert_int_eq(pkv_seq_append(s, tok, n_tokens), PKV_OK);
+    return s;
+}
+
+/* Written on the agent's progress thread, polled by the test: atomics. */
+typedef struct {
+    atomic_int calls;
+    atomic_int outcome;
+} reg_cb_t;
+static void reg_cb(void *arg, uint64_t request_id, int outcome)
+{
+    (void)request_id;
+    reg_cb_t *c = arg;
+    atomic_store(&c->outcome, outcome);
+    atomic_fetch_add(&c->calls, 1);
+}
+
+static uint64_t live_blocks(pkv_kv_t *kv)
+{
+    pkv_kv_stats_t ks;
+    pkv_kv_stats(kv, &ks);
+    return ks.blocks_live;
+}
+
+START_TEST(api_bad_input_changes_nothing)
+{
+    side_t p, c;
+    side_make(&p, &SMALL);
+    side_make(&c, &SMALL);
+    pkv_seq_t *src = seq_with(p.kv, 40, true, 1);
+    pkv_seq_t *dst = seq_with(c.kv, 40, false, 1);
+    const uint32_t *sids, *dids;
+    uint32_t sn, dn;
+    ck_assert_int_eq(pkv_seq_blocks(src, &sids, &sn), PKV_OK);
+    ck_assert_int_eq(pkv_seq_blocks(dst, &dids, &dn), PKV_OK);
+    ck_assert_uint_eq(sn, dn);
+    uint64_t live_p = live_blocks(p.kv), live_c = live_blocks(c.kv);
+
+    /* Agent config */
+    pkv_xfer_config_t bad;
+    memset(&bad, 0, sizeof(bad));
+    pkv_xfer_agent_t *none = NULL;
+    ck_assert_int_eq(pkv_xfer_agent_create(&bad, &none), PKV_ERR_INVALID);
+    bad.kv = p.kv;
+    bad.stage = p.st;
+    bad.chunk_bytes = 100;
+    ck_assert_int_eq(pkv_xfer_agent_create(&bad, &none), PKV_ERR_INVALID);
+    bad.chunk_bytes = 0;
+    bad.listen_host = "not-an-address";
+    ck_assert_int_eq(pkv_xfer_agent_create(&bad, &none), PKV_ERR_INVALID);
+    ck_assert_ptr_null(none);
+
+    /* Registration */
+    pkv_xfer_handle_t *h = NULL;
+    uint32_t freed_block = 100000;
+    ck_assert_int_eq(pkv_xfer_register(p.a, 1, &freed_block, 1, PKV_DEADLINE_NEVER, NULL, NULL, &h),
+                     PKV_ERR_NOTFOUND);
+    ck_assert_int_eq(pkv_xfer_register(p.a, 1, sids, 0, PKV_DEADLINE_NEVER, NULL, NULL, &h),
+                     PKV_ERR_INVALID);
+    ck_assert_ptr_null(h);
+    ck_assert_uint_eq(live_blocks(p.kv), live_p);
+    reg_cb_t rc1 = {0, 0};
+    ck_assert_int_eq(pkv_xfer_register(p.a, 1, sids, sn, PKV_DEADLINE_NEVER, reg_cb, &rc1, &h),
+                     PKV_OK);
+    pkv_xfer_handle_t *h2 = NULL;
+    ck_assert_int_eq(pkv_xfer_register(p.a, 1, sids, sn, PKV_DEADLINE_NEVER, NULL, NULL, &h2),
+                     PKV_ERR_BUSY);
+    ck_assert_int_eq(pkv_xfer_unregister(p.a, 777), PKV_ERR_NOTFOUND);
+    ck_assert_str_eq(h->addr, pkv_xfer_agent_address(p.a));
+    ck_assert_uint_eq(h->n_blocks, sn);
+
+    /* Reads that cannot start */
+    pkv_xfer_read_t *rd = NULL;
+    ck_assert_int_eq(pkv_xfer_read(c.a, h, dids, dn - 1, PKV_DEADLINE_NEVER, NULL, NULL, &rd),
+                     PKV_ERR_INVALID);
+    uint32_t bad_dst[64];
+    memcpy(bad_dst, dids, sizeof(uint32_t) * dn);
+    bad_dst[0] = 99999;
+    ck_assert_int_eq(pkv_xfer_read(c.a, h, bad_dst, dn, PKV_DEADLINE_NEVER, NULL, NULL, &rd),
+                     PKV_ERR_NOTFOUND);
+    pkv_geometry_t g = h->geo;
+    h->geo.head_dim = 64;
+    ck_assert_int_eq(pkv_xfer_read(c.a, h, dids, dn, PKV_DEADLINE_NEVER, NULL, NULL, &rd),
+                     PKV_ERR_INVALID);
+    h->geo = g;
+    char addr[PKV_XFER_ADDR_MAX];
+    memcpy(addr, h->addr, sizeof(addr));
+    snprintf(h->addr, sizeof(h->addr), "nowhere");
+    ck_assert_int_eq(pkv_xfer_read(c.a, h, dids, dn, PKV_DEADLINE_NEVER, NULL, NULL, &rd),
+                     PKV_ERR_INVALID);
+    memcpy(h->addr, addr, sizeof(addr));
+    ck_assert_ptr_null(rd);
+    pkv_xfer_stats_t s;
+    pkv_xfer_stats(c.a, &s);
+    ck_assert_uint_eq(s.reads_started, 0);
+    ck_assert_uint_eq(s.pinned_blocks, 0);
+    ck_assert_uint_eq(live_blocks(c.kv), live_c);
+
+    /* Unregister: the callback says cancelled and the pins return. */
+    ck_assert_int_eq(pkv_xfer_unregister(p.a, 1), PKV_OK);
+    for (int i = 0; i < 200 && !atomic_load(&rc1.calls); i++) usleep(5000);
+    ck_assert_int_eq(atomic_load(&rc1.calls), 1);
+    ck_assert_int_eq(atomic_load(&rc1.outcome), PKV_ERR_CANCELLED);
+    pkv_xfer_stats(p.a, &s);
+    ck_assert_uint_eq(s.registrations, 0);
+    ck_assert_uint_eq(s.pinned_blocks, 0);
+    ck_assert_uint_eq(live_blocks(p.kv), live_p);
+
+    /* A read of the withdrawn request is rejected by the producer. */
+    int oc = 0;
+    ck_assert_int_eq(
+        pkv_xfer_read(c.a, h, dids, dn, pkv_deadline_after_ns(3000000000ull), NULL, NULL, &rd),
+        PKV_OK);
+    ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(5000000000ull), &oc), PKV_OK);
+    ck_assert_int_eq(oc, PKV_ERR_REJECTED);
+    pkv_xfer_read_free(rd);
+
+    /* Expiry: the lease runs out, the callback says timeout, the pins return. */
+    reg_cb_t rc2 = {0, 0};
+    pkv_xfer_handle_t *h3;
+    ck_assert_int_eq(
+        pkv_xfer_register(p.a, 2, sids, sn, pkv_deadline_after_ns(50000000ull), reg_cb, &rc2, &h3),
+        PKV_OK);
+    for (int i = 0; i < 400 && !atomic_load(&rc2.calls); i++) usleep(5000);
+    ck_assert_int_eq(atomic_load(&rc2.calls), 1);
+    ck_assert_int_eq(atomic_load(&rc2.outcome), PKV_ERR_TIMEOUT);
+    pkv_xfer_stats(p.a, &s);
+    ck_assert_uint_eq(s.expired, 1);
+    ck_assert_uint_eq(s.pinned_blocks, 0);
+
+    /* Destroy with a live registration: callback shutdown, pins returned. */
+    reg_cb_t rc3 = {0, 0};
+    pkv_xfer_handle_t *h4;
+    ck_assert_int_eq(pkv_xfer_register(p.a, 3, sids, sn, PKV_DEADLINE_NEVER, reg_cb, &rc3, &h4),
+                     PKV_OK);
+    ck_assert_uint_gt(live_blocks(p.kv), live_p - 1);
+    pkv_xfer_agent_destroy(p.a);
+    p.a = NULL;
+    ck_assert_int_eq(atomic_load(&rc3.calls), 1);
+    ck_assert_int_eq(atomic_load(&rc3.outcome), PKV_ERR_SHUTDOWN);
+    ck_assert_uint_eq(live_blocks(p.kv), live_p);
+
+    pkv_xfer_handle_free(h);
+    pkv_xfer_handle_free(h3);
+    pkv_xfer_handle_free(h4);
+    pkv_seq_free(src);
+    pkv_seq_free(dst);
+    side_free(&c);
+    side_free(&p);
+}
+END_TEST
+
+typedef struct {
+    atomic_int calls;
+    atomic_int outcome;
+} done_cb_t;
+static void done_cb(void *arg, pkv_xfer_read_t *rd, int outcome)
+{
+    (void)rd;
+    done_cb_t *d = arg;
+    atomic_store(&d->outcome, outcome);
+    atomic_fetch_add(&d->calls, 1);
+}
+
+START_TEST(in_process_read_ok_then_sent_once)
+{
+    side_t p, c;
+    side_make(&p, &SMALL);
+    side_make(&c, &SMALL);
+    pkv_seq_t *src = seq_with(p.kv, 37, true, 5);
+    const pkv_geometry_t *g = pkv_kv_geometry(p.kv);
+    pattern_apply(src, g, 42, 0, 37, true);
+    pkv_seq_t *dst = seq_with(c.kv, 37, false, 5);
+    const uint32_t *sids, *dids;
+    uint32_t sn, dn;
+    pkv_seq_blocks(src, &sids, &sn);
+    pkv_seq_blocks(dst, &dids, &dn);
+    reg_cb_t sent = {0, 0};
+    pkv_xfer_handle_t *h;
+    ck_assert_int_eq(pkv_xfer_register(p.a, 9, sids, sn, PKV_DEADLINE_NEVER, reg_cb, &sent, &h),
+                     PKV_OK);
+    /* Through bytes, as a real consumer gets it. */
+    uint8_t buf[1024];
+    size_t len;
+    ck_assert_int_eq(pkv_xfer_handle_encode(h, buf, sizeof(buf), &len), PKV_OK);
+    pkv_xfer_handle_t *hc;
+    ck_assert_int_eq(pkv_xfer_handle_decode(buf, len, &hc), PKV_OK);
+    /* Only the registered blocks can be read: the right token with one block id swapped for
+     * another live block of the pool is refused, and nothing is counted. */
+    pkv_seq_t *other = seq_with(p.kv, 8, true, 900);
+    const uint32_t *oids;
+    uint32_t on;
+    pkv_seq_blocks(other, &oids, &on);
+    uint32_t saved = hc->blocks[1];
+    hc->blocks[1] = oids[0];
+    pkv_xfer_read_t *bad;
+    int boc = 0;
+    ck_assert_int_eq(
+        pkv_xfer_read(c.a, hc, dids, dn, pkv_deadline_after_ns(3000000000ull), NULL, NULL, &bad),
+        PKV_OK);
+    ck_assert_int_eq(pkv_xfer_read_wait(bad, pkv_deadline_after_ns(5000000000ull), &boc), PKV_OK);
+    ck_assert_int_eq(boc, PKV_ERR_REJECTED);
+    pkv_xfer_read_free(bad);
+    hc->blocks[1] = saved;
+    pkv_xfer_stats_t ps;
+    pkv_xfer_stats(p.a, &ps);
+    ck_assert_uint_eq(ps.rejected, 1);
+    ck_assert_uint_eq(ps.serves_started, 0);
+    pkv_seq_free(other);
+
+    done_cb_t d = {0, 0};
+    pkv_xfer_read_t *rd;
+    ck_assert_int_eq(
+        pkv_xfer_read(c.a, hc, dids, dn, pkv_deadline_after_ns(5000000000ull), done_cb, &d, &rd),
+        PKV_OK);
+    int oc = -1;
+    ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(6000000000ull), &oc), PKV_OK);
+    ck_assert_int_eq(oc, PKV_OK);
+    ck_assert_int_eq(atomic_load(&d.calls), 1);
+    ck_assert_int_eq(atomic_load(&d.outcome), PKV_OK);
+    ck_assert_uint_eq(pkv_xfer_read_bytes(rd), (uint64_t)sn * pkv_kv_block_bytes(p.kv));
+    ck_assert_uint_eq(pattern_apply(dst, g, 42, 0, 37, false), 0);
+    /* ok arrives after staging and pins are back */
+    pkv_xfer_stats_t s;
+    pkv_xfer_stats(c.a, &s);
+    ck_assert_uint_eq(s.staging_pages_held, 0);
+    ck_assert_uint_eq(s.pinned_blocks, 0);
+    ck_assert_uint_eq(s.reads_done[0], 1);
+    /* The producer counts it sent once, on the ACK. */
+    for (int i = 0; i < 400 && !atomic_load(&sent.calls); i++) usleep(5000);
+    ck_assert_int_eq(atomic_load(&sent.calls), 1);
+    ck_assert_int_eq(atomic_load(&sent.outcome), PKV_OK);
+    pkv_xfer_stats(p.a, &s);
+    ck_assert_uint_eq(s.sent, 1);
+    ck_assert_uint_eq(s.registrations, 0);
+    /* A second read of a sent request is rejected: the registration ended. */
+    pkv_xfer_read_free(rd);
+    ck_assert_int_eq(
+        pkv_xfer_read(c.a, hc, dids, dn, pkv_deadline_after_ns(3000000000ull), NULL, NULL, &rd),
+        PKV_OK);
+    ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(5000000000ull), &oc), PKV_OK);
+    ck_assert_int_eq(oc, PKV_ERR_REJECTED);
+    pkv_xfer_read_free(rd);
+    ck_assert_int_eq(pkv_xfer_wait_idle(c.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
+    pkv_xfer_handle_free(h);
+    pkv_xfer_handle_free(hc);
+    pkv_seq_free(src);
+    pkv_seq_free(dst);
+    side_free(&c);
+    side_free(&p);
+    ck_assert_int_eq(atomic_load(&sent.calls), 1); /* destroy did not call it again */
+}
+END_TEST
+
+/* Payload for a read that already ended (here: corrupt at layer 0 while 256 small chunks
+ * are in flight) is drained by the consumer, so the producer's sends all complete and
+ * both sides go idle with nothing held. */
+START_TEST(stale_payload_is_drained)
+{
+    side_t p, c;
+    pkv_geometry_t g = {
+        .layers = 8, .kv_heads = 2, .head_dim = 64, .block_tokens = 16, .dtype = PKV_DTYPE_F16};
+    side_make(&p, &g);
+    side_make(&c, &g);
+    pkv_xfer_faults_t f = {.corrupt_layer = 0};
+    pkv_xfer_set_faults(p.a, &f);
+    pkv_seq_t *src = seq_with(p.kv, 200, true, 3);
+    pkv_seq_t *dst = seq_with(c.kv, 200, false, 3);
+    const uint32_t *sids, *dids;
+    uint32_t sn, dn;
+    pkv_seq_blocks(src, &sids, &sn);
+    pkv_seq_blocks(dst, &dids, &dn);
+    uint64_t stale = 0;
+    for (int it = 0; it < 3; it++) {
+        pkv_xfer_handle_t *h;
+        ck_assert_int_eq(
+            pkv_xfer_register(p.a, 50 + (uint64_t)it, sids, sn, PKV_DEADLINE_NEVER, NULL, NULL, &h),
+            PKV_OK);
+        pkv_xfer_read_t *rd;
+        ck_assert_int_eq(
+            pkv_xfer_read(c.a, h, dids, dn, pkv_deadline_after_ns(5000000000ull), NULL, NULL, &rd),
+            PKV_OK);
+        int oc = 0;
+        ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(6000000000ull), &oc), PKV_OK);
+        ck_assert_int_eq(oc, PKV_ERR_CORRUPT);
+        ck_assert_int_eq(pkv_xfer_wait_idle(p.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
+        ck_assert_int_eq(pkv_xfer_wait_idle(c.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
+        pkv_xfer_stats_t s;
+        pkv_xfer_stats(c.a, &s);
+        stale = s.stale_dropped;
+        ck_assert_uint_eq(s.staging_pages_held, 0);
+        ck_assert_uint_eq(s.pinned_blocks, 0);
+        pkv_xfer_stats(p.a, &s);
+        ck_assert_uint_eq(s.sent, 0);
+        ck_assert_uint_eq(s.staging_pages_held, 0);
+        ck_assert_uint_eq(s.written_off, 0);
+        pkv_xfer_read_free(rd);
+        pkv_xfer_handle_free(h);
+        ck_assert_int_eq(pkv_xfer_unregister(p.a, 50 + (uint64_t)it), PKV_OK);
+    }
+    ck_assert_uint_gt(stale, 0); /* the drain path really ran */
+    pkv_seq_free(src);
+    pkv_seq_free(dst);
+    side_free(&c);
+    side_free(&p);
+}
+END_TEST
+
+/* ---- two processes ---------------------------------------------------------------------- */
+static void check_accounting(const xh_case_t *c, const xh_result_t *r)
+{
+    ck_assert_msg(r->ok, "harness: %s", r->error[0] ? r->error : "a report is missing");
+    uint64_t n_ok = 0;
+    if (xh_consumer_reports(c->fault)) {
+        ck_assert_msg(WIFEXITED(r->cons_wstatus) && WEXITSTATUS(r->cons_wstatus) == 0,
+                      "consumer exit status %d", r->cons_wstatus);
+        for (uint32_t i = 0; i < c->n_requests; i++) {
+            ck_assert_msg(xh_outcome_expected(c, r->outcome[i]), "%s%s: request %u ended %s",
+                          xh_fault_name(c->fault), c->shared ? " (shared arena)" : "", i,
+                          pkv_status_str(r->outcome[i]));
+            /* Every outcome within deadline + 1 s of its read call. */
+            ck_assert_msg(r->elapsed_ns[i] <= (c->deadline_ms + 1000) * 1000000ull,
+                          "%s: outcome after %.0f ms (deadline %llu ms)", xh_fault_name(c->fault),
+                          r->elapsed_ns[i] / 1e6, (unsigned long long)c->deadline_ms);
+            if (r->outcome[i] == PKV_OK) {
+                n_ok++;
+                ck_assert_msg(r->mismatched_positions[i] == 0, "request %u: %u positions differ", i,
+                              r->mismatched_positions[i]);
+            }
+        }
+        ck_assert_uint_eq(r->cons_active_left, 0);
+        ck_assert_uint_eq(r->cons_pins_left, 0);
+        ck_assert_uint_eq(r->cons_staging_left, 0);
+        ck_assert_uint_eq(r->cons_blocks_live, 0);
+        ck_assert_int_eq(r->cons_stage_rc, PKV_OK);
+        ck_assert_uint_eq(r->cons_stage_leaked, 0);
+    } else {
+        ck_assert_msg(WIFSIGNALED(r->cons_wstatus) && WTERMSIG(r->cons_wstatus) == SIGKILL,
+                      "consumer should have been killed (status %d)", r->cons_wstatus);
+    }
+    if (xh_producer_reports(c->fault)) {
+        ck_assert_msg(WIFEXITED(r->prod_wstatus) && WEXITSTATUS(r->prod_wstatus) == 0,
+                      "producer exit status %d", r->prod_wstatus);
+        /* Nothing counted sent that was not acknowledged. */
+        ck_assert_uint_eq(r->sent, n_ok);
+        ck_assert_uint_eq(r->prod_active_left, 0);
+        ck_assert_uint_eq(r->prod_staging_left, 0);
+        ck_assert_uint_eq(r->prod_blocks_live, 0);
+        ck_assert_int_eq(r->prod_stage_rc, PKV_OK);
+        ck_assert_uint_eq(r->prod_stage_leaked, 0);
+        ck_assert_uint_eq(r->written_off, 0);
+        if (!xh_consumer_reports(c->fault)) /* the serve ended without an ACK */
+            ck_assert_uint_eq(r->serves_failed, r->serves_started);
+        if (r->registrations_left != UINT64_MAX) {
+            ck_assert_uint_eq(r->registrations_left, c->n_requests - r->sent);
+            uint32_t T = c->geo.block_tokens ? c->geo.block_tokens : 16;
+            ck_assert_uint_eq(r->prod_pins_left,
+                              r->registrations_left * PKV_DIV_UP(c->n_tokens, T));
+        }
+    } else {
+        ck_assert_msg(WIFSIGNALED(r->prod_wstatus) && WTERMSIG(r->prod_wstatus) == SIGKILL,
+                      "producer should have been killed (status %d)", r->prod_wstatus);
+    }
+}
+
+static void random_case(xh_case_t *c, uint64_t *seed)
+{
+    static const uint32_t dims[] = {8, 16, 32, 64, 128};
+    static const uint32_t toks[] = {1, 4, 8, 16, 32};
+    static const uint32_t chunks[] = {4096, 16384, 65536, 1u << 20};
+    static const uint32_t pages[] = {4096, 65536};
+    xh_case_default(c);
+    c->geo.layers = 1 + pkv_test_below(seed, 6);
+    c->geo.kv_heads = 1 + pkv_test_below(seed, 4);
+    c->geo.head_dim = dims[pkv_test_below(seed, 5)];
+    c->geo.block_tokens = toks[pkv_test_below(seed, 5)];
+    c->geo.dtype = (pkv_dtype_t)pkv_test_below(seed, 3);
+    c->n_tokens = 1 + pkv_test_below(seed, 700);
+    c->n_requests = 1 + pkv_test_below(seed, 3);
+    c->chunk_bytes = chunks[pkv_test_below(seed, 4)];
+    c->page_bytes = pages[pkv_test_below(seed, 2)];
+    c->seed = pkv_test_rand(seed);
+    c->deadline_ms = 10000;
+}
+
+static void run_random_rounds(int rounds, bool tcp, const char *ns_a, const char *ns_b)
+{
+    uint64_t seed = pkv_test_seed(0x7e57);
+    uint64_t first = seed;
+    for (int round = 0; round < rounds; round++) {
+        xh_case_t c;
+        random_case(&c, &seed);
+        c.tcp = tcp;
+        c.shared = !tcp && (round % 2); /* same host: alternate UCX and shared arena */
+        c.fixed_slots = round % 3 == 2; /* and now and then fixed-slot staging */
+        c.netns_prod = ns_a;
+        c.netns_cons = ns_b;
+        c.prod_host = ns_a ? "10.250.0.1" : NULL;
+        xh_result_t r;
+        ck_assert_int_eq(xh_run(&c, &r), 0);
+        if (!r.ok || r.outcome[0] != PKV_OK || r.sent != c.n_requests)
+            fprintf(stderr,
+                    "round %d (PKV_TEST_SEED=%llu): %u layers %u heads %u dim %u tok/block "
+                    "dtype %d, %u tokens x %u requests, chunk %u, page %u, %s%s\n",
+                    round, (unsigned long long)first, c.geo.layers, c.geo.kv_heads, c.geo.head_dim,
+                    c.geo.block_tokens, c.geo.dtype, c.n_tokens, c.n_requests, c.chunk_bytes,
+                    c.page_bytes, c.shared ? "shared arena" : "UCX payload",
+                    c.fixed_slots ? ", fixed slots" : "");
+        check_accounting(&c, &r);
+        for (uint32_t i = 0; i < c.n_requests; i++) {
+            uint32_t T = c.geo.block_tokens;
+            uint64_t expect =
+                (uint64_t)PKV_DIV_UP(c.n_tokens, T) * T * pkv_geometry_token_bytes(&c.geo);
+            ck_assert_uint_eq(r.bytes[i], expect);
+        }
+    }
+}
+
+START_TEST(loopback_random_geometries)
+{
+    run_random_rounds((int)env_u64("PKV_XFER_ROUNDS", 5), false, NULL, NULL);
+}
+END_TEST
+
+START_TEST(netns_veth_tcp)
+{
+    char a[16], b[16], why[128];
+    if (xh_netns_create(a, b, why, sizeof(why))) {
+        fprintf(stderr, "netns_veth_tcp: SKIPPED: %s\n", why);
+        return;
+    }
+    run_random_rounds(2, true, a, b);
+    xh_netns_destroy(a, b);
+}
+END_TEST
+
+/* _i < XH_NFAULTS: payload through UCX; above: through the shared arena. */
+START_TEST(fault_case)
+{
+    xh_fault_t f = (xh_fault_t)(_i % XH_NFAULTS);
+    bool shared = _i >= XH_NFAULTS;
+    int repeat = (int)env_u64("PKV_XFER_FAULT_REPEAT", 1);
+    for (int k = 0; k < repeat; k++) {
+        xh_case_t c;
+        xh_case_default(&c);
+        c.fault = f;
+        c.shared = shared;
+        c.seed = 100 + (uint64_t)k;
+        xh_result_t r;
+        ck_assert_int_eq(xh_run(&c, &r), 0);
+        check_accounting(&c, &r);
+    }
+}
+END_TEST
+
+static Suite *xfer_suite(void)
+{
+    Suite *s = suite_create("xfer");
+    TCase *api = tcase_create("api");
+    tcase_set_timeout(api, 60);
+    tcase_add_test(api, api_bad_input_changes_nothing);
+    tcase_add_test(api, in_process_read_ok_then_sent_once);
+    tcase_add_test(api, stale_payload_is_drained);
+    suite_add_tcase(s, api);
+    TCase *two = tcase_create("two_process");
+    tcase_set_timeout(two, 120);
+    tcase_add_test(two, loopback_random_geometries);
+    tcase_add_test(two, netns_veth_tcp);
+    tcase_add_loop_test(two, fault_case, XH_NONE, 2 * XH_NFAULTS);
+    suite_add_tcase(s, two);
+    return s;
+}
+PKV_TEST_MAIN(xfer_suite)

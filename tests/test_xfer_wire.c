@@ -1,0 +1,377 @@
+/* xfer wire format, handles and payload checksum; replays the fuzz corpus. */
+#include "support/testutil.h"
+
+#include "xfer/sum.h"
+#include "xfer/wire.h"
+
+#include <dirent.h>
+#include <stdio.h>
+#include <string.h>
+
+/* The fuzz target itself: its round-trip checks trap on a violation. */
+#include "fuzz/fuzz_wire.c"
+
+static const pkv_geometry_t GEO = {
+    .layers = 4, .kv_heads = 2, .head_dim = 64, .block_tokens = 16, .dtype = PKV_DTYPE_F16};
+
+static pkv_wire_read_t sample_read(void)
+{
+    pkv_wire_read_t r;
+    memset(&r, 0, sizeof(r));
+    r.xfer_id = 77;
+    r.request_id = 123456789;
+    for (int i = 0; i < PKV_XFER_TOKEN_BYTES; i++) r.token[i] = (uint8_t)(i * 7 + 1);
+    r.budget_ns = 5000000000ull;
+    r.geo = GEO;
+    r.chunk_bytes = 1 << 20;
+    return r;
+}
+
+START_TEST(read_roundtrip_coalesces_runs)
+{
+    uint32_t blocks[] = {5, 6, 7, 100, 9, 10, 3};
+    pkv_wire_read_t r = sample_read();
+    ck_assert_uint_eq(pkv_xfer_wire_count_runs(blocks, 7), 4);
+    uint8_t buf[512];
+    size_t len;
+    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 7, buf, sizeof(buf), &len), PKV_OK);
+    ck_assert_uint_eq(len, pkv_xfer_wire_read_bytes(4));
+    pkv_wire_msg_t m;
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
+    ck_assert_int_eq(m.type, PKV_WIRE_READ);
+    ck_assert_uint_eq(m.u.read.xfer_id, 77);
+    ck_assert_uint_eq(m.u.read.request_id, 123456789);
+    ck_assert_mem_eq(m.u.read.token, r.token, PKV_XFER_TOKEN_BYTES);
+    ck_assert_uint_eq(m.u.read.budget_ns, 5000000000ull);
+    ck_assert_uint_eq(m.u.read.n_runs, 4);
+    ck_assert_uint_eq(m.u.read.n_blocks, 7);
+    uint32_t first, count, k = 0;
+    for (uint32_t i = 0; i < m.u.read.n_runs; i++) {
+        pkv_xfer_wire_read_run(&m.u.read, i, &first, &count);
+        for (uint32_t j = 0; j < count; j++) ck_assert_uint_eq(first + j, blocks[k++]);
+    }
+    ck_assert_uint_eq(k, 7);
+    /* Too small a buffer: NOSPACE, nothing claimed. */
+    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 7, buf, len - 1, &len), PKV_ERR_NOSPACE);
+}
+END_TEST
+
+START_TEST(every_truncation_is_rejected)
+{
+    uint32_t blocks[] = {1, 2, 3, 9};
+    pkv_wire_read_t r = sample_read();
+    uint8_t buf[512];
+    size_t len;
+    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 4, buf, sizeof(buf), &len), PKV_OK);
+    pkv_wire_msg_t m;
+    for (size_t n = 0; n < len; n++)
+        ck_assert_int_eq(pkv_xfer_wire_decode(buf, n, &m), PKV_ERR_PROTO);
+    /* One byte too many: the body length no longer matches. */
+    buf[len] = 0;
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len + 1, &m), PKV_ERR_PROTO);
+}
+END_TEST
+
+START_TEST(versions_and_types_are_checked)
+{
+    pkv_wire_heartbeat_t h = {.agent_id = 1, .seq = 2};
+    uint8_t buf[64];
+    size_t len;
+    pkv_wire_msg_t m;
+    ck_assert_int_eq(pkv_xfer_wire_encode_heartbeat(&h, buf, sizeof(buf), &len), PKV_OK);
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
+    ck_assert_uint_eq(m.u.hb.seq, 2);
+    for (int v = 0; v < 256; v++) {
+        buf[4] = (uint8_t)v;
+        ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), v == 1 ? PKV_OK : PKV_ERR_PROTO);
+    }
+    buf[4] = 1;
+    for (int t = 0; t < 256; t++) {
+        buf[5] = (uint8_t)t;
+        int rc = pkv_xfer_wire_decode(buf, len, &m);
+        if (t < PKV_WIRE_READ || t > PKV_WIRE_CLOSE) ck_assert_int_eq(rc, PKV_ERR_PROTO);
+    }
+    buf[5] = PKV_WIRE_HEARTBEAT;
+    buf[6] = 1; /* flags must be zero */
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    buf[6] = 0;
+    buf[0] ^= 1; /* magic */
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    ck_assert_int_eq(pkv_xfer_wire_decode(NULL, 0, &m), PKV_ERR_PROTO);
+}
+END_TEST
+
+START_TEST(read_limits_are_enforced)
+{
+    pkv_wire_read_t r = sample_read();
+    uint32_t blocks[] = {1, 2};
+    uint8_t buf[512];
+    size_t len;
+    r.xfer_id = 0;
+    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len),
+                     PKV_ERR_INVALID);
+    r = sample_read();
+    r.xfer_id = 1ull << PKV_WIRE_XFER_ID_BITS;
+    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len),
+                     PKV_ERR_INVALID);
+    r = sample_read();
+    r.chunk_bytes = 100;
+    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len),
+                     PKV_ERR_INVALID);
+    r = sample_read();
+    r.geo.dtype = (pkv_dtype_t)7;
+    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len),
+                     PKV_ERR_INVALID);
+    r = sample_read();
+    r.geo.layers = PKV_WIRE_MAX_LAYERS + 1;
+    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len),
+                     PKV_ERR_INVALID);
+    /* Decoder side: patch a valid message's run count to lie. */
+    r = sample_read();
+    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len), PKV_OK);
+    pkv_wire_msg_t m;
+    size_t nruns_at = PKV_WIRE_HEADER_BYTES + 68;
+    buf[nruns_at] = 2;
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    buf[nruns_at] = 1;
+    buf[nruns_at + 8] = 0; /* run count 0 */
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+}
+END_TEST
+
+START_TEST(shared_data_and_read_flags)
+{
+    uint64_t pieces[] = {4096, 8192, 65536, 4096};
+    pkv_wire_data_t d = {
+        .xfer_id = 5, .layer = 2, .flags = PKV_WIRE_DATA_SHARED, .bytes = 12288, .checksum = 77};
+    uint8_t buf[256];
+    size_t len;
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, buf, sizeof(buf), &len), PKV_OK);
+    ck_assert_uint_eq(len, pkv_xfer_wire_data_bytes(2));
+    pkv_wire_msg_t m;
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
+    ck_assert_uint_eq(m.u.data.n_pieces, 2);
+    uint64_t off, l;
+    pkv_xfer_wire_data_piece(&m.u.data, 1, &off, &l);
+    ck_assert_uint_eq(off, 65536);
+    ck_assert_uint_eq(l, 4096);
+    /* pieces must add up to the layer's bytes */
+    d.bytes = 12289;
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, buf, sizeof(buf), &len),
+                     PKV_ERR_INVALID);
+    buf[PKV_WIRE_HEADER_BYTES + 16] ^= 1; /* bytes field no longer matches the pieces */
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    /* a plain DATA carries no pieces; unknown flags are rejected */
+    d.flags = 0;
+    d.bytes = 12288;
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, buf, sizeof(buf), &len),
+                     PKV_ERR_INVALID);
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, NULL, 0, buf, sizeof(buf), &len), PKV_OK);
+    buf[PKV_WIRE_HEADER_BYTES + 12] = 2;
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    pkv_wire_read_t r = sample_read();
+    uint32_t blocks[] = {1};
+    r.flags = PKV_WIRE_READ_SHARED;
+    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len), PKV_OK);
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
+    ck_assert_uint_eq(m.u.read.flags, PKV_WIRE_READ_SHARED);
+    r.flags = 2;
+    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len),
+                     PKV_ERR_INVALID);
+}
+END_TEST
+
+START_TEST(fail_carries_reason_and_text)
+{
+    pkv_wire_fail_t f;
+    memset(&f, 0, sizeof(f));
+    f.xfer_id = 9;
+    f.request_id = 10;
+    f.reason = PKV_ERR_NOFIT;
+    snprintf(f.text, sizeof(f.text), "staging full");
+    uint8_t buf[256];
+    size_t len;
+    ck_assert_int_eq(pkv_xfer_wire_encode_fail(&f, buf, sizeof(buf), &len), PKV_OK);
+    pkv_wire_msg_t m;
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
+    ck_assert_int_eq(m.u.fail.reason, PKV_ERR_NOFIT);
+    ck_assert_str_eq(m.u.fail.text, "staging full");
+    f.reason = PKV_OK; /* not a failure reason */
+    ck_assert_int_eq(pkv_xfer_wire_encode_fail(&f, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    f.reason = PKV_ERR_CORRUPT;
+    f.text[3] = '\n';
+    ck_assert_int_eq(pkv_xfer_wire_encode_fail(&f, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+}
+END_TEST
+
+START_TEST(handle_roundtrip_and_rejects)
+{
+    uint32_t n = 37;
+    pkv_xfer_handle_t *h = calloc(1, sizeof(*h) + 4 * n);
+    h->request_id = 555;
+    for (int i = 0; i < PKV_XFER_TOKEN_BYTES; i++) h->token[i] = (uint8_t)(255 - i);
+    snprintf(h->addr, sizeof(h->addr), "10.250.0.1:40123");
+    h->geo = GEO;
+    h->n_blocks = n;
+    for (uint32_t i = 0; i < n; i++) h->blocks[i] = i * 3 + 1;
+    size_t need = pkv_xfer_handle_bytes(h), len;
+    ck_assert_uint_gt(need, 0);
+    uint8_t *buf = malloc(need);
+    ck_assert_int_eq(pkv_xfer_handle_encode(h, buf, need - 1, &len), PKV_ERR_NOSPACE);
+    ck_assert_int_eq(pkv_xfer_handle_encode(h, buf, need, &len), PKV_OK);
+    ck_assert_uint_eq(len, need);
+    pkv_xfer_handle_t *g = NULL;
+    ck_assert_int_eq(pkv_xfer_handle_decode(buf, len, &g), PKV_OK);
+    ck_assert_uint_eq(g->request_id, 555);
+    ck_assert_str_eq(g->addr, "10.250.0.1:40123");
+    ck_assert_mem_eq(g->token, h->token, PKV_XFER_TOKEN_BYTES);
+    ck_assert_uint_eq(g->n_blocks, n);
+    ck_assert_mem_eq(g->blocks, h->blocks, 4 * n);
+    ck_assert(!g->local.present);
+    pkv_xfer_handle_free(g);
+    /* with the same-host section */
+    h->local.present = true;
+    h->local.pid = 4242;
+    h->local.fd = 17;
+    h->local.arena_bytes = 1 << 26;
+    h->local.ino = 99;
+    h->local.boot_id[3] = 0xab;
+    size_t need2 = pkv_xfer_handle_bytes(h);
+    ck_assert_uint_eq(need2, need + 40);
+    uint8_t *buf2 = malloc(need2);
+    size_t len2;
+    ck_assert_int_eq(pkv_xfer_handle_encode(h, buf2, need2, &len2), PKV_OK);
+    ck_assert_int_eq(pkv_xfer_handle_decode(buf2, len2, &g), PKV_OK);
+    ck_assert(g->local.present);
+    ck_assert_uint_eq(g->local.pid, 4242);
+    ck_assert_int_eq(g->local.fd, 17);
+    ck_assert_uint_eq(g->local.ino, 99);
+    ck_assert_uint_eq(g->local.boot_id[3], 0xab);
+    pkv_xfer_handle_free(g);
+    free(buf2);
+    h->local.present = false;
+    for (size_t k = 0; k < len; k++) {
+        g = NULL;
+        ck_assert_int_eq(pkv_xfer_handle_decode(buf, k, &g), PKV_ERR_PROTO);
+        ck_assert_ptr_null(g);
+    }
+    snprintf(h->addr, sizeof(h->addr), "no port");
+    ck_assert_uint_eq(pkv_xfer_handle_bytes(h), 0);
+    ck_assert_int_eq(pkv_xfer_handle_encode(h, buf, need, &len), PKV_ERR_INVALID);
+    ck_assert(pkv_xfer_wire_addr_valid("[::1]:80"));
+    ck_assert(!pkv_xfer_wire_addr_valid("127.0.0.1:0"));
+    ck_assert(!pkv_xfer_wire_addr_valid("127.0.0.1:99999"));
+    ck_assert(!pkv_xfer_wire_addr_valid(":80"));
+    free(buf);
+    free(h);
+}
+END_TEST
+
+START_TEST(checksum_streams_and_detects_flips)
+{
+    uint64_t seed = pkv_test_seed(0x5eed);
+    enum { N = 100003 };
+    uint8_t *a = malloc(N), *b = malloc(N);
+    for (size_t i = 0; i < N; i++) a[i] = (uint8_t)pkv_test_rand(&seed);
+    pkv_xfer_sum_t s;
+    pkv_xfer_sum_init(&s);
+    pkv_xfer_sum_update(&s, a, N);
+    uint64_t whole = pkv_xfer_sum_final(&s);
+    for (int trial = 0; trial < 50; trial++) {
+        /* Any split, copy or not, gives the same sum, and the copy is exact. */
+        pkv_xfer_sum_init(&s);
+        memset(b, 0, N);
+        for (size_t off = 0; off < N;) {
+            size_t k = 1 + pkv_test_below(&seed, 5000);
+            if (k > N - off) k = N - off;
+            if (trial & 1)
+                pkv_xfer_sum_copy(&s, b + off, a + off, k);
+            else
+                pkv_xfer_sum_update(&s, a + off, k), memcpy(b + off, a + off, k);
+            off += k;
+        }
+        ck_assert_uint_eq(pkv_xfer_sum_final(&s), whole);
+        ck_assert_mem_eq(a, b, N);
+    }
+    for (int trial = 0; trial < 200; trial++) {
+        size_t at = pkv_test_below(&seed, N);
+        uint8_t bit = (uint8_t)(1u << pkv_test_below(&seed, 8));
+        a[at] ^= bit;
+        pkv_xfer_sum_init(&s);
+        pkv_xfer_sum_update(&s, a, N);
+        ck_assert_uint_ne(pkv_xfer_sum_final(&s), whole);
+        a[at] ^= bit;
+    }
+    /* Swapping two different 8-byte words in the same lane changes the sum. */
+    memcpy(b, a, N);
+    uint64_t w0, w1;
+    memcpy(&w0, b, 8);
+    memcpy(&w1, b + 32, 8);
+    if (w0 != w1) {
+        memcpy(b, &w1, 8);
+        memcpy(b + 32, &w0, 8);
+        pkv_xfer_sum_init(&s);
+        pkv_xfer_sum_update(&s, b, N);
+        ck_assert_uint_ne(pkv_xfer_sum_final(&s), whole);
+    }
+    free(a);
+    free(b);
+}
+END_TEST
+
+START_TEST(fuzz_corpus_replays)
+{
+    const char *dir = getenv("PKV_WIRE_CORPUS");
+    if (!dir) dir = "tests/fuzz/corpus/wire";
+    DIR *d = opendir(dir);
+    ck_assert_msg(d != NULL, "corpus directory %s missing (run from the repository root)", dir);
+    struct dirent *e;
+    int files = 0, ok = 0, bad = 0;
+    static uint8_t buf[1 << 16];
+    while ((e = readdir(d))) {
+        if (e->d_name[0] == '.') continue;
+        char path[512];
+        snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
+        FILE *f = fopen(path, "rb");
+        ck_assert_ptr_nonnull(f);
+        size_t n = fread(buf, 1, sizeof(buf), f);
+        fclose(f);
+        LLVMFuzzerTestOneInput(buf, n); /* traps on a round-trip violation */
+        pkv_wire_msg_t m;
+        pkv_xfer_handle_t *h = NULL;
+        bool decodes = pkv_xfer_wire_decode(buf, n, &m) == PKV_OK ||
+                       pkv_xfer_handle_decode(buf, n, &h) == PKV_OK;
+        pkv_xfer_handle_free(h);
+        if (!strncmp(e->d_name, "ok-", 3)) {
+            ck_assert_msg(decodes, "%s should decode", e->d_name);
+            ok++;
+        } else if (!strncmp(e->d_name, "bad-", 4)) {
+            ck_assert_msg(!decodes, "%s should be rejected", e->d_name);
+            bad++;
+        }
+        files++;
+    }
+    closedir(d);
+    ck_assert_int_ge(ok, 10);
+    ck_assert_int_ge(bad, 30);
+    ck_assert_int_ge(files, ok + bad);
+}
+END_TEST
+
+static Suite *wire_suite(void)
+{
+    Suite *s = suite_create("xfer_wire");
+    TCase *tc = tcase_create("wire");
+    tcase_add_test(tc, read_roundtrip_coalesces_runs);
+    tcase_add_test(tc, every_truncation_is_rejected);
+    tcase_add_test(tc, versions_and_types_are_checked);
+    tcase_add_test(tc, read_limits_are_enforced);
+    tcase_add_test(tc, shared_data_and_read_flags);
+    tcase_add_test(tc, fail_carries_reason_and_text);
+    tcase_add_test(tc, handle_roundtrip_and_rejects);
+    tcase_add_test(tc, checksum_streams_and_detects_flips);
+    tcase_add_test(tc, fuzz_corpus_replays);
+    suite_add_tcase(s, tc);
+    return s;
+}
+PKV_TEST_MAIN(wire_suite)
