@@ -354,6 +354,16 @@ static pkv_stage_t *make_stage(const xh_case_t *c, uint32_t pages)
     pkv_stage_t *st;
     int rc = pkv_stage_create(&sc, &st);
     if (rc) child_fail("stage create", rc);
+    /* Take every page once (one grant per slot in fixed mode), then give them back warm. */
+    uint32_t takes = c->prewarm ? (sc.slots ? sc.slots : 1) : 0;
+    for (uint32_t i = 0; i < takes; i++) {
+        pkv_stage_grant_t *g;
+        uint32_t n = sc.slots ? sc.slot_pages : sc.pool_pages;
+        rc = pkv_stage_acquire(st, (1ull << 60) + i, 0, n, PKV_DEADLINE_NEVER, &g);
+        if (rc) child_fail("stage prewarm", rc);
+        pkv_stage_grant_free(g);
+    }
+    for (uint32_t i = 0; i < takes; i++) pkv_stage_release(st, (1ull << 60) + i);
     return st;
 }
 

@@ -49,6 +49,8 @@ typedef struct {
     bool sequential;      /* read one request after another (timing) instead of all at once */
     uint32_t warmup;      /* the first `warmup` requests are read first, the same way (one by
                              one or as a batch), before the rest */
+    bool prewarm;         /* commit every staging page once before any read (steady-state
+                             timing: the reads then never pay the first-use commit) */
     uint32_t chunk_bytes; /* 0: agent default */
     uint32_t page_bytes;  /* staging page; 0: 64 KiB */
     bool fixed_slots;     /* stages in fixed-slot mode (a slot fits one request) */

@@ -778,6 +778,7 @@ int pkv_stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, uint
     const bool nofit = too_big || (cap && need > cap);
     pkv_stage_grant_t *g = NULL;
     stage_waiter_t w = {.id = transfer_id, .peer = peer, .asked = pages, .need = need};
+    uint32_t free_at_park = 0; /* for the debug line of a blocked acquire */
     if (!nofit) {
         uint32_t runs = PKV_MIN(need, st->runs_cap);
         g = malloc(sizeof(*g) + (size_t)runs * sizeof(pkv_stage_run_t));
@@ -807,6 +808,7 @@ int pkv_stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, uint
         rec = stage_grant(st, transfer_id, peer, pages, g, &fresh);
         rc = PKV_OK;
     } else {
+        free_at_park = st->alloc.free_pages;
         rc = stage_park(st, &w, deadline_ns, &blocked);
         if (rc == PKV_OK) {
             rec = w.rec;
@@ -829,6 +831,12 @@ int pkv_stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, uint
 
     if (rc == PKV_OK) {
         g->wait_ns = blocked ? pkv_now_ns() - t0 : 0;
+        if (blocked)
+            PKV_LOGD(STAGE_LOG,
+                     "acquire transfer=%" PRIu64 " peer=%u pages=%u: waited %.2f ms (pages free "
+                     "%u of %u when it parked, %u committed fresh)",
+                     transfer_id, peer, pages, (double)g->wait_ns / 1e6, free_at_park, npages,
+                     fresh);
         if (fresh) {
             /* Commit outside the lock; the internal lease keeps the pages ours. */
             int crc = stage_commit_fresh(st, g);
