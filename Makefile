@@ -52,6 +52,8 @@ CLI  := $(BUILD)/pagekv
 .SECONDARY:
 .PHONY: all check install format format-check clean deps test demo fuzz fuzz-bins
 # The README's two commands: each installs missing Debian packages, then builds.
+.DEFAULT_GOAL := all
+
 test:
 	scripts/deps.sh
 	$(MAKE) --no-print-directory check

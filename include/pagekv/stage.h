@@ -116,6 +116,14 @@ void pkv_stage_grant_free(pkv_stage_grant_t *grant);
 int pkv_stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, uint32_t pages,
                       uint64_t deadline_ns, pkv_stage_grant_t **out);
 
+/* The same, but never waits: grants only when no acquire is parked ahead, the pages are
+ * free now and the peer is under its cap. Anything else is PKV_ERR_BUSY with nothing
+ * changed, counted or logged (the caller falls back to pkv_stage_acquire, which gives the
+ * typed failure and its log line). Pages used for the first time are still committed
+ * before it returns. */
+int pkv_stage_try_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, uint32_t pages,
+                          pkv_stage_grant_t **out);
+
 /* The transfer is done with its pages. Returns them at once, or when the last lease
  * ends. PKV_ERR_NOTFOUND: no such holding transfer; PKV_ERR_CANCELLED: it was already
  * cancelled (its pages return when its leases end). */
@@ -163,8 +171,10 @@ typedef struct {
     pkv_stage_mode_t mode;
     size_t page_bytes;
     uint32_t pages_total;
-    uint32_t pages_free; /* free now (committed or not) */
-    uint32_t pages_used; /* owned by transfers (incl. released, leases open) */
+    uint32_t pages_free;      /* free now (committed or not) */
+    uint32_t pages_used;      /* owned by transfers (incl. released, leases open) */
+    uint32_t pages_returning; /* idle pages being returned to the OS right now: neither
+                                 free nor used; free again (cold) in a moment */
     uint32_t pages_peak_used;
     uint32_t pages_asked_inflight; /* sum of pages_asked over live transfers */
     uint32_t pages_asked_peak;

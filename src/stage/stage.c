@@ -100,6 +100,7 @@ struct pkv_stage {
     stage_span_t *spans;   /* (runs_cap) stage_grant's scratch */
     stage_span_t *reclaim; /* (npages) reclaimer's scratch (used outside the lock too) */
     uint32_t parked;       /* threads inside a parked acquire (destroy waits for them) */
+    uint32_t returning;    /* pages the reclaim thread has taken off to return to the OS */
     pthread_cond_t reclaim_cond;
     bool reclaim_idle; /* reclaimer sleeps with nothing warm and free to watch */
     bool stopping;     /* reclaimer must exit */
@@ -453,6 +454,7 @@ static void *stage_reclaim_main(void *arg)
         uint64_t now = pkv_now_ns(), next;
         uint64_t cutoff = now > idle ? now - idle : 0;
         uint32_t n = stage_alloc_collect_idle(&st->alloc, cutoff, st->reclaim, st->npages, &next);
+        for (uint32_t i = 0; i < n; i++) st->returning += st->reclaim[i].count;
         if (n) {
             /* The off pages belong to this thread until they come back cold. */
             const stage_span_t *spans = st->reclaim;
@@ -474,6 +476,7 @@ static void *stage_reclaim_main(void *arg)
                 for (uint32_t q = p; q < p + c; q++)
                     if (warm[q] == STAGE_WARM_PINNED) st->stats.pinned_bytes -= st->page_bytes;
                 stage_alloc_return_cold(&st->alloc, p, c);
+                st->returning -= c;
                 st->stats.resident_bytes -= (uint64_t)c * st->page_bytes;
                 st->stats.released_pages += c;
             }
@@ -762,8 +765,11 @@ static int stage_park(pkv_stage_t *st, stage_waiter_t *w, uint64_t deadline_ns, 
     return w->status;
 }
 
-int pkv_stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, uint32_t pages,
-                      uint64_t deadline_ns, pkv_stage_grant_t **out)
+/* acquire and try_acquire. `try_only`: grant only what can be granted at once (no one
+ * waiting ahead, fits now, under the cap); anything else is PKV_ERR_BUSY with nothing
+ * counted, nothing logged and nothing changed. */
+static int stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, uint32_t pages,
+                         uint64_t deadline_ns, bool try_only, pkv_stage_grant_t **out)
 {
     if (!st || !out || pages == 0) {
         PKV_LOGE(STAGE_LOG, "acquire transfer=%" PRIu64 " peer=%u pages=%u: invalid argument%s",
@@ -795,6 +801,15 @@ int pkv_stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, uint
     uint32_t rec = STAGE_NONE, fresh = 0;
     bool blocked = false;
     pthread_mutex_lock(&st->lock);
+    if (try_only &&
+        (nofit || st->shutdown || st->wait_head || (cap && peer_held(st, peer) + need > cap) ||
+         !stage_alloc_fits(&st->alloc, need) || xfer_find(st, transfer_id) ||
+         waiter_find(st, transfer_id))) {
+        pthread_mutex_unlock(&st->lock);
+        if (!nofit) pthread_cond_destroy(&w.cond);
+        free(g);
+        return PKV_ERR_BUSY;
+    }
     if (nofit) {
         rc = PKV_ERR_NOFIT;
         st->stats.nofit++;
@@ -915,6 +930,18 @@ int pkv_stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, uint
     return rc;
 }
 
+int pkv_stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, uint32_t pages,
+                      uint64_t deadline_ns, pkv_stage_grant_t **out)
+{
+    return stage_acquire(st, transfer_id, peer, pages, deadline_ns, false, out);
+}
+
+int pkv_stage_try_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, uint32_t pages,
+                          pkv_stage_grant_t **out)
+{
+    return stage_acquire(st, transfer_id, peer, pages, PKV_DEADLINE_NEVER, true, out);
+}
+
 /* ---- release, cancel, leases -------------------------------------------------------- */
 
 int pkv_stage_release(pkv_stage_t *st, uint64_t transfer_id)
@@ -1031,7 +1058,8 @@ int pkv_stage_stats(pkv_stage_t *st, pkv_stage_stats_t *out)
     pthread_mutex_lock(&st->lock);
     *out = st->stats;
     out->pages_free = st->alloc.free_pages;
-    out->pages_used = st->npages - st->alloc.free_pages;
+    out->pages_returning = st->returning;
+    out->pages_used = st->npages - st->alloc.free_pages - st->returning;
     out->waiting = st->nwaiting;
     pthread_mutex_unlock(&st->lock);
     return PKV_OK;

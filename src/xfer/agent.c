@@ -87,6 +87,18 @@ void xf_job_post(pkv_xfer_agent_t *a, xf_job_t *job, bool seat)
     pthread_mutex_unlock(&a->lock);
 }
 
+bool xf_seat_inline(pkv_xfer_agent_t *a, uint64_t stage_id, uint32_t peer, uint32_t pages,
+                    xf_event_t *ev)
+{
+    pkv_stage_grant_t *g;
+    if ((uint64_t)pages * a->page_bytes > XF_INLINE_SEAT_BYTES ||
+        pkv_stage_try_acquire(a->stage, stage_id, peer, pages, &g) != PKV_OK)
+        return false;
+    ev->status = PKV_OK;
+    ev->grant = g;
+    return true;
+}
+
 void xf_busy_add(pkv_xfer_agent_t *a, int delta)
 {
     pthread_mutex_lock(&a->lock);

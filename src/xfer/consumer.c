@@ -380,7 +380,10 @@ void xf_reads_admit(pkv_xfer_agent_t *a, pkv_xfer_read_t *list)
         rd->job_seat.owner = rd;
         rd->ev_seated.kind = XF_EV_SEATED;
         rd->ev_seated.owner = rd;
-        xf_job_post(a, &rd->job_seat, true);
+        if (xf_seat_inline(a, rd->v.stage_id, rd->peer->id, rd->v.pages, &rd->ev_seated))
+            xf_read_event(a, rd, &rd->ev_seated);
+        else
+            xf_job_post(a, &rd->job_seat, true);
     }
 }
 

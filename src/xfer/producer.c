@@ -422,7 +422,10 @@ void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *
     s->job_seat = (xf_job_t){.kind = XF_JOB_SEAT, .is_serve = true, .owner = s};
     s->ev_seated = (xf_event_t){.kind = XF_EV_SEATED, .is_serve = true, .owner = s};
     fault(a, PKV_XFER_FAULT_SERVE_READ, 0);
-    xf_job_post(a, &s->job_seat, true);
+    if (xf_seat_inline(a, s->v.stage_id, p->id, s->v.pages, &s->ev_seated))
+        xf_serve_event(a, s, &s->ev_seated);
+    else
+        xf_job_post(a, &s->job_seat, true);
 }
 
 /* Seat thread. */

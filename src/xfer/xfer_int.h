@@ -32,6 +32,10 @@
 #define XF_MOD           "xfer"
 #define XF_AM_CTRL       7               /* UCX active-message id of control messages */
 #define XF_CLOSE_WAIT_NS (2000000000ull) /* bounded wait for requests after a forced close */
+/* Staging of at most this many bytes is first tried on the progress thread
+ * (pkv_stage_try_acquire: never waits; a first-use commit of this much is ~1-5 ms); only
+ * a transfer that would wait, or a larger one, goes to a seat thread. */
+#define XF_INLINE_SEAT_BYTES (4ull << 20)
 
 typedef struct xf_peer xf_peer_t;
 typedef struct xf_serve xf_serve_t;
@@ -404,6 +408,11 @@ static inline uint64_t xf_since(uint64_t now, uint64_t then)
 {
     return now > then ? now - then : 0;
 }
+
+/* Progress thread: seat `pages` at once if pkv_stage_try_acquire can (fills *ev as the
+ * seat thread would); false: post the seat job instead. */
+bool xf_seat_inline(pkv_xfer_agent_t *a, uint64_t stage_id, uint32_t peer, uint32_t pages,
+                    xf_event_t *ev);
 
 #define XF_STAT_ADD(a, f, n) atomic_fetch_add_explicit(&(a)->st.f, (n), memory_order_relaxed)
 #define XF_STAT_SUB(a, f, n) atomic_fetch_sub_explicit(&(a)->st.f, (n), memory_order_relaxed)
