@@ -8,8 +8,11 @@
  *                     (measured once: it builds the contexts the decode cells use)
  *     decode tok/s    --decode-steps steps of one token per sequence over the prefilled
  *                     contexts (attention reads every position each step), median of
- *                     --runs; paged and dense runs alternate
- *   decode_paged_over_dense_4096  median over runs of (paged / dense) batch-8 decode
+ *                     --decode-pairs pairs; in each pair the two backends run back to
+ *                     back over contexts built once, which one goes first alternates
+ *                     (this VM's speed drifts by tens of percent over minutes: only
+ *                     close pairs compare like with like)
+ *   decode_paged_over_dense_4096  median over pairs of (paged / dense) batch-8 decode
  *                                 speed at context 4096; target >= 0.95
  *   prefill_3700_llama_s          seconds to prefill a 3700-token prompt on the
  *                                 llama-3.2-1b preset, paged, median of --runs;
@@ -37,8 +40,9 @@
 #include <string.h>
 #include <sys/resource.h>
 
-#define MAX_B   8
-#define MAX_CTX 4
+#define MAX_B     8
+#define MAX_CTX   4
+#define MAX_PAIRS 48
 
 typedef struct {
     pkv_kv_t *kv;
@@ -47,7 +51,7 @@ typedef struct {
 } ctx_state_t;
 
 typedef struct {
-    double prefill1[16], prefill8, decode1[16], decode8[16];
+    double prefill1[16], prefill8, decode1[MAX_PAIRS], decode8[MAX_PAIRS];
 } cell_t;
 
 /* CPU seconds of the whole process (every thread), from the OS. */
@@ -224,7 +228,7 @@ static double loadavg1(void)
 int pkv_bench_model(int argc, char **argv)
 {
     const char *json = NULL, *preset = "llama-3.2-1b";
-    uint64_t runs = 3, steps = 16, threads = 0;
+    uint64_t runs = 3, steps = 16, threads = 0, pairs = 9;
     pkv_dtype_t dt = PKV_DTYPE_BF16;
     uint32_t ctxs[MAX_CTX] = {512, 4096};
     int n_ctx = 2;
@@ -238,6 +242,9 @@ int pkv_bench_model(int argc, char **argv)
         else if (!strcmp(argv[i], "--runs") && v) {
             if (pkv_cli_parse_u64(argv[++i], 1, 16, &runs))
                 return pkv_cli_usage_error("bench model", "--runs: 1..16");
+        } else if (!strcmp(argv[i], "--decode-pairs") && v) {
+            if (pkv_cli_parse_u64(argv[++i], 1, MAX_PAIRS, &pairs))
+                return pkv_cli_usage_error("bench model", "--decode-pairs: 1..48");
         } else if (!strcmp(argv[i], "--decode-steps") && v) {
             if (pkv_cli_parse_u64(argv[++i], 1, 4096, &steps))
                 return pkv_cli_usage_error("bench model", "--decode-steps: 1..4096");
@@ -263,7 +270,7 @@ int pkv_bench_model(int argc, char **argv)
             block_tokens = (uint32_t)bt;
         } else {
             printf("usage: pagekv bench model [--json FILE] [--preset NAME] [--runs N]\n"
-                   "         [--decode-steps N] [--threads N] [--dtype bf16] "
+                   "         [--decode-pairs N] [--decode-steps N] [--threads N] [--dtype bf16] "
                    "[--contexts 512,4096] [--no-batch8]\n"
                    "         [--block-tokens N] [--no-hugepages] [--fast-fill]\n");
             return strcmp(argv[i], "--help") ? 2 : 0;
@@ -283,7 +290,7 @@ int pkv_bench_model(int argc, char **argv)
     if (!llama && pkv_model_create_builtin(&lc, 1, &rt, &llama)) goto out;
 
     static cell_t cells[2][MAX_CTX];
-    double ratio4096[16] = {0}, ratio_ctx[MAX_CTX][16];
+    double ratio4096[MAX_PAIRS] = {0}, ratio_ctx[MAX_CTX][MAX_PAIRS];
     double p3700[2][16], p3700cpu[2][16];
     double load0 = loadavg1();
     uint32_t B = do8 ? 8 : 1;
@@ -294,7 +301,7 @@ int pkv_bench_model(int argc, char **argv)
         for (int be = 0; be < 2; be++) {
             progress("bench model: %s prefill %u x %u tokens...", pkv_backend_name(be), B, C);
             if (make_kv(m, be, dt, &st[be].kv)) goto fail_ctx;
-            uint32_t extra = (uint32_t)(2 * runs * steps + 4);
+            uint32_t extra = (uint32_t)(2 * pairs * steps + 4);
             double t = prefill(m, st[be].kv, fast_fill ? 1 : B, C, extra, 7, st[be].seq);
             if (t < 0) goto fail_ctx;
             st[be].n = 1;
@@ -303,9 +310,10 @@ int pkv_bench_model(int argc, char **argv)
             st[be].n = B;
             cells[be][c].prefill8 = do8 && !fast_fill ? (double)B * C / t : 0;
         }
-        for (uint64_t r = 0; r < runs; r++) {
-            for (int be = 0; be < 2; be++) {
-                progress("bench model: %s decode at %u, run %u...", pkv_backend_name(be), C,
+        for (uint64_t r = 0; r < pairs; r++) {
+            for (int k = 0; k < 2; k++) {
+                int be = (int)(r & 1) ^ k; /* odd pairs: dense first */
+                progress("bench model: %s decode at %u, pair %u...", pkv_backend_name(be), C,
                          (unsigned)r + 1);
                 double t8 = do8 ? decode(m, st[be].kv, st[be].seq, 8, (uint32_t)steps) : 1;
                 double t1 = decode(m, st[be].kv, st[be].seq, 1, (uint32_t)steps);
@@ -384,7 +392,7 @@ int pkv_bench_model(int argc, char **argv)
             for (int be = 0; be < 2; be++) {
                 cell_t *cl = &cells[be][c];
                 double pf = b ? cl->prefill8 : pkv_bench_median(cl->prefill1, runs);
-                double dc = pkv_bench_median(b ? cl->decode8 : cl->decode1, runs);
+                double dc = pkv_bench_median(b ? cl->decode8 : cl->decode1, pairs);
                 if (b && fast_fill)
                     printf("| %s | %u | 8 | - (--fast-fill) | %.1f |\n", pkv_backend_name(be),
                            ctxs[c], dc);
@@ -401,17 +409,17 @@ int pkv_bench_model(int argc, char **argv)
     double r4096 = 0;
     bool have4096 = false;
     for (int c = 0; c < n_ctx; c++) have4096 |= ctxs[c] == 4096;
-    if (have4096) r4096 = pkv_bench_median(ratio4096, runs);
+    if (have4096) r4096 = pkv_bench_median(ratio4096, pairs);
     double p_paged = pkv_bench_median(p3700[0], runs), p_dense = pkv_bench_median(p3700[1], runs);
     printf("\n| metric | value | target |\n|---|---|---|\n");
     if (have4096)
-        printf("| decode_paged_over_dense_4096 (batch %u, median of %llu paired runs) | %.3f | >= "
+        printf("| decode_paged_over_dense_4096 (batch %u, median of %llu pairs) | %.3f | >= "
                "0.95 |\n",
-               B, (unsigned long long)runs, r4096);
+               B, (unsigned long long)pairs, r4096);
     for (int c = 0; c < n_ctx; c++)
         if (ctxs[c] != 4096)
             printf("| decode_paged_over_dense_%u (batch %u) | %.3f | |\n", ctxs[c], B,
-                   pkv_bench_median(ratio_ctx[c], runs));
+                   pkv_bench_median(ratio_ctx[c], pairs));
     printf("| prefill_3700_llama_s (paged, median of %llu) | %.2f | <= 10 |\n",
            (unsigned long long)runs, p_paged);
     printf("| prefill_3700_llama_s, dense | %.2f | |\n", p_dense);
@@ -426,7 +434,13 @@ int pkv_bench_model(int argc, char **argv)
             preset, "dtype", pkv_dtype_name(dt), "threads", (int)pkv_model_threads(m), "runs",
             (int)runs, "decode_steps", (int)steps, "cells", jcells, "prefill_3700_llama_s", p_paged,
             "prefill_3700_llama_s_dense", p_dense, "loadavg_before", load0, "loadavg_after", load1);
-        if (have4096) json_object_set_new(o, "decode_paged_over_dense_4096", json_real(r4096));
+        if (have4096) {
+            json_object_set_new(o, "decode_paged_over_dense_4096", json_real(r4096));
+            json_t *pr = json_array();
+            for (uint64_t r = 0; r < pairs; r++) json_array_append_new(pr, json_real(ratio4096[r]));
+            json_object_set_new(o, "decode_paged_over_dense_4096_pairs", pr);
+        }
+        json_object_set_new(o, "decode_pairs", json_integer((json_int_t)pairs));
         json_object_set_new(o, "kernels", json_string(pkv_model_kernels(m)));
         json_object_set_new(o, "block_tokens", json_integer(block_tokens));
         json_object_set_new(o, "prefill_3700_llama_cpu_s", json_real(pc_paged));

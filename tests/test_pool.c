@@ -664,11 +664,14 @@ typedef struct {
 static uint64_t blocks_sum(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
 {
     uint64_t s = 0;
-    size_t bb = pkv_kv_block_bytes(kv);
-    for (uint32_t i = 0; i < n; i++) {
-        const uint64_t *w = pkv_kv_block_ptr(kv, ids[i]);
-        for (size_t j = 0; j < bb / 8; j += 7) s = s * 31 + w[j];
-    }
+    uint32_t layers = pkv_kv_geometry(kv)->layers;
+    size_t half = pkv_kv_block_bytes(kv) / (2 * (size_t)layers);
+    for (uint32_t i = 0; i < n; i++)
+        for (uint32_t l = 0; l < layers; l++)
+            for (uint32_t which = 0; which < 2; which++) {
+                const uint64_t *w = pkv_kv_block_slice(kv, ids[i], l, which);
+                for (size_t j = 0; j < half / 8; j += 7) s = s * 31 + w[j];
+            }
     return s;
 }
 
