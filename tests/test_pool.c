@@ -664,14 +664,15 @@ typedef struct {
 static uint64_t blocks_sum(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
 {
     uint64_t s = 0;
-    uint32_t layers = pkv_kv_geometry(kv)->layers;
-    size_t half = pkv_kv_block_bytes(kv) / (2 * (size_t)layers);
+    const pkv_geometry_t *g = pkv_kv_geometry(kv);
+    size_t piece = pkv_kv_block_bytes(kv) / (2 * (size_t)g->layers * g->kv_heads);
     for (uint32_t i = 0; i < n; i++)
-        for (uint32_t l = 0; l < layers; l++)
-            for (uint32_t which = 0; which < 2; which++) {
-                const uint64_t *w = pkv_kv_block_slice(kv, ids[i], l, which);
-                for (size_t j = 0; j < half / 8; j += 7) s = s * 31 + w[j];
-            }
+        for (uint32_t l = 0; l < g->layers; l++)
+            for (uint32_t which = 0; which < 2; which++)
+                for (uint32_t h = 0; h < g->kv_heads; h++) {
+                    const uint64_t *w = pkv_kv_block_head(kv, ids[i], l, which, h);
+                    for (size_t j = 0; j < piece / 8; j += 7) s = s * 31 + w[j];
+                }
     return s;
 }
 
@@ -765,6 +766,49 @@ static uint64_t committed(pkv_kv_t *kv)
     return st.committed_bytes;
 }
 
+/* A sequence reserved at once sits in consecutive slots of its granules: its runs span
+ * whole granules (one run per granule, not per block), and every position of every head
+ * read through a run is the address pkv_seq_slot gives. */
+START_TEST(runs_span_consecutive_slots_and_match_slots)
+{
+    pkv_geometry_t g = {
+        .layers = 3, .kv_heads = 2, .head_dim = 16, .block_tokens = 16, .dtype = PKV_DTYPE_F32};
+    pkv_kv_config_t cfg = {.geo = g, .granule_bytes = 65536, .no_prefix_cache = true};
+    pkv_kv_t *kv;
+    ck_assert_int_eq(pkv_kv_create(&cfg, &kv), PKV_OK);
+    /* block = 3 layers x 2 x 2 heads x 16 x 16 x 4 B = 12 KiB: 5 blocks per granule */
+    enum { N = 16 * 40 };
+    int32_t tok[N];
+    for (int i = 0; i < N; i++) tok[i] = i;
+    pkv_seq_params_t sp = {.tokens = tok, .n_tokens = N};
+    pkv_seq_t *s;
+    uint32_t nc;
+    ck_assert_int_eq(pkv_seq_create(kv, &sp, &s, &nc), PKV_OK);
+    for (uint32_t l = 0; l < g.layers; l++) {
+        pkv_kv_run_t runs[64];
+        uint32_t next, n = pkv_seq_runs(s, l, 3, N, runs, 64, &next);
+        ck_assert_uint_eq(next, N);
+        ck_assert_uint_le(n, 40 / 5 + 2); /* per granule, not per block (40 blocks) */
+        ck_assert_uint_eq(runs[0].pos, 3);
+        for (uint32_t r = 0; r < n; r++) {
+            if (r) ck_assert_uint_eq(runs[r].pos, runs[r - 1].pos + runs[r - 1].n_tokens);
+            for (uint32_t t = 0; t < runs[r].n_tokens; t++)
+                for (uint32_t h = 0; h < g.kv_heads; h++) {
+                    void *k, *v;
+                    size_t hs;
+                    pkv_seq_slot(s, runs[r].pos + t, l, &k, &v, &hs);
+                    ck_assert_uint_eq(hs, runs[r].head_stride);
+                    size_t off = ((size_t)h * hs + (size_t)t * g.head_dim) * 4;
+                    ck_assert_ptr_eq((char *)runs[r].k + off, (char *)k + (size_t)h * hs * 4);
+                    ck_assert_ptr_eq((char *)runs[r].v + off, (char *)v + (size_t)h * hs * 4);
+                }
+        }
+    }
+    pkv_seq_free(s);
+    pkv_kv_destroy(kv);
+}
+END_TEST
+
 START_TEST(allocation_prefers_dense_granules_and_decommits_with_hysteresis)
 {
     pkv_kv_t *kv = granule_pool(16);
@@ -856,6 +900,7 @@ static Suite *pool_suite(void)
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, property_paged);
     tcase_add_test(tc, property_dense);
+    tcase_add_test(tc, runs_span_consecutive_slots_and_match_slots);
     suite_add_tcase(s, tc);
     tc = tcase_create("properties");
     tcase_set_timeout(tc, 120);

@@ -124,12 +124,12 @@ uint32_t pkv_seq_runs(const pkv_seq_t *seq, uint32_t layer, uint32_t begin, uint
 /* The block ids of a sequence's table (valid until the sequence changes). */
 int pkv_seq_blocks(const pkv_seq_t *seq, const uint32_t **ids, uint32_t *n);
 size_t pkv_kv_block_bytes(const pkv_kv_t *kv);
-/* A block's K (which = 0) or V (which = 1) of one layer: kv_heads x block_tokens x
- * head_dim values, [head][token][dim], block_bytes / (2 * layers) bytes. Within a commit
- * granule the K of one layer of every block lies side by side (then their V): slices of
- * blocks b and b+1 are adjacent when both are in the same granule. NULL for a block or
- * layer out of range. */
-void *pkv_kv_block_slice(const pkv_kv_t *kv, uint32_t block, uint32_t layer, uint32_t which);
+/* A block's K (which = 0) or V (which = 1) of one layer and KV head: block_tokens x
+ * head_dim values, block_bytes / (2 * layers * kv_heads) bytes. Within a commit granule
+ * the pieces of one (layer, k|v, head) of every block lie side by side in slot order:
+ * blocks b and b + 1 of one granule have adjacent pieces. NULL when out of range. */
+void *pkv_kv_block_head(const pkv_kv_t *kv, uint32_t block, uint32_t layer, uint32_t which,
+                        uint32_t head);
 /* Take / drop an extra reference on live or cached blocks (a transfer's lease). Pin
  * fails with PKV_ERR_NOTFOUND, pinning nothing, if any id is free or out of range. */
 int pkv_kv_pin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n);

@@ -92,15 +92,18 @@ static inline pool_t *pool_of(const pkv_kv_t *kv)
     return (pool_t *)kv;
 }
 
-/* Granule layout [layer][k|v][slot][head][token][dim]: one layer's K of the blocks of a
- * granule sits side by side (then their V), so attention over a sequence whose blocks
- * were allocated together streams bpg * half bytes at a time instead of one block's
- * half (16 KiB for llama-3.2-1b bf16; 64 KiB with 4 blocks per granule). */
-static inline uint8_t *slice_addr(const pool_t *p, uint32_t id, uint32_t layer, uint32_t kv)
+/* Granule layout [layer][k|v][head][slot][token][dim]: for one layer and head, the
+ * tokens of a granule's blocks lie side by side in slot order, so a sequence whose blocks
+ * sit in consecutive slots reads as one run of up to bpg * block_tokens positions (head
+ * stride bpg * block_tokens * head_dim), and one layer's K of a granule is contiguous.
+ * Returns (block id, layer, k|v, head)'s block_tokens x head_dim elements. */
+static inline uint8_t *head_addr(const pool_t *p, uint32_t id, uint32_t layer, uint32_t kv,
+                                 uint32_t head)
 {
-    size_t half = p->base.block_bytes / (2 * (size_t)p->base.geo.layers);
+    const pkv_geometry_t *g = &p->base.geo;
+    size_t piece = (size_t)g->block_tokens * g->head_dim * p->base.elem_bytes;
     return p->addr + (size_t)(id / p->bpg) * p->stride +
-           (((size_t)layer * 2 + kv) * p->bpg + id % p->bpg) * half;
+           ((((size_t)layer * 2 + kv) * g->kv_heads + head) * p->bpg + id % p->bpg) * piece;
 }
 
 /* ---- granule buckets ---------------------------------------------------------------- */
@@ -571,10 +574,12 @@ static int pool_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens)
         /* We hold a reference on the shared block: no sharer writes it (each copies
          * first, as we do), so the copy runs unlocked. */
         uint32_t old = s->blocks[partial];
-        size_t half = seq->kv->block_bytes / (2 * (size_t)seq->kv->geo.layers);
-        for (uint32_t l = 0; l < seq->kv->geo.layers; l++)
+        const pkv_geometry_t *g = &seq->kv->geo;
+        size_t piece = (size_t)g->block_tokens * g->head_dim * seq->kv->elem_bytes;
+        for (uint32_t l = 0; l < g->layers; l++)
             for (uint32_t kv = 0; kv < 2; kv++)
-                memcpy(slice_addr(p, fresh[0], l, kv), slice_addr(p, old, l, kv), half);
+                for (uint32_t h = 0; h < g->kv_heads; h++)
+                    memcpy(head_addr(p, fresh[0], l, kv, h), head_addr(p, old, l, kv, h), piece);
         pthread_mutex_lock(&p->lock);
         s->blocks[partial] = fresh[0];
         block_unref(p, old);
@@ -643,17 +648,23 @@ static void pool_seq_slot(const pkv_seq_t *seq, uint32_t pos, uint32_t layer, vo
     size_t es = seq->kv->elem_bytes, T = g->block_tokens, D = g->head_dim;
     uint32_t id = s->blocks[pos / T];
     size_t row = (size_t)(pos % T) * D * es;
-    *k = slice_addr(p, id, layer, 0) + row;
-    *v = slice_addr(p, id, layer, 1) + row;
-    *head_stride = T * D;
+    *k = head_addr(p, id, layer, 0, 0) + row;
+    *v = head_addr(p, id, layer, 1, 0) + row;
+    *head_stride = (size_t)p->bpg * T * D;
 }
 
 static uint32_t pool_seq_runs(const pkv_seq_t *seq, uint32_t layer, uint32_t begin, uint32_t end,
                               pkv_kv_run_t *out, uint32_t max, uint32_t *next)
 {
+    const pool_seq_t *s = (const pool_seq_t *)seq;
+    const pool_t *p = pool_of(seq->kv);
     uint32_t T = seq->kv->geo.block_tokens, n = 0, pos = begin;
     while (pos < end && n < max) {
-        uint32_t stop = PKV_MIN(end, (pos / T + 1) * T);
+        /* One run across blocks that follow each other in consecutive slots of a granule:
+         * their tokens are contiguous per head. */
+        uint32_t b = pos / T, e = b + 1;
+        while (e * T < end && s->blocks[e] == s->blocks[e - 1] + 1 && s->blocks[e] % p->bpg) e++;
+        uint32_t stop = PKV_MIN(end, e * T);
         void *k, *v;
         size_t hs;
         pool_seq_slot(seq, pos, layer, &k, &v, &hs);
@@ -676,11 +687,14 @@ int pkv_seq_blocks(const pkv_seq_t *seq, const uint32_t **ids, uint32_t *n)
     return PKV_OK;
 }
 
-void *pkv_kv_block_slice(const pkv_kv_t *kv, uint32_t block, uint32_t layer, uint32_t which)
+void *pkv_kv_block_head(const pkv_kv_t *kv, uint32_t block, uint32_t layer, uint32_t which,
+                        uint32_t head)
 {
-    if (kv->backend != PKV_BACKEND_PAGED || layer >= kv->geo.layers || which > 1) return NULL;
+    if (kv->backend != PKV_BACKEND_PAGED || layer >= kv->geo.layers || which > 1 ||
+        head >= kv->geo.kv_heads)
+        return NULL;
     const pool_t *p = pool_of(kv);
-    return block < p->n_granules * p->bpg ? slice_addr(p, block, layer, which) : NULL;
+    return block < p->n_granules * p->bpg ? head_addr(p, block, layer, which, head) : NULL;
 }
 
 int pkv_kv_pin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)

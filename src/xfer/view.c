@@ -156,35 +156,36 @@ static void seg_copy(const xf_view_t *v, uint64_t off, uint8_t *pool, uint64_t l
     }
 }
 
-/* Blocks [i, j) whose `which` slices of layer l are adjacent in the pool, from i. */
+/* Blocks [i, j) whose (layer l, which, head h) pieces are adjacent in the pool, from i. */
 static uint32_t coalesce(const xf_view_t *v, pkv_xfer_agent_t *a, uint32_t l, uint32_t which,
-                         uint32_t i, uint8_t **start)
+                         uint32_t h, uint32_t i, uint64_t piece, uint8_t **start)
 {
-    uint64_t half = a->layer_bytes / 2;
-    *start = pkv_kv_block_slice(a->kv, v->blocks[i], l, which);
+    *start = pkv_kv_block_head(a->kv, v->blocks[i], l, which, h);
     uint32_t j = i + 1;
-    while (j < v->n_blocks && (uint8_t *)pkv_kv_block_slice(a->kv, v->blocks[j], l, which) ==
-                                  *start + (uint64_t)(j - i) * half)
+    while (j < v->n_blocks && (uint8_t *)pkv_kv_block_head(a->kv, v->blocks[j], l, which, h) ==
+                                  *start + (uint64_t)(j - i) * piece)
         j++;
     return j;
 }
 
-/* Copy one layer between its pool slices and staging following the coalesced plan (the
- * layer's stream: K of every block in plan order, then V). Returns the layer's checksum
- * over the stream bytes. */
+/* Copy one layer between the pool and staging following the coalesced plan. The layer's
+ * stream: for K then V, for each KV head, that head's piece of every block in plan order.
+ * Returns the layer's checksum over the stream bytes. */
 uint64_t xf_view_copy_layer(const xf_view_t *v, pkv_xfer_agent_t *a, uint32_t l, bool to_stage)
 {
     pkv_xfer_sum_t sum;
     pkv_xfer_sum_init(&sum);
-    uint64_t half = a->layer_bytes / 2;
+    uint32_t heads = a->geo.kv_heads;
+    uint64_t piece = a->layer_bytes / (2 * (uint64_t)heads);
     uint64_t off = (uint64_t)l * v->layer_total;
     for (uint32_t which = 0; which < 2; which++)
-        for (uint32_t i = 0, j; i < v->n_blocks; i = j) {
-            uint8_t *start;
-            j = coalesce(v, a, l, which, i, &start);
-            seg_copy(v, off, start, (uint64_t)(j - i) * half, to_stage, &sum);
-            off += (uint64_t)(j - i) * half;
-        }
+        for (uint32_t h = 0; h < heads; h++)
+            for (uint32_t i = 0, j; i < v->n_blocks; i = j) {
+                uint8_t *start;
+                j = coalesce(v, a, l, which, h, i, piece, &start);
+                seg_copy(v, off, start, (uint64_t)(j - i) * piece, to_stage, &sum);
+                off += (uint64_t)(j - i) * piece;
+            }
     return pkv_xfer_sum_final(&sum);
 }
 
@@ -230,23 +231,25 @@ uint64_t xf_view_copy_layer_from(const xf_view_t *v, pkv_xfer_agent_t *a, uint32
 {
     pkv_xfer_sum_t sum;
     pkv_xfer_sum_init(&sum);
-    uint64_t half = a->layer_bytes / 2;
+    uint32_t heads = a->geo.kv_heads;
+    uint64_t piece = a->layer_bytes / (2 * (uint64_t)heads);
     uint32_t p = 0;  /* current piece */
     uint64_t in = 0; /* bytes of it already consumed */
     for (uint32_t which = 0; which < 2; which++)
-        for (uint32_t i = 0, j; i < v->n_blocks; i = j) {
-            uint8_t *dst;
-            j = coalesce(v, a, l, which, i, &dst);
-            uint64_t len = (uint64_t)(j - i) * half;
-            while (len) {
-                PKV_ASSERT(p < n); /* the pieces were checked to cover the layer */
-                uint64_t k = PKV_MIN(pieces[2 * p + 1] - in, len);
-                pkv_xfer_sum_copy(&sum, dst, arena + pieces[2 * p] + in, k);
-                dst += k;
-                len -= k;
-                in += k;
-                if (in == pieces[2 * p + 1]) p++, in = 0;
+        for (uint32_t h = 0; h < heads; h++)
+            for (uint32_t i = 0, j; i < v->n_blocks; i = j) {
+                uint8_t *dst;
+                j = coalesce(v, a, l, which, h, i, piece, &dst);
+                uint64_t len = (uint64_t)(j - i) * piece;
+                while (len) {
+                    PKV_ASSERT(p < n); /* the pieces were checked to cover the layer */
+                    uint64_t k = PKV_MIN(pieces[2 * p + 1] - in, len);
+                    pkv_xfer_sum_copy(&sum, dst, arena + pieces[2 * p] + in, k);
+                    dst += k;
+                    len -= k;
+                    in += k;
+                    if (in == pieces[2 * p + 1]) p++, in = 0;
+                }
             }
-        }
     return pkv_xfer_sum_final(&sum);
 }
