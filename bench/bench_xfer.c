@@ -340,7 +340,7 @@ static void outcomes_str(const fm_row_t *row, char *buf, size_t len)
 static int usage(void)
 {
     fprintf(stderr,
-            "usage: pagekv bench xfer [--runs N] [--kill-runs N] [--fault-matrix N] [--tcp-only]\n"
+            "usage: pagekv bench xfer [--runs N] [--kill-runs N] [--fault-matrix N]\n"
             "                         [--no-perftest] [--no-throughput] [--path P] [--json FILE]\n"
             "  --runs N          8-in-flight batches per size and path (default 3)\n"
             "  --kill-runs N     kill -9 runs per path for the detection time (default 5)\n"
