@@ -317,7 +317,9 @@ static void stage_serve(pkv_stage_t *st)
         if (!stage_alloc_fits(&st->alloc, w->need)) break;
         uint32_t fresh;
         w->rec = stage_grant(st, w->id, w->peer, w->asked, w->grant, &fresh);
-        (void)fresh; /* the waiter commits them */
+        /* The waiter's own lease until its acquire returns (and commits any fresh pages):
+         * a cancel in between must not free pages the waiter is about to hand out. */
+        st->xfers[w->rec].leases = 1;
         w->status = PKV_OK;
         waiter_unlink(st, w);
         pthread_cond_signal(&w->cond);
@@ -799,7 +801,7 @@ static int stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, u
 
     int rc;
     uint32_t rec = STAGE_NONE, fresh = 0;
-    bool blocked = false;
+    bool blocked = false, via_park = false; /* via_park: granted to us as a waiter */
     pthread_mutex_lock(&st->lock);
     if (try_only &&
         (nofit || st->shutdown || st->wait_head || (cap && peer_held(st, peer) + need > cap) ||
@@ -827,6 +829,7 @@ static int stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, u
         rc = stage_park(st, &w, deadline_ns, &blocked);
         if (rc == PKV_OK) {
             rec = w.rec;
+            via_park = true;
             for (uint32_t r = 0; r < g->nruns; r++)
                 for (uint32_t p = 0; p < g->runs[r].count; p++)
                     fresh += st->fresh[g->runs[r].page + p] ? 1 : 0;
@@ -852,12 +855,12 @@ static int stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, u
                      "%u of %u when it parked, %u committed fresh)",
                      transfer_id, peer, pages, (double)g->wait_ns / 1e6, free_at_park, npages,
                      fresh);
-        if (fresh) {
+        if (fresh || via_park) {
             /* Commit outside the lock; the internal lease keeps the pages ours. */
-            int crc = stage_commit_fresh(st, g);
+            int crc = fresh ? stage_commit_fresh(st, g) : PKV_OK;
             if (crc) stage_uncommit_grant(st, g);
             pthread_mutex_lock(&st->lock);
-            stage_settle_fresh(st, g, crc == PKV_OK);
+            if (fresh) stage_settle_fresh(st, g, crc == PKV_OK);
             stage_xfer_t *x = &st->xfers[rec];
             PKV_ASSERT(x->id == transfer_id && x->leases > 0);
             bool cancelled = x->state != XFER_HOLD;
@@ -875,8 +878,8 @@ static int stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, u
             }
             if (cancelled) {
                 PKV_LOGW(STAGE_LOG,
-                         "acquire transfer=%" PRIu64 " peer=%u pages=%u: cancelled while its "
-                         "pages were committed (pages free %u of %u)",
+                         "acquire transfer=%" PRIu64 " peer=%u pages=%u: cancelled before "
+                         "the acquire returned (pages free %u of %u)",
                          transfer_id, peer, pages, free_after, npages);
                 free(g);
                 return PKV_ERR_CANCELLED;
