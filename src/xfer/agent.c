@@ -314,6 +314,20 @@ static void *progress_main(void *arg)
 }
 
 /* ---- create / destroy ------------------------------------------------------------------- */
+
+/* Tell the copy and seat threads to leave once their queues are empty; join and free them. */
+static void threads_stop_join(pkv_xfer_agent_t *a)
+{
+    pthread_mutex_lock(&a->lock);
+    a->threads_stop = true;
+    pthread_cond_broadcast(&a->job_cond);
+    pthread_cond_broadcast(&a->seat_cond);
+    pthread_mutex_unlock(&a->lock);
+    for (uint32_t i = 0; i < a->n_workers; i++) pthread_join(a->workers[i], NULL);
+    for (uint32_t i = 0; i < a->n_seaters; i++) pthread_join(a->seaters[i], NULL);
+    free(a->workers);
+    free(a->seaters);
+}
 static int parse_host(const char *host, uint16_t port, struct sockaddr_storage *ss, socklen_t *len)
 {
     memset(ss, 0, sizeof(*ss));
@@ -636,15 +650,7 @@ int pkv_xfer_agent_create(const pkv_xfer_config_t *cfg, pkv_xfer_agent_t **out)
     return PKV_OK;
 
 fail_threads:
-    pthread_mutex_lock(&a->lock);
-    a->threads_stop = true;
-    pthread_cond_broadcast(&a->job_cond);
-    pthread_cond_broadcast(&a->seat_cond);
-    pthread_mutex_unlock(&a->lock);
-    for (uint32_t i = 0; i < a->n_workers; i++) pthread_join(a->workers[i], NULL);
-    for (uint32_t i = 0; i < a->n_seaters; i++) pthread_join(a->seaters[i], NULL);
-    free(a->workers);
-    free(a->seaters);
+    threads_stop_join(a);
 fail_ucx:
     ucx_close(a, true);
 fail_fds:
@@ -669,16 +675,7 @@ void pkv_xfer_agent_destroy(pkv_xfer_agent_t *a)
     xf_wake(a);
     void *clean = NULL;
     pthread_join(a->progress_thread, &clean);
-
-    pthread_mutex_lock(&a->lock);
-    a->threads_stop = true;
-    pthread_cond_broadcast(&a->job_cond);
-    pthread_cond_broadcast(&a->seat_cond);
-    pthread_mutex_unlock(&a->lock);
-    for (uint32_t i = 0; i < a->n_workers; i++) pthread_join(a->workers[i], NULL);
-    for (uint32_t i = 0; i < a->n_seaters; i++) pthread_join(a->seaters[i], NULL);
-    free(a->workers);
-    free(a->seaters);
+    threads_stop_join(a);
 
     ucx_close(a, clean != NULL);
     close(a->wake_fd);

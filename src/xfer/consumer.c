@@ -157,16 +157,8 @@ int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_
     return PKV_OK;
 
 fail_mem:
-    free(rd->layer_pieces);
-    free(rd->layer_npieces);
-    free(rd->chunks);
-    free(rd->src_blocks);
-    free(rd->layer_chunks);
-    free(rd->layer_flags);
-    free(rd->layer_sum);
-    free(rd->ev_layer);
-    free(rd->job_layer);
-    xf_view_fini(&rd->v);
+    read_free_mem(rd); /* the arrays are calloc'd or NULL: safe on a half-built read */
+    return rc;
 fail_cv:
     pthread_cond_destroy(&rd->cv);
 fail_mu:
