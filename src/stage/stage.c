@@ -803,10 +803,11 @@ static int stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, u
     uint32_t rec = STAGE_NONE, fresh = 0;
     bool blocked = false, via_park = false; /* via_park: granted to us as a waiter */
     pthread_mutex_lock(&st->lock);
-    if (try_only &&
-        (nofit || st->shutdown || st->wait_head || (cap && peer_held(st, peer) + need > cap) ||
-         !stage_alloc_fits(&st->alloc, need) || xfer_find(st, transfer_id) ||
-         waiter_find(st, transfer_id))) {
+    const bool live = xfer_find(st, transfer_id) || waiter_find(st, transfer_id);
+    /* Nobody queued ahead, under the peer's cap, and the pages are free now. */
+    const bool at_once = !st->wait_head && !(cap && peer_held(st, peer) + need > cap) &&
+                         stage_alloc_fits(&st->alloc, need);
+    if (try_only && (nofit || st->shutdown || live || !at_once)) {
         pthread_mutex_unlock(&st->lock);
         if (!nofit) pthread_cond_destroy(&w.cond);
         free(g);
@@ -818,10 +819,9 @@ static int stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, u
     } else if (st->shutdown) {
         rc = PKV_ERR_SHUTDOWN;
         st->stats.shutdowns++;
-    } else if (xfer_find(st, transfer_id) || waiter_find(st, transfer_id)) {
+    } else if (live) {
         rc = PKV_ERR_BUSY;
-    } else if (!st->wait_head && !(cap && peer_held(st, peer) + need > cap) &&
-               stage_alloc_fits(&st->alloc, need)) {
+    } else if (at_once) {
         rec = stage_grant(st, transfer_id, peer, pages, g, &fresh);
         rc = PKV_OK;
     } else {
