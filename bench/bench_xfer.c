@@ -4,10 +4,11 @@
  *   throughput   GB/s (1e9 bytes/s) of 64 KiB, 1 MiB and 16 MiB transfers, same host
  *                (UCX picks shared memory) and over tcp (UCX_TLS=tcp on loopback), every
  *                byte verified by the consumer. Two figures per size: 8 reads in flight
- *                (aggregate bytes over the batch's wall time: the figure compared with
- *                ucx_perftest, which keeps 8 sends outstanding) and one read at a time
- *                (median of the reads' own times: latency-bound for small sizes). The
- *                first read of each run is a warm-up, excluded.
+ *                (a new read as soon as the oldest ended, 24 to 248 reads: aggregate bytes
+ *                over their wall time; the figure compared with ucx_perftest, which keeps 8
+ *                sends outstanding) and one read at a time (median of the reads' own times:
+ *                latency-bound for small sizes). A first batch of 8 reads in each run is a
+ *                warm-up, excluded.
  *   references   single-thread memcpy of 16 MiB, and `ucx_perftest -t tag_bw -O 8 -e` over
  *                tcp at the same sizes with the same UCX tcp settings, measured in this run
  *   kill detect  kill -9 of a producer mid-transfer to the consumer's peer_lost, both paths
@@ -147,8 +148,15 @@ static void size_case(xh_case_t *c, size_t bytes, int path)
     c->prewarm = true;
 }
 
+/* Timed reads per windowed run: enough for the window to be full most of the time (the
+ * pools hold every request: 256 x 64 KiB, 128 x 1 MiB, 32 x 16 MiB per side). */
+static uint32_t timed_reads(size_t bytes)
+{
+    return bytes <= (64 << 10) ? XH_MAX_REQ - 8 : bytes <= (1 << 20) ? 120 : 24;
+}
+
 typedef struct {
-    double batch_gbps;  /* median over runs of (bytes of 8 reads) / (their wall time) */
+    double batch_gbps;  /* median over runs of (bytes of the timed reads) / (their wall time) */
     double single_gbps; /* median over reads of bytes / read time, one at a time */
     int runs, reads;
     bool ok;
@@ -174,7 +182,7 @@ static bool run_ok(const xh_result_t *r, uint32_t n, char *why, size_t wl)
 static tput_t measure(size_t bytes, int path, int runs, int single_reads)
 {
     tput_t t = {.ok = true};
-    double batch[16], single[64];
+    double batch[100], single[64];
     int nb = 0, ns = 0;
     for (int run = 0; run < runs && t.ok; run++) {
         xh_case_t c;
@@ -182,7 +190,8 @@ static tput_t measure(size_t bytes, int path, int runs, int single_reads)
         size_case(&c, bytes, path);
         c.seed = 7 + (uint64_t)run;
         c.warmup = 8; /* a first batch commits and maps every page the timed one uses */
-        c.n_requests = 8 + 8;
+        c.window = 8;
+        c.n_requests = c.warmup + timed_reads(bytes);
         xh_run(&c, &r);
         if (!(t.ok = run_ok(&r, c.n_requests, t.why, sizeof(t.why)))) break;
         uint64_t first = UINT64_MAX, last = 0, total = 0;
@@ -342,10 +351,11 @@ static int usage(void)
     fprintf(stderr,
             "usage: pagekv bench xfer [--runs N] [--kill-runs N] [--fault-matrix N]\n"
             "                         [--no-perftest] [--no-throughput] [--path P] [--json FILE]\n"
-            "  --runs N          8-in-flight batches per size and path (default 3)\n"
+            "  --runs N          8-in-flight runs per size and path (default 3)\n"
             "  --kill-runs N     kill -9 runs per path for the detection time (default 5)\n"
             "  --fault-matrix N  run every fault case N times (default 0: skip)\n"
-            "  --path P          only same_host, tcp or same_host_ucx (default: all three)\n");
+            "  --path P          only same_host, tcp or same_host_ucx (default: all three)\n"
+            "  --size S          only 64k, 1m or 16m transfers (default: all three)\n");
     return 2;
 }
 
@@ -354,7 +364,8 @@ int pkv_bench_xfer(int argc, char **argv)
     uint64_t runs = 3, kill_runs = 5, fm_runs = 0;
     const char *json_path = NULL;
     bool perftest = true, throughput = true;
-    int only = -1; /* --path */
+    int only = -1;      /* --path */
+    int only_size = -1; /* --size */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) return usage(), 0;
@@ -363,13 +374,20 @@ int pkv_bench_xfer(int argc, char **argv)
         } else if (!strcmp(a, "--no-throughput")) {
             throughput = false;
         } else if (i + 1 < argc && !strcmp(a, "--runs")) {
-            if (pkv_cli_parse_u64(argv[++i], 1, 15, &runs)) return usage();
+            if (pkv_cli_parse_u64(argv[++i], 1, 100, &runs)) return usage();
         } else if (i + 1 < argc && !strcmp(a, "--kill-runs")) {
             if (pkv_cli_parse_u64(argv[++i], 0, 64, &kill_runs)) return usage();
         } else if (i + 1 < argc && !strcmp(a, "--fault-matrix")) {
             if (pkv_cli_parse_u64(argv[++i], 0, 10000, &fm_runs)) return usage();
         } else if (i + 1 < argc && !strcmp(a, "--json")) {
             json_path = argv[++i];
+        } else if (i + 1 < argc && !strcmp(a, "--size")) {
+            const char *v = argv[++i];
+            static const char *const names[] = {"64k", "1m", "16m"};
+            for (int k = 0; k < 3; k++)
+                if (!strcmp(v, names[k])) only_size = k;
+            if (only_size < 0)
+                return pkv_cli_usage_error("bench xfer", "--size: 64k, 1m or 16m, got '%s'", v);
         } else if (i + 1 < argc && !strcmp(a, "--path")) {
             const char *v = argv[++i];
             for (int p = 0; p < NPATHS; p++)
@@ -396,6 +414,7 @@ int pkv_bench_xfer(int argc, char **argv)
     if (only >= 0 && only != PATH_TCP) perftest = false;
     if (perftest)
         for (int s = 0; s < NS; s++) {
+            if (only_size >= 0 && s != only_size) continue;
             progress("ucx_perftest tag_bw tcp %s ...", size_names[s]);
             pt[s] = perftest_gbps(sizes[s], 21000 + (int)(getpid() % 4000) + s);
         }
@@ -405,6 +424,7 @@ int pkv_bench_xfer(int argc, char **argv)
     if (throughput) {
         for (int path = 0; path < NPATHS; path++)
             for (int s = 0; s < NS && (only < 0 || path == only); s++) {
+                if (only_size >= 0 && s != only_size) continue;
                 progress("transfers %s %s ...", path_names[path], size_names[s]);
                 tp[path][s] = measure(sizes[s], path, (int)runs, 8);
             }
@@ -428,6 +448,7 @@ int pkv_bench_xfer(int argc, char **argv)
                "tcp GB/s | vs perftest |\n|---|---|---|---|---|---|---|\n");
         for (int path = 0; path < NPATHS; path++)
             for (int s = 0; s < NS && (only < 0 || path == only); s++) {
+                if (only_size >= 0 && s != only_size) continue;
                 tput_t *t = &tp[path][s];
                 if (!t->ok) {
                     printf("| %s | %s | failed: %s | | | | |\n", path_names[path], size_names[s],
@@ -454,7 +475,8 @@ int pkv_bench_xfer(int argc, char **argv)
         printf("\nsame_host: payload through the producer's shared staging arena (memfd mapped "
                "by the consumer); same_host_ucx: payload through UCX (shared memory + tcp lanes, "
                "zero-copy off per UCX-NOTES); tcp: UCX_TLS=tcp on loopback. 8 in flight: "
-               "median over %llu batches of 8 reads (bytes / batch wall time); one at a time: "
+               "median over %llu runs of bytes / wall time of 248 (64 KiB), 120 (1 MiB) or 24 "
+               "(16 MiB) reads, a new read as soon as the oldest ended; one at a time: "
                "median of 8 reads. Targets: same host >= 0.6 x memcpy, tcp >= 0.8 x "
                "ucx_perftest.\n\n",
                (unsigned long long)runs);
@@ -503,6 +525,7 @@ int pkv_bench_xfer(int argc, char **argv)
                          (unsigned long long)k + 1, (unsigned long long)fm_runs);
                 xh_result_t r;
                 c.seed = 1000 + k;
+                c.n_tokens = k % 2 ? 64 : 512; /* 256 KiB: copied on the progress threads */
                 xh_run(&c, &r);
                 row.runs++;
                 fault_check(&c, &r, &row);
@@ -526,7 +549,9 @@ int pkv_bench_xfer(int argc, char **argv)
             json_object_set_new(o, "violations", json_integer(row.violations));
             json_array_append_new(fm, o);
         }
-        printf("\nworst ms: read() call to the consumer's outcome (consumer-killed rows: none). "
+        printf("\nRuns alternate 2 MiB transfers (copied by the copy workers) and 256 KiB ones "
+               "(copied on the progress threads). "
+               "worst ms: read() call to the consumer's outcome (consumer-killed rows: none). "
                "A violation is an outcome outside the expected set, later than deadline + 1 s, "
                "a request counted sent without a stored copy, a staging page, pin or transfer "
                "not returned, or a process that crashed.\n");

@@ -340,7 +340,11 @@ static pkv_stage_t *make_stage(const xh_case_t *c, uint32_t pages)
     pkv_stage_config_default(&sc);
     sc.page_bytes = c->page_bytes ? c->page_bytes : 64 << 10;
     uint32_t per = pages_for(c, sc.page_bytes);
-    uint32_t batch = c->sequential ? 2 : PKV_MAX(c->warmup, c->n_requests - c->warmup);
+    /* transfers that may hold staging at once (+1: a read's successor may arrive before
+     * its staging is back) */
+    uint32_t batch = c->sequential ? 2
+                     : c->window   ? PKV_MAX(c->warmup, c->window + 1)
+                                   : PKV_MAX(c->warmup, c->n_requests - c->warmup);
     sc.pool_pages = pages ? pages : per * PKV_MAX(batch, 1) + 4;
     if (c->fixed_slots) {
         sc.mode = PKV_STAGE_FIXED_SLOTS;
@@ -391,12 +395,18 @@ static pkv_xfer_agent_t *make_agent(const xh_case_t *c, pkv_kv_t *kv, pkv_stage_
     xc.chunk_bytes = c->chunk_bytes;
     xc.workers = c->workers;
     xc.no_shared = !c->shared;
+    /* The producer hook sleeps inside the copy for these (slow staging): that copy must
+     * run on a worker, not hold up the progress thread. */
+    xh_fault_t f = c->fault;
+    xc.no_inline_copy = producer && (f == XH_DEADLINE || f == XH_SHUTDOWN_CONSUMER ||
+                                     f == XH_SHUTDOWN_PRODUCER || f == XH_CANCEL ||
+                                     f == XH_CONSUMER_KILLED_DURING || f == XH_CONSUMER_STOPPED);
     pkv_xfer_agent_t *a;
     int rc = pkv_xfer_agent_create(&xc, &a);
     if (rc) child_fail("agent create", rc);
-    pkv_xfer_faults_t f = {.fn = producer ? producer_hook : consumer_hook,
-                           .corrupt_layer = (producer && c->fault == XH_CORRUPT) ? 1 : -1};
-    pkv_xfer_set_faults(a, &f);
+    pkv_xfer_faults_t hooks = {.fn = producer ? producer_hook : consumer_hook,
+                               .corrupt_layer = (producer && f == XH_CORRUPT) ? 1 : -1};
+    pkv_xfer_set_faults(a, &hooks);
     return a;
 }
 
@@ -587,13 +597,18 @@ static void consumer_main(const xh_case_t *c, int from_parent)
         int rc = pkv_xfer_read(a, h[r], ids, n, start[r] + c->deadline_ms * 1000000ull, on_done,
                                &slot[r], &rd[r]);
         if (rc) child_fail("read", rc);
-        /* Batches: [0, warmup) then [warmup, nreq), unless reading one by one. */
-        bool batch_end = c->sequential || r + 1 == c->warmup || r + 1 == nreq;
+        /* Batches: [0, warmup) then [warmup, nreq), unless reading one by one or keeping a
+         * window of reads outstanding after the warm-up (then wait for the oldest). */
+        bool windowed = c->window && r >= c->warmup;
+        bool batch_end = c->sequential || r + 1 == c->warmup || r + 1 == nreq ||
+                         (windowed && r + 1 - c->warmup >= c->window);
         if (!batch_end) continue;
         uint32_t first = c->sequential ? r : r < c->warmup ? 0 : c->warmup;
+        if (windowed) first = r + 1 == nreq ? PKV_MAX(c->warmup, r + 1 - c->window) : r + 1 - c->window;
+        uint32_t last = windowed && r + 1 < nreq ? first : r;
         /* Wait for this read or the whole batch, acting on the hook's trigger. */
         uint64_t give_up = pkv_now_ns() + (c->deadline_ms + 10000) * 1000000ull;
-        for (uint32_t q = first; q <= r; q++) {
+        for (uint32_t q = first; q <= last; q++) {
             while (!atomic_load(&slot[q].done) && pkv_now_ns() < give_up) {
                 if (atomic_load(&g_trigger)) {
                     atomic_store(&g_trigger, 0);

@@ -18,7 +18,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#define XH_MAX_REQ 64
+#define XH_MAX_REQ 256
 
 typedef enum {
     XH_NONE = 0,
@@ -49,6 +49,8 @@ typedef struct {
     bool sequential;      /* read one request after another (timing) instead of all at once */
     uint32_t warmup;      /* the first `warmup` requests are read first, the same way (one by
                              one or as a batch), before the rest */
+    uint32_t window;      /* > 0: after the warm-up, the rest are read keeping `window` reads
+                             outstanding (a new one as soon as the oldest ended) */
     bool prewarm;         /* commit every staging page once before any read (steady-state
                              timing: the reads then never pay the first-use commit) */
     uint32_t chunk_bytes; /* 0: agent default */

@@ -521,17 +521,21 @@ START_TEST(netns_veth_tcp)
 }
 END_TEST
 
-/* _i < XH_NFAULTS: payload through UCX; above: through the shared arena. */
+/* _i < XH_NFAULTS: payload through UCX; then through the shared arena; then a small
+ * transfer (256 KiB: copied on the progress threads, not the copy workers) through
+ * either, by the fault's parity. */
 START_TEST(fault_case)
 {
     xh_fault_t f = (xh_fault_t)(_i % XH_NFAULTS);
-    bool shared = _i >= XH_NFAULTS;
+    bool small = _i >= 2 * XH_NFAULTS;
+    bool shared = small ? f % 2 : _i >= XH_NFAULTS;
     int repeat = (int)env_u64("PKV_XFER_FAULT_REPEAT", 1);
     for (int k = 0; k < repeat; k++) {
         xh_case_t c;
         xh_case_default(&c);
         c.fault = f;
         c.shared = shared;
+        if (small) c.n_tokens = 64;
         c.seed = 100 + (uint64_t)k;
         xh_result_t r;
         ck_assert_int_eq(xh_run(&c, &r), 0);
@@ -553,7 +557,7 @@ static Suite *xfer_suite(void)
     tcase_set_timeout(two, 120);
     tcase_add_test(two, loopback_random_geometries);
     tcase_add_test(two, netns_veth_tcp);
-    tcase_add_loop_test(two, fault_case, XH_NONE, 2 * XH_NFAULTS);
+    tcase_add_loop_test(two, fault_case, XH_NONE, 3 * XH_NFAULTS);
     suite_add_tcase(s, two);
     return s;
 }

@@ -63,6 +63,8 @@ typedef struct {
     uint32_t max_inflight;    /* payload sends in flight per transfer; 0 -> 8 */
     bool no_shared;           /* consumer: never map a same-host producer's staging arena
                                  (always move the payload through UCX) */
+    bool no_inline_copy;      /* copy every transfer on the copy workers, also small ones
+                                 (tests whose fault hooks sleep inside a copy) */
 } pkv_xfer_config_t;
 
 /* Create an agent: UCX context, worker, listener, progress thread and workers. Bad config

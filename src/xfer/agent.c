@@ -99,6 +99,11 @@ bool xf_seat_inline(pkv_xfer_agent_t *a, uint64_t stage_id, uint32_t peer, uint3
     return true;
 }
 
+bool xf_copy_inline(const pkv_xfer_agent_t *a, const xf_view_t *v)
+{
+    return !a->cfg.no_inline_copy && v->layer_total * v->layers <= XF_INLINE_COPY_BYTES;
+}
+
 void xf_busy_add(pkv_xfer_agent_t *a, int delta)
 {
     pthread_mutex_lock(&a->lock);

@@ -392,22 +392,29 @@ void xf_read_seat(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
     xf_event_post(a, &rd->ev_seated);
 }
 
-/* Copy worker: store layer l and check its checksum. */
+/* Store layer l (staging or the producer's arena -> pool) and check it against the
+ * checksum its DATA carried: PKV_OK or PKV_ERR_CORRUPT. */
+static int store_layer(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l, uint64_t expected)
+{
+    uint64_t sum = rd->shared ? xf_view_copy_layer_from(&rd->v, a, l, rd->arena,
+                                                        rd->layer_pieces[l], rd->layer_npieces[l])
+                              : xf_view_copy_layer(&rd->v, a, l, false);
+    return sum == expected ? PKV_OK : PKV_ERR_CORRUPT;
+}
+
+/* Copy worker: store layer l. */
 void xf_read_job(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l)
 {
     xf_event_t *ev = &rd->ev_layer[l];
-    if (atomic_load(&rd->v.abort)) {
-        ev->status = PKV_ERR_CANCELLED;
-    } else {
-        uint64_t sum = rd->shared
-                           ? xf_view_copy_layer_from(&rd->v, a, l, rd->arena, rd->layer_pieces[l],
-                                                     rd->layer_npieces[l])
-                           : xf_view_copy_layer(&rd->v, a, l, false);
-        ev->status = sum == ev->checksum ? PKV_OK : PKV_ERR_CORRUPT;
-    }
+    ev->status =
+        atomic_load(&rd->v.abort) ? PKV_ERR_CANCELLED : store_layer(a, rd, l, ev->checksum);
     xf_event_post(a, ev);
 }
 
+static void layer_stored(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l, int status);
+
+/* Layer l has its DATA and every chunk: store it, here for a small transfer, else on a
+ * copy worker. The caller ends with settle(). */
 static void maybe_verify(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l)
 {
     uint8_t f = rd->layer_flags[l];
@@ -415,6 +422,10 @@ static void maybe_verify(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l)
         rd->layer_chunks[l] != rd->v.chunks_per_layer)
         return;
     rd->layer_flags[l] |= LF_QUEUED;
+    if (xf_copy_inline(a, &rd->v)) {
+        layer_stored(a, rd, l, store_layer(a, rd, l, rd->layer_sum[l]));
+        return;
+    }
     xf_event_t *ev = &rd->ev_layer[l];
     ev->kind = XF_EV_VERIFIED;
     ev->owner = rd;
@@ -554,6 +565,30 @@ static int seat_outcome(int rc)
     }
 }
 
+/* Layer l was stored (status PKV_OK) or failed its checksum; the last one stored sends
+ * ACK and ends the read ok. */
+static void layer_stored(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l, int status)
+{
+    if (rd->finished) return;
+    if (status == PKV_ERR_CORRUPT) {
+        char why[64];
+        snprintf(why, sizeof(why), "layer %u checksum mismatch", l);
+        finish(a, rd, PKV_ERR_CORRUPT, true, why);
+        return;
+    }
+    rd->layer_flags[l] |= LF_STORED;
+    if (++rd->layers_verified == rd->v.layers) {
+        pkv_wire_ack_t k = {.xfer_id = rd->xfer_id,
+                            .request_id = rd->request_id,
+                            .bytes = rd->v.layer_total * rd->v.layers};
+        uint8_t buf[64];
+        size_t len;
+        if (pkv_xfer_wire_encode_ack(&k, buf, sizeof(buf), &len) == PKV_OK)
+            xf_ctl_send(a, rd->peer, buf, len);
+        finish(a, rd, PKV_OK, false, "ok");
+    }
+}
+
 void xf_read_event(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, xf_event_t *ev)
 {
     switch (ev->kind) {
@@ -575,29 +610,10 @@ void xf_read_event(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, xf_event_t *ev)
             finish(a, rd, seat_outcome(ev->status), false, why);
         }
         break;
-    case XF_EV_VERIFIED: {
-        uint32_t l = ev->layer;
+    case XF_EV_VERIFIED:
         rd->jobs_pending--;
-        if (rd->finished) break;
-        if (ev->status == PKV_ERR_CORRUPT) {
-            char why[64];
-            snprintf(why, sizeof(why), "layer %u checksum mismatch", l);
-            finish(a, rd, PKV_ERR_CORRUPT, true, why);
-            break;
-        }
-        rd->layer_flags[l] |= LF_STORED;
-        if (++rd->layers_verified == rd->v.layers) {
-            pkv_wire_ack_t k = {.xfer_id = rd->xfer_id,
-                                .request_id = rd->request_id,
-                                .bytes = rd->v.layer_total * rd->v.layers};
-            uint8_t buf[64];
-            size_t len;
-            if (pkv_xfer_wire_encode_ack(&k, buf, sizeof(buf), &len) == PKV_OK)
-                xf_ctl_send(a, rd->peer, buf, len);
-            finish(a, rd, PKV_OK, false, "ok");
-        }
+        layer_stored(a, rd, ev->layer, ev->status);
         break;
-    }
     default:
         PKV_ASSERT(!"unexpected read event");
     }
@@ -646,6 +662,7 @@ void xf_read_on_data(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_data_t *d
     rd->layer_flags[d->layer] |= LF_HEADER;
     rd->layer_sum[d->layer] = d->checksum;
     maybe_verify(a, rd, d->layer);
+    settle(a, rd);
 }
 
 void xf_read_on_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_fail_t *f)

@@ -441,14 +441,21 @@ void xf_serve_seat(pkv_xfer_agent_t *a, xf_serve_t *s)
     xf_event_post(a, &s->ev_seated);
 }
 
+/* Copy layer l pool -> staging; its checksum. */
+static uint64_t stage_layer(pkv_xfer_agent_t *a, xf_serve_t *s, uint32_t l)
+{
+    uint64_t sum = xf_view_copy_layer(&s->v, a, l, true);
+    if (a->faults.corrupt_layer == (int32_t)l) xf_view_corrupt(&s->v, l);
+    fault(a, PKV_XFER_FAULT_SERVE_COPIED, l);
+    return sum;
+}
+
 /* Copy worker: stage every layer in order, announcing each as it is ready. */
 void xf_serve_job(pkv_xfer_agent_t *a, xf_serve_t *s)
 {
     for (uint32_t l = 0; l < s->v.layers; l++) {
         if (atomic_load(&s->v.abort)) break;
-        uint64_t sum = xf_view_copy_layer(&s->v, a, l, true);
-        if (a->faults.corrupt_layer == (int32_t)l) xf_view_corrupt(&s->v, l);
-        fault(a, PKV_XFER_FAULT_SERVE_COPIED, l);
+        uint64_t sum = stage_layer(a, s, l);
         xf_event_t *ev = &s->ev_layer[l];
         ev->kind = XF_EV_LAYER_READY;
         ev->is_serve = true;
@@ -601,6 +608,16 @@ static int seat_reason(int rc)
     }
 }
 
+/* Layer l is staged (layers are staged in order): send what can go. */
+static void layer_ready(pkv_xfer_agent_t *a, xf_serve_t *s, uint32_t l, uint64_t sum)
+{
+    s->t_last_ready = pkv_now_ns();
+    if (!l) s->t_first_ready = s->t_last_ready;
+    s->layer_sum[l] = sum;
+    s->layers_ready = l + 1;
+    pump(a, s);
+}
+
 void xf_serve_event(pkv_xfer_agent_t *a, xf_serve_t *s, xf_event_t *ev)
 {
     switch (ev->kind) {
@@ -612,6 +629,11 @@ void xf_serve_event(pkv_xfer_agent_t *a, xf_serve_t *s, xf_event_t *ev)
             if (xf_view_set_grant(&s->v, ev->grant)) {
                 s->v.grant = ev->grant;
                 serve_finish(a, s, PKV_ERR_NOFIT, true, "staging grant smaller than asked");
+            } else if (!s->state_done && xf_copy_inline(a, &s->v)) {
+                /* Small: stage here, each layer going out as soon as it is staged. */
+                s->state = XF_SERVE_SENDING;
+                for (uint32_t l = 0; l < s->v.layers && !s->state_done; l++)
+                    layer_ready(a, s, l, stage_layer(a, s, l));
             } else if (!s->state_done) {
                 s->state = XF_SERVE_SENDING;
                 s->jobs_pending++;
@@ -626,11 +648,7 @@ void xf_serve_event(pkv_xfer_agent_t *a, xf_serve_t *s, xf_event_t *ev)
         }
         break;
     case XF_EV_LAYER_READY:
-        s->t_last_ready = pkv_now_ns();
-        if (!ev->layer) s->t_first_ready = s->t_last_ready;
-        s->layer_sum[ev->layer] = ev->checksum;
-        s->layers_ready = ev->layer + 1; /* one job posts layers in order */
-        pump(a, s);
+        layer_ready(a, s, ev->layer, ev->checksum);
         break;
     case XF_EV_JOB_DONE:
         s->jobs_pending--;
