@@ -398,9 +398,9 @@ static pkv_xfer_agent_t *make_agent(const xh_case_t *c, pkv_kv_t *kv, pkv_stage_
     /* The producer hook sleeps inside the copy for these (slow staging): that copy must
      * run on a worker, not hold up the progress thread. */
     xh_fault_t f = c->fault;
-    xc.no_inline_copy = producer && (f == XH_DEADLINE || f == XH_SHUTDOWN_CONSUMER ||
-                                     f == XH_SHUTDOWN_PRODUCER || f == XH_CANCEL ||
-                                     f == XH_CONSUMER_KILLED_DURING || f == XH_CONSUMER_STOPPED);
+    xc.no_inline_copy =
+        producer && (f == XH_DEADLINE || f == XH_SHUTDOWN_CONSUMER || f == XH_SHUTDOWN_PRODUCER ||
+                     f == XH_CANCEL || f == XH_CONSUMER_KILLED_DURING || f == XH_CONSUMER_STOPPED);
     pkv_xfer_agent_t *a;
     int rc = pkv_xfer_agent_create(&xc, &a);
     if (rc) child_fail("agent create", rc);
@@ -604,7 +604,8 @@ static void consumer_main(const xh_case_t *c, int from_parent)
                          (windowed && r + 1 - c->warmup >= c->window);
         if (!batch_end) continue;
         uint32_t first = c->sequential ? r : r < c->warmup ? 0 : c->warmup;
-        if (windowed) first = r + 1 == nreq ? PKV_MAX(c->warmup, r + 1 - c->window) : r + 1 - c->window;
+        if (windowed)
+            first = r + 1 == nreq ? PKV_MAX(c->warmup, r + 1 - c->window) : r + 1 - c->window;
         uint32_t last = windowed && r + 1 < nreq ? first : r;
         /* Wait for this read or the whole batch, acting on the hook's trigger. */
         uint64_t give_up = pkv_now_ns() + (c->deadline_ms + 10000) * 1000000ull;
