@@ -9,14 +9,17 @@
  *                sends outstanding) and one read at a time (median of the reads' own times:
  *                latency-bound for small sizes). A first batch of 8 reads in each run is a
  *                warm-up, excluded.
- *   references   single-thread memcpy of 16 MiB, and `ucx_perftest -t tag_bw -O 8 -e` over
- *                tcp at the same sizes with the same UCX tcp settings, measured in this run
+ *   references   single-thread memcpy of 16 MiB buffers, measured by the consumer right
+ *                before and after each run's timed reads (this VM's speed drifts by tens of
+ *                percent within a minute: each run's ratio uses its own memcpy), and
+ *                `ucx_perftest -t tag_bw -O 8 -e` over tcp at each size with the same UCX
+ *                tcp settings, run right before our tcp transfers of that size
  *   kill detect  kill -9 of a producer mid-transfer to the consumer's peer_lost, both paths
  *   fault matrix (--fault-matrix N) every fault case N times; see the table's columns
  *
  * Output: Markdown on stdout; --json FILE adds results [{path, size, gbps, ...}],
- * memcpy_gbps, ucx_perftest_tcp_gbps (1 MiB), kill_detect_ms (same host, median) and the
- * details.
+ * memcpy_gbps (median of the runs' references), ucx_perftest_tcp_gbps (1 MiB),
+ * kill_detect_ms (slowest path's median) and the details.
  */
 #include "../tools/cli.h"
 #include "xfer_harness.h"
@@ -64,30 +67,6 @@ static void progress_done(void)
 }
 
 /* ---- references ------------------------------------------------------------------------ */
-static double memcpy_gbps(size_t bytes, int reps)
-{
-    uint8_t *a = malloc(bytes), *b = malloc(bytes);
-    double v[9];
-    if (!a || !b) {
-        free(a);
-        free(b);
-        return 0;
-    }
-    memset(a, 1, bytes);
-    memset(b, 2, bytes);
-    for (int s = 0; s < 9; s++) {
-        uint64_t t0 = pkv_now_ns();
-        for (int r = 0; r < reps; r++) {
-            memcpy(b, a, bytes);
-            __asm__ volatile("" ::"r"(b) : "memory");
-        }
-        v[s] = (double)bytes * reps / (double)(pkv_now_ns() - t0);
-    }
-    free(a);
-    free(b);
-    return median(v, 9);
-}
-
 #define PERFTEST_ENV                                                                               \
     "UCX_TLS=tcp UCX_ZCOPY_THRESH=inf UCX_TCP_TX_SEG_SIZE=64k UCX_TCP_RX_SEG_SIZE=64k "
 
@@ -157,6 +136,9 @@ static uint32_t timed_reads(size_t bytes)
 
 typedef struct {
     double batch_gbps;  /* median over runs of (bytes of the timed reads) / (their wall time) */
+    double memcpy_gbps; /* median over runs of the memcpy measured around the timed reads */
+    double vs_memcpy;   /* median over runs of batch GB/s / that run's memcpy GB/s */
+    double memcpy_cold_gbps, vs_memcpy_cold; /* the same against the out-of-cache memcpy */
     double single_gbps; /* median over reads of bytes / read time, one at a time */
     int runs, reads;
     bool ok;
@@ -182,7 +164,7 @@ static bool run_ok(const xh_result_t *r, uint32_t n, char *why, size_t wl)
 static tput_t measure(size_t bytes, int path, int runs, int single_reads)
 {
     tput_t t = {.ok = true};
-    double batch[100], single[64];
+    double batch[100], single[64], mc[100], ratio[100], mcc[100], ratio_c[100];
     int nb = 0, ns = 0;
     for (int run = 0; run < runs && t.ok; run++) {
         xh_case_t c;
@@ -191,6 +173,7 @@ static tput_t measure(size_t bytes, int path, int runs, int single_reads)
         c.seed = 7 + (uint64_t)run;
         c.warmup = 8; /* a first batch commits and maps every page the timed one uses */
         c.window = 8;
+        c.memcpy_ref = true;
         c.n_requests = c.warmup + timed_reads(bytes);
         xh_run(&c, &r);
         if (!(t.ok = run_ok(&r, c.n_requests, t.why, sizeof(t.why)))) break;
@@ -200,7 +183,12 @@ static tput_t measure(size_t bytes, int path, int runs, int single_reads)
             last = PKV_MAX(last, r.done_at_ns[i]);
             total += r.bytes[i];
         }
-        batch[nb++] = (double)total / (double)(last - first);
+        batch[nb] = (double)total / (double)(last - first);
+        mc[nb] = (r.memcpy_gbps[0] + r.memcpy_gbps[1]) / 2;
+        ratio[nb] = mc[nb] > 0 ? batch[nb] / mc[nb] : 0;
+        mcc[nb] = (r.memcpy_cold_gbps[0] + r.memcpy_cold_gbps[1]) / 2;
+        ratio_c[nb] = mcc[nb] > 0 ? batch[nb] / mcc[nb] : 0;
+        nb++;
     }
     if (t.ok) {
         xh_case_t c;
@@ -216,6 +204,10 @@ static tput_t measure(size_t bytes, int path, int runs, int single_reads)
                 single[ns++] = (double)r.bytes[i] / (double)r.elapsed_ns[i];
     }
     t.batch_gbps = median(batch, (size_t)nb);
+    t.memcpy_gbps = median(mc, (size_t)nb);
+    t.vs_memcpy = median(ratio, (size_t)nb);
+    t.memcpy_cold_gbps = median(mcc, (size_t)nb);
+    t.vs_memcpy_cold = median(ratio_c, (size_t)nb);
     t.single_gbps = median(single, (size_t)ns);
     t.runs = nb;
     t.reads = ns;
@@ -407,28 +399,31 @@ int pkv_bench_xfer(int argc, char **argv)
     json_t *root = json_object(), *results = json_array();
 
     progress("memcpy reference ...");
-    double mc = memcpy_gbps(16 << 20, 16);
-    json_object_set_new(root, "memcpy_gbps", json_real(mc));
+    double mc = xh_memcpy_gbps(9, false);
 
+    /* ucx_perftest runs right before our tcp transfers of the same size. */
     double pt[NS] = {-1, -1, -1};
     if (only >= 0 && only != PATH_TCP) perftest = false;
-    if (perftest)
-        for (int s = 0; s < NS; s++) {
-            if (only_size >= 0 && s != only_size) continue;
-            progress("ucx_perftest tag_bw tcp %s ...", size_names[s]);
-            pt[s] = perftest_gbps(sizes[s], 21000 + (int)(getpid() % 4000) + s);
-        }
-
     tput_t tp[NPATHS][NS];
     memset(tp, 0, sizeof(tp));
-    if (throughput) {
-        for (int path = 0; path < NPATHS; path++)
-            for (int s = 0; s < NS && (only < 0 || path == only); s++) {
-                if (only_size >= 0 && s != only_size) continue;
-                progress("transfers %s %s ...", path_names[path], size_names[s]);
-                tp[path][s] = measure(sizes[s], path, (int)runs, 8);
+    double run_mc[3 * NS];
+    int n_run_mc = 0;
+    for (int path = 0; path < NPATHS; path++)
+        for (int s = 0; s < NS && (only < 0 || path == only); s++) {
+            if (only_size >= 0 && s != only_size) continue;
+            if (path == PATH_TCP && perftest) {
+                progress("ucx_perftest tag_bw tcp %s ...", size_names[s]);
+                pt[s] = perftest_gbps(sizes[s], 21000 + (int)(getpid() % 4000) + s);
             }
-    }
+            if (!throughput) continue;
+            progress("transfers %s %s ...", path_names[path], size_names[s]);
+            tp[path][s] = measure(sizes[s], path, (int)runs, 8);
+            if (tp[path][s].ok) run_mc[n_run_mc++] = tp[path][s].memcpy_gbps;
+        }
+    /* The reference beside the transfers: median of the memcpy figures taken around them. */
+    json_object_set_new(root, "memcpy_gbps",
+                        json_real(n_run_mc ? median(run_mc, (size_t)n_run_mc) : mc));
+    json_object_set_new(root, "memcpy_gbps_at_start", json_real(mc));
     kill_t kd[NPATHS];
     memset(kd, 0, sizeof(kd));
     for (int path = 0; path < NPATHS && kill_runs; path++) {
@@ -441,17 +436,22 @@ int pkv_bench_xfer(int argc, char **argv)
     printf("# pagekv bench xfer\n\n");
     printf("Two processes on this host, every byte verified by the consumer. GB/s = 1e9 "
            "bytes/s.\n\n");
-    printf("memcpy (single thread, 16 MiB, median of 9): **%.2f GB/s**\n\n", mc);
+    printf("memcpy (single thread, 16 MiB copies) at the start: %.2f GB/s. Each run measures "
+           "it again in the consumer right before and after its timed reads, hot (the same two "
+           "16 MiB buffers) and cold (through two 128 MiB regions, as between pools); the "
+           "columns give the median over runs and the median of the runs' own ratios.\n\n",
+           mc);
     if (throughput) {
         json_t *ucx_shm = json_array();
-        printf("| path | size | 8 in flight GB/s | one at a time GB/s | vs memcpy | ucx_perftest "
-               "tcp GB/s | vs perftest |\n|---|---|---|---|---|---|---|\n");
+        printf("| path | size | 8 in flight GB/s | one at a time GB/s | memcpy hot / cold GB/s | "
+               "vs memcpy hot / cold | ucx_perftest tcp GB/s | vs perftest "
+               "|\n|---|---|---|---|---|---|---|---|\n");
         for (int path = 0; path < NPATHS; path++)
             for (int s = 0; s < NS && (only < 0 || path == only); s++) {
                 if (only_size >= 0 && s != only_size) continue;
                 tput_t *t = &tp[path][s];
                 if (!t->ok) {
-                    printf("| %s | %s | failed: %s | | | | |\n", path_names[path], size_names[s],
+                    printf("| %s | %s | failed: %s | | | | | |\n", path_names[path], size_names[s],
                            t->why);
                     continue;
                 }
@@ -460,13 +460,21 @@ int pkv_bench_xfer(int argc, char **argv)
                     snprintf(ref, sizeof(ref), "%.2f", pt[s]);
                     snprintf(vs, sizeof(vs), "%.2fx", t->batch_gbps / pt[s]);
                 }
-                printf("| %s | %s | %.2f | %.2f | %.2fx | %s | %s |\n", path_names[path],
-                       size_names[s], t->batch_gbps, t->single_gbps, t->batch_gbps / mc, ref, vs);
+                printf("| %s | %s | %.2f | %.2f | %.2f / %.2f | %.2fx / %.2fx | %s | %s |\n",
+                       path_names[path], size_names[s], t->batch_gbps, t->single_gbps,
+                       t->memcpy_gbps, t->memcpy_cold_gbps, t->vs_memcpy, t->vs_memcpy_cold, ref,
+                       vs);
                 json_t *o = json_object();
                 json_object_set_new(o, "path", json_string(path_names[path]));
                 json_object_set_new(o, "size", json_integer((json_int_t)sizes[s]));
                 json_object_set_new(o, "gbps", json_real(t->batch_gbps));
                 json_object_set_new(o, "gbps_one_at_a_time", json_real(t->single_gbps));
+                json_object_set_new(o, "memcpy_gbps", json_real(t->memcpy_gbps));
+                json_object_set_new(o, "vs_memcpy", json_real(t->vs_memcpy));
+                json_object_set_new(o, "memcpy_cold_gbps", json_real(t->memcpy_cold_gbps));
+                json_object_set_new(o, "vs_memcpy_cold", json_real(t->vs_memcpy_cold));
+                if (path == PATH_TCP && pt[s] > 0)
+                    json_object_set_new(o, "vs_ucx_perftest", json_real(t->batch_gbps / pt[s]));
                 json_object_set_new(o, "batches", json_integer(t->runs));
                 json_object_set_new(o, "single_reads", json_integer(t->reads));
                 json_array_append_new(path == PATH_SAME_HOST_UCX ? ucx_shm : results, o);

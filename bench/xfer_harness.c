@@ -123,6 +123,42 @@ void xh_case_default(xh_case_t *c)
     c->seed = 1;
 }
 
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+double xh_memcpy_gbps(int samples, bool cold)
+{
+    enum { BYTES = 16 << 20, REPS = 4, COLD_SLOTS = 8 };
+    size_t region = cold ? (size_t)BYTES * COLD_SLOTS : BYTES;
+    uint8_t *a = malloc(region), *b = malloc(region);
+    double v[16];
+    samples = PKV_MAX(1, PKV_MIN(samples, 16));
+    if (!a || !b) {
+        free(a);
+        free(b);
+        return 0;
+    }
+    memset(a, 1, region);
+    memset(b, 2, region);
+    size_t next = 0;
+    for (int s = 0; s < samples; s++) {
+        uint64_t t0 = pkv_now_ns();
+        for (int r = 0; r < REPS; r++) {
+            size_t off = cold ? (next++ % COLD_SLOTS) * (size_t)BYTES : 0;
+            memcpy(b + off, a + off, BYTES);
+            __asm__ volatile("" ::"r"(b) : "memory");
+        }
+        v[s] = (double)BYTES * REPS / (double)(pkv_now_ns() - t0);
+    }
+    free(a);
+    free(b);
+    qsort(v, (size_t)samples, sizeof(double), cmp_double);
+    return samples % 2 ? v[samples / 2] : (v[samples / 2 - 1] + v[samples / 2]) / 2;
+}
+
 /* ---- pipes ---------------------------------------------------------------------------- */
 static int write_all(int fd, const void *p, size_t n)
 {
@@ -271,6 +307,7 @@ typedef struct {
     uint64_t active_left, staging_left, pins_left, blocks_live;
     int32_t stage_rc;
     uint64_t stage_leaked;
+    double memcpy_gbps[2], memcpy_cold_gbps[2];
 } cons_report_t;
 
 /* Globals of a child process (each child has its own copy after fork). */
@@ -603,6 +640,7 @@ static void consumer_main(const xh_case_t *c, int from_parent)
         bool batch_end = c->sequential || r + 1 == c->warmup || r + 1 == nreq ||
                          (windowed && r + 1 - c->warmup >= c->window);
         if (!batch_end) continue;
+        bool timed_next = c->memcpy_ref && c->warmup && r + 1 == c->warmup;
         uint32_t first = c->sequential ? r : r < c->warmup ? 0 : c->warmup;
         if (windowed)
             first = r + 1 == nreq ? PKV_MAX(c->warmup, r + 1 - c->window) : r + 1 - c->window;
@@ -624,6 +662,14 @@ static void consumer_main(const xh_case_t *c, int from_parent)
                 pkv_xfer_read_wait(rd[q], pkv_deadline_after_ns(2000000ull), &oc);
             }
         }
+        if (timed_next) {
+            rep.memcpy_cold_gbps[0] = xh_memcpy_gbps(5, true);
+            rep.memcpy_gbps[0] = xh_memcpy_gbps(5, false);
+        }
+    }
+    if (c->memcpy_ref) {
+        rep.memcpy_gbps[1] = xh_memcpy_gbps(5, false);
+        rep.memcpy_cold_gbps[1] = xh_memcpy_gbps(5, true);
     }
     for (uint32_t r = 0; r < nreq; r++) {
         int oc = -999;
@@ -777,6 +823,8 @@ int xh_run(const xh_case_t *c, xh_result_t *r)
         r->cons_blocks_live = cr.blocks_live;
         r->cons_stage_rc = cr.stage_rc;
         r->cons_stage_leaked = cr.stage_leaked;
+        memcpy(r->memcpy_gbps, cr.memcpy_gbps, sizeof(r->memcpy_gbps));
+        memcpy(r->memcpy_cold_gbps, cr.memcpy_cold_gbps, sizeof(r->memcpy_cold_gbps));
     } else if (rc == 0 && type == M_SETUP_FAIL) {
         set_error(r, pl);
     } else if (rc == -2) {

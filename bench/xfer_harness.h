@@ -51,6 +51,8 @@ typedef struct {
                              one or as a batch), before the rest */
     uint32_t window;      /* > 0: after the warm-up, the rest are read keeping `window` reads
                              outstanding (a new one as soon as the oldest ended) */
+    bool memcpy_ref;      /* the consumer measures xh_memcpy_gbps() right before the reads
+                             after the warm-up and right after the last one */
     bool prewarm;         /* commit every staging page once before any read (steady-state
                              timing: the reads then never pay the first-use commit) */
     uint32_t chunk_bytes; /* 0: agent default */
@@ -81,6 +83,8 @@ typedef struct {
     uint64_t done_at_ns[XH_MAX_REQ]; /* CLOCK_MONOTONIC at the outcome */
     uint32_t mismatched_positions[XH_MAX_REQ];
     uint64_t bytes[XH_MAX_REQ];
+    double memcpy_gbps[2];      /* memcpy_ref: before and after the timed reads */
+    double memcpy_cold_gbps[2]; /* the same, out of cache (xh_memcpy_gbps cold) */
     uint64_t cons_active_left, cons_staging_left, cons_pins_left, cons_blocks_live;
     int cons_stage_rc;
     uint64_t cons_stage_leaked;
@@ -91,6 +95,12 @@ typedef struct {
     int prod_stage_rc;
     uint64_t prod_stage_leaked;
 } xh_result_t;
+
+/* Single-thread memcpy in 16 MiB copies: GB/s, median of `samples` timings of 4 copies.
+ * Hot: the same two 16 MiB buffers every time (they and the 32 MiB L3 of this machine
+ * keep much of it in cache). Cold: each copy to and from the next 16 MiB of two 128 MiB
+ * regions, as a transfer between two pools much bigger than the cache does. */
+double xh_memcpy_gbps(int samples, bool cold);
 
 const char *xh_fault_name(xh_fault_t f);
 /* The outcomes a consumer may see in a case (ok where the data all arrived). */
