@@ -314,7 +314,9 @@ static void fault_check(const xh_case_t *c, const xh_result_t *r, fm_row_t *row)
             violation(row, "%llu UCX operations written off", (unsigned long long)r->written_off);
         if (!xh_consumer_reports(c->fault) && r->serves_failed != r->serves_started)
             violation(row, "a serve to the dead consumer did not end");
-        if (r->registrations_left != UINT64_MAX && r->prod_pins_left != r->registrations_left * 32)
+        uint64_t per_reg = PKV_DIV_UP(c->n_tokens, c->geo.block_tokens); /* blocks pinned */
+        if (r->registrations_left != UINT64_MAX &&
+            r->prod_pins_left != r->registrations_left * per_reg)
             violation(row, "producer pins %llu for %llu registrations",
                       (unsigned long long)r->prod_pins_left,
                       (unsigned long long)r->registrations_left);

@@ -963,7 +963,11 @@ static int build_stack(pkv_server_t *s, const pkv_server_config_t *cfg)
     }
     s->max_batch = cfg->max_batch_size ? cfg->max_batch_size : 8;
     s->block_tokens = cfg->block_tokens ? cfg->block_tokens : 16;
-    pkv_kv_config_t kc = {.backend = cfg->backend, .no_prefix_cache = cfg->no_prefix_cache};
+    /* Huge pages for the pool, as `pagekv generate` and the benchmarks use: attention reads
+     * KV in long runs (fewer TLB misses); RSS is the same (a commit populates its whole
+     * granule either way). */
+    pkv_kv_config_t kc = {
+        .backend = cfg->backend, .no_prefix_cache = cfg->no_prefix_cache, .hugepages = true};
     pkv_model_geometry(s->model, cfg->kv_dtype, s->block_tokens, &kc.geo);
     s->token_bytes = pkv_geometry_token_bytes(&kc.geo);
     switch (cfg->budget_mode) {
