@@ -69,7 +69,8 @@ static void side_free(side_t *s)
 
 static pkv_seq_t *seq_with(pkv_kv_t *kv, uint32_t n_tokens, bool append, int32_t base)
 {
-    int32_t tok[256];
+    int32_t tok[512];
+    ck_assert_uint_le(n_tokens, PKV_ARRAY_LEN(tok));
     for (uint32_t i = 0; i < n_tokens; i++) tok[i] = base + (int32_t)i;
     pkv_seq_params_t sp = {
         .tokens = tok, .n_tokens = append ? n_tokens : 1, .reserve_tokens = n_tokens};
@@ -332,7 +333,8 @@ END_TEST
 
 /* Payload for a read that already ended (here: corrupt at layer 0 while 256 small chunks
  * are in flight) is drained by the consumer, so the producer's sends all complete and
- * both sides go idle with nothing held. */
+ * both sides go idle with nothing held. 1.2 MiB: above XF_INLINE_COPY_BYTES, so layer by
+ * layer (a small transfer's one DATA comes after its last chunk: nothing to drain). */
 START_TEST(stale_payload_is_drained)
 {
     side_t p, c;
@@ -342,8 +344,8 @@ START_TEST(stale_payload_is_drained)
     side_make(&c, &g);
     pkv_xfer_faults_t f = {.corrupt_layer = 0};
     pkv_xfer_set_faults(p.a, &f);
-    pkv_seq_t *src = seq_with(p.kv, 200, true, 3);
-    pkv_seq_t *dst = seq_with(c.kv, 200, false, 3);
+    pkv_seq_t *src = seq_with(p.kv, 300, true, 3);
+    pkv_seq_t *dst = seq_with(c.kv, 300, false, 3);
     const uint32_t *sids, *dids;
     uint32_t sn, dn;
     pkv_seq_blocks(src, &sids, &sn);
@@ -521,14 +523,14 @@ START_TEST(netns_veth_tcp)
 }
 END_TEST
 
-/* _i < XH_NFAULTS: payload through UCX; then through the shared arena; then a small
- * transfer (256 KiB: copied on the progress threads, not the copy workers) through
- * either, by the fault's parity. */
+/* Every fault for: 2 MiB through UCX, 2 MiB through the shared arena, then the same for
+ * a small transfer (256 KiB: copied on the progress threads, not the copy workers, and
+ * through UCX read as a whole stream). */
 START_TEST(fault_case)
 {
     xh_fault_t f = (xh_fault_t)(_i % XH_NFAULTS);
     bool small = _i >= 2 * XH_NFAULTS;
-    bool shared = small ? f % 2 : _i >= XH_NFAULTS;
+    bool shared = (_i / XH_NFAULTS) % 2;
     int repeat = (int)env_u64("PKV_XFER_FAULT_REPEAT", 1);
     for (int k = 0; k < repeat; k++) {
         xh_case_t c;
@@ -557,7 +559,7 @@ static Suite *xfer_suite(void)
     tcase_set_timeout(two, 120);
     tcase_add_test(two, loopback_random_geometries);
     tcase_add_test(two, netns_veth_tcp);
-    tcase_add_loop_test(two, fault_case, XH_NONE, 3 * XH_NFAULTS);
+    tcase_add_loop_test(two, fault_case, XH_NONE, 4 * XH_NFAULTS);
     suite_add_tcase(s, two);
     return s;
 }

@@ -147,7 +147,7 @@ START_TEST(shared_data_and_read_flags)
     uint8_t buf[256];
     size_t len;
     ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, buf, sizeof(buf), &len), PKV_OK);
-    ck_assert_uint_eq(len, pkv_xfer_wire_data_bytes(2));
+    ck_assert_uint_eq(len, pkv_xfer_wire_data_bytes(PKV_WIRE_DATA_SHARED, 2));
     pkv_wire_msg_t m;
     ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
     ck_assert_uint_eq(m.u.data.n_pieces, 2);
@@ -167,7 +167,9 @@ START_TEST(shared_data_and_read_flags)
     ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, buf, sizeof(buf), &len),
                      PKV_ERR_INVALID);
     ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, NULL, 0, buf, sizeof(buf), &len), PKV_OK);
-    buf[PKV_WIRE_HEADER_BYTES + 12] = 2;
+    buf[PKV_WIRE_HEADER_BYTES + 12] = 4;
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    buf[PKV_WIRE_HEADER_BYTES + 12] = 3; /* SHARED and LAYERS together */
     ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     pkv_wire_read_t r = sample_read();
     uint32_t blocks[] = {1};
@@ -175,8 +177,52 @@ START_TEST(shared_data_and_read_flags)
     ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len), PKV_OK);
     ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
     ck_assert_uint_eq(m.u.read.flags, PKV_WIRE_READ_SHARED);
-    r.flags = 2;
+    r.flags = PKV_WIRE_READ_WHOLE;
+    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len), PKV_OK);
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
+    ck_assert_uint_eq(m.u.read.flags, PKV_WIRE_READ_WHOLE);
+    r.flags = PKV_WIRE_READ_SHARED | PKV_WIRE_READ_WHOLE;
     ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len),
+                     PKV_ERR_INVALID);
+    r.flags = 4;
+    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len),
+                     PKV_ERR_INVALID);
+}
+END_TEST
+
+/* One DATA with every layer's checksum (whole-stream reads). */
+START_TEST(data_with_every_layer_checksum)
+{
+    uint64_t sums[] = {11, 22, 33};
+    pkv_wire_data_t d = {
+        .xfer_id = 9, .layer = 0, .flags = PKV_WIRE_DATA_LAYERS, .bytes = 4096, .checksum = 0};
+    uint8_t buf[128];
+    size_t len;
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, sums, 3, buf, sizeof(buf), &len), PKV_OK);
+    ck_assert_uint_eq(len, pkv_xfer_wire_data_bytes(PKV_WIRE_DATA_LAYERS, 3));
+    pkv_wire_msg_t m;
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
+    ck_assert_uint_eq(m.u.data.n_sums, 3);
+    ck_assert_uint_eq(pkv_xfer_wire_data_sum(&m.u.data, 0), 11);
+    ck_assert_uint_eq(pkv_xfer_wire_data_sum(&m.u.data, 2), 33);
+    /* the count must match the body; a checksum in the base field is refused */
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len - 8, &m), PKV_ERR_PROTO);
+    size_t n_at = PKV_WIRE_HEADER_BYTES + 32;
+    buf[n_at] = 4;
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    buf[n_at] = 0;
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    buf[n_at] = 3;
+    buf[PKV_WIRE_HEADER_BYTES + 24] = 1; /* base checksum */
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    d.checksum = 1;
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, sums, 3, buf, sizeof(buf), &len),
+                     PKV_ERR_INVALID);
+    d.checksum = 0;
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, NULL, 0, buf, sizeof(buf), &len),
+                     PKV_ERR_INVALID);
+    d.layer = PKV_WIRE_MAX_LAYERS - 2; /* layers past the limit */
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, sums, 3, buf, sizeof(buf), &len),
                      PKV_ERR_INVALID);
 }
 END_TEST
@@ -367,6 +413,7 @@ static Suite *wire_suite(void)
     tcase_add_test(tc, versions_and_types_are_checked);
     tcase_add_test(tc, read_limits_are_enforced);
     tcase_add_test(tc, shared_data_and_read_flags);
+    tcase_add_test(tc, data_with_every_layer_checksum);
     tcase_add_test(tc, fail_carries_reason_and_text);
     tcase_add_test(tc, handle_roundtrip_and_rejects);
     tcase_add_test(tc, checksum_streams_and_detects_flips);

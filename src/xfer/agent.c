@@ -99,9 +99,15 @@ bool xf_seat_inline(pkv_xfer_agent_t *a, uint64_t stage_id, uint32_t peer, uint3
     return true;
 }
 
+bool xf_small(const pkv_xfer_agent_t *a, uint32_t n_blocks)
+{
+    uint64_t per_block = a->layer_bytes * a->geo.layers; /* bounded by the geometry check */
+    return !a->cfg.no_inline_copy && per_block && n_blocks <= XF_INLINE_COPY_BYTES / per_block;
+}
+
 bool xf_copy_inline(const pkv_xfer_agent_t *a, const xf_view_t *v)
 {
-    return !a->cfg.no_inline_copy && v->layer_total * v->layers <= XF_INLINE_COPY_BYTES;
+    return xf_small(a, v->n_blocks);
 }
 
 void xf_busy_add(pkv_xfer_agent_t *a, int delta)

@@ -87,7 +87,9 @@ int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_
     if (!rd) return PKV_ERR_NOMEM;
     if (pthread_mutex_init(&rd->mu, NULL)) goto fail_rd;
     if (pkv__cond_init_monotonic(&rd->cv)) goto fail_mu;
-    rc = xf_view_init(&rd->v, a, n, dst, a->cfg.chunk_bytes);
+    bool small = xf_small(a, n);
+    uint32_t chunk = small ? PKV_MIN(a->cfg.chunk_bytes, XF_WHOLE_CHUNK_BYTES) : a->cfg.chunk_bytes;
+    rc = xf_view_init(&rd->v, a, n, dst, chunk, small);
     if (rc) {
         if (rc == PKV_ERR_NOFIT) {
             PKV_LOGW(XF_MOD, "read: request %llu (%u blocks) exceeds the transfer limits",
@@ -463,6 +465,14 @@ static void recv_done(void *request, ucs_status_t status, const ucp_tag_recv_inf
         uint32_t l = ch->index / rd->v.chunks_per_layer;
         if (info->length != len) {
             finish(a, rd, PKV_ERR_CORRUPT, true, "payload chunk of the wrong length");
+        } else if (rd->v.whole) {
+            /* Chunks cross layers: every layer is in when every chunk is. */
+            if (++rd->chunks_in == rd->v.n_chunks)
+                for (l = 0; l < rd->v.layers && !rd->finished; l++) {
+                    rd->layer_chunks[l] = 1;
+                    fault(a, PKV_XFER_FAULT_READ_LAYER_RECEIVED, l);
+                    maybe_verify(a, rd, l);
+                }
         } else if (++rd->layer_chunks[l] == rd->v.chunks_per_layer) {
             fault(a, PKV_XFER_FAULT_READ_LAYER_RECEIVED, l);
             maybe_verify(a, rd, l);
@@ -532,7 +542,7 @@ static void send_read(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
     r.budget_ns = PKV_MIN(rd->deadline_ns - now, PKV_WIRE_MAX_BUDGET_NS);
     r.geo = a->geo;
     r.chunk_bytes = v->chunk_bytes;
-    r.flags = rd->shared ? PKV_WIRE_READ_SHARED : 0;
+    r.flags = rd->shared ? PKV_WIRE_READ_SHARED : v->whole ? PKV_WIRE_READ_WHOLE : 0;
     uint32_t runs = pkv_xfer_wire_count_runs(rd->src_blocks, v->n_blocks);
     size_t cap = pkv_xfer_wire_read_bytes(runs), len;
     uint8_t *buf = malloc(cap);
@@ -632,10 +642,22 @@ void xf_read_on_data(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_data_t *d
     pkv_xfer_read_t *rd = find_read(a, p, d->xfer_id);
     if (!rd || rd->finished) return; /* late message for an ended read */
     bool shared_msg = d->flags & PKV_WIRE_DATA_SHARED;
+    bool all_msg = d->flags & PKV_WIRE_DATA_LAYERS; /* whole stream: every layer at once */
+    bool whole = rd->v.whole && !rd->shared;
     if (rd->state != XF_READ_READING || d->layer >= rd->v.layers || d->bytes != rd->v.layer_total ||
-        (rd->layer_flags[d->layer] & LF_HEADER) || shared_msg != rd->shared) {
+        (rd->layer_flags[d->layer] & LF_HEADER) || shared_msg != rd->shared || all_msg != whole ||
+        (all_msg && (d->layer != 0 || d->n_sums != rd->v.layers))) {
         XF_STAT_ADD(a, proto_errors, 1);
         finish(a, rd, PKV_ERR_CORRUPT, true, "DATA message does not match the plan");
+        settle(a, rd);
+        return;
+    }
+    if (all_msg) {
+        for (uint32_t l = 0; l < rd->v.layers; l++) {
+            rd->layer_flags[l] |= LF_HEADER;
+            rd->layer_sum[l] = pkv_xfer_wire_data_sum(d, l);
+        }
+        for (uint32_t l = 0; l < rd->v.layers && !rd->finished; l++) maybe_verify(a, rd, l);
         settle(a, rd);
         return;
     }

@@ -224,7 +224,6 @@ static void serve_free(xf_serve_t *s)
     xf_view_fini(&s->v);
     free(s->chunks);
     free(s->layer_sum);
-    free(s->layer_done);
     free(s->ev_layer);
     free(s);
 }
@@ -375,7 +374,9 @@ void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *
     }
 
     xf_serve_t *s = calloc(1, sizeof(*s));
-    int rc = s ? xf_view_init(&s->v, a, r->n_blocks, blocks, r->chunk_bytes) : PKV_ERR_NOMEM;
+    int rc = s ? xf_view_init(&s->v, a, r->n_blocks, blocks, r->chunk_bytes,
+                              r->flags & PKV_WIRE_READ_WHOLE)
+               : PKV_ERR_NOMEM;
     free(blocks);
     if (rc) {
         free(s);
@@ -387,10 +388,9 @@ void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *
     }
     uint32_t L = s->v.layers;
     s->layer_sum = calloc(L, sizeof(uint64_t));
-    s->layer_done = calloc(L, sizeof(uint32_t));
     s->ev_layer = calloc(L, sizeof(xf_event_t));
     s->chunks = calloc(s->v.n_chunks, sizeof(xf_chunk_t));
-    if (!s->layer_sum || !s->layer_done || !s->ev_layer || !s->chunks) {
+    if (!s->layer_sum || !s->ev_layer || !s->chunks) {
         serve_free(s);
         {
             reject(a, p, r, PKV_ERR_NOFIT, "out of memory");
@@ -468,14 +468,25 @@ void xf_serve_job(pkv_xfer_agent_t *a, xf_serve_t *s)
     xf_event_post(a, &s->ev_job_done);
 }
 
+/* DATA for layer l, or for every layer (whole stream) once its last chunk is posted. */
 static void send_data_header(pkv_xfer_agent_t *a, xf_serve_t *s, uint32_t l)
 {
-    pkv_wire_data_t d = {
-        .xfer_id = s->xfer_id, .layer = l, .bytes = s->v.layer_total, .checksum = s->layer_sum[l]};
-    uint8_t buf[64];
-    size_t len;
-    if (pkv_xfer_wire_encode_data(&d, NULL, 0, buf, sizeof(buf), &len) == PKV_OK)
-        xf_ctl_send(a, s->peer, buf, len);
+    bool all = s->v.whole;
+    pkv_wire_data_t d = {.xfer_id = s->xfer_id,
+                         .layer = all ? 0 : l,
+                         .flags = all ? PKV_WIRE_DATA_LAYERS : 0,
+                         .bytes = s->v.layer_total,
+                         .checksum = all ? 0 : s->layer_sum[l]};
+    uint32_t n = all ? s->v.layers : 0;
+    size_t cap = pkv_xfer_wire_data_bytes(d.flags, n), len;
+    uint8_t stack[64], *buf = cap <= sizeof(stack) ? stack : malloc(cap);
+    int rc = buf ? pkv_xfer_wire_encode_data(&d, all ? s->layer_sum : NULL, n, buf, cap, &len)
+                 : PKV_ERR_NOMEM;
+    if (rc == PKV_OK) rc = xf_ctl_send(a, s->peer, buf, len);
+    if (buf != stack) free(buf);
+    if (rc)
+        serve_finish(a, s, rc == PKV_ERR_PEER_LOST ? PKV_ERR_PEER_LOST : PKV_ERR_NOFIT,
+                     rc != PKV_ERR_PEER_LOST, "cannot announce a staged layer");
 }
 
 static void send_done(void *request, ucs_status_t status, void *user_data)
@@ -494,10 +505,7 @@ static void send_done(void *request, ucs_status_t status, void *user_data)
         if (s->peer->err == UCS_OK) s->peer->err = status;
         serve_finish(a, s, PKV_ERR_PEER_LOST, false, why);
     } else {
-        uint32_t l = ch->index / s->v.chunks_per_layer;
         s->chunks_sent++;
-        if (++s->layer_done[l] == s->v.chunks_per_layer)
-            fault(a, PKV_XFER_FAULT_SERVE_LAYER_SENT, l);
         if (s->chunks_sent == s->v.n_chunks && !s->state_done) {
             s->state = XF_SERVE_WAIT_ACK;
             s->t_all_sent = pkv_now_ns();
@@ -524,7 +532,7 @@ static void pump_shared(pkv_xfer_agent_t *a, xf_serve_t *s)
                              .flags = PKV_WIRE_DATA_SHARED,
                              .bytes = s->v.layer_total,
                              .checksum = s->layer_sum[l]};
-        size_t cap_b = pkv_xfer_wire_data_bytes(n), len;
+        size_t cap_b = pkv_xfer_wire_data_bytes(d.flags, n), len;
         uint8_t *buf = n ? malloc(cap_b) : NULL;
         int rc = buf ? pkv_xfer_wire_encode_data(&d, pieces, n, buf, cap_b, &len) : PKV_ERR_NOMEM;
         if (rc == PKV_OK) rc = xf_ctl_send(a, s->peer, buf, len);
@@ -545,7 +553,8 @@ static void pump_shared(pkv_xfer_agent_t *a, xf_serve_t *s)
     }
 }
 
-/* Post payload sends for staged layers, at most max_inflight outstanding. */
+/* Post payload sends for staged bytes, at most max_inflight outstanding; after the last
+ * chunk of a layer (whole stream: of the transfer) its DATA. */
 static void pump(pkv_xfer_agent_t *a, xf_serve_t *s)
 {
     s->pump_needed = false;
@@ -553,8 +562,9 @@ static void pump(pkv_xfer_agent_t *a, xf_serve_t *s)
         pump_shared(a, s);
         return;
     }
-    uint32_t ready = s->layers_ready * s->v.chunks_per_layer;
-    while (!s->state_done && s->next_chunk < ready && s->sends_inflight < a->cfg.max_inflight) {
+    uint64_t staged = (uint64_t)s->layers_ready * s->v.layer_total;
+    while (!s->state_done && s->next_chunk < s->v.n_chunks &&
+           s->sends_inflight < a->cfg.max_inflight) {
         uint32_t c = s->next_chunk;
         xf_chunk_t *ch = &s->chunks[c];
         uint64_t off, len;
@@ -562,6 +572,7 @@ static void pump(pkv_xfer_agent_t *a, xf_serve_t *s)
         size_t count;
         ucp_datatype_t dt;
         xf_chunk_span(&s->v, c, &off, &len);
+        if (off + len > staged) break; /* not staged yet */
         if (xf_chunk_buffer(&s->v, ch, off, len, &buf, &count, &dt)) {
             serve_finish(a, s, PKV_ERR_NOFIT, true, "out of memory posting sends");
             return;
@@ -590,8 +601,15 @@ static void pump(pkv_xfer_agent_t *a, xf_serve_t *s)
         } else {
             s->chunks_sent++; /* not expected with NO_IMM_CMPL */
         }
-        if (s->next_chunk % s->v.chunks_per_layer == 0)
-            send_data_header(a, s, s->next_chunk / s->v.chunks_per_layer - 1);
+        /* Layers whose every byte is now posted (the hook may stop us here: then their
+         * DATA has not gone, so the consumer cannot complete). */
+        bool layer_end = s->v.whole ? s->next_chunk == s->v.n_chunks
+                                    : s->next_chunk % s->v.chunks_per_layer == 0;
+        if (!layer_end) continue;
+        uint32_t last = s->v.whole ? s->v.layers - 1 : s->next_chunk / s->v.chunks_per_layer - 1;
+        for (uint32_t l = s->v.whole ? 0 : last; l <= last; l++)
+            fault(a, PKV_XFER_FAULT_SERVE_LAYER_SENT, l);
+        send_data_header(a, s, last);
     }
 }
 

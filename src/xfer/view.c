@@ -8,6 +8,8 @@
  * block layout [layer][k|v][head][token][dim] makes that slice contiguous). A layer is
  * n_blocks * layer_bytes long and is cut into chunks of chunk_bytes (the last shorter);
  * chunk c of the transfer is chunk (c % chunks_per_layer) of layer (c / chunks_per_layer).
+ * A whole-stream view (small transfers, READ flag WHOLE) cuts the stream itself into
+ * chunks, across layers; its layers become storable together, when every chunk is in.
  *
  * Staging is the grant's runs walked in order; a stream range may cross runs, so copies
  * and payload buffers are split (payload buffers become a UCX iov).
@@ -24,7 +26,7 @@
 #include <string.h>
 
 int xf_view_init(xf_view_t *v, pkv_xfer_agent_t *a, uint32_t n_blocks, const uint32_t *blocks,
-                 uint32_t chunk_bytes)
+                 uint32_t chunk_bytes, bool whole)
 {
     memset(v, 0, sizeof(*v));
     uint64_t lb = a->layer_bytes;
@@ -44,8 +46,9 @@ int xf_view_init(xf_view_t *v, pkv_xfer_agent_t *a, uint32_t n_blocks, const uin
     v->layers = a->geo.layers;
     v->layer_total = layer_total;
     v->chunk_bytes = chunk_bytes;
-    v->chunks_per_layer = (uint32_t)cpl;
-    v->n_chunks = (uint32_t)(cpl * a->geo.layers);
+    v->whole = whole;
+    v->chunks_per_layer = whole ? 1 : (uint32_t)cpl;
+    v->n_chunks = (uint32_t)(whole ? PKV_DIV_UP(total, chunk_bytes) : cpl * a->geo.layers);
     v->pages = (uint32_t)pages;
     atomic_init(&v->abort, false);
     return PKV_OK;
@@ -94,6 +97,11 @@ static uint8_t *stage_at(const xf_view_t *v, uint64_t off, uint64_t *contig)
 
 void xf_chunk_span(const xf_view_t *v, uint32_t c, uint64_t *off, uint64_t *len)
 {
+    if (v->whole) {
+        *off = (uint64_t)c * v->chunk_bytes;
+        *len = PKV_MIN((uint64_t)v->chunk_bytes, v->layer_total * v->layers - *off);
+        return;
+    }
     uint32_t l = c / v->chunks_per_layer, j = c % v->chunks_per_layer;
     uint64_t in_layer = (uint64_t)j * v->chunk_bytes;
     *off = (uint64_t)l * v->layer_total + in_layer;

@@ -192,6 +192,12 @@ void pkv_xfer_wire_data_piece(const pkv_wire_data_t *d, uint32_t i, uint64_t *of
     *length = le64(d->pieces + 16 * (size_t)i + 8);
 }
 
+uint64_t pkv_xfer_wire_data_sum(const pkv_wire_data_t *d, uint32_t i)
+{
+    PKV_ASSERT(i < d->n_sums);
+    return le64(d->sums + 8 * (size_t)i);
+}
+
 void pkv_xfer_wire_read_run(const pkv_wire_read_t *r, uint32_t i, uint32_t *first, uint32_t *count)
 {
     PKV_ASSERT(i < r->n_runs);
@@ -220,6 +226,20 @@ static bool printable(const char *s, size_t n)
     return true;
 }
 
+/* Known READ flags, SHARED and WHOLE not together. */
+static bool read_flags_valid(uint32_t flags)
+{
+    return !(flags & ~(PKV_WIRE_READ_SHARED | PKV_WIRE_READ_WHOLE)) &&
+           !(flags & PKV_WIRE_READ_SHARED && flags & PKV_WIRE_READ_WHOLE);
+}
+
+/* Known DATA flags, SHARED and LAYERS not together. */
+static bool data_flags_valid(uint32_t flags)
+{
+    return !(flags & ~(PKV_WIRE_DATA_SHARED | PKV_WIRE_DATA_LAYERS)) &&
+           !(flags & PKV_WIRE_DATA_SHARED && flags & PKV_WIRE_DATA_LAYERS);
+}
+
 /* ---- decode --------------------------------------------------------------------------- */
 static int decode_read(rcur_t *c, pkv_wire_read_t *r)
 {
@@ -230,7 +250,7 @@ static int decode_read(rcur_t *c, pkv_wire_read_t *r)
         !get_u32(c, &r->geo.head_dim) || !get_u32(c, &r->geo.block_tokens) || !get_u32(c, &dtype) ||
         !get_u32(c, &r->chunk_bytes) || !get_u32(c, &r->flags) || !get_u32(c, &r->n_runs))
         return PKV_ERR_PROTO;
-    if (r->flags & ~PKV_WIRE_READ_SHARED) return PKV_ERR_PROTO;
+    if (!read_flags_valid(r->flags)) return PKV_ERR_PROTO;
     if (r->xfer_id == 0 || r->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS)) return PKV_ERR_PROTO;
     if (r->budget_ns > PKV_WIRE_MAX_BUDGET_NS) return PKV_ERR_PROTO;
     if (dtype > PKV_DTYPE_BF16) return PKV_ERR_PROTO;
@@ -279,15 +299,24 @@ int pkv_xfer_wire_decode(const void *buf, size_t len, pkv_wire_msg_t *out)
         get_u32(&c, &d->flags);
         get_u64(&c, &d->bytes);
         get_u64(&c, &d->checksum);
-        if ((d->flags & ~PKV_WIRE_DATA_SHARED) || d->xfer_id == 0 ||
+        if (!data_flags_valid(d->flags) || d->xfer_id == 0 ||
             d->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) || d->layer >= PKV_WIRE_MAX_LAYERS ||
             d->bytes > PKV_WIRE_MAX_BYTES)
             return PKV_ERR_PROTO;
+        uint32_t reserved;
+        if (d->flags & PKV_WIRE_DATA_LAYERS) {
+            if (!get_u32(&c, &d->n_sums) || !get_u32(&c, &reserved) || reserved || d->checksum ||
+                d->n_sums < 1 || d->n_sums > PKV_WIRE_MAX_LAYERS - d->layer ||
+                c.left != 8 * (size_t)d->n_sums)
+                return PKV_ERR_PROTO;
+            d->sums = c.p;
+            c.left = 0;
+            break;
+        }
         if (!(d->flags & PKV_WIRE_DATA_SHARED)) {
             if (c.left) return PKV_ERR_PROTO;
             break;
         }
-        uint32_t reserved;
         if (!get_u32(&c, &d->n_pieces) || !get_u32(&c, &reserved) || reserved || d->n_pieces < 1 ||
             d->n_pieces > PKV_WIRE_MAX_PIECES || c.left != 16 * (size_t)d->n_pieces)
             return PKV_ERR_PROTO;
@@ -364,7 +393,7 @@ int pkv_xfer_wire_encode_read(const pkv_wire_read_t *r, const uint32_t *blocks, 
     if (!r || !blocks || !buf || !len) return PKV_ERR_INVALID;
     uint32_t n_runs = pkv_xfer_wire_count_runs(blocks, n);
     if (r->xfer_id == 0 || r->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) ||
-        (r->flags & ~PKV_WIRE_READ_SHARED) || r->budget_ns > PKV_WIRE_MAX_BUDGET_NS || n_runs < 1 ||
+        !read_flags_valid(r->flags) || r->budget_ns > PKV_WIRE_MAX_BUDGET_NS || n_runs < 1 ||
         n_runs > PKV_WIRE_MAX_RUNS || check_read_sizes(&r->geo, n, r->chunk_bytes))
         return PKV_ERR_INVALID;
     size_t need = pkv_xfer_wire_read_bytes(n_runs);
@@ -395,31 +424,32 @@ int pkv_xfer_wire_encode_read(const pkv_wire_read_t *r, const uint32_t *blocks, 
     return PKV_OK;
 }
 
-size_t pkv_xfer_wire_data_bytes(uint32_t n_pieces)
+size_t pkv_xfer_wire_data_bytes(uint32_t flags, uint32_t n)
 {
-    return PKV_WIRE_HEADER_BYTES + DATA_BYTES +
-           (n_pieces ? DATA_PIECES_HDR + 16 * (size_t)n_pieces : 0);
+    size_t item = flags & PKV_WIRE_DATA_SHARED ? 16 : flags & PKV_WIRE_DATA_LAYERS ? 8 : 0;
+    return PKV_WIRE_HEADER_BYTES + DATA_BYTES + (item ? DATA_PIECES_HDR + item * n : 0);
 }
 
-int pkv_xfer_wire_encode_data(const pkv_wire_data_t *d, const uint64_t *pieces, uint32_t n_pieces,
+int pkv_xfer_wire_encode_data(const pkv_wire_data_t *d, const uint64_t *items, uint32_t n,
                               void *buf, size_t cap, size_t *len)
 {
     if (!d || !buf || !len) return PKV_ERR_INVALID;
-    bool shared = d->flags & PKV_WIRE_DATA_SHARED;
-    if ((d->flags & ~PKV_WIRE_DATA_SHARED) || d->xfer_id == 0 ||
+    bool shared = d->flags & PKV_WIRE_DATA_SHARED, layers = d->flags & PKV_WIRE_DATA_LAYERS;
+    if (!data_flags_valid(d->flags) || d->xfer_id == 0 ||
         d->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) || d->layer >= PKV_WIRE_MAX_LAYERS ||
-        d->bytes > PKV_WIRE_MAX_BYTES || shared != (n_pieces > 0) ||
-        n_pieces > PKV_WIRE_MAX_PIECES || (n_pieces && !pieces))
+        d->bytes > PKV_WIRE_MAX_BYTES || (shared || layers) != (n > 0) || (n && !items) ||
+        (shared && n > PKV_WIRE_MAX_PIECES) ||
+        (layers && (d->checksum || n > PKV_WIRE_MAX_LAYERS - d->layer)))
         return PKV_ERR_INVALID;
     uint64_t sum = 0;
-    for (uint32_t i = 0; i < n_pieces; i++) {
-        uint64_t off = pieces[2 * i], l = pieces[2 * i + 1];
+    for (uint32_t i = 0; shared && i < n; i++) {
+        uint64_t off = items[2 * i], l = items[2 * i + 1];
         if (l < 1 || off >= PKV_WIRE_MAX_ARENA || l > PKV_WIRE_MAX_ARENA - off)
             return PKV_ERR_INVALID;
         sum += l;
     }
     if (shared && sum != d->bytes) return PKV_ERR_INVALID;
-    size_t need = pkv_xfer_wire_data_bytes(n_pieces);
+    size_t need = pkv_xfer_wire_data_bytes(d->flags, n);
     if (need > PKV_WIRE_MAX_MSG) return PKV_ERR_INVALID;
     if (cap < need) return PKV_ERR_NOSPACE;
     wcur_t c = {buf, cap};
@@ -429,13 +459,10 @@ int pkv_xfer_wire_encode_data(const pkv_wire_data_t *d, const uint64_t *pieces, 
     put_u32(&c, d->flags);
     put_u64(&c, d->bytes);
     put_u64(&c, d->checksum);
-    if (shared) {
-        put_u32(&c, n_pieces);
+    if (n) {
+        put_u32(&c, n);
         put_u32(&c, 0);
-        for (uint32_t i = 0; i < n_pieces; i++) {
-            put_u64(&c, pieces[2 * i]);
-            put_u64(&c, pieces[2 * i + 1]);
-        }
+        for (uint32_t i = 0; i < n * (shared ? 2 : 1); i++) put_u64(&c, items[i]);
     }
     *len = need;
     return PKV_OK;

@@ -83,17 +83,27 @@ typedef struct {
 /* READ flags: the consumer has mapped the producer's shared staging arena (same host):
  * send DATA with arena offsets instead of payload messages. */
 #define PKV_WIRE_READ_SHARED 1u
+/* READ flags: whole stream (a small transfer, payload through UCX): chunk c is stream
+ * bytes [c * chunk_bytes, (c + 1) * chunk_bytes) whatever the layers, and one DATA
+ * (PKV_WIRE_DATA_LAYERS) follows the last chunk with every layer's checksum. Not with
+ * SHARED. */
+#define PKV_WIRE_READ_WHOLE 2u
 /* DATA flags: the layer's bytes are in the producer's shared arena at `pieces`. */
 #define PKV_WIRE_DATA_SHARED 1u
+/* DATA flags: the message covers layers [layer, layer + n_sums), their checksums in
+ * `sums`; `checksum` is 0. Not with SHARED. */
+#define PKV_WIRE_DATA_LAYERS 2u
 
 typedef struct {
     uint64_t xfer_id;
     uint32_t layer;
-    uint32_t flags;        /* PKV_WIRE_DATA_SHARED */
-    uint64_t bytes;        /* payload bytes of the layer */
+    uint32_t flags;        /* PKV_WIRE_DATA_SHARED | PKV_WIRE_DATA_LAYERS */
+    uint64_t bytes;        /* payload bytes of one layer */
     uint64_t checksum;     /* pkv_xfer_sum over the layer's bytes in stream order */
     uint32_t n_pieces;     /* shared: pieces covering the layer in stream order */
     const uint8_t *pieces; /* n_pieces x {u64 offset, u64 length} (decoder: into buf) */
+    uint32_t n_sums;       /* layers: how many layers, from `layer` */
+    const uint8_t *sums;   /* n_sums x u64 checksum (decoder: into buf) */
 } pkv_wire_data_t;
 
 typedef struct {
@@ -142,6 +152,8 @@ void pkv_xfer_wire_read_run(const pkv_wire_read_t *r, uint32_t i, uint32_t *firs
 /* Piece i (< n_pieces) of a decoded shared DATA. */
 void pkv_xfer_wire_data_piece(const pkv_wire_data_t *d, uint32_t i, uint64_t *offset,
                               uint64_t *length);
+/* Checksum i (< n_sums) of a decoded DATA with PKV_WIRE_DATA_LAYERS: layer `layer + i`. */
+uint64_t pkv_xfer_wire_data_sum(const pkv_wire_data_t *d, uint32_t i);
 /* Is reason an outcome a FAIL may carry? */
 bool pkv_xfer_wire_reason_valid(int32_t reason);
 
@@ -162,10 +174,11 @@ uint32_t pkv_xfer_wire_count_runs(const uint32_t *blocks, uint32_t n);
 size_t pkv_xfer_wire_read_bytes(uint32_t n_runs);
 int pkv_xfer_wire_encode_read(const pkv_wire_read_t *r, const uint32_t *blocks, uint32_t n,
                               void *buf, size_t cap, size_t *len);
-/* pieces: n_pieces x {offset, length} for a shared DATA (flags & PKV_WIRE_DATA_SHARED),
- * else NULL / 0; d->pieces / d->n_pieces are ignored. */
-size_t pkv_xfer_wire_data_bytes(uint32_t n_pieces);
-int pkv_xfer_wire_encode_data(const pkv_wire_data_t *d, const uint64_t *pieces, uint32_t n_pieces,
+/* The trailer: n items of {offset, length} for a shared DATA (PKV_WIRE_DATA_SHARED), of
+ * one checksum for PKV_WIRE_DATA_LAYERS, else NULL / 0; d->pieces / d->sums and their
+ * counts are ignored. */
+size_t pkv_xfer_wire_data_bytes(uint32_t flags, uint32_t n);
+int pkv_xfer_wire_encode_data(const pkv_wire_data_t *d, const uint64_t *items, uint32_t n,
                               void *buf, size_t cap, size_t *len);
 int pkv_xfer_wire_encode_ack(const pkv_wire_ack_t *a, void *buf, size_t cap, size_t *len);
 int pkv_xfer_wire_encode_fail(const pkv_wire_fail_t *f, void *buf, size_t cap, size_t *len);

@@ -41,6 +41,14 @@
  * the two hand-offs to a worker and back ~20-100 us on a loaded 2-core host. A copy here
  * delays other transfers' messages by at most ~0.2 ms. */
 #define XF_INLINE_COPY_BYTES (1ull << 20)
+/* A small transfer's payload goes in chunks of at most this: each fits one UCX tcp
+ * segment (TX_SEG_SIZE 64k, agent.c ucx_config), so UCX sends it eagerly as one message.
+ * A bigger chunk goes by rendezvous, one more round trip between the two progress threads
+ * per chunk: 64 KiB and 1 MiB transfers over tcp ran ~30-40 % slower with 64 KiB or 1 MiB
+ * chunks. Not eager beyond one segment either: with UCX_RNDV_THRESH=inf (multi-fragment
+ * eager) a read from a SIGSTOPped producer never quiesced (its matched receive could not
+ * be cancelled; the fault case failed). */
+#define XF_WHOLE_CHUNK_BYTES (60u << 10)
 
 typedef struct xf_peer xf_peer_t;
 typedef struct xf_serve xf_serve_t;
@@ -86,7 +94,8 @@ typedef struct {
     uint32_t layers;
     uint64_t layer_total; /* n_blocks * layer_bytes */
     uint32_t chunk_bytes;
-    uint32_t chunks_per_layer;
+    bool whole;                /* chunks cut the stream across layers (small transfers) */
+    uint32_t chunks_per_layer; /* 1 when whole */
     uint32_t n_chunks;
     uint32_t pages;
     pkv_stage_grant_t *grant; /* set by the SEATED event, before any copy job */
@@ -189,8 +198,7 @@ struct xf_serve {
     uint32_t layers_sent; /* layers whose every chunk completed */
     bool acked;
     bool zombie;
-    uint32_t *layer_done; /* (layers) chunks of the layer completed */
-    xf_chunk_t *chunks;   /* (n_chunks) */
+    xf_chunk_t *chunks; /* (n_chunks) */
     xf_event_t ev_seated, ev_job_done;
     xf_event_t *ev_layer; /* (layers) */
     xf_job_t job_seat, job_produce;
@@ -234,6 +242,7 @@ struct pkv_xfer_read {
     uint32_t jobs_pending;
     uint32_t recvs_inflight;
     uint32_t *layer_chunks; /* (layers) chunks received */
+    uint32_t chunks_in;     /* chunks received (whole-stream views) */
     uint8_t *layer_flags;   /* (layers) bit0 header seen, bit1 verify queued, bit2 verified */
     uint64_t *layer_sum;    /* (layers) checksum from DATA */
     bool want_shared;       /* [I] the handle offers a same-host arena we may map */
@@ -335,6 +344,9 @@ void xf_wake(pkv_xfer_agent_t *a);
 void xf_event_post(pkv_xfer_agent_t *a, xf_event_t *ev);
 void xf_job_post(pkv_xfer_agent_t *a, xf_job_t *job, bool seat);
 void xf_busy_add(pkv_xfer_agent_t *a, int delta);
+/* Is a transfer of n_blocks small (XF_INLINE_COPY_BYTES), so copied on the progress
+ * thread and, payload through UCX, read as a whole stream? */
+bool xf_small(const pkv_xfer_agent_t *a, uint32_t n_blocks);
 bool xf_copy_inline(const pkv_xfer_agent_t *a, const xf_view_t *v);
 int xf_random(void *buf, size_t n);
 
@@ -361,7 +373,7 @@ int xf_discard_dt_create(pkv_xfer_agent_t *a);
 
 /* view.c: staging views, copy plans, workers */
 int xf_view_init(xf_view_t *v, pkv_xfer_agent_t *a, uint32_t n_blocks, const uint32_t *blocks,
-                 uint32_t chunk_bytes);
+                 uint32_t chunk_bytes, bool whole);
 void xf_view_fini(xf_view_t *v);
 int xf_view_set_grant(xf_view_t *v, pkv_stage_grant_t *grant);
 void xf_chunk_span(const xf_view_t *v, uint32_t c, uint64_t *off, uint64_t *len);

@@ -50,12 +50,14 @@ static void check_roundtrip(const uint8_t *data, size_t size, const pkv_wire_msg
         break;
     case PKV_WIRE_DATA: {
         const pkv_wire_data_t *d = &m->u.data;
-        uint64_t *pieces = d->n_pieces ? malloc(16 * (size_t)d->n_pieces) : NULL;
-        FUZZ_CHECK(!d->n_pieces || pieces);
+        uint32_t n = d->n_pieces ? d->n_pieces : d->n_sums;
+        uint64_t *items = n ? malloc(16 * (size_t)n) : NULL;
+        FUZZ_CHECK(!n || items);
         for (uint32_t i = 0; i < d->n_pieces; i++)
-            pkv_xfer_wire_data_piece(d, i, &pieces[2 * i], &pieces[2 * i + 1]);
-        rc = pkv_xfer_wire_encode_data(d, pieces, d->n_pieces, buf, cap, &len);
-        free(pieces);
+            pkv_xfer_wire_data_piece(d, i, &items[2 * i], &items[2 * i + 1]);
+        for (uint32_t i = 0; i < d->n_sums; i++) items[i] = pkv_xfer_wire_data_sum(d, i);
+        rc = pkv_xfer_wire_encode_data(d, items, n, buf, cap, &len);
+        free(items);
         break;
     }
     case PKV_WIRE_ACK:

@@ -33,12 +33,17 @@ def fail_body(xfer=7, req=42, reason=REJECTED, text=b'bad token'):
     return struct.pack('<QQiHH', xfer, req, reason, len(text), 0) + text
 
 
-def data_body(xfer=7, layer=3, flags=0, nbytes=65536, checksum=0x1234, pieces=None, reserved=0):
+def data_body(xfer=7, layer=3, flags=0, nbytes=65536, checksum=0x1234, pieces=None, reserved=0,
+              sums=None):
     b = struct.pack('<QIIQQ', xfer, layer, flags, nbytes, checksum)
     if pieces is not None:
         b += struct.pack('<II', len(pieces), reserved)
         for off, ln in pieces:
             b += struct.pack('<QQ', off, ln)
+    if sums is not None:
+        b += struct.pack('<II', len(sums), reserved)
+        for x in sums:
+            b += struct.pack('<Q', x)
     return b
 
 
@@ -66,6 +71,15 @@ def main(out):
         'ok-data': msg(DATA, data_body()),
         'ok-data-shared': msg(DATA, data_body(flags=1, nbytes=12288, pieces=((4096, 8192), (65536, 4096)))),
         'ok-read-shared': msg(READ, read_body(flags=1)),
+        'ok-read-whole': msg(READ, read_body(flags=2)),
+        'ok-data-layers': msg(DATA, data_body(layer=0, flags=2, checksum=0, sums=(1, 2, 3, 4))),
+        'bad-data-layers-checksum': msg(DATA, data_body(layer=0, flags=2, sums=(1, 2))),
+        'bad-data-layers-none': msg(DATA, data_body(layer=0, flags=2, checksum=0, sums=())),
+        'bad-data-layers-beyond': msg(DATA, data_body(layer=4095, flags=2, checksum=0, sums=(1, 2))),
+        'bad-data-layers-count-lies': msg(DATA, data_body(layer=0, flags=2, checksum=0,
+                                                          sums=(1, 2))[:-8]),
+        'bad-data-shared-and-layers': msg(DATA, data_body(layer=0, flags=3, checksum=0, sums=(1,))),
+        'bad-read-shared-and-whole': msg(READ, read_body(flags=3)),
         'ok-handle-local': handle(local=(1234, 7, 1 << 26, 99, bytes(range(16)))),
         'ok-ack': msg(ACK, struct.pack('<QQQ', 7, 42, 1 << 20)),
         'ok-fail': msg(FAIL, fail_body()),
@@ -103,7 +117,8 @@ def main(out):
         'bad-read-budget': msg(READ, read_body(budget=1 << 62)),
         'bad-read-too-many-chunks': msg(READ, read_body(geo=(4096, 1, 1024, 1, 0), chunk=4096,
                                                         runs=((0, 1 << 12),))),
-        'bad-data-flags': msg(DATA, data_body(flags=2)),
+        'bad-data-flags': msg(DATA, data_body(flags=4)),
+        'bad-data-layers-no-trailer': msg(DATA, data_body(layer=0, flags=2, checksum=0)),
         'bad-data-layer': msg(DATA, data_body(layer=5000)),
         'bad-data-shared-no-pieces': msg(DATA, data_body(flags=1)),
         'bad-data-pieces-sum': msg(DATA, data_body(flags=1, nbytes=5, pieces=((0, 4),))),
@@ -111,7 +126,7 @@ def main(out):
         'bad-data-piece-reserved': msg(DATA, data_body(flags=1, nbytes=4, pieces=((0, 4),), reserved=1)),
         'bad-data-piece-beyond': msg(DATA, data_body(flags=1, nbytes=4, pieces=(((1 << 44) - 2, 4),))),
         'bad-data-plain-trailing': msg(DATA, data_body() + b'\0' * 8),
-        'bad-read-flags': msg(READ, read_body(flags=2)),
+        'bad-read-flags': msg(READ, read_body(flags=4)),
         'bad-handle-flags': handle(flags=2),
         'bad-handle-local-pid': handle(local=(0, 7, 1 << 26, 99, bytes(16))),
         'bad-handle-local-size': handle(local=(5, 7, 100, 99, bytes(16))),
