@@ -23,10 +23,10 @@
 typedef enum {
     XH_NONE = 0,
     XH_PRODUCER_KILLED_BEFORE, /* kill -9 after registering, before the read */
-    XH_PRODUCER_KILLED_DURING, /* producer raises SIGKILL after layer 1 left */
+    XH_PRODUCER_KILLED_DURING, /* producer raises SIGKILL once layer 1 is posted, before its DATA */
     XH_PRODUCER_KILLED_AFTER,  /* ... after every chunk left, before the ACK */
     XH_CONSUMER_KILLED_DURING, /* consumer raises SIGKILL when layer 1 arrived */
-    XH_PRODUCER_STOPPED,       /* producer raises SIGSTOP after layer 1 left */
+    XH_PRODUCER_STOPPED,       /* producer raises SIGSTOP at the same point */
     XH_STAGING_FULL_CONSUMER,  /* consumer staging held by someone else until the end */
     XH_STAGING_FULL_PRODUCER,  /* producer staging held by someone else */
     XH_NOFIT_CONSUMER,         /* consumer staging smaller than the transfer */

@@ -9,8 +9,11 @@
 
 typedef enum {
     PKV_XFER_FAULT_SERVE_READ,          /* progress thread: producer accepted a READ */
-    PKV_XFER_FAULT_SERVE_COPIED,        /* copy worker: producer staged a layer (may sleep) */
-    PKV_XFER_FAULT_SERVE_LAYER_SENT,    /* progress thread: every chunk of a layer left */
+    PKV_XFER_FAULT_SERVE_COPIED,        /* producer staged a layer: on a copy worker, or on the
+                                           progress thread for a small transfer (a hook that
+                                           sleeps needs no_inline_copy) */
+    PKV_XFER_FAULT_SERVE_LAYER_SENT,    /* progress thread: a layer's payload is posted and
+                                           its DATA not yet (shared arena: its DATA sent) */
     PKV_XFER_FAULT_SERVE_ALL_SENT,      /* progress thread: all chunks left; waiting for ACK */
     PKV_XFER_FAULT_READ_LAYER_RECEIVED, /* progress thread: consumer has a layer's chunks */
 } pkv_xfer_fault_point_t;
