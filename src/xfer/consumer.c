@@ -453,6 +453,7 @@ static void recv_done(void *request, ucs_status_t status, const ucp_tag_recv_inf
     pkv_xfer_read_t *rd = ch->owner;
     pkv_xfer_agent_t *a = rd->agent;
     ch->req = NULL;
+    ch->done = true;
     rd->recvs_inflight--;
     ucp_request_free(request);
     if (rd->finished) {
@@ -508,19 +509,24 @@ static void start_reading(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
             .datatype = dt,
             .user_data = ch,
         };
+        /* Counted before posting: a receive that completes at once runs recv_done inside
+         * the call (NO_IMM_CMPL) and still returns the (then freed) request. */
+        ch->done = false;
+        rd->recvs_inflight++;
         void *req = ucp_tag_recv_nbx(a->worker, buf, count, pkv_wire_data_tag(rd->xfer_id, c),
                                      UINT64_MAX, &prm);
         if (UCS_PTR_IS_ERR(req)) {
+            rd->recvs_inflight--;
             char why[96];
             snprintf(why, sizeof(why), "posting a receive: %s",
                      ucs_status_string(UCS_PTR_STATUS(req)));
             finish(a, rd, PKV_ERR_NOFIT, false, why);
             return;
         }
-        if (req) {
+        if (!req)
+            rd->recvs_inflight--; /* completed without its callback (not with NO_IMM_CMPL) */
+        else if (!ch->done)
             ch->req = req;
-            rd->recvs_inflight++;
-        }
     }
     send_read(a, rd);
 }
@@ -728,7 +734,10 @@ void xf_reads_tick(pkv_xfer_agent_t *a, uint64_t now)
             /* Receives neither completed nor failed: force the endpoint closed, and if
              * even that leaves them pending, write them off (keep the staging). */
             if (rd->peer && rd->peer->state == XF_PEER_ACTIVE) {
+                /* This ends every read on that peer and may free them (next too): stop
+                 * the walk here, the next tick goes on. */
                 xf_peer_fail(a, rd->peer, "payload receives stuck after the read ended");
+                return;
             } else if (xf_since(now, rd->done_ns) > 3 * XF_CLOSE_WAIT_NS) {
                 PKV_LOGE(XF_MOD, "read %llu: %u receives never completed; written off",
                          (unsigned long long)rd->xfer_id, rd->recvs_inflight);

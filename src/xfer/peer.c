@@ -287,8 +287,12 @@ static int ctl_post(xf_peer_t *p, ctl_buf_t *b)
         .cb = {.send = ctl_sent},
         .user_data = b,
     };
+    /* Counted before posting: with NO_IMM_CMPL a send that completes at once runs
+     * ctl_sent inside ucp_am_send_nbx (which frees b) and still returns the request. */
+    p->ctl_inflight++;
     void *req = ucp_am_send_nbx(p->ep, XF_AM_CTRL, NULL, 0, b->data, len, &prm);
     if (UCS_PTR_IS_ERR(req)) {
+        p->ctl_inflight--;
         ucs_status_t s = UCS_PTR_STATUS(req);
         PKV_LOGD(XF_MOD, "peer %u: control message type %u (%zu bytes) refused: %s", p->id,
                  len > 5 ? b->data[5] : 0, len, ucs_status_string(s));
@@ -296,11 +300,10 @@ static int ctl_post(xf_peer_t *p, ctl_buf_t *b)
         if (p->err == UCS_OK) p->err = s;
         return PKV_ERR_PEER_LOST;
     }
-    if (req == NULL) { /* completed at once (not expected with NO_IMM_CMPL) */
+    if (req == NULL) { /* completed without its callback (not with NO_IMM_CMPL) */
+        p->ctl_inflight--;
         free(b);
-        return PKV_OK;
     }
-    p->ctl_inflight++;
     return PKV_OK;
 }
 

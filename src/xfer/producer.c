@@ -253,7 +253,7 @@ static bool serve_quiesce(pkv_xfer_agent_t *a, xf_serve_t *s)
 /* The last thing a handler does with a serve: frees it once quiesced. */
 static void serve_settle(pkv_xfer_agent_t *a, xf_serve_t *s)
 {
-    if (s->zombie || !serve_quiesce(a, s)) return;
+    if (s->zombie || s->posting || !serve_quiesce(a, s)) return;
     xf_busy_add(a, -1);
     serve_free(s);
 }
@@ -489,12 +489,26 @@ static void send_data_header(pkv_xfer_agent_t *a, xf_serve_t *s, uint32_t l)
                      rc != PKV_ERR_PEER_LOST, "cannot announce a staged layer");
 }
 
+/* Every chunk completed and every DATA went out: wait for the ACK. Not while pump() is
+ * posting (a send that completes at once runs send_done inside ucp_tag_send_nbx, before
+ * the DATA that follows it); pump() checks again when it is done. */
+static void all_sent(pkv_xfer_agent_t *a, xf_serve_t *s)
+{
+    if (s->state_done || s->state != XF_SERVE_SENDING || s->posting ||
+        s->chunks_sent < s->v.n_chunks)
+        return;
+    s->state = XF_SERVE_WAIT_ACK;
+    s->t_all_sent = pkv_now_ns();
+    fault(a, PKV_XFER_FAULT_SERVE_ALL_SENT, 0);
+}
+
 static void send_done(void *request, ucs_status_t status, void *user_data)
 {
     xf_chunk_t *ch = user_data;
     xf_serve_t *s = ch->owner;
     pkv_xfer_agent_t *a = s->agent;
     ch->req = NULL;
+    ch->done = true;
     s->sends_inflight--;
     ucp_request_free(request);
     if (s->state_done) {
@@ -506,11 +520,7 @@ static void send_done(void *request, ucs_status_t status, void *user_data)
         serve_finish(a, s, PKV_ERR_PEER_LOST, false, why);
     } else {
         s->chunks_sent++;
-        if (s->chunks_sent == s->v.n_chunks && !s->state_done) {
-            s->state = XF_SERVE_WAIT_ACK;
-            s->t_all_sent = pkv_now_ns();
-            fault(a, PKV_XFER_FAULT_SERVE_ALL_SENT, 0);
-        }
+        all_sent(a, s);
     }
     /* more sends are posted by the loop (pump) rather than from inside this callback */
     s->pump_needed = true;
@@ -563,6 +573,10 @@ static void pump(pkv_xfer_agent_t *a, xf_serve_t *s)
         return;
     }
     uint64_t staged = (uint64_t)s->layers_ready * s->v.layer_total;
+    /* A send that completes at once runs send_done inside ucp_tag_send_nbx (NO_IMM_CMPL):
+     * `posting` keeps it from settling s under us (every caller of pump() settles after
+     * it) and from declaring all sent before the DATA below went out. */
+    s->posting = true;
     while (!s->state_done && s->next_chunk < s->v.n_chunks &&
            s->sends_inflight < a->cfg.max_inflight) {
         uint32_t c = s->next_chunk;
@@ -575,7 +589,7 @@ static void pump(pkv_xfer_agent_t *a, xf_serve_t *s)
         if (off + len > staged) break; /* not staged yet */
         if (xf_chunk_buffer(&s->v, ch, off, len, &buf, &count, &dt)) {
             serve_finish(a, s, PKV_ERR_NOFIT, true, "out of memory posting sends");
-            return;
+            break;
         }
         ucp_request_param_t prm = {
             .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
@@ -584,23 +598,21 @@ static void pump(pkv_xfer_agent_t *a, xf_serve_t *s)
             .datatype = dt,
             .user_data = ch,
         };
+        ch->done = false;
+        s->sends_inflight++; /* before posting: send_done may run inside the call */
         void *req =
             ucp_tag_send_nbx(s->peer->ep, buf, count, pkv_wire_data_tag(s->xfer_id, c), &prm);
         if (UCS_PTR_IS_ERR(req)) {
+            s->sends_inflight--;
             char why[96];
             snprintf(why, sizeof(why), "posting a payload send: %s",
                      ucs_status_string(UCS_PTR_STATUS(req)));
             if (s->peer->err == UCS_OK) s->peer->err = UCS_PTR_STATUS(req);
             serve_finish(a, s, PKV_ERR_PEER_LOST, false, why);
-            return;
+            break;
         }
         s->next_chunk++;
-        if (req) {
-            ch->req = req;
-            s->sends_inflight++;
-        } else {
-            s->chunks_sent++; /* not expected with NO_IMM_CMPL */
-        }
+        if (!ch->done) ch->req = req; /* else send_done already ran and freed it */
         /* Layers whose every byte is now posted (the hook may stop us here: then their
          * DATA has not gone, so the consumer cannot complete). */
         bool layer_end = s->v.whole ? s->next_chunk == s->v.n_chunks
@@ -611,6 +623,8 @@ static void pump(pkv_xfer_agent_t *a, xf_serve_t *s)
             fault(a, PKV_XFER_FAULT_SERVE_LAYER_SENT, l);
         send_data_header(a, s, last);
     }
+    s->posting = false;
+    all_sent(a, s);
 }
 
 static int seat_reason(int rc)
@@ -729,7 +743,10 @@ void xf_serves_tick(pkv_xfer_agent_t *a, uint64_t now)
         } else if (s->sends_inflight && !s->zombie &&
                    xf_since(now, s->done_ns) > 2 * XF_CLOSE_WAIT_NS) {
             if (s->peer->state == XF_PEER_ACTIVE) {
+                /* This ends and may free every serve on that peer (s and next too): stop
+                 * the walk here, the next tick goes on. */
                 xf_peer_fail(a, s->peer, "payload sends stuck after the transfer ended");
+                return;
             } else if (xf_since(now, s->done_ns) > 3 * XF_CLOSE_WAIT_NS) {
                 PKV_LOGE(XF_MOD,
                          "serve %llu: %u sends never completed; written off (staging "

@@ -109,6 +109,7 @@ struct xf_chunk {
     bool is_serve;
     uint32_t index;
     void *req;         /* [P] UCX request while in flight */
+    bool done;         /* [P] the completion callback ran for the last post */
     ucp_dt_iov_t *iov; /* [P] when the chunk spans staging runs */
     uint32_t iovcnt;
 };
@@ -195,7 +196,8 @@ struct xf_serve {
     uint32_t next_chunk; /* next chunk to post */
     uint32_t chunks_sent;
     uint32_t sends_inflight;
-    uint32_t layers_sent; /* layers whose every chunk completed */
+    uint32_t layers_sent; /* shared arena: layers whose DATA went out */
+    bool posting;         /* inside pump(): serve_settle and all_sent wait */
     bool acked;
     bool zombie;
     xf_chunk_t *chunks; /* (n_chunks) */
