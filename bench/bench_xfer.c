@@ -485,11 +485,12 @@ int pkv_bench_xfer(int argc, char **argv)
         printf("\nsame_host: payload through the producer's shared staging arena (memfd mapped "
                "by the consumer); same_host_ucx: payload through UCX (shared memory + tcp lanes, "
                "zero-copy off per UCX-NOTES); tcp: UCX_TLS=tcp on loopback. 8 in flight: "
-               "median over %llu runs of bytes / wall time of 248 (64 KiB), 120 (1 MiB) or 24 "
+               "median over %llu runs of bytes / wall time of %u (64 KiB), %u (1 MiB) or %u "
                "(16 MiB) reads, a new read as soon as the oldest ended; one at a time: "
                "median of 8 reads. Targets: same host >= 0.6 x memcpy, tcp >= 0.8 x "
                "ucx_perftest.\n\n",
-               (unsigned long long)runs);
+               (unsigned long long)runs, timed_reads(sizes[0]), timed_reads(sizes[1]),
+               timed_reads(sizes[2]));
     }
     json_object_set_new(root, "results", results);
     json_object_set_new(root, "ucx_perftest_tcp_gbps", json_real(pt[1]));
