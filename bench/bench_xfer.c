@@ -22,6 +22,7 @@
  * kill_detect_ms (slowest path's median) and the details.
  */
 #include "../tools/cli.h"
+#include "bench.h"
 #include "xfer_harness.h"
 
 #include "core/core.h"
@@ -36,19 +37,6 @@
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *v, size_t n)
-{
-    if (!n) return 0;
-    qsort(v, n, sizeof(double), cmp_double);
-    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
 
 static void progress(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void progress(const char *fmt, ...)
@@ -203,12 +191,12 @@ static tput_t measure(size_t bytes, int path, int runs, int single_reads)
             for (uint32_t i = c.warmup; i < c.n_requests; i++)
                 single[ns++] = (double)r.bytes[i] / (double)r.elapsed_ns[i];
     }
-    t.batch_gbps = median(batch, (size_t)nb);
-    t.memcpy_gbps = median(mc, (size_t)nb);
-    t.vs_memcpy = median(ratio, (size_t)nb);
-    t.memcpy_cold_gbps = median(mcc, (size_t)nb);
-    t.vs_memcpy_cold = median(ratio_c, (size_t)nb);
-    t.single_gbps = median(single, (size_t)ns);
+    t.batch_gbps = pkv_bench_median(batch, (size_t)nb);
+    t.memcpy_gbps = pkv_bench_median(mc, (size_t)nb);
+    t.vs_memcpy = pkv_bench_median(ratio, (size_t)nb);
+    t.memcpy_cold_gbps = pkv_bench_median(mcc, (size_t)nb);
+    t.vs_memcpy_cold = pkv_bench_median(ratio_c, (size_t)nb);
+    t.single_gbps = pkv_bench_median(single, (size_t)ns);
     t.runs = nb;
     t.reads = ns;
     return t;
@@ -244,8 +232,8 @@ static kill_t kill_detect(int path, int runs)
     snprintf(k.outcomes, sizeof(k.outcomes), "%d peer_lost%s", n,
              other ? ", some runs did not end peer_lost" : "");
     if (n) {
-        k.median_ms = median(v, (size_t)n);
-        k.max_ms = v[n - 1]; /* sorted by median() */
+        k.median_ms = pkv_bench_median(v, (size_t)n);
+        for (int i = 0; i < n; i++) k.max_ms = PKV_MAX(k.max_ms, v[i]);
     }
     return k;
 }
@@ -424,7 +412,7 @@ int pkv_bench_xfer(int argc, char **argv)
         }
     /* The reference beside the transfers: median of the memcpy figures taken around them. */
     json_object_set_new(root, "memcpy_gbps",
-                        json_real(n_run_mc ? median(run_mc, (size_t)n_run_mc) : mc));
+                        json_real(n_run_mc ? pkv_bench_median(run_mc, (size_t)n_run_mc) : mc));
     json_object_set_new(root, "memcpy_gbps_at_start", json_real(mc));
     kill_t kd[NPATHS];
     memset(kd, 0, sizeof(kd));

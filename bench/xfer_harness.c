@@ -12,6 +12,8 @@
  */
 #include "xfer_harness.h"
 
+#include "bench.h"
+
 #include "core/core.h"
 #include "pagekv/stage.h"
 #include "pagekv/xfer.h"
@@ -123,12 +125,6 @@ void xh_case_default(xh_case_t *c)
     c->seed = 1;
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
 double xh_memcpy_gbps(int samples, bool cold)
 {
     enum { BYTES = 16 << 20, REPS = 4, COLD_SLOTS = 8 };
@@ -155,8 +151,7 @@ double xh_memcpy_gbps(int samples, bool cold)
     }
     free(a);
     free(b);
-    qsort(v, (size_t)samples, sizeof(double), cmp_double);
-    return samples % 2 ? v[samples / 2] : (v[samples / 2 - 1] + v[samples / 2]) / 2;
+    return pkv_bench_median(v, (size_t)samples);
 }
 
 /* ---- pipes ---------------------------------------------------------------------------- */

@@ -13,6 +13,7 @@
  */
 #include "support/testutil.h"
 
+#include "../bench/bench_util.c"
 #include "../bench/xfer_harness.c"
 
 #include <stdio.h>
