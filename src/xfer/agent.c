@@ -105,11 +105,6 @@ bool xf_small(const pkv_xfer_agent_t *a, uint32_t n_blocks)
     return !a->cfg.no_inline_copy && per_block && n_blocks <= XF_INLINE_COPY_BYTES / per_block;
 }
 
-bool xf_copy_inline(const pkv_xfer_agent_t *a, const xf_view_t *v)
-{
-    return xf_small(a, v->n_blocks);
-}
-
 void xf_busy_add(pkv_xfer_agent_t *a, int delta)
 {
     pthread_mutex_lock(&a->lock);

@@ -424,7 +424,7 @@ static void maybe_verify(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l)
         rd->layer_chunks[l] != rd->v.chunks_per_layer)
         return;
     rd->layer_flags[l] |= LF_QUEUED;
-    if (xf_copy_inline(a, &rd->v)) {
+    if (xf_small(a, rd->v.n_blocks)) {
         layer_stored(a, rd, l, store_layer(a, rd, l, rd->layer_sum[l]));
         return;
     }

@@ -468,6 +468,22 @@ void xf_serve_job(pkv_xfer_agent_t *a, xf_serve_t *s)
     xf_event_post(a, &s->ev_job_done);
 }
 
+/* Encode and send one DATA (items: arena pieces for SHARED, checksums for LAYERS); a
+ * failure ends the serve. PKV_OK or the error. */
+static int send_data(pkv_xfer_agent_t *a, xf_serve_t *s, const pkv_wire_data_t *d,
+                     const uint64_t *items, uint32_t n)
+{
+    size_t cap = pkv_xfer_wire_data_bytes(d->flags, n), len;
+    uint8_t stack[64], *buf = cap <= sizeof(stack) ? stack : malloc(cap);
+    int rc = buf ? pkv_xfer_wire_encode_data(d, items, n, buf, cap, &len) : PKV_ERR_NOMEM;
+    if (rc == PKV_OK) rc = xf_ctl_send(a, s->peer, buf, len);
+    if (buf != stack) free(buf);
+    if (rc)
+        serve_finish(a, s, rc == PKV_ERR_PEER_LOST ? PKV_ERR_PEER_LOST : PKV_ERR_NOFIT,
+                     rc != PKV_ERR_PEER_LOST, "cannot announce a staged layer");
+    return rc;
+}
+
 /* DATA for layer l, or for every layer (whole stream) once its last chunk is posted. */
 static void send_data_header(pkv_xfer_agent_t *a, xf_serve_t *s, uint32_t l)
 {
@@ -477,16 +493,7 @@ static void send_data_header(pkv_xfer_agent_t *a, xf_serve_t *s, uint32_t l)
                          .flags = all ? PKV_WIRE_DATA_LAYERS : 0,
                          .bytes = s->v.layer_total,
                          .checksum = all ? 0 : s->layer_sum[l]};
-    uint32_t n = all ? s->v.layers : 0;
-    size_t cap = pkv_xfer_wire_data_bytes(d.flags, n), len;
-    uint8_t stack[64], *buf = cap <= sizeof(stack) ? stack : malloc(cap);
-    int rc = buf ? pkv_xfer_wire_encode_data(&d, all ? s->layer_sum : NULL, n, buf, cap, &len)
-                 : PKV_ERR_NOMEM;
-    if (rc == PKV_OK) rc = xf_ctl_send(a, s->peer, buf, len);
-    if (buf != stack) free(buf);
-    if (rc)
-        serve_finish(a, s, rc == PKV_ERR_PEER_LOST ? PKV_ERR_PEER_LOST : PKV_ERR_NOFIT,
-                     rc != PKV_ERR_PEER_LOST, "cannot announce a staged layer");
+    send_data(a, s, &d, all ? s->layer_sum : NULL, all ? s->v.layers : 0);
 }
 
 /* Every chunk completed and every DATA went out: wait for the ACK. Not while pump() is
@@ -494,9 +501,8 @@ static void send_data_header(pkv_xfer_agent_t *a, xf_serve_t *s, uint32_t l)
  * the DATA that follows it); pump() checks again when it is done. */
 static void all_sent(pkv_xfer_agent_t *a, xf_serve_t *s)
 {
-    if (s->state_done || s->state != XF_SERVE_SENDING || s->posting ||
-        s->chunks_sent < s->v.n_chunks)
-        return;
+    bool out = s->shared ? s->layers_sent == s->v.layers : s->chunks_sent == s->v.n_chunks;
+    if (s->state_done || s->state != XF_SERVE_SENDING || s->posting || !out) return;
     s->state = XF_SERVE_WAIT_ACK;
     s->t_all_sent = pkv_now_ns();
     fault(a, PKV_XFER_FAULT_SERVE_ALL_SENT, 0);
@@ -542,24 +548,13 @@ static void pump_shared(pkv_xfer_agent_t *a, xf_serve_t *s)
                              .flags = PKV_WIRE_DATA_SHARED,
                              .bytes = s->v.layer_total,
                              .checksum = s->layer_sum[l]};
-        size_t cap_b = pkv_xfer_wire_data_bytes(d.flags, n), len;
-        uint8_t *buf = n ? malloc(cap_b) : NULL;
-        int rc = buf ? pkv_xfer_wire_encode_data(&d, pieces, n, buf, cap_b, &len) : PKV_ERR_NOMEM;
-        if (rc == PKV_OK) rc = xf_ctl_send(a, s->peer, buf, len);
-        free(buf);
+        /* n == 0 (no memory, or more pieces than runs) fails to encode: nofit */
+        int rc = send_data(a, s, &d, pieces, n);
         free(pieces);
-        if (rc) {
-            serve_finish(a, s, rc == PKV_ERR_PEER_LOST ? PKV_ERR_PEER_LOST : PKV_ERR_NOFIT,
-                         rc != PKV_ERR_PEER_LOST, "cannot announce a staged layer");
-            return;
-        }
+        if (rc) return;
         s->layers_sent++;
         fault(a, PKV_XFER_FAULT_SERVE_LAYER_SENT, l);
-        if (s->layers_sent == s->v.layers && !s->state_done) {
-            s->state = XF_SERVE_WAIT_ACK;
-            s->t_all_sent = pkv_now_ns();
-            fault(a, PKV_XFER_FAULT_SERVE_ALL_SENT, 0);
-        }
+        all_sent(a, s);
     }
 }
 
@@ -661,7 +656,7 @@ void xf_serve_event(pkv_xfer_agent_t *a, xf_serve_t *s, xf_event_t *ev)
             if (xf_view_set_grant(&s->v, ev->grant)) {
                 s->v.grant = ev->grant;
                 serve_finish(a, s, PKV_ERR_NOFIT, true, "staging grant smaller than asked");
-            } else if (!s->state_done && xf_copy_inline(a, &s->v)) {
+            } else if (!s->state_done && xf_small(a, s->v.n_blocks)) {
                 /* Small: stage here, each layer going out as soon as it is staged. */
                 s->state = XF_SERVE_SENDING;
                 for (uint32_t l = 0; l < s->v.layers && !s->state_done; l++)

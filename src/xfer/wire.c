@@ -226,18 +226,11 @@ static bool printable(const char *s, size_t n)
     return true;
 }
 
-/* Known READ flags, SHARED and WHOLE not together. */
-static bool read_flags_valid(uint32_t flags)
+/* flags holds at most one of the two known bits x, y (READ: SHARED | WHOLE, DATA:
+ * SHARED | LAYERS) and nothing else. */
+static bool one_flag_of(uint32_t flags, uint32_t x, uint32_t y)
 {
-    return !(flags & ~(PKV_WIRE_READ_SHARED | PKV_WIRE_READ_WHOLE)) &&
-           !(flags & PKV_WIRE_READ_SHARED && flags & PKV_WIRE_READ_WHOLE);
-}
-
-/* Known DATA flags, SHARED and LAYERS not together. */
-static bool data_flags_valid(uint32_t flags)
-{
-    return !(flags & ~(PKV_WIRE_DATA_SHARED | PKV_WIRE_DATA_LAYERS)) &&
-           !(flags & PKV_WIRE_DATA_SHARED && flags & PKV_WIRE_DATA_LAYERS);
+    return !(flags & ~(x | y)) && (flags & (x | y)) != (x | y);
 }
 
 /* ---- decode --------------------------------------------------------------------------- */
@@ -250,7 +243,7 @@ static int decode_read(rcur_t *c, pkv_wire_read_t *r)
         !get_u32(c, &r->geo.head_dim) || !get_u32(c, &r->geo.block_tokens) || !get_u32(c, &dtype) ||
         !get_u32(c, &r->chunk_bytes) || !get_u32(c, &r->flags) || !get_u32(c, &r->n_runs))
         return PKV_ERR_PROTO;
-    if (!read_flags_valid(r->flags)) return PKV_ERR_PROTO;
+    if (!one_flag_of(r->flags, PKV_WIRE_READ_SHARED, PKV_WIRE_READ_WHOLE)) return PKV_ERR_PROTO;
     if (r->xfer_id == 0 || r->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS)) return PKV_ERR_PROTO;
     if (r->budget_ns > PKV_WIRE_MAX_BUDGET_NS) return PKV_ERR_PROTO;
     if (dtype > PKV_DTYPE_BF16) return PKV_ERR_PROTO;
@@ -299,7 +292,7 @@ int pkv_xfer_wire_decode(const void *buf, size_t len, pkv_wire_msg_t *out)
         get_u32(&c, &d->flags);
         get_u64(&c, &d->bytes);
         get_u64(&c, &d->checksum);
-        if (!data_flags_valid(d->flags) || d->xfer_id == 0 ||
+        if (!one_flag_of(d->flags, PKV_WIRE_DATA_SHARED, PKV_WIRE_DATA_LAYERS) || d->xfer_id == 0 ||
             d->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) || d->layer >= PKV_WIRE_MAX_LAYERS ||
             d->bytes > PKV_WIRE_MAX_BYTES)
             return PKV_ERR_PROTO;
@@ -393,8 +386,9 @@ int pkv_xfer_wire_encode_read(const pkv_wire_read_t *r, const uint32_t *blocks, 
     if (!r || !blocks || !buf || !len) return PKV_ERR_INVALID;
     uint32_t n_runs = pkv_xfer_wire_count_runs(blocks, n);
     if (r->xfer_id == 0 || r->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) ||
-        !read_flags_valid(r->flags) || r->budget_ns > PKV_WIRE_MAX_BUDGET_NS || n_runs < 1 ||
-        n_runs > PKV_WIRE_MAX_RUNS || check_read_sizes(&r->geo, n, r->chunk_bytes))
+        !one_flag_of(r->flags, PKV_WIRE_READ_SHARED, PKV_WIRE_READ_WHOLE) ||
+        r->budget_ns > PKV_WIRE_MAX_BUDGET_NS || n_runs < 1 || n_runs > PKV_WIRE_MAX_RUNS ||
+        check_read_sizes(&r->geo, n, r->chunk_bytes))
         return PKV_ERR_INVALID;
     size_t need = pkv_xfer_wire_read_bytes(n_runs);
     if (need > PKV_WIRE_MAX_MSG) return PKV_ERR_INVALID;
@@ -435,7 +429,7 @@ int pkv_xfer_wire_encode_data(const pkv_wire_data_t *d, const uint64_t *items, u
 {
     if (!d || !buf || !len) return PKV_ERR_INVALID;
     bool shared = d->flags & PKV_WIRE_DATA_SHARED, layers = d->flags & PKV_WIRE_DATA_LAYERS;
-    if (!data_flags_valid(d->flags) || d->xfer_id == 0 ||
+    if (!one_flag_of(d->flags, PKV_WIRE_DATA_SHARED, PKV_WIRE_DATA_LAYERS) || d->xfer_id == 0 ||
         d->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) || d->layer >= PKV_WIRE_MAX_LAYERS ||
         d->bytes > PKV_WIRE_MAX_BYTES || (shared || layers) != (n > 0) || (n && !items) ||
         (shared && n > PKV_WIRE_MAX_PIECES) ||

@@ -349,7 +349,6 @@ void xf_busy_add(pkv_xfer_agent_t *a, int delta);
 /* Is a transfer of n_blocks small (XF_INLINE_COPY_BYTES), so copied on the progress
  * thread and, payload through UCX, read as a whole stream? */
 bool xf_small(const pkv_xfer_agent_t *a, uint32_t n_blocks);
-bool xf_copy_inline(const pkv_xfer_agent_t *a, const xf_view_t *v);
 int xf_random(void *buf, size_t n);
 
 /* peer.c */
