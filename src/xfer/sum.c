@@ -23,7 +23,7 @@ static inline void group(pkv_xfer_sum_t *s, const uint8_t *p)
 }
 
 /* The bulk of both update() and copy(): whole groups, local accumulators. */
-static void groups(pkv_xfer_sum_t *s, uint8_t *dst, const uint8_t *src, size_t ngroups)
+static void groups_scalar(pkv_xfer_sum_t *s, uint8_t *dst, const uint8_t *src, size_t ngroups)
 {
     uint64_t a0 = s->a[0], a1 = s->a[1], a2 = s->a[2], a3 = s->a[3];
     uint64_t b0 = s->b[0], b1 = s->b[1], b2 = s->b[2], b3 = s->b[3];
@@ -40,6 +40,41 @@ static void groups(pkv_xfer_sum_t *s, uint8_t *dst, const uint8_t *src, size_t n
     s->a[0] = a0, s->a[1] = a1, s->a[2] = a2, s->a[3] = a3;
     s->b[0] = b0, s->b[1] = b1, s->b[2] = b2, s->b[3] = b3;
 }
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+/* The same sums, one 256-bit register per accumulator: the four lanes are the four
+ * 64-bit words of a group, so the result is bit-identical to groups_scalar() (a peer
+ * without AVX2 computes the same checksum). Twice as fast as the scalar loop on data in
+ * cache (measured: 64 KiB 22 -> 48 GB/s, memcpy 48), where the copy is not memory-bound. */
+__attribute__((target("avx2"))) static void groups_avx2(pkv_xfer_sum_t *s, uint8_t *dst,
+                                                        const uint8_t *src, size_t ngroups)
+{
+    __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)s->a);
+    __m256i b = _mm256_loadu_si256((const __m256i *)(const void *)s->b);
+    for (size_t g = 0; g < ngroups; g++, src += 32) {
+        __m256i w = _mm256_loadu_si256((const __m256i *)(const void *)src);
+        if (dst) {
+            _mm256_storeu_si256((__m256i *)(void *)dst, w);
+            dst += 32;
+        }
+        a = _mm256_add_epi64(a, w);
+        b = _mm256_add_epi64(b, a);
+    }
+    _mm256_storeu_si256((__m256i *)(void *)s->a, a);
+    _mm256_storeu_si256((__m256i *)(void *)s->b, b);
+}
+
+static void groups(pkv_xfer_sum_t *s, uint8_t *dst, const uint8_t *src, size_t ngroups)
+{
+    if (__builtin_cpu_supports("avx2"))
+        groups_avx2(s, dst, src, ngroups);
+    else
+        groups_scalar(s, dst, src, ngroups);
+}
+#else
+#define groups groups_scalar
+#endif
 
 static void stream(pkv_xfer_sum_t *s, uint8_t *dst, const uint8_t *src, size_t n)
 {
