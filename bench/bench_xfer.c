@@ -149,6 +149,8 @@ static bool run_ok(const xh_result_t *r, uint32_t n, char *why, size_t wl)
     return true;
 }
 
+static uint32_t g_idle_regs; /* --idle-registrations */
+
 static tput_t measure(size_t bytes, int path, int runs, int single_reads)
 {
     tput_t t = {.ok = true};
@@ -158,6 +160,7 @@ static tput_t measure(size_t bytes, int path, int runs, int single_reads)
         xh_case_t c;
         xh_result_t r;
         size_case(&c, bytes, path);
+        c.idle_regs = g_idle_regs;
         c.seed = 7 + (uint64_t)run;
         c.warmup = 8; /* a first batch commits and maps every page the timed one uses */
         c.window = 8;
@@ -183,6 +186,7 @@ static tput_t measure(size_t bytes, int path, int runs, int single_reads)
         xh_result_t r;
         size_case(&c, bytes, path);
         c.seed = 99;
+        c.idle_regs = g_idle_regs;
         c.warmup = 1;
         c.sequential = true;
         c.n_requests = 1 + (uint32_t)single_reads;
@@ -337,7 +341,9 @@ static int usage(void)
             "  --kill-runs N     kill -9 runs per path for the detection time (default 5)\n"
             "  --fault-matrix N  run every fault case N times (default 0: skip)\n"
             "  --path P          only same_host, tcp or same_host_ucx (default: all three)\n"
-            "  --size S          only 64k, 1m or 16m transfers (default: all three)\n");
+            "  --size S          only 64k, 1m or 16m transfers (default: all three)\n"
+            "  --idle-registrations N  the producer also holds N registered requests that\n"
+            "                    nobody reads, during the throughput runs (default 0)\n");
     return 2;
 }
 
@@ -361,6 +367,10 @@ int pkv_bench_xfer(int argc, char **argv)
             if (pkv_cli_parse_u64(argv[++i], 0, 64, &kill_runs)) return usage();
         } else if (i + 1 < argc && !strcmp(a, "--fault-matrix")) {
             if (pkv_cli_parse_u64(argv[++i], 0, 10000, &fm_runs)) return usage();
+        } else if (i + 1 < argc && !strcmp(a, "--idle-registrations")) {
+            uint64_t v;
+            if (pkv_cli_parse_u64(argv[++i], 0, 1000000, &v)) return usage();
+            g_idle_regs = (uint32_t)v;
         } else if (i + 1 < argc && !strcmp(a, "--json")) {
             json_path = argv[++i];
         } else if (i + 1 < argc && !strcmp(a, "--size")) {
@@ -479,7 +489,11 @@ int pkv_bench_xfer(int argc, char **argv)
                "ucx_perftest.\n\n",
                (unsigned long long)runs, timed_reads(sizes[0]), timed_reads(sizes[1]),
                timed_reads(sizes[2]));
+        if (g_idle_regs)
+            printf("The producer also held %u registered requests that nobody read.\n\n",
+                   g_idle_regs);
     }
+    json_object_set_new(root, "idle_registrations", json_integer(g_idle_regs));
     json_object_set_new(root, "results", results);
     json_object_set_new(root, "ucx_perftest_tcp_gbps", json_real(pt[1]));
     json_t *ptj = json_object();

@@ -516,6 +516,15 @@ static void producer_main(const xh_case_t *c, int from_parent)
         off += 4 + len;
         pkv_xfer_handle_free(h);
     }
+    for (uint32_t k = 0; k < c->idle_regs; k++) {
+        const uint32_t *ids;
+        uint32_t n;
+        pkv_seq_blocks(seqs[0], &ids, &n);
+        pkv_xfer_handle_t *h;
+        int rc = pkv_xfer_register(a, (1ull << 40) + k, ids, n, PKV_DEADLINE_NEVER, NULL, NULL, &h);
+        if (rc) child_fail("register (idle)", rc);
+        pkv_xfer_handle_free(h);
+    }
     send_msg(g_report_fd, M_HANDLES, msg, (uint32_t)off);
     free(msg);
 
@@ -535,7 +544,12 @@ static void producer_main(const xh_case_t *c, int from_parent)
     if (!destroyed) {
         pkv_xfer_wait_idle(a, pkv_deadline_after_ns(3000000000ull));
         pkv_xfer_stats_t s;
-        pkv_xfer_stats(a, &s);
+        for (uint32_t k = 0; k < c->idle_regs; k++) pkv_xfer_unregister(a, (1ull << 40) + k);
+        uint64_t idle_until = pkv_deadline_after_ns(3000000000ull);
+        do {
+            pkv_xfer_stats(a, &s); /* unregister ends them on the agent's next tick */
+        } while (c->idle_regs && s.registrations + s.sent > c->n_requests &&
+                 pkv_now_ns() < idle_until && !usleep(1000));
         rep.sent = s.sent;
         rep.serves_started = s.serves_started;
         rep.serves_failed = s.serves_failed;

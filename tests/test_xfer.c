@@ -16,6 +16,7 @@
 #include "../bench/bench_util.c"
 #include "../bench/xfer_harness.c"
 
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -396,6 +397,157 @@ START_TEST(stale_payload_is_drained)
 }
 END_TEST
 
+/* Thousands of registrations (the table grows from 64 chains to 4096): each ends exactly
+ * once with its own outcome (lease expiry, unregister, shutdown), lookups find the right
+ * one among them, and a lease that runs out while a read is served expires as soon as
+ * that serve ends. */
+static void stall_consumer(void *arg, pkv_xfer_fault_point_t pt, uint32_t layer)
+{
+    (void)layer;
+    if (pt == PKV_XFER_FAULT_READ_LAYER_RECEIVED && atomic_exchange((atomic_int *)arg, 0))
+        usleep(1200000);
+}
+
+typedef struct {
+    pkv_xfer_agent_t *a;
+    const uint32_t *ids;
+    uint32_t n, from, to;
+    uint64_t t0;
+    reg_cb_t *cb;
+    pkv_xfer_handle_t **h;
+    int rc;
+} reg_job_t;
+
+static void *register_range(void *arg)
+{
+    reg_job_t *j = arg;
+    j->rc = PKV_OK;
+    for (uint32_t i = j->from; i < j->to && !j->rc; i++) {
+        uint64_t id = i % 2 ? (uint64_t)i * 0x10000000001ull : i;
+        uint64_t expiry =
+            i % 3 == 0 ? j->t0 + (100 + (i % 7) * 10) * 1000000ull : PKV_DEADLINE_NEVER;
+        j->rc = pkv_xfer_register(j->a, id, j->ids, j->n, expiry, reg_cb, &j->cb[i], &j->h[i]);
+    }
+    return NULL;
+}
+
+START_TEST(many_registrations_each_end_once)
+{
+    enum { N = 3000 };
+    side_t p, c;
+    side_make(&p, &SMALL);
+    side_make(&c, &SMALL);
+    atomic_int stall = 0;
+    pkv_xfer_faults_t f = {.fn = stall_consumer, .arg = &stall, .corrupt_layer = -1};
+    pkv_xfer_set_faults(c.a, &f);
+    pkv_seq_t *src = seq_with(p.kv, 40, true, 1);
+    pkv_seq_t *dst = seq_with(c.kv, 40, false, 1);
+    const uint32_t *sids, *dids;
+    uint32_t sn, dn;
+    pkv_seq_blocks(src, &sids, &sn);
+    pkv_seq_blocks(dst, &dids, &dn);
+    uint64_t live_p = live_blocks(p.kv);
+
+    /* Ids far apart and close together; kind = i % 3: 0 lease of 100-160 ms, 1
+     * unregistered, 2 kept until destroy (one of them is read). Three threads register
+     * at once, so the table grows under concurrent registers. */
+    reg_cb_t *cb = calloc(N, sizeof(*cb));
+    pkv_xfer_handle_t **h = calloc(N, sizeof(*h));
+    reg_job_t jobs[3];
+    pthread_t th[3];
+    uint64_t t0 = pkv_now_ns();
+    for (uint32_t t = 0; t < 3; t++) {
+        jobs[t] = (reg_job_t){.a = p.a,
+                              .ids = sids,
+                              .n = sn,
+                              .from = t * N / 3,
+                              .to = (t + 1) * N / 3,
+                              .t0 = t0,
+                              .cb = cb,
+                              .h = h,
+                              .rc = -1};
+        ck_assert_int_eq(pthread_create(&th[t], NULL, register_range, &jobs[t]), 0);
+    }
+    for (uint32_t t = 0; t < 3; t++) {
+        pthread_join(th[t], NULL);
+        ck_assert_int_eq(jobs[t].rc, PKV_OK);
+    }
+    pkv_xfer_handle_t *dup = NULL;
+    ck_assert_int_eq(
+        pkv_xfer_register(p.a, h[2]->request_id, sids, sn, PKV_DEADLINE_NEVER, NULL, NULL, &dup),
+        PKV_ERR_BUSY);
+    ck_assert_int_eq(pkv_xfer_unregister(p.a, 3 * 0x10000000001ull + 1), PKV_ERR_NOTFOUND);
+    for (uint32_t i = 1; i < N; i += 3)
+        ck_assert_int_eq(pkv_xfer_unregister(p.a, h[i]->request_id), PKV_OK);
+
+    /* One kept registration among thousands is read and counted sent. */
+    const uint32_t kept = N / 2 + 2; /* kind 2 */
+    ck_assert_uint_eq(kept % 3, 2);
+    pkv_xfer_read_t *rd;
+    int oc = 0;
+    ck_assert_int_eq(pkv_xfer_read(c.a, h[kept], dids, dn, pkv_deadline_after_ns(5000000000ull),
+                                   NULL, NULL, &rd),
+                     PKV_OK);
+    ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(6000000000ull), &oc), PKV_OK);
+    ck_assert_int_eq(oc, PKV_OK);
+    pkv_xfer_read_free(rd);
+
+    pkv_xfer_stats_t s;
+    uint32_t ended = 0;
+    for (int w = 0; w < 1000 && ended < 2 * N / 3 + 1; w++) {
+        usleep(5000);
+        ended = 0;
+        for (uint32_t i = 0; i < N; i++) ended += atomic_load(&cb[i].calls) != 0;
+    }
+    for (uint32_t i = 0; i < N; i++) {
+        int want = i == kept ? PKV_OK : i % 3 == 0 ? PKV_ERR_TIMEOUT : PKV_ERR_CANCELLED;
+        ck_assert_int_eq(atomic_load(&cb[i].calls), i % 3 == 2 && i != kept ? 0 : 1);
+        if (i % 3 != 2 || i == kept) ck_assert_int_eq(atomic_load(&cb[i].outcome), want);
+    }
+    pkv_xfer_stats(p.a, &s);
+    ck_assert_uint_eq(s.registrations, N / 3 - 1);
+    ck_assert_uint_eq(s.expired, N / 3);
+    ck_assert_uint_eq(s.sent, 1);
+    ck_assert_uint_eq(s.pinned_blocks, (uint64_t)(N / 3 - 1) * sn);
+
+    /* A 300 ms lease runs out while its read is being served: the consumer stalls 1.2 s
+     * before it could ACK, the producer's serve ends at the read's 700 ms deadline, and
+     * only then may the lease expire (the producer walked its table meanwhile, at 300 ms,
+     * and had to skip it). Nothing more is counted sent. */
+    reg_cb_t late = {0, 0};
+    pkv_xfer_handle_t *hl;
+    ck_assert_int_eq(pkv_xfer_register(p.a, 1ull << 62, sids, sn,
+                                       pkv_deadline_after_ns(300000000ull), reg_cb, &late, &hl),
+                     PKV_OK);
+    atomic_store(&stall, 1);
+    ck_assert_int_eq(
+        pkv_xfer_read(c.a, hl, dids, dn, pkv_deadline_after_ns(700000000ull), NULL, NULL, &rd),
+        PKV_OK);
+    for (int w = 0; w < 400 && !atomic_load(&late.calls); w++) usleep(5000);
+    ck_assert_int_eq(atomic_load(&late.calls), 1);
+    ck_assert_int_eq(atomic_load(&late.outcome), PKV_ERR_TIMEOUT);
+    ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(3000000000ull), &oc), PKV_OK);
+    pkv_xfer_read_free(rd);
+    pkv_xfer_stats(p.a, &s);
+    ck_assert_uint_eq(s.sent, 1);
+
+    /* Destroy ends the rest with shutdown and returns every pin. */
+    pkv_xfer_agent_destroy(p.a);
+    p.a = NULL;
+    for (uint32_t i = 2; i < N; i += 3)
+        if (i != kept) ck_assert_int_eq(atomic_load(&cb[i].outcome), PKV_ERR_SHUTDOWN);
+    ck_assert_uint_eq(live_blocks(p.kv), live_p);
+    for (uint32_t i = 0; i < N; i++) pkv_xfer_handle_free(h[i]);
+    pkv_xfer_handle_free(hl);
+    free(h);
+    free(cb);
+    pkv_seq_free(src);
+    pkv_seq_free(dst);
+    side_free(&c);
+    side_free(&p);
+}
+END_TEST
+
 /* ---- two processes ---------------------------------------------------------------------- */
 static void check_accounting(const xh_case_t *c, const xh_result_t *r)
 {
@@ -555,6 +707,7 @@ static Suite *xfer_suite(void)
     tcase_add_test(api, api_bad_input_changes_nothing);
     tcase_add_test(api, in_process_read_ok_then_sent_once);
     tcase_add_test(api, stale_payload_is_drained);
+    tcase_add_test(api, many_registrations_each_end_once);
     suite_add_tcase(s, api);
     TCase *two = tcase_create("two_process");
     tcase_set_timeout(two, 120);

@@ -690,7 +690,10 @@ void pkv_xfer_agent_destroy(pkv_xfer_agent_t *a)
     pthread_cond_destroy(&a->seat_cond);
     pthread_cond_destroy(&a->idle_cond);
     pthread_mutex_destroy(&a->lock);
-    if (clean) free(a);
+    if (clean) {
+        free(a->reg_tab); /* empty: shutdown ended every registration */
+        free(a);
+    }
 }
 
 const char *pkv_xfer_agent_address(const pkv_xfer_agent_t *a)

@@ -46,6 +46,64 @@ static void fault(pkv_xfer_agent_t *a, pkv_xfer_fault_point_t pt, uint32_t layer
 }
 
 /* ---- registrations --------------------------------------------------------------------- */
+/* The table [L]: Fibonacci hashing spreads sequential request ids over the chains. */
+static xf_reg_t **reg_chain(pkv_xfer_agent_t *a, uint64_t request_id)
+{
+    return &a->reg_tab[(request_id * 0x9e3779b97f4a7c15ull) >> (64 - a->reg_bits)];
+}
+
+static xf_reg_t *reg_find(pkv_xfer_agent_t *a, uint64_t request_id)
+{
+    if (!a->reg_tab) return NULL;
+    xf_reg_t *r = *reg_chain(a, request_id);
+    while (r && r->request_id != request_id) r = r->hnext;
+    return r;
+}
+
+/* The table size a new registration needs: the current one while there is room. */
+static uint32_t reg_bits_wanted(const pkv_xfer_agent_t *a)
+{
+    if (!a->reg_tab) return 6;
+    return a->reg_count >= (1u << a->reg_bits) ? a->reg_bits + 1 : a->reg_bits;
+}
+
+/* Move every registration into `tab` (1 << bits chains); returns the old table, for the
+ * caller to free once it dropped the lock. */
+static xf_reg_t **reg_rehash(pkv_xfer_agent_t *a, xf_reg_t **tab, uint32_t bits)
+{
+    xf_reg_t **old = a->reg_tab;
+    uint32_t old_n = old ? 1u << a->reg_bits : 0;
+    a->reg_tab = tab;
+    a->reg_bits = bits;
+    for (uint32_t i = 0; i < old_n; i++)
+        for (xf_reg_t *x = old[i], *nx; x; x = nx) {
+            nx = x->hnext;
+            xf_reg_t **c = reg_chain(a, x->request_id);
+            x->hnext = *c;
+            *c = x;
+        }
+    return old;
+}
+
+static void reg_insert(pkv_xfer_agent_t *a, xf_reg_t *r)
+{
+    xf_reg_t **c = reg_chain(a, r->request_id);
+    r->hnext = *c;
+    *c = r;
+    a->reg_count++;
+    if (r->expiry_ns < a->reg_due_ns) a->reg_due_ns = r->expiry_ns;
+}
+
+static void reg_remove(pkv_xfer_agent_t *a, xf_reg_t *r)
+{
+    for (xf_reg_t **pp = reg_chain(a, r->request_id); *pp; pp = &(*pp)->hnext)
+        if (*pp == r) {
+            *pp = r->hnext;
+            a->reg_count--;
+            return;
+        }
+}
+
 static void reg_free(pkv_xfer_agent_t *a, xf_reg_t *r)
 {
     pkv_kv_unpin(a->kv, r->blocks, r->n);
@@ -95,19 +153,38 @@ int pkv_xfer_register(pkv_xfer_agent_t *a, uint64_t request_id, const uint32_t *
 
     rc = pkv_kv_pin(a->kv, blocks, n);
     if (rc) goto fail;
+    /* Nothing allocates under agent->lock: a bigger table is allocated outside it and
+     * installed if the table still needs it (another register may have grown it). */
+    xf_reg_t **tab = NULL, **old_tab = NULL;
+    uint32_t tab_bits = 0;
     pthread_mutex_lock(&a->lock);
-    bool dup = false;
-    for (xf_reg_t *x = a->regs; x; x = x->next)
-        if (x->request_id == request_id) dup = true;
-    if (a->stopping || dup) {
+    for (;;) {
+        rc = a->stopping ? PKV_ERR_SHUTDOWN : reg_find(a, request_id) ? PKV_ERR_BUSY : PKV_OK;
+        uint32_t want = reg_bits_wanted(a);
+        if (rc || (a->reg_tab && want == a->reg_bits)) break;
+        if (tab && tab_bits == want) {
+            old_tab = reg_rehash(a, tab, want);
+            tab = NULL;
+            break;
+        }
         pthread_mutex_unlock(&a->lock);
+        free(tab);
+        tab_bits = want;
+        tab = calloc((size_t)1 << want, sizeof(*tab));
+        pthread_mutex_lock(&a->lock);
+        if (!tab) {
+            rc = PKV_ERR_NOMEM;
+            break;
+        }
+    }
+    if (!rc) reg_insert(a, r);
+    pthread_mutex_unlock(&a->lock);
+    free(tab);
+    free(old_tab);
+    if (rc) {
         pkv_kv_unpin(a->kv, blocks, n);
-        rc = dup ? PKV_ERR_BUSY : PKV_ERR_SHUTDOWN;
         goto fail;
     }
-    r->next = a->regs;
-    a->regs = r;
-    pthread_mutex_unlock(&a->lock);
     XF_STAT_ADD(a, pinned_blocks, n);
     XF_STAT_ADD(a, registered, 1);
     XF_STAT_ADD(a, registrations, 1);
@@ -129,11 +206,12 @@ int pkv_xfer_unregister(pkv_xfer_agent_t *a, uint64_t request_id)
     if (!a) return PKV_ERR_INVALID;
     int rc = PKV_ERR_NOTFOUND;
     pthread_mutex_lock(&a->lock);
-    for (xf_reg_t *r = a->regs; r; r = r->next)
-        if (r->request_id == request_id && !r->unregister_req) {
-            r->unregister_req = true;
-            rc = PKV_OK;
-        }
+    xf_reg_t *r = reg_find(a, request_id);
+    if (r && !r->unregister_req) {
+        r->unregister_req = true;
+        a->reg_unregister = true;
+        rc = PKV_OK;
+    }
     pthread_mutex_unlock(&a->lock);
     if (rc == PKV_OK) xf_wake(a);
     return rc;
@@ -143,7 +221,7 @@ static void serve_finish(pkv_xfer_agent_t *a, xf_serve_t *s, int outcome, bool t
                          const char *why);
 static void serve_settle(pkv_xfer_agent_t *a, xf_serve_t *s);
 
-/* End a registration already unlinked from a->regs. */
+/* End a registration already removed from the table. */
 static void reg_end(pkv_xfer_agent_t *a, xf_reg_t *r, int outcome)
 {
     r->ended = true;
@@ -167,11 +245,7 @@ static void reg_end(pkv_xfer_agent_t *a, xf_reg_t *r, int outcome)
 static xf_reg_t *unlink_reg(pkv_xfer_agent_t *a, xf_reg_t *r)
 {
     pthread_mutex_lock(&a->lock);
-    for (xf_reg_t **pp = &a->regs; *pp; pp = &(*pp)->next)
-        if (*pp == r) {
-            *pp = r->next;
-            break;
-        }
+    reg_remove(a, r);
     pthread_mutex_unlock(&a->lock);
     return r;
 }
@@ -182,36 +256,53 @@ void xf_regs_tick(pkv_xfer_agent_t *a, uint64_t now)
     a->last_timer_ns = now;
     xf_reg_t *ending = NULL;
     pthread_mutex_lock(&a->lock);
-    for (xf_reg_t **pp = &a->regs; *pp;) {
-        xf_reg_t *r = *pp;
-        /* A lease that runs out while a transfer serves it waits for that transfer. */
-        bool expired = now >= r->expiry_ns && !r->serving;
-        if (r->unregister_req || expired) {
-            *pp = r->next;
-            r->next = ending;
-            r->end_outcome = r->unregister_req ? PKV_ERR_CANCELLED : PKV_ERR_TIMEOUT;
-            ending = r;
-            continue;
-        }
-        pp = &r->next;
+    if (a->reg_unregister || now >= a->reg_due_ns) {
+        a->reg_unregister = false;
+        a->reg_due_ns = UINT64_MAX;
+        uint32_t n = a->reg_tab ? 1u << a->reg_bits : 0;
+        for (uint32_t i = 0; i < n; i++)
+            for (xf_reg_t **pp = &a->reg_tab[i]; *pp;) {
+                xf_reg_t *r = *pp;
+                /* A lease that runs out while a transfer serves it waits for that transfer
+                 * (serve_quiesce lowers reg_due_ns again when it ends). */
+                bool expired = now >= r->expiry_ns && !r->serving;
+                if (r->unregister_req || expired) {
+                    *pp = r->hnext;
+                    a->reg_count--;
+                    r->hnext = ending;
+                    r->end_outcome = r->unregister_req ? PKV_ERR_CANCELLED : PKV_ERR_TIMEOUT;
+                    ending = r;
+                    continue;
+                }
+                if (!r->serving && r->expiry_ns < a->reg_due_ns) a->reg_due_ns = r->expiry_ns;
+                pp = &r->hnext;
+            }
     }
     pthread_mutex_unlock(&a->lock);
     while (ending) {
         xf_reg_t *r = ending;
-        ending = r->next;
+        ending = r->hnext;
         reg_end(a, r, r->end_outcome);
     }
 }
 
 void xf_regs_shutdown(pkv_xfer_agent_t *a)
 {
+    xf_reg_t *all = NULL;
     pthread_mutex_lock(&a->lock);
-    xf_reg_t *all = a->regs;
-    a->regs = NULL;
+    uint32_t n = a->reg_tab ? 1u << a->reg_bits : 0;
+    for (uint32_t i = 0; i < n; i++)
+        while (a->reg_tab[i]) {
+            xf_reg_t *r = a->reg_tab[i];
+            a->reg_tab[i] = r->hnext;
+            r->hnext = all;
+            all = r;
+        }
+    a->reg_count = 0;
     pthread_mutex_unlock(&a->lock);
     while (all) {
         xf_reg_t *r = all;
-        all = r->next;
+        all = r->hnext;
         reg_end(a, r, PKV_ERR_SHUTDOWN);
     }
 }
@@ -240,7 +331,13 @@ static bool serve_quiesce(pkv_xfer_agent_t *a, xf_serve_t *s)
     }
     xf_reg_t *r = s->reg;
     r->serving = NULL;
-    if (r->ended) reg_free(a, r);
+    if (r->ended) {
+        reg_free(a, r);
+    } else {
+        pthread_mutex_lock(&a->lock); /* its lease may have run out meanwhile */
+        if (r->expiry_ns < a->reg_due_ns) a->reg_due_ns = r->expiry_ns;
+        pthread_mutex_unlock(&a->lock);
+    }
     s->peer->refs--;
     for (xf_serve_t **pp = &a->serves; *pp; pp = &(*pp)->next)
         if (*pp == s) {
@@ -316,10 +413,9 @@ void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *
             reject(a, p, r, PKV_ERR_REJECTED, "duplicate transfer id");
             return;
         }
-    xf_reg_t *reg = NULL;
     pthread_mutex_lock(&a->lock);
-    for (xf_reg_t *x = a->regs; x; x = x->next)
-        if (x->request_id == r->request_id && !x->unregister_req) reg = x;
+    xf_reg_t *reg = reg_find(a, r->request_id);
+    if (reg && reg->unregister_req) reg = NULL;
     pthread_mutex_unlock(&a->lock);
     /* reg stays valid: only this thread unlinks and frees registrations. */
     if (!reg) {

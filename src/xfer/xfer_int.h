@@ -148,7 +148,7 @@ struct xf_peer { /* every field [P] */
 
 /* ---- producer registrations ------------------------------------------------------------ */
 struct xf_reg {
-    xf_reg_t *next; /* [L] */
+    xf_reg_t *hnext; /* [L] the agent's registration table chain; then the tick's ending list */
     uint64_t request_id;
     uint8_t token[PKV_XFER_TOKEN_BYTES];
     uint64_t expiry_ns;
@@ -315,12 +315,18 @@ struct pkv_xfer_agent {
     xf_event_t *events, **events_tail;
     xf_job_t *jobs, **jobs_tail;
     xf_job_t *seats, **seats_tail;
-    xf_reg_t *regs;
+    /* Registrations by request id: reg_tab has 1 << reg_bits chains (NULL until the first
+     * register), grown to keep reg_count <= buckets. The tick walks it only when something
+     * is due: reg_due_ns (earliest expiry of a registration not being served; lowered by
+     * register and when a serve ends) or reg_unregister (an unregister waits). */
+    xf_reg_t **reg_tab;
+    uint32_t reg_bits, reg_count;
+    uint64_t reg_due_ns;
+    bool reg_unregister;
     bool stopping;     /* destroy began */
     bool threads_stop; /* workers and seaters exit when their queue is empty */
     bool progress_exited;
     uint64_t busy; /* transfers not yet quiesced (mirror for wait_idle) */
-    bool wake_pending;
 
     /* [P] */
     xf_peer_t *peers;
