@@ -336,7 +336,8 @@ static int usage(void)
 {
     fprintf(stderr,
             "usage: pagekv bench xfer [--runs N] [--kill-runs N] [--fault-matrix N]\n"
-            "                         [--no-perftest] [--no-throughput] [--path P] [--json FILE]\n"
+            "                         [--no-perftest] [--no-throughput] [--path P] [--size S]\n"
+            "                         [--idle-registrations N] [--json FILE]\n"
             "  --runs N          8-in-flight runs per size and path (default 3)\n"
             "  --kill-runs N     kill -9 runs per path for the detection time (default 5)\n"
             "  --fault-matrix N  run every fault case N times (default 0: skip)\n"
