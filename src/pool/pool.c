@@ -51,6 +51,7 @@ typedef struct {
     size_t reserved;       /* its size */
     size_t stride;         /* bytes per granule (whole blocks, 4 KiB aligned) */
     uint32_t bpg;          /* blocks per granule */
+    size_t piece;          /* one (block, layer, k|v, head): block_tokens x head_dim values */
     uint32_t n_granules;   /* granules in the reservation */
     uint32_t max_granules; /* granules the budget allows */
     uint32_t retain;       /* empty granules kept committed */
@@ -100,10 +101,9 @@ static inline pool_t *pool_of(const pkv_kv_t *kv)
 static inline uint8_t *head_addr(const pool_t *p, uint32_t id, uint32_t layer, uint32_t kv,
                                  uint32_t head)
 {
-    const pkv_geometry_t *g = &p->base.geo;
-    size_t piece = (size_t)g->block_tokens * g->head_dim * p->base.elem_bytes;
     return p->addr + (size_t)(id / p->bpg) * p->stride +
-           ((((size_t)layer * 2 + kv) * g->kv_heads + head) * p->bpg + id % p->bpg) * piece;
+           ((((size_t)layer * 2 + kv) * p->base.geo.kv_heads + head) * p->bpg + id % p->bpg) *
+               p->piece;
 }
 
 /* ---- granule buckets ---------------------------------------------------------------- */
@@ -575,11 +575,10 @@ static int pool_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens)
          * first, as we do), so the copy runs unlocked. */
         uint32_t old = s->blocks[partial];
         const pkv_geometry_t *g = &seq->kv->geo;
-        size_t piece = (size_t)g->block_tokens * g->head_dim * seq->kv->elem_bytes;
         for (uint32_t l = 0; l < g->layers; l++)
             for (uint32_t kv = 0; kv < 2; kv++)
                 for (uint32_t h = 0; h < g->kv_heads; h++)
-                    memcpy(head_addr(p, fresh[0], l, kv, h), head_addr(p, old, l, kv, h), piece);
+                    memcpy(head_addr(p, fresh[0], l, kv, h), head_addr(p, old, l, kv, h), p->piece);
         pthread_mutex_lock(&p->lock);
         s->blocks[partial] = fresh[0];
         block_unref(p, old);
@@ -915,6 +914,7 @@ int pkv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
         return PKV_ERR_INVALID;
     }
     p->bpg = (uint32_t)PKV_MAX(1, gran / bb);
+    p->piece = (size_t)p->base.geo.block_tokens * p->base.geo.head_dim * p->base.elem_bytes;
     p->stride = PKV_ALIGN_UP((size_t)p->bpg * bb, PKV_PRIM_PAGE);
     p->budget = cfg->budget_bytes;
     uint64_t span = cfg->budget_bytes
