@@ -83,6 +83,34 @@ static pkv_seq_t *seq_with(pkv_kv_t *kv, uint32_t n_tokens, bool append, int32_t
     return s;
 }
 
+/* Two agents in this process and one request's sequences: src (filled) on the producer,
+ * dst (the same length, reserved) on the consumer. */
+typedef struct {
+    side_t p, c;
+    pkv_seq_t *src, *dst;
+    const uint32_t *sids, *dids;
+    uint32_t sn, dn;
+} pair_t;
+
+static void pair_make(pair_t *x, const pkv_geometry_t *g, uint32_t n_tokens, int32_t base)
+{
+    side_make(&x->p, g);
+    side_make(&x->c, g);
+    x->src = seq_with(x->p.kv, n_tokens, true, base);
+    x->dst = seq_with(x->c.kv, n_tokens, false, base);
+    ck_assert_int_eq(pkv_seq_blocks(x->src, &x->sids, &x->sn), PKV_OK);
+    ck_assert_int_eq(pkv_seq_blocks(x->dst, &x->dids, &x->dn), PKV_OK);
+    ck_assert_uint_eq(x->sn, x->dn);
+}
+
+static void pair_free(pair_t *x)
+{
+    pkv_seq_free(x->src);
+    pkv_seq_free(x->dst);
+    side_free(&x->c);
+    side_free(&x->p);
+}
+
 /* Written on the agent's progress thread, polled by the test: atomics. */
 typedef struct {
     atomic_int calls;
@@ -105,25 +133,19 @@ static uint64_t live_blocks(pkv_kv_t *kv)
 
 START_TEST(api_bad_input_changes_nothing)
 {
-    side_t p, c;
-    side_make(&p, &SMALL);
-    side_make(&c, &SMALL);
-    pkv_seq_t *src = seq_with(p.kv, 40, true, 1);
-    pkv_seq_t *dst = seq_with(c.kv, 40, false, 1);
-    const uint32_t *sids, *dids;
-    uint32_t sn, dn;
-    ck_assert_int_eq(pkv_seq_blocks(src, &sids, &sn), PKV_OK);
-    ck_assert_int_eq(pkv_seq_blocks(dst, &dids, &dn), PKV_OK);
-    ck_assert_uint_eq(sn, dn);
-    uint64_t live_p = live_blocks(p.kv), live_c = live_blocks(c.kv);
+    pair_t x;
+    pair_make(&x, &SMALL, 40, 1);
+    const uint32_t *sids = x.sids, *dids = x.dids;
+    uint32_t sn = x.sn, dn = x.dn;
+    uint64_t live_p = live_blocks(x.p.kv), live_c = live_blocks(x.c.kv);
 
     /* Agent config */
     pkv_xfer_config_t bad;
     memset(&bad, 0, sizeof(bad));
     pkv_xfer_agent_t *none = NULL;
     ck_assert_int_eq(pkv_xfer_agent_create(&bad, &none), PKV_ERR_INVALID);
-    bad.kv = p.kv;
-    bad.stage = p.st;
+    bad.kv = x.p.kv;
+    bad.stage = x.p.st;
     bad.chunk_bytes = 100;
     ck_assert_int_eq(pkv_xfer_agent_create(&bad, &none), PKV_ERR_INVALID);
     bad.chunk_bytes = 0;
@@ -134,63 +156,64 @@ START_TEST(api_bad_input_changes_nothing)
     /* Registration */
     pkv_xfer_handle_t *h = NULL;
     uint32_t freed_block = 100000;
-    ck_assert_int_eq(pkv_xfer_register(p.a, 1, &freed_block, 1, PKV_DEADLINE_NEVER, NULL, NULL, &h),
-                     PKV_ERR_NOTFOUND);
-    ck_assert_int_eq(pkv_xfer_register(p.a, 1, sids, 0, PKV_DEADLINE_NEVER, NULL, NULL, &h),
+    ck_assert_int_eq(
+        pkv_xfer_register(x.p.a, 1, &freed_block, 1, PKV_DEADLINE_NEVER, NULL, NULL, &h),
+        PKV_ERR_NOTFOUND);
+    ck_assert_int_eq(pkv_xfer_register(x.p.a, 1, sids, 0, PKV_DEADLINE_NEVER, NULL, NULL, &h),
                      PKV_ERR_INVALID);
     ck_assert_ptr_null(h);
-    ck_assert_uint_eq(live_blocks(p.kv), live_p);
+    ck_assert_uint_eq(live_blocks(x.p.kv), live_p);
     reg_cb_t rc1 = {0, 0};
-    ck_assert_int_eq(pkv_xfer_register(p.a, 1, sids, sn, PKV_DEADLINE_NEVER, reg_cb, &rc1, &h),
+    ck_assert_int_eq(pkv_xfer_register(x.p.a, 1, sids, sn, PKV_DEADLINE_NEVER, reg_cb, &rc1, &h),
                      PKV_OK);
     pkv_xfer_handle_t *h2 = NULL;
-    ck_assert_int_eq(pkv_xfer_register(p.a, 1, sids, sn, PKV_DEADLINE_NEVER, NULL, NULL, &h2),
+    ck_assert_int_eq(pkv_xfer_register(x.p.a, 1, sids, sn, PKV_DEADLINE_NEVER, NULL, NULL, &h2),
                      PKV_ERR_BUSY);
-    ck_assert_int_eq(pkv_xfer_unregister(p.a, 777), PKV_ERR_NOTFOUND);
-    ck_assert_str_eq(h->addr, pkv_xfer_agent_address(p.a));
+    ck_assert_int_eq(pkv_xfer_unregister(x.p.a, 777), PKV_ERR_NOTFOUND);
+    ck_assert_str_eq(h->addr, pkv_xfer_agent_address(x.p.a));
     ck_assert_uint_eq(h->n_blocks, sn);
 
     /* Reads that cannot start */
     pkv_xfer_read_t *rd = NULL;
-    ck_assert_int_eq(pkv_xfer_read(c.a, h, dids, dn - 1, PKV_DEADLINE_NEVER, NULL, NULL, &rd),
+    ck_assert_int_eq(pkv_xfer_read(x.c.a, h, dids, dn - 1, PKV_DEADLINE_NEVER, NULL, NULL, &rd),
                      PKV_ERR_INVALID);
     uint32_t bad_dst[64];
     memcpy(bad_dst, dids, sizeof(uint32_t) * dn);
     bad_dst[0] = 99999;
-    ck_assert_int_eq(pkv_xfer_read(c.a, h, bad_dst, dn, PKV_DEADLINE_NEVER, NULL, NULL, &rd),
+    ck_assert_int_eq(pkv_xfer_read(x.c.a, h, bad_dst, dn, PKV_DEADLINE_NEVER, NULL, NULL, &rd),
                      PKV_ERR_NOTFOUND);
     pkv_geometry_t g = h->geo;
     h->geo.head_dim = 64;
-    ck_assert_int_eq(pkv_xfer_read(c.a, h, dids, dn, PKV_DEADLINE_NEVER, NULL, NULL, &rd),
+    ck_assert_int_eq(pkv_xfer_read(x.c.a, h, dids, dn, PKV_DEADLINE_NEVER, NULL, NULL, &rd),
                      PKV_ERR_INVALID);
     h->geo = g;
     char addr[PKV_XFER_ADDR_MAX];
     memcpy(addr, h->addr, sizeof(addr));
     snprintf(h->addr, sizeof(h->addr), "nowhere");
-    ck_assert_int_eq(pkv_xfer_read(c.a, h, dids, dn, PKV_DEADLINE_NEVER, NULL, NULL, &rd),
+    ck_assert_int_eq(pkv_xfer_read(x.c.a, h, dids, dn, PKV_DEADLINE_NEVER, NULL, NULL, &rd),
                      PKV_ERR_INVALID);
     memcpy(h->addr, addr, sizeof(addr));
     ck_assert_ptr_null(rd);
     pkv_xfer_stats_t s;
-    pkv_xfer_stats(c.a, &s);
+    pkv_xfer_stats(x.c.a, &s);
     ck_assert_uint_eq(s.reads_started, 0);
     ck_assert_uint_eq(s.pinned_blocks, 0);
-    ck_assert_uint_eq(live_blocks(c.kv), live_c);
+    ck_assert_uint_eq(live_blocks(x.c.kv), live_c);
 
     /* Unregister: the callback says cancelled and the pins return. */
-    ck_assert_int_eq(pkv_xfer_unregister(p.a, 1), PKV_OK);
+    ck_assert_int_eq(pkv_xfer_unregister(x.p.a, 1), PKV_OK);
     for (int i = 0; i < 200 && !atomic_load(&rc1.calls); i++) usleep(5000);
     ck_assert_int_eq(atomic_load(&rc1.calls), 1);
     ck_assert_int_eq(atomic_load(&rc1.outcome), PKV_ERR_CANCELLED);
-    pkv_xfer_stats(p.a, &s);
+    pkv_xfer_stats(x.p.a, &s);
     ck_assert_uint_eq(s.registrations, 0);
     ck_assert_uint_eq(s.pinned_blocks, 0);
-    ck_assert_uint_eq(live_blocks(p.kv), live_p);
+    ck_assert_uint_eq(live_blocks(x.p.kv), live_p);
 
     /* A read of the withdrawn request is rejected by the producer. */
     int oc = 0;
     ck_assert_int_eq(
-        pkv_xfer_read(c.a, h, dids, dn, pkv_deadline_after_ns(3000000000ull), NULL, NULL, &rd),
+        pkv_xfer_read(x.c.a, h, dids, dn, pkv_deadline_after_ns(3000000000ull), NULL, NULL, &rd),
         PKV_OK);
     ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(5000000000ull), &oc), PKV_OK);
     ck_assert_int_eq(oc, PKV_ERR_REJECTED);
@@ -199,35 +222,32 @@ START_TEST(api_bad_input_changes_nothing)
     /* Expiry: the lease runs out, the callback says timeout, the pins return. */
     reg_cb_t rc2 = {0, 0};
     pkv_xfer_handle_t *h3;
-    ck_assert_int_eq(
-        pkv_xfer_register(p.a, 2, sids, sn, pkv_deadline_after_ns(50000000ull), reg_cb, &rc2, &h3),
-        PKV_OK);
+    ck_assert_int_eq(pkv_xfer_register(x.p.a, 2, sids, sn, pkv_deadline_after_ns(50000000ull),
+                                       reg_cb, &rc2, &h3),
+                     PKV_OK);
     for (int i = 0; i < 400 && !atomic_load(&rc2.calls); i++) usleep(5000);
     ck_assert_int_eq(atomic_load(&rc2.calls), 1);
     ck_assert_int_eq(atomic_load(&rc2.outcome), PKV_ERR_TIMEOUT);
-    pkv_xfer_stats(p.a, &s);
+    pkv_xfer_stats(x.p.a, &s);
     ck_assert_uint_eq(s.expired, 1);
     ck_assert_uint_eq(s.pinned_blocks, 0);
 
     /* Destroy with a live registration: callback shutdown, pins returned. */
     reg_cb_t rc3 = {0, 0};
     pkv_xfer_handle_t *h4;
-    ck_assert_int_eq(pkv_xfer_register(p.a, 3, sids, sn, PKV_DEADLINE_NEVER, reg_cb, &rc3, &h4),
+    ck_assert_int_eq(pkv_xfer_register(x.p.a, 3, sids, sn, PKV_DEADLINE_NEVER, reg_cb, &rc3, &h4),
                      PKV_OK);
-    ck_assert_uint_gt(live_blocks(p.kv), live_p - 1);
-    pkv_xfer_agent_destroy(p.a);
-    p.a = NULL;
+    ck_assert_uint_gt(live_blocks(x.p.kv), live_p - 1);
+    pkv_xfer_agent_destroy(x.p.a);
+    x.p.a = NULL;
     ck_assert_int_eq(atomic_load(&rc3.calls), 1);
     ck_assert_int_eq(atomic_load(&rc3.outcome), PKV_ERR_SHUTDOWN);
-    ck_assert_uint_eq(live_blocks(p.kv), live_p);
+    ck_assert_uint_eq(live_blocks(x.p.kv), live_p);
 
     pkv_xfer_handle_free(h);
     pkv_xfer_handle_free(h3);
     pkv_xfer_handle_free(h4);
-    pkv_seq_free(src);
-    pkv_seq_free(dst);
-    side_free(&c);
-    side_free(&p);
+    pair_free(&x);
 }
 END_TEST
 
@@ -245,20 +265,16 @@ static void done_cb(void *arg, pkv_xfer_read_t *rd, int outcome)
 
 START_TEST(in_process_read_ok_then_sent_once)
 {
-    side_t p, c;
-    side_make(&p, &SMALL);
-    side_make(&c, &SMALL);
-    pkv_seq_t *src = seq_with(p.kv, 37, true, 5);
-    const pkv_geometry_t *g = pkv_kv_geometry(p.kv);
+    pair_t x;
+    pair_make(&x, &SMALL, 37, 5);
+    pkv_seq_t *src = x.src, *dst = x.dst;
+    const uint32_t *sids = x.sids, *dids = x.dids;
+    uint32_t sn = x.sn, dn = x.dn;
+    const pkv_geometry_t *g = pkv_kv_geometry(x.p.kv);
     pattern_apply(src, g, 42, 0, 37, true);
-    pkv_seq_t *dst = seq_with(c.kv, 37, false, 5);
-    const uint32_t *sids, *dids;
-    uint32_t sn, dn;
-    pkv_seq_blocks(src, &sids, &sn);
-    pkv_seq_blocks(dst, &dids, &dn);
     reg_cb_t sent = {0, 0};
     pkv_xfer_handle_t *h;
-    ck_assert_int_eq(pkv_xfer_register(p.a, 9, sids, sn, PKV_DEADLINE_NEVER, reg_cb, &sent, &h),
+    ck_assert_int_eq(pkv_xfer_register(x.p.a, 9, sids, sn, PKV_DEADLINE_NEVER, reg_cb, &sent, &h),
                      PKV_OK);
     /* Through bytes, as a real consumer gets it. */
     uint8_t buf[1024];
@@ -268,7 +284,7 @@ START_TEST(in_process_read_ok_then_sent_once)
     ck_assert_int_eq(pkv_xfer_handle_decode(buf, len, &hc), PKV_OK);
     /* Only the registered blocks can be read: the right token with one block id swapped for
      * another live block of the pool is refused, and nothing is counted. */
-    pkv_seq_t *other = seq_with(p.kv, 8, true, 900);
+    pkv_seq_t *other = seq_with(x.p.kv, 8, true, 900);
     const uint32_t *oids;
     uint32_t on;
     pkv_seq_blocks(other, &oids, &on);
@@ -277,14 +293,14 @@ START_TEST(in_process_read_ok_then_sent_once)
     pkv_xfer_read_t *bad;
     int boc = 0;
     ck_assert_int_eq(
-        pkv_xfer_read(c.a, hc, dids, dn, pkv_deadline_after_ns(3000000000ull), NULL, NULL, &bad),
+        pkv_xfer_read(x.c.a, hc, dids, dn, pkv_deadline_after_ns(3000000000ull), NULL, NULL, &bad),
         PKV_OK);
     ck_assert_int_eq(pkv_xfer_read_wait(bad, pkv_deadline_after_ns(5000000000ull), &boc), PKV_OK);
     ck_assert_int_eq(boc, PKV_ERR_REJECTED);
     pkv_xfer_read_free(bad);
     hc->blocks[1] = saved;
     pkv_xfer_stats_t ps;
-    pkv_xfer_stats(p.a, &ps);
+    pkv_xfer_stats(x.p.a, &ps);
     ck_assert_uint_eq(ps.rejected, 1);
     ck_assert_uint_eq(ps.serves_started, 0);
     pkv_seq_free(other);
@@ -292,18 +308,18 @@ START_TEST(in_process_read_ok_then_sent_once)
     done_cb_t d = {0, 0};
     pkv_xfer_read_t *rd;
     ck_assert_int_eq(
-        pkv_xfer_read(c.a, hc, dids, dn, pkv_deadline_after_ns(5000000000ull), done_cb, &d, &rd),
+        pkv_xfer_read(x.c.a, hc, dids, dn, pkv_deadline_after_ns(5000000000ull), done_cb, &d, &rd),
         PKV_OK);
     int oc = -1;
     ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(6000000000ull), &oc), PKV_OK);
     ck_assert_int_eq(oc, PKV_OK);
     ck_assert_int_eq(atomic_load(&d.calls), 1);
     ck_assert_int_eq(atomic_load(&d.outcome), PKV_OK);
-    ck_assert_uint_eq(pkv_xfer_read_bytes(rd), (uint64_t)sn * pkv_kv_block_bytes(p.kv));
+    ck_assert_uint_eq(pkv_xfer_read_bytes(rd), (uint64_t)sn * pkv_kv_block_bytes(x.p.kv));
     ck_assert_uint_eq(pattern_apply(dst, g, 42, 0, 37, false), 0);
     /* ok arrives after staging and pins are back */
     pkv_xfer_stats_t s;
-    pkv_xfer_stats(c.a, &s);
+    pkv_xfer_stats(x.c.a, &s);
     ck_assert_uint_eq(s.staging_pages_held, 0);
     ck_assert_uint_eq(s.pinned_blocks, 0);
     ck_assert_uint_eq(s.reads_done[0], 1);
@@ -311,24 +327,21 @@ START_TEST(in_process_read_ok_then_sent_once)
     for (int i = 0; i < 400 && !atomic_load(&sent.calls); i++) usleep(5000);
     ck_assert_int_eq(atomic_load(&sent.calls), 1);
     ck_assert_int_eq(atomic_load(&sent.outcome), PKV_OK);
-    pkv_xfer_stats(p.a, &s);
+    pkv_xfer_stats(x.p.a, &s);
     ck_assert_uint_eq(s.sent, 1);
     ck_assert_uint_eq(s.registrations, 0);
     /* A second read of a sent request is rejected: the registration ended. */
     pkv_xfer_read_free(rd);
     ck_assert_int_eq(
-        pkv_xfer_read(c.a, hc, dids, dn, pkv_deadline_after_ns(3000000000ull), NULL, NULL, &rd),
+        pkv_xfer_read(x.c.a, hc, dids, dn, pkv_deadline_after_ns(3000000000ull), NULL, NULL, &rd),
         PKV_OK);
     ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(5000000000ull), &oc), PKV_OK);
     ck_assert_int_eq(oc, PKV_ERR_REJECTED);
     pkv_xfer_read_free(rd);
-    ck_assert_int_eq(pkv_xfer_wait_idle(c.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
+    ck_assert_int_eq(pkv_xfer_wait_idle(x.c.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
     pkv_xfer_handle_free(h);
     pkv_xfer_handle_free(hc);
-    pkv_seq_free(src);
-    pkv_seq_free(dst);
-    side_free(&c);
-    side_free(&p);
+    pair_free(&x);
     ck_assert_int_eq(atomic_load(&sent.calls), 1); /* destroy did not call it again */
 }
 END_TEST
@@ -339,49 +352,44 @@ END_TEST
  * layer (a small transfer's one DATA comes after its last chunk: nothing to drain). */
 START_TEST(stale_payload_is_drained)
 {
-    side_t p, c;
     pkv_geometry_t g = {
         .layers = 8, .kv_heads = 2, .head_dim = 64, .block_tokens = 16, .dtype = PKV_DTYPE_F16};
-    side_make(&p, &g);
-    side_make(&c, &g);
+    pair_t x;
+    pair_make(&x, &g, 300, 3);
     pkv_xfer_faults_t f = {.corrupt_layer = 0};
-    pkv_xfer_set_faults(p.a, &f);
-    pkv_seq_t *src = seq_with(p.kv, 300, true, 3);
-    pkv_seq_t *dst = seq_with(c.kv, 300, false, 3);
-    const uint32_t *sids, *dids;
-    uint32_t sn, dn;
-    pkv_seq_blocks(src, &sids, &sn);
-    pkv_seq_blocks(dst, &dids, &dn);
+    pkv_xfer_set_faults(x.p.a, &f);
+    const uint32_t *sids = x.sids, *dids = x.dids;
+    uint32_t sn = x.sn, dn = x.dn;
     /* Whether payload lands after the read ended is a race (it needs chunks still in
      * flight when the consumer ends the read): repeat until it happened, at most 20
      * times; every repetition must end corrupt with nothing held. */
     uint64_t stale = 0;
     for (int it = 0; it < 20 && stale == 0; it++) {
         pkv_xfer_handle_t *h;
-        ck_assert_int_eq(
-            pkv_xfer_register(p.a, 50 + (uint64_t)it, sids, sn, PKV_DEADLINE_NEVER, NULL, NULL, &h),
-            PKV_OK);
+        ck_assert_int_eq(pkv_xfer_register(x.p.a, 50 + (uint64_t)it, sids, sn, PKV_DEADLINE_NEVER,
+                                           NULL, NULL, &h),
+                         PKV_OK);
         pkv_xfer_read_t *rd;
-        ck_assert_int_eq(
-            pkv_xfer_read(c.a, h, dids, dn, pkv_deadline_after_ns(5000000000ull), NULL, NULL, &rd),
-            PKV_OK);
+        ck_assert_int_eq(pkv_xfer_read(x.c.a, h, dids, dn, pkv_deadline_after_ns(5000000000ull),
+                                       NULL, NULL, &rd),
+                         PKV_OK);
         int oc = 0;
         ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(6000000000ull), &oc), PKV_OK);
         ck_assert_int_eq(oc, PKV_ERR_CORRUPT);
-        ck_assert_int_eq(pkv_xfer_wait_idle(p.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
-        ck_assert_int_eq(pkv_xfer_wait_idle(c.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
+        ck_assert_int_eq(pkv_xfer_wait_idle(x.p.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
+        ck_assert_int_eq(pkv_xfer_wait_idle(x.c.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
         pkv_xfer_stats_t s;
-        pkv_xfer_stats(c.a, &s);
+        pkv_xfer_stats(x.c.a, &s);
         stale = s.stale_dropped;
         ck_assert_uint_eq(s.staging_pages_held, 0);
         ck_assert_uint_eq(s.pinned_blocks, 0);
-        pkv_xfer_stats(p.a, &s);
+        pkv_xfer_stats(x.p.a, &s);
         ck_assert_uint_eq(s.sent, 0);
         ck_assert_uint_eq(s.staging_pages_held, 0);
         ck_assert_uint_eq(s.written_off, 0);
         pkv_xfer_read_free(rd);
         pkv_xfer_handle_free(h);
-        ck_assert_int_eq(pkv_xfer_unregister(p.a, 50 + (uint64_t)it), PKV_OK);
+        ck_assert_int_eq(pkv_xfer_unregister(x.p.a, 50 + (uint64_t)it), PKV_OK);
     }
 #if defined(__SANITIZE_THREAD__)
     /* Under TSan both sides run ~10x slower and the race may not happen in 20 tries; the
@@ -390,10 +398,7 @@ START_TEST(stale_payload_is_drained)
 #else
     ck_assert_uint_gt(stale, 0); /* the drain path really ran */
 #endif
-    pkv_seq_free(src);
-    pkv_seq_free(dst);
-    side_free(&c);
-    side_free(&p);
+    pair_free(&x);
 }
 END_TEST
 
@@ -434,19 +439,14 @@ static void *register_range(void *arg)
 START_TEST(many_registrations_each_end_once)
 {
     enum { N = 3000 };
-    side_t p, c;
-    side_make(&p, &SMALL);
-    side_make(&c, &SMALL);
+    pair_t x;
+    pair_make(&x, &SMALL, 40, 1);
     atomic_int stall = 0;
     pkv_xfer_faults_t f = {.fn = stall_consumer, .arg = &stall, .corrupt_layer = -1};
-    pkv_xfer_set_faults(c.a, &f);
-    pkv_seq_t *src = seq_with(p.kv, 40, true, 1);
-    pkv_seq_t *dst = seq_with(c.kv, 40, false, 1);
-    const uint32_t *sids, *dids;
-    uint32_t sn, dn;
-    pkv_seq_blocks(src, &sids, &sn);
-    pkv_seq_blocks(dst, &dids, &dn);
-    uint64_t live_p = live_blocks(p.kv);
+    pkv_xfer_set_faults(x.c.a, &f);
+    const uint32_t *sids = x.sids, *dids = x.dids;
+    uint32_t sn = x.sn, dn = x.dn;
+    uint64_t live_p = live_blocks(x.p.kv);
 
     /* Ids far apart and close together; kind = i % 3: 0 lease of 100-160 ms, 1
      * unregistered, 2 kept until destroy (one of them is read). Three threads register
@@ -457,7 +457,7 @@ START_TEST(many_registrations_each_end_once)
     pthread_t th[3];
     uint64_t t0 = pkv_now_ns();
     for (uint32_t t = 0; t < 3; t++) {
-        jobs[t] = (reg_job_t){.a = p.a,
+        jobs[t] = (reg_job_t){.a = x.p.a,
                               .ids = sids,
                               .n = sn,
                               .from = t * N / 3,
@@ -474,18 +474,18 @@ START_TEST(many_registrations_each_end_once)
     }
     pkv_xfer_handle_t *dup = NULL;
     ck_assert_int_eq(
-        pkv_xfer_register(p.a, h[2]->request_id, sids, sn, PKV_DEADLINE_NEVER, NULL, NULL, &dup),
+        pkv_xfer_register(x.p.a, h[2]->request_id, sids, sn, PKV_DEADLINE_NEVER, NULL, NULL, &dup),
         PKV_ERR_BUSY);
-    ck_assert_int_eq(pkv_xfer_unregister(p.a, 3 * 0x10000000001ull + 1), PKV_ERR_NOTFOUND);
+    ck_assert_int_eq(pkv_xfer_unregister(x.p.a, 3 * 0x10000000001ull + 1), PKV_ERR_NOTFOUND);
     for (uint32_t i = 1; i < N; i += 3)
-        ck_assert_int_eq(pkv_xfer_unregister(p.a, h[i]->request_id), PKV_OK);
+        ck_assert_int_eq(pkv_xfer_unregister(x.p.a, h[i]->request_id), PKV_OK);
 
     /* One kept registration among thousands is read and counted sent. */
     const uint32_t kept = N / 2 + 2; /* kind 2 */
     ck_assert_uint_eq(kept % 3, 2);
     pkv_xfer_read_t *rd;
     int oc = 0;
-    ck_assert_int_eq(pkv_xfer_read(c.a, h[kept], dids, dn, pkv_deadline_after_ns(5000000000ull),
+    ck_assert_int_eq(pkv_xfer_read(x.c.a, h[kept], dids, dn, pkv_deadline_after_ns(5000000000ull),
                                    NULL, NULL, &rd),
                      PKV_OK);
     ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(6000000000ull), &oc), PKV_OK);
@@ -504,7 +504,7 @@ START_TEST(many_registrations_each_end_once)
         ck_assert_int_eq(atomic_load(&cb[i].calls), i % 3 == 2 && i != kept ? 0 : 1);
         if (i % 3 != 2 || i == kept) ck_assert_int_eq(atomic_load(&cb[i].outcome), want);
     }
-    pkv_xfer_stats(p.a, &s);
+    pkv_xfer_stats(x.p.a, &s);
     ck_assert_uint_eq(s.registrations, N / 3 - 1);
     ck_assert_uint_eq(s.expired, N / 3);
     ck_assert_uint_eq(s.sent, 1);
@@ -516,35 +516,32 @@ START_TEST(many_registrations_each_end_once)
      * and had to skip it). Nothing more is counted sent. */
     reg_cb_t late = {0, 0};
     pkv_xfer_handle_t *hl;
-    ck_assert_int_eq(pkv_xfer_register(p.a, 1ull << 62, sids, sn,
+    ck_assert_int_eq(pkv_xfer_register(x.p.a, 1ull << 62, sids, sn,
                                        pkv_deadline_after_ns(300000000ull), reg_cb, &late, &hl),
                      PKV_OK);
     atomic_store(&stall, 1);
     ck_assert_int_eq(
-        pkv_xfer_read(c.a, hl, dids, dn, pkv_deadline_after_ns(700000000ull), NULL, NULL, &rd),
+        pkv_xfer_read(x.c.a, hl, dids, dn, pkv_deadline_after_ns(700000000ull), NULL, NULL, &rd),
         PKV_OK);
     for (int w = 0; w < 400 && !atomic_load(&late.calls); w++) usleep(5000);
     ck_assert_int_eq(atomic_load(&late.calls), 1);
     ck_assert_int_eq(atomic_load(&late.outcome), PKV_ERR_TIMEOUT);
     ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(3000000000ull), &oc), PKV_OK);
     pkv_xfer_read_free(rd);
-    pkv_xfer_stats(p.a, &s);
+    pkv_xfer_stats(x.p.a, &s);
     ck_assert_uint_eq(s.sent, 1);
 
     /* Destroy ends the rest with shutdown and returns every pin. */
-    pkv_xfer_agent_destroy(p.a);
-    p.a = NULL;
+    pkv_xfer_agent_destroy(x.p.a);
+    x.p.a = NULL;
     for (uint32_t i = 2; i < N; i += 3)
         if (i != kept) ck_assert_int_eq(atomic_load(&cb[i].outcome), PKV_ERR_SHUTDOWN);
-    ck_assert_uint_eq(live_blocks(p.kv), live_p);
+    ck_assert_uint_eq(live_blocks(x.p.kv), live_p);
     for (uint32_t i = 0; i < N; i++) pkv_xfer_handle_free(h[i]);
     pkv_xfer_handle_free(hl);
     free(h);
     free(cb);
-    pkv_seq_free(src);
-    pkv_seq_free(dst);
-    side_free(&c);
-    side_free(&p);
+    pair_free(&x);
 }
 END_TEST
 
