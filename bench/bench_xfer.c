@@ -13,7 +13,8 @@
  *                before and after each run's timed reads (this VM's speed drifts by tens of
  *                percent within a minute: each run's ratio uses its own memcpy), and
  *                `ucx_perftest -t tag_bw -O 8 -e` over tcp at each size with the same UCX
- *                tcp settings, run right before our tcp transfers of that size
+ *                tcp settings, run right before each of our tcp runs of that size (it
+ *                varies by 2x between minutes here: each run's ratio uses its own)
  *   kill detect  kill -9 of a producer mid-transfer to the consumer's peer_lost, both paths
  *   fault matrix (--fault-matrix N) every fault case N times; see the table's columns
  *
@@ -127,7 +128,9 @@ typedef struct {
     double memcpy_gbps; /* median over runs of the memcpy measured around the timed reads */
     double vs_memcpy;   /* median over runs of batch GB/s / that run's memcpy GB/s */
     double memcpy_cold_gbps, vs_memcpy_cold; /* the same against the out-of-cache memcpy */
-    double single_gbps; /* median over reads of bytes / read time, one at a time */
+    double single_gbps;                /* median over reads of bytes / read time, one at a time */
+    double perftest_gbps, vs_perftest; /* tcp: ucx_perftest right before each run; median of
+                                          it and of the runs' own ratios (-1: not run) */
     int runs, reads;
     bool ok;
     char why[160];
@@ -151,14 +154,16 @@ static bool run_ok(const xh_result_t *r, uint32_t n, char *why, size_t wl)
 
 static uint32_t g_idle_regs; /* --idle-registrations */
 
-static tput_t measure(size_t bytes, int path, int runs, int single_reads)
+static tput_t measure(size_t bytes, int path, int runs, int single_reads, int perftest_port)
 {
-    tput_t t = {.ok = true};
-    double batch[100], single[64], mc[100], ratio[100], mcc[100], ratio_c[100];
-    int nb = 0, ns = 0;
+    tput_t t = {.ok = true, .perftest_gbps = -1, .vs_perftest = -1};
+    double batch[100], single[64], mc[100], ratio[100], mcc[100], ratio_c[100], pt[100],
+        ratio_pt[100];
+    int nb = 0, ns = 0, npt = 0;
     for (int run = 0; run < runs && t.ok; run++) {
         xh_case_t c;
         xh_result_t r;
+        double ref = perftest_port ? perftest_gbps(bytes, perftest_port + run) : -1;
         size_case(&c, bytes, path);
         c.idle_regs = g_idle_regs;
         c.seed = 7 + (uint64_t)run;
@@ -179,6 +184,10 @@ static tput_t measure(size_t bytes, int path, int runs, int single_reads)
         ratio[nb] = mc[nb] > 0 ? batch[nb] / mc[nb] : 0;
         mcc[nb] = (r.memcpy_cold_gbps[0] + r.memcpy_cold_gbps[1]) / 2;
         ratio_c[nb] = mcc[nb] > 0 ? batch[nb] / mcc[nb] : 0;
+        if (ref > 0) {
+            pt[npt] = ref;
+            ratio_pt[npt++] = batch[nb] / ref;
+        }
         nb++;
     }
     if (t.ok) {
@@ -201,6 +210,10 @@ static tput_t measure(size_t bytes, int path, int runs, int single_reads)
     t.memcpy_cold_gbps = pkv_bench_median(mcc, (size_t)nb);
     t.vs_memcpy_cold = pkv_bench_median(ratio_c, (size_t)nb);
     t.single_gbps = pkv_bench_median(single, (size_t)ns);
+    if (npt) {
+        t.perftest_gbps = pkv_bench_median(pt, (size_t)npt);
+        t.vs_perftest = pkv_bench_median(ratio_pt, (size_t)npt);
+    }
     t.runs = nb;
     t.reads = ns;
     return t;
@@ -331,6 +344,12 @@ static void outcomes_str(const fm_row_t *row, char *buf, size_t len)
     }
 }
 
+/* The JSON's ucx_perftest figure: -1 where it did not run. */
+static double perftest_or(const tput_t *t)
+{
+    return t->perftest_gbps > 0 ? t->perftest_gbps : -1;
+}
+
 /* ---- main ------------------------------------------------------------------------------------ */
 static int usage(void)
 {
@@ -402,8 +421,7 @@ int pkv_bench_xfer(int argc, char **argv)
     progress("memcpy reference ...");
     double mc = xh_memcpy_gbps(9, false);
 
-    /* ucx_perftest runs right before our tcp transfers of the same size. */
-    double pt[NS] = {-1, -1, -1};
+    /* ucx_perftest runs right before each of our tcp runs, at the same size. */
     if (only >= 0 && only != PATH_TCP) perftest = false;
     tput_t tp[NPATHS][NS];
     memset(tp, 0, sizeof(tp));
@@ -412,13 +430,12 @@ int pkv_bench_xfer(int argc, char **argv)
     for (int path = 0; path < NPATHS; path++)
         for (int s = 0; s < NS && (only < 0 || path == only); s++) {
             if (only_size >= 0 && s != only_size) continue;
-            if (path == PATH_TCP && perftest) {
-                progress("ucx_perftest tag_bw tcp %s ...", size_names[s]);
-                pt[s] = perftest_gbps(sizes[s], 21000 + (int)(getpid() % 4000) + s);
-            }
             if (!throughput) continue;
             progress("transfers %s %s ...", path_names[path], size_names[s]);
-            tp[path][s] = measure(sizes[s], path, (int)runs, 8);
+            int port = path == PATH_TCP && perftest
+                           ? 21000 + (int)(getpid() % 4000) / 400 * 400 + s * 100
+                           : 0;
+            tp[path][s] = measure(sizes[s], path, (int)runs, 8, port);
             if (tp[path][s].ok) run_mc[n_run_mc++] = tp[path][s].memcpy_gbps;
         }
     /* The reference beside the transfers: median of the memcpy figures taken around them. */
@@ -457,9 +474,9 @@ int pkv_bench_xfer(int argc, char **argv)
                     continue;
                 }
                 char ref[32] = "", vs[32] = "";
-                if (path == PATH_TCP && pt[s] > 0) {
-                    snprintf(ref, sizeof(ref), "%.2f", pt[s]);
-                    snprintf(vs, sizeof(vs), "%.2fx", t->batch_gbps / pt[s]);
+                if (t->perftest_gbps > 0) {
+                    snprintf(ref, sizeof(ref), "%.2f", t->perftest_gbps);
+                    snprintf(vs, sizeof(vs), "%.2fx", t->vs_perftest);
                 }
                 printf("| %s | %s | %.2f | %.2f | %.2f / %.2f | %.2fx / %.2fx | %s | %s |\n",
                        path_names[path], size_names[s], t->batch_gbps, t->single_gbps,
@@ -474,8 +491,10 @@ int pkv_bench_xfer(int argc, char **argv)
                 json_object_set_new(o, "vs_memcpy", json_real(t->vs_memcpy));
                 json_object_set_new(o, "memcpy_cold_gbps", json_real(t->memcpy_cold_gbps));
                 json_object_set_new(o, "vs_memcpy_cold", json_real(t->vs_memcpy_cold));
-                if (path == PATH_TCP && pt[s] > 0)
-                    json_object_set_new(o, "vs_ucx_perftest", json_real(t->batch_gbps / pt[s]));
+                if (t->perftest_gbps > 0) {
+                    json_object_set_new(o, "ucx_perftest_gbps", json_real(t->perftest_gbps));
+                    json_object_set_new(o, "vs_ucx_perftest", json_real(t->vs_perftest));
+                }
                 json_object_set_new(o, "batches", json_integer(t->runs));
                 json_object_set_new(o, "single_reads", json_integer(t->reads));
                 json_array_append_new(path == PATH_SAME_HOST_UCX ? ucx_shm : results, o);
@@ -486,8 +505,10 @@ int pkv_bench_xfer(int argc, char **argv)
                "zero-copy off per UCX-NOTES); tcp: UCX_TLS=tcp on loopback. 8 in flight: "
                "median over %llu runs of bytes / wall time of %u (64 KiB), %u (1 MiB) or %u "
                "(16 MiB) reads, a new read as soon as the oldest ended; one at a time: "
-               "median of 8 reads. Targets: same host >= 0.6 x memcpy, tcp >= 0.8 x "
-               "ucx_perftest.\n\n",
+               "median of 8 reads. ucx_perftest (tag_bw, 8 outstanding, the same UCX tcp "
+               "settings) runs right before each tcp run: the median of those runs and the "
+               "median of the runs' own ratios. Targets: same host >= 0.6 x memcpy, tcp >= "
+               "0.8 x ucx_perftest.\n\n",
                (unsigned long long)runs, timed_reads(sizes[0]), timed_reads(sizes[1]),
                timed_reads(sizes[2]));
         if (g_idle_regs)
@@ -496,9 +517,10 @@ int pkv_bench_xfer(int argc, char **argv)
     }
     json_object_set_new(root, "idle_registrations", json_integer(g_idle_regs));
     json_object_set_new(root, "results", results);
-    json_object_set_new(root, "ucx_perftest_tcp_gbps", json_real(pt[1]));
+    json_object_set_new(root, "ucx_perftest_tcp_gbps", json_real(perftest_or(&tp[PATH_TCP][1])));
     json_t *ptj = json_object();
-    for (int s = 0; s < NS; s++) json_object_set_new(ptj, size_names[s], json_real(pt[s]));
+    for (int s = 0; s < NS; s++)
+        json_object_set_new(ptj, size_names[s], json_real(perftest_or(&tp[PATH_TCP][s])));
     json_object_set_new(root, "ucx_perftest_tcp_gbps_by_size", ptj);
     if (kill_runs) {
         printf("| kill -9 of the producer mid-transfer | runs | median ms | max ms |\n"
