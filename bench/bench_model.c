@@ -32,6 +32,8 @@
 #include "../tools/cli.h"
 #include "bench.h"
 
+#include "core/core.h"
+
 #include "pagekv/model.h"
 
 #include <stdarg.h>
@@ -79,14 +81,6 @@ static void progress(const char *fmt, ...)
     va_end(ap);
 }
 
-static uint64_t rng_next(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 static bool use_thp = true;
 static uint32_t block_tokens = 16;
 
@@ -110,7 +104,7 @@ static double prefill(pkv_model_t *m, pkv_kv_t *kv, uint32_t n, uint32_t len, ui
     if (!toks || !logits) goto out;
     for (uint32_t i = 0; i < n; i++) {
         for (uint32_t j = 0; j < len; j++)
-            toks[(size_t)i * len + j] = (int32_t)(rng_next(&seed) % V);
+            toks[(size_t)i * len + j] = (int32_t)(pkv_splitmix64(&seed) % V);
         pkv_seq_params_t sp = {
             .tokens = toks + (size_t)i * len, .n_tokens = len, .reserve_tokens = len + extra};
         uint32_t cached;
@@ -141,7 +135,7 @@ static int copy_contexts(pkv_model_t *m, pkv_kv_t *kv, pkv_seq_t **seqs, uint32_
     uint32_t V = c->vocab_size;
     int32_t *toks = malloc((size_t)len * sizeof(int32_t));
     if (!toks) return -1;
-    for (uint32_t j = 0; j < len; j++) toks[j] = (int32_t)(rng_next(&seed) % V);
+    for (uint32_t j = 0; j < len; j++) toks[j] = (int32_t)(pkv_splitmix64(&seed) % V);
     for (uint32_t i = 1; i < n; i++) {
         pkv_seq_params_t sp = {.tokens = toks, .n_tokens = len, .reserve_tokens = len + extra};
         uint32_t cached;

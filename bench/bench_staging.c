@@ -117,19 +117,11 @@ struct bs_run {
     bs_stream_t s[BS_STREAMS];
 };
 
-static uint64_t bs_rand(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 static uint32_t bs_draw_pages(uint64_t *rng)
 {
     uint32_t total = 0;
     for (size_t i = 0; i < PKV_ARRAY_LEN(bs_ctx_weight); i++) total += bs_ctx_weight[i];
-    uint32_t r = (uint32_t)(bs_rand(rng) % total);
+    uint32_t r = (uint32_t)(pkv_splitmix64(rng) % total);
     for (size_t i = 0; i < PKV_ARRAY_LEN(bs_ctx_weight); i++) {
         if (r < bs_ctx_weight[i]) return bs_ctx_tokens[i] / BS_PAGE_TOKENS;
         r -= bs_ctx_weight[i];
@@ -179,7 +171,7 @@ static void *bs_stream_main(void *arg)
             left -= cnt;
         }
         uint64_t j = o->copy_us * 1000ull / 2;
-        bs_sleep_ns(o->copy_us * 1000ull - j / 2 + bs_rand(&s->rng) % (j + 1));
+        bs_sleep_ns(o->copy_us * 1000ull - j / 2 + pkv_splitmix64(&s->rng) % (j + 1));
         if (pkv_stage_release(run->st, id) != PKV_OK) s->failed++;
         pkv_stage_grant_free(g);
         s->done++;

@@ -6,20 +6,13 @@
  */
 #include "../tools/cli.h"
 
+#include "core/core.h"
 #include "pagekv/tokenizer.h"
 
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static uint64_t bench_rand(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
 
 /* "Sentence N: the ADJ NOUN of system M VERB OBJECT. " until `n` characters. */
 static char *make_filler(size_t n, uint64_t seed)
@@ -40,9 +33,9 @@ static char *make_filler(size_t n, uint64_t seed)
     size_t len = 0;
     for (unsigned i = 1; len < n; i++) {
         len += (size_t)snprintf(buf + len, 256, "Sentence %u: the %s %s of system %u %s %s. ", i,
-                                adj[bench_rand(&seed) % 10], noun[bench_rand(&seed) % 10],
-                                (unsigned)(100 + bench_rand(&seed) % 9900),
-                                verb[bench_rand(&seed) % 8], obj[bench_rand(&seed) % 8]);
+                                adj[pkv_splitmix64(&seed) % 10], noun[pkv_splitmix64(&seed) % 10],
+                                (unsigned)(100 + pkv_splitmix64(&seed) % 9900),
+                                verb[pkv_splitmix64(&seed) % 8], obj[pkv_splitmix64(&seed) % 8]);
     }
     buf[n] = '\0';
     return buf;

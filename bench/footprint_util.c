@@ -5,16 +5,10 @@
  */
 #include "footprint.h"
 
+#include "core/core.h"
+
 #include <math.h>
 #include <string.h>
-
-static uint64_t fp_rand(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
 
 void pkv_fp_filler(char *buf, size_t n, uint64_t seed)
 {
@@ -37,9 +31,9 @@ void pkv_fp_filler(char *buf, size_t n, uint64_t seed)
     while (len < n) {
         char s[256];
         int k = snprintf(s, sizeof(s), "Sentence %llu: the %s %s of system %u %s %s. ", num++,
-                         adj[fp_rand(&st) % 10], noun[fp_rand(&st) % 10],
-                         (unsigned)(100 + fp_rand(&st) % 9900), verb[fp_rand(&st) % 8],
-                         obj[fp_rand(&st) % 8]);
+                         adj[pkv_splitmix64(&st) % 10], noun[pkv_splitmix64(&st) % 10],
+                         (unsigned)(100 + pkv_splitmix64(&st) % 9900),
+                         verb[pkv_splitmix64(&st) % 8], obj[pkv_splitmix64(&st) % 8]);
         size_t take = (size_t)k < n - len ? (size_t)k : n - len;
         memcpy(buf + len, s, take);
         len += take;

@@ -218,13 +218,6 @@ static int recv_msg(int fd, uint32_t *type, void **payload, uint32_t *len, uint6
 }
 
 /* ---- the data pattern ----------------------------------------------------------------- */
-static uint64_t splitmix(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
 
 /* Bytes of one head row (K or V) of position pos in layer l of request r. */
 static void pattern_row(uint64_t seed, uint32_t r, uint32_t pos, uint32_t l, uint32_t kv,
@@ -232,9 +225,9 @@ static void pattern_row(uint64_t seed, uint32_t r, uint32_t pos, uint32_t l, uin
 {
     uint64_t s = seed ^ ((uint64_t)r << 48) ^ ((uint64_t)pos << 20) ^ ((uint64_t)l << 8) ^
                  ((uint64_t)kv << 7) ^ h;
-    splitmix(&s);
+    pkv_splitmix64(&s);
     for (size_t i = 0; i < n; i += 8) {
-        uint64_t w = splitmix(&s);
+        uint64_t w = pkv_splitmix64(&s);
         memcpy(out + i, &w, PKV_MIN((size_t)8, n - i));
     }
 }

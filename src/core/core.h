@@ -15,6 +15,16 @@
 #define PKV_ALIGN_UP(a, b) (PKV_DIV_UP(a, b) * (b))
 #define PKV_ARRAY_LEN(a)   (sizeof(a) / sizeof((a)[0]))
 
+/* splitmix64: the next value of a seeded pseudo-random stream (weights, sampling, test
+ * and benchmark data; never secrets). */
+static inline uint64_t pkv_splitmix64(uint64_t *state)
+{
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
 /* Broken invariant: print where and abort. Never used for bad input. */
 #define PKV_ASSERT(cond)                                                                           \
     do {                                                                                           \

@@ -1,16 +1,14 @@
 /* sample: greedy and temperature / top-p sampling (see sample.h). */
 #include "engine/sample.h"
 
+#include "core/core.h"
+
 #include <math.h>
 #include <stdlib.h>
 
 float pkv_sample_rand01(uint64_t *s)
 {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    return (float)(z >> 40) * (1.0f / 16777216.0f);
+    return (float)(pkv_splitmix64(s) >> 40) * (1.0f / 16777216.0f);
 }
 
 int32_t pkv_sample_argmax(const float *logits, uint32_t n)

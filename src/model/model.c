@@ -262,14 +262,6 @@ fail:
 
 /* ---- built-in weights -------------------------------------------------------------------- */
 
-static uint64_t splitmix(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 /* rows x cols of uniform(-scale, scale) into a matrix with leading dimension ld; the
  * stream depends only on (seed, tensor id), so tensors are independent of each other. */
 static void fill_uniform(float *w, size_t rows, size_t cols, size_t ld, uint64_t seed,
@@ -278,7 +270,7 @@ static void fill_uniform(float *w, size_t rows, size_t cols, size_t ld, uint64_t
     uint64_t s = seed ^ (tensor * 0xd1b54a32d192ed03ull);
     for (size_t r = 0; r < rows; r++)
         for (size_t c = 0; c < cols; c++) {
-            float u = (float)(splitmix(&s) >> 40) * (1.0f / 16777216.0f); /* [0, 1) */
+            float u = (float)(pkv_splitmix64(&s) >> 40) * (1.0f / 16777216.0f); /* [0, 1) */
             w[r * ld + c] = (2.0f * u - 1.0f) * scale;
         }
 }

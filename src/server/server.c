@@ -109,14 +109,6 @@ typedef struct {
 
 /* ---- small helpers --------------------------------------------------------------------- */
 
-static uint64_t splitmix(uint64_t *state)
-{
-    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 static int detok(void *arg, int32_t prev, int32_t id, const char **bytes, size_t *len)
 {
     return pkv_tok_decode_token(arg, prev, id, bytes, len);
@@ -624,7 +616,7 @@ static enum MHD_Result handle_generate(pkv_server_t *s, struct MHD_Connection *c
     pthread_mutex_lock(&s->lock);
     bool draining = s->draining;
     uint64_t id = ++s->next_id;
-    uint64_t seed = r.has_seed ? r.seed : splitmix(&s->rng);
+    uint64_t seed = r.has_seed ? r.seed : pkv_splitmix64(&s->rng);
     if (!draining) s->ctr.in_flight++;
     pthread_mutex_unlock(&s->lock);
     if (draining) {

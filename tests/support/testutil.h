@@ -8,6 +8,8 @@
 #ifndef PKV_TESTUTIL_H
 #define PKV_TESTUTIL_H
 
+#include "core/core.h"
+
 #include <check.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -36,13 +38,10 @@
                          pkv_a_, pkv_b_);                                                          \
     } while (0)
 
-/* splitmix64: a small seeded generator (no hidden global state). */
+/* A small seeded generator (no hidden global state): splitmix64. */
 static inline uint64_t pkv_test_rand(uint64_t *state)
 {
-    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
+    return pkv_splitmix64(state);
 }
 static inline uint32_t pkv_test_below(uint64_t *state, uint32_t n)
 {
