@@ -382,14 +382,20 @@ int pkv_bench_xfer(int argc, char **argv)
         } else if (!strcmp(a, "--no-throughput")) {
             throughput = false;
         } else if (i + 1 < argc && !strcmp(a, "--runs")) {
-            if (pkv_cli_parse_u64(argv[++i], 1, 100, &runs)) return usage();
+            if (pkv_cli_parse_u64(argv[++i], 1, 100, &runs))
+                return pkv_cli_usage_error("bench xfer", "--runs: 1..100, got '%s'", argv[i]);
         } else if (i + 1 < argc && !strcmp(a, "--kill-runs")) {
-            if (pkv_cli_parse_u64(argv[++i], 0, 64, &kill_runs)) return usage();
+            if (pkv_cli_parse_u64(argv[++i], 0, 64, &kill_runs))
+                return pkv_cli_usage_error("bench xfer", "--kill-runs: 0..64, got '%s'", argv[i]);
         } else if (i + 1 < argc && !strcmp(a, "--fault-matrix")) {
-            if (pkv_cli_parse_u64(argv[++i], 0, 10000, &fm_runs)) return usage();
+            if (pkv_cli_parse_u64(argv[++i], 0, 10000, &fm_runs))
+                return pkv_cli_usage_error("bench xfer", "--fault-matrix: 0..10000, got '%s'",
+                                           argv[i]);
         } else if (i + 1 < argc && !strcmp(a, "--idle-registrations")) {
             uint64_t v;
-            if (pkv_cli_parse_u64(argv[++i], 0, 1000000, &v)) return usage();
+            if (pkv_cli_parse_u64(argv[++i], 0, 1000000, &v))
+                return pkv_cli_usage_error("bench xfer",
+                                           "--idle-registrations: 0..1000000, got '%s'", argv[i]);
             g_idle_regs = (uint32_t)v;
         } else if (i + 1 < argc && !strcmp(a, "--json")) {
             json_path = argv[++i];
