@@ -362,6 +362,7 @@ static int usage(void)
             "  --fault-matrix N  run every fault case N times (default 0: skip)\n"
             "  --path P          only same_host, tcp or same_host_ucx (default: all three)\n"
             "  --size S          only 64k, 1m or 16m transfers (default: all three)\n"
+            "  --no-throughput   skip the transfers (and the ucx_perftest runs paired with them)\n"
             "  --idle-registrations N  the producer also holds N registered requests that\n"
             "                    nobody reads, during the throughput runs (default 0)\n");
     return 2;
@@ -438,9 +439,8 @@ int pkv_bench_xfer(int argc, char **argv)
             if (only_size >= 0 && s != only_size) continue;
             if (!throughput) continue;
             progress("transfers %s %s ...", path_names[path], size_names[s]);
-            int port = path == PATH_TCP && perftest
-                           ? 21000 + (int)(getpid() % 4000) / 400 * 400 + s * 100
-                           : 0;
+            int port =
+                path == PATH_TCP && perftest ? 10000 + (int)(getpid() % 70) * 300 + s * 100 : 0;
             tp[path][s] = measure(sizes[s], path, (int)runs, 8, port);
             if (tp[path][s].ok) run_mc[n_run_mc++] = tp[path][s].memcpy_gbps;
         }

@@ -537,12 +537,14 @@ static void producer_main(const xh_case_t *c, int from_parent)
     if (!destroyed) {
         pkv_xfer_wait_idle(a, pkv_deadline_after_ns(3000000000ull));
         pkv_xfer_stats_t s;
+        pkv_xfer_stats(a, &s);
+        uint64_t left = s.registrations - c->idle_regs; /* the real ones still held */
         for (uint32_t k = 0; k < c->idle_regs; k++) pkv_xfer_unregister(a, (1ull << 40) + k);
         uint64_t idle_until = pkv_deadline_after_ns(3000000000ull);
-        do {
+        while (c->idle_regs && s.registrations > left && pkv_now_ns() < idle_until) {
+            usleep(1000);
             pkv_xfer_stats(a, &s); /* unregister ends them on the agent's next tick */
-        } while (c->idle_regs && s.registrations + s.sent > c->n_requests &&
-                 pkv_now_ns() < idle_until && !usleep(1000));
+        }
         rep.sent = s.sent;
         rep.serves_started = s.serves_started;
         rep.serves_failed = s.serves_failed;

@@ -115,12 +115,14 @@ static void pair_free(pair_t *x)
 typedef struct {
     atomic_int calls;
     atomic_int outcome;
+    _Atomic uint64_t at_ns; /* when the (last) call came */
 } reg_cb_t;
 static void reg_cb(void *arg, uint64_t request_id, int outcome)
 {
     (void)request_id;
     reg_cb_t *c = arg;
     atomic_store(&c->outcome, outcome);
+    atomic_store(&c->at_ns, pkv_now_ns());
     atomic_fetch_add(&c->calls, 1);
 }
 
@@ -163,7 +165,7 @@ START_TEST(api_bad_input_changes_nothing)
                      PKV_ERR_INVALID);
     ck_assert_ptr_null(h);
     ck_assert_uint_eq(live_blocks(x.p.kv), live_p);
-    reg_cb_t rc1 = {0, 0};
+    reg_cb_t rc1 = {0, 0, 0};
     ck_assert_int_eq(pkv_xfer_register(x.p.a, 1, sids, sn, PKV_DEADLINE_NEVER, reg_cb, &rc1, &h),
                      PKV_OK);
     pkv_xfer_handle_t *h2 = NULL;
@@ -220,7 +222,7 @@ START_TEST(api_bad_input_changes_nothing)
     pkv_xfer_read_free(rd);
 
     /* Expiry: the lease runs out, the callback says timeout, the pins return. */
-    reg_cb_t rc2 = {0, 0};
+    reg_cb_t rc2 = {0, 0, 0};
     pkv_xfer_handle_t *h3;
     ck_assert_int_eq(pkv_xfer_register(x.p.a, 2, sids, sn, pkv_deadline_after_ns(50000000ull),
                                        reg_cb, &rc2, &h3),
@@ -233,7 +235,7 @@ START_TEST(api_bad_input_changes_nothing)
     ck_assert_uint_eq(s.pinned_blocks, 0);
 
     /* Destroy with a live registration: callback shutdown, pins returned. */
-    reg_cb_t rc3 = {0, 0};
+    reg_cb_t rc3 = {0, 0, 0};
     pkv_xfer_handle_t *h4;
     ck_assert_int_eq(pkv_xfer_register(x.p.a, 3, sids, sn, PKV_DEADLINE_NEVER, reg_cb, &rc3, &h4),
                      PKV_OK);
@@ -272,7 +274,7 @@ START_TEST(in_process_read_ok_then_sent_once)
     uint32_t sn = x.sn, dn = x.dn;
     const pkv_geometry_t *g = pkv_kv_geometry(x.p.kv);
     pattern_apply(src, g, 42, 0, 37, true);
-    reg_cb_t sent = {0, 0};
+    reg_cb_t sent = {0, 0, 0};
     pkv_xfer_handle_t *h;
     ck_assert_int_eq(pkv_xfer_register(x.p.a, 9, sids, sn, PKV_DEADLINE_NEVER, reg_cb, &sent, &h),
                      PKV_OK);
@@ -513,19 +515,25 @@ START_TEST(many_registrations_each_end_once)
     /* A 300 ms lease runs out while its read is being served: the consumer stalls 1.2 s
      * before it could ACK, the producer's serve ends at the read's 700 ms deadline, and
      * only then may the lease expire (the producer walked its table meanwhile, at 300 ms,
-     * and had to skip it). Nothing more is counted sent. */
-    reg_cb_t late = {0, 0};
+     * and had to skip it). Expiring it mid-serve would call back at ~300 ms; never
+     * expiring it would not call back at all. Nothing more is counted sent. */
+    reg_cb_t late = {0, 0, 0};
     pkv_xfer_handle_t *hl;
+    pkv_xfer_stats(x.p.a, &s);
+    uint64_t serves_before = s.serves_started;
+    uint64_t read_at = pkv_now_ns();
     ck_assert_int_eq(pkv_xfer_register(x.p.a, 1ull << 62, sids, sn,
                                        pkv_deadline_after_ns(300000000ull), reg_cb, &late, &hl),
                      PKV_OK);
     atomic_store(&stall, 1);
-    ck_assert_int_eq(
-        pkv_xfer_read(x.c.a, hl, dids, dn, pkv_deadline_after_ns(700000000ull), NULL, NULL, &rd),
-        PKV_OK);
+    ck_assert_int_eq(pkv_xfer_read(x.c.a, hl, dids, dn, read_at + 700000000ull, NULL, NULL, &rd),
+                     PKV_OK);
     for (int w = 0; w < 400 && !atomic_load(&late.calls); w++) usleep(5000);
     ck_assert_int_eq(atomic_load(&late.calls), 1);
     ck_assert_int_eq(atomic_load(&late.outcome), PKV_ERR_TIMEOUT);
+    ck_assert_uint_ge(atomic_load(&late.at_ns) - read_at, 600000000ull); /* after the serve */
+    pkv_xfer_stats(x.p.a, &s);
+    ck_assert_uint_eq(s.serves_started, serves_before + 1); /* the read was being served */
     ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(3000000000ull), &oc), PKV_OK);
     pkv_xfer_read_free(rd);
     pkv_xfer_stats(x.p.a, &s);
@@ -534,8 +542,10 @@ START_TEST(many_registrations_each_end_once)
     /* Destroy ends the rest with shutdown and returns every pin. */
     pkv_xfer_agent_destroy(x.p.a);
     x.p.a = NULL;
-    for (uint32_t i = 2; i < N; i += 3)
+    for (uint32_t i = 2; i < N; i += 3) {
+        ck_assert_int_eq(atomic_load(&cb[i].calls), 1);
         if (i != kept) ck_assert_int_eq(atomic_load(&cb[i].outcome), PKV_ERR_SHUTDOWN);
+    }
     ck_assert_uint_eq(live_blocks(x.p.kv), live_p);
     for (uint32_t i = 0; i < N; i++) pkv_xfer_handle_free(h[i]);
     pkv_xfer_handle_free(hl);

@@ -173,7 +173,8 @@ int pkv_xfer_register(pkv_xfer_agent_t *a, uint64_t request_id, const uint32_t *
         tab = calloc((size_t)1 << want, sizeof(*tab));
         pthread_mutex_lock(&a->lock);
         if (!tab) {
-            rc = PKV_ERR_NOMEM;
+            /* Without a bigger table a full one still works, with longer chains. */
+            if (!a->reg_tab) rc = PKV_ERR_NOMEM;
             break;
         }
     }

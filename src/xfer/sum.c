@@ -7,6 +7,13 @@
 
 #include <string.h>
 
+static bool scalar_only; /* pkv_xfer_sum_force_scalar (tests) */
+
+void pkv_xfer_sum_force_scalar(bool on)
+{
+    scalar_only = on;
+}
+
 void pkv_xfer_sum_init(pkv_xfer_sum_t *s)
 {
     memset(s, 0, sizeof(*s));
@@ -41,7 +48,16 @@ static void groups_scalar(pkv_xfer_sum_t *s, uint8_t *dst, const uint8_t *src, s
     s->b[0] = b0, s->b[1] = b1, s->b[2] = b2, s->b[3] = b3;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define PKV_SUM_NO_VECTOR 1 /* clang's TSan leaves the intrinsics' loads and stores unseen */
+#endif
+#endif
+#if defined(__SANITIZE_THREAD__)
+#define PKV_SUM_NO_VECTOR 1
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(PKV_SUM_NO_VECTOR)
 #include <immintrin.h>
 /* The same sums, one 256-bit register per accumulator: the four lanes are the four
  * 64-bit words of a group, so the result is bit-identical to groups_scalar() (a peer
@@ -67,7 +83,7 @@ __attribute__((target("avx2"))) static void groups_avx2(pkv_xfer_sum_t *s, uint8
 
 static void groups(pkv_xfer_sum_t *s, uint8_t *dst, const uint8_t *src, size_t ngroups)
 {
-    if (__builtin_cpu_supports("avx2"))
+    if (!scalar_only && __builtin_cpu_supports("avx2"))
         groups_avx2(s, dst, src, ngroups);
     else
         groups_scalar(s, dst, src, ngroups);

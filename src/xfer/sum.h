@@ -10,6 +10,7 @@
 #ifndef PKV_XFER_SUM_H
 #define PKV_XFER_SUM_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -25,5 +26,8 @@ void pkv_xfer_sum_update(pkv_xfer_sum_t *s, const void *p, size_t n);
 /* memcpy(dst, src, n) and update(s, src, n) in one pass. */
 void pkv_xfer_sum_copy(pkv_xfer_sum_t *s, void *dst, const void *src, size_t n);
 uint64_t pkv_xfer_sum_final(const pkv_xfer_sum_t *s);
+/* Tests: use the scalar loop even where the CPU has AVX2 (the two must agree). Not
+ * thread-safe: call before any sum runs. */
+void pkv_xfer_sum_force_scalar(bool on);
 
 #endif
