@@ -431,8 +431,11 @@ static void *register_range(void *arg)
     j->rc = PKV_OK;
     for (uint32_t i = j->from; i < j->to && !j->rc; i++) {
         uint64_t id = i % 2 ? (uint64_t)i * 0x10000000001ull : i;
-        uint64_t expiry =
-            i % 3 == 0 ? j->t0 + (100 + (i % 7) * 10) * 1000000ull : PKV_DEADLINE_NEVER;
+        /* kind 0: 100-160 ms; half of kind 2 a 60 s lease, in the heap above the short
+         * ones (a misordered heap would hide expired leases under it) */
+        uint64_t expiry = i % 3 == 0   ? j->t0 + (100 + (i % 7) * 10) * 1000000ull
+                          : i % 6 == 5 ? j->t0 + 60000000000ull
+                                       : PKV_DEADLINE_NEVER;
         j->rc = pkv_xfer_register(j->a, id, j->ids, j->n, expiry, reg_cb, &j->cb[i], &j->h[i]);
     }
     return NULL;
@@ -451,8 +454,8 @@ START_TEST(many_registrations_each_end_once)
     uint64_t live_p = live_blocks(x.p.kv);
 
     /* Ids far apart and close together; kind = i % 3: 0 lease of 100-160 ms, 1
-     * unregistered, 2 kept until destroy (one of them is read). Three threads register
-     * at once, so the table grows under concurrent registers. */
+     * unregistered, 2 kept until destroy (one of them is read; half have a 60 s lease). Three
+     * threads register at once, so the table grows under concurrent registers. */
     reg_cb_t *cb = calloc(N, sizeof(*cb));
     pkv_xfer_handle_t **h = calloc(N, sizeof(*h));
     reg_job_t jobs[3];

@@ -692,6 +692,7 @@ void pkv_xfer_agent_destroy(pkv_xfer_agent_t *a)
     pthread_mutex_destroy(&a->lock);
     if (clean) {
         free(a->reg_tab); /* empty: shutdown ended every registration */
+        free(a->reg_heap);
         free(a);
     }
 }

@@ -67,9 +67,11 @@ static uint32_t reg_bits_wanted(const pkv_xfer_agent_t *a)
     return a->reg_count >= (1u << a->reg_bits) ? a->reg_bits + 1 : a->reg_bits;
 }
 
-/* Move every registration into `tab` (1 << bits chains); returns the old table, for the
- * caller to free once it dropped the lock. */
-static xf_reg_t **reg_rehash(pkv_xfer_agent_t *a, xf_reg_t **tab, uint32_t bits)
+/* Move every registration into `tab` (1 << bits chains) and the lease heap into `heap`
+ * (as many slots); the old arrays go to *old_tab / *old_heap, for the caller to free once
+ * it dropped the lock. */
+static void reg_grow(pkv_xfer_agent_t *a, xf_reg_t **tab, xf_reg_t **heap, uint32_t bits,
+                     xf_reg_t ***old_tab, xf_reg_t ***old_heap)
 {
     xf_reg_t **old = a->reg_tab;
     uint32_t old_n = old ? 1u << a->reg_bits : 0;
@@ -82,7 +84,56 @@ static xf_reg_t **reg_rehash(pkv_xfer_agent_t *a, xf_reg_t **tab, uint32_t bits)
             x->hnext = *c;
             *c = x;
         }
-    return old;
+    if (a->reg_heap_n) memcpy(heap, a->reg_heap, sizeof(*heap) * a->reg_heap_n);
+    *old_tab = old;
+    *old_heap = a->reg_heap;
+    a->reg_heap = heap;
+}
+
+/* The lease heap [L]: heap_at is 1 + the slot, kept current as entries move. */
+static void heap_set(pkv_xfer_agent_t *a, uint32_t i, xf_reg_t *r)
+{
+    a->reg_heap[i] = r;
+    r->heap_at = i + 1;
+}
+
+static void heap_fix(pkv_xfer_agent_t *a, uint32_t i)
+{
+    xf_reg_t **h = a->reg_heap, *r = h[i];
+    while (i && h[(i - 1) / 2]->expiry_ns > r->expiry_ns) { /* up */
+        heap_set(a, i, h[(i - 1) / 2]);
+        i = (i - 1) / 2;
+    }
+    for (;;) { /* down */
+        uint32_t c = 2 * i + 1;
+        if (c >= a->reg_heap_n) break;
+        if (c + 1 < a->reg_heap_n && h[c + 1]->expiry_ns < h[c]->expiry_ns) c++;
+        if (h[c]->expiry_ns >= r->expiry_ns) break;
+        heap_set(a, i, h[c]);
+        i = c;
+    }
+    heap_set(a, i, r);
+}
+
+/* A registration with a lease joins the heap (room: the heap has as many slots as the
+ * table has chains, and the table never holds more than that). */
+static void heap_add(pkv_xfer_agent_t *a, xf_reg_t *r)
+{
+    if (r->heap_at || r->expiry_ns == PKV_DEADLINE_NEVER) return;
+    PKV_ASSERT(a->reg_heap_n < (1u << a->reg_bits));
+    heap_set(a, a->reg_heap_n++, r);
+    heap_fix(a, a->reg_heap_n - 1);
+}
+
+static void heap_del(pkv_xfer_agent_t *a, xf_reg_t *r)
+{
+    if (!r->heap_at) return;
+    uint32_t i = r->heap_at - 1;
+    r->heap_at = 0;
+    xf_reg_t *last = a->reg_heap[--a->reg_heap_n];
+    if (last == r) return;
+    heap_set(a, i, last);
+    heap_fix(a, i);
 }
 
 static void reg_insert(pkv_xfer_agent_t *a, xf_reg_t *r)
@@ -91,11 +142,21 @@ static void reg_insert(pkv_xfer_agent_t *a, xf_reg_t *r)
     r->hnext = *c;
     *c = r;
     a->reg_count++;
-    if (r->expiry_ns < a->reg_due_ns) a->reg_due_ns = r->expiry_ns;
+    heap_add(a, r);
 }
 
+/* Out of the table, the lease heap and the unregister list [L]. */
 static void reg_remove(pkv_xfer_agent_t *a, xf_reg_t *r)
 {
+    heap_del(a, r);
+    if (r->unreg_listed) {
+        for (xf_reg_t **pp = &a->reg_unreg; *pp; pp = &(*pp)->unext)
+            if (*pp == r) {
+                *pp = r->unext;
+                break;
+            }
+        r->unreg_listed = false;
+    }
     for (xf_reg_t **pp = reg_chain(a, r->request_id); *pp; pp = &(*pp)->hnext)
         if (*pp == r) {
             *pp = r->hnext;
@@ -155,33 +216,36 @@ int pkv_xfer_register(pkv_xfer_agent_t *a, uint64_t request_id, const uint32_t *
     if (rc) goto fail;
     /* Nothing allocates under agent->lock: a bigger table is allocated outside it and
      * installed if the table still needs it (another register may have grown it). */
-    xf_reg_t **tab = NULL, **old_tab = NULL;
+    xf_reg_t **tab = NULL, **heap = NULL, **old_tab = NULL, **old_heap = NULL;
     uint32_t tab_bits = 0;
     pthread_mutex_lock(&a->lock);
     for (;;) {
         rc = a->stopping ? PKV_ERR_SHUTDOWN : reg_find(a, request_id) ? PKV_ERR_BUSY : PKV_OK;
         uint32_t want = reg_bits_wanted(a);
         if (rc || (a->reg_tab && want == a->reg_bits)) break;
-        if (tab && tab_bits == want) {
-            old_tab = reg_rehash(a, tab, want);
-            tab = NULL;
+        if (tab && heap && tab_bits == want) {
+            reg_grow(a, tab, heap, want, &old_tab, &old_heap);
+            tab = heap = NULL;
             break;
         }
         pthread_mutex_unlock(&a->lock);
         free(tab);
+        free(heap);
         tab_bits = want;
         tab = calloc((size_t)1 << want, sizeof(*tab));
+        heap = malloc(sizeof(*heap) << want);
         pthread_mutex_lock(&a->lock);
-        if (!tab) {
-            /* Without a bigger table a full one still works, with longer chains. */
-            if (!a->reg_tab) rc = PKV_ERR_NOMEM;
+        if (!tab || !heap) {
+            rc = PKV_ERR_NOMEM;
             break;
         }
     }
     if (!rc) reg_insert(a, r);
     pthread_mutex_unlock(&a->lock);
     free(tab);
+    free(heap);
     free(old_tab);
+    free(old_heap);
     if (rc) {
         pkv_kv_unpin(a->kv, blocks, n);
         goto fail;
@@ -210,7 +274,9 @@ int pkv_xfer_unregister(pkv_xfer_agent_t *a, uint64_t request_id)
     xf_reg_t *r = reg_find(a, request_id);
     if (r && !r->unregister_req) {
         r->unregister_req = true;
-        a->reg_unregister = true;
+        r->unreg_listed = true;
+        r->unext = a->reg_unreg;
+        a->reg_unreg = r;
         rc = PKV_OK;
     }
     pthread_mutex_unlock(&a->lock);
@@ -257,27 +323,23 @@ void xf_regs_tick(pkv_xfer_agent_t *a, uint64_t now)
     a->last_timer_ns = now;
     xf_reg_t *ending = NULL;
     pthread_mutex_lock(&a->lock);
-    if (a->reg_unregister || now >= a->reg_due_ns) {
-        a->reg_unregister = false;
-        a->reg_due_ns = UINT64_MAX;
-        uint32_t n = a->reg_tab ? 1u << a->reg_bits : 0;
-        for (uint32_t i = 0; i < n; i++)
-            for (xf_reg_t **pp = &a->reg_tab[i]; *pp;) {
-                xf_reg_t *r = *pp;
-                /* A lease that runs out while a transfer serves it waits for that transfer
-                 * (serve_quiesce lowers reg_due_ns again when it ends). */
-                bool expired = now >= r->expiry_ns && !r->serving;
-                if (r->unregister_req || expired) {
-                    *pp = r->hnext;
-                    a->reg_count--;
-                    r->hnext = ending;
-                    r->end_outcome = r->unregister_req ? PKV_ERR_CANCELLED : PKV_ERR_TIMEOUT;
-                    ending = r;
-                    continue;
-                }
-                if (!r->serving && r->expiry_ns < a->reg_due_ns) a->reg_due_ns = r->expiry_ns;
-                pp = &r->hnext;
-            }
+    while (a->reg_unreg) {
+        xf_reg_t *r = a->reg_unreg;
+        reg_remove(a, r); /* takes it off the list too */
+        r->end_outcome = PKV_ERR_CANCELLED;
+        r->hnext = ending;
+        ending = r;
+    }
+    while (a->reg_heap_n && now >= a->reg_heap[0]->expiry_ns) {
+        xf_reg_t *r = a->reg_heap[0];
+        heap_del(a, r);
+        /* A lease that runs out while a transfer serves it waits for that transfer
+         * (serve_quiesce puts it back in the heap when it ends). */
+        if (r->serving) continue;
+        reg_remove(a, r);
+        r->end_outcome = PKV_ERR_TIMEOUT;
+        r->hnext = ending;
+        ending = r;
     }
     pthread_mutex_unlock(&a->lock);
     while (ending) {
@@ -296,10 +358,14 @@ void xf_regs_shutdown(pkv_xfer_agent_t *a)
         while (a->reg_tab[i]) {
             xf_reg_t *r = a->reg_tab[i];
             a->reg_tab[i] = r->hnext;
+            r->heap_at = 0;
+            r->unreg_listed = false;
             r->hnext = all;
             all = r;
         }
     a->reg_count = 0;
+    a->reg_heap_n = 0;
+    a->reg_unreg = NULL;
     pthread_mutex_unlock(&a->lock);
     while (all) {
         xf_reg_t *r = all;
@@ -336,7 +402,7 @@ static bool serve_quiesce(pkv_xfer_agent_t *a, xf_serve_t *s)
         reg_free(a, r);
     } else {
         pthread_mutex_lock(&a->lock); /* its lease may have run out meanwhile */
-        if (r->expiry_ns < a->reg_due_ns) a->reg_due_ns = r->expiry_ns;
+        heap_add(a, r);
         pthread_mutex_unlock(&a->lock);
     }
     s->peer->refs--;

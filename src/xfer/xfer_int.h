@@ -148,7 +148,10 @@ struct xf_peer { /* every field [P] */
 
 /* ---- producer registrations ------------------------------------------------------------ */
 struct xf_reg {
-    xf_reg_t *hnext; /* [L] the agent's registration table chain; then the tick's ending list */
+    xf_reg_t *hnext;   /* [L] the agent's registration table chain; then the tick's ending list */
+    xf_reg_t *unext;   /* [L] the agent's list of unregistered ones (unreg_listed) */
+    uint32_t heap_at;  /* [L] 1 + its index in the agent's lease heap; 0: not there */
+    bool unreg_listed; /* [L] */
     uint64_t request_id;
     uint8_t token[PKV_XFER_TOKEN_BYTES];
     uint64_t expiry_ns;
@@ -316,13 +319,16 @@ struct pkv_xfer_agent {
     xf_job_t *jobs, **jobs_tail;
     xf_job_t *seats, **seats_tail;
     /* Registrations by request id: reg_tab has 1 << reg_bits chains (NULL until the first
-     * register), grown to keep reg_count <= buckets. The tick walks it only when something
-     * is due: reg_due_ns (earliest expiry of a registration not being served; lowered by
-     * register and when a serve ends) or reg_unregister (an unregister waits). */
+     * register), grown to keep reg_count <= buckets. reg_heap (as many slots as chains) is
+     * a min-heap by lease expiry of those with a lease and not being served (one whose
+     * lease runs out mid-serve leaves it and returns when the serve ends); reg_unreg lists
+     * those unregistered. The tick ends what they hold: its cost follows what ends, not
+     * how many are registered. */
     xf_reg_t **reg_tab;
     uint32_t reg_bits, reg_count;
-    uint64_t reg_due_ns;
-    bool reg_unregister;
+    xf_reg_t **reg_heap;
+    uint32_t reg_heap_n;
+    xf_reg_t *reg_unreg;
     bool stopping;     /* destroy began */
     bool threads_stop; /* workers and seaters exit when their queue is empty */
     bool progress_exited;
