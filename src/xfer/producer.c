@@ -119,7 +119,7 @@ static void heap_fix(pkv_xfer_agent_t *a, uint32_t i)
  * table has chains, and the table never holds more than that). */
 static void heap_add(pkv_xfer_agent_t *a, xf_reg_t *r)
 {
-    if (r->heap_at || r->expiry_ns == PKV_DEADLINE_NEVER) return;
+    if (r->heap_at || !r->in_tab || r->expiry_ns == PKV_DEADLINE_NEVER) return;
     PKV_ASSERT(a->reg_heap_n < (1u << a->reg_bits));
     heap_set(a, a->reg_heap_n++, r);
     heap_fix(a, a->reg_heap_n - 1);
@@ -142,12 +142,14 @@ static void reg_insert(pkv_xfer_agent_t *a, xf_reg_t *r)
     r->hnext = *c;
     *c = r;
     a->reg_count++;
+    r->in_tab = true;
     heap_add(a, r);
 }
 
 /* Out of the table, the lease heap and the unregister list [L]. */
 static void reg_remove(pkv_xfer_agent_t *a, xf_reg_t *r)
 {
+    r->in_tab = false;
     heap_del(a, r);
     if (r->unreg_listed) {
         for (xf_reg_t **pp = &a->reg_unreg; *pp; pp = &(*pp)->unext)
@@ -236,7 +238,9 @@ int pkv_xfer_register(pkv_xfer_agent_t *a, uint64_t request_id, const uint32_t *
         heap = malloc(sizeof(*heap) << want);
         pthread_mutex_lock(&a->lock);
         if (!tab || !heap) {
-            rc = PKV_ERR_NOMEM;
+            /* Another register may have grown the table meanwhile; if not, refuse (the
+             * lease heap has one slot per chain: a full table cannot take more). */
+            if (!a->reg_tab || reg_bits_wanted(a) != a->reg_bits) rc = PKV_ERR_NOMEM;
             break;
         }
     }
@@ -360,6 +364,7 @@ void xf_regs_shutdown(pkv_xfer_agent_t *a)
             a->reg_tab[i] = r->hnext;
             r->heap_at = 0;
             r->unreg_listed = false;
+            r->in_tab = false;
             r->hnext = all;
             all = r;
         }

@@ -152,6 +152,7 @@ struct xf_reg {
     xf_reg_t *unext;   /* [L] the agent's list of unregistered ones (unreg_listed) */
     uint32_t heap_at;  /* [L] 1 + its index in the agent's lease heap; 0: not there */
     bool unreg_listed; /* [L] */
+    bool in_tab;       /* [L] in the agent's table (not yet removed to be ended) */
     uint64_t request_id;
     uint8_t token[PKV_XFER_TOKEN_BYTES];
     uint64_t expiry_ns;
@@ -320,9 +321,9 @@ struct pkv_xfer_agent {
     xf_job_t *seats, **seats_tail;
     /* Registrations by request id: reg_tab has 1 << reg_bits chains (NULL until the first
      * register), grown to keep reg_count <= buckets. reg_heap (as many slots as chains) is
-     * a min-heap by lease expiry of those with a lease and not being served (one whose
-     * lease runs out mid-serve leaves it and returns when the serve ends); reg_unreg lists
-     * those unregistered. The tick ends what they hold: its cost follows what ends, not
+     * a min-heap by lease expiry of those with a lease (one whose lease runs out while it
+     * is being served leaves it and returns when the serve ends); reg_unreg lists those
+     * unregistered. The tick ends what they hold: its cost follows what ends, not
      * how many are registered. */
     xf_reg_t **reg_tab;
     uint32_t reg_bits, reg_count;
