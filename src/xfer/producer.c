@@ -220,8 +220,9 @@ int pkv_xfer_register(pkv_xfer_agent_t *a, uint64_t request_id, const uint32_t *
      * installed if the table still needs it (another register may have grown it). */
     xf_reg_t **tab = NULL, **heap = NULL, **old_tab = NULL, **old_heap = NULL;
     uint32_t tab_bits = 0;
+    bool no_mem = false;
     pthread_mutex_lock(&a->lock);
-    for (;;) {
+    for (;;) { /* every pass re-checks under the lock: the lock was dropped to allocate */
         rc = a->stopping ? PKV_ERR_SHUTDOWN : reg_find(a, request_id) ? PKV_ERR_BUSY : PKV_OK;
         uint32_t want = reg_bits_wanted(a);
         if (rc || (a->reg_tab && want == a->reg_bits)) break;
@@ -230,19 +231,18 @@ int pkv_xfer_register(pkv_xfer_agent_t *a, uint64_t request_id, const uint32_t *
             tab = heap = NULL;
             break;
         }
+        if (no_mem) { /* the lease heap has one slot per chain: a full table takes no more */
+            rc = PKV_ERR_NOMEM;
+            break;
+        }
         pthread_mutex_unlock(&a->lock);
         free(tab);
         free(heap);
         tab_bits = want;
         tab = calloc((size_t)1 << want, sizeof(*tab));
         heap = malloc(sizeof(*heap) << want);
+        no_mem = !tab || !heap;
         pthread_mutex_lock(&a->lock);
-        if (!tab || !heap) {
-            /* Another register may have grown the table meanwhile; if not, refuse (the
-             * lease heap has one slot per chain: a full table cannot take more). */
-            if (!a->reg_tab || reg_bits_wanted(a) != a->reg_bits) rc = PKV_ERR_NOMEM;
-            break;
-        }
     }
     if (!rc) reg_insert(a, r);
     pthread_mutex_unlock(&a->lock);
