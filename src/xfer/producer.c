@@ -149,16 +149,14 @@ static void reg_insert(pkv_xfer_agent_t *a, xf_reg_t *r)
 /* Out of the table, the lease heap and the unregister list [L]. */
 static void reg_remove(pkv_xfer_agent_t *a, xf_reg_t *r)
 {
-    r->in_tab = false;
     heap_del(a, r);
-    if (r->unreg_listed) {
+    if (r->unregister_req && r->in_tab) /* on the unregister list until removed */
         for (xf_reg_t **pp = &a->reg_unreg; *pp; pp = &(*pp)->unext)
             if (*pp == r) {
                 *pp = r->unext;
                 break;
             }
-        r->unreg_listed = false;
-    }
+    r->in_tab = false;
     for (xf_reg_t **pp = reg_chain(a, r->request_id); *pp; pp = &(*pp)->hnext)
         if (*pp == r) {
             *pp = r->hnext;
@@ -278,7 +276,6 @@ int pkv_xfer_unregister(pkv_xfer_agent_t *a, uint64_t request_id)
     xf_reg_t *r = reg_find(a, request_id);
     if (r && !r->unregister_req) {
         r->unregister_req = true;
-        r->unreg_listed = true;
         r->unext = a->reg_unreg;
         a->reg_unreg = r;
         rc = PKV_OK;
@@ -363,7 +360,6 @@ void xf_regs_shutdown(pkv_xfer_agent_t *a)
             xf_reg_t *r = a->reg_tab[i];
             a->reg_tab[i] = r->hnext;
             r->heap_at = 0;
-            r->unreg_listed = false;
             r->in_tab = false;
             r->hnext = all;
             all = r;

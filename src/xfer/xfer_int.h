@@ -148,11 +148,10 @@ struct xf_peer { /* every field [P] */
 
 /* ---- producer registrations ------------------------------------------------------------ */
 struct xf_reg {
-    xf_reg_t *hnext;   /* [L] the agent's registration table chain; then the tick's ending list */
-    xf_reg_t *unext;   /* [L] the agent's list of unregistered ones (unreg_listed) */
-    uint32_t heap_at;  /* [L] 1 + its index in the agent's lease heap; 0: not there */
-    bool unreg_listed; /* [L] */
-    bool in_tab;       /* [L] in the agent's table (not yet removed to be ended) */
+    xf_reg_t *hnext;  /* [L] the agent's registration table chain; then the tick's ending list */
+    xf_reg_t *unext;  /* [L] the agent's list of unregistered ones (while in_tab) */
+    uint32_t heap_at; /* [L] 1 + its index in the agent's lease heap; 0: not there */
+    bool in_tab;      /* [L] in the agent's table (not yet removed to be ended) */
     uint64_t request_id;
     uint8_t token[PKV_XFER_TOKEN_BYTES];
     uint64_t expiry_ns;
