@@ -218,7 +218,6 @@ static int recv_msg(int fd, uint32_t *type, void **payload, uint32_t *len, uint6
 }
 
 /* ---- the data pattern ----------------------------------------------------------------- */
-
 /* Bytes of one head row (K or V) of position pos in layer l of request r. */
 static void pattern_row(uint64_t seed, uint32_t r, uint32_t pos, uint32_t l, uint32_t kv,
                         uint32_t h, uint8_t *out, size_t n)
@@ -509,12 +508,13 @@ static void producer_main(const xh_case_t *c, int from_parent)
         off += 4 + len;
         pkv_xfer_handle_free(h);
     }
+    const uint32_t *idle_ids;
+    uint32_t idle_n;
+    pkv_seq_blocks(seqs[0], &idle_ids, &idle_n);
     for (uint32_t k = 0; k < c->idle_regs; k++) {
-        const uint32_t *ids;
-        uint32_t n;
-        pkv_seq_blocks(seqs[0], &ids, &n);
         pkv_xfer_handle_t *h;
-        int rc = pkv_xfer_register(a, (1ull << 40) + k, ids, n, PKV_DEADLINE_NEVER, NULL, NULL, &h);
+        int rc = pkv_xfer_register(a, (1ull << 40) + k, idle_ids, idle_n, PKV_DEADLINE_NEVER, NULL,
+                                   NULL, &h);
         if (rc) child_fail("register (idle)", rc);
         pkv_xfer_handle_free(h);
     }
