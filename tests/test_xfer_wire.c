@@ -324,14 +324,18 @@ START_TEST(checksum_streams_and_detects_flips)
     pkv_xfer_sum_update(&s, a, N);
     uint64_t whole = pkv_xfer_sum_final(&s);
     for (int trial = 0; trial < 50; trial++) {
-        /* Any split, copy or not, gives the same sum, and the copy is exact. */
+        /* Any split, copy or not, cache-bypassing or not (with destinations aligned or
+         * not), gives the same sum, and the copy is exact. */
         pkv_xfer_sum_init(&s);
         memset(b, 0, N);
         for (size_t off = 0; off < N;) {
             size_t k = 1 + pkv_test_below(&seed, 5000);
+            if (trial % 3 == 2 && k > 32) k &= ~(size_t)31; /* mostly aligned runs */
             if (k > N - off) k = N - off;
-            if (trial & 1)
+            if (trial % 3 == 1)
                 pkv_xfer_sum_copy(&s, b + off, a + off, k);
+            else if (trial % 3 == 2)
+                pkv_xfer_sum_copy_nt(&s, b + off, a + off, k);
             else
                 pkv_xfer_sum_update(&s, a + off, k), memcpy(b + off, a + off, k);
             off += k;
@@ -378,7 +382,7 @@ START_TEST(checksum_matches_recorded_values)
                 {31, 0xb03d211a44daf9b8ull}, {32, 0x5e7057debc9c95d5ull},
                 {33, 0xe1bf01022c4636a7ull}, {4096, 0xd36de97aee583735ull},
                 {N, 0xb9d6bb4b660f0cadull}};
-    uint8_t *a = malloc(N), *b = malloc(N);
+    uint8_t *a = malloc(N), *b = aligned_alloc(64, N + 63);
     for (size_t i = 0; i < N; i++) a[i] = (uint8_t)(i * 131u + 7u + (i >> 9));
     for (int scalar = 0; scalar < 2; scalar++) { /* the CPU's fastest path, then scalar */
         pkv_xfer_sum_force_scalar(scalar);
@@ -390,6 +394,13 @@ START_TEST(checksum_matches_recorded_values)
             pkv_xfer_sum_init(&s);
             pkv_xfer_sum_copy(&s, b, a, want[k].n);
             ck_assert_uint_eq(pkv_xfer_sum_final(&s), want[k].sum);
+            for (size_t mis = 0; mis < 2; mis++) { /* 32-aligned destination, then not */
+                memset(b, 0, N + 1);
+                pkv_xfer_sum_init(&s);
+                pkv_xfer_sum_copy_nt(&s, b + mis, a, want[k].n);
+                ck_assert_uint_eq(pkv_xfer_sum_final(&s), want[k].sum);
+                ck_assert_mem_eq(b + mis, a, want[k].n);
+            }
         }
     }
     pkv_xfer_sum_force_scalar(false);

@@ -5,6 +5,7 @@
  */
 #include "xfer/sum.h"
 
+#include <stdint.h>
 #include <string.h>
 
 static bool scalar_only; /* pkv_xfer_sum_force_scalar (tests) */
@@ -62,37 +63,49 @@ static void groups_scalar(pkv_xfer_sum_t *s, uint8_t *dst, const uint8_t *src, s
 /* The same sums, one 256-bit register per accumulator: the four lanes are the four
  * 64-bit words of a group, so the result is bit-identical to groups_scalar() (a peer
  * without AVX2 computes the same checksum). Twice as fast as the scalar loop on data in
- * cache (measured: 64 KiB 22 -> 48 GB/s, memcpy 48), where the copy is not memory-bound. */
+ * cache (measured: 64 KiB 22 -> 48 GB/s, memcpy 48), where the copy is not memory-bound.
+ * `nt` (a 32-byte aligned destination that is not read again soon: a pool block being
+ * filled) stores around the cache, which spares the read-for-ownership of every
+ * destination line: 64 KiB pieces from a hot buffer into a 128 MiB region 12.4 -> 17-19
+ * GB/s here, cold to cold 7.6 -> 10-13 GB/s (3 runs each). */
 __attribute__((target("avx2"))) static void groups_avx2(pkv_xfer_sum_t *s, uint8_t *dst,
-                                                        const uint8_t *src, size_t ngroups)
+                                                        const uint8_t *src, size_t ngroups, bool nt)
 {
     __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)s->a);
     __m256i b = _mm256_loadu_si256((const __m256i *)(const void *)s->b);
     for (size_t g = 0; g < ngroups; g++, src += 32) {
         __m256i w = _mm256_loadu_si256((const __m256i *)(const void *)src);
         if (dst) {
-            _mm256_storeu_si256((__m256i *)(void *)dst, w);
+            if (nt)
+                _mm256_stream_si256((__m256i *)(void *)dst, w);
+            else
+                _mm256_storeu_si256((__m256i *)(void *)dst, w);
             dst += 32;
         }
         a = _mm256_add_epi64(a, w);
         b = _mm256_add_epi64(b, a);
     }
+    if (nt) _mm_sfence();
     _mm256_storeu_si256((__m256i *)(void *)s->a, a);
     _mm256_storeu_si256((__m256i *)(void *)s->b, b);
 }
 
-static void groups(pkv_xfer_sum_t *s, uint8_t *dst, const uint8_t *src, size_t ngroups)
+static void groups(pkv_xfer_sum_t *s, uint8_t *dst, const uint8_t *src, size_t ngroups, bool nt)
 {
     if (!scalar_only && __builtin_cpu_supports("avx2"))
-        groups_avx2(s, dst, src, ngroups);
+        groups_avx2(s, dst, src, ngroups, nt && dst && !((uintptr_t)dst & 31));
     else
         groups_scalar(s, dst, src, ngroups);
 }
 #else
-#define groups groups_scalar
+static void groups(pkv_xfer_sum_t *s, uint8_t *dst, const uint8_t *src, size_t ngroups, bool nt)
+{
+    (void)nt;
+    groups_scalar(s, dst, src, ngroups);
+}
 #endif
 
-static void stream(pkv_xfer_sum_t *s, uint8_t *dst, const uint8_t *src, size_t n)
+static void stream(pkv_xfer_sum_t *s, uint8_t *dst, const uint8_t *src, size_t n, bool nt)
 {
     s->total += n;
     if (s->ncarry) {
@@ -107,7 +120,7 @@ static void stream(pkv_xfer_sum_t *s, uint8_t *dst, const uint8_t *src, size_t n
         s->ncarry = 0;
     }
     size_t ng = n / 32;
-    groups(s, dst, src, ng);
+    groups(s, dst, src, ng, nt);
     src += ng * 32;
     if (dst) dst += ng * 32;
     n -= ng * 32;
@@ -120,12 +133,17 @@ static void stream(pkv_xfer_sum_t *s, uint8_t *dst, const uint8_t *src, size_t n
 
 void pkv_xfer_sum_update(pkv_xfer_sum_t *s, const void *p, size_t n)
 {
-    stream(s, NULL, p, n);
+    stream(s, NULL, p, n, false);
 }
 
 void pkv_xfer_sum_copy(pkv_xfer_sum_t *s, void *dst, const void *src, size_t n)
 {
-    stream(s, dst, src, n);
+    stream(s, dst, src, n, false);
+}
+
+void pkv_xfer_sum_copy_nt(pkv_xfer_sum_t *s, void *dst, const void *src, size_t n)
+{
+    stream(s, dst, src, n, true);
 }
 
 static uint64_t mix(uint64_t h, uint64_t v)

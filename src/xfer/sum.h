@@ -25,6 +25,9 @@ void pkv_xfer_sum_init(pkv_xfer_sum_t *s);
 void pkv_xfer_sum_update(pkv_xfer_sum_t *s, const void *p, size_t n);
 /* memcpy(dst, src, n) and update(s, src, n) in one pass. */
 void pkv_xfer_sum_copy(pkv_xfer_sum_t *s, void *dst, const void *src, size_t n);
+/* The same, storing around the cache where it can (dst is not read again soon: a pool
+ * block being filled). */
+void pkv_xfer_sum_copy_nt(pkv_xfer_sum_t *s, void *dst, const void *src, size_t n);
 uint64_t pkv_xfer_sum_final(const pkv_xfer_sum_t *s);
 /* Tests: use the scalar loop even where the CPU has AVX2 (the two must agree). Not
  * thread-safe: call before any sum runs. */

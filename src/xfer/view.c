@@ -157,7 +157,7 @@ static void seg_copy(const xf_view_t *v, uint64_t off, uint8_t *pool, uint64_t l
         if (to_stage)
             pkv_xfer_sum_copy(sum, st, pool, k);
         else
-            pkv_xfer_sum_copy(sum, pool, st, k);
+            pkv_xfer_sum_copy_nt(sum, pool, st, k);
         off += k;
         pool += k;
         len -= k;
@@ -252,7 +252,7 @@ uint64_t xf_view_copy_layer_from(const xf_view_t *v, pkv_xfer_agent_t *a, uint32
                 while (len) {
                     PKV_ASSERT(p < n); /* the pieces were checked to cover the layer */
                     uint64_t k = PKV_MIN(pieces[2 * p + 1] - in, len);
-                    pkv_xfer_sum_copy(&sum, dst, arena + pieces[2 * p] + in, k);
+                    pkv_xfer_sum_copy_nt(&sum, dst, arena + pieces[2 * p] + in, k);
                     dst += k;
                     len -= k;
                     in += k;
