@@ -146,18 +146,21 @@ int xf_chunk_buffer(const xf_view_t *v, xf_chunk_t *ch, uint64_t off, uint64_t l
 }
 
 /* Copy pool <-> staging for stream range [off, off+len) starting at pool address `pool`,
- * checksumming the bytes in stream order. */
+ * checksumming the bytes in stream order (around the cache: XF_STAGE_NT_BYTES). */
 static void seg_copy(const xf_view_t *v, uint64_t off, uint8_t *pool, uint64_t len, bool to_stage,
                      pkv_xfer_sum_t *sum)
 {
+    bool nt_stage = v->layer_total >= XF_STAGE_NT_BYTES;
     while (len) {
         uint64_t contig;
         uint8_t *st = stage_at(v, off, &contig);
         uint64_t k = PKV_MIN(contig, len);
-        if (to_stage)
-            pkv_xfer_sum_copy(sum, st, pool, k);
-        else
+        if (!to_stage)
             pkv_xfer_sum_copy_nt(sum, pool, st, k);
+        else if (nt_stage)
+            pkv_xfer_sum_copy_nt(sum, st, pool, k);
+        else
+            pkv_xfer_sum_copy(sum, st, pool, k);
         off += k;
         pool += k;
         len -= k;

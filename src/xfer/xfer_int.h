@@ -49,6 +49,14 @@
  * eager) a read from a SIGSTOPped producer never quiesced (its matched receive could not
  * be cancelled; the fault case failed). */
 #define XF_WHOLE_CHUNK_BYTES (60u << 10)
+/* Copies into the pool always store around the cache (nothing reads a filled block
+ * soon). Staging copies do so for layers of at least this many bytes: a staged layer
+ * bigger than half a core's L2 has left the cache before UCX or the peer reads it, and
+ * skipping the read-for-ownership wins (bench xfer pairs: same_host 1 MiB 4.9/5.6/4.7 ->
+ * 6.7/7.6/5.5 GB/s, 16 MiB 7.6/8.0/7.7 -> 9.1/9.4/8.1, tcp 16 MiB 1.4/1.8/2.0 ->
+ * 1.8/2.3/2.2); a small layer is still in cache when read, and storing it around the
+ * cache made 64 KiB transfers slower. */
+#define XF_STAGE_NT_BYTES (256u << 10)
 
 typedef struct xf_peer xf_peer_t;
 typedef struct xf_serve xf_serve_t;
