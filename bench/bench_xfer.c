@@ -4,7 +4,7 @@
  *   throughput   GB/s (1e9 bytes/s) of 64 KiB, 1 MiB and 16 MiB transfers, same host
  *                (UCX picks shared memory) and over tcp (UCX_TLS=tcp on loopback), every
  *                byte verified by the consumer. Two figures per size: 8 reads in flight
- *                (a new read as soon as the oldest ended, 24 to 248 reads: aggregate bytes
+ *                (a new read as soon as the oldest ended, 24 to 1016 reads: aggregate bytes
  *                over their wall time; the figure compared with ucx_perftest, which keeps 8
  *                sends outstanding) and one read at a time (median of the reads' own times:
  *                latency-bound for small sizes). A first batch of 8 reads in each run is a
@@ -116,8 +116,9 @@ static void size_case(xh_case_t *c, size_t bytes, int path)
     c->prewarm = true;
 }
 
-/* Timed reads per windowed run: enough for the window to be full most of the time (the
- * pools hold every request: 256 x 64 KiB, 128 x 1 MiB, 32 x 16 MiB per side). */
+/* Timed reads per windowed run: enough for the window to be full most of the time and
+ * for a run to last long enough that one scheduling hiccup does not decide it (the pools
+ * hold every request: 1024 x 64 KiB, 128 x 1 MiB, 32 x 16 MiB per side). */
 static uint32_t timed_reads(size_t bytes)
 {
     return bytes <= (64 << 10) ? XH_MAX_REQ - 8 : bytes <= (1 << 20) ? 120 : 24;

@@ -18,7 +18,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#define XH_MAX_REQ 256
+#define XH_MAX_REQ 1024
 
 typedef enum {
     XH_NONE = 0,
