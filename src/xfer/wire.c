@@ -11,10 +11,14 @@
  * Bodies (all little-endian):
  *   READ      u64 xfer_id, u64 request_id, u8 token[16], u64 budget_ns,
  *             u32 layers, u32 kv_heads, u32 head_dim, u32 block_tokens, u32 dtype,
- *             u32 chunk_bytes, u32 flags (SHARED), u32 n_runs,
+ *             u32 chunk_bytes, u32 flags (SHARED or WHOLE, not both), u32 n_runs,
  *             n_runs x {u32 first_block, u32 count}
- *   DATA      u64 xfer_id, u32 layer, u32 flags (SHARED), u64 bytes, u64 checksum,
+ *   DATA      u64 xfer_id, u32 layer, u32 flags (SHARED or LAYERS, not both), u64 bytes,
+ *             u64 checksum,
  *             if SHARED: u32 n_pieces, u32 reserved (0), n_pieces x {u64 offset, u64 length}
+ *             if LAYERS: u32 n, u32 reserved (0), n x u64 checksum (layers layer..+n-1)
+ * A flag bit this version does not know is malformed, so a peer that adds one must also
+ * change PKV_WIRE_VERSION or be rejected.
  *   ACK       u64 xfer_id, u64 request_id, u64 bytes
  *   FAIL      u64 xfer_id, u64 request_id, i32 reason, u16 text_len, u16 reserved (0),
  *             text_len bytes of printable ASCII
