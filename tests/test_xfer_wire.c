@@ -382,7 +382,7 @@ START_TEST(checksum_matches_recorded_values)
                 {31, 0xb03d211a44daf9b8ull}, {32, 0x5e7057debc9c95d5ull},
                 {33, 0xe1bf01022c4636a7ull}, {4096, 0xd36de97aee583735ull},
                 {N, 0xb9d6bb4b660f0cadull}};
-    uint8_t *a = malloc(N), *b = aligned_alloc(64, N + 63);
+    uint8_t *a = malloc(N), *b = aligned_alloc(64, (N + 1 + 63) / 64 * 64);
     for (size_t i = 0; i < N; i++) a[i] = (uint8_t)(i * 131u + 7u + (i >> 9));
     for (int scalar = 0; scalar < 2; scalar++) { /* the CPU's fastest path, then scalar */
         pkv_xfer_sum_force_scalar(scalar);
