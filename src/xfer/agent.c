@@ -270,6 +270,7 @@ static void *progress_main(void *arg)
 {
     pkv_xfer_agent_t *a = arg;
     uint32_t idle_spins = 0;
+    uint64_t last_work_ns = 0;
     bool clean = false;
     for (;;) {
         uint64_t cnt;
@@ -303,10 +304,11 @@ static void *progress_main(void *arg)
         }
         if (worked) {
             idle_spins = 0;
+            last_work_ns = now;
             continue;
         }
         bool moving = xf_reads_active_data(a) || xf_serves_active_data(a);
-        if (moving && ++idle_spins < 64) {
+        if ((moving && ++idle_spins < 64) || now - last_work_ns < XF_LINGER_NS) {
             sched_yield();
             continue;
         }
