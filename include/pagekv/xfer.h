@@ -140,7 +140,8 @@ int pkv_xfer_read(pkv_xfer_agent_t *agent, const pkv_xfer_handle_t *h, const uin
                   uint32_t n, uint64_t deadline_ns, pkv_xfer_done_fn fn, void *arg,
                   pkv_xfer_read_t **out);
 /* Wait until the read has an outcome or wait_deadline_ns passes (0: just poll).
- * PKV_OK with *outcome set, or PKV_ERR_TIMEOUT when it is still running. */
+ * PKV_OK with *outcome set, or PKV_ERR_TIMEOUT when it is still running. The caller polls
+ * (yielding the CPU) for up to 50 us before it sleeps. */
 int pkv_xfer_read_wait(pkv_xfer_read_t *rd, uint64_t wait_deadline_ns, int *outcome);
 /* Ask the read to end with PKV_ERR_CANCELLED (a no-op once it has an outcome). */
 void pkv_xfer_cancel(pkv_xfer_read_t *rd);

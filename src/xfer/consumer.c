@@ -20,6 +20,7 @@
 #include "xfer/xfer_int.h"
 
 #include <stdio.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -174,10 +175,15 @@ int pkv_xfer_read_wait(pkv_xfer_read_t *rd, uint64_t wait_deadline_ns, int *outc
 {
     if (!rd || !outcome) return PKV_ERR_INVALID;
     struct timespec ts = pkv__deadline_to_monotonic(wait_deadline_ns);
+    /* Poll briefly before sleeping (XF_WAIT_SPIN_NS): the outcome often comes sooner
+     * than a sleeping thread can be woken. */
+    uint64_t spin_end = PKV_MIN(pkv_now_ns() + XF_WAIT_SPIN_NS, wait_deadline_ns);
+    while (!atomic_load_explicit(&rd->done, memory_order_acquire) && pkv_now_ns() < spin_end)
+        sched_yield();
     pthread_mutex_lock(&rd->mu);
-    while (!rd->done && wait_deadline_ns && pkv_now_ns() < wait_deadline_ns)
+    while (!atomic_load(&rd->done) && wait_deadline_ns && pkv_now_ns() < wait_deadline_ns)
         pthread_cond_timedwait(&rd->cv, &rd->mu, &ts);
-    bool done = rd->done;
+    bool done = atomic_load(&rd->done);
     int oc = rd->outcome;
     pthread_mutex_unlock(&rd->mu);
     if (!done) return PKV_ERR_TIMEOUT;
@@ -201,7 +207,7 @@ void pkv_xfer_cancel(pkv_xfer_read_t *rd)
     atomic_store(&rd->cancel_req, true);
     /* The agent may be gone (destroyed): then the read already has its outcome. */
     pthread_mutex_lock(&rd->mu);
-    pkv_xfer_agent_t *a = rd->done ? NULL : rd->agent;
+    pkv_xfer_agent_t *a = atomic_load(&rd->done) ? NULL : rd->agent;
     pthread_mutex_unlock(&rd->mu);
     if (a) xf_wake(a);
 }
@@ -220,9 +226,9 @@ static void deliver(pkv_xfer_read_t *rd, int outcome, uint64_t bytes)
 {
     if (rd->fn) rd->fn(rd->arg, rd, outcome);
     pthread_mutex_lock(&rd->mu);
-    rd->done = true;
     rd->outcome = outcome;
     rd->bytes = bytes;
+    atomic_store_explicit(&rd->done, true, memory_order_release); /* after outcome, bytes */
     pthread_cond_broadcast(&rd->cv);
     pthread_mutex_unlock(&rd->mu);
 }

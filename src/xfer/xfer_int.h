@@ -62,6 +62,9 @@
  * VM (a step-by-step trace of one read at a time: 3 such wake-ups made up ~130 of its
  * ~170 us), and the next message of an exchange usually comes sooner than that. */
 #define XF_LINGER_NS 200000ull
+/* pkv_xfer_read_wait polls the outcome this long (yielding the CPU) before it sleeps on
+ * the read's condition variable, for the same reason. */
+#define XF_WAIT_SPIN_NS 50000ull
 
 typedef struct xf_peer xf_peer_t;
 typedef struct xf_serve xf_serve_t;
@@ -234,9 +237,9 @@ struct pkv_xfer_read {
     pkv_xfer_agent_t *agent; /* NULL once the agent has let go (destroy) */
     atomic_int refs;         /* caller + agent */
     atomic_bool cancel_req;
-    pthread_mutex_t mu; /* guards done, outcome, bytes */
+    pthread_mutex_t mu; /* guards done (set with release: a waiter may poll it), outcome, bytes */
     pthread_cond_t cv;
-    bool done;
+    atomic_bool done;
     int outcome;
     uint64_t bytes;
     pkv_xfer_done_fn fn;
