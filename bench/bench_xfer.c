@@ -154,6 +154,9 @@ static bool run_ok(const xh_result_t *r, uint32_t n, char *why, size_t wl)
 }
 
 static uint32_t g_idle_regs; /* --idle-registrations */
+/* A throughput run takes seconds; the harness's default bound (deadline x reads + 20 s)
+ * would let a hung child stall the bench for hours. */
+#define RUN_TIMEOUT_MS 300000
 
 static tput_t measure(size_t bytes, int path, int runs, int single_reads, int perftest_port)
 {
@@ -168,6 +171,7 @@ static tput_t measure(size_t bytes, int path, int runs, int single_reads, int pe
         size_case(&c, bytes, path);
         c.idle_regs = g_idle_regs;
         c.seed = 7 + (uint64_t)run;
+        c.timeout_ms = RUN_TIMEOUT_MS;
         c.warmup = 8; /* a first batch commits and maps every page the timed one uses */
         c.window = 8;
         c.memcpy_ref = true;
@@ -197,6 +201,7 @@ static tput_t measure(size_t bytes, int path, int runs, int single_reads, int pe
         size_case(&c, bytes, path);
         c.seed = 99;
         c.idle_regs = g_idle_regs;
+        c.timeout_ms = RUN_TIMEOUT_MS;
         c.warmup = 1;
         c.sequential = true;
         c.n_requests = 1 + (uint32_t)single_reads;

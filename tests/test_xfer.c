@@ -442,6 +442,59 @@ static void *register_range(void *arg)
     return NULL;
 }
 
+/* The producer stages its first layer 300 ms late. */
+static void slow_producer(void *arg, pkv_xfer_fault_point_t pt, uint32_t layer)
+{
+    (void)arg;
+    if (pt == PKV_XFER_FAULT_SERVE_COPIED && layer == 0) usleep(300000);
+}
+
+/* A completion callback that takes its time: read_wait must not return before it did. */
+static void slow_done(void *arg, pkv_xfer_read_t *rd, int outcome)
+{
+    (void)rd;
+    (void)outcome;
+    usleep(2000);
+    atomic_store((atomic_int *)arg, 1);
+}
+
+/* pkv_xfer_read_wait polls before it sleeps; it still answers a zero or past wait deadline
+ * at once, waits until a near one, and returns an outcome only after the callback ran. */
+START_TEST(read_wait_keeps_its_deadline)
+{
+    pair_t x;
+    pair_make(&x, &SMALL, 40, 3);
+    pkv_xfer_faults_t f = {.fn = slow_producer, .corrupt_layer = -1};
+    pkv_xfer_set_faults(x.p.a, &f);
+    pkv_xfer_handle_t *h;
+    ck_assert_int_eq(pkv_xfer_register(x.p.a, 5, x.sids, x.sn, PKV_DEADLINE_NEVER, NULL, NULL, &h),
+                     PKV_OK);
+    atomic_int called = 0;
+    pkv_xfer_read_t *rd;
+    ck_assert_int_eq(pkv_xfer_read(x.c.a, h, x.dids, x.dn, pkv_deadline_after_ns(5000000000ull),
+                                   slow_done, &called, &rd),
+                     PKV_OK);
+    int oc = -999;
+    ck_assert_int_eq(pkv_xfer_read_wait(rd, 0, &oc), PKV_ERR_TIMEOUT);
+    ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_now_ns() - 1000000, &oc), PKV_ERR_TIMEOUT);
+    uint64_t until = pkv_deadline_after_ns(20000000ull);
+    ck_assert_int_eq(pkv_xfer_read_wait(rd, until, &oc), PKV_ERR_TIMEOUT);
+    ck_assert_uint_ge(pkv_now_ns(), until);
+    ck_assert_int_eq(oc, -999); /* untouched while running */
+    /* Poll (a sleeping waiter would only be woken after the callback anyway). */
+    uint64_t give_up = pkv_deadline_after_ns(6000000000ull);
+    int rc;
+    while ((rc = pkv_xfer_read_wait(rd, 0, &oc)) == PKV_ERR_TIMEOUT && pkv_now_ns() < give_up)
+        usleep(20);
+    ck_assert_int_eq(rc, PKV_OK);
+    ck_assert_int_eq(oc, PKV_OK);
+    ck_assert_int_eq(atomic_load(&called), 1);
+    pkv_xfer_read_free(rd);
+    pkv_xfer_handle_free(h);
+    pair_free(&x);
+}
+END_TEST
+
 START_TEST(many_registrations_each_end_once)
 {
     enum { N = 3000 };
@@ -719,6 +772,7 @@ static Suite *xfer_suite(void)
     tcase_add_test(api, in_process_read_ok_then_sent_once);
     tcase_add_test(api, stale_payload_is_drained);
     tcase_add_test(api, many_registrations_each_end_once);
+    tcase_add_test(api, read_wait_keeps_its_deadline);
     suite_add_tcase(s, api);
     TCase *two = tcase_create("two_process");
     tcase_set_timeout(two, 120);

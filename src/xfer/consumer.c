@@ -129,6 +129,7 @@ int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_
     rd->arg = arg;
     atomic_init(&rd->refs, 2); /* caller + agent */
     atomic_init(&rd->cancel_req, false);
+    atomic_init(&rd->done, false);
     for (uint32_t c = 0; c < rd->v.n_chunks; c++) {
         rd->chunks[c].owner = rd;
         rd->chunks[c].index = c;
