@@ -341,6 +341,7 @@ START_TEST(checksum_streams_and_detects_flips)
                 pkv_xfer_sum_update(&s, a + off, k), memcpy(b + off, a + off, k);
             off += k;
         }
+        pkv_xfer_sum_fence();
         ck_assert_uint_eq(pkv_xfer_sum_final(&s), whole);
         ck_assert_mem_eq(a, b, N);
     }
@@ -399,6 +400,7 @@ START_TEST(checksum_matches_recorded_values)
                 memset(b, 0, N + 1);
                 pkv_xfer_sum_init(&s);
                 pkv_xfer_sum_copy_nt(&s, b + mis, a, want[k].n);
+                pkv_xfer_sum_fence();
                 ck_assert_uint_eq(pkv_xfer_sum_final(&s), want[k].sum);
                 ck_assert_mem_eq(b + mis, a, want[k].n);
             }

@@ -26,8 +26,11 @@ void pkv_xfer_sum_update(pkv_xfer_sum_t *s, const void *p, size_t n);
 /* memcpy(dst, src, n) and update(s, src, n) in one pass. */
 void pkv_xfer_sum_copy(pkv_xfer_sum_t *s, void *dst, const void *src, size_t n);
 /* The same, storing around the cache where it can (dst is not read again soon: a pool
- * block being filled). */
+ * block being filled). Those stores are weakly ordered: call pkv_xfer_sum_fence() before
+ * telling anyone (another thread, process or a UCX send) that the bytes are there. */
 void pkv_xfer_sum_copy_nt(pkv_xfer_sum_t *s, void *dst, const void *src, size_t n);
+/* Order every copy_nt store before the stores that follow (an sfence). */
+void pkv_xfer_sum_fence(void);
 uint64_t pkv_xfer_sum_final(const pkv_xfer_sum_t *s);
 /* Tests: use the scalar loop even where the CPU has AVX2 (the two must agree). Not
  * thread-safe: call before any sum runs. */

@@ -197,6 +197,7 @@ uint64_t xf_view_copy_layer(const xf_view_t *v, pkv_xfer_agent_t *a, uint32_t l,
                 seg_copy(v, off, start, (uint64_t)(j - i) * piece, to_stage, &sum);
                 off += (uint64_t)(j - i) * piece;
             }
+    pkv_xfer_sum_fence(); /* the layer's streaming stores land before anyone is told */
     return pkv_xfer_sum_final(&sum);
 }
 
@@ -262,5 +263,6 @@ uint64_t xf_view_copy_layer_from(const xf_view_t *v, pkv_xfer_agent_t *a, uint32
                     if (in == pieces[2 * p + 1]) p++, in = 0;
                 }
             }
+    pkv_xfer_sum_fence();
     return pkv_xfer_sum_final(&sum);
 }
