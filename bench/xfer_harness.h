@@ -71,7 +71,8 @@ typedef struct {
     uint32_t workers;      /* copy workers per agent; 0: default */
     uint32_t idle_regs;    /* the producer also registers this many requests (over request
                               0's blocks) that nobody reads, as a server holding many does */
-    uint64_t timeout_ms;   /* the parent gives up (kills both) after this; 0: deadline + 20 s */
+    uint64_t timeout_ms;   /* the parent gives up (kills both) after this; 0: deadline x
+                              n_requests + 20 s */
 } xh_case_t;
 
 typedef struct {

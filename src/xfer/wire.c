@@ -17,13 +17,13 @@
  *             u64 checksum,
  *             if SHARED: u32 n_pieces, u32 reserved (0), n_pieces x {u64 offset, u64 length}
  *             if LAYERS: u32 n, u32 reserved (0), n x u64 checksum (layers layer..+n-1)
- * A flag bit this version does not know is malformed, so a peer that adds one must also
- * change PKV_WIRE_VERSION or be rejected.
  *   ACK       u64 xfer_id, u64 request_id, u64 bytes
  *   FAIL      u64 xfer_id, u64 request_id, i32 reason, u16 text_len, u16 reserved (0),
  *             text_len bytes of printable ASCII
  *   HEARTBEAT u64 agent_id, u64 seq
  *   CLOSE     u64 agent_id, u32 flags (REPLY), u32 reserved (0)
+ * A flag bit this version does not know is malformed, so a peer that adds one must also
+ * change PKV_WIRE_VERSION or be rejected.
  *
  * Handle (PKVH v1): u32 magic "PKVH", u8 version 1, u8 addr_len, u16 flags (LOCAL),
  *   u64 request_id, u8 token[16], u32 layers, kv_heads, head_dim, block_tokens, dtype,
