@@ -367,7 +367,7 @@ static pkv_stage_t *make_stage(const xh_case_t *c, uint32_t pages)
     /* transfers that may hold staging at once (+1: a read's successor may arrive before
      * its staging is back) */
     uint32_t batch = c->sequential ? 2
-                     : c->window   ? PKV_MAX(c->warmup, c->window + 1)
+                     : c->window   ? c->window + 1
                                    : PKV_MAX(c->warmup, c->n_requests - c->warmup);
     sc.pool_pages = pages ? pages : per * PKV_MAX(batch, 1) + 4;
     if (c->fixed_slots) {
@@ -631,6 +631,10 @@ static void consumer_main(const xh_case_t *c, int from_parent)
     pkv_xfer_read_t *rd[XH_MAX_REQ];
     uint64_t start[XH_MAX_REQ];
     bool destroyed = false;
+    if (c->memcpy_ref) {
+        rep.memcpy_cold_gbps[0] = xh_memcpy_gbps(5, true);
+        rep.memcpy_gbps[0] = xh_memcpy_gbps(5, false);
+    }
     for (uint32_t r = 0; r < nreq; r++) {
         const uint32_t *ids;
         uint32_t n;
@@ -640,17 +644,15 @@ static void consumer_main(const xh_case_t *c, int from_parent)
         int rc = pkv_xfer_read(a, h[r], ids, n, start[r] + c->deadline_ms * 1000000ull, on_done,
                                &slot[r], &rd[r]);
         if (rc) child_fail("read", rc);
-        /* Batches: [0, warmup) then [warmup, nreq), unless reading one by one or keeping a
-         * window of reads outstanding after the warm-up (then wait for the oldest). */
-        bool windowed = c->window && r >= c->warmup;
-        bool batch_end = c->sequential || r + 1 == c->warmup || r + 1 == nreq ||
-                         (windowed && r + 1 - c->warmup >= c->window);
+        /* Batches: one by one; or [0, warmup) then [warmup, nreq); or a window of reads
+         * kept outstanding (then wait for the oldest, or for all after the last). */
+        bool last_read = r + 1 == nreq;
+        bool batch_end =
+            c->sequential || last_read || (c->window ? r + 1 >= c->window : r + 1 == c->warmup);
         if (!batch_end) continue;
-        bool timed_next = c->memcpy_ref && c->warmup && r + 1 == c->warmup;
         uint32_t first = c->sequential ? r : r < c->warmup ? 0 : c->warmup;
-        if (windowed)
-            first = r + 1 == nreq ? PKV_MAX(c->warmup, r + 1 - c->window) : r + 1 - c->window;
-        uint32_t last = windowed && r + 1 < nreq ? first : r;
+        if (c->window) first = r + 1 >= c->window ? r + 1 - c->window : 0;
+        uint32_t last = c->window && !last_read ? first : r;
         /* Wait for this read or the whole batch, acting on the hook's trigger. */
         uint64_t give_up = pkv_now_ns() + (c->deadline_ms + 10000) * 1000000ull;
         for (uint32_t q = first; q <= last; q++) {
@@ -667,10 +669,6 @@ static void consumer_main(const xh_case_t *c, int from_parent)
                 int oc;
                 pkv_xfer_read_wait(rd[q], pkv_deadline_after_ns(2000000ull), &oc);
             }
-        }
-        if (timed_next) {
-            rep.memcpy_cold_gbps[0] = xh_memcpy_gbps(5, true);
-            rep.memcpy_gbps[0] = xh_memcpy_gbps(5, false);
         }
     }
     if (c->memcpy_ref) {

@@ -18,7 +18,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#define XH_MAX_REQ 1024
+#define XH_MAX_REQ 8192
 
 typedef enum {
     XH_NONE = 0,
@@ -48,11 +48,12 @@ typedef struct {
     uint32_t n_requests;  /* <= XH_MAX_REQ */
     bool sequential;      /* read one request after another (timing) instead of all at once */
     uint32_t warmup;      /* the first `warmup` requests are read first, the same way (one by
-                             one or as a batch), before the rest */
-    uint32_t window;      /* > 0: after the warm-up, the rest are read keeping `window` reads
-                             outstanding (a new one as soon as the oldest ended) */
-    bool memcpy_ref;      /* the consumer measures xh_memcpy_gbps() right before the reads
-                             after the warm-up and right after the last one */
+                             one or as a batch), before the rest; with a window they are
+                             simply the first reads through it */
+    uint32_t window;      /* > 0: every request is read keeping `window` reads outstanding
+                             (a new one as soon as the oldest ended), warm-up included */
+    bool memcpy_ref;      /* the consumer measures xh_memcpy_gbps() right before its first
+                             read and right after its last one */
     bool prewarm;         /* commit every staging page once before any read (steady-state
                              timing: the reads then never pay the first-use commit) */
     uint32_t chunk_bytes; /* 0: agent default */
