@@ -644,15 +644,15 @@ static void consumer_main(const xh_case_t *c, int from_parent)
         int rc = pkv_xfer_read(a, h[r], ids, n, start[r] + c->deadline_ms * 1000000ull, on_done,
                                &slot[r], &rd[r]);
         if (rc) child_fail("read", rc);
-        /* Batches: one by one; or [0, warmup) then [warmup, nreq); or a window of reads
-         * kept outstanding (then wait for the oldest, or for all after the last). */
-        bool last_read = r + 1 == nreq;
-        bool batch_end =
-            c->sequential || last_read || (c->window ? r + 1 >= c->window : r + 1 == c->warmup);
-        if (!batch_end) continue;
-        uint32_t first = c->sequential ? r : r < c->warmup ? 0 : c->warmup;
-        if (c->window) first = r + 1 >= c->window ? r + 1 - c->window : 0;
-        uint32_t last = c->window && !last_read ? first : r;
+        /* Batches [0, warmup) then [warmup, nreq): read one by one, all at once, or
+         * keeping a window of reads outstanding (wait for the oldest; at a batch's end,
+         * for all, so the timed reads start and end with nothing else in flight). */
+        bool batch_end = r + 1 == nreq || r + 1 == c->warmup;
+        uint32_t base = r < c->warmup ? 0 : c->warmup;
+        if (!c->sequential && !batch_end && (!c->window || r + 1 - base < c->window)) continue;
+        uint32_t first = c->sequential ? r : base;
+        if (c->window && r + 1 - base >= c->window) first = r + 1 - c->window;
+        uint32_t last = c->window && !batch_end ? first : r;
         /* Wait for this read or the whole batch, acting on the hook's trigger. */
         uint64_t give_up = pkv_now_ns() + (c->deadline_ms + 10000) * 1000000ull;
         for (uint32_t q = first; q <= last; q++) {

@@ -48,10 +48,10 @@ typedef struct {
     uint32_t n_requests;  /* <= XH_MAX_REQ */
     bool sequential;      /* read one request after another (timing) instead of all at once */
     uint32_t warmup;      /* the first `warmup` requests are read first, the same way (one by
-                             one or as a batch), before the rest; with a window they are
-                             simply the first reads through it */
-    uint32_t window;      /* > 0: every request is read keeping `window` reads outstanding
-                             (a new one as soon as the oldest ended), warm-up included */
+                             one, as a batch or through the window), and have all ended
+                             before the rest start */
+    uint32_t window;      /* > 0: reads keep `window` outstanding (a new one as soon as the
+                             oldest ended), warm-up and rest alike */
     bool memcpy_ref;      /* the consumer measures xh_memcpy_gbps() right before its first
                              read and right after its last one */
     bool prewarm;         /* commit every staging page once before any read (steady-state
