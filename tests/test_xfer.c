@@ -495,6 +495,104 @@ START_TEST(read_wait_keeps_its_deadline)
 }
 END_TEST
 
+/* A chain of reads, each started from the previous one's completion callback (on the
+ * consumer's progress thread). */
+enum { CHAIN_MAX = 64 };
+typedef struct {
+    pkv_xfer_agent_t *a;
+    pkv_xfer_handle_t *h[CHAIN_MAX];
+    const uint32_t *dids;
+    uint32_t dn, n;
+    pkv_xfer_read_t *rd[CHAIN_MAX];
+    int start_rc[CHAIN_MAX]; /* pkv_xfer_read's answer for link i (1: not tried) */
+    int outcome[CHAIN_MAX];
+    atomic_uint ended; /* links whose callback ran */
+} chain_t;
+static void chain_done(void *arg, pkv_xfer_read_t *rd, int outcome)
+{
+    chain_t *ch = arg;
+    uint32_t i = atomic_load(&ch->ended);
+    if (i) ck_assert_ptr_eq(rd, ch->rd[i]); /* rd[0] is stored by the main thread */
+    ch->outcome[i] = outcome;
+    if (i + 1 < ch->n) {
+        ch->start_rc[i + 1] =
+            pkv_xfer_read(ch->a, ch->h[i + 1], ch->dids, ch->dn,
+                          pkv_deadline_after_ns(5000000000ull), chain_done, ch, &ch->rd[i + 1]);
+    }
+    atomic_fetch_add(&ch->ended, 1); /* after rd[i + 1] and start_rc[i + 1] are written */
+}
+
+/* The callback may start the next read: a chain of reads runs through, and when the
+ * consumer agent is destroyed mid-chain the link started then fails with SHUTDOWN (no
+ * deadlock), the running one ends (SHUTDOWN, or ok), and every pin comes back. */
+START_TEST(callback_starts_the_next_read)
+{
+    for (int destroy_mid = 0; destroy_mid < 2; destroy_mid++) {
+        pair_t x;
+        pair_make(&x, &SMALL, 40, 11);
+        const pkv_geometry_t *g = pkv_kv_geometry(x.p.kv);
+        pattern_apply(x.src, g, 77, 0, 40, true);
+        static chain_t ch;
+        memset(&ch, 0, sizeof(ch));
+        ch.a = x.c.a;
+        ch.dids = x.dids;
+        ch.dn = x.dn;
+        ch.n = destroy_mid ? CHAIN_MAX : 24;
+        atomic_init(&ch.ended, 0);
+        for (uint32_t i = 0; i < ch.n; i++) {
+            ch.start_rc[i] = 1;
+            ck_assert_int_eq(pkv_xfer_register(x.p.a, 100 + i, x.sids, x.sn, PKV_DEADLINE_NEVER,
+                                               NULL, NULL, &ch.h[i]),
+                             PKV_OK);
+        }
+        /* The first link is started like the others, from a callback's point of view. */
+        ch.start_rc[0] =
+            pkv_xfer_read(ch.a, ch.h[0], ch.dids, ch.dn, pkv_deadline_after_ns(5000000000ull),
+                          chain_done, &ch, &ch.rd[0]);
+        ck_assert_int_eq(ch.start_rc[0], PKV_OK);
+        uint32_t stop_at = destroy_mid ? 5 : ch.n;
+        uint64_t give_up = pkv_deadline_after_ns(20000000000ull);
+        while (atomic_load(&ch.ended) < stop_at && pkv_now_ns() < give_up) usleep(200);
+        ck_assert_uint_ge(atomic_load(&ch.ended), stop_at);
+        if (destroy_mid) {
+            pkv_xfer_agent_destroy(x.c.a); /* ends the running link, refuses the next */
+            x.c.a = NULL;
+        }
+        uint32_t ended = atomic_load(&ch.ended);
+        if (destroy_mid) {
+            ck_assert_uint_lt(ended, ch.n);
+            ck_assert_int_eq(ch.start_rc[ended], PKV_ERR_SHUTDOWN);
+            /* the link running at destroy ends SHUTDOWN, or ok if its ACK went first */
+            ck_assert(ch.outcome[ended - 1] == PKV_ERR_SHUTDOWN || ch.outcome[ended - 1] == PKV_OK);
+            ck_assert_ptr_null(ch.rd[ended]);
+        } else {
+            ck_assert_uint_eq(ended, ch.n);
+            ck_assert_uint_eq(pattern_apply(x.dst, g, 77, 0, 40, false), 0);
+        }
+        for (uint32_t i = 0; i + 1 < ended; i++) {
+            ck_assert_int_eq(ch.start_rc[i], PKV_OK);
+            ck_assert_int_eq(ch.outcome[i], PKV_OK);
+        }
+        for (uint32_t i = 0; i < ch.n; i++) {
+            pkv_xfer_read_free(ch.rd[i]);
+            pkv_xfer_handle_free(ch.h[i]);
+        }
+        if (x.c.a) {
+            ck_assert_int_eq(pkv_xfer_wait_idle(x.c.a, pkv_deadline_after_ns(3000000000ull)),
+                             PKV_OK);
+            pkv_xfer_stats_t s;
+            pkv_xfer_stats(x.c.a, &s);
+            ck_assert_uint_eq(s.pinned_blocks, 0);
+            ck_assert_uint_eq(s.reads_done[0], ch.n);
+        }
+        pkv_seq_free(x.dst); /* a block still pinned would stay live */
+        x.dst = NULL;
+        ck_assert_uint_eq(live_blocks(x.c.kv), 0);
+        pair_free(&x);
+    }
+}
+END_TEST
+
 START_TEST(many_registrations_each_end_once)
 {
     enum { N = 3000 };
@@ -773,6 +871,7 @@ static Suite *xfer_suite(void)
     tcase_add_test(api, stale_payload_is_drained);
     tcase_add_test(api, many_registrations_each_end_once);
     tcase_add_test(api, read_wait_keeps_its_deadline);
+    tcase_add_test(api, callback_starts_the_next_read);
     suite_add_tcase(s, api);
     TCase *two = tcase_create("two_process");
     tcase_set_timeout(two, 120);
