@@ -128,9 +128,9 @@ int pkv_xfer_unregister(pkv_xfer_agent_t *agent, uint64_t request_id);
 /* ---- consumer -------------------------------------------------------------------------- */
 /* Called exactly once with the read's outcome (see the list at the top), before
  * pkv_xfer_read_wait can return it, on the agent's progress thread. It must not wait
- * on any read. It may start the next read with
- * pkv_xfer_read (which answers PKV_ERR_SHUTDOWN once the agent is being destroyed): that
- * spares a thread wake-up per read. */
+ * on any read. It may start the next read with pkv_xfer_read (which answers
+ * PKV_ERR_SHUTDOWN once the agent is being destroyed): that spares a thread wake-up
+ * per read. */
 typedef void (*pkv_xfer_done_fn)(void *arg, pkv_xfer_read_t *rd, int outcome);
 
 /* Start pulling h's blocks into dst[0..n) (n == h->n_blocks; dst blocks must be live in
