@@ -8,7 +8,8 @@
  *                bytes over their wall time; the figure compared with ucx_perftest, which
  *                keeps 8 sends outstanding) and one read at a time (median of the reads' own
  *                times: latency-bound for small sizes). The first 128 MiB of reads in each
- *                run, through the same window, are a warm-up, excluded.
+ *                run, through the same window, are a warm-up: excluded, and ended before
+ *                the timed reads start.
  *   references   single-thread memcpy of 16 MiB buffers, measured by the consumer right
  *                before its first read and after its last (this VM's speed drifts by tens of
  *                percent within a minute: each run's ratio uses its own memcpy), and
@@ -117,7 +118,7 @@ static void size_case(xh_case_t *c, size_t bytes, int path)
 }
 
 /* Reads per windowed run, all through the same window, 512 MiB in all (the pools hold
- * every request): a warm-up of 128 MiB, untimed, then 384 MiB timed. On this 2-CPU VM a
+ * every request): a warm-up of 128 MiB, untimed and ended, then 384 MiB timed. On this 2-CPU VM a
  * run's rate moves between levels (64 KiB: about 2.5, 3.3 and 4.5 GB/s) as the scheduler
  * places its three busy threads, and the first ~30 ms after the agents sat idle (here:
  * while the consumer measured memcpy) are mostly at the lowest. The warm-up takes those;
@@ -475,8 +476,7 @@ int pkv_bench_xfer(int argc, char **argv)
            "bytes/s.\n\n");
     printf("memcpy (single thread, 16 MiB copies) at the start: %.2f GB/s. Each run measures "
            "it again in the consumer right before its first read and after its last, hot (the "
-           "same two "
-           "16 MiB buffers) and cold (through two 128 MiB regions, as between pools); the "
+           "same two 16 MiB buffers) and cold (through two 128 MiB regions, as between pools); the "
            "columns give the median over runs and the median of the runs' own ratios.\n\n",
            mc);
     if (throughput) {
