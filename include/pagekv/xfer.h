@@ -137,8 +137,8 @@ typedef void (*pkv_xfer_done_fn)(void *arg, pkv_xfer_read_t *rd, int outcome);
  * this agent's pool and are pinned until the read ends), finishing by deadline_ns.
  * Checks done here return at once with nothing started: PKV_ERR_INVALID (bad handle,
  * n mismatch, geometry differs from the local pool), PKV_ERR_NOTFOUND (a dst block is
- * not live), PKV_ERR_SHUTDOWN. On PKV_OK *out is the read (free with pkv_xfer_read_free)
- * and fn (may be NULL) will be called once with the outcome. */
+ * not live), PKV_ERR_SHUTDOWN. On PKV_OK *out is the read (free with pkv_xfer_read_free;
+ * stored before fn can run) and fn (may be NULL) will be called once with the outcome. */
 int pkv_xfer_read(pkv_xfer_agent_t *agent, const pkv_xfer_handle_t *h, const uint32_t *dst,
                   uint32_t n, uint64_t deadline_ns, pkv_xfer_done_fn fn, void *arg,
                   pkv_xfer_read_t **out);

@@ -149,6 +149,7 @@ int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_
     }
     rd->agent = a;
     rd->next_new = NULL;
+    *out = rd; /* before the agent can see it: the callback may run before we return */
     *a->new_reads_tail = rd;
     a->new_reads_tail = &rd->next_new;
     a->busy++;
@@ -157,7 +158,6 @@ int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_
     XF_STAT_ADD(a, reads_started, 1);
     XF_STAT_ADD(a, pinned_blocks, n);
     xf_wake(a);
-    *out = rd;
     return PKV_OK;
 
 fail_mem:
