@@ -131,10 +131,12 @@ static uint32_t timed_reads(size_t bytes)
 {
     return (uint32_t)((384u << 20) / bytes);
 }
+_Static_assert(((128u + 384u) << 20) / (64u << 10) <= XH_MAX_REQ,
+               "the pools hold every request of a 64 KiB run");
 
 typedef struct {
     double batch_gbps;  /* median over runs of (bytes of the timed reads) / (their wall time) */
-    double memcpy_gbps; /* median over runs of the memcpy measured around the timed reads */
+    double memcpy_gbps; /* median over runs of the memcpy measured around the reads */
     double vs_memcpy;   /* median over runs of batch GB/s / that run's memcpy GB/s */
     double memcpy_cold_gbps, vs_memcpy_cold; /* the same against the out-of-cache memcpy */
     double single_gbps;                /* median over reads of bytes / read time, one at a time */

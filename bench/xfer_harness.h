@@ -87,7 +87,7 @@ typedef struct {
     uint64_t done_at_ns[XH_MAX_REQ]; /* CLOCK_MONOTONIC at the outcome */
     uint32_t mismatched_positions[XH_MAX_REQ];
     uint64_t bytes[XH_MAX_REQ];
-    double memcpy_gbps[2];      /* memcpy_ref: before and after the timed reads */
+    double memcpy_gbps[2];      /* memcpy_ref: before the first read, after the last */
     double memcpy_cold_gbps[2]; /* the same, out of cache (xh_memcpy_gbps cold) */
     uint64_t cons_active_left, cons_staging_left, cons_pins_left, cons_blocks_live;
     int cons_stage_rc;

@@ -496,24 +496,33 @@ START_TEST(read_wait_keeps_its_deadline)
 END_TEST
 
 /* A chain of reads, each started from the previous one's completion callback (on the
- * consumer's progress thread). */
-enum { CHAIN_MAX = 64 };
+ * consumer's progress thread). The callback of link stop_at - 1 holds the chain until the
+ * test lets it go (right before destroying the agent), so the chain cannot run out first. */
+enum { CHAIN_MAX = 1024 };
 typedef struct {
     pkv_xfer_agent_t *a;
     pkv_xfer_handle_t *h[CHAIN_MAX];
     const uint32_t *dids;
-    uint32_t dn, n;
+    uint32_t dn, n, stop_at;
     pkv_xfer_read_t *rd[CHAIN_MAX];
     int start_rc[CHAIN_MAX]; /* pkv_xfer_read's answer for link i (1: not tried) */
     int outcome[CHAIN_MAX];
     atomic_uint ended; /* links whose callback ran */
+    atomic_bool held;  /* the callback of link stop_at - 1 waits for `go` */
+    atomic_bool go;
+    atomic_bool bad_ptr; /* a callback's rd was not the link's *out */
 } chain_t;
 static void chain_done(void *arg, pkv_xfer_read_t *rd, int outcome)
 {
     chain_t *ch = arg;
     uint32_t i = atomic_load(&ch->ended);
-    ck_assert_ptr_eq(rd, ch->rd[i]); /* *out is set before the agent sees the read */
+    if (rd != ch->rd[i]) atomic_store(&ch->bad_ptr, true); /* *out is set before it runs */
     ch->outcome[i] = outcome;
+    if (i + 1 == ch->stop_at) {
+        atomic_store(&ch->held, true);
+        uint64_t give_up = pkv_deadline_after_ns(10000000000ull);
+        while (!atomic_load(&ch->go) && pkv_now_ns() < give_up) usleep(100);
+    }
     if (i + 1 < ch->n) {
         ch->start_rc[i + 1] =
             pkv_xfer_read(ch->a, ch->h[i + 1], ch->dids, ch->dn,
@@ -523,7 +532,7 @@ static void chain_done(void *arg, pkv_xfer_read_t *rd, int outcome)
 }
 
 /* The callback may start the next read: a chain of reads runs through, and when the
- * consumer agent is destroyed mid-chain the link started then fails with SHUTDOWN (no
+ * consumer agent is destroyed mid-chain a link started then fails with SHUTDOWN (no
  * deadlock), the running one ends (SHUTDOWN, or ok), and every pin comes back. */
 START_TEST(callback_starts_the_next_read)
 {
@@ -538,7 +547,11 @@ START_TEST(callback_starts_the_next_read)
         ch.dids = x.dids;
         ch.dn = x.dn;
         ch.n = destroy_mid ? CHAIN_MAX : 24;
+        ch.stop_at = destroy_mid ? 5 : UINT32_MAX;
         atomic_init(&ch.ended, 0);
+        atomic_init(&ch.held, false);
+        atomic_init(&ch.go, false);
+        atomic_init(&ch.bad_ptr, false);
         for (uint32_t i = 0; i < ch.n; i++) {
             ch.start_rc[i] = 1;
             ck_assert_int_eq(pkv_xfer_register(x.p.a, 100 + i, x.sids, x.sn, PKV_DEADLINE_NEVER,
@@ -550,16 +563,20 @@ START_TEST(callback_starts_the_next_read)
             pkv_xfer_read(ch.a, ch.h[0], ch.dids, ch.dn, pkv_deadline_after_ns(5000000000ull),
                           chain_done, &ch, &ch.rd[0]);
         ck_assert_int_eq(ch.start_rc[0], PKV_OK);
-        uint32_t stop_at = destroy_mid ? 5 : ch.n;
         uint64_t give_up = pkv_deadline_after_ns(20000000000ull);
-        while (atomic_load(&ch.ended) < stop_at && pkv_now_ns() < give_up) usleep(200);
-        ck_assert_uint_ge(atomic_load(&ch.ended), stop_at);
         if (destroy_mid) {
+            while (!atomic_load(&ch.held) && pkv_now_ns() < give_up) usleep(200);
+            ck_assert(atomic_load(&ch.held));
+            atomic_store(&ch.go, true);
             pkv_xfer_agent_destroy(x.c.a); /* ends the running link, refuses the next */
             x.c.a = NULL;
+        } else {
+            while (atomic_load(&ch.ended) < ch.n && pkv_now_ns() < give_up) usleep(200);
         }
+        ck_assert(!atomic_load(&ch.bad_ptr));
         uint32_t ended = atomic_load(&ch.ended);
         if (destroy_mid) {
+            ck_assert_uint_ge(ended, ch.stop_at);
             ck_assert_uint_lt(ended, ch.n);
             ck_assert_int_eq(ch.start_rc[ended], PKV_ERR_SHUTDOWN);
             /* the link running at destroy ends SHUTDOWN, or ok if its ACK went first */
@@ -584,6 +601,8 @@ START_TEST(callback_starts_the_next_read)
             pkv_xfer_stats(x.c.a, &s);
             ck_assert_uint_eq(s.pinned_blocks, 0);
             ck_assert_uint_eq(s.reads_done[0], ch.n);
+            /* every link stored its bytes, not just the last one */
+            ck_assert_uint_eq(s.bytes_received, (uint64_t)ch.n * x.dn * pkv_kv_block_bytes(x.c.kv));
         }
         pkv_seq_free(x.dst); /* a block still pinned would stay live */
         x.dst = NULL;
