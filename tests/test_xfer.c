@@ -612,6 +612,61 @@ START_TEST(callback_starts_the_next_read)
 }
 END_TEST
 
+/* Counts log lines that say a peer left CLOSE unanswered (the sink may run on any thread). */
+static atomic_int unanswered_closes;
+static void close_sink(void *arg, pkv_log_level_t level, const char *module, const char *line)
+{
+    (void)arg;
+    (void)level;
+    (void)module;
+    if (strstr(line, "did not answer CLOSE")) atomic_fetch_add(&unanswered_closes, 1);
+}
+
+/* Destroying an agent asks each live peer to confirm it handled everything sent before
+ * (CLOSE, answered with CLOSE|REPLY) and closes once all answered: no waiting out the
+ * bound, and the last ACK still counts the request sent. */
+START_TEST(close_handshake_is_answered)
+{
+    atomic_store(&unanswered_closes, 0);
+    pkv_log_set_sink(close_sink, NULL);
+    pair_t x;
+    pair_make(&x, &SMALL, 24, 21);
+    reg_cb_t sent = {0, 0, 0};
+    pkv_xfer_handle_t *h;
+    ck_assert_int_eq(
+        pkv_xfer_register(x.p.a, 3, x.sids, x.sn, PKV_DEADLINE_NEVER, reg_cb, &sent, &h), PKV_OK);
+    pkv_xfer_read_t *rd;
+    ck_assert_int_eq(pkv_xfer_read(x.c.a, h, x.dids, x.dn, pkv_deadline_after_ns(5000000000ull),
+                                   NULL, NULL, &rd),
+                     PKV_OK);
+    int oc = -1;
+    ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(6000000000ull), &oc), PKV_OK);
+    ck_assert_int_eq(oc, PKV_OK);
+    pkv_xfer_read_free(rd);
+    pkv_xfer_agent_destroy(x.c.a); /* right after the ACK went out: the consumer asks first */
+    x.c.a = NULL;
+    int unanswered = atomic_load(&unanswered_closes);
+    ck_assert_int_eq(unanswered, 0);
+    for (int i = 0; i < 400 && !atomic_load(&sent.calls); i++) usleep(5000);
+    ck_assert_int_eq(atomic_load(&sent.calls), 1);
+    ck_assert_int_eq(atomic_load(&sent.outcome), PKV_OK);
+    /* The producer expected the consumer's disconnect: not a lost peer. */
+    pkv_xfer_stats_t ps;
+    for (int i = 0; i < 400; i++) {
+        pkv_xfer_stats(x.p.a, &ps);
+        if (!ps.peers) break;
+        usleep(5000);
+    }
+    ck_assert_uint_eq(ps.peers, 0);
+    ck_assert_uint_eq(ps.peers_lost, 0);
+    pkv_xfer_handle_free(h);
+    pair_free(&x);
+    unanswered = atomic_load(&unanswered_closes);
+    ck_assert_int_eq(unanswered, 0);
+    pkv_log_set_sink(NULL, NULL);
+}
+END_TEST
+
 START_TEST(many_registrations_each_end_once)
 {
     enum { N = 3000 };
@@ -891,6 +946,7 @@ static Suite *xfer_suite(void)
     tcase_add_test(api, many_registrations_each_end_once);
     tcase_add_test(api, read_wait_keeps_its_deadline);
     tcase_add_test(api, callback_starts_the_next_read);
+    tcase_add_test(api, close_handshake_is_answered);
     suite_add_tcase(s, api);
     TCase *two = tcase_create("two_process");
     tcase_set_timeout(two, 120);

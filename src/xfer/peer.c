@@ -467,6 +467,17 @@ ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, voi
     case PKV_WIRE_HEARTBEAT:
         p->remote_agent_id = m.u.hb.agent_id;
         break;
+    case PKV_WIRE_CLOSE:
+        /* Messages on one endpoint arrive in order: everything the peer sent before its
+         * CLOSE has been handled by now, so answering tells it so. Its disconnect is then
+         * expected (not a lost peer), and new reads to it open a new connection. */
+        if (m.u.close.flags & PKV_WIRE_CLOSE_REPLY) {
+            p->close_acked = true;
+        } else {
+            p->remote_closing = true;
+            send_close(a, p, PKV_WIRE_CLOSE_REPLY);
+        }
+        break;
     }
     return UCS_OK;
 wrong_side:
