@@ -512,6 +512,13 @@ typedef struct {
     atomic_bool go;
     atomic_bool bad_ptr; /* a callback's rd was not the link's *out */
 } chain_t;
+static void chain_done(void *arg, pkv_xfer_read_t *rd, int outcome);
+static void chain_start(chain_t *ch, uint32_t i)
+{
+    ch->start_rc[i] =
+        pkv_xfer_read(ch->a, ch->h[i], ch->dids, ch->dn, pkv_deadline_after_ns(5000000000ull),
+                      chain_done, ch, &ch->rd[i]);
+}
 static void chain_done(void *arg, pkv_xfer_read_t *rd, int outcome)
 {
     chain_t *ch = arg;
@@ -523,11 +530,7 @@ static void chain_done(void *arg, pkv_xfer_read_t *rd, int outcome)
         uint64_t give_up = pkv_deadline_after_ns(10000000000ull);
         while (!atomic_load(&ch->go) && pkv_now_ns() < give_up) usleep(100);
     }
-    if (i + 1 < ch->n) {
-        ch->start_rc[i + 1] =
-            pkv_xfer_read(ch->a, ch->h[i + 1], ch->dids, ch->dn,
-                          pkv_deadline_after_ns(5000000000ull), chain_done, ch, &ch->rd[i + 1]);
-    }
+    if (i + 1 < ch->n) chain_start(ch, i + 1);
     atomic_fetch_add(&ch->ended, 1); /* after rd[i + 1] and start_rc[i + 1] are written */
 }
 
@@ -558,10 +561,8 @@ START_TEST(callback_starts_the_next_read)
                                                NULL, NULL, &ch.h[i]),
                              PKV_OK);
         }
-        /* The first link is started like the others, from a callback's point of view. */
-        ch.start_rc[0] =
-            pkv_xfer_read(ch.a, ch.h[0], ch.dids, ch.dn, pkv_deadline_after_ns(5000000000ull),
-                          chain_done, &ch, &ch.rd[0]);
+        /* The first link starts the way the callbacks start the rest. */
+        chain_start(&ch, 0);
         ck_assert_int_eq(ch.start_rc[0], PKV_OK);
         uint64_t give_up = pkv_deadline_after_ns(20000000000ull);
         if (destroy_mid) {

@@ -247,8 +247,9 @@ static bool shutdown_step(pkv_xfer_agent_t *a, uint64_t now)
             a->flushing = true;
             a->flush_deadline_ns = now + SHUTDOWN_FLUSH_NS;
         }
-        if (a->flushing && (xf_peers_close_answered(a) || now > a->flush_deadline_ns)) {
-            if (!xf_peers_close_answered(a))
+        bool answered = a->flushing && xf_peers_close_answered(a);
+        if (a->flushing && (answered || now > a->flush_deadline_ns)) {
+            if (!answered)
                 PKV_LOGW(XF_MOD, "shutdown: a peer did not answer CLOSE within %llu ms; closing",
                          (unsigned long long)(SHUTDOWN_FLUSH_NS / 1000000));
             xf_peer_close_all(a, true);
