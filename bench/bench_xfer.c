@@ -142,6 +142,10 @@ typedef struct {
     double single_gbps;                /* median over reads of bytes / read time, one at a time */
     double perftest_gbps, vs_perftest; /* tcp: ucx_perftest right before each run; median of
                                           it and of the runs' own ratios (-1: not run) */
+    double rtt_ns;                     /* median over runs of xh_cpu_round_trip_ns (each run:
+                                         the mean of the one after its warm-up and the one
+                                         after its last read) */
+    double run_gbps[100], run_rtt_ns[100]; /* each run's batch GB/s and round trip */
     int runs, reads;
     bool ok;
     char why[160];
@@ -195,6 +199,8 @@ static tput_t measure(size_t bytes, int path, int runs, int single_reads, int pe
             total += r.bytes[i];
         }
         batch[nb] = (double)total / (double)(last - first);
+        t.run_gbps[nb] = batch[nb];
+        t.run_rtt_ns[nb] = (r.cpu_rtt_ns[0] + r.cpu_rtt_ns[1]) / 2;
         mc[nb] = (r.memcpy_gbps[0] + r.memcpy_gbps[1]) / 2;
         ratio[nb] = mc[nb] > 0 ? batch[nb] / mc[nb] : 0;
         mcc[nb] = (r.memcpy_cold_gbps[0] + r.memcpy_cold_gbps[1]) / 2;
@@ -221,6 +227,7 @@ static tput_t measure(size_t bytes, int path, int runs, int single_reads, int pe
                 single[ns++] = (double)r.bytes[i] / (double)r.elapsed_ns[i];
     }
     t.batch_gbps = pkv_bench_median(batch, (size_t)nb);
+    t.rtt_ns = pkv_bench_median(t.run_rtt_ns, (size_t)nb);
     t.memcpy_gbps = pkv_bench_median(mc, (size_t)nb);
     t.vs_memcpy = pkv_bench_median(ratio, (size_t)nb);
     t.memcpy_cold_gbps = pkv_bench_median(mcc, (size_t)nb);
@@ -484,15 +491,15 @@ int pkv_bench_xfer(int argc, char **argv)
     if (throughput) {
         json_t *ucx_shm = json_array();
         printf("| path | size | 8 in flight GB/s | one at a time GB/s | memcpy hot / cold GB/s | "
-               "vs memcpy hot / cold | ucx_perftest tcp GB/s | vs perftest "
-               "|\n|---|---|---|---|---|---|---|---|\n");
+               "vs memcpy hot / cold | ucx_perftest tcp GB/s | vs perftest | CPU round trip "
+               "ns |\n|---|---|---|---|---|---|---|---|---|\n");
         for (int path = 0; path < NPATHS; path++)
             for (int s = 0; s < NS && (only < 0 || path == only); s++) {
                 if (only_size >= 0 && s != only_size) continue;
                 tput_t *t = &tp[path][s];
                 if (!t->ok) {
-                    printf("| %s | %s | failed: %s | | | | | |\n", path_names[path], size_names[s],
-                           t->why);
+                    printf("| %s | %s | failed: %s | | | | | | |\n", path_names[path],
+                           size_names[s], t->why);
                     continue;
                 }
                 char ref[32] = "", vs[32] = "";
@@ -500,10 +507,10 @@ int pkv_bench_xfer(int argc, char **argv)
                     snprintf(ref, sizeof(ref), "%.2f", t->perftest_gbps);
                     snprintf(vs, sizeof(vs), "%.2fx", t->vs_perftest);
                 }
-                printf("| %s | %s | %.2f | %.2f | %.2f / %.2f | %.2fx / %.2fx | %s | %s |\n",
+                printf("| %s | %s | %.2f | %.2f | %.2f / %.2f | %.2fx / %.2fx | %s | %s | %.0f |\n",
                        path_names[path], size_names[s], t->batch_gbps, t->single_gbps,
                        t->memcpy_gbps, t->memcpy_cold_gbps, t->vs_memcpy, t->vs_memcpy_cold, ref,
-                       vs);
+                       vs, t->rtt_ns);
                 json_t *o = json_object();
                 json_object_set_new(o, "path", json_string(path_names[path]));
                 json_object_set_new(o, "size", json_integer((json_int_t)sizes[s]));
@@ -517,6 +524,15 @@ int pkv_bench_xfer(int argc, char **argv)
                     json_object_set_new(o, "ucx_perftest_gbps", json_real(t->perftest_gbps));
                     json_object_set_new(o, "vs_ucx_perftest", json_real(t->vs_perftest));
                 }
+                json_object_set_new(o, "cpu_round_trip_ns", json_real(t->rtt_ns));
+                json_t *per_run = json_array();
+                for (int k = 0; k < t->runs; k++) {
+                    json_t *pr = json_object();
+                    json_object_set_new(pr, "gbps", json_real(t->run_gbps[k]));
+                    json_object_set_new(pr, "cpu_round_trip_ns", json_real(t->run_rtt_ns[k]));
+                    json_array_append_new(per_run, pr);
+                }
+                json_object_set_new(o, "runs", per_run);
                 json_object_set_new(o, "batches", json_integer(t->runs));
                 json_object_set_new(o, "single_reads", json_integer(t->reads));
                 json_array_append_new(path == PATH_SAME_HOST_UCX ? ucx_shm : results, o);
@@ -530,8 +546,11 @@ int pkv_bench_xfer(int argc, char **argv)
                "128 MiB through the same window; one at a time: "
                "median of 8 reads. ucx_perftest (tag_bw, 8 outstanding, the same UCX tcp "
                "settings) runs right before each tcp run: the median of those runs and the "
-               "median of the runs' own ratios. Targets: same host >= 0.6 x memcpy, tcp >= "
-               "0.8 x ucx_perftest.\n\n",
+               "median of the runs' own ratios. CPU round trip: one cache line between the "
+               "first two CPUs, measured in the consumer after the warm-up and after the last "
+               "read (the mean of the two, median over runs): on a VM it shows how far apart "
+               "the host placed the vCPUs during the run. Targets: same host >= 0.6 x memcpy, "
+               "tcp >= 0.8 x ucx_perftest.\n\n",
                (unsigned long long)runs, timed_reads(sizes[0]), timed_reads(sizes[1]),
                timed_reads(sizes[2]));
         if (g_idle_regs)

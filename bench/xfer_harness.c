@@ -154,6 +154,79 @@ double xh_memcpy_gbps(int samples, bool cold)
     return pkv_bench_median(v, (size_t)samples);
 }
 
+/* ---- CPU-to-CPU round trip -------------------------------------------------------------- */
+typedef struct {
+    _Alignas(64) atomic_ulong ping;
+    _Alignas(64) atomic_ulong pong;
+    _Alignas(64) atomic_bool quit;
+    int cpu[2];
+    double ns;
+} rtt_t;
+
+static void pin_self(int cpu)
+{
+    cpu_set_t cs;
+    CPU_ZERO(&cs);
+    CPU_SET(cpu, &cs);
+    pthread_setaffinity_np(pthread_self(), sizeof(cs), &cs);
+}
+
+static void *rtt_echo(void *arg)
+{
+    rtt_t *t = arg;
+    pin_self(t->cpu[1]);
+    unsigned long seen = 0;
+    while (!atomic_load_explicit(&t->quit, memory_order_relaxed)) {
+        unsigned long v = atomic_load_explicit(&t->ping, memory_order_acquire);
+        if (v != seen) atomic_store_explicit(&t->pong, seen = v, memory_order_release);
+    }
+    return NULL;
+}
+
+static void *rtt_send(void *arg)
+{
+    rtt_t *t = arg;
+    pin_self(t->cpu[0]);
+    enum { ROUNDS = 20000 };
+    uint64_t t0 = pkv_now_ns(), give_up = t0 + 200000000ull;
+    unsigned long i = 0;
+    for (bool late = false; i < ROUNDS && !late; i++) {
+        atomic_store_explicit(&t->ping, i + 1, memory_order_release);
+        for (uint32_t spin = 0; atomic_load_explicit(&t->pong, memory_order_acquire) != i + 1;)
+            if (++spin % 4096 == 0 && (late = pkv_now_ns() > give_up)) break;
+    }
+    t->ns = i ? (double)(pkv_now_ns() - t0) / (double)i : 0;
+    atomic_store(&t->quit, true);
+    return NULL;
+}
+
+double xh_cpu_round_trip_ns(void)
+{
+    cpu_set_t cs;
+    rtt_t *t = aligned_alloc(64, sizeof(*t));
+    if (!t || sched_getaffinity(0, sizeof(cs), &cs)) {
+        free(t);
+        return 0;
+    }
+    memset(t, 0, sizeof(*t));
+    int n = 0;
+    for (int c = 0; c < CPU_SETSIZE && n < 2; c++)
+        if (CPU_ISSET(c, &cs)) t->cpu[n++] = c;
+    pthread_t th[2];
+    bool ok = n == 2 && pthread_create(&th[0], NULL, rtt_echo, t) == 0;
+    if (ok && pthread_create(&th[1], NULL, rtt_send, t) != 0) {
+        atomic_store(&t->quit, true);
+        pthread_join(th[0], NULL);
+        ok = false;
+    } else if (ok) {
+        pthread_join(th[1], NULL);
+        pthread_join(th[0], NULL);
+    }
+    double ns = ok ? t->ns : 0;
+    free(t);
+    return ns;
+}
+
 /* ---- pipes ---------------------------------------------------------------------------- */
 static int write_all(int fd, const void *p, size_t n)
 {
@@ -295,6 +368,7 @@ typedef struct {
     int32_t stage_rc;
     uint64_t stage_leaked;
     double memcpy_gbps[2], memcpy_cold_gbps[2];
+    double cpu_rtt_ns[2];
 } cons_report_t;
 
 /* Globals of a child process (each child has its own copy after fork). */
@@ -670,8 +744,10 @@ static void consumer_main(const xh_case_t *c, int from_parent)
                 pkv_xfer_read_wait(rd[q], pkv_deadline_after_ns(2000000ull), &oc);
             }
         }
+        if (c->memcpy_ref && r + 1 == c->warmup) rep.cpu_rtt_ns[0] = xh_cpu_round_trip_ns();
     }
     if (c->memcpy_ref) {
+        rep.cpu_rtt_ns[1] = xh_cpu_round_trip_ns();
         rep.memcpy_gbps[1] = xh_memcpy_gbps(5, false);
         rep.memcpy_cold_gbps[1] = xh_memcpy_gbps(5, true);
     }
@@ -829,6 +905,7 @@ int xh_run(const xh_case_t *c, xh_result_t *r)
         r->cons_stage_leaked = cr.stage_leaked;
         memcpy(r->memcpy_gbps, cr.memcpy_gbps, sizeof(r->memcpy_gbps));
         memcpy(r->memcpy_cold_gbps, cr.memcpy_cold_gbps, sizeof(r->memcpy_cold_gbps));
+        memcpy(r->cpu_rtt_ns, cr.cpu_rtt_ns, sizeof(r->cpu_rtt_ns));
     } else if (rc == 0 && type == M_SETUP_FAIL) {
         set_error(r, pl);
     } else if (rc == -2) {

@@ -89,6 +89,8 @@ typedef struct {
     uint64_t bytes[XH_MAX_REQ];
     double memcpy_gbps[2];      /* memcpy_ref: before the first read, after the last */
     double memcpy_cold_gbps[2]; /* the same, out of cache (xh_memcpy_gbps cold) */
+    double cpu_rtt_ns[2];       /* memcpy_ref: xh_cpu_round_trip_ns() right after the warm-up
+                                   ended and right after the last read */
     uint64_t cons_active_left, cons_staging_left, cons_pins_left, cons_blocks_live;
     int cons_stage_rc;
     uint64_t cons_stage_leaked;
@@ -105,6 +107,13 @@ typedef struct {
  * keep much of it in cache). Cold: each copy to and from the next 16 MiB of two 128 MiB
  * regions, as a transfer between two pools much bigger than the cache does. */
 double xh_memcpy_gbps(int samples, bool cold);
+
+/* Round trip of one cache line between the first two CPUs this process may run on (two
+ * threads pinned there, 20,000 round trips, mean ns; 0 with fewer than two CPUs). On a
+ * VM it shows how far apart the host placed the vCPUs at that moment: on this 2-vCPU
+ * machine it moves between ~55 ns (hyperthreads of one core), ~130-290 ns and ~550-900
+ * ns as the host places them after they idle, and a 64 KiB transfer's rate follows it. */
+double xh_cpu_round_trip_ns(void);
 
 const char *xh_fault_name(xh_fault_t f);
 /* The outcomes a consumer may see in a case (ok where the data all arrived). */
