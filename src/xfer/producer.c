@@ -568,6 +568,7 @@ void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *
     s->request_id = r->request_id;
     s->deadline_ns = now + r->budget_ns;
     s->shared = r->flags & PKV_WIRE_READ_SHARED;
+    s->v.stage_nt = s->v.stage_nt || s->shared; /* the peer reads it on another core */
     s->t_start = now;
     s->v.stage_id = (1ull << 62) | (a->next_serve_id++ & ((1ull << 62) - 1));
     for (uint32_t c = 0; c < s->v.n_chunks; c++) {

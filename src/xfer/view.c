@@ -47,6 +47,7 @@ int xf_view_init(xf_view_t *v, pkv_xfer_agent_t *a, uint32_t n_blocks, const uin
     v->layer_total = layer_total;
     v->chunk_bytes = chunk_bytes;
     v->whole = whole;
+    v->stage_nt = v->layer_total >= XF_STAGE_NT_BYTES;
     v->chunks_per_layer = whole ? 1 : (uint32_t)cpl;
     v->n_chunks = (uint32_t)(whole ? PKV_DIV_UP(total, chunk_bytes) : cpl * a->geo.layers);
     v->pages = (uint32_t)pages;
@@ -146,18 +147,17 @@ int xf_chunk_buffer(const xf_view_t *v, xf_chunk_t *ch, uint64_t off, uint64_t l
 }
 
 /* Copy pool <-> staging for stream range [off, off+len) starting at pool address `pool`,
- * checksumming the bytes in stream order (around the cache: XF_STAGE_NT_BYTES). */
+ * checksumming the bytes in stream order (around the cache: v->stage_nt). */
 static void seg_copy(const xf_view_t *v, uint64_t off, uint8_t *pool, uint64_t len, bool to_stage,
                      pkv_xfer_sum_t *sum)
 {
-    bool nt_stage = v->layer_total >= XF_STAGE_NT_BYTES;
     while (len) {
         uint64_t contig;
         uint8_t *st = stage_at(v, off, &contig);
         uint64_t k = PKV_MIN(contig, len);
         if (!to_stage)
             pkv_xfer_sum_copy_nt(sum, pool, st, k);
-        else if (nt_stage)
+        else if (v->stage_nt)
             pkv_xfer_sum_copy_nt(sum, st, pool, k);
         else
             pkv_xfer_sum_copy(sum, st, pool, k);

@@ -54,8 +54,13 @@
  * bigger than half a core's L2 has left the cache before UCX or the peer reads it, and
  * skipping the read-for-ownership wins (bench xfer pairs: same_host 1 MiB 4.9/5.6/4.7 ->
  * 6.7/7.6/5.5 GB/s, 16 MiB 7.6/8.0/7.7 -> 9.1/9.4/8.1, tcp 16 MiB 1.4/1.8/2.0 ->
- * 1.8/2.3/2.2); a small layer is still in cache when read, and storing it around the
- * cache made 64 KiB transfers slower. */
+ * 1.8/2.3/2.2). A smaller layer is still in cache when UCX reads it on this core, so
+ * through UCX it is stored plainly. Staging in a shared arena is always stored around
+ * the cache: there the consumer reads it on another core, and where the host placed
+ * the two vCPUs far apart, fetching dirty lines from the producer core's cache was
+ * slower than fetching them from memory. 64 KiB reads, bench xfer, 5 alternating pairs
+ * of 5 runs labelled by CPU round trip: far placement (>= 300 ns) 2.56 -> 3.19 GB/s
+ * median, near 3.96 -> 3.91; interleaved in one process: far +12-38 %, near -8 %. */
 #define XF_STAGE_NT_BYTES (256u << 10)
 /* The progress thread keeps polling (yielding the CPU between rounds) this long after it
  * last did something before it sleeps: waking a sleeping thread costs 25-55 us on this
@@ -111,6 +116,7 @@ typedef struct {
     uint64_t layer_total; /* n_blocks * layer_bytes */
     uint32_t chunk_bytes;
     bool whole;                /* chunks cut the stream across layers (small transfers) */
+    bool stage_nt;             /* staging copies store around the cache (XF_STAGE_NT_BYTES) */
     uint32_t chunks_per_layer; /* 1 when whole */
     uint32_t n_chunks;
     uint32_t pages;
