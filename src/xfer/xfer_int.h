@@ -325,6 +325,8 @@ struct pkv_xfer_agent {
     ucp_listener_h listener;
     ucp_datatype_t discard_dt;
     int ucx_efd, wake_fd, epfd;
+    atomic_bool wake_posted; /* xf_wake sets it before writing wake_fd; the loop takes the
+                                queues only when it was set */
     pthread_t progress_thread;
     pthread_t *workers;
     pthread_t *seaters;
