@@ -142,9 +142,8 @@ typedef struct {
     double single_gbps;                /* median over reads of bytes / read time, one at a time */
     double perftest_gbps, vs_perftest; /* tcp: ucx_perftest right before each run; median of
                                           it and of the runs' own ratios (-1: not run) */
-    double rtt_ns;                     /* median over runs of xh_cpu_round_trip_ns (each run:
-                                         the mean of the one after its warm-up and the one
-                                         after its last read) */
+    double rtt_ns; /* median over runs of xh_cpu_round_trip_ns (each run: the mean of those
+                      before its first read and after its last that measured; 0: none) */
     double run_gbps[100], run_rtt_ns[100]; /* each run's batch GB/s and round trip */
     int runs, reads;
     bool ok;
@@ -200,7 +199,8 @@ static tput_t measure(size_t bytes, int path, int runs, int single_reads, int pe
         }
         batch[nb] = (double)total / (double)(last - first);
         t.run_gbps[nb] = batch[nb];
-        t.run_rtt_ns[nb] = (r.cpu_rtt_ns[0] + r.cpu_rtt_ns[1]) / 2;
+        int nr = (r.cpu_rtt_ns[0] > 0) + (r.cpu_rtt_ns[1] > 0);
+        t.run_rtt_ns[nb] = nr ? (r.cpu_rtt_ns[0] + r.cpu_rtt_ns[1]) / nr : 0; /* 0: not measured */
         mc[nb] = (r.memcpy_gbps[0] + r.memcpy_gbps[1]) / 2;
         ratio[nb] = mc[nb] > 0 ? batch[nb] / mc[nb] : 0;
         mcc[nb] = (r.memcpy_cold_gbps[0] + r.memcpy_cold_gbps[1]) / 2;
@@ -532,7 +532,7 @@ int pkv_bench_xfer(int argc, char **argv)
                     json_object_set_new(pr, "cpu_round_trip_ns", json_real(t->run_rtt_ns[k]));
                     json_array_append_new(per_run, pr);
                 }
-                json_object_set_new(o, "runs", per_run);
+                json_object_set_new(o, "per_run", per_run);
                 json_object_set_new(o, "batches", json_integer(t->runs));
                 json_object_set_new(o, "single_reads", json_integer(t->reads));
                 json_array_append_new(path == PATH_SAME_HOST_UCX ? ucx_shm : results, o);
@@ -547,10 +547,10 @@ int pkv_bench_xfer(int argc, char **argv)
                "median of 8 reads. ucx_perftest (tag_bw, 8 outstanding, the same UCX tcp "
                "settings) runs right before each tcp run: the median of those runs and the "
                "median of the runs' own ratios. CPU round trip: one cache line between the "
-               "first two CPUs, measured in the consumer after the warm-up and after the last "
-               "read (the mean of the two, median over runs): on a VM it shows how far apart "
-               "the host placed the vCPUs during the run. Targets: same host >= 0.6 x memcpy, "
-               "tcp >= 0.8 x ucx_perftest.\n\n",
+               "first two CPUs, measured in the consumer before its first read and after its "
+               "last (the mean of the two, median over runs; 0: not measured): on a VM it shows "
+               "how far apart the host placed the vCPUs during the run. Targets: same host "
+               ">= 0.6 x memcpy, tcp >= 0.8 x ucx_perftest.\n\n",
                (unsigned long long)runs, timed_reads(sizes[0]), timed_reads(sizes[1]),
                timed_reads(sizes[2]));
         if (g_idle_regs)
