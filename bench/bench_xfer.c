@@ -15,7 +15,9 @@
  *                percent within a minute: each run's ratio uses its own memcpy), and
  *                `ucx_perftest -t tag_bw -O 8 -e` over tcp at each size with the same UCX
  *                tcp settings, run right before each of our tcp runs of that size (it
- *                varies by 2x between minutes here: each run's ratio uses its own)
+ *                varies by 2x between minutes here: each run's ratio uses its own), and
+ *                beside same_host runs the lean pull (bench/lean_pull.c: the same two
+ *                copies with no engine), run right before each of them
  *   kill detect  kill -9 of a producer mid-transfer to the consumer's peer_lost, both paths
  *   fault matrix (--fault-matrix N) every fault case N times; see the table's columns
  *
@@ -139,9 +141,10 @@ typedef struct {
     double memcpy_gbps; /* median over runs of the memcpy measured around the reads */
     double vs_memcpy;   /* median over runs of batch GB/s / that run's memcpy GB/s */
     double memcpy_cold_gbps, vs_memcpy_cold; /* the same against the out-of-cache memcpy */
-    double single_gbps;                /* median over reads of bytes / read time, one at a time */
-    double perftest_gbps, vs_perftest; /* tcp: ucx_perftest right before each run; median of
-                                          it and of the runs' own ratios (-1: not run) */
+    double single_gbps;      /* median over reads of bytes / read time, one at a time */
+    double ref_gbps, vs_ref; /* the reference run right before each run (tcp: ucx_perftest,
+                                same_host: the lean pull); median of it and of the runs' own
+                                ratios (-1: not run) */
     double rtt_ns; /* median over runs of xh_cpu_round_trip_ns (each run: the mean of those
                       before its first read and after its last that measured; 0: none) */
     double run_gbps[100], run_rtt_ns[100]; /* each run's batch GB/s and round trip */
@@ -166,22 +169,30 @@ static bool run_ok(const xh_result_t *r, uint32_t n, char *why, size_t wl)
     return true;
 }
 
-static uint32_t g_idle_regs; /* --idle-registrations */
+static uint32_t g_idle_regs;    /* --idle-registrations */
+static bool g_lean_pull = true; /* --no-lean-pull */
 /* A throughput run takes seconds; the harness's default bound (deadline x reads + 20 s)
  * would let a hung child stall the bench for hours. */
 #define RUN_TIMEOUT_MS 300000
 
 static tput_t measure(size_t bytes, int path, int runs, int single_reads, int perftest_port)
 {
-    tput_t t = {.ok = true, .perftest_gbps = -1, .vs_perftest = -1};
+    tput_t t = {.ok = true, .ref_gbps = -1, .vs_ref = -1};
     double batch[100], single[64], mc[100], ratio[100], mcc[100], ratio_c[100], pt[100],
         ratio_pt[100];
     int nb = 0, ns = 0, npt = 0;
     for (int run = 0; run < runs && t.ok; run++) {
         xh_case_t c;
         xh_result_t r;
-        double ref = perftest_port ? perftest_gbps(bytes, perftest_port + run) : -1;
         size_case(&c, bytes, path);
+        double ref = -1;
+        if (perftest_port)
+            ref = perftest_gbps(bytes, perftest_port + run);
+        else if (path == PATH_SAME_HOST && g_lean_pull)
+            ref = xh_lean_pull_gbps(bytes, c.geo.layers,
+                                    (size_t)c.geo.block_tokens * c.geo.head_dim *
+                                        pkv_dtype_size(c.geo.dtype),
+                                    warmup_reads(bytes), timed_reads(bytes));
         c.idle_regs = g_idle_regs;
         c.seed = 7 + (uint64_t)run;
         c.timeout_ms = RUN_TIMEOUT_MS;
@@ -234,8 +245,8 @@ static tput_t measure(size_t bytes, int path, int runs, int single_reads, int pe
     t.vs_memcpy_cold = pkv_bench_median(ratio_c, (size_t)nb);
     t.single_gbps = pkv_bench_median(single, (size_t)ns);
     if (npt) {
-        t.perftest_gbps = pkv_bench_median(pt, (size_t)npt);
-        t.vs_perftest = pkv_bench_median(ratio_pt, (size_t)npt);
+        t.ref_gbps = pkv_bench_median(pt, (size_t)npt);
+        t.vs_ref = pkv_bench_median(ratio_pt, (size_t)npt);
     }
     t.runs = nb;
     t.reads = ns;
@@ -370,7 +381,7 @@ static void outcomes_str(const fm_row_t *row, char *buf, size_t len)
 /* The JSON's ucx_perftest figure: -1 where it did not run. */
 static double perftest_or(const tput_t *t)
 {
-    return t->perftest_gbps > 0 ? t->perftest_gbps : -1;
+    return t->ref_gbps > 0 ? t->ref_gbps : -1;
 }
 
 /* ---- main ------------------------------------------------------------------------------------ */
@@ -378,14 +389,17 @@ static int usage(void)
 {
     fprintf(stderr,
             "usage: pagekv bench xfer [--runs N] [--kill-runs N] [--fault-matrix N]\n"
-            "                         [--no-perftest] [--no-throughput] [--path P] [--size S]\n"
+            "                         [--no-perftest] [--no-lean-pull] [--no-throughput]\n"
+            "                         [--path P] [--size S]\n"
             "                         [--idle-registrations N] [--json FILE]\n"
             "  --runs N          8-in-flight runs per size and path (default 3)\n"
             "  --kill-runs N     kill -9 runs per path for the detection time (default 5)\n"
             "  --fault-matrix N  run every fault case N times (default 0: skip)\n"
             "  --path P          only same_host, tcp or same_host_ucx (default: all three)\n"
             "  --size S          only 64k, 1m or 16m transfers (default: all three)\n"
-            "  --no-throughput   skip the transfers (and the ucx_perftest runs paired with them)\n"
+            "  --no-perftest     skip the ucx_perftest reference beside tcp runs\n"
+            "  --no-lean-pull    skip the lean-pull reference beside same_host runs\n"
+            "  --no-throughput   skip the transfers (and the references paired with them)\n"
             "  --idle-registrations N  the producer also holds N registered requests that\n"
             "                    nobody reads, during the throughput runs (default 0)\n");
     return 2;
@@ -403,6 +417,8 @@ int pkv_bench_xfer(int argc, char **argv)
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) return usage(), 0;
         if (!strcmp(a, "--no-perftest")) {
             perftest = false;
+        } else if (!strcmp(a, "--no-lean-pull")) {
+            g_lean_pull = false;
         } else if (!strcmp(a, "--no-throughput")) {
             throughput = false;
         } else if (i + 1 < argc && !strcmp(a, "--runs")) {
@@ -491,7 +507,7 @@ int pkv_bench_xfer(int argc, char **argv)
     if (throughput) {
         json_t *ucx_shm = json_array();
         printf("| path | size | 8 in flight GB/s | one at a time GB/s | memcpy hot / cold GB/s | "
-               "vs memcpy hot / cold | ucx_perftest tcp GB/s | vs perftest | CPU round trip "
+               "vs memcpy hot / cold | reference GB/s | vs reference | CPU round trip "
                "ns |\n|---|---|---|---|---|---|---|---|---|\n");
         for (int path = 0; path < NPATHS; path++)
             for (int s = 0; s < NS && (only < 0 || path == only); s++) {
@@ -503,9 +519,9 @@ int pkv_bench_xfer(int argc, char **argv)
                     continue;
                 }
                 char ref[32] = "", vs[32] = "";
-                if (t->perftest_gbps > 0) {
-                    snprintf(ref, sizeof(ref), "%.2f", t->perftest_gbps);
-                    snprintf(vs, sizeof(vs), "%.2fx", t->vs_perftest);
+                if (t->ref_gbps > 0) {
+                    snprintf(ref, sizeof(ref), "%.2f", t->ref_gbps);
+                    snprintf(vs, sizeof(vs), "%.2fx", t->vs_ref);
                 }
                 printf("| %s | %s | %.2f | %.2f | %.2f / %.2f | %.2fx / %.2fx | %s | %s | %.0f |\n",
                        path_names[path], size_names[s], t->batch_gbps, t->single_gbps,
@@ -520,9 +536,12 @@ int pkv_bench_xfer(int argc, char **argv)
                 json_object_set_new(o, "vs_memcpy", json_real(t->vs_memcpy));
                 json_object_set_new(o, "memcpy_cold_gbps", json_real(t->memcpy_cold_gbps));
                 json_object_set_new(o, "vs_memcpy_cold", json_real(t->vs_memcpy_cold));
-                if (t->perftest_gbps > 0) {
-                    json_object_set_new(o, "ucx_perftest_gbps", json_real(t->perftest_gbps));
-                    json_object_set_new(o, "vs_ucx_perftest", json_real(t->vs_perftest));
+                if (t->ref_gbps > 0) {
+                    bool pt = path == PATH_TCP;
+                    json_object_set_new(o, pt ? "ucx_perftest_gbps" : "lean_pull_gbps",
+                                        json_real(t->ref_gbps));
+                    json_object_set_new(o, pt ? "vs_ucx_perftest" : "vs_lean_pull",
+                                        json_real(t->vs_ref));
                 }
                 json_object_set_new(o, "cpu_round_trip_ns", json_real(t->rtt_ns));
                 json_t *per_run = json_array();
@@ -544,9 +563,12 @@ int pkv_bench_xfer(int argc, char **argv)
                "median over %llu runs of bytes / wall time of %u (64 KiB), %u (1 MiB) or %u "
                "(16 MiB) reads, a new read as soon as the oldest ended, after a warm-up of "
                "128 MiB through the same window; one at a time: "
-               "median of 8 reads. ucx_perftest (tag_bw, 8 outstanding, the same UCX tcp "
-               "settings) runs right before each tcp run: the median of those runs and the "
-               "median of the runs' own ratios. CPU round trip: one cache line between the "
+               "median of 8 reads. Reference, run right before each run (the median of those "
+               "runs and the median of the runs' own ratios): for tcp ucx_perftest (tag_bw, 8 "
+               "outstanding, the same UCX tcp settings); for same_host the lean pull (the same "
+               "two copies of a shared-arena read, 8 in flight, handed over through rings in "
+               "shared memory with busy polling, no engine: what this flow can reach on this "
+               "machine). CPU round trip: one cache line between the "
                "first two CPUs, measured in the consumer before its first read and after its "
                "last (the mean of the two, median over runs; 0: not measured): on a VM it shows "
                "how far apart the host placed the vCPUs during the run. Targets: same host "

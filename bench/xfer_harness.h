@@ -117,6 +117,15 @@ double xh_memcpy_gbps(int samples, bool cold);
  * KiB transfer's rate follows it. */
 double xh_cpu_round_trip_ns(void);
 
+/* GB/s of the leanest same-host pull of this flow (bench/lean_pull.c): a forked producer
+ * and this process do the two copies of a shared-arena read (read_bytes in `layers`
+ * layers of `piece`-byte pieces, streaming stores, checksummed and compared), 8 reads in
+ * flight through rings in shared memory with busy polling, no engine around them. Times
+ * timed_reads after warm_reads; -1 on a checksum mismatch, bad arguments or no memory,
+ * or when the producer died or 120 s passed. */
+double xh_lean_pull_gbps(size_t read_bytes, uint32_t layers, size_t piece, uint32_t warm_reads,
+                         uint32_t timed_reads);
+
 const char *xh_fault_name(xh_fault_t f);
 /* The outcomes a consumer may see in a case (ok where the data all arrived). */
 bool xh_outcome_expected(const xh_case_t *c, int outcome);
