@@ -26,7 +26,7 @@
 #include <unistd.h>
 
 enum { LP_WINDOW = 8, LP_SLOTS = 2 * LP_WINDOW, LP_RING = 64, LP_MAX_LAYERS = 16 };
-#define LP_QUIT UINT32_MAX
+#define LP_QUIT       UINT32_MAX
 #define LP_GIVE_UP_NS (120ull * 1000000000ull)
 
 typedef struct {

@@ -941,10 +941,28 @@ int xh_run(const xh_case_t *c, xh_result_t *r)
         }
         if (stopped || c->fault == XH_PRODUCER_STOPPED) kill(ppid, SIGKILL);
         write_all(p_in, &fin, 1);
+        uint64_t fin_ns = pkv_now_ns();
         uint64_t p_end = PKV_MIN(t_end, pkv_now_ns() + 20000000000ull);
         while (xh_producer_reports(c->fault)) {
             if (recv_msg(p_out, &type, &pl, &len, p_end)) {
-                set_error(r, "producer report missing");
+                /* Say whether it died (and how) or is still there after FINISH. */
+                int st;
+                char why[96];
+                if (waitpid(ppid, &st, WNOHANG) == ppid) {
+                    r->prod_wstatus = st;
+                    ppid = -1; /* reaped */
+                    if (WIFSIGNALED(st))
+                        snprintf(why, sizeof(why), "producer report missing: killed by signal %d",
+                                 WTERMSIG(st));
+                    else
+                        snprintf(why, sizeof(why), "producer report missing: exited with %d",
+                                 WEXITSTATUS(st));
+                } else {
+                    snprintf(why, sizeof(why),
+                             "producer report missing: still running %.0f s after FINISH",
+                             (double)(pkv_now_ns() - fin_ns) / 1e9);
+                }
+                set_error(r, why);
                 break;
             }
             if (type == M_PREPORT && len == sizeof(prod_report_t)) {
