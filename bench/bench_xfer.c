@@ -120,11 +120,11 @@ static void size_case(xh_case_t *c, size_t bytes, int path)
 }
 
 /* Reads per windowed run, all through the same window, 512 MiB in all (the pools hold
- * every request): a warm-up of 128 MiB, untimed and ended, then 384 MiB timed. On this 2-CPU VM a
- * run's rate moves between levels (64 KiB: about 2.5, 3.3 and 4.5 GB/s) as the scheduler
- * places its three busy threads, and the first ~30 ms after the agents sat idle (here:
- * while the consumer measured memcpy) are mostly at the lowest. The warm-up takes those;
- * the timed reads last long enough (~0.1 s at 64 KiB, was ~25 ms) to average the rest. */
+ * every request): a warm-up of 128 MiB, untimed and ended, then 384 MiB timed. The first
+ * ~30 ms after the agents sat idle (here: while the consumer measured memcpy) ran at a
+ * run's lowest rate; the warm-up takes them, and the timed reads last long enough (~0.1 s
+ * at 64 KiB, was ~25 ms) to average what is left. Where a run's level comes from on this
+ * VM (the host's placement of the two vCPUs) is measured by xh_cpu_round_trip_ns. */
 static uint32_t warmup_reads(size_t bytes)
 {
     return (uint32_t)((128u << 20) / bytes);

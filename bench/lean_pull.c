@@ -20,7 +20,6 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -117,10 +116,13 @@ static void lp_producer(lp_shared_t *sh, uint8_t *arena, const lp_geo_t *g, uint
     }
 }
 
-static bool lp_alive(pid_t pid)
+/* Is the producer still there? One that ended is reaped here (*pid becomes -1). */
+static bool lp_alive(pid_t *pid)
 {
     int st;
-    return waitpid(pid, &st, WNOHANG) == 0;
+    if (waitpid(*pid, &st, WNOHANG) == 0) return true;
+    *pid = -1;
+    return false;
 }
 
 double xh_lean_pull_gbps(size_t read_bytes, uint32_t layers, size_t piece, uint32_t warm_reads,
@@ -149,7 +151,7 @@ double xh_lean_pull_gbps(size_t read_bytes, uint32_t layers, size_t piece, uint3
     if (!pool) goto out;
     uint64_t give_up = pkv_now_ns() + LP_GIVE_UP_NS;
     while (!atomic_load(&sh->ready))
-        if (pkv_now_ns() > give_up || !lp_alive(pid)) goto out;
+        if (pkv_now_ns() > give_up || !lp_alive(&pid)) goto out;
     uint32_t free_slot[LP_SLOTS], n_free = LP_SLOTS, issued = 0, done = 0;
     for (uint32_t i = 0; i < LP_SLOTS; i++) free_slot[i] = i;
     uint64_t t0 = pkv_now_ns(), idle = 0;
@@ -161,7 +163,7 @@ double xh_lean_pull_gbps(size_t read_bytes, uint32_t layers, size_t piece, uint3
         }
         lp_entry_t e;
         if (!lp_pop(&sh->done, &e)) {
-            if (++idle % 65536 == 0 && (pkv_now_ns() > give_up || !lp_alive(pid))) goto out;
+            if (++idle % 65536 == 0 && (pkv_now_ns() > give_up || !lp_alive(&pid))) goto out;
             continue;
         }
         uint64_t mine[LP_MAX_LAYERS];
@@ -174,15 +176,9 @@ double xh_lean_pull_gbps(size_t read_bytes, uint32_t layers, size_t piece, uint3
         gbps = (double)timed_reads * (double)read_bytes / (double)(pkv_now_ns() - t0);
     lp_entry_t quit = {.slot = LP_QUIT};
     lp_push(&sh->req, &quit, pkv_now_ns() + 1000000000ull);
-out:
-    if (pid > 0) {
-        int st;
-        for (int i = 0; i < 100 && waitpid(pid, &st, WNOHANG) == 0; i++) usleep(10000);
-        if (waitpid(pid, &st, WNOHANG) == 0) {
-            kill(pid, SIGKILL);
-            waitpid(pid, &st, 0);
-        }
-    }
+out:;
+    int st;
+    xh_reap(pid, &st, pkv_now_ns() + 1000000000ull); /* it exits on QUIT; else killed */
     if (pool) pkv_prim_release(pool, read_bytes * reads);
     pkv_prim_shared_close(fd, map, map_bytes);
     return gbps;

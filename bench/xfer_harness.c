@@ -824,7 +824,7 @@ static pid_t spawn(const xh_case_t *c, bool producer, int *to_child, int *from_c
     return pid;
 }
 
-static void reap(pid_t pid, int *wstatus, uint64_t deadline_ns)
+void xh_reap(pid_t pid, int *wstatus, uint64_t deadline_ns)
 {
     if (pid <= 0) return;
     for (;;) {
@@ -877,7 +877,7 @@ int xh_run(const xh_case_t *c, xh_result_t *r)
     if (c->fault == XH_PRODUCER_KILLED_BEFORE) {
         kill(ppid, SIGKILL);
         r->kill_at_ns = pkv_now_ns();
-        reap(ppid, &r->prod_wstatus, t_end);
+        xh_reap(ppid, &r->prod_wstatus, t_end);
         ppid = -1;
     }
     cpid = spawn(c, false, &c_in, &c_out);
@@ -942,7 +942,7 @@ int xh_run(const xh_case_t *c, xh_result_t *r)
         if (stopped || c->fault == XH_PRODUCER_STOPPED) kill(ppid, SIGKILL);
         write_all(p_in, &fin, 1);
         uint64_t fin_ns = pkv_now_ns();
-        uint64_t p_end = PKV_MIN(t_end, pkv_now_ns() + 20000000000ull);
+        uint64_t p_end = PKV_MIN(t_end, fin_ns + 20000000000ull);
         while (xh_producer_reports(c->fault)) {
             if (recv_msg(p_out, &type, &pl, &len, p_end)) {
                 /* Say whether it died (and how) or is still there after FINISH. */
@@ -990,8 +990,8 @@ int xh_run(const xh_case_t *c, xh_result_t *r)
     }
 out:
     free(handles);
-    reap(cpid, &r->cons_wstatus, pkv_now_ns() + 10000000000ull);
-    reap(ppid, &r->prod_wstatus, pkv_now_ns() + 10000000000ull);
+    xh_reap(cpid, &r->cons_wstatus, pkv_now_ns() + 10000000000ull);
+    xh_reap(ppid, &r->prod_wstatus, pkv_now_ns() + 10000000000ull);
     if (p_in >= 0) close(p_in);
     if (p_out >= 0) close(p_out);
     if (c_in >= 0) close(c_in);

@@ -17,6 +17,7 @@
 
 #include <stdbool.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #define XH_MAX_REQ 8192
 
@@ -125,6 +126,10 @@ double xh_cpu_round_trip_ns(void);
  * or when the producer died or 120 s passed. */
 double xh_lean_pull_gbps(size_t read_bytes, uint32_t layers, size_t piece, uint32_t warm_reads,
                          uint32_t timed_reads);
+
+/* Wait for child `pid` (<= 0: nothing to do) and store its wait status; a child still
+ * there at deadline_ns, or stopped, is killed with SIGKILL and then waited for. */
+void xh_reap(pid_t pid, int *wstatus, uint64_t deadline_ns);
 
 const char *xh_fault_name(xh_fault_t f);
 /* The outcomes a consumer may see in a case (ok where the data all arrived). */

@@ -325,8 +325,9 @@ struct pkv_xfer_agent {
     ucp_listener_h listener;
     ucp_datatype_t discard_dt;
     int ucx_efd, wake_fd, epfd;
-    atomic_bool wake_posted; /* xf_wake sets it before writing wake_fd; the loop takes the
-                                queues only when it was set */
+    atomic_bool wake_posted; /* a wake is pending: xf_wake turns it on (and writes wake_fd
+                                only if it was off); the loop takes the queues only when
+                                it was on */
     pthread_t progress_thread;
     pthread_t *workers;
     pthread_t *seaters;
