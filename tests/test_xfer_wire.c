@@ -83,9 +83,10 @@ START_TEST(versions_and_types_are_checked)
     ck_assert_uint_eq(m.u.hb.seq, 2);
     for (int v = 0; v < 256; v++) {
         buf[4] = (uint8_t)v;
-        ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), v == 1 ? PKV_OK : PKV_ERR_PROTO);
+        ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m),
+                         v == PKV_WIRE_VERSION ? PKV_OK : PKV_ERR_PROTO);
     }
-    buf[4] = 1;
+    buf[4] = PKV_WIRE_VERSION;
     for (int t = 0; t < 256; t++) {
         buf[5] = (uint8_t)t;
         int rc = pkv_xfer_wire_decode(buf, len, &m);
@@ -146,47 +147,49 @@ START_TEST(shared_data_and_read_flags)
         .xfer_id = 5, .layer = 2, .flags = PKV_WIRE_DATA_SHARED, .bytes = 12288, .checksum = 77};
     uint8_t buf[256];
     size_t len;
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, buf, sizeof(buf), &len), PKV_OK);
-    ck_assert_uint_eq(len, pkv_xfer_wire_data_bytes(PKV_WIRE_DATA_SHARED, 2));
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, NULL, 0, buf, sizeof(buf), &len),
+                     PKV_OK);
+    ck_assert_uint_eq(len, pkv_xfer_wire_data_bytes(2, 0));
     pkv_wire_msg_t m;
     ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
     ck_assert_uint_eq(m.u.data.n_pieces, 2);
+    ck_assert_uint_eq(m.u.data.n_sums, 0);
     uint64_t off, l;
     pkv_xfer_wire_data_piece(&m.u.data, 1, &off, &l);
     ck_assert_uint_eq(off, 65536);
     ck_assert_uint_eq(l, 4096);
     /* pieces must add up to the layer's bytes */
     d.bytes = 12289;
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, buf, sizeof(buf), &len),
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, NULL, 0, buf, sizeof(buf), &len),
                      PKV_ERR_INVALID);
     buf[PKV_WIRE_HEADER_BYTES + 16] ^= 1; /* bytes field no longer matches the pieces */
     ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     /* a plain DATA carries no pieces; unknown flags are rejected */
     d.flags = 0;
     d.bytes = 12288;
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, buf, sizeof(buf), &len),
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, NULL, 0, buf, sizeof(buf), &len),
                      PKV_ERR_INVALID);
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, NULL, 0, buf, sizeof(buf), &len), PKV_OK);
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, NULL, 0, NULL, 0, buf, sizeof(buf), &len),
+                     PKV_OK);
     buf[PKV_WIRE_HEADER_BYTES + 12] = 4;
     ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
-    buf[PKV_WIRE_HEADER_BYTES + 12] = 3; /* SHARED and LAYERS together */
+    buf[PKV_WIRE_HEADER_BYTES + 12] = 3; /* SHARED and LAYERS, but neither trailer */
     ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     pkv_wire_read_t r = sample_read();
     uint32_t blocks[] = {1};
-    r.flags = PKV_WIRE_READ_SHARED;
-    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len), PKV_OK);
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
-    ck_assert_uint_eq(m.u.read.flags, PKV_WIRE_READ_SHARED);
-    r.flags = PKV_WIRE_READ_WHOLE;
-    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len), PKV_OK);
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
-    ck_assert_uint_eq(m.u.read.flags, PKV_WIRE_READ_WHOLE);
-    r.flags = PKV_WIRE_READ_SHARED | PKV_WIRE_READ_WHOLE;
-    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len),
-                     PKV_ERR_INVALID);
+    const uint32_t flags[] = {PKV_WIRE_READ_SHARED, PKV_WIRE_READ_WHOLE,
+                              PKV_WIRE_READ_SHARED | PKV_WIRE_READ_WHOLE};
+    for (int i = 0; i < 3; i++) {
+        r.flags = flags[i];
+        ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len), PKV_OK);
+        ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
+        ck_assert_uint_eq(m.u.read.flags, flags[i]);
+    }
     r.flags = 4;
     ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len),
                      PKV_ERR_INVALID);
+    buf[PKV_WIRE_HEADER_BYTES + 64] = 4; /* READ flags field */
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
 }
 END_TEST
 
@@ -198,11 +201,13 @@ START_TEST(data_with_every_layer_checksum)
         .xfer_id = 9, .layer = 0, .flags = PKV_WIRE_DATA_LAYERS, .bytes = 4096, .checksum = 0};
     uint8_t buf[128];
     size_t len;
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, sums, 3, buf, sizeof(buf), &len), PKV_OK);
-    ck_assert_uint_eq(len, pkv_xfer_wire_data_bytes(PKV_WIRE_DATA_LAYERS, 3));
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, NULL, 0, sums, 3, buf, sizeof(buf), &len),
+                     PKV_OK);
+    ck_assert_uint_eq(len, pkv_xfer_wire_data_bytes(0, 3));
     pkv_wire_msg_t m;
     ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
     ck_assert_uint_eq(m.u.data.n_sums, 3);
+    ck_assert_uint_eq(m.u.data.n_pieces, 0);
     ck_assert_uint_eq(pkv_xfer_wire_data_sum(&m.u.data, 0), 11);
     ck_assert_uint_eq(pkv_xfer_wire_data_sum(&m.u.data, 2), 33);
     /* the count must match the body; a checksum in the base field is refused */
@@ -216,14 +221,63 @@ START_TEST(data_with_every_layer_checksum)
     buf[PKV_WIRE_HEADER_BYTES + 24] = 1; /* base checksum */
     ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     d.checksum = 1;
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, sums, 3, buf, sizeof(buf), &len),
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, NULL, 0, sums, 3, buf, sizeof(buf), &len),
                      PKV_ERR_INVALID);
     d.checksum = 0;
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, NULL, 0, buf, sizeof(buf), &len),
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, NULL, 0, NULL, 0, buf, sizeof(buf), &len),
                      PKV_ERR_INVALID);
     d.layer = PKV_WIRE_MAX_LAYERS - 2; /* layers past the limit */
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, sums, 3, buf, sizeof(buf), &len),
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, NULL, 0, sums, 3, buf, sizeof(buf), &len),
                      PKV_ERR_INVALID);
+}
+END_TEST
+
+/* A small same-host read's one DATA: the whole stream's arena pieces and every layer's
+ * checksum. */
+START_TEST(shared_data_for_every_layer)
+{
+    uint64_t pieces[] = {0, 8192, 65536, 4096}, sums[] = {11, 22, 33};
+    pkv_wire_data_t d = {.xfer_id = 9,
+                         .layer = 0,
+                         .flags = PKV_WIRE_DATA_SHARED | PKV_WIRE_DATA_LAYERS,
+                         .bytes = 4096,
+                         .checksum = 0};
+    uint8_t buf[256];
+    size_t len;
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, sums, 3, buf, sizeof(buf), &len),
+                     PKV_OK);
+    ck_assert_uint_eq(len, pkv_xfer_wire_data_bytes(2, 3));
+    pkv_wire_msg_t m;
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
+    ck_assert_uint_eq(m.u.data.flags, PKV_WIRE_DATA_SHARED | PKV_WIRE_DATA_LAYERS);
+    ck_assert_uint_eq(m.u.data.n_pieces, 2);
+    ck_assert_uint_eq(m.u.data.n_sums, 3);
+    uint64_t off, l;
+    pkv_xfer_wire_data_piece(&m.u.data, 1, &off, &l);
+    ck_assert_uint_eq(off, 65536);
+    ck_assert_uint_eq(l, 4096);
+    ck_assert_uint_eq(pkv_xfer_wire_data_sum(&m.u.data, 2), 33);
+    /* the pieces must cover every announced layer: 3 x 4096 bytes */
+    buf[PKV_WIRE_HEADER_BYTES + 16] ^= 1; /* bytes */
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    d.bytes = 3000;
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, sums, 3, buf, sizeof(buf), &len),
+                     PKV_ERR_INVALID);
+    d.bytes = 4096;
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, sums, 2, buf, sizeof(buf), &len),
+                     PKV_ERR_INVALID);
+    /* both trailers are needed: SHARED | LAYERS with only the pieces is malformed */
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, NULL, 0, buf, sizeof(buf), &len),
+                     PKV_ERR_INVALID);
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, NULL, 0, sums, 3, buf, sizeof(buf), &len),
+                     PKV_ERR_INVALID);
+    d.flags = PKV_WIRE_DATA_SHARED;
+    d.bytes = 12288;
+    d.checksum = 0;
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, NULL, 0, buf, sizeof(buf), &len),
+                     PKV_OK);
+    buf[PKV_WIRE_HEADER_BYTES + 12] = PKV_WIRE_DATA_SHARED | PKV_WIRE_DATA_LAYERS;
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
 }
 END_TEST
 
@@ -461,6 +515,7 @@ static Suite *wire_suite(void)
     tcase_add_test(tc, read_limits_are_enforced);
     tcase_add_test(tc, shared_data_and_read_flags);
     tcase_add_test(tc, data_with_every_layer_checksum);
+    tcase_add_test(tc, shared_data_for_every_layer);
     tcase_add_test(tc, fail_carries_reason_and_text);
     tcase_add_test(tc, handle_roundtrip_and_rejects);
     tcase_add_test(tc, checksum_streams_and_detects_flips);

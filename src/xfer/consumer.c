@@ -405,8 +405,10 @@ void xf_read_seat(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
  * checksum its DATA carried: PKV_OK or PKV_ERR_CORRUPT. */
 static int store_layer(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l, uint64_t expected)
 {
+    uint32_t k = rd->v.whole ? 0 : l; /* a whole stream's pieces are all in [0] */
     uint64_t sum = rd->shared ? xf_view_copy_layer_from(&rd->v, a, l, rd->arena,
-                                                        rd->layer_pieces[l], rd->layer_npieces[l])
+                                                        rd->layer_pieces[k], rd->layer_npieces[k],
+                                                        (uint64_t)(l - k) * rd->v.layer_total)
                               : xf_view_copy_layer(&rd->v, a, l, false);
     return sum == expected ? PKV_OK : PKV_ERR_CORRUPT;
 }
@@ -555,7 +557,7 @@ static void send_read(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
     r.budget_ns = PKV_MIN(rd->deadline_ns - now, PKV_WIRE_MAX_BUDGET_NS);
     r.geo = a->geo;
     r.chunk_bytes = v->chunk_bytes;
-    r.flags = rd->shared ? PKV_WIRE_READ_SHARED : v->whole ? PKV_WIRE_READ_WHOLE : 0;
+    r.flags = (rd->shared ? PKV_WIRE_READ_SHARED : 0) | (v->whole ? PKV_WIRE_READ_WHOLE : 0);
     uint32_t runs = pkv_xfer_wire_count_runs(rd->src_blocks, v->n_blocks);
     size_t cap = pkv_xfer_wire_read_bytes(runs), len;
     uint8_t *buf = malloc(cap);
@@ -650,40 +652,38 @@ static pkv_xfer_read_t *find_read(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xf
     return NULL;
 }
 
+/* A shared DATA's pieces, each inside the arena we mapped: a copy the read keeps, or NULL
+ * (out of memory or outside: both end the read). */
+static uint64_t *arena_pieces(const pkv_xfer_read_t *rd, const pkv_wire_data_t *d)
+{
+    uint64_t *pc = malloc(16 * (size_t)d->n_pieces);
+    for (uint32_t i = 0; pc && i < d->n_pieces; i++) {
+        pkv_xfer_wire_data_piece(d, i, &pc[2 * i], &pc[2 * i + 1]);
+        if (pc[2 * i] + pc[2 * i + 1] > rd->local_bytes) {
+            free(pc);
+            return NULL;
+        }
+    }
+    return pc;
+}
+
 void xf_read_on_data(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_data_t *d)
 {
     pkv_xfer_read_t *rd = find_read(a, p, d->xfer_id);
     if (!rd || rd->finished) return; /* late message for an ended read */
     bool shared_msg = d->flags & PKV_WIRE_DATA_SHARED;
     bool all_msg = d->flags & PKV_WIRE_DATA_LAYERS; /* whole stream: every layer at once */
-    bool whole = rd->v.whole && !rd->shared;
     if (rd->state != XF_READ_READING || d->layer >= rd->v.layers || d->bytes != rd->v.layer_total ||
-        (rd->layer_flags[d->layer] & LF_HEADER) || shared_msg != rd->shared || all_msg != whole ||
-        (all_msg && (d->layer != 0 || d->n_sums != rd->v.layers))) {
+        (rd->layer_flags[d->layer] & LF_HEADER) || shared_msg != rd->shared ||
+        all_msg != rd->v.whole || (all_msg && (d->layer != 0 || d->n_sums != rd->v.layers))) {
         XF_STAT_ADD(a, proto_errors, 1);
         finish(a, rd, PKV_ERR_CORRUPT, true, "DATA message does not match the plan");
         settle(a, rd);
         return;
     }
-    if (all_msg) {
-        for (uint32_t l = 0; l < rd->v.layers; l++) {
-            rd->layer_flags[l] |= LF_HEADER;
-            rd->layer_sum[l] = pkv_xfer_wire_data_sum(d, l);
-        }
-        for (uint32_t l = 0; l < rd->v.layers && !rd->finished; l++) maybe_verify(a, rd, l);
-        settle(a, rd);
-        return;
-    }
     if (shared_msg) {
-        /* Every piece must lie inside the arena we mapped. */
-        uint64_t *pc = malloc(16 * (size_t)d->n_pieces);
-        bool inside = pc != NULL;
-        for (uint32_t i = 0; inside && i < d->n_pieces; i++) {
-            pkv_xfer_wire_data_piece(d, i, &pc[2 * i], &pc[2 * i + 1]);
-            inside = pc[2 * i] + pc[2 * i + 1] <= rd->local_bytes;
-        }
-        if (!inside) {
-            free(pc);
+        uint64_t *pc = arena_pieces(rd, d);
+        if (!pc) {
             XF_STAT_ADD(a, proto_errors, 1);
             finish(a, rd, PKV_ERR_CORRUPT, true, "shared DATA outside the producer's arena");
             settle(a, rd);
@@ -691,12 +691,16 @@ void xf_read_on_data(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_data_t *d
         }
         rd->layer_pieces[d->layer] = pc;
         rd->layer_npieces[d->layer] = d->n_pieces;
-        rd->layer_chunks[d->layer] = rd->v.chunks_per_layer;
-        fault(a, PKV_XFER_FAULT_READ_LAYER_RECEIVED, d->layer);
     }
-    rd->layer_flags[d->layer] |= LF_HEADER;
-    rd->layer_sum[d->layer] = d->checksum;
-    maybe_verify(a, rd, d->layer);
+    uint32_t first = d->layer, end = all_msg ? rd->v.layers : d->layer + 1;
+    for (uint32_t l = first; l < end; l++) {
+        rd->layer_flags[l] |= LF_HEADER;
+        rd->layer_sum[l] = all_msg ? pkv_xfer_wire_data_sum(d, l) : d->checksum;
+        if (!shared_msg) continue;
+        rd->layer_chunks[l] = rd->v.chunks_per_layer; /* no payload messages */
+        fault(a, PKV_XFER_FAULT_READ_LAYER_RECEIVED, l);
+    }
+    for (uint32_t l = first; l < end && !rd->finished; l++) maybe_verify(a, rd, l);
     settle(a, rd);
 }
 

@@ -633,14 +633,16 @@ void xf_serve_job(pkv_xfer_agent_t *a, xf_serve_t *s)
     xf_event_post(a, &s->ev_job_done);
 }
 
-/* Encode and send one DATA (items: arena pieces for SHARED, checksums for LAYERS); a
- * failure ends the serve. PKV_OK or the error. */
+/* Encode and send one DATA (arena pieces with SHARED, checksums with LAYERS); a failure
+ * ends the serve. PKV_OK or the error. */
 static int send_data(pkv_xfer_agent_t *a, xf_serve_t *s, const pkv_wire_data_t *d,
-                     const uint64_t *items, uint32_t n)
+                     const uint64_t *pieces, uint32_t n_pieces, const uint64_t *sums,
+                     uint32_t n_sums)
 {
-    size_t cap = pkv_xfer_wire_data_bytes(d->flags, n), len;
-    uint8_t stack[64], *buf = cap <= sizeof(stack) ? stack : malloc(cap);
-    int rc = buf ? pkv_xfer_wire_encode_data(d, items, n, buf, cap, &len) : PKV_ERR_NOMEM;
+    size_t cap = pkv_xfer_wire_data_bytes(n_pieces, n_sums), len;
+    uint8_t stack[128], *buf = cap <= sizeof(stack) ? stack : malloc(cap);
+    int rc = buf ? pkv_xfer_wire_encode_data(d, pieces, n_pieces, sums, n_sums, buf, cap, &len)
+                 : PKV_ERR_NOMEM;
     if (rc == PKV_OK) rc = xf_ctl_send(a, s->peer, buf, len);
     if (buf != stack) free(buf);
     if (rc)
@@ -658,7 +660,7 @@ static void send_data_header(pkv_xfer_agent_t *a, xf_serve_t *s, uint32_t l)
                          .flags = all ? PKV_WIRE_DATA_LAYERS : 0,
                          .bytes = s->v.layer_total,
                          .checksum = all ? 0 : s->layer_sum[l]};
-    send_data(a, s, &d, all ? s->layer_sum : NULL, all ? s->v.layers : 0);
+    send_data(a, s, &d, NULL, 0, all ? s->layer_sum : NULL, all ? s->v.layers : 0);
 }
 
 /* Every chunk completed and every DATA went out: wait for the ACK. Not while pump() is
@@ -698,27 +700,30 @@ static void send_done(void *request, ucs_status_t status, void *user_data)
     serve_settle(a, s);
 }
 
-/* Shared arena: announce each staged layer with its arena pieces; no payload moves. */
+/* Shared arena: announce each staged layer with its arena pieces (a whole stream: every
+ * layer in one DATA once all are staged); no payload moves. */
 static void pump_shared(pkv_xfer_agent_t *a, xf_serve_t *s)
 {
-    while (!s->state_done && s->layers_sent < s->layers_ready) {
-        uint32_t l = s->layers_sent;
+    bool all = s->v.whole;
+    while (!s->state_done && s->layers_sent < s->layers_ready &&
+           (!all || s->layers_ready == s->v.layers)) {
+        uint32_t l = s->layers_sent, n_layers = all ? s->v.layers : 1;
         uint32_t cap = s->v.grant->nruns;
         uint64_t *pieces = malloc(sizeof(uint64_t) * 2 * cap);
         uint32_t n = pieces ? xf_view_arena_pieces(&s->v, (uint64_t)l * s->v.layer_total,
-                                                   s->v.layer_total, pieces, cap)
+                                                   n_layers * s->v.layer_total, pieces, cap)
                             : 0;
         pkv_wire_data_t d = {.xfer_id = s->xfer_id,
                              .layer = l,
-                             .flags = PKV_WIRE_DATA_SHARED,
+                             .flags = PKV_WIRE_DATA_SHARED | (all ? PKV_WIRE_DATA_LAYERS : 0),
                              .bytes = s->v.layer_total,
-                             .checksum = s->layer_sum[l]};
+                             .checksum = all ? 0 : s->layer_sum[l]};
         /* n == 0 (no memory, or more pieces than runs) fails to encode: nofit */
-        int rc = send_data(a, s, &d, pieces, n);
+        int rc = send_data(a, s, &d, pieces, n, all ? s->layer_sum : NULL, all ? n_layers : 0);
         free(pieces);
         if (rc) return;
-        s->layers_sent++;
-        fault(a, PKV_XFER_FAULT_SERVE_LAYER_SENT, l);
+        s->layers_sent += n_layers;
+        for (uint32_t k = l; k < l + n_layers; k++) fault(a, PKV_XFER_FAULT_SERVE_LAYER_SENT, k);
         all_sent(a, s);
     }
 }

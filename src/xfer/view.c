@@ -239,14 +239,23 @@ uint32_t xf_view_arena_pieces(const xf_view_t *v, uint64_t off, uint64_t len, ui
 }
 
 uint64_t xf_view_copy_layer_from(const xf_view_t *v, pkv_xfer_agent_t *a, uint32_t l,
-                                 const uint8_t *arena, const uint64_t *pieces, uint32_t n)
+                                 const uint8_t *arena, const uint64_t *pieces, uint32_t n,
+                                 uint64_t skip)
 {
     pkv_xfer_sum_t sum;
     pkv_xfer_sum_init(&sum);
     uint32_t heads = a->geo.kv_heads;
     uint64_t piece = a->layer_bytes / (2 * (uint64_t)heads);
-    uint32_t p = 0;  /* current piece */
-    uint64_t in = 0; /* bytes of it already consumed */
+    uint32_t p = 0;     /* current piece */
+    uint64_t in = 0;    /* bytes of it already consumed */
+    for (; skip; p++) { /* the pieces of the layers before this one */
+        PKV_ASSERT(p < n);
+        if (pieces[2 * p + 1] > skip) {
+            in = skip;
+            break;
+        }
+        skip -= pieces[2 * p + 1];
+    }
     for (uint32_t which = 0; which < 2; which++)
         for (uint32_t h = 0; h < heads; h++)
             for (uint32_t i = 0, j; i < v->n_blocks; i = j) {

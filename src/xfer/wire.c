@@ -11,11 +11,12 @@
  * Bodies (all little-endian):
  *   READ      u64 xfer_id, u64 request_id, u8 token[16], u64 budget_ns,
  *             u32 layers, u32 kv_heads, u32 head_dim, u32 block_tokens, u32 dtype,
- *             u32 chunk_bytes, u32 flags (SHARED or WHOLE, not both), u32 n_runs,
+ *             u32 chunk_bytes, u32 flags (SHARED, WHOLE), u32 n_runs,
  *             n_runs x {u32 first_block, u32 count}
- *   DATA      u64 xfer_id, u32 layer, u32 flags (SHARED or LAYERS, not both), u64 bytes,
- *             u64 checksum,
+ *   DATA      u64 xfer_id, u32 layer, u32 flags (SHARED, LAYERS), u64 bytes (one layer's),
+ *             u64 checksum (0 with LAYERS),
  *             if SHARED: u32 n_pieces, u32 reserved (0), n_pieces x {u64 offset, u64 length}
+ *                        (they add up to bytes, with LAYERS to n * bytes)
  *             if LAYERS: u32 n, u32 reserved (0), n x u64 checksum (layers layer..+n-1)
  *   ACK       u64 xfer_id, u64 request_id, u64 bytes
  *   FAIL      u64 xfer_id, u64 request_id, i32 reason, u16 text_len, u16 reserved (0),
@@ -232,11 +233,6 @@ static bool printable(const char *s, size_t n)
 
 /* flags holds at most one of the two known bits x, y (READ: SHARED | WHOLE, DATA:
  * SHARED | LAYERS) and nothing else. */
-static bool one_flag_of(uint32_t flags, uint32_t x, uint32_t y)
-{
-    return !(flags & ~(x | y)) && (flags & (x | y)) != (x | y);
-}
-
 /* ---- decode --------------------------------------------------------------------------- */
 static int decode_read(rcur_t *c, pkv_wire_read_t *r)
 {
@@ -247,7 +243,7 @@ static int decode_read(rcur_t *c, pkv_wire_read_t *r)
         !get_u32(c, &r->geo.head_dim) || !get_u32(c, &r->geo.block_tokens) || !get_u32(c, &dtype) ||
         !get_u32(c, &r->chunk_bytes) || !get_u32(c, &r->flags) || !get_u32(c, &r->n_runs))
         return PKV_ERR_PROTO;
-    if (!one_flag_of(r->flags, PKV_WIRE_READ_SHARED, PKV_WIRE_READ_WHOLE)) return PKV_ERR_PROTO;
+    if (r->flags & ~(PKV_WIRE_READ_SHARED | PKV_WIRE_READ_WHOLE)) return PKV_ERR_PROTO;
     if (r->xfer_id == 0 || r->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS)) return PKV_ERR_PROTO;
     if (r->budget_ns > PKV_WIRE_MAX_BUDGET_NS) return PKV_ERR_PROTO;
     if (dtype > PKV_DTYPE_BF16) return PKV_ERR_PROTO;
@@ -296,28 +292,31 @@ int pkv_xfer_wire_decode(const void *buf, size_t len, pkv_wire_msg_t *out)
         get_u32(&c, &d->flags);
         get_u64(&c, &d->bytes);
         get_u64(&c, &d->checksum);
-        if (!one_flag_of(d->flags, PKV_WIRE_DATA_SHARED, PKV_WIRE_DATA_LAYERS) || d->xfer_id == 0 ||
+        if ((d->flags & ~(PKV_WIRE_DATA_SHARED | PKV_WIRE_DATA_LAYERS)) || d->xfer_id == 0 ||
             d->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) || d->layer >= PKV_WIRE_MAX_LAYERS ||
             d->bytes > PKV_WIRE_MAX_BYTES)
             return PKV_ERR_PROTO;
+        bool shared = d->flags & PKV_WIRE_DATA_SHARED, layers = d->flags & PKV_WIRE_DATA_LAYERS;
         uint32_t reserved;
-        if (d->flags & PKV_WIRE_DATA_LAYERS) {
+        if (shared) {
+            if (!get_u32(&c, &d->n_pieces) || !get_u32(&c, &reserved) || reserved ||
+                d->n_pieces < 1 || d->n_pieces > PKV_WIRE_MAX_PIECES ||
+                c.left < 16 * (size_t)d->n_pieces)
+                return PKV_ERR_PROTO;
+            d->pieces = c.p;
+            c.p += 16 * (size_t)d->n_pieces;
+            c.left -= 16 * (size_t)d->n_pieces;
+        }
+        if (layers) {
             if (!get_u32(&c, &d->n_sums) || !get_u32(&c, &reserved) || reserved || d->checksum ||
                 d->n_sums < 1 || d->n_sums > PKV_WIRE_MAX_LAYERS - d->layer ||
                 c.left != 8 * (size_t)d->n_sums)
                 return PKV_ERR_PROTO;
             d->sums = c.p;
             c.left = 0;
-            break;
         }
-        if (!(d->flags & PKV_WIRE_DATA_SHARED)) {
-            if (c.left) return PKV_ERR_PROTO;
-            break;
-        }
-        if (!get_u32(&c, &d->n_pieces) || !get_u32(&c, &reserved) || reserved || d->n_pieces < 1 ||
-            d->n_pieces > PKV_WIRE_MAX_PIECES || c.left != 16 * (size_t)d->n_pieces)
-            return PKV_ERR_PROTO;
-        d->pieces = c.p;
+        if (c.left) return PKV_ERR_PROTO;
+        if (!shared) break;
         uint64_t sum = 0;
         for (uint32_t i = 0; i < d->n_pieces; i++) {
             uint64_t off, plen;
@@ -326,8 +325,8 @@ int pkv_xfer_wire_decode(const void *buf, size_t len, pkv_wire_msg_t *out)
                 return PKV_ERR_PROTO;
             sum += plen; /* each < 2^44, at most 2^15 of them: no overflow */
         }
-        if (sum != d->bytes) return PKV_ERR_PROTO;
-        c.left = 0;
+        /* the pieces cover every layer the message announces (< 2^40 * 2^12 bytes) */
+        if (sum != d->bytes * (layers ? d->n_sums : 1)) return PKV_ERR_PROTO;
         break;
     }
     case PKV_WIRE_ACK:
@@ -390,7 +389,7 @@ int pkv_xfer_wire_encode_read(const pkv_wire_read_t *r, const uint32_t *blocks, 
     if (!r || !blocks || !buf || !len) return PKV_ERR_INVALID;
     uint32_t n_runs = pkv_xfer_wire_count_runs(blocks, n);
     if (r->xfer_id == 0 || r->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) ||
-        !one_flag_of(r->flags, PKV_WIRE_READ_SHARED, PKV_WIRE_READ_WHOLE) ||
+        (r->flags & ~(PKV_WIRE_READ_SHARED | PKV_WIRE_READ_WHOLE)) ||
         r->budget_ns > PKV_WIRE_MAX_BUDGET_NS || n_runs < 1 || n_runs > PKV_WIRE_MAX_RUNS ||
         check_read_sizes(&r->geo, n, r->chunk_bytes))
         return PKV_ERR_INVALID;
@@ -422,32 +421,34 @@ int pkv_xfer_wire_encode_read(const pkv_wire_read_t *r, const uint32_t *blocks, 
     return PKV_OK;
 }
 
-size_t pkv_xfer_wire_data_bytes(uint32_t flags, uint32_t n)
+size_t pkv_xfer_wire_data_bytes(uint32_t n_pieces, uint32_t n_sums)
 {
-    size_t item = flags & PKV_WIRE_DATA_SHARED ? 16 : flags & PKV_WIRE_DATA_LAYERS ? 8 : 0;
-    return PKV_WIRE_HEADER_BYTES + DATA_BYTES + (item ? DATA_PIECES_HDR + item * n : 0);
+    return PKV_WIRE_HEADER_BYTES + DATA_BYTES +
+           (n_pieces ? DATA_PIECES_HDR + 16 * (size_t)n_pieces : 0) +
+           (n_sums ? DATA_PIECES_HDR + 8 * (size_t)n_sums : 0);
 }
 
-int pkv_xfer_wire_encode_data(const pkv_wire_data_t *d, const uint64_t *items, uint32_t n,
-                              void *buf, size_t cap, size_t *len)
+int pkv_xfer_wire_encode_data(const pkv_wire_data_t *d, const uint64_t *pieces, uint32_t n_pieces,
+                              const uint64_t *sums, uint32_t n_sums, void *buf, size_t cap,
+                              size_t *len)
 {
     if (!d || !buf || !len) return PKV_ERR_INVALID;
     bool shared = d->flags & PKV_WIRE_DATA_SHARED, layers = d->flags & PKV_WIRE_DATA_LAYERS;
-    if (!one_flag_of(d->flags, PKV_WIRE_DATA_SHARED, PKV_WIRE_DATA_LAYERS) || d->xfer_id == 0 ||
+    if ((d->flags & ~(PKV_WIRE_DATA_SHARED | PKV_WIRE_DATA_LAYERS)) || d->xfer_id == 0 ||
         d->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) || d->layer >= PKV_WIRE_MAX_LAYERS ||
-        d->bytes > PKV_WIRE_MAX_BYTES || (shared || layers) != (n > 0) || (n && !items) ||
-        (shared && n > PKV_WIRE_MAX_PIECES) ||
-        (layers && (d->checksum || n > PKV_WIRE_MAX_LAYERS - d->layer)))
+        d->bytes > PKV_WIRE_MAX_BYTES || shared != (n_pieces > 0) || layers != (n_sums > 0) ||
+        (n_pieces && !pieces) || (n_sums && !sums) || n_pieces > PKV_WIRE_MAX_PIECES ||
+        (layers && (d->checksum || n_sums > PKV_WIRE_MAX_LAYERS - d->layer)))
         return PKV_ERR_INVALID;
     uint64_t sum = 0;
-    for (uint32_t i = 0; shared && i < n; i++) {
-        uint64_t off = items[2 * i], l = items[2 * i + 1];
+    for (uint32_t i = 0; i < n_pieces; i++) {
+        uint64_t off = pieces[2 * i], l = pieces[2 * i + 1];
         if (l < 1 || off >= PKV_WIRE_MAX_ARENA || l > PKV_WIRE_MAX_ARENA - off)
             return PKV_ERR_INVALID;
         sum += l;
     }
-    if (shared && sum != d->bytes) return PKV_ERR_INVALID;
-    size_t need = pkv_xfer_wire_data_bytes(d->flags, n);
+    if (shared && sum != d->bytes * (layers ? n_sums : 1)) return PKV_ERR_INVALID;
+    size_t need = pkv_xfer_wire_data_bytes(n_pieces, n_sums);
     if (need > PKV_WIRE_MAX_MSG) return PKV_ERR_INVALID;
     if (cap < need) return PKV_ERR_NOSPACE;
     wcur_t c = {buf, cap};
@@ -457,10 +458,15 @@ int pkv_xfer_wire_encode_data(const pkv_wire_data_t *d, const uint64_t *items, u
     put_u32(&c, d->flags);
     put_u64(&c, d->bytes);
     put_u64(&c, d->checksum);
-    if (n) {
-        put_u32(&c, n);
+    if (n_pieces) {
+        put_u32(&c, n_pieces);
         put_u32(&c, 0);
-        for (uint32_t i = 0; i < n * (shared ? 2 : 1); i++) put_u64(&c, items[i]);
+        for (uint32_t i = 0; i < 2 * n_pieces; i++) put_u64(&c, pieces[i]);
+    }
+    if (n_sums) {
+        put_u32(&c, n_sums);
+        put_u32(&c, 0);
+        for (uint32_t i = 0; i < n_sums; i++) put_u64(&c, sums[i]);
     }
     *len = need;
     return PKV_OK;

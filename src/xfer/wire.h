@@ -26,7 +26,7 @@
 #include <stdint.h>
 
 #define PKV_WIRE_MAGIC        0x58564B50u
-#define PKV_WIRE_VERSION      1
+#define PKV_WIRE_VERSION      2
 #define PKV_WIRE_HEADER_BYTES 12u
 
 enum {
@@ -83,15 +83,17 @@ typedef struct {
 /* READ flags: the consumer has mapped the producer's shared staging arena (same host):
  * send DATA with arena offsets instead of payload messages. */
 #define PKV_WIRE_READ_SHARED 1u
-/* READ flags: whole stream (a small transfer, payload through UCX): chunk c is stream
- * bytes [c * chunk_bytes, (c + 1) * chunk_bytes) whatever the layers, and one DATA
- * (PKV_WIRE_DATA_LAYERS) follows the last chunk with every layer's checksum. Not with
- * SHARED. */
+/* READ flags: whole stream (a small transfer): one DATA (PKV_WIRE_DATA_LAYERS) announces
+ * every layer at once, with every layer's checksum. Payload through UCX: chunk c is stream
+ * bytes [c * chunk_bytes, (c + 1) * chunk_bytes) whatever the layers, and the DATA follows
+ * the last chunk. With SHARED: the DATA (SHARED | LAYERS) carries the arena pieces of the
+ * whole stream, sent once every layer is staged. */
 #define PKV_WIRE_READ_WHOLE 2u
-/* DATA flags: the layer's bytes are in the producer's shared arena at `pieces`. */
+/* DATA flags: the layer's bytes (with LAYERS: the bytes of its layers, in stream order)
+ * are in the producer's shared arena at `pieces`. */
 #define PKV_WIRE_DATA_SHARED 1u
 /* DATA flags: the message covers layers [layer, layer + n_sums), their checksums in
- * `sums`; `checksum` is 0. Not with SHARED. */
+ * `sums`; `checksum` is 0. */
 #define PKV_WIRE_DATA_LAYERS 2u
 
 typedef struct {
@@ -100,7 +102,7 @@ typedef struct {
     uint32_t flags;        /* PKV_WIRE_DATA_SHARED | PKV_WIRE_DATA_LAYERS */
     uint64_t bytes;        /* payload bytes of one layer */
     uint64_t checksum;     /* pkv_xfer_sum over the layer's bytes in stream order */
-    uint32_t n_pieces;     /* shared: pieces covering the layer in stream order */
+    uint32_t n_pieces;     /* shared: pieces covering the layer(s) in stream order */
     const uint8_t *pieces; /* n_pieces x {u64 offset, u64 length} (decoder: into buf) */
     uint32_t n_sums;       /* layers: how many layers, from `layer` */
     const uint8_t *sums;   /* n_sums x u64 checksum (decoder: into buf) */
@@ -174,12 +176,13 @@ uint32_t pkv_xfer_wire_count_runs(const uint32_t *blocks, uint32_t n);
 size_t pkv_xfer_wire_read_bytes(uint32_t n_runs);
 int pkv_xfer_wire_encode_read(const pkv_wire_read_t *r, const uint32_t *blocks, uint32_t n,
                               void *buf, size_t cap, size_t *len);
-/* The trailer: n items of {offset, length} for a shared DATA (PKV_WIRE_DATA_SHARED), of
- * one checksum for PKV_WIRE_DATA_LAYERS, else NULL / 0; d->pieces / d->sums and their
+/* The trailers: n_pieces x {offset, length} (PKV_WIRE_DATA_SHARED, else NULL / 0), then
+ * n_sums checksums (PKV_WIRE_DATA_LAYERS, else NULL / 0); d->pieces / d->sums and their
  * counts are ignored. */
-size_t pkv_xfer_wire_data_bytes(uint32_t flags, uint32_t n);
-int pkv_xfer_wire_encode_data(const pkv_wire_data_t *d, const uint64_t *items, uint32_t n,
-                              void *buf, size_t cap, size_t *len);
+size_t pkv_xfer_wire_data_bytes(uint32_t n_pieces, uint32_t n_sums);
+int pkv_xfer_wire_encode_data(const pkv_wire_data_t *d, const uint64_t *pieces, uint32_t n_pieces,
+                              const uint64_t *sums, uint32_t n_sums, void *buf, size_t cap,
+                              size_t *len);
 int pkv_xfer_wire_encode_ack(const pkv_wire_ack_t *a, void *buf, size_t cap, size_t *len);
 int pkv_xfer_wire_encode_fail(const pkv_wire_fail_t *f, void *buf, size_t cap, size_t *len);
 int pkv_xfer_wire_encode_heartbeat(const pkv_wire_heartbeat_t *h, void *buf, size_t cap,

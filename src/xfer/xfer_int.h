@@ -278,7 +278,8 @@ struct pkv_xfer_read {
     uint64_t local_ino, local_bytes;
     bool shared;             /* copying straight from the producer's arena */
     const uint8_t *arena;    /* the mapping (the peer owns it) */
-    uint64_t **layer_pieces; /* (layers) shared: {offset, length} pairs from DATA */
+    uint64_t **layer_pieces; /* (layers) shared: {offset, length} pairs from DATA; a whole
+                              * stream's one DATA (v.whole): all of them in [0] */
     uint32_t *layer_npieces;
     uint32_t layers_verified;
     bool zombie;
@@ -427,9 +428,12 @@ void xf_view_corrupt(const xf_view_t *v, uint32_t l);
 /* Arena {offset, length} pieces of stream range [off, off+len); 0 when more than cap. */
 uint32_t xf_view_arena_pieces(const xf_view_t *v, uint64_t off, uint64_t len, uint64_t *out,
                               uint32_t cap);
-/* Consumer, shared: copy layer l from a mapped producer arena into the pool. */
+/* Consumer, shared: copy layer l from a mapped producer arena into the pool. The layer's
+ * bytes start `skip` bytes into the pieces (0 for a layer's own pieces, l * layer_total
+ * for the whole stream's). */
 uint64_t xf_view_copy_layer_from(const xf_view_t *v, pkv_xfer_agent_t *a, uint32_t l,
-                                 const uint8_t *arena, const uint64_t *pieces, uint32_t n);
+                                 const uint8_t *arena, const uint64_t *pieces, uint32_t n,
+                                 uint64_t skip);
 
 /* consumer.c */
 void xf_reads_admit(pkv_xfer_agent_t *a, pkv_xfer_read_t *list);

@@ -50,13 +50,15 @@ static void check_roundtrip(const uint8_t *data, size_t size, const pkv_wire_msg
         break;
     case PKV_WIRE_DATA: {
         const pkv_wire_data_t *d = &m->u.data;
-        uint32_t n = d->n_pieces ? d->n_pieces : d->n_sums;
-        uint64_t *items = n ? malloc(16 * (size_t)n) : NULL;
+        uint32_t n = 2 * d->n_pieces + d->n_sums;
+        uint64_t *items = n ? malloc(8 * (size_t)n) : NULL;
         FUZZ_CHECK(!n || items);
+        uint64_t *sums = items ? items + 2 * (size_t)d->n_pieces : NULL;
         for (uint32_t i = 0; i < d->n_pieces; i++)
             pkv_xfer_wire_data_piece(d, i, &items[2 * i], &items[2 * i + 1]);
-        for (uint32_t i = 0; i < d->n_sums; i++) items[i] = pkv_xfer_wire_data_sum(d, i);
-        rc = pkv_xfer_wire_encode_data(d, items, n, buf, cap, &len);
+        for (uint32_t i = 0; i < d->n_sums; i++) sums[i] = pkv_xfer_wire_data_sum(d, i);
+        rc = pkv_xfer_wire_encode_data(d, d->n_pieces ? items : NULL, d->n_pieces,
+                                       d->n_sums ? sums : NULL, d->n_sums, buf, cap, &len);
         free(items);
         break;
     }

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write the seed corpus for tests/fuzz/fuzz_wire.c: an independent encoding of wire v1.
+"""Write the seed corpus for tests/fuzz/fuzz_wire.c: an independent encoding of wire v2.
 
 ok-*   must decode (tests/test_xfer_wire.c asserts it)
 bad-*  must be rejected
@@ -15,7 +15,7 @@ READ, DATA, ACK, FAIL, HB, CLOSE = 1, 2, 3, 4, 5, 6
 TIMEOUT, PEER_LOST, NOFIT, REJECTED, CANCELLED, CORRUPT, SHUTDOWN = -5, -11, -4, -12, -7, -13, -6
 
 
-def msg(t, body, version=1, flags=0, body_len=None):
+def msg(t, body, version=2, flags=0, body_len=None):
     bl = len(body) if body_len is None else body_len
     return struct.pack('<IBBHI', MAGIC, version, t, flags, bl) + body
 
@@ -78,8 +78,16 @@ def main(out):
         'bad-data-layers-beyond': msg(DATA, data_body(layer=4095, flags=2, checksum=0, sums=(1, 2))),
         'bad-data-layers-count-lies': msg(DATA, data_body(layer=0, flags=2, checksum=0,
                                                           sums=(1, 2))[:-8]),
-        'bad-data-shared-and-layers': msg(DATA, data_body(layer=0, flags=3, checksum=0, sums=(1,))),
-        'bad-read-shared-and-whole': msg(READ, read_body(flags=3)),
+        'ok-data-shared-layers': msg(DATA, data_body(layer=0, flags=3, nbytes=4096, checksum=0,
+                                                     pieces=((0, 8192), (65536, 4096)),
+                                                     sums=(1, 2, 3))),
+        'ok-read-shared-whole': msg(READ, read_body(flags=3)),
+        'bad-data-shared-layers-sum': msg(DATA, data_body(layer=0, flags=3, nbytes=4096, checksum=0,
+                                                          pieces=((0, 8192),), sums=(1, 2, 3))),
+        'bad-data-shared-layers-no-sums': msg(DATA, data_body(layer=0, flags=3, nbytes=4096,
+                                                              checksum=0, pieces=((0, 4096),))),
+        'bad-data-shared-layers-no-pieces': msg(DATA, data_body(layer=0, flags=3, checksum=0,
+                                                                sums=(1,))),
         'ok-handle-local': handle(local=(1234, 7, 1 << 26, 99, bytes(range(16)))),
         'ok-ack': msg(ACK, struct.pack('<QQQ', 7, 42, 1 << 20)),
         'ok-fail': msg(FAIL, fail_body()),
@@ -96,7 +104,8 @@ def main(out):
         'bad-empty': b'',
         'bad-short-header': msg(HB, b'')[:7],
         'bad-magic': b'XXXX' + msg(HB, struct.pack('<QQ', 1, 1))[4:],
-        'bad-version-2': msg(HB, struct.pack('<QQ', 1, 1), version=2),
+        'bad-version-1': msg(HB, struct.pack('<QQ', 1, 1), version=1),
+        'bad-version-3': msg(HB, struct.pack('<QQ', 1, 1), version=3),
         'bad-version-0': msg(HB, struct.pack('<QQ', 1, 1), version=0),
         'bad-flags': msg(HB, struct.pack('<QQ', 1, 1), flags=1),
         'bad-type': msg(99, b''),
