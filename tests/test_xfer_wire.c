@@ -140,6 +140,40 @@ START_TEST(read_limits_are_enforced)
 }
 END_TEST
 
+/* Encode a DATA, check its size, decode it and check every field came back. */
+static void data_roundtrip(const pkv_wire_data_t *d, const uint64_t *pieces, uint32_t np,
+                           const uint64_t *sums, uint32_t ns, uint8_t *buf, size_t cap, size_t *len,
+                           pkv_wire_msg_t *m)
+{
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(d, pieces, np, sums, ns, buf, cap, len), PKV_OK);
+    ck_assert_uint_eq(*len, pkv_xfer_wire_data_bytes(np, ns));
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, *len, m), PKV_OK);
+    ck_assert_uint_eq(m->u.data.flags, d->flags);
+    ck_assert_uint_eq(m->u.data.layer, d->layer);
+    ck_assert_uint_eq(m->u.data.bytes, d->bytes);
+    ck_assert_uint_eq(m->u.data.checksum, d->checksum);
+    ck_assert_uint_eq(m->u.data.n_pieces, np);
+    ck_assert_uint_eq(m->u.data.n_sums, ns);
+    for (uint32_t i = 0; i < np; i++) {
+        uint64_t off, l;
+        pkv_xfer_wire_data_piece(&m->u.data, i, &off, &l);
+        ck_assert_uint_eq(off, pieces[2 * i]);
+        ck_assert_uint_eq(l, pieces[2 * i + 1]);
+    }
+    for (uint32_t i = 0; i < ns; i++)
+        ck_assert_uint_eq(pkv_xfer_wire_data_sum(&m->u.data, i), sums[i]);
+}
+
+/* The encoder refuses this DATA. */
+static void data_refused(const pkv_wire_data_t *d, const uint64_t *pieces, uint32_t np,
+                         const uint64_t *sums, uint32_t ns)
+{
+    uint8_t buf[256];
+    size_t len;
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(d, pieces, np, sums, ns, buf, sizeof(buf), &len),
+                     PKV_ERR_INVALID);
+}
+
 START_TEST(shared_data_and_read_flags)
 {
     uint64_t pieces[] = {4096, 8192, 65536, 4096};
@@ -147,17 +181,8 @@ START_TEST(shared_data_and_read_flags)
         .xfer_id = 5, .layer = 2, .flags = PKV_WIRE_DATA_SHARED, .bytes = 12288, .checksum = 77};
     uint8_t buf[256];
     size_t len;
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, NULL, 0, buf, sizeof(buf), &len),
-                     PKV_OK);
-    ck_assert_uint_eq(len, pkv_xfer_wire_data_bytes(2, 0));
     pkv_wire_msg_t m;
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
-    ck_assert_uint_eq(m.u.data.n_pieces, 2);
-    ck_assert_uint_eq(m.u.data.n_sums, 0);
-    uint64_t off, l;
-    pkv_xfer_wire_data_piece(&m.u.data, 1, &off, &l);
-    ck_assert_uint_eq(off, 65536);
-    ck_assert_uint_eq(l, 4096);
+    data_roundtrip(&d, pieces, 2, NULL, 0, buf, sizeof(buf), &len, &m);
     /* pieces must add up to the layer's bytes */
     d.bytes = 12289;
     ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, NULL, 0, buf, sizeof(buf), &len),
@@ -201,15 +226,8 @@ START_TEST(data_with_every_layer_checksum)
         .xfer_id = 9, .layer = 0, .flags = PKV_WIRE_DATA_LAYERS, .bytes = 4096, .checksum = 0};
     uint8_t buf[128];
     size_t len;
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, NULL, 0, sums, 3, buf, sizeof(buf), &len),
-                     PKV_OK);
-    ck_assert_uint_eq(len, pkv_xfer_wire_data_bytes(0, 3));
     pkv_wire_msg_t m;
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
-    ck_assert_uint_eq(m.u.data.n_sums, 3);
-    ck_assert_uint_eq(m.u.data.n_pieces, 0);
-    ck_assert_uint_eq(pkv_xfer_wire_data_sum(&m.u.data, 0), 11);
-    ck_assert_uint_eq(pkv_xfer_wire_data_sum(&m.u.data, 2), 33);
+    data_roundtrip(&d, NULL, 0, sums, 3, buf, sizeof(buf), &len, &m);
     /* the count must match the body; a checksum in the base field is refused */
     ck_assert_int_eq(pkv_xfer_wire_decode(buf, len - 8, &m), PKV_ERR_PROTO);
     size_t n_at = PKV_WIRE_HEADER_BYTES + 32;
@@ -221,14 +239,11 @@ START_TEST(data_with_every_layer_checksum)
     buf[PKV_WIRE_HEADER_BYTES + 24] = 1; /* base checksum */
     ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     d.checksum = 1;
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, NULL, 0, sums, 3, buf, sizeof(buf), &len),
-                     PKV_ERR_INVALID);
+    data_refused(&d, NULL, 0, sums, 3);
     d.checksum = 0;
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, NULL, 0, NULL, 0, buf, sizeof(buf), &len),
-                     PKV_ERR_INVALID);
+    data_refused(&d, NULL, 0, NULL, 0);
     d.layer = PKV_WIRE_MAX_LAYERS - 2; /* layers past the limit */
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, NULL, 0, sums, 3, buf, sizeof(buf), &len),
-                     PKV_ERR_INVALID);
+    data_refused(&d, NULL, 0, sums, 3);
 }
 END_TEST
 
@@ -244,33 +259,18 @@ START_TEST(shared_data_for_every_layer)
                          .checksum = 0};
     uint8_t buf[256];
     size_t len;
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, sums, 3, buf, sizeof(buf), &len),
-                     PKV_OK);
-    ck_assert_uint_eq(len, pkv_xfer_wire_data_bytes(2, 3));
     pkv_wire_msg_t m;
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
-    ck_assert_uint_eq(m.u.data.flags, PKV_WIRE_DATA_SHARED | PKV_WIRE_DATA_LAYERS);
-    ck_assert_uint_eq(m.u.data.n_pieces, 2);
-    ck_assert_uint_eq(m.u.data.n_sums, 3);
-    uint64_t off, l;
-    pkv_xfer_wire_data_piece(&m.u.data, 1, &off, &l);
-    ck_assert_uint_eq(off, 65536);
-    ck_assert_uint_eq(l, 4096);
-    ck_assert_uint_eq(pkv_xfer_wire_data_sum(&m.u.data, 2), 33);
+    data_roundtrip(&d, pieces, 2, sums, 3, buf, sizeof(buf), &len, &m);
     /* the pieces must cover every announced layer: 3 x 4096 bytes */
     buf[PKV_WIRE_HEADER_BYTES + 16] ^= 1; /* bytes */
     ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     d.bytes = 3000;
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, sums, 3, buf, sizeof(buf), &len),
-                     PKV_ERR_INVALID);
+    data_refused(&d, pieces, 2, sums, 3);
     d.bytes = 4096;
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, sums, 2, buf, sizeof(buf), &len),
-                     PKV_ERR_INVALID);
+    data_refused(&d, pieces, 2, sums, 2);
     /* both trailers are needed: SHARED | LAYERS with only the pieces is malformed */
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, NULL, 0, buf, sizeof(buf), &len),
-                     PKV_ERR_INVALID);
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, NULL, 0, sums, 3, buf, sizeof(buf), &len),
-                     PKV_ERR_INVALID);
+    data_refused(&d, pieces, 2, NULL, 0);
+    data_refused(&d, NULL, 0, sums, 3);
     d.flags = PKV_WIRE_DATA_SHARED;
     d.bytes = 12288;
     d.checksum = 0;
