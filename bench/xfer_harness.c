@@ -836,6 +836,7 @@ void xh_reap(pid_t pid, int *wstatus, uint64_t deadline_ns)
             *wstatus = st;
             return;
         }
+        if (w < 0 && errno == ECHILD) return; /* not ours, or already reaped: *wstatus stays */
         if (w == pid && WIFSTOPPED(st)) kill(pid, SIGKILL);
         if (pkv_now_ns() > deadline_ns) {
             kill(pid, SIGKILL);

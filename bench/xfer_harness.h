@@ -128,7 +128,8 @@ double xh_lean_pull_gbps(size_t read_bytes, uint32_t layers, size_t piece, uint3
                          uint32_t timed_reads);
 
 /* Wait for child `pid` (<= 0: nothing to do) and store its wait status; a child still
- * there at deadline_ns, or stopped, is killed with SIGKILL and then waited for. */
+ * there at deadline_ns, or stopped, is killed with SIGKILL and then waited for. A pid that
+ * is not a child (or was reaped already) returns at once, *wstatus untouched. */
 void xh_reap(pid_t pid, int *wstatus, uint64_t deadline_ns);
 
 const char *xh_fault_name(xh_fault_t f);
