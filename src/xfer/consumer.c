@@ -17,6 +17,7 @@
  *           seat, copy or receive refers to it: staging is released, pins dropped, the
  *           agent's reference dropped. For ok, that happens before delivery.
  */
+#include "xfer/sum.h"
 #include "xfer/xfer_int.h"
 
 #include <stdio.h>
@@ -419,6 +420,7 @@ void xf_read_job(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l)
     xf_event_t *ev = &rd->ev_layer[l];
     ev->status =
         atomic_load(&rd->v.abort) ? PKV_ERR_CANCELLED : store_layer(a, rd, l, ev->checksum);
+    pkv_xfer_sum_fence(); /* the layer's streaming stores land before the loop is told */
     xf_event_post(a, ev);
 }
 
@@ -603,6 +605,7 @@ static void layer_stored(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l, i
     }
     rd->layer_flags[l] |= LF_STORED;
     if (++rd->layers_verified == rd->v.layers) {
+        pkv_xfer_sum_fence(); /* layers stored here: their bytes land before the outcome */
         pkv_wire_ack_t k = {.xfer_id = rd->xfer_id,
                             .request_id = rd->request_id,
                             .bytes = rd->v.layer_total * rd->v.layers};

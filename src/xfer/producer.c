@@ -20,6 +20,7 @@
  * returned and every send has completed (sends to a lost peer complete when its
  * endpoint is force-closed); the registration becomes readable again unless it ended.
  */
+#include "xfer/sum.h"
 #include "xfer/xfer_int.h"
 
 #include <stdio.h>
@@ -610,7 +611,10 @@ void xf_serve_seat(pkv_xfer_agent_t *a, xf_serve_t *s)
 static uint64_t stage_layer(pkv_xfer_agent_t *a, xf_serve_t *s, uint32_t l)
 {
     uint64_t sum = xf_view_copy_layer(&s->v, a, l, true);
-    if (a->faults.corrupt_layer == (int32_t)l) xf_view_corrupt(&s->v, l);
+    if (a->faults.corrupt_layer == (int32_t)l) {
+        pkv_xfer_sum_fence(); /* the flipped byte lands after the layer's streaming stores */
+        xf_view_corrupt(&s->v, l);
+    }
     fault(a, PKV_XFER_FAULT_SERVE_COPIED, l);
     return sum;
 }
@@ -621,6 +625,7 @@ void xf_serve_job(pkv_xfer_agent_t *a, xf_serve_t *s)
     for (uint32_t l = 0; l < s->v.layers; l++) {
         if (atomic_load(&s->v.abort)) break;
         uint64_t sum = stage_layer(a, s, l);
+        pkv_xfer_sum_fence(); /* its streaming stores land before the loop is told */
         xf_event_t *ev = &s->ev_layer[l];
         ev->kind = XF_EV_LAYER_READY;
         ev->is_serve = true;
@@ -827,10 +832,12 @@ void xf_serve_event(pkv_xfer_agent_t *a, xf_serve_t *s, xf_event_t *ev)
                 s->v.grant = ev->grant;
                 serve_finish(a, s, PKV_ERR_NOFIT, true, "staging grant smaller than asked");
             } else if (!s->state_done && xf_small(a, s->v.n_blocks)) {
-                /* Small: stage here, each layer going out as soon as it is staged. */
+                /* Small: stage every layer here, fence once, then let them go out. */
                 s->state = XF_SERVE_SENDING;
+                for (uint32_t l = 0; l < s->v.layers; l++) s->layer_sum[l] = stage_layer(a, s, l);
+                pkv_xfer_sum_fence();
                 for (uint32_t l = 0; l < s->v.layers && !s->state_done; l++)
-                    layer_ready(a, s, l, stage_layer(a, s, l));
+                    layer_ready(a, s, l, s->layer_sum[l]);
             } else if (!s->state_done) {
                 s->state = XF_SERVE_SENDING;
                 s->jobs_pending++;

@@ -422,13 +422,13 @@ int xf_chunk_buffer(const xf_view_t *v, xf_chunk_t *ch, uint64_t off, uint64_t l
 void *xf_worker_main(void *arg);
 void *xf_seater_main(void *arg);
 
-/* view.c copies */
+/* view.c copies (streaming stores: the caller fences before announcing the bytes) */
 uint64_t xf_view_copy_layer(const xf_view_t *v, pkv_xfer_agent_t *a, uint32_t l, bool to_stage);
 void xf_view_corrupt(const xf_view_t *v, uint32_t l);
 /* Arena {offset, length} pieces of stream range [off, off+len); 0 when more than cap. */
 uint32_t xf_view_arena_pieces(const xf_view_t *v, uint64_t off, uint64_t len, uint64_t *out,
                               uint32_t cap);
-/* Consumer, shared: copy layer l from a mapped producer arena into the pool. The layer's
+/* Consumer, shared: copy layer l from a mapped producer arena into the pool (no fence). The layer's
  * bytes start `skip` bytes into the pieces (0 for a layer's own pieces, l * layer_total
  * for the whole stream's). */
 uint64_t xf_view_copy_layer_from(const xf_view_t *v, pkv_xfer_agent_t *a, uint32_t l,
