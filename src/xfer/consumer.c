@@ -288,6 +288,9 @@ static void finish(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, int outcome, bool t
                    const char *why)
 {
     if (rd->finished) return;
+    /* Layers stored here (a small read) end with streaming stores still draining, whatever
+     * the outcome: they land before the outcome is told and the destination pins drop. */
+    pkv_xfer_sum_fence();
     rd->finished = true;
     rd->state = XF_READ_DONE;
     rd->done_ns = pkv_now_ns();
@@ -605,7 +608,6 @@ static void layer_stored(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l, i
     }
     rd->layer_flags[l] |= LF_STORED;
     if (++rd->layers_verified == rd->v.layers) {
-        pkv_xfer_sum_fence(); /* layers stored here: their bytes land before the outcome */
         pkv_wire_ack_t k = {.xfer_id = rd->xfer_id,
                             .request_id = rd->request_id,
                             .bytes = rd->v.layer_total * rd->v.layers};

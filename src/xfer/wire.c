@@ -231,8 +231,6 @@ static bool printable(const char *s, size_t n)
     return true;
 }
 
-/* flags holds at most one of the two known bits x, y (READ: SHARED | WHOLE, DATA:
- * SHARED | LAYERS) and nothing else. */
 /* ---- decode --------------------------------------------------------------------------- */
 static int decode_read(rcur_t *c, pkv_wire_read_t *r)
 {
