@@ -15,6 +15,8 @@
 
 #include "../bench/bench_util.c"
 #include "../bench/xfer_harness.c"
+#include "xfer/sum.h"
+#include "xfer/xfer_int.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -132,6 +134,80 @@ static uint64_t live_blocks(pkv_kv_t *kv)
     pkv_kv_stats(kv, &ks);
     return ks.blocks_live;
 }
+
+/* A small same-host read's one DATA lists the whole stream's arena pieces; the consumer
+ * copies layer l from them, `skip` = l x layer_total bytes in. Whatever the split (one
+ * piece, a piece a layer, pieces cutting layers at odd offsets, out of arena order), every
+ * byte lands where its stream position says and each layer's checksum is the stream's. */
+static uint8_t stream_byte(uint64_t pos)
+{
+    return (uint8_t)(pos * 2654435761u >> 13);
+}
+
+START_TEST(view_copies_layers_from_whole_stream_pieces)
+{
+    side_t s;
+    side_make(&s, &SMALL);
+    pkv_seq_t *q = seq_with(s.kv, 5 * SMALL.block_tokens, true, 1);
+    const uint32_t *ids;
+    uint32_t n;
+    pkv_seq_blocks(q, &ids, &n);
+    ck_assert_uint_eq(n, 5);
+    xf_view_t v;
+    ck_assert_int_eq(xf_view_init(&v, s.a, n, ids, 4096, true), PKV_OK);
+    const uint64_t lt = v.layer_total, total = lt * v.layers;
+    const uint64_t piece =
+        pkv_geometry_token_bytes(&SMALL) / SMALL.layers / 2 / SMALL.kv_heads * SMALL.block_tokens;
+    uint8_t *arena = malloc(2 * total), *want = malloc(lt);
+    uint64_t pieces[2 * 64];
+    const uint64_t cuts[][8] = {{0}, {lt, 2 * lt, 0}, {1000, lt, lt + 1, 2 * lt - 7, 0}};
+    for (int split = 0; split < 4; split++) {
+        /* Pieces [cut k, cut k+1) of the stream, placed in the arena back to front (split
+         * 3: odd 777-byte pieces) with a gap between them, so an offset taken wrong shows. */
+        uint64_t bounds[65];
+        uint32_t np = 0;
+        bounds[np++] = 0;
+        if (split == 3)
+            for (uint64_t o = 777; o < total; o += 777) bounds[np++] = o;
+        else
+            for (int k = 0; cuts[split][k]; k++) bounds[np++] = cuts[split][k];
+        bounds[np] = total;
+        uint64_t at = 0;
+        for (uint32_t k = np; k-- > 0;) {
+            pieces[2 * k] = at;
+            pieces[2 * k + 1] = bounds[k + 1] - bounds[k];
+            for (uint64_t b = 0; b < pieces[2 * k + 1]; b++)
+                arena[at + b] = stream_byte(bounds[k] + b);
+            at += pieces[2 * k + 1] + 13;
+        }
+        ck_assert_uint_le(at, 2 * total);
+        for (uint32_t l = 0; l < v.layers; l++) {
+            uint64_t sum = xf_view_copy_layer_from(&v, s.a, l, arena, pieces, np, l * lt);
+            pkv_xfer_sum_fence();
+            for (uint64_t b = 0; b < lt; b++) want[b] = stream_byte(l * lt + b);
+            pkv_xfer_sum_t ref;
+            pkv_xfer_sum_init(&ref);
+            pkv_xfer_sum_update(&ref, want, lt);
+            ck_assert_uint_eq(sum, pkv_xfer_sum_final(&ref));
+            /* stream order within a layer: K then V, head after head, block after block */
+            uint64_t off = 0;
+            for (uint32_t which = 0; which < 2; which++)
+                for (uint32_t h = 0; h < SMALL.kv_heads; h++)
+                    for (uint32_t i = 0; i < n; i++, off += piece)
+                        ck_assert_msg(!memcmp(pkv_kv_block_head(s.kv, ids[i], l, which, h),
+                                              want + off, piece),
+                                      "split %d layer %u: K/V %u head %u block %u differs", split,
+                                      l, which, h, i);
+            ck_assert_uint_eq(off, lt);
+        }
+    }
+    free(arena);
+    free(want);
+    xf_view_fini(&v);
+    pkv_seq_free(q);
+    side_free(&s);
+}
+END_TEST
 
 START_TEST(api_bad_input_changes_nothing)
 {
@@ -942,6 +1018,7 @@ static Suite *xfer_suite(void)
     TCase *api = tcase_create("api");
     tcase_set_timeout(api, 60);
     tcase_add_test(api, api_bad_input_changes_nothing);
+    tcase_add_test(api, view_copies_layers_from_whole_stream_pieces);
     tcase_add_test(api, in_process_read_ok_then_sent_once);
     tcase_add_test(api, stale_payload_is_drained);
     tcase_add_test(api, many_registrations_each_end_once);
