@@ -744,6 +744,55 @@ START_TEST(close_handshake_is_answered)
 }
 END_TEST
 
+/* Agents of two wire versions (one side's messages stamped version 3): the read ends
+ * `rejected`, not by its deadline (that would be `timeout`), because the producer answers
+ * a READ it cannot decode with a FAIL, and the consumer ends a read whose DATA it cannot
+ * decode and says so. Nothing is counted sent; both sides go idle holding nothing; the
+ * registration stays for a reader that speaks the producer's version. */
+static void foreign_version_read(bool producer_stamped)
+{
+    pair_t x;
+    pair_make(&x, &SMALL, 37, 11);
+    pkv_xfer_faults_t f = {.corrupt_layer = -1, .wire_version = 3};
+    pkv_xfer_set_faults(producer_stamped ? x.p.a : x.c.a, &f);
+    reg_cb_t sent = {0, 0, 0};
+    pkv_xfer_handle_t *h;
+    ck_assert_int_eq(
+        pkv_xfer_register(x.p.a, 5, x.sids, x.sn, PKV_DEADLINE_NEVER, reg_cb, &sent, &h), PKV_OK);
+    pkv_xfer_read_t *rd;
+    ck_assert_int_eq(pkv_xfer_read(x.c.a, h, x.dids, x.dn, pkv_deadline_after_ns(30000000000ull),
+                                   NULL, NULL, &rd),
+                     PKV_OK);
+    int oc = -1;
+    ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(35000000000ull), &oc), PKV_OK);
+    ck_assert_int_eq(oc, PKV_ERR_REJECTED);
+    pkv_xfer_read_free(rd);
+    ck_assert_int_eq(pkv_xfer_wait_idle(x.c.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
+    ck_assert_int_eq(pkv_xfer_wait_idle(x.p.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
+    pkv_xfer_stats_t ps, cs;
+    pkv_xfer_stats(x.p.a, &ps);
+    pkv_xfer_stats(x.c.a, &cs);
+    ck_assert_uint_eq(ps.sent, 0);
+    ck_assert_uint_eq(ps.registrations, 1);
+    ck_assert_uint_eq(ps.serves_started, producer_stamped ? 1 : 0);
+    ck_assert_uint_ge(producer_stamped ? cs.proto_errors : ps.proto_errors, 1);
+    ck_assert_uint_eq(ps.active_transfers + cs.active_transfers, 0);
+    ck_assert_uint_eq(ps.staging_pages_held + cs.staging_pages_held, 0);
+    ck_assert_uint_eq(cs.pinned_blocks, 0);
+    ck_assert_uint_eq(ps.pinned_blocks, x.sn); /* the registration's, no more */
+    ck_assert_uint_eq(cs.reads_done[pkv_xfer_outcome_index(PKV_ERR_REJECTED)], 1);
+    ck_assert_int_eq(atomic_load(&sent.calls), 0);
+    pkv_xfer_handle_free(h);
+    pair_free(&x);
+}
+
+START_TEST(other_wire_version_is_rejected_at_once)
+{
+    foreign_version_read(false);
+    foreign_version_read(true);
+}
+END_TEST
+
 START_TEST(many_registrations_each_end_once)
 {
     enum { N = 3000 };
@@ -1025,6 +1074,7 @@ static Suite *xfer_suite(void)
     tcase_add_test(api, read_wait_keeps_its_deadline);
     tcase_add_test(api, callback_starts_the_next_read);
     tcase_add_test(api, close_handshake_is_answered);
+    tcase_add_test(api, other_wire_version_is_rejected_at_once);
     suite_add_tcase(s, api);
     TCase *two = tcase_create("two_process");
     tcase_set_timeout(two, 120);

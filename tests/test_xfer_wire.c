@@ -81,7 +81,7 @@ START_TEST(versions_and_types_are_checked)
     ck_assert_int_eq(pkv_xfer_wire_encode_heartbeat(&h, buf, sizeof(buf), &len), PKV_OK);
     ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
     ck_assert_uint_eq(m.u.hb.seq, 2);
-    for (int v = 0; v < 256; v++) {
+    for (int v = 0; v < 256; v++) { /* a heartbeat of another version is not decoded */
         buf[4] = (uint8_t)v;
         ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m),
                          v == PKV_WIRE_VERSION ? PKV_OK : PKV_ERR_PROTO);
@@ -99,6 +99,75 @@ START_TEST(versions_and_types_are_checked)
     buf[0] ^= 1; /* magic */
     ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     ck_assert_int_eq(pkv_xfer_wire_decode(NULL, 0, &m), PKV_ERR_PROTO);
+}
+END_TEST
+
+/* What every version keeps: another version's READ / DATA / ACK is not decoded, but
+ * peek_foreign names its version, type and xfer_id; a FAIL of any version decodes. */
+START_TEST(other_versions_are_peeked_and_their_fail_decodes)
+{
+    uint32_t blocks[3] = {4, 5, 9};
+    pkv_wire_read_t r = sample_read();
+    pkv_wire_data_t d = {.xfer_id = 77, .layer = 1, .bytes = 4096, .checksum = 5};
+    pkv_wire_ack_t k = {.xfer_id = 78, .request_id = 3, .bytes = 10};
+    pkv_wire_heartbeat_t hb = {.agent_id = 1, .seq = 2};
+    uint8_t msg[4][256];
+    size_t len[4];
+    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 3, msg[0], 256, &len[0]), PKV_OK);
+    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, NULL, 0, NULL, 0, msg[1], 256, &len[1]), PKV_OK);
+    ck_assert_int_eq(pkv_xfer_wire_encode_ack(&k, msg[2], 256, &len[2]), PKV_OK);
+    ck_assert_int_eq(pkv_xfer_wire_encode_heartbeat(&hb, msg[3], 256, &len[3]), PKV_OK);
+    const uint8_t type[4] = {PKV_WIRE_READ, PKV_WIRE_DATA, PKV_WIRE_ACK, PKV_WIRE_HEARTBEAT};
+    const uint64_t id[4] = {r.xfer_id, 77, 78, 0};
+    pkv_wire_msg_t m;
+    pkv_wire_foreign_t f;
+    for (int i = 0; i < 4; i++) {
+        /* ours: decoded, not foreign */
+        ck_assert_int_eq(pkv_xfer_wire_peek_foreign(msg[i], len[i], &f), PKV_ERR_PROTO);
+        for (int v = 1; v < 256; v += 3) {
+            if (v == PKV_WIRE_VERSION) continue;
+            msg[i][4] = (uint8_t)v;
+            ck_assert_int_eq(pkv_xfer_wire_decode(msg[i], len[i], &m), PKV_ERR_PROTO);
+            memset(&f, 0xee, sizeof(f));
+            ck_assert_int_eq(pkv_xfer_wire_peek_foreign(msg[i], len[i], &f), PKV_OK);
+            ck_assert_uint_eq(f.version, v);
+            ck_assert_uint_eq(f.type, type[i]);
+            ck_assert_uint_eq(f.xfer_id, id[i]);
+        }
+        /* not a message at all: version 0, bad magic, flags, a body of the wrong length */
+        msg[i][4] = 0;
+        ck_assert_int_eq(pkv_xfer_wire_peek_foreign(msg[i], len[i], &f), PKV_ERR_PROTO);
+        msg[i][4] = 9;
+        msg[i][0] ^= 1;
+        ck_assert_int_eq(pkv_xfer_wire_peek_foreign(msg[i], len[i], &f), PKV_ERR_PROTO);
+        msg[i][0] ^= 1;
+        msg[i][6] = 1;
+        ck_assert_int_eq(pkv_xfer_wire_peek_foreign(msg[i], len[i], &f), PKV_ERR_PROTO);
+        msg[i][6] = 0;
+        ck_assert_int_eq(pkv_xfer_wire_peek_foreign(msg[i], len[i] - 1, &f), PKV_ERR_PROTO);
+        ck_assert_int_eq(pkv_xfer_wire_peek_foreign(msg[i], 11, &f), PKV_ERR_PROTO);
+    }
+    /* an xfer_id out of range is no transfer's */
+    memset(msg[2] + PKV_WIRE_HEADER_BYTES, 0xff, 8);
+    ck_assert_int_eq(pkv_xfer_wire_peek_foreign(msg[2], len[2], &f), PKV_OK);
+    ck_assert_uint_eq(f.xfer_id, 0);
+
+    pkv_wire_fail_t fl = {.xfer_id = 12, .request_id = 34, .reason = PKV_ERR_REJECTED};
+    snprintf(fl.text, sizeof(fl.text), "wire version 2");
+    uint8_t fb[256];
+    size_t fn;
+    ck_assert_int_eq(pkv_xfer_wire_encode_fail(&fl, fb, sizeof(fb), &fn), PKV_OK);
+    for (int v = 0; v < 256; v++) {
+        fb[4] = (uint8_t)v;
+        memset(&m, 0, sizeof(m));
+        ck_assert_int_eq(pkv_xfer_wire_decode(fb, fn, &m), v ? PKV_OK : PKV_ERR_PROTO);
+        if (!v) continue;
+        ck_assert_uint_eq(m.type, PKV_WIRE_FAIL);
+        ck_assert_uint_eq(m.u.fail.xfer_id, 12);
+        ck_assert_uint_eq(m.u.fail.request_id, 34);
+        ck_assert_int_eq(m.u.fail.reason, PKV_ERR_REJECTED);
+        ck_assert_str_eq(m.u.fail.text, "wire version 2");
+    }
 }
 END_TEST
 
@@ -517,6 +586,7 @@ static Suite *wire_suite(void)
     tcase_add_test(tc, data_with_every_layer_checksum);
     tcase_add_test(tc, shared_data_for_every_layer);
     tcase_add_test(tc, fail_carries_reason_and_text);
+    tcase_add_test(tc, other_versions_are_peeked_and_their_fail_decodes);
     tcase_add_test(tc, handle_roundtrip_and_rejects);
     tcase_add_test(tc, checksum_streams_and_detects_flips);
     tcase_add_test(tc, checksum_matches_recorded_values);

@@ -722,6 +722,16 @@ void xf_read_on_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_fail_t *f
     settle(a, rd);
 }
 
+/* A DATA of another wire version for this read: it ends rejected, and the FAIL (a layout
+ * every version decodes) lets the producer go. */
+void xf_read_on_foreign(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, const char *why)
+{
+    pkv_xfer_read_t *rd = find_read(a, p, xfer_id);
+    if (!rd || rd->finished) return;
+    finish(a, rd, PKV_ERR_REJECTED, true, why);
+    settle(a, rd);
+}
+
 void xf_reads_tick(pkv_xfer_agent_t *a, uint64_t now)
 {
     pkv_xfer_read_t *next;

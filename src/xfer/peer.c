@@ -313,7 +313,6 @@ static int ctl_post(xf_peer_t *p, ctl_buf_t *b)
  * 1.13, which would be misread as a lost peer. */
 int xf_ctl_send(pkv_xfer_agent_t *a, xf_peer_t *p, void *msg, size_t len)
 {
-    (void)a;
     if (p->state != XF_PEER_ACTIVE || !p->ep) return PKV_ERR_PEER_LOST;
     ctl_buf_t *b = malloc(sizeof(*b) + len);
     if (!b) return PKV_ERR_NOMEM;
@@ -321,6 +320,7 @@ int xf_ctl_send(pkv_xfer_agent_t *a, xf_peer_t *p, void *msg, size_t len)
     b->peer = p;
     b->len = len;
     memcpy(b->data, msg, len);
+    if (a->faults.wire_version) b->data[4] = a->faults.wire_version; /* the header's version */
     if (!p->established) {
         *p->queued_tail = b;
         p->queued_tail = &b->next;
@@ -423,6 +423,25 @@ void xf_peers_tick(pkv_xfer_agent_t *a, uint64_t now)
 }
 
 /* ---- incoming control messages --------------------------------------------------------- */
+/* A message of another wire version: its transfer, if it names one of ours, ends with
+ * `rejected` on both sides now (the READ answered by a FAIL, which every version decodes;
+ * the DATA by ending our read, whose FAIL tells the producer). Logged once a peer. */
+static void on_foreign(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_foreign_t *f)
+{
+    char why[64];
+    snprintf(why, sizeof(why), "wire version %u (this agent speaks %u)", f->version,
+             PKV_WIRE_VERSION);
+    if (!p->foreign_logged) {
+        p->foreign_logged = true;
+        PKV_LOGW(XF_MOD, "peer %u: %s: its transfers end rejected", p->id, why);
+    }
+    if (!f->xfer_id) return;
+    if (f->type == PKV_WIRE_READ && !p->outgoing)
+        xf_send_fail(a, p, f->xfer_id, 0, PKV_ERR_REJECTED, why);
+    else if (f->type == PKV_WIRE_DATA && p->outgoing)
+        xf_read_on_foreign(a, p, f->xfer_id, why);
+}
+
 ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, void *data,
                         size_t length, const ucp_am_recv_param_t *param)
 {
@@ -442,7 +461,12 @@ ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, voi
     pkv_wire_msg_t m;
     if (pkv_xfer_wire_decode(data, length, &m)) {
         XF_STAT_ADD(a, proto_errors, 1);
-        PKV_LOGW(XF_MOD, "peer %u: malformed control message (%zu bytes) dropped", p->id, length);
+        pkv_wire_foreign_t f;
+        if (pkv_xfer_wire_peek_foreign(data, length, &f) == PKV_OK)
+            on_foreign(a, p, &f);
+        else
+            PKV_LOGW(XF_MOD, "peer %u: malformed control message (%zu bytes) dropped", p->id,
+                     length);
         return UCS_OK;
     }
     switch (m.type) {

@@ -1,5 +1,5 @@
 /*
- * xfer wire format v1: encoders and the bounds-checked decoder for control messages,
+ * xfer wire format v2: encoders and the bounds-checked decoder for control messages,
  * and the KV handle's byte form (public: pkv_xfer_handle_encode / _decode).
  *
  * Decoding rule: a cursor over [buf, buf + len) hands out fields only after checking
@@ -24,7 +24,9 @@
  *   HEARTBEAT u64 agent_id, u64 seq
  *   CLOSE     u64 agent_id, u32 flags (REPLY), u32 reserved (0)
  * A flag bit this version does not know is malformed, so a peer that adds one must also
- * change PKV_WIRE_VERSION or be rejected.
+ * change PKV_WIRE_VERSION or be rejected. The header, READ / DATA / ACK's leading xfer_id
+ * and the whole FAIL stay as they are in every version (wire.h): a FAIL of any version
+ * decodes here with this layout.
  *
  * Handle (PKVH v1): u32 magic "PKVH", u8 version 1, u8 addr_len, u16 flags (LOCAL),
  *   u64 request_id, u8 token[16], u32 layers, kv_heads, head_dim, block_tokens, dtype,
@@ -272,7 +274,8 @@ int pkv_xfer_wire_decode(const void *buf, size_t len, pkv_wire_msg_t *out)
     if (!get_u32(&c, &magic) || !get_u8(&c, &version) || !get_u8(&c, &type) ||
         !get_u16(&c, &flags) || !get_u32(&c, &body_len))
         return PKV_ERR_PROTO;
-    if (magic != PKV_WIRE_MAGIC || version != PKV_WIRE_VERSION || flags != 0) return PKV_ERR_PROTO;
+    if (magic != PKV_WIRE_MAGIC || version == 0 || flags != 0) return PKV_ERR_PROTO;
+    if (version != PKV_WIRE_VERSION && type != PKV_WIRE_FAIL) return PKV_ERR_PROTO;
     if (body_len != c.left) return PKV_ERR_PROTO;
 
     pkv_wire_msg_t m;
@@ -372,6 +375,29 @@ int pkv_xfer_wire_decode(const void *buf, size_t len, pkv_wire_msg_t *out)
         return PKV_ERR_PROTO;
     }
     *out = m;
+    return PKV_OK;
+}
+
+int pkv_xfer_wire_peek_foreign(const void *buf, size_t len, pkv_wire_foreign_t *out)
+{
+    if (!buf || len < PKV_WIRE_HEADER_BYTES || len > PKV_WIRE_MAX_MSG || !out) return PKV_ERR_PROTO;
+    rcur_t c = {buf, len};
+    uint32_t magic = 0, body_len = 0;
+    uint16_t flags = 0;
+    pkv_wire_foreign_t f = {0, 0, 0};
+    get_u32(&c, &magic);
+    get_u8(&c, &f.version);
+    get_u8(&c, &f.type);
+    get_u16(&c, &flags);
+    get_u32(&c, &body_len);
+    if (magic != PKV_WIRE_MAGIC || f.version == 0 || f.version == PKV_WIRE_VERSION || flags ||
+        body_len != c.left)
+        return PKV_ERR_PROTO;
+    uint64_t id = 0;
+    if ((f.type == PKV_WIRE_READ || f.type == PKV_WIRE_DATA || f.type == PKV_WIRE_ACK) &&
+        get_u64(&c, &id) && id < (1ull << PKV_WIRE_XFER_ID_BITS))
+        f.xfer_id = id;
+    *out = f;
     return PKV_OK;
 }
 

@@ -1,15 +1,21 @@
 /*
- * xfer wire format, version 1 (internal to src/xfer).
+ * xfer wire format, version 2 (internal to src/xfer).
  *
  * Every control message is one UCX active message whose payload is:
  *
  *   header (12 bytes, little-endian)
  *     u32 magic    0x58564B50 ("PKVX")
- *     u8  version  1; anything else is rejected (PKV_ERR_PROTO)
- *     u8  type     READ | DATA | ACK | FAIL | HEARTBEAT
- *     u16 flags    0 in version 1
+ *     u8  version  2; another version is not decoded (see below)
+ *     u8  type     READ | DATA | ACK | FAIL | HEARTBEAT | CLOSE
+ *     u16 flags    0
  *     u32 body_len exactly the bytes that follow
  *   body (per type, see wire.c and docs/design/xfer.md)
+ *
+ * Frozen in every version, so that agents of different versions end each other's
+ * transfers with a FAIL instead of leaving them to the deadline: the header; a READ,
+ * DATA or ACK body's leading u64 xfer_id; the whole FAIL message. A FAIL of any version
+ * decodes; another version's READ or DATA is known by pkv_xfer_wire_peek_foreign and
+ * answered (the READ by a FAIL rejected, the DATA by ending the read rejected).
  *
  * The decoder validates every length, count, id and enumerated value against the
  * limits below before anything is used, never reads past `len`, never allocates,
@@ -149,6 +155,14 @@ typedef struct {
 /* Decode one message. PKV_OK and *out, or PKV_ERR_PROTO (nothing written). A READ's
  * `runs` points into buf: buf must outlive the use of out->u.read. */
 int pkv_xfer_wire_decode(const void *buf, size_t len, pkv_wire_msg_t *out);
+/* Another version's message: what every version keeps (see the top of this file). */
+typedef struct {
+    uint8_t version, type;
+    uint64_t xfer_id; /* READ, DATA, ACK: the leading xfer_id if in range, else 0 */
+} pkv_wire_foreign_t;
+/* PKV_OK and *out when buf has our magic, header flags 0, a version other than ours and
+ * a body of exactly body_len bytes; PKV_ERR_PROTO otherwise (nothing written). */
+int pkv_xfer_wire_peek_foreign(const void *buf, size_t len, pkv_wire_foreign_t *out);
 /* Run i (< n_runs) of a decoded or to-be-encoded READ. */
 void pkv_xfer_wire_read_run(const pkv_wire_read_t *r, uint32_t i, uint32_t *first, uint32_t *count);
 /* Piece i (< n_pieces) of a decoded shared DATA. */

@@ -26,6 +26,8 @@ typedef struct {
     void *arg;
     int32_t corrupt_layer; /* >= 0: the producer flips a staged byte of this layer after
                               checksumming it (the consumer must report corrupt); -1 none */
+    uint8_t wire_version;  /* != 0: every control message goes out stamped with this wire
+                              version, as an agent of that version would send it */
 } pkv_xfer_faults_t;
 
 /* Install fault hooks. Call before the agent's first transfer. */

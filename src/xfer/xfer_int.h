@@ -164,6 +164,7 @@ struct xf_peer { /* every field [P] */
     bool close_sent;     /* shutdown: we sent CLOSE ... */
     bool close_acked;    /* ... and the peer answered it */
     bool remote_closing; /* the peer sent CLOSE: its disconnect is expected */
+    bool foreign_logged; /* a message of another wire version came and was logged */
     uint64_t close_deadline_ns;
     bool close_done;
 };
@@ -440,6 +441,7 @@ void xf_reads_admit(pkv_xfer_agent_t *a, pkv_xfer_read_t *list);
 void xf_read_event(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, xf_event_t *ev);
 void xf_read_on_data(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_data_t *d);
 void xf_read_on_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_fail_t *f);
+void xf_read_on_foreign(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, const char *why);
 void xf_reads_tick(pkv_xfer_agent_t *a, uint64_t now);
 void xf_reads_peer_lost(pkv_xfer_agent_t *a, xf_peer_t *p);
 void xf_reads_shutdown(pkv_xfer_agent_t *a);

@@ -1,7 +1,8 @@
 /*
  * libFuzzer target for the xfer wire decoder and the handle parser.
  *
- * Each input goes through pkv_xfer_wire_decode and pkv_xfer_handle_decode. Whatever
+ * Each input goes through pkv_xfer_wire_decode, pkv_xfer_wire_peek_foreign and
+ * pkv_xfer_handle_decode. Whatever
  * decodes must survive a round trip: re-encoding gives a message that decodes to the
  * same fields (READ runs compared after expansion, since the encoder re-coalesces them),
  * and a decoded handle re-encodes to exactly the input bytes. A violation traps.
@@ -94,8 +95,10 @@ static void check_roundtrip(const uint8_t *data, size_t size, const pkv_wire_msg
         FUZZ_CHECK(!memcmp(blocks, b2, sizeof(uint32_t) * y->n_blocks));
         free(b2);
     } else {
-        /* Fixed layouts and canonical text: the bytes themselves must match. */
-        FUZZ_CHECK(len == size && !memcmp(buf, data, size));
+        /* Fixed layouts and canonical text: the bytes themselves must match, but for the
+         * version (a FAIL of any version decodes; we send ours). */
+        FUZZ_CHECK(len == size && !memcmp(buf, data, 4) && !memcmp(buf + 5, data + 5, size - 5));
+        FUZZ_CHECK(data[4] == PKV_WIRE_VERSION || m->type == PKV_WIRE_FAIL);
     }
     free(blocks);
     free(buf);
@@ -104,7 +107,15 @@ static void check_roundtrip(const uint8_t *data, size_t size, const pkv_wire_msg
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     pkv_wire_msg_t m;
-    if (pkv_xfer_wire_decode(data, size, &m) == PKV_OK) check_roundtrip(data, size, &m);
+    bool ours = pkv_xfer_wire_decode(data, size, &m) == PKV_OK;
+    if (ours) check_roundtrip(data, size, &m);
+    pkv_wire_foreign_t f;
+    if (pkv_xfer_wire_peek_foreign(data, size, &f) == PKV_OK) {
+        /* another version's: never one we decode, but a FAIL */
+        FUZZ_CHECK(f.version != 0 && f.version != PKV_WIRE_VERSION && f.version == data[4]);
+        FUZZ_CHECK(!ours || f.type == PKV_WIRE_FAIL);
+        FUZZ_CHECK(f.xfer_id < (1ull << PKV_WIRE_XFER_ID_BITS));
+    }
 
     pkv_xfer_handle_t *h = NULL;
     if (pkv_xfer_handle_decode(data, size, &h) == PKV_OK) {
