@@ -54,6 +54,7 @@ static const char *const fault_names[XH_NFAULTS] = {
     [XH_SHUTDOWN_PRODUCER] = "shutdown mid-transfer (producer)",
     [XH_CANCEL] = "cancel mid-transfer",
     [XH_CONSUMER_STOPPED] = "consumer SIGSTOPped",
+    [XH_PRODUCER_KILLED_STAGING] = "producer killed while staging",
 };
 
 const char *xh_fault_name(xh_fault_t f)
@@ -68,6 +69,7 @@ bool xh_outcome_expected(const xh_case_t *c, int oc)
         return oc == PKV_OK;
     case XH_PRODUCER_KILLED_BEFORE:
     case XH_PRODUCER_KILLED_DURING:
+    case XH_PRODUCER_KILLED_STAGING:
     case XH_PRODUCER_STOPPED:
     case XH_SHUTDOWN_PRODUCER:
         return oc == PKV_ERR_PEER_LOST;
@@ -104,7 +106,8 @@ bool xh_outcome_expected(const xh_case_t *c, int oc)
 bool xh_producer_reports(xh_fault_t f)
 {
     return f != XH_PRODUCER_KILLED_BEFORE && f != XH_PRODUCER_KILLED_DURING &&
-           f != XH_PRODUCER_KILLED_AFTER && f != XH_PRODUCER_STOPPED;
+           f != XH_PRODUCER_KILLED_AFTER && f != XH_PRODUCER_STOPPED &&
+           f != XH_PRODUCER_KILLED_STAGING;
 }
 
 bool xh_consumer_reports(xh_fault_t f)
@@ -408,6 +411,10 @@ static void producer_hook(void *arg, pkv_xfer_fault_point_t pt, uint32_t layer)
         if (f == XH_SHUTDOWN_PRODUCER) atomic_store(&g_trigger, 1);
     }
     if (pt == PKV_XFER_FAULT_SERVE_ALL_SENT && f == XH_PRODUCER_KILLED_AFTER) {
+        send_msg(g_report_fd, M_KILLTIME, &now, sizeof(now));
+        raise(SIGKILL);
+    }
+    if (pt == PKV_XFER_FAULT_SERVE_COPIED && layer == 1 && f == XH_PRODUCER_KILLED_STAGING) {
         send_msg(g_report_fd, M_KILLTIME, &now, sizeof(now));
         raise(SIGKILL);
     }

@@ -40,6 +40,8 @@ typedef enum {
     XH_SHUTDOWN_PRODUCER, /* producer destroys its agent mid-transfer */
     XH_CANCEL,            /* consumer cancels mid-transfer */
     XH_CONSUMER_STOPPED,  /* consumer raises SIGSTOP when layer 1 arrived (killed later) */
+    XH_PRODUCER_KILLED_STAGING, /* producer raises SIGKILL once it staged layer 1: a small
+                                   read, staged whole before its one DATA, dies with nothing sent */
     XH_NFAULTS
 } xh_fault_t;
 
