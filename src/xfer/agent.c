@@ -294,6 +294,7 @@ static void *progress_main(void *arg)
          * load first keeps the round from writing the flag's cache line when nothing came. */
         pkv_xfer_read_t *nr = NULL;
         xf_event_t *ev = NULL;
+        a->now_ns = pkv_now_ns();
         if (atomic_load_explicit(&a->wake_posted, memory_order_relaxed) &&
             atomic_exchange_explicit(&a->wake_posted, false, memory_order_acq_rel)) {
             pthread_mutex_lock(&a->lock);

@@ -293,7 +293,7 @@ static void finish(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, int outcome, bool t
     pkv_xfer_sum_fence();
     rd->finished = true;
     rd->state = XF_READ_DONE;
-    rd->done_ns = pkv_now_ns();
+    rd->done_ns = a->now_ns;
     atomic_store(&rd->v.abort, true);
     if (outcome == PKV_OK && pkv_log_get_level() >= PKV_LOG_DEBUG) {
         if (rd->shared)
@@ -355,7 +355,7 @@ void xf_reads_admit(pkv_xfer_agent_t *a, pkv_xfer_read_t *list)
         if (a->next_xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS)) a->next_xfer_id = 1;
         rd->v.stage_id = rd->xfer_id;
         rd->state = XF_READ_QUEUED;
-        rd->t_start = pkv_now_ns();
+        rd->t_start = a->now_ns;
         rd->peer = xf_peer_connect(a, rd->addr);
         if (!rd->peer) {
             finish(a, rd, PKV_ERR_PEER_LOST, false, "cannot create an endpoint to the producer");
@@ -474,7 +474,7 @@ static void recv_done(void *request, ucs_status_t status, const ucp_tag_recv_inf
         /* cancelled by us, or completed after the read ended: nothing to do */
     } else if (status == UCS_OK) {
         uint64_t off, len;
-        rd->t_last = pkv_now_ns();
+        rd->t_last = a->now_ns;
         if (!rd->t_first) rd->t_first = rd->t_last;
         xf_chunk_span(&rd->v, ch->index, &off, &len);
         uint32_t l = ch->index / rd->v.chunks_per_layer;
@@ -624,7 +624,7 @@ void xf_read_event(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, xf_event_t *ev)
     switch (ev->kind) {
     case XF_EV_SEATED:
         rd->seat_pending = false;
-        rd->t_seated = pkv_now_ns();
+        rd->t_seated = a->now_ns;
         if (ev->status == PKV_OK) {
             XF_STAT_ADD(a, staging_pages_held, rd->v.pages);
             if (xf_view_set_grant(&rd->v, ev->grant)) {

@@ -456,7 +456,7 @@ ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, voi
     ucp_ep_h ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : NULL;
     xf_peer_t *p = xf_peer_by_ep(a, ep);
     if (!p || p->state != XF_PEER_ACTIVE) return UCS_OK;
-    p->last_rx_ns = pkv_now_ns();
+    p->last_rx_ns = a->now_ns;
     if (!p->established) peer_established(p);
     pkv_wire_msg_t m;
     if (pkv_xfer_wire_decode(data, length, &m)) {

@@ -431,7 +431,7 @@ static void serve_finish(pkv_xfer_agent_t *a, xf_serve_t *s, int outcome, bool t
     s->state_done = true;
     s->state = XF_SERVE_DONE;
     s->outcome = outcome;
-    s->done_ns = pkv_now_ns();
+    s->done_ns = a->now_ns;
     atomic_store(&s->v.abort, true);
     if (outcome == PKV_OK && pkv_log_get_level() >= PKV_LOG_DEBUG)
         PKV_LOGD(XF_MOD,
@@ -676,7 +676,7 @@ static void all_sent(pkv_xfer_agent_t *a, xf_serve_t *s)
     bool out = s->shared ? s->layers_sent == s->v.layers : s->chunks_sent == s->v.n_chunks;
     if (s->state_done || s->state != XF_SERVE_SENDING || s->posting || !out) return;
     s->state = XF_SERVE_WAIT_ACK;
-    s->t_all_sent = pkv_now_ns();
+    s->t_all_sent = a->now_ns;
     fault(a, PKV_XFER_FAULT_SERVE_ALL_SENT, 0);
 }
 
@@ -813,7 +813,7 @@ static int seat_reason(int rc)
 /* Layer l is staged (layers are staged in order): send what can go. */
 static void layer_ready(pkv_xfer_agent_t *a, xf_serve_t *s, uint32_t l, uint64_t sum)
 {
-    s->t_last_ready = pkv_now_ns();
+    s->t_last_ready = a->now_ns;
     if (!l) s->t_first_ready = s->t_last_ready;
     s->layer_sum[l] = sum;
     s->layers_ready = l + 1;
@@ -825,7 +825,7 @@ void xf_serve_event(pkv_xfer_agent_t *a, xf_serve_t *s, xf_event_t *ev)
     switch (ev->kind) {
     case XF_EV_SEATED:
         s->seat_pending = false;
-        s->t_seated = pkv_now_ns();
+        s->t_seated = a->now_ns;
         if (ev->status == PKV_OK) {
             XF_STAT_ADD(a, staging_pages_held, s->v.pages);
             if (xf_view_set_grant(&s->v, ev->grant)) {

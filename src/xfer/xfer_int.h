@@ -362,6 +362,10 @@ struct pkv_xfer_agent {
     uint64_t busy; /* transfers not yet quiesced (mirror for wait_idle) */
 
     /* [P] */
+    uint64_t now_ns; /* the loop's clock (libuv's uv_now): read at the top of every round,
+                        so handlers stamp times and liveness without a clock call each;
+                        behind by at most the round's work so far. Deadlines and lease
+                        checks read the clock afresh. */
     xf_peer_t *peers;
     pkv_xfer_read_t *reads;
     xf_serve_t *serves;
