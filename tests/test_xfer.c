@@ -341,6 +341,26 @@ static void done_cb(void *arg, pkv_xfer_read_t *rd, int outcome)
     atomic_fetch_add(&d->calls, 1);
 }
 
+/* Register x's source blocks as `request` (no lease; `sent` gets the callback), read them
+ * into x's destination with `timeout_ns` to go, wait: the read's outcome. *h is the
+ * handle, for the caller to free. */
+static int register_and_read(pair_t *x, uint64_t request, reg_cb_t *sent, uint64_t timeout_ns,
+                             pkv_xfer_handle_t **h)
+{
+    ck_assert_int_eq(
+        pkv_xfer_register(x->p.a, request, x->sids, x->sn, PKV_DEADLINE_NEVER, reg_cb, sent, h),
+        PKV_OK);
+    pkv_xfer_read_t *rd;
+    ck_assert_int_eq(pkv_xfer_read(x->c.a, *h, x->dids, x->dn, pkv_deadline_after_ns(timeout_ns),
+                                   NULL, NULL, &rd),
+                     PKV_OK);
+    int oc = -1;
+    ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(timeout_ns + 5000000000ull), &oc),
+                     PKV_OK);
+    pkv_xfer_read_free(rd);
+    return oc;
+}
+
 START_TEST(in_process_read_ok_then_sent_once)
 {
     pair_t x;
@@ -710,16 +730,7 @@ START_TEST(close_handshake_is_answered)
     pair_make(&x, &SMALL, 24, 21);
     reg_cb_t sent = {0, 0, 0};
     pkv_xfer_handle_t *h;
-    ck_assert_int_eq(
-        pkv_xfer_register(x.p.a, 3, x.sids, x.sn, PKV_DEADLINE_NEVER, reg_cb, &sent, &h), PKV_OK);
-    pkv_xfer_read_t *rd;
-    ck_assert_int_eq(pkv_xfer_read(x.c.a, h, x.dids, x.dn, pkv_deadline_after_ns(5000000000ull),
-                                   NULL, NULL, &rd),
-                     PKV_OK);
-    int oc = -1;
-    ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(6000000000ull), &oc), PKV_OK);
-    ck_assert_int_eq(oc, PKV_OK);
-    pkv_xfer_read_free(rd);
+    ck_assert_int_eq(register_and_read(&x, 3, &sent, 5000000000ull, &h), PKV_OK);
     pkv_xfer_agent_destroy(x.c.a); /* right after the ACK went out: the consumer asks first */
     x.c.a = NULL;
     int unanswered = atomic_load(&unanswered_closes);
@@ -757,16 +768,7 @@ static void foreign_version_read(bool producer_stamped)
     pkv_xfer_set_faults(producer_stamped ? x.p.a : x.c.a, &f);
     reg_cb_t sent = {0, 0, 0};
     pkv_xfer_handle_t *h;
-    ck_assert_int_eq(
-        pkv_xfer_register(x.p.a, 5, x.sids, x.sn, PKV_DEADLINE_NEVER, reg_cb, &sent, &h), PKV_OK);
-    pkv_xfer_read_t *rd;
-    ck_assert_int_eq(pkv_xfer_read(x.c.a, h, x.dids, x.dn, pkv_deadline_after_ns(30000000000ull),
-                                   NULL, NULL, &rd),
-                     PKV_OK);
-    int oc = -1;
-    ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(35000000000ull), &oc), PKV_OK);
-    ck_assert_int_eq(oc, PKV_ERR_REJECTED);
-    pkv_xfer_read_free(rd);
+    ck_assert_int_eq(register_and_read(&x, 5, &sent, 30000000000ull, &h), PKV_ERR_REJECTED);
     ck_assert_int_eq(pkv_xfer_wait_idle(x.c.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
     ck_assert_int_eq(pkv_xfer_wait_idle(x.p.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
     pkv_xfer_stats_t ps, cs;
