@@ -103,7 +103,8 @@ START_TEST(versions_and_types_are_checked)
 END_TEST
 
 /* What every version keeps: another version's READ / DATA / ACK is not decoded, but
- * peek_foreign names its version, type and xfer_id; a FAIL of any version decodes. */
+ * peek_foreign names its version, type and xfer_id; a FAIL or CLOSE of any version
+ * decodes. */
 START_TEST(other_versions_are_peeked_and_their_fail_decodes)
 {
     uint32_t blocks[3] = {4, 5, 9};
@@ -167,6 +168,17 @@ START_TEST(other_versions_are_peeked_and_their_fail_decodes)
         ck_assert_uint_eq(m.u.fail.request_id, 34);
         ck_assert_int_eq(m.u.fail.reason, PKV_ERR_REJECTED);
         ck_assert_str_eq(m.u.fail.text, "wire version 2");
+    }
+    pkv_wire_close_t cl = {.agent_id = 99, .flags = PKV_WIRE_CLOSE_REPLY};
+    ck_assert_int_eq(pkv_xfer_wire_encode_close(&cl, fb, sizeof(fb), &fn), PKV_OK);
+    for (int v = 0; v < 256; v++) {
+        fb[4] = (uint8_t)v;
+        memset(&m, 0, sizeof(m));
+        ck_assert_int_eq(pkv_xfer_wire_decode(fb, fn, &m), v ? PKV_OK : PKV_ERR_PROTO);
+        if (!v) continue;
+        ck_assert_uint_eq(m.type, PKV_WIRE_CLOSE);
+        ck_assert_uint_eq(m.u.close.agent_id, 99);
+        ck_assert_uint_eq(m.u.close.flags, PKV_WIRE_CLOSE_REPLY);
     }
 }
 END_TEST

@@ -25,8 +25,8 @@
  *   CLOSE     u64 agent_id, u32 flags (REPLY), u32 reserved (0)
  * A flag bit this version does not know is malformed, so a peer that adds one must also
  * change PKV_WIRE_VERSION or be rejected. The header, READ / DATA / ACK's leading xfer_id
- * and the whole FAIL stay as they are in every version (wire.h): a FAIL of any version
- * decodes here with this layout.
+ * and the whole FAIL and CLOSE stay as they are in every version (wire.h): a FAIL or CLOSE
+ * of any version decodes here with this layout.
  *
  * Handle (PKVH v1): u32 magic "PKVH", u8 version 1, u8 addr_len, u16 flags (LOCAL),
  *   u64 request_id, u8 token[16], u32 layers, kv_heads, head_dim, block_tokens, dtype,
@@ -275,7 +275,8 @@ int pkv_xfer_wire_decode(const void *buf, size_t len, pkv_wire_msg_t *out)
         !get_u16(&c, &flags) || !get_u32(&c, &body_len))
         return PKV_ERR_PROTO;
     if (magic != PKV_WIRE_MAGIC || version == 0 || flags != 0) return PKV_ERR_PROTO;
-    if (version != PKV_WIRE_VERSION && type != PKV_WIRE_FAIL) return PKV_ERR_PROTO;
+    if (version != PKV_WIRE_VERSION && type != PKV_WIRE_FAIL && type != PKV_WIRE_CLOSE)
+        return PKV_ERR_PROTO;
     if (body_len != c.left) return PKV_ERR_PROTO;
 
     pkv_wire_msg_t m;

@@ -13,9 +13,10 @@
  *
  * Frozen in every version, so that agents of different versions end each other's
  * transfers with a FAIL instead of leaving them to the deadline: the header; a READ,
- * DATA or ACK body's leading u64 xfer_id; the whole FAIL message. A FAIL of any version
- * decodes; another version's READ or DATA is known by pkv_xfer_wire_peek_foreign and
- * answered (the READ by a FAIL rejected, the DATA by ending the read rejected).
+ * DATA or ACK body's leading u64 xfer_id; the whole FAIL and CLOSE messages. A FAIL or
+ * CLOSE of any version decodes (so shutdown's CLOSE handshake works across versions);
+ * another version's READ or DATA is known by pkv_xfer_wire_peek_foreign and answered
+ * (the READ by a FAIL rejected, the DATA by ending the read rejected).
  *
  * The decoder validates every length, count, id and enumerated value against the
  * limits below before anything is used, never reads past `len`, never allocates,
@@ -161,7 +162,8 @@ typedef struct {
     uint64_t xfer_id; /* READ, DATA, ACK: the leading xfer_id if in range, else 0 */
 } pkv_wire_foreign_t;
 /* PKV_OK and *out when buf has our magic, header flags 0, a version other than ours and
- * a body of exactly body_len bytes; PKV_ERR_PROTO otherwise (nothing written). */
+ * a body of exactly body_len bytes; PKV_ERR_PROTO otherwise (nothing written). A FAIL or
+ * CLOSE of another version is both peeked and decoded. */
 int pkv_xfer_wire_peek_foreign(const void *buf, size_t len, pkv_wire_foreign_t *out);
 /* Run i (< n_runs) of a decoded or to-be-encoded READ. */
 void pkv_xfer_wire_read_run(const pkv_wire_read_t *r, uint32_t i, uint32_t *first, uint32_t *count);

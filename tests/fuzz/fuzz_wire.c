@@ -96,9 +96,10 @@ static void check_roundtrip(const uint8_t *data, size_t size, const pkv_wire_msg
         free(b2);
     } else {
         /* Fixed layouts and canonical text: the bytes themselves must match, but for the
-         * version (a FAIL of any version decodes; we send ours). */
+         * version (a FAIL or CLOSE of any version decodes; we send ours). */
         FUZZ_CHECK(len == size && !memcmp(buf, data, 4) && !memcmp(buf + 5, data + 5, size - 5));
-        FUZZ_CHECK(data[4] == PKV_WIRE_VERSION || m->type == PKV_WIRE_FAIL);
+        FUZZ_CHECK(data[4] == PKV_WIRE_VERSION || m->type == PKV_WIRE_FAIL ||
+                   m->type == PKV_WIRE_CLOSE);
     }
     free(blocks);
     free(buf);
@@ -111,9 +112,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (ours) check_roundtrip(data, size, &m);
     pkv_wire_foreign_t f;
     if (pkv_xfer_wire_peek_foreign(data, size, &f) == PKV_OK) {
-        /* another version's: never one we decode, but a FAIL */
+        /* another version's: never one we decode, but a FAIL or a CLOSE */
         FUZZ_CHECK(f.version != 0 && f.version != PKV_WIRE_VERSION && f.version == data[4]);
-        FUZZ_CHECK(!ours || f.type == PKV_WIRE_FAIL);
+        FUZZ_CHECK(!ours || f.type == PKV_WIRE_FAIL || f.type == PKV_WIRE_CLOSE);
         FUZZ_CHECK(f.xfer_id < (1ull << PKV_WIRE_XFER_ID_BITS));
     }
 

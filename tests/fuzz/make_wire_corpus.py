@@ -114,6 +114,8 @@ def main(out):
         'ok-fail-v1': msg(FAIL, fail_body(), version=1),
         'ok-fail-v200': msg(FAIL, fail_body(text=b'wire version 2'), version=200),
         'bad-fail-v0': msg(FAIL, fail_body(), version=0),
+        'ok-close-reply-v1': msg(CLOSE, struct.pack('<QII', 0xabcdef, 1, 0), version=1),
+        'ok-close-v9': msg(CLOSE, struct.pack('<QII', 0xabcdef, 0, 0), version=9),
         'bad-flags': msg(HB, struct.pack('<QQ', 1, 1), flags=1),
         'bad-type': msg(99, b''),
         'bad-body-len-long': msg(HB, struct.pack('<QQ', 1, 1), body_len=17),
