@@ -30,6 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mount.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -811,9 +812,18 @@ static pid_t spawn(const xh_case_t *c, bool producer, int *to_child, int *from_c
     int down[2], up[2];
     if (pipe2(down, O_CLOEXEC) || pipe2(up, O_CLOEXEC)) return -1;
     fflush(NULL);
+    pid_t parent = getpid();
     pid_t pid = fork();
     if (pid < 0) return -1;
     if (pid == 0) {
+        /* A process group of its own, whose parent (in another group) keeps it from being
+         * orphaned: when the caller's group is orphaned (run in the background from a shell
+         * that left), a child stopped by a fault case would otherwise bring the kernel's
+         * SIGHUP + SIGCONT to the whole group, resuming it early and switching UCX to debug
+         * logging (UCX_DEBUG_SIGNO). It dies with its parent. */
+        setpgid(0, 0);
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() != parent) _exit(3);
         close(down[1]);
         close(up[0]);
         signal(SIGPIPE, SIG_IGN);
