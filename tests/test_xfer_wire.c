@@ -168,6 +168,11 @@ START_TEST(other_versions_are_peeked_and_their_fail_decodes)
         ck_assert_uint_eq(m.u.fail.request_id, 34);
         ck_assert_int_eq(m.u.fail.reason, PKV_ERR_REJECTED);
         ck_assert_str_eq(m.u.fail.text, "wire version 2");
+        /* also peeked, by its xfer_id, for a FAIL of another version we could not decode */
+        pkv_wire_foreign_t ff;
+        ck_assert_int_eq(pkv_xfer_wire_peek_foreign(fb, fn, &ff),
+                         v == PKV_WIRE_VERSION ? PKV_ERR_PROTO : PKV_OK);
+        if (v != PKV_WIRE_VERSION) ck_assert_uint_eq(ff.xfer_id, 12);
     }
     pkv_wire_close_t cl = {.agent_id = 99, .flags = PKV_WIRE_CLOSE_REPLY};
     ck_assert_int_eq(pkv_xfer_wire_encode_close(&cl, fb, sizeof(fb), &fn), PKV_OK);

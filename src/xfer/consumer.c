@@ -293,7 +293,7 @@ static void finish(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, int outcome, bool t
     pkv_xfer_sum_fence();
     rd->finished = true;
     rd->state = XF_READ_DONE;
-    rd->done_ns = a->now_ns;
+    rd->done_ns = pkv_now_ns(); /* the write-off clock in the tick counts from it */
     atomic_store(&rd->v.abort, true);
     if (outcome == PKV_OK && pkv_log_get_level() >= PKV_LOG_DEBUG) {
         if (rd->shared)

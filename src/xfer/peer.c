@@ -381,6 +381,12 @@ void xf_peers_tick(pkv_xfer_agent_t *a, uint64_t now)
     xf_peer_t **pp = &a->peers;
     while (*pp) {
         xf_peer_t *p = *pp;
+        if (p->rx_seen) {
+            /* Heard from this round: stamped with the tick's clock, not the round's start,
+             * so a round held up (a debugger, a stop) cannot age what just arrived. */
+            p->last_rx_ns = now;
+            p->rx_seen = false;
+        }
         if (p->state == XF_PEER_ACTIVE) {
             if (p->err != UCS_OK) {
                 char why[96];
@@ -425,7 +431,8 @@ void xf_peers_tick(pkv_xfer_agent_t *a, uint64_t now)
 /* ---- incoming control messages --------------------------------------------------------- */
 /* A message of another wire version: its transfer, if it names one of ours, ends with
  * `rejected` on both sides now (the READ answered by a FAIL, which every version decodes;
- * the DATA by ending our read, whose FAIL tells the producer). Logged once a peer. */
+ * the DATA by ending our read, whose FAIL tells the producer; a FAIL we could not decode
+ * ends the read or serve it names). Logged once a peer. */
 static void on_foreign(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_foreign_t *f)
 {
     char why[64];
@@ -438,8 +445,10 @@ static void on_foreign(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_foreign
     if (!f->xfer_id) return;
     if (f->type == PKV_WIRE_READ && !p->outgoing)
         xf_send_fail(a, p, f->xfer_id, 0, PKV_ERR_REJECTED, why);
-    else if (f->type == PKV_WIRE_DATA && p->outgoing)
+    else if ((f->type == PKV_WIRE_DATA || f->type == PKV_WIRE_FAIL) && p->outgoing)
         xf_read_on_foreign(a, p, f->xfer_id, why);
+    else if (f->type == PKV_WIRE_FAIL) /* one we could not decode (a reason we do not know) */
+        xf_serve_on_foreign(a, p, f->xfer_id, why);
 }
 
 ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, void *data,
@@ -456,7 +465,7 @@ ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, voi
     ucp_ep_h ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : NULL;
     xf_peer_t *p = xf_peer_by_ep(a, ep);
     if (!p || p->state != XF_PEER_ACTIVE) return UCS_OK;
-    p->last_rx_ns = a->now_ns;
+    p->rx_seen = true; /* the tick stamps last_rx_ns */
     if (!p->established) peer_established(p);
     pkv_wire_msg_t m;
     if (pkv_xfer_wire_decode(data, length, &m)) {

@@ -431,7 +431,7 @@ static void serve_finish(pkv_xfer_agent_t *a, xf_serve_t *s, int outcome, bool t
     s->state_done = true;
     s->state = XF_SERVE_DONE;
     s->outcome = outcome;
-    s->done_ns = a->now_ns;
+    s->done_ns = pkv_now_ns(); /* the write-off clock below counts from it */
     atomic_store(&s->v.abort, true);
     if (outcome == PKV_OK && pkv_log_get_level() >= PKV_LOG_DEBUG)
         PKV_LOGD(XF_MOD,
@@ -570,7 +570,7 @@ void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *
     s->deadline_ns = now + r->budget_ns;
     s->shared = r->flags & PKV_WIRE_READ_SHARED;
     s->v.stage_nt = s->v.stage_nt || s->shared; /* the peer reads it on another core */
-    s->t_start = now;
+    s->t_start = a->now_ns;                     /* debug times all on the loop's clock */
     s->v.stage_id = (1ull << 62) | (a->next_serve_id++ & ((1ull << 62) - 1));
     for (uint32_t c = 0; c < s->v.n_chunks; c++) {
         s->chunks[c].owner = s;
@@ -899,6 +899,16 @@ void xf_serve_on_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_fail_t *
     char why[PKV_WIRE_MAX_TEXT + 32];
     snprintf(why, sizeof(why), "consumer: %s (%s)", pkv_status_str(f->reason), f->text);
     serve_finish(a, s, f->reason, false, why);
+    serve_settle(a, s);
+}
+
+/* A FAIL of another wire version that we could not decode names this serve: it ends
+ * (the consumer already knows why). */
+void xf_serve_on_foreign(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, const char *why)
+{
+    xf_serve_t *s = find_serve(a, p, xfer_id);
+    if (!s || s->state_done) return;
+    serve_finish(a, s, PKV_ERR_REJECTED, false, why);
     serve_settle(a, s);
 }
 

@@ -395,7 +395,8 @@ int pkv_xfer_wire_peek_foreign(const void *buf, size_t len, pkv_wire_foreign_t *
         body_len != c.left)
         return PKV_ERR_PROTO;
     uint64_t id = 0;
-    if ((f.type == PKV_WIRE_READ || f.type == PKV_WIRE_DATA || f.type == PKV_WIRE_ACK) &&
+    if ((f.type == PKV_WIRE_READ || f.type == PKV_WIRE_DATA || f.type == PKV_WIRE_ACK ||
+         f.type == PKV_WIRE_FAIL) &&
         get_u64(&c, &id) && id < (1ull << PKV_WIRE_XFER_ID_BITS))
         f.xfer_id = id;
     *out = f;

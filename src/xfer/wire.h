@@ -159,7 +159,7 @@ int pkv_xfer_wire_decode(const void *buf, size_t len, pkv_wire_msg_t *out);
 /* Another version's message: what every version keeps (see the top of this file). */
 typedef struct {
     uint8_t version, type;
-    uint64_t xfer_id; /* READ, DATA, ACK: the leading xfer_id if in range, else 0 */
+    uint64_t xfer_id; /* READ, DATA, ACK, FAIL: the leading xfer_id if in range, else 0 */
 } pkv_wire_foreign_t;
 /* PKV_OK and *out when buf has our magic, header flags 0, a version other than ours and
  * a body of exactly body_len bytes; PKV_ERR_PROTO otherwise (nothing written). A FAIL or

@@ -146,8 +146,9 @@ struct xf_peer { /* every field [P] */
     char addr[PKV_XFER_ADDR_MAX]; /* outgoing: the address we connected to */
     ucp_ep_h ep;
     xf_peer_state_t state;
-    ucs_status_t err; /* set by the error callback, handled in the loop */
-    uint64_t last_rx_ns;
+    ucs_status_t err;    /* set by the error callback, handled in the loop */
+    uint64_t last_rx_ns; /* the tick after a message came (rx_seen) */
+    bool rx_seen;        /* a message came since the last tick */
     uint64_t next_hb_ns;
     uint64_t hb_seq;
     uint64_t remote_agent_id;
@@ -363,9 +364,10 @@ struct pkv_xfer_agent {
 
     /* [P] */
     uint64_t now_ns; /* the loop's clock (libuv's uv_now): read at the top of every round,
-                        so handlers stamp times and liveness without a clock call each;
-                        behind by at most the round's work so far. Deadlines and lease
-                        checks read the clock afresh. */
+                        so handlers stamp debug times without a clock call each; behind by
+                        at most the round's work so far. Deadlines, lease checks, done
+                        times and peer liveness (rx_seen, stamped by the tick) read the
+                        clock afresh. */
     xf_peer_t *peers;
     pkv_xfer_read_t *reads;
     xf_serve_t *serves;
@@ -458,6 +460,7 @@ void xf_read_unref(pkv_xfer_read_t *rd);
 void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *r);
 void xf_serve_on_ack(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_ack_t *k);
 void xf_serve_on_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_fail_t *f);
+void xf_serve_on_foreign(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, const char *why);
 void xf_serve_event(pkv_xfer_agent_t *a, xf_serve_t *s, xf_event_t *ev);
 void xf_serves_tick(pkv_xfer_agent_t *a, uint64_t now);
 void xf_serves_peer_lost(pkv_xfer_agent_t *a, xf_peer_t *p);
