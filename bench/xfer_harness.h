@@ -9,6 +9,9 @@
  * accounting back over pipes. Faults are injected at exact points by the children's
  * fault hooks (raise(SIGKILL) / raise(SIGSTOP) / sleeps) or by the parent (kill -9
  * before the read, network namespaces).
+ *
+ * Each child runs in a process group of its own and is killed when the thread that forked
+ * it exits (PR_SET_PDEATHSIG): call xh_run() from a thread that outlives the run.
  */
 #ifndef PKV_BENCH_XFER_HARNESS_H
 #define PKV_BENCH_XFER_HARNESS_H
