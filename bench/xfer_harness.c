@@ -399,27 +399,27 @@ static void child_fail(const char *what, int rc)
     exit(3);
 }
 
+/* A child's fault: tell the parent when (its clock, for the detection time), then take
+ * the signal. */
+static void signal_self(int sig)
+{
+    uint64_t now = pkv_now_ns();
+    send_msg(g_report_fd, M_KILLTIME, &now, sizeof(now));
+    raise(sig);
+}
+
 static void producer_hook(void *arg, pkv_xfer_fault_point_t pt, uint32_t layer)
 {
     (void)arg;
     xh_fault_t f = g_case->fault;
-    uint64_t now = pkv_now_ns();
     if (pt == PKV_XFER_FAULT_SERVE_LAYER_SENT && layer == 1) {
-        if (f == XH_PRODUCER_KILLED_DURING || f == XH_PRODUCER_STOPPED) {
-            send_msg(g_report_fd, M_KILLTIME, &now, sizeof(now));
-            raise(f == XH_PRODUCER_STOPPED ? SIGSTOP : SIGKILL);
-        }
+        if (f == XH_PRODUCER_KILLED_DURING || f == XH_PRODUCER_STOPPED)
+            signal_self(f == XH_PRODUCER_STOPPED ? SIGSTOP : SIGKILL);
         if (f == XH_SHUTDOWN_PRODUCER) atomic_store(&g_trigger, 1);
     }
-    if (pt == PKV_XFER_FAULT_SERVE_ALL_SENT && f == XH_PRODUCER_KILLED_AFTER) {
-        send_msg(g_report_fd, M_KILLTIME, &now, sizeof(now));
-        raise(SIGKILL);
-    }
-    if (pt == PKV_XFER_FAULT_SERVE_COPIED && layer == 1 && f == XH_PRODUCER_KILLED_STAGING) {
-        send_msg(g_report_fd, M_KILLTIME, &now, sizeof(now));
-        raise(SIGKILL);
-    }
+    if (pt == PKV_XFER_FAULT_SERVE_ALL_SENT && f == XH_PRODUCER_KILLED_AFTER) signal_self(SIGKILL);
     if (pt == PKV_XFER_FAULT_SERVE_COPIED) {
+        if (layer == 1 && f == XH_PRODUCER_KILLED_STAGING) signal_self(SIGKILL);
         /* Slow staging: the deadline passes (DEADLINE), or the transfer is still going
          * when the other side acts (SHUTDOWN_*, CANCEL). */
         if (f == XH_DEADLINE) usleep((useconds_t)(g_case->deadline_ms * 1000 / 3));
@@ -435,11 +435,7 @@ static void consumer_hook(void *arg, pkv_xfer_fault_point_t pt, uint32_t layer)
     xh_fault_t f = g_case->fault;
     if (pt == PKV_XFER_FAULT_READ_LAYER_RECEIVED && layer == 1) {
         if (f == XH_CONSUMER_KILLED_DURING) raise(SIGKILL);
-        if (f == XH_CONSUMER_STOPPED) {
-            uint64_t now = pkv_now_ns();
-            send_msg(g_report_fd, M_KILLTIME, &now, sizeof(now));
-            raise(SIGSTOP);
-        }
+        if (f == XH_CONSUMER_STOPPED) signal_self(SIGSTOP);
         if (f == XH_SHUTDOWN_CONSUMER || f == XH_CANCEL) atomic_store(&g_trigger, 1);
     }
 }
