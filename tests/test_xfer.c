@@ -38,7 +38,9 @@ typedef struct {
 static const pkv_geometry_t SMALL = {
     .layers = 3, .kv_heads = 2, .head_dim = 32, .block_tokens = 8, .dtype = PKV_DTYPE_BF16};
 
-static void side_make(side_t *s, const pkv_geometry_t *g)
+/* An agent over its own pool and stage; `layered`: small reads too go layer by layer,
+ * one DATA a layer (no_inline_copy), instead of a whole stream. */
+static void side_make_with(side_t *s, const pkv_geometry_t *g, bool layered)
 {
     pkv_kv_config_t kc;
     memset(&kc, 0, sizeof(kc));
@@ -58,7 +60,13 @@ static void side_make(side_t *s, const pkv_geometry_t *g)
     xc.chunk_bytes = 4096;
     xc.max_inflight = 256;
     xc.no_shared = true;
+    xc.no_inline_copy = layered;
     ck_assert_int_eq(pkv_xfer_agent_create(&xc, &s->a), PKV_OK);
+}
+
+static void side_make(side_t *s, const pkv_geometry_t *g)
+{
+    side_make_with(s, g, false);
 }
 
 static void side_free(side_t *s)
@@ -94,15 +102,21 @@ typedef struct {
     uint32_t sn, dn;
 } pair_t;
 
-static void pair_make(pair_t *x, const pkv_geometry_t *g, uint32_t n_tokens, int32_t base)
+static void pair_make_with(pair_t *x, const pkv_geometry_t *g, uint32_t n_tokens, int32_t base,
+                           bool layered)
 {
-    side_make(&x->p, g);
-    side_make(&x->c, g);
+    side_make_with(&x->p, g, layered);
+    side_make_with(&x->c, g, layered);
     x->src = seq_with(x->p.kv, n_tokens, true, base);
     x->dst = seq_with(x->c.kv, n_tokens, false, base);
     ck_assert_int_eq(pkv_seq_blocks(x->src, &x->sids, &x->sn), PKV_OK);
     ck_assert_int_eq(pkv_seq_blocks(x->dst, &x->dids, &x->dn), PKV_OK);
     ck_assert_uint_eq(x->sn, x->dn);
+}
+
+static void pair_make(pair_t *x, const pkv_geometry_t *g, uint32_t n_tokens, int32_t base)
+{
+    pair_make_with(x, g, n_tokens, base, false);
 }
 
 static void pair_free(pair_t *x)
@@ -360,6 +374,41 @@ static int register_and_read(pair_t *x, uint64_t request, reg_cb_t *sent, uint64
     pkv_xfer_read_free(rd);
     return oc;
 }
+
+/* A small read through UCX is one stream whose checksums ride in a trailer after its last
+ * byte (no DATA): with 5 blocks (30 KiB, 4 KiB chunks) the trailer shares the last chunk
+ * with stream bytes, with 4 (24 KiB) it is a chunk of its own. Either way the bytes arrive
+ * intact, and a layer changed in staging, the first or the last, is caught. */
+START_TEST(whole_stream_checksums_ride_the_payload)
+{
+    const uint32_t tokens[] = {37, 32};                    /* 5 and 4 blocks of 8 */
+    const int32_t bad_layer[] = {-1, 0, SMALL.layers - 1}; /* -1: none */
+    for (int t = 0; t < 2; t++) {
+        for (int b = 0; b < 3; b++) {
+            int32_t bad = bad_layer[b];
+            pair_t x;
+            pair_make(&x, &SMALL, tokens[t], 21);
+            const pkv_geometry_t *g = pkv_kv_geometry(x.p.kv);
+            uint32_t n_tok = x.sn * SMALL.block_tokens;
+            pattern_apply(x.src, g, 77, 0, n_tok, true);
+            pkv_xfer_faults_t f = {.corrupt_layer = bad};
+            pkv_xfer_set_faults(x.p.a, &f);
+            reg_cb_t sent = {0, 0, 0};
+            pkv_xfer_handle_t *h;
+            int oc = register_and_read(&x, 3, &sent, 5000000000ull, &h);
+            ck_assert_int_eq(oc, bad < 0 ? PKV_OK : PKV_ERR_CORRUPT);
+            if (bad < 0) ck_assert_uint_eq(pattern_apply(x.dst, g, 77, 0, n_tok, false), 0);
+            ck_assert_int_eq(pkv_xfer_wait_idle(x.c.a, pkv_deadline_after_ns(3000000000ull)),
+                             PKV_OK);
+            pkv_xfer_stats_t s;
+            pkv_xfer_stats(x.c.a, &s);
+            ck_assert_uint_eq(s.staging_pages_held + s.pinned_blocks + s.proto_errors, 0);
+            pkv_xfer_handle_free(h);
+            pair_free(&x);
+        }
+    }
+}
+END_TEST
 
 START_TEST(in_process_read_ok_then_sent_once)
 {
@@ -755,19 +804,21 @@ START_TEST(close_handshake_is_answered)
 }
 END_TEST
 
-/* Agents of two wire versions (one side's messages stamped version 3): the read ends
- * `rejected`, not by its deadline (that would be `timeout`), because the producer answers
- * a READ it cannot decode with a FAIL, and the consumer ends a read whose DATA it cannot
- * decode and says so. Nothing is counted sent; both sides go idle holding nothing; the
- * registration stays for a reader that speaks the producer's version; shutdown's CLOSE
- * is answered across the versions (no waiting out its bound). */
+/* Agents of two wire versions (one side's control messages stamped version 2, the one
+ * before): the read ends `rejected`, not by its deadline (that would be `timeout`),
+ * because the producer answers a READ it cannot decode with a FAIL, and the consumer ends
+ * a read whose DATA it cannot decode and says so (the read goes layer by layer: a whole
+ * stream's checksums travel in its payload, which the hook does not stamp). Nothing is counted
+ * sent; both sides go idle holding nothing; the registration stays for a reader that speaks the
+ * producer's version; shutdown's CLOSE is answered across the versions (no waiting out its bound).
+ */
 static void foreign_version_read(bool producer_stamped)
 {
     atomic_store(&unanswered_closes, 0);
     pkv_log_set_sink(close_sink, NULL);
     pair_t x;
-    pair_make(&x, &SMALL, 37, 11);
-    pkv_xfer_faults_t f = {.corrupt_layer = -1, .wire_version = 3};
+    pair_make_with(&x, &SMALL, 37, 11, producer_stamped);
+    pkv_xfer_faults_t f = {.corrupt_layer = -1, .wire_version = 2};
     pkv_xfer_set_faults(producer_stamped ? x.p.a : x.c.a, &f);
     reg_cb_t sent = {0, 0, 0};
     pkv_xfer_handle_t *h;
@@ -1083,6 +1134,7 @@ static Suite *xfer_suite(void)
     tcase_add_test(api, callback_starts_the_next_read);
     tcase_add_test(api, close_handshake_is_answered);
     tcase_add_test(api, other_wire_version_is_rejected_at_once);
+    tcase_add_test(api, whole_stream_checksums_ride_the_payload);
     suite_add_tcase(s, api);
     TCase *two = tcase_create("two_process");
     tcase_set_timeout(two, 120);

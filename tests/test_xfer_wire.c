@@ -305,31 +305,54 @@ START_TEST(shared_data_and_read_flags)
 END_TEST
 
 /* One DATA with every layer's checksum (whole-stream reads). */
-START_TEST(data_with_every_layer_checksum)
+START_TEST(data_layers_only_with_shared)
 {
-    uint64_t sums[] = {11, 22, 33};
-    pkv_wire_data_t d = {
-        .xfer_id = 9, .layer = 0, .flags = PKV_WIRE_DATA_LAYERS, .bytes = 4096, .checksum = 0};
-    uint8_t buf[128];
+    /* v3: a DATA carries every layer's checksum (LAYERS) only with the arena pieces of a
+     * shared whole stream; a whole stream through UCX has a trailer instead. */
+    uint64_t pieces[] = {0, 12288}, sums[] = {11, 22, 33};
+    pkv_wire_data_t d = {.xfer_id = 9,
+                         .layer = 0,
+                         .flags = PKV_WIRE_DATA_SHARED | PKV_WIRE_DATA_LAYERS,
+                         .bytes = 4096,
+                         .checksum = 0};
+    uint8_t buf[256];
     size_t len;
     pkv_wire_msg_t m;
-    data_roundtrip(&d, NULL, 0, sums, 3, buf, sizeof(buf), &len, &m);
+    data_roundtrip(&d, pieces, 1, sums, 3, buf, sizeof(buf), &len, &m);
     /* the count must match the body; a checksum in the base field is refused */
     ck_assert_int_eq(pkv_xfer_wire_decode(buf, len - 8, &m), PKV_ERR_PROTO);
-    size_t n_at = PKV_WIRE_HEADER_BYTES + 32;
+    size_t n_at = PKV_WIRE_HEADER_BYTES + 32 + 8 + 16; /* base, pieces header, one piece */
     buf[n_at] = 4;
     ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     buf[n_at] = 0;
     ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     buf[n_at] = 3;
+    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
     buf[PKV_WIRE_HEADER_BYTES + 24] = 1; /* base checksum */
     ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     d.checksum = 1;
-    data_refused(&d, NULL, 0, sums, 3);
+    data_refused(&d, pieces, 1, sums, 3);
     d.checksum = 0;
-    data_refused(&d, NULL, 0, NULL, 0);
     d.layer = PKV_WIRE_MAX_LAYERS - 2; /* layers past the limit */
+    data_refused(&d, pieces, 1, sums, 3);
+    /* LAYERS without SHARED: refused by the encoder, malformed to the decoder */
+    d.layer = 0;
+    d.flags = PKV_WIRE_DATA_LAYERS;
     data_refused(&d, NULL, 0, sums, 3);
+    data_refused(&d, NULL, 0, NULL, 0);
+    /* what v2 sent after a whole stream's last chunk: the same sums, no pieces */
+    uint8_t v2[PKV_WIRE_HEADER_BYTES + 64] = {0};
+    memcpy(v2, buf, PKV_WIRE_HEADER_BYTES);
+    v2[8] = 64; /* body_len */
+    uint8_t *body = v2 + PKV_WIRE_HEADER_BYTES;
+    body[0] = 9;                     /* xfer_id */
+    body[12] = PKV_WIRE_DATA_LAYERS; /* flags */
+    body[17] = 0x10;                 /* bytes 4096 */
+    body[32] = 3;                    /* n */
+    for (int i = 0; i < 3; i++) body[40 + 8 * i] = (uint8_t)sums[i];
+    ck_assert_int_eq(pkv_xfer_wire_decode(v2, sizeof(v2), &m), PKV_ERR_PROTO);
+    body[12] = 0; /* the same bytes as a plain DATA are malformed too: a trailer too many */
+    ck_assert_int_eq(pkv_xfer_wire_decode(v2, sizeof(v2), &m), PKV_ERR_PROTO);
 }
 END_TEST
 
@@ -600,7 +623,7 @@ static Suite *wire_suite(void)
     tcase_add_test(tc, versions_and_types_are_checked);
     tcase_add_test(tc, read_limits_are_enforced);
     tcase_add_test(tc, shared_data_and_read_flags);
-    tcase_add_test(tc, data_with_every_layer_checksum);
+    tcase_add_test(tc, data_layers_only_with_shared);
     tcase_add_test(tc, shared_data_for_every_layer);
     tcase_add_test(tc, fail_carries_reason_and_text);
     tcase_add_test(tc, other_versions_are_peeked_and_their_fail_decodes);

@@ -20,6 +20,7 @@
 #include "xfer/sum.h"
 #include "xfer/xfer_int.h"
 
+#include <endian.h>
 #include <stdio.h>
 #include <sched.h>
 #include <stdlib.h>
@@ -106,6 +107,7 @@ int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_
     rd->layer_chunks = calloc(L, sizeof(uint32_t));
     rd->layer_flags = calloc(L, 1);
     rd->layer_sum = calloc(L, sizeof(uint64_t));
+    rd->v.trailer = rd->layer_sum; /* a whole stream's checksums are received into it */
     rd->ev_layer = calloc(L, sizeof(xf_event_t));
     rd->job_layer = calloc(L, sizeof(xf_job_t));
     rd->chunks = calloc(rd->v.n_chunks, sizeof(xf_chunk_t));
@@ -481,10 +483,13 @@ static void recv_done(void *request, ucs_status_t status, const ucp_tag_recv_inf
         if (info->length != len) {
             finish(a, rd, PKV_ERR_CORRUPT, true, "payload chunk of the wrong length");
         } else if (rd->v.whole) {
-            /* Chunks cross layers: every layer is in when every chunk is. */
+            /* Chunks cross layers: every layer is in when every chunk is, and with the
+             * last byte the trailer, every layer's checksum. */
             if (++rd->chunks_in == rd->v.n_chunks)
                 for (l = 0; l < rd->v.layers && !rd->finished; l++) {
                     rd->layer_chunks[l] = 1;
+                    rd->layer_sum[l] = le64toh(rd->layer_sum[l]);
+                    rd->layer_flags[l] |= LF_HEADER;
                     fault(a, PKV_XFER_FAULT_READ_LAYER_RECEIVED, l);
                     maybe_verify(a, rd, l);
                 }
@@ -678,9 +683,12 @@ void xf_read_on_data(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_data_t *d
     if (!rd || rd->finished) return; /* late message for an ended read */
     bool shared_msg = d->flags & PKV_WIRE_DATA_SHARED;
     bool all_msg = d->flags & PKV_WIRE_DATA_LAYERS; /* whole stream: every layer at once */
+    /* Shared: one DATA (LAYERS) for a whole stream, else one a layer. Through UCX: one a
+     * layer, none for a whole stream (its checksums are the payload's trailer). */
     if (rd->state != XF_READ_READING || d->layer >= rd->v.layers || d->bytes != rd->v.layer_total ||
         (rd->layer_flags[d->layer] & LF_HEADER) || shared_msg != rd->shared ||
-        all_msg != rd->v.whole || (all_msg && (d->layer != 0 || d->n_sums != rd->v.layers))) {
+        all_msg != rd->v.whole || (rd->v.whole && !shared_msg) ||
+        (all_msg && (d->layer != 0 || d->n_sums != rd->v.layers))) {
         XF_STAT_ADD(a, proto_errors, 1);
         finish(a, rd, PKV_ERR_CORRUPT, true, "DATA message does not match the plan");
         settle(a, rd);

@@ -23,6 +23,7 @@
 #include "xfer/sum.h"
 #include "xfer/xfer_int.h"
 
+#include <endian.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -553,6 +554,7 @@ void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *
     }
     uint32_t L = s->v.layers;
     s->layer_sum = calloc(L, sizeof(uint64_t));
+    s->v.trailer = s->layer_sum;
     s->ev_layer = calloc(L, sizeof(xf_event_t));
     s->chunks = calloc(s->v.n_chunks, sizeof(xf_chunk_t));
     if (!s->layer_sum || !s->ev_layer || !s->chunks) {
@@ -656,16 +658,13 @@ static int send_data(pkv_xfer_agent_t *a, xf_serve_t *s, const pkv_wire_data_t *
     return rc;
 }
 
-/* DATA for layer l, or for every layer (whole stream) once its last chunk is posted. */
+/* DATA for layer l once its last chunk is posted (a whole stream has none: its
+ * checksums are the payload's trailer). */
 static void send_data_header(pkv_xfer_agent_t *a, xf_serve_t *s, uint32_t l)
 {
-    bool all = s->v.whole;
-    pkv_wire_data_t d = {.xfer_id = s->xfer_id,
-                         .layer = all ? 0 : l,
-                         .flags = all ? PKV_WIRE_DATA_LAYERS : 0,
-                         .bytes = s->v.layer_total,
-                         .checksum = all ? 0 : s->layer_sum[l]};
-    send_data(a, s, &d, NULL, 0, all ? s->layer_sum : NULL, all ? s->v.layers : 0);
+    pkv_wire_data_t d = {
+        .xfer_id = s->xfer_id, .layer = l, .bytes = s->v.layer_total, .checksum = s->layer_sum[l]};
+    send_data(a, s, &d, NULL, 0, NULL, 0);
 }
 
 /* Every chunk completed and every DATA went out: wait for the ACK. Not while pump() is
@@ -742,7 +741,8 @@ static void pump(pkv_xfer_agent_t *a, xf_serve_t *s)
         pump_shared(a, s);
         return;
     }
-    uint64_t staged = (uint64_t)s->layers_ready * s->v.layer_total;
+    uint64_t staged = (uint64_t)s->layers_ready * s->v.layer_total +
+                      (s->layers_ready == s->v.layers ? s->v.trailer_bytes : 0);
     /* A send that completes at once runs send_done inside ucp_tag_send_nbx (NO_IMM_CMPL):
      * `posting` keeps it from settling s under us (every caller of pump() settles after
      * it) and from declaring all sent before the DATA below went out. */
@@ -783,15 +783,16 @@ static void pump(pkv_xfer_agent_t *a, xf_serve_t *s)
         }
         s->next_chunk++;
         if (!ch->done) ch->req = req; /* else send_done already ran and freed it */
-        /* Layers whose every byte is now posted (the hook may stop us here: then their
-         * DATA has not gone, so the consumer cannot complete). */
+        /* Layers whose every byte is now posted (the hook may stop us here: a layer's DATA
+         * has then not gone, so the consumer cannot complete it; a whole stream's checksums
+         * went with its last chunk). */
         bool layer_end = s->v.whole ? s->next_chunk == s->v.n_chunks
                                     : s->next_chunk % s->v.chunks_per_layer == 0;
         if (!layer_end) continue;
         uint32_t last = s->v.whole ? s->v.layers - 1 : s->next_chunk / s->v.chunks_per_layer - 1;
         for (uint32_t l = s->v.whole ? 0 : last; l <= last; l++)
             fault(a, PKV_XFER_FAULT_SERVE_LAYER_SENT, l);
-        send_data_header(a, s, last);
+        if (!s->v.whole) send_data_header(a, s, last);
     }
     s->posting = false;
     all_sent(a, s);
@@ -817,6 +818,9 @@ static void layer_ready(pkv_xfer_agent_t *a, xf_serve_t *s, uint32_t l, uint64_t
     if (!l) s->t_first_ready = s->t_last_ready;
     s->layer_sum[l] = sum;
     s->layers_ready = l + 1;
+    if (s->v.whole && !s->shared && s->layers_ready == s->v.layers)
+        for (uint32_t k = 0; k < s->v.layers; k++) /* the trailer's byte order */
+            s->layer_sum[k] = htole64(s->layer_sum[k]);
     pump(a, s);
 }
 

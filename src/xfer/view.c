@@ -10,6 +10,9 @@
  * chunk c of the transfer is chunk (c % chunks_per_layer) of layer (c / chunks_per_layer).
  * A whole-stream view (small transfers, READ flag WHOLE) cuts the stream itself into
  * chunks, across layers; its layers become storable together, when every chunk is in.
+ * Its payload messages carry a trailer after the stream's last byte: every layer's
+ * checksum (little-endian u64), so no DATA message is needed (the trailer lives in the
+ * owner's layer_sum, not in staging).
  *
  * Staging is the grant's runs walked in order; a stream range may cross runs, so copies
  * and payload buffers are split (payload buffers become a UCX iov).
@@ -36,8 +39,11 @@ int xf_view_init(xf_view_t *v, pkv_xfer_agent_t *a, uint32_t n_blocks, const uin
         return PKV_ERR_NOFIT;
     uint64_t total = layer_total * a->geo.layers;
     uint64_t cpl = PKV_DIV_UP(layer_total, chunk_bytes);
+    uint32_t trailer = whole ? 8 * a->geo.layers : 0;
+    uint64_t n_chunks = whole ? PKV_DIV_UP(total + trailer, chunk_bytes) : cpl * a->geo.layers;
     uint64_t pages = PKV_DIV_UP(total, a->page_bytes);
-    if (cpl * a->geo.layers >= (1ull << PKV_WIRE_CHUNK_BITS) || pages > UINT32_MAX)
+    if (cpl * a->geo.layers >= (1ull << PKV_WIRE_CHUNK_BITS) ||
+        n_chunks >= (1ull << PKV_WIRE_CHUNK_BITS) || pages > UINT32_MAX)
         return PKV_ERR_NOFIT;
     v->blocks = malloc(sizeof(uint32_t) * n_blocks);
     if (!v->blocks) return PKV_ERR_NOMEM;
@@ -47,9 +53,10 @@ int xf_view_init(xf_view_t *v, pkv_xfer_agent_t *a, uint32_t n_blocks, const uin
     v->layer_total = layer_total;
     v->chunk_bytes = chunk_bytes;
     v->whole = whole;
+    v->trailer_bytes = trailer;
     v->stage_nt = v->layer_total >= XF_STAGE_NT_BYTES;
     v->chunks_per_layer = whole ? 1 : (uint32_t)cpl;
-    v->n_chunks = (uint32_t)(whole ? PKV_DIV_UP(total, chunk_bytes) : cpl * a->geo.layers);
+    v->n_chunks = (uint32_t)n_chunks;
     v->pages = (uint32_t)pages;
     atomic_init(&v->abort, false);
     return PKV_OK;
@@ -100,7 +107,8 @@ void xf_chunk_span(const xf_view_t *v, uint32_t c, uint64_t *off, uint64_t *len)
 {
     if (v->whole) {
         *off = (uint64_t)c * v->chunk_bytes;
-        *len = PKV_MIN((uint64_t)v->chunk_bytes, v->layer_total * v->layers - *off);
+        *len =
+            PKV_MIN((uint64_t)v->chunk_bytes, v->layer_total * v->layers + v->trailer_bytes - *off);
         return;
     }
     uint32_t l = c / v->chunks_per_layer, j = c % v->chunks_per_layer;
@@ -109,37 +117,45 @@ void xf_chunk_span(const xf_view_t *v, uint32_t c, uint64_t *off, uint64_t *len)
     *len = PKV_MIN((uint64_t)v->chunk_bytes, v->layer_total - in_layer);
 }
 
+/* The pieces of stream range [off, off + len): staging, then the trailer past the stream's
+ * end. With out == NULL only counts them. */
+static uint32_t chunk_pieces(const xf_view_t *v, uint64_t off, uint64_t len, ucp_dt_iov_t *out)
+{
+    uint64_t stream = v->layer_total * v->layers, contig;
+    uint32_t n = 0;
+    for (; len && off < stream; n++) {
+        uint8_t *q = stage_at(v, off, &contig);
+        uint64_t k = PKV_MIN(PKV_MIN(contig, len), stream - off);
+        if (out) out[n] = (ucp_dt_iov_t){.buffer = q, .length = k};
+        off += k;
+        len -= k;
+    }
+    if (len) { /* off >= stream and the range ends inside the trailer (xf_chunk_span) */
+        if (out)
+            out[n] =
+                (ucp_dt_iov_t){.buffer = (uint8_t *)v->trailer + (off - stream), .length = len};
+        n++;
+    }
+    return n;
+}
+
 int xf_chunk_buffer(const xf_view_t *v, xf_chunk_t *ch, uint64_t off, uint64_t len, void **buf,
                     size_t *count, ucp_datatype_t *dt)
 {
-    uint64_t contig;
-    uint8_t *p = stage_at(v, off, &contig);
-    if (contig >= len) {
-        *buf = p;
-        *count = len;
+    ucp_dt_iov_t one;
+    uint32_t n = chunk_pieces(v, off, len, NULL);
+    if (n == 1) {
+        chunk_pieces(v, off, len, &one);
+        *buf = one.buffer;
+        *count = one.length;
         *dt = ucp_dt_make_contig(1);
         return PKV_OK;
-    }
-    uint32_t n = 0;
-    for (uint64_t o = off, left = len; left; n++) {
-        stage_at(v, o, &contig);
-        uint64_t k = PKV_MIN(contig, left);
-        o += k;
-        left -= k;
     }
     free(ch->iov);
     ch->iov = calloc(n, sizeof(ucp_dt_iov_t));
     if (!ch->iov) return PKV_ERR_NOMEM;
     ch->iovcnt = n;
-    uint32_t i = 0;
-    for (uint64_t o = off, left = len; left; i++) {
-        uint8_t *q = stage_at(v, o, &contig);
-        uint64_t k = PKV_MIN(contig, left);
-        ch->iov[i].buffer = q;
-        ch->iov[i].length = k;
-        o += k;
-        left -= k;
-    }
+    chunk_pieces(v, off, len, ch->iov);
     *buf = ch->iov;
     *count = n;
     *dt = ucp_dt_make_iov();

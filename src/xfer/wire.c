@@ -1,5 +1,5 @@
 /*
- * xfer wire format v2: encoders and the bounds-checked decoder for control messages,
+ * xfer wire format v3: encoders and the bounds-checked decoder for control messages,
  * and the KV handle's byte form (public: pkv_xfer_handle_encode / _decode).
  *
  * Decoding rule: a cursor over [buf, buf + len) hands out fields only after checking
@@ -13,7 +13,8 @@
  *             u32 layers, u32 kv_heads, u32 head_dim, u32 block_tokens, u32 dtype,
  *             u32 chunk_bytes, u32 flags (SHARED, WHOLE), u32 n_runs,
  *             n_runs x {u32 first_block, u32 count}
- *   DATA      u64 xfer_id, u32 layer, u32 flags (SHARED, LAYERS), u64 bytes (one layer's),
+ *   DATA      u64 xfer_id, u32 layer, u32 flags (SHARED, LAYERS only with SHARED),
+ *             u64 bytes (one layer's),
  *             u64 checksum (0 with LAYERS),
  *             if SHARED: u32 n_pieces, u32 reserved (0), n_pieces x {u64 offset, u64 length}
  *                        (they add up to bytes, with LAYERS to n * bytes)
@@ -300,6 +301,7 @@ int pkv_xfer_wire_decode(const void *buf, size_t len, pkv_wire_msg_t *out)
             return PKV_ERR_PROTO;
         bool shared = d->flags & PKV_WIRE_DATA_SHARED, layers = d->flags & PKV_WIRE_DATA_LAYERS;
         uint32_t reserved;
+        if (layers && !shared) return PKV_ERR_PROTO; /* v3: a trailer carries those sums */
         if (shared) {
             if (!get_u32(&c, &d->n_pieces) || !get_u32(&c, &reserved) || reserved ||
                 d->n_pieces < 1 || d->n_pieces > PKV_WIRE_MAX_PIECES ||
@@ -463,7 +465,8 @@ int pkv_xfer_wire_encode_data(const pkv_wire_data_t *d, const uint64_t *pieces, 
     if ((d->flags & ~(PKV_WIRE_DATA_SHARED | PKV_WIRE_DATA_LAYERS)) || d->xfer_id == 0 ||
         d->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) || d->layer >= PKV_WIRE_MAX_LAYERS ||
         d->bytes > PKV_WIRE_MAX_BYTES || shared != (n_pieces > 0) || layers != (n_sums > 0) ||
-        (n_pieces && !pieces) || (n_sums && !sums) || n_pieces > PKV_WIRE_MAX_PIECES ||
+        (layers && !shared) || (n_pieces && !pieces) || (n_sums && !sums) ||
+        n_pieces > PKV_WIRE_MAX_PIECES ||
         (layers && (d->checksum || n_sums > PKV_WIRE_MAX_LAYERS - d->layer)))
         return PKV_ERR_INVALID;
     uint64_t sum = 0;

@@ -1,11 +1,11 @@
 /*
- * xfer wire format, version 2 (internal to src/xfer).
+ * xfer wire format, version 3 (internal to src/xfer).
  *
  * Every control message is one UCX active message whose payload is:
  *
  *   header (12 bytes, little-endian)
  *     u32 magic    0x58564B50 ("PKVX")
- *     u8  version  2; another version is not decoded (see below)
+ *     u8  version  3; another version is not decoded (see below)
  *     u8  type     READ | DATA | ACK | FAIL | HEARTBEAT | CLOSE
  *     u16 flags    0
  *     u32 body_len exactly the bytes that follow
@@ -21,7 +21,12 @@
  * The decoder validates every length, count, id and enumerated value against the
  * limits below before anything is used, never reads past `len`, never allocates,
  * and sets *out only on success. The payload bytes of a transfer travel as UCX tag
- * messages (tag layout below); only their per-layer checksum is in a DATA message.
+ * messages (tag layout below); their per-layer checksum is in a DATA message, or, for a
+ * whole-stream read (PKV_WIRE_READ_WHOLE without SHARED), in the stream's trailer.
+ *
+ * Version 3 (session 10): a whole-stream read through UCX carries its checksums in a
+ * trailer after the stream's last byte instead of a DATA message (v2 sent a DATA with
+ * LAYERS after the last chunk; v3 accepts LAYERS only with SHARED).
  */
 #ifndef PKV_XFER_WIRE_H
 #define PKV_XFER_WIRE_H
@@ -33,7 +38,7 @@
 #include <stdint.h>
 
 #define PKV_WIRE_MAGIC        0x58564B50u
-#define PKV_WIRE_VERSION      2
+#define PKV_WIRE_VERSION      3
 #define PKV_WIRE_HEADER_BYTES 12u
 
 enum {
@@ -90,17 +95,18 @@ typedef struct {
 /* READ flags: the consumer has mapped the producer's shared staging arena (same host):
  * send DATA with arena offsets instead of payload messages. */
 #define PKV_WIRE_READ_SHARED 1u
-/* READ flags: whole stream (a small transfer): one DATA (PKV_WIRE_DATA_LAYERS) announces
- * every layer at once, with every layer's checksum. Payload through UCX: chunk c is stream
- * bytes [c * chunk_bytes, (c + 1) * chunk_bytes) whatever the layers, and the DATA follows
- * the last chunk. With SHARED: the DATA (SHARED | LAYERS) carries the arena pieces of the
- * whole stream, sent once every layer is staged. */
+/* READ flags: whole stream (a small transfer): every layer is announced at once, with
+ * every layer's checksum. Payload through UCX: the stream is followed by a trailer of
+ * `layers` x u64 checksum (little-endian), and chunk c is bytes [c * chunk_bytes,
+ * (c + 1) * chunk_bytes) of stream + trailer, whatever the layers; no DATA. With SHARED:
+ * one DATA (SHARED | LAYERS) carries the arena pieces of the whole stream and the
+ * checksums, sent once every layer is staged. */
 #define PKV_WIRE_READ_WHOLE 2u
 /* DATA flags: the layer's bytes (with LAYERS: the bytes of its layers, in stream order)
  * are in the producer's shared arena at `pieces`. */
 #define PKV_WIRE_DATA_SHARED 1u
 /* DATA flags: the message covers layers [layer, layer + n_sums), their checksums in
- * `sums`; `checksum` is 0. */
+ * `sums`; `checksum` is 0. Only with SHARED (a whole-stream read). */
 #define PKV_WIRE_DATA_LAYERS 2u
 
 typedef struct {

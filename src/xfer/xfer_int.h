@@ -116,6 +116,8 @@ typedef struct {
     uint64_t layer_total; /* n_blocks * layer_bytes */
     uint32_t chunk_bytes;
     bool whole;                /* chunks cut the stream across layers (small transfers) */
+    uint32_t trailer_bytes;    /* whole: the checksums after the stream (8 x layers), else 0 */
+    uint64_t *trailer;         /* whole: the owner's layer_sum, sent / received as the trailer */
     bool stage_nt;             /* staging copies store around the cache (XF_STAGE_NT_BYTES) */
     uint32_t chunks_per_layer; /* 1 when whole */
     uint32_t n_chunks;

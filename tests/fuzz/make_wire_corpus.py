@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write the seed corpus for tests/fuzz/fuzz_wire.c: an independent encoding of wire v2.
+"""Write the seed corpus for tests/fuzz/fuzz_wire.c: an independent encoding of wire v3.
 
 ok-*   must decode (tests/test_xfer_wire.c asserts it)
 bad-*  must be rejected
@@ -15,7 +15,7 @@ READ, DATA, ACK, FAIL, HB, CLOSE = 1, 2, 3, 4, 5, 6
 TIMEOUT, PEER_LOST, NOFIT, REJECTED, CANCELLED, CORRUPT, SHUTDOWN = -5, -11, -4, -12, -7, -13, -6
 
 
-def msg(t, body, version=2, flags=0, body_len=None):
+def msg(t, body, version=3, flags=0, body_len=None):
     bl = len(body) if body_len is None else body_len
     return struct.pack('<IBBHI', MAGIC, version, t, flags, bl) + body
 
@@ -72,12 +72,17 @@ def main(out):
         'ok-data-shared': msg(DATA, data_body(flags=1, nbytes=12288, pieces=((4096, 8192), (65536, 4096)))),
         'ok-read-shared': msg(READ, read_body(flags=1)),
         'ok-read-whole': msg(READ, read_body(flags=2)),
-        'ok-data-layers': msg(DATA, data_body(layer=0, flags=2, checksum=0, sums=(1, 2, 3, 4))),
-        'bad-data-layers-checksum': msg(DATA, data_body(layer=0, flags=2, sums=(1, 2))),
-        'bad-data-layers-none': msg(DATA, data_body(layer=0, flags=2, checksum=0, sums=())),
-        'bad-data-layers-beyond': msg(DATA, data_body(layer=4095, flags=2, checksum=0, sums=(1, 2))),
-        'bad-data-layers-count-lies': msg(DATA, data_body(layer=0, flags=2, checksum=0,
-                                                          sums=(1, 2))[:-8]),
+        # v3: LAYERS only with SHARED (a whole stream through UCX has a checksum trailer)
+        'bad-data-layers-without-shared': msg(DATA, data_body(layer=0, flags=2, checksum=0,
+                                                              sums=(1, 2, 3, 4))),
+        'bad-data-layers-checksum': msg(DATA, data_body(layer=0, flags=3, nbytes=4096,
+                                                        pieces=((0, 8192),), sums=(1, 2))),
+        'bad-data-layers-none': msg(DATA, data_body(layer=0, flags=3, nbytes=4096, checksum=0,
+                                                    pieces=((0, 4096),), sums=())),
+        'bad-data-layers-beyond': msg(DATA, data_body(layer=4095, flags=3, nbytes=4096, checksum=0,
+                                                      pieces=((0, 8192),), sums=(1, 2))),
+        'bad-data-layers-count-lies': msg(DATA, data_body(layer=0, flags=3, nbytes=4096, checksum=0,
+                                                          pieces=((0, 8192),), sums=(1, 2))[:-8]),
         'ok-data-shared-layers': msg(DATA, data_body(layer=0, flags=3, nbytes=4096, checksum=0,
                                                      pieces=((0, 8192), (65536, 4096)),
                                                      sums=(1, 2, 3))),
@@ -105,12 +110,15 @@ def main(out):
         'bad-short-header': msg(HB, b'')[:7],
         'bad-magic': b'XXXX' + msg(HB, struct.pack('<QQ', 1, 1))[4:],
         'bad-version-1': msg(HB, struct.pack('<QQ', 1, 1), version=1),
-        'bad-version-3': msg(HB, struct.pack('<QQ', 1, 1), version=3),
+        'bad-version-2': msg(HB, struct.pack('<QQ', 1, 1), version=2),
+        'bad-version-4': msg(HB, struct.pack('<QQ', 1, 1), version=4),
         'bad-version-0': msg(HB, struct.pack('<QQ', 1, 1), version=0),
-        'foreign-read-v3': msg(READ, read_body(), version=3),
+        'foreign-read-v2': msg(READ, read_body(), version=2),
+        'foreign-data-v2-layers': msg(DATA, data_body(layer=0, flags=2, checksum=0,
+                                                      sums=(1, 2, 3, 4)), version=2),
         'foreign-data-v1': msg(DATA, data_body(), version=1),
         'foreign-ack-v9-id-beyond': msg(ACK, struct.pack('<QQQ', 1 << 40, 42, 1), version=9),
-        'foreign-read-v3-short': msg(READ, b'\1\2\3', version=3),
+        'foreign-read-v4-short': msg(READ, b'\1\2\3', version=4),
         'ok-fail-v1': msg(FAIL, fail_body(), version=1),
         'ok-fail-v200': msg(FAIL, fail_body(text=b'wire version 2'), version=200),
         'bad-fail-v0': msg(FAIL, fail_body(), version=0),
