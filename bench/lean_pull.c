@@ -15,12 +15,10 @@
 #include "prim/prim.h"
 #include "xfer/sum.h"
 
-#include <signal.h>
 #include <stdio.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -95,9 +93,10 @@ static void lp_copy(const lp_geo_t *g, uint8_t *dst, const uint8_t *src, uint64_
     }
 }
 
-static void lp_producer(lp_shared_t *sh, uint8_t *arena, const lp_geo_t *g, uint32_t reads)
+static void lp_producer(lp_shared_t *sh, uint8_t *arena, const lp_geo_t *g, uint32_t reads,
+                        pid_t parent)
 {
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    xh_child_detach(parent);
     uint8_t *pool = lp_pool(g->read_bytes * reads);
     if (!pool) _exit(2);
     for (size_t i = 0; i < g->read_bytes * reads; i += 4096) memset(pool + i, (int)(i >> 12), 4096);
@@ -144,8 +143,8 @@ double xh_lean_pull_gbps(size_t read_bytes, uint32_t layers, size_t piece, uint3
     uint8_t *pool = NULL;
     double gbps = -1;
     fflush(NULL);
-    pid_t pid = fork();
-    if (pid == 0) lp_producer(sh, arena, &g, reads);
+    pid_t parent = getpid(), pid = fork();
+    if (pid == 0) lp_producer(sh, arena, &g, reads, parent);
     if (pid < 0) goto out;
     pool = lp_pool(read_bytes * reads);
     if (!pool) goto out;

@@ -812,14 +812,7 @@ static pid_t spawn(const xh_case_t *c, bool producer, int *to_child, int *from_c
     pid_t pid = fork();
     if (pid < 0) return -1;
     if (pid == 0) {
-        /* A process group of its own, whose parent (in another group) keeps it from being
-         * orphaned: when the caller's group is orphaned (run in the background from a shell
-         * that left), a child stopped by a fault case would otherwise bring the kernel's
-         * SIGHUP + SIGCONT to the whole group, resuming it early and switching UCX to debug
-         * logging (UCX_DEBUG_SIGNO). It dies with its parent. */
-        setpgid(0, 0);
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        if (getppid() != parent) _exit(3);
+        xh_child_detach(parent);
         close(down[1]);
         close(up[0]);
         signal(SIGPIPE, SIG_IGN);
@@ -837,6 +830,13 @@ static pid_t spawn(const xh_case_t *c, bool producer, int *to_child, int *from_c
     *to_child = down[1];
     *from_child = up[0];
     return pid;
+}
+
+void xh_child_detach(pid_t parent)
+{
+    setpgid(0, 0);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(3);
 }
 
 void xh_reap(pid_t pid, int *wstatus, uint64_t deadline_ns)

@@ -132,6 +132,14 @@ double xh_cpu_round_trip_ns(void);
 double xh_lean_pull_gbps(size_t read_bytes, uint32_t layers, size_t piece, uint32_t warm_reads,
                          uint32_t timed_reads);
 
+/* In a child just forked from `parent`: a process group of its own, and death with its
+ * parent (exits at once when the parent is already gone). The parent (in another group)
+ * keeps the group from being orphaned: when the caller's group is orphaned (run in the
+ * background from a shell that left), a child stopped by a fault case would otherwise
+ * bring the kernel's SIGHUP + SIGCONT to the whole group, resuming it early and switching
+ * UCX to debug logging (UCX_DEBUG_SIGNO). */
+void xh_child_detach(pid_t parent);
+
 /* Wait for child `pid` (<= 0: nothing to do) and store its wait status; a child still
  * there at deadline_ns, or stopped, is killed with SIGKILL and then waited for. A pid that
  * is not a child (or was reaped already) returns at once, *wstatus untouched. */

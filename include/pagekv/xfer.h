@@ -176,7 +176,8 @@ typedef struct {
     uint64_t staging_pages_held; /* pages held by this agent's transfers now */
     uint64_t peers;              /* live peers */
     uint64_t peers_lost;
-    uint64_t proto_errors;  /* messages that failed to decode */
+    uint64_t proto_errors;  /* messages that failed to decode (malformed, wrong side) */
+    uint64_t foreign_msgs;  /* messages of another wire version (heartbeats included) */
     uint64_t stale_dropped; /* payload messages for ended transfers, discarded */
     uint64_t written_off;   /* UCX operations abandoned after a forced close */
 } pkv_xfer_stats_t;

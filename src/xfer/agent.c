@@ -786,6 +786,7 @@ void pkv_xfer_stats(pkv_xfer_agent_t *a, pkv_xfer_stats_t *out)
     s.peers = LD(peers);
     s.peers_lost = LD(peers_lost);
     s.proto_errors = LD(proto_errors);
+    s.foreign_msgs = LD(foreign_msgs);
     s.stale_dropped = LD(stale_dropped);
     s.written_off = LD(written_off);
     *out = s;

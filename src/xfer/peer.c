@@ -469,13 +469,15 @@ ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, voi
     if (!p->established) peer_established(p);
     pkv_wire_msg_t m;
     if (pkv_xfer_wire_decode(data, length, &m)) {
-        XF_STAT_ADD(a, proto_errors, 1);
         pkv_wire_foreign_t f;
-        if (pkv_xfer_wire_peek_foreign(data, length, &f) == PKV_OK)
+        if (pkv_xfer_wire_peek_foreign(data, length, &f) == PKV_OK) {
+            XF_STAT_ADD(a, foreign_msgs, 1);
             on_foreign(a, p, &f);
-        else
+        } else {
+            XF_STAT_ADD(a, proto_errors, 1);
             PKV_LOGW(XF_MOD, "peer %u: malformed control message (%zu bytes) dropped", p->id,
                      length);
+        }
         return UCS_OK;
     }
     switch (m.type) {

@@ -308,7 +308,7 @@ typedef struct {
     _Atomic uint64_t registered, registrations, pinned_blocks, serves_started, serves_failed, sent,
         bytes_sent, rejected, expired;
     _Atomic uint64_t active_transfers, staging_pages_held, peers, peers_lost, proto_errors,
-        stale_dropped, written_off;
+        foreign_msgs, stale_dropped, written_off;
 } xf_stats_t;
 
 struct pkv_xfer_agent {
