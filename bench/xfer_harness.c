@@ -512,12 +512,14 @@ static pkv_xfer_agent_t *make_agent(const xh_case_t *c, pkv_kv_t *kv, pkv_stage_
      * run on a worker, not hold up the progress thread, and the consumer must read layer
      * by layer (a small transfer read as a whole stream has no "mid-transfer" for its
      * hook to act in). So must a producer killed or stopped after its first layers went
-     * out through the shared arena: a small read's one DATA announces every layer. */
+     * out: a small read's one DATA (shared arena) announces every layer, and through UCX
+     * its checksums leave with its last chunk (wire v3), so the consumer could complete
+     * after the producer died. */
     xh_fault_t f = c->fault;
     xc.no_inline_copy = f == XH_DEADLINE || f == XH_SHUTDOWN_CONSUMER ||
                         f == XH_SHUTDOWN_PRODUCER || f == XH_CANCEL ||
                         f == XH_CONSUMER_KILLED_DURING || f == XH_CONSUMER_STOPPED ||
-                        (c->shared && (f == XH_PRODUCER_KILLED_DURING || f == XH_PRODUCER_STOPPED));
+                        f == XH_PRODUCER_KILLED_DURING || f == XH_PRODUCER_STOPPED;
     pkv_xfer_agent_t *a;
     int rc = pkv_xfer_agent_create(&xc, &a);
     if (rc) child_fail("agent create", rc);

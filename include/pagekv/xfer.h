@@ -177,9 +177,9 @@ typedef struct {
     uint64_t peers;              /* live peers */
     uint64_t peers_lost;
     uint64_t proto_errors;  /* messages that failed to decode (malformed, wrong side) */
-    uint64_t foreign_msgs;  /* messages of another wire version (heartbeats included) */
     uint64_t stale_dropped; /* payload messages for ended transfers, discarded */
     uint64_t written_off;   /* UCX operations abandoned after a forced close */
+    uint64_t foreign_msgs;  /* messages of another wire version (heartbeats included) */
 } pkv_xfer_stats_t;
 
 int pkv_xfer_outcome_index(int outcome); /* 0..7 for an outcome, -1 otherwise */

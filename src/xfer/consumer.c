@@ -8,8 +8,9 @@
  *           staging pages on a seat thread, waiting at most until the deadline.
  * READING   every chunk's tag receive is posted into staging, then READ (token, plan,
  *           the time left) goes to the producer. A layer whose chunks have all arrived
- *           and whose DATA (checksum) has arrived is copied staging -> pool by a copy
- *           worker, checksummed on the way; a mismatch ends the read corrupt. When every
+ *           and whose checksum has (its DATA; for a small read, one stream, the trailer
+ *           in the last chunk) is copied staging -> pool, checksummed on the way; a
+ *           mismatch ends the read corrupt. When every
  *           layer is stored the consumer sends ACK and the read ends ok.
  * DONE      the outcome is delivered at once (condvar + callback); local failures send
  *           FAIL to the producer. Posted receives are cancelled, a waiting seat is
@@ -408,7 +409,7 @@ void xf_read_seat(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
 }
 
 /* Store layer l (staging or the producer's arena -> pool) and check it against the
- * checksum its DATA carried: PKV_OK or PKV_ERR_CORRUPT. */
+ * checksum its DATA or the stream's trailer carried: PKV_OK or PKV_ERR_CORRUPT. */
 static int store_layer(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l, uint64_t expected)
 {
     uint32_t k = rd->v.whole ? 0 : l; /* a whole stream's pieces are all in [0] */
@@ -431,8 +432,8 @@ void xf_read_job(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l)
 
 static void layer_stored(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l, int status);
 
-/* Layer l has its DATA and every chunk: store it, here for a small transfer, else on a
- * copy worker. The caller ends with settle(). */
+/* Layer l has its checksum (DATA or trailer) and every chunk: store it, here for a small transfer,
+ * else on a copy worker. The caller ends with settle(). */
 static void maybe_verify(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l)
 {
     uint8_t f = rd->layer_flags[l];
@@ -685,12 +686,17 @@ void xf_read_on_data(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_data_t *d
     bool all_msg = d->flags & PKV_WIRE_DATA_LAYERS; /* whole stream: every layer at once */
     /* Shared: one DATA (LAYERS) for a whole stream, else one a layer. Through UCX: one a
      * layer, none for a whole stream (its checksums are the payload's trailer). */
-    if (rd->state != XF_READ_READING || d->layer >= rd->v.layers || d->bytes != rd->v.layer_total ||
-        (rd->layer_flags[d->layer] & LF_HEADER) || shared_msg != rd->shared ||
-        all_msg != rd->v.whole || (rd->v.whole && !shared_msg) ||
-        (all_msg && (d->layer != 0 || d->n_sums != rd->v.layers))) {
+    const char *bad = NULL;
+    if (rd->v.whole && !rd->shared)
+        bad = "DATA for a small read (its checksums come in its payload)";
+    else if (rd->state != XF_READ_READING || d->layer >= rd->v.layers ||
+             d->bytes != rd->v.layer_total || (rd->layer_flags[d->layer] & LF_HEADER) ||
+             shared_msg != rd->shared || all_msg != rd->v.whole ||
+             (all_msg && (d->layer != 0 || d->n_sums != rd->v.layers)))
+        bad = "DATA message does not match the plan";
+    if (bad) {
         XF_STAT_ADD(a, proto_errors, 1);
-        finish(a, rd, PKV_ERR_CORRUPT, true, "DATA message does not match the plan");
+        finish(a, rd, PKV_ERR_CORRUPT, true, bad);
         settle(a, rd);
         return;
     }

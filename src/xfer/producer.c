@@ -13,7 +13,9 @@
  *           deadline (its remaining budget from READ, measured on our clock).
  * SENDING   one copy job stages layer after layer (pool -> staging, checksummed); as each
  *           layer is staged its chunks are posted as tag sends, at most max_inflight at a
- *           time, followed by the layer's DATA (checksum) — copy and send overlap.
+ *           time, followed by the layer's DATA (checksum) — copy and send overlap. A
+ *           small read is one stream: its last chunk carries every layer's checksum (a
+ *           trailer), no DATA; through the shared arena one DATA announces every layer.
  * WAIT_ACK  every send completed locally, which only means the bytes left this process.
  * Only ACK makes the request sent. On failure the serve stops posting, tells the
  * consumer (FAIL) unless the consumer told us, and quiesces once the copy job has
@@ -733,7 +735,8 @@ static void pump_shared(pkv_xfer_agent_t *a, xf_serve_t *s)
 }
 
 /* Post payload sends for staged bytes, at most max_inflight outstanding; after the last
- * chunk of a layer (whole stream: of the transfer) its DATA. */
+ * chunk of a layer its DATA (a whole stream: its last chunk carries the checksums, once
+ * every layer is staged). */
 static void pump(pkv_xfer_agent_t *a, xf_serve_t *s)
 {
     s->pump_needed = false;

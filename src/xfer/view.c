@@ -131,6 +131,7 @@ static uint32_t chunk_pieces(const xf_view_t *v, uint64_t off, uint64_t len, ucp
         len -= k;
     }
     if (len) { /* off >= stream and the range ends inside the trailer (xf_chunk_span) */
+        PKV_ASSERT(v->trailer && off + len <= stream + v->trailer_bytes);
         if (out)
             out[n] =
                 (ucp_dt_iov_t){.buffer = (uint8_t *)v->trailer + (off - stream), .length = len};

@@ -13,7 +13,8 @@ typedef enum {
                                            progress thread for a small transfer (a hook that
                                            sleeps needs no_inline_copy) */
     PKV_XFER_FAULT_SERVE_LAYER_SENT,    /* progress thread: a layer's payload is posted and
-                                           its DATA not yet (shared arena: its DATA sent) */
+                                           its DATA not yet (shared arena: its DATA sent; a
+                                           whole stream: its last chunk, checksums in it) */
     PKV_XFER_FAULT_SERVE_ALL_SENT,      /* progress thread: all chunks left; waiting for ACK */
     PKV_XFER_FAULT_READ_LAYER_RECEIVED, /* progress thread: consumer has a layer's chunks */
 } pkv_xfer_fault_point_t;
