@@ -141,10 +141,11 @@ typedef struct {
     double memcpy_gbps; /* median over runs of the memcpy measured around the reads */
     double vs_memcpy;   /* median over runs of batch GB/s / that run's memcpy GB/s */
     double memcpy_cold_gbps, vs_memcpy_cold; /* the same against the out-of-cache memcpy */
-    double single_gbps;      /* median over reads of bytes / read time, one at a time */
-    double ref_gbps, vs_ref; /* the reference run right before each run (tcp: ucx_perftest,
-                                same_host: the lean pull); median of it and of the runs' own
-                                ratios (-1: not run) */
+    double single_gbps;        /* median over reads of bytes / read time, one at a time */
+    double ref_gbps, vs_ref;   /* ucx_perftest (tcp) run right before each run: median of it
+                                  and of the runs' own ratios (-1: not run) */
+    double lean_gbps, vs_lean; /* the lean pull (same_host: bench/lean_pull.c through shared
+                                  memory; tcp: its UCX tcp twin), the same way */
     double rtt_ns; /* median over runs of xh_cpu_round_trip_ns (each run: the mean of those
                       before its first read and after its last that measured; 0: none) */
     double run_gbps[100], run_rtt_ns[100]; /* each run's batch GB/s and round trip */
@@ -177,22 +178,22 @@ static bool g_lean_pull = true; /* --no-lean-pull */
 
 static tput_t measure(size_t bytes, int path, int runs, int single_reads, int perftest_port)
 {
-    tput_t t = {.ok = true, .ref_gbps = -1, .vs_ref = -1};
+    tput_t t = {.ok = true, .ref_gbps = -1, .vs_ref = -1, .lean_gbps = -1, .vs_lean = -1};
     double batch[100], single[64], mc[100], ratio[100], mcc[100], ratio_c[100], pt[100],
-        ratio_pt[100];
-    int nb = 0, ns = 0, npt = 0;
+        ratio_pt[100], ln[100], ratio_ln[100];
+    int nb = 0, ns = 0, npt = 0, nln = 0;
     for (int run = 0; run < runs && t.ok; run++) {
         xh_case_t c;
         xh_result_t r;
         size_case(&c, bytes, path);
-        double ref = -1;
-        if (perftest_port)
-            ref = perftest_gbps(bytes, perftest_port + run);
-        else if (path == PATH_SAME_HOST && g_lean_pull)
-            ref = xh_lean_pull_gbps(bytes, c.geo.layers,
-                                    (size_t)c.geo.block_tokens * c.geo.head_dim *
-                                        pkv_dtype_size(c.geo.dtype),
-                                    warmup_reads(bytes), timed_reads(bytes));
+        double ref = perftest_port ? perftest_gbps(bytes, perftest_port + run) : -1, lean = -1;
+        size_t piece = (size_t)c.geo.block_tokens * c.geo.head_dim * pkv_dtype_size(c.geo.dtype);
+        if (path == PATH_SAME_HOST && g_lean_pull)
+            lean = xh_lean_pull_gbps(bytes, c.geo.layers, piece, warmup_reads(bytes),
+                                     timed_reads(bytes));
+        else if (path == PATH_TCP && g_lean_pull)
+            lean = xh_lean_pull_tcp_gbps(bytes, c.geo.layers, piece, warmup_reads(bytes),
+                                         timed_reads(bytes));
         c.idle_regs = g_idle_regs;
         c.seed = 7 + (uint64_t)run;
         c.timeout_ms = RUN_TIMEOUT_MS;
@@ -219,6 +220,10 @@ static tput_t measure(size_t bytes, int path, int runs, int single_reads, int pe
         if (ref > 0) {
             pt[npt] = ref;
             ratio_pt[npt++] = batch[nb] / ref;
+        }
+        if (lean > 0) {
+            ln[nln] = lean;
+            ratio_ln[nln++] = batch[nb] / lean;
         }
         nb++;
     }
@@ -247,6 +252,10 @@ static tput_t measure(size_t bytes, int path, int runs, int single_reads, int pe
     if (npt) {
         t.ref_gbps = pkv_bench_median(pt, (size_t)npt);
         t.vs_ref = pkv_bench_median(ratio_pt, (size_t)npt);
+    }
+    if (nln) {
+        t.lean_gbps = pkv_bench_median(ln, (size_t)nln);
+        t.vs_lean = pkv_bench_median(ratio_ln, (size_t)nln);
     }
     t.runs = nb;
     t.reads = ns;
@@ -398,7 +407,7 @@ static int usage(void)
             "  --path P          only same_host, tcp or same_host_ucx (default: all three)\n"
             "  --size S          only 64k, 1m or 16m transfers (default: all three)\n"
             "  --no-perftest     skip the ucx_perftest reference beside tcp runs\n"
-            "  --no-lean-pull    skip the lean-pull reference beside same_host runs\n"
+            "  --no-lean-pull    skip the lean-pull references beside same_host and tcp runs\n"
             "  --no-throughput   skip the transfers (and the references paired with them)\n"
             "  --idle-registrations N  the producer also holds N registered requests that\n"
             "                    nobody reads, during the throughput runs (default 0)\n");
@@ -506,27 +515,33 @@ int pkv_bench_xfer(int argc, char **argv)
            mc);
     if (throughput) {
         json_t *ucx_shm = json_array();
-        printf("| path | size | 8 in flight GB/s | one at a time GB/s | memcpy hot / cold GB/s | "
-               "vs memcpy hot / cold | reference GB/s | vs reference | CPU round trip "
-               "ns |\n|---|---|---|---|---|---|---|---|---|\n");
+        printf(
+            "| path | size | 8 in flight GB/s | one at a time GB/s | memcpy hot / cold GB/s | "
+            "vs memcpy hot / cold | ucx_perftest GB/s | vs ucx_perftest | lean pull GB/s | "
+            "vs lean pull | CPU round trip ns |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
         for (int path = 0; path < NPATHS; path++)
             for (int s = 0; s < NS && (only < 0 || path == only); s++) {
                 if (only_size >= 0 && s != only_size) continue;
                 tput_t *t = &tp[path][s];
                 if (!t->ok) {
-                    printf("| %s | %s | failed: %s | | | | | | |\n", path_names[path],
+                    printf("| %s | %s | failed: %s | | | | | | | | |\n", path_names[path],
                            size_names[s], t->why);
                     continue;
                 }
-                char ref[32] = "", vs[32] = "";
+                char ref[32] = "", vs[32] = "", lean[32] = "", vsl[32] = "";
                 if (t->ref_gbps > 0) {
                     snprintf(ref, sizeof(ref), "%.2f", t->ref_gbps);
                     snprintf(vs, sizeof(vs), "%.2fx", t->vs_ref);
                 }
-                printf("| %s | %s | %.2f | %.2f | %.2f / %.2f | %.2fx / %.2fx | %s | %s | %.0f |\n",
+                if (t->lean_gbps > 0) {
+                    snprintf(lean, sizeof(lean), "%.2f", t->lean_gbps);
+                    snprintf(vsl, sizeof(vsl), "%.2fx", t->vs_lean);
+                }
+                printf("| %s | %s | %.2f | %.2f | %.2f / %.2f | %.2fx / %.2fx | %s | %s | %s | %s "
+                       "| %.0f |\n",
                        path_names[path], size_names[s], t->batch_gbps, t->single_gbps,
                        t->memcpy_gbps, t->memcpy_cold_gbps, t->vs_memcpy, t->vs_memcpy_cold, ref,
-                       vs, t->rtt_ns);
+                       vs, lean, vsl, t->rtt_ns);
                 json_t *o = json_object();
                 json_object_set_new(o, "path", json_string(path_names[path]));
                 json_object_set_new(o, "size", json_integer((json_int_t)sizes[s]));
@@ -537,11 +552,12 @@ int pkv_bench_xfer(int argc, char **argv)
                 json_object_set_new(o, "memcpy_cold_gbps", json_real(t->memcpy_cold_gbps));
                 json_object_set_new(o, "vs_memcpy_cold", json_real(t->vs_memcpy_cold));
                 if (t->ref_gbps > 0) {
-                    bool pt = path == PATH_TCP;
-                    json_object_set_new(o, pt ? "ucx_perftest_gbps" : "lean_pull_gbps",
-                                        json_real(t->ref_gbps));
-                    json_object_set_new(o, pt ? "vs_ucx_perftest" : "vs_lean_pull",
-                                        json_real(t->vs_ref));
+                    json_object_set_new(o, "ucx_perftest_gbps", json_real(t->ref_gbps));
+                    json_object_set_new(o, "vs_ucx_perftest", json_real(t->vs_ref));
+                }
+                if (t->lean_gbps > 0) {
+                    json_object_set_new(o, "lean_pull_gbps", json_real(t->lean_gbps));
+                    json_object_set_new(o, "vs_lean_pull", json_real(t->vs_lean));
                 }
                 json_object_set_new(o, "cpu_round_trip_ns", json_real(t->rtt_ns));
                 json_t *per_run = json_array();
@@ -563,12 +579,14 @@ int pkv_bench_xfer(int argc, char **argv)
                "median over %llu runs of bytes / wall time of %u (64 KiB), %u (1 MiB) or %u "
                "(16 MiB) reads, a new read as soon as the oldest ended, after a warm-up of "
                "128 MiB through the same window; one at a time: "
-               "median of 8 reads. Reference, run right before each run (the median of those "
+               "median of 8 reads. References, run right before each run (the median of those "
                "runs and the median of the runs' own ratios): for tcp ucx_perftest (tag_bw, 8 "
-               "outstanding, the same UCX tcp settings); for same_host the lean pull (the same "
-               "two copies of a shared-arena read, 8 in flight, handed over through rings in "
-               "shared memory with busy polling, no engine: what this flow can reach on this "
-               "machine). CPU round trip: one cache line between the "
+               "outstanding, the same UCX tcp settings); the lean pull, what this flow can "
+               "reach on this machine with no engine around it: for same_host the two copies "
+               "of a shared-arena read, 8 in flight, handed over through rings in shared memory "
+               "with busy polling; for tcp the same over UCX with ucx_perftest's settings (READ "
+               "active message, the two copies, the stream and its checksum trailer in 60 KiB "
+               "tag messages, ACK; busy polling). CPU round trip: one cache line between the "
                "first two CPUs, measured in the consumer before its first read and after its "
                "last (the mean of the two, median over runs; 0: not measured): on a VM it shows "
                "how far apart the host placed the vCPUs during the run. Targets: same host "

@@ -132,6 +132,14 @@ double xh_cpu_round_trip_ns(void);
 double xh_lean_pull_gbps(size_t read_bytes, uint32_t layers, size_t piece, uint32_t warm_reads,
                          uint32_t timed_reads);
 
+/* GB/s of the leanest pull of this flow over loopback tcp (bench/lean_pull.c): a forked
+ * consumer and its forked producer, UCX with ucx_perftest's tcp settings, 8 reads in
+ * flight, each READ (active message) -> pool -> staging copy -> the stream and its
+ * checksum trailer in 60 KiB tag messages -> staging -> pool copy, checksums compared ->
+ * ACK; busy polling, no engine. -1 as xh_lean_pull_gbps. */
+double xh_lean_pull_tcp_gbps(size_t read_bytes, uint32_t layers, size_t piece, uint32_t warm_reads,
+                             uint32_t timed_reads);
+
 /* In a child just forked from `parent`: a process group of its own, and death with its
  * parent (exits at once when the parent is already gone). The parent (in another group)
  * keeps the group from being orphaned: when the caller's group is orphaned (run in the

@@ -14,6 +14,7 @@
 #include "support/testutil.h"
 
 #include "../bench/bench_util.c"
+#include "../bench/lean_pull.c"
 #include "../bench/xfer_harness.c"
 #include "xfer/sum.h"
 #include "xfer/xfer_int.h"
@@ -1164,6 +1165,18 @@ START_TEST(producer_lost_mid_read_over_tcp)
 }
 END_TEST
 
+/* The bench's lean-pull references move and verify their bytes (a figure > 0; a
+ * checksum mismatch or a lost child gives -1): through shared memory and over UCX tcp,
+ * one chunk with its trailer (64 KiB) and many (1 MiB: 18 chunks of 60 KiB). */
+START_TEST(lean_pull_references_run)
+{
+    ck_assert_double_gt(xh_lean_pull_gbps(64 << 10, 8, 2048, 16, 64), 0);
+    ck_assert_double_gt(xh_lean_pull_tcp_gbps(64 << 10, 8, 2048, 16, 64), 0);
+    ck_assert_double_gt(xh_lean_pull_tcp_gbps(1 << 20, 8, 2048, 4, 16), 0);
+    ck_assert_double_eq(xh_lean_pull_tcp_gbps(1000, 8, 2048, 4, 16), -1); /* bad geometry */
+}
+END_TEST
+
 static Suite *xfer_suite(void)
 {
     Suite *s = suite_create("xfer");
@@ -1186,6 +1199,7 @@ static Suite *xfer_suite(void)
     tcase_add_test(two, netns_veth_tcp);
     tcase_add_loop_test(two, fault_case, XH_NONE, 4 * XH_NFAULTS);
     tcase_add_loop_test(two, producer_lost_mid_read_over_tcp, 0, 4);
+    tcase_add_test(two, lean_pull_references_run);
     suite_add_tcase(s, two);
     return s;
 }
