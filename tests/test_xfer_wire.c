@@ -304,17 +304,23 @@ START_TEST(shared_data_and_read_flags)
 }
 END_TEST
 
+/* A shared whole stream's DATA: layers from 0, 4096 bytes each, the sums in the trailer. */
+static pkv_wire_data_t shared_layers_data(void)
+{
+    return (pkv_wire_data_t){.xfer_id = 9,
+                             .layer = 0,
+                             .flags = PKV_WIRE_DATA_SHARED | PKV_WIRE_DATA_LAYERS,
+                             .bytes = 4096,
+                             .checksum = 0};
+}
+
 /* One DATA with every layer's checksum (whole-stream reads). */
 START_TEST(data_layers_only_with_shared)
 {
     /* v3: a DATA carries every layer's checksum (LAYERS) only with the arena pieces of a
      * shared whole stream; a whole stream through UCX has a trailer instead. */
     uint64_t pieces[] = {0, 12288}, sums[] = {11, 22, 33};
-    pkv_wire_data_t d = {.xfer_id = 9,
-                         .layer = 0,
-                         .flags = PKV_WIRE_DATA_SHARED | PKV_WIRE_DATA_LAYERS,
-                         .bytes = 4096,
-                         .checksum = 0};
+    pkv_wire_data_t d = shared_layers_data();
     uint8_t buf[256];
     size_t len;
     pkv_wire_msg_t m;
@@ -361,11 +367,7 @@ END_TEST
 START_TEST(shared_data_for_every_layer)
 {
     uint64_t pieces[] = {0, 8192, 65536, 4096}, sums[] = {11, 22, 33};
-    pkv_wire_data_t d = {.xfer_id = 9,
-                         .layer = 0,
-                         .flags = PKV_WIRE_DATA_SHARED | PKV_WIRE_DATA_LAYERS,
-                         .bytes = 4096,
-                         .checksum = 0};
+    pkv_wire_data_t d = shared_layers_data();
     uint8_t buf[256];
     size_t len;
     pkv_wire_msg_t m;
