@@ -516,58 +516,54 @@ START_TEST(in_process_read_ok_then_sent_once)
 }
 END_TEST
 
-/* Payload for a read that already ended (here: corrupt at layer 0 while 256 small chunks
- * are in flight) is drained by the consumer, so the producer's sends all complete and
- * both sides go idle with nothing held. 1.2 MiB: above XF_INLINE_COPY_BYTES, so layer by
- * layer (a small transfer's one DATA comes after its last chunk: nothing to drain). */
+/* Payload for a read that already ended is drained by the consumer, so the producer's
+ * sends all complete and both sides go idle with nothing held. 1.2 MiB: above
+ * XF_INLINE_COPY_BYTES, so layer by layer. Layer 0 is corrupted in staging, so the
+ * consumer ends the read when it checks layer 0; the producer's hook holds its loop once
+ * layer 1's chunks are posted until that read has ended, and then posts the rest: those
+ * chunks land after the end, every time (before, this was a race tried up to 20 times). */
+static atomic_bool stale_read_ended;
+static void hold_after_layer_1(void *arg, pkv_xfer_fault_point_t pt, uint32_t layer)
+{
+    (void)arg;
+    if (pt != PKV_XFER_FAULT_SERVE_LAYER_SENT || layer != 1) return;
+    for (int i = 0; i < 1000 && !atomic_load(&stale_read_ended); i++) usleep(5000);
+}
+
 START_TEST(stale_payload_is_drained)
 {
     pkv_geometry_t g = {
         .layers = 8, .kv_heads = 2, .head_dim = 64, .block_tokens = 16, .dtype = PKV_DTYPE_F16};
     pair_t x;
     pair_make(&x, &g, 300, 3);
-    pkv_xfer_faults_t f = {.corrupt_layer = 0};
+    atomic_store(&stale_read_ended, false);
+    pkv_xfer_faults_t f = {.fn = hold_after_layer_1, .corrupt_layer = 0};
     pkv_xfer_set_faults(x.p.a, &f);
-    const uint32_t *sids = x.sids, *dids = x.dids;
-    uint32_t sn = x.sn, dn = x.dn;
-    /* Whether payload lands after the read ended is a race (it needs chunks still in
-     * flight when the consumer ends the read): repeat until it happened, at most 20
-     * times; every repetition must end corrupt with nothing held. */
-    uint64_t stale = 0;
-    for (int it = 0; it < 20 && stale == 0; it++) {
-        pkv_xfer_handle_t *h;
-        ck_assert_int_eq(pkv_xfer_register(x.p.a, 50 + (uint64_t)it, sids, sn, PKV_DEADLINE_NEVER,
-                                           NULL, NULL, &h),
-                         PKV_OK);
-        pkv_xfer_read_t *rd;
-        ck_assert_int_eq(pkv_xfer_read(x.c.a, h, dids, dn, pkv_deadline_after_ns(5000000000ull),
-                                       NULL, NULL, &rd),
-                         PKV_OK);
-        int oc = 0;
-        ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(6000000000ull), &oc), PKV_OK);
-        ck_assert_int_eq(oc, PKV_ERR_CORRUPT);
-        ck_assert_int_eq(pkv_xfer_wait_idle(x.p.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
-        ck_assert_int_eq(pkv_xfer_wait_idle(x.c.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
-        pkv_xfer_stats_t s;
-        pkv_xfer_stats(x.c.a, &s);
-        stale = s.stale_dropped;
-        ck_assert_uint_eq(s.staging_pages_held, 0);
-        ck_assert_uint_eq(s.pinned_blocks, 0);
-        pkv_xfer_stats(x.p.a, &s);
-        ck_assert_uint_eq(s.sent, 0);
-        ck_assert_uint_eq(s.staging_pages_held, 0);
-        ck_assert_uint_eq(s.written_off, 0);
-        pkv_xfer_read_free(rd);
-        pkv_xfer_handle_free(h);
-        ck_assert_int_eq(pkv_xfer_unregister(x.p.a, 50 + (uint64_t)it), PKV_OK);
-    }
-#if defined(__SANITIZE_THREAD__)
-    /* Under TSan both sides run ~10x slower and the race may not happen in 20 tries; the
-     * outcomes and "nothing held" above are still checked. */
-    (void)stale;
-#else
-    ck_assert_uint_gt(stale, 0); /* the drain path really ran */
-#endif
+    pkv_xfer_handle_t *h;
+    ck_assert_int_eq(pkv_xfer_register(x.p.a, 50, x.sids, x.sn, PKV_DEADLINE_NEVER, NULL, NULL, &h),
+                     PKV_OK);
+    pkv_xfer_read_t *rd;
+    ck_assert_int_eq(pkv_xfer_read(x.c.a, h, x.dids, x.dn, pkv_deadline_after_ns(5000000000ull),
+                                   NULL, NULL, &rd),
+                     PKV_OK);
+    int oc = 0;
+    ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(6000000000ull), &oc), PKV_OK);
+    ck_assert_int_eq(oc, PKV_ERR_CORRUPT);
+    atomic_store(&stale_read_ended, true);
+    ck_assert_int_eq(pkv_xfer_wait_idle(x.p.a, pkv_deadline_after_ns(5000000000ull)), PKV_OK);
+    ck_assert_int_eq(pkv_xfer_wait_idle(x.c.a, pkv_deadline_after_ns(5000000000ull)), PKV_OK);
+    pkv_xfer_stats_t s;
+    pkv_xfer_stats(x.c.a, &s);
+    ck_assert_uint_gt(s.stale_dropped, 0); /* the drain path really ran */
+    ck_assert_uint_eq(s.staging_pages_held, 0);
+    ck_assert_uint_eq(s.pinned_blocks, 0);
+    pkv_xfer_stats(x.p.a, &s);
+    ck_assert_uint_eq(s.sent, 0);
+    ck_assert_uint_eq(s.staging_pages_held, 0);
+    ck_assert_uint_eq(s.written_off, 0);
+    pkv_xfer_read_free(rd);
+    pkv_xfer_handle_free(h);
+    ck_assert_int_eq(pkv_xfer_unregister(x.p.a, 50), PKV_OK);
     pair_free(&x);
 }
 END_TEST
