@@ -418,6 +418,7 @@ static void ucx_config(ucp_config_t *uc)
         {"TX_SEG_SIZE", "64k", "UCX_TCP_TX_SEG_SIZE", tcp},
         {"RX_SEG_SIZE", "64k", "UCX_TCP_RX_SEG_SIZE", tcp},
         {"MM_ERROR_HANDLING", "y", "UCX_POSIX_ERROR_HANDLING", shm},
+        {"MM_SEG_SIZE", "64k", "UCX_POSIX_SEG_SIZE", shm},
     };
     const char *tls = getenv("UCX_TLS");
     for (size_t i = 0; i < PKV_ARRAY_LEN(defaults); i++) {
