@@ -59,8 +59,7 @@ static void progress_done(void)
 }
 
 /* ---- references ------------------------------------------------------------------------ */
-#define PERFTEST_ENV                                                                               \
-    "UCX_TLS=tcp UCX_ZCOPY_THRESH=inf UCX_TCP_TX_SEG_SIZE=64k UCX_TCP_RX_SEG_SIZE=64k "
+#define PERFTEST_ENV XH_TCP_REF_ENV
 
 /* ucx_perftest tag_bw over tcp on loopback at `size`: GB/s, or -1 when it cannot run. */
 static double perftest_gbps(size_t size, int port)

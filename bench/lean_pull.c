@@ -204,8 +204,8 @@ out:;
  * READ {read, slot} as an eager active message; the producer (its child) copies pool ->
  * staging (checksummed; through the cache below XF_STAGE_NT_BYTES-sized layers, as the
  * engine stages what UCX reads next on the same core) and tag-sends the stream with its
- * checksums as a trailer, in chunks of one tcp segment (60 KiB, as the engine cuts a
- * small read); the consumer copies staging -> pool (streaming stores), compares the
+ * checksums as a trailer, in chunks of one tcp segment (XF_WHOLE_CHUNK_BYTES, as the
+ * engine cuts a small read); the consumer copies staging -> pool (streaming stores), compares the
  * checksums and sends ACK. 8 reads in flight, both sides busy-polling one worker, the
  * UCX settings of the perftest reference. No engine: no progress or caller threads, no
  * registrations, leases, seats, deadlines or liveness. */
@@ -216,7 +216,9 @@ out:;
 #include <poll.h>
 #include <ucp/api/ucp.h>
 
-enum { LT_READ = 1, LT_ACK = 2, LT_CHUNK = 60 << 10, LT_STAGE_NT = 256 << 10 };
+#include "xfer/xfer_int.h" /* XF_WHOLE_CHUNK_BYTES, XF_STAGE_NT_BYTES: the engine's choices */
+
+enum { LT_READ = 1, LT_ACK = 2, LT_CHUNK = XF_WHOLE_CHUNK_BYTES };
 #define LT_QUIT UINT32_MAX
 
 typedef struct {
@@ -280,11 +282,12 @@ static void lt_on_conn(ucp_conn_request_h req, void *arg)
 static int lt_open(lt_t *t)
 {
     memset(t, 0, sizeof(*t));
-    /* PERFTEST_ENV in bench_xfer.c: the same tcp settings as the ucx_perftest reference */
-    setenv("UCX_TLS", "tcp", 1);
-    setenv("UCX_ZCOPY_THRESH", "inf", 1);
-    setenv("UCX_TCP_TX_SEG_SIZE", "64k", 1);
-    setenv("UCX_TCP_RX_SEG_SIZE", "64k", 1);
+    char env[] = XH_TCP_REF_ENV; /* the same settings as the ucx_perftest reference */
+    for (char *save, *kv = strtok_r(env, " ", &save); kv; kv = strtok_r(NULL, " ", &save)) {
+        char *eq = strchr(kv, '=');
+        *eq = '\0';
+        setenv(kv, eq + 1, 1);
+    }
     ucp_config_t *uc;
     if (ucp_config_read(NULL, NULL, &uc) != UCS_OK) return -1;
     ucp_params_t pp = {.field_mask = UCP_PARAM_FIELD_FEATURES,
@@ -367,7 +370,7 @@ static void lt_producer(const lp_geo_t *g, uint32_t reads, int port_fd, pid_t pa
     uint16_t port = ntohs(((struct sockaddr_in *)&la.sockaddr)->sin_port);
     if (write(port_fd, &port, sizeof(port)) != sizeof(port)) _exit(2);
     uint64_t give_up = pkv_now_ns() + LP_GIVE_UP_NS;
-    bool nt = g->layer_bytes >= LT_STAGE_NT;
+    bool nt = g->layer_bytes >= XF_STAGE_NT_BYTES;
     for (unsigned long idle = 0; !t.failed;) {
         ucp_worker_progress(t.worker);
         if (t.qt == t.qh) {

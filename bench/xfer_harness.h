@@ -132,6 +132,11 @@ double xh_cpu_round_trip_ns(void);
 double xh_lean_pull_gbps(size_t read_bytes, uint32_t layers, size_t piece, uint32_t warm_reads,
                          uint32_t timed_reads);
 
+/* The UCX settings of the tcp references (ucx_perftest and the tcp lean pull), as
+ * "NAME=value " pairs: the engine's own tcp settings (agent.c ucx_config). */
+#define XH_TCP_REF_ENV                                                                             \
+    "UCX_TLS=tcp UCX_ZCOPY_THRESH=inf UCX_TCP_TX_SEG_SIZE=64k UCX_TCP_RX_SEG_SIZE=64k "
+
 /* GB/s of the leanest pull of this flow over loopback tcp (bench/lean_pull.c): a forked
  * consumer and its forked producer, UCX with ucx_perftest's tcp settings, 8 reads in
  * flight, each READ (active message) -> pool -> staging copy -> the stream and its
