@@ -110,7 +110,7 @@ static void size_case(xh_case_t *c, size_t bytes, int path)
     c->geo = (pkv_geometry_t){
         .layers = 4, .kv_heads = 4, .head_dim = 64, .block_tokens = 16, .dtype = PKV_DTYPE_F16};
     c->n_tokens = (uint32_t)(bytes / (64 << 10)) * 16;
-    c->chunk_bytes = 1 << 20;
+    c->chunk_bytes = 0; /* the agent's default */
     c->page_bytes = 64 << 10;
     c->deadline_ms = 30000;
     c->tcp = path == PATH_TCP;

@@ -123,7 +123,7 @@ void xh_case_default(xh_case_t *c)
         .layers = 8, .kv_heads = 2, .head_dim = 64, .block_tokens = 16, .dtype = PKV_DTYPE_F16};
     c->n_tokens = 512; /* 32 blocks of 64 KiB: 2 MiB, 256 KiB per layer */
     c->n_requests = 1;
-    c->chunk_bytes = 64 << 10;
+    c->chunk_bytes = 0; /* the agent's default */
     c->page_bytes = 64 << 10;
     c->deadline_ms = 4000;
     c->seed = 1;

@@ -59,7 +59,7 @@ typedef struct {
     uint32_t seat_workers;    /* threads that wait for staging; 0 -> 2 */
     uint64_t heartbeat_ns;    /* 0 -> 250 ms */
     uint64_t peer_timeout_ns; /* a peer silent this long is lost; 0 -> 1 s */
-    uint32_t chunk_bytes;     /* payload message size; 0 -> 1 MiB */
+    uint32_t chunk_bytes;     /* payload message size; 0 -> 60 KiB (one UCX segment) */
     uint32_t max_inflight;    /* payload sends in flight per transfer; 0 -> 8 */
     bool no_shared;           /* consumer: never map a same-host producer's staging arena
                                  (always move the payload through UCX) */
