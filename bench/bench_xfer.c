@@ -59,14 +59,12 @@ static void progress_done(void)
 }
 
 /* ---- references ------------------------------------------------------------------------ */
-#define PERFTEST_ENV XH_TCP_REF_ENV
-
 /* ucx_perftest tag_bw over tcp on loopback at `size`: GB/s, or -1 when it cannot run. */
 static double perftest_gbps(size_t size, int port)
 {
     size_t iters = PKV_MIN((size_t)20000, PKV_MAX((size_t)128, ((size_t)2 << 30) / size));
     char cmd[512];
-    snprintf(cmd, sizeof(cmd), PERFTEST_ENV "exec ucx_perftest -p %d >/dev/null 2>&1", port);
+    snprintf(cmd, sizeof(cmd), XH_TCP_REF_ENV "exec ucx_perftest -p %d >/dev/null 2>&1", port);
     fflush(NULL);
     pid_t srv = fork();
     if (srv < 0) return -1;
@@ -78,8 +76,8 @@ static double perftest_gbps(size_t size, int port)
     for (int attempt = 0; attempt < 10 && gbps < 0; attempt++) {
         usleep(300000);
         snprintf(cmd, sizeof(cmd),
-                 PERFTEST_ENV "ucx_perftest 127.0.0.1 -p %d -t tag_bw -s %zu -n %zu -w %zu -O 8 "
-                              "-e -f 2>/dev/null",
+                 XH_TCP_REF_ENV "ucx_perftest 127.0.0.1 -p %d -t tag_bw -s %zu -n %zu -w %zu -O 8 "
+                                "-e -f 2>/dev/null",
                  port, size, iters, iters / 10);
         FILE *f = popen(cmd, "r");
         if (!f) break;

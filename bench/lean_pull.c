@@ -67,6 +67,15 @@ static uint8_t *lp_pool(size_t bytes)
     return p;
 }
 
+/* The producer's pool, every 4 KiB page filled with its own byte. */
+static uint8_t *lp_source_pool(size_t bytes)
+{
+    uint8_t *pool = lp_pool(bytes);
+    if (pool)
+        for (size_t i = 0; i < bytes; i += 4096) memset(pool + i, (int)(i >> 12), 4096);
+    return pool;
+}
+
 /* Single producer, single consumer: the pusher waits while the ring is full. */
 static bool lp_push(lp_ring_t *r, const lp_entry_t *e, uint64_t give_up)
 {
@@ -115,9 +124,8 @@ static void lp_producer(lp_shared_t *sh, uint8_t *arena, const lp_geo_t *g, uint
                         pid_t parent)
 {
     xh_child_detach(parent);
-    uint8_t *pool = lp_pool(g->read_bytes * reads);
+    uint8_t *pool = lp_source_pool(g->read_bytes * reads);
     if (!pool) _exit(2);
-    for (size_t i = 0; i < g->read_bytes * reads; i += 4096) memset(pool + i, (int)(i >> 12), 4096);
     atomic_store(&sh->ready, true);
     uint64_t give_up = pkv_now_ns() + LP_GIVE_UP_NS, idle = 0;
     for (;;) {
@@ -353,11 +361,10 @@ static void lt_producer(const lp_geo_t *g, uint32_t reads, int port_fd, pid_t pa
 {
     xh_child_detach(parent);
     lt_t t;
-    uint8_t *pool = lp_pool(g->read_bytes * reads);
+    uint8_t *pool = lp_source_pool(g->read_bytes * reads);
     uint8_t *stage = malloc(LP_SLOTS * g->read_bytes);
     uint64_t(*sums)[LP_MAX_LAYERS] = calloc(LP_SLOTS, sizeof(*sums));
     if (!pool || !stage || !sums || lt_open(&t)) _exit(2);
-    for (size_t i = 0; i < g->read_bytes * reads; i += 4096) memset(pool + i, (int)(i >> 12), 4096);
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     ucp_listener_params_t lp = {.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR |
                                               UCP_LISTENER_PARAM_FIELD_CONN_HANDLER,
