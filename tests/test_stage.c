@@ -11,6 +11,7 @@
 #include "pagekv/stage.h"
 #include "prim/prim.h"
 #include "stage/stage_alloc.h"
+#include "stage/stage_int.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -278,6 +279,66 @@ START_TEST(duplicate_id_is_busy)
     pkv_stage_grant_free(g);
     stage_done(st);
     pkv_log_set_sink(NULL, NULL);
+}
+END_TEST
+
+/* A cancel that ran before the acquire reached the stage (it found nothing: NOTFOUND) is
+ * not lost: with the caller's abort flag set, the acquire ends CANCELLED at once instead
+ * of parking until its deadline, grants nothing and holds nothing. A parked abortable
+ * acquire is still ended by the cancel; with the flag clear it grants as usual. */
+typedef struct {
+    pkv_stage_t *st;
+    atomic_bool abort;
+    int rc;
+} abort_arg_t;
+
+static void *abortable_parker(void *p)
+{
+    abort_arg_t *x = p;
+    pkv_stage_grant_t *g = NULL;
+    x->rc = pkv_stage_acquire_abortable(x->st, 8, 0, 4, PKV_DEADLINE_NEVER, &x->abort, &g);
+    pkv_stage_grant_free(g);
+    return NULL;
+}
+
+START_TEST(abort_flag_keeps_an_early_cancel)
+{
+    pkv_stage_t *st = mk_stage(PKV_STAGE_PER_TRANSFER, 8, 0, 0, 0);
+    pkv_stage_grant_t *g = NULL, *full;
+    ck_assert_int_eq(pkv_stage_acquire(st, 1, 0, 8, PKV_DEADLINE_NEVER, &full), PKV_OK);
+    abort_arg_t x = {.st = st};
+    atomic_store(&x.abort, true);
+    ck_assert_int_eq(pkv_stage_cancel(st, 8), PKV_ERR_NOTFOUND); /* too early: nothing there */
+    uint64_t t0 = pkv_now_ns();
+    ck_assert_int_eq(pkv_stage_acquire_abortable(st, 8, 0, 4, PKV_DEADLINE_NEVER, &x.abort, &g),
+                     PKV_ERR_CANCELLED);
+    ck_assert_uint_lt(pkv_now_ns() - t0, 1000000000ull);
+    ck_assert_ptr_null(g);
+    ck_assert_int_eq(pkv_stage_release(st, 8), PKV_ERR_NOTFOUND);
+    /* parked, then cancelled (the flag set first, as the engine does) */
+    atomic_store(&x.abort, false);
+    pthread_t t;
+    pthread_create(&t, NULL, abortable_parker, &x);
+    pkv_stage_stats_t ss;
+    for (int i = 0; i < 2000; i++) {
+        pkv_stage_stats(st, &ss);
+        if (ss.waiting) break;
+        usleep(1000);
+    }
+    ck_assert_uint_eq(ss.waiting, 1);
+    atomic_store(&x.abort, true);
+    ck_assert_int_eq(pkv_stage_cancel(st, 8), PKV_OK);
+    pthread_join(t, NULL);
+    ck_assert_int_eq(x.rc, PKV_ERR_CANCELLED);
+    /* flag clear: an ordinary grant */
+    ck_assert_int_eq(pkv_stage_release(st, 1), PKV_OK);
+    pkv_stage_grant_free(full);
+    atomic_store(&x.abort, false);
+    ck_assert_int_eq(pkv_stage_acquire_abortable(st, 8, 0, 4, PKV_DEADLINE_NEVER, &x.abort, &g),
+                     PKV_OK);
+    ck_assert_int_eq(pkv_stage_release(st, 8), PKV_OK);
+    pkv_stage_grant_free(g);
+    stage_done(st);
 }
 END_TEST
 
@@ -1021,6 +1082,7 @@ static Suite *stage_suite(void)
     tcase_add_test(tc, bad_config_is_rejected);
     tcase_add_test(tc, acquire_gives_exact_pages_in_few_runs);
     tcase_add_test(tc, duplicate_id_is_busy);
+    tcase_add_test(tc, abort_flag_keeps_an_early_cancel);
     tcase_add_test(tc, nofit_at_once_in_both_modes);
     tcase_add_test(tc, try_acquire_never_waits_and_changes_nothing_on_busy);
     tcase_add_test(tc, deadline_timeout_within_50ms_and_in_time_grant);

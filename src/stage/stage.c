@@ -23,6 +23,7 @@
 #include "core/core.h"
 #include "prim/prim.h"
 #include "stage/stage_alloc.h"
+#include "stage/stage_int.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -771,7 +772,8 @@ static int stage_park(pkv_stage_t *st, stage_waiter_t *w, uint64_t deadline_ns, 
  * waiting ahead, fits now, under the cap); anything else is PKV_ERR_BUSY with nothing
  * counted, nothing logged and nothing changed. */
 static int stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, uint32_t pages,
-                         uint64_t deadline_ns, bool try_only, pkv_stage_grant_t **out)
+                         uint64_t deadline_ns, bool try_only, const atomic_bool *abort,
+                         pkv_stage_grant_t **out)
 {
     if (!st || !out || pages == 0) {
         PKV_LOGE(STAGE_LOG, "acquire transfer=%" PRIu64 " peer=%u pages=%u: invalid argument%s",
@@ -821,6 +823,10 @@ static int stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, u
         st->stats.shutdowns++;
     } else if (live) {
         rc = PKV_ERR_BUSY;
+    } else if (abort && atomic_load(abort)) {
+        /* The caller's cancel ran before we took the lock and found nothing to cancel. */
+        rc = PKV_ERR_CANCELLED;
+        st->stats.cancelled++;
     } else if (at_once) {
         rec = stage_grant(st, transfer_id, peer, pages, g, &fresh);
         rc = PKV_OK;
@@ -936,13 +942,20 @@ static int stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, u
 int pkv_stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, uint32_t pages,
                       uint64_t deadline_ns, pkv_stage_grant_t **out)
 {
-    return stage_acquire(st, transfer_id, peer, pages, deadline_ns, false, out);
+    return stage_acquire(st, transfer_id, peer, pages, deadline_ns, false, NULL, out);
+}
+
+int pkv_stage_acquire_abortable(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer,
+                                uint32_t pages, uint64_t deadline_ns, const atomic_bool *abort,
+                                pkv_stage_grant_t **out)
+{
+    return stage_acquire(st, transfer_id, peer, pages, deadline_ns, false, abort, out);
 }
 
 int pkv_stage_try_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, uint32_t pages,
                           pkv_stage_grant_t **out)
 {
-    return stage_acquire(st, transfer_id, peer, pages, PKV_DEADLINE_NEVER, true, out);
+    return stage_acquire(st, transfer_id, peer, pages, PKV_DEADLINE_NEVER, true, NULL, out);
 }
 
 /* ---- release, cancel, leases -------------------------------------------------------- */

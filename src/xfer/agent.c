@@ -53,6 +53,31 @@ int xf_random(void *buf, size_t n)
     return PKV_OK;
 }
 
+/* A read's id, which is also its payload messages' tag. Tag matching spans the whole
+ * worker, not one endpoint, so ids must not be guessable by another peer: a 4-round
+ * Feistel permutation of a counter over PKV_WIRE_XFER_ID_BITS (two 19-bit halves) with
+ * random round keys. Ids never repeat within 2^38 reads; 0 is never used. */
+uint64_t xf_next_read_id(pkv_xfer_agent_t *a)
+{
+    enum { HALF = PKV_WIRE_XFER_ID_BITS / 2 };
+    const uint64_t mask = (1ull << HALF) - 1;
+    for (;;) {
+        uint64_t x = a->read_ctr++ & ((1ull << PKV_WIRE_XFER_ID_BITS) - 1);
+        uint64_t l = x >> HALF, r = x & mask;
+        for (int i = 0; i < 4; i++) {
+            uint64_t f = r ^ a->read_key[i]; /* splitmix64's finalizer as the round function */
+            f = (f ^ (f >> 30)) * 0xbf58476d1ce4e5b9ull;
+            f = (f ^ (f >> 27)) * 0x94d049bb133111ebull;
+            f ^= f >> 31;
+            uint64_t t = l ^ (f & mask);
+            l = r;
+            r = t;
+        }
+        uint64_t id = l << HALF | r;
+        if (id) return id;
+    }
+}
+
 /* ---- queues ------------------------------------------------------------------------- */
 /* Post a wake. Only the caller that turns wake_posted on writes the eventfd: while it is
  * on, the loop has not taken the queues yet, and that earlier write wakes it (or the loop
@@ -618,11 +643,12 @@ int pkv_xfer_agent_create(const pkv_xfer_config_t *cfg, pkv_xfer_agent_t **out)
         rc = PKV_ERR_INVALID;
         goto fail_free;
     }
-    uint64_t rnd[3];
+    uint64_t rnd[7];
     if ((rc = xf_random(rnd, sizeof(rnd)))) goto fail_free;
     a->agent_id = rnd[0];
-    a->next_xfer_id = 1 + rnd[1] % ((1ull << PKV_WIRE_XFER_ID_BITS) / 2);
+    a->read_ctr = rnd[1];
     a->next_serve_id = rnd[2] >> 8;
+    memcpy(a->read_key, &rnd[3], sizeof(a->read_key));
 
     if (pthread_mutex_init(&a->lock, NULL)) {
         rc = PKV_ERR_NOMEM;
@@ -797,14 +823,16 @@ void pkv_xfer_stats(pkv_xfer_agent_t *a, pkv_xfer_stats_t *out)
 int pkv_xfer_wait_idle(pkv_xfer_agent_t *a, uint64_t deadline_ns)
 {
     if (!a) return PKV_ERR_INVALID;
-    struct timespec ts = pkv__deadline_to_monotonic(deadline_ns);
     int rc = PKV_OK;
     pthread_mutex_lock(&a->lock);
     while (a->busy) {
-        if (pthread_cond_timedwait(&a->idle_cond, &a->lock, &ts) == ETIMEDOUT && a->busy) {
+        if (pkv_now_ns() >= deadline_ns) {
             rc = PKV_ERR_TIMEOUT;
             break;
         }
+        /* Recomputed each time: PKV_DEADLINE_NEVER maps to "an hour from now". */
+        struct timespec ts = pkv__deadline_to_monotonic(deadline_ns);
+        pthread_cond_timedwait(&a->idle_cond, &a->lock, &ts);
     }
     pthread_mutex_unlock(&a->lock);
     return rc;

@@ -30,6 +30,7 @@
 enum { LF_HEADER = 1, LF_QUEUED = 2, LF_STORED = 4 };
 
 static void send_read(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd);
+static void post_recvs(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd);
 
 static void read_free_mem(pkv_xfer_read_t *rd)
 {
@@ -179,15 +180,17 @@ fail_rd:
 int pkv_xfer_read_wait(pkv_xfer_read_t *rd, uint64_t wait_deadline_ns, int *outcome)
 {
     if (!rd || !outcome) return PKV_ERR_INVALID;
-    struct timespec ts = pkv__deadline_to_monotonic(wait_deadline_ns);
     /* Poll briefly before sleeping (XF_WAIT_SPIN_NS): the outcome often comes sooner
      * than a sleeping thread can be woken. */
     uint64_t spin_end = PKV_MIN(pkv_now_ns() + XF_WAIT_SPIN_NS, wait_deadline_ns);
     while (!atomic_load_explicit(&rd->done, memory_order_acquire) && pkv_now_ns() < spin_end)
         sched_yield();
     pthread_mutex_lock(&rd->mu);
-    while (!atomic_load(&rd->done) && wait_deadline_ns && pkv_now_ns() < wait_deadline_ns)
+    while (!atomic_load(&rd->done) && wait_deadline_ns && pkv_now_ns() < wait_deadline_ns) {
+        /* Recomputed each time: PKV_DEADLINE_NEVER maps to "an hour from now". */
+        struct timespec ts = pkv__deadline_to_monotonic(wait_deadline_ns);
         pthread_cond_timedwait(&rd->cv, &rd->mu, &ts);
+    }
     bool done = atomic_load(&rd->done);
     int oc = rd->outcome;
     pthread_mutex_unlock(&rd->mu);
@@ -210,11 +213,12 @@ void pkv_xfer_cancel(pkv_xfer_read_t *rd)
 {
     if (!rd) return;
     atomic_store(&rd->cancel_req, true);
-    /* The agent may be gone (destroyed): then the read already has its outcome. */
+    /* The agent may be gone (destroyed): then the read already has its outcome. The wake
+     * happens under rd->mu: settle() clears rd->agent under it before the agent can go. */
     pthread_mutex_lock(&rd->mu);
     pkv_xfer_agent_t *a = atomic_load(&rd->done) ? NULL : rd->agent;
-    pthread_mutex_unlock(&rd->mu);
     if (a) xf_wake(a);
+    pthread_mutex_unlock(&rd->mu);
 }
 
 void pkv_xfer_read_free(pkv_xfer_read_t *rd)
@@ -354,8 +358,7 @@ void xf_reads_admit(pkv_xfer_agent_t *a, pkv_xfer_read_t *list)
         list = rd->next_new;
         rd->next = a->reads;
         a->reads = rd;
-        rd->xfer_id = a->next_xfer_id++;
-        if (a->next_xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS)) a->next_xfer_id = 1;
+        rd->xfer_id = xf_next_read_id(a);
         rd->v.stage_id = rd->xfer_id;
         rd->state = XF_READ_QUEUED;
         rd->t_start = a->now_ns;
@@ -399,10 +402,9 @@ void xf_reads_admit(pkv_xfer_agent_t *a, pkv_xfer_read_t *list)
 void xf_read_seat(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
 {
     pkv_stage_grant_t *g = NULL;
-    int rc = PKV_ERR_CANCELLED;
-    if (!atomic_load(&rd->v.abort))
-        rc = pkv_stage_acquire(a->stage, rd->v.stage_id, rd->peer ? rd->peer->id : 0, rd->v.pages,
-                               rd->deadline_ns, &g);
+    /* abortable: see xf_serve_seat (a cancel that came before the acquire parked). */
+    int rc = pkv_stage_acquire_abortable(a->stage, rd->v.stage_id, rd->peer ? rd->peer->id : 0,
+                                         rd->v.pages, rd->deadline_ns, &rd->v.abort, &g);
     rd->ev_seated.status = rc;
     rd->ev_seated.grant = rc == PKV_OK ? g : NULL;
     xf_event_post(a, &rd->ev_seated);
@@ -508,10 +510,22 @@ static void recv_done(void *request, ucs_status_t status, const ucp_tag_recv_inf
     settle(a, rd);
 }
 
+/* Post every chunk's receive, then send READ. A receive can complete inside its post (a
+ * matching message already waiting, even a bad one that ends the read): `cancelling`
+ * keeps that completion's settle() from letting go of rd, and posting stops once the
+ * read has finished. The caller settles. */
 static void start_reading(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
 {
+    rd->cancelling = true;
+    post_recvs(a, rd);
+    rd->cancelling = false;
+    if (!rd->finished) send_read(a, rd);
+}
+
+static void post_recvs(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
+{
     xf_view_t *v = &rd->v;
-    for (uint32_t c = 0; c < v->n_chunks; c++) {
+    for (uint32_t c = 0; c < v->n_chunks && !rd->finished; c++) {
         xf_chunk_t *ch = &rd->chunks[c];
         uint64_t off, len;
         void *buf;
@@ -548,7 +562,6 @@ static void start_reading(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
         else if (!ch->done)
             ch->req = req;
     }
-    send_read(a, rd);
 }
 
 /* Send READ with the time left; the read is READING from then on. */

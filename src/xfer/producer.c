@@ -602,10 +602,10 @@ void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *
 void xf_serve_seat(pkv_xfer_agent_t *a, xf_serve_t *s)
 {
     pkv_stage_grant_t *g = NULL;
-    int rc = PKV_ERR_CANCELLED;
-    if (!atomic_load(&s->v.abort))
-        rc =
-            pkv_stage_acquire(a->stage, s->v.stage_id, s->peer->id, s->v.pages, s->deadline_ns, &g);
+    /* abortable: a serve that ends while this thread is on its way into the stage cancels
+     * an id the stage does not know yet; the acquire then sees `abort` instead. */
+    int rc = pkv_stage_acquire_abortable(a->stage, s->v.stage_id, s->peer->id, s->v.pages,
+                                         s->deadline_ns, &s->v.abort, &g);
     s->ev_seated.status = rc;
     s->ev_seated.grant = rc == PKV_OK ? g : NULL;
     xf_event_post(a, &s->ev_seated);

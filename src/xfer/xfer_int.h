@@ -22,6 +22,7 @@
 #include "pagekv/xfer.h"
 
 #include "core/core.h"
+#include "stage/stage_int.h"
 #include "xfer/wire.h"
 #include "xfer/xfer.h"
 
@@ -292,7 +293,7 @@ struct pkv_xfer_read {
     bool zombie;
     bool quiesced;   /* staging and pins returned */
     bool released;   /* the agent dropped its reference */
-    bool cancelling; /* inside cancel_recvs: settle() must wait */
+    bool cancelling; /* inside cancel_recvs or start_reading: settle() must wait */
     bool slow_logged;
     bool stage_cancelled;                        /* we cancelled a waiting acquire */
     uint64_t t_start, t_seated, t_first, t_last; /* debug timing */
@@ -379,7 +380,8 @@ struct pkv_xfer_agent {
     ucp_conn_request_h conn_reqs[64];
     uint32_t n_conn_reqs;
     uint32_t next_peer_id;
-    uint64_t next_xfer_id;  /* consumer ids (tags), random start */
+    uint64_t read_ctr;      /* consumer ids (tags): a keyed permutation of this counter */
+    uint64_t read_key[4];   /* ... with these round keys (xf_next_read_id) */
     uint64_t next_serve_id; /* producer stage ids */
     uint32_t discards_inflight;
     uint64_t stop_ns; /* when shutdown began */
@@ -420,6 +422,7 @@ void xf_send_fail(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, uint64_t 
 ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, void *data,
                         size_t length, const ucp_am_recv_param_t *param);
 void xf_drain_stale(pkv_xfer_agent_t *a);
+uint64_t xf_next_read_id(pkv_xfer_agent_t *a);
 int xf_discard_dt_create(pkv_xfer_agent_t *a);
 
 /* view.c: staging views, copy plans, workers */
