@@ -14,6 +14,7 @@
 #include "support/testutil.h"
 
 #include "../bench/bench_util.c"
+#include "../bench/disagg.c"
 #include "../bench/lean_pull.c"
 #include "../bench/xfer_harness.c"
 #include "xfer/sum.h"
@@ -1173,6 +1174,131 @@ START_TEST(lean_pull_references_run)
 }
 END_TEST
 
+static int cmp_u64(const void *x, const void *y)
+{
+    uint64_t a = *(const uint64_t *)x, b = *(const uint64_t *)y;
+    return a < b ? -1 : a > b;
+}
+
+/* Read ids (the payload tags) are a keyed permutation: never 0, within the wire's 38
+ * bits, no repeats across the counter's wrap, and not consecutive (another peer cannot
+ * guess the next read's tag from one it saw). */
+START_TEST(read_ids_unique_and_not_sequential)
+{
+    pkv_xfer_agent_t *a = calloc(1, sizeof(*a));
+    ck_assert_ptr_nonnull(a);
+    ck_assert_int_eq(xf_random(a->read_key, sizeof(a->read_key)), PKV_OK);
+    a->read_ctr = (1ull << PKV_WIRE_XFER_ID_BITS) - 1000; /* crosses the wrap */
+    enum { N = 200000 };
+    uint64_t *ids = malloc(sizeof(uint64_t) * N);
+    uint32_t consecutive = 0;
+    for (uint32_t i = 0; i < N; i++) {
+        ids[i] = xf_next_read_id(a);
+        ck_assert_uint_ne(ids[i], 0);
+        ck_assert_uint_lt(ids[i], 1ull << PKV_WIRE_XFER_ID_BITS);
+        if (i && ids[i] == ids[i - 1] + 1) consecutive++;
+    }
+    ck_assert_uint_lt(consecutive, 10);
+    qsort(ids, N, sizeof(uint64_t), cmp_u64);
+    for (uint32_t i = 1; i < N; i++) ck_assert_uint_ne(ids[i], ids[i - 1]);
+    free(ids);
+    free(a);
+}
+END_TEST
+
+/* The demo's disaggregated run (prefill process -> pull -> decode) on the tiny model:
+ * the read ends ok, the transferred KV equals decode's own run of the prompt bitwise,
+ * the first and every generated token equal the unified run's, the producer counted it
+ * sent once and both sides returned every pin and staging page. Through the shared
+ * arena, through UCX on one host, and with UCX_TLS=tcp. */
+START_TEST(disagg_matches_unified)
+{
+    pkv_disagg_opts_t o = {.preset = "tiny",
+                           .max_tokens = 12,
+                           .dtype = _i == 2 ? PKV_DTYPE_F32 : PKV_DTYPE_BF16,
+                           .no_shared = _i == 1,
+                           .tcp = _i == 2};
+    pkv_disagg_result_t r;
+    int rc = pkv_disagg_run(&o, &r);
+    ck_assert_int_eq(r.outcome, PKV_OK);
+    ck_assert(r.kv_identical);
+    ck_assert(r.first_identical);
+    ck_assert(r.tokens_identical);
+    ck_assert_uint_ge(r.generated, 1);
+    ck_assert(r.producer_reported);
+    ck_assert_int_eq(r.producer_end, PKV_OK);
+    ck_assert_uint_eq(r.producer_sent, 1);
+    ck_assert_uint_eq(r.producer_bytes_sent, r.kv_bytes);
+    ck_assert_uint_eq(r.consumer_bytes_received, r.kv_bytes);
+    ck_assert_uint_eq(r.producer_pinned + r.consumer_pinned, 0);
+    ck_assert_uint_eq(r.producer_staging_held + r.consumer_staging_held, 0);
+    ck_assert_int_eq(rc, 0);
+}
+END_TEST
+
+/* The demo's comparison looks at every position below n of every layer, K and V, every
+ * head, and at nothing past n (a partial last block's tail is not KV yet). */
+START_TEST(disagg_kv_compare_sees_every_position)
+{
+    pkv_kv_config_t kc = {.geo = {.layers = 3,
+                                  .kv_heads = 2,
+                                  .head_dim = 8,
+                                  .block_tokens = 4,
+                                  .dtype = PKV_DTYPE_F32},
+                          .no_prefix_cache = true};
+    pkv_kv_t *a, *b;
+    ck_assert_int_eq(pkv_kv_create(&kc, &a), PKV_OK);
+    ck_assert_int_eq(pkv_kv_create(&kc, &b), PKV_OK);
+    int32_t tok[10] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+    pkv_seq_t *sa, *sb;
+    ck_assert_int_eq(dg_seq(a, tok, 10, 0, &sa), PKV_OK);
+    ck_assert_int_eq(dg_seq(b, tok, 10, 0, &sb), PKV_OK);
+    const uint32_t *ia, *ib;
+    uint32_t na, nb;
+    ck_assert_int_eq(pkv_seq_blocks(sa, &ia, &na), PKV_OK);
+    ck_assert_int_eq(pkv_seq_blocks(sb, &ib, &nb), PKV_OK);
+    ck_assert_uint_eq(na, 3); /* 10 positions in blocks of 4 */
+    size_t piece = 4 * 8 * sizeof(float);
+    for (uint32_t k = 0; k < na; k++)
+        for (uint32_t l = 0; l < 3; l++)
+            for (uint32_t w = 0; w < 2; w++)
+                for (uint32_t h = 0; h < 2; h++) {
+                    memset(pkv_kv_block_head(a, ia[k], l, w, h), (int)(k * 16 + l * 4 + w * 2 + h),
+                           piece);
+                    memset(pkv_kv_block_head(b, ib[k], l, w, h), (int)(k * 16 + l * 4 + w * 2 + h),
+                           piece);
+                }
+    ck_assert(dg_kv_equal(a, ia, b, ib, na, 10));
+    /* position 10 (the last block's third slot) is past the prompt: not compared */
+    uint8_t *v = pkv_kv_block_head(b, ib[2], 2, 1, 1);
+    size_t tb = 8 * sizeof(float); /* one position of one head */
+    v[2 * tb] ^= 1;
+    ck_assert(dg_kv_equal(a, ia, b, ib, na, 10));
+    /* position 9 (its second slot), last layer, V, last head, last byte: compared */
+    v[2 * tb - 1] ^= 1;
+    ck_assert(!dg_kv_equal(a, ia, b, ib, na, 10));
+    v[2 * tb - 1] ^= 1;
+    ck_assert(dg_kv_equal(a, ia, b, ib, na, 10));
+    /* position 0, layer 0, K, head 0, first byte */
+    ((uint8_t *)pkv_kv_block_head(a, ia[0], 0, 0, 0))[0] ^= 1;
+    ck_assert(!dg_kv_equal(a, ia, b, ib, na, 10));
+    pkv_seq_free(sa);
+    pkv_seq_free(sb);
+    pkv_kv_destroy(a);
+    pkv_kv_destroy(b);
+}
+END_TEST
+
+START_TEST(disagg_bad_options_run_nothing)
+{
+    pkv_disagg_result_t r;
+    pkv_disagg_opts_t o = {.preset = "no-such-model"};
+    ck_assert_int_eq(pkv_disagg_run(&o, &r), 2);
+    pkv_disagg_opts_t big = {.preset = "tiny", .max_tokens = 5000}; /* tiny takes 4096 */
+    ck_assert_int_eq(pkv_disagg_run(&big, &r), 2);
+}
+END_TEST
+
 static Suite *xfer_suite(void)
 {
     Suite *s = suite_create("xfer");
@@ -1188,6 +1314,9 @@ static Suite *xfer_suite(void)
     tcase_add_test(api, close_handshake_is_answered);
     tcase_add_test(api, other_wire_version_is_rejected_at_once);
     tcase_add_test(api, whole_stream_checksums_ride_the_payload);
+    tcase_add_test(api, disagg_kv_compare_sees_every_position);
+    tcase_add_test(api, read_ids_unique_and_not_sequential);
+    tcase_add_test(api, disagg_bad_options_run_nothing);
     suite_add_tcase(s, api);
     TCase *two = tcase_create("two_process");
     tcase_set_timeout(two, 120);
@@ -1196,6 +1325,7 @@ static Suite *xfer_suite(void)
     tcase_add_loop_test(two, fault_case, XH_NONE, 4 * XH_NFAULTS);
     tcase_add_loop_test(two, producer_lost_mid_read_over_tcp, 0, 4);
     tcase_add_test(two, lean_pull_references_run);
+    tcase_add_loop_test(two, disagg_matches_unified, 0, 3);
     suite_add_tcase(s, two);
     return s;
 }
