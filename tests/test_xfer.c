@@ -470,9 +470,29 @@ START_TEST(in_process_read_ok_then_sent_once)
     ck_assert_int_eq(boc, PKV_ERR_REJECTED);
     pkv_xfer_read_free(bad);
     hc->blocks[1] = saved;
+    /* Nor fewer of them (the ACK would end the whole registration as sent), nor the same
+     * blocks in another order. */
+    hc->n_blocks--;
+    ck_assert_int_eq(pkv_xfer_read(x.c.a, hc, dids, dn - 1, pkv_deadline_after_ns(3000000000ull),
+                                   NULL, NULL, &bad),
+                     PKV_OK);
+    ck_assert_int_eq(pkv_xfer_read_wait(bad, pkv_deadline_after_ns(5000000000ull), &boc), PKV_OK);
+    ck_assert_int_eq(boc, PKV_ERR_REJECTED);
+    pkv_xfer_read_free(bad);
+    hc->n_blocks++;
+    hc->blocks[0] = hc->blocks[1];
+    hc->blocks[1] = sids[0];
+    ck_assert_int_eq(
+        pkv_xfer_read(x.c.a, hc, dids, dn, pkv_deadline_after_ns(3000000000ull), NULL, NULL, &bad),
+        PKV_OK);
+    ck_assert_int_eq(pkv_xfer_read_wait(bad, pkv_deadline_after_ns(5000000000ull), &boc), PKV_OK);
+    ck_assert_int_eq(boc, PKV_ERR_REJECTED);
+    pkv_xfer_read_free(bad);
+    hc->blocks[1] = hc->blocks[0];
+    hc->blocks[0] = sids[0];
     pkv_xfer_stats_t ps;
     pkv_xfer_stats(x.p.a, &ps);
-    ck_assert_uint_eq(ps.rejected, 1);
+    ck_assert_uint_eq(ps.rejected, 3);
     ck_assert_uint_eq(ps.serves_started, 0);
     pkv_seq_free(other);
 
@@ -872,6 +892,36 @@ START_TEST(other_wire_version_is_rejected_at_once)
 {
     foreign_version_read(false);
     foreign_version_read(true);
+}
+END_TEST
+
+/* A READ of our own version that the producer cannot decode (an unknown flag bit) is still
+ * answered: FAIL rejected, so the read ends rejected at once, not by its 30 s deadline.
+ * Counted as malformed, nothing served, nothing sent, nothing held. */
+START_TEST(malformed_read_is_rejected_at_once)
+{
+    pair_t x;
+    pair_make(&x, &SMALL, 37, 13);
+    pkv_xfer_faults_t f = {.corrupt_layer = -1, .malformed_read = true};
+    pkv_xfer_set_faults(x.c.a, &f);
+    reg_cb_t sent = {0, 0, 0};
+    pkv_xfer_handle_t *h;
+    uint64_t t0 = pkv_now_ns();
+    ck_assert_int_eq(register_and_read(&x, 5, &sent, 30000000000ull, &h), PKV_ERR_REJECTED);
+    ck_assert_uint_lt(pkv_now_ns() - t0, 10000000000ull);
+    ck_assert_int_eq(pkv_xfer_wait_idle(x.c.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
+    pkv_xfer_stats_t ps, cs;
+    pkv_xfer_stats(x.p.a, &ps);
+    pkv_xfer_stats(x.c.a, &cs);
+    ck_assert_uint_ge(ps.proto_errors, 1);
+    ck_assert_uint_eq(ps.serves_started, 0);
+    ck_assert_uint_eq(ps.sent, 0);
+    ck_assert_uint_eq(ps.registrations, 1);
+    ck_assert_uint_eq(cs.reads_done[pkv_xfer_outcome_index(PKV_ERR_REJECTED)], 1);
+    ck_assert_uint_eq(cs.pinned_blocks + cs.staging_pages_held + ps.staging_pages_held, 0);
+    ck_assert_int_eq(atomic_load(&sent.calls), 0);
+    pkv_xfer_handle_free(h);
+    pair_free(&x);
 }
 END_TEST
 
@@ -1313,6 +1363,7 @@ static Suite *xfer_suite(void)
     tcase_add_test(api, callback_starts_the_next_read);
     tcase_add_test(api, close_handshake_is_answered);
     tcase_add_test(api, other_wire_version_is_rejected_at_once);
+    tcase_add_test(api, malformed_read_is_rejected_at_once);
     tcase_add_test(api, whole_stream_checksums_ride_the_payload);
     tcase_add_test(api, disagg_kv_compare_sees_every_position);
     tcase_add_test(api, read_ids_unique_and_not_sequential);

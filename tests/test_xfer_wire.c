@@ -123,8 +123,14 @@ START_TEST(other_versions_are_peeked_and_their_fail_decodes)
     pkv_wire_msg_t m;
     pkv_wire_foreign_t f;
     for (int i = 0; i < 4; i++) {
-        /* ours: decoded, not foreign */
+        /* ours: decoded, not foreign; peek (any version) still names it */
         ck_assert_int_eq(pkv_xfer_wire_peek_foreign(msg[i], len[i], &f), PKV_ERR_PROTO);
+        memset(&f, 0xee, sizeof(f));
+        ck_assert_int_eq(pkv_xfer_wire_peek(msg[i], len[i], &f), PKV_OK);
+        ck_assert_uint_eq(f.version, PKV_WIRE_VERSION);
+        ck_assert_uint_eq(f.type, type[i]);
+        ck_assert_uint_eq(f.xfer_id, id[i]);
+        ck_assert_int_eq(pkv_xfer_wire_peek(msg[i], len[i] - 1, &f), PKV_ERR_PROTO);
         for (int v = 1; v < 256; v += 3) {
             if (v == PKV_WIRE_VERSION) continue;
             msg[i][4] = (uint8_t)v;

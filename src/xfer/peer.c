@@ -321,6 +321,8 @@ int xf_ctl_send(pkv_xfer_agent_t *a, xf_peer_t *p, void *msg, size_t len)
     b->len = len;
     memcpy(b->data, msg, len);
     if (a->faults.wire_version) b->data[4] = a->faults.wire_version; /* the header's version */
+    if (a->faults.malformed_read && len >= 80 && b->data[5] == PKV_WIRE_READ)
+        b->data[79] |= 0x80; /* an unknown bit in READ's flags (offset 76, little-endian) */
     if (!p->established) {
         *p->queued_tail = b;
         p->queued_tail = &b->next;
@@ -433,15 +435,12 @@ void xf_peers_tick(pkv_xfer_agent_t *a, uint64_t now)
  * `rejected` on both sides now (the READ answered by a FAIL, which every version decodes;
  * the DATA by ending our read, whose FAIL tells the producer; a FAIL we could not decode
  * ends the read or serve it names). Logged once a peer. */
-static void on_foreign(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_foreign_t *f)
+/* A message we cannot decode (another version's, or a malformed one of ours) that still
+ * names a transfer: answer a READ with FAIL rejected and end a read or serve it names,
+ * so neither side waits out its deadline. */
+static void on_unreadable(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_foreign_t *f,
+                          const char *why)
 {
-    char why[64];
-    snprintf(why, sizeof(why), "wire version %u (this agent speaks %u)", f->version,
-             PKV_WIRE_VERSION);
-    if (!p->foreign_logged) {
-        p->foreign_logged = true;
-        PKV_LOGW(XF_MOD, "peer %u: %s: its transfers end rejected", p->id, why);
-    }
     if (!f->xfer_id) return;
     if (f->type == PKV_WIRE_READ && !p->outgoing)
         xf_send_fail(a, p, f->xfer_id, 0, PKV_ERR_REJECTED, why);
@@ -469,15 +468,23 @@ ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, voi
     if (!p->established) peer_established(p);
     pkv_wire_msg_t m;
     if (pkv_xfer_wire_decode(data, length, &m)) {
-        pkv_wire_foreign_t f;
-        if (pkv_xfer_wire_peek_foreign(data, length, &f) == PKV_OK) {
+        pkv_wire_foreign_t f = {0, 0, 0};
+        char why[64];
+        bool peeked = pkv_xfer_wire_peek(data, length, &f) == PKV_OK;
+        if (peeked && f.version != PKV_WIRE_VERSION) {
             XF_STAT_ADD(a, foreign_msgs, 1);
-            on_foreign(a, p, &f);
+            snprintf(why, sizeof(why), "wire version %u (this agent speaks %u)", f.version,
+                     PKV_WIRE_VERSION);
+            if (!p->foreign_logged) {
+                p->foreign_logged = true;
+                PKV_LOGW(XF_MOD, "peer %u: %s: its transfers end rejected", p->id, why);
+            }
         } else {
             XF_STAT_ADD(a, proto_errors, 1);
-            PKV_LOGW(XF_MOD, "peer %u: malformed control message (%zu bytes) dropped", p->id,
-                     length);
+            snprintf(why, sizeof(why), "malformed message (type %u, %zu bytes)", f.type, length);
+            PKV_LOGW(XF_MOD, "peer %u: %s", p->id, why);
         }
+        if (peeked) on_unreadable(a, p, &f, why);
         return UCS_OK;
     }
     switch (m.type) {

@@ -31,12 +31,6 @@
 #include <string.h>
 #include <unistd.h>
 
-static int cmp_u32(const void *x, const void *y)
-{
-    uint32_t a = *(const uint32_t *)x, b = *(const uint32_t *)y;
-    return a < b ? -1 : a > b;
-}
-
 static bool token_equal(const uint8_t *x, const uint8_t *y)
 {
     volatile uint8_t d = 0;
@@ -174,7 +168,6 @@ static void reg_free(pkv_xfer_agent_t *a, xf_reg_t *r)
     pkv_kv_unpin(a->kv, r->blocks, r->n);
     XF_STAT_SUB(a, pinned_blocks, r->n);
     free(r->blocks);
-    free(r->sorted);
     free(r);
 }
 
@@ -187,11 +180,8 @@ int pkv_xfer_register(pkv_xfer_agent_t *a, uint64_t request_id, const uint32_t *
     pkv_xfer_handle_t *h = malloc(sizeof(*h) + sizeof(uint32_t) * n);
     if (!r || !h) goto fail;
     r->blocks = malloc(sizeof(uint32_t) * n);
-    r->sorted = malloc(sizeof(uint32_t) * n);
-    if (!r->blocks || !r->sorted) goto fail;
+    if (!r->blocks) goto fail;
     memcpy(r->blocks, blocks, sizeof(uint32_t) * n);
-    memcpy(r->sorted, blocks, sizeof(uint32_t) * n);
-    qsort(r->sorted, n, sizeof(uint32_t), cmp_u32);
     r->n = n;
     r->request_id = request_id;
     r->expiry_ns = expiry_ns;
@@ -263,10 +253,7 @@ int pkv_xfer_register(pkv_xfer_agent_t *a, uint64_t request_id, const uint32_t *
     *out = h;
     return PKV_OK;
 fail:
-    if (r) {
-        free(r->blocks);
-        free(r->sorted);
-    }
+    if (r) free(r->blocks);
     free(r);
     free(h);
     return rc;
@@ -519,33 +506,24 @@ void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *
         return;
     }
 
-    uint32_t *blocks = malloc(sizeof(uint32_t) * r->n_blocks);
-    if (!blocks) {
-        reject(a, p, r, PKV_ERR_NOFIT, "out of memory");
-        return;
-    }
-    uint32_t k = 0;
-    for (uint32_t i = 0; i < r->n_runs; i++) {
+    /* The plan must be the registration's blocks, all of them, in order: an ACK ends the
+     * registration as sent, so a read of fewer (or other) blocks must not be served. */
+    bool same = r->n_blocks == reg->n;
+    for (uint32_t i = 0, k = 0; same && i < r->n_runs; i++) {
         uint32_t first, count;
         pkv_xfer_wire_read_run(r, i, &first, &count);
-        for (uint32_t j = 0; j < count; j++) {
-            uint32_t b = first + j;
-            if (!bsearch(&b, reg->sorted, reg->n, sizeof(uint32_t), cmp_u32)) {
-                free(blocks);
-                {
-                    reject(a, p, r, PKV_ERR_REJECTED, "block not registered for the request");
-                    return;
-                }
-            }
-            blocks[k++] = b;
-        }
+        for (uint32_t j = 0; same && j < count; j++)
+            same = k < reg->n && reg->blocks[k++] == first + j;
+    }
+    if (!same) {
+        reject(a, p, r, PKV_ERR_REJECTED, "plan is not the request's registered blocks");
+        return;
     }
 
     xf_serve_t *s = calloc(1, sizeof(*s));
-    int rc = s ? xf_view_init(&s->v, a, r->n_blocks, blocks, r->chunk_bytes,
+    int rc = s ? xf_view_init(&s->v, a, reg->n, reg->blocks, r->chunk_bytes,
                               r->flags & PKV_WIRE_READ_WHOLE)
                : PKV_ERR_NOMEM;
-    free(blocks);
     if (rc) {
         free(s);
         {

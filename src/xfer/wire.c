@@ -383,6 +383,14 @@ int pkv_xfer_wire_decode(const void *buf, size_t len, pkv_wire_msg_t *out)
 
 int pkv_xfer_wire_peek_foreign(const void *buf, size_t len, pkv_wire_foreign_t *out)
 {
+    pkv_wire_foreign_t f;
+    if (pkv_xfer_wire_peek(buf, len, &f) || f.version == PKV_WIRE_VERSION) return PKV_ERR_PROTO;
+    *out = f;
+    return PKV_OK;
+}
+
+int pkv_xfer_wire_peek(const void *buf, size_t len, pkv_wire_foreign_t *out)
+{
     if (!buf || len < PKV_WIRE_HEADER_BYTES || len > PKV_WIRE_MAX_MSG || !out) return PKV_ERR_PROTO;
     rcur_t c = {buf, len};
     uint32_t magic = 0, body_len = 0;
@@ -393,8 +401,7 @@ int pkv_xfer_wire_peek_foreign(const void *buf, size_t len, pkv_wire_foreign_t *
     get_u8(&c, &f.type);
     get_u16(&c, &flags);
     get_u32(&c, &body_len);
-    if (magic != PKV_WIRE_MAGIC || f.version == 0 || f.version == PKV_WIRE_VERSION || flags ||
-        body_len != c.left)
+    if (magic != PKV_WIRE_MAGIC || f.version == 0 || flags || body_len != c.left)
         return PKV_ERR_PROTO;
     uint64_t id = 0;
     if ((f.type == PKV_WIRE_READ || f.type == PKV_WIRE_DATA || f.type == PKV_WIRE_ACK ||

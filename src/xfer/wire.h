@@ -171,6 +171,9 @@ typedef struct {
  * a body of exactly body_len bytes; PKV_ERR_PROTO otherwise (nothing written). A FAIL or
  * CLOSE of another version is both peeked and decoded. */
 int pkv_xfer_wire_peek_foreign(const void *buf, size_t len, pkv_wire_foreign_t *out);
+/* The same for any version, ours included: what a message that failed to decode still
+ * says (its type and the transfer it names), so it can be answered. */
+int pkv_xfer_wire_peek(const void *buf, size_t len, pkv_wire_foreign_t *out);
 /* Run i (< n_runs) of a decoded or to-be-encoded READ. */
 void pkv_xfer_wire_read_run(const pkv_wire_read_t *r, uint32_t i, uint32_t *first, uint32_t *count);
 /* Piece i (< n_pieces) of a decoded shared DATA. */

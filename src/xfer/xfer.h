@@ -29,6 +29,8 @@ typedef struct {
                               checksumming it (the consumer must report corrupt); -1 none */
     uint8_t wire_version;  /* != 0: every control message goes out stamped with this wire
                               version, as an agent of that version would send it */
+    bool malformed_read;   /* READs go out with an unknown flag bit: our version, but a
+                              message the producer cannot decode */
 } pkv_xfer_faults_t;
 
 /* Install fault hooks. Call before the agent's first transfer. */

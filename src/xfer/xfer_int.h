@@ -189,7 +189,6 @@ struct xf_reg {
     void *arg;
     uint32_t n;
     uint32_t *blocks;    /* (n) in sequence order */
-    uint32_t *sorted;    /* (n) ascending, for membership checks */
     bool unregister_req; /* [L] */
     xf_serve_t *serving; /* [P] */
     bool ended;          /* [P] removed from the list; pins drop when not serving */
