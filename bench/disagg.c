@@ -19,12 +19,12 @@
 #include <time.h>
 #include <unistd.h>
 
-#define DG_REQUEST_ID   1
-#define DG_LEASE_NS     30000000000ull /* the registration's expiry after prefill */
-#define DG_PREFILL_NS   120000000000ull /* how long decode waits for prefill's handle */
-#define DG_REPORT_NS    10000000000ull  /* ... and for its report after the read */
-#define DG_HANDLE_MAX   (1u << 20)
-#define DG_TEXT_SHOWN   240
+#define DG_REQUEST_ID 1
+#define DG_LEASE_NS   30000000000ull  /* the registration's expiry after prefill */
+#define DG_PREFILL_NS 120000000000ull /* how long decode waits for prefill's handle */
+#define DG_REPORT_NS  10000000000ull  /* ... and for its report after the read */
+#define DG_HANDLE_MAX (1u << 20)
+#define DG_TEXT_SHOWN 240
 
 static const char dg_default_prompt[] =
     "A paged KV cache keeps each request's keys and values in fixed-size blocks, so a "
@@ -140,8 +140,8 @@ static int dg_seq(pkv_kv_t *kv, const int32_t *ids, uint32_t n, uint32_t extra, 
 }
 
 /* Forward `n` tokens of seq; *next = argmax of the last logits. */
-static int dg_forward(pkv_model_t *m, pkv_kv_t *kv, pkv_seq_t *seq, const int32_t *ids,
-                      uint32_t n, float *logits, int32_t *next)
+static int dg_forward(pkv_model_t *m, pkv_kv_t *kv, pkv_seq_t *seq, const int32_t *ids, uint32_t n,
+                      float *logits, int32_t *next)
 {
     pkv_model_item_t it = {.seq = seq, .tokens = ids, .n_tokens = n, .logits = logits};
     int rc = pkv_model_forward(m, kv, &it, 1);
@@ -301,7 +301,10 @@ static void dg_text(FILE *f, const pkv_tok_t *tok, int32_t prev, const int32_t *
     fputs(shown >= DG_TEXT_SHOWN ? "\"..." : "\"", f);
 }
 
-static const char *dg_yes(bool b) { return b ? "yes" : "NO"; }
+static const char *dg_yes(bool b)
+{
+    return b ? "yes" : "NO";
+}
 
 static void dg_report(const pkv_disagg_opts_t *o, const pkv_disagg_result_t *r,
                       const pkv_model_t *m, const pkv_geometry_t *g, const pkv_tok_t *tok,
@@ -315,8 +318,7 @@ static void dg_report(const pkv_disagg_opts_t *o, const pkv_disagg_result_t *r,
             "  model      %s geometry: %u layers, %u KV heads x %u, KV in %s; weights from seed "
             "%llu (random: the text is noise, the bytes are what counts)\n",
             o->preset ? o->preset : "llama-3.2-1b", mc->n_layers, mc->n_kv_heads, mc->head_dim,
-            pkv_dtype_name(g->dtype),
-            (unsigned long long)(o->weights_seed ? o->weights_seed : 1));
+            pkv_dtype_name(g->dtype), (unsigned long long)(o->weights_seed ? o->weights_seed : 1));
     fprintf(f, "  prompt     %u tokens -> KV of %u positions in %u blocks of %u tokens, %.2f MiB\n",
             r->prompt_tokens, r->prompt_tokens, r->blocks, g->block_tokens, r->kv_bytes * mib);
     fprintf(f,
@@ -324,8 +326,8 @@ static void dg_report(const pkv_disagg_opts_t *o, const pkv_disagg_result_t *r,
             "(lease %llu s)\n",
             prefill_pid, r->prefill_ns / 1e6, gen ? gen[0] : -1,
             (unsigned long long)(DG_LEASE_NS / 1000000000ull));
-    fprintf(f, "  transfer   %s: %s in %.2f ms (%.2f GB/s, connecting to prefill included)\n", r->path,
-            pkv_status_str(r->outcome), r->transfer_ns / 1e6,
+    fprintf(f, "  transfer   %s: %s in %.2f ms (%.2f GB/s, connecting to prefill included)\n",
+            r->path, pkv_status_str(r->outcome), r->transfer_ns / 1e6,
             r->transfer_ns ? (double)r->kv_bytes / (double)r->transfer_ns : 0.0);
     if (r->outcome == PKV_OK) {
         fprintf(f,
@@ -392,7 +394,8 @@ int pkv_disagg_run(const pkv_disagg_opts_t *o, pkv_disagg_result_t *r)
     const char *prompt = o->prompt ? o->prompt : dg_default_prompt;
     if (!rc) rc = pkv_tok_encode_alloc(tok, prompt, strlen(prompt), true, &ids, &n_ids);
     if (rc || n_ids == 0 || n_ids + max > probe.max_seq_len) {
-        fprintf(stderr, "pagekv demo: prompt of %zu tokens + %u generated: %s (the model takes %u)\n",
+        fprintf(stderr,
+                "pagekv demo: prompt of %zu tokens + %u generated: %s (the model takes %u)\n",
                 n_ids, max, rc ? pkv_status_str(rc) : "does not fit", probe.max_seq_len);
         free(ids);
         pkv_tok_destroy(tok);
@@ -457,9 +460,10 @@ int pkv_disagg_run(const pkv_disagg_opts_t *o, pkv_disagg_result_t *r)
         goto out;
     }
     bool no_shared = o->no_shared || o->tcp;
-    r->path = o->tcp                          ? "tcp (UCX_TLS=tcp), staging copied on both sides"
-              : no_shared || !h->local.present ? "same host through UCX, staging copied on both sides"
-                                               : "same host, shared memfd staging arena";
+    r->path = o->tcp ? "tcp (UCX_TLS=tcp), staging copied on both sides"
+              : no_shared || !h->local.present
+                  ? "same host through UCX, staging copied on both sides"
+                  : "same host, shared memfd staging arena";
     r->prompt_tokens = n;
     r->blocks = h->n_blocks;
     logits = malloc(sizeof(float) * (size_t)vocab);
@@ -514,7 +518,9 @@ int pkv_disagg_run(const pkv_disagg_opts_t *o, pkv_disagg_result_t *r)
             nrg = dg_generate(node.model, ref_kv, ref, tok, ref_first, max, logits, ref_gen);
         if (rc || ng < 0 || nrg < 0) {
             fprintf(stderr, "pagekv demo: generation: %s\n",
-                    pkv_status_str(rc ? rc : ng < 0 ? ng : nrg));
+                    pkv_status_str(rc       ? rc
+                                   : ng < 0 ? ng
+                                            : nrg));
             goto out;
         }
         r->generated = (uint32_t)ng;
@@ -578,8 +584,10 @@ out:
     free(ids);
     pkv_tok_destroy(tok);
     if (o->tcp) {
-        if (saved_tls) setenv("UCX_TLS", saved_tls, 1);
-        else unsetenv("UCX_TLS");
+        if (saved_tls)
+            setenv("UCX_TLS", saved_tls, 1);
+        else
+            unsetenv("UCX_TLS");
     }
     free(saved_tls);
     return ret;
