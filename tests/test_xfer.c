@@ -122,6 +122,19 @@ static void pair_make(pair_t *x, const pkv_geometry_t *g, uint32_t n_tokens, int
     pair_make_with(x, g, n_tokens, base, false, false);
 }
 
+/* Read h into dst[0..n) (3 s deadline) and wait: the read's outcome. */
+static int read_outcome(pkv_xfer_agent_t *c, const pkv_xfer_handle_t *h, const uint32_t *dst,
+                        uint32_t n)
+{
+    pkv_xfer_read_t *rd;
+    int oc = 0;
+    ck_assert_int_eq(
+        pkv_xfer_read(c, h, dst, n, pkv_deadline_after_ns(3000000000ull), NULL, NULL, &rd), PKV_OK);
+    ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(5000000000ull), &oc), PKV_OK);
+    pkv_xfer_read_free(rd);
+    return oc;
+}
+
 static void pair_free(pair_t *x)
 {
     pkv_seq_free(x->src);
@@ -306,13 +319,7 @@ START_TEST(api_bad_input_changes_nothing)
     ck_assert_uint_eq(live_blocks(x.p.kv), live_p);
 
     /* A read of the withdrawn request is rejected by the producer. */
-    int oc = 0;
-    ck_assert_int_eq(
-        pkv_xfer_read(x.c.a, h, dids, dn, pkv_deadline_after_ns(3000000000ull), NULL, NULL, &rd),
-        PKV_OK);
-    ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(5000000000ull), &oc), PKV_OK);
-    ck_assert_int_eq(oc, PKV_ERR_REJECTED);
-    pkv_xfer_read_free(rd);
+    ck_assert_int_eq(read_outcome(x.c.a, h, dids, dn), PKV_ERR_REJECTED);
 
     /* Expiry: the lease runs out, the callback says timeout, the pins return. */
     reg_cb_t rc2 = {0, 0, 0};
@@ -461,33 +468,16 @@ START_TEST(in_process_read_ok_then_sent_once)
     pkv_seq_blocks(other, &oids, &on);
     uint32_t saved = hc->blocks[1];
     hc->blocks[1] = oids[0];
-    pkv_xfer_read_t *bad;
-    int boc = 0;
-    ck_assert_int_eq(
-        pkv_xfer_read(x.c.a, hc, dids, dn, pkv_deadline_after_ns(3000000000ull), NULL, NULL, &bad),
-        PKV_OK);
-    ck_assert_int_eq(pkv_xfer_read_wait(bad, pkv_deadline_after_ns(5000000000ull), &boc), PKV_OK);
-    ck_assert_int_eq(boc, PKV_ERR_REJECTED);
-    pkv_xfer_read_free(bad);
+    ck_assert_int_eq(read_outcome(x.c.a, hc, dids, dn), PKV_ERR_REJECTED);
     hc->blocks[1] = saved;
     /* Nor fewer of them (the ACK would end the whole registration as sent), nor the same
      * blocks in another order. */
     hc->n_blocks--;
-    ck_assert_int_eq(pkv_xfer_read(x.c.a, hc, dids, dn - 1, pkv_deadline_after_ns(3000000000ull),
-                                   NULL, NULL, &bad),
-                     PKV_OK);
-    ck_assert_int_eq(pkv_xfer_read_wait(bad, pkv_deadline_after_ns(5000000000ull), &boc), PKV_OK);
-    ck_assert_int_eq(boc, PKV_ERR_REJECTED);
-    pkv_xfer_read_free(bad);
+    ck_assert_int_eq(read_outcome(x.c.a, hc, dids, dn - 1), PKV_ERR_REJECTED);
     hc->n_blocks++;
     hc->blocks[0] = hc->blocks[1];
     hc->blocks[1] = sids[0];
-    ck_assert_int_eq(
-        pkv_xfer_read(x.c.a, hc, dids, dn, pkv_deadline_after_ns(3000000000ull), NULL, NULL, &bad),
-        PKV_OK);
-    ck_assert_int_eq(pkv_xfer_read_wait(bad, pkv_deadline_after_ns(5000000000ull), &boc), PKV_OK);
-    ck_assert_int_eq(boc, PKV_ERR_REJECTED);
-    pkv_xfer_read_free(bad);
+    ck_assert_int_eq(read_outcome(x.c.a, hc, dids, dn), PKV_ERR_REJECTED);
     hc->blocks[1] = hc->blocks[0];
     hc->blocks[0] = sids[0];
     pkv_xfer_stats_t ps;
@@ -523,12 +513,7 @@ START_TEST(in_process_read_ok_then_sent_once)
     ck_assert_uint_eq(s.registrations, 0);
     /* A second read of a sent request is rejected: the registration ended. */
     pkv_xfer_read_free(rd);
-    ck_assert_int_eq(
-        pkv_xfer_read(x.c.a, hc, dids, dn, pkv_deadline_after_ns(3000000000ull), NULL, NULL, &rd),
-        PKV_OK);
-    ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(5000000000ull), &oc), PKV_OK);
-    ck_assert_int_eq(oc, PKV_ERR_REJECTED);
-    pkv_xfer_read_free(rd);
+    ck_assert_int_eq(read_outcome(x.c.a, hc, dids, dn), PKV_ERR_REJECTED);
     ck_assert_int_eq(pkv_xfer_wait_idle(x.c.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
     pkv_xfer_handle_free(h);
     pkv_xfer_handle_free(hc);
