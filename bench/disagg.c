@@ -9,6 +9,7 @@
 #include "prim/prim.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -235,25 +236,32 @@ static void dg_prefill(const pkv_disagg_opts_t *o, const int32_t *ids, uint32_t 
     }
     hello.status = rc;
     if (rc) hello.handle_len = 0;
+    if (!rc) hello.handle_len = (uint32_t)len;
     if (dg_write(wfd, &hello, sizeof(hello)) || dg_write(wfd, hb, hello.handle_len)) _exit(3);
     /* Decode says when its read has ended (or closes the pipe by dying). */
     char go;
     if (!rc && dg_read(rfd, &go, 1, pkv_now_ns() + DG_PREFILL_NS + DG_REPORT_NS) == PKV_OK) {
         dg_report_t rep;
-        /* An acknowledged read's ACK may still be on its way; a failed one never comes. */
+        memset(&rep, 0, sizeof(rep)); /* padding too: it goes through the pipe */
+        /* An acknowledged read's ACK may still be on its way; a failed one never comes.
+         * Unregistering one that ended meanwhile is NOTFOUND: either way its callback
+         * says how it ended. */
         int end = dg_reg_wait(&reg, pkv_now_ns() + (go ? 2000000000ull : 0));
-        if (end == 1) pkv_xfer_unregister(node.agent, DG_REQUEST_ID);
+        if (end == 1) {
+            pkv_xfer_unregister(node.agent, DG_REQUEST_ID);
+            end = dg_reg_wait(&reg, pkv_now_ns() + 1000000000ull);
+        }
         pkv_xfer_wait_idle(node.agent, pkv_now_ns() + 2000000000ull);
         pkv_xfer_stats_t xs;
         pkv_xfer_stats(node.agent, &xs);
         pkv_prim_mem_t mem = {0};
         pkv_prim_mem_read(0, &mem);
-        rep = (dg_report_t){.end = end,
-                            .sent = xs.sent,
-                            .bytes_sent = xs.bytes_sent,
-                            .pinned = xs.pinned_blocks,
-                            .staging_held = xs.staging_pages_held,
-                            .rss = mem.rss_bytes};
+        rep.end = end;
+        rep.sent = xs.sent;
+        rep.bytes_sent = xs.bytes_sent;
+        rep.pinned = xs.pinned_blocks;
+        rep.staging_held = xs.staging_pages_held;
+        rep.rss = mem.rss_bytes;
         (void)dg_write(wfd, &rep, sizeof(rep));
     }
     pkv_xfer_handle_free(h);
@@ -308,7 +316,8 @@ static const char *dg_yes(bool b)
 
 static void dg_report(const pkv_disagg_opts_t *o, const pkv_disagg_result_t *r,
                       const pkv_model_t *m, const pkv_geometry_t *g, const pkv_tok_t *tok,
-                      int32_t last_prompt, const int32_t *gen, uint32_t prefill_pid, bool ok)
+                      int32_t last_prompt, int32_t first, const int32_t *gen, uint32_t prefill_pid,
+                      bool ok)
 {
     FILE *f = o->out;
     const pkv_model_config_t *mc = pkv_model_config(m);
@@ -324,11 +333,15 @@ static void dg_report(const pkv_disagg_opts_t *o, const pkv_disagg_result_t *r,
     fprintf(f,
             "  prefill    pid %u: prompt computed in %.1f ms, first token %d, blocks registered "
             "(lease %llu s)\n",
-            prefill_pid, r->prefill_ns / 1e6, gen ? gen[0] : -1,
+            prefill_pid, r->prefill_ns / 1e6, first,
             (unsigned long long)(DG_LEASE_NS / 1000000000ull));
-    fprintf(f, "  transfer   %s: %s in %.2f ms (%.2f GB/s, connecting to prefill included)\n",
-            r->path, pkv_status_str(r->outcome), r->transfer_ns / 1e6,
-            r->transfer_ns ? (double)r->kv_bytes / (double)r->transfer_ns : 0.0);
+    if (r->outcome == PKV_OK)
+        fprintf(f, "  transfer   %s: ok in %.2f ms (%.2f GB/s, connecting to prefill included)\n",
+                r->path, r->transfer_ns / 1e6,
+                r->transfer_ns ? (double)r->kv_bytes / (double)r->transfer_ns : 0.0);
+    else
+        fprintf(f, "  transfer   %s: %s after %.2f ms\n", r->path, pkv_status_str(r->outcome),
+                r->transfer_ns / 1e6);
     if (r->outcome == PKV_OK) {
         fprintf(f,
                 "  decode     pid %u: transferred KV identical to its own run of the prompt "
@@ -346,13 +359,14 @@ static void dg_report(const pkv_disagg_opts_t *o, const pkv_disagg_result_t *r,
     if (r->producer_reported)
         fprintf(f,
                 "  prefill    registration ended %s; %llu sent (%.2f MiB), %llu blocks pinned, "
-                "%llu staging pages held; VmRSS %.1f MiB\n",
+                "%llu staging pages held; VmRSS %.1f MiB; %s\n",
                 r->producer_end == PKV_OK ? "sent (acknowledged)"
                 : r->producer_end == 1    ? "not (still registered)"
                                           : pkv_status_str(r->producer_end),
                 (unsigned long long)r->producer_sent, r->producer_bytes_sent * mib,
                 (unsigned long long)r->producer_pinned,
-                (unsigned long long)r->producer_staging_held, r->producer_rss * mib);
+                (unsigned long long)r->producer_staging_held, r->producer_rss * mib,
+                r->producer_exit_ok ? "exited 0" : "did NOT exit cleanly");
     else
         fprintf(f, "  prefill    no report (the process died or did not answer)\n");
     fprintf(f,
@@ -364,17 +378,21 @@ static void dg_report(const pkv_disagg_opts_t *o, const pkv_disagg_result_t *r,
     fprintf(f, "  result     %s\n", ok ? "ok" : "FAILED");
 }
 
-static void dg_reap(pid_t pid)
+/* Wait up to 5 s for the prefill process, then kill it. Its wait status. */
+static int dg_reap(pid_t pid)
 {
     uint64_t until = pkv_now_ns() + 5000000000ull;
-    while (waitpid(pid, NULL, WNOHANG) == 0) {
+    int st = 0;
+    pid_t w;
+    while ((w = waitpid(pid, &st, WNOHANG)) == 0) {
         if (pkv_now_ns() >= until) {
             kill(pid, SIGKILL);
-            waitpid(pid, NULL, 0);
-            return;
+            waitpid(pid, &st, 0);
+            return st;
         }
         usleep(2000);
     }
+    return w == pid ? st : -1;
 }
 
 int pkv_disagg_run(const pkv_disagg_opts_t *o, pkv_disagg_result_t *r)
@@ -403,25 +421,29 @@ int pkv_disagg_run(const pkv_disagg_opts_t *o, pkv_disagg_result_t *r)
     }
     uint32_t n = (uint32_t)n_ids;
     int32_t vocab = pkv_tok_vocab_size(tok);
+    int c2p[2] = {-1, -1}, p2c[2] = {-1, -1};
+    if (pipe2(c2p, O_CLOEXEC) || pipe2(p2c, O_CLOEXEC)) {
+        fprintf(stderr, "pagekv demo: pipe: %s\n", strerror(errno));
+        for (int i = 0; i < 2; i++) {
+            if (c2p[i] >= 0) close(c2p[i]);
+            if (p2c[i] >= 0) close(p2c[i]);
+        }
+        free(ids);
+        pkv_tok_destroy(tok);
+        return 2;
+    }
+    /* A prefill process that died must be a failed write here, not our death. */
+    struct sigaction ign = {.sa_handler = SIG_IGN}, old_pipe;
+    sigaction(SIGPIPE, &ign, &old_pipe);
     const char *old_tls = getenv("UCX_TLS");
     char *saved_tls = old_tls ? strdup(old_tls) : NULL;
     if (o->tcp) setenv("UCX_TLS", "tcp", 1); /* both processes: set before the fork */
-
-    int c2p[2], p2c[2];
-    if (pipe(c2p) || pipe(p2c)) {
-        fprintf(stderr, "pagekv demo: pipe: %s\n", strerror(errno));
-        free(ids);
-        pkv_tok_destroy(tok);
-        free(saved_tls);
-        return 2;
-    }
     pid_t parent = getpid();
     fflush(NULL);
     pid_t pid = fork();
     if (pid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         if (getppid() != parent) _exit(3);
-        signal(SIGPIPE, SIG_IGN); /* a decode that went away is a failed write, not a death */
         close(c2p[0]);
         close(p2c[1]);
         dg_prefill(o, ids, n, vocab, c2p[1], p2c[0]);
@@ -438,7 +460,7 @@ int pkv_disagg_run(const pkv_disagg_opts_t *o, pkv_disagg_result_t *r)
     float *logits = NULL;
     int32_t *gen = NULL, *ref_gen = NULL;
     dg_hello_t hello = {0};
-    bool go_sent = false;
+    bool go_sent = false, reaped = false;
     if (pid < 0) {
         fprintf(stderr, "pagekv demo: fork: %s\n", strerror(errno));
         goto out;
@@ -460,10 +482,6 @@ int pkv_disagg_run(const pkv_disagg_opts_t *o, pkv_disagg_result_t *r)
         goto out;
     }
     bool no_shared = o->no_shared || o->tcp;
-    r->path = o->tcp ? "tcp (UCX_TLS=tcp), staging copied on both sides"
-              : no_shared || !h->local.present
-                  ? "same host through UCX, staging copied on both sides"
-                  : "same host, shared memfd staging arena";
     r->prompt_tokens = n;
     r->blocks = h->n_blocks;
     logits = malloc(sizeof(float) * (size_t)vocab);
@@ -477,7 +495,10 @@ int pkv_disagg_run(const pkv_disagg_opts_t *o, pkv_disagg_result_t *r)
     const uint32_t *dst = NULL, *ref_blocks = NULL;
     uint32_t nd = 0, nr = 0;
     if (!rc) rc = pkv_seq_blocks(seq, &dst, &nd);
-    if (!rc && nd < h->n_blocks) rc = PKV_ERR_INVALID;
+    /* The handle must cover exactly the prompt's positions, which decode compares. */
+    if (!rc &&
+        (nd < h->n_blocks || h->n_blocks != PKV_DIV_UP(n, pkv_kv_geometry(node.kv)->block_tokens)))
+        rc = PKV_ERR_INVALID;
     if (!rc) r->kv_bytes = (uint64_t)h->n_blocks * pkv_kv_block_bytes(node.kv);
     if (!rc) rc = dg_stage(r->kv_bytes, false, &node.stage);
     if (!rc) rc = dg_agent(&node, no_shared);
@@ -493,6 +514,16 @@ int pkv_disagg_run(const pkv_disagg_opts_t *o, pkv_disagg_result_t *r)
         r->outcome = PKV_ERR_TIMEOUT; /* cannot happen: every read ends by its deadline */
     if (rc != PKV_OK) r->outcome = rc;
     r->transfer_ns = pkv_now_ns() - t0;
+    /* Which way the payload went: through our own staging (UCX), or not at all (the
+     * producer's arena, mapped; the agent falls back to UCX where it cannot map it). */
+    pkv_stage_stats_t ss;
+    pkv_stage_stats(node.stage, &ss);
+    r->shared_arena = r->outcome == PKV_OK && ss.acquires == 0;
+    r->path = r->shared_arena ? "same host, shared memfd staging arena"
+              : o->tcp        ? "tcp (UCX_TLS=tcp), staging copied on both sides"
+              : r->outcome == PKV_OK || no_shared
+                  ? "same host through UCX, staging copied on both sides"
+                  : "same host (shared arena offered)";
     char go = r->outcome == PKV_OK;
     go_sent = dg_write(p2c[1], &go, 1) == PKV_OK;
     pkv_xfer_read_free(rd);
@@ -537,6 +568,9 @@ int pkv_disagg_run(const pkv_disagg_opts_t *o, pkv_disagg_result_t *r)
         r->producer_staging_held = rep.staging_held;
         r->producer_rss = rep.rss;
     }
+    int wst = dg_reap(pid); /* it exits once it has reported */
+    reaped = true;
+    r->producer_exit_ok = WIFEXITED(wst) && WEXITSTATUS(wst) == 0;
     pkv_xfer_wait_idle(node.agent, pkv_now_ns() + 2000000000ull);
     pkv_xfer_stats_t xs;
     pkv_xfer_stats(node.agent, &xs);
@@ -556,9 +590,9 @@ int pkv_disagg_run(const pkv_disagg_opts_t *o, pkv_disagg_result_t *r)
               r->producer_sent == 1 && r->producer_bytes_sent == r->kv_bytes &&
               r->producer_pinned == 0 && r->producer_staging_held == 0 &&
               r->consumer_bytes_received == r->kv_bytes && r->consumer_pinned == 0 &&
-              r->consumer_staging_held == 0;
+              r->consumer_staging_held == 0 && r->producer_exit_ok;
     if (o->out)
-        dg_report(o, r, node.model, pkv_kv_geometry(node.kv), tok, ids[n - 1],
+        dg_report(o, r, node.model, pkv_kv_geometry(node.kv), tok, ids[n - 1], hello.first,
                   r->outcome == PKV_OK ? gen : NULL, hello.pid, ok);
     ret = ok ? 0 : 1;
 out:
@@ -568,7 +602,7 @@ out:
     }
     close(p2c[1]);
     close(c2p[0]);
-    if (pid > 0) dg_reap(pid);
+    if (pid > 0 && !reaped) dg_reap(pid);
     pkv_xfer_read_free(rd);
     dg_node_free(&node);
     if (seq) pkv_seq_free(seq);
@@ -590,5 +624,6 @@ out:
             unsetenv("UCX_TLS");
     }
     free(saved_tls);
+    sigaction(SIGPIPE, &old_pipe, NULL);
     return ret;
 }

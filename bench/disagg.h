@@ -50,14 +50,17 @@ typedef struct {
     int producer_end; /* how the registration ended: PKV_OK = sent (acknowledged) */
     uint64_t producer_sent, producer_bytes_sent, producer_pinned, producer_staging_held;
     uint64_t producer_rss;
+    bool producer_exit_ok; /* the prefill process exited 0 after its report */
+    bool shared_arena;     /* the payload came through the producer's mapped arena */
     /* decode's, after the read was freed */
     uint64_t consumer_pinned, consumer_staging_held, consumer_bytes_received;
     uint64_t consumer_pool_committed, consumer_rss;
 } pkv_disagg_result_t;
 
-/* Run it. 0: the run completed and every check held; 1: a check failed (r says which);
- * 2: it could not run (bad options, a setup failure, the prefill process died), with a
- * message on stderr. */
+/* Run it. 0: the run completed and every check held; 1: a check failed (r says which;
+ * a prefill process that died during the read shows as the read's outcome); 2: it could
+ * not run (bad options, a setup failure, no handle from prefill), with a message on
+ * stderr. */
 int pkv_disagg_run(const pkv_disagg_opts_t *o, pkv_disagg_result_t *r);
 
 #endif

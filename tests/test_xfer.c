@@ -1267,6 +1267,8 @@ START_TEST(disagg_matches_unified)
     ck_assert_uint_eq(r.consumer_bytes_received, r.kv_bytes);
     ck_assert_uint_eq(r.producer_pinned + r.consumer_pinned, 0);
     ck_assert_uint_eq(r.producer_staging_held + r.consumer_staging_held, 0);
+    ck_assert(r.producer_exit_ok);
+    ck_assert(r.shared_arena == (_i == 0)); /* the path asked for is the path taken */
     ck_assert_int_eq(rc, 0);
 }
 END_TEST

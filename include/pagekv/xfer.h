@@ -110,7 +110,9 @@ void pkv_xfer_handle_free(pkv_xfer_handle_t *h);
 
 /* ---- producer -------------------------------------------------------------------------- */
 /* Called once when a registration ends: PKV_OK = sent (acknowledged), PKV_ERR_TIMEOUT =
- * lease expired, PKV_ERR_CANCELLED = unregistered, PKV_ERR_SHUTDOWN = agent destroyed. */
+ * lease expired, PKV_ERR_CANCELLED = unregistered, PKV_ERR_SHUTDOWN = agent destroyed.
+ * Its pins are already returned when no transfer was serving it; otherwise they return
+ * once that transfer's copies finish (pkv_xfer_wait_idle). */
 typedef void (*pkv_xfer_sent_fn)(void *arg, uint64_t request_id, int outcome);
 
 /* Register blocks[0..n) of the pool under request_id until expiry_ns (absolute). Pins

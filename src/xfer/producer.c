@@ -287,18 +287,24 @@ static void reg_end(pkv_xfer_agent_t *a, xf_reg_t *r, int outcome)
     r->end_outcome = outcome;
     XF_STAT_SUB(a, registrations, 1);
     if (outcome == PKV_ERR_TIMEOUT) XF_STAT_ADD(a, expired, 1);
-    if (r->fn) r->fn(r->arg, r->request_id, outcome);
     xf_serve_t *s = r->serving;
-    if (s) {
-        if (!s->state_done) {
-            serve_finish(
-                a, s, outcome == PKV_ERR_SHUTDOWN ? PKV_ERR_SHUTDOWN : PKV_ERR_CANCELLED, true,
-                outcome == PKV_ERR_SHUTDOWN ? "producer shutting down" : "request withdrawn");
-            serve_settle(a, s); /* frees r too once the serve quiesces */
-        }
+    if (!s) {
+        /* Nothing copies from its blocks: the pins go back before the callback, so a
+         * caller that hears "ended" sees them returned. */
+        pkv_xfer_sent_fn fn = r->fn;
+        void *arg = r->arg;
+        uint64_t id = r->request_id;
+        reg_free(a, r);
+        if (fn) fn(arg, id, outcome);
         return;
     }
-    reg_free(a, r);
+    /* A transfer serving it still copies: its pins go back when that serve quiesces. */
+    if (r->fn) r->fn(r->arg, r->request_id, outcome);
+    if (!s->state_done) {
+        serve_finish(a, s, outcome == PKV_ERR_SHUTDOWN ? PKV_ERR_SHUTDOWN : PKV_ERR_CANCELLED, true,
+                     outcome == PKV_ERR_SHUTDOWN ? "producer shutting down" : "request withdrawn");
+        serve_settle(a, s); /* frees r too once the serve quiesces */
+    }
 }
 
 static xf_reg_t *unlink_reg(pkv_xfer_agent_t *a, xf_reg_t *r)
