@@ -1,4 +1,5 @@
 #include "disagg.h"
+#include "xfer_harness.h"
 
 #include "core/core.h"
 #include "engine/sample.h"
@@ -10,12 +11,10 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -33,39 +32,7 @@ static const char dg_default_prompt[] =
     "whole pool. The decode node pulls the blocks, verifies every layer, and goes on "
     "generating as if it had computed the prompt itself.";
 
-/* ---- pipes with deadlines (nothing here waits forever) ------------------------------ */
-static int dg_read(int fd, void *buf, size_t n, uint64_t deadline_ns)
-{
-    char *p = buf;
-    while (n) {
-        uint64_t now = pkv_now_ns();
-        if (now >= deadline_ns) return PKV_ERR_TIMEOUT;
-        uint64_t ms = (deadline_ns - now) / 1000000 + 1;
-        struct pollfd pf = {.fd = fd, .events = POLLIN};
-        int pr = poll(&pf, 1, (int)(ms > 1000 ? 1000 : ms));
-        if (pr < 0 && errno != EINTR) return PKV_ERR_IO;
-        if (pr <= 0) continue;
-        ssize_t got = read(fd, p, n);
-        if (got < 0 && errno == EINTR) continue;
-        if (got <= 0) return PKV_ERR_IO; /* the other process is gone */
-        p += got;
-        n -= (size_t)got;
-    }
-    return PKV_OK;
-}
-
-static int dg_write(int fd, const void *buf, size_t n)
-{
-    const char *p = buf;
-    while (n) {
-        ssize_t put = write(fd, p, n);
-        if (put < 0 && errno == EINTR) continue;
-        if (put <= 0) return PKV_ERR_IO;
-        p += put;
-        n -= (size_t)put;
-    }
-    return PKV_OK;
-}
+/* Pipes: xh_write_all / xh_read_all (every read has a deadline: nothing waits forever). */
 
 /* What prefill sends: this header, then handle_len bytes of the encoded handle. */
 typedef struct {
@@ -186,10 +153,7 @@ static int dg_reg_wait(dg_reg_t *s, uint64_t deadline_ns)
 {
     pthread_mutex_lock(&s->mu);
     while (s->end == 1 && pkv_now_ns() < deadline_ns) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 10000000; /* re-check the monotonic deadline every 10 ms */
-        if (ts.tv_nsec >= 1000000000) ts.tv_sec++, ts.tv_nsec -= 1000000000;
+        struct timespec ts = pkv__deadline_to_monotonic(deadline_ns);
         pthread_cond_timedwait(&s->cv, &s->mu, &ts);
     }
     int end = s->end;
@@ -207,8 +171,9 @@ static void dg_prefill(const pkv_disagg_opts_t *o, const int32_t *ids, uint32_t 
     pkv_xfer_handle_t *h = NULL;
     uint8_t *hb = NULL;
     float *logits = NULL;
-    dg_reg_t reg = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .end = 1};
-    int rc = dg_model(o, vocab, &node.model);
+    dg_reg_t reg = {.mu = PTHREAD_MUTEX_INITIALIZER, .end = 1};
+    int rc = pkv__cond_init_monotonic(&reg.cv) ? PKV_ERR_NOMEM : PKV_OK;
+    if (!rc) rc = dg_model(o, vocab, &node.model);
     if (!rc) rc = dg_kv(o, node.model, &node.kv);
     if (!rc) rc = dg_seq(node.kv, ids, n, 0, &seq);
     if (!rc) {
@@ -235,12 +200,12 @@ static void dg_prefill(const pkv_disagg_opts_t *o, const int32_t *ids, uint32_t 
         rc = hb ? pkv_xfer_handle_encode(h, hb, hello.handle_len, &len) : PKV_ERR_NOMEM;
     }
     hello.status = rc;
-    if (rc) hello.handle_len = 0;
-    if (!rc) hello.handle_len = (uint32_t)len;
-    if (dg_write(wfd, &hello, sizeof(hello)) || dg_write(wfd, hb, hello.handle_len)) _exit(3);
+    hello.handle_len = rc ? 0 : (uint32_t)len;
+    if (xh_write_all(wfd, &hello, sizeof(hello)) || xh_write_all(wfd, hb, hello.handle_len))
+        _exit(3);
     /* Decode says when its read has ended (or closes the pipe by dying). */
     char go;
-    if (!rc && dg_read(rfd, &go, 1, pkv_now_ns() + DG_PREFILL_NS + DG_REPORT_NS) == PKV_OK) {
+    if (!rc && xh_read_all(rfd, &go, 1, pkv_now_ns() + DG_PREFILL_NS + DG_REPORT_NS) == PKV_OK) {
         dg_report_t rep;
         memset(&rep, 0, sizeof(rep)); /* padding too: it goes through the pipe */
         /* An acknowledged read's ACK may still be on its way; a failed one never comes.
@@ -262,7 +227,7 @@ static void dg_prefill(const pkv_disagg_opts_t *o, const int32_t *ids, uint32_t 
         rep.pinned = xs.pinned_blocks;
         rep.staging_held = xs.staging_pages_held;
         rep.rss = mem.rss_bytes;
-        (void)dg_write(wfd, &rep, sizeof(rep));
+        (void)xh_write_all(wfd, &rep, sizeof(rep));
     }
     pkv_xfer_handle_free(h);
     free(hb);
@@ -378,23 +343,6 @@ static void dg_report(const pkv_disagg_opts_t *o, const pkv_disagg_result_t *r,
     fprintf(f, "  result     %s\n", ok ? "ok" : "FAILED");
 }
 
-/* Wait up to 5 s for the prefill process, then kill it. Its wait status. */
-static int dg_reap(pid_t pid)
-{
-    uint64_t until = pkv_now_ns() + 5000000000ull;
-    int st = 0;
-    pid_t w;
-    while ((w = waitpid(pid, &st, WNOHANG)) == 0) {
-        if (pkv_now_ns() >= until) {
-            kill(pid, SIGKILL);
-            waitpid(pid, &st, 0);
-            return st;
-        }
-        usleep(2000);
-    }
-    return w == pid ? st : -1;
-}
-
 int pkv_disagg_run(const pkv_disagg_opts_t *o, pkv_disagg_result_t *r)
 {
     memset(r, 0, sizeof(*r));
@@ -442,8 +390,7 @@ int pkv_disagg_run(const pkv_disagg_opts_t *o, pkv_disagg_result_t *r)
     fflush(NULL);
     pid_t pid = fork();
     if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        if (getppid() != parent) _exit(3);
+        xh_child_detach(parent);
         close(c2p[0]);
         close(p2c[1]);
         dg_prefill(o, ids, n, vocab, c2p[1], p2c[0]);
@@ -465,7 +412,7 @@ int pkv_disagg_run(const pkv_disagg_opts_t *o, pkv_disagg_result_t *r)
         fprintf(stderr, "pagekv demo: fork: %s\n", strerror(errno));
         goto out;
     }
-    if (dg_read(c2p[0], &hello, sizeof(hello), pkv_now_ns() + DG_PREFILL_NS) ||
+    if (xh_read_all(c2p[0], &hello, sizeof(hello), pkv_now_ns() + DG_PREFILL_NS) ||
         hello.handle_len > DG_HANDLE_MAX) {
         fprintf(stderr, "pagekv demo: no handle from the prefill process\n");
         goto out;
@@ -476,7 +423,7 @@ int pkv_disagg_run(const pkv_disagg_opts_t *o, pkv_disagg_result_t *r)
     }
     r->prefill_ns = hello.prefill_ns;
     hb = malloc(hello.handle_len ? hello.handle_len : 1);
-    if (!hb || dg_read(c2p[0], hb, hello.handle_len, pkv_now_ns() + DG_REPORT_NS) ||
+    if (!hb || xh_read_all(c2p[0], hb, hello.handle_len, pkv_now_ns() + DG_REPORT_NS) ||
         pkv_xfer_handle_decode(hb, hello.handle_len, &h)) {
         fprintf(stderr, "pagekv demo: the prefill process sent no valid handle\n");
         goto out;
@@ -525,7 +472,7 @@ int pkv_disagg_run(const pkv_disagg_opts_t *o, pkv_disagg_result_t *r)
                   ? "same host through UCX, staging copied on both sides"
                   : "same host (shared arena offered)";
     char go = r->outcome == PKV_OK;
-    go_sent = dg_write(p2c[1], &go, 1) == PKV_OK;
+    go_sent = xh_write_all(p2c[1], &go, 1) == PKV_OK;
     pkv_xfer_read_free(rd);
     rd = NULL;
 
@@ -559,7 +506,7 @@ int pkv_disagg_run(const pkv_disagg_opts_t *o, pkv_disagg_result_t *r)
     }
     /* Prefill's accounting, then ours. */
     dg_report_t rep;
-    if (go_sent && dg_read(c2p[0], &rep, sizeof(rep), pkv_now_ns() + DG_REPORT_NS) == PKV_OK) {
+    if (go_sent && xh_read_all(c2p[0], &rep, sizeof(rep), pkv_now_ns() + DG_REPORT_NS) == PKV_OK) {
         r->producer_reported = true;
         r->producer_end = rep.end;
         r->producer_sent = rep.sent;
@@ -568,7 +515,8 @@ int pkv_disagg_run(const pkv_disagg_opts_t *o, pkv_disagg_result_t *r)
         r->producer_staging_held = rep.staging_held;
         r->producer_rss = rep.rss;
     }
-    int wst = dg_reap(pid); /* it exits once it has reported */
+    int wst = -1;
+    xh_reap(pid, &wst, pkv_now_ns() + 5000000000ull); /* it exits once it has reported */
     reaped = true;
     r->producer_exit_ok = WIFEXITED(wst) && WEXITSTATUS(wst) == 0;
     pkv_xfer_wait_idle(node.agent, pkv_now_ns() + 2000000000ull);
@@ -598,11 +546,12 @@ int pkv_disagg_run(const pkv_disagg_opts_t *o, pkv_disagg_result_t *r)
 out:
     if (pid > 0 && !go_sent) {
         char no = 0;
-        (void)dg_write(p2c[1], &no, 1);
+        (void)xh_write_all(p2c[1], &no, 1);
     }
     close(p2c[1]);
     close(c2p[0]);
-    if (pid > 0 && !reaped) dg_reap(pid);
+    int ignored;
+    if (pid > 0 && !reaped) xh_reap(pid, &ignored, pkv_now_ns() + 5000000000ull);
     pkv_xfer_read_free(rd);
     dg_node_free(&node);
     if (seq) pkv_seq_free(seq);

@@ -243,7 +243,7 @@ double xh_cpu_round_trip_ns(void)
 }
 
 /* ---- pipes ---------------------------------------------------------------------------- */
-static int write_all(int fd, const void *p, size_t n)
+int xh_write_all(int fd, const void *p, size_t n)
 {
     const uint8_t *b = p;
     while (n) {
@@ -261,12 +261,11 @@ static int write_all(int fd, const void *p, size_t n)
 static int send_msg(int fd, uint32_t type, const void *p, uint32_t len)
 {
     uint32_t hdr[2] = {type, len};
-    if (write_all(fd, hdr, sizeof(hdr))) return -1;
-    return len ? write_all(fd, p, len) : 0;
+    if (xh_write_all(fd, hdr, sizeof(hdr))) return -1;
+    return len ? xh_write_all(fd, p, len) : 0;
 }
 
-/* Read exactly n bytes by deadline_ns. 0 ok, -1 EOF/error, -2 timeout. */
-static int read_all(int fd, void *p, size_t n, uint64_t deadline_ns)
+int xh_read_all(int fd, void *p, size_t n, uint64_t deadline_ns)
 {
     uint8_t *b = p;
     while (n) {
@@ -290,12 +289,12 @@ static int read_all(int fd, void *p, size_t n, uint64_t deadline_ns)
 static int recv_msg(int fd, uint32_t *type, void **payload, uint32_t *len, uint64_t deadline_ns)
 {
     uint32_t hdr[2];
-    int rc = read_all(fd, hdr, sizeof(hdr), deadline_ns);
+    int rc = xh_read_all(fd, hdr, sizeof(hdr), deadline_ns);
     if (rc) return rc;
     if (hdr[1] > (64u << 20)) return -1;
     void *p = malloc(hdr[1] ? hdr[1] : 1);
     if (!p) return -1;
-    if (hdr[1] && (rc = read_all(fd, p, hdr[1], deadline_ns))) {
+    if (hdr[1] && (rc = xh_read_all(fd, p, hdr[1], deadline_ns))) {
         free(p);
         return rc;
     }
@@ -958,7 +957,7 @@ int xh_run(const xh_case_t *c, xh_result_t *r)
             if (type == M_PREPORT) break;
         }
         if (stopped || c->fault == XH_PRODUCER_STOPPED) kill(ppid, SIGKILL);
-        write_all(p_in, &fin, 1);
+        xh_write_all(p_in, &fin, 1);
         uint64_t fin_ns = pkv_now_ns();
         uint64_t p_end = PKV_MIN(t_end, fin_ns + 20000000000ull);
         while (xh_producer_reports(c->fault)) {

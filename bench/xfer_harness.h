@@ -145,6 +145,11 @@ double xh_lean_pull_gbps(size_t read_bytes, uint32_t layers, size_t piece, uint3
 double xh_lean_pull_tcp_gbps(size_t read_bytes, uint32_t layers, size_t piece, uint32_t warm_reads,
                              uint32_t timed_reads);
 
+/* Pipes between the processes: write all n bytes (0, or -1 on error); read exactly n bytes
+ * by deadline_ns (0, -1 on EOF or error, -2 on timeout). */
+int xh_write_all(int fd, const void *p, size_t n);
+int xh_read_all(int fd, void *p, size_t n, uint64_t deadline_ns);
+
 /* In a child just forked from `parent`: a process group of its own, and death with its
  * parent (exits at once when the parent is already gone). The parent (in another group)
  * keeps the group from being orphaned: when the caller's group is orphaned (run in the
