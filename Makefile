@@ -7,8 +7,10 @@
 #   make install PREFIX=/usr/local
 #   make format / make format-check
 #
-# Each src/<module>/*.c goes into the library; tools/*.c and bench/*.c make the CLI;
-# each tests/test_*.c is its own test binary linked with tests/support/*.c.
+# Each src/<module>/*.c goes into the library; support/*.c (code the benchmarks and the
+# tests share: CLI helpers, benchmark helpers, fixtures) into build/libpkvsupport.a, not
+# installed; tools/*.c and bench/*.c make the CLI; each tests/test_*.c is its own test
+# binary linked with tests/support/*.c and the support library.
 
 CC      ?= cc
 PREFIX  ?= /usr/local
@@ -28,25 +30,28 @@ endif
 OPT      ?= -O2
 WARN     := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wformat=2 \
             -Wno-unused-parameter $(WERROR)
-CPPFLAGS += -Iinclude -Isrc -D_GNU_SOURCE $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
+CPPFLAGS += -Iinclude -Isrc -I. -D_GNU_SOURCE $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 CFLAGS   += -std=c11 -g $(OPT) -fPIC -pthread $(WARN) $(SANFLAGS)
 LDFLAGS  += -pthread -Wl,--as-needed $(SANFLAGS)
 LDLIBS   += $(shell pkg-config --libs $(PKGS) 2>/dev/null) -lm
 TEST_LIBS := $(shell pkg-config --libs check 2>/dev/null) $(shell pkg-config --libs libcurl 2>/dev/null)
 
 LIB_SRC   := $(sort $(wildcard src/*/*.c))
+SUP_SRC   := $(sort $(wildcard support/*.c))
 CLI_SRC   := $(sort $(wildcard tools/*.c bench/*.c))
 TSUP_SRC  := $(sort $(wildcard tests/support/*.c))
 TEST_SRC  := $(sort $(wildcard tests/test_*.c))
 FUZZ_SRC  := $(sort $(wildcard tests/fuzz/fuzz_*.c))
 
 LIB_OBJ   := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)
+SUP_OBJ   := $(SUP_SRC:%.c=$(BUILD)/obj/%.o)
 CLI_OBJ   := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
 TSUP_OBJ  := $(TSUP_SRC:%.c=$(BUILD)/obj/%.o)
 TEST_BIN  := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
 
 ALIB := $(BUILD)/libpagekv.a
 SLIB := $(BUILD)/libpagekv.so
+SUPLIB := $(BUILD)/libpkvsupport.a
 CLI  := $(BUILD)/pagekv
 
 .SECONDARY:
@@ -74,12 +79,16 @@ $(ALIB): $(LIB_OBJ)
 $(SLIB): $(LIB_OBJ)
 	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
-$(CLI): $(CLI_OBJ) $(ALIB)
-	$(CC) $(LDFLAGS) -o $@ $(CLI_OBJ) $(ALIB) $(LDLIBS)
-
-$(BUILD)/tests/%: $(BUILD)/obj/tests/%.o $(TSUP_OBJ) $(ALIB)
+$(SUPLIB): $(SUP_OBJ)
 	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $< $(TSUP_OBJ) $(ALIB) $(TEST_LIBS) $(LDLIBS)
+	rm -f $@ && ar rcs $@ $^
+
+$(CLI): $(CLI_OBJ) $(SUPLIB) $(ALIB)
+	$(CC) $(LDFLAGS) -o $@ $(CLI_OBJ) $(SUPLIB) $(ALIB) $(LDLIBS)
+
+$(BUILD)/tests/%: $(BUILD)/obj/tests/%.o $(TSUP_OBJ) $(SUPLIB) $(ALIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $< $(TSUP_OBJ) $(SUPLIB) $(ALIB) $(TEST_LIBS) $(LDLIBS)
 
 # Each test binary forks every test (Check's default) with its own timeout.
 # scripts/run-tests.sh prints one line per binary and a closing "N passed, N failed".

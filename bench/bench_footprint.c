@@ -19,8 +19,8 @@
  * Paged and dense runs of one scenario follow each other, so they see the same machine;
  * --repeat N reports medians with min-max, and ratios taken per repeat.
  */
-#include "../tools/cli.h"
-#include "bench.h"
+#include "support/cli.h"
+#include "support/bench.h"
 #include "footprint.h"
 
 #include "core/core.h"

@@ -29,8 +29,8 @@
  * "madvise" mode it gets 4 KiB pages unless GLIBC_TUNABLES=glibc.malloc.hugetlb=1).
  * Blocks hold 16 tokens (the pool's default; --block-tokens).
  */
-#include "../tools/cli.h"
-#include "bench.h"
+#include "support/cli.h"
+#include "support/bench.h"
 
 #include "core/core.h"
 

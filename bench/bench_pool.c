@@ -11,8 +11,8 @@
  *                             (peak VmRSS - final VmRSS) / final VmRSS, paged and dense
  *   committed_after_reset_bytes  after freeing everything and resetting the prefix cache
  */
-#include "../tools/cli.h"
-#include "bench.h"
+#include "support/cli.h"
+#include "support/bench.h"
 
 #include "kv/kv_int.h"
 #include "pagekv/kv.h"

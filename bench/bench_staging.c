@@ -21,7 +21,7 @@
  * acquire_release_ns_median_128: uncontended acquire + release (+ grant free) of 128
  * pages on a warm per_transfer stage, median over 21 batches of 2000.
  */
-#include "../tools/cli.h"
+#include "support/cli.h"
 
 #include "core/core.h"
 #include "pagekv/stage.h"

@@ -4,7 +4,7 @@
  * optionally on a file: tokens, characters per token, and encode / decode time
  * (median and min of --runs runs, each one full encode of the text).
  */
-#include "../tools/cli.h"
+#include "support/cli.h"
 
 #include "core/core.h"
 #include "pagekv/tokenizer.h"

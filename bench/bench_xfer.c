@@ -25,8 +25,8 @@
  * memcpy_gbps (median of the runs' references), ucx_perftest_tcp_gbps (1 MiB),
  * kill_detect_ms (slowest path's median) and the details.
  */
-#include "../tools/cli.h"
-#include "bench.h"
+#include "support/cli.h"
+#include "support/bench.h"
 #include "xfer_harness.h"
 
 #include "core/core.h"

@@ -12,7 +12,7 @@
  */
 #include "xfer_harness.h"
 
-#include "bench.h"
+#include "support/bench.h"
 
 #include "core/core.h"
 #include "pagekv/stage.h"

@@ -2,6 +2,7 @@
 #include "support/testutil.h"
 
 #include "core/core.h"
+#include "prim/prim.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -53,6 +54,35 @@ START_TEST(log_sink_and_level)
 }
 END_TEST
 
+START_TEST(fault_sites_skip_then_fail_then_pass)
+{
+    /* Unarmed: nothing fails. */
+    for (int i = 0; i < 10; i++) ck_assert(!pkv_fault_hit(PKV_FAULT_ALLOC));
+    /* Two hits pass, three fail, then it passes again; other sites are untouched. */
+    pkv_fault_arm(PKV_FAULT_ALLOC, 2, 3);
+    int pattern[8];
+    for (int i = 0; i < 8; i++) pattern[i] = pkv_fault_hit(PKV_FAULT_ALLOC);
+    const int want[8] = {0, 0, 1, 1, 1, 0, 0, 0};
+    for (int i = 0; i < 8; i++) ck_assert_int_eq(pattern[i], want[i]);
+    ck_assert_uint_eq(pkv_fault_fired(PKV_FAULT_ALLOC), 3);
+    ck_assert(!pkv_fault_hit(PKV_FAULT_COMMIT));
+    /* prim's commit and pin are sites: a simulated failure is the real one's status. */
+    void *p = NULL;
+    ck_assert_int_eq(pkv_prim_reserve(1u << 21, 1u << 21, &p), PKV_OK);
+    pkv_fault_arm(PKV_FAULT_COMMIT, 0, 1);
+    ck_assert_int_eq(pkv_prim_commit(p, 1u << 21, false), PKV_ERR_NOMEM);
+    ck_assert_int_eq(pkv_prim_commit(p, 1u << 21, false), PKV_OK);
+    pkv_fault_arm(PKV_FAULT_MLOCK, 0, 1);
+    ck_assert_int_eq(pkv_prim_lock(p, 4096), PKV_ERR_IO);
+    pkv_prim_release(p, 1u << 21);
+    /* Arming with count 0 disarms; so does disarm_all. */
+    pkv_fault_arm(PKV_FAULT_THREAD, 0, 5);
+    pkv_fault_disarm_all();
+    ck_assert(!pkv_fault_hit(PKV_FAULT_THREAD));
+    ck_assert_uint_eq(pkv_fault_fired(PKV_FAULT_THREAD), 0);
+}
+END_TEST
+
 static Suite *core_suite(void)
 {
     Suite *s = suite_create("core");
@@ -60,6 +90,7 @@ static Suite *core_suite(void)
     tcase_add_test(tc, status_names);
     tcase_add_test(tc, deadlines_are_monotonic_and_saturate);
     tcase_add_test(tc, log_sink_and_level);
+    tcase_add_test(tc, fault_sites_skip_then_fail_then_pass);
     suite_add_tcase(s, tc);
     return s;
 }

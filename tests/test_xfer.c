@@ -13,7 +13,6 @@
  */
 #include "support/testutil.h"
 
-#include "../bench/bench_util.c"
 #include "../bench/disagg.c"
 #include "../bench/lean_pull.c"
 #include "../bench/xfer_harness.c"

@@ -9,7 +9,7 @@
  * Only the completion text goes to stdout (streamed as the engine publishes it; a final
  * newline only when stdout is a terminal); errors and --stats go to stderr.
  */
-#include "cli.h"
+#include "support/cli.h"
 
 #include "pagekv/engine.h"
 #include "pagekv/tokenizer.h"

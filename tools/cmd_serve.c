@@ -7,7 +7,7 @@
  * the requests in flight to finish, then everything is torn down and the process exits
  * 0. A second signal during the drain cancels what is left at once.
  */
-#include "cli.h"
+#include "support/cli.h"
 
 #include "pagekv/server.h"
 

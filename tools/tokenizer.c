@@ -10,7 +10,7 @@
  * max-heap finds the best pair: counts that fall leave stale entries, which are
  * re-pushed with their current count when they surface.
  */
-#include "cli.h"
+#include "support/cli.h"
 
 #include "pagekv/tokenizer.h"
 #include "tokenizer/tok_int.h"

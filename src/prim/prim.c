@@ -49,6 +49,7 @@ static void prim_touch(void *addr, size_t size)
 
 int pkv_prim_commit(void *addr, size_t size, bool huge)
 {
+    if (pkv_fault_hit(PKV_FAULT_COMMIT)) return PKV_ERR_NOMEM;
     if (mprotect(addr, size, PROT_READ | PROT_WRITE) != 0) return PKV_ERR_NOMEM;
     if (huge) (void)madvise(addr, size, MADV_HUGEPAGE);
     if (madvise(addr, size, MADV_POPULATE_WRITE) != 0) {
@@ -71,6 +72,7 @@ int pkv_prim_decommit(void *addr, size_t size)
 
 int pkv_prim_lock(void *addr, size_t size)
 {
+    if (pkv_fault_hit(PKV_FAULT_MLOCK)) return PKV_ERR_IO;
     return mlock(addr, size) == 0 ? PKV_OK : PKV_ERR_IO;
 }
 
@@ -122,6 +124,7 @@ int pkv_prim_shared_decommit(int fd, void *addr, size_t offset, size_t size)
 int pkv_prim_shared_commit(int fd, void *addr, size_t offset, size_t size)
 {
     char *p = (char *)addr + offset;
+    if (pkv_fault_hit(PKV_FAULT_COMMIT)) return PKV_ERR_NOMEM;
     if (madvise(p, size, MADV_POPULATE_WRITE) == 0) return PKV_OK;
     if (errno == EINVAL) { /* kernel older than 5.14: allocate, then fault in */
         if (fallocate(fd, 0, (off_t)offset, (off_t)size) == 0) {

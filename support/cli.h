@@ -3,8 +3,8 @@
  * `int cmd(int argc, char **argv)` (argv[0] is the command's own name) returning the
  * process exit code; tools/pagekv.c holds the table.
  */
-#ifndef PKV_TOOLS_CLI_H
-#define PKV_TOOLS_CLI_H
+#ifndef PKV_SUPPORT_CLI_H
+#define PKV_SUPPORT_CLI_H
 
 #include <stdbool.h>
 #include <stdint.h>

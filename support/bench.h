@@ -2,8 +2,8 @@
  * Shared pieces of the benchmarks: medians, the process's memory from the OS, and
  * writing a jansson object to --json FILE.
  */
-#ifndef PKV_BENCH_BENCH_H
-#define PKV_BENCH_BENCH_H
+#ifndef PKV_SUPPORT_BENCH_H
+#define PKV_SUPPORT_BENCH_H
 
 #include <jansson.h>
 #include <stddef.h>

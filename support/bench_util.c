@@ -1,4 +1,4 @@
-#include "bench.h"
+#include "support/bench.h"
 
 #include "prim/prim.h"
 

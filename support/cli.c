@@ -1,0 +1,78 @@
+/*
+ * The CLI's shared argument helpers (see cli.h); linked into the pagekv binary.
+ */
+#include "support/cli.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+int pkv_cli_parse_u64(const char *s, uint64_t lo, uint64_t hi, uint64_t *out)
+{
+    if (!s || !*s || *s == '-') return -1;
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || *end || v < lo || v > hi) return -1;
+    *out = v;
+    return 0;
+}
+
+int pkv_cli_parse_bytes(const char *s, uint64_t *out)
+{
+    if (!s || !*s || *s == '-') return -1;
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || !isfinite(v) || v < 0) return -1;
+    double mult = 1;
+    if (*end) {
+        switch (*end) {
+        case 'k':
+        case 'K':
+            mult = 1024.0;
+            break;
+        case 'm':
+        case 'M':
+            mult = 1024.0 * 1024;
+            break;
+        case 'g':
+        case 'G':
+            mult = 1024.0 * 1024 * 1024;
+            break;
+        case 't':
+        case 'T':
+            mult = 1024.0 * 1024 * 1024 * 1024;
+            break;
+        default:
+            return -1;
+        }
+        end++;
+        if (*end == 'i') end++;
+        if (*end == 'B') end++;
+        if (*end) return -1;
+    }
+    v *= mult;
+    if (v >= 18446744073709551615.0) return -1;
+    *out = (uint64_t)v;
+    return 0;
+}
+
+int pkv_cli_usage_error(const char *cmd, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "pagekv %s: ", cmd);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    return 2;
+}
+
+bool pkv_cli_progress_enabled(void)
+{
+    return isatty(STDERR_FILENO);
+}
