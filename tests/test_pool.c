@@ -1,6 +1,6 @@
 /*
  * KV cache (paged pool and dense baseline): a seeded property test against a reference
- * model, plus the specific properties issue 2 asks for: counters agree with VmRSS,
+ * model, plus the pool's own properties: counters agree with VmRSS,
  * growth never moves a block, admission beyond the budget fails without side effects,
  * prefix adoption, copy-on-write, pins, reset.
  */

@@ -1,5 +1,5 @@
 /*
- * stage: host staging arena (SPEC part 5). See include/pagekv/stage.h for the API and
+ * stage: host staging arena. See include/pagekv/stage.h for the API and
  * docs/design/stage.md for the design note.
  *
  * Threading invariant. One mutex, st->lock, guards all bookkeeping: the allocator

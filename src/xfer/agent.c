@@ -416,11 +416,11 @@ int xf_sockaddr_parse(const char *addr, struct sockaddr_storage *ss, socklen_t *
     return parse_host(host, (uint16_t)atoi(colon + 1), ss, len);
 }
 
-/* Settings from UCX-NOTES.md that make the push path survive failures; an explicit
- * environment variable always wins. ucp_config_modify hands keys it does not know to
- * every transport's own table (uct_config_modify), where names carry no transport
- * prefix: "ERROR_HANDLING" reaches both shm transports (posix, sysv), "TX_SEG_SIZE" /
- * "RX_SEG_SIZE" reach tcp. */
+/* UCX settings that make the push path survive peer failures (why each one:
+ * docs/design/xfer.md, "UCX settings"); an explicit environment variable always wins.
+ * ucp_config_modify hands keys it does not know to every transport's own table
+ * (uct_config_modify), where names carry no transport prefix: "ERROR_HANDLING" reaches
+ * both shm transports (posix, sysv), "TX_SEG_SIZE" / "RX_SEG_SIZE" reach tcp. */
 static bool tls_may_use(const char *tls, const char *const *names)
 {
     if (!tls || !*tls || tls[0] == '^' || strstr(tls, "all")) return true;

@@ -24,7 +24,7 @@
  * messages (tag layout below); their per-layer checksum is in a DATA message, or, for a
  * whole-stream read (PKV_WIRE_READ_WHOLE without SHARED), in the stream's trailer.
  *
- * Version 3 (session 10): a whole-stream read through UCX carries its checksums in a
+ * Version 3: a whole-stream read through UCX carries its checksums in a
  * trailer after the stream's last byte instead of a DATA message (v2 sent a DATA with
  * LAYERS after the last chunk; v3 accepts LAYERS only with SHARED).
  */
