@@ -131,6 +131,20 @@ static MHD_socket conn_fd(struct MHD_Connection *c)
     return ci ? ci->connect_fd : MHD_INVALID_SOCKET;
 }
 
+/* Make *buf hold at least `need` bytes: the capacity at least doubles, with `slack` bytes
+ * beyond the need, and stays within `limit` (0: none; the caller keeps need <= limit). */
+static bool buf_grow(char **buf, size_t *cap, size_t need, size_t slack, size_t limit)
+{
+    if (need <= *cap) return true;
+    size_t c = PKV_MAX(*cap * 2, need + slack);
+    if (limit && c > limit) c = limit;
+    char *nb = realloc(*buf, c);
+    if (!nb) return false;
+    *buf = nb;
+    *cap = c;
+    return true;
+}
+
 static void count_rejection(pkv_server_t *s, pkv_server_rejection_t why)
 {
     pthread_mutex_lock(&s->lock);
@@ -470,13 +484,7 @@ static json_t *completion_doc(pkv_server_t *s, pkv_sreq_kind_t kind, const char 
 
 static int sse_append(stream_t *st, const char *data, size_t n)
 {
-    if (st->len + n > st->cap) {
-        size_t cap = PKV_MAX(st->cap * 2, st->len + n + 1024);
-        char *nb = realloc(st->buf, cap);
-        if (!nb) return PKV_ERR_NOMEM;
-        st->buf = nb;
-        st->cap = cap;
-    }
+    if (!buf_grow(&st->buf, &st->cap, st->len + n, 1024, 0)) return PKV_ERR_NOMEM;
     memcpy(st->buf + st->len, data, n);
     st->len += n;
     return PKV_OK;
@@ -686,13 +694,7 @@ static int gen_collect(pkv_server_t *s, gen_run_t *run, pkv_request_output_t *o,
         size_t len;
         pkv_server_gen_feed(&run->gen, o, &text, &len);
         note_first(s, run->t_submit, &run->first_seen, o);
-        if (*acc_len + len > acc_cap) {
-            size_t cap = PKV_MAX(acc_cap * 2, *acc_len + len + 256);
-            char *nb = realloc(*acc, cap);
-            if (!nb) return PKV_ERR_NOMEM;
-            *acc = nb;
-            acc_cap = cap;
-        }
+        if (!buf_grow(acc, &acc_cap, *acc_len + len, 256, 0)) return PKV_ERR_NOMEM;
         if (len) memcpy(*acc + *acc_len, text, len);
         *acc_len += len;
         if (o->finished) return PKV_OK;
@@ -871,14 +873,7 @@ static enum MHD_Result body_append(pkv_server_t *s, http_req_t *hr, const char *
         hr->too_large = true;
         return MHD_YES;
     }
-    if (hr->len + n + 1 > hr->cap) {
-        size_t cap = PKV_MAX(hr->cap * 2, hr->len + n + 1);
-        if (cap > s->max_body + 1) cap = s->max_body + 1;
-        char *nb = realloc(hr->body, cap);
-        if (!nb) return MHD_NO;
-        hr->body = nb;
-        hr->cap = cap;
-    }
+    if (!buf_grow(&hr->body, &hr->cap, hr->len + n + 1, 0, s->max_body + 1)) return MHD_NO;
     memcpy(hr->body + hr->len, upload, n);
     hr->len += n;
     return MHD_YES;
