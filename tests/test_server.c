@@ -1278,6 +1278,16 @@ START_TEST(metrics_parse_as_prometheus)
         strstr(r.body, "pagekv_http_requests_total{route=\"other\",code=\"404\"} 1\n"));
     ck_assert_ptr_nonnull(strstr(r.body, "pagekv_time_to_first_token_seconds_count 3\n"));
     resp_free(&r);
+    /* The process's RSS (read through prim), and /metrics and /v1/cache/stats rendering the
+     * same snapshot fields (the server is idle, so two scrapes agree). */
+    ck_assert_int_gt(metric(port, "pagekv_process_resident_memory_bytes"), 0);
+    json_t *cs = get_json(port, "/v1/cache/stats");
+    ck_assert_int_eq(ji(cs, "committed_bytes"), metric(port, "pagekv_kv_committed_bytes"));
+    ck_assert_int_eq(ji(cs, "blocks.cached"), metric(port, "pagekv_kv_blocks{state=\"cached\"}"));
+    ck_assert_int_eq(ji(cs, "prefix_cache.hit_tokens"),
+                     metric(port, "pagekv_kv_prefix_hit_tokens_total"));
+    ck_assert_int_eq(ji(cs, "requests.submitted"), metric(port, "pagekv_requests_submitted_total"));
+    json_decref(cs);
     pkv_server_destroy(s);
 }
 END_TEST

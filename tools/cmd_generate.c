@@ -46,203 +46,271 @@ static int parse_float(const char *s, float lo, float hi, float *out)
     return 0;
 }
 
-int pkv_cmd_generate(int argc, char **argv)
-{
-    const char *prompt = NULL, *preset = NULL, *ckpt = NULL, *tokfile = NULL;
+/* What the command line asks for. */
+typedef struct {
+    const char *prompt, *preset, *ckpt, *tokfile;
     const char *stops[PKV_ENGINE_MAX_STOP];
-    uint32_t n_stop = 0;
-    pkv_backend_t backend = PKV_BACKEND_PAGED;
-    pkv_dtype_t dtype = PKV_DTYPE_BF16;
-    bool dtype_set = false, chat = false, stats = false;
-    uint64_t max_tokens = 64, seed = 0, wseed = 1, threads = 0;
-    float temperature = 0.0f, top_p = 1.0f;
+    uint32_t n_stop;
+    pkv_backend_t backend;
+    pkv_dtype_t dtype;
+    bool dtype_set, chat, stats;
+    uint64_t max_tokens, seed, wseed, threads;
+    float temperature, top_p;
+} gen_opts_t;
+
+/* What the command builds (torn down in reverse by stack_free). */
+typedef struct {
+    pkv_tok_t *tok;
+    pkv_model_t *model;
+    pkv_kv_t *kv;
+    pkv_engine_t *eng;
+    pkv_request_t *req;
+    int32_t *ids;
+    size_t n_ids;
+} gen_stack_t;
+
+#define PROCEED (-1) /* parse_args: run the command (otherwise: the exit code) */
+
+/* One option that takes a value. 0, or the exit code of a usage error. */
+static int set_option(gen_opts_t *o, const char *a, const char *v)
+{
+    if (!strcmp(a, "--prompt")) {
+        o->prompt = v;
+    } else if (!strcmp(a, "--preset")) {
+        o->preset = v;
+    } else if (!strcmp(a, "--model")) {
+        o->ckpt = v;
+    } else if (!strcmp(a, "--tokenizer")) {
+        o->tokfile = v;
+    } else if (!strcmp(a, "--kv-backend")) {
+        if (pkv_backend_parse(v, &o->backend))
+            return pkv_cli_usage_error("generate", "--kv-backend: paged or dense, not '%s'", v);
+    } else if (!strcmp(a, "--dtype")) {
+        if (pkv_dtype_parse(v, &o->dtype))
+            return pkv_cli_usage_error("generate", "--dtype: f32, f16 or bf16, not '%s'", v);
+        o->dtype_set = true;
+    } else if (!strcmp(a, "--max-tokens")) {
+        if (pkv_cli_parse_u64(v, 1, 1u << 20, &o->max_tokens))
+            return pkv_cli_usage_error("generate", "--max-tokens: a count >= 1, not '%s'", v);
+    } else if (!strcmp(a, "--temperature")) {
+        if (parse_float(v, 0.0f, 100.0f, &o->temperature))
+            return pkv_cli_usage_error("generate", "--temperature: 0..100, not '%s'", v);
+    } else if (!strcmp(a, "--top-p")) {
+        if (parse_float(v, 0.0f, 1.0f, &o->top_p))
+            return pkv_cli_usage_error("generate", "--top-p: 0..1, not '%s'", v);
+    } else if (!strcmp(a, "--seed")) {
+        if (pkv_cli_parse_u64(v, 0, UINT64_MAX, &o->seed))
+            return pkv_cli_usage_error("generate", "--seed: an integer, not '%s'", v);
+    } else if (!strcmp(a, "--weights-seed")) {
+        if (pkv_cli_parse_u64(v, 0, UINT64_MAX, &o->wseed))
+            return pkv_cli_usage_error("generate", "--weights-seed: an integer, not '%s'", v);
+    } else if (!strcmp(a, "--threads")) {
+        if (pkv_cli_parse_u64(v, 1, 64, &o->threads))
+            return pkv_cli_usage_error("generate", "--threads: 1..64, not '%s'", v);
+    } else if (!strcmp(a, "--stop")) {
+        if (o->n_stop == PKV_ENGINE_MAX_STOP)
+            return pkv_cli_usage_error("generate", "at most %d --stop strings",
+                                       PKV_ENGINE_MAX_STOP);
+        o->stops[o->n_stop++] = v;
+    } else {
+        usage();
+        return pkv_cli_usage_error("generate", "unknown option '%s'", a);
+    }
+    return 0;
+}
+
+/* PROCEED with *o filled, or the exit code (0 after --help, 2 for a usage error). */
+static int parse_args(int argc, char **argv, gen_opts_t *o)
+{
+    *o = (gen_opts_t){.backend = PKV_BACKEND_PAGED,
+                      .dtype = PKV_DTYPE_BF16,
+                      .max_tokens = 64,
+                      .wseed = 1,
+                      .top_p = 1.0f};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        bool takes = true;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage();
             return 0;
         } else if (!strcmp(a, "--chat")) {
-            chat = true, takes = false;
+            o->chat = true;
         } else if (!strcmp(a, "--stats")) {
-            stats = true, takes = false;
+            o->stats = true;
         } else if (!v) {
             return pkv_cli_usage_error("generate", "%s needs a value", a);
-        } else if (!strcmp(a, "--prompt")) {
-            prompt = v;
-        } else if (!strcmp(a, "--preset")) {
-            preset = v;
-        } else if (!strcmp(a, "--model")) {
-            ckpt = v;
-        } else if (!strcmp(a, "--tokenizer")) {
-            tokfile = v;
-        } else if (!strcmp(a, "--kv-backend")) {
-            if (pkv_backend_parse(v, &backend))
-                return pkv_cli_usage_error("generate", "--kv-backend: paged or dense, not '%s'", v);
-        } else if (!strcmp(a, "--dtype")) {
-            if (pkv_dtype_parse(v, &dtype))
-                return pkv_cli_usage_error("generate", "--dtype: f32, f16 or bf16, not '%s'", v);
-            dtype_set = true;
-        } else if (!strcmp(a, "--max-tokens")) {
-            if (pkv_cli_parse_u64(v, 1, 1u << 20, &max_tokens))
-                return pkv_cli_usage_error("generate", "--max-tokens: a count >= 1, not '%s'", v);
-        } else if (!strcmp(a, "--temperature")) {
-            if (parse_float(v, 0.0f, 100.0f, &temperature))
-                return pkv_cli_usage_error("generate", "--temperature: 0..100, not '%s'", v);
-        } else if (!strcmp(a, "--top-p")) {
-            if (parse_float(v, 0.0f, 1.0f, &top_p))
-                return pkv_cli_usage_error("generate", "--top-p: 0..1, not '%s'", v);
-        } else if (!strcmp(a, "--seed")) {
-            if (pkv_cli_parse_u64(v, 0, UINT64_MAX, &seed))
-                return pkv_cli_usage_error("generate", "--seed: an integer, not '%s'", v);
-        } else if (!strcmp(a, "--weights-seed")) {
-            if (pkv_cli_parse_u64(v, 0, UINT64_MAX, &wseed))
-                return pkv_cli_usage_error("generate", "--weights-seed: an integer, not '%s'", v);
-        } else if (!strcmp(a, "--threads")) {
-            if (pkv_cli_parse_u64(v, 1, 64, &threads))
-                return pkv_cli_usage_error("generate", "--threads: 1..64, not '%s'", v);
-        } else if (!strcmp(a, "--stop")) {
-            if (n_stop == PKV_ENGINE_MAX_STOP)
-                return pkv_cli_usage_error("generate", "at most %d --stop strings",
-                                           PKV_ENGINE_MAX_STOP);
-            stops[n_stop++] = v;
         } else {
-            usage();
-            return pkv_cli_usage_error("generate", "unknown option '%s'", a);
+            int rc = set_option(o, a, v);
+            if (rc) return rc;
+            i++;
         }
-        if (takes) i++;
     }
-    if (!prompt) {
+    if (!o->prompt) {
         usage();
         return pkv_cli_usage_error("generate", "--prompt is required");
     }
-    if (ckpt && preset)
+    if (o->ckpt && o->preset)
         return pkv_cli_usage_error("generate", "--model and --preset exclude each other");
-    if (!!ckpt != !!tokfile)
+    if (!!o->ckpt != !!o->tokfile)
         return pkv_cli_usage_error("generate", "--model and --tokenizer go together");
-    if (ckpt && !dtype_set) dtype = PKV_DTYPE_F32;
+    if (o->ckpt && !o->dtype_set) o->dtype = PKV_DTYPE_F32;
+    return PROCEED;
+}
 
-    int rc = 1, st;
-    pkv_tok_t *tok = NULL;
-    pkv_model_t *model = NULL;
-    pkv_kv_t *kv = NULL;
-    pkv_engine_t *eng = NULL;
-    pkv_request_t *req = NULL;
-    int32_t *ids = NULL;
-    size_t n_ids = 0;
-    pkv_model_runtime_t rt = {.threads = (uint32_t)threads};
-    if (ckpt) {
-        if ((st = pkv_model_load_llama2c(ckpt, &rt, &model))) {
-            fprintf(stderr, "pagekv generate: cannot load %s: %s\n", ckpt, pkv_status_str(st));
-            goto out;
+/* The model and its tokenizer. 0, or the exit code. */
+static int load_model(const gen_opts_t *o, gen_stack_t *g)
+{
+    pkv_model_runtime_t rt = {.threads = (uint32_t)o->threads};
+    int st;
+    if (o->ckpt) {
+        if ((st = pkv_model_load_llama2c(o->ckpt, &rt, &g->model))) {
+            fprintf(stderr, "pagekv generate: cannot load %s: %s\n", o->ckpt, pkv_status_str(st));
+            return 1;
         }
-        if ((st = pkv_tok_load_llama2c(tokfile, (int32_t)pkv_model_config(model)->vocab_size,
-                                       &tok))) {
-            fprintf(stderr, "pagekv generate: cannot load tokenizer %s: %s\n", tokfile,
+        if ((st = pkv_tok_load_llama2c(o->tokfile, (int32_t)pkv_model_config(g->model)->vocab_size,
+                                       &g->tok))) {
+            fprintf(stderr, "pagekv generate: cannot load tokenizer %s: %s\n", o->tokfile,
                     pkv_status_str(st));
-            goto out;
+            return 1;
         }
-    } else {
-        pkv_model_config_t mc;
-        if (pkv_model_preset(preset ? preset : "llama-3.2-1b", &mc)) {
-            usage();
-            rc = pkv_cli_usage_error("generate", "unknown preset '%s'", preset);
-            goto out;
-        }
-        if ((st = pkv_tok_create_builtin(&tok))) {
-            fprintf(stderr, "pagekv generate: tokenizer: %s\n", pkv_status_str(st));
-            goto out;
-        }
-        mc.vocab_size = (uint32_t)pkv_tok_vocab_size(tok);
-        if ((st = pkv_model_create_builtin(&mc, wseed, &rt, &model))) {
-            fprintf(stderr, "pagekv generate: model: %s\n", pkv_status_str(st));
-            goto out;
-        }
+        return 0;
     }
-    if (chat) {
+    pkv_model_config_t mc;
+    if (pkv_model_preset(o->preset ? o->preset : "llama-3.2-1b", &mc)) {
+        usage();
+        return pkv_cli_usage_error("generate", "unknown preset '%s'", o->preset);
+    }
+    if ((st = pkv_tok_create_builtin(&g->tok))) {
+        fprintf(stderr, "pagekv generate: tokenizer: %s\n", pkv_status_str(st));
+        return 1;
+    }
+    mc.vocab_size = (uint32_t)pkv_tok_vocab_size(g->tok);
+    if ((st = pkv_model_create_builtin(&mc, o->wseed, &rt, &g->model))) {
+        fprintf(stderr, "pagekv generate: model: %s\n", pkv_status_str(st));
+        return 1;
+    }
+    return 0;
+}
+
+/* The prompt's token ids (chat template or plain), within the model's context. 0 or 1. */
+static int encode_prompt(const gen_opts_t *o, gen_stack_t *g)
+{
+    int st;
+    if (o->chat) {
         pkv_chat_msg_t msg = {
-            .role = PKV_CHAT_USER, .content = prompt, .content_len = strlen(prompt)};
-        st = pkv_tok_chat_template(tok, &msg, 1, true, &ids, &n_ids);
+            .role = PKV_CHAT_USER, .content = o->prompt, .content_len = strlen(o->prompt)};
+        st = pkv_tok_chat_template(g->tok, &msg, 1, true, &g->ids, &g->n_ids);
     } else {
-        st = pkv_tok_encode_alloc(tok, prompt, strlen(prompt), true, &ids, &n_ids);
+        st = pkv_tok_encode_alloc(g->tok, o->prompt, strlen(o->prompt), true, &g->ids, &g->n_ids);
     }
-    if (st || !n_ids) {
+    if (st || !g->n_ids) {
         fprintf(stderr, "pagekv generate: cannot encode the prompt: %s\n", pkv_status_str(st));
-        goto out;
+        return 1;
     }
-    const pkv_model_config_t *mc = pkv_model_config(model);
-    if (n_ids + max_tokens > mc->max_seq_len) {
+    const pkv_model_config_t *mc = pkv_model_config(g->model);
+    if (g->n_ids + o->max_tokens > mc->max_seq_len) {
         fprintf(stderr, "pagekv generate: %zu prompt tokens + %llu new exceed the context (%u)\n",
-                n_ids, (unsigned long long)max_tokens, mc->max_seq_len);
-        goto out;
+                g->n_ids, (unsigned long long)o->max_tokens, mc->max_seq_len);
+        return 1;
     }
-    pkv_kv_config_t kc = {.backend = backend, .hugepages = true};
-    pkv_model_geometry(model, dtype, 16, &kc.geo);
-    if ((st = pkv_kv_create(&kc, &kv))) {
+    return 0;
+}
+
+/* The KV cache and the engine. 0 or 1. */
+static int make_engine(const gen_opts_t *o, gen_stack_t *g)
+{
+    int st;
+    pkv_kv_config_t kc = {.backend = o->backend, .hugepages = true};
+    pkv_model_geometry(g->model, o->dtype, 16, &kc.geo);
+    if ((st = pkv_kv_create(&kc, &g->kv))) {
         fprintf(stderr, "pagekv generate: KV cache: %s\n", pkv_status_str(st));
-        goto out;
+        return 1;
     }
     int32_t eos[PKV_ENGINE_MAX_EOS];
     uint32_t n_eos = 0;
-    for (int32_t id = 0; id < pkv_tok_vocab_size(tok) && n_eos < PKV_ENGINE_MAX_EOS; id++)
-        if (pkv_tok_is_stop(tok, id)) eos[n_eos++] = id;
-    pkv_engine_config_t ec = {.model = model,
-                              .kv = kv,
+    for (int32_t id = 0; id < pkv_tok_vocab_size(g->tok) && n_eos < PKV_ENGINE_MAX_EOS; id++)
+        if (pkv_tok_is_stop(g->tok, id)) eos[n_eos++] = id;
+    pkv_engine_config_t ec = {.model = g->model,
+                              .kv = g->kv,
                               .eos_ids = eos,
                               .n_eos_ids = n_eos,
                               .detok = detok,
-                              .detok_arg = tok};
-    if ((st = pkv_engine_create(&ec, &eng))) {
+                              .detok_arg = g->tok};
+    if ((st = pkv_engine_create(&ec, &g->eng))) {
         fprintf(stderr, "pagekv generate: engine: %s\n", pkv_status_str(st));
-        goto out;
+        return 1;
     }
-    pkv_request_params_t rp = {.prompt = ids,
-                               .n_prompt = (uint32_t)n_ids,
-                               .max_tokens = (uint32_t)max_tokens,
-                               .temperature = temperature,
-                               .top_p = top_p,
-                               .seed = seed,
-                               .stop = stops,
-                               .n_stop = n_stop};
+    return 0;
+}
+
+/* The --stats line. */
+static void report(const gen_opts_t *o, const pkv_model_t *model, const pkv_request_output_t *out,
+                   uint64_t t0, uint64_t t_first)
+{
+    uint64_t t1 = pkv_now_ns();
+    double ttft = t_first ? (double)(t_first - t0) / 1e9 : 0;
+    double dec = t_first && out->completion_tokens > 1 ? (double)(t1 - t_first) / 1e9 : 0;
+    fprintf(stderr,
+            "model %s kernels %s threads %u, kv %s %s; prompt %u tokens (%u cached), "
+            "completion %u tokens, finish %s; first token %.3f s, decode %.1f tokens/s\n",
+            o->ckpt ? o->ckpt : (o->preset ? o->preset : "llama-3.2-1b"), pkv_model_kernels(model),
+            pkv_model_threads(model), pkv_backend_name(o->backend), pkv_dtype_name(o->dtype),
+            out->prompt_tokens, out->cached_tokens, out->completion_tokens,
+            pkv_finish_name(out->finish), ttft, dec > 0 ? (out->completion_tokens - 1) / dec : 0.0);
+}
+
+/* Submit, stream the completion to stdout, report. 0, or 1 (refused, failed). */
+static int run(const gen_opts_t *o, gen_stack_t *g)
+{
+    pkv_request_params_t rp = {.prompt = g->ids,
+                               .n_prompt = (uint32_t)g->n_ids,
+                               .max_tokens = (uint32_t)o->max_tokens,
+                               .temperature = o->temperature,
+                               .top_p = o->top_p,
+                               .seed = o->seed,
+                               .stop = o->stops,
+                               .n_stop = o->n_stop};
     uint64_t t0 = pkv_now_ns();
-    if ((st = pkv_engine_submit(eng, &rp, &req))) {
+    int st = pkv_engine_submit(g->eng, &rp, &g->req);
+    if (st) {
         fprintf(stderr, "pagekv generate: request refused: %s\n", pkv_status_str(st));
-        goto out;
+        return 1;
     }
-    pkv_request_output_t o;
+    pkv_request_output_t out = {0};
     uint64_t t_first = 0;
     do {
-        if ((st = pkv_request_read(req, PKV_DEADLINE_NEVER, &o))) break;
-        if (o.n_tokens && !t_first) t_first = pkv_now_ns();
-        fwrite(o.text, 1, o.text_len, stdout);
+        if ((st = pkv_request_read(g->req, PKV_DEADLINE_NEVER, &out))) break;
+        if (out.n_tokens && !t_first) t_first = pkv_now_ns();
+        fwrite(out.text, 1, out.text_len, stdout);
         fflush(stdout);
-    } while (!o.finished);
-    if (st == PKV_OK && o.finish == PKV_FINISH_ERROR) {
-        fprintf(stderr, "pagekv generate: generation failed: %s\n", pkv_status_str(o.status));
-        goto out;
+    } while (!out.finished);
+    if (st == PKV_OK && out.finish == PKV_FINISH_ERROR) {
+        fprintf(stderr, "pagekv generate: generation failed: %s\n", pkv_status_str(out.status));
+        return 1;
     }
+    int rc = 1;
     if (st == PKV_OK) {
         if (isatty(STDOUT_FILENO)) fputc('\n', stdout); /* piped: exactly the completion */
         rc = 0;
     }
-    if (stats) {
-        uint64_t t1 = pkv_now_ns();
-        double ttft = t_first ? (double)(t_first - t0) / 1e9 : 0;
-        double dec = t_first && o.completion_tokens > 1 ? (double)(t1 - t_first) / 1e9 : 0;
-        fprintf(stderr,
-                "model %s kernels %s threads %u, kv %s %s; prompt %u tokens (%u cached), "
-                "completion %u tokens, finish %s; first token %.3f s, decode %.1f tokens/s\n",
-                ckpt ? ckpt : (preset ? preset : "llama-3.2-1b"), pkv_model_kernels(model),
-                pkv_model_threads(model), pkv_backend_name(backend), pkv_dtype_name(dtype),
-                o.prompt_tokens, o.cached_tokens, o.completion_tokens, pkv_finish_name(o.finish),
-                ttft, dec > 0 ? (o.completion_tokens - 1) / dec : 0.0);
-    }
-out:
-    pkv_request_release(req);
-    pkv_engine_destroy(eng);
-    pkv_kv_destroy(kv);
-    free(ids);
-    pkv_model_destroy(model);
-    pkv_tok_destroy(tok);
+    if (o->stats) report(o, g->model, &out, t0, t_first);
+    return rc;
+}
+
+int pkv_cmd_generate(int argc, char **argv)
+{
+    gen_opts_t o;
+    int rc = parse_args(argc, argv, &o);
+    if (rc != PROCEED) return rc;
+    gen_stack_t g = {0};
+    rc = load_model(&o, &g);
+    if (!rc) rc = encode_prompt(&o, &g);
+    if (!rc) rc = make_engine(&o, &g);
+    if (!rc) rc = run(&o, &g);
+    pkv_request_release(g.req);
+    pkv_engine_destroy(g.eng);
+    pkv_kv_destroy(g.kv);
+    free(g.ids);
+    pkv_model_destroy(g.model);
+    pkv_tok_destroy(g.tok);
     return rc;
 }

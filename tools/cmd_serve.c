@@ -66,11 +66,78 @@ static int parse_u32(const char *cmd, const char *flag, const char *v, uint64_t 
     return 0;
 }
 
-int pkv_cmd_serve(int argc, char **argv)
+#define PROCEED (-1) /* parse_args: run the server (otherwise: the exit code) */
+
+/* One option that takes a value. 0, or the exit code of a usage error. */
+static int set_option(const char *a, const char *v, pkv_server_config_t *cfg, uint32_t *port,
+                      uint32_t *drain_s)
 {
     const char *cmd = "serve";
-    pkv_server_config_t cfg = {.port = 8000, .kv_dtype = PKV_DTYPE_F16};
-    uint32_t drain_s = 30, port = 8000;
+    int bad = 0;
+    if (!strcmp(a, "--host"))
+        cfg->host = v;
+    else if (!strcmp(a, "--port"))
+        bad = parse_u32(cmd, a, v, 0, 65535, port);
+    else if (!strcmp(a, "--max-connections"))
+        bad = parse_u32(cmd, a, v, 1, 65536, &cfg->max_connections);
+    else if (!strcmp(a, "--max-body-bytes")) {
+        if (pkv_cli_parse_bytes(v, &cfg->max_body_bytes) || cfg->max_body_bytes < 64)
+            return pkv_cli_usage_error(cmd, "--max-body-bytes wants a size >= 64 bytes, got '%s'",
+                                       v);
+    } else if (!strcmp(a, "--drain-timeout"))
+        bad = parse_u32(cmd, a, v, 0, 86400, drain_s);
+    else if (!strcmp(a, "--preset"))
+        cfg->preset = v;
+    else if (!strcmp(a, "--model"))
+        cfg->model_path = v;
+    else if (!strcmp(a, "--tokenizer"))
+        cfg->tokenizer_path = v;
+    else if (!strcmp(a, "--served-model-name"))
+        cfg->served_name = v;
+    else if (!strcmp(a, "--seed")) {
+        if (pkv_cli_parse_u64(v, 0, UINT64_MAX, &cfg->weight_seed))
+            return pkv_cli_usage_error(cmd, "--seed wants an integer, got '%s'", v);
+    } else if (!strcmp(a, "--threads"))
+        bad = parse_u32(cmd, a, v, 1, 256, &cfg->threads);
+    else if (!strcmp(a, "--kv-backend")) {
+        if (pkv_backend_parse(v, &cfg->backend))
+            return pkv_cli_usage_error(cmd, "--kv-backend wants paged or dense, got '%s'", v);
+    } else if (!strcmp(a, "--kv-dtype")) {
+        if (pkv_dtype_parse(v, &cfg->kv_dtype))
+            return pkv_cli_usage_error(cmd, "--kv-dtype wants f32, f16 or bf16, got '%s'", v);
+    } else if (!strcmp(a, "--kv-cache-budget")) {
+        if (!strcmp(v, "auto"))
+            cfg->budget_mode = PKV_SERVER_BUDGET_AUTO;
+        else if (!strcmp(v, "none"))
+            cfg->budget_mode = PKV_SERVER_BUDGET_NONE;
+        else if (!pkv_cli_parse_bytes(v, &cfg->budget_bytes) && cfg->budget_bytes > 0)
+            cfg->budget_mode = PKV_SERVER_BUDGET_BYTES;
+        else
+            return pkv_cli_usage_error(
+                cmd, "--kv-cache-budget wants BYTES (K/M/G), auto or none, got '%s'", v);
+    } else if (!strcmp(a, "--block-tokens"))
+        bad = parse_u32(cmd, a, v, 1, 4096, &cfg->block_tokens);
+    else if (!strcmp(a, "--max-batch-size"))
+        bad = parse_u32(cmd, a, v, 1, 1024, &cfg->max_batch_size);
+    else if (!strcmp(a, "--max-queue-depth"))
+        bad = parse_u32(cmd, a, v, 1, 1u << 20, &cfg->max_queue);
+    else if (!strcmp(a, "--max-context"))
+        bad = parse_u32(cmd, a, v, 2, 1u << 22, &cfg->max_context);
+    else if (!strcmp(a, "--prefill-chunk"))
+        bad = parse_u32(cmd, a, v, 1, 1u << 20, &cfg->prefill_chunk);
+    else if (!strcmp(a, "--default-max-tokens"))
+        bad = parse_u32(cmd, a, v, 1, 1u << 22, &cfg->default_max_tokens);
+    else
+        return pkv_cli_usage_error(cmd, "unknown option %s (see pagekv serve --help)", a);
+    return bad;
+}
+
+/* PROCEED with *cfg and *drain_s filled, or the exit code (0 after --help, 2 for a usage
+ * error). */
+static int parse_args(int argc, char **argv, pkv_server_config_t *cfg, uint32_t *drain_s)
+{
+    const char *cmd = "serve";
+    uint32_t port = 8000;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -78,89 +145,24 @@ int pkv_cmd_serve(int argc, char **argv)
             return 0;
         }
         if (!strcmp(a, "--no-prefix-cache")) {
-            cfg.no_prefix_cache = true;
+            cfg->no_prefix_cache = true;
             continue;
         }
         if (i + 1 >= argc)
             return pkv_cli_usage_error(cmd, "unknown option or missing value: %s", a);
-        const char *v = argv[++i];
-        int bad = 0;
-        if (!strcmp(a, "--host"))
-            cfg.host = v;
-        else if (!strcmp(a, "--port"))
-            bad = parse_u32(cmd, a, v, 0, 65535, &port);
-        else if (!strcmp(a, "--max-connections"))
-            bad = parse_u32(cmd, a, v, 1, 65536, &cfg.max_connections);
-        else if (!strcmp(a, "--max-body-bytes")) {
-            if (pkv_cli_parse_bytes(v, &cfg.max_body_bytes) || cfg.max_body_bytes < 64)
-                return pkv_cli_usage_error(
-                    cmd, "--max-body-bytes wants a size >= 64 bytes, got '%s'", v);
-        } else if (!strcmp(a, "--drain-timeout"))
-            bad = parse_u32(cmd, a, v, 0, 86400, &drain_s);
-        else if (!strcmp(a, "--preset"))
-            cfg.preset = v;
-        else if (!strcmp(a, "--model"))
-            cfg.model_path = v;
-        else if (!strcmp(a, "--tokenizer"))
-            cfg.tokenizer_path = v;
-        else if (!strcmp(a, "--served-model-name"))
-            cfg.served_name = v;
-        else if (!strcmp(a, "--seed")) {
-            if (pkv_cli_parse_u64(v, 0, UINT64_MAX, &cfg.weight_seed))
-                return pkv_cli_usage_error(cmd, "--seed wants an integer, got '%s'", v);
-        } else if (!strcmp(a, "--threads"))
-            bad = parse_u32(cmd, a, v, 1, 256, &cfg.threads);
-        else if (!strcmp(a, "--kv-backend")) {
-            if (pkv_backend_parse(v, &cfg.backend))
-                return pkv_cli_usage_error(cmd, "--kv-backend wants paged or dense, got '%s'", v);
-        } else if (!strcmp(a, "--kv-dtype")) {
-            if (pkv_dtype_parse(v, &cfg.kv_dtype))
-                return pkv_cli_usage_error(cmd, "--kv-dtype wants f32, f16 or bf16, got '%s'", v);
-        } else if (!strcmp(a, "--kv-cache-budget")) {
-            if (!strcmp(v, "auto"))
-                cfg.budget_mode = PKV_SERVER_BUDGET_AUTO;
-            else if (!strcmp(v, "none"))
-                cfg.budget_mode = PKV_SERVER_BUDGET_NONE;
-            else if (!pkv_cli_parse_bytes(v, &cfg.budget_bytes) && cfg.budget_bytes > 0)
-                cfg.budget_mode = PKV_SERVER_BUDGET_BYTES;
-            else
-                return pkv_cli_usage_error(
-                    cmd, "--kv-cache-budget wants BYTES (K/M/G), auto or none, got '%s'", v);
-        } else if (!strcmp(a, "--block-tokens"))
-            bad = parse_u32(cmd, a, v, 1, 4096, &cfg.block_tokens);
-        else if (!strcmp(a, "--max-batch-size"))
-            bad = parse_u32(cmd, a, v, 1, 1024, &cfg.max_batch_size);
-        else if (!strcmp(a, "--max-queue-depth"))
-            bad = parse_u32(cmd, a, v, 1, 1u << 20, &cfg.max_queue);
-        else if (!strcmp(a, "--max-context"))
-            bad = parse_u32(cmd, a, v, 2, 1u << 22, &cfg.max_context);
-        else if (!strcmp(a, "--prefill-chunk"))
-            bad = parse_u32(cmd, a, v, 1, 1u << 20, &cfg.prefill_chunk);
-        else if (!strcmp(a, "--default-max-tokens"))
-            bad = parse_u32(cmd, a, v, 1, 1u << 22, &cfg.default_max_tokens);
-        else
-            return pkv_cli_usage_error(cmd, "unknown option %s (see pagekv serve --help)", a);
+        int bad = set_option(a, argv[++i], cfg, &port, drain_s);
         if (bad) return bad;
     }
-    cfg.port = (uint16_t)port;
+    cfg->port = (uint16_t)port;
+    return PROCEED;
+}
 
-    /* Before any thread exists, so that every thread inherits the mask. */
-    sigset_t sigs;
-    sigemptyset(&sigs);
-    sigaddset(&sigs, SIGTERM);
-    sigaddset(&sigs, SIGINT);
-    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
-    signal(SIGPIPE, SIG_IGN);
-
-    pkv_server_t *srv = NULL;
-    int rc = pkv_server_create(&cfg, &srv);
-    if (rc) {
-        fprintf(stderr, "pagekv serve: cannot start: %s\n", pkv_status_str(rc));
-        return 1;
-    }
+/* The listening line on stderr. */
+static void print_listening(pkv_server_t *srv, const pkv_server_config_t *cfg)
+{
     pkv_server_info_t info;
     pkv_server_info(srv, &info);
-    const char *host = cfg.host ? cfg.host : "127.0.0.1";
+    const char *host = cfg->host ? cfg->host : "127.0.0.1";
     bool v6 = strchr(host, ':') != NULL;
     fprintf(stderr,
             "pagekv serve: listening on %s%s%s:%u (model %s, %s kernels, %s KV, budget %llu bytes, "
@@ -169,10 +171,12 @@ int pkv_cmd_serve(int argc, char **argv)
             pkv_backend_name(info.backend), (unsigned long long)info.budget_bytes,
             (unsigned long long)info.token_bytes, info.max_context, info.max_batch_size);
     fflush(stderr);
+}
 
-    int sig = 0;
-    while (sigwait(&sigs, &sig) != 0) {
-    }
+/* After the first signal: stop accepting and wait up to drain_s for the requests in flight
+ * (a second signal cuts the wait short); what is left is cancelled by the destroy. */
+static void drain(pkv_server_t *srv, const sigset_t *sigs, int sig, uint32_t drain_s)
+{
     fprintf(stderr, "pagekv serve: %s: draining (up to %u s)\n",
             sig == SIGINT ? "SIGINT" : "SIGTERM", drain_s);
     pkv_server_quiesce(srv);
@@ -184,11 +188,39 @@ int pkv_cmd_serve(int argc, char **argv)
         if (drained) break;
         if (pkv_now_ns() >= deadline) break;
         struct timespec zero = {0, 0};
-        if (sigtimedwait(&sigs, NULL, &zero) >= 0) forced = true;
+        if (sigtimedwait(sigs, NULL, &zero) >= 0) forced = true;
     }
     if (!drained)
         fprintf(stderr, "pagekv serve: %s: cancelling the requests still in flight\n",
                 forced ? "second signal" : "drain timeout");
+}
+
+int pkv_cmd_serve(int argc, char **argv)
+{
+    pkv_server_config_t cfg = {.port = 8000, .kv_dtype = PKV_DTYPE_F16};
+    uint32_t drain_s = 30;
+    int rc = parse_args(argc, argv, &cfg, &drain_s);
+    if (rc != PROCEED) return rc;
+
+    /* Before any thread exists, so that every thread inherits the mask. */
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    pkv_server_t *srv = NULL;
+    rc = pkv_server_create(&cfg, &srv);
+    if (rc) {
+        fprintf(stderr, "pagekv serve: cannot start: %s\n", pkv_status_str(rc));
+        return 1;
+    }
+    print_listening(srv, &cfg);
+    int sig = 0;
+    while (sigwait(&sigs, &sig) != 0) {
+    }
+    drain(srv, &sigs, sig, drain_s);
     pkv_server_destroy(srv);
     fprintf(stderr, "pagekv serve: stopped\n");
     return 0;

@@ -72,15 +72,9 @@ static void hist(FILE *f, const char *name, const char *help, const pkv_server_h
     fprintf(f, "%s_count %llu\n", name, (unsigned long long)h->count);
 }
 
-char *pkv_server_metrics_render(const pkv_server_counters_t *c, const pkv_engine_stats_t *es,
-                                const pkv_kv_stats_t *ks, uint64_t rss_bytes, size_t *len)
+/* The HTTP layer's own families. */
+static void render_http(FILE *f, const pkv_server_counters_t *c)
 {
-    char *buf = NULL;
-    size_t n = 0;
-    FILE *f = open_memstream(&buf, &n);
-    if (!f) return NULL;
-
-    /* HTTP */
     family(f, "pagekv_http_requests_total", "counter",
            "HTTP requests answered, by route and status code.");
     for (int r = 0; r < PKV_ROUTE_COUNT; r++)
@@ -111,8 +105,10 @@ char *pkv_server_metrics_render(const pkv_server_counters_t *c, const pkv_engine
          "Time from submission to the first generated token.", &c->ttft);
     hist(f, "pagekv_request_duration_seconds", "Time from submission to the last generated token.",
          &c->e2e);
+}
 
-    /* engine */
+static void render_engine(FILE *f, const pkv_engine_stats_t *es)
+{
     one(f, "pagekv_requests_running", "gauge", "Requests in the running batch.", es->running);
     one(f, "pagekv_requests_queued", "gauge", "Requests waiting for admission.", es->queued);
     one(f, "pagekv_requests_submitted_total", "counter", "Requests accepted by the engine.",
@@ -141,8 +137,10 @@ char *pkv_server_metrics_render(const pkv_server_counters_t *c, const pkv_engine
     family(f, "pagekv_engine_forward_seconds_total", "counter",
            "Time spent in the model's forward pass.");
     fprintf(f, "pagekv_engine_forward_seconds_total %.9g\n", (double)es->forward_ns / 1e9);
+}
 
-    /* KV cache */
+static void render_kv(FILE *f, const pkv_kv_stats_t *ks)
+{
     one(f, "pagekv_kv_committed_bytes", "gauge", "KV memory held from the OS.",
         ks->committed_bytes);
     one(f, "pagekv_kv_peak_committed_bytes", "gauge", "Peak of pagekv_kv_committed_bytes.",
@@ -179,10 +177,20 @@ char *pkv_server_metrics_render(const pkv_server_counters_t *c, const pkv_engine
             (unsigned long long)ks->rejected_nofit);
     fprintf(f, "pagekv_kv_admission_rejections_total{reason=\"nospace\"} %llu\n",
             (unsigned long long)ks->rejected_nospace);
-    if (rss_bytes)
-        one(f, "pagekv_process_resident_memory_bytes", "gauge", "VmRSS of the server process.",
-            rss_bytes);
+}
 
+char *pkv_server_metrics_render(const pkv_server_snapshot_t *snap, size_t *len)
+{
+    char *buf = NULL;
+    size_t n = 0;
+    FILE *f = open_memstream(&buf, &n);
+    if (!f) return NULL;
+    render_http(f, &snap->ctr);
+    render_engine(f, &snap->es);
+    render_kv(f, &snap->ks);
+    if (snap->rss_bytes)
+        one(f, "pagekv_process_resident_memory_bytes", "gauge", "VmRSS of the server process.",
+            snap->rss_bytes);
     if (fclose(f)) {
         free(buf);
         return NULL;
@@ -191,10 +199,11 @@ char *pkv_server_metrics_render(const pkv_server_counters_t *c, const pkv_engine
     return buf;
 }
 
-json_t *pkv_server_cache_stats_json(const pkv_server_counters_t *c, const pkv_engine_stats_t *es,
-                                    const pkv_kv_stats_t *ks, pkv_backend_t backend,
-                                    uint32_t block_tokens)
+json_t *pkv_server_cache_stats_json(const pkv_server_snapshot_t *snap)
 {
+    const pkv_server_counters_t *c = &snap->ctr;
+    const pkv_engine_stats_t *es = &snap->es;
+    const pkv_kv_stats_t *ks = &snap->ks;
     json_t *rej = json_object();
     for (int r = 0; r < PKV_REJ_COUNT; r++)
         json_object_set_new(rej, pkv_server_rejection_label[r],
@@ -209,10 +218,10 @@ json_t *pkv_server_cache_stats_json(const pkv_server_counters_t *c, const pkv_en
         "{s:s, s:i, s:I, s:I, s:I, s:i, s:o, s:I, s:I, s:I, s:{s:I, s:I, s:I, s:I}, s:I, s:I,"
         " s:{s:I, s:I, s:I, s:f}, s:I, s:I, s:I, s:I, s:I, s:o,"
         " s:{s:I, s:I, s:I, s:I}}",
-        "backend", pkv_backend_name(backend), "block_tokens", (int)block_tokens, "block_bytes",
-        (json_int_t)ks->block_bytes, "token_bytes", (json_int_t)ks->token_bytes, "granule_bytes",
-        (json_int_t)ks->granule_bytes, "storage_ranges", (int)ks->storage_ranges, "budget_bytes",
-        ks->budget_bytes ? json_integer((json_int_t)ks->budget_bytes) : json_null(),
+        "backend", pkv_backend_name(snap->backend), "block_tokens", (int)snap->block_tokens,
+        "block_bytes", (json_int_t)ks->block_bytes, "token_bytes", (json_int_t)ks->token_bytes,
+        "granule_bytes", (json_int_t)ks->granule_bytes, "storage_ranges", (int)ks->storage_ranges,
+        "budget_bytes", ks->budget_bytes ? json_integer((json_int_t)ks->budget_bytes) : json_null(),
         "committed_bytes", (json_int_t)ks->committed_bytes, "peak_committed_bytes",
         (json_int_t)ks->peak_committed_bytes, "reserved_bytes", (json_int_t)ks->reserved_bytes,
         "blocks", "capacity", (json_int_t)ks->blocks_capacity, "live", (json_int_t)ks->blocks_live,

@@ -36,6 +36,7 @@
 #include "pagekv/tokenizer.h"
 
 #include "core/core.h"
+#include "prim/prim.h"
 #include "server/gen.h"
 #include "server/request.h"
 #include "server/server_int.h"
@@ -130,16 +131,18 @@ static MHD_socket conn_fd(struct MHD_Connection *c)
     return ci ? ci->connect_fd : MHD_INVALID_SOCKET;
 }
 
-static uint64_t proc_rss(void)
+/* Make *buf hold at least `need` bytes: the capacity at least doubles, with `slack` bytes
+ * beyond the need, and stays within `limit` (0: none; the caller keeps need <= limit). */
+static bool buf_grow(char **buf, size_t *cap, size_t need, size_t slack, size_t limit)
 {
-    FILE *f = fopen("/proc/self/status", "r");
-    if (!f) return 0;
-    char line[256];
-    unsigned long long kb = 0;
-    while (fgets(line, sizeof(line), f))
-        if (sscanf(line, "VmRSS: %llu kB", &kb) == 1) break;
-    fclose(f);
-    return kb * 1024ull;
+    if (need <= *cap) return true;
+    size_t c = PKV_MAX(*cap * 2, need + slack);
+    if (limit && c > limit) c = limit;
+    char *nb = realloc(*buf, c);
+    if (!nb) return false;
+    *buf = nb;
+    *cap = c;
+    return true;
 }
 
 static void count_rejection(pkv_server_t *s, pkv_server_rejection_t why)
@@ -208,16 +211,21 @@ static json_t *error_doc(const pkv_server_error_t *err)
                      err->type, "param", err->param, "code", err->code);
 }
 
+/* The error document as a response (NULL on allocation failure). */
+static struct MHD_Response *error_response(const pkv_server_error_t *err)
+{
+    json_t *doc = error_doc(err);
+    char *text = doc ? json_dumps(doc, JSON_COMPACT) : NULL;
+    json_decref(doc);
+    return text ? text_response(text, strlen(text), "application/json") : NULL;
+}
+
 static enum MHD_Result answer_error(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr,
                                     const pkv_server_error_t *err)
 {
     PKV_LOGI("server", "%s: %d %s: %s", pkv_server_route_label[hr->route], err->status, err->code,
              err->message);
-    json_t *doc = error_doc(err);
-    char *text = doc ? json_dumps(doc, JSON_COMPACT) : NULL;
-    json_decref(doc);
-    if (!text) return MHD_NO;
-    struct MHD_Response *r = text_response(text, strlen(text), "application/json");
+    struct MHD_Response *r = error_response(err);
     if (r && err->status == 429) {
         char ra[16];
         snprintf(ra, sizeof(ra), "%u", s->retry_after_s);
@@ -268,6 +276,49 @@ static json_t *model_doc(pkv_server_t *s)
                      (int)s->max_context);
 }
 
+/* One snapshot of what /metrics and /v1/cache/stats render. */
+static void snapshot(pkv_server_t *s, pkv_server_snapshot_t *out)
+{
+    pkv_engine_stats(s->engine, &out->es);
+    pkv_kv_stats(s->kv, &out->ks);
+    pthread_mutex_lock(&s->lock);
+    out->ctr = s->ctr;
+    pthread_mutex_unlock(&s->lock);
+    pkv_prim_mem_t mem;
+    out->rss_bytes = pkv_prim_mem_read(0, &mem) == PKV_OK ? mem.rss_bytes : 0;
+    out->backend = s->backend;
+    out->block_tokens = s->block_tokens;
+}
+
+static enum MHD_Result handle_cache_reset(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr)
+{
+    if (hr->len) {
+        /* The endpoint takes no parameters: an empty body or an empty JSON object. */
+        json_t *doc = json_loadb(hr->body, hr->len, 0, NULL);
+        bool empty = json_is_object(doc) && json_object_size(doc) == 0;
+        json_decref(doc);
+        if (!empty) {
+            count_rejection(s, PKV_REJ_INVALID);
+            return answer_errorf(s, c, hr, 400, "invalid_request_error", "invalid_json",
+                                 "/v1/cache/reset takes no parameters (empty body or {})");
+        }
+    }
+    pkv_kv_stats_t before, after;
+    pkv_kv_stats(s->kv, &before);
+    pkv_kv_reset_cache(s->kv);
+    pkv_kv_stats(s->kv, &after);
+    pthread_mutex_lock(&s->lock);
+    s->ctr.cache_resets++;
+    pthread_mutex_unlock(&s->lock);
+    uint64_t dropped =
+        before.blocks_cached > after.blocks_cached ? before.blocks_cached - after.blocks_cached : 0;
+    return answer_json(s, c, hr, 200,
+                       json_pack("{s:b, s:I, s:I, s:I}", "reset", 1, "dropped_blocks",
+                                 (json_int_t)dropped, "committed_bytes_before",
+                                 (json_int_t)before.committed_bytes, "committed_bytes_after",
+                                 (json_int_t)after.committed_bytes));
+}
+
 static enum MHD_Result handle_simple(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr,
                                      const char *url)
 {
@@ -293,61 +344,21 @@ static enum MHD_Result handle_simple(pkv_server_t *s, struct MHD_Connection *c, 
                            json_pack("{s:s}", "status", draining ? "draining" : "ok"));
     }
     case PKV_ROUTE_METRICS: {
-        pkv_engine_stats_t es;
-        pkv_kv_stats_t ks;
-        pkv_server_counters_t ctr;
-        pkv_engine_stats(s->engine, &es);
-        pkv_kv_stats(s->kv, &ks);
-        pthread_mutex_lock(&s->lock);
-        ctr = s->ctr;
-        pthread_mutex_unlock(&s->lock);
+        pkv_server_snapshot_t snap;
+        snapshot(s, &snap);
         size_t len = 0;
-        char *text = pkv_server_metrics_render(&ctr, &es, &ks, proc_rss(), &len);
+        char *text = pkv_server_metrics_render(&snap, &len);
         if (!text) return MHD_NO;
         return queue(s, c, hr, 200,
                      text_response(text, len, "text/plain; version=0.0.4; charset=utf-8"));
     }
     case PKV_ROUTE_CACHE_STATS: {
-        pkv_engine_stats_t es;
-        pkv_kv_stats_t ks;
-        pkv_server_counters_t ctr;
-        pkv_engine_stats(s->engine, &es);
-        pkv_kv_stats(s->kv, &ks);
-        pthread_mutex_lock(&s->lock);
-        ctr = s->ctr;
-        pthread_mutex_unlock(&s->lock);
-        return answer_json(
-            s, c, hr, 200,
-            pkv_server_cache_stats_json(&ctr, &es, &ks, s->backend, s->block_tokens));
+        pkv_server_snapshot_t snap;
+        snapshot(s, &snap);
+        return answer_json(s, c, hr, 200, pkv_server_cache_stats_json(&snap));
     }
-    case PKV_ROUTE_CACHE_RESET: {
-        if (hr->len) {
-            /* The endpoint takes no parameters: an empty body or an empty JSON object. */
-            json_t *doc = json_loadb(hr->body, hr->len, 0, NULL);
-            bool empty = json_is_object(doc) && json_object_size(doc) == 0;
-            json_decref(doc);
-            if (!empty) {
-                count_rejection(s, PKV_REJ_INVALID);
-                return answer_errorf(s, c, hr, 400, "invalid_request_error", "invalid_json",
-                                     "/v1/cache/reset takes no parameters (empty body or {})");
-            }
-        }
-        pkv_kv_stats_t before, after;
-        pkv_kv_stats(s->kv, &before);
-        pkv_kv_reset_cache(s->kv);
-        pkv_kv_stats(s->kv, &after);
-        pthread_mutex_lock(&s->lock);
-        s->ctr.cache_resets++;
-        pthread_mutex_unlock(&s->lock);
-        uint64_t dropped = before.blocks_cached > after.blocks_cached
-                               ? before.blocks_cached - after.blocks_cached
-                               : 0;
-        return answer_json(s, c, hr, 200,
-                           json_pack("{s:b, s:I, s:I, s:I}", "reset", 1, "dropped_blocks",
-                                     (json_int_t)dropped, "committed_bytes_before",
-                                     (json_int_t)before.committed_bytes, "committed_bytes_after",
-                                     (json_int_t)after.committed_bytes));
-    }
+    case PKV_ROUTE_CACHE_RESET:
+        return handle_cache_reset(s, c, hr);
     default:
         return answer_errorf(s, c, hr, 500, "server_error", "internal_error", "unrouted request");
     }
@@ -473,13 +484,7 @@ static json_t *completion_doc(pkv_server_t *s, pkv_sreq_kind_t kind, const char 
 
 static int sse_append(stream_t *st, const char *data, size_t n)
 {
-    if (st->len + n > st->cap) {
-        size_t cap = PKV_MAX(st->cap * 2, st->len + n + 1024);
-        char *nb = realloc(st->buf, cap);
-        if (!nb) return PKV_ERR_NOMEM;
-        st->buf = nb;
-        st->cap = cap;
-    }
+    if (!buf_grow(&st->buf, &st->cap, st->len + n, 1024, 0)) return PKV_ERR_NOMEM;
     memcpy(st->buf + st->len, data, n);
     st->len += n;
     return PKV_OK;
@@ -587,6 +592,198 @@ static void stream_free(void *cls)
 
 /* ---- the generation handler ------------------------------------------------------------- */
 
+/* A submitted generation request, from its submission to the start of its answer. */
+typedef struct {
+    pkv_request_t *req; /* owned: the answer releases it or hands it to the stream */
+    pkv_sreq_kind_t kind;
+    uint32_t n_prompt, max_tokens;
+    uint64_t t_submit;
+    char id[48];
+    time_t created;
+    MHD_socket fd;
+    pkv_server_gen_t gen;
+    bool first_seen;
+} gen_run_t;
+
+/* Take an id and a seed and count the request in flight; false when draining. */
+static bool gen_admit(pkv_server_t *s, const pkv_server_request_t *r, uint64_t *id, uint64_t *seed)
+{
+    pthread_mutex_lock(&s->lock);
+    bool draining = s->draining;
+    *id = ++s->next_id;
+    *seed = r->has_seed ? r->seed : pkv_splitmix64(&s->rng);
+    if (!draining) s->ctr.in_flight++;
+    pthread_mutex_unlock(&s->lock);
+    return !draining;
+}
+
+/* The answer to a submission the engine refused (the refusal counted). */
+static void submit_error(pkv_server_t *s, int rc, const gen_run_t *run, pkv_server_error_t *err)
+{
+    if (rc == PKV_ERR_BUSY) {
+        count_rejection(s, PKV_REJ_QUEUE_FULL);
+        pkv_server_error_set(err, 429, "rate_limit_error", "queue_full", NULL,
+                             "the request queue is full; retry later");
+    } else if (rc == PKV_ERR_SHUTDOWN) {
+        count_rejection(s, PKV_REJ_SHUTTING_DOWN);
+        pkv_server_error_set(err, 503, "service_unavailable", "shutting_down", NULL,
+                             "the server is shutting down");
+    } else if (rc == PKV_ERR_NOFIT) {
+        count_rejection(s, PKV_REJ_KV_BUDGET);
+        pkv_server_gen_t g = {.status = rc};
+        gen_error(s, &g, run->n_prompt, run->max_tokens, err);
+    } else if (rc == PKV_ERR_INVALID) {
+        count_rejection(s, PKV_REJ_INVALID);
+        pkv_server_error_set(err, 400, "invalid_request_error", "invalid_value", NULL,
+                             "the engine refused the request's parameters");
+    } else {
+        pkv_server_error_set(err, 500, "server_error", "internal_error", NULL,
+                             "submitting the request failed: %s", pkv_status_str(rc));
+    }
+}
+
+/* Check the KV budget, count the request in flight and submit it. PKV_OK with run->req,
+ * run->id and run->created; otherwise *err (the refusal counted). */
+static int gen_submit(pkv_server_t *s, http_req_t *hr, const pkv_server_request_t *r,
+                      const int32_t *ids, gen_run_t *run, pkv_server_error_t *err)
+{
+    if (!kv_fits(s, run->n_prompt, run->max_tokens, err)) {
+        count_rejection(s, PKV_REJ_KV_BUDGET);
+        return PKV_ERR_NOFIT;
+    }
+    uint64_t id, seed;
+    if (!gen_admit(s, r, &id, &seed)) {
+        count_rejection(s, PKV_REJ_SHUTTING_DOWN);
+        pkv_server_error_set(err, 503, "service_unavailable", "shutting_down", NULL,
+                             "the server is shutting down");
+        return PKV_ERR_SHUTDOWN;
+    }
+    hr->in_flight = true;
+    pkv_request_params_t p = {.prompt = ids,
+                              .n_prompt = run->n_prompt,
+                              .max_tokens = run->max_tokens,
+                              .temperature = r->temperature,
+                              .top_p = r->top_p,
+                              .seed = seed,
+                              .priority = r->priority,
+                              .salt = r->salt,
+                              .stop = r->stop,
+                              .n_stop = r->n_stop,
+                              .ignore_eos = r->ignore_eos};
+    run->t_submit = pkv_now_ns();
+    int rc = pkv_engine_submit(s->engine, &p, &run->req);
+    if (rc) {
+        submit_error(s, rc, run, err);
+        return rc;
+    }
+    snprintf(run->id, sizeof(run->id), "%s-%016llx",
+             run->kind == PKV_SREQ_CHAT ? "chatcmpl" : "cmpl",
+             (unsigned long long)(id ^ ((uint64_t)s->created << 32)));
+    run->created = time(NULL);
+    return PKV_OK;
+}
+
+/* Read to the end from *o on, appending the text to *acc. PKV_OK; PKV_ERR_NOMEM; or
+ * wait_output's error (client gone, server destroyed). */
+static int gen_collect(pkv_server_t *s, gen_run_t *run, pkv_request_output_t *o, char **acc,
+                       size_t *acc_len)
+{
+    size_t acc_cap = 0;
+    for (;;) {
+        const char *text;
+        size_t len;
+        pkv_server_gen_feed(&run->gen, o, &text, &len);
+        note_first(s, run->t_submit, &run->first_seen, o);
+        if (!buf_grow(acc, &acc_cap, *acc_len + len, 256, 0)) return PKV_ERR_NOMEM;
+        if (len) memcpy(*acc + *acc_len, text, len);
+        *acc_len += len;
+        if (o->finished) return PKV_OK;
+        int rc = wait_output(s, run->req, run->fd, o);
+        if (rc) return rc;
+    }
+}
+
+/* Non-streaming: read to the end and answer once. Releases run->req. */
+static enum MHD_Result answer_whole(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr,
+                                    gen_run_t *run, pkv_request_output_t *o)
+{
+    char *acc = NULL;
+    size_t acc_len = 0;
+    int rc = gen_collect(s, run, o, &acc, &acc_len);
+    pkv_request_release(run->req); /* a gone client's request is cancelled at once */
+    if (rc) {
+        free(acc);
+        if (rc != PKV_ERR_NOMEM) return MHD_NO; /* MHD closes the connection */
+        return answer_errorf(s, c, hr, 500, "server_error", "out_of_memory", "out of memory");
+    }
+    note_end(s, run->t_submit);
+    const char *finish = pkv_server_gen_finish_reason(&run->gen);
+    if (!finish) {
+        free(acc);
+        pkv_server_error_t err;
+        gen_error(s, &run->gen, run->n_prompt, run->max_tokens, &err);
+        return answer_error(s, c, hr, &err);
+    }
+    json_t *jt = sanitized_string(acc ? acc : "", acc_len);
+    free(acc);
+    if (!jt) return MHD_NO;
+    return answer_json(
+        s, c, hr, 200,
+        completion_doc(s, run->kind, run->id, run->created, jt, finish, usage_doc(&run->gen)));
+}
+
+/* Streaming: answer 200 with a callback response that turns engine reads into SSE
+ * events; an admission failure before any output is still a plain error. Takes run->req. */
+static enum MHD_Result answer_stream(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr,
+                                     gen_run_t *run, const pkv_request_output_t *o,
+                                     bool include_usage)
+{
+    if (o->finished && !o->n_tokens && o->finish != PKV_FINISH_STOP &&
+        o->finish != PKV_FINISH_LENGTH) {
+        const char *text;
+        size_t len;
+        pkv_server_gen_feed(&run->gen, o, &text, &len);
+        pkv_request_release(run->req);
+        pkv_server_error_t err;
+        gen_error(s, &run->gen, run->n_prompt, run->max_tokens, &err);
+        return answer_error(s, c, hr, &err);
+    }
+    stream_t *st = calloc(1, sizeof(*st));
+    if (!st) {
+        pkv_request_release(run->req);
+        return MHD_NO;
+    }
+    st->s = s;
+    st->req = run->req;
+    st->gen = run->gen;
+    st->kind = run->kind;
+    st->include_usage = include_usage;
+    memcpy(st->id, run->id, sizeof(st->id));
+    st->created = run->created;
+    st->fd = run->fd;
+    st->t_submit = run->t_submit;
+    st->first_seen = run->first_seen;
+    int rc = PKV_OK;
+    if (run->kind == PKV_SREQ_CHAT)
+        rc = sse_event(
+            st, chunk_doc(st, json_pack("{s:s, s:s}", "role", "assistant", "content", ""), NULL));
+    if (!rc) rc = stream_take(st, o);
+    struct MHD_Response *resp = rc ? NULL
+                                   : MHD_create_response_from_callback(
+                                         MHD_SIZE_UNKNOWN, SSE_BLOCK, stream_read, st, stream_free);
+    if (!resp) {
+        stream_free(st);
+        return MHD_NO;
+    }
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+    pthread_mutex_lock(&s->lock);
+    s->ctr.streams++;
+    pthread_mutex_unlock(&s->lock);
+    return queue(s, c, hr, 200, resp);
+}
+
+/* POST /v1/completions and /v1/chat/completions (the flow in the top comment). */
 static enum MHD_Result handle_generate(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr)
 {
     pkv_sreq_kind_t kind = hr->route == PKV_ROUTE_CHAT ? PKV_SREQ_CHAT : PKV_SREQ_COMPLETIONS;
@@ -597,196 +794,90 @@ static enum MHD_Result handle_generate(pkv_server_t *s, struct MHD_Connection *c
         count_rejection(s, err.status == 404 ? PKV_REJ_MODEL : PKV_REJ_INVALID);
         return answer_error(s, c, hr, &err);
     }
+    gen_run_t run = {.kind = kind};
     int32_t *ids = NULL;
-    uint32_t n_ids = 0, max_tokens = 0;
     enum MHD_Result ret;
-    if (pkv_server_request_prompt(&r, s->tok, &lim, s->default_max_tokens, &ids, &n_ids,
-                                  &max_tokens, &err)) {
+    if (pkv_server_request_prompt(&r, s->tok, &lim, s->default_max_tokens, &ids, &run.n_prompt,
+                                  &run.max_tokens, &err)) {
         count_rejection(s, !strcmp(err.code, "context_length_exceeded") ? PKV_REJ_CONTEXT
                                                                         : PKV_REJ_INVALID);
         ret = answer_error(s, c, hr, &err);
-        goto out_req;
-    }
-    if (!kv_fits(s, n_ids, max_tokens, &err)) {
-        count_rejection(s, PKV_REJ_KV_BUDGET);
+    } else if (gen_submit(s, hr, &r, ids, &run, &err)) {
         ret = answer_error(s, c, hr, &err);
-        goto out_ids;
-    }
-
-    pthread_mutex_lock(&s->lock);
-    bool draining = s->draining;
-    uint64_t id = ++s->next_id;
-    uint64_t seed = r.has_seed ? r.seed : pkv_splitmix64(&s->rng);
-    if (!draining) s->ctr.in_flight++;
-    pthread_mutex_unlock(&s->lock);
-    if (draining) {
-        count_rejection(s, PKV_REJ_SHUTTING_DOWN);
-        ret = answer_errorf(s, c, hr, 503, "service_unavailable", "shutting_down",
-                            "the server is shutting down");
-        goto out_ids;
-    }
-    hr->in_flight = true;
-
-    pkv_request_params_t p = {.prompt = ids,
-                              .n_prompt = n_ids,
-                              .max_tokens = max_tokens,
-                              .temperature = r.temperature,
-                              .top_p = r.top_p,
-                              .seed = seed,
-                              .priority = r.priority,
-                              .salt = r.salt,
-                              .stop = r.stop,
-                              .n_stop = r.n_stop,
-                              .ignore_eos = r.ignore_eos};
-    uint64_t t_submit = pkv_now_ns();
-    pkv_request_t *req = NULL;
-    int rc = pkv_engine_submit(s->engine, &p, &req);
-    if (rc) {
-        if (rc == PKV_ERR_BUSY) {
-            count_rejection(s, PKV_REJ_QUEUE_FULL);
-            pkv_server_error_set(&err, 429, "rate_limit_error", "queue_full", NULL,
-                                 "the request queue is full; retry later");
-        } else if (rc == PKV_ERR_SHUTDOWN) {
-            count_rejection(s, PKV_REJ_SHUTTING_DOWN);
-            pkv_server_error_set(&err, 503, "service_unavailable", "shutting_down", NULL,
-                                 "the server is shutting down");
-        } else if (rc == PKV_ERR_NOFIT) {
-            count_rejection(s, PKV_REJ_KV_BUDGET);
-            pkv_server_gen_t g = {.status = rc};
-            gen_error(s, &g, n_ids, max_tokens, &err);
-        } else if (rc == PKV_ERR_INVALID) {
-            count_rejection(s, PKV_REJ_INVALID);
-            pkv_server_error_set(&err, 400, "invalid_request_error", "invalid_value", NULL,
-                                 "the engine refused the request's parameters");
+    } else {
+        run.fd = conn_fd(c);
+        pkv_server_gen_init(&run.gen);
+        /* The first output (or the finish): admission errors still get a status. */
+        pkv_request_output_t o;
+        if (wait_output(s, run.req, run.fd, &o)) {
+            /* The client went away (or the server is being destroyed): cancel at once. */
+            pkv_request_release(run.req);
+            ret = MHD_NO; /* MHD closes the connection */
         } else {
-            pkv_server_error_set(&err, 500, "server_error", "internal_error", NULL,
-                                 "submitting the request failed: %s", pkv_status_str(rc));
+            ret = r.stream ? answer_stream(s, c, hr, &run, &o, r.include_usage)
+                           : answer_whole(s, c, hr, &run, &o);
         }
-        ret = answer_error(s, c, hr, &err);
-        goto out_ids;
     }
-
-    MHD_socket fd = conn_fd(c);
-    pkv_server_gen_t g;
-    pkv_server_gen_init(&g);
-    char rid[48];
-    snprintf(rid, sizeof(rid), "%s-%016llx", kind == PKV_SREQ_CHAT ? "chatcmpl" : "cmpl",
-             (unsigned long long)(id ^ ((uint64_t)s->created << 32)));
-    time_t created = time(NULL);
-    bool first_seen = false;
-
-    /* The first output (or the finish): admission errors still get a status. */
-    pkv_request_output_t o;
-    rc = wait_output(s, req, fd, &o);
-    if (rc) goto gone;
-    const char *text;
-    size_t len;
-
-    if (!r.stream) {
-        char *acc = NULL;
-        size_t acc_len = 0, acc_cap = 0;
-        for (;;) {
-            pkv_server_gen_feed(&g, &o, &text, &len);
-            note_first(s, t_submit, &first_seen, &o);
-            if (acc_len + len > acc_cap) {
-                size_t cap = PKV_MAX(acc_cap * 2, acc_len + len + 256);
-                char *nb = realloc(acc, cap);
-                if (!nb) {
-                    free(acc);
-                    pkv_request_release(req);
-                    ret = answer_errorf(s, c, hr, 500, "server_error", "out_of_memory",
-                                        "out of memory");
-                    goto out_ids;
-                }
-                acc = nb;
-                acc_cap = cap;
-            }
-            if (len) memcpy(acc + acc_len, text, len);
-            acc_len += len;
-            if (o.finished) break;
-            if ((rc = wait_output(s, req, fd, &o))) {
-                free(acc);
-                goto gone;
-            }
-        }
-        pkv_request_release(req);
-        note_end(s, t_submit);
-        const char *finish = pkv_server_gen_finish_reason(&g);
-        if (!finish) {
-            free(acc);
-            gen_error(s, &g, n_ids, max_tokens, &err);
-            ret = answer_error(s, c, hr, &err);
-            goto out_ids;
-        }
-        json_t *jt = sanitized_string(acc ? acc : "", acc_len);
-        free(acc);
-        if (!jt) {
-            ret = MHD_NO;
-            goto out_ids;
-        }
-        ret = answer_json(s, c, hr, 200,
-                          completion_doc(s, kind, rid, created, jt, finish, usage_doc(&g)));
-        goto out_ids;
-    }
-
-    /* Streaming: an admission failure before any output is still a plain error. */
-    if (o.finished && !o.n_tokens && o.finish != PKV_FINISH_STOP && o.finish != PKV_FINISH_LENGTH) {
-        pkv_server_gen_feed(&g, &o, &text, &len);
-        pkv_request_release(req);
-        gen_error(s, &g, n_ids, max_tokens, &err);
-        ret = answer_error(s, c, hr, &err);
-        goto out_ids;
-    }
-    stream_t *st = calloc(1, sizeof(*st));
-    if (!st) {
-        pkv_request_release(req);
-        ret = MHD_NO;
-        goto out_ids;
-    }
-    st->s = s;
-    st->req = req;
-    st->gen = g;
-    st->kind = kind;
-    st->include_usage = r.include_usage;
-    memcpy(st->id, rid, sizeof(st->id));
-    st->created = created;
-    st->fd = fd;
-    st->t_submit = t_submit;
-    st->first_seen = first_seen;
-    rc = PKV_OK;
-    if (kind == PKV_SREQ_CHAT)
-        rc = sse_event(
-            st, chunk_doc(st, json_pack("{s:s, s:s}", "role", "assistant", "content", ""), NULL));
-    if (!rc) rc = stream_take(st, &o);
-    struct MHD_Response *resp = rc ? NULL
-                                   : MHD_create_response_from_callback(
-                                         MHD_SIZE_UNKNOWN, SSE_BLOCK, stream_read, st, stream_free);
-    if (!resp) {
-        stream_free(st);
-        ret = MHD_NO;
-        goto out_ids;
-    }
-    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
-    MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
-    pthread_mutex_lock(&s->lock);
-    s->ctr.streams++;
-    pthread_mutex_unlock(&s->lock);
-    ret = queue(s, c, hr, 200, resp);
-    goto out_ids;
-
-gone:
-    /* The client went away (or the server is being destroyed): cancel at once. */
-    pkv_request_release(req);
-    ret = MHD_NO; /* MHD closes the connection */
-
-out_ids:
     free(ids);
-out_req:
     pkv_server_request_free(&r);
     return ret;
 }
 
 /* ---- MHD callbacks --------------------------------------------------------------------- */
+
+/* The first call for a request: route, method (405), path (404), Content-Length (413). */
+static enum MHD_Result on_first_call(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr,
+                                     const char *url, const char *method)
+{
+    hr->route = PKV_ROUTE_OTHER;
+    const char *allow = NULL;
+    for (size_t i = 0; i < PKV_ARRAY_LEN(routes); i++)
+        if (!strcmp(url, routes[i].path)) hr->route = routes[i].route, allow = routes[i].allow;
+    if (!allow && !strncmp(url, "/v1/models/", 11) && url[11])
+        hr->route = PKV_ROUTE_MODEL, allow = "GET, HEAD";
+    if (!allow) {
+        char msg[160];
+        snprintf(msg, sizeof(msg), "no such endpoint: %.100s", url);
+        return answer_errorf(s, c, hr, 404, "not_found_error", "not_found", msg);
+    }
+    if (!method_allowed(allow, method)) {
+        pkv_server_error_t err;
+        pkv_server_error_set(&err, 405, "invalid_request_error", "method_not_allowed", NULL,
+                             "method %.16s is not allowed on %s (allowed: %s)", method, url, allow);
+        struct MHD_Response *r = error_response(&err);
+        if (r) MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, allow);
+        return queue(s, c, hr, 405, r);
+    }
+    const char *cl =
+        MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+    if (cl) {
+        char *end;
+        errno = 0;
+        unsigned long long n = strtoull(cl, &end, 10);
+        if (!errno && end != cl && n > s->max_body) {
+            if (hr->route <= PKV_ROUTE_CHAT) count_rejection(s, PKV_REJ_BODY_TOO_LARGE);
+            char msg[160];
+            snprintf(msg, sizeof(msg),
+                     "the request body (%llu bytes) is over the limit (%llu bytes)", n,
+                     (unsigned long long)s->max_body);
+            return answer_errorf(s, c, hr, 413, "invalid_request_error", "body_too_large", msg);
+        }
+    }
+    return MHD_YES;
+}
+
+/* One body chunk: kept up to max_body_bytes; beyond it the request is marked too large. */
+static enum MHD_Result body_append(pkv_server_t *s, http_req_t *hr, const char *upload, size_t n)
+{
+    if (hr->too_large || hr->len + n > s->max_body) {
+        hr->too_large = true;
+        return MHD_YES;
+    }
+    if (!buf_grow(&hr->body, &hr->cap, hr->len + n + 1, 0, s->max_body + 1)) return MHD_NO;
+    memcpy(hr->body + hr->len, upload, n);
+    hr->len += n;
+    return MHD_YES;
+}
 
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,
                                   const char *method, const char *version, const char *upload,
@@ -798,46 +889,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         hr = calloc(1, sizeof(*hr));
         if (!hr) return MHD_NO;
         *con_cls = hr;
-        hr->route = PKV_ROUTE_OTHER;
-        const char *allow = NULL;
-        for (size_t i = 0; i < PKV_ARRAY_LEN(routes); i++)
-            if (!strcmp(url, routes[i].path)) hr->route = routes[i].route, allow = routes[i].allow;
-        if (!allow && !strncmp(url, "/v1/models/", 11) && url[11])
-            hr->route = PKV_ROUTE_MODEL, allow = "GET, HEAD";
-        if (!allow) {
-            char msg[160];
-            snprintf(msg, sizeof(msg), "no such endpoint: %.100s", url);
-            return answer_errorf(s, c, hr, 404, "not_found_error", "not_found", msg);
-        }
-        if (!method_allowed(allow, method)) {
-            pkv_server_error_t err;
-            pkv_server_error_set(&err, 405, "invalid_request_error", "method_not_allowed", NULL,
-                                 "method %.16s is not allowed on %s (allowed: %s)", method, url,
-                                 allow);
-            json_t *doc = error_doc(&err);
-            char *text = doc ? json_dumps(doc, JSON_COMPACT) : NULL;
-            json_decref(doc);
-            if (!text) return MHD_NO;
-            struct MHD_Response *r = text_response(text, strlen(text), "application/json");
-            if (r) MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, allow);
-            return queue(s, c, hr, 405, r);
-        }
-        const char *cl =
-            MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-        if (cl) {
-            char *end;
-            errno = 0;
-            unsigned long long n = strtoull(cl, &end, 10);
-            if (!errno && end != cl && n > s->max_body) {
-                if (hr->route <= PKV_ROUTE_CHAT) count_rejection(s, PKV_REJ_BODY_TOO_LARGE);
-                char msg[160];
-                snprintf(msg, sizeof(msg),
-                         "the request body (%llu bytes) is over the limit (%llu bytes)", n,
-                         (unsigned long long)s->max_body);
-                return answer_errorf(s, c, hr, 413, "invalid_request_error", "body_too_large", msg);
-            }
-        }
-        return MHD_YES;
+        return on_first_call(s, c, hr, url, method);
     }
     if (hr->answered) {
         *upload_size = 0; /* answered early: discard whatever body follows */
@@ -846,21 +898,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     if (*upload_size) {
         size_t n = *upload_size;
         *upload_size = 0;
-        if (hr->too_large || hr->len + n > s->max_body) {
-            hr->too_large = true;
-            return MHD_YES;
-        }
-        if (hr->len + n + 1 > hr->cap) {
-            size_t cap = PKV_MAX(hr->cap * 2, hr->len + n + 1);
-            if (cap > s->max_body + 1) cap = s->max_body + 1;
-            char *nb = realloc(hr->body, cap);
-            if (!nb) return MHD_NO;
-            hr->body = nb;
-            hr->cap = cap;
-        }
-        memcpy(hr->body + hr->len, upload, n);
-        hr->len += n;
-        return MHD_YES;
+        return body_append(s, hr, upload, n);
     }
     (void)version;
     if (hr->too_large) {
@@ -907,7 +945,8 @@ static void on_mhd_log(void *cls, const char *fmt, va_list ap)
 
 /* ---- lifecycle ----------------------------------------------------------------------- */
 
-static int build_stack(pkv_server_t *s, const pkv_server_config_t *cfg)
+/* The model and its tokenizer: a llama2.c pair, or a built-in preset. */
+static int load_model(pkv_server_t *s, const pkv_server_config_t *cfg)
 {
     pkv_model_runtime_t rt = {.threads = cfg->threads};
     int rc;
@@ -941,6 +980,38 @@ static int build_stack(pkv_server_t *s, const pkv_server_config_t *cfg)
                                            &s->model)))
             return rc;
     }
+    return PKV_OK;
+}
+
+/* The KV budget the configuration asks for (auto: max_batch x max_context tokens, at most
+ * half the machine's memory, at least 4 MiB). PKV_ERR_INVALID for a budget of 0 bytes. */
+static int kv_budget(const pkv_server_t *s, const pkv_server_config_t *cfg, uint64_t *out)
+{
+    switch (cfg->budget_mode) {
+    case PKV_SERVER_BUDGET_NONE:
+        *out = 0;
+        return PKV_OK;
+    case PKV_SERVER_BUDGET_BYTES:
+        if (!cfg->budget_bytes) {
+            PKV_LOGE("server", "a KV budget of 0 bytes (use 'none' for no cap)");
+            return PKV_ERR_INVALID;
+        }
+        *out = cfg->budget_bytes;
+        return PKV_OK;
+    default: {
+        uint64_t want = (uint64_t)s->max_batch * s->max_context * s->token_bytes;
+        long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+        uint64_t half = pages > 0 && psz > 0 ? (uint64_t)pages * (uint64_t)psz / 2 : want;
+        *out = PKV_MAX(PKV_MIN(want, half), 4ull << 20);
+        return PKV_OK;
+    }
+    }
+}
+
+static int build_stack(pkv_server_t *s, const pkv_server_config_t *cfg)
+{
+    int rc = load_model(s, cfg);
+    if (rc) return rc;
     const pkv_model_config_t *mc = pkv_model_config(s->model);
     s->max_context = cfg->max_context ? cfg->max_context : mc->max_seq_len;
     if (s->max_context > mc->max_seq_len || s->max_context < 2) {
@@ -962,24 +1033,7 @@ static int build_stack(pkv_server_t *s, const pkv_server_config_t *cfg)
         .backend = cfg->backend, .no_prefix_cache = cfg->no_prefix_cache, .hugepages = true};
     pkv_model_geometry(s->model, cfg->kv_dtype, s->block_tokens, &kc.geo);
     s->token_bytes = pkv_geometry_token_bytes(&kc.geo);
-    switch (cfg->budget_mode) {
-    case PKV_SERVER_BUDGET_NONE:
-        kc.budget_bytes = 0;
-        break;
-    case PKV_SERVER_BUDGET_BYTES:
-        if (!cfg->budget_bytes) {
-            PKV_LOGE("server", "a KV budget of 0 bytes (use 'none' for no cap)");
-            return PKV_ERR_INVALID;
-        }
-        kc.budget_bytes = cfg->budget_bytes;
-        break;
-    default: {
-        uint64_t want = (uint64_t)s->max_batch * s->max_context * s->token_bytes;
-        long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
-        uint64_t half = pages > 0 && psz > 0 ? (uint64_t)pages * (uint64_t)psz / 2 : want;
-        kc.budget_bytes = PKV_MAX(PKV_MIN(want, half), 4ull << 20);
-    }
-    }
+    if ((rc = kv_budget(s, cfg, &kc.budget_bytes))) return rc;
     s->backend = cfg->backend;
     if ((rc = pkv_kv_create(&kc, &s->kv))) {
         PKV_LOGE("server", "creating the KV cache failed: %s", pkv_status_str(rc));

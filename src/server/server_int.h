@@ -61,13 +61,21 @@ typedef struct {
     pkv_server_hist_t e2e;  /* submit -> finished */
 } pkv_server_counters_t;
 
+/* One snapshot of the server's, the engine's and the KV cache's counters: what /metrics
+ * and /v1/cache/stats render (server.c takes it, metrics.c renders it). */
+typedef struct {
+    pkv_server_counters_t ctr;
+    pkv_engine_stats_t es;
+    pkv_kv_stats_t ks;
+    uint64_t rss_bytes; /* the process's VmRSS (0: unknown, omitted from /metrics) */
+    pkv_backend_t backend;
+    uint32_t block_tokens;
+} pkv_server_snapshot_t;
+
 /* Prometheus text exposition (malloc'd, NUL-terminated; *len without the NUL). NULL on
- * allocation failure. rss_bytes: the process's VmRSS (0: unknown, omitted). */
-char *pkv_server_metrics_render(const pkv_server_counters_t *c, const pkv_engine_stats_t *es,
-                                const pkv_kv_stats_t *ks, uint64_t rss_bytes, size_t *len);
+ * allocation failure. */
+char *pkv_server_metrics_render(const pkv_server_snapshot_t *snap, size_t *len);
 /* The /v1/cache/stats document (new reference; NULL on allocation failure). */
-json_t *pkv_server_cache_stats_json(const pkv_server_counters_t *c, const pkv_engine_stats_t *es,
-                                    const pkv_kv_stats_t *ks, pkv_backend_t backend,
-                                    uint32_t block_tokens);
+json_t *pkv_server_cache_stats_json(const pkv_server_snapshot_t *snap);
 
 #endif
