@@ -96,6 +96,13 @@ $(BUILD)/tests/%: $(BUILD)/obj/tests/%.o $(TSUP_OBJ) $(SUPLIB) $(ALIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $< $(TSUP_OBJ) $(SUPLIB) $(ALIB) $(TEST_LIBS) $(LDLIBS)
 
+# tests/test_api checks the installed headers and this build's .so with this build's
+# compilers (docs/design/api.md).
+$(BUILD)/obj/tests/test_api.o: CPPFLAGS += -DPKV_TEST_SRCDIR='"$(CURDIR)"' \
+    -DPKV_TEST_CC='"$(CC)"' -DPKV_TEST_CXX='"$(CXX)"' -DPKV_TEST_SANFLAGS='"$(SANFLAGS)"'
+$(BUILD)/obj/tests/test_api.o: Makefile
+$(BUILD)/tests/test_api: $(SLIB)
+
 # Each test binary forks every test (Check's default) with its own timeout.
 # scripts/run-tests.sh prints one line per binary and a closing "N passed, N failed".
 check: all $(TEST_BIN)
