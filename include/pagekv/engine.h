@@ -34,6 +34,8 @@
 #ifndef PAGEKV_ENGINE_H
 #define PAGEKV_ENGINE_H
 
+#include "pagekv/export.h"
+
 #include "pagekv/kv.h"
 #include "pagekv/model.h"
 
@@ -68,11 +70,11 @@ typedef struct {
 } pkv_engine_config_t;
 
 /* Create the engine (and, unless manual, start its run loop). */
-int pkv_engine_create(const pkv_engine_config_t *cfg, pkv_engine_t **out);
+PKV_API int pkv_engine_create(const pkv_engine_config_t *cfg, pkv_engine_t **out);
 /* Stop the run loop (joined), cancel every queued and running request (finish reason
  * cancelled, status PKV_ERR_SHUTDOWN), free their sequences. Request handles remain
  * valid until released. NULL is a no-op. */
-void pkv_engine_destroy(pkv_engine_t *e);
+PKV_API void pkv_engine_destroy(pkv_engine_t *e);
 
 #define PKV_ENGINE_MAX_STOP     4
 #define PKV_ENGINE_MAX_STOP_LEN 128
@@ -99,7 +101,7 @@ typedef struct {
 /* Queue a request. PKV_ERR_BUSY: the queue is full; PKV_ERR_SHUTDOWN: draining or
  * stopped; PKV_ERR_NOFIT: the prompt alone exceeds the KV budget; PKV_ERR_INVALID: bad
  * parameters (logged). On success *out is the caller's reference (release it). */
-int pkv_engine_submit(pkv_engine_t *e, const pkv_request_params_t *p, pkv_request_t **out);
+PKV_API int pkv_engine_submit(pkv_engine_t *e, const pkv_request_params_t *p, pkv_request_t **out);
 
 typedef enum {
     PKV_FINISH_NONE = 0,
@@ -108,7 +110,7 @@ typedef enum {
     PKV_FINISH_CANCELLED = 3, /* pkv_request_cancel/release or engine shutdown */
     PKV_FINISH_ERROR = 4,     /* see status (e.g. PKV_ERR_NOFIT at admission) */
 } pkv_finish_t;
-const char *pkv_finish_name(pkv_finish_t f); /* "stop", "length", "cancelled", "error" */
+PKV_API const char *pkv_finish_name(pkv_finish_t f); /* "stop", "length", "cancelled", "error" */
 
 typedef struct {
     const int32_t *tokens; /* tokens generated since the previous read */
@@ -130,12 +132,12 @@ typedef struct {
  * deadline passes: PKV_OK with *out filled (pointers valid until the request is
  * released), or PKV_ERR_TIMEOUT. After the read that reported finished, further reads
  * return PKV_OK with finished set and nothing new. One reader per request. */
-int pkv_request_read(pkv_request_t *r, uint64_t deadline_ns, pkv_request_output_t *out);
+PKV_API int pkv_request_read(pkv_request_t *r, uint64_t deadline_ns, pkv_request_output_t *out);
 /* Cancel: a queued request finishes at once; a running one at the end of the current
  * step, its sequence freed then. No-op once finished. */
-void pkv_request_cancel(pkv_request_t *r);
+PKV_API void pkv_request_cancel(pkv_request_t *r);
 /* Drop the caller's reference (cancels an unfinished request). NULL is a no-op. */
-void pkv_request_release(pkv_request_t *r);
+PKV_API void pkv_request_release(pkv_request_t *r);
 
 typedef struct {
     uint32_t queued;
@@ -151,16 +153,16 @@ typedef struct {
     uint64_t steps;
     uint64_t forward_ns; /* time in the model's forward pass */
 } pkv_engine_stats_t;
-void pkv_engine_stats(pkv_engine_t *e, pkv_engine_stats_t *out);
+PKV_API void pkv_engine_stats(pkv_engine_t *e, pkv_engine_stats_t *out);
 
 /* Manual mode only: run one scheduling step (admission, one forward pass, sampling).
  * *busy (optional) is set to whether requests remain queued or running. */
-int pkv_engine_step(pkv_engine_t *e, bool *busy);
+PKV_API int pkv_engine_step(pkv_engine_t *e, bool *busy);
 
 /* Stop accepting requests (submit returns PKV_ERR_SHUTDOWN) and wait until every queued
  * and running request has finished, or the deadline: PKV_OK / PKV_ERR_TIMEOUT. In manual
  * mode the caller's thread runs the steps. */
-int pkv_engine_drain(pkv_engine_t *e, uint64_t deadline_ns);
+PKV_API int pkv_engine_drain(pkv_engine_t *e, uint64_t deadline_ns);
 
 #ifdef __cplusplus
 }

@@ -26,6 +26,8 @@
 #ifndef PAGEKV_KV_H
 #define PAGEKV_KV_H
 
+#include "pagekv/export.h"
+
 #include "pagekv/pagekv.h"
 
 #ifdef __cplusplus
@@ -33,12 +35,12 @@ extern "C" {
 #endif
 
 typedef enum { PKV_DTYPE_F32 = 0, PKV_DTYPE_F16 = 1, PKV_DTYPE_BF16 = 2 } pkv_dtype_t;
-size_t pkv_dtype_size(pkv_dtype_t dt);
-const char *pkv_dtype_name(pkv_dtype_t dt);
-int pkv_dtype_parse(const char *s, pkv_dtype_t *out);
+PKV_API size_t pkv_dtype_size(pkv_dtype_t dt);
+PKV_API const char *pkv_dtype_name(pkv_dtype_t dt);
+PKV_API int pkv_dtype_parse(const char *s, pkv_dtype_t *out);
 /* Convert n values between f32 and the dtype (round to nearest even). */
-void pkv_dtype_from_f32(pkv_dtype_t dt, void *dst, const float *src, size_t n);
-void pkv_dtype_to_f32(pkv_dtype_t dt, float *dst, const void *src, size_t n);
+PKV_API void pkv_dtype_from_f32(pkv_dtype_t dt, void *dst, const float *src, size_t n);
+PKV_API void pkv_dtype_to_f32(pkv_dtype_t dt, float *dst, const void *src, size_t n);
 
 typedef struct {
     uint32_t layers;
@@ -49,11 +51,11 @@ typedef struct {
 } pkv_geometry_t;
 
 /* K+V bytes of one token in every layer. */
-size_t pkv_geometry_token_bytes(const pkv_geometry_t *g);
+PKV_API size_t pkv_geometry_token_bytes(const pkv_geometry_t *g);
 
 typedef enum { PKV_BACKEND_PAGED = 0, PKV_BACKEND_DENSE = 1 } pkv_backend_t;
-const char *pkv_backend_name(pkv_backend_t b);
-int pkv_backend_parse(const char *s, pkv_backend_t *out);
+PKV_API const char *pkv_backend_name(pkv_backend_t b);
+PKV_API int pkv_backend_parse(const char *s, pkv_backend_t *out);
 
 typedef struct {
     pkv_geometry_t geo;
@@ -70,11 +72,11 @@ typedef struct pkv_kv pkv_kv_t;
 typedef struct pkv_seq pkv_seq_t;
 
 /* Create a KV cache. On success *out owns everything; free with pkv_kv_destroy. */
-int pkv_kv_create(const pkv_kv_config_t *cfg, pkv_kv_t **out);
+PKV_API int pkv_kv_create(const pkv_kv_config_t *cfg, pkv_kv_t **out);
 /* Frees the cache. Every sequence must have been freed (aborts otherwise: a caller bug). */
-void pkv_kv_destroy(pkv_kv_t *kv);
-const pkv_geometry_t *pkv_kv_geometry(const pkv_kv_t *kv);
-pkv_backend_t pkv_kv_backend(const pkv_kv_t *kv);
+PKV_API void pkv_kv_destroy(pkv_kv_t *kv);
+PKV_API const pkv_geometry_t *pkv_kv_geometry(const pkv_kv_t *kv);
+PKV_API pkv_backend_t pkv_kv_backend(const pkv_kv_t *kv);
 
 typedef struct {
     uint64_t salt;           /* per-tenant prefix-cache salt */
@@ -89,24 +91,25 @@ typedef struct {
  *   PKV_ERR_NOFIT   the request can never fit the budget (message logged with numbers),
  *   PKV_ERR_NOSPACE not enough free + evictable memory now.
  * On success *out is the sequence, with length = *n_cached (adopted tokens). */
-int pkv_seq_create(pkv_kv_t *kv, const pkv_seq_params_t *p, pkv_seq_t **out, uint32_t *n_cached);
+PKV_API int pkv_seq_create(pkv_kv_t *kv, const pkv_seq_params_t *p, pkv_seq_t **out,
+                           uint32_t *n_cached);
 /* Free a sequence: its full, hashed blocks become cached (evictable); the rest free. */
-void pkv_seq_free(pkv_seq_t *seq);
+PKV_API void pkv_seq_free(pkv_seq_t *seq);
 /* Ensure capacity for n_tokens positions; copy-on-write of a shared partial block. No side
  * effect on failure (NOSPACE / NOFIT / NOMEM). */
-int pkv_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens);
+PKV_API int pkv_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens);
 /* Record tokens for positions [length, length + n): their K/V has been written. Requires
  * length + n <= capacity. Full blocks get their prefix key and become shareable. */
-int pkv_seq_append(pkv_seq_t *seq, const int32_t *tokens, uint32_t n);
+PKV_API int pkv_seq_append(pkv_seq_t *seq, const int32_t *tokens, uint32_t n);
 /* Child shares every block of the parent (a partial last block is copied on first write). */
-int pkv_seq_fork(pkv_seq_t *parent, pkv_seq_t **out);
-uint32_t pkv_seq_length(const pkv_seq_t *seq);
-uint32_t pkv_seq_capacity(const pkv_seq_t *seq);
+PKV_API int pkv_seq_fork(pkv_seq_t *parent, pkv_seq_t **out);
+PKV_API uint32_t pkv_seq_length(const pkv_seq_t *seq);
+PKV_API uint32_t pkv_seq_capacity(const pkv_seq_t *seq);
 
 /* Where K/V of position pos (< capacity) in layer sits: *k and *v point at head 0;
  * head h is at + h * *head_stride elements. Write only positions >= length. */
-void pkv_seq_slot(const pkv_seq_t *seq, uint32_t pos, uint32_t layer, void **k, void **v,
-                  size_t *head_stride);
+PKV_API void pkv_seq_slot(const pkv_seq_t *seq, uint32_t pos, uint32_t layer, void **k, void **v,
+                          size_t *head_stride);
 
 typedef struct {
     const void *k, *v;  /* head 0, first token of the run */
@@ -117,27 +120,27 @@ typedef struct {
 /* Fill out[] with the runs covering positions [begin, end) of layer, in order; end may
  * reach capacity, so a forward pass can read K/V it wrote but has not appended yet. Returns
  * the number of runs written (at most max); *next is the position after the last run. */
-uint32_t pkv_seq_runs(const pkv_seq_t *seq, uint32_t layer, uint32_t begin, uint32_t end,
-                      pkv_kv_run_t *out, uint32_t max, uint32_t *next);
+PKV_API uint32_t pkv_seq_runs(const pkv_seq_t *seq, uint32_t layer, uint32_t begin, uint32_t end,
+                              pkv_kv_run_t *out, uint32_t max, uint32_t *next);
 
 /* ---- paged-only: block access for transfers (PKV_ERR_UNSUPPORTED on dense) -------- */
 /* The block ids of a sequence's table (valid until the sequence changes). */
-int pkv_seq_blocks(const pkv_seq_t *seq, const uint32_t **ids, uint32_t *n);
-size_t pkv_kv_block_bytes(const pkv_kv_t *kv);
+PKV_API int pkv_seq_blocks(const pkv_seq_t *seq, const uint32_t **ids, uint32_t *n);
+PKV_API size_t pkv_kv_block_bytes(const pkv_kv_t *kv);
 /* A block's K (which = 0) or V (which = 1) of one layer and KV head: block_tokens x
  * head_dim values, block_bytes / (2 * layers * kv_heads) bytes. Within a commit granule
  * the pieces of one (layer, k|v, head) of every block lie side by side in slot order:
  * blocks b and b + 1 of one granule have adjacent pieces. NULL when out of range. */
-void *pkv_kv_block_head(const pkv_kv_t *kv, uint32_t block, uint32_t layer, uint32_t which,
-                        uint32_t head);
+PKV_API void *pkv_kv_block_head(const pkv_kv_t *kv, uint32_t block, uint32_t layer, uint32_t which,
+                                uint32_t head);
 /* Take / drop an extra reference on live or cached blocks (a transfer's lease). Pin
  * fails with PKV_ERR_NOTFOUND, pinning nothing, if any id is free or out of range. */
-int pkv_kv_pin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n);
-void pkv_kv_unpin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n);
+PKV_API int pkv_kv_pin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n);
+PKV_API void pkv_kv_unpin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n);
 
 /* ---- cache control and accounting --------------------------------------------------- */
 /* Drop every cached (unreferenced) block and return empty granules to the OS. */
-void pkv_kv_reset_cache(pkv_kv_t *kv);
+PKV_API void pkv_kv_reset_cache(pkv_kv_t *kv);
 
 typedef struct {
     uint64_t committed_bytes; /* KV memory held from the OS now */
@@ -162,10 +165,10 @@ typedef struct {
     uint64_t commits, decommits; /* granules */
     uint64_t rejected_nofit, rejected_nospace;
 } pkv_kv_stats_t;
-void pkv_kv_stats(pkv_kv_t *kv, pkv_kv_stats_t *out);
+PKV_API void pkv_kv_stats(pkv_kv_t *kv, pkv_kv_stats_t *out);
 
 /* Check every invariant (expensive); PKV_OK or PKV_ERR_CORRUPT with a logged reason. */
-int pkv_kv_validate(pkv_kv_t *kv);
+PKV_API int pkv_kv_validate(pkv_kv_t *kv);
 
 #ifdef __cplusplus
 }

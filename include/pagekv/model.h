@@ -24,6 +24,8 @@
 #ifndef PAGEKV_MODEL_H
 #define PAGEKV_MODEL_H
 
+#include "pagekv/export.h"
+
 #include "pagekv/kv.h"
 
 #ifdef __cplusplus
@@ -44,10 +46,10 @@ typedef struct {
 } pkv_model_config_t;
 
 /* Names of the built-in presets, NULL-terminated ("tiny" first: the default). */
-const char *const *pkv_model_preset_names(void);
+PKV_API const char *const *pkv_model_preset_names(void);
 /* The configuration of a preset (vocab_size left 0: the caller supplies it).
  * PKV_ERR_NOTFOUND for an unknown name. NULL name -> "tiny". */
-int pkv_model_preset(const char *name, pkv_model_config_t *out);
+PKV_API int pkv_model_preset(const char *name, pkv_model_config_t *out);
 
 typedef struct {
     uint32_t threads;      /* 0 -> online CPUs, at most 8 */
@@ -59,23 +61,24 @@ typedef struct pkv_model pkv_model_t;
 
 /* A model with weights generated from `seed` for configuration `cfg` (typically from
  * pkv_model_preset with vocab_size filled in). rt may be NULL. */
-int pkv_model_create_builtin(const pkv_model_config_t *cfg, uint64_t seed,
-                             const pkv_model_runtime_t *rt, pkv_model_t **out);
+PKV_API int pkv_model_create_builtin(const pkv_model_config_t *cfg, uint64_t seed,
+                                     const pkv_model_runtime_t *rt, pkv_model_t **out);
 /* Load a llama2.c checkpoint (legacy version 0: 7 int32 header fields dim, hidden_dim,
  * n_layers, n_heads, n_kv_heads, vocab_size (negative: unshared classifier), seq_len,
  * then f32 weights). The file size must match the header exactly; header fields are
  * validated and weights must be finite. PKV_ERR_IO (cannot read), PKV_ERR_CORRUPT
  * (inconsistent or truncated), with a logged message naming the field or sizes. */
-int pkv_model_load_llama2c(const char *path, const pkv_model_runtime_t *rt, pkv_model_t **out);
-void pkv_model_destroy(pkv_model_t *m);
+PKV_API int pkv_model_load_llama2c(const char *path, const pkv_model_runtime_t *rt,
+                                   pkv_model_t **out);
+PKV_API void pkv_model_destroy(pkv_model_t *m);
 
-const pkv_model_config_t *pkv_model_config(const pkv_model_t *m);
+PKV_API const pkv_model_config_t *pkv_model_config(const pkv_model_t *m);
 /* "avx2" or "portable". */
-const char *pkv_model_kernels(const pkv_model_t *m);
-uint32_t pkv_model_threads(const pkv_model_t *m);
+PKV_API const char *pkv_model_kernels(const pkv_model_t *m);
+PKV_API uint32_t pkv_model_threads(const pkv_model_t *m);
 /* The KV geometry this model needs, for pkv_kv_create. */
-void pkv_model_geometry(const pkv_model_t *m, pkv_dtype_t dtype, uint32_t block_tokens,
-                        pkv_geometry_t *out);
+PKV_API void pkv_model_geometry(const pkv_model_t *m, pkv_dtype_t dtype, uint32_t block_tokens,
+                                pkv_geometry_t *out);
 
 /* One sequence's share of a forward pass. */
 typedef struct {
@@ -91,8 +94,8 @@ typedef struct {
  * belong to `kv`, whose geometry must match the model; a sequence appears at most
  * once. Bad input (ids out of range, short capacity, too long, geometry mismatch) is
  * PKV_ERR_INVALID before anything is written. */
-int pkv_model_forward(pkv_model_t *m, pkv_kv_t *kv, const pkv_model_item_t *items,
-                      uint32_t n_items);
+PKV_API int pkv_model_forward(pkv_model_t *m, pkv_kv_t *kv, const pkv_model_item_t *items,
+                              uint32_t n_items);
 
 #ifdef __cplusplus
 }

@@ -12,6 +12,8 @@
 #ifndef PAGEKV_PAGEKV_H
 #define PAGEKV_PAGEKV_H
 
+#include "pagekv/export.h"
+
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -46,9 +48,9 @@ typedef enum {
 } pkv_status_t;
 
 /* A static, human-readable name for a status ("ok", "nofit", ...). Never NULL. */
-const char *pkv_status_str(int status);
+PKV_API const char *pkv_status_str(int status);
 
-const char *pkv_version(void);
+PKV_API const char *pkv_version(void);
 
 /* ---- logging ---------------------------------------------------------------------- */
 typedef enum {
@@ -64,19 +66,19 @@ typedef void (*pkv_log_sink_fn)(void *arg, pkv_log_level_t level, const char *mo
                                 const char *line);
 
 /* Install a sink (NULL restores the default: stderr). Returns nothing; thread-safe. */
-void pkv_log_set_sink(pkv_log_sink_fn fn, void *arg);
+PKV_API void pkv_log_set_sink(pkv_log_sink_fn fn, void *arg);
 /* Messages above this level are dropped before formatting. Default: PKV_LOG_WARN,
  * or the value of PKV_LOG=error|warn|info|debug at first use. */
-void pkv_log_set_level(pkv_log_level_t level);
-pkv_log_level_t pkv_log_get_level(void);
-void pkv_log(pkv_log_level_t level, const char *module, const char *fmt, ...)
+PKV_API void pkv_log_set_level(pkv_log_level_t level);
+PKV_API pkv_log_level_t pkv_log_get_level(void);
+PKV_API void pkv_log(pkv_log_level_t level, const char *module, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
 /* ---- time ------------------------------------------------------------------------- */
 /* CLOCK_MONOTONIC in nanoseconds. */
-uint64_t pkv_now_ns(void);
+PKV_API uint64_t pkv_now_ns(void);
 /* An absolute deadline `timeout_ns` from now (saturating). */
-uint64_t pkv_deadline_after_ns(uint64_t timeout_ns);
+PKV_API uint64_t pkv_deadline_after_ns(uint64_t timeout_ns);
 #define PKV_DEADLINE_NEVER UINT64_MAX
 
 #ifdef __cplusplus

@@ -26,6 +26,8 @@
 #ifndef PAGEKV_SERVER_H
 #define PAGEKV_SERVER_H
 
+#include "pagekv/export.h"
+
 #include "pagekv/kv.h"
 
 #ifdef __cplusplus
@@ -74,13 +76,13 @@ typedef struct {
 /* Build the stack and start listening. Errors: PKV_ERR_INVALID (bad configuration,
  * logged), PKV_ERR_IO (files, or the address cannot be bound), PKV_ERR_CORRUPT (bad
  * checkpoint), PKV_ERR_NOFIT (budget below one block), PKV_ERR_NOMEM. */
-int pkv_server_create(const pkv_server_config_t *cfg, pkv_server_t **out);
+PKV_API int pkv_server_create(const pkv_server_config_t *cfg, pkv_server_t **out);
 /* Cancel what is still in flight, stop the daemon (its threads joined), free
  * everything. NULL is a no-op. */
-void pkv_server_destroy(pkv_server_t *s);
+PKV_API void pkv_server_destroy(pkv_server_t *s);
 
 /* The bound port. */
-uint16_t pkv_server_port(const pkv_server_t *s);
+PKV_API uint16_t pkv_server_port(const pkv_server_t *s);
 
 typedef struct {
     const char *model_name; /* served name */
@@ -92,14 +94,14 @@ typedef struct {
     uint64_t token_bytes;  /* KV bytes per token */
     uint32_t block_tokens;
 } pkv_server_info_t;
-void pkv_server_info(const pkv_server_t *s, pkv_server_info_t *out);
+PKV_API void pkv_server_info(const pkv_server_t *s, pkv_server_info_t *out);
 
 /* Stop accepting: the listening socket is closed, /health answers 503, new generation
  * requests get 503; requests in flight continue. Idempotent. */
-void pkv_server_quiesce(pkv_server_t *s);
+PKV_API void pkv_server_quiesce(pkv_server_t *s);
 /* Wait until no generation request is in flight (each response fully sent or its
  * client gone) or the deadline: PKV_OK / PKV_ERR_TIMEOUT. */
-int pkv_server_wait_idle(pkv_server_t *s, uint64_t deadline_ns);
+PKV_API int pkv_server_wait_idle(pkv_server_t *s, uint64_t deadline_ns);
 
 #ifdef __cplusplus
 }

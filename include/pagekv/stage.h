@@ -47,6 +47,8 @@
 #ifndef PAGEKV_STAGE_H
 #define PAGEKV_STAGE_H
 
+#include "pagekv/export.h"
+
 #include "pagekv/pagekv.h"
 
 #ifdef __cplusplus
@@ -60,7 +62,7 @@ typedef enum {
     PKV_STAGE_FIXED_SLOTS = 1,  /* N slots x M pages; a transfer takes a whole slot */
 } pkv_stage_mode_t;
 
-const char *pkv_stage_mode_name(pkv_stage_mode_t mode);
+PKV_API const char *pkv_stage_mode_name(pkv_stage_mode_t mode);
 
 typedef struct {
     size_t page_bytes;   /* bytes per page; a multiple of 4096 */
@@ -79,11 +81,11 @@ typedef struct {
 
 /* Defaults: per_transfer, 64 KiB pages, 1024 pages, no peer cap, idle release 1 s,
  * pin on, shared off. */
-void pkv_stage_config_default(pkv_stage_config_t *cfg);
+PKV_API void pkv_stage_config_default(pkv_stage_config_t *cfg);
 
 /* Create a stage. On success *out owns the arena and a reclaim thread; free with
  * pkv_stage_destroy. Bad config: PKV_ERR_INVALID with a logged reason, nothing made. */
-int pkv_stage_create(const pkv_stage_config_t *cfg, pkv_stage_t **out);
+PKV_API int pkv_stage_create(const pkv_stage_config_t *cfg, pkv_stage_t **out);
 
 /* One contiguous run of pages in a grant. */
 typedef struct {
@@ -108,51 +110,51 @@ typedef struct {
     pkv_stage_run_t runs[]; /* (nruns) */
 } pkv_stage_grant_t;
 
-void pkv_stage_grant_free(pkv_stage_grant_t *grant);
+PKV_API void pkv_stage_grant_free(pkv_stage_grant_t *grant);
 
 /* Take `pages` pages for transfer `transfer_id` on behalf of `peer`, waiting on a
  * condition variable until `deadline_ns` (absolute CLOCK_MONOTONIC; PKV_DEADLINE_NEVER
  * waits until shutdown or cancel). On PKV_OK *out is a new grant. Errors: see above. */
-int pkv_stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, uint32_t pages,
-                      uint64_t deadline_ns, pkv_stage_grant_t **out);
+PKV_API int pkv_stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, uint32_t pages,
+                              uint64_t deadline_ns, pkv_stage_grant_t **out);
 
 /* The same, but never waits: grants only when no acquire is parked ahead, the pages are
  * free now and the peer is under its cap. Anything else is PKV_ERR_BUSY with nothing
  * changed, counted or logged (the caller falls back to pkv_stage_acquire, which gives the
  * typed failure and its log line). Pages used for the first time are still committed
  * before it returns. */
-int pkv_stage_try_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, uint32_t pages,
-                          pkv_stage_grant_t **out);
+PKV_API int pkv_stage_try_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer,
+                                  uint32_t pages, pkv_stage_grant_t **out);
 
 /* The transfer is done with its pages. Returns them at once, or when the last lease
  * ends. PKV_ERR_NOTFOUND: no such holding transfer; PKV_ERR_CANCELLED: it was already
  * cancelled (its pages return when its leases end). */
-int pkv_stage_release(pkv_stage_t *st, uint64_t transfer_id);
+PKV_API int pkv_stage_release(pkv_stage_t *st, uint64_t transfer_id);
 
 /* Cancel a transfer from any thread: a waiting acquire returns PKV_ERR_CANCELLED; a
  * holding transfer is released as by pkv_stage_release (deferred past its leases).
  * PKV_ERR_NOTFOUND when the id is neither waiting nor holding. */
-int pkv_stage_cancel(pkv_stage_t *st, uint64_t transfer_id);
+PKV_API int pkv_stage_cancel(pkv_stage_t *st, uint64_t transfer_id);
 
 /* A copy into or out of the transfer's pages starts / ends. lease_begin fails with
  * PKV_ERR_NOTFOUND (no such transfer), PKV_ERR_CANCELLED (already released or
  * cancelled: start no copy) or PKV_ERR_SHUTDOWN. lease_end: PKV_ERR_NOTFOUND when no
  * lease is open; the last lease_end of a released transfer returns its pages. */
-int pkv_stage_lease_begin(pkv_stage_t *st, uint64_t transfer_id);
-int pkv_stage_lease_end(pkv_stage_t *st, uint64_t transfer_id);
+PKV_API int pkv_stage_lease_begin(pkv_stage_t *st, uint64_t transfer_id);
+PKV_API int pkv_stage_lease_end(pkv_stage_t *st, uint64_t transfer_id);
 
 /* Address of arena page `page` (NULL when out of range). Memory is only accessible
  * while the page is owned. */
-void *pkv_stage_page_addr(const pkv_stage_t *st, uint32_t page);
-size_t pkv_stage_page_bytes(const pkv_stage_t *st);
-uint32_t pkv_stage_pool_pages(const pkv_stage_t *st);
+PKV_API void *pkv_stage_page_addr(const pkv_stage_t *st, uint32_t page);
+PKV_API size_t pkv_stage_page_bytes(const pkv_stage_t *st);
+PKV_API uint32_t pkv_stage_pool_pages(const pkv_stage_t *st);
 /* The memfd behind the arena (size pool_pages * page_bytes), or -1 when not shared.
  * The stage keeps ownership; dup() it to hand to a peer. */
-int pkv_stage_memfd(const pkv_stage_t *st);
+PKV_API int pkv_stage_memfd(const pkv_stage_t *st);
 
 /* Wake every waiter at once with PKV_ERR_SHUTDOWN; later acquires and lease_begins fail
  * with it. Holding transfers may still release and end leases. Idempotent. */
-void pkv_stage_shutdown(pkv_stage_t *st);
+PKV_API void pkv_stage_shutdown(pkv_stage_t *st);
 
 /* Shut down, then wait until every transfer has released and every lease ended, up to
  * `drain_deadline_ns`. Each transfer still live at the deadline is logged by id and
@@ -163,7 +165,7 @@ void pkv_stage_shutdown(pkv_stage_t *st);
  *                 stage stays valid (shut down) so those copies can finish and call
  *                 lease_end; call destroy again later.
  * destroy(NULL) is a no-op returning PKV_OK. */
-int pkv_stage_destroy(pkv_stage_t *st, uint64_t drain_deadline_ns, size_t *leaked);
+PKV_API int pkv_stage_destroy(pkv_stage_t *st, uint64_t drain_deadline_ns, size_t *leaked);
 
 #define PKV_STAGE_WAIT_BUCKETS 24 /* bucket i: waits in [2^i, 2^(i+1)) us; 0 also < 1 us */
 
@@ -199,7 +201,7 @@ typedef struct {
     uint64_t wait_hist[PKV_STAGE_WAIT_BUCKETS];
 } pkv_stage_stats_t;
 
-int pkv_stage_stats(pkv_stage_t *st, pkv_stage_stats_t *out);
+PKV_API int pkv_stage_stats(pkv_stage_t *st, pkv_stage_stats_t *out);
 
 typedef struct {
     uint32_t peer;
@@ -208,10 +210,10 @@ typedef struct {
 } pkv_stage_peer_stats_t;
 
 /* Pages held (and acquires parked) for `peer`; zeros for an unknown peer. */
-int pkv_stage_peer_stats(pkv_stage_t *st, uint32_t peer, pkv_stage_peer_stats_t *out);
+PKV_API int pkv_stage_peer_stats(pkv_stage_t *st, uint32_t peer, pkv_stage_peer_stats_t *out);
 /* Every peer with pages held or waiters: up to `cap` entries into out, *n the count
  * written, PKV_ERR_NOSPACE (with the first `cap` written) when there are more. */
-int pkv_stage_peers(pkv_stage_t *st, pkv_stage_peer_stats_t *out, size_t cap, size_t *n);
+PKV_API int pkv_stage_peers(pkv_stage_t *st, pkv_stage_peer_stats_t *out, size_t cap, size_t *n);
 
 #ifdef __cplusplus
 }

@@ -28,6 +28,8 @@
 #ifndef PAGEKV_TOKENIZER_H
 #define PAGEKV_TOKENIZER_H
 
+#include "pagekv/export.h"
+
 #include "pagekv/pagekv.h"
 
 #ifdef __cplusplus
@@ -42,7 +44,7 @@ typedef enum {
 } pkv_tok_kind_t;
 
 /* The built-in tokenizer. Cheap (builds lookup tables from the compiled-in merges). */
-int pkv_tok_create_builtin(pkv_tok_t **out);
+PKV_API int pkv_tok_create_builtin(pkv_tok_t **out);
 
 /* Load llama2.c's tokenizer.bin. `vocab_size` comes from the model checkpoint's
  * header (the file does not store it). Layout: int32 max_token_length, then for each
@@ -50,52 +52,53 @@ int pkv_tok_create_builtin(pkv_tok_t **out);
  * trailing bytes, negative or over-long lengths, non-finite scores and vocab sizes
  * below 3 are PKV_ERR_CORRUPT / PKV_ERR_INVALID with a logged message naming the
  * token index and byte offset; a missing file is PKV_ERR_IO. */
-int pkv_tok_load_llama2c(const char *path, int32_t vocab_size, pkv_tok_t **out);
+PKV_API int pkv_tok_load_llama2c(const char *path, int32_t vocab_size, pkv_tok_t **out);
 /* The same from memory (the bytes are copied; `data` may be freed afterwards). */
-int pkv_tok_load_llama2c_mem(const void *data, size_t len, int32_t vocab_size, pkv_tok_t **out);
+PKV_API int pkv_tok_load_llama2c_mem(const void *data, size_t len, int32_t vocab_size,
+                                     pkv_tok_t **out);
 
-void pkv_tok_destroy(pkv_tok_t *tok);
+PKV_API void pkv_tok_destroy(pkv_tok_t *tok);
 
-pkv_tok_kind_t pkv_tok_kind(const pkv_tok_t *tok);
+PKV_API pkv_tok_kind_t pkv_tok_kind(const pkv_tok_t *tok);
 /* Number of ids: every id in [0, vocab_size) is valid for decode. */
-int32_t pkv_tok_vocab_size(const pkv_tok_t *tok);
-int32_t pkv_tok_bos(const pkv_tok_t *tok);
-int32_t pkv_tok_eos(const pkv_tok_t *tok);
+PKV_API int32_t pkv_tok_vocab_size(const pkv_tok_t *tok);
+PKV_API int32_t pkv_tok_bos(const pkv_tok_t *tok);
+PKV_API int32_t pkv_tok_eos(const pkv_tok_t *tok);
 /* True for BOS, EOS, chat markers (builtin) and unk/BOS/EOS (llama2c). */
-bool pkv_tok_is_special(const pkv_tok_t *tok, int32_t id);
+PKV_API bool pkv_tok_is_special(const pkv_tok_t *tok, int32_t id);
 /* True for ids that end a generation: EOS, and for the builtin also <|end|> (the
  * marker that closes a turn in the chat template). */
-bool pkv_tok_is_stop(const pkv_tok_t *tok, int32_t id);
+PKV_API bool pkv_tok_is_stop(const pkv_tok_t *tok, int32_t id);
 
 /* An upper bound on the ids pkv_tok_encode produces for `len` bytes of text
  * (with add_bos): size `out` with it to never see PKV_ERR_NOSPACE. */
-size_t pkv_tok_max_tokens(const pkv_tok_t *tok, size_t len);
+PKV_API size_t pkv_tok_max_tokens(const pkv_tok_t *tok, size_t len);
 
 /* Encode `len` bytes of `text` (any bytes, NULs included; need not be valid UTF-8)
  * into `out` (capacity `cap` ids), prepending BOS when add_bos. On success *n_out is
  * the number of ids written. PKV_ERR_NOSPACE when cap is too small (nothing useful in
  * out, *n_out untouched); PKV_ERR_NOMEM. Deterministic: the same text always gives
  * the same ids. */
-int pkv_tok_encode(const pkv_tok_t *tok, const char *text, size_t len, bool add_bos, int32_t *out,
-                   size_t cap, size_t *n_out);
+PKV_API int pkv_tok_encode(const pkv_tok_t *tok, const char *text, size_t len, bool add_bos,
+                           int32_t *out, size_t cap, size_t *n_out);
 /* The same into a malloc'd array (*ids_out, caller frees; never NULL on success, even
  * for zero ids). */
-int pkv_tok_encode_alloc(const pkv_tok_t *tok, const char *text, size_t len, bool add_bos,
-                         int32_t **ids_out, size_t *n_out);
+PKV_API int pkv_tok_encode_alloc(const pkv_tok_t *tok, const char *text, size_t len, bool add_bos,
+                                 int32_t **ids_out, size_t *n_out);
 
 /* Streaming decode: the bytes that token `id` contributes when it follows `prev_id`
  * (-1 at the start of a sequence). Special tokens contribute no bytes (len 0). For
  * llama2c, a leading space is dropped right after BOS (the dummy prefix), as
  * llama2.c does. The bytes may be a partial UTF-8 sequence; concatenating the pieces
  * of a sequence equals pkv_tok_decode of it. PKV_ERR_INVALID for an id out of range. */
-int pkv_tok_decode_token(const pkv_tok_t *tok, int32_t prev_id, int32_t id, const char **bytes,
-                         size_t *len);
+PKV_API int pkv_tok_decode_token(const pkv_tok_t *tok, int32_t prev_id, int32_t id,
+                                 const char **bytes, size_t *len);
 /* Streaming helper: how many of `len` bytes can be emitted now without splitting a
  * UTF-8 sequence, i.e. `len` minus the bytes of an incomplete but still possible
  * sequence at the end (at most 3). Invalid bytes are not held back (they can never
  * complete), so a caller that holds back the rest, prepends it to the next piece, and
  * flushes it when the stream ends emits every byte exactly once. */
-size_t pkv_tok_utf8_complete(const char *bytes, size_t len);
+PKV_API size_t pkv_tok_utf8_complete(const char *bytes, size_t len);
 
 /* Decode a whole sequence into a malloc'd buffer (*text_out, caller frees; always
  * NUL-terminated for convenience, *len_out excludes the NUL; the text may contain NULs).
@@ -103,13 +106,13 @@ size_t pkv_tok_utf8_complete(const char *bytes, size_t len);
  * and with llama2c when every byte of s is representable (byte pieces present).
  * ids[0] is taken as the start of a sequence (llama2c drops the dummy-prefix space
  * there); to decode a continuation, use pkv_tok_decode_token with the real prev_id. */
-int pkv_tok_decode(const pkv_tok_t *tok, const int32_t *ids, size_t n, char **text_out,
-                   size_t *len_out);
+PKV_API int pkv_tok_decode(const pkv_tok_t *tok, const int32_t *ids, size_t n, char **text_out,
+                           size_t *len_out);
 
 /* The raw vocabulary piece of `id` for display and debugging: bytes for ordinary
  * tokens, the marker name for specials ("<|user|>", "<s>"), "<0x0A>" style for
  * llama2c byte pieces. */
-int pkv_tok_piece(const pkv_tok_t *tok, int32_t id, const char **bytes, size_t *len);
+PKV_API int pkv_tok_piece(const pkv_tok_t *tok, int32_t id, const char **bytes, size_t *len);
 
 /* ---- chat template ------------------------------------------------------------- */
 typedef enum {
@@ -119,8 +122,8 @@ typedef enum {
 } pkv_chat_role_t;
 
 /* "system" / "user" / "assistant" -> role; PKV_ERR_INVALID otherwise. */
-int pkv_chat_role_parse(const char *s, pkv_chat_role_t *out);
-const char *pkv_chat_role_name(pkv_chat_role_t role);
+PKV_API int pkv_chat_role_parse(const char *s, pkv_chat_role_t *out);
+PKV_API const char *pkv_chat_role_name(pkv_chat_role_t role);
 
 typedef struct {
     pkv_chat_role_t role;
@@ -139,12 +142,12 @@ typedef struct {
  *           alternate user/assistant; add_generation_prompt has no effect (a user turn
  *           always ends with " [/INST]").
  * A system message is allowed only first. PKV_ERR_INVALID for a bad role/order. */
-int pkv_tok_chat_template(const pkv_tok_t *tok, const pkv_chat_msg_t *msgs, size_t n,
-                          bool add_generation_prompt, int32_t **ids_out, size_t *n_out);
+PKV_API int pkv_tok_chat_template(const pkv_tok_t *tok, const pkv_chat_msg_t *msgs, size_t n,
+                                  bool add_generation_prompt, int32_t **ids_out, size_t *n_out);
 /* The same prompt rendered as display text (malloc'd, NUL-terminated, caller frees):
  * for logs and debugging only; encoding this text does NOT reproduce the special ids. */
-int pkv_tok_chat_render(const pkv_tok_t *tok, const pkv_chat_msg_t *msgs, size_t n,
-                        bool add_generation_prompt, char **text_out, size_t *len_out);
+PKV_API int pkv_tok_chat_render(const pkv_tok_t *tok, const pkv_chat_msg_t *msgs, size_t n,
+                                bool add_generation_prompt, char **text_out, size_t *len_out);
 
 #ifdef __cplusplus
 }

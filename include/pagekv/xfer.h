@@ -36,6 +36,8 @@
 #ifndef PAGEKV_XFER_H
 #define PAGEKV_XFER_H
 
+#include "pagekv/export.h"
+
 #include "pagekv/kv.h"
 #include "pagekv/pagekv.h"
 #include "pagekv/stage.h"
@@ -69,16 +71,16 @@ typedef struct {
 
 /* Create an agent: UCX context, worker, listener, progress thread and workers. Bad config
  * is PKV_ERR_INVALID; a UCX failure PKV_ERR_IO (logged). On success *out owns it all. */
-int pkv_xfer_agent_create(const pkv_xfer_config_t *cfg, pkv_xfer_agent_t **out);
+PKV_API int pkv_xfer_agent_create(const pkv_xfer_config_t *cfg, pkv_xfer_agent_t **out);
 
 /* End every transfer (reads complete with PKV_ERR_SHUTDOWN, peers get FAIL shutdown),
  * unpin every registration (callback with PKV_ERR_SHUTDOWN), return all staging, close
  * the endpoints within a bounded time, join every thread, free everything. Reads not yet
  * freed stay valid for pkv_xfer_read_wait / _free. NULL is a no-op. */
-void pkv_xfer_agent_destroy(pkv_xfer_agent_t *agent);
+PKV_API void pkv_xfer_agent_destroy(pkv_xfer_agent_t *agent);
 
 /* The address peers use to reach this agent: "host:port". Valid for the agent's life. */
-const char *pkv_xfer_agent_address(const pkv_xfer_agent_t *agent);
+PKV_API const char *pkv_xfer_agent_address(const pkv_xfer_agent_t *agent);
 
 /* ---- handles --------------------------------------------------------------------------- */
 typedef struct {
@@ -100,13 +102,13 @@ typedef struct {
 } pkv_xfer_handle_t;
 
 /* Bytes pkv_xfer_handle_encode needs (0 for an invalid handle). */
-size_t pkv_xfer_handle_bytes(const pkv_xfer_handle_t *h);
+PKV_API size_t pkv_xfer_handle_bytes(const pkv_xfer_handle_t *h);
 /* PKV_OK and *len; PKV_ERR_NOSPACE when cap is short; PKV_ERR_INVALID for a bad handle. */
-int pkv_xfer_handle_encode(const pkv_xfer_handle_t *h, void *buf, size_t cap, size_t *len);
+PKV_API int pkv_xfer_handle_encode(const pkv_xfer_handle_t *h, void *buf, size_t cap, size_t *len);
 /* Parse bytes (every field bounds-checked). PKV_OK and a new *out (free with
  * pkv_xfer_handle_free), PKV_ERR_PROTO for malformed input, PKV_ERR_NOMEM. */
-int pkv_xfer_handle_decode(const void *buf, size_t len, pkv_xfer_handle_t **out);
-void pkv_xfer_handle_free(pkv_xfer_handle_t *h);
+PKV_API int pkv_xfer_handle_decode(const void *buf, size_t len, pkv_xfer_handle_t **out);
+PKV_API void pkv_xfer_handle_free(pkv_xfer_handle_t *h);
 
 /* ---- producer -------------------------------------------------------------------------- */
 /* Called once when a registration ends: PKV_OK = sent (acknowledged), PKV_ERR_TIMEOUT =
@@ -120,12 +122,12 @@ typedef void (*pkv_xfer_sent_fn)(void *arg, uint64_t request_id, int outcome);
  * PKV_ERR_BUSY when request_id is registered, PKV_ERR_INVALID for bad arguments,
  * PKV_ERR_UNSUPPORTED on a dense pool. On PKV_OK *out is a new handle (free with
  * pkv_xfer_handle_free; it does not end the registration). fn may be NULL. */
-int pkv_xfer_register(pkv_xfer_agent_t *agent, uint64_t request_id, const uint32_t *blocks,
-                      uint32_t n, uint64_t expiry_ns, pkv_xfer_sent_fn fn, void *arg,
-                      pkv_xfer_handle_t **out);
+PKV_API int pkv_xfer_register(pkv_xfer_agent_t *agent, uint64_t request_id, const uint32_t *blocks,
+                              uint32_t n, uint64_t expiry_ns, pkv_xfer_sent_fn fn, void *arg,
+                              pkv_xfer_handle_t **out);
 /* End a registration now (a transfer serving it is failed with FAIL cancelled; the
  * pins drop when its copies finish). PKV_ERR_NOTFOUND when not registered. */
-int pkv_xfer_unregister(pkv_xfer_agent_t *agent, uint64_t request_id);
+PKV_API int pkv_xfer_unregister(pkv_xfer_agent_t *agent, uint64_t request_id);
 
 /* ---- consumer -------------------------------------------------------------------------- */
 /* Called exactly once with the read's outcome (see the list at the top), before
@@ -141,20 +143,20 @@ typedef void (*pkv_xfer_done_fn)(void *arg, pkv_xfer_read_t *rd, int outcome);
  * n mismatch, geometry differs from the local pool), PKV_ERR_NOTFOUND (a dst block is
  * not live), PKV_ERR_SHUTDOWN. On PKV_OK *out is the read (free with pkv_xfer_read_free;
  * stored before fn can run) and fn (may be NULL) will be called once with the outcome. */
-int pkv_xfer_read(pkv_xfer_agent_t *agent, const pkv_xfer_handle_t *h, const uint32_t *dst,
-                  uint32_t n, uint64_t deadline_ns, pkv_xfer_done_fn fn, void *arg,
-                  pkv_xfer_read_t **out);
+PKV_API int pkv_xfer_read(pkv_xfer_agent_t *agent, const pkv_xfer_handle_t *h, const uint32_t *dst,
+                          uint32_t n, uint64_t deadline_ns, pkv_xfer_done_fn fn, void *arg,
+                          pkv_xfer_read_t **out);
 /* Wait until the read has an outcome or wait_deadline_ns passes (0: just poll).
  * PKV_OK with *outcome set, or PKV_ERR_TIMEOUT when it is still running. The caller polls
  * (yielding the CPU) for up to 50 us before it sleeps. */
-int pkv_xfer_read_wait(pkv_xfer_read_t *rd, uint64_t wait_deadline_ns, int *outcome);
+PKV_API int pkv_xfer_read_wait(pkv_xfer_read_t *rd, uint64_t wait_deadline_ns, int *outcome);
 /* Ask the read to end with PKV_ERR_CANCELLED (a no-op once it has an outcome). */
-void pkv_xfer_cancel(pkv_xfer_read_t *rd);
+PKV_API void pkv_xfer_cancel(pkv_xfer_read_t *rd);
 /* Drop the caller's reference (cancelling a running read). Staging and pins are returned
  * by the agent as soon as no copy or UCX operation touches them. NULL is a no-op. */
-void pkv_xfer_read_free(pkv_xfer_read_t *rd);
+PKV_API void pkv_xfer_read_free(pkv_xfer_read_t *rd);
 /* Payload bytes the read stored (valid once it has an outcome). */
-uint64_t pkv_xfer_read_bytes(const pkv_xfer_read_t *rd);
+PKV_API uint64_t pkv_xfer_read_bytes(const pkv_xfer_read_t *rd);
 
 /* ---- accounting ------------------------------------------------------------------------ */
 typedef struct {
@@ -184,12 +186,12 @@ typedef struct {
     uint64_t foreign_msgs;  /* messages of another wire version (heartbeats included) */
 } pkv_xfer_stats_t;
 
-int pkv_xfer_outcome_index(int outcome); /* 0..7 for an outcome, -1 otherwise */
-void pkv_xfer_stats(pkv_xfer_agent_t *agent, pkv_xfer_stats_t *out);
+PKV_API int pkv_xfer_outcome_index(int outcome); /* 0..7 for an outcome, -1 otherwise */
+PKV_API void pkv_xfer_stats(pkv_xfer_agent_t *agent, pkv_xfer_stats_t *out);
 
 /* Wait until no transfer holds staging, pins of a read, or UCX operations (registrations
  * keep their pins). PKV_OK, or PKV_ERR_TIMEOUT at deadline_ns. */
-int pkv_xfer_wait_idle(pkv_xfer_agent_t *agent, uint64_t deadline_ns);
+PKV_API int pkv_xfer_wait_idle(pkv_xfer_agent_t *agent, uint64_t deadline_ns);
 
 #ifdef __cplusplus
 }
