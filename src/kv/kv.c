@@ -51,66 +51,6 @@ int pkv_backend_parse(const char *s, pkv_backend_t *out)
     return PKV_ERR_INVALID;
 }
 
-static uint16_t f32_to_f16(float f)
-{
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    uint32_t sign = (x >> 16) & 0x8000u, e = (x >> 23) & 0xffu, m = x & 0x7fffffu;
-    if (e == 0xff) return (uint16_t)(sign | 0x7c00u | (m ? 0x200u : 0)); /* inf / nan */
-    int32_t he = (int32_t)e - 127 + 15;
-    if (he >= 31) return (uint16_t)(sign | 0x7c00u); /* overflow */
-    if (he <= 0) {                                   /* subnormal */
-        if (he < -10) return (uint16_t)sign;
-        m |= 0x800000u;
-        uint32_t shift = (uint32_t)(14 - he);
-        uint32_t hm = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
-        if (rem > half || (rem == half && (hm & 1))) hm++;
-        return (uint16_t)(sign | hm);
-    }
-    uint32_t hm = m >> 13, rem = m & 0x1fffu;
-    uint32_t h = sign | ((uint32_t)he << 10) | hm;
-    if (rem > 0x1000u || (rem == 0x1000u && (hm & 1))) h++; /* may carry into exponent: ok */
-    return (uint16_t)h;
-}
-
-static float f16_to_f32(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, x;
-    if (e == 0) {
-        if (m == 0) {
-            x = sign;
-        } else { /* subnormal: normalize */
-            e = 127 - 15 + 1;
-            while (!(m & 0x400u)) m <<= 1, e--;
-            x = sign | (e << 23) | ((m & 0x3ffu) << 13);
-        }
-    } else if (e == 31) {
-        x = sign | 0x7f800000u | (m << 13);
-    } else {
-        x = sign | ((e + 127 - 15) << 23) | (m << 13);
-    }
-    float f;
-    memcpy(&f, &x, 4);
-    return f;
-}
-
-static uint16_t f32_to_bf16(float f)
-{
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u); /* quiet nan */
-    x += 0x7fffu + ((x >> 16) & 1u);
-    return (uint16_t)(x >> 16);
-}
-
-static float bf16_to_f32(uint16_t b)
-{
-    uint32_t x = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &x, 4);
-    return f;
-}
-
 void pkv_dtype_from_f32(pkv_dtype_t dt, void *dst, const float *src, size_t n)
 {
     uint16_t *d16 = dst;
@@ -119,10 +59,10 @@ void pkv_dtype_from_f32(pkv_dtype_t dt, void *dst, const float *src, size_t n)
         memcpy(dst, src, n * 4);
         break;
     case PKV_DTYPE_F16:
-        for (size_t i = 0; i < n; i++) d16[i] = f32_to_f16(src[i]);
+        for (size_t i = 0; i < n; i++) d16[i] = pkv_f32_to_f16(src[i]);
         break;
     case PKV_DTYPE_BF16:
-        for (size_t i = 0; i < n; i++) d16[i] = f32_to_bf16(src[i]);
+        for (size_t i = 0; i < n; i++) d16[i] = pkv_f32_to_bf16(src[i]);
         break;
     }
 }
@@ -135,10 +75,10 @@ void pkv_dtype_to_f32(pkv_dtype_t dt, float *dst, const void *src, size_t n)
         memcpy(dst, src, n * 4);
         break;
     case PKV_DTYPE_F16:
-        for (size_t i = 0; i < n; i++) dst[i] = f16_to_f32(s16[i]);
+        for (size_t i = 0; i < n; i++) dst[i] = pkv_f16_to_f32(s16[i]);
         break;
     case PKV_DTYPE_BF16:
-        for (size_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s16[i]);
+        for (size_t i = 0; i < n; i++) dst[i] = pkv_bf16_to_f32(s16[i]);
         break;
     }
 }
