@@ -7,8 +7,6 @@
 #include "support/testutil.h"
 
 #include "kv/kv_int.h"
-#include "pagekv/kv.h"
-#include "pool/pool.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -813,15 +811,15 @@ START_TEST(allocation_prefers_dense_granules_and_decommits_with_hysteresis)
 {
     pkv_kv_t *kv = granule_pool(16);
     uint32_t ids[12];
-    ck_assert_int_eq(pkv_pool_blocks_alloc(kv, 12, ids), PKV_OK); /* fills granule by granule */
+    ck_assert_int_eq(pkv_kv_blocks_alloc(kv, 12, ids), PKV_OK); /* fills granule by granule */
     for (int i = 0; i < 12; i++) ck_assert_uint_eq(ids[i] / 4, ids[i & ~3] / 4);
     ck_assert(ids[0] / 4 != ids[4] / 4 && ids[4] / 4 != ids[8] / 4 && ids[0] / 4 != ids[8] / 4);
     ck_assert_uint_eq(committed(kv), 3 * 32768);
     /* Leave ids[0]'s granule with 3 used, ids[4]'s with 1, ids[8]'s with 2. */
     uint32_t drop[] = {ids[0], ids[4], ids[5], ids[6], ids[8], ids[9]};
-    pkv_pool_blocks_free(kv, drop, 6);
+    pkv_kv_blocks_free(kv, drop, 6);
     uint32_t got[4];
-    for (int i = 0; i < 4; i++) ck_assert_int_eq(pkv_pool_blocks_alloc(kv, 1, &got[i]), PKV_OK);
+    for (int i = 0; i < 4; i++) ck_assert_int_eq(pkv_kv_blocks_alloc(kv, 1, &got[i]), PKV_OK);
     ck_assert_uint_eq(got[0] / 4, ids[0] / 4); /* the densest granule first */
     ck_assert_uint_eq(got[1] / 4, ids[8] / 4);
     ck_assert_uint_eq(got[2] / 4, ids[8] / 4);
@@ -829,14 +827,14 @@ START_TEST(allocation_prefers_dense_granules_and_decommits_with_hysteresis)
     ck_assert_uint_eq(committed(kv), 3 * 32768); /* nothing new committed meanwhile */
     /* Empty granule 1: kept committed (one empty granule is retained). */
     uint32_t g1[] = {ids[7], got[3]};
-    pkv_pool_blocks_free(kv, g1, 2);
+    pkv_kv_blocks_free(kv, g1, 2);
     ck_assert_uint_eq(committed(kv), 3 * 32768);
     /* Empty granule 2 as well: more than one empty granule, so it goes back to the OS. */
     uint32_t g2[] = {ids[10], ids[11], got[1], got[2]};
-    pkv_pool_blocks_free(kv, g2, 4);
+    pkv_kv_blocks_free(kv, g2, 4);
     ck_assert_uint_eq(committed(kv), 2 * 32768);
     uint32_t g0[] = {ids[1], ids[2], ids[3], got[0]};
-    pkv_pool_blocks_free(kv, g0, 4);
+    pkv_kv_blocks_free(kv, g0, 4);
     ck_assert_uint_eq(committed(kv), 1 * 32768);
     ck_assert_int_eq(pkv_kv_validate(kv), PKV_OK);
     pkv_kv_destroy(kv);
@@ -859,9 +857,9 @@ START_TEST(eviction_prefers_sparse_granules)
     for (int i = 0; i < 65; i++) ta[i] = 1000 + i;
     for (int i = 0; i < 49; i++) tb[i] = 5000 + i;
     uint32_t raw[4];
-    ck_assert_int_eq(pkv_pool_blocks_alloc(kv, 4, raw), PKV_OK); /* granule 0 */
+    ck_assert_int_eq(pkv_kv_blocks_alloc(kv, 4, raw), PKV_OK); /* granule 0 */
     pkv_seq_t *a = seq_full(kv, ta, 64);                         /* granule 1, 4 full blocks */
-    pkv_pool_blocks_free(kv, raw + 1, 3);
+    pkv_kv_blocks_free(kv, raw + 1, 3);
     pkv_seq_t *b = seq_full(kv, tb, 48); /* 3 blocks into raw's granule, the densest */
     const uint32_t *ib;
     uint32_t nb;
@@ -869,15 +867,15 @@ START_TEST(eviction_prefers_sparse_granules)
     for (uint32_t i = 0; i < nb; i++) ck_assert_uint_eq(ib[i] / 4, raw[0] / 4);
     pkv_seq_free(a); /* a's blocks are the oldest cached ones */
     pkv_seq_free(b);
-    pkv_pool_blocks_free(kv, raw, 1); /* granule 0: 3 cached; granule 1: 4 cached */
+    pkv_kv_blocks_free(kv, raw, 1); /* granule 0: 3 cached; granule 1: 4 cached */
     /* Two blocks wanted, one free, budget full: one eviction. Pure LRU would take a's
      * last block; the sparse-granule preference takes one of b's (granule 0). */
     uint32_t two[2];
-    ck_assert_int_eq(pkv_pool_blocks_alloc(kv, 2, two), PKV_OK);
+    ck_assert_int_eq(pkv_kv_blocks_alloc(kv, 2, two), PKV_OK);
     pkv_kv_stats_t st;
     pkv_kv_stats(kv, &st);
     ck_assert_uint_eq(st.evictions, 1);
-    pkv_pool_blocks_free(kv, two, 2);
+    pkv_kv_blocks_free(kv, two, 2);
     uint32_t cached;
     pkv_seq_t *s;
     pkv_seq_params_t p = {.tokens = ta, .n_tokens = 65};

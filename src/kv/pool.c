@@ -8,7 +8,6 @@
  * preference for sparse granules). One mutex guards all metadata; no OS call runs under it.
  */
 #include "kv/kv_int.h"
-#include "pool/pool.h"
 #include "prim/prim.h"
 
 #include <pthread.h>
@@ -24,7 +23,7 @@ enum { BLK_FREE = 0, BLK_LIVE, BLK_CACHED };
 enum { GR_UNCOMMITTED = 0, GR_COMMITTING, GR_COMMITTED, GR_DECOMMITTING };
 
 typedef struct {
-    pkv_key_t key;               /* valid when hashed */
+    pkv_kv_key_t key;               /* valid when hashed */
     uint32_t ref;                /* sequences + pins holding it */
     uint32_t next;               /* FREE: next free block in the granule */
     uint32_t lru_prev, lru_next; /* CACHED: LRU list (head = oldest) */
@@ -86,7 +85,7 @@ struct pool_seq {
     pool_seq_t *prev, *next; /* pool->seqs, guarded by pool->lock */
 };
 
-static const pkv_kv_ops_t pool_ops;
+static const kv_ops_t pool_ops;
 
 static inline pool_t *pool_of(const pkv_kv_t *kv)
 {
@@ -172,16 +171,16 @@ static void lru_remove(pool_t *p, uint32_t id)
         p->lru_tail = b->lru_prev;
 }
 
-static uint32_t htab_find(const pool_t *p, const pkv_key_t *key)
+static uint32_t htab_find(const pool_t *p, const pkv_kv_key_t *key)
 {
-    for (uint32_t id = p->htab[pkv_key_hash(key) & p->hmask]; id != NONE; id = p->blk[id].hnext)
-        if (pkv_key_eq(&p->blk[id].key, key)) return id;
+    for (uint32_t id = p->htab[kv_key_hash(key) & p->hmask]; id != NONE; id = p->blk[id].hnext)
+        if (kv_key_eq(&p->blk[id].key, key)) return id;
     return NONE;
 }
 
 static void htab_insert(pool_t *p, uint32_t id)
 {
-    uint32_t *head = &p->htab[pkv_key_hash(&p->blk[id].key) & p->hmask];
+    uint32_t *head = &p->htab[kv_key_hash(&p->blk[id].key) & p->hmask];
     p->blk[id].hnext = *head;
     *head = id;
     p->blk[id].hashed = 1;
@@ -189,7 +188,7 @@ static void htab_insert(pool_t *p, uint32_t id)
 
 static void htab_remove(pool_t *p, uint32_t id)
 {
-    uint32_t *link = &p->htab[pkv_key_hash(&p->blk[id].key) & p->hmask];
+    uint32_t *link = &p->htab[kv_key_hash(&p->blk[id].key) & p->hmask];
     while (*link != id) link = &p->blk[*link].hnext;
     *link = p->blk[id].hnext;
     p->blk[id].hashed = 0;
@@ -218,6 +217,17 @@ static uint32_t block_take(pool_t *p)
     return id;
 }
 
+/* Queue an empty committed granule for decommit (pool_flush_decommits does it). */
+static void granule_retire(pool_t *p, uint32_t g)
+{
+    pool_granule_t *gr = &p->gr[g];
+    bucket_remove(p, g);
+    gr->state = GR_DECOMMITTING;
+    p->n_free -= p->bpg;
+    gr->next = p->decommit_head;
+    p->decommit_head = g;
+}
+
 /* Return a block (ref 0, not cached) to its granule; queue the granule for decommit
  * when it empties and more than `retain` empty granules exist (unless `keep`). */
 static void block_put(pool_t *p, uint32_t id, bool keep)
@@ -233,13 +243,7 @@ static void block_put(pool_t *p, uint32_t id, bool keep)
     gr->nfree++;
     bucket_insert(p, g);
     p->n_free++;
-    if (gr->used == 0 && !keep && p->n_empty > p->retain) {
-        bucket_remove(p, g);
-        gr->state = GR_DECOMMITTING;
-        p->n_free -= p->bpg;
-        gr->next = p->decommit_head;
-        p->decommit_head = g;
-    }
+    if (gr->used == 0 && !keep && p->n_empty > p->retain) granule_retire(p, g);
 }
 
 /* Drop one reference; at zero the block becomes cached (hashed, cache on) or free. */
@@ -423,8 +427,8 @@ static pool_seq_t *seq_alloc(pool_t *p, uint64_t salt, uint32_t nb)
 {
     pool_seq_t *s = calloc(1, sizeof(*s));
     if (!s) return NULL;
-    if (pkv_seq_base_init(&s->base, &p->base, salt) || seq_grow_table(s, PKV_MAX(nb, 1))) {
-        pkv_seq_base_fini(&s->base);
+    if (kv_seq_base_init(&s->base, &p->base, salt) || seq_grow_table(s, PKV_MAX(nb, 1))) {
+        kv_seq_base_fini(&s->base);
         free(s);
         return NULL;
     }
@@ -433,7 +437,7 @@ static pool_seq_t *seq_alloc(pool_t *p, uint64_t salt, uint32_t nb)
 
 static void seq_dealloc(pool_seq_t *s)
 {
-    pkv_seq_base_fini(&s->base);
+    kv_seq_base_fini(&s->base);
     free(s->blocks);
     free(s);
 }
@@ -466,13 +470,13 @@ static int pool_seq_create(pkv_kv_t *kv, const pkv_seq_params_t *prm, pkv_seq_t 
         return rc;
     }
     uint32_t nk = p->prefix_cache ? (prm->n_tokens - 1) / T : 0;
-    pkv_key_t *keys = nk ? malloc((size_t)nk * sizeof(*keys)) : NULL;
+    pkv_kv_key_t *keys = nk ? malloc((size_t)nk * sizeof(*keys)) : NULL;
     pool_seq_t *s = seq_alloc(p, prm->salt, nb_total);
     if ((nk && !keys) || !s) {
         rc = PKV_ERR_NOMEM;
         goto fail;
     }
-    nk = nk ? pkv_prefix_keys(kv, prm->salt, prm->tokens, prm->n_tokens, keys) : 0; /* unlocked */
+    nk = nk ? pkv_kv_prefix_keys(kv, prm->salt, prm->tokens, prm->n_tokens, keys) : 0; /* unlocked */
 
     pthread_mutex_lock(&p->lock);
     uint32_t hits = 0, cached_hits = 0;
@@ -591,7 +595,7 @@ static int pool_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens)
     return PKV_OK;
 }
 
-static void pool_publish(struct pkv_seq *seq, uint32_t block, const pkv_key_t *key, void *arg)
+static void pool_publish(struct pkv_seq *seq, uint32_t block, const pkv_kv_key_t *key, void *arg)
 {
     pool_seq_t *s = (pool_seq_t *)seq;
     pool_t *p = arg;
@@ -608,7 +612,7 @@ static void pool_publish(struct pkv_seq *seq, uint32_t block, const pkv_key_t *k
 static int pool_seq_append(pkv_seq_t *seq, const int32_t *tokens, uint32_t n)
 {
     pool_t *p = pool_of(seq->kv);
-    pkv_seq_base_append(seq, tokens, n, pool_publish, p);
+    kv_seq_base_append(seq, tokens, n, pool_publish, p);
     pthread_mutex_lock(&p->lock);
     p->live_tokens += n;
     pthread_mutex_unlock(&p->lock);
@@ -623,7 +627,7 @@ static int pool_seq_fork(pkv_seq_t *parent, pkv_seq_t **out)
     uint32_t nb = PKV_DIV_UP(parent->length, T);
     pool_seq_t *c = seq_alloc(p, parent->salt, nb);
     if (!c) return PKV_ERR_NOMEM;
-    pkv_seq_base_copy(&c->base, parent);
+    kv_seq_base_copy(&c->base, parent);
     memcpy(c->blocks, ps->blocks, (size_t)nb * sizeof(uint32_t));
     c->nb = nb;
     /* A shared partial block must be copied before either side writes it. */
@@ -675,30 +679,24 @@ static uint32_t pool_seq_runs(const pkv_seq_t *seq, uint32_t layer, uint32_t beg
     return n;
 }
 
-/* ---- paged-only block API ------------------------------------------------------------ */
+/* ---- block access for transfers ----------------------------------------------------- */
 
-int pkv_seq_blocks(const pkv_seq_t *seq, const uint32_t **ids, uint32_t *n)
+static void pool_seq_blocks(const pkv_seq_t *seq, const uint32_t **ids, uint32_t *n)
 {
-    if (!seq || seq->kv->backend != PKV_BACKEND_PAGED) return PKV_ERR_UNSUPPORTED;
     const pool_seq_t *s = (const pool_seq_t *)seq;
     *ids = s->blocks;
     *n = s->nb;
-    return PKV_OK;
 }
 
-void *pkv_kv_block_head(const pkv_kv_t *kv, uint32_t block, uint32_t layer, uint32_t which,
-                        uint32_t head)
+static void *pool_block_head(const pkv_kv_t *kv, uint32_t block, uint32_t layer, uint32_t which,
+                             uint32_t head)
 {
-    if (kv->backend != PKV_BACKEND_PAGED || layer >= kv->geo.layers || which > 1 ||
-        head >= kv->geo.kv_heads)
-        return NULL;
     const pool_t *p = pool_of(kv);
     return block < p->n_granules * p->bpg ? head_addr(p, block, layer, which, head) : NULL;
 }
 
-int pkv_kv_pin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
+static int pool_pin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
 {
-    if (!kv || kv->backend != PKV_BACKEND_PAGED) return PKV_ERR_UNSUPPORTED;
     pool_t *p = pool_of(kv);
     pthread_mutex_lock(&p->lock);
     for (uint32_t i = 0; i < n; i++) {
@@ -712,14 +710,22 @@ int pkv_kv_pin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
     return PKV_OK;
 }
 
-void pkv_kv_unpin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
+static void pool_unpin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
 {
-    if (!kv || kv->backend != PKV_BACKEND_PAGED) return;
     pool_t *p = pool_of(kv);
     pthread_mutex_lock(&p->lock);
     for (uint32_t i = 0; i < n; i++) block_unref(p, ids[i]);
     pool_flush_decommits(p);
     pthread_mutex_unlock(&p->lock);
+}
+
+static int pool_blocks_alloc(pkv_kv_t *kv, uint32_t n, uint32_t *ids)
+{
+    pool_t *p = pool_of(kv);
+    pthread_mutex_lock(&p->lock);
+    int rc = n > pool_available(p, 0) ? PKV_ERR_NOSPACE : pool_alloc(p, n, ids);
+    pthread_mutex_unlock(&p->lock);
+    return rc;
 }
 
 /* ---- cache control, stats, validation --------------------------------------------- */
@@ -894,18 +900,12 @@ static void pool_destroy(pkv_kv_t *kv)
     pool_free(p);
 }
 
-int pkv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
+int kv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
 {
     pool_t *p = calloc(1, sizeof(*p));
     if (!p) return PKV_ERR_NOMEM;
     int rc = PKV_ERR_NOMEM;
-    p->base.ops = &pool_ops;
-    p->base.geo = cfg->geo;
-    p->base.geo.block_tokens = cfg->geo.block_tokens ? cfg->geo.block_tokens : 16;
-    p->base.backend = PKV_BACKEND_PAGED;
-    p->base.elem_bytes = pkv_dtype_size(cfg->geo.dtype);
-    p->base.token_bytes = pkv_geometry_token_bytes(&p->base.geo);
-    p->base.block_bytes = p->base.token_bytes * p->base.geo.block_tokens;
+    kv_base_init(&p->base, cfg, &pool_ops);
     size_t bb = p->base.block_bytes;
     uint64_t gran = cfg->granule_bytes ? cfg->granule_bytes : PKV_PRIM_HUGE;
     if (gran % PKV_PRIM_PAGE) {
@@ -964,7 +964,7 @@ fail:
     return rc;
 }
 
-static const pkv_kv_ops_t pool_ops = {
+static const kv_ops_t pool_ops = {
     .destroy = pool_destroy,
     .seq_create = pool_seq_create,
     .seq_free = pool_seq_free,
@@ -976,19 +976,9 @@ static const pkv_kv_ops_t pool_ops = {
     .reset_cache = pool_reset_cache,
     .stats = pool_stats,
     .validate = pool_validate,
+    .seq_blocks = pool_seq_blocks,
+    .block_head = pool_block_head,
+    .pin = pool_pin,
+    .unpin = pool_unpin,
+    .blocks_alloc = pool_blocks_alloc,
 };
-
-int pkv_pool_blocks_alloc(pkv_kv_t *kv, uint32_t n, uint32_t *ids)
-{
-    if (!kv || kv->backend != PKV_BACKEND_PAGED) return PKV_ERR_UNSUPPORTED;
-    pool_t *p = pool_of(kv);
-    pthread_mutex_lock(&p->lock);
-    int rc = n > pool_available(p, 0) ? PKV_ERR_NOSPACE : pool_alloc(p, n, ids);
-    pthread_mutex_unlock(&p->lock);
-    return rc;
-}
-
-void pkv_pool_blocks_free(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
-{
-    pkv_kv_unpin(kv, ids, n);
-}
