@@ -205,12 +205,12 @@ static int dense_seq_create(pkv_kv_t *kv, const pkv_seq_params_t *prm, pkv_seq_t
         return rc;
     }
     uint32_t nk = d->prefix_cache ? (prm->n_tokens - 1) / T : 0;
-    pkv_kv_key_t *keys = nk ? malloc((size_t)nk * sizeof(*keys)) : NULL;
-    dense_seq_t *s = calloc(1, sizeof(*s));
-    dense_buf_t *b = calloc(1, sizeof(*b));
+    pkv_kv_key_t *keys = nk ? kv_malloc((size_t)nk * sizeof(*keys)) : NULL;
+    dense_seq_t *s = kv_calloc(1, sizeof(*s));
+    dense_buf_t *b = kv_calloc(1, sizeof(*b));
     dense_buf_t *evicted = NULL;
     rc = PKV_ERR_NOMEM;
-    if ((nk && !keys) || !s || !b || !(b->data = malloc(bytes))) goto fail;
+    if ((nk && !keys) || !s || !b || !(b->data = kv_malloc(bytes))) goto fail;
     if ((rc = kv_seq_base_init(&s->base, kv, prm->salt))) goto fail;
     b->cap = cap;
     nk = nk ? pkv_kv_prefix_keys(kv, prm->salt, prm->tokens, prm->n_tokens, keys) : 0;
@@ -298,7 +298,7 @@ static int dense_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens)
     pthread_mutex_unlock(&d->lock);
     free_evicted(evicted);
     if (rc) return rc;
-    uint8_t *data = realloc(b->data, buf_bytes(d, cap));
+    uint8_t *data = kv_realloc(b->data, buf_bytes(d, cap));
     if (!data) {
         pthread_mutex_lock(&d->lock);
         d->committed -= add;
@@ -323,12 +323,12 @@ static void dense_publish(struct pkv_seq *seq, uint32_t block, const pkv_kv_key_
     if (!d->prefix_cache) return;
     if (b->n_keys == b->keys_cap) {
         uint32_t cap = b->keys_cap ? b->keys_cap * 2 : 16;
-        dense_key_t **k = realloc(b->keys, cap * sizeof(*k));
+        dense_key_t **k = kv_realloc(b->keys, cap * sizeof(*k));
         if (!k) return; /* the block just stays unshared */
         b->keys = k;
         b->keys_cap = cap;
     }
-    dense_key_t *e = malloc(sizeof(*e));
+    dense_key_t *e = kv_malloc(sizeof(*e));
     if (!e) return;
     e->key = *key;
     e->buf = b;
@@ -361,10 +361,10 @@ static int dense_seq_fork(pkv_seq_t *parent, pkv_seq_t **out)
     dense_seq_t *ps = (dense_seq_t *)parent;
     dense_t *d = dense_of(parent->kv);
     uint32_t cap = ps->buf->cap;
-    dense_seq_t *s = calloc(1, sizeof(*s));
-    dense_buf_t *b = calloc(1, sizeof(*b)), *evicted = NULL;
+    dense_seq_t *s = kv_calloc(1, sizeof(*s));
+    dense_buf_t *b = kv_calloc(1, sizeof(*b)), *evicted = NULL;
     int rc = PKV_ERR_NOMEM;
-    if (!s || !b || !(b->data = malloc(buf_bytes(d, cap)))) goto fail;
+    if (!s || !b || !(b->data = kv_malloc(buf_bytes(d, cap)))) goto fail;
     if ((rc = kv_seq_base_init(&s->base, parent->kv, parent->salt))) goto fail;
     kv_seq_base_copy(&s->base, parent);
     b->cap = cap;
@@ -485,7 +485,7 @@ static void dense_destroy(pkv_kv_t *kv)
 
 int kv_dense_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
 {
-    dense_t *d = calloc(1, sizeof(*d));
+    dense_t *d = kv_calloc(1, sizeof(*d));
     if (!d) return PKV_ERR_NOMEM;
     kv_base_init(&d->base, cfg, &dense_ops);
     d->budget = cfg->budget_bytes;

@@ -110,7 +110,8 @@ void kv_prefix_root(uint64_t salt, pkv_kv_key_t *out)
     SHA256(buf, sizeof(buf), out->b);
 }
 
-void kv_prefix_next(const pkv_kv_key_t *parent, const int32_t *tokens, uint32_t n, pkv_kv_key_t *out)
+void kv_prefix_next(const pkv_kv_key_t *parent, const int32_t *tokens, uint32_t n,
+                    pkv_kv_key_t *out)
 {
     SHA256_CTX c;
     SHA256_Init(&c);
@@ -128,7 +129,7 @@ void kv_prefix_next(const pkv_kv_key_t *parent, const int32_t *tokens, uint32_t 
 }
 
 uint32_t pkv_kv_prefix_keys(const pkv_kv_t *kv, uint64_t salt, const int32_t *tokens,
-                         uint32_t n_tokens, pkv_kv_key_t *keys)
+                            uint32_t n_tokens, pkv_kv_key_t *keys)
 {
     uint32_t T = kv->geo.block_tokens, nb = n_tokens ? (n_tokens - 1) / T : 0;
     pkv_kv_key_t parent;
@@ -142,7 +143,7 @@ uint32_t pkv_kv_prefix_keys(const pkv_kv_t *kv, uint64_t salt, const int32_t *to
 
 int kv_seq_base_init(struct pkv_seq *s, pkv_kv_t *kv, uint64_t salt)
 {
-    s->tail = calloc(kv->geo.block_tokens, sizeof(int32_t));
+    s->tail = kv_calloc(kv->geo.block_tokens, sizeof(int32_t));
     if (!s->tail) return PKV_ERR_NOMEM;
     s->kv = kv;
     s->length = s->capacity = 0;
@@ -167,7 +168,7 @@ void kv_seq_base_copy(struct pkv_seq *dst, const struct pkv_seq *src)
 }
 
 void kv_seq_base_append(struct pkv_seq *s, const int32_t *tokens, uint32_t n, kv_seq_full_fn full,
-                         void *arg)
+                        void *arg)
 {
     uint32_t T = s->kv->geo.block_tokens;
     for (uint32_t i = 0; i < n; i++) {

@@ -13,6 +13,8 @@
 
 #include "core/core.h"
 
+#include <stdlib.h>
+
 /* A backend. Every entry is required except the paged-only block access (seq_blocks to
  * blocks_alloc): a backend without it leaves them NULL and kv.c answers
  * PKV_ERR_UNSUPPORTED (NULL from pkv_kv_block_head; unpin does nothing). */
@@ -60,6 +62,21 @@ struct pkv_seq {
 
 /* Fill in the common part of a backend's cache object from a checked config. */
 void kv_base_init(struct pkv_kv *kv, const pkv_kv_config_t *cfg, const kv_ops_t *ops);
+
+/* The module's bookkeeping allocations: each can be failed by a test through the
+ * PKV_FAULT_ALLOC site (core.h), exactly as if the allocator returned NULL. */
+static inline void *kv_malloc(size_t n)
+{
+    return pkv_fault_hit(PKV_FAULT_ALLOC) ? NULL : malloc(n);
+}
+static inline void *kv_calloc(size_t n, size_t size)
+{
+    return pkv_fault_hit(PKV_FAULT_ALLOC) ? NULL : calloc(n, size);
+}
+static inline void *kv_realloc(void *p, size_t n)
+{
+    return pkv_fault_hit(PKV_FAULT_ALLOC) ? NULL : realloc(p, n);
+}
 
 /* Prefix keys: root = SHA-256("pagekv-root" || salt);
  * next = SHA-256(parent || token ids as little-endian int32). */

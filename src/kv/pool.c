@@ -11,7 +11,6 @@
 #include "prim/prim.h"
 
 #include <pthread.h>
-#include <stdlib.h>
 #include <string.h>
 
 #define NONE                 UINT32_MAX
@@ -23,7 +22,7 @@ enum { BLK_FREE = 0, BLK_LIVE, BLK_CACHED };
 enum { GR_UNCOMMITTED = 0, GR_COMMITTING, GR_COMMITTED, GR_DECOMMITTING };
 
 typedef struct {
-    pkv_kv_key_t key;               /* valid when hashed */
+    pkv_kv_key_t key;            /* valid when hashed */
     uint32_t ref;                /* sequences + pins holding it */
     uint32_t next;               /* FREE: next free block in the granule */
     uint32_t lru_prev, lru_next; /* CACHED: LRU list (head = oldest) */
@@ -246,8 +245,9 @@ static void block_put(pool_t *p, uint32_t id, bool keep)
     if (gr->used == 0 && !keep && p->n_empty > p->retain) granule_retire(p, g);
 }
 
-/* Drop one reference; at zero the block becomes cached (hashed, cache on) or free. */
-static void block_unref(pool_t *p, uint32_t id)
+/* Drop one reference; at zero the block becomes cached (hashed, cache on) or free
+ * (its granule kept committed when `keep`, see block_put). */
+static void block_drop(pool_t *p, uint32_t id, bool keep)
 {
     pool_block_t *b = &p->blk[id];
     PKV_ASSERT(b->state == BLK_LIVE && b->ref > 0);
@@ -258,8 +258,13 @@ static void block_unref(pool_t *p, uint32_t id)
         p->n_cached++;
         lru_push_mru(p, id);
     } else {
-        block_put(p, id, false);
+        block_put(p, id, keep);
     }
+}
+
+static void block_unref(pool_t *p, uint32_t id)
+{
+    block_drop(p, id, false);
 }
 
 static void block_ref(pool_t *p, uint32_t id)
@@ -371,10 +376,22 @@ static uint64_t pool_available(const pool_t *p, uint64_t cached_excluded)
     return p->n_free + committable * p->bpg + (p->n_cached - cached_excluded);
 }
 
+/* Undo the n granule commits of a failed step, whose granules are empty again: hand n
+ * empty granules back to the OS, so the step leaves committed memory as it found it.
+ * Lock held (dropped around the decommits). */
+static void pool_return_fresh(pool_t *p, uint64_t n)
+{
+    for (; n && p->n_empty; n--) granule_retire(p, p->bucket[0]);
+    pool_flush_decommits(p);
+}
+
 /* Allocate n blocks into ids[], all or nothing. Lock held (may be dropped to commit).
- * Prefers free committed blocks, then new granules, then eviction. */
+ * Prefers free committed blocks, then new granules, then eviction. On failure the
+ * granules it committed go back. */
 static int pool_alloc(pool_t *p, uint32_t n, uint32_t *ids)
 {
+    uint64_t commits0 = p->commits;
+    int rc;
     for (;;) {
         if (p->n_free >= n) {
             for (uint32_t i = 0; i < n; i++) ids[i] = block_take(p);
@@ -382,13 +399,20 @@ static int pool_alloc(pool_t *p, uint32_t n, uint32_t *ids)
         }
         uint64_t deficit = n - p->n_free;
         if (p->n_uncommitted && p->committed < p->max_granules) {
-            if (pool_commit(p, (uint32_t)PKV_MIN(PKV_DIV_UP(deficit, p->bpg), 64)) == 0)
-                return PKV_ERR_NOMEM;
+            if (pool_commit(p, (uint32_t)PKV_MIN(PKV_DIV_UP(deficit, p->bpg), 64)) == 0) {
+                rc = PKV_ERR_NOMEM;
+                break;
+            }
             continue;
         }
-        if (p->n_cached < deficit) return PKV_ERR_NOSPACE;
+        if (p->n_cached < deficit) {
+            rc = PKV_ERR_NOSPACE;
+            break;
+        }
         while (p->n_free < n) evict_one(p, true);
     }
+    pool_return_fresh(p, p->commits - commits0);
+    return rc;
 }
 
 /* ---- sequences --------------------------------------------------------------------- */
@@ -397,7 +421,7 @@ static int seq_grow_table(pool_seq_t *s, uint32_t nb)
 {
     if (nb <= s->cap) return PKV_OK;
     uint32_t cap = PKV_MAX(nb, s->cap ? s->cap * 2 : 16);
-    uint32_t *t = realloc(s->blocks, (size_t)cap * sizeof(uint32_t));
+    uint32_t *t = kv_realloc(s->blocks, (size_t)cap * sizeof(uint32_t));
     if (!t) return PKV_ERR_NOMEM;
     s->blocks = t;
     s->cap = cap;
@@ -425,7 +449,7 @@ static void seq_unlink(pool_t *p, pool_seq_t *s)
 
 static pool_seq_t *seq_alloc(pool_t *p, uint64_t salt, uint32_t nb)
 {
-    pool_seq_t *s = calloc(1, sizeof(*s));
+    pool_seq_t *s = kv_calloc(1, sizeof(*s));
     if (!s) return NULL;
     if (kv_seq_base_init(&s->base, &p->base, salt) || seq_grow_table(s, PKV_MAX(nb, 1))) {
         kv_seq_base_fini(&s->base);
@@ -470,13 +494,14 @@ static int pool_seq_create(pkv_kv_t *kv, const pkv_seq_params_t *prm, pkv_seq_t 
         return rc;
     }
     uint32_t nk = p->prefix_cache ? (prm->n_tokens - 1) / T : 0;
-    pkv_kv_key_t *keys = nk ? malloc((size_t)nk * sizeof(*keys)) : NULL;
+    pkv_kv_key_t *keys = nk ? kv_malloc((size_t)nk * sizeof(*keys)) : NULL;
     pool_seq_t *s = seq_alloc(p, prm->salt, nb_total);
     if ((nk && !keys) || !s) {
         rc = PKV_ERR_NOMEM;
         goto fail;
     }
-    nk = nk ? pkv_kv_prefix_keys(kv, prm->salt, prm->tokens, prm->n_tokens, keys) : 0; /* unlocked */
+    nk =
+        nk ? pkv_kv_prefix_keys(kv, prm->salt, prm->tokens, prm->n_tokens, keys) : 0; /* unlocked */
 
     pthread_mutex_lock(&p->lock);
     uint32_t hits = 0, cached_hits = 0;
@@ -560,12 +585,14 @@ static int pool_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens)
         return PKV_ERR_NOSPACE;
     }
     /* New table entries first, the COW copy's block last (into fresh[0]). */
+    uint64_t commits0 = p->commits;
     rc = pool_alloc(p, nb - s->nb, s->blocks + s->nb);
     if (rc == PKV_OK && cow) {
+        uint64_t entry_commits = p->commits - commits0;
         rc = pool_alloc(p, 1, fresh);
-        if (rc) {
-            for (uint32_t i = s->nb; i < nb; i++) block_unref(p, s->blocks[i]);
-            pool_flush_decommits(p);
+        if (rc) { /* hand back the entries and what was committed for them */
+            for (uint32_t i = s->nb; i < nb; i++) block_drop(p, s->blocks[i], true);
+            pool_return_fresh(p, entry_commits);
         }
     }
     if (rc) {
@@ -782,7 +809,7 @@ static int pool_validate(pkv_kv_t *kv)
 {
     pool_t *p = pool_of(kv);
     uint32_t nblk = p->n_granules * p->bpg;
-    uint32_t *seq_refs = calloc(nblk, sizeof(uint32_t));
+    uint32_t *seq_refs = kv_calloc(nblk, sizeof(uint32_t));
     if (!seq_refs) return PKV_ERR_NOMEM;
     int rc = PKV_OK;
     pthread_mutex_lock(&p->lock);
@@ -902,7 +929,7 @@ static void pool_destroy(pkv_kv_t *kv)
 
 int kv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
 {
-    pool_t *p = calloc(1, sizeof(*p));
+    pool_t *p = kv_calloc(1, sizeof(*p));
     if (!p) return PKV_ERR_NOMEM;
     int rc = PKV_ERR_NOMEM;
     kv_base_init(&p->base, cfg, &pool_ops);
@@ -935,12 +962,12 @@ int kv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
     p->huge = cfg->hugepages;
     uint32_t nblk = p->n_granules * p->bpg, hsize = 64;
     while (hsize < nblk / 2) hsize <<= 1;
-    p->blk = calloc(nblk, sizeof(*p->blk));
-    p->gr = calloc(p->n_granules, sizeof(*p->gr));
-    p->bucket = malloc((size_t)p->bpg * sizeof(uint32_t));
-    p->bucket_bits = calloc(PKV_DIV_UP(p->bpg, 64), sizeof(uint64_t));
-    p->uncommitted = malloc((size_t)p->n_granules * sizeof(uint32_t));
-    p->htab = malloc((size_t)hsize * sizeof(uint32_t));
+    p->blk = kv_calloc(nblk, sizeof(*p->blk));
+    p->gr = kv_calloc(p->n_granules, sizeof(*p->gr));
+    p->bucket = kv_malloc((size_t)p->bpg * sizeof(uint32_t));
+    p->bucket_bits = kv_calloc(PKV_DIV_UP(p->bpg, 64), sizeof(uint64_t));
+    p->uncommitted = kv_malloc((size_t)p->n_granules * sizeof(uint32_t));
+    p->htab = kv_malloc((size_t)hsize * sizeof(uint32_t));
     if (!p->blk || !p->gr || !p->bucket || !p->bucket_bits || !p->uncommitted || !p->htab)
         goto fail;
     p->hmask = hsize - 1;
