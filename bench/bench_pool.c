@@ -14,9 +14,7 @@
 #include "support/cli.h"
 #include "support/bench.h"
 
-#include "kv/kv_int.h"
-#include "pagekv/kv.h"
-#include "pool/pool.h"
+#include "kv/kv.h"
 #include "prim/prim.h"
 
 #include <stdio.h>
@@ -40,17 +38,17 @@ static double bench_alloc_free(int rounds)
     if (make_kv(PKV_BACKEND_PAGED, 0, &kv)) return -1;
     double *v = malloc((size_t)rounds * sizeof(double));
     uint32_t warm[64];
-    pkv_pool_blocks_alloc(kv, 64, warm); /* some committed, partly used granules */
-    pkv_pool_blocks_free(kv, warm, 32);
+    pkv_kv_blocks_alloc(kv, 64, warm); /* some committed, partly used granules */
+    pkv_kv_blocks_free(kv, warm, 32);
     for (int r = 0; r < rounds; r++) {
         uint64_t t0 = pkv_now_ns();
         for (int i = 0; i < 1000; i++) {
             uint32_t id;
-            if (pkv_pool_blocks_alloc(kv, 1, &id) == 0) pkv_pool_blocks_free(kv, &id, 1);
+            if (pkv_kv_blocks_alloc(kv, 1, &id) == 0) pkv_kv_blocks_free(kv, &id, 1);
         }
         v[r] = (double)(pkv_now_ns() - t0) / 1000.0;
     }
-    pkv_pool_blocks_free(kv, warm + 32, 32);
+    pkv_kv_blocks_free(kv, warm + 32, 32);
     double m = pkv_bench_median(v, (size_t)rounds);
     free(v);
     pkv_kv_destroy(kv);
@@ -63,12 +61,12 @@ static double bench_prefix_hash(int rounds)
     if (make_kv(PKV_BACKEND_PAGED, 0, &kv)) return -1;
     enum { N = 4096 };
     int32_t *tok = malloc(N * sizeof(int32_t));
-    pkv_key_t *keys = malloc(N / 16 * sizeof(pkv_key_t));
+    pkv_kv_key_t *keys = malloc(N / 16 * sizeof(pkv_kv_key_t));
     for (int i = 0; i < N; i++) tok[i] = i * 7 + 3;
     double *v = malloc((size_t)rounds * sizeof(double));
     for (int r = 0; r < rounds; r++) {
         uint64_t t0 = pkv_now_ns();
-        uint32_t nb = pkv_prefix_keys(kv, 42, tok, N, keys);
+        uint32_t nb = pkv_kv_prefix_keys(kv, 42, tok, N, keys);
         v[r] = (double)(pkv_now_ns() - t0) / (nb * 16.0);
     }
     double m = pkv_bench_median(v, (size_t)rounds);

@@ -7,8 +7,6 @@
 #include "support/testutil.h"
 
 #include "kv/kv_int.h"
-#include "pagekv/kv.h"
-#include "pool/pool.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -87,9 +85,18 @@ typedef struct {
     ref_seq_t s[MAX_SEQS];
     uint32_t n;
     uint64_t rng;
-    uint32_t nospace, nofit, hits;
+    uint32_t nospace, nofit, hits, nomem;
     bool shared; /* other threads unpin concurrently: pool-wide stats may move */
+    bool faults; /* allocations and commits fail now and then (PKV_ERR_NOMEM expected) */
 } model_t;
+
+/* A step may fail with NOMEM only while faults are simulated. */
+static bool nomem_ok(model_t *m, int rc)
+{
+    if (rc != PKV_ERR_NOMEM || !m->faults) return false;
+    m->nomem++;
+    return true;
+}
 
 static uint64_t salt_root(uint64_t salt)
 {
@@ -141,6 +148,10 @@ static void op_create(model_t *m)
         .salt = r->salt, .tokens = r->tok, .n_tokens = r->n, .reserve_tokens = reserve};
     uint32_t cached = 0;
     int rc = pkv_seq_create(m->kv, &prm, &r->seq, &cached);
+    if (nomem_ok(m, rc)) {
+        stats_equal(m->kv, &before, m->shared); /* nothing changed either */
+        return;
+    }
     if (rc == PKV_ERR_NOSPACE || rc == PKV_ERR_NOFIT) {
         stats_equal(m->kv, &before, m->shared); /* admission failed: nothing changed */
         if (rc == PKV_ERR_NOSPACE)
@@ -170,11 +181,11 @@ static void op_append(model_t *m)
     pkv_kv_stats(m->kv, &before);
     uint32_t len = pkv_seq_length(r->seq), cap = pkv_seq_capacity(r->seq);
     int rc = pkv_seq_reserve(r->seq, r->n + add);
-    if (rc == PKV_ERR_NOSPACE || rc == PKV_ERR_NOFIT) {
+    if (rc == PKV_ERR_NOSPACE || rc == PKV_ERR_NOFIT || nomem_ok(m, rc)) {
         stats_equal(m->kv, &before, m->shared);
         PKV_CHECK_EQ(pkv_seq_length(r->seq), len);
         PKV_CHECK_EQ(pkv_seq_capacity(r->seq), cap);
-        m->nospace++;
+        if (rc != PKV_ERR_NOMEM) m->nospace++;
         return;
     }
     PKV_CHECK_EQ(rc, PKV_OK);
@@ -188,8 +199,16 @@ static void op_fork(model_t *m)
     if (!m->n || m->n == MAX_SEQS) return;
     ref_seq_t *p = &m->s[pkv_test_below(&m->rng, m->n)], *c = &m->s[m->n];
     pkv_seq_t *child;
+    pkv_kv_stats_t before;
+    pkv_kv_stats(m->kv, &before);
+    uint32_t cap = pkv_seq_capacity(p->seq);
     int rc = pkv_seq_fork(p->seq, &child);
     if (rc == PKV_ERR_NOSPACE) return; /* dense: a fork copies */
+    if (nomem_ok(m, rc)) {
+        stats_equal(m->kv, &before, m->shared);
+        PKV_CHECK_EQ(pkv_seq_capacity(p->seq), cap);
+        return;
+    }
     PKV_CHECK_EQ(rc, PKV_OK);
     *c = *p;
     c->seq = child;
@@ -252,13 +271,21 @@ static const pkv_geometry_t small_geo = {
 static const pkv_geometry_t prop_geo = {
     .layers = 2, .kv_heads = 2, .head_dim = 16, .block_tokens = 16, .dtype = PKV_DTYPE_F32};
 
-static void run_property(pkv_backend_t backend, uint32_t runs, uint32_t steps)
+/* With faults: before a step, arm the allocation or the commit site to fail one of the
+ * step's next few hits (none in a third of the steps). */
+static void arm_random_fault(model_t *m)
 {
-    uint64_t base = pkv_test_seed(0x5eed0000 + backend);
-    uint32_t nospace = 0, hits = 0, nofit = 0;
+    uint32_t pick = pkv_test_below(&m->rng, 3), skip = pkv_test_below(&m->rng, 6);
+    if (pick < 2) pkv_fault_arm(pick ? PKV_FAULT_COMMIT : PKV_FAULT_ALLOC, skip, 1);
+}
+
+static void run_property(pkv_backend_t backend, uint32_t runs, uint32_t steps, bool faults)
+{
+    uint64_t base = pkv_test_seed(0x5eed0000 + backend + (faults ? 0x100 : 0));
+    uint32_t nospace = 0, hits = 0, nofit = 0, nomem = 0;
     for (uint32_t run = 0; run < runs; run++) {
         uint64_t seed = base + run;
-        model_t m = {.rng = seed};
+        model_t m = {.rng = seed, .faults = faults};
         /* 8 KiB blocks, 4 per 32 KiB granule; a budget of 16..79 blocks puts pressure on. */
         pkv_kv_config_t cfg = {.geo = prop_geo,
                                .backend = backend,
@@ -268,6 +295,7 @@ static void run_property(pkv_backend_t backend, uint32_t runs, uint32_t steps)
         PKV_CHECK_EQ(pkv_kv_create(&cfg, &m.kv), PKV_OK);
         for (uint32_t step = 0; step < steps; step++) {
             uint32_t op = pkv_test_below(&m.rng, 100);
+            if (faults) arm_random_fault(&m);
             if (op < 30)
                 op_create(&m);
             else if (op < 60)
@@ -280,6 +308,7 @@ static void run_property(pkv_backend_t backend, uint32_t runs, uint32_t steps)
                 op_pin(&m);
             else
                 pkv_kv_reset_cache(m.kv);
+            pkv_fault_disarm_all();
             check_all(&m, seed);
         }
         while (m.n) op_free(&m);
@@ -296,24 +325,39 @@ static void run_property(pkv_backend_t backend, uint32_t runs, uint32_t steps)
         nospace += m.nospace;
         hits += m.hits;
         nofit += m.nofit;
+        nomem += m.nomem;
     }
-    /* The generator must actually reach budget pressure and prefix hits. */
+    /* The generator must actually reach budget pressure and prefix hits (and failures). */
     PKV_CHECK(nospace > 0);
     PKV_CHECK(hits > 0);
-    printf(
-        "property %s: %u runs x %u steps, %u prefix hits, %u nospace, %u nofit (seed base %llu)\n",
-        pkv_backend_name(backend), runs, steps, hits, nospace, nofit, (unsigned long long)base);
+    PKV_CHECK(!faults || nomem > 0);
+    printf("property %s%s: %u runs x %u steps, %u prefix hits, %u nospace, %u nofit, %u nomem "
+           "(seed base %llu)\n",
+           pkv_backend_name(backend), faults ? " with faults" : "", runs, steps, hits, nospace,
+           nofit, nomem, (unsigned long long)base);
 }
 
 START_TEST(property_paged)
 {
-    run_property(PKV_BACKEND_PAGED, 1000, 40);
+    run_property(PKV_BACKEND_PAGED, 1000, 40, false);
 }
 END_TEST
 
 START_TEST(property_dense)
 {
-    run_property(PKV_BACKEND_DENSE, 300, 40);
+    run_property(PKV_BACKEND_DENSE, 300, 40, false);
+}
+END_TEST
+
+START_TEST(property_paged_with_faults)
+{
+    run_property(PKV_BACKEND_PAGED, 300, 40, true);
+}
+END_TEST
+
+START_TEST(property_dense_with_faults)
+{
+    run_property(PKV_BACKEND_DENSE, 100, 40, true);
 }
 END_TEST
 
@@ -813,15 +857,15 @@ START_TEST(allocation_prefers_dense_granules_and_decommits_with_hysteresis)
 {
     pkv_kv_t *kv = granule_pool(16);
     uint32_t ids[12];
-    ck_assert_int_eq(pkv_pool_blocks_alloc(kv, 12, ids), PKV_OK); /* fills granule by granule */
+    ck_assert_int_eq(pkv_kv_blocks_alloc(kv, 12, ids), PKV_OK); /* fills granule by granule */
     for (int i = 0; i < 12; i++) ck_assert_uint_eq(ids[i] / 4, ids[i & ~3] / 4);
     ck_assert(ids[0] / 4 != ids[4] / 4 && ids[4] / 4 != ids[8] / 4 && ids[0] / 4 != ids[8] / 4);
     ck_assert_uint_eq(committed(kv), 3 * 32768);
     /* Leave ids[0]'s granule with 3 used, ids[4]'s with 1, ids[8]'s with 2. */
     uint32_t drop[] = {ids[0], ids[4], ids[5], ids[6], ids[8], ids[9]};
-    pkv_pool_blocks_free(kv, drop, 6);
+    pkv_kv_blocks_free(kv, drop, 6);
     uint32_t got[4];
-    for (int i = 0; i < 4; i++) ck_assert_int_eq(pkv_pool_blocks_alloc(kv, 1, &got[i]), PKV_OK);
+    for (int i = 0; i < 4; i++) ck_assert_int_eq(pkv_kv_blocks_alloc(kv, 1, &got[i]), PKV_OK);
     ck_assert_uint_eq(got[0] / 4, ids[0] / 4); /* the densest granule first */
     ck_assert_uint_eq(got[1] / 4, ids[8] / 4);
     ck_assert_uint_eq(got[2] / 4, ids[8] / 4);
@@ -829,14 +873,14 @@ START_TEST(allocation_prefers_dense_granules_and_decommits_with_hysteresis)
     ck_assert_uint_eq(committed(kv), 3 * 32768); /* nothing new committed meanwhile */
     /* Empty granule 1: kept committed (one empty granule is retained). */
     uint32_t g1[] = {ids[7], got[3]};
-    pkv_pool_blocks_free(kv, g1, 2);
+    pkv_kv_blocks_free(kv, g1, 2);
     ck_assert_uint_eq(committed(kv), 3 * 32768);
     /* Empty granule 2 as well: more than one empty granule, so it goes back to the OS. */
     uint32_t g2[] = {ids[10], ids[11], got[1], got[2]};
-    pkv_pool_blocks_free(kv, g2, 4);
+    pkv_kv_blocks_free(kv, g2, 4);
     ck_assert_uint_eq(committed(kv), 2 * 32768);
     uint32_t g0[] = {ids[1], ids[2], ids[3], got[0]};
-    pkv_pool_blocks_free(kv, g0, 4);
+    pkv_kv_blocks_free(kv, g0, 4);
     ck_assert_uint_eq(committed(kv), 1 * 32768);
     ck_assert_int_eq(pkv_kv_validate(kv), PKV_OK);
     pkv_kv_destroy(kv);
@@ -859,9 +903,9 @@ START_TEST(eviction_prefers_sparse_granules)
     for (int i = 0; i < 65; i++) ta[i] = 1000 + i;
     for (int i = 0; i < 49; i++) tb[i] = 5000 + i;
     uint32_t raw[4];
-    ck_assert_int_eq(pkv_pool_blocks_alloc(kv, 4, raw), PKV_OK); /* granule 0 */
-    pkv_seq_t *a = seq_full(kv, ta, 64);                         /* granule 1, 4 full blocks */
-    pkv_pool_blocks_free(kv, raw + 1, 3);
+    ck_assert_int_eq(pkv_kv_blocks_alloc(kv, 4, raw), PKV_OK); /* granule 0 */
+    pkv_seq_t *a = seq_full(kv, ta, 64);                       /* granule 1, 4 full blocks */
+    pkv_kv_blocks_free(kv, raw + 1, 3);
     pkv_seq_t *b = seq_full(kv, tb, 48); /* 3 blocks into raw's granule, the densest */
     const uint32_t *ib;
     uint32_t nb;
@@ -869,15 +913,15 @@ START_TEST(eviction_prefers_sparse_granules)
     for (uint32_t i = 0; i < nb; i++) ck_assert_uint_eq(ib[i] / 4, raw[0] / 4);
     pkv_seq_free(a); /* a's blocks are the oldest cached ones */
     pkv_seq_free(b);
-    pkv_pool_blocks_free(kv, raw, 1); /* granule 0: 3 cached; granule 1: 4 cached */
+    pkv_kv_blocks_free(kv, raw, 1); /* granule 0: 3 cached; granule 1: 4 cached */
     /* Two blocks wanted, one free, budget full: one eviction. Pure LRU would take a's
      * last block; the sparse-granule preference takes one of b's (granule 0). */
     uint32_t two[2];
-    ck_assert_int_eq(pkv_pool_blocks_alloc(kv, 2, two), PKV_OK);
+    ck_assert_int_eq(pkv_kv_blocks_alloc(kv, 2, two), PKV_OK);
     pkv_kv_stats_t st;
     pkv_kv_stats(kv, &st);
     ck_assert_uint_eq(st.evictions, 1);
-    pkv_pool_blocks_free(kv, two, 2);
+    pkv_kv_blocks_free(kv, two, 2);
     uint32_t cached;
     pkv_seq_t *s;
     pkv_seq_params_t p = {.tokens = ta, .n_tokens = 65};
@@ -893,6 +937,218 @@ START_TEST(eviction_prefers_sparse_granules)
 }
 END_TEST
 
+/* ---- fault simulation: each allocation and commit of a step fails in turn ----------- */
+
+typedef struct {
+    pkv_kv_t *kv;
+    pkv_seq_t *seq;  /* the step's subject (reserve, fork) */
+    pkv_seq_t *made; /* what a successful step made (create, fork) */
+    int32_t tok[120];
+} fx_t;
+
+typedef int (*fx_step_t)(fx_t *f);
+
+/* Run step with the skip-th and every later hit of site failing, for skip = 0, 1, ...,
+ * until a run in which nothing failed (the retry that succeeds). Every failed run must
+ * return `want`, make nothing, and leave the cache and the subject as they were.
+ * Returns the number of failed runs. */
+static uint32_t fail_each_hit(fx_t *f, pkv_fault_site_t site, fx_step_t step, int want)
+{
+    for (uint32_t skip = 0;; skip++) {
+        pkv_kv_stats_t before;
+        pkv_kv_stats(f->kv, &before);
+        uint32_t len = f->seq ? pkv_seq_length(f->seq) : 0;
+        uint32_t cap = f->seq ? pkv_seq_capacity(f->seq) : 0;
+        pkv_fault_arm(site, skip, UINT32_MAX);
+        int rc = step(f);
+        bool fired = pkv_fault_fired(site) > 0;
+        pkv_fault_disarm_all();
+        ck_assert_int_eq(pkv_kv_validate(f->kv), PKV_OK);
+        if (!fired) {
+            ck_assert_int_eq(rc, PKV_OK);
+            return skip;
+        }
+        ck_assert_int_eq(rc, want);
+        ck_assert_ptr_null(f->made);
+        stats_equal(f->kv, &before, false);
+        if (f->seq) {
+            ck_assert_uint_eq(pkv_seq_length(f->seq), len);
+            ck_assert_uint_eq(pkv_seq_capacity(f->seq), cap);
+        }
+    }
+}
+
+static int step_create(fx_t *f)
+{
+    pkv_seq_params_t p = {.tokens = f->tok, .n_tokens = 100, .reserve_tokens = 200};
+    return pkv_seq_create(f->kv, &p, &f->made, NULL);
+}
+
+static int step_fork(fx_t *f)
+{
+    return pkv_seq_fork(f->seq, &f->made);
+}
+
+static int step_reserve(fx_t *f)
+{
+    /* 20 blocks: the block table (16) and the dense buffer (256 tokens) grow. Paged: 1
+     * block is free, 17 new entries take it and 4 fresh granules whole, so the copy of
+     * the shared partial block needs a 5th commit (its failure hands the 4 back). */
+    return pkv_seq_reserve(f->seq, 320);
+}
+
+/* A cache holding a cached 64-token prefix of f->tok (the next create adopts it) and a
+ * live 40-token sequence (a partial last block) as the subject. */
+static void fx_init(fx_t *f, pkv_backend_t backend)
+{
+    memset(f, 0, sizeof(*f));
+    for (int i = 0; i < 120; i++) f->tok[i] = 7000 + i;
+    pkv_kv_config_t cfg = {
+        .geo = prop_geo, .backend = backend, .granule_bytes = 32768, .budget_bytes = 64 * 32768ull};
+    ck_assert_int_eq(pkv_kv_create(&cfg, &f->kv), PKV_OK);
+    pkv_seq_free(seq_full(f->kv, f->tok, 65));
+    int32_t other[40];
+    for (int i = 0; i < 40; i++) other[i] = 9000 + i;
+    f->seq = seq_full(f->kv, other, 40);
+}
+
+static void fx_fini(fx_t *f)
+{
+    pkv_seq_free(f->seq);
+    pkv_kv_reset_cache(f->kv);
+    ck_assert_uint_le(committed(f->kv), pkv_kv_backend(f->kv) == PKV_BACKEND_PAGED ? 32768 : 0);
+    pkv_kv_destroy(f->kv);
+}
+
+static void faults_fail_steps_cleanly(pkv_backend_t backend)
+{
+    static const struct {
+        const char *name;
+        fx_step_t step;
+    } steps[] = {{"create", step_create}, {"fork", step_fork}, {"reserve", step_reserve}};
+    for (size_t i = 0; i < PKV_ARRAY_LEN(steps); i++) {
+        for (int site = PKV_FAULT_ALLOC; site <= PKV_FAULT_COMMIT; site++) {
+            if (site == PKV_FAULT_COMMIT &&
+                (backend == PKV_BACKEND_DENSE || steps[i].step == step_fork))
+                continue; /* nothing to commit: dense mallocs, a paged fork shares */
+            fx_t f;
+            fx_init(&f, backend);
+            pkv_seq_t *sibling = NULL;
+            if (steps[i].step == step_reserve && backend == PKV_BACKEND_PAGED)
+                ck_assert_int_eq(pkv_seq_fork(f.seq, &sibling), PKV_OK); /* reserve copies */
+            uint32_t failed =
+                fail_each_hit(&f, (pkv_fault_site_t)site, steps[i].step, PKV_ERR_NOMEM);
+            printf("fault %s %s %s: %u failing runs, then success\n", pkv_backend_name(backend),
+                   steps[i].name, site == PKV_FAULT_ALLOC ? "alloc" : "commit", failed);
+            ck_assert_uint_gt(failed, 0); /* the step has sites, and each failed cleanly */
+            if (steps[i].step == step_create) {
+                uint32_t T = prop_geo.block_tokens;
+                ck_assert_uint_eq(pkv_seq_length(f.made), 64 / T * T); /* adopted the prefix */
+            }
+            pkv_seq_free(f.made);
+            pkv_seq_free(sibling);
+            fx_fini(&f);
+        }
+    }
+}
+
+START_TEST(faults_fail_steps_cleanly_paged)
+{
+    faults_fail_steps_cleanly(PKV_BACKEND_PAGED);
+}
+END_TEST
+
+START_TEST(faults_fail_steps_cleanly_dense)
+{
+    faults_fail_steps_cleanly(PKV_BACKEND_DENSE);
+}
+END_TEST
+
+/* Creating a cache: each bookkeeping allocation fails in turn, with nothing returned. */
+START_TEST(faults_fail_cache_create)
+{
+    for (int b = PKV_BACKEND_PAGED; b <= PKV_BACKEND_DENSE; b++) {
+        pkv_kv_config_t cfg = {.geo = prop_geo, .backend = (pkv_backend_t)b};
+        uint32_t skip = 0;
+        for (;; skip++) {
+            pkv_kv_t *kv = (pkv_kv_t *)&cfg; /* stays untouched on failure */
+            pkv_fault_arm(PKV_FAULT_ALLOC, skip, UINT32_MAX);
+            int rc = pkv_kv_create(&cfg, &kv);
+            bool fired = pkv_fault_fired(PKV_FAULT_ALLOC) > 0;
+            pkv_fault_disarm_all();
+            if (!fired) {
+                ck_assert_int_eq(rc, PKV_OK);
+                pkv_kv_destroy(kv);
+                break;
+            }
+            ck_assert_int_eq(rc, PKV_ERR_NOMEM);
+            ck_assert_ptr_eq(kv, (pkv_kv_t *)&cfg);
+        }
+        ck_assert_uint_ge(skip, b == PKV_BACKEND_PAGED ? 7 : 1); /* object + 6 arrays */
+    }
+}
+END_TEST
+
+/* A granule commit that fails after others succeeded: the granules committed for the
+ * failed step go back, committed memory is as before. */
+START_TEST(faults_partial_commit_returns_granules)
+{
+    pkv_kv_t *kv = granule_pool(16);
+    int32_t tok[160];
+    for (int i = 0; i < 160; i++) tok[i] = i;
+    pkv_seq_params_t p = {.tokens = tok, .n_tokens = 160}; /* 10 blocks: 3 granules */
+    pkv_seq_t *s = NULL;
+    ck_assert_uint_eq(committed(kv), 0);
+    pkv_fault_arm(PKV_FAULT_COMMIT, 2, UINT32_MAX); /* two granules commit, the third fails */
+    ck_assert_int_eq(pkv_seq_create(kv, &p, &s, NULL), PKV_ERR_NOMEM);
+    ck_assert_uint_eq(pkv_fault_fired(PKV_FAULT_COMMIT), 2); /* and once more, alone */
+    pkv_fault_disarm_all();
+    ck_assert_ptr_null(s);
+    ck_assert_uint_eq(committed(kv), 0);
+    ck_assert_int_eq(pkv_kv_validate(kv), PKV_OK);
+    ck_assert_int_eq(pkv_seq_create(kv, &p, &s, NULL), PKV_OK);
+    ck_assert_uint_eq(committed(kv), 3 * 32768);
+    pkv_seq_free(s);
+    pkv_kv_destroy(kv);
+}
+END_TEST
+
+/* Dense: when keying a full block cannot allocate, the append still succeeds and the
+ * block just stays unshared. */
+START_TEST(faults_dense_publish_leaves_block_unshared)
+{
+    pkv_kv_config_t cfg = {.geo = prop_geo, .backend = PKV_BACKEND_DENSE};
+    pkv_kv_t *kv;
+    ck_assert_int_eq(pkv_kv_create(&cfg, &kv), PKV_OK);
+    int32_t tok[33];
+    for (int i = 0; i < 33; i++) tok[i] = 100 + i;
+    pkv_seq_t *a, *b;
+    pkv_seq_params_t p = {.tokens = tok, .n_tokens = 33};
+    ck_assert_int_eq(pkv_seq_create(kv, &p, &a, NULL), PKV_OK);
+    pkv_fault_arm(PKV_FAULT_ALLOC, 0, UINT32_MAX);
+    ck_assert_int_eq(pkv_seq_append(a, tok, 33), PKV_OK);
+    ck_assert_uint_eq(pkv_fault_fired(PKV_FAULT_ALLOC), 2); /* both full blocks */
+    pkv_fault_disarm_all();
+    uint32_t cached = 99;
+    ck_assert_int_eq(pkv_seq_create(kv, &p, &b, &cached), PKV_OK);
+    ck_assert_uint_eq(cached, 0);
+    ck_assert_int_eq(pkv_kv_validate(kv), PKV_OK);
+    pkv_seq_free(b);
+    pkv_seq_free(a);
+    pkv_kv_destroy(kv);
+}
+END_TEST
+
+START_TEST(faults_validate_reports_nomem)
+{
+    pkv_kv_t *kv = granule_pool(4);
+    pkv_fault_arm(PKV_FAULT_ALLOC, 0, 1);
+    ck_assert_int_eq(pkv_kv_validate(kv), PKV_ERR_NOMEM);
+    ck_assert_int_eq(pkv_kv_validate(kv), PKV_OK);
+    pkv_kv_destroy(kv);
+}
+END_TEST
+
 static Suite *pool_suite(void)
 {
     Suite *s = suite_create("pool");
@@ -900,6 +1156,8 @@ static Suite *pool_suite(void)
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, property_paged);
     tcase_add_test(tc, property_dense);
+    tcase_add_test(tc, property_paged_with_faults);
+    tcase_add_test(tc, property_dense_with_faults);
     tcase_add_test(tc, runs_span_consecutive_slots_and_match_slots);
     suite_add_tcase(s, tc);
     tc = tcase_create("properties");
@@ -917,6 +1175,15 @@ static Suite *pool_suite(void)
     tcase_add_test(tc, allocation_prefers_dense_granules_and_decommits_with_hysteresis);
     tcase_add_test(tc, eviction_prefers_sparse_granules);
     tcase_add_test(tc, pins_from_worker_threads_while_engine_runs);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("faults");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, faults_fail_steps_cleanly_paged);
+    tcase_add_test(tc, faults_fail_steps_cleanly_dense);
+    tcase_add_test(tc, faults_fail_cache_create);
+    tcase_add_test(tc, faults_partial_commit_returns_granules);
+    tcase_add_test(tc, faults_dense_publish_leaves_block_unshared);
+    tcase_add_test(tc, faults_validate_reports_nomem);
     suite_add_tcase(s, tc);
     return s;
 }

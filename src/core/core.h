@@ -27,6 +27,68 @@ static inline uint64_t pkv_splitmix64(uint64_t *state)
     return z ^ (z >> 31);
 }
 
+/* ---- f16 / bf16 <-> f32, one value (the KV cache's dtypes and the model's kernels) ----
+ * To f32 is exact; from f32 rounds to nearest even (overflow to inf, NaN stays NaN). */
+static inline float pkv_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, x;
+    if (e == 0) {
+        if (m == 0) {
+            x = sign;
+        } else { /* subnormal: normalize */
+            e = 127 - 15 + 1;
+            while (!(m & 0x400u)) m <<= 1, e--;
+            x = sign | (e << 23) | ((m & 0x3ffu) << 13);
+        }
+    } else if (e == 31) {
+        x = sign | 0x7f800000u | (m << 13);
+    } else {
+        x = sign | ((e + 127 - 15) << 23) | (m << 13);
+    }
+    float f;
+    __builtin_memcpy(&f, &x, 4);
+    return f;
+}
+
+static inline float pkv_bf16_to_f32(uint16_t b)
+{
+    uint32_t x = (uint32_t)b << 16;
+    float f;
+    __builtin_memcpy(&f, &x, 4);
+    return f;
+}
+
+static inline uint16_t pkv_f32_to_f16(float f)
+{
+    uint32_t x;
+    __builtin_memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u, e = (x >> 23) & 0xffu, m = x & 0x7fffffu;
+    if (e == 0xff) return (uint16_t)(sign | 0x7c00u | (m ? 0x200u : 0)); /* inf / nan */
+    int32_t he = (int32_t)e - 127 + 15;
+    if (he >= 31) return (uint16_t)(sign | 0x7c00u); /* overflow */
+    if (he <= 0) {                                   /* subnormal */
+        if (he < -10) return (uint16_t)sign;
+        m |= 0x800000u;
+        uint32_t shift = (uint32_t)(14 - he);
+        uint32_t hm = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (hm & 1))) hm++;
+        return (uint16_t)(sign | hm);
+    }
+    uint32_t hm = m >> 13, rem = m & 0x1fffu;
+    uint32_t h = sign | ((uint32_t)he << 10) | hm;
+    if (rem > 0x1000u || (rem == 0x1000u && (hm & 1))) h++; /* may carry into exponent: ok */
+    return (uint16_t)h;
+}
+
+static inline uint16_t pkv_f32_to_bf16(float f)
+{
+    uint32_t x;
+    __builtin_memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u); /* quiet nan */
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+
 /* Broken invariant: print where and abort. Never used for bad input. */
 #define PKV_ASSERT(cond)                                                                           \
     do {                                                                                           \

@@ -1,7 +1,8 @@
 /*
- * kv: the KV cache front. Validates arguments, then dispatches to the paged pool
- * (src/pool) or the dense baseline (src/dense). Also holds what both share: dtype
- * conversion, geometry arithmetic, prefix keys and the token side of a sequence.
+ * kv: the KV cache front. Validates arguments, then dispatches through the backend's ops
+ * table to the paged pool (pool.c) or the dense baseline (dense.c). Also holds what both
+ * share: dtype conversion, geometry arithmetic, prefix keys and the token side of a
+ * sequence.
  */
 #define OPENSSL_API_COMPAT 0x10101000L /* SHA256_Init: ~100 ns a block vs ~150 via EVP */
 #include "kv/kv_int.h"
@@ -51,66 +52,6 @@ int pkv_backend_parse(const char *s, pkv_backend_t *out)
     return PKV_ERR_INVALID;
 }
 
-static uint16_t f32_to_f16(float f)
-{
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    uint32_t sign = (x >> 16) & 0x8000u, e = (x >> 23) & 0xffu, m = x & 0x7fffffu;
-    if (e == 0xff) return (uint16_t)(sign | 0x7c00u | (m ? 0x200u : 0)); /* inf / nan */
-    int32_t he = (int32_t)e - 127 + 15;
-    if (he >= 31) return (uint16_t)(sign | 0x7c00u); /* overflow */
-    if (he <= 0) {                                   /* subnormal */
-        if (he < -10) return (uint16_t)sign;
-        m |= 0x800000u;
-        uint32_t shift = (uint32_t)(14 - he);
-        uint32_t hm = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
-        if (rem > half || (rem == half && (hm & 1))) hm++;
-        return (uint16_t)(sign | hm);
-    }
-    uint32_t hm = m >> 13, rem = m & 0x1fffu;
-    uint32_t h = sign | ((uint32_t)he << 10) | hm;
-    if (rem > 0x1000u || (rem == 0x1000u && (hm & 1))) h++; /* may carry into exponent: ok */
-    return (uint16_t)h;
-}
-
-static float f16_to_f32(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, x;
-    if (e == 0) {
-        if (m == 0) {
-            x = sign;
-        } else { /* subnormal: normalize */
-            e = 127 - 15 + 1;
-            while (!(m & 0x400u)) m <<= 1, e--;
-            x = sign | (e << 23) | ((m & 0x3ffu) << 13);
-        }
-    } else if (e == 31) {
-        x = sign | 0x7f800000u | (m << 13);
-    } else {
-        x = sign | ((e + 127 - 15) << 23) | (m << 13);
-    }
-    float f;
-    memcpy(&f, &x, 4);
-    return f;
-}
-
-static uint16_t f32_to_bf16(float f)
-{
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u); /* quiet nan */
-    x += 0x7fffu + ((x >> 16) & 1u);
-    return (uint16_t)(x >> 16);
-}
-
-static float bf16_to_f32(uint16_t b)
-{
-    uint32_t x = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &x, 4);
-    return f;
-}
-
 void pkv_dtype_from_f32(pkv_dtype_t dt, void *dst, const float *src, size_t n)
 {
     uint16_t *d16 = dst;
@@ -119,10 +60,10 @@ void pkv_dtype_from_f32(pkv_dtype_t dt, void *dst, const float *src, size_t n)
         memcpy(dst, src, n * 4);
         break;
     case PKV_DTYPE_F16:
-        for (size_t i = 0; i < n; i++) d16[i] = f32_to_f16(src[i]);
+        for (size_t i = 0; i < n; i++) d16[i] = pkv_f32_to_f16(src[i]);
         break;
     case PKV_DTYPE_BF16:
-        for (size_t i = 0; i < n; i++) d16[i] = f32_to_bf16(src[i]);
+        for (size_t i = 0; i < n; i++) d16[i] = pkv_f32_to_bf16(src[i]);
         break;
     }
 }
@@ -135,10 +76,10 @@ void pkv_dtype_to_f32(pkv_dtype_t dt, float *dst, const void *src, size_t n)
         memcpy(dst, src, n * 4);
         break;
     case PKV_DTYPE_F16:
-        for (size_t i = 0; i < n; i++) dst[i] = f16_to_f32(s16[i]);
+        for (size_t i = 0; i < n; i++) dst[i] = pkv_f16_to_f32(s16[i]);
         break;
     case PKV_DTYPE_BF16:
-        for (size_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s16[i]);
+        for (size_t i = 0; i < n; i++) dst[i] = pkv_bf16_to_f32(s16[i]);
         break;
     }
 }
@@ -148,9 +89,20 @@ size_t pkv_geometry_token_bytes(const pkv_geometry_t *g)
     return 2ull * g->layers * g->kv_heads * g->head_dim * pkv_dtype_size(g->dtype);
 }
 
+void kv_base_init(struct pkv_kv *kv, const pkv_kv_config_t *cfg, const kv_ops_t *ops)
+{
+    kv->ops = ops;
+    kv->geo = cfg->geo;
+    kv->geo.block_tokens = cfg->geo.block_tokens ? cfg->geo.block_tokens : 16;
+    kv->backend = cfg->backend;
+    kv->elem_bytes = pkv_dtype_size(cfg->geo.dtype);
+    kv->token_bytes = pkv_geometry_token_bytes(&kv->geo);
+    kv->block_bytes = kv->token_bytes * kv->geo.block_tokens;
+}
+
 /* ---- prefix keys --------------------------------------------------------------------- */
 
-void pkv_prefix_root(uint64_t salt, pkv_key_t *out)
+void kv_prefix_root(uint64_t salt, pkv_kv_key_t *out)
 {
     uint8_t buf[11 + 8];
     memcpy(buf, "pagekv-root", 11);
@@ -158,11 +110,12 @@ void pkv_prefix_root(uint64_t salt, pkv_key_t *out)
     SHA256(buf, sizeof(buf), out->b);
 }
 
-void pkv_prefix_next(const pkv_key_t *parent, const int32_t *tokens, uint32_t n, pkv_key_t *out)
+void kv_prefix_next(const pkv_kv_key_t *parent, const int32_t *tokens, uint32_t n,
+                    pkv_kv_key_t *out)
 {
     SHA256_CTX c;
     SHA256_Init(&c);
-    SHA256_Update(&c, parent->b, PKV_KEY_BYTES);
+    SHA256_Update(&c, parent->b, PKV_KV_KEY_BYTES);
 #if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
     SHA256_Update(&c, tokens, (size_t)n * 4);
 #else
@@ -175,37 +128,37 @@ void pkv_prefix_next(const pkv_key_t *parent, const int32_t *tokens, uint32_t n,
     SHA256_Final(out->b, &c);
 }
 
-uint32_t pkv_prefix_keys(const pkv_kv_t *kv, uint64_t salt, const int32_t *tokens,
-                         uint32_t n_tokens, pkv_key_t *keys)
+uint32_t pkv_kv_prefix_keys(const pkv_kv_t *kv, uint64_t salt, const int32_t *tokens,
+                            uint32_t n_tokens, pkv_kv_key_t *keys)
 {
     uint32_t T = kv->geo.block_tokens, nb = n_tokens ? (n_tokens - 1) / T : 0;
-    pkv_key_t parent;
-    pkv_prefix_root(salt, &parent);
+    pkv_kv_key_t parent;
+    kv_prefix_root(salt, &parent);
     for (uint32_t b = 0; b < nb; b++) {
-        pkv_prefix_next(&parent, tokens + (size_t)b * T, T, &keys[b]);
+        kv_prefix_next(&parent, tokens + (size_t)b * T, T, &keys[b]);
         parent = keys[b];
     }
     return nb;
 }
 
-int pkv_seq_base_init(struct pkv_seq *s, pkv_kv_t *kv, uint64_t salt)
+int kv_seq_base_init(struct pkv_seq *s, pkv_kv_t *kv, uint64_t salt)
 {
-    s->tail = calloc(kv->geo.block_tokens, sizeof(int32_t));
+    s->tail = kv_calloc(kv->geo.block_tokens, sizeof(int32_t));
     if (!s->tail) return PKV_ERR_NOMEM;
     s->kv = kv;
     s->length = s->capacity = 0;
     s->salt = salt;
-    pkv_prefix_root(salt, &s->last_key);
+    kv_prefix_root(salt, &s->last_key);
     return PKV_OK;
 }
 
-void pkv_seq_base_fini(struct pkv_seq *s)
+void kv_seq_base_fini(struct pkv_seq *s)
 {
     free(s->tail);
     s->tail = NULL;
 }
 
-void pkv_seq_base_copy(struct pkv_seq *dst, const struct pkv_seq *src)
+void kv_seq_base_copy(struct pkv_seq *dst, const struct pkv_seq *src)
 {
     dst->salt = src->salt;
     dst->length = src->length;
@@ -214,16 +167,16 @@ void pkv_seq_base_copy(struct pkv_seq *dst, const struct pkv_seq *src)
     memcpy(dst->tail, src->tail, src->kv->geo.block_tokens * sizeof(int32_t));
 }
 
-void pkv_seq_base_append(struct pkv_seq *s, const int32_t *tokens, uint32_t n, pkv_seq_full_fn full,
-                         void *arg)
+void kv_seq_base_append(struct pkv_seq *s, const int32_t *tokens, uint32_t n, kv_seq_full_fn full,
+                        void *arg)
 {
     uint32_t T = s->kv->geo.block_tokens;
     for (uint32_t i = 0; i < n; i++) {
         s->tail[s->length % T] = tokens[i];
         s->length++;
         if (s->length % T == 0) {
-            pkv_key_t key;
-            pkv_prefix_next(&s->last_key, s->tail, T, &key);
+            pkv_kv_key_t key;
+            kv_prefix_next(&s->last_key, s->tail, T, &key);
             s->last_key = key;
             if (full) full(s, s->length / T - 1, &key, arg);
         }
@@ -243,8 +196,8 @@ int pkv_kv_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
                  g->layers, g->kv_heads, g->head_dim, T);
         return PKV_ERR_INVALID;
     }
-    if (cfg->backend == PKV_BACKEND_PAGED) return pkv_pool_create(cfg, out);
-    if (cfg->backend == PKV_BACKEND_DENSE) return pkv_dense_create(cfg, out);
+    if (cfg->backend == PKV_BACKEND_PAGED) return kv_pool_create(cfg, out);
+    if (cfg->backend == PKV_BACKEND_DENSE) return kv_dense_create(cfg, out);
     return PKV_ERR_INVALID;
 }
 
@@ -327,6 +280,47 @@ uint32_t pkv_seq_runs(const pkv_seq_t *seq, uint32_t layer, uint32_t begin, uint
     }
     return seq->kv->ops->seq_runs(seq, layer, begin, end, out, max, next);
 }
+
+/* ---- paged-only block access: backends without it leave the ops NULL ---------------- */
+
+int pkv_seq_blocks(const pkv_seq_t *seq, const uint32_t **ids, uint32_t *n)
+{
+    if (!seq || !seq->kv->ops->seq_blocks) return PKV_ERR_UNSUPPORTED;
+    seq->kv->ops->seq_blocks(seq, ids, n);
+    return PKV_OK;
+}
+
+void *pkv_kv_block_head(const pkv_kv_t *kv, uint32_t block, uint32_t layer, uint32_t which,
+                        uint32_t head)
+{
+    if (!kv->ops->block_head || layer >= kv->geo.layers || which > 1 || head >= kv->geo.kv_heads)
+        return NULL;
+    return kv->ops->block_head(kv, block, layer, which, head);
+}
+
+int pkv_kv_pin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
+{
+    if (!kv || !kv->ops->pin) return PKV_ERR_UNSUPPORTED;
+    return kv->ops->pin(kv, ids, n);
+}
+
+void pkv_kv_unpin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
+{
+    if (kv && kv->ops->unpin) kv->ops->unpin(kv, ids, n);
+}
+
+int pkv_kv_blocks_alloc(pkv_kv_t *kv, uint32_t n, uint32_t *ids)
+{
+    if (!kv || !kv->ops->blocks_alloc) return PKV_ERR_UNSUPPORTED;
+    return kv->ops->blocks_alloc(kv, n, ids);
+}
+
+void pkv_kv_blocks_free(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
+{
+    pkv_kv_unpin(kv, ids, n);
+}
+
+/* ---- cache control, stats, validation --------------------------------------------- */
 
 void pkv_kv_reset_cache(pkv_kv_t *kv)
 {

@@ -1,20 +1,23 @@
 /*
- * kv: internals shared by the KV cache front (kv.c) and its backends (pool/, dense/).
- * A backend embeds `struct pkv_kv` / `struct pkv_seq` first in its own objects and
- * fills in an ops table; kv.c validates arguments and dispatches.
+ * kv: internals shared by the files of the KV module: the front (kv.c: argument checks,
+ * dispatch, dtype and geometry helpers, prefix keys, the token side of a sequence) and
+ * its two backends, the paged pool (pool.c) and the dense baseline (dense.c). A backend
+ * embeds `struct pkv_kv` / `struct pkv_seq` first in its own objects and fills in an ops
+ * table; kv.c validates arguments and reaches a backend only through that table.
+ * Cross-file internals of this module are prefixed `kv_`.
  */
 #ifndef PKV_KV_KV_INT_H
 #define PKV_KV_KV_INT_H
 
-#include "pagekv/kv.h"
+#include "kv/kv.h"
 
 #include "core/core.h"
 
-#define PKV_KEY_BYTES 32
-typedef struct {
-    uint8_t b[PKV_KEY_BYTES];
-} pkv_key_t;
+#include <stdlib.h>
 
+/* A backend. Every entry is required except the paged-only block access (seq_blocks to
+ * blocks_alloc): a backend without it leaves them NULL and kv.c answers
+ * PKV_ERR_UNSUPPORTED (NULL from pkv_kv_block_head; unpin does nothing). */
 typedef struct {
     void (*destroy)(pkv_kv_t *kv);
     int (*seq_create)(pkv_kv_t *kv, const pkv_seq_params_t *p, pkv_seq_t **out, uint32_t *n_cached);
@@ -29,10 +32,17 @@ typedef struct {
     void (*reset_cache)(pkv_kv_t *kv);
     void (*stats)(pkv_kv_t *kv, pkv_kv_stats_t *out);
     int (*validate)(pkv_kv_t *kv);
-} pkv_kv_ops_t;
+    /* paged-only block access (arguments checked by kv.c except the block ids) */
+    void (*seq_blocks)(const pkv_seq_t *seq, const uint32_t **ids, uint32_t *n);
+    void *(*block_head)(const pkv_kv_t *kv, uint32_t block, uint32_t layer, uint32_t which,
+                        uint32_t head);
+    int (*pin)(pkv_kv_t *kv, const uint32_t *ids, uint32_t n);
+    void (*unpin)(pkv_kv_t *kv, const uint32_t *ids, uint32_t n);
+    int (*blocks_alloc)(pkv_kv_t *kv, uint32_t n, uint32_t *ids);
+} kv_ops_t;
 
 struct pkv_kv {
-    const pkv_kv_ops_t *ops;
+    const kv_ops_t *ops;
     pkv_geometry_t geo; /* block_tokens filled in */
     pkv_backend_t backend;
     size_t elem_bytes;  /* dtype size */
@@ -46,41 +56,58 @@ struct pkv_seq {
     uint32_t length;   /* positions whose K/V is written and tokens appended */
     uint32_t capacity; /* positions writable without allocating */
     uint64_t salt;
-    pkv_key_t last_key; /* key of the last full block (or the root key) */
-    int32_t *tail;      /* tokens of the current partial block [block_tokens] */
+    pkv_kv_key_t last_key; /* key of the last full block (or the root key) */
+    int32_t *tail;         /* tokens of the current partial block [block_tokens] */
 };
 
-/* Prefix keys (prefix.c): root = SHA-256("pagekv-root" || salt);
+/* Fill in the common part of a backend's cache object from a checked config. */
+void kv_base_init(struct pkv_kv *kv, const pkv_kv_config_t *cfg, const kv_ops_t *ops);
+
+/* The module's bookkeeping allocations: each can be failed by a test through the
+ * PKV_FAULT_ALLOC site (core.h), exactly as if the allocator returned NULL. */
+static inline void *kv_malloc(size_t n)
+{
+    return pkv_fault_hit(PKV_FAULT_ALLOC) ? NULL : malloc(n);
+}
+static inline void *kv_calloc(size_t n, size_t size)
+{
+    return pkv_fault_hit(PKV_FAULT_ALLOC) ? NULL : calloc(n, size);
+}
+static inline void *kv_realloc(void *p, size_t n)
+{
+    return pkv_fault_hit(PKV_FAULT_ALLOC) ? NULL : realloc(p, n);
+}
+
+/* Prefix keys: root = SHA-256("pagekv-root" || salt);
  * next = SHA-256(parent || token ids as little-endian int32). */
-void pkv_prefix_root(uint64_t salt, pkv_key_t *out);
-void pkv_prefix_next(const pkv_key_t *parent, const int32_t *tokens, uint32_t n, pkv_key_t *out);
-static inline uint64_t pkv_key_hash(const pkv_key_t *k)
+void kv_prefix_root(uint64_t salt, pkv_kv_key_t *out);
+void kv_prefix_next(const pkv_kv_key_t *parent, const int32_t *tokens, uint32_t n,
+                    pkv_kv_key_t *out);
+static inline uint64_t kv_key_hash(const pkv_kv_key_t *k)
 {
     uint64_t h;
     __builtin_memcpy(&h, k->b, sizeof(h));
     return h;
 }
-static inline int pkv_key_eq(const pkv_key_t *a, const pkv_key_t *b)
+static inline int kv_key_eq(const pkv_kv_key_t *a, const pkv_kv_key_t *b)
 {
-    return __builtin_memcmp(a->b, b->b, PKV_KEY_BYTES) == 0;
+    return __builtin_memcmp(a->b, b->b, PKV_KV_KEY_BYTES) == 0;
 }
 
 /* Common sequence bookkeeping: init (allocates tail), fini, and the token side of
  * append: writes tokens to the tail; calls `full(seq, block_index, key, arg)` for each
  * block that fills. */
-int pkv_seq_base_init(struct pkv_seq *s, pkv_kv_t *kv, uint64_t salt);
-void pkv_seq_base_fini(struct pkv_seq *s);
-/* Copy the token side of src into dst (initialized by pkv_seq_base_init). */
-void pkv_seq_base_copy(struct pkv_seq *dst, const struct pkv_seq *src);
-typedef void (*pkv_seq_full_fn)(struct pkv_seq *s, uint32_t block, const pkv_key_t *key, void *arg);
-void pkv_seq_base_append(struct pkv_seq *s, const int32_t *tokens, uint32_t n, pkv_seq_full_fn full,
-                         void *arg);
-/* Keys of the prompt's adoptable blocks: at most (n_tokens - 1) / block_tokens. */
-uint32_t pkv_prefix_keys(const pkv_kv_t *kv, uint64_t salt, const int32_t *tokens,
-                         uint32_t n_tokens, pkv_key_t *keys);
+int kv_seq_base_init(struct pkv_seq *s, pkv_kv_t *kv, uint64_t salt);
+void kv_seq_base_fini(struct pkv_seq *s);
+/* Copy the token side of src into dst (initialized by kv_seq_base_init). */
+void kv_seq_base_copy(struct pkv_seq *dst, const struct pkv_seq *src);
+typedef void (*kv_seq_full_fn)(struct pkv_seq *s, uint32_t block, const pkv_kv_key_t *key,
+                               void *arg);
+void kv_seq_base_append(struct pkv_seq *s, const int32_t *tokens, uint32_t n, kv_seq_full_fn full,
+                        void *arg);
 
-/* Backends. */
-int pkv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out);
-int pkv_dense_create(const pkv_kv_config_t *cfg, pkv_kv_t **out);
+/* Backends: create from a config kv.c has checked. */
+int kv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out);
+int kv_dense_create(const pkv_kv_config_t *cfg, pkv_kv_t **out);
 
 #endif

@@ -4,47 +4,16 @@
  */
 #include "model/kernels.h"
 
+#include "core/core.h"
+
 #include <math.h>
 #include <string.h>
 
 #define PKV_KMIN(a, b) ((a) < (b) ? (a) : (b))
 
-/* ---- scalar conversions ---------------------------------------------------------- */
-
-float pkv_half_to_f32(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu;
-    uint32_t man = h & 0x3ffu;
-    uint32_t bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal: renormalize */
-            int e = -1;
-            do {
-                e++;
-                man <<= 1;
-            } while (!(man & 0x400u));
-            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof(f));
-    return f;
-}
-
-float pkv_bf16_to_f32(uint16_t h)
-{
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof(f));
-    return f;
-}
+/* ---- rows to f32 (the scalar conversions are core's) ------------------------------
+ * The same switch as pkv_dtype_to_f32, kept here so that it inlines into the portable
+ * attention loops (one call per K/V row otherwise). */
 
 static inline void row_to_f32(const void *src, pkv_dtype_t dt, uint32_t n, float *dst)
 {
@@ -53,7 +22,7 @@ static inline void row_to_f32(const void *src, pkv_dtype_t dt, uint32_t n, float
         memcpy(dst, src, n * sizeof(float));
         break;
     case PKV_DTYPE_F16:
-        for (uint32_t i = 0; i < n; i++) dst[i] = pkv_half_to_f32(((const uint16_t *)src)[i]);
+        for (uint32_t i = 0; i < n; i++) dst[i] = pkv_f16_to_f32(((const uint16_t *)src)[i]);
         break;
     case PKV_DTYPE_BF16:
         for (uint32_t i = 0; i < n; i++) dst[i] = pkv_bf16_to_f32(((const uint16_t *)src)[i]);

@@ -57,8 +57,4 @@ const pkv_kernels_t *pkv_kernels_portable(void);
 /* The AVX2 set when the CPU has AVX2+FMA+F16C and head_dim % 8 == 0, else NULL. */
 const pkv_kernels_t *pkv_kernels_avx2(uint32_t head_dim);
 
-/* Exact conversions of one value (f16/bf16 -> f32 is exact). */
-float pkv_half_to_f32(uint16_t h);
-float pkv_bf16_to_f32(uint16_t h);
-
 #endif

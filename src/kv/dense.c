@@ -25,7 +25,7 @@
 typedef struct dense_buf dense_buf_t;
 
 typedef struct dense_key {
-    pkv_key_t key;
+    pkv_kv_key_t key;
     dense_buf_t *buf;
     uint32_t block;
     struct dense_key *next; /* hash chain */
@@ -57,7 +57,7 @@ typedef struct {
     uint64_t q_count, q_tokens, hit_tokens, evictions, copies, rej_nofit, rej_nospace;
 } dense_t;
 
-static const pkv_kv_ops_t dense_ops;
+static const kv_ops_t dense_ops;
 
 static inline dense_t *dense_of(const pkv_kv_t *kv)
 {
@@ -74,16 +74,16 @@ static uint32_t step_up(uint32_t n)
     return PKV_ALIGN_UP(PKV_MAX(n, 1u), DENSE_STEP);
 }
 
-static dense_key_t *key_find(dense_t *d, const pkv_key_t *key)
+static dense_key_t *key_find(dense_t *d, const pkv_kv_key_t *key)
 {
-    for (dense_key_t *e = d->htab[pkv_key_hash(key) % DENSE_HTAB]; e; e = e->next)
-        if (pkv_key_eq(&e->key, key)) return e;
+    for (dense_key_t *e = d->htab[kv_key_hash(key) % DENSE_HTAB]; e; e = e->next)
+        if (kv_key_eq(&e->key, key)) return e;
     return NULL;
 }
 
 static void key_unlink(dense_t *d, dense_key_t *e)
 {
-    dense_key_t **link = &d->htab[pkv_key_hash(&e->key) % DENSE_HTAB];
+    dense_key_t **link = &d->htab[kv_key_hash(&e->key) % DENSE_HTAB];
     while (*link != e) link = &(*link)->next;
     *link = e->next;
 }
@@ -205,15 +205,15 @@ static int dense_seq_create(pkv_kv_t *kv, const pkv_seq_params_t *prm, pkv_seq_t
         return rc;
     }
     uint32_t nk = d->prefix_cache ? (prm->n_tokens - 1) / T : 0;
-    pkv_key_t *keys = nk ? malloc((size_t)nk * sizeof(*keys)) : NULL;
-    dense_seq_t *s = calloc(1, sizeof(*s));
-    dense_buf_t *b = calloc(1, sizeof(*b));
+    pkv_kv_key_t *keys = nk ? kv_malloc((size_t)nk * sizeof(*keys)) : NULL;
+    dense_seq_t *s = kv_calloc(1, sizeof(*s));
+    dense_buf_t *b = kv_calloc(1, sizeof(*b));
     dense_buf_t *evicted = NULL;
     rc = PKV_ERR_NOMEM;
-    if ((nk && !keys) || !s || !b || !(b->data = malloc(bytes))) goto fail;
-    if ((rc = pkv_seq_base_init(&s->base, kv, prm->salt))) goto fail;
+    if ((nk && !keys) || !s || !b || !(b->data = kv_malloc(bytes))) goto fail;
+    if ((rc = kv_seq_base_init(&s->base, kv, prm->salt))) goto fail;
     b->cap = cap;
-    nk = nk ? pkv_prefix_keys(kv, prm->salt, prm->tokens, prm->n_tokens, keys) : 0;
+    nk = nk ? pkv_kv_prefix_keys(kv, prm->salt, prm->tokens, prm->n_tokens, keys) : 0;
 
     pthread_mutex_lock(&d->lock);
     uint32_t hits = 0;
@@ -250,7 +250,7 @@ static int dense_seq_create(pkv_kv_t *kv, const pkv_seq_params_t *prm, pkv_seq_t
     return PKV_OK;
 fail:
     free_evicted(evicted);
-    if (s) pkv_seq_base_fini(&s->base);
+    if (s) kv_seq_base_fini(&s->base);
     free(s);
     buf_free(b);
     free(keys);
@@ -276,7 +276,7 @@ static void dense_seq_free(pkv_seq_t *seq)
     }
     pthread_mutex_unlock(&d->lock);
     buf_free(drop);
-    pkv_seq_base_fini(&s->base);
+    kv_seq_base_fini(&s->base);
     free(s);
 }
 
@@ -298,7 +298,7 @@ static int dense_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens)
     pthread_mutex_unlock(&d->lock);
     free_evicted(evicted);
     if (rc) return rc;
-    uint8_t *data = realloc(b->data, buf_bytes(d, cap));
+    uint8_t *data = kv_realloc(b->data, buf_bytes(d, cap));
     if (!data) {
         pthread_mutex_lock(&d->lock);
         d->committed -= add;
@@ -315,7 +315,7 @@ static int dense_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens)
     return PKV_OK;
 }
 
-static void dense_publish(struct pkv_seq *seq, uint32_t block, const pkv_key_t *key, void *arg)
+static void dense_publish(struct pkv_seq *seq, uint32_t block, const pkv_kv_key_t *key, void *arg)
 {
     dense_seq_t *s = (dense_seq_t *)seq;
     dense_t *d = arg;
@@ -323,12 +323,12 @@ static void dense_publish(struct pkv_seq *seq, uint32_t block, const pkv_key_t *
     if (!d->prefix_cache) return;
     if (b->n_keys == b->keys_cap) {
         uint32_t cap = b->keys_cap ? b->keys_cap * 2 : 16;
-        dense_key_t **k = realloc(b->keys, cap * sizeof(*k));
+        dense_key_t **k = kv_realloc(b->keys, cap * sizeof(*k));
         if (!k) return; /* the block just stays unshared */
         b->keys = k;
         b->keys_cap = cap;
     }
-    dense_key_t *e = malloc(sizeof(*e));
+    dense_key_t *e = kv_malloc(sizeof(*e));
     if (!e) return;
     e->key = *key;
     e->buf = b;
@@ -339,7 +339,7 @@ static void dense_publish(struct pkv_seq *seq, uint32_t block, const pkv_key_t *
         free(e);
         return;
     }
-    dense_key_t **head = &d->htab[pkv_key_hash(key) % DENSE_HTAB];
+    dense_key_t **head = &d->htab[kv_key_hash(key) % DENSE_HTAB];
     e->next = *head;
     *head = e;
     b->keys[b->n_keys++] = e;
@@ -349,7 +349,7 @@ static void dense_publish(struct pkv_seq *seq, uint32_t block, const pkv_key_t *
 static int dense_seq_append(pkv_seq_t *seq, const int32_t *tokens, uint32_t n)
 {
     dense_t *d = dense_of(seq->kv);
-    pkv_seq_base_append(seq, tokens, n, dense_publish, d);
+    kv_seq_base_append(seq, tokens, n, dense_publish, d);
     pthread_mutex_lock(&d->lock);
     d->live_tokens += n;
     pthread_mutex_unlock(&d->lock);
@@ -361,12 +361,12 @@ static int dense_seq_fork(pkv_seq_t *parent, pkv_seq_t **out)
     dense_seq_t *ps = (dense_seq_t *)parent;
     dense_t *d = dense_of(parent->kv);
     uint32_t cap = ps->buf->cap;
-    dense_seq_t *s = calloc(1, sizeof(*s));
-    dense_buf_t *b = calloc(1, sizeof(*b)), *evicted = NULL;
+    dense_seq_t *s = kv_calloc(1, sizeof(*s));
+    dense_buf_t *b = kv_calloc(1, sizeof(*b)), *evicted = NULL;
     int rc = PKV_ERR_NOMEM;
-    if (!s || !b || !(b->data = malloc(buf_bytes(d, cap)))) goto fail;
-    if ((rc = pkv_seq_base_init(&s->base, parent->kv, parent->salt))) goto fail;
-    pkv_seq_base_copy(&s->base, parent);
+    if (!s || !b || !(b->data = kv_malloc(buf_bytes(d, cap)))) goto fail;
+    if ((rc = kv_seq_base_init(&s->base, parent->kv, parent->salt))) goto fail;
+    kv_seq_base_copy(&s->base, parent);
     b->cap = cap;
     pthread_mutex_lock(&d->lock);
     rc = dense_make_room(d, buf_bytes(d, cap), NULL, &evicted);
@@ -384,7 +384,7 @@ static int dense_seq_fork(pkv_seq_t *parent, pkv_seq_t **out)
     *out = &s->base;
     return PKV_OK;
 fail:
-    if (s) pkv_seq_base_fini(&s->base);
+    if (s) kv_seq_base_fini(&s->base);
     free(s);
     buf_free(b);
     return rc;
@@ -483,17 +483,11 @@ static void dense_destroy(pkv_kv_t *kv)
     free(d);
 }
 
-int pkv_dense_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
+int kv_dense_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
 {
-    dense_t *d = calloc(1, sizeof(*d));
+    dense_t *d = kv_calloc(1, sizeof(*d));
     if (!d) return PKV_ERR_NOMEM;
-    d->base.ops = &dense_ops;
-    d->base.geo = cfg->geo;
-    d->base.geo.block_tokens = cfg->geo.block_tokens ? cfg->geo.block_tokens : 16;
-    d->base.backend = PKV_BACKEND_DENSE;
-    d->base.elem_bytes = pkv_dtype_size(cfg->geo.dtype);
-    d->base.token_bytes = pkv_geometry_token_bytes(&d->base.geo);
-    d->base.block_bytes = d->base.token_bytes * d->base.geo.block_tokens;
+    kv_base_init(&d->base, cfg, &dense_ops);
     d->budget = cfg->budget_bytes;
     d->prefix_cache = !cfg->no_prefix_cache;
     if (pthread_mutex_init(&d->lock, NULL) != 0) {
@@ -504,7 +498,7 @@ int pkv_dense_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
     return PKV_OK;
 }
 
-static const pkv_kv_ops_t dense_ops = {
+static const kv_ops_t dense_ops = {
     .destroy = dense_destroy,
     .seq_create = dense_seq_create,
     .seq_free = dense_seq_free,
@@ -516,4 +510,5 @@ static const pkv_kv_ops_t dense_ops = {
     .reset_cache = dense_reset_cache,
     .stats = dense_stats,
     .validate = dense_validate,
+    /* no block access: pkv_seq_blocks and pkv_kv_pin answer PKV_ERR_UNSUPPORTED */
 };

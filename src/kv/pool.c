@@ -8,11 +8,9 @@
  * preference for sparse granules). One mutex guards all metadata; no OS call runs under it.
  */
 #include "kv/kv_int.h"
-#include "pool/pool.h"
 #include "prim/prim.h"
 
 #include <pthread.h>
-#include <stdlib.h>
 #include <string.h>
 
 #define NONE                 UINT32_MAX
@@ -24,7 +22,7 @@ enum { BLK_FREE = 0, BLK_LIVE, BLK_CACHED };
 enum { GR_UNCOMMITTED = 0, GR_COMMITTING, GR_COMMITTED, GR_DECOMMITTING };
 
 typedef struct {
-    pkv_key_t key;               /* valid when hashed */
+    pkv_kv_key_t key;            /* valid when hashed */
     uint32_t ref;                /* sequences + pins holding it */
     uint32_t next;               /* FREE: next free block in the granule */
     uint32_t lru_prev, lru_next; /* CACHED: LRU list (head = oldest) */
@@ -86,7 +84,7 @@ struct pool_seq {
     pool_seq_t *prev, *next; /* pool->seqs, guarded by pool->lock */
 };
 
-static const pkv_kv_ops_t pool_ops;
+static const kv_ops_t pool_ops;
 
 static inline pool_t *pool_of(const pkv_kv_t *kv)
 {
@@ -172,16 +170,16 @@ static void lru_remove(pool_t *p, uint32_t id)
         p->lru_tail = b->lru_prev;
 }
 
-static uint32_t htab_find(const pool_t *p, const pkv_key_t *key)
+static uint32_t htab_find(const pool_t *p, const pkv_kv_key_t *key)
 {
-    for (uint32_t id = p->htab[pkv_key_hash(key) & p->hmask]; id != NONE; id = p->blk[id].hnext)
-        if (pkv_key_eq(&p->blk[id].key, key)) return id;
+    for (uint32_t id = p->htab[kv_key_hash(key) & p->hmask]; id != NONE; id = p->blk[id].hnext)
+        if (kv_key_eq(&p->blk[id].key, key)) return id;
     return NONE;
 }
 
 static void htab_insert(pool_t *p, uint32_t id)
 {
-    uint32_t *head = &p->htab[pkv_key_hash(&p->blk[id].key) & p->hmask];
+    uint32_t *head = &p->htab[kv_key_hash(&p->blk[id].key) & p->hmask];
     p->blk[id].hnext = *head;
     *head = id;
     p->blk[id].hashed = 1;
@@ -189,7 +187,7 @@ static void htab_insert(pool_t *p, uint32_t id)
 
 static void htab_remove(pool_t *p, uint32_t id)
 {
-    uint32_t *link = &p->htab[pkv_key_hash(&p->blk[id].key) & p->hmask];
+    uint32_t *link = &p->htab[kv_key_hash(&p->blk[id].key) & p->hmask];
     while (*link != id) link = &p->blk[*link].hnext;
     *link = p->blk[id].hnext;
     p->blk[id].hashed = 0;
@@ -218,6 +216,17 @@ static uint32_t block_take(pool_t *p)
     return id;
 }
 
+/* Queue an empty committed granule for decommit (pool_flush_decommits does it). */
+static void granule_retire(pool_t *p, uint32_t g)
+{
+    pool_granule_t *gr = &p->gr[g];
+    bucket_remove(p, g);
+    gr->state = GR_DECOMMITTING;
+    p->n_free -= p->bpg;
+    gr->next = p->decommit_head;
+    p->decommit_head = g;
+}
+
 /* Return a block (ref 0, not cached) to its granule; queue the granule for decommit
  * when it empties and more than `retain` empty granules exist (unless `keep`). */
 static void block_put(pool_t *p, uint32_t id, bool keep)
@@ -233,17 +242,12 @@ static void block_put(pool_t *p, uint32_t id, bool keep)
     gr->nfree++;
     bucket_insert(p, g);
     p->n_free++;
-    if (gr->used == 0 && !keep && p->n_empty > p->retain) {
-        bucket_remove(p, g);
-        gr->state = GR_DECOMMITTING;
-        p->n_free -= p->bpg;
-        gr->next = p->decommit_head;
-        p->decommit_head = g;
-    }
+    if (gr->used == 0 && !keep && p->n_empty > p->retain) granule_retire(p, g);
 }
 
-/* Drop one reference; at zero the block becomes cached (hashed, cache on) or free. */
-static void block_unref(pool_t *p, uint32_t id)
+/* Drop one reference; at zero the block becomes cached (hashed, cache on) or free
+ * (its granule kept committed when `keep`, see block_put). */
+static void block_drop(pool_t *p, uint32_t id, bool keep)
 {
     pool_block_t *b = &p->blk[id];
     PKV_ASSERT(b->state == BLK_LIVE && b->ref > 0);
@@ -254,8 +258,13 @@ static void block_unref(pool_t *p, uint32_t id)
         p->n_cached++;
         lru_push_mru(p, id);
     } else {
-        block_put(p, id, false);
+        block_put(p, id, keep);
     }
+}
+
+static void block_unref(pool_t *p, uint32_t id)
+{
+    block_drop(p, id, false);
 }
 
 static void block_ref(pool_t *p, uint32_t id)
@@ -367,10 +376,22 @@ static uint64_t pool_available(const pool_t *p, uint64_t cached_excluded)
     return p->n_free + committable * p->bpg + (p->n_cached - cached_excluded);
 }
 
+/* Undo the n granule commits of a failed step, whose granules are empty again: hand n
+ * empty granules back to the OS, so the step leaves committed memory as it found it.
+ * Lock held (dropped around the decommits). */
+static void pool_return_fresh(pool_t *p, uint64_t n)
+{
+    for (; n && p->n_empty; n--) granule_retire(p, p->bucket[0]);
+    pool_flush_decommits(p);
+}
+
 /* Allocate n blocks into ids[], all or nothing. Lock held (may be dropped to commit).
- * Prefers free committed blocks, then new granules, then eviction. */
+ * Prefers free committed blocks, then new granules, then eviction. On failure the
+ * granules it committed go back. */
 static int pool_alloc(pool_t *p, uint32_t n, uint32_t *ids)
 {
+    uint64_t commits0 = p->commits;
+    int rc;
     for (;;) {
         if (p->n_free >= n) {
             for (uint32_t i = 0; i < n; i++) ids[i] = block_take(p);
@@ -378,13 +399,20 @@ static int pool_alloc(pool_t *p, uint32_t n, uint32_t *ids)
         }
         uint64_t deficit = n - p->n_free;
         if (p->n_uncommitted && p->committed < p->max_granules) {
-            if (pool_commit(p, (uint32_t)PKV_MIN(PKV_DIV_UP(deficit, p->bpg), 64)) == 0)
-                return PKV_ERR_NOMEM;
+            if (pool_commit(p, (uint32_t)PKV_MIN(PKV_DIV_UP(deficit, p->bpg), 64)) == 0) {
+                rc = PKV_ERR_NOMEM;
+                break;
+            }
             continue;
         }
-        if (p->n_cached < deficit) return PKV_ERR_NOSPACE;
+        if (p->n_cached < deficit) {
+            rc = PKV_ERR_NOSPACE;
+            break;
+        }
         while (p->n_free < n) evict_one(p, true);
     }
+    pool_return_fresh(p, p->commits - commits0);
+    return rc;
 }
 
 /* ---- sequences --------------------------------------------------------------------- */
@@ -393,7 +421,7 @@ static int seq_grow_table(pool_seq_t *s, uint32_t nb)
 {
     if (nb <= s->cap) return PKV_OK;
     uint32_t cap = PKV_MAX(nb, s->cap ? s->cap * 2 : 16);
-    uint32_t *t = realloc(s->blocks, (size_t)cap * sizeof(uint32_t));
+    uint32_t *t = kv_realloc(s->blocks, (size_t)cap * sizeof(uint32_t));
     if (!t) return PKV_ERR_NOMEM;
     s->blocks = t;
     s->cap = cap;
@@ -421,10 +449,10 @@ static void seq_unlink(pool_t *p, pool_seq_t *s)
 
 static pool_seq_t *seq_alloc(pool_t *p, uint64_t salt, uint32_t nb)
 {
-    pool_seq_t *s = calloc(1, sizeof(*s));
+    pool_seq_t *s = kv_calloc(1, sizeof(*s));
     if (!s) return NULL;
-    if (pkv_seq_base_init(&s->base, &p->base, salt) || seq_grow_table(s, PKV_MAX(nb, 1))) {
-        pkv_seq_base_fini(&s->base);
+    if (kv_seq_base_init(&s->base, &p->base, salt) || seq_grow_table(s, PKV_MAX(nb, 1))) {
+        kv_seq_base_fini(&s->base);
         free(s);
         return NULL;
     }
@@ -433,7 +461,7 @@ static pool_seq_t *seq_alloc(pool_t *p, uint64_t salt, uint32_t nb)
 
 static void seq_dealloc(pool_seq_t *s)
 {
-    pkv_seq_base_fini(&s->base);
+    kv_seq_base_fini(&s->base);
     free(s->blocks);
     free(s);
 }
@@ -466,13 +494,14 @@ static int pool_seq_create(pkv_kv_t *kv, const pkv_seq_params_t *prm, pkv_seq_t 
         return rc;
     }
     uint32_t nk = p->prefix_cache ? (prm->n_tokens - 1) / T : 0;
-    pkv_key_t *keys = nk ? malloc((size_t)nk * sizeof(*keys)) : NULL;
+    pkv_kv_key_t *keys = nk ? kv_malloc((size_t)nk * sizeof(*keys)) : NULL;
     pool_seq_t *s = seq_alloc(p, prm->salt, nb_total);
     if ((nk && !keys) || !s) {
         rc = PKV_ERR_NOMEM;
         goto fail;
     }
-    nk = nk ? pkv_prefix_keys(kv, prm->salt, prm->tokens, prm->n_tokens, keys) : 0; /* unlocked */
+    nk =
+        nk ? pkv_kv_prefix_keys(kv, prm->salt, prm->tokens, prm->n_tokens, keys) : 0; /* unlocked */
 
     pthread_mutex_lock(&p->lock);
     uint32_t hits = 0, cached_hits = 0;
@@ -556,12 +585,14 @@ static int pool_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens)
         return PKV_ERR_NOSPACE;
     }
     /* New table entries first, the COW copy's block last (into fresh[0]). */
+    uint64_t commits0 = p->commits;
     rc = pool_alloc(p, nb - s->nb, s->blocks + s->nb);
     if (rc == PKV_OK && cow) {
+        uint64_t entry_commits = p->commits - commits0;
         rc = pool_alloc(p, 1, fresh);
-        if (rc) {
-            for (uint32_t i = s->nb; i < nb; i++) block_unref(p, s->blocks[i]);
-            pool_flush_decommits(p);
+        if (rc) { /* hand back the entries and what was committed for them */
+            for (uint32_t i = s->nb; i < nb; i++) block_drop(p, s->blocks[i], true);
+            pool_return_fresh(p, entry_commits);
         }
     }
     if (rc) {
@@ -591,7 +622,7 @@ static int pool_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens)
     return PKV_OK;
 }
 
-static void pool_publish(struct pkv_seq *seq, uint32_t block, const pkv_key_t *key, void *arg)
+static void pool_publish(struct pkv_seq *seq, uint32_t block, const pkv_kv_key_t *key, void *arg)
 {
     pool_seq_t *s = (pool_seq_t *)seq;
     pool_t *p = arg;
@@ -608,7 +639,7 @@ static void pool_publish(struct pkv_seq *seq, uint32_t block, const pkv_key_t *k
 static int pool_seq_append(pkv_seq_t *seq, const int32_t *tokens, uint32_t n)
 {
     pool_t *p = pool_of(seq->kv);
-    pkv_seq_base_append(seq, tokens, n, pool_publish, p);
+    kv_seq_base_append(seq, tokens, n, pool_publish, p);
     pthread_mutex_lock(&p->lock);
     p->live_tokens += n;
     pthread_mutex_unlock(&p->lock);
@@ -623,7 +654,7 @@ static int pool_seq_fork(pkv_seq_t *parent, pkv_seq_t **out)
     uint32_t nb = PKV_DIV_UP(parent->length, T);
     pool_seq_t *c = seq_alloc(p, parent->salt, nb);
     if (!c) return PKV_ERR_NOMEM;
-    pkv_seq_base_copy(&c->base, parent);
+    kv_seq_base_copy(&c->base, parent);
     memcpy(c->blocks, ps->blocks, (size_t)nb * sizeof(uint32_t));
     c->nb = nb;
     /* A shared partial block must be copied before either side writes it. */
@@ -675,30 +706,24 @@ static uint32_t pool_seq_runs(const pkv_seq_t *seq, uint32_t layer, uint32_t beg
     return n;
 }
 
-/* ---- paged-only block API ------------------------------------------------------------ */
+/* ---- block access for transfers ----------------------------------------------------- */
 
-int pkv_seq_blocks(const pkv_seq_t *seq, const uint32_t **ids, uint32_t *n)
+static void pool_seq_blocks(const pkv_seq_t *seq, const uint32_t **ids, uint32_t *n)
 {
-    if (!seq || seq->kv->backend != PKV_BACKEND_PAGED) return PKV_ERR_UNSUPPORTED;
     const pool_seq_t *s = (const pool_seq_t *)seq;
     *ids = s->blocks;
     *n = s->nb;
-    return PKV_OK;
 }
 
-void *pkv_kv_block_head(const pkv_kv_t *kv, uint32_t block, uint32_t layer, uint32_t which,
-                        uint32_t head)
+static void *pool_block_head(const pkv_kv_t *kv, uint32_t block, uint32_t layer, uint32_t which,
+                             uint32_t head)
 {
-    if (kv->backend != PKV_BACKEND_PAGED || layer >= kv->geo.layers || which > 1 ||
-        head >= kv->geo.kv_heads)
-        return NULL;
     const pool_t *p = pool_of(kv);
     return block < p->n_granules * p->bpg ? head_addr(p, block, layer, which, head) : NULL;
 }
 
-int pkv_kv_pin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
+static int pool_pin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
 {
-    if (!kv || kv->backend != PKV_BACKEND_PAGED) return PKV_ERR_UNSUPPORTED;
     pool_t *p = pool_of(kv);
     pthread_mutex_lock(&p->lock);
     for (uint32_t i = 0; i < n; i++) {
@@ -712,14 +737,22 @@ int pkv_kv_pin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
     return PKV_OK;
 }
 
-void pkv_kv_unpin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
+static void pool_unpin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
 {
-    if (!kv || kv->backend != PKV_BACKEND_PAGED) return;
     pool_t *p = pool_of(kv);
     pthread_mutex_lock(&p->lock);
     for (uint32_t i = 0; i < n; i++) block_unref(p, ids[i]);
     pool_flush_decommits(p);
     pthread_mutex_unlock(&p->lock);
+}
+
+static int pool_blocks_alloc(pkv_kv_t *kv, uint32_t n, uint32_t *ids)
+{
+    pool_t *p = pool_of(kv);
+    pthread_mutex_lock(&p->lock);
+    int rc = n > pool_available(p, 0) ? PKV_ERR_NOSPACE : pool_alloc(p, n, ids);
+    pthread_mutex_unlock(&p->lock);
+    return rc;
 }
 
 /* ---- cache control, stats, validation --------------------------------------------- */
@@ -776,7 +809,7 @@ static int pool_validate(pkv_kv_t *kv)
 {
     pool_t *p = pool_of(kv);
     uint32_t nblk = p->n_granules * p->bpg;
-    uint32_t *seq_refs = calloc(nblk, sizeof(uint32_t));
+    uint32_t *seq_refs = kv_calloc(nblk, sizeof(uint32_t));
     if (!seq_refs) return PKV_ERR_NOMEM;
     int rc = PKV_OK;
     pthread_mutex_lock(&p->lock);
@@ -894,18 +927,12 @@ static void pool_destroy(pkv_kv_t *kv)
     pool_free(p);
 }
 
-int pkv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
+int kv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
 {
-    pool_t *p = calloc(1, sizeof(*p));
+    pool_t *p = kv_calloc(1, sizeof(*p));
     if (!p) return PKV_ERR_NOMEM;
     int rc = PKV_ERR_NOMEM;
-    p->base.ops = &pool_ops;
-    p->base.geo = cfg->geo;
-    p->base.geo.block_tokens = cfg->geo.block_tokens ? cfg->geo.block_tokens : 16;
-    p->base.backend = PKV_BACKEND_PAGED;
-    p->base.elem_bytes = pkv_dtype_size(cfg->geo.dtype);
-    p->base.token_bytes = pkv_geometry_token_bytes(&p->base.geo);
-    p->base.block_bytes = p->base.token_bytes * p->base.geo.block_tokens;
+    kv_base_init(&p->base, cfg, &pool_ops);
     size_t bb = p->base.block_bytes;
     uint64_t gran = cfg->granule_bytes ? cfg->granule_bytes : PKV_PRIM_HUGE;
     if (gran % PKV_PRIM_PAGE) {
@@ -935,12 +962,12 @@ int pkv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
     p->huge = cfg->hugepages;
     uint32_t nblk = p->n_granules * p->bpg, hsize = 64;
     while (hsize < nblk / 2) hsize <<= 1;
-    p->blk = calloc(nblk, sizeof(*p->blk));
-    p->gr = calloc(p->n_granules, sizeof(*p->gr));
-    p->bucket = malloc((size_t)p->bpg * sizeof(uint32_t));
-    p->bucket_bits = calloc(PKV_DIV_UP(p->bpg, 64), sizeof(uint64_t));
-    p->uncommitted = malloc((size_t)p->n_granules * sizeof(uint32_t));
-    p->htab = malloc((size_t)hsize * sizeof(uint32_t));
+    p->blk = kv_calloc(nblk, sizeof(*p->blk));
+    p->gr = kv_calloc(p->n_granules, sizeof(*p->gr));
+    p->bucket = kv_malloc((size_t)p->bpg * sizeof(uint32_t));
+    p->bucket_bits = kv_calloc(PKV_DIV_UP(p->bpg, 64), sizeof(uint64_t));
+    p->uncommitted = kv_malloc((size_t)p->n_granules * sizeof(uint32_t));
+    p->htab = kv_malloc((size_t)hsize * sizeof(uint32_t));
     if (!p->blk || !p->gr || !p->bucket || !p->bucket_bits || !p->uncommitted || !p->htab)
         goto fail;
     p->hmask = hsize - 1;
@@ -964,7 +991,7 @@ fail:
     return rc;
 }
 
-static const pkv_kv_ops_t pool_ops = {
+static const kv_ops_t pool_ops = {
     .destroy = pool_destroy,
     .seq_create = pool_seq_create,
     .seq_free = pool_seq_free,
@@ -976,19 +1003,9 @@ static const pkv_kv_ops_t pool_ops = {
     .reset_cache = pool_reset_cache,
     .stats = pool_stats,
     .validate = pool_validate,
+    .seq_blocks = pool_seq_blocks,
+    .block_head = pool_block_head,
+    .pin = pool_pin,
+    .unpin = pool_unpin,
+    .blocks_alloc = pool_blocks_alloc,
 };
-
-int pkv_pool_blocks_alloc(pkv_kv_t *kv, uint32_t n, uint32_t *ids)
-{
-    if (!kv || kv->backend != PKV_BACKEND_PAGED) return PKV_ERR_UNSUPPORTED;
-    pool_t *p = pool_of(kv);
-    pthread_mutex_lock(&p->lock);
-    int rc = n > pool_available(p, 0) ? PKV_ERR_NOSPACE : pool_alloc(p, n, ids);
-    pthread_mutex_unlock(&p->lock);
-    return rc;
-}
-
-void pkv_pool_blocks_free(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
-{
-    pkv_kv_unpin(kv, ids, n);
-}

@@ -1,0 +1,29 @@
+/*
+ * kv: the KV module's interface for other pagekv modules, benchmarks and tools (not
+ * installed). The public face is include/pagekv/kv.h; this adds what the allocator
+ * benchmark and transfer code need beyond it.
+ */
+#ifndef PKV_KV_KV_H
+#define PKV_KV_KV_H
+
+#include "pagekv/kv.h"
+
+/* A block's prefix key: SHA-256 chained over the token ids of the prefix. */
+#define PKV_KV_KEY_BYTES 32
+typedef struct {
+    uint8_t b[PKV_KV_KEY_BYTES];
+} pkv_kv_key_t;
+
+/* Keys of the prompt's adoptable blocks (at most (n_tokens - 1) / block_tokens, into
+ * keys[]): the keys admission looks up. Returns their number. */
+uint32_t pkv_kv_prefix_keys(const pkv_kv_t *kv, uint64_t salt, const int32_t *tokens,
+                            uint32_t n_tokens, pkv_kv_key_t *keys);
+
+/* Paged only (PKV_ERR_UNSUPPORTED on dense): allocate n blocks outside any sequence
+ * (ref 1 each), all or nothing: used by the allocator benchmark and by transfer code that
+ * seats raw blocks. */
+int pkv_kv_blocks_alloc(pkv_kv_t *kv, uint32_t n, uint32_t *ids);
+/* Drop the reference taken by pkv_kv_blocks_alloc (same as pkv_kv_unpin). */
+void pkv_kv_blocks_free(pkv_kv_t *kv, const uint32_t *ids, uint32_t n);
+
+#endif
