@@ -219,42 +219,68 @@ static double loadavg1(void)
     return l;
 }
 
-int pkv_bench_model(int argc, char **argv)
+typedef struct {
+    const char *json, *preset;
+    uint64_t runs, steps, threads, pairs;
+    pkv_dtype_t dt;
+    uint32_t ctxs[MAX_CTX];
+    int n_ctx;
+    bool do8, fast_fill;
+} opts_t;
+
+/* Everything measured. */
+typedef struct {
+    cell_t cells[2][MAX_CTX];
+    double ratio4096[MAX_PAIRS], ratio_ctx[MAX_CTX][MAX_PAIRS];
+    double p3700[2][16], p3700cpu[2][16];
+    double load0, load1;
+} results_t;
+
+/* The figures derived from the results for the metrics table and the JSON. */
+typedef struct {
+    bool have4096;
+    double r4096, p_paged, p_dense, pc_paged, pc_dense;
+} summary_t;
+
+/* -1: parsed, run; otherwise the exit code (usage printed). */
+static int parse_opts(int argc, char **argv, opts_t *o)
 {
-    const char *json = NULL, *preset = "llama-3.2-1b";
-    uint64_t runs = 3, steps = 16, threads = 0, pairs = 9;
-    pkv_dtype_t dt = PKV_DTYPE_BF16;
-    uint32_t ctxs[MAX_CTX] = {512, 4096};
-    int n_ctx = 2;
-    bool do8 = true, fast_fill = false;
+    *o = (opts_t){.preset = "llama-3.2-1b",
+                  .runs = 3,
+                  .steps = 16,
+                  .pairs = 9,
+                  .dt = PKV_DTYPE_BF16,
+                  .ctxs = {512, 4096},
+                  .n_ctx = 2,
+                  .do8 = true};
     for (int i = 1; i < argc; i++) {
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(argv[i], "--json") && v)
-            json = argv[++i];
+            o->json = argv[++i];
         else if (!strcmp(argv[i], "--preset") && v)
-            preset = argv[++i];
+            o->preset = argv[++i];
         else if (!strcmp(argv[i], "--runs") && v) {
-            if (pkv_cli_parse_u64(argv[++i], 1, 16, &runs))
+            if (pkv_cli_parse_u64(argv[++i], 1, 16, &o->runs))
                 return pkv_cli_usage_error("bench model", "--runs: 1..16");
         } else if (!strcmp(argv[i], "--decode-pairs") && v) {
-            if (pkv_cli_parse_u64(argv[++i], 1, MAX_PAIRS, &pairs))
+            if (pkv_cli_parse_u64(argv[++i], 1, MAX_PAIRS, &o->pairs))
                 return pkv_cli_usage_error("bench model", "--decode-pairs: 1..48");
         } else if (!strcmp(argv[i], "--decode-steps") && v) {
-            if (pkv_cli_parse_u64(argv[++i], 1, 4096, &steps))
+            if (pkv_cli_parse_u64(argv[++i], 1, 4096, &o->steps))
                 return pkv_cli_usage_error("bench model", "--decode-steps: 1..4096");
         } else if (!strcmp(argv[i], "--threads") && v) {
-            if (pkv_cli_parse_u64(argv[++i], 1, 64, &threads))
+            if (pkv_cli_parse_u64(argv[++i], 1, 64, &o->threads))
                 return pkv_cli_usage_error("bench model", "--threads: 1..64");
         } else if (!strcmp(argv[i], "--dtype") && v) {
-            if (pkv_dtype_parse(argv[++i], &dt))
+            if (pkv_dtype_parse(argv[++i], &o->dt))
                 return pkv_cli_usage_error("bench model", "--dtype: f32, f16 or bf16");
         } else if (!strcmp(argv[i], "--contexts") && v) {
-            if ((n_ctx = parse_list(argv[++i], ctxs, MAX_CTX, 16, 32000)) < 0)
+            if ((o->n_ctx = parse_list(argv[++i], o->ctxs, MAX_CTX, 16, 32000)) < 0)
                 return pkv_cli_usage_error("bench model", "--contexts: e.g. 512,4096");
         } else if (!strcmp(argv[i], "--no-batch8")) {
-            do8 = false;
+            o->do8 = false;
         } else if (!strcmp(argv[i], "--fast-fill")) {
-            fast_fill = true;
+            o->fast_fill = true;
         } else if (!strcmp(argv[i], "--no-hugepages")) {
             use_thp = false;
         } else if (!strcmp(argv[i], "--block-tokens") && v) {
@@ -270,185 +296,253 @@ int pkv_bench_model(int argc, char **argv)
             return strcmp(argv[i], "--help") ? 2 : 0;
         }
     }
-    pkv_model_config_t mc, lc;
-    if (pkv_model_preset(preset, &mc))
-        return pkv_cli_usage_error("bench model", "unknown preset '%s'", preset);
-    mc.vocab_size = lc.vocab_size = 16384; /* the built-in tokenizer's vocabulary */
-    pkv_model_preset("llama-3.2-1b", &lc);
-    lc.vocab_size = 16384;
-    pkv_model_runtime_t rt = {.threads = (uint32_t)threads};
-    pkv_model_t *m = NULL, *llama = NULL;
-    int rc = 1;
-    if (pkv_model_create_builtin(&mc, 1, &rt, &m)) goto out;
-    llama = strcmp(preset, "llama-3.2-1b") ? NULL : m;
-    if (!llama && pkv_model_create_builtin(&lc, 1, &rt, &llama)) goto out;
+    return -1;
+}
 
-    static cell_t cells[2][MAX_CTX];
-    double ratio4096[MAX_PAIRS] = {0}, ratio_ctx[MAX_CTX][MAX_PAIRS];
-    double p3700[2][16], p3700cpu[2][16];
-    double load0 = loadavg1();
-    uint32_t B = do8 ? 8 : 1;
-    for (int c = 0; c < n_ctx; c++) {
-        ctx_state_t st[2] = {0};
-        uint32_t C = ctxs[c];
-        /* Contexts for decode: batch-8 prefill, once per backend. */
-        for (int be = 0; be < 2; be++) {
-            progress("bench model: %s prefill %u x %u tokens...", pkv_backend_name(be), B, C);
-            if (make_kv(m, be, dt, &st[be].kv)) goto fail_ctx;
-            uint32_t extra = (uint32_t)(2 * pairs * steps + 4);
-            double t = prefill(m, st[be].kv, fast_fill ? 1 : B, C, extra, 7, st[be].seq);
-            if (t < 0) goto fail_ctx;
-            st[be].n = 1;
-            if (fast_fill && B > 1 && copy_contexts(m, st[be].kv, st[be].seq, B, C, extra, 8))
-                goto fail_ctx;
-            st[be].n = B;
-            cells[be][c].prefill8 = do8 && !fast_fill ? (double)B * C / t : 0;
-        }
-        for (uint64_t r = 0; r < pairs; r++) {
-            for (int k = 0; k < 2; k++) {
-                int be = (int)(r & 1) ^ k; /* odd pairs: dense first */
-                progress("bench model: %s decode at %u, pair %u...", pkv_backend_name(be), C,
-                         (unsigned)r + 1);
-                double t8 = do8 ? decode(m, st[be].kv, st[be].seq, 8, (uint32_t)steps) : 1;
-                double t1 = decode(m, st[be].kv, st[be].seq, 1, (uint32_t)steps);
-                if (t8 < 0 || t1 < 0) goto fail_ctx;
-                cells[be][c].decode8[r] = do8 ? 8.0 * steps / t8 : 0;
-                cells[be][c].decode1[r] = (double)steps / t1;
-            }
-            ratio_ctx[c][r] = do8 ? cells[0][c].decode8[r] / cells[1][c].decode8[r]
-                                  : cells[0][c].decode1[r] / cells[1][c].decode1[r];
-            if (C == 4096) ratio4096[r] = ratio_ctx[c][r];
-        }
-        for (int be = 0; be < 2; be++) {
-            for (uint32_t i = 0; i < st[be].n; i++) pkv_seq_free(st[be].seq[i]);
-            pkv_kv_destroy(st[be].kv);
-            st[be] = (ctx_state_t){0};
-        }
-        /* Batch-1 prefill from empty, alternating backends. */
-        for (uint64_t r = 0; r < runs; r++) {
-            for (int be = 0; be < 2; be++) {
-                progress("bench model: %s prefill %u tokens, run %u...", pkv_backend_name(be), C,
-                         (unsigned)r + 1);
-                pkv_kv_t *kv;
-                pkv_seq_t *s;
-                if (make_kv(m, be, dt, &kv)) goto fail;
-                double t = prefill(m, kv, 1, C, 0, 100 + r, &s);
-                if (t < 0) {
-                    pkv_kv_destroy(kv);
-                    goto fail;
-                }
-                pkv_seq_free(s);
-                pkv_kv_destroy(kv);
-                cells[be][c].prefill1[r] = C / t;
-            }
-        }
-        continue;
-    fail_ctx:
-        for (int be = 0; be < 2; be++) {
-            for (uint32_t i = 0; i < st[be].n; i++) pkv_seq_free(st[be].seq[i]);
-            pkv_kv_destroy(st[be].kv);
-        }
-        goto fail;
+static void free_contexts(ctx_state_t st[2])
+{
+    for (int be = 0; be < 2; be++) {
+        for (uint32_t i = 0; i < st[be].n; i++) pkv_seq_free(st[be].seq[i]);
+        pkv_kv_destroy(st[be].kv);
+        st[be] = (ctx_state_t){0};
     }
-    for (uint64_t r = 0; r < runs; r++) {
+}
+
+/* Contexts for decode at context c: batch-B prefill (or one and copies), once per
+ * backend. 0, or -1 (st holds what was built; the caller frees it). */
+static int build_contexts(pkv_model_t *m, const opts_t *o, int c, ctx_state_t st[2], results_t *res)
+{
+    uint32_t B = o->do8 ? 8 : 1, C = o->ctxs[c];
+    for (int be = 0; be < 2; be++) {
+        progress("bench model: %s prefill %u x %u tokens...", pkv_backend_name(be), B, C);
+        if (make_kv(m, be, o->dt, &st[be].kv)) return -1;
+        uint32_t extra = (uint32_t)(2 * o->pairs * o->steps + 4);
+        double t = prefill(m, st[be].kv, o->fast_fill ? 1 : B, C, extra, 7, st[be].seq);
+        if (t < 0) return -1;
+        st[be].n = 1;
+        if (o->fast_fill && B > 1 && copy_contexts(m, st[be].kv, st[be].seq, B, C, extra, 8))
+            return -1;
+        st[be].n = B;
+        res->cells[be][c].prefill8 = o->do8 && !o->fast_fill ? (double)B * C / t : 0;
+    }
+    return 0;
+}
+
+/* --decode-pairs pairs of decode runs at context c, which backend goes first alternating. */
+static int decode_pairs(pkv_model_t *m, const opts_t *o, int c, ctx_state_t st[2], results_t *res)
+{
+    uint32_t C = o->ctxs[c], steps = (uint32_t)o->steps;
+    for (uint64_t r = 0; r < o->pairs; r++) {
+        for (int k = 0; k < 2; k++) {
+            int be = (int)(r & 1) ^ k; /* odd pairs: dense first */
+            progress("bench model: %s decode at %u, pair %u...", pkv_backend_name(be), C,
+                     (unsigned)r + 1);
+            double t8 = o->do8 ? decode(m, st[be].kv, st[be].seq, 8, steps) : 1;
+            double t1 = decode(m, st[be].kv, st[be].seq, 1, steps);
+            if (t8 < 0 || t1 < 0) return -1;
+            res->cells[be][c].decode8[r] = o->do8 ? 8.0 * steps / t8 : 0;
+            res->cells[be][c].decode1[r] = (double)steps / t1;
+        }
+        cell_t *p = &res->cells[0][c], *d = &res->cells[1][c];
+        res->ratio_ctx[c][r] =
+            o->do8 ? p->decode8[r] / d->decode8[r] : p->decode1[r] / d->decode1[r];
+        if (C == 4096) res->ratio4096[r] = res->ratio_ctx[c][r];
+    }
+    return 0;
+}
+
+/* One sequence of `len` tokens prefilled from empty on its own KV cache; seconds, or < 0.
+ * *cpu (optional) gets the process's CPU seconds over it. */
+static double prefill_fresh(pkv_model_t *m, pkv_backend_t be, pkv_dtype_t dt, uint32_t len,
+                            uint64_t seed, double *cpu)
+{
+    pkv_kv_t *kv;
+    pkv_seq_t *s;
+    if (make_kv(m, be, dt, &kv)) return -1;
+    double c0 = cpu_secs();
+    double t = prefill(m, kv, 1, len, 0, seed, &s);
+    if (cpu) *cpu = cpu_secs() - c0;
+    if (t >= 0) pkv_seq_free(s);
+    pkv_kv_destroy(kv);
+    return t;
+}
+
+/* Decode at context c, then --runs batch-1 prefills from empty, alternating backends. */
+static int bench_context(pkv_model_t *m, const opts_t *o, int c, results_t *res)
+{
+    ctx_state_t st[2] = {0};
+    int rc = build_contexts(m, o, c, st, res);
+    if (!rc) rc = decode_pairs(m, o, c, st, res);
+    free_contexts(st);
+    uint32_t C = o->ctxs[c];
+    for (uint64_t r = 0; r < o->runs && !rc; r++) {
+        for (int be = 0; be < 2; be++) {
+            progress("bench model: %s prefill %u tokens, run %u...", pkv_backend_name(be), C,
+                     (unsigned)r + 1);
+            double t = prefill_fresh(m, be, o->dt, C, 100 + r, NULL);
+            if (t < 0) return -1;
+            res->cells[be][c].prefill1[r] = C / t;
+        }
+    }
+    return rc;
+}
+
+/* --runs prefills of 3700 tokens on the llama-3.2-1b preset, per backend. */
+static int bench_prefill3700(pkv_model_t *llama, const opts_t *o, results_t *res)
+{
+    for (uint64_t r = 0; r < o->runs; r++) {
         for (int be = 0; be < 2; be++) {
             progress("bench model: %s prefill 3700 (llama-3.2-1b), run %u...", pkv_backend_name(be),
                      (unsigned)r + 1);
-            pkv_kv_t *kv;
-            pkv_seq_t *s;
-            if (make_kv(llama, be, dt, &kv)) goto fail;
-            double c0 = cpu_secs();
-            double t = prefill(llama, kv, 1, 3700, 0, 200 + r, &s);
-            p3700cpu[be][r] = cpu_secs() - c0;
-            if (t < 0) {
-                pkv_kv_destroy(kv);
-                goto fail;
-            }
-            pkv_seq_free(s);
-            pkv_kv_destroy(kv);
-            p3700[be][r] = t;
+            double t = prefill_fresh(llama, be, o->dt, 3700, 200 + r, &res->p3700cpu[be][r]);
+            if (t < 0) return -1;
+            res->p3700[be][r] = t;
         }
     }
-    if (pkv_cli_progress_enabled()) fprintf(stderr, "\r%70s\r", "");
+    return 0;
+}
 
-    double load1 = loadavg1();
-    const pkv_model_config_t *c0 = pkv_model_config(m);
-    printf("pagekv bench model: preset %s (%u layers, %u KV heads x %u, %u query heads, dim %u, "
-           "hidden %u, vocab %u), KV %s, kernels %s, %u threads, %llu runs, %llu decode steps; "
-           "load average %.2f -> %.2f\n\n",
-           preset, c0->n_layers, c0->n_kv_heads, c0->head_dim, c0->n_heads, c0->dim, c0->hidden_dim,
-           c0->vocab_size, pkv_dtype_name(dt), pkv_model_kernels(m), pkv_model_threads(m),
-           (unsigned long long)runs, (unsigned long long)steps, load0, load1);
+/* The cells table; returns the cells as JSON. */
+static json_t *print_cells(const opts_t *o, const results_t *res)
+{
     printf("| backend | context | batch | prefill tok/s | decode tok/s |\n|---|---|---|---|---|\n");
     json_t *jcells = json_array();
-    for (int c = 0; c < n_ctx; c++) {
-        for (int b = 0; b < (do8 ? 2 : 1); b++) {
+    for (int c = 0; c < o->n_ctx; c++) {
+        for (int b = 0; b < (o->do8 ? 2 : 1); b++) {
             for (int be = 0; be < 2; be++) {
-                cell_t *cl = &cells[be][c];
-                double pf = b ? cl->prefill8 : pkv_bench_median(cl->prefill1, runs);
-                double dc = pkv_bench_median(b ? cl->decode8 : cl->decode1, pairs);
-                if (b && fast_fill)
+                const cell_t *cl = &res->cells[be][c];
+                double pf = b ? cl->prefill8 : pkv_bench_median(cl->prefill1, o->runs);
+                double dc = pkv_bench_median(b ? cl->decode8 : cl->decode1, o->pairs);
+                if (b && o->fast_fill)
                     printf("| %s | %u | 8 | - (--fast-fill) | %.1f |\n", pkv_backend_name(be),
-                           ctxs[c], dc);
+                           o->ctxs[c], dc);
                 else
-                    printf("| %s | %u | %d | %.0f%s | %.1f |\n", pkv_backend_name(be), ctxs[c],
+                    printf("| %s | %u | %d | %.0f%s | %.1f |\n", pkv_backend_name(be), o->ctxs[c],
                            b ? 8 : 1, pf, b ? " (1 run)" : "", dc);
                 json_array_append_new(jcells, json_pack("{s:s, s:i, s:i, s:f, s:f}", "backend",
                                                         pkv_backend_name(be), "context",
-                                                        (int)ctxs[c], "batch", b ? 8 : 1,
+                                                        (int)o->ctxs[c], "batch", b ? 8 : 1,
                                                         "prefill_tok_s", pf, "decode_tok_s", dc));
             }
         }
     }
-    double r4096 = 0;
-    bool have4096 = false;
-    for (int c = 0; c < n_ctx; c++) have4096 |= ctxs[c] == 4096;
-    if (have4096) r4096 = pkv_bench_median(ratio4096, pairs);
-    double p_paged = pkv_bench_median(p3700[0], runs), p_dense = pkv_bench_median(p3700[1], runs);
+    return jcells;
+}
+
+static summary_t summarize(const opts_t *o, const results_t *res)
+{
+    summary_t s = {0};
+    for (int c = 0; c < o->n_ctx; c++) s.have4096 |= o->ctxs[c] == 4096;
+    if (s.have4096) s.r4096 = pkv_bench_median(res->ratio4096, o->pairs);
+    s.p_paged = pkv_bench_median(res->p3700[0], o->runs);
+    s.p_dense = pkv_bench_median(res->p3700[1], o->runs);
+    s.pc_paged = pkv_bench_median(res->p3700cpu[0], o->runs);
+    s.pc_dense = pkv_bench_median(res->p3700cpu[1], o->runs);
+    return s;
+}
+
+static void print_metrics(const opts_t *o, const results_t *res, const summary_t *s)
+{
+    uint32_t B = o->do8 ? 8 : 1;
     printf("\n| metric | value | target |\n|---|---|---|\n");
-    if (have4096)
+    if (s->have4096)
         printf("| decode_paged_over_dense_4096 (batch %u, median of %llu pairs) | %.3f | >= "
                "0.95 |\n",
-               B, (unsigned long long)pairs, r4096);
-    for (int c = 0; c < n_ctx; c++)
-        if (ctxs[c] != 4096)
-            printf("| decode_paged_over_dense_%u (batch %u) | %.3f | |\n", ctxs[c], B,
-                   pkv_bench_median(ratio_ctx[c], pairs));
+               B, (unsigned long long)o->pairs, s->r4096);
+    for (int c = 0; c < o->n_ctx; c++)
+        if (o->ctxs[c] != 4096)
+            printf("| decode_paged_over_dense_%u (batch %u) | %.3f | |\n", o->ctxs[c], B,
+                   pkv_bench_median(res->ratio_ctx[c], o->pairs));
     printf("| prefill_3700_llama_s (paged, median of %llu) | %.2f | <= 10 |\n",
-           (unsigned long long)runs, p_paged);
-    printf("| prefill_3700_llama_s, dense | %.2f | |\n", p_dense);
-    double pc_paged = pkv_bench_median(p3700cpu[0], runs),
-           pc_dense = pkv_bench_median(p3700cpu[1], runs);
+           (unsigned long long)o->runs, s->p_paged);
+    printf("| prefill_3700_llama_s, dense | %.2f | |\n", s->p_dense);
     printf("| prefill_3700 CPU seconds (all threads; OS accounting), paged / dense | %.2f / %.2f "
            "| |\n",
-           pc_paged, pc_dense);
-    if (json) {
-        json_t *o = json_pack(
-            "{s:s, s:s, s:s, s:i, s:i, s:i, s:o, s:f, s:f, s:f, s:f}", "bench", "model", "preset",
-            preset, "dtype", pkv_dtype_name(dt), "threads", (int)pkv_model_threads(m), "runs",
-            (int)runs, "decode_steps", (int)steps, "cells", jcells, "prefill_3700_llama_s", p_paged,
-            "prefill_3700_llama_s_dense", p_dense, "loadavg_before", load0, "loadavg_after", load1);
-        if (have4096) {
-            json_object_set_new(o, "decode_paged_over_dense_4096", json_real(r4096));
-            json_t *pr = json_array();
-            for (uint64_t r = 0; r < pairs; r++) json_array_append_new(pr, json_real(ratio4096[r]));
-            json_object_set_new(o, "decode_paged_over_dense_4096_pairs", pr);
-        }
-        json_object_set_new(o, "decode_pairs", json_integer((json_int_t)pairs));
-        json_object_set_new(o, "kernels", json_string(pkv_model_kernels(m)));
-        json_object_set_new(o, "block_tokens", json_integer(block_tokens));
-        json_object_set_new(o, "prefill_3700_llama_cpu_s", json_real(pc_paged));
-        json_object_set_new(o, "prefill_3700_llama_cpu_s_dense", json_real(pc_dense));
-        json_object_set_new(o, "paged_hugepages", json_boolean(use_thp));
-        rc = pkv_bench_write_json(json, o) ? 1 : 0;
-        json_decref(o);
-    } else {
-        json_decref(jcells);
-        rc = 0;
+           s->pc_paged, s->pc_dense);
+}
+
+/* --json FILE (takes jcells); 0 or 1. */
+static int write_json(pkv_model_t *m, const opts_t *o, const results_t *res, const summary_t *s,
+                      json_t *jcells)
+{
+    json_t *j =
+        json_pack("{s:s, s:s, s:s, s:i, s:i, s:i, s:o, s:f, s:f, s:f, s:f}", "bench", "model",
+                  "preset", o->preset, "dtype", pkv_dtype_name(o->dt), "threads",
+                  (int)pkv_model_threads(m), "runs", (int)o->runs, "decode_steps", (int)o->steps,
+                  "cells", jcells, "prefill_3700_llama_s", s->p_paged, "prefill_3700_llama_s_dense",
+                  s->p_dense, "loadavg_before", res->load0, "loadavg_after", res->load1);
+    if (s->have4096) {
+        json_object_set_new(j, "decode_paged_over_dense_4096", json_real(s->r4096));
+        json_t *pr = json_array();
+        for (uint64_t r = 0; r < o->pairs; r++)
+            json_array_append_new(pr, json_real(res->ratio4096[r]));
+        json_object_set_new(j, "decode_paged_over_dense_4096_pairs", pr);
     }
-    goto out;
-fail:
-    fprintf(stderr, "pagekv bench model: failed (out of memory?)\n");
+    json_object_set_new(j, "decode_pairs", json_integer((json_int_t)o->pairs));
+    json_object_set_new(j, "kernels", json_string(pkv_model_kernels(m)));
+    json_object_set_new(j, "block_tokens", json_integer(block_tokens));
+    json_object_set_new(j, "prefill_3700_llama_cpu_s", json_real(s->pc_paged));
+    json_object_set_new(j, "prefill_3700_llama_cpu_s_dense", json_real(s->pc_dense));
+    json_object_set_new(j, "paged_hugepages", json_boolean(use_thp));
+    int rc = pkv_bench_write_json(o->json, j) ? 1 : 0;
+    json_decref(j);
+    return rc;
+}
+
+static void print_header(pkv_model_t *m, const opts_t *o, const results_t *res)
+{
+    const pkv_model_config_t *c0 = pkv_model_config(m);
+    printf("pagekv bench model: preset %s (%u layers, %u KV heads x %u, %u query heads, dim %u, "
+           "hidden %u, vocab %u), KV %s, kernels %s, %u threads, %llu runs, %llu decode steps; "
+           "load average %.2f -> %.2f\n\n",
+           o->preset, c0->n_layers, c0->n_kv_heads, c0->head_dim, c0->n_heads, c0->dim,
+           c0->hidden_dim, c0->vocab_size, pkv_dtype_name(o->dt), pkv_model_kernels(m),
+           pkv_model_threads(m), (unsigned long long)o->runs, (unsigned long long)o->steps,
+           res->load0, res->load1);
+}
+
+/* Measure, then report; the exit code. */
+static int run_bench(pkv_model_t *m, pkv_model_t *llama, const opts_t *o)
+{
+    static results_t res;
+    memset(&res, 0, sizeof(res));
+    res.load0 = loadavg1();
+    for (int c = 0; c < o->n_ctx; c++)
+        if (bench_context(m, o, c, &res)) return -1;
+    if (bench_prefill3700(llama, o, &res)) return -1;
+    if (pkv_cli_progress_enabled()) fprintf(stderr, "\r%70s\r", "");
+    res.load1 = loadavg1();
+    print_header(m, o, &res);
+    json_t *jcells = print_cells(o, &res);
+    summary_t s = summarize(o, &res);
+    print_metrics(o, &res, &s);
+    if (o->json) return write_json(m, o, &res, &s, jcells);
+    json_decref(jcells);
+    return 0;
+}
+
+int pkv_bench_model(int argc, char **argv)
+{
+    opts_t o;
+    int prc = parse_opts(argc, argv, &o);
+    if (prc >= 0) return prc;
+    pkv_model_config_t mc, lc;
+    if (pkv_model_preset(o.preset, &mc))
+        return pkv_cli_usage_error("bench model", "unknown preset '%s'", o.preset);
+    mc.vocab_size = lc.vocab_size = 16384; /* the built-in tokenizer's vocabulary */
+    pkv_model_preset("llama-3.2-1b", &lc);
+    lc.vocab_size = 16384;
+    pkv_model_runtime_t rt = {.threads = (uint32_t)o.threads};
+    pkv_model_t *m = NULL, *llama = NULL;
+    int rc = 1;
+    if (pkv_model_create_builtin(&mc, 1, &rt, &m)) goto out;
+    llama = strcmp(o.preset, "llama-3.2-1b") ? NULL : m;
+    if (!llama && pkv_model_create_builtin(&lc, 1, &rt, &llama)) goto out;
+    rc = run_bench(m, llama, &o);
+    if (rc < 0) {
+        fprintf(stderr, "pagekv bench model: failed (out of memory?)\n");
+        rc = 1;
+    }
 out:
     if (llama != m) pkv_model_destroy(llama);
     pkv_model_destroy(m);

@@ -1,10 +1,11 @@
 /*
  * pagekv bench tokenizer: the builtin tokenizer on 16,000 characters of numbered-sentence
- * filler (generated here, seeded; the same shape as the serving benchmarks' filler) and
+ * filler (support/filler.c, seeded; the serving benchmarks' filler) and
  * optionally on a file: tokens, characters per token, and encode / decode time
  * (median and min of --runs runs, each one full encode of the text).
  */
 #include "support/cli.h"
+#include "support/filler.h"
 
 #include "core/core.h"
 #include "pagekv/tokenizer.h"
@@ -13,33 +14,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* "Sentence N: the ADJ NOUN of system M VERB OBJECT. " until `n` characters. */
-static char *make_filler(size_t n, uint64_t seed)
-{
-    static const char *adj[] = {"quick",   "careful", "detailed", "brief",       "thorough",
-                                "initial", "final",   "routine",  "independent", "second"};
-    static const char *noun[] = {"analysis", "review", "report",      "study",   "survey",
-                                 "audit",    "test",   "measurement", "summary", "evaluation"};
-    static const char *verb[] = {"shows",   "suggests", "confirms",     "indicates",
-                                 "reveals", "finds",    "demonstrates", "reports"};
-    static const char *obj[] = {
-        "a steady increase in load",        "no change in latency",
-        "a small drop in throughput",       "higher memory use than expected",
-        "that the cache hit rate improved", "a regression in the nightly build",
-        "stable results across all runs",   "errors in about 3 percent of requests"};
-    char *buf = malloc(n + 256);
-    if (!buf) return NULL;
-    size_t len = 0;
-    for (unsigned i = 1; len < n; i++) {
-        len += (size_t)snprintf(buf + len, 256, "Sentence %u: the %s %s of system %u %s %s. ", i,
-                                adj[pkv_splitmix64(&seed) % 10], noun[pkv_splitmix64(&seed) % 10],
-                                (unsigned)(100 + pkv_splitmix64(&seed) % 9900),
-                                verb[pkv_splitmix64(&seed) % 8], obj[pkv_splitmix64(&seed) % 8]);
-    }
-    buf[n] = '\0';
-    return buf;
-}
 
 static int cmp_u64(const void *a, const void *b)
 {
@@ -117,7 +91,7 @@ int pkv_bench_tokenizer(int argc, char **argv)
         fprintf(stderr, "pagekv bench tokenizer: %s\n", pkv_status_str(rc));
         return 1;
     }
-    char *filler = make_filler((size_t)chars, 42);
+    char *filler = pkv_filler_alloc((size_t)chars, 42, 1);
     char *ftext = NULL;
     size_t flen = 0;
     if (file) {

@@ -173,88 +173,122 @@ static bool g_lean_pull = true; /* --no-lean-pull */
  * would let a hung child stall the bench for hours. */
 #define RUN_TIMEOUT_MS 300000
 
+/* The per-run figures measure() takes medians of. */
+typedef struct {
+    double batch[100], mc[100], ratio[100], mcc[100], ratio_c[100], pt[100], ratio_pt[100], ln[100],
+        ratio_ln[100];
+    int nb, npt, nln;
+} tput_acc_t;
+
+/* The lean pull beside a run of `path` (-1: not run). */
+static double lean_pull_ref(const xh_case_t *c, size_t bytes, int path)
+{
+    size_t piece = (size_t)c->geo.block_tokens * c->geo.head_dim * pkv_dtype_size(c->geo.dtype);
+    if (path == PATH_SAME_HOST && g_lean_pull)
+        return xh_lean_pull_gbps(bytes, c->geo.layers, piece, warmup_reads(bytes),
+                                 timed_reads(bytes));
+    if (path == PATH_TCP && g_lean_pull)
+        return xh_lean_pull_tcp_gbps(bytes, c->geo.layers, piece, warmup_reads(bytes),
+                                     timed_reads(bytes));
+    return -1;
+}
+
+/* One 8-in-flight run (its references right before it) into a and t's per-run arrays;
+ * false (t->why set) when it failed. */
+static bool window_run(size_t bytes, int path, int run, int perftest_port, tput_t *t, tput_acc_t *a)
+{
+    xh_case_t c;
+    xh_result_t r;
+    size_case(&c, bytes, path);
+    double ref = perftest_port ? perftest_gbps(bytes, perftest_port + run) : -1;
+    double lean = lean_pull_ref(&c, bytes, path);
+    c.idle_regs = g_idle_regs;
+    c.seed = 7 + (uint64_t)run;
+    c.timeout_ms = RUN_TIMEOUT_MS;
+    c.warmup = warmup_reads(bytes);
+    c.window = 8;
+    c.memcpy_ref = true;
+    c.n_requests = c.warmup + timed_reads(bytes);
+    xh_run(&c, &r);
+    if (!run_ok(&r, c.n_requests, t->why, sizeof(t->why))) return false;
+    uint64_t first = UINT64_MAX, last = 0, total = 0;
+    for (uint32_t i = c.warmup; i < c.n_requests; i++) {
+        first = PKV_MIN(first, r.done_at_ns[i] - r.elapsed_ns[i]);
+        last = PKV_MAX(last, r.done_at_ns[i]);
+        total += r.bytes[i];
+    }
+    int nb = a->nb;
+    a->batch[nb] = (double)total / (double)(last - first);
+    t->run_gbps[nb] = a->batch[nb];
+    int nr = (r.cpu_rtt_ns[0] > 0) + (r.cpu_rtt_ns[1] > 0);
+    t->run_rtt_ns[nb] = nr ? (r.cpu_rtt_ns[0] + r.cpu_rtt_ns[1]) / nr : 0; /* 0: not measured */
+    a->mc[nb] = (r.memcpy_gbps[0] + r.memcpy_gbps[1]) / 2;
+    a->ratio[nb] = a->mc[nb] > 0 ? a->batch[nb] / a->mc[nb] : 0;
+    a->mcc[nb] = (r.memcpy_cold_gbps[0] + r.memcpy_cold_gbps[1]) / 2;
+    a->ratio_c[nb] = a->mcc[nb] > 0 ? a->batch[nb] / a->mcc[nb] : 0;
+    if (ref > 0) {
+        a->pt[a->npt] = ref;
+        a->ratio_pt[a->npt++] = a->batch[nb] / ref;
+    }
+    if (lean > 0) {
+        a->ln[a->nln] = lean;
+        a->ratio_ln[a->nln++] = a->batch[nb] / lean;
+    }
+    a->nb++;
+    return true;
+}
+
+/* `n` reads one at a time after one warm-up read: each read's GB/s into single[]; the
+ * count, or -1 (why set) when the run failed. */
+static int single_reads_run(size_t bytes, int path, int n, double *single, char *why, size_t wl)
+{
+    xh_case_t c;
+    xh_result_t r;
+    size_case(&c, bytes, path);
+    c.seed = 99;
+    c.idle_regs = g_idle_regs;
+    c.timeout_ms = RUN_TIMEOUT_MS;
+    c.warmup = 1;
+    c.sequential = true;
+    c.n_requests = 1 + (uint32_t)n;
+    xh_run(&c, &r);
+    if (!run_ok(&r, c.n_requests, why, wl)) return -1;
+    int ns = 0;
+    for (uint32_t i = c.warmup; i < c.n_requests; i++)
+        single[ns++] = (double)r.bytes[i] / (double)r.elapsed_ns[i];
+    return ns;
+}
+
 static tput_t measure(size_t bytes, int path, int runs, int single_reads, int perftest_port)
 {
     tput_t t = {.ok = true, .ref_gbps = -1, .vs_ref = -1, .lean_gbps = -1, .vs_lean = -1};
-    double batch[100], single[64], mc[100], ratio[100], mcc[100], ratio_c[100], pt[100],
-        ratio_pt[100], ln[100], ratio_ln[100];
-    int nb = 0, ns = 0, npt = 0, nln = 0;
-    for (int run = 0; run < runs && t.ok; run++) {
-        xh_case_t c;
-        xh_result_t r;
-        size_case(&c, bytes, path);
-        double ref = perftest_port ? perftest_gbps(bytes, perftest_port + run) : -1, lean = -1;
-        size_t piece = (size_t)c.geo.block_tokens * c.geo.head_dim * pkv_dtype_size(c.geo.dtype);
-        if (path == PATH_SAME_HOST && g_lean_pull)
-            lean = xh_lean_pull_gbps(bytes, c.geo.layers, piece, warmup_reads(bytes),
-                                     timed_reads(bytes));
-        else if (path == PATH_TCP && g_lean_pull)
-            lean = xh_lean_pull_tcp_gbps(bytes, c.geo.layers, piece, warmup_reads(bytes),
-                                         timed_reads(bytes));
-        c.idle_regs = g_idle_regs;
-        c.seed = 7 + (uint64_t)run;
-        c.timeout_ms = RUN_TIMEOUT_MS;
-        c.warmup = warmup_reads(bytes);
-        c.window = 8;
-        c.memcpy_ref = true;
-        c.n_requests = c.warmup + timed_reads(bytes);
-        xh_run(&c, &r);
-        if (!(t.ok = run_ok(&r, c.n_requests, t.why, sizeof(t.why)))) break;
-        uint64_t first = UINT64_MAX, last = 0, total = 0;
-        for (uint32_t i = c.warmup; i < c.n_requests; i++) {
-            first = PKV_MIN(first, r.done_at_ns[i] - r.elapsed_ns[i]);
-            last = PKV_MAX(last, r.done_at_ns[i]);
-            total += r.bytes[i];
-        }
-        batch[nb] = (double)total / (double)(last - first);
-        t.run_gbps[nb] = batch[nb];
-        int nr = (r.cpu_rtt_ns[0] > 0) + (r.cpu_rtt_ns[1] > 0);
-        t.run_rtt_ns[nb] = nr ? (r.cpu_rtt_ns[0] + r.cpu_rtt_ns[1]) / nr : 0; /* 0: not measured */
-        mc[nb] = (r.memcpy_gbps[0] + r.memcpy_gbps[1]) / 2;
-        ratio[nb] = mc[nb] > 0 ? batch[nb] / mc[nb] : 0;
-        mcc[nb] = (r.memcpy_cold_gbps[0] + r.memcpy_cold_gbps[1]) / 2;
-        ratio_c[nb] = mcc[nb] > 0 ? batch[nb] / mcc[nb] : 0;
-        if (ref > 0) {
-            pt[npt] = ref;
-            ratio_pt[npt++] = batch[nb] / ref;
-        }
-        if (lean > 0) {
-            ln[nln] = lean;
-            ratio_ln[nln++] = batch[nb] / lean;
-        }
-        nb++;
-    }
+    tput_acc_t a = {0};
+    double single[64];
+    int ns = 0;
+    for (int run = 0; run < runs && t.ok; run++)
+        t.ok = window_run(bytes, path, run, perftest_port, &t, &a);
     if (t.ok) {
-        xh_case_t c;
-        xh_result_t r;
-        size_case(&c, bytes, path);
-        c.seed = 99;
-        c.idle_regs = g_idle_regs;
-        c.timeout_ms = RUN_TIMEOUT_MS;
-        c.warmup = 1;
-        c.sequential = true;
-        c.n_requests = 1 + (uint32_t)single_reads;
-        xh_run(&c, &r);
-        if ((t.ok = run_ok(&r, c.n_requests, t.why, sizeof(t.why))))
-            for (uint32_t i = c.warmup; i < c.n_requests; i++)
-                single[ns++] = (double)r.bytes[i] / (double)r.elapsed_ns[i];
+        ns = single_reads_run(bytes, path, single_reads, single, t.why, sizeof(t.why));
+        t.ok = ns >= 0;
+        if (ns < 0) ns = 0;
     }
-    t.batch_gbps = pkv_bench_median(batch, (size_t)nb);
-    t.rtt_ns = pkv_bench_median(t.run_rtt_ns, (size_t)nb);
-    t.memcpy_gbps = pkv_bench_median(mc, (size_t)nb);
-    t.vs_memcpy = pkv_bench_median(ratio, (size_t)nb);
-    t.memcpy_cold_gbps = pkv_bench_median(mcc, (size_t)nb);
-    t.vs_memcpy_cold = pkv_bench_median(ratio_c, (size_t)nb);
+    size_t nb = (size_t)a.nb;
+    t.batch_gbps = pkv_bench_median(a.batch, nb);
+    t.rtt_ns = pkv_bench_median(t.run_rtt_ns, nb);
+    t.memcpy_gbps = pkv_bench_median(a.mc, nb);
+    t.vs_memcpy = pkv_bench_median(a.ratio, nb);
+    t.memcpy_cold_gbps = pkv_bench_median(a.mcc, nb);
+    t.vs_memcpy_cold = pkv_bench_median(a.ratio_c, nb);
     t.single_gbps = pkv_bench_median(single, (size_t)ns);
-    if (npt) {
-        t.ref_gbps = pkv_bench_median(pt, (size_t)npt);
-        t.vs_ref = pkv_bench_median(ratio_pt, (size_t)npt);
+    if (a.npt) {
+        t.ref_gbps = pkv_bench_median(a.pt, (size_t)a.npt);
+        t.vs_ref = pkv_bench_median(a.ratio_pt, (size_t)a.npt);
     }
-    if (nln) {
-        t.lean_gbps = pkv_bench_median(ln, (size_t)nln);
-        t.vs_lean = pkv_bench_median(ratio_ln, (size_t)nln);
+    if (a.nln) {
+        t.lean_gbps = pkv_bench_median(a.ln, (size_t)a.nln);
+        t.vs_lean = pkv_bench_median(a.ratio_ln, (size_t)a.nln);
     }
-    t.runs = nb;
+    t.runs = a.nb;
     t.reads = ns;
     return t;
 }
@@ -411,94 +445,326 @@ static int usage(void)
     return 2;
 }
 
-int pkv_bench_xfer(int argc, char **argv)
+typedef struct {
+    uint64_t runs, kill_runs, fm_runs;
+    const char *json_path;
+    bool perftest, throughput;
+    int only;      /* --path; -1: all */
+    int only_size; /* --size; -1: all */
+} opts_t;
+
+static const size_t sizes[] = {64 << 10, 1 << 20, 16 << 20};
+static const char *const size_names[] = {"64 KiB", "1 MiB", "16 MiB"};
+enum { NS = 3 };
+
+/* An option with a value (argv[*i], value argv[*i + 1]); 0, -1 when `a` is not one of
+ * them, or the usage error's exit code. */
+static int parse_valued(int argc, char **argv, int *i, opts_t *o)
 {
-    uint64_t runs = 3, kill_runs = 5, fm_runs = 0;
-    const char *json_path = NULL;
-    bool perftest = true, throughput = true;
-    int only = -1;      /* --path */
-    int only_size = -1; /* --size */
+    const char *a = argv[*i];
+    if (*i + 1 >= argc) return -1;
+    const char *v = argv[++*i];
+    if (!strcmp(a, "--runs")) {
+        if (pkv_cli_parse_u64(v, 1, 100, &o->runs))
+            return pkv_cli_usage_error("bench xfer", "--runs: 1..100, got '%s'", v);
+    } else if (!strcmp(a, "--kill-runs")) {
+        if (pkv_cli_parse_u64(v, 0, 64, &o->kill_runs))
+            return pkv_cli_usage_error("bench xfer", "--kill-runs: 0..64, got '%s'", v);
+    } else if (!strcmp(a, "--fault-matrix")) {
+        if (pkv_cli_parse_u64(v, 0, 10000, &o->fm_runs))
+            return pkv_cli_usage_error("bench xfer", "--fault-matrix: 0..10000, got '%s'", v);
+    } else if (!strcmp(a, "--idle-registrations")) {
+        uint64_t n;
+        if (pkv_cli_parse_u64(v, 0, 1000000, &n))
+            return pkv_cli_usage_error("bench xfer", "--idle-registrations: 0..1000000, got '%s'",
+                                       v);
+        g_idle_regs = (uint32_t)n;
+    } else if (!strcmp(a, "--json")) {
+        o->json_path = v;
+    } else if (!strcmp(a, "--size")) {
+        static const char *const names[] = {"64k", "1m", "16m"};
+        for (int k = 0; k < 3; k++)
+            if (!strcmp(v, names[k])) o->only_size = k;
+        if (o->only_size < 0)
+            return pkv_cli_usage_error("bench xfer", "--size: 64k, 1m or 16m, got '%s'", v);
+    } else if (!strcmp(a, "--path")) {
+        for (int p = 0; p < NPATHS; p++)
+            if (!strcmp(v, path_names[p])) o->only = p;
+        if (o->only < 0)
+            return pkv_cli_usage_error("bench xfer",
+                                       "--path: same_host, tcp or same_host_ucx, got '%s'", v);
+    } else {
+        --*i;
+        return -1;
+    }
+    return 0;
+}
+
+/* -1: parsed, run; otherwise the exit code. */
+static int parse_opts(int argc, char **argv, opts_t *o)
+{
+    *o = (opts_t){.runs = 3,
+                  .kill_runs = 5,
+                  .perftest = true,
+                  .throughput = true,
+                  .only = -1,
+                  .only_size = -1};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) return usage(), 0;
         if (!strcmp(a, "--no-perftest")) {
-            perftest = false;
+            o->perftest = false;
         } else if (!strcmp(a, "--no-lean-pull")) {
             g_lean_pull = false;
         } else if (!strcmp(a, "--no-throughput")) {
-            throughput = false;
-        } else if (i + 1 < argc && !strcmp(a, "--runs")) {
-            if (pkv_cli_parse_u64(argv[++i], 1, 100, &runs))
-                return pkv_cli_usage_error("bench xfer", "--runs: 1..100, got '%s'", argv[i]);
-        } else if (i + 1 < argc && !strcmp(a, "--kill-runs")) {
-            if (pkv_cli_parse_u64(argv[++i], 0, 64, &kill_runs))
-                return pkv_cli_usage_error("bench xfer", "--kill-runs: 0..64, got '%s'", argv[i]);
-        } else if (i + 1 < argc && !strcmp(a, "--fault-matrix")) {
-            if (pkv_cli_parse_u64(argv[++i], 0, 10000, &fm_runs))
-                return pkv_cli_usage_error("bench xfer", "--fault-matrix: 0..10000, got '%s'",
-                                           argv[i]);
-        } else if (i + 1 < argc && !strcmp(a, "--idle-registrations")) {
-            uint64_t v;
-            if (pkv_cli_parse_u64(argv[++i], 0, 1000000, &v))
-                return pkv_cli_usage_error("bench xfer",
-                                           "--idle-registrations: 0..1000000, got '%s'", argv[i]);
-            g_idle_regs = (uint32_t)v;
-        } else if (i + 1 < argc && !strcmp(a, "--json")) {
-            json_path = argv[++i];
-        } else if (i + 1 < argc && !strcmp(a, "--size")) {
-            const char *v = argv[++i];
-            static const char *const names[] = {"64k", "1m", "16m"};
-            for (int k = 0; k < 3; k++)
-                if (!strcmp(v, names[k])) only_size = k;
-            if (only_size < 0)
-                return pkv_cli_usage_error("bench xfer", "--size: 64k, 1m or 16m, got '%s'", v);
-        } else if (i + 1 < argc && !strcmp(a, "--path")) {
-            const char *v = argv[++i];
-            for (int p = 0; p < NPATHS; p++)
-                if (!strcmp(v, path_names[p])) only = p;
-            if (only < 0)
-                return pkv_cli_usage_error("bench xfer",
-                                           "--path: same_host, tcp or same_host_ucx, got '%s'", v);
+            o->throughput = false;
         } else {
-            return pkv_cli_usage_error("bench xfer", "unknown option '%s'", a);
+            int rc = parse_valued(argc, argv, &i, o);
+            if (rc > 0) return rc;
+            if (rc < 0) return pkv_cli_usage_error("bench xfer", "unknown option '%s'", a);
         }
     }
-    if (!getenv("PKV_LOG")) pkv_log_set_level(PKV_LOG_ERROR); /* PKV_LOG=debug: per-read phases */
+    return -1;
+}
 
-    static const size_t sizes[] = {64 << 10, 1 << 20, 16 << 20};
-    static const char *const size_names[] = {"64 KiB", "1 MiB", "16 MiB"};
-    enum { NS = 3 };
-    json_t *root = json_object(), *results = json_array();
-
-    progress("memcpy reference ...");
-    double mc = xh_memcpy_gbps(9, false);
-
+/* The transfers of every selected (path, size), with the memcpy figures into root. */
+static void run_throughput(opts_t *o, tput_t tp[NPATHS][NS], double mc, json_t *root)
+{
     /* ucx_perftest runs right before each of our tcp runs, at the same size. */
-    if (only >= 0 && only != PATH_TCP) perftest = false;
-    tput_t tp[NPATHS][NS];
-    memset(tp, 0, sizeof(tp));
+    if (o->only >= 0 && o->only != PATH_TCP) o->perftest = false;
     double run_mc[3 * NS];
     int n_run_mc = 0;
     for (int path = 0; path < NPATHS; path++)
-        for (int s = 0; s < NS && (only < 0 || path == only); s++) {
-            if (only_size >= 0 && s != only_size) continue;
-            if (!throughput) continue;
+        for (int s = 0; s < NS && (o->only < 0 || path == o->only); s++) {
+            if (o->only_size >= 0 && s != o->only_size) continue;
+            if (!o->throughput) continue;
             progress("transfers %s %s ...", path_names[path], size_names[s]);
             int port =
-                path == PATH_TCP && perftest ? 10000 + (int)(getpid() % 70) * 300 + s * 100 : 0;
-            tp[path][s] = measure(sizes[s], path, (int)runs, 8, port);
+                path == PATH_TCP && o->perftest ? 10000 + (int)(getpid() % 70) * 300 + s * 100 : 0;
+            tp[path][s] = measure(sizes[s], path, (int)o->runs, 8, port);
             if (tp[path][s].ok) run_mc[n_run_mc++] = tp[path][s].memcpy_gbps;
         }
     /* The reference beside the transfers: median of the memcpy figures taken around them. */
     json_object_set_new(root, "memcpy_gbps",
                         json_real(n_run_mc ? pkv_bench_median(run_mc, (size_t)n_run_mc) : mc));
     json_object_set_new(root, "memcpy_gbps_at_start", json_real(mc));
+}
+
+/* One throughput row's JSON. */
+static json_t *tput_json(int path, int s, const tput_t *t)
+{
+    json_t *o = json_object();
+    json_object_set_new(o, "path", json_string(path_names[path]));
+    json_object_set_new(o, "size", json_integer((json_int_t)sizes[s]));
+    json_object_set_new(o, "gbps", json_real(t->batch_gbps));
+    json_object_set_new(o, "gbps_one_at_a_time", json_real(t->single_gbps));
+    json_object_set_new(o, "memcpy_gbps", json_real(t->memcpy_gbps));
+    json_object_set_new(o, "vs_memcpy", json_real(t->vs_memcpy));
+    json_object_set_new(o, "memcpy_cold_gbps", json_real(t->memcpy_cold_gbps));
+    json_object_set_new(o, "vs_memcpy_cold", json_real(t->vs_memcpy_cold));
+    if (t->ref_gbps > 0) {
+        json_object_set_new(o, "ucx_perftest_gbps", json_real(t->ref_gbps));
+        json_object_set_new(o, "vs_ucx_perftest", json_real(t->vs_ref));
+    }
+    if (t->lean_gbps > 0) {
+        json_object_set_new(o, "lean_pull_gbps", json_real(t->lean_gbps));
+        json_object_set_new(o, "vs_lean_pull", json_real(t->vs_lean));
+    }
+    json_object_set_new(o, "cpu_round_trip_ns", json_real(t->rtt_ns));
+    json_t *per_run = json_array();
+    for (int k = 0; k < t->runs; k++) {
+        json_t *pr = json_object();
+        json_object_set_new(pr, "gbps", json_real(t->run_gbps[k]));
+        json_object_set_new(pr, "cpu_round_trip_ns", json_real(t->run_rtt_ns[k]));
+        json_array_append_new(per_run, pr);
+    }
+    json_object_set_new(o, "per_run", per_run);
+    json_object_set_new(o, "batches", json_integer(t->runs));
+    json_object_set_new(o, "single_reads", json_integer(t->reads));
+    return o;
+}
+
+static void print_tput_row(int path, int s, const tput_t *t)
+{
+    if (!t->ok) {
+        printf("| %s | %s | failed: %s | | | | | | | | |\n", path_names[path], size_names[s],
+               t->why);
+        return;
+    }
+    char ref[32] = "", vs[32] = "", lean[32] = "", vsl[32] = "";
+    if (t->ref_gbps > 0) {
+        snprintf(ref, sizeof(ref), "%.2f", t->ref_gbps);
+        snprintf(vs, sizeof(vs), "%.2fx", t->vs_ref);
+    }
+    if (t->lean_gbps > 0) {
+        snprintf(lean, sizeof(lean), "%.2f", t->lean_gbps);
+        snprintf(vsl, sizeof(vsl), "%.2fx", t->vs_lean);
+    }
+    printf("| %s | %s | %.2f | %.2f | %.2f / %.2f | %.2fx / %.2fx | %s | %s | %s | %s "
+           "| %.0f |\n",
+           path_names[path], size_names[s], t->batch_gbps, t->single_gbps, t->memcpy_gbps,
+           t->memcpy_cold_gbps, t->vs_memcpy, t->vs_memcpy_cold, ref, vs, lean, vsl, t->rtt_ns);
+}
+
+static void print_tput_notes(const opts_t *o)
+{
+    printf("\nsame_host: payload through the producer's shared staging arena (memfd mapped "
+           "by the consumer); same_host_ucx: payload through UCX (shared memory + tcp lanes, "
+           "zero-copy off per UCX-NOTES); tcp: UCX_TLS=tcp on loopback. 8 in flight: "
+           "median over %llu runs of bytes / wall time of %u (64 KiB), %u (1 MiB) or %u "
+           "(16 MiB) reads, a new read as soon as the oldest ended, after a warm-up of "
+           "128 MiB through the same window; one at a time: "
+           "median of 8 reads. References, run right before each run (the median of those "
+           "runs and the median of the runs' own ratios): for tcp ucx_perftest (tag_bw, 8 "
+           "outstanding, the same UCX tcp settings); the lean pull, what this flow can "
+           "reach on this machine with no engine around it: for same_host the two copies "
+           "of a shared-arena read, 8 in flight, handed over through rings in shared memory "
+           "with busy polling; for tcp the same over UCX with ucx_perftest's settings (READ "
+           "active message, the two copies, the stream and its checksum trailer in 60 KiB "
+           "tag messages, ACK; busy polling). CPU round trip: one cache line between the "
+           "first two CPUs, measured in the consumer before its first read and after its "
+           "last (the mean of the two, median over runs; 0: not measured): on a VM it shows "
+           "how far apart the host placed the vCPUs during the run. Targets: same host "
+           ">= 0.6 x memcpy, tcp >= 0.8 x ucx_perftest.\n\n",
+           (unsigned long long)o->runs, timed_reads(sizes[0]), timed_reads(sizes[1]),
+           timed_reads(sizes[2]));
+    if (g_idle_regs)
+        printf("The producer also held %u registered requests that nobody read.\n\n", g_idle_regs);
+}
+
+/* The throughput table and its JSON (results, same_host_ucx, perftest figures). */
+static void report_throughput(const opts_t *o, tput_t tp[NPATHS][NS], json_t *root)
+{
+    json_t *results = json_array();
+    if (o->throughput) {
+        json_t *ucx_shm = json_array();
+        printf(
+            "| path | size | 8 in flight GB/s | one at a time GB/s | memcpy hot / cold GB/s | "
+            "vs memcpy hot / cold | ucx_perftest GB/s | vs ucx_perftest | lean pull GB/s | "
+            "vs lean pull | CPU round trip ns |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+        for (int path = 0; path < NPATHS; path++)
+            for (int s = 0; s < NS && (o->only < 0 || path == o->only); s++) {
+                if (o->only_size >= 0 && s != o->only_size) continue;
+                print_tput_row(path, s, &tp[path][s]);
+                if (!tp[path][s].ok) continue;
+                json_array_append_new(path == PATH_SAME_HOST_UCX ? ucx_shm : results,
+                                      tput_json(path, s, &tp[path][s]));
+            }
+        json_object_set_new(root, "same_host_ucx", ucx_shm);
+        print_tput_notes(o);
+    }
+    json_object_set_new(root, "idle_registrations", json_integer(g_idle_regs));
+    json_object_set_new(root, "results", results);
+    json_object_set_new(root, "ucx_perftest_tcp_gbps", json_real(perftest_or(&tp[PATH_TCP][1])));
+    json_t *ptj = json_object();
+    for (int s = 0; s < NS; s++)
+        json_object_set_new(ptj, size_names[s], json_real(perftest_or(&tp[PATH_TCP][s])));
+    json_object_set_new(root, "ucx_perftest_tcp_gbps_by_size", ptj);
+}
+
+static void report_kill(const opts_t *o, const kill_t kd[NPATHS], json_t *root)
+{
+    printf("| kill -9 of the producer mid-transfer | runs | median ms | max ms |\n"
+           "|---|---|---|---|\n");
+    double worst_median = 0, worst = 0;
+    for (int path = 0; path < NPATHS; path++) {
+        if (o->only >= 0 && path != o->only) continue;
+        printf("| %s | %s | %.0f | %.0f |\n", path_names[path], kd[path].outcomes,
+               kd[path].median_ms, kd[path].max_ms);
+        worst_median = PKV_MAX(worst_median, kd[path].median_ms);
+        worst = PKV_MAX(worst, kd[path].max_ms);
+    }
+    printf("\nTarget: detected <= 1500 ms.\n\n");
+    /* the slowest path's median: the figure the target is about */
+    json_object_set_new(root, "kill_detect_ms", json_real(worst_median));
+    json_object_set_new(root, "kill_detect_ms_max", json_real(worst));
+    if (o->only < 0 || o->only == PATH_TCP)
+        json_object_set_new(root, "kill_detect_ms_tcp", json_real(kd[PATH_TCP].median_ms));
+}
+
+/* One fault-matrix row: fm_runs runs of case fi, printed; returns its JSON. */
+static json_t *fault_row(const opts_t *o, int fi, int *violations)
+{
+    int f = XH_PRODUCER_KILLED_BEFORE + fi / 2;
+    fm_row_t row;
+    memset(&row, 0, sizeof(row));
+    xh_case_t c;
+    xh_case_default(&c);
+    c.fault = (xh_fault_t)f;
+    c.shared = fi % 2;
+    for (uint64_t k = 0; k < o->fm_runs; k++) {
+        progress("fault matrix: %s %llu/%llu", xh_fault_name(c.fault), (unsigned long long)k + 1,
+                 (unsigned long long)o->fm_runs);
+        xh_result_t r;
+        c.seed = 1000 + k;
+        c.n_tokens = k % 2 ? 64 : 512; /* 256 KiB: copied on the progress threads */
+        xh_run(&c, &r);
+        row.runs++;
+        fault_check(&c, &r, &row);
+    }
+    progress_done();
+    char oc[256];
+    outcomes_str(&row, oc, sizeof(oc));
+    printf("| %s | %s | %d | %s | %.0f | %llu | %d%s%s |\n", xh_fault_name(c.fault),
+           c.shared ? "shared arena" : "UCX", row.runs, oc, row.worst_ms,
+           (unsigned long long)c.deadline_ms, row.violations, row.violations ? ": " : "",
+           row.first_violation);
+    fflush(stdout);
+    *violations = row.violations;
+    json_t *j = json_object();
+    json_object_set_new(j, "case", json_string(xh_fault_name(c.fault)));
+    json_object_set_new(j, "payload", json_string(c.shared ? "shared_arena" : "ucx"));
+    json_object_set_new(j, "runs", json_integer(row.runs));
+    json_object_set_new(j, "outcomes", json_string(oc));
+    json_object_set_new(j, "worst_ms", json_real(row.worst_ms));
+    json_object_set_new(j, "deadline_ms", json_integer((json_int_t)c.deadline_ms));
+    json_object_set_new(j, "violations", json_integer(row.violations));
+    return j;
+}
+
+/* --fault-matrix N: every case N times; returns the violations. */
+static int run_fault_matrix(const opts_t *o, json_t *root)
+{
+    int failures = 0;
+    json_t *fm = json_array();
+    printf("## Fault matrix (%llu runs per case, same host)\n\n"
+           "| case | payload | runs | outcomes seen | worst ms | deadline ms | violations "
+           "|\n|---|---|---|---|---|---|---|\n",
+           (unsigned long long)o->fm_runs);
+    for (int fi = 0; fi < 2 * (XH_NFAULTS - 1); fi++) {
+        int v = 0;
+        json_array_append_new(fm, fault_row(o, fi, &v));
+        failures += v;
+    }
+    printf("\nRuns alternate 2 MiB transfers (copied by the copy workers) and 256 KiB ones "
+           "(copied on the progress threads). "
+           "worst ms: read() call to the consumer's outcome (consumer-killed rows: none). "
+           "A violation is an outcome outside the expected set, later than deadline + 1 s, "
+           "a request counted sent without a stored copy, a staging page, pin or transfer "
+           "not returned, or a process that crashed.\n");
+    json_object_set_new(root, "fault_matrix", fm);
+    return failures;
+}
+
+int pkv_bench_xfer(int argc, char **argv)
+{
+    opts_t o;
+    int prc = parse_opts(argc, argv, &o);
+    if (prc >= 0) return prc;
+    if (!getenv("PKV_LOG")) pkv_log_set_level(PKV_LOG_ERROR); /* PKV_LOG=debug: per-read phases */
+    json_t *root = json_object();
+
+    progress("memcpy reference ...");
+    double mc = xh_memcpy_gbps(9, false);
+    static tput_t tp[NPATHS][NS];
+    memset(tp, 0, sizeof(tp));
+    run_throughput(&o, tp, mc, root);
     kill_t kd[NPATHS];
     memset(kd, 0, sizeof(kd));
-    for (int path = 0; path < NPATHS && kill_runs; path++) {
-        if (only >= 0 && path != only) continue;
+    for (int path = 0; path < NPATHS && o.kill_runs; path++) {
+        if (o.only >= 0 && path != o.only) continue;
         progress("kill -9 detection %s ...", path_names[path]);
-        kd[path] = kill_detect(path, (int)kill_runs);
+        kd[path] = kill_detect(path, (int)o.kill_runs);
     }
     progress_done();
 
@@ -510,170 +776,11 @@ int pkv_bench_xfer(int argc, char **argv)
            "same two 16 MiB buffers) and cold (through two 128 MiB regions, as between pools); the "
            "columns give the median over runs and the median of the runs' own ratios.\n\n",
            mc);
-    if (throughput) {
-        json_t *ucx_shm = json_array();
-        printf(
-            "| path | size | 8 in flight GB/s | one at a time GB/s | memcpy hot / cold GB/s | "
-            "vs memcpy hot / cold | ucx_perftest GB/s | vs ucx_perftest | lean pull GB/s | "
-            "vs lean pull | CPU round trip ns |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
-        for (int path = 0; path < NPATHS; path++)
-            for (int s = 0; s < NS && (only < 0 || path == only); s++) {
-                if (only_size >= 0 && s != only_size) continue;
-                tput_t *t = &tp[path][s];
-                if (!t->ok) {
-                    printf("| %s | %s | failed: %s | | | | | | | | |\n", path_names[path],
-                           size_names[s], t->why);
-                    continue;
-                }
-                char ref[32] = "", vs[32] = "", lean[32] = "", vsl[32] = "";
-                if (t->ref_gbps > 0) {
-                    snprintf(ref, sizeof(ref), "%.2f", t->ref_gbps);
-                    snprintf(vs, sizeof(vs), "%.2fx", t->vs_ref);
-                }
-                if (t->lean_gbps > 0) {
-                    snprintf(lean, sizeof(lean), "%.2f", t->lean_gbps);
-                    snprintf(vsl, sizeof(vsl), "%.2fx", t->vs_lean);
-                }
-                printf("| %s | %s | %.2f | %.2f | %.2f / %.2f | %.2fx / %.2fx | %s | %s | %s | %s "
-                       "| %.0f |\n",
-                       path_names[path], size_names[s], t->batch_gbps, t->single_gbps,
-                       t->memcpy_gbps, t->memcpy_cold_gbps, t->vs_memcpy, t->vs_memcpy_cold, ref,
-                       vs, lean, vsl, t->rtt_ns);
-                json_t *o = json_object();
-                json_object_set_new(o, "path", json_string(path_names[path]));
-                json_object_set_new(o, "size", json_integer((json_int_t)sizes[s]));
-                json_object_set_new(o, "gbps", json_real(t->batch_gbps));
-                json_object_set_new(o, "gbps_one_at_a_time", json_real(t->single_gbps));
-                json_object_set_new(o, "memcpy_gbps", json_real(t->memcpy_gbps));
-                json_object_set_new(o, "vs_memcpy", json_real(t->vs_memcpy));
-                json_object_set_new(o, "memcpy_cold_gbps", json_real(t->memcpy_cold_gbps));
-                json_object_set_new(o, "vs_memcpy_cold", json_real(t->vs_memcpy_cold));
-                if (t->ref_gbps > 0) {
-                    json_object_set_new(o, "ucx_perftest_gbps", json_real(t->ref_gbps));
-                    json_object_set_new(o, "vs_ucx_perftest", json_real(t->vs_ref));
-                }
-                if (t->lean_gbps > 0) {
-                    json_object_set_new(o, "lean_pull_gbps", json_real(t->lean_gbps));
-                    json_object_set_new(o, "vs_lean_pull", json_real(t->vs_lean));
-                }
-                json_object_set_new(o, "cpu_round_trip_ns", json_real(t->rtt_ns));
-                json_t *per_run = json_array();
-                for (int k = 0; k < t->runs; k++) {
-                    json_t *pr = json_object();
-                    json_object_set_new(pr, "gbps", json_real(t->run_gbps[k]));
-                    json_object_set_new(pr, "cpu_round_trip_ns", json_real(t->run_rtt_ns[k]));
-                    json_array_append_new(per_run, pr);
-                }
-                json_object_set_new(o, "per_run", per_run);
-                json_object_set_new(o, "batches", json_integer(t->runs));
-                json_object_set_new(o, "single_reads", json_integer(t->reads));
-                json_array_append_new(path == PATH_SAME_HOST_UCX ? ucx_shm : results, o);
-            }
-        json_object_set_new(root, "same_host_ucx", ucx_shm);
-        printf("\nsame_host: payload through the producer's shared staging arena (memfd mapped "
-               "by the consumer); same_host_ucx: payload through UCX (shared memory + tcp lanes, "
-               "zero-copy off per UCX-NOTES); tcp: UCX_TLS=tcp on loopback. 8 in flight: "
-               "median over %llu runs of bytes / wall time of %u (64 KiB), %u (1 MiB) or %u "
-               "(16 MiB) reads, a new read as soon as the oldest ended, after a warm-up of "
-               "128 MiB through the same window; one at a time: "
-               "median of 8 reads. References, run right before each run (the median of those "
-               "runs and the median of the runs' own ratios): for tcp ucx_perftest (tag_bw, 8 "
-               "outstanding, the same UCX tcp settings); the lean pull, what this flow can "
-               "reach on this machine with no engine around it: for same_host the two copies "
-               "of a shared-arena read, 8 in flight, handed over through rings in shared memory "
-               "with busy polling; for tcp the same over UCX with ucx_perftest's settings (READ "
-               "active message, the two copies, the stream and its checksum trailer in 60 KiB "
-               "tag messages, ACK; busy polling). CPU round trip: one cache line between the "
-               "first two CPUs, measured in the consumer before its first read and after its "
-               "last (the mean of the two, median over runs; 0: not measured): on a VM it shows "
-               "how far apart the host placed the vCPUs during the run. Targets: same host "
-               ">= 0.6 x memcpy, tcp >= 0.8 x ucx_perftest.\n\n",
-               (unsigned long long)runs, timed_reads(sizes[0]), timed_reads(sizes[1]),
-               timed_reads(sizes[2]));
-        if (g_idle_regs)
-            printf("The producer also held %u registered requests that nobody read.\n\n",
-                   g_idle_regs);
-    }
-    json_object_set_new(root, "idle_registrations", json_integer(g_idle_regs));
-    json_object_set_new(root, "results", results);
-    json_object_set_new(root, "ucx_perftest_tcp_gbps", json_real(perftest_or(&tp[PATH_TCP][1])));
-    json_t *ptj = json_object();
-    for (int s = 0; s < NS; s++)
-        json_object_set_new(ptj, size_names[s], json_real(perftest_or(&tp[PATH_TCP][s])));
-    json_object_set_new(root, "ucx_perftest_tcp_gbps_by_size", ptj);
-    if (kill_runs) {
-        printf("| kill -9 of the producer mid-transfer | runs | median ms | max ms |\n"
-               "|---|---|---|---|\n");
-        double worst_median = 0, worst = 0;
-        for (int path = 0; path < NPATHS; path++) {
-            if (only >= 0 && path != only) continue;
-            printf("| %s | %s | %.0f | %.0f |\n", path_names[path], kd[path].outcomes,
-                   kd[path].median_ms, kd[path].max_ms);
-            worst_median = PKV_MAX(worst_median, kd[path].median_ms);
-            worst = PKV_MAX(worst, kd[path].max_ms);
-        }
-        printf("\nTarget: detected <= 1500 ms.\n\n");
-        /* the slowest path's median: the figure the target is about */
-        json_object_set_new(root, "kill_detect_ms", json_real(worst_median));
-        json_object_set_new(root, "kill_detect_ms_max", json_real(worst));
-        if (only < 0 || only == PATH_TCP)
-            json_object_set_new(root, "kill_detect_ms_tcp", json_real(kd[PATH_TCP].median_ms));
-    }
-
-    int failures = 0;
-    if (fm_runs) {
-        json_t *fm = json_array();
-        printf("## Fault matrix (%llu runs per case, same host)\n\n"
-               "| case | payload | runs | outcomes seen | worst ms | deadline ms | violations "
-               "|\n|---|---|---|---|---|---|---|\n",
-               (unsigned long long)fm_runs);
-        for (int fi = 0; fi < 2 * (XH_NFAULTS - 1); fi++) {
-            int f = XH_PRODUCER_KILLED_BEFORE + fi / 2;
-            fm_row_t row;
-            memset(&row, 0, sizeof(row));
-            xh_case_t c;
-            xh_case_default(&c);
-            c.fault = (xh_fault_t)f;
-            c.shared = fi % 2;
-            for (uint64_t k = 0; k < fm_runs; k++) {
-                progress("fault matrix: %s %llu/%llu", xh_fault_name(c.fault),
-                         (unsigned long long)k + 1, (unsigned long long)fm_runs);
-                xh_result_t r;
-                c.seed = 1000 + k;
-                c.n_tokens = k % 2 ? 64 : 512; /* 256 KiB: copied on the progress threads */
-                xh_run(&c, &r);
-                row.runs++;
-                fault_check(&c, &r, &row);
-            }
-            progress_done();
-            char oc[256];
-            outcomes_str(&row, oc, sizeof(oc));
-            printf("| %s | %s | %d | %s | %.0f | %llu | %d%s%s |\n", xh_fault_name(c.fault),
-                   c.shared ? "shared arena" : "UCX", row.runs, oc, row.worst_ms,
-                   (unsigned long long)c.deadline_ms, row.violations, row.violations ? ": " : "",
-                   row.first_violation);
-            fflush(stdout);
-            failures += row.violations;
-            json_t *o = json_object();
-            json_object_set_new(o, "case", json_string(xh_fault_name(c.fault)));
-            json_object_set_new(o, "payload", json_string(c.shared ? "shared_arena" : "ucx"));
-            json_object_set_new(o, "runs", json_integer(row.runs));
-            json_object_set_new(o, "outcomes", json_string(oc));
-            json_object_set_new(o, "worst_ms", json_real(row.worst_ms));
-            json_object_set_new(o, "deadline_ms", json_integer((json_int_t)c.deadline_ms));
-            json_object_set_new(o, "violations", json_integer(row.violations));
-            json_array_append_new(fm, o);
-        }
-        printf("\nRuns alternate 2 MiB transfers (copied by the copy workers) and 256 KiB ones "
-               "(copied on the progress threads). "
-               "worst ms: read() call to the consumer's outcome (consumer-killed rows: none). "
-               "A violation is an outcome outside the expected set, later than deadline + 1 s, "
-               "a request counted sent without a stored copy, a staging page, pin or transfer "
-               "not returned, or a process that crashed.\n");
-        json_object_set_new(root, "fault_matrix", fm);
-    }
-    if (json_path && json_dump_file(root, json_path, JSON_INDENT(2))) {
-        fprintf(stderr, "pagekv bench xfer: cannot write %s\n", json_path);
+    report_throughput(&o, tp, root);
+    if (o.kill_runs) report_kill(&o, kd, root);
+    int failures = o.fm_runs ? run_fault_matrix(&o, root) : 0;
+    if (o.json_path && json_dump_file(root, o.json_path, JSON_INDENT(2))) {
+        fprintf(stderr, "pagekv bench xfer: cannot write %s\n", o.json_path);
         json_decref(root);
         return 1;
     }

@@ -1,16 +1,18 @@
 /*
- * The pure pieces of `pagekv bench footprint` (bench/footprint_util.c, compiled into
- * this test directly since bench code is not in the library): filler determinism and
+ * The pure pieces of `pagekv bench footprint` (support/footprint.c, in the support
+ * library the bench and the tests link): filler determinism and
  * exact lengths, its characters per token under the builtin tokenizer, trace windows,
  * the workload's minimum KV, and the SVG writer producing well-formed XML. The bench
  * itself (server processes, minutes of load) stays out of the suite.
  */
-#include "../bench/footprint_util.c"
+#include "support/filler.h"
+#include "support/footprint.h"
 
 #include "pagekv/tokenizer.h"
 #include "support/testutil.h"
 
 #include <ctype.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -54,6 +56,31 @@ START_TEST(filler_seeds_differ_from_the_start)
         ck_assert_msg(same < 16, "seeds %llu and %llu share %zu leading chars",
                       (unsigned long long)(1000 + s), (unsigned long long)(1001 + s), same);
     }
+}
+END_TEST
+
+START_TEST(filler_numbering)
+{
+    /* support/filler.c numbers sentences from `first`; the footprint filler derives it from
+     * the seed, with the same words for the same seed. */
+    char a[301], b[301];
+    pkv_filler_write(a, 300, 5, 1);
+    ck_assert_int_eq(strncmp(a, "Sentence 1: the ", 16), 0);
+    ck_assert_ptr_nonnull(strstr(a, ". Sentence 2: the "));
+    pkv_fp_filler(b, 300, 5);
+    ck_assert_int_eq(strncmp(b, "Sentence 501: the ", 18), 0);
+    /* The first sentence's words are the same. */
+    const char *wa = strchr(a, ':'), *wb = strchr(b, ':');
+    size_t la = (size_t)(strstr(a, ". ") - wa), lb = (size_t)(strstr(b, ". ") - wb);
+    ck_assert_uint_eq(la, lb);
+    ck_assert_int_eq(memcmp(wa, wb, la), 0);
+    char *c = pkv_filler_alloc(300, 5, 501), *d = pkv_fp_filler_alloc(300, 5);
+    ck_assert_ptr_nonnull(c);
+    ck_assert_ptr_nonnull(d);
+    ck_assert_str_eq(c, b);
+    ck_assert_str_eq(d, b);
+    free(c);
+    free(d);
 }
 END_TEST
 
@@ -230,6 +257,7 @@ static Suite *footprint_suite(void)
     TCase *tc = tcase_create("pure");
     tcase_add_test(tc, filler_exact_and_deterministic);
     tcase_add_test(tc, filler_seeds_differ_from_the_start);
+    tcase_add_test(tc, filler_numbering);
     tcase_add_test(tc, filler_chars_per_token);
     tcase_add_test(tc, window_peak_and_last);
     tcase_add_test(tc, kv_min_shared_and_distinct);

@@ -5,6 +5,7 @@
  * load, encode against a plain O(n^2) reference of llama2.c's algorithm, round trips,
  * truncated and corrupt files rejected).
  */
+#include "support/filler.h"
 #include "support/testutil.h"
 
 #include "pagekv/tokenizer.h"
@@ -66,27 +67,8 @@ static const char prose[] =
 /* Numbered-sentence filler of exactly n characters (the benchmarks' kind of text). */
 static char *make_filler(size_t n, uint64_t seed)
 {
-    static const char *adj[] = {"quick",   "careful", "detailed", "brief",       "thorough",
-                                "initial", "final",   "routine",  "independent", "second"};
-    static const char *noun[] = {"analysis", "review", "report",      "study",   "survey",
-                                 "audit",    "test",   "measurement", "summary", "evaluation"};
-    static const char *verb[] = {"shows",   "suggests", "confirms",     "indicates",
-                                 "reveals", "finds",    "demonstrates", "reports"};
-    static const char *obj[] = {
-        "a steady increase in load",        "no change in latency",
-        "a small drop in throughput",       "higher memory use than expected",
-        "that the cache hit rate improved", "a regression in the nightly build",
-        "stable results across all runs",   "errors in about 3 percent of requests"};
-    char *buf = malloc(n + 256);
+    char *buf = pkv_filler_alloc(n, seed, 1);
     ck_assert_ptr_nonnull(buf);
-    size_t len = 0;
-    for (unsigned i = 1; len < n; i++) {
-        len += (size_t)snprintf(buf + len, 256, "Sentence %u: the %s %s of system %u %s %s. ", i,
-                                adj[pkv_test_below(&seed, 10)], noun[pkv_test_below(&seed, 10)],
-                                100 + pkv_test_below(&seed, 9900), verb[pkv_test_below(&seed, 8)],
-                                obj[pkv_test_below(&seed, 8)]);
-    }
-    buf[n] = '\0';
     return buf;
 }
 

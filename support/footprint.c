@@ -3,42 +3,26 @@
  * minimum KV and the SVG writer (see footprint.h). No I/O other than the FILE given to
  * the SVG writer, no global state.
  */
-#include "footprint.h"
+#include "support/footprint.h"
 
-#include "core/core.h"
+#include "support/filler.h"
 
 #include <math.h>
 #include <string.h>
 
+static uint64_t fp_first_sentence(uint64_t seed)
+{
+    return (seed % 10000000ull) * 100ull + 1;
+}
+
 void pkv_fp_filler(char *buf, size_t n, uint64_t seed)
 {
-    /* The shape of bench/bench_tokenizer.c's filler, so its chars/token applies. */
-    static const char *const adj[] = {"quick",   "careful", "detailed", "brief",       "thorough",
-                                      "initial", "final",   "routine",  "independent", "second"};
-    static const char *const noun[] = {"analysis", "review",    "report", "study",
-                                       "survey",   "audit",     "test",   "measurement",
-                                       "summary",  "evaluation"};
-    static const char *const verb[] = {"shows",   "suggests", "confirms",     "indicates",
-                                       "reveals", "finds",    "demonstrates", "reports"};
-    static const char *const obj[] = {
-        "a steady increase in load",        "no change in latency",
-        "a small drop in throughput",       "higher memory use than expected",
-        "that the cache hit rate improved", "a regression in the nightly build",
-        "stable results across all runs",   "errors in about 3 percent of requests"};
-    uint64_t st = seed;
-    unsigned long long num = (seed % 10000000ull) * 100ull + 1;
-    size_t len = 0;
-    while (len < n) {
-        char s[256];
-        int k = snprintf(s, sizeof(s), "Sentence %llu: the %s %s of system %u %s %s. ", num++,
-                         adj[pkv_splitmix64(&st) % 10], noun[pkv_splitmix64(&st) % 10],
-                         (unsigned)(100 + pkv_splitmix64(&st) % 9900),
-                         verb[pkv_splitmix64(&st) % 8], obj[pkv_splitmix64(&st) % 8]);
-        size_t take = (size_t)k < n - len ? (size_t)k : n - len;
-        memcpy(buf + len, s, take);
-        len += take;
-    }
-    buf[n] = '\0';
+    pkv_filler_write(buf, n, seed, fp_first_sentence(seed));
+}
+
+char *pkv_fp_filler_alloc(size_t n, uint64_t seed)
+{
+    return pkv_filler_alloc(n, seed, fp_first_sentence(seed));
 }
 
 pkv_fp_window_t pkv_fp_window(const pkv_fp_sample_t *s, size_t n, uint64_t begin, uint64_t end)
@@ -132,8 +116,22 @@ static void svg_text(FILE *f, const char *s)
 
 enum { SVG_W = 960, SVG_H = 500, SVG_L = 80, SVG_R = 200, SVG_T = 50, SVG_B = 60 };
 
-int pkv_fp_svg_write(FILE *f, const char *title, const pkv_fp_series_t *s, size_t ns,
-                     const pkv_fp_mark_t *m, size_t nm)
+/* The plot's scales: data to pixels. */
+typedef struct {
+    double xtop, ytop, xstep, ystep, pw, ph;
+} svg_axes_t;
+
+static double svg_px(const svg_axes_t *ax, double v)
+{
+    return SVG_L + v / ax->xtop * ax->pw;
+}
+
+static double svg_py(const svg_axes_t *ax, double v)
+{
+    return SVG_T + ax->ph - v / ax->ytop * ax->ph;
+}
+
+static svg_axes_t svg_axes(const pkv_fp_series_t *s, size_t ns, const pkv_fp_mark_t *m, size_t nm)
 {
     double xmax = 0, ymax = 0;
     for (size_t i = 0; i < ns; i++)
@@ -143,14 +141,19 @@ int pkv_fp_svg_write(FILE *f, const char *title, const pkv_fp_series_t *s, size_
         }
     for (size_t i = 0; i < nm; i++)
         if (isfinite(m[i].x) && m[i].x > xmax) xmax = m[i].x;
-    double xstep = pkv_fp_nice_step(xmax > 0 ? xmax : 1, 10);
-    double ystep = pkv_fp_nice_step(ymax > 0 ? ymax * 1.05 : 1, 8);
-    double xtop = ceil((xmax > 0 ? xmax : 1) / xstep) * xstep;
-    double ytop = ceil((ymax > 0 ? ymax * 1.05 : 1) / ystep) * ystep;
-    const double pw = SVG_W - SVG_L - SVG_R, ph = SVG_H - SVG_T - SVG_B;
-#define PX(v) (SVG_L + (v) / xtop * pw)
-#define PY(v) (SVG_T + ph - (v) / ytop * ph)
+    svg_axes_t ax;
+    ax.xstep = pkv_fp_nice_step(xmax > 0 ? xmax : 1, 10);
+    ax.ystep = pkv_fp_nice_step(ymax > 0 ? ymax * 1.05 : 1, 8);
+    ax.xtop = ceil((xmax > 0 ? xmax : 1) / ax.xstep) * ax.xstep;
+    ax.ytop = ceil((ymax > 0 ? ymax * 1.05 : 1) / ax.ystep) * ax.ystep;
+    ax.pw = SVG_W - SVG_L - SVG_R;
+    ax.ph = SVG_H - SVG_T - SVG_B;
+    return ax;
+}
 
+/* Header, title, grid, axes and their labels. */
+static void svg_frame(FILE *f, const char *title, const svg_axes_t *ax)
+{
     fprintf(f,
             "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
             "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
@@ -160,18 +163,19 @@ int pkv_fp_svg_write(FILE *f, const char *title, const pkv_fp_series_t *s, size_
             SVG_W, SVG_H, SVG_W, SVG_H, SVG_W, SVG_H, SVG_L);
     svg_text(f, title);
     fputs("</text>\n", f);
-    /* grid and axes */
-    for (double v = 0; v <= ytop + ystep / 2; v += ystep) {
+    for (double v = 0; v <= ax->ytop + ax->ystep / 2; v += ax->ystep) {
         fprintf(f,
                 "<line x1=\"%d\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#dddddd\"/>\n"
                 "<text x=\"%d\" y=\"%.1f\" text-anchor=\"end\">%g</text>\n",
-                SVG_L, PY(v), SVG_L + pw, PY(v), SVG_L - 6, PY(v) + 4, v);
+                SVG_L, svg_py(ax, v), SVG_L + ax->pw, svg_py(ax, v), SVG_L - 6, svg_py(ax, v) + 4,
+                v);
     }
-    for (double v = 0; v <= xtop + xstep / 2; v += xstep) {
+    for (double v = 0; v <= ax->xtop + ax->xstep / 2; v += ax->xstep) {
         fprintf(f,
                 "<line x1=\"%.1f\" y1=\"%d\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#eeeeee\"/>\n"
                 "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%g</text>\n",
-                PX(v), SVG_T, PX(v), SVG_T + ph, PX(v), SVG_T + ph + 18, v);
+                svg_px(ax, v), SVG_T, svg_px(ax, v), SVG_T + ax->ph, svg_px(ax, v),
+                SVG_T + ax->ph + 18, v);
     }
     fprintf(f,
             "<rect x=\"%d\" y=\"%d\" width=\"%.0f\" height=\"%.0f\" fill=\"none\" "
@@ -180,41 +184,56 @@ int pkv_fp_svg_write(FILE *f, const char *title, const pkv_fp_series_t *s, size_
             "ready</text>\n"
             "<text transform=\"translate(20,%.1f) rotate(-90)\" text-anchor=\"middle\">VmRSS / "
             "KV committed (MiB)</text>\n",
-            SVG_L, SVG_T, pw, ph, SVG_L + pw / 2, SVG_H - 15, SVG_T + ph / 2);
-    /* phase marks */
+            SVG_L, SVG_T, ax->pw, ax->ph, SVG_L + ax->pw / 2, SVG_H - 15, SVG_T + ax->ph / 2);
+}
+
+/* Vertical phase marks (those at a non-finite x are skipped). */
+static void svg_marks(FILE *f, const svg_axes_t *ax, const pkv_fp_mark_t *m, size_t nm)
+{
     for (size_t i = 0; i < nm; i++) {
         if (!isfinite(m[i].x)) continue;
+        double x = svg_px(ax, m[i].x);
         fprintf(f,
                 "<line x1=\"%.1f\" y1=\"%d\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" "
                 "stroke-dasharray=\"2,4\"/>\n"
                 "<text transform=\"translate(%.1f,%d) rotate(-90)\" text-anchor=\"end\" "
                 "font-size=\"10\" fill=\"%s\">",
-                PX(m[i].x), SVG_T, PX(m[i].x), SVG_T + ph, m[i].color, PX(m[i].x) - 3, SVG_T + 4,
-                m[i].color);
+                x, SVG_T, x, SVG_T + ax->ph, m[i].color, x - 3, SVG_T + 4, m[i].color);
         svg_text(f, m[i].label);
         fputs("</text>\n", f);
     }
-    /* series and legend */
+}
+
+/* One polyline per series (non-finite points skipped) and its legend entry. */
+static void svg_series(FILE *f, const svg_axes_t *ax, const pkv_fp_series_t *s, size_t ns)
+{
     for (size_t i = 0; i < ns; i++) {
         fprintf(f, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"%s\"%s points=\"",
                 s[i].color, s[i].dashed ? "1.2" : "1.8",
                 s[i].dashed ? " stroke-dasharray=\"6,3\"" : "");
         for (size_t j = 0; j < s[i].n; j++) {
             if (!isfinite(s[i].x[j]) || !isfinite(s[i].y[j])) continue;
-            fprintf(f, "%s%.1f,%.1f", j ? " " : "", PX(s[i].x[j]), PY(s[i].y[j]));
+            fprintf(f, "%s%.1f,%.1f", j ? " " : "", svg_px(ax, s[i].x[j]), svg_py(ax, s[i].y[j]));
         }
         fputs("\"/>\n", f);
-        double ly = SVG_T + 12 + 20.0 * (double)i;
+        double ly = SVG_T + 12 + 20.0 * (double)i, lx = SVG_L + ax->pw;
         fprintf(f,
                 "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" "
                 "stroke-width=\"2\"%s/>\n<text x=\"%.1f\" y=\"%.1f\">",
-                SVG_L + pw + 12, ly, SVG_L + pw + 36, ly, s[i].color,
-                s[i].dashed ? " stroke-dasharray=\"6,3\"" : "", SVG_L + pw + 42, ly + 4);
+                lx + 12, ly, lx + 36, ly, s[i].color,
+                s[i].dashed ? " stroke-dasharray=\"6,3\"" : "", lx + 42, ly + 4);
         svg_text(f, s[i].label);
         fputs("</text>\n", f);
     }
+}
+
+int pkv_fp_svg_write(FILE *f, const char *title, const pkv_fp_series_t *s, size_t ns,
+                     const pkv_fp_mark_t *m, size_t nm)
+{
+    svg_axes_t ax = svg_axes(s, ns, m, nm);
+    svg_frame(f, title, &ax);
+    svg_marks(f, &ax, m, nm);
+    svg_series(f, &ax, s, ns);
     fputs("</svg>\n", f);
-#undef PX
-#undef PY
     return ferror(f) ? -1 : 0;
 }
