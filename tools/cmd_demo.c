@@ -57,6 +57,12 @@ typedef struct {
     uint64_t deadline_ms;  /* the transfer's deadline; 0 -> 10000 */
 } demo_opts_t;
 
+/* What prefill reports after decode's read. */
+typedef struct {
+    int32_t end; /* how the registration ended; PKV_DISAGG_LEASE_OPEN = still registered */
+    uint64_t sent, bytes_sent, pinned, staging_held, rss;
+} demo_report_t;
+
 typedef struct {
     int outcome;      /* the read's typed outcome */
     const char *path; /* how the payload moved */
@@ -64,9 +70,7 @@ typedef struct {
     uint64_t kv_bytes, prefill_ns, transfer_ns;
     bool kv_identical, first_identical, tokens_identical, shared_arena;
     bool producer_reported, producer_exit_ok;
-    int producer_end; /* how the registration ended: PKV_OK = sent (acknowledged) */
-    uint64_t producer_sent, producer_bytes_sent, producer_pinned, producer_staging_held;
-    uint64_t producer_rss;
+    demo_report_t producer; /* end: PKV_OK = sent (acknowledged) */
     uint64_t consumer_pinned, consumer_staging_held, consumer_bytes_received;
     uint64_t consumer_pool_committed, consumer_rss;
 } demo_result_t;
@@ -79,12 +83,6 @@ typedef struct {
     uint32_t handle_len;
     uint32_t pid;
 } demo_hello_t;
-
-/* What prefill reports after decode's read. */
-typedef struct {
-    int32_t end; /* how the registration ended; PKV_DISAGG_LEASE_OPEN = still registered */
-    uint64_t sent, bytes_sent, pinned, staging_held, rss;
-} demo_report_t;
 
 static pkv_disagg_node_config_t demo_node_config(const demo_opts_t *o, int32_t vocab, uint32_t n,
                                                  bool prefill)
@@ -290,12 +288,7 @@ static void demo_accounting(demo_decode_t *d, demo_result_t *r)
     demo_report_t rep;
     if (d->go_sent && xh_read_all(d->rfd, &rep, sizeof(rep), pkv_now_ns() + DEMO_REPORT_NS) == 0) {
         r->producer_reported = true;
-        r->producer_end = rep.end;
-        r->producer_sent = rep.sent;
-        r->producer_bytes_sent = rep.bytes_sent;
-        r->producer_pinned = rep.pinned;
-        r->producer_staging_held = rep.staging_held;
-        r->producer_rss = rep.rss;
+        r->producer = rep;
     }
     int wst = -1;
     xh_reap(d->pid, &wst, pkv_now_ns() + 5000000000ull); /* it exits once it has reported */
@@ -319,9 +312,9 @@ static void demo_accounting(demo_decode_t *d, demo_result_t *r)
 static bool demo_ok(const demo_result_t *r)
 {
     return r->outcome == PKV_OK && r->kv_identical && r->first_identical && r->tokens_identical &&
-           r->producer_reported && r->producer_end == PKV_OK && r->producer_sent == 1 &&
-           r->producer_bytes_sent == r->kv_bytes && r->producer_pinned == 0 &&
-           r->producer_staging_held == 0 && r->consumer_bytes_received == r->kv_bytes &&
+           r->producer_reported && r->producer.end == PKV_OK && r->producer.sent == 1 &&
+           r->producer.bytes_sent == r->kv_bytes && r->producer.pinned == 0 &&
+           r->producer.staging_held == 0 && r->consumer_bytes_received == r->kv_bytes &&
            r->consumer_pinned == 0 && r->consumer_staging_held == 0 && r->producer_exit_ok;
 }
 
@@ -399,12 +392,12 @@ static void demo_report_accounting(FILE *f, const demo_result_t *r, bool ok)
         fprintf(f,
                 "  prefill    registration ended %s; %llu sent (%.2f MiB), %llu blocks pinned, "
                 "%llu staging pages held; VmRSS %.1f MiB; %s\n",
-                r->producer_end == PKV_OK                  ? "sent (acknowledged)"
-                : r->producer_end == PKV_DISAGG_LEASE_OPEN ? "not (still registered)"
-                                                           : pkv_status_str(r->producer_end),
-                (unsigned long long)r->producer_sent, r->producer_bytes_sent * mib,
-                (unsigned long long)r->producer_pinned,
-                (unsigned long long)r->producer_staging_held, r->producer_rss * mib,
+                r->producer.end == PKV_OK                  ? "sent (acknowledged)"
+                : r->producer.end == PKV_DISAGG_LEASE_OPEN ? "not (still registered)"
+                                                           : pkv_status_str(r->producer.end),
+                (unsigned long long)r->producer.sent, r->producer.bytes_sent * mib,
+                (unsigned long long)r->producer.pinned,
+                (unsigned long long)r->producer.staging_held, r->producer.rss * mib,
                 r->producer_exit_ok ? "exited 0" : "did NOT exit cleanly");
     else
         fprintf(f, "  prefill    no report (the process died or did not answer)\n");
