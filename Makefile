@@ -10,7 +10,8 @@
 # Each src/<module>/*.c goes into the library; support/*.c (code the benchmarks and the
 # tests share: CLI helpers, benchmark helpers, fixtures) into build/libpkvsupport.a, not
 # installed; tools/*.c and bench/*.c make the CLI; each tests/test_*.c is its own test
-# binary linked with tests/support/*.c and the support library.
+# binary linked with tests/support/*.c, the support library and the fuzz targets'
+# properties (tests/fuzz/props_*.c).
 
 CC      ?= cc
 PREFIX  ?= /usr/local
@@ -42,16 +43,19 @@ CLI_SRC   := $(sort $(wildcard tools/*.c bench/*.c))
 TSUP_SRC  := $(sort $(wildcard tests/support/*.c))
 TEST_SRC  := $(sort $(wildcard tests/test_*.c))
 FUZZ_SRC  := $(sort $(wildcard tests/fuzz/fuzz_*.c))
+FPROP_SRC := $(sort $(wildcard tests/fuzz/props_*.c))
 
 LIB_OBJ   := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)
 SUP_OBJ   := $(SUP_SRC:%.c=$(BUILD)/obj/%.o)
 CLI_OBJ   := $(CLI_SRC:%.c=$(BUILD)/obj/%.o)
 TSUP_OBJ  := $(TSUP_SRC:%.c=$(BUILD)/obj/%.o)
+FPROP_OBJ := $(FPROP_SRC:%.c=$(BUILD)/obj/%.o)
 TEST_BIN  := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
 
 ALIB := $(BUILD)/libpagekv.a
 SLIB := $(BUILD)/libpagekv.so
 SUPLIB := $(BUILD)/libpkvsupport.a
+FUZZLIB := $(BUILD)/libpkvfuzz.a
 CLI  := $(BUILD)/pagekv
 
 .SECONDARY:
@@ -92,9 +96,9 @@ $(SUPLIB): $(SUP_OBJ)
 $(CLI): $(CLI_OBJ) $(SUPLIB) $(ALIB)
 	$(CC) $(LDFLAGS) -o $@ $(CLI_OBJ) $(SUPLIB) $(ALIB) $(LDLIBS)
 
-$(BUILD)/tests/%: $(BUILD)/obj/tests/%.o $(TSUP_OBJ) $(SUPLIB) $(ALIB)
+$(BUILD)/tests/%: $(BUILD)/obj/tests/%.o $(TSUP_OBJ) $(SUPLIB) $(FUZZLIB) $(ALIB)
 	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $< $(TSUP_OBJ) $(SUPLIB) $(ALIB) $(TEST_LIBS) $(LDLIBS)
+	$(CC) $(LDFLAGS) -o $@ $< $(TSUP_OBJ) $(SUPLIB) $(FUZZLIB) $(ALIB) $(TEST_LIBS) $(LDLIBS)
 
 # tests/test_api checks the installed headers and this build's .so with this build's
 # compilers (docs/design/api.md).
@@ -110,14 +114,18 @@ check: all $(TEST_BIN)
 
 # libFuzzer targets (tests/fuzz/fuzz_*.c), the library instrumented too:
 #   make fuzz  ->  build/san-fuzzer-no-link-address-undefined/fuzz/fuzz_*  (run: BIN CORPUS_DIR)
-# Their corpora are replayed by the test suite without libFuzzer.
+# Their properties (tests/fuzz/props_*.c, build/libpkvfuzz.a) are linked into the test
+# binaries too, which replay each corpus without libFuzzer.
 FUZZ_BIN := $(FUZZ_SRC:tests/fuzz/%.c=$(BUILD)/fuzz/%)
 fuzz:
 	$(MAKE) --no-print-directory CC=clang SAN=fuzzer-no-link,address,undefined fuzz-bins
 fuzz-bins: $(FUZZ_BIN)
-$(BUILD)/fuzz/%: tests/fuzz/%.c $(ALIB)
+$(FUZZLIB): $(FPROP_OBJ)
 	@mkdir -p $(dir $@)
-	$(CC) $(CPPFLAGS) $(CFLAGS) -fsanitize=fuzzer $< $(ALIB) $(LDLIBS) -o $@
+	rm -f $@ && ar rcs $@ $^
+$(BUILD)/fuzz/%: tests/fuzz/%.c $(FUZZLIB) $(ALIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) -fsanitize=fuzzer $< $(FUZZLIB) $(ALIB) $(LDLIBS) -o $@
 
 install: all
 	install -d $(DESTDIR)$(PREFIX)/include/pagekv $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/bin

@@ -27,7 +27,8 @@
  */
 #include "support/cli.h"
 #include "support/bench.h"
-#include "xfer_harness.h"
+#include "support/lean_pull.h"
+#include "support/xfer_harness.h"
 
 #include "core/core.h"
 #include "pagekv/xfer.h"

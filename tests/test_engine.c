@@ -6,7 +6,7 @@
  */
 #include "support/testutil.h"
 
-#include "engine/sample.h"
+#include "engine/engine.h"
 #include "pagekv/engine.h"
 
 #include <math.h>

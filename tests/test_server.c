@@ -15,6 +15,7 @@
 #include "server/request.h"
 
 #include <curl/curl.h>
+#include <dirent.h>
 #include <jansson.h>
 #include <math.h>
 #include <pthread.h>
@@ -27,8 +28,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-/* The fuzz target itself: its property checks abort on a violation. */
-#include "fuzz/fuzz_request.c"
+/* The fuzz target's properties: their checks abort on a violation. */
+#include "fuzz/props.h"
 
 /* ---- HTTP client ------------------------------------------------------------------------ */
 
@@ -1583,12 +1584,11 @@ START_TEST(fuzz_corpus_replays)
         ck_assert_ptr_nonnull(f);
         size_t n = fread(buf, 1, sizeof(buf), f);
         fclose(f);
-        LLVMFuzzerTestOneInput(buf, n); /* aborts on a broken property */
+        pkv_fuzz_request(buf, n); /* aborts on a broken property */
         ck_assert_uint_ge(n, 1);
-        pkv_log_set_sink(fuzz_quiet, NULL);
-        int outcome = fuzz_request_one(buf[0] & 1 ? PKV_SREQ_CHAT : PKV_SREQ_COMPLETIONS,
-                                       (const char *)buf + 1, n - 1);
-        pkv_log_set_sink(NULL, NULL);
+        pkv_fuzz_quiet_logs(true);
+        int outcome = pkv_fuzz_request_one(buf[0] & 1, (const char *)buf + 1, n - 1);
+        pkv_fuzz_quiet_logs(false);
         if (!strncmp(e->d_name, "ok-", 3)) {
             ck_assert_msg(outcome == 2, "%s should be accepted (outcome %d)", e->d_name, outcome);
             ok++;

@@ -10,6 +10,10 @@
 
 #include "pagekv/tokenizer.h"
 
+/* The fuzz target's properties: their checks abort on a violation. */
+#include "fuzz/props.h"
+
+#include <dirent.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -935,6 +939,49 @@ START_TEST(llama2c_chat_template)
 }
 END_TEST
 
+/* The fuzz corpus (tests/fuzz/corpus/tokenizer) replayed through the fuzz target's
+ * properties: every input passes them, the corpus reaches all three modes (builtin round
+ * trip, llama2.c file, chat template), and its llama2c-* inputs are files the parser
+ * accepts (so the encode/decode checks on a loaded vocabulary run; inputs a fuzzer added
+ * need not be). */
+START_TEST(fuzz_corpus_replays)
+{
+    const char *dir = getenv("PKV_TOKENIZER_CORPUS");
+    if (!dir) dir = "tests/fuzz/corpus/tokenizer";
+    DIR *d = opendir(dir);
+    ck_assert_msg(d != NULL, "corpus directory %s missing (run from the repository root)", dir);
+    static uint8_t buf[1 << 16];
+    int files = 0, parsed = 0, modes[3] = {0, 0, 0};
+    for (struct dirent *e; (e = readdir(d));) {
+        if (e->d_name[0] == '.') continue;
+        char path[512];
+        snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
+        FILE *f = fopen(path, "rb");
+        ck_assert_ptr_nonnull(f);
+        size_t n = fread(buf, 1, sizeof(buf), f);
+        fclose(f);
+        ck_assert_msg(n >= 1 && n < sizeof(buf), "%s: %zu bytes", e->d_name, n);
+        pkv_fuzz_tokenizer(buf, n); /* aborts on a broken property */
+        modes[buf[0] % 3]++;
+        if (!strncmp(e->d_name, "llama2c-", 8)) {
+            ck_assert_uint_eq(buf[0] % 3, 1);
+            ck_assert_uint_ge(n, 3);
+            pkv_tok_t *tok = NULL;
+            int32_t vocab = (int32_t)(buf[1] | buf[2] << 8);
+            ck_assert_msg(pkv_tok_load_llama2c_mem(buf + 3, n - 3, vocab, &tok) == PKV_OK,
+                          "%s: not a llama2.c file the parser accepts", e->d_name);
+            pkv_tok_destroy(tok);
+            parsed++;
+        }
+        files++;
+    }
+    closedir(d);
+    ck_assert_int_ge(files, 4);
+    ck_assert_int_ge(parsed, 1);
+    for (int m = 0; m < 3; m++) ck_assert_msg(modes[m] > 0, "no corpus input in mode %d", m);
+}
+END_TEST
+
 static Suite *tokenizer_suite(void)
 {
     Suite *s = suite_create("tokenizer");
@@ -952,6 +999,7 @@ static Suite *tokenizer_suite(void)
     tcase_add_test(tc, chat_template_builtin);
     tcase_add_test(tc, utf8_streaming_and_stop_ids);
     tcase_add_test(tc, concurrent_encode_shares_one_tokenizer);
+    tcase_add_test(tc, fuzz_corpus_replays);
     suite_add_tcase(s, tc);
     TCase *l2 = tcase_create("llama2c");
     tcase_set_timeout(l2, 60);

@@ -9,19 +9,22 @@
  *     1 s, nothing counted sent that was not acknowledged, no crash, every staging page
  *     and pin returned. PKV_XFER_FAULT_REPEAT (default 1) repeats each case; the big
  *     repeated matrix is `pagekv bench xfer --fault-matrix N`.
- * The two-process harness lives in bench/xfer_harness.c (shared with the benchmark).
+ * The two-process harness lives in support/xfer_harness.c (shared with the benchmark).
  */
 #include "support/testutil.h"
 
-#include "../bench/disagg.c"
-#include "../bench/lean_pull.c"
-#include "../bench/xfer_harness.c"
-#include "xfer/sum.h"
+#include "support/lean_pull.h"
+#include "support/xfer_harness.h"
+
+#include "disagg/disagg.h"
 #include "xfer/xfer_int.h"
 
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 static uint64_t env_u64(const char *name, uint64_t fallback)
 {
@@ -409,7 +412,7 @@ START_TEST(whole_stream_checksums_ride_the_payload)
                 pair_make_with(&x, cases[c].g, cases[c].tokens, 21, worker, false);
                 const pkv_geometry_t *g = pkv_kv_geometry(x.p.kv);
                 uint32_t n_tok = x.sn * g->block_tokens;
-                pattern_apply(x.src, g, 77, 0, n_tok, true);
+                xh_pattern_apply(x.src, g, 77, 0, n_tok, true);
                 pkv_xfer_faults_t f = {.corrupt_layer = bad};
                 pkv_xfer_set_faults(x.p.a, &f);
                 reg_cb_t sent = {0, 0, 0};
@@ -417,7 +420,7 @@ START_TEST(whole_stream_checksums_ride_the_payload)
                 int oc = register_and_read(&x, 3, &sent, 5000000000ull, &h);
                 ck_assert_msg(oc == (bad < 0 ? PKV_OK : PKV_ERR_CORRUPT),
                               "case %d worker %d bad layer %d: outcome %d", c, worker, bad, oc);
-                if (bad < 0) ck_assert_uint_eq(pattern_apply(x.dst, g, 77, 0, n_tok, false), 0);
+                if (bad < 0) ck_assert_uint_eq(xh_pattern_apply(x.dst, g, 77, 0, n_tok, false), 0);
                 ck_assert_int_eq(pkv_xfer_wait_idle(x.c.a, pkv_deadline_after_ns(3000000000ull)),
                                  PKV_OK);
                 ck_assert_int_eq(pkv_xfer_wait_idle(x.p.a, pkv_deadline_after_ns(3000000000ull)),
@@ -448,7 +451,7 @@ START_TEST(in_process_read_ok_then_sent_once)
     const uint32_t *sids = x.sids, *dids = x.dids;
     uint32_t sn = x.sn, dn = x.dn;
     const pkv_geometry_t *g = pkv_kv_geometry(x.p.kv);
-    pattern_apply(src, g, 42, 0, 37, true);
+    xh_pattern_apply(src, g, 42, 0, 37, true);
     reg_cb_t sent = {0, 0, 0};
     pkv_xfer_handle_t *h;
     ck_assert_int_eq(pkv_xfer_register(x.p.a, 9, sids, sn, PKV_DEADLINE_NEVER, reg_cb, &sent, &h),
@@ -496,7 +499,7 @@ START_TEST(in_process_read_ok_then_sent_once)
     ck_assert_int_eq(atomic_load(&d.calls), 1);
     ck_assert_int_eq(atomic_load(&d.outcome), PKV_OK);
     ck_assert_uint_eq(pkv_xfer_read_bytes(rd), (uint64_t)sn * pkv_kv_block_bytes(x.p.kv));
-    ck_assert_uint_eq(pattern_apply(dst, g, 42, 0, 37, false), 0);
+    ck_assert_uint_eq(xh_pattern_apply(dst, g, 42, 0, 37, false), 0);
     /* ok arrives after staging and pins are back */
     pkv_xfer_stats_t s;
     pkv_xfer_stats(x.c.a, &s);
@@ -712,7 +715,7 @@ START_TEST(callback_starts_the_next_read)
         pair_t x;
         pair_make(&x, &SMALL, 40, 11);
         const pkv_geometry_t *g = pkv_kv_geometry(x.p.kv);
-        pattern_apply(x.src, g, 77, 0, 40, true);
+        xh_pattern_apply(x.src, g, 77, 0, 40, true);
         static chain_t ch;
         memset(&ch, 0, sizeof(ch));
         ch.a = x.c.a;
@@ -754,7 +757,7 @@ START_TEST(callback_starts_the_next_read)
             ck_assert_ptr_null(ch.rd[ended]);
         } else {
             ck_assert_uint_eq(ended, ch.n);
-            ck_assert_uint_eq(pattern_apply(x.dst, g, 77, 0, 40, false), 0);
+            ck_assert_uint_eq(xh_pattern_apply(x.dst, g, 77, 0, 40, false), 0);
         }
         for (uint32_t i = 0; i + 1 < ended; i++) {
             ck_assert_int_eq(ch.start_rc[i], PKV_OK);
@@ -1240,39 +1243,162 @@ START_TEST(read_ids_unique_and_not_sequential)
 }
 END_TEST
 
-/* The demo's disaggregated run (prefill process -> pull -> decode) on the tiny model:
- * the read ends ok, the transferred KV equals decode's own run of the prompt bitwise,
- * the first and every generated token equal the unified run's, the producer counted it
- * sent once and both sides returned every pin and staging page. Through the shared
- * arena, through UCX on one host, and with UCX_TLS=tcp. */
-START_TEST(disagg_matches_unified)
+/* The disagg flow in one process, a prefill node and a decode node paired over loopback
+ * as the other tests pair agents, on the tiny model: the lease's handle travels as bytes,
+ * the pull ends ok into the decode node's sequence, the registration ends sent, the
+ * transferred KV equals the decode node's own run of the prompt bitwise, the first and
+ * every generated token equal the unified run's, and both nodes return every pin and
+ * staging page. Through the shared arena, through UCX on one host, and with UCX_TLS=tcp
+ * (this test's own process: Check forks each test). */
+START_TEST(disagg_nodes_match_unified)
 {
-    pkv_disagg_opts_t o = {.preset = "tiny",
-                           .max_tokens = 12,
-                           .dtype = _i == 2 ? PKV_DTYPE_F32 : PKV_DTYPE_BF16,
-                           .no_shared = _i == 1,
-                           .tcp = _i == 2};
-    pkv_disagg_result_t r;
-    int rc = pkv_disagg_run(&o, &r);
+    if (_i == 2) setenv("UCX_TLS", "tcp", 1);
+    pkv_tok_t *tok;
+    ck_assert_int_eq(pkv_tok_create_builtin(&tok), PKV_OK);
+    static const char prompt[] = "The decode node pulls the prefill node's blocks and goes on.";
+    int32_t *ids;
+    size_t n_ids;
+    ck_assert_int_eq(pkv_tok_encode_alloc(tok, prompt, strlen(prompt), true, &ids, &n_ids), PKV_OK);
+    uint32_t n = (uint32_t)n_ids, max = 12;
+    pkv_disagg_node_config_t pc = {.preset = "tiny",
+                                   .vocab = pkv_tok_vocab_size(tok),
+                                   .dtype = _i == 2 ? PKV_DTYPE_F32 : PKV_DTYPE_BF16,
+                                   .stage_tokens = n,
+                                   .shared_stage = true,
+                                   .stage_name = "pkv-test-prefill"};
+    pkv_disagg_node_config_t dc = pc;
+    dc.shared_stage = false;
+    dc.stage_name = "pkv-test-decode";
+    dc.no_shared = _i != 0;
+    pkv_disagg_node_t *p, *d;
+    ck_assert_int_eq(pkv_disagg_node_create(&pc, &p), PKV_OK);
+    ck_assert_int_eq(pkv_disagg_node_create(&dc, &d), PKV_OK);
+    pkv_disagg_lease_t *l;
+    ck_assert_int_eq(pkv_disagg_prefill(p, 7, ids, n, 30000000000ull, &l), PKV_OK);
+    ck_assert_int_eq(pkv_disagg_lease_wait(l, 0), PKV_DISAGG_LEASE_OPEN);
+    uint8_t buf[4096]; /* through bytes, as a decode node gets it */
+    size_t len;
+    ck_assert_int_eq(pkv_xfer_handle_encode(pkv_disagg_lease_handle(l), buf, sizeof(buf), &len),
+                     PKV_OK);
+    pkv_xfer_handle_t *h;
+    ck_assert_int_eq(pkv_xfer_handle_decode(buf, len, &h), PKV_OK);
+    pkv_kv_t *kv = pkv_disagg_node_kv(d);
+    pkv_seq_t *seq;
+    ck_assert_int_eq(pkv_disagg_seq_create(kv, ids, n, max, &seq), PKV_OK);
+    pkv_disagg_pull_t r = {.outcome = 99};
+    uint64_t deadline = pkv_deadline_after_ns(10000000000ull);
+    /* a handle that does not cover exactly the prompt reads nothing */
+    ck_assert_int_eq(pkv_disagg_pull(d, h, seq, ids, n + 16, deadline, &r), PKV_ERR_INVALID);
+    ck_assert_int_eq(r.outcome, 99);
+    ck_assert_int_eq(pkv_disagg_pull(d, h, seq, ids, n, deadline, &r), PKV_OK);
     ck_assert_int_eq(r.outcome, PKV_OK);
-    ck_assert(r.kv_identical);
-    ck_assert(r.first_identical);
-    ck_assert(r.tokens_identical);
-    ck_assert_uint_ge(r.generated, 1);
-    ck_assert(r.producer_reported);
-    ck_assert_int_eq(r.producer_end, PKV_OK);
-    ck_assert_uint_eq(r.producer_sent, 1);
-    ck_assert_uint_eq(r.producer_bytes_sent, r.kv_bytes);
-    ck_assert_uint_eq(r.consumer_bytes_received, r.kv_bytes);
-    ck_assert_uint_eq(r.producer_pinned + r.consumer_pinned, 0);
-    ck_assert_uint_eq(r.producer_staging_held + r.consumer_staging_held, 0);
-    ck_assert(r.producer_exit_ok);
+    ck_assert_uint_eq(r.bytes, (uint64_t)h->n_blocks * pkv_kv_block_bytes(kv));
     ck_assert(r.shared_arena == (_i == 0)); /* the path asked for is the path taken */
-    ck_assert_int_eq(rc, 0);
+    ck_assert_int_eq(pkv_disagg_lease_end(l, pkv_deadline_after_ns(2000000000ull)), PKV_OK);
+    /* the unified run in a pool of its own */
+    pkv_model_t *m = pkv_disagg_node_model(d);
+    pkv_kv_t *ref_kv;
+    pkv_seq_t *ref;
+    ck_assert_int_eq(pkv_disagg_pool_create(d, &ref_kv), PKV_OK);
+    ck_assert_int_eq(pkv_disagg_seq_create(ref_kv, ids, n, max, &ref), PKV_OK);
+    float *logits = malloc(sizeof(float) * (size_t)pc.vocab);
+    int32_t ref_first = -1, gen[12], ref_gen[12];
+    ck_assert_int_eq(pkv_disagg_forward(m, ref_kv, ref, ids, n, logits, &ref_first), PKV_OK);
+    ck_assert(pkv_disagg_kv_equal(kv, seq, ref_kv, ref, n));
+    ck_assert_int_eq(pkv_disagg_lease_first(l), ref_first);
+    int ng = pkv_disagg_generate(m, kv, seq, tok, ref_first, max, logits, gen);
+    int nrg = pkv_disagg_generate(m, ref_kv, ref, tok, ref_first, max, logits, ref_gen);
+    ck_assert_int_ge(ng, 1);
+    ck_assert_int_eq(ng, nrg);
+    ck_assert_mem_eq(gen, ref_gen, sizeof(int32_t) * (size_t)ng);
+    pkv_xfer_stats_t ps, ds;
+    ck_assert_int_eq(pkv_xfer_wait_idle(pkv_disagg_node_agent(p), deadline), PKV_OK);
+    ck_assert_int_eq(pkv_xfer_wait_idle(pkv_disagg_node_agent(d), deadline), PKV_OK);
+    pkv_xfer_stats(pkv_disagg_node_agent(p), &ps);
+    pkv_xfer_stats(pkv_disagg_node_agent(d), &ds);
+    ck_assert_uint_eq(ps.sent, 1);
+    ck_assert_uint_eq(ps.bytes_sent, r.bytes);
+    ck_assert_uint_eq(ds.bytes_received, r.bytes);
+    ck_assert_uint_eq(ps.pinned_blocks + ds.pinned_blocks, 0);
+    ck_assert_uint_eq(ps.staging_pages_held + ds.staging_pages_held, 0);
+    /* a lease nobody reads ends cancelled when freed: its pins come back */
+    pkv_disagg_lease_t *idle;
+    ck_assert_int_eq(pkv_disagg_prefill(p, 8, ids, n, 30000000000ull, &idle), PKV_OK);
+    pkv_xfer_stats(pkv_disagg_node_agent(p), &ps);
+    ck_assert_uint_gt(ps.pinned_blocks, 0);
+    ck_assert_int_eq(pkv_disagg_lease_end(idle, 0), PKV_ERR_CANCELLED);
+    pkv_disagg_lease_free(idle);
+    pkv_xfer_stats(pkv_disagg_node_agent(p), &ps);
+    ck_assert_uint_eq(ps.pinned_blocks, 0);
+    free(logits);
+    pkv_seq_free(ref);
+    pkv_kv_destroy(ref_kv);
+    pkv_seq_free(seq);
+    pkv_xfer_handle_free(h);
+    pkv_disagg_lease_free(l);
+    pkv_disagg_node_destroy(d);
+    pkv_disagg_node_destroy(p);
+    free(ids);
+    pkv_tok_destroy(tok);
 }
 END_TEST
 
-/* The demo's comparison looks at every position below n of every layer, K and V, every
+/* `pagekv demo` as a real subprocess (BUILD/pagekv: BUILD from scripts/run-tests.sh, else
+ * the directory above this binary's tests/): its exit code and stdout+stderr. */
+static int run_demo(const char *args, char *out, size_t cap)
+{
+    char bin[2048];
+    const char *build = getenv("BUILD");
+    if (build && *build) {
+        snprintf(bin, sizeof(bin), "%s/pagekv", build);
+    } else {
+        ssize_t k = readlink("/proc/self/exe", bin, sizeof(bin) - 16);
+        ck_assert_int_gt(k, 0);
+        bin[k] = 0;
+        for (int i = 0; i < 2; i++) *strrchr(bin, '/') = 0; /* BUILD/tests/test_xfer */
+        strcat(bin, "/pagekv");
+    }
+    ck_assert_msg(access(bin, X_OK) == 0, "%s not built", bin);
+    char cmd[4096];
+    snprintf(cmd, sizeof(cmd), "exec '%s' demo %s 2>&1", bin, args);
+    FILE *f = popen(cmd, "r");
+    ck_assert_ptr_nonnull(f);
+    size_t n = fread(out, 1, cap - 1, f);
+    out[n] = 0;
+    int st = pclose(f);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+/* The demo itself on the tiny model, in the three modes: exit 0 and its key lines (the
+ * path taken, every check yes, sent once, every pin and staging page back, result ok). */
+START_TEST(demo_runs_as_a_process)
+{
+    static const char *const args[] = {"", "--no-shared", "--tcp --dtype f32"};
+    static const char *const path[] = {
+        "transfer   same host, shared memfd staging arena: ok",
+        "transfer   same host through UCX, staging copied on both sides: ok",
+        "transfer   tcp (UCX_TLS=tcp), staging copied on both sides: ok"};
+    char cmd[256];
+    snprintf(cmd, sizeof(cmd), "--preset tiny --max-tokens 12 %s", args[_i]);
+    static char out[1 << 16];
+    int rc = run_demo(cmd, out, sizeof(out));
+    ck_assert_msg(rc == 0, "pagekv demo %s: exit %d\n%s", cmd, rc, out);
+    static const char *const lines[] = {"tiny geometry",
+                                        "transferred KV identical to its own run of the prompt",
+                                        "first token identical: yes;",
+                                        "identical to the unified run: yes",
+                                        "registration ended sent (acknowledged); 1 sent",
+                                        "0 blocks pinned, 0 staging pages held; VmRSS",
+                                        "exited 0",
+                                        "  result     ok\n"};
+    ck_assert_msg(strstr(out, path[_i]), "no '%s' in:\n%s", path[_i], out);
+    for (size_t i = 0; i < sizeof(lines) / sizeof(lines[0]); i++)
+        ck_assert_msg(strstr(out, lines[i]), "no '%s' in:\n%s", lines[i], out);
+    ck_assert_ptr_null(strstr(out, ": NO"));
+}
+END_TEST
+
+/* The disagg comparison looks at every position below n of every layer, K and V, every
  * head, and at nothing past n (a partial last block's tail is not KV yet). */
 START_TEST(disagg_kv_compare_sees_every_position)
 {
@@ -1287,8 +1413,8 @@ START_TEST(disagg_kv_compare_sees_every_position)
     ck_assert_int_eq(pkv_kv_create(&kc, &b), PKV_OK);
     int32_t tok[10] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
     pkv_seq_t *sa, *sb;
-    ck_assert_int_eq(dg_seq(a, tok, 10, 0, &sa), PKV_OK);
-    ck_assert_int_eq(dg_seq(b, tok, 10, 0, &sb), PKV_OK);
+    ck_assert_int_eq(pkv_disagg_seq_create(a, tok, 10, 0, &sa), PKV_OK);
+    ck_assert_int_eq(pkv_disagg_seq_create(b, tok, 10, 0, &sb), PKV_OK);
     const uint32_t *ia, *ib;
     uint32_t na, nb;
     ck_assert_int_eq(pkv_seq_blocks(sa, &ia, &na), PKV_OK);
@@ -1304,20 +1430,20 @@ START_TEST(disagg_kv_compare_sees_every_position)
                     memset(pkv_kv_block_head(b, ib[k], l, w, h), (int)(k * 16 + l * 4 + w * 2 + h),
                            piece);
                 }
-    ck_assert(dg_kv_equal(a, ia, b, ib, na, 10));
+    ck_assert(pkv_disagg_kv_equal(a, sa, b, sb, 10));
     /* position 10 (the last block's third slot) is past the prompt: not compared */
     uint8_t *v = pkv_kv_block_head(b, ib[2], 2, 1, 1);
     size_t tb = 8 * sizeof(float); /* one position of one head */
     v[2 * tb] ^= 1;
-    ck_assert(dg_kv_equal(a, ia, b, ib, na, 10));
+    ck_assert(pkv_disagg_kv_equal(a, sa, b, sb, 10));
     /* position 9 (its second slot), last layer, V, last head, last byte: compared */
     v[2 * tb - 1] ^= 1;
-    ck_assert(!dg_kv_equal(a, ia, b, ib, na, 10));
+    ck_assert(!pkv_disagg_kv_equal(a, sa, b, sb, 10));
     v[2 * tb - 1] ^= 1;
-    ck_assert(dg_kv_equal(a, ia, b, ib, na, 10));
+    ck_assert(pkv_disagg_kv_equal(a, sa, b, sb, 10));
     /* position 0, layer 0, K, head 0, first byte */
     ((uint8_t *)pkv_kv_block_head(a, ia[0], 0, 0, 0))[0] ^= 1;
-    ck_assert(!dg_kv_equal(a, ia, b, ib, na, 10));
+    ck_assert(!pkv_disagg_kv_equal(a, sa, b, sb, 10));
     pkv_seq_free(sa);
     pkv_seq_free(sb);
     pkv_kv_destroy(a);
@@ -1325,13 +1451,22 @@ START_TEST(disagg_kv_compare_sees_every_position)
 }
 END_TEST
 
+/* Bad input runs nothing: an unknown preset (the library and the demo), a prompt with
+ * its tokens that does not fit the model, contradicting flags. */
 START_TEST(disagg_bad_options_run_nothing)
 {
-    pkv_disagg_result_t r;
-    pkv_disagg_opts_t o = {.preset = "no-such-model"};
-    ck_assert_int_eq(pkv_disagg_run(&o, &r), 2);
-    pkv_disagg_opts_t big = {.preset = "tiny", .max_tokens = 5000}; /* tiny takes 4096 */
-    ck_assert_int_eq(pkv_disagg_run(&big, &r), 2);
+    pkv_disagg_node_config_t c = {.preset = "no-such-model", .vocab = 512, .stage_tokens = 16};
+    pkv_disagg_node_t *n = (pkv_disagg_node_t *)&c;
+    ck_assert_int_eq(pkv_disagg_node_create(&c, &n), PKV_ERR_NOTFOUND);
+    ck_assert_ptr_eq(n, (pkv_disagg_node_t *)&c); /* untouched */
+    static char out[1 << 14];
+    ck_assert_int_eq(run_demo("--preset no-such-model", out, sizeof(out)), 2);
+    ck_assert_ptr_nonnull(strstr(out, "unknown preset 'no-such-model'"));
+    /* tiny takes 4096 positions: the prompt + 4096 generated does not fit */
+    ck_assert_int_eq(run_demo("--preset tiny --max-tokens 4096", out, sizeof(out)), 2);
+    ck_assert_ptr_nonnull(strstr(out, "does not fit"));
+    ck_assert_int_eq(run_demo("--tcp --no-shared", out, sizeof(out)), 2);
+    ck_assert_ptr_null(strstr(out, "result"));
 }
 END_TEST
 
@@ -1362,7 +1497,8 @@ static Suite *xfer_suite(void)
     tcase_add_loop_test(two, fault_case, XH_NONE, 4 * XH_NFAULTS);
     tcase_add_loop_test(two, producer_lost_mid_read_over_tcp, 0, 4);
     tcase_add_test(two, lean_pull_references_run);
-    tcase_add_loop_test(two, disagg_matches_unified, 0, 3);
+    tcase_add_loop_test(two, disagg_nodes_match_unified, 0, 3);
+    tcase_add_loop_test(two, demo_runs_as_a_process, 0, 3);
     suite_add_tcase(s, two);
     return s;
 }

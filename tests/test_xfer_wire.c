@@ -8,8 +8,8 @@
 #include <stdio.h>
 #include <string.h>
 
-/* The fuzz target itself: its round-trip checks trap on a violation. */
-#include "fuzz/fuzz_wire.c"
+/* The fuzz target's properties: its round-trip checks trap on a violation. */
+#include "fuzz/props.h"
 
 static const pkv_geometry_t GEO = {
     .layers = 4, .kv_heads = 2, .head_dim = 64, .block_tokens = 16, .dtype = PKV_DTYPE_F16};
@@ -600,7 +600,7 @@ START_TEST(fuzz_corpus_replays)
         ck_assert_ptr_nonnull(f);
         size_t n = fread(buf, 1, sizeof(buf), f);
         fclose(f);
-        LLVMFuzzerTestOneInput(buf, n); /* traps on a round-trip violation */
+        pkv_fuzz_wire(buf, n); /* traps on a round-trip violation */
         pkv_wire_msg_t m;
         pkv_xfer_handle_t *h = NULL;
         bool decodes = pkv_xfer_wire_decode(buf, n, &m) == PKV_OK ||

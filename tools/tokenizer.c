@@ -13,7 +13,7 @@
 #include "support/cli.h"
 
 #include "pagekv/tokenizer.h"
-#include "tokenizer/tok_int.h"
+#include "tokenizer/tokenizer.h"
 
 #include <errno.h>
 #include <stdio.h>

@@ -28,7 +28,7 @@
 #include "pagekv/engine.h"
 
 #include "core/core.h"
-#include "engine/sample.h"
+#include "engine/engine.h"
 
 #include <math.h>
 #include <pthread.h>

@@ -1,5 +1,5 @@
-/* sample: greedy and temperature / top-p sampling (see sample.h). */
-#include "engine/sample.h"
+/* sample: greedy and temperature / top-p sampling (see engine/engine.h). */
+#include "engine/engine.h"
 
 #include "core/core.h"
 

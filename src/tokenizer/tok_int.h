@@ -1,12 +1,14 @@
 /*
  * tokenizer internals (not installed): the pkv_tok struct shared by the builtin BPE
- * (bpe.c), the llama2.c loader (llama2c.c) and the common code (tokenizer.c), plus
- * the pre-tokenizer and merge table the offline trainer (tools/tokenizer.c) reuses.
+ * (bpe.c), the llama2.c loader (llama2c.c) and the common code (tokenizer.c), and the
+ * generated merge table (bpe_merges.c). The pre-tokenizer and pair hash the offline
+ * trainer reuses are in the module interface, tokenizer/tokenizer.h.
  */
 #ifndef PKV_TOKENIZER_TOK_INT_H
 #define PKV_TOKENIZER_TOK_INT_H
 
 #include "pagekv/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -29,27 +31,6 @@ enum {
  * (left, right); both are ids < 256 + r. */
 extern const uint32_t pkv__bpe_merge_count;
 extern const uint16_t pkv__bpe_merges[][2];
-
-/* The pre-tokenizer: the length (>= 1) of the piece that starts at s[i], i < n.
- * GPT-2 style: contractions, an optional leading space joined to a run of letters
- * (bytes >= 0x80 count as letters), of digits, or of other non-space bytes, and runs
- * of whitespace (whose last space joins the next word). Merges never cross pieces. */
-size_t pkv__tok_piece_len(const uint8_t *s, size_t n, size_t i);
-
-/* A hash of a pair of ids, shared by the encoder and the trainer. */
-static inline uint64_t pkv__tok_pair_key(uint32_t a, uint32_t b)
-{
-    return ((uint64_t)a << 32) | b;
-}
-static inline uint64_t pkv__tok_mix64(uint64_t x)
-{
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdull;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ull;
-    x ^= x >> 33;
-    return x;
-}
 
 /* ---- the tokenizer -------------------------------------------------------------- */
 struct pkv_tok {

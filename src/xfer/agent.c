@@ -579,7 +579,7 @@ static int config_resolve(const pkv_xfer_config_t *in, pkv_xfer_config_t *c)
     if (!c->seat_workers) c->seat_workers = 2;
     if (!c->heartbeat_ns) c->heartbeat_ns = 250000000ull;
     if (!c->peer_timeout_ns) c->peer_timeout_ns = 1000000000ull;
-    if (!c->chunk_bytes) c->chunk_bytes = XF_WHOLE_CHUNK_BYTES; /* one eager segment */
+    if (!c->chunk_bytes) c->chunk_bytes = PKV_XFER_WHOLE_CHUNK_BYTES; /* one eager segment */
     if (!c->max_inflight) c->max_inflight = 8;
     if (c->workers > 64 || c->seat_workers > 64 || c->max_inflight > 1024 ||
         c->chunk_bytes < PKV_WIRE_MIN_CHUNK || c->chunk_bytes > PKV_WIRE_MAX_CHUNK ||

@@ -93,7 +93,8 @@ int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_
     if (pthread_mutex_init(&rd->mu, NULL)) goto fail_rd;
     if (pkv__cond_init_monotonic(&rd->cv)) goto fail_mu;
     bool small = xf_small(a, n);
-    uint32_t chunk = small ? PKV_MIN(a->cfg.chunk_bytes, XF_WHOLE_CHUNK_BYTES) : a->cfg.chunk_bytes;
+    uint32_t chunk =
+        small ? PKV_MIN(a->cfg.chunk_bytes, PKV_XFER_WHOLE_CHUNK_BYTES) : a->cfg.chunk_bytes;
     rc = xf_view_init(&rd->v, a, n, dst, chunk, small);
     if (rc) {
         if (rc == PKV_ERR_NOFIT) {

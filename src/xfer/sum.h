@@ -1,5 +1,6 @@
 /*
- * xfer payload checksum (internal): a Fletcher-style sum over 64-bit words in four
+ * xfer payload checksum (part of the module interface through xfer/xfer.h, which is what
+ * other modules include): a Fletcher-style sum over 64-bit words in four
  * interleaved lanes, fused with the copy that moves the bytes anyway (pool <-> staging),
  * so verifying costs little beyond the copy. It detects every single-word change and
  * reorderings of words; it is an integrity check, not a MAC (the token guards access).

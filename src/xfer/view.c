@@ -54,7 +54,7 @@ int xf_view_init(xf_view_t *v, pkv_xfer_agent_t *a, uint32_t n_blocks, const uin
     v->chunk_bytes = chunk_bytes;
     v->whole = whole;
     v->trailer_bytes = trailer;
-    v->stage_nt = v->layer_total >= XF_STAGE_NT_BYTES;
+    v->stage_nt = v->layer_total >= PKV_XFER_STAGE_NT_BYTES;
     v->chunks_per_layer = whole ? 1 : (uint32_t)cpl;
     v->n_chunks = (uint32_t)n_chunks;
     v->pages = (uint32_t)pages;

@@ -1,11 +1,22 @@
 /*
- * xfer: what other parts of pagekv (tests, benchmarks) may use beyond the public
- * header: fault injection. Not installed.
+ * xfer's module interface: what other parts of pagekv (support code, benchmarks, tests)
+ * may use beyond the public header: the payload checksum (xfer/sum.h), the chunk and
+ * staging-store thresholds the engine chose, and fault injection. Not installed.
  */
 #ifndef PKV_XFER_XFER_H
 #define PKV_XFER_XFER_H
 
 #include "pagekv/xfer.h"
+#include "xfer/sum.h"
+
+/* Payload chunks are at most this by default (config chunk_bytes 0; a small transfer's
+ * never more): one UCX segment (tcp and shm segments are 64 KiB, agent.c ucx_config), so
+ * UCX sends each eagerly as one message; a bigger chunk costs a rendezvous round trip. */
+#define PKV_XFER_WHOLE_CHUNK_BYTES (60u << 10)
+/* Staging copies store around the cache for layers of at least this many bytes (half a
+ * core's L2: such a layer has left the cache before UCX reads it); staging in a shared
+ * arena always does (the consumer reads it on another core). Pool copies always do. */
+#define PKV_XFER_STAGE_NT_BYTES (256u << 10)
 
 typedef enum {
     PKV_XFER_FAULT_SERVE_READ,          /* progress thread: producer accepted a READ */

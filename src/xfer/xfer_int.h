@@ -34,42 +34,17 @@
 #define XF_AM_CTRL       7               /* UCX active-message id of control messages */
 #define XF_CLOSE_WAIT_NS (2000000000ull) /* bounded wait for requests after a forced close */
 /* Staging of at most this many bytes is first tried on the progress thread
- * (pkv_stage_try_acquire: never waits; a first-use commit of this much is ~1-5 ms); only
- * a transfer that would wait, or a larger one, goes to a seat thread. */
+ * (pkv_stage_try_acquire never waits); a transfer that would wait, or a larger one, goes
+ * to a seat thread, so a first-use commit never stalls the progress thread for long. */
 #define XF_INLINE_SEAT_BYTES (4ull << 20)
-/* Transfers of at most this many bytes are copied (staged, stored) on the progress thread
- * as their data is ready, not on a copy worker: a 64 KiB transfer's copies take ~10 us,
- * the two hand-offs to a worker and back ~20-100 us on a loaded 2-core host. A copy here
- * delays other transfers' messages by at most ~0.2 ms. */
+/* Transfers of at most this many bytes are copied on the progress thread as their data is
+ * ready: for them the two hand-offs to a copy worker and back cost more than the copies. */
 #define XF_INLINE_COPY_BYTES (1ull << 20)
-/* Payload chunks are at most this by default (config chunk_bytes 0; a small transfer's
- * never more): each fits one UCX segment (tcp TX_SEG_SIZE and shm MM_SEG_SIZE 64k,
- * agent.c ucx_config), so UCX sends it eagerly as one message. A bigger chunk goes by
- * rendezvous: one more round trip between the two progress threads per chunk (64 KiB
- * and 1 MiB transfers over tcp ran ~30-40 % slower with 64 KiB or 1 MiB chunks), and on
- * one host it runs over the endpoint's tcp lanes (16 MiB through UCX on one host: 2.2-2.4
- * GB/s with 1 MiB chunks, 3.7 with these; over tcp the same either way). Not eager beyond
- * one segment either: with UCX_RNDV_THRESH=inf (multi-fragment eager) a read from a
- * SIGSTOPped producer never quiesced (its matched receive could not be cancelled; the
- * fault case failed). */
-#define XF_WHOLE_CHUNK_BYTES (60u << 10)
-/* Copies into the pool always store around the cache (nothing reads a filled block
- * soon). Staging copies do so for layers of at least this many bytes: a staged layer
- * bigger than half a core's L2 has left the cache before UCX or the peer reads it, and
- * skipping the read-for-ownership wins (bench xfer pairs: same_host 1 MiB 4.9/5.6/4.7 ->
- * 6.7/7.6/5.5 GB/s, 16 MiB 7.6/8.0/7.7 -> 9.1/9.4/8.1, tcp 16 MiB 1.4/1.8/2.0 ->
- * 1.8/2.3/2.2). A smaller layer is still in cache when UCX reads it on this core, so
- * through UCX it is stored plainly. Staging in a shared arena is always stored around
- * the cache: there the consumer reads it on another core, and where the host placed
- * the two vCPUs far apart, fetching dirty lines from the producer core's cache was
- * slower than fetching them from memory. 64 KiB reads, bench xfer, 5 alternating pairs
- * of 5 runs labelled by CPU round trip: far placement (>= 300 ns) 2.56 -> 3.19 GB/s
- * median, near 3.96 -> 3.91; interleaved in one process: far +12-38 %, near -8 %. */
-#define XF_STAGE_NT_BYTES (256u << 10)
-/* The progress thread keeps polling (yielding the CPU between rounds) this long after it
- * last did something before it sleeps: waking a sleeping thread costs 25-55 us on this
- * VM (a step-by-step trace of one read at a time: 3 such wake-ups made up ~130 of its
- * ~170 us), and the next message of an exchange usually comes sooner than that. */
+/* The payload chunk and staging-store thresholds are in xfer/xfer.h
+ * (PKV_XFER_WHOLE_CHUNK_BYTES, PKV_XFER_STAGE_NT_BYTES): the lean-pull reference uses them. */
+/* The progress thread keeps polling (yielding the CPU) this long after it last did
+ * something before it sleeps: a wake-up costs more than the usual gap to the next message
+ * of an exchange. */
 #define XF_LINGER_NS 200000ull
 /* pkv_xfer_read_wait polls the outcome this long (yielding the CPU) before it sleeps on
  * the read's condition variable, for the same reason. */
@@ -122,7 +97,7 @@ typedef struct {
     bool whole;                /* chunks cut the stream across layers (small transfers) */
     uint32_t trailer_bytes;    /* whole: the checksums after the stream (8 x layers), else 0 */
     uint64_t *trailer;         /* whole: the owner's layer_sum, sent / received as the trailer */
-    bool stage_nt;             /* staging copies store around the cache (XF_STAGE_NT_BYTES) */
+    bool stage_nt;             /* staging copies store around the cache (PKV_XFER_STAGE_NT_BYTES) */
     uint32_t chunks_per_layer; /* 1 when whole */
     uint32_t n_chunks;
     uint32_t pages;

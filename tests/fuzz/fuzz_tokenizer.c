@@ -1,107 +1,25 @@
 /*
  * Fuzz target for the tokenizer: the builtin BPE's round trip, the llama2.c
  * tokenizer.bin parser (and encode/decode with whatever vocabulary it accepts), and the
- * chat template. The first input byte picks the mode; the rest is the payload.
+ * chat template. The first input byte picks the mode; the rest is the payload. Any broken
+ * property aborts (a crash for libFuzzer); parse errors are expected. The properties are
+ * in props_tokenizer.c, which the suite links too.
  *
- *   libFuzzer:  clang -g -O1 -fsanitize=fuzzer,address,undefined -Iinclude -Isrc \
- *                 -D_GNU_SOURCE tests/fuzz/fuzz_tokenizer.c src/tokenizer/[a-z]*.c src/core/core.c
- * \ -o /tmp/fuzz_tokenizer -lm -pthread /tmp/fuzz_tokenizer -max_total_time=60
- * tests/fuzz/corpus/tokenizer
+ *   libFuzzer:  make fuzz; build/san-fuzzer-no-link-address-undefined/fuzz/fuzz_tokenizer \
+ *                 -max_total_time=60 tests/fuzz/corpus/tokenizer
  *   replay:     cc -DPKV_FUZZ_REPLAY_MAIN -g -fsanitize=address,undefined -Iinclude -Isrc \
- *                 -D_GNU_SOURCE tests/fuzz/fuzz_tokenizer.c src/tokenizer/[a-z]*.c src/core/core.c
- * \ -o /tmp/fuzz_tokenizer_replay -lm -pthread /tmp/fuzz_tokenizer_replay
- * tests/fuzz/corpus/tokenizer   (files or directories) Any broken property aborts (a crash for
- * libFuzzer); parse errors are expected.
+ *                 -D_GNU_SOURCE tests/fuzz/fuzz_tokenizer.c tests/fuzz/props_tokenizer.c \
+ *                 src/tokenizer/[a-z]*.c src/core/core.c -o /tmp/fuzz_tokenizer_replay -lm -pthread
+ *               /tmp/fuzz_tokenizer_replay tests/fuzz/corpus/tokenizer   (files or directories)
+ * The suite replays the corpus too (tests/test_tokenizer.c).
  */
-#include "pagekv/tokenizer.h"
-
-#include <dirent.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
+#include "props.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
-static void quiet(void *arg, pkv_log_level_t level, const char *module, const char *line)
-{
-    (void)arg, (void)level, (void)module, (void)line;
-}
-
-static void check_round_trip(const pkv_tok_t *tok, const uint8_t *s, size_t len, bool exact)
-{
-    int32_t *ids = NULL;
-    size_t n = 0;
-    if (pkv_tok_encode_alloc(tok, (const char *)s, len, true, &ids, &n) != PKV_OK) abort();
-    if (n > pkv_tok_max_tokens(tok, len)) abort();
-    char *back = NULL;
-    size_t blen = 0;
-    if (pkv_tok_decode(tok, ids, n, &back, &blen) != PKV_OK) abort();
-    if (exact && (blen != len || memcmp(back, s, len) != 0)) abort();
-    for (size_t i = 1; i < n; i++)
-        if (pkv_tok_is_special(tok, ids[i]) && ids[i] != 0) abort(); /* forged special */
-    free(back);
-    free(ids);
-}
-
-/* The builtin tokenizer is immutable: one instance serves every input (creating it
- * costs ~2 ms, mostly first-touch page faults). */
-static const pkv_tok_t *builtin(void)
-{
-    static pkv_tok_t *tok;
-    if (!tok && pkv_tok_create_builtin(&tok) != PKV_OK) abort();
-    return tok;
-}
-
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
-    if (size < 1) return 0;
-    pkv_log_set_sink(quiet, NULL);
-    uint8_t mode = data[0] % 3;
-    const uint8_t *p = data + 1;
-    size_t n = size - 1;
-    pkv_tok_t *tok = NULL;
-    if (mode == 0) {
-        check_round_trip(builtin(), p, n, true);
-    } else if (mode == 1) {
-        /* two bytes of vocab size, then the file */
-        if (n < 2) return 0;
-        int32_t vocab = (int32_t)(p[0] | p[1] << 8);
-        if (pkv_tok_load_llama2c_mem(p + 2, n - 2, vocab, &tok) == PKV_OK) {
-            static const uint8_t text[] = "hello world \xc3\xa9\xff\x00 <s> 12345\n";
-            /* exact only when every byte has a byte piece, which a fuzzed file need not */
-            check_round_trip(tok, text, sizeof(text) - 1, false);
-            for (int32_t id = 0; id < pkv_tok_vocab_size(tok); id++) {
-                const char *b;
-                size_t l;
-                if (pkv_tok_decode_token(tok, id ? id - 1 : -1, id, &b, &l) != PKV_OK) abort();
-            }
-        }
-    } else {
-        /* messages separated by 0xFF; a message's first byte is its role */
-        pkv_chat_msg_t msgs[16];
-        size_t m = 0, start = 0;
-        for (size_t i = 0; i <= n && m < 16; i++) {
-            if (i < n && p[i] != 0xFF) continue;
-            if (i > start) {
-                msgs[m].role = (pkv_chat_role_t)(p[start] % 4);
-                msgs[m].content = (const char *)p + start + 1;
-                msgs[m].content_len = i - start - 1;
-                m++;
-            }
-            start = i + 1;
-        }
-        int32_t *ids = NULL;
-        size_t nid = 0;
-        if (pkv_tok_chat_template(builtin(), msgs, m, true, &ids, &nid) == PKV_OK) {
-            char *text = NULL;
-            size_t tl = 0;
-            if (pkv_tok_chat_render(builtin(), msgs, m, true, &text, &tl) != PKV_OK) abort();
-            free(text);
-            free(ids);
-        }
-    }
-    pkv_tok_destroy(tok);
-    pkv_log_set_sink(NULL, NULL);
+    pkv_fuzz_tokenizer(data, size);
     return 0;
 }
 

@@ -1,10 +1,11 @@
 /*
- * sample: next-token choice from logits. Greedy (argmax, lowest id on ties) or
- * temperature + nucleus (top-p) sampling driven by a caller-owned RNG state, so the
- * same state and logits always give the same token.
+ * engine's module interface: what other modules, tools and benchmarks may use beyond
+ * include/pagekv/engine.h. Next-token choice from logits (sample.c): greedy (argmax,
+ * lowest id on ties) or temperature + nucleus (top-p) sampling driven by a caller-owned
+ * RNG state, so the same state and logits always give the same token.
  */
-#ifndef PKV_ENGINE_SAMPLE_H
-#define PKV_ENGINE_SAMPLE_H
+#ifndef PKV_ENGINE_ENGINE_H
+#define PKV_ENGINE_ENGINE_H
 
 #include <stdint.h>
 

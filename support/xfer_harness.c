@@ -1,6 +1,6 @@
 /*
- * Two-process transfer harness (see xfer_harness.h). Used by `pagekv bench xfer` and,
- * included textually, by tests/test_xfer.c.
+ * Two-process transfer harness (see xfer_harness.h). Used by `pagekv bench xfer` and
+ * tests/test_xfer.c.
  *
  * Processes and pipes:
  *   parent --fork--> producer: builds pool + stage + agent, registers, sends HANDLES,
@@ -10,7 +10,7 @@
  * CLOCK_MONOTONIC is system-wide, so the consumer's outcome times compare directly.
  * The parent bounds every wait and kills both children when a bound passes.
  */
-#include "xfer_harness.h"
+#include "support/xfer_harness.h"
 
 #include "support/bench.h"
 
@@ -318,9 +318,8 @@ static void pattern_row(uint64_t seed, uint32_t r, uint32_t pos, uint32_t l, uin
     }
 }
 
-/* Write (fill) or compare (check) every position's K/V. Returns mismatched positions. */
-static uint32_t pattern_apply(pkv_seq_t *seq, const pkv_geometry_t *g, uint64_t seed, uint32_t r,
-                              uint32_t n_tokens, bool fill)
+uint32_t xh_pattern_apply(pkv_seq_t *seq, const pkv_geometry_t *g, uint64_t seed, uint32_t r,
+                          uint32_t n_tokens, bool fill)
 {
     size_t es = pkv_dtype_size(g->dtype), row = (size_t)g->head_dim * es;
     uint8_t *buf = malloc(row);
@@ -539,7 +538,7 @@ static pkv_seq_t *make_seq(pkv_kv_t *kv, uint32_t r, uint32_t n_tokens, bool app
     int rc = pkv_seq_create(kv, &sp, &s, &cached);
     if (rc) child_fail("seq create", rc);
     if (append) {
-        pattern_apply(s, pkv_kv_geometry(kv), g_case->seed, r, n_tokens, true);
+        xh_pattern_apply(s, pkv_kv_geometry(kv), g_case->seed, r, n_tokens, true);
         rc = pkv_seq_append(s, tok, n_tokens);
         if (rc) child_fail("seq append", rc);
     }
@@ -777,7 +776,7 @@ static void consumer_main(const xh_case_t *c, int from_parent)
         rep.elapsed_ns[r] = slot[r].at_ns > start[r] ? slot[r].at_ns - start[r] : 0;
         rep.bytes[r] = pkv_xfer_read_bytes(rd[r]);
         if (oc == PKV_OK)
-            rep.mismatched[r] = pattern_apply(seqs[r], &c->geo, c->seed, r, c->n_tokens, false);
+            rep.mismatched[r] = xh_pattern_apply(seqs[r], &c->geo, c->seed, r, c->n_tokens, false);
         pkv_xfer_read_free(rd[r]);
         pkv_xfer_handle_free(h[r]);
     }

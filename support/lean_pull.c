@@ -9,17 +9,24 @@
  * pool does; with 4 KiB pages the consumer's copy ran at half the speed), staging in a
  * memfd. What it reaches is what this flow can reach on this machine.
  */
-#include "xfer_harness.h"
+#include "support/lean_pull.h"
+#include "support/xfer_harness.h"
 
 #include "core/core.h"
 #include "prim/prim.h"
-#include "xfer/sum.h"
+#include "xfer/xfer.h"
 
-#include <stdio.h>
+#include <arpa/inet.h>
+#include <endian.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <ucp/api/ucp.h>
 #include <unistd.h>
 
 enum { LP_WINDOW = 8, LP_SLOTS = 2 * LP_WINDOW, LP_RING = 64, LP_MAX_LAYERS = 16 };
@@ -210,23 +217,15 @@ out:;
  * Lean pull over tcp: the reference for what this flow can reach over loopback tcp. The
  * consumer (a forked child) posts a read's chunk receives into a staging slot and sends
  * READ {read, slot} as an eager active message; the producer (its child) copies pool ->
- * staging (checksummed; through the cache below XF_STAGE_NT_BYTES-sized layers, as the
+ * staging (checksummed; through the cache below PKV_XFER_STAGE_NT_BYTES-sized layers, as the
  * engine stages what UCX reads next on the same core) and tag-sends the stream with its
- * checksums as a trailer, in chunks of one tcp segment (XF_WHOLE_CHUNK_BYTES, as the
+ * checksums as a trailer, in chunks of one tcp segment (PKV_XFER_WHOLE_CHUNK_BYTES, as the
  * engine cuts a small read); the consumer copies staging -> pool (streaming stores), compares the
  * checksums and sends ACK. 8 reads in flight, both sides busy-polling one worker, the
  * UCX settings of the perftest reference. No engine: no progress or caller threads, no
  * registrations, leases, seats, deadlines or liveness. */
-#include <arpa/inet.h>
-#include <endian.h>
-#include <fcntl.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <ucp/api/ucp.h>
 
-#include "xfer/xfer_int.h" /* XF_WHOLE_CHUNK_BYTES, XF_STAGE_NT_BYTES: the engine's choices */
-
-enum { LT_READ = 1, LT_ACK = 2, LT_CHUNK = XF_WHOLE_CHUNK_BYTES };
+enum { LT_READ = 1, LT_ACK = 2, LT_CHUNK = PKV_XFER_WHOLE_CHUNK_BYTES };
 #define LT_QUIT UINT32_MAX
 
 typedef struct {
@@ -377,7 +376,7 @@ static void lt_producer(const lp_geo_t *g, uint32_t reads, int port_fd, pid_t pa
     uint16_t port = ntohs(((struct sockaddr_in *)&la.sockaddr)->sin_port);
     if (write(port_fd, &port, sizeof(port)) != sizeof(port)) _exit(2);
     uint64_t give_up = pkv_now_ns() + LP_GIVE_UP_NS;
-    bool nt = g->layer_bytes >= XF_STAGE_NT_BYTES;
+    bool nt = g->layer_bytes >= PKV_XFER_STAGE_NT_BYTES;
     for (unsigned long idle = 0; !t.failed;) {
         ucp_worker_progress(t.worker);
         if (t.qt == t.qh) {

@@ -1,5 +1,7 @@
 /*
- * Two-process transfer harness shared by `pagekv bench xfer` and tests/test_xfer.c.
+ * Two-process transfer harness shared by `pagekv bench xfer` and tests/test_xfer.c
+ * (support/: compiled once into build/libpkvsupport.a). The fault matrix's oracle
+ * (xh_outcome_expected, xh_*_reports) is here too.
  *
  * xh_run() forks a producer and a consumer process. The calling process never touches
  * UCX (UCX and fork do not mix): each child builds its own pool, stage and agent after
@@ -13,8 +15,8 @@
  * Each child runs in a process group of its own and is killed when the thread that forked
  * it exits (PR_SET_PDEATHSIG): call xh_run() from a thread that outlives the run.
  */
-#ifndef PKV_BENCH_XFER_HARNESS_H
-#define PKV_BENCH_XFER_HARNESS_H
+#ifndef PKV_SUPPORT_XFER_HARNESS_H
+#define PKV_SUPPORT_XFER_HARNESS_H
 
 #include "pagekv/kv.h"
 
@@ -123,27 +125,10 @@ double xh_memcpy_gbps(int samples, bool cold);
  * KiB transfer's rate follows it. */
 double xh_cpu_round_trip_ns(void);
 
-/* GB/s of the leanest same-host pull of this flow (bench/lean_pull.c): a forked producer
- * and this process do the two copies of a shared-arena read (read_bytes in `layers`
- * layers of `piece`-byte pieces, streaming stores, checksummed and compared), 8 reads in
- * flight through rings in shared memory with busy polling, no engine around them. Times
- * timed_reads after warm_reads; -1 on a checksum mismatch, bad arguments or no memory,
- * or when the producer died or 120 s passed. */
-double xh_lean_pull_gbps(size_t read_bytes, uint32_t layers, size_t piece, uint32_t warm_reads,
-                         uint32_t timed_reads);
-
 /* The UCX settings of the tcp references (ucx_perftest and the tcp lean pull), as
  * "NAME=value " pairs: the engine's own tcp settings (agent.c ucx_config). */
 #define XH_TCP_REF_ENV                                                                             \
     "UCX_TLS=tcp UCX_ZCOPY_THRESH=inf UCX_TCP_TX_SEG_SIZE=64k UCX_TCP_RX_SEG_SIZE=64k "
-
-/* GB/s of the leanest pull of this flow over loopback tcp (bench/lean_pull.c): a forked
- * consumer and its forked producer, UCX with ucx_perftest's tcp settings, 8 reads in
- * flight, each READ (active message) -> pool -> staging copy -> the stream and its
- * checksum trailer in 60 KiB tag messages -> staging -> pool copy, checksums compared ->
- * ACK; busy polling, no engine. -1 as xh_lean_pull_gbps. */
-double xh_lean_pull_tcp_gbps(size_t read_bytes, uint32_t layers, size_t piece, uint32_t warm_reads,
-                             uint32_t timed_reads);
 
 /* Pipes between the processes: write all n bytes (0, or -1 on error); read exactly n bytes
  * by deadline_ns (0, -1 on EOF or error, -2 on timeout). */
@@ -162,6 +147,11 @@ void xh_child_detach(pid_t parent);
  * there at deadline_ns, or stopped, is killed with SIGKILL and then waited for. A pid that
  * is not a child (or was reaped already) returns at once, *wstatus untouched. */
 void xh_reap(pid_t pid, int *wstatus, uint64_t deadline_ns);
+
+/* The seeded data pattern of request r: write (fill) or compare (check) every K/V row of
+ * positions [0, n_tokens) of seq. Returns the positions that mismatched. */
+uint32_t xh_pattern_apply(pkv_seq_t *seq, const pkv_geometry_t *g, uint64_t seed, uint32_t r,
+                          uint32_t n_tokens, bool fill);
 
 const char *xh_fault_name(xh_fault_t f);
 /* The outcomes a consumer may see in a case (ok where the data all arrived). */
