@@ -10,7 +10,7 @@
 #include "core/core.h"
 #include "pagekv/stage.h"
 #include "prim/prim.h"
-#include "stage/stage_alloc.h"
+#include "stage/stage.h"
 #include "stage/stage_int.h"
 
 #include <pthread.h>

@@ -22,7 +22,7 @@
 
 #include "core/core.h"
 #include "prim/prim.h"
-#include "stage/stage_alloc.h"
+#include "stage/stage.h"
 #include "stage/stage_int.h"
 
 #include <errno.h>

@@ -2,7 +2,7 @@
  * stage_alloc: page allocator of the staging arena. See stage_alloc.h for the design.
  * No locking here: the caller (stage.c) holds the stage mutex around every call.
  */
-#include "stage/stage_alloc.h"
+#include "stage/stage_int.h"
 
 #include "core/core.h"
 

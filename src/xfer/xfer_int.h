@@ -22,7 +22,7 @@
 #include "pagekv/xfer.h"
 
 #include "core/core.h"
-#include "stage/stage_int.h"
+#include "stage/stage.h"
 #include "xfer/wire.h"
 #include "xfer/xfer.h"
 
