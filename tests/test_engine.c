@@ -2,7 +2,8 @@
  * engine: generation against a direct model loop, stop conditions (max_tokens, EOS,
  * stop strings with held-back text, UTF-8 boundaries), bad input, the bounded queue,
  * cancellation, priorities, the preemption victim order, seeded sampling, prefix hits,
- * notify callbacks, drain and destroy with live requests, and the sampler itself.
+ * notify callbacks, drain and destroy with live requests, the sampler itself, and
+ * create and submit under simulated allocation and thread-creation failures.
  */
 #include "support/testutil.h"
 
@@ -742,6 +743,97 @@ START_TEST(concurrent_clients)
 }
 END_TEST
 
+/* Fault simulation: every bookkeeping allocation of create and the run thread, failed
+ * one at a time, makes create fail with its typed error and nothing made (ASan checks
+ * nothing leaks); with the fault gone, create works. */
+START_TEST(create_fails_cleanly_on_alloc_and_thread_faults)
+{
+    pkv_log_set_level(PKV_LOG_ERROR);
+    pkv_model_t *m = tiny_model();
+    pkv_kv_t *kv = make_kv(m, PKV_BACKEND_PAGED, 0, false);
+    pkv_engine_config_t ec = {.model = m, .kv = kv, .detok = test_detok, .manual = true};
+    pkv_engine_t *e = NULL;
+    uint32_t failed = 0;
+    for (uint32_t skip = 0;; skip++) {
+        pkv_fault_arm(PKV_FAULT_ALLOC, skip, 1);
+        int rc = pkv_engine_create(&ec, &e);
+        bool fired = pkv_fault_fired(PKV_FAULT_ALLOC) > 0;
+        pkv_fault_disarm_all();
+        if (!fired) {
+            ck_assert_int_eq(rc, PKV_OK);
+            break;
+        }
+        ck_assert_int_eq(rc, PKV_ERR_NOMEM);
+        ck_assert_ptr_null(e);
+        failed++;
+    }
+    ck_assert_uint_ge(failed, 8); /* the engine and its seven tables */
+    pkv_engine_destroy(e);
+
+    ec.manual = false;
+    e = NULL;
+    pkv_fault_arm(PKV_FAULT_THREAD, 0, 1);
+    ck_assert_int_eq(pkv_engine_create(&ec, &e), PKV_ERR_IO);
+    ck_assert_uint_eq(pkv_fault_fired(PKV_FAULT_THREAD), 1);
+    ck_assert_ptr_null(e);
+    pkv_fault_disarm_all();
+    ck_assert_int_eq(pkv_engine_create(&ec, &e), PKV_OK);
+    int32_t prompt[5] = {1, 2, 3, 4, 5};
+    pkv_request_params_t p = {.prompt = prompt, .n_prompt = 5, .max_tokens = 3};
+    pkv_request_t *q;
+    ck_assert_int_eq(pkv_engine_submit(e, &p, &q), PKV_OK);
+    collected_t c;
+    collect(q, &c);
+    ck_assert_uint_eq(c.n, 3);
+    pkv_request_release(q);
+    pkv_engine_destroy(e);
+    pkv_kv_destroy(kv);
+    pkv_model_destroy(m);
+}
+END_TEST
+
+/* A submit whose request bookkeeping cannot be allocated returns PKV_ERR_NOMEM, hands
+ * out nothing and leaves the engine as it was (stats before == after); the retry runs. */
+START_TEST(submit_fails_cleanly_on_alloc_fault)
+{
+    rig_t r;
+    rig_init(&r, PKV_BACKEND_PAGED, 0, (pkv_engine_config_t){.manual = true});
+    int32_t prompt[6] = {3, 1, 4, 1, 5, 9};
+    pkv_request_params_t p = {
+        .prompt = prompt, .n_prompt = 6, .max_tokens = 4, .want_logits = true};
+    pkv_engine_stats_t before, after;
+    pkv_engine_stats(r.e, &before);
+    pkv_request_t *q = NULL;
+    uint32_t failed = 0;
+    for (uint32_t skip = 0;; skip++) {
+        pkv_fault_arm(PKV_FAULT_ALLOC, skip, 1);
+        int rc = pkv_engine_submit(r.e, &p, &q);
+        bool fired = pkv_fault_fired(PKV_FAULT_ALLOC) > 0;
+        pkv_fault_disarm_all();
+        if (!fired) {
+            ck_assert_int_eq(rc, PKV_OK);
+            break;
+        }
+        ck_assert_int_eq(rc, PKV_ERR_NOMEM);
+        ck_assert_ptr_null(q);
+        pkv_engine_stats(r.e, &after);
+        ck_assert_uint_eq(after.submitted, before.submitted);
+        ck_assert_uint_eq(after.queued, before.queued);
+        ck_assert_uint_eq(after.running, before.running);
+        failed++;
+    }
+    ck_assert_uint_ge(failed, 3); /* the request, its tokens, its logits */
+    for (bool busy = true; busy;) ck_assert_int_eq(pkv_engine_step(r.e, &busy), PKV_OK);
+    collected_t c;
+    collect(q, &c);
+    ck_assert_uint_eq(c.n, 4);
+    pkv_engine_stats(r.e, &after);
+    ck_assert_uint_eq(after.submitted, before.submitted + 1);
+    pkv_request_release(q);
+    rig_fini(&r);
+}
+END_TEST
+
 START_TEST(sampler)
 {
     float l[5] = {0.1f, 3.0f, 3.0f, -1.0f, 2.0f};
@@ -789,6 +881,8 @@ static Suite *engine_suite(void)
     tcase_add_test(tc, notify_and_destroy_with_live_requests);
     tcase_add_test(tc, concurrent_clients);
     tcase_add_test(tc, sampler);
+    tcase_add_test(tc, create_fails_cleanly_on_alloc_and_thread_faults);
+    tcase_add_test(tc, submit_fails_cleanly_on_alloc_fault);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -3,7 +3,8 @@
  * allocation shape, typed failures with one log line each, deadlines, shutdown, the
  * per-peer cap, fairness, leases, idle release measured in VmRSS, memfd sharing, leak
  * reporting on destroy, a concurrent acquire/release/cancel storm with a page-ownership
- * map, and a seeded property test of the page allocator against a reference model.
+ * map, a seeded property test of the page allocator against a reference model, and
+ * create and acquire under simulated allocation, commit, pin and thread failures.
  */
 #include "support/testutil.h"
 
@@ -1074,6 +1075,128 @@ START_TEST(allocator_matches_reference_model)
 }
 END_TEST
 
+/* ---- fault simulation --------------------------------------------------------------- */
+
+static pkv_stage_config_t fault_cfg(bool shared, bool pin)
+{
+    pkv_stage_config_t c;
+    pkv_stage_config_default(&c);
+    c.page_bytes = 4096;
+    c.pool_pages = 16;
+    c.shared = shared;
+    c.pin = pin;
+    return c;
+}
+
+/* The state a failed step must leave as it found it (counters of past grants aside). */
+static void assert_same_state(const pkv_stage_stats_t *a, const pkv_stage_stats_t *b)
+{
+    ck_assert_uint_eq(a->pages_free, b->pages_free);
+    ck_assert_uint_eq(a->pages_used, b->pages_used);
+    ck_assert_uint_eq(a->transfers_live, b->transfers_live);
+    ck_assert_uint_eq(a->pages_asked_inflight, b->pages_asked_inflight);
+    ck_assert_uint_eq(a->resident_bytes, b->resident_bytes);
+    ck_assert_uint_eq(a->pinned_bytes, b->pinned_bytes);
+    ck_assert_uint_eq(a->committed_pages, b->committed_pages);
+    ck_assert_uint_eq(a->waiting, b->waiting);
+}
+
+/* Every bookkeeping allocation of create, and the reclaim thread, failed one at a time:
+ * create returns its typed error and makes nothing (ASan: nothing leaks); then it works. */
+START_TEST(create_fails_cleanly_on_alloc_and_thread_faults)
+{
+    pkv_log_set_sink(quiet_sink, NULL);
+    for (int shared = 0; shared < 2; shared++) {
+        pkv_stage_config_t c = fault_cfg(shared, false);
+        pkv_stage_t *st = NULL;
+        uint32_t failed = 0;
+        for (uint32_t skip = 0;; skip++) {
+            pkv_fault_arm(PKV_FAULT_ALLOC, skip, 1);
+            int rc = pkv_stage_create(&c, &st);
+            bool fired = pkv_fault_fired(PKV_FAULT_ALLOC) > 0;
+            pkv_fault_disarm_all();
+            if (!fired) {
+                ck_assert_int_eq(rc, PKV_OK);
+                break;
+            }
+            ck_assert_int_eq(rc, PKV_ERR_NOMEM);
+            ck_assert_ptr_null(st);
+            failed++;
+        }
+        ck_assert_uint_ge(failed, 9); /* the stage, the allocator, seven tables */
+        stage_done(st);
+
+        st = NULL;
+        pkv_fault_arm(PKV_FAULT_THREAD, 0, 1);
+        ck_assert_int_eq(pkv_stage_create(&c, &st), PKV_ERR_NOMEM);
+        ck_assert_uint_eq(pkv_fault_fired(PKV_FAULT_THREAD), 1);
+        ck_assert_ptr_null(st);
+        pkv_fault_disarm_all();
+        ck_assert_int_eq(pkv_stage_create(&c, &st), PKV_OK);
+        pkv_stage_grant_t *g;
+        ck_assert_int_eq(pkv_stage_acquire(st, 1, 0, 4, PKV_DEADLINE_NEVER, &g), PKV_OK);
+        ck_assert_int_eq(pkv_stage_release(st, 1), PKV_OK);
+        pkv_stage_grant_free(g);
+        stage_done(st);
+    }
+    pkv_log_set_sink(NULL, NULL);
+}
+END_TEST
+
+/* An acquire whose grant cannot be allocated, or whose pages the OS refuses to commit
+ * (private and memfd arenas), returns PKV_ERR_NOMEM with its one line, hands out
+ * nothing and holds no pages; the retry is granted and committed. A refused pin is not
+ * a failure: the grant stands, counted as pin_failed_pages. */
+START_TEST(acquire_fails_cleanly_on_alloc_commit_and_mlock_faults)
+{
+    for (int shared = 0; shared < 2; shared++) {
+        pkv_stage_config_t c = fault_cfg(shared, true);
+        pkv_stage_t *st = NULL;
+        ck_assert_int_eq(pkv_stage_create(&c, &st), PKV_OK);
+        pkv_stage_stats_t before = stats_of(st), after;
+        pkv_stage_grant_t *g = NULL;
+
+        cap_start();
+        pkv_fault_arm(PKV_FAULT_ALLOC, 0, 1);
+        ck_assert_int_eq(pkv_stage_acquire(st, 1, 0, 4, PKV_DEADLINE_NEVER, &g), PKV_ERR_NOMEM);
+        ck_assert_uint_eq(pkv_fault_fired(PKV_FAULT_ALLOC), 1);
+        ck_assert_ptr_null(g);
+        ck_assert_int_eq(cap_matching("transfer=1 ", "out of memory", NULL), 1);
+        after = stats_of(st);
+        assert_same_state(&before, &after);
+        ck_assert_uint_eq(after.acquires, before.acquires);
+
+        cap_start();
+        pkv_fault_arm(PKV_FAULT_COMMIT, 0, 1);
+        ck_assert_int_eq(pkv_stage_acquire(st, 2, 7, 4, PKV_DEADLINE_NEVER, &g), PKV_ERR_NOMEM);
+        ck_assert_uint_eq(pkv_fault_fired(PKV_FAULT_COMMIT), 1);
+        ck_assert_ptr_null(g);
+        ck_assert_int_eq(cap_matching("transfer=2 ", "refused to commit 4 pages", NULL), 1);
+        after = stats_of(st);
+        assert_same_state(&before, &after);
+        pkv_stage_peer_stats_t ps;
+        ck_assert_int_eq(pkv_stage_peer_stats(st, 7, &ps), PKV_OK);
+        ck_assert_uint_eq(ps.held_pages, 0);
+        ck_assert_int_eq(pkv_stage_release(st, 2), PKV_ERR_NOTFOUND);
+
+        pkv_fault_arm(PKV_FAULT_MLOCK, 0, 1);
+        ck_assert_int_eq(pkv_stage_acquire(st, 2, 7, 4, PKV_DEADLINE_NEVER, &g), PKV_OK);
+        ck_assert_uint_eq(pkv_fault_fired(PKV_FAULT_MLOCK), 1);
+        pkv_fault_disarm_all();
+        after = stats_of(st);
+        ck_assert_uint_eq(after.committed_pages, 4);
+        ck_assert_uint_eq(after.pin_failed_pages, 4);
+        ck_assert_uint_eq(after.pinned_bytes, 0);
+        ck_assert_uint_eq(after.transfers_live, 1);
+        memset(g->runs[0].addr, 0x5a, 4096); /* committed: writable */
+        ck_assert_int_eq(pkv_stage_release(st, 2), PKV_OK);
+        pkv_stage_grant_free(g);
+        stage_done(st);
+        pkv_log_set_sink(NULL, NULL);
+    }
+}
+END_TEST
+
 static Suite *stage_suite(void)
 {
     Suite *s = suite_create("stage");
@@ -1096,6 +1219,8 @@ static Suite *stage_suite(void)
     tcase_add_test(tc, memfd_pages_are_visible_to_a_peer_mapping);
     tcase_add_test(tc, storm_never_double_owns_a_page);
     tcase_add_test(tc, allocator_matches_reference_model);
+    tcase_add_test(tc, create_fails_cleanly_on_alloc_and_thread_faults);
+    tcase_add_test(tc, acquire_fails_cleanly_on_alloc_commit_and_mlock_faults);
     suite_add_tcase(s, tc);
     return s;
 }
