@@ -255,6 +255,73 @@ static void wait_events(pkv_xfer_agent_t *a, int timeout_ms)
     (void)n;
 }
 
+/* ---- the walks over both sides' transfers ------------------------------------------ */
+
+static const xf_side_t *const xf_sides[] = {&xf_side_reads, &xf_side_serves};
+
+void xf_xfers_tick(pkv_xfer_agent_t *a, uint64_t now)
+{
+    for (size_t i = 0; i < PKV_ARRAY_LEN(xf_sides); i++) {
+        const xf_side_t *side = xf_sides[i];
+        for (void *t = side->head(a), *next; t; t = next) {
+            next = side->next(t); /* the tick may unlink t */
+            if (!side->tick(a, t, now)) break;
+        }
+    }
+}
+
+void xf_xfers_peer_lost(pkv_xfer_agent_t *a, xf_peer_t *p)
+{
+    for (size_t i = 0; i < PKV_ARRAY_LEN(xf_sides); i++) {
+        const xf_side_t *side = xf_sides[i];
+        for (void *t = side->head(a), *next; t; t = next) {
+            next = side->next(t);
+            if (side->peer(t) == p && !side->ended(t))
+                side->end(a, t, PKV_ERR_PEER_LOST, false, side->lost_why);
+        }
+    }
+}
+
+void xf_xfers_shutdown(pkv_xfer_agent_t *a)
+{
+    for (size_t i = 0; i < PKV_ARRAY_LEN(xf_sides); i++) {
+        const xf_side_t *side = xf_sides[i];
+        for (void *t = side->head(a), *next; t; t = next) {
+            next = side->next(t);
+            side->end(a, t, PKV_ERR_SHUTDOWN, true, side->shutdown_why);
+        }
+    }
+}
+
+bool xf_xfers_active_data(pkv_xfer_agent_t *a)
+{
+    for (size_t i = 0; i < PKV_ARRAY_LEN(xf_sides); i++)
+        for (void *t = xf_sides[i]->head(a); t; t = xf_sides[i]->next(t))
+            if (xf_sides[i]->moving(t)) return true;
+    return false;
+}
+
+bool xf_xfer_stuck(pkv_xfer_agent_t *a, const xf_side_t *side, xf_peer_t *peer, uint64_t xfer_id,
+                   uint32_t inflight, uint64_t done_ns, uint64_t now, bool *zombie)
+{
+    uint64_t idle = xf_since(now, done_ns);
+    if (!inflight || *zombie || idle <= 2 * XF_CLOSE_WAIT_NS) return false;
+    if (peer && peer->state == XF_PEER_ACTIVE) {
+        /* Force the endpoint closed: this ends every transfer on that peer and may free
+         * them (the walk's next too), so the walk stops here; the next tick goes on. */
+        xf_peer_fail(a, peer, side->stuck_why);
+        return true;
+    }
+    if (idle > 3 * XF_CLOSE_WAIT_NS) {
+        /* Even closing the endpoint left them pending: write them off (keep the staging). */
+        PKV_LOGE(XF_MOD, "%s %llu: %u %s never completed; written off%s", side->name,
+                 (unsigned long long)xfer_id, inflight, side->payload_ops, side->kept);
+        XF_STAT_ADD(a, written_off, inflight);
+        *zombie = true;
+    }
+    return false;
+}
+
 static bool shutdown_step(pkv_xfer_agent_t *a, uint64_t now)
 {
     if (!a->stop_started) {
@@ -265,8 +332,7 @@ static bool shutdown_step(pkv_xfer_agent_t *a, uint64_t now)
             a->listener = NULL;
         }
         /* progress_once() answered every connection request already. */
-        xf_reads_shutdown(a);
-        xf_serves_shutdown(a);
+        xf_xfers_shutdown(a);
         xf_regs_shutdown(a);
     }
     bool quiet = !a->reads && !a->serves;
@@ -339,8 +405,7 @@ static void *progress_main(void *arg)
 
         uint64_t now = pkv_now_ns();
         xf_peers_tick(a, now);
-        xf_reads_tick(a, now);
-        xf_serves_tick(a, now);
+        xf_xfers_tick(a, now);
         xf_regs_tick(a, now);
         xf_drain_stale(a);
 
@@ -353,7 +418,7 @@ static void *progress_main(void *arg)
             last_work_ns = now;
             continue;
         }
-        bool moving = xf_reads_active_data(a) || xf_serves_active_data(a);
+        bool moving = xf_xfers_active_data(a);
         if ((moving && ++idle_spins < 64) || now - last_work_ns < XF_LINGER_NS) {
             sched_yield();
             continue;

@@ -759,73 +759,75 @@ void xf_read_on_foreign(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, con
     settle(a, rd);
 }
 
-void xf_reads_tick(pkv_xfer_agent_t *a, uint64_t now)
+static bool read_tick(pkv_xfer_agent_t *a, void *t, uint64_t now)
 {
-    pkv_xfer_read_t *next;
-    for (pkv_xfer_read_t *rd = a->reads; rd; rd = next) {
-        next = rd->next; /* finish() may unlink rd */
-        if (!rd->finished) {
-            if (atomic_load(&rd->cancel_req))
-                finish(a, rd, PKV_ERR_CANCELLED, true, "cancelled");
-            else if (now >= rd->deadline_ns)
-                finish(a, rd, PKV_ERR_TIMEOUT, true, "deadline passed");
-            settle(a, rd);
-            continue;
-        }
-        if (rd->cancel_recvs) {
-            cancel_recvs(a, rd);
-            continue;
-        }
-        if (rd->zombie) continue;
-        if (!rd->slow_logged && xf_since(now, rd->done_ns) > XF_CLOSE_WAIT_NS) {
-            rd->slow_logged = true;
-            PKV_LOGD(XF_MOD, "read %llu ended %.0f ms ago, still waiting: seat %d jobs %u recvs %u",
-                     (unsigned long long)rd->xfer_id, xf_since(now, rd->done_ns) / 1e6,
-                     rd->seat_pending, rd->jobs_pending, rd->recvs_inflight);
-        }
-        if (rd->recvs_inflight && xf_since(now, rd->done_ns) > 2 * XF_CLOSE_WAIT_NS) {
-            /* Receives neither completed nor failed: force the endpoint closed, and if
-             * even that leaves them pending, write them off (keep the staging). */
-            if (rd->peer && rd->peer->state == XF_PEER_ACTIVE) {
-                /* This ends every read on that peer and may free them (next too): stop
-                 * the walk here, the next tick goes on. */
-                xf_peer_fail(a, rd->peer, "payload receives stuck after the read ended");
-                return;
-            } else if (xf_since(now, rd->done_ns) > 3 * XF_CLOSE_WAIT_NS) {
-                PKV_LOGE(XF_MOD, "read %llu: %u receives never completed; written off",
-                         (unsigned long long)rd->xfer_id, rd->recvs_inflight);
-                XF_STAT_ADD(a, written_off, rd->recvs_inflight);
-                rd->zombie = true;
-            }
-        }
-    }
-}
-
-void xf_reads_peer_lost(pkv_xfer_agent_t *a, xf_peer_t *p)
-{
-    pkv_xfer_read_t *next;
-    for (pkv_xfer_read_t *rd = a->reads; rd; rd = next) {
-        next = rd->next;
-        if (rd->peer == p && !rd->finished) {
-            finish(a, rd, PKV_ERR_PEER_LOST, false, "producer lost");
-            settle(a, rd);
-        }
-    }
-}
-
-void xf_reads_shutdown(pkv_xfer_agent_t *a)
-{
-    pkv_xfer_read_t *next;
-    for (pkv_xfer_read_t *rd = a->reads; rd; rd = next) {
-        next = rd->next;
-        finish(a, rd, PKV_ERR_SHUTDOWN, true, "consumer agent shutting down");
+    pkv_xfer_read_t *rd = t;
+    if (!rd->finished) {
+        if (atomic_load(&rd->cancel_req))
+            finish(a, rd, PKV_ERR_CANCELLED, true, "cancelled");
+        else if (now >= rd->deadline_ns)
+            finish(a, rd, PKV_ERR_TIMEOUT, true, "deadline passed");
         settle(a, rd);
+        return true;
     }
+    if (rd->cancel_recvs) {
+        cancel_recvs(a, rd);
+        return true;
+    }
+    if (rd->zombie) return true;
+    if (!rd->slow_logged && xf_since(now, rd->done_ns) > XF_CLOSE_WAIT_NS) {
+        rd->slow_logged = true;
+        PKV_LOGD(XF_MOD, "read %llu ended %.0f ms ago, still waiting: seat %d jobs %u recvs %u",
+                 (unsigned long long)rd->xfer_id, xf_since(now, rd->done_ns) / 1e6,
+                 rd->seat_pending, rd->jobs_pending, rd->recvs_inflight);
+    }
+    return !xf_xfer_stuck(a, &xf_side_reads, rd->peer, rd->xfer_id, rd->recvs_inflight, rd->done_ns,
+                          now, &rd->zombie);
 }
 
-bool xf_reads_active_data(pkv_xfer_agent_t *a)
+static void *read_head(pkv_xfer_agent_t *a)
 {
-    for (pkv_xfer_read_t *rd = a->reads; rd; rd = rd->next)
-        if (rd->state == XF_READ_READING) return true;
-    return false;
+    return a->reads;
 }
+
+static void *read_next(void *t)
+{
+    return ((pkv_xfer_read_t *)t)->next;
+}
+
+static xf_peer_t *read_peer(void *t)
+{
+    return ((pkv_xfer_read_t *)t)->peer;
+}
+
+static bool read_ended(void *t)
+{
+    return ((pkv_xfer_read_t *)t)->finished;
+}
+
+static void read_end(pkv_xfer_agent_t *a, void *t, int outcome, bool tell, const char *why)
+{
+    finish(a, t, outcome, tell, why);
+    settle(a, t);
+}
+
+static bool read_moving(void *t)
+{
+    return ((pkv_xfer_read_t *)t)->state == XF_READ_READING;
+}
+
+const xf_side_t xf_side_reads = {
+    .name = "read",
+    .payload_ops = "receives",
+    .lost_why = "producer lost",
+    .shutdown_why = "consumer agent shutting down",
+    .stuck_why = "payload receives stuck after the read ended",
+    .kept = "",
+    .head = read_head,
+    .next = read_next,
+    .peer = read_peer,
+    .ended = read_ended,
+    .end = read_end,
+    .moving = read_moving,
+    .tick = read_tick,
+};

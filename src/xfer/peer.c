@@ -157,8 +157,7 @@ void xf_peer_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const char *why)
         PKV_LOGI(XF_MOD, "peer %u (%s) lost: %s", p->id, p->addr, why);
     }
     peer_drop_queued(p);
-    xf_reads_peer_lost(a, p);
-    xf_serves_peer_lost(a, p);
+    xf_xfers_peer_lost(a, p);
     peer_close(a, p);
 }
 

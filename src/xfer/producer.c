@@ -903,61 +903,66 @@ void xf_serve_on_foreign(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, co
     serve_settle(a, s);
 }
 
-void xf_serves_tick(pkv_xfer_agent_t *a, uint64_t now)
+static bool serve_tick(pkv_xfer_agent_t *a, void *t, uint64_t now)
 {
-    xf_serve_t *next;
-    for (xf_serve_t *s = a->serves; s; s = next) {
-        next = s->next;
-        if (!s->state_done) {
-            if (now >= s->deadline_ns)
-                serve_finish(a, s, PKV_ERR_TIMEOUT, true, "deadline passed");
-            else if (s->pump_needed)
-                pump(a, s);
-        } else if (s->sends_inflight && !s->zombie &&
-                   xf_since(now, s->done_ns) > 2 * XF_CLOSE_WAIT_NS) {
-            if (s->peer->state == XF_PEER_ACTIVE) {
-                /* This ends and may free every serve on that peer (s and next too): stop
-                 * the walk here, the next tick goes on. */
-                xf_peer_fail(a, s->peer, "payload sends stuck after the transfer ended");
-                return;
-            } else if (xf_since(now, s->done_ns) > 3 * XF_CLOSE_WAIT_NS) {
-                PKV_LOGE(XF_MOD,
-                         "serve %llu: %u sends never completed; written off (staging "
-                         "kept)",
-                         (unsigned long long)s->xfer_id, s->sends_inflight);
-                XF_STAT_ADD(a, written_off, s->sends_inflight);
-                s->zombie = true;
-            }
-        }
-        serve_settle(a, s);
+    xf_serve_t *s = t;
+    if (!s->state_done) {
+        if (now >= s->deadline_ns)
+            serve_finish(a, s, PKV_ERR_TIMEOUT, true, "deadline passed");
+        else if (s->pump_needed)
+            pump(a, s);
+    } else if (xf_xfer_stuck(a, &xf_side_serves, s->peer, s->xfer_id, s->sends_inflight, s->done_ns,
+                             now, &s->zombie)) {
+        return false;
     }
+    serve_settle(a, s);
+    return true;
 }
 
-void xf_serves_peer_lost(pkv_xfer_agent_t *a, xf_peer_t *p)
+static void *serve_head(pkv_xfer_agent_t *a)
 {
-    xf_serve_t *next;
-    for (xf_serve_t *s = a->serves; s; s = next) {
-        next = s->next;
-        if (s->peer == p && !s->state_done) {
-            serve_finish(a, s, PKV_ERR_PEER_LOST, false, "consumer lost");
-            serve_settle(a, s);
-        }
-    }
+    return a->serves;
 }
 
-void xf_serves_shutdown(pkv_xfer_agent_t *a)
+static void *serve_next(void *t)
 {
-    xf_serve_t *next;
-    for (xf_serve_t *s = a->serves; s; s = next) {
-        next = s->next;
-        serve_finish(a, s, PKV_ERR_SHUTDOWN, true, "producer shutting down");
-        serve_settle(a, s);
-    }
+    return ((xf_serve_t *)t)->next;
 }
 
-bool xf_serves_active_data(pkv_xfer_agent_t *a)
+static xf_peer_t *serve_peer(void *t)
 {
-    for (xf_serve_t *s = a->serves; s; s = s->next)
-        if (s->state == XF_SERVE_SENDING || s->state == XF_SERVE_WAIT_ACK) return true;
-    return false;
+    return ((xf_serve_t *)t)->peer;
 }
+
+static bool serve_ended(void *t)
+{
+    return ((xf_serve_t *)t)->state_done;
+}
+
+static void serve_end(pkv_xfer_agent_t *a, void *t, int outcome, bool tell, const char *why)
+{
+    serve_finish(a, t, outcome, tell, why);
+    serve_settle(a, t);
+}
+
+static bool serve_moving(void *t)
+{
+    const xf_serve_t *s = t;
+    return s->state == XF_SERVE_SENDING || s->state == XF_SERVE_WAIT_ACK;
+}
+
+const xf_side_t xf_side_serves = {
+    .name = "serve",
+    .payload_ops = "sends",
+    .lost_why = "consumer lost",
+    .shutdown_why = "producer shutting down",
+    .stuck_why = "payload sends stuck after the transfer ended",
+    .kept = " (staging kept)",
+    .head = serve_head,
+    .next = serve_next,
+    .peer = serve_peer,
+    .ended = serve_ended,
+    .end = serve_end,
+    .moving = serve_moving,
+    .tick = serve_tick,
+};
