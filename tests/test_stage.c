@@ -18,6 +18,7 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define MS 1000000ull
@@ -821,6 +822,27 @@ START_TEST(memfd_pages_are_visible_to_a_peer_mapping)
     ck_assert_int_eq(pkv_stage_acquire(st, 1, 0, 5, PKV_DEADLINE_NEVER, &g), PKV_OK);
     memcpy(g->runs[0].addr, "staged bytes", 13);
     ck_assert_str_eq((char *)peer_view + g->runs[0].offset, "staged bytes");
+    /* The way a same-host peer maps it: by pid and fd, checked against the inode and size. */
+    struct stat sb;
+    ck_assert_int_eq(fstat(fd, &sb), 0);
+    int pfd = -1;
+    void *by_pid = NULL;
+    uint32_t self = (uint32_t)getpid();
+    ck_assert_int_eq(pkv_prim_shared_map_pid(self, fd, sb.st_ino + 1, 32 * 8192, &pfd, &by_pid),
+                     PKV_ERR_IO);
+    ck_assert_int_eq(pkv_prim_shared_map_pid(self, fd, sb.st_ino, 33 * 8192, &pfd, &by_pid),
+                     PKV_ERR_IO);
+    ck_assert_ptr_null(by_pid);
+    ck_assert_int_eq(pkv_prim_shared_map_pid(self, fd, sb.st_ino, 32 * 8192, &pfd, &by_pid),
+                     PKV_OK);
+    ck_assert_int_ne(pfd, fd);
+    ck_assert_str_eq((char *)by_pid + g->runs[0].offset, "staged bytes");
+    pkv_prim_shared_close(pfd, by_pid, 32 * 8192);
+    uint8_t boot[16], again[16], zero[16] = {0};
+    ck_assert_int_eq(pkv_prim_boot_id(boot), PKV_OK);
+    ck_assert_int_eq(pkv_prim_boot_id(again), PKV_OK);
+    ck_assert_mem_eq(boot, again, 16);
+    ck_assert_int_ne(memcmp(boot, zero, 16), 0);
     /* pin was asked: either pinned or counted as refused. */
     pkv_stage_stats_t s = stats_of(st);
     ck_assert_uint_eq(s.pinned_bytes + s.pin_failed_pages * 8192, 5 * 8192);

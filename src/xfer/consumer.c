@@ -65,10 +65,10 @@ static bool geo_equal(const pkv_geometry_t *x, const pkv_geometry_t *y)
            x->block_tokens == y->block_tokens && x->dtype == y->dtype;
 }
 
-int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_t *dst, uint32_t n,
-                  uint64_t deadline_ns, pkv_xfer_done_fn fn, void *arg, pkv_xfer_read_t **out)
+/* A handle this agent can read from: a host:port address, the pool's geometry, and
+ * the agent not stopping. */
+static int read_check(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h)
 {
-    if (!a || !h || !dst || !out || n != h->n_blocks || !n || !deadline_ns) return PKV_ERR_INVALID;
     if (!pkv_xfer_wire_addr_valid(h->addr)) {
         PKV_LOGW(XF_MOD, "read: handle address '%.*s' is not host:port", PKV_XFER_ADDR_MAX - 1,
                  h->addr);
@@ -85,9 +85,37 @@ int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_
     pthread_mutex_lock(&a->lock);
     bool stopping = a->stopping;
     pthread_mutex_unlock(&a->lock);
-    if (stopping) return PKV_ERR_SHUTDOWN;
+    return stopping ? PKV_ERR_SHUTDOWN : PKV_OK;
+}
 
-    int rc = PKV_ERR_NOMEM;
+/* The read's per-layer and per-chunk tables (read_free_mem frees them, all or some). */
+static int read_tables(pkv_xfer_read_t *rd, uint32_t n)
+{
+    uint32_t L = rd->v.layers;
+    rd->src_blocks = malloc(sizeof(uint32_t) * n);
+    rd->layer_chunks = calloc(L, sizeof(uint32_t));
+    rd->layer_flags = calloc(L, 1);
+    rd->layer_sum = calloc(L, sizeof(uint64_t));
+    rd->v.trailer = rd->layer_sum; /* a whole stream's checksums are received into it */
+    rd->ev_layer = calloc(L, sizeof(xf_event_t));
+    rd->job_layer = calloc(L, sizeof(xf_job_t));
+    rd->chunks = calloc(rd->v.n_chunks, sizeof(xf_chunk_t));
+    rd->layer_pieces = calloc(L, sizeof(uint64_t *));
+    rd->layer_npieces = calloc(L, sizeof(uint32_t));
+    if (!rd->src_blocks || !rd->layer_chunks || !rd->layer_flags || !rd->layer_sum ||
+        !rd->ev_layer || !rd->job_layer || !rd->chunks || !rd->layer_pieces || !rd->layer_npieces)
+        return PKV_ERR_NOMEM;
+    return PKV_OK;
+}
+
+int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_t *dst, uint32_t n,
+                  uint64_t deadline_ns, pkv_xfer_done_fn fn, void *arg, pkv_xfer_read_t **out)
+{
+    if (!a || !h || !dst || !out || n != h->n_blocks || !n || !deadline_ns) return PKV_ERR_INVALID;
+    int rc = read_check(a, h);
+    if (rc) return rc;
+
+    rc = PKV_ERR_NOMEM;
     pkv_xfer_read_t *rd = calloc(1, sizeof(*rd));
     if (!rd) return PKV_ERR_NOMEM;
     if (pthread_mutex_init(&rd->mu, NULL)) goto fail_rd;
@@ -104,20 +132,7 @@ int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_
         goto fail_cv;
     }
     rc = PKV_ERR_NOMEM;
-    uint32_t L = rd->v.layers;
-    rd->src_blocks = malloc(sizeof(uint32_t) * n);
-    rd->layer_chunks = calloc(L, sizeof(uint32_t));
-    rd->layer_flags = calloc(L, 1);
-    rd->layer_sum = calloc(L, sizeof(uint64_t));
-    rd->v.trailer = rd->layer_sum; /* a whole stream's checksums are received into it */
-    rd->ev_layer = calloc(L, sizeof(xf_event_t));
-    rd->job_layer = calloc(L, sizeof(xf_job_t));
-    rd->chunks = calloc(rd->v.n_chunks, sizeof(xf_chunk_t));
-    rd->layer_pieces = calloc(L, sizeof(uint64_t *));
-    rd->layer_npieces = calloc(L, sizeof(uint32_t));
-    if (!rd->src_blocks || !rd->layer_chunks || !rd->layer_flags || !rd->layer_sum ||
-        !rd->ev_layer || !rd->job_layer || !rd->chunks || !rd->layer_pieces || !rd->layer_npieces)
-        goto fail_mem;
+    if (read_tables(rd, n)) goto fail_mem;
     /* Same host and boot: we may copy straight from the producer's shared arena. */
     rd->want_shared = h->local.present && !a->cfg.no_shared && a->have_boot_id &&
                       !memcmp(h->local.boot_id, a->boot_id, sizeof(a->boot_id));
