@@ -743,35 +743,66 @@ START_TEST(concurrent_clients)
 }
 END_TEST
 
-/* Fault simulation: every bookkeeping allocation of create and the run thread, failed
- * one at a time, makes create fail with its typed error and nothing made (ASan checks
- * nothing leaks); with the fault gone, create works. */
+/* ---- fault simulation ---------------------------------------------------------------- */
+
+typedef struct {
+    const pkv_engine_config_t *cfg;
+    pkv_engine_t *e;
+} engine_make_t;
+
+static int engine_make(void *arg)
+{
+    engine_make_t *m = arg;
+    return pkv_engine_create(m->cfg, &m->e);
+}
+
+static void engine_none(void *arg)
+{
+    ck_assert_ptr_null(((engine_make_t *)arg)->e);
+}
+
+typedef struct {
+    pkv_engine_t *e;
+    const pkv_request_params_t *p;
+    const pkv_engine_stats_t *before;
+    pkv_request_t *q;
+} submit_t;
+
+static int submit_step(void *arg)
+{
+    submit_t *s = arg;
+    return pkv_engine_submit(s->e, s->p, &s->q);
+}
+
+/* A failed submit hands out nothing and changes no counter. */
+static void submit_none(void *arg)
+{
+    submit_t *s = arg;
+    pkv_engine_stats_t now;
+    ck_assert_ptr_null(s->q);
+    pkv_engine_stats(s->e, &now);
+    ck_assert_uint_eq(now.submitted, s->before->submitted);
+    ck_assert_uint_eq(now.queued, s->before->queued);
+    ck_assert_uint_eq(now.running, s->before->running);
+}
+
+/* Every bookkeeping allocation of create and the run thread, failed one at a time, make
+ * create fail with its typed error and nothing made (ASan checks nothing leaks); with
+ * the fault gone, create works. */
 START_TEST(create_fails_cleanly_on_alloc_and_thread_faults)
 {
     pkv_log_set_level(PKV_LOG_ERROR);
     pkv_model_t *m = tiny_model();
     pkv_kv_t *kv = make_kv(m, PKV_BACKEND_PAGED, 0, false);
     pkv_engine_config_t ec = {.model = m, .kv = kv, .detok = test_detok, .manual = true};
-    pkv_engine_t *e = NULL;
-    uint32_t failed = 0;
-    for (uint32_t skip = 0;; skip++) {
-        pkv_fault_arm(PKV_FAULT_ALLOC, skip, 1);
-        int rc = pkv_engine_create(&ec, &e);
-        bool fired = pkv_fault_fired(PKV_FAULT_ALLOC) > 0;
-        pkv_fault_disarm_all();
-        if (!fired) {
-            ck_assert_int_eq(rc, PKV_OK);
-            break;
-        }
-        ck_assert_int_eq(rc, PKV_ERR_NOMEM);
-        ck_assert_ptr_null(e);
-        failed++;
-    }
+    engine_make_t mk = {.cfg = &ec};
+    uint32_t failed =
+        pkv_test_fault_sweep(PKV_FAULT_ALLOC, engine_make, &mk, PKV_ERR_NOMEM, engine_none);
     ck_assert_uint_ge(failed, 8); /* the engine and its seven tables */
-    pkv_engine_destroy(e);
+    pkv_engine_destroy(mk.e);
 
     ec.manual = false;
-    e = NULL;
+    pkv_engine_t *e = NULL;
     pkv_fault_arm(PKV_FAULT_THREAD, 0, 1);
     ck_assert_int_eq(pkv_engine_create(&ec, &e), PKV_ERR_IO);
     ck_assert_uint_eq(pkv_fault_fired(PKV_FAULT_THREAD), 1);
@@ -803,25 +834,10 @@ START_TEST(submit_fails_cleanly_on_alloc_fault)
         .prompt = prompt, .n_prompt = 6, .max_tokens = 4, .want_logits = true};
     pkv_engine_stats_t before, after;
     pkv_engine_stats(r.e, &before);
-    pkv_request_t *q = NULL;
-    uint32_t failed = 0;
-    for (uint32_t skip = 0;; skip++) {
-        pkv_fault_arm(PKV_FAULT_ALLOC, skip, 1);
-        int rc = pkv_engine_submit(r.e, &p, &q);
-        bool fired = pkv_fault_fired(PKV_FAULT_ALLOC) > 0;
-        pkv_fault_disarm_all();
-        if (!fired) {
-            ck_assert_int_eq(rc, PKV_OK);
-            break;
-        }
-        ck_assert_int_eq(rc, PKV_ERR_NOMEM);
-        ck_assert_ptr_null(q);
-        pkv_engine_stats(r.e, &after);
-        ck_assert_uint_eq(after.submitted, before.submitted);
-        ck_assert_uint_eq(after.queued, before.queued);
-        ck_assert_uint_eq(after.running, before.running);
-        failed++;
-    }
+    submit_t sb = {.e = r.e, .p = &p, .before = &before};
+    uint32_t failed =
+        pkv_test_fault_sweep(PKV_FAULT_ALLOC, submit_step, &sb, PKV_ERR_NOMEM, submit_none);
+    pkv_request_t *q = sb.q;
     ck_assert_uint_ge(failed, 3); /* the request, its tokens, its logits */
     for (bool busy = true; busy;) ck_assert_int_eq(pkv_engine_step(r.e, &busy), PKV_OK);
     collected_t c;

@@ -1123,6 +1123,41 @@ static void assert_same_state(const pkv_stage_stats_t *a, const pkv_stage_stats_
     ck_assert_uint_eq(a->waiting, b->waiting);
 }
 
+typedef struct {
+    const pkv_stage_config_t *cfg;
+    pkv_stage_t *st;
+} stage_make_t;
+
+static int stage_make(void *arg)
+{
+    stage_make_t *m = arg;
+    return pkv_stage_create(m->cfg, &m->st);
+}
+
+static void stage_none(void *arg)
+{
+    ck_assert_ptr_null(((stage_make_t *)arg)->st);
+}
+
+/* An acquire of 4 pages with the next hit of `site` failing: PKV_ERR_NOMEM with its one
+ * line (`says`), no grant, and the state as `before`. */
+static void acquire_refused(pkv_stage_t *st, pkv_fault_site_t site, uint64_t id, uint32_t peer,
+                            const char *says, const pkv_stage_stats_t *before)
+{
+    char who[32];
+    snprintf(who, sizeof(who), "transfer=%llu ", (unsigned long long)id);
+    pkv_stage_grant_t *g = NULL;
+    cap_start();
+    pkv_fault_arm(site, 0, 1);
+    ck_assert_int_eq(pkv_stage_acquire(st, id, peer, 4, PKV_DEADLINE_NEVER, &g), PKV_ERR_NOMEM);
+    ck_assert_uint_eq(pkv_fault_fired(site), 1);
+    pkv_fault_disarm_all();
+    ck_assert_ptr_null(g);
+    ck_assert_int_eq(cap_matching(who, says, NULL), 1);
+    pkv_stage_stats_t after = stats_of(st);
+    assert_same_state(before, &after);
+}
+
 /* Every bookkeeping allocation of create, and the reclaim thread, failed one at a time:
  * create returns its typed error and makes nothing (ASan: nothing leaks); then it works. */
 START_TEST(create_fails_cleanly_on_alloc_and_thread_faults)
@@ -1130,25 +1165,13 @@ START_TEST(create_fails_cleanly_on_alloc_and_thread_faults)
     pkv_log_set_sink(quiet_sink, NULL);
     for (int shared = 0; shared < 2; shared++) {
         pkv_stage_config_t c = fault_cfg(shared, false);
-        pkv_stage_t *st = NULL;
-        uint32_t failed = 0;
-        for (uint32_t skip = 0;; skip++) {
-            pkv_fault_arm(PKV_FAULT_ALLOC, skip, 1);
-            int rc = pkv_stage_create(&c, &st);
-            bool fired = pkv_fault_fired(PKV_FAULT_ALLOC) > 0;
-            pkv_fault_disarm_all();
-            if (!fired) {
-                ck_assert_int_eq(rc, PKV_OK);
-                break;
-            }
-            ck_assert_int_eq(rc, PKV_ERR_NOMEM);
-            ck_assert_ptr_null(st);
-            failed++;
-        }
+        stage_make_t mk = {.cfg = &c};
+        uint32_t failed =
+            pkv_test_fault_sweep(PKV_FAULT_ALLOC, stage_make, &mk, PKV_ERR_NOMEM, stage_none);
         ck_assert_uint_ge(failed, 9); /* the stage, the allocator, seven tables */
-        stage_done(st);
+        stage_done(mk.st);
 
-        st = NULL;
+        pkv_stage_t *st = NULL;
         pkv_fault_arm(PKV_FAULT_THREAD, 0, 1);
         ck_assert_int_eq(pkv_stage_create(&c, &st), PKV_ERR_NOMEM);
         ck_assert_uint_eq(pkv_fault_fired(PKV_FAULT_THREAD), 1);
@@ -1178,24 +1201,9 @@ START_TEST(acquire_fails_cleanly_on_alloc_commit_and_mlock_faults)
         pkv_stage_stats_t before = stats_of(st), after;
         pkv_stage_grant_t *g = NULL;
 
-        cap_start();
-        pkv_fault_arm(PKV_FAULT_ALLOC, 0, 1);
-        ck_assert_int_eq(pkv_stage_acquire(st, 1, 0, 4, PKV_DEADLINE_NEVER, &g), PKV_ERR_NOMEM);
-        ck_assert_uint_eq(pkv_fault_fired(PKV_FAULT_ALLOC), 1);
-        ck_assert_ptr_null(g);
-        ck_assert_int_eq(cap_matching("transfer=1 ", "out of memory", NULL), 1);
-        after = stats_of(st);
-        assert_same_state(&before, &after);
-        ck_assert_uint_eq(after.acquires, before.acquires);
-
-        cap_start();
-        pkv_fault_arm(PKV_FAULT_COMMIT, 0, 1);
-        ck_assert_int_eq(pkv_stage_acquire(st, 2, 7, 4, PKV_DEADLINE_NEVER, &g), PKV_ERR_NOMEM);
-        ck_assert_uint_eq(pkv_fault_fired(PKV_FAULT_COMMIT), 1);
-        ck_assert_ptr_null(g);
-        ck_assert_int_eq(cap_matching("transfer=2 ", "refused to commit 4 pages", NULL), 1);
-        after = stats_of(st);
-        assert_same_state(&before, &after);
+        acquire_refused(st, PKV_FAULT_ALLOC, 1, 0, "out of memory", &before);
+        ck_assert_uint_eq(stats_of(st).acquires, before.acquires);
+        acquire_refused(st, PKV_FAULT_COMMIT, 2, 7, "refused to commit 4 pages", &before);
         pkv_stage_peer_stats_t ps;
         ck_assert_int_eq(pkv_stage_peer_stats(st, 7, &ps), PKV_OK);
         ck_assert_uint_eq(ps.held_pages, 0);
