@@ -2,7 +2,8 @@
  * engine: generation against a direct model loop, stop conditions (max_tokens, EOS,
  * stop strings with held-back text, UTF-8 boundaries), bad input, the bounded queue,
  * cancellation, priorities, the preemption victim order, seeded sampling, prefix hits,
- * notify callbacks, drain and destroy with live requests, and the sampler itself.
+ * notify callbacks, drain and destroy with live requests, the sampler itself, and
+ * create and submit under simulated allocation and thread-creation failures.
  */
 #include "support/testutil.h"
 
@@ -742,6 +743,113 @@ START_TEST(concurrent_clients)
 }
 END_TEST
 
+/* ---- fault simulation ---------------------------------------------------------------- */
+
+typedef struct {
+    const pkv_engine_config_t *cfg;
+    pkv_engine_t *e;
+} engine_make_t;
+
+static int engine_make(void *arg)
+{
+    engine_make_t *m = arg;
+    return pkv_engine_create(m->cfg, &m->e);
+}
+
+static void engine_none(void *arg)
+{
+    ck_assert_ptr_null(((engine_make_t *)arg)->e);
+}
+
+typedef struct {
+    pkv_engine_t *e;
+    const pkv_request_params_t *p;
+    const pkv_engine_stats_t *before;
+    pkv_request_t *q;
+} submit_t;
+
+static int submit_step(void *arg)
+{
+    submit_t *s = arg;
+    return pkv_engine_submit(s->e, s->p, &s->q);
+}
+
+/* A failed submit hands out nothing and changes no counter. */
+static void submit_none(void *arg)
+{
+    submit_t *s = arg;
+    pkv_engine_stats_t now;
+    ck_assert_ptr_null(s->q);
+    pkv_engine_stats(s->e, &now);
+    ck_assert_uint_eq(now.submitted, s->before->submitted);
+    ck_assert_uint_eq(now.queued, s->before->queued);
+    ck_assert_uint_eq(now.running, s->before->running);
+}
+
+/* Every bookkeeping allocation of create and the run thread, failed one at a time, make
+ * create fail with its typed error and nothing made (ASan checks nothing leaks); with
+ * the fault gone, create works. */
+START_TEST(create_fails_cleanly_on_alloc_and_thread_faults)
+{
+    pkv_log_set_level(PKV_LOG_ERROR);
+    pkv_model_t *m = tiny_model();
+    pkv_kv_t *kv = make_kv(m, PKV_BACKEND_PAGED, 0, false);
+    pkv_engine_config_t ec = {.model = m, .kv = kv, .detok = test_detok, .manual = true};
+    engine_make_t mk = {.cfg = &ec};
+    uint32_t failed =
+        pkv_test_fault_sweep(PKV_FAULT_ALLOC, engine_make, &mk, PKV_ERR_NOMEM, engine_none);
+    ck_assert_uint_ge(failed, 8); /* the engine and its seven tables */
+    pkv_engine_destroy(mk.e);
+
+    ec.manual = false;
+    pkv_engine_t *e = NULL;
+    pkv_fault_arm(PKV_FAULT_THREAD, 0, 1);
+    ck_assert_int_eq(pkv_engine_create(&ec, &e), PKV_ERR_IO);
+    ck_assert_uint_eq(pkv_fault_fired(PKV_FAULT_THREAD), 1);
+    ck_assert_ptr_null(e);
+    pkv_fault_disarm_all();
+    ck_assert_int_eq(pkv_engine_create(&ec, &e), PKV_OK);
+    int32_t prompt[5] = {1, 2, 3, 4, 5};
+    pkv_request_params_t p = {.prompt = prompt, .n_prompt = 5, .max_tokens = 3};
+    pkv_request_t *q;
+    ck_assert_int_eq(pkv_engine_submit(e, &p, &q), PKV_OK);
+    collected_t c;
+    collect(q, &c);
+    ck_assert_uint_eq(c.n, 3);
+    pkv_request_release(q);
+    pkv_engine_destroy(e);
+    pkv_kv_destroy(kv);
+    pkv_model_destroy(m);
+}
+END_TEST
+
+/* A submit whose request bookkeeping cannot be allocated returns PKV_ERR_NOMEM, hands
+ * out nothing and leaves the engine as it was (stats before == after); the retry runs. */
+START_TEST(submit_fails_cleanly_on_alloc_fault)
+{
+    rig_t r;
+    rig_init(&r, PKV_BACKEND_PAGED, 0, (pkv_engine_config_t){.manual = true});
+    int32_t prompt[6] = {3, 1, 4, 1, 5, 9};
+    pkv_request_params_t p = {
+        .prompt = prompt, .n_prompt = 6, .max_tokens = 4, .want_logits = true};
+    pkv_engine_stats_t before, after;
+    pkv_engine_stats(r.e, &before);
+    submit_t sb = {.e = r.e, .p = &p, .before = &before};
+    uint32_t failed =
+        pkv_test_fault_sweep(PKV_FAULT_ALLOC, submit_step, &sb, PKV_ERR_NOMEM, submit_none);
+    pkv_request_t *q = sb.q;
+    ck_assert_uint_ge(failed, 3); /* the request, its tokens, its logits */
+    for (bool busy = true; busy;) ck_assert_int_eq(pkv_engine_step(r.e, &busy), PKV_OK);
+    collected_t c;
+    collect(q, &c);
+    ck_assert_uint_eq(c.n, 4);
+    pkv_engine_stats(r.e, &after);
+    ck_assert_uint_eq(after.submitted, before.submitted + 1);
+    pkv_request_release(q);
+    rig_fini(&r);
+}
+END_TEST
+
 START_TEST(sampler)
 {
     float l[5] = {0.1f, 3.0f, 3.0f, -1.0f, 2.0f};
@@ -789,6 +897,8 @@ static Suite *engine_suite(void)
     tcase_add_test(tc, notify_and_destroy_with_live_requests);
     tcase_add_test(tc, concurrent_clients);
     tcase_add_test(tc, sampler);
+    tcase_add_test(tc, create_fails_cleanly_on_alloc_and_thread_faults);
+    tcase_add_test(tc, submit_fails_cleanly_on_alloc_fault);
     suite_add_tcase(s, tc);
     return s;
 }

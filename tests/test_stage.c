@@ -3,20 +3,22 @@
  * allocation shape, typed failures with one log line each, deadlines, shutdown, the
  * per-peer cap, fairness, leases, idle release measured in VmRSS, memfd sharing, leak
  * reporting on destroy, a concurrent acquire/release/cancel storm with a page-ownership
- * map, and a seeded property test of the page allocator against a reference model.
+ * map, a seeded property test of the page allocator against a reference model, and
+ * create and acquire under simulated allocation, commit, pin and thread failures.
  */
 #include "support/testutil.h"
 
 #include "core/core.h"
 #include "pagekv/stage.h"
 #include "prim/prim.h"
-#include "stage/stage_alloc.h"
+#include "stage/stage.h"
 #include "stage/stage_int.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define MS 1000000ull
@@ -820,6 +822,27 @@ START_TEST(memfd_pages_are_visible_to_a_peer_mapping)
     ck_assert_int_eq(pkv_stage_acquire(st, 1, 0, 5, PKV_DEADLINE_NEVER, &g), PKV_OK);
     memcpy(g->runs[0].addr, "staged bytes", 13);
     ck_assert_str_eq((char *)peer_view + g->runs[0].offset, "staged bytes");
+    /* The way a same-host peer maps it: by pid and fd, checked against the inode and size. */
+    struct stat sb;
+    ck_assert_int_eq(fstat(fd, &sb), 0);
+    int pfd = -1;
+    void *by_pid = NULL;
+    uint32_t self = (uint32_t)getpid();
+    ck_assert_int_eq(pkv_prim_shared_map_pid(self, fd, sb.st_ino + 1, 32 * 8192, &pfd, &by_pid),
+                     PKV_ERR_IO);
+    ck_assert_int_eq(pkv_prim_shared_map_pid(self, fd, sb.st_ino, 33 * 8192, &pfd, &by_pid),
+                     PKV_ERR_IO);
+    ck_assert_ptr_null(by_pid);
+    ck_assert_int_eq(pkv_prim_shared_map_pid(self, fd, sb.st_ino, 32 * 8192, &pfd, &by_pid),
+                     PKV_OK);
+    ck_assert_int_ne(pfd, fd);
+    ck_assert_str_eq((char *)by_pid + g->runs[0].offset, "staged bytes");
+    pkv_prim_shared_close(pfd, by_pid, 32 * 8192);
+    uint8_t boot[16], again[16], zero[16] = {0};
+    ck_assert_int_eq(pkv_prim_boot_id(boot), PKV_OK);
+    ck_assert_int_eq(pkv_prim_boot_id(again), PKV_OK);
+    ck_assert_mem_eq(boot, again, 16);
+    ck_assert_int_ne(memcmp(boot, zero, 16), 0);
     /* pin was asked: either pinned or counted as refused. */
     pkv_stage_stats_t s = stats_of(st);
     ck_assert_uint_eq(s.pinned_bytes + s.pin_failed_pages * 8192, 5 * 8192);
@@ -1074,6 +1097,136 @@ START_TEST(allocator_matches_reference_model)
 }
 END_TEST
 
+/* ---- fault simulation --------------------------------------------------------------- */
+
+static pkv_stage_config_t fault_cfg(bool shared, bool pin)
+{
+    pkv_stage_config_t c;
+    pkv_stage_config_default(&c);
+    c.page_bytes = 4096;
+    c.pool_pages = 16;
+    c.shared = shared;
+    c.pin = pin;
+    return c;
+}
+
+/* The state a failed step must leave as it found it (counters of past grants aside). */
+static void assert_same_state(const pkv_stage_stats_t *a, const pkv_stage_stats_t *b)
+{
+    ck_assert_uint_eq(a->pages_free, b->pages_free);
+    ck_assert_uint_eq(a->pages_used, b->pages_used);
+    ck_assert_uint_eq(a->transfers_live, b->transfers_live);
+    ck_assert_uint_eq(a->pages_asked_inflight, b->pages_asked_inflight);
+    ck_assert_uint_eq(a->resident_bytes, b->resident_bytes);
+    ck_assert_uint_eq(a->pinned_bytes, b->pinned_bytes);
+    ck_assert_uint_eq(a->committed_pages, b->committed_pages);
+    ck_assert_uint_eq(a->waiting, b->waiting);
+}
+
+typedef struct {
+    const pkv_stage_config_t *cfg;
+    pkv_stage_t *st;
+} stage_make_t;
+
+static int stage_make(void *arg)
+{
+    stage_make_t *m = arg;
+    return pkv_stage_create(m->cfg, &m->st);
+}
+
+static void stage_none(void *arg)
+{
+    ck_assert_ptr_null(((stage_make_t *)arg)->st);
+}
+
+/* An acquire of 4 pages with the next hit of `site` failing: PKV_ERR_NOMEM with its one
+ * line (`says`), no grant, and the state as `before`. */
+static void acquire_refused(pkv_stage_t *st, pkv_fault_site_t site, uint64_t id, uint32_t peer,
+                            const char *says, const pkv_stage_stats_t *before)
+{
+    char who[32];
+    snprintf(who, sizeof(who), "transfer=%llu ", (unsigned long long)id);
+    pkv_stage_grant_t *g = NULL;
+    cap_start();
+    pkv_fault_arm(site, 0, 1);
+    ck_assert_int_eq(pkv_stage_acquire(st, id, peer, 4, PKV_DEADLINE_NEVER, &g), PKV_ERR_NOMEM);
+    ck_assert_uint_eq(pkv_fault_fired(site), 1);
+    pkv_fault_disarm_all();
+    ck_assert_ptr_null(g);
+    ck_assert_int_eq(cap_matching(who, says, NULL), 1);
+    pkv_stage_stats_t after = stats_of(st);
+    assert_same_state(before, &after);
+}
+
+/* Every bookkeeping allocation of create, and the reclaim thread, failed one at a time:
+ * create returns its typed error and makes nothing (ASan: nothing leaks); then it works. */
+START_TEST(create_fails_cleanly_on_alloc_and_thread_faults)
+{
+    pkv_log_set_sink(quiet_sink, NULL);
+    for (int shared = 0; shared < 2; shared++) {
+        pkv_stage_config_t c = fault_cfg(shared, false);
+        stage_make_t mk = {.cfg = &c};
+        uint32_t failed =
+            pkv_test_fault_sweep(PKV_FAULT_ALLOC, stage_make, &mk, PKV_ERR_NOMEM, stage_none);
+        ck_assert_uint_ge(failed, 9); /* the stage, the allocator, seven tables */
+        stage_done(mk.st);
+
+        pkv_stage_t *st = NULL;
+        pkv_fault_arm(PKV_FAULT_THREAD, 0, 1);
+        ck_assert_int_eq(pkv_stage_create(&c, &st), PKV_ERR_NOMEM);
+        ck_assert_uint_eq(pkv_fault_fired(PKV_FAULT_THREAD), 1);
+        ck_assert_ptr_null(st);
+        pkv_fault_disarm_all();
+        ck_assert_int_eq(pkv_stage_create(&c, &st), PKV_OK);
+        pkv_stage_grant_t *g;
+        ck_assert_int_eq(pkv_stage_acquire(st, 1, 0, 4, PKV_DEADLINE_NEVER, &g), PKV_OK);
+        ck_assert_int_eq(pkv_stage_release(st, 1), PKV_OK);
+        pkv_stage_grant_free(g);
+        stage_done(st);
+    }
+    pkv_log_set_sink(NULL, NULL);
+}
+END_TEST
+
+/* An acquire whose grant cannot be allocated, or whose pages the OS refuses to commit
+ * (private and memfd arenas), returns PKV_ERR_NOMEM with its one line, hands out
+ * nothing and holds no pages; the retry is granted and committed. A refused pin is not
+ * a failure: the grant stands, counted as pin_failed_pages. */
+START_TEST(acquire_fails_cleanly_on_alloc_commit_and_mlock_faults)
+{
+    for (int shared = 0; shared < 2; shared++) {
+        pkv_stage_config_t c = fault_cfg(shared, true);
+        pkv_stage_t *st = NULL;
+        ck_assert_int_eq(pkv_stage_create(&c, &st), PKV_OK);
+        pkv_stage_stats_t before = stats_of(st), after;
+        pkv_stage_grant_t *g = NULL;
+
+        acquire_refused(st, PKV_FAULT_ALLOC, 1, 0, "out of memory", &before);
+        ck_assert_uint_eq(stats_of(st).acquires, before.acquires);
+        acquire_refused(st, PKV_FAULT_COMMIT, 2, 7, "refused to commit 4 pages", &before);
+        pkv_stage_peer_stats_t ps;
+        ck_assert_int_eq(pkv_stage_peer_stats(st, 7, &ps), PKV_OK);
+        ck_assert_uint_eq(ps.held_pages, 0);
+        ck_assert_int_eq(pkv_stage_release(st, 2), PKV_ERR_NOTFOUND);
+
+        pkv_fault_arm(PKV_FAULT_MLOCK, 0, 1);
+        ck_assert_int_eq(pkv_stage_acquire(st, 2, 7, 4, PKV_DEADLINE_NEVER, &g), PKV_OK);
+        ck_assert_uint_eq(pkv_fault_fired(PKV_FAULT_MLOCK), 1);
+        pkv_fault_disarm_all();
+        after = stats_of(st);
+        ck_assert_uint_eq(after.committed_pages, 4);
+        ck_assert_uint_eq(after.pin_failed_pages, 4);
+        ck_assert_uint_eq(after.pinned_bytes, 0);
+        ck_assert_uint_eq(after.transfers_live, 1);
+        memset(g->runs[0].addr, 0x5a, 4096); /* committed: writable */
+        ck_assert_int_eq(pkv_stage_release(st, 2), PKV_OK);
+        pkv_stage_grant_free(g);
+        stage_done(st);
+        pkv_log_set_sink(NULL, NULL);
+    }
+}
+END_TEST
+
 static Suite *stage_suite(void)
 {
     Suite *s = suite_create("stage");
@@ -1096,6 +1249,8 @@ static Suite *stage_suite(void)
     tcase_add_test(tc, memfd_pages_are_visible_to_a_peer_mapping);
     tcase_add_test(tc, storm_never_double_owns_a_page);
     tcase_add_test(tc, allocator_matches_reference_model);
+    tcase_add_test(tc, create_fails_cleanly_on_alloc_and_thread_faults);
+    tcase_add_test(tc, acquire_fails_cleanly_on_alloc_commit_and_mlock_faults);
     suite_add_tcase(s, tc);
     return s;
 }

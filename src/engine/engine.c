@@ -639,6 +639,17 @@ static void *run_main(void *arg)
 
 /* ---- public ----------------------------------------------------------------------------- */
 
+/* Allocations of the engine's bookkeeping, failing where a test armed PKV_FAULT_ALLOC. */
+static void *engine_malloc(size_t size)
+{
+    return pkv_fault_hit(PKV_FAULT_ALLOC) ? NULL : malloc(size);
+}
+
+static void *engine_calloc(size_t n, size_t size)
+{
+    return pkv_fault_hit(PKV_FAULT_ALLOC) ? NULL : calloc(n, size);
+}
+
 int pkv_engine_create(const pkv_engine_config_t *cfg, pkv_engine_t **out)
 {
     if (!cfg || !out || !cfg->model || !cfg->kv) return PKV_ERR_INVALID;
@@ -670,7 +681,7 @@ int pkv_engine_create(const pkv_engine_config_t *cfg, pkv_engine_t **out)
             return PKV_ERR_INVALID;
         }
     }
-    pkv_engine_t *e = calloc(1, sizeof(*e));
+    pkv_engine_t *e = engine_calloc(1, sizeof(*e));
     if (!e) return PKV_ERR_NOMEM;
     e->cfg = c;
     if (c.n_eos_ids) memcpy(e->eos, c.eos_ids, c.n_eos_ids * sizeof(int32_t));
@@ -683,16 +694,16 @@ int pkv_engine_create(const pkv_engine_config_t *cfg, pkv_engine_t **out)
     if (pthread_mutex_init(&e->lock, NULL)) goto fail_lock;
     if (pkv__cond_init_monotonic(&e->work_cv)) goto fail_work;
     if (pkv__cond_init_monotonic(&e->idle_cv)) goto fail_idle;
-    if (!(e->running = calloc(c.max_batch_size, sizeof(*e->running))) ||
-        !(e->order = calloc(c.max_batch_size, sizeof(*e->order))) ||
-        !(e->items = calloc(c.max_batch_size, sizeof(*e->items))) ||
-        !(e->item_req = calloc(c.max_batch_size, sizeof(*e->item_req))) ||
-        !(e->logits = malloc((size_t)c.max_batch_size * e->vocab * sizeof(float))) ||
-        !(e->probs = malloc(e->vocab * sizeof(float))) ||
-        !(e->cand = malloc(e->vocab * sizeof(*e->cand))))
+    if (!(e->running = engine_calloc(c.max_batch_size, sizeof(*e->running))) ||
+        !(e->order = engine_calloc(c.max_batch_size, sizeof(*e->order))) ||
+        !(e->items = engine_calloc(c.max_batch_size, sizeof(*e->items))) ||
+        !(e->item_req = engine_calloc(c.max_batch_size, sizeof(*e->item_req))) ||
+        !(e->logits = engine_malloc((size_t)c.max_batch_size * e->vocab * sizeof(float))) ||
+        !(e->probs = engine_malloc(e->vocab * sizeof(float))) ||
+        !(e->cand = engine_malloc(e->vocab * sizeof(*e->cand))))
         goto fail_alloc;
     if (!c.manual) {
-        if (pthread_create(&e->thread, NULL, run_main, e)) {
+        if (pkv_fault_hit(PKV_FAULT_THREAD) || pthread_create(&e->thread, NULL, run_main, e)) {
             rc = PKV_ERR_IO;
             goto fail_alloc;
         }
@@ -798,14 +809,14 @@ int pkv_engine_submit(pkv_engine_t *e, const pkv_request_params_t *p, pkv_reques
                  (unsigned long long)ks.budget_bytes);
         return PKV_ERR_NOFIT;
     }
-    pkv_request_t *r = calloc(1, sizeof(*r));
+    pkv_request_t *r = engine_calloc(1, sizeof(*r));
     if (!r) return PKV_ERR_NOMEM;
     if (pkv__cond_init_monotonic(&r->cv)) {
         free(r);
         return PKV_ERR_NOMEM;
     }
-    r->tokens = malloc(((size_t)p->n_prompt + p->max_tokens) * sizeof(int32_t));
-    if (p->want_logits) r->logits = malloc((size_t)p->max_tokens * e->vocab * sizeof(float));
+    r->tokens = engine_malloc(((size_t)p->n_prompt + p->max_tokens) * sizeof(int32_t));
+    if (p->want_logits) r->logits = engine_malloc((size_t)p->max_tokens * e->vocab * sizeof(float));
     if (!r->tokens || (p->want_logits && !r->logits)) {
         free(r->tokens);
         free(r->logits);

@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #ifndef MADV_POPULATE_WRITE
@@ -226,5 +227,48 @@ int pkv_prim_smaps_rollup(int pid, pkv_prim_smaps_t *out)
         .swap_bytes = prim_field_kib(buf, "\nSwap:"),
     };
     *out = m;
+    return PKV_OK;
+}
+
+/* ---- this boot and other processes' memfds (the transfer engine) ------------------- */
+
+int pkv_prim_boot_id(uint8_t out[16])
+{
+    char txt[64] = {0};
+    int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return PKV_ERR_IO;
+    ssize_t n = read(fd, txt, sizeof(txt) - 1);
+    close(fd);
+    if (n <= 0) return PKV_ERR_IO;
+    uint8_t id[16] = {0};
+    int nib = 0;
+    for (ssize_t i = 0; i < n && nib < 32; i++) {
+        char ch = txt[i];
+        int v = ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10 : -1;
+        if (v < 0) continue;
+        id[nib / 2] |= (uint8_t)(nib % 2 ? v : v << 4);
+        nib++;
+    }
+    if (nib != 32) return PKV_ERR_IO;
+    memcpy(out, id, sizeof(id));
+    return PKV_OK;
+}
+
+int pkv_prim_shared_map_pid(uint32_t pid, int fd, uint64_t ino, size_t size, int *fd_out,
+                            void **addr_out)
+{
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%u/fd/%d", pid, fd);
+    int mfd = open(path, O_RDWR | O_CLOEXEC);
+    if (mfd < 0) return PKV_ERR_IO;
+    struct stat sb;
+    void *base = NULL;
+    if (fstat(mfd, &sb) || (uint64_t)sb.st_ino != ino || (uint64_t)sb.st_size < size ||
+        pkv_prim_shared_map(mfd, size, &base)) {
+        close(mfd);
+        return PKV_ERR_IO;
+    }
+    *fd_out = mfd;
+    *addr_out = base;
     return PKV_OK;
 }

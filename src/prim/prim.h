@@ -67,4 +67,16 @@ typedef struct {
 /* Read /proc/<pid>/smaps_rollup (pid 0: self). *out is written only on success. */
 int pkv_prim_smaps_rollup(int pid, pkv_prim_smaps_t *out);
 
+/* ---- this boot and other processes' memfds (the transfer engine) ------------------- */
+
+/* This boot's id (/proc/sys/kernel/random/boot_id, 32 hex digits) as 16 bytes.
+ * PKV_ERR_IO when it cannot be read or is malformed; *out is written only on success. */
+int pkv_prim_boot_id(uint8_t out[16]);
+/* Map the first `size` bytes of another process's memfd, reached through
+ * /proc/<pid>/fd/<fd>, MAP_SHARED read-write, checking that the file there is inode
+ * `ino` and at least `size` bytes long. PKV_OK with *fd_out (kept open) and *addr_out
+ * (close both with pkv_prim_shared_close); PKV_ERR_IO otherwise, nothing left open. */
+int pkv_prim_shared_map_pid(uint32_t pid, int fd, uint64_t ino, size_t size, int *fd_out,
+                            void **addr_out);
+
 #endif

@@ -22,7 +22,7 @@
 
 #include "core/core.h"
 #include "prim/prim.h"
-#include "stage/stage_alloc.h"
+#include "stage/stage.h"
 #include "stage/stage_int.h"
 
 #include <errno.h>
@@ -539,6 +539,98 @@ static int stage_config_check(const pkv_stage_config_t *c, uint32_t *npages)
     return PKV_OK;
 }
 
+/* calloc for the stage's bookkeeping, failing where a test armed PKV_FAULT_ALLOC. */
+static void *stage_calloc(size_t n, size_t size)
+{
+    return pkv_fault_hit(PKV_FAULT_ALLOC) ? NULL : calloc(n, size);
+}
+
+static void stage_tables_free(pkv_stage_t *st)
+{
+    free(st->spans);
+    free(st->reclaim);
+    free(st->peers);
+    free(st->xfer_hash);
+    free(st->xfers);
+    free(st->fresh);
+    free(st->run_next);
+    stage_alloc_fini(&st->alloc);
+}
+
+/* The allocator and the tables (all or none; PKV_ERR_NOMEM). */
+static int stage_tables_alloc(pkv_stage_t *st, bool fixed)
+{
+    uint32_t npages = st->npages;
+    if (stage_alloc_init(&st->alloc, st->cfg.mode, npages, fixed ? st->cfg.slot_pages : 0))
+        return PKV_ERR_NOMEM;
+    st->run_next = stage_calloc(npages, sizeof(uint32_t));
+    st->fresh = stage_calloc(npages, 1);
+    st->xfers = stage_calloc(st->max_live, sizeof(stage_xfer_t));
+    st->xfer_hash = stage_calloc(st->hash_cap, sizeof(uint32_t));
+    st->peers = stage_calloc(st->hash_cap, sizeof(stage_peer_t));
+    st->reclaim = stage_calloc(npages, sizeof(stage_span_t));
+    st->spans = stage_calloc(st->runs_cap, sizeof(stage_span_t));
+    if (!st->run_next || !st->fresh || !st->xfers || !st->xfer_hash || !st->peers || !st->reclaim ||
+        !st->spans) {
+        stage_tables_free(st);
+        return PKV_ERR_NOMEM;
+    }
+    for (uint32_t i = 0; i < st->max_live; i++)
+        st->xfers[i].next_free = i + 1 < st->max_live ? i + 1 : STAGE_NONE;
+    st->xfer_free = 0;
+    return PKV_OK;
+}
+
+/* Reserve the arena (a memfd mapping when shared); logs why it could not. */
+static int stage_arena_open(pkv_stage_t *st)
+{
+    int rc;
+    if (st->cfg.shared) {
+        rc = pkv_prim_shared_create(st->name, st->arena_bytes, &st->memfd, (void **)&st->base);
+        if (rc)
+            PKV_LOGE(STAGE_LOG, "create: memfd arena of %zu bytes: %s", st->arena_bytes,
+                     pkv_status_str(rc));
+    } else {
+        rc = pkv_prim_reserve(st->arena_bytes, PKV_PRIM_PAGE, (void **)&st->base);
+        if (rc)
+            PKV_LOGE(STAGE_LOG, "create: reserving %zu bytes: %s", st->arena_bytes,
+                     pkv_status_str(rc));
+    }
+    return rc;
+}
+
+static void stage_arena_close(pkv_stage_t *st)
+{
+    if (st->memfd >= 0)
+        pkv_prim_shared_close(st->memfd, st->base, st->arena_bytes);
+    else
+        pkv_prim_release(st->base, st->arena_bytes);
+}
+
+/* The lock, the condition variables and the reclaim thread (all or none). */
+static int stage_sync_open(pkv_stage_t *st)
+{
+    if (pthread_mutex_init(&st->lock, NULL)) return PKV_ERR_NOMEM;
+    if (pkv__cond_init_monotonic(&st->reclaim_cond)) goto fail_mutex;
+    if (pkv__cond_init_monotonic(&st->drain_cond)) goto fail_reclaim_cond;
+    if (st->cfg.idle_release_ns != PKV_DEADLINE_NEVER) {
+        if (pkv_fault_hit(PKV_FAULT_THREAD) ||
+            pthread_create(&st->reclaimer, NULL, stage_reclaim_main, st))
+            goto fail_drain_cond;
+        pthread_setname_np(st->reclaimer, "pkv-stage-idle");
+        st->has_reclaimer = true;
+    }
+    return PKV_OK;
+
+fail_drain_cond:
+    pthread_cond_destroy(&st->drain_cond);
+fail_reclaim_cond:
+    pthread_cond_destroy(&st->reclaim_cond);
+fail_mutex:
+    pthread_mutex_destroy(&st->lock);
+    return PKV_ERR_NOMEM;
+}
+
 int pkv_stage_create(const pkv_stage_config_t *cfg, pkv_stage_t **out)
 {
     uint32_t npages;
@@ -548,7 +640,7 @@ int pkv_stage_create(const pkv_stage_config_t *cfg, pkv_stage_t **out)
         return PKV_ERR_INVALID;
     }
     if ((rc = stage_config_check(cfg, &npages))) return rc;
-    pkv_stage_t *st = calloc(1, sizeof(*st));
+    pkv_stage_t *st = stage_calloc(1, sizeof(*st));
     if (!st) return PKV_ERR_NOMEM;
     st->cfg = *cfg;
     snprintf(st->name, sizeof(st->name), "%s", cfg->name ? cfg->name : "pkv-stage");
@@ -563,75 +655,21 @@ int pkv_stage_create(const pkv_stage_config_t *cfg, pkv_stage_t **out)
     st->hash_cap = 16;
     while (st->hash_cap < 2 * st->max_live) st->hash_cap *= 2;
     st->arena_bytes = (size_t)npages * st->page_bytes;
-
-    rc = PKV_ERR_NOMEM;
-    if (stage_alloc_init(&st->alloc, cfg->mode, npages, fixed ? cfg->slot_pages : 0))
-        goto fail_alloc;
-    st->run_next = calloc(npages, sizeof(uint32_t));
-    st->fresh = calloc(npages, 1);
-    st->xfers = calloc(st->max_live, sizeof(stage_xfer_t));
-    st->xfer_hash = calloc(st->hash_cap, sizeof(uint32_t));
-    st->peers = calloc(st->hash_cap, sizeof(stage_peer_t));
-    st->reclaim = calloc(npages, sizeof(stage_span_t));
-    st->spans = calloc(st->runs_cap, sizeof(stage_span_t));
-    if (!st->run_next || !st->fresh || !st->xfers || !st->xfer_hash || !st->peers || !st->reclaim ||
-        !st->spans)
-        goto fail_tables;
-    for (uint32_t i = 0; i < st->max_live; i++)
-        st->xfers[i].next_free = i + 1 < st->max_live ? i + 1 : STAGE_NONE;
-    st->xfer_free = 0;
-
-    if (cfg->shared) {
-        rc = pkv_prim_shared_create(st->name, st->arena_bytes, &st->memfd, (void **)&st->base);
-        if (rc) {
-            PKV_LOGE(STAGE_LOG, "create: memfd arena of %zu bytes: %s", st->arena_bytes,
-                     pkv_status_str(rc));
-            goto fail_tables;
-        }
-    } else {
-        rc = pkv_prim_reserve(st->arena_bytes, PKV_PRIM_PAGE, (void **)&st->base);
-        if (rc) {
-            PKV_LOGE(STAGE_LOG, "create: reserving %zu bytes: %s", st->arena_bytes,
-                     pkv_status_str(rc));
-            goto fail_tables;
-        }
-    }
-    rc = PKV_ERR_NOMEM;
-    if (pthread_mutex_init(&st->lock, NULL)) goto fail_arena;
-    if (pkv__cond_init_monotonic(&st->reclaim_cond)) goto fail_mutex;
-    if (pkv__cond_init_monotonic(&st->drain_cond)) goto fail_reclaim_cond;
     st->stats.mode = cfg->mode;
     st->stats.page_bytes = st->page_bytes;
     st->stats.pages_total = npages;
-    if (cfg->idle_release_ns != PKV_DEADLINE_NEVER) {
-        if (pthread_create(&st->reclaimer, NULL, stage_reclaim_main, st)) goto fail_drain_cond;
-        pthread_setname_np(st->reclaimer, "pkv-stage-idle");
-        st->has_reclaimer = true;
-    }
+
+    if ((rc = stage_tables_alloc(st, fixed))) goto fail_st;
+    if ((rc = stage_arena_open(st))) goto fail_tables;
+    if ((rc = stage_sync_open(st))) goto fail_arena;
     *out = st;
     return PKV_OK;
 
-fail_drain_cond:
-    pthread_cond_destroy(&st->drain_cond);
-fail_reclaim_cond:
-    pthread_cond_destroy(&st->reclaim_cond);
-fail_mutex:
-    pthread_mutex_destroy(&st->lock);
 fail_arena:
-    if (st->memfd >= 0)
-        pkv_prim_shared_close(st->memfd, st->base, st->arena_bytes);
-    else
-        pkv_prim_release(st->base, st->arena_bytes);
+    stage_arena_close(st);
 fail_tables:
-    free(st->spans);
-    free(st->reclaim);
-    free(st->peers);
-    free(st->xfer_hash);
-    free(st->xfers);
-    free(st->fresh);
-    free(st->run_next);
-    stage_alloc_fini(&st->alloc);
-fail_alloc:
+    stage_tables_free(st);
+fail_st:
     free(st);
     return rc;
 }
@@ -707,21 +745,11 @@ int pkv_stage_destroy(pkv_stage_t *st, uint64_t drain_deadline_ns, size_t *leake
         pthread_join(st->reclaimer, NULL);
     }
     if (st->cfg.pin && st->stats.pinned_bytes) pkv_prim_unlock(st->base, st->arena_bytes);
-    if (st->memfd >= 0)
-        pkv_prim_shared_close(st->memfd, st->base, st->arena_bytes);
-    else
-        pkv_prim_release(st->base, st->arena_bytes);
+    stage_arena_close(st);
     pthread_cond_destroy(&st->drain_cond);
     pthread_cond_destroy(&st->reclaim_cond);
     pthread_mutex_destroy(&st->lock);
-    free(st->spans);
-    free(st->reclaim);
-    free(st->peers);
-    free(st->xfer_hash);
-    free(st->xfers);
-    free(st->fresh);
-    free(st->run_next);
-    stage_alloc_fini(&st->alloc);
+    stage_tables_free(st);
     free(st);
     return PKV_OK;
 }
@@ -768,175 +796,201 @@ static int stage_park(pkv_stage_t *st, stage_waiter_t *w, uint64_t deadline_ns, 
     return w->status;
 }
 
-/* acquire and try_acquire. `try_only`: grant only what can be granted at once (no one
- * waiting ahead, fits now, under the cap); anything else is PKV_ERR_BUSY with nothing
- * counted, nothing logged and nothing changed. */
+/* One acquire: what it asked, what it decided, and the figures its failure line gives
+ * (copied out under the lock: after unlocking, a failed acquire must not touch the
+ * stage, which destroy may free once we are no longer parked). */
+typedef enum {
+    ASK_ARGS,   /* the arguments were refused */
+    ASK_SETUP,  /* the grant or the waiter's condition could not be made */
+    ASK_DECIDE, /* refused, timed out, cancelled or shut down under the lock */
+    ASK_COMMIT  /* granted, then the commit failed or a cancel came first */
+} stage_ask_phase_t;
+
+typedef struct {
+    uint64_t id, t0;
+    uint32_t peer, pages, need, cap, npages, req_max;
+    bool fixed, too_big, nofit;
+    stage_ask_phase_t phase;
+    bool silent;   /* try_acquire's BUSY: nothing counted, nothing logged */
+    bool blocked;  /* it parked */
+    bool via_park; /* granted to it as a waiter (it holds a waiter's lease) */
+    bool capped;   /* timed out passed over for its peer's cap */
+    uint32_t rec, fresh;
+    uint32_t free_at_park, free_now, held_now;
+} stage_ask_t;
+
+/* The one failure line of an acquire (level and wording by outcome); returns rc. */
+static int stage_acquire_fail(const stage_ask_t *q, int rc)
+{
+    char why[192];
+    int level = PKV_LOG_ERROR;
+    double ms = (double)(pkv_now_ns() - q->t0) / 1e6;
+    if (q->phase == ASK_ARGS) {
+        snprintf(why, sizeof(why), "invalid argument%s", q->pages == 0 ? " (0 pages)" : "");
+    } else if (q->phase == ASK_SETUP) {
+        snprintf(why, sizeof(why), "out of memory");
+    } else if (q->phase == ASK_COMMIT && rc == PKV_ERR_NOMEM) {
+        snprintf(why, sizeof(why), "nomem (the OS refused to commit %u pages; pages free %u of %u)",
+                 q->fresh, q->free_now, q->npages);
+    } else if (q->phase == ASK_COMMIT) {
+        level = PKV_LOG_WARN;
+        snprintf(why, sizeof(why), "cancelled before the acquire returned (pages free %u of %u)",
+                 q->free_now, q->npages);
+    } else if (rc == PKV_ERR_NOFIT && q->too_big) {
+        snprintf(why, sizeof(why), "nofit (larger than %s of %u pages; pages free %u of %u)",
+                 q->fixed ? "a slot" : "the arena", q->req_max, q->free_now, q->npages);
+    } else if (rc == PKV_ERR_NOFIT) {
+        snprintf(why, sizeof(why),
+                 "nofit (needs %u pages, over the per-peer cap of %u; peer holds %u; pages "
+                 "free %u of %u)",
+                 q->need, q->cap, q->held_now, q->free_now, q->npages);
+    } else if (rc == PKV_ERR_TIMEOUT && q->capped) {
+        snprintf(why, sizeof(why),
+                 "timeout after %.1f ms (peer holds %u of its cap %u; pages free %u of %u)", ms,
+                 q->held_now, q->cap, q->free_now, q->npages);
+    } else if (rc == PKV_ERR_TIMEOUT) {
+        snprintf(why, sizeof(why), "timeout after %.1f ms (pages free %u of %u; needs %u)", ms,
+                 q->free_now, q->npages, q->need);
+    } else if (rc == PKV_ERR_BUSY) {
+        snprintf(why, sizeof(why), "busy (the transfer id is already live; pages free %u of %u)",
+                 q->free_now, q->npages);
+    } else {
+        level = PKV_LOG_WARN;
+        snprintf(why, sizeof(why), "%s after %.1f ms (pages free %u of %u)", pkv_status_str(rc), ms,
+                 q->free_now, q->npages);
+    }
+    pkv_log(level, STAGE_LOG, "acquire transfer=%" PRIu64 " peer=%u pages=%u: %s", q->id, q->peer,
+            q->pages, why);
+    return rc;
+}
+
+/* Decide under the lock: refuse, grant at once, or park until served. `try_only`: grant
+ * only what can be granted at once (no one waiting ahead, fits now, under the cap);
+ * anything else is a silent PKV_ERR_BUSY with nothing counted and nothing changed. */
+static int stage_decide(pkv_stage_t *st, stage_ask_t *q, stage_waiter_t *w, pkv_stage_grant_t *g,
+                        uint64_t deadline_ns, bool try_only, const atomic_bool *abort)
+{
+    const bool live = xfer_find(st, q->id) || waiter_find(st, q->id);
+    /* Nobody queued ahead, under the peer's cap, and the pages are free now. */
+    const bool at_once = !st->wait_head && !(q->cap && peer_held(st, q->peer) + q->need > q->cap) &&
+                         stage_alloc_fits(&st->alloc, q->need);
+    if (try_only && (q->nofit || st->shutdown || live || !at_once)) {
+        q->silent = true;
+        return PKV_ERR_BUSY;
+    }
+    if (q->nofit) {
+        st->stats.nofit++;
+        return PKV_ERR_NOFIT;
+    }
+    if (st->shutdown) {
+        st->stats.shutdowns++;
+        return PKV_ERR_SHUTDOWN;
+    }
+    if (live) return PKV_ERR_BUSY;
+    if (abort && atomic_load(abort)) {
+        /* The caller's cancel ran before we took the lock and found nothing to cancel. */
+        st->stats.cancelled++;
+        return PKV_ERR_CANCELLED;
+    }
+    if (at_once) {
+        q->rec = stage_grant(st, q->id, q->peer, q->pages, g, &q->fresh);
+        return PKV_OK;
+    }
+    q->free_at_park = st->alloc.free_pages;
+    int rc = stage_park(st, w, deadline_ns, &q->blocked);
+    q->capped = w->capped;
+    if (rc == PKV_OK) {
+        q->rec = w->rec;
+        q->via_park = true;
+        for (uint32_t r = 0; r < g->nruns; r++)
+            for (uint32_t p = 0; p < g->runs[r].count; p++)
+                q->fresh += st->fresh[g->runs[r].page + p] ? 1 : 0;
+    } else if (rc == PKV_ERR_SHUTDOWN) {
+        st->stats.shutdowns++;
+    } else if (rc == PKV_ERR_CANCELLED) {
+        st->stats.cancelled++;
+    }
+    if (q->blocked) wait_hist_add(st, pkv_now_ns() - q->t0);
+    return rc;
+}
+
+/* After a grant, outside the lock: commit its fresh pages (the internal lease keeps them
+ * ours), then drop that lease. PKV_ERR_NOMEM: the OS refused the commit, the grant is
+ * undone; PKV_ERR_CANCELLED: a cancel came before we returned. */
+static int stage_commit_grant(pkv_stage_t *st, stage_ask_t *q, const pkv_stage_grant_t *g)
+{
+    if (!q->fresh && !q->via_park) return PKV_OK;
+    int crc = q->fresh ? stage_commit_fresh(st, g) : PKV_OK;
+    if (crc) stage_uncommit_grant(st, g);
+    pthread_mutex_lock(&st->lock);
+    if (q->fresh) stage_settle_fresh(st, g, crc == PKV_OK);
+    stage_xfer_t *x = &st->xfers[q->rec];
+    PKV_ASSERT(x->id == q->id && x->leases > 0);
+    bool cancelled = x->state != XFER_HOLD;
+    if (crc) x->state = XFER_CANCELLED;
+    if (--x->leases == 0 && x->state != XFER_HOLD) stage_free_xfer(st, x);
+    q->free_now = st->alloc.free_pages;
+    pthread_mutex_unlock(&st->lock);
+    q->phase = ASK_COMMIT;
+    if (crc) return PKV_ERR_NOMEM;
+    return cancelled ? PKV_ERR_CANCELLED : PKV_OK;
+}
+
+/* acquire, acquire_abortable and try_acquire: check, make the grant and the waiter's
+ * condition (outside the lock), decide (under it), commit (outside it again). */
 static int stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, uint32_t pages,
                          uint64_t deadline_ns, bool try_only, const atomic_bool *abort,
                          pkv_stage_grant_t **out)
 {
-    if (!st || !out || pages == 0) {
-        PKV_LOGE(STAGE_LOG, "acquire transfer=%" PRIu64 " peer=%u pages=%u: invalid argument%s",
-                 transfer_id, peer, pages, pages == 0 ? " (0 pages)" : "");
-        return PKV_ERR_INVALID;
-    }
-    uint64_t t0 = pkv_now_ns();
-    const uint32_t cap = st->cfg.peer_cap_pages, npages = st->npages, req_max = st->req_max;
-    const bool fixed = st->cfg.mode == PKV_STAGE_FIXED_SLOTS;
-    const bool too_big = pages > req_max;
-    const uint32_t need = too_big ? pages : stage_alloc_need(&st->alloc, pages);
-    const bool nofit = too_big || (cap && need > cap);
+    stage_ask_t q = {.id = transfer_id, .peer = peer, .pages = pages, .rec = STAGE_NONE};
+    if (!st || !out || pages == 0) return stage_acquire_fail(&q, PKV_ERR_INVALID);
+    q.t0 = pkv_now_ns();
+    q.cap = st->cfg.peer_cap_pages;
+    q.npages = st->npages;
+    q.req_max = st->req_max;
+    q.fixed = st->cfg.mode == PKV_STAGE_FIXED_SLOTS;
+    q.too_big = pages > q.req_max;
+    q.need = q.too_big ? pages : stage_alloc_need(&st->alloc, pages);
+    q.nofit = q.too_big || (q.cap && q.need > q.cap);
+    q.phase = ASK_SETUP;
     pkv_stage_grant_t *g = NULL;
-    stage_waiter_t w = {.id = transfer_id, .peer = peer, .asked = pages, .need = need};
-    uint32_t free_at_park = 0; /* for the debug line of a blocked acquire */
-    if (!nofit) {
-        uint32_t runs = PKV_MIN(need, st->runs_cap);
-        g = malloc(sizeof(*g) + (size_t)runs * sizeof(pkv_stage_run_t));
+    stage_waiter_t w = {.id = transfer_id, .peer = peer, .asked = pages, .need = q.need};
+    if (!q.nofit) {
+        uint32_t runs = PKV_MIN(q.need, st->runs_cap);
+        g = pkv_fault_hit(PKV_FAULT_ALLOC)
+                ? NULL
+                : malloc(sizeof(*g) + (size_t)runs * sizeof(pkv_stage_run_t));
         if (!g || pkv__cond_init_monotonic(&w.cond)) {
             free(g);
-            PKV_LOGE(STAGE_LOG, "acquire transfer=%" PRIu64 " peer=%u pages=%u: out of memory",
-                     transfer_id, peer, pages);
-            return PKV_ERR_NOMEM;
+            return stage_acquire_fail(&q, PKV_ERR_NOMEM);
         }
         w.grant = g;
     }
 
-    int rc;
-    uint32_t rec = STAGE_NONE, fresh = 0;
-    bool blocked = false, via_park = false; /* via_park: granted to us as a waiter */
+    q.phase = ASK_DECIDE;
     pthread_mutex_lock(&st->lock);
-    const bool live = xfer_find(st, transfer_id) || waiter_find(st, transfer_id);
-    /* Nobody queued ahead, under the peer's cap, and the pages are free now. */
-    const bool at_once = !st->wait_head && !(cap && peer_held(st, peer) + need > cap) &&
-                         stage_alloc_fits(&st->alloc, need);
-    if (try_only && (nofit || st->shutdown || live || !at_once)) {
-        pthread_mutex_unlock(&st->lock);
-        if (!nofit) pthread_cond_destroy(&w.cond);
-        free(g);
-        return PKV_ERR_BUSY;
-    }
-    if (nofit) {
-        rc = PKV_ERR_NOFIT;
-        st->stats.nofit++;
-    } else if (st->shutdown) {
-        rc = PKV_ERR_SHUTDOWN;
-        st->stats.shutdowns++;
-    } else if (live) {
-        rc = PKV_ERR_BUSY;
-    } else if (abort && atomic_load(abort)) {
-        /* The caller's cancel ran before we took the lock and found nothing to cancel. */
-        rc = PKV_ERR_CANCELLED;
-        st->stats.cancelled++;
-    } else if (at_once) {
-        rec = stage_grant(st, transfer_id, peer, pages, g, &fresh);
-        rc = PKV_OK;
-    } else {
-        free_at_park = st->alloc.free_pages;
-        rc = stage_park(st, &w, deadline_ns, &blocked);
-        if (rc == PKV_OK) {
-            rec = w.rec;
-            via_park = true;
-            for (uint32_t r = 0; r < g->nruns; r++)
-                for (uint32_t p = 0; p < g->runs[r].count; p++)
-                    fresh += st->fresh[g->runs[r].page + p] ? 1 : 0;
-        } else if (rc == PKV_ERR_SHUTDOWN) {
-            st->stats.shutdowns++;
-        } else if (rc == PKV_ERR_CANCELLED) {
-            st->stats.cancelled++;
-        }
-        if (blocked) wait_hist_add(st, pkv_now_ns() - t0);
-    }
-    /* Copied out for the failure line: after unlocking, a failed acquire must not touch
-     * the stage (destroy may free it once we are no longer parked). */
-    const uint32_t free_now = st->alloc.free_pages;
-    const uint32_t held_now = rc != PKV_OK ? peer_held(st, peer) : 0;
+    int rc = stage_decide(st, &q, &w, g, deadline_ns, try_only, abort);
+    q.free_now = st->alloc.free_pages;
+    q.held_now = rc != PKV_OK ? peer_held(st, peer) : 0;
     pthread_mutex_unlock(&st->lock);
-    if (!nofit) pthread_cond_destroy(&w.cond);
+    if (!q.nofit) pthread_cond_destroy(&w.cond);
 
     if (rc == PKV_OK) {
-        g->wait_ns = blocked ? pkv_now_ns() - t0 : 0;
-        if (blocked)
+        g->wait_ns = q.blocked ? pkv_now_ns() - q.t0 : 0;
+        if (q.blocked)
             PKV_LOGD(STAGE_LOG,
                      "acquire transfer=%" PRIu64 " peer=%u pages=%u: waited %.2f ms (pages free "
                      "%u of %u when it parked, %u committed fresh)",
-                     transfer_id, peer, pages, (double)g->wait_ns / 1e6, free_at_park, npages,
-                     fresh);
-        if (fresh || via_park) {
-            /* Commit outside the lock; the internal lease keeps the pages ours. */
-            int crc = fresh ? stage_commit_fresh(st, g) : PKV_OK;
-            if (crc) stage_uncommit_grant(st, g);
-            pthread_mutex_lock(&st->lock);
-            if (fresh) stage_settle_fresh(st, g, crc == PKV_OK);
-            stage_xfer_t *x = &st->xfers[rec];
-            PKV_ASSERT(x->id == transfer_id && x->leases > 0);
-            bool cancelled = x->state != XFER_HOLD;
-            if (crc) x->state = XFER_CANCELLED;
-            if (--x->leases == 0 && x->state != XFER_HOLD) stage_free_xfer(st, x);
-            uint32_t free_after = st->alloc.free_pages;
-            pthread_mutex_unlock(&st->lock);
-            if (crc) {
-                PKV_LOGE(STAGE_LOG,
-                         "acquire transfer=%" PRIu64 " peer=%u pages=%u: nomem (the OS refused "
-                         "to commit %u pages; pages free %u of %u)",
-                         transfer_id, peer, pages, fresh, free_after, npages);
-                free(g);
-                return PKV_ERR_NOMEM;
-            }
-            if (cancelled) {
-                PKV_LOGW(STAGE_LOG,
-                         "acquire transfer=%" PRIu64 " peer=%u pages=%u: cancelled before "
-                         "the acquire returned (pages free %u of %u)",
-                         transfer_id, peer, pages, free_after, npages);
-                free(g);
-                return PKV_ERR_CANCELLED;
-            }
+                     transfer_id, peer, pages, (double)g->wait_ns / 1e6, q.free_at_park, q.npages,
+                     q.fresh);
+        rc = stage_commit_grant(st, &q, g);
+        if (rc == PKV_OK) {
+            *out = g;
+            return PKV_OK;
         }
-        *out = g;
-        return PKV_OK;
-    }
-
-    double ms = (double)(pkv_now_ns() - t0) / 1e6;
-    switch (rc) {
-    case PKV_ERR_NOFIT:
-        if (too_big)
-            PKV_LOGE(STAGE_LOG,
-                     "acquire transfer=%" PRIu64 " peer=%u pages=%u: nofit (larger than %s of "
-                     "%u pages; pages free %u of %u)",
-                     transfer_id, peer, pages, fixed ? "a slot" : "the arena", req_max, free_now,
-                     npages);
-        else
-            PKV_LOGE(STAGE_LOG,
-                     "acquire transfer=%" PRIu64 " peer=%u pages=%u: nofit (needs %u pages, over "
-                     "the per-peer cap of %u; peer holds %u; pages free %u of %u)",
-                     transfer_id, peer, pages, need, cap, held_now, free_now, npages);
-        break;
-    case PKV_ERR_TIMEOUT:
-        if (w.capped)
-            PKV_LOGE(STAGE_LOG,
-                     "acquire transfer=%" PRIu64 " peer=%u pages=%u: timeout after %.1f ms (peer "
-                     "holds %u of its cap %u; pages free %u of %u)",
-                     transfer_id, peer, pages, ms, held_now, cap, free_now, npages);
-        else
-            PKV_LOGE(STAGE_LOG,
-                     "acquire transfer=%" PRIu64 " peer=%u pages=%u: timeout after %.1f ms (pages "
-                     "free %u of %u; needs %u)",
-                     transfer_id, peer, pages, ms, free_now, npages, need);
-        break;
-    case PKV_ERR_BUSY:
-        PKV_LOGE(STAGE_LOG,
-                 "acquire transfer=%" PRIu64 " peer=%u pages=%u: busy (the transfer id is "
-                 "already live; pages free %u of %u)",
-                 transfer_id, peer, pages, free_now, npages);
-        break;
-    default:
-        PKV_LOGW(STAGE_LOG,
-                 "acquire transfer=%" PRIu64 " peer=%u pages=%u: %s after %.1f ms (pages free "
-                 "%u of %u)",
-                 transfer_id, peer, pages, pkv_status_str(rc), ms, free_now, npages);
-        break;
     }
     free(g);
-    return rc;
+    return q.silent ? rc : stage_acquire_fail(&q, rc);
 }
 
 int pkv_stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, uint32_t pages,

@@ -1,8 +1,8 @@
 /*
- * stage_alloc: page allocator of the staging arena. See stage_alloc.h for the design.
+ * stage_alloc: page allocator of the staging arena. See stage_int.h for the design.
  * No locking here: the caller (stage.c) holds the stage mutex around every call.
  */
-#include "stage/stage_alloc.h"
+#include "stage/stage_int.h"
 
 #include "core/core.h"
 
@@ -21,6 +21,7 @@ int stage_alloc_init(stage_alloc_t *a, pkv_stage_mode_t mode, uint32_t npages, u
 {
     memset(a, 0, sizeof(*a));
     if (npages == 0) return PKV_ERR_INVALID;
+    if (pkv_fault_hit(PKV_FAULT_ALLOC)) return PKV_ERR_NOMEM; /* as if the tables failed */
     a->mode = mode;
     a->npages = npages;
     a->state = calloc(npages, 1);

@@ -17,6 +17,7 @@
  */
 #include "xfer/xfer_int.h"
 
+#include "prim/prim.h"
 #include "xfer/sum.h"
 
 #include <arpa/inet.h>
@@ -255,6 +256,73 @@ static void wait_events(pkv_xfer_agent_t *a, int timeout_ms)
     (void)n;
 }
 
+/* ---- the walks over both sides' transfers ------------------------------------------ */
+
+static const xf_side_t *const xf_sides[] = {&xf_side_reads, &xf_side_serves};
+
+void xf_xfers_tick(pkv_xfer_agent_t *a, uint64_t now)
+{
+    for (size_t i = 0; i < PKV_ARRAY_LEN(xf_sides); i++) {
+        const xf_side_t *side = xf_sides[i];
+        for (void *t = side->head(a), *next; t; t = next) {
+            next = side->next(t); /* the tick may unlink t */
+            if (!side->tick(a, t, now)) break;
+        }
+    }
+}
+
+void xf_xfers_peer_lost(pkv_xfer_agent_t *a, xf_peer_t *p)
+{
+    for (size_t i = 0; i < PKV_ARRAY_LEN(xf_sides); i++) {
+        const xf_side_t *side = xf_sides[i];
+        for (void *t = side->head(a), *next; t; t = next) {
+            next = side->next(t);
+            if (side->peer(t) == p && !side->ended(t))
+                side->end(a, t, PKV_ERR_PEER_LOST, false, side->lost_why);
+        }
+    }
+}
+
+void xf_xfers_shutdown(pkv_xfer_agent_t *a)
+{
+    for (size_t i = 0; i < PKV_ARRAY_LEN(xf_sides); i++) {
+        const xf_side_t *side = xf_sides[i];
+        for (void *t = side->head(a), *next; t; t = next) {
+            next = side->next(t);
+            side->end(a, t, PKV_ERR_SHUTDOWN, true, side->shutdown_why);
+        }
+    }
+}
+
+bool xf_xfers_active_data(pkv_xfer_agent_t *a)
+{
+    for (size_t i = 0; i < PKV_ARRAY_LEN(xf_sides); i++)
+        for (void *t = xf_sides[i]->head(a); t; t = xf_sides[i]->next(t))
+            if (xf_sides[i]->moving(t)) return true;
+    return false;
+}
+
+bool xf_xfer_stuck(pkv_xfer_agent_t *a, const xf_side_t *side, xf_peer_t *peer, uint64_t xfer_id,
+                   uint32_t inflight, uint64_t done_ns, uint64_t now, bool *zombie)
+{
+    uint64_t idle = xf_since(now, done_ns);
+    if (!inflight || *zombie || idle <= 2 * XF_CLOSE_WAIT_NS) return false;
+    if (peer && peer->state == XF_PEER_ACTIVE) {
+        /* Force the endpoint closed: this ends every transfer on that peer and may free
+         * them (the walk's next too), so the walk stops here; the next tick goes on. */
+        xf_peer_fail(a, peer, side->stuck_why);
+        return true;
+    }
+    if (idle > 3 * XF_CLOSE_WAIT_NS) {
+        /* Even closing the endpoint left them pending: write them off (keep the staging). */
+        PKV_LOGE(XF_MOD, "%s %llu: %u %s never completed; written off%s", side->name,
+                 (unsigned long long)xfer_id, inflight, side->payload_ops, side->kept);
+        XF_STAT_ADD(a, written_off, inflight);
+        *zombie = true;
+    }
+    return false;
+}
+
 static bool shutdown_step(pkv_xfer_agent_t *a, uint64_t now)
 {
     if (!a->stop_started) {
@@ -265,8 +333,7 @@ static bool shutdown_step(pkv_xfer_agent_t *a, uint64_t now)
             a->listener = NULL;
         }
         /* progress_once() answered every connection request already. */
-        xf_reads_shutdown(a);
-        xf_serves_shutdown(a);
+        xf_xfers_shutdown(a);
         xf_regs_shutdown(a);
     }
     bool quiet = !a->reads && !a->serves;
@@ -339,8 +406,7 @@ static void *progress_main(void *arg)
 
         uint64_t now = pkv_now_ns();
         xf_peers_tick(a, now);
-        xf_reads_tick(a, now);
-        xf_serves_tick(a, now);
+        xf_xfers_tick(a, now);
         xf_regs_tick(a, now);
         xf_drain_stale(a);
 
@@ -353,7 +419,7 @@ static void *progress_main(void *arg)
             last_work_ns = now;
             continue;
         }
-        bool moving = xf_reads_active_data(a) || xf_serves_active_data(a);
+        bool moving = xf_xfers_active_data(a);
         if ((moving && ++idle_spins < 64) || now - last_work_ns < XF_LINGER_NS) {
             sched_yield();
             continue;
@@ -547,27 +613,6 @@ static void ucx_close(pkv_xfer_agent_t *a, bool clean)
     if (a->ctx) ucp_cleanup(a->ctx);
 }
 
-/* /proc/sys/kernel/random/boot_id: 32 hex digits (with dashes) -> 16 bytes. */
-static bool read_boot_id(uint8_t out[16])
-{
-    char txt[64] = {0};
-    int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return false;
-    ssize_t n = read(fd, txt, sizeof(txt) - 1);
-    close(fd);
-    if (n <= 0) return false;
-    int nib = 0;
-    memset(out, 0, 16);
-    for (ssize_t i = 0; i < n && nib < 32; i++) {
-        char ch = txt[i];
-        int v = ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10 : -1;
-        if (v < 0) continue;
-        out[nib / 2] |= (uint8_t)(nib % 2 ? v : v << 4);
-        nib++;
-    }
-    return nib == 32;
-}
-
 static int config_resolve(const pkv_xfer_config_t *in, pkv_xfer_config_t *c)
 {
     *c = *in;
@@ -601,6 +646,69 @@ static void name_thread(pthread_t t, const char *prefix, unsigned i)
     pthread_setname_np(t, name);
 }
 
+/* The agent's fixed fields: config, geometry, the shared arena's identity, random ids. */
+static int agent_identity(pkv_xfer_agent_t *a, const pkv_xfer_config_t *c)
+{
+    int rc;
+    a->cfg = *c;
+    a->cfg.listen_host = NULL; /* not kept: the caller owns the string */
+    a->kv = c->kv;
+    a->stage = c->stage;
+    a->geo = *pkv_kv_geometry(c->kv);
+    a->page_bytes = pkv_stage_page_bytes(c->stage);
+    a->faults.corrupt_layer = -1;
+    a->ucx_efd = a->wake_fd = a->epfd = -1;
+    atomic_init(&a->wake_posted, false);
+    a->new_reads_tail = &a->new_reads;
+    a->events_tail = &a->events;
+    a->jobs_tail = &a->jobs;
+    a->seats_tail = &a->seats;
+    a->next_peer_id = 1;
+    a->have_boot_id = pkv_prim_boot_id(a->boot_id) == PKV_OK;
+    a->arena_fd = pkv_stage_memfd(c->stage);
+    if (a->arena_fd >= 0) {
+        struct stat sb;
+        a->arena_bytes = (uint64_t)pkv_stage_pool_pages(c->stage) * a->page_bytes;
+        if (fstat(a->arena_fd, &sb) == 0)
+            a->arena_ino = (uint64_t)sb.st_ino;
+        else
+            a->arena_fd = -1;
+    }
+    rc = pkv_xfer_wire_check_geometry(&a->geo, &a->layer_bytes);
+    if (rc || !a->page_bytes) {
+        PKV_LOGE(XF_MOD, "config: pool geometry or staging page size out of range");
+        return PKV_ERR_INVALID;
+    }
+    uint64_t rnd[7];
+    if ((rc = xf_random(rnd, sizeof(rnd)))) return rc;
+    a->agent_id = rnd[0];
+    a->read_ctr = rnd[1];
+    a->next_serve_id = rnd[2] >> 8;
+    memcpy(a->read_key, &rnd[3], sizeof(a->read_key));
+    return PKV_OK;
+}
+
+/* The worker, seat and progress threads (on failure the caller joins those started). */
+static int agent_threads_start(pkv_xfer_agent_t *a, const pkv_xfer_config_t *c)
+{
+    a->workers = calloc(c->workers, sizeof(pthread_t));
+    a->seaters = calloc(c->seat_workers, sizeof(pthread_t));
+    if (!a->workers || !a->seaters) return PKV_ERR_NOMEM;
+    for (; a->n_workers < c->workers; a->n_workers++) {
+        if (pthread_create(&a->workers[a->n_workers], NULL, xf_worker_main, a))
+            return PKV_ERR_NOMEM;
+        name_thread(a->workers[a->n_workers], "pkv-xfer-w", a->n_workers);
+    }
+    for (; a->n_seaters < c->seat_workers; a->n_seaters++) {
+        if (pthread_create(&a->seaters[a->n_seaters], NULL, xf_seater_main, a))
+            return PKV_ERR_NOMEM;
+        name_thread(a->seaters[a->n_seaters], "pkv-xfer-s", a->n_seaters);
+    }
+    if (pthread_create(&a->progress_thread, NULL, progress_main, a)) return PKV_ERR_NOMEM;
+    pthread_setname_np(a->progress_thread, "pkv-xfer-prog");
+    return PKV_OK;
+}
+
 int pkv_xfer_agent_create(const pkv_xfer_config_t *cfg, pkv_xfer_agent_t **out)
 {
     if (!cfg || !out) return PKV_ERR_INVALID;
@@ -613,42 +721,7 @@ int pkv_xfer_agent_create(const pkv_xfer_config_t *cfg, pkv_xfer_agent_t **out)
     }
     pkv_xfer_agent_t *a = calloc(1, sizeof(*a));
     if (!a) return PKV_ERR_NOMEM;
-    a->cfg = c;
-    a->cfg.listen_host = NULL; /* not kept: the caller owns the string */
-    a->kv = c.kv;
-    a->stage = c.stage;
-    a->geo = *pkv_kv_geometry(c.kv);
-    a->page_bytes = pkv_stage_page_bytes(c.stage);
-    a->faults.corrupt_layer = -1;
-    a->ucx_efd = a->wake_fd = a->epfd = -1;
-    atomic_init(&a->wake_posted, false);
-    a->new_reads_tail = &a->new_reads;
-    a->events_tail = &a->events;
-    a->jobs_tail = &a->jobs;
-    a->seats_tail = &a->seats;
-    a->next_peer_id = 1;
-    a->have_boot_id = read_boot_id(a->boot_id);
-    a->arena_fd = pkv_stage_memfd(c.stage);
-    if (a->arena_fd >= 0) {
-        struct stat sb;
-        a->arena_bytes = (uint64_t)pkv_stage_pool_pages(c.stage) * a->page_bytes;
-        if (fstat(a->arena_fd, &sb) == 0)
-            a->arena_ino = (uint64_t)sb.st_ino;
-        else
-            a->arena_fd = -1;
-    }
-    rc = pkv_xfer_wire_check_geometry(&a->geo, &a->layer_bytes);
-    if (rc || !a->page_bytes) {
-        PKV_LOGE(XF_MOD, "config: pool geometry or staging page size out of range");
-        rc = PKV_ERR_INVALID;
-        goto fail_free;
-    }
-    uint64_t rnd[7];
-    if ((rc = xf_random(rnd, sizeof(rnd)))) goto fail_free;
-    a->agent_id = rnd[0];
-    a->read_ctr = rnd[1];
-    a->next_serve_id = rnd[2] >> 8;
-    memcpy(a->read_key, &rnd[3], sizeof(a->read_key));
+    if ((rc = agent_identity(a, &c))) goto fail_free;
 
     if (pthread_mutex_init(&a->lock, NULL)) {
         rc = PKV_ERR_NOMEM;
@@ -677,31 +750,7 @@ int pkv_xfer_agent_create(const pkv_xfer_config_t *cfg, pkv_xfer_agent_t **out)
         goto fail_ucx;
     }
 
-    a->workers = calloc(c.workers, sizeof(pthread_t));
-    a->seaters = calloc(c.seat_workers, sizeof(pthread_t));
-    if (!a->workers || !a->seaters) {
-        rc = PKV_ERR_NOMEM;
-        goto fail_threads;
-    }
-    for (; a->n_workers < c.workers; a->n_workers++) {
-        if (pthread_create(&a->workers[a->n_workers], NULL, xf_worker_main, a)) {
-            rc = PKV_ERR_NOMEM;
-            goto fail_threads;
-        }
-        name_thread(a->workers[a->n_workers], "pkv-xfer-w", a->n_workers);
-    }
-    for (; a->n_seaters < c.seat_workers; a->n_seaters++) {
-        if (pthread_create(&a->seaters[a->n_seaters], NULL, xf_seater_main, a)) {
-            rc = PKV_ERR_NOMEM;
-            goto fail_threads;
-        }
-        name_thread(a->seaters[a->n_seaters], "pkv-xfer-s", a->n_seaters);
-    }
-    if (pthread_create(&a->progress_thread, NULL, progress_main, a)) {
-        rc = PKV_ERR_NOMEM;
-        goto fail_threads;
-    }
-    pthread_setname_np(a->progress_thread, "pkv-xfer-prog");
+    if ((rc = agent_threads_start(a, &c))) goto fail_threads;
     PKV_LOGI(XF_MOD, "agent %016llx listening on %s", (unsigned long long)a->agent_id, a->addr);
     *out = a;
     return PKV_OK;

@@ -65,10 +65,10 @@ static bool geo_equal(const pkv_geometry_t *x, const pkv_geometry_t *y)
            x->block_tokens == y->block_tokens && x->dtype == y->dtype;
 }
 
-int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_t *dst, uint32_t n,
-                  uint64_t deadline_ns, pkv_xfer_done_fn fn, void *arg, pkv_xfer_read_t **out)
+/* A handle this agent can read from: a host:port address, the pool's geometry, and
+ * the agent not stopping. */
+static int read_check(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h)
 {
-    if (!a || !h || !dst || !out || n != h->n_blocks || !n || !deadline_ns) return PKV_ERR_INVALID;
     if (!pkv_xfer_wire_addr_valid(h->addr)) {
         PKV_LOGW(XF_MOD, "read: handle address '%.*s' is not host:port", PKV_XFER_ADDR_MAX - 1,
                  h->addr);
@@ -85,9 +85,37 @@ int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_
     pthread_mutex_lock(&a->lock);
     bool stopping = a->stopping;
     pthread_mutex_unlock(&a->lock);
-    if (stopping) return PKV_ERR_SHUTDOWN;
+    return stopping ? PKV_ERR_SHUTDOWN : PKV_OK;
+}
 
-    int rc = PKV_ERR_NOMEM;
+/* The read's per-layer and per-chunk tables (read_free_mem frees them, all or some). */
+static int read_tables(pkv_xfer_read_t *rd, uint32_t n)
+{
+    uint32_t L = rd->v.layers;
+    rd->src_blocks = malloc(sizeof(uint32_t) * n);
+    rd->layer_chunks = calloc(L, sizeof(uint32_t));
+    rd->layer_flags = calloc(L, 1);
+    rd->layer_sum = calloc(L, sizeof(uint64_t));
+    rd->v.trailer = rd->layer_sum; /* a whole stream's checksums are received into it */
+    rd->ev_layer = calloc(L, sizeof(xf_event_t));
+    rd->job_layer = calloc(L, sizeof(xf_job_t));
+    rd->chunks = calloc(rd->v.n_chunks, sizeof(xf_chunk_t));
+    rd->layer_pieces = calloc(L, sizeof(uint64_t *));
+    rd->layer_npieces = calloc(L, sizeof(uint32_t));
+    if (!rd->src_blocks || !rd->layer_chunks || !rd->layer_flags || !rd->layer_sum ||
+        !rd->ev_layer || !rd->job_layer || !rd->chunks || !rd->layer_pieces || !rd->layer_npieces)
+        return PKV_ERR_NOMEM;
+    return PKV_OK;
+}
+
+int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_t *dst, uint32_t n,
+                  uint64_t deadline_ns, pkv_xfer_done_fn fn, void *arg, pkv_xfer_read_t **out)
+{
+    if (!a || !h || !dst || !out || n != h->n_blocks || !n || !deadline_ns) return PKV_ERR_INVALID;
+    int rc = read_check(a, h);
+    if (rc) return rc;
+
+    rc = PKV_ERR_NOMEM;
     pkv_xfer_read_t *rd = calloc(1, sizeof(*rd));
     if (!rd) return PKV_ERR_NOMEM;
     if (pthread_mutex_init(&rd->mu, NULL)) goto fail_rd;
@@ -105,20 +133,7 @@ int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_
         goto fail_cv;
     }
     rc = PKV_ERR_NOMEM;
-    uint32_t L = rd->v.layers;
-    rd->src_blocks = malloc(sizeof(uint32_t) * n);
-    rd->layer_chunks = calloc(L, sizeof(uint32_t));
-    rd->layer_flags = calloc(L, 1);
-    rd->layer_sum = calloc(L, sizeof(uint64_t));
-    rd->v.trailer = rd->layer_sum; /* a whole stream's checksums are received into it */
-    rd->ev_layer = calloc(L, sizeof(xf_event_t));
-    rd->job_layer = calloc(L, sizeof(xf_job_t));
-    rd->chunks = calloc(rd->v.n_chunks, sizeof(xf_chunk_t));
-    rd->layer_pieces = calloc(L, sizeof(uint64_t *));
-    rd->layer_npieces = calloc(L, sizeof(uint32_t));
-    if (!rd->src_blocks || !rd->layer_chunks || !rd->layer_flags || !rd->layer_sum ||
-        !rd->ev_layer || !rd->job_layer || !rd->chunks || !rd->layer_pieces || !rd->layer_npieces)
-        goto fail_mem;
+    if (read_tables(rd, n)) goto fail_mem;
     /* Same host and boot: we may copy straight from the producer's shared arena. */
     rd->want_shared = h->local.present && !a->cfg.no_shared && a->have_boot_id &&
                       !memcmp(h->local.boot_id, a->boot_id, sizeof(a->boot_id));
@@ -760,73 +775,75 @@ void xf_read_on_foreign(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, con
     settle(a, rd);
 }
 
-void xf_reads_tick(pkv_xfer_agent_t *a, uint64_t now)
+static bool read_tick(pkv_xfer_agent_t *a, void *t, uint64_t now)
 {
-    pkv_xfer_read_t *next;
-    for (pkv_xfer_read_t *rd = a->reads; rd; rd = next) {
-        next = rd->next; /* finish() may unlink rd */
-        if (!rd->finished) {
-            if (atomic_load(&rd->cancel_req))
-                finish(a, rd, PKV_ERR_CANCELLED, true, "cancelled");
-            else if (now >= rd->deadline_ns)
-                finish(a, rd, PKV_ERR_TIMEOUT, true, "deadline passed");
-            settle(a, rd);
-            continue;
-        }
-        if (rd->cancel_recvs) {
-            cancel_recvs(a, rd);
-            continue;
-        }
-        if (rd->zombie) continue;
-        if (!rd->slow_logged && xf_since(now, rd->done_ns) > XF_CLOSE_WAIT_NS) {
-            rd->slow_logged = true;
-            PKV_LOGD(XF_MOD, "read %llu ended %.0f ms ago, still waiting: seat %d jobs %u recvs %u",
-                     (unsigned long long)rd->xfer_id, xf_since(now, rd->done_ns) / 1e6,
-                     rd->seat_pending, rd->jobs_pending, rd->recvs_inflight);
-        }
-        if (rd->recvs_inflight && xf_since(now, rd->done_ns) > 2 * XF_CLOSE_WAIT_NS) {
-            /* Receives neither completed nor failed: force the endpoint closed, and if
-             * even that leaves them pending, write them off (keep the staging). */
-            if (rd->peer && rd->peer->state == XF_PEER_ACTIVE) {
-                /* This ends every read on that peer and may free them (next too): stop
-                 * the walk here, the next tick goes on. */
-                xf_peer_fail(a, rd->peer, "payload receives stuck after the read ended");
-                return;
-            } else if (xf_since(now, rd->done_ns) > 3 * XF_CLOSE_WAIT_NS) {
-                PKV_LOGE(XF_MOD, "read %llu: %u receives never completed; written off",
-                         (unsigned long long)rd->xfer_id, rd->recvs_inflight);
-                XF_STAT_ADD(a, written_off, rd->recvs_inflight);
-                rd->zombie = true;
-            }
-        }
-    }
-}
-
-void xf_reads_peer_lost(pkv_xfer_agent_t *a, xf_peer_t *p)
-{
-    pkv_xfer_read_t *next;
-    for (pkv_xfer_read_t *rd = a->reads; rd; rd = next) {
-        next = rd->next;
-        if (rd->peer == p && !rd->finished) {
-            finish(a, rd, PKV_ERR_PEER_LOST, false, "producer lost");
-            settle(a, rd);
-        }
-    }
-}
-
-void xf_reads_shutdown(pkv_xfer_agent_t *a)
-{
-    pkv_xfer_read_t *next;
-    for (pkv_xfer_read_t *rd = a->reads; rd; rd = next) {
-        next = rd->next;
-        finish(a, rd, PKV_ERR_SHUTDOWN, true, "consumer agent shutting down");
+    pkv_xfer_read_t *rd = t;
+    if (!rd->finished) {
+        if (atomic_load(&rd->cancel_req))
+            finish(a, rd, PKV_ERR_CANCELLED, true, "cancelled");
+        else if (now >= rd->deadline_ns)
+            finish(a, rd, PKV_ERR_TIMEOUT, true, "deadline passed");
         settle(a, rd);
+        return true;
     }
+    if (rd->cancel_recvs) {
+        cancel_recvs(a, rd);
+        return true;
+    }
+    if (rd->zombie) return true;
+    if (!rd->slow_logged && xf_since(now, rd->done_ns) > XF_CLOSE_WAIT_NS) {
+        rd->slow_logged = true;
+        PKV_LOGD(XF_MOD, "read %llu ended %.0f ms ago, still waiting: seat %d jobs %u recvs %u",
+                 (unsigned long long)rd->xfer_id, xf_since(now, rd->done_ns) / 1e6,
+                 rd->seat_pending, rd->jobs_pending, rd->recvs_inflight);
+    }
+    return !xf_xfer_stuck(a, &xf_side_reads, rd->peer, rd->xfer_id, rd->recvs_inflight, rd->done_ns,
+                          now, &rd->zombie);
 }
 
-bool xf_reads_active_data(pkv_xfer_agent_t *a)
+static void *read_head(pkv_xfer_agent_t *a)
 {
-    for (pkv_xfer_read_t *rd = a->reads; rd; rd = rd->next)
-        if (rd->state == XF_READ_READING) return true;
-    return false;
+    return a->reads;
 }
+
+static void *read_next(void *t)
+{
+    return ((pkv_xfer_read_t *)t)->next;
+}
+
+static xf_peer_t *read_peer(void *t)
+{
+    return ((pkv_xfer_read_t *)t)->peer;
+}
+
+static bool read_ended(void *t)
+{
+    return ((pkv_xfer_read_t *)t)->finished;
+}
+
+static void read_end(pkv_xfer_agent_t *a, void *t, int outcome, bool tell, const char *why)
+{
+    finish(a, t, outcome, tell, why);
+    settle(a, t);
+}
+
+static bool read_moving(void *t)
+{
+    return ((pkv_xfer_read_t *)t)->state == XF_READ_READING;
+}
+
+const xf_side_t xf_side_reads = {
+    .name = "read",
+    .payload_ops = "receives",
+    .lost_why = "producer lost",
+    .shutdown_why = "consumer agent shutting down",
+    .stuck_why = "payload receives stuck after the read ended",
+    .kept = "",
+    .head = read_head,
+    .next = read_next,
+    .peer = read_peer,
+    .ended = read_ended,
+    .end = read_end,
+    .moving = read_moving,
+    .tick = read_tick,
+};

@@ -20,11 +20,9 @@
 
 #include "prim/prim.h"
 
-#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 int xf_sockaddr_parse(const char *addr, struct sockaddr_storage *ss, socklen_t *len);
@@ -157,8 +155,7 @@ void xf_peer_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const char *why)
         PKV_LOGI(XF_MOD, "peer %u (%s) lost: %s", p->id, p->addr, why);
     }
     peer_drop_queued(p);
-    xf_reads_peer_lost(a, p);
-    xf_serves_peer_lost(a, p);
+    xf_xfers_peer_lost(a, p);
     peer_close(a, p);
 }
 
@@ -224,7 +221,7 @@ void xf_peers_free(pkv_xfer_agent_t *a)
     }
 }
 
-/* Map a same-host producer's staging arena through /proc/<pid>/fd/<fd>, checking that the
+/* Map a same-host producer's staging arena (its memfd, by pid and fd), checking that the
  * file there is the one the handle names (inode) and is large enough. One mapping per
  * peer; it lives as long as the peer. Returns the mapping or NULL (then the read moves
  * its payload through UCX instead). */
@@ -233,17 +230,9 @@ const uint8_t *xf_peer_map_arena(xf_peer_t *p, uint32_t pid, int32_t fd, uint64_
 {
     if (p->map_base)
         return p->map_pid == pid && p->map_ino == ino && p->map_size >= bytes ? p->map_base : NULL;
-    char path[64];
-    snprintf(path, sizeof(path), "/proc/%u/fd/%d", pid, fd);
-    int mfd = open(path, O_RDWR | O_CLOEXEC);
-    if (mfd < 0) return NULL;
-    struct stat sb;
-    void *base = NULL;
-    if (fstat(mfd, &sb) || (uint64_t)sb.st_ino != ino || (uint64_t)sb.st_size < bytes ||
-        pkv_prim_shared_map(mfd, bytes, &base)) {
-        close(mfd);
-        return NULL;
-    }
+    int mfd;
+    void *base;
+    if (pkv_prim_shared_map_pid(pid, fd, ino, bytes, &mfd, &base)) return NULL;
     p->map_fd = mfd;
     p->map_base = base;
     p->map_size = bytes;

@@ -171,6 +171,28 @@ static void reg_free(pkv_xfer_agent_t *a, xf_reg_t *r)
     free(r);
 }
 
+/* The handle a consumer reads registration `r` with (and our shared arena, where a
+ * consumer on this host and boot may map it). */
+static void handle_fill(const pkv_xfer_agent_t *a, const xf_reg_t *r, pkv_xfer_handle_t *h)
+{
+    memset(h, 0, sizeof(*h));
+    h->request_id = r->request_id;
+    memcpy(h->token, r->token, sizeof(h->token));
+    snprintf(h->addr, sizeof(h->addr), "%s", a->addr);
+    h->geo = a->geo;
+    if (a->arena_fd >= 0 && a->have_boot_id && a->arena_bytes <= PKV_WIRE_MAX_ARENA) {
+        /* Offer our shared staging arena to a consumer on this host. */
+        h->local.present = true;
+        h->local.pid = (uint32_t)getpid();
+        h->local.fd = a->arena_fd;
+        h->local.arena_bytes = a->arena_bytes;
+        h->local.ino = a->arena_ino;
+        memcpy(h->local.boot_id, a->boot_id, sizeof(h->local.boot_id));
+    }
+    h->n_blocks = r->n;
+    memcpy(h->blocks, r->blocks, sizeof(uint32_t) * r->n);
+}
+
 int pkv_xfer_register(pkv_xfer_agent_t *a, uint64_t request_id, const uint32_t *blocks, uint32_t n,
                       uint64_t expiry_ns, pkv_xfer_sent_fn fn, void *arg, pkv_xfer_handle_t **out)
 {
@@ -189,22 +211,7 @@ int pkv_xfer_register(pkv_xfer_agent_t *a, uint64_t request_id, const uint32_t *
     r->arg = arg;
     if ((rc = xf_random(r->token, sizeof(r->token)))) goto fail;
 
-    memset(h, 0, sizeof(*h));
-    h->request_id = request_id;
-    memcpy(h->token, r->token, sizeof(h->token));
-    snprintf(h->addr, sizeof(h->addr), "%s", a->addr);
-    h->geo = a->geo;
-    if (a->arena_fd >= 0 && a->have_boot_id && a->arena_bytes <= PKV_WIRE_MAX_ARENA) {
-        /* Offer our shared staging arena to a consumer on this host. */
-        h->local.present = true;
-        h->local.pid = (uint32_t)getpid();
-        h->local.fd = a->arena_fd;
-        h->local.arena_bytes = a->arena_bytes;
-        h->local.ino = a->arena_ino;
-        memcpy(h->local.boot_id, a->boot_id, sizeof(h->local.boot_id));
-    }
-    h->n_blocks = n;
-    memcpy(h->blocks, blocks, sizeof(uint32_t) * n);
+    handle_fill(a, r, h);
 
     rc = pkv_kv_pin(a->kv, blocks, n);
     if (rc) goto fail;
@@ -466,17 +473,20 @@ static bool geo_equal(const pkv_geometry_t *x, const pkv_geometry_t *y)
            x->block_tokens == y->block_tokens && x->dtype == y->dtype;
 }
 
-void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *r)
+/* A READ this agent may serve: not shutting down, a live registration with the right
+ * token, time left, not already serving, the same geometry and exactly its blocks.
+ * NULL: refused (the peer was told why). */
+static xf_reg_t *serve_admit(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *r,
+                             uint64_t now)
 {
-    uint64_t now = pkv_now_ns();
     if (a->stop_started) {
         xf_send_fail(a, p, r->xfer_id, r->request_id, PKV_ERR_SHUTDOWN, "producer shutting down");
-        return;
+        return NULL;
     }
     for (xf_serve_t *s = a->serves; s; s = s->next)
         if (s->peer == p && s->xfer_id == r->xfer_id) {
             reject(a, p, r, PKV_ERR_REJECTED, "duplicate transfer id");
-            return;
+            return NULL;
         }
     pthread_mutex_lock(&a->lock);
     xf_reg_t *reg = reg_find(a, r->request_id);
@@ -485,31 +495,31 @@ void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *
     /* reg stays valid: only this thread unlinks and frees registrations. */
     if (!reg) {
         reject(a, p, r, PKV_ERR_REJECTED, "unknown request");
-        return;
+        return NULL;
     }
     if (!token_equal(reg->token, r->token)) {
         reject(a, p, r, PKV_ERR_REJECTED, "bad token");
-        return;
+        return NULL;
     }
     if (now >= reg->expiry_ns) {
         reject(a, p, r, PKV_ERR_REJECTED, "lease expired");
-        return;
+        return NULL;
     }
     if (reg->serving) {
         reject(a, p, r, PKV_ERR_REJECTED, "request busy with another read");
-        return;
+        return NULL;
     }
     if (!geo_equal(&r->geo, &a->geo)) {
         reject(a, p, r, PKV_ERR_REJECTED, "geometry differs");
-        return;
+        return NULL;
     }
     if ((r->flags & PKV_WIRE_READ_SHARED) && a->arena_fd < 0) {
         reject(a, p, r, PKV_ERR_REJECTED, "no shared staging arena here");
-        return;
+        return NULL;
     }
     if (r->budget_ns == 0) {
         reject(a, p, r, PKV_ERR_TIMEOUT, "no time left");
-        return;
+        return NULL;
     }
 
     /* The plan must be the registration's blocks, all of them, in order: an ACK ends the
@@ -523,20 +533,25 @@ void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *
     }
     if (!same) {
         reject(a, p, r, PKV_ERR_REJECTED, "plan is not the request's registered blocks");
-        return;
+        return NULL;
     }
+    return reg;
+}
 
+/* The serve and its tables for registration `reg`; NULL: refused as out of limits or
+ * memory (the peer was told). */
+static xf_serve_t *serve_make(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *r,
+                              xf_reg_t *reg)
+{
     xf_serve_t *s = calloc(1, sizeof(*s));
     int rc = s ? xf_view_init(&s->v, a, reg->n, reg->blocks, r->chunk_bytes,
                               r->flags & PKV_WIRE_READ_WHOLE)
                : PKV_ERR_NOMEM;
     if (rc) {
         free(s);
-        {
-            reject(a, p, r, PKV_ERR_NOFIT,
-                   rc == PKV_ERR_NOFIT ? "exceeds transfer limits" : "out of memory");
-            return;
-        }
+        reject(a, p, r, PKV_ERR_NOFIT,
+               rc == PKV_ERR_NOFIT ? "exceeds transfer limits" : "out of memory");
+        return NULL;
     }
     uint32_t L = s->v.layers;
     s->layer_sum = calloc(L, sizeof(uint64_t));
@@ -545,11 +560,19 @@ void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *
     s->chunks = calloc(s->v.n_chunks, sizeof(xf_chunk_t));
     if (!s->layer_sum || !s->ev_layer || !s->chunks) {
         serve_free(s);
-        {
-            reject(a, p, r, PKV_ERR_NOFIT, "out of memory");
-            return;
-        }
+        reject(a, p, r, PKV_ERR_NOFIT, "out of memory");
+        return NULL;
     }
+    return s;
+}
+
+void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *r)
+{
+    uint64_t now = pkv_now_ns();
+    xf_reg_t *reg = serve_admit(a, p, r, now);
+    if (!reg) return;
+    xf_serve_t *s = serve_make(a, p, r, reg);
+    if (!s) return;
     s->agent = a;
     s->peer = p;
     s->reg = reg;
@@ -903,61 +926,66 @@ void xf_serve_on_foreign(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, co
     serve_settle(a, s);
 }
 
-void xf_serves_tick(pkv_xfer_agent_t *a, uint64_t now)
+static bool serve_tick(pkv_xfer_agent_t *a, void *t, uint64_t now)
 {
-    xf_serve_t *next;
-    for (xf_serve_t *s = a->serves; s; s = next) {
-        next = s->next;
-        if (!s->state_done) {
-            if (now >= s->deadline_ns)
-                serve_finish(a, s, PKV_ERR_TIMEOUT, true, "deadline passed");
-            else if (s->pump_needed)
-                pump(a, s);
-        } else if (s->sends_inflight && !s->zombie &&
-                   xf_since(now, s->done_ns) > 2 * XF_CLOSE_WAIT_NS) {
-            if (s->peer->state == XF_PEER_ACTIVE) {
-                /* This ends and may free every serve on that peer (s and next too): stop
-                 * the walk here, the next tick goes on. */
-                xf_peer_fail(a, s->peer, "payload sends stuck after the transfer ended");
-                return;
-            } else if (xf_since(now, s->done_ns) > 3 * XF_CLOSE_WAIT_NS) {
-                PKV_LOGE(XF_MOD,
-                         "serve %llu: %u sends never completed; written off (staging "
-                         "kept)",
-                         (unsigned long long)s->xfer_id, s->sends_inflight);
-                XF_STAT_ADD(a, written_off, s->sends_inflight);
-                s->zombie = true;
-            }
-        }
-        serve_settle(a, s);
+    xf_serve_t *s = t;
+    if (!s->state_done) {
+        if (now >= s->deadline_ns)
+            serve_finish(a, s, PKV_ERR_TIMEOUT, true, "deadline passed");
+        else if (s->pump_needed)
+            pump(a, s);
+    } else if (xf_xfer_stuck(a, &xf_side_serves, s->peer, s->xfer_id, s->sends_inflight, s->done_ns,
+                             now, &s->zombie)) {
+        return false;
     }
+    serve_settle(a, s);
+    return true;
 }
 
-void xf_serves_peer_lost(pkv_xfer_agent_t *a, xf_peer_t *p)
+static void *serve_head(pkv_xfer_agent_t *a)
 {
-    xf_serve_t *next;
-    for (xf_serve_t *s = a->serves; s; s = next) {
-        next = s->next;
-        if (s->peer == p && !s->state_done) {
-            serve_finish(a, s, PKV_ERR_PEER_LOST, false, "consumer lost");
-            serve_settle(a, s);
-        }
-    }
+    return a->serves;
 }
 
-void xf_serves_shutdown(pkv_xfer_agent_t *a)
+static void *serve_next(void *t)
 {
-    xf_serve_t *next;
-    for (xf_serve_t *s = a->serves; s; s = next) {
-        next = s->next;
-        serve_finish(a, s, PKV_ERR_SHUTDOWN, true, "producer shutting down");
-        serve_settle(a, s);
-    }
+    return ((xf_serve_t *)t)->next;
 }
 
-bool xf_serves_active_data(pkv_xfer_agent_t *a)
+static xf_peer_t *serve_peer(void *t)
 {
-    for (xf_serve_t *s = a->serves; s; s = s->next)
-        if (s->state == XF_SERVE_SENDING || s->state == XF_SERVE_WAIT_ACK) return true;
-    return false;
+    return ((xf_serve_t *)t)->peer;
 }
+
+static bool serve_ended(void *t)
+{
+    return ((xf_serve_t *)t)->state_done;
+}
+
+static void serve_end(pkv_xfer_agent_t *a, void *t, int outcome, bool tell, const char *why)
+{
+    serve_finish(a, t, outcome, tell, why);
+    serve_settle(a, t);
+}
+
+static bool serve_moving(void *t)
+{
+    const xf_serve_t *s = t;
+    return s->state == XF_SERVE_SENDING || s->state == XF_SERVE_WAIT_ACK;
+}
+
+const xf_side_t xf_side_serves = {
+    .name = "serve",
+    .payload_ops = "sends",
+    .lost_why = "consumer lost",
+    .shutdown_why = "producer shutting down",
+    .stuck_why = "payload sends stuck after the transfer ended",
+    .kept = " (staging kept)",
+    .head = serve_head,
+    .next = serve_next,
+    .peer = serve_peer,
+    .ended = serve_ended,
+    .end = serve_end,
+    .moving = serve_moving,
+    .tick = serve_tick,
+};

@@ -22,7 +22,7 @@
 #include "pagekv/xfer.h"
 
 #include "core/core.h"
-#include "stage/stage_int.h"
+#include "stage/stage.h"
 #include "xfer/wire.h"
 #include "xfer/xfer.h"
 
@@ -430,10 +430,6 @@ void xf_read_event(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, xf_event_t *ev);
 void xf_read_on_data(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_data_t *d);
 void xf_read_on_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_fail_t *f);
 void xf_read_on_foreign(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, const char *why);
-void xf_reads_tick(pkv_xfer_agent_t *a, uint64_t now);
-void xf_reads_peer_lost(pkv_xfer_agent_t *a, xf_peer_t *p);
-void xf_reads_shutdown(pkv_xfer_agent_t *a);
-bool xf_reads_active_data(pkv_xfer_agent_t *a);
 void xf_read_job(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t layer);
 void xf_read_seat(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd);
 void xf_read_unref(pkv_xfer_read_t *rd);
@@ -444,14 +440,45 @@ void xf_serve_on_ack(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_ack_t *k)
 void xf_serve_on_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_fail_t *f);
 void xf_serve_on_foreign(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, const char *why);
 void xf_serve_event(pkv_xfer_agent_t *a, xf_serve_t *s, xf_event_t *ev);
-void xf_serves_tick(pkv_xfer_agent_t *a, uint64_t now);
-void xf_serves_peer_lost(pkv_xfer_agent_t *a, xf_peer_t *p);
-void xf_serves_shutdown(pkv_xfer_agent_t *a);
-bool xf_serves_active_data(pkv_xfer_agent_t *a);
 void xf_serve_job(pkv_xfer_agent_t *a, xf_serve_t *s);
 void xf_serve_seat(pkv_xfer_agent_t *a, xf_serve_t *s);
 void xf_regs_tick(pkv_xfer_agent_t *a, uint64_t now);
 void xf_regs_shutdown(pkv_xfer_agent_t *a);
+
+/* The walks over the agent's transfers (agent.c), written once for both sides: the
+ * consumer's reads (consumer.c, xf_side_reads) and the producer's serves (producer.c,
+ * xf_side_serves). A side gives its list and what one transfer does in each walk;
+ * the walks visit the reads first, then the serves. */
+typedef struct xf_side {
+    const char *name;         /* "read" / "serve", in log lines */
+    const char *payload_ops;  /* "receives" / "sends" */
+    const char *lost_why;     /* outcome text when the peer is lost */
+    const char *shutdown_why; /* outcome text when the agent shuts down */
+    const char *stuck_why;    /* why the peer is failed when payload operations hang */
+    const char *kept;         /* tail of the written-off line */
+    void *(*head)(pkv_xfer_agent_t *a);
+    void *(*next)(void *t);
+    xf_peer_t *(*peer)(void *t);
+    bool (*ended)(void *t); /* outcome decided */
+    /* Decide the outcome (tell: send the peer a FAIL), then settle: t may be freed. */
+    void (*end)(pkv_xfer_agent_t *a, void *t, int outcome, bool tell, const char *why);
+    bool (*moving)(void *t); /* payload bytes in flight now */
+    /* One transfer's tick; false: stop this side's walk (the list changed under it). */
+    bool (*tick)(pkv_xfer_agent_t *a, void *t, uint64_t now);
+} xf_side_t;
+
+extern const xf_side_t xf_side_reads, xf_side_serves;
+
+void xf_xfers_tick(pkv_xfer_agent_t *a, uint64_t now);
+void xf_xfers_peer_lost(pkv_xfer_agent_t *a, xf_peer_t *p);
+void xf_xfers_shutdown(pkv_xfer_agent_t *a);
+bool xf_xfers_active_data(pkv_xfer_agent_t *a);
+/* The tick step both sides share: `inflight` payload operations of an ended transfer
+ * neither completed nor failed. After 2 close waits its peer is failed (which ends and
+ * may free every transfer on it: true, stop the walk); after 3, with the peer already
+ * down, they are written off and the transfer marked *zombie (its staging kept). */
+bool xf_xfer_stuck(pkv_xfer_agent_t *a, const xf_side_t *side, xf_peer_t *peer, uint64_t xfer_id,
+                   uint32_t inflight, uint64_t done_ns, uint64_t now, bool *zombie);
 
 /* Time from `then` to `now`, 0 when `then` is later: the loop reads the clock once per
  * iteration, and a transfer that ends during the iteration carries a later stamp. */

@@ -52,4 +52,11 @@ uint64_t pkv_test_seed(uint64_t fallback);
 /* VmRSS of this process in bytes. */
 uint64_t pkv_test_rss(void);
 
+/* Fault sweep: run step(arg) with the k-th hit of `site` failing, for k = 0, 1, ...,
+ * until a run reaches no more hits. Each run that failed must return `want_rc`, and
+ * then after_fail(arg) (optional) checks that it left nothing behind; the last run
+ * must return PKV_OK. Returns how many runs failed. Leaves every site disarmed. */
+uint32_t pkv_test_fault_sweep(pkv_fault_site_t site, int (*step)(void *arg), void *arg, int want_rc,
+                              void (*after_fail)(void *arg));
+
 #endif
