@@ -17,7 +17,7 @@
 /* Sleep on the condvar until `deadline` or stop; true when stopping. */
 static bool fp_sampler_wait(fp_sampler_t *sp, uint64_t deadline)
 {
-    struct timespec ts = pkv__deadline_to_monotonic(deadline);
+    struct timespec ts = pkv_deadline_to_monotonic(deadline);
     pthread_mutex_lock(&sp->lock);
     while (!sp->stop && pkv_now_ns() < deadline)
         if (pthread_cond_timedwait(&sp->cond, &sp->lock, &ts) == ETIMEDOUT) break;
@@ -88,7 +88,7 @@ int fp_sampler_init(fp_sampler_t *sp, pid_t pid)
     memset(sp, 0, sizeof(*sp));
     sp->pid = pid;
     if (pthread_mutex_init(&sp->lock, NULL)) return PKV_ERR_NOMEM;
-    if (pkv__cond_init_monotonic(&sp->cond)) {
+    if (pkv_cond_init_monotonic(&sp->cond)) {
         pthread_mutex_destroy(&sp->lock);
         return PKV_ERR_NOMEM;
     }

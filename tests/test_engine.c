@@ -133,7 +133,7 @@ static void direct_greedy(pkv_model_t *m, const int32_t *prompt, uint32_t n, uin
     pkv_model_item_t it = {.seq = s, .tokens = prompt, .n_tokens = n, .logits = logits};
     ck_assert_int_eq(pkv_model_forward(m, kv, &it, 1), PKV_OK);
     for (uint32_t i = 0; i < gen; i++) {
-        out[i] = pkv_sample_argmax(logits, VOCAB);
+        out[i] = pkv_engine_sample_argmax(logits, VOCAB);
         it = (pkv_model_item_t){.seq = s, .tokens = &out[i], .n_tokens = 1, .logits = logits};
         if (i + 1 < gen) ck_assert_int_eq(pkv_model_forward(m, kv, &it, 1), PKV_OK);
     }
@@ -853,20 +853,21 @@ END_TEST
 START_TEST(sampler)
 {
     float l[5] = {0.1f, 3.0f, 3.0f, -1.0f, 2.0f};
-    ck_assert_int_eq(pkv_sample_argmax(l, 5), 1);
+    ck_assert_int_eq(pkv_engine_sample_argmax(l, 5), 1);
     float probs[5];
-    pkv_sample_cand_t cand[5];
+    pkv_engine_sample_cand_t cand[5];
     uint64_t rng = 1;
-    ck_assert_int_eq(pkv_sample(l, 5, 0.0f, 1.0f, &rng, probs, cand), 1);
+    ck_assert_int_eq(pkv_engine_sample(l, 5, 0.0f, 1.0f, &rng, probs, cand), 1);
     ck_assert_uint_eq(rng, 1); /* greedy draws nothing */
     /* top_p small enough: only the two tied best can be drawn. */
     uint32_t counts[5] = {0};
-    for (int i = 0; i < 2000; i++) counts[pkv_sample(l, 5, 1.0f, 0.5f, &rng, probs, cand)]++;
+    for (int i = 0; i < 2000; i++) counts[pkv_engine_sample(l, 5, 1.0f, 0.5f, &rng, probs, cand)]++;
     ck_assert_uint_eq(counts[0] + counts[3] + counts[4], 0);
     ck_assert_uint_gt(counts[1], 0);
     /* Full distribution: frequencies follow softmax within a loose bound. */
     memset(counts, 0, sizeof(counts));
-    for (int i = 0; i < 20000; i++) counts[pkv_sample(l, 5, 1.0f, 1.0f, &rng, probs, cand)]++;
+    for (int i = 0; i < 20000; i++)
+        counts[pkv_engine_sample(l, 5, 1.0f, 1.0f, &rng, probs, cand)]++;
     double z = 0, e[5];
     for (int i = 0; i < 5; i++) z += e[i] = exp(l[i]);
     for (int i = 0; i < 5; i++) {

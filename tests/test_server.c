@@ -1468,14 +1468,14 @@ END_TEST
 
 START_TEST(gen_finish_and_figures)
 {
-    pkv_server_gen_t g;
-    pkv_server_gen_init(&g);
+    srv_gen_t g;
+    srv_gen_init(&g);
     const char *t;
     size_t l;
     pkv_request_output_t o1 = {.text = "abc", .text_len = 3, .n_tokens = 2};
-    pkv_server_gen_feed(&g, &o1, &t, &l);
+    srv_gen_feed(&g, &o1, &t, &l);
     ck_assert(t == o1.text && l == 3);
-    ck_assert_ptr_null(pkv_server_gen_finish_reason(&g)); /* not finished yet */
+    ck_assert_ptr_null(srv_gen_finish_reason(&g)); /* not finished yet */
     pkv_request_output_t o2 = {.text = "d",
                                .text_len = 1,
                                .finished = true,
@@ -1483,20 +1483,20 @@ START_TEST(gen_finish_and_figures)
                                .prompt_tokens = 7,
                                .cached_tokens = 4,
                                .completion_tokens = 3};
-    pkv_server_gen_feed(&g, &o2, &t, &l);
-    ck_assert_str_eq(pkv_server_gen_finish_reason(&g), "stop");
+    srv_gen_feed(&g, &o2, &t, &l);
+    ck_assert_str_eq(srv_gen_finish_reason(&g), "stop");
     ck_assert_uint_eq(g.prompt_tokens, 7);
     ck_assert_uint_eq(g.cached_tokens, 4);
     ck_assert_uint_eq(g.completion_tokens, 3);
     o2.finish = PKV_FINISH_LENGTH;
-    pkv_server_gen_feed(&g, &o2, &t, &l);
-    ck_assert_str_eq(pkv_server_gen_finish_reason(&g), "length");
+    srv_gen_feed(&g, &o2, &t, &l);
+    ck_assert_str_eq(srv_gen_finish_reason(&g), "length");
     o2.finish = PKV_FINISH_CANCELLED;
-    pkv_server_gen_feed(&g, &o2, &t, &l);
-    ck_assert_ptr_null(pkv_server_gen_finish_reason(&g)); /* an error, not a finish reason */
+    srv_gen_feed(&g, &o2, &t, &l);
+    ck_assert_ptr_null(srv_gen_finish_reason(&g)); /* an error, not a finish reason */
     o2.finish = PKV_FINISH_ERROR;
-    pkv_server_gen_feed(&g, &o2, &t, &l);
-    ck_assert_ptr_null(pkv_server_gen_finish_reason(&g));
+    srv_gen_feed(&g, &o2, &t, &l);
+    ck_assert_ptr_null(srv_gen_finish_reason(&g));
 }
 END_TEST
 
@@ -1533,7 +1533,7 @@ START_TEST(utf8_sanitize_piecewise_equals_whole)
         {"a\x00b", 3, "a\x00b"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-        size_t n = pkv_server_utf8_sanitize(cases[i].in, cases[i].len, out);
+        size_t n = srv_utf8_sanitize(cases[i].in, cases[i].len, out);
         size_t wl = i == 9 ? 3 : strlen(cases[i].want);
         ck_assert_msg(n == wl && !memcmp(out, cases[i].want, n), "case %zu", i);
     }
@@ -1549,13 +1549,13 @@ START_TEST(utf8_sanitize_piecewise_equals_whole)
                                             : 0xc0 + pkv_test_below(&rng, 64));
         }
         char whole[3 * 48], pieces[3 * 48];
-        size_t wn = pkv_server_utf8_sanitize((const char *)s, len, whole), pn = 0, from = 0;
+        size_t wn = srv_utf8_sanitize((const char *)s, len, whole), pn = 0, from = 0;
         while (from < len) {
             size_t end = from + 1 + pkv_test_below(&rng, (uint32_t)(len - from));
             size_t safe = end == len ? len : engine_safe_end(s, from, end);
             if (safe == from) safe = end == len ? len : from; /* nothing publishable yet */
             if (safe == from) continue;
-            pn += pkv_server_utf8_sanitize((const char *)s + from, safe - from, pieces + pn);
+            pn += srv_utf8_sanitize((const char *)s + from, safe - from, pieces + pn);
             from = safe;
         }
         ck_assert_msg(wn == pn && !memcmp(whole, pieces, wn), "seed %llu iter %d",

@@ -14,9 +14,9 @@
 static const pkv_geometry_t GEO = {
     .layers = 4, .kv_heads = 2, .head_dim = 64, .block_tokens = 16, .dtype = PKV_DTYPE_F16};
 
-static pkv_wire_read_t sample_read(void)
+static xf_wire_read_t sample_read(void)
 {
-    pkv_wire_read_t r;
+    xf_wire_read_t r;
     memset(&r, 0, sizeof(r));
     r.xfer_id = 77;
     r.request_id = 123456789;
@@ -30,14 +30,14 @@ static pkv_wire_read_t sample_read(void)
 START_TEST(read_roundtrip_coalesces_runs)
 {
     uint32_t blocks[] = {5, 6, 7, 100, 9, 10, 3};
-    pkv_wire_read_t r = sample_read();
-    ck_assert_uint_eq(pkv_xfer_wire_count_runs(blocks, 7), 4);
+    xf_wire_read_t r = sample_read();
+    ck_assert_uint_eq(xf_wire_count_runs(blocks, 7), 4);
     uint8_t buf[512];
     size_t len;
-    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 7, buf, sizeof(buf), &len), PKV_OK);
-    ck_assert_uint_eq(len, pkv_xfer_wire_read_bytes(4));
-    pkv_wire_msg_t m;
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
+    ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 7, buf, sizeof(buf), &len), PKV_OK);
+    ck_assert_uint_eq(len, xf_wire_read_bytes(4));
+    xf_wire_msg_t m;
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_OK);
     ck_assert_int_eq(m.type, PKV_WIRE_READ);
     ck_assert_uint_eq(m.u.read.xfer_id, 77);
     ck_assert_uint_eq(m.u.read.request_id, 123456789);
@@ -47,58 +47,57 @@ START_TEST(read_roundtrip_coalesces_runs)
     ck_assert_uint_eq(m.u.read.n_blocks, 7);
     uint32_t first, count, k = 0;
     for (uint32_t i = 0; i < m.u.read.n_runs; i++) {
-        pkv_xfer_wire_read_run(&m.u.read, i, &first, &count);
+        xf_wire_read_run(&m.u.read, i, &first, &count);
         for (uint32_t j = 0; j < count; j++) ck_assert_uint_eq(first + j, blocks[k++]);
     }
     ck_assert_uint_eq(k, 7);
     /* Too small a buffer: NOSPACE, nothing claimed. */
-    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 7, buf, len - 1, &len), PKV_ERR_NOSPACE);
+    ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 7, buf, len - 1, &len), PKV_ERR_NOSPACE);
 }
 END_TEST
 
 START_TEST(every_truncation_is_rejected)
 {
     uint32_t blocks[] = {1, 2, 3, 9};
-    pkv_wire_read_t r = sample_read();
+    xf_wire_read_t r = sample_read();
     uint8_t buf[512];
     size_t len;
-    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 4, buf, sizeof(buf), &len), PKV_OK);
-    pkv_wire_msg_t m;
-    for (size_t n = 0; n < len; n++)
-        ck_assert_int_eq(pkv_xfer_wire_decode(buf, n, &m), PKV_ERR_PROTO);
+    ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 4, buf, sizeof(buf), &len), PKV_OK);
+    xf_wire_msg_t m;
+    for (size_t n = 0; n < len; n++) ck_assert_int_eq(xf_wire_decode(buf, n, &m), PKV_ERR_PROTO);
     /* One byte too many: the body length no longer matches. */
     buf[len] = 0;
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len + 1, &m), PKV_ERR_PROTO);
+    ck_assert_int_eq(xf_wire_decode(buf, len + 1, &m), PKV_ERR_PROTO);
 }
 END_TEST
 
 START_TEST(versions_and_types_are_checked)
 {
-    pkv_wire_heartbeat_t h = {.agent_id = 1, .seq = 2};
+    xf_wire_heartbeat_t h = {.agent_id = 1, .seq = 2};
     uint8_t buf[64];
     size_t len;
-    pkv_wire_msg_t m;
-    ck_assert_int_eq(pkv_xfer_wire_encode_heartbeat(&h, buf, sizeof(buf), &len), PKV_OK);
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
+    xf_wire_msg_t m;
+    ck_assert_int_eq(xf_wire_encode_heartbeat(&h, buf, sizeof(buf), &len), PKV_OK);
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_OK);
     ck_assert_uint_eq(m.u.hb.seq, 2);
     for (int v = 0; v < 256; v++) { /* a heartbeat of another version is not decoded */
         buf[4] = (uint8_t)v;
-        ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m),
+        ck_assert_int_eq(xf_wire_decode(buf, len, &m),
                          v == PKV_WIRE_VERSION ? PKV_OK : PKV_ERR_PROTO);
     }
     buf[4] = PKV_WIRE_VERSION;
     for (int t = 0; t < 256; t++) {
         buf[5] = (uint8_t)t;
-        int rc = pkv_xfer_wire_decode(buf, len, &m);
+        int rc = xf_wire_decode(buf, len, &m);
         if (t < PKV_WIRE_READ || t > PKV_WIRE_CLOSE) ck_assert_int_eq(rc, PKV_ERR_PROTO);
     }
     buf[5] = PKV_WIRE_HEARTBEAT;
     buf[6] = 1; /* flags must be zero */
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     buf[6] = 0;
     buf[0] ^= 1; /* magic */
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
-    ck_assert_int_eq(pkv_xfer_wire_decode(NULL, 0, &m), PKV_ERR_PROTO);
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    ck_assert_int_eq(xf_wire_decode(NULL, 0, &m), PKV_ERR_PROTO);
 }
 END_TEST
 
@@ -108,66 +107,66 @@ END_TEST
 START_TEST(other_versions_are_peeked_and_their_fail_decodes)
 {
     uint32_t blocks[3] = {4, 5, 9};
-    pkv_wire_read_t r = sample_read();
-    pkv_wire_data_t d = {.xfer_id = 77, .layer = 1, .bytes = 4096, .checksum = 5};
-    pkv_wire_ack_t k = {.xfer_id = 78, .request_id = 3, .bytes = 10};
-    pkv_wire_heartbeat_t hb = {.agent_id = 1, .seq = 2};
+    xf_wire_read_t r = sample_read();
+    xf_wire_data_t d = {.xfer_id = 77, .layer = 1, .bytes = 4096, .checksum = 5};
+    xf_wire_ack_t k = {.xfer_id = 78, .request_id = 3, .bytes = 10};
+    xf_wire_heartbeat_t hb = {.agent_id = 1, .seq = 2};
     uint8_t msg[4][256];
     size_t len[4];
-    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 3, msg[0], 256, &len[0]), PKV_OK);
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, NULL, 0, NULL, 0, msg[1], 256, &len[1]), PKV_OK);
-    ck_assert_int_eq(pkv_xfer_wire_encode_ack(&k, msg[2], 256, &len[2]), PKV_OK);
-    ck_assert_int_eq(pkv_xfer_wire_encode_heartbeat(&hb, msg[3], 256, &len[3]), PKV_OK);
+    ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 3, msg[0], 256, &len[0]), PKV_OK);
+    ck_assert_int_eq(xf_wire_encode_data(&d, NULL, 0, NULL, 0, msg[1], 256, &len[1]), PKV_OK);
+    ck_assert_int_eq(xf_wire_encode_ack(&k, msg[2], 256, &len[2]), PKV_OK);
+    ck_assert_int_eq(xf_wire_encode_heartbeat(&hb, msg[3], 256, &len[3]), PKV_OK);
     const uint8_t type[4] = {PKV_WIRE_READ, PKV_WIRE_DATA, PKV_WIRE_ACK, PKV_WIRE_HEARTBEAT};
     const uint64_t id[4] = {r.xfer_id, 77, 78, 0};
-    pkv_wire_msg_t m;
-    pkv_wire_foreign_t f;
+    xf_wire_msg_t m;
+    xf_wire_foreign_t f;
     for (int i = 0; i < 4; i++) {
         /* ours: decoded, not foreign; peek (any version) still names it */
-        ck_assert_int_eq(pkv_xfer_wire_peek_foreign(msg[i], len[i], &f), PKV_ERR_PROTO);
+        ck_assert_int_eq(xf_wire_peek_foreign(msg[i], len[i], &f), PKV_ERR_PROTO);
         memset(&f, 0xee, sizeof(f));
-        ck_assert_int_eq(pkv_xfer_wire_peek(msg[i], len[i], &f), PKV_OK);
+        ck_assert_int_eq(xf_wire_peek(msg[i], len[i], &f), PKV_OK);
         ck_assert_uint_eq(f.version, PKV_WIRE_VERSION);
         ck_assert_uint_eq(f.type, type[i]);
         ck_assert_uint_eq(f.xfer_id, id[i]);
-        ck_assert_int_eq(pkv_xfer_wire_peek(msg[i], len[i] - 1, &f), PKV_ERR_PROTO);
+        ck_assert_int_eq(xf_wire_peek(msg[i], len[i] - 1, &f), PKV_ERR_PROTO);
         for (int v = 1; v < 256; v += 3) {
             if (v == PKV_WIRE_VERSION) continue;
             msg[i][4] = (uint8_t)v;
-            ck_assert_int_eq(pkv_xfer_wire_decode(msg[i], len[i], &m), PKV_ERR_PROTO);
+            ck_assert_int_eq(xf_wire_decode(msg[i], len[i], &m), PKV_ERR_PROTO);
             memset(&f, 0xee, sizeof(f));
-            ck_assert_int_eq(pkv_xfer_wire_peek_foreign(msg[i], len[i], &f), PKV_OK);
+            ck_assert_int_eq(xf_wire_peek_foreign(msg[i], len[i], &f), PKV_OK);
             ck_assert_uint_eq(f.version, v);
             ck_assert_uint_eq(f.type, type[i]);
             ck_assert_uint_eq(f.xfer_id, id[i]);
         }
         /* not a message at all: version 0, bad magic, flags, a body of the wrong length */
         msg[i][4] = 0;
-        ck_assert_int_eq(pkv_xfer_wire_peek_foreign(msg[i], len[i], &f), PKV_ERR_PROTO);
+        ck_assert_int_eq(xf_wire_peek_foreign(msg[i], len[i], &f), PKV_ERR_PROTO);
         msg[i][4] = 9;
         msg[i][0] ^= 1;
-        ck_assert_int_eq(pkv_xfer_wire_peek_foreign(msg[i], len[i], &f), PKV_ERR_PROTO);
+        ck_assert_int_eq(xf_wire_peek_foreign(msg[i], len[i], &f), PKV_ERR_PROTO);
         msg[i][0] ^= 1;
         msg[i][6] = 1;
-        ck_assert_int_eq(pkv_xfer_wire_peek_foreign(msg[i], len[i], &f), PKV_ERR_PROTO);
+        ck_assert_int_eq(xf_wire_peek_foreign(msg[i], len[i], &f), PKV_ERR_PROTO);
         msg[i][6] = 0;
-        ck_assert_int_eq(pkv_xfer_wire_peek_foreign(msg[i], len[i] - 1, &f), PKV_ERR_PROTO);
-        ck_assert_int_eq(pkv_xfer_wire_peek_foreign(msg[i], 11, &f), PKV_ERR_PROTO);
+        ck_assert_int_eq(xf_wire_peek_foreign(msg[i], len[i] - 1, &f), PKV_ERR_PROTO);
+        ck_assert_int_eq(xf_wire_peek_foreign(msg[i], 11, &f), PKV_ERR_PROTO);
     }
     /* an xfer_id out of range is no transfer's */
     memset(msg[2] + PKV_WIRE_HEADER_BYTES, 0xff, 8);
-    ck_assert_int_eq(pkv_xfer_wire_peek_foreign(msg[2], len[2], &f), PKV_OK);
+    ck_assert_int_eq(xf_wire_peek_foreign(msg[2], len[2], &f), PKV_OK);
     ck_assert_uint_eq(f.xfer_id, 0);
 
-    pkv_wire_fail_t fl = {.xfer_id = 12, .request_id = 34, .reason = PKV_ERR_REJECTED};
+    xf_wire_fail_t fl = {.xfer_id = 12, .request_id = 34, .reason = PKV_ERR_REJECTED};
     snprintf(fl.text, sizeof(fl.text), "wire version 2");
     uint8_t fb[256];
     size_t fn;
-    ck_assert_int_eq(pkv_xfer_wire_encode_fail(&fl, fb, sizeof(fb), &fn), PKV_OK);
+    ck_assert_int_eq(xf_wire_encode_fail(&fl, fb, sizeof(fb), &fn), PKV_OK);
     for (int v = 0; v < 256; v++) {
         fb[4] = (uint8_t)v;
         memset(&m, 0, sizeof(m));
-        ck_assert_int_eq(pkv_xfer_wire_decode(fb, fn, &m), v ? PKV_OK : PKV_ERR_PROTO);
+        ck_assert_int_eq(xf_wire_decode(fb, fn, &m), v ? PKV_OK : PKV_ERR_PROTO);
         if (!v) continue;
         ck_assert_uint_eq(m.type, PKV_WIRE_FAIL);
         ck_assert_uint_eq(m.u.fail.xfer_id, 12);
@@ -175,17 +174,17 @@ START_TEST(other_versions_are_peeked_and_their_fail_decodes)
         ck_assert_int_eq(m.u.fail.reason, PKV_ERR_REJECTED);
         ck_assert_str_eq(m.u.fail.text, "wire version 2");
         /* also peeked, by its xfer_id, for a FAIL of another version we could not decode */
-        pkv_wire_foreign_t ff;
-        ck_assert_int_eq(pkv_xfer_wire_peek_foreign(fb, fn, &ff),
+        xf_wire_foreign_t ff;
+        ck_assert_int_eq(xf_wire_peek_foreign(fb, fn, &ff),
                          v == PKV_WIRE_VERSION ? PKV_ERR_PROTO : PKV_OK);
         if (v != PKV_WIRE_VERSION) ck_assert_uint_eq(ff.xfer_id, 12);
     }
-    pkv_wire_close_t cl = {.agent_id = 99, .flags = PKV_WIRE_CLOSE_REPLY};
-    ck_assert_int_eq(pkv_xfer_wire_encode_close(&cl, fb, sizeof(fb), &fn), PKV_OK);
+    xf_wire_close_t cl = {.agent_id = 99, .flags = PKV_WIRE_CLOSE_REPLY};
+    ck_assert_int_eq(xf_wire_encode_close(&cl, fb, sizeof(fb), &fn), PKV_OK);
     for (int v = 0; v < 256; v++) {
         fb[4] = (uint8_t)v;
         memset(&m, 0, sizeof(m));
-        ck_assert_int_eq(pkv_xfer_wire_decode(fb, fn, &m), v ? PKV_OK : PKV_ERR_PROTO);
+        ck_assert_int_eq(xf_wire_decode(fb, fn, &m), v ? PKV_OK : PKV_ERR_PROTO);
         if (!v) continue;
         ck_assert_uint_eq(m.type, PKV_WIRE_CLOSE);
         ck_assert_uint_eq(m.u.close.agent_id, 99);
@@ -196,50 +195,45 @@ END_TEST
 
 START_TEST(read_limits_are_enforced)
 {
-    pkv_wire_read_t r = sample_read();
+    xf_wire_read_t r = sample_read();
     uint32_t blocks[] = {1, 2};
     uint8_t buf[512];
     size_t len;
     r.xfer_id = 0;
-    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len),
-                     PKV_ERR_INVALID);
+    ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len), PKV_ERR_INVALID);
     r = sample_read();
     r.xfer_id = 1ull << PKV_WIRE_XFER_ID_BITS;
-    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len),
-                     PKV_ERR_INVALID);
+    ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len), PKV_ERR_INVALID);
     r = sample_read();
     r.chunk_bytes = 100;
-    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len),
-                     PKV_ERR_INVALID);
+    ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len), PKV_ERR_INVALID);
     r = sample_read();
     r.geo.dtype = (pkv_dtype_t)7;
-    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len),
-                     PKV_ERR_INVALID);
+    ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len), PKV_ERR_INVALID);
     r = sample_read();
     r.geo.layers = PKV_WIRE_MAX_LAYERS + 1;
-    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len),
-                     PKV_ERR_INVALID);
+    ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len), PKV_ERR_INVALID);
     /* Decoder side: patch a valid message's run count to lie. */
     r = sample_read();
-    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len), PKV_OK);
-    pkv_wire_msg_t m;
+    ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len), PKV_OK);
+    xf_wire_msg_t m;
     size_t nruns_at = PKV_WIRE_HEADER_BYTES + 68;
     buf[nruns_at] = 2;
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     buf[nruns_at] = 1;
     buf[nruns_at + 8] = 0; /* run count 0 */
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
 }
 END_TEST
 
 /* Encode a DATA, check its size, decode it and check every field came back. */
-static void data_roundtrip(const pkv_wire_data_t *d, const uint64_t *pieces, uint32_t np,
+static void data_roundtrip(const xf_wire_data_t *d, const uint64_t *pieces, uint32_t np,
                            const uint64_t *sums, uint32_t ns, uint8_t *buf, size_t cap, size_t *len,
-                           pkv_wire_msg_t *m)
+                           xf_wire_msg_t *m)
 {
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(d, pieces, np, sums, ns, buf, cap, len), PKV_OK);
-    ck_assert_uint_eq(*len, pkv_xfer_wire_data_bytes(np, ns));
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, *len, m), PKV_OK);
+    ck_assert_int_eq(xf_wire_encode_data(d, pieces, np, sums, ns, buf, cap, len), PKV_OK);
+    ck_assert_uint_eq(*len, xf_wire_data_bytes(np, ns));
+    ck_assert_int_eq(xf_wire_decode(buf, *len, m), PKV_OK);
     ck_assert_uint_eq(m->u.data.flags, d->flags);
     ck_assert_uint_eq(m->u.data.layer, d->layer);
     ck_assert_uint_eq(m->u.data.bytes, d->bytes);
@@ -248,76 +242,73 @@ static void data_roundtrip(const pkv_wire_data_t *d, const uint64_t *pieces, uin
     ck_assert_uint_eq(m->u.data.n_sums, ns);
     for (uint32_t i = 0; i < np; i++) {
         uint64_t off, l;
-        pkv_xfer_wire_data_piece(&m->u.data, i, &off, &l);
+        xf_wire_data_piece(&m->u.data, i, &off, &l);
         ck_assert_uint_eq(off, pieces[2 * i]);
         ck_assert_uint_eq(l, pieces[2 * i + 1]);
     }
-    for (uint32_t i = 0; i < ns; i++)
-        ck_assert_uint_eq(pkv_xfer_wire_data_sum(&m->u.data, i), sums[i]);
+    for (uint32_t i = 0; i < ns; i++) ck_assert_uint_eq(xf_wire_data_sum(&m->u.data, i), sums[i]);
 }
 
 /* The encoder refuses this DATA. */
-static void data_refused(const pkv_wire_data_t *d, const uint64_t *pieces, uint32_t np,
+static void data_refused(const xf_wire_data_t *d, const uint64_t *pieces, uint32_t np,
                          const uint64_t *sums, uint32_t ns)
 {
     uint8_t buf[256];
     size_t len;
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(d, pieces, np, sums, ns, buf, sizeof(buf), &len),
+    ck_assert_int_eq(xf_wire_encode_data(d, pieces, np, sums, ns, buf, sizeof(buf), &len),
                      PKV_ERR_INVALID);
 }
 
 START_TEST(shared_data_and_read_flags)
 {
     uint64_t pieces[] = {4096, 8192, 65536, 4096};
-    pkv_wire_data_t d = {
+    xf_wire_data_t d = {
         .xfer_id = 5, .layer = 2, .flags = PKV_WIRE_DATA_SHARED, .bytes = 12288, .checksum = 77};
     uint8_t buf[256];
     size_t len;
-    pkv_wire_msg_t m;
+    xf_wire_msg_t m;
     data_roundtrip(&d, pieces, 2, NULL, 0, buf, sizeof(buf), &len, &m);
     /* pieces must add up to the layer's bytes */
     d.bytes = 12289;
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, NULL, 0, buf, sizeof(buf), &len),
+    ck_assert_int_eq(xf_wire_encode_data(&d, pieces, 2, NULL, 0, buf, sizeof(buf), &len),
                      PKV_ERR_INVALID);
     buf[PKV_WIRE_HEADER_BYTES + 16] ^= 1; /* bytes field no longer matches the pieces */
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     /* a plain DATA carries no pieces; unknown flags are rejected */
     d.flags = 0;
     d.bytes = 12288;
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, NULL, 0, buf, sizeof(buf), &len),
+    ck_assert_int_eq(xf_wire_encode_data(&d, pieces, 2, NULL, 0, buf, sizeof(buf), &len),
                      PKV_ERR_INVALID);
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, NULL, 0, NULL, 0, buf, sizeof(buf), &len),
-                     PKV_OK);
+    ck_assert_int_eq(xf_wire_encode_data(&d, NULL, 0, NULL, 0, buf, sizeof(buf), &len), PKV_OK);
     buf[PKV_WIRE_HEADER_BYTES + 12] = 4;
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     buf[PKV_WIRE_HEADER_BYTES + 12] = 3; /* SHARED and LAYERS, but neither trailer */
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
-    pkv_wire_read_t r = sample_read();
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    xf_wire_read_t r = sample_read();
     uint32_t blocks[] = {1};
     const uint32_t flags[] = {PKV_WIRE_READ_SHARED, PKV_WIRE_READ_WHOLE,
                               PKV_WIRE_READ_SHARED | PKV_WIRE_READ_WHOLE};
     for (int i = 0; i < 3; i++) {
         r.flags = flags[i];
-        ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len), PKV_OK);
-        ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
+        ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len), PKV_OK);
+        ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_OK);
         ck_assert_uint_eq(m.u.read.flags, flags[i]);
     }
     r.flags = 4;
-    ck_assert_int_eq(pkv_xfer_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len),
-                     PKV_ERR_INVALID);
+    ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len), PKV_ERR_INVALID);
     buf[PKV_WIRE_HEADER_BYTES + 64] = 4; /* READ flags field */
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
 }
 END_TEST
 
 /* A shared whole stream's DATA: layers from 0, 4096 bytes each, the sums in the trailer. */
-static pkv_wire_data_t shared_layers_data(void)
+static xf_wire_data_t shared_layers_data(void)
 {
-    return (pkv_wire_data_t){.xfer_id = 9,
-                             .layer = 0,
-                             .flags = PKV_WIRE_DATA_SHARED | PKV_WIRE_DATA_LAYERS,
-                             .bytes = 4096,
-                             .checksum = 0};
+    return (xf_wire_data_t){.xfer_id = 9,
+                            .layer = 0,
+                            .flags = PKV_WIRE_DATA_SHARED | PKV_WIRE_DATA_LAYERS,
+                            .bytes = 4096,
+                            .checksum = 0};
 }
 
 /* One DATA with every layer's checksum (whole-stream reads). */
@@ -326,22 +317,22 @@ START_TEST(data_layers_only_with_shared)
     /* v3: a DATA carries every layer's checksum (LAYERS) only with the arena pieces of a
      * shared whole stream; a whole stream through UCX has a trailer instead. */
     uint64_t pieces[] = {0, 12288}, sums[] = {11, 22, 33};
-    pkv_wire_data_t d = shared_layers_data();
+    xf_wire_data_t d = shared_layers_data();
     uint8_t buf[256];
     size_t len;
-    pkv_wire_msg_t m;
+    xf_wire_msg_t m;
     data_roundtrip(&d, pieces, 1, sums, 3, buf, sizeof(buf), &len, &m);
     /* the count must match the body; a checksum in the base field is refused */
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len - 8, &m), PKV_ERR_PROTO);
+    ck_assert_int_eq(xf_wire_decode(buf, len - 8, &m), PKV_ERR_PROTO);
     size_t n_at = PKV_WIRE_HEADER_BYTES + 32 + 8 + 16; /* base, pieces header, one piece */
     buf[n_at] = 4;
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     buf[n_at] = 0;
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     buf[n_at] = 3;
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_OK);
     buf[PKV_WIRE_HEADER_BYTES + 24] = 1; /* base checksum */
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     d.checksum = 1;
     data_refused(&d, pieces, 1, sums, 3);
     d.checksum = 0;
@@ -362,9 +353,9 @@ START_TEST(data_layers_only_with_shared)
     body[17] = 0x10;                 /* bytes 4096 */
     body[32] = 3;                    /* n */
     for (int i = 0; i < 3; i++) body[40 + 8 * i] = (uint8_t)sums[i];
-    ck_assert_int_eq(pkv_xfer_wire_decode(v2, sizeof(v2), &m), PKV_ERR_PROTO);
+    ck_assert_int_eq(xf_wire_decode(v2, sizeof(v2), &m), PKV_ERR_PROTO);
     body[12] = 0; /* the same bytes as a plain DATA are malformed too: a trailer too many */
-    ck_assert_int_eq(pkv_xfer_wire_decode(v2, sizeof(v2), &m), PKV_ERR_PROTO);
+    ck_assert_int_eq(xf_wire_decode(v2, sizeof(v2), &m), PKV_ERR_PROTO);
 }
 END_TEST
 
@@ -373,14 +364,14 @@ END_TEST
 START_TEST(shared_data_for_every_layer)
 {
     uint64_t pieces[] = {0, 8192, 65536, 4096}, sums[] = {11, 22, 33};
-    pkv_wire_data_t d = shared_layers_data();
+    xf_wire_data_t d = shared_layers_data();
     uint8_t buf[256];
     size_t len;
-    pkv_wire_msg_t m;
+    xf_wire_msg_t m;
     data_roundtrip(&d, pieces, 2, sums, 3, buf, sizeof(buf), &len, &m);
     /* the pieces must cover every announced layer: 3 x 4096 bytes */
     buf[PKV_WIRE_HEADER_BYTES + 16] ^= 1; /* bytes */
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     d.bytes = 3000;
     data_refused(&d, pieces, 2, sums, 3);
     d.bytes = 4096;
@@ -391,16 +382,15 @@ START_TEST(shared_data_for_every_layer)
     d.flags = PKV_WIRE_DATA_SHARED;
     d.bytes = 12288;
     d.checksum = 0;
-    ck_assert_int_eq(pkv_xfer_wire_encode_data(&d, pieces, 2, NULL, 0, buf, sizeof(buf), &len),
-                     PKV_OK);
+    ck_assert_int_eq(xf_wire_encode_data(&d, pieces, 2, NULL, 0, buf, sizeof(buf), &len), PKV_OK);
     buf[PKV_WIRE_HEADER_BYTES + 12] = PKV_WIRE_DATA_SHARED | PKV_WIRE_DATA_LAYERS;
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
 }
 END_TEST
 
 START_TEST(fail_carries_reason_and_text)
 {
-    pkv_wire_fail_t f;
+    xf_wire_fail_t f;
     memset(&f, 0, sizeof(f));
     f.xfer_id = 9;
     f.request_id = 10;
@@ -408,16 +398,16 @@ START_TEST(fail_carries_reason_and_text)
     snprintf(f.text, sizeof(f.text), "staging full");
     uint8_t buf[256];
     size_t len;
-    ck_assert_int_eq(pkv_xfer_wire_encode_fail(&f, buf, sizeof(buf), &len), PKV_OK);
-    pkv_wire_msg_t m;
-    ck_assert_int_eq(pkv_xfer_wire_decode(buf, len, &m), PKV_OK);
+    ck_assert_int_eq(xf_wire_encode_fail(&f, buf, sizeof(buf), &len), PKV_OK);
+    xf_wire_msg_t m;
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_OK);
     ck_assert_int_eq(m.u.fail.reason, PKV_ERR_NOFIT);
     ck_assert_str_eq(m.u.fail.text, "staging full");
     f.reason = PKV_OK; /* not a failure reason */
-    ck_assert_int_eq(pkv_xfer_wire_encode_fail(&f, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    ck_assert_int_eq(xf_wire_encode_fail(&f, buf, sizeof(buf), &len), PKV_ERR_INVALID);
     f.reason = PKV_ERR_CORRUPT;
     f.text[3] = '\n';
-    ck_assert_int_eq(pkv_xfer_wire_encode_fail(&f, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    ck_assert_int_eq(xf_wire_encode_fail(&f, buf, sizeof(buf), &len), PKV_ERR_INVALID);
 }
 END_TEST
 
@@ -475,10 +465,10 @@ START_TEST(handle_roundtrip_and_rejects)
     snprintf(h->addr, sizeof(h->addr), "no port");
     ck_assert_uint_eq(pkv_xfer_handle_bytes(h), 0);
     ck_assert_int_eq(pkv_xfer_handle_encode(h, buf, need, &len), PKV_ERR_INVALID);
-    ck_assert(pkv_xfer_wire_addr_valid("[::1]:80"));
-    ck_assert(!pkv_xfer_wire_addr_valid("127.0.0.1:0"));
-    ck_assert(!pkv_xfer_wire_addr_valid("127.0.0.1:99999"));
-    ck_assert(!pkv_xfer_wire_addr_valid(":80"));
+    ck_assert(xf_wire_addr_valid("[::1]:80"));
+    ck_assert(!xf_wire_addr_valid("127.0.0.1:0"));
+    ck_assert(!xf_wire_addr_valid("127.0.0.1:99999"));
+    ck_assert(!xf_wire_addr_valid(":80"));
     free(buf);
     free(h);
 }
@@ -601,10 +591,10 @@ START_TEST(fuzz_corpus_replays)
         size_t n = fread(buf, 1, sizeof(buf), f);
         fclose(f);
         pkv_fuzz_wire(buf, n); /* traps on a round-trip violation */
-        pkv_wire_msg_t m;
+        xf_wire_msg_t m;
         pkv_xfer_handle_t *h = NULL;
-        bool decodes = pkv_xfer_wire_decode(buf, n, &m) == PKV_OK ||
-                       pkv_xfer_handle_decode(buf, n, &h) == PKV_OK;
+        bool decodes =
+            xf_wire_decode(buf, n, &m) == PKV_OK || pkv_xfer_handle_decode(buf, n, &h) == PKV_OK;
         pkv_xfer_handle_free(h);
         if (!strncmp(e->d_name, "ok-", 3)) {
             ck_assert_msg(decodes, "%s should decode", e->d_name);

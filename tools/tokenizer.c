@@ -137,7 +137,7 @@ static void pair_rehash(struct trainer *tr)
     }
     tr->slot_mask = cap - 1;
     for (size_t i = 0; i < tr->npairs; i++) {
-        size_t h = pkv__tok_mix64(tr->pairs[i].key) & tr->slot_mask;
+        size_t h = pkv_tokenizer_mix64(tr->pairs[i].key) & tr->slot_mask;
         while (tr->slots[h]) h = (h + 1) & tr->slot_mask;
         tr->slots[h] = (uint32_t)i + 1;
     }
@@ -146,7 +146,7 @@ static void pair_rehash(struct trainer *tr)
 static struct pair_stat *pair_get(struct trainer *tr, uint64_t key, bool create)
 {
     if (!tr->slots) pair_rehash(tr);
-    size_t h = pkv__tok_mix64(key) & tr->slot_mask;
+    size_t h = pkv_tokenizer_mix64(key) & tr->slot_mask;
     while (tr->slots[h]) {
         struct pair_stat *p = &tr->pairs[tr->slots[h] - 1];
         if (p->key == key) return p;
@@ -193,7 +193,7 @@ static void word_pairs(struct trainer *tr, int32_t w, int sign, uint32_t round)
 {
     struct word *wd = &tr->words[w];
     for (uint32_t i = 0; i + 1 < wd->n; i++)
-        pair_add(tr, pkv__tok_pair_key((uint32_t)wd->sym[i], (uint32_t)wd->sym[i + 1]),
+        pair_add(tr, pkv_tokenizer_pair_key((uint32_t)wd->sym[i], (uint32_t)wd->sym[i + 1]),
                  sign * (int64_t)wd->freq, w, round);
 }
 
@@ -247,7 +247,7 @@ static uint64_t bytes_hash(const uint8_t *p, size_t n)
 {
     uint64_t h = 0xcbf29ce484222325ull;
     for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ull;
-    return pkv__tok_mix64(h);
+    return pkv_tokenizer_mix64(h);
 }
 
 static void count_piece(struct trainer *tr, struct piece_map *pm, size_t *words_cap,
@@ -336,7 +336,7 @@ static int cmd_train(int argc, char **argv)
         for (size_t k = 0; k < len; k++) corpus_hash = (corpus_hash ^ data[k]) * 0x100000001b3ull;
         corpus_bytes += len;
         for (size_t k = 0; k < len;) {
-            size_t m = pkv__tok_piece_len(data, len, k);
+            size_t m = pkv_tokenizer_piece_len(data, len, k);
             if (m >= 2 && m <= TRAIN_MAX_PIECE) count_piece(&tr, &pm, &words_cap, data + k, m);
             k += m;
         }
@@ -383,7 +383,8 @@ static int cmd_train(int argc, char **argv)
         for (; r < ns; r++) {
             table[r][0] = (uint16_t)seeds[r][0];
             table[r][1] = (uint16_t)seeds[r][1];
-            struct pair_stat *p = pair_get(&tr, pkv__tok_pair_key(seeds[r][0], seeds[r][1]), true);
+            struct pair_stat *p =
+                pair_get(&tr, pkv_tokenizer_pair_key(seeds[r][0], seeds[r][1]), true);
             table_count[r] = p->count > 0 ? (uint64_t)p->count : 0;
             apply_merge(&tr, p, r);
         }
@@ -427,9 +428,9 @@ static int cmd_train(int argc, char **argv)
     for (int i = first_file; i < argc; i++) fprintf(f, " *   %s\n", argv[i]);
     if (seed_digits)
         fprintf(f, " * Merges 256..2465 are the seeded digit groups (--seed-digits).\n");
-    fprintf(f, " */\n#include \"tokenizer/tok_int.h\"\n\n");
-    fprintf(f, "const uint32_t pkv__bpe_merge_count = %llu;\n\n", (unsigned long long)merges);
-    fprintf(f, "/* clang-format off */\nconst uint16_t pkv__bpe_merges[][2] = {\n");
+    fprintf(f, " */\n#include \"tokenizer/tokenizer_int.h\"\n\n");
+    fprintf(f, "const uint32_t tok_bpe_merge_count = %llu;\n\n", (unsigned long long)merges);
+    fprintf(f, "/* clang-format off */\nconst uint16_t tok_bpe_merges[][2] = {\n");
     for (uint64_t m = 0; m < merges; m++)
         fprintf(f, "    {%u, %u}, /* %llu: count %llu */\n", table[m][0], table[m][1],
                 (unsigned long long)m + 256, (unsigned long long)table_count[m]);

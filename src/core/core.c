@@ -72,7 +72,7 @@ uint64_t pkv_deadline_after_ns(uint64_t timeout_ns)
     return timeout_ns > UINT64_MAX - now ? PKV_DEADLINE_NEVER : now + timeout_ns;
 }
 
-struct timespec pkv__deadline_to_realtime(uint64_t deadline_ns)
+struct timespec pkv_deadline_to_realtime(uint64_t deadline_ns)
 {
     /* For APIs that only take CLOCK_REALTIME; prefer condvars set to CLOCK_MONOTONIC. */
     struct timespec ts;
@@ -85,7 +85,7 @@ struct timespec pkv__deadline_to_realtime(uint64_t deadline_ns)
     return ts;
 }
 
-struct timespec pkv__deadline_to_monotonic(uint64_t deadline_ns)
+struct timespec pkv_deadline_to_monotonic(uint64_t deadline_ns)
 {
     struct timespec ts;
     if (deadline_ns == PKV_DEADLINE_NEVER) deadline_ns = pkv_now_ns() + 3600ull * 1000000000ull;
@@ -94,7 +94,7 @@ struct timespec pkv__deadline_to_monotonic(uint64_t deadline_ns)
     return ts;
 }
 
-int pkv__cond_init_monotonic(pthread_cond_t *cond)
+int pkv_cond_init_monotonic(pthread_cond_t *cond)
 {
     pthread_condattr_t attr;
     if (pthread_condattr_init(&attr) != 0) return PKV_ERR_NOMEM;
@@ -164,7 +164,7 @@ void pkv_log(pkv_log_level_t level, const char *module, const char *fmt, ...)
     pthread_mutex_unlock(&log_mutex);
 }
 
-_Noreturn void pkv__panic(const char *file, int line, const char *what)
+_Noreturn void pkv_panic(const char *file, int line, const char *what)
 {
     fprintf(stderr, "pagekv: invariant broken at %s:%d: %s\n", file, line, what);
     abort();

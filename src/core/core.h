@@ -92,9 +92,9 @@ static inline uint16_t pkv_f32_to_bf16(float f)
 /* Broken invariant: print where and abort. Never used for bad input. */
 #define PKV_ASSERT(cond)                                                                           \
     do {                                                                                           \
-        if (!(cond)) pkv__panic(__FILE__, __LINE__, #cond);                                        \
+        if (!(cond)) pkv_panic(__FILE__, __LINE__, #cond);                                         \
     } while (0)
-_Noreturn void pkv__panic(const char *file, int line, const char *what);
+_Noreturn void pkv_panic(const char *file, int line, const char *what);
 
 #define PKV_LOGE(mod, ...) pkv_log(PKV_LOG_ERROR, mod, __VA_ARGS__)
 #define PKV_LOGW(mod, ...) pkv_log(PKV_LOG_WARN, mod, __VA_ARGS__)
@@ -102,9 +102,9 @@ _Noreturn void pkv__panic(const char *file, int line, const char *what);
 #define PKV_LOGD(mod, ...) pkv_log(PKV_LOG_DEBUG, mod, __VA_ARGS__)
 
 /* Condition variables in pagekv wait on CLOCK_MONOTONIC deadlines. */
-int pkv__cond_init_monotonic(pthread_cond_t *cond);
-struct timespec pkv__deadline_to_monotonic(uint64_t deadline_ns);
-struct timespec pkv__deadline_to_realtime(uint64_t deadline_ns);
+int pkv_cond_init_monotonic(pthread_cond_t *cond);
+struct timespec pkv_deadline_to_monotonic(uint64_t deadline_ns);
+struct timespec pkv_deadline_to_realtime(uint64_t deadline_ns);
 
 /* ---- fault simulation ---------------------------------------------------------------
  * A step that can fail in the field (an allocation of bookkeeping, committing memory,

@@ -136,7 +136,7 @@ int pkv_disagg_forward(pkv_model_t *m, pkv_kv_t *kv, pkv_seq_t *seq, const int32
 {
     pkv_model_item_t it = {.seq = seq, .tokens = ids, .n_tokens = n, .logits = logits};
     int rc = pkv_model_forward(m, kv, &it, 1);
-    if (rc == PKV_OK) *next = pkv_sample_argmax(logits, pkv_model_config(m)->vocab_size);
+    if (rc == PKV_OK) *next = pkv_engine_sample_argmax(logits, pkv_model_config(m)->vocab_size);
     return rc;
 }
 
@@ -208,7 +208,7 @@ int pkv_disagg_prefill(pkv_disagg_node_t *node, uint64_t request_id, const int32
         free(l);
         return PKV_ERR_NOMEM;
     }
-    if (pkv__cond_init_monotonic(&l->cv)) {
+    if (pkv_cond_init_monotonic(&l->cv)) {
         pthread_mutex_destroy(&l->mu);
         free(l);
         return PKV_ERR_NOMEM;
@@ -250,7 +250,7 @@ int pkv_disagg_lease_wait(pkv_disagg_lease_t *l, uint64_t deadline_ns)
 {
     pthread_mutex_lock(&l->mu);
     while (l->end == PKV_DISAGG_LEASE_OPEN && pkv_now_ns() < deadline_ns) {
-        struct timespec ts = pkv__deadline_to_monotonic(deadline_ns);
+        struct timespec ts = pkv_deadline_to_monotonic(deadline_ns);
         pthread_cond_timedwait(&l->cv, &l->mu, &ts);
     }
     int end = l->end;

@@ -111,11 +111,11 @@ struct pkv_engine {
     pkv_request_t **running; /* (max_batch_size) in admission order */
     pkv_request_t **order;   /* (max_batch_size) scratch: running in rank order */
     uint32_t n_running;
-    pkv_model_item_t *items;  /* (max_batch_size) */
-    pkv_request_t **item_req; /* (max_batch_size) */
-    float *logits;            /* (max_batch_size, vocab) */
-    float *probs;             /* (vocab) */
-    pkv_sample_cand_t *cand;  /* (vocab) */
+    pkv_model_item_t *items;        /* (max_batch_size) */
+    pkv_request_t **item_req;       /* (max_batch_size) */
+    float *logits;                  /* (max_batch_size, vocab) */
+    float *probs;                   /* (vocab) */
+    pkv_engine_sample_cand_t *cand; /* (vocab) */
 };
 
 const char *pkv_finish_name(pkv_finish_t f)
@@ -614,8 +614,8 @@ static int engine_step(pkv_engine_t *e)
         pkv_request_t *r = e->item_req[i];
         r->computed += e->items[i].n_tokens;
         if (!e->items[i].logits) continue;
-        int32_t tok = pkv_sample(e->items[i].logits, e->vocab, r->temperature, r->top_p, &r->rng,
-                                 e->probs, e->cand);
+        int32_t tok = pkv_engine_sample(e->items[i].logits, e->vocab, r->temperature, r->top_p,
+                                        &r->rng, e->probs, e->cand);
         after_sample(e, r, tok, e->items[i].logits);
     }
     return PKV_OK;
@@ -692,8 +692,8 @@ int pkv_engine_create(const pkv_engine_config_t *cfg, pkv_engine_t **out)
     e->refs = 1;
     int rc = PKV_ERR_NOMEM;
     if (pthread_mutex_init(&e->lock, NULL)) goto fail_lock;
-    if (pkv__cond_init_monotonic(&e->work_cv)) goto fail_work;
-    if (pkv__cond_init_monotonic(&e->idle_cv)) goto fail_idle;
+    if (pkv_cond_init_monotonic(&e->work_cv)) goto fail_work;
+    if (pkv_cond_init_monotonic(&e->idle_cv)) goto fail_idle;
     if (!(e->running = engine_calloc(c.max_batch_size, sizeof(*e->running))) ||
         !(e->order = engine_calloc(c.max_batch_size, sizeof(*e->order))) ||
         !(e->items = engine_calloc(c.max_batch_size, sizeof(*e->items))) ||
@@ -811,7 +811,7 @@ int pkv_engine_submit(pkv_engine_t *e, const pkv_request_params_t *p, pkv_reques
     }
     pkv_request_t *r = engine_calloc(1, sizeof(*r));
     if (!r) return PKV_ERR_NOMEM;
-    if (pkv__cond_init_monotonic(&r->cv)) {
+    if (pkv_cond_init_monotonic(&r->cv)) {
         free(r);
         return PKV_ERR_NOMEM;
     }
@@ -883,7 +883,7 @@ int pkv_request_read(pkv_request_t *r, uint64_t deadline_ns, pkv_request_output_
             pthread_mutex_unlock(&e->lock);
             return PKV_ERR_TIMEOUT;
         }
-        struct timespec ts = pkv__deadline_to_monotonic(deadline_ns);
+        struct timespec ts = pkv_deadline_to_monotonic(deadline_ns);
         pthread_cond_timedwait(&r->cv, &e->lock, &ts);
     }
     pkv_request_output_t o = {0};
@@ -975,7 +975,7 @@ int pkv_engine_drain(pkv_engine_t *e, uint64_t deadline_ns)
             rc = PKV_ERR_TIMEOUT;
             break;
         }
-        struct timespec ts = pkv__deadline_to_monotonic(deadline_ns);
+        struct timespec ts = pkv_deadline_to_monotonic(deadline_ns);
         pthread_cond_timedwait(&e->idle_cv, &e->lock, &ts);
     }
     pthread_mutex_unlock(&e->lock);

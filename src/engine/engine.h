@@ -12,14 +12,14 @@
 typedef struct {
     float p;
     int32_t id;
-} pkv_sample_cand_t;
+} pkv_engine_sample_cand_t;
 
 /* splitmix64 step; returns a float in [0, 1). */
-float pkv_sample_rand01(uint64_t *state);
-int32_t pkv_sample_argmax(const float *logits, uint32_t n);
+float pkv_engine_sample_rand01(uint64_t *state);
+int32_t pkv_engine_sample_argmax(const float *logits, uint32_t n);
 /* temperature <= 0: argmax (rng untouched). Else one draw from the rng. probs and cand
  * are scratch of n entries. */
-int32_t pkv_sample(const float *logits, uint32_t n, float temperature, float top_p, uint64_t *rng,
-                   float *probs, pkv_sample_cand_t *cand);
+int32_t pkv_engine_sample(const float *logits, uint32_t n, float temperature, float top_p,
+                          uint64_t *rng, float *probs, pkv_engine_sample_cand_t *cand);
 
 #endif

@@ -6,12 +6,12 @@
 #include <math.h>
 #include <stdlib.h>
 
-float pkv_sample_rand01(uint64_t *s)
+float pkv_engine_sample_rand01(uint64_t *s)
 {
     return (float)(pkv_splitmix64(s) >> 40) * (1.0f / 16777216.0f);
 }
 
-int32_t pkv_sample_argmax(const float *logits, uint32_t n)
+int32_t pkv_engine_sample_argmax(const float *logits, uint32_t n)
 {
     uint32_t best = 0;
     for (uint32_t i = 1; i < n; i++)
@@ -21,16 +21,16 @@ int32_t pkv_sample_argmax(const float *logits, uint32_t n)
 
 static int cand_cmp(const void *a, const void *b)
 {
-    const pkv_sample_cand_t *x = a, *y = b;
+    const pkv_engine_sample_cand_t *x = a, *y = b;
     if (x->p != y->p) return x->p > y->p ? -1 : 1;
     return x->id < y->id ? -1 : x->id > y->id;
 }
 
-int32_t pkv_sample(const float *logits, uint32_t n, float temperature, float top_p, uint64_t *rng,
-                   float *probs, pkv_sample_cand_t *cand)
+int32_t pkv_engine_sample(const float *logits, uint32_t n, float temperature, float top_p,
+                          uint64_t *rng, float *probs, pkv_engine_sample_cand_t *cand)
 {
-    if (!(temperature > 0.0f) || n == 1) return pkv_sample_argmax(logits, n);
-    float mx = logits[pkv_sample_argmax(logits, n)];
+    if (!(temperature > 0.0f) || n == 1) return pkv_engine_sample_argmax(logits, n);
+    float mx = logits[pkv_engine_sample_argmax(logits, n)];
     double sum = 0.0;
     for (uint32_t i = 0; i < n; i++) {
         probs[i] = expf((logits[i] - mx) / temperature);
@@ -38,7 +38,7 @@ int32_t pkv_sample(const float *logits, uint32_t n, float temperature, float top
     }
     float inv = (float)(1.0 / sum);
     for (uint32_t i = 0; i < n; i++) probs[i] *= inv;
-    float coin = pkv_sample_rand01(rng);
+    float coin = pkv_engine_sample_rand01(rng);
     if (!(top_p > 0.0f) || top_p >= 1.0f) {
         float cdf = 0.0f;
         for (uint32_t i = 0; i < n; i++) {
@@ -52,8 +52,8 @@ int32_t pkv_sample(const float *logits, uint32_t n, float temperature, float top
     float cutoff = (1.0f - top_p) / (float)(n - 1);
     uint32_t nc = 0;
     for (uint32_t i = 0; i < n; i++)
-        if (probs[i] >= cutoff) cand[nc++] = (pkv_sample_cand_t){probs[i], (int32_t)i};
-    if (nc == 0) return pkv_sample_argmax(logits, n);
+        if (probs[i] >= cutoff) cand[nc++] = (pkv_engine_sample_cand_t){probs[i], (int32_t)i};
+    if (nc == 0) return pkv_engine_sample_argmax(logits, n);
     qsort(cand, nc, sizeof(*cand), cand_cmp);
     float cum = 0.0f;
     uint32_t last = nc - 1;

@@ -136,7 +136,7 @@ static float sumsq_portable(const float *x, uint32_t n)
     return s;
 }
 
-static const pkv_kernels_t kernels_portable = {
+static const model_kernels_t kernels_portable = {
     .name = "portable",
     .matmul = matmul_portable,
     .scores = scores_portable,
@@ -145,7 +145,7 @@ static const pkv_kernels_t kernels_portable = {
     .sumsq = sumsq_portable,
 };
 
-const pkv_kernels_t *pkv_kernels_portable(void)
+const model_kernels_t *model_kernels_portable(void)
 {
     return &kernels_portable;
 }
@@ -584,7 +584,7 @@ AVX2_FN static float sumsq_avx2(const float *x, uint32_t n)
     return reduce1(a);
 }
 
-static const pkv_kernels_t kernels_avx2 = {
+static const model_kernels_t kernels_avx2 = {
     .name = "avx2",
     .matmul = matmul_avx2,
     .scores = scores_avx2,
@@ -593,7 +593,7 @@ static const pkv_kernels_t kernels_avx2 = {
     .sumsq = sumsq_avx2,
 };
 
-const pkv_kernels_t *pkv_kernels_avx2(uint32_t head_dim)
+const model_kernels_t *model_kernels_avx2(uint32_t head_dim)
 {
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return NULL;
@@ -604,7 +604,7 @@ const pkv_kernels_t *pkv_kernels_avx2(uint32_t head_dim)
     return &kernels_avx2;
 }
 #else
-const pkv_kernels_t *pkv_kernels_avx2(uint32_t head_dim)
+const model_kernels_t *model_kernels_avx2(uint32_t head_dim)
 {
     (void)head_dim;
     return NULL;

@@ -50,11 +50,11 @@ typedef struct {
                pkv_dtype_t dt, size_t pstride, float *aa, float *ab);
     /* sum of x[i]^2 in a fixed order. */
     float (*sumsq)(const float *x, uint32_t n);
-} pkv_kernels_t;
+} model_kernels_t;
 
 /* The portable set. */
-const pkv_kernels_t *pkv_kernels_portable(void);
+const model_kernels_t *model_kernels_portable(void);
 /* The AVX2 set when the CPU has AVX2+FMA+F16C and head_dim % 8 == 0, else NULL. */
-const pkv_kernels_t *pkv_kernels_avx2(uint32_t head_dim);
+const model_kernels_t *model_kernels_avx2(uint32_t head_dim);
 
 #endif

@@ -147,7 +147,7 @@ int pkv_model_load_llama2c(const char *path, const pkv_model_runtime_t *rt, pkv_
             goto out;
         }
     }
-    if ((rc = pkv__model_alloc(&cfg, rt, &m))) goto out;
+    if ((rc = model_alloc(&cfg, rt, &m))) goto out;
     size_t D = cfg.dim, H = cfg.hidden_dim, V = cfg.vocab_size, L = cfg.n_layers;
     size_t kvd = m->kvdim, qd = m->qdim;
     const float *p = w;

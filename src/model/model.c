@@ -167,7 +167,7 @@ static void *alloc_floats(size_t n)
 void pkv_model_destroy(pkv_model_t *m)
 {
     if (!m) return;
-    pkv_tpool_destroy(m->pool);
+    model_tpool_destroy(m->pool);
     free(m->runs);
     free(m->pairs);
     free(m->segs);
@@ -188,8 +188,7 @@ void pkv_model_destroy(pkv_model_t *m)
     free(m);
 }
 
-int pkv__model_alloc(const pkv_model_config_t *cfg, const pkv_model_runtime_t *rt,
-                     pkv_model_t **out)
+int model_alloc(const pkv_model_config_t *cfg, const pkv_model_runtime_t *rt, pkv_model_t **out)
 {
     int rc = config_check(cfg);
     if (rc) return rc;
@@ -203,8 +202,8 @@ int pkv__model_alloc(const pkv_model_config_t *cfg, const pkv_model_runtime_t *r
     if (!m) return PKV_ERR_NOMEM;
     m->cfg = *cfg;
     const pkv_model_config_t *c = &m->cfg;
-    m->kern = r.portable ? NULL : pkv_kernels_avx2(c->head_dim);
-    if (!m->kern) m->kern = pkv_kernels_portable();
+    m->kern = r.portable ? NULL : model_kernels_avx2(c->head_dim);
+    if (!m->kern) m->kern = model_kernels_portable();
     if (!r.threads) {
         long n = sysconf(_SC_NPROCESSORS_ONLN);
         r.threads = n < 1 ? 1 : n > 8 ? 8 : (uint32_t)n;
@@ -229,7 +228,7 @@ int pkv__model_alloc(const pkv_model_config_t *cfg, const pkv_model_runtime_t *r
     float *p = m->weights;
     m->emb = p, p += (size_t)c->vocab_size * D;
     for (size_t l = 0; l < L; l++) {
-        pkv_model_layer_t *ly = &m->layers[l];
+        model_layer_t *ly = &m->layers[l];
         ly->rms_att = p, p += D;
         ly->wqkv = p, p += D * m->ld_qkv;
         ly->wo = p, p += (size_t)m->qdim * m->ld_d;
@@ -252,7 +251,7 @@ int pkv__model_alloc(const pkv_model_config_t *cfg, const pkv_model_runtime_t *r
         !(m->rows = calloc(C, sizeof(*m->rows))) || !(m->segs = calloc(C, sizeof(*m->segs))) ||
         !(m->pairs = calloc(C, sizeof(*m->pairs))))
         goto fail;
-    if ((rc = pkv_tpool_create(m->threads, "pkv-model", &m->pool))) goto fail;
+    if ((rc = model_tpool_create(m->threads, "pkv-model", &m->pool))) goto fail;
     *out = m;
     return PKV_OK;
 fail:
@@ -280,7 +279,7 @@ int pkv_model_create_builtin(const pkv_model_config_t *cfg, uint64_t seed,
 {
     if (!cfg || !out) return PKV_ERR_INVALID;
     pkv_model_t *m;
-    int rc = pkv__model_alloc(cfg, rt, &m);
+    int rc = model_alloc(cfg, rt, &m);
     if (rc) return rc;
     const pkv_model_config_t *c = &m->cfg;
     size_t D = c->dim, H = c->hidden_dim;
@@ -291,7 +290,7 @@ int pkv_model_create_builtin(const pkv_model_config_t *cfg, uint64_t seed,
     uint64_t t = 1;
     fill_uniform(m->emb, c->vocab_size, D, D, seed, t++, 1.0f);
     for (uint32_t l = 0; l < c->n_layers; l++) {
-        pkv_model_layer_t *ly = &m->layers[l];
+        model_layer_t *ly = &m->layers[l];
         for (size_t i = 0; i < D; i++) ly->rms_att[i] = ly->rms_ffn[i] = 1.0f;
         fill_uniform(ly->wqkv, D, m->qdim + 2 * m->kvdim, m->ld_qkv, seed, t++, s_d);
         fill_uniform(ly->wo, m->qdim, D, m->ld_d, seed, t++, s_q * depth);
@@ -333,7 +332,7 @@ void pkv_model_geometry(const pkv_model_t *m, pkv_dtype_t dtype, uint32_t block_
 /* ---- forward --------------------------------------------------------------------------- */
 
 typedef struct {
-    const pkv_kernels_t *k;
+    const model_kernels_t *k;
     const float *x;
     size_t ldx;
     uint32_t rows, K;
@@ -376,7 +375,7 @@ static void matmul(pkv_model_t *m, const float *x, size_t ldx, uint32_t rows, ui
         for (uint32_t t = 0; t < n_rb * j.n_cb; t++) mm_task(&j, t, 0);
         return;
     }
-    pkv_tpool_run(m->pool, mm_task, &j, n_rb * j.n_cb);
+    model_tpool_run(m->pool, mm_task, &j, n_rb * j.n_cb);
 }
 
 static void rmsnorm(const pkv_model_t *m, const float *x, const float *w, float *o)
@@ -525,7 +524,7 @@ static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg
         aj.splits *= 2;
     aj.heads_per_task = c->n_kv_heads / aj.splits;
     for (uint32_t l = 0; l < c->n_layers; l++) {
-        const pkv_model_layer_t *ly = &m->layers[l];
+        const model_layer_t *ly = &m->layers[l];
         for (uint32_t r = 0; r < rows; r++)
             rmsnorm(m, m->x + (size_t)r * m->ld_d, ly->rms_att, m->xb + (size_t)r * m->ld_d);
         matmul(m, m->xb, m->ld_d, rows, D, ly->wqkv, m->ld_qkv, m->qkv, m->ld_qkv);
@@ -540,7 +539,7 @@ static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg
         if (att_macs < PARALLEL_MIN_MACS) {
             for (uint32_t t = 0; t < npairs * aj.splits; t++) att_task(&aj, t, 0);
         } else {
-            pkv_tpool_run(m->pool, att_task, &aj, npairs * aj.splits);
+            model_tpool_run(m->pool, att_task, &aj, npairs * aj.splits);
         }
         matmul(m, m->att, m->ld_q, rows, m->qdim, ly->wo, m->ld_d, m->tmp, m->ld_d);
         for (uint32_t r = 0; r < rows; r++) {

@@ -21,12 +21,12 @@ typedef struct {
     float *rms_ffn; /* (dim) */
     float *w13;     /* (dim, ld_h2): columns w1[hidden] | w3[hidden] */
     float *w2;      /* (hidden, ld_d) */
-} pkv_model_layer_t;
+} model_layer_t;
 
 struct pkv_model {
     pkv_model_config_t cfg;
-    const pkv_kernels_t *kern;
-    pkv_tpool_t *pool;
+    const model_kernels_t *kern;
+    model_tpool_t *pool;
     uint32_t threads;
     uint32_t chunk; /* rows per pass */
     uint32_t qdim, kvdim;
@@ -35,7 +35,7 @@ struct pkv_model {
     float *weights; /* one allocation holding every tensor below */
     size_t weights_floats;
     float *emb; /* (vocab, dim) row per token */
-    pkv_model_layer_t *layers;
+    model_layer_t *layers;
     float *rms_final; /* (dim) */
     float *wcls;      /* (dim, ld_v) */
 
@@ -60,7 +60,6 @@ struct pkv_model {
 
 /* Allocate a model for cfg (weights zeroed, scratch ready, kernels and threads chosen).
  * cfg is validated; PKV_ERR_INVALID with a logged reason. */
-int pkv__model_alloc(const pkv_model_config_t *cfg, const pkv_model_runtime_t *rt,
-                     pkv_model_t **out);
+int model_alloc(const pkv_model_config_t *cfg, const pkv_model_runtime_t *rt, pkv_model_t **out);
 
 #endif

@@ -39,7 +39,7 @@
  * forward pass (tens of microseconds), short enough not to burn a shared core. */
 #define TPOOL_SPIN 2000
 
-struct pkv_tpool {
+struct model_tpool {
     uint32_t n_workers;
     pthread_t *threads;
     char name[16];
@@ -52,18 +52,18 @@ struct pkv_tpool {
     _Atomic uint32_t active;
     _Atomic uint32_t next;
     /* The current job: written by the owner before gen is bumped, read-only after. */
-    pkv_tpool_fn fn;
+    model_tpool_fn fn;
     void *arg;
     uint32_t n_tasks;
     pid_t pid; /* creator: a forked child has no workers and runs tasks inline */
 };
 
 struct worker_start {
-    pkv_tpool_t *pool;
+    model_tpool_t *pool;
     uint32_t index;
 };
 
-static void take_tasks(pkv_tpool_t *p, uint32_t thread)
+static void take_tasks(model_tpool_t *p, uint32_t thread)
 {
     for (;;) {
         uint32_t i = atomic_fetch_add(&p->next, 1);
@@ -75,7 +75,7 @@ static void take_tasks(pkv_tpool_t *p, uint32_t thread)
 static void *worker_main(void *argp)
 {
     struct worker_start *ws = argp;
-    pkv_tpool_t *p = ws->pool;
+    model_tpool_t *p = ws->pool;
     uint32_t ws_index = ws->index;
     char tname[16];
     snprintf(tname, sizeof(tname), "%.10s-%u", p->name, ws->index);
@@ -109,10 +109,10 @@ static void *worker_main(void *argp)
     return NULL;
 }
 
-int pkv_tpool_create(uint32_t n_threads, const char *name, pkv_tpool_t **out)
+int model_tpool_create(uint32_t n_threads, const char *name, model_tpool_t **out)
 {
     if (!out || n_threads > 256) return PKV_ERR_INVALID;
-    pkv_tpool_t *p = calloc(1, sizeof(*p));
+    model_tpool_t *p = calloc(1, sizeof(*p));
     if (!p) return PKV_ERR_NOMEM;
     snprintf(p->name, sizeof(p->name), "%s", name ? name : "pkv-pool");
     p->pid = getpid();
@@ -155,7 +155,7 @@ fail_alloc:
     return rc;
 }
 
-void pkv_tpool_destroy(pkv_tpool_t *p)
+void model_tpool_destroy(model_tpool_t *p)
 {
     if (!p) return;
     if (getpid() != p->pid) p->n_workers = 0; /* forked child: the threads are not ours */
@@ -171,12 +171,12 @@ void pkv_tpool_destroy(pkv_tpool_t *p)
     free(p);
 }
 
-uint32_t pkv_tpool_threads(const pkv_tpool_t *p)
+uint32_t model_tpool_threads(const model_tpool_t *p)
 {
     return p->n_workers + 1;
 }
 
-void pkv_tpool_run(pkv_tpool_t *p, pkv_tpool_fn fn, void *arg, uint32_t n_tasks)
+void model_tpool_run(model_tpool_t *p, model_tpool_fn fn, void *arg, uint32_t n_tasks)
 {
     if (n_tasks == 0) return;
     if (p->n_workers == 0 || n_tasks == 1 || getpid() != p->pid) {

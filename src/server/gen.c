@@ -5,13 +5,12 @@
 
 #include <string.h>
 
-void pkv_server_gen_init(pkv_server_gen_t *g)
+void srv_gen_init(srv_gen_t *g)
 {
     memset(g, 0, sizeof(*g));
 }
 
-void pkv_server_gen_feed(pkv_server_gen_t *g, const pkv_request_output_t *o, const char **text,
-                         size_t *len)
+void srv_gen_feed(srv_gen_t *g, const pkv_request_output_t *o, const char **text, size_t *len)
 {
     *text = o->text;
     *len = o->text_len;
@@ -25,7 +24,7 @@ void pkv_server_gen_feed(pkv_server_gen_t *g, const pkv_request_output_t *o, con
     g->preemptions = o->preemptions;
 }
 
-const char *pkv_server_gen_finish_reason(const pkv_server_gen_t *g)
+const char *srv_gen_finish_reason(const srv_gen_t *g)
 {
     if (!g->finished) return NULL;
     if (g->finish == PKV_FINISH_STOP) return "stop";
@@ -33,7 +32,7 @@ const char *pkv_server_gen_finish_reason(const pkv_server_gen_t *g)
     return NULL;
 }
 
-size_t pkv_server_utf8_sanitize(const char *in, size_t len, char *out)
+size_t srv_utf8_sanitize(const char *in, size_t len, char *out)
 {
     const unsigned char *s = (const unsigned char *)in;
     size_t i = 0, o = 0;

@@ -21,21 +21,20 @@ typedef struct {
     pkv_finish_t finish; /* the engine's */
     int status;
     uint32_t prompt_tokens, cached_tokens, completion_tokens, preemptions;
-} pkv_server_gen_t;
+} srv_gen_t;
 
-void pkv_server_gen_init(pkv_server_gen_t *g);
+void srv_gen_init(srv_gen_t *g);
 /* Take one read: *text / *len is the part of o->text to pass on (raw bytes; sanitize
  * before putting it in JSON); the figures are recorded from the finishing read. */
-void pkv_server_gen_feed(pkv_server_gen_t *g, const pkv_request_output_t *o, const char **text,
-                         size_t *len);
+void srv_gen_feed(srv_gen_t *g, const pkv_request_output_t *o, const char **text, size_t *len);
 /* After the finishing read: "stop" or "length", or NULL when the request ended otherwise
  * (cancelled or failed: see g->finish and g->status). */
-const char *pkv_server_gen_finish_reason(const pkv_server_gen_t *g);
+const char *srv_gen_finish_reason(const srv_gen_t *g);
 
-/* Bytes pkv_server_utf8_sanitize may write for `len` input bytes. */
-#define PKV_SERVER_UTF8_MAX(len) ((len)*3)
-/* Copy `len` bytes to `out` (room for PKV_SERVER_UTF8_MAX(len)), replacing each maximal
+/* Bytes srv_utf8_sanitize may write for `len` input bytes. */
+#define SRV_UTF8_MAX(len) ((len)*3)
+/* Copy `len` bytes to `out` (room for SRV_UTF8_MAX(len)), replacing each maximal
  * invalid subpart (Unicode 15, 3.9) with U+FFFD. Returns the bytes written. */
-size_t pkv_server_utf8_sanitize(const char *in, size_t len, char *out);
+size_t srv_utf8_sanitize(const char *in, size_t len, char *out);
 
 #endif

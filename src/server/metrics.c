@@ -11,36 +11,36 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-const char *const pkv_server_route_label[PKV_ROUTE_COUNT] = {"/v1/completions",
-                                                             "/v1/chat/completions",
-                                                             "/v1/models",
-                                                             "/v1/models/{id}",
-                                                             "/health",
-                                                             "/metrics",
-                                                             "/v1/cache/stats",
-                                                             "/v1/cache/reset",
-                                                             "other"};
+const char *const srv_route_label[SRV_ROUTE_COUNT] = {"/v1/completions",
+                                                      "/v1/chat/completions",
+                                                      "/v1/models",
+                                                      "/v1/models/{id}",
+                                                      "/health",
+                                                      "/metrics",
+                                                      "/v1/cache/stats",
+                                                      "/v1/cache/reset",
+                                                      "other"};
 
-const int pkv_server_codes[PKV_SERVER_N_CODES] = {200, 400, 404, 405, 413, 429, 500, 503, 0};
+const int srv_codes[SRV_N_CODES] = {200, 400, 404, 405, 413, 429, 500, 503, 0};
 
-int pkv_server_code_index(int status)
+int srv_code_index(int status)
 {
-    for (int i = 0; i < PKV_SERVER_N_CODES - 1; i++)
-        if (pkv_server_codes[i] == status) return i;
-    return PKV_SERVER_N_CODES - 1; /* anything else */
+    for (int i = 0; i < SRV_N_CODES - 1; i++)
+        if (srv_codes[i] == status) return i;
+    return SRV_N_CODES - 1; /* anything else */
 }
 
-const char *const pkv_server_rejection_label[PKV_REJ_COUNT] = {
+const char *const srv_rejection_label[SRV_REJ_COUNT] = {
     "invalid_request", "model_not_found", "context_length", "kv_budget",
     "queue_full",      "body_too_large",  "shutting_down"};
 
-const double pkv_server_hist_bounds[PKV_SERVER_HIST_BUCKETS] = {
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0};
+const double srv_hist_bounds[SRV_HIST_BUCKETS] = {0.005, 0.01, 0.025, 0.05, 0.1,  0.25, 0.5,
+                                                  1.0,   2.5,  5.0,   10.0, 30.0, 60.0, 300.0};
 
-void pkv_server_hist_add(pkv_server_hist_t *h, double seconds)
+void srv_hist_add(srv_hist_t *h, double seconds)
 {
     int b = 0;
-    while (b < PKV_SERVER_HIST_BUCKETS && seconds > pkv_server_hist_bounds[b]) b++;
+    while (b < SRV_HIST_BUCKETS && seconds > srv_hist_bounds[b]) b++;
     h->bucket[b]++;
     h->count++;
     h->sum += seconds;
@@ -57,42 +57,41 @@ static void one(FILE *f, const char *name, const char *type, const char *help, u
     fprintf(f, "%s %llu\n", name, (unsigned long long)v);
 }
 
-static void hist(FILE *f, const char *name, const char *help, const pkv_server_hist_t *h)
+static void hist(FILE *f, const char *name, const char *help, const srv_hist_t *h)
 {
     family(f, name, "histogram", help);
     uint64_t cum = 0;
-    for (int b = 0; b < PKV_SERVER_HIST_BUCKETS; b++) {
+    for (int b = 0; b < SRV_HIST_BUCKETS; b++) {
         cum += h->bucket[b];
-        fprintf(f, "%s_bucket{le=\"%g\"} %llu\n", name, pkv_server_hist_bounds[b],
+        fprintf(f, "%s_bucket{le=\"%g\"} %llu\n", name, srv_hist_bounds[b],
                 (unsigned long long)cum);
     }
-    cum += h->bucket[PKV_SERVER_HIST_BUCKETS];
+    cum += h->bucket[SRV_HIST_BUCKETS];
     fprintf(f, "%s_bucket{le=\"+Inf\"} %llu\n", name, (unsigned long long)cum);
     fprintf(f, "%s_sum %.9g\n", name, h->sum);
     fprintf(f, "%s_count %llu\n", name, (unsigned long long)h->count);
 }
 
 /* The HTTP layer's own families. */
-static void render_http(FILE *f, const pkv_server_counters_t *c)
+static void render_http(FILE *f, const srv_counters_t *c)
 {
     family(f, "pagekv_http_requests_total", "counter",
            "HTTP requests answered, by route and status code.");
-    for (int r = 0; r < PKV_ROUTE_COUNT; r++)
-        for (int k = 0; k < PKV_SERVER_N_CODES; k++) {
-            if (!c->http[r][k] && !(k == 0 && r <= PKV_ROUTE_CHAT)) continue;
-            if (pkv_server_codes[k])
+    for (int r = 0; r < SRV_ROUTE_COUNT; r++)
+        for (int k = 0; k < SRV_N_CODES; k++) {
+            if (!c->http[r][k] && !(k == 0 && r <= SRV_ROUTE_CHAT)) continue;
+            if (srv_codes[k])
                 fprintf(f, "pagekv_http_requests_total{route=\"%s\",code=\"%d\"} %llu\n",
-                        pkv_server_route_label[r], pkv_server_codes[k],
-                        (unsigned long long)c->http[r][k]);
+                        srv_route_label[r], srv_codes[k], (unsigned long long)c->http[r][k]);
             else
                 fprintf(f, "pagekv_http_requests_total{route=\"%s\",code=\"other\"} %llu\n",
-                        pkv_server_route_label[r], (unsigned long long)c->http[r][k]);
+                        srv_route_label[r], (unsigned long long)c->http[r][k]);
         }
     family(f, "pagekv_requests_rejected_total", "counter",
            "Generation requests refused before reaching the engine, by reason.");
-    for (int r = 0; r < PKV_REJ_COUNT; r++)
-        fprintf(f, "pagekv_requests_rejected_total{reason=\"%s\"} %llu\n",
-                pkv_server_rejection_label[r], (unsigned long long)c->rejected[r]);
+    for (int r = 0; r < SRV_REJ_COUNT; r++)
+        fprintf(f, "pagekv_requests_rejected_total{reason=\"%s\"} %llu\n", srv_rejection_label[r],
+                (unsigned long long)c->rejected[r]);
     one(f, "pagekv_client_disconnects_total", "counter",
         "Generation requests whose client went away before the response ended (request cancelled).",
         c->disconnects);
@@ -179,7 +178,7 @@ static void render_kv(FILE *f, const pkv_kv_stats_t *ks)
             (unsigned long long)ks->rejected_nospace);
 }
 
-char *pkv_server_metrics_render(const pkv_server_snapshot_t *snap, size_t *len)
+char *srv_metrics_render(const srv_snapshot_t *snap, size_t *len)
 {
     char *buf = NULL;
     size_t n = 0;
@@ -199,15 +198,14 @@ char *pkv_server_metrics_render(const pkv_server_snapshot_t *snap, size_t *len)
     return buf;
 }
 
-json_t *pkv_server_cache_stats_json(const pkv_server_snapshot_t *snap)
+json_t *srv_cache_stats_json(const srv_snapshot_t *snap)
 {
-    const pkv_server_counters_t *c = &snap->ctr;
+    const srv_counters_t *c = &snap->ctr;
     const pkv_engine_stats_t *es = &snap->es;
     const pkv_kv_stats_t *ks = &snap->ks;
     json_t *rej = json_object();
-    for (int r = 0; r < PKV_REJ_COUNT; r++)
-        json_object_set_new(rej, pkv_server_rejection_label[r],
-                            json_integer((json_int_t)c->rejected[r]));
+    for (int r = 0; r < SRV_REJ_COUNT; r++)
+        json_object_set_new(rej, srv_rejection_label[r], json_integer((json_int_t)c->rejected[r]));
     json_object_set_new(rej, "kv_admission_nofit", json_integer((json_int_t)ks->rejected_nofit));
     json_object_set_new(rej, "kv_admission_nospace",
                         json_integer((json_int_t)ks->rejected_nospace));

@@ -20,8 +20,8 @@
 #define UNSUPPORTED "unsupported_parameter"
 #define REQ_ERR     "invalid_request_error"
 
-void pkv_server_error_set(pkv_server_error_t *err, int status, const char *type, const char *code,
-                          const char *param, const char *fmt, ...)
+void srv_error_set(srv_error_t *err, int status, const char *type, const char *code,
+                   const char *param, const char *fmt, ...)
 {
     if (!err) return;
     err->status = status;
@@ -38,30 +38,30 @@ void pkv_server_error_set(pkv_server_error_t *err, int status, const char *type,
         if ((unsigned char)*p < 0x20 || (unsigned char)*p >= 0x7f) *p = '?';
 }
 
-static int bad(pkv_server_error_t *err, const char *code, const char *param, const char *fmt, ...)
+static int bad(srv_error_t *err, const char *code, const char *param, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
-static int bad(pkv_server_error_t *err, const char *code, const char *param, const char *fmt, ...)
+static int bad(srv_error_t *err, const char *code, const char *param, const char *fmt, ...)
 {
     char msg[sizeof(err->message)];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
-    pkv_server_error_set(err, 400, REQ_ERR, code, param, "%s", msg);
+    srv_error_set(err, 400, REQ_ERR, code, param, "%s", msg);
     return PKV_ERR_INVALID;
 }
 
 /* ---- field checkers: each returns PKV_OK or fills err ------------------------------ */
 
 typedef struct field field_t;
-typedef int (*field_fn)(const field_t *f, json_t *v, pkv_server_request_t *r,
-                        const pkv_server_limits_t *lim, pkv_server_error_t *err);
+typedef int (*field_fn)(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                        srv_error_t *err);
 struct field {
     const char *name;
     field_fn check;
 };
 
-static int want_bool(const field_t *f, json_t *v, bool *out, pkv_server_error_t *err)
+static int want_bool(const field_t *f, json_t *v, bool *out, srv_error_t *err)
 {
     if (!json_is_boolean(v)) return bad(err, BAD_TYPE, f->name, "'%s' must be a boolean", f->name);
     *out = json_is_true(v);
@@ -69,7 +69,7 @@ static int want_bool(const field_t *f, json_t *v, bool *out, pkv_server_error_t 
 }
 
 static int want_number(const field_t *f, json_t *v, double lo, double hi, double *out,
-                       pkv_server_error_t *err)
+                       srv_error_t *err)
 {
     if (!json_is_number(v)) return bad(err, BAD_TYPE, f->name, "'%s' must be a number", f->name);
     double d = json_number_value(v);
@@ -79,37 +79,37 @@ static int want_number(const field_t *f, json_t *v, double lo, double hi, double
     return PKV_OK;
 }
 
-static int f_string_ignored(const field_t *f, json_t *v, pkv_server_request_t *r,
-                            const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_string_ignored(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                            srv_error_t *err)
 {
     if (!json_is_string(v)) return bad(err, BAD_TYPE, f->name, "'%s' must be a string", f->name);
     return PKV_OK;
 }
 
-static int f_object_ignored(const field_t *f, json_t *v, pkv_server_request_t *r,
-                            const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_object_ignored(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                            srv_error_t *err)
 {
     if (!json_is_object(v)) return bad(err, BAD_TYPE, f->name, "'%s' must be an object", f->name);
     return PKV_OK;
 }
 
-static int f_bool_ignored(const field_t *f, json_t *v, pkv_server_request_t *r,
-                          const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_bool_ignored(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                          srv_error_t *err)
 {
     bool b = false;
     return want_bool(f, v, &b, err);
 }
 
-static int f_model(const field_t *f, json_t *v, pkv_server_request_t *r,
-                   const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_model(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                   srv_error_t *err)
 {
     if (!json_is_string(v)) return bad(err, BAD_TYPE, f->name, "'model' must be a string");
     r->model = json_string_value(v);
     return PKV_OK;
 }
 
-static int f_max_tokens(const field_t *f, json_t *v, pkv_server_request_t *r,
-                        const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_max_tokens(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                        srv_error_t *err)
 {
     if (!json_is_integer(v)) return bad(err, BAD_TYPE, f->name, "'%s' must be an integer", f->name);
     json_int_t n = json_integer_value(v);
@@ -123,8 +123,8 @@ static int f_max_tokens(const field_t *f, json_t *v, pkv_server_request_t *r,
     return PKV_OK;
 }
 
-static int f_temperature(const field_t *f, json_t *v, pkv_server_request_t *r,
-                         const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_temperature(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                         srv_error_t *err)
 {
     double d = 0;
     int rc = want_number(f, v, 0.0, 2.0, &d, err);
@@ -132,8 +132,8 @@ static int f_temperature(const field_t *f, json_t *v, pkv_server_request_t *r,
     return rc;
 }
 
-static int f_top_p(const field_t *f, json_t *v, pkv_server_request_t *r,
-                   const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_top_p(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                   srv_error_t *err)
 {
     double d = 0;
     int rc = want_number(f, v, 0.0, 1.0, &d, err);
@@ -143,8 +143,8 @@ static int f_top_p(const field_t *f, json_t *v, pkv_server_request_t *r,
     return PKV_OK;
 }
 
-static int f_seed(const field_t *f, json_t *v, pkv_server_request_t *r,
-                  const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_seed(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                  srv_error_t *err)
 {
     if (!json_is_integer(v)) return bad(err, BAD_TYPE, f->name, "'seed' must be an integer");
     r->has_seed = true;
@@ -152,7 +152,7 @@ static int f_seed(const field_t *f, json_t *v, pkv_server_request_t *r,
     return PKV_OK;
 }
 
-static int stop_one(json_t *s, pkv_server_request_t *r, pkv_server_error_t *err)
+static int stop_one(json_t *s, srv_request_t *r, srv_error_t *err)
 {
     if (!json_is_string(s))
         return bad(err, BAD_TYPE, "stop", "'stop' must be a string or an array of strings");
@@ -166,8 +166,8 @@ static int stop_one(json_t *s, pkv_server_request_t *r, pkv_server_error_t *err)
     return PKV_OK;
 }
 
-static int f_stop(const field_t *f, json_t *v, pkv_server_request_t *r,
-                  const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_stop(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                  srv_error_t *err)
 {
     if (json_is_string(v)) return stop_one(v, r, err);
     if (!json_is_array(v))
@@ -184,14 +184,14 @@ static int f_stop(const field_t *f, json_t *v, pkv_server_request_t *r,
     return PKV_OK;
 }
 
-static int f_stream(const field_t *f, json_t *v, pkv_server_request_t *r,
-                    const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_stream(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                    srv_error_t *err)
 {
     return want_bool(f, v, &r->stream, err);
 }
 
-static int f_stream_options(const field_t *f, json_t *v, pkv_server_request_t *r,
-                            const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_stream_options(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                            srv_error_t *err)
 {
     if (!json_is_object(v))
         return bad(err, BAD_TYPE, f->name, "'stream_options' must be an object");
@@ -219,8 +219,8 @@ static int f_stream_options(const field_t *f, json_t *v, pkv_server_request_t *r
 }
 
 /* Accepted only at their no-op values. */
-static int f_n(const field_t *f, json_t *v, pkv_server_request_t *r, const pkv_server_limits_t *lim,
-               pkv_server_error_t *err)
+static int f_n(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+               srv_error_t *err)
 {
     if (!json_is_integer(v)) return bad(err, BAD_TYPE, f->name, "'%s' must be an integer", f->name);
     if (json_integer_value(v) != 1)
@@ -228,8 +228,8 @@ static int f_n(const field_t *f, json_t *v, pkv_server_request_t *r, const pkv_s
     return PKV_OK;
 }
 
-static int f_logprobs(const field_t *f, json_t *v, pkv_server_request_t *r,
-                      const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_logprobs(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                      srv_error_t *err)
 {
     if (!json_is_boolean(v) && !json_is_integer(v))
         return bad(err, BAD_TYPE, f->name, "'%s' must be a boolean or an integer", f->name);
@@ -238,8 +238,8 @@ static int f_logprobs(const field_t *f, json_t *v, pkv_server_request_t *r,
     return PKV_OK;
 }
 
-static int f_top_logprobs(const field_t *f, json_t *v, pkv_server_request_t *r,
-                          const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_top_logprobs(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                          srv_error_t *err)
 {
     if (!json_is_integer(v))
         return bad(err, BAD_TYPE, f->name, "'top_logprobs' must be an integer");
@@ -248,8 +248,8 @@ static int f_top_logprobs(const field_t *f, json_t *v, pkv_server_request_t *r,
     return PKV_OK;
 }
 
-static int f_false_only(const field_t *f, json_t *v, pkv_server_request_t *r,
-                        const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_false_only(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                        srv_error_t *err)
 {
     bool b = false;
     if (want_bool(f, v, &b, err)) return PKV_ERR_INVALID;
@@ -257,8 +257,8 @@ static int f_false_only(const field_t *f, json_t *v, pkv_server_request_t *r,
     return PKV_OK;
 }
 
-static int f_penalty(const field_t *f, json_t *v, pkv_server_request_t *r,
-                     const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_penalty(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                     srv_error_t *err)
 {
     double d = 0;
     if (want_number(f, v, -2.0, 2.0, &d, err)) return PKV_ERR_INVALID;
@@ -267,8 +267,8 @@ static int f_penalty(const field_t *f, json_t *v, pkv_server_request_t *r,
     return PKV_OK;
 }
 
-static int f_empty_object(const field_t *f, json_t *v, pkv_server_request_t *r,
-                          const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_empty_object(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                          srv_error_t *err)
 {
     if (!json_is_object(v)) return bad(err, BAD_TYPE, f->name, "'%s' must be an object", f->name);
     if (json_object_size(v))
@@ -276,16 +276,16 @@ static int f_empty_object(const field_t *f, json_t *v, pkv_server_request_t *r,
     return PKV_OK;
 }
 
-static int f_empty_array(const field_t *f, json_t *v, pkv_server_request_t *r,
-                         const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_empty_array(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                         srv_error_t *err)
 {
     if (!json_is_array(v)) return bad(err, BAD_TYPE, f->name, "'%s' must be an array", f->name);
     if (json_array_size(v)) return bad(err, UNSUPPORTED, f->name, "'%s' is not supported", f->name);
     return PKV_OK;
 }
 
-static int f_choice_none(const field_t *f, json_t *v, pkv_server_request_t *r,
-                         const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_choice_none(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                         srv_error_t *err)
 {
     if (!json_is_string(v))
         return bad(err, UNSUPPORTED, f->name,
@@ -297,16 +297,16 @@ static int f_choice_none(const field_t *f, json_t *v, pkv_server_request_t *r,
     return PKV_OK;
 }
 
-static int f_suffix(const field_t *f, json_t *v, pkv_server_request_t *r,
-                    const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_suffix(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                    srv_error_t *err)
 {
     if (!json_is_string(v)) return bad(err, BAD_TYPE, f->name, "'suffix' must be a string");
     if (json_string_length(v)) return bad(err, UNSUPPORTED, f->name, "'suffix' is not supported");
     return PKV_OK;
 }
 
-static int f_response_format(const field_t *f, json_t *v, pkv_server_request_t *r,
-                             const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_response_format(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                             srv_error_t *err)
 {
     if (!json_is_object(v))
         return bad(err, BAD_TYPE, f->name, "'response_format' must be an object");
@@ -317,14 +317,14 @@ static int f_response_format(const field_t *f, json_t *v, pkv_server_request_t *
     return PKV_OK;
 }
 
-static int f_ignore_eos(const field_t *f, json_t *v, pkv_server_request_t *r,
-                        const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_ignore_eos(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                        srv_error_t *err)
 {
     return want_bool(f, v, &r->ignore_eos, err);
 }
 
-static int f_priority(const field_t *f, json_t *v, pkv_server_request_t *r,
-                      const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_priority(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                      srv_error_t *err)
 {
     if (!json_is_integer(v)) return bad(err, BAD_TYPE, f->name, "'priority' must be an integer");
     json_int_t p = json_integer_value(v);
@@ -334,8 +334,8 @@ static int f_priority(const field_t *f, json_t *v, pkv_server_request_t *r,
     return PKV_OK;
 }
 
-static int f_cache_salt(const field_t *f, json_t *v, pkv_server_request_t *r,
-                        const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_cache_salt(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                        srv_error_t *err)
 {
     if (!json_is_string(v)) return bad(err, BAD_TYPE, f->name, "'cache_salt' must be a string");
     size_t len = json_string_length(v);
@@ -351,14 +351,14 @@ static int f_cache_salt(const field_t *f, json_t *v, pkv_server_request_t *r,
     return PKV_OK;
 }
 
-static int f_add_generation_prompt(const field_t *f, json_t *v, pkv_server_request_t *r,
-                                   const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_add_generation_prompt(const field_t *f, json_t *v, srv_request_t *r,
+                                   const srv_limits_t *lim, srv_error_t *err)
 {
     return want_bool(f, v, &r->add_generation_prompt, err);
 }
 
-static int f_prompt(const field_t *f, json_t *v, pkv_server_request_t *r,
-                    const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_prompt(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                    srv_error_t *err)
 {
     static const char *types = "'prompt' must be a string, an array of token ids, or an array "
                                "holding one string or one array of token ids";
@@ -380,12 +380,12 @@ static int f_prompt(const field_t *f, json_t *v, pkv_server_request_t *r,
     if (!json_is_array(v)) return bad(err, BAD_TYPE, "prompt", "%s", types);
     size_t n = json_array_size(v);
     if (n == 0) return bad(err, BAD_VALUE, "prompt", "the prompt is empty");
-    if (n > PKV_SREQ_MAX_PROMPT_IDS)
+    if (n > SRV_REQ_MAX_PROMPT_IDS)
         return bad(err, BAD_VALUE, "prompt", "the prompt has %zu token ids (at most %u)", n,
-                   PKV_SREQ_MAX_PROMPT_IDS);
+                   SRV_REQ_MAX_PROMPT_IDS);
     int32_t *ids = malloc(n * sizeof(*ids));
     if (!ids) {
-        pkv_server_error_set(err, 500, "server_error", "out_of_memory", NULL, "out of memory");
+        srv_error_set(err, 500, "server_error", "out_of_memory", NULL, "out of memory");
         return PKV_ERR_NOMEM;
     }
     for (size_t i = 0; i < n; i++) {
@@ -409,8 +409,8 @@ static int f_prompt(const field_t *f, json_t *v, pkv_server_request_t *r,
 
 /* content: a string, null (assistant only), or an array of {"type": "text", "text": s}
  * parts (joined). */
-static int message_content(size_t i, json_t *c, pkv_chat_role_t role, pkv_server_request_t *r,
-                           pkv_server_error_t *err)
+static int message_content(size_t i, json_t *c, pkv_chat_role_t role, srv_request_t *r,
+                           srv_error_t *err)
 {
     pkv_chat_msg_t *m = &r->msgs[i];
     if (json_is_string(c)) {
@@ -446,7 +446,7 @@ static int message_content(size_t i, json_t *c, pkv_chat_role_t role, pkv_server
     }
     char *buf = malloc(total + 1);
     if (!buf) {
-        pkv_server_error_set(err, 500, "server_error", "out_of_memory", NULL, "out of memory");
+        srv_error_set(err, 500, "server_error", "out_of_memory", NULL, "out of memory");
         return PKV_ERR_NOMEM;
     }
     size_t at = 0;
@@ -463,19 +463,19 @@ static int message_content(size_t i, json_t *c, pkv_chat_role_t role, pkv_server
     return PKV_OK;
 }
 
-static int f_messages(const field_t *f, json_t *v, pkv_server_request_t *r,
-                      const pkv_server_limits_t *lim, pkv_server_error_t *err)
+static int f_messages(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
+                      srv_error_t *err)
 {
     if (!json_is_array(v)) return bad(err, BAD_TYPE, "messages", "'messages' must be an array");
     size_t n = json_array_size(v);
     if (n == 0) return bad(err, BAD_VALUE, "messages", "'messages' is empty");
-    if (n > PKV_SREQ_MAX_MESSAGES)
+    if (n > SRV_REQ_MAX_MESSAGES)
         return bad(err, BAD_VALUE, "messages", "%zu messages (at most %u)", n,
-                   PKV_SREQ_MAX_MESSAGES);
+                   SRV_REQ_MAX_MESSAGES);
     r->msgs = calloc(n, sizeof(*r->msgs));
     r->parts = calloc(n, sizeof(*r->parts));
     if (!r->msgs || !r->parts) {
-        pkv_server_error_set(err, 500, "server_error", "out_of_memory", NULL, "out of memory");
+        srv_error_set(err, 500, "server_error", "out_of_memory", NULL, "out of memory");
         return PKV_ERR_NOMEM; /* the caller frees what was allocated */
     }
     r->n_msgs = n;
@@ -567,7 +567,7 @@ static const field_t *find_field(const field_t *t, size_t n, const char *name)
     return NULL;
 }
 
-void pkv_server_request_free(pkv_server_request_t *r)
+void srv_request_free(srv_request_t *r)
 {
     if (!r) return;
     if (r->parts)
@@ -579,12 +579,11 @@ void pkv_server_request_free(pkv_server_request_t *r)
     memset(r, 0, sizeof(*r));
 }
 
-int pkv_server_request_parse(pkv_sreq_kind_t kind, const char *body, size_t len,
-                             const char *model_name, const pkv_server_limits_t *lim,
-                             pkv_server_request_t *out, pkv_server_error_t *err)
+int srv_request_parse(srv_req_kind_t kind, const char *body, size_t len, const char *model_name,
+                      const srv_limits_t *lim, srv_request_t *out, srv_error_t *err)
 {
-    if ((!body && len) || !lim || !out || (kind != PKV_SREQ_COMPLETIONS && kind != PKV_SREQ_CHAT)) {
-        pkv_server_error_set(err, 500, "server_error", "internal_error", NULL, "bad parser call");
+    if ((!body && len) || !lim || !out || (kind != SRV_REQ_COMPLETIONS && kind != SRV_REQ_CHAT)) {
+        srv_error_set(err, 500, "server_error", "internal_error", NULL, "bad parser call");
         return PKV_ERR_INVALID;
     }
     if (len == 0)
@@ -594,7 +593,7 @@ int pkv_server_request_parse(pkv_sreq_kind_t kind, const char *body, size_t len,
     if (!doc)
         return bad(err, "invalid_json", NULL, "malformed JSON at line %d column %d: %.120s",
                    je.line, je.column, je.text);
-    pkv_server_request_t r;
+    srv_request_t r;
     memset(&r, 0, sizeof(r));
     r.kind = kind;
     r.doc = doc;
@@ -606,13 +605,13 @@ int pkv_server_request_parse(pkv_sreq_kind_t kind, const char *body, size_t len,
         rc = bad(err, "invalid_json", NULL, "the request body must be a JSON object");
         goto fail;
     }
-    const field_t *kt = kind == PKV_SREQ_CHAT ? chat_fields : completion_fields;
+    const field_t *kt = kind == SRV_REQ_CHAT ? chat_fields : completion_fields;
     size_t kn =
-        kind == PKV_SREQ_CHAT ? PKV_ARRAY_LEN(chat_fields) : PKV_ARRAY_LEN(completion_fields);
+        kind == SRV_REQ_CHAT ? PKV_ARRAY_LEN(chat_fields) : PKV_ARRAY_LEN(completion_fields);
     const char *key;
     json_t *v;
     /* max_completion_tokens wins over max_tokens: check it last. */
-    json_t *mct = kind == PKV_SREQ_CHAT ? json_object_get(doc, "max_completion_tokens") : NULL;
+    json_t *mct = kind == SRV_REQ_CHAT ? json_object_get(doc, "max_completion_tokens") : NULL;
     json_object_foreach(doc, key, v)
     {
         const field_t *f = find_field(common_fields, PKV_ARRAY_LEN(common_fields), key);
@@ -633,11 +632,11 @@ int pkv_server_request_parse(pkv_sreq_kind_t kind, const char *body, size_t len,
         rc = bad(err, "missing_field", "model", "'model' is required");
         goto fail;
     }
-    if (kind == PKV_SREQ_COMPLETIONS && !r.prompt_text && !r.prompt_ids) {
+    if (kind == SRV_REQ_COMPLETIONS && !r.prompt_text && !r.prompt_ids) {
         rc = bad(err, "missing_field", "prompt", "'prompt' is required");
         goto fail;
     }
-    if (kind == PKV_SREQ_CHAT && !r.msgs) {
+    if (kind == SRV_REQ_CHAT && !r.msgs) {
         rc = bad(err, "missing_field", "messages", "'messages' is required");
         goto fail;
     }
@@ -647,9 +646,9 @@ int pkv_server_request_parse(pkv_sreq_kind_t kind, const char *body, size_t len,
         goto fail;
     }
     if (model_name && strcmp(r.model, model_name)) {
-        pkv_server_error_set(err, 404, REQ_ERR, "model_not_found", "model",
-                             "the model '%.100s' does not exist (this server serves '%.100s')",
-                             r.model, model_name);
+        srv_error_set(err, 404, REQ_ERR, "model_not_found", "model",
+                      "the model '%.100s' does not exist (this server serves '%.100s')", r.model,
+                      model_name);
         rc = PKV_ERR_INVALID;
         goto fail;
     }
@@ -657,19 +656,18 @@ int pkv_server_request_parse(pkv_sreq_kind_t kind, const char *body, size_t len,
     return PKV_OK;
 
 fail:
-    pkv_server_request_free(&r);
+    srv_request_free(&r);
     return rc ? rc : PKV_ERR_INVALID;
 }
 
-int pkv_server_request_prompt(const pkv_server_request_t *r, const pkv_tok_t *tok,
-                              const pkv_server_limits_t *lim, uint32_t default_max_tokens,
-                              int32_t **ids_out, uint32_t *n_out, uint32_t *max_tokens_out,
-                              pkv_server_error_t *err)
+int srv_request_prompt(const srv_request_t *r, const pkv_tok_t *tok, const srv_limits_t *lim,
+                       uint32_t default_max_tokens, int32_t **ids_out, uint32_t *n_out,
+                       uint32_t *max_tokens_out, srv_error_t *err)
 {
     int32_t *ids = NULL;
     size_t n = 0;
     int rc;
-    if (r->kind == PKV_SREQ_CHAT) {
+    if (r->kind == SRV_REQ_CHAT) {
         rc = pkv_tok_chat_template(tok, r->msgs, r->n_msgs, r->add_generation_prompt, &ids, &n);
         if (rc == PKV_ERR_INVALID)
             return bad(
@@ -690,11 +688,11 @@ int pkv_server_request_prompt(const pkv_server_request_t *r, const pkv_tok_t *to
         rc = pkv_tok_encode_alloc(tok, r->prompt_text, r->prompt_len, true, &ids, &n);
     }
     if (rc) {
-        pkv_server_error_set(err, 500, "server_error", "internal_error", NULL,
-                             "tokenizing the prompt failed: %s", pkv_status_str(rc));
+        srv_error_set(err, 500, "server_error", "internal_error", NULL,
+                      "tokenizing the prompt failed: %s", pkv_status_str(rc));
         return rc;
     }
-    const char *param = r->kind == PKV_SREQ_CHAT ? "messages" : "prompt";
+    const char *param = r->kind == SRV_REQ_CHAT ? "messages" : "prompt";
     uint32_t ctx = lim->max_context, mt;
     if (n == 0) {
         free(ids);
@@ -718,7 +716,7 @@ int pkv_server_request_prompt(const pkv_server_request_t *r, const pkv_tok_t *to
                        ctx, n);
         }
         uint32_t room = ctx - (uint32_t)n;
-        mt = r->kind == PKV_SREQ_CHAT ? room : PKV_MIN(PKV_MAX(default_max_tokens, 1u), room);
+        mt = r->kind == SRV_REQ_CHAT ? room : PKV_MIN(PKV_MAX(default_max_tokens, 1u), room);
     }
     *ids_out = ids;
     *n_out = (uint32_t)n;

@@ -4,7 +4,7 @@
  *
  * Both steps are pure functions of their inputs (no server state, no I/O, no globals),
  * so they can be fuzzed (tests/fuzz/fuzz_request.c) and tested without a socket. Every
- * refusal fills a pkv_server_error_t with the HTTP status and the OpenAI-style error
+ * refusal fills a srv_error_t with the HTTP status and the OpenAI-style error
  * fields; nothing is allocated on failure.
  *
  * Strictness: unknown top-level fields are refused (as OpenAI does: "unrecognized
@@ -23,9 +23,9 @@
 #include <stdint.h>
 
 typedef enum {
-    PKV_SREQ_COMPLETIONS = 0, /* POST /v1/completions */
-    PKV_SREQ_CHAT = 1,        /* POST /v1/chat/completions */
-} pkv_sreq_kind_t;
+    SRV_REQ_COMPLETIONS = 0, /* POST /v1/completions */
+    SRV_REQ_CHAT = 1,        /* POST /v1/chat/completions */
+} srv_req_kind_t;
 
 /* An error for the client: {"error": {"message", "type", "param", "code"}} with status.
  * type / code / param point to static strings. */
@@ -35,19 +35,18 @@ typedef struct {
     const char *code;  /* "invalid_json", "missing_field", ... */
     const char *param; /* the offending field, or NULL */
     char message[320];
-} pkv_server_error_t;
+} srv_error_t;
 
-void pkv_server_error_set(pkv_server_error_t *err, int status, const char *type, const char *code,
-                          const char *param, const char *fmt, ...)
-    __attribute__((format(printf, 6, 7)));
+void srv_error_set(srv_error_t *err, int status, const char *type, const char *code,
+                   const char *param, const char *fmt, ...) __attribute__((format(printf, 6, 7)));
 
-#define PKV_SREQ_MAX_MESSAGES   4096u
-#define PKV_SREQ_MAX_PROMPT_IDS (1u << 20)
+#define SRV_REQ_MAX_MESSAGES   4096u
+#define SRV_REQ_MAX_PROMPT_IDS (1u << 20)
 
 /* A parsed request. String pointers point into the parsed JSON document, which the
- * request owns (freed by pkv_server_request_free). */
+ * request owns (freed by srv_request_free). */
 typedef struct {
-    pkv_sreq_kind_t kind;
+    srv_req_kind_t kind;
     const char *model;
 
     /* completions: the prompt as text (prompt_text) or as token ids (prompt_ids) */
@@ -77,19 +76,18 @@ typedef struct {
     uint64_t salt; /* SHA-256 of cache_salt (first 8 bytes); 0 when absent */
 
     void *doc; /* json_t *: the parsed body */
-} pkv_server_request_t;
+} srv_request_t;
 
 typedef struct {
     uint32_t max_context; /* prompt + max_tokens must fit; max_tokens above it is refused */
-} pkv_server_limits_t;
+} srv_limits_t;
 
 /* Parse `len` bytes of body for endpoint `kind`. PKV_OK with *out filled (free it with
- * pkv_server_request_free), or PKV_ERR_INVALID with *err filled (status 400 or 404 for an
+ * srv_request_free), or PKV_ERR_INVALID with *err filled (status 400 or 404 for an
  * unknown model when `model_name` is not NULL and differs). */
-int pkv_server_request_parse(pkv_sreq_kind_t kind, const char *body, size_t len,
-                             const char *model_name, const pkv_server_limits_t *lim,
-                             pkv_server_request_t *out, pkv_server_error_t *err);
-void pkv_server_request_free(pkv_server_request_t *r);
+int srv_request_parse(srv_req_kind_t kind, const char *body, size_t len, const char *model_name,
+                      const srv_limits_t *lim, srv_request_t *out, srv_error_t *err);
+void srv_request_free(srv_request_t *r);
 
 /* The prompt as token ids (malloc'd into *ids_out, caller frees) and the effective
  * max_tokens: text prompts get BOS; chat goes through the tokenizer's chat template.
@@ -97,9 +95,8 @@ void pkv_server_request_free(pkv_server_request_t *r);
  * and prompt + max_tokens beyond max_context (context_length_exceeded, with the
  * numbers). Without max_tokens: completions get min(default_max_tokens, room left),
  * chat gets the room left. */
-int pkv_server_request_prompt(const pkv_server_request_t *r, const pkv_tok_t *tok,
-                              const pkv_server_limits_t *lim, uint32_t default_max_tokens,
-                              int32_t **ids_out, uint32_t *n_out, uint32_t *max_tokens_out,
-                              pkv_server_error_t *err);
+int srv_request_prompt(const srv_request_t *r, const pkv_tok_t *tok, const srv_limits_t *lim,
+                       uint32_t default_max_tokens, int32_t **ids_out, uint32_t *n_out,
+                       uint32_t *max_tokens_out, srv_error_t *err);
 
 #endif

@@ -74,7 +74,7 @@ struct pkv_server {
 
     pthread_mutex_t lock; /* guards: ctr, draining, next_id, rng (see the top comment) */
     pthread_cond_t idle_cv;
-    pkv_server_counters_t ctr;
+    srv_counters_t ctr;
     bool draining;
     uint64_t next_id;
     uint64_t rng;
@@ -83,7 +83,7 @@ struct pkv_server {
 /* One HTTP request (MHD's con_cls): created on the first call, freed when MHD reports
  * the request completed. */
 typedef struct {
-    pkv_server_route_t route;
+    srv_route_t route;
     char *body;
     size_t len, cap;
     bool too_large;
@@ -95,8 +95,8 @@ typedef struct {
 typedef struct {
     pkv_server_t *s;
     pkv_request_t *req;
-    pkv_server_gen_t gen;
-    pkv_sreq_kind_t kind;
+    srv_gen_t gen;
+    srv_req_kind_t kind;
     bool include_usage;
     char id[48];
     time_t created;
@@ -145,7 +145,7 @@ static bool buf_grow(char **buf, size_t *cap, size_t need, size_t slack, size_t 
     return true;
 }
 
-static void count_rejection(pkv_server_t *s, pkv_server_rejection_t why)
+static void count_rejection(pkv_server_t *s, srv_rejection_t why)
 {
     pthread_mutex_lock(&s->lock);
     s->ctr.rejected[why]++;
@@ -169,7 +169,7 @@ static enum MHD_Result queue(pkv_server_t *s, struct MHD_Connection *c, http_req
     enum MHD_Result ok = MHD_queue_response(c, (unsigned)status, resp);
     MHD_destroy_response(resp);
     pthread_mutex_lock(&s->lock);
-    s->ctr.http[hr->route][pkv_server_code_index(status)]++;
+    s->ctr.http[hr->route][srv_code_index(status)]++;
     pthread_mutex_unlock(&s->lock);
     hr->answered = true;
     return ok;
@@ -205,14 +205,14 @@ static enum MHD_Result answer_json(pkv_server_t *s, struct MHD_Connection *c, ht
     return queue(s, c, hr, status, text_response(nl, len + 1, "application/json"));
 }
 
-static json_t *error_doc(const pkv_server_error_t *err)
+static json_t *error_doc(const srv_error_t *err)
 {
     return json_pack("{s:{s:s, s:s, s:s?, s:s}}", "error", "message", err->message, "type",
                      err->type, "param", err->param, "code", err->code);
 }
 
 /* The error document as a response (NULL on allocation failure). */
-static struct MHD_Response *error_response(const pkv_server_error_t *err)
+static struct MHD_Response *error_response(const srv_error_t *err)
 {
     json_t *doc = error_doc(err);
     char *text = doc ? json_dumps(doc, JSON_COMPACT) : NULL;
@@ -221,9 +221,9 @@ static struct MHD_Response *error_response(const pkv_server_error_t *err)
 }
 
 static enum MHD_Result answer_error(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr,
-                                    const pkv_server_error_t *err)
+                                    const srv_error_t *err)
 {
-    PKV_LOGI("server", "%s: %d %s: %s", pkv_server_route_label[hr->route], err->status, err->code,
+    PKV_LOGI("server", "%s: %d %s: %s", srv_route_label[hr->route], err->status, err->code,
              err->message);
     struct MHD_Response *r = error_response(err);
     if (r && err->status == 429) {
@@ -239,8 +239,8 @@ static enum MHD_Result answer_errorf(pkv_server_t *s, struct MHD_Connection *c, 
                                      int status, const char *type, const char *code,
                                      const char *msg)
 {
-    pkv_server_error_t err;
-    pkv_server_error_set(&err, status, type, code, NULL, "%s", msg);
+    srv_error_t err;
+    srv_error_set(&err, status, type, code, NULL, "%s", msg);
     return answer_error(s, c, hr, &err);
 }
 
@@ -248,16 +248,16 @@ static enum MHD_Result answer_errorf(pkv_server_t *s, struct MHD_Connection *c, 
 
 static const struct {
     const char *path;
-    pkv_server_route_t route;
+    srv_route_t route;
     const char *allow; /* methods */
 } routes[] = {
-    {"/v1/completions", PKV_ROUTE_COMPLETIONS, "POST"},
-    {"/v1/chat/completions", PKV_ROUTE_CHAT, "POST"},
-    {"/v1/models", PKV_ROUTE_MODELS, "GET, HEAD"},
-    {"/health", PKV_ROUTE_HEALTH, "GET, HEAD"},
-    {"/metrics", PKV_ROUTE_METRICS, "GET, HEAD"},
-    {"/v1/cache/stats", PKV_ROUTE_CACHE_STATS, "GET, HEAD"},
-    {"/v1/cache/reset", PKV_ROUTE_CACHE_RESET, "POST"},
+    {"/v1/completions", SRV_ROUTE_COMPLETIONS, "POST"},
+    {"/v1/chat/completions", SRV_ROUTE_CHAT, "POST"},
+    {"/v1/models", SRV_ROUTE_MODELS, "GET, HEAD"},
+    {"/health", SRV_ROUTE_HEALTH, "GET, HEAD"},
+    {"/metrics", SRV_ROUTE_METRICS, "GET, HEAD"},
+    {"/v1/cache/stats", SRV_ROUTE_CACHE_STATS, "GET, HEAD"},
+    {"/v1/cache/reset", SRV_ROUTE_CACHE_RESET, "POST"},
 };
 
 static bool method_allowed(const char *allow, const char *method)
@@ -277,7 +277,7 @@ static json_t *model_doc(pkv_server_t *s)
 }
 
 /* One snapshot of what /metrics and /v1/cache/stats render. */
-static void snapshot(pkv_server_t *s, pkv_server_snapshot_t *out)
+static void snapshot(pkv_server_t *s, srv_snapshot_t *out)
 {
     pkv_engine_stats(s->engine, &out->es);
     pkv_kv_stats(s->kv, &out->ks);
@@ -298,7 +298,7 @@ static enum MHD_Result handle_cache_reset(pkv_server_t *s, struct MHD_Connection
         bool empty = json_is_object(doc) && json_object_size(doc) == 0;
         json_decref(doc);
         if (!empty) {
-            count_rejection(s, PKV_REJ_INVALID);
+            count_rejection(s, SRV_REJ_INVALID);
             return answer_errorf(s, c, hr, 400, "invalid_request_error", "invalid_json",
                                  "/v1/cache/reset takes no parameters (empty body or {})");
         }
@@ -323,41 +323,41 @@ static enum MHD_Result handle_simple(pkv_server_t *s, struct MHD_Connection *c, 
                                      const char *url)
 {
     switch (hr->route) {
-    case PKV_ROUTE_MODELS:
+    case SRV_ROUTE_MODELS:
         return answer_json(s, c, hr, 200,
                            json_pack("{s:s, s:[o]}", "object", "list", "data", model_doc(s)));
-    case PKV_ROUTE_MODEL: {
+    case SRV_ROUTE_MODEL: {
         const char *id = url + strlen("/v1/models/");
         if (strcmp(id, s->served_name)) {
-            pkv_server_error_t err;
-            pkv_server_error_set(&err, 404, "invalid_request_error", "model_not_found", "model",
-                                 "the model '%.100s' does not exist", id);
+            srv_error_t err;
+            srv_error_set(&err, 404, "invalid_request_error", "model_not_found", "model",
+                          "the model '%.100s' does not exist", id);
             return answer_error(s, c, hr, &err);
         }
         return answer_json(s, c, hr, 200, model_doc(s));
     }
-    case PKV_ROUTE_HEALTH: {
+    case SRV_ROUTE_HEALTH: {
         pthread_mutex_lock(&s->lock);
         bool draining = s->draining;
         pthread_mutex_unlock(&s->lock);
         return answer_json(s, c, hr, draining ? 503 : 200,
                            json_pack("{s:s}", "status", draining ? "draining" : "ok"));
     }
-    case PKV_ROUTE_METRICS: {
-        pkv_server_snapshot_t snap;
+    case SRV_ROUTE_METRICS: {
+        srv_snapshot_t snap;
         snapshot(s, &snap);
         size_t len = 0;
-        char *text = pkv_server_metrics_render(&snap, &len);
+        char *text = srv_metrics_render(&snap, &len);
         if (!text) return MHD_NO;
         return queue(s, c, hr, 200,
                      text_response(text, len, "text/plain; version=0.0.4; charset=utf-8"));
     }
-    case PKV_ROUTE_CACHE_STATS: {
-        pkv_server_snapshot_t snap;
+    case SRV_ROUTE_CACHE_STATS: {
+        srv_snapshot_t snap;
         snapshot(s, &snap);
-        return answer_json(s, c, hr, 200, pkv_server_cache_stats_json(&snap));
+        return answer_json(s, c, hr, 200, srv_cache_stats_json(&snap));
     }
-    case PKV_ROUTE_CACHE_RESET:
+    case SRV_ROUTE_CACHE_RESET:
         return handle_cache_reset(s, c, hr);
     default:
         return answer_errorf(s, c, hr, 500, "server_error", "internal_error", "unrouted request");
@@ -366,7 +366,7 @@ static enum MHD_Result handle_simple(pkv_server_t *s, struct MHD_Connection *c, 
 
 /* ---- generation ----------------------------------------------------------------------- */
 
-static json_t *usage_doc(const pkv_server_gen_t *g)
+static json_t *usage_doc(const srv_gen_t *g)
 {
     return json_pack("{s:i, s:i, s:i, s:{s:i}}", "prompt_tokens", (int)g->prompt_tokens,
                      "completion_tokens", (int)g->completion_tokens, "total_tokens",
@@ -375,32 +375,30 @@ static json_t *usage_doc(const pkv_server_gen_t *g)
 }
 
 /* The error a request that ended without stop/length reports. */
-static void gen_error(pkv_server_t *s, const pkv_server_gen_t *g, uint32_t n_prompt,
-                      uint32_t max_tokens, pkv_server_error_t *err)
+static void gen_error(pkv_server_t *s, const srv_gen_t *g, uint32_t n_prompt, uint32_t max_tokens,
+                      srv_error_t *err)
 {
     if (g->status == PKV_ERR_NOFIT || g->status == PKV_ERR_NOSPACE) {
         pkv_kv_stats_t ks;
         pkv_kv_stats(s->kv, &ks);
-        pkv_server_error_set(
-            err, 400, "invalid_request_error", "kv_budget_exceeded", NULL,
-            "the request (%u prompt + %u completion tokens) can never fit the KV "
-            "cache budget: %llu bytes per token, budget %llu bytes (%llu blocks of "
-            "%llu bytes)",
-            n_prompt, max_tokens, (unsigned long long)ks.token_bytes,
-            (unsigned long long)ks.budget_bytes, (unsigned long long)ks.blocks_capacity,
-            (unsigned long long)ks.block_bytes);
+        srv_error_set(err, 400, "invalid_request_error", "kv_budget_exceeded", NULL,
+                      "the request (%u prompt + %u completion tokens) can never fit the KV "
+                      "cache budget: %llu bytes per token, budget %llu bytes (%llu blocks of "
+                      "%llu bytes)",
+                      n_prompt, max_tokens, (unsigned long long)ks.token_bytes,
+                      (unsigned long long)ks.budget_bytes, (unsigned long long)ks.blocks_capacity,
+                      (unsigned long long)ks.block_bytes);
     } else if (g->status == PKV_ERR_SHUTDOWN || atomic_load(&s->stopping)) {
-        pkv_server_error_set(err, 503, "service_unavailable", "shutting_down", NULL,
-                             "the server is shutting down");
+        srv_error_set(err, 503, "service_unavailable", "shutting_down", NULL,
+                      "the server is shutting down");
     } else {
-        pkv_server_error_set(err, 500, "server_error", "internal_error", NULL,
-                             "generation failed: %s", pkv_status_str(g->status));
+        srv_error_set(err, 500, "server_error", "internal_error", NULL, "generation failed: %s",
+                      pkv_status_str(g->status));
     }
 }
 
 /* Can a request of `positions` KV positions ever fit the budget? */
-static bool kv_fits(pkv_server_t *s, uint32_t n_prompt, uint32_t max_tokens,
-                    pkv_server_error_t *err)
+static bool kv_fits(pkv_server_t *s, uint32_t n_prompt, uint32_t max_tokens, srv_error_t *err)
 {
     if (!s->budget_bytes) return true;
     pkv_kv_stats_t ks;
@@ -411,16 +409,16 @@ static bool kv_fits(pkv_server_t *s, uint32_t n_prompt, uint32_t max_tokens,
     bool fits = s->backend == PKV_BACKEND_PAGED ? blocks <= ks.blocks_capacity
                                                 : positions * ks.token_bytes <= ks.budget_bytes;
     if (!fits)
-        pkv_server_error_set(
-            err, 400, "invalid_request_error", "kv_budget_exceeded", NULL,
-            "the request can never fit the KV cache budget: %u prompt + %u "
-            "completion tokens need %llu positions = %llu blocks of %u tokens "
-            "(%llu bytes); the budget is %llu bytes (%llu blocks)",
-            n_prompt, max_tokens, (unsigned long long)positions, (unsigned long long)blocks,
-            s->block_tokens,
-            (unsigned long long)(s->backend == PKV_BACKEND_PAGED ? blocks * ks.block_bytes
-                                                                 : positions * ks.token_bytes),
-            (unsigned long long)ks.budget_bytes, (unsigned long long)ks.blocks_capacity);
+        srv_error_set(err, 400, "invalid_request_error", "kv_budget_exceeded", NULL,
+                      "the request can never fit the KV cache budget: %u prompt + %u "
+                      "completion tokens need %llu positions = %llu blocks of %u tokens "
+                      "(%llu bytes); the budget is %llu bytes (%llu blocks)",
+                      n_prompt, max_tokens, (unsigned long long)positions,
+                      (unsigned long long)blocks, s->block_tokens,
+                      (unsigned long long)(s->backend == PKV_BACKEND_PAGED
+                                               ? blocks * ks.block_bytes
+                                               : positions * ks.token_bytes),
+                      (unsigned long long)ks.budget_bytes, (unsigned long long)ks.blocks_capacity);
     return fits;
 }
 
@@ -443,39 +441,39 @@ static void note_first(pkv_server_t *s, uint64_t t_submit, bool *seen,
     *seen = true;
     if (!o->n_tokens) return;
     pthread_mutex_lock(&s->lock);
-    pkv_server_hist_add(&s->ctr.ttft, (double)(pkv_now_ns() - t_submit) / 1e9);
+    srv_hist_add(&s->ctr.ttft, (double)(pkv_now_ns() - t_submit) / 1e9);
     pthread_mutex_unlock(&s->lock);
 }
 
 static void note_end(pkv_server_t *s, uint64_t t_submit)
 {
     pthread_mutex_lock(&s->lock);
-    pkv_server_hist_add(&s->ctr.e2e, (double)(pkv_now_ns() - t_submit) / 1e9);
+    srv_hist_add(&s->ctr.e2e, (double)(pkv_now_ns() - t_submit) / 1e9);
     pthread_mutex_unlock(&s->lock);
 }
 
 static json_t *sanitized_string(const char *text, size_t len)
 {
-    char *clean = malloc(PKV_SERVER_UTF8_MAX(len) + 1);
+    char *clean = malloc(SRV_UTF8_MAX(len) + 1);
     if (!clean) return NULL;
-    size_t n = pkv_server_utf8_sanitize(text, len, clean);
+    size_t n = srv_utf8_sanitize(text, len, clean);
     json_t *j = json_stringn(clean, n);
     free(clean);
     return j;
 }
 
-static json_t *completion_doc(pkv_server_t *s, pkv_sreq_kind_t kind, const char *id, time_t created,
+static json_t *completion_doc(pkv_server_t *s, srv_req_kind_t kind, const char *id, time_t created,
                               json_t *text, const char *finish, json_t *usage)
 {
     json_t *choice;
-    if (kind == PKV_SREQ_CHAT)
+    if (kind == SRV_REQ_CHAT)
         choice = json_pack("{s:i, s:{s:s, s:o}, s:n, s:s}", "index", 0, "message", "role",
                            "assistant", "content", text, "logprobs", "finish_reason", finish);
     else
         choice = json_pack("{s:i, s:o, s:n, s:s}", "index", 0, "text", text, "logprobs",
                            "finish_reason", finish);
     return json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o}", "id", id, "object",
-                     kind == PKV_SREQ_CHAT ? "chat.completion" : "text_completion", "created",
+                     kind == SRV_REQ_CHAT ? "chat.completion" : "text_completion", "created",
                      (json_int_t)created, "model", s->served_name, "choices", choice, "usage",
                      usage);
 }
@@ -506,14 +504,14 @@ static int sse_event(stream_t *st, json_t *doc)
 static json_t *chunk_doc(stream_t *st, json_t *delta_or_text, const char *finish)
 {
     json_t *choice;
-    if (st->kind == PKV_SREQ_CHAT)
+    if (st->kind == SRV_REQ_CHAT)
         choice = json_pack("{s:i, s:o, s:n, s:s?}", "index", 0, "delta", delta_or_text, "logprobs",
                            "finish_reason", finish);
     else
         choice = json_pack("{s:i, s:o, s:n, s:s?}", "index", 0, "text", delta_or_text, "logprobs",
                            "finish_reason", finish);
     return json_pack("{s:s, s:s, s:I, s:s, s:[o]}", "id", st->id, "object",
-                     st->kind == PKV_SREQ_CHAT ? "chat.completion.chunk" : "text_completion",
+                     st->kind == SRV_REQ_CHAT ? "chat.completion.chunk" : "text_completion",
                      "created", (json_int_t)st->created, "model", st->s->served_name, "choices",
                      choice);
 }
@@ -523,31 +521,31 @@ static int stream_take(stream_t *st, const pkv_request_output_t *o)
 {
     const char *text;
     size_t len;
-    pkv_server_gen_feed(&st->gen, o, &text, &len);
+    srv_gen_feed(&st->gen, o, &text, &len);
     note_first(st->s, st->t_submit, &st->first_seen, o);
     int rc = PKV_OK;
     if (len) {
         json_t *piece = sanitized_string(text, len);
         if (!piece) return PKV_ERR_NOMEM;
-        json_t *body = st->kind == PKV_SREQ_CHAT ? json_pack("{s:o}", "content", piece) : piece;
+        json_t *body = st->kind == SRV_REQ_CHAT ? json_pack("{s:o}", "content", piece) : piece;
         if ((rc = sse_event(st, chunk_doc(st, body, NULL)))) return rc;
     }
     if (!o->finished) return PKV_OK;
     note_end(st->s, st->t_submit);
-    const char *finish = pkv_server_gen_finish_reason(&st->gen);
+    const char *finish = srv_gen_finish_reason(&st->gen);
     if (finish) {
-        json_t *empty = st->kind == PKV_SREQ_CHAT ? json_object() : json_string("");
+        json_t *empty = st->kind == SRV_REQ_CHAT ? json_object() : json_string("");
         if ((rc = sse_event(st, chunk_doc(st, empty, finish)))) return rc;
         if (st->include_usage) {
             json_t *doc =
                 json_pack("{s:s, s:s, s:I, s:s, s:[], s:o}", "id", st->id, "object",
-                          st->kind == PKV_SREQ_CHAT ? "chat.completion.chunk" : "text_completion",
+                          st->kind == SRV_REQ_CHAT ? "chat.completion.chunk" : "text_completion",
                           "created", (json_int_t)st->created, "model", st->s->served_name,
                           "choices", "usage", usage_doc(&st->gen));
             if ((rc = sse_event(st, doc))) return rc;
         }
     } else {
-        pkv_server_error_t err;
+        srv_error_t err;
         gen_error(st->s, &st->gen, st->gen.prompt_tokens, 0, &err);
         if ((rc = sse_event(st, error_doc(&err)))) return rc;
     }
@@ -595,18 +593,18 @@ static void stream_free(void *cls)
 /* A submitted generation request, from its submission to the start of its answer. */
 typedef struct {
     pkv_request_t *req; /* owned: the answer releases it or hands it to the stream */
-    pkv_sreq_kind_t kind;
+    srv_req_kind_t kind;
     uint32_t n_prompt, max_tokens;
     uint64_t t_submit;
     char id[48];
     time_t created;
     MHD_socket fd;
-    pkv_server_gen_t gen;
+    srv_gen_t gen;
     bool first_seen;
 } gen_run_t;
 
 /* Take an id and a seed and count the request in flight; false when draining. */
-static bool gen_admit(pkv_server_t *s, const pkv_server_request_t *r, uint64_t *id, uint64_t *seed)
+static bool gen_admit(pkv_server_t *s, const srv_request_t *r, uint64_t *id, uint64_t *seed)
 {
     pthread_mutex_lock(&s->lock);
     bool draining = s->draining;
@@ -618,44 +616,44 @@ static bool gen_admit(pkv_server_t *s, const pkv_server_request_t *r, uint64_t *
 }
 
 /* The answer to a submission the engine refused (the refusal counted). */
-static void submit_error(pkv_server_t *s, int rc, const gen_run_t *run, pkv_server_error_t *err)
+static void submit_error(pkv_server_t *s, int rc, const gen_run_t *run, srv_error_t *err)
 {
     if (rc == PKV_ERR_BUSY) {
-        count_rejection(s, PKV_REJ_QUEUE_FULL);
-        pkv_server_error_set(err, 429, "rate_limit_error", "queue_full", NULL,
-                             "the request queue is full; retry later");
+        count_rejection(s, SRV_REJ_QUEUE_FULL);
+        srv_error_set(err, 429, "rate_limit_error", "queue_full", NULL,
+                      "the request queue is full; retry later");
     } else if (rc == PKV_ERR_SHUTDOWN) {
-        count_rejection(s, PKV_REJ_SHUTTING_DOWN);
-        pkv_server_error_set(err, 503, "service_unavailable", "shutting_down", NULL,
-                             "the server is shutting down");
+        count_rejection(s, SRV_REJ_SHUTTING_DOWN);
+        srv_error_set(err, 503, "service_unavailable", "shutting_down", NULL,
+                      "the server is shutting down");
     } else if (rc == PKV_ERR_NOFIT) {
-        count_rejection(s, PKV_REJ_KV_BUDGET);
-        pkv_server_gen_t g = {.status = rc};
+        count_rejection(s, SRV_REJ_KV_BUDGET);
+        srv_gen_t g = {.status = rc};
         gen_error(s, &g, run->n_prompt, run->max_tokens, err);
     } else if (rc == PKV_ERR_INVALID) {
-        count_rejection(s, PKV_REJ_INVALID);
-        pkv_server_error_set(err, 400, "invalid_request_error", "invalid_value", NULL,
-                             "the engine refused the request's parameters");
+        count_rejection(s, SRV_REJ_INVALID);
+        srv_error_set(err, 400, "invalid_request_error", "invalid_value", NULL,
+                      "the engine refused the request's parameters");
     } else {
-        pkv_server_error_set(err, 500, "server_error", "internal_error", NULL,
-                             "submitting the request failed: %s", pkv_status_str(rc));
+        srv_error_set(err, 500, "server_error", "internal_error", NULL,
+                      "submitting the request failed: %s", pkv_status_str(rc));
     }
 }
 
 /* Check the KV budget, count the request in flight and submit it. PKV_OK with run->req,
  * run->id and run->created; otherwise *err (the refusal counted). */
-static int gen_submit(pkv_server_t *s, http_req_t *hr, const pkv_server_request_t *r,
-                      const int32_t *ids, gen_run_t *run, pkv_server_error_t *err)
+static int gen_submit(pkv_server_t *s, http_req_t *hr, const srv_request_t *r, const int32_t *ids,
+                      gen_run_t *run, srv_error_t *err)
 {
     if (!kv_fits(s, run->n_prompt, run->max_tokens, err)) {
-        count_rejection(s, PKV_REJ_KV_BUDGET);
+        count_rejection(s, SRV_REJ_KV_BUDGET);
         return PKV_ERR_NOFIT;
     }
     uint64_t id, seed;
     if (!gen_admit(s, r, &id, &seed)) {
-        count_rejection(s, PKV_REJ_SHUTTING_DOWN);
-        pkv_server_error_set(err, 503, "service_unavailable", "shutting_down", NULL,
-                             "the server is shutting down");
+        count_rejection(s, SRV_REJ_SHUTTING_DOWN);
+        srv_error_set(err, 503, "service_unavailable", "shutting_down", NULL,
+                      "the server is shutting down");
         return PKV_ERR_SHUTDOWN;
     }
     hr->in_flight = true;
@@ -677,7 +675,7 @@ static int gen_submit(pkv_server_t *s, http_req_t *hr, const pkv_server_request_
         return rc;
     }
     snprintf(run->id, sizeof(run->id), "%s-%016llx",
-             run->kind == PKV_SREQ_CHAT ? "chatcmpl" : "cmpl",
+             run->kind == SRV_REQ_CHAT ? "chatcmpl" : "cmpl",
              (unsigned long long)(id ^ ((uint64_t)s->created << 32)));
     run->created = time(NULL);
     return PKV_OK;
@@ -692,7 +690,7 @@ static int gen_collect(pkv_server_t *s, gen_run_t *run, pkv_request_output_t *o,
     for (;;) {
         const char *text;
         size_t len;
-        pkv_server_gen_feed(&run->gen, o, &text, &len);
+        srv_gen_feed(&run->gen, o, &text, &len);
         note_first(s, run->t_submit, &run->first_seen, o);
         if (!buf_grow(acc, &acc_cap, *acc_len + len, 256, 0)) return PKV_ERR_NOMEM;
         if (len) memcpy(*acc + *acc_len, text, len);
@@ -717,10 +715,10 @@ static enum MHD_Result answer_whole(pkv_server_t *s, struct MHD_Connection *c, h
         return answer_errorf(s, c, hr, 500, "server_error", "out_of_memory", "out of memory");
     }
     note_end(s, run->t_submit);
-    const char *finish = pkv_server_gen_finish_reason(&run->gen);
+    const char *finish = srv_gen_finish_reason(&run->gen);
     if (!finish) {
         free(acc);
-        pkv_server_error_t err;
+        srv_error_t err;
         gen_error(s, &run->gen, run->n_prompt, run->max_tokens, &err);
         return answer_error(s, c, hr, &err);
     }
@@ -742,9 +740,9 @@ static enum MHD_Result answer_stream(pkv_server_t *s, struct MHD_Connection *c, 
         o->finish != PKV_FINISH_LENGTH) {
         const char *text;
         size_t len;
-        pkv_server_gen_feed(&run->gen, o, &text, &len);
+        srv_gen_feed(&run->gen, o, &text, &len);
         pkv_request_release(run->req);
-        pkv_server_error_t err;
+        srv_error_t err;
         gen_error(s, &run->gen, run->n_prompt, run->max_tokens, &err);
         return answer_error(s, c, hr, &err);
     }
@@ -764,7 +762,7 @@ static enum MHD_Result answer_stream(pkv_server_t *s, struct MHD_Connection *c, 
     st->t_submit = run->t_submit;
     st->first_seen = run->first_seen;
     int rc = PKV_OK;
-    if (run->kind == PKV_SREQ_CHAT)
+    if (run->kind == SRV_REQ_CHAT)
         rc = sse_event(
             st, chunk_doc(st, json_pack("{s:s, s:s}", "role", "assistant", "content", ""), NULL));
     if (!rc) rc = stream_take(st, o);
@@ -786,27 +784,27 @@ static enum MHD_Result answer_stream(pkv_server_t *s, struct MHD_Connection *c, 
 /* POST /v1/completions and /v1/chat/completions (the flow in the top comment). */
 static enum MHD_Result handle_generate(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr)
 {
-    pkv_sreq_kind_t kind = hr->route == PKV_ROUTE_CHAT ? PKV_SREQ_CHAT : PKV_SREQ_COMPLETIONS;
-    pkv_server_limits_t lim = {.max_context = s->max_context};
-    pkv_server_request_t r;
-    pkv_server_error_t err;
-    if (pkv_server_request_parse(kind, hr->body, hr->len, s->served_name, &lim, &r, &err)) {
-        count_rejection(s, err.status == 404 ? PKV_REJ_MODEL : PKV_REJ_INVALID);
+    srv_req_kind_t kind = hr->route == SRV_ROUTE_CHAT ? SRV_REQ_CHAT : SRV_REQ_COMPLETIONS;
+    srv_limits_t lim = {.max_context = s->max_context};
+    srv_request_t r;
+    srv_error_t err;
+    if (srv_request_parse(kind, hr->body, hr->len, s->served_name, &lim, &r, &err)) {
+        count_rejection(s, err.status == 404 ? SRV_REJ_MODEL : SRV_REJ_INVALID);
         return answer_error(s, c, hr, &err);
     }
     gen_run_t run = {.kind = kind};
     int32_t *ids = NULL;
     enum MHD_Result ret;
-    if (pkv_server_request_prompt(&r, s->tok, &lim, s->default_max_tokens, &ids, &run.n_prompt,
-                                  &run.max_tokens, &err)) {
-        count_rejection(s, !strcmp(err.code, "context_length_exceeded") ? PKV_REJ_CONTEXT
-                                                                        : PKV_REJ_INVALID);
+    if (srv_request_prompt(&r, s->tok, &lim, s->default_max_tokens, &ids, &run.n_prompt,
+                           &run.max_tokens, &err)) {
+        count_rejection(s, !strcmp(err.code, "context_length_exceeded") ? SRV_REJ_CONTEXT
+                                                                        : SRV_REJ_INVALID);
         ret = answer_error(s, c, hr, &err);
     } else if (gen_submit(s, hr, &r, ids, &run, &err)) {
         ret = answer_error(s, c, hr, &err);
     } else {
         run.fd = conn_fd(c);
-        pkv_server_gen_init(&run.gen);
+        srv_gen_init(&run.gen);
         /* The first output (or the finish): admission errors still get a status. */
         pkv_request_output_t o;
         if (wait_output(s, run.req, run.fd, &o)) {
@@ -819,7 +817,7 @@ static enum MHD_Result handle_generate(pkv_server_t *s, struct MHD_Connection *c
         }
     }
     free(ids);
-    pkv_server_request_free(&r);
+    srv_request_free(&r);
     return ret;
 }
 
@@ -829,21 +827,21 @@ static enum MHD_Result handle_generate(pkv_server_t *s, struct MHD_Connection *c
 static enum MHD_Result on_first_call(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr,
                                      const char *url, const char *method)
 {
-    hr->route = PKV_ROUTE_OTHER;
+    hr->route = SRV_ROUTE_OTHER;
     const char *allow = NULL;
     for (size_t i = 0; i < PKV_ARRAY_LEN(routes); i++)
         if (!strcmp(url, routes[i].path)) hr->route = routes[i].route, allow = routes[i].allow;
     if (!allow && !strncmp(url, "/v1/models/", 11) && url[11])
-        hr->route = PKV_ROUTE_MODEL, allow = "GET, HEAD";
+        hr->route = SRV_ROUTE_MODEL, allow = "GET, HEAD";
     if (!allow) {
         char msg[160];
         snprintf(msg, sizeof(msg), "no such endpoint: %.100s", url);
         return answer_errorf(s, c, hr, 404, "not_found_error", "not_found", msg);
     }
     if (!method_allowed(allow, method)) {
-        pkv_server_error_t err;
-        pkv_server_error_set(&err, 405, "invalid_request_error", "method_not_allowed", NULL,
-                             "method %.16s is not allowed on %s (allowed: %s)", method, url, allow);
+        srv_error_t err;
+        srv_error_set(&err, 405, "invalid_request_error", "method_not_allowed", NULL,
+                      "method %.16s is not allowed on %s (allowed: %s)", method, url, allow);
         struct MHD_Response *r = error_response(&err);
         if (r) MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, allow);
         return queue(s, c, hr, 405, r);
@@ -855,7 +853,7 @@ static enum MHD_Result on_first_call(pkv_server_t *s, struct MHD_Connection *c, 
         errno = 0;
         unsigned long long n = strtoull(cl, &end, 10);
         if (!errno && end != cl && n > s->max_body) {
-            if (hr->route <= PKV_ROUTE_CHAT) count_rejection(s, PKV_REJ_BODY_TOO_LARGE);
+            if (hr->route <= SRV_ROUTE_CHAT) count_rejection(s, SRV_REJ_BODY_TOO_LARGE);
             char msg[160];
             snprintf(msg, sizeof(msg),
                      "the request body (%llu bytes) is over the limit (%llu bytes)", n,
@@ -902,13 +900,13 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     }
     (void)version;
     if (hr->too_large) {
-        if (hr->route <= PKV_ROUTE_CHAT) count_rejection(s, PKV_REJ_BODY_TOO_LARGE);
+        if (hr->route <= SRV_ROUTE_CHAT) count_rejection(s, SRV_REJ_BODY_TOO_LARGE);
         char msg[160];
         snprintf(msg, sizeof(msg), "the request body is over the limit (%llu bytes)",
                  (unsigned long long)s->max_body);
         return answer_errorf(s, c, hr, 413, "invalid_request_error", "body_too_large", msg);
     }
-    if (hr->route == PKV_ROUTE_COMPLETIONS || hr->route == PKV_ROUTE_CHAT)
+    if (hr->route == SRV_ROUTE_COMPLETIONS || hr->route == SRV_ROUTE_CHAT)
         return handle_generate(s, c, hr);
     return handle_simple(s, c, hr, url);
 }
@@ -1116,7 +1114,7 @@ int pkv_server_create(const pkv_server_config_t *cfg, pkv_server_t **out)
     s->rng = (uint64_t)pkv_now_ns() ^ ((uint64_t)getpid() << 32);
     atomic_init(&s->stopping, false);
     if (pthread_mutex_init(&s->lock, NULL)) goto fail_lock;
-    if (pkv__cond_init_monotonic(&s->idle_cv)) goto fail_cv;
+    if (pkv_cond_init_monotonic(&s->idle_cv)) goto fail_cv;
     if (!(s->host = strdup(cfg->host ? cfg->host : "127.0.0.1"))) goto fail_host;
     if ((rc = build_stack(s, cfg))) goto fail_stack;
     const char *name = cfg->served_name;
@@ -1174,7 +1172,7 @@ int pkv_server_wait_idle(pkv_server_t *s, uint64_t deadline_ns)
             rc = PKV_ERR_TIMEOUT;
             break;
         }
-        struct timespec ts = pkv__deadline_to_monotonic(deadline_ns);
+        struct timespec ts = pkv_deadline_to_monotonic(deadline_ns);
         pthread_cond_timedwait(&s->idle_cv, &s->lock, &ts);
     }
     pthread_mutex_unlock(&s->lock);

@@ -493,7 +493,7 @@ static void *stage_reclaim_main(void *arg)
                 pthread_cond_wait(&st->reclaim_cond, &st->lock);
         } else {
             uint64_t wake = next + idle < next ? PKV_DEADLINE_NEVER : next + idle;
-            struct timespec ts = pkv__deadline_to_monotonic(wake);
+            struct timespec ts = pkv_deadline_to_monotonic(wake);
             pthread_cond_timedwait(&st->reclaim_cond, &st->lock, &ts);
         }
     }
@@ -611,8 +611,8 @@ static void stage_arena_close(pkv_stage_t *st)
 static int stage_sync_open(pkv_stage_t *st)
 {
     if (pthread_mutex_init(&st->lock, NULL)) return PKV_ERR_NOMEM;
-    if (pkv__cond_init_monotonic(&st->reclaim_cond)) goto fail_mutex;
-    if (pkv__cond_init_monotonic(&st->drain_cond)) goto fail_reclaim_cond;
+    if (pkv_cond_init_monotonic(&st->reclaim_cond)) goto fail_mutex;
+    if (pkv_cond_init_monotonic(&st->drain_cond)) goto fail_reclaim_cond;
     if (st->cfg.idle_release_ns != PKV_DEADLINE_NEVER) {
         if (pkv_fault_hit(PKV_FAULT_THREAD) ||
             pthread_create(&st->reclaimer, NULL, stage_reclaim_main, st))
@@ -698,7 +698,7 @@ int pkv_stage_destroy(pkv_stage_t *st, uint64_t drain_deadline_ns, size_t *leake
     pthread_mutex_lock(&st->lock);
     st->draining = true;
     while (st->stats.transfers_live > 0 && pkv_now_ns() < drain_deadline_ns) {
-        struct timespec ts = pkv__deadline_to_monotonic(drain_deadline_ns);
+        struct timespec ts = pkv_deadline_to_monotonic(drain_deadline_ns);
         pthread_cond_timedwait(&st->drain_cond, &st->lock, &ts);
     }
     /* Threads still inside acquire were woken by shutdown; they only need the lock. */
@@ -788,7 +788,7 @@ static int stage_park(pkv_stage_t *st, stage_waiter_t *w, uint64_t deadline_ns, 
             break;
         }
         /* Recomputed each time: PKV_DEADLINE_NEVER maps to "an hour from now". */
-        struct timespec ts = pkv__deadline_to_monotonic(deadline_ns);
+        struct timespec ts = pkv_deadline_to_monotonic(deadline_ns);
         pthread_cond_timedwait(&w->cond, &st->lock, &ts);
     }
     st->parked--;
@@ -960,7 +960,7 @@ static int stage_acquire(pkv_stage_t *st, uint64_t transfer_id, uint32_t peer, u
         g = pkv_fault_hit(PKV_FAULT_ALLOC)
                 ? NULL
                 : malloc(sizeof(*g) + (size_t)runs * sizeof(pkv_stage_run_t));
-        if (!g || pkv__cond_init_monotonic(&w.cond)) {
+        if (!g || pkv_cond_init_monotonic(&w.cond)) {
             free(g);
             return stage_acquire_fail(&q, PKV_ERR_NOMEM);
         }

@@ -2,7 +2,7 @@
  * The builtin byte-level BPE: pre-tokenizer, table construction, and encode.
  *
  * Encode is the standard merge-rank BPE. Text is first cut into pieces (GPT-2 style,
- * pkv__tok_piece_len) so merges stay local to a word; within a piece every byte
+ * pkv_tokenizer_piece_len) so merges stay local to a word; within a piece every byte
  * starts as its own symbol in a doubly linked list, and a min-heap keyed by
  * (merge rank, position) yields the next merge: the lowest-rank adjacent pair,
  * leftmost on ties. Entries are validated lazily when popped (the pair at that
@@ -13,7 +13,7 @@
  * pair, so the pieces of any encoding concatenate back to the input; specials sit
  * above the merges and no pair ever maps to them (unforgeable).
  */
-#include "tokenizer/tok_int.h"
+#include "tokenizer/tokenizer_int.h"
 
 #include "core/core.h"
 
@@ -41,7 +41,7 @@ static inline uint8_t lower(uint8_t c)
     return (c >= 'A' && c <= 'Z') ? (uint8_t)(c + 32) : c;
 }
 
-size_t pkv__tok_piece_len(const uint8_t *s, size_t n, size_t i)
+size_t pkv_tokenizer_piece_len(const uint8_t *s, size_t n, size_t i)
 {
     uint8_t c = s[i];
     if (c == '\'' && i + 1 < n) {
@@ -71,14 +71,14 @@ size_t pkv__tok_piece_len(const uint8_t *s, size_t n, size_t i)
 }
 
 /* ---- tables ----------------------------------------------------------------------- */
-static const char *const special_names[PKV__BPE_SPECIAL_COUNT] = {
+static const char *const special_names[TOK_BPE_SPECIAL_COUNT] = {
     "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>",
 };
 
 static int32_t pair_lookup(const struct pkv_tok *t, uint32_t a, uint32_t b)
 {
-    uint64_t key = pkv__tok_pair_key(a, b) + 1;
-    uint32_t h = (uint32_t)pkv__tok_mix64(key) & t->pair_mask;
+    uint64_t key = pkv_tokenizer_pair_key(a, b) + 1;
+    uint32_t h = (uint32_t)pkv_tokenizer_mix64(key) & t->pair_mask;
     for (;;) {
         uint64_t k = t->pair_keys[h];
         if (k == key) return t->pair_ids[h];
@@ -90,8 +90,8 @@ static int32_t pair_lookup(const struct pkv_tok *t, uint32_t a, uint32_t b)
 int pkv_tok_create_builtin(pkv_tok_t **out)
 {
     if (!out) return PKV_ERR_INVALID;
-    uint32_t merges = pkv__bpe_merge_count;
-    int32_t vocab = (int32_t)(256 + merges + PKV__BPE_SPECIAL_COUNT);
+    uint32_t merges = tok_bpe_merge_count;
+    int32_t vocab = (int32_t)(256 + merges + TOK_BPE_SPECIAL_COUNT);
     struct pkv_tok *t = calloc(1, sizeof(*t));
     if (!t) return PKV_ERR_NOMEM;
     t->kind = PKV_TOK_KIND_BUILTIN;
@@ -103,14 +103,14 @@ int pkv_tok_create_builtin(pkv_tok_t **out)
     size_t arena = 0;
     for (int32_t i = 0; i < 256; i++) lens[i] = 1, arena += 1;
     for (uint32_t r = 0; r < merges; r++) {
-        uint32_t a = pkv__bpe_merges[r][0], b = pkv__bpe_merges[r][1];
+        uint32_t a = tok_bpe_merges[r][0], b = tok_bpe_merges[r][1];
         PKV_ASSERT(a < 256 + r && b < 256 + r);
         lens[256 + r] = lens[a] + lens[b];
         arena += lens[256 + r];
     }
-    for (int i = 0; i < PKV__BPE_SPECIAL_COUNT; i++) arena += strlen(special_names[i]);
+    for (int i = 0; i < TOK_BPE_SPECIAL_COUNT; i++) arena += strlen(special_names[i]);
 
-    rc = pkv__tok_alloc_tables(t, vocab, arena);
+    rc = tok_alloc_tables(t, vocab, arena);
     if (rc) goto fail_tables;
     uint32_t cap = 1;
     while (cap < merges * 2 + 2) cap <<= 1;
@@ -130,14 +130,14 @@ int pkv_tok_create_builtin(pkv_tok_t **out)
         off++;
     }
     for (uint32_t r = 0; r < merges; r++) {
-        uint32_t a = pkv__bpe_merges[r][0], b = pkv__bpe_merges[r][1], id = 256 + r;
+        uint32_t a = tok_bpe_merges[r][0], b = tok_bpe_merges[r][1], id = 256 + r;
         memcpy(t->arena + off, t->arena + t->dec_off[a], t->dec_len[a]);
         memcpy(t->arena + off + t->dec_len[a], t->arena + t->dec_off[b], t->dec_len[b]);
         t->dec_off[id] = t->piece_off[id] = (uint32_t)off;
         t->dec_len[id] = t->piece_len[id] = lens[id];
         off += lens[id];
-        uint64_t key = pkv__tok_pair_key(a, b) + 1;
-        uint32_t h = (uint32_t)pkv__tok_mix64(key) & t->pair_mask;
+        uint64_t key = pkv_tokenizer_pair_key(a, b) + 1;
+        uint32_t h = (uint32_t)pkv_tokenizer_mix64(key) & t->pair_mask;
         while (t->pair_keys[h] != 0) {
             /* a pair merged twice would make the table ambiguous: generator bug */
             PKV_ASSERT(t->pair_keys[h] != key);
@@ -146,7 +146,7 @@ int pkv_tok_create_builtin(pkv_tok_t **out)
         t->pair_keys[h] = key;
         t->pair_ids[h] = (int32_t)id;
     }
-    for (int i = 0; i < PKV__BPE_SPECIAL_COUNT; i++) {
+    for (int i = 0; i < TOK_BPE_SPECIAL_COUNT; i++) {
         int32_t id = (int32_t)(256 + merges) + i;
         size_t l = strlen(special_names[i]);
         memcpy(t->arena + off, special_names[i], l);
@@ -157,8 +157,8 @@ int pkv_tok_create_builtin(pkv_tok_t **out)
         t->special[id] = 1;
         off += l;
     }
-    t->bos = (int32_t)(256 + merges) + PKV__BPE_SPECIAL_BOS;
-    t->eos = (int32_t)(256 + merges) + PKV__BPE_SPECIAL_EOS;
+    t->bos = (int32_t)(256 + merges) + TOK_BPE_SPECIAL_BOS;
+    t->eos = (int32_t)(256 + merges) + TOK_BPE_SPECIAL_EOS;
     t->space_id = -1;
     free(lens);
     *out = t;
@@ -279,14 +279,14 @@ static int encode_piece(const struct pkv_tok *t, struct bpe_scratch *sc, const u
     return PKV_OK;
 }
 
-int pkv__bpe_encode(const struct pkv_tok *t, const uint8_t *s, size_t len, int32_t *out, size_t cap,
-                    size_t *n)
+int tok_bpe_encode(const struct pkv_tok *t, const uint8_t *s, size_t len, int32_t *out, size_t cap,
+                   size_t *n)
 {
     struct bpe_scratch sc = {0};
     int rc = PKV_OK;
     size_t i = 0;
     while (i < len) {
-        size_t m = pkv__tok_piece_len(s, len, i);
+        size_t m = pkv_tokenizer_piece_len(s, len, i);
         if (m == 1) {
             if (*n >= cap) {
                 rc = PKV_ERR_NOSPACE;

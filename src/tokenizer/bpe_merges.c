@@ -66,12 +66,12 @@
  *   dictd/foldoc.dict
  * Merges 256..2465 are the seeded digit groups (--seed-digits).
  */
-#include "tokenizer/tok_int.h"
+#include "tokenizer/tokenizer_int.h"
 
-const uint32_t pkv__bpe_merge_count = 16122;
+const uint32_t tok_bpe_merge_count = 16122;
 
 /* clang-format off */
-const uint16_t pkv__bpe_merges[][2] = {
+const uint16_t tok_bpe_merges[][2] = {
     {48, 48}, /* 256: count 5101 */
     {48, 49}, /* 257: count 2739 */
     {48, 50}, /* 258: count 1652 */

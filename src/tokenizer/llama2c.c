@@ -21,7 +21,7 @@
  * piece string occurs twice the lowest id wins (llama2.c's bsearch picks either);
  * a byte with no <0xXX> piece encodes as <unk> (llama2.c would emit byte + 3).
  */
-#include "tokenizer/tok_int.h"
+#include "tokenizer/tokenizer_int.h"
 
 #include "core/core.h"
 
@@ -41,7 +41,7 @@ static uint64_t str_hash2(const uint8_t *a, size_t al, const uint8_t *b, size_t 
     uint64_t h = 0xcbf29ce484222325ull; /* FNV-1a */
     for (size_t i = 0; i < al; i++) h = (h ^ a[i]) * 0x100000001b3ull;
     for (size_t i = 0; i < bl; i++) h = (h ^ b[i]) * 0x100000001b3ull;
-    return pkv__tok_mix64(h);
+    return pkv_tokenizer_mix64(h);
 }
 
 /* The id of the matchable piece equal to a||b, or -1. */
@@ -97,25 +97,25 @@ int pkv_tok_load_llama2c_mem(const void *data, size_t len, int32_t vocab_size, p
     const uint8_t *d = data;
     if ((!d && len) || !out) return PKV_ERR_INVALID;
     if (vocab_size < 3 || vocab_size > LLAMA2C_MAX_VOCAB) {
-        PKV_LOGE(PKV_TOK_LOG, "llama2c tokenizer: vocab size %d outside [3, %d]", (int)vocab_size,
+        PKV_LOGE(TOK_LOG, "llama2c tokenizer: vocab size %d outside [3, %d]", (int)vocab_size,
                  LLAMA2C_MAX_VOCAB);
         return PKV_ERR_INVALID;
     }
     if (len < 4) {
-        PKV_LOGE(PKV_TOK_LOG, "llama2c tokenizer: %zu bytes, too short for the header", len);
+        PKV_LOGE(TOK_LOG, "llama2c tokenizer: %zu bytes, too short for the header", len);
         return PKV_ERR_CORRUPT;
     }
     int32_t max_len = rd_i32(d);
     if (max_len <= 0 || max_len > LLAMA2C_MAX_PIECE) {
-        PKV_LOGE(PKV_TOK_LOG, "llama2c tokenizer: max_token_length %d outside [1, %d]",
-                 (int)max_len, LLAMA2C_MAX_PIECE);
+        PKV_LOGE(TOK_LOG, "llama2c tokenizer: max_token_length %d outside [1, %d]", (int)max_len,
+                 LLAMA2C_MAX_PIECE);
         return PKV_ERR_CORRUPT;
     }
     /* pass 1: validate every entry against the file size and the header */
     size_t off = 4;
     for (int32_t i = 0; i < vocab_size; i++) {
         if (len - off < 8) {
-            PKV_LOGE(PKV_TOK_LOG,
+            PKV_LOGE(TOK_LOG,
                      "llama2c tokenizer: truncated at token %d of %d (offset %zu of %zu bytes)",
                      (int)i, (int)vocab_size, off, len);
             return PKV_ERR_CORRUPT;
@@ -123,12 +123,12 @@ int pkv_tok_load_llama2c_mem(const void *data, size_t len, int32_t vocab_size, p
         float score = rd_f32(d + off);
         int32_t l = rd_i32(d + off + 4);
         if (!isfinite(score)) {
-            PKV_LOGE(PKV_TOK_LOG, "llama2c tokenizer: token %d has a non-finite score (offset %zu)",
+            PKV_LOGE(TOK_LOG, "llama2c tokenizer: token %d has a non-finite score (offset %zu)",
                      (int)i, off);
             return PKV_ERR_CORRUPT;
         }
         if (l < 0 || l > max_len) {
-            PKV_LOGE(PKV_TOK_LOG,
+            PKV_LOGE(TOK_LOG,
                      "llama2c tokenizer: token %d has length %d outside [0, max_token_length %d] "
                      "(offset %zu)",
                      (int)i, (int)l, (int)max_len, off + 4);
@@ -136,7 +136,7 @@ int pkv_tok_load_llama2c_mem(const void *data, size_t len, int32_t vocab_size, p
         }
         off += 8;
         if (len - off < (size_t)l) {
-            PKV_LOGE(PKV_TOK_LOG,
+            PKV_LOGE(TOK_LOG,
                      "llama2c tokenizer: truncated inside token %d of %d (needs %d bytes at "
                      "offset %zu of %zu)",
                      (int)i, (int)vocab_size, (int)l, off, len);
@@ -145,7 +145,7 @@ int pkv_tok_load_llama2c_mem(const void *data, size_t len, int32_t vocab_size, p
         off += (size_t)l;
     }
     if (off != len) {
-        PKV_LOGE(PKV_TOK_LOG,
+        PKV_LOGE(TOK_LOG,
                  "llama2c tokenizer: %zu trailing bytes after %d tokens (wrong vocab size?)",
                  len - off, (int)vocab_size);
         return PKV_ERR_CORRUPT;
@@ -154,7 +154,7 @@ int pkv_tok_load_llama2c_mem(const void *data, size_t len, int32_t vocab_size, p
     /* pass 2: build the tables. Arena: every piece, plus one byte per byte piece. */
     struct pkv_tok *t = calloc(1, sizeof(*t));
     if (!t) return PKV_ERR_NOMEM;
-    int rc = pkv__tok_alloc_tables(t, vocab_size, len + 256);
+    int rc = tok_alloc_tables(t, vocab_size, len + 256);
     if (rc) goto fail;
     t->kind = PKV_TOK_KIND_LLAMA2C;
     t->bos = 1;
@@ -227,7 +227,7 @@ int pkv_tok_load_llama2c(const char *path, int32_t vocab_size, pkv_tok_t **out)
     if (!path || !out) return PKV_ERR_INVALID;
     FILE *f = fopen(path, "rb");
     if (!f) {
-        PKV_LOGE(PKV_TOK_LOG, "llama2c tokenizer: cannot open %s: %s", path, strerror(errno));
+        PKV_LOGE(TOK_LOG, "llama2c tokenizer: cannot open %s: %s", path, strerror(errno));
         return PKV_ERR_IO;
     }
     int rc = PKV_OK;
@@ -235,12 +235,12 @@ int pkv_tok_load_llama2c(const char *path, int32_t vocab_size, pkv_tok_t **out)
     long size = -1;
     if (fseek(f, 0, SEEK_END) == 0) size = ftell(f);
     if (size < 0 || fseek(f, 0, SEEK_SET) != 0) {
-        PKV_LOGE(PKV_TOK_LOG, "llama2c tokenizer: cannot size %s: %s", path, strerror(errno));
+        PKV_LOGE(TOK_LOG, "llama2c tokenizer: cannot size %s: %s", path, strerror(errno));
         rc = PKV_ERR_IO;
         goto done;
     }
     if ((size_t)size > LLAMA2C_MAX_FILE) {
-        PKV_LOGE(PKV_TOK_LOG, "llama2c tokenizer: %s is %ld bytes, over the %zu limit", path, size,
+        PKV_LOGE(TOK_LOG, "llama2c tokenizer: %s is %ld bytes, over the %zu limit", path, size,
                  LLAMA2C_MAX_FILE);
         rc = PKV_ERR_CORRUPT;
         goto done;
@@ -251,13 +251,13 @@ int pkv_tok_load_llama2c(const char *path, int32_t vocab_size, pkv_tok_t **out)
         goto done;
     }
     if (fread(buf, 1, (size_t)size, f) != (size_t)size) {
-        PKV_LOGE(PKV_TOK_LOG, "llama2c tokenizer: short read of %s", path);
+        PKV_LOGE(TOK_LOG, "llama2c tokenizer: short read of %s", path);
         rc = PKV_ERR_IO;
         goto done;
     }
     rc = pkv_tok_load_llama2c_mem(buf, (size_t)size, vocab_size, out);
     if (rc && rc != PKV_ERR_NOMEM)
-        PKV_LOGE(PKV_TOK_LOG, "llama2c tokenizer: %s rejected (%s)", path, pkv_status_str(rc));
+        PKV_LOGE(TOK_LOG, "llama2c tokenizer: %s rejected (%s)", path, pkv_status_str(rc));
 done:
     free(buf);
     fclose(f);
@@ -329,8 +329,8 @@ static void l2_candidate(const struct pkv_tok *t, struct l2_node *nodes, int32_t
     l2_push(h, hn, e);
 }
 
-int pkv__llama2c_encode(const struct pkv_tok *t, const uint8_t *s, size_t len, int32_t *out,
-                        size_t cap, size_t *n)
+int tok_llama2c_encode(const struct pkv_tok *t, const uint8_t *s, size_t len, int32_t *out,
+                       size_t cap, size_t *n)
 {
     if (len == 0) return PKV_OK;
     if (len >= INT32_MAX / 4) return PKV_ERR_NOFIT;

@@ -1,16 +1,16 @@
 /*
  * tokenizer: the parts common to both kinds: lifetime, accessors, encode dispatch,
- * decode, and the chat template. The kinds fill the same struct (tok_int.h); after
+ * decode, and the chat template. The kinds fill the same struct (tokenizer_int.h); after
  * creation nothing mutates it, so every call here is safe from many threads at once.
  */
-#include "tokenizer/tok_int.h"
+#include "tokenizer/tokenizer_int.h"
 
 #include "core/core.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-int pkv__tok_alloc_tables(struct pkv_tok *t, int32_t vocab_size, size_t arena_bytes)
+int tok_alloc_tables(struct pkv_tok *t, int32_t vocab_size, size_t arena_bytes)
 {
     size_t v = (size_t)vocab_size;
     t->vocab_size = vocab_size;
@@ -66,7 +66,7 @@ bool pkv_tok_is_special(const pkv_tok_t *tok, int32_t id)
 bool pkv_tok_is_stop(const pkv_tok_t *tok, int32_t id)
 {
     if (id == tok->eos) return true;
-    return tok->kind == PKV_TOK_KIND_BUILTIN && id == tok->bos + PKV__BPE_SPECIAL_END;
+    return tok->kind == PKV_TOK_KIND_BUILTIN && id == tok->bos + TOK_BPE_SPECIAL_END;
 }
 
 size_t pkv_tok_utf8_complete(const char *bytes, size_t len)
@@ -98,8 +98,8 @@ static int encode_into(const pkv_tok_t *tok, const char *text, size_t len, bool 
         out[(*n)++] = tok->bos;
     }
     if (tok->kind == PKV_TOK_KIND_BUILTIN)
-        return pkv__bpe_encode(tok, (const uint8_t *)text, len, out, cap, n);
-    return pkv__llama2c_encode(tok, (const uint8_t *)text, len, out, cap, n);
+        return tok_bpe_encode(tok, (const uint8_t *)text, len, out, cap, n);
+    return tok_llama2c_encode(tok, (const uint8_t *)text, len, out, cap, n);
 }
 
 int pkv_tok_encode(const pkv_tok_t *tok, const char *text, size_t len, bool add_bos, int32_t *out,
@@ -159,8 +159,8 @@ int pkv_tok_decode(const pkv_tok_t *tok, const int32_t *ids, size_t n, char **te
     size_t total = 0;
     for (size_t i = 0; i < n; i++) {
         if (ids[i] < 0 || ids[i] >= tok->vocab_size) {
-            PKV_LOGE(PKV_TOK_LOG, "decode: id %d at index %zu is outside the vocab (%d)",
-                     (int)ids[i], i, (int)tok->vocab_size);
+            PKV_LOGE(TOK_LOG, "decode: id %d at index %zu is outside the vocab (%d)", (int)ids[i],
+                     i, (int)tok->vocab_size);
             return PKV_ERR_INVALID;
         }
         total += tok->dec_len[ids[i]];
@@ -281,15 +281,15 @@ static int render_builtin(struct chat_out *o, const pkv_chat_msg_t *msgs, size_t
     int32_t base = t->bos; /* specials are laid out in enum order from BOS */
     int rc = out_special(o, t->bos);
     for (size_t i = 0; i < n && !rc; i++) {
-        int32_t marker = base + PKV__BPE_SPECIAL_SYSTEM + (int32_t)msgs[i].role;
+        int32_t marker = base + TOK_BPE_SPECIAL_SYSTEM + (int32_t)msgs[i].role;
         rc = out_special(o, marker);
         if (!rc) rc = out_str(o, "\n");
         if (!rc) rc = out_text(o, msgs[i].content, msgs[i].content_len);
-        if (!rc) rc = out_special(o, base + PKV__BPE_SPECIAL_END);
+        if (!rc) rc = out_special(o, base + TOK_BPE_SPECIAL_END);
         if (!rc) rc = out_str(o, "\n");
     }
     if (!rc && gen) {
-        rc = out_special(o, base + PKV__BPE_SPECIAL_ASSISTANT);
+        rc = out_special(o, base + TOK_BPE_SPECIAL_ASSISTANT);
         if (!rc) rc = out_str(o, "\n");
     }
     return rc;
@@ -343,11 +343,11 @@ static int chat_validate(const pkv_tok_t *tok, const pkv_chat_msg_t *msgs, size_
     for (size_t i = 0; i < n; i++) {
         if ((unsigned)msgs[i].role > PKV_CHAT_ASSISTANT ||
             (!msgs[i].content && msgs[i].content_len)) {
-            PKV_LOGE(PKV_TOK_LOG, "chat: message %zu has a bad role or content", i);
+            PKV_LOGE(TOK_LOG, "chat: message %zu has a bad role or content", i);
             return PKV_ERR_INVALID;
         }
         if (msgs[i].role == PKV_CHAT_SYSTEM && i != 0) {
-            PKV_LOGE(PKV_TOK_LOG, "chat: a system message is allowed only first (message %zu)", i);
+            PKV_LOGE(TOK_LOG, "chat: a system message is allowed only first (message %zu)", i);
             return PKV_ERR_INVALID;
         }
         if (tok->kind == PKV_TOK_KIND_LLAMA2C) {
@@ -355,7 +355,7 @@ static int chat_validate(const pkv_tok_t *tok, const pkv_chat_msg_t *msgs, size_
             if (i >= first) {
                 pkv_chat_role_t want = ((i - first) % 2 == 0) ? PKV_CHAT_USER : PKV_CHAT_ASSISTANT;
                 if (msgs[i].role != want) {
-                    PKV_LOGE(PKV_TOK_LOG,
+                    PKV_LOGE(TOK_LOG,
                              "chat: llama 2 chat needs user/assistant turns in turn; message "
                              "%zu is %s",
                              i, pkv_chat_role_name(msgs[i].role));

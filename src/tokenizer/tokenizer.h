@@ -16,14 +16,14 @@
  * GPT-2 style: contractions, an optional leading space joined to a run of letters
  * (bytes >= 0x80 count as letters), of digits, or of other non-space bytes, and runs
  * of whitespace (whose last space joins the next word). Merges never cross pieces. */
-size_t pkv__tok_piece_len(const uint8_t *s, size_t n, size_t i);
+size_t pkv_tokenizer_piece_len(const uint8_t *s, size_t n, size_t i);
 
 /* A hash of a pair of ids, shared by the encoder and the trainer. */
-static inline uint64_t pkv__tok_pair_key(uint32_t a, uint32_t b)
+static inline uint64_t pkv_tokenizer_pair_key(uint32_t a, uint32_t b)
 {
     return ((uint64_t)a << 32) | b;
 }
-static inline uint64_t pkv__tok_mix64(uint64_t x)
+static inline uint64_t pkv_tokenizer_mix64(uint64_t x)
 {
     x ^= x >> 33;
     x *= 0xff51afd7ed558ccdull;

@@ -472,7 +472,7 @@ int xf_sockaddr_parse(const char *addr, struct sockaddr_storage *ss, socklen_t *
 int xf_sockaddr_parse(const char *addr, struct sockaddr_storage *ss, socklen_t *len)
 {
     char host[PKV_XFER_ADDR_MAX];
-    if (!pkv_xfer_wire_addr_valid(addr)) return PKV_ERR_INVALID;
+    if (!xf_wire_addr_valid(addr)) return PKV_ERR_INVALID;
     const char *colon = strrchr(addr, ':');
     size_t hl = (size_t)(colon - addr);
     const char *h = addr;
@@ -674,7 +674,7 @@ static int agent_identity(pkv_xfer_agent_t *a, const pkv_xfer_config_t *c)
         else
             a->arena_fd = -1;
     }
-    rc = pkv_xfer_wire_check_geometry(&a->geo, &a->layer_bytes);
+    rc = xf_wire_check_geometry(&a->geo, &a->layer_bytes);
     if (rc || !a->page_bytes) {
         PKV_LOGE(XF_MOD, "config: pool geometry or staging page size out of range");
         return PKV_ERR_INVALID;
@@ -727,8 +727,8 @@ int pkv_xfer_agent_create(const pkv_xfer_config_t *cfg, pkv_xfer_agent_t **out)
         rc = PKV_ERR_NOMEM;
         goto fail_free;
     }
-    if (pkv__cond_init_monotonic(&a->job_cond) || pkv__cond_init_monotonic(&a->seat_cond) ||
-        pkv__cond_init_monotonic(&a->idle_cond)) {
+    if (pkv_cond_init_monotonic(&a->job_cond) || pkv_cond_init_monotonic(&a->seat_cond) ||
+        pkv_cond_init_monotonic(&a->idle_cond)) {
         rc = PKV_ERR_NOMEM;
         goto fail_lock;
     }
@@ -880,7 +880,7 @@ int pkv_xfer_wait_idle(pkv_xfer_agent_t *a, uint64_t deadline_ns)
             break;
         }
         /* Recomputed each time: PKV_DEADLINE_NEVER maps to "an hour from now". */
-        struct timespec ts = pkv__deadline_to_monotonic(deadline_ns);
+        struct timespec ts = pkv_deadline_to_monotonic(deadline_ns);
         pthread_cond_timedwait(&a->idle_cond, &a->lock, &ts);
     }
     pthread_mutex_unlock(&a->lock);

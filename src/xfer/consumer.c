@@ -69,7 +69,7 @@ static bool geo_equal(const pkv_geometry_t *x, const pkv_geometry_t *y)
  * the agent not stopping. */
 static int read_check(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h)
 {
-    if (!pkv_xfer_wire_addr_valid(h->addr)) {
+    if (!xf_wire_addr_valid(h->addr)) {
         PKV_LOGW(XF_MOD, "read: handle address '%.*s' is not host:port", PKV_XFER_ADDR_MAX - 1,
                  h->addr);
         return PKV_ERR_INVALID;
@@ -119,7 +119,7 @@ int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_
     pkv_xfer_read_t *rd = calloc(1, sizeof(*rd));
     if (!rd) return PKV_ERR_NOMEM;
     if (pthread_mutex_init(&rd->mu, NULL)) goto fail_rd;
-    if (pkv__cond_init_monotonic(&rd->cv)) goto fail_mu;
+    if (pkv_cond_init_monotonic(&rd->cv)) goto fail_mu;
     bool small = xf_small(a, n);
     uint32_t chunk =
         small ? PKV_MIN(a->cfg.chunk_bytes, PKV_XFER_WHOLE_CHUNK_BYTES) : a->cfg.chunk_bytes;
@@ -204,7 +204,7 @@ int pkv_xfer_read_wait(pkv_xfer_read_t *rd, uint64_t wait_deadline_ns, int *outc
     pthread_mutex_lock(&rd->mu);
     while (!atomic_load(&rd->done) && wait_deadline_ns && pkv_now_ns() < wait_deadline_ns) {
         /* Recomputed each time: PKV_DEADLINE_NEVER maps to "an hour from now". */
-        struct timespec ts = pkv__deadline_to_monotonic(wait_deadline_ns);
+        struct timespec ts = pkv_deadline_to_monotonic(wait_deadline_ns);
         pthread_cond_timedwait(&rd->cv, &rd->mu, &ts);
     }
     bool done = atomic_load(&rd->done);
@@ -302,7 +302,7 @@ static void settle(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
 
 static int fail_reason(int outcome)
 {
-    return pkv_xfer_wire_reason_valid(outcome) ? outcome : PKV_ERR_CANCELLED;
+    return xf_wire_reason_valid(outcome) ? outcome : PKV_ERR_CANCELLED;
 }
 
 /* Decide the read's outcome (once). `tell` sends FAIL to the producer. The caller still
@@ -563,7 +563,7 @@ static void post_recvs(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
          * the call (NO_IMM_CMPL) and still returns the (then freed) request. */
         ch->done = false;
         rd->recvs_inflight++;
-        void *req = ucp_tag_recv_nbx(a->worker, buf, count, pkv_wire_data_tag(rd->xfer_id, c),
+        void *req = ucp_tag_recv_nbx(a->worker, buf, count, xf_wire_data_tag(rd->xfer_id, c),
                                      UINT64_MAX, &prm);
         if (UCS_PTR_IS_ERR(req)) {
             rd->recvs_inflight--;
@@ -589,7 +589,7 @@ static void send_read(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
         finish(a, rd, PKV_ERR_TIMEOUT, false, "deadline passed while seating staging");
         return;
     }
-    pkv_wire_read_t r;
+    xf_wire_read_t r;
     memset(&r, 0, sizeof(r));
     r.xfer_id = rd->xfer_id;
     r.request_id = rd->request_id;
@@ -598,11 +598,11 @@ static void send_read(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
     r.geo = a->geo;
     r.chunk_bytes = v->chunk_bytes;
     r.flags = (rd->shared ? PKV_WIRE_READ_SHARED : 0) | (v->whole ? PKV_WIRE_READ_WHOLE : 0);
-    uint32_t runs = pkv_xfer_wire_count_runs(rd->src_blocks, v->n_blocks);
-    size_t cap = pkv_xfer_wire_read_bytes(runs), len;
+    uint32_t runs = xf_wire_count_runs(rd->src_blocks, v->n_blocks);
+    size_t cap = xf_wire_read_bytes(runs), len;
     uint8_t *buf = malloc(cap);
-    int rc = buf ? pkv_xfer_wire_encode_read(&r, rd->src_blocks, v->n_blocks, buf, cap, &len)
-                 : PKV_ERR_NOMEM;
+    int rc =
+        buf ? xf_wire_encode_read(&r, rd->src_blocks, v->n_blocks, buf, cap, &len) : PKV_ERR_NOMEM;
     if (rc == PKV_OK) rc = xf_ctl_send(a, rd->peer, buf, len);
     free(buf);
     if (rc == PKV_ERR_PEER_LOST) {
@@ -643,12 +643,12 @@ static void layer_stored(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l, i
     }
     rd->layer_flags[l] |= LF_STORED;
     if (++rd->layers_verified == rd->v.layers) {
-        pkv_wire_ack_t k = {.xfer_id = rd->xfer_id,
-                            .request_id = rd->request_id,
-                            .bytes = rd->v.layer_total * rd->v.layers};
+        xf_wire_ack_t k = {.xfer_id = rd->xfer_id,
+                           .request_id = rd->request_id,
+                           .bytes = rd->v.layer_total * rd->v.layers};
         uint8_t buf[64];
         size_t len;
-        if (pkv_xfer_wire_encode_ack(&k, buf, sizeof(buf), &len) == PKV_OK)
+        if (xf_wire_encode_ack(&k, buf, sizeof(buf), &len) == PKV_OK)
             xf_ctl_send(a, rd->peer, buf, len);
         finish(a, rd, PKV_OK, false, "ok");
     }
@@ -694,11 +694,11 @@ static pkv_xfer_read_t *find_read(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xf
 
 /* A shared DATA's pieces, each inside the arena we mapped: a copy the read keeps, or NULL
  * (out of memory or outside: both end the read). */
-static uint64_t *arena_pieces(const pkv_xfer_read_t *rd, const pkv_wire_data_t *d)
+static uint64_t *arena_pieces(const pkv_xfer_read_t *rd, const xf_wire_data_t *d)
 {
     uint64_t *pc = malloc(16 * (size_t)d->n_pieces);
     for (uint32_t i = 0; pc && i < d->n_pieces; i++) {
-        pkv_xfer_wire_data_piece(d, i, &pc[2 * i], &pc[2 * i + 1]);
+        xf_wire_data_piece(d, i, &pc[2 * i], &pc[2 * i + 1]);
         if (pc[2 * i] + pc[2 * i + 1] > rd->local_bytes) {
             free(pc);
             return NULL;
@@ -707,7 +707,7 @@ static uint64_t *arena_pieces(const pkv_xfer_read_t *rd, const pkv_wire_data_t *
     return pc;
 }
 
-void xf_read_on_data(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_data_t *d)
+void xf_read_on_data(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_data_t *d)
 {
     pkv_xfer_read_t *rd = find_read(a, p, d->xfer_id);
     if (!rd || rd->finished) return; /* late message for an ended read */
@@ -743,7 +743,7 @@ void xf_read_on_data(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_data_t *d
     uint32_t first = d->layer, end = all_msg ? rd->v.layers : d->layer + 1;
     for (uint32_t l = first; l < end; l++) {
         rd->layer_flags[l] |= LF_HEADER;
-        rd->layer_sum[l] = all_msg ? pkv_xfer_wire_data_sum(d, l) : d->checksum;
+        rd->layer_sum[l] = all_msg ? xf_wire_data_sum(d, l) : d->checksum;
         if (!shared_msg) continue;
         rd->layer_chunks[l] = rd->v.chunks_per_layer; /* no payload messages */
         fault(a, PKV_XFER_FAULT_READ_LAYER_RECEIVED, l);
@@ -752,7 +752,7 @@ void xf_read_on_data(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_data_t *d
     settle(a, rd);
 }
 
-void xf_read_on_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_fail_t *f)
+void xf_read_on_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_fail_t *f)
 {
     pkv_xfer_read_t *rd = find_read(a, p, f->xfer_id);
     if (!rd || rd->finished) return;

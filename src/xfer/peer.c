@@ -174,11 +174,10 @@ void xf_peer_close_all(pkv_xfer_agent_t *a, bool force)
 
 static void send_close(pkv_xfer_agent_t *a, xf_peer_t *p, uint32_t flags)
 {
-    pkv_wire_close_t cl = {.agent_id = a->agent_id, .flags = flags};
+    xf_wire_close_t cl = {.agent_id = a->agent_id, .flags = flags};
     uint8_t buf[64];
     size_t len;
-    if (pkv_xfer_wire_encode_close(&cl, buf, sizeof(buf), &len) == PKV_OK)
-        xf_ctl_send(a, p, buf, len);
+    if (xf_wire_encode_close(&cl, buf, sizeof(buf), &len) == PKV_OK) xf_ctl_send(a, p, buf, len);
 }
 
 /* Shutdown: ask every live peer to confirm it has processed everything we sent. */
@@ -346,7 +345,7 @@ static void peer_drop_queued(xf_peer_t *p)
 void xf_send_fail(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, uint64_t request_id,
                   int reason, const char *text)
 {
-    pkv_wire_fail_t f;
+    xf_wire_fail_t f;
     memset(&f, 0, sizeof(f));
     f.xfer_id = xfer_id;
     f.request_id = request_id;
@@ -354,17 +353,15 @@ void xf_send_fail(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, uint64_t 
     snprintf(f.text, sizeof(f.text), "%s", text ? text : "");
     uint8_t buf[PKV_WIRE_HEADER_BYTES + 24 + PKV_WIRE_MAX_TEXT];
     size_t len;
-    if (pkv_xfer_wire_encode_fail(&f, buf, sizeof(buf), &len) == PKV_OK)
-        xf_ctl_send(a, p, buf, len);
+    if (xf_wire_encode_fail(&f, buf, sizeof(buf), &len) == PKV_OK) xf_ctl_send(a, p, buf, len);
 }
 
 static void send_heartbeat(pkv_xfer_agent_t *a, xf_peer_t *p)
 {
-    pkv_wire_heartbeat_t h = {.agent_id = a->agent_id, .seq = ++p->hb_seq};
+    xf_wire_heartbeat_t h = {.agent_id = a->agent_id, .seq = ++p->hb_seq};
     uint8_t buf[64];
     size_t len;
-    if (pkv_xfer_wire_encode_heartbeat(&h, buf, sizeof(buf), &len) == PKV_OK)
-        xf_ctl_send(a, p, buf, len);
+    if (xf_wire_encode_heartbeat(&h, buf, sizeof(buf), &len) == PKV_OK) xf_ctl_send(a, p, buf, len);
 }
 
 void xf_peers_tick(pkv_xfer_agent_t *a, uint64_t now)
@@ -427,7 +424,7 @@ void xf_peers_tick(pkv_xfer_agent_t *a, uint64_t now)
 /* A message we cannot decode (another version's, or a malformed one of ours) that still
  * names a transfer: answer a READ with FAIL rejected and end a read or serve it names,
  * so neither side waits out its deadline. */
-static void on_unreadable(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_foreign_t *f,
+static void on_unreadable(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_foreign_t *f,
                           const char *why)
 {
     if (!f->xfer_id) return;
@@ -455,11 +452,11 @@ ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, voi
     if (!p || p->state != XF_PEER_ACTIVE) return UCS_OK;
     p->rx_seen = true; /* the tick stamps last_rx_ns */
     if (!p->established) peer_established(p);
-    pkv_wire_msg_t m;
-    if (pkv_xfer_wire_decode(data, length, &m)) {
-        pkv_wire_foreign_t f = {0, 0, 0};
+    xf_wire_msg_t m;
+    if (xf_wire_decode(data, length, &m)) {
+        xf_wire_foreign_t f = {0, 0, 0};
         char why[64];
-        bool peeked = pkv_xfer_wire_peek(data, length, &f) == PKV_OK;
+        bool peeked = xf_wire_peek(data, length, &f) == PKV_OK;
         if (peeked && f.version != PKV_WIRE_VERSION) {
             XF_STAT_ADD(a, foreign_msgs, 1);
             snprintf(why, sizeof(why), "wire version %u (this agent speaks %u)", f.version,

@@ -451,14 +451,14 @@ static void serve_finish(pkv_xfer_agent_t *a, xf_serve_t *s, int outcome, bool t
     }
     if (tell && s->peer->state == XF_PEER_ACTIVE)
         xf_send_fail(a, s->peer, s->xfer_id, s->request_id,
-                     pkv_xfer_wire_reason_valid(outcome) ? outcome : PKV_ERR_CANCELLED, why);
+                     xf_wire_reason_valid(outcome) ? outcome : PKV_ERR_CANCELLED, why);
     if (s->seat_pending) {
         pkv_stage_cancel(a->stage, s->v.stage_id);
         s->stage_cancelled = true;
     }
 }
 
-static void reject(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *r, int reason,
+static void reject(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_read_t *r, int reason,
                    const char *why)
 {
     XF_STAT_ADD(a, rejected, 1);
@@ -476,7 +476,7 @@ static bool geo_equal(const pkv_geometry_t *x, const pkv_geometry_t *y)
 /* A READ this agent may serve: not shutting down, a live registration with the right
  * token, time left, not already serving, the same geometry and exactly its blocks.
  * NULL: refused (the peer was told why). */
-static xf_reg_t *serve_admit(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *r,
+static xf_reg_t *serve_admit(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_read_t *r,
                              uint64_t now)
 {
     if (a->stop_started) {
@@ -527,7 +527,7 @@ static xf_reg_t *serve_admit(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_r
     bool same = r->n_blocks == reg->n;
     for (uint32_t i = 0, k = 0; same && i < r->n_runs; i++) {
         uint32_t first, count;
-        pkv_xfer_wire_read_run(r, i, &first, &count);
+        xf_wire_read_run(r, i, &first, &count);
         for (uint32_t j = 0; same && j < count; j++)
             same = k < reg->n && reg->blocks[k++] == first + j;
     }
@@ -540,7 +540,7 @@ static xf_reg_t *serve_admit(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_r
 
 /* The serve and its tables for registration `reg`; NULL: refused as out of limits or
  * memory (the peer was told). */
-static xf_serve_t *serve_make(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *r,
+static xf_serve_t *serve_make(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_read_t *r,
                               xf_reg_t *reg)
 {
     xf_serve_t *s = calloc(1, sizeof(*s));
@@ -566,7 +566,7 @@ static xf_serve_t *serve_make(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_
     return s;
 }
 
-void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_read_t *r)
+void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_read_t *r)
 {
     uint64_t now = pkv_now_ns();
     xf_reg_t *reg = serve_admit(a, p, r, now);
@@ -651,13 +651,13 @@ void xf_serve_job(pkv_xfer_agent_t *a, xf_serve_t *s)
 
 /* Encode and send one DATA (arena pieces with SHARED, checksums with LAYERS); a failure
  * ends the serve. PKV_OK or the error. */
-static int send_data(pkv_xfer_agent_t *a, xf_serve_t *s, const pkv_wire_data_t *d,
+static int send_data(pkv_xfer_agent_t *a, xf_serve_t *s, const xf_wire_data_t *d,
                      const uint64_t *pieces, uint32_t n_pieces, const uint64_t *sums,
                      uint32_t n_sums)
 {
-    size_t cap = pkv_xfer_wire_data_bytes(n_pieces, n_sums), len;
+    size_t cap = xf_wire_data_bytes(n_pieces, n_sums), len;
     uint8_t stack[128], *buf = cap <= sizeof(stack) ? stack : malloc(cap);
-    int rc = buf ? pkv_xfer_wire_encode_data(d, pieces, n_pieces, sums, n_sums, buf, cap, &len)
+    int rc = buf ? xf_wire_encode_data(d, pieces, n_pieces, sums, n_sums, buf, cap, &len)
                  : PKV_ERR_NOMEM;
     if (rc == PKV_OK) rc = xf_ctl_send(a, s->peer, buf, len);
     if (buf != stack) free(buf);
@@ -671,7 +671,7 @@ static int send_data(pkv_xfer_agent_t *a, xf_serve_t *s, const pkv_wire_data_t *
  * checksums are the payload's trailer). */
 static void send_data_header(pkv_xfer_agent_t *a, xf_serve_t *s, uint32_t l)
 {
-    pkv_wire_data_t d = {
+    xf_wire_data_t d = {
         .xfer_id = s->xfer_id, .layer = l, .bytes = s->v.layer_total, .checksum = s->layer_sum[l]};
     send_data(a, s, &d, NULL, 0, NULL, 0);
 }
@@ -726,11 +726,11 @@ static void pump_shared(pkv_xfer_agent_t *a, xf_serve_t *s)
         uint32_t n = pieces ? xf_view_arena_pieces(&s->v, (uint64_t)l * s->v.layer_total,
                                                    n_layers * s->v.layer_total, pieces, cap)
                             : 0;
-        pkv_wire_data_t d = {.xfer_id = s->xfer_id,
-                             .layer = l,
-                             .flags = PKV_WIRE_DATA_SHARED | (all ? PKV_WIRE_DATA_LAYERS : 0),
-                             .bytes = s->v.layer_total,
-                             .checksum = all ? 0 : s->layer_sum[l]};
+        xf_wire_data_t d = {.xfer_id = s->xfer_id,
+                            .layer = l,
+                            .flags = PKV_WIRE_DATA_SHARED | (all ? PKV_WIRE_DATA_LAYERS : 0),
+                            .bytes = s->v.layer_total,
+                            .checksum = all ? 0 : s->layer_sum[l]};
         /* n == 0 (no memory, or more pieces than runs) fails to encode: nofit */
         int rc = send_data(a, s, &d, pieces, n, all ? s->layer_sum : NULL, all ? n_layers : 0);
         free(pieces);
@@ -781,7 +781,7 @@ static void pump(pkv_xfer_agent_t *a, xf_serve_t *s)
         ch->done = false;
         s->sends_inflight++; /* before posting: send_done may run inside the call */
         void *req =
-            ucp_tag_send_nbx(s->peer->ep, buf, count, pkv_wire_data_tag(s->xfer_id, c), &prm);
+            ucp_tag_send_nbx(s->peer->ep, buf, count, xf_wire_data_tag(s->xfer_id, c), &prm);
         if (UCS_PTR_IS_ERR(req)) {
             s->sends_inflight--;
             char why[96];
@@ -884,7 +884,7 @@ static xf_serve_t *find_serve(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_i
     return NULL;
 }
 
-void xf_serve_on_ack(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_ack_t *k)
+void xf_serve_on_ack(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_ack_t *k)
 {
     xf_serve_t *s = find_serve(a, p, k->xfer_id);
     if (!s || s->state_done) return;
@@ -906,7 +906,7 @@ void xf_serve_on_ack(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_ack_t *k)
     serve_settle(a, s);
 }
 
-void xf_serve_on_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const pkv_wire_fail_t *f)
+void xf_serve_on_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_fail_t *f)
 {
     xf_serve_t *s = find_serve(a, p, f->xfer_id);
     if (!s || s->state_done) return;

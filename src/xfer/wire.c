@@ -147,7 +147,7 @@ static uint64_t dtype_bytes(pkv_dtype_t dt)
     return dt == PKV_DTYPE_F32 ? 4 : 2;
 }
 
-int pkv_xfer_wire_check_geometry(const pkv_geometry_t *g, uint64_t *layer_bytes)
+int xf_wire_check_geometry(const pkv_geometry_t *g, uint64_t *layer_bytes)
 {
     if (g->layers < 1 || g->layers > PKV_WIRE_MAX_LAYERS) return PKV_ERR_PROTO;
     if (g->kv_heads < 1 || g->kv_heads > PKV_WIRE_MAX_HEADS) return PKV_ERR_PROTO;
@@ -163,7 +163,7 @@ int pkv_xfer_wire_check_geometry(const pkv_geometry_t *g, uint64_t *layer_bytes)
     return PKV_OK;
 }
 
-bool pkv_xfer_wire_reason_valid(int32_t reason)
+bool xf_wire_reason_valid(int32_t reason)
 {
     switch (reason) {
     case PKV_ERR_TIMEOUT:
@@ -179,7 +179,7 @@ bool pkv_xfer_wire_reason_valid(int32_t reason)
     }
 }
 
-uint32_t pkv_xfer_wire_count_runs(const uint32_t *blocks, uint32_t n)
+uint32_t xf_wire_count_runs(const uint32_t *blocks, uint32_t n)
 {
     uint32_t runs = 0;
     for (uint32_t i = 0; i < n; i++)
@@ -192,21 +192,20 @@ static uint64_t le64(const uint8_t *b)
     return (uint64_t)le32(b) | (uint64_t)le32(b + 4) << 32;
 }
 
-void pkv_xfer_wire_data_piece(const pkv_wire_data_t *d, uint32_t i, uint64_t *offset,
-                              uint64_t *length)
+void xf_wire_data_piece(const xf_wire_data_t *d, uint32_t i, uint64_t *offset, uint64_t *length)
 {
     PKV_ASSERT(i < d->n_pieces);
     *offset = le64(d->pieces + 16 * (size_t)i);
     *length = le64(d->pieces + 16 * (size_t)i + 8);
 }
 
-uint64_t pkv_xfer_wire_data_sum(const pkv_wire_data_t *d, uint32_t i)
+uint64_t xf_wire_data_sum(const xf_wire_data_t *d, uint32_t i)
 {
     PKV_ASSERT(i < d->n_sums);
     return le64(d->sums + 8 * (size_t)i);
 }
 
-void pkv_xfer_wire_read_run(const pkv_wire_read_t *r, uint32_t i, uint32_t *first, uint32_t *count)
+void xf_wire_read_run(const xf_wire_read_t *r, uint32_t i, uint32_t *first, uint32_t *count)
 {
     PKV_ASSERT(i < r->n_runs);
     *first = le32(r->runs + 8 * (size_t)i);
@@ -217,7 +216,7 @@ void pkv_xfer_wire_read_run(const pkv_wire_read_t *r, uint32_t i, uint32_t *firs
 static int check_read_sizes(const pkv_geometry_t *g, uint32_t n_blocks, uint32_t chunk_bytes)
 {
     uint64_t lb, per_layer;
-    if (pkv_xfer_wire_check_geometry(g, &lb)) return PKV_ERR_PROTO;
+    if (xf_wire_check_geometry(g, &lb)) return PKV_ERR_PROTO;
     if (n_blocks < 1 || n_blocks > PKV_WIRE_MAX_BLOCKS) return PKV_ERR_PROTO;
     if (chunk_bytes < PKV_WIRE_MIN_CHUNK || chunk_bytes > PKV_WIRE_MAX_CHUNK) return PKV_ERR_PROTO;
     if (__builtin_mul_overflow(lb, (uint64_t)n_blocks, &per_layer)) return PKV_ERR_PROTO;
@@ -235,7 +234,7 @@ static bool printable(const char *s, size_t n)
 }
 
 /* ---- decode --------------------------------------------------------------------------- */
-static int decode_read(rcur_t *c, pkv_wire_read_t *r)
+static int decode_read(rcur_t *c, xf_wire_read_t *r)
 {
     uint32_t dtype;
     if (!get_u64(c, &r->xfer_id) || !get_u64(c, &r->request_id) ||
@@ -255,7 +254,7 @@ static int decode_read(rcur_t *c, pkv_wire_read_t *r)
     uint64_t total = 0;
     for (uint32_t i = 0; i < r->n_runs; i++) {
         uint32_t first, count;
-        pkv_xfer_wire_read_run(r, i, &first, &count);
+        xf_wire_read_run(r, i, &first, &count);
         if (count < 1 || (uint64_t)first + count - 1 > UINT32_MAX) return PKV_ERR_PROTO;
         total += count;
         if (total > PKV_WIRE_MAX_BLOCKS) return PKV_ERR_PROTO;
@@ -265,7 +264,7 @@ static int decode_read(rcur_t *c, pkv_wire_read_t *r)
     return check_read_sizes(&r->geo, r->n_blocks, r->chunk_bytes);
 }
 
-int pkv_xfer_wire_decode(const void *buf, size_t len, pkv_wire_msg_t *out)
+int xf_wire_decode(const void *buf, size_t len, xf_wire_msg_t *out)
 {
     if (!buf || len < PKV_WIRE_HEADER_BYTES || len > PKV_WIRE_MAX_MSG || !out) return PKV_ERR_PROTO;
     rcur_t c = {buf, len};
@@ -280,7 +279,7 @@ int pkv_xfer_wire_decode(const void *buf, size_t len, pkv_wire_msg_t *out)
         return PKV_ERR_PROTO;
     if (body_len != c.left) return PKV_ERR_PROTO;
 
-    pkv_wire_msg_t m;
+    xf_wire_msg_t m;
     memset(&m, 0, sizeof(m));
     m.type = type;
     switch (type) {
@@ -288,7 +287,7 @@ int pkv_xfer_wire_decode(const void *buf, size_t len, pkv_wire_msg_t *out)
         if (decode_read(&c, &m.u.read)) return PKV_ERR_PROTO;
         break;
     case PKV_WIRE_DATA: {
-        pkv_wire_data_t *d = &m.u.data;
+        xf_wire_data_t *d = &m.u.data;
         if (c.left < DATA_BYTES) return PKV_ERR_PROTO;
         get_u64(&c, &d->xfer_id);
         get_u32(&c, &d->layer);
@@ -324,7 +323,7 @@ int pkv_xfer_wire_decode(const void *buf, size_t len, pkv_wire_msg_t *out)
         uint64_t sum = 0;
         for (uint32_t i = 0; i < d->n_pieces; i++) {
             uint64_t off, plen;
-            pkv_xfer_wire_data_piece(d, i, &off, &plen);
+            xf_wire_data_piece(d, i, &off, &plen);
             if (plen < 1 || off >= PKV_WIRE_MAX_ARENA || plen > PKV_WIRE_MAX_ARENA - off)
                 return PKV_ERR_PROTO;
             sum += plen; /* each < 2^44, at most 2^15 of them: no overflow */
@@ -354,7 +353,7 @@ int pkv_xfer_wire_decode(const void *buf, size_t len, pkv_wire_msg_t *out)
         m.u.fail.reason = (int32_t)reason;
         if (reserved || text_len > PKV_WIRE_MAX_TEXT || c.left != text_len) return PKV_ERR_PROTO;
         if (m.u.fail.xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS)) return PKV_ERR_PROTO;
-        if (!pkv_xfer_wire_reason_valid(m.u.fail.reason)) return PKV_ERR_PROTO;
+        if (!xf_wire_reason_valid(m.u.fail.reason)) return PKV_ERR_PROTO;
         get_bytes(&c, m.u.fail.text, text_len);
         m.u.fail.text[text_len] = '\0';
         if (!printable(m.u.fail.text, text_len)) return PKV_ERR_PROTO;
@@ -381,21 +380,21 @@ int pkv_xfer_wire_decode(const void *buf, size_t len, pkv_wire_msg_t *out)
     return PKV_OK;
 }
 
-int pkv_xfer_wire_peek_foreign(const void *buf, size_t len, pkv_wire_foreign_t *out)
+int xf_wire_peek_foreign(const void *buf, size_t len, xf_wire_foreign_t *out)
 {
-    pkv_wire_foreign_t f;
-    if (pkv_xfer_wire_peek(buf, len, &f) || f.version == PKV_WIRE_VERSION) return PKV_ERR_PROTO;
+    xf_wire_foreign_t f;
+    if (xf_wire_peek(buf, len, &f) || f.version == PKV_WIRE_VERSION) return PKV_ERR_PROTO;
     *out = f;
     return PKV_OK;
 }
 
-int pkv_xfer_wire_peek(const void *buf, size_t len, pkv_wire_foreign_t *out)
+int xf_wire_peek(const void *buf, size_t len, xf_wire_foreign_t *out)
 {
     if (!buf || len < PKV_WIRE_HEADER_BYTES || len > PKV_WIRE_MAX_MSG || !out) return PKV_ERR_PROTO;
     rcur_t c = {buf, len};
     uint32_t magic = 0, body_len = 0;
     uint16_t flags = 0;
-    pkv_wire_foreign_t f = {0, 0, 0};
+    xf_wire_foreign_t f = {0, 0, 0};
     get_u32(&c, &magic);
     get_u8(&c, &f.version);
     get_u8(&c, &f.type);
@@ -413,22 +412,22 @@ int pkv_xfer_wire_peek(const void *buf, size_t len, pkv_wire_foreign_t *out)
 }
 
 /* ---- encode --------------------------------------------------------------------------- */
-size_t pkv_xfer_wire_read_bytes(uint32_t n_runs)
+size_t xf_wire_read_bytes(uint32_t n_runs)
 {
     return PKV_WIRE_HEADER_BYTES + READ_FIXED_BYTES + 8 * (size_t)n_runs;
 }
 
-int pkv_xfer_wire_encode_read(const pkv_wire_read_t *r, const uint32_t *blocks, uint32_t n,
-                              void *buf, size_t cap, size_t *len)
+int xf_wire_encode_read(const xf_wire_read_t *r, const uint32_t *blocks, uint32_t n, void *buf,
+                        size_t cap, size_t *len)
 {
     if (!r || !blocks || !buf || !len) return PKV_ERR_INVALID;
-    uint32_t n_runs = pkv_xfer_wire_count_runs(blocks, n);
+    uint32_t n_runs = xf_wire_count_runs(blocks, n);
     if (r->xfer_id == 0 || r->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) ||
         (r->flags & ~(PKV_WIRE_READ_SHARED | PKV_WIRE_READ_WHOLE)) ||
         r->budget_ns > PKV_WIRE_MAX_BUDGET_NS || n_runs < 1 || n_runs > PKV_WIRE_MAX_RUNS ||
         check_read_sizes(&r->geo, n, r->chunk_bytes))
         return PKV_ERR_INVALID;
-    size_t need = pkv_xfer_wire_read_bytes(n_runs);
+    size_t need = xf_wire_read_bytes(n_runs);
     if (need > PKV_WIRE_MAX_MSG) return PKV_ERR_INVALID;
     if (cap < need) return PKV_ERR_NOSPACE;
     wcur_t c = {buf, cap};
@@ -456,16 +455,15 @@ int pkv_xfer_wire_encode_read(const pkv_wire_read_t *r, const uint32_t *blocks, 
     return PKV_OK;
 }
 
-size_t pkv_xfer_wire_data_bytes(uint32_t n_pieces, uint32_t n_sums)
+size_t xf_wire_data_bytes(uint32_t n_pieces, uint32_t n_sums)
 {
     return PKV_WIRE_HEADER_BYTES + DATA_BYTES +
            (n_pieces ? DATA_PIECES_HDR + 16 * (size_t)n_pieces : 0) +
            (n_sums ? DATA_PIECES_HDR + 8 * (size_t)n_sums : 0);
 }
 
-int pkv_xfer_wire_encode_data(const pkv_wire_data_t *d, const uint64_t *pieces, uint32_t n_pieces,
-                              const uint64_t *sums, uint32_t n_sums, void *buf, size_t cap,
-                              size_t *len)
+int xf_wire_encode_data(const xf_wire_data_t *d, const uint64_t *pieces, uint32_t n_pieces,
+                        const uint64_t *sums, uint32_t n_sums, void *buf, size_t cap, size_t *len)
 {
     if (!d || !buf || !len) return PKV_ERR_INVALID;
     bool shared = d->flags & PKV_WIRE_DATA_SHARED, layers = d->flags & PKV_WIRE_DATA_LAYERS;
@@ -484,7 +482,7 @@ int pkv_xfer_wire_encode_data(const pkv_wire_data_t *d, const uint64_t *pieces, 
         sum += l;
     }
     if (shared && sum != d->bytes * (layers ? n_sums : 1)) return PKV_ERR_INVALID;
-    size_t need = pkv_xfer_wire_data_bytes(n_pieces, n_sums);
+    size_t need = xf_wire_data_bytes(n_pieces, n_sums);
     if (need > PKV_WIRE_MAX_MSG) return PKV_ERR_INVALID;
     if (cap < need) return PKV_ERR_NOSPACE;
     wcur_t c = {buf, cap};
@@ -508,7 +506,7 @@ int pkv_xfer_wire_encode_data(const pkv_wire_data_t *d, const uint64_t *pieces, 
     return PKV_OK;
 }
 
-int pkv_xfer_wire_encode_ack(const pkv_wire_ack_t *a, void *buf, size_t cap, size_t *len)
+int xf_wire_encode_ack(const xf_wire_ack_t *a, void *buf, size_t cap, size_t *len)
 {
     if (!a || !buf || !len) return PKV_ERR_INVALID;
     if (a->xfer_id == 0 || a->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) ||
@@ -524,12 +522,12 @@ int pkv_xfer_wire_encode_ack(const pkv_wire_ack_t *a, void *buf, size_t cap, siz
     return PKV_OK;
 }
 
-int pkv_xfer_wire_encode_fail(const pkv_wire_fail_t *f, void *buf, size_t cap, size_t *len)
+int xf_wire_encode_fail(const xf_wire_fail_t *f, void *buf, size_t cap, size_t *len)
 {
     if (!f || !buf || !len) return PKV_ERR_INVALID;
     size_t tl = strnlen(f->text, PKV_WIRE_MAX_TEXT + 1);
     if (tl > PKV_WIRE_MAX_TEXT || !printable(f->text, tl) ||
-        f->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) || !pkv_xfer_wire_reason_valid(f->reason))
+        f->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) || !xf_wire_reason_valid(f->reason))
         return PKV_ERR_INVALID;
     size_t need = PKV_WIRE_HEADER_BYTES + FAIL_FIXED_BYTES + tl;
     if (cap < need) return PKV_ERR_NOSPACE;
@@ -545,8 +543,7 @@ int pkv_xfer_wire_encode_fail(const pkv_wire_fail_t *f, void *buf, size_t cap, s
     return PKV_OK;
 }
 
-int pkv_xfer_wire_encode_heartbeat(const pkv_wire_heartbeat_t *h, void *buf, size_t cap,
-                                   size_t *len)
+int xf_wire_encode_heartbeat(const xf_wire_heartbeat_t *h, void *buf, size_t cap, size_t *len)
 {
     if (!h || !buf || !len) return PKV_ERR_INVALID;
     if (cap < PKV_WIRE_HEADER_BYTES + HB_BYTES) return PKV_ERR_NOSPACE;
@@ -558,7 +555,7 @@ int pkv_xfer_wire_encode_heartbeat(const pkv_wire_heartbeat_t *h, void *buf, siz
     return PKV_OK;
 }
 
-int pkv_xfer_wire_encode_close(const pkv_wire_close_t *cl, void *buf, size_t cap, size_t *len)
+int xf_wire_encode_close(const xf_wire_close_t *cl, void *buf, size_t cap, size_t *len)
 {
     if (!cl || !buf || !len || (cl->flags & ~PKV_WIRE_CLOSE_REPLY)) return PKV_ERR_INVALID;
     if (cap < PKV_WIRE_HEADER_BYTES + CLOSE_BYTES) return PKV_ERR_NOSPACE;
@@ -606,7 +603,7 @@ static bool addr_valid(const char *a, size_t n)
     return true;
 }
 
-bool pkv_xfer_wire_addr_valid(const char *addr)
+bool xf_wire_addr_valid(const char *addr)
 {
     return addr && addr_valid(addr, strnlen(addr, PKV_XFER_ADDR_MAX));
 }
@@ -629,7 +626,7 @@ static int handle_check(const pkv_xfer_handle_t *h, size_t *addr_len)
     size_t al = strnlen(h->addr, PKV_XFER_ADDR_MAX);
     if (al >= PKV_XFER_ADDR_MAX || !addr_valid(h->addr, al)) return PKV_ERR_INVALID;
     if (h->n_blocks < 1 || h->n_blocks > PKV_WIRE_MAX_BLOCKS) return PKV_ERR_INVALID;
-    if (pkv_xfer_wire_check_geometry(&h->geo, &lb)) return PKV_ERR_INVALID;
+    if (xf_wire_check_geometry(&h->geo, &lb)) return PKV_ERR_INVALID;
     if (h->local.present && !local_valid(h)) return PKV_ERR_INVALID;
     *addr_len = al;
     return PKV_OK;
@@ -707,7 +704,7 @@ int pkv_xfer_handle_decode(const void *buf, size_t len, pkv_xfer_handle_t **out)
     tmp.geo.dtype = (pkv_dtype_t)dtype;
     tmp.n_blocks = n;
     uint64_t lb;
-    if (pkv_xfer_wire_check_geometry(&tmp.geo, &lb)) return PKV_ERR_PROTO;
+    if (xf_wire_check_geometry(&tmp.geo, &lb)) return PKV_ERR_PROTO;
     get_bytes(&c, tmp.addr, al);
     tmp.addr[al] = '\0';
     if (!addr_valid(tmp.addr, al)) return PKV_ERR_PROTO;

@@ -15,7 +15,7 @@
  * transfers with a FAIL instead of leaving them to the deadline: the header; a READ,
  * DATA or ACK body's leading u64 xfer_id; the whole FAIL and CLOSE messages. A FAIL or
  * CLOSE of any version decodes (so shutdown's CLOSE handshake works across versions);
- * another version's READ or DATA is known by pkv_xfer_wire_peek_foreign and answered
+ * another version's READ or DATA is known by xf_wire_peek_foreign and answered
  * (the READ by a FAIL rejected, the DATA by ending the read rejected).
  *
  * The decoder validates every length, count, id and enumerated value against the
@@ -74,7 +74,7 @@ enum {
  * bits mark a pagekv data tag; every data tag of the worker matches PKV_WIRE_TAG_KIND_MASK. */
 #define PKV_WIRE_TAG_KIND      (2ull << 62)
 #define PKV_WIRE_TAG_KIND_MASK (3ull << 62)
-static inline uint64_t pkv_wire_data_tag(uint64_t xfer_id, uint32_t chunk)
+static inline uint64_t xf_wire_data_tag(uint64_t xfer_id, uint32_t chunk)
 {
     return PKV_WIRE_TAG_KIND | (xfer_id << PKV_WIRE_CHUNK_BITS) | (uint64_t)chunk;
 }
@@ -90,7 +90,7 @@ typedef struct {
     uint32_t n_runs;      /* block runs in the plan */
     uint32_t n_blocks;    /* sum of run counts (set by the decoder) */
     const uint8_t *runs;  /* n_runs x {u32 first, u32 count}, little-endian (decoder: into buf) */
-} pkv_wire_read_t;
+} xf_wire_read_t;
 
 /* READ flags: the consumer has mapped the producer's shared staging arena (same host):
  * send DATA with arena offsets instead of payload messages. */
@@ -119,25 +119,25 @@ typedef struct {
     const uint8_t *pieces; /* n_pieces x {u64 offset, u64 length} (decoder: into buf) */
     uint32_t n_sums;       /* layers: how many layers, from `layer` */
     const uint8_t *sums;   /* n_sums x u64 checksum (decoder: into buf) */
-} pkv_wire_data_t;
+} xf_wire_data_t;
 
 typedef struct {
     uint64_t xfer_id;
     uint64_t request_id;
     uint64_t bytes; /* bytes the consumer verified and stored */
-} pkv_wire_ack_t;
+} xf_wire_ack_t;
 
 typedef struct {
     uint64_t xfer_id;
     uint64_t request_id;
     int32_t reason; /* an outcome status: timeout, nofit, rejected, cancelled, corrupt, ... */
     char text[PKV_WIRE_MAX_TEXT + 1]; /* printable ASCII, NUL-terminated */
-} pkv_wire_fail_t;
+} xf_wire_fail_t;
 
 typedef struct {
     uint64_t agent_id;
     uint64_t seq;
-} pkv_wire_heartbeat_t;
+} xf_wire_heartbeat_t;
 
 /* An agent about to close the connection sends CLOSE and waits (bounded) for the reply:
  * messages travel in order, so the reply proves the peer processed everything before it
@@ -145,73 +145,70 @@ typedef struct {
 typedef struct {
     uint64_t agent_id;
     uint32_t flags; /* PKV_WIRE_CLOSE_REPLY */
-} pkv_wire_close_t;
+} xf_wire_close_t;
 
 typedef struct {
     uint8_t type;
     union {
-        pkv_wire_read_t read;
-        pkv_wire_data_t data;
-        pkv_wire_ack_t ack;
-        pkv_wire_fail_t fail;
-        pkv_wire_heartbeat_t hb;
-        pkv_wire_close_t close;
+        xf_wire_read_t read;
+        xf_wire_data_t data;
+        xf_wire_ack_t ack;
+        xf_wire_fail_t fail;
+        xf_wire_heartbeat_t hb;
+        xf_wire_close_t close;
     } u;
-} pkv_wire_msg_t;
+} xf_wire_msg_t;
 
 /* Decode one message. PKV_OK and *out, or PKV_ERR_PROTO (nothing written). A READ's
  * `runs` points into buf: buf must outlive the use of out->u.read. */
-int pkv_xfer_wire_decode(const void *buf, size_t len, pkv_wire_msg_t *out);
+int xf_wire_decode(const void *buf, size_t len, xf_wire_msg_t *out);
 /* Another version's message: what every version keeps (see the top of this file). */
 typedef struct {
     uint8_t version, type;
     uint64_t xfer_id; /* READ, DATA, ACK, FAIL: the leading xfer_id if in range, else 0 */
-} pkv_wire_foreign_t;
+} xf_wire_foreign_t;
 /* PKV_OK and *out when buf has our magic, header flags 0, a version other than ours and
  * a body of exactly body_len bytes; PKV_ERR_PROTO otherwise (nothing written). A FAIL or
  * CLOSE of another version is both peeked and decoded. */
-int pkv_xfer_wire_peek_foreign(const void *buf, size_t len, pkv_wire_foreign_t *out);
+int xf_wire_peek_foreign(const void *buf, size_t len, xf_wire_foreign_t *out);
 /* The same for any version, ours included: what a message that failed to decode still
  * says (its type and the transfer it names), so it can be answered. */
-int pkv_xfer_wire_peek(const void *buf, size_t len, pkv_wire_foreign_t *out);
+int xf_wire_peek(const void *buf, size_t len, xf_wire_foreign_t *out);
 /* Run i (< n_runs) of a decoded or to-be-encoded READ. */
-void pkv_xfer_wire_read_run(const pkv_wire_read_t *r, uint32_t i, uint32_t *first, uint32_t *count);
+void xf_wire_read_run(const xf_wire_read_t *r, uint32_t i, uint32_t *first, uint32_t *count);
 /* Piece i (< n_pieces) of a decoded shared DATA. */
-void pkv_xfer_wire_data_piece(const pkv_wire_data_t *d, uint32_t i, uint64_t *offset,
-                              uint64_t *length);
+void xf_wire_data_piece(const xf_wire_data_t *d, uint32_t i, uint64_t *offset, uint64_t *length);
 /* Checksum i (< n_sums) of a decoded DATA with PKV_WIRE_DATA_LAYERS: layer `layer + i`. */
-uint64_t pkv_xfer_wire_data_sum(const pkv_wire_data_t *d, uint32_t i);
+uint64_t xf_wire_data_sum(const xf_wire_data_t *d, uint32_t i);
 /* Is reason an outcome a FAIL may carry? */
-bool pkv_xfer_wire_reason_valid(int32_t reason);
+bool xf_wire_reason_valid(int32_t reason);
 
 /* Geometry checks shared by READ and handles: PKV_OK or PKV_ERR_PROTO. On success
  * *layer_bytes is the bytes of one block's slice of one layer (K and V, all heads). */
-int pkv_xfer_wire_check_geometry(const pkv_geometry_t *g, uint64_t *layer_bytes);
+int xf_wire_check_geometry(const pkv_geometry_t *g, uint64_t *layer_bytes);
 
 /* Is addr a "host:port" we would accept in a handle? */
-bool pkv_xfer_wire_addr_valid(const char *addr);
+bool xf_wire_addr_valid(const char *addr);
 
 /* Number of runs of consecutive ids in blocks[0..n). */
-uint32_t pkv_xfer_wire_count_runs(const uint32_t *blocks, uint32_t n);
+uint32_t xf_wire_count_runs(const uint32_t *blocks, uint32_t n);
 
 /* Encoders: write the message into buf (cap bytes). PKV_OK and *len, PKV_ERR_NOSPACE when
  * cap is too small, PKV_ERR_INVALID when a field is out of the limits above (so nothing
  * we send fails our own decoder). encode_read takes the plan as a block list and
  * coalesces it into runs; r->runs / r->n_runs / r->n_blocks are ignored. */
-size_t pkv_xfer_wire_read_bytes(uint32_t n_runs);
-int pkv_xfer_wire_encode_read(const pkv_wire_read_t *r, const uint32_t *blocks, uint32_t n,
-                              void *buf, size_t cap, size_t *len);
+size_t xf_wire_read_bytes(uint32_t n_runs);
+int xf_wire_encode_read(const xf_wire_read_t *r, const uint32_t *blocks, uint32_t n, void *buf,
+                        size_t cap, size_t *len);
 /* The trailers: n_pieces x {offset, length} (PKV_WIRE_DATA_SHARED, else NULL / 0), then
  * n_sums checksums (PKV_WIRE_DATA_LAYERS, else NULL / 0); d->pieces / d->sums and their
  * counts are ignored. */
-size_t pkv_xfer_wire_data_bytes(uint32_t n_pieces, uint32_t n_sums);
-int pkv_xfer_wire_encode_data(const pkv_wire_data_t *d, const uint64_t *pieces, uint32_t n_pieces,
-                              const uint64_t *sums, uint32_t n_sums, void *buf, size_t cap,
-                              size_t *len);
-int pkv_xfer_wire_encode_ack(const pkv_wire_ack_t *a, void *buf, size_t cap, size_t *len);
-int pkv_xfer_wire_encode_fail(const pkv_wire_fail_t *f, void *buf, size_t cap, size_t *len);
-int pkv_xfer_wire_encode_heartbeat(const pkv_wire_heartbeat_t *h, void *buf, size_t cap,
-                                   size_t *len);
-int pkv_xfer_wire_encode_close(const pkv_wire_close_t *c, void *buf, size_t cap, size_t *len);
+size_t xf_wire_data_bytes(uint32_t n_pieces, uint32_t n_sums);
+int xf_wire_encode_data(const xf_wire_data_t *d, const uint64_t *pieces, uint32_t n_pieces,
+                        const uint64_t *sums, uint32_t n_sums, void *buf, size_t cap, size_t *len);
+int xf_wire_encode_ack(const xf_wire_ack_t *a, void *buf, size_t cap, size_t *len);
+int xf_wire_encode_fail(const xf_wire_fail_t *f, void *buf, size_t cap, size_t *len);
+int xf_wire_encode_heartbeat(const xf_wire_heartbeat_t *h, void *buf, size_t cap, size_t *len);
+int xf_wire_encode_close(const xf_wire_close_t *c, void *buf, size_t cap, size_t *len);
 
 #endif

@@ -1,7 +1,7 @@
 /*
  * libFuzzer target for the xfer wire decoder and the handle parser.
  *
- * Each input goes through pkv_xfer_wire_decode, pkv_xfer_wire_peek_foreign and
+ * Each input goes through xf_wire_decode, xf_wire_peek_foreign and
  * pkv_xfer_handle_decode. Whatever decodes must survive a round trip: re-encoding gives a
  * message that decodes to the same fields (READ runs compared after expansion, since the
  * encoder re-coalesces them), and a decoded handle re-encodes to exactly the input bytes.

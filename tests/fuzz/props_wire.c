@@ -11,17 +11,17 @@
         if (!(cond)) __builtin_trap();                                                             \
     } while (0)
 
-static void expand_runs(const pkv_wire_read_t *r, uint32_t *out)
+static void expand_runs(const xf_wire_read_t *r, uint32_t *out)
 {
     uint32_t k = 0;
     for (uint32_t i = 0; i < r->n_runs; i++) {
         uint32_t first, count;
-        pkv_xfer_wire_read_run(r, i, &first, &count);
+        xf_wire_read_run(r, i, &first, &count);
         for (uint32_t j = 0; j < count; j++) out[k++] = first + j;
     }
 }
 
-static void check_roundtrip(const uint8_t *data, size_t size, const pkv_wire_msg_t *m)
+static void check_roundtrip(const uint8_t *data, size_t size, const xf_wire_msg_t *m)
 {
     size_t cap = size + 64, len = 0;
     uint8_t *buf = malloc(cap);
@@ -33,43 +33,43 @@ static void check_roundtrip(const uint8_t *data, size_t size, const pkv_wire_msg
         blocks = malloc(sizeof(uint32_t) * m->u.read.n_blocks);
         FUZZ_CHECK(blocks);
         expand_runs(&m->u.read, blocks);
-        rc = pkv_xfer_wire_encode_read(&m->u.read, blocks, m->u.read.n_blocks, buf, cap, &len);
+        rc = xf_wire_encode_read(&m->u.read, blocks, m->u.read.n_blocks, buf, cap, &len);
         break;
     case PKV_WIRE_DATA: {
-        const pkv_wire_data_t *d = &m->u.data;
+        const xf_wire_data_t *d = &m->u.data;
         uint32_t n = 2 * d->n_pieces + d->n_sums;
         uint64_t *items = n ? malloc(8 * (size_t)n) : NULL;
         FUZZ_CHECK(!n || items);
         uint64_t *sums = items ? items + 2 * (size_t)d->n_pieces : NULL;
         for (uint32_t i = 0; i < d->n_pieces; i++)
-            pkv_xfer_wire_data_piece(d, i, &items[2 * i], &items[2 * i + 1]);
-        for (uint32_t i = 0; i < d->n_sums; i++) sums[i] = pkv_xfer_wire_data_sum(d, i);
-        rc = pkv_xfer_wire_encode_data(d, d->n_pieces ? items : NULL, d->n_pieces,
-                                       d->n_sums ? sums : NULL, d->n_sums, buf, cap, &len);
+            xf_wire_data_piece(d, i, &items[2 * i], &items[2 * i + 1]);
+        for (uint32_t i = 0; i < d->n_sums; i++) sums[i] = xf_wire_data_sum(d, i);
+        rc = xf_wire_encode_data(d, d->n_pieces ? items : NULL, d->n_pieces,
+                                 d->n_sums ? sums : NULL, d->n_sums, buf, cap, &len);
         free(items);
         break;
     }
     case PKV_WIRE_ACK:
-        rc = pkv_xfer_wire_encode_ack(&m->u.ack, buf, cap, &len);
+        rc = xf_wire_encode_ack(&m->u.ack, buf, cap, &len);
         break;
     case PKV_WIRE_FAIL:
-        rc = pkv_xfer_wire_encode_fail(&m->u.fail, buf, cap, &len);
+        rc = xf_wire_encode_fail(&m->u.fail, buf, cap, &len);
         break;
     case PKV_WIRE_CLOSE:
-        rc = pkv_xfer_wire_encode_close(&m->u.close, buf, cap, &len);
+        rc = xf_wire_encode_close(&m->u.close, buf, cap, &len);
         break;
     case PKV_WIRE_HEARTBEAT:
-        rc = pkv_xfer_wire_encode_heartbeat(&m->u.hb, buf, cap, &len);
+        rc = xf_wire_encode_heartbeat(&m->u.hb, buf, cap, &len);
         break;
     default:
         FUZZ_CHECK(0);
     }
     FUZZ_CHECK(rc == PKV_OK); /* whatever we accept we can also send */
-    pkv_wire_msg_t m2;
-    FUZZ_CHECK(pkv_xfer_wire_decode(buf, len, &m2) == PKV_OK);
+    xf_wire_msg_t m2;
+    FUZZ_CHECK(xf_wire_decode(buf, len, &m2) == PKV_OK);
     FUZZ_CHECK(m2.type == m->type);
     if (m->type == PKV_WIRE_READ) {
-        const pkv_wire_read_t *x = &m->u.read, *y = &m2.u.read;
+        const xf_wire_read_t *x = &m->u.read, *y = &m2.u.read;
         FUZZ_CHECK(x->xfer_id == y->xfer_id && x->request_id == y->request_id);
         FUZZ_CHECK(!memcmp(x->token, y->token, sizeof(x->token)));
         FUZZ_CHECK(x->budget_ns == y->budget_ns && x->chunk_bytes == y->chunk_bytes);
@@ -93,11 +93,11 @@ static void check_roundtrip(const uint8_t *data, size_t size, const pkv_wire_msg
 
 void pkv_fuzz_wire(const uint8_t *data, size_t size)
 {
-    pkv_wire_msg_t m;
-    bool ours = pkv_xfer_wire_decode(data, size, &m) == PKV_OK;
+    xf_wire_msg_t m;
+    bool ours = xf_wire_decode(data, size, &m) == PKV_OK;
     if (ours) check_roundtrip(data, size, &m);
-    pkv_wire_foreign_t f;
-    if (pkv_xfer_wire_peek_foreign(data, size, &f) == PKV_OK) {
+    xf_wire_foreign_t f;
+    if (xf_wire_peek_foreign(data, size, &f) == PKV_OK) {
         /* another version's: never one we decode, but a FAIL or a CLOSE */
         FUZZ_CHECK(f.version != 0 && f.version != PKV_WIRE_VERSION && f.version == data[4]);
         FUZZ_CHECK(!ours || f.type == PKV_WIRE_FAIL || f.type == PKV_WIRE_CLOSE);

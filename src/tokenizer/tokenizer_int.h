@@ -4,8 +4,8 @@
  * generated merge table (bpe_merges.c). The pre-tokenizer and pair hash the offline
  * trainer reuses are in the module interface, tokenizer/tokenizer.h.
  */
-#ifndef PKV_TOKENIZER_TOK_INT_H
-#define PKV_TOKENIZER_TOK_INT_H
+#ifndef PKV_TOKENIZER_INT_H
+#define PKV_TOKENIZER_INT_H
 
 #include "pagekv/tokenizer.h"
 #include "tokenizer/tokenizer.h"
@@ -13,24 +13,24 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define PKV_TOK_LOG "tok"
+#define TOK_LOG "tok"
 
 /* ---- builtin BPE layout --------------------------------------------------------- */
 /* ids 0..255: bytes; 256 .. 256+merge_count-1: merges in rank order; then specials. */
 enum {
-    PKV__BPE_SPECIAL_BOS = 0,
-    PKV__BPE_SPECIAL_EOS,
-    PKV__BPE_SPECIAL_SYSTEM,
-    PKV__BPE_SPECIAL_USER,
-    PKV__BPE_SPECIAL_ASSISTANT,
-    PKV__BPE_SPECIAL_END,
-    PKV__BPE_SPECIAL_COUNT,
+    TOK_BPE_SPECIAL_BOS = 0,
+    TOK_BPE_SPECIAL_EOS,
+    TOK_BPE_SPECIAL_SYSTEM,
+    TOK_BPE_SPECIAL_USER,
+    TOK_BPE_SPECIAL_ASSISTANT,
+    TOK_BPE_SPECIAL_END,
+    TOK_BPE_SPECIAL_COUNT,
 };
 
 /* The generated merge table (bpe_merges.c): merge r makes id 256 + r from the pair
  * (left, right); both are ids < 256 + r. */
-extern const uint32_t pkv__bpe_merge_count;
-extern const uint16_t pkv__bpe_merges[][2];
+extern const uint32_t tok_bpe_merge_count;
+extern const uint16_t tok_bpe_merges[][2];
 
 /* ---- the tokenizer -------------------------------------------------------------- */
 struct pkv_tok {
@@ -59,12 +59,12 @@ struct pkv_tok {
 };
 
 /* Allocation helpers used by both kinds (tokenizer.c). */
-int pkv__tok_alloc_tables(struct pkv_tok *t, int32_t vocab_size, size_t arena_bytes);
+int tok_alloc_tables(struct pkv_tok *t, int32_t vocab_size, size_t arena_bytes);
 
 /* Kind-specific encode of `len` bytes, appending to out[*n .. cap). */
-int pkv__bpe_encode(const struct pkv_tok *t, const uint8_t *s, size_t len, int32_t *out, size_t cap,
-                    size_t *n);
-int pkv__llama2c_encode(const struct pkv_tok *t, const uint8_t *s, size_t len, int32_t *out,
-                        size_t cap, size_t *n);
+int tok_bpe_encode(const struct pkv_tok *t, const uint8_t *s, size_t len, int32_t *out, size_t cap,
+                   size_t *n);
+int tok_llama2c_encode(const struct pkv_tok *t, const uint8_t *s, size_t len, int32_t *out,
+                       size_t cap, size_t *n);
 
 #endif
