@@ -1,10 +1,11 @@
 /*
+ * Private to src/kv/ and its tests; internals prefixed kv_ / KV_; interface: kv/kv.h.
+ *
  * kv: internals shared by the files of the KV module: the front (kv.c: argument checks,
  * dispatch, dtype and geometry helpers, prefix keys, the token side of a sequence) and
  * its two backends, the paged pool (pool.c) and the dense baseline (dense.c). A backend
  * embeds `struct pkv_kv` / `struct pkv_seq` first in its own objects and fills in an ops
  * table; kv.c validates arguments and reaches a backend only through that table.
- * Cross-file internals of this module are prefixed `kv_`.
  */
 #ifndef PKV_KV_KV_INT_H
 #define PKV_KV_KV_INT_H

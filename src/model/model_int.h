@@ -1,4 +1,6 @@
 /*
+ * Private to src/model/ and its tests; internals prefixed model_ / MODEL_; no module interface.
+ *
  * model internals shared by model.c (forward pass, built-in weights) and llama2c.c
  * (checkpoint loader).
  *

@@ -1,4 +1,6 @@
 /*
+ * Private to src/server/ and its tests; internals prefixed srv_ / SRV_; no module interface.
+ *
  * server internals shared by server.c and metrics.c: the server's own counters and the
  * renderers of /metrics and /v1/cache/stats.
  */

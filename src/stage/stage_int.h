@@ -1,7 +1,5 @@
 /*
- * stage_int: the stage's own cross-file internals (only src/stage/ and its white-box
- * test include it). They all use the prefix `stage_` (types stage_*_t, constants
- * STAGE_*); what other modules may use is in stage.h.
+ * Private to src/stage/ and its tests; internals prefixed stage_ / STAGE_; interface: stage.h.
  *
  * stage_alloc: the page allocator behind the staging arena (stage_alloc.c).
  *

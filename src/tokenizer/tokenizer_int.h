@@ -1,4 +1,6 @@
 /*
+ * Private to src/tokenizer/ and its tests; internals prefixed tok_ / TOK_; interface: tokenizer.h.
+ *
  * tokenizer internals (not installed): the pkv_tok struct shared by the builtin BPE
  * (bpe.c), the llama2.c loader (llama2c.c) and the common code (tokenizer.c), and the
  * generated merge table (bpe_merges.c). The pre-tokenizer and pair hash the offline

@@ -1,4 +1,6 @@
 /*
+ * Private to src/xfer/ and its tests; internals prefixed xf_ / XF_; interface: xfer/xfer.h.
+ *
  * xfer internals shared by the files of src/xfer (not for other modules).
  *
  * Threading invariant (the whole module rests on it):
