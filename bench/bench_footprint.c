@@ -1,6 +1,7 @@
 /*
  * pagekv bench footprint: the server's memory over real HTTP workloads, paged against
- * dense (SPEC "Why it exists", 1; docs/design/footprint.md).
+ * dense: does paging keep the server's memory near what its sequences hold, where a
+ * pool that grows by copying peaks far above it (docs/design/footprint.md).
  *
  * For every (repeat, scenario, backend) the tool starts a fresh `pagekv serve` (this
  * binary, /proc/self/exe, or --server-bin) on an ephemeral loopback port, waits until it

@@ -1,9 +1,9 @@
 /*
  * pagekv bench staging: the four staging designs on one replayed load.
  *
- * The load (SPEC part 5, issue 3): 64-token pages; requests whose contexts are 128, 512,
- * 4096 and 8192 tokens (2, 8, 64, 128 pages) drawn from a seeded mix; 64 transfers in
- * flight: 64 streams, each acquiring staging for one transfer with an absolute
+ * The load: 64-token pages of 72 KiB (a 0.56 MiB production page per rank, scaled by 1/8); requests
+ * whose contexts are 128, 512, 4096 and 8192 tokens (2, 8, 64, 128 pages) drawn from a seeded mix;
+ * 64 transfers in flight: 64 streams, each acquiring staging for one transfer with an absolute
  * deadline, holding every page for a simulated copy time, releasing, and starting the
  * next transfer (a closed loop). The copy is simulated: each page gets one 8-byte stamp
  * per 4 KiB (so it is really committed and writable) and the stream sleeps for the copy
@@ -446,7 +446,7 @@ static void bs_usage(void)
                     "  64 streams (64 transfers in flight), contexts 128/512/4096/8192 tokens\n"
                     "  (weights 55/30/10/5), 64-token pages; modes fixed (64x128),\n"
                     "  per_transfer (1024), per_transfer_eighth (128), fixed_small (4x128).\n"
-                    "  defaults: --seconds 2 --page-bytes 72K (the spec's 0.56 MiB/page/rank / 8)\n"
+                    "  defaults: --seconds 2 --page-bytes 72K (a 0.56 MiB page per rank, / 8)\n"
                     "            --copy-us 2000 --deadline-ms 2000 --seed 1\n");
 }
 

@@ -611,7 +611,8 @@ static void print_tput_notes(const opts_t *o)
 {
     printf("\nsame_host: payload through the producer's shared staging arena (memfd mapped "
            "by the consumer); same_host_ucx: payload through UCX (shared memory + tcp lanes, "
-           "zero-copy off per UCX-NOTES); tcp: UCX_TLS=tcp on loopback. 8 in flight: "
+           "zero-copy off: UCX 1.13's tcp zero-copy can abort on a failed send); tcp: UCX_TLS=tcp "
+           "on loopback. 8 in flight: "
            "median over %llu runs of bytes / wall time of %u (64 KiB), %u (1 MiB) or %u "
            "(16 MiB) reads, a new read as soon as the oldest ended, after a warm-up of "
            "128 MiB through the same window; one at a time: "

@@ -1,6 +1,6 @@
 /*
  * pagekv host staging: an arena of fixed-size pages that a transfer borrows while its
- * bytes are in flight between the KV pool and the network (SPEC part 5).
+ * bytes are in flight between the KV pool and the network.
  *
  * Model
  *   - The arena holds `pool_pages` pages of `page_bytes` each (the hard cap). Address

@@ -1,5 +1,5 @@
 /*
- * pagekv transfer engine (SPEC part 6): moves a request's KV blocks from the pool of a
+ * pagekv transfer engine: moves a request's KV blocks from the pool of a
  * producer process (prefill) into the pool of a consumer process (decode) over UCX,
  * through host staging, within one absolute deadline per transfer.
  *
