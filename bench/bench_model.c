@@ -33,6 +33,7 @@
 #include "support/bench.h"
 
 #include "core/core.h"
+#include "prim/prim.h"
 
 #include "pagekv/model.h"
 
@@ -210,13 +211,8 @@ static int parse_list(const char *s, uint32_t *out, uint32_t max, uint32_t lo, u
 
 static double loadavg1(void)
 {
-    double l = -1;
-    FILE *f = fopen("/proc/loadavg", "r");
-    if (f) {
-        if (fscanf(f, "%lf", &l) != 1) l = -1;
-        fclose(f);
-    }
-    return l;
+    double l;
+    return pkv_prim_loadavg(&l) == PKV_OK ? l : -1;
 }
 
 typedef struct {

@@ -1035,10 +1035,8 @@ static void netns_reap_stale(void)
     while (fgets(line, sizeof(line), f)) {
         unsigned pid;
         char side;
-        char path[64];
         if (sscanf(line, "pkvx%u%c", &pid, &side) != 2 || (side != 'a' && side != 'b')) continue;
-        snprintf(path, sizeof(path), "/proc/%u", pid);
-        if (access(path, F_OK) == 0) continue;
+        if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue; /* its owner still runs */
         char cmd[96];
         snprintf(cmd, sizeof(cmd), "ip netns del pkvx%u%c 2>/dev/null", pid, side);
         if (system(cmd)) continue;

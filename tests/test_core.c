@@ -83,6 +83,14 @@ START_TEST(fault_sites_skip_then_fail_then_pass)
 }
 END_TEST
 
+START_TEST(prim_reads_the_load_average)
+{
+    double l = -1;
+    ck_assert_int_eq(pkv_prim_loadavg(&l), PKV_OK);
+    ck_assert(l >= 0 && l < 1e6);
+}
+END_TEST
+
 static Suite *core_suite(void)
 {
     Suite *s = suite_create("core");
@@ -91,6 +99,7 @@ static Suite *core_suite(void)
     tcase_add_test(tc, deadlines_are_monotonic_and_saturate);
     tcase_add_test(tc, log_sink_and_level);
     tcase_add_test(tc, fault_sites_skip_then_fail_then_pass);
+    tcase_add_test(tc, prim_reads_the_load_average);
     suite_add_tcase(s, tc);
     return s;
 }

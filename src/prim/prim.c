@@ -232,6 +232,18 @@ int pkv_prim_smaps_rollup(int pid, pkv_prim_smaps_t *out)
 
 /* ---- this boot and other processes' memfds (the transfer engine) ------------------- */
 
+int pkv_prim_loadavg(double *out)
+{
+    FILE *f = fopen("/proc/loadavg", "re");
+    if (!f) return PKV_ERR_IO;
+    double l;
+    int ok = fscanf(f, "%lf", &l) == 1;
+    fclose(f);
+    if (!ok) return PKV_ERR_IO;
+    *out = l;
+    return PKV_OK;
+}
+
 int pkv_prim_boot_id(uint8_t out[16])
 {
     char txt[64] = {0};

@@ -67,6 +67,10 @@ typedef struct {
 /* Read /proc/<pid>/smaps_rollup (pid 0: self). *out is written only on success. */
 int pkv_prim_smaps_rollup(int pid, pkv_prim_smaps_t *out);
 
+/* The machine's 1-minute load average (the first field of /proc/loadavg). PKV_ERR_IO when
+ * it cannot be read; *out is written only on success. */
+int pkv_prim_loadavg(double *out);
+
 /* ---- this boot and other processes' memfds (the transfer engine) ------------------- */
 
 /* This boot's id (/proc/sys/kernel/random/boot_id, 32 hex digits) as 16 bytes.
