@@ -15,7 +15,6 @@
 #include "server/request.h"
 
 #include <curl/curl.h>
-#include <dirent.h>
 #include <jansson.h>
 #include <math.h>
 #include <pthread.h>
@@ -1568,38 +1567,35 @@ START_TEST(utf8_sanitize_piecewise_equals_whole)
 }
 END_TEST
 
+typedef struct {
+    int ok, bad;
+} corpus_tally_t;
+
+static void replay_request(const char *name, const uint8_t *buf, size_t n, void *arg)
+{
+    corpus_tally_t *t = arg;
+    pkv_fuzz_request(buf, n); /* aborts on a broken property */
+    ck_assert_uint_ge(n, 1);
+    pkv_fuzz_quiet_logs(true);
+    int outcome = pkv_fuzz_request_one(buf[0] & 1, (const char *)buf + 1, n - 1);
+    pkv_fuzz_quiet_logs(false);
+    if (!strncmp(name, "ok-", 3)) {
+        ck_assert_msg(outcome == 2, "%s should be accepted (outcome %d)", name, outcome);
+        t->ok++;
+    } else if (!strncmp(name, "bad-", 4)) {
+        ck_assert_msg(outcome < 2, "%s should be refused", name);
+        t->bad++;
+    }
+}
+
 START_TEST(fuzz_corpus_replays)
 {
-    const char *dir = getenv("PKV_REQUEST_CORPUS");
-    if (!dir) dir = "tests/fuzz/corpus/request";
-    DIR *d = opendir(dir);
-    ck_assert_msg(d != NULL, "corpus directory %s missing (run from the repository root)", dir);
-    static uint8_t buf[1 << 16];
-    int ok = 0, bad = 0;
-    for (struct dirent *e; (e = readdir(d));) {
-        if (e->d_name[0] == '.') continue;
-        char path[512];
-        snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
-        FILE *f = fopen(path, "rb");
-        ck_assert_ptr_nonnull(f);
-        size_t n = fread(buf, 1, sizeof(buf), f);
-        fclose(f);
-        pkv_fuzz_request(buf, n); /* aborts on a broken property */
-        ck_assert_uint_ge(n, 1);
-        pkv_fuzz_quiet_logs(true);
-        int outcome = pkv_fuzz_request_one(buf[0] & 1, (const char *)buf + 1, n - 1);
-        pkv_fuzz_quiet_logs(false);
-        if (!strncmp(e->d_name, "ok-", 3)) {
-            ck_assert_msg(outcome == 2, "%s should be accepted (outcome %d)", e->d_name, outcome);
-            ok++;
-        } else if (!strncmp(e->d_name, "bad-", 4)) {
-            ck_assert_msg(outcome < 2, "%s should be refused", e->d_name);
-            bad++;
-        }
-    }
-    closedir(d);
-    ck_assert_int_ge(ok, 10);
-    ck_assert_int_ge(bad, 50);
+    corpus_tally_t t = {0, 0};
+    uint32_t files =
+        pkv_test_corpus_each("PKV_REQUEST_CORPUS", "tests/fuzz/corpus/request", replay_request, &t);
+    ck_assert_uint_ge(files, (uint32_t)(t.ok + t.bad));
+    ck_assert_int_ge(t.ok, 10);
+    ck_assert_int_ge(t.bad, 50);
 }
 END_TEST
 

@@ -13,7 +13,6 @@
 /* The fuzz target's properties: their checks abort on a violation. */
 #include "fuzz/props.h"
 
-#include <dirent.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -944,41 +943,36 @@ END_TEST
  * trip, llama2.c file, chat template), and its llama2c-* inputs are files the parser
  * accepts (so the encode/decode checks on a loaded vocabulary run; inputs a fuzzer added
  * need not be). */
+typedef struct {
+    int parsed, modes[3];
+} corpus_tally_t;
+
+static void replay_tokenizer(const char *name, const uint8_t *buf, size_t n, void *arg)
+{
+    corpus_tally_t *t = arg;
+    ck_assert_msg(n >= 1, "%s: empty", name);
+    pkv_fuzz_tokenizer(buf, n); /* aborts on a broken property */
+    t->modes[buf[0] % 3]++;
+    if (!strncmp(name, "llama2c-", 8)) {
+        ck_assert_uint_eq(buf[0] % 3, 1);
+        ck_assert_uint_ge(n, 3);
+        pkv_tok_t *tok = NULL;
+        int32_t vocab = (int32_t)(buf[1] | buf[2] << 8);
+        ck_assert_msg(pkv_tok_load_llama2c_mem(buf + 3, n - 3, vocab, &tok) == PKV_OK,
+                      "%s: not a llama2.c file the parser accepts", name);
+        pkv_tok_destroy(tok);
+        t->parsed++;
+    }
+}
+
 START_TEST(fuzz_corpus_replays)
 {
-    const char *dir = getenv("PKV_TOKENIZER_CORPUS");
-    if (!dir) dir = "tests/fuzz/corpus/tokenizer";
-    DIR *d = opendir(dir);
-    ck_assert_msg(d != NULL, "corpus directory %s missing (run from the repository root)", dir);
-    static uint8_t buf[1 << 16];
-    int files = 0, parsed = 0, modes[3] = {0, 0, 0};
-    for (struct dirent *e; (e = readdir(d));) {
-        if (e->d_name[0] == '.') continue;
-        char path[512];
-        snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
-        FILE *f = fopen(path, "rb");
-        ck_assert_ptr_nonnull(f);
-        size_t n = fread(buf, 1, sizeof(buf), f);
-        fclose(f);
-        ck_assert_msg(n >= 1 && n < sizeof(buf), "%s: %zu bytes", e->d_name, n);
-        pkv_fuzz_tokenizer(buf, n); /* aborts on a broken property */
-        modes[buf[0] % 3]++;
-        if (!strncmp(e->d_name, "llama2c-", 8)) {
-            ck_assert_uint_eq(buf[0] % 3, 1);
-            ck_assert_uint_ge(n, 3);
-            pkv_tok_t *tok = NULL;
-            int32_t vocab = (int32_t)(buf[1] | buf[2] << 8);
-            ck_assert_msg(pkv_tok_load_llama2c_mem(buf + 3, n - 3, vocab, &tok) == PKV_OK,
-                          "%s: not a llama2.c file the parser accepts", e->d_name);
-            pkv_tok_destroy(tok);
-            parsed++;
-        }
-        files++;
-    }
-    closedir(d);
-    ck_assert_int_ge(files, 4);
-    ck_assert_int_ge(parsed, 1);
-    for (int m = 0; m < 3; m++) ck_assert_msg(modes[m] > 0, "no corpus input in mode %d", m);
+    corpus_tally_t t = {0, {0, 0, 0}};
+    uint32_t files = pkv_test_corpus_each("PKV_TOKENIZER_CORPUS", "tests/fuzz/corpus/tokenizer",
+                                          replay_tokenizer, &t);
+    ck_assert_uint_ge(files, 4);
+    ck_assert_int_ge(t.parsed, 1);
+    for (int m = 0; m < 3; m++) ck_assert_msg(t.modes[m] > 0, "no corpus input in mode %d", m);
 }
 END_TEST
 

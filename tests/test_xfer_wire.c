@@ -4,7 +4,6 @@
 #include "xfer/sum.h"
 #include "xfer/wire.h"
 
-#include <dirent.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -573,42 +572,36 @@ START_TEST(checksum_matches_recorded_values)
 }
 END_TEST
 
+typedef struct {
+    int ok, bad;
+} corpus_tally_t;
+
+static void replay_wire(const char *name, const uint8_t *buf, size_t n, void *arg)
+{
+    corpus_tally_t *t = arg;
+    pkv_fuzz_wire(buf, n); /* traps on a round-trip violation */
+    xf_wire_msg_t m;
+    pkv_xfer_handle_t *h = NULL;
+    bool decodes =
+        xf_wire_decode(buf, n, &m) == PKV_OK || pkv_xfer_handle_decode(buf, n, &h) == PKV_OK;
+    pkv_xfer_handle_free(h);
+    if (!strncmp(name, "ok-", 3)) {
+        ck_assert_msg(decodes, "%s should decode", name);
+        t->ok++;
+    } else if (!strncmp(name, "bad-", 4)) {
+        ck_assert_msg(!decodes, "%s should be rejected", name);
+        t->bad++;
+    }
+}
+
 START_TEST(fuzz_corpus_replays)
 {
-    const char *dir = getenv("PKV_WIRE_CORPUS");
-    if (!dir) dir = "tests/fuzz/corpus/wire";
-    DIR *d = opendir(dir);
-    ck_assert_msg(d != NULL, "corpus directory %s missing (run from the repository root)", dir);
-    struct dirent *e;
-    int files = 0, ok = 0, bad = 0;
-    static uint8_t buf[1 << 16];
-    while ((e = readdir(d))) {
-        if (e->d_name[0] == '.') continue;
-        char path[512];
-        snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
-        FILE *f = fopen(path, "rb");
-        ck_assert_ptr_nonnull(f);
-        size_t n = fread(buf, 1, sizeof(buf), f);
-        fclose(f);
-        pkv_fuzz_wire(buf, n); /* traps on a round-trip violation */
-        xf_wire_msg_t m;
-        pkv_xfer_handle_t *h = NULL;
-        bool decodes =
-            xf_wire_decode(buf, n, &m) == PKV_OK || pkv_xfer_handle_decode(buf, n, &h) == PKV_OK;
-        pkv_xfer_handle_free(h);
-        if (!strncmp(e->d_name, "ok-", 3)) {
-            ck_assert_msg(decodes, "%s should decode", e->d_name);
-            ok++;
-        } else if (!strncmp(e->d_name, "bad-", 4)) {
-            ck_assert_msg(!decodes, "%s should be rejected", e->d_name);
-            bad++;
-        }
-        files++;
-    }
-    closedir(d);
-    ck_assert_int_ge(ok, 10);
-    ck_assert_int_ge(bad, 30);
-    ck_assert_int_ge(files, ok + bad);
+    corpus_tally_t t = {0, 0};
+    uint32_t files =
+        pkv_test_corpus_each("PKV_WIRE_CORPUS", "tests/fuzz/corpus/wire", replay_wire, &t);
+    ck_assert_int_ge(t.ok, 10);
+    ck_assert_int_ge(t.bad, 30);
+    ck_assert_uint_ge(files, (uint32_t)(t.ok + t.bad));
 }
 END_TEST
 

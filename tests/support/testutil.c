@@ -2,6 +2,7 @@
 
 #include "prim/prim.h"
 
+#include <dirent.h>
 #include <stdio.h>
 
 uint64_t pkv_test_seed(uint64_t fallback)
@@ -32,4 +33,30 @@ uint32_t pkv_test_fault_sweep(pkv_fault_site_t site, int (*step)(void *arg), voi
         ck_assert_int_eq(rc, want_rc);
         if (after_fail) after_fail(arg);
     }
+}
+
+uint32_t pkv_test_corpus_each(const char *env, const char *dir, pkv_test_corpus_fn fn, void *arg)
+{
+    const char *over = env ? getenv(env) : NULL;
+    if (over) dir = over;
+    DIR *d = opendir(dir);
+    ck_assert_msg(d != NULL, "corpus directory %s missing (run from the repository root)", dir);
+    uint8_t *buf = malloc(PKV_TEST_CORPUS_MAX);
+    ck_assert_ptr_nonnull(buf);
+    uint32_t files = 0;
+    for (struct dirent *e; (e = readdir(d));) {
+        if (e->d_name[0] == '.') continue;
+        char path[4096];
+        snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
+        FILE *f = fopen(path, "rb");
+        ck_assert_msg(f != NULL, "%s: cannot open", path);
+        size_t n = fread(buf, 1, PKV_TEST_CORPUS_MAX, f);
+        fclose(f);
+        ck_assert_msg(n < PKV_TEST_CORPUS_MAX, "%s: %zu bytes or more", path, n);
+        fn(e->d_name, buf, n, arg);
+        files++;
+    }
+    closedir(d);
+    free(buf);
+    return files;
 }

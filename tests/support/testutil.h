@@ -59,4 +59,13 @@ uint64_t pkv_test_rss(void);
 uint32_t pkv_test_fault_sweep(pkv_fault_site_t site, int (*step)(void *arg), void *arg, int want_rc,
                               void (*after_fail)(void *arg));
 
+/* Fuzz corpus replay: calls fn(name, data, len, arg) for every file of the corpus
+ * directory (getenv(env) when set, else `dir`, relative to the repository root), in
+ * directory order, skipping names that start with '.'. Fails the test when the directory
+ * is missing or a file cannot be read or holds PKV_TEST_CORPUS_MAX bytes or more.
+ * Returns the number of files replayed; the caller asserts it is not zero. */
+#define PKV_TEST_CORPUS_MAX (1u << 16)
+typedef void (*pkv_test_corpus_fn)(const char *name, const uint8_t *data, size_t len, void *arg);
+uint32_t pkv_test_corpus_each(const char *env, const char *dir, pkv_test_corpus_fn fn, void *arg);
+
 #endif
