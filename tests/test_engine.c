@@ -46,6 +46,18 @@ static pkv_kv_t *make_kv(pkv_model_t *m, pkv_backend_t be, uint64_t budget, bool
     return kv;
 }
 
+/* The paged cache's sizes for the tiny model (token_bytes, block_bytes), to size budgets. */
+static pkv_kv_stats_t tiny_paged_stats(void)
+{
+    pkv_model_t *m = tiny_model();
+    pkv_kv_t *kv = make_kv(m, PKV_BACKEND_PAGED, 0, false);
+    pkv_kv_stats_t ks;
+    pkv_kv_stats(kv, &ks);
+    pkv_kv_destroy(kv);
+    pkv_model_destroy(m);
+    return ks;
+}
+
 /* Token i decodes to a letter, except: 60 -> "STOP", 61/62 -> the two halves of "é"
  * (0xC3 0xA9), 63 -> "\n". */
 static int test_detok(void *arg, int32_t prev, int32_t id, const char **bytes, size_t *len)
@@ -371,13 +383,7 @@ END_TEST
 START_TEST(nofit_prompt)
 {
     pkv_log_set_level(PKV_LOG_ERROR);
-    pkv_model_t *m = tiny_model();
-    pkv_kv_t *kv = make_kv(m, PKV_BACKEND_PAGED, 0, false);
-    pkv_kv_stats_t ks;
-    pkv_kv_stats(kv, &ks);
-    uint64_t token_bytes = ks.token_bytes;
-    pkv_kv_destroy(kv);
-    pkv_model_destroy(m);
+    uint64_t token_bytes = tiny_paged_stats().token_bytes;
     rig_t r;
     /* Room for ~100 tokens: a 300-token prompt can never fit. */
     rig_init(&r, PKV_BACKEND_PAGED, 100 * token_bytes, (pkv_engine_config_t){.manual = true});
@@ -460,12 +466,8 @@ END_TEST
  * request is never preempted; outputs equal the unpressured run. */
 START_TEST(preemption_victim_order)
 {
+    uint64_t block = tiny_paged_stats().block_bytes;
     pkv_model_t *m0 = tiny_model();
-    pkv_kv_t *kv0 = make_kv(m0, PKV_BACKEND_PAGED, 0, false);
-    pkv_kv_stats_t ks;
-    pkv_kv_stats(kv0, &ks);
-    uint64_t block = ks.block_bytes;
-    pkv_kv_destroy(kv0);
     int32_t prompts[3][8], want[3][40];
     for (int i = 0; i < 3; i++) {
         make_prompt(prompts[i], 8, 10 + i);
@@ -523,13 +525,7 @@ END_TEST
 START_TEST(last_running_not_preempted)
 {
     pkv_log_set_level(PKV_LOG_ERROR);
-    pkv_model_t *m0 = tiny_model();
-    pkv_kv_t *kv0 = make_kv(m0, PKV_BACKEND_PAGED, 0, false);
-    pkv_kv_stats_t ks;
-    pkv_kv_stats(kv0, &ks);
-    uint64_t block = ks.block_bytes;
-    pkv_kv_destroy(kv0);
-    pkv_model_destroy(m0);
+    uint64_t block = tiny_paged_stats().block_bytes;
     rig_t r;
     rig_init(&r, PKV_BACKEND_PAGED, 8 * block, (pkv_engine_config_t){.manual = true});
     int32_t prompt[10];
@@ -556,12 +552,7 @@ END_TEST
  * the index of the first victim. */
 static int first_victim(const uint32_t n_prompt[2], uint64_t budget_blocks)
 {
-    pkv_model_t *m0 = tiny_model();
-    pkv_kv_t *kv0 = make_kv(m0, PKV_BACKEND_PAGED, 0, false);
-    pkv_kv_stats_t ks;
-    pkv_kv_stats(kv0, &ks);
-    pkv_kv_destroy(kv0);
-    pkv_model_destroy(m0);
+    pkv_kv_stats_t ks = tiny_paged_stats();
     rig_t r;
     rig_init(&r, PKV_BACKEND_PAGED, budget_blocks * ks.block_bytes,
              (pkv_engine_config_t){.manual = true, .prefill_chunk = 4, .step_tokens = 8});

@@ -41,17 +41,23 @@ typedef struct {
     CURLcode cc;
 } resp_t;
 
+/* Append k bytes to a NUL-terminated growing buffer; false when out of memory. */
+static bool buf_append(char **buf, size_t *len, const char *p, size_t k)
+{
+    char *nb = realloc(*buf, *len + k + 1);
+    if (!nb) return false;
+    *buf = nb;
+    memcpy(nb + *len, p, k);
+    *len += k;
+    nb[*len] = 0;
+    return true;
+}
+
 static size_t on_body(char *p, size_t sz, size_t n, void *arg)
 {
     resp_t *r = arg;
     size_t k = sz * n;
-    char *nb = realloc(r->body, r->len + k + 1);
-    if (!nb) return 0;
-    r->body = nb;
-    memcpy(r->body + r->len, p, k);
-    r->len += k;
-    r->body[r->len] = 0;
-    return k;
+    return buf_append(&r->body, &r->len, p, k) ? k : 0;
 }
 
 static size_t on_header(char *p, size_t sz, size_t n, void *arg)
@@ -780,12 +786,7 @@ static size_t streamer_write(char *p, size_t sz, size_t n, void *arg)
 {
     streamer_t *st = arg;
     size_t k = sz * n;
-    char *nb = realloc(st->all, st->len + k + 1);
-    if (!nb) return 0;
-    st->all = nb;
-    memcpy(st->all + st->len, p, k);
-    st->len += k;
-    st->all[st->len] = 0;
+    if (!buf_append(&st->all, &st->len, p, k)) return 0;
     /* Count event ends in the new bytes only (one may straddle the previous write). */
     size_t from = st->len - k > 0 ? st->len - k - 1 : 0;
     int ev = atomic_load(&st->events);

@@ -650,6 +650,20 @@ static void *engine_calloc(size_t n, size_t size)
     return pkv_fault_hit(PKV_FAULT_ALLOC) ? NULL : calloc(n, size);
 }
 
+/* The per-step arrays the engine thread owns (created with the engine). */
+static void engine_scratch_free(pkv_engine_t *e)
+{
+    free(e->cand);
+    free(e->probs);
+    free(e->logits);
+    free(e->item_req);
+    free(e->items);
+    free(e->order);
+    free(e->running);
+    e->cand = NULL, e->probs = NULL, e->logits = NULL;
+    e->item_req = NULL, e->items = NULL, e->running = NULL, e->order = NULL;
+}
+
 int pkv_engine_create(const pkv_engine_config_t *cfg, pkv_engine_t **out)
 {
     if (!cfg || !out || !cfg->model || !cfg->kv) return PKV_ERR_INVALID;
@@ -713,13 +727,7 @@ int pkv_engine_create(const pkv_engine_config_t *cfg, pkv_engine_t **out)
     return PKV_OK;
 
 fail_alloc:
-    free(e->cand);
-    free(e->probs);
-    free(e->logits);
-    free(e->item_req);
-    free(e->items);
-    free(e->order);
-    free(e->running);
+    engine_scratch_free(e);
     pthread_cond_destroy(&e->idle_cv);
 fail_idle:
     pthread_cond_destroy(&e->work_cv);
@@ -754,15 +762,7 @@ void pkv_engine_destroy(pkv_engine_t *e)
         if (r->notify) r->notify(r->notify_arg);
         request_put(r);
     }
-    free(e->cand);
-    free(e->probs);
-    free(e->logits);
-    free(e->item_req);
-    free(e->items);
-    free(e->order);
-    free(e->running);
-    e->cand = NULL, e->probs = NULL, e->logits = NULL;
-    e->item_req = NULL, e->items = NULL, e->running = NULL, e->order = NULL;
+    engine_scratch_free(e);
     pthread_mutex_lock(&e->lock);
     e->destroyed = true;
     bool last = --e->refs == 0;

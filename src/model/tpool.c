@@ -109,6 +109,16 @@ static void *worker_main(void *argp)
     return NULL;
 }
 
+/* Tell the started workers to exit and join them. */
+static void stop_workers(model_tpool_t *p)
+{
+    atomic_store(&p->stop, true);
+    pthread_mutex_lock(&p->lock);
+    pthread_cond_broadcast(&p->wake);
+    pthread_mutex_unlock(&p->lock);
+    for (uint32_t i = 0; i < p->n_workers; i++) pthread_join(p->threads[i], NULL);
+}
+
 int model_tpool_create(uint32_t n_threads, const char *name, model_tpool_t **out)
 {
     if (!out || n_threads > 256) return PKV_ERR_INVALID;
@@ -138,11 +148,7 @@ int model_tpool_create(uint32_t n_threads, const char *name, model_tpool_t **out
     return PKV_OK;
 
 fail_threads:
-    atomic_store(&p->stop, true);
-    pthread_mutex_lock(&p->lock);
-    pthread_cond_broadcast(&p->wake);
-    pthread_mutex_unlock(&p->lock);
-    for (uint32_t i = 0; i < p->n_workers; i++) pthread_join(p->threads[i], NULL);
+    stop_workers(p);
     pthread_cond_destroy(&p->done);
 fail_done:
     pthread_cond_destroy(&p->wake);
@@ -159,11 +165,7 @@ void model_tpool_destroy(model_tpool_t *p)
 {
     if (!p) return;
     if (getpid() != p->pid) p->n_workers = 0; /* forked child: the threads are not ours */
-    atomic_store(&p->stop, true);
-    pthread_mutex_lock(&p->lock);
-    pthread_cond_broadcast(&p->wake);
-    pthread_mutex_unlock(&p->lock);
-    for (uint32_t i = 0; i < p->n_workers; i++) pthread_join(p->threads[i], NULL);
+    stop_workers(p);
     pthread_cond_destroy(&p->done);
     pthread_cond_destroy(&p->wake);
     pthread_mutex_destroy(&p->lock);

@@ -88,10 +88,10 @@ int xf_view_set_grant(xf_view_t *v, pkv_stage_grant_t *g)
     return PKV_OK;
 }
 
-/* Address of stream offset `off` in staging and the contiguous bytes from there. */
-static uint8_t *stage_at(const xf_view_t *v, uint64_t off, uint64_t *contig)
+/* The staging run that holds stream offset `off` (run r covers [run_off[r], run_off[r+1])). */
+static uint32_t run_of(const xf_view_t *v, uint64_t off)
 {
-    uint32_t lo = 0, hi = v->grant->nruns; /* run r covers [run_off[r], run_off[r+1]) */
+    uint32_t lo = 0, hi = v->grant->nruns;
     while (hi - lo > 1) {
         uint32_t mid = lo + (hi - lo) / 2;
         if (v->run_off[mid] <= off)
@@ -99,6 +99,13 @@ static uint8_t *stage_at(const xf_view_t *v, uint64_t off, uint64_t *contig)
         else
             hi = mid;
     }
+    return lo;
+}
+
+/* Address of stream offset `off` in staging and the contiguous bytes from there. */
+static uint8_t *stage_at(const xf_view_t *v, uint64_t off, uint64_t *contig)
+{
+    uint32_t lo = run_of(v, off);
     *contig = v->run_off[lo + 1] - off;
     return (uint8_t *)v->grant->runs[lo].addr + (off - v->run_off[lo]);
 }
@@ -232,14 +239,7 @@ uint32_t xf_view_arena_pieces(const xf_view_t *v, uint64_t off, uint64_t len, ui
 {
     uint32_t n = 0;
     while (len) {
-        uint32_t lo = 0, hi = v->grant->nruns;
-        while (hi - lo > 1) {
-            uint32_t mid = lo + (hi - lo) / 2;
-            if (v->run_off[mid] <= off)
-                lo = mid;
-            else
-                hi = mid;
-        }
+        uint32_t lo = run_of(v, off);
         uint64_t k = PKV_MIN(v->run_off[lo + 1] - off, len);
         uint64_t at = v->grant->runs[lo].offset + (off - v->run_off[lo]);
         if (n && out[2 * (n - 1)] + out[2 * (n - 1) + 1] == at) {
