@@ -47,7 +47,7 @@ static uint64_t ck_mul(plan_ctx_t *c, uint64_t a, uint64_t b, const char *what)
 {
     uint64_t r;
     if (__builtin_mul_overflow(a, b, &r)) {
-        plan_fail(c, "%s overflows 64 bits (%llu x %llu)", what, (unsigned long long)a,
+        plan_fail(c, "%s does not fit in 64 bits (%llu x %llu)", what, (unsigned long long)a,
                   (unsigned long long)b);
         return 0;
     }
@@ -58,7 +58,7 @@ static uint64_t ck_add(plan_ctx_t *c, uint64_t a, uint64_t b, const char *what)
 {
     uint64_t r;
     if (__builtin_add_overflow(a, b, &r)) {
-        plan_fail(c, "%s overflows 64 bits (%llu + %llu)", what, (unsigned long long)a,
+        plan_fail(c, "%s does not fit in 64 bits (%llu + %llu)", what, (unsigned long long)a,
                   (unsigned long long)b);
         return 0;
     }
