@@ -349,6 +349,26 @@ START_TEST(bad_input_is_a_clear_error)
 }
 END_TEST
 
+START_TEST(allocation_failure_is_nomem_with_a_reason)
+{
+    pkv_plan_input_t in = field_8k();
+    pkv_plan_t p;
+    for (uint32_t skip = 0; skip < 2; skip++) { /* the tail's two buffers */
+        pkv_fault_arm(PKV_FAULT_ALLOC, skip, 1);
+        ck_assert_int_eq(pkv_plan_compute(&in, &p), PKV_ERR_NOMEM);
+        ck_assert(strstr(p.err, "out of memory"));
+        pkv_fault_disarm_all();
+    }
+    ck_assert_int_eq(pkv_plan_compute(&in, &p), PKV_OK);
+    pkv_plan_field_row_t rows[PKV_PLAN_FIELD_ROWS];
+    char err[PKV_PLAN_ERR_LEN];
+    pkv_fault_arm(PKV_FAULT_ALLOC, 0, 1); /* the field table's plan */
+    ck_assert_int_eq(pkv_plan_field(&in, rows, err, sizeof(err)), PKV_ERR_NOMEM);
+    ck_assert(strstr(err, "out of memory"));
+    pkv_fault_disarm_all();
+}
+END_TEST
+
 /* ---- through the CLI ------------------------------------------------------------------- */
 
 static const char *cli(void)
@@ -466,6 +486,7 @@ static Suite *plan_suite(void)
     tcase_add_test(tc, staging_pages_match_the_allocator);
     tcase_add_test(tc, paged_peak_matches_the_pool);
     tcase_add_test(tc, bad_input_is_a_clear_error);
+    tcase_add_test(tc, allocation_failure_is_nomem_with_a_reason);
     tcase_add_test(tc, cli_bad_input_exits_2);
     tcase_add_test(tc, cli_field_json_shape);
     suite_add_tcase(s, tc);

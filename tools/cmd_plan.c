@@ -281,11 +281,20 @@ static void geometry_line(const pkv_plan_input_t *in, const char *preset)
            preset ? ": " : "", in->layers, in->kv_heads, in->head_dim, pkv_dtype_name(in->dtype));
 }
 
+/* Bad input is a usage error (exit 2); anything else (out of memory) exits 1. */
+static int plan_error(int rc, const char *err)
+{
+    if (rc == PKV_ERR_INVALID) return pkv_cli_usage_error(CMD, "%s", err);
+    fprintf(stderr, "pagekv %s: %s\n", CMD, err);
+    return 1;
+}
+
 static int run_field(const plan_opts_t *o)
 {
     pkv_plan_field_row_t rows[PKV_PLAN_FIELD_ROWS];
     char err[PKV_PLAN_ERR_LEN], b[6][32];
-    if (pkv_plan_field(&o->in, rows, err, sizeof(err))) return pkv_cli_usage_error(CMD, "%s", err);
+    int prc = pkv_plan_field(&o->in, rows, err, sizeof(err));
+    if (prc) return plan_error(prc, err);
     uint32_t rph = o->in.ranks_per_host ? o->in.ranks_per_host : o->in.decode_tp;
     printf("## pagekv plan --table field\n\n");
     geometry_line(&o->in, o->preset);
@@ -334,8 +343,9 @@ int pkv_cmd_plan(int argc, char **argv)
     if (o.table) return run_field(&o);
     pkv_plan_t *p = malloc(sizeof(*p));
     if (!p) return fprintf(stderr, "pagekv plan: out of memory\n"), 1;
-    if (pkv_plan_compute(&o.in, p)) {
-        rc = pkv_cli_usage_error(CMD, "%s", p->err);
+    int prc = pkv_plan_compute(&o.in, p);
+    if (prc) {
+        rc = plan_error(prc, p->err);
         free(p);
         return rc;
     }

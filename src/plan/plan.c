@@ -65,6 +65,12 @@ static uint64_t ck_add(plan_ctx_t *c, uint64_t a, uint64_t b, const char *what)
     return r;
 }
 
+/* calloc through the PKV_FAULT_ALLOC fault-simulation site. */
+static void *plan_calloc(size_t n, size_t size)
+{
+    return pkv_fault_hit(PKV_FAULT_ALLOC) ? NULL : calloc(n, size);
+}
+
 static uint64_t div_up(uint64_t a, uint64_t b)
 {
     return a / b + (a % b != 0);
@@ -174,7 +180,7 @@ static int tail_exact(const pkv_plan_input_t *in, const plan_load_t *l, uint64_t
     if (n >= PLAN_TAIL_MAX_BINS / l->max_pages) return 0;
     uint64_t bins = n * l->max_pages + 1; /* < 2^22 */
     if (n * bins * in->n_mix > PLAN_TAIL_MAX_WORK) return 0;
-    double *cur = calloc(bins, sizeof(double)), *nxt = calloc(bins, sizeof(double));
+    double *cur = plan_calloc(bins, sizeof(double)), *nxt = plan_calloc(bins, sizeof(double));
     int rc = PKV_ERR_NOMEM;
     if (!cur || !nxt) goto out;
     cur[0] = 1.0;
@@ -350,7 +356,7 @@ int pkv_plan_field(const pkv_plan_input_t *geo, pkv_plan_field_row_t rows[PKV_PL
         "64 slots of 1M; 64-way concurrency; 64 transfers of 8k + 1 of 1M in flight; mirror "
         "of a 56.5 GiB device pool per rank"};
     static const uint64_t ctx[PKV_PLAN_FIELD_ROWS] = {8192, 131072, 1048576};
-    pkv_plan_t *p = malloc(sizeof(*p));
+    pkv_plan_t *p = plan_calloc(1, sizeof(*p));
     if (!p) {
         snprintf(err, err_len, "out of memory");
         return PKV_ERR_NOMEM;
