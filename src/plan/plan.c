@@ -43,26 +43,25 @@ static int plan_fail(plan_ctx_t *c, const char *fmt, ...)
     return PKV_ERR_INVALID;
 }
 
-static uint64_t ck_mul(plan_ctx_t *c, uint64_t a, uint64_t b, const char *what)
+/* a x b (op '*') or a + b (op '+'); on overflow 0, and the plan fails naming `what`. */
+static uint64_t ck_op(plan_ctx_t *c, uint64_t a, char op, uint64_t b, const char *what)
 {
     uint64_t r;
-    if (__builtin_mul_overflow(a, b, &r)) {
-        plan_fail(c, "%s does not fit in 64 bits (%llu x %llu)", what, (unsigned long long)a,
-                  (unsigned long long)b);
-        return 0;
-    }
-    return r;
+    bool over = op == '*' ? __builtin_mul_overflow(a, b, &r) : __builtin_add_overflow(a, b, &r);
+    if (!over) return r;
+    plan_fail(c, "%s does not fit in 64 bits (%llu %c %llu)", what, (unsigned long long)a,
+              op == '*' ? 'x' : '+', (unsigned long long)b);
+    return 0;
+}
+
+static uint64_t ck_mul(plan_ctx_t *c, uint64_t a, uint64_t b, const char *what)
+{
+    return ck_op(c, a, '*', b, what);
 }
 
 static uint64_t ck_add(plan_ctx_t *c, uint64_t a, uint64_t b, const char *what)
 {
-    uint64_t r;
-    if (__builtin_add_overflow(a, b, &r)) {
-        plan_fail(c, "%s does not fit in 64 bits (%llu + %llu)", what, (unsigned long long)a,
-                  (unsigned long long)b);
-        return 0;
-    }
-    return r;
+    return ck_op(c, a, '+', b, what);
 }
 
 /* calloc through the PKV_FAULT_ALLOC fault-simulation site. */
