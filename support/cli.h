@@ -31,6 +31,7 @@ int pkv_cmd_demo(int argc, char **argv);
 int pkv_cmd_tokenizer(int argc, char **argv);
 int pkv_cmd_serve(int argc, char **argv);
 int pkv_cmd_generate(int argc, char **argv);
+int pkv_cmd_plan(int argc, char **argv);
 
 /* Benchmarks (bench/). */
 int pkv_bench_pool(int argc, char **argv);

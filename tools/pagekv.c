@@ -29,6 +29,7 @@ static const pkv_cli_cmd_t commands[] = {
     {"bench", pkv_cmd_bench,
      "run a benchmark: pagekv bench <name> [--json FILE] (see `pagekv bench`)"},
     {"demo", pkv_cmd_demo, "the main job: prefill -> KV transfer -> decode on the built-in model"},
+    {"plan", pkv_cmd_plan, "memory each KV design needs per rank and per host: pagekv plan --help"},
     {"generate", pkv_cmd_generate,
      "complete a prompt: pagekv generate --prompt TEXT [--preset NAME]"},
     {"tokenizer", pkv_cmd_tokenizer,
