@@ -529,13 +529,52 @@ END_TEST
  * XF_INLINE_COPY_BYTES, so layer by layer. Layer 0 is corrupted in staging, so the
  * consumer ends the read when it checks layer 0; the producer's hook holds its loop once
  * layer 1's chunks are posted until that read has ended, and then posts the rest: those
- * chunks land after the end, every time (before, this was a race tried up to 20 times). */
+ * chunks land after the end, every time (before, this was a race tried up to 20 times).
+ * The loop posts only layers it has been told are staged and then reads the consumer's
+ * FAIL, so "the rest" must be known staged by then: a copy worker behind on a loaded
+ * machine left nothing to post after the hold (1 api run in 30). So the layers' ready
+ * events come in one batch after layer 0's: the worker waits after staging layer 1
+ * until the loop holds after layer 0's chunks, which lasts until every layer is staged;
+ * and the consumer checks layer 0 only once the producer holds after layer 1 (its loop
+ * is then in that batch, which it finishes, posting the rest, before reading FAIL). */
 static atomic_bool stale_read_ended;
+static atomic_int stale_step; /* 1: producer past layer 0's chunks; 2: past layer 1's */
+static atomic_uint stale_layers_staged;
+static void stale_wait(bool (*until)(void))
+{
+    for (int i = 0; i < 1000 && !until(); i++) usleep(5000);
+}
+static bool stale_at_0(void)
+{
+    return atomic_load(&stale_step) >= 1;
+}
+static bool stale_at_1(void)
+{
+    return atomic_load(&stale_step) >= 2;
+}
+static bool stale_all_staged(void)
+{
+    return atomic_load(&stale_layers_staged) == 8;
+}
+static bool stale_ended(void)
+{
+    return atomic_load(&stale_read_ended);
+}
 static void hold_after_layer_1(void *arg, pkv_xfer_fault_point_t pt, uint32_t layer)
 {
     (void)arg;
-    if (pt != PKV_XFER_FAULT_SERVE_LAYER_SENT || layer != 1) return;
-    for (int i = 0; i < 1000 && !atomic_load(&stale_read_ended); i++) usleep(5000);
+    if (pt == PKV_XFER_FAULT_SERVE_COPIED) { /* copy worker */
+        atomic_fetch_add(&stale_layers_staged, 1);
+        if (layer == 1) stale_wait(stale_at_0);
+    }
+    if (pt != PKV_XFER_FAULT_SERVE_LAYER_SENT || layer > 1) return;
+    atomic_store(&stale_step, (int)layer + 1);
+    stale_wait(layer ? stale_ended : stale_all_staged);
+}
+static void check_after_producer_at_1(void *arg, pkv_xfer_fault_point_t pt, uint32_t layer)
+{
+    (void)arg;
+    if (pt == PKV_XFER_FAULT_READ_LAYER_RECEIVED && layer == 0) stale_wait(stale_at_1);
 }
 
 START_TEST(stale_payload_is_drained)
@@ -545,8 +584,13 @@ START_TEST(stale_payload_is_drained)
     pair_t x;
     pair_make(&x, &g, 300, 3);
     atomic_store(&stale_read_ended, false);
+    atomic_store(&stale_step, 0);
+    atomic_store(&stale_layers_staged, 0);
+    ck_assert_uint_eq(g.layers, 8); /* stale_all_staged */
     pkv_xfer_faults_t f = {.fn = hold_after_layer_1, .corrupt_layer = 0};
     pkv_xfer_set_faults(x.p.a, &f);
+    pkv_xfer_faults_t fc = {.fn = check_after_producer_at_1, .corrupt_layer = -1};
+    pkv_xfer_set_faults(x.c.a, &fc);
     pkv_xfer_handle_t *h;
     ck_assert_int_eq(pkv_xfer_register(x.p.a, 50, x.sids, x.sn, PKV_DEADLINE_NEVER, NULL, NULL, &h),
                      PKV_OK);
