@@ -74,7 +74,10 @@ bool xh_outcome_expected(const xh_case_t *c, int oc)
     case XH_PRODUCER_STOPPED:
     case XH_SHUTDOWN_PRODUCER:
         return oc == PKV_ERR_PEER_LOST;
-    /* Every byte may already be stored when the producer dies: ok is right then. */
+    /* The producer dies after its last chunk left (its DATAs may still be queued in its
+     * UCX) and before the ACK: the consumer may store every byte first (ok, and
+     * check_accounting / fault_check then compare every byte) or see the death first
+     * (peer_lost). Both are right; what it must never do is end ok with wrong bytes. */
     case XH_PRODUCER_KILLED_AFTER:
         return oc == PKV_OK || oc == PKV_ERR_PEER_LOST;
     case XH_CONSUMER_KILLED_DURING:

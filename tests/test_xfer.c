@@ -529,13 +529,52 @@ END_TEST
  * XF_INLINE_COPY_BYTES, so layer by layer. Layer 0 is corrupted in staging, so the
  * consumer ends the read when it checks layer 0; the producer's hook holds its loop once
  * layer 1's chunks are posted until that read has ended, and then posts the rest: those
- * chunks land after the end, every time (before, this was a race tried up to 20 times). */
+ * chunks land after the end, every time (before, this was a race tried up to 20 times).
+ * The loop posts only layers it has been told are staged and then reads the consumer's
+ * FAIL, so "the rest" must be known staged by then: a copy worker behind on a loaded
+ * machine left nothing to post after the hold (1 api run in 30). So the layers' ready
+ * events come in one batch after layer 0's: the worker waits after staging layer 1
+ * until the loop holds after layer 0's chunks, which lasts until every layer is staged;
+ * and the consumer checks layer 0 only once the producer holds after layer 1 (its loop
+ * is then in that batch, which it finishes, posting the rest, before reading FAIL). */
 static atomic_bool stale_read_ended;
+static atomic_int stale_step; /* 1: producer past layer 0's chunks; 2: past layer 1's */
+static atomic_uint stale_layers_staged;
+static void stale_wait(bool (*until)(void))
+{
+    for (int i = 0; i < 1000 && !until(); i++) usleep(5000);
+}
+static bool stale_at_0(void)
+{
+    return atomic_load(&stale_step) >= 1;
+}
+static bool stale_at_1(void)
+{
+    return atomic_load(&stale_step) >= 2;
+}
+static bool stale_all_staged(void)
+{
+    return atomic_load(&stale_layers_staged) == 8;
+}
+static bool stale_ended(void)
+{
+    return atomic_load(&stale_read_ended);
+}
 static void hold_after_layer_1(void *arg, pkv_xfer_fault_point_t pt, uint32_t layer)
 {
     (void)arg;
-    if (pt != PKV_XFER_FAULT_SERVE_LAYER_SENT || layer != 1) return;
-    for (int i = 0; i < 1000 && !atomic_load(&stale_read_ended); i++) usleep(5000);
+    if (pt == PKV_XFER_FAULT_SERVE_COPIED) { /* copy worker */
+        atomic_fetch_add(&stale_layers_staged, 1);
+        if (layer == 1) stale_wait(stale_at_0);
+    }
+    if (pt != PKV_XFER_FAULT_SERVE_LAYER_SENT || layer > 1) return;
+    atomic_store(&stale_step, (int)layer + 1);
+    stale_wait(layer ? stale_ended : stale_all_staged);
+}
+static void check_after_producer_at_1(void *arg, pkv_xfer_fault_point_t pt, uint32_t layer)
+{
+    (void)arg;
+    if (pt == PKV_XFER_FAULT_READ_LAYER_RECEIVED && layer == 0) stale_wait(stale_at_1);
 }
 
 START_TEST(stale_payload_is_drained)
@@ -545,8 +584,13 @@ START_TEST(stale_payload_is_drained)
     pair_t x;
     pair_make(&x, &g, 300, 3);
     atomic_store(&stale_read_ended, false);
+    atomic_store(&stale_step, 0);
+    atomic_store(&stale_layers_staged, 0);
+    ck_assert_uint_eq(g.layers, 8); /* stale_all_staged */
     pkv_xfer_faults_t f = {.fn = hold_after_layer_1, .corrupt_layer = 0};
     pkv_xfer_set_faults(x.p.a, &f);
+    pkv_xfer_faults_t fc = {.fn = check_after_producer_at_1, .corrupt_layer = -1};
+    pkv_xfer_set_faults(x.c.a, &fc);
     pkv_xfer_handle_t *h;
     ck_assert_int_eq(pkv_xfer_register(x.p.a, 50, x.sids, x.sn, PKV_DEADLINE_NEVER, NULL, NULL, &h),
                      PKV_OK);
@@ -785,14 +829,16 @@ START_TEST(callback_starts_the_next_read)
 }
 END_TEST
 
-/* Counts log lines that say a peer left CLOSE unanswered (the sink may run on any thread). */
-static atomic_int unanswered_closes;
+/* Counts log lines that say a peer left CLOSE unanswered, and (at debug level) peers that
+ * closed after their CLOSE was answered (the sink may run on any thread). */
+static atomic_int unanswered_closes, answered_closes;
 static void close_sink(void *arg, pkv_log_level_t level, const char *module, const char *line)
 {
     (void)arg;
     (void)level;
     (void)module;
     if (strstr(line, "did not answer CLOSE")) atomic_fetch_add(&unanswered_closes, 1);
+    if (strstr(line, ") closed the connection")) atomic_fetch_add(&answered_closes, 1);
 }
 
 /* Destroying an agent asks each live peer to confirm it handled everything sent before
@@ -828,6 +874,72 @@ START_TEST(close_handshake_is_answered)
     unanswered = atomic_load(&unanswered_closes);
     ck_assert_int_eq(unanswered, 0);
     pkv_log_set_sink(NULL, NULL);
+}
+END_TEST
+
+/* Holds the producer's progress thread once (a lease expiry's callback runs there). */
+static atomic_int holding;
+static void hold_progress(void *arg, uint64_t request_id, int outcome)
+{
+    (void)arg;
+    (void)request_id;
+    (void)outcome;
+    atomic_store(&holding, 1);
+    usleep(150000);
+}
+
+/* A consumer destroyed while its endpoint is still connecting (the producer has not
+ * accepted yet: its progress thread is held) does the CLOSE handshake once the producer
+ * has spoken, instead of force-closing and leaving mid-wireup: that made UCX 1.13 abort
+ * the producer (tcp_ep.c:478) now and then, in the fault case "staging too small
+ * (consumer)" under load. The producer sees an expected disconnect, not a lost peer. */
+START_TEST(consumer_closing_while_connecting_waits_for_the_producer)
+{
+    atomic_store(&unanswered_closes, 0);
+    atomic_store(&answered_closes, 0);
+    atomic_store(&holding, 0);
+    pkv_log_level_t level = pkv_log_get_level();
+    pkv_log_set_level(PKV_LOG_DEBUG);
+    pkv_log_set_sink(close_sink, NULL);
+    pair_t x;
+    pair_make(&x, &SMALL, 24, 41);
+    reg_cb_t sent = {0, 0, 0};
+    pkv_xfer_handle_t *h, *hold;
+    ck_assert_int_eq(
+        pkv_xfer_register(x.p.a, 5, x.sids, x.sn, PKV_DEADLINE_NEVER, reg_cb, &sent, &h), PKV_OK);
+    ck_assert_int_eq(pkv_xfer_register(x.p.a, 6, x.sids, x.sn, pkv_deadline_after_ns(1000000ull),
+                                       hold_progress, NULL, &hold),
+                     PKV_OK);
+    for (int i = 0; i < 400 && !atomic_load(&holding); i++) usleep(5000);
+    ck_assert(atomic_load(&holding));
+    pkv_xfer_read_t *rd;
+    ck_assert_int_eq(pkv_xfer_read(x.c.a, h, x.dids, x.dn, pkv_deadline_after_ns(3000000000ull),
+                                   NULL, NULL, &rd),
+                     PKV_OK);
+    pkv_xfer_agent_destroy(x.c.a);
+    x.c.a = NULL;
+    int oc = 0;
+    ck_assert_int_eq(pkv_xfer_read_wait(rd, 0, &oc), PKV_OK);
+    ck_assert_int_eq(oc, PKV_ERR_SHUTDOWN);
+    pkv_xfer_read_free(rd);
+    pkv_xfer_stats_t ps;
+    for (int i = 0; i < 400; i++) {
+        pkv_xfer_stats(x.p.a, &ps);
+        if (!ps.peers && atomic_load(&answered_closes)) break;
+        usleep(5000);
+    }
+    int answered = atomic_load(&answered_closes), unanswered = atomic_load(&unanswered_closes);
+    int calls = atomic_load(&sent.calls);
+    ck_assert_int_eq(answered, 1);
+    ck_assert_int_eq(unanswered, 0);
+    ck_assert_uint_eq(ps.peers, 0);
+    ck_assert_uint_eq(ps.peers_lost, 0);
+    ck_assert_int_eq(calls, 0); /* the shutdown FAIL ended the serve, the request stays */
+    pkv_xfer_handle_free(h);
+    pkv_xfer_handle_free(hold);
+    pair_free(&x);
+    pkv_log_set_sink(NULL, NULL);
+    pkv_log_set_level(level);
 }
 END_TEST
 
@@ -1483,6 +1595,7 @@ static Suite *xfer_suite(void)
     tcase_add_test(api, read_wait_keeps_its_deadline);
     tcase_add_test(api, callback_starts_the_next_read);
     tcase_add_test(api, close_handshake_is_answered);
+    tcase_add_test(api, consumer_closing_while_connecting_waits_for_the_producer);
     tcase_add_test(api, other_wire_version_is_rejected_at_once);
     tcase_add_test(api, malformed_read_is_rejected_at_once);
     tcase_add_test(api, whole_stream_checksums_ride_the_payload);

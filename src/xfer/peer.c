@@ -180,11 +180,17 @@ static void send_close(pkv_xfer_agent_t *a, xf_peer_t *p, uint32_t flags)
     if (xf_wire_encode_close(&cl, buf, sizeof(buf), &len) == PKV_OK) xf_ctl_send(a, p, buf, len);
 }
 
-/* Shutdown: ask every live peer to confirm it has processed everything we sent. */
+/* Shutdown: ask every live peer to confirm it has processed everything we sent. That
+ * includes an outgoing endpoint still connecting (its CLOSE waits in the queue until the
+ * server has spoken): force-closing it and exiting while the server is still wiring up
+ * its side made UCX 1.13 abort the server in its tcp transport (tcp_ep.c:478,
+ * `!(ep->flags & UCT_TCP_EP_FLAG_CTX_TYPE_TX)`) after a reset or refused lane connect.
+ * The wait has the CLOSE handshake's bound; a server that is not there fails the
+ * endpoint (error callback) and is not waited for. */
 void xf_peers_say_close(pkv_xfer_agent_t *a)
 {
     for (xf_peer_t *p = a->peers; p; p = p->next)
-        if (p->state == XF_PEER_ACTIVE && p->ep && p->established && !p->close_sent) {
+        if (p->state == XF_PEER_ACTIVE && p->ep && !p->close_sent) {
             p->close_sent = true;
             send_close(a, p, 0);
         }
