@@ -9,6 +9,9 @@
 
 #include "pagekv/engine.h"
 #include "pagekv/kv.h"
+#include "pagekv/server.h"
+#include "pagekv/stage.h"
+#include "pagekv/xfer.h"
 
 #include <jansson.h>
 
@@ -63,6 +66,49 @@ typedef struct {
     srv_hist_t e2e;  /* submit -> finished */
 } srv_counters_t;
 
+/* ---- roles (kvnode.c): the transfer agent and staging of a prefill or decode node ---- */
+typedef struct srv_kvnode srv_kvnode_t;
+
+/* Leases (prefill legs' registrations) by how they ended. */
+typedef struct {
+    uint64_t offered;   /* registered under a lease */
+    uint64_t sent;      /* a decode leg read and acknowledged them */
+    uint64_t expired;   /* no decode leg within the lease: the pins returned */
+    uint64_t cancelled; /* unregistered */
+    uint64_t shutdown;  /* ended by the agent's destroy */
+} srv_lease_counts_t;
+
+typedef struct {
+    pkv_server_role_t role;
+    const char *address;   /* the agent's bound "host:port" (the node's, valid for its life) */
+    const char *advertise; /* remote_host */
+    uint16_t port;         /* remote_port */
+    const char *engine_id; /* remote_engine_id */
+    uint32_t lease_ms, transfer_timeout_ms;
+    pkv_xfer_stats_t xs;
+    pkv_stage_stats_t ss;
+    srv_lease_counts_t leases;
+} srv_kv_snapshot_t;
+
+/* Create the staging and the agent of a prefill or decode node over the paged pool kv.
+ * PKV_ERR_INVALID (logged) for a dense pool or a bad staging configuration; the agent's
+ * PKV_ERR_IO when its address cannot be bound. */
+int srv_kvnode_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max_context,
+                      srv_kvnode_t **out);
+/* Destroy the agent (its registrations end, their pins return), then the staging. */
+void srv_kvnode_destroy(srv_kvnode_t *n);
+const char *srv_kvnode_address(const srv_kvnode_t *n);
+/* Whether the agent can serve (for /health): it runs and is not shutting down. */
+bool srv_kvnode_healthy(srv_kvnode_t *n);
+void srv_kvnode_snapshot(srv_kvnode_t *n, srv_kv_snapshot_t *out);
+/* Prefill leg: register blocks[0..nb) (the prompt's, in sequence order) under pagekv's
+ * request id until now + the lease, and build the response's kv_transfer_params (new
+ * reference). PKV_OK, or the agent's error (nothing registered). */
+int srv_kvnode_offer(srv_kvnode_t *n, uint64_t request_id, const uint32_t *blocks, uint32_t nb,
+                     uint32_t n_prompt, json_t **params);
+/* The kv_transfer_params section of /v1/cache/stats (new reference; NULL on no memory). */
+json_t *srv_kv_stats_json(const srv_kv_snapshot_t *k);
+
 /* One snapshot of the server's, the engine's and the KV cache's counters: what /metrics
  * and /v1/cache/stats render (server.c takes it, metrics.c renders it). */
 typedef struct {
@@ -72,6 +118,8 @@ typedef struct {
     uint64_t rss_bytes; /* the process's VmRSS (0: unknown, omitted from /metrics) */
     pkv_backend_t backend;
     uint32_t block_tokens;
+    bool has_kv; /* a prefill or decode node: kv filled */
+    srv_kv_snapshot_t kv;
 } srv_snapshot_t;
 
 /* Prometheus text exposition (malloc'd, NUL-terminated; *len without the NUL). NULL on
