@@ -2028,6 +2028,287 @@ START_TEST(kv_transfer_params_refused_by_role_and_shape)
 }
 END_TEST
 
+/* ---- the decode leg ------------------------------------------------------------------------- */
+
+/* One leg's answer: text, finish reason and token counts, streamed or not. */
+typedef struct {
+    long status;
+    char text[8192];
+    char finish[16];
+    long long prompt, completion, cached;
+    json_t *doc; /* non-streamed: the response */
+} leg_t;
+
+static void leg_post(uint16_t port, const char *path, json_t *req, leg_t *out)
+{
+    memset(out, 0, sizeof(*out));
+    bool chat = strstr(path, "chat") != NULL;
+    bool stream = json_is_true(json_object_get(req, "stream"));
+    char *body = json_dumps(req, 0);
+    resp_t r;
+    ck_assert_int_eq(http(port, "POST", path, body, strlen(body), &r), CURLE_OK);
+    free(body);
+    out->status = r.status;
+    json_t *usage = NULL;
+    if (stream && r.status == 200) {
+        sse_t *e = malloc(sizeof(*e));
+        ck_assert_ptr_nonnull(e);
+        sse_parse(r.body, r.len, chat, e);
+        ck_assert(e->done);
+        snprintf(out->text, sizeof(out->text), "%.*s", (int)e->text_len, e->text);
+        snprintf(out->finish, sizeof(out->finish), "%s", e->finish ? e->finish : "");
+        usage = json_incref(e->usage);
+        sse_free(e);
+        free(e);
+    } else {
+        out->doc = json_loadb(r.body ? r.body : "", r.len, JSON_ALLOW_NUL, NULL);
+        ck_assert_ptr_nonnull(out->doc);
+        if (r.status == 200) {
+            json_t *t = jp(out->doc, chat ? "choices.0.message.content" : "choices.0.text");
+            snprintf(out->text, sizeof(out->text), "%s", json_string_value(t));
+            snprintf(out->finish, sizeof(out->finish), "%s",
+                     js(out->doc, "choices.0.finish_reason"));
+            usage = json_incref(jp(out->doc, "usage"));
+        }
+    }
+    resp_free(&r);
+    if (usage) {
+        out->prompt = ji(usage, "prompt_tokens");
+        out->completion = ji(usage, "completion_tokens");
+        out->cached = ji(usage, "prompt_tokens_details.cached_tokens");
+        json_decref(usage);
+    }
+}
+
+/* The prefill leg of req (as the field's proxies make it) on port: its kv_transfer_params. */
+static json_t *prefill_leg(uint16_t port, const char *path, json_t *req)
+{
+    json_t *pre = json_deep_copy(req);
+    json_object_set_new(pre, "max_tokens", json_integer(1));
+    json_object_set_new(pre, "stream", json_false());
+    json_object_del(pre, "stream_options");
+    json_object_set_new(pre, "kv_transfer_params",
+                        json_pack("{s:b, s:b, s:n, s:n, s:n, s:n}", "do_remote_decode", 1,
+                                  "do_remote_prefill", 0, "remote_engine_id", "remote_block_ids",
+                                  "remote_host", "remote_port"));
+    leg_t p;
+    leg_post(port, path, pre, &p);
+    json_decref(pre);
+    ck_assert_int_eq(p.status, 200);
+    json_t *kt = json_incref(jp(p.doc, "kv_transfer_params"));
+    ck_assert_ptr_nonnull(kt);
+    json_decref(p.doc);
+    return kt;
+}
+
+/* The decode leg of req with kt on port (nothing else changed in the body). */
+static void decode_leg(uint16_t port, const char *path, json_t *req, json_t *kt, leg_t *out)
+{
+    json_t *dec = json_deep_copy(req);
+    json_object_set(dec, "kv_transfer_params", kt);
+    leg_post(port, path, dec, out);
+    json_decref(dec);
+}
+
+/* Both legs driven as a proxy does, and the answer compared with the unified node's. */
+static void disagg_equals_unified(const uint16_t ports[3], const char *path, json_t *req)
+{
+    leg_t u, d;
+    leg_post(ports[2], path, req, &u);
+    ck_assert_int_eq(u.status, 200);
+    json_t *kt = prefill_leg(ports[0], path, req);
+    decode_leg(ports[1], path, req, kt, &d);
+    json_decref(kt);
+    ck_assert_msg(d.status == 200, "decode leg: %ld %s", d.status,
+                  d.doc ? json_dumps(d.doc, 0) : "");
+    ck_assert_str_eq(d.text, u.text);
+    ck_assert_str_eq(d.finish, u.finish);
+    ck_assert_int_eq(d.prompt, u.prompt);
+    ck_assert_int_eq(d.completion, u.completion);
+    ck_assert_int_ge(d.cached, (d.prompt - 1) / 16 * 16 < 0 ? 0 : u.cached);
+    json_decref(u.doc);
+    json_decref(d.doc);
+}
+
+/* Three nodes in this process: prefill, decode, unified (ports[0..2]). */
+static void three_nodes(pkv_server_t *s[3], uint16_t ports[3], uint32_t timeout_ms)
+{
+    pkv_server_role_t roles[3] = {PKV_SERVER_ROLE_PREFILL, PKV_SERVER_ROLE_DECODE,
+                                  PKV_SERVER_ROLE_UNIFIED};
+    for (int i = 0; i < 3; i++) {
+        pkv_server_config_t cfg = base_config();
+        cfg.role = roles[i];
+        cfg.kv_transfer_timeout_ms = timeout_ms;
+        s[i] = start(cfg);
+        ports[i] = pkv_server_port(s[i]);
+    }
+}
+
+/* Every leg's counts settled: the prefill node's leases all sent, no pins left. */
+static void leases_settle(uint16_t port, long long sent)
+{
+    uint64_t deadline = pkv_deadline_after_ns(10ull * 1000000000);
+    for (;;) {
+        json_t *kv = kv_stats(port);
+        bool done = ji(kv, "leases.sent") == sent && ji(kv, "leases.pinned_blocks") == 0 &&
+                    ji(kv, "leases.live") == 0;
+        json_decref(kv);
+        if (done) return;
+        ck_assert_msg(pkv_now_ns() < deadline, "leases did not settle at %lld sent", sent);
+        usleep(10000);
+    }
+}
+
+/* The decode leg pulls the prompt's KV and decodes: completions and chat, streamed and
+ * not, greedy and seeded, and with a decode-side prefix hit, each equal to a unified
+ * node's answer. */
+START_TEST(decode_leg_equals_unified)
+{
+    pkv_server_t *s[3];
+    uint16_t ports[3];
+    three_nodes(s, ports, 5000);
+    const char *text = "The quick brown fox jumps over the lazy dog and keeps running far away";
+    json_t *reqs[] = {
+        json_pack("{s:s, s:s, s:i, s:f}", "model", "tiny", "prompt", text, "max_tokens", 12,
+                  "temperature", 0.0),
+        json_pack("{s:s, s:s, s:i, s:f, s:b, s:{s:b}}", "model", "tiny", "prompt", text,
+                  "max_tokens", 12, "temperature", 0.0, "stream", 1, "stream_options",
+                  "include_usage", 1),
+        json_pack("{s:s, s:s, s:i, s:f, s:i}", "model", "tiny", "prompt",
+                  "Seeded: once upon a time", "max_tokens", 10, "temperature", 0.9, "seed", 11),
+        json_pack("{s:s, s:s, s:i, s:f, s:i, s:b, s:{s:b}}", "model", "tiny", "prompt",
+                  "Seeded and streamed: once upon a time there was", "max_tokens", 10,
+                  "temperature", 0.9, "seed", 5, "stream", 1, "stream_options", "include_usage", 1),
+        json_pack("{s:s, s:[{s:s, s:s}], s:i, s:f}", "model", "tiny", "messages", "role", "user",
+                  "content", "Tell me about paged attention in one line", "max_tokens", 12,
+                  "temperature", 0.0),
+        json_pack("{s:s, s:[{s:s, s:s}], s:i, s:f, s:i, s:b, s:{s:b}}", "model", "tiny", "messages",
+                  "role", "user", "content", "Stream me a seeded chat answer please", "max_tokens",
+                  12, "temperature", 0.7, "seed", 3, "stream", 1, "stream_options", "include_usage",
+                  1),
+    };
+    const char *paths[] = {"/v1/completions", "/v1/completions",      "/v1/completions",
+                           "/v1/completions", "/v1/chat/completions", "/v1/chat/completions"};
+    for (size_t i = 0; i < PKV_ARRAY_LEN(reqs); i++)
+        disagg_equals_unified(ports, paths[i], reqs[i]);
+    json_t *kv = kv_stats(ports[1]);
+    ck_assert_int_eq(ji(kv, "pulls.ok") + ji(kv, "pulls.dropped"), 6);
+    ck_assert_int_eq(ji(kv, "pulls.dropped"), 1); /* the second request's prompt was cached */
+    json_decref(kv);
+    /* A decode-side prefix hit: the first request again. */
+    disagg_equals_unified(ports, paths[0], reqs[0]);
+    kv = kv_stats(ports[1]);
+    ck_assert_int_eq(ji(kv, "pulls.ok") + ji(kv, "pulls.dropped"), 7);
+    ck_assert_int_eq(ji(kv, "pulls.failed"), 0);
+    ck_assert_int_eq(ji(kv, "leases.pinned_blocks"), 0);
+    json_decref(kv);
+    leases_settle(ports[0], 7);
+    wait_quiet(ports[1]);
+    for (size_t i = 0; i < PKV_ARRAY_LEN(reqs); i++) json_decref(reqs[i]);
+    for (int i = 0; i < 3; i++) pkv_server_destroy(s[i]);
+}
+END_TEST
+
+/* A decode leg whose params are wrong or forged gets a 4xx naming the field and pulls
+ * nothing from wrong KV; an unreachable producer is 503 peer_lost within the deadline;
+ * the genuine params still work afterwards (the registration survived). */
+START_TEST(decode_leg_bad_params)
+{
+    pkv_server_t *s[3];
+    uint16_t ports[3];
+    three_nodes(s, ports, 2000);
+    json_t *req =
+        json_pack("{s:s, s:s, s:i, s:f}", "model", "tiny", "prompt",
+                  "The quick brown fox jumps over the lazy dog and keeps running far away",
+                  "max_tokens", 8, "temperature", 0.0);
+    const char *path = "/v1/completions";
+    json_t *kt = prefill_leg(ports[0], path, req);
+    ck_assert_uint_eq(json_array_size(jp(kt, "remote_block_ids")), 2); /* as the cases assume */
+    static const struct {
+        const char *key;
+        const char *json; /* the new value; NULL: removed */
+        long status;
+        const char *code, *param;
+    } cases[] = {
+        {"pagekv_token", "\"00000000000000000000000000000000\"", 400, "rejected",
+         "kv_transfer_params"},
+        {"pagekv_token", "\"xyz\"", 400, "invalid_value", "kv_transfer_params.pagekv_token"},
+        {"pagekv_request_id", "987654", 400, "rejected", "kv_transfer_params"},
+        {"pagekv_prompt_sha256", "\"00\"", 400, "invalid_value",
+         "kv_transfer_params.pagekv_prompt_sha256"},
+        {"pagekv_prompt_tokens", "3", 400, "invalid_value",
+         "kv_transfer_params.pagekv_prompt_tokens"},
+        {"pagekv_geometry",
+         "{\"layers\": 99, \"kv_heads\": 2, \"head_dim\": 16, "
+         "\"block_tokens\": 16, \"dtype\": \"f16\"}",
+         400, "invalid_value", "kv_transfer_params.pagekv_geometry"},
+        {"remote_block_ids", "[0]", 400, "invalid_value", "kv_transfer_params.remote_block_ids"},
+        {"remote_block_ids", "[7, 9]", 400, "rejected", "kv_transfer_params"},
+        {"remote_port", NULL, 400, "missing_field", "kv_transfer_params.remote_port"},
+        {"remote_host", NULL, 400, "missing_field", "kv_transfer_params.remote_host"},
+    };
+    for (size_t i = 0; i < PKV_ARRAY_LEN(cases); i++) {
+        json_t *bad = json_deep_copy(kt);
+        if (cases[i].json)
+            ck_assert_int_eq(json_object_set_new(bad, cases[i].key,
+                                                 json_loads(cases[i].json, JSON_DECODE_ANY, NULL)),
+                             0);
+        else
+            json_object_del(bad, cases[i].key);
+        leg_t d;
+        decode_leg(ports[1], path, req, bad, &d);
+        json_decref(bad);
+        ck_assert_msg(d.status == cases[i].status, "case %zu: %ld", i, d.status);
+        ck_assert_msg(!strcmp(js(d.doc, "error.code"), cases[i].code), "case %zu: %s", i,
+                      js(d.doc, "error.code"));
+        ck_assert_msg(!strcmp(js(d.doc, "error.param"), cases[i].param), "case %zu: %s", i,
+                      js(d.doc, "error.param"));
+        json_decref(d.doc);
+    }
+    /* The same prompt's KV under another prompt of the same length: refused. */
+    json_t *other = json_deep_copy(req);
+    json_object_set_new(
+        other, "prompt",
+        json_string("The quick brown fox jumps over the lazy dog and keeps running far awaY"));
+    leg_t d;
+    decode_leg(ports[1], path, other, kt, &d);
+    json_decref(other);
+    ck_assert_int_eq(d.status, 400);
+    json_decref(d.doc);
+    /* Nobody listens at the producer's address: peer_lost, within the deadline + 1 s. */
+    int probe = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof(sa);
+    ck_assert_int_eq(bind(probe, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    ck_assert_int_eq(getsockname(probe, (struct sockaddr *)&sa, &sl), 0);
+    close(probe);
+    json_t *lost = json_deep_copy(kt);
+    json_object_set_new(lost, "remote_port", json_integer(ntohs(sa.sin_port)));
+    uint64_t t0 = pkv_now_ns();
+    decode_leg(ports[1], path, req, lost, &d);
+    json_decref(lost);
+    ck_assert_int_eq(d.status, 503);
+    ck_assert_str_eq(js(d.doc, "error.code"), "peer_lost");
+    ck_assert_uint_lt(pkv_now_ns() - t0, 3000000000ull);
+    json_decref(d.doc);
+    json_t *dkv = kv_stats(ports[1]);
+    ck_assert_int_eq(ji(dkv, "pulls.ok"), 0);
+    json_decref(dkv);
+    json_t *st = get_json(ports[1], "/v1/cache/stats");
+    ck_assert_int_eq(ji(st, "requests.submitted"), 0); /* nothing generated from wrong KV */
+    ck_assert_int_eq(ji(st, "blocks.cached"), 0);
+    json_decref(st);
+    /* The genuine params still pull and decode. */
+    decode_leg(ports[1], path, req, kt, &d);
+    ck_assert_int_eq(d.status, 200);
+    json_decref(d.doc);
+    leases_settle(ports[0], 1);
+    json_decref(kt);
+    json_decref(req);
+    for (int i = 0; i < 3; i++) pkv_server_destroy(s[i]);
+}
+END_TEST
+
 static Suite *server_suite(void)
 {
     Suite *s = suite_create("server");
@@ -2054,6 +2335,8 @@ static Suite *server_suite(void)
     tcase_add_test(roles, roles_health_503_while_draining);
     tcase_add_test(roles, prefill_leg_answer_and_lease_expiry);
     tcase_add_test(roles, kv_transfer_params_refused_by_role_and_shape);
+    tcase_add_test(roles, decode_leg_equals_unified);
+    tcase_add_test(roles, decode_leg_bad_params);
     suite_add_tcase(s, roles);
     TCase *pure = tcase_create("pure");
     tcase_add_test(pure, gen_finish_and_figures);

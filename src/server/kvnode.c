@@ -10,7 +10,9 @@
 #include "server/server_int.h"
 
 #include "core/core.h"
+#include "server/request.h"
 
+#include <openssl/sha.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -31,8 +33,9 @@ struct srv_kvnode {
     char engine_id[40];           /* "pagekv-" + 16 random bytes in hex */
     uint32_t lease_ms, transfer_timeout_ms;
     atomic_bool stopping;
-    pthread_mutex_t lock; /* guards leases */
+    pthread_mutex_t lock; /* guards leases, pulls */
     srv_lease_counts_t leases;
+    srv_pull_counts_t pulls;
 };
 
 static void hex(const uint8_t *b, size_t n, char *out)
@@ -177,6 +180,7 @@ void srv_kvnode_snapshot(srv_kvnode_t *n, srv_kv_snapshot_t *out)
     pkv_stage_stats(n->stage, &out->ss);
     pthread_mutex_lock(&n->lock);
     out->leases = n->leases;
+    out->pulls = n->pulls;
     pthread_mutex_unlock(&n->lock);
 }
 
@@ -196,9 +200,19 @@ static void lease_ended(void *arg, uint64_t request_id, int outcome)
     pthread_mutex_unlock(&n->lock);
 }
 
+/* SHA-256 of the prompt's ids (int32, host order) in hex: the decode leg checks that
+ * its prompt is the one whose KV it pulls. */
+static void prompt_digest(const int32_t *ids, uint32_t n, char out[2 * SHA256_DIGEST_LENGTH + 1])
+{
+    uint8_t d[SHA256_DIGEST_LENGTH];
+    SHA256((const unsigned char *)ids, (size_t)n * sizeof(int32_t), d);
+    hex(d, sizeof(d), out);
+}
+
 /* The response's kv_transfer_params for a registration (the field's keys, then
  * pagekv's handle fields). */
-static json_t *offer_doc(const srv_kvnode_t *n, const pkv_xfer_handle_t *h, uint32_t n_prompt)
+static json_t *offer_doc(const srv_kvnode_t *n, const pkv_xfer_handle_t *h, const int32_t *prompt,
+                         uint32_t n_prompt)
 {
     json_t *ids = json_array();
     for (uint32_t i = 0; ids && i < h->n_blocks; i++)
@@ -207,26 +221,28 @@ static json_t *offer_doc(const srv_kvnode_t *n, const pkv_xfer_handle_t *h, uint
             return NULL;
         }
     if (!ids) return NULL;
-    char token[2 * PKV_XFER_TOKEN_BYTES + 1];
+    char token[2 * PKV_XFER_TOKEN_BYTES + 1], digest[2 * SHA256_DIGEST_LENGTH + 1];
     hex(h->token, PKV_XFER_TOKEN_BYTES, token);
-    return json_pack("{s:b, s:b, s:s, s:o, s:s, s:i, s:I, s:s, s:i, s:{s:i, s:i, s:i, s:i, s:s}}",
+    prompt_digest(prompt, n_prompt, digest);
+    return json_pack("{s:b, s:b, s:s, s:o, s:s, s:i, s:I, s:s, s:i, s:s,"
+                     " s:{s:i, s:i, s:i, s:i, s:s}}",
                      "do_remote_prefill", 1, "do_remote_decode", 0, "remote_engine_id",
                      n->engine_id, "remote_block_ids", ids, "remote_host", n->host, "remote_port",
                      (int)n->port, "pagekv_request_id", (json_int_t)h->request_id, "pagekv_token",
-                     token, "pagekv_prompt_tokens", (int)n_prompt, "pagekv_geometry", "layers",
-                     (int)h->geo.layers, "kv_heads", (int)h->geo.kv_heads, "head_dim",
-                     (int)h->geo.head_dim, "block_tokens", (int)h->geo.block_tokens, "dtype",
-                     pkv_dtype_name(h->geo.dtype));
+                     token, "pagekv_prompt_tokens", (int)n_prompt, "pagekv_prompt_sha256", digest,
+                     "pagekv_geometry", "layers", (int)h->geo.layers, "kv_heads",
+                     (int)h->geo.kv_heads, "head_dim", (int)h->geo.head_dim, "block_tokens",
+                     (int)h->geo.block_tokens, "dtype", pkv_dtype_name(h->geo.dtype));
 }
 
 int srv_kvnode_offer(srv_kvnode_t *n, uint64_t request_id, const uint32_t *blocks, uint32_t nb,
-                     uint32_t n_prompt, json_t **params)
+                     const int32_t *ids, uint32_t n_prompt, json_t **params)
 {
     pkv_xfer_handle_t *h = NULL;
     uint64_t expiry = pkv_deadline_after_ns((uint64_t)n->lease_ms * 1000000ull);
     int rc = pkv_xfer_register(n->agent, request_id, blocks, nb, expiry, lease_ended, n, &h);
     if (rc) return rc;
-    json_t *doc = offer_doc(n, h, n_prompt);
+    json_t *doc = offer_doc(n, h, ids, n_prompt);
     pkv_xfer_handle_free(h);
     if (!doc) {
         pkv_xfer_unregister(n->agent, request_id);
@@ -243,7 +259,7 @@ json_t *srv_kv_stats_json(const srv_kv_snapshot_t *k)
 {
     const pkv_xfer_stats_t *x = &k->xs;
     const pkv_stage_stats_t *s = &k->ss;
-    return json_pack(
+    json_t *doc = json_pack(
         "{s:s, s:s, s:s, s:i, s:s, s:i, s:i,"
         " s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I},"
         " s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I},"
@@ -264,4 +280,198 @@ json_t *srv_kv_stats_json(const srv_kv_snapshot_t *k)
         (json_int_t)s->pages_peak_used, "resident_bytes", (json_int_t)s->resident_bytes,
         "pinned_bytes", (json_int_t)s->pinned_bytes, "pages_held_by_transfers",
         (json_int_t)x->staging_pages_held);
+    if (doc)
+        json_object_set_new(doc, "pulls",
+                            json_pack("{s:I, s:I, s:I}", "ok", (json_int_t)k->pulls.ok, "dropped",
+                                      (json_int_t)k->pulls.dropped, "failed",
+                                      (json_int_t)k->pulls.failed));
+    return doc;
+}
+
+/* ---- the decode leg ----------------------------------------------------------------------- */
+
+#define KVT_P(k) "kv_transfer_params." k
+
+static int kvt_bad(srv_error_t *err, const char *code, const char *param, const char *why)
+{
+    srv_error_set(err, 400, "invalid_request_error", code, param, "'%s' %s", param, why);
+    return PKV_ERR_INVALID;
+}
+
+/* An integer member in [lo, hi]. */
+static int kvt_int(const json_t *o, const char *key, const char *param, json_int_t lo,
+                   json_int_t hi, json_int_t *out, srv_error_t *err)
+{
+    json_t *v = json_object_get(o, key);
+    if (!v || json_is_null(v)) return kvt_bad(err, "missing_field", param, "is required");
+    if (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > hi)
+        return kvt_bad(err, "invalid_value", param, "is not this node's value or is out of range");
+    *out = json_integer_value(v);
+    return PKV_OK;
+}
+
+static int unhex(const char *s, uint8_t *out, size_t n)
+{
+    if (!s || strlen(s) != 2 * n) return PKV_ERR_INVALID;
+    for (size_t i = 0; i < 2 * n; i++) {
+        char c = s[i];
+        int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        if (d < 0) return PKV_ERR_INVALID;
+        out[i / 2] = (uint8_t)(i % 2 ? out[i / 2] | d : d << 4);
+    }
+    return PKV_OK;
+}
+
+/* The producer's geometry must be this pool's. */
+static int kvt_geometry(const srv_kvnode_t *n, const json_t *o, srv_error_t *err)
+{
+    const pkv_geometry_t *g = pkv_kv_geometry(n->kv);
+    json_t *v = json_object_get(o, "pagekv_geometry");
+    const char *p = KVT_P("pagekv_geometry");
+    if (!json_is_object(v)) return kvt_bad(err, "missing_field", p, "is required (an object)");
+    json_int_t layers, heads, dim, bt;
+    const char *dt = json_string_value(json_object_get(v, "dtype"));
+    pkv_dtype_t dtype;
+    if (kvt_int(v, "layers", p, g->layers, g->layers, &layers, err) ||
+        kvt_int(v, "kv_heads", p, g->kv_heads, g->kv_heads, &heads, err) ||
+        kvt_int(v, "head_dim", p, g->head_dim, g->head_dim, &dim, err) ||
+        kvt_int(v, "block_tokens", p, g->block_tokens, g->block_tokens, &bt, err))
+        return kvt_bad(err, "invalid_value", p, "differs from this node's KV geometry");
+    if (!dt || pkv_dtype_parse(dt, &dtype) || dtype != g->dtype)
+        return kvt_bad(err, "invalid_value", p, "differs from this node's KV dtype");
+    return PKV_OK;
+}
+
+/* The handle a decode leg's kv_transfer_params describe (checked against this node and
+ * the prompt). *out: free with pkv_xfer_handle_free. */
+static int kvt_handle(const srv_kvnode_t *n, const json_t *o, const int32_t *prompt,
+                      uint32_t n_prompt, pkv_xfer_handle_t **out, srv_error_t *err)
+{
+    json_int_t port, rid, np;
+    const char *host = json_string_value(json_object_get(o, "remote_host"));
+    json_t *ids = json_object_get(o, "remote_block_ids");
+    const char *token = json_string_value(json_object_get(o, "pagekv_token"));
+    uint32_t bt = pkv_kv_geometry(n->kv)->block_tokens, nb = PKV_DIV_UP(n_prompt, bt);
+    if (!host || !*host || strlen(host) > 47)
+        return kvt_bad(err, "missing_field", KVT_P("remote_host"), "is required (a host)");
+    if (kvt_int(o, "remote_port", KVT_P("remote_port"), 1, 65535, &port, err) ||
+        kvt_int(o, "pagekv_request_id", KVT_P("pagekv_request_id"), 1, INT64_MAX, &rid, err) ||
+        kvt_int(o, "pagekv_prompt_tokens", KVT_P("pagekv_prompt_tokens"), n_prompt, n_prompt, &np,
+                err) ||
+        kvt_geometry(n, o, err))
+        return PKV_ERR_INVALID;
+    char digest[2 * SHA256_DIGEST_LENGTH + 1];
+    prompt_digest(prompt, n_prompt, digest);
+    const char *sent = json_string_value(json_object_get(o, "pagekv_prompt_sha256"));
+    if (!sent || strcmp(sent, digest))
+        return kvt_bad(err, "invalid_value", KVT_P("pagekv_prompt_sha256"),
+                       "is not this request's prompt (the KV was computed for another)");
+    if (!json_is_array(ids) || json_array_size(ids) != nb)
+        return kvt_bad(err, "invalid_value", KVT_P("remote_block_ids"),
+                       "must list the prompt's blocks (ceil(prompt tokens / block tokens))");
+    pkv_xfer_handle_t *h = calloc(1, sizeof(*h) + nb * sizeof(uint32_t));
+    if (!h) return PKV_ERR_NOMEM;
+    if (unhex(token, h->token, sizeof(h->token))) {
+        free(h);
+        return kvt_bad(err, "invalid_value", KVT_P("pagekv_token"), "must be 32 hex digits");
+    }
+    for (uint32_t i = 0; i < nb; i++) {
+        json_t *v = json_array_get(ids, i);
+        if (!json_is_integer(v) || json_integer_value(v) < 0 ||
+            json_integer_value(v) > (json_int_t)UINT32_MAX) {
+            free(h);
+            return kvt_bad(err, "invalid_value", KVT_P("remote_block_ids"),
+                           "must hold block ids (integers >= 0)");
+        }
+        h->blocks[i] = (uint32_t)json_integer_value(v);
+    }
+    h->n_blocks = nb;
+    h->request_id = (uint64_t)rid;
+    h->geo = *pkv_kv_geometry(n->kv);
+    snprintf(h->addr, sizeof(h->addr), "%s:%u", host, (unsigned)port);
+    *out = h;
+    return PKV_OK;
+}
+
+/* A read's outcome as the client's error (transfer failures are not the client's, but
+ * for `rejected`: forged or stale params). */
+static void pull_error(int outcome, srv_error_t *err)
+{
+    const char *p = "kv_transfer_params";
+    if (outcome == PKV_ERR_REJECTED)
+        srv_error_set(err, 400, "invalid_request_error", "rejected", p,
+                      "the prefill node refused the transfer (unknown request, wrong token or "
+                      "blocks, expired lease)");
+    else if (outcome == PKV_ERR_CORRUPT)
+        srv_error_set(err, 502, "server_error", "corrupt", p, "the transferred KV was corrupt");
+    else if (outcome == PKV_ERR_NOFIT || outcome == PKV_ERR_NOSPACE)
+        srv_error_set(err, 503, "service_unavailable", "nofit", p, "no room for the transfer: %s",
+                      pkv_status_str(outcome));
+    else
+        srv_error_set(err, 503, "service_unavailable",
+                      outcome == PKV_ERR_TIMEOUT     ? "timeout"
+                      : outcome == PKV_ERR_PEER_LOST ? "peer_lost"
+                                                     : "transfer_failed",
+                      p, "pulling the prompt's KV failed: %s", pkv_status_str(outcome));
+}
+
+/* Read h's blocks into seq's first blocks by the transfer deadline; on ok the positions
+ * [0, n_prompt) are recorded as written. Returns the read's outcome. */
+static int pull_into(srv_kvnode_t *n, const pkv_xfer_handle_t *h, pkv_seq_t *seq,
+                     const int32_t *ids, uint32_t n_prompt)
+{
+    const uint32_t *dst;
+    uint32_t nd;
+    int rc = pkv_seq_blocks(seq, &dst, &nd);
+    if (rc || nd < h->n_blocks) return rc ? rc : PKV_ERR_INVALID;
+    uint64_t deadline = pkv_deadline_after_ns((uint64_t)n->transfer_timeout_ms * 1000000ull);
+    pkv_xfer_read_t *rd = NULL;
+    rc = pkv_xfer_read(n->agent, h, dst, h->n_blocks, deadline, NULL, NULL, &rd);
+    if (rc) return rc;
+    int outcome = PKV_ERR_TIMEOUT;
+    /* The read ends by its deadline; a second of slack for its outcome to arrive. */
+    if (pkv_xfer_read_wait(rd, deadline + 1000000000ull, &outcome)) {
+        pkv_xfer_cancel(rd);
+        outcome = PKV_ERR_TIMEOUT;
+    }
+    pkv_xfer_read_free(rd);
+    if (outcome == PKV_OK) outcome = pkv_seq_append(seq, ids, n_prompt);
+    return outcome;
+}
+
+int srv_kvnode_pull(srv_kvnode_t *n, const json_t *params, const int32_t *ids, uint32_t n_prompt,
+                    uint64_t salt, pkv_seq_t **out, srv_error_t *err)
+{
+    pkv_xfer_handle_t *h = NULL;
+    int rc = kvt_handle(n, params, ids, n_prompt, &h, err);
+    if (rc == PKV_ERR_NOMEM)
+        srv_error_set(err, 500, "server_error", "out_of_memory", NULL, "out of memory");
+    if (rc) return rc;
+    /* What this node's prefix cache holds is adopted; when it holds part of the prompt
+     * the read (which must name every registered block) goes to a sequence of its own,
+     * a salt no request uses, and is dropped: the producer's pins return at once and the
+     * rest of the prompt is computed here. */
+    pkv_seq_params_t sp = {.salt = salt, .tokens = ids, .n_tokens = n_prompt};
+    pkv_seq_t *seq = NULL, *scratch = NULL;
+    uint32_t cached = 0;
+    rc = pkv_seq_create(n->kv, &sp, &seq, &cached);
+    if (!rc && cached) {
+        sp.salt = salt ^ 0x9e3779b97f4a7c15ull ^ pkv_now_ns();
+        rc = pkv_seq_create(n->kv, &sp, &scratch, &cached);
+    }
+    int outcome = rc ? rc : pull_into(n, h, scratch ? scratch : seq, ids, n_prompt);
+    pkv_xfer_handle_free(h);
+    pkv_seq_free(scratch);
+    pthread_mutex_lock(&n->lock);
+    if (outcome == PKV_OK && !scratch) n->pulls.ok++;
+    if (outcome == PKV_OK && scratch) n->pulls.dropped++;
+    if (outcome != PKV_OK) n->pulls.failed++;
+    pthread_mutex_unlock(&n->lock);
+    if (outcome) {
+        pkv_seq_free(seq);
+        pull_error(outcome, err);
+        return outcome;
+    }
+    *out = seq;
+    return PKV_OK;
 }

@@ -616,8 +616,9 @@ typedef struct {
     MHD_socket fd;
     srv_gen_t gen;
     bool first_seen;
-    uint64_t rid;     /* pagekv's own request id (never the client's X-Request-Id) */
-    bool prefill_leg; /* kv_transfer_params do_remote_decode on a prefill node */
+    uint64_t rid;       /* pagekv's own request id (never the client's X-Request-Id) */
+    const int32_t *ids; /* the prompt (n_prompt) */
+    bool prefill_leg;   /* kv_transfer_params do_remote_decode on a prefill node */
 } gen_run_t;
 
 /* Take an id and a seed and count the request in flight; false when draining. */
@@ -675,6 +676,7 @@ static int gen_submit(pkv_server_t *s, http_req_t *hr, const srv_request_t *r, c
     }
     hr->in_flight = true;
     run->rid = id;
+    run->ids = ids;
     pkv_request_params_t p = {.keep_blocks = run->prefill_leg,
                               .prompt = ids,
                               .n_prompt = run->n_prompt,
@@ -728,7 +730,7 @@ static int prefill_offer(pkv_server_t *s, gen_run_t *run, json_t **kvt)
     uint32_t nb;
     int rc = pkv_request_kept_blocks(run->req, &blocks, &nb);
     if (rc) return rc;
-    return srv_kvnode_offer(s->kvn, run->rid, blocks, nb, run->n_prompt, kvt);
+    return srv_kvnode_offer(s->kvn, run->rid, blocks, nb, run->ids, run->n_prompt, kvt);
 }
 
 /* Non-streaming: read to the end and answer once. Releases run->req. */
@@ -824,8 +826,7 @@ static enum MHD_Result answer_stream(pkv_server_t *s, struct MHD_Connection *c, 
 }
 
 /* kv_transfer_params this node's role cannot take (400, *err filled): any on a unified
- * node; a decode leg on a prefill node (and, until decode legs exist, on a decode node);
- * a prefill leg on a decode node or streamed. */
+ * node; a decode leg on a prefill node; a prefill leg on a decode node or streamed. */
 static bool kv_role_refuses(const pkv_server_t *s, const srv_request_t *r, srv_error_t *err)
 {
     const char *p = "kv_transfer_params", *type = "invalid_request_error";
@@ -839,8 +840,7 @@ static bool kv_role_refuses(const pkv_server_t *s, const srv_request_t *r, srv_e
                       "do_remote_prefill: this is a prefill node; send the decode leg to a "
                       "decode node");
     else if (r->kvt == SRV_KVT_DECODE)
-        srv_error_set(err, 400, type, "unsupported_parameter", p,
-                      "do_remote_prefill: decode legs are not implemented by this build yet");
+        return false; /* a decode leg on a decode node */
     else if (s->role == PKV_SERVER_ROLE_DECODE)
         srv_error_set(err, 400, type, "invalid_value", p,
                       "do_remote_decode: this is a decode node; send the prefill leg to a "
@@ -871,11 +871,16 @@ static enum MHD_Result handle_generate(pkv_server_t *s, struct MHD_Connection *c
     }
     gen_run_t run = {.kind = kind, .prefill_leg = r.kvt == SRV_KVT_PREFILL};
     int32_t *ids = NULL;
+    pkv_seq_t *pulled = NULL; /* a decode leg's pulled prompt, until the request is admitted */
     enum MHD_Result ret;
     if (srv_request_prompt(&r, s->tok, &lim, s->default_max_tokens, &ids, &run.n_prompt,
                            &run.max_tokens, &err)) {
         count_rejection(s, !strcmp(err.code, "context_length_exceeded") ? SRV_REJ_CONTEXT
                                                                         : SRV_REJ_INVALID);
+        ret = answer_error(s, c, hr, &err);
+    } else if (r.kvt == SRV_KVT_DECODE &&
+               srv_kvnode_pull(s->kvn, r.kvt_params, ids, run.n_prompt, r.salt, &pulled, &err)) {
+        if (err.status == 400) count_rejection(s, SRV_REJ_INVALID); /* else: pulls.failed */
         ret = answer_error(s, c, hr, &err);
     } else if (gen_submit(s, hr, &r, ids, &run, &err)) {
         ret = answer_error(s, c, hr, &err);
@@ -884,7 +889,10 @@ static enum MHD_Result handle_generate(pkv_server_t *s, struct MHD_Connection *c
         srv_gen_init(&run.gen);
         /* The first output (or the finish): admission errors still get a status. */
         pkv_request_output_t o;
-        if (wait_output(s, run.req, run.fd, &o)) {
+        int wrc = wait_output(s, run.req, run.fd, &o);
+        pkv_seq_free(pulled); /* admitted: the engine adopted what it pulled */
+        pulled = NULL;
+        if (wrc) {
             /* The client went away (or the server is being destroyed): cancel at once. */
             pkv_request_release(run.req);
             ret = MHD_NO; /* MHD closes the connection */
@@ -893,6 +901,7 @@ static enum MHD_Result handle_generate(pkv_server_t *s, struct MHD_Connection *c
                            : answer_whole(s, c, hr, &run, &o);
         }
     }
+    pkv_seq_free(pulled);
     free(ids);
     srv_request_free(&r);
     return ret;

@@ -12,6 +12,7 @@
 #include "pagekv/server.h"
 #include "pagekv/stage.h"
 #include "pagekv/xfer.h"
+#include "server/request.h"
 
 #include <jansson.h>
 
@@ -78,6 +79,13 @@ typedef struct {
     uint64_t shutdown;  /* ended by the agent's destroy */
 } srv_lease_counts_t;
 
+/* Decode legs' pulls. */
+typedef struct {
+    uint64_t ok;      /* every block pulled into the request's sequence */
+    uint64_t dropped; /* pulled but dropped: the local prefix cache held part of the prompt */
+    uint64_t failed;  /* the read (or the sequence for it) failed */
+} srv_pull_counts_t;
+
 typedef struct {
     pkv_server_role_t role;
     const char *address;   /* the agent's bound "host:port" (the node's, valid for its life) */
@@ -88,6 +96,7 @@ typedef struct {
     pkv_xfer_stats_t xs;
     pkv_stage_stats_t ss;
     srv_lease_counts_t leases;
+    srv_pull_counts_t pulls;
 } srv_kv_snapshot_t;
 
 /* Create the staging and the agent of a prefill or decode node over the paged pool kv.
@@ -101,11 +110,19 @@ const char *srv_kvnode_address(const srv_kvnode_t *n);
 /* Whether the agent can serve (for /health): it runs and is not shutting down. */
 bool srv_kvnode_healthy(srv_kvnode_t *n);
 void srv_kvnode_snapshot(srv_kvnode_t *n, srv_kv_snapshot_t *out);
-/* Prefill leg: register blocks[0..nb) (the prompt's, in sequence order) under pagekv's
- * request id until now + the lease, and build the response's kv_transfer_params (new
+/* Prefill leg: register blocks[0..nb) (the prompt ids[0..n_prompt), in sequence order) under
+ * pagekv's request id until now + the lease, and build the response's kv_transfer_params (new
  * reference). PKV_OK, or the agent's error (nothing registered). */
 int srv_kvnode_offer(srv_kvnode_t *n, uint64_t request_id, const uint32_t *blocks, uint32_t nb,
-                     uint32_t n_prompt, json_t **params);
+                     const int32_t *ids, uint32_t n_prompt, json_t **params);
+/* Decode leg: the handle `params` (a kv_transfer_params object) describe, checked against
+ * this node and the prompt ids[0..n_prompt), pulled by the transfer deadline into a new
+ * sequence of the pool (salt: the request's) whose full blocks the engine then adopts as
+ * a prefix hit. PKV_OK with *out (the caller frees it once the request is admitted), or
+ * *err: 400 for params that are wrong or that the producer refused, 503/502 for transfer
+ * failures. */
+int srv_kvnode_pull(srv_kvnode_t *n, const json_t *params, const int32_t *ids, uint32_t n_prompt,
+                    uint64_t salt, pkv_seq_t **out, srv_error_t *err);
 /* The kv_transfer_params section of /v1/cache/stats (new reference; NULL on no memory). */
 json_t *srv_kv_stats_json(const srv_kv_snapshot_t *k);
 
