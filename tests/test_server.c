@@ -1658,6 +1658,18 @@ START_TEST(roles_cli_rejects_bad_values)
 }
 END_TEST
 
+/* A loopback TCP port nothing listens on (bound once, then closed). */
+static uint16_t free_port(void)
+{
+    int probe = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof(sa);
+    ck_assert_int_eq(bind(probe, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    ck_assert_int_eq(getsockname(probe, (struct sockaddr *)&sa, &sl), 0);
+    close(probe);
+    return ntohs(sa.sin_port);
+}
+
 /* A `pagekv serve` child: its HTTP port and (roles with an agent) the agent's address,
  * both from its log. */
 static void role_child(child_t *c, char *const argv[], char *agent, size_t agent_cap)
@@ -1732,14 +1744,8 @@ START_TEST(roles_health_and_agent_address)
     json_decref(st);
 
     /* A decode node on a chosen port, advertising another host. */
-    int probe = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t sl = sizeof(sa);
-    ck_assert_int_eq(bind(probe, (struct sockaddr *)&sa, sizeof(sa)), 0);
-    ck_assert_int_eq(getsockname(probe, (struct sockaddr *)&sa, &sl), 0);
-    close(probe);
     char listen[32], want[48];
-    snprintf(listen, sizeof(listen), "127.0.0.1:%u", ntohs(sa.sin_port));
+    snprintf(listen, sizeof(listen), "127.0.0.1:%u", free_port());
     char *dargv[] = {bin,
                      "serve",
                      "--port",
@@ -2276,14 +2282,8 @@ START_TEST(decode_leg_bad_params)
     ck_assert_int_eq(d.status, 400);
     json_decref(d.doc);
     /* Nobody listens at the producer's address: peer_lost, within the deadline + 1 s. */
-    int probe = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t sl = sizeof(sa);
-    ck_assert_int_eq(bind(probe, (struct sockaddr *)&sa, sizeof(sa)), 0);
-    ck_assert_int_eq(getsockname(probe, (struct sockaddr *)&sa, &sl), 0);
-    close(probe);
     json_t *lost = json_deep_copy(kt);
-    json_object_set_new(lost, "remote_port", json_integer(ntohs(sa.sin_port)));
+    json_object_set_new(lost, "remote_port", json_integer(free_port()));
     uint64_t t0 = pkv_now_ns();
     decode_leg(ports[1], path, req, lost, &d);
     json_decref(lost);
