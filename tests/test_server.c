@@ -1917,6 +1917,10 @@ START_TEST(prefill_leg_answer_and_lease_expiry)
     ck_assert_int_eq(metric(port, "pagekv_kv_leases_total{outcome=\"expired\"}"), 2);
     ck_assert_int_eq(metric(port, "pagekv_kv_leases_live"), 0);
     ck_assert_int_eq(metric(port, "pagekv_kv_transfer_pinned_blocks"), 0);
+    resp_t mr;
+    ck_assert_int_eq(http(port, "GET", "/metrics", NULL, 0, &mr), CURLE_OK);
+    ck_assert_int_gt(prom_check(mr.body), 40); /* the roles' families parse too */
+    resp_free(&mr);
     /* Ordinary prefix-cache blocks: a plain request adopts them. */
     doc = post_json(port, "/v1/completions",
                     "{\"model\": \"tiny\", \"prompt\": " PROMPT40 ", \"max_tokens\": 1}", &status);

@@ -199,9 +199,9 @@ static void render_kvt(FILE *f, const srv_kv_snapshot_t *k)
         x->registrations);
     one(f, "pagekv_kv_transfer_pinned_blocks", "gauge",
         "KV blocks pinned by the transfer agent (leases and running reads).", x->pinned_blocks);
-    one(f, "pagekv_kv_transfer_bytes_sent_total", "counter",
+    one(f, "pagekv_kv_transfer_sent_bytes_total", "counter",
         "Payload bytes of acknowledged transfers served.", x->bytes_sent);
-    one(f, "pagekv_kv_transfer_bytes_received_total", "counter",
+    one(f, "pagekv_kv_transfer_received_bytes_total", "counter",
         "Payload bytes pulled, verified and stored.", x->bytes_received);
     one(f, "pagekv_kv_staging_pages_held", "gauge", "Staging pages held by transfers.",
         x->staging_pages_held);
