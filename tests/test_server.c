@@ -2313,6 +2313,50 @@ START_TEST(decode_leg_bad_params)
 }
 END_TEST
 
+/* The pair as two `pagekv serve` processes (prefill with fixed staging, decode with a
+ * transfer deadline), driven as a proxy does: answers equal an in-process unified
+ * node's; both processes end 0 on SIGTERM with nothing pinned. */
+START_TEST(disagg_across_processes)
+{
+    char bin[4096];
+    pagekv_path(bin, sizeof(bin));
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    child_t p, d;
+    char pagent[PKV_XFER_ADDR_MAX], dagent[PKV_XFER_ADDR_MAX];
+    char *pargv[] = {bin,      "serve",   "--port",    "0",     "--threads", "1",
+                     "--role", "prefill", "--staging", "fixed", NULL};
+    char *dargv[] = {bin,      "serve",     "--port",
+                     "0",      "--threads", "1",
+                     "--role", "decode",    "--kv-transfer-timeout-ms",
+                     "3000",   NULL};
+    role_child(&p, pargv, pagent, sizeof(pagent));
+    role_child(&d, dargv, dagent, sizeof(dagent));
+    pkv_server_t *u = start(base_config());
+    uint16_t ports[3] = {p.port, d.port, pkv_server_port(u)};
+    json_t *reqs[] = {
+        json_pack("{s:s, s:s, s:i, s:f}", "model", "tiny", "prompt",
+                  "Two processes, one answer: the prompt's KV crosses a socket", "max_tokens", 10,
+                  "temperature", 0.0),
+        json_pack("{s:s, s:[{s:s, s:s}], s:i, s:f, s:i, s:b}", "model", "tiny", "messages", "role",
+                  "user", "content", "Stream the decode leg from the other process", "max_tokens",
+                  10, "temperature", 0.8, "seed", 21, "stream", 1),
+    };
+    const char *paths[] = {"/v1/completions", "/v1/chat/completions"};
+    for (size_t i = 0; i < PKV_ARRAY_LEN(reqs); i++) {
+        disagg_equals_unified(ports, paths[i], reqs[i]);
+        json_decref(reqs[i]);
+    }
+    leases_settle(p.port, 2);
+    json_t *kv = kv_stats(d.port);
+    ck_assert_int_eq(ji(kv, "pulls.ok"), 2);
+    ck_assert_int_gt(ji(kv, "transfers.bytes_received"), 0);
+    json_decref(kv);
+    pkv_server_destroy(u);
+    role_child_stop(&d);
+    role_child_stop(&p);
+}
+END_TEST
+
 static Suite *server_suite(void)
 {
     Suite *s = suite_create("server");
@@ -2341,6 +2385,7 @@ static Suite *server_suite(void)
     tcase_add_test(roles, kv_transfer_params_refused_by_role_and_shape);
     tcase_add_test(roles, decode_leg_equals_unified);
     tcase_add_test(roles, decode_leg_bad_params);
+    tcase_add_test(roles, disagg_across_processes);
     suite_add_tcase(s, roles);
     TCase *pure = tcase_create("pure");
     tcase_add_test(pure, gen_finish_and_figures);
