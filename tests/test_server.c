@@ -1642,6 +1642,9 @@ START_TEST(roles_cli_rejects_bad_values)
          "--kv-lease-ms needs --role prefill or decode"},
         {{"--role", "prefill", "--kv-backend", "dense"}, "--role prefill needs --kv-backend paged"},
         {{"--role", "decode", "--kv-listen"}, "missing value: --kv-listen"},
+        {{"--role", "decode", "--kv-load-failure", "retry"},
+         "--kv-load-failure wants fail or recompute"},
+        {{"--kv-load-failure", "recompute"}, "--kv-load-failure needs --role prefill or decode"},
     };
     for (size_t i = 0; i < PKV_ARRAY_LEN(cases); i++) {
         char *argv[9] = {bin, "serve"};
@@ -2141,7 +2144,7 @@ static void disagg_equals_unified(const uint16_t ports[3], const char *path, jso
 }
 
 /* Three nodes in this process: prefill, decode, unified (ports[0..2]). */
-static void three_nodes(pkv_server_t *s[3], uint16_t ports[3], uint32_t timeout_ms)
+static void three_nodes(pkv_server_t *s[3], uint16_t ports[3], uint32_t timeout_ms, bool recompute)
 {
     pkv_server_role_t roles[3] = {PKV_SERVER_ROLE_PREFILL, PKV_SERVER_ROLE_DECODE,
                                   PKV_SERVER_ROLE_UNIFIED};
@@ -2149,6 +2152,7 @@ static void three_nodes(pkv_server_t *s[3], uint16_t ports[3], uint32_t timeout_
         pkv_server_config_t cfg = base_config();
         cfg.role = roles[i];
         cfg.kv_transfer_timeout_ms = timeout_ms;
+        cfg.kv_load_recompute = recompute;
         s[i] = start(cfg);
         ports[i] = pkv_server_port(s[i]);
     }
@@ -2176,7 +2180,7 @@ START_TEST(decode_leg_equals_unified)
 {
     pkv_server_t *s[3];
     uint16_t ports[3];
-    three_nodes(s, ports, 5000);
+    three_nodes(s, ports, 5000, false);
     const char *text = "The quick brown fox jumps over the lazy dog and keeps running far away";
     json_t *reqs[] = {
         json_pack("{s:s, s:s, s:i, s:f}", "model", "tiny", "prompt", text, "max_tokens", 12,
@@ -2226,7 +2230,7 @@ START_TEST(decode_leg_bad_params)
 {
     pkv_server_t *s[3];
     uint16_t ports[3];
-    three_nodes(s, ports, 2000);
+    three_nodes(s, ports, 2000, false);
     json_t *req =
         json_pack("{s:s, s:s, s:i, s:f}", "model", "tiny", "prompt",
                   "The quick brown fox jumps over the lazy dog and keeps running far away",
@@ -2357,6 +2361,52 @@ START_TEST(disagg_across_processes)
 }
 END_TEST
 
+/* --kv-load-failure recompute: a producer nobody can reach is answered by computing the
+ * prompt here (equal to the unified answer, counted); a forged token is still the
+ * client's 400; a request without params is computed here and counted. */
+START_TEST(decode_leg_recompute_policy)
+{
+    pkv_server_t *s[3];
+    uint16_t ports[3];
+    three_nodes(s, ports, 1500, true);
+    json_t *req = json_pack("{s:s, s:s, s:i, s:f}", "model", "tiny", "prompt",
+                            "Recompute when the producer is gone, and say so in the counters",
+                            "max_tokens", 8, "temperature", 0.0);
+    const char *path = "/v1/completions";
+    json_t *kt = prefill_leg(ports[0], path, req);
+    leg_t u, d;
+    leg_post(ports[2], path, req, &u);
+    json_t *lost = json_deep_copy(kt);
+    json_object_set_new(lost, "remote_port", json_integer(free_port()));
+    decode_leg(ports[1], path, req, lost, &d);
+    json_decref(lost);
+    ck_assert_int_eq(d.status, 200);
+    ck_assert_str_eq(d.text, u.text);
+    ck_assert_str_eq(d.finish, u.finish);
+    json_decref(d.doc);
+    json_t *forged = json_deep_copy(kt);
+    json_object_set_new(forged, "pagekv_token", json_string("00000000000000000000000000000000"));
+    decode_leg(ports[1], path, req, forged, &d);
+    json_decref(forged);
+    ck_assert_int_eq(d.status, 400);
+    ck_assert_str_eq(js(d.doc, "error.code"), "rejected");
+    json_decref(d.doc);
+    leg_post(ports[1], path, req, &d); /* no params: computed here */
+    ck_assert_int_eq(d.status, 200);
+    ck_assert_str_eq(d.text, u.text);
+    json_decref(d.doc);
+    json_t *kv = kv_stats(ports[1]);
+    ck_assert_int_eq(ji(kv, "pulls.recomputed"), 1);
+    ck_assert_int_eq(ji(kv, "pulls.failed"), 2);
+    ck_assert_int_eq(ji(kv, "pulls.local"), 1);
+    json_decref(kv);
+    json_decref(u.doc);
+    json_decref(kt);
+    json_decref(req);
+    for (int i = 0; i < 3; i++) pkv_server_destroy(s[i]);
+}
+END_TEST
+
 static Suite *server_suite(void)
 {
     Suite *s = suite_create("server");
@@ -2386,6 +2436,7 @@ static Suite *server_suite(void)
     tcase_add_test(roles, decode_leg_equals_unified);
     tcase_add_test(roles, decode_leg_bad_params);
     tcase_add_test(roles, disagg_across_processes);
+    tcase_add_test(roles, decode_leg_recompute_policy);
     suite_add_tcase(s, roles);
     TCase *pure = tcase_create("pure");
     tcase_add_test(pure, gen_finish_and_figures);

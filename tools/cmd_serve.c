@@ -67,7 +67,9 @@ static void usage(FILE *f)
             "  --staging-peer-cap N      most staging pages one peer holds (default: none)\n"
             "  --staging-shared          a memfd arena same-host peers may map\n"
             "  --kv-lease-ms N           prefill: pins wait for a decode leg (default 30000)\n"
-            "  --kv-transfer-timeout-ms N   decode: a pull's deadline (default 10000)\n");
+            "  --kv-transfer-timeout-ms N   decode: a pull's deadline (default 10000)\n"
+            "  --kv-load-failure fail|recompute   decode: a failed pull is an error (default)\n"
+            "                            or the prompt is computed here\n");
 }
 
 /* --kv-listen's host (split from its port) outlives parse_args. */
@@ -149,7 +151,12 @@ static int set_kv_option(const char *a, const char *v, pkv_server_config_t *cfg)
         return parse_u32(cmd, a, v, 1, 3600000, &cfg->kv_lease_ms);
     else if (!strcmp(a, "--kv-transfer-timeout-ms"))
         return parse_u32(cmd, a, v, 1, 3600000, &cfg->kv_transfer_timeout_ms);
-    else
+    else if (!strcmp(a, "--kv-load-failure")) {
+        if (strcmp(v, "fail") && strcmp(v, "recompute"))
+            return pkv_cli_usage_error(cmd, "--kv-load-failure wants fail or recompute, got '%s'",
+                                       v);
+        cfg->kv_load_recompute = !strcmp(v, "recompute");
+    } else
         return NOT_KV;
     return 0;
 }

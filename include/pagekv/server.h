@@ -96,6 +96,8 @@ typedef struct {
     bool staging_shared;             /* memfd arena same-host peers may map */
     uint32_t kv_lease_ms;            /* prefill: blocks pinned for their decode leg; 0 -> 30000 */
     uint32_t kv_transfer_timeout_ms; /* decode: one pull's deadline; 0 -> 10000 */
+    bool kv_load_recompute;          /* decode: a failed pull (not the client's fault) is
+                                        answered by computing the prompt; false: an error */
 } pkv_server_config_t;
 
 /* Build the stack and start listening. Errors: PKV_ERR_INVALID (bad configuration,

@@ -32,6 +32,7 @@ struct srv_kvnode {
     uint16_t port;                /* the agent's bound port */
     char engine_id[40];           /* "pagekv-" + 16 random bytes in hex */
     uint32_t lease_ms, transfer_timeout_ms;
+    bool recompute; /* --kv-load-failure recompute */
     atomic_bool stopping;
     pthread_mutex_t lock; /* guards leases, pulls */
     srv_lease_counts_t leases;
@@ -117,6 +118,7 @@ int srv_kvnode_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max
     n->kv = kv;
     n->lease_ms = cfg->kv_lease_ms ? cfg->kv_lease_ms : 30000;
     n->transfer_timeout_ms = cfg->kv_transfer_timeout_ms ? cfg->kv_transfer_timeout_ms : 10000;
+    n->recompute = cfg->kv_load_recompute;
     atomic_init(&n->stopping, false);
     uint8_t rnd[16];
     if (getrandom(rnd, sizeof(rnd), 0) != (ssize_t)sizeof(rnd)) {
@@ -282,9 +284,11 @@ json_t *srv_kv_stats_json(const srv_kv_snapshot_t *k)
         (json_int_t)x->staging_pages_held);
     if (doc)
         json_object_set_new(doc, "pulls",
-                            json_pack("{s:I, s:I, s:I}", "ok", (json_int_t)k->pulls.ok, "dropped",
-                                      (json_int_t)k->pulls.dropped, "failed",
-                                      (json_int_t)k->pulls.failed));
+                            json_pack("{s:I, s:I, s:I, s:I, s:I}", "ok", (json_int_t)k->pulls.ok,
+                                      "dropped", (json_int_t)k->pulls.dropped, "failed",
+                                      (json_int_t)k->pulls.failed, "recomputed",
+                                      (json_int_t)k->pulls.recomputed, "local",
+                                      (json_int_t)k->pulls.local));
     return doc;
 }
 
@@ -469,9 +473,25 @@ int srv_kvnode_pull(srv_kvnode_t *n, const json_t *params, const int32_t *ids, u
     pthread_mutex_unlock(&n->lock);
     if (outcome) {
         pkv_seq_free(seq);
+        /* --kv-load-failure recompute: a failure that is not the client's (the producer's
+         * refusal is) is answered by computing the prompt here. */
+        if (n->recompute && outcome != PKV_ERR_REJECTED) {
+            pthread_mutex_lock(&n->lock);
+            n->pulls.recomputed++;
+            pthread_mutex_unlock(&n->lock);
+            *out = NULL;
+            return PKV_OK;
+        }
         pull_error(outcome, err);
         return outcome;
     }
     *out = seq;
     return PKV_OK;
+}
+
+void srv_kvnode_count_local(srv_kvnode_t *n)
+{
+    pthread_mutex_lock(&n->lock);
+    n->pulls.local++;
+    pthread_mutex_unlock(&n->lock);
 }

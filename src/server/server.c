@@ -885,6 +885,8 @@ static enum MHD_Result handle_generate(pkv_server_t *s, struct MHD_Connection *c
     } else if (gen_submit(s, hr, &r, ids, &run, &err)) {
         ret = answer_error(s, c, hr, &err);
     } else {
+        if (s->role == PKV_SERVER_ROLE_DECODE && r.kvt == SRV_KVT_NONE)
+            srv_kvnode_count_local(s->kvn); /* a router's fallback: computed here */
         run.fd = conn_fd(c);
         srv_gen_init(&run.gen);
         /* The first output (or the finish): admission errors still get a status. */

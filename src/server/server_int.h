@@ -81,9 +81,11 @@ typedef struct {
 
 /* Decode legs' pulls. */
 typedef struct {
-    uint64_t ok;      /* every block pulled into the request's sequence */
-    uint64_t dropped; /* pulled but dropped: the local prefix cache held part of the prompt */
-    uint64_t failed;  /* the read (or the sequence for it) failed */
+    uint64_t ok;         /* every block pulled into the request's sequence */
+    uint64_t dropped;    /* pulled but dropped: the local prefix cache held part of the prompt */
+    uint64_t failed;     /* the read (or the sequence for it) failed */
+    uint64_t recomputed; /* of those, computed here instead (--kv-load-failure recompute) */
+    uint64_t local;      /* requests without kv_transfer_params, computed here */
 } srv_pull_counts_t;
 
 typedef struct {
@@ -118,11 +120,14 @@ int srv_kvnode_offer(srv_kvnode_t *n, uint64_t request_id, const uint32_t *block
 /* Decode leg: the handle `params` (a kv_transfer_params object) describe, checked against
  * this node and the prompt ids[0..n_prompt), pulled by the transfer deadline into a new
  * sequence of the pool (salt: the request's) whose full blocks the engine then adopts as
- * a prefix hit. PKV_OK with *out (the caller frees it once the request is admitted), or
+ * a prefix hit. PKV_OK with *out (the caller frees it once the request is admitted; NULL
+ * when the pull failed and --kv-load-failure recompute says to compute the prompt), or
  * *err: 400 for params that are wrong or that the producer refused, 503/502 for transfer
  * failures. */
 int srv_kvnode_pull(srv_kvnode_t *n, const json_t *params, const int32_t *ids, uint32_t n_prompt,
                     uint64_t salt, pkv_seq_t **out, srv_error_t *err);
+/* A decode node computes a request that came without kv_transfer_params (counted). */
+void srv_kvnode_count_local(srv_kvnode_t *n);
 /* The kv_transfer_params section of /v1/cache/stats (new reference; NULL on no memory). */
 json_t *srv_kv_stats_json(const srv_kv_snapshot_t *k);
 
