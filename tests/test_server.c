@@ -2247,9 +2247,10 @@ START_TEST(decode_leg_bad_params)
         {"pagekv_token", "\"00000000000000000000000000000000\"", 400, "rejected",
          "kv_transfer_params"},
         {"pagekv_token", "\"xyz\"", 400, "invalid_value", "kv_transfer_params.pagekv_token"},
-        {"pagekv_request_id", "987654", 400, "rejected", "kv_transfer_params"},
-        {"pagekv_prompt_sha256", "\"00\"", 400, "invalid_value",
-         "kv_transfer_params.pagekv_prompt_sha256"},
+        {"pagekv_request_id", "987654", 400, "invalid_value",
+         "kv_transfer_params.pagekv_request_id"},
+        {"pagekv_serial", "99", 400, "invalid_value", "kv_transfer_params.pagekv_request_id"},
+        {"pagekv_serial", NULL, 400, "missing_field", "kv_transfer_params.pagekv_serial"},
         {"pagekv_prompt_tokens", "3", 400, "invalid_value",
          "kv_transfer_params.pagekv_prompt_tokens"},
         {"pagekv_geometry",
@@ -2279,15 +2280,16 @@ START_TEST(decode_leg_bad_params)
                       js(d.doc, "error.param"));
         json_decref(d.doc);
     }
-    /* The same prompt's KV under another prompt of the same length: refused. */
-    json_t *other = json_deep_copy(req);
-    json_object_set_new(
-        other, "prompt",
-        json_string("The quick brown fox jumps over the lazy dog and keeps running far awaY"));
+    /* The KV under another prompt of the same length: refused before any read. */
+    json_t *other = json_deep_copy(req), *other_ids = json_array();
+    for (long long i = 0; i < ji(kt, "pagekv_prompt_tokens"); i++)
+        json_array_append_new(other_ids, json_integer(5 + i));
+    json_object_set_new(other, "prompt", other_ids);
     leg_t d;
     decode_leg(ports[1], path, other, kt, &d);
     json_decref(other);
     ck_assert_int_eq(d.status, 400);
+    ck_assert_str_eq(js(d.doc, "error.param"), "kv_transfer_params.pagekv_request_id");
     json_decref(d.doc);
     /* Nobody listens at the producer's address: peer_lost, within the deadline + 1 s. */
     json_t *lost = json_deep_copy(kt);

@@ -202,18 +202,26 @@ static void lease_ended(void *arg, uint64_t request_id, int outcome)
     pthread_mutex_unlock(&n->lock);
 }
 
-/* SHA-256 of the prompt's ids (int32, host order) in hex: the decode leg checks that
- * its prompt is the one whose KV it pulls. */
-static void prompt_digest(const int32_t *ids, uint32_t n, char out[2 * SHA256_DIGEST_LENGTH + 1])
+/* The id a prefill leg's blocks are registered under: 63 bits of
+ * SHA-256(serial, SHA-256(the prompt's ids)), serial being the server's own request
+ * counter. The producer serves only that id (with its token) and a decode leg recomputes
+ * it from its own prompt, so KV computed for one prompt is never taken for another: a
+ * client would need a 63-bit second preimage within the lease. */
+static uint64_t bound_id(uint64_t serial, const int32_t *ids, uint32_t n)
 {
-    uint8_t d[SHA256_DIGEST_LENGTH];
-    SHA256((const unsigned char *)ids, (size_t)n * sizeof(int32_t), d);
-    hex(d, sizeof(d), out);
+    uint8_t buf[8 + SHA256_DIGEST_LENGTH], d[SHA256_DIGEST_LENGTH];
+    for (int i = 0; i < 8; i++) buf[i] = (uint8_t)(serial >> (8 * i));
+    SHA256((const unsigned char *)ids, (size_t)n * sizeof(int32_t), buf + 8);
+    SHA256(buf, sizeof(buf), d);
+    uint64_t id = 0;
+    for (int i = 0; i < 8; i++) id |= (uint64_t)d[i] << (8 * i);
+    id &= (uint64_t)INT64_MAX;
+    return id ? id : 1;
 }
 
 /* The response's kv_transfer_params for a registration (the field's keys, then
  * pagekv's handle fields). */
-static json_t *offer_doc(const srv_kvnode_t *n, const pkv_xfer_handle_t *h, const int32_t *prompt,
+static json_t *offer_doc(const srv_kvnode_t *n, const pkv_xfer_handle_t *h, uint64_t serial,
                          uint32_t n_prompt)
 {
     json_t *ids = json_array();
@@ -223,28 +231,28 @@ static json_t *offer_doc(const srv_kvnode_t *n, const pkv_xfer_handle_t *h, cons
             return NULL;
         }
     if (!ids) return NULL;
-    char token[2 * PKV_XFER_TOKEN_BYTES + 1], digest[2 * SHA256_DIGEST_LENGTH + 1];
+    char token[2 * PKV_XFER_TOKEN_BYTES + 1];
     hex(h->token, PKV_XFER_TOKEN_BYTES, token);
-    prompt_digest(prompt, n_prompt, digest);
-    return json_pack("{s:b, s:b, s:s, s:o, s:s, s:i, s:I, s:s, s:i, s:s,"
+    return json_pack("{s:b, s:b, s:s, s:o, s:s, s:i, s:I, s:I, s:s, s:i,"
                      " s:{s:i, s:i, s:i, s:i, s:s}}",
                      "do_remote_prefill", 1, "do_remote_decode", 0, "remote_engine_id",
                      n->engine_id, "remote_block_ids", ids, "remote_host", n->host, "remote_port",
-                     (int)n->port, "pagekv_request_id", (json_int_t)h->request_id, "pagekv_token",
-                     token, "pagekv_prompt_tokens", (int)n_prompt, "pagekv_prompt_sha256", digest,
-                     "pagekv_geometry", "layers", (int)h->geo.layers, "kv_heads",
+                     (int)n->port, "pagekv_request_id", (json_int_t)h->request_id, "pagekv_serial",
+                     (json_int_t)serial, "pagekv_token", token, "pagekv_prompt_tokens",
+                     (int)n_prompt, "pagekv_geometry", "layers", (int)h->geo.layers, "kv_heads",
                      (int)h->geo.kv_heads, "head_dim", (int)h->geo.head_dim, "block_tokens",
                      (int)h->geo.block_tokens, "dtype", pkv_dtype_name(h->geo.dtype));
 }
 
-int srv_kvnode_offer(srv_kvnode_t *n, uint64_t request_id, const uint32_t *blocks, uint32_t nb,
+int srv_kvnode_offer(srv_kvnode_t *n, uint64_t serial, const uint32_t *blocks, uint32_t nb,
                      const int32_t *ids, uint32_t n_prompt, json_t **params)
 {
     pkv_xfer_handle_t *h = NULL;
+    uint64_t request_id = bound_id(serial, ids, n_prompt);
     uint64_t expiry = pkv_deadline_after_ns((uint64_t)n->lease_ms * 1000000ull);
     int rc = pkv_xfer_register(n->agent, request_id, blocks, nb, expiry, lease_ended, n, &h);
     if (rc) return rc;
-    json_t *doc = offer_doc(n, h, ids, n_prompt);
+    json_t *doc = offer_doc(n, h, serial, n_prompt);
     pkv_xfer_handle_free(h);
     if (!doc) {
         pkv_xfer_unregister(n->agent, request_id);
@@ -351,7 +359,7 @@ static int kvt_geometry(const srv_kvnode_t *n, const json_t *o, srv_error_t *err
 static int kvt_handle(const srv_kvnode_t *n, const json_t *o, const int32_t *prompt,
                       uint32_t n_prompt, pkv_xfer_handle_t **out, srv_error_t *err)
 {
-    json_int_t port, rid, np;
+    json_int_t port, rid, serial, np;
     const char *host = json_string_value(json_object_get(o, "remote_host"));
     json_t *ids = json_object_get(o, "remote_block_ids");
     const char *token = json_string_value(json_object_get(o, "pagekv_token"));
@@ -360,16 +368,14 @@ static int kvt_handle(const srv_kvnode_t *n, const json_t *o, const int32_t *pro
         return kvt_bad(err, "missing_field", KVT_P("remote_host"), "is required (a host)");
     if (kvt_int(o, "remote_port", KVT_P("remote_port"), 1, 65535, &port, err) ||
         kvt_int(o, "pagekv_request_id", KVT_P("pagekv_request_id"), 1, INT64_MAX, &rid, err) ||
+        kvt_int(o, "pagekv_serial", KVT_P("pagekv_serial"), 1, INT64_MAX, &serial, err) ||
         kvt_int(o, "pagekv_prompt_tokens", KVT_P("pagekv_prompt_tokens"), n_prompt, n_prompt, &np,
                 err) ||
         kvt_geometry(n, o, err))
         return PKV_ERR_INVALID;
-    char digest[2 * SHA256_DIGEST_LENGTH + 1];
-    prompt_digest(prompt, n_prompt, digest);
-    const char *sent = json_string_value(json_object_get(o, "pagekv_prompt_sha256"));
-    if (!sent || strcmp(sent, digest))
-        return kvt_bad(err, "invalid_value", KVT_P("pagekv_prompt_sha256"),
-                       "is not this request's prompt (the KV was computed for another)");
+    if ((uint64_t)rid != bound_id((uint64_t)serial, prompt, n_prompt))
+        return kvt_bad(err, "invalid_value", KVT_P("pagekv_request_id"),
+                       "does not belong to this prompt (the KV was computed for another)");
     if (!json_is_array(ids) || json_array_size(ids) != nb)
         return kvt_bad(err, "invalid_value", KVT_P("remote_block_ids"),
                        "must list the prompt's blocks (ceil(prompt tokens / block tokens))");

@@ -112,10 +112,11 @@ const char *srv_kvnode_address(const srv_kvnode_t *n);
 /* Whether the agent can serve (for /health): it runs and is not shutting down. */
 bool srv_kvnode_healthy(srv_kvnode_t *n);
 void srv_kvnode_snapshot(srv_kvnode_t *n, srv_kv_snapshot_t *out);
-/* Prefill leg: register blocks[0..nb) (the prompt ids[0..n_prompt), in sequence order) under
- * pagekv's request id until now + the lease, and build the response's kv_transfer_params (new
+/* Prefill leg: register blocks[0..nb) (the prompt ids[0..n_prompt), in sequence order)
+ * until now + the lease under an id bound to pagekv's own request serial and the prompt
+ * (never the client's X-Request-Id), and build the response's kv_transfer_params (new
  * reference). PKV_OK, or the agent's error (nothing registered). */
-int srv_kvnode_offer(srv_kvnode_t *n, uint64_t request_id, const uint32_t *blocks, uint32_t nb,
+int srv_kvnode_offer(srv_kvnode_t *n, uint64_t serial, const uint32_t *blocks, uint32_t nb,
                      const int32_t *ids, uint32_t n_prompt, json_t **params);
 /* Decode leg: the handle `params` (a kv_transfer_params object) describe, checked against
  * this node and the prompt ids[0..n_prompt), pulled by the transfer deadline into a new
