@@ -641,6 +641,55 @@ START_TEST(prefix_hits_reported)
 }
 END_TEST
 
+/* keep_blocks: a finished request's prompt blocks stay pinned until its release, then
+ * the full ones are ordinary prefix-cache blocks; cancelled requests and the dense
+ * backend keep nothing. */
+START_TEST(keep_blocks_pins_until_release)
+{
+    rig_t r;
+    rig_init(&r, PKV_BACKEND_PAGED, 0, (pkv_engine_config_t){.manual = true});
+    int32_t prompt[41];
+    make_prompt(prompt, 41, 9);
+    pkv_request_params_t p = {
+        .prompt = prompt, .n_prompt = 41, .max_tokens = 3, .keep_blocks = true};
+    pkv_request_t *q;
+    ck_assert_int_eq(pkv_engine_submit(r.e, &p, &q), PKV_OK);
+    const uint32_t *ids;
+    uint32_t n = 0;
+    ck_assert_int_eq(pkv_request_kept_blocks(q, &ids, &n), PKV_ERR_NOTFOUND); /* not finished */
+    bool busy = true;
+    while (busy) ck_assert_int_eq(pkv_engine_step(r.e, &busy), PKV_OK);
+    collected_t c;
+    collect(q, &c);
+    ck_assert_int_eq(c.last.finish, PKV_FINISH_LENGTH);
+    ck_assert_int_eq(pkv_request_kept_blocks(q, &ids, &n), PKV_OK);
+    ck_assert_uint_eq(n, 11); /* 41 positions in blocks of 4 */
+    pkv_kv_stats_t st;
+    pkv_kv_stats(r.kv, &st);
+    ck_assert_uint_eq(st.sequences, 0);
+    ck_assert_uint_eq(st.blocks_live, 11);
+    ck_assert_int_eq(pkv_kv_validate(r.kv), PKV_OK);
+    pkv_request_release(q);
+    pkv_kv_stats(r.kv, &st);
+    ck_assert_uint_eq(st.blocks_live, 0);
+    ck_assert_uint_ge(st.blocks_cached, 10);
+
+    /* A cancelled request keeps nothing. */
+    ck_assert_int_eq(pkv_engine_submit(r.e, &p, &q), PKV_OK);
+    pkv_request_cancel(q);
+    collect(q, &c);
+    ck_assert_int_eq(pkv_request_kept_blocks(q, &ids, &n), PKV_ERR_NOTFOUND);
+    pkv_request_release(q);
+    pkv_kv_stats(r.kv, &st);
+    ck_assert_uint_eq(st.blocks_live, 0);
+    rig_fini(&r);
+
+    rig_init(&r, PKV_BACKEND_DENSE, 0, (pkv_engine_config_t){.manual = true});
+    ck_assert_int_eq(pkv_engine_submit(r.e, &p, &q), PKV_ERR_INVALID);
+    rig_fini(&r);
+}
+END_TEST
+
 static _Atomic int notified;
 static void on_notify(void *arg)
 {
@@ -886,6 +935,7 @@ static Suite *engine_suite(void)
     tcase_add_test(tc, preemption_fewest_generated_then_newest);
     tcase_add_test(tc, seeded_sampling_is_reproducible);
     tcase_add_test(tc, prefix_hits_reported);
+    tcase_add_test(tc, keep_blocks_pins_until_release);
     tcase_add_test(tc, notify_and_destroy_with_live_requests);
     tcase_add_test(tc, concurrent_clients);
     tcase_add_test(tc, sampler);

@@ -11,6 +11,7 @@
 #include "support/testutil.h"
 
 #include "pagekv/server.h"
+#include "pagekv/xfer.h"
 #include "server/gen.h"
 #include "server/request.h"
 
@@ -25,6 +26,9 @@
 #include <sys/prctl.h>
 #include <sys/select.h>
 #include <sys/wait.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 /* The fuzz target's properties: their checks abort on a violation. */
@@ -79,6 +83,9 @@ static void resp_free(resp_t *r)
 }
 
 /* One request; body NULL for none. Returns the curl code (the status is in r). */
+/* One more request header for every request (NULL: none). */
+static const char *http_extra_header;
+
 static CURLcode http(uint16_t port, const char *method, const char *path, const char *body,
                      size_t body_len, resp_t *r)
 {
@@ -97,6 +104,7 @@ static CURLcode http(uint16_t port, const char *method, const char *path, const 
     curl_easy_setopt(c, CURLOPT_HEADERDATA, r);
     struct curl_slist *h = curl_slist_append(NULL, "Content-Type: application/json");
     h = curl_slist_append(h, "Expect:");
+    if (http_extra_header) h = curl_slist_append(h, http_extra_header);
     curl_easy_setopt(c, CURLOPT_HTTPHEADER, h);
     if (!strcmp(method, "HEAD"))
         curl_easy_setopt(c, CURLOPT_NOBODY, 1L);
@@ -1600,6 +1608,807 @@ START_TEST(fuzz_corpus_replays)
 }
 END_TEST
 
+/* ---- roles (prefill / decode nodes with a transfer agent) ---------------------------------- */
+
+START_TEST(roles_cli_rejects_bad_values)
+{
+    char bin[4096];
+    pagekv_path(bin, sizeof(bin));
+    /* Each case: arguments after `serve`, and the message's words. */
+    static const struct {
+        const char *args[6];
+        const char *says;
+    } cases[] = {
+        {{"--role", "router"}, "--role wants unified, prefill or decode"},
+        {{"--role", "prefill", "--kv-listen", "127.0.0.1"}, "--kv-listen wants HOST:PORT"},
+        {{"--role", "prefill", "--kv-listen", "127.0.0.1:70000"}, "--kv-listen wants HOST:PORT"},
+        {{"--role", "prefill", "--kv-listen", ":5000"}, "--kv-listen wants HOST:PORT"},
+        {{"--role", "decode", "--kv-advertise", "bad host!"}, "--kv-advertise wants"},
+        {{"--role", "decode", "--kv-advertise", ""}, "--kv-advertise wants"},
+        {{"--role", "prefill", "--staging", "slots"}, "--staging wants per_transfer or fixed"},
+        {{"--role", "prefill", "--staging-pages", "0"}, "--staging-pages wants an integer"},
+        {{"--role", "prefill", "--staging-pages", "many"}, "--staging-pages wants an integer"},
+        {{"--role", "prefill", "--staging", "fixed", "--staging-slots", "0"},
+         "--staging-slots wants an integer"},
+        {{"--role", "prefill", "--staging-slots", "2"}, "--staging-slots needs --staging fixed"},
+        {{"--role", "prefill", "--staging-peer-cap", "-1"}, "--staging-peer-cap wants an integer"},
+        {{"--role", "prefill", "--kv-lease-ms", "0"}, "--kv-lease-ms wants an integer"},
+        {{"--role", "prefill", "--kv-lease-ms", "10s"}, "--kv-lease-ms wants an integer"},
+        {{"--role", "decode", "--kv-transfer-timeout-ms", "0"},
+         "--kv-transfer-timeout-ms wants an integer"},
+        {{"--kv-listen", "127.0.0.1:0"}, "--kv-listen needs --role prefill or decode"},
+        {{"--staging-shared"}, "--staging-shared needs --role prefill or decode"},
+        {{"--role", "unified", "--kv-lease-ms", "5"},
+         "--kv-lease-ms needs --role prefill or decode"},
+        {{"--role", "prefill", "--kv-backend", "dense"}, "--role prefill needs --kv-backend paged"},
+        {{"--role", "decode", "--kv-listen"}, "missing value: --kv-listen"},
+        {{"--role", "decode", "--kv-load-failure", "retry"},
+         "--kv-load-failure wants fail or recompute"},
+        {{"--kv-load-failure", "recompute"}, "--kv-load-failure needs --role prefill or decode"},
+    };
+    for (size_t i = 0; i < PKV_ARRAY_LEN(cases); i++) {
+        char *argv[9] = {bin, "serve"};
+        int n = 2;
+        for (int k = 0; k < 6 && cases[i].args[k]; k++) argv[n++] = (char *)cases[i].args[k];
+        child_t c;
+        child_start(&c, argv);
+        int status = child_wait(&c, 30);
+        ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 2, "case %zu: status %d, log %s",
+                      i, status, c.log);
+        ck_assert_msg(strstr(c.log, cases[i].says), "case %zu: log lacks '%s': %s", i,
+                      cases[i].says, c.log);
+    }
+}
+END_TEST
+
+/* A loopback TCP port nothing listens on (bound once, then closed). */
+static uint16_t free_port(void)
+{
+    int probe = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof(sa);
+    ck_assert_int_eq(bind(probe, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    ck_assert_int_eq(getsockname(probe, (struct sockaddr *)&sa, &sl), 0);
+    close(probe);
+    return ntohs(sa.sin_port);
+}
+
+/* A `pagekv serve` child: its HTTP port and (roles with an agent) the agent's address,
+ * both from its log. */
+static void role_child(child_t *c, char *const argv[], char *agent, size_t agent_cap)
+{
+    child_start(c, argv);
+    uint64_t deadline = pkv_deadline_after_ns(30ull * 1000000000);
+    const char *at, *kv = NULL;
+    while (!(at = strstr(c->log, "listening on 127.0.0.1:")) ||
+           (agent && !(kv = strstr(c->log, "transfer agent on ")))) {
+        ck_assert_msg(pkv_now_ns() < deadline, "no listening line; log:\n%s", c->log);
+        child_read(c, 100);
+    }
+    c->port = (uint16_t)atoi(at + strlen("listening on 127.0.0.1:"));
+    if (agent) {
+        kv += strlen("transfer agent on ");
+        size_t n = strcspn(kv, "\n");
+        ck_assert_uint_lt(n, agent_cap);
+        memcpy(agent, kv, n);
+        agent[n] = 0;
+    }
+}
+
+static void role_child_stop(child_t *c)
+{
+    kill(c->pid, SIGTERM);
+    int status = child_wait(c, 30);
+    ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "status %d, log %s", status,
+                  c->log);
+}
+
+/* /health per role, the agent's address printed and reported, --kv-listen, --kv-advertise,
+ * fixed staging committed at start. */
+START_TEST(roles_health_and_agent_address)
+{
+    char bin[4096];
+    pagekv_path(bin, sizeof(bin));
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    child_t u, p, d;
+    char *uargv[] = {bin, "serve", "--port", "0", "--threads", "1", NULL};
+    role_child(&u, uargv, NULL, 0);
+    json_t *h = get_json(u.port, "/health");
+    ck_assert_str_eq(js(h, "status"), "ok");
+    ck_assert_ptr_null(jp(h, "role")); /* unified answers as before */
+    json_decref(h);
+    json_t *st = get_json(u.port, "/v1/cache/stats");
+    ck_assert_ptr_null(jp(st, "kv_transfer"));
+    json_decref(st);
+    role_child_stop(&u);
+
+    char pagent[PKV_XFER_ADDR_MAX], dagent[PKV_XFER_ADDR_MAX];
+    char *pargv[] = {
+        bin,         "serve", "--port",          "0", "--threads",       "1", "--role", "prefill",
+        "--staging", "fixed", "--staging-slots", "2", "--staging-pages", "3", NULL};
+    role_child(&p, pargv, pagent, sizeof(pagent));
+    ck_assert_ptr_nonnull(strstr(pagent, "127.0.0.1:"));
+    h = get_json(p.port, "/health");
+    ck_assert_str_eq(js(h, "status"), "ok");
+    ck_assert_str_eq(js(h, "role"), "prefill");
+    ck_assert_str_eq(js(h, "kv_agent"), "ok");
+    ck_assert_str_eq(js(h, "kv_address"), pagent);
+    json_decref(h);
+    st = get_json(p.port, "/v1/cache/stats");
+    ck_assert_str_eq(js(st, "kv_transfer.address"), pagent);
+    ck_assert_str_eq(js(st, "kv_transfer.remote_host"), "127.0.0.1");
+    ck_assert_int_eq(ji(st, "kv_transfer.remote_port"), atoi(strrchr(pagent, ':') + 1));
+    ck_assert_int_eq(ji(st, "kv_transfer.lease_ms"), 30000);
+    ck_assert_str_eq(js(st, "kv_transfer.staging.mode"), "fixed_slots");
+    ck_assert_int_eq(ji(st, "kv_transfer.staging.pages_total"), 6);
+    /* fixed: the whole carve-out committed at start */
+    ck_assert_int_eq(ji(st, "kv_transfer.staging.resident_bytes"),
+                     6 * ji(st, "kv_transfer.staging.page_bytes"));
+    json_decref(st);
+
+    /* A decode node on a chosen port, advertising another host. */
+    char listen[32], want[48];
+    snprintf(listen, sizeof(listen), "127.0.0.1:%u", free_port());
+    char *dargv[] = {bin,
+                     "serve",
+                     "--port",
+                     "0",
+                     "--threads",
+                     "1",
+                     "--role",
+                     "decode",
+                     "--kv-listen",
+                     listen,
+                     "--kv-advertise",
+                     "decode-7.example",
+                     "--kv-transfer-timeout-ms",
+                     "2500",
+                     NULL};
+    role_child(&d, dargv, dagent, sizeof(dagent));
+    snprintf(want, sizeof(want), "%s", listen);
+    ck_assert_str_eq(dagent, want);
+    h = get_json(d.port, "/health");
+    ck_assert_str_eq(js(h, "role"), "decode");
+    json_decref(h);
+    st = get_json(d.port, "/v1/cache/stats");
+    ck_assert_str_eq(js(st, "kv_transfer.address"), listen);
+    ck_assert_str_eq(js(st, "kv_transfer.remote_host"), "decode-7.example");
+    ck_assert_int_eq(ji(st, "kv_transfer.transfer_timeout_ms"), 2500);
+    ck_assert_str_eq(js(st, "kv_transfer.staging.mode"), "per_transfer");
+    json_decref(st);
+    role_child_stop(&d);
+    role_child_stop(&p);
+}
+END_TEST
+
+/* /health of a role with an agent is 503 while the node drains. */
+START_TEST(roles_health_503_while_draining)
+{
+    pkv_server_config_t cfg = base_config();
+    cfg.role = PKV_SERVER_ROLE_PREFILL;
+    pkv_server_t *s = start(cfg);
+    uint16_t port = pkv_server_port(s);
+    pkv_server_info_t info;
+    pkv_server_info(s, &info);
+    ck_assert_int_eq(info.role, PKV_SERVER_ROLE_PREFILL);
+    ck_assert_ptr_nonnull(info.kv_address);
+    json_t *h = get_json(port, "/health");
+    ck_assert_str_eq(js(h, "kv_agent"), "ok");
+    json_decref(h);
+    /* The listening socket closes on quiesce; an open connection still gets the answer. */
+    CURL *c = curl_easy_init();
+    char url[64];
+    snprintf(url, sizeof(url), "http://127.0.0.1:%u/health", port);
+    curl_easy_setopt(c, CURLOPT_URL, url);
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_body);
+    resp_t r = {0};
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, &r);
+    ck_assert_int_eq(curl_easy_perform(c), CURLE_OK); /* keep-alive connection */
+    free(r.body);
+    memset(&r, 0, sizeof(r));
+    pkv_server_quiesce(s);
+    ck_assert_int_eq(curl_easy_perform(c), CURLE_OK);
+    long status = 0;
+    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &status);
+    ck_assert_int_eq(status, 503);
+    ck_assert_ptr_nonnull(strstr(r.body, "\"draining\""));
+    ck_assert_ptr_nonnull(strstr(r.body, "\"prefill\""));
+    free(r.body);
+    curl_easy_cleanup(c);
+    pkv_server_destroy(s);
+}
+END_TEST
+
+#define PREFILL_LEG                                                                                \
+    "\"kv_transfer_params\": {\"do_remote_decode\": true, \"do_remote_prefill\": false, "          \
+    "\"remote_engine_id\": null, \"remote_block_ids\": null, \"remote_host\": null, "              \
+    "\"remote_port\": null}"
+
+/* 40 token ids: 2 full blocks of 16 and a partial one. */
+#define PROMPT40                                                                                   \
+    "[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31,32,33,"  \
+    "34,35,36,37,38,39,40]"
+
+static json_t *kv_stats(uint16_t port)
+{
+    json_t *st = get_json(port, "/v1/cache/stats");
+    json_t *kv = json_incref(jp(st, "kv_transfer"));
+    ck_assert_ptr_nonnull(kv);
+    json_decref(st);
+    return kv;
+}
+
+/* The prefill leg's answer: a normal completion plus kv_transfer_params naming the
+ * producer, its blocks in order and pagekv's handle fields; the blocks stay pinned under
+ * the lease and, with no decode leg, return as ordinary prefix-cache blocks (counted). */
+START_TEST(prefill_leg_answer_and_lease_expiry)
+{
+    pkv_server_config_t cfg = base_config();
+    cfg.role = PKV_SERVER_ROLE_PREFILL;
+    cfg.kv_lease_ms = 400;
+    pkv_server_t *s = start(cfg);
+    uint16_t port = pkv_server_port(s);
+    pkv_server_info_t info;
+    pkv_server_info(s, &info);
+    json_t *kv0 = kv_stats(port);
+    long status;
+    /* Proxies send one X-Request-Id to both legs, some a constant: two legs with the same
+     * one are two registrations. */
+    http_extra_header = "X-Request-Id: same-for-everyone";
+    json_t *docs[2];
+    for (int i = 0; i < 2; i++) {
+        docs[i] = post_json(port, "/v1/completions",
+                            "{\"model\": \"tiny\", \"prompt\": " PROMPT40 ", \"max_tokens\": 1, "
+                            "\"stream\": false, " PREFILL_LEG "}",
+                            &status);
+        ck_assert_int_eq(status, 200);
+    }
+    http_extra_header = NULL;
+    json_t *doc = docs[0];
+    ck_assert_str_eq(js(doc, "object"), "text_completion");
+    ck_assert_int_eq(ji(doc, "usage.prompt_tokens"), 40);
+    ck_assert_int_eq(ji(doc, "usage.completion_tokens"), 1);
+    ck_assert_str_eq(js(doc, "choices.0.finish_reason"), "length");
+    json_t *kt = jp(doc, "kv_transfer_params");
+    ck_assert(json_is_true(jp(kt, "do_remote_prefill")));
+    ck_assert(json_is_false(jp(kt, "do_remote_decode")));
+    ck_assert_str_eq(js(kt, "remote_engine_id"), js(kv0, "engine_id"));
+    ck_assert_str_eq(js(kt, "remote_host"), "127.0.0.1");
+    ck_assert_int_eq(ji(kt, "remote_port"), atoi(strrchr(info.kv_address, ':') + 1));
+    json_t *ids = jp(kt, "remote_block_ids");
+    ck_assert_uint_eq(json_array_size(ids), 3);
+    for (size_t i = 0; i < 3; i++) ck_assert(json_is_integer(json_array_get(ids, i)));
+    ck_assert_int_eq(ji(kt, "pagekv_prompt_tokens"), 40);
+    ck_assert_uint_eq(strlen(js(kt, "pagekv_token")), 2 * PKV_XFER_TOKEN_BYTES);
+    ck_assert_int_eq(ji(kt, "pagekv_geometry.block_tokens"), 16);
+    ck_assert_str_eq(js(kt, "pagekv_geometry.dtype"), "f16");
+    ck_assert_int_ne(ji(kt, "pagekv_request_id"),
+                     ji(docs[1], "kv_transfer_params.pagekv_request_id"));
+    /* The second leg adopted the first one's full blocks: the same ids first. */
+    json_t *ids1 = jp(docs[1], "kv_transfer_params.remote_block_ids");
+    for (size_t i = 0; i < 2; i++)
+        ck_assert_int_eq(json_integer_value(json_array_get(ids, i)),
+                         json_integer_value(json_array_get(ids1, i)));
+
+    json_t *kv = kv_stats(port);
+    ck_assert_int_eq(ji(kv, "leases.offered"), 2);
+    ck_assert_int_eq(ji(kv, "leases.live"), 2);
+    ck_assert_int_ge(ji(kv, "leases.pinned_blocks"), 4);
+    json_decref(kv);
+    json_t *st = get_json(port, "/v1/cache/stats");
+    ck_assert_int_eq(ji(st, "sequences"), 0);
+    ck_assert_int_ge(ji(st, "blocks.live"), 4); /* pinned by the leases */
+    json_decref(st);
+
+    /* No decode leg: the leases expire and the blocks return. */
+    uint64_t deadline = pkv_deadline_after_ns(10ull * 1000000000);
+    for (;;) {
+        kv = kv_stats(port);
+        bool ended = ji(kv, "leases.expired") == 2;
+        if (ended) break;
+        json_decref(kv);
+        ck_assert_msg(pkv_now_ns() < deadline, "the leases did not expire");
+        usleep(20000);
+    }
+    ck_assert_int_eq(ji(kv, "leases.live"), 0);
+    ck_assert_int_eq(ji(kv, "leases.pinned_blocks"), 0);
+    json_decref(kv);
+    st = get_json(port, "/v1/cache/stats");
+    ck_assert_int_eq(ji(st, "blocks.live"), 0);
+    ck_assert_int_eq(ji(st, "blocks.cached"), 2); /* the full blocks, now prefix cache */
+    json_decref(st);
+    ck_assert_int_eq(metric(port, "pagekv_kv_leases_total{outcome=\"expired\"}"), 2);
+    ck_assert_int_eq(metric(port, "pagekv_kv_leases_live"), 0);
+    ck_assert_int_eq(metric(port, "pagekv_kv_transfer_pinned_blocks"), 0);
+    resp_t mr;
+    ck_assert_int_eq(http(port, "GET", "/metrics", NULL, 0, &mr), CURLE_OK);
+    ck_assert_int_gt(prom_check(mr.body), 40); /* the roles' families parse too */
+    resp_free(&mr);
+    /* Ordinary prefix-cache blocks: a plain request adopts them. */
+    doc = post_json(port, "/v1/completions",
+                    "{\"model\": \"tiny\", \"prompt\": " PROMPT40 ", \"max_tokens\": 1}", &status);
+    ck_assert_int_eq(status, 200);
+    ck_assert_int_eq(ji(doc, "usage.prompt_tokens_details.cached_tokens"), 32);
+    ck_assert_ptr_null(jp(doc, "kv_transfer_params"));
+    json_decref(doc);
+
+    /* Chat takes a prefill leg too. */
+    doc = post_json(port, "/v1/chat/completions",
+                    "{\"model\": \"tiny\", \"messages\": [{\"role\": \"user\", \"content\": "
+                    "\"hello there\"}], \"max_tokens\": 1, " PREFILL_LEG "}",
+                    &status);
+    ck_assert_int_eq(status, 200);
+    ck_assert_str_eq(js(doc, "object"), "chat.completion");
+    ck_assert(json_is_true(jp(doc, "kv_transfer_params.do_remote_prefill")));
+    json_decref(doc);
+    json_decref(docs[0]);
+    json_decref(docs[1]);
+    json_decref(kv0);
+    pkv_server_destroy(s);
+}
+END_TEST
+
+typedef struct {
+    const char *body;
+    const char *code, *param;
+} kvt_case_t;
+
+static void kvt_refusals(uint16_t port, const char *path, const kvt_case_t *cases, size_t n)
+{
+    long long before[12], after[12];
+    state_of(port, before);
+    for (size_t i = 0; i < n; i++) {
+        long status;
+        json_t *doc = post_json(port, path, cases[i].body, &status);
+        ck_assert_msg(status == 400, "case %zu: status %ld", i, status);
+        ck_assert_msg(!strcmp(js(doc, "error.code"), cases[i].code), "case %zu: code %s", i,
+                      js(doc, "error.code"));
+        ck_assert_msg(!strcmp(js(doc, "error.param"), cases[i].param), "case %zu: param %s", i,
+                      js(doc, "error.param"));
+        json_decref(doc);
+    }
+    state_of(port, after);
+    ck_assert_mem_eq(before, after, sizeof(before));
+}
+
+#define LEG_BODY(extra) "{\"model\": \"tiny\", \"prompt\": \"hi\", \"max_tokens\": 1, " extra "}"
+
+/* Bad kv_transfer_params, or params the node's role cannot take: 400 naming the field,
+ * nothing registered, nothing else changed. */
+START_TEST(kv_transfer_params_refused_by_role_and_shape)
+{
+    static const kvt_case_t prefill_cases[] = {
+        {LEG_BODY("\"kv_transfer_params\": \"x\""), "invalid_type", "kv_transfer_params"},
+        {LEG_BODY("\"kv_transfer_params\": {\"do_remote_decode\": \"yes\"}"), "invalid_type",
+         "kv_transfer_params.do_remote_decode"},
+        {LEG_BODY("\"kv_transfer_params\": {\"do_remote_decode\": true, \"remote_port\": \"80\"}"),
+         "invalid_type", "kv_transfer_params.remote_port"},
+        {LEG_BODY("\"kv_transfer_params\": {\"do_remote_decode\": true, \"remote_block_ids\": 3}"),
+         "invalid_type", "kv_transfer_params.remote_block_ids"},
+        {LEG_BODY("\"kv_transfer_params\": {\"do_remote_decode\": true, \"do_remote_prefill\": "
+                  "true}"),
+         "invalid_value", "kv_transfer_params"},
+        {LEG_BODY(
+             "\"kv_transfer_params\": {\"do_remote_decode\": true, \"remote_block_ids\": [1]}"),
+         "invalid_value", "kv_transfer_params"},
+        {LEG_BODY(
+             "\"kv_transfer_params\": {\"do_remote_prefill\": true, \"remote_block_ids\": [0]}"),
+         "invalid_value", "kv_transfer_params"},
+        {LEG_BODY("\"stream\": true, " PREFILL_LEG), "invalid_value", "stream"},
+        {LEG_BODY("\"n\": 2, " PREFILL_LEG), "unsupported_parameter", "n"},
+        {"{\"model\": \"tiny\", \"prompt\": [\"a\", \"b\"], \"max_tokens\": 1, " PREFILL_LEG "}",
+         "unsupported_parameter", "prompt"},
+    };
+    static const kvt_case_t unified_cases[] = {
+        {LEG_BODY(PREFILL_LEG), "unsupported_parameter", "kv_transfer_params"},
+        {LEG_BODY("\"kv_transfer_params\": {\"do_remote_prefill\": true}"), "unsupported_parameter",
+         "kv_transfer_params"},
+    };
+    static const kvt_case_t decode_cases[] = {
+        {LEG_BODY(PREFILL_LEG), "invalid_value", "kv_transfer_params"},
+    };
+    pkv_server_config_t cfg = base_config();
+    cfg.role = PKV_SERVER_ROLE_PREFILL;
+    pkv_server_t *s = start(cfg);
+    uint16_t port = pkv_server_port(s);
+    long status;
+    json_t *doc = post_json(port, "/v1/completions", LEG_BODY(PREFILL_LEG), &status);
+    ck_assert_int_eq(status, 200); /* some state first */
+    json_decref(doc);
+    json_t *kv0 = kv_stats(port);
+    kvt_refusals(port, "/v1/completions", prefill_cases, PKV_ARRAY_LEN(prefill_cases));
+    json_t *kv1 = kv_stats(port);
+    ck_assert_int_eq(ji(kv1, "leases.offered"), ji(kv0, "leases.offered"));
+    ck_assert_int_eq(ji(kv1, "leases.live"), ji(kv0, "leases.live"));
+    ck_assert_int_eq(ji(kv1, "leases.pinned_blocks"), ji(kv0, "leases.pinned_blocks"));
+    json_decref(kv0);
+    json_decref(kv1);
+    pkv_server_destroy(s);
+
+    s = start(base_config());
+    kvt_refusals(pkv_server_port(s), "/v1/completions", unified_cases,
+                 PKV_ARRAY_LEN(unified_cases));
+    pkv_server_destroy(s);
+
+    cfg.role = PKV_SERVER_ROLE_DECODE;
+    s = start(cfg);
+    kvt_refusals(pkv_server_port(s), "/v1/completions", decode_cases, PKV_ARRAY_LEN(decode_cases));
+    /* A decode node given no params computes the prompt itself. */
+    doc = post_json(pkv_server_port(s), "/v1/completions", LEG_BODY("\"seed\": 1"), &status);
+    ck_assert_int_eq(status, 200);
+    json_decref(doc);
+    pkv_server_destroy(s);
+}
+END_TEST
+
+/* ---- the decode leg ------------------------------------------------------------------------- */
+
+/* One leg's answer: text, finish reason and token counts, streamed or not. */
+typedef struct {
+    long status;
+    char text[8192];
+    char finish[16];
+    long long prompt, completion, cached;
+    json_t *doc; /* non-streamed: the response */
+} leg_t;
+
+static void leg_post(uint16_t port, const char *path, json_t *req, leg_t *out)
+{
+    memset(out, 0, sizeof(*out));
+    bool chat = strstr(path, "chat") != NULL;
+    bool stream = json_is_true(json_object_get(req, "stream"));
+    char *body = json_dumps(req, 0);
+    resp_t r;
+    ck_assert_int_eq(http(port, "POST", path, body, strlen(body), &r), CURLE_OK);
+    free(body);
+    out->status = r.status;
+    json_t *usage = NULL;
+    if (stream && r.status == 200) {
+        sse_t *e = malloc(sizeof(*e));
+        ck_assert_ptr_nonnull(e);
+        sse_parse(r.body, r.len, chat, e);
+        ck_assert(e->done);
+        snprintf(out->text, sizeof(out->text), "%.*s", (int)e->text_len, e->text);
+        snprintf(out->finish, sizeof(out->finish), "%s", e->finish ? e->finish : "");
+        usage = json_incref(e->usage);
+        sse_free(e);
+        free(e);
+    } else {
+        out->doc = json_loadb(r.body ? r.body : "", r.len, JSON_ALLOW_NUL, NULL);
+        ck_assert_ptr_nonnull(out->doc);
+        if (r.status == 200) {
+            json_t *t = jp(out->doc, chat ? "choices.0.message.content" : "choices.0.text");
+            snprintf(out->text, sizeof(out->text), "%s", json_string_value(t));
+            snprintf(out->finish, sizeof(out->finish), "%s",
+                     js(out->doc, "choices.0.finish_reason"));
+            usage = json_incref(jp(out->doc, "usage"));
+        }
+    }
+    resp_free(&r);
+    if (usage) {
+        out->prompt = ji(usage, "prompt_tokens");
+        out->completion = ji(usage, "completion_tokens");
+        out->cached = ji(usage, "prompt_tokens_details.cached_tokens");
+        json_decref(usage);
+    }
+}
+
+/* The prefill leg of req (as the field's proxies make it) on port: its kv_transfer_params. */
+static json_t *prefill_leg(uint16_t port, const char *path, json_t *req)
+{
+    json_t *pre = json_deep_copy(req);
+    json_object_set_new(pre, "max_tokens", json_integer(1));
+    json_object_set_new(pre, "stream", json_false());
+    json_object_del(pre, "stream_options");
+    json_object_set_new(pre, "kv_transfer_params",
+                        json_pack("{s:b, s:b, s:n, s:n, s:n, s:n}", "do_remote_decode", 1,
+                                  "do_remote_prefill", 0, "remote_engine_id", "remote_block_ids",
+                                  "remote_host", "remote_port"));
+    leg_t p;
+    leg_post(port, path, pre, &p);
+    json_decref(pre);
+    ck_assert_int_eq(p.status, 200);
+    json_t *kt = json_incref(jp(p.doc, "kv_transfer_params"));
+    ck_assert_ptr_nonnull(kt);
+    json_decref(p.doc);
+    return kt;
+}
+
+/* The decode leg of req with kt on port (nothing else changed in the body). */
+static void decode_leg(uint16_t port, const char *path, json_t *req, json_t *kt, leg_t *out)
+{
+    json_t *dec = json_deep_copy(req);
+    json_object_set(dec, "kv_transfer_params", kt);
+    leg_post(port, path, dec, out);
+    json_decref(dec);
+}
+
+/* Both legs driven as a proxy does, and the answer compared with the unified node's. */
+static void disagg_equals_unified(const uint16_t ports[3], const char *path, json_t *req)
+{
+    leg_t u, d;
+    leg_post(ports[2], path, req, &u);
+    ck_assert_int_eq(u.status, 200);
+    json_t *kt = prefill_leg(ports[0], path, req);
+    decode_leg(ports[1], path, req, kt, &d);
+    json_decref(kt);
+    ck_assert_msg(d.status == 200, "decode leg: %ld %s", d.status,
+                  d.doc ? json_dumps(d.doc, 0) : "");
+    ck_assert_str_eq(d.text, u.text);
+    ck_assert_str_eq(d.finish, u.finish);
+    ck_assert_int_eq(d.prompt, u.prompt);
+    ck_assert_int_eq(d.completion, u.completion);
+    ck_assert_int_ge(d.cached, (d.prompt - 1) / 16 * 16 < 0 ? 0 : u.cached);
+    json_decref(u.doc);
+    json_decref(d.doc);
+}
+
+/* Three nodes in this process: prefill, decode, unified (ports[0..2]). */
+static void three_nodes(pkv_server_t *s[3], uint16_t ports[3], uint32_t timeout_ms, bool recompute)
+{
+    pkv_server_role_t roles[3] = {PKV_SERVER_ROLE_PREFILL, PKV_SERVER_ROLE_DECODE,
+                                  PKV_SERVER_ROLE_UNIFIED};
+    for (int i = 0; i < 3; i++) {
+        pkv_server_config_t cfg = base_config();
+        cfg.role = roles[i];
+        cfg.kv_transfer_timeout_ms = timeout_ms;
+        cfg.kv_load_recompute = recompute;
+        s[i] = start(cfg);
+        ports[i] = pkv_server_port(s[i]);
+    }
+}
+
+/* Every leg's counts settled: the prefill node's leases all sent, no pins left. */
+static void leases_settle(uint16_t port, long long sent)
+{
+    uint64_t deadline = pkv_deadline_after_ns(10ull * 1000000000);
+    for (;;) {
+        json_t *kv = kv_stats(port);
+        bool done = ji(kv, "leases.sent") == sent && ji(kv, "leases.pinned_blocks") == 0 &&
+                    ji(kv, "leases.live") == 0;
+        json_decref(kv);
+        if (done) return;
+        ck_assert_msg(pkv_now_ns() < deadline, "leases did not settle at %lld sent", sent);
+        usleep(10000);
+    }
+}
+
+/* The decode leg pulls the prompt's KV and decodes: completions and chat, streamed and
+ * not, greedy and seeded, and with a decode-side prefix hit, each equal to a unified
+ * node's answer. */
+START_TEST(decode_leg_equals_unified)
+{
+    pkv_server_t *s[3];
+    uint16_t ports[3];
+    three_nodes(s, ports, 5000, false);
+    const char *text = "The quick brown fox jumps over the lazy dog and keeps running far away";
+    json_t *reqs[] = {
+        json_pack("{s:s, s:s, s:i, s:f}", "model", "tiny", "prompt", text, "max_tokens", 12,
+                  "temperature", 0.0),
+        json_pack("{s:s, s:s, s:i, s:f, s:b, s:{s:b}}", "model", "tiny", "prompt", text,
+                  "max_tokens", 12, "temperature", 0.0, "stream", 1, "stream_options",
+                  "include_usage", 1),
+        json_pack("{s:s, s:s, s:i, s:f, s:i}", "model", "tiny", "prompt",
+                  "Seeded: once upon a time", "max_tokens", 10, "temperature", 0.9, "seed", 11),
+        json_pack("{s:s, s:s, s:i, s:f, s:i, s:b, s:{s:b}}", "model", "tiny", "prompt",
+                  "Seeded and streamed: once upon a time there was", "max_tokens", 10,
+                  "temperature", 0.9, "seed", 5, "stream", 1, "stream_options", "include_usage", 1),
+        json_pack("{s:s, s:[{s:s, s:s}], s:i, s:f}", "model", "tiny", "messages", "role", "user",
+                  "content", "Tell me about paged attention in one line", "max_tokens", 12,
+                  "temperature", 0.0),
+        json_pack("{s:s, s:[{s:s, s:s}], s:i, s:f, s:i, s:b, s:{s:b}}", "model", "tiny", "messages",
+                  "role", "user", "content", "Stream me a seeded chat answer please", "max_tokens",
+                  12, "temperature", 0.7, "seed", 3, "stream", 1, "stream_options", "include_usage",
+                  1),
+    };
+    const char *paths[] = {"/v1/completions", "/v1/completions",      "/v1/completions",
+                           "/v1/completions", "/v1/chat/completions", "/v1/chat/completions"};
+    for (size_t i = 0; i < PKV_ARRAY_LEN(reqs); i++)
+        disagg_equals_unified(ports, paths[i], reqs[i]);
+    json_t *kv = kv_stats(ports[1]);
+    ck_assert_int_eq(ji(kv, "pulls.ok") + ji(kv, "pulls.dropped"), 6);
+    ck_assert_int_eq(ji(kv, "pulls.dropped"), 1); /* the second request's prompt was cached */
+    json_decref(kv);
+    /* A decode-side prefix hit: the first request again. */
+    disagg_equals_unified(ports, paths[0], reqs[0]);
+    kv = kv_stats(ports[1]);
+    ck_assert_int_eq(ji(kv, "pulls.ok") + ji(kv, "pulls.dropped"), 7);
+    ck_assert_int_eq(ji(kv, "pulls.failed"), 0);
+    ck_assert_int_eq(ji(kv, "leases.pinned_blocks"), 0);
+    json_decref(kv);
+    leases_settle(ports[0], 7);
+    wait_quiet(ports[1]);
+    for (size_t i = 0; i < PKV_ARRAY_LEN(reqs); i++) json_decref(reqs[i]);
+    for (int i = 0; i < 3; i++) pkv_server_destroy(s[i]);
+}
+END_TEST
+
+/* A decode leg whose params are wrong or forged gets a 4xx naming the field and pulls
+ * nothing from wrong KV; an unreachable producer is 503 peer_lost within the deadline;
+ * the genuine params still work afterwards (the registration survived). */
+START_TEST(decode_leg_bad_params)
+{
+    pkv_server_t *s[3];
+    uint16_t ports[3];
+    three_nodes(s, ports, 2000, false);
+    json_t *req =
+        json_pack("{s:s, s:s, s:i, s:f}", "model", "tiny", "prompt",
+                  "The quick brown fox jumps over the lazy dog and keeps running far away",
+                  "max_tokens", 8, "temperature", 0.0);
+    const char *path = "/v1/completions";
+    json_t *kt = prefill_leg(ports[0], path, req);
+    ck_assert_uint_eq(json_array_size(jp(kt, "remote_block_ids")), 2); /* as the cases assume */
+    static const struct {
+        const char *key;
+        const char *json; /* the new value; NULL: removed */
+        long status;
+        const char *code, *param;
+    } cases[] = {
+        {"pagekv_token", "\"00000000000000000000000000000000\"", 400, "rejected",
+         "kv_transfer_params"},
+        {"pagekv_token", "\"xyz\"", 400, "invalid_value", "kv_transfer_params.pagekv_token"},
+        {"pagekv_request_id", "987654", 400, "invalid_value",
+         "kv_transfer_params.pagekv_request_id"},
+        {"pagekv_serial", "99", 400, "invalid_value", "kv_transfer_params.pagekv_request_id"},
+        {"pagekv_serial", NULL, 400, "missing_field", "kv_transfer_params.pagekv_serial"},
+        {"pagekv_prompt_tokens", "3", 400, "invalid_value",
+         "kv_transfer_params.pagekv_prompt_tokens"},
+        {"pagekv_geometry",
+         "{\"layers\": 99, \"kv_heads\": 2, \"head_dim\": 16, "
+         "\"block_tokens\": 16, \"dtype\": \"f16\"}",
+         400, "invalid_value", "kv_transfer_params.pagekv_geometry"},
+        {"remote_block_ids", "[0]", 400, "invalid_value", "kv_transfer_params.remote_block_ids"},
+        {"remote_block_ids", "[7, 9]", 400, "rejected", "kv_transfer_params"},
+        {"remote_port", NULL, 400, "missing_field", "kv_transfer_params.remote_port"},
+        {"remote_host", NULL, 400, "missing_field", "kv_transfer_params.remote_host"},
+    };
+    for (size_t i = 0; i < PKV_ARRAY_LEN(cases); i++) {
+        json_t *bad = json_deep_copy(kt);
+        if (cases[i].json)
+            ck_assert_int_eq(json_object_set_new(bad, cases[i].key,
+                                                 json_loads(cases[i].json, JSON_DECODE_ANY, NULL)),
+                             0);
+        else
+            json_object_del(bad, cases[i].key);
+        leg_t d;
+        decode_leg(ports[1], path, req, bad, &d);
+        json_decref(bad);
+        ck_assert_msg(d.status == cases[i].status, "case %zu: %ld", i, d.status);
+        ck_assert_msg(!strcmp(js(d.doc, "error.code"), cases[i].code), "case %zu: %s", i,
+                      js(d.doc, "error.code"));
+        ck_assert_msg(!strcmp(js(d.doc, "error.param"), cases[i].param), "case %zu: %s", i,
+                      js(d.doc, "error.param"));
+        json_decref(d.doc);
+    }
+    /* The KV under another prompt of the same length: refused before any read. */
+    json_t *other = json_deep_copy(req), *other_ids = json_array();
+    for (long long i = 0; i < ji(kt, "pagekv_prompt_tokens"); i++)
+        json_array_append_new(other_ids, json_integer(5 + i));
+    json_object_set_new(other, "prompt", other_ids);
+    leg_t d;
+    decode_leg(ports[1], path, other, kt, &d);
+    json_decref(other);
+    ck_assert_int_eq(d.status, 400);
+    ck_assert_str_eq(js(d.doc, "error.param"), "kv_transfer_params.pagekv_request_id");
+    json_decref(d.doc);
+    /* Nobody listens at the producer's address: peer_lost, within the deadline + 1 s. */
+    json_t *lost = json_deep_copy(kt);
+    json_object_set_new(lost, "remote_port", json_integer(free_port()));
+    uint64_t t0 = pkv_now_ns();
+    decode_leg(ports[1], path, req, lost, &d);
+    json_decref(lost);
+    ck_assert_int_eq(d.status, 503);
+    ck_assert_str_eq(js(d.doc, "error.code"), "peer_lost");
+    ck_assert_uint_lt(pkv_now_ns() - t0, 3000000000ull);
+    json_decref(d.doc);
+    json_t *dkv = kv_stats(ports[1]);
+    ck_assert_int_eq(ji(dkv, "pulls.ok"), 0);
+    json_decref(dkv);
+    json_t *st = get_json(ports[1], "/v1/cache/stats");
+    ck_assert_int_eq(ji(st, "requests.submitted"), 0); /* nothing generated from wrong KV */
+    ck_assert_int_eq(ji(st, "blocks.cached"), 0);
+    json_decref(st);
+    /* The genuine params still pull and decode. */
+    decode_leg(ports[1], path, req, kt, &d);
+    ck_assert_int_eq(d.status, 200);
+    json_decref(d.doc);
+    leases_settle(ports[0], 1);
+    json_decref(kt);
+    json_decref(req);
+    for (int i = 0; i < 3; i++) pkv_server_destroy(s[i]);
+}
+END_TEST
+
+/* The pair as two `pagekv serve` processes (prefill with fixed staging, decode with a
+ * transfer deadline), driven as a proxy does: answers equal an in-process unified
+ * node's; both processes end 0 on SIGTERM with nothing pinned. */
+START_TEST(disagg_across_processes)
+{
+    char bin[4096];
+    pagekv_path(bin, sizeof(bin));
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    child_t p, d;
+    char pagent[PKV_XFER_ADDR_MAX], dagent[PKV_XFER_ADDR_MAX];
+    char *pargv[] = {bin,      "serve",   "--port",    "0",     "--threads", "1",
+                     "--role", "prefill", "--staging", "fixed", NULL};
+    char *dargv[] = {bin,      "serve",     "--port",
+                     "0",      "--threads", "1",
+                     "--role", "decode",    "--kv-transfer-timeout-ms",
+                     "3000",   NULL};
+    role_child(&p, pargv, pagent, sizeof(pagent));
+    role_child(&d, dargv, dagent, sizeof(dagent));
+    pkv_server_t *u = start(base_config());
+    uint16_t ports[3] = {p.port, d.port, pkv_server_port(u)};
+    json_t *reqs[] = {
+        json_pack("{s:s, s:s, s:i, s:f}", "model", "tiny", "prompt",
+                  "Two processes, one answer: the prompt's KV crosses a socket", "max_tokens", 10,
+                  "temperature", 0.0),
+        json_pack("{s:s, s:[{s:s, s:s}], s:i, s:f, s:i, s:b}", "model", "tiny", "messages", "role",
+                  "user", "content", "Stream the decode leg from the other process", "max_tokens",
+                  10, "temperature", 0.8, "seed", 21, "stream", 1),
+    };
+    const char *paths[] = {"/v1/completions", "/v1/chat/completions"};
+    for (size_t i = 0; i < PKV_ARRAY_LEN(reqs); i++) {
+        disagg_equals_unified(ports, paths[i], reqs[i]);
+        json_decref(reqs[i]);
+    }
+    leases_settle(p.port, 2);
+    json_t *kv = kv_stats(d.port);
+    ck_assert_int_eq(ji(kv, "pulls.ok"), 2);
+    ck_assert_int_gt(ji(kv, "transfers.bytes_received"), 0);
+    json_decref(kv);
+    pkv_server_destroy(u);
+    role_child_stop(&d);
+    role_child_stop(&p);
+}
+END_TEST
+
+/* --kv-load-failure recompute: a producer nobody can reach is answered by computing the
+ * prompt here (equal to the unified answer, counted); a forged token is still the
+ * client's 400; a request without params is computed here and counted. */
+START_TEST(decode_leg_recompute_policy)
+{
+    pkv_server_t *s[3];
+    uint16_t ports[3];
+    three_nodes(s, ports, 1500, true);
+    json_t *req = json_pack("{s:s, s:s, s:i, s:f}", "model", "tiny", "prompt",
+                            "Recompute when the producer is gone, and say so in the counters",
+                            "max_tokens", 8, "temperature", 0.0);
+    const char *path = "/v1/completions";
+    json_t *kt = prefill_leg(ports[0], path, req);
+    leg_t u, d;
+    leg_post(ports[2], path, req, &u);
+    json_t *lost = json_deep_copy(kt);
+    json_object_set_new(lost, "remote_port", json_integer(free_port()));
+    decode_leg(ports[1], path, req, lost, &d);
+    json_decref(lost);
+    ck_assert_int_eq(d.status, 200);
+    ck_assert_str_eq(d.text, u.text);
+    ck_assert_str_eq(d.finish, u.finish);
+    json_decref(d.doc);
+    json_t *forged = json_deep_copy(kt);
+    json_object_set_new(forged, "pagekv_token", json_string("00000000000000000000000000000000"));
+    decode_leg(ports[1], path, req, forged, &d);
+    json_decref(forged);
+    ck_assert_int_eq(d.status, 400);
+    ck_assert_str_eq(js(d.doc, "error.code"), "rejected");
+    json_decref(d.doc);
+    leg_post(ports[1], path, req, &d); /* no params: computed here */
+    ck_assert_int_eq(d.status, 200);
+    ck_assert_str_eq(d.text, u.text);
+    json_decref(d.doc);
+    json_t *kv = kv_stats(ports[1]);
+    ck_assert_int_eq(ji(kv, "pulls.recomputed"), 1);
+    ck_assert_int_eq(ji(kv, "pulls.failed"), 2);
+    ck_assert_int_eq(ji(kv, "pulls.local"), 1);
+    json_decref(kv);
+    json_decref(u.doc);
+    json_decref(kt);
+    json_decref(req);
+    for (int i = 0; i < 3; i++) pkv_server_destroy(s[i]);
+}
+END_TEST
+
 static Suite *server_suite(void)
 {
     Suite *s = suite_create("server");
@@ -1619,6 +2428,18 @@ static Suite *server_suite(void)
     tcase_add_test(tc, cli_rejects_bad_flags);
     tcase_add_test(tc, sigterm_drains_in_flight);
     suite_add_tcase(s, tc);
+    TCase *roles = tcase_create("roles");
+    tcase_set_timeout(roles, 120);
+    tcase_add_test(roles, roles_cli_rejects_bad_values);
+    tcase_add_test(roles, roles_health_and_agent_address);
+    tcase_add_test(roles, roles_health_503_while_draining);
+    tcase_add_test(roles, prefill_leg_answer_and_lease_expiry);
+    tcase_add_test(roles, kv_transfer_params_refused_by_role_and_shape);
+    tcase_add_test(roles, decode_leg_equals_unified);
+    tcase_add_test(roles, decode_leg_bad_params);
+    tcase_add_test(roles, disagg_across_processes);
+    tcase_add_test(roles, decode_leg_recompute_policy);
+    suite_add_tcase(s, roles);
     TCase *pure = tcase_create("pure");
     tcase_add_test(pure, gen_finish_and_figures);
     tcase_add_test(pure, utf8_sanitize_piecewise_equals_whole);

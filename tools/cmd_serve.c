@@ -11,6 +11,7 @@
 
 #include "pagekv/server.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <signal.h>
 #include <stdio.h>
@@ -52,7 +53,55 @@ static void usage(FILE *f)
             "  --max-queue-depth N       requests waiting; beyond it 429 (default 256)\n"
             "  --max-context N           prompt + completion tokens (default: the model's)\n"
             "  --prefill-chunk N         prompt tokens per sequence per step (default 256)\n"
-            "  --default-max-tokens N    /v1/completions without max_tokens (default 16)\n");
+            "  --default-max-tokens N    /v1/completions without max_tokens (default 16)\n"
+            "roles (disaggregated serving; docs/design/server.md):\n"
+            "  --role unified|prefill|decode  (default unified: no transfer agent)\n"
+            "prefill and decode roles only:\n"
+            "  --kv-listen HOST:PORT     transfer agent address (default 127.0.0.1, a free\n"
+            "                            port; the bound one is printed, /v1/cache/stats)\n"
+            "  --kv-advertise HOST       remote_host for decode nodes (default: bound host)\n"
+            "  --staging per_transfer|fixed   host staging mode (default per_transfer)\n"
+            "  --staging-pages N         arena pages (fixed: pages per slot; default one\n"
+            "                            max-context transfer + 2)\n"
+            "  --staging-slots N         fixed: slots, committed and pinned at start (4)\n"
+            "  --staging-peer-cap N      most staging pages one peer holds (default: none)\n"
+            "  --staging-shared          a memfd arena same-host peers may map\n"
+            "  --kv-lease-ms N           prefill: pins wait for a decode leg (default 30000)\n"
+            "  --kv-transfer-timeout-ms N   decode: a pull's deadline (default 10000)\n"
+            "  --kv-load-failure fail|recompute   decode: a failed pull is an error (default)\n"
+            "                            or the prompt is computed here\n");
+}
+
+/* --kv-listen's host (split from its port) outlives parse_args. */
+static char kv_listen_host[256];
+
+/* HOST:PORT (an IPv6 host in brackets). 0, or the exit code of a usage error. */
+static int parse_listen(const char *v, pkv_server_config_t *cfg)
+{
+    const char *colon = strrchr(v, ':');
+    uint64_t port;
+    size_t len = colon ? (size_t)(colon - v) : 0;
+    if (len >= 2 && v[0] == '[' && v[len - 1] == ']') v++, len -= 2;
+    if (!colon || !len || len >= sizeof(kv_listen_host) ||
+        pkv_cli_parse_u64(colon + 1, 0, 65535, &port))
+        return pkv_cli_usage_error("serve", "--kv-listen wants HOST:PORT (port 0..65535), got '%s'",
+                                   v);
+    memcpy(kv_listen_host, v, len);
+    kv_listen_host[len] = 0;
+    cfg->kv_listen_host = kv_listen_host;
+    cfg->kv_listen_port = (uint16_t)port;
+    return 0;
+}
+
+/* A host name or address peers can put in "host:port": 1..47 of [A-Za-z0-9.:-]. */
+static bool advertise_ok(const char *v)
+{
+    size_t n = strlen(v);
+    if (!n || n > 47) return false;
+    for (size_t i = 0; i < n; i++)
+        if (!(isalnum((unsigned char)v[i]) || v[i] == '.' || v[i] == ':' || v[i] == '-'))
+            return false;
+    return true;
 }
 
 static int parse_u32(const char *cmd, const char *flag, const char *v, uint64_t lo, uint64_t hi,
@@ -67,6 +116,64 @@ static int parse_u32(const char *cmd, const char *flag, const char *v, uint64_t 
 }
 
 #define PROCEED (-1) /* parse_args: run the server (otherwise: the exit code) */
+#define NOT_KV  (-2) /* set_kv_option: not one of the roles' options */
+
+/* The roles' options that take a value: 0, a usage error's exit code, or NOT_KV. */
+static int set_kv_option(const char *a, const char *v, pkv_server_config_t *cfg)
+{
+    const char *cmd = "serve";
+    if (!strcmp(a, "--role")) {
+        if (pkv_server_role_parse(v, &cfg->role))
+            return pkv_cli_usage_error(cmd, "--role wants unified, prefill or decode, got '%s'", v);
+    } else if (!strcmp(a, "--kv-listen"))
+        return parse_listen(v, cfg);
+    else if (!strcmp(a, "--kv-advertise")) {
+        if (!advertise_ok(v))
+            return pkv_cli_usage_error(cmd,
+                                       "--kv-advertise wants a host name or address (1..47 of A-Z "
+                                       "a-z 0-9 . : -), got '%s'",
+                                       v);
+        cfg->kv_advertise = v;
+    } else if (!strcmp(a, "--staging")) {
+        if (!strcmp(v, "per_transfer"))
+            cfg->staging_mode = PKV_STAGE_PER_TRANSFER;
+        else if (!strcmp(v, "fixed"))
+            cfg->staging_mode = PKV_STAGE_FIXED_SLOTS;
+        else
+            return pkv_cli_usage_error(cmd, "--staging wants per_transfer or fixed, got '%s'", v);
+    } else if (!strcmp(a, "--staging-pages"))
+        return parse_u32(cmd, a, v, 1, 1u << 24, &cfg->staging_pages);
+    else if (!strcmp(a, "--staging-slots"))
+        return parse_u32(cmd, a, v, 1, 4096, &cfg->staging_slots);
+    else if (!strcmp(a, "--staging-peer-cap"))
+        return parse_u32(cmd, a, v, 1, 1u << 24, &cfg->staging_peer_cap);
+    else if (!strcmp(a, "--kv-lease-ms"))
+        return parse_u32(cmd, a, v, 1, 3600000, &cfg->kv_lease_ms);
+    else if (!strcmp(a, "--kv-transfer-timeout-ms"))
+        return parse_u32(cmd, a, v, 1, 3600000, &cfg->kv_transfer_timeout_ms);
+    else if (!strcmp(a, "--kv-load-failure")) {
+        if (strcmp(v, "fail") && strcmp(v, "recompute"))
+            return pkv_cli_usage_error(cmd, "--kv-load-failure wants fail or recompute, got '%s'",
+                                       v);
+        cfg->kv_load_recompute = !strcmp(v, "recompute");
+    } else
+        return NOT_KV;
+    return 0;
+}
+
+/* Options that only a role with a transfer agent takes, or that contradict each other. */
+static int check_kv_options(const pkv_server_config_t *cfg, const char *kv_flag)
+{
+    const char *cmd = "serve";
+    if (cfg->role == PKV_SERVER_ROLE_UNIFIED && kv_flag)
+        return pkv_cli_usage_error(cmd, "%s needs --role prefill or decode", kv_flag);
+    if (cfg->role != PKV_SERVER_ROLE_UNIFIED && cfg->backend != PKV_BACKEND_PAGED)
+        return pkv_cli_usage_error(cmd, "--role %s needs --kv-backend paged",
+                                   pkv_server_role_name(cfg->role));
+    if (cfg->staging_slots && cfg->staging_mode != PKV_STAGE_FIXED_SLOTS)
+        return pkv_cli_usage_error(cmd, "--staging-slots needs --staging fixed");
+    return 0;
+}
 
 /* One option that takes a value. 0, or the exit code of a usage error. */
 static int set_option(const char *a, const char *v, pkv_server_config_t *cfg, uint32_t *port,
@@ -138,6 +245,7 @@ static int parse_args(int argc, char **argv, pkv_server_config_t *cfg, uint32_t 
 {
     const char *cmd = "serve";
     uint32_t port = 8000;
+    const char *kv_flag = NULL; /* the first roles-only option given */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -148,13 +256,24 @@ static int parse_args(int argc, char **argv, pkv_server_config_t *cfg, uint32_t 
             cfg->no_prefix_cache = true;
             continue;
         }
+        if (!strcmp(a, "--staging-shared")) {
+            cfg->staging_shared = true;
+            kv_flag = kv_flag ? kv_flag : a;
+            continue;
+        }
         if (i + 1 >= argc)
             return pkv_cli_usage_error(cmd, "unknown option or missing value: %s", a);
-        int bad = set_option(a, argv[++i], cfg, &port, drain_s);
+        int bad = set_kv_option(a, argv[i + 1], cfg);
+        if (bad == NOT_KV)
+            bad = set_option(a, argv[i + 1], cfg, &port, drain_s);
+        else if (strcmp(a, "--role"))
+            kv_flag = kv_flag ? kv_flag : a;
+        i++;
         if (bad) return bad;
     }
     cfg->port = (uint16_t)port;
-    return PROCEED;
+    int bad = check_kv_options(cfg, kv_flag);
+    return bad ? bad : PROCEED;
 }
 
 /* The listening line on stderr. */
@@ -170,6 +289,9 @@ static void print_listening(pkv_server_t *srv, const pkv_server_config_t *cfg)
             v6 ? "[" : "", host, v6 ? "]" : "", pkv_server_port(srv), info.model_name, info.kernels,
             pkv_backend_name(info.backend), (unsigned long long)info.budget_bytes,
             (unsigned long long)info.token_bytes, info.max_context, info.max_batch_size);
+    if (info.kv_address)
+        fprintf(stderr, "pagekv serve: role %s, transfer agent on %s\n",
+                pkv_server_role_name(info.role), info.kv_address);
     fflush(stderr);
 }
 

@@ -92,6 +92,12 @@ typedef struct {
     uint32_t n_stop;
     bool ignore_eos;
     bool want_logits; /* keep each generated token's logits (tests, debugging) */
+    /* Paged backend only: on a stop or length finish the blocks holding the prompt's
+     * positions (ceil(n_prompt / block_tokens), in sequence order) stay pinned for the
+     * caller (pkv_request_kept_blocks) when the sequence is freed; the pins drop with the
+     * request's last reference (pkv_request_release), so the KV cache must outlive it.
+     * Full blocks are prefix-cache blocks as usual once unpinned. */
+    bool keep_blocks;
     /* Called from the run loop after new output or the finish was published, outside
      * every lock. Must not block; may call pkv_request_read/cancel/release. */
     void (*notify)(void *arg);
@@ -138,6 +144,10 @@ PKV_API int pkv_request_read(pkv_request_t *r, uint64_t deadline_ns, pkv_request
 PKV_API void pkv_request_cancel(pkv_request_t *r);
 /* Drop the caller's reference (cancels an unfinished request). NULL is a no-op. */
 PKV_API void pkv_request_release(pkv_request_t *r);
+/* keep_blocks: the pinned prompt blocks of a request that finished with stop or length
+ * (*ids valid until release). PKV_ERR_NOTFOUND when it kept none (not keep_blocks, not
+ * finished yet, cancelled or failed). */
+PKV_API int pkv_request_kept_blocks(pkv_request_t *r, const uint32_t **ids, uint32_t *n);
 
 typedef struct {
     uint32_t queued;

@@ -29,6 +29,7 @@
 #include "pagekv/export.h"
 
 #include "pagekv/kv.h"
+#include "pagekv/stage.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -42,6 +43,16 @@ typedef enum {
     PKV_SERVER_BUDGET_NONE = 1, /* no cap */
     PKV_SERVER_BUDGET_BYTES = 2 /* budget_bytes */
 } pkv_server_budget_t;
+
+/* A node's part in disaggregated serving (docs/design/server.md, "Roles"). */
+typedef enum {
+    PKV_SERVER_ROLE_UNIFIED = 0, /* prefill and decode here; no transfer agent */
+    PKV_SERVER_ROLE_PREFILL = 1, /* computes prompts and hands their KV to decode nodes */
+    PKV_SERVER_ROLE_DECODE = 2,  /* pulls a prompt's KV from a prefill node and decodes */
+} pkv_server_role_t;
+/* "unified" / "prefill" / "decode"; parse: PKV_ERR_INVALID for another name. */
+PKV_API const char *pkv_server_role_name(pkv_server_role_t role);
+PKV_API int pkv_server_role_parse(const char *name, pkv_server_role_t *out);
 
 typedef struct {
     /* HTTP */
@@ -71,6 +82,22 @@ typedef struct {
     uint32_t max_context;        /* prompt + completion tokens; 0 -> the model's length */
     uint32_t prefill_chunk;      /* 0 -> the engine's default */
     uint32_t default_max_tokens; /* /v1/completions without max_tokens; 0 -> 16 */
+    /* roles: prefill and decode start a transfer agent (the fields below); unified
+       ignores them */
+    pkv_server_role_t role;
+    const char *kv_listen_host;      /* the agent's address; NULL -> "127.0.0.1" */
+    uint16_t kv_listen_port;         /* 0 -> a free port */
+    const char *kv_advertise;        /* remote_host put in responses; NULL -> the bound host */
+    pkv_stage_mode_t staging_mode;   /* per_transfer (default) or fixed slots */
+    uint32_t staging_pages;          /* per_transfer: arena pages; fixed: pages per slot;
+                                        0 -> one max-context transfer (+2 pages) */
+    uint32_t staging_slots;          /* fixed: slots; 0 -> 4 */
+    uint32_t staging_peer_cap;       /* pages one peer may hold; 0 = no cap */
+    bool staging_shared;             /* memfd arena same-host peers may map */
+    uint32_t kv_lease_ms;            /* prefill: blocks pinned for their decode leg; 0 -> 30000 */
+    uint32_t kv_transfer_timeout_ms; /* decode: one pull's deadline; 0 -> 10000 */
+    bool kv_load_recompute;          /* decode: a failed pull (not the client's fault) is
+                                        answered by computing the prompt; false: an error */
 } pkv_server_config_t;
 
 /* Build the stack and start listening. Errors: PKV_ERR_INVALID (bad configuration,
@@ -93,6 +120,8 @@ typedef struct {
     uint64_t budget_bytes; /* 0 = none */
     uint64_t token_bytes;  /* KV bytes per token */
     uint32_t block_tokens;
+    pkv_server_role_t role;
+    const char *kv_address; /* the transfer agent's bound "host:port"; NULL when unified */
 } pkv_server_info_t;
 PKV_API void pkv_server_info(const pkv_server_t *s, pkv_server_info_t *out);
 

@@ -53,6 +53,7 @@ struct pkv_request {
     uint32_t n_prompt, max_tokens;
     float temperature, top_p;
     bool ignore_eos, want_logits;
+    uint32_t n_kept_max; /* keep_blocks: the prompt's blocks; 0 otherwise */
     uint32_t n_stop;
     char stop[PKV_ENGINE_MAX_STOP][PKV_ENGINE_MAX_STOP_LEN];
     size_t stop_len[PKV_ENGINE_MAX_STOP];
@@ -70,6 +71,8 @@ struct pkv_request {
     size_t text_len, text_cap;
     retired_text_t *retired;
     bool admitted;
+    uint32_t *kept; /* (n_kept_max) keep_blocks: pinned at a stop/length finish */
+    uint32_t n_kept;
 
     /* e->lock */
     int state;
@@ -153,6 +156,8 @@ static void request_free(pkv_request_t *r)
         free(t->buf);
         free(t);
     }
+    if (r->n_kept) pkv_kv_unpin(e->cfg.kv, r->kept, r->n_kept);
+    free(r->kept);
     free(r->text);
     free(r->logits);
     free(r->tokens);
@@ -259,11 +264,26 @@ static void running_remove(pkv_engine_t *e, pkv_request_t *r)
     PKV_ASSERT(!"request not running");
 }
 
+/* keep_blocks: pin the prompt's blocks before the sequence goes (the pins are the
+ * request's until its last reference). A pin that fails keeps nothing: the reader sees
+ * PKV_ERR_NOTFOUND from pkv_request_kept_blocks. */
+static void keep_blocks(pkv_engine_t *e, pkv_request_t *r)
+{
+    const uint32_t *ids;
+    uint32_t n;
+    if (pkv_seq_blocks(r->seq, &ids, &n) || n < r->n_kept_max) return;
+    if (pkv_kv_pin(e->cfg.kv, ids, r->n_kept_max)) return;
+    memcpy(r->kept, ids, r->n_kept_max * sizeof(uint32_t));
+    r->n_kept = r->n_kept_max;
+}
+
 /* Finish a request the run loop holds (running or being admitted): free its sequence,
  * publish, notify, drop the engine's reference. */
 static void run_finish(pkv_engine_t *e, pkv_request_t *r, pkv_finish_t why, int status,
                        size_t text_end, bool was_running)
 {
+    if (r->seq && r->n_kept_max && (why == PKV_FINISH_STOP || why == PKV_FINISH_LENGTH))
+        keep_blocks(e, r);
     if (r->seq) {
         pkv_seq_free(r->seq);
         r->seq = NULL;
@@ -790,6 +810,8 @@ int pkv_engine_submit(pkv_engine_t *e, const pkv_request_params_t *p, pkv_reques
         why = "stop strings need a detokenizer";
     else if (p->want_logits && (uint64_t)p->max_tokens * e->vocab > (1ull << 26))
         why = "want_logits: max_tokens x vocab too large";
+    else if (p->keep_blocks && pkv_kv_backend(e->cfg.kv) != PKV_BACKEND_PAGED)
+        why = "keep_blocks needs the paged backend";
     for (uint32_t i = 0; !why && i < p->n_stop; i++) {
         size_t l = p->stop && p->stop[i] ? strlen(p->stop[i]) : 0;
         if (!l || l >= PKV_ENGINE_MAX_STOP_LEN) why = "stop strings must be 1..127 bytes";
@@ -817,9 +839,14 @@ int pkv_engine_submit(pkv_engine_t *e, const pkv_request_params_t *p, pkv_reques
     }
     r->tokens = engine_malloc(((size_t)p->n_prompt + p->max_tokens) * sizeof(int32_t));
     if (p->want_logits) r->logits = engine_malloc((size_t)p->max_tokens * e->vocab * sizeof(float));
-    if (!r->tokens || (p->want_logits && !r->logits)) {
+    if (p->keep_blocks) {
+        r->n_kept_max = PKV_DIV_UP(p->n_prompt, pkv_kv_geometry(e->cfg.kv)->block_tokens);
+        r->kept = engine_malloc(r->n_kept_max * sizeof(uint32_t));
+    }
+    if (!r->tokens || (p->want_logits && !r->logits) || (p->keep_blocks && !r->kept)) {
         free(r->tokens);
         free(r->logits);
+        free(r->kept);
         pthread_cond_destroy(&r->cv);
         free(r);
         return PKV_ERR_NOMEM;
@@ -863,6 +890,7 @@ int pkv_engine_submit(pkv_engine_t *e, const pkv_request_params_t *p, pkv_reques
     if (rc) {
         free(r->tokens);
         free(r->logits);
+        free(r->kept);
         pthread_cond_destroy(&r->cv);
         free(r);
         return rc;
@@ -931,6 +959,18 @@ void pkv_request_release(pkv_request_t *r)
     if (!r) return;
     pkv_request_cancel(r);
     request_put(r);
+}
+
+int pkv_request_kept_blocks(pkv_request_t *r, const uint32_t **ids, uint32_t *n)
+{
+    if (!r || !ids || !n) return PKV_ERR_INVALID;
+    pthread_mutex_lock(&r->e->lock);
+    bool kept = r->state == REQ_FINISHED && r->n_kept;
+    pthread_mutex_unlock(&r->e->lock);
+    if (!kept) return PKV_ERR_NOTFOUND;
+    *ids = r->kept;
+    *n = r->n_kept;
+    return PKV_OK;
 }
 
 void pkv_engine_stats(pkv_engine_t *e, pkv_engine_stats_t *out)

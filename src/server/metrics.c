@@ -178,6 +178,41 @@ static void render_kv(FILE *f, const pkv_kv_stats_t *ks)
             (unsigned long long)ks->rejected_nospace);
 }
 
+/* Prefill and decode roles: the transfer agent's leases, transfers and staging. */
+static void render_kvt(FILE *f, const srv_kv_snapshot_t *k)
+{
+    const pkv_xfer_stats_t *x = &k->xs;
+    family(f, "pagekv_kv_leases_total", "counter",
+           "Prefill legs' block registrations: offered, and ended by outcome.");
+    const struct {
+        const char *what;
+        uint64_t v;
+    } leases[] = {{"offered", k->leases.offered},
+                  {"sent", k->leases.sent},
+                  {"expired", k->leases.expired},
+                  {"cancelled", k->leases.cancelled},
+                  {"shutdown", k->leases.shutdown}};
+    for (size_t i = 0; i < PKV_ARRAY_LEN(leases); i++)
+        fprintf(f, "pagekv_kv_leases_total{outcome=\"%s\"} %llu\n", leases[i].what,
+                (unsigned long long)leases[i].v);
+    one(f, "pagekv_kv_leases_live", "gauge", "Registrations waiting for their decode leg.",
+        x->registrations);
+    one(f, "pagekv_kv_transfer_pinned_blocks", "gauge",
+        "KV blocks pinned by the transfer agent (leases and running reads).", x->pinned_blocks);
+    one(f, "pagekv_kv_transfer_sent_bytes_total", "counter",
+        "Payload bytes of acknowledged transfers served.", x->bytes_sent);
+    one(f, "pagekv_kv_transfer_received_bytes_total", "counter",
+        "Payload bytes pulled, verified and stored.", x->bytes_received);
+    one(f, "pagekv_kv_staging_pages_held", "gauge", "Staging pages held by transfers.",
+        x->staging_pages_held);
+    one(f, "pagekv_kv_staging_peak_pages", "gauge", "Peak of staging pages in use.",
+        k->ss.pages_peak_used);
+    one(f, "pagekv_kv_staging_resident_bytes", "gauge", "Staging memory committed.",
+        k->ss.resident_bytes);
+    one(f, "pagekv_kv_staging_pinned_bytes", "gauge", "Staging memory locked in RAM.",
+        k->ss.pinned_bytes);
+}
+
 char *srv_metrics_render(const srv_snapshot_t *snap, size_t *len)
 {
     char *buf = NULL;
@@ -187,6 +222,7 @@ char *srv_metrics_render(const srv_snapshot_t *snap, size_t *len)
     render_http(f, &snap->ctr);
     render_engine(f, &snap->es);
     render_kv(f, &snap->ks);
+    if (snap->has_kv) render_kvt(f, &snap->kv);
     if (snap->rss_bytes)
         one(f, "pagekv_process_resident_memory_bytes", "gauge", "VmRSS of the server process.",
             snap->rss_bytes);

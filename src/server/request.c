@@ -515,6 +515,70 @@ static int f_messages(const field_t *f, json_t *v, srv_request_t *r, const srv_l
     return PKV_OK;
 }
 
+/* kv_transfer_params: the field's keys are type-checked (null = absent); other keys are
+ * ignored (proxies add their own) except pagekv's, which only a decode leg may carry. A
+ * prefill leg (do_remote_decode) must not name a producer. */
+static int kvt_key(const char *key, json_t *x, srv_request_t *r, srv_error_t *err)
+{
+    static const struct {
+        const char *key, *param;
+        json_type type;
+    } keys[] = {
+        {"do_remote_decode", "kv_transfer_params.do_remote_decode", JSON_TRUE},
+        {"do_remote_prefill", "kv_transfer_params.do_remote_prefill", JSON_TRUE},
+        {"remote_engine_id", "kv_transfer_params.remote_engine_id", JSON_STRING},
+        {"remote_block_ids", "kv_transfer_params.remote_block_ids", JSON_ARRAY},
+        {"remote_host", "kv_transfer_params.remote_host", JSON_STRING},
+        {"remote_port", "kv_transfer_params.remote_port", JSON_INTEGER},
+    };
+    for (size_t i = 0; i < PKV_ARRAY_LEN(keys); i++) {
+        if (strcmp(key, keys[i].key)) continue;
+        if (json_is_null(x)) return PKV_OK;
+        bool ok = keys[i].type == JSON_TRUE ? json_is_boolean(x) : json_typeof(x) == keys[i].type;
+        if (!ok)
+            return bad(err, BAD_TYPE, keys[i].param, "'%s' must be %s", keys[i].param,
+                       keys[i].type == JSON_TRUE     ? "a boolean"
+                       : keys[i].type == JSON_STRING ? "a string"
+                       : keys[i].type == JSON_ARRAY  ? "an array of block ids"
+                                                     : "an integer");
+        if (i == 0 && json_is_true(x)) r->kvt |= SRV_KVT_PREFILL;
+        if (i == 1 && json_is_true(x)) r->kvt |= SRV_KVT_DECODE;
+        return PKV_OK;
+    }
+    return PKV_OK;
+}
+
+static int f_kv_transfer_params(const field_t *f, json_t *v, srv_request_t *r,
+                                const srv_limits_t *lim, srv_error_t *err)
+{
+    if (!json_is_object(v))
+        return bad(err, BAD_TYPE, f->name, "'kv_transfer_params' must be an object");
+    const char *key;
+    json_t *x;
+    r->kvt = SRV_KVT_NONE;
+    json_object_foreach(v, key, x)
+    {
+        if (kvt_key(key, x, r, err)) return PKV_ERR_INVALID;
+    }
+    unsigned mode = r->kvt;
+    if (mode == (SRV_KVT_PREFILL | SRV_KVT_DECODE))
+        return bad(err, BAD_VALUE, f->name,
+                   "'kv_transfer_params' sets both do_remote_decode and do_remote_prefill");
+    if (mode == SRV_KVT_PREFILL) {
+        json_object_foreach(v, key, x)
+        {
+            bool names_producer = !strncmp(key, "remote_", 7) || !strncmp(key, "pagekv_", 7);
+            if (names_producer && !json_is_null(x))
+                return bad(err, BAD_VALUE, f->name,
+                           "a prefill leg (do_remote_decode) must not set "
+                           "kv_transfer_params.%.64s",
+                           key);
+        }
+    }
+    r->kvt_params = mode == SRV_KVT_NONE ? NULL : v;
+    return PKV_OK;
+}
+
 /* ---- the tables ---------------------------------------------------------------------- */
 
 static const field_t common_fields[] = {
@@ -538,6 +602,7 @@ static const field_t common_fields[] = {
     {"ignore_eos", f_ignore_eos},
     {"priority", f_priority},
     {"cache_salt", f_cache_salt},
+    {"kv_transfer_params", f_kv_transfer_params},
 };
 
 static const field_t completion_fields[] = {

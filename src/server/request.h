@@ -43,6 +43,13 @@ void srv_error_set(srv_error_t *err, int status, const char *type, const char *c
 #define SRV_REQ_MAX_MESSAGES   4096u
 #define SRV_REQ_MAX_PROMPT_IDS (1u << 20)
 
+/* kv_transfer_params (the field's disaggregation protocol; docs/design/server.md). */
+typedef enum {
+    SRV_KVT_NONE = 0,    /* absent, null, or neither flag set */
+    SRV_KVT_PREFILL = 1, /* do_remote_decode: this is a prefill leg (remote_* must be null) */
+    SRV_KVT_DECODE = 2,  /* do_remote_prefill: a decode leg (remote_* name the producer) */
+} srv_kvt_mode_t;
+
 /* A parsed request. String pointers point into the parsed JSON document, which the
  * request owns (freed by srv_request_free). */
 typedef struct {
@@ -74,6 +81,8 @@ typedef struct {
     bool ignore_eos;
     int32_t priority;
     uint64_t salt; /* SHA-256 of cache_salt (first 8 bytes); 0 when absent */
+    srv_kvt_mode_t kvt;
+    const void *kvt_params; /* json_t * (in doc): the kv_transfer_params object, or NULL */
 
     void *doc; /* json_t *: the parsed body */
 } srv_request_t;

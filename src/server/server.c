@@ -63,6 +63,8 @@ struct pkv_server {
     pkv_model_t *model;
     pkv_kv_t *kv;
     pkv_engine_t *engine;
+    pkv_server_role_t role;
+    srv_kvnode_t *kvn; /* prefill and decode roles: the transfer agent (kvnode.c) */
     struct MHD_Daemon *mhd;
     MHD_socket quiesced_fd; /* the listening socket after quiesce: closed after stop */
     uint16_t port;
@@ -288,6 +290,8 @@ static void snapshot(pkv_server_t *s, srv_snapshot_t *out)
     out->rss_bytes = pkv_prim_mem_read(0, &mem) == PKV_OK ? mem.rss_bytes : 0;
     out->backend = s->backend;
     out->block_tokens = s->block_tokens;
+    out->has_kv = s->kvn != NULL;
+    if (s->kvn) srv_kvnode_snapshot(s->kvn, &out->kv);
 }
 
 static enum MHD_Result handle_cache_reset(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr)
@@ -340,8 +344,16 @@ static enum MHD_Result handle_simple(pkv_server_t *s, struct MHD_Connection *c, 
         pthread_mutex_lock(&s->lock);
         bool draining = s->draining;
         pthread_mutex_unlock(&s->lock);
-        return answer_json(s, c, hr, draining ? 503 : 200,
-                           json_pack("{s:s}", "status", draining ? "draining" : "ok"));
+        if (!s->kvn)
+            return answer_json(s, c, hr, draining ? 503 : 200,
+                               json_pack("{s:s}", "status", draining ? "draining" : "ok"));
+        bool agent_ok = srv_kvnode_healthy(s->kvn);
+        const char *status = draining ? "draining" : agent_ok ? "ok" : "kv_agent_down";
+        return answer_json(s, c, hr, draining || !agent_ok ? 503 : 200,
+                           json_pack("{s:s, s:s, s:s, s:s}", "status", status, "role",
+                                     pkv_server_role_name(s->role), "kv_agent",
+                                     agent_ok ? "ok" : "down", "kv_address",
+                                     srv_kvnode_address(s->kvn)));
     }
     case SRV_ROUTE_METRICS: {
         srv_snapshot_t snap;
@@ -355,7 +367,10 @@ static enum MHD_Result handle_simple(pkv_server_t *s, struct MHD_Connection *c, 
     case SRV_ROUTE_CACHE_STATS: {
         srv_snapshot_t snap;
         snapshot(s, &snap);
-        return answer_json(s, c, hr, 200, srv_cache_stats_json(&snap));
+        json_t *doc = srv_cache_stats_json(&snap);
+        if (doc && snap.has_kv)
+            json_object_set_new(doc, "kv_transfer", srv_kv_stats_json(&snap.kv));
+        return answer_json(s, c, hr, 200, doc);
     }
     case SRV_ROUTE_CACHE_RESET:
         return handle_cache_reset(s, c, hr);
@@ -601,6 +616,9 @@ typedef struct {
     MHD_socket fd;
     srv_gen_t gen;
     bool first_seen;
+    uint64_t rid;       /* pagekv's own request id (never the client's X-Request-Id) */
+    const int32_t *ids; /* the prompt (n_prompt) */
+    bool prefill_leg;   /* kv_transfer_params do_remote_decode on a prefill node */
 } gen_run_t;
 
 /* Take an id and a seed and count the request in flight; false when draining. */
@@ -657,7 +675,10 @@ static int gen_submit(pkv_server_t *s, http_req_t *hr, const srv_request_t *r, c
         return PKV_ERR_SHUTDOWN;
     }
     hr->in_flight = true;
-    pkv_request_params_t p = {.prompt = ids,
+    run->rid = id;
+    run->ids = ids;
+    pkv_request_params_t p = {.keep_blocks = run->prefill_leg,
+                              .prompt = ids,
                               .n_prompt = run->n_prompt,
                               .max_tokens = run->max_tokens,
                               .temperature = r->temperature,
@@ -701,6 +722,17 @@ static int gen_collect(pkv_server_t *s, gen_run_t *run, pkv_request_output_t *o,
     }
 }
 
+/* A finished prefill leg: its prompt blocks (kept pinned by the engine until the release)
+ * registered with the agent under a lease; *kvt the response's kv_transfer_params. */
+static int prefill_offer(pkv_server_t *s, gen_run_t *run, json_t **kvt)
+{
+    const uint32_t *blocks;
+    uint32_t nb;
+    int rc = pkv_request_kept_blocks(run->req, &blocks, &nb);
+    if (rc) return rc;
+    return srv_kvnode_offer(s->kvn, run->rid, blocks, nb, run->ids, run->n_prompt, kvt);
+}
+
 /* Non-streaming: read to the end and answer once. Releases run->req. */
 static enum MHD_Result answer_whole(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr,
                                     gen_run_t *run, pkv_request_output_t *o)
@@ -708,6 +740,9 @@ static enum MHD_Result answer_whole(pkv_server_t *s, struct MHD_Connection *c, h
     char *acc = NULL;
     size_t acc_len = 0;
     int rc = gen_collect(s, run, o, &acc, &acc_len);
+    const char *finish = rc ? NULL : srv_gen_finish_reason(&run->gen);
+    json_t *kvt = NULL;
+    int offer_rc = finish && run->prefill_leg ? prefill_offer(s, run, &kvt) : PKV_OK;
     pkv_request_release(run->req); /* a gone client's request is cancelled at once */
     if (rc) {
         free(acc);
@@ -715,19 +750,28 @@ static enum MHD_Result answer_whole(pkv_server_t *s, struct MHD_Connection *c, h
         return answer_errorf(s, c, hr, 500, "server_error", "out_of_memory", "out of memory");
     }
     note_end(s, run->t_submit);
-    const char *finish = srv_gen_finish_reason(&run->gen);
     if (!finish) {
         free(acc);
         srv_error_t err;
         gen_error(s, &run->gen, run->n_prompt, run->max_tokens, &err);
         return answer_error(s, c, hr, &err);
     }
-    json_t *jt = sanitized_string(acc ? acc : "", acc_len);
+    json_t *jt = offer_rc ? NULL : sanitized_string(acc ? acc : "", acc_len);
     free(acc);
-    if (!jt) return MHD_NO;
-    return answer_json(
-        s, c, hr, 200,
-        completion_doc(s, run->kind, run->id, run->created, jt, finish, usage_doc(&run->gen)));
+    if (offer_rc) {
+        char msg[160];
+        snprintf(msg, sizeof(msg), "the prompt's blocks could not be registered for transfer: %s",
+                 pkv_status_str(offer_rc));
+        return answer_errorf(s, c, hr, 500, "server_error", "internal_error", msg);
+    }
+    if (!jt) {
+        json_decref(kvt);
+        return MHD_NO;
+    }
+    json_t *doc =
+        completion_doc(s, run->kind, run->id, run->created, jt, finish, usage_doc(&run->gen));
+    if (doc && kvt) json_object_set_new(doc, "kv_transfer_params", kvt);
+    return answer_json(s, c, hr, 200, doc);
 }
 
 /* Streaming: answer 200 with a callback response that turns engine reads into SSE
@@ -781,6 +825,34 @@ static enum MHD_Result answer_stream(pkv_server_t *s, struct MHD_Connection *c, 
     return queue(s, c, hr, 200, resp);
 }
 
+/* kv_transfer_params this node's role cannot take (400, *err filled): any on a unified
+ * node; a decode leg on a prefill node; a prefill leg on a decode node or streamed. */
+static bool kv_role_refuses(const pkv_server_t *s, const srv_request_t *r, srv_error_t *err)
+{
+    const char *p = "kv_transfer_params", *type = "invalid_request_error";
+    if (r->kvt == SRV_KVT_NONE) return false;
+    if (s->role == PKV_SERVER_ROLE_UNIFIED)
+        srv_error_set(err, 400, type, "unsupported_parameter", p,
+                      "'kv_transfer_params' needs a node started with --role prefill or decode "
+                      "(this node is unified)");
+    else if (r->kvt == SRV_KVT_DECODE && s->role == PKV_SERVER_ROLE_PREFILL)
+        srv_error_set(err, 400, type, "invalid_value", p,
+                      "do_remote_prefill: this is a prefill node; send the decode leg to a "
+                      "decode node");
+    else if (r->kvt == SRV_KVT_DECODE)
+        return false; /* a decode leg on a decode node */
+    else if (s->role == PKV_SERVER_ROLE_DECODE)
+        srv_error_set(err, 400, type, "invalid_value", p,
+                      "do_remote_decode: this is a decode node; send the prefill leg to a "
+                      "prefill node");
+    else if (r->stream)
+        srv_error_set(err, 400, type, "invalid_value", "stream",
+                      "a prefill leg (do_remote_decode) is answered once: 'stream' must be false");
+    else
+        return false;
+    return true;
+}
+
 /* POST /v1/completions and /v1/chat/completions (the flow in the top comment). */
 static enum MHD_Result handle_generate(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr)
 {
@@ -792,22 +864,37 @@ static enum MHD_Result handle_generate(pkv_server_t *s, struct MHD_Connection *c
         count_rejection(s, err.status == 404 ? SRV_REJ_MODEL : SRV_REJ_INVALID);
         return answer_error(s, c, hr, &err);
     }
-    gen_run_t run = {.kind = kind};
+    if (kv_role_refuses(s, &r, &err)) {
+        count_rejection(s, SRV_REJ_INVALID);
+        srv_request_free(&r);
+        return answer_error(s, c, hr, &err);
+    }
+    gen_run_t run = {.kind = kind, .prefill_leg = r.kvt == SRV_KVT_PREFILL};
     int32_t *ids = NULL;
+    pkv_seq_t *pulled = NULL; /* a decode leg's pulled prompt, until the request is admitted */
     enum MHD_Result ret;
     if (srv_request_prompt(&r, s->tok, &lim, s->default_max_tokens, &ids, &run.n_prompt,
                            &run.max_tokens, &err)) {
         count_rejection(s, !strcmp(err.code, "context_length_exceeded") ? SRV_REJ_CONTEXT
                                                                         : SRV_REJ_INVALID);
         ret = answer_error(s, c, hr, &err);
+    } else if (r.kvt == SRV_KVT_DECODE &&
+               srv_kvnode_pull(s->kvn, r.kvt_params, ids, run.n_prompt, r.salt, &pulled, &err)) {
+        if (err.status == 400) count_rejection(s, SRV_REJ_INVALID); /* else: pulls.failed */
+        ret = answer_error(s, c, hr, &err);
     } else if (gen_submit(s, hr, &r, ids, &run, &err)) {
         ret = answer_error(s, c, hr, &err);
     } else {
+        if (s->role == PKV_SERVER_ROLE_DECODE && r.kvt == SRV_KVT_NONE)
+            srv_kvnode_count_local(s->kvn); /* a router's fallback: computed here */
         run.fd = conn_fd(c);
         srv_gen_init(&run.gen);
         /* The first output (or the finish): admission errors still get a status. */
         pkv_request_output_t o;
-        if (wait_output(s, run.req, run.fd, &o)) {
+        int wrc = wait_output(s, run.req, run.fd, &o);
+        pkv_seq_free(pulled); /* admitted: the engine adopted what it pulled */
+        pulled = NULL;
+        if (wrc) {
             /* The client went away (or the server is being destroyed): cancel at once. */
             pkv_request_release(run.req);
             ret = MHD_NO; /* MHD closes the connection */
@@ -816,6 +903,7 @@ static enum MHD_Result handle_generate(pkv_server_t *s, struct MHD_Connection *c
                            : answer_whole(s, c, hr, &run, &o);
         }
     }
+    pkv_seq_free(pulled);
     free(ids);
     srv_request_free(&r);
     return ret;
@@ -1130,11 +1218,17 @@ int pkv_server_create(const pkv_server_config_t *cfg, pkv_server_t **out)
     }
     rc = PKV_ERR_NOMEM;
     if (!(s->served_name = strdup(name))) goto fail_stack;
+    s->role = cfg->role;
+    if (s->role != PKV_SERVER_ROLE_UNIFIED &&
+        (rc = srv_kvnode_create(cfg, s->kv, s->max_context, &s->kvn)))
+        goto fail_kv;
     if ((rc = start_http(s, cfg))) goto fail_http;
     *out = s;
     return PKV_OK;
 
 fail_http:
+    srv_kvnode_destroy(s->kvn);
+fail_kv:
     free(s->served_name);
 fail_stack:
     free_stack(s);
@@ -1185,6 +1279,7 @@ void pkv_server_destroy(pkv_server_t *s)
     atomic_store(&s->stopping, true); /* waiting handlers give up within one slice */
     MHD_stop_daemon(s->mhd);          /* joins every connection thread */
     if (s->quiesced_fd != MHD_INVALID_SOCKET) close(s->quiesced_fd);
+    srv_kvnode_destroy(s->kvn); /* registrations end: their pins return before the pool goes */
     free_stack(s);
     free(s->served_name);
     free(s->host);
@@ -1208,4 +1303,29 @@ void pkv_server_info(const pkv_server_t *s, pkv_server_info_t *out)
     out->budget_bytes = s->budget_bytes;
     out->token_bytes = s->token_bytes;
     out->block_tokens = s->block_tokens;
+    out->role = s->role;
+    out->kv_address = s->kvn ? srv_kvnode_address(s->kvn) : NULL;
+}
+
+const char *pkv_server_role_name(pkv_server_role_t role)
+{
+    switch (role) {
+    case PKV_SERVER_ROLE_UNIFIED:
+        return "unified";
+    case PKV_SERVER_ROLE_PREFILL:
+        return "prefill";
+    case PKV_SERVER_ROLE_DECODE:
+        return "decode";
+    }
+    return "unknown";
+}
+
+int pkv_server_role_parse(const char *name, pkv_server_role_t *out)
+{
+    for (int r = PKV_SERVER_ROLE_UNIFIED; r <= PKV_SERVER_ROLE_DECODE; r++)
+        if (name && !strcmp(name, pkv_server_role_name((pkv_server_role_t)r))) {
+            *out = (pkv_server_role_t)r;
+            return PKV_OK;
+        }
+    return PKV_ERR_INVALID;
 }

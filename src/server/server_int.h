@@ -9,6 +9,10 @@
 
 #include "pagekv/engine.h"
 #include "pagekv/kv.h"
+#include "pagekv/server.h"
+#include "pagekv/stage.h"
+#include "pagekv/xfer.h"
+#include "server/request.h"
 
 #include <jansson.h>
 
@@ -63,6 +67,71 @@ typedef struct {
     srv_hist_t e2e;  /* submit -> finished */
 } srv_counters_t;
 
+/* ---- roles (kvnode.c): the transfer agent and staging of a prefill or decode node ---- */
+typedef struct srv_kvnode srv_kvnode_t;
+
+/* Leases (prefill legs' registrations) by how they ended. */
+typedef struct {
+    uint64_t offered;   /* registered under a lease */
+    uint64_t sent;      /* a decode leg read and acknowledged them */
+    uint64_t expired;   /* no decode leg within the lease: the pins returned */
+    uint64_t cancelled; /* unregistered */
+    uint64_t shutdown;  /* ended by the agent's destroy */
+} srv_lease_counts_t;
+
+/* Decode legs' pulls. */
+typedef struct {
+    uint64_t ok;         /* every block pulled into the request's sequence */
+    uint64_t dropped;    /* pulled but dropped: the local prefix cache held part of the prompt */
+    uint64_t failed;     /* the read (or the sequence for it) failed */
+    uint64_t recomputed; /* of those, computed here instead (--kv-load-failure recompute) */
+    uint64_t local;      /* requests without kv_transfer_params, computed here */
+} srv_pull_counts_t;
+
+typedef struct {
+    pkv_server_role_t role;
+    const char *address;   /* the agent's bound "host:port" (the node's, valid for its life) */
+    const char *advertise; /* remote_host */
+    uint16_t port;         /* remote_port */
+    const char *engine_id; /* remote_engine_id */
+    uint32_t lease_ms, transfer_timeout_ms;
+    pkv_xfer_stats_t xs;
+    pkv_stage_stats_t ss;
+    srv_lease_counts_t leases;
+    srv_pull_counts_t pulls;
+} srv_kv_snapshot_t;
+
+/* Create the staging and the agent of a prefill or decode node over the paged pool kv.
+ * PKV_ERR_INVALID (logged) for a dense pool or a bad staging configuration; the agent's
+ * PKV_ERR_IO when its address cannot be bound. */
+int srv_kvnode_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max_context,
+                      srv_kvnode_t **out);
+/* Destroy the agent (its registrations end, their pins return), then the staging. */
+void srv_kvnode_destroy(srv_kvnode_t *n);
+const char *srv_kvnode_address(const srv_kvnode_t *n);
+/* Whether the agent can serve (for /health): it runs and is not shutting down. */
+bool srv_kvnode_healthy(srv_kvnode_t *n);
+void srv_kvnode_snapshot(srv_kvnode_t *n, srv_kv_snapshot_t *out);
+/* Prefill leg: register blocks[0..nb) (the prompt ids[0..n_prompt), in sequence order)
+ * until now + the lease under an id bound to pagekv's own request serial and the prompt
+ * (never the client's X-Request-Id), and build the response's kv_transfer_params (new
+ * reference). PKV_OK, or the agent's error (nothing registered). */
+int srv_kvnode_offer(srv_kvnode_t *n, uint64_t serial, const uint32_t *blocks, uint32_t nb,
+                     const int32_t *ids, uint32_t n_prompt, json_t **params);
+/* Decode leg: the handle `params` (a kv_transfer_params object) describe, checked against
+ * this node and the prompt ids[0..n_prompt), pulled by the transfer deadline into a new
+ * sequence of the pool (salt: the request's) whose full blocks the engine then adopts as
+ * a prefix hit. PKV_OK with *out (the caller frees it once the request is admitted; NULL
+ * when the pull failed and --kv-load-failure recompute says to compute the prompt), or
+ * *err: 400 for params that are wrong or that the producer refused, 503/502 for transfer
+ * failures. */
+int srv_kvnode_pull(srv_kvnode_t *n, const json_t *params, const int32_t *ids, uint32_t n_prompt,
+                    uint64_t salt, pkv_seq_t **out, srv_error_t *err);
+/* A decode node computes a request that came without kv_transfer_params (counted). */
+void srv_kvnode_count_local(srv_kvnode_t *n);
+/* The kv_transfer_params section of /v1/cache/stats (new reference; NULL on no memory). */
+json_t *srv_kv_stats_json(const srv_kv_snapshot_t *k);
+
 /* One snapshot of the server's, the engine's and the KV cache's counters: what /metrics
  * and /v1/cache/stats render (server.c takes it, metrics.c renders it). */
 typedef struct {
@@ -72,6 +141,8 @@ typedef struct {
     uint64_t rss_bytes; /* the process's VmRSS (0: unknown, omitted from /metrics) */
     pkv_backend_t backend;
     uint32_t block_tokens;
+    bool has_kv; /* a prefill or decode node: kv filled */
+    srv_kv_snapshot_t kv;
 } srv_snapshot_t;
 
 /* Prometheus text exposition (malloc'd, NUL-terminated; *len without the NUL). NULL on
