@@ -1337,14 +1337,14 @@ START_TEST(read_ids_unique_and_not_sequential)
     pkv_xfer_agent_t *a = calloc(1, sizeof(*a));
     ck_assert_ptr_nonnull(a);
     ck_assert_int_eq(xf_random(a->read_key, sizeof(a->read_key)), PKV_OK);
-    a->read_ctr = (1ull << PKV_WIRE_XFER_ID_BITS) - 1000; /* crosses the wrap */
+    a->read_ctr = (1ull << XF_WIRE_XFER_ID_BITS) - 1000; /* crosses the wrap */
     enum { N = 200000 };
     uint64_t *ids = malloc(sizeof(uint64_t) * N);
     uint32_t consecutive = 0;
     for (uint32_t i = 0; i < N; i++) {
         ids[i] = xf_next_read_id(a);
         ck_assert_uint_ne(ids[i], 0);
-        ck_assert_uint_lt(ids[i], 1ull << PKV_WIRE_XFER_ID_BITS);
+        ck_assert_uint_lt(ids[i], 1ull << XF_WIRE_XFER_ID_BITS);
         if (i && ids[i] == ids[i - 1] + 1) consecutive++;
     }
     ck_assert_uint_lt(consecutive, 10);

@@ -37,7 +37,7 @@ START_TEST(read_roundtrip_coalesces_runs)
     ck_assert_uint_eq(len, xf_wire_read_bytes(4));
     xf_wire_msg_t m;
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_OK);
-    ck_assert_int_eq(m.type, PKV_WIRE_READ);
+    ck_assert_int_eq(m.type, XF_WIRE_READ);
     ck_assert_uint_eq(m.u.read.xfer_id, 77);
     ck_assert_uint_eq(m.u.read.request_id, 123456789);
     ck_assert_mem_eq(m.u.read.token, r.token, PKV_XFER_TOKEN_BYTES);
@@ -82,15 +82,15 @@ START_TEST(versions_and_types_are_checked)
     for (int v = 0; v < 256; v++) { /* a heartbeat of another version is not decoded */
         buf[4] = (uint8_t)v;
         ck_assert_int_eq(xf_wire_decode(buf, len, &m),
-                         v == PKV_WIRE_VERSION ? PKV_OK : PKV_ERR_PROTO);
+                         v == XF_WIRE_VERSION ? PKV_OK : PKV_ERR_PROTO);
     }
-    buf[4] = PKV_WIRE_VERSION;
+    buf[4] = XF_WIRE_VERSION;
     for (int t = 0; t < 256; t++) {
         buf[5] = (uint8_t)t;
         int rc = xf_wire_decode(buf, len, &m);
-        if (t < PKV_WIRE_READ || t > PKV_WIRE_CLOSE) ck_assert_int_eq(rc, PKV_ERR_PROTO);
+        if (t < XF_WIRE_READ || t > XF_WIRE_CLOSE) ck_assert_int_eq(rc, PKV_ERR_PROTO);
     }
-    buf[5] = PKV_WIRE_HEARTBEAT;
+    buf[5] = XF_WIRE_HEARTBEAT;
     buf[6] = 1; /* flags must be zero */
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     buf[6] = 0;
@@ -116,7 +116,7 @@ START_TEST(other_versions_are_peeked_and_their_fail_decodes)
     ck_assert_int_eq(xf_wire_encode_data(&d, NULL, 0, NULL, 0, msg[1], 256, &len[1]), PKV_OK);
     ck_assert_int_eq(xf_wire_encode_ack(&k, msg[2], 256, &len[2]), PKV_OK);
     ck_assert_int_eq(xf_wire_encode_heartbeat(&hb, msg[3], 256, &len[3]), PKV_OK);
-    const uint8_t type[4] = {PKV_WIRE_READ, PKV_WIRE_DATA, PKV_WIRE_ACK, PKV_WIRE_HEARTBEAT};
+    const uint8_t type[4] = {XF_WIRE_READ, XF_WIRE_DATA, XF_WIRE_ACK, XF_WIRE_HEARTBEAT};
     const uint64_t id[4] = {r.xfer_id, 77, 78, 0};
     xf_wire_msg_t m;
     xf_wire_foreign_t f;
@@ -125,12 +125,12 @@ START_TEST(other_versions_are_peeked_and_their_fail_decodes)
         ck_assert_int_eq(xf_wire_peek_foreign(msg[i], len[i], &f), PKV_ERR_PROTO);
         memset(&f, 0xee, sizeof(f));
         ck_assert_int_eq(xf_wire_peek(msg[i], len[i], &f), PKV_OK);
-        ck_assert_uint_eq(f.version, PKV_WIRE_VERSION);
+        ck_assert_uint_eq(f.version, XF_WIRE_VERSION);
         ck_assert_uint_eq(f.type, type[i]);
         ck_assert_uint_eq(f.xfer_id, id[i]);
         ck_assert_int_eq(xf_wire_peek(msg[i], len[i] - 1, &f), PKV_ERR_PROTO);
         for (int v = 1; v < 256; v += 3) {
-            if (v == PKV_WIRE_VERSION) continue;
+            if (v == XF_WIRE_VERSION) continue;
             msg[i][4] = (uint8_t)v;
             ck_assert_int_eq(xf_wire_decode(msg[i], len[i], &m), PKV_ERR_PROTO);
             memset(&f, 0xee, sizeof(f));
@@ -153,7 +153,7 @@ START_TEST(other_versions_are_peeked_and_their_fail_decodes)
         ck_assert_int_eq(xf_wire_peek_foreign(msg[i], 11, &f), PKV_ERR_PROTO);
     }
     /* an xfer_id out of range is no transfer's */
-    memset(msg[2] + PKV_WIRE_HEADER_BYTES, 0xff, 8);
+    memset(msg[2] + XF_WIRE_HEADER_BYTES, 0xff, 8);
     ck_assert_int_eq(xf_wire_peek_foreign(msg[2], len[2], &f), PKV_OK);
     ck_assert_uint_eq(f.xfer_id, 0);
 
@@ -167,7 +167,7 @@ START_TEST(other_versions_are_peeked_and_their_fail_decodes)
         memset(&m, 0, sizeof(m));
         ck_assert_int_eq(xf_wire_decode(fb, fn, &m), v ? PKV_OK : PKV_ERR_PROTO);
         if (!v) continue;
-        ck_assert_uint_eq(m.type, PKV_WIRE_FAIL);
+        ck_assert_uint_eq(m.type, XF_WIRE_FAIL);
         ck_assert_uint_eq(m.u.fail.xfer_id, 12);
         ck_assert_uint_eq(m.u.fail.request_id, 34);
         ck_assert_int_eq(m.u.fail.reason, PKV_ERR_REJECTED);
@@ -175,19 +175,19 @@ START_TEST(other_versions_are_peeked_and_their_fail_decodes)
         /* also peeked, by its xfer_id, for a FAIL of another version we could not decode */
         xf_wire_foreign_t ff;
         ck_assert_int_eq(xf_wire_peek_foreign(fb, fn, &ff),
-                         v == PKV_WIRE_VERSION ? PKV_ERR_PROTO : PKV_OK);
-        if (v != PKV_WIRE_VERSION) ck_assert_uint_eq(ff.xfer_id, 12);
+                         v == XF_WIRE_VERSION ? PKV_ERR_PROTO : PKV_OK);
+        if (v != XF_WIRE_VERSION) ck_assert_uint_eq(ff.xfer_id, 12);
     }
-    xf_wire_close_t cl = {.agent_id = 99, .flags = PKV_WIRE_CLOSE_REPLY};
+    xf_wire_close_t cl = {.agent_id = 99, .flags = XF_WIRE_CLOSE_REPLY};
     ck_assert_int_eq(xf_wire_encode_close(&cl, fb, sizeof(fb), &fn), PKV_OK);
     for (int v = 0; v < 256; v++) {
         fb[4] = (uint8_t)v;
         memset(&m, 0, sizeof(m));
         ck_assert_int_eq(xf_wire_decode(fb, fn, &m), v ? PKV_OK : PKV_ERR_PROTO);
         if (!v) continue;
-        ck_assert_uint_eq(m.type, PKV_WIRE_CLOSE);
+        ck_assert_uint_eq(m.type, XF_WIRE_CLOSE);
         ck_assert_uint_eq(m.u.close.agent_id, 99);
-        ck_assert_uint_eq(m.u.close.flags, PKV_WIRE_CLOSE_REPLY);
+        ck_assert_uint_eq(m.u.close.flags, XF_WIRE_CLOSE_REPLY);
     }
 }
 END_TEST
@@ -201,7 +201,7 @@ START_TEST(read_limits_are_enforced)
     r.xfer_id = 0;
     ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len), PKV_ERR_INVALID);
     r = sample_read();
-    r.xfer_id = 1ull << PKV_WIRE_XFER_ID_BITS;
+    r.xfer_id = 1ull << XF_WIRE_XFER_ID_BITS;
     ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len), PKV_ERR_INVALID);
     r = sample_read();
     r.chunk_bytes = 100;
@@ -210,13 +210,13 @@ START_TEST(read_limits_are_enforced)
     r.geo.dtype = (pkv_dtype_t)7;
     ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len), PKV_ERR_INVALID);
     r = sample_read();
-    r.geo.layers = PKV_WIRE_MAX_LAYERS + 1;
+    r.geo.layers = XF_WIRE_MAX_LAYERS + 1;
     ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len), PKV_ERR_INVALID);
     /* Decoder side: patch a valid message's run count to lie. */
     r = sample_read();
     ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len), PKV_OK);
     xf_wire_msg_t m;
-    size_t nruns_at = PKV_WIRE_HEADER_BYTES + 68;
+    size_t nruns_at = XF_WIRE_HEADER_BYTES + 68;
     buf[nruns_at] = 2;
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     buf[nruns_at] = 1;
@@ -262,7 +262,7 @@ START_TEST(shared_data_and_read_flags)
 {
     uint64_t pieces[] = {4096, 8192, 65536, 4096};
     xf_wire_data_t d = {
-        .xfer_id = 5, .layer = 2, .flags = PKV_WIRE_DATA_SHARED, .bytes = 12288, .checksum = 77};
+        .xfer_id = 5, .layer = 2, .flags = XF_WIRE_DATA_SHARED, .bytes = 12288, .checksum = 77};
     uint8_t buf[256];
     size_t len;
     xf_wire_msg_t m;
@@ -271,7 +271,7 @@ START_TEST(shared_data_and_read_flags)
     d.bytes = 12289;
     ck_assert_int_eq(xf_wire_encode_data(&d, pieces, 2, NULL, 0, buf, sizeof(buf), &len),
                      PKV_ERR_INVALID);
-    buf[PKV_WIRE_HEADER_BYTES + 16] ^= 1; /* bytes field no longer matches the pieces */
+    buf[XF_WIRE_HEADER_BYTES + 16] ^= 1; /* bytes field no longer matches the pieces */
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     /* a plain DATA carries no pieces; unknown flags are rejected */
     d.flags = 0;
@@ -279,14 +279,14 @@ START_TEST(shared_data_and_read_flags)
     ck_assert_int_eq(xf_wire_encode_data(&d, pieces, 2, NULL, 0, buf, sizeof(buf), &len),
                      PKV_ERR_INVALID);
     ck_assert_int_eq(xf_wire_encode_data(&d, NULL, 0, NULL, 0, buf, sizeof(buf), &len), PKV_OK);
-    buf[PKV_WIRE_HEADER_BYTES + 12] = 4;
+    buf[XF_WIRE_HEADER_BYTES + 12] = 4;
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
-    buf[PKV_WIRE_HEADER_BYTES + 12] = 3; /* SHARED and LAYERS, but neither trailer */
+    buf[XF_WIRE_HEADER_BYTES + 12] = 3; /* SHARED and LAYERS, but neither trailer */
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     xf_wire_read_t r = sample_read();
     uint32_t blocks[] = {1};
-    const uint32_t flags[] = {PKV_WIRE_READ_SHARED, PKV_WIRE_READ_WHOLE,
-                              PKV_WIRE_READ_SHARED | PKV_WIRE_READ_WHOLE};
+    const uint32_t flags[] = {XF_WIRE_READ_SHARED, XF_WIRE_READ_WHOLE,
+                              XF_WIRE_READ_SHARED | XF_WIRE_READ_WHOLE};
     for (int i = 0; i < 3; i++) {
         r.flags = flags[i];
         ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len), PKV_OK);
@@ -295,7 +295,7 @@ START_TEST(shared_data_and_read_flags)
     }
     r.flags = 4;
     ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len), PKV_ERR_INVALID);
-    buf[PKV_WIRE_HEADER_BYTES + 64] = 4; /* READ flags field */
+    buf[XF_WIRE_HEADER_BYTES + 64] = 4; /* READ flags field */
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
 }
 END_TEST
@@ -305,7 +305,7 @@ static xf_wire_data_t shared_layers_data(void)
 {
     return (xf_wire_data_t){.xfer_id = 9,
                             .layer = 0,
-                            .flags = PKV_WIRE_DATA_SHARED | PKV_WIRE_DATA_LAYERS,
+                            .flags = XF_WIRE_DATA_SHARED | XF_WIRE_DATA_LAYERS,
                             .bytes = 4096,
                             .checksum = 0};
 }
@@ -323,34 +323,34 @@ START_TEST(data_layers_only_with_shared)
     data_roundtrip(&d, pieces, 1, sums, 3, buf, sizeof(buf), &len, &m);
     /* the count must match the body; a checksum in the base field is refused */
     ck_assert_int_eq(xf_wire_decode(buf, len - 8, &m), PKV_ERR_PROTO);
-    size_t n_at = PKV_WIRE_HEADER_BYTES + 32 + 8 + 16; /* base, pieces header, one piece */
+    size_t n_at = XF_WIRE_HEADER_BYTES + 32 + 8 + 16; /* base, pieces header, one piece */
     buf[n_at] = 4;
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     buf[n_at] = 0;
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     buf[n_at] = 3;
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_OK);
-    buf[PKV_WIRE_HEADER_BYTES + 24] = 1; /* base checksum */
+    buf[XF_WIRE_HEADER_BYTES + 24] = 1; /* base checksum */
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     d.checksum = 1;
     data_refused(&d, pieces, 1, sums, 3);
     d.checksum = 0;
-    d.layer = PKV_WIRE_MAX_LAYERS - 2; /* layers past the limit */
+    d.layer = XF_WIRE_MAX_LAYERS - 2; /* layers past the limit */
     data_refused(&d, pieces, 1, sums, 3);
     /* LAYERS without SHARED: refused by the encoder, malformed to the decoder */
     d.layer = 0;
-    d.flags = PKV_WIRE_DATA_LAYERS;
+    d.flags = XF_WIRE_DATA_LAYERS;
     data_refused(&d, NULL, 0, sums, 3);
     data_refused(&d, NULL, 0, NULL, 0);
     /* what v2 sent after a whole stream's last chunk: the same sums, no pieces */
-    uint8_t v2[PKV_WIRE_HEADER_BYTES + 64] = {0};
-    memcpy(v2, buf, PKV_WIRE_HEADER_BYTES);
+    uint8_t v2[XF_WIRE_HEADER_BYTES + 64] = {0};
+    memcpy(v2, buf, XF_WIRE_HEADER_BYTES);
     v2[8] = 64; /* body_len */
-    uint8_t *body = v2 + PKV_WIRE_HEADER_BYTES;
-    body[0] = 9;                     /* xfer_id */
-    body[12] = PKV_WIRE_DATA_LAYERS; /* flags */
-    body[17] = 0x10;                 /* bytes 4096 */
-    body[32] = 3;                    /* n */
+    uint8_t *body = v2 + XF_WIRE_HEADER_BYTES;
+    body[0] = 9;                    /* xfer_id */
+    body[12] = XF_WIRE_DATA_LAYERS; /* flags */
+    body[17] = 0x10;                /* bytes 4096 */
+    body[32] = 3;                   /* n */
     for (int i = 0; i < 3; i++) body[40 + 8 * i] = (uint8_t)sums[i];
     ck_assert_int_eq(xf_wire_decode(v2, sizeof(v2), &m), PKV_ERR_PROTO);
     body[12] = 0; /* the same bytes as a plain DATA are malformed too: a trailer too many */
@@ -369,7 +369,7 @@ START_TEST(shared_data_for_every_layer)
     xf_wire_msg_t m;
     data_roundtrip(&d, pieces, 2, sums, 3, buf, sizeof(buf), &len, &m);
     /* the pieces must cover every announced layer: 3 x 4096 bytes */
-    buf[PKV_WIRE_HEADER_BYTES + 16] ^= 1; /* bytes */
+    buf[XF_WIRE_HEADER_BYTES + 16] ^= 1; /* bytes */
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     d.bytes = 3000;
     data_refused(&d, pieces, 2, sums, 3);
@@ -378,11 +378,11 @@ START_TEST(shared_data_for_every_layer)
     /* both trailers are needed: SHARED | LAYERS with only the pieces is malformed */
     data_refused(&d, pieces, 2, NULL, 0);
     data_refused(&d, NULL, 0, sums, 3);
-    d.flags = PKV_WIRE_DATA_SHARED;
+    d.flags = XF_WIRE_DATA_SHARED;
     d.bytes = 12288;
     d.checksum = 0;
     ck_assert_int_eq(xf_wire_encode_data(&d, pieces, 2, NULL, 0, buf, sizeof(buf), &len), PKV_OK);
-    buf[PKV_WIRE_HEADER_BYTES + 12] = PKV_WIRE_DATA_SHARED | PKV_WIRE_DATA_LAYERS;
+    buf[XF_WIRE_HEADER_BYTES + 12] = XF_WIRE_DATA_SHARED | XF_WIRE_DATA_LAYERS;
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
 }
 END_TEST
@@ -598,7 +598,7 @@ START_TEST(fuzz_corpus_replays)
 {
     corpus_tally_t t = {0, 0};
     uint32_t files =
-        pkv_test_corpus_each("PKV_WIRE_CORPUS", "tests/fuzz/corpus/wire", replay_wire, &t);
+        pkv_test_corpus_each("XF_WIRE_CORPUS", "tests/fuzz/corpus/wire", replay_wire, &t);
     ck_assert_int_ge(t.ok, 10);
     ck_assert_int_ge(t.bad, 30);
     ck_assert_uint_ge(files, (uint32_t)(t.ok + t.bad));

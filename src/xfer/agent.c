@@ -56,14 +56,14 @@ int xf_random(void *buf, size_t n)
 
 /* A read's id, which is also its payload messages' tag. Tag matching spans the whole
  * worker, not one endpoint, so ids must not be guessable by another peer: a 4-round
- * Feistel permutation of a counter over PKV_WIRE_XFER_ID_BITS (two 19-bit halves) with
+ * Feistel permutation of a counter over XF_WIRE_XFER_ID_BITS (two 19-bit halves) with
  * random round keys. Ids never repeat within 2^38 reads; 0 is never used. */
 uint64_t xf_next_read_id(pkv_xfer_agent_t *a)
 {
-    enum { HALF = PKV_WIRE_XFER_ID_BITS / 2 };
+    enum { HALF = XF_WIRE_XFER_ID_BITS / 2 };
     const uint64_t mask = (1ull << HALF) - 1;
     for (;;) {
-        uint64_t x = a->read_ctr++ & ((1ull << PKV_WIRE_XFER_ID_BITS) - 1);
+        uint64_t x = a->read_ctr++ & ((1ull << XF_WIRE_XFER_ID_BITS) - 1);
         uint64_t l = x >> HALF, r = x & mask;
         for (int i = 0; i < 4; i++) {
             uint64_t f = r ^ a->read_key[i]; /* splitmix64's finalizer as the round function */
@@ -627,7 +627,7 @@ static int config_resolve(const pkv_xfer_config_t *in, pkv_xfer_config_t *c)
     if (!c->chunk_bytes) c->chunk_bytes = PKV_XFER_WHOLE_CHUNK_BYTES; /* one eager segment */
     if (!c->max_inflight) c->max_inflight = 8;
     if (c->workers > 64 || c->seat_workers > 64 || c->max_inflight > 1024 ||
-        c->chunk_bytes < PKV_WIRE_MIN_CHUNK || c->chunk_bytes > PKV_WIRE_MAX_CHUNK ||
+        c->chunk_bytes < XF_WIRE_MIN_CHUNK || c->chunk_bytes > XF_WIRE_MAX_CHUNK ||
         c->peer_timeout_ns < 2 * c->heartbeat_ns) {
         PKV_LOGE(XF_MOD,
                  "config: out of range (workers %u, seat_workers %u, max_inflight %u, "

@@ -594,10 +594,10 @@ static void send_read(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
     r.xfer_id = rd->xfer_id;
     r.request_id = rd->request_id;
     memcpy(r.token, rd->token, sizeof(r.token));
-    r.budget_ns = PKV_MIN(rd->deadline_ns - now, PKV_WIRE_MAX_BUDGET_NS);
+    r.budget_ns = PKV_MIN(rd->deadline_ns - now, XF_WIRE_MAX_BUDGET_NS);
     r.geo = a->geo;
     r.chunk_bytes = v->chunk_bytes;
-    r.flags = (rd->shared ? PKV_WIRE_READ_SHARED : 0) | (v->whole ? PKV_WIRE_READ_WHOLE : 0);
+    r.flags = (rd->shared ? XF_WIRE_READ_SHARED : 0) | (v->whole ? XF_WIRE_READ_WHOLE : 0);
     uint32_t runs = xf_wire_count_runs(rd->src_blocks, v->n_blocks);
     size_t cap = xf_wire_read_bytes(runs), len;
     uint8_t *buf = malloc(cap);
@@ -711,8 +711,8 @@ void xf_read_on_data(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_data_t *d)
 {
     pkv_xfer_read_t *rd = find_read(a, p, d->xfer_id);
     if (!rd || rd->finished) return; /* late message for an ended read */
-    bool shared_msg = d->flags & PKV_WIRE_DATA_SHARED;
-    bool all_msg = d->flags & PKV_WIRE_DATA_LAYERS; /* whole stream: every layer at once */
+    bool shared_msg = d->flags & XF_WIRE_DATA_SHARED;
+    bool all_msg = d->flags & XF_WIRE_DATA_LAYERS; /* whole stream: every layer at once */
     /* Shared: one DATA (LAYERS) for a whole stream, else one a layer. Through UCX: one a
      * layer, none for a whole stream (its checksums are the payload's trailer). */
     const char *bad = NULL;
@@ -759,7 +759,7 @@ void xf_read_on_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_fail_t *f)
     int outcome = f->reason;
     if (outcome == PKV_ERR_SHUTDOWN) outcome = PKV_ERR_PEER_LOST; /* the producer went away */
     if (outcome == PKV_ERR_CANCELLED) outcome = PKV_ERR_REJECTED; /* it withdrew the request */
-    char why[PKV_WIRE_MAX_TEXT + 32];
+    char why[XF_WIRE_MAX_TEXT + 32];
     snprintf(why, sizeof(why), "producer: %s (%s)", pkv_status_str(f->reason), f->text);
     finish(a, rd, outcome, false, why);
     settle(a, rd);

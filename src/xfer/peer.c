@@ -315,7 +315,7 @@ int xf_ctl_send(pkv_xfer_agent_t *a, xf_peer_t *p, void *msg, size_t len)
     b->len = len;
     memcpy(b->data, msg, len);
     if (a->faults.wire_version) b->data[4] = a->faults.wire_version; /* the header's version */
-    if (a->faults.malformed_read && len >= 80 && b->data[5] == PKV_WIRE_READ)
+    if (a->faults.malformed_read && len >= 80 && b->data[5] == XF_WIRE_READ)
         b->data[79] |= 0x80; /* an unknown bit in READ's flags (offset 76, little-endian) */
     if (!p->established) {
         *p->queued_tail = b;
@@ -357,7 +357,7 @@ void xf_send_fail(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, uint64_t 
     f.request_id = request_id;
     f.reason = reason;
     snprintf(f.text, sizeof(f.text), "%s", text ? text : "");
-    uint8_t buf[PKV_WIRE_HEADER_BYTES + 24 + PKV_WIRE_MAX_TEXT];
+    uint8_t buf[XF_WIRE_HEADER_BYTES + 24 + XF_WIRE_MAX_TEXT];
     size_t len;
     if (xf_wire_encode_fail(&f, buf, sizeof(buf), &len) == PKV_OK) xf_ctl_send(a, p, buf, len);
 }
@@ -434,11 +434,11 @@ static void on_unreadable(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_forei
                           const char *why)
 {
     if (!f->xfer_id) return;
-    if (f->type == PKV_WIRE_READ && !p->outgoing)
+    if (f->type == XF_WIRE_READ && !p->outgoing)
         xf_send_fail(a, p, f->xfer_id, 0, PKV_ERR_REJECTED, why);
-    else if ((f->type == PKV_WIRE_DATA || f->type == PKV_WIRE_FAIL) && p->outgoing)
+    else if ((f->type == XF_WIRE_DATA || f->type == XF_WIRE_FAIL) && p->outgoing)
         xf_read_on_foreign(a, p, f->xfer_id, why);
-    else if (f->type == PKV_WIRE_FAIL) /* one we could not decode (a reason we do not know) */
+    else if (f->type == XF_WIRE_FAIL) /* one we could not decode (a reason we do not know) */
         xf_serve_on_foreign(a, p, f->xfer_id, why);
 }
 
@@ -463,10 +463,10 @@ ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, voi
         xf_wire_foreign_t f = {0, 0, 0};
         char why[64];
         bool peeked = xf_wire_peek(data, length, &f) == PKV_OK;
-        if (peeked && f.version != PKV_WIRE_VERSION) {
+        if (peeked && f.version != XF_WIRE_VERSION) {
             XF_STAT_ADD(a, foreign_msgs, 1);
             snprintf(why, sizeof(why), "wire version %u (this agent speaks %u)", f.version,
-                     PKV_WIRE_VERSION);
+                     XF_WIRE_VERSION);
             if (!p->foreign_logged) {
                 p->foreign_logged = true;
                 PKV_LOGW(XF_MOD, "peer %u: %s: its transfers end rejected", p->id, why);
@@ -480,36 +480,36 @@ ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, voi
         return UCS_OK;
     }
     switch (m.type) {
-    case PKV_WIRE_READ:
+    case XF_WIRE_READ:
         if (p->outgoing) goto wrong_side;
         xf_serve_on_read(a, p, &m.u.read);
         break;
-    case PKV_WIRE_ACK:
+    case XF_WIRE_ACK:
         if (p->outgoing) goto wrong_side;
         xf_serve_on_ack(a, p, &m.u.ack);
         break;
-    case PKV_WIRE_DATA:
+    case XF_WIRE_DATA:
         if (!p->outgoing) goto wrong_side;
         xf_read_on_data(a, p, &m.u.data);
         break;
-    case PKV_WIRE_FAIL:
+    case XF_WIRE_FAIL:
         if (p->outgoing)
             xf_read_on_fail(a, p, &m.u.fail);
         else
             xf_serve_on_fail(a, p, &m.u.fail);
         break;
-    case PKV_WIRE_HEARTBEAT:
+    case XF_WIRE_HEARTBEAT:
         p->remote_agent_id = m.u.hb.agent_id;
         break;
-    case PKV_WIRE_CLOSE:
+    case XF_WIRE_CLOSE:
         /* Messages on one endpoint arrive in order: everything the peer sent before its
          * CLOSE has been handled by now, so answering tells it so. Its disconnect is then
          * expected (not a lost peer), and new reads to it open a new connection. */
-        if (m.u.close.flags & PKV_WIRE_CLOSE_REPLY) {
+        if (m.u.close.flags & XF_WIRE_CLOSE_REPLY) {
             p->close_acked = true;
         } else {
             p->remote_closing = true;
-            send_close(a, p, PKV_WIRE_CLOSE_REPLY);
+            send_close(a, p, XF_WIRE_CLOSE_REPLY);
         }
         break;
     }
@@ -594,7 +594,7 @@ void xf_drain_stale(pkv_xfer_agent_t *a)
     for (int i = 0; i < 64; i++) {
         ucp_tag_recv_info_t info;
         ucp_tag_message_h msg =
-            ucp_tag_probe_nb(a->worker, PKV_WIRE_TAG_KIND, PKV_WIRE_TAG_KIND_MASK, 1, &info);
+            ucp_tag_probe_nb(a->worker, XF_WIRE_TAG_KIND, XF_WIRE_TAG_KIND_MASK, 1, &info);
         if (!msg) return;
         ucp_request_param_t prm = {
             .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |

@@ -180,7 +180,7 @@ static void handle_fill(const pkv_xfer_agent_t *a, const xf_reg_t *r, pkv_xfer_h
     memcpy(h->token, r->token, sizeof(h->token));
     snprintf(h->addr, sizeof(h->addr), "%s", a->addr);
     h->geo = a->geo;
-    if (a->arena_fd >= 0 && a->have_boot_id && a->arena_bytes <= PKV_WIRE_MAX_ARENA) {
+    if (a->arena_fd >= 0 && a->have_boot_id && a->arena_bytes <= XF_WIRE_MAX_ARENA) {
         /* Offer our shared staging arena to a consumer on this host. */
         h->local.present = true;
         h->local.pid = (uint32_t)getpid();
@@ -196,7 +196,7 @@ static void handle_fill(const pkv_xfer_agent_t *a, const xf_reg_t *r, pkv_xfer_h
 int pkv_xfer_register(pkv_xfer_agent_t *a, uint64_t request_id, const uint32_t *blocks, uint32_t n,
                       uint64_t expiry_ns, pkv_xfer_sent_fn fn, void *arg, pkv_xfer_handle_t **out)
 {
-    if (!a || !blocks || !out || !n || n > PKV_WIRE_MAX_BLOCKS) return PKV_ERR_INVALID;
+    if (!a || !blocks || !out || !n || n > XF_WIRE_MAX_BLOCKS) return PKV_ERR_INVALID;
     int rc = PKV_ERR_NOMEM;
     xf_reg_t *r = calloc(1, sizeof(*r));
     pkv_xfer_handle_t *h = malloc(sizeof(*h) + sizeof(uint32_t) * n);
@@ -513,7 +513,7 @@ static xf_reg_t *serve_admit(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_re
         reject(a, p, r, PKV_ERR_REJECTED, "geometry differs");
         return NULL;
     }
-    if ((r->flags & PKV_WIRE_READ_SHARED) && a->arena_fd < 0) {
+    if ((r->flags & XF_WIRE_READ_SHARED) && a->arena_fd < 0) {
         reject(a, p, r, PKV_ERR_REJECTED, "no shared staging arena here");
         return NULL;
     }
@@ -545,7 +545,7 @@ static xf_serve_t *serve_make(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_r
 {
     xf_serve_t *s = calloc(1, sizeof(*s));
     int rc = s ? xf_view_init(&s->v, a, reg->n, reg->blocks, r->chunk_bytes,
-                              r->flags & PKV_WIRE_READ_WHOLE)
+                              r->flags & XF_WIRE_READ_WHOLE)
                : PKV_ERR_NOMEM;
     if (rc) {
         free(s);
@@ -579,7 +579,7 @@ void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_read_t *r
     s->xfer_id = r->xfer_id;
     s->request_id = r->request_id;
     s->deadline_ns = now + r->budget_ns;
-    s->shared = r->flags & PKV_WIRE_READ_SHARED;
+    s->shared = r->flags & XF_WIRE_READ_SHARED;
     s->v.stage_nt = s->v.stage_nt || s->shared; /* the peer reads it on another core */
     s->t_start = a->now_ns;                     /* debug times all on the loop's clock */
     s->v.stage_id = (1ull << 62) | (a->next_serve_id++ & ((1ull << 62) - 1));
@@ -728,7 +728,7 @@ static void pump_shared(pkv_xfer_agent_t *a, xf_serve_t *s)
                             : 0;
         xf_wire_data_t d = {.xfer_id = s->xfer_id,
                             .layer = l,
-                            .flags = PKV_WIRE_DATA_SHARED | (all ? PKV_WIRE_DATA_LAYERS : 0),
+                            .flags = XF_WIRE_DATA_SHARED | (all ? XF_WIRE_DATA_LAYERS : 0),
                             .bytes = s->v.layer_total,
                             .checksum = all ? 0 : s->layer_sum[l]};
         /* n == 0 (no memory, or more pieces than runs) fails to encode: nofit */
@@ -910,7 +910,7 @@ void xf_serve_on_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_fail_t *f
 {
     xf_serve_t *s = find_serve(a, p, f->xfer_id);
     if (!s || s->state_done) return;
-    char why[PKV_WIRE_MAX_TEXT + 32];
+    char why[XF_WIRE_MAX_TEXT + 32];
     snprintf(why, sizeof(why), "consumer: %s (%s)", pkv_status_str(f->reason), f->text);
     serve_finish(a, s, f->reason, false, why);
     serve_settle(a, s);

@@ -33,17 +33,17 @@ int xf_view_init(xf_view_t *v, pkv_xfer_agent_t *a, uint32_t n_blocks, const uin
 {
     memset(v, 0, sizeof(*v));
     uint64_t lb = a->layer_bytes;
-    if (!n_blocks || n_blocks > PKV_WIRE_MAX_BLOCKS) return PKV_ERR_INVALID;
+    if (!n_blocks || n_blocks > XF_WIRE_MAX_BLOCKS) return PKV_ERR_INVALID;
     uint64_t layer_total = lb * n_blocks; /* lb < 2^47 / layers, n < 2^20: checked below */
-    if (layer_total / n_blocks != lb || layer_total > PKV_WIRE_MAX_BYTES / a->geo.layers)
+    if (layer_total / n_blocks != lb || layer_total > XF_WIRE_MAX_BYTES / a->geo.layers)
         return PKV_ERR_NOFIT;
     uint64_t total = layer_total * a->geo.layers;
     uint64_t cpl = PKV_DIV_UP(layer_total, chunk_bytes);
     uint32_t trailer = whole ? 8 * a->geo.layers : 0;
     uint64_t n_chunks = whole ? PKV_DIV_UP(total + trailer, chunk_bytes) : cpl * a->geo.layers;
     uint64_t pages = PKV_DIV_UP(total, a->page_bytes);
-    if (cpl * a->geo.layers >= (1ull << PKV_WIRE_CHUNK_BITS) ||
-        n_chunks >= (1ull << PKV_WIRE_CHUNK_BITS) || pages > UINT32_MAX)
+    if (cpl * a->geo.layers >= (1ull << XF_WIRE_CHUNK_BITS) ||
+        n_chunks >= (1ull << XF_WIRE_CHUNK_BITS) || pages > UINT32_MAX)
         return PKV_ERR_NOFIT;
     v->blocks = malloc(sizeof(uint32_t) * n_blocks);
     if (!v->blocks) return PKV_ERR_NOMEM;

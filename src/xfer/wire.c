@@ -25,7 +25,7 @@
  *   HEARTBEAT u64 agent_id, u64 seq
  *   CLOSE     u64 agent_id, u32 flags (REPLY), u32 reserved (0)
  * A flag bit this version does not know is malformed, so a peer that adds one must also
- * change PKV_WIRE_VERSION or be rejected. The header, READ / DATA / ACK's leading xfer_id
+ * change XF_WIRE_VERSION or be rejected. The header, READ / DATA / ACK's leading xfer_id
  * and the whole FAIL and CLOSE stay as they are in every version (wire.h): a FAIL or CLOSE
  * of any version decodes here with this layout.
  *
@@ -133,8 +133,8 @@ static void put_u64(wcur_t *c, uint64_t v)
 
 static void put_header(wcur_t *c, uint8_t type, uint32_t body_len)
 {
-    put_u32(c, PKV_WIRE_MAGIC);
-    put_u8(c, PKV_WIRE_VERSION);
+    put_u32(c, XF_WIRE_MAGIC);
+    put_u8(c, XF_WIRE_VERSION);
     put_u8(c, type);
     put_u16(c, 0);
     put_u32(c, body_len);
@@ -149,15 +149,15 @@ static uint64_t dtype_bytes(pkv_dtype_t dt)
 
 int xf_wire_check_geometry(const pkv_geometry_t *g, uint64_t *layer_bytes)
 {
-    if (g->layers < 1 || g->layers > PKV_WIRE_MAX_LAYERS) return PKV_ERR_PROTO;
-    if (g->kv_heads < 1 || g->kv_heads > PKV_WIRE_MAX_HEADS) return PKV_ERR_PROTO;
-    if (g->head_dim < 1 || g->head_dim > PKV_WIRE_MAX_HEAD_DIM) return PKV_ERR_PROTO;
-    if (g->block_tokens < 1 || g->block_tokens > PKV_WIRE_MAX_BLOCK_TOKENS) return PKV_ERR_PROTO;
+    if (g->layers < 1 || g->layers > XF_WIRE_MAX_LAYERS) return PKV_ERR_PROTO;
+    if (g->kv_heads < 1 || g->kv_heads > XF_WIRE_MAX_HEADS) return PKV_ERR_PROTO;
+    if (g->head_dim < 1 || g->head_dim > XF_WIRE_MAX_HEAD_DIM) return PKV_ERR_PROTO;
+    if (g->block_tokens < 1 || g->block_tokens > XF_WIRE_MAX_BLOCK_TOKENS) return PKV_ERR_PROTO;
     if ((unsigned)g->dtype > PKV_DTYPE_BF16) return PKV_ERR_PROTO;
     /* 2 * 2^12 * 2^16 * 2^16 * 4 = 2^47: no overflow in 64 bits. */
     uint64_t lb = 2ull * g->kv_heads * g->block_tokens * g->head_dim * dtype_bytes(g->dtype);
     uint64_t block;
-    if (__builtin_mul_overflow(lb, (uint64_t)g->layers, &block) || block > PKV_WIRE_MAX_BYTES)
+    if (__builtin_mul_overflow(lb, (uint64_t)g->layers, &block) || block > XF_WIRE_MAX_BYTES)
         return PKV_ERR_PROTO;
     *layer_bytes = lb;
     return PKV_OK;
@@ -217,12 +217,12 @@ static int check_read_sizes(const pkv_geometry_t *g, uint32_t n_blocks, uint32_t
 {
     uint64_t lb, per_layer;
     if (xf_wire_check_geometry(g, &lb)) return PKV_ERR_PROTO;
-    if (n_blocks < 1 || n_blocks > PKV_WIRE_MAX_BLOCKS) return PKV_ERR_PROTO;
-    if (chunk_bytes < PKV_WIRE_MIN_CHUNK || chunk_bytes > PKV_WIRE_MAX_CHUNK) return PKV_ERR_PROTO;
+    if (n_blocks < 1 || n_blocks > XF_WIRE_MAX_BLOCKS) return PKV_ERR_PROTO;
+    if (chunk_bytes < XF_WIRE_MIN_CHUNK || chunk_bytes > XF_WIRE_MAX_CHUNK) return PKV_ERR_PROTO;
     if (__builtin_mul_overflow(lb, (uint64_t)n_blocks, &per_layer)) return PKV_ERR_PROTO;
-    if (per_layer > PKV_WIRE_MAX_BYTES / g->layers) return PKV_ERR_PROTO;
+    if (per_layer > XF_WIRE_MAX_BYTES / g->layers) return PKV_ERR_PROTO;
     uint64_t chunks = PKV_DIV_UP(per_layer, chunk_bytes) * g->layers;
-    if (chunks >= (1ull << PKV_WIRE_CHUNK_BITS)) return PKV_ERR_PROTO;
+    if (chunks >= (1ull << XF_WIRE_CHUNK_BITS)) return PKV_ERR_PROTO;
     return PKV_OK;
 }
 
@@ -243,12 +243,12 @@ static int decode_read(rcur_t *c, xf_wire_read_t *r)
         !get_u32(c, &r->geo.head_dim) || !get_u32(c, &r->geo.block_tokens) || !get_u32(c, &dtype) ||
         !get_u32(c, &r->chunk_bytes) || !get_u32(c, &r->flags) || !get_u32(c, &r->n_runs))
         return PKV_ERR_PROTO;
-    if (r->flags & ~(PKV_WIRE_READ_SHARED | PKV_WIRE_READ_WHOLE)) return PKV_ERR_PROTO;
-    if (r->xfer_id == 0 || r->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS)) return PKV_ERR_PROTO;
-    if (r->budget_ns > PKV_WIRE_MAX_BUDGET_NS) return PKV_ERR_PROTO;
+    if (r->flags & ~(XF_WIRE_READ_SHARED | XF_WIRE_READ_WHOLE)) return PKV_ERR_PROTO;
+    if (r->xfer_id == 0 || r->xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS)) return PKV_ERR_PROTO;
+    if (r->budget_ns > XF_WIRE_MAX_BUDGET_NS) return PKV_ERR_PROTO;
     if (dtype > PKV_DTYPE_BF16) return PKV_ERR_PROTO;
     r->geo.dtype = (pkv_dtype_t)dtype;
-    if (r->n_runs < 1 || r->n_runs > PKV_WIRE_MAX_RUNS) return PKV_ERR_PROTO;
+    if (r->n_runs < 1 || r->n_runs > XF_WIRE_MAX_RUNS) return PKV_ERR_PROTO;
     if (c->left != 8 * (size_t)r->n_runs) return PKV_ERR_PROTO;
     r->runs = c->p;
     uint64_t total = 0;
@@ -257,7 +257,7 @@ static int decode_read(rcur_t *c, xf_wire_read_t *r)
         xf_wire_read_run(r, i, &first, &count);
         if (count < 1 || (uint64_t)first + count - 1 > UINT32_MAX) return PKV_ERR_PROTO;
         total += count;
-        if (total > PKV_WIRE_MAX_BLOCKS) return PKV_ERR_PROTO;
+        if (total > XF_WIRE_MAX_BLOCKS) return PKV_ERR_PROTO;
     }
     r->n_blocks = (uint32_t)total;
     c->left = 0;
@@ -266,7 +266,7 @@ static int decode_read(rcur_t *c, xf_wire_read_t *r)
 
 int xf_wire_decode(const void *buf, size_t len, xf_wire_msg_t *out)
 {
-    if (!buf || len < PKV_WIRE_HEADER_BYTES || len > PKV_WIRE_MAX_MSG || !out) return PKV_ERR_PROTO;
+    if (!buf || len < XF_WIRE_HEADER_BYTES || len > XF_WIRE_MAX_MSG || !out) return PKV_ERR_PROTO;
     rcur_t c = {buf, len};
     uint32_t magic = 0, body_len = 0;
     uint8_t version = 0, type = 0;
@@ -274,8 +274,8 @@ int xf_wire_decode(const void *buf, size_t len, xf_wire_msg_t *out)
     if (!get_u32(&c, &magic) || !get_u8(&c, &version) || !get_u8(&c, &type) ||
         !get_u16(&c, &flags) || !get_u32(&c, &body_len))
         return PKV_ERR_PROTO;
-    if (magic != PKV_WIRE_MAGIC || version == 0 || flags != 0) return PKV_ERR_PROTO;
-    if (version != PKV_WIRE_VERSION && type != PKV_WIRE_FAIL && type != PKV_WIRE_CLOSE)
+    if (magic != XF_WIRE_MAGIC || version == 0 || flags != 0) return PKV_ERR_PROTO;
+    if (version != XF_WIRE_VERSION && type != XF_WIRE_FAIL && type != XF_WIRE_CLOSE)
         return PKV_ERR_PROTO;
     if (body_len != c.left) return PKV_ERR_PROTO;
 
@@ -283,10 +283,10 @@ int xf_wire_decode(const void *buf, size_t len, xf_wire_msg_t *out)
     memset(&m, 0, sizeof(m));
     m.type = type;
     switch (type) {
-    case PKV_WIRE_READ:
+    case XF_WIRE_READ:
         if (decode_read(&c, &m.u.read)) return PKV_ERR_PROTO;
         break;
-    case PKV_WIRE_DATA: {
+    case XF_WIRE_DATA: {
         xf_wire_data_t *d = &m.u.data;
         if (c.left < DATA_BYTES) return PKV_ERR_PROTO;
         get_u64(&c, &d->xfer_id);
@@ -294,16 +294,16 @@ int xf_wire_decode(const void *buf, size_t len, xf_wire_msg_t *out)
         get_u32(&c, &d->flags);
         get_u64(&c, &d->bytes);
         get_u64(&c, &d->checksum);
-        if ((d->flags & ~(PKV_WIRE_DATA_SHARED | PKV_WIRE_DATA_LAYERS)) || d->xfer_id == 0 ||
-            d->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) || d->layer >= PKV_WIRE_MAX_LAYERS ||
-            d->bytes > PKV_WIRE_MAX_BYTES)
+        if ((d->flags & ~(XF_WIRE_DATA_SHARED | XF_WIRE_DATA_LAYERS)) || d->xfer_id == 0 ||
+            d->xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS) || d->layer >= XF_WIRE_MAX_LAYERS ||
+            d->bytes > XF_WIRE_MAX_BYTES)
             return PKV_ERR_PROTO;
-        bool shared = d->flags & PKV_WIRE_DATA_SHARED, layers = d->flags & PKV_WIRE_DATA_LAYERS;
+        bool shared = d->flags & XF_WIRE_DATA_SHARED, layers = d->flags & XF_WIRE_DATA_LAYERS;
         uint32_t reserved;
         if (layers && !shared) return PKV_ERR_PROTO; /* v3: a trailer carries those sums */
         if (shared) {
             if (!get_u32(&c, &d->n_pieces) || !get_u32(&c, &reserved) || reserved ||
-                d->n_pieces < 1 || d->n_pieces > PKV_WIRE_MAX_PIECES ||
+                d->n_pieces < 1 || d->n_pieces > XF_WIRE_MAX_PIECES ||
                 c.left < 16 * (size_t)d->n_pieces)
                 return PKV_ERR_PROTO;
             d->pieces = c.p;
@@ -312,7 +312,7 @@ int xf_wire_decode(const void *buf, size_t len, xf_wire_msg_t *out)
         }
         if (layers) {
             if (!get_u32(&c, &d->n_sums) || !get_u32(&c, &reserved) || reserved || d->checksum ||
-                d->n_sums < 1 || d->n_sums > PKV_WIRE_MAX_LAYERS - d->layer ||
+                d->n_sums < 1 || d->n_sums > XF_WIRE_MAX_LAYERS - d->layer ||
                 c.left != 8 * (size_t)d->n_sums)
                 return PKV_ERR_PROTO;
             d->sums = c.p;
@@ -324,7 +324,7 @@ int xf_wire_decode(const void *buf, size_t len, xf_wire_msg_t *out)
         for (uint32_t i = 0; i < d->n_pieces; i++) {
             uint64_t off, plen;
             xf_wire_data_piece(d, i, &off, &plen);
-            if (plen < 1 || off >= PKV_WIRE_MAX_ARENA || plen > PKV_WIRE_MAX_ARENA - off)
+            if (plen < 1 || off >= XF_WIRE_MAX_ARENA || plen > XF_WIRE_MAX_ARENA - off)
                 return PKV_ERR_PROTO;
             sum += plen; /* each < 2^44, at most 2^15 of them: no overflow */
         }
@@ -332,16 +332,16 @@ int xf_wire_decode(const void *buf, size_t len, xf_wire_msg_t *out)
         if (sum != d->bytes * (layers ? d->n_sums : 1)) return PKV_ERR_PROTO;
         break;
     }
-    case PKV_WIRE_ACK:
+    case XF_WIRE_ACK:
         if (c.left != ACK_BYTES) return PKV_ERR_PROTO;
         get_u64(&c, &m.u.ack.xfer_id);
         get_u64(&c, &m.u.ack.request_id);
         get_u64(&c, &m.u.ack.bytes);
-        if (m.u.ack.xfer_id == 0 || m.u.ack.xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) ||
-            m.u.ack.bytes > PKV_WIRE_MAX_BYTES)
+        if (m.u.ack.xfer_id == 0 || m.u.ack.xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS) ||
+            m.u.ack.bytes > XF_WIRE_MAX_BYTES)
             return PKV_ERR_PROTO;
         break;
-    case PKV_WIRE_FAIL: {
+    case XF_WIRE_FAIL: {
         uint32_t reason;
         uint16_t text_len, reserved;
         if (c.left < FAIL_FIXED_BYTES) return PKV_ERR_PROTO;
@@ -351,26 +351,26 @@ int xf_wire_decode(const void *buf, size_t len, xf_wire_msg_t *out)
         get_u16(&c, &text_len);
         get_u16(&c, &reserved);
         m.u.fail.reason = (int32_t)reason;
-        if (reserved || text_len > PKV_WIRE_MAX_TEXT || c.left != text_len) return PKV_ERR_PROTO;
-        if (m.u.fail.xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS)) return PKV_ERR_PROTO;
+        if (reserved || text_len > XF_WIRE_MAX_TEXT || c.left != text_len) return PKV_ERR_PROTO;
+        if (m.u.fail.xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS)) return PKV_ERR_PROTO;
         if (!xf_wire_reason_valid(m.u.fail.reason)) return PKV_ERR_PROTO;
         get_bytes(&c, m.u.fail.text, text_len);
         m.u.fail.text[text_len] = '\0';
         if (!printable(m.u.fail.text, text_len)) return PKV_ERR_PROTO;
         break;
     }
-    case PKV_WIRE_HEARTBEAT:
+    case XF_WIRE_HEARTBEAT:
         if (c.left != HB_BYTES) return PKV_ERR_PROTO;
         get_u64(&c, &m.u.hb.agent_id);
         get_u64(&c, &m.u.hb.seq);
         break;
-    case PKV_WIRE_CLOSE: {
+    case XF_WIRE_CLOSE: {
         uint32_t reserved;
         if (c.left != CLOSE_BYTES) return PKV_ERR_PROTO;
         get_u64(&c, &m.u.close.agent_id);
         get_u32(&c, &m.u.close.flags);
         get_u32(&c, &reserved);
-        if (reserved || (m.u.close.flags & ~PKV_WIRE_CLOSE_REPLY)) return PKV_ERR_PROTO;
+        if (reserved || (m.u.close.flags & ~XF_WIRE_CLOSE_REPLY)) return PKV_ERR_PROTO;
         break;
     }
     default:
@@ -383,14 +383,14 @@ int xf_wire_decode(const void *buf, size_t len, xf_wire_msg_t *out)
 int xf_wire_peek_foreign(const void *buf, size_t len, xf_wire_foreign_t *out)
 {
     xf_wire_foreign_t f;
-    if (xf_wire_peek(buf, len, &f) || f.version == PKV_WIRE_VERSION) return PKV_ERR_PROTO;
+    if (xf_wire_peek(buf, len, &f) || f.version == XF_WIRE_VERSION) return PKV_ERR_PROTO;
     *out = f;
     return PKV_OK;
 }
 
 int xf_wire_peek(const void *buf, size_t len, xf_wire_foreign_t *out)
 {
-    if (!buf || len < PKV_WIRE_HEADER_BYTES || len > PKV_WIRE_MAX_MSG || !out) return PKV_ERR_PROTO;
+    if (!buf || len < XF_WIRE_HEADER_BYTES || len > XF_WIRE_MAX_MSG || !out) return PKV_ERR_PROTO;
     rcur_t c = {buf, len};
     uint32_t magic = 0, body_len = 0;
     uint16_t flags = 0;
@@ -400,12 +400,12 @@ int xf_wire_peek(const void *buf, size_t len, xf_wire_foreign_t *out)
     get_u8(&c, &f.type);
     get_u16(&c, &flags);
     get_u32(&c, &body_len);
-    if (magic != PKV_WIRE_MAGIC || f.version == 0 || flags || body_len != c.left)
+    if (magic != XF_WIRE_MAGIC || f.version == 0 || flags || body_len != c.left)
         return PKV_ERR_PROTO;
     uint64_t id = 0;
-    if ((f.type == PKV_WIRE_READ || f.type == PKV_WIRE_DATA || f.type == PKV_WIRE_ACK ||
-         f.type == PKV_WIRE_FAIL) &&
-        get_u64(&c, &id) && id < (1ull << PKV_WIRE_XFER_ID_BITS))
+    if ((f.type == XF_WIRE_READ || f.type == XF_WIRE_DATA || f.type == XF_WIRE_ACK ||
+         f.type == XF_WIRE_FAIL) &&
+        get_u64(&c, &id) && id < (1ull << XF_WIRE_XFER_ID_BITS))
         f.xfer_id = id;
     *out = f;
     return PKV_OK;
@@ -414,7 +414,7 @@ int xf_wire_peek(const void *buf, size_t len, xf_wire_foreign_t *out)
 /* ---- encode --------------------------------------------------------------------------- */
 size_t xf_wire_read_bytes(uint32_t n_runs)
 {
-    return PKV_WIRE_HEADER_BYTES + READ_FIXED_BYTES + 8 * (size_t)n_runs;
+    return XF_WIRE_HEADER_BYTES + READ_FIXED_BYTES + 8 * (size_t)n_runs;
 }
 
 int xf_wire_encode_read(const xf_wire_read_t *r, const uint32_t *blocks, uint32_t n, void *buf,
@@ -422,16 +422,16 @@ int xf_wire_encode_read(const xf_wire_read_t *r, const uint32_t *blocks, uint32_
 {
     if (!r || !blocks || !buf || !len) return PKV_ERR_INVALID;
     uint32_t n_runs = xf_wire_count_runs(blocks, n);
-    if (r->xfer_id == 0 || r->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) ||
-        (r->flags & ~(PKV_WIRE_READ_SHARED | PKV_WIRE_READ_WHOLE)) ||
-        r->budget_ns > PKV_WIRE_MAX_BUDGET_NS || n_runs < 1 || n_runs > PKV_WIRE_MAX_RUNS ||
+    if (r->xfer_id == 0 || r->xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS) ||
+        (r->flags & ~(XF_WIRE_READ_SHARED | XF_WIRE_READ_WHOLE)) ||
+        r->budget_ns > XF_WIRE_MAX_BUDGET_NS || n_runs < 1 || n_runs > XF_WIRE_MAX_RUNS ||
         check_read_sizes(&r->geo, n, r->chunk_bytes))
         return PKV_ERR_INVALID;
     size_t need = xf_wire_read_bytes(n_runs);
-    if (need > PKV_WIRE_MAX_MSG) return PKV_ERR_INVALID;
+    if (need > XF_WIRE_MAX_MSG) return PKV_ERR_INVALID;
     if (cap < need) return PKV_ERR_NOSPACE;
     wcur_t c = {buf, cap};
-    put_header(&c, PKV_WIRE_READ, (uint32_t)(need - PKV_WIRE_HEADER_BYTES));
+    put_header(&c, XF_WIRE_READ, (uint32_t)(need - XF_WIRE_HEADER_BYTES));
     put_u64(&c, r->xfer_id);
     put_u64(&c, r->request_id);
     put_bytes(&c, r->token, sizeof(r->token));
@@ -457,7 +457,7 @@ int xf_wire_encode_read(const xf_wire_read_t *r, const uint32_t *blocks, uint32_
 
 size_t xf_wire_data_bytes(uint32_t n_pieces, uint32_t n_sums)
 {
-    return PKV_WIRE_HEADER_BYTES + DATA_BYTES +
+    return XF_WIRE_HEADER_BYTES + DATA_BYTES +
            (n_pieces ? DATA_PIECES_HDR + 16 * (size_t)n_pieces : 0) +
            (n_sums ? DATA_PIECES_HDR + 8 * (size_t)n_sums : 0);
 }
@@ -466,27 +466,27 @@ int xf_wire_encode_data(const xf_wire_data_t *d, const uint64_t *pieces, uint32_
                         const uint64_t *sums, uint32_t n_sums, void *buf, size_t cap, size_t *len)
 {
     if (!d || !buf || !len) return PKV_ERR_INVALID;
-    bool shared = d->flags & PKV_WIRE_DATA_SHARED, layers = d->flags & PKV_WIRE_DATA_LAYERS;
-    if ((d->flags & ~(PKV_WIRE_DATA_SHARED | PKV_WIRE_DATA_LAYERS)) || d->xfer_id == 0 ||
-        d->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) || d->layer >= PKV_WIRE_MAX_LAYERS ||
-        d->bytes > PKV_WIRE_MAX_BYTES || shared != (n_pieces > 0) || layers != (n_sums > 0) ||
+    bool shared = d->flags & XF_WIRE_DATA_SHARED, layers = d->flags & XF_WIRE_DATA_LAYERS;
+    if ((d->flags & ~(XF_WIRE_DATA_SHARED | XF_WIRE_DATA_LAYERS)) || d->xfer_id == 0 ||
+        d->xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS) || d->layer >= XF_WIRE_MAX_LAYERS ||
+        d->bytes > XF_WIRE_MAX_BYTES || shared != (n_pieces > 0) || layers != (n_sums > 0) ||
         (layers && !shared) || (n_pieces && !pieces) || (n_sums && !sums) ||
-        n_pieces > PKV_WIRE_MAX_PIECES ||
-        (layers && (d->checksum || n_sums > PKV_WIRE_MAX_LAYERS - d->layer)))
+        n_pieces > XF_WIRE_MAX_PIECES ||
+        (layers && (d->checksum || n_sums > XF_WIRE_MAX_LAYERS - d->layer)))
         return PKV_ERR_INVALID;
     uint64_t sum = 0;
     for (uint32_t i = 0; i < n_pieces; i++) {
         uint64_t off = pieces[2 * i], l = pieces[2 * i + 1];
-        if (l < 1 || off >= PKV_WIRE_MAX_ARENA || l > PKV_WIRE_MAX_ARENA - off)
+        if (l < 1 || off >= XF_WIRE_MAX_ARENA || l > XF_WIRE_MAX_ARENA - off)
             return PKV_ERR_INVALID;
         sum += l;
     }
     if (shared && sum != d->bytes * (layers ? n_sums : 1)) return PKV_ERR_INVALID;
     size_t need = xf_wire_data_bytes(n_pieces, n_sums);
-    if (need > PKV_WIRE_MAX_MSG) return PKV_ERR_INVALID;
+    if (need > XF_WIRE_MAX_MSG) return PKV_ERR_INVALID;
     if (cap < need) return PKV_ERR_NOSPACE;
     wcur_t c = {buf, cap};
-    put_header(&c, PKV_WIRE_DATA, (uint32_t)(need - PKV_WIRE_HEADER_BYTES));
+    put_header(&c, XF_WIRE_DATA, (uint32_t)(need - XF_WIRE_HEADER_BYTES));
     put_u64(&c, d->xfer_id);
     put_u32(&c, d->layer);
     put_u32(&c, d->flags);
@@ -509,30 +509,30 @@ int xf_wire_encode_data(const xf_wire_data_t *d, const uint64_t *pieces, uint32_
 int xf_wire_encode_ack(const xf_wire_ack_t *a, void *buf, size_t cap, size_t *len)
 {
     if (!a || !buf || !len) return PKV_ERR_INVALID;
-    if (a->xfer_id == 0 || a->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) ||
-        a->bytes > PKV_WIRE_MAX_BYTES)
+    if (a->xfer_id == 0 || a->xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS) ||
+        a->bytes > XF_WIRE_MAX_BYTES)
         return PKV_ERR_INVALID;
-    if (cap < PKV_WIRE_HEADER_BYTES + ACK_BYTES) return PKV_ERR_NOSPACE;
+    if (cap < XF_WIRE_HEADER_BYTES + ACK_BYTES) return PKV_ERR_NOSPACE;
     wcur_t c = {buf, cap};
-    put_header(&c, PKV_WIRE_ACK, ACK_BYTES);
+    put_header(&c, XF_WIRE_ACK, ACK_BYTES);
     put_u64(&c, a->xfer_id);
     put_u64(&c, a->request_id);
     put_u64(&c, a->bytes);
-    *len = PKV_WIRE_HEADER_BYTES + ACK_BYTES;
+    *len = XF_WIRE_HEADER_BYTES + ACK_BYTES;
     return PKV_OK;
 }
 
 int xf_wire_encode_fail(const xf_wire_fail_t *f, void *buf, size_t cap, size_t *len)
 {
     if (!f || !buf || !len) return PKV_ERR_INVALID;
-    size_t tl = strnlen(f->text, PKV_WIRE_MAX_TEXT + 1);
-    if (tl > PKV_WIRE_MAX_TEXT || !printable(f->text, tl) ||
-        f->xfer_id >= (1ull << PKV_WIRE_XFER_ID_BITS) || !xf_wire_reason_valid(f->reason))
+    size_t tl = strnlen(f->text, XF_WIRE_MAX_TEXT + 1);
+    if (tl > XF_WIRE_MAX_TEXT || !printable(f->text, tl) ||
+        f->xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS) || !xf_wire_reason_valid(f->reason))
         return PKV_ERR_INVALID;
-    size_t need = PKV_WIRE_HEADER_BYTES + FAIL_FIXED_BYTES + tl;
+    size_t need = XF_WIRE_HEADER_BYTES + FAIL_FIXED_BYTES + tl;
     if (cap < need) return PKV_ERR_NOSPACE;
     wcur_t c = {buf, cap};
-    put_header(&c, PKV_WIRE_FAIL, (uint32_t)(FAIL_FIXED_BYTES + tl));
+    put_header(&c, XF_WIRE_FAIL, (uint32_t)(FAIL_FIXED_BYTES + tl));
     put_u64(&c, f->xfer_id);
     put_u64(&c, f->request_id);
     put_u32(&c, (uint32_t)f->reason);
@@ -546,25 +546,25 @@ int xf_wire_encode_fail(const xf_wire_fail_t *f, void *buf, size_t cap, size_t *
 int xf_wire_encode_heartbeat(const xf_wire_heartbeat_t *h, void *buf, size_t cap, size_t *len)
 {
     if (!h || !buf || !len) return PKV_ERR_INVALID;
-    if (cap < PKV_WIRE_HEADER_BYTES + HB_BYTES) return PKV_ERR_NOSPACE;
+    if (cap < XF_WIRE_HEADER_BYTES + HB_BYTES) return PKV_ERR_NOSPACE;
     wcur_t c = {buf, cap};
-    put_header(&c, PKV_WIRE_HEARTBEAT, HB_BYTES);
+    put_header(&c, XF_WIRE_HEARTBEAT, HB_BYTES);
     put_u64(&c, h->agent_id);
     put_u64(&c, h->seq);
-    *len = PKV_WIRE_HEADER_BYTES + HB_BYTES;
+    *len = XF_WIRE_HEADER_BYTES + HB_BYTES;
     return PKV_OK;
 }
 
 int xf_wire_encode_close(const xf_wire_close_t *cl, void *buf, size_t cap, size_t *len)
 {
-    if (!cl || !buf || !len || (cl->flags & ~PKV_WIRE_CLOSE_REPLY)) return PKV_ERR_INVALID;
-    if (cap < PKV_WIRE_HEADER_BYTES + CLOSE_BYTES) return PKV_ERR_NOSPACE;
+    if (!cl || !buf || !len || (cl->flags & ~XF_WIRE_CLOSE_REPLY)) return PKV_ERR_INVALID;
+    if (cap < XF_WIRE_HEADER_BYTES + CLOSE_BYTES) return PKV_ERR_NOSPACE;
     wcur_t c = {buf, cap};
-    put_header(&c, PKV_WIRE_CLOSE, CLOSE_BYTES);
+    put_header(&c, XF_WIRE_CLOSE, CLOSE_BYTES);
     put_u64(&c, cl->agent_id);
     put_u32(&c, cl->flags);
     put_u32(&c, 0);
-    *len = PKV_WIRE_HEADER_BYTES + CLOSE_BYTES;
+    *len = XF_WIRE_HEADER_BYTES + CLOSE_BYTES;
     return PKV_OK;
 }
 
@@ -611,7 +611,7 @@ bool xf_wire_addr_valid(const char *addr)
 static bool local_valid(const pkv_xfer_handle_t *h)
 {
     return h->local.pid >= 1 && h->local.pid < (1u << 30) && h->local.fd >= 0 &&
-           h->local.arena_bytes >= 4096 && h->local.arena_bytes <= PKV_WIRE_MAX_ARENA;
+           h->local.arena_bytes >= 4096 && h->local.arena_bytes <= XF_WIRE_MAX_ARENA;
 }
 
 static size_t handle_bytes(const pkv_xfer_handle_t *h, size_t al)
@@ -625,7 +625,7 @@ static int handle_check(const pkv_xfer_handle_t *h, size_t *addr_len)
     uint64_t lb;
     size_t al = strnlen(h->addr, PKV_XFER_ADDR_MAX);
     if (al >= PKV_XFER_ADDR_MAX || !addr_valid(h->addr, al)) return PKV_ERR_INVALID;
-    if (h->n_blocks < 1 || h->n_blocks > PKV_WIRE_MAX_BLOCKS) return PKV_ERR_INVALID;
+    if (h->n_blocks < 1 || h->n_blocks > XF_WIRE_MAX_BLOCKS) return PKV_ERR_INVALID;
     if (xf_wire_check_geometry(&h->geo, &lb)) return PKV_ERR_INVALID;
     if (h->local.present && !local_valid(h)) return PKV_ERR_INVALID;
     *addr_len = al;
@@ -699,7 +699,7 @@ int pkv_xfer_handle_decode(const void *buf, size_t len, pkv_xfer_handle_t **out)
         if (!local_valid(&tmp)) return PKV_ERR_PROTO;
     }
     if (al >= PKV_XFER_ADDR_MAX || dtype > PKV_DTYPE_BF16) return PKV_ERR_PROTO;
-    if (n < 1 || n > PKV_WIRE_MAX_BLOCKS) return PKV_ERR_PROTO;
+    if (n < 1 || n > XF_WIRE_MAX_BLOCKS) return PKV_ERR_PROTO;
     if (c.left != al + 4 * (size_t)n) return PKV_ERR_PROTO;
     tmp.geo.dtype = (pkv_dtype_t)dtype;
     tmp.n_blocks = n;

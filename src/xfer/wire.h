@@ -22,7 +22,7 @@
  * limits below before anything is used, never reads past `len`, never allocates,
  * and sets *out only on success. The payload bytes of a transfer travel as UCX tag
  * messages (tag layout below); their per-layer checksum is in a DATA message, or, for a
- * whole-stream read (PKV_WIRE_READ_WHOLE without SHARED), in the stream's trailer.
+ * whole-stream read (XF_WIRE_READ_WHOLE without SHARED), in the stream's trailer.
  *
  * Version 3: a whole-stream read through UCX carries its checksums in a
  * trailer after the stream's last byte instead of a DATA message (v2 sent a DATA with
@@ -37,46 +37,46 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define PKV_WIRE_MAGIC        0x58564B50u
-#define PKV_WIRE_VERSION      3
-#define PKV_WIRE_HEADER_BYTES 12u
+#define XF_WIRE_MAGIC        0x58564B50u
+#define XF_WIRE_VERSION      3
+#define XF_WIRE_HEADER_BYTES 12u
 
 enum {
-    PKV_WIRE_READ = 1,
-    PKV_WIRE_DATA = 2,
-    PKV_WIRE_ACK = 3,
-    PKV_WIRE_FAIL = 4,
-    PKV_WIRE_HEARTBEAT = 5,
-    PKV_WIRE_CLOSE = 6,
+    XF_WIRE_READ = 1,
+    XF_WIRE_DATA = 2,
+    XF_WIRE_ACK = 3,
+    XF_WIRE_FAIL = 4,
+    XF_WIRE_HEARTBEAT = 5,
+    XF_WIRE_CLOSE = 6,
 };
 /* CLOSE flags: this is the answer to a CLOSE request. */
-#define PKV_WIRE_CLOSE_REPLY 1u
+#define XF_WIRE_CLOSE_REPLY 1u
 
 /* Limits every decoded message is checked against. */
-#define PKV_WIRE_MAX_MSG          (1u << 20) /* whole control message */
-#define PKV_WIRE_MAX_RUNS         65536u     /* block runs in one READ */
-#define PKV_WIRE_MAX_BLOCKS       (1u << 20) /* blocks in one READ / handle */
-#define PKV_WIRE_MAX_LAYERS       4096u
-#define PKV_WIRE_MAX_HEADS        4096u
-#define PKV_WIRE_MAX_HEAD_DIM     65536u
-#define PKV_WIRE_MAX_BLOCK_TOKENS 65536u
-#define PKV_WIRE_MIN_CHUNK        4096u
-#define PKV_WIRE_MAX_CHUNK        (64u << 20)
-#define PKV_WIRE_MAX_BYTES        (1ull << 40) /* bytes in one transfer */
-#define PKV_WIRE_MAX_BUDGET_NS    (24ull * 3600 * 1000000000ull)
-#define PKV_WIRE_MAX_TEXT         128u         /* FAIL reason text */
-#define PKV_WIRE_MAX_PIECES       32768u       /* arena pieces in one shared DATA */
-#define PKV_WIRE_MAX_ARENA        (1ull << 44) /* a shared staging arena's bytes */
-#define PKV_WIRE_XFER_ID_BITS     38
-#define PKV_WIRE_CHUNK_BITS       24
+#define XF_WIRE_MAX_MSG          (1u << 20) /* whole control message */
+#define XF_WIRE_MAX_RUNS         65536u     /* block runs in one READ */
+#define XF_WIRE_MAX_BLOCKS       (1u << 20) /* blocks in one READ / handle */
+#define XF_WIRE_MAX_LAYERS       4096u
+#define XF_WIRE_MAX_HEADS        4096u
+#define XF_WIRE_MAX_HEAD_DIM     65536u
+#define XF_WIRE_MAX_BLOCK_TOKENS 65536u
+#define XF_WIRE_MIN_CHUNK        4096u
+#define XF_WIRE_MAX_CHUNK        (64u << 20)
+#define XF_WIRE_MAX_BYTES        (1ull << 40) /* bytes in one transfer */
+#define XF_WIRE_MAX_BUDGET_NS    (24ull * 3600 * 1000000000ull)
+#define XF_WIRE_MAX_TEXT         128u         /* FAIL reason text */
+#define XF_WIRE_MAX_PIECES       32768u       /* arena pieces in one shared DATA */
+#define XF_WIRE_MAX_ARENA        (1ull << 44) /* a shared staging arena's bytes */
+#define XF_WIRE_XFER_ID_BITS     38
+#define XF_WIRE_CHUNK_BITS       24
 
 /* Tag of payload chunk `chunk` of transfer `xfer_id` (the consumer's id). The two top
- * bits mark a pagekv data tag; every data tag of the worker matches PKV_WIRE_TAG_KIND_MASK. */
-#define PKV_WIRE_TAG_KIND      (2ull << 62)
-#define PKV_WIRE_TAG_KIND_MASK (3ull << 62)
+ * bits mark a pagekv data tag; every data tag of the worker matches XF_WIRE_TAG_KIND_MASK. */
+#define XF_WIRE_TAG_KIND      (2ull << 62)
+#define XF_WIRE_TAG_KIND_MASK (3ull << 62)
 static inline uint64_t xf_wire_data_tag(uint64_t xfer_id, uint32_t chunk)
 {
-    return PKV_WIRE_TAG_KIND | (xfer_id << PKV_WIRE_CHUNK_BITS) | (uint64_t)chunk;
+    return XF_WIRE_TAG_KIND | (xfer_id << XF_WIRE_CHUNK_BITS) | (uint64_t)chunk;
 }
 
 typedef struct {
@@ -86,7 +86,7 @@ typedef struct {
     uint64_t budget_ns;   /* time left before the consumer's deadline when sent */
     pkv_geometry_t geo;   /* the consumer's pool geometry (must equal the producer's) */
     uint32_t chunk_bytes; /* payload chunk size (tag message size) */
-    uint32_t flags;       /* PKV_WIRE_READ_SHARED */
+    uint32_t flags;       /* XF_WIRE_READ_SHARED */
     uint32_t n_runs;      /* block runs in the plan */
     uint32_t n_blocks;    /* sum of run counts (set by the decoder) */
     const uint8_t *runs;  /* n_runs x {u32 first, u32 count}, little-endian (decoder: into buf) */
@@ -94,25 +94,25 @@ typedef struct {
 
 /* READ flags: the consumer has mapped the producer's shared staging arena (same host):
  * send DATA with arena offsets instead of payload messages. */
-#define PKV_WIRE_READ_SHARED 1u
+#define XF_WIRE_READ_SHARED 1u
 /* READ flags: whole stream (a small transfer): every layer is announced at once, with
  * every layer's checksum. Payload through UCX: the stream is followed by a trailer of
  * `layers` x u64 checksum (little-endian), and chunk c is bytes [c * chunk_bytes,
  * (c + 1) * chunk_bytes) of stream + trailer, whatever the layers; no DATA. With SHARED:
  * one DATA (SHARED | LAYERS) carries the arena pieces of the whole stream and the
  * checksums, sent once every layer is staged. */
-#define PKV_WIRE_READ_WHOLE 2u
+#define XF_WIRE_READ_WHOLE 2u
 /* DATA flags: the layer's bytes (with LAYERS: the bytes of its layers, in stream order)
  * are in the producer's shared arena at `pieces`. */
-#define PKV_WIRE_DATA_SHARED 1u
+#define XF_WIRE_DATA_SHARED 1u
 /* DATA flags: the message covers layers [layer, layer + n_sums), their checksums in
  * `sums`; `checksum` is 0. Only with SHARED (a whole-stream read). */
-#define PKV_WIRE_DATA_LAYERS 2u
+#define XF_WIRE_DATA_LAYERS 2u
 
 typedef struct {
     uint64_t xfer_id;
     uint32_t layer;
-    uint32_t flags;        /* PKV_WIRE_DATA_SHARED | PKV_WIRE_DATA_LAYERS */
+    uint32_t flags;        /* XF_WIRE_DATA_SHARED | XF_WIRE_DATA_LAYERS */
     uint64_t bytes;        /* payload bytes of one layer */
     uint64_t checksum;     /* pkv_xfer_sum over the layer's bytes in stream order */
     uint32_t n_pieces;     /* shared: pieces covering the layer(s) in stream order */
@@ -131,7 +131,7 @@ typedef struct {
     uint64_t xfer_id;
     uint64_t request_id;
     int32_t reason; /* an outcome status: timeout, nofit, rejected, cancelled, corrupt, ... */
-    char text[PKV_WIRE_MAX_TEXT + 1]; /* printable ASCII, NUL-terminated */
+    char text[XF_WIRE_MAX_TEXT + 1]; /* printable ASCII, NUL-terminated */
 } xf_wire_fail_t;
 
 typedef struct {
@@ -144,7 +144,7 @@ typedef struct {
  * (the last ACKs and FAILs) — a local send completion only means our kernel has it. */
 typedef struct {
     uint64_t agent_id;
-    uint32_t flags; /* PKV_WIRE_CLOSE_REPLY */
+    uint32_t flags; /* XF_WIRE_CLOSE_REPLY */
 } xf_wire_close_t;
 
 typedef struct {
@@ -178,7 +178,7 @@ int xf_wire_peek(const void *buf, size_t len, xf_wire_foreign_t *out);
 void xf_wire_read_run(const xf_wire_read_t *r, uint32_t i, uint32_t *first, uint32_t *count);
 /* Piece i (< n_pieces) of a decoded shared DATA. */
 void xf_wire_data_piece(const xf_wire_data_t *d, uint32_t i, uint64_t *offset, uint64_t *length);
-/* Checksum i (< n_sums) of a decoded DATA with PKV_WIRE_DATA_LAYERS: layer `layer + i`. */
+/* Checksum i (< n_sums) of a decoded DATA with XF_WIRE_DATA_LAYERS: layer `layer + i`. */
 uint64_t xf_wire_data_sum(const xf_wire_data_t *d, uint32_t i);
 /* Is reason an outcome a FAIL may carry? */
 bool xf_wire_reason_valid(int32_t reason);
@@ -200,8 +200,8 @@ uint32_t xf_wire_count_runs(const uint32_t *blocks, uint32_t n);
 size_t xf_wire_read_bytes(uint32_t n_runs);
 int xf_wire_encode_read(const xf_wire_read_t *r, const uint32_t *blocks, uint32_t n, void *buf,
                         size_t cap, size_t *len);
-/* The trailers: n_pieces x {offset, length} (PKV_WIRE_DATA_SHARED, else NULL / 0), then
- * n_sums checksums (PKV_WIRE_DATA_LAYERS, else NULL / 0); d->pieces / d->sums and their
+/* The trailers: n_pieces x {offset, length} (XF_WIRE_DATA_SHARED, else NULL / 0), then
+ * n_sums checksums (XF_WIRE_DATA_LAYERS, else NULL / 0); d->pieces / d->sums and their
  * counts are ignored. */
 size_t xf_wire_data_bytes(uint32_t n_pieces, uint32_t n_sums);
 int xf_wire_encode_data(const xf_wire_data_t *d, const uint64_t *pieces, uint32_t n_pieces,

@@ -29,13 +29,13 @@ static void check_roundtrip(const uint8_t *data, size_t size, const xf_wire_msg_
     int rc = PKV_ERR_INVALID;
     uint32_t *blocks = NULL;
     switch (m->type) {
-    case PKV_WIRE_READ:
+    case XF_WIRE_READ:
         blocks = malloc(sizeof(uint32_t) * m->u.read.n_blocks);
         FUZZ_CHECK(blocks);
         expand_runs(&m->u.read, blocks);
         rc = xf_wire_encode_read(&m->u.read, blocks, m->u.read.n_blocks, buf, cap, &len);
         break;
-    case PKV_WIRE_DATA: {
+    case XF_WIRE_DATA: {
         const xf_wire_data_t *d = &m->u.data;
         uint32_t n = 2 * d->n_pieces + d->n_sums;
         uint64_t *items = n ? malloc(8 * (size_t)n) : NULL;
@@ -49,16 +49,16 @@ static void check_roundtrip(const uint8_t *data, size_t size, const xf_wire_msg_
         free(items);
         break;
     }
-    case PKV_WIRE_ACK:
+    case XF_WIRE_ACK:
         rc = xf_wire_encode_ack(&m->u.ack, buf, cap, &len);
         break;
-    case PKV_WIRE_FAIL:
+    case XF_WIRE_FAIL:
         rc = xf_wire_encode_fail(&m->u.fail, buf, cap, &len);
         break;
-    case PKV_WIRE_CLOSE:
+    case XF_WIRE_CLOSE:
         rc = xf_wire_encode_close(&m->u.close, buf, cap, &len);
         break;
-    case PKV_WIRE_HEARTBEAT:
+    case XF_WIRE_HEARTBEAT:
         rc = xf_wire_encode_heartbeat(&m->u.hb, buf, cap, &len);
         break;
     default:
@@ -68,7 +68,7 @@ static void check_roundtrip(const uint8_t *data, size_t size, const xf_wire_msg_
     xf_wire_msg_t m2;
     FUZZ_CHECK(xf_wire_decode(buf, len, &m2) == PKV_OK);
     FUZZ_CHECK(m2.type == m->type);
-    if (m->type == PKV_WIRE_READ) {
+    if (m->type == XF_WIRE_READ) {
         const xf_wire_read_t *x = &m->u.read, *y = &m2.u.read;
         FUZZ_CHECK(x->xfer_id == y->xfer_id && x->request_id == y->request_id);
         FUZZ_CHECK(!memcmp(x->token, y->token, sizeof(x->token)));
@@ -84,8 +84,8 @@ static void check_roundtrip(const uint8_t *data, size_t size, const xf_wire_msg_
         /* Fixed layouts and canonical text: the bytes themselves must match, but for the
          * version (a FAIL or CLOSE of any version decodes; we send ours). */
         FUZZ_CHECK(len == size && !memcmp(buf, data, 4) && !memcmp(buf + 5, data + 5, size - 5));
-        FUZZ_CHECK(data[4] == PKV_WIRE_VERSION || m->type == PKV_WIRE_FAIL ||
-                   m->type == PKV_WIRE_CLOSE);
+        FUZZ_CHECK(data[4] == XF_WIRE_VERSION || m->type == XF_WIRE_FAIL ||
+                   m->type == XF_WIRE_CLOSE);
     }
     free(blocks);
     free(buf);
@@ -99,9 +99,9 @@ void pkv_fuzz_wire(const uint8_t *data, size_t size)
     xf_wire_foreign_t f;
     if (xf_wire_peek_foreign(data, size, &f) == PKV_OK) {
         /* another version's: never one we decode, but a FAIL or a CLOSE */
-        FUZZ_CHECK(f.version != 0 && f.version != PKV_WIRE_VERSION && f.version == data[4]);
-        FUZZ_CHECK(!ours || f.type == PKV_WIRE_FAIL || f.type == PKV_WIRE_CLOSE);
-        FUZZ_CHECK(f.xfer_id < (1ull << PKV_WIRE_XFER_ID_BITS));
+        FUZZ_CHECK(f.version != 0 && f.version != XF_WIRE_VERSION && f.version == data[4]);
+        FUZZ_CHECK(!ours || f.type == XF_WIRE_FAIL || f.type == XF_WIRE_CLOSE);
+        FUZZ_CHECK(f.xfer_id < (1ull << XF_WIRE_XFER_ID_BITS));
     }
 
     pkv_xfer_handle_t *h = NULL;
