@@ -485,6 +485,31 @@ static pkv_stage_t *make_stage(const xh_case_t *c, uint32_t pages)
     return st;
 }
 
+/* One side's staging: `pages` (0: sized for the case), half a transfer's worth when the
+ * case makes this side too small, and with every page taken by a hog grant (freed with
+ * hog_release) when the case fills this side's staging. */
+#define XH_HOG_TRANSFER (1ull << 61)
+static pkv_stage_t *side_stage(const xh_case_t *c, uint32_t pages, bool too_small, bool full,
+                               pkv_stage_grant_t **hog)
+{
+    if (too_small) pages = pages_for(c, c->page_bytes ? c->page_bytes : 65536) / 2;
+    pkv_stage_t *st = make_stage(c, pages);
+    *hog = NULL;
+    if (full) {
+        int rc = pkv_stage_acquire(st, XH_HOG_TRANSFER, 999, pkv_stage_pool_pages(st),
+                                   PKV_DEADLINE_NEVER, hog);
+        if (rc) child_fail("hog staging", rc);
+    }
+    return st;
+}
+
+static void hog_release(pkv_stage_t *st, pkv_stage_grant_t *hog)
+{
+    if (!hog) return;
+    pkv_stage_release(st, XH_HOG_TRANSFER);
+    pkv_stage_grant_free(hog);
+}
+
 static pkv_kv_t *make_kv(const xh_case_t *c)
 {
     pkv_kv_config_t kc;
@@ -571,15 +596,9 @@ static void producer_main(const xh_case_t *c, int from_parent)
     pkv_kv_t *kv = make_kv(c);
     pkv_seq_t *seqs[XH_MAX_REQ];
     for (uint32_t r = 0; r < c->n_requests; r++) seqs[r] = make_seq(kv, r, c->n_tokens, true);
-    uint32_t pages = c->prod_pages;
-    if (f == XH_NOFIT_PRODUCER) pages = pages_for(c, c->page_bytes ? c->page_bytes : 65536) / 2;
-    pkv_stage_t *st = make_stage(c, pages);
-    pkv_stage_grant_t *hog = NULL;
-    if (f == XH_STAGING_FULL_PRODUCER) {
-        int rc = pkv_stage_acquire(st, 1ull << 61, 999, pkv_stage_pool_pages(st),
-                                   PKV_DEADLINE_NEVER, &hog);
-        if (rc) child_fail("hog staging", rc);
-    }
+    pkv_stage_grant_t *hog;
+    pkv_stage_t *st =
+        side_stage(c, c->prod_pages, f == XH_NOFIT_PRODUCER, f == XH_STAGING_FULL_PRODUCER, &hog);
     pkv_xfer_agent_t *a = make_agent(c, kv, st, c->prod_host, true);
 
     /* Handles: u32 count, then per handle u32 length + bytes. */
@@ -651,10 +670,7 @@ static void producer_main(const xh_case_t *c, int from_parent)
     } else {
         rep.registrations_left = UINT64_MAX; /* unknown: the agent is gone */
     }
-    if (hog) {
-        pkv_stage_release(st, 1ull << 61);
-        pkv_stage_grant_free(hog);
-    }
+    hog_release(st, hog);
     rep.staging_left = stage_used(st);
     for (uint32_t r = 0; r < c->n_requests; r++) pkv_seq_free(seqs[r]);
     rep.blocks_live = blocks_live(kv);
@@ -708,15 +724,9 @@ static void consumer_main(const xh_case_t *c, int from_parent)
     pkv_kv_t *kv = make_kv(c);
     pkv_seq_t *seqs[XH_MAX_REQ];
     for (uint32_t r = 0; r < nreq; r++) seqs[r] = make_seq(kv, r, c->n_tokens, false);
-    uint32_t pages = c->cons_pages;
-    if (f == XH_NOFIT_CONSUMER) pages = pages_for(c, c->page_bytes ? c->page_bytes : 65536) / 2;
-    pkv_stage_t *st = make_stage(c, pages);
-    pkv_stage_grant_t *hog = NULL;
-    if (f == XH_STAGING_FULL_CONSUMER) {
-        int rc = pkv_stage_acquire(st, 1ull << 61, 999, pkv_stage_pool_pages(st),
-                                   PKV_DEADLINE_NEVER, &hog);
-        if (rc) child_fail("hog staging", rc);
-    }
+    pkv_stage_grant_t *hog;
+    pkv_stage_t *st =
+        side_stage(c, c->cons_pages, f == XH_NOFIT_CONSUMER, f == XH_STAGING_FULL_CONSUMER, &hog);
     pkv_xfer_agent_t *a = make_agent(c, kv, st, NULL, false);
 
     cons_report_t rep;
@@ -791,10 +801,7 @@ static void consumer_main(const xh_case_t *c, int from_parent)
         rep.pins_left = s.pinned_blocks;
         pkv_xfer_agent_destroy(a);
     }
-    if (hog) {
-        pkv_stage_release(st, 1ull << 61);
-        pkv_stage_grant_free(hog);
-    }
+    hog_release(st, hog);
     rep.staging_left = stage_used(st);
     for (uint32_t r = 0; r < nreq; r++) pkv_seq_free(seqs[r]);
     rep.blocks_live = blocks_live(kv);
