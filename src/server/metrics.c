@@ -222,6 +222,7 @@ char *srv_metrics_render(const srv_snapshot_t *snap, size_t *len)
     render_http(f, &snap->ctr);
     render_engine(f, &snap->es);
     render_kv(f, &snap->ks);
+    srv_cache_policy_render(f, &snap->ks, &snap->mw);
     if (snap->has_kv) render_kvt(f, &snap->kv);
     if (snap->rss_bytes)
         one(f, "pagekv_process_resident_memory_bytes", "gauge", "VmRSS of the server process.",
@@ -268,5 +269,6 @@ json_t *srv_cache_stats_json(const srv_snapshot_t *snap)
         (json_int_t)ks->decommits, "cache_resets", (json_int_t)c->cache_resets, "rejections", rej,
         "requests", "in_flight", (json_int_t)c->in_flight, "running", (json_int_t)es->running,
         "queued", (json_int_t)es->queued, "submitted", (json_int_t)es->submitted);
+    if (doc) srv_cache_policy_json(doc, ks, &snap->mw);
     return doc;
 }
