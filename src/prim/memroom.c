@@ -15,7 +15,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#define ROOM_PATH   1024
+#define ROOM_PATH    1024
 #define ROOM_NOLIMIT (1ull << 60) /* v1 writes ~2^63 for "no limit" */
 
 typedef struct {
@@ -76,8 +76,8 @@ static bool room_cgroup_dir(const room_ctx_t *c, int version, const char *dir,
     snprintf(path, sizeof(path), "%s/%s", dir, f_usage);
     if (!room_read_u64(c, path, &usage)) return false;
     snprintf(path, sizeof(path), "%s/memory.stat", dir);
-    uint64_t inactive = room_read(c, path, stat, sizeof(stat)) ? room_stat_field(stat, k_inactive)
-                                                                : 0;
+    uint64_t inactive =
+        room_read(c, path, stat, sizeof(stat)) ? room_stat_field(stat, k_inactive) : 0;
     *out = (pkv_prim_room_src_t){
         .present = true, .limit_bytes = limit, .usage_bytes = usage - PKV_MIN(usage, inactive)};
     return true;
@@ -144,8 +144,9 @@ static void room_cgroup(const room_ctx_t *c, pkv_prim_room_t *out)
         out->cgroup = s;
         out->cgroup_version = 1;
     }
-    if (have_v2 && (room_cgroup_walk(c, 2, "/sys/fs/cgroup", v2, &s) ||
-                    room_cgroup_walk(c, 2, "/sys/fs/cgroup/unified", v2, &s)) &&
+    if (have_v2 &&
+        (room_cgroup_walk(c, 2, "/sys/fs/cgroup", v2, &s) ||
+         room_cgroup_walk(c, 2, "/sys/fs/cgroup/unified", v2, &s)) &&
         (!out->cgroup_version || room_left(&s) < room_left(&out->cgroup))) {
         out->cgroup = s;
         out->cgroup_version = 2;

@@ -38,7 +38,7 @@
 
 struct srv_memwatch {
     pkv_kv_t *kv;
-    char root[256]; /* prim's root for the readings ("" = the real files) */
+    char root[256];       /* prim's root for the readings ("" = the real files) */
     uint64_t reserve_cfg; /* 0: auto from each source's limit */
     uint64_t poll_ns;
     bool watch;
@@ -106,7 +106,8 @@ static bool mw_tightest(const srv_memwatch_t *w, const pkv_prim_room_t *r, mw_re
         uint64_t reserve = mw_reserve(w, s->limit_bytes);
         /* compare room - reserve without going below zero: room + out->reserve vs ... */
         if (!found || room + out->reserve < out->room + reserve) {
-            *out = (mw_reading_t){.source = srcs[i].name, .src = s, .room = room, .reserve = reserve};
+            *out =
+                (mw_reading_t){.source = srcs[i].name, .src = s, .room = room, .reserve = reserve};
             found = true;
         }
     }
@@ -149,10 +150,12 @@ static void mw_check(srv_memwatch_t *w)
                  r.have_psi ? r.psi_some_avg10 : 0.0, (unsigned long long)(limit >> 20),
                  (unsigned long long)(ks.cache_bytes >> 20));
     } else if (!now_guarding && guarding) {
-        PKV_LOGI("server", "memory pressure over after %.1f s: %llu cached blocks dropped (%s: %llu MiB left)",
-                 (double)(pkv_now_ns() - w->ep_start_ns) / 1e9,
-                 (unsigned long long)(ks.evictions_pressure - w->ep_evictions0), t.source,
-                 (unsigned long long)(t.room >> 20));
+        PKV_LOGI(
+            "server",
+            "memory pressure over after %.1f s: %llu cached blocks dropped (%s: %llu MiB left)",
+            (double)(pkv_now_ns() - w->ep_start_ns) / 1e9,
+            (unsigned long long)(ks.evictions_pressure - w->ep_evictions0), t.source,
+            (unsigned long long)(t.room >> 20));
     }
     pthread_mutex_lock(&w->lock);
     w->st.source = t.source;
@@ -203,7 +206,8 @@ int srv_memwatch_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, srv_memwat
     if (cfg->memory_root && strcmp(cfg->memory_root, "/"))
         snprintf(w->root, sizeof(w->root), "%s", cfg->memory_root);
     w->reserve_cfg = cfg->memory_reserve_bytes;
-    w->poll_ns = (uint64_t)(cfg->memory_poll_ms ? cfg->memory_poll_ms : MW_POLL_DEFAULT_MS) * 1000000;
+    w->poll_ns =
+        (uint64_t)(cfg->memory_poll_ms ? cfg->memory_poll_ms : MW_POLL_DEFAULT_MS) * 1000000;
     w->watch = !cfg->no_memory_watch;
     w->st = (srv_memwatch_stats_t){
         .running = true, .watching = w->watch, .source = "none", .cache_limit = PKV_KV_NO_LIMIT};
@@ -257,30 +261,31 @@ void srv_cache_policy_json(json_t *doc, const pkv_kv_stats_t *ks, const srv_memw
     json_t *pc = json_object_get(doc, "prefix_cache");
     if (pc) {
         json_object_set_new(pc, "bytes", json_integer((json_int_t)ks->cache_bytes));
-        json_object_set_new(pc, "max_bytes", mw_bytes_or_null(ks->cache_max_bytes, ks->cache_max_bytes));
-        json_object_set_new(pc, "idle_s", ks->cache_idle_ms ? json_real((double)ks->cache_idle_ms / 1e3)
-                                                            : json_null());
+        json_object_set_new(pc, "max_bytes",
+                            mw_bytes_or_null(ks->cache_max_bytes, ks->cache_max_bytes));
+        json_object_set_new(pc, "idle_s",
+                            ks->cache_idle_ms ? json_real((double)ks->cache_idle_ms / 1e3)
+                                              : json_null());
         json_object_set_new(pc, "pressure_limit_bytes",
                             mw_bytes_or_null(ks->cache_pressure_limit,
                                              ks->cache_pressure_limit != PKV_KV_NO_LIMIT));
-        json_object_set_new(pc, "evictions",
-                            json_pack("{s:I, s:I, s:I, s:I, s:I}", "cap",
-                                      (json_int_t)ks->evictions_cap, "idle",
-                                      (json_int_t)ks->evictions_idle, "pressure",
-                                      (json_int_t)ks->evictions_pressure, "budget",
-                                      (json_int_t)ks->evictions_budget, "reset",
-                                      (json_int_t)ks->evictions_reset));
+        json_object_set_new(
+            pc, "evictions",
+            json_pack("{s:I, s:I, s:I, s:I, s:I}", "cap", (json_int_t)ks->evictions_cap, "idle",
+                      (json_int_t)ks->evictions_idle, "pressure",
+                      (json_int_t)ks->evictions_pressure, "budget",
+                      (json_int_t)ks->evictions_budget, "reset", (json_int_t)ks->evictions_reset));
     }
     json_object_set_new(
         doc, "memory",
-        json_pack("{s:b, s:s, s:o, s:o, s:o, s:o, s:o, s:b, s:I, s:I}", "watch", m->watching,
-                  "source", m->source, "limit_bytes", mw_bytes_or_null(m->limit_bytes, m->limit_bytes),
-                  "usage_bytes", mw_bytes_or_null(m->usage_bytes, m->limit_bytes), "room_bytes",
-                  mw_bytes_or_null(m->room_bytes, m->limit_bytes), "reserve_bytes",
-                  mw_bytes_or_null(m->reserve_bytes, m->limit_bytes), "psi_some_avg10",
-                  m->have_psi ? json_real(m->psi_some_avg10) : json_null(), "pressure",
-                  m->guarding, "pressure_episodes", (json_int_t)m->episodes, "readings",
-                  (json_int_t)m->readings));
+        json_pack(
+            "{s:b, s:s, s:o, s:o, s:o, s:o, s:o, s:b, s:I, s:I}", "watch", m->watching, "source",
+            m->source, "limit_bytes", mw_bytes_or_null(m->limit_bytes, m->limit_bytes),
+            "usage_bytes", mw_bytes_or_null(m->usage_bytes, m->limit_bytes), "room_bytes",
+            mw_bytes_or_null(m->room_bytes, m->limit_bytes), "reserve_bytes",
+            mw_bytes_or_null(m->reserve_bytes, m->limit_bytes), "psi_some_avg10",
+            m->have_psi ? json_real(m->psi_some_avg10) : json_null(), "pressure", m->guarding,
+            "pressure_episodes", (json_int_t)m->episodes, "readings", (json_int_t)m->readings));
 }
 
 static void mw_family(FILE *f, const char *name, const char *type, const char *help)
@@ -298,8 +303,8 @@ void srv_cache_policy_render(FILE *f, const pkv_kv_stats_t *ks, const srv_memwat
 {
     mw_one(f, "pagekv_kv_cache_bytes", "gauge",
            "Committed KV memory held only by cached prefix blocks.", ks->cache_bytes);
-    mw_one(f, "pagekv_kv_cache_max_bytes", "gauge",
-           "Cap on pagekv_kv_cache_bytes (0: none).", ks->cache_max_bytes);
+    mw_one(f, "pagekv_kv_cache_max_bytes", "gauge", "Cap on pagekv_kv_cache_bytes (0: none).",
+           ks->cache_max_bytes);
     mw_family(f, "pagekv_kv_cache_idle_seconds", "gauge",
               "Idle time after which a cached block is evicted (0: never).");
     fprintf(f, "pagekv_kv_cache_idle_seconds %.3f\n", (double)ks->cache_idle_ms / 1e3);
