@@ -37,7 +37,8 @@
 #include <unistd.h>
 
 const char *const fp_scenario_names[SC_N] = {
-    "idle", "shared_prefix_burst", "seqshare", "multiturn", "churn", "distinct_burst"};
+    "idle",  "shared_prefix_burst", "seqshare",        "multiturn",
+    "churn", "distinct_burst",      "churn_then_idle", "hangups"};
 const char *const fp_phase_names[PH_N] = {"load", "settle_load", "scenario", "settle"};
 
 /* ---- options -------------------------------------------------------------------------------- */
@@ -46,7 +47,8 @@ static void fp_usage(FILE *f)
 {
     fprintf(f, "usage: pagekv bench footprint [options] [-- server flags]\n"
                "  --scenario a,b,..   of: idle, shared_prefix_burst, seqshare, multiturn, churn,\n"
-               "                      distinct_burst, all (default all)\n"
+               "                      distinct_burst, churn_then_idle, hangups, all\n"
+               "                      (default all)\n"
                "  --backend B         paged | dense | all (default all)\n"
                "  --repeat N          runs of each (scenario, backend); medians (default 1)\n"
                "  --json FILE         every run, its phases, samples and the server's counters\n"
@@ -56,6 +58,8 @@ static void fp_usage(FILE *f)
                "  --idle S            the idle scenario's length (default 20)\n"
                "  --prefix-tokens N   shared system prompt length in tokens (default 3700)\n"
                "  --churn-budget B    --kv-cache-budget for churn (default 64M; 0: none)\n"
+               "  --cache-idle S      --prefix-cache-idle-s for churn_then_idle and hangups,\n"
+               "                      whose settle phase lasts this much longer (default 10)\n"
                "  --request-timeout S per HTTP request (default 1800)\n"
                "  --server-bin PATH   the pagekv binary to serve (default this one)\n"
                "  --keep-logs         keep every server log (failed runs' logs are always kept)\n"
@@ -116,6 +120,8 @@ static int fp_parse_duration(const char *cmd, const char *a, const char *v, fp_o
     if (fp_parse_seconds(v, &s)) return pkv_cli_usage_error(cmd, "%s: bad seconds '%s'", a, v);
     if (!strcmp(a, "--settle-load"))
         o->settle_load_s = s;
+    else if (!strcmp(a, "--cache-idle"))
+        o->cache_idle_s = s;
     else if (!strcmp(a, "--settle"))
         o->settle_s = s;
     else if (!strcmp(a, "--idle"))
@@ -144,7 +150,7 @@ static int fp_parse_valued(const char *cmd, const char *a, const char *v, fp_opt
     } else if (!strcmp(a, "--server-bin")) {
         o->server_bin = v;
     } else if (!strcmp(a, "--settle-load") || !strcmp(a, "--settle") || !strcmp(a, "--idle") ||
-               !strcmp(a, "--request-timeout")) {
+               !strcmp(a, "--request-timeout") || !strcmp(a, "--cache-idle")) {
         return fp_parse_duration(cmd, a, v, o);
     } else if (!strcmp(a, "--prefix-tokens")) {
         if (pkv_cli_parse_u64(v, 16, 30000, &u))
@@ -170,6 +176,7 @@ static int fp_parse_opts(int argc, char **argv, fp_opts_t *o)
                      .idle_s = 20,
                      .prefix_tokens = 3700,
                      .churn_budget = 64ull << 20,
+                     .cache_idle_s = 10,
                      .request_timeout_s = 1800};
     o->backend[0] = o->backend[1] = true;
     for (int i = 1; i < argc; i++) {

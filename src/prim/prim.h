@@ -41,6 +41,10 @@ int pkv_prim_shared_decommit(int fd, void *addr, size_t offset, size_t size);
  * failure the range is punched out again. PKV_ERR_NOMEM when the memory is not there. */
 int pkv_prim_shared_commit(int fd, void *addr, size_t offset, size_t size);
 
+/* Return the C heap's free memory to the OS (malloc_trim: every arena's top and the free
+ * pages inside). For a process going idle: it walks every arena under its lock. */
+void pkv_prim_heap_trim(void);
+
 /* The process's memory as the OS reports it. */
 typedef struct {
     uint64_t rss_bytes; /* VmRSS */

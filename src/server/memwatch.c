@@ -172,6 +172,15 @@ static void mw_check(srv_memwatch_t *w)
     pthread_mutex_unlock(&w->lock);
 }
 
+/* The time-to-live just evicted blocks: when nothing is live any more the server has gone
+ * idle, and the C heap's free pages (connection threads' arenas) go back too. */
+static void mw_went_idle(srv_memwatch_t *w)
+{
+    pkv_kv_stats_t ks;
+    pkv_kv_stats(w->kv, &ks);
+    if (!ks.blocks_live && !ks.sequences) pkv_prim_heap_trim();
+}
+
 static void *mw_main(void *arg)
 {
     srv_memwatch_t *w = arg;
@@ -181,6 +190,7 @@ static void *mw_main(void *arg)
         pthread_mutex_unlock(&w->lock);
         uint64_t now = pkv_now_ns(), next_idle = UINT64_MAX;
         uint64_t n = pkv_kv_trim(w->kv, now, &next_idle);
+        if (n) mw_went_idle(w);
         if (w->watch) mw_check(w);
         uint64_t deadline = PKV_MIN(now + w->poll_ns, PKV_MAX(next_idle, now + MW_MIN_WAIT_NS));
         pthread_mutex_lock(&w->lock);
