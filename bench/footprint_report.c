@@ -356,8 +356,8 @@ void fp_print_report(const fp_opts_t *o, fp_run_t *runs, size_t n, fp_target_t *
                "settle lasts %g s): RSS before (after a warm-up request and the idle period, "
                "just before the load), peak and after (end of settle); KV committed at the "
                "scenario's end and after; seconds from the "
-               "scenario's end until KV committed <= one granule per range and RSS <= baseline "
-               "x 1.05 (churn_then_idle) / 1.10 (hangups); -1: not within settle.\n\n"
+               "scenario's end until KV committed <= one granule per range and RSS <= before x "
+               "1.05 (churn_then_idle) / 1.10 (hangups); -1: not within settle.\n\n"
                "| scenario | backend | RSS before MiB | peak MiB | RSS after MiB | KV at end MiB "
                "| KV after MiB | KV back s | RSS back s |\n|---|---|---|---|---|---|---|---|---|\n",
                o->cache_idle_s, o->settle_s + o->cache_idle_s);
