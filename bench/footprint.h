@@ -58,7 +58,9 @@ typedef struct {
     uint32_t repeat;
     const char *json_path, *svg_dir, *server_bin;
     double settle_load_s, settle_s, idle_s;
-    uint32_t prefix_tokens; /* shared_prefix_burst's system prompt, in tokens */
+    const char *preset;     /* the server's --preset (default llama-3.2-1b) */
+    uint32_t prefix_tokens; /* shared_prefix_burst's system prompt, in tokens (default 3700;
+                               4200 with qwen3-0.6b: the first report's two cases) */
     uint64_t churn_budget;  /* --kv-cache-budget for churn; 0: none */
     double cache_idle_s;    /* --prefix-cache-idle-s for churn_then_idle and hangups */
     double request_timeout_s;

@@ -299,8 +299,9 @@ int fp_targets(const fp_opts_t *o, fp_run_t *runs, size_t n, fp_target_t *t)
 
 void fp_print_report(const fp_opts_t *o, fp_run_t *runs, size_t n, fp_target_t *t, int nt)
 {
-    printf("## pagekv bench footprint (%u repeat%s; median, (min-max) when repeated)\n\n",
-           o->repeat, o->repeat > 1 ? "s" : "");
+    printf("## pagekv bench footprint (%s preset, %u-token shared prefix, %u repeat%s; median, "
+           "(min-max) when repeated)\n\n",
+           o->preset, o->prefix_tokens, o->repeat, o->repeat > 1 ? "s" : "");
     printf("| scenario | backend | peak MiB | last MiB | settled MiB | baseline MiB | KV "
            "committed peak MiB | kv_min MiB | cached tokens | wall s |\n");
     printf("|---|---|---|---|---|---|---|---|---|---|\n");
@@ -493,8 +494,8 @@ int fp_write_json(const fp_opts_t *o, fp_run_t *runs, size_t n, fp_target_t *t, 
     const char *arena = getenv("MALLOC_ARENA_MAX");
     json_object_set_new(
         root, "config",
-        json_pack("{s:I, s:f, s:f, s:f, s:f, s:I, s:f, s:I, s:o, s:s*}", "repeat",
-                  (json_int_t)o->repeat, "cache_idle_s", o->cache_idle_s, "settle_load_s",
+        json_pack("{s:s, s:I, s:f, s:f, s:f, s:f, s:I, s:f, s:I, s:o, s:s*}", "preset", o->preset,
+                  "repeat", (json_int_t)o->repeat, "cache_idle_s", o->cache_idle_s, "settle_load_s",
                   o->settle_load_s, "settle_s", o->settle_s, "idle_s", o->idle_s, "prefix_tokens",
                   (json_int_t)o->prefix_tokens, "filler_chars_per_token", cpt, "churn_budget_bytes",
                   (json_int_t)o->churn_budget, "server_flags", pass, "MALLOC_ARENA_MAX", arena));
@@ -576,9 +577,8 @@ static int fp_plot_write(const fp_opts_t *o, int sc, const fp_plot_t *pl)
 {
     char path[4096], title[160];
     snprintf(path, sizeof(path), "%s/footprint-%s.svg", o->svg_dir, fp_scenario_names[sc]);
-    snprintf(title, sizeof(title),
-             "pagekv serve memory: %s (llama-3.2-1b preset, f16 KV, repeat 1)",
-             fp_scenario_names[sc]);
+    snprintf(title, sizeof(title), "pagekv serve memory: %s (%s preset, f16 KV, repeat 1)",
+             fp_scenario_names[sc], o->preset);
     FILE *f = fopen(path, "w");
     int wrc = f ? pkv_fp_svg_write(f, title, pl->s, pl->ns, pl->m, pl->nm) : -1;
     if (f && fclose(f)) wrc = -1;

@@ -93,7 +93,7 @@ static void fp_server_argv(const fp_opts_t *o, fp_run_t *r, const char **argv, c
     argv[a++] = "serve";
     argv[a++] = "--port";
     argv[a++] = "0";
-    if (!fp_pass_has(o, "--preset")) argv[a++] = "--preset", argv[a++] = "llama-3.2-1b";
+    if (!fp_pass_has(o, "--preset")) argv[a++] = "--preset", argv[a++] = o->preset;
     argv[a++] = "--kv-backend";
     argv[a++] = pkv_backend_name(r->backend);
     if (!fp_pass_has(o, "--max-batch-size")) argv[a++] = "--max-batch-size", argv[a++] = "8";

@@ -104,7 +104,7 @@ static bool mw_tightest(const srv_memwatch_t *w, const pkv_prim_room_t *r, mw_re
         if (!s->present) continue;
         uint64_t room = s->limit_bytes - PKV_MIN(s->limit_bytes, s->usage_bytes);
         uint64_t reserve = mw_reserve(w, s->limit_bytes);
-        /* compare room - reserve without going below zero: room + out->reserve vs ... */
+        /* room - reserve < out->room - out->reserve, without unsigned underflow */
         if (!found || room + out->reserve < out->room + reserve) {
             *out =
                 (mw_reading_t){.source = srcs[i].name, .src = s, .room = room, .reserve = reserve};
