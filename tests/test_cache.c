@@ -6,7 +6,8 @@
  * left (cgroup v2, v1 with a limited ancestor, PSI, MemAvailable, from fake trees), and
  * the server: the idle timer with no new request, the cap and its figures in
  * /v1/cache/stats and /metrics, pressure from injected readings, the CLI's flags, and a
- * `pagekv serve` inside a real memory cgroup (v1 or v2) with a limit, whose cached blocks
+ * `pagekv serve` inside a real v1 memory cgroup with a limit (skipped with a message where
+ * none can be made, e.g. a v2-only host), whose cached blocks
  * go before the limit is reached.
  */
 #include "support/testutil.h"
