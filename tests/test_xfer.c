@@ -658,6 +658,42 @@ START_TEST(read_checks_the_producer_identity)
 }
 END_TEST
 
+/* A producer of another wire version sends no HELLO (its first message is foreign): a read
+ * that waits for one to check the identity ends rejected at once, not by its deadline. */
+START_TEST(identity_read_from_another_version_ends_at_once)
+{
+    pair_t x;
+    side_make_full(&x.p, &SMALL, false, "pagekv-prefill-A");
+    side_make_with(&x.c, &SMALL, false);
+    x.src = seq_with(x.p.kv, 37, true, 5);
+    x.dst = seq_with(x.c.kv, 37, false, 5);
+    pkv_seq_blocks(x.src, &x.sids, &x.sn);
+    pkv_seq_blocks(x.dst, &x.dids, &x.dn);
+    pkv_xfer_faults_t f = {.corrupt_layer = -1, .wire_version = 3};
+    pkv_xfer_set_faults(x.p.a, &f);
+    pkv_xfer_handle_t *h;
+    ck_assert_int_eq(pkv_xfer_register(x.p.a, 13, x.sids, x.sn, PKV_DEADLINE_NEVER, NULL, NULL, &h),
+                     PKV_OK);
+    pkv_xfer_read_opts_t o = {.identity = "pagekv-prefill-A"};
+    pkv_xfer_read_t *rd;
+    uint64_t t0 = pkv_now_ns();
+    ck_assert_int_eq(pkv_xfer_read_ex(x.c.a, h, &o, x.dids, x.dn,
+                                      pkv_deadline_after_ns(30000000000ull), NULL, NULL, &rd),
+                     PKV_OK);
+    int oc = 0;
+    ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(31000000000ull), &oc), PKV_OK);
+    pkv_xfer_read_free(rd);
+    ck_assert_int_eq(oc, PKV_ERR_REJECTED);
+    ck_assert_uint_lt(pkv_now_ns() - t0, 5000000000ull);
+    pkv_xfer_stats_t ps;
+    pkv_xfer_stats(x.p.a, &ps);
+    ck_assert_uint_eq(ps.serves_started + ps.sent, 0);
+    ck_assert_uint_eq(ps.registrations, 1);
+    pkv_xfer_handle_free(h);
+    pair_free(&x);
+}
+END_TEST
+
 START_TEST(in_process_read_ok_then_sent_once)
 {
     pair_t x;
@@ -1808,6 +1844,7 @@ static Suite *xfer_suite(void)
     tcase_add_test(api, partial_read_moves_only_named_blocks);
     tcase_add_test(api, token_only_release_returns_pins_at_once);
     tcase_add_test(api, read_checks_the_producer_identity);
+    tcase_add_test(api, identity_read_from_another_version_ends_at_once);
     tcase_add_test(api, stale_payload_is_drained);
     tcase_add_test(api, many_registrations_each_end_once);
     tcase_add_test(api, read_wait_keeps_its_deadline);

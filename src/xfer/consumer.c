@@ -729,6 +729,17 @@ void xf_reads_on_hello(pkv_xfer_agent_t *a, xf_peer_t *p)
     }
 }
 
+void xf_reads_no_hello(pkv_xfer_agent_t *a, xf_peer_t *p, const char *why)
+{
+    for (pkv_xfer_read_t *rd = a->reads, *next; rd; rd = next) {
+        next = rd->next; /* settle may unlink rd */
+        if (rd->peer != p || !rd->read_deferred || rd->finished) continue;
+        rd->read_deferred = false;
+        finish(a, rd, PKV_ERR_REJECTED, false, why);
+        settle(a, rd);
+    }
+}
+
 /* The producer accepted a token-only release. */
 void xf_read_on_ack(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_ack_t *k)
 {

@@ -486,6 +486,7 @@ ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, voi
                 p->foreign_logged = true;
                 PKV_LOGW(XF_MOD, "peer %u: %s: its transfers end rejected", p->id, why);
             }
+            if (p->outgoing && !p->hello_seen) xf_reads_no_hello(a, p, why);
         } else {
             XF_STAT_ADD(a, proto_errors, 1);
             snprintf(why, sizeof(why), "malformed message (type %u, %zu bytes)", f.type, length);

@@ -673,17 +673,15 @@ static void forge_layer(pkv_xfer_agent_t *a, xf_serve_t *s, xf_mac_t *m, uint32_
     uint8_t wrong[PKV_XFER_TOKEN_BYTES];
     memcpy(wrong, s->reg->token, sizeof(wrong));
     wrong[0] ^= 1;
-    xf_view_t v = s->v; /* the same view, its keys from the wrong token */
     uint8_t *keys = malloc((size_t)s->v.layers * XF_MAC_KEY_BYTES);
     (void)a;
     if (!keys) return;
-    v.keys = keys;
     if (xf_mac_keys(m, wrong, s->nonce, s->request_id, s->v.n_blocks, s->v.layers, keys) ==
         PKV_OK) {
         /* Flip a staged byte (the bytes the peer sends), MAC what is staged. */
         pkv_xfer_sum_fence();
         xf_view_corrupt(&s->v, l);
-        xf_view_mac_staged(&v, m, l, s->layer_mac + XF_MAC_TAG_BYTES * l);
+        xf_view_mac_staged(&s->v, m, keys, l, s->layer_mac + XF_MAC_TAG_BYTES * l);
     }
     free(keys);
 }

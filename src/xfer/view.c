@@ -252,9 +252,10 @@ void xf_view_corrupt(const xf_view_t *v, uint32_t l)
     *p ^= 0x5a;
 }
 
-void xf_view_mac_staged(const xf_view_t *v, xf_mac_t *m, uint32_t l, uint8_t tag[XF_MAC_TAG_BYTES])
+void xf_view_mac_staged(const xf_view_t *v, xf_mac_t *m, const uint8_t *keys, uint32_t l,
+                        uint8_t tag[XF_MAC_TAG_BYTES])
 {
-    xf_mac_begin(m, v->keys + (size_t)XF_MAC_KEY_BYTES * l);
+    xf_mac_begin(m, keys + (size_t)XF_MAC_KEY_BYTES * l);
     for (uint64_t off = (uint64_t)l * v->layer_total, left = v->layer_total; left;) {
         uint64_t contig;
         const uint8_t *st = stage_at(v, off, &contig);

@@ -441,8 +441,10 @@ void *xf_seater_main(void *arg);
 bool xf_view_copy_layer(const xf_view_t *v, pkv_xfer_agent_t *a, xf_mac_t *m, uint32_t l,
                         bool to_stage, uint8_t tag[XF_MAC_TAG_BYTES]);
 void xf_view_corrupt(const xf_view_t *v, uint32_t l);
-/* Layer l's MAC over what is staged now (fault injection: a forged layer). */
-void xf_view_mac_staged(const xf_view_t *v, xf_mac_t *m, uint32_t l, uint8_t tag[XF_MAC_TAG_BYTES]);
+/* Layer l's MAC over what is staged now, under `keys` (32 x layers) instead of the view's
+ * (fault injection: a forged layer). */
+void xf_view_mac_staged(const xf_view_t *v, xf_mac_t *m, const uint8_t *keys, uint32_t l,
+                        uint8_t tag[XF_MAC_TAG_BYTES]);
 /* Arena {offset, length} pieces of stream range [off, off+len); 0 when more than cap. */
 uint32_t xf_view_arena_pieces(const xf_view_t *v, uint64_t off, uint64_t len, uint64_t *out,
                               uint32_t cap);
@@ -463,6 +465,9 @@ void xf_read_job(pkv_xfer_agent_t *a, xf_mac_t *m, pkv_xfer_read_t *rd, uint32_t
 void xf_read_on_ack(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_ack_t *k);
 /* The producer's HELLO came on p: reads waiting for it send READ or end rejected. */
 void xf_reads_on_hello(pkv_xfer_agent_t *a, xf_peer_t *p);
+/* p speaks another wire version (it will send no HELLO): reads waiting for one end
+ * rejected with `why` now. */
+void xf_reads_no_hello(pkv_xfer_agent_t *a, xf_peer_t *p, const char *why);
 void xf_read_seat(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd);
 void xf_read_unref(pkv_xfer_read_t *rd);
 
