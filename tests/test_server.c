@@ -2283,6 +2283,43 @@ START_TEST(decode_leg_equals_unified)
     ck_assert_int_eq(ji(kv, "leases.pinned_blocks"), 0);
     json_decref(kv);
     leases_settle(ports[0], 8);
+    /* Forged params are refused when nothing would move too: a wrong token (the producer
+     * refuses the release) and another engine id (no release is sent), each 400 naming
+     * what is wrong, nothing submitted; the genuine params then release the lease. */
+    json_t *kt = prefill_leg(ports[0], paths[0], reqs[0]);
+    json_t *st = get_json(ports[1], "/v1/cache/stats");
+    long long submitted = ji(st, "requests.submitted");
+    json_decref(st);
+    const struct {
+        const char *key, *value, *code, *param;
+    } forged[] = {
+        {"pagekv_token", "00000000000000000000000000000000", "rejected", "kv_transfer_params"},
+        {"remote_engine_id", "pagekv-0123456789abcdef0123456789abcdef", "invalid_value",
+         "kv_transfer_params.remote_engine_id"},
+    };
+    for (size_t i = 0; i < PKV_ARRAY_LEN(forged); i++) {
+        json_t *bad = json_deep_copy(kt);
+        json_object_set_new(bad, forged[i].key, json_string(forged[i].value));
+        leg_t d;
+        decode_leg(ports[1], paths[0], reqs[0], bad, &d);
+        json_decref(bad);
+        ck_assert_int_eq(d.status, 400);
+        ck_assert_str_eq(js(d.doc, "error.code"), forged[i].code);
+        ck_assert_str_eq(js(d.doc, "error.param"), forged[i].param);
+        json_decref(d.doc);
+    }
+    st = get_json(ports[1], "/v1/cache/stats");
+    ck_assert_int_eq(ji(st, "requests.submitted"), submitted); /* nothing generated */
+    json_decref(st);
+    pk = kv_stats(ports[0]);
+    ck_assert_int_eq(ji(pk, "leases.live"), 1); /* the registration stays */
+    json_decref(pk);
+    leg_t d;
+    decode_leg(ports[1], paths[0], reqs[0], kt, &d);
+    ck_assert_int_eq(d.status, 200);
+    json_decref(d.doc);
+    json_decref(kt);
+    leases_settle(ports[0], 9);
     wait_quiet(ports[1]);
     for (size_t i = 0; i < PKV_ARRAY_LEN(reqs); i++) json_decref(reqs[i]);
     for (int i = 0; i < 3; i++) pkv_server_destroy(s[i]);
