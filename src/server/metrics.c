@@ -203,6 +203,13 @@ static void render_kvt(FILE *f, const srv_kv_snapshot_t *k)
         "Payload bytes of acknowledged transfers served.", x->bytes_sent);
     one(f, "pagekv_kv_transfer_received_bytes_total", "counter",
         "Payload bytes pulled, verified and stored.", x->bytes_received);
+    family(f, "pagekv_kv_pull_blocks_total", "counter",
+           "Decode legs' prompt blocks: pulled from the producer, or adopted from the local "
+           "prefix cache.");
+    fprintf(f, "pagekv_kv_pull_blocks_total{source=\"pulled\"} %llu\n",
+            (unsigned long long)k->pulls.blocks_pulled);
+    fprintf(f, "pagekv_kv_pull_blocks_total{source=\"adopted\"} %llu\n",
+            (unsigned long long)k->pulls.blocks_adopted);
     one(f, "pagekv_kv_staging_pages_held", "gauge", "Staging pages held by transfers.",
         x->staging_pages_held);
     one(f, "pagekv_kv_staging_peak_pages", "gauge", "Peak of staging pages in use.",

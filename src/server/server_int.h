@@ -82,11 +82,13 @@ typedef struct {
 
 /* Decode legs' pulls. */
 typedef struct {
-    uint64_t ok;         /* every block pulled into the request's sequence */
-    uint64_t dropped;    /* pulled but dropped: the local prefix cache held part of the prompt */
-    uint64_t failed;     /* the read (or the sequence for it) failed */
-    uint64_t recomputed; /* of those, computed here instead (--kv-load-failure recompute) */
-    uint64_t local;      /* requests without kv_transfer_params, computed here */
+    uint64_t ok;             /* legs that pulled the blocks the local prefix cache lacked */
+    uint64_t released;       /* legs that needed none: a token-only release */
+    uint64_t failed;         /* the read (or the sequence for it) failed */
+    uint64_t recomputed;     /* of those, computed here instead (--kv-load-failure recompute) */
+    uint64_t local;          /* requests without kv_transfer_params, computed here */
+    uint64_t blocks_pulled;  /* of ok legs: blocks read from the producer */
+    uint64_t blocks_adopted; /* of ok and released legs: blocks the local prefix cache held */
 } srv_pull_counts_t;
 
 typedef struct {
