@@ -673,6 +673,7 @@ typedef struct {
     srv_gen_t gen;
     bool first_seen;
     uint64_t rid;       /* pagekv's own request id (never the client's X-Request-Id) */
+    uint64_t seed;      /* the request's sampling seed */
     const int32_t *ids; /* the prompt (n_prompt) */
     bool prefill_leg;   /* kv_transfer_params do_remote_decode on a prefill node */
     bool decode_leg;    /* a decode leg whose pull succeeded (not recomputed) */
@@ -718,24 +719,32 @@ static void submit_error(pkv_server_t *s, int rc, const gen_run_t *run, srv_erro
     }
 }
 
-/* Check the KV budget, count the request in flight and submit it. PKV_OK with run->req,
- * run->id and run->created; otherwise *err (the refusal counted). */
-static int gen_submit(pkv_server_t *s, http_req_t *hr, const srv_request_t *r, const int32_t *ids,
-                      gen_run_t *run, srv_error_t *err)
+/* Check the KV budget and count the request in flight (run->rid and run->seed taken):
+ * from here on drain waits for it, a decode leg's pull included. PKV_OK, or *err (the
+ * refusal counted). */
+static int gen_enter(pkv_server_t *s, http_req_t *hr, const srv_request_t *r, gen_run_t *run,
+                     srv_error_t *err)
 {
     if (!kv_fits(s, run->n_prompt, run->max_tokens, err)) {
         count_rejection(s, SRV_REJ_KV_BUDGET);
         return PKV_ERR_NOFIT;
     }
-    uint64_t id, seed;
-    if (!gen_admit(s, r, &id, &seed)) {
+    if (!gen_admit(s, r, &run->rid, &run->seed)) {
         count_rejection(s, SRV_REJ_SHUTTING_DOWN);
         srv_error_set(err, 503, "service_unavailable", "shutting_down", NULL,
                       "the server is shutting down");
         return PKV_ERR_SHUTDOWN;
     }
     hr->in_flight = true;
-    run->rid = id;
+    return PKV_OK;
+}
+
+/* Submit a request gen_enter counted. PKV_OK with run->req, run->id and run->created;
+ * otherwise *err (the refusal counted). */
+static int gen_submit(pkv_server_t *s, const srv_request_t *r, const int32_t *ids, gen_run_t *run,
+                      srv_error_t *err)
+{
+    uint64_t id = run->rid, seed = run->seed;
     run->ids = ids;
     pkv_request_params_t p = {.keep_blocks = run->prefill_leg,
                               .prompt = ids,
@@ -968,11 +977,13 @@ static enum MHD_Result handle_generate(pkv_server_t *s, struct MHD_Connection *c
         count_rejection(s, !strcmp(err.code, "context_length_exceeded") ? SRV_REJ_CONTEXT
                                                                         : SRV_REJ_INVALID);
         ret = answer_error(s, c, hr, &err);
+    } else if (gen_enter(s, hr, &r, &run, &err)) {
+        ret = answer_error(s, c, hr, &err);
     } else if (r.kvt == SRV_KVT_DECODE && srv_kvnode_pull(s->kvn, r.kvt_params, ids, run.n_prompt,
                                                           r.salt, &pulled, &run.tm, &err)) {
         if (err.status == 400) count_rejection(s, SRV_REJ_INVALID); /* else: pulls.failed */
         ret = answer_error(s, c, hr, &err);
-    } else if (gen_submit(s, hr, &r, ids, &run, &err)) {
+    } else if (gen_submit(s, &r, ids, &run, &err)) {
         ret = answer_error(s, c, hr, &err);
     } else {
         if (s->role == PKV_SERVER_ROLE_DECODE && r.kvt == SRV_KVT_NONE)

@@ -378,6 +378,7 @@ static void *progress_main(void *arg)
 {
     pkv_xfer_agent_t *a = arg;
     uint32_t idle_spins = 0;
+    uint64_t beat_ns = 0; /* the last loop_ns stored: at most one store a millisecond */
     uint64_t last_work_ns = 0;
     bool clean = false, stopping = false;
     for (;;) {
@@ -390,7 +391,10 @@ static void *progress_main(void *arg)
         while (pkv_fault_hit(PKV_FAULT_XFER_STALL))
             nanosleep(&(struct timespec){0, 100000000}, NULL);
         a->now_ns = pkv_now_ns();
-        atomic_store_explicit(&a->loop_ns, a->now_ns, memory_order_relaxed);
+        if (a->now_ns - beat_ns >= 1000000ull) {
+            atomic_store_explicit(&a->loop_ns, a->now_ns, memory_order_relaxed);
+            beat_ns = a->now_ns;
+        }
         if (atomic_load_explicit(&a->wake_posted, memory_order_relaxed) &&
             atomic_exchange_explicit(&a->wake_posted, false, memory_order_acq_rel)) {
             pthread_mutex_lock(&a->lock);

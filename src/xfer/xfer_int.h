@@ -317,7 +317,9 @@ struct pkv_xfer_agent {
                                 only if it was off); the loop takes the queues only when
                                 it was on */
     pthread_t progress_thread;
-    _Atomic uint64_t loop_ns; /* when the progress loop's last round began (liveness) */
+    _Atomic uint64_t loop_ns; /* when a progress round last began (liveness; stored at most
+                                 once a millisecond, so a polling loop does not keep
+                                 writing a line other threads read) */
     pthread_t *workers;
     pthread_t *seaters;
     uint32_t n_workers, n_seaters;

@@ -158,6 +158,7 @@ void ts_node_start(ts_node_t *c, const char *netns, const char *host, bool tcp_o
         prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive a failed test */
         if (getppid() != parent) _exit(99);
         if (tcp_only) setenv("UCX_TLS", "tcp", 1);
+        dup2(fds[1], 1); /* UCX logs to stdout */
         dup2(fds[1], 2);
         close(fds[0]);
         close(fds[1]);
