@@ -332,10 +332,11 @@ static void finish(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, int outcome, bool t
     rd->finished = true;
     rd->state = XF_READ_DONE;
     rd->done_ns = pkv_now_ns(); /* the write-off clock in the tick counts from it */
-    /* A READ posted before the endpoint was up left when it came up. */
+    /* A READ posted before the endpoint was up left when it came up (or never). */
     if (rd->peer && rd->peer->established)
         rd->t_connected = PKV_MAX(rd->t_start, rd->peer->established_ns);
-    if (rd->t_requested) rd->t_requested = PKV_MAX(rd->t_requested, rd->t_connected);
+    rd->t_requested =
+        rd->t_connected && rd->t_requested ? PKV_MAX(rd->t_requested, rd->t_connected) : 0;
     atomic_store(&rd->v.abort, true);
     if (outcome == PKV_OK && pkv_log_get_level() >= PKV_LOG_DEBUG) {
         if (rd->shared)
