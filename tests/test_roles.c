@@ -473,7 +473,8 @@ static void prefill_killed(nodes_t *n, int rep)
 }
 
 /* The prefill node stopped (SIGSTOP) during the pull: peer_lost after the heartbeat
- * timeout (or the deadline), then it resumes; its serves end, its leases run out. */
+ * timeout (or the deadline), a second leg waiting for the one-page node's exhausted
+ * staging too; then it resumes; its serves end, its leases run out. */
 static void prefill_stopped(nodes_t *n, int rep)
 {
     char prompt[96];
@@ -482,18 +483,29 @@ static void prefill_stopped(nodes_t *n, int rep)
     leg_t u;
     unified(n, req, &u);
     warm(n, "warm up the endpoints before the producer stops");
-    json_t *kts[3] = {NULL, prefill_leg(LOCAL, n->node[0].port, req),
+    json_t *kts[3] = {prefill_leg(LOCAL, n->node[0].port, req),
+                      prefill_leg(LOCAL, n->node[0].port, req),
                       prefill_leg(LOCAL, n->node[0].port, req)};
+    json_t *kv = kv_stats(n, 1);
+    long long waits = ts_ji(kv, "staging.waits");
+    json_decref(kv);
     kill(n->node[0].pid, SIGSTOP);
     async_leg_t legs[3];
     for (int i = 1; i < 3; i++)
         async_start(&legs[i], LOCAL, n->node[i].port, decode_body(req, kts[i]));
-    for (int i = 1; i < 3; i++) {
+    /* A second leg on the one-page node: its staging is exhausted (the first read holds
+     * the page), so it waits for it, and ends with the first. */
+    usleep(100000);
+    async_start(&legs[0], LOCAL, n->node[1].port, decode_body(req, kts[0]));
+    for (int i = 0; i < 3; i++) {
         async_join(&legs[i]);
-        failed_pull(i, &legs[i].out, &u, "peer_lost timeout", "prefill stopped");
+        failed_pull(i ? i : 1, &legs[i].out, &u, "peer_lost timeout", "prefill stopped");
         leg_free(&legs[i].out);
         json_decref(kts[i]);
     }
+    kv = kv_stats(n, 1);
+    ck_assert_int_gt(ts_ji(kv, "staging.waits"), waits); /* the second leg waited */
+    json_decref(kv);
     kill(n->node[0].pid, SIGCONT);
     nodes_settled(n, "prefill stopped during the pull");
     leg_free(&u);

@@ -342,6 +342,7 @@ json_t *srv_kv_stats_json(const srv_kv_snapshot_t *k)
     json_object_set_new(t, "active", json_integer((json_int_t)x->active_transfers));
     json_object_set_new(t, "peers_lost", json_integer((json_int_t)x->peers_lost));
     json_t *st = json_object_get(doc, "staging");
+    json_object_set_new(st, "waits", json_integer((json_int_t)s->waits));
     json_object_set_new(
         st, "pages_resident",
         json_integer(s->page_bytes ? (json_int_t)(s->resident_bytes / s->page_bytes) : 0));

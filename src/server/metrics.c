@@ -297,6 +297,9 @@ static void render_kvt(FILE *f, const srv_kv_snapshot_t *k)
         k->ss.resident_bytes);
     one(f, "pagekv_kv_staging_pinned_bytes", "gauge", "Staging memory locked in RAM.",
         k->ss.pinned_bytes);
+    one(f, "pagekv_kv_staging_waits_total", "counter",
+        "Staging acquires that had to wait for pages (staging exhausted for a while).",
+        k->ss.waits);
     one(f, "pagekv_kv_staging_resident_pages", "gauge", "Staging pages committed.",
         k->ss.page_bytes ? k->ss.resident_bytes / k->ss.page_bytes : 0);
     render_kvt_flow(f, k);
