@@ -835,8 +835,10 @@ START_TEST(pair_across_network_namespaces)
              "ip -n %s link set lo up && ip -n %s link set lo up",
              a, b, va, vb, va, a, vb, b, a, ipa, va, b, ipb, vb, a, va, b, vb, a, b);
     if (sh(cmd) != 0) {
-        snprintf(cmd, sizeof(cmd), "ip netns del %s 2>/dev/null; ip netns del %s 2>/dev/null", a,
-                 b);
+        snprintf(cmd, sizeof(cmd),
+                 "ip link del %s 2>/dev/null; ip netns del %s 2>/dev/null; "
+                 "ip netns del %s 2>/dev/null",
+                 va, a, b);
         sh(cmd);
         fprintf(stderr, "pair_across_network_namespaces: skipped (cannot create network "
                         "namespaces here: not root or no iproute2)\n");
