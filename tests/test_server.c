@@ -2518,6 +2518,144 @@ START_TEST(decode_leg_recompute_policy)
 }
 END_TEST
 
+/* ---- observability ----------------------------------------------------------------------------
+ */
+
+static const char *const phase_names[8] = {"prefill_queue", "prefill_compute", "lease_wait",
+                                           "handshake",     "staging_wait",    "wire",
+                                           "commit",        "decode"};
+
+static long long phase_count(uint16_t port, const char *phase)
+{
+    char sample[96];
+    snprintf(sample, sizeof(sample), "pagekv_kv_transfer_phase_seconds_count{phase=\"%s\"}", phase);
+    return metric(port, sample);
+}
+
+/* One disaggregated request moves each phase's count by exactly one on the node where the
+ * phase happens (and by none on the other); with X-Pagekv-Timings both legs' answers carry
+ * their own phases; a bad header value is a 400. */
+START_TEST(phases_move_by_one)
+{
+    pkv_server_t *s[3];
+    uint16_t ports[3];
+    three_nodes(s, ports, 5000, false);
+    static const bool on_node[2][8] = {{1, 1, 1, 0, 1, 1, 0, 0}, {0, 0, 0, 1, 1, 1, 1, 1}};
+    long long before[2][8];
+    for (int n = 0; n < 2; n++)
+        for (int p = 0; p < 8; p++) before[n][p] = phase_count(ports[n], phase_names[p]);
+    json_t *req = json_pack("{s:s, s:s, s:i, s:f}", "model", "tiny", "prompt",
+                            "Every phase of one request, counted once where it happens",
+                            "max_tokens", 6, "temperature", 0.0);
+    const char *path = "/v1/completions";
+    json_t *pre = json_deep_copy(req);
+    json_object_set_new(pre, "max_tokens", json_integer(1));
+    json_object_set_new(pre, "kv_transfer_params",
+                        json_pack("{s:b, s:b}", "do_remote_decode", 1, "do_remote_prefill", 0));
+    http_extra_header = "X-Pagekv-Timings: 1";
+    leg_t p, d;
+    leg_post(ports[0], path, pre, &p);
+    ck_assert_int_eq(p.status, 200);
+    json_t *kt = jp(p.doc, "kv_transfer_params");
+    decode_leg(ports[1], path, req, kt, &d);
+    http_extra_header = NULL;
+    ck_assert_int_eq(d.status, 200);
+    leases_settle(ports[0], 1);
+    for (int n = 0; n < 2; n++)
+        for (int k = 0; k < 8; k++)
+            ck_assert_msg(phase_count(ports[n], phase_names[k]) - before[n][k] == on_node[n][k],
+                          "node %d phase %s moved by %lld", n, phase_names[k],
+                          phase_count(ports[n], phase_names[k]) - before[n][k]);
+    /* Each answer's own phases: the prefill leg's engine phases, the decode leg's pull and
+     * decode, with what the pull moved. */
+    ck_assert_str_eq(js(p.doc, "pagekv_timings.role"), "prefill");
+    for (int k = 0; k < 8; k++) {
+        char key[64];
+        snprintf(key, sizeof(key), "pagekv_timings.phases_seconds.%s", phase_names[k]);
+        bool pre_has = k <= 1, dec_has = on_node[1][k];
+        ck_assert_msg((jp(p.doc, key) != NULL) == pre_has, "prefill leg: %s", key);
+        ck_assert_msg((jp(d.doc, key) != NULL) == dec_has, "decode leg: %s", key);
+        if (dec_has) ck_assert(json_real_value(jp(d.doc, key)) >= 0);
+    }
+    ck_assert_int_eq(ji(d.doc, "pagekv_timings.kv_pulled_blocks"),
+                     (long long)json_array_size(jp(kt, "remote_block_ids")));
+    ck_assert_int_gt(ji(d.doc, "pagekv_timings.kv_pulled_bytes"), 0);
+    /* No timings unless asked. */
+    leg_t plain;
+    leg_post(ports[2], path, req, &plain);
+    ck_assert_ptr_null(jp(plain.doc, "pagekv_timings"));
+    json_decref(plain.doc);
+    /* Streamed: the last chunk carries them. */
+    json_t *sreq = json_deep_copy(req);
+    json_object_set_new(sreq, "stream", json_true());
+    char *body = json_dumps(sreq, 0);
+    http_extra_header = "X-Pagekv-Timings: true";
+    resp_t r;
+    ck_assert_int_eq(http(ports[2], "POST", path, body, strlen(body), &r), CURLE_OK);
+    ck_assert_int_eq(r.status, 200);
+    ck_assert_ptr_nonnull(strstr(r.body, "\"pagekv_timings\""));
+    resp_free(&r);
+    http_extra_header = "X-Pagekv-Timings: maybe";
+    ck_assert_int_eq(http(ports[2], "POST", path, body, strlen(body), &r), CURLE_OK);
+    http_extra_header = NULL;
+    ck_assert_int_eq(r.status, 400);
+    ck_assert_ptr_nonnull(strstr(r.body, "X-Pagekv-Timings"));
+    resp_free(&r);
+    free(body);
+    json_decref(sreq);
+    ck_assert_int_eq(http(ports[1], "GET", "/metrics", NULL, 0, &r), CURLE_OK);
+    ck_assert_int_gt(prom_check(r.body), 40); /* the phase histograms parse */
+    resp_free(&r);
+    /* The unified node has no transfer families. */
+    ck_assert_int_eq(http(ports[2], "GET", "/metrics", NULL, 0, &r), CURLE_OK);
+    ck_assert_ptr_null(strstr(r.body, "pagekv_kv_transfer_phase_seconds"));
+    resp_free(&r);
+    json_decref(p.doc);
+    json_decref(d.doc);
+    json_decref(pre);
+    json_decref(req);
+    for (int i = 0; i < 3; i++) pkv_server_destroy(s[i]);
+}
+END_TEST
+
+/* /health is 503 while the agent's progress thread is stuck (a fault site holds its loop
+ * 4 s) and 200 again once it runs. */
+START_TEST(health_503_while_agent_stalls)
+{
+    pkv_server_config_t cfg = base_config();
+    cfg.role = PKV_SERVER_ROLE_DECODE;
+    pkv_server_t *s = start(cfg);
+    uint16_t port = pkv_server_port(s);
+    resp_t r;
+    ck_assert_int_eq(http(port, "GET", "/health", NULL, 0, &r), CURLE_OK);
+    ck_assert_int_eq(r.status, 200);
+    resp_free(&r);
+    ck_assert_int_eq(metric(port, "pagekv_kv_agent_up"), 1);
+    pkv_fault_arm(PKV_FAULT_XFER_STALL, 0, 40);
+    uint64_t t0 = pkv_now_ns();
+    bool seen_503 = false;
+    while (pkv_now_ns() - t0 < 10000000000ull) {
+        ck_assert_int_eq(http(port, "GET", "/health", NULL, 0, &r), CURLE_OK);
+        bool down = r.status == 503;
+        if (down) {
+            ck_assert_ptr_nonnull(strstr(r.body, "\"kv_agent\":\"down\""));
+            seen_503 = true;
+        }
+        resp_free(&r);
+        if (down && metric(port, "pagekv_kv_agent_up") != 0) ck_abort_msg("agent_up while 503");
+        if (seen_503 && !down) break;
+        usleep(50000);
+    }
+    ck_assert_msg(seen_503, "/health never went 503 while the progress loop was held");
+    ck_assert_int_eq(pkv_fault_fired(PKV_FAULT_XFER_STALL), 40);
+    ck_assert_int_eq(http(port, "GET", "/health", NULL, 0, &r), CURLE_OK);
+    ck_assert_int_eq(r.status, 200); /* back */
+    resp_free(&r);
+    pkv_fault_disarm_all();
+    pkv_server_destroy(s);
+}
+END_TEST
+
 static Suite *server_suite(void)
 {
     Suite *s = suite_create("server");
@@ -2548,6 +2686,8 @@ static Suite *server_suite(void)
     tcase_add_test(roles, decode_leg_bad_params);
     tcase_add_test(roles, disagg_across_processes);
     tcase_add_test(roles, decode_leg_recompute_policy);
+    tcase_add_test(roles, phases_move_by_one);
+    tcase_add_test(roles, health_503_while_agent_stalls);
     suite_add_tcase(s, roles);
     TCase *pure = tcase_create("pure");
     tcase_add_test(pure, gen_finish_and_figures);

@@ -694,6 +694,108 @@ START_TEST(identity_read_from_another_version_ends_at_once)
 }
 END_TEST
 
+/* The serve timings, read inside the sent callback (and another request's there). */
+typedef struct {
+    pkv_xfer_agent_t *a;
+    atomic_int calls;
+    int rc, other_rc;
+    pkv_xfer_serve_timings_t t;
+} timed_cb_t;
+static void timed_sent(void *arg, uint64_t request_id, int outcome)
+{
+    timed_cb_t *c = arg;
+    pkv_xfer_serve_timings_t other;
+    c->rc = outcome == PKV_OK ? pkv_xfer_sent_timings(c->a, request_id, &c->t) : outcome;
+    c->other_rc = pkv_xfer_sent_timings(c->a, request_id + 1, &other);
+    atomic_fetch_add(&c->calls, 1);
+}
+
+/* The observability accessors: a read's steps stamped in order, and its serve's, readable
+ * only inside the sent callback (NOTFOUND elsewhere); a read without an outcome is BUSY;
+ * the agent is alive, not while its progress loop is held (PKV_FAULT_XFER_STALL), and
+ * alive again after. Small reads (one stream, inline copies) and layered ones. */
+START_TEST(timings_and_liveness)
+{
+    for (int layered = 0; layered < 2; layered++) {
+        pair_t x;
+        pair_make_with(&x, &SMALL, 37, 5, layered, layered);
+        timed_cb_t cb = {.a = x.p.a};
+        pkv_xfer_handle_t *h;
+        uint64_t t_reg = pkv_now_ns();
+        ck_assert_int_eq(
+            pkv_xfer_register(x.p.a, 11, x.sids, x.sn, PKV_DEADLINE_NEVER, timed_sent, &cb, &h),
+            PKV_OK);
+        pkv_xfer_serve_timings_t st;
+        ck_assert_int_eq(pkv_xfer_sent_timings(x.p.a, 11, &st), PKV_ERR_NOTFOUND);
+        uint64_t t0 = pkv_now_ns();
+        pkv_xfer_read_t *rd;
+        ck_assert_int_eq(pkv_xfer_read(x.c.a, h, x.dids, x.dn, pkv_deadline_after_ns(3000000000ull),
+                                       NULL, NULL, &rd),
+                         PKV_OK);
+        int oc = -1;
+        ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(5000000000ull), &oc), PKV_OK);
+        ck_assert_int_eq(oc, PKV_OK);
+        pkv_xfer_read_timings_t rt;
+        ck_assert_int_eq(pkv_xfer_read_timings(rd, &rt), PKV_OK);
+        uint64_t t1 = pkv_now_ns();
+        pkv_xfer_read_free(rd);
+        ck_assert_msg(t0 <= rt.started_ns && rt.started_ns <= rt.connected_ns &&
+                          rt.connected_ns <= rt.requested_ns && rt.started_ns <= rt.seated_ns &&
+                          rt.seated_ns <= rt.requested_ns && rt.requested_ns <= rt.first_ns &&
+                          rt.first_ns <= rt.last_ns && rt.last_ns <= rt.done_ns && rt.done_ns <= t1,
+                      "read steps out of order (layered %d)", layered);
+        for (int i = 0; i < 400 && !atomic_load(&cb.calls); i++) usleep(5000);
+        ck_assert_int_eq(atomic_load(&cb.calls), 1);
+        ck_assert_int_eq(cb.rc, PKV_OK);
+        ck_assert_int_eq(cb.other_rc, PKV_ERR_NOTFOUND);
+        ck_assert_msg(t_reg <= cb.t.registered_ns && cb.t.registered_ns <= cb.t.accepted_ns &&
+                          cb.t.accepted_ns <= cb.t.seated_ns && cb.t.seated_ns <= cb.t.staged_ns &&
+                          cb.t.staged_ns <= cb.t.sent_ns && cb.t.sent_ns <= cb.t.acked_ns &&
+                          cb.t.acked_ns <= pkv_now_ns(),
+                      "serve steps out of order (layered %d)", layered);
+        uint64_t age = UINT64_MAX;
+        ck_assert(pkv_xfer_agent_alive(x.c.a, 1000000000ull, &age));
+        ck_assert_uint_lt(age, 1000000000ull);
+        pkv_xfer_handle_free(h);
+        pair_free(&x);
+    }
+    /* A held loop: a new read is never taken (BUSY), the agent is not alive; released, the
+     * read ends (nobody listens there) with its start and end stamped and no payload. */
+    side_t s;
+    side_make(&s, &SMALL);
+    pkv_seq_t *dst = seq_with(s.kv, 8, false, 1);
+    const uint32_t *d;
+    uint32_t dn;
+    ck_assert_int_eq(pkv_seq_blocks(dst, &d, &dn), PKV_OK);
+    pkv_xfer_handle_t *h = calloc(1, sizeof(*h) + sizeof(uint32_t));
+    ck_assert_ptr_nonnull(h);
+    h->request_id = 1;
+    h->geo = *pkv_kv_geometry(s.kv);
+    snprintf(h->addr, sizeof(h->addr), "127.0.0.1:1");
+    h->n_blocks = 1;
+    pkv_fault_arm(PKV_FAULT_XFER_STALL, 0, 10); /* 1 s */
+    usleep(400000);
+    pkv_xfer_read_t *rd;
+    ck_assert_int_eq(
+        pkv_xfer_read(s.a, h, d, 1, pkv_deadline_after_ns(3000000000ull), NULL, NULL, &rd), PKV_OK);
+    pkv_xfer_read_timings_t rt;
+    ck_assert_int_eq(pkv_xfer_read_timings(rd, &rt), PKV_ERR_BUSY);
+    ck_assert(!pkv_xfer_agent_alive(s.a, 300000000ull, NULL));
+    int oc = -1;
+    ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(6000000000ull), &oc), PKV_OK);
+    ck_assert_int_eq(oc, PKV_ERR_PEER_LOST);
+    ck_assert_int_eq(pkv_xfer_read_timings(rd, &rt), PKV_OK);
+    ck_assert(rt.started_ns && rt.done_ns >= rt.started_ns && !rt.first_ns && !rt.requested_ns);
+    pkv_xfer_read_free(rd);
+    ck_assert(pkv_xfer_agent_alive(s.a, 300000000ull, NULL));
+    ck_assert_int_eq(pkv_fault_fired(PKV_FAULT_XFER_STALL), 10);
+    pkv_fault_disarm_all();
+    free(h);
+    pkv_seq_free(dst);
+    side_free(&s);
+}
+END_TEST
+
 START_TEST(in_process_read_ok_then_sent_once)
 {
     pair_t x;
@@ -1845,6 +1947,7 @@ static Suite *xfer_suite(void)
     tcase_add_test(api, token_only_release_returns_pins_at_once);
     tcase_add_test(api, read_checks_the_producer_identity);
     tcase_add_test(api, identity_read_from_another_version_ends_at_once);
+    tcase_add_test(api, timings_and_liveness);
     tcase_add_test(api, stale_payload_is_drained);
     tcase_add_test(api, many_registrations_each_end_once);
     tcase_add_test(api, read_wait_keeps_its_deadline);

@@ -132,6 +132,8 @@ typedef struct {
     uint32_t cached_tokens; /* prompt tokens adopted from the prefix cache at admission */
     uint32_t completion_tokens;
     uint32_t preemptions;
+    uint64_t admitted_ns; /* when the request was first admitted (pkv_now_ns's clock,
+                             CLOCK_MONOTONIC); 0 while it waits in the queue */
 } pkv_request_output_t;
 
 /* Wait until the request has output not read yet (or has finished) or the absolute

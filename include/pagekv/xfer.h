@@ -91,6 +91,12 @@ PKV_API void pkv_xfer_agent_destroy(pkv_xfer_agent_t *agent);
 /* The address peers use to reach this agent: "host:port". Valid for the agent's life. */
 PKV_API const char *pkv_xfer_agent_address(const pkv_xfer_agent_t *agent);
 
+/* Liveness of the agent's progress thread (a health check): true while the agent is not
+ * being destroyed and its progress loop began a round within max_age_ns (an idle loop
+ * wakes at least every 50 ms; a loop stuck in UCX, a copy or a callback stops beating).
+ * *age_ns (may be NULL): the time since that round began. */
+PKV_API bool pkv_xfer_agent_alive(pkv_xfer_agent_t *agent, uint64_t max_age_ns, uint64_t *age_ns);
+
 /* ---- handles --------------------------------------------------------------------------- */
 typedef struct {
     uint64_t request_id;
@@ -137,6 +143,22 @@ PKV_API int pkv_xfer_register(pkv_xfer_agent_t *agent, uint64_t request_id, cons
 /* End a registration now (a transfer serving it is failed with FAIL cancelled; the
  * pins drop when its copies finish). PKV_ERR_NOTFOUND when not registered. */
 PKV_API int pkv_xfer_unregister(pkv_xfer_agent_t *agent, uint64_t request_id);
+
+/* When the serve a consumer acknowledged did its steps (clock and 0 as in
+ * pkv_xfer_read_timings_t). */
+typedef struct {
+    uint64_t registered_ns; /* pkv_xfer_register */
+    uint64_t accepted_ns;   /* its READ was accepted */
+    uint64_t seated_ns;     /* staging granted */
+    uint64_t staged_ns;     /* the last layer was staged */
+    uint64_t sent_ns;       /* every payload message had left */
+    uint64_t acked_ns;      /* the ACK arrived */
+} pkv_xfer_serve_timings_t;
+/* Only inside the pkv_xfer_sent_fn callback of request_id with outcome PKV_OK (on the
+ * progress thread): the timings of the serve that was acknowledged. PKV_ERR_NOTFOUND
+ * anywhere else. */
+PKV_API int pkv_xfer_sent_timings(pkv_xfer_agent_t *agent, uint64_t request_id,
+                                  pkv_xfer_serve_timings_t *out);
 
 /* ---- consumer -------------------------------------------------------------------------- */
 /* Called exactly once with the read's outcome (see the list at the top), before
@@ -193,6 +215,22 @@ PKV_API void pkv_xfer_cancel(pkv_xfer_read_t *rd);
 PKV_API void pkv_xfer_read_free(pkv_xfer_read_t *rd);
 /* Payload bytes the read stored (valid once it has an outcome). */
 PKV_API uint64_t pkv_xfer_read_bytes(const pkv_xfer_read_t *rd);
+
+/* When a read's steps happened: absolute monotonic ns (pkv_now_ns's clock, CLOCK_MONOTONIC),
+ * 0 for a step that did not happen. The read sends READ once it is connected and seated
+ * (both start when the agent takes it), so started <= connected, seated <= requested. */
+typedef struct {
+    uint64_t started_ns;   /* the agent took the read: connecting and seating begin */
+    uint64_t connected_ns; /* the endpoint to the producer could carry messages (the read's
+                              start when the endpoint was already up) */
+    uint64_t seated_ns;    /* staging granted (0: none needed, the producer's shared arena) */
+    uint64_t requested_ns; /* READ left for the producer */
+    uint64_t first_ns;     /* the first payload arrived (a chunk, or a shared-arena DATA) */
+    uint64_t last_ns;      /* the last payload arrived */
+    uint64_t done_ns;      /* the outcome was decided; ok: every layer stored, ACK sent */
+} pkv_xfer_read_timings_t;
+/* The read's timings, once it has an outcome (PKV_ERR_BUSY before). */
+PKV_API int pkv_xfer_read_timings(const pkv_xfer_read_t *rd, pkv_xfer_read_timings_t *out);
 
 /* ---- accounting ------------------------------------------------------------------------ */
 typedef struct {

@@ -116,10 +116,11 @@ struct timespec pkv_deadline_to_realtime(uint64_t deadline_ns);
  * test arms sites in its own process. Arming, hitting and reading are atomic; a site
  * nobody armed costs one relaxed load. */
 typedef enum {
-    PKV_FAULT_ALLOC,  /* malloc / calloc / realloc of a module's bookkeeping */
-    PKV_FAULT_COMMIT, /* pkv_prim_commit / pkv_prim_shared_commit */
-    PKV_FAULT_MLOCK,  /* pkv_prim_lock */
-    PKV_FAULT_THREAD, /* pthread_create */
+    PKV_FAULT_ALLOC,      /* malloc / calloc / realloc of a module's bookkeeping */
+    PKV_FAULT_COMMIT,     /* pkv_prim_commit / pkv_prim_shared_commit */
+    PKV_FAULT_MLOCK,      /* pkv_prim_lock */
+    PKV_FAULT_THREAD,     /* pthread_create */
+    PKV_FAULT_XFER_STALL, /* not a failure: each hit holds xfer's progress loop 100 ms */
     PKV_FAULT_SITES
 } pkv_fault_site_t;
 

@@ -82,6 +82,7 @@ struct pkv_request {
     pkv_finish_t finish;
     int status;
     uint32_t cached_tokens, preemptions;
+    uint64_t admitted_ns;
     bool finish_reported;
     uint32_t refs;
     pthread_cond_t cv; /* reader: output published */
@@ -359,6 +360,7 @@ static int admit(pkv_engine_t *e, pkv_request_t *r)
     pthread_mutex_lock(&e->lock);
     if (!r->admitted) {
         r->cached_tokens = cached;
+        r->admitted_ns = pkv_now_ns();
         e->st.prompt_tokens += r->n_prompt;
         e->st.cached_tokens += cached;
     } else {
@@ -929,6 +931,7 @@ int pkv_request_read(pkv_request_t *r, uint64_t deadline_ns, pkv_request_output_
     o.cached_tokens = r->cached_tokens;
     o.completion_tokens = r->pub_tokens;
     o.preemptions = r->preemptions;
+    o.admitted_ns = r->admitted_ns;
     r->finish_reported = o.finished;
     pthread_mutex_unlock(&e->lock);
     *out = o;

@@ -185,6 +185,7 @@ int pkv_prim_mem_read(int pid, pkv_prim_mem_t *out)
     out->hwm_bytes = prim_field_kib(buf, "\nVmHWM:");
     out->rss_anon_bytes = prim_field_kib(buf, "\nRssAnon:");
     out->rss_shmem_bytes = prim_field_kib(buf, "\nRssShmem:");
+    out->locked_bytes = prim_field_kib(buf, "\nVmLck:");
     return PKV_OK;
 }
 

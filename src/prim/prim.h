@@ -51,6 +51,7 @@ typedef struct {
     uint64_t hwm_bytes; /* VmHWM */
     uint64_t rss_anon_bytes;
     uint64_t rss_shmem_bytes;
+    uint64_t locked_bytes; /* VmLck: mlocked */
 } pkv_prim_mem_t;
 /* Read /proc/<pid>/status (pid 0: self). */
 int pkv_prim_mem_read(int pid, pkv_prim_mem_t *out);

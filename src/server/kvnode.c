@@ -5,7 +5,8 @@
  * a lease; the agent holds their pins until a decode leg acknowledges a read, the lease
  * expires, or the agent is destroyed, and then returns them (full blocks stay in the
  * prefix cache). The lease counters are updated by the agent's callback (its progress
- * thread) under n->lock.
+ * thread) under n->lock, as are the phase histograms (the callback's serve phases, the
+ * handlers' pull and engine phases).
  */
 #include "server/server_int.h"
 
@@ -34,9 +35,10 @@ struct srv_kvnode {
     uint32_t lease_ms, transfer_timeout_ms;
     bool recompute; /* --kv-load-failure recompute */
     atomic_bool stopping;
-    pthread_mutex_t lock; /* guards leases, pulls */
+    pthread_mutex_t lock; /* guards leases, pulls, phases */
     srv_lease_counts_t leases;
     srv_pull_counts_t pulls;
+    srv_hist_t phases[SRV_PHASE_COUNT];
 };
 
 static void hex(const uint8_t *b, size_t n, char *out)
@@ -164,9 +166,31 @@ const char *srv_kvnode_address(const srv_kvnode_t *n)
     return pkv_xfer_agent_address(n->agent);
 }
 
-bool srv_kvnode_healthy(srv_kvnode_t *n)
+bool srv_kvnode_healthy(srv_kvnode_t *n, uint64_t *age_ns)
 {
-    return n->agent && !atomic_load(&n->stopping);
+    *age_ns = 0;
+    return n->agent && !atomic_load(&n->stopping) &&
+           pkv_xfer_agent_alive(n->agent, SRV_AGENT_STALL_NS, age_ns);
+}
+
+/* Under n->lock. */
+static void observe_locked(srv_kvnode_t *n, srv_timings_t *t, srv_phase_t ph, uint64_t from_ns,
+                           uint64_t to_ns)
+{
+    uint64_t d = to_ns > from_ns ? to_ns - from_ns : 0;
+    srv_hist_add_in(&n->phases[ph], srv_phase_bounds, SRV_PHASE_BUCKETS, (double)d / 1e9);
+    if (t) {
+        t->ns[ph] = d;
+        t->have |= 1u << ph;
+    }
+}
+
+void srv_kvnode_observe(srv_kvnode_t *n, srv_timings_t *t, srv_phase_t ph, uint64_t from_ns,
+                        uint64_t to_ns)
+{
+    pthread_mutex_lock(&n->lock);
+    observe_locked(n, t, ph, from_ns, to_ns);
+    pthread_mutex_unlock(&n->lock);
 }
 
 void srv_kvnode_snapshot(srv_kvnode_t *n, srv_kv_snapshot_t *out)
@@ -181,9 +205,11 @@ void srv_kvnode_snapshot(srv_kvnode_t *n, srv_kv_snapshot_t *out)
     out->transfer_timeout_ms = n->transfer_timeout_ms;
     pkv_xfer_stats(n->agent, &out->xs);
     pkv_stage_stats(n->stage, &out->ss);
+    out->agent_alive = srv_kvnode_healthy(n, &out->agent_age_ns);
     pthread_mutex_lock(&n->lock);
     out->leases = n->leases;
     out->pulls = n->pulls;
+    memcpy(out->phases, n->phases, sizeof(out->phases));
     pthread_mutex_unlock(&n->lock);
 }
 
@@ -191,7 +217,14 @@ void srv_kvnode_snapshot(srv_kvnode_t *n, srv_kv_snapshot_t *out)
 static void lease_ended(void *arg, uint64_t request_id, int outcome)
 {
     srv_kvnode_t *n = arg;
+    pkv_xfer_serve_timings_t t;
+    bool timed = outcome == PKV_OK && !pkv_xfer_sent_timings(n->agent, request_id, &t);
     pthread_mutex_lock(&n->lock);
+    if (timed) { /* the prefill node's phases of the decode leg's pull */
+        observe_locked(n, NULL, SRV_PHASE_LEASE_WAIT, t.registered_ns, t.accepted_ns);
+        observe_locked(n, NULL, SRV_PHASE_STAGING_WAIT, t.accepted_ns, t.seated_ns);
+        observe_locked(n, NULL, SRV_PHASE_WIRE, t.seated_ns, t.acked_ns);
+    }
     if (outcome == PKV_OK)
         n->leases.sent++;
     else if (outcome == PKV_ERR_TIMEOUT)
@@ -291,8 +324,8 @@ json_t *srv_kv_stats_json(const srv_kv_snapshot_t *k)
         (json_int_t)s->pages_used, "pages_peak_used", (json_int_t)s->pages_peak_used,
         "resident_bytes", (json_int_t)s->resident_bytes, "pinned_bytes",
         (json_int_t)s->pinned_bytes, "pages_held_by_transfers", (json_int_t)x->staging_pages_held);
-    if (doc)
-        json_object_set_new(
+    if (!doc) return NULL;
+    json_object_set_new(
             doc, "pulls",
             json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "ok", (json_int_t)k->pulls.ok,
                       "released", (json_int_t)k->pulls.released, "failed",
@@ -300,6 +333,24 @@ json_t *srv_kv_stats_json(const srv_kv_snapshot_t *k)
                       "local", (json_int_t)k->pulls.local, "blocks_pulled",
                       (json_int_t)k->pulls.blocks_pulled, "blocks_adopted",
                       (json_int_t)k->pulls.blocks_adopted));
+    /* Reads by outcome (consumer), serves acknowledged and failed (producer). */
+    static const char *const outcome[8] = {"ok",       "timeout",   "peer_lost", "nofit",
+                                           "rejected", "cancelled", "corrupt",   "shutdown"};
+    json_t *t = json_object_get(doc, "transfers"), *by = json_object();
+    for (int i = 0; i < 8; i++)
+        json_object_set_new(by, outcome[i], json_integer((json_int_t)x->reads_done[i]));
+    json_object_set_new(t, "reads_by_outcome", by);
+    json_object_set_new(t, "sent", json_integer((json_int_t)x->sent));
+    json_object_set_new(t, "active", json_integer((json_int_t)x->active_transfers));
+    json_object_set_new(t, "peers_lost", json_integer((json_int_t)x->peers_lost));
+    json_t *st = json_object_get(doc, "staging");
+    json_object_set_new(st, "waits", json_integer((json_int_t)s->waits));
+    json_object_set_new(
+        st, "pages_resident",
+        json_integer(s->page_bytes ? (json_int_t)(s->resident_bytes / s->page_bytes) : 0));
+    json_object_set_new(doc, "agent",
+                        json_pack("{s:b, s:I}", "alive", k->agent_alive, "progress_age_us",
+                                  (json_int_t)(k->agent_age_ns / 1000)));
     return doc;
 }
 
@@ -432,14 +483,28 @@ static void pull_error(int outcome, pkv_xfer_why_t why, srv_error_t *err)
                       p, "pulling the prompt's KV failed: %s", pkv_status_str(outcome));
 }
 
+/* The decode node's phases of a pull that succeeded: from the call (t0) to the positions
+ * recorded (t_end), cut at the read's steps. */
+static void pull_phases(srv_kvnode_t *n, const pkv_xfer_read_timings_t *rt, uint64_t t0,
+                        uint64_t t_end, srv_timings_t *t)
+{
+    pthread_mutex_lock(&n->lock);
+    observe_locked(n, t, SRV_PHASE_HANDSHAKE, t0, rt->connected_ns);
+    observe_locked(n, t, SRV_PHASE_STAGING_WAIT, rt->connected_ns, rt->requested_ns);
+    observe_locked(n, t, SRV_PHASE_WIRE, rt->requested_ns, rt->last_ns);
+    observe_locked(n, t, SRV_PHASE_COMMIT, rt->last_ns, t_end);
+    pthread_mutex_unlock(&n->lock);
+}
+
 /* Read the handle's blocks [have, want) into seq's blocks [have, want), from a producer
  * that must present `engine_id`, by the transfer deadline (have == want: a token-only
  * release, nothing moves); on ok the positions up to want whole blocks are recorded as
  * written (the first `cached` already were: adopted). Returns the read's outcome; *why
- * says whether a refusal was the engine id. */
+ * says whether a refusal was the engine id. A pull that moved blocks counts its phases
+ * (and fills t). */
 static int pull_into(srv_kvnode_t *n, const pkv_xfer_handle_t *h, const char *engine_id,
                      pkv_seq_t *seq, const int32_t *ids, uint32_t cached, uint32_t want,
-                     pkv_xfer_why_t *why)
+                     pkv_xfer_why_t *why, srv_timings_t *t)
 {
     const uint32_t *dst;
     uint32_t nd, bt = h->geo.block_tokens, have = cached / bt;
@@ -449,7 +514,8 @@ static int pull_into(srv_kvnode_t *n, const pkv_xfer_handle_t *h, const char *en
     if (!idx) return PKV_ERR_NOMEM;
     for (uint32_t i = 0; i < n_pull; i++) idx[i] = have + i;
     pkv_xfer_read_opts_t o = {.idx = idx, .identity = engine_id};
-    uint64_t deadline = pkv_deadline_after_ns((uint64_t)n->transfer_timeout_ms * 1000000ull);
+    uint64_t t0 = pkv_now_ns();
+    uint64_t deadline = t0 + (uint64_t)n->transfer_timeout_ms * 1000000ull;
     pkv_xfer_read_t *rd = NULL;
     rc = pkv_xfer_read_ex(n->agent, h, &o, n_pull ? dst + have : NULL, n_pull, deadline, NULL, NULL,
                           &rd);
@@ -462,9 +528,18 @@ static int pull_into(srv_kvnode_t *n, const pkv_xfer_handle_t *h, const char *en
         outcome = PKV_ERR_TIMEOUT;
     }
     *why = pkv_xfer_read_why(rd);
+    pkv_xfer_read_timings_t rt;
+    bool timed = outcome == PKV_OK && n_pull && !pkv_xfer_read_timings(rd, &rt);
+    uint64_t bytes = pkv_xfer_read_bytes(rd);
     pkv_xfer_read_free(rd);
     if (outcome == PKV_OK && n_pull)
         outcome = pkv_seq_append(seq, ids + cached, want * bt - cached);
+    if (outcome == PKV_OK && timed) pull_phases(n, &rt, t0, pkv_now_ns(), t);
+    if (outcome == PKV_OK && t) {
+        t->pulled = n_pull > 0;
+        t->pulled_bytes = bytes;
+        t->pulled_blocks = n_pull;
+    }
     return outcome;
 }
 
@@ -503,7 +578,7 @@ static void count_pull(srv_kvnode_t *n, int outcome, uint32_t pulled, uint32_t a
 }
 
 int srv_kvnode_pull(srv_kvnode_t *n, const json_t *params, const int32_t *ids, uint32_t n_prompt,
-                    uint64_t salt, pkv_seq_t **out, srv_error_t *err)
+                    uint64_t salt, pkv_seq_t **out, srv_timings_t *t, srv_error_t *err)
 {
     pkv_xfer_handle_t *h = NULL;
     const char *engine_id = kvt_engine_id(params, err);
@@ -522,8 +597,9 @@ int srv_kvnode_pull(srv_kvnode_t *n, const json_t *params, const int32_t *ids, u
     pkv_xfer_why_t why = PKV_XFER_WHY_NONE;
     rc = pkv_seq_create(n->kv, &sp, &seq, &cached);
     uint32_t have = PKV_MIN(cached / bt, want);
-    int outcome = rc ? rc : pull_into(n, h, engine_id, seq, ids, have * bt, want, &why);
+    int outcome = rc ? rc : pull_into(n, h, engine_id, seq, ids, have * bt, want, &why, t);
     pkv_xfer_handle_free(h);
+    if (outcome == PKV_OK && t) t->adopted_blocks = have;
     count_pull(n, outcome, want - have, have);
     if (outcome) {
         pkv_seq_free(seq);

@@ -10,6 +10,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 const char *const srv_route_label[SRV_ROUTE_COUNT] = {"/v1/completions",
                                                       "/v1/chat/completions",
@@ -37,13 +38,26 @@ const char *const srv_rejection_label[SRV_REJ_COUNT] = {
 const double srv_hist_bounds[SRV_HIST_BUCKETS] = {0.005, 0.01, 0.025, 0.05, 0.1,  0.25, 0.5,
                                                   1.0,   2.5,  5.0,   10.0, 30.0, 60.0, 300.0};
 
-void srv_hist_add(srv_hist_t *h, double seconds)
+const double srv_phase_bounds[SRV_PHASE_BUCKETS] = {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
+                                                    0.01,   0.025,   0.05,   0.1,   0.25,   0.5,
+                                                    1.0,    2.5,     5.0,    10.0,  30.0,   60.0};
+
+const char *const srv_phase_label[SRV_PHASE_COUNT] = {
+    "prefill_queue", "prefill_compute", "lease_wait", "handshake", "staging_wait",
+    "wire",          "commit",          "decode"};
+
+void srv_hist_add_in(srv_hist_t *h, const double *bounds, int n, double seconds)
 {
     int b = 0;
-    while (b < SRV_HIST_BUCKETS && seconds > srv_hist_bounds[b]) b++;
+    while (b < n && seconds > bounds[b]) b++;
     h->bucket[b]++;
     h->count++;
     h->sum += seconds;
+}
+
+void srv_hist_add(srv_hist_t *h, double seconds)
+{
+    srv_hist_add_in(h, srv_hist_bounds, SRV_HIST_BUCKETS, seconds);
 }
 
 static void family(FILE *f, const char *name, const char *type, const char *help)
@@ -57,19 +71,31 @@ static void one(FILE *f, const char *name, const char *type, const char *help, u
     fprintf(f, "%s %llu\n", name, (unsigned long long)v);
 }
 
+/* One histogram's samples; `label` ("" or `key="value",`) goes before each sample's le. */
+static void hist_samples(FILE *f, const char *name, const char *label, const srv_hist_t *h,
+                         const double *bounds, int n)
+{
+    uint64_t cum = 0;
+    for (int b = 0; b < n; b++) {
+        cum += h->bucket[b];
+        fprintf(f, "%s_bucket{%sle=\"%g\"} %llu\n", name, label, bounds[b],
+                (unsigned long long)cum);
+    }
+    cum += h->bucket[n];
+    fprintf(f, "%s_bucket{%sle=\"+Inf\"} %llu\n", name, label, (unsigned long long)cum);
+    size_t ll = strlen(label);
+    if (ll) /* the same label without its trailing comma */
+        fprintf(f, "%s_sum{%.*s} %.9g\n%s_count{%.*s} %llu\n", name, (int)ll - 1, label, h->sum,
+                name, (int)ll - 1, label, (unsigned long long)h->count);
+    else
+        fprintf(f, "%s_sum %.9g\n%s_count %llu\n", name, h->sum, name,
+                (unsigned long long)h->count);
+}
+
 static void hist(FILE *f, const char *name, const char *help, const srv_hist_t *h)
 {
     family(f, name, "histogram", help);
-    uint64_t cum = 0;
-    for (int b = 0; b < SRV_HIST_BUCKETS; b++) {
-        cum += h->bucket[b];
-        fprintf(f, "%s_bucket{le=\"%g\"} %llu\n", name, srv_hist_bounds[b],
-                (unsigned long long)cum);
-    }
-    cum += h->bucket[SRV_HIST_BUCKETS];
-    fprintf(f, "%s_bucket{le=\"+Inf\"} %llu\n", name, (unsigned long long)cum);
-    fprintf(f, "%s_sum %.9g\n", name, h->sum);
-    fprintf(f, "%s_count %llu\n", name, (unsigned long long)h->count);
+    hist_samples(f, name, "", h, srv_hist_bounds, SRV_HIST_BUCKETS);
 }
 
 /* The HTTP layer's own families. */
@@ -178,6 +204,66 @@ static void render_kv(FILE *f, const pkv_kv_stats_t *ks)
             (unsigned long long)ks->rejected_nospace);
 }
 
+static const char *const outcome_label[8] = {"ok",       "timeout",   "peer_lost", "nofit",
+                                             "rejected", "cancelled", "corrupt",   "shutdown"};
+
+/* Transfers by outcome, pulls, blocks, the phase histograms and the agent's liveness. */
+static void render_kvt_flow(FILE *f, const srv_kv_snapshot_t *k)
+{
+    const pkv_xfer_stats_t *x = &k->xs;
+    family(f, "pagekv_kv_transfer_reads_total", "counter",
+           "Reads of a prompt's KV from a producer (this node consuming), by outcome.");
+    for (int i = 0; i < 8; i++)
+        fprintf(f, "pagekv_kv_transfer_reads_total{outcome=\"%s\"} %llu\n", outcome_label[i],
+                (unsigned long long)x->reads_done[i]);
+    family(f, "pagekv_kv_transfer_serves_total", "counter",
+           "Reads served to consumers (this node producing): acknowledged (sent), accepted and "
+           "ended without ACK (failed), refused at once (refused).");
+    fprintf(f, "pagekv_kv_transfer_serves_total{outcome=\"sent\"} %llu\n",
+            (unsigned long long)x->sent);
+    fprintf(f, "pagekv_kv_transfer_serves_total{outcome=\"failed\"} %llu\n",
+            (unsigned long long)x->serves_failed);
+    fprintf(f, "pagekv_kv_transfer_serves_total{outcome=\"refused\"} %llu\n",
+            (unsigned long long)x->rejected);
+    family(f, "pagekv_kv_pulls_total", "counter",
+           "Decode legs: pulled the blocks the local prefix cache lacked (ok), needed none "
+           "(released: the token alone went to the producer), failed, failed and computed here "
+           "(recomputed), and requests without params computed here (local).");
+    const struct {
+        const char *what;
+        uint64_t v;
+    } pulls[] = {{"ok", k->pulls.ok},
+                 {"released", k->pulls.released},
+                 {"failed", k->pulls.failed},
+                 {"recomputed", k->pulls.recomputed},
+                 {"local", k->pulls.local}};
+    for (size_t i = 0; i < PKV_ARRAY_LEN(pulls); i++)
+        fprintf(f, "pagekv_kv_pulls_total{outcome=\"%s\"} %llu\n", pulls[i].what,
+                (unsigned long long)pulls[i].v);
+    family(f, "pagekv_kv_pull_blocks_total", "counter",
+           "Prompt blocks of decode legs: read from the producer, or already held by the local "
+           "prefix cache.");
+    fprintf(f, "pagekv_kv_pull_blocks_total{source=\"pulled\"} %llu\n",
+            (unsigned long long)k->pulls.blocks_pulled);
+    fprintf(f, "pagekv_kv_pull_blocks_total{source=\"adopted\"} %llu\n",
+            (unsigned long long)k->pulls.blocks_adopted);
+    family(f, "pagekv_kv_transfer_phase_seconds", "histogram",
+           "Phases of disaggregated requests on the node where each happens (prefill: "
+           "prefill_queue, prefill_compute, lease_wait, staging_wait, wire; decode: handshake, "
+           "staging_wait, wire, commit, decode).");
+    for (int p = 0; p < SRV_PHASE_COUNT; p++) {
+        char label[48];
+        snprintf(label, sizeof(label), "phase=\"%s\",", srv_phase_label[p]);
+        hist_samples(f, "pagekv_kv_transfer_phase_seconds", label, &k->phases[p], srv_phase_bounds,
+                     SRV_PHASE_BUCKETS);
+    }
+    one(f, "pagekv_kv_agent_up", "gauge",
+        "1 while the transfer agent serves and its progress thread beats.", k->agent_alive);
+    family(f, "pagekv_kv_agent_progress_age_seconds", "gauge",
+           "Time since the transfer agent's progress loop last began a round.");
+    fprintf(f, "pagekv_kv_agent_progress_age_seconds %.6f\n", (double)k->agent_age_ns / 1e9);
+}
+
 /* Prefill and decode roles: the transfer agent's leases, transfers and staging. */
 static void render_kvt(FILE *f, const srv_kv_snapshot_t *k)
 {
@@ -203,13 +289,6 @@ static void render_kvt(FILE *f, const srv_kv_snapshot_t *k)
         "Payload bytes of acknowledged transfers served.", x->bytes_sent);
     one(f, "pagekv_kv_transfer_received_bytes_total", "counter",
         "Payload bytes pulled, verified and stored.", x->bytes_received);
-    family(f, "pagekv_kv_pull_blocks_total", "counter",
-           "Decode legs' prompt blocks: pulled from the producer, or adopted from the local "
-           "prefix cache.");
-    fprintf(f, "pagekv_kv_pull_blocks_total{source=\"pulled\"} %llu\n",
-            (unsigned long long)k->pulls.blocks_pulled);
-    fprintf(f, "pagekv_kv_pull_blocks_total{source=\"adopted\"} %llu\n",
-            (unsigned long long)k->pulls.blocks_adopted);
     one(f, "pagekv_kv_staging_pages_held", "gauge", "Staging pages held by transfers.",
         x->staging_pages_held);
     one(f, "pagekv_kv_staging_peak_pages", "gauge", "Peak of staging pages in use.",
@@ -218,6 +297,12 @@ static void render_kvt(FILE *f, const srv_kv_snapshot_t *k)
         k->ss.resident_bytes);
     one(f, "pagekv_kv_staging_pinned_bytes", "gauge", "Staging memory locked in RAM.",
         k->ss.pinned_bytes);
+    one(f, "pagekv_kv_staging_waits_total", "counter",
+        "Staging acquires that had to wait for pages (staging exhausted for a while).",
+        k->ss.waits);
+    one(f, "pagekv_kv_staging_resident_pages", "gauge", "Staging pages committed.",
+        k->ss.page_bytes ? k->ss.resident_bytes / k->ss.page_bytes : 0);
+    render_kvt_flow(f, k);
 }
 
 char *srv_metrics_render(const srv_snapshot_t *snap, size_t *len)
@@ -234,6 +319,10 @@ char *srv_metrics_render(const srv_snapshot_t *snap, size_t *len)
     if (snap->rss_bytes)
         one(f, "pagekv_process_resident_memory_bytes", "gauge", "VmRSS of the server process.",
             snap->rss_bytes);
+    if (snap->rss_bytes && snap->has_kv)
+        one(f, "pagekv_process_locked_memory_bytes", "gauge",
+            "VmLck of the server process (compare pagekv_kv_staging_pinned_bytes).",
+            snap->locked_bytes);
     if (fclose(f)) {
         free(buf);
         return NULL;
@@ -277,5 +366,21 @@ json_t *srv_cache_stats_json(const srv_snapshot_t *snap)
         "requests", "in_flight", (json_int_t)c->in_flight, "running", (json_int_t)es->running,
         "queued", (json_int_t)es->queued, "submitted", (json_int_t)es->submitted);
     if (doc) srv_cache_policy_json(doc, ks, &snap->mw);
+    return doc;
+}
+
+json_t *srv_timings_json(const srv_timings_t *t, pkv_server_role_t role)
+{
+    json_t *ph = json_object();
+    for (int p = 0; ph && p < SRV_PHASE_COUNT; p++)
+        if (t->have & (1u << p))
+            json_object_set_new(ph, srv_phase_label[p], json_real((double)t->ns[p] / 1e9));
+    json_t *doc =
+        json_pack("{s:s, s:o*}", "role", pkv_server_role_name(role), "phases_seconds", ph);
+    if (doc && t->pulled) {
+        json_object_set_new(doc, "kv_pulled_bytes", json_integer((json_int_t)t->pulled_bytes));
+        json_object_set_new(doc, "kv_pulled_blocks", json_integer((json_int_t)t->pulled_blocks));
+        json_object_set_new(doc, "kv_adopted_blocks", json_integer((json_int_t)t->adopted_blocks));
+    }
     return doc;
 }

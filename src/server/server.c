@@ -50,6 +50,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -108,7 +109,11 @@ typedef struct {
     bool first_seen;
     char *buf; /* SSE bytes not yet handed to MHD */
     size_t len, pos, cap;
-    bool done; /* [DONE] queued */
+    bool done;         /* [DONE] queued */
+    bool decode_leg;   /* a decode leg that pulled: its decode phase is counted */
+    bool want_timings; /* X-Pagekv-Timings: the last chunk carries pagekv_timings */
+    srv_timings_t tm;
+    uint64_t admitted_ns, first_ns;
 } stream_t;
 
 /* ---- small helpers --------------------------------------------------------------------- */
@@ -288,7 +293,9 @@ static void snapshot(pkv_server_t *s, srv_snapshot_t *out)
     out->ctr = s->ctr;
     pthread_mutex_unlock(&s->lock);
     pkv_prim_mem_t mem;
-    out->rss_bytes = pkv_prim_mem_read(0, &mem) == PKV_OK ? mem.rss_bytes : 0;
+    bool mem_ok = pkv_prim_mem_read(0, &mem) == PKV_OK;
+    out->rss_bytes = mem_ok ? mem.rss_bytes : 0;
+    out->locked_bytes = mem_ok ? mem.locked_bytes : 0;
     out->backend = s->backend;
     out->block_tokens = s->block_tokens;
     out->has_kv = s->kvn != NULL;
@@ -349,13 +356,15 @@ static enum MHD_Result handle_simple(pkv_server_t *s, struct MHD_Connection *c, 
         if (!s->kvn)
             return answer_json(s, c, hr, draining ? 503 : 200,
                                json_pack("{s:s}", "status", draining ? "draining" : "ok"));
-        bool agent_ok = srv_kvnode_healthy(s->kvn);
+        uint64_t age = 0;
+        bool agent_ok = srv_kvnode_healthy(s->kvn, &age);
         const char *status = draining ? "draining" : agent_ok ? "ok" : "kv_agent_down";
         return answer_json(s, c, hr, draining || !agent_ok ? 503 : 200,
-                           json_pack("{s:s, s:s, s:s, s:s}", "status", status, "role",
+                           json_pack("{s:s, s:s, s:s, s:s, s:I}", "status", status, "role",
                                      pkv_server_role_name(s->role), "kv_agent",
                                      agent_ok ? "ok" : "down", "kv_address",
-                                     srv_kvnode_address(s->kvn)));
+                                     srv_kvnode_address(s->kvn), "kv_agent_progress_age_ms",
+                                     (json_int_t)(age / 1000000)));
     }
     case SRV_ROUTE_METRICS: {
         srv_snapshot_t snap;
@@ -370,8 +379,12 @@ static enum MHD_Result handle_simple(pkv_server_t *s, struct MHD_Connection *c, 
         srv_snapshot_t snap;
         snapshot(s, &snap);
         json_t *doc = srv_cache_stats_json(&snap);
-        if (doc && snap.has_kv)
-            json_object_set_new(doc, "kv_transfer", srv_kv_stats_json(&snap.kv));
+        json_t *kvt = doc && snap.has_kv ? srv_kv_stats_json(&snap.kv) : NULL;
+        if (kvt) {
+            json_object_set_new(json_object_get(kvt, "staging"), "process_locked_bytes",
+                                json_integer((json_int_t)snap.locked_bytes));
+            json_object_set_new(doc, "kv_transfer", kvt);
+        }
         return answer_json(s, c, hr, 200, doc);
     }
     case SRV_ROUTE_CACHE_RESET:
@@ -495,6 +508,43 @@ static json_t *completion_doc(pkv_server_t *s, srv_req_kind_t kind, const char *
                      usage);
 }
 
+/* ---- per-request phases ------------------------------------------------------------- */
+
+/* Phase ph of one request: in the node's histograms when `counted` (a leg on a node with
+ * an agent), and in *tm for the X-Pagekv-Timings opt-in either way. */
+static void phase(pkv_server_t *s, srv_timings_t *tm, bool counted, srv_phase_t ph, uint64_t from,
+                  uint64_t to)
+{
+    if (counted && s->kvn) {
+        srv_kvnode_observe(s->kvn, tm, ph, from, to);
+        return;
+    }
+    tm->ns[ph] = to > from ? to - from : 0;
+    tm->have |= 1u << ph;
+}
+
+/* Which legs a finished request was, for its engine phases. */
+typedef enum { LEG_NONE, LEG_PREFILL, LEG_DECODE } leg_t;
+
+/* The engine phases of a finished request: a prefill leg's queue and compute, a decode
+ * leg's decode; other requests' all three, in their timings only. */
+static void engine_phases(pkv_server_t *s, srv_timings_t *tm, leg_t leg, uint64_t t_submit,
+                          uint64_t admitted, uint64_t first, uint64_t end)
+{
+    if (leg != LEG_DECODE && admitted) {
+        phase(s, tm, leg == LEG_PREFILL, SRV_PHASE_PREFILL_QUEUE, t_submit, admitted);
+        if (first) phase(s, tm, leg == LEG_PREFILL, SRV_PHASE_PREFILL_COMPUTE, admitted, first);
+    }
+    if (leg != LEG_PREFILL) phase(s, tm, leg == LEG_DECODE, SRV_PHASE_DECODE, t_submit, end);
+}
+
+/* Track an output's admission and first-output times. */
+static void note_times(const pkv_request_output_t *o, uint64_t *admitted, uint64_t *first)
+{
+    if (o->admitted_ns) *admitted = o->admitted_ns;
+    if (!*first && (o->n_tokens || o->finished)) *first = pkv_now_ns();
+}
+
 /* ---- streaming ----------------------------------------------------------------------- */
 
 static int sse_append(stream_t *st, const char *data, size_t n)
@@ -540,6 +590,7 @@ static int stream_take(stream_t *st, const pkv_request_output_t *o)
     size_t len;
     srv_gen_feed(&st->gen, o, &text, &len);
     note_first(st->s, st->t_submit, &st->first_seen, o);
+    note_times(o, &st->admitted_ns, &st->first_ns);
     int rc = PKV_OK;
     if (len) {
         json_t *piece = sanitized_string(text, len);
@@ -551,8 +602,13 @@ static int stream_take(stream_t *st, const pkv_request_output_t *o)
     note_end(st->s, st->t_submit);
     const char *finish = srv_gen_finish_reason(&st->gen);
     if (finish) {
+        engine_phases(st->s, &st->tm, st->decode_leg ? LEG_DECODE : LEG_NONE, st->t_submit,
+                      st->admitted_ns, st->first_ns, pkv_now_ns());
         json_t *empty = st->kind == SRV_REQ_CHAT ? json_object() : json_string("");
-        if ((rc = sse_event(st, chunk_doc(st, empty, finish)))) return rc;
+        json_t *last = chunk_doc(st, empty, finish);
+        if (last && st->want_timings)
+            json_object_set_new(last, "pagekv_timings", srv_timings_json(&st->tm, st->s->role));
+        if ((rc = sse_event(st, last))) return rc;
         if (st->include_usage) {
             json_t *doc =
                 json_pack("{s:s, s:s, s:I, s:s, s:[], s:o}", "id", st->id, "object",
@@ -619,8 +675,13 @@ typedef struct {
     srv_gen_t gen;
     bool first_seen;
     uint64_t rid;       /* pagekv's own request id (never the client's X-Request-Id) */
+    uint64_t seed;      /* the request's sampling seed */
     const int32_t *ids; /* the prompt (n_prompt) */
     bool prefill_leg;   /* kv_transfer_params do_remote_decode on a prefill node */
+    bool decode_leg;    /* a decode leg whose pull succeeded (not recomputed) */
+    bool want_timings;  /* X-Pagekv-Timings: the answer carries pagekv_timings */
+    srv_timings_t tm;   /* this request's phases on this node */
+    uint64_t admitted_ns, first_ns;
 } gen_run_t;
 
 /* Take an id and a seed and count the request in flight; false when draining. */
@@ -660,24 +721,32 @@ static void submit_error(pkv_server_t *s, int rc, const gen_run_t *run, srv_erro
     }
 }
 
-/* Check the KV budget, count the request in flight and submit it. PKV_OK with run->req,
- * run->id and run->created; otherwise *err (the refusal counted). */
-static int gen_submit(pkv_server_t *s, http_req_t *hr, const srv_request_t *r, const int32_t *ids,
-                      gen_run_t *run, srv_error_t *err)
+/* Check the KV budget and count the request in flight (run->rid and run->seed taken):
+ * from here on drain waits for it, a decode leg's pull included. PKV_OK, or *err (the
+ * refusal counted). */
+static int gen_enter(pkv_server_t *s, http_req_t *hr, const srv_request_t *r, gen_run_t *run,
+                     srv_error_t *err)
 {
     if (!kv_fits(s, run->n_prompt, run->max_tokens, err)) {
         count_rejection(s, SRV_REJ_KV_BUDGET);
         return PKV_ERR_NOFIT;
     }
-    uint64_t id, seed;
-    if (!gen_admit(s, r, &id, &seed)) {
+    if (!gen_admit(s, r, &run->rid, &run->seed)) {
         count_rejection(s, SRV_REJ_SHUTTING_DOWN);
         srv_error_set(err, 503, "service_unavailable", "shutting_down", NULL,
                       "the server is shutting down");
         return PKV_ERR_SHUTDOWN;
     }
     hr->in_flight = true;
-    run->rid = id;
+    return PKV_OK;
+}
+
+/* Submit a request gen_enter counted. PKV_OK with run->req, run->id and run->created;
+ * otherwise *err (the refusal counted). */
+static int gen_submit(pkv_server_t *s, const srv_request_t *r, const int32_t *ids, gen_run_t *run,
+                      srv_error_t *err)
+{
+    uint64_t id = run->rid, seed = run->seed;
     run->ids = ids;
     pkv_request_params_t p = {.keep_blocks = run->prefill_leg,
                               .prompt = ids,
@@ -715,6 +784,7 @@ static int gen_collect(pkv_server_t *s, gen_run_t *run, pkv_request_output_t *o,
         size_t len;
         srv_gen_feed(&run->gen, o, &text, &len);
         note_first(s, run->t_submit, &run->first_seen, o);
+        note_times(o, &run->admitted_ns, &run->first_ns);
         if (!buf_grow(acc, &acc_cap, *acc_len + len, 256, 0)) return PKV_ERR_NOMEM;
         if (len) memcpy(*acc + *acc_len, text, len);
         *acc_len += len;
@@ -773,6 +843,13 @@ static enum MHD_Result answer_whole(pkv_server_t *s, struct MHD_Connection *c, h
     json_t *doc =
         completion_doc(s, run->kind, run->id, run->created, jt, finish, usage_doc(&run->gen));
     if (doc && kvt) json_object_set_new(doc, "kv_transfer_params", kvt);
+    engine_phases(s, &run->tm,
+                  run->prefill_leg  ? LEG_PREFILL
+                  : run->decode_leg ? LEG_DECODE
+                                    : LEG_NONE,
+                  run->t_submit, run->admitted_ns, run->first_ns, pkv_now_ns());
+    if (doc && run->want_timings)
+        json_object_set_new(doc, "pagekv_timings", srv_timings_json(&run->tm, s->role));
     return answer_json(s, c, hr, 200, doc);
 }
 
@@ -807,6 +884,11 @@ static enum MHD_Result answer_stream(pkv_server_t *s, struct MHD_Connection *c, 
     st->fd = run->fd;
     st->t_submit = run->t_submit;
     st->first_seen = run->first_seen;
+    st->decode_leg = run->decode_leg;
+    st->want_timings = run->want_timings;
+    st->tm = run->tm;
+    st->admitted_ns = run->admitted_ns;
+    st->first_ns = run->first_ns;
     int rc = PKV_OK;
     if (run->kind == SRV_REQ_CHAT)
         rc = sse_event(
@@ -855,6 +937,18 @@ static bool kv_role_refuses(const pkv_server_t *s, const srv_request_t *r, srv_e
     return true;
 }
 
+/* The X-Pagekv-Timings request header: "1"/"true" asks for the request's own phases in
+ * the answer (pagekv_timings), "0"/"false" or none does not; anything else is a 400. */
+static int want_timings(struct MHD_Connection *c, bool *on, srv_error_t *err)
+{
+    const char *v = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "X-Pagekv-Timings");
+    *on = v && (!strcmp(v, "1") || !strcasecmp(v, "true"));
+    if (!v || *on || !strcmp(v, "0") || !strcasecmp(v, "false")) return PKV_OK;
+    srv_error_set(err, 400, "invalid_request_error", "invalid_value", "X-Pagekv-Timings",
+                  "the X-Pagekv-Timings header must be 1, true, 0 or false");
+    return PKV_ERR_INVALID;
+}
+
 /* POST /v1/completions and /v1/chat/completions (the flow in the top comment). */
 static enum MHD_Result handle_generate(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr)
 {
@@ -872,6 +966,11 @@ static enum MHD_Result handle_generate(pkv_server_t *s, struct MHD_Connection *c
         return answer_error(s, c, hr, &err);
     }
     gen_run_t run = {.kind = kind, .prefill_leg = r.kvt == SRV_KVT_PREFILL};
+    if (want_timings(c, &run.want_timings, &err)) {
+        count_rejection(s, SRV_REJ_INVALID);
+        srv_request_free(&r);
+        return answer_error(s, c, hr, &err);
+    }
     int32_t *ids = NULL;
     pkv_seq_t *pulled = NULL; /* a decode leg's pulled prompt, until the request is admitted */
     enum MHD_Result ret;
@@ -880,15 +979,18 @@ static enum MHD_Result handle_generate(pkv_server_t *s, struct MHD_Connection *c
         count_rejection(s, !strcmp(err.code, "context_length_exceeded") ? SRV_REJ_CONTEXT
                                                                         : SRV_REJ_INVALID);
         ret = answer_error(s, c, hr, &err);
-    } else if (r.kvt == SRV_KVT_DECODE &&
-               srv_kvnode_pull(s->kvn, r.kvt_params, ids, run.n_prompt, r.salt, &pulled, &err)) {
+    } else if (gen_enter(s, hr, &r, &run, &err)) {
+        ret = answer_error(s, c, hr, &err);
+    } else if (r.kvt == SRV_KVT_DECODE && srv_kvnode_pull(s->kvn, r.kvt_params, ids, run.n_prompt,
+                                                          r.salt, &pulled, &run.tm, &err)) {
         if (err.status == 400) count_rejection(s, SRV_REJ_INVALID); /* else: pulls.failed */
         ret = answer_error(s, c, hr, &err);
-    } else if (gen_submit(s, hr, &r, ids, &run, &err)) {
+    } else if (gen_submit(s, &r, ids, &run, &err)) {
         ret = answer_error(s, c, hr, &err);
     } else {
         if (s->role == PKV_SERVER_ROLE_DECODE && r.kvt == SRV_KVT_NONE)
             srv_kvnode_count_local(s->kvn); /* a router's fallback: computed here */
+        run.decode_leg = pulled != NULL;
         run.fd = conn_fd(c);
         srv_gen_init(&run.gen);
         /* The first output (or the finish): admission errors still get a status. */

@@ -50,12 +50,45 @@ extern const char *const srv_rejection_label[SRV_REJ_COUNT];
 
 #define SRV_HIST_BUCKETS 14
 extern const double srv_hist_bounds[SRV_HIST_BUCKETS]; /* seconds, ascending */
+/* Transfer phases are sub-millisecond to seconds: finer buckets. */
+#define SRV_PHASE_BUCKETS 18
+extern const double srv_phase_bounds[SRV_PHASE_BUCKETS];
+#define SRV_HIST_MAX_BUCKETS 18
 typedef struct {
-    uint64_t bucket[SRV_HIST_BUCKETS + 1]; /* per bucket (not cumulative); last: +Inf */
+    uint64_t bucket[SRV_HIST_MAX_BUCKETS + 1]; /* per bucket (not cumulative); then +Inf */
     uint64_t count;
     double sum;
 } srv_hist_t;
+/* Count `seconds` in h over the default bounds (srv_hist_add) or the given ones. */
 void srv_hist_add(srv_hist_t *h, double seconds);
+void srv_hist_add_in(srv_hist_t *h, const double *bounds, int n, double seconds);
+
+/* The phases of a disaggregated request, each measured on the node where it happens
+ * (docs/design/server.md, "Observability"). */
+typedef enum {
+    SRV_PHASE_PREFILL_QUEUE = 0, /* prefill: submission -> admission */
+    SRV_PHASE_PREFILL_COMPUTE,   /* prefill: admission -> the first token */
+    SRV_PHASE_LEASE_WAIT,        /* prefill: registered -> the decode leg's READ accepted */
+    SRV_PHASE_HANDSHAKE,         /* decode: pull started -> endpoint to the producer up */
+    SRV_PHASE_STAGING_WAIT,      /* both: waiting for this node's staging pages */
+    SRV_PHASE_WIRE,              /* decode: READ sent -> last payload in; prefill: staged,
+                                    sent and acknowledged (seated -> ACK) */
+    SRV_PHASE_COMMIT,            /* decode: last payload -> every layer stored and recorded */
+    SRV_PHASE_DECODE,            /* decode: the leg's submission -> its last token */
+    SRV_PHASE_COUNT
+} srv_phase_t;
+extern const char *const srv_phase_label[SRV_PHASE_COUNT];
+
+/* One request's phases on this node, for the X-Pagekv-Timings opt-in. */
+typedef struct {
+    uint64_t ns[SRV_PHASE_COUNT];
+    uint32_t have; /* bit per phase measured */
+    bool pulled;   /* a decode leg that pulled: the figures below */
+    uint64_t pulled_bytes;
+    uint32_t pulled_blocks, adopted_blocks;
+} srv_timings_t;
+/* The timings object of a response (new reference; NULL on no memory). */
+json_t *srv_timings_json(const srv_timings_t *t, pkv_server_role_t role);
 
 typedef struct {
     uint64_t http[SRV_ROUTE_COUNT][SRV_N_CODES];
@@ -102,6 +135,9 @@ typedef struct {
     pkv_stage_stats_t ss;
     srv_lease_counts_t leases;
     srv_pull_counts_t pulls;
+    srv_hist_t phases[SRV_PHASE_COUNT];
+    uint64_t agent_age_ns; /* since the agent's progress loop last began a round */
+    bool agent_alive;
 } srv_kv_snapshot_t;
 
 /* Create the staging and the agent of a prefill or decode node over the paged pool kv.
@@ -112,8 +148,15 @@ int srv_kvnode_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max
 /* Destroy the agent (its registrations end, their pins return), then the staging. */
 void srv_kvnode_destroy(srv_kvnode_t *n);
 const char *srv_kvnode_address(const srv_kvnode_t *n);
-/* Whether the agent can serve (for /health): it runs and is not shutting down. */
-bool srv_kvnode_healthy(srv_kvnode_t *n);
+/* A progress loop that has not begun a round for this long is stuck (/health 503). */
+#define SRV_AGENT_STALL_NS 2000000000ull
+/* Whether the agent can serve (for /health): it runs, is not shutting down, and its
+ * progress thread beat within SRV_AGENT_STALL_NS. *age_ns: since that beat. */
+bool srv_kvnode_healthy(srv_kvnode_t *n, uint64_t *age_ns);
+/* Count phase ph of one request, [from_ns, to_ns), in the node's histogram and (t not
+ * NULL) in the request's timings. */
+void srv_kvnode_observe(srv_kvnode_t *n, srv_timings_t *t, srv_phase_t ph, uint64_t from_ns,
+                        uint64_t to_ns);
 void srv_kvnode_snapshot(srv_kvnode_t *n, srv_kv_snapshot_t *out);
 /* Prefill leg: register blocks[0..nb) (the prompt ids[0..n_prompt), in sequence order)
  * until now + the lease under an id bound to pagekv's own request serial and the prompt
@@ -127,9 +170,10 @@ int srv_kvnode_offer(srv_kvnode_t *n, uint64_t serial, const uint32_t *blocks, u
  * a prefix hit. PKV_OK with *out (the caller frees it once the request is admitted; NULL
  * when the pull failed and --kv-load-failure recompute says to compute the prompt), or
  * *err: 400 for params that are wrong or that the producer refused, 503/502 for transfer
- * failures. */
+ * failures. A pull that succeeded puts its phases (handshake, staging wait, wire, commit)
+ * in the node's histograms and in *t (may be NULL). */
 int srv_kvnode_pull(srv_kvnode_t *n, const json_t *params, const int32_t *ids, uint32_t n_prompt,
-                    uint64_t salt, pkv_seq_t **out, srv_error_t *err);
+                    uint64_t salt, pkv_seq_t **out, srv_timings_t *t, srv_error_t *err);
 /* A decode node computes a request that came without kv_transfer_params (counted). */
 void srv_kvnode_count_local(srv_kvnode_t *n);
 /* The kv_transfer_params section of /v1/cache/stats (new reference; NULL on no memory). */
@@ -179,7 +223,8 @@ typedef struct {
     srv_counters_t ctr;
     pkv_engine_stats_t es;
     pkv_kv_stats_t ks;
-    uint64_t rss_bytes; /* the process's VmRSS (0: unknown, omitted from /metrics) */
+    uint64_t rss_bytes;    /* the process's VmRSS (0: unknown, omitted from /metrics) */
+    uint64_t locked_bytes; /* its VmLck (mlocked memory), beside the staging's pinned bytes */
     pkv_backend_t backend;
     uint32_t block_tokens;
     bool has_kv; /* a prefill or decode node: kv filled */

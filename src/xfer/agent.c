@@ -379,6 +379,7 @@ static void *progress_main(void *arg)
 {
     pkv_xfer_agent_t *a = arg;
     uint32_t idle_spins = 0;
+    uint64_t beat_ns = 0; /* the last loop_ns stored: at most one store a millisecond */
     uint64_t last_work_ns = 0;
     bool clean = false, stopping = false;
     for (;;) {
@@ -387,7 +388,14 @@ static void *progress_main(void *arg)
          * load first keeps the round from writing the flag's cache line when nothing came. */
         pkv_xfer_read_t *nr = NULL;
         xf_event_t *ev = NULL;
+        /* Test hook: each armed hit holds the loop 100 ms (a stuck progress thread). */
+        while (pkv_fault_hit(PKV_FAULT_XFER_STALL))
+            nanosleep(&(struct timespec){0, 100000000}, NULL);
         a->now_ns = pkv_now_ns();
+        if (a->now_ns - beat_ns >= 1000000ull) {
+            atomic_store_explicit(&a->loop_ns, a->now_ns, memory_order_relaxed);
+            beat_ns = a->now_ns;
+        }
         if (atomic_load_explicit(&a->wake_posted, memory_order_relaxed) &&
             atomic_exchange_explicit(&a->wake_posted, false, memory_order_acq_rel)) {
             pthread_mutex_lock(&a->lock);
@@ -674,6 +682,7 @@ static int agent_identity(pkv_xfer_agent_t *a, const pkv_xfer_config_t *c)
     a->faults.corrupt_layer = -1;
     a->ucx_efd = a->wake_fd = a->epfd = -1;
     atomic_init(&a->wake_posted, false);
+    atomic_init(&a->loop_ns, pkv_now_ns());
     a->new_reads_tail = &a->new_reads;
     a->events_tail = &a->events;
     a->jobs_tail = &a->jobs;
@@ -824,6 +833,18 @@ void pkv_xfer_agent_destroy(pkv_xfer_agent_t *a)
 const char *pkv_xfer_agent_address(const pkv_xfer_agent_t *a)
 {
     return a ? a->addr : "";
+}
+
+bool pkv_xfer_agent_alive(pkv_xfer_agent_t *a, uint64_t max_age_ns, uint64_t *age_ns)
+{
+    if (!a) return false;
+    uint64_t beat = atomic_load_explicit(&a->loop_ns, memory_order_relaxed);
+    uint64_t age = xf_since(pkv_now_ns(), beat);
+    pthread_mutex_lock(&a->lock);
+    bool down = a->stopping || a->progress_exited;
+    pthread_mutex_unlock(&a->lock);
+    if (age_ns) *age_ns = age;
+    return !down && age <= max_age_ns;
 }
 
 void pkv_xfer_set_faults(pkv_xfer_agent_t *a, const pkv_xfer_faults_t *f)

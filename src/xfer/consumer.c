@@ -278,6 +278,21 @@ pkv_xfer_why_t pkv_xfer_read_why(const pkv_xfer_read_t *rd)
     return w;
 }
 
+int pkv_xfer_read_timings(const pkv_xfer_read_t *rd, pkv_xfer_read_timings_t *out)
+{
+    if (!rd || !out) return PKV_ERR_INVALID;
+    /* The [P] stamps are final before `done` is published (release). */
+    if (!atomic_load_explicit(&rd->done, memory_order_acquire)) return PKV_ERR_BUSY;
+    *out = (pkv_xfer_read_timings_t){.started_ns = rd->t_start,
+                                     .connected_ns = rd->t_connected,
+                                     .seated_ns = rd->t_seated,
+                                     .requested_ns = rd->t_requested,
+                                     .first_ns = rd->t_first,
+                                     .last_ns = rd->t_last,
+                                     .done_ns = rd->done_ns};
+    return PKV_OK;
+}
+
 uint64_t pkv_xfer_read_bytes(const pkv_xfer_read_t *rd)
 {
     if (!rd) return 0;
@@ -380,6 +395,11 @@ static void finish(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, int outcome, bool t
     rd->finished = true;
     rd->state = XF_READ_DONE;
     rd->done_ns = pkv_now_ns(); /* the write-off clock in the tick counts from it */
+    /* A READ posted before the endpoint was up left when it came up (or never). */
+    if (rd->peer && rd->peer->established)
+        rd->t_connected = PKV_MAX(rd->t_start, rd->peer->established_ns);
+    rd->t_requested =
+        rd->t_connected && rd->t_requested ? PKV_MAX(rd->t_requested, rd->t_connected) : 0;
     atomic_store(&rd->v.abort, true);
     if (outcome == PKV_OK && pkv_log_get_level() >= PKV_LOG_DEBUG) {
         if (rd->shared)
@@ -716,6 +736,7 @@ static void send_read(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
         return;
     }
     rd->read_sent = true;
+    rd->t_requested = now;
 }
 
 void xf_reads_on_hello(pkv_xfer_agent_t *a, xf_peer_t *p)
@@ -884,6 +905,8 @@ void xf_read_on_data(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_data_t *d)
                XF_MAC_TAG_BYTES);
         if (!shared_msg) continue;
         rd->layer_chunks[l] = rd->v.chunks_per_layer; /* no payload messages */
+        rd->t_last = a->now_ns;
+        if (!rd->t_first) rd->t_first = rd->t_last;
         fault(a, PKV_XFER_FAULT_READ_LAYER_RECEIVED, l);
     }
     for (uint32_t l = first; l < end && !rd->finished; l++) maybe_verify(a, rd, l);

@@ -328,6 +328,7 @@ int xf_ctl_send(pkv_xfer_agent_t *a, xf_peer_t *p, void *msg, size_t len)
 static void peer_established(xf_peer_t *p)
 {
     p->established = true;
+    p->established_ns = pkv_now_ns();
     ctl_buf_t *b = p->queued;
     p->queued = NULL;
     p->queued_tail = &p->queued;

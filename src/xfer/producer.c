@@ -211,6 +211,7 @@ int pkv_xfer_register(pkv_xfer_agent_t *a, uint64_t request_id, const uint32_t *
     r->n = n;
     r->request_id = request_id;
     r->expiry_ns = expiry_ns;
+    r->registered_ns = pkv_now_ns();
     r->fn = fn;
     r->arg = arg;
     if ((rc = xf_random(r->token, sizeof(r->token)))) goto fail;
@@ -965,8 +966,26 @@ void xf_serve_on_ack(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_ack_t *k)
     XF_STAT_ADD(a, sent, 1);
     XF_STAT_ADD(a, bytes_sent, total);
     xf_reg_t *r = s->reg;
+    a->acked.valid = true; /* for pkv_xfer_sent_timings inside the callback */
+    a->acked.request_id = r->request_id;
+    a->acked.t = (pkv_xfer_serve_timings_t){.registered_ns = r->registered_ns,
+                                            .accepted_ns = s->t_start,
+                                            .seated_ns = s->t_seated,
+                                            .staged_ns = s->t_last_ready,
+                                            .sent_ns = s->t_all_sent,
+                                            .acked_ns = s->done_ns};
     if (!r->ended) reg_end(a, unlink_reg(a, r), PKV_OK);
+    a->acked.valid = false;
     serve_settle(a, s);
+}
+
+int pkv_xfer_sent_timings(pkv_xfer_agent_t *a, uint64_t request_id, pkv_xfer_serve_timings_t *out)
+{
+    if (!a || !out || !pthread_equal(pthread_self(), a->progress_thread) || !a->acked.valid ||
+        a->acked.request_id != request_id)
+        return PKV_ERR_NOTFOUND;
+    *out = a->acked.t;
+    return PKV_OK;
 }
 
 void xf_serve_on_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_fail_t *f)

@@ -148,6 +148,7 @@ struct xf_peer { /* every field [P] */
     uint32_t ctl_inflight; /* control sends not yet completed */
     uint32_t refs;         /* transfers using this peer */
     bool established;      /* the other side has spoken: control sends may go out */
+    uint64_t established_ns; /* when it did (read timings) */
     int map_fd;            /* outgoing, same host: the producer's staging arena, mapped */
     uint8_t *map_base;
     uint64_t map_size, map_ino;
@@ -172,6 +173,7 @@ struct xf_reg {
     uint64_t request_id;
     uint8_t token[PKV_XFER_TOKEN_BYTES];
     uint64_t expiry_ns;
+    uint64_t registered_ns; /* serve timings */
     pkv_xfer_sent_fn fn;
     void *arg;
     uint32_t n;
@@ -205,7 +207,7 @@ struct xf_serve {
     bool state_done;  /* outcome decided */
     bool shared;      /* DATA carries arena offsets; the consumer copies from our arena */
     bool pump_needed; /* a send completed: post more from the loop */
-    uint64_t t_start, t_seated, t_first_ready, t_last_ready, t_all_sent; /* debug timing */
+    uint64_t t_start, t_seated, t_first_ready, t_last_ready, t_all_sent; /* timings */
     bool stage_cancelled; /* we cancelled a waiting acquire */
     int outcome;
     uint64_t done_ns;
@@ -289,7 +291,8 @@ struct pkv_xfer_read {
     bool cancelling; /* inside cancel_recvs or start_reading: settle() must wait */
     bool slow_logged;
     bool stage_cancelled;                        /* we cancelled a waiting acquire */
-    uint64_t t_start, t_seated, t_first, t_last; /* debug timing */
+    uint64_t t_start, t_seated, t_first, t_last; /* timings (pkv_xfer_read_timings) */
+    uint64_t t_requested, t_connected;           /* ... READ sent; set at finish */
     uint64_t done_ns;
     bool cancel_recvs; /* recvs still posted must be cancelled from the loop */
     xf_chunk_t *chunks;
@@ -331,6 +334,9 @@ struct pkv_xfer_agent {
                                 only if it was off); the loop takes the queues only when
                                 it was on */
     pthread_t progress_thread;
+    _Atomic uint64_t loop_ns; /* when a progress round last began (liveness; stored at most
+                                 once a millisecond, so a polling loop does not keep
+                                 writing a line other threads read) */
     pthread_t *workers;
     struct xf_worker_arg *wargs; /* (workers) each copy worker's agent and MAC contexts */
     pthread_t *seaters;
@@ -388,6 +394,11 @@ struct pkv_xfer_agent {
     bool flushing;
     uint64_t flush_deadline_ns;
     uint64_t last_timer_ns;
+    struct { /* the acknowledged serve whose sent callback runs (pkv_xfer_sent_timings) */
+        bool valid;
+        uint64_t request_id;
+        pkv_xfer_serve_timings_t t;
+    } acked;
     xf_stats_t st;
 };
 

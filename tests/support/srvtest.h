@@ -1,0 +1,68 @@
+/*
+ * Test support for tests that drive `pagekv serve` processes over real HTTP: a libcurl
+ * client, JSON member access by path, and child processes (optionally inside a network
+ * namespace) whose HTTP port and transfer agent address are read from their log.
+ * Prefix ts_. Every helper asserts (Check) on what must not fail; network errors of a
+ * request are returned, since fault tests expect them.
+ */
+#ifndef PKV_TEST_SRVTEST_H
+#define PKV_TEST_SRVTEST_H
+
+#include "pagekv/xfer.h"
+
+#include <curl/curl.h>
+#include <jansson.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+typedef struct {
+    long status; /* 0 when no answer came */
+    CURLcode cc;
+    char *body; /* NUL-terminated (malloc'd; NULL when empty) */
+    size_t len;
+} ts_resp_t;
+
+/* One request to http://host:port/path (body NULL: none; extra_header NULL: none),
+ * bounded by timeout_s. Returns the curl code (also in r->cc). */
+CURLcode ts_http(const char *host, uint16_t port, const char *method, const char *path,
+                 const char *body, const char *extra_header, long timeout_s, ts_resp_t *r);
+void ts_resp_free(ts_resp_t *r);
+/* GET path, asserting 200 and a JSON body (new reference). */
+json_t *ts_get_json(const char *host, uint16_t port, const char *path);
+
+/* A member by path "a.b.0.c" (numbers index arrays); NULL when absent. */
+json_t *ts_jp(json_t *doc, const char *path);
+long long ts_ji(json_t *doc, const char *path);   /* asserts an integer */
+const char *ts_js(json_t *doc, const char *path); /* asserts a string */
+
+typedef struct {
+    pid_t pid;
+    int err_fd; /* the child's stderr */
+    char host[64];
+    uint16_t port;                 /* its HTTP port */
+    char agent[PKV_XFER_ADDR_MAX]; /* its transfer agent's address ("" for unified) */
+    bool reaped;
+    int status; /* wait status once reaped */
+    char log[32768];
+    size_t log_len;
+} ts_node_t;
+
+/* BUILD/pagekv next to this test binary (BUILD/tests/). */
+void ts_pagekv_path(char *out, size_t n);
+/* Start `pagekv serve --host host --port 0 args...` (args NULL-terminated), inside network
+ * namespace `netns` through `ip netns exec` when not NULL, with UCX_TLS=tcp when tcp_only,
+ * and wait (30 s) until it printed its HTTP port and, if `agent`, its agent address. The
+ * child dies with the test (PR_SET_PDEATHSIG). */
+void ts_node_start(ts_node_t *c, const char *netns, const char *host, bool tcp_only, bool agent,
+                   const char *const args[]);
+/* Read what the child logged (up to timeout_ms). */
+void ts_node_read(ts_node_t *c, int timeout_ms);
+/* Reap the child within timeout_s (SIGKILL and fail the test after it): its wait status. */
+int ts_node_wait(ts_node_t *c, int timeout_s);
+/* SIGTERM, then assert it exits 0 within 30 s. */
+void ts_node_stop(ts_node_t *c);
+/* SIGKILL and reap. */
+void ts_node_kill(ts_node_t *c);
+
+#endif
