@@ -2545,7 +2545,9 @@ START_TEST(phases_move_by_one)
     for (int n = 0; n < 2; n++)
         for (int p = 0; p < 8; p++) before[n][p] = phase_count(ports[n], phase_names[p]);
     json_t *req = json_pack("{s:s, s:s, s:i, s:f}", "model", "tiny", "prompt",
-                            "Every phase of one request, counted once where it happens",
+                            "Every phase of one request, counted once where it happens: the "
+                            "prompt spans several blocks, so the decode leg pulls the ones its "
+                            "own prefix cache lacks and the producer serves them",
                             "max_tokens", 6, "temperature", 0.0);
     const char *path = "/v1/completions";
     json_t *pre = json_deep_copy(req);
