@@ -31,6 +31,8 @@ typedef struct {
     uint32_t (*seq_runs)(const pkv_seq_t *seq, uint32_t layer, uint32_t begin, uint32_t end,
                          pkv_kv_run_t *out, uint32_t max, uint32_t *next);
     void (*reset_cache)(pkv_kv_t *kv);
+    /* How many of keys[0..n) lead the prompt in the prefix cache (0 when it is off). */
+    uint32_t (*prefix_match)(pkv_kv_t *kv, const pkv_kv_key_t *keys, uint32_t n);
     void (*stats)(pkv_kv_t *kv, pkv_kv_stats_t *out);
     int (*validate)(pkv_kv_t *kv);
     /* paged-only block access (arguments checked by kv.c except the block ids) */
