@@ -23,31 +23,32 @@
 
 static void usage(FILE *f)
 {
-    fprintf(f,
-            "usage: pagekv route --prefill URL [--prefill URL ...] --decode URL [--decode URL ...]\n"
-            "                    [--host H] [--port N] [--policy cache_aware|least_loaded|round_robin]\n"
-            "\n"
-            "An OpenAI-compatible front for `pagekv serve --role prefill|decode` nodes: each\n"
-            "completion or chat request runs its prefill leg on a prefill node and its decode\n"
-            "leg on a decode node; the decode node's answer is relayed (streamed or not).\n"
-            "Also /v1/models (from the nodes), /health, /metrics.\n"
-            "\n"
-            "  --prefill URL             a prefill node, http://HOST:PORT (1..64)\n"
-            "  --decode URL              a decode node, http://HOST:PORT (1..64)\n"
-            "  --host ADDR               address to listen on (default 127.0.0.1)\n"
-            "  --port N                  port (default 8000; 0 = pick a free one)\n"
-            "  --policy NAME             prefill node choice: cache_aware (default: ask each\n"
-            "                            node how much of the prompt it holds), least_loaded,\n"
-            "                            round_robin (decode nodes: least_loaded or round_robin)\n"
-            "  --max-connections N       client connections; beyond: 503 (default 4096)\n"
-            "  --max-body-bytes BYTES    request body limit, K/M/G suffixes (default 4M)\n"
-            "  --request-timeout-ms N    a request's deadline for its first output, retries\n"
-            "                            included (default 60000)\n"
-            "  --node-timeout-ms N       a node's longest silence in one attempt (default 30000)\n"
-            "  --lookup-timeout-ms N     cache lookups and health probes (default 1000)\n"
-            "  --health-interval-ms N    probe every node's /health this often (default 1000)\n"
-            "  --node-max-in-flight N    legs one node serves at once; more wait (default 128)\n"
-            "  --drain-timeout SECONDS   on SIGTERM, wait this long for requests (default 30)\n");
+    fprintf(
+        f, "usage: pagekv route --prefill URL [--prefill URL ...] --decode URL [--decode URL ...]\n"
+           "                    [--host H] [--port N] [--policy "
+           "cache_aware|least_loaded|round_robin]\n"
+           "\n"
+           "An OpenAI-compatible front for `pagekv serve --role prefill|decode` nodes: each\n"
+           "completion or chat request runs its prefill leg on a prefill node and its decode\n"
+           "leg on a decode node; the decode node's answer is relayed (streamed or not).\n"
+           "Also /v1/models (from the nodes), /health, /metrics.\n"
+           "\n"
+           "  --prefill URL             a prefill node, http://HOST:PORT (1..64)\n"
+           "  --decode URL              a decode node, http://HOST:PORT (1..64)\n"
+           "  --host ADDR               address to listen on (default 127.0.0.1)\n"
+           "  --port N                  port (default 8000; 0 = pick a free one)\n"
+           "  --policy NAME             prefill node choice: cache_aware (default: ask each\n"
+           "                            node how much of the prompt it holds), least_loaded,\n"
+           "                            round_robin (decode nodes: least_loaded or round_robin)\n"
+           "  --max-connections N       client connections; beyond: 503 (default 4096)\n"
+           "  --max-body-bytes BYTES    request body limit, K/M/G suffixes (default 4M)\n"
+           "  --request-timeout-ms N    a request's deadline for its first output, retries\n"
+           "                            included (default 60000)\n"
+           "  --node-timeout-ms N       a node's longest silence in one attempt (default 30000)\n"
+           "  --lookup-timeout-ms N     cache lookups and health probes (default 1000)\n"
+           "  --health-interval-ms N    probe every node's /health this often (default 1000)\n"
+           "  --node-max-in-flight N    legs one node serves at once; more wait (default 128)\n"
+           "  --drain-timeout SECONDS   on SIGTERM, wait this long for requests (default 30)\n");
 }
 
 static int parse_u32(const char *flag, const char *v, uint64_t lo, uint64_t hi, uint32_t *out)
@@ -131,7 +132,8 @@ static int parse_args(int argc, char **argv, route_args_t *ra)
         if (bad) return bad;
     }
     if (!ra->cfg.n_prefill || !ra->cfg.n_decode)
-        return pkv_cli_usage_error("route", "needs at least one --prefill URL and one --decode URL");
+        return pkv_cli_usage_error("route",
+                                   "needs at least one --prefill URL and one --decode URL");
     ra->cfg.port = (uint16_t)ra->port;
     ra->cfg.prefill = ra->prefill;
     ra->cfg.decode = ra->decode;

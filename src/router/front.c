@@ -151,7 +151,8 @@ static enum MHD_Result answer_busy(pkv_router_t *r, rt_xchg_t *x, rt_rejection_t
     }
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
     MHD_add_response_header(resp, MHD_HTTP_HEADER_RETRY_AFTER, retry_after);
-    if (why == RT_REJ_CONNECTIONS) MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
+    if (why == RT_REJ_CONNECTIONS)
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
     return queue(r, x, 503, resp);
 }
 
@@ -282,9 +283,11 @@ static enum MHD_Result on_first_call(pkv_router_t *r, rt_xchg_t *x, const char *
     if (!method_allowed(allow, method)) {
         snprintf(msg, sizeof(msg), "method %.16s is not allowed on %s (allowed: %s)", method, url,
                  allow);
-        char *text = pkv_server_error_json("invalid_request_error", "method_not_allowed", NULL, msg);
+        char *text =
+            pkv_server_error_json("invalid_request_error", "method_not_allowed", NULL, msg);
         struct MHD_Response *resp =
-            text ? MHD_create_response_from_buffer(strlen(text), text, MHD_RESPMEM_MUST_FREE) : NULL;
+            text ? MHD_create_response_from_buffer(strlen(text), text, MHD_RESPMEM_MUST_FREE)
+                 : NULL;
         if (!resp) {
             free(text);
             return MHD_NO;
@@ -343,14 +346,12 @@ static enum MHD_Result on_last_call(pkv_router_t *r, rt_xchg_t *x)
     if (x->route == RT_ROUTE_HEALTH) {
         int status = 503;
         char *text = rt_health_render(r, &status);
-        return answer_text(r, x, status, text, text ? strlen(text) : 0, "application/json",
-                           NULL);
+        return answer_text(r, x, status, text, text ? strlen(text) : 0, "application/json", NULL);
     }
     if (x->route == RT_ROUTE_METRICS) {
         size_t len = 0;
         char *text = rt_metrics_render(r, &len);
-        return answer_text(r, x, 200, text, len, "text/plain; version=0.0.4; charset=utf-8",
-                           NULL);
+        return answer_text(r, x, 200, text, len, "text/plain; version=0.0.4; charset=utf-8", NULL);
     }
     return submit(r, x);
 }

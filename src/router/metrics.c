@@ -11,9 +11,13 @@
 #include <string.h>
 
 const char *const rt_role_label[RT_ROLES] = {"prefill", "decode"};
-const char *const rt_route_label[RT_ROUTE_COUNT] = {
-    "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{id}",
-    "/health",         "/metrics",             "other"};
+const char *const rt_route_label[RT_ROUTE_COUNT] = {"/v1/completions",
+                                                    "/v1/chat/completions",
+                                                    "/v1/models",
+                                                    "/v1/models/{id}",
+                                                    "/health",
+                                                    "/metrics",
+                                                    "other"};
 const char *const rt_cause_label[RT_CAUSE_COUNT] = {"connect", "timeout", "http_5xx", "peer_lost",
                                                     "broken"};
 const char *const rt_rejection_label[RT_REJ_COUNT] = {"invalid_request", "too_many_connections",
@@ -82,7 +86,8 @@ static void hist_lines(FILE *f, const char *name, const char *labels, const rt_h
         fprintf(f, "%s_sum{%s} %.9g\n%s_count{%s} %llu\n", name, labels, h->sum, name, labels,
                 (unsigned long long)h->count);
     } else {
-        fprintf(f, "%s_sum %.9g\n%s_count %llu\n", name, h->sum, name, (unsigned long long)h->count);
+        fprintf(f, "%s_sum %.9g\n%s_count %llu\n", name, h->sum, name,
+                (unsigned long long)h->count);
     }
 }
 
@@ -125,8 +130,7 @@ static void render_nodes(FILE *f, pkv_router_t *r, const rt_snap_t *s)
     for (int role = 0; role < RT_ROLES; role++)
         for (int k = 0; k < RT_CAUSE_COUNT; k++)
             fprintf(f, "pagekv_router_errors_total{role=\"%s\",cause=\"%s\"} %llu\n",
-                    rt_role_label[role], rt_cause_label[k],
-                    (unsigned long long)c->errors[role][k]);
+                    rt_role_label[role], rt_cause_label[k], (unsigned long long)c->errors[role][k]);
     family(f, "pagekv_router_retries_total", "counter",
            "Attempts made again on another node (or both legs again), by the failure's cause.");
     for (int k = 0; k < RT_CAUSE_COUNT; k++)
@@ -190,8 +194,7 @@ char *rt_metrics_render(pkv_router_t *r, size_t *len)
     pkv_prim_mem_t mem;
     if (pkv_prim_mem_read(0, &mem) == PKV_OK) {
         family(f, "pagekv_router_resident_memory_bytes", "gauge", "The router's VmRSS.");
-        fprintf(f, "pagekv_router_resident_memory_bytes %llu\n",
-                (unsigned long long)mem.rss_bytes);
+        fprintf(f, "pagekv_router_resident_memory_bytes %llu\n", (unsigned long long)mem.rss_bytes);
     }
     bool bad = ferror(f) != 0;
     if (fclose(f) || bad) {
@@ -223,7 +226,9 @@ char *rt_health_render(pkv_router_t *r, int *status)
     }
     bool ok = each && !s->draining;
     json_object_set_new(doc, "status",
-                        json_string(s->draining ? "draining" : ok ? "ok" : "no_node_of_a_role"));
+                        json_string(s->draining ? "draining"
+                                    : ok        ? "ok"
+                                                : "no_node_of_a_role"));
     *status = ok ? 200 : 503;
     char *text = json_dumps(doc, JSON_COMPACT);
     json_decref(doc);

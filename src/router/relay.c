@@ -31,10 +31,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define RT_OBUF_CAP  (256u * 1024)      /* bytes waiting for a slow client: pause beyond */
-#define RT_BODY_MAX  (64ull << 20)      /* a node's whole answer */
-#define RT_POLL_MS   50
-#define NS_PER_MS    1000000ull
+#define RT_OBUF_CAP (256u * 1024) /* bytes waiting for a slow client: pause beyond */
+#define RT_BODY_MAX (64ull << 20) /* a node's whole answer */
+#define RT_POLL_MS  50
+#define NS_PER_MS   1000000ull
 
 static void lookup_decide(pkv_router_t *r, rt_xchg_t *x);
 static void pick_prefill(pkv_router_t *r, rt_xchg_t *x);
@@ -417,8 +417,7 @@ static void finish_relay(pkv_router_t *r, rt_xchg_t *x, rt_leg_t *l)
 static void stream_broken(pkv_router_t *r, rt_xchg_t *x, rt_leg_t *l, const char *what)
 {
     char msg[320];
-    snprintf(msg, sizeof(msg), "the decode node %s failed mid-stream (%.200s)", l->node->url,
-             what);
+    snprintf(msg, sizeof(msg), "the decode node %s failed mid-stream (%.200s)", l->node->url, what);
     PKV_LOGW("router", "%s: %s", x->rid, msg);
     char *err = pkv_server_error_json("server_error", "upstream_lost", NULL, msg);
     pthread_mutex_lock(&x->lock);
@@ -610,7 +609,8 @@ static void gen_begin(pkv_router_t *r, rt_xchg_t *x)
     x->stream = shape.stream;
     x->doc = json_loadb(x->body, x->len, JSON_ALLOW_NUL, NULL);
     x->pbody = x->doc ? prefill_body(x->doc) : NULL;
-    if (!x->pbody) return finish_error(r, x, 500, "server_error", "out_of_memory", NULL, "out of memory");
+    if (!x->pbody)
+        return finish_error(r, x, 500, "server_error", "out_of_memory", NULL, "out of memory");
     pick_prefill(r, x);
 }
 
@@ -816,8 +816,9 @@ static void pass_start(pkv_router_t *r, rt_xchg_t *x)
                 rt_node_t *n = &r->nodes[role][i];
                 if ((x->tried[role] >> i & 1) || (pass == 0 && !node_up(r, n))) continue;
                 rt_leg_t *l = leg_new(r, RT_LEG_PASS, x, n, x->path, NULL, 0);
-                if (!l) return finish_error(r, x, 500, "server_error", "out_of_memory", NULL,
-                                            "out of memory");
+                if (!l)
+                    return finish_error(r, x, 500, "server_error", "out_of_memory", NULL,
+                                        "out of memory");
                 x->attempts++;
                 return leg_start(r, l);
             }
@@ -840,13 +841,14 @@ static void pass_done(pkv_router_t *r, rt_leg_t *l, CURLcode cc)
 
 static void models_done(pkv_router_t *r, rt_leg_t *l, CURLcode cc)
 {
-    json_t *doc = cc == CURLE_OK && l->status == 200 ? json_loadb(l->buf ? l->buf : "", l->len, 0, NULL)
-                                                     : NULL;
+    json_t *doc = cc == CURLE_OK && l->status == 200
+                      ? json_loadb(l->buf ? l->buf : "", l->len, 0, NULL)
+                      : NULL;
     json_t *m = json_array_get(json_object_get(doc, "data"), 0);
     const char *id = json_string_value(json_object_get(m, "id"));
     json_t *ctx = json_object_get(m, "max_model_len");
-    bool got = id && strlen(id) < sizeof(r->model) && json_is_integer(ctx) &&
-               json_integer_value(ctx) > 0;
+    bool got =
+        id && strlen(id) < sizeof(r->model) && json_is_integer(ctx) && json_integer_value(ctx) > 0;
     if (got) {
         pthread_mutex_lock(&r->lock);
         if (!r->model[0]) {

@@ -55,10 +55,10 @@ typedef enum {
 extern const char *const rt_cause_label[RT_CAUSE_COUNT];
 
 typedef enum {
-    RT_REJ_INVALID = 0,    /* the request's own fault (4xx before any node) */
-    RT_REJ_CONNECTIONS,    /* beyond max_connections */
-    RT_REJ_SHUTTING_DOWN,  /* draining */
-    RT_REJ_NO_NODE,        /* no node of a role could serve it */
+    RT_REJ_INVALID = 0,   /* the request's own fault (4xx before any node) */
+    RT_REJ_CONNECTIONS,   /* beyond max_connections */
+    RT_REJ_SHUTTING_DOWN, /* draining */
+    RT_REJ_NO_NODE,       /* no node of a role could serve it */
     RT_REJ_COUNT
 } rt_rejection_t;
 extern const char *const rt_rejection_label[RT_REJ_COUNT];
@@ -84,8 +84,8 @@ typedef struct {
     uint64_t retries[RT_CAUSE_COUNT];          /* attempts made again elsewhere, by cause */
     uint64_t stream_errors;                    /* streams ended by an error event */
     uint64_t lookups, lookup_failures;
-    uint64_t in_flight;       /* client requests handed to the nodes, not yet completed */
-    uint64_t connections;     /* open client connections */
+    uint64_t in_flight;   /* client requests handed to the nodes, not yet completed */
+    uint64_t connections; /* open client connections */
     uint64_t connections_peak;
     rt_hist_t leg[RT_ROLES]; /* a successful leg: sent -> its answer's end */
     rt_hist_t lookup;        /* cache lookups */
@@ -119,9 +119,9 @@ struct rt_xchg {
     char *body;
     size_t len, cap;
     bool too_large, submitted, answered;
-    char path[160];      /* GET passthrough (/v1/models...) */
-    char rid[129];       /* X-Request-Id (the client's, or generated) */
-    uint64_t t_arrival;  /* monotonic ns */
+    char path[160];     /* GET passthrough (/v1/models...) */
+    char rid[129];      /* X-Request-Id (the client's, or generated) */
+    uint64_t t_arrival; /* monotonic ns */
     atomic_int refs;
     rt_xchg_t *inbox_next; /* r->inbox_lock */
     bool in_inbox;         /* r->inbox_lock */
@@ -147,11 +147,11 @@ struct rt_xchg {
     /* x->lock: the answer for the client */
     pthread_mutex_t lock;
     int status;
-    bool ready;     /* the status is decided; MHD may queue the answer */
-    bool streamed;  /* the answer is a stream (content reader) */
-    bool done;      /* no more bytes will come */
-    bool suspended; /* the connection is suspended (resume it on news) */
-    bool gone;      /* MHD completed the request: never touch conn again */
+    bool ready;        /* the status is decided; MHD may queue the answer */
+    bool streamed;     /* the answer is a stream (content reader) */
+    bool done;         /* no more bytes will come */
+    bool suspended;    /* the connection is suspended (resume it on news) */
+    bool gone;         /* MHD completed the request: never touch conn again */
     bool want_unpause; /* the reader drained a full buffer: unpause the node's transfer */
     bool io_paused;    /* the io thread paused the node's transfer */
     char retry_after[8];
@@ -160,7 +160,14 @@ struct rt_xchg {
 };
 
 /* One HTTP transfer to a node. io thread only. */
-typedef enum { RT_LEG_LOOKUP, RT_LEG_PREFILL, RT_LEG_DECODE, RT_LEG_PASS, RT_LEG_PROBE, RT_LEG_MODELS } rt_leg_kind_t;
+typedef enum {
+    RT_LEG_LOOKUP,
+    RT_LEG_PREFILL,
+    RT_LEG_DECODE,
+    RT_LEG_PASS,
+    RT_LEG_PROBE,
+    RT_LEG_MODELS
+} rt_leg_kind_t;
 
 struct rt_leg {
     rt_leg_kind_t kind;
@@ -177,9 +184,9 @@ struct rt_leg {
     bool queued;    /* in node's wait FIFO */
     bool committed; /* streaming decode: bytes reached the client */
     bool paused;
-    rt_leg_t *xnext;          /* x->legs */
-    rt_leg_t *wnext;          /* node's wait FIFO */
-    rt_leg_t *anext, *aprev;  /* r->active */
+    rt_leg_t *xnext;         /* x->legs */
+    rt_leg_t *wnext;         /* node's wait FIFO */
+    rt_leg_t *anext, *aprev; /* r->active */
     char err[CURL_ERROR_SIZE];
 };
 
