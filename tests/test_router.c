@@ -1172,6 +1172,50 @@ END_TEST
         if (!only_ || !strcmp(only_, #t)) tcase_add_test(tc, t);                                   \
     } while (0)
 
+/* ---- the OpenAI SDK -------------------------------------------------------------------------- */
+
+/* The SDK's usual calls (tests/sdk/openai_check.cjs) through the router. Needs node, npm
+ * and the `openai` package, installed once into BUILD/sdk; skipped, with a message, when
+ * any is missing or cannot be installed (no network). */
+START_TEST(openai_sdk_through_router)
+{
+    if (system("command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1")) {
+        fprintf(stderr, "openai_sdk_through_router: SKIPPED: node or npm is not installed\n");
+        return;
+    }
+    char sdk[4200], cmd[9000];
+    snprintf(sdk, sizeof(sdk), "%s", BIN);
+    *strrchr(sdk, '/') = 0;
+    snprintf(sdk + strlen(sdk), sizeof(sdk) - strlen(sdk), "/sdk");
+    snprintf(cmd, sizeof(cmd), "%s/node_modules/openai/package.json", sdk);
+    if (access(cmd, R_OK)) {
+        snprintf(cmd, sizeof(cmd),
+                 "mkdir -p '%s' && timeout 90 npm install --prefix '%s' --no-audit --no-fund "
+                 "--silent openai@4 >/dev/null 2>&1",
+                 sdk, sdk);
+        if (system(cmd)) {
+            fprintf(stderr, "openai_sdk_through_router: SKIPPED: `npm install openai@4` failed "
+                            "(no registry?)\n");
+            return;
+        }
+    }
+    proc_t p, d, rt;
+    node_start(&p, "prefill", NULL);
+    node_start(&d, "decode", NULL);
+    router_start(&rt, &p, 1, &d, 1, NULL);
+    health_is(rt.port, 200);
+    snprintf(cmd, sizeof(cmd),
+             "NODE_PATH='%s/node_modules' timeout 60 node '%s/tests/sdk/openai_check.cjs' "
+             "http://127.0.0.1:%u",
+             sdk, PKV_TEST_SRCDIR, rt.port);
+    ck_assert_int_eq(system(cmd), 0);
+    ck_assert_int_ge(log_count(&d, "(decode leg)"), 4);
+    proc_stop(&rt, 30);
+    proc_stop(&d, 30);
+    proc_stop(&p, 30);
+}
+END_TEST
+
 static Suite *router_suite(void)
 {
     Suite *s = suite_create("router");
@@ -1188,6 +1232,7 @@ static Suite *router_suite(void)
     ADD(tc, bad_input_as_serve_no_node_called);
     ADD(tc, over_the_connection_limit_503);
     ADD(tc, thousand_concurrent_streams);
+    ADD(tc, openai_sdk_through_router);
     suite_add_tcase(s, tc);
     return s;
 }
