@@ -14,6 +14,7 @@
 #include "pagekv/server.h"
 
 #include <curl/curl.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <jansson.h>
 #include <pthread.h>
@@ -382,6 +383,37 @@ static void proc_kill(proc_t *p)
 
 static char BIN[4096];
 
+/* SIGSTOP pid and wait until every thread of it is stopped (a thread already running
+ * when the signal came may still answer a request it was serving). */
+static void stop_process(pid_t pid)
+{
+    kill(pid, SIGSTOP);
+    uint64_t deadline = pkv_deadline_after_ns(10 * SEC);
+    for (;;) {
+        char path[64];
+        snprintf(path, sizeof(path), "/proc/%d/task", (int)pid);
+        DIR *dir = opendir(path);
+        ck_assert_ptr_nonnull(dir);
+        bool all = true;
+        for (struct dirent *e; (e = readdir(dir));) {
+            if (e->d_name[0] == '.') continue;
+            char sp[400], buf[512];
+            snprintf(sp, sizeof(sp), "%s/%s/stat", path, e->d_name);
+            FILE *f = fopen(sp, "r");
+            if (!f) continue;
+            size_t k = fread(buf, 1, sizeof(buf) - 1, f);
+            fclose(f);
+            buf[k] = 0;
+            const char *rp = strrchr(buf, ')');
+            if (rp && rp[1] == ' ' && rp[2] != 'T' && rp[2] != 't') all = false;
+        }
+        closedir(dir);
+        if (all) return;
+        ck_assert_msg(pkv_now_ns() < deadline, "pid %d did not stop", (int)pid);
+        usleep(1000);
+    }
+}
+
 /* A `pagekv serve --role ROLE` child; extra: more arguments (NULL-terminated) or NULL. */
 static void node_start(proc_t *p, const char *role, const char *const *extra)
 {
@@ -647,6 +679,23 @@ START_TEST(cache_aware_finds_the_prefix)
     ck_assert_int_eq(log_count(&p[1], "(prefill leg)"), 3);
     ck_assert_int_eq(log_count(&p[0], "(prefill leg)"), 0);
     ck_assert_int_ge(metric(rt.port, "pagekv_router_lookups_total"), 6);
+    /* The holder stopped: its lookup gets no answer within --lookup-timeout-ms (or its
+     * probe marked it down first), the other node serves the request. */
+    stop_process(p[1].pid);
+    snprintf(prompt, sizeof(prompt), "%sQuestion five, holder stopped.", LONG_PREFIX);
+    req = completion_req(prompt, 4, true, -1);
+    uint64_t t0 = pkv_now_ns();
+    ask(rt.port, "/v1/completions", req, NULL, a);
+    ck_assert_msg(a->status == 200 && a->done, "%ld %s", a->status, a->body);
+    if (pkv_now_ns() - t0 >= 10 * SEC && getenv("PKV_TEST_DEBUG")) {
+        char *log = proc_log(&rt);
+        fprintf(stderr, "p0 %u p1 %u router log:\n%s\n", p[0].port, p[1].port, log);
+        free(log);
+    }
+    ck_assert_uint_lt(pkv_now_ns() - t0, 10 * SEC);
+    ck_assert_int_eq(log_count(&p[0], "(prefill leg)"), 1);
+    json_decref(req);
+    kill(p[1].pid, SIGCONT);
     free(a);
     proc_stop(&rt, 30);
     proc_stop(&d, 30);
@@ -697,7 +746,7 @@ START_TEST(dead_and_stopped_nodes_skipped)
     /* A killed prefill node (before the router noticed) and a stopped decode node. */
     proc_kill(&p[0]);
     for (int i = 0; i < 3; i++) ask_ok_within(rt.port, 8 * SEC, "prefill killed");
-    kill(d[1].pid, SIGSTOP);
+    stop_process(d[1].pid);
     for (int i = 0; i < 3; i++) ask_ok_within(rt.port, 8 * SEC, "decode stopped");
     ck_assert_int_ge(
         metric(rt.port, "pagekv_router_errors_total{role=\"decode\",cause=\"timeout\"}") +
@@ -723,7 +772,9 @@ START_TEST(dead_and_stopped_nodes_skipped)
 }
 END_TEST
 
-typedef struct {
+typedef struct streamer streamer_t;
+static void *streamer_main(void *arg);
+struct streamer {
     uint16_t port;
     pid_t kill_pid; /* killed (SIGKILL) after the first events, when set */
     int kill_after;
@@ -732,7 +783,7 @@ typedef struct {
     atomic_int events;
     CURLcode cc;
     long status;
-} streamer_t;
+};
 
 static size_t streamer_write(char *p, size_t sz, size_t n, void *arg)
 {
@@ -770,6 +821,56 @@ static void *streamer_main(void *arg)
         fprintf(stderr, "streamer: cc %d status %ld %.200s\n", s->cc, s->status, s->body);
     return NULL;
 }
+
+/* A prefill node killed while it holds a prefill leg (SIGSTOPped first, so the leg is
+ * surely in it): the leg is run again on the other prefill node; the client sees only a
+ * whole answer. */
+START_TEST(prefill_killed_mid_request)
+{
+    proc_t p[2], d, rt;
+    for (int i = 0; i < 2; i++) node_start(&p[i], "prefill", NULL);
+    node_start(&d, "decode", NULL);
+    const char *extra[] = {"--policy", "round_robin", NULL};
+    router_start(&rt, p, 2, &d, 1, extra);
+    health_is(rt.port, 200);
+    char sample[160];
+    snprintf(sample, sizeof(sample),
+             "pagekv_router_node_in_flight{role=\"prefill\",node=\"http://127.0.0.1:%u\"}",
+             p[0].port);
+    stop_process(p[0].pid);
+    streamer_t s[2] = {{.port = rt.port}, {.port = rt.port}};
+    pthread_t th[2];
+    int started = 0;
+    uint64_t deadline = pkv_deadline_after_ns(20 * SEC);
+    while (metric(rt.port, sample) < 1) {
+        ck_assert(pkv_now_ns() < deadline);
+        if (started < 2 && (started == 0 || atomic_load(&s[started - 1].events) > 0 ||
+                            metric(rt.port, "pagekv_router_in_flight") == started)) {
+            pthread_create(&th[started], NULL, streamer_main, &s[started]);
+            started++;
+        }
+        usleep(20000);
+    }
+    proc_kill(&p[0]);
+    for (int i = 0; i < started; i++) {
+        pthread_join(th[i], NULL);
+        ck_assert_int_eq(s[i].cc, CURLE_OK);
+        ck_assert_int_eq(s[i].status, 200);
+        answer_t *a = calloc(1, sizeof(*a));
+        sse_take(s[i].body, s[i].len, false, a);
+        ck_assert(a->done && !a->error_event);
+        ck_assert_str_eq(a->finish, "length");
+        free(a);
+        free(s[i].body);
+    }
+    ck_assert_int_ge(metric(rt.port, "pagekv_router_retries_total{cause=\"connect\"}") +
+                         metric(rt.port, "pagekv_router_retries_total{cause=\"broken\"}"),
+                     1);
+    proc_stop(&rt, 30);
+    proc_stop(&d, 30);
+    proc_stop(&p[1], 30);
+}
+END_TEST
 
 /* A decode node killed mid-stream: the client's stream ends with an error event (no
  * silence, no retry, nothing repeated). */
@@ -823,7 +924,7 @@ START_TEST(sigterm_drains)
         ck_assert(pkv_now_ns() < deadline);
         usleep(1000);
     }
-    kill(d.pid, SIGSTOP); /* hold the stream in flight */
+    stop_process(d.pid); /* hold the stream in flight */
     kill(rt.pid, SIGTERM);
     usleep(200000);
     json_t *req = completion_req("Too late", 3, false, -1);
@@ -1015,7 +1116,7 @@ static int load_run(uint16_t port, pid_t router, pid_t prefill, int n, uint64_t 
     snprintf(url, sizeof(url), "http://127.0.0.1:%u/v1/completions", port);
     const char *body = "{\"model\":\"tiny\",\"prompt\":\"one of a thousand\",\"max_tokens\":4,"
                        "\"temperature\":0,\"stream\":true}";
-    kill(prefill, SIGSTOP);
+    stop_process(prefill);
     for (int i = 0; i < n; i++) {
         CURL *c = easy[i] = curl_easy_init();
         curl_easy_setopt(c, CURLOPT_URL, url);
@@ -1122,7 +1223,7 @@ START_TEST(over_the_connection_limit_503)
     usleep(300000); /* the router counts a connection until it has seen it close */
     if (getenv("PKV_TEST_DEBUG"))
         fprintf(stderr, "connections before: %lld\n", metric(rt.port, "pagekv_router_connections"));
-    kill(p.pid, SIGSTOP);
+    stop_process(p.pid);
     streamer_t s[4];
     pthread_t th[4];
     for (int i = 0; i < 4; i++) {
@@ -1227,6 +1328,7 @@ static Suite *router_suite(void)
     ADD(tc, round_robin_spreads);
     ADD(tc, cache_aware_finds_the_prefix);
     ADD(tc, dead_and_stopped_nodes_skipped);
+    ADD(tc, prefill_killed_mid_request);
     ADD(tc, decode_killed_mid_stream);
     ADD(tc, sigterm_drains);
     ADD(tc, bad_input_as_serve_no_node_called);

@@ -466,12 +466,12 @@ static int start_http(pkv_router_t *r)
                      MHD_USE_ITC | MHD_USE_ERROR_LOG;
     if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
     unsigned limit = r->max_connections + RT_OVERFLOW(r->max_connections);
-    r->mhd = MHD_start_daemon(
-        flags, r->port, NULL, NULL, on_request, r, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-        MHD_OPTION_CONNECTION_LIMIT, limit, MHD_OPTION_LISTEN_BACKLOG_SIZE, (unsigned)4096,
-        MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)120, MHD_OPTION_NOTIFY_COMPLETED, on_completed, r,
-        MHD_OPTION_NOTIFY_CONNECTION, on_connection, r, MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, r,
-        MHD_OPTION_END);
+    r->mhd = MHD_start_daemon(flags, r->port, NULL, NULL, on_request, r, MHD_OPTION_EXTERNAL_LOGGER,
+                              on_mhd_log, r, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
+                              MHD_OPTION_CONNECTION_LIMIT, limit, MHD_OPTION_LISTEN_BACKLOG_SIZE,
+                              (unsigned)4096, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)120,
+                              MHD_OPTION_NOTIFY_COMPLETED, on_completed, r,
+                              MHD_OPTION_NOTIFY_CONNECTION, on_connection, r, MHD_OPTION_END);
     freeaddrinfo(ai);
     if (!r->mhd) {
         PKV_LOGE("router", "cannot listen on %s:%u (address in use or not local?)", r->host,

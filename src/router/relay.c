@@ -543,9 +543,18 @@ static void pick_prefill(pkv_router_t *r, rt_xchg_t *x)
 
 static void lookup_decide(pkv_router_t *r, rt_xchg_t *x)
 {
-    uint64_t cands = untried(r, x, RT_PREFILL);
+    uint64_t cands = untried(r, x, RT_PREFILL), answered = 0;
     if (!cands) return fail_no_node(r, x, "prefill");
+    for (uint32_t i = 0; i < r->n_nodes[RT_PREFILL]; i++)
+        if ((cands >> i & 1) && x->matched[i] >= 0) answered |= 1ull << i;
+    if (answered) cands = answered; /* the nodes that just answered come first */
     rt_node_t *n = choose(r, RT_PREFILL, cands, x->matched);
+    if (pkv_log_get_level() >= PKV_LOG_INFO) {
+        char m[256] = "";
+        for (uint32_t i = 0, k = 0; i < r->n_nodes[RT_PREFILL] && k + 16 < sizeof(m); i++)
+            k += (size_t)snprintf(m + k, sizeof(m) - k, "%s%d", i ? "," : "", x->matched[i]);
+        PKV_LOGI("router", "%s: lookups matched [%s]: prefill leg to %s", x->rid, m, n->url);
+    }
     if (!main_leg(r, x, RT_LEG_PREFILL, n, x->pbody))
         finish_error(r, x, 500, "server_error", "out_of_memory", NULL, "out of memory");
 }
@@ -779,6 +788,10 @@ static void decode_retry(pkv_router_t *r, rt_xchg_t *x, rt_leg_t *l, CURLcode cc
 static void decode_done(pkv_router_t *r, rt_leg_t *l, CURLcode cc)
 {
     rt_xchg_t *x = l->x;
+    pthread_mutex_lock(&x->lock);
+    bool gone = x->gone;
+    pthread_mutex_unlock(&x->lock);
+    if (gone) return xchg_release(r, x); /* the client left: nothing to tell it */
     if (l->committed) {
         if (cc != CURLE_OK) {
             char detail[CURL_ERROR_SIZE + 16];
