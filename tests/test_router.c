@@ -24,6 +24,7 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -153,7 +154,7 @@ static long long metric(uint16_t port, const char *sample)
 
 typedef struct {
     long status;
-    char text[16384];
+    char text[65536];
     char finish[16];
     long long prompt, completion;
     bool done;        /* streamed: [DONE] came */
@@ -959,6 +960,111 @@ START_TEST(sigterm_drains)
 }
 END_TEST
 
+/* A client that stops reading: the router pauses the node's transfer once its buffer for
+ * the client is full (bounded memory) and resumes it when the client reads again; the
+ * answer arrives whole and equal to a unified node's. */
+typedef struct {
+    CURL *c;
+    char *body;
+    size_t len;
+    atomic_bool hold;
+    bool paused;
+} slow_t;
+
+static size_t slow_write(char *p, size_t sz, size_t n, void *arg)
+{
+    slow_t *s = arg;
+    if (atomic_load(&s->hold) && s->len > 0) {
+        s->paused = true;
+        return CURL_WRITEFUNC_PAUSE;
+    }
+    buf_append(&s->body, &s->len, p, sz * n);
+    return sz * n;
+}
+
+static int slow_progress(void *arg, curl_off_t a, curl_off_t b, curl_off_t c, curl_off_t d)
+{
+    slow_t *s = arg;
+    if (s->paused && !atomic_load(&s->hold)) {
+        s->paused = false;
+        curl_easy_pause(s->c, CURLPAUSE_CONT);
+    }
+    return 0;
+}
+
+static int small_rcvbuf(void *arg, curl_socket_t fd, curlsocktype purpose)
+{
+    int v = 4096;
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &v, sizeof(v));
+    return CURL_SOCKOPT_OK;
+}
+
+static void *slow_main(void *arg)
+{
+    slow_t *s = arg;
+    curl_easy_perform(s->c);
+    return NULL;
+}
+
+START_TEST(slow_client_pauses_the_node)
+{
+    proc_t p, d, rt;
+    node_start(&p, "prefill", NULL);
+    node_start(&d, "decode", NULL);
+    router_start(&rt, &p, 1, &d, 1, NULL);
+    pkv_server_t *u = unified();
+    health_is(rt.port, 200);
+    json_t *req = completion_req("A client that reads slowly", 3000, true, -1);
+    json_object_set_new(req, "ignore_eos", json_true());
+    char *body = json_dumps(req, JSON_COMPACT);
+    slow_t s = {.c = curl_easy_init()};
+    atomic_init(&s.hold, true);
+    char url[128];
+    snprintf(url, sizeof(url), "http://127.0.0.1:%u/v1/completions", rt.port);
+    curl_easy_setopt(s.c, CURLOPT_URL, url);
+    curl_easy_setopt(s.c, CURLOPT_NOPROXY, "*");
+    curl_easy_setopt(s.c, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(s.c, CURLOPT_TIMEOUT, 90L);
+    curl_easy_setopt(s.c, CURLOPT_POSTFIELDS, body);
+    curl_easy_setopt(s.c, CURLOPT_WRITEFUNCTION, slow_write);
+    curl_easy_setopt(s.c, CURLOPT_WRITEDATA, &s);
+    curl_easy_setopt(s.c, CURLOPT_NOPROGRESS, 0L);
+    curl_easy_setopt(s.c, CURLOPT_XFERINFOFUNCTION, slow_progress);
+    curl_easy_setopt(s.c, CURLOPT_XFERINFODATA, &s);
+    curl_easy_setopt(s.c, CURLOPT_SOCKOPTFUNCTION, small_rcvbuf);
+    curl_easy_setopt(s.c, CURLOPT_BUFFERSIZE, 1024L);
+    pthread_t th;
+    pthread_create(&th, NULL, slow_main, &s);
+    uint64_t deadline = pkv_deadline_after_ns(60 * SEC);
+    while (metric(rt.port, "pagekv_router_stream_pauses_total") < 1) {
+        ck_assert_msg(pkv_now_ns() < deadline, "the router never paused the node's transfer");
+        usleep(50000);
+    }
+    atomic_store(&s.hold, false);
+    pthread_join(th, NULL);
+    long status = 0;
+    curl_easy_getinfo(s.c, CURLINFO_RESPONSE_CODE, &status);
+    curl_easy_cleanup(s.c);
+    ck_assert_int_eq(status, 200);
+    answer_t *got = calloc(1, sizeof(*got)), *want = malloc(sizeof(*want));
+    sse_take(s.body, s.len, false, got);
+    ask(pkv_server_port(u), "/v1/completions", req, NULL, want);
+    ck_assert(got->done && !got->error_event);
+    ck_assert_int_eq(got->completion, 0); /* no usage chunk asked for */
+    ck_assert_str_eq(got->finish, want->finish);
+    ck_assert_msg(!strcmp(got->text, want->text), "the relayed text differs");
+    free(got);
+    free(want);
+    free(s.body);
+    free(body);
+    json_decref(req);
+    pkv_server_destroy(u);
+    proc_stop(&rt, 30);
+    proc_stop(&d, 30);
+    proc_stop(&p, 30);
+}
+END_TEST
+
 /* ---- bad input ------------------------------------------------------------------------------ */
 
 /* Bad input: the same status and error document as serve's, and no node called. */
@@ -1331,6 +1437,7 @@ static Suite *router_suite(void)
     ADD(tc, prefill_killed_mid_request);
     ADD(tc, decode_killed_mid_stream);
     ADD(tc, sigterm_drains);
+    ADD(tc, slow_client_pauses_the_node);
     ADD(tc, bad_input_as_serve_no_node_called);
     ADD(tc, over_the_connection_limit_503);
     ADD(tc, thousand_concurrent_streams);

@@ -33,6 +33,7 @@
 #include <sys/socket.h>
 
 #define RT_SSE_BLOCK   16384
+#define RT_SNDBUF      (64 * 1024)    /* a client socket's send buffer */
 #define RT_OVERFLOW(n) ((n) / 8 + 16) /* connections past the limit answered 503 */
 #define CONN_OK        ((void *)1)
 #define CONN_OVER      ((void *)2)
@@ -426,9 +427,9 @@ static void on_connection(void *cls, struct MHD_Connection *c, void **socket_con
                           enum MHD_ConnectionNotificationCode code)
 {
     pkv_router_t *r = cls;
-    (void)c;
     pthread_mutex_lock(&r->lock);
-    if (code == MHD_CONNECTION_NOTIFY_STARTED) {
+    bool started = code == MHD_CONNECTION_NOTIFY_STARTED;
+    if (started) {
         uint64_t n = ++r->ctr.connections;
         if (n > r->ctr.connections_peak) r->ctr.connections_peak = n;
         *socket_context = n > r->max_connections ? CONN_OVER : CONN_OK;
@@ -436,6 +437,14 @@ static void on_connection(void *cls, struct MHD_Connection *c, void **socket_con
         r->ctr.connections--;
     }
     pthread_mutex_unlock(&r->lock);
+    const union MHD_ConnectionInfo *ci =
+        started ? MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD) : NULL;
+    if (ci) {
+        /* A slow client holds at most this much in the kernel (Linux doubles it) beside the
+         * RT_OBUF_CAP the router keeps for it; autotuning would let it grow to tcp_wmem. */
+        int sndbuf = RT_SNDBUF;
+        setsockopt(ci->connect_fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof(sndbuf));
+    }
 }
 
 static void on_mhd_log(void *cls, const char *fmt, va_list ap)

@@ -120,6 +120,9 @@ static void render_requests(FILE *f, const rt_snap_t *s)
     family(f, "pagekv_router_stream_errors_total", "counter",
            "Streams that a node's failure ended with an error event.");
     fprintf(f, "pagekv_router_stream_errors_total %llu\n", (unsigned long long)c->stream_errors);
+    family(f, "pagekv_router_stream_pauses_total", "counter",
+           "Node transfers paused because a slow client had not read what was relayed.");
+    fprintf(f, "pagekv_router_stream_pauses_total %llu\n", (unsigned long long)c->stream_pauses);
 }
 
 static void render_nodes(FILE *f, pkv_router_t *r, const rt_snap_t *s)

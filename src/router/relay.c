@@ -169,6 +169,7 @@ static size_t relay_stream(rt_leg_t *l, const char *p, size_t k)
     if (gone) return 0;
     if (full) {
         l->paused = true;
+        count(r, &r->ctr.stream_pauses);
         return CURL_WRITEFUNC_PAUSE;
     }
     size_t old = l->len;

@@ -83,6 +83,7 @@ typedef struct {
     uint64_t errors[RT_ROLES][RT_CAUSE_COUNT]; /* failed attempts by role and cause */
     uint64_t retries[RT_CAUSE_COUNT];          /* attempts made again elsewhere, by cause */
     uint64_t stream_errors;                    /* streams ended by an error event */
+    uint64_t stream_pauses; /* node transfers paused: RT_OBUF_CAP bytes waited for a client */
     uint64_t lookups, lookup_failures;
     uint64_t in_flight;   /* client requests handed to the nodes, not yet completed */
     uint64_t connections; /* open client connections */
