@@ -518,9 +518,15 @@ static bool main_leg(pkv_router_t *r, rt_xchg_t *x, rt_leg_kind_t kind, rt_node_
 
 static void pick_prefill(pkv_router_t *r, rt_xchg_t *x)
 {
-    if (pkv_now_ns() >= x->deadline) return fail_deadline(r, x);
+    if (pkv_now_ns() >= x->deadline) {
+        fail_deadline(r, x);
+        return;
+    }
     uint64_t cands = untried(r, x, RT_PREFILL);
-    if (!cands) return fail_no_node(r, x, "prefill");
+    if (!cands) {
+        fail_no_node(r, x, "prefill");
+        return;
+    }
     if (r->policy == PKV_ROUTER_CACHE_AWARE && (cands & (cands - 1))) {
         uint64_t up = 0;
         for (uint32_t i = 0; i < r->n_nodes[RT_PREFILL]; i++)
@@ -545,7 +551,10 @@ static void pick_prefill(pkv_router_t *r, rt_xchg_t *x)
 static void lookup_decide(pkv_router_t *r, rt_xchg_t *x)
 {
     uint64_t cands = untried(r, x, RT_PREFILL), answered = 0;
-    if (!cands) return fail_no_node(r, x, "prefill");
+    if (!cands) {
+        fail_no_node(r, x, "prefill");
+        return;
+    }
     for (uint32_t i = 0; i < r->n_nodes[RT_PREFILL]; i++)
         if ((cands >> i & 1) && x->matched[i] >= 0) answered |= 1ull << i;
     if (answered) cands = answered; /* the nodes that just answered come first */
@@ -562,9 +571,15 @@ static void lookup_decide(pkv_router_t *r, rt_xchg_t *x)
 
 static void pick_decode(pkv_router_t *r, rt_xchg_t *x)
 {
-    if (pkv_now_ns() >= x->deadline) return fail_deadline(r, x);
+    if (pkv_now_ns() >= x->deadline) {
+        fail_deadline(r, x);
+        return;
+    }
     uint64_t cands = untried(r, x, RT_DECODE);
-    if (!cands) return fail_no_node(r, x, "decode");
+    if (!cands) {
+        fail_no_node(r, x, "decode");
+        return;
+    }
     rt_node_t *n = choose(r, RT_DECODE, cands, NULL);
     if (!main_leg(r, x, RT_LEG_DECODE, n, x->dbody))
         finish_error(r, x, 500, "server_error", "out_of_memory", NULL, "out of memory");
@@ -606,21 +621,32 @@ static void gen_begin(pkv_router_t *r, rt_xchg_t *x)
                                       &shape, &status, &ej);
     if (rc == PKV_ERR_INVALID) {
         count(r, &r->ctr.rejected[RT_REJ_INVALID]);
-        return finish(r, x, status, ej, strlen(ej), NULL);
+        {
+            finish(r, x, status, ej, strlen(ej), NULL);
+            return;
+        }
     }
-    if (rc) return finish_error(r, x, 500, "server_error", "out_of_memory", NULL, "out of memory");
+    if (rc) {
+        finish_error(r, x, 500, "server_error", "out_of_memory", NULL, "out of memory");
+        return;
+    }
     if (shape.has_kv_transfer_params) {
         count(r, &r->ctr.rejected[RT_REJ_INVALID]);
-        return finish_error(r, x, 400, "invalid_request_error", "unsupported_parameter",
-                            "kv_transfer_params",
-                            "'kv_transfer_params' is set by the router for its nodes; send the "
-                            "request without it");
+        {
+            finish_error(r, x, 400, "invalid_request_error", "unsupported_parameter",
+                         "kv_transfer_params",
+                         "'kv_transfer_params' is set by the router for its nodes; send the "
+                         "request without it");
+            return;
+        }
     }
     x->stream = shape.stream;
     x->doc = json_loadb(x->body, x->len, JSON_ALLOW_NUL, NULL);
     x->pbody = x->doc ? prefill_body(x->doc) : NULL;
-    if (!x->pbody)
-        return finish_error(r, x, 500, "server_error", "out_of_memory", NULL, "out of memory");
+    if (!x->pbody) {
+        finish_error(r, x, 500, "server_error", "out_of_memory", NULL, "out of memory");
+        return;
+    }
     pick_prefill(r, x);
 }
 
@@ -645,11 +671,17 @@ static void xchg_link(pkv_router_t *r, rt_xchg_t *x)
 static void xchg_begin(pkv_router_t *r, rt_xchg_t *x)
 {
     xchg_link(r, x);
-    if (x->route == RT_ROUTE_MODELS || x->route == RT_ROUTE_MODEL) return pass_start(r, x);
+    if (x->route == RT_ROUTE_MODELS || x->route == RT_ROUTE_MODEL) {
+        pass_start(r, x);
+        return;
+    }
     pthread_mutex_lock(&r->lock);
     bool known = r->model[0] != 0;
     pthread_mutex_unlock(&r->lock);
-    if (known) return gen_begin(r, x);
+    if (known) {
+        gen_begin(r, x);
+        return;
+    }
     x->waiting_model = true; /* parsed once a node told the model (or the deadline) */
     models_wanted(r);
 }
@@ -730,13 +762,19 @@ static void prefill_done(pkv_router_t *r, rt_leg_t *l, CURLcode cc)
             node_mark(r, n, true);
             x->pnode = n;
             leg_end(r, l);
-            return pick_decode(r, x);
+            {
+                pick_decode(r, x);
+                return;
+            }
         }
         snprintf(detail, sizeof(detail), "no kv_transfer_params in its answer");
         attempt_failed(r, x, n, RT_CAUSE_BROKEN, detail);
         leg_end(r, l);
         retry_count(r, RT_CAUSE_BROKEN);
-        return pick_prefill(r, x);
+        {
+            pick_prefill(r, x);
+            return;
+        }
     }
     if (cc == CURLE_OK && l->status < 500 && l->status != 429) { /* the client's fault */
         finish_relay(r, x, l);
@@ -780,7 +818,10 @@ static void decode_retry(pkv_router_t *r, rt_xchg_t *x, rt_leg_t *l, CURLcode cc
     }
     leg_end(r, l);
     retry_count(r, cause);
-    if (same_params) return pick_decode(r, x);
+    if (same_params) {
+        pick_decode(r, x);
+        return;
+    }
     free(x->dbody);
     x->dbody = NULL;
     pick_prefill(r, x);
@@ -792,19 +833,28 @@ static void decode_done(pkv_router_t *r, rt_leg_t *l, CURLcode cc)
     pthread_mutex_lock(&x->lock);
     bool gone = x->gone;
     pthread_mutex_unlock(&x->lock);
-    if (gone) return xchg_release(r, x); /* the client left: nothing to tell it */
+    if (gone) {
+        xchg_release(r, x);
+        return;
+    } /* the client left: nothing to tell it */
     if (l->committed) {
         if (cc != CURLE_OK) {
             char detail[CURL_ERROR_SIZE + 16];
             rt_cause_t cause = cause_of(cc, l, detail, sizeof(detail));
             count(r, &r->ctr.errors[RT_DECODE][cause]);
-            return stream_broken(r, x, l, detail);
+            {
+                stream_broken(r, x, l, detail);
+                return;
+            }
         }
         hist(r, &r->ctr.leg[RT_DECODE], l->t_start);
         pthread_mutex_lock(&x->lock); /* a last event without its blank line: as it came */
         if (l->len) buf_put(&x->obuf, &x->olen, &x->ocap, l->buf, l->len, RT_BODY_MAX + 4096);
         pthread_mutex_unlock(&x->lock);
-        return finish(r, x, 200, NULL, 0, NULL);
+        {
+            finish(r, x, 200, NULL, 0, NULL);
+            return;
+        }
     }
     if (cc == CURLE_OK && l->status < 500 && l->status != 429) {
         if (l->status == 200) {
@@ -816,25 +866,35 @@ static void decode_done(pkv_router_t *r, rt_leg_t *l, CURLcode cc)
                 pthread_mutex_unlock(&x->lock);
             }
         }
-        return finish_relay(r, x, l);
+        {
+            finish_relay(r, x, l);
+            return;
+        }
     }
     decode_retry(r, x, l, cc);
 }
 
 static void pass_start(pkv_router_t *r, rt_xchg_t *x)
 {
-    if (pkv_now_ns() >= x->deadline) return fail_deadline(r, x);
+    if (pkv_now_ns() >= x->deadline) {
+        fail_deadline(r, x);
+        return;
+    }
     for (int pass = 0; pass < 2; pass++)
         for (int role = RT_DECODE; role >= RT_PREFILL; role--)
             for (uint32_t i = 0; i < r->n_nodes[role]; i++) {
                 rt_node_t *n = &r->nodes[role][i];
                 if ((x->tried[role] >> i & 1) || (pass == 0 && !node_up(r, n))) continue;
                 rt_leg_t *l = leg_new(r, RT_LEG_PASS, x, n, x->path, NULL, 0);
-                if (!l)
-                    return finish_error(r, x, 500, "server_error", "out_of_memory", NULL,
-                                        "out of memory");
+                if (!l) {
+                    finish_error(r, x, 500, "server_error", "out_of_memory", NULL, "out of memory");
+                    return;
+                }
                 x->attempts++;
-                return leg_start(r, l);
+                {
+                    leg_start(r, l);
+                    return;
+                }
             }
     fail_no_node(r, x, "");
 }
@@ -842,7 +902,10 @@ static void pass_start(pkv_router_t *r, rt_xchg_t *x)
 static void pass_done(pkv_router_t *r, rt_leg_t *l, CURLcode cc)
 {
     rt_xchg_t *x = l->x;
-    if (cc == CURLE_OK && l->status < 500) return finish_relay(r, x, l);
+    if (cc == CURLE_OK && l->status < 500) {
+        finish_relay(r, x, l);
+        return;
+    }
     char detail[CURL_ERROR_SIZE + 16];
     rt_cause_t cause = cause_of(cc, l, detail, sizeof(detail));
     attempt_failed(r, x, l->node, cause, detail);
@@ -919,17 +982,23 @@ static void leg_done(pkv_router_t *r, rt_leg_t *l, CURLcode cc)
     curl_easy_getinfo(l->easy, CURLINFO_RESPONSE_CODE, &l->status);
     switch (l->kind) {
     case RT_LEG_PROBE:
-        return probe_done(r, l, cc);
+        probe_done(r, l, cc);
+        break;
     case RT_LEG_MODELS:
-        return models_done(r, l, cc);
+        models_done(r, l, cc);
+        break;
     case RT_LEG_LOOKUP:
-        return lookup_done(r, l, cc);
+        lookup_done(r, l, cc);
+        break;
     case RT_LEG_PREFILL:
-        return prefill_done(r, l, cc);
+        prefill_done(r, l, cc);
+        break;
     case RT_LEG_DECODE:
-        return decode_done(r, l, cc);
+        decode_done(r, l, cc);
+        break;
     case RT_LEG_PASS:
-        return pass_done(r, l, cc);
+        pass_done(r, l, cc);
+        break;
     }
 }
 
@@ -943,7 +1012,10 @@ static void xchg_news(pkv_router_t *r, rt_xchg_t *x)
     x->want_unpause = false;
     if (unpause) x->io_paused = false;
     pthread_mutex_unlock(&x->lock);
-    if (gone) return xchg_release(r, x);
+    if (gone) {
+        xchg_release(r, x);
+        return;
+    }
     if (unpause)
         for (rt_leg_t *l = x->legs; l; l = l->xnext)
             if (l->paused) {
