@@ -7,10 +7,14 @@
  * and stopped nodes skipped, a lost producer re-running both legs, no node of a role
  * (503), a decode node killed mid-stream (an error event ends the stream), SIGTERM
  * draining, bad input answered as serve answers it with no node called, 1,000 concurrent
- * streams (count and the router's VmRSS) and the connection limit's 503.
+ * streams (count and the router's VmRSS), the connection limit's 503, a slow client's
+ * paused stream, the OpenAI Node SDK's calls (when node and npm are there), and the
+ * lookup's count (pkv_kv_prefix_match) against what admission adopts.
  */
 #include "support/testutil.h"
 
+#include "kv/kv.h"
+#include "pagekv/kv.h"
 #include "pagekv/server.h"
 
 #include <curl/curl.h>
@@ -1379,6 +1383,58 @@ END_TEST
         if (!only_ || !strcmp(only_, #t)) tcase_add_test(tc, t);                                   \
     } while (0)
 
+/* ---- the lookup's count ---------------------------------------------------------------------- */
+
+/* pkv_kv_prefix_match (what /v1/cache/lookup answers) is what admission then adopts, per
+ * salt, on both backends, and changes nothing (no query counted, no reference taken). */
+START_TEST(prefix_match_is_what_admission_adopts)
+{
+    for (int backend = 0; backend < 2; backend++) {
+        pkv_kv_config_t cfg = {.geo = {.layers = 2,
+                                       .kv_heads = 2,
+                                       .head_dim = 8,
+                                       .block_tokens = 4,
+                                       .dtype = PKV_DTYPE_F32},
+                               .backend = backend ? PKV_BACKEND_DENSE : PKV_BACKEND_PAGED,
+                               .budget_bytes = 8u << 20};
+        pkv_kv_t *kv = NULL;
+        ck_assert_int_eq(pkv_kv_create(&cfg, &kv), PKV_OK);
+        int32_t toks[30];
+        for (int i = 0; i < 30; i++) toks[i] = 100 + i;
+        uint32_t matched = 99;
+        ck_assert_int_eq(pkv_kv_prefix_match(kv, 7, toks, 30, &matched), PKV_OK);
+        ck_assert_uint_eq(matched, 0);
+        /* a sequence of the first 22 tokens, written and freed: 5 full blocks cached */
+        pkv_seq_params_t sp = {.salt = 7, .tokens = toks, .n_tokens = 22};
+        pkv_seq_t *seq;
+        uint32_t cached;
+        ck_assert_int_eq(pkv_seq_create(kv, &sp, &seq, &cached), PKV_OK);
+        ck_assert_int_eq(pkv_seq_append(seq, toks, 22), PKV_OK);
+        pkv_seq_free(seq);
+        pkv_kv_stats_t before, after;
+        pkv_kv_stats(kv, &before);
+        ck_assert_int_eq(pkv_kv_prefix_match(kv, 7, toks, 30, &matched), PKV_OK);
+        ck_assert_uint_eq(matched, 20);
+        ck_assert_int_eq(pkv_kv_prefix_match(kv, 7, toks, 21, &matched), PKV_OK);
+        ck_assert_uint_eq(matched, 20); /* whole blocks, at most n - 1 */
+        ck_assert_int_eq(pkv_kv_prefix_match(kv, 7, toks, 20, &matched), PKV_OK);
+        ck_assert_uint_eq(matched, 16);
+        ck_assert_int_eq(pkv_kv_prefix_match(kv, 8, toks, 30, &matched), PKV_OK);
+        ck_assert_uint_eq(matched, 0); /* another tenant's salt */
+        pkv_kv_stats(kv, &after);
+        ck_assert_uint_eq(after.prefix_queries, before.prefix_queries);
+        ck_assert_uint_eq(after.prefix_hit_tokens, before.prefix_hit_tokens);
+        ck_assert_int_eq(pkv_kv_prefix_match(kv, 7, toks, 30, &matched), PKV_OK);
+        sp.n_tokens = 30;
+        ck_assert_int_eq(pkv_seq_create(kv, &sp, &seq, &cached), PKV_OK);
+        ck_assert_uint_eq(cached, matched);
+        pkv_seq_free(seq);
+        ck_assert_int_eq(pkv_kv_validate(kv), PKV_OK);
+        pkv_kv_destroy(kv);
+    }
+}
+END_TEST
+
 /* ---- the OpenAI SDK -------------------------------------------------------------------------- */
 
 /* The SDK's usual calls (tests/sdk/openai_check.cjs) through the router. Needs node, npm
@@ -1430,6 +1486,7 @@ static Suite *router_suite(void)
     tcase_add_checked_fixture(tc, setup, NULL);
     tcase_set_timeout(tc, 120);
     ADD(tc, cli_rejects_bad_flags);
+    ADD(tc, prefix_match_is_what_admission_adopts);
     ADD(tc, answers_equal_unified);
     ADD(tc, round_robin_spreads);
     ADD(tc, cache_aware_finds_the_prefix);
