@@ -106,6 +106,9 @@ $(BUILD)/obj/tests/test_api.o: CPPFLAGS += -DPKV_TEST_SRCDIR='"$(CURDIR)"' \
     -DPKV_TEST_CC='"$(CC)"' -DPKV_TEST_CXX='"$(CXX)"' -DPKV_TEST_SANFLAGS='"$(SANFLAGS)"'
 $(BUILD)/obj/tests/test_api.o: Makefile
 $(BUILD)/tests/test_api: $(SLIB)
+# tests/test_router runs tests/sdk/openai_check.cjs from the source tree.
+$(BUILD)/obj/tests/test_router.o: CPPFLAGS += -DPKV_TEST_SRCDIR='"$(CURDIR)"'
+$(BUILD)/obj/tests/test_router.o: Makefile
 
 # Each test binary forks every test (Check's default) with its own timeout.
 # scripts/run-tests.sh prints one line per binary and a closing "N passed, N failed".

@@ -30,6 +30,7 @@ int pkv_cmd_bench(int argc, char **argv);
 int pkv_cmd_demo(int argc, char **argv);
 int pkv_cmd_tokenizer(int argc, char **argv);
 int pkv_cmd_serve(int argc, char **argv);
+int pkv_cmd_route(int argc, char **argv);
 int pkv_cmd_generate(int argc, char **argv);
 int pkv_cmd_plan(int argc, char **argv);
 

@@ -26,6 +26,8 @@ static int cmd_help(int argc, char **argv);
 static const pkv_cli_cmd_t commands[] = {
     {"version", cmd_version, "print the version"},
     {"serve", pkv_cmd_serve, "OpenAI-compatible HTTP server: pagekv serve [--port N] ..."},
+    {"route", pkv_cmd_route,
+     "router for prefill and decode nodes: pagekv route --prefill URL --decode URL ..."},
     {"bench", pkv_cmd_bench,
      "run a benchmark: pagekv bench <name> [--json FILE] (see `pagekv bench`)"},
     {"demo", pkv_cmd_demo, "the main job: prefill -> KV transfer -> decode on the built-in model"},

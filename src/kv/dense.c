@@ -257,6 +257,17 @@ fail:
     return rc;
 }
 
+static uint32_t dense_prefix_match(pkv_kv_t *kv, const pkv_kv_key_t *keys, uint32_t n)
+{
+    dense_t *d = dense_of(kv);
+    if (!d->prefix_cache) return 0;
+    pthread_mutex_lock(&d->lock);
+    uint32_t hits = 0;
+    while (hits < n && key_find(d, &keys[hits])) hits++;
+    pthread_mutex_unlock(&d->lock);
+    return hits;
+}
+
 static void dense_seq_free(pkv_seq_t *seq)
 {
     dense_seq_t *s = (dense_seq_t *)seq;
@@ -508,6 +519,7 @@ static const kv_ops_t dense_ops = {
     .seq_slot = dense_seq_slot,
     .seq_runs = dense_seq_runs,
     .reset_cache = dense_reset_cache,
+    .prefix_match = dense_prefix_match,
     .stats = dense_stats,
     .validate = dense_validate,
     /* no block access: pkv_seq_blocks and pkv_kv_pin answer PKV_ERR_UNSUPPORTED */

@@ -338,6 +338,23 @@ void pkv_kv_cache_pressure(pkv_kv_t *kv, uint64_t limit_bytes)
     if (kv->ops->cache_pressure) kv->ops->cache_pressure(kv, limit_bytes);
 }
 
+int pkv_kv_prefix_match(pkv_kv_t *kv, uint64_t salt, const int32_t *tokens, uint32_t n_tokens,
+                        uint32_t *matched)
+{
+    uint32_t T = kv->geo.block_tokens, nk = n_tokens ? (n_tokens - 1) / T : 0;
+    if (!nk) {
+        *matched = 0;
+        return PKV_OK;
+    }
+    pkv_kv_key_t *keys = kv_malloc((size_t)nk * sizeof(*keys));
+    if (!keys) return PKV_ERR_NOMEM;
+    nk = pkv_kv_prefix_keys(kv, salt, tokens, n_tokens, keys);
+    uint32_t hits = kv->ops->prefix_match(kv, keys, nk);
+    free(keys);
+    *matched = hits * T;
+    return PKV_OK;
+}
+
 void pkv_kv_stats(pkv_kv_t *kv, pkv_kv_stats_t *out)
 {
     memset(out, 0, sizeof(*out));

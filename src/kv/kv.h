@@ -19,6 +19,12 @@ typedef struct {
 uint32_t pkv_kv_prefix_keys(const pkv_kv_t *kv, uint64_t salt, const int32_t *tokens,
                             uint32_t n_tokens, pkv_kv_key_t *keys);
 
+/* How many tokens of the prompt tokens[0..n_tokens) admission under `salt` would adopt
+ * from the prefix cache now (whole blocks, at most n_tokens - 1), into *matched. Changes
+ * nothing: no references, no LRU order, no query counters. PKV_OK, or PKV_ERR_NOMEM. */
+int pkv_kv_prefix_match(pkv_kv_t *kv, uint64_t salt, const int32_t *tokens, uint32_t n_tokens,
+                        uint32_t *matched);
+
 /* Paged only (PKV_ERR_UNSUPPORTED on dense): allocate n blocks outside any sequence
  * (ref 1 each), all or nothing: used by the allocator benchmark and by transfer code that
  * seats raw blocks. */

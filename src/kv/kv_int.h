@@ -34,6 +34,8 @@ typedef struct {
     /* prefix-cache policy: optional (NULL: no cache policy, as dense) */
     uint64_t (*trim)(pkv_kv_t *kv, uint64_t now_ns, uint64_t *next_ns);
     void (*cache_pressure)(pkv_kv_t *kv, uint64_t limit_bytes);
+    /* How many of keys[0..n) lead the prompt in the prefix cache (0 when it is off). */
+    uint32_t (*prefix_match)(pkv_kv_t *kv, const pkv_kv_key_t *keys, uint32_t n);
     void (*stats)(pkv_kv_t *kv, pkv_kv_stats_t *out);
     int (*validate)(pkv_kv_t *kv);
     /* paged-only block access (arguments checked by kv.c except the block ids) */

@@ -648,6 +648,17 @@ fail:
     return rc;
 }
 
+static uint32_t pool_prefix_match(pkv_kv_t *kv, const pkv_kv_key_t *keys, uint32_t n)
+{
+    pool_t *p = pool_of(kv);
+    if (!p->prefix_cache) return 0;
+    pthread_mutex_lock(&p->lock);
+    uint32_t hits = 0;
+    while (hits < n && htab_find(p, &keys[hits]) != NONE) hits++;
+    pthread_mutex_unlock(&p->lock);
+    return hits;
+}
+
 static void pool_seq_free(pkv_seq_t *seq)
 {
     pool_seq_t *s = (pool_seq_t *)seq;
@@ -1155,6 +1166,7 @@ static const kv_ops_t pool_ops = {
     .reset_cache = pool_reset_cache,
     .trim = pool_trim,
     .cache_pressure = pool_cache_pressure,
+    .prefix_match = pool_prefix_match,
     .stats = pool_stats,
     .validate = pool_validate,
     .seq_blocks = pool_seq_blocks,

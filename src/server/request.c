@@ -725,6 +725,16 @@ fail:
     return rc ? rc : PKV_ERR_INVALID;
 }
 
+int srv_request_parse_lookup(const char *body, size_t len, const char *model_name,
+                             const srv_limits_t *lim, srv_request_t *out, srv_error_t *err)
+{
+    json_t *doc = body && len ? json_loadb(body, len, JSON_ALLOW_NUL, NULL) : NULL;
+    bool chat = json_is_object(doc) && json_object_get(doc, "messages");
+    json_decref(doc);
+    return srv_request_parse(chat ? SRV_REQ_CHAT : SRV_REQ_COMPLETIONS, body, len, model_name, lim,
+                             out, err);
+}
+
 int srv_request_prompt(const srv_request_t *r, const pkv_tok_t *tok, const srv_limits_t *lim,
                        uint32_t default_max_tokens, int32_t **ids_out, uint32_t *n_out,
                        uint32_t *max_tokens_out, srv_error_t *err)

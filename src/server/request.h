@@ -97,6 +97,10 @@ typedef struct {
 int srv_request_parse(srv_req_kind_t kind, const char *body, size_t len, const char *model_name,
                       const srv_limits_t *lim, srv_request_t *out, srv_error_t *err);
 void srv_request_free(srv_request_t *r);
+/* POST /v1/cache/lookup's body: a completions request (it has "prompt") or a chat request
+ * (it has "messages"), parsed as srv_request_parse does for that endpoint. */
+int srv_request_parse_lookup(const char *body, size_t len, const char *model_name,
+                             const srv_limits_t *lim, srv_request_t *out, srv_error_t *err);
 
 /* The prompt as token ids (malloc'd into *ids_out, caller frees) and the effective
  * max_tokens: text prompts get BOS; chat goes through the tokenizer's chat template.

@@ -36,6 +36,7 @@
 #include "pagekv/tokenizer.h"
 
 #include "core/core.h"
+#include "kv/kv.h"
 #include "prim/prim.h"
 #include "server/gen.h"
 #include "server/request.h"
@@ -266,6 +267,7 @@ static const struct {
     {"/metrics", SRV_ROUTE_METRICS, "GET, HEAD"},
     {"/v1/cache/stats", SRV_ROUTE_CACHE_STATS, "GET, HEAD"},
     {"/v1/cache/reset", SRV_ROUTE_CACHE_RESET, "POST"},
+    {"/v1/cache/lookup", SRV_ROUTE_CACHE_LOOKUP, "POST"},
 };
 
 static bool method_allowed(const char *allow, const char *method)
@@ -332,6 +334,43 @@ static enum MHD_Result handle_cache_reset(pkv_server_t *s, struct MHD_Connection
                                  (json_int_t)after.committed_bytes));
 }
 
+/* POST /v1/cache/lookup: how many of the prompt's tokens this node's prefix cache holds
+ * under the request's salt (the router's cache_aware policy asks; it changes nothing). */
+static enum MHD_Result handle_cache_lookup(pkv_server_t *s, struct MHD_Connection *c,
+                                           http_req_t *hr)
+{
+    srv_limits_t lim = {.max_context = s->max_context};
+    srv_request_t r;
+    srv_error_t err;
+    if (srv_request_parse_lookup(hr->body, hr->len, s->served_name, &lim, &r, &err))
+        return answer_error(s, c, hr, &err);
+    int32_t *ids = NULL;
+    uint32_t n = 0, mt = 0, matched = 0;
+    enum MHD_Result ret;
+    if (srv_request_prompt(&r, s->tok, &lim, s->default_max_tokens, &ids, &n, &mt, &err))
+        ret = answer_error(s, c, hr, &err);
+    else if (pkv_kv_prefix_match(s->kv, r.salt, ids, n, &matched))
+        ret = answer_errorf(s, c, hr, 500, "server_error", "out_of_memory", "out of memory");
+    else
+        ret = answer_json(
+            s, c, hr, 200,
+            json_pack("{s:i, s:i}", "matched_tokens", (int)matched, "prompt_tokens", (int)n));
+    free(ids);
+    srv_request_free(&r);
+    return ret;
+}
+
+/* The client's X-Request-Id for the log: printable ASCII, at most 128 bytes ("-" when
+ * absent; other bytes become '?'). */
+static void request_id_of(struct MHD_Connection *c, char out[129])
+{
+    const char *v = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "X-Request-Id");
+    size_t n = 0;
+    for (; v && v[n] && n < 128; n++) out[n] = v[n] > 0x20 && v[n] < 0x7f ? v[n] : '?';
+    if (!n) out[n++] = '-';
+    out[n] = 0;
+}
+
 static enum MHD_Result handle_simple(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr,
                                      const char *url)
 {
@@ -389,6 +428,8 @@ static enum MHD_Result handle_simple(pkv_server_t *s, struct MHD_Connection *c, 
     }
     case SRV_ROUTE_CACHE_RESET:
         return handle_cache_reset(s, c, hr);
+    case SRV_ROUTE_CACHE_LOOKUP:
+        return handle_cache_lookup(s, c, hr);
     default:
         return answer_errorf(s, c, hr, 500, "server_error", "internal_error", "unrouted request");
     }
@@ -991,6 +1032,14 @@ static enum MHD_Result handle_generate(pkv_server_t *s, struct MHD_Connection *c
         if (s->role == PKV_SERVER_ROLE_DECODE && r.kvt == SRV_KVT_NONE)
             srv_kvnode_count_local(s->kvn); /* a router's fallback: computed here */
         run.decode_leg = pulled != NULL;
+        char xrid[129];
+        request_id_of(c, xrid);
+        PKV_LOGI("server", "%s: request %llu (%s), X-Request-Id %s", srv_route_label[hr->route],
+                 (unsigned long long)run.rid,
+                 r.kvt == SRV_KVT_PREFILL  ? "prefill leg"
+                 : r.kvt == SRV_KVT_DECODE ? "decode leg"
+                                           : "whole",
+                 xrid);
         run.fd = conn_fd(c);
         srv_gen_init(&run.gen);
         /* The first output (or the finish): admission errors still get a status. */
