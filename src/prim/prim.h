@@ -47,6 +47,7 @@ typedef struct {
     uint64_t hwm_bytes; /* VmHWM */
     uint64_t rss_anon_bytes;
     uint64_t rss_shmem_bytes;
+    uint64_t locked_bytes; /* VmLck: mlocked */
 } pkv_prim_mem_t;
 /* Read /proc/<pid>/status (pid 0: self). */
 int pkv_prim_mem_read(int pid, pkv_prim_mem_t *out);
@@ -66,6 +67,10 @@ typedef struct {
 } pkv_prim_smaps_t;
 /* Read /proc/<pid>/smaps_rollup (pid 0: self). *out is written only on success. */
 int pkv_prim_smaps_rollup(int pid, pkv_prim_smaps_t *out);
+
+/* The machine's MemAvailable (/proc/meminfo), bytes. PKV_ERR_IO when it cannot be read;
+ * *out is written only on success. */
+int pkv_prim_mem_available(uint64_t *out);
 
 /* The machine's 1-minute load average (the first field of /proc/loadavg). PKV_ERR_IO when
  * it cannot be read; *out is written only on success. */
