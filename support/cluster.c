@@ -315,9 +315,8 @@ json_t *cluster_http_get_json(const char *base_url, const char *path, uint32_t t
 }
 
 /* ---- answers --------------------------------------------------------------------------- */
-static int append(char **text, size_t *len, const char *s)
+static int append(char **text, size_t *len, const char *s, size_t n)
 {
-    size_t n = strlen(s);
     char *nt = realloc(*text, *len + n + 1);
     if (!nt) return -1;
     memcpy(nt + *len, s, n + 1);
@@ -336,11 +335,13 @@ static int answer_take(const json_t *o, cluster_answer_t *a, size_t *len)
     }
     const json_t *ch = json_array_get(json_object_get(o, "choices"), 0);
     if (ch) {
-        const char *t = json_string_value(json_object_get(ch, "text"));
+        const json_t *t = json_object_get(ch, "text");
         const json_t *msg = json_object_get(ch, "message");
         if (!msg) msg = json_object_get(ch, "delta");
-        if (!t && msg) t = json_string_value(json_object_get(msg, "content"));
-        if (t && append(&a->text, len, t) != 0) return -1;
+        if (!json_is_string(t) && msg) t = json_object_get(msg, "content");
+        if (json_is_string(t) &&
+            append(&a->text, len, json_string_value(t), json_string_length(t)) != 0)
+            return -1;
         const char *f = json_string_value(json_object_get(ch, "finish_reason"));
         if (f) snprintf(a->finish, sizeof(a->finish), "%s", f);
     }
@@ -360,13 +361,14 @@ int cluster_answer_parse(const char *body, bool stream, cluster_answer_t *out)
     a.text = calloc(1, 1);
     if (!a.text || !body) goto fail;
     if (!stream) {
-        json_t *o = json_loads(body, 0, NULL);
+        json_t *o = json_loads(body, JSON_ALLOW_NUL, NULL);
         if (!json_is_object(o) || answer_take(o, &a, &len) != 0) {
             json_decref(o);
             goto fail;
         }
         json_decref(o);
         a.done = true;
+        a.text_len = len;
         *out = a;
         return 0;
     }
@@ -378,7 +380,7 @@ int cluster_answer_parse(const char *body, bool stream, cluster_answer_t *out)
             if (dn == 6 && strncmp(d, "[DONE]", 6) == 0) {
                 a.done = true;
             } else {
-                json_t *o = json_loadb(d, dn, 0, NULL);
+                json_t *o = json_loadb(d, dn, JSON_ALLOW_NUL, NULL);
                 int bad = !json_is_object(o) || answer_take(o, &a, &len) != 0;
                 json_decref(o);
                 if (bad) goto fail;
@@ -387,6 +389,7 @@ int cluster_answer_parse(const char *body, bool stream, cluster_answer_t *out)
         l += n;
         if (*l == '\n') l++;
     }
+    a.text_len = len;
     *out = a;
     return 0;
 fail:
@@ -403,7 +406,8 @@ void cluster_answer_free(cluster_answer_t *a)
 
 bool cluster_answer_equal(const cluster_answer_t *a, const cluster_answer_t *b)
 {
-    return a->text && b->text && strcmp(a->text, b->text) == 0 && strcmp(a->finish, b->finish) == 0 &&
+    return a->text && b->text && a->text_len == b->text_len &&
+           memcmp(a->text, b->text, a->text_len) == 0 && strcmp(a->finish, b->finish) == 0 &&
            a->prompt_tokens == b->prompt_tokens && a->completion_tokens == b->completion_tokens;
 }
 

@@ -74,7 +74,9 @@ json_t *cluster_http_get_json(const char *base_url, const char *path, uint32_t t
 
 /* What a parity check compares between two answers. */
 typedef struct {
-    char *text;          /* concatenated choices[0] text / message content / deltas */
+    char *text;          /* concatenated choices[0] text / message content / deltas
+                            (NUL-terminated; may hold NULs: text_len is its length) */
+    size_t text_len;
     char finish[24];     /* finish_reason, "" if none */
     long prompt_tokens;  /* usage, -1 if absent */
     long completion_tokens;

@@ -86,6 +86,8 @@ static void lg_finish(CURLM *m, lg_slot_t *s, CURLcode rc, const lg_req_t *r, lg
             res->answer = (cluster_answer_t){.prompt_tokens = -1, .completion_tokens = -1};
             snprintf(res->answer.error_code, sizeof(res->answer.error_code), "unreadable");
         }
+        if (res->status != 200 || res->answer.error_code[0] || !res->answer.done)
+            snprintf(res->excerpt, sizeof(res->excerpt), "%s", s->buf ? s->buf : "");
     }
     curl_multi_remove_handle(m, s->easy);
     curl_easy_cleanup(s->easy);

@@ -31,6 +31,7 @@ typedef struct {
     double ttft_s, total_s; /* first body byte, end; from start_s */
     cluster_answer_t answer; /* text, finish, usage, error code (parse failures: error_code "unreadable") */
     char transport[96];      /* curl's error, "" when an answer came */
+    char excerpt[256];       /* the body's start when it is not a good answer, else "" */
 } lg_result_t;
 
 typedef struct {

@@ -218,6 +218,7 @@ static json_t *demo_body(const demo_opts_t *o, const demo_req_t *r)
     json_t *b = json_pack("{s:s, s:i, s:f, s:b}", "model", o->preset, "max_tokens",
                           (int)o->max_tokens, "temperature", r->temperature, "stream", r->stream);
     if (r->seed >= 0) json_object_set_new(b, "seed", json_integer(r->seed));
+    if (r->stream) json_object_set_new(b, "stream_options", json_pack("{s:b}", "include_usage", 1));
     if (r->chat)
         json_object_set_new(b, "messages",
                             json_pack("[{s:s, s:s}, {s:s, s:s}]", "role", "system", "content",
@@ -306,31 +307,29 @@ static double mib(long long b)
     return b < 0 ? -1.0 : (double)b / (1024.0 * 1024.0);
 }
 
-/* The transfer phases a node reports in /metrics (histogram sums and counts). */
+/* The transfer phases a node reports in /metrics: the means of its
+ * pagekv_kv_transfer_phase_seconds{phase="..."} histograms that counted something. */
 static void demo_print_phases(const cluster_proc_t *p)
 {
     cluster_http_reply_t rep;
     if (cluster_http(p->url, "/metrics", NULL, NULL, 5000, NULL, &rep) != 0) return;
+    static const char pre[] = "pagekv_kv_transfer_phase_seconds_sum{phase=\"";
     bool any = false;
-    static const char pre[] = "pagekv_kv_transfer_";
-    for (const char *l = rep.body; l && *l;) {
-        size_t n = strcspn(l, "\n");
-        const char *sum = strstr(l, "_seconds_sum");
-        if (!strncmp(l, pre, sizeof(pre) - 1) && sum && sum < l + n) {
-            char name[64], count_key[96];
-            size_t k = (size_t)(sum - l);
-            snprintf(name, sizeof(name), "%.*s", (int)(k - (sizeof(pre) - 1)), l + sizeof(pre) - 1);
-            double total = strtod(sum + 12, NULL);
-            snprintf(count_key, sizeof(count_key), "%.*s_seconds_count ", (int)k, l);
-            const char *c = strstr(rep.body, count_key);
-            double cnt = c ? strtod(c + strlen(count_key), NULL) : 0;
-            if (cnt > 0) {
-                printf("%s %s %.2f ms", any ? "," : "           phases (mean):", name,
-                       1e3 * total / cnt);
-                any = true;
-            }
+    for (const char *l = strstr(rep.body, pre); l; l = strstr(l + 1, pre)) {
+        const char *name = l + sizeof(pre) - 1, *q = strchr(name, '"');
+        const char *brace = q ? strchr(q, '}') : NULL;
+        if (!q || !brace) break;
+        char key[128];
+        snprintf(key, sizeof(key), "pagekv_kv_transfer_phase_seconds_count{phase=\"%.*s\"",
+                 (int)(q - name), name);
+        const char *c = strstr(rep.body, key);
+        const char *cv = c ? strchr(c, ' ') : NULL;
+        double total = strtod(brace + 1, NULL), cnt = cv ? strtod(cv, NULL) : 0;
+        if (cnt > 0) {
+            printf("%s %.*s %.2f", any ? "," : "           phases (mean ms):", (int)(q - name), name,
+                   1e3 * total / cnt);
+            any = true;
         }
-        l += n + (l[n] == '\n');
     }
     if (any) printf("\n");
     cluster_http_reply_free(&rep);
@@ -377,12 +376,17 @@ static bool demo_accounting(demo_t *d, uint32_t legs)
                    mib(cluster_json_int(s, "kv_transfer.transfers.bytes_sent")));
             if (sent != (long long)legs) ok = false;
         } else {
-            long long pulled = cluster_json_int(s, "kv_transfer.pulls.ok");
-            printf("           pulls ok %lld, failed %lld, recomputed %lld; %.2f MiB received\n",
-                   pulled, cluster_json_int(s, "kv_transfer.pulls.failed"),
-                   cluster_json_int(s, "kv_transfer.pulls.recomputed"),
+            long long failed = cluster_json_int(s, "kv_transfer.pulls.failed");
+            long long recomputed = cluster_json_int(s, "kv_transfer.pulls.recomputed");
+            long long local = cluster_json_int(s, "kv_transfer.pulls.local");
+            printf("           pulls ok %lld (of them dropped %lld), failed %lld, recomputed %lld, "
+                   "without params %lld; %.2f MiB received\n",
+                   cluster_json_int(s, "kv_transfer.pulls.ok") +
+                       cluster_json_int(s, "kv_transfer.pulls.dropped"),
+                   cluster_json_int(s, "kv_transfer.pulls.dropped"), failed, recomputed, local,
                    mib(cluster_json_int(s, "kv_transfer.transfers.bytes_received")));
-            if (pulled != (long long)legs) ok = false;
+            /* every request came with its params and was served from what it pulled */
+            if (failed != 0 || recomputed != 0 || local != 0) ok = false;
         }
         demo_print_phases(p);
     }
