@@ -14,7 +14,8 @@
  *     "fp-stats") and once at the end.
  * Phases: load (exec to /health), settle_load (5 s idle), scenario, settle (8 s idle).
  * The scenarios are chat completions at temperature 0 with ignore_eos (so every request
- * generates exactly max_tokens on both backends) against the llama-3.2-1b preset, f16 KV,
+ * generates exactly max_tokens on both backends) against a preset (--preset, default
+ * llama-3.2-1b; --prefix-tokens defaults to 4200 for qwen3-0.6b, 3700 otherwise), f16 KV,
  * --max-batch-size 8; see fp_scenario_names and docs/design/footprint.md.
  *
  * Paged and dense runs of one scenario follow each other, so they see the same machine;
@@ -26,6 +27,7 @@
 #include "support/cli.h"
 
 #include "core/core.h"
+#include "pagekv/model.h"
 #include "pagekv/tokenizer.h"
 
 #include <curl/curl.h>
@@ -37,7 +39,8 @@
 #include <unistd.h>
 
 const char *const fp_scenario_names[SC_N] = {
-    "idle", "shared_prefix_burst", "seqshare", "multiturn", "churn", "distinct_burst"};
+    "idle",  "shared_prefix_burst", "seqshare",        "multiturn",
+    "churn", "distinct_burst",      "churn_then_idle", "hangups"};
 const char *const fp_phase_names[PH_N] = {"load", "settle_load", "scenario", "settle"};
 
 /* ---- options -------------------------------------------------------------------------------- */
@@ -46,7 +49,8 @@ static void fp_usage(FILE *f)
 {
     fprintf(f, "usage: pagekv bench footprint [options] [-- server flags]\n"
                "  --scenario a,b,..   of: idle, shared_prefix_burst, seqshare, multiturn, churn,\n"
-               "                      distinct_burst, all (default all)\n"
+               "                      distinct_burst, churn_then_idle, hangups, all\n"
+               "                      (default all)\n"
                "  --backend B         paged | dense | all (default all)\n"
                "  --repeat N          runs of each (scenario, backend); medians (default 1)\n"
                "  --json FILE         every run, its phases, samples and the server's counters\n"
@@ -54,13 +58,17 @@ static void fp_usage(FILE *f)
                "  --settle-load S     idle seconds after the model loads (default 5)\n"
                "  --settle S          idle seconds after the scenario (default 8)\n"
                "  --idle S            the idle scenario's length (default 20)\n"
-               "  --prefix-tokens N   shared system prompt length in tokens (default 3700)\n"
+               "  --preset NAME       the server's model preset (default llama-3.2-1b)\n"
+               "  --prefix-tokens N   shared system prompt length in tokens (default 3700;\n"
+               "                      4200 with --preset qwen3-0.6b)\n"
                "  --churn-budget B    --kv-cache-budget for churn (default 64M; 0: none)\n"
+               "  --cache-idle S      --prefix-cache-idle-s for churn_then_idle and hangups,\n"
+               "                      whose settle phase lasts this much longer (default 10)\n"
                "  --request-timeout S per HTTP request (default 1800)\n"
                "  --server-bin PATH   the pagekv binary to serve (default this one)\n"
                "  --keep-logs         keep every server log (failed runs' logs are always kept)\n"
                "Server flags after `--` are passed to every `pagekv serve` (they override the\n"
-               "defaults --preset llama-3.2-1b --max-batch-size 8 --kv-dtype f16).\n");
+               "bench's --preset and the defaults --max-batch-size 8 --kv-dtype f16).\n");
 }
 
 static int fp_parse_seconds(const char *s, double *out)
@@ -116,6 +124,8 @@ static int fp_parse_duration(const char *cmd, const char *a, const char *v, fp_o
     if (fp_parse_seconds(v, &s)) return pkv_cli_usage_error(cmd, "%s: bad seconds '%s'", a, v);
     if (!strcmp(a, "--settle-load"))
         o->settle_load_s = s;
+    else if (!strcmp(a, "--cache-idle"))
+        o->cache_idle_s = s;
     else if (!strcmp(a, "--settle"))
         o->settle_s = s;
     else if (!strcmp(a, "--idle"))
@@ -144,8 +154,13 @@ static int fp_parse_valued(const char *cmd, const char *a, const char *v, fp_opt
     } else if (!strcmp(a, "--server-bin")) {
         o->server_bin = v;
     } else if (!strcmp(a, "--settle-load") || !strcmp(a, "--settle") || !strcmp(a, "--idle") ||
-               !strcmp(a, "--request-timeout")) {
+               !strcmp(a, "--request-timeout") || !strcmp(a, "--cache-idle")) {
         return fp_parse_duration(cmd, a, v, o);
+    } else if (!strcmp(a, "--preset")) {
+        pkv_model_config_t mc;
+        if (pkv_model_preset(v, &mc))
+            return pkv_cli_usage_error(cmd, "--preset: unknown preset '%s'", v);
+        o->preset = v;
     } else if (!strcmp(a, "--prefix-tokens")) {
         if (pkv_cli_parse_u64(v, 16, 30000, &u))
             return pkv_cli_usage_error(cmd, "--prefix-tokens: '%s' is not in [16, 30000]", v);
@@ -168,8 +183,9 @@ static int fp_parse_opts(int argc, char **argv, fp_opts_t *o)
                      .settle_load_s = 5,
                      .settle_s = 8,
                      .idle_s = 20,
-                     .prefix_tokens = 3700,
+                     .preset = "llama-3.2-1b",
                      .churn_budget = 64ull << 20,
+                     .cache_idle_s = 10,
                      .request_timeout_s = 1800};
     o->backend[0] = o->backend[1] = true;
     for (int i = 1; i < argc; i++) {
@@ -194,6 +210,7 @@ static int fp_parse_opts(int argc, char **argv, fp_opts_t *o)
         int rc = fp_parse_valued(cmd, a, v, o);
         if (rc) return rc;
     }
+    if (!o->prefix_tokens) o->prefix_tokens = strcmp(o->preset, "qwen3-0.6b") ? 3700 : 4200;
     bool any_sc = false;
     for (int s = 0; s < SC_N; s++) any_sc |= o->scenario[s];
     if (!any_sc)

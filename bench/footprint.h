@@ -30,7 +30,23 @@
 #define FP_MIB      (1024.0 * 1024.0)
 #define FP_MAX_PASS 64
 
-enum { SC_IDLE, SC_BURST, SC_SEQSHARE, SC_MULTITURN, SC_CHURN, SC_DISTINCT, SC_N };
+enum {
+    SC_IDLE,
+    SC_BURST,
+    SC_SEQSHARE,
+    SC_MULTITURN,
+    SC_CHURN,
+    SC_DISTINCT,
+    SC_CHURN_IDLE, /* churn_then_idle: the cache returns memory after the idle period */
+    SC_HANGUPS,    /* 40 streaming clients hang up early */
+    SC_N
+};
+/* The scenarios that run the server with a short prefix-cache idle period and settle for
+ * that period too. */
+static inline bool fp_scenario_idles(int sc)
+{
+    return sc == SC_CHURN_IDLE || sc == SC_HANGUPS;
+}
 extern const char *const fp_scenario_names[SC_N];
 
 enum { PH_LOAD, PH_SETTLE_LOAD, PH_SCENARIO, PH_SETTLE, PH_N };
@@ -42,8 +58,11 @@ typedef struct {
     uint32_t repeat;
     const char *json_path, *svg_dir, *server_bin;
     double settle_load_s, settle_s, idle_s;
-    uint32_t prefix_tokens; /* shared_prefix_burst's system prompt, in tokens */
+    const char *preset;     /* the server's --preset (default llama-3.2-1b) */
+    uint32_t prefix_tokens; /* shared_prefix_burst's system prompt, in tokens (default 3700;
+                               4200 with qwen3-0.6b: the first report's two cases) */
     uint64_t churn_budget;  /* --kv-cache-budget for churn; 0: none */
+    double cache_idle_s;    /* --prefix-cache-idle-s for churn_then_idle and hangups */
     double request_timeout_s;
     bool keep_logs;
     const char *pass[FP_MAX_PASS]; /* server flags after `--` */
@@ -105,7 +124,14 @@ typedef struct {
     bool ranges_assumed; /* the server did not report storage_ranges */
     bool have_reset;
     uint64_t committed_after_reset;
-    int exit_status; /* the server's wait status after SIGTERM; -1: killed by us */
+    /* churn_then_idle, hangups: how the cache gave its memory back after the scenario */
+    uint64_t before_bytes;    /* VmRSS after a warm-up request and the idle period, just
+                                 before the load: the level to come back to */
+    uint64_t kv_scenario_end; /* KV committed at the last poll of the scenario */
+    double return_kv_s;       /* scenario end -> committed <= one granule per range; -1 never */
+    double return_rss_s;      /* scenario end -> RSS within the tolerance of baseline; -1 never */
+    uint32_t hangups;         /* streams the client cut */
+    int exit_status;          /* the server's wait status after SIGTERM; -1: killed by us */
     char exit_text[48];
 } fp_run_t;
 
@@ -245,7 +271,12 @@ typedef struct {
     char detail[400];
 } fp_target_t;
 
-enum { FP_N_TARGETS = 5 };
+enum { FP_N_TARGETS = 7 };
+/* RSS after the idle period, relative to baseline: churn_then_idle and hangups. */
+static inline double fp_return_tolerance(int sc)
+{
+    return sc == SC_HANGUPS ? 0.10 : 0.05;
+}
 /* The targets, from the runs; returns how many (FP_N_TARGETS). */
 int fp_targets(const fp_opts_t *o, fp_run_t *runs, size_t n, fp_target_t *t);
 /* The Markdown tables and targets on stdout. */

@@ -243,6 +243,48 @@ static void fp_target_churn(fp_run_t *runs, size_t n, fp_target_t *t)
                  "churn ran without a budget (--churn-budget 0, or the server reported none)");
 }
 
+/* The level churn_then_idle and hangups come back to: after the warm-up and the idle
+ * period (baseline when the run has none). */
+static uint64_t fp_before(const fp_run_t *r)
+{
+    return r->before_bytes ? r->before_bytes : r->baseline_bytes;
+}
+
+/* 6, 7. churn_then_idle and hangups (paged): after the idle period the cache has given its
+ * memory back: RSS within the tolerance of the idle level before the scenario (and, for
+ * churn_then_idle, KV committed <= one granule per storage range), every repeat. */
+static void fp_target_return(fp_run_t *runs, size_t n, int sc, fp_target_t *t)
+{
+    fp_run_t *sel[256];
+    static char names[2][160];
+    char *name = names[sc == SC_HANGUPS];
+    snprintf(name, sizeof(names[0]),
+             "%s (paged): after the idle period RSS <= %.2f x the idle level before it%s",
+             fp_scenario_names[sc], 1.0 + fp_return_tolerance(sc),
+             sc == SC_CHURN_IDLE ? ", KV committed <= one granule per storage range" : "");
+    *t = (fp_target_t){name, -1, ""};
+    size_t ns = fp_select(runs, n, sc, PKV_BACKEND_PAGED, sel);
+    if (!ns) return;
+    int ok = 1;
+    for (size_t i = 0; i < ns; i++) {
+        fp_run_t *x = sel[i];
+        double bound = (double)fp_before(x) * (1.0 + fp_return_tolerance(sc));
+        if ((double)x->settled_bytes > bound) ok = 0;
+        if (sc == SC_CHURN_IDLE && x->kv_committed_end > x->granule_bytes * x->storage_ranges)
+            ok = 0;
+    }
+    t->state = ok;
+    fp_run_t *x = sel[0];
+    snprintf(t->detail, sizeof(t->detail),
+             "RSS %.1f MiB before, %.1f MiB peak, %.1f MiB after (%.3f x); KV committed %.1f MiB "
+             "at the scenario's end, %.2f MiB after; back in %.1f s (KV) / %.1f s (RSS) (repeat 1 "
+             "of %zu)",
+             fp_mib(fp_before(x)), fp_mib(x->peak_bytes), fp_mib(x->settled_bytes),
+             fp_before(x) ? (double)x->settled_bytes / (double)fp_before(x) : 0.0,
+             fp_mib(x->kv_scenario_end), fp_mib(x->kv_committed_end), x->return_kv_s,
+             x->return_rss_s, ns);
+}
+
 int fp_targets(const fp_opts_t *o, fp_run_t *runs, size_t n, fp_target_t *t)
 {
     fp_target_burst_ratio(o, runs, n, &t[0]);
@@ -250,13 +292,16 @@ int fp_targets(const fp_opts_t *o, fp_run_t *runs, size_t n, fp_target_t *t)
     fp_target_burst_committed(runs, n, &t[2]);
     fp_target_idle(o, runs, n, &t[3]);
     fp_target_churn(runs, n, &t[4]);
+    fp_target_return(runs, n, SC_CHURN_IDLE, &t[5]);
+    fp_target_return(runs, n, SC_HANGUPS, &t[6]);
     return FP_N_TARGETS;
 }
 
 void fp_print_report(const fp_opts_t *o, fp_run_t *runs, size_t n, fp_target_t *t, int nt)
 {
-    printf("## pagekv bench footprint (%u repeat%s; median, (min-max) when repeated)\n\n",
-           o->repeat, o->repeat > 1 ? "s" : "");
+    printf("## pagekv bench footprint (%s preset, %u-token shared prefix, %u repeat%s; median, "
+           "(min-max) when repeated)\n\n",
+           o->preset, o->prefix_tokens, o->repeat, o->repeat > 1 ? "s" : "");
     printf("| scenario | backend | peak MiB | last MiB | settled MiB | baseline MiB | KV "
            "committed peak MiB | kv_min MiB | cached tokens | wall s |\n");
     printf("|---|---|---|---|---|---|---|---|---|---|\n");
@@ -303,6 +348,28 @@ void fp_print_report(const fp_opts_t *o, fp_run_t *runs, size_t n, fp_target_t *
             fp_cell(c[2], 64, fp_field(sel, ns, f_anon_minus_kv), 1, true);
             printf("| %s | %s | %s | %s | %s |\n", fp_scenario_names[sc],
                    pkv_backend_name((pkv_backend_t)b), c[0], c[1], c[2]);
+        }
+    }
+    bool any_idle = false;
+    for (int sc = 0; sc < SC_N; sc++) any_idle |= o->scenario[sc] && fp_scenario_idles(sc);
+    if (any_idle) {
+        printf("\nThe prefix cache gives memory back (server run with --prefix-cache-idle-s %g; "
+               "settle lasts %g s): RSS before (after a warm-up request and the idle period, "
+               "just before the load), peak and after (end of settle); KV committed at the "
+               "scenario's end and after; seconds from the "
+               "scenario's end until KV committed <= one granule per range and RSS <= before x "
+               "1.05 (churn_then_idle) / 1.10 (hangups); -1: not within settle.\n\n"
+               "| scenario | backend | RSS before MiB | peak MiB | RSS after MiB | KV at end MiB "
+               "| KV after MiB | KV back s | RSS back s |\n|---|---|---|---|---|---|---|---|---|\n",
+               o->cache_idle_s, o->settle_s + o->cache_idle_s);
+        for (size_t i = 0; i < n; i++) {
+            fp_run_t *x = &runs[i];
+            if (!x->ok || !fp_scenario_idles(x->scenario)) continue;
+            printf("| %s | %s | %.1f | %.1f | %.1f | %.1f | %.2f | %.1f | %.1f |\n",
+                   fp_scenario_names[x->scenario], pkv_backend_name(x->backend),
+                   fp_mib(fp_before(x)), fp_mib(x->peak_bytes), fp_mib(x->settled_bytes),
+                   fp_mib(x->kv_scenario_end), fp_mib(x->kv_committed_end), x->return_kv_s,
+                   x->return_rss_s);
         }
     }
     printf("\n### targets\n\n");
@@ -375,6 +442,13 @@ static json_t *fp_run_json(const fp_run_t *r)
     json_object_set_new(o, "kv_committed_end_bytes", json_integer((json_int_t)r->kv_committed_end));
     json_object_set_new(o, "server_exit", json_string(r->exit_text));
     json_object_set_new(o, "load_s", json_real((double)(r->ready_ns - r->start_ns) / FP_NS));
+    if (fp_scenario_idles(r->scenario))
+        json_object_set_new(
+            o, "cache_return",
+            json_pack("{s:I, s:I, s:f, s:f, s:I}", "before_bytes", (json_int_t)r->before_bytes,
+                      "kv_committed_scenario_end_bytes", (json_int_t)r->kv_scenario_end,
+                      "kv_back_s", r->return_kv_s, "rss_back_s", r->return_rss_s, "hangups",
+                      (json_int_t)r->hangups));
     if (r->have_reset)
         json_object_set_new(o, "committed_after_reset_bytes",
                             json_integer((json_int_t)r->committed_after_reset));
@@ -418,13 +492,13 @@ int fp_write_json(const fp_opts_t *o, fp_run_t *runs, size_t n, fp_target_t *t, 
                                             "detail", t[i].detail));
     for (int i = 0; i < o->n_pass; i++) json_array_append_new(pass, json_string(o->pass[i]));
     const char *arena = getenv("MALLOC_ARENA_MAX");
-    json_object_set_new(root, "config",
-                        json_pack("{s:I, s:f, s:f, s:f, s:I, s:f, s:I, s:o, s:s*}", "repeat",
-                                  (json_int_t)o->repeat, "settle_load_s", o->settle_load_s,
-                                  "settle_s", o->settle_s, "idle_s", o->idle_s, "prefix_tokens",
-                                  (json_int_t)o->prefix_tokens, "filler_chars_per_token", cpt,
-                                  "churn_budget_bytes", (json_int_t)o->churn_budget, "server_flags",
-                                  pass, "MALLOC_ARENA_MAX", arena));
+    json_object_set_new(
+        root, "config",
+        json_pack("{s:s, s:I, s:f, s:f, s:f, s:f, s:I, s:f, s:I, s:o, s:s*}", "preset", o->preset,
+                  "repeat", (json_int_t)o->repeat, "cache_idle_s", o->cache_idle_s, "settle_load_s",
+                  o->settle_load_s, "settle_s", o->settle_s, "idle_s", o->idle_s, "prefix_tokens",
+                  (json_int_t)o->prefix_tokens, "filler_chars_per_token", cpt, "churn_budget_bytes",
+                  (json_int_t)o->churn_budget, "server_flags", pass, "MALLOC_ARENA_MAX", arena));
     json_object_set_new(root, "runs", ra);
     json_object_set_new(root, "targets", ta);
     int rc = pkv_bench_write_json(o->json_path, root);
@@ -503,9 +577,8 @@ static int fp_plot_write(const fp_opts_t *o, int sc, const fp_plot_t *pl)
 {
     char path[4096], title[160];
     snprintf(path, sizeof(path), "%s/footprint-%s.svg", o->svg_dir, fp_scenario_names[sc]);
-    snprintf(title, sizeof(title),
-             "pagekv serve memory: %s (llama-3.2-1b preset, f16 KV, repeat 1)",
-             fp_scenario_names[sc]);
+    snprintf(title, sizeof(title), "pagekv serve memory: %s (%s preset, f16 KV, repeat 1)",
+             fp_scenario_names[sc], o->preset);
     FILE *f = fopen(path, "w");
     int wrc = f ? pkv_fp_svg_write(f, title, pl->s, pl->ns, pl->m, pl->nm) : -1;
     if (f && fclose(f)) wrc = -1;

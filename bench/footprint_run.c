@@ -21,6 +21,26 @@ static bool fp_pass_has(const fp_opts_t *o, const char *flag)
     return false;
 }
 
+/* churn_then_idle, hangups: KV committed at the scenario's end, and how long after it the
+ * committed bytes came down to one granule per range and RSS to baseline x (1 + tol). */
+static void fp_run_return_times(fp_run_t *r)
+{
+    uint64_t end = r->ph[PH_SCENARIO].end_ns;
+    uint64_t kv_bound = r->granule_bytes * r->storage_ranges;
+    uint64_t before = r->before_bytes ? r->before_bytes : r->baseline_bytes;
+    double rss_bound = (double)before * (1.0 + fp_return_tolerance(r->scenario));
+    r->return_kv_s = r->return_rss_s = -1;
+    for (size_t i = 0; i < r->n_kv; i++) {
+        if (r->kv[i].t_ns <= end) r->kv_scenario_end = r->kv[i].committed;
+        if (r->kv[i].t_ns > end && r->return_kv_s < 0 && r->kv[i].committed <= kv_bound)
+            r->return_kv_s = (double)(r->kv[i].t_ns - end) / FP_NS;
+    }
+    for (size_t i = 0; i < r->n_samples; i++)
+        if (r->samples[i].t_ns > end && r->return_rss_s < 0 &&
+            (double)r->samples[i].bytes <= rss_bound)
+            r->return_rss_s = (double)(r->samples[i].t_ns - end) / FP_NS;
+}
+
 static void fp_run_summarize(fp_run_t *r)
 {
     fp_phase_t *sc = &r->ph[PH_SCENARIO], *st = &r->ph[PH_SETTLE];
@@ -60,18 +80,20 @@ static void fp_run_summarize(fp_run_t *r)
             PKV_MAX(r->kv_live_polled_max_bytes, r->kv[i].live_blocks * r->block_bytes);
     if (r->block_tokens && r->token_bytes)
         r->kv_min = pkv_fp_kv_min_bytes(r->reqs, r->n_reqs, r->block_tokens, r->token_bytes);
+    if (fp_scenario_idles(r->scenario)) fp_run_return_times(r);
 }
 
 /* The server's argv (NULL-terminated; `budget` holds the churn budget's digits) and its
  * command line in r->server_cmd. */
-static void fp_server_argv(const fp_opts_t *o, fp_run_t *r, const char **argv, char budget[32])
+static void fp_server_argv(const fp_opts_t *o, fp_run_t *r, const char **argv, char budget[32],
+                           char idle[32])
 {
     int a = 0;
     argv[a++] = "pagekv";
     argv[a++] = "serve";
     argv[a++] = "--port";
     argv[a++] = "0";
-    if (!fp_pass_has(o, "--preset")) argv[a++] = "--preset", argv[a++] = "llama-3.2-1b";
+    if (!fp_pass_has(o, "--preset")) argv[a++] = "--preset", argv[a++] = o->preset;
     argv[a++] = "--kv-backend";
     argv[a++] = pkv_backend_name(r->backend);
     if (!fp_pass_has(o, "--max-batch-size")) argv[a++] = "--max-batch-size", argv[a++] = "8";
@@ -80,6 +102,11 @@ static void fp_server_argv(const fp_opts_t *o, fp_run_t *r, const char **argv, c
         snprintf(budget, 32, "%llu", (unsigned long long)o->churn_budget);
         argv[a++] = "--kv-cache-budget";
         argv[a++] = budget;
+    }
+    if (fp_scenario_idles(r->scenario) && !fp_pass_has(o, "--prefix-cache-idle-s")) {
+        snprintf(idle, 32, "%g", o->cache_idle_s);
+        argv[a++] = "--prefix-cache-idle-s";
+        argv[a++] = idle;
     }
     for (int i = 0; i < o->n_pass; i++) argv[a++] = o->pass[i];
     argv[a] = NULL;
@@ -124,7 +151,7 @@ static int fp_run_phases(fp_ctx_t *c)
     if (rc) return rc;
     c->total_reqs = 0;
     fp_phase_begin(c, PH_SETTLE, "settle");
-    fp_idle(c, c->o->settle_s);
+    fp_idle(c, c->o->settle_s + (fp_scenario_idles(r->scenario) ? c->o->cache_idle_s : 0));
     fp_phase_end(c, PH_SETTLE);
     return fp_http_json(c->srv->port, "GET", "/v1/cache/stats", 10.0, &r->stats, r->error,
                         sizeof(r->error));
@@ -176,9 +203,9 @@ static void fp_run_finish(fp_ctx_t *c, int rc)
 void fp_run_one(const fp_opts_t *o, fp_run_t *r, unsigned index, unsigned total,
                 double chars_per_token)
 {
-    char budget[32];
+    char budget[32], idle[32];
     const char *argv[FP_MAX_PASS + 24];
-    fp_server_argv(o, r, argv, budget);
+    fp_server_argv(o, r, argv, budget, idle);
     fp_server_t srv;
     if (fp_server_spawn(o, r, argv, &srv)) return;
     fp_sampler_t sp;

@@ -240,18 +240,47 @@ static int fp_sc_multiturn(fp_ctx_t *c)
     return rc;
 }
 
+/* One churn request: 2000 chars of filler of its own (seed), max_tokens 32. */
+static int fp_churn_one(fp_ctx_t *c, uint64_t seed, uint32_t group)
+{
+    char *user = pkv_fp_filler_alloc(2000, seed);
+    json_t *msgs = user ? fp_msgs(NULL, user) : NULL;
+    free(user);
+    if (!msgs) return PKV_ERR_NOMEM;
+    int rc = fp_chat_one(c, msgs, 32, group, NULL);
+    json_decref(msgs);
+    return rc;
+}
+
+/* churn_then_idle, hangups: the level to come back to is the server's RSS after it has
+ * served once (code paths and buffers touched) and the idle period has emptied its cache:
+ * run `warm`, wait the idle period, read VmRSS into run->before_bytes. */
+static int fp_before_level(fp_ctx_t *c, int (*warm)(fp_ctx_t *c))
+{
+    int rc = warm(c);
+    if (rc) return rc;
+    fp_idle(c, c->o->cache_idle_s + 1.5);
+    pkv_prim_mem_t m;
+    if (pkv_prim_mem_read(c->srv->pid, &m)) {
+        snprintf(c->run->error, sizeof(c->run->error), "cannot read the server's VmRSS");
+        return PKV_ERR_IO;
+    }
+    c->run->before_bytes = m.rss_bytes;
+    return PKV_OK;
+}
+
+static int fp_churn_warm(fp_ctx_t *c)
+{
+    int rc = fp_churn_one(c, 999, 0);
+    c->run->n_reqs = 0; /* the warm-up is not part of the load's figures */
+    return rc;
+}
+
 static int fp_sc_churn(fp_ctx_t *c)
 {
-    int rc = PKV_OK;
+    int rc = c->run->scenario == SC_CHURN_IDLE ? fp_before_level(c, fp_churn_warm) : PKV_OK;
     c->total_reqs = 32;
-    for (unsigned i = 0; i < 32 && !rc; i++) {
-        char *user = pkv_fp_filler_alloc(2000, 1000 + i);
-        json_t *msgs = user ? fp_msgs(NULL, user) : NULL;
-        free(user);
-        if (!msgs) return PKV_ERR_NOMEM;
-        rc = fp_chat_one(c, msgs, 32, i, NULL);
-        json_decref(msgs);
-    }
+    for (unsigned i = 0; i < 32 && !rc; i++) rc = fp_churn_one(c, 1000 + i, i);
     return rc;
 }
 
@@ -270,6 +299,96 @@ static int fp_sc_distinct(fp_ctx_t *c)
     return fp_chat_group(c, bodies, 8, 0, false, NULL);
 }
 
+/* hangups: one streaming request whose client cuts the connection at its first bytes. */
+typedef struct {
+    fp_call_t call;
+    bool got_data;
+} fp_hangup_t;
+
+static size_t fp_hangup_write(char *data, size_t size, size_t nmemb, void *arg)
+{
+    (void)data;
+    fp_hangup_t *h = arg;
+    h->got_data = size * nmemb > 0;
+    return 0; /* abort the transfer: the client is gone */
+}
+
+/* N concurrent streaming chat requests, each with its own ~1300-char prompt (filler seeds
+ * seed0..) and room for 256 tokens; each client hangs up as soon as its stream starts. */
+static int fp_hangup_group(fp_ctx_t *c, size_t N, uint64_t seed0)
+{
+    fp_hangup_t *h = calloc(N, sizeof(*h));
+    CURLM *m = curl_multi_init();
+    int rc = h && m ? PKV_OK : PKV_ERR_NOMEM;
+    size_t inited = 0;
+    for (size_t i = 0; i < N && !rc; i++) {
+        char *user = pkv_fp_filler_alloc(1300, seed0 + i);
+        json_t *msgs = user ? fp_msgs(NULL, user) : NULL;
+        json_t *o =
+            msgs ? json_pack("{s:s, s:O, s:i, s:f, s:b, s:b}", "model", c->model, "messages", msgs,
+                             "max_tokens", 256, "temperature", 0.0, "stream", 1, "ignore_eos", 1)
+                 : NULL;
+        char *body = o ? json_dumps(o, JSON_COMPACT) : NULL;
+        json_decref(o);
+        json_decref(msgs);
+        free(user);
+        if (!body || fp_call_init(&h[i].call, c->srv->port, "POST", "/v1/chat/completions", body,
+                                  c->o->request_timeout_s)) {
+            if (!h[i].call.h) free(body);
+            rc = PKV_ERR_NOMEM;
+            break;
+        }
+        inited = i + 1;
+        curl_easy_setopt(h[i].call.h, CURLOPT_WRITEFUNCTION, fp_hangup_write);
+        curl_easy_setopt(h[i].call.h, CURLOPT_WRITEDATA, &h[i]);
+        curl_multi_add_handle(m, h[i].call.h);
+    }
+    int running = rc ? 0 : (int)N;
+    while (running > 0) {
+        if (curl_multi_perform(m, &running) != CURLM_OK) break;
+        CURLMsg *msg;
+        int left;
+        while ((msg = curl_multi_info_read(m, &left)))
+            if (msg->msg == CURLMSG_DONE) c->done_reqs++;
+        fp_progress(c, false);
+        if (running > 0) curl_multi_poll(m, NULL, 0, 250, NULL);
+    }
+    for (size_t i = 0; i < inited; i++) {
+        long status = 0;
+        curl_easy_getinfo(h[i].call.h, CURLINFO_RESPONSE_CODE, &status);
+        if (h[i].got_data && status == 200)
+            c->run->hangups++;
+        else if (!rc) {
+            snprintf(c->run->error, sizeof(c->run->error),
+                     "hangups: stream %zu never started (HTTP %ld)", i, status);
+            rc = PKV_ERR_IO;
+        }
+        curl_multi_remove_handle(m, h[i].call.h);
+        fp_call_fini(&h[i].call);
+    }
+    if (rc == PKV_ERR_NOMEM)
+        snprintf(c->run->error, sizeof(c->run->error), "out of memory building requests");
+    if (m) curl_multi_cleanup(m);
+    free(h);
+    return rc;
+}
+
+static int fp_hangup_warm(fp_ctx_t *c)
+{
+    int rc = fp_hangup_group(c, 1, 2999);
+    c->run->hangups = 0;
+    return rc;
+}
+
+/* hangups: the first report's case, 40 clients hanging up early, after a warm-up. */
+static int fp_sc_hangups(fp_ctx_t *c)
+{
+    int rc = fp_before_level(c, fp_hangup_warm);
+    c->total_reqs = 40;
+    c->done_reqs = 0;
+    return rc ? rc : fp_hangup_group(c, 40, 3000);
+}
+
 int fp_scenario_run(fp_ctx_t *c)
 {
     switch (c->run->scenario) {
@@ -283,7 +402,10 @@ int fp_scenario_run(fp_ctx_t *c)
     case SC_MULTITURN:
         return fp_sc_multiturn(c);
     case SC_CHURN:
+    case SC_CHURN_IDLE:
         return fp_sc_churn(c);
+    case SC_HANGUPS:
+        return fp_sc_hangups(c);
     case SC_DISTINCT:
         return fp_sc_distinct(c);
     }

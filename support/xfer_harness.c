@@ -56,6 +56,7 @@ static const char *const fault_names[XH_NFAULTS] = {
     [XH_CANCEL] = "cancel mid-transfer",
     [XH_CONSUMER_STOPPED] = "consumer SIGSTOPped",
     [XH_PRODUCER_KILLED_STAGING] = "producer killed while staging",
+    [XH_FORGED] = "forged payload (MAC without the token)",
 };
 
 const char *xh_fault_name(xh_fault_t f)
@@ -97,6 +98,7 @@ bool xh_outcome_expected(const xh_case_t *c, int oc)
     case XH_UNKNOWN_REQUEST:
         return oc == PKV_ERR_REJECTED;
     case XH_CORRUPT:
+    case XH_FORGED:
         return oc == PKV_ERR_CORRUPT;
     case XH_SHUTDOWN_CONSUMER:
         return oc == PKV_ERR_SHUTDOWN;
@@ -539,7 +541,7 @@ static pkv_xfer_agent_t *make_agent(const xh_case_t *c, pkv_kv_t *kv, pkv_stage_
      * by layer (a small transfer read as a whole stream has no "mid-transfer" for its
      * hook to act in). So must a producer killed or stopped after its first layers went
      * out: a small read's one DATA (shared arena) announces every layer, and through UCX
-     * its checksums leave with its last chunk (wire v3), so the consumer could complete
+     * its MACs leave with its last chunk (wire v3 and later), so the consumer could complete
      * after the producer died. */
     xh_fault_t f = c->fault;
     xc.no_inline_copy = f == XH_DEADLINE || f == XH_SHUTDOWN_CONSUMER ||
@@ -550,7 +552,9 @@ static pkv_xfer_agent_t *make_agent(const xh_case_t *c, pkv_kv_t *kv, pkv_stage_
     int rc = pkv_xfer_agent_create(&xc, &a);
     if (rc) child_fail("agent create", rc);
     pkv_xfer_faults_t hooks = {.fn = producer ? producer_hook : consumer_hook,
-                               .corrupt_layer = (producer && f == XH_CORRUPT) ? 1 : -1};
+                               .corrupt_layer =
+                                   (producer && (f == XH_CORRUPT || f == XH_FORGED)) ? 1 : -1,
+                               .forge_mac = producer && f == XH_FORGED};
     pkv_xfer_set_faults(a, &hooks);
     return a;
 }

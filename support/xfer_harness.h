@@ -40,13 +40,16 @@ typedef enum {
     XH_DEADLINE,               /* producer stages slowly (sleep per layer): deadline passes */
     XH_WRONG_TOKEN,
     XH_UNKNOWN_REQUEST,
-    XH_CORRUPT,                 /* producer flips a staged byte after checksumming */
+    XH_CORRUPT,                 /* producer flips a staged byte after MACing it */
     XH_SHUTDOWN_CONSUMER,       /* consumer destroys its agent mid-transfer */
     XH_SHUTDOWN_PRODUCER,       /* producer destroys its agent mid-transfer */
     XH_CANCEL,                  /* consumer cancels mid-transfer */
     XH_CONSUMER_STOPPED,        /* consumer raises SIGSTOP when layer 1 arrived (killed later) */
     XH_PRODUCER_KILLED_STAGING, /* producer raises SIGKILL once it staged layer 1: a small
                                    read, staged whole before its one DATA, dies with nothing sent */
+    XH_FORGED,                  /* producer changes a staged layer and MACs it again under
+                                   keys from a wrong token: what a peer without the token
+                                   could send with the right ids */
     XH_NFAULTS
 } xh_fault_t;
 

@@ -2173,9 +2173,33 @@ static void leases_settle(uint16_t port, long long sent)
     }
 }
 
+/* The decode leg's pull counts and both nodes' byte counters. */
+typedef struct {
+    long long ok, released, pulled, adopted, received, sent;
+} pull_counts_t;
+
+static void pull_counts(const uint16_t ports[3], pull_counts_t *c)
+{
+    json_t *d = kv_stats(ports[1]), *p = kv_stats(ports[0]);
+    c->ok = ji(d, "pulls.ok");
+    c->released = ji(d, "pulls.released");
+    c->pulled = ji(d, "pulls.blocks_pulled");
+    c->adopted = ji(d, "pulls.blocks_adopted");
+    c->received = ji(d, "transfers.bytes_received");
+    c->sent = ji(p, "transfers.bytes_sent");
+    ck_assert_int_eq(c->pulled, metric(ports[1], "pagekv_kv_pull_blocks_total{source=\"pulled\"}"));
+    ck_assert_int_eq(c->adopted,
+                     metric(ports[1], "pagekv_kv_pull_blocks_total{source=\"adopted\"}"));
+    json_decref(d);
+    json_decref(p);
+}
+
 /* The decode leg pulls the prompt's KV and decodes: completions and chat, streamed and
- * not, greedy and seeded, and with a decode-side prefix hit, each equal to a unified
- * node's answer. */
+ * not, greedy and seeded, each equal to a unified node's answer. Decode-side prefix hits:
+ * a prompt that extends a cached one pulls only its new blocks (the bytes of exactly
+ * those, counted on both nodes); a prompt the decode node holds whole (every block the
+ * engine adopts) moves nothing: a token-only release, and the prefill node's pins are
+ * back when the answer is. */
 START_TEST(decode_leg_equals_unified)
 {
     pkv_server_t *s[3];
@@ -2189,34 +2213,113 @@ START_TEST(decode_leg_equals_unified)
                   "max_tokens", 12, "temperature", 0.0, "stream", 1, "stream_options",
                   "include_usage", 1),
         json_pack("{s:s, s:s, s:i, s:f, s:i}", "model", "tiny", "prompt",
-                  "Seeded: once upon a time", "max_tokens", 10, "temperature", 0.9, "seed", 11),
+                  "Seeded: once upon a time a small fox lived in a quiet wood near the hills, "
+                  "far from the sea",
+                  "max_tokens", 10, "temperature", 0.9, "seed", 11),
         json_pack("{s:s, s:s, s:i, s:f, s:i, s:b, s:{s:b}}", "model", "tiny", "prompt",
-                  "Seeded and streamed: once upon a time there was", "max_tokens", 10,
-                  "temperature", 0.9, "seed", 5, "stream", 1, "stream_options", "include_usage", 1),
+                  "Seeded and streamed: once upon a time there was an old mill by a river "
+                  "that turned all day",
+                  "max_tokens", 10, "temperature", 0.9, "seed", 5, "stream", 1, "stream_options",
+                  "include_usage", 1),
         json_pack("{s:s, s:[{s:s, s:s}], s:i, s:f}", "model", "tiny", "messages", "role", "user",
-                  "content", "Tell me about paged attention in one line", "max_tokens", 12,
-                  "temperature", 0.0),
+                  "content",
+                  "Tell me about paged attention in one line, as if to a friend who writes "
+                  "operating systems",
+                  "max_tokens", 12, "temperature", 0.0),
         json_pack("{s:s, s:[{s:s, s:s}], s:i, s:f, s:i, s:b, s:{s:b}}", "model", "tiny", "messages",
-                  "role", "user", "content", "Stream me a seeded chat answer please", "max_tokens",
-                  12, "temperature", 0.7, "seed", 3, "stream", 1, "stream_options", "include_usage",
-                  1),
+                  "role", "user", "content",
+                  "Stream me a seeded chat answer please, about caches, pages and the "
+                  "blocks they hold",
+                  "max_tokens", 12, "temperature", 0.7, "seed", 3, "stream", 1, "stream_options",
+                  "include_usage", 1),
     };
     const char *paths[] = {"/v1/completions", "/v1/completions",      "/v1/completions",
                            "/v1/completions", "/v1/chat/completions", "/v1/chat/completions"};
     for (size_t i = 0; i < PKV_ARRAY_LEN(reqs); i++)
         disagg_equals_unified(ports, paths[i], reqs[i]);
-    json_t *kv = kv_stats(ports[1]);
-    ck_assert_int_eq(ji(kv, "pulls.ok") + ji(kv, "pulls.dropped"), 6);
-    ck_assert_int_eq(ji(kv, "pulls.dropped"), 1); /* the second request's prompt was cached */
-    json_decref(kv);
-    /* A decode-side prefix hit: the first request again. */
+    pull_counts_t a, b;
+    pull_counts(ports, &a);
+    ck_assert_int_eq(a.ok + a.released, 6);
+    /* the second request's prompt was cached whole; so is a prompt too short for a block
+     * the engine would adopt (it computes at least the last token) */
+    ck_assert_int_ge(a.released, 1);
+    ck_assert_int_ge(a.ok, 4);
+    ck_assert_int_gt(a.pulled, 0);
+    ck_assert_int_eq(a.received, a.sent); /* what moved, counted alike on both nodes */
+    ck_assert_int_eq(a.received % a.pulled, 0);
+    long long block_bytes = a.received / a.pulled;
+    ck_assert_int_eq(block_bytes, metric(ports[1], "pagekv_kv_block_bytes"));
+    /* A prompt that extends the first one: its cached blocks are adopted, only the new
+     * ones move. */
+    json_t *longer = json_deep_copy(reqs[0]);
+    json_object_set_new(longer, "prompt",
+                        json_string("The quick brown fox jumps over the lazy dog and keeps "
+                                    "running far away, past the river and the old mill, until "
+                                    "the evening comes and the stars are out"));
+    disagg_equals_unified(ports, paths[0], longer);
+    pull_counts(ports, &b);
+    ck_assert_int_eq(b.ok, a.ok + 1);
+    ck_assert_int_gt(b.adopted, a.adopted);
+    ck_assert_int_gt(b.pulled, a.pulled);
+    ck_assert_int_eq(b.received - a.received, (b.pulled - a.pulled) * block_bytes);
+    ck_assert_int_eq(b.sent - a.sent, b.received - a.received);
+    json_decref(longer);
+    /* A prompt held whole: the first request again moves nothing; the producer's pins are
+     * back at once (not at the lease's end). */
+    leases_settle(ports[0], 7);
     disagg_equals_unified(ports, paths[0], reqs[0]);
-    kv = kv_stats(ports[1]);
-    ck_assert_int_eq(ji(kv, "pulls.ok") + ji(kv, "pulls.dropped"), 7);
+    pull_counts(ports, &a);
+    ck_assert_int_eq(a.released, b.released + 1);
+    ck_assert_int_eq(a.pulled, b.pulled);
+    ck_assert_int_eq(a.received, b.received);
+    ck_assert_int_eq(a.sent, b.sent);
+    json_t *pk = kv_stats(ports[0]);
+    ck_assert_int_eq(ji(pk, "leases.sent"), 8);
+    ck_assert_int_eq(ji(pk, "leases.live") + ji(pk, "leases.pinned_blocks"), 0);
+    ck_assert_int_eq(ji(pk, "transfers.released"), a.released); /* one for each */
+    json_decref(pk);
+    json_t *kv = kv_stats(ports[1]);
     ck_assert_int_eq(ji(kv, "pulls.failed"), 0);
     ck_assert_int_eq(ji(kv, "leases.pinned_blocks"), 0);
     json_decref(kv);
-    leases_settle(ports[0], 7);
+    leases_settle(ports[0], 8);
+    /* Forged params are refused when nothing would move too: a wrong token (the producer
+     * refuses the release) and another engine id (no release is sent), each 400 naming
+     * what is wrong, nothing submitted; the genuine params then release the lease. */
+    json_t *kt = prefill_leg(ports[0], paths[0], reqs[0]);
+    json_t *st = get_json(ports[1], "/v1/cache/stats");
+    long long submitted = ji(st, "requests.submitted");
+    json_decref(st);
+    const struct {
+        const char *key, *value, *code, *param;
+    } forged[] = {
+        {"pagekv_token", "00000000000000000000000000000000", "rejected", "kv_transfer_params"},
+        {"remote_engine_id", "pagekv-0123456789abcdef0123456789abcdef", "invalid_value",
+         "kv_transfer_params.remote_engine_id"},
+    };
+    for (size_t i = 0; i < PKV_ARRAY_LEN(forged); i++) {
+        json_t *bad = json_deep_copy(kt);
+        json_object_set_new(bad, forged[i].key, json_string(forged[i].value));
+        leg_t d;
+        decode_leg(ports[1], paths[0], reqs[0], bad, &d);
+        json_decref(bad);
+        ck_assert_int_eq(d.status, 400);
+        ck_assert_str_eq(js(d.doc, "error.code"), forged[i].code);
+        ck_assert_str_eq(js(d.doc, "error.param"), forged[i].param);
+        json_decref(d.doc);
+    }
+    st = get_json(ports[1], "/v1/cache/stats");
+    ck_assert_int_eq(ji(st, "requests.submitted"), submitted); /* nothing generated */
+    json_decref(st);
+    pk = kv_stats(ports[0]);
+    ck_assert_int_eq(ji(pk, "leases.live"), 1); /* the registration stays */
+    json_decref(pk);
+    leg_t d;
+    decode_leg(ports[1], paths[0], reqs[0], kt, &d);
+    ck_assert_int_eq(d.status, 200);
+    json_decref(d.doc);
+    json_decref(kt);
+    leases_settle(ports[0], 9);
     wait_quiet(ports[1]);
     for (size_t i = 0; i < PKV_ARRAY_LEN(reqs); i++) json_decref(reqs[i]);
     for (int i = 0; i < 3; i++) pkv_server_destroy(s[i]);
@@ -2261,6 +2364,9 @@ START_TEST(decode_leg_bad_params)
         {"remote_block_ids", "[7, 9]", 400, "rejected", "kv_transfer_params"},
         {"remote_port", NULL, 400, "missing_field", "kv_transfer_params.remote_port"},
         {"remote_host", NULL, 400, "missing_field", "kv_transfer_params.remote_host"},
+        {"remote_engine_id", "\"pagekv-00000000000000000000000000000000\"", 400, "invalid_value",
+         "kv_transfer_params.remote_engine_id"},
+        {"remote_engine_id", NULL, 400, "missing_field", "kv_transfer_params.remote_engine_id"},
     };
     for (size_t i = 0; i < PKV_ARRAY_LEN(cases); i++) {
         json_t *bad = json_deep_copy(kt);
@@ -2341,11 +2447,14 @@ START_TEST(disagg_across_processes)
     uint16_t ports[3] = {p.port, d.port, pkv_server_port(u)};
     json_t *reqs[] = {
         json_pack("{s:s, s:s, s:i, s:f}", "model", "tiny", "prompt",
-                  "Two processes, one answer: the prompt's KV crosses a socket", "max_tokens", 10,
-                  "temperature", 0.0),
+                  "Two processes, one answer: the prompt's KV crosses a socket from the prefill "
+                  "node to the decode node, block by block, and the decode node goes on",
+                  "max_tokens", 10, "temperature", 0.0),
         json_pack("{s:s, s:[{s:s, s:s}], s:i, s:f, s:i, s:b}", "model", "tiny", "messages", "role",
-                  "user", "content", "Stream the decode leg from the other process", "max_tokens",
-                  10, "temperature", 0.8, "seed", 21, "stream", 1),
+                  "user", "content",
+                  "Stream the decode leg from the other process, whose pool got the prompt's "
+                  "blocks over the transfer agent a moment ago",
+                  "max_tokens", 10, "temperature", 0.8, "seed", 21, "stream", 1),
     };
     const char *paths[] = {"/v1/completions", "/v1/chat/completions"};
     for (size_t i = 0; i < PKV_ARRAY_LEN(reqs); i++) {

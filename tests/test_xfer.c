@@ -43,7 +43,7 @@ static const pkv_geometry_t SMALL = {
 
 /* An agent over its own pool and stage; `layered`: small reads too go layer by layer,
  * one DATA a layer (no_inline_copy), instead of a whole stream. */
-static void side_make_with(side_t *s, const pkv_geometry_t *g, bool layered)
+static void side_make_full(side_t *s, const pkv_geometry_t *g, bool layered, const char *identity)
 {
     pkv_kv_config_t kc;
     memset(&kc, 0, sizeof(kc));
@@ -64,7 +64,13 @@ static void side_make_with(side_t *s, const pkv_geometry_t *g, bool layered)
     xc.max_inflight = 256;
     xc.no_shared = true;
     xc.no_inline_copy = layered;
+    xc.identity = identity;
     ck_assert_int_eq(pkv_xfer_agent_create(&xc, &s->a), PKV_OK);
+}
+
+static void side_make_with(side_t *s, const pkv_geometry_t *g, bool layered)
+{
+    side_make_full(s, g, layered, NULL);
 }
 
 static void side_make(side_t *s, const pkv_geometry_t *g)
@@ -169,7 +175,7 @@ static uint64_t live_blocks(pkv_kv_t *kv)
 /* A small same-host read's one DATA lists the whole stream's arena pieces; the consumer
  * copies layer l from them, `skip` = l x layer_total bytes in. Whatever the split (one
  * piece, a piece a layer, pieces cutting layers at odd offsets, out of arena order), every
- * byte lands where its stream position says and each layer's checksum is the stream's. */
+ * byte lands where its stream position says and each layer's MAC is the stream's. */
 static uint8_t stream_byte(uint64_t pos)
 {
     return (uint8_t)(pos * 2654435761u >> 13);
@@ -186,6 +192,11 @@ START_TEST(view_copies_layers_from_whole_stream_pieces)
     ck_assert_uint_eq(n, 5);
     xf_view_t v;
     ck_assert_int_eq(xf_view_init(&v, s.a, n, ids, 4096, true), PKV_OK);
+    xf_mac_t *mac = xf_mac_create();
+    ck_assert_ptr_nonnull(mac);
+    v.keys = malloc((size_t)XF_MAC_KEY_BYTES * v.layers);
+    const uint8_t token[PKV_XFER_TOKEN_BYTES] = {1, 2, 3}, nonce[XF_MAC_NONCE_BYTES] = {4};
+    ck_assert_int_eq(xf_mac_keys(mac, token, nonce, 7, n, v.layers, v.keys), PKV_OK);
     const uint64_t lt = v.layer_total, total = lt * v.layers;
     const uint64_t piece =
         pkv_geometry_token_bytes(&SMALL) / SMALL.layers / 2 / SMALL.kv_heads * SMALL.block_tokens;
@@ -213,13 +224,14 @@ START_TEST(view_copies_layers_from_whole_stream_pieces)
         }
         ck_assert_uint_le(at, 2 * total);
         for (uint32_t l = 0; l < v.layers; l++) {
-            uint64_t sum = xf_view_copy_layer_from(&v, s.a, l, arena, pieces, np, l * lt);
+            uint8_t tag[XF_MAC_TAG_BYTES], ref[XF_MAC_TAG_BYTES];
+            ck_assert(xf_view_copy_layer_from(&v, s.a, mac, l, arena, pieces, np, l * lt, tag));
             pkv_xfer_sum_fence();
             for (uint64_t b = 0; b < lt; b++) want[b] = stream_byte(l * lt + b);
-            pkv_xfer_sum_t ref;
-            pkv_xfer_sum_init(&ref);
-            pkv_xfer_sum_update(&ref, want, lt);
-            ck_assert_uint_eq(sum, pkv_xfer_sum_final(&ref));
+            xf_mac_begin(mac, v.keys + XF_MAC_KEY_BYTES * l);
+            xf_mac_update(mac, want, lt);
+            ck_assert(xf_mac_end(mac, ref));
+            ck_assert_mem_eq(tag, ref, XF_MAC_TAG_BYTES);
             /* stream order within a layer: K then V, head after head, block after block */
             uint64_t off = 0;
             for (uint32_t which = 0; which < 2; which++)
@@ -234,6 +246,7 @@ START_TEST(view_copies_layers_from_whole_stream_pieces)
     }
     free(arena);
     free(want);
+    xf_mac_destroy(mac);
     xf_view_fini(&v);
     pkv_seq_free(q);
     side_free(&s);
@@ -442,6 +455,244 @@ START_TEST(whole_stream_checksums_ride_the_payload)
 }
 END_TEST
 
+/* Every layer, K and V, every head of producer block sb equals consumer block db. */
+static bool block_equal(pkv_kv_t *p, uint32_t sb, pkv_kv_t *c, uint32_t db)
+{
+    const pkv_geometry_t *g = pkv_kv_geometry(p);
+    size_t piece = pkv_kv_block_bytes(p) / (2 * (size_t)g->layers * g->kv_heads);
+    for (uint32_t l = 0; l < g->layers; l++)
+        for (uint32_t w = 0; w < 2; w++)
+            for (uint32_t h = 0; h < g->kv_heads; h++)
+                if (memcmp(pkv_kv_block_head(p, sb, l, w, h), pkv_kv_block_head(c, db, l, w, h),
+                           piece))
+                    return false;
+    return true;
+}
+
+static int read_ex_outcome(pkv_xfer_agent_t *c, const pkv_xfer_handle_t *h,
+                           const pkv_xfer_read_opts_t *o, const uint32_t *dst, uint32_t n,
+                           pkv_xfer_why_t *why, uint64_t *bytes)
+{
+    pkv_xfer_read_t *rd;
+    int oc = 0;
+    ck_assert_int_eq(
+        pkv_xfer_read_ex(c, h, o, dst, n, pkv_deadline_after_ns(3000000000ull), NULL, NULL, &rd),
+        PKV_OK);
+    ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(5000000000ull), &oc), PKV_OK);
+    if (why) *why = pkv_xfer_read_why(rd);
+    if (bytes) *bytes = pkv_xfer_read_bytes(rd);
+    pkv_xfer_read_free(rd);
+    return oc;
+}
+
+/* A partial read names a subset of the registered blocks (indices into the handle): only
+ * those blocks' bytes move and land in the given destination blocks, both sides count
+ * exactly those bytes, and the ACK ends the registration as sent. Indices out of order or
+ * range are refused at once; a subset holding a block the request did not register is
+ * refused by the producer, which keeps the registration. Through UCX (whole stream and
+ * layer by layer). */
+START_TEST(partial_read_moves_only_named_blocks)
+{
+    for (int layered = 0; layered < 2; layered++) {
+        pair_t x;
+        pair_make_with(&x, &SMALL, 37, 5, layered, layered); /* 5 blocks */
+        const pkv_geometry_t *g = pkv_kv_geometry(x.p.kv);
+        xh_pattern_apply(x.src, g, 42, 0, 37, true);
+        reg_cb_t sent = {0, 0, 0};
+        pkv_xfer_handle_t *h;
+        ck_assert_int_eq(
+            pkv_xfer_register(x.p.a, 9, x.sids, x.sn, PKV_DEADLINE_NEVER, reg_cb, &sent, &h),
+            PKV_OK);
+        uint32_t bad_order[] = {3, 1}, beyond[] = {2, 5};
+        pkv_xfer_read_opts_t o = {.idx = bad_order};
+        pkv_xfer_read_t *rd;
+        uint64_t far = pkv_deadline_after_ns(1000000000ull);
+        ck_assert_int_eq(pkv_xfer_read_ex(x.c.a, h, &o, x.dids, 2, far, NULL, NULL, &rd),
+                         PKV_ERR_INVALID);
+        o.idx = beyond;
+        ck_assert_int_eq(pkv_xfer_read_ex(x.c.a, h, &o, x.dids, 2, far, NULL, NULL, &rd),
+                         PKV_ERR_INVALID);
+        /* a foreign block among the named ones */
+        pkv_seq_t *other = seq_with(x.p.kv, 8, true, 900);
+        const uint32_t *oids;
+        uint32_t on;
+        pkv_seq_blocks(other, &oids, &on);
+        uint32_t idx[] = {2, 3, 4}, saved = h->blocks[3];
+        o.idx = idx;
+        h->blocks[3] = oids[0];
+        ck_assert_int_eq(read_ex_outcome(x.c.a, h, &o, x.dids + 2, 3, NULL, NULL),
+                         PKV_ERR_REJECTED);
+        h->blocks[3] = saved;
+        pkv_seq_free(other);
+        uint64_t bytes = 0, bb = pkv_kv_block_bytes(x.p.kv);
+        ck_assert_int_eq(read_ex_outcome(x.c.a, h, &o, x.dids + 2, 3, NULL, &bytes), PKV_OK);
+        ck_assert_uint_eq(bytes, 3 * bb);
+        for (uint32_t i = 2; i < 5; i++)
+            ck_assert_msg(block_equal(x.p.kv, x.sids[i], x.c.kv, x.dids[i]), "block %u", i);
+        ck_assert(!block_equal(x.p.kv, x.sids[0], x.c.kv, x.dids[0])); /* not moved */
+        for (int i = 0; i < 400 && !atomic_load(&sent.calls); i++) usleep(5000);
+        ck_assert_int_eq(atomic_load(&sent.calls), 1);
+        ck_assert_int_eq(atomic_load(&sent.outcome), PKV_OK);
+        ck_assert_int_eq(pkv_xfer_wait_idle(x.p.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
+        pkv_xfer_stats_t cs, ps;
+        pkv_xfer_stats(x.c.a, &cs);
+        pkv_xfer_stats(x.p.a, &ps);
+        ck_assert_uint_eq(cs.bytes_received, 3 * bb);
+        ck_assert_uint_eq(ps.bytes_sent, 3 * bb);
+        ck_assert_uint_eq(ps.sent, 1);
+        ck_assert_uint_eq(ps.rejected, 1);
+        ck_assert_uint_eq(ps.registrations + ps.pinned_blocks + cs.pinned_blocks, 0);
+        /* one decode leg a registration: the rest cannot be read afterwards */
+        uint32_t first[] = {0};
+        o.idx = first;
+        ck_assert_int_eq(read_ex_outcome(x.c.a, h, &o, x.dids, 1, NULL, NULL), PKV_ERR_REJECTED);
+        pkv_xfer_handle_free(h);
+        pair_free(&x);
+    }
+}
+END_TEST
+
+/* A token-only release moves nothing: the producer checks the token, ends the
+ * registration as sent (counted in `sent` and `released`, 0 bytes) and its pins are back
+ * when the read ends ok. A wrong token is refused and the registration stays, pins held. */
+START_TEST(token_only_release_returns_pins_at_once)
+{
+    pair_t x;
+    pair_make(&x, &SMALL, 37, 5);
+    reg_cb_t sent = {0, 0, 0};
+    pkv_xfer_handle_t *h;
+    ck_assert_int_eq(
+        pkv_xfer_register(x.p.a, 11, x.sids, x.sn, PKV_DEADLINE_NEVER, reg_cb, &sent, &h), PKV_OK);
+    pkv_xfer_stats_t ps;
+    pkv_xfer_stats(x.p.a, &ps);
+    ck_assert_uint_eq(ps.pinned_blocks, x.sn);
+    h->token[0] ^= 1;
+    ck_assert_int_eq(read_ex_outcome(x.c.a, h, NULL, NULL, 0, NULL, NULL), PKV_ERR_REJECTED);
+    pkv_xfer_stats(x.p.a, &ps);
+    ck_assert_uint_eq(ps.registrations, 1);
+    ck_assert_uint_eq(ps.pinned_blocks, x.sn);
+    ck_assert_uint_eq(ps.sent + ps.released, 0);
+    ck_assert_int_eq(atomic_load(&sent.calls), 0);
+    h->token[0] ^= 1;
+    uint64_t bytes = 1;
+    ck_assert_int_eq(read_ex_outcome(x.c.a, h, NULL, NULL, 0, NULL, &bytes), PKV_OK);
+    ck_assert_uint_eq(bytes, 0);
+    /* the producer ended it before it answered: pins and callback are already there */
+    pkv_xfer_stats(x.p.a, &ps);
+    ck_assert_uint_eq(ps.registrations + ps.pinned_blocks + ps.bytes_sent, 0);
+    ck_assert_uint_eq(ps.sent, 1);
+    ck_assert_uint_eq(ps.released, 1);
+    ck_assert_uint_eq(ps.serves_started, 0);
+    ck_assert_int_eq(atomic_load(&sent.calls), 1);
+    ck_assert_int_eq(atomic_load(&sent.outcome), PKV_OK);
+    pkv_xfer_stats_t cs;
+    pkv_xfer_stats(x.c.a, &cs);
+    ck_assert_uint_eq(cs.reads_done[0], 1);
+    ck_assert_uint_eq(cs.bytes_received + cs.pinned_blocks + cs.staging_pages_held, 0);
+    /* released once: a second release is refused (unknown request) */
+    ck_assert_int_eq(read_ex_outcome(x.c.a, h, NULL, NULL, 0, NULL, NULL), PKV_ERR_REJECTED);
+    pkv_xfer_handle_free(h);
+    pair_free(&x);
+}
+END_TEST
+
+/* A read that names the producer's identity checks it against the producer's HELLO before
+ * READ (and the token) goes out: the right one reads; another ends rejected with
+ * PKV_XFER_WHY_IDENTITY, no READ reached the producer and its registration stays. Also
+ * for a token-only release. Identities that are not printable or too long are refused. */
+START_TEST(read_checks_the_producer_identity)
+{
+    pair_t x;
+    side_make_full(&x.p, &SMALL, false, "pagekv-prefill-A");
+    side_make_with(&x.c, &SMALL, false);
+    x.src = seq_with(x.p.kv, 37, true, 5);
+    x.dst = seq_with(x.c.kv, 37, false, 5);
+    pkv_seq_blocks(x.src, &x.sids, &x.sn);
+    pkv_seq_blocks(x.dst, &x.dids, &x.dn);
+    reg_cb_t sent = {0, 0, 0};
+    pkv_xfer_handle_t *h;
+    ck_assert_int_eq(
+        pkv_xfer_register(x.p.a, 12, x.sids, x.sn, PKV_DEADLINE_NEVER, reg_cb, &sent, &h), PKV_OK);
+    pkv_xfer_read_opts_t o = {.identity = "pagekv-prefill-B"};
+    pkv_xfer_why_t why = PKV_XFER_WHY_NONE;
+    ck_assert_int_eq(read_ex_outcome(x.c.a, h, &o, x.dids, x.dn, &why, NULL), PKV_ERR_REJECTED);
+    ck_assert_int_eq(why, PKV_XFER_WHY_IDENTITY);
+    ck_assert_int_eq(read_ex_outcome(x.c.a, h, &o, NULL, 0, &why, NULL), PKV_ERR_REJECTED);
+    ck_assert_int_eq(why, PKV_XFER_WHY_IDENTITY);
+    pkv_xfer_stats_t ps, cs;
+    pkv_xfer_stats(x.p.a, &ps);
+    ck_assert_uint_eq(ps.rejected + ps.serves_started + ps.sent, 0);
+    ck_assert_uint_eq(ps.registrations, 1);
+    pkv_xfer_stats(x.c.a, &cs);
+    ck_assert_uint_eq(cs.pinned_blocks + cs.staging_pages_held, 0);
+    pkv_xfer_read_t *rd;
+    o.identity = "bad\nid";
+    uint64_t far = pkv_deadline_after_ns(1000000000ull);
+    ck_assert_int_eq(pkv_xfer_read_ex(x.c.a, h, &o, x.dids, x.dn, far, NULL, NULL, &rd),
+                     PKV_ERR_INVALID);
+    o.identity = "pagekv-prefill-A";
+    ck_assert_int_eq(read_ex_outcome(x.c.a, h, &o, x.dids, x.dn, &why, NULL), PKV_OK);
+    ck_assert_int_eq(why, PKV_XFER_WHY_NONE);
+    for (int i = 0; i < 400 && !atomic_load(&sent.calls); i++) usleep(5000);
+    ck_assert_int_eq(atomic_load(&sent.outcome), PKV_OK);
+    pkv_xfer_handle_free(h);
+    pair_free(&x);
+    /* an identity the agent cannot present is a bad config */
+    side_t bad;
+    pkv_kv_config_t kc = {.geo = SMALL, .no_prefix_cache = true};
+    ck_assert_int_eq(pkv_kv_create(&kc, &bad.kv), PKV_OK);
+    pkv_stage_config_t sc;
+    pkv_stage_config_default(&sc);
+    sc.page_bytes = 4096;
+    sc.pool_pages = 16;
+    sc.pin = false;
+    ck_assert_int_eq(pkv_stage_create(&sc, &bad.st), PKV_OK);
+    char longid[80];
+    memset(longid, 'x', sizeof(longid) - 1);
+    longid[sizeof(longid) - 1] = 0;
+    pkv_xfer_config_t xc = {.kv = bad.kv, .stage = bad.st, .identity = longid};
+    ck_assert_int_eq(pkv_xfer_agent_create(&xc, &bad.a), PKV_ERR_INVALID);
+    pkv_stage_destroy(bad.st, pkv_deadline_after_ns(1000000000ull), NULL);
+    pkv_kv_destroy(bad.kv);
+}
+END_TEST
+
+/* A producer of another wire version sends no HELLO (its first message is foreign): a read
+ * that waits for one to check the identity ends rejected at once, not by its deadline. */
+START_TEST(identity_read_from_another_version_ends_at_once)
+{
+    pair_t x;
+    side_make_full(&x.p, &SMALL, false, "pagekv-prefill-A");
+    side_make_with(&x.c, &SMALL, false);
+    x.src = seq_with(x.p.kv, 37, true, 5);
+    x.dst = seq_with(x.c.kv, 37, false, 5);
+    pkv_seq_blocks(x.src, &x.sids, &x.sn);
+    pkv_seq_blocks(x.dst, &x.dids, &x.dn);
+    pkv_xfer_faults_t f = {.corrupt_layer = -1, .wire_version = 3};
+    pkv_xfer_set_faults(x.p.a, &f);
+    pkv_xfer_handle_t *h;
+    ck_assert_int_eq(pkv_xfer_register(x.p.a, 13, x.sids, x.sn, PKV_DEADLINE_NEVER, NULL, NULL, &h),
+                     PKV_OK);
+    pkv_xfer_read_opts_t o = {.identity = "pagekv-prefill-A"};
+    pkv_xfer_read_t *rd;
+    uint64_t t0 = pkv_now_ns();
+    ck_assert_int_eq(pkv_xfer_read_ex(x.c.a, h, &o, x.dids, x.dn,
+                                      pkv_deadline_after_ns(30000000000ull), NULL, NULL, &rd),
+                     PKV_OK);
+    int oc = 0;
+    ck_assert_int_eq(pkv_xfer_read_wait(rd, pkv_deadline_after_ns(31000000000ull), &oc), PKV_OK);
+    pkv_xfer_read_free(rd);
+    ck_assert_int_eq(oc, PKV_ERR_REJECTED);
+    ck_assert_uint_lt(pkv_now_ns() - t0, 5000000000ull);
+    pkv_xfer_stats_t ps;
+    pkv_xfer_stats(x.p.a, &ps);
+    ck_assert_uint_eq(ps.serves_started + ps.sent, 0);
+    ck_assert_uint_eq(ps.registrations, 1);
+    pkv_xfer_handle_free(h);
+    pair_free(&x);
+}
+END_TEST
+
 START_TEST(in_process_read_ok_then_sent_once)
 {
     pair_t x;
@@ -471,11 +722,11 @@ START_TEST(in_process_read_ok_then_sent_once)
     hc->blocks[1] = oids[0];
     ck_assert_int_eq(read_outcome(x.c.a, hc, dids, dn), PKV_ERR_REJECTED);
     hc->blocks[1] = saved;
-    /* Nor fewer of them (the ACK would end the whole registration as sent), nor the same
-     * blocks in another order. */
-    hc->n_blocks--;
-    ck_assert_int_eq(read_outcome(x.c.a, hc, dids, dn - 1), PKV_ERR_REJECTED);
-    hc->n_blocks++;
+    /* Nor one block twice, nor the same blocks in another order (a partial read names
+     * registered blocks in their order: partial_read_moves_only_named_blocks). */
+    hc->blocks[1] = hc->blocks[0];
+    ck_assert_int_eq(read_outcome(x.c.a, hc, dids, dn), PKV_ERR_REJECTED);
+    hc->blocks[1] = saved;
     hc->blocks[0] = hc->blocks[1];
     hc->blocks[1] = sids[0];
     ck_assert_int_eq(read_outcome(x.c.a, hc, dids, dn), PKV_ERR_REJECTED);
@@ -1362,6 +1613,10 @@ static Suite *xfer_suite(void)
     tcase_add_test(api, api_bad_input_changes_nothing);
     tcase_add_test(api, view_copies_layers_from_whole_stream_pieces);
     tcase_add_test(api, in_process_read_ok_then_sent_once);
+    tcase_add_test(api, partial_read_moves_only_named_blocks);
+    tcase_add_test(api, token_only_release_returns_pins_at_once);
+    tcase_add_test(api, read_checks_the_producer_identity);
+    tcase_add_test(api, identity_read_from_another_version_ends_at_once);
     tcase_add_test(api, stale_payload_is_drained);
     tcase_add_test(api, many_registrations_each_end_once);
     tcase_add_test(api, read_wait_keeps_its_deadline);

@@ -1,4 +1,4 @@
-/* xfer wire format, handles and payload checksum; replays the fuzz corpus. */
+/* xfer wire format, handles, payload checksum and MAC; replays the fuzz corpus. */
 #include "support/testutil.h"
 
 #include "xfer/sum.h"
@@ -20,6 +20,7 @@ static xf_wire_read_t sample_read(void)
     r.xfer_id = 77;
     r.request_id = 123456789;
     for (int i = 0; i < PKV_XFER_TOKEN_BYTES; i++) r.token[i] = (uint8_t)(i * 7 + 1);
+    for (int i = 0; i < (int)XF_WIRE_NONCE_BYTES; i++) r.nonce[i] = (uint8_t)(i * 5 + 3);
     r.budget_ns = 5000000000ull;
     r.geo = GEO;
     r.chunk_bytes = 1 << 20;
@@ -41,6 +42,7 @@ START_TEST(read_roundtrip_coalesces_runs)
     ck_assert_uint_eq(m.u.read.xfer_id, 77);
     ck_assert_uint_eq(m.u.read.request_id, 123456789);
     ck_assert_mem_eq(m.u.read.token, r.token, PKV_XFER_TOKEN_BYTES);
+    ck_assert_mem_eq(m.u.read.nonce, r.nonce, XF_WIRE_NONCE_BYTES);
     ck_assert_uint_eq(m.u.read.budget_ns, 5000000000ull);
     ck_assert_uint_eq(m.u.read.n_runs, 4);
     ck_assert_uint_eq(m.u.read.n_blocks, 7);
@@ -88,7 +90,7 @@ START_TEST(versions_and_types_are_checked)
     for (int t = 0; t < 256; t++) {
         buf[5] = (uint8_t)t;
         int rc = xf_wire_decode(buf, len, &m);
-        if (t < XF_WIRE_READ || t > XF_WIRE_CLOSE) ck_assert_int_eq(rc, PKV_ERR_PROTO);
+        if (t < XF_WIRE_READ || t > XF_WIRE_HELLO) ck_assert_int_eq(rc, PKV_ERR_PROTO);
     }
     buf[5] = XF_WIRE_HEARTBEAT;
     buf[6] = 1; /* flags must be zero */
@@ -107,7 +109,7 @@ START_TEST(other_versions_are_peeked_and_their_fail_decodes)
 {
     uint32_t blocks[3] = {4, 5, 9};
     xf_wire_read_t r = sample_read();
-    xf_wire_data_t d = {.xfer_id = 77, .layer = 1, .bytes = 4096, .checksum = 5};
+    xf_wire_data_t d = {.xfer_id = 77, .layer = 1, .bytes = 4096, .mac = {5}};
     xf_wire_ack_t k = {.xfer_id = 78, .request_id = 3, .bytes = 10};
     xf_wire_heartbeat_t hb = {.agent_id = 1, .seq = 2};
     uint8_t msg[4][256];
@@ -216,7 +218,7 @@ START_TEST(read_limits_are_enforced)
     r = sample_read();
     ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len), PKV_OK);
     xf_wire_msg_t m;
-    size_t nruns_at = XF_WIRE_HEADER_BYTES + 68;
+    size_t nruns_at = XF_WIRE_HEADER_BYTES + 84;
     buf[nruns_at] = 2;
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     buf[nruns_at] = 1;
@@ -227,34 +229,36 @@ END_TEST
 
 /* Encode a DATA, check its size, decode it and check every field came back. */
 static void data_roundtrip(const xf_wire_data_t *d, const uint64_t *pieces, uint32_t np,
-                           const uint64_t *sums, uint32_t ns, uint8_t *buf, size_t cap, size_t *len,
+                           const uint8_t *macs, uint32_t ns, uint8_t *buf, size_t cap, size_t *len,
                            xf_wire_msg_t *m)
 {
-    ck_assert_int_eq(xf_wire_encode_data(d, pieces, np, sums, ns, buf, cap, len), PKV_OK);
+    ck_assert_int_eq(xf_wire_encode_data(d, pieces, np, macs, ns, buf, cap, len), PKV_OK);
     ck_assert_uint_eq(*len, xf_wire_data_bytes(np, ns));
     ck_assert_int_eq(xf_wire_decode(buf, *len, m), PKV_OK);
     ck_assert_uint_eq(m->u.data.flags, d->flags);
     ck_assert_uint_eq(m->u.data.layer, d->layer);
     ck_assert_uint_eq(m->u.data.bytes, d->bytes);
-    ck_assert_uint_eq(m->u.data.checksum, d->checksum);
+    ck_assert_mem_eq(m->u.data.mac, d->mac, XF_WIRE_MAC_BYTES);
     ck_assert_uint_eq(m->u.data.n_pieces, np);
-    ck_assert_uint_eq(m->u.data.n_sums, ns);
+    ck_assert_uint_eq(m->u.data.n_macs, ns);
     for (uint32_t i = 0; i < np; i++) {
         uint64_t off, l;
         xf_wire_data_piece(&m->u.data, i, &off, &l);
         ck_assert_uint_eq(off, pieces[2 * i]);
         ck_assert_uint_eq(l, pieces[2 * i + 1]);
     }
-    for (uint32_t i = 0; i < ns; i++) ck_assert_uint_eq(xf_wire_data_sum(&m->u.data, i), sums[i]);
+    for (uint32_t i = 0; i < ns; i++)
+        ck_assert_mem_eq(xf_wire_data_mac(&m->u.data, i), macs + XF_WIRE_MAC_BYTES * i,
+                         XF_WIRE_MAC_BYTES);
 }
 
 /* The encoder refuses this DATA. */
 static void data_refused(const xf_wire_data_t *d, const uint64_t *pieces, uint32_t np,
-                         const uint64_t *sums, uint32_t ns)
+                         const uint8_t *macs, uint32_t ns)
 {
     uint8_t buf[256];
     size_t len;
-    ck_assert_int_eq(xf_wire_encode_data(d, pieces, np, sums, ns, buf, sizeof(buf), &len),
+    ck_assert_int_eq(xf_wire_encode_data(d, pieces, np, macs, ns, buf, sizeof(buf), &len),
                      PKV_ERR_INVALID);
 }
 
@@ -262,7 +266,7 @@ START_TEST(shared_data_and_read_flags)
 {
     uint64_t pieces[] = {4096, 8192, 65536, 4096};
     xf_wire_data_t d = {
-        .xfer_id = 5, .layer = 2, .flags = XF_WIRE_DATA_SHARED, .bytes = 12288, .checksum = 77};
+        .xfer_id = 5, .layer = 2, .flags = XF_WIRE_DATA_SHARED, .bytes = 12288, .mac = {77}};
     uint8_t buf[256];
     size_t len;
     xf_wire_msg_t m;
@@ -293,10 +297,24 @@ START_TEST(shared_data_and_read_flags)
         ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_OK);
         ck_assert_uint_eq(m.u.read.flags, flags[i]);
     }
-    r.flags = 4;
+    r.flags = 8;
     ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len), PKV_ERR_INVALID);
-    buf[XF_WIRE_HEADER_BYTES + 64] = 4; /* READ flags field */
+    buf[XF_WIRE_HEADER_BYTES + 80] = 8; /* READ flags field: a bit v4 does not know */
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    buf[XF_WIRE_HEADER_BYTES + 80] = XF_WIRE_READ_RELEASE; /* a release names no blocks */
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    /* RELEASE: no runs, no other flag */
+    r.flags = XF_WIRE_READ_RELEASE;
+    ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    ck_assert_int_eq(xf_wire_encode_read(&r, NULL, 0, buf, sizeof(buf), &len), PKV_OK);
+    ck_assert_uint_eq(len, xf_wire_read_bytes(0));
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_OK);
+    ck_assert_uint_eq(m.u.read.flags, XF_WIRE_READ_RELEASE);
+    ck_assert_uint_eq(m.u.read.n_blocks, 0);
+    buf[XF_WIRE_HEADER_BYTES + 80] |= XF_WIRE_READ_WHOLE;
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    r.flags = 0; /* and no plan without RELEASE */
+    ck_assert_int_eq(xf_wire_encode_read(&r, NULL, 0, buf, sizeof(buf), &len), PKV_ERR_INVALID);
 }
 END_TEST
 
@@ -306,35 +324,42 @@ static xf_wire_data_t shared_layers_data(void)
     return (xf_wire_data_t){.xfer_id = 9,
                             .layer = 0,
                             .flags = XF_WIRE_DATA_SHARED | XF_WIRE_DATA_LAYERS,
-                            .bytes = 4096,
-                            .checksum = 0};
+                            .bytes = 4096};
 }
 
-/* One DATA with every layer's checksum (whole-stream reads). */
+/* Three layers' tags, each of its own bytes. */
+static void sample_macs(uint8_t *macs, int n)
+{
+    for (int i = 0; i < n * (int)XF_WIRE_MAC_BYTES; i++) macs[i] = (uint8_t)(11 * (i + 1));
+}
+
+/* One DATA with every layer's MAC (whole-stream reads). */
 START_TEST(data_layers_only_with_shared)
 {
-    /* v3: a DATA carries every layer's checksum (LAYERS) only with the arena pieces of a
+    /* v3 and v4: a DATA carries every layer's MAC (LAYERS) only with the arena pieces of a
      * shared whole stream; a whole stream through UCX has a trailer instead. */
-    uint64_t pieces[] = {0, 12288}, sums[] = {11, 22, 33};
+    uint64_t pieces[] = {0, 12288};
+    uint8_t sums[3 * XF_WIRE_MAC_BYTES];
+    sample_macs(sums, 3);
     xf_wire_data_t d = shared_layers_data();
     uint8_t buf[256];
     size_t len;
     xf_wire_msg_t m;
     data_roundtrip(&d, pieces, 1, sums, 3, buf, sizeof(buf), &len, &m);
     /* the count must match the body; a checksum in the base field is refused */
-    ck_assert_int_eq(xf_wire_decode(buf, len - 8, &m), PKV_ERR_PROTO);
-    size_t n_at = XF_WIRE_HEADER_BYTES + 32 + 8 + 16; /* base, pieces header, one piece */
+    ck_assert_int_eq(xf_wire_decode(buf, len - XF_WIRE_MAC_BYTES, &m), PKV_ERR_PROTO);
+    size_t n_at = XF_WIRE_HEADER_BYTES + 40 + 8 + 16; /* base, pieces header, one piece */
     buf[n_at] = 4;
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     buf[n_at] = 0;
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     buf[n_at] = 3;
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_OK);
-    buf[XF_WIRE_HEADER_BYTES + 24] = 1; /* base checksum */
+    buf[XF_WIRE_HEADER_BYTES + 24] = 1; /* base MAC */
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
-    d.checksum = 1;
+    d.mac[0] = 1;
     data_refused(&d, pieces, 1, sums, 3);
-    d.checksum = 0;
+    d.mac[0] = 0;
     d.layer = XF_WIRE_MAX_LAYERS - 2; /* layers past the limit */
     data_refused(&d, pieces, 1, sums, 3);
     /* LAYERS without SHARED: refused by the encoder, malformed to the decoder */
@@ -351,7 +376,7 @@ START_TEST(data_layers_only_with_shared)
     body[12] = XF_WIRE_DATA_LAYERS; /* flags */
     body[17] = 0x10;                /* bytes 4096 */
     body[32] = 3;                   /* n */
-    for (int i = 0; i < 3; i++) body[40 + 8 * i] = (uint8_t)sums[i];
+    for (int i = 0; i < 3; i++) body[40 + 8 * i] = (uint8_t)(11 * (i + 1));
     ck_assert_int_eq(xf_wire_decode(v2, sizeof(v2), &m), PKV_ERR_PROTO);
     body[12] = 0; /* the same bytes as a plain DATA are malformed too: a trailer too many */
     ck_assert_int_eq(xf_wire_decode(v2, sizeof(v2), &m), PKV_ERR_PROTO);
@@ -362,7 +387,9 @@ END_TEST
  * checksum. */
 START_TEST(shared_data_for_every_layer)
 {
-    uint64_t pieces[] = {0, 8192, 65536, 4096}, sums[] = {11, 22, 33};
+    uint64_t pieces[] = {0, 8192, 65536, 4096};
+    uint8_t sums[3 * XF_WIRE_MAC_BYTES];
+    sample_macs(sums, 3);
     xf_wire_data_t d = shared_layers_data();
     uint8_t buf[256];
     size_t len;
@@ -380,7 +407,6 @@ START_TEST(shared_data_for_every_layer)
     data_refused(&d, NULL, 0, sums, 3);
     d.flags = XF_WIRE_DATA_SHARED;
     d.bytes = 12288;
-    d.checksum = 0;
     ck_assert_int_eq(xf_wire_encode_data(&d, pieces, 2, NULL, 0, buf, sizeof(buf), &len), PKV_OK);
     buf[XF_WIRE_HEADER_BYTES + 12] = XF_WIRE_DATA_SHARED | XF_WIRE_DATA_LAYERS;
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);

@@ -48,6 +48,14 @@ static void usage(FILE *f)
             "                            auto: max-batch-size x max-context tokens)\n"
             "  --block-tokens N          tokens per KV block (default 16)\n"
             "  --no-prefix-cache         disable automatic prefix caching\n"
+            "  --prefix-cache-max-bytes BYTES|auto|none   committed memory only cached\n"
+            "                            prefix blocks may hold (default auto: a quarter of\n"
+            "                            the KV budget)\n"
+            "  --prefix-cache-idle-s S   cached blocks unused S seconds are evicted by a\n"
+            "                            timer (default 300; 0 = never)\n"
+            "  --memory-reserve BYTES    memory the cache leaves to the machine (default: a\n"
+            "                            tenth of the cgroup limit or RAM, 32M..1G)\n"
+            "  --no-memory-watch         do not drop cached blocks under memory pressure\n"
             "engine:\n"
             "  --max-batch-size N        sequences running at once (default 8)\n"
             "  --max-queue-depth N       requests waiting; beyond it 429 (default 256)\n"
@@ -116,8 +124,42 @@ static int parse_u32(const char *cmd, const char *flag, const char *v, uint64_t 
     return 0;
 }
 
-#define PROCEED (-1) /* parse_args: run the server (otherwise: the exit code) */
-#define NOT_KV  (-2) /* set_kv_option: not one of the roles' options */
+#define PROCEED   (-1) /* parse_args: run the server (otherwise: the exit code) */
+#define NOT_KV    (-2) /* set_kv_option: not one of the roles' options */
+#define NOT_CACHE (-3) /* set_cache_option: not one of the cache policy's options */
+
+/* The prefix cache policy's options that take a value: 0, a usage error's exit code, or
+ * NOT_CACHE. */
+static int set_cache_option(const char *a, const char *v, pkv_server_config_t *cfg)
+{
+    const char *cmd = "serve";
+    if (!strcmp(a, "--prefix-cache-max-bytes")) {
+        if (!strcmp(v, "auto"))
+            cfg->cache_max_mode = PKV_SERVER_BUDGET_AUTO;
+        else if (!strcmp(v, "none"))
+            cfg->cache_max_mode = PKV_SERVER_BUDGET_NONE;
+        else if (!pkv_cli_parse_bytes(v, &cfg->cache_max_bytes) && cfg->cache_max_bytes > 0)
+            cfg->cache_max_mode = PKV_SERVER_BUDGET_BYTES;
+        else
+            return pkv_cli_usage_error(
+                cmd, "--prefix-cache-max-bytes wants BYTES > 0 (K/M/G), auto or none, got '%s'", v);
+    } else if (!strcmp(a, "--prefix-cache-idle-s")) {
+        char *end;
+        errno = 0;
+        double sec = strtod(v, &end);
+        if (errno || end == v || *end || !(sec >= 0 && sec <= 30 * 86400.0) ||
+            (sec > 0 && sec < 0.001))
+            return pkv_cli_usage_error(
+                cmd, "--prefix-cache-idle-s wants seconds in [0.001, 2592000], or 0, got '%s'", v);
+        cfg->cache_idle_ms = sec == 0 ? PKV_SERVER_NEVER : (uint32_t)(sec * 1000 + 0.5);
+    } else if (!strcmp(a, "--memory-reserve")) {
+        if (pkv_cli_parse_bytes(v, &cfg->memory_reserve_bytes) || !cfg->memory_reserve_bytes)
+            return pkv_cli_usage_error(cmd, "--memory-reserve wants BYTES > 0 (K/M/G), got '%s'",
+                                       v);
+    } else
+        return NOT_CACHE;
+    return 0;
+}
 
 /* The roles' options that take a value: 0, a usage error's exit code, or NOT_KV. */
 static int set_kv_option(const char *a, const char *v, pkv_server_config_t *cfg)
@@ -265,6 +307,10 @@ static int parse_args(int argc, char **argv, pkv_server_config_t *cfg, uint32_t 
             cfg->no_prefix_cache = true;
             continue;
         }
+        if (!strcmp(a, "--no-memory-watch")) {
+            cfg->no_memory_watch = true;
+            continue;
+        }
         if (!strcmp(a, "--staging-shared")) {
             cfg->staging_shared = true;
             kv_flag = kv_flag ? kv_flag : a;
@@ -272,7 +318,13 @@ static int parse_args(int argc, char **argv, pkv_server_config_t *cfg, uint32_t 
         }
         if (i + 1 >= argc)
             return pkv_cli_usage_error(cmd, "unknown option or missing value: %s", a);
-        int bad = set_kv_option(a, argv[i + 1], cfg);
+        int bad = set_cache_option(a, argv[i + 1], cfg);
+        if (bad != NOT_CACHE) {
+            i++;
+            if (bad) return bad;
+            continue;
+        }
+        bad = set_kv_option(a, argv[i + 1], cfg);
         if (bad == NOT_KV)
             bad = set_option(a, argv[i + 1], cfg, &port, drain_s);
         else if (strcmp(a, "--role"))

@@ -66,6 +66,15 @@ typedef struct {
     uint64_t granule_bytes;   /* paged commit unit, multiple of 4 KiB; 0 -> 2 MiB */
     bool no_prefix_cache;     /* disable prefix caching */
     bool hugepages;           /* paged: ask for THP on commit */
+    /* Prefix-cache policy (paged; the dense baseline ignores it). Cached blocks are full,
+     * unreferenced prompt blocks kept for later requests; live blocks are never touched.
+     * cache_max_bytes caps the committed memory that stays committed only because of
+     * cached blocks (granules holding cached blocks and no live one; pkv_kv_stats'
+     * cache_bytes): beyond it whole granules are emptied, the sparsest among the coldest
+     * first, and returned to the OS. 0 = no cap. */
+    uint64_t cache_max_bytes;
+    /* Cached blocks not used for this long are evicted by pkv_kv_trim. 0 = never. */
+    uint32_t cache_idle_ms;
 } pkv_kv_config_t;
 
 typedef struct pkv_kv pkv_kv_t;
@@ -141,6 +150,21 @@ PKV_API void pkv_kv_unpin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n);
 /* ---- cache control and accounting --------------------------------------------------- */
 /* Drop every cached (unreferenced) block and return empty granules to the OS. */
 PKV_API void pkv_kv_reset_cache(pkv_kv_t *kv);
+/* The idle time-to-live, applied at now_ns (monotonic, as pkv_now_ns): evict the cached
+ * blocks released at or before now_ns - cache_idle_ms and return the granules that empty
+ * to the OS (beyond retain_granules). The pool owns no thread: a caller that wants idle
+ * blocks to go without new requests calls this from a timer (`pagekv serve`'s memory
+ * watcher does). *next_ns (optional) is when the oldest remaining cached block expires,
+ * UINT64_MAX when none will (no TTL, nothing cached). Returns the blocks evicted. Dense:
+ * 0, *next_ns = UINT64_MAX. */
+PKV_API uint64_t pkv_kv_trim(pkv_kv_t *kv, uint64_t now_ns, uint64_t *next_ns);
+/* Memory pressure: hold the cache's committed bytes (cache_bytes) at or below
+ * limit_bytes from now on: whole granules are emptied at once (the sparsest among the
+ * coldest first) and again whenever released blocks would go beyond it, counted as
+ * pressure evictions, until the next call; PKV_KV_NO_LIMIT lifts it (cache_max_bytes
+ * still applies). Dense: no effect. */
+#define PKV_KV_NO_LIMIT UINT64_MAX
+PKV_API void pkv_kv_cache_pressure(pkv_kv_t *kv, uint64_t limit_bytes);
 
 typedef struct {
     uint64_t committed_bytes; /* KV memory held from the OS now */
@@ -164,6 +188,15 @@ typedef struct {
     uint64_t cow_copies;
     uint64_t commits, decommits; /* granules */
     uint64_t rejected_nofit, rejected_nospace;
+    /* prefix-cache policy (paged; 0 on dense) */
+    uint64_t cache_bytes;          /* committed bytes held only by cached blocks */
+    uint64_t cache_max_bytes;      /* the cap (0: none) */
+    uint64_t cache_pressure_limit; /* pkv_kv_cache_pressure's limit (PKV_KV_NO_LIMIT: none) */
+    uint64_t cache_idle_ms;        /* the time-to-live (0: none) */
+    /* evictions by cause (they sum to evictions): budget (room for an allocation), cap,
+     * idle (pkv_kv_trim), pressure (pkv_kv_cache_pressure), reset (pkv_kv_reset_cache) */
+    uint64_t evictions_budget, evictions_cap, evictions_idle, evictions_pressure;
+    uint64_t evictions_reset;
 } pkv_kv_stats_t;
 PKV_API void pkv_kv_stats(pkv_kv_t *kv, pkv_kv_stats_t *out);
 

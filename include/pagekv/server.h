@@ -99,7 +99,23 @@ typedef struct {
     uint32_t kv_transfer_timeout_ms; /* decode: one pull's deadline; 0 -> 10000 */
     bool kv_load_recompute;          /* decode: a failed pull (not the client's fault) is
                                         answered by computing the prompt; false: an error */
+    /* the prefix cache yields memory (docs/design/server.md, "Cache policy and memory
+       pressure"; paged backend) */
+    pkv_server_budget_t cache_max_mode; /* AUTO: a quarter of the KV budget (an eighth of
+                                           the machine's memory with no budget); NONE: no
+                                           cap; BYTES: cache_max_bytes */
+    uint64_t cache_max_bytes;           /* committed bytes only cached blocks may hold */
+    uint32_t cache_idle_ms;             /* cached blocks unused this long are evicted by a
+                                           timer; 0 -> 300000 (5 min); PKV_SERVER_NEVER: no
+                                           time-to-live */
+    bool no_memory_watch;               /* do not watch the memory left to the process */
+    uint64_t memory_reserve_bytes;      /* memory the cache leaves to the machine; 0 -> a
+                                           tenth of the limit watched, within [32M, 1G] */
+    uint32_t memory_poll_ms;            /* the watcher's period; 0 -> 250 */
+    const char *memory_root;            /* tests: a directory standing for "/" for the
+                                           memory readings (prim); NULL: the real files */
 } pkv_server_config_t;
+#define PKV_SERVER_NEVER UINT32_MAX
 
 /* Build the stack and start listening. Errors: PKV_ERR_INVALID (bad configuration,
  * logged), PKV_ERR_IO (files, or the address cannot be bound), PKV_ERR_CORRUPT (bad

@@ -11,15 +11,20 @@
  *             acknowledges a complete transfer ("sent"), when the lease expires, on
  *             pkv_xfer_unregister(), or at agent destroy; its callback says which.
  *   Consumer  pkv_xfer_read(handle, destination blocks, deadline) pulls the blocks into
- *             the local pool and completes with exactly one typed outcome:
- *               PKV_OK             every layer arrived, checksums matched, bytes stored
+ *             the local pool (pkv_xfer_read_ex: only some of them, none at all — a
+ *             token-only release — and/or only from a producer presenting an expected
+ *             identity) and completes with exactly one typed outcome:
+ *               PKV_OK             every layer arrived, its MAC matched, bytes stored
  *               PKV_ERR_TIMEOUT    the deadline passed (locally or at the producer)
  *               PKV_ERR_PEER_LOST  the producer died, went silent (~1 s) or shut down
  *               PKV_ERR_NOFIT      staging on either side can never hold the transfer
  *               PKV_ERR_REJECTED   unknown request, wrong token, blocks not registered,
- *                                  geometry mismatch, request busy, or a bad message
+ *                                  geometry mismatch, request busy, a bad message, or
+ *                                  the producer is not the expected identity
+ *                                  (pkv_xfer_read_why tells which are ours to name)
  *               PKV_ERR_CANCELLED  pkv_xfer_cancel()
- *               PKV_ERR_CORRUPT    a layer's checksum did not match
+ *               PKV_ERR_CORRUPT    a layer's MAC did not match (damaged or forged bytes:
+ *                                  the MAC is keyed by the registration's token)
  *               PKV_ERR_SHUTDOWN   this agent was destroyed while the read ran
  *             Only an acknowledgement from the consumer makes the producer count a
  *             request as sent; the consumer acknowledges only after every layer has
@@ -46,8 +51,9 @@
 extern "C" {
 #endif
 
-#define PKV_XFER_TOKEN_BYTES 16
-#define PKV_XFER_ADDR_MAX    64 /* "host:port" plus NUL */
+#define PKV_XFER_TOKEN_BYTES  16
+#define PKV_XFER_ADDR_MAX     64 /* "host:port" plus NUL */
+#define PKV_XFER_IDENTITY_MAX 63 /* an agent identity's printable ASCII characters */
 
 typedef struct pkv_xfer_agent pkv_xfer_agent_t;
 typedef struct pkv_xfer_read pkv_xfer_read_t;
@@ -67,6 +73,9 @@ typedef struct {
                                  (always move the payload through UCX) */
     bool no_inline_copy;      /* copy every transfer on the copy workers, also small ones
                                  (tests whose fault hooks sleep inside a copy) */
+    const char *identity;     /* presented to every consumer that connects (HELLO), so a
+                                 read can check it reached the producer it meant; printable
+                                 ASCII, at most PKV_XFER_IDENTITY_MAX; NULL: "" (copied) */
 } pkv_xfer_config_t;
 
 /* Create an agent: UCX context, worker, listener, progress thread and workers. Bad config
@@ -146,6 +155,33 @@ typedef void (*pkv_xfer_done_fn)(void *arg, pkv_xfer_read_t *rd, int outcome);
 PKV_API int pkv_xfer_read(pkv_xfer_agent_t *agent, const pkv_xfer_handle_t *h, const uint32_t *dst,
                           uint32_t n, uint64_t deadline_ns, pkv_xfer_done_fn fn, void *arg,
                           pkv_xfer_read_t **out);
+
+typedef struct {
+    /* NULL: every block of the handle, in order (n == h->n_blocks). Else n strictly
+     * increasing indices into h->blocks: only h->blocks[idx[i]] is pulled, into dst[i], and
+     * only those bytes move. n == 0 (idx may then be NULL, dst too) is a token-only
+     * release: nothing moves, the producer checks the token and returns its pins at once.
+     * Either way an acknowledged read ends the registration as sent (one read a
+     * registration): the caller must not come back for the rest. */
+    const uint32_t *idx;
+    /* NULL: not checked. Else the identity the producer must present (its config's
+     * `identity`): READ, and with it the token, goes out only after its HELLO matched; a
+     * mismatch ends the read rejected with pkv_xfer_read_why() == PKV_XFER_WHY_IDENTITY. */
+    const char *identity;
+} pkv_xfer_read_opts_t;
+
+/* pkv_xfer_read with options (opts NULL: pkv_xfer_read). Also PKV_ERR_INVALID for
+ * indices out of order or range, or an identity that is not printable / too long. */
+PKV_API int pkv_xfer_read_ex(pkv_xfer_agent_t *agent, const pkv_xfer_handle_t *h,
+                             const pkv_xfer_read_opts_t *opts, const uint32_t *dst, uint32_t n,
+                             uint64_t deadline_ns, pkv_xfer_done_fn fn, void *arg,
+                             pkv_xfer_read_t **out);
+
+/* Why a read that ended rejected was refused, where the consumer can tell (valid once it
+ * has an outcome): PKV_XFER_WHY_IDENTITY when the producer presented another identity;
+ * PKV_XFER_WHY_NONE otherwise (the producer's own refusals travel as text in its log). */
+typedef enum { PKV_XFER_WHY_NONE = 0, PKV_XFER_WHY_IDENTITY = 1 } pkv_xfer_why_t;
+PKV_API pkv_xfer_why_t pkv_xfer_read_why(const pkv_xfer_read_t *rd);
 /* Wait until the read has an outcome or wait_deadline_ns passes (0: just poll).
  * PKV_OK with *outcome set, or PKV_ERR_TIMEOUT when it is still running. The caller polls
  * (yielding the CPU) for up to 50 us before it sleeps. */
@@ -171,8 +207,9 @@ typedef struct {
     uint64_t pinned_blocks;  /* pins held now (registrations plus running reads' dst) */
     uint64_t serves_started; /* READs accepted */
     uint64_t serves_failed;  /* accepted READs that ended without ACK */
-    uint64_t sent;           /* registrations acknowledged by a consumer */
-    uint64_t bytes_sent;     /* payload bytes of acknowledged transfers */
+    uint64_t sent;           /* registrations acknowledged by a consumer (token-only
+                                releases included) */
+    uint64_t bytes_sent;     /* payload bytes of acknowledged transfers (what moved) */
     uint64_t rejected;       /* READs refused (unknown request, token, blocks, ...) */
     uint64_t expired;        /* registrations whose lease ran out */
     /* both */
@@ -184,6 +221,8 @@ typedef struct {
     uint64_t stale_dropped; /* payload messages for ended transfers, discarded */
     uint64_t written_off;   /* UCX operations abandoned after a forced close */
     uint64_t foreign_msgs;  /* messages of another wire version (heartbeats included) */
+    /* producer, after the fields above (their layout is kept) */
+    uint64_t released; /* of `sent`: token-only releases (0 bytes moved) */
 } pkv_xfer_stats_t;
 
 PKV_API int pkv_xfer_outcome_index(int outcome); /* 0..7 for an outcome, -1 otherwise */

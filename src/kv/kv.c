@@ -327,9 +327,21 @@ void pkv_kv_reset_cache(pkv_kv_t *kv)
     kv->ops->reset_cache(kv);
 }
 
+uint64_t pkv_kv_trim(pkv_kv_t *kv, uint64_t now_ns, uint64_t *next_ns)
+{
+    if (next_ns) *next_ns = UINT64_MAX;
+    return kv->ops->trim ? kv->ops->trim(kv, now_ns, next_ns) : 0;
+}
+
+void pkv_kv_cache_pressure(pkv_kv_t *kv, uint64_t limit_bytes)
+{
+    if (kv->ops->cache_pressure) kv->ops->cache_pressure(kv, limit_bytes);
+}
+
 void pkv_kv_stats(pkv_kv_t *kv, pkv_kv_stats_t *out)
 {
     memset(out, 0, sizeof(*out));
+    out->cache_pressure_limit = PKV_KV_NO_LIMIT;
     kv->ops->stats(kv, out);
 }
 

@@ -31,6 +31,9 @@ typedef struct {
     uint32_t (*seq_runs)(const pkv_seq_t *seq, uint32_t layer, uint32_t begin, uint32_t end,
                          pkv_kv_run_t *out, uint32_t max, uint32_t *next);
     void (*reset_cache)(pkv_kv_t *kv);
+    /* prefix-cache policy: optional (NULL: no cache policy, as dense) */
+    uint64_t (*trim)(pkv_kv_t *kv, uint64_t now_ns, uint64_t *next_ns);
+    void (*cache_pressure)(pkv_kv_t *kv, uint64_t limit_bytes);
     void (*stats)(pkv_kv_t *kv, pkv_kv_stats_t *out);
     int (*validate)(pkv_kv_t *kv);
     /* paged-only block access (arguments checked by kv.c except the block ids) */

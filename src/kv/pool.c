@@ -5,7 +5,10 @@
  * committed on first need and decommitted (with hysteresis) when all their blocks are
  * free; blocks are refcounted (free / live / cached); full blocks are keyed by a chained
  * SHA-256 prefix key and, once unreferenced, stay cached until evicted (LRU with a
- * preference for sparse granules). One mutex guards all metadata; no OS call runs under it.
+ * preference for sparse granules). The cache yields memory: a byte cap on the granules only
+ * cached blocks keep committed, an idle time-to-live applied by pkv_kv_trim, and a
+ * pressure limit (pkv_kv_cache_pressure); each empties whole granules. One mutex guards
+ * all metadata; no OS call runs under it.
  */
 #include "kv/kv_int.h"
 #include "prim/prim.h"
@@ -20,6 +23,8 @@
 
 enum { BLK_FREE = 0, BLK_LIVE, BLK_CACHED };
 enum { GR_UNCOMMITTED = 0, GR_COMMITTING, GR_COMMITTED, GR_DECOMMITTING };
+/* Why a cached block was evicted (pkv_kv_stats_t's evictions_*). */
+enum { EV_BUDGET = 0, EV_CAP, EV_IDLE, EV_PRESSURE, EV_RESET, EV_N };
 
 typedef struct {
     pkv_kv_key_t key;            /* valid when hashed */
@@ -27,12 +32,14 @@ typedef struct {
     uint32_t next;               /* FREE: next free block in the granule */
     uint32_t lru_prev, lru_next; /* CACHED: LRU list (head = oldest) */
     uint32_t hnext;              /* hashed: hash chain */
+    uint64_t t_cached;           /* CACHED: when it became cached (pkv_now_ns) */
     uint8_t state;
     uint8_t hashed; /* full, keyed, in the hash table */
 } pool_block_t;
 
 typedef struct {
     uint32_t used;       /* live + cached blocks */
+    uint32_t ncached;    /* cached blocks */
     uint32_t nfree;      /* free blocks (COMMITTED only) */
     uint32_t free_head;  /* free list */
     uint32_t prev, next; /* bucket list, or pending-decommit list */
@@ -55,6 +62,8 @@ typedef struct {
     uint32_t retain;       /* empty granules kept committed */
     bool prefix_cache, huge;
     uint64_t budget;
+    uint64_t cache_cap; /* bytes of cache-only granules allowed; 0: none */
+    uint64_t idle_ns;   /* time-to-live of a cached block; 0: none */
 
     pthread_mutex_t lock;  /* guards everything below */
     pool_block_t *blk;     /* [n_granules * bpg] */
@@ -75,6 +84,9 @@ typedef struct {
     uint64_t peak_committed;
     uint64_t q_count, q_tokens, hit_tokens, evictions, cow, commits, decommits;
     uint64_t rej_nofit, rej_nospace;
+    uint32_t cache_granules; /* COMMITTED granules with cached blocks and no live one */
+    uint64_t pressure_limit; /* bytes of cache-only granules allowed now; PKV_KV_NO_LIMIT */
+    uint64_t ev[EV_N];       /* evictions by cause */
 } pool_t;
 
 struct pool_seq {
@@ -143,11 +155,25 @@ static uint32_t bucket_densest(const pool_t *p)
     return NONE;
 }
 
+/* A granule kept committed only by cached blocks: what the cache's byte figures count. */
+static inline bool gr_cache_only(const pool_granule_t *gr)
+{
+    return gr->used && gr->ncached == gr->used;
+}
+
+/* After a change to gr's used or ncached counts: keep p->cache_granules current (`was`:
+ * gr_cache_only before the change). */
+static inline void cache_note(pool_t *p, const pool_granule_t *gr, bool was)
+{
+    p->cache_granules = p->cache_granules - was + gr_cache_only(gr);
+}
+
 /* ---- LRU and hash table ------------------------------------------------------------ */
 
 static void lru_push_mru(pool_t *p, uint32_t id)
 {
     pool_block_t *b = &p->blk[id];
+    b->t_cached = pkv_now_ns(); /* under the lock: the LRU is in t_cached order */
     b->lru_next = NONE;
     b->lru_prev = p->lru_tail;
     if (p->lru_tail != NONE)
@@ -201,11 +227,13 @@ static uint32_t block_take(pool_t *p)
     uint32_t g = bucket_densest(p);
     PKV_ASSERT(g != NONE);
     pool_granule_t *gr = &p->gr[g];
+    bool was = gr_cache_only(gr);
     bucket_remove(p, g);
     uint32_t id = gr->free_head;
     gr->free_head = p->blk[id].next;
     gr->nfree--;
     gr->used++;
+    cache_note(p, gr, was);
     if (gr->nfree) bucket_insert(p, g);
     p->n_free--;
     p->n_live++;
@@ -234,11 +262,13 @@ static void block_put(pool_t *p, uint32_t id, bool keep)
     uint32_t g = id / p->bpg;
     pool_granule_t *gr = &p->gr[g];
     pool_block_t *b = &p->blk[id];
+    bool was = gr_cache_only(gr);
     b->state = BLK_FREE;
     b->next = gr->free_head;
     gr->free_head = id;
     if (gr->in_bucket) bucket_remove(p, g);
     gr->used--;
+    cache_note(p, gr, was);
     gr->nfree++;
     bucket_insert(p, g);
     p->n_free++;
@@ -254,7 +284,11 @@ static void block_drop(pool_t *p, uint32_t id, bool keep)
     if (--b->ref) return;
     p->n_live--;
     if (b->hashed) {
+        pool_granule_t *gr = &p->gr[id / p->bpg];
+        bool was = gr_cache_only(gr);
         b->state = BLK_CACHED;
+        gr->ncached++;
+        cache_note(p, gr, was);
         p->n_cached++;
         lru_push_mru(p, id);
     } else {
@@ -271,27 +305,85 @@ static void block_ref(pool_t *p, uint32_t id)
 {
     pool_block_t *b = &p->blk[id];
     if (b->state == BLK_CACHED) {
+        pool_granule_t *gr = &p->gr[id / p->bpg];
+        bool was = gr_cache_only(gr);
         lru_remove(p, id);
         b->state = BLK_LIVE;
+        gr->ncached--;
+        cache_note(p, gr, was);
         p->n_cached--;
         p->n_live++;
     }
     b->ref++;
 }
 
+/* Evict cached block id (counted under `cause`); its granule is kept when `keep` (see
+ * block_put). */
+static void evict_block(pool_t *p, uint32_t id, bool keep, int cause)
+{
+    pool_granule_t *gr = &p->gr[id / p->bpg];
+    bool was = gr_cache_only(gr);
+    lru_remove(p, id);
+    htab_remove(p, id);
+    gr->ncached--;
+    cache_note(p, gr, was);
+    p->n_cached--;
+    p->evictions++;
+    p->ev[cause]++;
+    block_put(p, id, keep);
+}
+
 /* Evict one cached block: among the POOL_EVICT_WINDOW oldest, the one in the sparsest
  * granule, so that whole granules empty out. */
-static void evict_one(pool_t *p, bool keep)
+static void evict_one(pool_t *p, bool keep, int cause)
 {
     uint32_t best = p->lru_head, id = p->lru_head;
     for (int i = 0; i < POOL_EVICT_WINDOW && id != NONE; i++, id = p->blk[id].lru_next)
         if (p->gr[id / p->bpg].used < p->gr[best / p->bpg].used) best = id;
     PKV_ASSERT(best != NONE);
-    lru_remove(p, best);
-    htab_remove(p, best);
-    p->n_cached--;
-    p->evictions++;
-    block_put(p, best, keep);
+    evict_block(p, best, keep, cause);
+}
+
+/* The cache-only granule to empty next: among the granules of the POOL_EVICT_WINDOW
+ * oldest cached blocks that sit in cache-only granules, the one with the fewest blocks
+ * (the coldest memory, and the least cache lost per granule returned). NONE if none. */
+static uint32_t cache_victim(const pool_t *p)
+{
+    uint32_t best = NONE;
+    int seen = 0;
+    for (uint32_t id = p->lru_head; id != NONE && seen < POOL_EVICT_WINDOW;
+         id = p->blk[id].lru_next) {
+        uint32_t g = id / p->bpg;
+        if (!gr_cache_only(&p->gr[g])) continue;
+        seen++;
+        if (best == NONE || p->gr[g].used < p->gr[best].used) best = g;
+    }
+    return best;
+}
+
+/* The bytes of cache-only granules allowed now, and the cause evictions beyond it count
+ * under: the pressure limit when it is the lower, else the cap. */
+static uint64_t cache_allowed(const pool_t *p, int *cause)
+{
+    uint64_t cap = p->cache_cap ? p->cache_cap : PKV_KV_NO_LIMIT;
+    *cause = p->pressure_limit < cap ? EV_PRESSURE : EV_CAP;
+    return PKV_MIN(cap, p->pressure_limit);
+}
+
+/* Empty cache-only granules (every cached block of each, so the granule goes back to the
+ * OS) until the cache's committed bytes are within cache_allowed. Lock held; the
+ * decommits are queued (pool_flush_decommits). */
+static void cache_enforce(pool_t *p)
+{
+    int cause;
+    uint64_t allowed = cache_allowed(p, &cause);
+    while ((uint64_t)p->cache_granules * p->stride > allowed) {
+        uint32_t g = cache_victim(p);
+        PKV_ASSERT(g != NONE); /* a cache-only granule holds a cached block in the LRU */
+        for (uint32_t j = 0; j < p->bpg; j++)
+            if (p->blk[g * p->bpg + j].state == BLK_CACHED)
+                evict_block(p, g * p->bpg + j, false, cause);
+    }
 }
 
 /* ---- commit / decommit (OS calls outside the lock) --------------------------------- */
@@ -351,6 +443,7 @@ static uint32_t pool_commit(pool_t *p, uint32_t want)
         }
         gr->state = GR_COMMITTED;
         gr->used = 0;
+        gr->ncached = 0;
         gr->nfree = p->bpg;
         gr->free_head = NONE;
         for (uint32_t j = p->bpg; j-- > 0;) {
@@ -385,6 +478,14 @@ static void pool_return_fresh(pool_t *p, uint64_t n)
     pool_flush_decommits(p);
 }
 
+/* After blocks were released: hold the cache within its cap and pressure limit, then
+ * decommit what emptied. Lock held (dropped around the decommits). */
+static void pool_settle(pool_t *p)
+{
+    cache_enforce(p);
+    pool_flush_decommits(p);
+}
+
 /* Allocate n blocks into ids[], all or nothing. Lock held (may be dropped to commit).
  * Prefers free committed blocks, then new granules, then eviction. On failure the
  * granules it committed go back. */
@@ -409,7 +510,7 @@ static int pool_alloc(pool_t *p, uint32_t n, uint32_t *ids)
             rc = PKV_ERR_NOSPACE;
             break;
         }
-        while (p->n_free < n) evict_one(p, true);
+        while (p->n_free < n) evict_one(p, true, EV_BUDGET);
     }
     pool_return_fresh(p, p->commits - commits0);
     return rc;
@@ -523,7 +624,7 @@ static int pool_seq_create(pkv_kv_t *kv, const pkv_seq_params_t *prm, pkv_seq_t 
     if (rc) {
         for (uint32_t i = 0; i < hits; i++) block_unref(p, s->blocks[i]);
         if (rc == PKV_ERR_NOSPACE) p->rej_nospace++;
-        pool_flush_decommits(p);
+        pool_settle(p);
         pthread_mutex_unlock(&p->lock);
         goto fail;
     }
@@ -556,7 +657,7 @@ static void pool_seq_free(pkv_seq_t *seq)
     for (uint32_t i = s->nb; i-- > 0;) block_unref(p, s->blocks[i]);
     p->live_tokens -= seq->length;
     seq_unlink(p, s);
-    pool_flush_decommits(p);
+    pool_settle(p);
     pthread_mutex_unlock(&p->lock);
     seq_dealloc(s);
 }
@@ -614,7 +715,7 @@ static int pool_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens)
         s->blocks[partial] = fresh[0];
         block_unref(p, old);
         p->cow++;
-        pool_flush_decommits(p);
+        pool_settle(p);
         pthread_mutex_unlock(&p->lock);
     }
     s->nb = nb;
@@ -742,7 +843,7 @@ static void pool_unpin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
     pool_t *p = pool_of(kv);
     pthread_mutex_lock(&p->lock);
     for (uint32_t i = 0; i < n; i++) block_unref(p, ids[i]);
-    pool_flush_decommits(p);
+    pool_settle(p);
     pthread_mutex_unlock(&p->lock);
 }
 
@@ -761,8 +862,36 @@ static void pool_reset_cache(pkv_kv_t *kv)
 {
     pool_t *p = pool_of(kv);
     pthread_mutex_lock(&p->lock);
-    while (p->n_cached) evict_one(p, false);
+    while (p->n_cached) evict_one(p, false, EV_RESET);
     pool_flush_decommits(p);
+    pthread_mutex_unlock(&p->lock);
+}
+
+static uint64_t pool_trim(pkv_kv_t *kv, uint64_t now_ns, uint64_t *next_ns)
+{
+    pool_t *p = pool_of(kv);
+    uint64_t n = 0;
+    pthread_mutex_lock(&p->lock);
+    /* The LRU is in release order, so the expired blocks are its head. */
+    while (p->idle_ns && p->lru_head != NONE &&
+           p->blk[p->lru_head].t_cached <= now_ns - PKV_MIN(now_ns, p->idle_ns)) {
+        evict_block(p, p->lru_head, false, EV_IDLE);
+        n++;
+    }
+    pool_settle(p);
+    if (next_ns)
+        *next_ns = p->idle_ns && p->lru_head != NONE ? p->blk[p->lru_head].t_cached + p->idle_ns
+                                                     : UINT64_MAX;
+    pthread_mutex_unlock(&p->lock);
+    return n;
+}
+
+static void pool_cache_pressure(pkv_kv_t *kv, uint64_t limit_bytes)
+{
+    pool_t *p = pool_of(kv);
+    pthread_mutex_lock(&p->lock);
+    p->pressure_limit = limit_bytes;
+    pool_settle(p);
     pthread_mutex_unlock(&p->lock);
 }
 
@@ -793,6 +922,15 @@ static void pool_stats(pkv_kv_t *kv, pkv_kv_stats_t *o)
     o->decommits = p->decommits;
     o->rejected_nofit = p->rej_nofit;
     o->rejected_nospace = p->rej_nospace;
+    o->cache_bytes = (uint64_t)p->cache_granules * p->stride;
+    o->cache_max_bytes = p->cache_cap;
+    o->cache_pressure_limit = p->pressure_limit;
+    o->cache_idle_ms = p->idle_ns / 1000000;
+    o->evictions_budget = p->ev[EV_BUDGET];
+    o->evictions_cap = p->ev[EV_CAP];
+    o->evictions_idle = p->ev[EV_IDLE];
+    o->evictions_pressure = p->ev[EV_PRESSURE];
+    o->evictions_reset = p->ev[EV_RESET];
     pthread_mutex_unlock(&p->lock);
 }
 
@@ -814,6 +952,7 @@ static int pool_validate(pkv_kv_t *kv)
     int rc = PKV_OK;
     pthread_mutex_lock(&p->lock);
     uint64_t live = 0, cached = 0, free_ = 0, committed = 0, empty = 0, lru = 0, hashed = 0;
+    uint64_t cache_only = 0;
     uint64_t seqs = 0, tokens = 0;
     for (pool_seq_t *s = p->seqs; s; s = s->next, seqs++) {
         uint32_t T = kv->geo.block_tokens;
@@ -847,7 +986,7 @@ static int pool_validate(pkv_kv_t *kv)
             continue;
         }
         committed++;
-        uint32_t used = 0, nfree = 0;
+        uint32_t used = 0, nfree = 0, ncached = 0;
         for (uint32_t j = 0; j < p->bpg; j++) {
             uint32_t id = g * p->bpg + j;
             pool_block_t *b = &p->blk[id];
@@ -865,6 +1004,7 @@ static int pool_validate(pkv_kv_t *kv)
                 CHECK(b->state == BLK_CACHED && b->ref == 0 && b->hashed && seq_refs[id] == 0,
                       "cached block %u inconsistent", id);
                 cached++;
+                ncached++;
             }
             if (b->hashed) {
                 hashed++;
@@ -878,11 +1018,20 @@ static int pool_validate(pkv_kv_t *kv)
         CHECK(used == gr->used && nfree == gr->nfree && walk == nfree && used + nfree == p->bpg,
               "granule %u counts used %u/%u free %u/%u", g, used, gr->used, nfree, gr->nfree);
         CHECK(gr->in_bucket == (nfree > 0), "granule %u bucket membership", g);
+        CHECK(ncached == gr->ncached, "granule %u cached count %u/%u", g, ncached, gr->ncached);
+        cache_only += gr_cache_only(gr);
         free_ += nfree;
         empty += used == 0;
     }
+    int cause;
+    CHECK(cache_only == p->cache_granules, "cache-only granules %llu/%u",
+          (unsigned long long)cache_only, p->cache_granules);
+    CHECK(cache_only * p->stride <= cache_allowed(p, &cause),
+          "cache holds %llu bytes, allowed %llu", (unsigned long long)(cache_only * p->stride),
+          (unsigned long long)cache_allowed(p, &cause));
     for (uint32_t id = p->lru_head, prev = NONE; id != NONE; prev = id, id = p->blk[id].lru_next) {
         CHECK(p->blk[id].state == BLK_CACHED && p->blk[id].lru_prev == prev, "LRU list corrupt");
+        CHECK(prev == NONE || p->blk[prev].t_cached <= p->blk[id].t_cached, "LRU out of order");
         CHECK(++lru <= cached, "LRU longer than cached count");
     }
     uint64_t in_table = 0;
@@ -960,6 +1109,9 @@ int kv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
     p->retain = cfg->retain_granules ? cfg->retain_granules : 1;
     p->prefix_cache = !cfg->no_prefix_cache;
     p->huge = cfg->hugepages;
+    p->cache_cap = cfg->cache_max_bytes;
+    p->idle_ns = (uint64_t)cfg->cache_idle_ms * 1000000;
+    p->pressure_limit = PKV_KV_NO_LIMIT;
     uint32_t nblk = p->n_granules * p->bpg, hsize = 64;
     while (hsize < nblk / 2) hsize <<= 1;
     p->blk = kv_calloc(nblk, sizeof(*p->blk));
@@ -1001,6 +1153,8 @@ static const kv_ops_t pool_ops = {
     .seq_slot = pool_seq_slot,
     .seq_runs = pool_seq_runs,
     .reset_cache = pool_reset_cache,
+    .trim = pool_trim,
+    .cache_pressure = pool_cache_pressure,
     .stats = pool_stats,
     .validate = pool_validate,
     .seq_blocks = pool_seq_blocks,

@@ -13,6 +13,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <malloc.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -135,6 +136,11 @@ int pkv_prim_shared_commit(int fd, void *addr, size_t offset, size_t size)
     }
     (void)fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)offset, (off_t)size);
     return PKV_ERR_NOMEM;
+}
+
+void pkv_prim_heap_trim(void)
+{
+    malloc_trim(0);
 }
 
 static int prim_open_proc(int pid, const char *what)

@@ -41,6 +41,10 @@ int pkv_prim_shared_decommit(int fd, void *addr, size_t offset, size_t size);
  * failure the range is punched out again. PKV_ERR_NOMEM when the memory is not there. */
 int pkv_prim_shared_commit(int fd, void *addr, size_t offset, size_t size);
 
+/* Return the C heap's free memory to the OS (malloc_trim: every arena's top and the free
+ * pages inside). For a process going idle: it walks every arena under its lock. */
+void pkv_prim_heap_trim(void);
+
 /* The process's memory as the OS reports it. */
 typedef struct {
     uint64_t rss_bytes; /* VmRSS */
@@ -75,6 +79,34 @@ int pkv_prim_mem_available(uint64_t *out);
 /* The machine's 1-minute load average (the first field of /proc/loadavg). PKV_ERR_IO when
  * it cannot be read; *out is written only on success. */
 int pkv_prim_loadavg(double *out);
+
+/* ---- the memory left to this process (memroom.c; the server's memory watcher) ------- */
+
+typedef struct {
+    bool present;         /* read, and it has a limit */
+    uint64_t limit_bytes; /* the cgroup's limit, or MemTotal */
+    uint64_t usage_bytes; /* the cgroup's usage less its inactive file pages (which the
+                             kernel reclaims first), or MemTotal - MemAvailable */
+} pkv_prim_room_src_t;
+
+typedef struct {
+    uint32_t cgroup_version;     /* 1 or 2: where `cgroup` was read; 0: no limited cgroup */
+    pkv_prim_room_src_t cgroup;  /* of this process's memory cgroup and its ancestors, the
+                                    limited one with the least room (limit - usage) */
+    pkv_prim_room_src_t machine; /* /proc/meminfo */
+    bool have_psi;
+    double psi_some_avg10; /* /proc/pressure/memory: % of the last 10 s in which some task
+                              stalled on memory */
+} pkv_prim_room_t;
+
+/* Read the sources above. cgroup v2: `0::PATH` of /proc/self/cgroup, memory.max and
+ * memory.current (less memory.stat inactive_file) under /sys/fs/cgroup (or its unified/
+ * mount); v1: the `memory` line, memory.limit_in_bytes and memory.usage_in_bytes (less
+ * total_inactive_file) under /sys/fs/cgroup/memory; PATH and each ancestor up to the
+ * mount's root (a container sees its own cgroup as the root). `root`: NULL or "/" for the
+ * real files, else a directory standing for "/" (tests point it at fake files). A source
+ * that cannot be read is absent; always PKV_OK except PKV_ERR_INVALID for a root too long. */
+int pkv_prim_room_read(const char *root, pkv_prim_room_t *out);
 
 /* ---- this boot and other processes' memfds (the transfer engine) ------------------- */
 

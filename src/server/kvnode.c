@@ -133,7 +133,8 @@ int srv_kvnode_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max
         pkv_xfer_config_t xc = {.kv = kv,
                                 .stage = n->stage,
                                 .listen_host = cfg->kv_listen_host,
-                                .listen_port = cfg->kv_listen_port};
+                                .listen_port = cfg->kv_listen_port,
+                                .identity = n->engine_id}; /* presented to decode nodes */
         rc = pkv_xfer_agent_create(&xc, &n->agent);
         if (rc)
             PKV_LOGE("server", "the transfer agent cannot start on %s:%u: %s",
@@ -273,7 +274,7 @@ json_t *srv_kv_stats_json(const srv_kv_snapshot_t *k)
     json_t *doc = json_pack(
         "{s:s, s:s, s:s, s:i, s:s, s:i, s:i,"
         " s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I},"
-        " s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I},"
+        " s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I},"
         " s:{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I}}",
         "role", pkv_server_role_name(k->role), "address", k->address, "remote_host", k->advertise,
         "remote_port", (int)k->port, "engine_id", k->engine_id, "lease_ms", (int)k->lease_ms,
@@ -285,19 +286,21 @@ json_t *srv_kv_stats_json(const srv_kv_snapshot_t *k)
         (json_int_t)x->reads_started, "reads_ok", (json_int_t)x->reads_done[0], "bytes_received",
         (json_int_t)x->bytes_received, "serves_started", (json_int_t)x->serves_started,
         "serves_failed", (json_int_t)x->serves_failed, "bytes_sent", (json_int_t)x->bytes_sent,
-        "rejected", (json_int_t)x->rejected, "peers", (json_int_t)x->peers, "staging", "mode",
-        pkv_stage_mode_name(s->mode), "page_bytes", (json_int_t)s->page_bytes, "pages_total",
-        (json_int_t)s->pages_total, "pages_used", (json_int_t)s->pages_used, "pages_peak_used",
-        (json_int_t)s->pages_peak_used, "resident_bytes", (json_int_t)s->resident_bytes,
-        "pinned_bytes", (json_int_t)s->pinned_bytes, "pages_held_by_transfers",
-        (json_int_t)x->staging_pages_held);
+        "rejected", (json_int_t)x->rejected, "released", (json_int_t)x->released, "peers",
+        (json_int_t)x->peers, "staging", "mode", pkv_stage_mode_name(s->mode), "page_bytes",
+        (json_int_t)s->page_bytes, "pages_total", (json_int_t)s->pages_total, "pages_used",
+        (json_int_t)s->pages_used, "pages_peak_used", (json_int_t)s->pages_peak_used,
+        "resident_bytes", (json_int_t)s->resident_bytes, "pinned_bytes",
+        (json_int_t)s->pinned_bytes, "pages_held_by_transfers", (json_int_t)x->staging_pages_held);
     if (doc)
-        json_object_set_new(doc, "pulls",
-                            json_pack("{s:I, s:I, s:I, s:I, s:I}", "ok", (json_int_t)k->pulls.ok,
-                                      "dropped", (json_int_t)k->pulls.dropped, "failed",
-                                      (json_int_t)k->pulls.failed, "recomputed",
-                                      (json_int_t)k->pulls.recomputed, "local",
-                                      (json_int_t)k->pulls.local));
+        json_object_set_new(
+            doc, "pulls",
+            json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "ok", (json_int_t)k->pulls.ok,
+                      "released", (json_int_t)k->pulls.released, "failed",
+                      (json_int_t)k->pulls.failed, "recomputed", (json_int_t)k->pulls.recomputed,
+                      "local", (json_int_t)k->pulls.local, "blocks_pulled",
+                      (json_int_t)k->pulls.blocks_pulled, "blocks_adopted",
+                      (json_int_t)k->pulls.blocks_adopted));
     return doc;
 }
 
@@ -406,10 +409,14 @@ static int kvt_handle(const srv_kvnode_t *n, const json_t *o, const int32_t *pro
 
 /* A read's outcome as the client's error (transfer failures are not the client's, but
  * for `rejected`: forged or stale params). */
-static void pull_error(int outcome, srv_error_t *err)
+static void pull_error(int outcome, pkv_xfer_why_t why, srv_error_t *err)
 {
     const char *p = "kv_transfer_params";
-    if (outcome == PKV_ERR_REJECTED)
+    if (outcome == PKV_ERR_REJECTED && why == PKV_XFER_WHY_IDENTITY)
+        srv_error_set(err, 400, "invalid_request_error", "invalid_value", KVT_P("remote_engine_id"),
+                      "'%s' is not the engine the producer at remote_host:remote_port presents",
+                      KVT_P("remote_engine_id"));
+    else if (outcome == PKV_ERR_REJECTED)
         srv_error_set(err, 400, "invalid_request_error", "rejected", p,
                       "the prefill node refused the transfer (unknown request, wrong token or "
                       "blocks, expired lease)");
@@ -426,18 +433,28 @@ static void pull_error(int outcome, srv_error_t *err)
                       p, "pulling the prompt's KV failed: %s", pkv_status_str(outcome));
 }
 
-/* Read h's blocks into seq's first blocks by the transfer deadline; on ok the positions
- * [0, n_prompt) are recorded as written. Returns the read's outcome. */
-static int pull_into(srv_kvnode_t *n, const pkv_xfer_handle_t *h, pkv_seq_t *seq,
-                     const int32_t *ids, uint32_t n_prompt)
+/* Read the handle's blocks [have, want) into seq's blocks [have, want), from a producer
+ * that must present `engine_id`, by the transfer deadline (have == want: a token-only
+ * release, nothing moves); on ok the positions up to want whole blocks are recorded as
+ * written (the first `cached` already were: adopted). Returns the read's outcome; *why
+ * says whether a refusal was the engine id. */
+static int pull_into(srv_kvnode_t *n, const pkv_xfer_handle_t *h, const char *engine_id,
+                     pkv_seq_t *seq, const int32_t *ids, uint32_t cached, uint32_t want,
+                     pkv_xfer_why_t *why)
 {
     const uint32_t *dst;
-    uint32_t nd;
+    uint32_t nd, bt = h->geo.block_tokens, have = cached / bt;
     int rc = pkv_seq_blocks(seq, &dst, &nd);
-    if (rc || nd < h->n_blocks) return rc ? rc : PKV_ERR_INVALID;
+    if (rc || nd < want || have > want || h->n_blocks < want) return rc ? rc : PKV_ERR_INVALID;
+    uint32_t n_pull = want - have, *idx = malloc(sizeof(uint32_t) * (n_pull ? n_pull : 1));
+    if (!idx) return PKV_ERR_NOMEM;
+    for (uint32_t i = 0; i < n_pull; i++) idx[i] = have + i;
+    pkv_xfer_read_opts_t o = {.idx = idx, .identity = engine_id};
     uint64_t deadline = pkv_deadline_after_ns((uint64_t)n->transfer_timeout_ms * 1000000ull);
     pkv_xfer_read_t *rd = NULL;
-    rc = pkv_xfer_read(n->agent, h, dst, h->n_blocks, deadline, NULL, NULL, &rd);
+    rc = pkv_xfer_read_ex(n->agent, h, &o, n_pull ? dst + have : NULL, n_pull, deadline, NULL, NULL,
+                          &rd);
+    free(idx);
     if (rc) return rc;
     int outcome = PKV_ERR_TIMEOUT;
     /* The read ends by its deadline; a second of slack for its outcome to arrive. */
@@ -445,39 +462,70 @@ static int pull_into(srv_kvnode_t *n, const pkv_xfer_handle_t *h, pkv_seq_t *seq
         pkv_xfer_cancel(rd);
         outcome = PKV_ERR_TIMEOUT;
     }
+    *why = pkv_xfer_read_why(rd);
     pkv_xfer_read_free(rd);
-    if (outcome == PKV_OK) outcome = pkv_seq_append(seq, ids, n_prompt);
+    if (outcome == PKV_OK && n_pull)
+        outcome = pkv_seq_append(seq, ids + cached, want * bt - cached);
     return outcome;
+}
+
+/* remote_engine_id: required, what an agent can present (printable, <= 63 characters). */
+static const char *kvt_engine_id(const json_t *o, srv_error_t *err)
+{
+    const char *id = json_string_value(json_object_get(o, "remote_engine_id"));
+    size_t len = id ? strlen(id) : 0;
+    if (!id || !len) {
+        kvt_bad(err, "missing_field", KVT_P("remote_engine_id"), "is required (the producer's)");
+        return NULL;
+    }
+    for (size_t i = 0; i < len; i++)
+        if (len > PKV_XFER_IDENTITY_MAX || id[i] < 0x20 || id[i] > 0x7e) {
+            kvt_bad(err, "invalid_value", KVT_P("remote_engine_id"),
+                    "is not an engine id (printable, at most 63 characters)");
+            return NULL;
+        }
+    return id;
+}
+
+static void count_pull(srv_kvnode_t *n, int outcome, uint32_t pulled, uint32_t adopted)
+{
+    pthread_mutex_lock(&n->lock);
+    if (outcome != PKV_OK) {
+        n->pulls.failed++;
+    } else {
+        if (pulled)
+            n->pulls.ok++;
+        else
+            n->pulls.released++;
+        n->pulls.blocks_pulled += pulled;
+        n->pulls.blocks_adopted += adopted;
+    }
+    pthread_mutex_unlock(&n->lock);
 }
 
 int srv_kvnode_pull(srv_kvnode_t *n, const json_t *params, const int32_t *ids, uint32_t n_prompt,
                     uint64_t salt, pkv_seq_t **out, srv_error_t *err)
 {
     pkv_xfer_handle_t *h = NULL;
+    const char *engine_id = kvt_engine_id(params, err);
+    if (!engine_id) return PKV_ERR_INVALID;
     int rc = kvt_handle(n, params, ids, n_prompt, &h, err);
     if (rc == PKV_ERR_NOMEM)
         srv_error_set(err, 500, "server_error", "out_of_memory", NULL, "out of memory");
     if (rc) return rc;
-    /* What this node's prefix cache holds is adopted; when it holds part of the prompt
-     * the read (which must name every registered block) goes to a sequence of its own,
-     * a salt no request uses, and is dropped: the producer's pins return at once and the
-     * rest of the prompt is computed here. */
+    /* What this node's prefix cache holds is adopted; of the whole blocks the engine will
+     * adopt at admission (all but the last prompt token's: it computes at least that one)
+     * only those the cache lacks are pulled; when it lacks none, the token alone goes to
+     * the producer, which returns its pins at once. */
     pkv_seq_params_t sp = {.salt = salt, .tokens = ids, .n_tokens = n_prompt};
-    pkv_seq_t *seq = NULL, *scratch = NULL;
-    uint32_t cached = 0;
+    pkv_seq_t *seq = NULL;
+    uint32_t cached = 0, bt = h->geo.block_tokens, want = (n_prompt - 1) / bt;
+    pkv_xfer_why_t why = PKV_XFER_WHY_NONE;
     rc = pkv_seq_create(n->kv, &sp, &seq, &cached);
-    if (!rc && cached) {
-        sp.salt = salt ^ 0x9e3779b97f4a7c15ull ^ pkv_now_ns();
-        rc = pkv_seq_create(n->kv, &sp, &scratch, &cached);
-    }
-    int outcome = rc ? rc : pull_into(n, h, scratch ? scratch : seq, ids, n_prompt);
+    uint32_t have = PKV_MIN(cached / bt, want);
+    int outcome = rc ? rc : pull_into(n, h, engine_id, seq, ids, have * bt, want, &why);
     pkv_xfer_handle_free(h);
-    pkv_seq_free(scratch);
-    pthread_mutex_lock(&n->lock);
-    if (outcome == PKV_OK && !scratch) n->pulls.ok++;
-    if (outcome == PKV_OK && scratch) n->pulls.dropped++;
-    if (outcome != PKV_OK) n->pulls.failed++;
-    pthread_mutex_unlock(&n->lock);
+    count_pull(n, outcome, want - have, have);
     if (outcome) {
         pkv_seq_free(seq);
         /* --kv-load-failure recompute: a failure that is not the client's (the producer's
@@ -489,7 +537,7 @@ int srv_kvnode_pull(srv_kvnode_t *n, const json_t *params, const int32_t *ids, u
             *out = NULL;
             return PKV_OK;
         }
-        pull_error(outcome, err);
+        pull_error(outcome, why, err);
         return outcome;
     }
     *out = seq;

@@ -203,6 +203,13 @@ static void render_kvt(FILE *f, const srv_kv_snapshot_t *k)
         "Payload bytes of acknowledged transfers served.", x->bytes_sent);
     one(f, "pagekv_kv_transfer_received_bytes_total", "counter",
         "Payload bytes pulled, verified and stored.", x->bytes_received);
+    family(f, "pagekv_kv_pull_blocks_total", "counter",
+           "Decode legs' prompt blocks: pulled from the producer, or adopted from the local "
+           "prefix cache.");
+    fprintf(f, "pagekv_kv_pull_blocks_total{source=\"pulled\"} %llu\n",
+            (unsigned long long)k->pulls.blocks_pulled);
+    fprintf(f, "pagekv_kv_pull_blocks_total{source=\"adopted\"} %llu\n",
+            (unsigned long long)k->pulls.blocks_adopted);
     one(f, "pagekv_kv_staging_pages_held", "gauge", "Staging pages held by transfers.",
         x->staging_pages_held);
     one(f, "pagekv_kv_staging_peak_pages", "gauge", "Peak of staging pages in use.",
@@ -222,6 +229,7 @@ char *srv_metrics_render(const srv_snapshot_t *snap, size_t *len)
     render_http(f, &snap->ctr);
     render_engine(f, &snap->es);
     render_kv(f, &snap->ks);
+    srv_cache_policy_render(f, &snap->ks, &snap->mw);
     if (snap->has_kv) render_kvt(f, &snap->kv);
     if (snap->rss_bytes)
         one(f, "pagekv_process_resident_memory_bytes", "gauge", "VmRSS of the server process.",
@@ -268,5 +276,6 @@ json_t *srv_cache_stats_json(const srv_snapshot_t *snap)
         (json_int_t)ks->decommits, "cache_resets", (json_int_t)c->cache_resets, "rejections", rej,
         "requests", "in_flight", (json_int_t)c->in_flight, "running", (json_int_t)es->running,
         "queued", (json_int_t)es->queued, "submitted", (json_int_t)es->submitted);
+    if (doc) srv_cache_policy_json(doc, ks, &snap->mw);
     return doc;
 }

@@ -64,7 +64,8 @@ struct pkv_server {
     pkv_kv_t *kv;
     pkv_engine_t *engine;
     pkv_server_role_t role;
-    srv_kvnode_t *kvn; /* prefill and decode roles: the transfer agent (kvnode.c) */
+    srv_kvnode_t *kvn;  /* prefill and decode roles: the transfer agent (kvnode.c) */
+    srv_memwatch_t *mw; /* the cache policy's timer and memory watcher (memwatch.c) */
     struct MHD_Daemon *mhd;
     MHD_socket quiesced_fd; /* the listening socket after quiesce: closed after stop */
     uint16_t port;
@@ -292,6 +293,7 @@ static void snapshot(pkv_server_t *s, srv_snapshot_t *out)
     out->block_tokens = s->block_tokens;
     out->has_kv = s->kvn != NULL;
     if (s->kvn) srv_kvnode_snapshot(s->kvn, &out->kv);
+    srv_memwatch_stats(s->mw, &out->mw);
 }
 
 static enum MHD_Result handle_cache_reset(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr)
@@ -1120,6 +1122,7 @@ static int build_stack(pkv_server_t *s, const pkv_server_config_t *cfg)
     pkv_model_geometry(s->model, cfg->kv_dtype, s->block_tokens, &kc.geo);
     s->token_bytes = pkv_geometry_token_bytes(&kc.geo);
     if ((rc = kv_budget(s, cfg, &kc.budget_bytes))) return rc;
+    if ((rc = srv_cache_policy(cfg, kc.budget_bytes, &kc))) return rc;
     s->backend = cfg->backend;
     if ((rc = pkv_kv_create(&kc, &s->kv))) {
         PKV_LOGE("server", "creating the KV cache failed: %s", pkv_status_str(rc));
@@ -1144,6 +1147,10 @@ static int build_stack(pkv_server_t *s, const pkv_server_config_t *cfg)
                               .detok_arg = s->tok};
     if ((rc = pkv_engine_create(&ec, &s->engine))) {
         PKV_LOGE("server", "creating the engine failed: %s", pkv_status_str(rc));
+        return rc;
+    }
+    if ((rc = srv_memwatch_create(cfg, s->kv, &s->mw))) {
+        PKV_LOGE("server", "starting the memory watcher failed: %s", pkv_status_str(rc));
         return rc;
     }
     return PKV_OK;
@@ -1182,6 +1189,7 @@ static int start_http(pkv_server_t *s, const pkv_server_config_t *cfg)
 
 static void free_stack(pkv_server_t *s)
 {
+    srv_memwatch_destroy(s->mw); /* before the pool it trims */
     pkv_engine_destroy(s->engine);
     pkv_kv_destroy(s->kv);
     pkv_model_destroy(s->model);

@@ -15,6 +15,7 @@
 #include "server/request.h"
 
 #include <jansson.h>
+#include <stdio.h>
 
 typedef enum {
     SRV_ROUTE_COMPLETIONS = 0,
@@ -81,11 +82,13 @@ typedef struct {
 
 /* Decode legs' pulls. */
 typedef struct {
-    uint64_t ok;         /* every block pulled into the request's sequence */
-    uint64_t dropped;    /* pulled but dropped: the local prefix cache held part of the prompt */
-    uint64_t failed;     /* the read (or the sequence for it) failed */
-    uint64_t recomputed; /* of those, computed here instead (--kv-load-failure recompute) */
-    uint64_t local;      /* requests without kv_transfer_params, computed here */
+    uint64_t ok;             /* legs that pulled the blocks the local prefix cache lacked */
+    uint64_t released;       /* legs that needed none: a token-only release */
+    uint64_t failed;         /* the read (or the sequence for it) failed */
+    uint64_t recomputed;     /* of those, computed here instead (--kv-load-failure recompute) */
+    uint64_t local;          /* requests without kv_transfer_params, computed here */
+    uint64_t blocks_pulled;  /* of ok legs: blocks read from the producer */
+    uint64_t blocks_adopted; /* of ok and released legs: blocks the local prefix cache held */
 } srv_pull_counts_t;
 
 typedef struct {
@@ -132,6 +135,44 @@ void srv_kvnode_count_local(srv_kvnode_t *n);
 /* The kv_transfer_params section of /v1/cache/stats (new reference; NULL on no memory). */
 json_t *srv_kv_stats_json(const srv_kv_snapshot_t *k);
 
+/* ---- the cache yields memory (memwatch.c) ------------------------------------------- */
+
+/* The pool's prefix-cache policy from the server's configuration: kc->cache_max_bytes
+ * (auto: budget / 4, or an eighth of the machine's memory with no budget) and
+ * kc->cache_idle_ms. PKV_ERR_INVALID (logged) for a cap of 0 bytes. */
+int srv_cache_policy(const pkv_server_config_t *cfg, uint64_t budget, pkv_kv_config_t *kc);
+
+/* The watcher: thread "pkv-memwatch" applies the idle time-to-live (pkv_kv_trim) on a timer
+ * and, unless cfg->no_memory_watch, reads the memory left (prim) every poll and holds the
+ * cache out of the reserve (pkv_kv_cache_pressure). */
+typedef struct srv_memwatch srv_memwatch_t;
+typedef struct {
+    bool running;       /* a watcher thread runs (a paged pool with a TTL or the watch on) */
+    bool watching;      /* memory readings on */
+    const char *source; /* tightest source at the last reading: "cgroup_v2", "cgroup_v1",
+                           "meminfo" or "none" */
+    uint64_t limit_bytes, usage_bytes, room_bytes, reserve_bytes; /* of that source */
+    bool have_psi;
+    double psi_some_avg10;
+    bool guarding;           /* the cache is held out of the reserve now (an episode) */
+    uint64_t episodes;       /* episodes begun (each logged once) */
+    uint64_t cache_limit;    /* the pressure limit set (PKV_KV_NO_LIMIT: none) */
+    uint64_t readings;       /* memory readings taken */
+    uint64_t trim_evictions; /* blocks the timer evicted as idle */
+} srv_memwatch_stats_t;
+/* Start the watcher over kv (not started for the dense backend, nor when there is neither a
+ * TTL nor a watch: *out is then NULL and PKV_OK). PKV_ERR_NOMEM when the thread cannot
+ * start. */
+int srv_memwatch_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, srv_memwatch_t **out);
+/* Stop and join the thread. NULL is a no-op. */
+void srv_memwatch_destroy(srv_memwatch_t *w);
+/* NULL w: a stats block saying nothing runs. */
+void srv_memwatch_stats(srv_memwatch_t *w, srv_memwatch_stats_t *out);
+/* The "memory" section of /v1/cache/stats and the cache policy fields of its
+ * "prefix_cache" section, added to doc; the /metrics families of both. */
+void srv_cache_policy_json(json_t *doc, const pkv_kv_stats_t *ks, const srv_memwatch_stats_t *m);
+void srv_cache_policy_render(FILE *f, const pkv_kv_stats_t *ks, const srv_memwatch_stats_t *m);
+
 /* One snapshot of the server's, the engine's and the KV cache's counters: what /metrics
  * and /v1/cache/stats render (server.c takes it, metrics.c renders it). */
 typedef struct {
@@ -143,6 +184,7 @@ typedef struct {
     uint32_t block_tokens;
     bool has_kv; /* a prefill or decode node: kv filled */
     srv_kv_snapshot_t kv;
+    srv_memwatch_stats_t mw; /* the cache policy's watcher */
 } srv_snapshot_t;
 
 /* Prometheus text exposition (malloc'd, NUL-terminated; *len without the NUL). NULL on

@@ -151,7 +151,7 @@ void xf_busy_add(pkv_xfer_agent_t *a, int delta)
 
 /* Worker and seater threads: pop a job, run it, repeat; exit when told and the queue is
  * empty (the progress thread has quiesced every transfer before that). */
-static void *thread_main(pkv_xfer_agent_t *a, bool seat)
+static void *thread_main(pkv_xfer_agent_t *a, bool seat, xf_mac_t *mac)
 {
     for (;;) {
         pthread_mutex_lock(&a->lock);
@@ -179,10 +179,10 @@ static void *thread_main(pkv_xfer_agent_t *a, bool seat)
                 xf_read_seat(a, job->owner);
             break;
         case XF_JOB_PRODUCE:
-            xf_serve_job(a, job->owner);
+            xf_serve_job(a, mac, job->owner);
             break;
         case XF_JOB_VERIFY:
-            xf_read_job(a, job->owner, job->layer);
+            xf_read_job(a, mac, job->owner, job->layer);
             break;
         }
     }
@@ -190,12 +190,13 @@ static void *thread_main(pkv_xfer_agent_t *a, bool seat)
 
 void *xf_worker_main(void *arg)
 {
-    return thread_main(arg, false);
+    xf_worker_arg_t *w = arg;
+    return thread_main(w->a, false, w->mac);
 }
 
 void *xf_seater_main(void *arg)
 {
-    return thread_main(arg, true);
+    return thread_main(arg, true, NULL);
 }
 
 /* ---- the progress loop ------------------------------------------------------------------ */
@@ -445,6 +446,10 @@ static void threads_stop_join(pkv_xfer_agent_t *a)
     pthread_mutex_unlock(&a->lock);
     for (uint32_t i = 0; i < a->n_workers; i++) pthread_join(a->workers[i], NULL);
     for (uint32_t i = 0; i < a->n_seaters; i++) pthread_join(a->seaters[i], NULL);
+    for (uint32_t i = 0; a->wargs && i < a->cfg.workers; i++) xf_mac_destroy(a->wargs[i].mac);
+    xf_mac_destroy(a->mac);
+    a->mac = NULL;
+    free(a->wargs);
     free(a->workers);
     free(a->seaters);
 }
@@ -626,6 +631,14 @@ static int config_resolve(const pkv_xfer_config_t *in, pkv_xfer_config_t *c)
     if (!c->peer_timeout_ns) c->peer_timeout_ns = 1000000000ull;
     if (!c->chunk_bytes) c->chunk_bytes = PKV_XFER_WHOLE_CHUNK_BYTES; /* one eager segment */
     if (!c->max_inflight) c->max_inflight = 8;
+    size_t il = c->identity ? strnlen(c->identity, PKV_XFER_IDENTITY_MAX + 1) : 0;
+    for (size_t i = 0; i < il; i++)
+        if (c->identity[i] < 0x20 || c->identity[i] > 0x7e) il = PKV_XFER_IDENTITY_MAX + 1;
+    if (il > PKV_XFER_IDENTITY_MAX) {
+        PKV_LOGE(XF_MOD, "config: identity must be printable ASCII of at most %d characters",
+                 PKV_XFER_IDENTITY_MAX);
+        return PKV_ERR_INVALID;
+    }
     if (c->workers > 64 || c->seat_workers > 64 || c->max_inflight > 1024 ||
         c->chunk_bytes < XF_WIRE_MIN_CHUNK || c->chunk_bytes > XF_WIRE_MAX_CHUNK ||
         c->peer_timeout_ns < 2 * c->heartbeat_ns) {
@@ -652,6 +665,8 @@ static int agent_identity(pkv_xfer_agent_t *a, const pkv_xfer_config_t *c)
     int rc;
     a->cfg = *c;
     a->cfg.listen_host = NULL; /* not kept: the caller owns the string */
+    a->cfg.identity = NULL;    /* copied below */
+    snprintf(a->identity, sizeof(a->identity), "%s", c->identity ? c->identity : "");
     a->kv = c->kv;
     a->stage = c->stage;
     a->geo = *pkv_kv_geometry(c->kv);
@@ -679,8 +694,10 @@ static int agent_identity(pkv_xfer_agent_t *a, const pkv_xfer_config_t *c)
         PKV_LOGE(XF_MOD, "config: pool geometry or staging page size out of range");
         return PKV_ERR_INVALID;
     }
-    uint64_t rnd[7];
+    uint64_t rnd[8];
     if ((rc = xf_random(rnd, sizeof(rnd)))) return rc;
+    a->nonce_prefix = rnd[7];
+    atomic_init(&a->nonce_ctr, 0);
     a->agent_id = rnd[0];
     a->read_ctr = rnd[1];
     a->next_serve_id = rnd[2] >> 8;
@@ -692,10 +709,17 @@ static int agent_identity(pkv_xfer_agent_t *a, const pkv_xfer_config_t *c)
 static int agent_threads_start(pkv_xfer_agent_t *a, const pkv_xfer_config_t *c)
 {
     a->workers = calloc(c->workers, sizeof(pthread_t));
+    a->wargs = calloc(c->workers, sizeof(*a->wargs));
     a->seaters = calloc(c->seat_workers, sizeof(pthread_t));
-    if (!a->workers || !a->seaters) return PKV_ERR_NOMEM;
+    if (!a->workers || !a->wargs || !a->seaters) return PKV_ERR_NOMEM;
+    if (!(a->mac = xf_mac_create())) return PKV_ERR_NOMEM;
+    for (uint32_t i = 0; i < c->workers; i++) {
+        a->wargs[i].a = a;
+        if (!(a->wargs[i].mac = xf_mac_create())) return PKV_ERR_NOMEM;
+    }
     for (; a->n_workers < c->workers; a->n_workers++) {
-        if (pthread_create(&a->workers[a->n_workers], NULL, xf_worker_main, a))
+        if (pthread_create(&a->workers[a->n_workers], NULL, xf_worker_main,
+                           &a->wargs[a->n_workers]))
             return PKV_ERR_NOMEM;
         name_thread(a->workers[a->n_workers], "pkv-xfer-w", a->n_workers);
     }
@@ -865,6 +889,7 @@ void pkv_xfer_stats(pkv_xfer_agent_t *a, pkv_xfer_stats_t *out)
     s.foreign_msgs = LD(foreign_msgs);
     s.stale_dropped = LD(stale_dropped);
     s.written_off = LD(written_off);
+    s.released = LD(released);
     *out = s;
 }
 #undef LD

@@ -6,12 +6,14 @@
  *
  * SEATING   connect to the producer (or reuse the endpoint), take this transfer's
  *           staging pages on a seat thread, waiting at most until the deadline.
- * READING   every chunk's tag receive is posted into staging, then READ (token, plan,
- *           the time left) goes to the producer. A layer whose chunks have all arrived
- *           and whose checksum has (its DATA; for a small read, one stream, the trailer
- *           in the last chunk) is copied staging -> pool, checksummed on the way; a
- *           mismatch ends the read corrupt. When every
- *           layer is stored the consumer sends ACK and the read ends ok.
+ * READING   every chunk's tag receive is posted into staging, then READ (token, nonce,
+ *           plan, the time left) goes to the producer — when the read names the
+ *           producer's identity, only once its HELLO matched. A layer whose chunks have
+ *           all arrived and whose MAC has (its DATA; for a small read, one stream, the
+ *           trailer in the last chunk) is copied staging -> pool, MACed on the way; a
+ *           mismatch ends the read corrupt. When every layer is stored the consumer sends
+ *           ACK and the read ends ok. A token-only release (no blocks) skips staging and
+ *           receives: READ RELEASE, and the producer's ACK ends it ok.
  * DONE      the outcome is delivered at once (condvar + callback); local failures send
  *           FAIL to the producer. Posted receives are cancelled, a waiting seat is
  *           cancelled in the stage, running copies see `abort`. The read quiesces when no
@@ -31,6 +33,7 @@ enum { LF_HEADER = 1, LF_QUEUED = 2, LF_STORED = 4 };
 
 static void send_read(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd);
 static void post_recvs(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd);
+static pkv_xfer_read_t *find_read(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id);
 
 static void read_free_mem(pkv_xfer_read_t *rd)
 {
@@ -45,7 +48,7 @@ static void read_free_mem(pkv_xfer_read_t *rd)
     free(rd->src_blocks);
     free(rd->layer_chunks);
     free(rd->layer_flags);
-    free(rd->layer_sum);
+    free(rd->layer_mac);
     free(rd->ev_layer);
     free(rd->job_layer);
     pthread_cond_destroy(&rd->cv);
@@ -92,26 +95,81 @@ static int read_check(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h)
 static int read_tables(pkv_xfer_read_t *rd, uint32_t n)
 {
     uint32_t L = rd->v.layers;
-    rd->src_blocks = malloc(sizeof(uint32_t) * n);
+    rd->src_blocks = malloc(sizeof(uint32_t) * (n ? n : 1));
     rd->layer_chunks = calloc(L, sizeof(uint32_t));
     rd->layer_flags = calloc(L, 1);
-    rd->layer_sum = calloc(L, sizeof(uint64_t));
-    rd->v.trailer = rd->layer_sum; /* a whole stream's checksums are received into it */
+    rd->layer_mac = calloc(L, XF_MAC_TAG_BYTES);
+    rd->v.trailer = rd->layer_mac; /* a whole stream's MACs are received into it */
+    rd->v.keys = malloc((size_t)L * XF_MAC_KEY_BYTES);
     rd->ev_layer = calloc(L, sizeof(xf_event_t));
     rd->job_layer = calloc(L, sizeof(xf_job_t));
-    rd->chunks = calloc(rd->v.n_chunks, sizeof(xf_chunk_t));
+    rd->chunks = calloc(rd->v.n_chunks ? rd->v.n_chunks : 1, sizeof(xf_chunk_t));
     rd->layer_pieces = calloc(L, sizeof(uint64_t *));
     rd->layer_npieces = calloc(L, sizeof(uint32_t));
-    if (!rd->src_blocks || !rd->layer_chunks || !rd->layer_flags || !rd->layer_sum ||
+    if (!rd->src_blocks || !rd->layer_chunks || !rd->layer_flags || !rd->layer_mac || !rd->v.keys ||
         !rd->ev_layer || !rd->job_layer || !rd->chunks || !rd->layer_pieces || !rd->layer_npieces)
         return PKV_ERR_NOMEM;
+    return PKV_OK;
+}
+
+/* Options that pkv_xfer_read_ex accepts: indices strictly increasing within the handle,
+ * a printable identity that fits HELLO. */
+static int opts_check(const pkv_xfer_handle_t *h, const pkv_xfer_read_opts_t *o,
+                      const uint32_t *dst, uint32_t n)
+{
+    if (n && !dst) return PKV_ERR_INVALID;
+    if (!o || !o->idx) {
+        if (n && n != h->n_blocks) return PKV_ERR_INVALID;
+    } else {
+        for (uint32_t i = 0; i < n; i++)
+            if (o->idx[i] >= h->n_blocks || (i && o->idx[i] <= o->idx[i - 1]))
+                return PKV_ERR_INVALID;
+    }
+    if (o && o->identity) {
+        size_t il = strnlen(o->identity, XF_WIRE_MAX_IDENTITY + 1);
+        if (il > XF_WIRE_MAX_IDENTITY) return PKV_ERR_INVALID;
+        for (size_t i = 0; i < il; i++)
+            if (o->identity[i] < 0x20 || o->identity[i] > 0x7e) return PKV_ERR_INVALID;
+    }
     return PKV_OK;
 }
 
 int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_t *dst, uint32_t n,
                   uint64_t deadline_ns, pkv_xfer_done_fn fn, void *arg, pkv_xfer_read_t **out)
 {
-    if (!a || !h || !dst || !out || n != h->n_blocks || !n || !deadline_ns) return PKV_ERR_INVALID;
+    if (!n) return PKV_ERR_INVALID; /* a token-only release is pkv_xfer_read_ex's */
+    return pkv_xfer_read_ex(a, h, NULL, dst, n, deadline_ns, fn, arg, out);
+}
+
+/* The view of a read: its blocks, chunks and staging pages; a release has none. */
+static int read_view(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, const pkv_xfer_handle_t *h,
+                     const uint32_t *dst, uint32_t n)
+{
+    if (!n) {
+        memset(&rd->v, 0, sizeof(rd->v));
+        rd->v.layers = a->geo.layers;
+        rd->v.chunk_bytes = a->cfg.chunk_bytes;
+        atomic_init(&rd->v.abort, false);
+        rd->release = true;
+        return PKV_OK;
+    }
+    bool small = xf_small(a, n);
+    uint32_t chunk =
+        small ? PKV_MIN(a->cfg.chunk_bytes, PKV_XFER_WHOLE_CHUNK_BYTES) : a->cfg.chunk_bytes;
+    int rc = xf_view_init(&rd->v, a, n, dst, chunk, small);
+    if (rc == PKV_ERR_NOFIT) {
+        PKV_LOGW(XF_MOD, "read: request %llu (%u blocks) exceeds the transfer limits",
+                 (unsigned long long)h->request_id, n);
+        rc = PKV_ERR_INVALID;
+    }
+    return rc;
+}
+
+int pkv_xfer_read_ex(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h,
+                     const pkv_xfer_read_opts_t *opts, const uint32_t *dst, uint32_t n,
+                     uint64_t deadline_ns, pkv_xfer_done_fn fn, void *arg, pkv_xfer_read_t **out)
+{
+    if (!a || !h || !out || !deadline_ns || opts_check(h, opts, dst, n)) return PKV_ERR_INVALID;
     int rc = read_check(a, h);
     if (rc) return rc;
 
@@ -120,28 +178,23 @@ int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_
     if (!rd) return PKV_ERR_NOMEM;
     if (pthread_mutex_init(&rd->mu, NULL)) goto fail_rd;
     if (pkv_cond_init_monotonic(&rd->cv)) goto fail_mu;
-    bool small = xf_small(a, n);
-    uint32_t chunk =
-        small ? PKV_MIN(a->cfg.chunk_bytes, PKV_XFER_WHOLE_CHUNK_BYTES) : a->cfg.chunk_bytes;
-    rc = xf_view_init(&rd->v, a, n, dst, chunk, small);
-    if (rc) {
-        if (rc == PKV_ERR_NOFIT) {
-            PKV_LOGW(XF_MOD, "read: request %llu (%u blocks) exceeds the transfer limits",
-                     (unsigned long long)h->request_id, n);
-            rc = PKV_ERR_INVALID;
-        }
-        goto fail_cv;
-    }
+    rc = read_view(a, rd, h, dst, n);
+    if (rc) goto fail_cv;
     rc = PKV_ERR_NOMEM;
     if (read_tables(rd, n)) goto fail_mem;
     /* Same host and boot: we may copy straight from the producer's shared arena. */
-    rd->want_shared = h->local.present && !a->cfg.no_shared && a->have_boot_id &&
+    rd->want_shared = n && h->local.present && !a->cfg.no_shared && a->have_boot_id &&
                       !memcmp(h->local.boot_id, a->boot_id, sizeof(a->boot_id));
+    if (opts && opts->identity) {
+        rd->check_identity = true;
+        snprintf(rd->identity, sizeof(rd->identity), "%s", opts->identity);
+    }
     rd->local_pid = h->local.pid;
     rd->local_fd = h->local.fd;
     rd->local_ino = h->local.ino;
     rd->local_bytes = h->local.arena_bytes;
-    memcpy(rd->src_blocks, h->blocks, sizeof(uint32_t) * n);
+    for (uint32_t i = 0; i < n; i++)
+        rd->src_blocks[i] = h->blocks[opts && opts->idx ? opts->idx[i] : i];
     rd->request_id = h->request_id;
     memcpy(rd->token, h->token, sizeof(rd->token));
     snprintf(rd->addr, sizeof(rd->addr), "%s", h->addr);
@@ -155,7 +208,7 @@ int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_
         rd->chunks[c].owner = rd;
         rd->chunks[c].index = c;
     }
-    rc = pkv_kv_pin(a->kv, dst, n);
+    rc = n ? pkv_kv_pin(a->kv, dst, n) : PKV_OK;
     if (rc) {
         PKV_LOGW(XF_MOD, "read: request %llu: destination blocks not live (%s)",
                  (unsigned long long)h->request_id, pkv_status_str(rc));
@@ -164,7 +217,7 @@ int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_
     pthread_mutex_lock(&a->lock);
     if (a->stopping) {
         pthread_mutex_unlock(&a->lock);
-        pkv_kv_unpin(a->kv, dst, n);
+        if (n) pkv_kv_unpin(a->kv, dst, n);
         rc = PKV_ERR_SHUTDOWN;
         goto fail_mem;
     }
@@ -213,6 +266,16 @@ int pkv_xfer_read_wait(pkv_xfer_read_t *rd, uint64_t wait_deadline_ns, int *outc
     if (!done) return PKV_ERR_TIMEOUT;
     *outcome = oc;
     return PKV_OK;
+}
+
+pkv_xfer_why_t pkv_xfer_read_why(const pkv_xfer_read_t *rd)
+{
+    if (!rd) return PKV_XFER_WHY_NONE;
+    pthread_mutex_t *mu = (pthread_mutex_t *)&rd->mu;
+    pthread_mutex_lock(mu);
+    pkv_xfer_why_t w = atomic_load(&rd->done) ? rd->why : PKV_XFER_WHY_NONE;
+    pthread_mutex_unlock(mu);
+    return w;
 }
 
 uint64_t pkv_xfer_read_bytes(const pkv_xfer_read_t *rd)
@@ -275,7 +338,7 @@ static bool quiesce(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
         pkv_stage_grant_free(rd->v.grant);
         rd->v.grant = NULL;
     }
-    pkv_kv_unpin(a->kv, rd->v.blocks, rd->v.n_blocks);
+    if (rd->v.n_blocks) pkv_kv_unpin(a->kv, rd->v.blocks, rd->v.n_blocks);
     XF_STAT_SUB(a, pinned_blocks, rd->v.n_blocks);
     if (rd->peer) rd->peer->refs--;
     rd->peer = NULL;
@@ -390,6 +453,24 @@ void xf_reads_admit(pkv_xfer_agent_t *a, pkv_xfer_read_t *list)
             settle(a, rd);
             continue;
         }
+        /* This read's nonce (unique: the agent's random prefix and a counter) and with it
+         * the layers' MAC keys, which only a holder of the token can derive too. */
+        uint64_t ctr = atomic_fetch_add(&a->nonce_ctr, 1);
+        for (int i = 0; i < 8; i++) {
+            rd->nonce[i] = (uint8_t)(a->nonce_prefix >> (8 * i));
+            rd->nonce[8 + i] = (uint8_t)(ctr >> (8 * i));
+        }
+        if (rd->release) { /* nothing to seat or receive */
+            send_read(a, rd);
+            settle(a, rd);
+            continue;
+        }
+        if (xf_mac_keys(a->mac, rd->token, rd->nonce, rd->request_id, rd->v.n_blocks, rd->v.layers,
+                        rd->v.keys)) {
+            finish(a, rd, PKV_ERR_NOFIT, false, "cannot derive the transfer's MAC keys");
+            settle(a, rd);
+            continue;
+        }
         if (rd->want_shared)
             rd->arena = xf_peer_map_arena(rd->peer, rd->local_pid, rd->local_fd, rd->local_ino,
                                           rd->local_bytes);
@@ -427,30 +508,30 @@ void xf_read_seat(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
 }
 
 /* Store layer l (staging or the producer's arena -> pool) and check it against the
- * checksum its DATA or the stream's trailer carried: PKV_OK or PKV_ERR_CORRUPT. */
-static int store_layer(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l, uint64_t expected)
+ * MAC its DATA or the stream's trailer carried: PKV_OK or PKV_ERR_CORRUPT. */
+static int store_layer(pkv_xfer_agent_t *a, xf_mac_t *m, pkv_xfer_read_t *rd, uint32_t l)
 {
     uint32_t k = rd->v.whole ? 0 : l; /* a whole stream's pieces are all in [0] */
-    uint64_t sum = rd->shared ? xf_view_copy_layer_from(&rd->v, a, l, rd->arena,
-                                                        rd->layer_pieces[k], rd->layer_npieces[k],
-                                                        (uint64_t)(l - k) * rd->v.layer_total)
-                              : xf_view_copy_layer(&rd->v, a, l, false);
-    return sum == expected ? PKV_OK : PKV_ERR_CORRUPT;
+    uint8_t tag[XF_MAC_TAG_BYTES];
+    bool ok = rd->shared ? xf_view_copy_layer_from(&rd->v, a, m, l, rd->arena, rd->layer_pieces[k],
+                                                   rd->layer_npieces[k],
+                                                   (uint64_t)(l - k) * rd->v.layer_total, tag)
+                         : xf_view_copy_layer(&rd->v, a, m, l, false, tag);
+    return ok && xf_mac_equal(tag, rd->layer_mac + XF_MAC_TAG_BYTES * l) ? PKV_OK : PKV_ERR_CORRUPT;
 }
 
 /* Copy worker: store layer l. */
-void xf_read_job(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l)
+void xf_read_job(pkv_xfer_agent_t *a, xf_mac_t *m, pkv_xfer_read_t *rd, uint32_t l)
 {
     xf_event_t *ev = &rd->ev_layer[l];
-    ev->status =
-        atomic_load(&rd->v.abort) ? PKV_ERR_CANCELLED : store_layer(a, rd, l, ev->checksum);
+    ev->status = atomic_load(&rd->v.abort) ? PKV_ERR_CANCELLED : store_layer(a, m, rd, l);
     pkv_xfer_sum_fence(); /* the layer's streaming stores land before the loop is told */
     xf_event_post(a, ev);
 }
 
 static void layer_stored(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l, int status);
 
-/* Layer l has its checksum (DATA or trailer) and every chunk: store it, here for a small transfer,
+/* Layer l has its MAC (DATA or trailer) and every chunk: store it, here for a small transfer,
  * else on a copy worker. The caller ends with settle(). */
 static void maybe_verify(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l)
 {
@@ -460,14 +541,13 @@ static void maybe_verify(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l)
         return;
     rd->layer_flags[l] |= LF_QUEUED;
     if (xf_small(a, rd->v.n_blocks)) {
-        layer_stored(a, rd, l, store_layer(a, rd, l, rd->layer_sum[l]));
+        layer_stored(a, rd, l, store_layer(a, a->mac, rd, l));
         return;
     }
     xf_event_t *ev = &rd->ev_layer[l];
     ev->kind = XF_EV_VERIFIED;
     ev->owner = rd;
     ev->layer = l;
-    ev->checksum = rd->layer_sum[l];
     xf_job_t *job = &rd->job_layer[l];
     job->kind = XF_JOB_VERIFY;
     job->owner = rd;
@@ -503,11 +583,10 @@ static void recv_done(void *request, ucs_status_t status, const ucp_tag_recv_inf
             finish(a, rd, PKV_ERR_CORRUPT, true, "payload chunk of the wrong length");
         } else if (rd->v.whole) {
             /* Chunks cross layers: every layer is in when every chunk is, and with the
-             * last byte the trailer, every layer's checksum. */
+             * last byte the trailer, every layer's MAC. */
             if (++rd->chunks_in == rd->v.n_chunks)
                 for (l = 0; l < rd->v.layers && !rd->finished; l++) {
                     rd->layer_chunks[l] = 1;
-                    rd->layer_sum[l] = le64toh(rd->layer_sum[l]);
                     rd->layer_flags[l] |= LF_HEADER;
                     fault(a, PKV_XFER_FAULT_READ_LAYER_RECEIVED, l);
                     maybe_verify(a, rd, l);
@@ -580,7 +659,21 @@ static void post_recvs(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
     }
 }
 
-/* Send READ with the time left; the read is READING from then on. */
+/* The producer's identity is the one the read expects (or it expects none); false: the
+ * read ended rejected. Before it matched, no READ (with the token) goes to the peer. */
+static bool identity_ok(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
+{
+    if (!rd->check_identity || !strcmp(rd->peer->identity, rd->identity)) return true;
+    char why[2 * XF_WIRE_MAX_IDENTITY + 64];
+    snprintf(why, sizeof(why), "the producer presents identity '%s', not '%s'", rd->peer->identity,
+             rd->identity);
+    rd->why = PKV_XFER_WHY_IDENTITY;
+    finish(a, rd, PKV_ERR_REJECTED, false, why);
+    return false;
+}
+
+/* Send READ with the time left; the read is READING from then on (READ waits for the
+ * producer's HELLO when the read checks its identity). */
 static void send_read(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
 {
     xf_view_t *v = &rd->v;
@@ -589,15 +682,24 @@ static void send_read(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
         finish(a, rd, PKV_ERR_TIMEOUT, false, "deadline passed while seating staging");
         return;
     }
+    rd->state = XF_READ_READING;
+    if (rd->check_identity && !rd->peer->hello_seen) {
+        rd->read_deferred = true; /* xf_reads_on_hello comes back */
+        return;
+    }
+    if (!identity_ok(a, rd)) return;
     xf_wire_read_t r;
     memset(&r, 0, sizeof(r));
     r.xfer_id = rd->xfer_id;
     r.request_id = rd->request_id;
     memcpy(r.token, rd->token, sizeof(r.token));
+    memcpy(r.nonce, rd->nonce, sizeof(r.nonce));
     r.budget_ns = PKV_MIN(rd->deadline_ns - now, XF_WIRE_MAX_BUDGET_NS);
     r.geo = a->geo;
     r.chunk_bytes = v->chunk_bytes;
-    r.flags = (rd->shared ? XF_WIRE_READ_SHARED : 0) | (v->whole ? XF_WIRE_READ_WHOLE : 0);
+    r.flags = rd->release
+                  ? XF_WIRE_READ_RELEASE
+                  : (rd->shared ? XF_WIRE_READ_SHARED : 0) | (v->whole ? XF_WIRE_READ_WHOLE : 0);
     uint32_t runs = xf_wire_count_runs(rd->src_blocks, v->n_blocks);
     size_t cap = xf_wire_read_bytes(runs), len;
     uint8_t *buf = malloc(cap);
@@ -614,7 +716,42 @@ static void send_read(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
         return;
     }
     rd->read_sent = true;
-    rd->state = XF_READ_READING;
+}
+
+void xf_reads_on_hello(pkv_xfer_agent_t *a, xf_peer_t *p)
+{
+    for (pkv_xfer_read_t *rd = a->reads, *next; rd; rd = next) {
+        next = rd->next; /* settle may unlink rd */
+        if (rd->peer != p || !rd->read_deferred || rd->finished) continue;
+        rd->read_deferred = false;
+        send_read(a, rd);
+        settle(a, rd);
+    }
+}
+
+void xf_reads_no_hello(pkv_xfer_agent_t *a, xf_peer_t *p, const char *why)
+{
+    for (pkv_xfer_read_t *rd = a->reads, *next; rd; rd = next) {
+        next = rd->next; /* settle may unlink rd */
+        if (rd->peer != p || !rd->read_deferred || rd->finished) continue;
+        rd->read_deferred = false;
+        finish(a, rd, PKV_ERR_REJECTED, false, why);
+        settle(a, rd);
+    }
+}
+
+/* The producer accepted a token-only release. */
+void xf_read_on_ack(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_ack_t *k)
+{
+    pkv_xfer_read_t *rd = find_read(a, p, k->xfer_id);
+    if (!rd || rd->finished) return;
+    if (!rd->release || !rd->read_sent || k->request_id != rd->request_id || k->bytes) {
+        XF_STAT_ADD(a, proto_errors, 1);
+        finish(a, rd, PKV_ERR_REJECTED, true, "ACK for a read that is not a release");
+    } else {
+        finish(a, rd, PKV_OK, false, "released");
+    }
+    settle(a, rd);
 }
 
 static int seat_outcome(int rc)
@@ -718,10 +855,10 @@ void xf_read_on_data(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_data_t *d)
     const char *bad = NULL;
     if (rd->v.whole && !rd->shared)
         bad = "DATA for a small read (its checksums come in its payload)";
-    else if (rd->state != XF_READ_READING || d->layer >= rd->v.layers ||
-             d->bytes != rd->v.layer_total || (rd->layer_flags[d->layer] & LF_HEADER) ||
-             shared_msg != rd->shared || all_msg != rd->v.whole ||
-             (all_msg && (d->layer != 0 || d->n_sums != rd->v.layers)))
+    else if (rd->state != XF_READ_READING || !rd->read_sent || rd->release ||
+             d->layer >= rd->v.layers || d->bytes != rd->v.layer_total ||
+             (rd->layer_flags[d->layer] & LF_HEADER) || shared_msg != rd->shared ||
+             all_msg != rd->v.whole || (all_msg && (d->layer != 0 || d->n_macs != rd->v.layers)))
         bad = "DATA message does not match the plan";
     if (bad) {
         XF_STAT_ADD(a, proto_errors, 1);
@@ -743,7 +880,8 @@ void xf_read_on_data(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_data_t *d)
     uint32_t first = d->layer, end = all_msg ? rd->v.layers : d->layer + 1;
     for (uint32_t l = first; l < end; l++) {
         rd->layer_flags[l] |= LF_HEADER;
-        rd->layer_sum[l] = all_msg ? xf_wire_data_sum(d, l) : d->checksum;
+        memcpy(rd->layer_mac + XF_MAC_TAG_BYTES * l, all_msg ? xf_wire_data_mac(d, l) : d->mac,
+               XF_MAC_TAG_BYTES);
         if (!shared_msg) continue;
         rd->layer_chunks[l] = rd->v.chunks_per_layer; /* no payload messages */
         fault(a, PKV_XFER_FAULT_READ_LAYER_RECEIVED, l);

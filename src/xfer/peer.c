@@ -315,8 +315,8 @@ int xf_ctl_send(pkv_xfer_agent_t *a, xf_peer_t *p, void *msg, size_t len)
     b->len = len;
     memcpy(b->data, msg, len);
     if (a->faults.wire_version) b->data[4] = a->faults.wire_version; /* the header's version */
-    if (a->faults.malformed_read && len >= 80 && b->data[5] == XF_WIRE_READ)
-        b->data[79] |= 0x80; /* an unknown bit in READ's flags (offset 76, little-endian) */
+    if (a->faults.malformed_read && len >= 96 && b->data[5] == XF_WIRE_READ)
+        b->data[95] |= 0x80; /* an unknown bit in READ's flags (offset 92, little-endian) */
     if (!p->established) {
         *p->queued_tail = b;
         p->queued_tail = &b->next;
@@ -362,6 +362,18 @@ void xf_send_fail(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, uint64_t 
     if (xf_wire_encode_fail(&f, buf, sizeof(buf), &len) == PKV_OK) xf_ctl_send(a, p, buf, len);
 }
 
+/* The accepting side's first message: who we are (before any heartbeat, so a consumer
+ * has it with the first message it gets). */
+static void send_hello(pkv_xfer_agent_t *a, xf_peer_t *p)
+{
+    xf_wire_hello_t h = {.agent_id = a->agent_id};
+    snprintf(h.identity, sizeof(h.identity), "%s", a->identity);
+    uint8_t buf[XF_WIRE_HEADER_BYTES + 16 + XF_WIRE_MAX_IDENTITY];
+    size_t len;
+    if (xf_wire_encode_hello(&h, buf, sizeof(buf), &len) == PKV_OK) xf_ctl_send(a, p, buf, len);
+    p->hello_sent = true;
+}
+
 static void send_heartbeat(pkv_xfer_agent_t *a, xf_peer_t *p)
 {
     xf_wire_heartbeat_t h = {.agent_id = a->agent_id, .seq = ++p->hb_seq};
@@ -390,7 +402,10 @@ void xf_peers_tick(pkv_xfer_agent_t *a, uint64_t now)
                 xf_peer_fail(a, p, "silent past the peer timeout");
             } else if (now >= p->next_hb_ns && p->established) {
                 /* A stalled peer stops completing our sends: don't pile heartbeats up. */
-                if (p->ctl_inflight < 16) send_heartbeat(a, p);
+                if (!p->outgoing && !p->hello_sent)
+                    send_hello(a, p);
+                else if (p->ctl_inflight < 16)
+                    send_heartbeat(a, p);
                 p->next_hb_ns = now + a->cfg.heartbeat_ns;
             }
         }
@@ -471,6 +486,7 @@ ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, voi
                 p->foreign_logged = true;
                 PKV_LOGW(XF_MOD, "peer %u: %s: its transfers end rejected", p->id, why);
             }
+            if (p->outgoing && !p->hello_seen) xf_reads_no_hello(a, p, why);
         } else {
             XF_STAT_ADD(a, proto_errors, 1);
             snprintf(why, sizeof(why), "malformed message (type %u, %zu bytes)", f.type, length);
@@ -484,9 +500,11 @@ ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, voi
         if (p->outgoing) goto wrong_side;
         xf_serve_on_read(a, p, &m.u.read);
         break;
-    case XF_WIRE_ACK:
-        if (p->outgoing) goto wrong_side;
-        xf_serve_on_ack(a, p, &m.u.ack);
+    case XF_WIRE_ACK: /* a consumer's; a producer's answers a token-only release */
+        if (p->outgoing)
+            xf_read_on_ack(a, p, &m.u.ack);
+        else
+            xf_serve_on_ack(a, p, &m.u.ack);
         break;
     case XF_WIRE_DATA:
         if (!p->outgoing) goto wrong_side;
@@ -500,6 +518,13 @@ ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, voi
         break;
     case XF_WIRE_HEARTBEAT:
         p->remote_agent_id = m.u.hb.agent_id;
+        break;
+    case XF_WIRE_HELLO:
+        if (!p->outgoing || p->hello_seen) goto wrong_side;
+        p->remote_agent_id = m.u.hello.agent_id;
+        snprintf(p->identity, sizeof(p->identity), "%s", m.u.hello.identity);
+        p->hello_seen = true;
+        xf_reads_on_hello(a, p);
         break;
     case XF_WIRE_CLOSE:
         /* Messages on one endpoint arrive in order: everything the peer sent before its

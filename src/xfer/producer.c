@@ -7,15 +7,19 @@
  *   any state --deadline | FAIL | peer lost | unregister | shutdown--> DONE(...)
  *
  * Checks before anything is allocated: the request is registered and live, the token
- * matches (constant time), the geometry equals ours, every planned block belongs to the
- * registration, no other transfer serves it now. A refusal is FAIL rejected.
+ * matches (constant time), the geometry equals ours, the planned blocks are registered
+ * blocks in registration order (all of them, or a partial read's subset), no other
+ * transfer serves it now. A refusal is FAIL rejected. A READ with RELEASE (no blocks)
+ * that passes them ends the registration as sent at once and is answered ACK: the
+ * token-only release of a consumer that needs none of the blocks.
  * SEATING   staging for the whole transfer on a seat thread, until the consumer's
  *           deadline (its remaining budget from READ, measured on our clock).
- * SENDING   one copy job stages layer after layer (pool -> staging, checksummed); as each
- *           layer is staged its chunks are posted as tag sends, at most max_inflight at a
- *           time, followed by the layer's DATA (checksum) — copy and send overlap. A
- *           small read is one stream: its last chunk carries every layer's checksum (a
- *           trailer), no DATA; through the shared arena one DATA announces every layer.
+ * SENDING   one copy job stages layer after layer (pool -> staging, MACed under the keys
+ *           of the token and the READ's nonce); as each layer is staged its chunks are
+ *           posted as tag sends, at most max_inflight at a time, followed by the layer's
+ *           DATA (its MAC) — copy and send overlap. A small read is one stream: its last
+ *           chunk carries every layer's MAC (a trailer), no DATA; through the shared arena
+ *           one DATA announces every layer.
  * WAIT_ACK  every send completed locally, which only means the bytes left this process.
  * Only ACK makes the request sent. On failure the serve stops posting, tells the
  * consumer (FAIL) unless the consumer told us, and quiesces once the copy job has
@@ -386,7 +390,7 @@ static void serve_free(xf_serve_t *s)
         for (uint32_t c = 0; c < s->v.n_chunks; c++) free(s->chunks[c].iov);
     xf_view_fini(&s->v);
     free(s->chunks);
-    free(s->layer_sum);
+    free(s->layer_mac);
     free(s->ev_layer);
     free(s);
 }
@@ -522,20 +526,51 @@ static xf_reg_t *serve_admit(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_re
         return NULL;
     }
 
-    /* The plan must be the registration's blocks, all of them, in order: an ACK ends the
-     * registration as sent, so a read of fewer (or other) blocks must not be served. */
-    bool same = r->n_blocks == reg->n;
-    for (uint32_t i = 0, k = 0; same && i < r->n_runs; i++) {
+    /* The plan must name registered blocks in registration order, each once: all of them,
+     * or the subset a partial read needs (an ACK ends the registration as sent either way:
+     * the consumer said it holds the rest). Registered blocks are distinct, so a walk that
+     * only moves forward finds a subsequence or nothing. */
+    bool within = r->n_blocks <= reg->n;
+    for (uint32_t i = 0, k = 0; within && i < r->n_runs; i++) {
         uint32_t first, count;
         xf_wire_read_run(r, i, &first, &count);
-        for (uint32_t j = 0; same && j < count; j++)
-            same = k < reg->n && reg->blocks[k++] == first + j;
+        for (uint32_t j = 0; within && j < count; j++) {
+            while (k < reg->n && reg->blocks[k] != first + j) k++;
+            within = k++ < reg->n;
+        }
     }
-    if (!same) {
-        reject(a, p, r, PKV_ERR_REJECTED, "plan is not the request's registered blocks");
+    if (!within) {
+        reject(a, p, r, PKV_ERR_REJECTED, "plan names blocks the request did not register");
         return NULL;
     }
     return reg;
+}
+
+/* A token-only release passed the checks: the registration ends as sent (0 bytes moved),
+ * its pins return now, and the consumer hears ACK. */
+static void serve_release(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_read_t *r, xf_reg_t *reg)
+{
+    xf_wire_ack_t k = {.xfer_id = r->xfer_id, .request_id = r->request_id, .bytes = 0};
+    uint8_t buf[64];
+    size_t len;
+    XF_STAT_ADD(a, sent, 1);
+    XF_STAT_ADD(a, released, 1);
+    reg_end(a, unlink_reg(a, reg), PKV_OK);
+    if (xf_wire_encode_ack(&k, buf, sizeof(buf), &len) == PKV_OK) xf_ctl_send(a, p, buf, len);
+}
+
+/* The serve and its tables for registration `reg`; NULL: refused as out of limits or
+ * memory (the peer was told). */
+/* The READ's plan as a block list (the registration's blocks or a subset of them). */
+static uint32_t *plan_blocks(const xf_wire_read_t *r)
+{
+    uint32_t *b = malloc(sizeof(uint32_t) * r->n_blocks), n = 0;
+    for (uint32_t i = 0; b && i < r->n_runs; i++) {
+        uint32_t first, count;
+        xf_wire_read_run(r, i, &first, &count);
+        for (uint32_t j = 0; j < count; j++) b[n++] = first + j;
+    }
+    return b;
 }
 
 /* The serve and its tables for registration `reg`; NULL: refused as out of limits or
@@ -544,9 +579,11 @@ static xf_serve_t *serve_make(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_r
                               xf_reg_t *reg)
 {
     xf_serve_t *s = calloc(1, sizeof(*s));
-    int rc = s ? xf_view_init(&s->v, a, reg->n, reg->blocks, r->chunk_bytes,
-                              r->flags & XF_WIRE_READ_WHOLE)
-               : PKV_ERR_NOMEM;
+    uint32_t *plan = s ? plan_blocks(r) : NULL;
+    int rc = plan ? xf_view_init(&s->v, a, r->n_blocks, plan, r->chunk_bytes,
+                                 r->flags & XF_WIRE_READ_WHOLE)
+                  : PKV_ERR_NOMEM;
+    free(plan);
     if (rc) {
         free(s);
         reject(a, p, r, PKV_ERR_NOFIT,
@@ -554,13 +591,19 @@ static xf_serve_t *serve_make(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_r
         return NULL;
     }
     uint32_t L = s->v.layers;
-    s->layer_sum = calloc(L, sizeof(uint64_t));
-    s->v.trailer = s->layer_sum;
+    s->layer_mac = calloc(L, XF_MAC_TAG_BYTES);
+    s->v.trailer = s->layer_mac;
+    s->v.keys = malloc((size_t)L * XF_MAC_KEY_BYTES);
     s->ev_layer = calloc(L, sizeof(xf_event_t));
     s->chunks = calloc(s->v.n_chunks, sizeof(xf_chunk_t));
-    if (!s->layer_sum || !s->ev_layer || !s->chunks) {
+    if (!s->layer_mac || !s->v.keys || !s->ev_layer || !s->chunks) {
         serve_free(s);
         reject(a, p, r, PKV_ERR_NOFIT, "out of memory");
+        return NULL;
+    }
+    if (xf_mac_keys(a->mac, reg->token, r->nonce, r->request_id, r->n_blocks, L, s->v.keys)) {
+        serve_free(s);
+        reject(a, p, r, PKV_ERR_NOFIT, "cannot derive the transfer's MAC keys");
         return NULL;
     }
     return s;
@@ -571,6 +614,10 @@ void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_read_t *r
     uint64_t now = pkv_now_ns();
     xf_reg_t *reg = serve_admit(a, p, r, now);
     if (!reg) return;
+    if (r->flags & XF_WIRE_READ_RELEASE) {
+        serve_release(a, p, r, reg);
+        return;
+    }
     xf_serve_t *s = serve_make(a, p, r, reg);
     if (!s) return;
     s->agent = a;
@@ -578,6 +625,7 @@ void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_read_t *r
     s->reg = reg;
     s->xfer_id = r->xfer_id;
     s->request_id = r->request_id;
+    memcpy(s->nonce, r->nonce, sizeof(s->nonce));
     s->deadline_ns = now + r->budget_ns;
     s->shared = r->flags & XF_WIRE_READ_SHARED;
     s->v.stage_nt = s->v.stage_nt || s->shared; /* the peer reads it on another core */
@@ -618,46 +666,66 @@ void xf_serve_seat(pkv_xfer_agent_t *a, xf_serve_t *s)
     xf_event_post(a, &s->ev_seated);
 }
 
-/* Copy layer l pool -> staging; its checksum. */
-static uint64_t stage_layer(pkv_xfer_agent_t *a, xf_serve_t *s, uint32_t l)
+/* Fault injection (forge_mac): layer l's staged bytes, changed, MACed again the way a
+ * party without the token would (keys from another token, the right ids and nonce). */
+static void forge_layer(pkv_xfer_agent_t *a, xf_serve_t *s, xf_mac_t *m, uint32_t l)
 {
-    uint64_t sum = xf_view_copy_layer(&s->v, a, l, true);
-    if (a->faults.corrupt_layer == (int32_t)l) {
+    uint8_t wrong[PKV_XFER_TOKEN_BYTES];
+    memcpy(wrong, s->reg->token, sizeof(wrong));
+    wrong[0] ^= 1;
+    uint8_t *keys = malloc((size_t)s->v.layers * XF_MAC_KEY_BYTES);
+    (void)a;
+    if (!keys) return;
+    if (xf_mac_keys(m, wrong, s->nonce, s->request_id, s->v.n_blocks, s->v.layers, keys) ==
+        PKV_OK) {
+        /* Flip a staged byte (the bytes the peer sends), MAC what is staged. */
+        pkv_xfer_sum_fence();
+        xf_view_corrupt(&s->v, l);
+        xf_view_mac_staged(&s->v, m, keys, l, s->layer_mac + XF_MAC_TAG_BYTES * l);
+    }
+    free(keys);
+}
+
+/* Copy layer l pool -> staging; its MAC into layer_mac. */
+static void stage_layer(pkv_xfer_agent_t *a, xf_mac_t *m, xf_serve_t *s, uint32_t l)
+{
+    xf_view_copy_layer(&s->v, a, m, l, true, s->layer_mac + XF_MAC_TAG_BYTES * l);
+    if (a->faults.corrupt_layer == (int32_t)l && a->faults.forge_mac) {
+        forge_layer(a, s, m, l);
+    } else if (a->faults.corrupt_layer == (int32_t)l) {
         pkv_xfer_sum_fence(); /* the flipped byte lands after the layer's streaming stores */
         xf_view_corrupt(&s->v, l);
     }
     fault(a, PKV_XFER_FAULT_SERVE_COPIED, l);
-    return sum;
 }
 
 /* Copy worker: stage every layer in order, announcing each as it is ready. */
-void xf_serve_job(pkv_xfer_agent_t *a, xf_serve_t *s)
+void xf_serve_job(pkv_xfer_agent_t *a, xf_mac_t *m, xf_serve_t *s)
 {
     for (uint32_t l = 0; l < s->v.layers; l++) {
         if (atomic_load(&s->v.abort)) break;
-        uint64_t sum = stage_layer(a, s, l);
+        stage_layer(a, m, s, l);
         pkv_xfer_sum_fence(); /* its streaming stores land before the loop is told */
         xf_event_t *ev = &s->ev_layer[l];
         ev->kind = XF_EV_LAYER_READY;
         ev->is_serve = true;
         ev->owner = s;
         ev->layer = l;
-        ev->checksum = sum;
         xf_event_post(a, ev);
     }
     s->ev_job_done = (xf_event_t){.kind = XF_EV_JOB_DONE, .is_serve = true, .owner = s};
     xf_event_post(a, &s->ev_job_done);
 }
 
-/* Encode and send one DATA (arena pieces with SHARED, checksums with LAYERS); a failure
+/* Encode and send one DATA (arena pieces with SHARED, MACs with LAYERS); a failure
  * ends the serve. PKV_OK or the error. */
 static int send_data(pkv_xfer_agent_t *a, xf_serve_t *s, const xf_wire_data_t *d,
-                     const uint64_t *pieces, uint32_t n_pieces, const uint64_t *sums,
-                     uint32_t n_sums)
+                     const uint64_t *pieces, uint32_t n_pieces, const uint8_t *macs,
+                     uint32_t n_macs)
 {
-    size_t cap = xf_wire_data_bytes(n_pieces, n_sums), len;
+    size_t cap = xf_wire_data_bytes(n_pieces, n_macs), len;
     uint8_t stack[128], *buf = cap <= sizeof(stack) ? stack : malloc(cap);
-    int rc = buf ? xf_wire_encode_data(d, pieces, n_pieces, sums, n_sums, buf, cap, &len)
+    int rc = buf ? xf_wire_encode_data(d, pieces, n_pieces, macs, n_macs, buf, cap, &len)
                  : PKV_ERR_NOMEM;
     if (rc == PKV_OK) rc = xf_ctl_send(a, s->peer, buf, len);
     if (buf != stack) free(buf);
@@ -668,11 +736,11 @@ static int send_data(pkv_xfer_agent_t *a, xf_serve_t *s, const xf_wire_data_t *d
 }
 
 /* DATA for layer l once its last chunk is posted (a whole stream has none: its
- * checksums are the payload's trailer). */
+ * MACs are the payload's trailer). */
 static void send_data_header(pkv_xfer_agent_t *a, xf_serve_t *s, uint32_t l)
 {
-    xf_wire_data_t d = {
-        .xfer_id = s->xfer_id, .layer = l, .bytes = s->v.layer_total, .checksum = s->layer_sum[l]};
+    xf_wire_data_t d = {.xfer_id = s->xfer_id, .layer = l, .bytes = s->v.layer_total};
+    memcpy(d.mac, s->layer_mac + XF_MAC_TAG_BYTES * l, XF_MAC_TAG_BYTES);
     send_data(a, s, &d, NULL, 0, NULL, 0);
 }
 
@@ -729,10 +797,10 @@ static void pump_shared(pkv_xfer_agent_t *a, xf_serve_t *s)
         xf_wire_data_t d = {.xfer_id = s->xfer_id,
                             .layer = l,
                             .flags = XF_WIRE_DATA_SHARED | (all ? XF_WIRE_DATA_LAYERS : 0),
-                            .bytes = s->v.layer_total,
-                            .checksum = all ? 0 : s->layer_sum[l]};
+                            .bytes = s->v.layer_total};
+        if (!all) memcpy(d.mac, s->layer_mac + XF_MAC_TAG_BYTES * l, XF_MAC_TAG_BYTES);
         /* n == 0 (no memory, or more pieces than runs) fails to encode: nofit */
-        int rc = send_data(a, s, &d, pieces, n, all ? s->layer_sum : NULL, all ? n_layers : 0);
+        int rc = send_data(a, s, &d, pieces, n, all ? s->layer_mac : NULL, all ? n_layers : 0);
         free(pieces);
         if (rc) return;
         s->layers_sent += n_layers;
@@ -821,16 +889,12 @@ static int seat_reason(int rc)
     }
 }
 
-/* Layer l is staged (layers are staged in order): send what can go. */
-static void layer_ready(pkv_xfer_agent_t *a, xf_serve_t *s, uint32_t l, uint64_t sum)
+/* Layer l is staged, its MAC in layer_mac (layers are staged in order): send what can go. */
+static void layer_ready(pkv_xfer_agent_t *a, xf_serve_t *s, uint32_t l)
 {
     s->t_last_ready = a->now_ns;
     if (!l) s->t_first_ready = s->t_last_ready;
-    s->layer_sum[l] = sum;
     s->layers_ready = l + 1;
-    if (s->v.whole && !s->shared && s->layers_ready == s->v.layers)
-        for (uint32_t k = 0; k < s->v.layers; k++) /* the trailer's byte order */
-            s->layer_sum[k] = htole64(s->layer_sum[k]);
     pump(a, s);
 }
 
@@ -848,10 +912,9 @@ void xf_serve_event(pkv_xfer_agent_t *a, xf_serve_t *s, xf_event_t *ev)
             } else if (!s->state_done && xf_small(a, s->v.n_blocks)) {
                 /* Small: stage every layer here, fence once, then let them go out. */
                 s->state = XF_SERVE_SENDING;
-                for (uint32_t l = 0; l < s->v.layers; l++) s->layer_sum[l] = stage_layer(a, s, l);
+                for (uint32_t l = 0; l < s->v.layers; l++) stage_layer(a, a->mac, s, l);
                 pkv_xfer_sum_fence();
-                for (uint32_t l = 0; l < s->v.layers && !s->state_done; l++)
-                    layer_ready(a, s, l, s->layer_sum[l]);
+                for (uint32_t l = 0; l < s->v.layers && !s->state_done; l++) layer_ready(a, s, l);
             } else if (!s->state_done) {
                 s->state = XF_SERVE_SENDING;
                 s->jobs_pending++;
@@ -866,7 +929,7 @@ void xf_serve_event(pkv_xfer_agent_t *a, xf_serve_t *s, xf_event_t *ev)
         }
         break;
     case XF_EV_LAYER_READY:
-        layer_ready(a, s, ev->layer, ev->checksum);
+        layer_ready(a, s, ev->layer);
         break;
     case XF_EV_JOB_DONE:
         s->jobs_pending--;

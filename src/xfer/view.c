@@ -11,8 +11,15 @@
  * A whole-stream view (small transfers, READ flag WHOLE) cuts the stream itself into
  * chunks, across layers; its layers become storable together, when every chunk is in.
  * Its payload messages carry a trailer after the stream's last byte: every layer's
- * checksum (little-endian u64), so no DATA message is needed (the trailer lives in the
- * owner's layer_sum, not in staging).
+ * 16-byte MAC, so no DATA message is needed (the trailer lives in the owner's layer_mac,
+ * not in staging).
+ *
+ * MACs (xfer/mac.h) are computed in the copies, in steps of XF_MAC_STEP bytes so the bytes
+ * are still in the L1 cache when the MAC reads them: the producer MACs what it read from
+ * its pool right after copying it; the consumer MACs its staging before it copies each
+ * step out (nothing writes its staging once the receives completed), and copies from a
+ * producer's shared arena (which other processes can map) through an L1 bounce buffer:
+ * the bytes it MACs are exactly the bytes it stores.
  *
  * Staging is the grant's runs walked in order; a stream range may cross runs, so copies
  * and payload buffers are split (payload buffers become a UCX iov).
@@ -39,7 +46,7 @@ int xf_view_init(xf_view_t *v, pkv_xfer_agent_t *a, uint32_t n_blocks, const uin
         return PKV_ERR_NOFIT;
     uint64_t total = layer_total * a->geo.layers;
     uint64_t cpl = PKV_DIV_UP(layer_total, chunk_bytes);
-    uint32_t trailer = whole ? 8 * a->geo.layers : 0;
+    uint32_t trailer = whole ? XF_MAC_TAG_BYTES * a->geo.layers : 0;
     uint64_t n_chunks = whole ? PKV_DIV_UP(total + trailer, chunk_bytes) : cpl * a->geo.layers;
     uint64_t pages = PKV_DIV_UP(total, a->page_bytes);
     if (cpl * a->geo.layers >= (1ull << XF_WIRE_CHUNK_BITS) ||
@@ -66,7 +73,9 @@ void xf_view_fini(xf_view_t *v)
 {
     free(v->blocks);
     free(v->run_off);
+    free(v->keys);
     pkv_stage_grant_free(v->grant);
+    v->keys = NULL;
     v->blocks = NULL;
     v->run_off = NULL;
     v->grant = NULL;
@@ -170,21 +179,30 @@ int xf_chunk_buffer(const xf_view_t *v, xf_chunk_t *ch, uint64_t off, uint64_t l
     return PKV_OK;
 }
 
+/* Bytes copied, then MACed, at a time: the MAC reads them from L1. */
+#define XF_MAC_STEP 4096u
+
 /* Copy pool <-> staging for stream range [off, off+len) starting at pool address `pool`,
- * checksumming the bytes in stream order (around the cache: v->stage_nt). */
+ * MACing the bytes in stream order (stores around the cache: pool copies, v->stage_nt). */
 static void seg_copy(const xf_view_t *v, uint64_t off, uint8_t *pool, uint64_t len, bool to_stage,
-                     pkv_xfer_sum_t *sum)
+                     xf_mac_t *m)
 {
+    pkv_xfer_sum_t sum; /* the copy loops' checksum, not used: the MAC is the check */
+    pkv_xfer_sum_init(&sum);
     while (len) {
         uint64_t contig;
         uint8_t *st = stage_at(v, off, &contig);
-        uint64_t k = PKV_MIN(contig, len);
-        if (!to_stage)
-            pkv_xfer_sum_copy_nt(sum, pool, st, k);
-        else if (v->stage_nt)
-            pkv_xfer_sum_copy_nt(sum, st, pool, k);
-        else
-            pkv_xfer_sum_copy(sum, st, pool, k);
+        uint64_t k = PKV_MIN(PKV_MIN(contig, len), XF_MAC_STEP);
+        if (!to_stage) {
+            xf_mac_update(m, st, k);
+            pkv_xfer_sum_copy_nt(&sum, pool, st, k);
+        } else {
+            if (v->stage_nt)
+                pkv_xfer_sum_copy_nt(&sum, st, pool, k);
+            else
+                pkv_xfer_sum_copy(&sum, st, pool, k);
+            xf_mac_update(m, pool, k);
+        }
         off += k;
         pool += k;
         len -= k;
@@ -205,13 +223,13 @@ static uint32_t coalesce(const xf_view_t *v, pkv_xfer_agent_t *a, uint32_t l, ui
 
 /* Copy one layer between the pool and staging following the coalesced plan. The layer's
  * stream: for K then V, for each KV head, that head's piece of every block in plan order.
- * Returns the layer's checksum over the stream bytes. Streaming stores: the caller fences
+ * *tag: the layer's MAC over the stream bytes. Streaming stores: the caller fences
  * (pkv_xfer_sum_fence) before it tells anyone the bytes are there, once for every layer
  * it copied in a row (64 KiB reads of 32 layers: +18 % over a fence per layer). */
-uint64_t xf_view_copy_layer(const xf_view_t *v, pkv_xfer_agent_t *a, uint32_t l, bool to_stage)
+bool xf_view_copy_layer(const xf_view_t *v, pkv_xfer_agent_t *a, xf_mac_t *m, uint32_t l,
+                        bool to_stage, uint8_t tag[XF_MAC_TAG_BYTES])
 {
-    pkv_xfer_sum_t sum;
-    pkv_xfer_sum_init(&sum);
+    xf_mac_begin(m, v->keys + (size_t)XF_MAC_KEY_BYTES * l);
     uint32_t heads = a->geo.kv_heads;
     uint64_t piece = a->layer_bytes / (2 * (uint64_t)heads);
     uint64_t off = (uint64_t)l * v->layer_total;
@@ -220,10 +238,10 @@ uint64_t xf_view_copy_layer(const xf_view_t *v, pkv_xfer_agent_t *a, uint32_t l,
             for (uint32_t i = 0, j; i < v->n_blocks; i = j) {
                 uint8_t *start;
                 j = coalesce(v, a, l, which, h, i, piece, &start);
-                seg_copy(v, off, start, (uint64_t)(j - i) * piece, to_stage, &sum);
+                seg_copy(v, off, start, (uint64_t)(j - i) * piece, to_stage, m);
                 off += (uint64_t)(j - i) * piece;
             }
-    return pkv_xfer_sum_final(&sum);
+    return xf_mac_end(m, tag);
 }
 
 /* Flip one staged byte of layer l (fault injection). */
@@ -232,6 +250,21 @@ void xf_view_corrupt(const xf_view_t *v, uint32_t l)
     uint64_t contig;
     uint8_t *p = stage_at(v, (uint64_t)l * v->layer_total + v->layer_total / 2, &contig);
     *p ^= 0x5a;
+}
+
+void xf_view_mac_staged(const xf_view_t *v, xf_mac_t *m, const uint8_t *keys, uint32_t l,
+                        uint8_t tag[XF_MAC_TAG_BYTES])
+{
+    xf_mac_begin(m, keys + (size_t)XF_MAC_KEY_BYTES * l);
+    for (uint64_t off = (uint64_t)l * v->layer_total, left = v->layer_total; left;) {
+        uint64_t contig;
+        const uint8_t *st = stage_at(v, off, &contig);
+        uint64_t k = PKV_MIN(contig, left);
+        xf_mac_update(m, st, k);
+        off += k;
+        left -= k;
+    }
+    xf_mac_end(m, tag);
 }
 
 uint32_t xf_view_arena_pieces(const xf_view_t *v, uint64_t off, uint64_t len, uint64_t *out,
@@ -256,12 +289,14 @@ uint32_t xf_view_arena_pieces(const xf_view_t *v, uint64_t off, uint64_t len, ui
     return n;
 }
 
-uint64_t xf_view_copy_layer_from(const xf_view_t *v, pkv_xfer_agent_t *a, uint32_t l,
-                                 const uint8_t *arena, const uint64_t *pieces, uint32_t n,
-                                 uint64_t skip)
+bool xf_view_copy_layer_from(const xf_view_t *v, pkv_xfer_agent_t *a, xf_mac_t *m, uint32_t l,
+                             const uint8_t *arena, const uint64_t *pieces, uint32_t n,
+                             uint64_t skip, uint8_t tag[XF_MAC_TAG_BYTES])
 {
-    pkv_xfer_sum_t sum;
+    pkv_xfer_sum_t sum; /* the copy loop's checksum, not used: the MAC is the check */
     pkv_xfer_sum_init(&sum);
+    _Alignas(64) uint8_t bounce[XF_MAC_STEP];
+    xf_mac_begin(m, v->keys + (size_t)XF_MAC_KEY_BYTES * l);
     uint32_t heads = a->geo.kv_heads;
     uint64_t piece = a->layer_bytes / (2 * (uint64_t)heads);
     uint32_t p = 0;     /* current piece */
@@ -282,13 +317,16 @@ uint64_t xf_view_copy_layer_from(const xf_view_t *v, pkv_xfer_agent_t *a, uint32
                 uint64_t len = (uint64_t)(j - i) * piece;
                 while (len) {
                     PKV_ASSERT(p < n); /* the pieces were checked to cover the layer */
-                    uint64_t k = PKV_MIN(pieces[2 * p + 1] - in, len);
-                    pkv_xfer_sum_copy_nt(&sum, dst, arena + pieces[2 * p] + in, k);
+                    uint64_t k = PKV_MIN(PKV_MIN(pieces[2 * p + 1] - in, len), XF_MAC_STEP);
+                    /* once out of the shared mapping: what is MACed is what is stored */
+                    memcpy(bounce, arena + pieces[2 * p] + in, k);
+                    xf_mac_update(m, bounce, k);
+                    pkv_xfer_sum_copy_nt(&sum, dst, bounce, k);
                     dst += k;
                     len -= k;
                     in += k;
                     if (in == pieces[2 * p + 1]) p++, in = 0;
                 }
             }
-    return pkv_xfer_sum_final(&sum);
+    return xf_mac_end(m, tag);
 }

@@ -1,5 +1,5 @@
 /*
- * xfer wire format v3: encoders and the bounds-checked decoder for control messages,
+ * xfer wire format v4: encoders and the bounds-checked decoder for control messages,
  * and the KV handle's byte form (public: pkv_xfer_handle_encode / _decode).
  *
  * Decoding rule: a cursor over [buf, buf + len) hands out fields only after checking
@@ -9,21 +9,23 @@
  * body exactly, an out-of-range value) is PKV_ERR_PROTO with nothing written.
  *
  * Bodies (all little-endian):
- *   READ      u64 xfer_id, u64 request_id, u8 token[16], u64 budget_ns,
+ *   READ      u64 xfer_id, u64 request_id, u8 token[16], u8 nonce[16], u64 budget_ns,
  *             u32 layers, u32 kv_heads, u32 head_dim, u32 block_tokens, u32 dtype,
- *             u32 chunk_bytes, u32 flags (SHARED, WHOLE), u32 n_runs,
- *             n_runs x {u32 first_block, u32 count}
+ *             u32 chunk_bytes, u32 flags (SHARED, WHOLE, RELEASE), u32 n_runs,
+ *             n_runs x {u32 first_block, u32 count} (n_runs 0 exactly with RELEASE)
  *   DATA      u64 xfer_id, u32 layer, u32 flags (SHARED, LAYERS only with SHARED),
  *             u64 bytes (one layer's),
- *             u64 checksum (0 with LAYERS),
+ *             u8 mac[16] (zero with LAYERS),
  *             if SHARED: u32 n_pieces, u32 reserved (0), n_pieces x {u64 offset, u64 length}
  *                        (they add up to bytes, with LAYERS to n * bytes)
- *             if LAYERS: u32 n, u32 reserved (0), n x u64 checksum (layers layer..+n-1)
+ *             if LAYERS: u32 n, u32 reserved (0), n x u8 mac[16] (layers layer..+n-1)
  *   ACK       u64 xfer_id, u64 request_id, u64 bytes
  *   FAIL      u64 xfer_id, u64 request_id, i32 reason, u16 text_len, u16 reserved (0),
  *             text_len bytes of printable ASCII
  *   HEARTBEAT u64 agent_id, u64 seq
  *   CLOSE     u64 agent_id, u32 flags (REPLY), u32 reserved (0)
+ *   HELLO     u64 agent_id, u16 id_len, u16 reserved (0), u32 reserved (0),
+ *             id_len bytes of printable ASCII (<= XF_WIRE_MAX_IDENTITY)
  * A flag bit this version does not know is malformed, so a peer that adds one must also
  * change XF_WIRE_VERSION or be rejected. The header, READ / DATA / ACK's leading xfer_id
  * and the whole FAIL and CLOSE stay as they are in every version (wire.h): a FAIL or CLOSE
@@ -41,8 +43,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define READ_FIXED_BYTES   72u
-#define DATA_BYTES         32u
+#define READ_FIXED_BYTES   88u
+#define DATA_BYTES         40u
+#define HELLO_FIXED_BYTES  16u
 #define DATA_PIECES_HDR    8u
 #define HANDLE_LOCAL       1u
 #define HANDLE_LOCAL_BYTES 40u
@@ -199,10 +202,10 @@ void xf_wire_data_piece(const xf_wire_data_t *d, uint32_t i, uint64_t *offset, u
     *length = le64(d->pieces + 16 * (size_t)i + 8);
 }
 
-uint64_t xf_wire_data_sum(const xf_wire_data_t *d, uint32_t i)
+const uint8_t *xf_wire_data_mac(const xf_wire_data_t *d, uint32_t i)
 {
-    PKV_ASSERT(i < d->n_sums);
-    return le64(d->sums + 8 * (size_t)i);
+    PKV_ASSERT(i < d->n_macs);
+    return d->macs + XF_WIRE_MAC_BYTES * (size_t)i;
 }
 
 void xf_wire_read_run(const xf_wire_read_t *r, uint32_t i, uint32_t *first, uint32_t *count)
@@ -234,20 +237,34 @@ static bool printable(const char *s, size_t n)
 }
 
 /* ---- decode --------------------------------------------------------------------------- */
+#define READ_FLAGS (XF_WIRE_READ_SHARED | XF_WIRE_READ_WHOLE | XF_WIRE_READ_RELEASE)
+
 static int decode_read(rcur_t *c, xf_wire_read_t *r)
 {
     uint32_t dtype;
     if (!get_u64(c, &r->xfer_id) || !get_u64(c, &r->request_id) ||
-        !get_bytes(c, r->token, sizeof(r->token)) || !get_u64(c, &r->budget_ns) ||
-        !get_u32(c, &r->geo.layers) || !get_u32(c, &r->geo.kv_heads) ||
-        !get_u32(c, &r->geo.head_dim) || !get_u32(c, &r->geo.block_tokens) || !get_u32(c, &dtype) ||
-        !get_u32(c, &r->chunk_bytes) || !get_u32(c, &r->flags) || !get_u32(c, &r->n_runs))
+        !get_bytes(c, r->token, sizeof(r->token)) || !get_bytes(c, r->nonce, sizeof(r->nonce)) ||
+        !get_u64(c, &r->budget_ns) || !get_u32(c, &r->geo.layers) ||
+        !get_u32(c, &r->geo.kv_heads) || !get_u32(c, &r->geo.head_dim) ||
+        !get_u32(c, &r->geo.block_tokens) || !get_u32(c, &dtype) || !get_u32(c, &r->chunk_bytes) ||
+        !get_u32(c, &r->flags) || !get_u32(c, &r->n_runs))
         return PKV_ERR_PROTO;
-    if (r->flags & ~(XF_WIRE_READ_SHARED | XF_WIRE_READ_WHOLE)) return PKV_ERR_PROTO;
+    if (r->flags & ~READ_FLAGS) return PKV_ERR_PROTO;
+    bool release = r->flags & XF_WIRE_READ_RELEASE;
+    if (release && (r->flags != XF_WIRE_READ_RELEASE || r->n_runs)) return PKV_ERR_PROTO;
     if (r->xfer_id == 0 || r->xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS)) return PKV_ERR_PROTO;
     if (r->budget_ns > XF_WIRE_MAX_BUDGET_NS) return PKV_ERR_PROTO;
     if (dtype > PKV_DTYPE_BF16) return PKV_ERR_PROTO;
     r->geo.dtype = (pkv_dtype_t)dtype;
+    if (release) { /* no plan: the geometry and the chunk size are still checked */
+        uint64_t lb;
+        if (c->left || xf_wire_check_geometry(&r->geo, &lb) || r->chunk_bytes < XF_WIRE_MIN_CHUNK ||
+            r->chunk_bytes > XF_WIRE_MAX_CHUNK)
+            return PKV_ERR_PROTO;
+        r->runs = c->p;
+        r->n_blocks = 0;
+        return PKV_OK;
+    }
     if (r->n_runs < 1 || r->n_runs > XF_WIRE_MAX_RUNS) return PKV_ERR_PROTO;
     if (c->left != 8 * (size_t)r->n_runs) return PKV_ERR_PROTO;
     r->runs = c->p;
@@ -293,7 +310,7 @@ int xf_wire_decode(const void *buf, size_t len, xf_wire_msg_t *out)
         get_u32(&c, &d->layer);
         get_u32(&c, &d->flags);
         get_u64(&c, &d->bytes);
-        get_u64(&c, &d->checksum);
+        get_bytes(&c, d->mac, sizeof(d->mac));
         if ((d->flags & ~(XF_WIRE_DATA_SHARED | XF_WIRE_DATA_LAYERS)) || d->xfer_id == 0 ||
             d->xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS) || d->layer >= XF_WIRE_MAX_LAYERS ||
             d->bytes > XF_WIRE_MAX_BYTES)
@@ -311,11 +328,13 @@ int xf_wire_decode(const void *buf, size_t len, xf_wire_msg_t *out)
             c.left -= 16 * (size_t)d->n_pieces;
         }
         if (layers) {
-            if (!get_u32(&c, &d->n_sums) || !get_u32(&c, &reserved) || reserved || d->checksum ||
-                d->n_sums < 1 || d->n_sums > XF_WIRE_MAX_LAYERS - d->layer ||
-                c.left != 8 * (size_t)d->n_sums)
+            static const uint8_t zero[XF_WIRE_MAC_BYTES];
+            if (!get_u32(&c, &d->n_macs) || !get_u32(&c, &reserved) || reserved ||
+                memcmp(d->mac, zero, sizeof(zero)) || d->n_macs < 1 ||
+                d->n_macs > XF_WIRE_MAX_LAYERS - d->layer ||
+                c.left != XF_WIRE_MAC_BYTES * (size_t)d->n_macs)
                 return PKV_ERR_PROTO;
-            d->sums = c.p;
+            d->macs = c.p;
             c.left = 0;
         }
         if (c.left) return PKV_ERR_PROTO;
@@ -329,7 +348,7 @@ int xf_wire_decode(const void *buf, size_t len, xf_wire_msg_t *out)
             sum += plen; /* each < 2^44, at most 2^15 of them: no overflow */
         }
         /* the pieces cover every layer the message announces (< 2^40 * 2^12 bytes) */
-        if (sum != d->bytes * (layers ? d->n_sums : 1)) return PKV_ERR_PROTO;
+        if (sum != d->bytes * (layers ? d->n_macs : 1)) return PKV_ERR_PROTO;
         break;
     }
     case XF_WIRE_ACK:
@@ -371,6 +390,20 @@ int xf_wire_decode(const void *buf, size_t len, xf_wire_msg_t *out)
         get_u32(&c, &m.u.close.flags);
         get_u32(&c, &reserved);
         if (reserved || (m.u.close.flags & ~XF_WIRE_CLOSE_REPLY)) return PKV_ERR_PROTO;
+        break;
+    }
+    case XF_WIRE_HELLO: {
+        uint16_t id_len, r16;
+        uint32_t r32;
+        if (c.left < HELLO_FIXED_BYTES) return PKV_ERR_PROTO;
+        get_u64(&c, &m.u.hello.agent_id);
+        get_u16(&c, &id_len);
+        get_u16(&c, &r16);
+        get_u32(&c, &r32);
+        if (r16 || r32 || id_len > XF_WIRE_MAX_IDENTITY || c.left != id_len) return PKV_ERR_PROTO;
+        get_bytes(&c, m.u.hello.identity, id_len);
+        m.u.hello.identity[id_len] = '\0';
+        if (!printable(m.u.hello.identity, id_len)) return PKV_ERR_PROTO;
         break;
     }
     default:
@@ -420,12 +453,17 @@ size_t xf_wire_read_bytes(uint32_t n_runs)
 int xf_wire_encode_read(const xf_wire_read_t *r, const uint32_t *blocks, uint32_t n, void *buf,
                         size_t cap, size_t *len)
 {
-    if (!r || !blocks || !buf || !len) return PKV_ERR_INVALID;
+    if (!r || (!blocks && n) || !buf || !len) return PKV_ERR_INVALID;
     uint32_t n_runs = xf_wire_count_runs(blocks, n);
+    bool release = r->flags & XF_WIRE_READ_RELEASE;
+    uint64_t lb;
     if (r->xfer_id == 0 || r->xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS) ||
-        (r->flags & ~(XF_WIRE_READ_SHARED | XF_WIRE_READ_WHOLE)) ||
-        r->budget_ns > XF_WIRE_MAX_BUDGET_NS || n_runs < 1 || n_runs > XF_WIRE_MAX_RUNS ||
-        check_read_sizes(&r->geo, n, r->chunk_bytes))
+        (r->flags & ~READ_FLAGS) || r->budget_ns > XF_WIRE_MAX_BUDGET_NS ||
+        n_runs > XF_WIRE_MAX_RUNS)
+        return PKV_ERR_INVALID;
+    if (release ? r->flags != XF_WIRE_READ_RELEASE || n || xf_wire_check_geometry(&r->geo, &lb) ||
+                      r->chunk_bytes < XF_WIRE_MIN_CHUNK || r->chunk_bytes > XF_WIRE_MAX_CHUNK
+                : n_runs < 1 || check_read_sizes(&r->geo, n, r->chunk_bytes))
         return PKV_ERR_INVALID;
     size_t need = xf_wire_read_bytes(n_runs);
     if (need > XF_WIRE_MAX_MSG) return PKV_ERR_INVALID;
@@ -435,6 +473,7 @@ int xf_wire_encode_read(const xf_wire_read_t *r, const uint32_t *blocks, uint32_
     put_u64(&c, r->xfer_id);
     put_u64(&c, r->request_id);
     put_bytes(&c, r->token, sizeof(r->token));
+    put_bytes(&c, r->nonce, sizeof(r->nonce));
     put_u64(&c, r->budget_ns);
     put_u32(&c, r->geo.layers);
     put_u32(&c, r->geo.kv_heads);
@@ -455,24 +494,25 @@ int xf_wire_encode_read(const xf_wire_read_t *r, const uint32_t *blocks, uint32_
     return PKV_OK;
 }
 
-size_t xf_wire_data_bytes(uint32_t n_pieces, uint32_t n_sums)
+size_t xf_wire_data_bytes(uint32_t n_pieces, uint32_t n_macs)
 {
     return XF_WIRE_HEADER_BYTES + DATA_BYTES +
            (n_pieces ? DATA_PIECES_HDR + 16 * (size_t)n_pieces : 0) +
-           (n_sums ? DATA_PIECES_HDR + 8 * (size_t)n_sums : 0);
+           (n_macs ? DATA_PIECES_HDR + XF_WIRE_MAC_BYTES * (size_t)n_macs : 0);
 }
 
 int xf_wire_encode_data(const xf_wire_data_t *d, const uint64_t *pieces, uint32_t n_pieces,
-                        const uint64_t *sums, uint32_t n_sums, void *buf, size_t cap, size_t *len)
+                        const uint8_t *macs, uint32_t n_macs, void *buf, size_t cap, size_t *len)
 {
+    static const uint8_t zero[XF_WIRE_MAC_BYTES];
     if (!d || !buf || !len) return PKV_ERR_INVALID;
     bool shared = d->flags & XF_WIRE_DATA_SHARED, layers = d->flags & XF_WIRE_DATA_LAYERS;
     if ((d->flags & ~(XF_WIRE_DATA_SHARED | XF_WIRE_DATA_LAYERS)) || d->xfer_id == 0 ||
         d->xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS) || d->layer >= XF_WIRE_MAX_LAYERS ||
-        d->bytes > XF_WIRE_MAX_BYTES || shared != (n_pieces > 0) || layers != (n_sums > 0) ||
-        (layers && !shared) || (n_pieces && !pieces) || (n_sums && !sums) ||
+        d->bytes > XF_WIRE_MAX_BYTES || shared != (n_pieces > 0) || layers != (n_macs > 0) ||
+        (layers && !shared) || (n_pieces && !pieces) || (n_macs && !macs) ||
         n_pieces > XF_WIRE_MAX_PIECES ||
-        (layers && (d->checksum || n_sums > XF_WIRE_MAX_LAYERS - d->layer)))
+        (layers && (memcmp(d->mac, zero, sizeof(zero)) || n_macs > XF_WIRE_MAX_LAYERS - d->layer)))
         return PKV_ERR_INVALID;
     uint64_t sum = 0;
     for (uint32_t i = 0; i < n_pieces; i++) {
@@ -481,8 +521,8 @@ int xf_wire_encode_data(const xf_wire_data_t *d, const uint64_t *pieces, uint32_
             return PKV_ERR_INVALID;
         sum += l;
     }
-    if (shared && sum != d->bytes * (layers ? n_sums : 1)) return PKV_ERR_INVALID;
-    size_t need = xf_wire_data_bytes(n_pieces, n_sums);
+    if (shared && sum != d->bytes * (layers ? n_macs : 1)) return PKV_ERR_INVALID;
+    size_t need = xf_wire_data_bytes(n_pieces, n_macs);
     if (need > XF_WIRE_MAX_MSG) return PKV_ERR_INVALID;
     if (cap < need) return PKV_ERR_NOSPACE;
     wcur_t c = {buf, cap};
@@ -491,16 +531,16 @@ int xf_wire_encode_data(const xf_wire_data_t *d, const uint64_t *pieces, uint32_
     put_u32(&c, d->layer);
     put_u32(&c, d->flags);
     put_u64(&c, d->bytes);
-    put_u64(&c, d->checksum);
+    put_bytes(&c, d->mac, sizeof(d->mac));
     if (n_pieces) {
         put_u32(&c, n_pieces);
         put_u32(&c, 0);
         for (uint32_t i = 0; i < 2 * n_pieces; i++) put_u64(&c, pieces[i]);
     }
-    if (n_sums) {
-        put_u32(&c, n_sums);
+    if (n_macs) {
+        put_u32(&c, n_macs);
         put_u32(&c, 0);
-        for (uint32_t i = 0; i < n_sums; i++) put_u64(&c, sums[i]);
+        put_bytes(&c, macs, XF_WIRE_MAC_BYTES * (size_t)n_macs);
     }
     *len = need;
     return PKV_OK;
@@ -565,6 +605,24 @@ int xf_wire_encode_close(const xf_wire_close_t *cl, void *buf, size_t cap, size_
     put_u32(&c, cl->flags);
     put_u32(&c, 0);
     *len = XF_WIRE_HEADER_BYTES + CLOSE_BYTES;
+    return PKV_OK;
+}
+
+int xf_wire_encode_hello(const xf_wire_hello_t *h, void *buf, size_t cap, size_t *len)
+{
+    if (!h || !buf || !len) return PKV_ERR_INVALID;
+    size_t il = strnlen(h->identity, XF_WIRE_MAX_IDENTITY + 1);
+    if (il > XF_WIRE_MAX_IDENTITY || !printable(h->identity, il)) return PKV_ERR_INVALID;
+    size_t need = XF_WIRE_HEADER_BYTES + HELLO_FIXED_BYTES + il;
+    if (cap < need) return PKV_ERR_NOSPACE;
+    wcur_t c = {buf, cap};
+    put_header(&c, XF_WIRE_HELLO, (uint32_t)(HELLO_FIXED_BYTES + il));
+    put_u64(&c, h->agent_id);
+    put_u16(&c, (uint16_t)il);
+    put_u16(&c, 0);
+    put_u32(&c, 0);
+    put_bytes(&c, h->identity, il);
+    *len = need;
     return PKV_OK;
 }
 

@@ -1,12 +1,12 @@
 /*
- * xfer wire format, version 3 (internal to src/xfer).
+ * xfer wire format, version 4 (internal to src/xfer).
  *
  * Every control message is one UCX active message whose payload is:
  *
  *   header (12 bytes, little-endian)
  *     u32 magic    0x58564B50 ("PKVX")
- *     u8  version  3; another version is not decoded (see below)
- *     u8  type     READ | DATA | ACK | FAIL | HEARTBEAT | CLOSE
+ *     u8  version  4; another version is not decoded (see below)
+ *     u8  type     READ | DATA | ACK | FAIL | HEARTBEAT | CLOSE | HELLO
  *     u16 flags    0
  *     u32 body_len exactly the bytes that follow
  *   body (per type, see wire.c and docs/design/xfer.md)
@@ -21,12 +21,15 @@
  * The decoder validates every length, count, id and enumerated value against the
  * limits below before anything is used, never reads past `len`, never allocates,
  * and sets *out only on success. The payload bytes of a transfer travel as UCX tag
- * messages (tag layout below); their per-layer checksum is in a DATA message, or, for a
- * whole-stream read (XF_WIRE_READ_WHOLE without SHARED), in the stream's trailer.
+ * messages (tag layout below); their per-layer MAC (xfer/mac.h: Poly1305 under keys
+ * derived from the registration's token and the READ's nonce) is in a DATA message, or,
+ * for a whole-stream read (XF_WIRE_READ_WHOLE without SHARED), in the stream's trailer.
  *
- * Version 3: a whole-stream read through UCX carries its checksums in a
- * trailer after the stream's last byte instead of a DATA message (v2 sent a DATA with
- * LAYERS after the last chunk; v3 accepts LAYERS only with SHARED).
+ * Version 4: per-layer 16-byte MACs instead of v3's u64 checksums (DATA, the LAYERS list
+ * and the trailer); READ carries the consumer's nonce, may name any subsequence of the
+ * registered blocks, or none (RELEASE: token-only release, answered by an ACK from the
+ * producer); HELLO: the accepting side presents its identity before anything else.
+ * Version 3: a whole-stream read's checksums in a trailer (v2 sent a DATA with LAYERS).
  */
 #ifndef PKV_XFER_WIRE_H
 #define PKV_XFER_WIRE_H
@@ -38,7 +41,7 @@
 #include <stdint.h>
 
 #define XF_WIRE_MAGIC        0x58564B50u
-#define XF_WIRE_VERSION      3
+#define XF_WIRE_VERSION      4
 #define XF_WIRE_HEADER_BYTES 12u
 
 enum {
@@ -48,6 +51,7 @@ enum {
     XF_WIRE_FAIL = 4,
     XF_WIRE_HEARTBEAT = 5,
     XF_WIRE_CLOSE = 6,
+    XF_WIRE_HELLO = 7,
 };
 /* CLOSE flags: this is the answer to a CLOSE request. */
 #define XF_WIRE_CLOSE_REPLY 1u
@@ -64,7 +68,10 @@ enum {
 #define XF_WIRE_MAX_CHUNK        (64u << 20)
 #define XF_WIRE_MAX_BYTES        (1ull << 40) /* bytes in one transfer */
 #define XF_WIRE_MAX_BUDGET_NS    (24ull * 3600 * 1000000000ull)
-#define XF_WIRE_MAX_TEXT         128u         /* FAIL reason text */
+#define XF_WIRE_MAX_TEXT         128u                  /* FAIL reason text */
+#define XF_WIRE_MAX_IDENTITY     PKV_XFER_IDENTITY_MAX /* HELLO identity text */
+#define XF_WIRE_MAC_BYTES        16u                   /* one layer's Poly1305 tag */
+#define XF_WIRE_NONCE_BYTES      16u
 #define XF_WIRE_MAX_PIECES       32768u       /* arena pieces in one shared DATA */
 #define XF_WIRE_MAX_ARENA        (1ull << 44) /* a shared staging arena's bytes */
 #define XF_WIRE_XFER_ID_BITS     38
@@ -83,11 +90,12 @@ typedef struct {
     uint64_t xfer_id;    /* consumer's transfer id, 1 .. 2^38-1 */
     uint64_t request_id; /* producer's registration */
     uint8_t token[PKV_XFER_TOKEN_BYTES];
-    uint64_t budget_ns;   /* time left before the consumer's deadline when sent */
+    uint8_t nonce[XF_WIRE_NONCE_BYTES]; /* the consumer's, fresh per read: MAC keys */
+    uint64_t budget_ns;                 /* time left before the consumer's deadline when sent */
     pkv_geometry_t geo;   /* the consumer's pool geometry (must equal the producer's) */
     uint32_t chunk_bytes; /* payload chunk size (tag message size) */
-    uint32_t flags;       /* XF_WIRE_READ_SHARED */
-    uint32_t n_runs;      /* block runs in the plan */
+    uint32_t flags;       /* XF_WIRE_READ_SHARED | _WHOLE | _RELEASE */
+    uint32_t n_runs;      /* block runs in the plan (0 only with RELEASE) */
     uint32_t n_blocks;    /* sum of run counts (set by the decoder) */
     const uint8_t *runs;  /* n_runs x {u32 first, u32 count}, little-endian (decoder: into buf) */
 } xf_wire_read_t;
@@ -102,25 +110,31 @@ typedef struct {
  * one DATA (SHARED | LAYERS) carries the arena pieces of the whole stream and the
  * checksums, sent once every layer is staged. */
 #define XF_WIRE_READ_WHOLE 2u
+/* READ flags: token-only release: no blocks (n_runs 0, neither SHARED nor WHOLE); the
+ * producer checks the token, ends the registration as sent with 0 bytes and answers ACK
+ * (bytes 0), or FAIL. */
+#define XF_WIRE_READ_RELEASE 4u
 /* DATA flags: the layer's bytes (with LAYERS: the bytes of its layers, in stream order)
  * are in the producer's shared arena at `pieces`. */
 #define XF_WIRE_DATA_SHARED 1u
-/* DATA flags: the message covers layers [layer, layer + n_sums), their checksums in
- * `sums`; `checksum` is 0. Only with SHARED (a whole-stream read). */
+/* DATA flags: the message covers layers [layer, layer + n_macs), their MACs in `macs`;
+ * `mac` is all zero. Only with SHARED (a whole-stream read). */
 #define XF_WIRE_DATA_LAYERS 2u
 
 typedef struct {
     uint64_t xfer_id;
     uint32_t layer;
-    uint32_t flags;        /* XF_WIRE_DATA_SHARED | XF_WIRE_DATA_LAYERS */
-    uint64_t bytes;        /* payload bytes of one layer */
-    uint64_t checksum;     /* pkv_xfer_sum over the layer's bytes in stream order */
-    uint32_t n_pieces;     /* shared: pieces covering the layer(s) in stream order */
-    const uint8_t *pieces; /* n_pieces x {u64 offset, u64 length} (decoder: into buf) */
-    uint32_t n_sums;       /* layers: how many layers, from `layer` */
-    const uint8_t *sums;   /* n_sums x u64 checksum (decoder: into buf) */
+    uint32_t flags;                 /* XF_WIRE_DATA_SHARED | XF_WIRE_DATA_LAYERS */
+    uint64_t bytes;                 /* payload bytes of one layer */
+    uint8_t mac[XF_WIRE_MAC_BYTES]; /* the layer's tag over its bytes in stream order */
+    uint32_t n_pieces;              /* shared: pieces covering the layer(s) in stream order */
+    const uint8_t *pieces;          /* n_pieces x {u64 offset, u64 length} (decoder: into buf) */
+    uint32_t n_macs;                /* layers: how many layers, from `layer` */
+    const uint8_t *macs;            /* n_macs x 16-byte tag (decoder: into buf) */
 } xf_wire_data_t;
 
+/* Consumer -> producer: the read is stored. Producer -> consumer: a token-only release
+ * (READ RELEASE) was accepted (bytes 0). */
 typedef struct {
     uint64_t xfer_id;
     uint64_t request_id;
@@ -147,6 +161,14 @@ typedef struct {
     uint32_t flags; /* XF_WIRE_CLOSE_REPLY */
 } xf_wire_close_t;
 
+/* The accepting side's first message: who it is (pkv_xfer_config_t identity; empty when
+ * it has none). A consumer whose read names an expected identity sends READ only after
+ * this matched. */
+typedef struct {
+    uint64_t agent_id;
+    char identity[XF_WIRE_MAX_IDENTITY + 1]; /* printable ASCII, NUL-terminated */
+} xf_wire_hello_t;
+
 typedef struct {
     uint8_t type;
     union {
@@ -156,6 +178,7 @@ typedef struct {
         xf_wire_fail_t fail;
         xf_wire_heartbeat_t hb;
         xf_wire_close_t close;
+        xf_wire_hello_t hello;
     } u;
 } xf_wire_msg_t;
 
@@ -178,8 +201,8 @@ int xf_wire_peek(const void *buf, size_t len, xf_wire_foreign_t *out);
 void xf_wire_read_run(const xf_wire_read_t *r, uint32_t i, uint32_t *first, uint32_t *count);
 /* Piece i (< n_pieces) of a decoded shared DATA. */
 void xf_wire_data_piece(const xf_wire_data_t *d, uint32_t i, uint64_t *offset, uint64_t *length);
-/* Checksum i (< n_sums) of a decoded DATA with XF_WIRE_DATA_LAYERS: layer `layer + i`. */
-uint64_t xf_wire_data_sum(const xf_wire_data_t *d, uint32_t i);
+/* MAC i (< n_macs) of a decoded DATA with XF_WIRE_DATA_LAYERS: layer `layer + i`. */
+const uint8_t *xf_wire_data_mac(const xf_wire_data_t *d, uint32_t i);
 /* Is reason an outcome a FAIL may carry? */
 bool xf_wire_reason_valid(int32_t reason);
 
@@ -196,19 +219,21 @@ uint32_t xf_wire_count_runs(const uint32_t *blocks, uint32_t n);
 /* Encoders: write the message into buf (cap bytes). PKV_OK and *len, PKV_ERR_NOSPACE when
  * cap is too small, PKV_ERR_INVALID when a field is out of the limits above (so nothing
  * we send fails our own decoder). encode_read takes the plan as a block list and
- * coalesces it into runs; r->runs / r->n_runs / r->n_blocks are ignored. */
+ * coalesces it into runs (n 0 only with XF_WIRE_READ_RELEASE); r->runs / r->n_runs /
+ * r->n_blocks are ignored. */
 size_t xf_wire_read_bytes(uint32_t n_runs);
 int xf_wire_encode_read(const xf_wire_read_t *r, const uint32_t *blocks, uint32_t n, void *buf,
                         size_t cap, size_t *len);
 /* The trailers: n_pieces x {offset, length} (XF_WIRE_DATA_SHARED, else NULL / 0), then
- * n_sums checksums (XF_WIRE_DATA_LAYERS, else NULL / 0); d->pieces / d->sums and their
+ * n_macs 16-byte tags (XF_WIRE_DATA_LAYERS, else NULL / 0); d->pieces / d->macs and their
  * counts are ignored. */
-size_t xf_wire_data_bytes(uint32_t n_pieces, uint32_t n_sums);
+size_t xf_wire_data_bytes(uint32_t n_pieces, uint32_t n_macs);
 int xf_wire_encode_data(const xf_wire_data_t *d, const uint64_t *pieces, uint32_t n_pieces,
-                        const uint64_t *sums, uint32_t n_sums, void *buf, size_t cap, size_t *len);
+                        const uint8_t *macs, uint32_t n_macs, void *buf, size_t cap, size_t *len);
 int xf_wire_encode_ack(const xf_wire_ack_t *a, void *buf, size_t cap, size_t *len);
 int xf_wire_encode_fail(const xf_wire_fail_t *f, void *buf, size_t cap, size_t *len);
 int xf_wire_encode_heartbeat(const xf_wire_heartbeat_t *h, void *buf, size_t cap, size_t *len);
 int xf_wire_encode_close(const xf_wire_close_t *c, void *buf, size_t cap, size_t *len);
+int xf_wire_encode_hello(const xf_wire_hello_t *h, void *buf, size_t cap, size_t *len);
 
 #endif

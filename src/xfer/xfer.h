@@ -1,6 +1,6 @@
 /*
  * xfer's module interface: what other parts of pagekv (support code, benchmarks, tests)
- * may use beyond the public header: the payload checksum (xfer/sum.h), the chunk and
+ * may use beyond the public header: the copy + checksum loops (xfer/sum.h), the chunk and
  * staging-store thresholds the engine chose, and fault injection. Not installed.
  */
 #ifndef PKV_XFER_XFER_H
@@ -38,6 +38,10 @@ typedef struct {
     void *arg;
     int32_t corrupt_layer; /* >= 0: the producer flips a staged byte of this layer after
                               checksumming it (the consumer must report corrupt); -1 none */
+    bool forge_mac;        /* with corrupt_layer: the producer also recomputes that layer's
+                              MAC over the changed bytes, with keys from a wrong token (the
+                              right ids and nonce): what a peer without the token can send;
+                              the consumer must still report corrupt */
     uint8_t wire_version;  /* != 0: every control message goes out stamped with this wire
                               version, as an agent of that version would send it */
     bool malformed_read;   /* READs go out with an unknown flag bit: our version, but a

@@ -25,6 +25,7 @@
 
 #include "core/core.h"
 #include "stage/stage.h"
+#include "xfer/mac.h"
 #include "xfer/wire.h"
 #include "xfer/xfer.h"
 
@@ -59,10 +60,16 @@ typedef struct xf_event xf_event_t;
 typedef struct xf_chunk xf_chunk_t;
 typedef struct xf_ctl_buf xf_ctl_buf_t;
 
+/* A copy worker's thread argument: its own MAC contexts (OpenSSL's are per thread). */
+typedef struct xf_worker_arg {
+    pkv_xfer_agent_t *a;
+    xf_mac_t *mac;
+} xf_worker_arg_t;
+
 /* ---- events: workers -> progress thread (intrusive, preallocated per transfer) -------- */
 typedef enum {
     XF_EV_SEATED,      /* seat job finished: status, grant */
-    XF_EV_LAYER_READY, /* producer copied layer into staging: layer, checksum */
+    XF_EV_LAYER_READY, /* producer copied layer into staging: layer (its MAC in layer_mac) */
     XF_EV_VERIFIED,    /* consumer stored layer: layer, status (OK / CORRUPT) */
     XF_EV_JOB_DONE,    /* a copy job returned */
 } xf_event_kind_t;
@@ -74,7 +81,6 @@ struct xf_event {
     void *owner;
     uint32_t layer;
     int status;
-    uint64_t checksum;
     pkv_stage_grant_t *grant;
 };
 
@@ -97,8 +103,9 @@ typedef struct {
     uint64_t layer_total; /* n_blocks * layer_bytes */
     uint32_t chunk_bytes;
     bool whole;                /* chunks cut the stream across layers (small transfers) */
-    uint32_t trailer_bytes;    /* whole: the checksums after the stream (8 x layers), else 0 */
-    uint64_t *trailer;         /* whole: the owner's layer_sum, sent / received as the trailer */
+    uint32_t trailer_bytes;    /* whole: the MACs after the stream (16 x layers), else 0 */
+    uint8_t *trailer;          /* whole: the owner's layer_mac, sent / received as the trailer */
+    uint8_t *keys;             /* (32 x layers) each layer's one-time MAC key (xfer/mac.h) */
     bool stage_nt;             /* staging copies store around the cache (PKV_XFER_STAGE_NT_BYTES) */
     uint32_t chunks_per_layer; /* 1 when whole */
     uint32_t n_chunks;
@@ -135,6 +142,9 @@ struct xf_peer { /* every field [P] */
     uint64_t next_hb_ns;
     uint64_t hb_seq;
     uint64_t remote_agent_id;
+    bool hello_sent; /* incoming: our HELLO went out (before any heartbeat) */
+    bool hello_seen; /* outgoing: the producer's HELLO came; `identity` is its own */
+    char identity[XF_WIRE_MAX_IDENTITY + 1];
     uint32_t ctl_inflight; /* control sends not yet completed */
     uint32_t refs;         /* transfers using this peer */
     bool established;      /* the other side has spoken: control sends may go out */
@@ -187,6 +197,7 @@ struct xf_serve {
     xf_reg_t *reg;    /* [I] */
     uint64_t xfer_id; /* the consumer's id */
     uint64_t request_id;
+    uint8_t nonce[XF_MAC_NONCE_BYTES]; /* the READ's: its MAC keys */
     uint64_t deadline_ns;
     xf_view_t v; /* [I] blocks are producer pool blocks */
     /* [P] */
@@ -201,7 +212,7 @@ struct xf_serve {
     bool seat_pending;
     uint32_t jobs_pending;
     uint32_t layers_ready;
-    uint64_t *layer_sum; /* (layers) */
+    uint8_t *layer_mac;  /* (16 x layers): written by the copy that staged the layer */
     uint32_t next_chunk; /* next chunk to post */
     uint32_t chunks_sent;
     uint32_t sends_inflight;
@@ -239,8 +250,12 @@ struct pkv_xfer_read {
     uint64_t xfer_id;
     uint64_t request_id;
     uint8_t token[PKV_XFER_TOKEN_BYTES];
+    uint8_t nonce[XF_MAC_NONCE_BYTES]; /* this read's: its MAC keys (set at admission) */
     char addr[PKV_XFER_ADDR_MAX];
-    uint32_t *src_blocks; /* (n) producer ids from the handle */
+    char identity[XF_WIRE_MAX_IDENTITY + 1]; /* the producer we expect; "" none */
+    bool check_identity;
+    bool release;         /* token-only release: no blocks, no staging */
+    uint32_t *src_blocks; /* (n) producer ids from the handle (the subset read) */
     uint64_t deadline_ns;
     xf_view_t v; /* blocks are local destination blocks */
     /* [P] */
@@ -249,13 +264,15 @@ struct pkv_xfer_read {
     bool finished; /* outcome decided (delivery may follow) */
     xf_peer_t *peer;
     bool read_sent;
+    bool read_deferred; /* READ waits for the producer's HELLO (identity check) */
+    pkv_xfer_why_t why; /* set with a rejected outcome we decided */
     bool seat_pending;
     uint32_t jobs_pending;
     uint32_t recvs_inflight;
     uint32_t *layer_chunks; /* (layers) chunks received */
     uint32_t chunks_in;     /* chunks received (whole-stream views) */
     uint8_t *layer_flags;   /* (layers) bit0 header seen, bit1 verify queued, bit2 verified */
-    uint64_t *layer_sum;    /* (layers) checksum from DATA */
+    uint8_t *layer_mac;     /* (16 x layers) the producer's tags (DATA or trailer) */
     bool want_shared;       /* [I] the handle offers a same-host arena we may map */
     uint32_t local_pid;     /* [I] ... its producer pid, memfd, inode, size */
     int32_t local_fd;
@@ -286,7 +303,7 @@ struct pkv_xfer_read {
 typedef struct {
     _Atomic uint64_t reads_started, reads_done[8], bytes_received;
     _Atomic uint64_t registered, registrations, pinned_blocks, serves_started, serves_failed, sent,
-        bytes_sent, rejected, expired;
+        bytes_sent, rejected, expired, released;
     _Atomic uint64_t active_transfers, staging_pages_held, peers, peers_lost, proto_errors,
         foreign_msgs, stale_dropped, written_off;
 } xf_stats_t;
@@ -315,9 +332,14 @@ struct pkv_xfer_agent {
                                 it was on */
     pthread_t progress_thread;
     pthread_t *workers;
+    struct xf_worker_arg *wargs; /* (workers) each copy worker's agent and MAC contexts */
     pthread_t *seaters;
     uint32_t n_workers, n_seaters;
     pkv_xfer_faults_t faults;
+    char identity[XF_WIRE_MAX_IDENTITY + 1]; /* presented in HELLO */
+    uint64_t nonce_prefix;                   /* reads' nonces: this and a counter */
+    _Atomic uint64_t nonce_ctr;
+    xf_mac_t *mac; /* [P] the progress thread's MAC contexts */
 
     pthread_mutex_t lock;
     pthread_cond_t job_cond;  /* workers wait here */
@@ -414,17 +436,24 @@ void *xf_worker_main(void *arg);
 void *xf_seater_main(void *arg);
 
 /* view.c copies (streaming stores: the caller fences before announcing the bytes) */
-uint64_t xf_view_copy_layer(const xf_view_t *v, pkv_xfer_agent_t *a, uint32_t l, bool to_stage);
+/* Copy layer l pool <-> staging and compute its MAC (key v->keys + 32 l) with the calling
+ * thread's contexts: false when the MAC could not be computed. */
+bool xf_view_copy_layer(const xf_view_t *v, pkv_xfer_agent_t *a, xf_mac_t *m, uint32_t l,
+                        bool to_stage, uint8_t tag[XF_MAC_TAG_BYTES]);
 void xf_view_corrupt(const xf_view_t *v, uint32_t l);
+/* Layer l's MAC over what is staged now, under `keys` (32 x layers) instead of the view's
+ * (fault injection: a forged layer). */
+void xf_view_mac_staged(const xf_view_t *v, xf_mac_t *m, const uint8_t *keys, uint32_t l,
+                        uint8_t tag[XF_MAC_TAG_BYTES]);
 /* Arena {offset, length} pieces of stream range [off, off+len); 0 when more than cap. */
 uint32_t xf_view_arena_pieces(const xf_view_t *v, uint64_t off, uint64_t len, uint64_t *out,
                               uint32_t cap);
 /* Consumer, shared: copy layer l from a mapped producer arena into the pool (no fence). The layer's
  * bytes start `skip` bytes into the pieces (0 for a layer's own pieces, l * layer_total
  * for the whole stream's). */
-uint64_t xf_view_copy_layer_from(const xf_view_t *v, pkv_xfer_agent_t *a, uint32_t l,
-                                 const uint8_t *arena, const uint64_t *pieces, uint32_t n,
-                                 uint64_t skip);
+bool xf_view_copy_layer_from(const xf_view_t *v, pkv_xfer_agent_t *a, xf_mac_t *m, uint32_t l,
+                             const uint8_t *arena, const uint64_t *pieces, uint32_t n,
+                             uint64_t skip, uint8_t tag[XF_MAC_TAG_BYTES]);
 
 /* consumer.c */
 void xf_reads_admit(pkv_xfer_agent_t *a, pkv_xfer_read_t *list);
@@ -432,7 +461,13 @@ void xf_read_event(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, xf_event_t *ev);
 void xf_read_on_data(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_data_t *d);
 void xf_read_on_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_fail_t *f);
 void xf_read_on_foreign(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, const char *why);
-void xf_read_job(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t layer);
+void xf_read_job(pkv_xfer_agent_t *a, xf_mac_t *m, pkv_xfer_read_t *rd, uint32_t layer);
+void xf_read_on_ack(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_ack_t *k);
+/* The producer's HELLO came on p: reads waiting for it send READ or end rejected. */
+void xf_reads_on_hello(pkv_xfer_agent_t *a, xf_peer_t *p);
+/* p speaks another wire version (it will send no HELLO): reads waiting for one end
+ * rejected with `why` now. */
+void xf_reads_no_hello(pkv_xfer_agent_t *a, xf_peer_t *p, const char *why);
 void xf_read_seat(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd);
 void xf_read_unref(pkv_xfer_read_t *rd);
 
@@ -442,7 +477,7 @@ void xf_serve_on_ack(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_ack_t *k);
 void xf_serve_on_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_fail_t *f);
 void xf_serve_on_foreign(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, const char *why);
 void xf_serve_event(pkv_xfer_agent_t *a, xf_serve_t *s, xf_event_t *ev);
-void xf_serve_job(pkv_xfer_agent_t *a, xf_serve_t *s);
+void xf_serve_job(pkv_xfer_agent_t *a, xf_mac_t *m, xf_serve_t *s);
 void xf_serve_seat(pkv_xfer_agent_t *a, xf_serve_t *s);
 void xf_regs_tick(pkv_xfer_agent_t *a, uint64_t now);
 void xf_regs_shutdown(pkv_xfer_agent_t *a);

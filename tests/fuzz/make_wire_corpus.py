@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write the seed corpus for tests/fuzz/fuzz_wire.c: an independent encoding of wire v3.
+"""Write the seed corpus for tests/fuzz/fuzz_wire.c: an independent encoding of wire v4.
 
 ok-*   must decode (tests/test_xfer_wire.c asserts it)
 bad-*  must be rejected
@@ -12,18 +12,18 @@ import struct
 import sys
 
 MAGIC = 0x58564B50
-READ, DATA, ACK, FAIL, HB, CLOSE = 1, 2, 3, 4, 5, 6
+READ, DATA, ACK, FAIL, HB, CLOSE, HELLO = 1, 2, 3, 4, 5, 6, 7
 TIMEOUT, PEER_LOST, NOFIT, REJECTED, CANCELLED, CORRUPT, SHUTDOWN = -5, -11, -4, -12, -7, -13, -6
 
 
-def msg(t, body, version=3, flags=0, body_len=None):
+def msg(t, body, version=4, flags=0, body_len=None):
     bl = len(body) if body_len is None else body_len
     return struct.pack('<IBBHI', MAGIC, version, t, flags, bl) + body
 
 
 def read_body(xfer=7, req=42, token=bytes(range(16)), budget=10**9, geo=(4, 2, 64, 16, 1),
-              chunk=1 << 20, runs=((10, 3), (20, 1)), flags=0):
-    b = struct.pack('<QQ', xfer, req) + token + struct.pack('<Q', budget)
+              chunk=1 << 20, runs=((10, 3), (20, 1)), flags=0, nonce=bytes(range(16, 32))):
+    b = struct.pack('<QQ', xfer, req) + token + nonce + struct.pack('<Q', budget)
     b += struct.pack('<5I', *geo) + struct.pack('<III', chunk, flags, len(runs))
     for f, c in runs:
         b += struct.pack('<II', f, c)
@@ -34,9 +34,18 @@ def fail_body(xfer=7, req=42, reason=REJECTED, text=b'bad token'):
     return struct.pack('<QQiHH', xfer, req, reason, len(text), 0) + text
 
 
+def mac(x):
+    """A 16-byte tag standing for x (v4: Poly1305 tags instead of v3's u64 checksums)."""
+    return struct.pack('<QQ', x, x ^ 0x5a5a) if x else bytes(16)
+
+
+def hello_body(agent=0xabcdef, ident=b'pagekv-0123456789abcdef0123456789abcdef', r16=0, r32=0):
+    return struct.pack('<QHHI', agent, len(ident), r16, r32) + ident
+
+
 def data_body(xfer=7, layer=3, flags=0, nbytes=65536, checksum=0x1234, pieces=None, reserved=0,
               sums=None):
-    b = struct.pack('<QIIQQ', xfer, layer, flags, nbytes, checksum)
+    b = struct.pack('<QIIQ', xfer, layer, flags, nbytes) + mac(checksum)
     if pieces is not None:
         b += struct.pack('<II', len(pieces), reserved)
         for off, ln in pieces:
@@ -44,7 +53,7 @@ def data_body(xfer=7, layer=3, flags=0, nbytes=65536, checksum=0x1234, pieces=No
     if sums is not None:
         b += struct.pack('<II', len(sums), reserved)
         for x in sums:
-            b += struct.pack('<Q', x)
+            b += mac(x)
     return b
 
 
@@ -73,6 +82,18 @@ def main(out):
         'ok-data-shared': msg(DATA, data_body(flags=1, nbytes=12288, pieces=((4096, 8192), (65536, 4096)))),
         'ok-read-shared': msg(READ, read_body(flags=1)),
         'ok-read-whole': msg(READ, read_body(flags=2)),
+        # v4: a token-only release names no blocks, and no other flag
+        'ok-read-release': msg(READ, read_body(flags=4, runs=())),
+        'bad-read-release-runs': msg(READ, read_body(flags=4)),
+        'bad-read-release-whole': msg(READ, read_body(flags=6, runs=())),
+        'bad-read-release-chunk': msg(READ, read_body(flags=4, runs=(), chunk=100)),
+        'ok-hello': msg(HELLO, hello_body()),
+        'ok-hello-empty': msg(HELLO, hello_body(ident=b'')),
+        'bad-hello-long': msg(HELLO, hello_body(ident=b'x' * 64)),
+        'bad-hello-unprintable': msg(HELLO, hello_body(ident=b'a\tb')),
+        'bad-hello-reserved': msg(HELLO, hello_body(r16=1)),
+        'bad-hello-len-lies': msg(HELLO, hello_body()[:-1]),
+        'foreign-hello-v3': msg(HELLO, hello_body(), version=3),
         # v3: LAYERS only with SHARED (a whole stream through UCX has a checksum trailer)
         'bad-data-layers-without-shared': msg(DATA, data_body(layer=0, flags=2, checksum=0,
                                                               sums=(1, 2, 3, 4))),
@@ -83,7 +104,7 @@ def main(out):
         'bad-data-layers-beyond': msg(DATA, data_body(layer=4095, flags=3, nbytes=4096, checksum=0,
                                                       pieces=((0, 8192),), sums=(1, 2))),
         'bad-data-layers-count-lies': msg(DATA, data_body(layer=0, flags=3, nbytes=4096, checksum=0,
-                                                          pieces=((0, 8192),), sums=(1, 2))[:-8]),
+                                                          pieces=((0, 8192),), sums=(1, 2))[:-16]),
         'ok-data-shared-layers': msg(DATA, data_body(layer=0, flags=3, nbytes=4096, checksum=0,
                                                      pieces=((0, 8192), (65536, 4096)),
                                                      sums=(1, 2, 3))),
@@ -112,14 +133,16 @@ def main(out):
         'bad-magic': b'XXXX' + msg(HB, struct.pack('<QQ', 1, 1))[4:],
         'bad-version-1': msg(HB, struct.pack('<QQ', 1, 1), version=1),
         'bad-version-2': msg(HB, struct.pack('<QQ', 1, 1), version=2),
-        'bad-version-4': msg(HB, struct.pack('<QQ', 1, 1), version=4),
+        'bad-version-3': msg(HB, struct.pack('<QQ', 1, 1), version=3),
+        'bad-version-5': msg(HB, struct.pack('<QQ', 1, 1), version=5),
         'bad-version-0': msg(HB, struct.pack('<QQ', 1, 1), version=0),
         'foreign-read-v2': msg(READ, read_body(), version=2),
         'foreign-data-v2-layers': msg(DATA, data_body(layer=0, flags=2, checksum=0,
                                                       sums=(1, 2, 3, 4)), version=2),
         'foreign-data-v1': msg(DATA, data_body(), version=1),
         'foreign-ack-v9-id-beyond': msg(ACK, struct.pack('<QQQ', 1 << 40, 42, 1), version=9),
-        'foreign-read-v4-short': msg(READ, b'\1\2\3', version=4),
+        'foreign-read-v5-short': msg(READ, b'\1\2\3', version=5),
+        'foreign-read-v3': msg(READ, read_body()[:32] + read_body()[48:], version=3),
         'ok-fail-v1': msg(FAIL, fail_body(), version=1),
         'ok-fail-v200': msg(FAIL, fail_body(text=b'wire version 2'), version=200),
         'bad-fail-v0': msg(FAIL, fail_body(), version=0),
@@ -152,7 +175,7 @@ def main(out):
         'bad-data-piece-reserved': msg(DATA, data_body(flags=1, nbytes=4, pieces=((0, 4),), reserved=1)),
         'bad-data-piece-beyond': msg(DATA, data_body(flags=1, nbytes=4, pieces=(((1 << 44) - 2, 4),))),
         'bad-data-plain-trailing': msg(DATA, data_body() + b'\0' * 8),
-        'bad-read-flags': msg(READ, read_body(flags=4)),
+        'bad-read-flags': msg(READ, read_body(flags=8)),
         'bad-handle-flags': handle(flags=2),
         'bad-handle-local-pid': handle(local=(0, 7, 1 << 26, 99, bytes(16))),
         'bad-handle-local-size': handle(local=(5, 7, 100, 99, bytes(16))),

@@ -30,25 +30,27 @@ static void check_roundtrip(const uint8_t *data, size_t size, const xf_wire_msg_
     uint32_t *blocks = NULL;
     switch (m->type) {
     case XF_WIRE_READ:
-        blocks = malloc(sizeof(uint32_t) * m->u.read.n_blocks);
+        blocks = malloc(sizeof(uint32_t) * (m->u.read.n_blocks ? m->u.read.n_blocks : 1));
         FUZZ_CHECK(blocks);
         expand_runs(&m->u.read, blocks);
         rc = xf_wire_encode_read(&m->u.read, blocks, m->u.read.n_blocks, buf, cap, &len);
         break;
     case XF_WIRE_DATA: {
         const xf_wire_data_t *d = &m->u.data;
-        uint32_t n = 2 * d->n_pieces + d->n_sums;
+        uint32_t n = 2 * d->n_pieces;
         uint64_t *items = n ? malloc(8 * (size_t)n) : NULL;
         FUZZ_CHECK(!n || items);
-        uint64_t *sums = items ? items + 2 * (size_t)d->n_pieces : NULL;
         for (uint32_t i = 0; i < d->n_pieces; i++)
             xf_wire_data_piece(d, i, &items[2 * i], &items[2 * i + 1]);
-        for (uint32_t i = 0; i < d->n_sums; i++) sums[i] = xf_wire_data_sum(d, i);
         rc = xf_wire_encode_data(d, d->n_pieces ? items : NULL, d->n_pieces,
-                                 d->n_sums ? sums : NULL, d->n_sums, buf, cap, &len);
+                                 d->n_macs ? xf_wire_data_mac(d, 0) : NULL, d->n_macs, buf, cap,
+                                 &len);
         free(items);
         break;
     }
+    case XF_WIRE_HELLO:
+        rc = xf_wire_encode_hello(&m->u.hello, buf, cap, &len);
+        break;
     case XF_WIRE_ACK:
         rc = xf_wire_encode_ack(&m->u.ack, buf, cap, &len);
         break;
@@ -72,6 +74,7 @@ static void check_roundtrip(const uint8_t *data, size_t size, const xf_wire_msg_
         const xf_wire_read_t *x = &m->u.read, *y = &m2.u.read;
         FUZZ_CHECK(x->xfer_id == y->xfer_id && x->request_id == y->request_id);
         FUZZ_CHECK(!memcmp(x->token, y->token, sizeof(x->token)));
+        FUZZ_CHECK(!memcmp(x->nonce, y->nonce, sizeof(x->nonce)) && x->flags == y->flags);
         FUZZ_CHECK(x->budget_ns == y->budget_ns && x->chunk_bytes == y->chunk_bytes);
         FUZZ_CHECK(!memcmp(&x->geo, &y->geo, sizeof(x->geo)));
         FUZZ_CHECK(x->n_blocks == y->n_blocks && y->n_runs <= x->n_runs);
