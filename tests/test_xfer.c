@@ -16,7 +16,6 @@
 #include "support/lean_pull.h"
 #include "support/xfer_harness.h"
 
-#include "disagg/disagg.h"
 #include "xfer/xfer_int.h"
 
 #include <pthread.h>
@@ -1708,233 +1707,6 @@ START_TEST(read_ids_unique_and_not_sequential)
 }
 END_TEST
 
-/* The disagg flow in one process, a prefill node and a decode node paired over loopback
- * as the other tests pair agents, on the tiny model: the lease's handle travels as bytes,
- * the pull ends ok into the decode node's sequence, the registration ends sent, the
- * transferred KV equals the decode node's own run of the prompt bitwise, the first and
- * every generated token equal the unified run's, and both nodes return every pin and
- * staging page. Through the shared arena, through UCX on one host, and with UCX_TLS=tcp
- * (this test's own process: Check forks each test). */
-START_TEST(disagg_nodes_match_unified)
-{
-    if (_i == 2) setenv("UCX_TLS", "tcp", 1);
-    pkv_tok_t *tok;
-    ck_assert_int_eq(pkv_tok_create_builtin(&tok), PKV_OK);
-    static const char prompt[] = "The decode node pulls the prefill node's blocks and goes on.";
-    int32_t *ids;
-    size_t n_ids;
-    ck_assert_int_eq(pkv_tok_encode_alloc(tok, prompt, strlen(prompt), true, &ids, &n_ids), PKV_OK);
-    uint32_t n = (uint32_t)n_ids, max = 12;
-    pkv_disagg_node_config_t pc = {.preset = "tiny",
-                                   .vocab = pkv_tok_vocab_size(tok),
-                                   .dtype = _i == 2 ? PKV_DTYPE_F32 : PKV_DTYPE_BF16,
-                                   .stage_tokens = n,
-                                   .shared_stage = true,
-                                   .stage_name = "pkv-test-prefill"};
-    pkv_disagg_node_config_t dc = pc;
-    dc.shared_stage = false;
-    dc.stage_name = "pkv-test-decode";
-    dc.no_shared = _i != 0;
-    pkv_disagg_node_t *p, *d;
-    ck_assert_int_eq(pkv_disagg_node_create(&pc, &p), PKV_OK);
-    ck_assert_int_eq(pkv_disagg_node_create(&dc, &d), PKV_OK);
-    pkv_disagg_lease_t *l;
-    ck_assert_int_eq(pkv_disagg_prefill(p, 7, ids, n, 30000000000ull, &l), PKV_OK);
-    ck_assert_int_eq(pkv_disagg_lease_wait(l, 0), PKV_DISAGG_LEASE_OPEN);
-    uint8_t buf[4096]; /* through bytes, as a decode node gets it */
-    size_t len;
-    ck_assert_int_eq(pkv_xfer_handle_encode(pkv_disagg_lease_handle(l), buf, sizeof(buf), &len),
-                     PKV_OK);
-    pkv_xfer_handle_t *h;
-    ck_assert_int_eq(pkv_xfer_handle_decode(buf, len, &h), PKV_OK);
-    pkv_kv_t *kv = pkv_disagg_node_kv(d);
-    pkv_seq_t *seq;
-    ck_assert_int_eq(pkv_disagg_seq_create(kv, ids, n, max, &seq), PKV_OK);
-    pkv_disagg_pull_t r = {.outcome = 99};
-    uint64_t deadline = pkv_deadline_after_ns(10000000000ull);
-    /* a handle that does not cover exactly the prompt reads nothing */
-    ck_assert_int_eq(pkv_disagg_pull(d, h, seq, ids, n + 16, deadline, &r), PKV_ERR_INVALID);
-    ck_assert_int_eq(r.outcome, 99);
-    ck_assert_int_eq(pkv_disagg_pull(d, h, seq, ids, n, deadline, &r), PKV_OK);
-    ck_assert_int_eq(r.outcome, PKV_OK);
-    ck_assert_uint_eq(r.bytes, (uint64_t)h->n_blocks * pkv_kv_block_bytes(kv));
-    ck_assert(r.shared_arena == (_i == 0)); /* the path asked for is the path taken */
-    ck_assert_int_eq(pkv_disagg_lease_end(l, pkv_deadline_after_ns(2000000000ull)), PKV_OK);
-    /* the unified run in a pool of its own */
-    pkv_model_t *m = pkv_disagg_node_model(d);
-    pkv_kv_t *ref_kv;
-    pkv_seq_t *ref;
-    ck_assert_int_eq(pkv_disagg_pool_create(d, &ref_kv), PKV_OK);
-    ck_assert_int_eq(pkv_disagg_seq_create(ref_kv, ids, n, max, &ref), PKV_OK);
-    float *logits = malloc(sizeof(float) * (size_t)pc.vocab);
-    int32_t ref_first = -1, gen[12], ref_gen[12];
-    ck_assert_int_eq(pkv_disagg_forward(m, ref_kv, ref, ids, n, logits, &ref_first), PKV_OK);
-    ck_assert(pkv_disagg_kv_equal(kv, seq, ref_kv, ref, n));
-    ck_assert_int_eq(pkv_disagg_lease_first(l), ref_first);
-    int ng = pkv_disagg_generate(m, kv, seq, tok, ref_first, max, logits, gen);
-    int nrg = pkv_disagg_generate(m, ref_kv, ref, tok, ref_first, max, logits, ref_gen);
-    ck_assert_int_ge(ng, 1);
-    ck_assert_int_eq(ng, nrg);
-    ck_assert_mem_eq(gen, ref_gen, sizeof(int32_t) * (size_t)ng);
-    pkv_xfer_stats_t ps, ds;
-    ck_assert_int_eq(pkv_xfer_wait_idle(pkv_disagg_node_agent(p), deadline), PKV_OK);
-    ck_assert_int_eq(pkv_xfer_wait_idle(pkv_disagg_node_agent(d), deadline), PKV_OK);
-    pkv_xfer_stats(pkv_disagg_node_agent(p), &ps);
-    pkv_xfer_stats(pkv_disagg_node_agent(d), &ds);
-    ck_assert_uint_eq(ps.sent, 1);
-    ck_assert_uint_eq(ps.bytes_sent, r.bytes);
-    ck_assert_uint_eq(ds.bytes_received, r.bytes);
-    ck_assert_uint_eq(ps.pinned_blocks + ds.pinned_blocks, 0);
-    ck_assert_uint_eq(ps.staging_pages_held + ds.staging_pages_held, 0);
-    /* a lease nobody reads ends cancelled when freed: its pins come back */
-    pkv_disagg_lease_t *idle;
-    ck_assert_int_eq(pkv_disagg_prefill(p, 8, ids, n, 30000000000ull, &idle), PKV_OK);
-    pkv_xfer_stats(pkv_disagg_node_agent(p), &ps);
-    ck_assert_uint_gt(ps.pinned_blocks, 0);
-    ck_assert_int_eq(pkv_disagg_lease_end(idle, 0), PKV_ERR_CANCELLED);
-    pkv_disagg_lease_free(idle);
-    pkv_xfer_stats(pkv_disagg_node_agent(p), &ps);
-    ck_assert_uint_eq(ps.pinned_blocks, 0);
-    free(logits);
-    pkv_seq_free(ref);
-    pkv_kv_destroy(ref_kv);
-    pkv_seq_free(seq);
-    pkv_xfer_handle_free(h);
-    pkv_disagg_lease_free(l);
-    pkv_disagg_node_destroy(d);
-    pkv_disagg_node_destroy(p);
-    free(ids);
-    pkv_tok_destroy(tok);
-}
-END_TEST
-
-/* `pagekv demo` as a real subprocess (BUILD/pagekv: BUILD from scripts/run-tests.sh, else
- * the directory above this binary's tests/): its exit code and stdout+stderr. */
-static int run_demo(const char *args, char *out, size_t cap)
-{
-    char bin[2048];
-    const char *build = getenv("BUILD");
-    if (build && *build) {
-        snprintf(bin, sizeof(bin), "%s/pagekv", build);
-    } else {
-        ssize_t k = readlink("/proc/self/exe", bin, sizeof(bin) - 16);
-        ck_assert_int_gt(k, 0);
-        bin[k] = 0;
-        for (int i = 0; i < 2; i++) *strrchr(bin, '/') = 0; /* BUILD/tests/test_xfer */
-        strcat(bin, "/pagekv");
-    }
-    ck_assert_msg(access(bin, X_OK) == 0, "%s not built", bin);
-    char cmd[4096];
-    snprintf(cmd, sizeof(cmd), "exec '%s' demo %s 2>&1", bin, args);
-    FILE *f = popen(cmd, "r");
-    ck_assert_ptr_nonnull(f);
-    size_t n = fread(out, 1, cap - 1, f);
-    out[n] = 0;
-    int st = pclose(f);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
-
-/* The demo itself on the tiny model, in the three modes: exit 0 and its key lines (the
- * path taken, every check yes, sent once, every pin and staging page back, result ok). */
-START_TEST(demo_runs_as_a_process)
-{
-    static const char *const args[] = {"", "--no-shared", "--tcp --dtype f32"};
-    static const char *const path[] = {
-        "transfer   same host, shared memfd staging arena: ok",
-        "transfer   same host through UCX, staging copied on both sides: ok",
-        "transfer   tcp (UCX_TLS=tcp), staging copied on both sides: ok"};
-    char cmd[256];
-    snprintf(cmd, sizeof(cmd), "--preset tiny --max-tokens 12 %s", args[_i]);
-    static char out[1 << 16];
-    int rc = run_demo(cmd, out, sizeof(out));
-    ck_assert_msg(rc == 0, "pagekv demo %s: exit %d\n%s", cmd, rc, out);
-    static const char *const lines[] = {"tiny geometry",
-                                        "transferred KV identical to its own run of the prompt",
-                                        "first token identical: yes;",
-                                        "identical to the unified run: yes",
-                                        "registration ended sent (acknowledged); 1 sent",
-                                        "0 blocks pinned, 0 staging pages held; VmRSS",
-                                        "exited 0",
-                                        "  result     ok\n"};
-    ck_assert_msg(strstr(out, path[_i]), "no '%s' in:\n%s", path[_i], out);
-    for (size_t i = 0; i < sizeof(lines) / sizeof(lines[0]); i++)
-        ck_assert_msg(strstr(out, lines[i]), "no '%s' in:\n%s", lines[i], out);
-    ck_assert_ptr_null(strstr(out, ": NO"));
-}
-END_TEST
-
-/* The disagg comparison looks at every position below n of every layer, K and V, every
- * head, and at nothing past n (a partial last block's tail is not KV yet). */
-START_TEST(disagg_kv_compare_sees_every_position)
-{
-    pkv_kv_config_t kc = {.geo = {.layers = 3,
-                                  .kv_heads = 2,
-                                  .head_dim = 8,
-                                  .block_tokens = 4,
-                                  .dtype = PKV_DTYPE_F32},
-                          .no_prefix_cache = true};
-    pkv_kv_t *a, *b;
-    ck_assert_int_eq(pkv_kv_create(&kc, &a), PKV_OK);
-    ck_assert_int_eq(pkv_kv_create(&kc, &b), PKV_OK);
-    int32_t tok[10] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
-    pkv_seq_t *sa, *sb;
-    ck_assert_int_eq(pkv_disagg_seq_create(a, tok, 10, 0, &sa), PKV_OK);
-    ck_assert_int_eq(pkv_disagg_seq_create(b, tok, 10, 0, &sb), PKV_OK);
-    const uint32_t *ia, *ib;
-    uint32_t na, nb;
-    ck_assert_int_eq(pkv_seq_blocks(sa, &ia, &na), PKV_OK);
-    ck_assert_int_eq(pkv_seq_blocks(sb, &ib, &nb), PKV_OK);
-    ck_assert_uint_eq(na, 3); /* 10 positions in blocks of 4 */
-    size_t piece = 4 * 8 * sizeof(float);
-    for (uint32_t k = 0; k < na; k++)
-        for (uint32_t l = 0; l < 3; l++)
-            for (uint32_t w = 0; w < 2; w++)
-                for (uint32_t h = 0; h < 2; h++) {
-                    memset(pkv_kv_block_head(a, ia[k], l, w, h), (int)(k * 16 + l * 4 + w * 2 + h),
-                           piece);
-                    memset(pkv_kv_block_head(b, ib[k], l, w, h), (int)(k * 16 + l * 4 + w * 2 + h),
-                           piece);
-                }
-    ck_assert(pkv_disagg_kv_equal(a, sa, b, sb, 10));
-    /* position 10 (the last block's third slot) is past the prompt: not compared */
-    uint8_t *v = pkv_kv_block_head(b, ib[2], 2, 1, 1);
-    size_t tb = 8 * sizeof(float); /* one position of one head */
-    v[2 * tb] ^= 1;
-    ck_assert(pkv_disagg_kv_equal(a, sa, b, sb, 10));
-    /* position 9 (its second slot), last layer, V, last head, last byte: compared */
-    v[2 * tb - 1] ^= 1;
-    ck_assert(!pkv_disagg_kv_equal(a, sa, b, sb, 10));
-    v[2 * tb - 1] ^= 1;
-    ck_assert(pkv_disagg_kv_equal(a, sa, b, sb, 10));
-    /* position 0, layer 0, K, head 0, first byte */
-    ((uint8_t *)pkv_kv_block_head(a, ia[0], 0, 0, 0))[0] ^= 1;
-    ck_assert(!pkv_disagg_kv_equal(a, sa, b, sb, 10));
-    pkv_seq_free(sa);
-    pkv_seq_free(sb);
-    pkv_kv_destroy(a);
-    pkv_kv_destroy(b);
-}
-END_TEST
-
-/* Bad input runs nothing: an unknown preset (the library and the demo), a prompt with
- * its tokens that does not fit the model, contradicting flags. */
-START_TEST(disagg_bad_options_run_nothing)
-{
-    pkv_disagg_node_config_t c = {.preset = "no-such-model", .vocab = 512, .stage_tokens = 16};
-    pkv_disagg_node_t *n = (pkv_disagg_node_t *)&c;
-    ck_assert_int_eq(pkv_disagg_node_create(&c, &n), PKV_ERR_NOTFOUND);
-    ck_assert_ptr_eq(n, (pkv_disagg_node_t *)&c); /* untouched */
-    static char out[1 << 14];
-    ck_assert_int_eq(run_demo("--preset no-such-model", out, sizeof(out)), 2);
-    ck_assert_ptr_nonnull(strstr(out, "unknown preset 'no-such-model'"));
-    /* tiny takes 4096 positions: the prompt + 4096 generated does not fit */
-    ck_assert_int_eq(run_demo("--preset tiny --max-tokens 4096", out, sizeof(out)), 2);
-    ck_assert_ptr_nonnull(strstr(out, "does not fit"));
-    ck_assert_int_eq(run_demo("--tcp --no-shared", out, sizeof(out)), 2);
-    ck_assert_ptr_null(strstr(out, "result"));
-}
-END_TEST
-
 static Suite *xfer_suite(void)
 {
     Suite *s = suite_create("xfer");
@@ -1957,9 +1729,7 @@ static Suite *xfer_suite(void)
     tcase_add_test(api, other_wire_version_is_rejected_at_once);
     tcase_add_test(api, malformed_read_is_rejected_at_once);
     tcase_add_test(api, whole_stream_checksums_ride_the_payload);
-    tcase_add_test(api, disagg_kv_compare_sees_every_position);
     tcase_add_test(api, read_ids_unique_and_not_sequential);
-    tcase_add_test(api, disagg_bad_options_run_nothing);
     suite_add_tcase(s, api);
     TCase *two = tcase_create("two_process");
     tcase_set_timeout(two, 120);
@@ -1968,8 +1738,6 @@ static Suite *xfer_suite(void)
     tcase_add_loop_test(two, fault_case, XH_NONE, 4 * XH_NFAULTS);
     tcase_add_loop_test(two, producer_lost_mid_read_over_tcp, 0, 4);
     tcase_add_test(two, lean_pull_references_run);
-    tcase_add_loop_test(two, disagg_nodes_match_unified, 0, 3);
-    tcase_add_loop_test(two, demo_runs_as_a_process, 0, 3);
     suite_add_tcase(s, two);
     return s;
 }

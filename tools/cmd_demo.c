@@ -1,578 +1,472 @@
 /*
- * pagekv demo: disaggregated prefill -> decode on the built-in model, through the transfer
- * engine (docs/design/disagg.md), built from the disagg module's nodes.
+ * pagekv demo: the system as it runs. A prefill node, a decode node and the router, each a
+ * real process (`pagekv serve --role prefill|decode`, `pagekv route`, exec'd from this
+ * binary on free loopback ports), and a unified node beside them as the reference. A
+ * handful of requests go through the router (chat with a shared long system prompt,
+ * streamed and not, seeded sampling, a completion); every answer is compared bitwise with
+ * the unified node's. Then each node's VmRSS, staging and transfer accounting is printed,
+ * every process is stopped with SIGTERM and must exit 0.
  *
- * This process forks a prefill process and plays decode itself; neither has touched UCX
- * or started a thread before the fork. Prefill computes the prompt's KV and the first
- * token on its node, registers the prompt's blocks and sends the handle through a pipe.
- * Decode pulls the blocks into its own pool, continues the sequence from them and
- * generates greedily. To show that nothing was lost or bent on the way, decode also runs
- * the same prompt itself in a second pool (the unified run) and compares the transferred
- * KV byte for byte, the first token and every generated token. After the read, prefill
- * reports its accounting (registration ended sent, pins and staging returned) back
- * through the pipe. The process-wide parts (fork, pipes, SIGPIPE, UCX_TLS) and the report
- * are here; the flow is the library's.
- *
- * Exit: 0 the run completed and every check held; 1 a check failed (a prefill process
- * that died during the read shows as the read's outcome); 2 it could not run (bad options,
- * a setup failure, no handle from prefill), with a message on stderr.
+ * Exit: 0 every answer identical, every lease sent, no pins or staging pages held, every
+ * process exited 0; 1 a check failed; 2 it could not run (bad options, a process that did
+ * not start); 130 interrupted (SIGINT/SIGTERM: every child is stopped first). The logs of
+ * the processes stay in their directory when anything failed (its path is printed).
  */
 #include "support/cli.h"
-#include "support/xfer_harness.h"
+#include "support/cluster.h"
 
 #include "core/core.h"
-#include "disagg/disagg.h"
-#include "prim/prim.h"
 
+#include <curl/curl.h>
 #include <errno.h>
-#include <fcntl.h>
+#include <ftw.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#define DEMO_REQUEST_ID 1
-#define DEMO_LEASE_NS   30000000000ull  /* the registration's expiry after prefill */
-#define DEMO_PREFILL_NS 120000000000ull /* how long decode waits for prefill's handle */
-#define DEMO_REPORT_NS  10000000000ull  /* ... and for its report after the read */
-#define DEMO_HANDLE_MAX (1u << 20)
-#define DEMO_TEXT_SHOWN 240
+#define DEMO_START_NS   60000000000ull /* a node builds its model and listens */
+#define DEMO_STOP_NS    10000000000ull /* SIGTERM -> exit */
+#define DEMO_HTTP_MS    60000u
+#define DEMO_TEXT_SHOWN 72
 
-static const char demo_default_prompt[] =
-    "A paged KV cache keeps each request's keys and values in fixed-size blocks, so a "
-    "server can move them between a prefill node and a decode node without copying the "
-    "whole pool. The decode node pulls the blocks, verifies every layer, and goes on "
-    "generating as if it had computed the prompt itself.";
+enum { N_UNIFIED, N_PREFILL, N_DECODE, N_ROUTER, N_PROCS };
 
 typedef struct {
-    const char *preset;    /* NULL -> PKV_DISAGG_DEFAULT_PRESET */
-    const char *prompt;    /* NULL -> demo_default_prompt */
-    uint32_t max_tokens;   /* tokens generated after the prompt; 0 -> 32 */
-    uint64_t weights_seed; /* 0 -> 1 */
-    pkv_dtype_t dtype;     /* KV element type (both pools) */
-    bool tcp;              /* UCX_TLS=tcp in both processes */
-    bool no_shared;        /* payload through UCX even on one host */
-    uint64_t deadline_ms;  /* the transfer's deadline; 0 -> 10000 */
+    const char *preset;
+    uint32_t max_tokens;
+    const char *staging; /* per_transfer | fixed */
+    const char *policy;  /* router policy, NULL: its default */
+    bool tcp, shared, keep_logs;
 } demo_opts_t;
 
-/* What prefill reports after decode's read. */
-typedef struct {
-    int32_t end; /* how the registration ended; PKV_DISAGG_LEASE_OPEN = still registered */
-    uint64_t sent, bytes_sent, pinned, staging_held, rss;
-} demo_report_t;
-
-typedef struct {
-    int outcome;      /* the read's typed outcome */
-    const char *path; /* how the payload moved */
-    uint32_t prompt_tokens, blocks, generated;
-    uint64_t kv_bytes, prefill_ns, transfer_ns;
-    bool kv_identical, first_identical, tokens_identical, shared_arena;
-    bool producer_reported, producer_exit_ok;
-    demo_report_t producer; /* end: PKV_OK = sent (acknowledged) */
-    uint64_t consumer_pinned, consumer_staging_held, consumer_bytes_received;
-    uint64_t consumer_pool_committed, consumer_rss;
-} demo_result_t;
-
-/* What prefill sends: this header, then handle_len bytes of the encoded handle. */
-typedef struct {
-    int32_t status; /* PKV_OK, or why prefill could not register */
-    int32_t first;  /* the first generated token (from the prompt's last logits) */
-    uint64_t prefill_ns;
-    uint32_t handle_len;
-    uint32_t pid;
-} demo_hello_t;
-
-static pkv_disagg_node_config_t demo_node_config(const demo_opts_t *o, int32_t vocab, uint32_t n,
-                                                 bool prefill)
+static volatile sig_atomic_t g_stop;
+static void on_signal(int sig)
 {
-    return (pkv_disagg_node_config_t){.preset = o->preset,
-                                      .weights_seed = o->weights_seed,
-                                      .vocab = vocab,
-                                      .dtype = o->dtype,
-                                      .stage_tokens = n,
-                                      .shared_stage = prefill,
-                                      .stage_name =
-                                          prefill ? "pkv-demo-prefill" : "pkv-demo-decode",
-                                      .no_shared = !prefill && (o->no_shared || o->tcp)};
+    g_stop = sig;
 }
 
-static uint64_t demo_rss(void)
+static const char demo_system[] =
+    "You are the operator's guide to a disaggregated LLM serving system. A prefill node "
+    "computes the prompt's keys and values and keeps them pinned in its paged pool under a "
+    "lease; a decode node pulls exactly those blocks through host staging sized for the "
+    "transfer, verifies every layer, and goes on generating as if it had computed the "
+    "prompt itself. The router in front sends the prefill leg first, then the decode leg "
+    "with the transfer parameters the prefill node returned, and streams the answer back. "
+    "Every transfer ends in a typed outcome before its deadline, nothing is reported sent "
+    "that was not acknowledged, and no answer is ever computed on wrong keys and values. "
+    "Answer briefly and precisely.";
+
+typedef struct {
+    const char *what;
+    const char *path;
+    bool chat, stream;
+    double temperature;
+    int seed; /* < 0: none */
+    const char *text;
+} demo_req_t;
+
+static const demo_req_t demo_reqs[] = {
+    {"chat", "/v1/chat/completions", true, false, 0.0, -1,
+     "What does the prefill node keep for the decode node?"},
+    {"chat, streamed", "/v1/chat/completions", true, true, 0.0, -1,
+     "How does a decode node know that the KV it pulled is the right one?"},
+    {"chat, streamed, seeded", "/v1/chat/completions", true, true, 0.8, 7,
+     "Say what happens when a transfer misses its deadline."},
+    {"completion", "/v1/completions", false, false, 0.0, -1,
+     "A paged KV cache keeps each request's keys and values in fixed-size blocks, so"},
+    {"completion, streamed", "/v1/completions", false, true, 0.0, -1,
+     "Host staging allocated per transfer holds exactly the pages in flight, which"},
+};
+#define N_REQS (sizeof(demo_reqs) / sizeof(demo_reqs[0]))
+
+static void usage(FILE *f)
 {
-    pkv_prim_mem_t mem = {0};
-    pkv_prim_mem_read(0, &mem);
-    return mem.rss_bytes;
+    fprintf(f,
+            "usage: pagekv demo [--preset NAME] [--max-tokens N] [--staging per_transfer|fixed]\n"
+            "                   [--staging-shared] [--tcp] [--policy P] [--keep-logs]\n"
+            "Starts a prefill node, a decode node and the router (pagekv serve --role ...,\n"
+            "pagekv route) as processes on loopback, with a unified node beside them; sends\n"
+            "chat and completion requests through the router and checks every answer\n"
+            "bitwise against the unified node's; prints each node's memory and transfer\n"
+            "accounting; stops every process. Exit 0 only if everything held.\n"
+            "  --preset NAME        built-in model (default llama-3.2-1b)\n"
+            "  --max-tokens N       tokens per answer, 1..256 (default 24)\n"
+            "  --staging MODE       the nodes' host staging (default per_transfer)\n"
+            "  --staging-shared     a memfd staging arena the same-host decode node maps\n"
+            "  --tcp                UCX_TLS=tcp in the nodes: the payload crosses TCP\n"
+            "  --policy P           the router's policy (default: its own)\n"
+            "  --keep-logs          keep the processes' logs (printed path) also on success\n");
 }
 
-/* ---- prefill (the child) ------------------------------------------------------------- */
-/* After decode's read: end the registration and report the accounting. */
-static void demo_prefill_report(pkv_disagg_node_t *node, pkv_disagg_lease_t *l, char go, int wfd)
+static int parse(int argc, char **argv, demo_opts_t *o)
 {
-    demo_report_t rep;
-    memset(&rep, 0, sizeof(rep)); /* padding too: it goes through the pipe */
-    /* An acknowledged read's ACK may still be on its way; a failed one never comes. */
-    rep.end = pkv_disagg_lease_end(l, pkv_now_ns() + (go ? 2000000000ull : 0));
-    pkv_xfer_agent_t *agent = pkv_disagg_node_agent(node);
-    pkv_xfer_wait_idle(agent, pkv_now_ns() + 2000000000ull);
-    pkv_xfer_stats_t xs;
-    pkv_xfer_stats(agent, &xs);
-    rep.sent = xs.sent;
-    rep.bytes_sent = xs.bytes_sent;
-    rep.pinned = xs.pinned_blocks;
-    rep.staging_held = xs.staging_pages_held;
-    rep.rss = demo_rss();
-    (void)xh_write_all(wfd, &rep, sizeof(rep));
-}
-
-/* The prefill process: never returns. */
-static void demo_prefill(const demo_opts_t *o, const int32_t *ids, uint32_t n, int32_t vocab,
-                         int wfd, int rfd)
-{
-    demo_hello_t hello = {.status = PKV_OK, .pid = (uint32_t)getpid()};
-    pkv_disagg_node_t *node = NULL;
-    pkv_disagg_lease_t *l = NULL;
-    uint8_t *hb = NULL;
-    size_t len = 0;
-    pkv_disagg_node_config_t nc = demo_node_config(o, vocab, n, true);
-    int rc = pkv_disagg_node_create(&nc, &node);
-    if (!rc) rc = pkv_disagg_prefill(node, DEMO_REQUEST_ID, ids, n, DEMO_LEASE_NS, &l);
-    if (!rc) {
-        const pkv_xfer_handle_t *h = pkv_disagg_lease_handle(l);
-        hello.first = pkv_disagg_lease_first(l);
-        hello.prefill_ns = pkv_disagg_lease_prefill_ns(l);
-        hello.handle_len = (uint32_t)pkv_xfer_handle_bytes(h);
-        hb = malloc(hello.handle_len ? hello.handle_len : 1);
-        rc = hb ? pkv_xfer_handle_encode(h, hb, hello.handle_len, &len) : PKV_ERR_NOMEM;
+    *o = (demo_opts_t){.preset = "llama-3.2-1b", .max_tokens = 24, .staging = "per_transfer"};
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        uint64_t n;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(stdout);
+            return 0;
+        } else if (!strcmp(a, "--tcp")) {
+            o->tcp = true;
+        } else if (!strcmp(a, "--staging-shared")) {
+            o->shared = true;
+        } else if (!strcmp(a, "--keep-logs")) {
+            o->keep_logs = true;
+        } else if (!v) {
+            return pkv_cli_usage_error("demo", "unknown option or missing value: %s", a);
+        } else if (!strcmp(a, "--preset")) {
+            o->preset = argv[++i];
+        } else if (!strcmp(a, "--max-tokens")) {
+            if (pkv_cli_parse_u64(v, 1, 256, &n))
+                return pkv_cli_usage_error("demo", "--max-tokens: 1..256, got '%s'", v);
+            o->max_tokens = (uint32_t)n;
+            i++;
+        } else if (!strcmp(a, "--staging")) {
+            if (strcmp(v, "per_transfer") && strcmp(v, "fixed"))
+                return pkv_cli_usage_error("demo", "--staging: per_transfer or fixed, got '%s'", v);
+            o->staging = argv[++i];
+        } else if (!strcmp(a, "--policy")) {
+            o->policy = argv[++i];
+        } else {
+            return pkv_cli_usage_error("demo", "unknown option: %s", a);
+        }
     }
-    hello.status = rc;
-    hello.handle_len = rc ? 0 : (uint32_t)len;
-    if (xh_write_all(wfd, &hello, sizeof(hello)) || xh_write_all(wfd, hb, hello.handle_len))
-        _exit(3);
-    /* Decode says when its read has ended (or closes the pipe by dying). */
-    char go;
-    if (!rc && xh_read_all(rfd, &go, 1, pkv_now_ns() + DEMO_PREFILL_NS + DEMO_REPORT_NS) == PKV_OK)
-        demo_prefill_report(node, l, go, wfd);
-    free(hb);
-    pkv_disagg_lease_free(l);
-    pkv_disagg_node_destroy(node);
-    _exit(rc ? 3 : 0);
+    return -1; /* proceed */
 }
 
-/* ---- decode (this process) ----------------------------------------------------------- */
+/* ---- the processes --------------------------------------------------------------------- */
 typedef struct {
-    const demo_opts_t *o;
-    const pkv_tok_t *tok;
-    const int32_t *ids;
-    uint32_t n, max;
-    int32_t vocab;
-    pid_t pid;
-    int rfd, wfd; /* from / to prefill */
-    demo_hello_t hello;
-    pkv_xfer_handle_t *h;
-    pkv_disagg_node_t *node;
-    pkv_kv_t *ref_kv;
-    pkv_seq_t *seq, *ref;
-    float *logits;
-    int32_t *gen, *ref_gen;
-    bool go_sent, reaped;
-} demo_decode_t;
+    demo_opts_t o;
+    char bin[4096];
+    char logdir[64];
+    cluster_proc_t p[N_PROCS];
+    bool started[N_PROCS];
+} demo_t;
 
-static void demo_decode_free(demo_decode_t *d)
-{
-    if (d->seq) pkv_seq_free(d->seq);
-    if (d->ref) pkv_seq_free(d->ref);
-    if (d->ref_kv) pkv_kv_destroy(d->ref_kv);
-    pkv_disagg_node_destroy(d->node);
-    pkv_xfer_handle_free(d->h);
-    free(d->logits);
-    free(d->gen);
-    free(d->ref_gen);
-}
+static const char *const demo_names[N_PROCS] = {"unified", "prefill", "decode", "router"};
 
-/* Prefill's hello and handle: 0, or -1 with a message. */
-static int demo_handle(demo_decode_t *d)
+/* Start node i (a `pagekv serve`) or the router; 0, or -1 with the reason on stderr. */
+static int demo_start(demo_t *d, int i)
 {
-    if (xh_read_all(d->rfd, &d->hello, sizeof(d->hello), pkv_now_ns() + DEMO_PREFILL_NS) ||
-        d->hello.handle_len > DEMO_HANDLE_MAX) {
-        fprintf(stderr, "pagekv demo: no handle from the prefill process\n");
+    char *argv[32];
+    int n = 0;
+    argv[n++] = d->bin;
+    if (i == N_ROUTER) {
+        argv[n++] = "route";
+        argv[n++] = "--port";
+        argv[n++] = "0";
+        argv[n++] = "--prefill";
+        argv[n++] = d->p[N_PREFILL].url;
+        argv[n++] = "--decode";
+        argv[n++] = d->p[N_DECODE].url;
+        if (d->o.policy) {
+            argv[n++] = "--policy";
+            argv[n++] = (char *)d->o.policy;
+        }
+    } else {
+        argv[n++] = "serve";
+        argv[n++] = "--port";
+        argv[n++] = "0";
+        argv[n++] = "--preset";
+        argv[n++] = (char *)d->o.preset;
+        if (i != N_UNIFIED) {
+            argv[n++] = "--role";
+            argv[n++] = i == N_PREFILL ? "prefill" : "decode";
+            argv[n++] = "--staging";
+            argv[n++] = (char *)d->o.staging;
+            if (d->o.shared) argv[n++] = "--staging-shared";
+        }
+    }
+    argv[n] = NULL;
+    char *env[] = {d->o.tcp ? "UCX_TLS=tcp" : NULL, NULL};
+    char err[768];
+    if (cluster_proc_start(&d->p[i], demo_names[i], argv, env, d->logdir,
+                           pkv_now_ns() + DEMO_START_NS, err, sizeof(err)) != 0) {
+        fprintf(stderr, "pagekv demo: %s\n", err);
         return -1;
     }
-    if (d->hello.status) {
-        fprintf(stderr, "pagekv demo: prefill failed: %s\n", pkv_status_str(d->hello.status));
-        return -1;
-    }
-    uint8_t *hb = malloc(d->hello.handle_len ? d->hello.handle_len : 1);
-    int rc = !hb || xh_read_all(d->rfd, hb, d->hello.handle_len, pkv_now_ns() + DEMO_REPORT_NS) ||
-             pkv_xfer_handle_decode(hb, d->hello.handle_len, &d->h);
-    free(hb);
-    if (rc) {
-        fprintf(stderr, "pagekv demo: the prefill process sent no valid handle\n");
-        return -1;
-    }
+    d->started[i] = true;
+    printf("  %-8s pid %-7d %s%s%s\n", demo_names[i], (int)d->p[i].pid, d->p[i].url,
+           d->p[i].kv_address[0] ? "  transfer agent " : "", d->p[i].kv_address);
+    fflush(stdout);
     return 0;
 }
 
-/* The decode node and its sequence, the unified run's pool, the scratch. */
-static int demo_decode_setup(demo_decode_t *d)
+/* SIGTERM to everything still running (router first, then the nodes); the exit codes. */
+static bool demo_stop_all(demo_t *d, bool report)
 {
-    d->logits = malloc(sizeof(float) * (size_t)d->vocab);
-    d->gen = malloc(sizeof(int32_t) * d->max);
-    d->ref_gen = malloc(sizeof(int32_t) * d->max);
-    int rc = d->logits && d->gen && d->ref_gen ? PKV_OK : PKV_ERR_NOMEM;
-    pkv_disagg_node_config_t nc = demo_node_config(d->o, d->vocab, d->n, false);
-    if (!rc) rc = pkv_disagg_node_create(&nc, &d->node);
-    if (!rc) rc = pkv_disagg_pool_create(d->node, &d->ref_kv);
-    if (!rc) rc = pkv_disagg_seq_create(pkv_disagg_node_kv(d->node), d->ids, d->n, d->max, &d->seq);
+    bool ok = true;
+    static const int order[N_PROCS] = {N_ROUTER, N_DECODE, N_PREFILL, N_UNIFIED};
+    for (int k = 0; k < N_PROCS; k++) {
+        int i = order[k];
+        if (!d->started[i]) continue;
+        int code = cluster_proc_stop(&d->p[i], SIGTERM, pkv_now_ns() + DEMO_STOP_NS);
+        d->started[i] = false;
+        if (code != 0) ok = false;
+        if (report) printf("  %-8s exited %d%s\n", demo_names[i], code, code ? "  FAILED" : "");
+    }
+    return ok;
+}
+
+/* ---- requests -------------------------------------------------------------------------- */
+static json_t *demo_body(const demo_opts_t *o, const demo_req_t *r)
+{
+    json_t *b = json_pack("{s:s, s:i, s:f, s:b}", "model", o->preset, "max_tokens",
+                          (int)o->max_tokens, "temperature", r->temperature, "stream", r->stream);
+    if (r->seed >= 0) json_object_set_new(b, "seed", json_integer(r->seed));
+    if (r->stream) json_object_set_new(b, "stream_options", json_pack("{s:b}", "include_usage", 1));
+    if (r->chat)
+        json_object_set_new(b, "messages",
+                            json_pack("[{s:s, s:s}, {s:s, s:s}]", "role", "system", "content",
+                                      demo_system, "role", "user", "content", r->text));
+    else
+        json_object_set_new(b, "prompt", json_string(r->text));
+    return b;
+}
+
+/* One request to base_url: 0 with the answer, -1 with the reason on stderr. */
+static int demo_ask(const char *base_url, const char *who, const demo_req_t *r, const json_t *body,
+                    const char *rid, cluster_answer_t *a, double *secs)
+{
+    char hdr[96];
+    snprintf(hdr, sizeof(hdr), "X-Request-Id: %s", rid);
+    const char *headers[] = {hdr, NULL};
+    cluster_http_reply_t rep;
+    if (cluster_http(base_url, r->path, body, headers, DEMO_HTTP_MS, &g_stop, &rep) != 0) {
+        if (!g_stop) fprintf(stderr, "pagekv demo: %s: %s: %s\n", who, r->what, rep.error);
+        return -1;
+    }
+    int rc = -1;
+    if (rep.status != 200)
+        fprintf(stderr, "pagekv demo: %s: %s: HTTP %ld: %.300s\n", who, r->what, rep.status,
+                rep.body);
+    else if (cluster_answer_parse(rep.body, r->stream, a) != 0)
+        fprintf(stderr, "pagekv demo: %s: %s: unreadable answer: %.300s\n", who, r->what, rep.body);
+    else if (a->error_code[0] || !a->done)
+        fprintf(stderr, "pagekv demo: %s: %s: the answer ended with %s\n", who, r->what,
+                a->error_code[0] ? a->error_code : "no [DONE]");
+    else
+        rc = 0;
+    if (rc && a->text) cluster_answer_free(a);
+    *secs = rep.seconds;
+    cluster_http_reply_free(&rep);
     return rc;
 }
 
-/* The pull, then tell prefill the read ended. 0, or -1 with a message. */
-static int demo_pull(demo_decode_t *d, demo_result_t *r)
+static void print_text(const char *t)
 {
-    const demo_opts_t *o = d->o;
-    uint64_t deadline = pkv_now_ns() + (o->deadline_ms ? o->deadline_ms : 10000) * 1000000ull;
-    pkv_disagg_pull_t p = {0};
-    int rc = pkv_disagg_pull(d->node, d->h, d->seq, d->ids, d->n, deadline, &p);
-    if (rc) {
-        fprintf(stderr, "pagekv demo: %s: %s\n", p.bytes ? "generation" : "decode setup",
-                pkv_status_str(rc));
-        return -1;
-    }
-    r->outcome = p.outcome;
-    r->transfer_ns = p.transfer_ns;
-    r->kv_bytes = p.bytes;
-    r->shared_arena = p.shared_arena;
-    r->path = r->shared_arena ? "same host, shared memfd staging arena"
-              : o->tcp        ? "tcp (UCX_TLS=tcp), staging copied on both sides"
-              : r->outcome == PKV_OK || o->no_shared
-                  ? "same host through UCX, staging copied on both sides"
-                  : "same host (shared arena offered)";
-    char go = r->outcome == PKV_OK;
-    d->go_sent = xh_write_all(d->wfd, &go, 1) == PKV_OK;
-    return 0;
+    putchar('"');
+    size_t n = 0;
+    for (const char *c = t; *c && n < DEMO_TEXT_SHOWN; c++, n++)
+        putchar(*c == '\n' || *c == '\r' || *c == '\t' ? ' ' : *c);
+    printf("%s\"\n", strlen(t) > DEMO_TEXT_SHOWN ? "..." : "");
 }
 
-/* The unified run in a pool of its own, and the comparisons. 0, or -1 with a message. */
-static int demo_unified(demo_decode_t *d, demo_result_t *r)
+/* Every request through the router and to the unified node; the number identical. */
+static uint32_t demo_requests(demo_t *d, int *err)
 {
-    pkv_model_t *m = pkv_disagg_node_model(d->node);
-    pkv_kv_t *kv = pkv_disagg_node_kv(d->node);
-    int32_t ref_first = -1;
-    int rc = pkv_disagg_seq_create(d->ref_kv, d->ids, d->n, d->max, &d->ref);
-    if (!rc) rc = pkv_disagg_forward(m, d->ref_kv, d->ref, d->ids, d->n, d->logits, &ref_first);
-    if (rc) {
-        fprintf(stderr, "pagekv demo: unified run: %s\n", pkv_status_str(rc));
-        return -1;
-    }
-    if (r->outcome != PKV_OK) return 0;
-    r->kv_identical = pkv_disagg_kv_equal(kv, d->seq, d->ref_kv, d->ref, d->n);
-    r->first_identical = d->hello.first == ref_first;
-    /* Decode goes on from the transferred KV (the pull marked positions [0, n) written). */
-    int ng = pkv_disagg_generate(m, kv, d->seq, d->tok, d->hello.first, d->max, d->logits, d->gen);
-    int nrg = ng < 0 ? 0
-                     : pkv_disagg_generate(m, d->ref_kv, d->ref, d->tok, ref_first, d->max,
-                                           d->logits, d->ref_gen);
-    if (ng < 0 || nrg < 0) {
-        fprintf(stderr, "pagekv demo: generation: %s\n", pkv_status_str(ng < 0 ? ng : nrg));
-        return -1;
-    }
-    r->generated = (uint32_t)ng;
-    r->tokens_identical = ng == nrg && !memcmp(d->gen, d->ref_gen, sizeof(int32_t) * (size_t)ng);
-    return 0;
-}
-
-/* Prefill's report and exit, then decode's own accounting. */
-static void demo_accounting(demo_decode_t *d, demo_result_t *r)
-{
-    demo_report_t rep;
-    if (d->go_sent && xh_read_all(d->rfd, &rep, sizeof(rep), pkv_now_ns() + DEMO_REPORT_NS) == 0) {
-        r->producer_reported = true;
-        r->producer = rep;
-    }
-    int wst = -1;
-    xh_reap(d->pid, &wst, pkv_now_ns() + 5000000000ull); /* it exits once it has reported */
-    d->reaped = true;
-    r->producer_exit_ok = WIFEXITED(wst) && WEXITSTATUS(wst) == 0;
-    pkv_xfer_agent_t *agent = pkv_disagg_node_agent(d->node);
-    pkv_xfer_wait_idle(agent, pkv_now_ns() + 2000000000ull);
-    pkv_xfer_stats_t xs;
-    pkv_xfer_stats(agent, &xs);
-    r->consumer_pinned = xs.pinned_blocks;
-    r->consumer_staging_held = xs.staging_pages_held;
-    r->consumer_bytes_received = xs.bytes_received;
-    pkv_kv_stats_t ks;
-    pkv_kv_stats(pkv_disagg_node_kv(d->node), &ks);
-    r->consumer_pool_committed = ks.committed_bytes;
-    pkv_kv_stats(d->ref_kv, &ks);
-    r->consumer_pool_committed += ks.committed_bytes;
-    r->consumer_rss = demo_rss();
-}
-
-static bool demo_ok(const demo_result_t *r)
-{
-    return r->outcome == PKV_OK && r->kv_identical && r->first_identical && r->tokens_identical &&
-           r->producer_reported && r->producer.end == PKV_OK && r->producer.sent == 1 &&
-           r->producer.bytes_sent == r->kv_bytes && r->producer.pinned == 0 &&
-           r->producer.staging_held == 0 && r->consumer_bytes_received == r->kv_bytes &&
-           r->consumer_pinned == 0 && r->consumer_staging_held == 0 && r->producer_exit_ok;
-}
-
-/* ---- the report ---------------------------------------------------------------------- */
-static void demo_text(FILE *f, const pkv_tok_t *tok, int32_t prev, const int32_t *ids, uint32_t n)
-{
-    size_t shown = 0;
-    fputc('"', f);
-    for (uint32_t i = 0; i < n && shown < DEMO_TEXT_SHOWN; i++) {
-        const char *b;
-        size_t len;
-        if (pkv_tok_decode_token(tok, prev, ids[i], &b, &len)) len = 0;
-        for (size_t j = 0; j < len && shown < DEMO_TEXT_SHOWN; j++, shown++)
-            fputc(b[j] >= 0x20 && b[j] < 0x7f && b[j] != '"' ? b[j] : '.', f);
-        prev = ids[i];
-    }
-    fputs(shown >= DEMO_TEXT_SHOWN ? "\"..." : "\"", f);
-}
-
-static const char *demo_yes(bool b)
-{
-    return b ? "yes" : "NO";
-}
-
-static void demo_report_setup(FILE *f, const demo_decode_t *d, const demo_result_t *r)
-{
-    const pkv_model_config_t *mc = pkv_model_config(pkv_disagg_node_model(d->node));
-    const pkv_geometry_t *g = pkv_kv_geometry(pkv_disagg_node_kv(d->node));
-    fprintf(f, "pagekv demo: disaggregated prefill -> decode on the built-in model\n");
-    fprintf(f,
-            "  model      %s geometry: %u layers, %u KV heads x %u, KV in %s; weights from seed "
-            "%llu (random: the text is noise, the bytes are what counts)\n",
-            d->o->preset ? d->o->preset : PKV_DISAGG_DEFAULT_PRESET, mc->n_layers, mc->n_kv_heads,
-            mc->head_dim, pkv_dtype_name(g->dtype),
-            (unsigned long long)(d->o->weights_seed ? d->o->weights_seed : 1));
-    fprintf(f, "  prompt     %u tokens -> KV of %u positions in %u blocks of %u tokens, %.2f MiB\n",
-            r->prompt_tokens, r->prompt_tokens, r->blocks, g->block_tokens,
-            r->kv_bytes / 1048576.0);
-    fprintf(f,
-            "  prefill    pid %u: prompt computed in %.1f ms, first token %d, blocks registered "
-            "(lease %llu s)\n",
-            d->hello.pid, r->prefill_ns / 1e6, d->hello.first,
-            (unsigned long long)(DEMO_LEASE_NS / 1000000000ull));
-}
-
-static void demo_report_transfer(FILE *f, const demo_decode_t *d, const demo_result_t *r)
-{
-    const pkv_geometry_t *g = pkv_kv_geometry(pkv_disagg_node_kv(d->node));
-    if (r->outcome != PKV_OK) {
-        fprintf(f, "  transfer   %s: %s after %.2f ms\n", r->path, pkv_status_str(r->outcome),
-                r->transfer_ns / 1e6);
-        return;
-    }
-    fprintf(f, "  transfer   %s: ok in %.2f ms (%.2f GB/s, connecting to prefill included)\n",
-            r->path, r->transfer_ns / 1e6,
-            r->transfer_ns ? (double)r->kv_bytes / (double)r->transfer_ns : 0.0);
-    fprintf(f,
-            "  decode     pid %u: transferred KV identical to its own run of the prompt "
-            "(bitwise, %u positions x %u layers x K,V x %u heads): %s\n",
-            (unsigned)getpid(), r->prompt_tokens, g->layers, g->kv_heads,
-            demo_yes(r->kv_identical));
-    fprintf(f,
-            "             first token identical: %s; %u tokens generated from the "
-            "transferred KV, identical to the unified run: %s\n",
-            demo_yes(r->first_identical), r->generated, demo_yes(r->tokens_identical));
-    fprintf(f, "  text       ");
-    demo_text(f, d->tok, d->ids[d->n - 1], d->gen, r->generated);
-    fputc('\n', f);
-}
-
-static void demo_report_accounting(FILE *f, const demo_result_t *r, bool ok)
-{
-    double mib = 1.0 / 1048576.0;
-    if (r->producer_reported)
-        fprintf(f,
-                "  prefill    registration ended %s; %llu sent (%.2f MiB), %llu blocks pinned, "
-                "%llu staging pages held; VmRSS %.1f MiB; %s\n",
-                r->producer.end == PKV_OK                  ? "sent (acknowledged)"
-                : r->producer.end == PKV_DISAGG_LEASE_OPEN ? "not (still registered)"
-                                                           : pkv_status_str(r->producer.end),
-                (unsigned long long)r->producer.sent, r->producer.bytes_sent * mib,
-                (unsigned long long)r->producer.pinned,
-                (unsigned long long)r->producer.staging_held, r->producer.rss * mib,
-                r->producer_exit_ok ? "exited 0" : "did NOT exit cleanly");
-    else
-        fprintf(f, "  prefill    no report (the process died or did not answer)\n");
-    fprintf(f,
-            "  decode     %.2f MiB received, %llu blocks pinned, %llu staging pages held; KV "
-            "pools %.1f MiB committed (transferred + unified); VmRSS %.1f MiB\n",
-            r->consumer_bytes_received * mib, (unsigned long long)r->consumer_pinned,
-            (unsigned long long)r->consumer_staging_held, r->consumer_pool_committed * mib,
-            r->consumer_rss * mib);
-    fprintf(f, "  result     %s\n", ok ? "ok" : "FAILED");
-}
-
-/* Decode's whole part once prefill is forked: the exit code. */
-static int demo_decode(demo_decode_t *d, demo_result_t *r)
-{
-    if (demo_handle(d)) return 2;
-    r->prefill_ns = d->hello.prefill_ns;
-    r->prompt_tokens = d->n;
-    r->blocks = d->h->n_blocks;
-    int rc = demo_decode_setup(d);
-    if (rc) {
-        fprintf(stderr, "pagekv demo: decode setup: %s\n", pkv_status_str(rc));
-        return 2;
-    }
-    if (demo_pull(d, r) || demo_unified(d, r)) return 2;
-    demo_accounting(d, r);
-    bool ok = demo_ok(r);
-    demo_report_setup(stdout, d, r);
-    demo_report_transfer(stdout, d, r);
-    demo_report_accounting(stdout, r, ok);
-    return ok ? 0 : 1;
-}
-
-/* ---- the two processes --------------------------------------------------------------- */
-/* Fork prefill, play decode, reap: the exit code. The pipes are closed here. */
-static int demo_fork(demo_decode_t *d, int c2p[2], int p2c[2])
-{
-    demo_result_t r;
-    memset(&r, 0, sizeof(r));
-    r.outcome = PKV_ERR_INVALID;
-    pid_t parent = getpid();
-    fflush(NULL);
-    d->pid = fork();
-    if (d->pid == 0) {
-        xh_child_detach(parent);
-        close(c2p[0]);
-        close(p2c[1]);
-        demo_prefill(d->o, d->ids, d->n, d->vocab, c2p[1], p2c[0]);
-    }
-    close(c2p[1]);
-    close(p2c[0]);
-    d->rfd = c2p[0];
-    d->wfd = p2c[1];
-    int ret = 2;
-    if (d->pid < 0)
-        fprintf(stderr, "pagekv demo: fork: %s\n", strerror(errno));
-    else
-        ret = demo_decode(d, &r);
-    if (d->pid > 0 && !d->go_sent) {
-        char no = 0;
-        (void)xh_write_all(d->wfd, &no, 1);
-    }
-    close(d->wfd);
-    close(d->rfd);
-    int ignored;
-    if (d->pid > 0 && !d->reaped) xh_reap(d->pid, &ignored, pkv_now_ns() + 5000000000ull);
-    demo_decode_free(d);
-    return ret;
-}
-
-/* Tokenize, check the fit, set up the process (pipes, SIGPIPE, UCX_TLS), run, restore. */
-static int demo_run(const demo_opts_t *o)
-{
-    pkv_model_config_t probe;
-    if (pkv_model_preset(o->preset ? o->preset : PKV_DISAGG_DEFAULT_PRESET, &probe)) {
-        fprintf(stderr, "pagekv demo: unknown preset '%s'\n", o->preset);
-        return 2;
-    }
-    demo_decode_t d = {.o = o, .max = o->max_tokens ? o->max_tokens : 32, .rfd = -1, .wfd = -1};
-    pkv_tok_t *tok = NULL;
-    int32_t *ids = NULL;
-    size_t n_ids = 0;
-    int rc = pkv_tok_create_builtin(&tok);
-    const char *prompt = o->prompt ? o->prompt : demo_default_prompt;
-    if (!rc) rc = pkv_tok_encode_alloc(tok, prompt, strlen(prompt), true, &ids, &n_ids);
-    int ret = 2;
-    int c2p[2] = {-1, -1}, p2c[2] = {-1, -1};
-    if (rc || n_ids == 0 || n_ids + d.max > probe.max_seq_len) {
-        fprintf(stderr,
-                "pagekv demo: prompt of %zu tokens + %u generated: %s (the model takes %u)\n",
-                n_ids, d.max, rc ? pkv_status_str(rc) : "does not fit", probe.max_seq_len);
-    } else if (pipe2(c2p, O_CLOEXEC) || pipe2(p2c, O_CLOEXEC)) {
-        fprintf(stderr, "pagekv demo: pipe: %s\n", strerror(errno));
-        for (int i = 0; i < 2; i++) {
-            if (c2p[i] >= 0) close(c2p[i]);
-            if (p2c[i] >= 0) close(p2c[i]);
+    uint32_t same = 0;
+    for (size_t i = 0; i < N_REQS && !g_stop; i++) {
+        const demo_req_t *r = &demo_reqs[i];
+        json_t *body = demo_body(&d->o, r);
+        char rid[48];
+        snprintf(rid, sizeof(rid), "pagekv-demo-%zu", i + 1);
+        cluster_answer_t via = {0}, ref = {0};
+        double tv = 0, tu = 0;
+        int rc = demo_ask(d->p[N_ROUTER].url, "router", r, body, rid, &via, &tv);
+        if (!rc) rc = demo_ask(d->p[N_UNIFIED].url, "unified", r, body, rid, &ref, &tu);
+        json_decref(body);
+        if (rc) {
+            *err = 1;
+            cluster_answer_free(&via);
+            continue;
         }
-    } else {
-        d.tok = tok;
-        d.ids = ids;
-        d.n = (uint32_t)n_ids;
-        d.vocab = pkv_tok_vocab_size(tok);
-        /* A prefill process that died must be a failed write here, not our death. */
-        struct sigaction ign = {.sa_handler = SIG_IGN}, old_pipe;
-        sigaction(SIGPIPE, &ign, &old_pipe);
-        if (o->tcp) setenv("UCX_TLS", "tcp", 1); /* both processes: set before the fork */
-        ret = demo_fork(&d, c2p, p2c);
-        sigaction(SIGPIPE, &old_pipe, NULL);
+        bool eq = cluster_answer_equal(&via, &ref);
+        same += eq;
+        printf("  [%zu] %-24s router %6.3f s  unified %6.3f s  %ld+%ld tokens  %s\n      ", i + 1,
+               r->what, tv, tu, via.prompt_tokens, via.completion_tokens,
+               eq ? "identical" : "DIFFERENT");
+        print_text(via.text);
+        if (!eq) {
+            printf("      unified: ");
+            print_text(ref.text);
+        }
+        cluster_answer_free(&via);
+        cluster_answer_free(&ref);
     }
-    free(ids);
-    pkv_tok_destroy(tok);
-    return ret;
+    return same;
 }
 
-static void demo_usage(void)
+/* ---- the accounting -------------------------------------------------------------------- */
+static double mib(long long b)
 {
-    fprintf(stderr,
-            "usage: pagekv demo [--preset NAME] [--prompt TEXT] [--max-tokens N] "
-            "[--dtype f32|f16|bf16]\n"
-            "                   [--weights-seed S] [--deadline-ms MS] [--no-shared | --tcp]\n"
-            "Prefill in one process, decode in another: the prompt's KV moves between their\n"
-            "pools through the transfer engine, and decode checks it against its own run.\n");
+    return b < 0 ? -1.0 : (double)b / (1024.0 * 1024.0);
 }
 
-/* One option with its value; 0, or the usage error's exit code. */
-static int demo_option(demo_opts_t *o, const char *a, const char *val)
+/* The transfer phases a node reports in /metrics: the means of its
+ * pagekv_kv_transfer_phase_seconds{phase="..."} histograms that counted something. */
+static void demo_print_phases(const cluster_proc_t *p)
 {
-    uint64_t v;
-    if (!strcmp(a, "--preset")) {
-        o->preset = val;
-    } else if (!strcmp(a, "--prompt")) {
-        if (!*val) return pkv_cli_usage_error("demo", "--prompt: empty");
-        o->prompt = val;
-    } else if (!strcmp(a, "--max-tokens")) {
-        if (pkv_cli_parse_u64(val, 1, 4096, &v))
-            return pkv_cli_usage_error("demo", "--max-tokens: 1..4096, not '%s'", val);
-        o->max_tokens = (uint32_t)v;
-    } else if (!strcmp(a, "--dtype")) {
-        if (pkv_dtype_parse(val, &o->dtype))
-            return pkv_cli_usage_error("demo", "--dtype: f32, f16 or bf16, not '%s'", val);
-    } else if (!strcmp(a, "--weights-seed")) {
-        if (pkv_cli_parse_u64(val, 1, UINT64_MAX, &o->weights_seed))
-            return pkv_cli_usage_error("demo", "--weights-seed: an integer >= 1, not '%s'", val);
-    } else if (pkv_cli_parse_u64(val, 1, 3600000, &o->deadline_ms)) { /* --deadline-ms */
-        return pkv_cli_usage_error("demo", "--deadline-ms: 1..3600000, not '%s'", val);
+    cluster_http_reply_t rep;
+    if (cluster_http(p->url, "/metrics", NULL, NULL, 5000, NULL, &rep) != 0) return;
+    static const char pre[] = "pagekv_kv_transfer_phase_seconds_sum{phase=\"";
+    bool any = false;
+    for (const char *l = strstr(rep.body, pre); l; l = strstr(l + 1, pre)) {
+        const char *name = l + sizeof(pre) - 1, *q = strchr(name, '"');
+        const char *brace = q ? strchr(q, '}') : NULL;
+        if (!q || !brace) break;
+        char key[128];
+        snprintf(key, sizeof(key), "pagekv_kv_transfer_phase_seconds_count{phase=\"%.*s\"",
+                 (int)(q - name), name);
+        const char *c = strstr(rep.body, key);
+        const char *cv = c ? strchr(c, ' ') : NULL;
+        double total = strtod(brace + 1, NULL), cnt = cv ? strtod(cv, NULL) : 0;
+        if (cnt > 0) {
+            printf("%s %.*s %.2f", any ? "," : "           phases (mean ms):", (int)(q - name), name,
+                   1e3 * total / cnt);
+            any = true;
+        }
     }
-    return 0;
+    if (any) printf("\n");
+    cluster_http_reply_free(&rep);
+}
+
+/* Print each node's figures and check that nothing is held; true if all hold. */
+static bool demo_accounting(demo_t *d, uint32_t legs)
+{
+    bool ok = true;
+    /* The last ACK may still be on its way: give the leases a moment to settle. */
+    json_t *st[N_PROCS] = {0};
+    for (uint64_t end = pkv_now_ns() + 3000000000ull;;) {
+        for (int i = N_PREFILL; i <= N_DECODE; i++) {
+            json_decref(st[i]);
+            st[i] = cluster_http_get_json(d->p[i].url, "/v1/cache/stats", 5000);
+        }
+        long long live = cluster_json_int(st[N_PREFILL], "kv_transfer.leases.live");
+        long long held =
+            cluster_json_int(st[N_DECODE], "kv_transfer.staging.pages_held_by_transfers");
+        if ((live == 0 && held == 0) || pkv_now_ns() > end || g_stop) break;
+        struct timespec ts = {0, 50000000};
+        nanosleep(&ts, NULL);
+    }
+    for (int i = 0; i < N_PROCS; i++) {
+        const cluster_proc_t *p = &d->p[i];
+        printf("  %-8s VmRSS %7.1f MiB", demo_names[i], mib((long long)cluster_proc_rss(p)));
+        if (i != N_PREFILL && i != N_DECODE) {
+            printf("\n");
+            continue;
+        }
+        const json_t *s = st[i];
+        long long pinned = cluster_json_int(s, "kv_transfer.leases.pinned_blocks");
+        long long held = cluster_json_int(s, "kv_transfer.staging.pages_held_by_transfers");
+        printf("  staging %s resident %.2f MiB (peak %lld pages), held now %lld pages; pinned "
+               "blocks %lld\n",
+               d->o.staging, mib(cluster_json_int(s, "kv_transfer.staging.resident_bytes")),
+               cluster_json_int(s, "kv_transfer.staging.pages_peak_used"), held, pinned);
+        if (pinned != 0 || held != 0) ok = false;
+        if (i == N_PREFILL) {
+            long long sent = cluster_json_int(s, "kv_transfer.leases.sent");
+            printf("           leases offered %lld, sent %lld, expired %lld; %.2f MiB sent\n",
+                   cluster_json_int(s, "kv_transfer.leases.offered"), sent,
+                   cluster_json_int(s, "kv_transfer.leases.expired"),
+                   mib(cluster_json_int(s, "kv_transfer.transfers.bytes_sent")));
+            if (sent != (long long)legs) ok = false;
+        } else {
+            long long failed = cluster_json_int(s, "kv_transfer.pulls.failed");
+            long long recomputed = cluster_json_int(s, "kv_transfer.pulls.recomputed");
+            long long local = cluster_json_int(s, "kv_transfer.pulls.local");
+            printf("           pulls ok %lld (of them dropped %lld), failed %lld, recomputed %lld, "
+                   "without params %lld; %.2f MiB received\n",
+                   cluster_json_int(s, "kv_transfer.pulls.ok") +
+                       cluster_json_int(s, "kv_transfer.pulls.dropped"),
+                   cluster_json_int(s, "kv_transfer.pulls.dropped"), failed, recomputed, local,
+                   mib(cluster_json_int(s, "kv_transfer.transfers.bytes_received")));
+            /* every request came with its params and was served from what it pulled */
+            if (failed != 0 || recomputed != 0 || local != 0) ok = false;
+        }
+        demo_print_phases(p);
+    }
+    json_decref(st[N_PREFILL]);
+    json_decref(st[N_DECODE]);
+    return ok;
+}
+
+static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
+{
+    return remove(path);
 }
 
 int pkv_cmd_demo(int argc, char **argv)
 {
-    demo_opts_t o = {.dtype = PKV_DTYPE_BF16};
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) return demo_usage(), 0;
-        if (!strcmp(a, "--no-shared")) {
-            o.no_shared = true;
-            continue;
-        }
-        if (!strcmp(a, "--tcp")) {
-            o.tcp = true;
-            continue;
-        }
-        static const char *const with_value[] = {"--preset", "--prompt",       "--max-tokens",
-                                                 "--dtype",  "--weights-seed", "--deadline-ms"};
-        bool known = false;
-        for (size_t k = 0; k < sizeof(with_value) / sizeof(with_value[0]); k++)
-            known |= !strcmp(a, with_value[k]);
-        if (!known) return pkv_cli_usage_error("demo", "unknown option '%s' (try --help)", a);
-        if (!val) return pkv_cli_usage_error("demo", "%s needs a value (try --help)", a);
-        i++;
-        int rc = demo_option(&o, a, val);
-        if (rc) return rc;
+    demo_t d;
+    memset(&d, 0, sizeof(d));
+    int rc = parse(argc, argv, &d.o);
+    if (rc >= 0) return rc;
+    ssize_t bl = readlink("/proc/self/exe", d.bin, sizeof(d.bin) - 1);
+    if (bl <= 0) {
+        fprintf(stderr, "pagekv demo: cannot find this binary: %s\n", strerror(errno));
+        return 2;
     }
-    if (o.tcp && o.no_shared)
-        return pkv_cli_usage_error("demo", "--tcp already moves the payload through UCX");
-    return demo_run(&o);
+    d.bin[bl] = '\0';
+    snprintf(d.logdir, sizeof(d.logdir), "/tmp/pagekv-demo-XXXXXX");
+    if (!mkdtemp(d.logdir)) {
+        fprintf(stderr, "pagekv demo: cannot create a log directory: %s\n", strerror(errno));
+        return 2;
+    }
+    struct sigaction sa = {.sa_handler = on_signal};
+    sigemptyset(&sa.sa_mask);
+    struct sigaction old_int, old_term, old_pipe;
+    sigaction(SIGINT, &sa, &old_int);
+    sigaction(SIGTERM, &sa, &old_term);
+    sa.sa_handler = SIG_IGN;
+    sigaction(SIGPIPE, &sa, &old_pipe);
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+
+    printf("pagekv demo: prefill node, decode node and router as processes; model %s, %s "
+           "staging%s%s\n",
+           d.o.preset, d.o.staging, d.o.shared ? " (shared arena)" : "",
+           d.o.tcp ? ", UCX over TCP" : "");
+    uint64_t t0 = pkv_now_ns();
+    rc = 0;
+    for (int i = 0; i < N_PROCS && !rc && !g_stop; i++)
+        if (demo_start(&d, i) != 0) rc = 2;
+    uint32_t same = 0;
+    bool held = false, stopped = false;
+    int req_err = 0;
+    if (!rc && !g_stop) {
+        printf("requests through the router (%zu), each compared with the unified node's answer:\n",
+               N_REQS);
+        same = demo_requests(&d, &req_err);
+        if (!g_stop) {
+            printf("accounting:\n");
+            held = demo_accounting(&d, (uint32_t)N_REQS);
+        }
+    }
+    if (!rc || g_stop) printf("stopping:\n");
+    stopped = demo_stop_all(&d, !rc);
+    if (g_stop) {
+        fprintf(stderr, "pagekv demo: interrupted; every process stopped\n");
+        rc = 130;
+    } else if (!rc) {
+        bool all = same == N_REQS && !req_err && held && stopped;
+        printf("  result   %s: %u/%zu answers identical to the unified node's, %s, %s (%.1f s)\n",
+               all ? "ok" : "FAILED", same, N_REQS,
+               held ? "every lease sent and nothing held" : "ACCOUNTING FAILED",
+               stopped ? "every process exited 0" : "A PROCESS FAILED",
+               (double)(pkv_now_ns() - t0) / 1e9);
+        rc = all ? 0 : 1;
+    }
+    if (rc == 0 && !d.o.keep_logs)
+        nftw(d.logdir, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
+    else
+        printf("logs: %s\n", d.logdir);
+    curl_global_cleanup();
+    sigaction(SIGINT, &old_int, NULL);
+    sigaction(SIGTERM, &old_term, NULL);
+    sigaction(SIGPIPE, &old_pipe, NULL);
+    return rc;
 }

@@ -72,6 +72,7 @@ static void usage(FILE *f)
             "  --staging-pages N         arena pages (fixed: pages per slot; default one\n"
             "                            max-context transfer + 2)\n"
             "  --staging-slots N         fixed: slots, committed and pinned at start (4)\n"
+            "  --staging-page-bytes BYTES   staging page size, K/M suffixes (default 64K)\n"
             "  --staging-peer-cap N      most staging pages one peer holds (default: none)\n"
             "  --staging-shared          a memfd arena same-host peers may map\n"
             "  --kv-lease-ms N           prefill: pins wait for a decode leg (default 30000)\n"
@@ -185,7 +186,15 @@ static int set_kv_option(const char *a, const char *v, pkv_server_config_t *cfg)
             return pkv_cli_usage_error(cmd, "--staging wants per_transfer or fixed, got '%s'", v);
     } else if (!strcmp(a, "--staging-pages"))
         return parse_u32(cmd, a, v, 1, 1u << 24, &cfg->staging_pages);
-    else if (!strcmp(a, "--staging-slots"))
+    else if (!strcmp(a, "--staging-page-bytes")) {
+        uint64_t b;
+        if (pkv_cli_parse_bytes(v, &b) || b < 4096 || b > (64u << 20) || b % 4096)
+            return pkv_cli_usage_error(cmd,
+                                       "--staging-page-bytes wants a multiple of 4096 in 4K..64M, "
+                                       "got '%s'",
+                                       v);
+        cfg->staging_page_bytes = b;
+    } else if (!strcmp(a, "--staging-slots"))
         return parse_u32(cmd, a, v, 1, 4096, &cfg->staging_slots);
     else if (!strcmp(a, "--staging-peer-cap"))
         return parse_u32(cmd, a, v, 1, 1u << 24, &cfg->staging_peer_cap);

@@ -30,7 +30,7 @@ static const pkv_cli_cmd_t commands[] = {
      "router for prefill and decode nodes: pagekv route --prefill URL --decode URL ..."},
     {"bench", pkv_cmd_bench,
      "run a benchmark: pagekv bench <name> [--json FILE] (see `pagekv bench`)"},
-    {"demo", pkv_cmd_demo, "the main job: prefill -> KV transfer -> decode on the built-in model"},
+    {"demo", pkv_cmd_demo, "the main job: prefill node, decode node and router as processes"},
     {"plan", pkv_cmd_plan, "memory each KV design needs per rank and per host: pagekv plan --help"},
     {"generate", pkv_cmd_generate,
      "complete a prompt: pagekv generate --prompt TEXT [--preset NAME]"},
@@ -63,6 +63,8 @@ static const struct {
     {"tokenizer", pkv_bench_tokenizer,
      "tokenizer: encode speed and chars/token on filler and prose"},
     {"xfer", pkv_bench_xfer, "KV transfer: GB/s same host and tcp, kill detection, fault matrix"},
+    {"disagg", pkv_bench_disagg,
+     "the field's load through pagekv route and prefill/decode servers, per staging design"},
 };
 
 int pkv_cmd_bench(int argc, char **argv)

@@ -92,6 +92,7 @@ typedef struct {
     uint32_t staging_pages;          /* per_transfer: arena pages; fixed: pages per slot;
                                         0 -> one max-context transfer (+2 pages) */
     uint32_t staging_slots;          /* fixed: slots; 0 -> 4 */
+    uint64_t staging_page_bytes;     /* staging page size, a multiple of 4096; 0 -> 64 KiB */
     uint32_t staging_peer_cap;       /* pages one peer may hold; 0 = no cap */
     bool staging_shared;             /* memfd arena same-host peers may map */
     uint32_t kv_lease_ms;            /* prefill: blocks pinned for their decode leg; 0 -> 30000 */

@@ -55,6 +55,7 @@ static int kvn_stage(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max_
 {
     pkv_stage_config_t sc;
     pkv_stage_config_default(&sc);
+    if (cfg->staging_page_bytes) sc.page_bytes = (size_t)cfg->staging_page_bytes;
     uint64_t one = (uint64_t)PKV_DIV_UP(max_context, pkv_kv_geometry(kv)->block_tokens) *
                    pkv_kv_block_bytes(kv);
     uint64_t pages = cfg->staging_pages ? cfg->staging_pages : PKV_DIV_UP(one, sc.page_bytes) + 2;

@@ -1,0 +1,939 @@
+/*
+ * `pagekv bench disagg`: the field's validation load through real prefill and decode
+ * servers and the router, one staging design after another (docs/design/bench_disagg.md).
+ *
+ * Per design: fresh `pagekv serve --role prefill`, `--role decode` and `pagekv route`
+ * processes; phases parity-before, burst, medium, long, [paced], parity-after, driven by
+ * the curl-multi load driver (support/loadgen.h); a sampler thread reads each node's
+ * VmLck / VmRSS from /proc and its staging figures from /v1/cache/stats every 100 ms.
+ * A unified server runs the same phases first as the baseline and gives the parity
+ * answers and the paced phase's rate.
+ */
+#include "support/bench.h"
+#include "support/cli.h"
+#include "support/cluster.h"
+#include "support/footprint.h"
+#include "support/loadgen.h"
+
+#include "core/core.h"
+#include "pagekv/tokenizer.h"
+#include "prim/prim.h"
+
+#include <curl/curl.h>
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define BD_MIB          (1024.0 * 1024.0)
+#define BD_START_NS     120000000000ull
+#define BD_STOP_NS      30000000000ull
+#define BD_SAMPLE_NS    100000000ull
+#define BD_PARITY       8
+#define BD_SLOTS        64 /* the field's slots and concurrency */
+#define BD_PAGE_TOKENS  64 /* staging page = 64 tokens of llama-3.2-1b (2 MiB) */
+
+enum { BD_PARITY_BEFORE, BD_BURST, BD_MEDIUM, BD_LONG, BD_PACED, BD_PARITY_AFTER, BD_NPH };
+static const char *const bd_phase_names[BD_NPH] = {"parity_before", "burst", "medium",
+                                                   "long", "paced", "parity_after"};
+
+enum { D_FIXED, D_FIXED_REPEAT, D_PER_TRANSFER, D_PER_TRANSFER_EIGHTH, D_FIXED_SMALL, BD_ND };
+static const char *const bd_design_names[BD_ND] = {"fixed", "fixed_repeat", "per_transfer",
+                                                   "per_transfer_eighth", "fixed_small"};
+
+typedef struct {
+    double scale;
+    bool quick, tcp, keep_logs;
+    bool design[BD_ND];
+    const char *preset, *json_path, *svg_dir;
+    double paced_rps; /* 0: from the unified baseline */
+    uint32_t paced_n;
+} bd_opts_t;
+
+/* The load's sizes after --scale. */
+typedef struct {
+    uint32_t n[BD_NPH], conc[BD_NPH];
+    uint32_t len[BD_NPH];  /* prompt tokens (paced: cycles over mix[]) */
+    uint32_t mix[4];
+    uint32_t context;      /* the longest context, tokens */
+    uint32_t ctx_pages;    /* staging pages of one longest context */
+    uint64_t page_bytes;   /* a staging page: BD_PAGE_TOKENS tokens of KV */
+    double cpt;            /* filler characters per token */
+} bd_load_t;
+
+typedef struct {
+    double t;                              /* seconds since the design's start */
+    double lck[2], rss[2], res[2], fly[2]; /* prefill, decode: bytes */
+} bd_sample_t;
+
+typedef struct {
+    uint32_t requests, ok;
+    double wall_s, req_s, ttft_mean, ttft_p50, ttft_p99, tpot; /* ms */
+    double t0, t1; /* within the design's timeline */
+} bd_phase_t;
+
+typedef struct {
+    const char *name;
+    bool ran, ok;
+    uint32_t pool_pages, slots;
+    uint64_t page_bytes;
+    double pinned_peak[2], resident_peak[2], inflight_peak[2], pinned_counter_peak[2];
+    long long failed_reads, recomputes, router_retries, transfers;
+    uint32_t client_errors;
+    json_t *reasons; /* error code -> count, from what clients saw */
+    json_t *failure_samples; /* the first few failures: phase, status, body excerpt */
+    bd_phase_t ph[BD_NPH];
+    bool have_paced;
+    double paced_rss_drift; /* max over the two nodes */
+    bool staging_idle_zero;
+    uint32_t parity_requests, parity_identical;
+    bd_sample_t *samples;
+    size_t ns, cap;
+} bd_run_t;
+
+static volatile sig_atomic_t g_stop;
+static void on_signal(int sig) { g_stop = sig; }
+
+/* ---- prompts ---------------------------------------------------------------------------- */
+static double bd_chars_per_token(void)
+{
+    pkv_tok_t *tok = NULL;
+    char *s = pkv_fp_filler_alloc(16000, 1);
+    int32_t *ids = NULL;
+    size_t n = 0;
+    double cpt = 4.0;
+    if (s && pkv_tok_create_builtin(&tok) == PKV_OK &&
+        pkv_tok_encode_alloc(tok, s, 16000, false, &ids, &n) == PKV_OK && n)
+        cpt = 16000.0 / (double)n;
+    free(ids);
+    free(s);
+    pkv_tok_destroy(tok);
+    return cpt;
+}
+
+/* A distinct chat request of about `tokens` prompt tokens (filler from its own seed, so no
+ * two share a prefix beyond the template's few tokens). */
+static char *bd_body(const char *model, uint32_t tokens, uint64_t seed, uint32_t max_tokens,
+                     double cpt)
+{
+    size_t chars = (size_t)((double)tokens * cpt);
+    if (chars < 8) chars = 8;
+    char *text = pkv_fp_filler_alloc(chars, seed);
+    if (!text) return NULL;
+    json_t *b = json_pack("{s:s, s:[{s:s, s:s}], s:i, s:f, s:b, s:b}", "model", model, "messages",
+                          "role", "user", "content", text, "max_tokens", (int)max_tokens,
+                          "temperature", 0.0, "stream", 1, "ignore_eos", 1);
+    if (b) json_object_set_new(b, "stream_options", json_pack("{s:b}", "include_usage", 1));
+    free(text);
+    char *s = b ? json_dumps(b, JSON_COMPACT) : NULL;
+    json_decref(b);
+    return s;
+}
+
+/* The requests of one phase (bodies malloc'd; free with bd_reqs_free). */
+static lg_req_t *bd_reqs(const bd_opts_t *o, const bd_load_t *L, int ph, double rate)
+{
+    uint32_t n = L->n[ph];
+    lg_req_t *r = calloc(n ? n : 1, sizeof(*r));
+    if (!r) return NULL;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t len = ph == BD_PACED ? L->mix[i % 4] : L->len[ph];
+        /* parity prompts are the same in both parity phases; the others are distinct */
+        uint64_t seed = ph == BD_PARITY_BEFORE || ph == BD_PARITY_AFTER
+                            ? 1000 + i
+                            : ((uint64_t)ph << 32) + i + 1;
+        uint64_t st = seed;
+        uint32_t max_tokens = 16 + (uint32_t)(pkv_splitmix64(&st) % 17); /* 16..32 */
+        r[i].path = "/v1/chat/completions";
+        r[i].body = bd_body(o->preset, len, seed, max_tokens, L->cpt);
+        r[i].stream = true;
+        r[i].at_s = ph == BD_PACED && rate > 0 ? (double)i / rate : 0;
+        if (!r[i].body) {
+            for (uint32_t k = 0; k < i; k++) free(r[k].body);
+            free(r);
+            return NULL;
+        }
+    }
+    return r;
+}
+
+static void bd_reqs_free(lg_req_t *r, uint32_t n)
+{
+    for (uint32_t i = 0; r && i < n; i++) free(r[i].body);
+    free(r);
+}
+
+/* ---- the sampler thread ------------------------------------------------------------------ */
+typedef struct {
+    bd_run_t *run;
+    const cluster_proc_t *node[2]; /* prefill, decode; NULL: none (unified) */
+    uint64_t t0_ns;
+    pthread_mutex_t lock; /* guards run->samples / ns / cap */
+    pthread_t th;
+    volatile int stop;
+} bd_sampler_t;
+
+static void bd_sample_once(bd_sampler_t *s)
+{
+    bd_sample_t x = {.t = (double)(pkv_now_ns() - s->t0_ns) / 1e9};
+    for (int k = 0; k < 2; k++) {
+        const cluster_proc_t *p = s->node[k];
+        if (!p) continue;
+        pkv_prim_mem_t m;
+        if (p->pid > 0 && pkv_prim_mem_read(p->pid, &m) == PKV_OK) {
+            x.lck[k] = (double)m.locked_bytes;
+            x.rss[k] = (double)m.rss_bytes;
+        }
+        json_t *st = cluster_http_get_json(p->url, "/v1/cache/stats", 2000);
+        long long page = cluster_json_int(st, "kv_transfer.staging.page_bytes");
+        long long held = cluster_json_int(st, "kv_transfer.staging.pages_held_by_transfers");
+        long long res = cluster_json_int(st, "kv_transfer.staging.resident_bytes");
+        long long pin = cluster_json_int(st, "kv_transfer.staging.pinned_bytes");
+        json_decref(st);
+        x.res[k] = res > 0 ? (double)res : 0;
+        x.fly[k] = page > 0 && held > 0 ? (double)(page * held) : 0;
+        pthread_mutex_lock(&s->lock);
+        if (pin > 0 && (double)pin > s->run->pinned_counter_peak[k])
+            s->run->pinned_counter_peak[k] = (double)pin;
+        pthread_mutex_unlock(&s->lock);
+    }
+    pthread_mutex_lock(&s->lock);
+    bd_run_t *r = s->run;
+    if (r->ns == r->cap) {
+        size_t cap = r->cap ? r->cap * 2 : 1024;
+        bd_sample_t *nb = realloc(r->samples, cap * sizeof(*nb));
+        if (nb) r->samples = nb, r->cap = cap;
+    }
+    if (r->ns < r->cap) r->samples[r->ns++] = x;
+    pthread_mutex_unlock(&s->lock);
+}
+
+static void *bd_sampler_main(void *arg)
+{
+    bd_sampler_t *s = arg;
+    while (!s->stop) {
+        uint64_t next = pkv_now_ns() + BD_SAMPLE_NS;
+        bd_sample_once(s);
+        while (!s->stop && pkv_now_ns() < next) {
+            struct timespec ts = {0, 10000000};
+            nanosleep(&ts, NULL);
+        }
+    }
+    return NULL;
+}
+
+/* ---- running phases ---------------------------------------------------------------------- */
+static double bd_t(const bd_sampler_t *s) { return (double)(pkv_now_ns() - s->t0_ns) / 1e9; }
+
+/* One phase against url; fills ph, counts client errors and their reasons. answers: if
+ * non-NULL, the parity answers to compare with (counts identical into *same), or (with
+ * *same == NULL) to fill. */
+static void bd_phase_run(const bd_opts_t *o, const bd_load_t *L, int phn, const char *url,
+                         double rate, bd_sampler_t *smp, bd_run_t *run, cluster_answer_t *answers,
+                         bool fill)
+{
+    bd_phase_t *ph = &run->ph[phn];
+    uint32_t n = L->n[phn];
+    lg_req_t *reqs = bd_reqs(o, L, phn, rate);
+    lg_result_t *res = calloc(n ? n : 1, sizeof(*res));
+    double *ttft = calloc(n ? n : 1, sizeof(double));
+    if (!reqs || !res || !ttft) {
+        fprintf(stderr, "pagekv bench disagg: out of memory\n");
+        goto out;
+    }
+    lg_config_t lc = {.base_url = url,
+                      .concurrency = phn == BD_PACED ? 0 : L->conc[phn],
+                      .timeout_ms = 600000,
+                      .stop = &g_stop};
+    ph->t0 = smp ? bd_t(smp) : 0;
+    double wall = lg_run(&lc, reqs, n, res);
+    ph->t1 = smp ? bd_t(smp) : wall;
+    ph->requests = n;
+    ph->wall_s = wall;
+    double tsum = 0, tpot_sum = 0;
+    uint32_t tpot_n = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        lg_result_t *x = &res[i];
+        bool good = x->status == 200 && !x->answer.error_code[0] && x->answer.done;
+        if (!good) {
+            run->client_errors++;
+            const char *why = x->transport[0]        ? "transport"
+                              : x->answer.error_code[0] ? x->answer.error_code
+                                                        : "http_error";
+            json_t *c = json_object_get(run->reasons, why);
+            json_object_set_new(run->reasons, why,
+                                json_integer(c ? json_integer_value(c) + 1 : 1));
+            if (json_array_size(run->failure_samples) < 4) {
+                char line[400];
+                snprintf(line, sizeof(line), "%s: HTTP %ld %s%s", bd_phase_names[phn], x->status,
+                         x->transport, x->excerpt);
+                json_array_append_new(run->failure_samples, json_string(line));
+                fprintf(stderr, "    failed: %s\n", line);
+            }
+            continue;
+        }
+        ttft[ph->ok++] = x->ttft_s * 1e3;
+        tsum += x->ttft_s * 1e3;
+        if (x->answer.completion_tokens > 1) {
+            tpot_sum += (x->total_s - x->ttft_s) * 1e3 / (double)(x->answer.completion_tokens - 1);
+            tpot_n++;
+        }
+        if (answers && fill) {
+            answers[i] = x->answer;
+            x->answer.text = NULL; /* moved */
+        } else if (answers) {
+            run->parity_requests++;
+            run->parity_identical += cluster_answer_equal(&answers[i], &x->answer);
+        }
+    }
+    ph->req_s = wall > 0 ? (double)ph->ok / wall : 0;
+    ph->ttft_mean = ph->ok ? tsum / ph->ok : 0;
+    ph->ttft_p50 = lg_quantile(ttft, ph->ok, 0.50);
+    ph->ttft_p99 = lg_quantile(ttft, ph->ok, 0.99);
+    ph->tpot = tpot_n ? tpot_sum / tpot_n : 0;
+    fprintf(stderr, "  %-14s %4u/%-4u ok  %6.2f req/s  TTFT p50 %7.1f p99 %7.1f ms  TPOT %5.1f ms\n",
+            bd_phase_names[phn], ph->ok, n, ph->req_s, ph->ttft_p50, ph->ttft_p99, ph->tpot);
+out:
+    if (res) lg_results_free(res, n);
+    free(res);
+    free(ttft);
+    bd_reqs_free(reqs, n);
+}
+
+/* ---- processes --------------------------------------------------------------------------- */
+typedef struct {
+    char bin[4096];
+    char logdir[96];
+} bd_env_t;
+
+static int bd_serve(const bd_env_t *e, const bd_opts_t *o, const bd_load_t *L, const char *name,
+                    const char *role, int design, cluster_proc_t *p)
+{
+    char ctx[16], page[32], pages[16], slots[16];
+    snprintf(ctx, sizeof(ctx), "%u", L->context);
+    snprintf(page, sizeof(page), "%llu", (unsigned long long)L->page_bytes);
+    char *argv[40];
+    int n = 0;
+    argv[n++] = (char *)e->bin;
+    argv[n++] = "serve";
+    argv[n++] = "--port";
+    argv[n++] = "0";
+    argv[n++] = "--preset";
+    argv[n++] = (char *)o->preset;
+    argv[n++] = "--max-context";
+    argv[n++] = ctx;
+    argv[n++] = "--kv-cache-budget";
+    argv[n++] = "none";
+    argv[n++] = "--max-queue-depth";
+    argv[n++] = "4096";
+    argv[n++] = "--max-connections";
+    argv[n++] = "1024";
+    if (role) {
+        argv[n++] = "--role";
+        argv[n++] = (char *)role;
+        argv[n++] = "--kv-lease-ms";
+        argv[n++] = "600000";
+        argv[n++] = "--kv-transfer-timeout-ms";
+        argv[n++] = "60000";
+        bool fixed = design == D_FIXED || design == D_FIXED_REPEAT || design == D_FIXED_SMALL;
+        uint32_t pool = design == D_PER_TRANSFER          ? BD_SLOTS * L->ctx_pages / 8
+                        : design == D_PER_TRANSFER_EIGHTH ? BD_SLOTS * L->ctx_pages / 64
+                                                          : L->ctx_pages;
+        if (pool < L->ctx_pages && !fixed) pool = L->ctx_pages; /* one longest transfer fits */
+        snprintf(pages, sizeof(pages), "%u", pool);
+        snprintf(slots, sizeof(slots), "%u", design == D_FIXED_SMALL ? 4 : BD_SLOTS);
+        argv[n++] = "--staging";
+        argv[n++] = fixed ? "fixed" : "per_transfer";
+        argv[n++] = "--staging-pages";
+        argv[n++] = pages;
+        argv[n++] = "--staging-page-bytes";
+        argv[n++] = page;
+        if (fixed) {
+            argv[n++] = "--staging-slots";
+            argv[n++] = slots;
+        }
+    }
+    argv[n] = NULL;
+    char *env[] = {o->tcp ? "UCX_TLS=tcp" : NULL, NULL};
+    char err[1024];
+    if (cluster_proc_start(p, name, argv, env, e->logdir, pkv_now_ns() + BD_START_NS, err,
+                           sizeof(err)) != 0) {
+        fprintf(stderr, "pagekv bench disagg: %s\n", err);
+        return -1;
+    }
+    return 0;
+}
+
+static int bd_route(const bd_env_t *e, const cluster_proc_t *pre, const cluster_proc_t *dec,
+                    cluster_proc_t *p)
+{
+    char *argv[] = {(char *)e->bin, "route", "--port", "0", "--prefill", (char *)pre->url,
+                    "--decode", (char *)dec->url, "--max-connections", "1024", NULL};
+    char err[1024];
+    if (cluster_proc_start(p, "router", argv, NULL, e->logdir, pkv_now_ns() + BD_START_NS, err,
+                           sizeof(err)) != 0) {
+        fprintf(stderr, "pagekv bench disagg: %s\n", err);
+        return -1;
+    }
+    return 0;
+}
+
+/* Sum of every sample line of a Prometheus text whose name contains `part`. */
+static long long bd_metric_sum(const char *url, const char *part)
+{
+    cluster_http_reply_t r;
+    if (cluster_http(url, "/metrics", NULL, NULL, 5000, NULL, &r) != 0) return -1;
+    long long sum = 0;
+    for (const char *l = r.body; l && *l;) {
+        size_t n = strcspn(l, "\n");
+        const char *sp = memchr(l, ' ', n);
+        if (l[0] != '#' && sp && memmem(l, (size_t)(sp - l), part, strlen(part)))
+            sum += (long long)strtod(sp + 1, NULL);
+        l += n + (l[n] == '\n');
+    }
+    cluster_http_reply_free(&r);
+    return sum;
+}
+
+/* ---- one design --------------------------------------------------------------------------- */
+static void bd_peaks(bd_run_t *r)
+{
+    for (size_t i = 0; i < r->ns; i++)
+        for (int k = 0; k < 2; k++) {
+            const bd_sample_t *s = &r->samples[i];
+            if (s->lck[k] > r->pinned_peak[k]) r->pinned_peak[k] = s->lck[k];
+            if (s->res[k] > r->resident_peak[k]) r->resident_peak[k] = s->res[k];
+        }
+}
+
+/* RSS drift of each node between the paced phase's first and last window (60 s, or a
+ * fifth of a shorter phase): the larger of the two. */
+static double bd_drift(const bd_run_t *r)
+{
+    const bd_phase_t *p = &r->ph[BD_PACED];
+    double len = p->t1 - p->t0, w = len >= 300 ? 60 : len / 5;
+    double worst = 0;
+    for (int k = 0; k < 2; k++) {
+        double a = 0, b = 0;
+        int na = 0, nb = 0;
+        for (size_t i = 0; i < r->ns; i++) {
+            double t = r->samples[i].t;
+            if (t >= p->t0 && t < p->t0 + w) a += r->samples[i].rss[k], na++;
+            if (t > p->t1 - w && t <= p->t1) b += r->samples[i].rss[k], nb++;
+        }
+        if (na && nb && a > 0) {
+            double d = fabs(b / nb - a / na) / (a / na);
+            if (d > worst) worst = d;
+        }
+    }
+    return worst;
+}
+
+static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t *L, int d,
+                          double rate, cluster_answer_t *parity, bd_run_t *run)
+{
+    run->name = bd_design_names[d];
+    run->reasons = json_object();
+    run->failure_samples = json_array();
+    run->have_paced = (d == D_FIXED || d == D_FIXED_REPEAT || d == D_PER_TRANSFER);
+    cluster_proc_t pre = {0}, dec = {0}, rt = {0};
+    bool up = false;
+    fprintf(stderr, "design %s:\n", run->name);
+    if (bd_serve(e, o, L, "prefill", "prefill", d, &pre) || bd_serve(e, o, L, "decode", "decode", d, &dec) ||
+        bd_route(e, &pre, &dec, &rt))
+        goto stop;
+    up = true;
+    json_t *st = cluster_http_get_json(pre.url, "/v1/cache/stats", 5000);
+    run->page_bytes = (uint64_t)cluster_json_int(st, "kv_transfer.staging.page_bytes");
+    run->pool_pages = (uint32_t)cluster_json_int(st, "kv_transfer.staging.pages_total");
+    json_decref(st);
+    bd_sampler_t smp = {.run = run, .node = {&pre, &dec}, .t0_ns = pkv_now_ns()};
+    pthread_mutex_init(&smp.lock, NULL);
+    bool sampling = pthread_create(&smp.th, NULL, bd_sampler_main, &smp) == 0;
+    if (sampling) pthread_setname_np(smp.th, "pkv-bd-sample");
+    for (int ph = 0; ph < BD_NPH && !g_stop; ph++) {
+        if (ph == BD_PACED && !run->have_paced) continue;
+        bool par = ph == BD_PARITY_BEFORE || ph == BD_PARITY_AFTER;
+        bd_phase_run(o, L, ph, rt.url, rate, &smp, run, par ? parity : NULL, false);
+        if (ph == BD_PACED) {
+            /* idle: per-transfer staging goes back to the OS (1 s hysteresis) */
+            struct timespec ts = {3, 0};
+            nanosleep(&ts, NULL);
+            bool fixed = d == D_FIXED || d == D_FIXED_REPEAT;
+            run->staging_idle_zero = true;
+            for (int k = 0; k < 2 && !fixed; k++) {
+                json_t *ks = cluster_http_get_json(k ? dec.url : pre.url, "/v1/cache/stats", 5000);
+                if (cluster_json_int(ks, "kv_transfer.staging.resident_bytes") != 0)
+                    run->staging_idle_zero = false;
+                json_decref(ks);
+            }
+        }
+    }
+    if (sampling) {
+        smp.stop = 1;
+        pthread_join(smp.th, NULL);
+    }
+    pthread_mutex_destroy(&smp.lock);
+    bd_peaks(run);
+    if (run->have_paced && run->ns) run->paced_rss_drift = bd_drift(run);
+    json_t *ds = cluster_http_get_json(dec.url, "/v1/cache/stats", 5000);
+    json_t *ps = cluster_http_get_json(pre.url, "/v1/cache/stats", 5000);
+    /* in flight: the stage's own peak of pages held (exact; a 100 ms sampler misses
+       transfers of a few ms) */
+    for (int k = 0; k < 2; k++) {
+        json_t *ks = k ? ds : ps;
+        long long peak = cluster_json_int(ks, "kv_transfer.staging.pages_peak_used");
+        long long page = cluster_json_int(ks, "kv_transfer.staging.page_bytes");
+        run->inflight_peak[k] = peak > 0 && page > 0 ? (double)(peak * page) : 0;
+    }
+    run->failed_reads = cluster_json_int(ds, "kv_transfer.pulls.failed");
+    run->recomputes = cluster_json_int(ds, "kv_transfer.pulls.recomputed");
+    run->transfers = cluster_json_int(ps, "kv_transfer.leases.sent");
+    json_decref(ds);
+    json_decref(ps);
+    run->router_retries = bd_metric_sum(rt.url, "retries_total");
+    run->ran = !g_stop;
+stop:
+    if (!up) run->client_errors++;
+    int c1 = cluster_proc_stop(&rt, SIGTERM, pkv_now_ns() + BD_STOP_NS);
+    int c2 = cluster_proc_stop(&dec, SIGTERM, pkv_now_ns() + BD_STOP_NS);
+    int c3 = cluster_proc_stop(&pre, SIGTERM, pkv_now_ns() + BD_STOP_NS);
+    run->ok = up && run->ran && c1 == 0 && c2 == 0 && c3 == 0;
+    if (up && (c1 || c2 || c3))
+        fprintf(stderr, "  exits: router %d, decode %d, prefill %d (logs in %s)\n", c1, c2, c3,
+                e->logdir);
+}
+
+/* ---- options and sizes --------------------------------------------------------------------- */
+static void bd_usage(FILE *f)
+{
+    fprintf(f,
+            "usage: pagekv bench disagg [--scale F] [--quick] [--designs LIST] [--paced-rps R]\n"
+            "                           [--paced-transfers N] [--preset NAME] [--json FILE]\n"
+            "                           [--svg DIR] [--tcp] [--keep-logs]\n"
+            "The field's validation load (parity, burst, medium, long, paced, parity) through\n"
+            "pagekv route and real prefill/decode servers, per staging design:\n"
+            "  fixed, fixed_repeat  64 slots x the longest context, pinned at start\n"
+            "  per_transfer         1/8 of fixed's pages, allocated per transfer\n"
+            "  per_transfer_eighth  1/64 of fixed's pages\n"
+            "  fixed_small          4 slots\n"
+            "and a unified server on the same phases as the baseline.\n"
+            "  --scale F            prompt lengths and the longest context (8192) times F\n"
+            "                       (default 0.125)\n"
+            "  --quick              a smoke test: scale 1/32, few requests, paced 60 transfers\n"
+            "  --designs LIST       comma-separated subset (default: all)\n"
+            "  --paced-rps R        the paced phase's arrival rate (default: 0.6 x the\n"
+            "                       unified server's closed-loop rate on the mix)\n"
+            "  --paced-transfers N  requests in the paced phase (default 1800)\n"
+            "  --tcp                UCX_TLS=tcp in the nodes (one host; no network namespaces)\n");
+}
+
+static int bd_parse(int argc, char **argv, bd_opts_t *o)
+{
+    *o = (bd_opts_t){.scale = 0.125, .preset = "llama-3.2-1b", .paced_n = 1800};
+    bool any = false;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        uint64_t n;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            bd_usage(stdout);
+            return 1;
+        } else if (!strcmp(a, "--quick")) {
+            o->quick = true;
+        } else if (!strcmp(a, "--tcp")) {
+            o->tcp = true;
+        } else if (!strcmp(a, "--keep-logs")) {
+            o->keep_logs = true;
+        } else if (!v) {
+            return pkv_cli_usage_error("bench disagg", "unknown option or missing value: %s", a);
+        } else if (!strcmp(a, "--scale")) {
+            char *end;
+            o->scale = strtod(v, &end);
+            if (*end || !(o->scale > 0) || o->scale > 1)
+                return pkv_cli_usage_error("bench disagg", "--scale: a number in (0, 1], got '%s'", v);
+            i++;
+        } else if (!strcmp(a, "--paced-rps")) {
+            char *end;
+            o->paced_rps = strtod(v, &end);
+            if (*end || !(o->paced_rps > 0) || o->paced_rps > 1000)
+                return pkv_cli_usage_error("bench disagg", "--paced-rps: (0, 1000], got '%s'", v);
+            i++;
+        } else if (!strcmp(a, "--paced-transfers")) {
+            if (pkv_cli_parse_u64(v, 1, 100000, &n))
+                return pkv_cli_usage_error("bench disagg", "--paced-transfers: 1..100000, got '%s'", v);
+            o->paced_n = (uint32_t)n;
+            i++;
+        } else if (!strcmp(a, "--designs")) {
+            char buf[256];
+            snprintf(buf, sizeof(buf), "%s", v);
+            for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
+                int k = 0;
+                while (k < BD_ND && strcmp(t, bd_design_names[k])) k++;
+                if (k == BD_ND)
+                    return pkv_cli_usage_error("bench disagg", "--designs: unknown design '%s'", t);
+                o->design[k] = any = true;
+            }
+            i++;
+        } else if (!strcmp(a, "--preset")) {
+            o->preset = argv[++i];
+        } else if (!strcmp(a, "--json")) {
+            o->json_path = argv[++i];
+        } else if (!strcmp(a, "--svg")) {
+            o->svg_dir = argv[++i];
+        } else {
+            return pkv_cli_usage_error("bench disagg", "unknown option: %s", a);
+        }
+    }
+    if (!any)
+        for (int k = 0; k < BD_ND; k++) o->design[k] = true;
+    if (o->quick) {
+        o->scale = 1.0 / 32;
+        if (o->paced_n == 1800) o->paced_n = 60;
+    }
+    return 0;
+}
+
+static uint32_t bd_scaled(uint32_t tokens, double f)
+{
+    double v = (double)tokens * f;
+    return v < 8 ? 8 : (uint32_t)v;
+}
+
+static void bd_sizes(const bd_opts_t *o, bd_load_t *L)
+{
+    static const uint32_t n_full[BD_NPH] = {BD_PARITY, 96, 64, 32, 0, BD_PARITY};
+    static const uint32_t n_quick[BD_NPH] = {4, 16, 8, 4, 0, 4};
+    static const uint32_t conc[BD_NPH] = {4, 32, 64, 32, 0, 4};
+    for (int p = 0; p < BD_NPH; p++) {
+        L->n[p] = o->quick ? n_quick[p] : n_full[p];
+        L->conc[p] = conc[p];
+    }
+    L->n[BD_PACED] = o->paced_n;
+    L->len[BD_PARITY_BEFORE] = L->len[BD_PARITY_AFTER] = bd_scaled(512, o->scale);
+    L->len[BD_BURST] = bd_scaled(128, o->scale);
+    L->len[BD_MEDIUM] = bd_scaled(512, o->scale);
+    L->len[BD_LONG] = bd_scaled(4096, o->scale);
+    static const uint32_t mix[4] = {128, 512, 2048, 4096};
+    for (int i = 0; i < 4; i++) L->mix[i] = bd_scaled(mix[i], o->scale);
+    L->context = bd_scaled(8192, o->scale);
+    L->ctx_pages = (L->context + BD_PAGE_TOKENS - 1) / BD_PAGE_TOKENS;
+    L->cpt = bd_chars_per_token();
+}
+
+/* ---- report ------------------------------------------------------------------------------ */
+static json_t *bd_phases_json(const bd_run_t *r)
+{
+    json_t *a = json_array();
+    for (int p = 0; p < BD_NPH; p++) {
+        const bd_phase_t *x = &r->ph[p];
+        if (!x->requests) continue;
+        json_array_append_new(
+            a, json_pack("{s:s, s:i, s:i, s:f, s:f, s:f, s:f, s:f}", "name", bd_phase_names[p],
+                         "requests", (int)x->requests, "ok", (int)x->ok, "req_s", x->req_s,
+                         "ttft_mean_ms", x->ttft_mean, "ttft_p50_ms", x->ttft_p50, "ttft_p99_ms",
+                         x->ttft_p99, "tpot_ms", x->tpot));
+    }
+    return a;
+}
+
+static json_t *bd_pair(const double v[2])
+{
+    return json_pack("{s:I, s:I}", "prefill", (json_int_t)v[0], "decode", (json_int_t)v[1]);
+}
+
+static json_t *bd_json(const bd_opts_t *o, const bd_load_t *L, double rate, const bd_run_t *u,
+                       const bd_run_t *runs)
+{
+    json_t *ds = json_array();
+    for (int d = 0; d < BD_ND; d++) {
+        const bd_run_t *r = &runs[d];
+        if (!r->name) continue;
+        json_t *j = json_pack(
+            "{s:s, s:b, s:i, s:I, s:o, s:o, s:o, s:o, s:I, s:i, s:I, s:I, s:O, s:I, s:o,"
+            " s:{s:i, s:i}}",
+            "name", r->name, "ok", r->ok, "pool_pages", (int)r->pool_pages, "page_bytes",
+            (json_int_t)r->page_bytes, "pinned_peak_bytes", bd_pair(r->pinned_peak),
+            "pinned_counter_peak_bytes", bd_pair(r->pinned_counter_peak), "resident_peak_bytes",
+            bd_pair(r->resident_peak), "inflight_peak_bytes", bd_pair(r->inflight_peak),
+            "failed_reads", (json_int_t)r->failed_reads, "client_errors", (int)r->client_errors,
+            "router_retries", (json_int_t)r->router_retries, "recomputes",
+            (json_int_t)r->recomputes, "failure_reasons", r->reasons, "transfers",
+            (json_int_t)r->transfers, "phases", bd_phases_json(r), "parity", "requests",
+            (int)r->parity_requests, "identical", (int)r->parity_identical);
+        json_object_set(j, "failure_samples", r->failure_samples);
+        if (r->have_paced) {
+            json_object_set_new(j, "paced_rss_drift", json_real(r->paced_rss_drift));
+            json_object_set_new(j, "staging_idle_zero", json_boolean(r->staging_idle_zero));
+        }
+        json_array_append_new(ds, j);
+    }
+    return json_pack("{s:f, s:b, s:s, s:i, s:f, s:[i,i,i,i], s:o, s:{s:o}}", "scale", o->scale,
+                     "quick", o->quick, "preset", o->preset, "context_tokens", (int)L->context,
+                     "paced_rps", rate, "mix_tokens", (int)L->mix[0], (int)L->mix[1],
+                     (int)L->mix[2], (int)L->mix[3], "designs", ds, "unified", "phases",
+                     bd_phases_json(u));
+}
+
+static void bd_table(const bd_run_t *u, const bd_run_t *runs)
+{
+    printf("\n| design | staging pages | pinned peak MiB (OS VmLck) prefill / decode | resident peak MiB | in-flight peak MiB | failed reads | client errors | retries | recomputes | transfers | parity |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for (int d = 0; d < BD_ND; d++) {
+        const bd_run_t *r = &runs[d];
+        if (!r->name) continue;
+        printf("| %s | %u | %.0f / %.0f | %.0f / %.0f | %.0f / %.0f | %lld | %u | %lld | %lld | %lld | %u/%u |\n",
+               r->name, r->pool_pages, r->pinned_peak[0] / BD_MIB, r->pinned_peak[1] / BD_MIB,
+               r->resident_peak[0] / BD_MIB, r->resident_peak[1] / BD_MIB,
+               r->inflight_peak[0] / BD_MIB, r->inflight_peak[1] / BD_MIB, r->failed_reads,
+               r->client_errors, r->router_retries, r->recomputes, r->transfers,
+               r->parity_identical, r->parity_requests);
+    }
+    printf("\n| design | burst req/s | medium req/s | long req/s | paced req/s | TTFT p50 / p99 ms: burst | medium | long | paced | TPOT ms (long) |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|\n");
+    for (int d = -1; d < BD_ND; d++) {
+        const bd_run_t *r = d < 0 ? u : &runs[d];
+        if (!r->name) continue;
+        printf("| %s |", r->name);
+        for (int p = BD_BURST; p <= BD_PACED; p++)
+            if (r->ph[p].requests) printf(" %.2f |", r->ph[p].req_s);
+            else printf(" - |");
+        for (int p = BD_BURST; p <= BD_PACED; p++)
+            if (r->ph[p].requests) printf(" %.0f / %.0f |", r->ph[p].ttft_p50, r->ph[p].ttft_p99);
+            else printf(" - |");
+        printf(" %.1f |\n", r->ph[BD_LONG].tpot);
+    }
+}
+
+/* The targets, each printed with its verdict; the count that failed. */
+static int bd_targets(const bd_run_t *runs)
+{
+    int bad = 0;
+    const bd_run_t *f = &runs[D_FIXED], *fr = &runs[D_FIXED_REPEAT], *pt = &runs[D_PER_TRANSFER];
+#define BD_T(cond, ...)                                                                            \
+    do {                                                                                           \
+        bool ok_ = (cond);                                                                         \
+        bad += !ok_;                                                                               \
+        printf("- %s: ", ok_ ? "met" : "NOT MET");                                                 \
+        printf(__VA_ARGS__);                                                                       \
+        printf("\n");                                                                              \
+    } while (0)
+    printf("\ntargets:\n");
+    for (int d = 0; d < BD_ND; d++) {
+        const bd_run_t *r = &runs[d];
+        if (!r->name) continue;
+        BD_T(r->parity_requests && r->parity_identical == r->parity_requests,
+             "%s parity %u/%u identical", r->name, r->parity_identical, r->parity_requests);
+    }
+    if (pt->name) {
+        BD_T(pt->failed_reads == 0 && pt->client_errors == 0 && pt->router_retries <= 0 &&
+                 pt->recomputes <= 0,
+             "per_transfer: %lld failed reads, %u client errors, %lld retries, %lld recomputes",
+             pt->failed_reads, pt->client_errors, pt->router_retries, pt->recomputes);
+        if (f->name)
+            for (int k = 0; k < 2; k++)
+                BD_T(pt->pinned_peak[k] * 8 <= f->pinned_peak[k] * 1.0001,
+                     "per_transfer pinned %s %.0f MiB <= 1/8 of fixed's %.0f MiB",
+                     k ? "decode" : "prefill", pt->pinned_peak[k] / BD_MIB,
+                     f->pinned_peak[k] / BD_MIB);
+        if (f->name && fr->name)
+            for (int p = BD_BURST; p <= BD_PACED; p++) {
+                if (!pt->ph[p].requests || !f->ph[p].requests || !fr->ph[p].requests) continue;
+                double lo = fmin(f->ph[p].req_s, fr->ph[p].req_s),
+                       hi = fmax(f->ph[p].req_s, fr->ph[p].req_s);
+                double mid = (lo + hi) / 2, tol = fmax(hi - lo, 0.2 * mid) / 2;
+                BD_T(fabs(pt->ph[p].req_s - mid) <= tol,
+                     "per_transfer %s req/s %.2f within fixed's spread or 10%% (%.2f..%.2f)",
+                     bd_phase_names[p], pt->ph[p].req_s, mid - tol, mid + tol);
+                BD_T(pt->ph[p].ttft_p99 <= 1.1 * f->ph[p].ttft_p99,
+                     "per_transfer %s p99 TTFT %.0f ms <= 1.1 x fixed's %.0f ms", bd_phase_names[p],
+                     pt->ph[p].ttft_p99, f->ph[p].ttft_p99);
+            }
+        BD_T(pt->transfers >= 1800 || !pt->have_paced, "per_transfer moved %lld transfers (>= 1800)",
+             pt->transfers);
+    }
+    for (int d = D_PER_TRANSFER; d <= D_PER_TRANSFER_EIGHTH; d++) {
+        const bd_run_t *r = &runs[d];
+        if (!r->name) continue;
+        for (int k = 0; k < 2; k++)
+            BD_T(r->resident_peak[k] <= 1.1 * r->inflight_peak[k],
+                 "%s %s resident peak %.0f MiB <= 1.1 x in-flight peak %.0f MiB",
+                 r->name, k ? "decode" : "prefill", r->resident_peak[k] / BD_MIB,
+                 r->inflight_peak[k] / BD_MIB);
+    }
+    if (runs[D_PER_TRANSFER_EIGHTH].name)
+        BD_T(runs[D_PER_TRANSFER_EIGHTH].failed_reads == 0, "per_transfer_eighth: %lld failed reads",
+             runs[D_PER_TRANSFER_EIGHTH].failed_reads);
+    for (int d = 0; d < BD_ND; d++) {
+        const bd_run_t *r = &runs[d];
+        if (!r->name || !r->have_paced || !r->ph[BD_PACED].requests) continue;
+        BD_T(r->paced_rss_drift < 0.01, "%s paced RSS drift %.2f%% < 1%%", r->name,
+             100 * r->paced_rss_drift);
+        BD_T(r->staging_idle_zero, "%s staging back to zero when idle", r->name);
+    }
+    return bad;
+#undef BD_T
+}
+
+static void bd_svg(const char *dir, const bd_run_t *runs)
+{
+    static const char *const colors[BD_ND] = {"#1f77b4", "#aec7e8", "#d62728", "#ff9896",
+                                              "#2ca02c"};
+    mkdir(dir, 0755);
+    for (int k = 0; k < 2; k++) {
+        pkv_fp_series_t s[2 * BD_ND];
+        double *owned[3 * BD_ND];
+        size_t ns = 0, no = 0;
+        for (int d = 0; d < BD_ND; d++) {
+            const bd_run_t *r = &runs[d];
+            if (!r->name || !r->ns) continue;
+            double *x = malloc(r->ns * sizeof(double)), *yr = malloc(r->ns * sizeof(double)),
+                   *yf = malloc(r->ns * sizeof(double));
+            owned[no++] = x, owned[no++] = yr, owned[no++] = yf;
+            if (!x || !yr || !yf) continue;
+            for (size_t i = 0; i < r->ns; i++) {
+                x[i] = r->samples[i].t;
+                yr[i] = r->samples[i].res[k] / BD_MIB;
+                yf[i] = r->samples[i].fly[k] / BD_MIB;
+            }
+            s[ns++] = (pkv_fp_series_t){r->name, colors[d], false, x, yr, r->ns};
+            s[ns++] = (pkv_fp_series_t){"in flight", colors[d], true, x, yf, r->ns};
+        }
+        char path[512];
+        snprintf(path, sizeof(path), "%s/disagg_staging_%s.svg", dir, k ? "decode" : "prefill");
+        FILE *f = fopen(path, "w");
+        if (f) {
+            pkv_fp_svg_write(f,
+                             k ? "decode node: staging resident (solid), in flight (dashed), MiB"
+                               : "prefill node: staging resident (solid), in flight (dashed), MiB",
+                             s, ns, NULL, 0);
+            fclose(f);
+            fprintf(stderr, "wrote %s\n", path);
+        }
+        for (size_t i = 0; i < no; i++) free(owned[i]);
+    }
+}
+
+int pkv_bench_disagg(int argc, char **argv)
+{
+    bd_opts_t o;
+    int prc = bd_parse(argc, argv, &o);
+    if (prc) return prc == 1 ? 0 : prc;
+    bd_load_t L;
+    bd_sizes(&o, &L);
+    bd_env_t e;
+    ssize_t bl = readlink("/proc/self/exe", e.bin, sizeof(e.bin) - 1);
+    if (bl <= 0) return 2;
+    e.bin[bl] = '\0';
+    snprintf(e.logdir, sizeof(e.logdir), "/tmp/pagekv-bench-disagg-XXXXXX");
+    if (!mkdtemp(e.logdir)) return 2;
+    struct sigaction sa = {.sa_handler = on_signal};
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    fprintf(stderr,
+            "pagekv bench disagg: %s, scale %g (context %u tokens = %u staging pages; prompts "
+            "burst %u, medium %u, long %u, mix %u/%u/%u/%u tokens), logs in %s\n",
+            o.preset, o.scale, L.context, L.ctx_pages, L.len[BD_BURST], L.len[BD_MEDIUM],
+            L.len[BD_LONG], L.mix[0], L.mix[1], L.mix[2], L.mix[3], e.logdir);
+
+    int rc = 0;
+    bd_run_t u = {.name = "unified", .reasons = json_object(), .failure_samples = json_array()};
+    bd_run_t runs[BD_ND];
+    memset(runs, 0, sizeof(runs));
+    cluster_answer_t parity[BD_PARITY + 4];
+    memset(parity, 0, sizeof(parity));
+    cluster_proc_t un = {0};
+    double rate = o.paced_rps;
+    if (bd_serve(&e, &o, &L, "unified", NULL, 0, &un) != 0) {
+        rc = 2;
+        goto out;
+    }
+    json_t *ust = cluster_http_get_json(un.url, "/v1/cache/stats", 5000);
+    long long token_bytes = cluster_json_int(ust, "token_bytes");
+    json_decref(ust);
+    if (token_bytes <= 0) {
+        fprintf(stderr, "pagekv bench disagg: the unified node reports no token_bytes\n");
+        rc = 2;
+        goto out;
+    }
+    L.page_bytes = (uint64_t)token_bytes * BD_PAGE_TOKENS;
+    /* fixed pins 64 slots of the longest context on each node */
+    uint64_t fixed_pin = 2ull * BD_SLOTS * L.ctx_pages * L.page_bytes, avail = 0;
+    if (pkv_prim_mem_available(&avail) == PKV_OK && fixed_pin > avail / 2 &&
+        (o.design[D_FIXED] || o.design[D_FIXED_REPEAT])) {
+        fprintf(stderr,
+                "pagekv bench disagg: scale %g: fixed staging would pin %.1f GiB on the two nodes "
+                "(64 slots x %u pages x %.1f MiB each), more than half of the %.1f GiB available\n",
+                o.scale, (double)fixed_pin / (1 << 30), L.ctx_pages, (double)L.page_bytes / BD_MIB,
+                (double)avail / (1 << 30));
+        rc = 2;
+        goto out;
+    }
+    fprintf(stderr, "unified:\n");
+    bd_phase_run(&o, &L, BD_PARITY_BEFORE, un.url, 0, NULL, &u, parity, true);
+    for (int ph = BD_BURST; ph <= BD_LONG && !g_stop; ph++)
+        bd_phase_run(&o, &L, ph, un.url, 0, NULL, &u, NULL, false);
+    if (!rate && !g_stop) {
+        /* the mix closed-loop at 16-way: the unified server's rate on it */
+        bd_load_t C = L;
+        C.n[BD_PACED] = o.quick ? 16 : 48;
+        C.conc[BD_PACED] = 16;
+        lg_req_t *reqs = bd_reqs(&o, &C, BD_PACED, 0);
+        lg_result_t *res = calloc(C.n[BD_PACED], sizeof(*res));
+        lg_config_t lc = {.base_url = un.url, .concurrency = 16, .timeout_ms = 600000, .stop = &g_stop};
+        double wall = reqs && res ? lg_run(&lc, reqs, C.n[BD_PACED], res) : -1;
+        rate = wall > 0 ? 0.6 * C.n[BD_PACED] / wall : 1.0;
+        if (res) lg_results_free(res, C.n[BD_PACED]);
+        free(res);
+        bd_reqs_free(reqs, C.n[BD_PACED]);
+        fprintf(stderr, "  paced rate: %.2f req/s (0.6 x the unified server's closed-loop rate on the mix)\n", rate);
+    }
+    if (!g_stop) bd_phase_run(&o, &L, BD_PACED, un.url, rate, NULL, &u, NULL, false);
+    cluster_proc_stop(&un, SIGTERM, pkv_now_ns() + BD_STOP_NS);
+    for (int d = 0; d < BD_ND && !g_stop; d++)
+        if (o.design[d]) bd_run_design(&e, &o, &L, d, rate, parity, &runs[d]);
+    if (g_stop) {
+        fprintf(stderr, "pagekv bench disagg: interrupted\n");
+        rc = 130;
+        goto out;
+    }
+    printf("pagekv bench disagg: %s, scale %g, context %u tokens, paced %.2f req/s x %u%s\n",
+           o.preset, o.scale, L.context, rate, L.n[BD_PACED], o.quick ? " (quick)" : "");
+    bd_table(&u, runs);
+    int bad = bd_targets(runs);
+    if (o.json_path) {
+        json_t *j = bd_json(&o, &L, rate, &u, runs);
+        if (pkv_bench_write_json(o.json_path, j) != 0) rc = 1;
+        json_decref(j);
+    }
+    if (o.svg_dir) bd_svg(o.svg_dir, runs);
+    /* the exit code says whether the runs held (every process up and exiting 0, parity);
+       the targets are figures, printed above */
+    if (!rc) {
+        for (int d = 0; d < BD_ND; d++)
+            if (runs[d].name && (!runs[d].ok || runs[d].parity_identical != runs[d].parity_requests))
+                rc = 1;
+    }
+    printf("\n%d target%s not met%s\n", bad, bad == 1 ? "" : "s",
+           o.quick ? " (--quick: a smoke test; the targets are for the full run)" : "");
+out:
+    cluster_proc_stop(&un, SIGTERM, pkv_now_ns() + BD_STOP_NS);
+    for (size_t i = 0; i < sizeof(parity) / sizeof(parity[0]); i++) cluster_answer_free(&parity[i]);
+    json_decref(u.reasons);
+    json_decref(u.failure_samples);
+    for (int d = 0; d < BD_ND; d++) {
+        json_decref(runs[d].reasons);
+        json_decref(runs[d].failure_samples);
+        free(runs[d].samples);
+    }
+    curl_global_cleanup();
+    fprintf(stderr, "logs: %s\n", e.logdir);
+    return rc;
+}

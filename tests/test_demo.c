@@ -1,0 +1,163 @@
+/*
+ * `pagekv demo` (what `make demo` runs) as a real subprocess: a prefill node, a decode
+ * node, the router and a unified node, each a process. Its exit code and report, bad
+ * options, and that an interrupted demo leaves no process behind.
+ */
+#include "support/testutil.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+/* BUILD/pagekv: BUILD from scripts/run-tests.sh, else the directory above this binary's
+ * tests/. */
+static void pagekv_bin(char *bin, size_t cap)
+{
+    const char *build = getenv("BUILD");
+    if (build && *build) {
+        snprintf(bin, cap, "%s/pagekv", build);
+    } else {
+        ssize_t k = readlink("/proc/self/exe", bin, cap - 16);
+        ck_assert_int_gt(k, 0);
+        bin[k] = 0;
+        for (int i = 0; i < 2; i++) *strrchr(bin, '/') = 0; /* BUILD/tests/test_demo */
+        strcat(bin, "/pagekv");
+    }
+    ck_assert_msg(access(bin, X_OK) == 0, "%s not built", bin);
+}
+
+/* Run `pagekv demo ARGS`: its exit code and stdout+stderr. */
+static int run_demo(const char *args, char *out, size_t cap)
+{
+    char bin[2048], cmd[4096];
+    pagekv_bin(bin, sizeof(bin));
+    snprintf(cmd, sizeof(cmd), "exec '%s' demo %s 2>&1", bin, args);
+    FILE *f = popen(cmd, "r");
+    ck_assert_ptr_nonnull(f);
+    size_t n = fread(out, 1, cap - 1, f);
+    out[n] = 0;
+    int st = pclose(f);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+/* The pids the demo printed for its processes ("NAME pid N"). */
+static int demo_pids(const char *out, pid_t *pids, int cap)
+{
+    int n = 0;
+    for (const char *p = out; n < cap && (p = strstr(p, " pid ")); p += 5) pids[n++] = atoi(p + 5);
+    return n;
+}
+
+static bool gone(pid_t pid)
+{
+    for (int i = 0; i < 200; i++) {
+        if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+        struct timespec ts = {0, 10000000};
+        nanosleep(&ts, NULL);
+    }
+    return false;
+}
+
+/* The demo on the tiny model: exit 0, every answer identical, the accounting held, every
+ * process exited 0 and is gone. Per-transfer staging through UCX on one host, then fixed
+ * staging with the shared arena and UCX over TCP. */
+START_TEST(demo_runs_as_processes)
+{
+    static const char *const args[] = {"", "--staging fixed --staging-shared --tcp"};
+    char cmd[256];
+    snprintf(cmd, sizeof(cmd), "--preset tiny --max-tokens 12 %s", args[_i]);
+    static char out[1 << 16];
+    int rc = run_demo(cmd, out, sizeof(out));
+    ck_assert_msg(rc == 0, "pagekv demo %s: exit %d\n%s", cmd, rc, out);
+    static const char *const lines[] = {"  unified  pid ", "  prefill  pid ", "  decode   pid ",
+                                        "  router   pid ", "transfer agent 127.0.0.1:",
+                                        "answers identical to the unified node's",
+                                        "every lease sent and nothing held",
+                                        "every process exited 0", "  result   ok: 5/5"};
+    for (size_t i = 0; i < sizeof(lines) / sizeof(lines[0]); i++)
+        ck_assert_msg(strstr(out, lines[i]), "no '%s' in:\n%s", lines[i], out);
+    ck_assert_msg(!strstr(out, "DIFFERENT") && !strstr(out, "FAILED"), "%s", out);
+    pid_t pids[8];
+    ck_assert_int_eq(demo_pids(out, pids, 8), 4);
+    for (int i = 0; i < 4; i++) ck_assert_msg(gone(pids[i]), "pid %d still there", (int)pids[i]);
+}
+END_TEST
+
+/* Bad options run nothing: exit 2 with the flag named, no process started. */
+START_TEST(demo_bad_options_run_nothing)
+{
+    static char out[1 << 14];
+    ck_assert_int_eq(run_demo("--max-tokens 0", out, sizeof(out)), 2);
+    ck_assert_ptr_nonnull(strstr(out, "--max-tokens"));
+    ck_assert_int_eq(run_demo("--staging mirror", out, sizeof(out)), 2);
+    ck_assert_ptr_nonnull(strstr(out, "--staging"));
+    ck_assert_int_eq(run_demo("--no-such-flag", out, sizeof(out)), 2);
+    ck_assert_ptr_null(strstr(out, " pid "));
+    /* a preset no node knows: the first node does not start, nothing is left running */
+    ck_assert_int_eq(run_demo("--preset no-such-model", out, sizeof(out)), 2);
+    ck_assert_ptr_nonnull(strstr(out, "no-such-model"));
+    ck_assert_ptr_null(strstr(out, "result"));
+}
+END_TEST
+
+/* SIGINT while the requests run: exit 130 and every process it started is gone. */
+START_TEST(demo_interrupted_stops_everything)
+{
+    char bin[2048], log[] = "/tmp/pkv-demo-int-XXXXXX";
+    pagekv_bin(bin, sizeof(bin));
+    int fd = mkstemp(log);
+    ck_assert_int_ge(fd, 0);
+    pid_t pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid == 0) {
+        dup2(fd, 1);
+        dup2(fd, 2);
+        execl(bin, bin, "demo", "--preset", "tiny", "--max-tokens", "200", (char *)NULL);
+        _exit(127);
+    }
+    close(fd);
+    /* wait until the requests started (the router is up), then interrupt */
+    static char out[1 << 16];
+    for (int i = 0; i < 1000; i++) {
+        FILE *f = fopen(log, "r");
+        size_t n = f ? fread(out, 1, sizeof(out) - 1, f) : 0;
+        if (f) fclose(f);
+        out[n] = 0;
+        if (strstr(out, "requests through the router")) break;
+        struct timespec ts = {0, 20000000};
+        nanosleep(&ts, NULL);
+    }
+    ck_assert_msg(strstr(out, "requests through the router"), "%s", out);
+    kill(pid, SIGINT);
+    int st;
+    ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+    FILE *f = fopen(log, "r");
+    size_t n = fread(out, 1, sizeof(out) - 1, f);
+    fclose(f);
+    out[n] = 0;
+    unlink(log);
+    ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 130, "status %d:\n%s", st, out);
+    ck_assert_ptr_nonnull(strstr(out, "interrupted"));
+    pid_t pids[8];
+    ck_assert_int_eq(demo_pids(out, pids, 8), 4);
+    for (int i = 0; i < 4; i++) ck_assert_msg(gone(pids[i]), "pid %d still there", (int)pids[i]);
+}
+END_TEST
+
+static Suite *demo_suite(void)
+{
+    Suite *s = suite_create("demo");
+    TCase *run = tcase_create("run");
+    tcase_set_timeout(run, 120);
+    tcase_add_loop_test(run, demo_runs_as_processes, 0, 2);
+    tcase_add_test(run, demo_bad_options_run_nothing);
+    tcase_add_test(run, demo_interrupted_stops_everything);
+    suite_add_tcase(s, run);
+    return s;
+}
+
+PKV_TEST_MAIN(demo_suite)
