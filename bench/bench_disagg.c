@@ -866,7 +866,13 @@ int pkv_bench_disagg(int argc, char **argv)
     L.page_bytes = (uint64_t)token_bytes * BD_PAGE_TOKENS;
     /* fixed pins 64 slots of the longest context on each node */
     uint64_t fixed_pin = 2ull * BD_SLOTS * L.ctx_pages * L.page_bytes, avail = 0;
-    if (pkv_prim_mem_available(&avail) == PKV_OK && fixed_pin > avail / 2 &&
+    pkv_prim_room_t room;
+    if (pkv_prim_room_read(NULL, &room) == PKV_OK) {
+        const pkv_prim_room_src_t *src = room.cgroup_version ? &room.cgroup : &room.machine;
+        if (src->present && src->limit_bytes > src->usage_bytes)
+            avail = src->limit_bytes - src->usage_bytes;
+    }
+    if (avail && fixed_pin > avail / 2 &&
         (o.design[D_FIXED] || o.design[D_FIXED_REPEAT])) {
         fprintf(stderr,
                 "pagekv bench disagg: scale %g: fixed staging would pin %.1f GiB on the two nodes "

@@ -239,20 +239,6 @@ int pkv_prim_smaps_rollup(int pid, pkv_prim_smaps_t *out)
 
 /* ---- this boot and other processes' memfds (the transfer engine) ------------------- */
 
-int pkv_prim_mem_available(uint64_t *out)
-{
-    char buf[4096];
-    int fd = open("/proc/meminfo", O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return PKV_ERR_IO;
-    ssize_t n = read(fd, buf, sizeof(buf) - 1);
-    close(fd);
-    if (n <= 0) return PKV_ERR_IO;
-    buf[n] = 0;
-    if (!strstr(buf, "\nMemAvailable:")) return PKV_ERR_IO;
-    *out = prim_field_kib(buf, "\nMemAvailable:");
-    return PKV_OK;
-}
-
 int pkv_prim_loadavg(double *out)
 {
     FILE *f = fopen("/proc/loadavg", "re");

@@ -72,10 +72,6 @@ typedef struct {
 /* Read /proc/<pid>/smaps_rollup (pid 0: self). *out is written only on success. */
 int pkv_prim_smaps_rollup(int pid, pkv_prim_smaps_t *out);
 
-/* The machine's MemAvailable (/proc/meminfo), bytes. PKV_ERR_IO when it cannot be read;
- * *out is written only on success. */
-int pkv_prim_mem_available(uint64_t *out);
-
 /* The machine's 1-minute load average (the first field of /proc/loadavg). PKV_ERR_IO when
  * it cannot be read; *out is written only on success. */
 int pkv_prim_loadavg(double *out);
