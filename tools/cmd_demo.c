@@ -379,12 +379,16 @@ static bool demo_accounting(demo_t *d, uint32_t legs)
             long long failed = cluster_json_int(s, "kv_transfer.pulls.failed");
             long long recomputed = cluster_json_int(s, "kv_transfer.pulls.recomputed");
             long long local = cluster_json_int(s, "kv_transfer.pulls.local");
-            printf("           pulls ok %lld (of them dropped %lld), failed %lld, recomputed %lld, "
-                   "without params %lld; %.2f MiB received\n",
-                   cluster_json_int(s, "kv_transfer.pulls.ok") +
-                       cluster_json_int(s, "kv_transfer.pulls.dropped"),
-                   cluster_json_int(s, "kv_transfer.pulls.dropped"), failed, recomputed, local,
+            long long pulled = cluster_json_int(s, "kv_transfer.pulls.ok"),
+                      released = cluster_json_int(s, "kv_transfer.pulls.released");
+            printf("           pulls ok %lld, token-only releases %lld, failed %lld, recomputed %lld, "
+                   "without params %lld; blocks pulled %lld, adopted from its own cache %lld; "
+                   "%.2f MiB received\n",
+                   pulled, released, failed, recomputed, local,
+                   cluster_json_int(s, "kv_transfer.pulls.blocks_pulled"),
+                   cluster_json_int(s, "kv_transfer.pulls.blocks_adopted"),
                    mib(cluster_json_int(s, "kv_transfer.transfers.bytes_received")));
+            if (pulled + released != (long long)legs) ok = false;
             /* every request came with its params and was served from what it pulled */
             if (failed != 0 || recomputed != 0 || local != 0) ok = false;
         }
