@@ -189,7 +189,10 @@ static int exit_code(int st)
 int cluster_proc_stop(cluster_proc_t *p, int sig, uint64_t deadline_ns)
 {
     if (p->pid <= 0) return p->reaped ? exit_code(p->wstatus) : -1;
-    if (!reap(p) && sig) kill(p->pid, sig);
+    if (!reap(p) && sig) {
+        kill(p->pid, sig);
+        if (sig != SIGKILL && sig != SIGCONT) kill(p->pid, SIGCONT); /* a stopped child too */
+    }
     while (!reap(p) && pkv_now_ns() < deadline_ns) sleep_ns(POLL_NS / 4);
     if (!p->reaped) {
         kill(-p->pid, SIGKILL);

@@ -104,7 +104,17 @@ START_TEST(demo_bad_options_run_nothing)
 }
 END_TEST
 
-/* SIGINT while the requests run: exit 130 and every process it started is gone. */
+/* SIGINT while a request waits on the router: exit 130 and every process it started is
+ * gone. The router is stopped (SIGSTOP) once it is up, so the first request hangs until
+ * the interrupt; the demo stops a stopped child too. */
+static void read_log(const char *log, char *out, size_t cap)
+{
+    FILE *f = fopen(log, "r");
+    size_t n = f ? fread(out, 1, cap - 1, f) : 0;
+    if (f) fclose(f);
+    out[n] = 0;
+}
+
 START_TEST(demo_interrupted_stops_everything)
 {
     char bin[2048], log[] = "/tmp/pkv-demo-int-XXXXXX";
@@ -116,29 +126,33 @@ START_TEST(demo_interrupted_stops_everything)
     if (pid == 0) {
         dup2(fd, 1);
         dup2(fd, 2);
-        execl(bin, bin, "demo", "--preset", "tiny", "--max-tokens", "200", (char *)NULL);
+        execl(bin, bin, "demo", "--preset", "tiny", (char *)NULL);
         _exit(127);
     }
     close(fd);
-    /* wait until the requests started (the router is up), then interrupt */
     static char out[1 << 16];
-    for (int i = 0; i < 1000; i++) {
-        FILE *f = fopen(log, "r");
-        size_t n = f ? fread(out, 1, sizeof(out) - 1, f) : 0;
-        if (f) fclose(f);
-        out[n] = 0;
-        if (strstr(out, "requests through the router")) break;
-        struct timespec ts = {0, 20000000};
-        nanosleep(&ts, NULL);
+    const char *r = NULL;
+    for (int i = 0; i < 3000 && !r; i++) {
+        read_log(log, out, sizeof(out));
+        r = strstr(out, "  router   pid ");
+        if (!r) {
+            struct timespec ts = {0, 2000000};
+            nanosleep(&ts, NULL);
+        }
     }
-    ck_assert_msg(strstr(out, "requests through the router"), "%s", out);
+    ck_assert_msg(r, "%s", out);
+    kill(atoi(r + 15), SIGSTOP);
+    for (int i = 0; i < 1000 && !strstr(out, "requests through the router"); i++) {
+        struct timespec ts = {0, 10000000};
+        nanosleep(&ts, NULL);
+        read_log(log, out, sizeof(out));
+    }
+    struct timespec ts = {0, 200000000};
+    nanosleep(&ts, NULL);
     kill(pid, SIGINT);
     int st;
     ck_assert_int_eq(waitpid(pid, &st, 0), pid);
-    FILE *f = fopen(log, "r");
-    size_t n = fread(out, 1, sizeof(out) - 1, f);
-    fclose(f);
-    out[n] = 0;
+    read_log(log, out, sizeof(out));
     unlink(log);
     ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 130, "status %d:\n%s", st, out);
     ck_assert_ptr_nonnull(strstr(out, "interrupted"));
