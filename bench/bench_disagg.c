@@ -16,7 +16,6 @@
 #include "support/loadgen.h"
 
 #include "core/core.h"
-#include "pagekv/tokenizer.h"
 #include "prim/prim.h"
 
 #include <curl/curl.h>
@@ -30,17 +29,17 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define BD_MIB          (1024.0 * 1024.0)
-#define BD_START_NS     120000000000ull
-#define BD_STOP_NS      30000000000ull
-#define BD_SAMPLE_NS    100000000ull
-#define BD_PARITY       8
-#define BD_SLOTS        64 /* the field's slots and concurrency */
-#define BD_PAGE_TOKENS  64 /* staging page = 64 tokens of llama-3.2-1b (2 MiB) */
+#define BD_MIB         (1024.0 * 1024.0)
+#define BD_START_NS    120000000000ull
+#define BD_STOP_NS     30000000000ull
+#define BD_SAMPLE_NS   100000000ull
+#define BD_PARITY      8
+#define BD_SLOTS       64 /* the field's slots and concurrency */
+#define BD_PAGE_TOKENS 64 /* staging page = 64 tokens of llama-3.2-1b (2 MiB) */
 
 enum { BD_PARITY_BEFORE, BD_BURST, BD_MEDIUM, BD_LONG, BD_PACED, BD_PARITY_AFTER, BD_NPH };
 static const char *const bd_phase_names[BD_NPH] = {"parity_before", "burst", "medium",
-                                                   "long", "paced", "parity_after"};
+                                                   "long",          "paced", "parity_after"};
 
 enum { D_FIXED, D_FIXED_REPEAT, D_PER_TRANSFER, D_PER_TRANSFER_EIGHTH, D_FIXED_SMALL, BD_ND };
 static const char *const bd_design_names[BD_ND] = {"fixed", "fixed_repeat", "per_transfer",
@@ -58,12 +57,12 @@ typedef struct {
 /* The load's sizes after --scale. */
 typedef struct {
     uint32_t n[BD_NPH], conc[BD_NPH];
-    uint32_t len[BD_NPH];  /* prompt tokens (paced: cycles over mix[]) */
+    uint32_t len[BD_NPH]; /* prompt tokens (paced: cycles over mix[]) */
     uint32_t mix[4];
-    uint32_t context;      /* the longest context, tokens */
-    uint32_t ctx_pages;    /* staging pages of one longest context */
-    uint64_t page_bytes;   /* a staging page: BD_PAGE_TOKENS tokens of KV */
-    double cpt;            /* filler characters per token */
+    uint32_t context;    /* the longest context, tokens */
+    uint32_t ctx_pages;  /* staging pages of one longest context */
+    uint64_t page_bytes; /* a staging page: BD_PAGE_TOKENS tokens of KV */
+    double cpt;          /* filler characters per token */
 } bd_load_t;
 
 typedef struct {
@@ -74,7 +73,7 @@ typedef struct {
 typedef struct {
     uint32_t requests, ok;
     double wall_s, req_s, ttft_mean, ttft_p50, ttft_p99, tpot; /* ms */
-    double t0, t1; /* within the design's timeline */
+    double t0, t1;                                             /* within the design's timeline */
 } bd_phase_t;
 
 typedef struct {
@@ -85,7 +84,7 @@ typedef struct {
     double pinned_peak[2], resident_peak[2], inflight_peak[2], pinned_counter_peak[2];
     long long failed_reads, recomputes, router_retries, transfers;
     uint32_t client_errors;
-    json_t *reasons; /* error code -> count, from what clients saw */
+    json_t *reasons;         /* error code -> count, from what clients saw */
     json_t *failure_samples; /* the first few failures: phase, status, body excerpt */
     bd_phase_t ph[BD_NPH];
     bool have_paced;
@@ -97,25 +96,12 @@ typedef struct {
 } bd_run_t;
 
 static volatile sig_atomic_t g_stop;
-static void on_signal(int sig) { g_stop = sig; }
-
-/* ---- prompts ---------------------------------------------------------------------------- */
-static double bd_chars_per_token(void)
+static void on_signal(int sig)
 {
-    pkv_tok_t *tok = NULL;
-    char *s = pkv_fp_filler_alloc(16000, 1);
-    int32_t *ids = NULL;
-    size_t n = 0;
-    double cpt = 4.0;
-    if (s && pkv_tok_create_builtin(&tok) == PKV_OK &&
-        pkv_tok_encode_alloc(tok, s, 16000, false, &ids, &n) == PKV_OK && n)
-        cpt = 16000.0 / (double)n;
-    free(ids);
-    free(s);
-    pkv_tok_destroy(tok);
-    return cpt;
+    g_stop = sig;
 }
 
+/* ---- prompts ---------------------------------------------------------------------------- */
 /* A distinct chat request of about `tokens` prompt tokens (filler from its own seed, so no
  * two share a prefix beyond the template's few tokens). */
 static char *bd_body(const char *model, uint32_t tokens, uint64_t seed, uint32_t max_tokens,
@@ -228,7 +214,10 @@ static void *bd_sampler_main(void *arg)
 }
 
 /* ---- running phases ---------------------------------------------------------------------- */
-static double bd_t(const bd_sampler_t *s) { return (double)(pkv_now_ns() - s->t0_ns) / 1e9; }
+static double bd_t(const bd_sampler_t *s)
+{
+    return (double)(pkv_now_ns() - s->t0_ns) / 1e9;
+}
 
 /* One phase against url; fills ph, counts client errors and their reasons. answers: if
  * non-NULL, the parity answers to compare with (counts identical into *same), or (with
@@ -262,12 +251,11 @@ static void bd_phase_run(const bd_opts_t *o, const bd_load_t *L, int phn, const 
         bool good = x->status == 200 && !x->answer.error_code[0] && x->answer.done;
         if (!good) {
             run->client_errors++;
-            const char *why = x->transport[0]        ? "transport"
+            const char *why = x->transport[0]           ? "transport"
                               : x->answer.error_code[0] ? x->answer.error_code
                                                         : "http_error";
             json_t *c = json_object_get(run->reasons, why);
-            json_object_set_new(run->reasons, why,
-                                json_integer(c ? json_integer_value(c) + 1 : 1));
+            json_object_set_new(run->reasons, why, json_integer(c ? json_integer_value(c) + 1 : 1));
             if (json_array_size(run->failure_samples) < 4) {
                 char line[400];
                 snprintf(line, sizeof(line), "%s: HTTP %ld %s%s", bd_phase_names[phn], x->status,
@@ -296,7 +284,8 @@ static void bd_phase_run(const bd_opts_t *o, const bd_load_t *L, int phn, const 
     ph->ttft_p50 = lg_quantile(ttft, ph->ok, 0.50);
     ph->ttft_p99 = lg_quantile(ttft, ph->ok, 0.99);
     ph->tpot = tpot_n ? tpot_sum / tpot_n : 0;
-    fprintf(stderr, "  %-14s %4u/%-4u ok  %6.2f req/s  TTFT p50 %7.1f p99 %7.1f ms  TPOT %5.1f ms\n",
+    fprintf(stderr,
+            "  %-14s %4u/%-4u ok  %6.2f req/s  TTFT p50 %7.1f p99 %7.1f ms  TPOT %5.1f ms\n",
             bd_phase_names[phn], ph->ok, n, ph->req_s, ph->ttft_p50, ph->ttft_p99, ph->tpot);
 out:
     if (res) lg_results_free(res, n);
@@ -372,8 +361,9 @@ static int bd_serve(const bd_env_t *e, const bd_opts_t *o, const bd_load_t *L, c
 static int bd_route(const bd_env_t *e, const cluster_proc_t *pre, const cluster_proc_t *dec,
                     cluster_proc_t *p)
 {
-    char *argv[] = {(char *)e->bin, "route", "--port", "0", "--prefill", (char *)pre->url,
-                    "--decode", (char *)dec->url, "--max-connections", "1024", NULL};
+    char *argv[] = {(char *)e->bin,      "route",          "--port",   "0",
+                    "--prefill",         (char *)pre->url, "--decode", (char *)dec->url,
+                    "--max-connections", "1024",           NULL};
     char err[1024];
     if (cluster_proc_start(p, "router", argv, NULL, e->logdir, pkv_now_ns() + BD_START_NS, err,
                            sizeof(err)) != 0) {
@@ -444,8 +434,8 @@ static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t
     cluster_proc_t pre = {0}, dec = {0}, rt = {0};
     bool up = false;
     fprintf(stderr, "design %s:\n", run->name);
-    if (bd_serve(e, o, L, "prefill", "prefill", d, &pre) || bd_serve(e, o, L, "decode", "decode", d, &dec) ||
-        bd_route(e, &pre, &dec, &rt))
+    if (bd_serve(e, o, L, "prefill", "prefill", d, &pre) ||
+        bd_serve(e, o, L, "decode", "decode", d, &dec) || bd_route(e, &pre, &dec, &rt))
         goto stop;
     up = true;
     json_t *st = cluster_http_get_json(pre.url, "/v1/cache/stats", 5000);
@@ -555,7 +545,8 @@ static int bd_parse(int argc, char **argv, bd_opts_t *o)
             char *end;
             o->scale = strtod(v, &end);
             if (*end || !(o->scale > 0) || o->scale > 1)
-                return pkv_cli_usage_error("bench disagg", "--scale: a number in (0, 1], got '%s'", v);
+                return pkv_cli_usage_error("bench disagg", "--scale: a number in (0, 1], got '%s'",
+                                           v);
             i++;
         } else if (!strcmp(a, "--paced-rps")) {
             char *end;
@@ -565,7 +556,8 @@ static int bd_parse(int argc, char **argv, bd_opts_t *o)
             i++;
         } else if (!strcmp(a, "--paced-transfers")) {
             if (pkv_cli_parse_u64(v, 1, 100000, &n))
-                return pkv_cli_usage_error("bench disagg", "--paced-transfers: 1..100000, got '%s'", v);
+                return pkv_cli_usage_error("bench disagg", "--paced-transfers: 1..100000, got '%s'",
+                                           v);
             o->paced_n = (uint32_t)n;
             i++;
         } else if (!strcmp(a, "--designs")) {
@@ -622,7 +614,7 @@ static void bd_sizes(const bd_opts_t *o, bd_load_t *L)
     for (int i = 0; i < 4; i++) L->mix[i] = bd_scaled(mix[i], o->scale);
     L->context = bd_scaled(8192, o->scale);
     L->ctx_pages = (L->context + BD_PAGE_TOKENS - 1) / BD_PAGE_TOKENS;
-    L->cpt = bd_chars_per_token();
+    L->cpt = pkv_fp_chars_per_token();
 }
 
 /* ---- report ------------------------------------------------------------------------------ */
@@ -632,11 +624,11 @@ static json_t *bd_phases_json(const bd_run_t *r)
     for (int p = 0; p < BD_NPH; p++) {
         const bd_phase_t *x = &r->ph[p];
         if (!x->requests) continue;
-        json_array_append_new(
-            a, json_pack("{s:s, s:i, s:i, s:f, s:f, s:f, s:f, s:f}", "name", bd_phase_names[p],
-                         "requests", (int)x->requests, "ok", (int)x->ok, "req_s", x->req_s,
-                         "ttft_mean_ms", x->ttft_mean, "ttft_p50_ms", x->ttft_p50, "ttft_p99_ms",
-                         x->ttft_p99, "tpot_ms", x->tpot));
+        json_array_append_new(a, json_pack("{s:s, s:i, s:i, s:f, s:f, s:f, s:f, s:f}", "name",
+                                           bd_phase_names[p], "requests", (int)x->requests, "ok",
+                                           (int)x->ok, "req_s", x->req_s, "ttft_mean_ms",
+                                           x->ttft_mean, "ttft_p50_ms", x->ttft_p50, "ttft_p99_ms",
+                                           x->ttft_p99, "tpot_ms", x->tpot));
     }
     return a;
 }
@@ -681,30 +673,38 @@ static json_t *bd_json(const bd_opts_t *o, const bd_load_t *L, double rate, cons
 
 static void bd_table(const bd_run_t *u, const bd_run_t *runs)
 {
-    printf("\n| design | staging pages | pinned peak MiB (OS VmLck) prefill / decode | resident peak MiB | in-flight peak MiB | failed reads | client errors | retries | recomputes | transfers | parity |\n");
+    printf("\n| design | staging pages | pinned peak MiB (OS VmLck) prefill / decode | resident "
+           "peak MiB | in-flight peak MiB | failed reads | client errors | retries | recomputes | "
+           "transfers | parity |\n");
     printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (int d = 0; d < BD_ND; d++) {
         const bd_run_t *r = &runs[d];
         if (!r->name) continue;
-        printf("| %s | %u | %.0f / %.0f | %.0f / %.0f | %.0f / %.0f | %lld | %u | %lld | %lld | %lld | %u/%u |\n",
+        printf("| %s | %u | %.0f / %.0f | %.0f / %.0f | %.0f / %.0f | %lld | %u | %lld | %lld | "
+               "%lld | %u/%u |\n",
                r->name, r->pool_pages, r->pinned_peak[0] / BD_MIB, r->pinned_peak[1] / BD_MIB,
                r->resident_peak[0] / BD_MIB, r->resident_peak[1] / BD_MIB,
                r->inflight_peak[0] / BD_MIB, r->inflight_peak[1] / BD_MIB, r->failed_reads,
                r->client_errors, r->router_retries, r->recomputes, r->transfers,
                r->parity_identical, r->parity_requests);
     }
-    printf("\n| design | burst req/s | medium req/s | long req/s | paced req/s | TTFT p50 / p99 ms: burst | medium | long | paced | TPOT ms (long) |\n");
+    printf("\n| design | burst req/s | medium req/s | long req/s | paced req/s | TTFT p50 / p99 "
+           "ms: burst | medium | long | paced | TPOT ms (long) |\n");
     printf("|---|---|---|---|---|---|---|---|---|---|\n");
     for (int d = -1; d < BD_ND; d++) {
         const bd_run_t *r = d < 0 ? u : &runs[d];
         if (!r->name) continue;
         printf("| %s |", r->name);
         for (int p = BD_BURST; p <= BD_PACED; p++)
-            if (r->ph[p].requests) printf(" %.2f |", r->ph[p].req_s);
-            else printf(" - |");
+            if (r->ph[p].requests)
+                printf(" %.2f |", r->ph[p].req_s);
+            else
+                printf(" - |");
         for (int p = BD_BURST; p <= BD_PACED; p++)
-            if (r->ph[p].requests) printf(" %.0f / %.0f |", r->ph[p].ttft_p50, r->ph[p].ttft_p99);
-            else printf(" - |");
+            if (r->ph[p].requests)
+                printf(" %.0f / %.0f |", r->ph[p].ttft_p50, r->ph[p].ttft_p99);
+            else
+                printf(" - |");
         printf(" %.1f |\n", r->ph[BD_LONG].tpot);
     }
 }
@@ -753,21 +753,21 @@ static int bd_targets(const bd_run_t *runs)
                      "per_transfer %s p99 TTFT %.0f ms <= 1.1 x fixed's %.0f ms", bd_phase_names[p],
                      pt->ph[p].ttft_p99, f->ph[p].ttft_p99);
             }
-        BD_T(pt->transfers >= 1800 || !pt->have_paced, "per_transfer moved %lld transfers (>= 1800)",
-             pt->transfers);
+        BD_T(pt->transfers >= 1800 || !pt->have_paced,
+             "per_transfer moved %lld transfers (>= 1800)", pt->transfers);
     }
     for (int d = D_PER_TRANSFER; d <= D_PER_TRANSFER_EIGHTH; d++) {
         const bd_run_t *r = &runs[d];
         if (!r->name) continue;
         for (int k = 0; k < 2; k++)
             BD_T(r->resident_peak[k] <= 1.1 * r->inflight_peak[k],
-                 "%s %s resident peak %.0f MiB <= 1.1 x in-flight peak %.0f MiB",
-                 r->name, k ? "decode" : "prefill", r->resident_peak[k] / BD_MIB,
+                 "%s %s resident peak %.0f MiB <= 1.1 x in-flight peak %.0f MiB", r->name,
+                 k ? "decode" : "prefill", r->resident_peak[k] / BD_MIB,
                  r->inflight_peak[k] / BD_MIB);
     }
     if (runs[D_PER_TRANSFER_EIGHTH].name)
-        BD_T(runs[D_PER_TRANSFER_EIGHTH].failed_reads == 0, "per_transfer_eighth: %lld failed reads",
-             runs[D_PER_TRANSFER_EIGHTH].failed_reads);
+        BD_T(runs[D_PER_TRANSFER_EIGHTH].failed_reads == 0,
+             "per_transfer_eighth: %lld failed reads", runs[D_PER_TRANSFER_EIGHTH].failed_reads);
     for (int d = 0; d < BD_ND; d++) {
         const bd_run_t *r = &runs[d];
         if (!r->name || !r->have_paced || !r->ph[BD_PACED].requests) continue;
@@ -872,8 +872,7 @@ int pkv_bench_disagg(int argc, char **argv)
         if (src->present && src->limit_bytes > src->usage_bytes)
             avail = src->limit_bytes - src->usage_bytes;
     }
-    if (avail && fixed_pin > avail / 2 &&
-        (o.design[D_FIXED] || o.design[D_FIXED_REPEAT])) {
+    if (avail && fixed_pin > avail / 2 && (o.design[D_FIXED] || o.design[D_FIXED_REPEAT])) {
         fprintf(stderr,
                 "pagekv bench disagg: scale %g: fixed staging would pin %.1f GiB on the two nodes "
                 "(64 slots x %u pages x %.1f MiB each), more than half of the %.1f GiB available\n",
@@ -893,13 +892,17 @@ int pkv_bench_disagg(int argc, char **argv)
         C.conc[BD_PACED] = 16;
         lg_req_t *reqs = bd_reqs(&o, &C, BD_PACED, 0);
         lg_result_t *res = calloc(C.n[BD_PACED], sizeof(*res));
-        lg_config_t lc = {.base_url = un.url, .concurrency = 16, .timeout_ms = 600000, .stop = &g_stop};
+        lg_config_t lc = {
+            .base_url = un.url, .concurrency = 16, .timeout_ms = 600000, .stop = &g_stop};
         double wall = reqs && res ? lg_run(&lc, reqs, C.n[BD_PACED], res) : -1;
         rate = wall > 0 ? 0.6 * C.n[BD_PACED] / wall : 1.0;
         if (res) lg_results_free(res, C.n[BD_PACED]);
         free(res);
         bd_reqs_free(reqs, C.n[BD_PACED]);
-        fprintf(stderr, "  paced rate: %.2f req/s (0.6 x the unified server's closed-loop rate on the mix)\n", rate);
+        fprintf(
+            stderr,
+            "  paced rate: %.2f req/s (0.6 x the unified server's closed-loop rate on the mix)\n",
+            rate);
     }
     if (!g_stop) bd_phase_run(&o, &L, BD_PACED, un.url, rate, NULL, &u, NULL, false);
     cluster_proc_stop(&un, SIGTERM, pkv_now_ns() + BD_STOP_NS);
@@ -924,7 +927,8 @@ int pkv_bench_disagg(int argc, char **argv)
        the targets are figures, printed above */
     if (!rc) {
         for (int d = 0; d < BD_ND; d++)
-            if (runs[d].name && (!runs[d].ok || runs[d].parity_identical != runs[d].parity_requests))
+            if (runs[d].name &&
+                (!runs[d].ok || runs[d].parity_identical != runs[d].parity_requests))
                 rc = 1;
     }
     printf("\n%d target%s not met%s\n", bad, bad == 1 ? "" : "s",

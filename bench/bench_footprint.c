@@ -28,7 +28,6 @@
 
 #include "core/core.h"
 #include "pagekv/model.h"
-#include "pagekv/tokenizer.h"
 
 #include <curl/curl.h>
 #include <errno.h>
@@ -220,24 +219,6 @@ static int fp_parse_opts(int argc, char **argv, fp_opts_t *o)
     return 0;
 }
 
-/* Characters per token of this filler under the builtin tokenizer (what the server's
- * built-in model uses), to size the shared system prompt. */
-static double fp_chars_per_token(void)
-{
-    pkv_tok_t *tok = NULL;
-    char *s = pkv_fp_filler_alloc(16000, 1);
-    int32_t *ids = NULL;
-    size_t n = 0;
-    double cpt = 4.0;
-    if (s && pkv_tok_create_builtin(&tok) == PKV_OK &&
-        pkv_tok_encode_alloc(tok, s, 16000, false, &ids, &n) == PKV_OK && n)
-        cpt = 16000.0 / (double)n;
-    free(ids);
-    free(s);
-    pkv_tok_destroy(tok);
-    return cpt;
-}
-
 int pkv_bench_footprint(int argc, char **argv)
 {
     fp_opts_t o;
@@ -247,7 +228,7 @@ int pkv_bench_footprint(int argc, char **argv)
         fprintf(stderr, "pagekv bench footprint: curl_global_init failed\n");
         return 1;
     }
-    double cpt = fp_chars_per_token();
+    double cpt = pkv_fp_chars_per_token();
     size_t total = 0;
     for (int sc = 0; sc < SC_N; sc++)
         for (int b = 0; b < 2; b++) total += o.scenario[sc] && o.backend[b];

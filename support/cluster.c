@@ -164,8 +164,8 @@ int cluster_proc_start(cluster_proc_t *p, const char *name, char *const argv[], 
         if (reap(p)) {
             char tail[512];
             cluster_proc_log_tail(p, tail, sizeof(tail));
-            snprintf(err, errcap, "%s exited before listening (status %d): %s", name,
-                     p->wstatus, tail);
+            snprintf(err, errcap, "%s exited before listening (status %d): %s", name, p->wstatus,
+                     tail);
             p->pid = 0;
             return -1;
         }
@@ -350,7 +350,8 @@ static int answer_take(const json_t *o, cluster_answer_t *a, size_t *len)
     }
     const json_t *u = json_object_get(o, "usage");
     if (json_is_object(u)) {
-        json_t *pt = json_object_get(u, "prompt_tokens"), *ct = json_object_get(u, "completion_tokens");
+        json_t *pt = json_object_get(u, "prompt_tokens"),
+               *ct = json_object_get(u, "completion_tokens");
         if (json_is_integer(pt)) a->prompt_tokens = (long)json_integer_value(pt);
         if (json_is_integer(ct)) a->completion_tokens = (long)json_integer_value(ct);
     }

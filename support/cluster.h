@@ -27,13 +27,13 @@
 #define CLUSTER_ADDR_MAX 64
 
 typedef struct {
-    char name[CLUSTER_NAME_MAX]; /* for reports: "prefill", "decode", "router", ... */
-    char log[256];               /* its stdout + stderr */
-    pid_t pid;                   /* 0 once reaped */
-    uint16_t port;               /* HTTP port from its listening line */
-    char url[CLUSTER_ADDR_MAX];  /* "http://127.0.0.1:PORT" */
+    char name[CLUSTER_NAME_MAX];       /* for reports: "prefill", "decode", "router", ... */
+    char log[256];                     /* its stdout + stderr */
+    pid_t pid;                         /* 0 once reaped */
+    uint16_t port;                     /* HTTP port from its listening line */
+    char url[CLUSTER_ADDR_MAX];        /* "http://127.0.0.1:PORT" */
     char kv_address[CLUSTER_ADDR_MAX]; /* transfer agent "HOST:PORT", "" without one */
-    int wstatus;                 /* waitpid status once reaped */
+    int wstatus;                       /* waitpid status once reaped */
     bool reaped;
 } cluster_proc_t;
 
@@ -53,12 +53,12 @@ uint64_t cluster_proc_rss(const cluster_proc_t *p);
 void cluster_proc_log_tail(const cluster_proc_t *p, char *out, size_t cap);
 
 typedef struct {
-    long status;  /* HTTP status, 0 when no answer came (see error) */
-    char *body;   /* the whole body, NUL-terminated (free with cluster_http_reply_free) */
+    long status; /* HTTP status, 0 when no answer came (see error) */
+    char *body;  /* the whole body, NUL-terminated (free with cluster_http_reply_free) */
     size_t len;
-    double seconds; /* total time */
+    double seconds;      /* total time */
     double ttfb_seconds; /* time to the first body byte */
-    char error[128]; /* transport error, "" when an answer came */
+    char error[128];     /* transport error, "" when an answer came */
 } cluster_http_reply_t;
 
 /* POST body (serialized compactly; NULL: GET) to base_url + path with the headers
@@ -74,11 +74,11 @@ json_t *cluster_http_get_json(const char *base_url, const char *path, uint32_t t
 
 /* What a parity check compares between two answers. */
 typedef struct {
-    char *text;          /* concatenated choices[0] text / message content / deltas
-                            (NUL-terminated; may hold NULs: text_len is its length) */
+    char *text; /* concatenated choices[0] text / message content / deltas
+                   (NUL-terminated; may hold NULs: text_len is its length) */
     size_t text_len;
-    char finish[24];     /* finish_reason, "" if none */
-    long prompt_tokens;  /* usage, -1 if absent */
+    char finish[24];    /* finish_reason, "" if none */
+    long prompt_tokens; /* usage, -1 if absent */
     long completion_tokens;
     char error_code[32]; /* error.code of an error body or an SSE error event, "" if none */
     bool done;           /* a stream ended with data: [DONE] (non-streamed: true) */

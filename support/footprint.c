@@ -7,7 +7,10 @@
 
 #include "support/filler.h"
 
+#include "pagekv/tokenizer.h"
+
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 static uint64_t fp_first_sentence(uint64_t seed)
@@ -236,4 +239,20 @@ int pkv_fp_svg_write(FILE *f, const char *title, const pkv_fp_series_t *s, size_
     svg_series(f, &ax, s, ns);
     fputs("</svg>\n", f);
     return ferror(f) ? -1 : 0;
+}
+
+double pkv_fp_chars_per_token(void)
+{
+    pkv_tok_t *tok = NULL;
+    char *s = pkv_fp_filler_alloc(16000, 1);
+    int32_t *ids = NULL;
+    size_t n = 0;
+    double cpt = 4.0;
+    if (s && pkv_tok_create_builtin(&tok) == PKV_OK &&
+        pkv_tok_encode_alloc(tok, s, 16000, false, &ids, &n) == PKV_OK && n)
+        cpt = 16000.0 / (double)n;
+    free(ids);
+    free(s);
+    pkv_tok_destroy(tok);
+    return cpt;
 }

@@ -21,6 +21,9 @@
 void pkv_fp_filler(char *buf, size_t n, uint64_t seed);
 /* The same into a new buffer of n + 1 bytes (caller frees); NULL when out of memory. */
 char *pkv_fp_filler_alloc(size_t n, uint64_t seed);
+/* The builtin tokenizer's characters per token on 16,000 characters of filler (4.0 if it
+ * cannot be measured): how the serving benchmarks size prompts in tokens. */
+double pkv_fp_chars_per_token(void);
 
 /* ---- memory trace --------------------------------------------------------------------- */
 typedef struct {

@@ -14,7 +14,7 @@ typedef struct {
     CURL *easy;
     struct curl_slist *hdrs;
     size_t idx;
-    uint64_t t0_ns;  /* sent */
+    uint64_t t0_ns;    /* sent */
     uint64_t first_ns; /* first body byte */
     char *buf;
     size_t len, cap;
@@ -43,7 +43,10 @@ static size_t lg_on_body(char *data, size_t size, size_t nmemb, void *arg)
     return n;
 }
 
-static double secs(uint64_t a, uint64_t b) { return b > a ? (double)(b - a) / 1e9 : 0.0; }
+static double secs(uint64_t a, uint64_t b)
+{
+    return b > a ? (double)(b - a) / 1e9 : 0.0;
+}
 
 static int lg_start(CURLM *m, const lg_config_t *cfg, const lg_req_t *r, size_t idx, lg_slot_t *s,
                     uint64_t run0, lg_result_t *res)
@@ -117,8 +120,8 @@ double lg_run(const lg_config_t *cfg, const lg_req_t *reqs, size_t n, lg_result_
         if (cfg->stop && *cfg->stop) break;
         uint64_t now = pkv_now_ns();
         while (next < n) {
-            bool go = cfg->concurrency ? inflight < cfg->concurrency
-                                       : reqs[next].at_s <= secs(run0, now);
+            bool go =
+                cfg->concurrency ? inflight < cfg->concurrency : reqs[next].at_s <= secs(run0, now);
             if (!go) break;
             if (lg_start(m, cfg, &reqs[next], next, &slots[next], run0, &results[next]) != 0) {
                 failed = true;
@@ -154,7 +157,8 @@ double lg_run(const lg_config_t *cfg, const lg_req_t *reqs, size_t n, lg_result_
         }
     }
     for (size_t i = 0; i < next; i++)
-        if (slots[i].easy) lg_finish(m, &slots[i], CURLE_ABORTED_BY_CALLBACK, &reqs[i], &results[i]);
+        if (slots[i].easy)
+            lg_finish(m, &slots[i], CURLE_ABORTED_BY_CALLBACK, &reqs[i], &results[i]);
     double wall = secs(run0, pkv_now_ns());
     free(slots);
     curl_multi_cleanup(m);

@@ -22,23 +22,24 @@ typedef struct {
     const char *path; /* "/v1/chat/completions", ... */
     char *body;       /* JSON text, owned by the caller */
     bool stream;
-    double at_s;      /* open loop: seconds after the start it is sent; ignored closed */
+    double at_s; /* open loop: seconds after the start it is sent; ignored closed */
 } lg_req_t;
 
 typedef struct {
     long status;            /* HTTP status, 0 when no answer came */
     double start_s;         /* when it was sent, seconds after the run's start */
     double ttft_s, total_s; /* first body byte, end; from start_s */
-    cluster_answer_t answer; /* text, finish, usage, error code (parse failures: error_code "unreadable") */
-    char transport[96];      /* curl's error, "" when an answer came */
-    char excerpt[256];       /* the body's start when it is not a good answer, else "" */
+    cluster_answer_t
+        answer; /* text, finish, usage, error code (parse failures: error_code "unreadable") */
+    char transport[96]; /* curl's error, "" when an answer came */
+    char excerpt[256];  /* the body's start when it is not a good answer, else "" */
 } lg_result_t;
 
 typedef struct {
     const char *base_url;
-    uint32_t concurrency; /* closed loop: in flight at once; 0: open loop (at_s) */
-    uint32_t timeout_ms;  /* per request */
-    const char *const *headers; /* extra headers, NULL-terminated, may be NULL */
+    uint32_t concurrency;              /* closed loop: in flight at once; 0: open loop (at_s) */
+    uint32_t timeout_ms;               /* per request */
+    const char *const *headers;        /* extra headers, NULL-terminated, may be NULL */
     const volatile sig_atomic_t *stop; /* ends the run early (results not sent: status 0) */
     void (*tick)(void *arg); /* called about every 50 ms from the driving thread; may be NULL */
     void *tick_arg;

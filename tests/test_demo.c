@@ -73,11 +73,15 @@ START_TEST(demo_runs_as_processes)
     static char out[1 << 16];
     int rc = run_demo(cmd, out, sizeof(out));
     ck_assert_msg(rc == 0, "pagekv demo %s: exit %d\n%s", cmd, rc, out);
-    static const char *const lines[] = {"  unified  pid ", "  prefill  pid ", "  decode   pid ",
-                                        "  router   pid ", "transfer agent 127.0.0.1:",
+    static const char *const lines[] = {"  unified  pid ",
+                                        "  prefill  pid ",
+                                        "  decode   pid ",
+                                        "  router   pid ",
+                                        "transfer agent 127.0.0.1:",
                                         "answers identical to the unified node's",
                                         "every lease sent and nothing held",
-                                        "every process exited 0", "  result   ok: 5/5"};
+                                        "every process exited 0",
+                                        "  result   ok: 5/5"};
     for (size_t i = 0; i < sizeof(lines) / sizeof(lines[0]); i++)
         ck_assert_msg(strstr(out, lines[i]), "no '%s' in:\n%s", lines[i], out);
     ck_assert_msg(!strstr(out, "DIFFERENT") && !strstr(out, "FAILED"), "%s", out);

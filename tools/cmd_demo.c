@@ -326,8 +326,8 @@ static void demo_print_phases(const cluster_proc_t *p)
         const char *cv = c ? strchr(c, ' ') : NULL;
         double total = strtod(brace + 1, NULL), cnt = cv ? strtod(cv, NULL) : 0;
         if (cnt > 0) {
-            printf("%s %.*s %.2f", any ? "," : "           phases (mean ms):", (int)(q - name), name,
-                   1e3 * total / cnt);
+            printf("%s %.*s %.2f", any ? "," : "           phases (mean ms):", (int)(q - name),
+                   name, 1e3 * total / cnt);
             any = true;
         }
     }
@@ -381,13 +381,14 @@ static bool demo_accounting(demo_t *d, uint32_t legs)
             long long local = cluster_json_int(s, "kv_transfer.pulls.local");
             long long pulled = cluster_json_int(s, "kv_transfer.pulls.ok"),
                       released = cluster_json_int(s, "kv_transfer.pulls.released");
-            printf("           pulls ok %lld, token-only releases %lld, failed %lld, recomputed %lld, "
-                   "without params %lld; blocks pulled %lld, adopted from its own cache %lld; "
-                   "%.2f MiB received\n",
-                   pulled, released, failed, recomputed, local,
-                   cluster_json_int(s, "kv_transfer.pulls.blocks_pulled"),
-                   cluster_json_int(s, "kv_transfer.pulls.blocks_adopted"),
-                   mib(cluster_json_int(s, "kv_transfer.transfers.bytes_received")));
+            printf(
+                "           pulls ok %lld, token-only releases %lld, failed %lld, recomputed %lld, "
+                "without params %lld; blocks pulled %lld, adopted from its own cache %lld; "
+                "%.2f MiB received\n",
+                pulled, released, failed, recomputed, local,
+                cluster_json_int(s, "kv_transfer.pulls.blocks_pulled"),
+                cluster_json_int(s, "kv_transfer.pulls.blocks_adopted"),
+                mib(cluster_json_int(s, "kv_transfer.transfers.bytes_received")));
             if (pulled + released != (long long)legs) ok = false;
             /* every request came with its params and was served from what it pulled */
             if (failed != 0 || recomputed != 0 || local != 0) ok = false;

@@ -327,13 +327,12 @@ json_t *srv_kv_stats_json(const srv_kv_snapshot_t *k)
         (json_int_t)s->pinned_bytes, "pages_held_by_transfers", (json_int_t)x->staging_pages_held);
     if (!doc) return NULL;
     json_object_set_new(
-            doc, "pulls",
-            json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "ok", (json_int_t)k->pulls.ok,
-                      "released", (json_int_t)k->pulls.released, "failed",
-                      (json_int_t)k->pulls.failed, "recomputed", (json_int_t)k->pulls.recomputed,
-                      "local", (json_int_t)k->pulls.local, "blocks_pulled",
-                      (json_int_t)k->pulls.blocks_pulled, "blocks_adopted",
-                      (json_int_t)k->pulls.blocks_adopted));
+        doc, "pulls",
+        json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "ok", (json_int_t)k->pulls.ok, "released",
+                  (json_int_t)k->pulls.released, "failed", (json_int_t)k->pulls.failed,
+                  "recomputed", (json_int_t)k->pulls.recomputed, "local",
+                  (json_int_t)k->pulls.local, "blocks_pulled", (json_int_t)k->pulls.blocks_pulled,
+                  "blocks_adopted", (json_int_t)k->pulls.blocks_adopted));
     /* Reads by outcome (consumer), serves acknowledged and failed (producer). */
     static const char *const outcome[8] = {"ok",       "timeout",   "peer_lost", "nofit",
                                            "rejected", "cancelled", "corrupt",   "shutdown"};

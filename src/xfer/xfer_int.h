@@ -145,11 +145,11 @@ struct xf_peer { /* every field [P] */
     bool hello_sent; /* incoming: our HELLO went out (before any heartbeat) */
     bool hello_seen; /* outgoing: the producer's HELLO came; `identity` is its own */
     char identity[XF_WIRE_MAX_IDENTITY + 1];
-    uint32_t ctl_inflight; /* control sends not yet completed */
-    uint32_t refs;         /* transfers using this peer */
-    bool established;      /* the other side has spoken: control sends may go out */
+    uint32_t ctl_inflight;   /* control sends not yet completed */
+    uint32_t refs;           /* transfers using this peer */
+    bool established;        /* the other side has spoken: control sends may go out */
     uint64_t established_ns; /* when it did (read timings) */
-    int map_fd;            /* outgoing, same host: the producer's staging arena, mapped */
+    int map_fd;              /* outgoing, same host: the producer's staging arena, mapped */
     uint8_t *map_base;
     uint64_t map_size, map_ino;
     uint32_t map_pid;
