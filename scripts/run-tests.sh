@@ -6,6 +6,9 @@ set -u
 # exit (glibc madvises its stack) then crashes inside the hook. Tests need no UCX memory
 # events, so turn them off for TSan runs.
 case "${SAN:-}" in *thread*) export UCX_MEM_EVENTS="${UCX_MEM_EVENTS:-no}" ;; esac
+# LeakSanitizer: leaks inside UCX itself are suppressed (tests/lsan.supp says which); the
+# children the tests spawn (pagekv serve, pagekv route) inherit it.
+case "${SAN:-}" in *address*) export LSAN_OPTIONS="suppressions=$(cd "$(dirname "$0")/.." && pwd)/tests/lsan.supp${LSAN_OPTIONS:+:$LSAN_OPTIONS}" ;; esac
 passed=0; failed=0; bad_bins=""
 for t in "$@"; do
     out=$(CK_DEFAULT_TIMEOUT=${CK_DEFAULT_TIMEOUT:-120} "$t" 2>&1); rc=$?
