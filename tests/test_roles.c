@@ -16,6 +16,7 @@
 
 #include "pagekv/server.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <sched.h>
@@ -112,6 +113,21 @@ static json_t *request(const char *prompt, int max_tokens, bool stream)
                      1);
 }
 
+/* A decode leg pulls only whole blocks [have, (n - 1) / block_tokens) (block_tokens 16 on
+ * tiny); a prompt of one block or less is a token-only release, which takes no staging and
+ * moves no KV. Prompts whose KV must move get this tail: ~60 tokens with the head, three
+ * blocks to pull, well inside the one-page decode node's staging (16 blocks). */
+#define SPANS_BLOCKS                                                                               \
+    " - this prompt spans several blocks of sixteen tokens, so that the decode leg pulls whole "   \
+    "blocks from the prefill node instead of releasing its lease with the token alone, and the "   \
+    "fault hits a pull in flight"
+
+/* A prompt "<what>, round <rep>" that spans several blocks. */
+static void pull_prompt(char *buf, size_t cap, const char *what, int rep)
+{
+    snprintf(buf, cap, "%s, round %d%s", what, rep, SPANS_BLOCKS);
+}
+
 /* The proxy's prefill leg of req: max_tokens 1, not streamed, the field's params. */
 static json_t *prefill_body(json_t *req)
 {
@@ -137,6 +153,14 @@ static json_t *prefill_leg(const char *host, uint16_t port, json_t *req)
     ck_assert_ptr_nonnull(kt);
     leg_free(&p);
     return kt;
+}
+
+/* kt's prompt makes its decode leg pull blocks (at least two), not a token-only release. */
+static void must_pull(json_t *kt)
+{
+    long long n = ts_ji(kt, "pagekv_prompt_tokens"), bt = ts_ji(kt, "pagekv_geometry.block_tokens");
+    ck_assert_msg(bt > 0 && (n - 1) / bt >= 2, "a prompt of %lld tokens pulls %lld blocks", n,
+                  bt > 0 ? (n - 1) / bt : 0);
 }
 
 static json_t *decode_body(json_t *req, json_t *kt)
@@ -300,6 +324,40 @@ static void node_restart_killed(nodes_t *n, int i, long long acks)
     }
 }
 
+/* Is every thread of pid stopped (state T in /proc/pid/task/<tid>/stat)? */
+static bool all_threads_stopped(pid_t pid)
+{
+    char path[64], buf[256];
+    snprintf(path, sizeof(path), "/proc/%d/task", (int)pid);
+    DIR *d = opendir(path);
+    if (!d) return false;
+    bool stopped = true;
+    for (struct dirent *e; stopped && (e = readdir(d));) {
+        if (e->d_name[0] == '.') continue;
+        snprintf(path, sizeof(path), "/proc/%d/task/%.16s/stat", (int)pid, e->d_name);
+        FILE *f = fopen(path, "r");
+        size_t k = f ? fread(buf, 1, sizeof(buf) - 1, f) : 0;
+        if (f) fclose(f);
+        buf[k] = 0;
+        const char *rp = strrchr(buf, ')'); /* "tid (comm) state ..." */
+        stopped = !f || (rp && rp[1] == ' ' && (rp[2] == 'T' || rp[2] == 't'));
+    }
+    closedir(d);
+    return stopped;
+}
+
+/* SIGSTOP node i and wait (bounded) until every thread of it is stopped: on a loaded
+ * machine the group stop can lag the signal, and a leg started meanwhile is served. */
+static void node_pause(nodes_t *n, int i)
+{
+    ck_assert_int_eq(kill(n->node[i].pid, SIGSTOP), 0);
+    uint64_t deadline = pkv_deadline_after_ns(2000000000ull);
+    while (!all_threads_stopped(n->node[i].pid)) {
+        ck_assert_msg(pkv_now_ns() < deadline, "node %d did not stop", i);
+        usleep(1000);
+    }
+}
+
 static void node_alive(nodes_t *n, int i)
 {
     int status;
@@ -378,7 +436,8 @@ static void raced_pull(int i, const leg_t *d, const leg_t *u, const char *what)
         failed_pull(i, d, u, "peer_lost timeout", what);
 }
 
-/* Make sure each decode node has a live endpoint to the prefill node (a pull that works). */
+/* Make sure each decode node has a live endpoint to the prefill node (a leg that works: a
+ * pull, or a token-only release once the node caches the prompt; either connects). */
 static void warm(nodes_t *n, const char *prompt)
 {
     json_t *req = request(prompt, 4, false);
@@ -416,13 +475,13 @@ static nodes_t *local_nodes(void)
  * pull. */
 static void prefill_killed(nodes_t *n, int rep)
 {
-    char prompt[96];
-    snprintf(prompt, sizeof(prompt), "Prefill killed, round %d: the answer must still come", rep);
+    char prompt[512];
+    pull_prompt(prompt, sizeof(prompt), "Prefill killed: the answer must still come", rep);
     json_t *req = request(prompt, 6, false);
     leg_t u, d;
     unified(n, req, &u);
     /* Before its answer: stopped first, so the kill lands while the leg waits. */
-    kill(n->node[0].pid, SIGSTOP);
+    node_pause(n, 0);
     async_leg_t a;
     async_start(&a, LOCAL, n->node[0].port, prefill_body(req));
     usleep(100000);
@@ -436,6 +495,7 @@ static void prefill_killed(nodes_t *n, int rep)
     nodes_settled(n, "prefill killed before its answer");
     /* After its answer, before the pull. */
     json_t *kt = prefill_leg(LOCAL, n->node[0].port, req);
+    must_pull(kt);
     ts_node_kill(&n->node[0]);
     for (int i = 1; i < 3; i++) {
         json_t *dec = decode_body(req, kt);
@@ -449,11 +509,18 @@ static void prefill_killed(nodes_t *n, int rep)
     nodes_rebase(n);
     nodes_settled(n, "prefill killed after its answer");
     /* During the pull: the READ is out (the endpoint is up), the producer stopped, then
-     * killed. */
+     * killed. A prompt of its own: both decode nodes hold the first one now (the fallback
+     * and the recompute node computed it), so its legs would be releases. */
+    leg_free(&u);
+    json_decref(req);
+    pull_prompt(prompt, sizeof(prompt), "Prefill killed during the pull", rep);
+    req = request(prompt, 6, false);
+    unified(n, req, &u);
     warm(n, "warm up the endpoints before the pull is cut");
     json_t *kts[3] = {NULL, prefill_leg(LOCAL, n->node[0].port, req),
                       prefill_leg(LOCAL, n->node[0].port, req)};
-    kill(n->node[0].pid, SIGSTOP);
+    must_pull(kts[1]);
+    node_pause(n, 0);
     async_leg_t legs[3];
     for (int i = 1; i < 3; i++)
         async_start(&legs[i], LOCAL, n->node[i].port, decode_body(req, kts[i]));
@@ -477,8 +544,8 @@ static void prefill_killed(nodes_t *n, int rep)
  * staging too; then it resumes; its serves end, its leases run out. */
 static void prefill_stopped(nodes_t *n, int rep)
 {
-    char prompt[96];
-    snprintf(prompt, sizeof(prompt), "Prefill stopped, round %d, in the middle of the pull", rep);
+    char prompt[512];
+    pull_prompt(prompt, sizeof(prompt), "Prefill stopped in the middle of the pull", rep);
     json_t *req = request(prompt, 6, false);
     leg_t u;
     unified(n, req, &u);
@@ -486,10 +553,11 @@ static void prefill_stopped(nodes_t *n, int rep)
     json_t *kts[3] = {prefill_leg(LOCAL, n->node[0].port, req),
                       prefill_leg(LOCAL, n->node[0].port, req),
                       prefill_leg(LOCAL, n->node[0].port, req)};
+    must_pull(kts[0]); /* a release would take no staging */
     json_t *kv = kv_stats(n, 1);
     long long waits = ts_ji(kv, "staging.waits");
     json_decref(kv);
-    kill(n->node[0].pid, SIGSTOP);
+    node_pause(n, 0);
     async_leg_t legs[3];
     for (int i = 1; i < 3; i++)
         async_start(&legs[i], LOCAL, n->node[i].port, decode_body(req, kts[i]));
@@ -538,15 +606,16 @@ static long long pulls_done(nodes_t *n, int i)
  * during the pull (the producer's serve to a dead consumer ends, its lease runs out). */
 static void decode_killed(nodes_t *n, int rep)
 {
-    char prompt[96];
-    snprintf(prompt, sizeof(prompt), "Decode killed, round %d, while it streams", rep);
+    char prompt[512];
+    pull_prompt(prompt, sizeof(prompt), "Decode killed while it streams", rep);
     json_t *req = request(prompt, 4000, true);
     json_t *kt = prefill_leg(LOCAL, n->node[0].port, req);
+    must_pull(kt);
     long long before = pulls_done(n, 2), acks = reads_ok(n, 2) - n->base_acks[2];
     async_leg_t a;
     async_start(&a, LOCAL, n->node[2].port, decode_body(req, kt));
     wait_pulled(n, 2, before);
-    kill(n->node[2].pid, SIGSTOP); /* mid-stream: 4000 tokens take far longer than this */
+    node_pause(n, 2); /* mid-stream: 4000 tokens take far longer than this */
     node_restart_killed(n, 2, acks + 1);
     async_join(&a);
     ck_assert_msg(!a.out.done, "a killed decode node finished its stream");
@@ -558,7 +627,8 @@ static void decode_killed(nodes_t *n, int rep)
     req = request(prompt, 4, false);
     warm(n, "warm up the endpoints before the consumer dies");
     kt = prefill_leg(LOCAL, n->node[0].port, req);
-    kill(n->node[0].pid, SIGSTOP);
+    must_pull(kt); /* node 1 has not seen this prompt: a pull */
+    node_pause(n, 0);
     async_start(&a, LOCAL, n->node[1].port, decode_body(req, kt));
     usleep(200000);
     node_restart_killed(n, 1, -1);
@@ -615,8 +685,8 @@ static void staging_too_small(nodes_t *n, int rep)
  * policies; nothing submitted on the decode node; the genuine params still work. */
 static void lease_and_forged(nodes_t *n, int rep)
 {
-    char prompt[96];
-    snprintf(prompt, sizeof(prompt), "Stale or forged params, round %d, are refused", rep);
+    char prompt[512];
+    pull_prompt(prompt, sizeof(prompt), "Stale or forged params are refused", rep);
     json_t *req = request(prompt, 5, false);
     leg_t u, d;
     unified(n, req, &u);
@@ -634,7 +704,13 @@ static void lease_and_forged(nodes_t *n, int rep)
         json_decref(kts[i]);
     }
     json_t *kt = prefill_leg(LOCAL, n->node[0].port, req);
-    /* A token nobody issued; block ids that are not the registration's. */
+    must_pull(kt);
+    /* A token nobody issued; block ids that are not the registration's (all of them, and
+     * only the last one, which the decode leg never pulls). */
+    json_t *last_ids = json_deep_copy(ts_jp(kt, "remote_block_ids"));
+    size_t nb = json_array_size(last_ids);
+    json_array_set_new(last_ids, nb - 1,
+                       json_integer(json_integer_value(json_array_get(last_ids, nb - 1)) + 1000));
     json_t *other_ids = json_array();
     for (size_t k = 0; k < json_array_size(ts_jp(kt, "remote_block_ids")); k++)
         json_array_append_new(
@@ -644,6 +720,7 @@ static void lease_and_forged(nodes_t *n, int rep)
     json_t *forged[][2] = {
         {json_string("pagekv_token"), json_string("0123456789abcdef0123456789abcdef")},
         {json_string("remote_block_ids"), other_ids},
+        {json_string("remote_block_ids"), last_ids},
     };
     for (int i = 1; i < 3; i++) {
         json_t *st = ts_get_json(LOCAL, n->node[i].port, "/v1/cache/stats");
@@ -656,6 +733,8 @@ static void lease_and_forged(nodes_t *n, int rep)
             leg_post(LOCAL, n->node[i].port, dec, &d);
             ck_assert_msg(d.status == 400 && !strcmp(d.code, "rejected"), "forged %s: %ld %s",
                           json_string_value(forged[k][0]), d.status, d.code);
+            ck_assert_str_eq(ts_js(d.doc, "error.param"),
+                             k ? "kv_transfer_params.remote_block_ids" : "kv_transfer_params");
             leg_free(&d);
             json_decref(dec);
             json_decref(bad);
@@ -685,15 +764,16 @@ static void lease_and_forged(nodes_t *n, int rep)
  * stream completes; it exits 0). */
 static void sigterm_each_role(nodes_t *n, int rep)
 {
-    char prompt[96];
-    snprintf(prompt, sizeof(prompt), "SIGTERM mid-request, round %d, ends cleanly", rep);
+    char prompt[512];
+    pull_prompt(prompt, sizeof(prompt), "SIGTERM of the prefill node mid-request", rep);
     json_t *req = request(prompt, 6, false);
     leg_t u;
     unified(n, req, &u);
     warm(n, "warm up the endpoints before the producer is told to stop");
     json_t *kts[3] = {NULL, prefill_leg(LOCAL, n->node[0].port, req),
                       prefill_leg(LOCAL, n->node[0].port, req)};
-    kill(n->node[0].pid, SIGSTOP);
+    must_pull(kts[1]);
+    node_pause(n, 0);
     async_leg_t legs[3];
     for (int i = 1; i < 3; i++)
         async_start(&legs[i], LOCAL, n->node[i].port, decode_body(req, kts[i]));
@@ -712,13 +792,20 @@ static void sigterm_each_role(nodes_t *n, int rep)
     nodes_rebase(n);
     nodes_settled(n, "prefill SIGTERM during the pull");
     /* Each decode node told to stop during its pull (the producer stopped, so the pull
-     * waits): the leg still gets its typed answer and the node exits 0. */
+     * waits): the leg still gets its typed answer and the node exits 0. A prompt of its
+     * own: a pull above that completed left the first one in that node's cache. */
+    leg_free(&u);
+    json_decref(req);
+    pull_prompt(prompt, sizeof(prompt), "SIGTERM of a decode node during its pull", rep);
+    req = request(prompt, 6, false);
+    unified(n, req, &u);
     warm(n, "warm up the endpoints before the consumers are told to stop");
     kts[1] = prefill_leg(LOCAL, n->node[0].port, req);
     kts[2] = prefill_leg(LOCAL, n->node[0].port, req);
+    must_pull(kts[1]);
     long long acks = n->dead_acks;
     for (int i = 1; i < 3; i++) acks += reads_ok(n, i) - n->base_acks[i];
-    kill(n->node[0].pid, SIGSTOP);
+    node_pause(n, 0);
     for (int i = 1; i < 3; i++)
         async_start(&legs[i], LOCAL, n->node[i].port, decode_body(req, kts[i]));
     usleep(200000);
@@ -740,9 +827,11 @@ static void sigterm_each_role(nodes_t *n, int rep)
     leg_free(&u);
     json_decref(req);
     /* The decode node drains: the stream that started completes, equal to unified. */
+    pull_prompt(prompt, sizeof(prompt), "SIGTERM of a decode node mid-stream", rep);
     req = request(prompt, 400, true);
     unified(n, req, &u);
     json_t *kt = prefill_leg(LOCAL, n->node[0].port, req);
+    must_pull(kt);
     long long before = pulls_done(n, 2);
     acks = reads_ok(n, 2) - n->base_acks[2];
     async_leg_t a;
@@ -874,8 +963,8 @@ START_TEST(pair_across_network_namespaces)
     pkv_server_config_t cfg = {.threads = 1, .kv_dtype = PKV_DTYPE_F16};
     ck_assert_int_eq(pkv_server_create(&cfg, &n.unified), PKV_OK);
     n.uport = pkv_server_port(n.unified);
-    const char *prompts[] = {"Across two namespaces over veth, the KV moves by tcp",
-                             "A second request between the namespaces"};
+    const char *prompts[] = {"Across two namespaces over veth, the KV moves by tcp" SPANS_BLOCKS,
+                             "A second request between the namespaces" SPANS_BLOCKS};
     for (size_t k = 0; k < PKV_ARRAY_LEN(prompts); k++) {
         json_t *req = request(prompts[k], 8, k == 1);
         leg_t u, d;
@@ -884,6 +973,7 @@ START_TEST(pair_across_network_namespaces)
             enter_netns(a);
             json_t *kt = prefill_leg(ipa, n.node[0].port, req);
             ck_assert_str_eq(ts_js(kt, "remote_host"), ipa);
+            must_pull(kt);
             enter_netns(b);
             json_t *dec = decode_body(req, kt);
             leg_post(ipb, n.node[i].port, dec, &d);
@@ -897,7 +987,7 @@ START_TEST(pair_across_network_namespaces)
         json_decref(req);
     }
     json_t *kv = kv_stats(&n, 1);
-    ck_assert_int_eq(ts_ji(kv, "pulls.ok") + ts_ji(kv, "pulls.released"), 2);
+    ck_assert_int_eq(ts_ji(kv, "pulls.ok"), 2); /* the KV moved, no release */
     json_decref(kv);
     nodes_settled(&n, "across namespaces");
     for (int i = 0; i < 3; i++) ts_node_stop(&n.node[i]);

@@ -2284,8 +2284,9 @@ START_TEST(decode_leg_equals_unified)
     json_decref(kv);
     leases_settle(ports[0], 8);
     /* Forged params are refused when nothing would move too: a wrong token (the producer
-     * refuses the release) and another engine id (no release is sent), each 400 naming
-     * what is wrong, nothing submitted; the genuine params then release the lease. */
+     * refuses the release), another engine id (no release is sent) and block ids that are
+     * not the registration's (none is pulled: the release carries their digest), each 400
+     * naming what is wrong, nothing submitted; the genuine params then release the lease. */
     json_t *kt = prefill_leg(ports[0], paths[0], reqs[0]);
     json_t *st = get_json(ports[1], "/v1/cache/stats");
     long long submitted = ji(st, "requests.submitted");
@@ -2306,6 +2307,19 @@ START_TEST(decode_leg_equals_unified)
         ck_assert_int_eq(d.status, 400);
         ck_assert_str_eq(js(d.doc, "error.code"), forged[i].code);
         ck_assert_str_eq(js(d.doc, "error.param"), forged[i].param);
+        json_decref(d.doc);
+    }
+    /* A block id that is not the registration's, though the release names none: the
+     * READ's digest of the whole list is refused (400 naming remote_block_ids). */
+    for (size_t k = 0; k < json_array_size(jp(kt, "remote_block_ids")); k++) {
+        json_t *bad = json_deep_copy(kt), *ids = jp(bad, "remote_block_ids");
+        json_array_set_new(ids, k, json_integer(json_integer_value(json_array_get(ids, k)) + 1000));
+        leg_t d;
+        decode_leg(ports[1], paths[0], reqs[0], bad, &d);
+        json_decref(bad);
+        ck_assert_int_eq(d.status, 400);
+        ck_assert_str_eq(js(d.doc, "error.code"), "rejected");
+        ck_assert_str_eq(js(d.doc, "error.param"), "kv_transfer_params.remote_block_ids");
         json_decref(d.doc);
     }
     st = get_json(ports[1], "/v1/cache/stats");
@@ -2361,7 +2375,7 @@ START_TEST(decode_leg_bad_params)
          "\"block_tokens\": 16, \"dtype\": \"f16\"}",
          400, "invalid_value", "kv_transfer_params.pagekv_geometry"},
         {"remote_block_ids", "[0]", 400, "invalid_value", "kv_transfer_params.remote_block_ids"},
-        {"remote_block_ids", "[7, 9]", 400, "rejected", "kv_transfer_params"},
+        {"remote_block_ids", "[7, 9]", 400, "rejected", "kv_transfer_params.remote_block_ids"},
         {"remote_port", NULL, 400, "missing_field", "kv_transfer_params.remote_port"},
         {"remote_host", NULL, 400, "missing_field", "kv_transfer_params.remote_host"},
         {"remote_engine_id", "\"pagekv-00000000000000000000000000000000\"", 400, "invalid_value",
@@ -2385,6 +2399,22 @@ START_TEST(decode_leg_bad_params)
         ck_assert_msg(!strcmp(js(d.doc, "error.param"), cases[i].param), "case %zu: %s", i,
                       js(d.doc, "error.param"));
         json_decref(d.doc);
+    }
+    /* The last block is never pulled (the engine computes the last prompt token): a forged
+     * id there is refused all the same, by the READ's digest of the whole list. */
+    {
+        json_t *bad = json_deep_copy(kt), *ids = jp(bad, "remote_block_ids");
+        json_array_set_new(ids, 1, json_integer(json_integer_value(json_array_get(ids, 1)) + 1000));
+        leg_t d;
+        decode_leg(ports[1], path, req, bad, &d);
+        json_decref(bad);
+        ck_assert_int_eq(d.status, 400);
+        ck_assert_str_eq(js(d.doc, "error.code"), "rejected");
+        ck_assert_str_eq(js(d.doc, "error.param"), "kv_transfer_params.remote_block_ids");
+        json_decref(d.doc);
+        json_t *pk = kv_stats(ports[0]);
+        ck_assert_int_eq(ji(pk, "leases.live"), 1); /* the registration stays */
+        json_decref(pk);
     }
     /* The KV under another prompt of the same length: refused before any read. */
     json_t *other = json_deep_copy(req), *other_ids = json_array();
@@ -2579,9 +2609,10 @@ START_TEST(phases_move_by_one)
         ck_assert_msg((jp(d.doc, key) != NULL) == dec_has, "decode leg: %s", key);
         if (dec_has) ck_assert(json_real_value(jp(d.doc, key)) >= 0);
     }
-    /* every whole block the engine adopts: all but the one holding the last prompt token */
+    /* the whole blocks the engine adopts: all but the last prompt token's */
     ck_assert_int_eq(ji(d.doc, "pagekv_timings.kv_pulled_blocks"),
-                     (long long)json_array_size(jp(kt, "remote_block_ids")) - 1);
+                     (ji(kt, "pagekv_prompt_tokens") - 1) / ji(kt, "pagekv_geometry.block_tokens"));
+    ck_assert_int_ge(ji(d.doc, "pagekv_timings.kv_pulled_blocks"), 1);
     ck_assert_int_gt(ji(d.doc, "pagekv_timings.kv_pulled_bytes"), 0);
     /* No timings unless asked. */
     leg_t plain;

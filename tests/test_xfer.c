@@ -488,8 +488,9 @@ static int read_ex_outcome(pkv_xfer_agent_t *c, const pkv_xfer_handle_t *h,
 /* A partial read names a subset of the registered blocks (indices into the handle): only
  * those blocks' bytes move and land in the given destination blocks, both sides count
  * exactly those bytes, and the ACK ends the registration as sent. Indices out of order or
- * range are refused at once; a subset holding a block the request did not register is
- * refused by the producer, which keeps the registration. Through UCX (whole stream and
+ * range are refused at once; a handle holding a block the request did not register is
+ * refused by the producer, which keeps the registration, whether the read names that
+ * block or not (PKV_XFER_WHY_BLOCKS). Through UCX (whole stream and
  * layer by layer). */
 START_TEST(partial_read_moves_only_named_blocks)
 {
@@ -523,6 +524,15 @@ START_TEST(partial_read_moves_only_named_blocks)
         ck_assert_int_eq(read_ex_outcome(x.c.a, h, &o, x.dids + 2, 3, NULL, NULL),
                          PKV_ERR_REJECTED);
         h->blocks[3] = saved;
+        /* A forged id the read does not name (it pulls 2..4, block 0 is forged): the READ's
+         * digest of the whole list gives it away; refused, the registration stays. */
+        pkv_xfer_why_t why = PKV_XFER_WHY_NONE;
+        saved = h->blocks[0];
+        h->blocks[0] = oids[0];
+        ck_assert_int_eq(read_ex_outcome(x.c.a, h, &o, x.dids + 2, 3, &why, NULL),
+                         PKV_ERR_REJECTED);
+        ck_assert_int_eq(why, PKV_XFER_WHY_BLOCKS);
+        h->blocks[0] = saved;
         pkv_seq_free(other);
         uint64_t bytes = 0, bb = pkv_kv_block_bytes(x.p.kv);
         ck_assert_int_eq(read_ex_outcome(x.c.a, h, &o, x.dids + 2, 3, NULL, &bytes), PKV_OK);
@@ -540,7 +550,7 @@ START_TEST(partial_read_moves_only_named_blocks)
         ck_assert_uint_eq(cs.bytes_received, 3 * bb);
         ck_assert_uint_eq(ps.bytes_sent, 3 * bb);
         ck_assert_uint_eq(ps.sent, 1);
-        ck_assert_uint_eq(ps.rejected, 1);
+        ck_assert_uint_eq(ps.rejected, 2);
         ck_assert_uint_eq(ps.registrations + ps.pinned_blocks + cs.pinned_blocks, 0);
         /* one decode leg a registration: the rest cannot be read afterwards */
         uint32_t first[] = {0};
@@ -554,7 +564,8 @@ END_TEST
 
 /* A token-only release moves nothing: the producer checks the token, ends the
  * registration as sent (counted in `sent` and `released`, 0 bytes) and its pins are back
- * when the read ends ok. A wrong token is refused and the registration stays, pins held. */
+ * when the read ends ok. A wrong token, or a handle whose block ids are not the
+ * registration's (PKV_XFER_WHY_BLOCKS), is refused and the registration stays, pins held. */
 START_TEST(token_only_release_returns_pins_at_once)
 {
     pair_t x;
@@ -574,6 +585,25 @@ START_TEST(token_only_release_returns_pins_at_once)
     ck_assert_uint_eq(ps.sent + ps.released, 0);
     ck_assert_int_eq(atomic_load(&sent.calls), 0);
     h->token[0] ^= 1;
+    /* The right token with a block id that is not the registration's (a release names
+     * none: the READ's digest of the handle's ids is what the producer checks). */
+    for (uint32_t k = 0; k < 2; k++) {
+        uint32_t saved = h->blocks[k ? x.sn - 1 : 0];
+        h->blocks[k ? x.sn - 1 : 0] = saved + 1000;
+        pkv_xfer_why_t why = PKV_XFER_WHY_NONE;
+        ck_assert_int_eq(read_ex_outcome(x.c.a, h, NULL, NULL, 0, &why, NULL), PKV_ERR_REJECTED);
+        ck_assert_int_eq(why, PKV_XFER_WHY_BLOCKS);
+        h->blocks[k ? x.sn - 1 : 0] = saved;
+    }
+    h->n_blocks--; /* a list one id short */
+    ck_assert_int_eq(read_ex_outcome(x.c.a, h, NULL, NULL, 0, NULL, NULL), PKV_ERR_REJECTED);
+    h->n_blocks++;
+    pkv_xfer_stats(x.p.a, &ps);
+    ck_assert_uint_eq(ps.registrations, 1);
+    ck_assert_uint_eq(ps.pinned_blocks, x.sn);
+    ck_assert_uint_eq(ps.sent + ps.released, 0);
+    ck_assert_uint_eq(ps.rejected, 4);
+    ck_assert_int_eq(atomic_load(&sent.calls), 0);
     uint64_t bytes = 1;
     ck_assert_int_eq(read_ex_outcome(x.c.a, h, NULL, NULL, 0, NULL, &bytes), PKV_OK);
     ck_assert_uint_eq(bytes, 0);

@@ -21,6 +21,7 @@ static xf_wire_read_t sample_read(void)
     r.request_id = 123456789;
     for (int i = 0; i < PKV_XFER_TOKEN_BYTES; i++) r.token[i] = (uint8_t)(i * 7 + 1);
     for (int i = 0; i < (int)XF_WIRE_NONCE_BYTES; i++) r.nonce[i] = (uint8_t)(i * 5 + 3);
+    for (int i = 0; i < (int)XF_WIRE_DIGEST_BYTES; i++) r.digest[i] = (uint8_t)(i * 3 + 2);
     r.budget_ns = 5000000000ull;
     r.geo = GEO;
     r.chunk_bytes = 1 << 20;
@@ -43,6 +44,7 @@ START_TEST(read_roundtrip_coalesces_runs)
     ck_assert_uint_eq(m.u.read.request_id, 123456789);
     ck_assert_mem_eq(m.u.read.token, r.token, PKV_XFER_TOKEN_BYTES);
     ck_assert_mem_eq(m.u.read.nonce, r.nonce, XF_WIRE_NONCE_BYTES);
+    ck_assert_mem_eq(m.u.read.digest, r.digest, XF_WIRE_DIGEST_BYTES);
     ck_assert_uint_eq(m.u.read.budget_ns, 5000000000ull);
     ck_assert_uint_eq(m.u.read.n_runs, 4);
     ck_assert_uint_eq(m.u.read.n_blocks, 7);
@@ -194,6 +196,38 @@ START_TEST(other_versions_are_peeked_and_their_fail_decodes)
 }
 END_TEST
 
+/* The digest of a handle's block ids: SHA-256 over u32 n and the ids, little-endian, cut
+ * to 16 bytes (values computed independently: Python hashlib); any change of an id, the
+ * order or the count changes it. */
+START_TEST(blocks_digest_covers_ids_order_and_count)
+{
+    static const uint8_t want[XF_WIRE_DIGEST_BYTES] = {0x37, 0x4d, 0x42, 0x9e, 0xe1, 0x74,
+                                                       0x76, 0x2e, 0x85, 0xd1, 0x4e, 0xa4,
+                                                       0x94, 0xb5, 0x0c, 0x91};
+    uint32_t b[300];
+    for (uint32_t i = 0; i < 300; i++) b[i] = i + 1;
+    uint8_t d[XF_WIRE_DIGEST_BYTES], e[XF_WIRE_DIGEST_BYTES];
+    ck_assert_int_eq(xf_wire_blocks_digest(b, 3, d), PKV_OK);
+    ck_assert_mem_eq(d, want, sizeof(want));
+    ck_assert_int_eq(xf_wire_blocks_digest(b, 300, d), PKV_OK); /* across the 256-id steps */
+    static const uint8_t want300[XF_WIRE_DIGEST_BYTES] = {0x9d, 0x71, 0xd7, 0xa4, 0x2f, 0x3a,
+                                                          0xd8, 0x87, 0x1c, 0xa3, 0x63, 0xb6,
+                                                          0xac, 0x8f, 0xbd, 0x2e};
+    ck_assert_mem_eq(d, want300, sizeof(want300));
+    b[299] ^= 1;
+    ck_assert_int_eq(xf_wire_blocks_digest(b, 300, e), PKV_OK);
+    ck_assert(memcmp(d, e, sizeof(d)));
+    b[299] ^= 1;
+    ck_assert_int_eq(xf_wire_blocks_digest(b, 299, e), PKV_OK);
+    ck_assert(memcmp(d, e, sizeof(d)));
+    uint32_t t = b[0];
+    b[0] = b[1];
+    b[1] = t;
+    ck_assert_int_eq(xf_wire_blocks_digest(b, 300, e), PKV_OK);
+    ck_assert(memcmp(d, e, sizeof(d)));
+}
+END_TEST
+
 START_TEST(read_limits_are_enforced)
 {
     xf_wire_read_t r = sample_read();
@@ -218,7 +252,7 @@ START_TEST(read_limits_are_enforced)
     r = sample_read();
     ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len), PKV_OK);
     xf_wire_msg_t m;
-    size_t nruns_at = XF_WIRE_HEADER_BYTES + 84;
+    size_t nruns_at = XF_WIRE_HEADER_BYTES + 100;
     buf[nruns_at] = 2;
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     buf[nruns_at] = 1;
@@ -299,9 +333,9 @@ START_TEST(shared_data_and_read_flags)
     }
     r.flags = 8;
     ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len), PKV_ERR_INVALID);
-    buf[XF_WIRE_HEADER_BYTES + 80] = 8; /* READ flags field: a bit v4 does not know */
+    buf[XF_WIRE_HEADER_BYTES + 96] = 8; /* READ flags field: a bit v4 does not know */
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
-    buf[XF_WIRE_HEADER_BYTES + 80] = XF_WIRE_READ_RELEASE; /* a release names no blocks */
+    buf[XF_WIRE_HEADER_BYTES + 96] = XF_WIRE_READ_RELEASE; /* a release names no blocks */
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     /* RELEASE: no runs, no other flag */
     r.flags = XF_WIRE_READ_RELEASE;
@@ -311,7 +345,7 @@ START_TEST(shared_data_and_read_flags)
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_OK);
     ck_assert_uint_eq(m.u.read.flags, XF_WIRE_READ_RELEASE);
     ck_assert_uint_eq(m.u.read.n_blocks, 0);
-    buf[XF_WIRE_HEADER_BYTES + 80] |= XF_WIRE_READ_WHOLE;
+    buf[XF_WIRE_HEADER_BYTES + 96] |= XF_WIRE_READ_WHOLE;
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     r.flags = 0; /* and no plan without RELEASE */
     ck_assert_int_eq(xf_wire_encode_read(&r, NULL, 0, buf, sizeof(buf), &len), PKV_ERR_INVALID);
@@ -428,6 +462,16 @@ START_TEST(fail_carries_reason_and_text)
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_OK);
     ck_assert_int_eq(m.u.fail.reason, PKV_ERR_NOFIT);
     ck_assert_str_eq(m.u.fail.text, "staging full");
+    ck_assert_uint_eq(m.u.fail.why, 0);
+    f.why = XF_WIRE_WHY_BLOCKS; /* the producer says what it refused */
+    ck_assert_int_eq(xf_wire_encode_fail(&f, buf, sizeof(buf), &len), PKV_OK);
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_OK);
+    ck_assert_uint_eq(m.u.fail.why, XF_WIRE_WHY_BLOCKS);
+    buf[XF_WIRE_HEADER_BYTES + 22] = XF_WIRE_WHY_MAX + 1; /* a why this version does not know */
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    f.why = XF_WIRE_WHY_MAX + 1;
+    ck_assert_int_eq(xf_wire_encode_fail(&f, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    f.why = 0;
     f.reason = PKV_OK; /* not a failure reason */
     ck_assert_int_eq(xf_wire_encode_fail(&f, buf, sizeof(buf), &len), PKV_ERR_INVALID);
     f.reason = PKV_ERR_CORRUPT;
@@ -648,6 +692,7 @@ static Suite *wire_suite(void)
     tcase_add_test(tc, checksum_streams_and_detects_flips);
     tcase_add_test(tc, checksum_matches_recorded_values);
     tcase_add_test(tc, fuzz_corpus_replays);
+    tcase_add_test(tc, blocks_digest_covers_ids_order_and_count);
     suite_add_tcase(s, tc);
     return s;
 }

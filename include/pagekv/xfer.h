@@ -18,7 +18,8 @@
  *               PKV_ERR_TIMEOUT    the deadline passed (locally or at the producer)
  *               PKV_ERR_PEER_LOST  the producer died, went silent (~1 s) or shut down
  *               PKV_ERR_NOFIT      staging on either side can never hold the transfer
- *               PKV_ERR_REJECTED   unknown request, wrong token, blocks not registered,
+ *               PKV_ERR_REJECTED   unknown request, wrong token, block ids (the handle's,
+ *                                  all of them) not the registration's,
  *                                  geometry mismatch, request busy, a bad message, or
  *                                  the producer is not the expected identity
  *                                  (pkv_xfer_read_why tells which are ours to name)
@@ -201,8 +202,14 @@ PKV_API int pkv_xfer_read_ex(pkv_xfer_agent_t *agent, const pkv_xfer_handle_t *h
 
 /* Why a read that ended rejected was refused, where the consumer can tell (valid once it
  * has an outcome): PKV_XFER_WHY_IDENTITY when the producer presented another identity;
- * PKV_XFER_WHY_NONE otherwise (the producer's own refusals travel as text in its log). */
-typedef enum { PKV_XFER_WHY_NONE = 0, PKV_XFER_WHY_IDENTITY = 1 } pkv_xfer_why_t;
+ * PKV_XFER_WHY_BLOCKS when the handle's block ids (all of them, also those the read does
+ * not name: the read carries a digest of the whole list) are not the registration's;
+ * PKV_XFER_WHY_NONE otherwise (the producer's other refusals travel as text in its log). */
+typedef enum {
+    PKV_XFER_WHY_NONE = 0,
+    PKV_XFER_WHY_IDENTITY = 1,
+    PKV_XFER_WHY_BLOCKS = 2
+} pkv_xfer_why_t;
 PKV_API pkv_xfer_why_t pkv_xfer_read_why(const pkv_xfer_read_t *rd);
 /* Wait until the read has an outcome or wait_deadline_ns passes (0: just poll).
  * PKV_OK with *outcome set, or PKV_ERR_TIMEOUT when it is still running. The caller polls

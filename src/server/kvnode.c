@@ -466,10 +466,14 @@ static void pull_error(int outcome, pkv_xfer_why_t why, srv_error_t *err)
         srv_error_set(err, 400, "invalid_request_error", "invalid_value", KVT_P("remote_engine_id"),
                       "'%s' is not the engine the producer at remote_host:remote_port presents",
                       KVT_P("remote_engine_id"));
+    else if (outcome == PKV_ERR_REJECTED && why == PKV_XFER_WHY_BLOCKS)
+        srv_error_set(err, 400, "invalid_request_error", "rejected", KVT_P("remote_block_ids"),
+                      "'%s' are not the blocks the prefill node registered for this request",
+                      KVT_P("remote_block_ids"));
     else if (outcome == PKV_ERR_REJECTED)
         srv_error_set(err, 400, "invalid_request_error", "rejected", p,
-                      "the prefill node refused the transfer (unknown request, wrong token or "
-                      "blocks, expired lease)");
+                      "the prefill node refused the transfer (unknown request, wrong token, "
+                      "expired lease)");
     else if (outcome == PKV_ERR_CORRUPT)
         srv_error_set(err, 502, "server_error", "corrupt", p, "the transferred KV was corrupt");
     else if (outcome == PKV_ERR_NOFIT || outcome == PKV_ERR_NOSPACE)

@@ -197,6 +197,8 @@ int pkv_xfer_read_ex(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h,
         rd->src_blocks[i] = h->blocks[opts && opts->idx ? opts->idx[i] : i];
     rd->request_id = h->request_id;
     memcpy(rd->token, h->token, sizeof(rd->token));
+    rc = xf_wire_blocks_digest(h->blocks, h->n_blocks, rd->digest);
+    if (rc) goto fail_mem;
     snprintf(rd->addr, sizeof(rd->addr), "%s", h->addr);
     rd->deadline_ns = deadline_ns;
     rd->fn = fn;
@@ -714,6 +716,7 @@ static void send_read(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
     r.request_id = rd->request_id;
     memcpy(r.token, rd->token, sizeof(r.token));
     memcpy(r.nonce, rd->nonce, sizeof(r.nonce));
+    memcpy(r.digest, rd->digest, sizeof(r.digest));
     r.budget_ns = PKV_MIN(rd->deadline_ns - now, XF_WIRE_MAX_BUDGET_NS);
     r.geo = a->geo;
     r.chunk_bytes = v->chunk_bytes;
@@ -922,6 +925,7 @@ void xf_read_on_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_fail_t *f)
     if (outcome == PKV_ERR_CANCELLED) outcome = PKV_ERR_REJECTED; /* it withdrew the request */
     char why[XF_WIRE_MAX_TEXT + 32];
     snprintf(why, sizeof(why), "producer: %s (%s)", pkv_status_str(f->reason), f->text);
+    if (outcome == PKV_ERR_REJECTED && f->why == XF_WIRE_WHY_BLOCKS) rd->why = PKV_XFER_WHY_BLOCKS;
     finish(a, rd, outcome, false, why);
     settle(a, rd);
 }

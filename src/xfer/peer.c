@@ -315,8 +315,8 @@ int xf_ctl_send(pkv_xfer_agent_t *a, xf_peer_t *p, void *msg, size_t len)
     b->len = len;
     memcpy(b->data, msg, len);
     if (a->faults.wire_version) b->data[4] = a->faults.wire_version; /* the header's version */
-    if (a->faults.malformed_read && len >= 96 && b->data[5] == XF_WIRE_READ)
-        b->data[95] |= 0x80; /* an unknown bit in READ's flags (offset 92, little-endian) */
+    if (a->faults.malformed_read && len >= 112 && b->data[5] == XF_WIRE_READ)
+        b->data[111] |= 0x80; /* an unknown bit in READ's flags (offset 108, little-endian) */
     if (!p->established) {
         *p->queued_tail = b;
         p->queued_tail = &b->next;
@@ -349,18 +349,25 @@ static void peer_drop_queued(xf_peer_t *p)
     p->queued_tail = &p->queued;
 }
 
-void xf_send_fail(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, uint64_t request_id,
-                  int reason, const char *text)
+void xf_send_fail_why(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, uint64_t request_id,
+                      int reason, uint16_t why, const char *text)
 {
     xf_wire_fail_t f;
     memset(&f, 0, sizeof(f));
     f.xfer_id = xfer_id;
     f.request_id = request_id;
     f.reason = reason;
+    f.why = why;
     snprintf(f.text, sizeof(f.text), "%s", text ? text : "");
     uint8_t buf[XF_WIRE_HEADER_BYTES + 24 + XF_WIRE_MAX_TEXT];
     size_t len;
     if (xf_wire_encode_fail(&f, buf, sizeof(buf), &len) == PKV_OK) xf_ctl_send(a, p, buf, len);
+}
+
+void xf_send_fail(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, uint64_t request_id,
+                  int reason, const char *text)
+{
+    xf_send_fail_why(a, p, xfer_id, request_id, reason, 0, text);
 }
 
 /* The accepting side's first message: who we are (before any heartbeat, so a consumer

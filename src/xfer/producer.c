@@ -7,7 +7,9 @@
  *   any state --deadline | FAIL | peer lost | unregister | shutdown--> DONE(...)
  *
  * Checks before anything is allocated: the request is registered and live, the token
- * matches (constant time), the geometry equals ours, the planned blocks are registered
+ * matches (constant time), the READ's digest of the handle's block ids is the
+ * registration's (so ids a partial read or a release does not name are checked too), the
+ * geometry equals ours, the planned blocks are registered
  * blocks in registration order (all of them, or a partial read's subset), no other
  * transfer serves it now. A refusal is FAIL rejected. A READ with RELEASE (no blocks)
  * that passes them ends the registration as sent at once and is answered ACK: the
@@ -215,6 +217,7 @@ int pkv_xfer_register(pkv_xfer_agent_t *a, uint64_t request_id, const uint32_t *
     r->fn = fn;
     r->arg = arg;
     if ((rc = xf_random(r->token, sizeof(r->token)))) goto fail;
+    if ((rc = xf_wire_blocks_digest(blocks, n, r->digest))) goto fail;
 
     handle_fill(a, r, h);
 
@@ -463,13 +466,26 @@ static void serve_finish(pkv_xfer_agent_t *a, xf_serve_t *s, int outcome, bool t
     }
 }
 
-static void reject(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_read_t *r, int reason,
-                   const char *why)
+static void reject_why(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_read_t *r, int reason,
+                       uint16_t code, const char *why)
 {
     XF_STAT_ADD(a, rejected, 1);
     PKV_LOGI(XF_MOD, "READ for request %llu from peer %u refused (%s): %s",
              (unsigned long long)r->request_id, p->id, pkv_status_str(reason), why);
-    xf_send_fail(a, p, r->xfer_id, r->request_id, reason, why);
+    xf_send_fail_why(a, p, r->xfer_id, r->request_id, reason, code, why);
+}
+
+static void reject(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_read_t *r, int reason,
+                   const char *why)
+{
+    reject_why(a, p, r, reason, 0, why);
+}
+
+static bool digest_equal(const uint8_t *x, const uint8_t *y)
+{
+    uint8_t d = 0;
+    for (unsigned i = 0; i < XF_WIRE_DIGEST_BYTES; i++) d |= x[i] ^ y[i];
+    return d == 0;
 }
 
 static bool geo_equal(const pkv_geometry_t *x, const pkv_geometry_t *y)
@@ -508,6 +524,13 @@ static xf_reg_t *serve_admit(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_re
     }
     if (now >= reg->expiry_ns) {
         reject(a, p, r, PKV_ERR_REJECTED, "lease expired");
+        return NULL;
+    }
+    /* The handle's whole block list, not only the plan's: a release or a partial read
+     * names some of them or none, and every id the consumer was given must be ours. */
+    if (!digest_equal(reg->digest, r->digest)) {
+        reject_why(a, p, r, PKV_ERR_REJECTED, XF_WIRE_WHY_BLOCKS,
+                   "the handle's block ids are not the registration's");
         return NULL;
     }
     if (reg->serving) {

@@ -9,7 +9,8 @@
  * body exactly, an out-of-range value) is PKV_ERR_PROTO with nothing written.
  *
  * Bodies (all little-endian):
- *   READ      u64 xfer_id, u64 request_id, u8 token[16], u8 nonce[16], u64 budget_ns,
+ *   READ      u64 xfer_id, u64 request_id, u8 token[16], u8 nonce[16], u8 digest[16]
+ *             (the handle's block ids: xf_wire_blocks_digest), u64 budget_ns,
  *             u32 layers, u32 kv_heads, u32 head_dim, u32 block_tokens, u32 dtype,
  *             u32 chunk_bytes, u32 flags (SHARED, WHOLE, RELEASE), u32 n_runs,
  *             n_runs x {u32 first_block, u32 count} (n_runs 0 exactly with RELEASE)
@@ -20,7 +21,8 @@
  *                        (they add up to bytes, with LAYERS to n * bytes)
  *             if LAYERS: u32 n, u32 reserved (0), n x u8 mac[16] (layers layer..+n-1)
  *   ACK       u64 xfer_id, u64 request_id, u64 bytes
- *   FAIL      u64 xfer_id, u64 request_id, i32 reason, u16 text_len, u16 reserved (0),
+ *   FAIL      u64 xfer_id, u64 request_id, i32 reason, u16 text_len, u16 why (0 through
+ *             v3; 0 or XF_WIRE_WHY_*),
  *             text_len bytes of printable ASCII
  *   HEARTBEAT u64 agent_id, u64 seq
  *   CLOSE     u64 agent_id, u32 flags (REPLY), u32 reserved (0)
@@ -40,10 +42,11 @@
 
 #include "core/core.h"
 
+#include <openssl/evp.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define READ_FIXED_BYTES   88u
+#define READ_FIXED_BYTES   104u
 #define DATA_BYTES         40u
 #define HELLO_FIXED_BYTES  16u
 #define DATA_PIECES_HDR    8u
@@ -182,6 +185,27 @@ bool xf_wire_reason_valid(int32_t reason)
     }
 }
 
+int xf_wire_blocks_digest(const uint32_t *blocks, uint32_t n, uint8_t *out)
+{
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    uint8_t le[4 * 256], md[EVP_MAX_MD_SIZE];
+    unsigned md_len = 0;
+    int ok = ctx && EVP_DigestInit_ex(ctx, EVP_sha256(), NULL);
+    for (uint32_t i = 0; ok && i <= n;) { /* n itself first, then the ids, 256 at a time */
+        uint32_t k = 0;
+        for (; k < 256 && i <= n; k++, i++) {
+            uint32_t v = i ? blocks[i - 1] : n;
+            for (int j = 0; j < 4; j++) le[4 * k + j] = (uint8_t)(v >> (8 * j));
+        }
+        ok = EVP_DigestUpdate(ctx, le, 4 * (size_t)k);
+    }
+    ok = ok && EVP_DigestFinal_ex(ctx, md, &md_len) && md_len >= XF_WIRE_DIGEST_BYTES;
+    EVP_MD_CTX_free(ctx);
+    if (!ok) return PKV_ERR_NOMEM;
+    memcpy(out, md, XF_WIRE_DIGEST_BYTES);
+    return PKV_OK;
+}
+
 uint32_t xf_wire_count_runs(const uint32_t *blocks, uint32_t n)
 {
     uint32_t runs = 0;
@@ -244,10 +268,10 @@ static int decode_read(rcur_t *c, xf_wire_read_t *r)
     uint32_t dtype;
     if (!get_u64(c, &r->xfer_id) || !get_u64(c, &r->request_id) ||
         !get_bytes(c, r->token, sizeof(r->token)) || !get_bytes(c, r->nonce, sizeof(r->nonce)) ||
-        !get_u64(c, &r->budget_ns) || !get_u32(c, &r->geo.layers) ||
-        !get_u32(c, &r->geo.kv_heads) || !get_u32(c, &r->geo.head_dim) ||
-        !get_u32(c, &r->geo.block_tokens) || !get_u32(c, &dtype) || !get_u32(c, &r->chunk_bytes) ||
-        !get_u32(c, &r->flags) || !get_u32(c, &r->n_runs))
+        !get_bytes(c, r->digest, sizeof(r->digest)) || !get_u64(c, &r->budget_ns) ||
+        !get_u32(c, &r->geo.layers) || !get_u32(c, &r->geo.kv_heads) ||
+        !get_u32(c, &r->geo.head_dim) || !get_u32(c, &r->geo.block_tokens) || !get_u32(c, &dtype) ||
+        !get_u32(c, &r->chunk_bytes) || !get_u32(c, &r->flags) || !get_u32(c, &r->n_runs))
         return PKV_ERR_PROTO;
     if (r->flags & ~READ_FLAGS) return PKV_ERR_PROTO;
     bool release = r->flags & XF_WIRE_READ_RELEASE;
@@ -362,15 +386,16 @@ int xf_wire_decode(const void *buf, size_t len, xf_wire_msg_t *out)
         break;
     case XF_WIRE_FAIL: {
         uint32_t reason;
-        uint16_t text_len, reserved;
+        uint16_t text_len;
         if (c.left < FAIL_FIXED_BYTES) return PKV_ERR_PROTO;
         get_u64(&c, &m.u.fail.xfer_id);
         get_u64(&c, &m.u.fail.request_id);
         get_u32(&c, &reason);
         get_u16(&c, &text_len);
-        get_u16(&c, &reserved);
+        get_u16(&c, &m.u.fail.why);
         m.u.fail.reason = (int32_t)reason;
-        if (reserved || text_len > XF_WIRE_MAX_TEXT || c.left != text_len) return PKV_ERR_PROTO;
+        if (m.u.fail.why > XF_WIRE_WHY_MAX || text_len > XF_WIRE_MAX_TEXT || c.left != text_len)
+            return PKV_ERR_PROTO;
         if (m.u.fail.xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS)) return PKV_ERR_PROTO;
         if (!xf_wire_reason_valid(m.u.fail.reason)) return PKV_ERR_PROTO;
         get_bytes(&c, m.u.fail.text, text_len);
@@ -474,6 +499,7 @@ int xf_wire_encode_read(const xf_wire_read_t *r, const uint32_t *blocks, uint32_
     put_u64(&c, r->request_id);
     put_bytes(&c, r->token, sizeof(r->token));
     put_bytes(&c, r->nonce, sizeof(r->nonce));
+    put_bytes(&c, r->digest, sizeof(r->digest));
     put_u64(&c, r->budget_ns);
     put_u32(&c, r->geo.layers);
     put_u32(&c, r->geo.kv_heads);
@@ -567,7 +593,8 @@ int xf_wire_encode_fail(const xf_wire_fail_t *f, void *buf, size_t cap, size_t *
     if (!f || !buf || !len) return PKV_ERR_INVALID;
     size_t tl = strnlen(f->text, XF_WIRE_MAX_TEXT + 1);
     if (tl > XF_WIRE_MAX_TEXT || !printable(f->text, tl) ||
-        f->xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS) || !xf_wire_reason_valid(f->reason))
+        f->xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS) || !xf_wire_reason_valid(f->reason) ||
+        f->why > XF_WIRE_WHY_MAX)
         return PKV_ERR_INVALID;
     size_t need = XF_WIRE_HEADER_BYTES + FAIL_FIXED_BYTES + tl;
     if (cap < need) return PKV_ERR_NOSPACE;
@@ -577,7 +604,7 @@ int xf_wire_encode_fail(const xf_wire_fail_t *f, void *buf, size_t cap, size_t *
     put_u64(&c, f->request_id);
     put_u32(&c, (uint32_t)f->reason);
     put_u16(&c, (uint16_t)tl);
-    put_u16(&c, 0);
+    put_u16(&c, f->why);
     put_bytes(&c, f->text, tl);
     *len = need;
     return PKV_OK;

@@ -28,8 +28,11 @@
  * Version 4: per-layer 16-byte MACs instead of v3's u64 checksums (DATA, the LAYERS list
  * and the trailer); READ carries the consumer's nonce, may name any subsequence of the
  * registered blocks, or none (RELEASE: token-only release, answered by an ACK from the
- * producer); HELLO: the accepting side presents its identity before anything else.
- * Version 3: a whole-stream read's checksums in a trailer (v2 sent a DATA with LAYERS).
+ * producer), and a digest of the handle's whole block list (checked against the
+ * registration's, so ids the plan does not name are checked too; a mismatch is FAIL with
+ * why BLOCKS in the u16 that v1-v3 keep 0); HELLO: the accepting side presents its identity before
+ * anything else. Version 3: a whole-stream read's checksums in a trailer (v2 sent a DATA with
+ * LAYERS).
  */
 #ifndef PKV_XFER_WIRE_H
 #define PKV_XFER_WIRE_H
@@ -72,6 +75,7 @@ enum {
 #define XF_WIRE_MAX_IDENTITY     PKV_XFER_IDENTITY_MAX /* HELLO identity text */
 #define XF_WIRE_MAC_BYTES        16u                   /* one layer's Poly1305 tag */
 #define XF_WIRE_NONCE_BYTES      16u
+#define XF_WIRE_DIGEST_BYTES     16u          /* a READ's digest of the handle's block ids */
 #define XF_WIRE_MAX_PIECES       32768u       /* arena pieces in one shared DATA */
 #define XF_WIRE_MAX_ARENA        (1ull << 44) /* a shared staging arena's bytes */
 #define XF_WIRE_XFER_ID_BITS     38
@@ -90,8 +94,10 @@ typedef struct {
     uint64_t xfer_id;    /* consumer's transfer id, 1 .. 2^38-1 */
     uint64_t request_id; /* producer's registration */
     uint8_t token[PKV_XFER_TOKEN_BYTES];
-    uint8_t nonce[XF_WIRE_NONCE_BYTES]; /* the consumer's, fresh per read: MAC keys */
-    uint64_t budget_ns;                 /* time left before the consumer's deadline when sent */
+    uint8_t nonce[XF_WIRE_NONCE_BYTES];   /* the consumer's, fresh per read: MAC keys */
+    uint8_t digest[XF_WIRE_DIGEST_BYTES]; /* the handle's whole block list (xf_wire_blocks_digest),
+                                             also of blocks the plan does not name */
+    uint64_t budget_ns;                   /* time left before the consumer's deadline when sent */
     pkv_geometry_t geo;   /* the consumer's pool geometry (must equal the producer's) */
     uint32_t chunk_bytes; /* payload chunk size (tag message size) */
     uint32_t flags;       /* XF_WIRE_READ_SHARED | _WHOLE | _RELEASE */
@@ -141,10 +147,16 @@ typedef struct {
     uint64_t bytes; /* bytes the consumer verified and stored */
 } xf_wire_ack_t;
 
+/* FAIL why: what a refusal was about, where the consumer can name it (0: not said; v1-v3
+ * send 0 in this field). Sent only in answer to a READ of this version. */
+#define XF_WIRE_WHY_BLOCKS 1u /* the READ's digest is not the registration's block ids */
+#define XF_WIRE_WHY_MAX    1u
+
 typedef struct {
     uint64_t xfer_id;
     uint64_t request_id;
     int32_t reason; /* an outcome status: timeout, nofit, rejected, cancelled, corrupt, ... */
+    uint16_t why;   /* 0 or XF_WIRE_WHY_* */
     char text[XF_WIRE_MAX_TEXT + 1]; /* printable ASCII, NUL-terminated */
 } xf_wire_fail_t;
 
@@ -212,6 +224,11 @@ int xf_wire_check_geometry(const pkv_geometry_t *g, uint64_t *layer_bytes);
 
 /* Is addr a "host:port" we would accept in a handle? */
 bool xf_wire_addr_valid(const char *addr);
+
+/* The digest a READ carries of a handle's block ids (the registration's): the first
+ * XF_WIRE_DIGEST_BYTES bytes of SHA-256 over u32 n, then blocks[0..n), little-endian.
+ * PKV_OK, or PKV_ERR_NOMEM when OpenSSL cannot make a context (out untouched). */
+int xf_wire_blocks_digest(const uint32_t *blocks, uint32_t n, uint8_t *out);
 
 /* Number of runs of consecutive ids in blocks[0..n). */
 uint32_t xf_wire_count_runs(const uint32_t *blocks, uint32_t n);

@@ -172,6 +172,7 @@ struct xf_reg {
     bool in_tab;      /* [L] in the agent's table (not yet removed to be ended) */
     uint64_t request_id;
     uint8_t token[PKV_XFER_TOKEN_BYTES];
+    uint8_t digest[XF_WIRE_DIGEST_BYTES]; /* of blocks[0..n): every READ must carry it */
     uint64_t expiry_ns;
     uint64_t registered_ns; /* serve timings */
     pkv_xfer_sent_fn fn;
@@ -252,7 +253,8 @@ struct pkv_xfer_read {
     uint64_t xfer_id;
     uint64_t request_id;
     uint8_t token[PKV_XFER_TOKEN_BYTES];
-    uint8_t nonce[XF_MAC_NONCE_BYTES]; /* this read's: its MAC keys (set at admission) */
+    uint8_t nonce[XF_MAC_NONCE_BYTES];    /* this read's: its MAC keys (set at admission) */
+    uint8_t digest[XF_WIRE_DIGEST_BYTES]; /* of the handle's whole block list, sent in READ */
     char addr[PKV_XFER_ADDR_MAX];
     char identity[XF_WIRE_MAX_IDENTITY + 1]; /* the producer we expect; "" none */
     bool check_identity;
@@ -426,6 +428,9 @@ bool xf_peers_close_answered(pkv_xfer_agent_t *a);
 bool xf_peers_closed(pkv_xfer_agent_t *a);
 void xf_peers_free(pkv_xfer_agent_t *a);
 int xf_ctl_send(pkv_xfer_agent_t *a, xf_peer_t *p, void *buf, size_t len);
+/* xf_send_fail with a why (XF_WIRE_WHY_*) the consumer can name (pkv_xfer_read_why). */
+void xf_send_fail_why(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, uint64_t request_id,
+                      int reason, uint16_t why, const char *text);
 void xf_send_fail(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, uint64_t request_id,
                   int reason, const char *text);
 ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, void *data,

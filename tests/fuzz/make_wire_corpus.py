@@ -22,16 +22,17 @@ def msg(t, body, version=4, flags=0, body_len=None):
 
 
 def read_body(xfer=7, req=42, token=bytes(range(16)), budget=10**9, geo=(4, 2, 64, 16, 1),
-              chunk=1 << 20, runs=((10, 3), (20, 1)), flags=0, nonce=bytes(range(16, 32))):
-    b = struct.pack('<QQ', xfer, req) + token + nonce + struct.pack('<Q', budget)
+              chunk=1 << 20, runs=((10, 3), (20, 1)), flags=0, nonce=bytes(range(16, 32)),
+              digest=bytes(range(32, 48))):
+    b = struct.pack('<QQ', xfer, req) + token + nonce + digest + struct.pack('<Q', budget)
     b += struct.pack('<5I', *geo) + struct.pack('<III', chunk, flags, len(runs))
     for f, c in runs:
         b += struct.pack('<II', f, c)
     return b
 
 
-def fail_body(xfer=7, req=42, reason=REJECTED, text=b'bad token'):
-    return struct.pack('<QQiHH', xfer, req, reason, len(text), 0) + text
+def fail_body(xfer=7, req=42, reason=REJECTED, text=b'bad token', why=0):
+    return struct.pack('<QQiHH', xfer, req, reason, len(text), why) + text
 
 
 def mac(x):
@@ -118,6 +119,10 @@ def main(out):
         'ok-handle-local': handle(local=(1234, 7, 1 << 26, 99, bytes(range(16)))),
         'ok-ack': msg(ACK, struct.pack('<QQQ', 7, 42, 1 << 20)),
         'ok-fail': msg(FAIL, fail_body()),
+        # v4: READ carries a digest of the handle's block ids; FAIL's why (0 through v3)
+        'ok-fail-why-blocks': msg(FAIL, fail_body(why=1, text=b'block ids')),
+        'bad-fail-why-unknown': msg(FAIL, fail_body(why=2)),
+        'bad-read-no-digest': msg(READ, read_body()[:48] + read_body()[64:]),
         'ok-fail-empty': msg(FAIL, fail_body(reason=TIMEOUT, text=b'')),
         'ok-fail-shutdown': msg(FAIL, fail_body(xfer=0, reason=SHUTDOWN, text=b'bye')),
         'ok-heartbeat': msg(HB, struct.pack('<QQ', 0xabcdef, 9)),
@@ -142,7 +147,7 @@ def main(out):
         'foreign-data-v1': msg(DATA, data_body(), version=1),
         'foreign-ack-v9-id-beyond': msg(ACK, struct.pack('<QQQ', 1 << 40, 42, 1), version=9),
         'foreign-read-v5-short': msg(READ, b'\1\2\3', version=5),
-        'foreign-read-v3': msg(READ, read_body()[:32] + read_body()[48:], version=3),
+        'foreign-read-v3': msg(READ, read_body()[:32] + read_body()[64:], version=3),
         'ok-fail-v1': msg(FAIL, fail_body(), version=1),
         'ok-fail-v200': msg(FAIL, fail_body(text=b'wire version 2'), version=200),
         'bad-fail-v0': msg(FAIL, fail_body(), version=0),

@@ -75,6 +75,7 @@ static void check_roundtrip(const uint8_t *data, size_t size, const xf_wire_msg_
         FUZZ_CHECK(x->xfer_id == y->xfer_id && x->request_id == y->request_id);
         FUZZ_CHECK(!memcmp(x->token, y->token, sizeof(x->token)));
         FUZZ_CHECK(!memcmp(x->nonce, y->nonce, sizeof(x->nonce)) && x->flags == y->flags);
+        FUZZ_CHECK(!memcmp(x->digest, y->digest, sizeof(x->digest)));
         FUZZ_CHECK(x->budget_ns == y->budget_ns && x->chunk_bytes == y->chunk_bytes);
         FUZZ_CHECK(!memcmp(&x->geo, &y->geo, sizeof(x->geo)));
         FUZZ_CHECK(x->n_blocks == y->n_blocks && y->n_runs <= x->n_runs);
