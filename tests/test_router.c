@@ -1015,7 +1015,10 @@ START_TEST(slow_client_pauses_the_node)
     proc_t p, d, rt;
     node_start(&p, "prefill", NULL);
     node_start(&d, "decode", NULL);
-    router_start(&rt, &p, 1, &d, 1, NULL);
+    /* a small stream buffer: a loaded machine coalesces tokens into fewer, larger events,
+       so the stream's bytes must exceed the buffer with room to spare */
+    static const char *const small_buf[] = {"--stream-buffer-bytes", "16K", NULL};
+    router_start(&rt, &p, 1, &d, 1, small_buf);
     pkv_server_t *u = unified();
     health_is(rt.port, 200);
     json_t *req = completion_req("A client that reads slowly", 3000, true, -1);
@@ -1162,9 +1165,10 @@ START_TEST(cli_rejects_bad_flags)
         {"route", "--prefill", "http://a:1", "--decode", "http://b:2", "--policy"},
         {"route", "--prefill", "http://a:1", "--decode", "http://b:2", "--port"},
         {"route", "--bogus", "1", NULL},
+        {"route", "--prefill", "http://a:1", "--decode", "http://b:2", "--stream-buffer-bytes"},
     };
-    const char *tails[][2] = {{NULL, NULL},     {NULL, NULL},    {NULL, NULL},
-                              {"random", NULL}, {"70000", NULL}, {NULL, NULL}};
+    const char *tails[][2] = {{NULL, NULL},    {NULL, NULL}, {NULL, NULL}, {"random", NULL},
+                              {"70000", NULL}, {NULL, NULL}, {"1K", NULL}};
     for (size_t i = 0; i < PKV_ARRAY_LEN(cases); i++) {
         char *argv[10] = {BIN};
         int n = 1;

@@ -48,6 +48,8 @@ static void usage(FILE *f)
            "  --lookup-timeout-ms N     cache lookups and health probes (default 1000)\n"
            "  --health-interval-ms N    probe every node's /health this often (default 1000)\n"
            "  --node-max-in-flight N    legs one node serves at once; more wait (default 128)\n"
+           "  --stream-buffer-bytes BYTES  a stream's bytes held for a slow client before\n"
+           "                            the node's transfer pauses, K/M suffixes (default 256K)\n"
            "  --drain-timeout SECONDS   on SIGTERM, wait this long for requests (default 30)\n");
 }
 
@@ -109,7 +111,12 @@ static int set_option(const char *a, const char *v, route_args_t *ra)
         return parse_u32(a, v, 1, 600000, &cfg->lookup_timeout_ms);
     else if (!strcmp(a, "--health-interval-ms"))
         return parse_u32(a, v, 10, 3600000, &cfg->health_interval_ms);
-    else if (!strcmp(a, "--node-max-in-flight"))
+    else if (!strcmp(a, "--stream-buffer-bytes")) {
+        if (pkv_cli_parse_bytes(v, &cfg->stream_buffer_bytes) || cfg->stream_buffer_bytes < 4096 ||
+            cfg->stream_buffer_bytes > (64u << 20))
+            return pkv_cli_usage_error(
+                "route", "--stream-buffer-bytes wants a size in 4K..64M, got '%s'", v);
+    } else if (!strcmp(a, "--node-max-in-flight"))
         return parse_u32(a, v, 1, 1u << 20, &cfg->node_max_in_flight);
     else if (!strcmp(a, "--drain-timeout"))
         return parse_u32(a, v, 0, 86400, &ra->drain_s);

@@ -49,15 +49,17 @@ typedef struct {
     const char *const *decode;
     uint32_t n_decode;
     pkv_router_policy_t policy;
-    uint32_t max_connections;    /* client connections served; beyond: 503 (0 -> 4096) */
-    uint64_t max_body_bytes;     /* request body limit (0 -> 4 MiB, as serve) */
-    uint32_t request_timeout_ms; /* a request's deadline for its first output, retries
-                                    included (0 -> 60000) */
-    uint32_t node_timeout_ms;    /* one attempt: connect, first byte, or any silence of a
-                                    node mid-answer (0 -> 30000) */
-    uint32_t lookup_timeout_ms;  /* cache lookups and health probes (0 -> 1000) */
-    uint32_t health_interval_ms; /* probe every node's /health this often (0 -> 1000) */
-    uint32_t node_max_in_flight; /* legs one node serves at once; more wait here (0 -> 128) */
+    uint32_t max_connections;     /* client connections served; beyond: 503 (0 -> 4096) */
+    uint64_t max_body_bytes;      /* request body limit (0 -> 4 MiB, as serve) */
+    uint32_t request_timeout_ms;  /* a request's deadline for its first output, retries
+                                     included (0 -> 60000) */
+    uint32_t node_timeout_ms;     /* one attempt: connect, first byte, or any silence of a
+                                     node mid-answer (0 -> 30000) */
+    uint32_t lookup_timeout_ms;   /* cache lookups and health probes (0 -> 1000) */
+    uint32_t health_interval_ms;  /* probe every node's /health this often (0 -> 1000) */
+    uint32_t node_max_in_flight;  /* legs one node serves at once; more wait here (0 -> 128) */
+    uint64_t stream_buffer_bytes; /* a stream's bytes waiting for a slow client before the
+                                     node's transfer is paused (0 -> 256 KiB) */
 } pkv_router_config_t;
 
 /* Validate the config, bind, start the event loops. PKV_OK with *out; PKV_ERR_INVALID

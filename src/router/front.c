@@ -441,7 +441,7 @@ static void on_connection(void *cls, struct MHD_Connection *c, void **socket_con
         started ? MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD) : NULL;
     if (ci) {
         /* A slow client holds at most this much in the kernel (Linux doubles it) beside the
-         * RT_OBUF_CAP the router keeps for it; autotuning would let it grow to tcp_wmem. */
+         * stream_buffer the router keeps for it; autotuning would let it grow to tcp_wmem. */
         int sndbuf = RT_SNDBUF;
         setsockopt(ci->connect_fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof(sndbuf));
     }
@@ -557,6 +557,7 @@ int pkv_router_create(const pkv_router_config_t *cfg, pkv_router_t **out)
     r->lookup_timeout_ms = cfg->lookup_timeout_ms ? cfg->lookup_timeout_ms : 1000;
     r->health_interval_ms = cfg->health_interval_ms ? cfg->health_interval_ms : 1000;
     r->node_max_in_flight = cfg->node_max_in_flight ? cfg->node_max_in_flight : 128;
+    r->stream_buffer = cfg->stream_buffer_bytes ? cfg->stream_buffer_bytes : RT_OBUF_CAP;
     atomic_init(&r->stopping, false);
     atomic_init(&r->next_rid, 1);
     if (getrandom(&r->rid_salt, sizeof(r->rid_salt), 0) != sizeof(r->rid_salt))

@@ -19,7 +19,7 @@
  * streams are exempt); lookups and probes lookup_timeout_ms in all; an exchange not yet
  * answered its deadline. A node runs at most node_max_in_flight legs; more wait in its
  * FIFO (a router's own queue, counted as the node's load). A slow client's stream pauses
- * its node transfer once RT_OBUF_CAP bytes wait for it.
+ * its node transfer once stream_buffer bytes (--stream-buffer-bytes) wait for it.
  *
  * Everything here is io-thread state except what router_int.h puts under a lock.
  */
@@ -31,7 +31,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define RT_OBUF_CAP (256u * 1024) /* bytes waiting for a slow client: pause beyond */
 #define RT_BODY_MAX (64ull << 20) /* a node's whole answer */
 #define RT_POLL_MS  50
 #define NS_PER_MS   1000000ull
@@ -163,7 +162,7 @@ static size_t relay_stream(rt_leg_t *l, const char *p, size_t k)
     rt_xchg_t *x = l->x;
     pkv_router_t *r = x->r;
     pthread_mutex_lock(&x->lock);
-    bool gone = x->gone, full = x->olen - x->opos >= RT_OBUF_CAP;
+    bool gone = x->gone, full = x->olen - x->opos >= r->stream_buffer;
     if (full && !gone) x->io_paused = true;
     pthread_mutex_unlock(&x->lock);
     if (gone) return 0;

@@ -63,7 +63,8 @@ typedef enum {
 } rt_rejection_t;
 extern const char *const rt_rejection_label[RT_REJ_COUNT];
 
-#define RT_N_CODES 10
+#define RT_OBUF_CAP (256u * 1024) /* default stream_buffer */
+#define RT_N_CODES  10
 extern const int rt_codes[RT_N_CODES]; /* the statuses counted; the last slot: others */
 int rt_code_index(int status);
 
@@ -83,7 +84,7 @@ typedef struct {
     uint64_t errors[RT_ROLES][RT_CAUSE_COUNT]; /* failed attempts by role and cause */
     uint64_t retries[RT_CAUSE_COUNT];          /* attempts made again elsewhere, by cause */
     uint64_t stream_errors;                    /* streams ended by an error event */
-    uint64_t stream_pauses; /* node transfers paused: RT_OBUF_CAP bytes waited for a client */
+    uint64_t stream_pauses; /* node transfers paused: stream_buffer bytes waited for a client */
     uint64_t lookups, lookup_failures;
     uint64_t in_flight;   /* client requests handed to the nodes, not yet completed */
     uint64_t connections; /* open client connections */
@@ -199,6 +200,7 @@ struct pkv_router {
     pkv_router_policy_t policy;
     uint32_t max_connections, request_timeout_ms, node_timeout_ms, lookup_timeout_ms,
         health_interval_ms, node_max_in_flight;
+    uint64_t stream_buffer; /* bytes waiting for a slow client: pause the node beyond */
     uint64_t max_body;
     struct MHD_Daemon *mhd;
     pthread_t io_thread;
