@@ -9,6 +9,7 @@
  * A unified server runs the same phases first as the baseline and gives the parity
  * answers and the paced phase's rate.
  */
+#include "bench/bench_disagg.h"
 #include "support/bench.h"
 #include "support/cli.h"
 #include "support/cluster.h"
@@ -100,7 +101,7 @@ static volatile sig_atomic_t g_stop;
 static void on_signal(int sig) { g_stop = sig; }
 
 /* ---- prompts ---------------------------------------------------------------------------- */
-static double bd_chars_per_token(void)
+double pkv_bench_disagg_chars_per_token(void)
 {
     pkv_tok_t *tok = NULL;
     char *s = pkv_fp_filler_alloc(16000, 1);
@@ -516,6 +517,8 @@ static void bd_usage(FILE *f)
             "usage: pagekv bench disagg [--scale F] [--quick] [--designs LIST] [--paced-rps R]\n"
             "                           [--paced-transfers N] [--preset NAME] [--json FILE]\n"
             "                           [--svg DIR] [--tcp] [--keep-logs]\n"
+            "       pagekv bench disagg --latency [--runs N] [--sizes LIST] [--preset NAME]\n"
+            "                           [--json FILE]   (one request at a time; --latency --help)\n"
             "The field's validation load (parity, burst, medium, long, paced, parity) through\n"
             "pagekv route and real prefill/decode servers, per staging design:\n"
             "  fixed, fixed_repeat  64 slots x the longest context, pinned at start\n"
@@ -622,7 +625,7 @@ static void bd_sizes(const bd_opts_t *o, bd_load_t *L)
     for (int i = 0; i < 4; i++) L->mix[i] = bd_scaled(mix[i], o->scale);
     L->context = bd_scaled(8192, o->scale);
     L->ctx_pages = (L->context + BD_PAGE_TOKENS - 1) / BD_PAGE_TOKENS;
-    L->cpt = bd_chars_per_token();
+    L->cpt = pkv_bench_disagg_chars_per_token();
 }
 
 /* ---- report ------------------------------------------------------------------------------ */
@@ -820,6 +823,8 @@ static void bd_svg(const char *dir, const bd_run_t *runs)
 
 int pkv_bench_disagg(int argc, char **argv)
 {
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--latency")) return pkv_bench_disagg_latency(argc, argv);
     bd_opts_t o;
     int prc = bd_parse(argc, argv, &o);
     if (prc) return prc == 1 ? 0 : prc;
