@@ -9,6 +9,7 @@
  * A unified server runs the same phases first as the baseline and gives the parity
  * answers and the paced phase's rate.
  */
+#include "bench/bench_disagg.h"
 #include "support/bench.h"
 #include "support/cli.h"
 #include "support/cluster.h"
@@ -506,6 +507,8 @@ static void bd_usage(FILE *f)
             "usage: pagekv bench disagg [--scale F] [--quick] [--designs LIST] [--paced-rps R]\n"
             "                           [--paced-transfers N] [--preset NAME] [--json FILE]\n"
             "                           [--svg DIR] [--tcp] [--keep-logs]\n"
+            "       pagekv bench disagg --latency [--runs N] [--sizes LIST] [--preset NAME]\n"
+            "                           [--json FILE]   (one request at a time; --latency --help)\n"
             "The field's validation load (parity, burst, medium, long, paced, parity) through\n"
             "pagekv route and real prefill/decode servers, per staging design:\n"
             "  fixed, fixed_repeat  64 slots x the longest context, pinned at start\n"
@@ -820,6 +823,8 @@ static void bd_svg(const char *dir, const bd_run_t *runs)
 
 int pkv_bench_disagg(int argc, char **argv)
 {
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--latency")) return pkv_bench_disagg_latency(argc, argv);
     bd_opts_t o;
     int prc = bd_parse(argc, argv, &o);
     if (prc) return prc == 1 ? 0 : prc;

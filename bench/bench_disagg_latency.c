@@ -1,0 +1,850 @@
+/*
+ * `pagekv bench disagg --latency`: what disaggregation adds to one request at low load
+ * (docs/design/bench_disagg.md, "Latency mode").
+ *
+ * A unified node, a prefill node, a decode node (per_transfer staging) and `pagekv route`
+ * over the two, one request at a time. Per prompt size, N rounds; round i sends
+ *   1. prompt A_i to the unified node, streamed (its TTFT and total);
+ *   2. A_i as the two legs, driven here: the prefill leg (`do_remote_decode`, max_tokens 1,
+ *      not streamed), then the decode leg with the returned params, streamed, with
+ *      `X-Pagekv-Timings: 1` (its phases and bytes pulled come in its last chunk);
+ *   3. prompt C_i = A_i's text and more as the two legs again: the decode node holds A_i's
+ *      blocks, so only the new ones move (bytes with a decode-side prefix hit);
+ *   4. prompt B_i to the unified node, streamed, and B_i through the router, streamed, each
+ *      node's /metrics read before and after (one request at a time: the deltas of the
+ *      histogram sums are this request's).
+ * A, B, C are distinct filler texts (their own seeds), so nothing else is a prefix hit.
+ * Interleaving the unified and the disaggregated request of a round compares like with
+ * like on a machine whose speed drifts over minutes.
+ */
+#include "bench/bench_disagg.h"
+#include "support/bench.h"
+#include "support/cli.h"
+#include "support/cluster.h"
+#include "support/footprint.h"
+
+#include "core/core.h"
+
+#include <curl/curl.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define BL_START_NS   120000000000ull
+#define BL_STOP_NS    30000000000ull
+#define BL_HTTP_MS    600000
+#define BL_MAX_TOKENS 8
+#define BL_MAX_SIZES  8
+#define BL_SETTLE_NS  2000000000ull /* a node's histograms count a finished leg by then */
+
+typedef struct {
+    uint32_t runs;
+    uint32_t sizes[BL_MAX_SIZES], n_sizes;
+    const char *preset, *json_path;
+} bl_opts_t;
+
+typedef struct {
+    char bin[4096];
+    char logdir[96];
+} bl_env_t;
+
+/* The decode leg's phases as X-Pagekv-Timings and the phase histograms name them. */
+enum { PH_HANDSHAKE, PH_STAGING_WAIT, PH_WIRE, PH_COMMIT, PH_DECODE, BL_NPH };
+static const char *const bl_ph_names[BL_NPH] = {"handshake", "staging_wait", "wire", "commit",
+                                                "decode"};
+
+/* /metrics series read around a routed request, per process. */
+enum { RS_TTFB, RS_E2E, RS_E2E_COUNT, RS_LEG_P, RS_LEG_D, RS_LOOKUP, BL_NRS };
+static const char *const bl_router_series[BL_NRS] = {
+    "pagekv_router_time_to_first_byte_seconds_sum",
+    "pagekv_router_request_duration_seconds_sum",
+    "pagekv_router_request_duration_seconds_count",
+    "pagekv_router_leg_seconds_sum{role=\"prefill\"}",
+    "pagekv_router_leg_seconds_sum{role=\"decode\"}",
+    "pagekv_router_lookup_seconds_sum"};
+enum { PS_QUEUE, PS_COMPUTE, PS_WIRE_COUNT, BL_NPS };
+static const char *const bl_prefill_series[BL_NPS] = {
+    "pagekv_kv_transfer_phase_seconds_sum{phase=\"prefill_queue\"}",
+    "pagekv_kv_transfer_phase_seconds_sum{phase=\"prefill_compute\"}",
+    "pagekv_kv_transfer_phase_seconds_count{phase=\"wire\"}"};
+enum { DS_PH0, DS_DECODE_COUNT = BL_NPH, DS_BYTES, BL_NDS };
+static const char *const bl_decode_series[BL_NDS] = {
+    "pagekv_kv_transfer_phase_seconds_sum{phase=\"handshake\"}",
+    "pagekv_kv_transfer_phase_seconds_sum{phase=\"staging_wait\"}",
+    "pagekv_kv_transfer_phase_seconds_sum{phase=\"wire\"}",
+    "pagekv_kv_transfer_phase_seconds_sum{phase=\"commit\"}",
+    "pagekv_kv_transfer_phase_seconds_sum{phase=\"decode\"}",
+    "pagekv_kv_transfer_phase_seconds_count{phase=\"decode\"}",
+    "pagekv_kv_transfer_received_bytes_total"};
+
+/* One round's measurements; times in ms, NAN when not measured. */
+typedef struct {
+    long prompt_tokens;     /* A_i's, from the unified answer's usage */
+    double u_ttft, u_total; /* unified, A_i */
+    double p_leg;           /* direct prefill leg, A_i */
+    double d_ttfb, d_total; /* direct decode leg, A_i */
+    double d_ph[BL_NPH];    /* its pagekv_timings */
+    long long d_bytes, d_blocks, d_adopted;
+    long long x_bytes, x_blocks, x_adopted; /* C_i's decode leg (prefix hit) */
+    long x_prompt_tokens;
+    double ub_ttft, ub_total;                  /* unified, B_i */
+    double r_ttft, r_total;                    /* through the router, B_i (client side) */
+    double rs[BL_NRS], ps[BL_NPS], ds[BL_NDS]; /* metric deltas (seconds -> ms; bytes) */
+} bl_round_t;
+
+static volatile sig_atomic_t g_stop;
+static void on_signal(int sig)
+{
+    g_stop = sig;
+}
+
+/* ---- processes ---------------------------------------------------------------------------- */
+static int bl_serve(const bl_env_t *e, const bl_opts_t *o, const char *role, uint32_t ctx,
+                    cluster_proc_t *p)
+{
+    char cs[16];
+    snprintf(cs, sizeof(cs), "%u", ctx);
+    char *argv[32];
+    int n = 0;
+    argv[n++] = (char *)e->bin;
+    argv[n++] = "serve";
+    argv[n++] = "--port";
+    argv[n++] = "0";
+    argv[n++] = "--preset";
+    argv[n++] = (char *)o->preset;
+    argv[n++] = "--max-context";
+    argv[n++] = cs;
+    argv[n++] = "--kv-cache-budget";
+    argv[n++] = "none";
+    if (role) {
+        argv[n++] = "--role";
+        argv[n++] = (char *)role;
+        argv[n++] = "--kv-lease-ms";
+        argv[n++] = "600000";
+        argv[n++] = "--kv-transfer-timeout-ms";
+        argv[n++] = "60000";
+        argv[n++] = "--staging";
+        argv[n++] = "per_transfer";
+    }
+    argv[n] = NULL;
+    char err[1024];
+    if (cluster_proc_start(p, role ? role : "unified", argv, NULL, e->logdir,
+                           pkv_now_ns() + BL_START_NS, err, sizeof(err)) != 0) {
+        fprintf(stderr, "pagekv bench disagg: %s\n", err);
+        return -1;
+    }
+    return 0;
+}
+
+static int bl_route(const bl_env_t *e, const cluster_proc_t *pre, const cluster_proc_t *dec,
+                    cluster_proc_t *p)
+{
+    char *argv[] = {(char *)e->bin,   "route",    "--port",         "0", "--prefill",
+                    (char *)pre->url, "--decode", (char *)dec->url, NULL};
+    char err[1024];
+    if (cluster_proc_start(p, "router", argv, NULL, e->logdir, pkv_now_ns() + BL_START_NS, err,
+                           sizeof(err)) != 0) {
+        fprintf(stderr, "pagekv bench disagg: %s\n", err);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- requests ----------------------------------------------------------------------------- */
+/* A streamed chat request whose content is `chars` characters of filler from seed. */
+static json_t *bl_body(const char *model, size_t chars, uint64_t seed)
+{
+    char *text = pkv_fp_filler_alloc(chars < 8 ? 8 : chars, seed);
+    if (!text) return NULL;
+    json_t *b =
+        json_pack("{s:s, s:[{s:s, s:s}], s:i, s:f, s:b, s:b, s:{s:b}}", "model", model, "messages",
+                  "role", "user", "content", text, "max_tokens", BL_MAX_TOKENS, "temperature", 0.0,
+                  "stream", 1, "ignore_eos", 1, "stream_options", "include_usage", 1);
+    free(text);
+    return b;
+}
+
+/* POST body; 0 when a 200 came with a complete answer (ans filled when non-NULL). */
+static int bl_post(const char *url, const json_t *body, bool timings, cluster_http_reply_t *rep,
+                   cluster_answer_t *ans)
+{
+    const char *const hdr[] = {"X-Pagekv-Timings: 1", NULL};
+    int rc = cluster_http(url, "/v1/chat/completions", body, timings ? hdr : NULL, BL_HTTP_MS,
+                          &g_stop, rep);
+    if (rc != 0 || rep->status != 200) {
+        fprintf(stderr, "    %s: %s HTTP %ld %.200s\n", url, rep->error, rep->status,
+                rep->body ? rep->body : "");
+        return -1;
+    }
+    bool stream = json_is_true(json_object_get(body, "stream"));
+    cluster_answer_t a;
+    if (cluster_answer_parse(rep->body, stream, &a) != 0) return -1;
+    bool ok = !a.error_code[0] && a.done;
+    if (ans && ok)
+        *ans = a;
+    else
+        cluster_answer_free(&a);
+    return ok ? 0 : -1;
+}
+
+/* A streamed answer's pagekv_timings (a new reference), from the event carrying it. */
+static json_t *bl_timings(const char *body)
+{
+    const char *k = body ? strstr(body, "\"pagekv_timings\"") : NULL;
+    if (!k) return NULL;
+    const char *line = k;
+    while (line > body && line[-1] != '\n') line--;
+    if (strncmp(line, "data: ", 6)) return NULL;
+    line += 6;
+    json_t *doc = json_loadb(line, strcspn(line, "\n"), 0, NULL);
+    json_t *t = json_incref(json_object_get(doc, "pagekv_timings"));
+    json_decref(doc);
+    return t;
+}
+
+/* The prefill leg of req on url: its kv_transfer_params (a new reference), leg time. */
+static json_t *bl_prefill_leg(const char *url, const json_t *req, double *ms)
+{
+    json_t *pre = json_deep_copy(req);
+    json_object_set_new(pre, "max_tokens", json_integer(1));
+    json_object_set_new(pre, "stream", json_false());
+    json_object_del(pre, "stream_options");
+    json_object_set_new(pre, "kv_transfer_params",
+                        json_pack("{s:b, s:b, s:n, s:n, s:n, s:n}", "do_remote_decode", 1,
+                                  "do_remote_prefill", 0, "remote_engine_id", "remote_block_ids",
+                                  "remote_host", "remote_port"));
+    cluster_http_reply_t rep;
+    json_t *kt = NULL;
+    if (bl_post(url, pre, false, &rep, NULL) == 0) {
+        json_t *doc = json_loads(rep.body, 0, NULL);
+        kt = json_incref(json_object_get(doc, "kv_transfer_params"));
+        json_decref(doc);
+        *ms = rep.seconds * 1e3;
+    }
+    cluster_http_reply_free(&rep);
+    json_decref(pre);
+    return kt;
+}
+
+/* Both legs of req driven here; the decode leg's figures into the out parameters. */
+static int bl_legs(const char *pre_url, const char *dec_url, const json_t *req, double *p_ms,
+                   double *ttfb, double *total, double ph[BL_NPH], long long pulled[3])
+{
+    json_t *kt = bl_prefill_leg(pre_url, req, p_ms);
+    if (!kt) return -1;
+    json_t *dec = json_deep_copy(req);
+    json_object_set_new(dec, "kv_transfer_params", kt);
+    cluster_http_reply_t rep;
+    int rc = bl_post(dec_url, dec, true, &rep, NULL);
+    json_t *t = rc == 0 ? bl_timings(rep.body) : NULL;
+    json_t *phs = json_object_get(t, "phases_seconds");
+    if (rc == 0 && !json_is_object(phs)) {
+        fprintf(stderr, "    decode leg: no pagekv_timings phases in its answer\n");
+        rc = -1;
+    }
+    if (rc == 0) {
+        *ttfb = rep.ttfb_seconds * 1e3;
+        *total = rep.seconds * 1e3;
+        for (int k = 0; k < BL_NPH; k++) {
+            json_t *v = json_object_get(phs, bl_ph_names[k]);
+            ph[k] = json_is_number(v) ? json_number_value(v) * 1e3 : 0;
+        }
+        pulled[0] = cluster_json_int(t, "kv_pulled_bytes");
+        pulled[1] = cluster_json_int(t, "kv_pulled_blocks");
+        pulled[2] = cluster_json_int(t, "kv_adopted_blocks");
+    }
+    json_decref(t);
+    cluster_http_reply_free(&rep);
+    json_decref(dec);
+    return rc;
+}
+
+/* ---- /metrics ----------------------------------------------------------------------------- */
+/* The values of the named series (exact name and labels) in one /metrics scrape; a series
+ * that is absent reads 0. 0, or -1 when the scrape failed. */
+static int bl_scrape(const char *url, const char *const *names, int n, double *out)
+{
+    cluster_http_reply_t r;
+    if (cluster_http(url, "/metrics", NULL, NULL, 5000, NULL, &r) != 0 || r.status != 200) {
+        cluster_http_reply_free(&r);
+        return -1;
+    }
+    for (int k = 0; k < n; k++) {
+        out[k] = 0;
+        size_t nl = strlen(names[k]);
+        for (const char *l = r.body; l && *l;) {
+            size_t len = strcspn(l, "\n");
+            if (len > nl && !strncmp(l, names[k], nl) && l[nl] == ' ') {
+                out[k] = strtod(l + nl + 1, NULL);
+                break;
+            }
+            l += len + (l[len] == '\n');
+        }
+    }
+    cluster_http_reply_free(&r);
+    return 0;
+}
+
+typedef struct {
+    double r[BL_NRS], p[BL_NPS], d[BL_NDS];
+} bl_scrape_t;
+
+static int bl_scrape_all(const char *rt, const char *pre, const char *dec, bl_scrape_t *s)
+{
+    return bl_scrape(rt, bl_router_series, BL_NRS, s->r) |
+           bl_scrape(pre, bl_prefill_series, BL_NPS, s->p) |
+           bl_scrape(dec, bl_decode_series, BL_NDS, s->d);
+}
+
+/* After a routed request: scrape until each node counted it (the router its request, the
+ * prefill node its serve, the decode node its decode), within BL_SETTLE_NS. */
+static int bl_scrape_after(const char *rt, const char *pre, const char *dec,
+                           const bl_scrape_t *before, bl_scrape_t *after)
+{
+    uint64_t end = pkv_now_ns() + BL_SETTLE_NS;
+    for (;;) {
+        if (bl_scrape_all(rt, pre, dec, after) != 0) return -1;
+        if (after->r[RS_E2E_COUNT] > before->r[RS_E2E_COUNT] &&
+            after->p[PS_WIRE_COUNT] > before->p[PS_WIRE_COUNT] &&
+            after->d[DS_DECODE_COUNT] > before->d[DS_DECODE_COUNT])
+            return 0;
+        if (pkv_now_ns() >= end) return -1;
+        struct timespec ts = {0, 5000000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* ---- one round ---------------------------------------------------------------------------- */
+typedef struct {
+    const bl_opts_t *o;
+    const cluster_proc_t *un, *pre, *dec, *rt;
+    double cpt;
+} bl_ctx_t;
+
+/* The unified node's streamed answer to req: TTFT, total, prompt tokens. */
+static int bl_unified(const bl_ctx_t *c, const json_t *req, double *ttft, double *total,
+                      long *prompt_tokens)
+{
+    cluster_http_reply_t rep;
+    cluster_answer_t a;
+    int rc = bl_post(c->un->url, req, false, &rep, &a);
+    if (rc == 0) {
+        *ttft = rep.ttfb_seconds * 1e3;
+        *total = rep.seconds * 1e3;
+        if (prompt_tokens) *prompt_tokens = a.prompt_tokens;
+        cluster_answer_free(&a);
+    }
+    cluster_http_reply_free(&rep);
+    return rc;
+}
+
+/* B_i through the router, with the metric deltas of its legs. */
+static int bl_routed(const bl_ctx_t *c, const json_t *req, bl_round_t *x)
+{
+    bl_scrape_t b, a;
+    if (bl_scrape_all(c->rt->url, c->pre->url, c->dec->url, &b) != 0) return -1;
+    cluster_http_reply_t rep;
+    int rc = bl_post(c->rt->url, req, false, &rep, NULL);
+    if (rc == 0) {
+        x->r_ttft = rep.ttfb_seconds * 1e3;
+        x->r_total = rep.seconds * 1e3;
+    }
+    cluster_http_reply_free(&rep);
+    if (rc != 0) return -1;
+    if (bl_scrape_after(c->rt->url, c->pre->url, c->dec->url, &b, &a) != 0) {
+        fprintf(stderr, "    the nodes' /metrics did not count the routed request\n");
+        return -1;
+    }
+    for (int k = 0; k < BL_NRS; k++) x->rs[k] = (a.r[k] - b.r[k]) * 1e3;
+    for (int k = 0; k < BL_NPS; k++) x->ps[k] = (a.p[k] - b.p[k]) * 1e3;
+    for (int k = 0; k < BL_NDS; k++) x->ds[k] = (a.d[k] - b.d[k]) * (k == DS_BYTES ? 1 : 1e3);
+    return 0;
+}
+
+static int bl_round(const bl_ctx_t *c, uint32_t size, uint32_t i, bl_round_t *x)
+{
+    const char *m = c->o->preset;
+    size_t chars = (size_t)((double)size * c->cpt);
+    size_t more = (size_t)((double)(size / 4 < 16 ? 16 : size / 4) * c->cpt);
+    uint64_t seed = ((uint64_t)size << 24) + 3ull * i + 1;
+    json_t *a = bl_body(m, chars, seed), *b = bl_body(m, chars, seed + 1);
+    json_t *px = bl_body(m, chars + more, seed); /* A_i's text, then more */
+    double p_ms, ttfb, total, ph[BL_NPH];
+    long long pulled[3];
+    int rc = -1;
+    if (!a || !b || !px) goto out;
+    if (bl_unified(c, a, &x->u_ttft, &x->u_total, &x->prompt_tokens) ||
+        bl_legs(c->pre->url, c->dec->url, a, &x->p_leg, &x->d_ttfb, &x->d_total, x->d_ph, pulled))
+        goto out;
+    x->d_bytes = pulled[0], x->d_blocks = pulled[1], x->d_adopted = pulled[2];
+    if (bl_legs(c->pre->url, c->dec->url, px, &p_ms, &ttfb, &total, ph, pulled)) goto out;
+    x->x_bytes = pulled[0], x->x_blocks = pulled[1], x->x_adopted = pulled[2];
+    if (bl_unified(c, b, &x->ub_ttft, &x->ub_total, NULL) || bl_routed(c, b, x)) goto out;
+    rc = 0;
+out:
+    json_decref(a);
+    json_decref(b);
+    json_decref(px);
+    return rc;
+}
+
+/* ---- figures ------------------------------------------------------------------------------ */
+/* The figures of one size: medians over its rounds (ms; bytes). */
+enum {
+    F_TOKENS,
+    F_U_TTFT,
+    F_U_DECODE,
+    F_D_TOTAL,
+    F_A_DIFF,
+    F_D_PH0,
+    F_D_DECODE_OVER = F_D_PH0 + BL_NPH, /* decode phase - the unified node's decode */
+    F_D_TTFB,
+    F_D_FIRST,   /* decode leg TTFB; it minus the pull */
+    F_D_PREPULL, /* TTFB - pull - the first token after submission */
+    F_BYTES,
+    F_BLOCKS,
+    F_X_BYTES,
+    F_X_BLOCKS,
+    F_X_ADOPTED,
+    F_UB_TTFT,
+    F_R_TTFT,
+    F_ADDED,
+    F_HOP,
+    F_R_OWN,
+    F_P_LEG,
+    F_P_EXTRA,
+    F_P_QUEUE,
+    F_P_COMPUTE,
+    F_R_PH0,
+    F_R_PULL = F_R_PH0 + 4,
+    F_R_DEC_TTFB,
+    F_R_FIRST,
+    F_R_FIRST_TOKEN, /* decode phase - the unified node's decode of B_i */
+    F_R_PREPULL,
+    F_R_BYTES,
+    BL_NF
+};
+static const char *const bl_f_names[BL_NF] = {"prompt_tokens",
+                                              "unified_ttft_ms",
+                                              "unified_decode_ms",
+                                              "decode_leg_ms",
+                                              "decode_leg_minus_unified_decode_ms",
+                                              "handshake_ms",
+                                              "staging_wait_ms",
+                                              "wire_ms",
+                                              "commit_ms",
+                                              "decode_ms",
+                                              "decode_minus_unified_decode_ms",
+                                              "decode_leg_ttfb_ms",
+                                              "decode_leg_ttfb_minus_pull_ms",
+                                              "decode_node_before_pull_ms",
+                                              "bytes_pulled",
+                                              "blocks_pulled",
+                                              "prefix_hit_bytes_pulled",
+                                              "prefix_hit_blocks_pulled",
+                                              "prefix_hit_blocks_adopted",
+                                              "unified_ttft_ms",
+                                              "router_ttft_ms",
+                                              "added_ms",
+                                              "client_hop_ms",
+                                              "router_own_ms",
+                                              "prefill_leg_ms",
+                                              "prefill_leg_minus_unified_ttft_ms",
+                                              "prefill_queue_ms",
+                                              "prefill_compute_ms",
+                                              "handshake_ms",
+                                              "staging_wait_ms",
+                                              "wire_ms",
+                                              "commit_ms",
+                                              "pull_ms",
+                                              "decode_leg_ttfb_ms",
+                                              "decode_leg_ttfb_minus_pull_ms",
+                                              "first_token_after_submission_ms",
+                                              "decode_node_before_pull_ms",
+                                              "bytes_received"};
+
+static void bl_values(const bl_round_t *x, double f[BL_NF])
+{
+    double pull =
+        x->d_ph[PH_HANDSHAKE] + x->d_ph[PH_STAGING_WAIT] + x->d_ph[PH_WIRE] + x->d_ph[PH_COMMIT];
+    f[F_TOKENS] = (double)x->prompt_tokens;
+    f[F_U_TTFT] = x->u_ttft;
+    f[F_U_DECODE] = x->u_total - x->u_ttft;
+    f[F_D_TOTAL] = x->d_total;
+    f[F_A_DIFF] = x->d_total - f[F_U_DECODE];
+    for (int k = 0; k < BL_NPH; k++) f[F_D_PH0 + k] = x->d_ph[k];
+    f[F_D_DECODE_OVER] = x->d_ph[PH_DECODE] - f[F_U_DECODE];
+    f[F_D_TTFB] = x->d_ttfb;
+    f[F_D_FIRST] = x->d_ttfb - pull;
+    f[F_D_PREPULL] = f[F_D_FIRST] - f[F_D_DECODE_OVER];
+    f[F_BYTES] = (double)x->d_bytes;
+    f[F_BLOCKS] = (double)x->d_blocks;
+    f[F_X_BYTES] = (double)x->x_bytes;
+    f[F_X_BLOCKS] = (double)x->x_blocks;
+    f[F_X_ADOPTED] = (double)x->x_adopted;
+    /* through the router: its own time is what its request took outside its legs */
+    double own = x->rs[RS_E2E] - x->rs[RS_LEG_P] - x->rs[RS_LEG_D] - x->rs[RS_LOOKUP];
+    double rpull = 0;
+    for (int k = 0; k < 4; k++) rpull += x->ds[DS_PH0 + k];
+    f[F_UB_TTFT] = x->ub_ttft;
+    f[F_R_TTFT] = x->r_ttft;
+    f[F_ADDED] = x->r_ttft - x->ub_ttft;
+    f[F_HOP] = x->r_ttft - x->rs[RS_TTFB];
+    f[F_R_OWN] = own;
+    f[F_P_LEG] = x->rs[RS_LEG_P];
+    f[F_P_EXTRA] = x->rs[RS_LEG_P] - x->ub_ttft;
+    f[F_P_QUEUE] = x->ps[PS_QUEUE];
+    f[F_P_COMPUTE] = x->ps[PS_COMPUTE];
+    for (int k = 0; k < 4; k++) f[F_R_PH0 + k] = x->ds[DS_PH0 + k];
+    f[F_R_PULL] = rpull;
+    /* the decode leg's first byte: the router's first byte less what came before the leg */
+    f[F_R_DEC_TTFB] = x->rs[RS_TTFB] - own - x->rs[RS_LEG_P] - x->rs[RS_LOOKUP];
+    f[F_R_FIRST] = f[F_R_DEC_TTFB] - rpull;
+    f[F_R_FIRST_TOKEN] = x->ds[DS_PH0 + PH_DECODE] - (x->ub_total - x->ub_ttft);
+    f[F_R_PREPULL] = f[F_R_FIRST] - f[F_R_FIRST_TOKEN];
+    f[F_R_BYTES] = x->ds[DS_BYTES];
+}
+
+static void bl_medians(const bl_round_t *x, uint32_t n, double med[BL_NF])
+{
+    double *col = malloc((n ? n : 1) * sizeof(double));
+    double(*all)[BL_NF] = malloc((n ? n : 1) * sizeof(*all));
+    for (int k = 0; k < BL_NF; k++) med[k] = NAN;
+    if (!col || !all) goto out;
+    for (uint32_t i = 0; i < n; i++) bl_values(&x[i], all[i]);
+    for (int k = 0; k < BL_NF && n; k++) {
+        for (uint32_t i = 0; i < n; i++) col[i] = all[i][k];
+        med[k] = pkv_bench_median(col, n);
+    }
+out:
+    free(col);
+    free(all);
+}
+
+/* ---- report ------------------------------------------------------------------------------- */
+typedef struct {
+    uint32_t size, n; /* rounds that completed */
+    bl_round_t *rounds;
+    double med[BL_NF];
+} bl_size_t;
+
+/* Added time beyond the wire, by part (medians, ms), largest first: what limits it. */
+static void bl_limits(const double *m, char *out, size_t cap)
+{
+    typedef struct {
+        const char *what;
+        double ms;
+    } part_t;
+    part_t p[] = {
+        {"the decode node before its pull (the leg's HTTP, tokenizing, the params' check, the "
+         "sequence's KV blocks allocated)",
+         m[F_R_PREPULL]},
+        {"the decode node's first token after the pull (decode phase - unified decode)",
+         m[F_R_FIRST_TOKEN]},
+        {"the prefill leg's own round trip (prefill leg - unified TTFT)", m[F_P_EXTRA]},
+        {"the pull outside the wire (handshake + staging_wait + commit)",
+         m[F_R_PH0 + PH_HANDSHAKE] + m[F_R_PH0 + PH_STAGING_WAIT] + m[F_R_PH0 + PH_COMMIT]},
+        {"the router's own time", m[F_R_OWN]},
+        {"the client <-> router hop", m[F_HOP]},
+    };
+    int n = (int)(sizeof(p) / sizeof(p[0]));
+    for (int a = 0; a < n; a++)
+        for (int b = a + 1; b < n; b++)
+            if (p[b].ms > p[a].ms) {
+                part_t t = p[a];
+                p[a] = p[b];
+                p[b] = t;
+            }
+    snprintf(out, cap, "%s %.2f ms, then %s %.2f ms", p[0].what, p[0].ms, p[1].what, p[1].ms);
+}
+
+static bool bl_met(const double *m)
+{
+    return m[F_ADDED] <= m[F_R_PH0 + PH_WIRE] + 5.0;
+}
+
+static void bl_print(const bl_opts_t *o, const bl_size_t *S, uint32_t ns)
+{
+    printf("\n### issue 22: the decode leg minus a unified node's decode (medians of %u, ms)\n\n",
+           o->runs);
+    printf("| size | prompt tokens | unified TTFT | unified decode | decode leg | decode leg - "
+           "unified decode | handshake | staging_wait | wire | commit | decode | first token "
+           "(decode - unified decode) | decode leg TTFB | TTFB - pull | before the pull (TTFB - "
+           "pull - first token) |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for (uint32_t s = 0; s < ns; s++) {
+        const double *m = S[s].med;
+        printf("| %u | %.0f | %.1f | %.1f | %.1f | **%.1f** | %.2f | %.2f | %.2f | %.2f | %.1f | "
+               "%.1f | %.1f | %.1f | %.1f |\n",
+               S[s].size, m[F_TOKENS], m[F_U_TTFT], m[F_U_DECODE], m[F_D_TOTAL], m[F_A_DIFF],
+               m[F_D_PH0], m[F_D_PH0 + 1], m[F_D_PH0 + 2], m[F_D_PH0 + 3], m[F_D_PH0 + 4],
+               m[F_D_DECODE_OVER], m[F_D_TTFB], m[F_D_FIRST], m[F_D_PREPULL]);
+    }
+    printf("\n### issue 22: bytes moved per request (medians of %u)\n\n", o->runs);
+    printf("| size | no prefix hit: MiB pulled | blocks pulled | with a decode-side prefix hit: "
+           "MiB pulled | blocks pulled | blocks adopted |\n");
+    printf("|---|---|---|---|---|---|\n");
+    for (uint32_t s = 0; s < ns; s++) {
+        const double *m = S[s].med;
+        printf("| %u | %.3f | %.0f | %.3f | %.0f | %.0f |\n", S[s].size, m[F_BYTES] / 1048576.0,
+               m[F_BLOCKS], m[F_X_BYTES] / 1048576.0, m[F_X_BLOCKS], m[F_X_ADOPTED]);
+    }
+    printf("\n### issue 27: TTFT through the router minus a unified node's (medians of %u, ms)\n\n",
+           o->runs);
+    printf(
+        "| size | unified TTFT | router TTFT | added | client hop | router own | prefill leg | "
+        "prefill leg - unified TTFT | prefill_queue | prefill_compute | handshake | "
+        "staging_wait | wire | commit | decode leg TTFB | TTFB - pull | first token | before the "
+        "pull | MiB received |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for (uint32_t s = 0; s < ns; s++) {
+        const double *m = S[s].med;
+        printf("| %u | %.1f | %.1f | **%.1f** | %.2f | %.2f | %.1f | %.1f | %.2f | %.1f | %.2f | "
+               "%.2f | %.2f | %.2f | %.1f | %.1f | %.1f | %.1f | %.3f |\n",
+               S[s].size, m[F_UB_TTFT], m[F_R_TTFT], m[F_ADDED], m[F_HOP], m[F_R_OWN], m[F_P_LEG],
+               m[F_P_EXTRA], m[F_P_QUEUE], m[F_P_COMPUTE], m[F_R_PH0], m[F_R_PH0 + 1],
+               m[F_R_PH0 + 2], m[F_R_PH0 + 3], m[F_R_DEC_TTFB], m[F_R_FIRST], m[F_R_FIRST_TOKEN],
+               m[F_R_PREPULL], m[F_R_BYTES] / 1048576.0);
+    }
+    printf("\ntarget (issue 27): added TTFT <= the KV's wire time + 5 ms\n");
+    for (uint32_t s = 0; s < ns; s++) {
+        const double *m = S[s].med;
+        bool ok = bl_met(m);
+        printf("- %s: %u tokens: added %.1f ms %s wire %.2f ms + 5 ms = %.2f ms",
+               ok ? "met" : "NOT MET", S[s].size, m[F_ADDED], ok ? "<=" : ">", m[F_R_PH0 + PH_WIRE],
+               m[F_R_PH0 + PH_WIRE] + 5.0);
+        if (!ok) {
+            char why[512];
+            bl_limits(m, why, sizeof(why));
+            printf("; limited by %s", why);
+        }
+        printf("\n");
+    }
+}
+
+static json_t *bl_figures_json(const double *v, int from, int to)
+{
+    json_t *j = json_object();
+    for (int k = from; k < to; k++)
+        json_object_set_new(j, bl_f_names[k], isfinite(v[k]) ? json_real(v[k]) : json_null());
+    return j;
+}
+
+static json_t *bl_json(const bl_opts_t *o, double cpt, const double load[2], const bl_size_t *S,
+                       uint32_t ns)
+{
+    json_t *sizes = json_array();
+    for (uint32_t s = 0; s < ns; s++) {
+        const double *m = S[s].med;
+        json_t *rounds = json_array();
+        for (uint32_t i = 0; i < S[s].n; i++) {
+            double v[BL_NF];
+            bl_values(&S[s].rounds[i], v);
+            json_array_append_new(
+                rounds, json_pack("{s:o, s:o}", "issue22", bl_figures_json(v, F_TOKENS, F_UB_TTFT),
+                                  "issue27", bl_figures_json(v, F_UB_TTFT, BL_NF)));
+        }
+        json_t *i27 = bl_figures_json(m, F_UB_TTFT, BL_NF);
+        json_object_set_new(i27, "target_ms", json_real(m[F_R_PH0 + PH_WIRE] + 5.0));
+        json_object_set_new(i27, "target_met", json_boolean(bl_met(m)));
+        json_array_append_new(sizes, json_pack("{s:i, s:i, s:o, s:o, s:o}", "size", (int)S[s].size,
+                                               "runs", (int)S[s].n, "issue22",
+                                               bl_figures_json(m, F_TOKENS, F_UB_TTFT), "issue27",
+                                               i27, "rounds", rounds));
+    }
+    return json_pack("{s:s, s:s, s:i, s:i, s:f, s:[f,f], s:s, s:o}", "mode", "latency", "preset",
+                     o->preset, "runs", (int)o->runs, "max_tokens", BL_MAX_TOKENS,
+                     "chars_per_token", cpt, "load_average_1m", load[0], load[1], "statistic",
+                     "median over the rounds", "sizes", sizes);
+}
+
+/* ---- options ------------------------------------------------------------------------------ */
+static void bl_usage(FILE *f)
+{
+    fprintf(f,
+            "usage: pagekv bench disagg --latency [--runs N] [--sizes LIST] [--preset NAME]\n"
+            "                           [--json FILE]\n"
+            "What disaggregation adds to one request at low load (one request at a time):\n"
+            "a unified node, a prefill node, a decode node (per_transfer staging) and\n"
+            "pagekv route; per size N rounds of distinct chat prompts, temperature 0,\n"
+            "max_tokens %d, ignore_eos. Prints (and writes to --json) the medians of\n"
+            "  issue 22: the decode leg (driven here, X-Pagekv-Timings) minus the unified\n"
+            "            node's decode (its total - its TTFT), by phase; bytes pulled with\n"
+            "            and without a decode-side prefix hit\n"
+            "  issue 27: TTFT through the router minus the unified node's, split into the\n"
+            "            router's own time (its /metrics) and the nodes' phases; target:\n"
+            "            added <= the KV's wire time + 5 ms\n"
+            "  --runs N       rounds per size (default 20)\n"
+            "  --sizes LIST   prompt tokens, comma-separated (default 512,2048)\n"
+            "  --preset NAME  model preset (default llama-3.2-1b)\n",
+            BL_MAX_TOKENS);
+}
+
+static int bl_sizes_parse(const char *v, bl_opts_t *o)
+{
+    char buf[256];
+    if (strlen(v) >= sizeof(buf)) return -1;
+    snprintf(buf, sizeof(buf), "%s", v);
+    o->n_sizes = 0;
+    char *save = NULL;
+    for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        uint64_t n;
+        if (o->n_sizes == BL_MAX_SIZES || pkv_cli_parse_u64(t, 16, 32768, &n)) return -1;
+        o->sizes[o->n_sizes++] = (uint32_t)n;
+    }
+    return o->n_sizes ? 0 : -1;
+}
+
+/* 0, 1 for --help, or 2 after a usage error. */
+static int bl_parse(int argc, char **argv, bl_opts_t *o)
+{
+    *o = (bl_opts_t){.runs = 20, .sizes = {512, 2048}, .n_sizes = 2, .preset = "llama-3.2-1b"};
+    const char *cmd = "bench disagg --latency";
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        uint64_t n;
+        if (!strcmp(a, "--latency")) continue;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            bl_usage(stdout);
+            return 1;
+        }
+        if (!v) return pkv_cli_usage_error(cmd, "unknown option or missing value: %s", a);
+        if (!strcmp(a, "--runs")) {
+            if (pkv_cli_parse_u64(v, 1, 10000, &n))
+                return pkv_cli_usage_error(cmd, "--runs: 1..10000, got '%s'", v);
+            o->runs = (uint32_t)n;
+        } else if (!strcmp(a, "--sizes")) {
+            if (bl_sizes_parse(v, o))
+                return pkv_cli_usage_error(
+                    cmd, "--sizes: 1..%d comma-separated token counts in 16..32768, got '%s'",
+                    BL_MAX_SIZES, v);
+        } else if (!strcmp(a, "--preset")) {
+            o->preset = v;
+        } else if (!strcmp(a, "--json")) {
+            o->json_path = v;
+        } else {
+            return pkv_cli_usage_error(cmd, "unknown option: %s", a);
+        }
+        i++;
+    }
+    return 0;
+}
+
+/* ---- the run ------------------------------------------------------------------------------ */
+static double bl_loadavg(void)
+{
+    double l = -1;
+    FILE *f = fopen("/proc/loadavg", "r");
+    if (f) {
+        if (fscanf(f, "%lf", &l) != 1) l = -1;
+        fclose(f);
+    }
+    return l;
+}
+
+/* Every size's rounds; 0 when every round completed. */
+static int bl_measure(const bl_ctx_t *c, bl_size_t *S)
+{
+    const bl_opts_t *o = c->o;
+    for (uint32_t s = 0; s < o->n_sizes && !g_stop; s++) {
+        S[s].size = o->sizes[s];
+        S[s].rounds = calloc(o->runs, sizeof(bl_round_t));
+        if (!S[s].rounds) return -1;
+        fprintf(stderr, "  size %u: warm-up", S[s].size);
+        bl_round_t warm;
+        memset(&warm, 0, sizeof(warm));
+        if (bl_round(c, S[s].size, o->runs, &warm) != 0) { /* seeds no counted round uses */
+            fprintf(stderr, "\npagekv bench disagg: size %u: the warm-up round failed\n",
+                    S[s].size);
+            return -1;
+        }
+        for (uint32_t i = 0; i < o->runs && !g_stop; i++) {
+            if (bl_round(c, S[s].size, i, &S[s].rounds[S[s].n]) != 0) {
+                fprintf(stderr, "\npagekv bench disagg: size %u round %u failed\n", S[s].size, i);
+                return -1;
+            }
+            S[s].n++;
+            fprintf(stderr, " %u", i + 1);
+        }
+        fprintf(stderr, "\n");
+        bl_medians(S[s].rounds, S[s].n, S[s].med);
+    }
+    return g_stop ? -1 : 0;
+}
+
+static int bl_start(const bl_env_t *e, const bl_opts_t *o, cluster_proc_t p[4])
+{
+    uint32_t max = 0;
+    for (uint32_t s = 0; s < o->n_sizes; s++)
+        if (o->sizes[s] > max) max = o->sizes[s];
+    uint32_t ctx = max + max / 4 + 256; /* the prefix-hit prompts are 1.25 x, plus a template */
+    if (bl_serve(e, o, NULL, ctx, &p[0]) || bl_serve(e, o, "prefill", ctx, &p[1]) ||
+        bl_serve(e, o, "decode", ctx, &p[2]) || bl_route(e, &p[1], &p[2], &p[3]))
+        return -1;
+    return 0;
+}
+
+int pkv_bench_disagg_latency(int argc, char **argv)
+{
+    bl_opts_t o;
+    int prc = bl_parse(argc, argv, &o);
+    if (prc) return prc == 1 ? 0 : prc;
+    bl_env_t e;
+    ssize_t bl = readlink("/proc/self/exe", e.bin, sizeof(e.bin) - 1);
+    if (bl <= 0) return 2;
+    e.bin[bl] = '\0';
+    snprintf(e.logdir, sizeof(e.logdir), "/tmp/pagekv-bench-latency-XXXXXX");
+    if (!mkdtemp(e.logdir)) return 2;
+    struct sigaction sa = {.sa_handler = on_signal};
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    cluster_proc_t p[4];
+    memset(p, 0, sizeof(p));
+    bl_size_t S[BL_MAX_SIZES];
+    memset(S, 0, sizeof(S));
+    double load[2] = {bl_loadavg(), -1};
+    double cpt = pkv_fp_chars_per_token();
+    fprintf(stderr,
+            "pagekv bench disagg --latency: %s, %u rounds per size, load %.2f, logs in %s\n",
+            o.preset, o.runs, load[0], e.logdir);
+    int rc = 0;
+    if (bl_start(&e, &o, p) != 0) {
+        rc = 1;
+        goto out;
+    }
+    bl_ctx_t c = {.o = &o, .un = &p[0], .pre = &p[1], .dec = &p[2], .rt = &p[3], .cpt = cpt};
+    if (bl_measure(&c, S) != 0) rc = g_stop ? 130 : 1;
+    load[1] = bl_loadavg();
+    if (rc == 0) {
+        printf("pagekv bench disagg --latency: %s, one request at a time, max_tokens %d, "
+               "medians of %u; load average (1 min) %.2f at the start, %.2f at the end\n",
+               o.preset, BL_MAX_TOKENS, o.runs, load[0], load[1]);
+        bl_print(&o, S, o.n_sizes);
+        if (o.json_path) {
+            json_t *j = bl_json(&o, cpt, load, S, o.n_sizes);
+            if (pkv_bench_write_json(o.json_path, j) != 0) rc = 1;
+            json_decref(j);
+        }
+    }
+out:
+    for (int k = 3; k >= 0; k--) {
+        int ec = cluster_proc_stop(&p[k], SIGTERM, pkv_now_ns() + BL_STOP_NS);
+        if (p[k].name[0] && ec != 0) {
+            fprintf(stderr, "pagekv bench disagg: %s exited %d (log %s)\n", p[k].name, ec,
+                    p[k].log);
+            if (!rc) rc = 1;
+        }
+    }
+    for (uint32_t s = 0; s < BL_MAX_SIZES; s++) free(S[s].rounds);
+    curl_global_cleanup();
+    if (g_stop) fprintf(stderr, "pagekv bench disagg: interrupted\n");
+    fprintf(stderr, "logs: %s\n", e.logdir);
+    return rc;
+}
