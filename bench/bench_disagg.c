@@ -323,6 +323,10 @@ static int bd_serve(const bd_env_t *e, const bd_opts_t *o, const bd_load_t *L, c
     argv[n++] = "4096";
     argv[n++] = "--max-connections";
     argv[n++] = "1024";
+    /* distinct prompts only: a small prefix cache, so RSS settles within the phases (the
+       paced phase's drift measures leaks, not a cache filling up to its default cap) */
+    argv[n++] = "--prefix-cache-max-bytes";
+    argv[n++] = "64M";
     if (role) {
         argv[n++] = "--role";
         argv[n++] = (char *)role;
