@@ -89,6 +89,7 @@ typedef struct {
     json_t *failure_samples; /* the first few failures: phase, status, body excerpt */
     bd_phase_t ph[BD_NPH];
     bool have_paced;
+    json_t *paced_phases;   /* per node: the transfer phases' mean ms over the paced phase */
     double paced_rss_drift; /* max over the two nodes */
     bool staging_idle_zero;
     uint32_t parity_requests, parity_identical;
@@ -395,6 +396,52 @@ static long long bd_metric_sum(const char *url, const char *part)
     return sum;
 }
 
+/* The node's pagekv_kv_transfer_phase_seconds{phase} sums and counts, as
+ * {"phase": [sum_s, count], ...}; NULL when unreadable. */
+static json_t *bd_phase_sums(const char *url)
+{
+    cluster_http_reply_t r;
+    if (cluster_http(url, "/metrics", NULL, NULL, 5000, NULL, &r) != 0) return NULL;
+    json_t *o = json_object();
+    static const char pre[] = "pagekv_kv_transfer_phase_seconds_";
+    for (const char *l = r.body; l && *l;) {
+        size_t n = strcspn(l, "\n");
+        const char *q = strstr(l, "{phase=\"");
+        bool sum = !strncmp(l, pre, sizeof(pre) - 1) && !strncmp(l + sizeof(pre) - 1, "sum{", 4);
+        bool cnt = !strncmp(l, pre, sizeof(pre) - 1) && !strncmp(l + sizeof(pre) - 1, "count{", 6);
+        if ((sum || cnt) && q && q < l + n) {
+            char name[32];
+            const char *e = strchr(q + 8, '"');
+            const char *v = e ? strchr(e, ' ') : NULL;
+            if (e && v && v < l + n && (size_t)(e - q - 8) < sizeof(name)) {
+                snprintf(name, sizeof(name), "%.*s", (int)(e - q - 8), q + 8);
+                json_t *a = json_object_get(o, name);
+                if (!a) json_object_set_new(o, name, a = json_pack("[f, f]", 0.0, 0.0));
+                json_array_set_new(a, sum ? 0 : 1, json_real(strtod(v + 1, NULL)));
+            }
+        }
+        l += n + (l[n] == '\n');
+    }
+    cluster_http_reply_free(&r);
+    return o;
+}
+
+/* Mean ms per phase between two bd_phase_sums readings. */
+static json_t *bd_phase_means(const json_t *before, const json_t *after)
+{
+    json_t *m = json_object();
+    const char *k;
+    json_t *a;
+    json_object_foreach((json_t *)after, k, a)
+    {
+        const json_t *b = json_object_get(before, k);
+        double ds = json_real_value(json_array_get(a, 0)) - json_real_value(json_array_get(b, 0));
+        double dc = json_real_value(json_array_get(a, 1)) - json_real_value(json_array_get(b, 1));
+        if (dc > 0) json_object_set_new(m, k, json_real(1e3 * ds / dc));
+    }
+    return m;
+}
+
 /* ---- one design --------------------------------------------------------------------------- */
 static void bd_peaks(bd_run_t *r)
 {
@@ -454,7 +501,23 @@ static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t
     for (int ph = 0; ph < BD_NPH && !g_stop; ph++) {
         if (ph == BD_PACED && !run->have_paced) continue;
         bool par = ph == BD_PARITY_BEFORE || ph == BD_PARITY_AFTER;
+        json_t *ps0 = ph == BD_PACED ? bd_phase_sums(pre.url) : NULL;
+        json_t *ds0 = ph == BD_PACED ? bd_phase_sums(dec.url) : NULL;
         bd_phase_run(o, L, ph, rt.url, rate, &smp, run, par ? parity : NULL, false);
+        if (ph == BD_PACED) {
+            json_t *ps1 = bd_phase_sums(pre.url), *ds1 = bd_phase_sums(dec.url);
+            if (ps0 && ps1 && ds0 && ds1) {
+                run->paced_phases = json_pack("{s:o, s:o}", "prefill", bd_phase_means(ps0, ps1),
+                                              "decode", bd_phase_means(ds0, ds1));
+                char *txt = json_dumps(run->paced_phases, JSON_COMPACT | JSON_REAL_PRECISION(4));
+                fprintf(stderr, "    paced phases, mean ms: %s\n", txt ? txt : "");
+                free(txt);
+            }
+            json_decref(ps1);
+            json_decref(ds1);
+        }
+        json_decref(ps0);
+        json_decref(ds0);
         if (ph == BD_PACED) {
             /* idle: per-transfer staging goes back to the OS (1 s hysteresis) */
             struct timespec ts = {3, 0};
@@ -665,6 +728,7 @@ static json_t *bd_json(const bd_opts_t *o, const bd_load_t *L, double rate, cons
             (json_int_t)r->transfers, "phases", bd_phases_json(r), "parity", "requests",
             (int)r->parity_requests, "identical", (int)r->parity_identical);
         json_object_set(j, "failure_samples", r->failure_samples);
+        if (r->paced_phases) json_object_set(j, "paced_phase_means_ms", r->paced_phases);
         if (r->have_paced) {
             json_object_set_new(j, "paced_rss_drift", json_real(r->paced_rss_drift));
             json_object_set_new(j, "staging_idle_zero", json_boolean(r->staging_idle_zero));
@@ -950,6 +1014,7 @@ out:
     for (int d = 0; d < BD_ND; d++) {
         json_decref(runs[d].reasons);
         json_decref(runs[d].failure_samples);
+        json_decref(runs[d].paced_phases);
         free(runs[d].samples);
     }
     curl_global_cleanup();
