@@ -3,6 +3,7 @@
  * tables and --json carry every figure, and bad options run nothing. No timing is asserted
  * (the figures are what the bench is for, not what a test checks).
  */
+#include "support/srvtest.h"
 #include "support/testutil.h"
 
 #include <jansson.h>
@@ -11,35 +12,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-/* BUILD/pagekv: BUILD from scripts/run-tests.sh, else the directory above this binary's
- * tests/. */
-static void pagekv_bin(char *bin, size_t cap)
-{
-    const char *build = getenv("BUILD");
-    if (build && *build) {
-        snprintf(bin, cap, "%s/pagekv", build);
-    } else {
-        ssize_t k = readlink("/proc/self/exe", bin, cap - 16);
-        ck_assert_int_gt(k, 0);
-        bin[k] = 0;
-        for (int i = 0; i < 2; i++) *strrchr(bin, '/') = 0; /* BUILD/tests/test_bench_disagg */
-        strcat(bin, "/pagekv");
-    }
-    ck_assert_msg(access(bin, X_OK) == 0, "%s not built", bin);
-}
-
 /* Run `pagekv bench disagg ARGS`: its exit code, stdout and stderr together in out. */
 static int run_bench(const char *args, char *out, size_t cap)
 {
-    char bin[2048], cmd[4096];
-    pagekv_bin(bin, sizeof(bin));
-    snprintf(cmd, sizeof(cmd), "exec '%s' bench disagg %s 2>&1", bin, args);
-    FILE *f = popen(cmd, "r");
-    ck_assert_ptr_nonnull(f);
-    size_t n = fread(out, 1, cap - 1, f);
-    out[n] = 0;
-    int st = pclose(f);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    char cmd[4096];
+    snprintf(cmd, sizeof(cmd), "bench disagg %s", args);
+    return ts_pagekv_run(cmd, out, cap);
 }
 
 static double jnum(json_t *o, const char *k)

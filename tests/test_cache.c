@@ -10,6 +10,7 @@
  * none can be made, e.g. a v2-only host), whose cached blocks
  * go before the limit is reached.
  */
+#include "support/srvtest.h"
 #include "support/testutil.h"
 
 #include "kv/kv.h"
@@ -717,18 +718,6 @@ END_TEST
 
 /* ---- the CLI and a real memory cgroup -------------------------------------------------------- */
 
-static void pagekv_path(char *out, size_t n)
-{
-    char self[2048];
-    ssize_t k = readlink("/proc/self/exe", self, sizeof(self) - 1);
-    ck_assert_int_gt(k, 0);
-    self[k] = 0;
-    *strrchr(self, '/') = 0; /* BUILD/tests/test_cache */
-    *strrchr(self, '/') = 0;
-    snprintf(out, n, "%s/pagekv", self);
-    ck_assert_msg(access(out, X_OK) == 0, "%s not built", out);
-}
-
 typedef struct {
     pid_t pid;
     int err_fd;
@@ -814,7 +803,7 @@ static uint16_t child_port(child_t *c)
 START_TEST(cli_rejects_bad_cache_flags)
 {
     char bin[4096];
-    pagekv_path(bin, sizeof(bin));
+    ts_pagekv_path(bin, sizeof(bin));
     const char *cases[][2] = {
         {"--prefix-cache-max-bytes", "0"},   {"--prefix-cache-max-bytes", "lots"},
         {"--prefix-cache-idle-s", "-1"},     {"--prefix-cache-idle-s", "1x"},
@@ -903,7 +892,7 @@ START_TEST(server_in_a_real_memory_cgroup)
         return;
     }
     char bin[4096];
-    pagekv_path(bin, sizeof(bin));
+    ts_pagekv_path(bin, sizeof(bin));
     /* f32 KV: 64 KiB a token, so each 400-token prompt caches ~25 MiB. */
     char *argv[] = {bin,
                     "serve",

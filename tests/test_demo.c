@@ -3,6 +3,7 @@
  * node, the router and a unified node, each a process. Its exit code and report, bad
  * options, and that an interrupted demo leaves no process behind.
  */
+#include "support/srvtest.h"
 #include "support/testutil.h"
 
 #include <errno.h>
@@ -13,35 +14,12 @@
 #include <time.h>
 #include <unistd.h>
 
-/* BUILD/pagekv: BUILD from scripts/run-tests.sh, else the directory above this binary's
- * tests/. */
-static void pagekv_bin(char *bin, size_t cap)
-{
-    const char *build = getenv("BUILD");
-    if (build && *build) {
-        snprintf(bin, cap, "%s/pagekv", build);
-    } else {
-        ssize_t k = readlink("/proc/self/exe", bin, cap - 16);
-        ck_assert_int_gt(k, 0);
-        bin[k] = 0;
-        for (int i = 0; i < 2; i++) *strrchr(bin, '/') = 0; /* BUILD/tests/test_demo */
-        strcat(bin, "/pagekv");
-    }
-    ck_assert_msg(access(bin, X_OK) == 0, "%s not built", bin);
-}
-
-/* Run `pagekv demo ARGS`: its exit code and stdout+stderr. */
+/* Run `pagekv demo ARGS`: its exit code, stdout and stderr together in out. */
 static int run_demo(const char *args, char *out, size_t cap)
 {
-    char bin[2048], cmd[4096];
-    pagekv_bin(bin, sizeof(bin));
-    snprintf(cmd, sizeof(cmd), "exec '%s' demo %s 2>&1", bin, args);
-    FILE *f = popen(cmd, "r");
-    ck_assert_ptr_nonnull(f);
-    size_t n = fread(out, 1, cap - 1, f);
-    out[n] = 0;
-    int st = pclose(f);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    char cmd[4096];
+    snprintf(cmd, sizeof(cmd), "demo %s", args);
+    return ts_pagekv_run(cmd, out, cap);
 }
 
 /* The pids the demo printed for its processes ("NAME pid N"). */
@@ -122,7 +100,7 @@ static void read_log(const char *log, char *out, size_t cap)
 START_TEST(demo_interrupted_stops_everything)
 {
     char bin[2048], log[] = "/tmp/pkv-demo-int-XXXXXX";
-    pagekv_bin(bin, sizeof(bin));
+    ts_pagekv_path(bin, sizeof(bin));
     int fd = mkstemp(log);
     ck_assert_int_ge(fd, 0);
     pid_t pid = fork();

@@ -11,6 +11,7 @@
  * paused stream, the OpenAI Node SDK's calls (when node and npm are there), and the
  * lookup's count (pkv_kv_prefix_match) against what admission adopts.
  */
+#include "support/srvtest.h"
 #include "support/testutil.h"
 
 #include "kv/kv.h"
@@ -262,18 +263,6 @@ static void same_answer(const answer_t *got, const answer_t *want, const char *w
 
 /* ---- processes ------------------------------------------------------------------------------ */
 
-static void pagekv_path(char *out, size_t n)
-{
-    char self[2048];
-    ssize_t k = readlink("/proc/self/exe", self, sizeof(self) - 1);
-    ck_assert_int_gt(k, 0);
-    self[k] = 0;
-    *strrchr(self, '/') = 0; /* BUILD/tests */
-    *strrchr(self, '/') = 0; /* BUILD */
-    snprintf(out, n, "%s/pagekv", self);
-    ck_assert_msg(access(out, X_OK) == 0, "%s not built", out);
-}
-
 /* A child process whose stdout and stderr go to a file (read back as its log). */
 typedef struct {
     pid_t pid;
@@ -502,7 +491,7 @@ static json_t *chat_req(const char *content, int max_tokens, bool stream, int se
 
 static void setup(void)
 {
-    pagekv_path(BIN, sizeof(BIN));
+    ts_pagekv_path(BIN, sizeof(BIN));
     curl_global_init(CURL_GLOBAL_DEFAULT);
 }
 

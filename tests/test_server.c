@@ -8,6 +8,7 @@
  * mid-stream, /metrics through a strict Prometheus parser, SIGTERM drain; plus the
  * output assembler (finish reasons, UTF-8) and the fuzz corpus replay.
  */
+#include "support/srvtest.h"
 #include "support/testutil.h"
 
 #include "pagekv/server.h"
@@ -1303,20 +1304,6 @@ END_TEST
 
 /* ---- the CLI as a child process ------------------------------------------------------------- */
 
-static void pagekv_path(char *out, size_t n)
-{
-    char self[2048];
-    ssize_t k = readlink("/proc/self/exe", self, sizeof(self) - 1);
-    ck_assert_int_gt(k, 0);
-    self[k] = 0;
-    char *slash = strrchr(self, '/'); /* BUILD/tests/test_server */
-    *slash = 0;
-    slash = strrchr(self, '/');
-    *slash = 0;
-    snprintf(out, n, "%s/pagekv", self);
-    ck_assert_msg(access(out, X_OK) == 0, "%s not built", out);
-}
-
 typedef struct {
     pid_t pid;
     int err_fd; /* the child's stderr */
@@ -1385,7 +1372,7 @@ static int child_wait(child_t *c, int timeout_s)
 START_TEST(cli_rejects_bad_flags)
 {
     char bin[4096];
-    pagekv_path(bin, sizeof(bin));
+    ts_pagekv_path(bin, sizeof(bin));
     char *const cases[][4] = {
         {bin, "serve", "--kv-cache-budget", "12X"},
         {bin, "serve", "--kv-backend", "sparse"},
@@ -1407,7 +1394,7 @@ END_TEST
 START_TEST(sigterm_drains_in_flight)
 {
     char bin[4096];
-    pagekv_path(bin, sizeof(bin));
+    ts_pagekv_path(bin, sizeof(bin));
     curl_global_init(CURL_GLOBAL_DEFAULT);
     char *argv[] = {bin, "serve", "--port", "0", "--threads", "1", NULL};
     child_t c;
@@ -1613,7 +1600,7 @@ END_TEST
 START_TEST(roles_cli_rejects_bad_values)
 {
     char bin[4096];
-    pagekv_path(bin, sizeof(bin));
+    ts_pagekv_path(bin, sizeof(bin));
     /* Each case: arguments after `serve`, and the message's words. */
     static const struct {
         const char *args[6];
@@ -1708,7 +1695,7 @@ static void role_child_stop(child_t *c)
 START_TEST(roles_health_and_agent_address)
 {
     char bin[4096];
-    pagekv_path(bin, sizeof(bin));
+    ts_pagekv_path(bin, sizeof(bin));
     curl_global_init(CURL_GLOBAL_DEFAULT);
     child_t u, p, d;
     char *uargv[] = {bin, "serve", "--port", "0", "--threads", "1", NULL};
@@ -2461,7 +2448,7 @@ END_TEST
 START_TEST(disagg_across_processes)
 {
     char bin[4096];
-    pagekv_path(bin, sizeof(bin));
+    ts_pagekv_path(bin, sizeof(bin));
     curl_global_init(CURL_GLOBAL_DEFAULT);
     child_t p, d;
     char pagent[PKV_XFER_ADDR_MAX], dagent[PKV_XFER_ADDR_MAX];

@@ -107,6 +107,19 @@ void ts_pagekv_path(char *out, size_t n)
     ck_assert_msg(access(out, X_OK) == 0, "%s not built", out);
 }
 
+int ts_pagekv_run(const char *args, char *out, size_t cap)
+{
+    char bin[2048], cmd[4096];
+    ts_pagekv_path(bin, sizeof(bin));
+    snprintf(cmd, sizeof(cmd), "exec '%s' %s 2>&1", bin, args);
+    FILE *f = popen(cmd, "r");
+    ck_assert_ptr_nonnull(f);
+    size_t n = fread(out, 1, cap - 1, f);
+    out[n] = 0;
+    int st = pclose(f);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
 void ts_node_read(ts_node_t *c, int timeout_ms)
 {
     struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};

@@ -50,6 +50,9 @@ typedef struct {
 
 /* BUILD/pagekv next to this test binary (BUILD/tests/). */
 void ts_pagekv_path(char *out, size_t n);
+/* Run `BUILD/pagekv ARGS` (a shell word list) to its end: its exit code (-1 if it did not
+ * exit), stdout and stderr together in out (at most cap - 1 bytes, NUL-terminated). */
+int ts_pagekv_run(const char *args, char *out, size_t cap);
 /* Start `pagekv serve --host host --port 0 args...` (args NULL-terminated), inside network
  * namespace `netns` through `ip netns exec` when not NULL, with UCX_TLS=tcp when tcp_only,
  * and wait (30 s) until it printed its HTTP port and, if `agent`, its agent address. The
