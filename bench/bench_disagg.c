@@ -302,39 +302,70 @@ typedef struct {
     char logdir[96];
 } bd_env_t;
 
+#define BD_ARGV_MAX 48
+
+/* argv[*n...] = extra (NULL-terminated, may be NULL), within BD_ARGV_MAX. */
+static void bd_argv_extra(char **argv, int *n, char *const extra[])
+{
+    for (size_t i = 0; extra && extra[i] && *n < BD_ARGV_MAX - 1; i++) argv[(*n)++] = extra[i];
+    argv[*n] = NULL;
+}
+
+static int bd_start(cluster_proc_t *p, const char *name, char *const argv[], bool tcp,
+                    const char *logdir)
+{
+    char *env[] = {tcp ? "UCX_TLS=tcp" : NULL, NULL};
+    char err[1024];
+    if (cluster_proc_start(p, name, argv, env, logdir, pkv_now_ns() + BD_START_NS, err,
+                           sizeof(err)) != 0) {
+        fprintf(stderr, "pagekv bench disagg: %s\n", err);
+        return -1;
+    }
+    return 0;
+}
+
+int pkv_bench_disagg_serve(const char *bin, const char *logdir, const char *name,
+                           const char *preset, uint32_t ctx, const char *role, char *const extra[],
+                           bool tcp, cluster_proc_t *p)
+{
+    char cs[16];
+    snprintf(cs, sizeof(cs), "%u", ctx);
+    char *argv[BD_ARGV_MAX] = {(char *)bin,         "serve",        "--port",        "0",
+                               "--preset",          (char *)preset, "--max-context", cs,
+                               "--kv-cache-budget", "none"};
+    int n = 10;
+    if (role) {
+        char *r[] = {"--role", (char *)role, "--kv-lease-ms", "600000", "--kv-transfer-timeout-ms",
+                     "60000",  NULL};
+        bd_argv_extra(argv, &n, r);
+    }
+    bd_argv_extra(argv, &n, extra);
+    return bd_start(p, name, argv, tcp, logdir);
+}
+
+int pkv_bench_disagg_route(const char *bin, const char *logdir, const cluster_proc_t *pre,
+                           const cluster_proc_t *dec, char *const extra[], cluster_proc_t *p)
+{
+    char *argv[BD_ARGV_MAX] = {(char *)bin, "route",          "--port",   "0",
+                               "--prefill", (char *)pre->url, "--decode", (char *)dec->url};
+    int n = 8;
+    bd_argv_extra(argv, &n, extra);
+    return bd_start(p, "router", argv, false, logdir);
+}
+
+/* A node of this bench: its load's queue and connections, a small prefix cache, and with a
+ * role the design's staging. */
 static int bd_serve(const bd_env_t *e, const bd_opts_t *o, const bd_load_t *L, const char *name,
                     const char *role, int design, cluster_proc_t *p)
 {
-    char ctx[16], page[32], pages[16], slots[16];
-    snprintf(ctx, sizeof(ctx), "%u", L->context);
+    char page[32], pages[16], slots[16];
     snprintf(page, sizeof(page), "%llu", (unsigned long long)L->page_bytes);
-    char *argv[40];
-    int n = 0;
-    argv[n++] = (char *)e->bin;
-    argv[n++] = "serve";
-    argv[n++] = "--port";
-    argv[n++] = "0";
-    argv[n++] = "--preset";
-    argv[n++] = (char *)o->preset;
-    argv[n++] = "--max-context";
-    argv[n++] = ctx;
-    argv[n++] = "--kv-cache-budget";
-    argv[n++] = "none";
-    argv[n++] = "--max-queue-depth";
-    argv[n++] = "4096";
-    argv[n++] = "--max-connections";
-    argv[n++] = "1024";
     /* distinct prompts only: a small prefix cache, so RSS settles within the phases (the
        paced phase's drift measures leaks, not a cache filling up to its default cap) */
-    argv[n++] = "--prefix-cache-max-bytes";
-    argv[n++] = "64M";
+    char *argv[24] = {"--max-queue-depth",        "4096", "--max-connections", "1024",
+                      "--prefix-cache-max-bytes", "64M"};
+    int n = 6;
     if (role) {
-        argv[n++] = "--role";
-        argv[n++] = (char *)role;
-        argv[n++] = "--kv-lease-ms";
-        argv[n++] = "600000";
-        argv[n++] = "--kv-transfer-timeout-ms";
-        argv[n++] = "60000";
         bool fixed = design == D_FIXED || design == D_FIXED_REPEAT || design == D_FIXED_SMALL;
         uint32_t pool = design == D_PER_TRANSFER          ? BD_SLOTS * L->ctx_pages / 8
                         : design == D_PER_TRANSFER_EIGHTH ? BD_SLOTS * L->ctx_pages / 64
@@ -354,29 +385,15 @@ static int bd_serve(const bd_env_t *e, const bd_opts_t *o, const bd_load_t *L, c
         }
     }
     argv[n] = NULL;
-    char *env[] = {o->tcp ? "UCX_TLS=tcp" : NULL, NULL};
-    char err[1024];
-    if (cluster_proc_start(p, name, argv, env, e->logdir, pkv_now_ns() + BD_START_NS, err,
-                           sizeof(err)) != 0) {
-        fprintf(stderr, "pagekv bench disagg: %s\n", err);
-        return -1;
-    }
-    return 0;
+    return pkv_bench_disagg_serve(e->bin, e->logdir, name, o->preset, L->context, role, argv,
+                                  o->tcp, p);
 }
 
 static int bd_route(const bd_env_t *e, const cluster_proc_t *pre, const cluster_proc_t *dec,
                     cluster_proc_t *p)
 {
-    char *argv[] = {(char *)e->bin,      "route",          "--port",   "0",
-                    "--prefill",         (char *)pre->url, "--decode", (char *)dec->url,
-                    "--max-connections", "1024",           NULL};
-    char err[1024];
-    if (cluster_proc_start(p, "router", argv, NULL, e->logdir, pkv_now_ns() + BD_START_NS, err,
-                           sizeof(err)) != 0) {
-        fprintf(stderr, "pagekv bench disagg: %s\n", err);
-        return -1;
-    }
-    return 0;
+    char *extra[] = {"--max-connections", "1024", NULL};
+    return pkv_bench_disagg_route(e->bin, e->logdir, pre, dec, extra, p);
 }
 
 /* Sum of every sample line of a Prometheus text whose name contains `part`. */

@@ -34,7 +34,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#define BL_START_NS   120000000000ull
 #define BL_STOP_NS    30000000000ull
 #define BL_HTTP_MS    600000
 #define BL_MAX_TOKENS 8
@@ -106,52 +105,15 @@ static void on_signal(int sig)
 static int bl_serve(const bl_env_t *e, const bl_opts_t *o, const char *role, uint32_t ctx,
                     cluster_proc_t *p)
 {
-    char cs[16];
-    snprintf(cs, sizeof(cs), "%u", ctx);
-    char *argv[32];
-    int n = 0;
-    argv[n++] = (char *)e->bin;
-    argv[n++] = "serve";
-    argv[n++] = "--port";
-    argv[n++] = "0";
-    argv[n++] = "--preset";
-    argv[n++] = (char *)o->preset;
-    argv[n++] = "--max-context";
-    argv[n++] = cs;
-    argv[n++] = "--kv-cache-budget";
-    argv[n++] = "none";
-    if (role) {
-        argv[n++] = "--role";
-        argv[n++] = (char *)role;
-        argv[n++] = "--kv-lease-ms";
-        argv[n++] = "600000";
-        argv[n++] = "--kv-transfer-timeout-ms";
-        argv[n++] = "60000";
-        argv[n++] = "--staging";
-        argv[n++] = "per_transfer";
-    }
-    argv[n] = NULL;
-    char err[1024];
-    if (cluster_proc_start(p, role ? role : "unified", argv, NULL, e->logdir,
-                           pkv_now_ns() + BL_START_NS, err, sizeof(err)) != 0) {
-        fprintf(stderr, "pagekv bench disagg: %s\n", err);
-        return -1;
-    }
-    return 0;
+    char *staging[] = {"--staging", "per_transfer", NULL};
+    return pkv_bench_disagg_serve(e->bin, e->logdir, role ? role : "unified", o->preset, ctx, role,
+                                  role ? staging : NULL, false, p);
 }
 
 static int bl_route(const bl_env_t *e, const cluster_proc_t *pre, const cluster_proc_t *dec,
                     cluster_proc_t *p)
 {
-    char *argv[] = {(char *)e->bin,   "route",    "--port",         "0", "--prefill",
-                    (char *)pre->url, "--decode", (char *)dec->url, NULL};
-    char err[1024];
-    if (cluster_proc_start(p, "router", argv, NULL, e->logdir, pkv_now_ns() + BL_START_NS, err,
-                           sizeof(err)) != 0) {
-        fprintf(stderr, "pagekv bench disagg: %s\n", err);
-        return -1;
-    }
-    return 0;
+    return pkv_bench_disagg_route(e->bin, e->logdir, pre, dec, NULL, p);
 }
 
 /* ---- requests ----------------------------------------------------------------------------- */
