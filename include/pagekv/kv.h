@@ -75,6 +75,8 @@ typedef struct {
     uint64_t cache_max_bytes;
     /* Cached blocks not used for this long are evicted by pkv_kv_trim. 0 = never. */
     uint32_t cache_idle_ms;
+    /* Tensor-parallel ranks (paged only; dense: 0 or 1); 0 -> 1. See "tensor parallelism". */
+    uint32_t tp;
 } pkv_kv_config_t;
 
 typedef struct pkv_kv pkv_kv_t;
@@ -146,6 +148,43 @@ PKV_API void *pkv_kv_block_head(const pkv_kv_t *kv, uint32_t block, uint32_t lay
  * fails with PKV_ERR_NOTFOUND, pinning nothing, if any id is free or out of range. */
 PKV_API int pkv_kv_pin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n);
 PKV_API void pkv_kv_unpin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n);
+
+/* ---- tensor parallelism: ranks ------------------------------------------------------ */
+/* A pool created with tp = N holds its KV as N ranks, each in its own storage range and
+ * holding the KV heads of its shard; one bookkeeping (block ids, prefix cache, refcounts)
+ * serves every rank, as one scheduler serves every rank of a real TP group. */
+#define PKV_KV_MAX_TP 64
+/* Check a TP degree against a head count: PKV_OK, or PKV_ERR_INVALID with why filled
+ * (cap bytes; may be NULL): tp == 0, tp > PKV_KV_MAX_TP, tp <= kv_heads and kv_heads % tp,
+ * tp > kv_heads and tp % kv_heads. */
+PKV_API int pkv_kv_tp_check(uint32_t kv_heads, uint32_t tp, char *why, size_t cap);
+/* The heads rank r of tp holds (global indices): tp <= kv_heads: [r*kv_heads/tp, +kv_heads/tp);
+ * tp > kv_heads: the one head r*kv_heads/tp (replicated on tp/kv_heads ranks). tp must pass
+ * pkv_kv_tp_check and rank < tp. */
+PKV_API void pkv_kv_tp_heads(uint32_t kv_heads, uint32_t tp, uint32_t rank, uint32_t *head_lo,
+                             uint32_t *head_n);
+typedef struct {
+    uint32_t head_lo, head_n; /* the KV heads the rank holds (global indices) */
+    void *base;               /* its storage range (NULL: dense) */
+    size_t bytes;             /* the range's reserved bytes */
+    uint64_t committed_bytes; /* held from the OS now in this range */
+} pkv_kv_rank_t;
+PKV_API uint32_t pkv_kv_tp(const pkv_kv_t *kv); /* 1 for dense */
+/* PKV_ERR_INVALID for rank >= tp. */
+PKV_API int pkv_kv_rank(const pkv_kv_t *kv, uint32_t rank, pkv_kv_rank_t *out);
+/* A block's piece for (layer, K|V, head) in rank's range; head is GLOBAL and must be one the
+ * rank holds (NULL otherwise, or out of range). pkv_kv_block_head(kv, ...) is the first
+ * rank that holds head. */
+PKV_API void *pkv_kv_block_head_rank(const pkv_kv_t *kv, uint32_t rank, uint32_t block,
+                                     uint32_t layer, uint32_t which, uint32_t head);
+/* As pkv_seq_slot / pkv_seq_runs, in rank's range: *k / run.k point at the rank's first head
+ * (head_lo); held head h is at + (h - head_lo) * head_stride elements. Every rank has the
+ * same runs (positions and lengths); pkv_seq_slot / pkv_seq_runs are rank 0's. */
+PKV_API void pkv_seq_slot_rank(const pkv_seq_t *seq, uint32_t rank, uint32_t pos, uint32_t layer,
+                               void **k, void **v, size_t *head_stride);
+PKV_API uint32_t pkv_seq_runs_rank(const pkv_seq_t *seq, uint32_t rank, uint32_t layer,
+                                   uint32_t begin, uint32_t end, pkv_kv_run_t *out, uint32_t max,
+                                   uint32_t *next);
 
 /* ---- cache control and accounting --------------------------------------------------- */
 /* Drop every cached (unreferenced) block and return empty granules to the OS. */

@@ -8,6 +8,7 @@
 #include "kv/kv_int.h"
 
 #include <openssl/sha.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -196,6 +197,15 @@ int pkv_kv_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
                  g->layers, g->kv_heads, g->head_dim, T);
         return PKV_ERR_INVALID;
     }
+    char why[96];
+    if (cfg->tp > 1 && pkv_kv_tp_check(g->kv_heads, cfg->tp, why, sizeof(why))) {
+        PKV_LOGE("kv", "tp %u: %s", cfg->tp, why);
+        return PKV_ERR_INVALID;
+    }
+    if (cfg->tp > 1) {
+        PKV_LOGE("kv", "tp %u: ranks are not built yet", cfg->tp);
+        return PKV_ERR_UNSUPPORTED;
+    }
     if (cfg->backend == PKV_BACKEND_PAGED) return kv_pool_create(cfg, out);
     if (cfg->backend == PKV_BACKEND_DENSE) return kv_dense_create(cfg, out);
     return PKV_ERR_INVALID;
@@ -279,6 +289,78 @@ uint32_t pkv_seq_runs(const pkv_seq_t *seq, uint32_t layer, uint32_t begin, uint
         return 0;
     }
     return seq->kv->ops->seq_runs(seq, layer, begin, end, out, max, next);
+}
+
+/* ---- tensor parallelism ------------------------------------------------------------- */
+
+int pkv_kv_tp_check(uint32_t kv_heads, uint32_t tp, char *why, size_t cap)
+{
+    const char *w = NULL;
+    if (tp == 0)
+        w = "must be at least 1";
+    else if (tp > PKV_KV_MAX_TP)
+        w = "is above the cap of 64 ranks";
+    else if (!kv_heads)
+        w = "needs at least one KV head";
+    else if (tp <= kv_heads && kv_heads % tp)
+        w = "does not divide the KV heads";
+    else if (tp > kv_heads && tp % kv_heads)
+        w = "is above the KV heads and not a multiple of them (heads cannot be replicated evenly)";
+    if (!w) return PKV_OK;
+    if (why && cap) snprintf(why, cap, "tp %u %s (%u KV heads)", tp, w, kv_heads);
+    return PKV_ERR_INVALID;
+}
+
+void pkv_kv_tp_heads(uint32_t kv_heads, uint32_t tp, uint32_t rank, uint32_t *head_lo,
+                     uint32_t *head_n)
+{
+    PKV_ASSERT(pkv_kv_tp_check(kv_heads, tp, NULL, 0) == PKV_OK && rank < tp);
+    if (tp <= kv_heads) {
+        *head_n = kv_heads / tp;
+        *head_lo = rank * *head_n;
+    } else {
+        *head_n = 1;
+        *head_lo = (uint32_t)((uint64_t)rank * kv_heads / tp);
+    }
+}
+
+uint32_t pkv_kv_tp(const pkv_kv_t *kv)
+{
+    (void)kv;
+    return 1;
+}
+
+int pkv_kv_rank(const pkv_kv_t *kv, uint32_t rank, pkv_kv_rank_t *out)
+{
+    if (!kv || !out || rank >= pkv_kv_tp(kv)) return PKV_ERR_INVALID;
+    pkv_kv_stats_t st;
+    pkv_kv_stats((pkv_kv_t *)kv, &st);
+    *out = (pkv_kv_rank_t){.head_lo = 0,
+                           .head_n = kv->geo.kv_heads,
+                           .base = NULL,
+                           .bytes = st.reserved_bytes,
+                           .committed_bytes = st.committed_bytes};
+    return PKV_OK;
+}
+
+void *pkv_kv_block_head_rank(const pkv_kv_t *kv, uint32_t rank, uint32_t block, uint32_t layer,
+                             uint32_t which, uint32_t head)
+{
+    return rank == 0 ? pkv_kv_block_head(kv, block, layer, which, head) : NULL;
+}
+
+void pkv_seq_slot_rank(const pkv_seq_t *seq, uint32_t rank, uint32_t pos, uint32_t layer,
+                       void **k, void **v, size_t *head_stride)
+{
+    PKV_ASSERT(rank == 0);
+    pkv_seq_slot(seq, pos, layer, k, v, head_stride);
+}
+
+uint32_t pkv_seq_runs_rank(const pkv_seq_t *seq, uint32_t rank, uint32_t layer, uint32_t begin,
+                           uint32_t end, pkv_kv_run_t *out, uint32_t max, uint32_t *next)
+{
+    PKV_ASSERT(rank == 0);
+    return pkv_seq_runs(seq, layer, begin, end, out, max, next);
 }
 
 /* ---- paged-only block access: backends without it leave the ops NULL ---------------- */
