@@ -9,6 +9,7 @@
  */
 #include "support/cli.h"
 
+#include "pagekv/model.h"
 #include "pagekv/server.h"
 
 #include <ctype.h>
@@ -47,6 +48,10 @@ static void usage(FILE *f)
             "  --kv-cache-budget BYTES|auto|none   cap on KV memory, K/M/G suffixes (default\n"
             "                            auto: max-batch-size x max-context tokens)\n"
             "  --block-tokens N          tokens per KV block (default 16)\n"
+            "  --tp N                    tensor-parallel ranks of the KV: each holds its shard of\n"
+            "                            the KV heads in its own range, with its own transfer\n"
+            "                            agent (rank r on the --kv-listen port + r); N divides\n"
+            "                            the KV heads or is a multiple of them, <= 64 (default 1)\n"
             "  --no-prefix-cache         disable automatic prefix caching\n"
             "  --prefix-cache-max-bytes BYTES|auto|none   committed memory only cached\n"
             "                            prefix blocks may hold (default auto: a quarter of\n"
@@ -223,6 +228,14 @@ static int check_kv_options(const pkv_server_config_t *cfg, const char *kv_flag)
                                    pkv_server_role_name(cfg->role));
     if (cfg->staging_slots && cfg->staging_mode != PKV_STAGE_FIXED_SLOTS)
         return pkv_cli_usage_error(cmd, "--staging-slots needs --staging fixed");
+    pkv_model_config_t mc;
+    char why[128];
+    if (cfg->tp > 1 && cfg->backend != PKV_BACKEND_PAGED)
+        return pkv_cli_usage_error(cmd, "--tp needs --kv-backend paged");
+    if (cfg->tp && !cfg->model_path && !pkv_model_preset(cfg->preset, &mc) &&
+        pkv_kv_tp_check(mc.n_kv_heads, cfg->tp, why, sizeof(why)))
+        return pkv_cli_usage_error(cmd, "--tp: %s of the %s preset", why,
+                                   cfg->preset ? cfg->preset : "tiny");
     return 0;
 }
 
@@ -273,7 +286,9 @@ static int set_option(const char *a, const char *v, pkv_server_config_t *cfg, ui
         else
             return pkv_cli_usage_error(
                 cmd, "--kv-cache-budget wants BYTES (K/M/G), auto or none, got '%s'", v);
-    } else if (!strcmp(a, "--block-tokens"))
+    } else if (!strcmp(a, "--tp"))
+        return parse_u32(cmd, a, v, 1, PKV_KV_MAX_TP, &cfg->tp);
+    else if (!strcmp(a, "--block-tokens"))
         bad = parse_u32(cmd, a, v, 1, 4096, &cfg->block_tokens);
     else if (!strcmp(a, "--max-batch-size"))
         bad = parse_u32(cmd, a, v, 1, 1024, &cfg->max_batch_size);

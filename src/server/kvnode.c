@@ -15,23 +15,35 @@
 
 #include <openssl/sha.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <time.h>
 #include <sys/random.h>
 
 #define KVN_FIXED_SLOTS      4
 #define KVN_STAGE_DESTROY_NS 2000000000ull /* staging returned by the agent's close */
 
-struct srv_kvnode {
-    pkv_server_role_t role;
-    pkv_kv_t *kv;
+/* One tensor-parallel rank of the node: its staging and its agent, which registers, serves
+ * from and writes into the pool rank's storage range. */
+typedef struct {
+    struct srv_kvnode *node;
+    uint32_t index, head_lo, head_n;
     pkv_stage_t *stage;
     pkv_xfer_agent_t *agent;
     char host[PKV_XFER_ADDR_MAX]; /* remote_host */
     uint16_t port;                /* the agent's bound port */
-    char engine_id[40];           /* "pagekv-" + 16 random bytes in hex */
+} kvn_rank_t;
+
+struct srv_kvnode {
+    pkv_server_role_t role;
+    pkv_kv_t *kv;
+    uint32_t tp;     /* ranks: the pool's */
+    kvn_rank_t *rank; /* [tp] */
+    char engine_id[40]; /* "pagekv-" + 16 random bytes in hex, presented by every rank */
     uint32_t lease_ms, transfer_timeout_ms;
     bool recompute; /* --kv-load-failure recompute */
     atomic_bool stopping;
@@ -51,13 +63,16 @@ static void hex(const uint8_t *b, size_t n, char *out)
 /* The staging: per_transfer, or fixed slots committed (and pinned) at once and never
  * returned to the OS, as the field's carve-outs are. */
 static int kvn_stage(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max_context,
-                     pkv_stage_t **out)
+                     uint32_t head_n, pkv_stage_t **out)
 {
     pkv_stage_config_t sc;
     pkv_stage_config_default(&sc);
     if (cfg->staging_page_bytes) sc.page_bytes = (size_t)cfg->staging_page_bytes;
-    uint64_t one = (uint64_t)PKV_DIV_UP(max_context, pkv_kv_geometry(kv)->block_tokens) *
-                   pkv_kv_block_bytes(kv);
+    const pkv_geometry_t *geo = pkv_kv_geometry(kv);
+    pkv_geometry_t rg = *geo; /* one rank's share of a block: its heads */
+    rg.kv_heads = head_n;
+    uint64_t one = (uint64_t)PKV_DIV_UP(max_context, geo->block_tokens) *
+                   pkv_geometry_token_bytes(&rg) * geo->block_tokens;
     uint64_t pages = cfg->staging_pages ? cfg->staging_pages : PKV_DIV_UP(one, sc.page_bytes) + 2;
     if (pages > UINT32_MAX) pages = UINT32_MAX;
     sc.mode = cfg->staging_mode;
@@ -90,7 +105,7 @@ static int kvn_stage(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max_
 }
 
 /* remote_host and the port from the agent's "host:port" (or --kv-advertise). */
-static void kvn_address(srv_kvnode_t *n, const char *advertise)
+static void kvn_address(kvn_rank_t *n, const char *advertise)
 {
     const char *addr = pkv_xfer_agent_address(n->agent);
     const char *colon = strrchr(addr, ':');
@@ -104,8 +119,46 @@ static void kvn_address(srv_kvnode_t *n, const char *advertise)
     snprintf(n->host, sizeof(n->host), "%.*s", (int)len, addr);
 }
 
+static void lease_ended(void *arg, uint64_t request_id, int outcome);
+
+/* Rank r's staging and agent; rank r listens on port + r when a port is given. */
+static int kvn_rank_start(srv_kvnode_t *n, const pkv_server_config_t *cfg, uint32_t max_context,
+                          const char *model_id, uint32_t r)
+{
+    kvn_rank_t *k = &n->rank[r];
+    pkv_kv_rank_t info;
+    int rc = pkv_kv_rank(n->kv, r, &info);
+    if (rc) return rc;
+    k->node = n;
+    k->index = r;
+    k->head_lo = info.head_lo;
+    k->head_n = info.head_n;
+    if ((rc = kvn_stage(cfg, n->kv, max_context, info.head_n, &k->stage))) return rc;
+    uint32_t port = cfg->kv_listen_port ? cfg->kv_listen_port + r : 0;
+    if (port > 65535) {
+        PKV_LOGE("server", "--kv-listen port %u + rank %u is above 65535", cfg->kv_listen_port, r);
+        return PKV_ERR_INVALID;
+    }
+    pkv_xfer_config_t xc = {.kv = n->kv,
+                            .stage = k->stage,
+                            .rank = r,
+                            .model_id = model_id,
+                            .listen_host = cfg->kv_listen_host,
+                            .listen_port = (uint16_t)port,
+                            .identity = n->engine_id}; /* presented to decode nodes */
+    rc = pkv_xfer_agent_create(&xc, &k->agent);
+    if (rc) {
+        PKV_LOGE("server", "the transfer agent of rank %u cannot start on %s:%u: %s", r,
+                 cfg->kv_listen_host ? cfg->kv_listen_host : "127.0.0.1", port,
+                 pkv_status_str(rc));
+        return rc;
+    }
+    kvn_address(k, cfg->kv_advertise);
+    return PKV_OK;
+}
+
 int srv_kvnode_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max_context,
-                      srv_kvnode_t **out)
+                      const char *model_id, srv_kvnode_t **out)
 {
     if (pkv_kv_backend(kv) != PKV_BACKEND_PAGED) {
         PKV_LOGE("server", "--role %s needs the paged KV backend", pkv_server_role_name(cfg->role));
@@ -113,7 +166,9 @@ int srv_kvnode_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max
     }
     srv_kvnode_t *n = calloc(1, sizeof(*n));
     if (!n) return PKV_ERR_NOMEM;
-    if (pthread_mutex_init(&n->lock, NULL)) {
+    n->tp = pkv_kv_tp(kv);
+    if (!(n->rank = calloc(n->tp, sizeof(*n->rank))) || pthread_mutex_init(&n->lock, NULL)) {
+        free(n->rank);
         free(n);
         return PKV_ERR_NOMEM;
     }
@@ -130,24 +185,12 @@ int srv_kvnode_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max
     }
     memcpy(n->engine_id, "pagekv-", 7);
     hex(rnd, sizeof(rnd), n->engine_id + 7);
-    int rc = kvn_stage(cfg, kv, max_context, &n->stage);
-    if (!rc) {
-        pkv_xfer_config_t xc = {.kv = kv,
-                                .stage = n->stage,
-                                .listen_host = cfg->kv_listen_host,
-                                .listen_port = cfg->kv_listen_port,
-                                .identity = n->engine_id}; /* presented to decode nodes */
-        rc = pkv_xfer_agent_create(&xc, &n->agent);
-        if (rc)
-            PKV_LOGE("server", "the transfer agent cannot start on %s:%u: %s",
-                     cfg->kv_listen_host ? cfg->kv_listen_host : "127.0.0.1", cfg->kv_listen_port,
-                     pkv_status_str(rc));
-    }
+    int rc = PKV_OK;
+    for (uint32_t r = 0; r < n->tp && !rc; r++) rc = kvn_rank_start(n, cfg, max_context, model_id, r);
     if (rc) {
         srv_kvnode_destroy(n);
         return rc;
     }
-    kvn_address(n, cfg->kv_advertise);
     *out = n;
     return PKV_OK;
 }
@@ -156,22 +199,32 @@ void srv_kvnode_destroy(srv_kvnode_t *n)
 {
     if (!n) return;
     atomic_store(&n->stopping, true);
-    pkv_xfer_agent_destroy(n->agent);
-    if (n->stage) pkv_stage_destroy(n->stage, pkv_deadline_after_ns(KVN_STAGE_DESTROY_NS), NULL);
+    for (uint32_t r = 0; r < n->tp; r++) pkv_xfer_agent_destroy(n->rank[r].agent);
+    for (uint32_t r = 0; r < n->tp; r++)
+        if (n->rank[r].stage)
+            pkv_stage_destroy(n->rank[r].stage, pkv_deadline_after_ns(KVN_STAGE_DESTROY_NS), NULL);
     pthread_mutex_destroy(&n->lock);
+    free(n->rank);
     free(n);
 }
 
 const char *srv_kvnode_address(const srv_kvnode_t *n)
 {
-    return pkv_xfer_agent_address(n->agent);
+    return pkv_xfer_agent_address(n->rank[0].agent);
 }
 
+/* Every rank's agent must be alive; *age_ns is the oldest beat. */
 bool srv_kvnode_healthy(srv_kvnode_t *n, uint64_t *age_ns)
 {
     *age_ns = 0;
-    return n->agent && !atomic_load(&n->stopping) &&
-           pkv_xfer_agent_alive(n->agent, SRV_AGENT_STALL_NS, age_ns);
+    bool ok = !atomic_load(&n->stopping);
+    for (uint32_t r = 0; r < n->tp; r++) {
+        uint64_t age = 0;
+        ok = n->rank[r].agent && pkv_xfer_agent_alive(n->rank[r].agent, SRV_AGENT_STALL_NS, &age) &&
+             ok;
+        *age_ns = PKV_MAX(*age_ns, age);
+    }
+    return ok;
 }
 
 /* Under n->lock. */
@@ -194,18 +247,62 @@ void srv_kvnode_observe(srv_kvnode_t *n, srv_timings_t *t, srv_phase_t ph, uint6
     pthread_mutex_unlock(&n->lock);
 }
 
+/* The node's totals: every counter of the agents' stats summed (all uint64_t). */
+static void xs_add(pkv_xfer_stats_t *sum, const pkv_xfer_stats_t *x)
+{
+    _Static_assert(sizeof(pkv_xfer_stats_t) % sizeof(uint64_t) == 0, "all uint64_t");
+    uint64_t *a = (uint64_t *)sum;
+    const uint64_t *b = (const uint64_t *)x;
+    for (size_t i = 0; i < sizeof(*x) / sizeof(uint64_t); i++) a[i] += b[i];
+}
+
+/* The staging figures the node reports, summed over ranks (peaks: the sum of each rank's). */
+static void ss_add(pkv_stage_stats_t *sum, const pkv_stage_stats_t *s)
+{
+    sum->mode = s->mode;
+    sum->page_bytes = s->page_bytes;
+    sum->pages_total += s->pages_total;
+    sum->pages_free += s->pages_free;
+    sum->pages_used += s->pages_used;
+    sum->pages_peak_used += s->pages_peak_used;
+    sum->resident_bytes += s->resident_bytes;
+    sum->resident_peak_bytes += s->resident_peak_bytes;
+    sum->pinned_bytes += s->pinned_bytes;
+    sum->waits += s->waits;
+}
+
 void srv_kvnode_snapshot(srv_kvnode_t *n, srv_kv_snapshot_t *out)
 {
-    memset(out, 0, sizeof(*out));
+    memset(out, 0, offsetof(srv_kv_snapshot_t, ranks));
     out->role = n->role;
-    out->address = pkv_xfer_agent_address(n->agent);
-    out->advertise = n->host;
-    out->port = n->port;
+    out->tp = n->tp;
+    out->address = pkv_xfer_agent_address(n->rank[0].agent);
+    out->advertise = n->rank[0].host;
+    out->port = n->rank[0].port;
     out->engine_id = n->engine_id;
     out->lease_ms = n->lease_ms;
     out->transfer_timeout_ms = n->transfer_timeout_ms;
-    pkv_xfer_stats(n->agent, &out->xs);
-    pkv_stage_stats(n->stage, &out->ss);
+    for (uint32_t r = 0; r < n->tp; r++) {
+        const kvn_rank_t *k = &n->rank[r];
+        pkv_xfer_stats_t xs;
+        pkv_stage_stats_t ss;
+        pkv_xfer_stats(k->agent, &xs);
+        pkv_stage_stats(k->stage, &ss);
+        xs_add(&out->xs, &xs);
+        ss_add(&out->ss, &ss);
+        out->ranks[r] = (srv_kv_rank_snapshot_t){.address = pkv_xfer_agent_address(k->agent),
+                                                 .port = k->port,
+                                                 .head_lo = k->head_lo,
+                                                 .head_n = k->head_n,
+                                                 .pinned_bytes = ss.pinned_bytes,
+                                                 .resident_bytes = ss.resident_bytes,
+                                                 .resident_peak_bytes = ss.resident_peak_bytes,
+                                                 .pages_used = ss.pages_used,
+                                                 .pages_peak_used = ss.pages_peak_used,
+                                                 .bytes_sent = xs.bytes_sent,
+                                                 .bytes_received = xs.bytes_received,
+                                                 .active_transfers = xs.active_transfers};
+    }
     out->agent_alive = srv_kvnode_healthy(n, &out->agent_age_ns);
     pthread_mutex_lock(&n->lock);
     out->leases = n->leases;
@@ -217,9 +314,12 @@ void srv_kvnode_snapshot(srv_kvnode_t *n, srv_kv_snapshot_t *out)
 /* The agent's callback when a registration ends (its progress thread; quick). */
 static void lease_ended(void *arg, uint64_t request_id, int outcome)
 {
-    srv_kvnode_t *n = arg;
+    kvn_rank_t *k = arg;
+    srv_kvnode_t *n = k->node;
+    /* A request registers once per rank; its lease counts once, as rank 0's ended. */
+    if (k->index != 0) return;
     pkv_xfer_serve_timings_t t;
-    bool timed = outcome == PKV_OK && !pkv_xfer_sent_timings(n->agent, request_id, &t);
+    bool timed = outcome == PKV_OK && !pkv_xfer_sent_timings(k->agent, request_id, &t);
     pthread_mutex_lock(&n->lock);
     if (timed) { /* the prefill node's phases of the decode leg's pull */
         observe_locked(n, NULL, SRV_PHASE_LEASE_WAIT, t.registered_ns, t.accepted_ns);
@@ -254,44 +354,71 @@ static uint64_t bound_id(uint64_t serial, const int32_t *ids, uint32_t n)
     return id ? id : 1;
 }
 
-/* The response's kv_transfer_params for a registration (the field's keys, then
- * pagekv's handle fields). */
-static json_t *offer_doc(const srv_kvnode_t *n, const pkv_xfer_handle_t *h, uint64_t serial,
+/* The response's kv_transfer_params for a request registered on every rank (h[r]: rank
+ * r's handle): the field's keys (rank 0's address), then pagekv's; with TP > 1 also
+ * pagekv_tp and pagekv_ranks, each rank's address, token and heads. */
+static json_t *offer_doc(const srv_kvnode_t *n, pkv_xfer_handle_t *const *h, uint64_t serial,
                          uint32_t n_prompt)
 {
+    const pkv_xfer_handle_t *h0 = h[0];
     json_t *ids = json_array();
-    for (uint32_t i = 0; ids && i < h->n_blocks; i++)
-        if (json_array_append_new(ids, json_integer((json_int_t)h->blocks[i]))) {
+    for (uint32_t i = 0; ids && i < h0->n_blocks; i++)
+        if (json_array_append_new(ids, json_integer((json_int_t)h0->blocks[i]))) {
             json_decref(ids);
             return NULL;
         }
     if (!ids) return NULL;
     char token[2 * PKV_XFER_TOKEN_BYTES + 1];
-    hex(h->token, PKV_XFER_TOKEN_BYTES, token);
-    return json_pack("{s:b, s:b, s:s, s:o, s:s, s:i, s:I, s:I, s:s, s:i,"
-                     " s:{s:i, s:i, s:i, s:i, s:s}}",
-                     "do_remote_prefill", 1, "do_remote_decode", 0, "remote_engine_id",
-                     n->engine_id, "remote_block_ids", ids, "remote_host", n->host, "remote_port",
-                     (int)n->port, "pagekv_request_id", (json_int_t)h->request_id, "pagekv_serial",
-                     (json_int_t)serial, "pagekv_token", token, "pagekv_prompt_tokens",
-                     (int)n_prompt, "pagekv_geometry", "layers", (int)h->geo.layers, "kv_heads",
-                     (int)h->geo.kv_heads, "head_dim", (int)h->geo.head_dim, "block_tokens",
-                     (int)h->geo.block_tokens, "dtype", pkv_dtype_name(h->geo.dtype));
+    hex(h0->token, PKV_XFER_TOKEN_BYTES, token);
+    json_t *doc = json_pack(
+        "{s:b, s:b, s:s, s:o, s:s, s:i, s:I, s:I, s:s, s:i,"
+        " s:{s:i, s:i, s:i, s:i, s:s}}",
+        "do_remote_prefill", 1, "do_remote_decode", 0, "remote_engine_id", n->engine_id,
+        "remote_block_ids", ids, "remote_host", n->rank[0].host, "remote_port",
+        (int)n->rank[0].port, "pagekv_request_id", (json_int_t)h0->request_id, "pagekv_serial",
+        (json_int_t)serial, "pagekv_token", token, "pagekv_prompt_tokens", (int)n_prompt,
+        "pagekv_geometry", "layers", (int)h0->geo.layers, "kv_heads", (int)h0->geo.kv_heads,
+        "head_dim", (int)h0->geo.head_dim, "block_tokens", (int)h0->geo.block_tokens, "dtype",
+        pkv_dtype_name(h0->geo.dtype));
+    if (!doc || n->tp == 1) return doc;
+    json_t *ranks = json_array();
+    for (uint32_t r = 0; ranks && r < n->tp; r++) {
+        hex(h[r]->token, PKV_XFER_TOKEN_BYTES, token);
+        if (json_array_append_new(ranks, json_pack("{s:s, s:i, s:s, s:i, s:i}", "remote_host",
+                                                   n->rank[r].host, "remote_port",
+                                                   (int)n->rank[r].port, "pagekv_token", token,
+                                                   "head_lo", (int)n->rank[r].head_lo, "head_n",
+                                                   (int)n->rank[r].head_n))) {
+            json_decref(ranks);
+            ranks = NULL;
+        }
+    }
+    if (!ranks || json_object_set_new(doc, "pagekv_tp", json_integer((json_int_t)n->tp)) ||
+        json_object_set_new(doc, "pagekv_ranks", ranks)) {
+        json_decref(doc);
+        return NULL;
+    }
+    return doc;
 }
 
 int srv_kvnode_offer(srv_kvnode_t *n, uint64_t serial, const uint32_t *blocks, uint32_t nb,
                      const int32_t *ids, uint32_t n_prompt, json_t **params)
 {
-    pkv_xfer_handle_t *h = NULL;
+    pkv_xfer_handle_t *h[PKV_KV_MAX_TP] = {0};
     uint64_t request_id = bound_id(serial, ids, n_prompt);
     uint64_t expiry = pkv_deadline_after_ns((uint64_t)n->lease_ms * 1000000ull);
-    int rc = pkv_xfer_register(n->agent, request_id, blocks, nb, expiry, lease_ended, n, &h);
-    if (rc) return rc;
-    json_t *doc = offer_doc(n, h, serial, n_prompt);
-    pkv_xfer_handle_free(h);
-    if (!doc) {
-        pkv_xfer_unregister(n->agent, request_id);
-        return PKV_ERR_NOMEM;
+    int rc = PKV_OK;
+    uint32_t done = 0;
+    for (; done < n->tp && !rc; done++)
+        rc = pkv_xfer_register(n->rank[done].agent, request_id, blocks, nb, expiry, lease_ended,
+                               &n->rank[done], &h[done]);
+    if (rc) done--; /* the one that failed registered nothing */
+    json_t *doc = rc ? NULL : offer_doc(n, h, serial, n_prompt);
+    if (!rc && !doc) rc = PKV_ERR_NOMEM;
+    for (uint32_t r = 0; r < n->tp; r++) pkv_xfer_handle_free(h[r]);
+    if (rc) {
+        for (uint32_t r = 0; r < done; r++) pkv_xfer_unregister(n->rank[r].agent, request_id);
+        return rc;
     }
     pthread_mutex_lock(&n->lock);
     n->leases.offered++;
@@ -348,6 +475,24 @@ json_t *srv_kv_stats_json(const srv_kv_snapshot_t *k)
     json_object_set_new(
         st, "pages_resident",
         json_integer(s->page_bytes ? (json_int_t)(s->resident_bytes / s->page_bytes) : 0));
+    json_t *ranks = json_array();
+    for (uint32_t r = 0; ranks && r < k->tp; r++) {
+        const srv_kv_rank_snapshot_t *q = &k->ranks[r];
+        json_array_append_new(
+            ranks, json_pack("{s:i, s:s, s:i, s:i, s:i, s:{s:I, s:I, s:I, s:i, s:i}, s:{s:I, "
+                             "s:I, s:I}}",
+                             "rank", (int)r, "address", q->address, "remote_port", (int)q->port,
+                             "head_lo", (int)q->head_lo, "head_n", (int)q->head_n, "staging",
+                             "pinned_bytes", (json_int_t)q->pinned_bytes, "resident_bytes",
+                             (json_int_t)q->resident_bytes, "resident_peak_bytes",
+                             (json_int_t)q->resident_peak_bytes, "pages_used", (int)q->pages_used,
+                             "pages_peak_used", (int)q->pages_peak_used, "transfers",
+                             "bytes_sent", (json_int_t)q->bytes_sent, "bytes_received",
+                             (json_int_t)q->bytes_received, "active",
+                             (json_int_t)q->active_transfers));
+    }
+    json_object_set_new(doc, "tp", json_integer((json_int_t)k->tp));
+    if (ranks) json_object_set_new(doc, "ranks", ranks);
     json_object_set_new(doc, "agent",
                         json_pack("{s:b, s:I}", "alive", k->agent_alive, "progress_age_us",
                                   (json_int_t)(k->agent_age_ns / 1000)));
@@ -408,8 +553,9 @@ static int kvt_geometry(const srv_kvnode_t *n, const json_t *o, srv_error_t *err
     return PKV_OK;
 }
 
-/* The handle a decode leg's kv_transfer_params describe (checked against this node and
- * the prompt). *out: free with pkv_xfer_handle_free. */
+/* The handle a decode leg's kv_transfer_params describe for the producer's rank 0 (the
+ * field's keys; checked against this node and the prompt). *out: free with
+ * pkv_xfer_handle_free. */
 static int kvt_handle(const srv_kvnode_t *n, const json_t *o, const int32_t *prompt,
                       uint32_t n_prompt, pkv_xfer_handle_t **out, srv_error_t *err)
 {
@@ -457,6 +603,91 @@ static int kvt_handle(const srv_kvnode_t *n, const json_t *o, const int32_t *pro
     return PKV_OK;
 }
 
+/* The producer's ranks: pagekv_tp (absent: 1) and, with TP > 1, pagekv_ranks, each rank's
+ * address, token and heads (which must be the heads TP P gives that rank). hs[p] is
+ * rank p's handle (hs[0] = h0, taken over; the caller frees all *P of them). */
+static int kvt_ranks(const srv_kvnode_t *n, const json_t *o, pkv_xfer_handle_t *h0,
+                     pkv_xfer_handle_t **hs, uint32_t *P, srv_error_t *err)
+{
+    hs[0] = h0;
+    *P = 1;
+    json_t *tpv = json_object_get(o, "pagekv_tp");
+    if (!tpv || json_is_null(tpv)) return PKV_OK;
+    uint32_t kvh = pkv_kv_geometry(n->kv)->kv_heads;
+    char why[128];
+    json_int_t tp;
+    if (kvt_int(o, "pagekv_tp", KVT_P("pagekv_tp"), 1, PKV_KV_MAX_TP, &tp, err)) return PKV_ERR_INVALID;
+    if (pkv_kv_tp_check(kvh, (uint32_t)tp, why, sizeof(why)))
+        return kvt_bad(err, "invalid_value", KVT_P("pagekv_tp"), why);
+    json_t *ranks = json_object_get(o, "pagekv_ranks");
+    if (tp == 1 && (!ranks || json_is_null(ranks))) return PKV_OK;
+    if (!json_is_array(ranks) || json_array_size(ranks) != (size_t)tp)
+        return kvt_bad(err, "invalid_value", KVT_P("pagekv_ranks"),
+                       "must list pagekv_tp ranks (remote_host, remote_port, pagekv_token, "
+                       "head_lo, head_n)");
+    size_t hb = sizeof(*h0) + h0->n_blocks * sizeof(uint32_t);
+    for (uint32_t p = 0; p < (uint32_t)tp; p++) {
+        json_t *r = json_array_get(ranks, p);
+        const char *host = json_string_value(json_object_get(r, "remote_host"));
+        const char *token = json_string_value(json_object_get(r, "pagekv_token"));
+        json_int_t port, lo, hn;
+        uint32_t want_lo, want_n;
+        pkv_kv_tp_heads(kvh, (uint32_t)tp, p, &want_lo, &want_n);
+        if (!json_is_object(r) || !host || !*host || strlen(host) > 47)
+            return kvt_bad(err, "invalid_value", KVT_P("pagekv_ranks"),
+                           "must hold objects with remote_host (a host)");
+        if (kvt_int(r, "remote_port", KVT_P("pagekv_ranks.remote_port"), 1, 65535, &port, err) ||
+            kvt_int(r, "head_lo", KVT_P("pagekv_ranks.head_lo"), want_lo, want_lo, &lo, err) ||
+            kvt_int(r, "head_n", KVT_P("pagekv_ranks.head_n"), want_n, want_n, &hn, err))
+            return PKV_ERR_INVALID;
+        if (p > 0) {
+            if (!(hs[p] = malloc(hb))) return PKV_ERR_NOMEM;
+            memcpy(hs[p], h0, hb);
+            *P = p + 1;
+        }
+        if (unhex(token, hs[p]->token, sizeof(hs[p]->token)))
+            return kvt_bad(err, "invalid_value", KVT_P("pagekv_ranks.pagekv_token"),
+                           "must be 32 hex digits");
+        snprintf(hs[p]->addr, sizeof(hs[p]->addr), "%s:%u", host, (unsigned)port);
+    }
+    *P = (uint32_t)tp;
+    return PKV_OK;
+}
+
+/* ---- the transfer plan: which decode rank reads which heads from which prefill rank ---- */
+
+typedef struct {
+    uint32_t d, p;          /* decode rank (local agent), prefill rank (handle) */
+    uint32_t head_lo, head_n; /* head_n 0: a token-only release of p's registration */
+    uint16_t index, total;  /* the read's index among p's reads, and their count */
+} kvn_read_t;
+
+/* For each local rank d, the prefill ranks holding its heads (a replicated head is read from
+ * replica d mod replicas, spreading the load), as runs of consecutive heads on one prefill
+ * rank; a prefill rank no decode rank reads from gets a release. want == 0 (nothing to
+ * pull): one release per prefill rank. Returns the reads in out[] (cap: D * kv_heads + P). */
+static uint32_t kvn_plan(const srv_kvnode_t *n, uint32_t P, bool pull, kvn_read_t *out)
+{
+    uint32_t kvh = pkv_kv_geometry(n->kv)->kv_heads, m = 0;
+    uint16_t count[PKV_KV_MAX_TP] = {0};
+    for (uint32_t d = 0; pull && d < n->tp; d++) {
+        const kvn_rank_t *k = &n->rank[d];
+        for (uint32_t h = k->head_lo; h < k->head_lo + k->head_n; h++) {
+            uint32_t p = P <= kvh ? h / (kvh / P) : h * (P / kvh) + d % (P / kvh);
+            if (m && out[m - 1].d == d && out[m - 1].p == p &&
+                out[m - 1].head_lo + out[m - 1].head_n == h) {
+                out[m - 1].head_n++;
+                continue;
+            }
+            out[m++] = (kvn_read_t){.d = d, .p = p, .head_lo = h, .head_n = 1, .index = count[p]++};
+        }
+    }
+    for (uint32_t p = 0; p < P; p++)
+        if (!count[p]) out[m++] = (kvn_read_t){.d = p % n->tp, .p = p, .index = count[p]++};
+    for (uint32_t i = 0; i < m; i++) out[i].total = count[out[i].p];
+    return m;
+}
+
 /* A read's outcome as the client's error (transfer failures are not the client's, but
  * for `rejected`: forged or stale params). */
 static void pull_error(int outcome, pkv_xfer_why_t why, srv_error_t *err)
@@ -470,6 +701,10 @@ static void pull_error(int outcome, pkv_xfer_why_t why, srv_error_t *err)
         srv_error_set(err, 400, "invalid_request_error", "rejected", KVT_P("remote_block_ids"),
                       "'%s' are not the blocks the prefill node registered for this request",
                       KVT_P("remote_block_ids"));
+    else if (outcome == PKV_ERR_REJECTED && why == PKV_XFER_WHY_LAYOUT)
+        srv_error_set(err, 400, "invalid_request_error", "incompatible_layout", p,
+                      "the prefill node's KV layout (model, geometry or the heads of its ranks) "
+                      "does not match this node's");
     else if (outcome == PKV_ERR_REJECTED)
         srv_error_set(err, 400, "invalid_request_error", "rejected", p,
                       "the prefill node refused the transfer (unknown request, wrong token, "
@@ -500,42 +735,130 @@ static void pull_phases(srv_kvnode_t *n, const pkv_xfer_read_timings_t *rt, uint
     pthread_mutex_unlock(&n->lock);
 }
 
-/* Read the handle's blocks [have, want) into seq's blocks [have, want), from a producer
- * that must present `engine_id`, by the transfer deadline (have == want: a token-only
- * release, nothing moves); on ok the positions up to want whole blocks are recorded as
- * written (the first `cached` already were: adopted). Returns the read's outcome; *why
- * says whether a refusal was the engine id. A pull that moved blocks counts its phases
- * (and fills t). */
-static int pull_into(srv_kvnode_t *n, const pkv_xfer_handle_t *h, const char *engine_id,
-                     pkv_seq_t *seq, const int32_t *ids, uint32_t cached, uint32_t want,
-                     pkv_xfer_why_t *why, srv_timings_t *t)
+/* The reads of one pull: each one's outcome arrives on its agent's progress thread. */
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    uint32_t left;  /* reads without an outcome */
+    bool failed;    /* one ended other than ok */
+} kvn_pull_t;
+
+static void pull_done(void *arg, pkv_xfer_read_t *rd, int outcome)
+{
+    (void)rd;
+    kvn_pull_t *pl = arg;
+    pthread_mutex_lock(&pl->mu);
+    pl->left--;
+    pl->failed |= outcome != PKV_OK;
+    pthread_cond_signal(&pl->cv);
+    pthread_mutex_unlock(&pl->mu);
+}
+
+/* Wait until every read has an outcome, or one failed, or the deadline (+1 s of slack for
+ * an outcome to arrive). */
+static void pull_wait(kvn_pull_t *pl, uint64_t until_ns)
+{
+    struct timespec ts = {.tv_sec = (time_t)(until_ns / 1000000000ull),
+                          .tv_nsec = (long)(until_ns % 1000000000ull)};
+    pthread_mutex_lock(&pl->mu);
+    while (pl->left && !pl->failed)
+        if (pthread_cond_timedwait(&pl->cv, &pl->mu, &ts) == ETIMEDOUT) break;
+    pthread_mutex_unlock(&pl->mu);
+}
+
+/* Rank the outcomes of a failed pull: the one that caused it, not the cancels it caused. */
+static int worse(int a, int b)
+{
+    if (a == PKV_OK || (a == PKV_ERR_CANCELLED && b != PKV_OK)) return b;
+    return a;
+}
+
+/* Read the producer's blocks [have, want) into seq's blocks [have, want) on every local
+ * rank, by one deadline: the plan's reads run at once, each local rank pulling the heads it
+ * holds from the prefill ranks that hold them (have == want: a token-only release per
+ * prefill rank, nothing moves). All or nothing: when one read fails the others are
+ * cancelled and the pull fails (the caller frees seq: every page and pin returns). On ok
+ * the positions up to want whole blocks are recorded as written (the first `cached`
+ * already were: adopted). Returns the outcome; *why says whether a refusal was the engine
+ * id, the block list or the layout. A pull that moved blocks counts its phases (and fills
+ * t) from its slowest read. */
+static int pull_into(srv_kvnode_t *n, pkv_xfer_handle_t *const *hs, uint32_t P,
+                     const char *engine_id, pkv_seq_t *seq, const int32_t *ids, uint32_t cached,
+                     uint32_t want, pkv_xfer_why_t *why, srv_timings_t *t)
 {
     const uint32_t *dst;
-    uint32_t nd, bt = h->geo.block_tokens, have = cached / bt;
+    uint32_t nd, bt = hs[0]->geo.block_tokens, have = cached / bt;
     int rc = pkv_seq_blocks(seq, &dst, &nd);
-    if (rc || nd < want || have > want || h->n_blocks < want) return rc ? rc : PKV_ERR_INVALID;
-    uint32_t n_pull = want - have, *idx = malloc(sizeof(uint32_t) * (n_pull ? n_pull : 1));
-    if (!idx) return PKV_ERR_NOMEM;
+    if (rc || nd < want || have > want || hs[0]->n_blocks < want)
+        return rc ? rc : PKV_ERR_INVALID;
+    uint32_t n_pull = want - have, kvh = hs[0]->geo.kv_heads;
+    uint32_t *idx = malloc(sizeof(uint32_t) * (n_pull ? n_pull : 1));
+    kvn_read_t *plan = malloc(sizeof(*plan) * ((size_t)n->tp * kvh + P));
+    pkv_xfer_read_t **rd = calloc((size_t)n->tp * kvh + P, sizeof(*rd));
+    kvn_pull_t pl = {.left = 0};
+    if (!idx || !plan || !rd || pthread_mutex_init(&pl.mu, NULL)) {
+        free(idx), free(plan), free(rd);
+        return PKV_ERR_NOMEM;
+    }
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&pl.cv, &ca);
+    pthread_condattr_destroy(&ca);
     for (uint32_t i = 0; i < n_pull; i++) idx[i] = have + i;
-    pkv_xfer_read_opts_t o = {.idx = idx, .identity = engine_id};
+    uint32_t m = kvn_plan(n, P, n_pull > 0, plan), started = 0;
     uint64_t t0 = pkv_now_ns();
     uint64_t deadline = t0 + (uint64_t)n->transfer_timeout_ms * 1000000ull;
-    pkv_xfer_read_t *rd = NULL;
-    rc = pkv_xfer_read_ex(n->agent, h, &o, n_pull ? dst + have : NULL, n_pull, deadline, NULL, NULL,
-                          &rd);
-    free(idx);
-    if (rc) return rc;
-    int outcome = PKV_ERR_TIMEOUT;
-    /* The read ends by its deadline; a second of slack for its outcome to arrive. */
-    if (pkv_xfer_read_wait(rd, deadline + 1000000000ull, &outcome)) {
-        pkv_xfer_cancel(rd);
-        outcome = PKV_ERR_TIMEOUT;
+    pl.left = m;
+    for (; started < m && !rc; started++) {
+        const kvn_read_t *r = &plan[started];
+        bool moves = r->head_n > 0;
+        pkv_xfer_read_opts_t o = {.idx = idx,
+                                  .identity = engine_id,
+                                  .head_lo = r->head_lo,
+                                  .head_n = r->head_n,
+                                  .reads_total = r->total,
+                                  .read_index = r->index};
+        rc = pkv_xfer_read_ex(n->rank[r->d].agent, hs[r->p], &o, moves ? dst + have : NULL,
+                              moves ? n_pull : 0, deadline, pull_done, &pl, &rd[started]);
     }
-    *why = pkv_xfer_read_why(rd);
-    pkv_xfer_read_timings_t rt;
-    bool timed = outcome == PKV_OK && n_pull && !pkv_xfer_read_timings(rd, &rt);
-    uint64_t bytes = pkv_xfer_read_bytes(rd);
-    pkv_xfer_read_free(rd);
+    free(idx);
+    if (rc) { /* the one that failed to start has no outcome coming */
+        started--;
+        pthread_mutex_lock(&pl.mu);
+        pl.left -= m - started;
+        pl.failed = true;
+        pthread_mutex_unlock(&pl.mu);
+    }
+    pull_wait(&pl, deadline + 1000000000ull);
+    int outcome = rc;
+    uint64_t bytes = 0, last = 0;
+    pkv_xfer_read_timings_t rt = {0};
+    bool timed = true;
+    if (pl.failed || pl.left) /* all or nothing: end the others now */
+        for (uint32_t i = 0; i < started; i++) pkv_xfer_cancel(rd[i]);
+    for (uint32_t i = 0; i < started; i++) {
+        int oc = PKV_ERR_TIMEOUT;
+        if (pkv_xfer_read_wait(rd[i], deadline + 1000000000ull, &oc)) {
+            pkv_xfer_cancel(rd[i]);
+            oc = PKV_ERR_TIMEOUT;
+        }
+        outcome = worse(outcome, oc);
+        if (oc == PKV_ERR_REJECTED && *why == PKV_XFER_WHY_NONE) *why = pkv_xfer_read_why(rd[i]);
+        pkv_xfer_read_timings_t ri;
+        if (oc == PKV_OK && plan[i].head_n && !pkv_xfer_read_timings(rd[i], &ri)) {
+            if (ri.last_ns >= last) last = ri.last_ns, rt = ri;
+        } else if (plan[i].head_n) {
+            timed = false;
+        }
+        bytes += pkv_xfer_read_bytes(rd[i]);
+        pkv_xfer_read_free(rd[i]);
+    }
+    free(plan);
+    free(rd);
+    pthread_cond_destroy(&pl.cv);
+    pthread_mutex_destroy(&pl.mu);
+    timed = timed && outcome == PKV_OK && n_pull && last;
     if (outcome == PKV_OK && n_pull)
         outcome = pkv_seq_append(seq, ids + cached, want * bt - cached);
     if (outcome == PKV_OK && timed) pull_phases(n, &rt, t0, pkv_now_ns(), t);
@@ -584,25 +907,33 @@ static void count_pull(srv_kvnode_t *n, int outcome, uint32_t pulled, uint32_t a
 int srv_kvnode_pull(srv_kvnode_t *n, const json_t *params, const int32_t *ids, uint32_t n_prompt,
                     uint64_t salt, pkv_seq_t **out, srv_timings_t *t, srv_error_t *err)
 {
-    pkv_xfer_handle_t *h = NULL;
+    pkv_xfer_handle_t *h = NULL, *hs[PKV_KV_MAX_TP] = {0};
+    uint32_t P = 0;
     const char *engine_id = kvt_engine_id(params, err);
     if (!engine_id) return PKV_ERR_INVALID;
     int rc = kvt_handle(n, params, ids, n_prompt, &h, err);
+    if (!rc) {
+        rc = kvt_ranks(n, params, h, hs, &P, err);
+        P = PKV_MAX(P, 1);
+    }
     if (rc == PKV_ERR_NOMEM)
         srv_error_set(err, 500, "server_error", "out_of_memory", NULL, "out of memory");
-    if (rc) return rc;
+    if (rc) {
+        for (uint32_t p = 0; p < P; p++) pkv_xfer_handle_free(hs[p]);
+        return rc;
+    }
     /* What this node's prefix cache holds is adopted; of the whole blocks the engine will
      * adopt at admission (all but the last prompt token's: it computes at least that one)
      * only those the cache lacks are pulled; when it lacks none, the token alone goes to
      * the producer, which returns its pins at once. */
     pkv_seq_params_t sp = {.salt = salt, .tokens = ids, .n_tokens = n_prompt};
     pkv_seq_t *seq = NULL;
-    uint32_t cached = 0, bt = h->geo.block_tokens, want = (n_prompt - 1) / bt;
+    uint32_t cached = 0, bt = hs[0]->geo.block_tokens, want = (n_prompt - 1) / bt;
     pkv_xfer_why_t why = PKV_XFER_WHY_NONE;
     rc = pkv_seq_create(n->kv, &sp, &seq, &cached);
     uint32_t have = PKV_MIN(cached / bt, want);
-    int outcome = rc ? rc : pull_into(n, h, engine_id, seq, ids, have * bt, want, &why, t);
-    pkv_xfer_handle_free(h);
+    int outcome = rc ? rc : pull_into(n, hs, P, engine_id, seq, ids, have * bt, want, &why, t);
+    for (uint32_t p = 0; p < P; p++) pkv_xfer_handle_free(hs[p]);
     if (outcome == PKV_OK && t) t->adopted_blocks = have;
     count_pull(n, outcome, want - have, have);
     if (outcome) {

@@ -1268,9 +1268,16 @@ static int build_stack(pkv_server_t *s, const pkv_server_config_t *cfg)
     /* Huge pages for the pool, as `pagekv generate` and the benchmarks use: attention reads
      * KV in long runs (fewer TLB misses); RSS is the same (a commit populates its whole
      * granule either way). */
-    pkv_kv_config_t kc = {
-        .backend = cfg->backend, .no_prefix_cache = cfg->no_prefix_cache, .hugepages = true};
+    pkv_kv_config_t kc = {.backend = cfg->backend,
+                          .no_prefix_cache = cfg->no_prefix_cache,
+                          .hugepages = true,
+                          .tp = cfg->tp ? cfg->tp : 1};
     pkv_model_geometry(s->model, cfg->kv_dtype, s->block_tokens, &kc.geo);
+    char why[128];
+    if (pkv_kv_tp_check(kc.geo.kv_heads, kc.tp, why, sizeof(why))) {
+        PKV_LOGE("server", "--tp: %s", why);
+        return PKV_ERR_INVALID;
+    }
     s->token_bytes = pkv_geometry_token_bytes(&kc.geo);
     if ((rc = kv_budget(s, cfg, &kc.budget_bytes))) return rc;
     if ((rc = srv_cache_policy(cfg, kc.budget_bytes, &kc))) return rc;
@@ -1347,6 +1354,25 @@ static void free_stack(pkv_server_t *s)
     pkv_tok_destroy(s->tok);
 }
 
+/* The model a node's KV belongs to, for the transfer agents' layout descriptor (a peer
+ * whose KV is another model's is refused at the handshake): the preset and the weight seed,
+ * or the checkpoint's file name (printable, at most 63 characters). */
+static const char *model_id(const pkv_server_config_t *cfg, char *buf, size_t cap)
+{
+    if (cfg->model_path) {
+        const char *base = strrchr(cfg->model_path, '/');
+        base = base ? base + 1 : cfg->model_path;
+        size_t j = 0;
+        for (; base[j] && j + 1 < cap && j < 63; j++)
+            buf[j] = base[j] >= 0x20 && base[j] <= 0x7e ? base[j] : '?';
+        buf[j] = 0;
+    } else {
+        snprintf(buf, cap, "%.40s:seed%llu", cfg->preset ? cfg->preset : "tiny",
+                 (unsigned long long)(cfg->weight_seed ? cfg->weight_seed : 1));
+    }
+    return buf;
+}
+
 int pkv_server_create(const pkv_server_config_t *cfg, pkv_server_t **out)
 {
     if (!cfg || !out) return PKV_ERR_INVALID;
@@ -1364,6 +1390,7 @@ int pkv_server_create(const pkv_server_config_t *cfg, pkv_server_t **out)
     if (pkv_cond_init_monotonic(&s->idle_cv)) goto fail_cv;
     if (!(s->host = strdup(cfg->host ? cfg->host : "127.0.0.1"))) goto fail_host;
     if ((rc = build_stack(s, cfg))) goto fail_stack;
+    char mid[64];
     const char *name = cfg->served_name;
     if (!name && cfg->model_path) {
         name = strrchr(cfg->model_path, '/');
@@ -1379,7 +1406,8 @@ int pkv_server_create(const pkv_server_config_t *cfg, pkv_server_t **out)
     if (!(s->served_name = strdup(name))) goto fail_stack;
     s->role = cfg->role;
     if (s->role != PKV_SERVER_ROLE_UNIFIED &&
-        (rc = srv_kvnode_create(cfg, s->kv, s->max_context, &s->kvn)))
+        (rc = srv_kvnode_create(cfg, s->kv, s->max_context, model_id(cfg, mid, sizeof(mid)),
+                                &s->kvn)))
         goto fail_kv;
     if ((rc = start_http(s, cfg))) goto fail_http;
     *out = s;

@@ -125,9 +125,20 @@ typedef struct {
     uint64_t blocks_adopted; /* of ok and released legs: blocks the local prefix cache held */
 } srv_pull_counts_t;
 
+/* One tensor-parallel rank of a node in a snapshot. */
+typedef struct {
+    const char *address; /* its agent's bound "host:port" */
+    uint16_t port;       /* its remote_port */
+    uint32_t head_lo, head_n;
+    uint64_t pinned_bytes, resident_bytes, resident_peak_bytes; /* its staging */
+    uint32_t pages_used, pages_peak_used;
+    uint64_t bytes_sent, bytes_received, active_transfers; /* its agent */
+} srv_kv_rank_snapshot_t;
+
 typedef struct {
     pkv_server_role_t role;
-    const char *address;   /* the agent's bound "host:port" (the node's, valid for its life) */
+    uint32_t tp; /* ranks; xs and ss sum them */
+    const char *address;   /* rank 0's agent's bound "host:port" (valid for the node's life) */
     const char *advertise; /* remote_host */
     uint16_t port;         /* remote_port */
     const char *engine_id; /* remote_engine_id */
@@ -137,15 +148,17 @@ typedef struct {
     srv_lease_counts_t leases;
     srv_pull_counts_t pulls;
     srv_hist_t phases[SRV_PHASE_COUNT];
-    uint64_t agent_age_ns; /* since the agent's progress loop last began a round */
-    bool agent_alive;
+    uint64_t agent_age_ns; /* since the oldest rank's progress loop last began a round */
+    bool agent_alive;      /* every rank's */
+    srv_kv_rank_snapshot_t ranks[PKV_KV_MAX_TP]; /* [tp] (last: filled only up to tp) */
 } srv_kv_snapshot_t;
 
-/* Create the staging and the agent of a prefill or decode node over the paged pool kv.
+/* Create the staging and the agent of each tensor-parallel rank of a prefill or decode node
+ * over the paged pool kv (model_id: the layout descriptor's model, checked at handshakes).
  * PKV_ERR_INVALID (logged) for a dense pool or a bad staging configuration; the agent's
  * PKV_ERR_IO when its address cannot be bound. */
 int srv_kvnode_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max_context,
-                      srv_kvnode_t **out);
+                      const char *model_id, srv_kvnode_t **out);
 /* Destroy the agent (its registrations end, their pins return), then the staging. */
 void srv_kvnode_destroy(srv_kvnode_t *n);
 const char *srv_kvnode_address(const srv_kvnode_t *n);
