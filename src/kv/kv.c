@@ -437,6 +437,33 @@ int pkv_kv_prefix_match(pkv_kv_t *kv, uint64_t salt, const int32_t *tokens, uint
     return PKV_OK;
 }
 
+int pkv_kv_prefix_pin(pkv_kv_t *kv, uint64_t salt, const int32_t *tokens, uint32_t n_tokens,
+                      uint32_t **ids, uint32_t *n_ids)
+{
+    *ids = NULL;
+    *n_ids = 0;
+    if (!kv->ops->prefix_pin) return PKV_ERR_UNSUPPORTED;
+    uint32_t T = kv->geo.block_tokens, nk = n_tokens ? (n_tokens - 1) / T : 0;
+    if (!nk) return PKV_OK;
+    pkv_kv_key_t *keys = kv_malloc((size_t)nk * sizeof(*keys));
+    uint32_t *out = kv_malloc((size_t)nk * sizeof(*out));
+    if (!keys || !out) {
+        free(keys);
+        free(out);
+        return PKV_ERR_NOMEM;
+    }
+    nk = pkv_kv_prefix_keys(kv, salt, tokens, n_tokens, keys);
+    uint32_t hits = kv->ops->prefix_pin(kv, keys, nk, out);
+    free(keys);
+    if (!hits) {
+        free(out);
+        return PKV_OK;
+    }
+    *ids = out;
+    *n_ids = hits;
+    return PKV_OK;
+}
+
 void pkv_kv_stats(pkv_kv_t *kv, pkv_kv_stats_t *out)
 {
     memset(out, 0, sizeof(*out));

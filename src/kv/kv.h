@@ -25,6 +25,12 @@ uint32_t pkv_kv_prefix_keys(const pkv_kv_t *kv, uint64_t salt, const int32_t *to
 int pkv_kv_prefix_match(pkv_kv_t *kv, uint64_t salt, const int32_t *tokens, uint32_t n_tokens,
                         uint32_t *matched);
 
+/* Paged only (PKV_ERR_UNSUPPORTED on dense): the blocks pkv_kv_prefix_match counts, pinned
+ * so that they stay while the caller reads them: *ids (n_ids of them, malloc'd; NULL when
+ * none) in prefix order. Unpin with pkv_kv_unpin, then free. PKV_OK or PKV_ERR_NOMEM. */
+int pkv_kv_prefix_pin(pkv_kv_t *kv, uint64_t salt, const int32_t *tokens, uint32_t n_tokens,
+                      uint32_t **ids, uint32_t *n_ids);
+
 /* Paged only (PKV_ERR_UNSUPPORTED on dense): allocate n blocks outside any sequence
  * (ref 1 each), all or nothing: used by the allocator benchmark and by transfer code that
  * seats raw blocks. */

@@ -36,6 +36,8 @@ typedef struct {
     void (*cache_pressure)(pkv_kv_t *kv, uint64_t limit_bytes);
     /* How many of keys[0..n) lead the prompt in the prefix cache (0 when it is off). */
     uint32_t (*prefix_match)(pkv_kv_t *kv, const pkv_kv_key_t *keys, uint32_t n);
+    /* Paged: as prefix_match, the hits' block ids into ids[], each pinned. */
+    uint32_t (*prefix_pin)(pkv_kv_t *kv, const pkv_kv_key_t *keys, uint32_t n, uint32_t *ids);
     void (*stats)(pkv_kv_t *kv, pkv_kv_stats_t *out);
     int (*validate)(pkv_kv_t *kv);
     /* paged-only block access (arguments checked by kv.c except the block ids) */

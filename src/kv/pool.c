@@ -659,6 +659,19 @@ static uint32_t pool_prefix_match(pkv_kv_t *kv, const pkv_kv_key_t *keys, uint32
     return hits;
 }
 
+/* As pool_prefix_match, and the hits' ids into ids[], each pinned (a reference). */
+static uint32_t pool_prefix_pin(pkv_kv_t *kv, const pkv_kv_key_t *keys, uint32_t n, uint32_t *ids)
+{
+    pool_t *p = pool_of(kv);
+    if (!p->prefix_cache) return 0;
+    pthread_mutex_lock(&p->lock);
+    uint32_t hits = 0;
+    while (hits < n && (ids[hits] = htab_find(p, &keys[hits])) != NONE) hits++;
+    for (uint32_t i = 0; i < hits; i++) block_ref(p, ids[i]);
+    pthread_mutex_unlock(&p->lock);
+    return hits;
+}
+
 static void pool_seq_free(pkv_seq_t *seq)
 {
     pool_seq_t *s = (pool_seq_t *)seq;
@@ -1167,6 +1180,7 @@ static const kv_ops_t pool_ops = {
     .trim = pool_trim,
     .cache_pressure = pool_cache_pressure,
     .prefix_match = pool_prefix_match,
+    .prefix_pin = pool_prefix_pin,
     .stats = pool_stats,
     .validate = pool_validate,
     .seq_blocks = pool_seq_blocks,

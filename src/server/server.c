@@ -44,6 +44,7 @@
 
 #include <errno.h>
 #include <jansson.h>
+#include <openssl/sha.h>
 #include <microhttpd.h>
 #include <netdb.h>
 #include <poll.h>
@@ -268,6 +269,7 @@ static const struct {
     {"/v1/cache/stats", SRV_ROUTE_CACHE_STATS, "GET, HEAD"},
     {"/v1/cache/reset", SRV_ROUTE_CACHE_RESET, "POST"},
     {"/v1/cache/lookup", SRV_ROUTE_CACHE_LOOKUP, "POST"},
+    {"/v1/cache/digest", SRV_ROUTE_CACHE_DIGEST, "POST"},
 };
 
 static bool method_allowed(const char *allow, const char *method)
@@ -360,6 +362,78 @@ static enum MHD_Result handle_cache_lookup(pkv_server_t *s, struct MHD_Connectio
     return ret;
 }
 
+/* The SHA-256 of head h's K/V on rank r over blocks ids[0..n): for each block, each layer,
+ * its K piece then its V piece. */
+static void head_digest(pkv_kv_t *kv, uint32_t r, uint32_t h, const uint32_t *ids, uint32_t n,
+                        char hexout[65])
+{
+    const pkv_geometry_t *g = pkv_kv_geometry(kv);
+    size_t piece = (size_t)g->block_tokens * g->head_dim * pkv_dtype_size(g->dtype);
+    SHA256_CTX ctx;
+    SHA256_Init(&ctx);
+    for (uint32_t b = 0; b < n; b++)
+        for (uint32_t l = 0; l < g->layers; l++)
+            for (uint32_t w = 0; w < 2; w++)
+                SHA256_Update(&ctx, pkv_kv_block_head_rank(kv, r, ids[b], l, w, h), piece);
+    uint8_t d[SHA256_DIGEST_LENGTH];
+    SHA256_Final(d, &ctx);
+    static const char x[] = "0123456789abcdef";
+    for (int i = 0; i < SHA256_DIGEST_LENGTH; i++) hexout[2 * i] = x[d[i] >> 4], hexout[2 * i + 1] = x[d[i] & 15];
+    hexout[64] = 0;
+}
+
+/* POST /v1/cache/digest (the lookup's body): the SHA-256 of each KV head's bytes over the
+ * blocks of the prompt this node's prefix cache holds, per tensor-parallel rank, so two
+ * nodes (or a node's ranks and a TP=1 node) can be shown to hold the same KV. It pins the
+ * blocks while it reads them and changes nothing else. */
+static enum MHD_Result handle_cache_digest(pkv_server_t *s, struct MHD_Connection *c,
+                                           http_req_t *hr)
+{
+    srv_limits_t lim = {.max_context = s->max_context};
+    srv_request_t r;
+    srv_error_t err;
+    if (srv_request_parse_lookup(hr->body, hr->len, s->served_name, &lim, &r, &err))
+        return answer_error(s, c, hr, &err);
+    int32_t *ids = NULL;
+    uint32_t n = 0, mt = 0, nb = 0, *blocks = NULL;
+    enum MHD_Result ret;
+    int rc;
+    if (srv_request_prompt(&r, s->tok, &lim, s->default_max_tokens, &ids, &n, &mt, &err)) {
+        ret = answer_error(s, c, hr, &err);
+    } else if ((rc = pkv_kv_prefix_pin(s->kv, r.salt, ids, n, &blocks, &nb))) {
+        ret = rc == PKV_ERR_UNSUPPORTED
+                  ? answer_errorf(s, c, hr, 400, "invalid_request_error", "unsupported",
+                                  "/v1/cache/digest needs the paged KV backend")
+                  : answer_errorf(s, c, hr, 500, "server_error", "out_of_memory", "out of memory");
+    } else {
+        uint32_t tp = pkv_kv_tp(s->kv);
+        json_t *ranks = json_array();
+        for (uint32_t k = 0; ranks && k < tp; k++) {
+            pkv_kv_rank_t info;
+            pkv_kv_rank(s->kv, k, &info);
+            json_t *heads = json_array();
+            for (uint32_t h = info.head_lo; heads && h < info.head_lo + info.head_n; h++) {
+                char hx[65];
+                head_digest(s->kv, k, h, blocks, nb, hx);
+                json_array_append_new(heads, json_string(hx));
+            }
+            json_array_append_new(ranks, json_pack("{s:i, s:i, s:i, s:o*}", "rank", (int)k,
+                                                   "head_lo", (int)info.head_lo, "head_n",
+                                                   (int)info.head_n, "heads", heads));
+        }
+        if (nb) pkv_kv_unpin(s->kv, blocks, nb);
+        uint32_t bt = pkv_kv_geometry(s->kv)->block_tokens;
+        ret = answer_json(s, c, hr, 200,
+                          json_pack("{s:i, s:i, s:i, s:i, s:o*}", "matched_tokens", (int)(nb * bt),
+                                    "prompt_tokens", (int)n, "blocks", (int)nb, "tp", (int)tp,
+                                    "ranks", ranks));
+    }
+    free(blocks);
+    free(ids);
+    srv_request_free(&r);
+    return ret;
+}
+
 /* The client's X-Request-Id for the log: printable ASCII, at most 128 bytes ("-" when
  * absent; other bytes become '?'). */
 static void request_id_of(struct MHD_Connection *c, char out[129])
@@ -430,6 +504,8 @@ static enum MHD_Result handle_simple(pkv_server_t *s, struct MHD_Connection *c, 
         return handle_cache_reset(s, c, hr);
     case SRV_ROUTE_CACHE_LOOKUP:
         return handle_cache_lookup(s, c, hr);
+    case SRV_ROUTE_CACHE_DIGEST:
+        return handle_cache_digest(s, c, hr);
     default:
         return answer_errorf(s, c, hr, 500, "server_error", "internal_error", "unrouted request");
     }
