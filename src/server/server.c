@@ -1443,7 +1443,7 @@ static const char *model_id(const pkv_server_config_t *cfg, char *buf, size_t ca
             buf[j] = base[j] >= 0x20 && base[j] <= 0x7e ? base[j] : '?';
         buf[j] = 0;
     } else {
-        snprintf(buf, cap, "%.40s:seed%llu", cfg->preset ? cfg->preset : "tiny",
+        snprintf(buf, cap, "%.32s:seed%llu", cfg->preset ? cfg->preset : "tiny",
                  (unsigned long long)(cfg->weight_seed ? cfg->weight_seed : 1));
     }
     return buf;
