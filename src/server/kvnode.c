@@ -41,8 +41,8 @@ typedef struct {
 struct srv_kvnode {
     pkv_server_role_t role;
     pkv_kv_t *kv;
-    uint32_t tp;     /* ranks: the pool's */
-    kvn_rank_t *rank; /* [tp] */
+    uint32_t tp;        /* ranks: the pool's */
+    kvn_rank_t *rank;   /* [tp] */
     char engine_id[40]; /* "pagekv-" + 16 random bytes in hex, presented by every rank */
     uint32_t lease_ms, transfer_timeout_ms;
     bool recompute; /* --kv-load-failure recompute */
@@ -149,8 +149,7 @@ static int kvn_rank_start(srv_kvnode_t *n, const pkv_server_config_t *cfg, uint3
     rc = pkv_xfer_agent_create(&xc, &k->agent);
     if (rc) {
         PKV_LOGE("server", "the transfer agent of rank %u cannot start on %s:%u: %s", r,
-                 cfg->kv_listen_host ? cfg->kv_listen_host : "127.0.0.1", port,
-                 pkv_status_str(rc));
+                 cfg->kv_listen_host ? cfg->kv_listen_host : "127.0.0.1", port, pkv_status_str(rc));
         return rc;
     }
     kvn_address(k, cfg->kv_advertise);
@@ -186,7 +185,8 @@ int srv_kvnode_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max
     memcpy(n->engine_id, "pagekv-", 7);
     hex(rnd, sizeof(rnd), n->engine_id + 7);
     int rc = PKV_OK;
-    for (uint32_t r = 0; r < n->tp && !rc; r++) rc = kvn_rank_start(n, cfg, max_context, model_id, r);
+    for (uint32_t r = 0; r < n->tp && !rc; r++)
+        rc = kvn_rank_start(n, cfg, max_context, model_id, r);
     if (rc) {
         srv_kvnode_destroy(n);
         return rc;
@@ -479,17 +479,16 @@ json_t *srv_kv_stats_json(const srv_kv_snapshot_t *k)
     for (uint32_t r = 0; ranks && r < k->tp; r++) {
         const srv_kv_rank_snapshot_t *q = &k->ranks[r];
         json_array_append_new(
-            ranks, json_pack("{s:i, s:s, s:i, s:i, s:i, s:{s:I, s:I, s:I, s:i, s:i}, s:{s:I, "
-                             "s:I, s:I}}",
-                             "rank", (int)r, "address", q->address, "remote_port", (int)q->port,
-                             "head_lo", (int)q->head_lo, "head_n", (int)q->head_n, "staging",
-                             "pinned_bytes", (json_int_t)q->pinned_bytes, "resident_bytes",
-                             (json_int_t)q->resident_bytes, "resident_peak_bytes",
-                             (json_int_t)q->resident_peak_bytes, "pages_used", (int)q->pages_used,
-                             "pages_peak_used", (int)q->pages_peak_used, "transfers",
-                             "bytes_sent", (json_int_t)q->bytes_sent, "bytes_received",
-                             (json_int_t)q->bytes_received, "active",
-                             (json_int_t)q->active_transfers));
+            ranks,
+            json_pack("{s:i, s:s, s:i, s:i, s:i, s:{s:I, s:I, s:I, s:i, s:i}, s:{s:I, "
+                      "s:I, s:I}}",
+                      "rank", (int)r, "address", q->address, "remote_port", (int)q->port, "head_lo",
+                      (int)q->head_lo, "head_n", (int)q->head_n, "staging", "pinned_bytes",
+                      (json_int_t)q->pinned_bytes, "resident_bytes", (json_int_t)q->resident_bytes,
+                      "resident_peak_bytes", (json_int_t)q->resident_peak_bytes, "pages_used",
+                      (int)q->pages_used, "pages_peak_used", (int)q->pages_peak_used, "transfers",
+                      "bytes_sent", (json_int_t)q->bytes_sent, "bytes_received",
+                      (json_int_t)q->bytes_received, "active", (json_int_t)q->active_transfers));
     }
     json_object_set_new(doc, "tp", json_integer((json_int_t)k->tp));
     if (ranks) json_object_set_new(doc, "ranks", ranks);
@@ -616,7 +615,8 @@ static int kvt_ranks(const srv_kvnode_t *n, const json_t *o, pkv_xfer_handle_t *
     uint32_t kvh = pkv_kv_geometry(n->kv)->kv_heads;
     char why[128];
     json_int_t tp;
-    if (kvt_int(o, "pagekv_tp", KVT_P("pagekv_tp"), 1, PKV_KV_MAX_TP, &tp, err)) return PKV_ERR_INVALID;
+    if (kvt_int(o, "pagekv_tp", KVT_P("pagekv_tp"), 1, PKV_KV_MAX_TP, &tp, err))
+        return PKV_ERR_INVALID;
     if (pkv_kv_tp_check(kvh, (uint32_t)tp, why, sizeof(why)))
         return kvt_bad(err, "invalid_value", KVT_P("pagekv_tp"), why);
     json_t *ranks = json_object_get(o, "pagekv_ranks");
@@ -657,9 +657,9 @@ static int kvt_ranks(const srv_kvnode_t *n, const json_t *o, pkv_xfer_handle_t *
 /* ---- the transfer plan: which decode rank reads which heads from which prefill rank ---- */
 
 typedef struct {
-    uint32_t d, p;          /* decode rank (local agent), prefill rank (handle) */
+    uint32_t d, p;            /* decode rank (local agent), prefill rank (handle) */
     uint32_t head_lo, head_n; /* head_n 0: a token-only release of p's registration */
-    uint16_t index, total;  /* the read's index among p's reads, and their count */
+    uint16_t index, total;    /* the read's index among p's reads, and their count */
 } kvn_read_t;
 
 /* For each local rank d, the prefill ranks holding its heads (a replicated head is read from
@@ -739,8 +739,8 @@ static void pull_phases(srv_kvnode_t *n, const pkv_xfer_read_timings_t *rt, uint
 typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    uint32_t left;  /* reads without an outcome */
-    bool failed;    /* one ended other than ok */
+    uint32_t left; /* reads without an outcome */
+    bool failed;   /* one ended other than ok */
 } kvn_pull_t;
 
 static void pull_done(void *arg, pkv_xfer_read_t *rd, int outcome)
@@ -789,8 +789,7 @@ static int pull_into(srv_kvnode_t *n, pkv_xfer_handle_t *const *hs, uint32_t P,
     const uint32_t *dst;
     uint32_t nd, bt = hs[0]->geo.block_tokens, have = cached / bt;
     int rc = pkv_seq_blocks(seq, &dst, &nd);
-    if (rc || nd < want || have > want || hs[0]->n_blocks < want)
-        return rc ? rc : PKV_ERR_INVALID;
+    if (rc || nd < want || have > want || hs[0]->n_blocks < want) return rc ? rc : PKV_ERR_INVALID;
     uint32_t n_pull = want - have, kvh = hs[0]->geo.kv_heads;
     uint32_t *idx = malloc(sizeof(uint32_t) * (n_pull ? n_pull : 1));
     kvn_read_t *plan = malloc(sizeof(*plan) * ((size_t)n->tp * kvh + P));

@@ -44,6 +44,7 @@
 
 #include <errno.h>
 #include <jansson.h>
+#include <openssl/evp.h>
 #include <openssl/sha.h>
 #include <microhttpd.h>
 #include <netdb.h>
@@ -369,16 +370,19 @@ static void head_digest(pkv_kv_t *kv, uint32_t r, uint32_t h, const uint32_t *id
 {
     const pkv_geometry_t *g = pkv_kv_geometry(kv);
     size_t piece = (size_t)g->block_tokens * g->head_dim * pkv_dtype_size(g->dtype);
-    SHA256_CTX ctx;
-    SHA256_Init(&ctx);
-    for (uint32_t b = 0; b < n; b++)
-        for (uint32_t l = 0; l < g->layers; l++)
-            for (uint32_t w = 0; w < 2; w++)
-                SHA256_Update(&ctx, pkv_kv_block_head_rank(kv, r, ids[b], l, w, h), piece);
-    uint8_t d[SHA256_DIGEST_LENGTH];
-    SHA256_Final(d, &ctx);
+    uint8_t d[SHA256_DIGEST_LENGTH] = {0};
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    if (ctx && EVP_DigestInit_ex(ctx, EVP_sha256(), NULL)) {
+        for (uint32_t b = 0; b < n; b++)
+            for (uint32_t l = 0; l < g->layers; l++)
+                for (uint32_t w = 0; w < 2; w++)
+                    EVP_DigestUpdate(ctx, pkv_kv_block_head_rank(kv, r, ids[b], l, w, h), piece);
+        EVP_DigestFinal_ex(ctx, d, NULL);
+    }
+    EVP_MD_CTX_free(ctx);
     static const char x[] = "0123456789abcdef";
-    for (int i = 0; i < SHA256_DIGEST_LENGTH; i++) hexout[2 * i] = x[d[i] >> 4], hexout[2 * i + 1] = x[d[i] & 15];
+    for (int i = 0; i < SHA256_DIGEST_LENGTH; i++)
+        hexout[2 * i] = x[d[i] >> 4], hexout[2 * i + 1] = x[d[i] & 15];
     hexout[64] = 0;
 }
 

@@ -138,7 +138,7 @@ typedef struct {
 
 typedef struct {
     pkv_server_role_t role;
-    uint32_t tp; /* ranks; xs and ss sum them */
+    uint32_t tp;           /* ranks; xs and ss sum them */
     const char *address;   /* rank 0's agent's bound "host:port" (valid for the node's life) */
     const char *advertise; /* remote_host */
     uint16_t port;         /* remote_port */
