@@ -12,6 +12,7 @@
 
 #include "core/core.h"
 #include "server/request.h"
+#include "xfer/xfer.h"
 
 #include <openssl/sha.h>
 #include <pthread.h>
@@ -47,6 +48,12 @@ struct srv_kvnode {
     uint32_t lease_ms, transfer_timeout_ms;
     bool recompute; /* --kv-load-failure recompute */
     atomic_bool stopping;
+    /* Test hook (PKV_TEST_RANK_FAULT=hang:R): rank R's agent stops for good once it has
+     * sent a layer, as a rank that died would (no messages, no heartbeats), until destroy. */
+    uint32_t hang_rank; /* UINT32_MAX: none */
+    pthread_mutex_t hang_mu;
+    pthread_cond_t hang_cv;
+    bool hang_release;
     pthread_mutex_t lock; /* guards leases, pulls, phases */
     srv_lease_counts_t leases;
     srv_pull_counts_t pulls;
@@ -121,6 +128,27 @@ static void kvn_address(kvn_rank_t *n, const char *advertise)
 
 static void lease_ended(void *arg, uint64_t request_id, int outcome);
 
+static void hang_hook(void *arg, pkv_xfer_fault_point_t point, uint32_t layer)
+{
+    (void)layer;
+    srv_kvnode_t *n = arg;
+    if (point != PKV_XFER_FAULT_SERVE_LAYER_SENT) return;
+    PKV_LOGW("server", "test hook: rank %u's agent stops (PKV_TEST_RANK_FAULT)", n->hang_rank);
+    pthread_mutex_lock(&n->hang_mu);
+    while (!n->hang_release) pthread_cond_wait(&n->hang_cv, &n->hang_mu);
+    pthread_mutex_unlock(&n->hang_mu);
+}
+
+/* PKV_TEST_RANK_FAULT=hang:R (tests only): the rank whose agent hangs, or UINT32_MAX. */
+static uint32_t hang_rank_of_env(uint32_t tp)
+{
+    const char *e = getenv("PKV_TEST_RANK_FAULT");
+    if (!e || strncmp(e, "hang:", 5)) return UINT32_MAX;
+    char *end;
+    unsigned long r = strtoul(e + 5, &end, 10);
+    return *end || r >= tp ? UINT32_MAX : (uint32_t)r;
+}
+
 /* Rank r's staging and agent; rank r listens on port + r when a port is given. */
 static int kvn_rank_start(srv_kvnode_t *n, const pkv_server_config_t *cfg, uint32_t max_context,
                           const char *model_id, uint32_t r)
@@ -153,6 +181,10 @@ static int kvn_rank_start(srv_kvnode_t *n, const pkv_server_config_t *cfg, uint3
         return rc;
     }
     kvn_address(k, cfg->kv_advertise);
+    if (r == n->hang_rank) {
+        pkv_xfer_faults_t f = {.fn = hang_hook, .arg = n, .corrupt_layer = -1};
+        pkv_xfer_set_faults(k->agent, &f);
+    }
     return PKV_OK;
 }
 
@@ -171,6 +203,9 @@ int srv_kvnode_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max
         free(n);
         return PKV_ERR_NOMEM;
     }
+    pthread_mutex_init(&n->hang_mu, NULL);
+    pthread_cond_init(&n->hang_cv, NULL);
+    n->hang_rank = hang_rank_of_env(n->tp);
     n->role = cfg->role;
     n->kv = kv;
     n->lease_ms = cfg->kv_lease_ms ? cfg->kv_lease_ms : 30000;
@@ -199,11 +234,17 @@ void srv_kvnode_destroy(srv_kvnode_t *n)
 {
     if (!n) return;
     atomic_store(&n->stopping, true);
+    pthread_mutex_lock(&n->hang_mu);
+    n->hang_release = true;
+    pthread_cond_broadcast(&n->hang_cv);
+    pthread_mutex_unlock(&n->hang_mu);
     for (uint32_t r = 0; r < n->tp; r++) pkv_xfer_agent_destroy(n->rank[r].agent);
     for (uint32_t r = 0; r < n->tp; r++)
         if (n->rank[r].stage)
             pkv_stage_destroy(n->rank[r].stage, pkv_deadline_after_ns(KVN_STAGE_DESTROY_NS), NULL);
     pthread_mutex_destroy(&n->lock);
+    pthread_mutex_destroy(&n->hang_mu);
+    pthread_cond_destroy(&n->hang_cv);
     free(n->rank);
     free(n);
 }
