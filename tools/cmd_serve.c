@@ -73,7 +73,8 @@ static void usage(FILE *f)
             "  --kv-listen HOST:PORT     transfer agent address (default 127.0.0.1, a free\n"
             "                            port; the bound one is printed, /v1/cache/stats)\n"
             "  --kv-advertise HOST       remote_host for decode nodes (default: bound host)\n"
-            "  --staging per_transfer|fixed   host staging mode (default per_transfer)\n"
+            "  --staging per_transfer|fixed|mirror   host staging (default per_transfer; mirror:\n"
+            "                            each rank's share of the whole KV pool, pinned at start)\n"
             "  --staging-pages N         arena pages (fixed: pages per slot; default one\n"
             "                            max-context transfer + 2)\n"
             "  --staging-slots N         fixed: slots, committed and pinned at start (4)\n"
@@ -187,8 +188,12 @@ static int set_kv_option(const char *a, const char *v, pkv_server_config_t *cfg)
             cfg->staging_mode = PKV_STAGE_PER_TRANSFER;
         else if (!strcmp(v, "fixed"))
             cfg->staging_mode = PKV_STAGE_FIXED_SLOTS;
+        else if (!strcmp(v, "mirror"))
+            cfg->staging_mirror = true;
         else
-            return pkv_cli_usage_error(cmd, "--staging wants per_transfer or fixed, got '%s'", v);
+            return pkv_cli_usage_error(
+                cmd, "--staging wants per_transfer, fixed or mirror, got '%s'", v);
+        cfg->staging_mirror = !strcmp(v, "mirror");
     } else if (!strcmp(a, "--staging-pages"))
         return parse_u32(cmd, a, v, 1, 1u << 24, &cfg->staging_pages);
     else if (!strcmp(a, "--staging-page-bytes")) {

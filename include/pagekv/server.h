@@ -98,6 +98,9 @@ typedef struct {
     uint64_t staging_page_bytes;     /* staging page size, a multiple of 4096; 0 -> 64 KiB */
     uint32_t staging_peer_cap;       /* pages one peer may hold; 0 = no cap */
     bool staging_shared;             /* memfd arena same-host peers may map */
+    bool staging_mirror;             /* the field's host mirror (to compare): each rank's
+                                        staging is its share of the whole device pool,
+                                        pinned at start and never returned */
     uint32_t kv_lease_ms;            /* prefill: blocks pinned for their decode leg; 0 -> 30000 */
     uint32_t kv_transfer_timeout_ms; /* decode: one pull's deadline; 0 -> 10000 */
     bool kv_load_recompute;          /* decode: a failed pull (not the client's fault) is

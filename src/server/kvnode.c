@@ -70,8 +70,9 @@ static void hex(const uint8_t *b, size_t n, char *out)
 /* The staging: per_transfer, or fixed slots committed (and pinned) at once and never
  * returned to the OS, as the field's carve-outs are. */
 static int kvn_stage(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max_context,
-                     uint32_t head_n, pkv_stage_t **out)
+                     const pkv_kv_rank_t *rank, pkv_stage_t **out)
 {
+    uint32_t head_n = rank->head_n;
     pkv_stage_config_t sc;
     pkv_stage_config_default(&sc);
     if (cfg->staging_page_bytes) sc.page_bytes = (size_t)cfg->staging_page_bytes;
@@ -86,6 +87,14 @@ static int kvn_stage(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max_
     sc.peer_cap_pages = cfg->staging_peer_cap;
     sc.shared = cfg->staging_shared;
     sc.name = cfg->role == PKV_SERVER_ROLE_PREFILL ? "pkv-prefill" : "pkv-decode";
+    if (cfg->staging_mirror) {
+        /* The field's host mirror: the rank's whole device pool in host memory, committed
+         * and pinned at start and never returned; transfers take their pages from it. */
+        pages = PKV_DIV_UP(rank->bytes, sc.page_bytes);
+        if (pages > UINT32_MAX) pages = UINT32_MAX;
+        sc.mode = PKV_STAGE_PER_TRANSFER;
+        sc.idle_release_ns = PKV_DEADLINE_NEVER;
+    }
     if (sc.mode == PKV_STAGE_FIXED_SLOTS) {
         sc.slots = cfg->staging_slots ? cfg->staging_slots : KVN_FIXED_SLOTS;
         sc.slot_pages = (uint32_t)pages;
@@ -95,16 +104,21 @@ static int kvn_stage(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max_
         sc.pool_pages = (uint32_t)pages;
     }
     int rc = pkv_stage_create(&sc, out);
-    if (rc || sc.mode != PKV_STAGE_FIXED_SLOTS) return rc;
-    /* Commit every slot now: take each once, then give them back (they stay resident). */
-    for (uint32_t i = 0; i < sc.slots && !rc; i++) {
+    bool whole = sc.mode == PKV_STAGE_FIXED_SLOTS || cfg->staging_mirror;
+    if (rc || !whole) return rc;
+    /* Commit every slot (the mirror: the whole arena) now: take each once, then give them
+     * back (they stay resident). */
+    uint32_t takes = cfg->staging_mirror ? 1 : sc.slots;
+    uint32_t take_pages = cfg->staging_mirror ? sc.pool_pages : sc.slot_pages;
+    for (uint32_t i = 0; i < takes && !rc; i++) {
         pkv_stage_grant_t *g = NULL;
-        rc = pkv_stage_try_acquire(*out, i + 1, 0, sc.slot_pages, &g);
+        rc = pkv_stage_try_acquire(*out, i + 1, 0, take_pages, &g);
         pkv_stage_grant_free(g);
     }
-    for (uint32_t i = 0; i < sc.slots; i++) pkv_stage_release(*out, i + 1);
+    for (uint32_t i = 0; i < takes; i++) pkv_stage_release(*out, i + 1);
     if (rc) {
-        PKV_LOGE("server", "committing the fixed staging slots failed: %s", pkv_status_str(rc));
+        PKV_LOGE("server", "committing the %s staging failed: %s",
+                 cfg->staging_mirror ? "mirror" : "fixed slots", pkv_status_str(rc));
         pkv_stage_destroy(*out, pkv_deadline_after_ns(KVN_STAGE_DESTROY_NS), NULL);
         *out = NULL;
     }
@@ -161,7 +175,7 @@ static int kvn_rank_start(srv_kvnode_t *n, const pkv_server_config_t *cfg, uint3
     k->index = r;
     k->head_lo = info.head_lo;
     k->head_n = info.head_n;
-    if ((rc = kvn_stage(cfg, n->kv, max_context, info.head_n, &k->stage))) return rc;
+    if ((rc = kvn_stage(cfg, n->kv, max_context, &info, &k->stage))) return rc;
     uint32_t port = cfg->kv_listen_port ? cfg->kv_listen_port + r : 0;
     if (port > 65535) {
         PKV_LOGE("server", "--kv-listen port %u + rank %u is above 65535", cfg->kv_listen_port, r);
