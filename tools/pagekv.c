@@ -65,6 +65,8 @@ static const struct {
     {"xfer", pkv_bench_xfer, "KV transfer: GB/s same host and tcp, kill detection, fault matrix"},
     {"disagg", pkv_bench_disagg,
      "the field's load through pagekv route and prefill/decode servers, per staging design"},
+    {"reshard", pkv_bench_reshard,
+     "prefill and decode of different TP: per-plan staging vs a host mirror, through route"},
 };
 
 int pkv_cmd_bench(int argc, char **argv)

@@ -1,0 +1,585 @@
+/*
+ * `pagekv bench reshard`: prefill and decode nodes of different tensor parallelism, per-plan
+ * staging against the field's host mirror, through `pagekv route` (docs/design/bench_reshard.md).
+ *
+ * Per pair P -> D and design: fresh `pagekv serve --role prefill --tp P`, `--role decode
+ * --tp D` (each a 2 GiB KV pool) and `pagekv route`; a closed loop of concurrent streamed
+ * chat requests over a mix of prompt lengths, each with X-Pagekv-Timings so the decode
+ * leg's transfer phases come back in the answer; a sampler thread reads each node's VmLck
+ * and VmRSS from /proc and its per-rank staging from /v1/cache/stats every 100 ms. A
+ * unified TP=1 node answers the first requests of every run for parity. The planner
+ * (src/plan) predicts each design's host staging per node from the same geometry and load.
+ */
+#include "bench/bench_disagg.h"
+#include "support/bench.h"
+#include "support/cli.h"
+#include "support/cluster.h"
+#include "support/filler.h"
+#include "support/footprint.h"
+
+#include "pagekv/kv.h"
+#include "pagekv/model.h"
+
+#include "core/core.h"
+#include "plan/plan.h"
+#include "prim/prim.h"
+
+#include <curl/curl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define BR_MIB       (1024.0 * 1024.0)
+#define BR_MAX_PAIRS 16
+#define BR_MAX_REQ   512
+#define BR_PARITY    4
+#define BR_CONTEXT   4096
+#define BR_PAGE_TOK  64 /* a staging page: 64 tokens of one rank's heads */
+
+static const uint32_t br_mix[] = {256, 512, 1024, 2048};
+enum { BR_PER_PLAN, BR_MIRROR, BR_ND };
+static const char *const br_design_names[BR_ND] = {"per_plan", "mirror"};
+
+static volatile sig_atomic_t br_stop;
+static void on_signal(int sig)
+{
+    (void)sig;
+    br_stop = 1;
+}
+
+typedef struct {
+    uint32_t p[BR_MAX_PAIRS], d[BR_MAX_PAIRS], n_pairs;
+    bool design[BR_ND];
+    uint32_t requests, concurrency;
+    const char *preset, *json_path, *pool;
+} br_opts_t;
+
+typedef struct {
+    char bin[4096], logdir[64];
+    double cpt;
+    uint32_t kv_heads;
+    uint64_t token_bytes; /* all heads */
+} br_env_t;
+
+/* What the sampler keeps of one node. */
+typedef struct {
+    const cluster_proc_t *proc;
+    double lck_peak, rss_peak, res_peak, fly_peak;
+    double rank_pin_peak[PKV_KV_MAX_TP], rank_res_peak[PKV_KV_MAX_TP];
+    uint32_t tp;
+} br_node_t;
+
+typedef struct {
+    br_node_t node[2]; /* prefill, decode */
+    pthread_mutex_t lock;
+    pthread_t th;
+    volatile int stop;
+} br_sampler_t;
+
+static void br_sample_node(br_sampler_t *s, br_node_t *n)
+{
+    pkv_prim_mem_t m;
+    bool mem = n->proc->pid > 0 && pkv_prim_mem_read(n->proc->pid, &m) == PKV_OK;
+    json_t *st = cluster_http_get_json(n->proc->url, "/v1/cache/stats", 2000);
+    json_t *kvt = json_object_get(st, "kv_transfer");
+    long long page = cluster_json_int(kvt, "staging.page_bytes");
+    long long held = cluster_json_int(kvt, "staging.pages_held_by_transfers");
+    long long res = cluster_json_int(kvt, "staging.resident_bytes");
+    json_t *ranks = json_object_get(kvt, "ranks");
+    pthread_mutex_lock(&s->lock);
+    if (mem) {
+        n->lck_peak = PKV_MAX(n->lck_peak, (double)m.locked_bytes);
+        n->rss_peak = PKV_MAX(n->rss_peak, (double)m.rss_bytes);
+    }
+    if (res > 0) n->res_peak = PKV_MAX(n->res_peak, (double)res);
+    if (page > 0 && held > 0) n->fly_peak = PKV_MAX(n->fly_peak, (double)(page * held));
+    n->tp = (uint32_t)json_array_size(ranks);
+    for (size_t r = 0; r < json_array_size(ranks) && r < PKV_KV_MAX_TP; r++) {
+        json_t *rk = json_array_get(ranks, r);
+        long long pin = cluster_json_int(rk, "staging.pinned_bytes");
+        long long rr = cluster_json_int(rk, "staging.resident_bytes");
+        if (pin > 0) n->rank_pin_peak[r] = PKV_MAX(n->rank_pin_peak[r], (double)pin);
+        if (rr > 0) n->rank_res_peak[r] = PKV_MAX(n->rank_res_peak[r], (double)rr);
+    }
+    pthread_mutex_unlock(&s->lock);
+    json_decref(st);
+}
+
+static void *br_sampler_main(void *arg)
+{
+    br_sampler_t *s = arg;
+    while (!s->stop) {
+        for (int k = 0; k < 2; k++) br_sample_node(s, &s->node[k]);
+        usleep(100000);
+    }
+    for (int k = 0; k < 2; k++) br_sample_node(s, &s->node[k]);
+    return NULL;
+}
+
+/* ---- the load -------------------------------------------------------------------------- */
+
+typedef struct {
+    json_t *body; /* the chat request */
+    uint32_t tokens;
+    /* results */
+    long status;
+    double ttft_ms, transfer_ms; /* transfer: handshake + staging wait + wire + commit */
+    char *text;
+} br_req_t;
+
+typedef struct {
+    const char *url;
+    br_req_t *reqs;
+    uint32_t n;
+    uint32_t next; /* guarded by lock */
+    pthread_mutex_t lock;
+} br_load_t;
+
+/* The streamed answer's text and the pagekv_timings of its last chunk. */
+static void br_parse_answer(br_req_t *q, const cluster_http_reply_t *r)
+{
+    cluster_answer_t a;
+    if (cluster_answer_parse(r->body, true, &a) == 0) {
+        q->text = a.text;
+        a.text = NULL;
+        cluster_answer_free(&a);
+    }
+    const char *t = r->body ? strstr(r->body, "\"pagekv_timings\"") : NULL;
+    const char *line = t;
+    while (line && line > r->body && line[-1] != '\n') line--;
+    if (!line || strncmp(line, "data: ", 6)) return;
+    const char *end = strchr(line, '\n');
+    json_t *ev = json_loadb(line + 6, end ? (size_t)(end - line - 6) : strlen(line + 6), 0, NULL);
+    json_t *ph = json_object_get(json_object_get(ev, "pagekv_timings"), "phases_seconds");
+    static const char *const names[] = {"handshake", "staging_wait", "wire", "commit"};
+    double sum = 0;
+    bool any = false;
+    for (size_t i = 0; i < 4; i++) {
+        json_t *v = json_object_get(ph, names[i]);
+        if (json_is_number(v)) sum += json_number_value(v), any = true;
+    }
+    if (any) q->transfer_ms = sum * 1e3;
+    json_decref(ev);
+}
+
+static void *br_worker(void *arg)
+{
+    br_load_t *L = arg;
+    static const char *const hdr[] = {"X-Pagekv-Timings: 1", NULL};
+    for (;;) {
+        pthread_mutex_lock(&L->lock);
+        uint32_t i = L->next < L->n ? L->next++ : L->n;
+        pthread_mutex_unlock(&L->lock);
+        if (i >= L->n || br_stop) return NULL;
+        br_req_t *q = &L->reqs[i];
+        cluster_http_reply_t r;
+        if (cluster_http(L->url, "/v1/chat/completions", q->body, hdr, 120000, &br_stop, &r) == 0) {
+            q->status = r.status;
+            q->ttft_ms = r.ttfb_seconds * 1e3;
+            if (r.status == 200) br_parse_answer(q, &r);
+        }
+        cluster_http_reply_free(&r);
+    }
+}
+
+static double br_run_load(const char *url, br_req_t *reqs, uint32_t n, uint32_t conc)
+{
+    br_load_t L = {.url = url, .reqs = reqs, .n = n};
+    pthread_mutex_init(&L.lock, NULL);
+    pthread_t th[64];
+    conc = PKV_MIN(conc, 64u);
+    uint64_t t0 = pkv_now_ns();
+    for (uint32_t i = 0; i < conc; i++) pthread_create(&th[i], NULL, br_worker, &L);
+    for (uint32_t i = 0; i < conc; i++) pthread_join(th[i], NULL);
+    pthread_mutex_destroy(&L.lock);
+    return (double)(pkv_now_ns() - t0) / 1e9;
+}
+
+static void br_reqs_make(const br_opts_t *o, const br_env_t *e, br_req_t *reqs, uint64_t seed0)
+{
+    for (uint32_t i = 0; i < o->requests; i++) {
+        uint32_t tok = br_mix[i % 4];
+        char *text = pkv_filler_alloc((size_t)(tok * e->cpt), seed0 + i, 1);
+        reqs[i] = (br_req_t){.tokens = tok};
+        reqs[i].body = json_pack("{s:s, s:[{s:s, s:s}], s:i, s:f, s:b}", "model", o->preset,
+                                 "messages", "role", "user", "content", text ? text : "",
+                                 "max_tokens", 8, "temperature", 0.0, "stream", 1);
+        free(text);
+    }
+}
+
+static void br_reqs_free(br_req_t *reqs, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        json_decref(reqs[i].body);
+        free(reqs[i].text);
+    }
+}
+
+static double br_p50(const br_req_t *q, uint32_t n, bool transfer)
+{
+    double v[BR_MAX_REQ];
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (q[i].status == 200 && (!transfer || q[i].transfer_ms > 0))
+            v[k++] = transfer ? q[i].transfer_ms : q[i].ttft_ms;
+    return k ? pkv_bench_median(v, k) : 0;
+}
+
+/* ---- one pair and design ----------------------------------------------------------------- */
+
+typedef struct {
+    uint32_t p, d;
+    int design;
+    bool ok;
+    br_node_t node[2];
+    uint64_t bytes_moved;
+    double transfer_p50, ttft_p50, wall_s;
+    uint32_t requests, answered, parity_n, parity_same, failed;
+    double plan_bytes[2]; /* the planner's host staging per node for this design */
+    double plan_tail[2];  /* per-transfer tail of the same load */
+} br_result_t;
+
+static int br_node_start(const br_opts_t *o, const br_env_t *e, const char *name, const char *role,
+                         uint32_t tp, int design, cluster_proc_t *p)
+{
+    char tps[16], page[32];
+    snprintf(tps, sizeof(tps), "%u", tp);
+    /* a page is 64 tokens of one rank's heads (4 KiB multiple) */
+    uint64_t heads = tp <= e->kv_heads ? e->kv_heads / tp : 1;
+    uint64_t pb = PKV_ALIGN_UP(e->token_bytes / e->kv_heads * heads * BR_PAGE_TOK, 4096);
+    snprintf(page, sizeof(page), "%llu", (unsigned long long)pb);
+    char *extra[] = {"--tp",
+                     tps,
+                     "--kv-cache-budget",
+                     (char *)o->pool,
+                     "--kv-dtype",
+                     "bf16",
+                     "--staging-page-bytes",
+                     page,
+                     "--staging",
+                     design == BR_MIRROR ? "mirror" : "per_transfer",
+                     "--prefix-cache-max-bytes",
+                     "64M",
+                     "--max-connections",
+                     "256",
+                     NULL};
+    return pkv_bench_disagg_serve(e->bin, e->logdir, name, o->preset, BR_CONTEXT, role, extra,
+                                  false, p);
+}
+
+static uint64_t br_bytes_received(const cluster_proc_t *dec)
+{
+    json_t *st = cluster_http_get_json(dec->url, "/v1/cache/stats", 5000);
+    long long b = cluster_json_int(st, "kv_transfer.transfers.bytes_received");
+    json_decref(st);
+    return b > 0 ? (uint64_t)b : 0;
+}
+
+/* The planner's figure for this design, per node (host = the node's ranks). */
+static void br_plan(const br_opts_t *o, const br_env_t *e, br_result_t *r)
+{
+    pkv_plan_input_t in;
+    memset(&in, 0, sizeof(in));
+    if (pkv_plan_preset(o->preset, &in)) return;
+    in.prefill_tp = r->p;
+    in.decode_tp = r->d;
+    in.page_tokens = BR_PAGE_TOK;
+    in.context = BR_CONTEXT;
+    in.concurrency = o->concurrency;
+    in.n_mix = 4;
+    for (int i = 0; i < 4; i++) in.mix[i] = (pkv_plan_mix_t){.tokens = br_mix[i], .weight = 1};
+    uint64_t pool = 0;
+    pkv_cli_parse_bytes(o->pool, &pool);
+    pkv_plan_t pl;
+    for (int k = 0; k < 2; k++) {
+        uint32_t tp = k ? r->d : r->p;
+        in.device_pool_bytes = pool / tp;
+        if (pkv_plan_compute(&in, &pl)) return;
+        const pkv_plan_side_t *sd = k ? &pl.decode : &pl.prefill;
+        r->plan_bytes[k] =
+            (double)(r->design == BR_MIRROR ? sd->host.mirror_bytes : sd->host.per_plan_bytes);
+        r->plan_tail[k] = (double)sd->host.per_transfer_tail_bytes;
+    }
+    (void)e;
+}
+
+static void br_one(const br_opts_t *o, const br_env_t *e, const cluster_proc_t *uni, br_result_t *r)
+{
+    cluster_proc_t pre = {0}, dec = {0}, rt = {0};
+    char pn[32], dn[32];
+    snprintf(pn, sizeof(pn), "prefill-%u-%u-%s", r->p, r->d, br_design_names[r->design]);
+    snprintf(dn, sizeof(dn), "decode-%u-%u-%s", r->p, r->d, br_design_names[r->design]);
+    fprintf(stderr, "pagekv bench reshard: %u -> %u %s: starting\n", r->p, r->d,
+            br_design_names[r->design]);
+    if (br_node_start(o, e, pn, "prefill", r->p, r->design, &pre) ||
+        br_node_start(o, e, dn, "decode", r->d, r->design, &dec) ||
+        pkv_bench_disagg_route(e->bin, e->logdir, &pre, &dec, NULL, &rt))
+        goto out;
+    br_req_t *reqs = calloc(o->requests, sizeof(*reqs));
+    br_reqs_make(o, e, reqs, 1000 * (uint64_t)(r->p * 100 + r->d) + (uint64_t)r->design);
+    br_sampler_t s = {.node = {{.proc = &pre}, {.proc = &dec}}};
+    pthread_mutex_init(&s.lock, NULL);
+    pthread_create(&s.th, NULL, br_sampler_main, &s);
+    uint64_t b0 = br_bytes_received(&dec);
+    r->wall_s = br_run_load(rt.url, reqs, o->requests, o->concurrency);
+    r->bytes_moved = br_bytes_received(&dec) - b0;
+    s.stop = 1;
+    pthread_join(s.th, NULL);
+    pthread_mutex_destroy(&s.lock);
+    memcpy(r->node, s.node, sizeof(r->node));
+    r->requests = o->requests;
+    for (uint32_t i = 0; i < o->requests; i++) {
+        if (reqs[i].status == 200)
+            r->answered++;
+        else
+            r->failed++;
+    }
+    r->ttft_p50 = br_p50(reqs, o->requests, false);
+    r->transfer_p50 = br_p50(reqs, o->requests, true);
+    /* parity: the first requests again on the unified TP=1 node */
+    for (uint32_t i = 0; i < PKV_MIN(BR_PARITY, o->requests) && !br_stop; i++) {
+        json_t *body = json_deep_copy(reqs[i].body);
+        cluster_http_reply_t u;
+        if (cluster_http(uni->url, "/v1/chat/completions", body, NULL, 120000, &br_stop, &u) == 0) {
+            cluster_answer_t a;
+            if (u.status == 200 && cluster_answer_parse(u.body, true, &a) == 0) {
+                r->parity_n++;
+                r->parity_same += reqs[i].text && a.text && !strcmp(a.text, reqs[i].text);
+                cluster_answer_free(&a);
+            }
+        }
+        cluster_http_reply_free(&u);
+        json_decref(body);
+    }
+    br_reqs_free(reqs, o->requests);
+    free(reqs);
+    br_plan(o, e, r);
+    r->ok = !br_stop;
+out:
+    cluster_proc_stop(&rt, SIGTERM, pkv_deadline_after_ns(30000000000ull));
+    cluster_proc_stop(&dec, SIGTERM, pkv_deadline_after_ns(30000000000ull));
+    cluster_proc_stop(&pre, SIGTERM, pkv_deadline_after_ns(30000000000ull));
+}
+
+/* ---- options and output ------------------------------------------------------------------ */
+
+static void br_usage(FILE *f)
+{
+    fprintf(f, "usage: pagekv bench reshard [options]\n"
+               "  --pairs P:D,...     prefill -> decode TP pairs (default "
+               "2:2,8:8,1:2,2:1,4:2,2:4,8:1,1:8)\n"
+               "  --designs LIST      per_plan,mirror (default both)\n"
+               "  --requests N        requests per run (default 24)\n"
+               "  --concurrency N     requests in flight (default 6)\n"
+               "  --pool BYTES        each node's KV pool (default 2G: the mirror pins it whole)\n"
+               "  --preset NAME       model preset (default llama-3.2-1b)\n"
+               "  --quick             pairs 1:2,2:1, 8 requests, concurrency 4 (a smoke test)\n"
+               "  --json FILE         write the figures as JSON\n");
+}
+
+static int br_parse_pairs(const char *v, br_opts_t *o)
+{
+    o->n_pairs = 0;
+    const char *s = v;
+    while (*s) {
+        char *end;
+        unsigned long p = strtoul(s, &end, 10);
+        if (end == s || *end != ':') return -1;
+        s = end + 1;
+        unsigned long d = strtoul(s, &end, 10);
+        if (end == s || (*end && *end != ',') || !p || !d || p > PKV_KV_MAX_TP ||
+            d > PKV_KV_MAX_TP || o->n_pairs == BR_MAX_PAIRS)
+            return -1;
+        o->p[o->n_pairs] = (uint32_t)p;
+        o->d[o->n_pairs++] = (uint32_t)d;
+        s = *end ? end + 1 : end;
+    }
+    return o->n_pairs ? 0 : -1;
+}
+
+static int br_parse(int argc, char **argv, br_opts_t *o)
+{
+    *o = (br_opts_t){.requests = 24, .concurrency = 6, .preset = "llama-3.2-1b", .pool = "2G"};
+    br_parse_pairs("2:2,8:8,1:2,2:1,4:2,2:4,8:1,1:8", o);
+    o->design[BR_PER_PLAN] = o->design[BR_MIRROR] = true;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        uint64_t x;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            br_usage(stdout);
+            return 1;
+        } else if (!strcmp(a, "--quick")) {
+            br_parse_pairs("1:2,2:1", o);
+            o->requests = 8;
+            o->concurrency = 4;
+            continue;
+        }
+        if (!v) {
+            fprintf(stderr, "pagekv bench reshard: %s needs a value\n", a);
+            return 2;
+        }
+        i++;
+        if (!strcmp(a, "--pairs")) {
+            if (br_parse_pairs(v, o)) {
+                fprintf(stderr, "pagekv bench reshard: --pairs wants P:D,... (1..64), got '%s'\n",
+                        v);
+                return 2;
+            }
+        } else if (!strcmp(a, "--designs")) {
+            o->design[BR_PER_PLAN] = strstr(v, "per_plan") != NULL;
+            o->design[BR_MIRROR] = strstr(v, "mirror") != NULL;
+            if (!o->design[BR_PER_PLAN] && !o->design[BR_MIRROR]) {
+                fprintf(stderr, "pagekv bench reshard: --designs wants per_plan,mirror\n");
+                return 2;
+            }
+        } else if (!strcmp(a, "--requests") && !pkv_cli_parse_u64(v, 1, BR_MAX_REQ, &x)) {
+            o->requests = (uint32_t)x;
+        } else if (!strcmp(a, "--concurrency") && !pkv_cli_parse_u64(v, 1, 64, &x)) {
+            o->concurrency = (uint32_t)x;
+        } else if (!strcmp(a, "--pool") && !pkv_cli_parse_bytes(v, &x) && x >= (64u << 20)) {
+            o->pool = v;
+        } else if (!strcmp(a, "--preset")) {
+            o->preset = v;
+        } else if (!strcmp(a, "--json")) {
+            o->json_path = v;
+        } else {
+            fprintf(stderr, "pagekv bench reshard: bad option %s %s\n", a, v);
+            br_usage(stderr);
+            return 2;
+        }
+    }
+    return 0;
+}
+
+static json_t *br_json(const br_opts_t *o, const br_result_t *res, uint32_t n)
+{
+    json_t *pairs = json_array();
+    for (uint32_t i = 0; i < n; i++) {
+        const br_result_t *r = &res[i];
+        json_t *pr[2];
+        for (int k = 0; k < 2; k++) {
+            pr[k] = json_array();
+            for (uint32_t q = 0; q < r->node[k].tp; q++)
+                json_array_append_new(pr[k], json_integer((json_int_t)r->node[k].rank_pin_peak[q]));
+        }
+        json_array_append_new(
+            pairs,
+            json_pack("{s:i, s:i, s:s, s:b, s:{s:I, s:I}, s:{s:o, s:o}, s:{s:I, s:I}, "
+                      "s:{s:I, s:I}, s:I, s:f, s:f, s:{s:i, s:i}, s:i, s:i, s:{s:I, s:I}}",
+                      "p", (int)r->p, "d", (int)r->d, "design", br_design_names[r->design], "ok",
+                      r->ok, "pinned_peak_bytes", "prefill", (json_int_t)r->node[0].lck_peak,
+                      "decode", (json_int_t)r->node[1].lck_peak, "pinned_peak_bytes_per_rank",
+                      "prefill", pr[0], "decode", pr[1], "resident_peak_bytes", "prefill",
+                      (json_int_t)r->node[0].res_peak, "decode", (json_int_t)r->node[1].res_peak,
+                      "inflight_peak_bytes", "prefill", (json_int_t)r->node[0].fly_peak, "decode",
+                      (json_int_t)r->node[1].fly_peak, "bytes_moved", (json_int_t)r->bytes_moved,
+                      "transfer_ms_p50", r->transfer_p50, "ttft_ms_p50", r->ttft_p50, "parity",
+                      "requests", (int)r->parity_n, "identical", (int)r->parity_same, "requests",
+                      (int)r->requests, "failed", (int)r->failed, "planned_bytes", "prefill",
+                      (json_int_t)r->plan_bytes[0], "decode", (json_int_t)r->plan_bytes[1]));
+    }
+    return json_pack("{s:s, s:s, s:i, s:i, s:o}", "preset", o->preset, "pool", o->pool, "requests",
+                     (int)o->requests, "concurrency", (int)o->concurrency, "pairs", pairs);
+}
+
+static void br_table(const br_result_t *res, uint32_t n)
+{
+    printf("\n| P -> D | design | pinned MiB (OS) prefill / decode | resident peak / in-flight "
+           "peak MiB, decode | planned MiB prefill / decode | moved MiB | transfer p50 ms | "
+           "TTFT p50 ms | failed | parity |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (uint32_t i = 0; i < n; i++) {
+        const br_result_t *r = &res[i];
+        printf("| %u -> %u | %s | %.1f / %.1f | %.1f / %.1f | %.1f / %.1f | %.1f | %.1f | %.1f | "
+               "%u | %u/%u |\n",
+               r->p, r->d, br_design_names[r->design], r->node[0].lck_peak / BR_MIB,
+               r->node[1].lck_peak / BR_MIB, r->node[1].res_peak / BR_MIB,
+               r->node[1].fly_peak / BR_MIB, r->plan_bytes[0] / BR_MIB, r->plan_bytes[1] / BR_MIB,
+               (double)r->bytes_moved / BR_MIB, r->transfer_p50, r->ttft_p50, r->failed,
+               r->parity_same, r->parity_n);
+    }
+    /* per pair: the ratios the targets name */
+    printf("\n| P -> D | mirror / per-plan pins (decode) | TTFT per-plan / mirror | per-plan "
+           "resident / in-flight (decode) |\n|---|---:|---:|---:|\n");
+    for (uint32_t i = 0; i < n; i++) {
+        if (res[i].design != BR_PER_PLAN) continue;
+        for (uint32_t j = 0; j < n; j++) {
+            if (res[j].design != BR_MIRROR || res[j].p != res[i].p || res[j].d != res[i].d)
+                continue;
+            double pins =
+                res[i].node[1].lck_peak > 0 ? res[j].node[1].lck_peak / res[i].node[1].lck_peak : 0;
+            double tt = res[j].ttft_p50 > 0 ? res[i].ttft_p50 / res[j].ttft_p50 : 0;
+            double rf =
+                res[i].node[1].fly_peak > 0 ? res[i].node[1].res_peak / res[i].node[1].fly_peak : 0;
+            printf("| %u -> %u | %.1fx | %.3f | %.3f |\n", res[i].p, res[i].d, pins, tt, rf);
+        }
+    }
+}
+
+int pkv_bench_reshard(int argc, char **argv)
+{
+    br_opts_t o;
+    int prc = br_parse(argc, argv, &o);
+    if (prc) return prc == 1 ? 0 : prc;
+    br_env_t e;
+    ssize_t bl = readlink("/proc/self/exe", e.bin, sizeof(e.bin) - 1);
+    if (bl <= 0) return 2;
+    e.bin[bl] = '\0';
+    pkv_model_config_t mc;
+    if (pkv_model_preset(o.preset, &mc)) {
+        fprintf(stderr, "pagekv bench reshard: unknown preset '%s'\n", o.preset);
+        return 2;
+    }
+    e.kv_heads = mc.n_kv_heads;
+    e.token_bytes = 2ull * mc.n_layers * mc.n_kv_heads * mc.head_dim * 2; /* bf16 */
+    for (uint32_t i = 0; i < o.n_pairs; i++) {
+        char why[128];
+        if (pkv_kv_tp_check(e.kv_heads, o.p[i], why, sizeof(why)) ||
+            pkv_kv_tp_check(e.kv_heads, o.d[i], why, sizeof(why))) {
+            fprintf(stderr, "pagekv bench reshard: pair %u:%u: %s\n", o.p[i], o.d[i], why);
+            return 2;
+        }
+    }
+    e.cpt = pkv_fp_chars_per_token();
+    snprintf(e.logdir, sizeof(e.logdir), "/tmp/pagekv-bench-reshard-XXXXXX");
+    if (!mkdtemp(e.logdir)) return 2;
+    struct sigaction sa = {.sa_handler = on_signal};
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    fprintf(stderr,
+            "pagekv bench reshard: %s, pool %s per node, %u requests x %u in flight, prompts "
+            "256/512/1024/2048 tokens, logs in %s\n",
+            o.preset, o.pool, o.requests, o.concurrency, e.logdir);
+    cluster_proc_t uni = {0};
+    char *ux[] = {"--kv-dtype", "bf16", NULL};
+    if (pkv_bench_disagg_serve(e.bin, e.logdir, "unified", o.preset, BR_CONTEXT, NULL, ux, false,
+                               &uni))
+        return 1;
+    br_result_t res[BR_MAX_PAIRS * BR_ND];
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < o.n_pairs && !br_stop; i++)
+        for (int d = 0; d < BR_ND && !br_stop; d++) {
+            if (!o.design[d]) continue;
+            res[n] = (br_result_t){.p = o.p[i], .d = o.d[i], .design = d};
+            br_one(&o, &e, &uni, &res[n]);
+            n++;
+        }
+    cluster_proc_stop(&uni, SIGTERM, pkv_deadline_after_ns(30000000000ull));
+    br_table(res, n);
+    int rc = br_stop ? 130 : 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (!res[i].ok || res[i].failed || res[i].parity_same != res[i].parity_n) rc = rc ? rc : 1;
+    if (o.json_path) {
+        json_t *doc = br_json(&o, res, n);
+        if (pkv_bench_write_json(o.json_path, doc)) rc = rc ? rc : 1;
+        json_decref(doc);
+    }
+    curl_global_cleanup();
+    return rc;
+}
