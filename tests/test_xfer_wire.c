@@ -25,6 +25,8 @@ static xf_wire_read_t sample_read(void)
     r.budget_ns = 5000000000ull;
     r.geo = GEO;
     r.chunk_bytes = 1 << 20;
+    r.head_n = GEO.kv_heads; /* every head */
+    r.reads_total = 1;
     return r;
 }
 
@@ -337,8 +339,10 @@ START_TEST(shared_data_and_read_flags)
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     buf[XF_WIRE_HEADER_BYTES + 96] = XF_WIRE_READ_RELEASE; /* a release names no blocks */
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
-    /* RELEASE: no runs, no other flag */
+    /* RELEASE: no runs, no other flag, no heads (v5) */
     r.flags = XF_WIRE_READ_RELEASE;
+    ck_assert_int_eq(xf_wire_encode_read(&r, NULL, 0, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    r.head_n = 0;
     ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len), PKV_ERR_INVALID);
     ck_assert_int_eq(xf_wire_encode_read(&r, NULL, 0, buf, sizeof(buf), &len), PKV_OK);
     ck_assert_uint_eq(len, xf_wire_read_bytes(0));
@@ -348,6 +352,7 @@ START_TEST(shared_data_and_read_flags)
     buf[XF_WIRE_HEADER_BYTES + 96] |= XF_WIRE_READ_WHOLE;
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     r.flags = 0; /* and no plan without RELEASE */
+    r.head_n = GEO.kv_heads;
     ck_assert_int_eq(xf_wire_encode_read(&r, NULL, 0, buf, sizeof(buf), &len), PKV_ERR_INVALID);
 }
 END_TEST
