@@ -1050,6 +1050,12 @@ bool pkv_xfer_agent_alive(pkv_xfer_agent_t *a, uint64_t max_age_ns, uint64_t *ag
 void pkv_xfer_set_faults(pkv_xfer_agent_t *a, const pkv_xfer_faults_t *f)
 {
     pthread_mutex_lock(&a->lock);
+    if (f && f->heads_n && (uint64_t)f->heads_lo + f->heads_n <= a->geo.kv_heads) {
+        a->head_lo = f->heads_lo;
+        a->head_n = f->heads_n;
+        a->layout.head_lo = f->hello_all_heads ? 0 : f->heads_lo;
+        a->layout.head_n = f->hello_all_heads ? a->geo.kv_heads : f->heads_n;
+    }
     if (f)
         a->faults = *f;
     else {

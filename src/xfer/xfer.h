@@ -46,6 +46,11 @@ typedef struct {
                               version, as an agent of that version would send it */
     bool malformed_read;   /* READs go out with an unknown flag bit: our version, but a
                               message the producer cannot decode */
+    uint32_t heads_lo, heads_n; /* heads_n != 0: the agent acts as if its rank held only
+                                   heads [heads_lo, heads_lo + heads_n) (its checks, its
+                                   HELLO): a TP=1 pool stands in for a rank of a TP pool */
+    bool hello_all_heads;       /* with heads_n: its HELLO still claims every head (a
+                                   producer whose HELLO is wrong: only its READ check is left) */
 } pkv_xfer_faults_t;
 
 /* Install fault hooks. Call before the agent's first transfer. */
