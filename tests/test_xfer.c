@@ -196,7 +196,8 @@ START_TEST(view_copies_layers_from_whole_stream_pieces)
     ck_assert_ptr_nonnull(mac);
     v.keys = malloc((size_t)XF_MAC_KEY_BYTES * v.layers);
     const uint8_t token[PKV_XFER_TOKEN_BYTES] = {1, 2, 3}, nonce[XF_MAC_NONCE_BYTES] = {4};
-    ck_assert_int_eq(xf_mac_keys(mac, token, nonce, 7, n, v.layers, 0, SMALL.kv_heads, v.keys), PKV_OK);
+    ck_assert_int_eq(xf_mac_keys(mac, token, nonce, 7, n, v.layers, 0, SMALL.kv_heads, v.keys),
+                     PKV_OK);
     const uint64_t lt = v.layer_total, total = lt * v.layers;
     const uint64_t piece =
         pkv_geometry_token_bytes(&SMALL) / SMALL.layers / 2 / SMALL.kv_heads * SMALL.block_tokens;
@@ -689,8 +690,7 @@ static size_t head_piece(pkv_kv_t *kv)
 }
 
 /* Heads [lo, lo + n) of blocks sb (pool p) and db (pool c) hold the same bytes. */
-static bool heads_equal(pkv_kv_t *p, uint32_t sb, pkv_kv_t *c, uint32_t db, uint32_t lo,
-                        uint32_t n)
+static bool heads_equal(pkv_kv_t *p, uint32_t sb, pkv_kv_t *c, uint32_t db, uint32_t lo, uint32_t n)
 {
     const pkv_geometry_t *g = pkv_kv_geometry(p);
     for (uint32_t l = 0; l < g->layers; l++)
@@ -857,11 +857,12 @@ START_TEST(two_consumers_read_slices_of_one_registration)
                 PKV_OK);
             slice_read_t r[2];
             for (int k = 0; k < 2; k++)
-                r[k] = (slice_read_t){.a = c[k].a,
-                                      .h = h,
-                                      .o = {.head_n = 0, .reads_total = 2, .read_index = (uint32_t)k},
-                                      .dst = dids[k],
-                                      .n = dn};
+                r[k] =
+                    (slice_read_t){.a = c[k].a,
+                                   .h = h,
+                                   .o = {.head_n = 0, .reads_total = 2, .read_index = (uint32_t)k},
+                                   .dst = dids[k],
+                                   .n = dn};
             uint64_t bytes[2] = {0, 0};
             if (concurrent) {
                 slice_start(&r[0]);
@@ -928,8 +929,8 @@ START_TEST(two_consumers_read_slices_of_one_registration)
 
         /* a release counts as one read: the rank that needs none of these heads */
         reg_cb_t rel = {0, 0, 0};
-        ck_assert_int_eq(
-            pkv_xfer_register(p.a, 41, sids, sn, PKV_DEADLINE_NEVER, reg_cb, &rel, &h), PKV_OK);
+        ck_assert_int_eq(pkv_xfer_register(p.a, 41, sids, sn, PKV_DEADLINE_NEVER, reg_cb, &rel, &h),
+                         PKV_OK);
         pkv_xfer_read_opts_t r0 = {.reads_total = 2, .read_index = 0};
         ck_assert_int_eq(read_ex_outcome(c[0].a, h, &r0, NULL, 0, NULL, NULL), PKV_OK);
         pkv_xfer_stats(p.a, &ps);
@@ -945,8 +946,8 @@ START_TEST(two_consumers_read_slices_of_one_registration)
         ck_assert_uint_eq(ps.released, 0); /* bytes moved: not a token-only release */
         pkv_xfer_handle_free(h);
         /* two releases: a registration nobody needs */
-        ck_assert_int_eq(
-            pkv_xfer_register(p.a, 42, sids, sn, PKV_DEADLINE_NEVER, NULL, NULL, &h), PKV_OK);
+        ck_assert_int_eq(pkv_xfer_register(p.a, 42, sids, sn, PKV_DEADLINE_NEVER, NULL, NULL, &h),
+                         PKV_OK);
         ck_assert_int_eq(read_ex_outcome(c[0].a, h, &r0, NULL, 0, NULL, NULL), PKV_OK);
         ck_assert_int_eq(read_ex_outcome(c[1].a, h, &one, NULL, 0, NULL, NULL), PKV_OK);
         pkv_xfer_stats(p.a, &ps);
@@ -993,9 +994,9 @@ START_TEST(two_producer_ranks_feed_one_consumer)
     reg_cb_t sent[2] = {{0, 0, 0}, {0, 0, 0}};
     pkv_xfer_handle_t *h[2];
     for (int k = 0; k < 2; k++)
-        ck_assert_int_eq(pkv_xfer_register(p[k].a, 50, sids, sn, PKV_DEADLINE_NEVER, reg_cb,
-                                           &sent[k], &h[k]),
-                         PKV_OK);
+        ck_assert_int_eq(
+            pkv_xfer_register(p[k].a, 50, sids, sn, PKV_DEADLINE_NEVER, reg_cb, &sent[k], &h[k]),
+            PKV_OK);
     /* rank 1 for rank 0's heads: refused before READ */
     pkv_xfer_read_opts_t wrong = {.head_lo = 0, .head_n = 4};
     pkv_xfer_why_t why = PKV_XFER_WHY_NONE;
@@ -1175,8 +1176,12 @@ START_TEST(tp2_pools_move_slices_between_ranks)
     for (int k = 0; k < 2; k++) {
         agent_on(&p[k], kv[0], false, "m");
         pkv_xfer_agent_destroy(p[k].a);
-        pkv_xfer_config_t xc = {.kv = kv[0], .stage = p[k].st, .chunk_bytes = 4096,
-                                .max_inflight = 256, .no_shared = true, .rank = (uint32_t)k,
+        pkv_xfer_config_t xc = {.kv = kv[0],
+                                .stage = p[k].st,
+                                .chunk_bytes = 4096,
+                                .max_inflight = 256,
+                                .no_shared = true,
+                                .rank = (uint32_t)k,
                                 .model_id = "m"};
         ck_assert_int_eq(pkv_xfer_agent_create(&xc, &p[k].a), PKV_OK);
         pkv_xfer_layout_t l;
@@ -1203,8 +1208,11 @@ START_TEST(tp2_pools_move_slices_between_ranks)
     for (int k = 0; k < 2; k++) {
         ck_assert_int_eq(
             pkv_xfer_register(p[k].a, 70, sids, sn, PKV_DEADLINE_NEVER, NULL, NULL, &h[k]), PKV_OK);
-        r[k] = (slice_read_t){.a = c.a, .h = h[k], .o = {.head_lo = 4 * (uint32_t)k, .head_n = 4},
-                              .dst = dids, .n = dn};
+        r[k] = (slice_read_t){.a = c.a,
+                              .h = h[k],
+                              .o = {.head_lo = 4 * (uint32_t)k, .head_n = 4},
+                              .dst = dids,
+                              .n = dn};
         slice_start(&r[k]);
     }
     for (int k = 0; k < 2; k++) ck_assert_int_eq(slice_wait(&r[k], NULL), PKV_OK);
@@ -1219,9 +1227,11 @@ START_TEST(tp2_pools_move_slices_between_ranks)
     ck_assert_int_eq(pkv_xfer_register(c.a, 71, dids, dn, PKV_DEADLINE_NEVER, NULL, NULL, &h[0]),
                      PKV_OK);
     for (int k = 0; k < 2; k++) {
-        r[k] = (slice_read_t){.a = p[k].a, .h = h[0],
+        r[k] = (slice_read_t){.a = p[k].a,
+                              .h = h[0],
                               .o = {.reads_total = 2, .read_index = (uint32_t)k},
-                              .dst = sids, .n = sn};
+                              .dst = sids,
+                              .n = sn};
         slice_start(&r[k]);
     }
     for (int k = 0; k < 2; k++) ck_assert_int_eq(slice_wait(&r[k], NULL), PKV_OK);

@@ -759,8 +759,11 @@ START_TEST(read_heads_and_reads_roundtrip_and_bounds)
     /* the slice's bytes bound the transfer: 16 blocks of every head would be 2^24 chunks of
      * 4 KiB (too many), of one head 2^18 */
     e = sample_read();
-    e.geo = (pkv_geometry_t){.layers = 4096, .kv_heads = 64, .head_dim = 128,
-                             .block_tokens = 16, .dtype = PKV_DTYPE_F32};
+    e.geo = (pkv_geometry_t){.layers = 4096,
+                             .kv_heads = 64,
+                             .head_dim = 128,
+                             .block_tokens = 16,
+                             .dtype = PKV_DTYPE_F32};
     e.head_n = 64;
     e.chunk_bytes = 4096;
     uint32_t sixteen[16];
@@ -821,9 +824,9 @@ START_TEST(hello_layout_roundtrip_and_bounds)
         size_t off;
         uint8_t v;
     } bad[] = {
-        {b + 10, 13}, {b + 10, 64}, {b + 12, 1}, {b + 16, 0}, {b + 32, 3},  {b + 36, 0},
-        {b + 36, 65}, {b + 40, 2},  {b + 48, 0}, {b + 44, 5}, {b + 52, 4},  {b + 52, 6},
-        {len - 1, 0x7f}, /* the model id's last character */
+        {b + 10, 13}, {b + 10, 64}, {b + 12, 1},     {b + 16, 0}, {b + 32, 3},
+        {b + 36, 0},  {b + 36, 65}, {b + 40, 2},     {b + 48, 0}, {b + 44, 5},
+        {b + 52, 4},  {b + 52, 6},  {len - 1, 0x7f}, /* the model id's last character */
     };
     for (size_t i = 0; i < PKV_ARRAY_LEN(bad); i++) {
         uint8_t copy[256];
@@ -868,8 +871,8 @@ START_TEST(hello_layout_roundtrip_and_bounds)
     ck_assert_int_eq(xf_wire_encode_hello(&e, buf, sizeof(buf), &len), PKV_OK);
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_OK);
     /* FAIL why LAYOUT (v5) */
-    xf_wire_fail_t f = {.xfer_id = 3, .request_id = 4, .reason = PKV_ERR_REJECTED,
-                        .why = XF_WIRE_WHY_LAYOUT};
+    xf_wire_fail_t f = {
+        .xfer_id = 3, .request_id = 4, .reason = PKV_ERR_REJECTED, .why = XF_WIRE_WHY_LAYOUT};
     snprintf(f.text, sizeof(f.text), "layout");
     ck_assert_int_eq(xf_wire_encode_fail(&f, buf, sizeof(buf), &len), PKV_OK);
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_OK);

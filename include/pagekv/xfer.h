@@ -53,9 +53,9 @@ extern "C" {
 #endif
 
 #define PKV_XFER_TOKEN_BYTES  16
-#define PKV_XFER_ADDR_MAX     64 /* "host:port" plus NUL */
-#define PKV_XFER_IDENTITY_MAX 63 /* an agent identity's printable ASCII characters */
-#define PKV_XFER_MODEL_ID_MAX 63 /* a layout's model id: printable ASCII characters */
+#define PKV_XFER_ADDR_MAX     64   /* "host:port" plus NUL */
+#define PKV_XFER_IDENTITY_MAX 63   /* an agent identity's printable ASCII characters */
+#define PKV_XFER_MODEL_ID_MAX 63   /* a layout's model id: printable ASCII characters */
 #define PKV_XFER_MAX_READS    1024 /* reads one registration may be read by (reads_total) */
 
 typedef struct pkv_xfer_agent pkv_xfer_agent_t;
@@ -91,8 +91,8 @@ typedef struct {
 /* An agent's layout: what its HELLO tells every peer when they connect. */
 typedef struct {
     char model_id[PKV_XFER_MODEL_ID_MAX + 1];
-    pkv_geometry_t geo; /* the model's: kv_heads counts every rank's heads */
-    uint32_t tp, rank;  /* the pool's TP degree and this agent's rank */
+    pkv_geometry_t geo;       /* the model's: kv_heads counts every rank's heads */
+    uint32_t tp, rank;        /* the pool's TP degree and this agent's rank */
     uint32_t head_lo, head_n; /* the KV heads the rank holds (global ids) */
     uint32_t wire;            /* wire version */
 } pkv_xfer_layout_t;
@@ -252,7 +252,8 @@ PKV_API int pkv_xfer_read_ex(pkv_xfer_agent_t *agent, const pkv_xfer_handle_t *h
  * PKV_XFER_WHY_BLOCKS when the handle's block ids (all of them, also those the read does
  * not name: the read carries a digest of the whole list) are not the registration's;
  * PKV_XFER_WHY_LAYOUT when the layouts are incompatible or the producer's rank does not
- * hold the read's heads; PKV_XFER_WHY_NONE otherwise (the producer's other refusals travel as text in its log). */
+ * hold the read's heads; PKV_XFER_WHY_NONE otherwise (the producer's other refusals travel as text
+ * in its log). */
 typedef enum {
     PKV_XFER_WHY_NONE = 0,
     PKV_XFER_WHY_IDENTITY = 1,

@@ -820,8 +820,7 @@ static int config_resolve(const pkv_xfer_config_t *in, pkv_xfer_config_t *c)
         return PKV_ERR_INVALID;
     }
     if (c->rank >= pkv_kv_tp(c->kv)) {
-        PKV_LOGE(XF_MOD, "config: rank %u, but the pool has %u rank(s)", c->rank,
-                 pkv_kv_tp(c->kv));
+        PKV_LOGE(XF_MOD, "config: rank %u, but the pool has %u rank(s)", c->rank, pkv_kv_tp(c->kv));
         return PKV_ERR_INVALID;
     }
     if (c->workers > 64 || c->seat_workers > 64 || c->max_inflight > 1024 ||

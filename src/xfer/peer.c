@@ -544,8 +544,8 @@ ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, voi
         if (!xf_layout_compatible(&a->layout, &p->layout, p->layout_why, sizeof(p->layout_why))) {
             /* Once a connection: every read on it ends rejected (why LAYOUT) before READ. */
             p->layout_bad = true;
-            PKV_LOGW(XF_MOD, "peer %u (%s, tp %u rank %u): layout incompatible: %s", p->id,
-                     p->addr, p->layout.tp, p->layout.rank, p->layout_why);
+            PKV_LOGW(XF_MOD, "peer %u (%s, tp %u rank %u): layout incompatible: %s", p->id, p->addr,
+                     p->layout.tp, p->layout.rank, p->layout_why);
         }
         if (p->outgoing) {
             xf_reads_on_hello(a, p);

@@ -335,9 +335,9 @@ static void reg_end(pkv_xfer_agent_t *a, xf_reg_t *r, int outcome)
     if (r->fn) r->fn(r->arg, r->request_id, outcome);
     for (xf_serve_t *s = a->serves; s; s = s->next)
         if (s->reg == r && !s->state_done) {
-            serve_finish(a, s, outcome == PKV_ERR_SHUTDOWN ? PKV_ERR_SHUTDOWN : PKV_ERR_CANCELLED,
-                         true,
-                         outcome == PKV_ERR_SHUTDOWN ? "producer shutting down" : "request withdrawn");
+            serve_finish(
+                a, s, outcome == PKV_ERR_SHUTDOWN ? PKV_ERR_SHUTDOWN : PKV_ERR_CANCELLED, true,
+                outcome == PKV_ERR_SHUTDOWN ? "producer shutting down" : "request withdrawn");
             s->end_settle = true;
         }
     /* Settled apart from the walk above: the last one's settle frees r. */
@@ -583,10 +583,11 @@ static xf_reg_t *serve_admit(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_re
         reject(a, p, r, PKV_ERR_REJECTED, why);
         return NULL;
     }
-    if (reg->reads_total && (bit_get(reg->busy, r->read_index) || bit_get(reg->done, r->read_index))) {
+    if (reg->reads_total &&
+        (bit_get(reg->busy, r->read_index) || bit_get(reg->done, r->read_index))) {
         reject(a, p, r, PKV_ERR_REJECTED,
                bit_get(reg->done, r->read_index) ? "read index already acknowledged"
-                                                  : "request busy with another read of this index");
+                                                 : "request busy with another read of this index");
         return NULL;
     }
     if (!geo_equal(&r->geo, &a->geo)) {

@@ -287,8 +287,7 @@ bool xf_wire_layout_valid(const pkv_xfer_layout_t *l)
  * within the geometry's heads; 1 <= reads_total <= the limit, read_index below it. */
 static bool read_heads_valid(const xf_wire_read_t *r, bool release)
 {
-    if (r->reads_total < 1 || r->reads_total > XF_WIRE_MAX_READS ||
-        r->read_index >= r->reads_total)
+    if (r->reads_total < 1 || r->reads_total > XF_WIRE_MAX_READS || r->read_index >= r->reads_total)
         return false;
     if (release) return r->head_lo == 0 && r->head_n == 0;
     return r->head_n >= 1 && (uint64_t)r->head_lo + r->head_n <= r->geo.kv_heads;

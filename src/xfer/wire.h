@@ -28,10 +28,10 @@
  * Version 5: READ names a head range (a slice of the KV heads: the stream is the slice's
  * bytes) and which of a registration's reads_total reads it is; HELLO is sent by both
  * sides and carries a layout descriptor (model id, geometry, tp, rank, the heads held,
- * wire version); FAIL why LAYOUT. Version 4: per-layer 16-byte MACs instead of v3's u64 checksums (DATA, the LAYERS list
- * and the trailer); READ carries the consumer's nonce, may name any subsequence of the
- * registered blocks, or none (RELEASE: token-only release, answered by an ACK from the
- * producer), and a digest of the handle's whole block list (checked against the
+ * wire version); FAIL why LAYOUT. Version 4: per-layer 16-byte MACs instead of v3's u64 checksums
+ * (DATA, the LAYERS list and the trailer); READ carries the consumer's nonce, may name any
+ * subsequence of the registered blocks, or none (RELEASE: token-only release, answered by an ACK
+ * from the producer), and a digest of the handle's whole block list (checked against the
  * registration's, so ids the plan does not name are checked too; a mismatch is FAIL with
  * why BLOCKS in the u16 that v1-v3 keep 0); HELLO: the accepting side presents its identity before
  * anything else. Version 3: a whole-stream read's checksums in a trailer (v2 sent a DATA with

@@ -165,9 +165,9 @@ struct xf_peer { /* every field [P] */
     bool hello_seen; /* the other side's HELLO came; `identity` and `layout` are its own */
     char identity[XF_WIRE_MAX_IDENTITY + 1];
     pkv_xfer_layout_t layout;
-    bool layout_bad;               /* its layout is incompatible with ours (logged once) */
-    char layout_why[192];          /* ... why, naming both values */
-    uint8_t foreign_version;       /* it speaks another wire version (no HELLO will come) */
+    bool layout_bad;         /* its layout is incompatible with ours (logged once) */
+    char layout_why[192];    /* ... why, naming both values */
+    uint8_t foreign_version; /* it speaks another wire version (no HELLO will come) */
     uint32_t ctl_inflight;   /* control sends not yet completed */
     uint32_t refs;           /* transfers using this peer */
     bool established;        /* the other side has spoken: control sends may go out */
@@ -231,7 +231,7 @@ struct xf_serve {
     xf_reg_t *reg;    /* [I] */
     uint64_t xfer_id; /* the consumer's id */
     uint64_t request_id;
-    uint32_t read_index; /* which of the registration's reads this is */
+    uint32_t read_index;               /* which of the registration's reads this is */
     uint8_t nonce[XF_MAC_NONCE_BYTES]; /* the READ's: its MAC keys */
     uint64_t deadline_ns;
     xf_view_t v; /* [I] blocks are producer pool blocks */
@@ -291,9 +291,9 @@ struct pkv_xfer_read {
     char addr[PKV_XFER_ADDR_MAX];
     char identity[XF_WIRE_MAX_IDENTITY + 1]; /* the producer we expect; "" none */
     bool check_identity;
-    bool release;         /* token-only release: no blocks, no staging */
+    bool release;                     /* token-only release: no blocks, no staging */
     uint32_t reads_total, read_index; /* sent in READ */
-    uint32_t *src_blocks; /* (n) producer ids from the handle (the subset read) */
+    uint32_t *src_blocks;             /* (n) producer ids from the handle (the subset read) */
     uint64_t deadline_ns;
     xf_view_t v; /* blocks are local destination blocks */
     /* [P] */
@@ -352,12 +352,12 @@ struct pkv_xfer_agent {
     pkv_xfer_config_t cfg;
     pkv_kv_t *kv;
     pkv_stage_t *stage;
-    pkv_geometry_t geo;   /* the model's (kv_heads: every rank's) */
-    uint64_t layer_bytes; /* one block's slice of one layer, every head */
-    uint32_t tp, rank;    /* the pool's ranks and this agent's */
+    pkv_geometry_t geo;       /* the model's (kv_heads: every rank's) */
+    uint64_t layer_bytes;     /* one block's slice of one layer, every head */
+    uint32_t tp, rank;        /* the pool's ranks and this agent's */
     uint32_t head_lo, head_n; /* the heads the rank holds */
     pkv_xfer_layout_t layout; /* what our HELLO says */
-    size_t page_bytes;    /* staging page */
+    size_t page_bytes;        /* staging page */
     char addr[PKV_XFER_ADDR_MAX];
     uint64_t agent_id;
     bool have_boot_id;
@@ -453,8 +453,8 @@ void xf_busy_add(pkv_xfer_agent_t *a, int delta);
 bool xf_small(const pkv_xfer_agent_t *a, uint64_t bytes);
 /* Are two layouts compatible (model id when both set, layers, kv_heads, head_dim,
  * block_tokens, dtype)? false: why (cap bytes) names both values. */
-bool xf_layout_compatible(const pkv_xfer_layout_t *ours, const pkv_xfer_layout_t *theirs,
-                          char *why, size_t cap);
+bool xf_layout_compatible(const pkv_xfer_layout_t *ours, const pkv_xfer_layout_t *theirs, char *why,
+                          size_t cap);
 /* Probes (agent.c): take new ones, the HELLO came or the peer is gone, the tick, shutdown. */
 void xf_probes_admit(pkv_xfer_agent_t *a, xf_probe_t *list);
 void xf_probes_on_peer(pkv_xfer_agent_t *a, xf_peer_t *p, int rc);
