@@ -373,9 +373,13 @@ void xf_send_fail(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, uint64_t 
     xf_send_fail_why(a, p, xfer_id, request_id, reason, 0, text);
 }
 
-/* Each side's first message: who we are and our layout (the accepting side's before any
- * heartbeat, so a consumer has it with the first message it gets; the connecting side's
- * leaves once the server has spoken). */
+/* Who we are and our layout. The connecting side's is queued at connect and leaves once
+ * the server has spoken (its first heartbeat); the accepting side answers it with its own.
+ * Not the accepting side's first message: with a layout it is longer than the
+ * shared-memory transport's short limit (100 bytes), and UCX 1.13 replays a message posted
+ * on a server endpoint still wiring up with the short protocol anyway ("Invalid
+ * am_short_iov length: 123 (expected: <= 100)", the endpoint fails: openucx/ucx#6872);
+ * once the client's HELLO arrived, the endpoint is up. */
 static void send_hello(pkv_xfer_agent_t *a, xf_peer_t *p)
 {
     xf_wire_hello_t h = {.agent_id = a->agent_id, .layout = a->layout};
@@ -413,11 +417,9 @@ void xf_peers_tick(pkv_xfer_agent_t *a, uint64_t now)
             } else if (xf_since(now, p->last_rx_ns) > a->cfg.peer_timeout_ns) {
                 xf_peer_fail(a, p, "silent past the peer timeout");
             } else if (now >= p->next_hb_ns && p->established) {
-                /* A stalled peer stops completing our sends: don't pile heartbeats up. */
-                if (!p->outgoing && !p->hello_sent)
-                    send_hello(a, p);
-                else if (p->ctl_inflight < 16)
-                    send_heartbeat(a, p);
+                /* A stalled peer stops completing our sends: don't pile heartbeats up. The
+                 * accepting side's first heartbeat goes at once: the client waits for it. */
+                if (p->ctl_inflight < 16) send_heartbeat(a, p);
                 p->next_hb_ns = now + a->cfg.heartbeat_ns;
             }
         }
@@ -485,6 +487,9 @@ ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, voi
     if (!p || p->state != XF_PEER_ACTIVE) return UCS_OK;
     p->rx_seen = true; /* the tick stamps last_rx_ns */
     if (!p->established) peer_established(p);
+    /* The client spoke (its HELLO, or another version's message): the endpoint is up, our
+     * HELLO may go (see send_hello). */
+    if (!p->outgoing && !p->hello_sent) send_hello(a, p);
     xf_wire_msg_t m;
     if (xf_wire_decode(data, length, &m)) {
         xf_wire_foreign_t f = {0, 0, 0};

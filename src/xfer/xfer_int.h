@@ -160,8 +160,8 @@ struct xf_peer { /* every field [P] */
     uint64_t next_hb_ns;
     uint64_t hb_seq;
     uint64_t remote_agent_id;
-    bool hello_sent; /* our HELLO went out (incoming: before any heartbeat; outgoing: queued
-                        at connect, it leaves once the server has spoken) */
+    bool hello_sent; /* our HELLO went out (outgoing: queued at connect, it leaves once the
+                        server has spoken; incoming: the answer to the client's HELLO) */
     bool hello_seen; /* the other side's HELLO came; `identity` and `layout` are its own */
     char identity[XF_WIRE_MAX_IDENTITY + 1];
     pkv_xfer_layout_t layout;
