@@ -19,17 +19,23 @@ static uint64_t mix(uint64_t h, int32_t tok)
     return pkv_test_rand(&s);
 }
 
-/* Fill K/V of position pos in every layer/head with a pattern derived from h. */
+/* Fill K/V of position pos in every layer/head (of every tensor-parallel rank holding
+ * it) with a pattern derived from h and the global head. */
 static void fill_pos(pkv_seq_t *s, uint32_t pos, uint64_t h)
 {
     const pkv_geometry_t *g = pkv_kv_geometry(s->kv);
     size_t es = pkv_dtype_size(g->dtype), row = g->head_dim * es;
-    for (uint32_t l = 0; l < g->layers; l++) {
+    uint32_t tp = pkv_kv_tp(s->kv);
+    for (uint32_t lr = 0; lr < g->layers * tp; lr++) { /* every (layer, rank) */
+        uint32_t l = lr / tp, r = lr % tp;
         void *k, *v;
         size_t hs;
-        pkv_seq_slot(s, pos, l, &k, &v, &hs);
-        for (uint32_t hd = 0; hd < g->kv_heads; hd++) {
-            uint8_t *kp = (uint8_t *)k + hd * hs * es, *vp = (uint8_t *)v + hd * hs * es;
+        uint32_t lo, n;
+        pkv_kv_tp_heads(g->kv_heads, tp, r, &lo, &n);
+        pkv_seq_slot_rank(s, r, pos, l, &k, &v, &hs);
+        for (uint32_t hd = lo; hd < lo + n; hd++) {
+            uint8_t *kp = (uint8_t *)k + (hd - lo) * hs * es;
+            uint8_t *vp = (uint8_t *)v + (hd - lo) * hs * es;
             uint64_t st = h + l * 131 + hd * 7;
             for (size_t i = 0; i < row; i += 8) {
                 uint64_t a = pkv_test_rand(&st), b = ~a;
@@ -40,18 +46,21 @@ static void fill_pos(pkv_seq_t *s, uint32_t pos, uint64_t h)
     }
 }
 
-/* Check K/V of position pos against the pattern, reading through runs. */
+/* Check K/V of position pos against the pattern, reading through runs (in every rank). */
 static int check_pos(const pkv_seq_t *s, uint32_t pos, uint64_t h)
 {
     const pkv_geometry_t *g = pkv_kv_geometry(s->kv);
     size_t es = pkv_dtype_size(g->dtype), row = g->head_dim * es;
-    for (uint32_t l = 0; l < g->layers; l++) {
+    uint32_t tp = pkv_kv_tp(s->kv);
+    for (uint32_t lr = 0; lr < g->layers * tp; lr++) { /* every (layer, rank) */
+        uint32_t l = lr / tp, r = lr % tp;
         pkv_kv_run_t run;
-        uint32_t next;
-        PKV_CHECK_EQ(pkv_seq_runs(s, l, pos, pos + 1, &run, 1, &next), 1);
-        for (uint32_t hd = 0; hd < g->kv_heads; hd++) {
-            const uint8_t *kp = (const uint8_t *)run.k + hd * run.head_stride * es;
-            const uint8_t *vp = (const uint8_t *)run.v + hd * run.head_stride * es;
+        uint32_t next, lo, n;
+        pkv_kv_tp_heads(g->kv_heads, tp, r, &lo, &n);
+        PKV_CHECK_EQ(pkv_seq_runs_rank(s, r, l, pos, pos + 1, &run, 1, &next), 1);
+        for (uint32_t hd = lo; hd < lo + n; hd++) {
+            const uint8_t *kp = (const uint8_t *)run.k + (hd - lo) * run.head_stride * es;
+            const uint8_t *vp = (const uint8_t *)run.v + (hd - lo) * run.head_stride * es;
             uint64_t st = h + l * 131 + hd * 7;
             for (size_t i = 0; i < row; i += 8) {
                 uint64_t a = pkv_test_rand(&st), b = ~a;
@@ -279,15 +288,18 @@ static void arm_random_fault(model_t *m)
     if (pick < 2) pkv_fault_arm(pick ? PKV_FAULT_COMMIT : PKV_FAULT_ALLOC, skip, 1);
 }
 
-static void run_property(pkv_backend_t backend, uint32_t runs, uint32_t steps, bool faults)
+static void run_property_tp(pkv_backend_t backend, uint32_t runs, uint32_t steps, bool faults,
+                            const pkv_geometry_t *geo, uint32_t tp)
 {
-    uint64_t base = pkv_test_seed(0x5eed0000 + backend + (faults ? 0x100 : 0));
+    uint64_t base = pkv_test_seed(0x5eed0000 + backend + (faults ? 0x100 : 0) +
+                                  (tp > 1 ? tp * 0x1000 + geo->kv_heads : 0));
     uint32_t nospace = 0, hits = 0, nofit = 0, nomem = 0;
     for (uint32_t run = 0; run < runs; run++) {
         uint64_t seed = base + run;
         model_t m = {.rng = seed, .faults = faults};
         /* 8 KiB blocks, 4 per 32 KiB granule; a budget of 16..79 blocks puts pressure on. */
-        pkv_kv_config_t cfg = {.geo = prop_geo,
+        pkv_kv_config_t cfg = {.geo = *geo,
+                               .tp = tp,
                                .backend = backend,
                                .granule_bytes = 32768,
                                .budget_bytes = (4 + pkv_test_below(&m.rng, 16)) * 32768ull,
@@ -331,11 +343,32 @@ static void run_property(pkv_backend_t backend, uint32_t runs, uint32_t steps, b
     PKV_CHECK(nospace > 0);
     PKV_CHECK(hits > 0);
     PKV_CHECK(!faults || nomem > 0);
-    printf("property %s%s: %u runs x %u steps, %u prefix hits, %u nospace, %u nofit, %u nomem "
-           "(seed base %llu)\n",
-           pkv_backend_name(backend), faults ? " with faults" : "", runs, steps, hits, nospace,
-           nofit, nomem, (unsigned long long)base);
+    printf("property %s%s tp %u (%u KV heads): %u runs x %u steps, %u prefix hits, %u nospace, "
+           "%u nofit, %u nomem (seed base %llu)\n",
+           pkv_backend_name(backend), faults ? " with faults" : "", tp, geo->kv_heads, runs, steps,
+           hits, nospace, nofit, nomem, (unsigned long long)base);
 }
+
+static void run_property(pkv_backend_t backend, uint32_t runs, uint32_t steps, bool faults)
+{
+    run_property_tp(backend, runs, steps, faults, &prop_geo, 1);
+}
+
+/* 8 KV heads, 8 KiB blocks as prop_geo: tp 2, 4, 8 split the heads; tp 4 over prop_geo's 2
+ * heads replicates each on two ranks. A slice of the property run, with and without faults. */
+static const pkv_geometry_t prop_geo8 = {
+    .layers = 2, .kv_heads = 8, .head_dim = 4, .block_tokens = 16, .dtype = PKV_DTYPE_F32};
+
+START_TEST(property_paged_tp)
+{
+    for (uint32_t tp = 2; tp <= 8; tp *= 2) {
+        run_property_tp(PKV_BACKEND_PAGED, 150, 40, false, &prop_geo8, tp);
+        run_property_tp(PKV_BACKEND_PAGED, 60, 40, true, &prop_geo8, tp);
+    }
+    run_property_tp(PKV_BACKEND_PAGED, 150, 40, false, &prop_geo, 4);
+    run_property_tp(PKV_BACKEND_PAGED, 60, 40, true, &prop_geo, 4);
+}
+END_TEST
 
 START_TEST(property_paged)
 {
@@ -1158,6 +1191,7 @@ static Suite *pool_suite(void)
     tcase_add_test(tc, property_dense);
     tcase_add_test(tc, property_paged_with_faults);
     tcase_add_test(tc, property_dense_with_faults);
+    tcase_add_test(tc, property_paged_tp);
     tcase_add_test(tc, runs_span_consecutive_slots_and_match_slots);
     suite_add_tcase(s, tc);
     tc = tcase_create("properties");

@@ -191,12 +191,13 @@ START_TEST(view_copies_layers_from_whole_stream_pieces)
     pkv_seq_blocks(q, &ids, &n);
     ck_assert_uint_eq(n, 5);
     xf_view_t v;
-    ck_assert_int_eq(xf_view_init(&v, s.a, n, ids, 4096, true), PKV_OK);
+    ck_assert_int_eq(xf_view_init(&v, s.a, n, ids, 4096, true, 0, SMALL.kv_heads), PKV_OK);
     xf_mac_t *mac = xf_mac_create();
     ck_assert_ptr_nonnull(mac);
     v.keys = malloc((size_t)XF_MAC_KEY_BYTES * v.layers);
     const uint8_t token[PKV_XFER_TOKEN_BYTES] = {1, 2, 3}, nonce[XF_MAC_NONCE_BYTES] = {4};
-    ck_assert_int_eq(xf_mac_keys(mac, token, nonce, 7, n, v.layers, v.keys), PKV_OK);
+    ck_assert_int_eq(xf_mac_keys(mac, token, nonce, 7, n, v.layers, 0, SMALL.kv_heads, v.keys),
+                     PKV_OK);
     const uint64_t lt = v.layer_total, total = lt * v.layers;
     const uint64_t piece =
         pkv_geometry_token_bytes(&SMALL) / SMALL.layers / 2 / SMALL.kv_heads * SMALL.block_tokens;
@@ -623,6 +624,628 @@ START_TEST(token_only_release_returns_pins_at_once)
     ck_assert_int_eq(read_ex_outcome(x.c.a, h, NULL, NULL, 0, NULL, NULL), PKV_ERR_REJECTED);
     pkv_xfer_handle_free(h);
     pair_free(&x);
+}
+END_TEST
+
+/* ---- tensor parallelism: head slices, several reads of one registration, layouts ------- */
+static const pkv_geometry_t HEADS8 = {
+    .layers = 3, .kv_heads = 8, .head_dim = 16, .block_tokens = 8, .dtype = PKV_DTYPE_BF16};
+
+/* An agent (with its own stage) over the pool kv, which it does not own: a second rank's
+ * agent over the same pool (with faults.heads_* standing in for that rank's heads). */
+static void agent_on(side_t *s, pkv_kv_t *kv, bool layered, const char *model_id)
+{
+    s->kv = kv;
+    pkv_stage_config_t sc;
+    pkv_stage_config_default(&sc);
+    sc.page_bytes = 4096;
+    sc.pool_pages = 1024;
+    sc.pin = false;
+    ck_assert_int_eq(pkv_stage_create(&sc, &s->st), PKV_OK);
+    pkv_xfer_config_t xc;
+    memset(&xc, 0, sizeof(xc));
+    xc.kv = kv;
+    xc.stage = s->st;
+    xc.chunk_bytes = 4096;
+    xc.max_inflight = 256;
+    xc.no_shared = true;
+    xc.no_inline_copy = layered;
+    xc.model_id = model_id;
+    ck_assert_int_eq(pkv_xfer_agent_create(&xc, &s->a), PKV_OK);
+}
+
+/* An agent over its own new pool of geometry g. */
+static void side_model(side_t *s, const pkv_geometry_t *g, bool layered, const char *model_id)
+{
+    pkv_kv_config_t kc;
+    memset(&kc, 0, sizeof(kc));
+    kc.geo = *g;
+    kc.no_prefix_cache = true;
+    pkv_kv_t *kv;
+    ck_assert_int_eq(pkv_kv_create(&kc, &kv), PKV_OK);
+    agent_on(s, kv, layered, model_id);
+}
+
+static void agent_off(side_t *s)
+{
+    pkv_xfer_agent_destroy(s->a);
+    size_t leaked = 1;
+    ck_assert_int_eq(pkv_stage_destroy(s->st, pkv_deadline_after_ns(2000000000ull), &leaked),
+                     PKV_OK);
+    ck_assert_uint_eq(leaked, 0);
+}
+
+/* This agent's rank holds only heads [lo, lo + n) of its TP=1 pool (faults.heads_*). */
+static void agent_heads(side_t *s, uint32_t lo, uint32_t n, bool hello_all)
+{
+    pkv_xfer_faults_t f = {
+        .corrupt_layer = -1, .heads_lo = lo, .heads_n = n, .hello_all_heads = hello_all};
+    pkv_xfer_set_faults(s->a, &f);
+}
+
+static size_t head_piece(pkv_kv_t *kv)
+{
+    const pkv_geometry_t *g = pkv_kv_geometry(kv);
+    return pkv_kv_block_bytes(kv) / (2 * (size_t)g->layers * g->kv_heads);
+}
+
+/* Heads [lo, lo + n) of blocks sb (pool p) and db (pool c) hold the same bytes. */
+static bool heads_equal(pkv_kv_t *p, uint32_t sb, pkv_kv_t *c, uint32_t db, uint32_t lo, uint32_t n)
+{
+    const pkv_geometry_t *g = pkv_kv_geometry(p);
+    for (uint32_t l = 0; l < g->layers; l++)
+        for (uint32_t w = 0; w < 2; w++)
+            for (uint32_t h = lo; h < lo + n; h++)
+                if (memcmp(pkv_kv_block_head(p, sb, l, w, h), pkv_kv_block_head(c, db, l, w, h),
+                           head_piece(p)))
+                    return false;
+    return true;
+}
+
+/* Fill (set) or check every byte of heads [lo, lo + n) of block b against `byte`. */
+static bool heads_byte(pkv_kv_t *kv, uint32_t b, uint32_t lo, uint32_t n, uint8_t byte, bool set)
+{
+    const pkv_geometry_t *g = pkv_kv_geometry(kv);
+    size_t piece = head_piece(kv);
+    for (uint32_t l = 0; l < g->layers; l++)
+        for (uint32_t w = 0; w < 2; w++)
+            for (uint32_t h = lo; h < lo + n; h++) {
+                uint8_t *q = pkv_kv_block_head(kv, b, l, w, h);
+                for (size_t i = 0; i < piece; i++) {
+                    if (set)
+                        q[i] = byte;
+                    else if (q[i] != byte)
+                        return false;
+                }
+            }
+    return true;
+}
+
+static void wait_calls(reg_cb_t *cb, int n)
+{
+    for (int i = 0; i < 600 && atomic_load(&cb->calls) < n; i++) usleep(5000);
+    ck_assert_int_eq(atomic_load(&cb->calls), n);
+}
+
+/* A read of heads [2, 5) of 8 moves exactly that slice: 3/8 of each block's bytes, counted
+ * so on both sides (pkv_xfer_read_bytes, the stats); those heads equal the producer's, the
+ * consumer's other heads keep what they held, the registration ends sent. A range beyond
+ * the heads, or outside the consumer's rank, is refused at once. Whole stream and layer by
+ * layer; the default range (head_n 0) moves every head, as before. */
+START_TEST(head_slice_read_moves_only_its_heads)
+{
+    for (int layered = 0; layered < 2; layered++) {
+        pair_t x;
+        pair_make_with(&x, &HEADS8, 37, 3, layered, layered);
+        xh_pattern_apply(x.src, pkv_kv_geometry(x.p.kv), 7, 0, 37, true);
+        for (uint32_t i = 0; i < x.dn; i++) heads_byte(x.c.kv, x.dids[i], 0, 8, 0xa5, true);
+        reg_cb_t sent = {0, 0, 0};
+        pkv_xfer_handle_t *h;
+        ck_assert_int_eq(
+            pkv_xfer_register(x.p.a, 21, x.sids, x.sn, PKV_DEADLINE_NEVER, reg_cb, &sent, &h),
+            PKV_OK);
+        pkv_xfer_read_t *rd;
+        uint64_t far = pkv_deadline_after_ns(1000000000ull);
+        pkv_xfer_read_opts_t bad = {.head_lo = 6, .head_n = 3};
+        ck_assert_int_eq(pkv_xfer_read_ex(x.c.a, h, &bad, x.dids, x.dn, far, NULL, NULL, &rd),
+                         PKV_ERR_INVALID);
+        bad = (pkv_xfer_read_opts_t){.reads_total = 2, .read_index = 2};
+        ck_assert_int_eq(pkv_xfer_read_ex(x.c.a, h, &bad, x.dids, x.dn, far, NULL, NULL, &rd),
+                         PKV_ERR_INVALID);
+        bad = (pkv_xfer_read_opts_t){.reads_total = PKV_XFER_MAX_READS + 1};
+        ck_assert_int_eq(pkv_xfer_read_ex(x.c.a, h, &bad, x.dids, x.dn, far, NULL, NULL, &rd),
+                         PKV_ERR_INVALID);
+        agent_heads(&x.c, 0, 4, false); /* the consumer's rank holds [0, 4) only */
+        bad = (pkv_xfer_read_opts_t){.head_lo = 2, .head_n = 3};
+        ck_assert_int_eq(pkv_xfer_read_ex(x.c.a, h, &bad, x.dids, x.dn, far, NULL, NULL, &rd),
+                         PKV_ERR_INVALID);
+        agent_heads(&x.c, 0, 8, false);
+        pkv_xfer_read_opts_t o = {.head_lo = 2, .head_n = 3};
+        uint64_t bytes = 0, bb = pkv_kv_block_bytes(x.p.kv);
+        ck_assert_int_eq(read_ex_outcome(x.c.a, h, &o, x.dids, x.dn, NULL, &bytes), PKV_OK);
+        ck_assert_uint_eq(bytes, x.sn * bb / 8 * 3);
+        for (uint32_t i = 0; i < x.sn; i++) {
+            ck_assert_msg(heads_equal(x.p.kv, x.sids[i], x.c.kv, x.dids[i], 2, 3), "block %u", i);
+            ck_assert(heads_byte(x.c.kv, x.dids[i], 0, 2, 0xa5, false));
+            ck_assert(heads_byte(x.c.kv, x.dids[i], 5, 3, 0xa5, false));
+        }
+        wait_calls(&sent, 1);
+        ck_assert_int_eq(atomic_load(&sent.outcome), PKV_OK);
+        ck_assert_int_eq(pkv_xfer_wait_idle(x.p.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
+        pkv_xfer_stats_t cs, ps;
+        pkv_xfer_stats(x.c.a, &cs);
+        pkv_xfer_stats(x.p.a, &ps);
+        ck_assert_uint_eq(cs.bytes_received, bytes);
+        ck_assert_uint_eq(ps.bytes_sent, bytes);
+        ck_assert_uint_eq(ps.sent, 1);
+        ck_assert_uint_eq(ps.registrations + ps.pinned_blocks + cs.pinned_blocks, 0);
+        ck_assert_uint_eq(ps.staging_pages_held + cs.staging_pages_held, 0);
+        pkv_xfer_handle_free(h);
+        /* head_n 0: every head the consumer's rank holds (TP=1: all of them) */
+        ck_assert_int_eq(
+            pkv_xfer_register(x.p.a, 22, x.sids, x.sn, PKV_DEADLINE_NEVER, NULL, NULL, &h), PKV_OK);
+        ck_assert_int_eq(read_ex_outcome(x.c.a, h, NULL, x.dids, x.dn, NULL, &bytes), PKV_OK);
+        ck_assert_uint_eq(bytes, x.sn * bb);
+        for (uint32_t i = 0; i < x.sn; i++)
+            ck_assert(block_equal(x.p.kv, x.sids[i], x.c.kv, x.dids[i]));
+        pkv_xfer_handle_free(h);
+        pair_free(&x);
+    }
+}
+END_TEST
+
+typedef struct {
+    pkv_xfer_agent_t *a;
+    const pkv_xfer_handle_t *h;
+    pkv_xfer_read_opts_t o;
+    const uint32_t *dst;
+    uint32_t n;
+    pkv_xfer_read_t *rd;
+} slice_read_t;
+
+static void slice_start(slice_read_t *r)
+{
+    ck_assert_int_eq(pkv_xfer_read_ex(r->a, r->h, &r->o, r->dst, r->n,
+                                      pkv_deadline_after_ns(5000000000ull), NULL, NULL, &r->rd),
+                     PKV_OK);
+}
+
+static int slice_wait(slice_read_t *r, uint64_t *bytes)
+{
+    int oc = 0;
+    ck_assert_int_eq(pkv_xfer_read_wait(r->rd, pkv_deadline_after_ns(8000000000ull), &oc), PKV_OK);
+    if (bytes) *bytes = pkv_xfer_read_bytes(r->rd);
+    pkv_xfer_read_free(r->rd);
+    r->rd = NULL;
+    return oc;
+}
+
+/* One registration read by two consumer agents, each a different head slice (reads_total 2,
+ * the decode ranks of a TP=2 node reading a TP=1 producer: 1 -> 2): both ok, concurrently;
+ * the producer's sent callback fires once, after both ACKs, and its pins return then, not
+ * after the first; the bytes are each consumer's slice. Another read of an index already
+ * acknowledged, or with another reads_total, is refused; once sent, the request is gone.
+ * One read and the lease's expiry: the callback says timeout and the pins return. A release
+ * counts as one of the reads. Through both copy paths. */
+START_TEST(two_consumers_read_slices_of_one_registration)
+{
+    for (int layered = 0; layered < 2; layered++) {
+        side_t p, c[2];
+        side_model(&p, &HEADS8, layered, "m");
+        side_model(&c[0], &HEADS8, layered, "m");
+        side_model(&c[1], &HEADS8, layered, NULL); /* no model id: not compared */
+        agent_heads(&c[0], 0, 4, false);
+        agent_heads(&c[1], 4, 4, false);
+        pkv_seq_t *src = seq_with(p.kv, 45, true, 9), *dst[2];
+        const uint32_t *sids, *dids[2];
+        uint32_t sn, dn;
+        pkv_seq_blocks(src, &sids, &sn);
+        xh_pattern_apply(src, &HEADS8, 11, 0, 45, true);
+        for (int k = 0; k < 2; k++) {
+            dst[k] = seq_with(c[k].kv, 45, false, 9);
+            pkv_seq_blocks(dst[k], &dids[k], &dn);
+            ck_assert_uint_eq(dn, sn);
+        }
+        uint64_t bb = pkv_kv_block_bytes(p.kv);
+        pkv_xfer_stats_t ps;
+        for (int concurrent = 0; concurrent < 2; concurrent++) {
+            reg_cb_t sent = {0, 0, 0};
+            pkv_xfer_handle_t *h;
+            uint64_t req = 30 + (uint64_t)concurrent;
+            ck_assert_int_eq(
+                pkv_xfer_register(p.a, req, sids, sn, PKV_DEADLINE_NEVER, reg_cb, &sent, &h),
+                PKV_OK);
+            slice_read_t r[2];
+            for (int k = 0; k < 2; k++)
+                r[k] =
+                    (slice_read_t){.a = c[k].a,
+                                   .h = h,
+                                   .o = {.head_n = 0, .reads_total = 2, .read_index = (uint32_t)k},
+                                   .dst = dids[k],
+                                   .n = dn};
+            uint64_t bytes[2] = {0, 0};
+            if (concurrent) {
+                slice_start(&r[0]);
+                slice_start(&r[1]);
+                ck_assert_int_eq(slice_wait(&r[0], &bytes[0]), PKV_OK);
+                ck_assert_int_eq(slice_wait(&r[1], &bytes[1]), PKV_OK);
+            } else {
+                slice_start(&r[0]);
+                ck_assert_int_eq(slice_wait(&r[0], &bytes[0]), PKV_OK);
+                ck_assert_int_eq(pkv_xfer_wait_idle(p.a, pkv_deadline_after_ns(3000000000ull)),
+                                 PKV_OK);
+                pkv_xfer_stats(p.a, &ps);
+                ck_assert_int_eq(atomic_load(&sent.calls), 0); /* one of two: not sent yet */
+                ck_assert_uint_eq(ps.pinned_blocks, sn);
+                ck_assert_uint_eq(ps.registrations, 1);
+                /* the same index again, or another count: refused, the registration stays */
+                r[0].o.read_index = 0;
+                ck_assert_int_eq(read_ex_outcome(c[0].a, h, &r[0].o, dids[0], dn, NULL, NULL),
+                                 PKV_ERR_REJECTED);
+                pkv_xfer_read_opts_t three = {.reads_total = 3, .read_index = 1};
+                ck_assert_int_eq(read_ex_outcome(c[1].a, h, &three, dids[1], dn, NULL, NULL),
+                                 PKV_ERR_REJECTED);
+                slice_start(&r[1]);
+                ck_assert_int_eq(slice_wait(&r[1], &bytes[1]), PKV_OK);
+            }
+            for (int k = 0; k < 2; k++) ck_assert_uint_eq(bytes[k], sn * bb / 2);
+            wait_calls(&sent, 1);
+            ck_assert_int_eq(atomic_load(&sent.outcome), PKV_OK);
+            ck_assert_int_eq(pkv_xfer_wait_idle(p.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
+            pkv_xfer_stats(p.a, &ps);
+            ck_assert_uint_eq(ps.registrations + ps.pinned_blocks + ps.staging_pages_held, 0);
+            for (uint32_t i = 0; i < sn; i++) {
+                ck_assert(heads_equal(p.kv, sids[i], c[0].kv, dids[0][i], 0, 4));
+                ck_assert(heads_equal(p.kv, sids[i], c[1].kv, dids[1][i], 4, 4));
+            }
+            /* sent: a third read finds no request */
+            pkv_xfer_read_opts_t again = {.reads_total = 2, .read_index = 1};
+            ck_assert_int_eq(read_ex_outcome(c[1].a, h, &again, dids[1], dn, NULL, NULL),
+                             PKV_ERR_REJECTED);
+            pkv_xfer_handle_free(h);
+        }
+        pkv_xfer_stats(p.a, &ps);
+        ck_assert_uint_eq(ps.sent, 2);
+        ck_assert_uint_eq(ps.released, 0);
+        ck_assert_uint_eq(ps.bytes_sent, 2 * sn * bb);
+        ck_assert_uint_eq(ps.serves_failed, 0);
+
+        /* one read, then the lease runs out: timeout, pins back */
+        reg_cb_t lease = {0, 0, 0};
+        pkv_xfer_handle_t *h;
+        ck_assert_int_eq(pkv_xfer_register(p.a, 40, sids, sn, pkv_deadline_after_ns(400000000ull),
+                                           reg_cb, &lease, &h),
+                         PKV_OK);
+        pkv_xfer_read_opts_t one = {.reads_total = 2, .read_index = 1};
+        ck_assert_int_eq(read_ex_outcome(c[1].a, h, &one, dids[1], dn, NULL, NULL), PKV_OK);
+        ck_assert_int_eq(atomic_load(&lease.calls), 0);
+        wait_calls(&lease, 1);
+        ck_assert_int_eq(atomic_load(&lease.outcome), PKV_ERR_TIMEOUT);
+        ck_assert_int_eq(pkv_xfer_wait_idle(p.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
+        pkv_xfer_stats(p.a, &ps);
+        ck_assert_uint_eq(ps.registrations + ps.pinned_blocks, 0);
+        ck_assert_uint_eq(ps.expired, 1);
+        pkv_xfer_handle_free(h);
+
+        /* a release counts as one read: the rank that needs none of these heads */
+        reg_cb_t rel = {0, 0, 0};
+        ck_assert_int_eq(pkv_xfer_register(p.a, 41, sids, sn, PKV_DEADLINE_NEVER, reg_cb, &rel, &h),
+                         PKV_OK);
+        pkv_xfer_read_opts_t r0 = {.reads_total = 2, .read_index = 0};
+        ck_assert_int_eq(read_ex_outcome(c[0].a, h, &r0, NULL, 0, NULL, NULL), PKV_OK);
+        pkv_xfer_stats(p.a, &ps);
+        ck_assert_uint_eq(ps.pinned_blocks, sn); /* one of two */
+        ck_assert_int_eq(atomic_load(&rel.calls), 0);
+        ck_assert_int_eq(read_ex_outcome(c[1].a, h, &one, dids[1], dn, NULL, NULL), PKV_OK);
+        wait_calls(&rel, 1);
+        ck_assert_int_eq(atomic_load(&rel.outcome), PKV_OK);
+        ck_assert_int_eq(pkv_xfer_wait_idle(p.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
+        pkv_xfer_stats(p.a, &ps);
+        ck_assert_uint_eq(ps.registrations + ps.pinned_blocks, 0);
+        ck_assert_uint_eq(ps.sent, 3);
+        ck_assert_uint_eq(ps.released, 0); /* bytes moved: not a token-only release */
+        pkv_xfer_handle_free(h);
+        /* two releases: a registration nobody needs */
+        ck_assert_int_eq(pkv_xfer_register(p.a, 42, sids, sn, PKV_DEADLINE_NEVER, NULL, NULL, &h),
+                         PKV_OK);
+        ck_assert_int_eq(read_ex_outcome(c[0].a, h, &r0, NULL, 0, NULL, NULL), PKV_OK);
+        ck_assert_int_eq(read_ex_outcome(c[1].a, h, &one, NULL, 0, NULL, NULL), PKV_OK);
+        pkv_xfer_stats(p.a, &ps);
+        ck_assert_uint_eq(ps.registrations + ps.pinned_blocks, 0);
+        ck_assert_uint_eq(ps.released, 1);
+        pkv_xfer_handle_free(h);
+
+        pkv_seq_free(src);
+        for (int k = 0; k < 2; k++) {
+            pkv_xfer_stats_t cs;
+            pkv_xfer_stats(c[k].a, &cs);
+            ck_assert_uint_eq(cs.pinned_blocks + cs.staging_pages_held + cs.active_transfers, 0);
+            pkv_seq_free(dst[k]);
+            agent_off(&c[k]);
+            pkv_kv_destroy(c[k].kv);
+        }
+        agent_off(&p);
+        pkv_kv_destroy(p.kv);
+    }
+}
+END_TEST
+
+/* Two producer ranks (two agents over one TP=1 pool, each holding half the heads: the
+ * prefill ranks of a TP=2 node) and one TP=1 consumer: 2 -> 1. Each rank registers the
+ * request's blocks (its own token); the consumer reads heads [0, 4) from rank 0 and [4, 8)
+ * from rank 1 into the same destination blocks at once; both ok, every head equals the
+ * producer's. A read of rank 1's handle for rank 0's heads is refused at the handshake
+ * (rank 1's HELLO says what it holds: PKV_XFER_WHY_LAYOUT, no READ left); a rank whose HELLO
+ * claims every head but holds half is caught by its own READ check (FAIL why LAYOUT). */
+START_TEST(two_producer_ranks_feed_one_consumer)
+{
+    side_t p[2], c;
+    side_model(&p[0], &HEADS8, false, "m");
+    agent_on(&p[1], p[0].kv, false, "m");
+    agent_heads(&p[0], 0, 4, false);
+    agent_heads(&p[1], 4, 4, false);
+    side_model(&c, &HEADS8, false, "m");
+    pkv_seq_t *src = seq_with(p[0].kv, 29, true, 4), *dst = seq_with(c.kv, 29, false, 4);
+    const uint32_t *sids, *dids;
+    uint32_t sn, dn;
+    pkv_seq_blocks(src, &sids, &sn);
+    pkv_seq_blocks(dst, &dids, &dn);
+    xh_pattern_apply(src, &HEADS8, 5, 0, 29, true);
+    reg_cb_t sent[2] = {{0, 0, 0}, {0, 0, 0}};
+    pkv_xfer_handle_t *h[2];
+    for (int k = 0; k < 2; k++)
+        ck_assert_int_eq(
+            pkv_xfer_register(p[k].a, 50, sids, sn, PKV_DEADLINE_NEVER, reg_cb, &sent[k], &h[k]),
+            PKV_OK);
+    /* rank 1 for rank 0's heads: refused before READ */
+    pkv_xfer_read_opts_t wrong = {.head_lo = 0, .head_n = 4};
+    pkv_xfer_why_t why = PKV_XFER_WHY_NONE;
+    ck_assert_int_eq(read_ex_outcome(c.a, h[1], &wrong, dids, dn, &why, NULL), PKV_ERR_REJECTED);
+    ck_assert_int_eq(why, PKV_XFER_WHY_LAYOUT);
+    pkv_xfer_stats_t ps;
+    pkv_xfer_stats(p[1].a, &ps);
+    ck_assert_uint_eq(ps.rejected + ps.serves_started, 0); /* no READ reached it */
+    slice_read_t r[2];
+    for (int k = 0; k < 2; k++) {
+        r[k] = (slice_read_t){.a = c.a,
+                              .h = h[k],
+                              .o = {.head_lo = 4 * (uint32_t)k, .head_n = 4},
+                              .dst = dids,
+                              .n = dn};
+        slice_start(&r[k]);
+    }
+    for (int k = 0; k < 2; k++) ck_assert_int_eq(slice_wait(&r[k], NULL), PKV_OK);
+    for (uint32_t i = 0; i < sn; i++) ck_assert(block_equal(p[0].kv, sids[i], c.kv, dids[i]));
+    for (int k = 0; k < 2; k++) {
+        wait_calls(&sent[k], 1);
+        pkv_xfer_handle_free(h[k]);
+    }
+    /* a rank whose HELLO claims every head: its own READ check refuses (why LAYOUT) */
+    agent_heads(&p[1], 4, 4, true);
+    pkv_xfer_agent_destroy(c.a); /* a new connection, so the new HELLO is heard */
+    pkv_xfer_config_t xc = {.kv = c.kv,
+                            .stage = c.st,
+                            .chunk_bytes = 4096,
+                            .max_inflight = 256,
+                            .no_shared = true,
+                            .model_id = "m"};
+    ck_assert_int_eq(pkv_xfer_agent_create(&xc, &c.a), PKV_OK);
+    ck_assert_int_eq(pkv_xfer_register(p[1].a, 51, sids, sn, PKV_DEADLINE_NEVER, NULL, NULL, &h[1]),
+                     PKV_OK);
+    why = PKV_XFER_WHY_NONE;
+    ck_assert_int_eq(read_ex_outcome(c.a, h[1], &wrong, dids, dn, &why, NULL), PKV_ERR_REJECTED);
+    ck_assert_int_eq(why, PKV_XFER_WHY_LAYOUT);
+    pkv_xfer_stats(p[1].a, &ps);
+    ck_assert_uint_eq(ps.rejected, 1);
+    ck_assert_uint_eq(ps.registrations, 1); /* the registration stays */
+    ck_assert_int_eq(pkv_xfer_unregister(p[1].a, 51), PKV_OK);
+    pkv_xfer_handle_free(h[1]);
+    pkv_seq_free(src);
+    pkv_seq_free(dst);
+    agent_off(&c);
+    pkv_kv_destroy(c.kv);
+    agent_off(&p[1]);
+    agent_off(&p[0]);
+    pkv_kv_destroy(p[0].kv);
+}
+END_TEST
+
+/* Layouts are exchanged when agents connect and an incompatible pair is refused at the
+ * handshake: another model id, or another head_dim (a handle made to look like ours), ends
+ * the read rejected with PKV_XFER_WHY_LAYOUT and the producer saw no READ (its counters);
+ * pkv_xfer_probe says REJECTED with the peer's layout, and OK with a compatible one;
+ * pkv_xfer_agent_layout is what the peer's probe sees. A bad model id is refused at create. */
+START_TEST(incompatible_layout_is_refused_at_the_handshake)
+{
+    side_t p, c, d;
+    side_model(&p, &HEADS8, false, "llama-3.2-1b");
+    side_model(&c, &HEADS8, false, "llama-3.2-3b");
+    pkv_geometry_t g = HEADS8;
+    g.head_dim = 32;
+    side_model(&d, &g, false, NULL);
+    pkv_xfer_layout_t mine, peer;
+    ck_assert_int_eq(pkv_xfer_agent_layout(p.a, &mine), PKV_OK);
+    ck_assert_str_eq(mine.model_id, "llama-3.2-1b");
+    ck_assert_uint_eq(mine.tp, 1);
+    ck_assert_uint_eq(mine.rank, 0);
+    ck_assert_uint_eq(mine.head_lo, 0);
+    ck_assert_uint_eq(mine.head_n, 8);
+    ck_assert_uint_eq(mine.wire, XF_WIRE_VERSION);
+    ck_assert_uint_eq(mine.geo.head_dim, 16);
+    ck_assert_int_eq(pkv_xfer_agent_layout(NULL, &mine), PKV_ERR_INVALID);
+
+    pkv_seq_t *src = seq_with(p.kv, 20, true, 1), *dst = seq_with(c.kv, 20, false, 1),
+              *dst2 = seq_with(d.kv, 20, false, 1);
+    const uint32_t *sids, *dids, *d2;
+    uint32_t sn, dn, dn2;
+    pkv_seq_blocks(src, &sids, &sn);
+    pkv_seq_blocks(dst, &dids, &dn);
+    pkv_seq_blocks(dst2, &d2, &dn2);
+    pkv_xfer_handle_t *h;
+    ck_assert_int_eq(pkv_xfer_register(p.a, 60, sids, sn, PKV_DEADLINE_NEVER, NULL, NULL, &h),
+                     PKV_OK);
+    pkv_xfer_why_t why = PKV_XFER_WHY_NONE;
+    ck_assert_int_eq(read_ex_outcome(c.a, h, NULL, dids, dn, &why, NULL), PKV_ERR_REJECTED);
+    ck_assert_int_eq(why, PKV_XFER_WHY_LAYOUT);
+    ck_assert_int_eq(read_ex_outcome(c.a, h, NULL, NULL, 0, &why, NULL), PKV_ERR_REJECTED);
+    ck_assert_int_eq(why, PKV_XFER_WHY_LAYOUT); /* a release too: no token left */
+    uint64_t soon = pkv_deadline_after_ns(3000000000ull);
+    memset(&peer, 0, sizeof(peer));
+    ck_assert_int_eq(pkv_xfer_probe(c.a, h->addr, soon, &peer), PKV_ERR_REJECTED);
+    ck_assert_str_eq(peer.model_id, "llama-3.2-1b");
+    ck_assert_uint_eq(peer.head_n, 8);
+    /* another head_dim, the handle's geometry made to look like the consumer's */
+    pkv_xfer_handle_t *h2 = malloc(sizeof(*h2) + sizeof(uint32_t) * h->n_blocks);
+    memcpy(h2, h, sizeof(*h2) + sizeof(uint32_t) * h->n_blocks);
+    h2->geo = *pkv_kv_geometry(d.kv);
+    ck_assert_int_eq(read_ex_outcome(d.a, h2, NULL, d2, dn2, &why, NULL), PKV_ERR_REJECTED);
+    ck_assert_int_eq(why, PKV_XFER_WHY_LAYOUT);
+    ck_assert_int_eq(pkv_xfer_probe(d.a, h->addr, soon, &peer), PKV_ERR_REJECTED);
+    ck_assert_uint_eq(peer.geo.head_dim, 16);
+    free(h2);
+    pkv_xfer_stats_t ps;
+    pkv_xfer_stats(p.a, &ps);
+    ck_assert_uint_eq(ps.rejected + ps.serves_started + ps.sent, 0); /* no READ came */
+    ck_assert_uint_eq(ps.registrations, 1);
+    ck_assert_uint_eq(ps.pinned_blocks, sn);
+    /* compatible: the probe is ok; the read goes (same model id, or none on one side) */
+    side_t e;
+    side_model(&e, &HEADS8, false, NULL);
+    pkv_seq_t *dst3 = seq_with(e.kv, 20, false, 1);
+    const uint32_t *d3;
+    uint32_t dn3;
+    pkv_seq_blocks(dst3, &d3, &dn3);
+    memset(&peer, 0, sizeof(peer));
+    ck_assert_int_eq(pkv_xfer_probe(e.a, h->addr, soon, &peer), PKV_OK);
+    ck_assert_str_eq(peer.model_id, "llama-3.2-1b");
+    ck_assert_uint_eq(peer.tp, 1);
+    ck_assert_uint_eq(peer.wire, XF_WIRE_VERSION);
+    ck_assert_int_eq(pkv_xfer_probe(e.a, h->addr, soon, NULL), PKV_OK); /* endpoint reused */
+    ck_assert_int_eq(read_ex_outcome(e.a, h, NULL, d3, dn3, NULL, NULL), PKV_OK);
+    /* nobody there: peer lost or timeout, by the deadline; a bad address at once */
+    int rc = pkv_xfer_probe(e.a, "127.0.0.1:1", pkv_deadline_after_ns(1500000000ull), NULL);
+    ck_assert_msg(rc == PKV_ERR_PEER_LOST || rc == PKV_ERR_TIMEOUT, "probe: %d", rc);
+    ck_assert_int_eq(pkv_xfer_probe(e.a, "nowhere", soon, NULL), PKV_ERR_INVALID);
+    pkv_xfer_handle_free(h);
+    /* model ids that are not printable or too long */
+    char longid[80];
+    memset(longid, 'x', sizeof(longid) - 1);
+    longid[sizeof(longid) - 1] = '\0';
+    pkv_xfer_config_t xc = {.kv = e.kv, .stage = e.st, .model_id = longid};
+    pkv_xfer_agent_t *bad;
+    ck_assert_int_eq(pkv_xfer_agent_create(&xc, &bad), PKV_ERR_INVALID);
+    xc.model_id = "a\tb";
+    ck_assert_int_eq(pkv_xfer_agent_create(&xc, &bad), PKV_ERR_INVALID);
+    xc.model_id = NULL;
+    xc.rank = 1; /* a TP=1 pool has rank 0 only */
+    ck_assert_int_eq(pkv_xfer_agent_create(&xc, &bad), PKV_ERR_INVALID);
+    pkv_seq_free(dst3);
+    agent_off(&e);
+    pkv_kv_destroy(e.kv);
+    pkv_seq_free(src);
+    pkv_seq_free(dst);
+    pkv_seq_free(dst2);
+    side_t *all[] = {&d, &c, &p};
+    for (int i = 0; i < 3; i++) {
+        agent_off(all[i]);
+        pkv_kv_destroy(all[i]->kv);
+    }
+}
+END_TEST
+
+/* With TP pools (pkv_kv_tp > 1): an agent a rank on each side, slices 2 -> 1 and 1 -> 2.
+ * The pool builds ranks on another branch; until then a TP=2 pool is refused and this
+ * test says so by checking that refusal (it runs the transfers once pools have ranks). */
+START_TEST(tp2_pools_move_slices_between_ranks)
+{
+    pkv_kv_config_t kc;
+    memset(&kc, 0, sizeof(kc));
+    kc.geo = HEADS8;
+    kc.no_prefix_cache = true;
+    kc.tp = 2;
+    pkv_kv_t *kv[2] = {NULL, NULL};
+    if (pkv_kv_create(&kc, &kv[0]) != PKV_OK) {
+        ck_assert_ptr_null(kv[0]); /* not built yet: nothing to move */
+        return;
+    }
+    kc.tp = 1;
+    ck_assert_int_eq(pkv_kv_create(&kc, &kv[1]), PKV_OK);
+    ck_assert_uint_eq(pkv_kv_tp(kv[0]), 2);
+    /* producer: TP=2, one agent a rank; consumer: TP=1 (2 -> 1) */
+    side_t p[2], c;
+    for (int k = 0; k < 2; k++) {
+        agent_on(&p[k], kv[0], false, "m");
+        pkv_xfer_agent_destroy(p[k].a);
+        pkv_xfer_config_t xc = {.kv = kv[0],
+                                .stage = p[k].st,
+                                .chunk_bytes = 4096,
+                                .max_inflight = 256,
+                                .no_shared = true,
+                                .rank = (uint32_t)k,
+                                .model_id = "m"};
+        ck_assert_int_eq(pkv_xfer_agent_create(&xc, &p[k].a), PKV_OK);
+        pkv_xfer_layout_t l;
+        pkv_xfer_agent_layout(p[k].a, &l);
+        ck_assert_uint_eq(l.tp, 2);
+        ck_assert_uint_eq(l.head_lo, 4 * (uint32_t)k);
+        ck_assert_uint_eq(l.head_n, 4);
+    }
+    agent_on(&c, kv[1], false, "m");
+    pkv_seq_t *src = seq_with(kv[0], 21, false, 2), *dst = seq_with(kv[1], 21, false, 2);
+    const uint32_t *sids, *dids;
+    uint32_t sn, dn;
+    pkv_seq_blocks(src, &sids, &sn);
+    pkv_seq_blocks(dst, &dids, &dn);
+    size_t piece = head_piece(kv[1]);
+    for (uint32_t i = 0; i < sn; i++)
+        for (uint32_t l = 0; l < HEADS8.layers; l++)
+            for (uint32_t w = 0; w < 2; w++)
+                for (uint32_t hd = 0; hd < 8; hd++)
+                    memset(pkv_kv_block_head_rank(kv[0], hd / 4, sids[i], l, w, hd),
+                           (int)(1 + hd + 8 * w + 16 * l + 64 * i), piece);
+    pkv_xfer_handle_t *h[2];
+    slice_read_t r[2];
+    for (int k = 0; k < 2; k++) {
+        ck_assert_int_eq(
+            pkv_xfer_register(p[k].a, 70, sids, sn, PKV_DEADLINE_NEVER, NULL, NULL, &h[k]), PKV_OK);
+        r[k] = (slice_read_t){.a = c.a,
+                              .h = h[k],
+                              .o = {.head_lo = 4 * (uint32_t)k, .head_n = 4},
+                              .dst = dids,
+                              .n = dn};
+        slice_start(&r[k]);
+    }
+    for (int k = 0; k < 2; k++) ck_assert_int_eq(slice_wait(&r[k], NULL), PKV_OK);
+    for (uint32_t i = 0; i < sn; i++)
+        for (uint32_t l = 0; l < HEADS8.layers; l++)
+            for (uint32_t w = 0; w < 2; w++)
+                for (uint32_t hd = 0; hd < 8; hd++)
+                    ck_assert(!memcmp(pkv_kv_block_head_rank(kv[0], hd / 4, sids[i], l, w, hd),
+                                      pkv_kv_block_head(kv[1], dids[i], l, w, hd), piece));
+    for (int k = 0; k < 2; k++) pkv_xfer_handle_free(h[k]);
+    /* 1 -> 2: the TP=1 side produces, each TP=2 rank reads its half of one registration */
+    ck_assert_int_eq(pkv_xfer_register(c.a, 71, dids, dn, PKV_DEADLINE_NEVER, NULL, NULL, &h[0]),
+                     PKV_OK);
+    for (int k = 0; k < 2; k++) {
+        r[k] = (slice_read_t){.a = p[k].a,
+                              .h = h[0],
+                              .o = {.reads_total = 2, .read_index = (uint32_t)k},
+                              .dst = sids,
+                              .n = sn};
+        slice_start(&r[k]);
+    }
+    for (int k = 0; k < 2; k++) ck_assert_int_eq(slice_wait(&r[k], NULL), PKV_OK);
+    pkv_xfer_handle_free(h[0]);
+    ck_assert_int_eq(pkv_xfer_wait_idle(c.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
+    pkv_xfer_stats_t cs;
+    pkv_xfer_stats(c.a, &cs);
+    ck_assert_uint_eq(cs.registrations + cs.pinned_blocks, 0);
+    pkv_seq_free(src);
+    pkv_seq_free(dst);
+    agent_off(&c);
+    for (int k = 0; k < 2; k++) agent_off(&p[k]);
+    pkv_kv_destroy(kv[0]);
+    pkv_kv_destroy(kv[1]);
 }
 END_TEST
 
@@ -1327,9 +1950,9 @@ END_TEST
 
 /* Agents of two wire versions (one side's control messages stamped version 2, the one
  * before): the read ends `rejected`, not by its deadline (that would be `timeout`),
- * because the producer answers a READ it cannot decode with a FAIL, and the consumer ends
- * a read whose DATA it cannot decode and says so (the read goes layer by layer: a whole
- * stream's checksums travel in its payload, which the hook does not stamp). Nothing is counted
+ * because the producer answers a READ it cannot decode with a FAIL, and a consumer whose
+ * producer's HELLO is another version's (v5: READ waits for the HELLO's layout) ends the
+ * read at the handshake, before READ leaves (so no serve starts either way). Nothing is counted
  * sent; both sides go idle holding nothing; the registration stays for a reader that speaks the
  * producer's version; shutdown's CLOSE is answered across the versions (no waiting out its bound).
  */
@@ -1351,7 +1974,7 @@ static void foreign_version_read(bool producer_stamped)
     pkv_xfer_stats(x.c.a, &cs);
     ck_assert_uint_eq(ps.sent, 0);
     ck_assert_uint_eq(ps.registrations, 1);
-    ck_assert_uint_eq(ps.serves_started, producer_stamped ? 1 : 0);
+    ck_assert_uint_eq(ps.serves_started, 0);
     /* counted as another version's, not as malformed (its heartbeats would otherwise keep
      * proto_errors climbing for the life of the connection) */
     ck_assert_uint_ge(producer_stamped ? cs.foreign_msgs : ps.foreign_msgs, 1);
@@ -1760,6 +2383,11 @@ static Suite *xfer_suite(void)
     tcase_add_test(api, malformed_read_is_rejected_at_once);
     tcase_add_test(api, whole_stream_checksums_ride_the_payload);
     tcase_add_test(api, read_ids_unique_and_not_sequential);
+    tcase_add_test(api, head_slice_read_moves_only_its_heads);
+    tcase_add_test(api, two_consumers_read_slices_of_one_registration);
+    tcase_add_test(api, two_producer_ranks_feed_one_consumer);
+    tcase_add_test(api, incompatible_layout_is_refused_at_the_handshake);
+    tcase_add_test(api, tp2_pools_move_slices_between_ranks);
     suite_add_tcase(s, api);
     TCase *two = tcase_create("two_process");
     tcase_set_timeout(two, 120);

@@ -25,6 +25,8 @@ static xf_wire_read_t sample_read(void)
     r.budget_ns = 5000000000ull;
     r.geo = GEO;
     r.chunk_bytes = 1 << 20;
+    r.head_n = GEO.kv_heads; /* every head */
+    r.reads_total = 1;
     return r;
 }
 
@@ -337,8 +339,10 @@ START_TEST(shared_data_and_read_flags)
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     buf[XF_WIRE_HEADER_BYTES + 96] = XF_WIRE_READ_RELEASE; /* a release names no blocks */
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
-    /* RELEASE: no runs, no other flag */
+    /* RELEASE: no runs, no other flag, no heads (v5) */
     r.flags = XF_WIRE_READ_RELEASE;
+    ck_assert_int_eq(xf_wire_encode_read(&r, NULL, 0, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    r.head_n = 0;
     ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 1, buf, sizeof(buf), &len), PKV_ERR_INVALID);
     ck_assert_int_eq(xf_wire_encode_read(&r, NULL, 0, buf, sizeof(buf), &len), PKV_OK);
     ck_assert_uint_eq(len, xf_wire_read_bytes(0));
@@ -348,6 +352,7 @@ START_TEST(shared_data_and_read_flags)
     buf[XF_WIRE_HEADER_BYTES + 96] |= XF_WIRE_READ_WHOLE;
     ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
     r.flags = 0; /* and no plan without RELEASE */
+    r.head_n = GEO.kv_heads;
     ck_assert_int_eq(xf_wire_encode_read(&r, NULL, 0, buf, sizeof(buf), &len), PKV_ERR_INVALID);
 }
 END_TEST
@@ -675,6 +680,208 @@ START_TEST(fuzz_corpus_replays)
 }
 END_TEST
 
+/* v5 READ: a head range and which of reads_total it is round-trip; the encoder refuses and
+ * the decoder rejects every bad value: no heads, a range past kv_heads (or wrapping),
+ * heads on a release, reads_total 0 or above the cap, read_index not below it, the reserved
+ * word. The slice bounds the transfer's size (a slice of a geometry too big whole fits). */
+START_TEST(read_heads_and_reads_roundtrip_and_bounds)
+{
+    uint32_t blocks[] = {4, 5, 9};
+    uint8_t buf[512];
+    size_t len;
+    xf_wire_msg_t m;
+    xf_wire_read_t r = sample_read();
+    r.geo.kv_heads = 8;
+    r.head_lo = 2;
+    r.head_n = 3;
+    r.reads_total = 8;
+    r.read_index = 7;
+    ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 3, buf, sizeof(buf), &len), PKV_OK);
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_OK);
+    ck_assert_uint_eq(m.u.read.head_lo, 2);
+    ck_assert_uint_eq(m.u.read.head_n, 3);
+    ck_assert_uint_eq(m.u.read.reads_total, 8);
+    ck_assert_uint_eq(m.u.read.read_index, 7);
+    ck_assert_uint_eq(m.u.read.n_blocks, 3);
+    /* the fields in place (body offsets 100.., after the flags at 96) */
+    const size_t at = XF_WIRE_HEADER_BYTES + 100;
+    ck_assert_uint_eq(buf[at], 2);
+    ck_assert_uint_eq(buf[at + 4], 3);
+    ck_assert_uint_eq(buf[at + 8], 8);
+    ck_assert_uint_eq(buf[at + 10], 7);
+    struct {
+        size_t off;
+        uint8_t v;
+    } bad[] = {
+        {at + 4, 0},    /* head_n 0 */
+        {at, 6},        /* 6 + 3 > 8 heads */
+        {at + 3, 0xff}, /* head_lo wraps */
+        {at + 8, 0},    /* reads_total 0 */
+        {at + 10, 8},   /* read_index == reads_total */
+        {at + 9, 0x04}, /* reads_total 1032 > cap */
+        {at + 12, 1},   /* reserved */
+    };
+    for (size_t i = 0; i < PKV_ARRAY_LEN(bad); i++) {
+        uint8_t copy[512];
+        memcpy(copy, buf, len);
+        copy[bad[i].off] = bad[i].v;
+        ck_assert_msg(xf_wire_decode(copy, len, &m) == PKV_ERR_PROTO, "bad %zu", i);
+    }
+    xf_wire_read_t e = r;
+    e.head_n = 0;
+    ck_assert_int_eq(xf_wire_encode_read(&e, blocks, 3, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    e = r;
+    e.head_lo = 6;
+    ck_assert_int_eq(xf_wire_encode_read(&e, blocks, 3, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    e = r;
+    e.head_lo = UINT32_MAX;
+    ck_assert_int_eq(xf_wire_encode_read(&e, blocks, 3, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    e = r;
+    e.reads_total = 0;
+    e.read_index = 0;
+    ck_assert_int_eq(xf_wire_encode_read(&e, blocks, 3, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    e = r;
+    e.reads_total = XF_WIRE_MAX_READS + 1;
+    ck_assert_int_eq(xf_wire_encode_read(&e, blocks, 3, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    e = r;
+    e.read_index = 8;
+    ck_assert_int_eq(xf_wire_encode_read(&e, blocks, 3, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    /* a release: no heads, but its place among the reads */
+    e = r;
+    e.flags = XF_WIRE_READ_RELEASE;
+    ck_assert_int_eq(xf_wire_encode_read(&e, NULL, 0, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    e.head_lo = e.head_n = 0;
+    ck_assert_int_eq(xf_wire_encode_read(&e, NULL, 0, buf, sizeof(buf), &len), PKV_OK);
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_OK);
+    ck_assert_uint_eq(m.u.read.reads_total, 8);
+    buf[at + 4] = 1; /* a release naming a head */
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    /* the slice's bytes bound the transfer: 16 blocks of every head would be 2^24 chunks of
+     * 4 KiB (too many), of one head 2^18 */
+    e = sample_read();
+    e.geo = (pkv_geometry_t){.layers = 4096,
+                             .kv_heads = 64,
+                             .head_dim = 128,
+                             .block_tokens = 16,
+                             .dtype = PKV_DTYPE_F32};
+    e.head_n = 64;
+    e.chunk_bytes = 4096;
+    uint32_t sixteen[16];
+    for (uint32_t i = 0; i < 16; i++) sixteen[i] = 100 + i;
+    ck_assert_int_eq(xf_wire_encode_read(&e, sixteen, 16, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    e.head_lo = 63;
+    e.head_n = 1;
+    ck_assert_int_eq(xf_wire_encode_read(&e, sixteen, 16, buf, sizeof(buf), &len), PKV_OK);
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_OK);
+}
+END_TEST
+
+static xf_wire_hello_t sample_hello(void)
+{
+    xf_wire_hello_t h;
+    memset(&h, 0, sizeof(h));
+    h.agent_id = 0x1234;
+    snprintf(h.identity, sizeof(h.identity), "prefill-0");
+    snprintf(h.layout.model_id, sizeof(h.layout.model_id), "llama-3.2-1b");
+    h.layout.geo = (pkv_geometry_t){
+        .layers = 16, .kv_heads = 8, .head_dim = 64, .block_tokens = 16, .dtype = PKV_DTYPE_BF16};
+    h.layout.tp = 2;
+    h.layout.rank = 1;
+    h.layout.head_lo = 4;
+    h.layout.head_n = 4;
+    h.layout.wire = XF_WIRE_VERSION;
+    return h;
+}
+
+/* v5 HELLO: the layout descriptor round-trips; every bad value is refused by the encoder
+ * and rejected by the decoder (model id too long or unprintable, geometry, tp 0 or above
+ * the cap, rank >= tp, no heads, heads past kv_heads, another wire version, the reserved
+ * word, lengths that lie). */
+START_TEST(hello_layout_roundtrip_and_bounds)
+{
+    uint8_t buf[256];
+    size_t len;
+    xf_wire_msg_t m;
+    xf_wire_hello_t h = sample_hello();
+    ck_assert_int_eq(xf_wire_encode_hello(&h, buf, sizeof(buf), &len), PKV_OK);
+    ck_assert_uint_eq(len, XF_WIRE_HEADER_BYTES + 56 + 9 + 12);
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_OK);
+    ck_assert_uint_eq(m.type, XF_WIRE_HELLO);
+    ck_assert_str_eq(m.u.hello.identity, "prefill-0");
+    ck_assert_str_eq(m.u.hello.layout.model_id, "llama-3.2-1b");
+    ck_assert(!memcmp(&m.u.hello.layout.geo, &h.layout.geo, sizeof(h.layout.geo)));
+    ck_assert_uint_eq(m.u.hello.layout.tp, 2);
+    ck_assert_uint_eq(m.u.hello.layout.rank, 1);
+    ck_assert_uint_eq(m.u.hello.layout.head_lo, 4);
+    ck_assert_uint_eq(m.u.hello.layout.head_n, 4);
+    ck_assert_uint_eq(m.u.hello.layout.wire, XF_WIRE_VERSION);
+    ck_assert_int_eq(xf_wire_encode_hello(&h, buf, len - 1, &len), PKV_ERR_NOSPACE);
+    ck_assert_int_eq(xf_wire_encode_hello(&h, buf, sizeof(buf), &len), PKV_OK);
+    /* bytes at body offsets: 10 model_len, 12 reserved, 16.. geometry, 36 tp, 40 rank,
+     * 44 head_lo, 48 head_n, 52 wire */
+    const size_t b = XF_WIRE_HEADER_BYTES;
+    struct {
+        size_t off;
+        uint8_t v;
+    } bad[] = {
+        {b + 10, 13}, {b + 10, 64}, {b + 12, 1},     {b + 16, 0}, {b + 32, 3},
+        {b + 36, 0},  {b + 36, 65}, {b + 40, 2},     {b + 48, 0}, {b + 44, 5},
+        {b + 52, 4},  {b + 52, 6},  {len - 1, 0x7f}, /* the model id's last character */
+    };
+    for (size_t i = 0; i < PKV_ARRAY_LEN(bad); i++) {
+        uint8_t copy[256];
+        memcpy(copy, buf, len);
+        copy[bad[i].off] = bad[i].v;
+        ck_assert_msg(xf_wire_decode(copy, len, &m) == PKV_ERR_PROTO, "bad %zu", i);
+    }
+    xf_wire_hello_t e = sample_hello();
+    memset(e.layout.model_id, 'm', sizeof(e.layout.model_id)); /* no NUL: 64 characters */
+    ck_assert_int_eq(xf_wire_encode_hello(&e, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    e = sample_hello();
+    e.layout.model_id[3] = '\n';
+    ck_assert_int_eq(xf_wire_encode_hello(&e, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    e = sample_hello();
+    e.layout.tp = 0;
+    ck_assert_int_eq(xf_wire_encode_hello(&e, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    e = sample_hello();
+    e.layout.tp = XF_WIRE_MAX_TP + 1;
+    ck_assert_int_eq(xf_wire_encode_hello(&e, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    e = sample_hello();
+    e.layout.rank = 2;
+    ck_assert_int_eq(xf_wire_encode_hello(&e, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    e = sample_hello();
+    e.layout.head_n = 0;
+    ck_assert_int_eq(xf_wire_encode_hello(&e, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    e = sample_hello();
+    e.layout.head_lo = UINT32_MAX;
+    ck_assert_int_eq(xf_wire_encode_hello(&e, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    e = sample_hello();
+    e.layout.wire = XF_WIRE_VERSION - 1;
+    ck_assert_int_eq(xf_wire_encode_hello(&e, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    e = sample_hello();
+    e.layout.geo.head_dim = 0;
+    ck_assert_int_eq(xf_wire_encode_hello(&e, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+    /* replicated heads (tp above kv_heads): one head a rank, valid */
+    e = sample_hello();
+    e.layout.geo.kv_heads = 2;
+    e.layout.tp = 8;
+    e.layout.rank = 7;
+    e.layout.head_lo = 1;
+    e.layout.head_n = 1;
+    ck_assert_int_eq(xf_wire_encode_hello(&e, buf, sizeof(buf), &len), PKV_OK);
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_OK);
+    /* FAIL why LAYOUT (v5) */
+    xf_wire_fail_t f = {
+        .xfer_id = 3, .request_id = 4, .reason = PKV_ERR_REJECTED, .why = XF_WIRE_WHY_LAYOUT};
+    snprintf(f.text, sizeof(f.text), "layout");
+    ck_assert_int_eq(xf_wire_encode_fail(&f, buf, sizeof(buf), &len), PKV_OK);
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_OK);
+    ck_assert_uint_eq(m.u.fail.why, XF_WIRE_WHY_LAYOUT);
+    f.why = XF_WIRE_WHY_MAX + 1;
+    ck_assert_int_eq(xf_wire_encode_fail(&f, buf, sizeof(buf), &len), PKV_ERR_INVALID);
+}
+END_TEST
+
 static Suite *wire_suite(void)
 {
     Suite *s = suite_create("xfer_wire");
@@ -693,6 +900,8 @@ static Suite *wire_suite(void)
     tcase_add_test(tc, checksum_matches_recorded_values);
     tcase_add_test(tc, fuzz_corpus_replays);
     tcase_add_test(tc, blocks_digest_covers_ids_order_and_count);
+    tcase_add_test(tc, read_heads_and_reads_roundtrip_and_bounds);
+    tcase_add_test(tc, hello_layout_roundtrip_and_bounds);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -137,6 +137,8 @@ PKV_API uint32_t pkv_seq_runs(const pkv_seq_t *seq, uint32_t layer, uint32_t beg
 /* ---- paged-only: block access for transfers (PKV_ERR_UNSUPPORTED on dense) -------- */
 /* The block ids of a sequence's table (valid until the sequence changes). */
 PKV_API int pkv_seq_blocks(const pkv_seq_t *seq, const uint32_t **ids, uint32_t *n);
+/* One block's K/V over every KV head, one copy of each (what a TP=1 pool stores per
+ * block); a TP pool that replicates heads stores pkv_kv_stats_t.block_bytes per block. */
 PKV_API size_t pkv_kv_block_bytes(const pkv_kv_t *kv);
 /* A block's K (which = 0) or V (which = 1) of one layer and KV head: block_tokens x
  * head_dim values, block_bytes / (2 * layers * kv_heads) bytes. Within a commit granule
@@ -152,7 +154,13 @@ PKV_API void pkv_kv_unpin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n);
 /* ---- tensor parallelism: ranks ------------------------------------------------------ */
 /* A pool created with tp = N holds its KV as N ranks, each in its own storage range and
  * holding the KV heads of its shard; one bookkeeping (block ids, prefix cache, refcounts)
- * serves every rank, as one scheduler serves every rank of a real TP group. */
+ * serves every rank, as one scheduler serves every rank of a real TP group. A block id
+ * names the block on every rank; reserve, COW, pins and eviction act on every rank's part.
+ * Each rank's range is laid out as a TP=1 pool over the rank's heads only
+ * ([layer][k|v][local head][slot][token][dim] per granule); blocks per granule come from
+ * the TP=1 block size, so the same calls give the same block ids whatever the tp. The
+ * dense baseline has one rank (tp > 1: PKV_ERR_UNSUPPORTED at create). The budget is the
+ * node's total over all ranks. */
 #define PKV_KV_MAX_TP 64
 /* Check a TP degree against a head count: PKV_OK, or PKV_ERR_INVALID with why filled
  * (cap bytes; may be NULL): tp == 0, tp > PKV_KV_MAX_TP, tp <= kv_heads and kv_heads % tp,
@@ -211,7 +219,11 @@ typedef struct {
     uint64_t reserved_bytes; /* address space reserved (paged) */
     uint64_t budget_bytes;   /* 0 = none */
     uint64_t granule_bytes;  /* paged: commit unit; dense: 0 */
-    uint32_t storage_ranges; /* separately reserved ranges (paged) */
+    uint32_t storage_ranges; /* separately reserved ranges (paged: one per rank) */
+    uint32_t tp;             /* tensor-parallel ranks (1: dense or a plain pool) */
+    /* One block / one position over every rank. With tp > kv_heads each replica of a head
+     * costs its bytes: this is tp / kv_heads times pkv_kv_block_bytes. committed_bytes,
+     * peak, reserved, granule and cache bytes are totals over all ranks too. */
     uint64_t block_bytes;
     uint64_t token_bytes;
     uint64_t blocks_capacity; /* blocks the budget / reservation allows */

@@ -53,8 +53,10 @@ extern "C" {
 #endif
 
 #define PKV_XFER_TOKEN_BYTES  16
-#define PKV_XFER_ADDR_MAX     64 /* "host:port" plus NUL */
-#define PKV_XFER_IDENTITY_MAX 63 /* an agent identity's printable ASCII characters */
+#define PKV_XFER_ADDR_MAX     64   /* "host:port" plus NUL */
+#define PKV_XFER_IDENTITY_MAX 63   /* an agent identity's printable ASCII characters */
+#define PKV_XFER_MODEL_ID_MAX 63   /* a layout's model id: printable ASCII characters */
+#define PKV_XFER_MAX_READS    1024 /* reads one registration may be read by (reads_total) */
 
 typedef struct pkv_xfer_agent pkv_xfer_agent_t;
 typedef struct pkv_xfer_read pkv_xfer_read_t;
@@ -77,7 +79,36 @@ typedef struct {
     const char *identity;     /* presented to every consumer that connects (HELLO), so a
                                  read can check it reached the producer it meant; printable
                                  ASCII, at most PKV_XFER_IDENTITY_MAX; NULL: "" (copied) */
+    /* Tensor parallelism: the pool rank (< pkv_kv_tp(kv)) whose storage range this agent
+     * registers, serves from and writes into; a node with TP=N runs one agent a rank. */
+    uint32_t rank;
+    const char *model_id; /* in the layout both sides exchange (HELLO): two agents whose
+                             model ids are both set and differ are refused at the
+                             handshake; printable ASCII, at most PKV_XFER_MODEL_ID_MAX;
+                             NULL: "" (copied) */
 } pkv_xfer_config_t;
+
+/* An agent's layout: what its HELLO tells every peer when they connect. */
+typedef struct {
+    char model_id[PKV_XFER_MODEL_ID_MAX + 1];
+    pkv_geometry_t geo;       /* the model's: kv_heads counts every rank's heads */
+    uint32_t tp, rank;        /* the pool's TP degree and this agent's rank */
+    uint32_t head_lo, head_n; /* the KV heads the rank holds (global ids) */
+    uint32_t wire;            /* wire version */
+} pkv_xfer_layout_t;
+
+/* This agent's layout. PKV_OK, or PKV_ERR_INVALID for NULL arguments. */
+PKV_API int pkv_xfer_agent_layout(const pkv_xfer_agent_t *agent, pkv_xfer_layout_t *out);
+
+/* Connect to the agent at "host:port" (or reuse the endpoint), wait for its HELLO by
+ * deadline_ns and fill *peer (may be NULL) with its layout. PKV_OK when it is compatible
+ * with ours (model id when both set, layers, kv_heads, head_dim, block_tokens, dtype);
+ * PKV_ERR_REJECTED when not (the reason logged; *peer filled), or when the peer speaks
+ * another wire version (*peer zero but `wire`); PKV_ERR_TIMEOUT; PKV_ERR_PEER_LOST
+ * (cannot connect, lost); PKV_ERR_INVALID (bad address); PKV_ERR_SHUTDOWN. Blocks the
+ * caller; nothing is sent but our HELLO. */
+PKV_API int pkv_xfer_probe(pkv_xfer_agent_t *agent, const char *addr, uint64_t deadline_ns,
+                           pkv_xfer_layout_t *peer);
 
 /* Create an agent: UCX context, worker, listener, progress thread and workers. Bad config
  * is PKV_ERR_INVALID; a UCX failure PKV_ERR_IO (logged). On success *out owns it all. */
@@ -127,7 +158,8 @@ PKV_API int pkv_xfer_handle_decode(const void *buf, size_t len, pkv_xfer_handle_
 PKV_API void pkv_xfer_handle_free(pkv_xfer_handle_t *h);
 
 /* ---- producer -------------------------------------------------------------------------- */
-/* Called once when a registration ends: PKV_OK = sent (acknowledged), PKV_ERR_TIMEOUT =
+/* Called once when a registration ends: PKV_OK = sent (every one of its reads_total reads
+ * acknowledged, a release counting as one), PKV_ERR_TIMEOUT =
  * lease expired, PKV_ERR_CANCELLED = unregistered, PKV_ERR_SHUTDOWN = agent destroyed.
  * Its pins are already returned when no transfer was serving it; otherwise they return
  * once that transfer's copies finish (pkv_xfer_wait_idle). */
@@ -184,17 +216,32 @@ typedef struct {
      * increasing indices into h->blocks: only h->blocks[idx[i]] is pulled, into dst[i], and
      * only those bytes move. n == 0 (idx may then be NULL, dst too) is a token-only
      * release: nothing moves, the producer checks the token and returns its pins at once.
-     * Either way an acknowledged read ends the registration as sent (one read a
-     * registration): the caller must not come back for the rest. */
+     * Either way an acknowledged read counts as one of the registration's reads_total
+     * (below): the caller must not come back for the rest. */
     const uint32_t *idx;
     /* NULL: not checked. Else the identity the producer must present (its config's
      * `identity`): READ, and with it the token, goes out only after its HELLO matched; a
      * mismatch ends the read rejected with pkv_xfer_read_why() == PKV_XFER_WHY_IDENTITY. */
     const char *identity;
+    /* The KV heads to move: [head_lo, head_lo + head_n) (global ids). head_n 0: every head
+     * this agent's rank holds (TP=1: every head, today's read). The stream is exactly the
+     * slice (the producer gathers it out of its rank's pieces, we scatter it into ours),
+     * staged on both sides as the slice's bytes only. The range must be held by this
+     * agent's rank (else PKV_ERR_INVALID here) and by the producer's (else the read ends
+     * rejected, pkv_xfer_read_why PKV_XFER_WHY_LAYOUT, before READ leaves). */
+    uint32_t head_lo, head_n;
+    /* A registration read by several reads (decode ranks that each need a slice, from
+     * different agents, maybe at once): every read says how many (reads_total, 0 -> 1, at
+     * most PKV_XFER_MAX_READS, all the same) and which it is (read_index < reads_total,
+     * each once). The registration ends sent when all reads_total were acknowledged (a
+     * release counts as one); until then its pins stay. */
+    uint32_t reads_total, read_index;
 } pkv_xfer_read_opts_t;
 
 /* pkv_xfer_read with options (opts NULL: pkv_xfer_read). Also PKV_ERR_INVALID for
- * indices out of order or range, or an identity that is not printable / too long. */
+ * indices out of order or range, an identity that is not printable / too long, a head
+ * range outside this agent's rank, reads_total above PKV_XFER_MAX_READS or read_index not
+ * below it. */
 PKV_API int pkv_xfer_read_ex(pkv_xfer_agent_t *agent, const pkv_xfer_handle_t *h,
                              const pkv_xfer_read_opts_t *opts, const uint32_t *dst, uint32_t n,
                              uint64_t deadline_ns, pkv_xfer_done_fn fn, void *arg,
@@ -204,11 +251,16 @@ PKV_API int pkv_xfer_read_ex(pkv_xfer_agent_t *agent, const pkv_xfer_handle_t *h
  * has an outcome): PKV_XFER_WHY_IDENTITY when the producer presented another identity;
  * PKV_XFER_WHY_BLOCKS when the handle's block ids (all of them, also those the read does
  * not name: the read carries a digest of the whole list) are not the registration's;
- * PKV_XFER_WHY_NONE otherwise (the producer's other refusals travel as text in its log). */
+ * PKV_XFER_WHY_LAYOUT when the layouts are incompatible or the producer's rank does not
+ * hold the read's heads; PKV_XFER_WHY_NONE otherwise (the producer's other refusals travel as text
+ * in its log). */
 typedef enum {
     PKV_XFER_WHY_NONE = 0,
     PKV_XFER_WHY_IDENTITY = 1,
-    PKV_XFER_WHY_BLOCKS = 2
+    PKV_XFER_WHY_BLOCKS = 2,
+    PKV_XFER_WHY_LAYOUT = 3 /* the producer's layout is incompatible with ours (refused at
+                               the handshake, before READ left), or its rank does not hold
+                               the read's head range */
 } pkv_xfer_why_t;
 PKV_API pkv_xfer_why_t pkv_xfer_read_why(const pkv_xfer_read_t *rd);
 /* Wait until the read has an outcome or wait_deadline_ns passes (0: just poll).

@@ -99,6 +99,7 @@ void kv_base_init(struct pkv_kv *kv, const pkv_kv_config_t *cfg, const kv_ops_t 
     kv->elem_bytes = pkv_dtype_size(cfg->geo.dtype);
     kv->token_bytes = pkv_geometry_token_bytes(&kv->geo);
     kv->block_bytes = kv->token_bytes * kv->geo.block_tokens;
+    kv->tp = cfg->tp ? cfg->tp : 1;
 }
 
 /* ---- prefix keys --------------------------------------------------------------------- */
@@ -197,13 +198,14 @@ int pkv_kv_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
                  g->layers, g->kv_heads, g->head_dim, T);
         return PKV_ERR_INVALID;
     }
-    char why[96];
+    char why[128];
     if (cfg->tp > 1 && pkv_kv_tp_check(g->kv_heads, cfg->tp, why, sizeof(why))) {
-        PKV_LOGE("kv", "tp %u: %s", cfg->tp, why);
+        PKV_LOGE("kv", "%s", why);
         return PKV_ERR_INVALID;
     }
-    if (cfg->tp > 1) {
-        PKV_LOGE("kv", "tp %u: ranks are not built yet", cfg->tp);
+    if (cfg->tp > 1 && cfg->backend == PKV_BACKEND_DENSE) {
+        PKV_LOGE("kv", "tp %u: the dense baseline has no tensor-parallel ranks (paged only)",
+                 cfg->tp);
         return PKV_ERR_UNSUPPORTED;
     }
     if (cfg->backend == PKV_BACKEND_PAGED) return kv_pool_create(cfg, out);
@@ -326,14 +328,17 @@ void pkv_kv_tp_heads(uint32_t kv_heads, uint32_t tp, uint32_t rank, uint32_t *he
 
 uint32_t pkv_kv_tp(const pkv_kv_t *kv)
 {
-    (void)kv;
-    return 1;
+    return kv->tp;
 }
 
 int pkv_kv_rank(const pkv_kv_t *kv, uint32_t rank, pkv_kv_rank_t *out)
 {
-    if (!kv || !out || rank >= pkv_kv_tp(kv)) return PKV_ERR_INVALID;
-    pkv_kv_stats_t st;
+    if (!kv || !out || rank >= kv->tp) return PKV_ERR_INVALID;
+    if (kv->ops->rank) {
+        kv->ops->rank(kv, rank, out);
+        return PKV_OK;
+    }
+    pkv_kv_stats_t st; /* dense: one rank, no storage range of its own */
     pkv_kv_stats((pkv_kv_t *)kv, &st);
     *out = (pkv_kv_rank_t){.head_lo = 0,
                            .head_n = kv->geo.kv_heads,
@@ -346,21 +351,39 @@ int pkv_kv_rank(const pkv_kv_t *kv, uint32_t rank, pkv_kv_rank_t *out)
 void *pkv_kv_block_head_rank(const pkv_kv_t *kv, uint32_t rank, uint32_t block, uint32_t layer,
                              uint32_t which, uint32_t head)
 {
-    return rank == 0 ? pkv_kv_block_head(kv, block, layer, which, head) : NULL;
+    if (!kv || rank >= kv->tp) return NULL;
+    if (kv->tp == 1) return pkv_kv_block_head(kv, block, layer, which, head);
+    uint32_t lo, n;
+    pkv_kv_tp_heads(kv->geo.kv_heads, kv->tp, rank, &lo, &n);
+    if (!kv->ops->block_head_rank || layer >= kv->geo.layers || which > 1 || head < lo ||
+        head >= lo + n)
+        return NULL;
+    return kv->ops->block_head_rank(kv, rank, block, layer, which, head);
 }
 
 void pkv_seq_slot_rank(const pkv_seq_t *seq, uint32_t rank, uint32_t pos, uint32_t layer, void **k,
                        void **v, size_t *head_stride)
 {
-    PKV_ASSERT(rank == 0);
-    pkv_seq_slot(seq, pos, layer, k, v, head_stride);
+    PKV_ASSERT(rank < seq->kv->tp);
+    if (rank == 0) {
+        pkv_seq_slot(seq, pos, layer, k, v, head_stride);
+        return;
+    }
+    PKV_ASSERT(pos < seq->capacity && layer < seq->kv->geo.layers);
+    seq->kv->ops->seq_slot_rank(seq, rank, pos, layer, k, v, head_stride);
 }
 
 uint32_t pkv_seq_runs_rank(const pkv_seq_t *seq, uint32_t rank, uint32_t layer, uint32_t begin,
                            uint32_t end, pkv_kv_run_t *out, uint32_t max, uint32_t *next)
 {
-    PKV_ASSERT(rank == 0);
-    return pkv_seq_runs(seq, layer, begin, end, out, max, next);
+    PKV_ASSERT(rank < seq->kv->tp);
+    if (rank == 0) return pkv_seq_runs(seq, layer, begin, end, out, max, next);
+    PKV_ASSERT(begin <= end && end <= seq->capacity && layer < seq->kv->geo.layers);
+    if (begin == end || max == 0) {
+        if (next) *next = begin;
+        return 0;
+    }
+    return seq->kv->ops->seq_runs_rank(seq, rank, layer, begin, end, out, max, next);
 }
 
 /* ---- paged-only block access: backends without it leave the ops NULL ---------------- */

@@ -17,8 +17,10 @@
 #include <stdlib.h>
 
 /* A backend. Every entry is required except the paged-only block access (seq_blocks to
- * blocks_alloc): a backend without it leaves them NULL and kv.c answers
- * PKV_ERR_UNSUPPORTED (NULL from pkv_kv_block_head; unpin does nothing). */
+ * blocks_alloc) and the rank entries: a backend without them leaves them NULL and kv.c
+ * answers PKV_ERR_UNSUPPORTED (NULL from pkv_kv_block_head; unpin does nothing). The rank
+ * entries are only reached for tp > 1 (kv.c serves rank 0 of a tp = 1 cache through the
+ * plain entries), with rank < tp checked. */
 typedef struct {
     void (*destroy)(pkv_kv_t *kv);
     int (*seq_create)(pkv_kv_t *kv, const pkv_seq_params_t *p, pkv_seq_t **out, uint32_t *n_cached);
@@ -47,6 +49,14 @@ typedef struct {
     int (*pin)(pkv_kv_t *kv, const uint32_t *ids, uint32_t n);
     void (*unpin)(pkv_kv_t *kv, const uint32_t *ids, uint32_t n);
     int (*blocks_alloc)(pkv_kv_t *kv, uint32_t n, uint32_t *ids);
+    /* tensor-parallel ranks (head checked by kv.c to be one the rank holds) */
+    void *(*block_head_rank)(const pkv_kv_t *kv, uint32_t rank, uint32_t block, uint32_t layer,
+                             uint32_t which, uint32_t head);
+    void (*seq_slot_rank)(const pkv_seq_t *seq, uint32_t rank, uint32_t pos, uint32_t layer,
+                          void **k, void **v, size_t *head_stride);
+    uint32_t (*seq_runs_rank)(const pkv_seq_t *seq, uint32_t rank, uint32_t layer, uint32_t begin,
+                              uint32_t end, pkv_kv_run_t *out, uint32_t max, uint32_t *next);
+    void (*rank)(const pkv_kv_t *kv, uint32_t rank, pkv_kv_rank_t *out);
 } kv_ops_t;
 
 struct pkv_kv {
@@ -56,6 +66,7 @@ struct pkv_kv {
     size_t elem_bytes;  /* dtype size */
     size_t token_bytes; /* K+V, all layers, one position */
     size_t block_bytes; /* token_bytes * block_tokens */
+    uint32_t tp;        /* tensor-parallel ranks (1: dense, or a plain pool) */
 };
 
 /* The part of a sequence every backend keeps. Owned by one thread at a time. */

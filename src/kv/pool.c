@@ -9,6 +9,10 @@
  * cached blocks keep committed, an idle time-to-live applied by pkv_kv_trim, and a
  * pressure limit (pkv_kv_cache_pressure); each empties whole granules. One mutex guards
  * all metadata; no OS call runs under it.
+ *
+ * Tensor-parallel ranks: a pool with tp = N keeps that one bookkeeping (one block id names
+ * the block on every rank) over N reserved ranges, one per rank, each holding the rank's
+ * KV heads; granule g is committed and decommitted on every rank together.
  */
 #include "kv/kv_int.h"
 #include "prim/prim.h"
@@ -49,13 +53,24 @@ typedef struct {
 
 typedef struct pool_seq pool_seq_t;
 
+/* One tensor-parallel rank's storage: granule g of the pool is [addr + g * stride, +stride)
+ * here, laid out [layer][k|v][local head][slot][token][dim] over the rank's head_n heads. */
+typedef struct {
+    uint8_t *addr;    /* the rank's reserved range */
+    size_t stride;    /* the rank's bytes of one granule (4 KiB aligned) */
+    size_t reserved;  /* n_granules * stride */
+    uint32_t head_lo; /* first KV head held (global index) */
+    uint32_t head_n;  /* KV heads held */
+} pool_rank_t;
+
 typedef struct {
     struct pkv_kv base;
     /* immutable after create */
-    uint8_t *addr;         /* the reserved range */
-    size_t reserved;       /* its size */
-    size_t stride;         /* bytes per granule (whole blocks, 4 KiB aligned) */
-    uint32_t bpg;          /* blocks per granule */
+    uint32_t tp;           /* ranks (1: one range, the plain layout) */
+    size_t reserved;       /* bytes reserved over every rank */
+    size_t gbytes;         /* bytes of one granule over every rank: the commit accounting */
+    size_t blk_bytes;      /* one block over every rank (replicated heads in each copy) */
+    uint32_t bpg;          /* blocks per granule (from the TP=1 block size: same ids any tp) */
     size_t piece;          /* one (block, layer, k|v, head): block_tokens x head_dim values */
     uint32_t n_granules;   /* granules in the reservation */
     uint32_t max_granules; /* granules the budget allows */
@@ -87,6 +102,8 @@ typedef struct {
     uint32_t cache_granules; /* COMMITTED granules with cached blocks and no live one */
     uint64_t pressure_limit; /* bytes of cache-only granules allowed now; PKV_KV_NO_LIMIT */
     uint64_t ev[EV_N];       /* evictions by cause */
+
+    pool_rank_t rk[PKV_KV_MAX_TP]; /* [tp], immutable after create; rk[0] alone when tp = 1 */
 } pool_t;
 
 struct pool_seq {
@@ -103,17 +120,31 @@ static inline pool_t *pool_of(const pkv_kv_t *kv)
     return (pool_t *)kv;
 }
 
-/* Granule layout [layer][k|v][head][slot][token][dim]: for one layer and head, the
- * tokens of a granule's blocks lie side by side in slot order, so a sequence whose blocks
- * sit in consecutive slots reads as one run of up to bpg * block_tokens positions (head
- * stride bpg * block_tokens * head_dim), and one layer's K of a granule is contiguous.
- * Returns (block id, layer, k|v, head)'s block_tokens x head_dim elements. */
+/* Granule layout (per rank) [layer][k|v][head][slot][token][dim]: for one layer and head,
+ * the tokens of a granule's blocks lie side by side in slot order, so a sequence whose
+ * blocks sit in consecutive slots reads as one run of up to bpg * block_tokens positions
+ * (head stride bpg * block_tokens * head_dim), and one layer's K of a granule is
+ * contiguous. Returns (block id, layer, k|v, local head lh of rank r)'s block_tokens x
+ * head_dim elements. */
+static inline uint8_t *rank_head_addr(const pool_t *p, const pool_rank_t *r, uint32_t id,
+                                      uint32_t layer, uint32_t kv, uint32_t lh)
+{
+    return r->addr + (size_t)(id / p->bpg) * r->stride +
+           ((((size_t)layer * 2 + kv) * r->head_n + lh) * p->bpg + id % p->bpg) * p->piece;
+}
+
+/* Rank 0's piece (rank 0 holds heads from 0: local = global); with tp = 1 every head. */
 static inline uint8_t *head_addr(const pool_t *p, uint32_t id, uint32_t layer, uint32_t kv,
                                  uint32_t head)
 {
-    return p->addr + (size_t)(id / p->bpg) * p->stride +
-           ((((size_t)layer * 2 + kv) * p->base.geo.kv_heads + head) * p->bpg + id % p->bpg) *
-               p->piece;
+    return rank_head_addr(p, &p->rk[0], id, layer, kv, head);
+}
+
+/* The first rank that holds KV head `head` (global). */
+static inline uint32_t first_rank(const pool_t *p, uint32_t head)
+{
+    uint32_t H = p->base.geo.kv_heads;
+    return p->tp <= H ? head / (H / p->tp) : head * (p->tp / H);
 }
 
 /* ---- granule buckets ---------------------------------------------------------------- */
@@ -377,7 +408,7 @@ static void cache_enforce(pool_t *p)
 {
     int cause;
     uint64_t allowed = cache_allowed(p, &cause);
-    while ((uint64_t)p->cache_granules * p->stride > allowed) {
+    while ((uint64_t)p->cache_granules * p->gbytes > allowed) {
         uint32_t g = cache_victim(p);
         PKV_ASSERT(g != NONE); /* a cache-only granule holds a cached block in the LRU */
         for (uint32_t j = 0; j < p->bpg; j++)
@@ -390,8 +421,30 @@ static void cache_enforce(pool_t *p)
 
 static void pool_note_peak(pool_t *p)
 {
-    uint64_t c = (uint64_t)p->committed * p->stride;
+    uint64_t c = (uint64_t)p->committed * p->gbytes;
     if (c > p->peak_committed) p->peak_committed = c;
+}
+
+/* Granule g's part in every rank (tp OS calls; never under the lock). */
+static void granule_decommit(const pool_t *p, uint32_t g)
+{
+    for (uint32_t r = 0; r < p->tp; r++)
+        pkv_prim_decommit(p->rk[r].addr + (size_t)g * p->rk[r].stride, p->rk[r].stride);
+}
+
+/* Commit granule g's part in every rank, all or nothing: when one rank's commit fails the
+ * ranks already committed are decommitted again. Never under the lock. */
+static int granule_commit(const pool_t *p, uint32_t g)
+{
+    for (uint32_t r = 0; r < p->tp; r++) {
+        const pool_rank_t *rk = &p->rk[r];
+        int rc = pkv_prim_commit(rk->addr + (size_t)g * rk->stride, rk->stride, p->huge);
+        if (rc == PKV_OK) continue;
+        while (r-- > 0)
+            pkv_prim_decommit(p->rk[r].addr + (size_t)g * p->rk[r].stride, p->rk[r].stride);
+        return rc;
+    }
+    return PKV_OK;
 }
 
 /* Decommit queued granules. Called with the lock held; drops and retakes it. */
@@ -401,8 +454,7 @@ static void pool_flush_decommits(pool_t *p)
         uint32_t head = p->decommit_head;
         p->decommit_head = NONE;
         pthread_mutex_unlock(&p->lock);
-        for (uint32_t g = head; g != NONE; g = p->gr[g].next)
-            pkv_prim_decommit(p->addr + (size_t)g * p->stride, p->stride);
+        for (uint32_t g = head; g != NONE; g = p->gr[g].next) granule_decommit(p, g);
         pthread_mutex_lock(&p->lock);
         for (uint32_t g = head, next; g != NONE; g = next) {
             next = p->gr[g].next;
@@ -429,8 +481,7 @@ static uint32_t pool_commit(pool_t *p, uint32_t want)
     pool_note_peak(p);
     pthread_mutex_unlock(&p->lock);
     int rc[64];
-    for (uint32_t i = 0; i < n; i++)
-        rc[i] = pkv_prim_commit(p->addr + (size_t)ids[i] * p->stride, p->stride, p->huge);
+    for (uint32_t i = 0; i < n; i++) rc[i] = granule_commit(p, ids[i]);
     pthread_mutex_lock(&p->lock);
     for (uint32_t i = 0; i < n; i++) {
         uint32_t g = ids[i];
@@ -573,8 +624,7 @@ static int pool_nofit(pool_t *p, uint64_t blocks_needed)
     PKV_LOGW("pool",
              "request can never fit: needs %llu blocks (%llu bytes), budget holds %llu blocks "
              "(%llu bytes)",
-             (unsigned long long)blocks_needed,
-             (unsigned long long)(blocks_needed * p->base.block_bytes),
+             (unsigned long long)blocks_needed, (unsigned long long)(blocks_needed * p->blk_bytes),
              (unsigned long long)p->max_granules * p->bpg, (unsigned long long)p->budget);
     return PKV_ERR_NOFIT;
 }
@@ -731,10 +781,12 @@ static int pool_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens)
          * first, as we do), so the copy runs unlocked. */
         uint32_t old = s->blocks[partial];
         const pkv_geometry_t *g = &seq->kv->geo;
-        for (uint32_t l = 0; l < g->layers; l++)
-            for (uint32_t kv = 0; kv < 2; kv++)
-                for (uint32_t h = 0; h < g->kv_heads; h++)
-                    memcpy(head_addr(p, fresh[0], l, kv, h), head_addr(p, old, l, kv, h), p->piece);
+        for (uint32_t r = 0; r < p->tp; r++) /* every rank's part, replicas included */
+            for (uint32_t l = 0; l < g->layers; l++)
+                for (uint32_t kv = 0; kv < 2; kv++)
+                    for (uint32_t h = 0; h < p->rk[r].head_n; h++)
+                        memcpy(rank_head_addr(p, &p->rk[r], fresh[0], l, kv, h),
+                               rank_head_addr(p, &p->rk[r], old, l, kv, h), p->piece);
         pthread_mutex_lock(&p->lock);
         s->blocks[partial] = fresh[0];
         block_unref(p, old);
@@ -794,8 +846,9 @@ static int pool_seq_fork(pkv_seq_t *parent, pkv_seq_t **out)
     return PKV_OK;
 }
 
-static void pool_seq_slot(const pkv_seq_t *seq, uint32_t pos, uint32_t layer, void **k, void **v,
-                          size_t *head_stride)
+/* Position pos of layer in rank r: K and V of the rank's first head. */
+static inline void slot_in(const pkv_seq_t *seq, const pool_rank_t *r, uint32_t pos, uint32_t layer,
+                           void **k, void **v, size_t *head_stride)
 {
     const pool_seq_t *s = (const pool_seq_t *)seq;
     const pool_t *p = pool_of(seq->kv);
@@ -803,13 +856,27 @@ static void pool_seq_slot(const pkv_seq_t *seq, uint32_t pos, uint32_t layer, vo
     size_t es = seq->kv->elem_bytes, T = g->block_tokens, D = g->head_dim;
     uint32_t id = s->blocks[pos / T];
     size_t row = (size_t)(pos % T) * D * es;
-    *k = head_addr(p, id, layer, 0, 0) + row;
-    *v = head_addr(p, id, layer, 1, 0) + row;
+    *k = rank_head_addr(p, r, id, layer, 0, 0) + row;
+    *v = rank_head_addr(p, r, id, layer, 1, 0) + row;
     *head_stride = (size_t)p->bpg * T * D;
 }
 
-static uint32_t pool_seq_runs(const pkv_seq_t *seq, uint32_t layer, uint32_t begin, uint32_t end,
-                              pkv_kv_run_t *out, uint32_t max, uint32_t *next)
+static void pool_seq_slot(const pkv_seq_t *seq, uint32_t pos, uint32_t layer, void **k, void **v,
+                          size_t *head_stride)
+{
+    slot_in(seq, &pool_of(seq->kv)->rk[0], pos, layer, k, v, head_stride);
+}
+
+static void pool_seq_slot_rank(const pkv_seq_t *seq, uint32_t rank, uint32_t pos, uint32_t layer,
+                               void **k, void **v, size_t *head_stride)
+{
+    slot_in(seq, &pool_of(seq->kv)->rk[rank], pos, layer, k, v, head_stride);
+}
+
+/* The runs of [begin, end) in rank r: the same positions and lengths in every rank. */
+static inline uint32_t runs_in(const pkv_seq_t *seq, const pool_rank_t *r, uint32_t layer,
+                               uint32_t begin, uint32_t end, pkv_kv_run_t *out, uint32_t max,
+                               uint32_t *next)
 {
     const pool_seq_t *s = (const pool_seq_t *)seq;
     const pool_t *p = pool_of(seq->kv);
@@ -822,13 +889,26 @@ static uint32_t pool_seq_runs(const pkv_seq_t *seq, uint32_t layer, uint32_t beg
         uint32_t stop = PKV_MIN(end, e * T);
         void *k, *v;
         size_t hs;
-        pool_seq_slot(seq, pos, layer, &k, &v, &hs);
+        slot_in(seq, r, pos, layer, &k, &v, &hs);
         out[n++] =
             (pkv_kv_run_t){.k = k, .v = v, .pos = pos, .n_tokens = stop - pos, .head_stride = hs};
         pos = stop;
     }
     if (next) *next = pos;
     return n;
+}
+
+static uint32_t pool_seq_runs(const pkv_seq_t *seq, uint32_t layer, uint32_t begin, uint32_t end,
+                              pkv_kv_run_t *out, uint32_t max, uint32_t *next)
+{
+    return runs_in(seq, &pool_of(seq->kv)->rk[0], layer, begin, end, out, max, next);
+}
+
+static uint32_t pool_seq_runs_rank(const pkv_seq_t *seq, uint32_t rank, uint32_t layer,
+                                   uint32_t begin, uint32_t end, pkv_kv_run_t *out, uint32_t max,
+                                   uint32_t *next)
+{
+    return runs_in(seq, &pool_of(seq->kv)->rk[rank], layer, begin, end, out, max, next);
 }
 
 /* ---- block access for transfers ----------------------------------------------------- */
@@ -844,7 +924,33 @@ static void *pool_block_head(const pkv_kv_t *kv, uint32_t block, uint32_t layer,
                              uint32_t head)
 {
     const pool_t *p = pool_of(kv);
-    return block < p->n_granules * p->bpg ? head_addr(p, block, layer, which, head) : NULL;
+    if (block >= p->n_granules * p->bpg) return NULL;
+    const pool_rank_t *r = &p->rk[first_rank(p, head)];
+    return rank_head_addr(p, r, block, layer, which, head - r->head_lo);
+}
+
+/* kv.c has checked that rank holds head. */
+static void *pool_block_head_rank(const pkv_kv_t *kv, uint32_t rank, uint32_t block, uint32_t layer,
+                                  uint32_t which, uint32_t head)
+{
+    const pool_t *p = pool_of(kv);
+    if (block >= p->n_granules * p->bpg) return NULL;
+    const pool_rank_t *r = &p->rk[rank];
+    return rank_head_addr(p, r, block, layer, which, head - r->head_lo);
+}
+
+static void pool_rank(const pkv_kv_t *kv, uint32_t rank, pkv_kv_rank_t *out)
+{
+    pool_t *p = pool_of(kv);
+    const pool_rank_t *r = &p->rk[rank];
+    pthread_mutex_lock(&p->lock);
+    uint64_t committed = (uint64_t)p->committed * r->stride;
+    pthread_mutex_unlock(&p->lock);
+    *out = (pkv_kv_rank_t){.head_lo = r->head_lo,
+                           .head_n = r->head_n,
+                           .base = r->addr,
+                           .bytes = r->reserved,
+                           .committed_bytes = committed};
 }
 
 static int pool_pin(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
@@ -923,14 +1029,15 @@ static void pool_stats(pkv_kv_t *kv, pkv_kv_stats_t *o)
 {
     pool_t *p = pool_of(kv);
     pthread_mutex_lock(&p->lock);
-    o->committed_bytes = (uint64_t)p->committed * p->stride;
+    o->committed_bytes = (uint64_t)p->committed * p->gbytes;
     o->peak_committed_bytes = p->peak_committed;
     o->reserved_bytes = p->reserved;
     o->budget_bytes = p->budget;
-    o->granule_bytes = p->stride;
-    o->storage_ranges = 1;
-    o->block_bytes = kv->block_bytes;
-    o->token_bytes = kv->token_bytes;
+    o->granule_bytes = p->gbytes;
+    o->storage_ranges = p->tp;
+    o->tp = p->tp;
+    o->block_bytes = p->blk_bytes;
+    o->token_bytes = p->blk_bytes / kv->geo.block_tokens;
     o->blocks_capacity = (uint64_t)p->max_granules * p->bpg;
     o->blocks_live = p->n_live;
     o->blocks_cached = p->n_cached;
@@ -946,7 +1053,7 @@ static void pool_stats(pkv_kv_t *kv, pkv_kv_stats_t *o)
     o->decommits = p->decommits;
     o->rejected_nofit = p->rej_nofit;
     o->rejected_nospace = p->rej_nospace;
-    o->cache_bytes = (uint64_t)p->cache_granules * p->stride;
+    o->cache_bytes = (uint64_t)p->cache_granules * p->gbytes;
     o->cache_max_bytes = p->cache_cap;
     o->cache_pressure_limit = p->pressure_limit;
     o->cache_idle_ms = p->idle_ns / 1000000;
@@ -967,6 +1074,43 @@ static void pool_stats(pkv_kv_t *kv, pkv_kv_stats_t *o)
         }                                                                                          \
     } while (0)
 
+/* The ranks: each holds the heads pkv_kv_tp_heads gives it, laid out over exactly its
+ * stride, in a range of its own (no two overlap); the strides add up to the granule bytes
+ * the accounting counts and every head is held by some rank. */
+static int validate_ranks(const pool_t *p)
+{
+    int rc = PKV_OK;
+    const pkv_geometry_t *g = &p->base.geo;
+    size_t gbytes = 0, blk = 0, reserved = 0;
+    uint64_t heads_seen[PKV_DIV_UP(1024, 64)] = {0};
+    for (uint32_t r = 0; r < p->tp; r++) {
+        const pool_rank_t *rk = &p->rk[r];
+        uint32_t lo, n;
+        pkv_kv_tp_heads(g->kv_heads, p->tp, r, &lo, &n);
+        size_t share = p->piece * 2 * g->layers * n;
+        CHECK(rk->head_lo == lo && rk->head_n == n, "rank %u holds heads [%u, +%u), not [%u, +%u)",
+              r, rk->head_lo, rk->head_n, lo, n);
+        CHECK(rk->stride == PKV_ALIGN_UP((size_t)p->bpg * share, PKV_PRIM_PAGE) &&
+                  rk->reserved == (size_t)p->n_granules * rk->stride,
+              "rank %u stride %zu / reserved %zu inconsistent", r, rk->stride, rk->reserved);
+        for (uint32_t q = 0; q < r; q++)
+            CHECK(rk->addr + rk->reserved <= p->rk[q].addr ||
+                      p->rk[q].addr + p->rk[q].reserved <= rk->addr,
+                  "ranks %u and %u overlap", q, r);
+        for (uint32_t h = lo; h < lo + n; h++) heads_seen[h / 64] |= 1ull << (h % 64);
+        gbytes += rk->stride;
+        blk += share;
+        reserved += rk->reserved;
+    }
+    for (uint32_t h = 0; h < g->kv_heads; h++)
+        CHECK(heads_seen[h / 64] >> (h % 64) & 1, "KV head %u held by no rank", h);
+    CHECK(gbytes == p->gbytes && blk == p->blk_bytes && reserved == p->reserved,
+          "rank totals drift: granule %zu/%zu block %zu/%zu reserved %zu/%zu", gbytes, p->gbytes,
+          blk, p->blk_bytes, reserved, p->reserved);
+out:
+    return rc;
+}
+
 static int pool_validate(pkv_kv_t *kv)
 {
     pool_t *p = pool_of(kv);
@@ -978,6 +1122,8 @@ static int pool_validate(pkv_kv_t *kv)
     uint64_t live = 0, cached = 0, free_ = 0, committed = 0, empty = 0, lru = 0, hashed = 0;
     uint64_t cache_only = 0;
     uint64_t seqs = 0, tokens = 0;
+    rc = validate_ranks(p);
+    if (rc) goto out;
     for (pool_seq_t *s = p->seqs; s; s = s->next, seqs++) {
         uint32_t T = kv->geo.block_tokens;
         CHECK(s->base.length <= s->base.capacity && s->base.capacity <= s->nb * T,
@@ -1050,8 +1196,8 @@ static int pool_validate(pkv_kv_t *kv)
     int cause;
     CHECK(cache_only == p->cache_granules, "cache-only granules %llu/%u",
           (unsigned long long)cache_only, p->cache_granules);
-    CHECK(cache_only * p->stride <= cache_allowed(p, &cause),
-          "cache holds %llu bytes, allowed %llu", (unsigned long long)(cache_only * p->stride),
+    CHECK(cache_only * p->gbytes <= cache_allowed(p, &cause),
+          "cache holds %llu bytes, allowed %llu", (unsigned long long)(cache_only * p->gbytes),
           (unsigned long long)cache_allowed(p, &cause));
     for (uint32_t id = p->lru_head, prev = NONE; id != NONE; prev = id, id = p->blk[id].lru_next) {
         CHECK(p->blk[id].state == BLK_CACHED && p->blk[id].lru_prev == prev, "LRU list corrupt");
@@ -1091,13 +1237,34 @@ static void pool_free(pool_t *p)
     free(p);
 }
 
+/* Release the first n ranks' ranges. */
+static void pool_release_ranks(pool_t *p, uint32_t n)
+{
+    for (uint32_t r = 0; r < n; r++) pkv_prim_release(p->rk[r].addr, p->rk[r].reserved);
+}
+
 static void pool_destroy(pkv_kv_t *kv)
 {
     pool_t *p = pool_of(kv);
     PKV_ASSERT(p->n_seqs == 0);
-    pkv_prim_release(p->addr, p->reserved);
+    pool_release_ranks(p, p->tp);
     pthread_mutex_destroy(&p->lock);
     pool_free(p);
+}
+
+/* The ranks' heads and strides, and the totals over them. */
+static void pool_layout_ranks(pool_t *p)
+{
+    const pkv_geometry_t *g = &p->base.geo;
+    p->gbytes = p->blk_bytes = 0;
+    for (uint32_t r = 0; r < p->tp; r++) {
+        pool_rank_t *rk = &p->rk[r];
+        pkv_kv_tp_heads(g->kv_heads, p->tp, r, &rk->head_lo, &rk->head_n);
+        size_t share = p->piece * 2 * g->layers * rk->head_n; /* the rank's part of a block */
+        rk->stride = PKV_ALIGN_UP((size_t)p->bpg * share, PKV_PRIM_PAGE);
+        p->gbytes += rk->stride;
+        p->blk_bytes += share;
+    }
 }
 
 int kv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
@@ -1115,21 +1282,23 @@ int kv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
     }
     p->bpg = (uint32_t)PKV_MAX(1, gran / bb);
     p->piece = (size_t)p->base.geo.block_tokens * p->base.geo.head_dim * p->base.elem_bytes;
-    p->stride = PKV_ALIGN_UP((size_t)p->bpg * bb, PKV_PRIM_PAGE);
+    p->tp = p->base.tp;
+    pool_layout_ranks(p);
     p->budget = cfg->budget_bytes;
     uint64_t span = cfg->budget_bytes
                         ? cfg->budget_bytes
                         : (cfg->reserve_bytes ? cfg->reserve_bytes : POOL_DEFAULT_RESERVE);
-    uint64_t ng = span / p->stride;
+    uint64_t ng = span / p->gbytes;
     ng = PKV_MIN(ng, POOL_MAX_BLOCKS / p->bpg);
     if (ng == 0) {
-        PKV_LOGE("pool", "budget %llu bytes is smaller than one granule (%zu bytes)",
-                 (unsigned long long)span, p->stride);
+        PKV_LOGE("pool", "budget %llu bytes is smaller than one granule (%zu bytes over %u ranks)",
+                 (unsigned long long)span, p->gbytes, p->tp);
         free(p);
         return cfg->budget_bytes ? PKV_ERR_NOFIT : PKV_ERR_INVALID;
     }
     p->n_granules = p->max_granules = (uint32_t)ng;
-    p->reserved = (size_t)ng * p->stride;
+    p->reserved = (size_t)ng * p->gbytes;
+    for (uint32_t r = 0; r < p->tp; r++) p->rk[r].reserved = (size_t)ng * p->rk[r].stride;
     p->retain = cfg->retain_granules ? cfg->retain_granules : 1;
     p->prefix_cache = !cfg->no_prefix_cache;
     p->huge = cfg->hugepages;
@@ -1152,8 +1321,11 @@ int kv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
     for (uint32_t g = 0; g < p->n_granules; g++) p->uncommitted[g] = p->n_granules - 1 - g;
     p->n_uncommitted = p->n_granules;
     p->lru_head = p->lru_tail = p->decommit_head = NONE;
-    rc = pkv_prim_reserve(p->reserved, PKV_PRIM_HUGE, (void **)&p->addr);
-    if (rc) goto fail;
+    uint32_t ranks = 0;
+    for (; ranks < p->tp; ranks++) {
+        rc = pkv_prim_reserve(p->rk[ranks].reserved, PKV_PRIM_HUGE, (void **)&p->rk[ranks].addr);
+        if (rc) goto fail_reserve;
+    }
     if (pthread_mutex_init(&p->lock, NULL) != 0) {
         rc = PKV_ERR_NOMEM;
         goto fail_reserve;
@@ -1161,7 +1333,7 @@ int kv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
     *out = &p->base;
     return PKV_OK;
 fail_reserve:
-    pkv_prim_release(p->addr, p->reserved);
+    pool_release_ranks(p, ranks);
 fail:
     pool_free(p);
     return rc;
@@ -1185,6 +1357,10 @@ static const kv_ops_t pool_ops = {
     .validate = pool_validate,
     .seq_blocks = pool_seq_blocks,
     .block_head = pool_block_head,
+    .block_head_rank = pool_block_head_rank,
+    .seq_slot_rank = pool_seq_slot_rank,
+    .seq_runs_rank = pool_seq_runs_rank,
+    .rank = pool_rank,
     .pin = pool_pin,
     .unpin = pool_unpin,
     .blocks_alloc = pool_blocks_alloc,

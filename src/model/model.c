@@ -11,6 +11,11 @@
  * chunked prefill. Token ids are appended only at the end, after every layer's K/V of
  * every new position is written.
  *
+ * Over a tensor-parallel cache (tp ranks, each holding a shard of the KV heads): K/V of
+ * head g is written into every rank that holds g, and head g's attention reads the first
+ * rank holding it (pkv_seq_runs_rank). The per-head arithmetic is the same as at tp = 1,
+ * so tokens and logits do not depend on tp.
+ *
  * Why results never depend on batching, runs, chunking or threads: each output element
  * has one fixed arithmetic path (kernels.h), each parallel task writes disjoint
  * outputs, attention scores of a query go to a scratch array indexed by position, the
@@ -423,13 +428,17 @@ static void att_task(void *arg, uint32_t task, uint32_t thread)
     uint32_t ra = m->pairs[pr].row, rb = ra + 1;
     bool two = m->pairs[pr].two;
     const struct pkv_model_seg *seg = &m->segs[m->rows[ra].seg];
-    const pkv_kv_run_t *runs = m->runs + seg->run0;
+    /* The task's heads lie in one group (splits is a multiple of kv_groups): read the
+     * group's rank, whose runs point at its first head. */
+    uint32_t per_group = c->n_kv_heads / m->kv_groups, grp = h0 / per_group;
+    const pkv_kv_run_t *runs = m->runs + seg->run0 + (size_t)grp * seg->nruns;
+    uint32_t kh0 = h0 - grp * per_group; /* the rank-local head of h0 */
     uint32_t na = m->rows[ra].pos + 1, nb = two ? m->rows[rb].pos + 1 : 0;
     float *sa = m->scores + (size_t)thread * 2 * c->n_heads * S, *sb = sa + (size_t)c->n_heads * S;
     const float *qa = m->qkv + (size_t)ra * m->ld_qkv + (size_t)h0 * group * hd;
     const float *qb = two ? qa + m->ld_qkv : NULL;
     float *oa = m->att + (size_t)ra * m->ld_q + (size_t)h0 * group * hd, *ob = oa + m->ld_q;
-    m->kern->scores(qa, qb, na, nb, runs, seg->nruns, h0, nh, group, hd, j->dt, j->scale, sa, sb,
+    m->kern->scores(qa, qb, na, nb, runs, seg->nruns, kh0, nh, group, hd, j->dt, j->scale, sa, sb,
                     S);
     for (uint32_t q = 0; q < nq; q++) {
         m->kern->softmax(sa + (size_t)q * S, na);
@@ -437,38 +446,61 @@ static void att_task(void *arg, uint32_t task, uint32_t thread)
     }
     memset(oa, 0, (size_t)nq * hd * sizeof(float));
     if (two) memset(ob, 0, (size_t)nq * hd * sizeof(float));
-    m->kern->av(sa, two ? sb : NULL, na, nb, runs, seg->nruns, h0, nh, group, hd, j->dt, S, oa,
+    m->kern->av(sa, two ? sb : NULL, na, nb, runs, seg->nruns, kh0, nh, group, hd, j->dt, S, oa,
                 two ? ob : NULL);
 }
 
-/* Runs covering [0, end) of every segment for `layer`, appended to m->runs. */
+/* Append the runs of [0, end) of one segment in `rank` at m->runs + *used. */
+static int collect_seg_runs(pkv_model_t *m, const struct pkv_model_seg *sg, uint32_t rank,
+                            uint32_t layer, size_t *usedp)
+{
+    size_t used = *usedp;
+    uint32_t end = sg->pos0 + sg->n, at = 0;
+    while (at < end) {
+        if (used == m->runs_cap) {
+            size_t cap = m->runs_cap ? m->runs_cap * 2 : 256;
+            pkv_kv_run_t *nr = realloc(m->runs, cap * sizeof(*nr));
+            if (!nr) return PKV_ERR_NOMEM;
+            m->runs = nr;
+            m->runs_cap = cap;
+        }
+        uint32_t next = at;
+        uint32_t got = pkv_seq_runs_rank(sg->seq, rank, layer, at, end, m->runs + used,
+                                         (uint32_t)(m->runs_cap - used), &next);
+        for (uint32_t i = 0; i < got; i++) {
+            const pkv_kv_run_t *rn = &m->runs[used + i];
+            PKV_ASSERT(rn->pos == at && rn->n_tokens > 0);
+            at += rn->n_tokens;
+        }
+        PKV_ASSERT(got > 0 && next == at);
+        used += got;
+    }
+    *usedp = used;
+    return PKV_OK;
+}
+
+/* The rank attention reads head group grp from: the first holding its heads. */
+static uint32_t group_rank(const pkv_model_t *m, uint32_t grp)
+{
+    uint32_t H = m->cfg.n_kv_heads;
+    return m->kv_tp <= H ? grp : grp * (m->kv_tp / H);
+}
+
+/* Runs covering [0, end) of every segment for `layer`, appended to m->runs: per segment,
+ * one list per head group (every rank has the same positions and lengths). */
 static int collect_runs(pkv_model_t *m, uint32_t nseg, uint32_t layer)
 {
     size_t used = 0;
     for (uint32_t s = 0; s < nseg; s++) {
         struct pkv_model_seg *sg = &m->segs[s];
-        uint32_t end = sg->pos0 + sg->n, at = 0;
         sg->run0 = (uint32_t)used;
-        while (at < end) {
-            if (used == m->runs_cap) {
-                size_t cap = m->runs_cap ? m->runs_cap * 2 : 256;
-                pkv_kv_run_t *nr = realloc(m->runs, cap * sizeof(*nr));
-                if (!nr) return PKV_ERR_NOMEM;
-                m->runs = nr;
-                m->runs_cap = cap;
-            }
-            uint32_t next = at;
-            uint32_t got = pkv_seq_runs(sg->seq, layer, at, end, m->runs + used,
-                                        (uint32_t)(m->runs_cap - used), &next);
-            for (uint32_t i = 0; i < got; i++) {
-                const pkv_kv_run_t *rn = &m->runs[used + i];
-                PKV_ASSERT(rn->pos == at && rn->n_tokens > 0);
-                at += rn->n_tokens;
-            }
-            PKV_ASSERT(got > 0 && next == at);
-            used += got;
+        for (uint32_t grp = 0; grp < m->kv_groups; grp++) {
+            size_t first = used;
+            int rc = collect_seg_runs(m, sg, group_rank(m, grp), layer, &used);
+            if (rc) return rc;
+            if (grp == 0) sg->nruns = (uint32_t)(used - first);
+            PKV_ASSERT(used - first == sg->nruns);
         }
-        sg->nruns = (uint32_t)(used - sg->run0);
     }
     return PKV_OK;
 }
@@ -482,10 +514,26 @@ static void write_kv(pkv_model_t *m, uint32_t rows, uint32_t layer, pkv_dtype_t 
         const float *v = k + m->kvdim;
         void *kp, *vp;
         size_t stride;
-        pkv_seq_slot(m->segs[m->rows[r].seg].seq, m->rows[r].pos, layer, &kp, &vp, &stride);
-        for (uint32_t g = 0; g < c->n_kv_heads; g++) {
-            pkv_dtype_from_f32(dt, (char *)kp + (size_t)g * stride * es, k + (size_t)g * hd, hd);
-            pkv_dtype_from_f32(dt, (char *)vp + (size_t)g * stride * es, v + (size_t)g * hd, hd);
+        pkv_seq_t *seq = m->segs[m->rows[r].seg].seq;
+        if (m->kv_tp == 1) {
+            pkv_seq_slot(seq, m->rows[r].pos, layer, &kp, &vp, &stride);
+            for (uint32_t g = 0; g < c->n_kv_heads; g++) {
+                pkv_dtype_from_f32(dt, (char *)kp + (size_t)g * stride * es, k + (size_t)g * hd,
+                                   hd);
+                pkv_dtype_from_f32(dt, (char *)vp + (size_t)g * stride * es, v + (size_t)g * hd,
+                                   hd);
+            }
+            continue;
+        }
+        for (uint32_t rank = 0; rank < m->kv_tp; rank++) { /* every rank holding each head */
+            uint32_t lo, n;
+            pkv_kv_tp_heads(c->n_kv_heads, m->kv_tp, rank, &lo, &n);
+            pkv_seq_slot_rank(seq, rank, m->rows[r].pos, layer, &kp, &vp, &stride);
+            for (uint32_t h = 0; h < n; h++) {
+                size_t g = lo + h;
+                pkv_dtype_from_f32(dt, (char *)kp + (size_t)h * stride * es, k + g * hd, hd);
+                pkv_dtype_from_f32(dt, (char *)vp + (size_t)h * stride * es, v + g * hd, hd);
+            }
         }
     }
 }
@@ -509,8 +557,9 @@ static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg
     }
     att_job_t aj = {.m = m, .dt = dt, .es = es, .scale = 1.0f / sqrtf((float)hd)};
     uint32_t npairs = 0;
-    /* Split heads into groups only as far as needed to give every thread work. */
-    aj.splits = 1;
+    /* Split heads into groups only as far as needed to give every thread work, and at least
+     * into the groups the ranks hold (a task reads one rank). */
+    aj.splits = m->kv_groups;
     uint64_t att_macs = 0; /* per layer: positions read x query dims x 2 (scores, V) */
     for (uint32_t r = 0; r < rows; r++) att_macs += (uint64_t)(m->rows[r].pos + 1) * m->qdim * 2;
     for (uint32_t sg = 0; sg < nseg; sg++) {
@@ -621,6 +670,8 @@ int pkv_model_forward(pkv_model_t *m, pkv_kv_t *kv, const pkv_model_item_t *item
             }
         }
     }
+    m->kv_tp = pkv_kv_tp(kv);
+    m->kv_groups = PKV_MIN(m->kv_tp, c->n_kv_heads);
     uint32_t it = 0, off = 0;
     while (it < n_items) {
         uint32_t rows = 0, nseg = 0;

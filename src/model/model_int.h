@@ -56,8 +56,11 @@ struct pkv_model {
     struct pkv_model_row *rows;   /* (chunk) */
     struct pkv_model_seg *segs;   /* (chunk) */
     struct pkv_model_pair *pairs; /* (chunk) */
-    pkv_kv_run_t *runs;
+    pkv_kv_run_t *runs;           /* per segment: kv_groups x nruns (group-major) */
     size_t runs_cap;
+    /* The cache of the current forward: its ranks, and the head groups attention reads,
+     * each from one rank (the first holding the group's heads): min(tp, kv_heads). */
+    uint32_t kv_tp, kv_groups;
 };
 
 /* Allocate a model for cfg (weights zeroed, scratch ready, kernels and threads chosen).

@@ -130,10 +130,168 @@ bool xf_seat_inline(pkv_xfer_agent_t *a, uint64_t stage_id, uint32_t peer, uint3
     return true;
 }
 
-bool xf_small(const pkv_xfer_agent_t *a, uint32_t n_blocks)
+bool xf_small(const pkv_xfer_agent_t *a, uint64_t bytes)
 {
-    uint64_t per_block = a->layer_bytes * a->geo.layers; /* bounded by the geometry check */
-    return !a->cfg.no_inline_copy && per_block && n_blocks <= XF_INLINE_COPY_BYTES / per_block;
+    return !a->cfg.no_inline_copy && bytes <= XF_INLINE_COPY_BYTES;
+}
+
+bool xf_layout_compatible(const pkv_xfer_layout_t *x, const pkv_xfer_layout_t *y, char *why,
+                          size_t cap)
+{
+    const pkv_geometry_t *g = &x->geo, *h = &y->geo;
+    if (x->model_id[0] && y->model_id[0] && strcmp(x->model_id, y->model_id))
+        snprintf(why, cap, "model id '%s' here, '%s' there", x->model_id, y->model_id);
+    else if (g->layers != h->layers)
+        snprintf(why, cap, "layers %u here, %u there", g->layers, h->layers);
+    else if (g->kv_heads != h->kv_heads)
+        snprintf(why, cap, "kv_heads %u here, %u there", g->kv_heads, h->kv_heads);
+    else if (g->head_dim != h->head_dim)
+        snprintf(why, cap, "head_dim %u here, %u there", g->head_dim, h->head_dim);
+    else if (g->block_tokens != h->block_tokens)
+        snprintf(why, cap, "block_tokens %u here, %u there", g->block_tokens, h->block_tokens);
+    else if (g->dtype != h->dtype)
+        snprintf(why, cap, "dtype %s here, %s there", pkv_dtype_name(g->dtype),
+                 pkv_dtype_name(h->dtype));
+    else
+        return true;
+    return false;
+}
+
+/* ---- probes ----------------------------------------------------------------------------- */
+/* The probe's answer; the caller may free it once `done` is seen (under mu), so nothing
+ * touches it after the unlock. */
+static void probe_done(xf_probe_t *pr, int rc)
+{
+    pthread_mutex_lock(&pr->mu);
+    pr->rc = rc;
+    pr->done = true;
+    pthread_cond_broadcast(&pr->cv);
+    pthread_mutex_unlock(&pr->mu);
+}
+
+/* End probe pr (in a->probes or not yet) with rc; its peer reference goes. */
+static void probe_end(pkv_xfer_agent_t *a, xf_probe_t *pr, int rc)
+{
+    for (xf_probe_t **pp = &a->probes; *pp; pp = &(*pp)->next)
+        if (*pp == pr) {
+            *pp = pr->next;
+            break;
+        }
+    if (pr->peer) pr->peer->refs--;
+    pr->peer = NULL;
+    probe_done(pr, rc);
+}
+
+/* The peer's HELLO is in (or it speaks another version): the probe's answer. */
+static int probe_answer(pkv_xfer_agent_t *a, xf_probe_t *pr, xf_peer_t *p)
+{
+    if (!p->hello_seen) { /* another wire version */
+        memset(&pr->layout, 0, sizeof(pr->layout));
+        pr->layout.wire = p->foreign_version;
+        return PKV_ERR_REJECTED;
+    }
+    pr->layout = p->layout;
+    (void)a;
+    return p->layout_bad ? PKV_ERR_REJECTED : PKV_OK;
+}
+
+void xf_probes_admit(pkv_xfer_agent_t *a, xf_probe_t *list)
+{
+    while (list) {
+        xf_probe_t *pr = list;
+        list = pr->next;
+        pr->next = NULL;
+        if (a->stop_started) {
+            probe_done(pr, PKV_ERR_SHUTDOWN);
+            continue;
+        }
+        xf_peer_t *p = xf_peer_connect(a, pr->addr);
+        if (!p) {
+            probe_done(pr, PKV_ERR_PEER_LOST);
+            continue;
+        }
+        if (p->hello_seen || p->foreign_version) {
+            probe_done(pr, probe_answer(a, pr, p));
+            continue;
+        }
+        p->refs++;
+        pr->peer = p;
+        pr->next = a->probes;
+        a->probes = pr;
+    }
+}
+
+void xf_probes_on_peer(pkv_xfer_agent_t *a, xf_peer_t *p, int rc)
+{
+    for (xf_probe_t *pr = a->probes, *next; pr; pr = next) {
+        next = pr->next;
+        if (pr->peer != p) continue;
+        probe_end(a, pr, rc == PKV_OK ? probe_answer(a, pr, p) : rc);
+    }
+}
+
+void xf_probes_tick(pkv_xfer_agent_t *a, uint64_t now)
+{
+    for (xf_probe_t *pr = a->probes, *next; pr; pr = next) {
+        next = pr->next;
+        if (now >= pr->deadline_ns) probe_end(a, pr, PKV_ERR_TIMEOUT);
+    }
+}
+
+void xf_probes_shutdown(pkv_xfer_agent_t *a)
+{
+    while (a->probes) probe_end(a, a->probes, PKV_ERR_SHUTDOWN);
+}
+
+int pkv_xfer_probe(pkv_xfer_agent_t *a, const char *addr, uint64_t deadline_ns,
+                   pkv_xfer_layout_t *peer)
+{
+    if (!a || !addr || !deadline_ns || !xf_wire_addr_valid(addr)) return PKV_ERR_INVALID;
+    xf_probe_t *pr = calloc(1, sizeof(*pr));
+    if (!pr) return PKV_ERR_NOMEM;
+    if (pthread_mutex_init(&pr->mu, NULL)) {
+        free(pr);
+        return PKV_ERR_NOMEM;
+    }
+    if (pkv_cond_init_monotonic(&pr->cv)) {
+        pthread_mutex_destroy(&pr->mu);
+        free(pr);
+        return PKV_ERR_NOMEM;
+    }
+    snprintf(pr->addr, sizeof(pr->addr), "%s", addr);
+    pr->deadline_ns = deadline_ns;
+    int rc = PKV_OK;
+    pthread_mutex_lock(&a->lock);
+    if (a->stopping) {
+        rc = PKV_ERR_SHUTDOWN;
+    } else {
+        pr->next = a->new_probes;
+        a->new_probes = pr;
+    }
+    pthread_mutex_unlock(&a->lock);
+    if (rc == PKV_OK) {
+        xf_wake(a);
+        /* The loop answers by the deadline (its tick) or at shutdown: wait for it. */
+        pthread_mutex_lock(&pr->mu);
+        while (!pr->done) {
+            struct timespec ts = pkv_deadline_to_monotonic(pkv_deadline_after_ns(100000000ull));
+            pthread_cond_timedwait(&pr->cv, &pr->mu, &ts);
+        }
+        rc = pr->rc;
+        pthread_mutex_unlock(&pr->mu);
+        if (peer && (rc == PKV_OK || rc == PKV_ERR_REJECTED)) *peer = pr->layout;
+    }
+    pthread_cond_destroy(&pr->cv);
+    pthread_mutex_destroy(&pr->mu);
+    free(pr);
+    return rc;
+}
+
+int pkv_xfer_agent_layout(const pkv_xfer_agent_t *a, pkv_xfer_layout_t *out)
+{
+    if (!a || !out) return PKV_ERR_INVALID;
+    *out = a->layout;
+    return PKV_OK;
 }
 
 void xf_busy_add(pkv_xfer_agent_t *a, int delta)
@@ -336,6 +494,7 @@ static bool shutdown_step(pkv_xfer_agent_t *a, uint64_t now)
         /* progress_once() answered every connection request already. */
         xf_xfers_shutdown(a);
         xf_regs_shutdown(a);
+        xf_probes_shutdown(a);
     }
     bool quiet = !a->reads && !a->serves;
     if (!a->eps_closing) {
@@ -388,6 +547,7 @@ static void *progress_main(void *arg)
          * load first keeps the round from writing the flag's cache line when nothing came. */
         pkv_xfer_read_t *nr = NULL;
         xf_event_t *ev = NULL;
+        xf_probe_t *np = NULL;
         /* Test hook: each armed hit holds the loop 100 ms (a stuck progress thread). */
         while (pkv_fault_hit(PKV_FAULT_XFER_STALL))
             nanosleep(&(struct timespec){0, 100000000}, NULL);
@@ -405,10 +565,13 @@ static void *progress_main(void *arg)
             ev = a->events;
             a->events = NULL;
             a->events_tail = &a->events;
+            np = a->new_probes;
+            a->new_probes = NULL;
             stopping = a->stopping; /* never goes back to false */
             pthread_mutex_unlock(&a->lock);
         }
-        bool worked = nr || ev;
+        bool worked = nr || ev || np;
+        if (np) xf_probes_admit(a, np);
         if (nr) xf_reads_admit(a, nr);
         if (ev) process_events(a, ev);
         if (progress_once(a)) worked = true;
@@ -417,6 +580,7 @@ static void *progress_main(void *arg)
         xf_peers_tick(a, now);
         xf_xfers_tick(a, now);
         xf_regs_tick(a, now);
+        xf_probes_tick(a, now);
         xf_drain_stale(a);
 
         if (stopping && shutdown_step(a, now)) {
@@ -434,7 +598,7 @@ static void *progress_main(void *arg)
             continue;
         }
         idle_spins = 0;
-        wait_events(a, moving ? 1 : (a->reads || a->serves || stopping) ? 5 : 50);
+        wait_events(a, moving ? 1 : (a->reads || a->serves || a->probes || stopping) ? 5 : 50);
     }
     pthread_mutex_lock(&a->lock);
     a->progress_exited = true;
@@ -647,6 +811,18 @@ static int config_resolve(const pkv_xfer_config_t *in, pkv_xfer_config_t *c)
                  PKV_XFER_IDENTITY_MAX);
         return PKV_ERR_INVALID;
     }
+    size_t ml = c->model_id ? strnlen(c->model_id, PKV_XFER_MODEL_ID_MAX + 1) : 0;
+    for (size_t i = 0; i < ml; i++)
+        if (c->model_id[i] < 0x20 || c->model_id[i] > 0x7e) ml = PKV_XFER_MODEL_ID_MAX + 1;
+    if (ml > PKV_XFER_MODEL_ID_MAX) {
+        PKV_LOGE(XF_MOD, "config: model_id must be printable ASCII of at most %d characters",
+                 PKV_XFER_MODEL_ID_MAX);
+        return PKV_ERR_INVALID;
+    }
+    if (c->rank >= pkv_kv_tp(c->kv)) {
+        PKV_LOGE(XF_MOD, "config: rank %u, but the pool has %u rank(s)", c->rank, pkv_kv_tp(c->kv));
+        return PKV_ERR_INVALID;
+    }
     if (c->workers > 64 || c->seat_workers > 64 || c->max_inflight > 1024 ||
         c->chunk_bytes < XF_WIRE_MIN_CHUNK || c->chunk_bytes > XF_WIRE_MAX_CHUNK ||
         c->peer_timeout_ns < 2 * c->heartbeat_ns) {
@@ -674,6 +850,7 @@ static int agent_identity(pkv_xfer_agent_t *a, const pkv_xfer_config_t *c)
     a->cfg = *c;
     a->cfg.listen_host = NULL; /* not kept: the caller owns the string */
     a->cfg.identity = NULL;    /* copied below */
+    a->cfg.model_id = NULL;    /* copied into the layout */
     snprintf(a->identity, sizeof(a->identity), "%s", c->identity ? c->identity : "");
     a->kv = c->kv;
     a->stage = c->stage;
@@ -701,6 +878,28 @@ static int agent_identity(pkv_xfer_agent_t *a, const pkv_xfer_config_t *c)
     rc = xf_wire_check_geometry(&a->geo, &a->layer_bytes);
     if (rc || !a->page_bytes) {
         PKV_LOGE(XF_MOD, "config: pool geometry or staging page size out of range");
+        return PKV_ERR_INVALID;
+    }
+    pkv_kv_rank_t rk;
+    a->tp = pkv_kv_tp(c->kv);
+    a->rank = c->rank;
+    if (pkv_kv_rank(c->kv, c->rank, &rk) || !rk.head_n ||
+        (uint64_t)rk.head_lo + rk.head_n > a->geo.kv_heads) {
+        PKV_LOGE(XF_MOD, "config: the pool's rank %u holds no valid head range", c->rank);
+        return PKV_ERR_INVALID;
+    }
+    a->head_lo = rk.head_lo;
+    a->head_n = rk.head_n;
+    a->layout = (pkv_xfer_layout_t){.geo = a->geo,
+                                    .tp = a->tp,
+                                    .rank = a->rank,
+                                    .head_lo = a->head_lo,
+                                    .head_n = a->head_n,
+                                    .wire = XF_WIRE_VERSION};
+    snprintf(a->layout.model_id, sizeof(a->layout.model_id), "%s", c->model_id ? c->model_id : "");
+    if (!xf_wire_layout_valid(&a->layout)) {
+        PKV_LOGE(XF_MOD, "config: the pool's layout (tp %u, rank %u) is out of range", a->tp,
+                 a->rank);
         return PKV_ERR_INVALID;
     }
     uint64_t rnd[8];
@@ -850,6 +1049,12 @@ bool pkv_xfer_agent_alive(pkv_xfer_agent_t *a, uint64_t max_age_ns, uint64_t *ag
 void pkv_xfer_set_faults(pkv_xfer_agent_t *a, const pkv_xfer_faults_t *f)
 {
     pthread_mutex_lock(&a->lock);
+    if (f && f->heads_n && (uint64_t)f->heads_lo + f->heads_n <= a->geo.kv_heads) {
+        a->head_lo = f->heads_lo;
+        a->head_n = f->heads_n;
+        a->layout.head_lo = f->hello_all_heads ? 0 : f->heads_lo;
+        a->layout.head_n = f->hello_all_heads ? a->geo.kv_heads : f->heads_n;
+    }
     if (f)
         a->faults = *f;
     else {

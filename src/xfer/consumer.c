@@ -7,8 +7,10 @@
  * SEATING   connect to the producer (or reuse the endpoint), take this transfer's
  *           staging pages on a seat thread, waiting at most until the deadline.
  * READING   every chunk's tag receive is posted into staging, then READ (token, nonce,
- *           plan, the time left) goes to the producer — when the read names the
- *           producer's identity, only once its HELLO matched. A layer whose chunks have
+ *           plan, head range, the time left) goes to the producer — only once its HELLO
+ *           came, its layout is compatible with ours and its rank holds the read's heads
+ *           (else rejected, why LAYOUT) and, when the read names the producer's identity,
+ *           that matched. A layer whose chunks have
  *           all arrived and whose MAC has (its DATA; for a small read, one stream, the
  *           trailer in the last chunk) is copied staging -> pool, MACed on the way; a
  *           mismatch ends the read corrupt. When every layer is stored the consumer sends
@@ -113,11 +115,19 @@ static int read_tables(pkv_xfer_read_t *rd, uint32_t n)
 }
 
 /* Options that pkv_xfer_read_ex accepts: indices strictly increasing within the handle,
- * a printable identity that fits HELLO. */
-static int opts_check(const pkv_xfer_handle_t *h, const pkv_xfer_read_opts_t *o,
-                      const uint32_t *dst, uint32_t n)
+ * a printable identity that fits HELLO, heads our rank holds, a read count and index. */
+static int opts_check(const pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h,
+                      const pkv_xfer_read_opts_t *o, const uint32_t *dst, uint32_t n)
 {
     if (n && !dst) return PKV_ERR_INVALID;
+    if (o && o->head_n &&
+        (o->head_lo < a->head_lo || (uint64_t)o->head_lo + o->head_n > a->head_lo + a->head_n)) {
+        PKV_LOGW(XF_MOD, "read: heads [%u, %u) are not all held by this agent's rank %u ([%u, %u))",
+                 o->head_lo, o->head_lo + o->head_n, a->rank, a->head_lo, a->head_lo + a->head_n);
+        return PKV_ERR_INVALID;
+    }
+    if (o && (o->reads_total > PKV_XFER_MAX_READS || o->read_index >= PKV_MAX(o->reads_total, 1)))
+        return PKV_ERR_INVALID;
     if (!o || !o->idx) {
         if (n && n != h->n_blocks) return PKV_ERR_INVALID;
     } else {
@@ -141,9 +151,9 @@ int pkv_xfer_read(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h, const uint32_
     return pkv_xfer_read_ex(a, h, NULL, dst, n, deadline_ns, fn, arg, out);
 }
 
-/* The view of a read: its blocks, chunks and staging pages; a release has none. */
+/* The view of a read: its blocks, heads, chunks and staging pages; a release has none. */
 static int read_view(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, const pkv_xfer_handle_t *h,
-                     const uint32_t *dst, uint32_t n)
+                     const pkv_xfer_read_opts_t *o, const uint32_t *dst, uint32_t n)
 {
     if (!n) {
         memset(&rd->v, 0, sizeof(rd->v));
@@ -153,10 +163,13 @@ static int read_view(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, const pkv_xfer_ha
         rd->release = true;
         return PKV_OK;
     }
-    bool small = xf_small(a, n);
+    uint32_t head_lo = o && o->head_n ? o->head_lo : a->head_lo;
+    uint32_t head_n = o && o->head_n ? o->head_n : a->head_n;
+    /* bounded: slice bytes < 2^47 / layers, n <= 2^20 blocks (the view checks the limits) */
+    bool small = xf_small(a, (uint64_t)n * xf_wire_slice_bytes(&a->geo, head_n) * a->geo.layers);
     uint32_t chunk =
         small ? PKV_MIN(a->cfg.chunk_bytes, PKV_XFER_WHOLE_CHUNK_BYTES) : a->cfg.chunk_bytes;
-    int rc = xf_view_init(&rd->v, a, n, dst, chunk, small);
+    int rc = xf_view_init(&rd->v, a, n, dst, chunk, small, head_lo, head_n);
     if (rc == PKV_ERR_NOFIT) {
         PKV_LOGW(XF_MOD, "read: request %llu (%u blocks) exceeds the transfer limits",
                  (unsigned long long)h->request_id, n);
@@ -169,7 +182,7 @@ int pkv_xfer_read_ex(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h,
                      const pkv_xfer_read_opts_t *opts, const uint32_t *dst, uint32_t n,
                      uint64_t deadline_ns, pkv_xfer_done_fn fn, void *arg, pkv_xfer_read_t **out)
 {
-    if (!a || !h || !out || !deadline_ns || opts_check(h, opts, dst, n)) return PKV_ERR_INVALID;
+    if (!a || !h || !out || !deadline_ns || opts_check(a, h, opts, dst, n)) return PKV_ERR_INVALID;
     int rc = read_check(a, h);
     if (rc) return rc;
 
@@ -178,7 +191,7 @@ int pkv_xfer_read_ex(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h,
     if (!rd) return PKV_ERR_NOMEM;
     if (pthread_mutex_init(&rd->mu, NULL)) goto fail_rd;
     if (pkv_cond_init_monotonic(&rd->cv)) goto fail_mu;
-    rc = read_view(a, rd, h, dst, n);
+    rc = read_view(a, rd, h, opts, dst, n);
     if (rc) goto fail_cv;
     rc = PKV_ERR_NOMEM;
     if (read_tables(rd, n)) goto fail_mem;
@@ -189,6 +202,8 @@ int pkv_xfer_read_ex(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h,
         rd->check_identity = true;
         snprintf(rd->identity, sizeof(rd->identity), "%s", opts->identity);
     }
+    rd->reads_total = opts && opts->reads_total ? opts->reads_total : 1;
+    rd->read_index = opts ? opts->read_index : 0;
     rd->local_pid = h->local.pid;
     rd->local_fd = h->local.fd;
     rd->local_ino = h->local.ino;
@@ -488,7 +503,7 @@ void xf_reads_admit(pkv_xfer_agent_t *a, pkv_xfer_read_t *list)
             continue;
         }
         if (xf_mac_keys(a->mac, rd->token, rd->nonce, rd->request_id, rd->v.n_blocks, rd->v.layers,
-                        rd->v.keys)) {
+                        rd->v.head_lo, rd->v.head_n, rd->v.keys)) {
             finish(a, rd, PKV_ERR_NOFIT, false, "cannot derive the transfer's MAC keys");
             settle(a, rd);
             continue;
@@ -562,7 +577,7 @@ static void maybe_verify(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, uint32_t l)
         rd->layer_chunks[l] != rd->v.chunks_per_layer)
         return;
     rd->layer_flags[l] |= LF_QUEUED;
-    if (xf_small(a, rd->v.n_blocks)) {
+    if (xf_small(a, rd->v.layer_total * rd->v.layers)) {
         layer_stored(a, rd, l, store_layer(a, a->mac, rd, l));
         return;
     }
@@ -694,8 +709,31 @@ static bool identity_ok(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
     return false;
 }
 
+/* The producer's layout (its HELLO) is compatible with ours and its rank holds the read's
+ * heads; false: the read ended rejected, why LAYOUT, and no READ (with the token) left. */
+static bool layout_ok(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
+{
+    const xf_peer_t *p = rd->peer;
+    char why[256];
+    if (p->layout_bad) {
+        snprintf(why, sizeof(why), "the producer's layout is incompatible: %s", p->layout_why);
+    } else if (!rd->release && (rd->v.head_lo < p->layout.head_lo ||
+                                (uint64_t)rd->v.head_lo + rd->v.head_n >
+                                    (uint64_t)p->layout.head_lo + p->layout.head_n)) {
+        snprintf(why, sizeof(why),
+                 "the producer's rank %u of %u holds heads [%u, %u), not all of [%u, %u)",
+                 p->layout.rank, p->layout.tp, p->layout.head_lo,
+                 p->layout.head_lo + p->layout.head_n, rd->v.head_lo, rd->v.head_lo + rd->v.head_n);
+    } else {
+        return true;
+    }
+    rd->why = PKV_XFER_WHY_LAYOUT;
+    finish(a, rd, PKV_ERR_REJECTED, false, why);
+    return false;
+}
+
 /* Send READ with the time left; the read is READING from then on (READ waits for the
- * producer's HELLO when the read checks its identity). */
+ * producer's HELLO: its layout, and its identity when the read checks it). */
 static void send_read(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
 {
     xf_view_t *v = &rd->v;
@@ -705,11 +743,18 @@ static void send_read(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
         return;
     }
     rd->state = XF_READ_READING;
-    if (rd->check_identity && !rd->peer->hello_seen) {
+    if (!rd->peer->hello_seen) {
+        if (rd->peer->foreign_version) { /* no HELLO will come */
+            char why[64];
+            snprintf(why, sizeof(why), "wire version %u (this agent speaks %u)",
+                     rd->peer->foreign_version, XF_WIRE_VERSION);
+            finish(a, rd, PKV_ERR_REJECTED, false, why);
+            return;
+        }
         rd->read_deferred = true; /* xf_reads_on_hello comes back */
         return;
     }
-    if (!identity_ok(a, rd)) return;
+    if (!identity_ok(a, rd) || !layout_ok(a, rd)) return;
     xf_wire_read_t r;
     memset(&r, 0, sizeof(r));
     r.xfer_id = rd->xfer_id;
@@ -723,6 +768,10 @@ static void send_read(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd)
     r.flags = rd->release
                   ? XF_WIRE_READ_RELEASE
                   : (rd->shared ? XF_WIRE_READ_SHARED : 0) | (v->whole ? XF_WIRE_READ_WHOLE : 0);
+    r.head_lo = rd->release ? 0 : v->head_lo;
+    r.head_n = rd->release ? 0 : v->head_n;
+    r.reads_total = (uint16_t)rd->reads_total;
+    r.read_index = (uint16_t)rd->read_index;
     uint32_t runs = xf_wire_count_runs(rd->src_blocks, v->n_blocks);
     size_t cap = xf_wire_read_bytes(runs), len;
     uint8_t *buf = malloc(cap);
@@ -926,6 +975,7 @@ void xf_read_on_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_fail_t *f)
     char why[XF_WIRE_MAX_TEXT + 32];
     snprintf(why, sizeof(why), "producer: %s (%s)", pkv_status_str(f->reason), f->text);
     if (outcome == PKV_ERR_REJECTED && f->why == XF_WIRE_WHY_BLOCKS) rd->why = PKV_XFER_WHY_BLOCKS;
+    if (outcome == PKV_ERR_REJECTED && f->why == XF_WIRE_WHY_LAYOUT) rd->why = PKV_XFER_WHY_LAYOUT;
     finish(a, rd, outcome, false, why);
     settle(a, rd);
 }

@@ -63,10 +63,10 @@ static void put_le(uint8_t *p, uint64_t v, int n)
 
 int xf_mac_keys(xf_mac_t *m, const uint8_t token[PKV_XFER_TOKEN_BYTES],
                 const uint8_t nonce[XF_MAC_NONCE_BYTES], uint64_t request_id, uint32_t n_blocks,
-                uint32_t layers, uint8_t *keys)
+                uint32_t layers, uint32_t head_lo, uint32_t head_n, uint8_t *keys)
 {
-    static const char label[] = "pagekv-xfer-v4";
-    uint8_t info[sizeof(label) - 1 + XF_MAC_NONCE_BYTES + 16], k[32], iv[16] = {0};
+    static const char label[] = "pagekv-xfer-v5";
+    uint8_t info[sizeof(label) - 1 + XF_MAC_NONCE_BYTES + 24], k[32], iv[16] = {0};
     size_t at = sizeof(label) - 1, klen = 0;
     memcpy(info, label, at);
     memcpy(info + at, nonce, XF_MAC_NONCE_BYTES);
@@ -74,6 +74,8 @@ int xf_mac_keys(xf_mac_t *m, const uint8_t token[PKV_XFER_TOKEN_BYTES],
     put_le(info + at, request_id, 8);
     put_le(info + at + 8, n_blocks, 4);
     put_le(info + at + 12, layers, 4);
+    put_le(info + at + 16, head_lo, 4);
+    put_le(info + at + 20, head_n, 4);
     size_t n = (size_t)layers * XF_MAC_KEY_BYTES;
     int outl = 0;
     int ok = EVP_MAC_init(m->hctx, token, PKV_XFER_TOKEN_BYTES, NULL) &&

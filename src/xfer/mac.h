@@ -2,15 +2,17 @@
  * xfer payload authentication (internal to src/xfer): a one-time Poly1305 tag over each
  * layer's bytes in stream order, under keys only the two ends of a transfer can derive.
  *
- *   K        = HMAC-SHA256(token, "pagekv-xfer-v4" || nonce[16] || request_id (u64 LE) ||
- *                          n_blocks (u32 LE) || layers (u32 LE))
+ *   K        = HMAC-SHA256(token, "pagekv-xfer-v5" || nonce[16] || request_id (u64 LE) ||
+ *                          n_blocks (u32 LE) || layers (u32 LE) || head_lo (u32 LE) ||
+ *                          head_n (u32 LE))
  *   keys     = ChaCha20(K, counter 0, iv 0) keystream, 32 bytes a layer: layer l's
  *              Poly1305 key (r || s) is bytes [32 l, 32 l + 32)
  *   tag[l]   = Poly1305(keys[l], the layer's stream bytes)
  *
  * The token is the registration's 128-bit secret; the nonce is drawn by the consumer for
  * every read (unique per read: a random agent prefix and a counter) and travels in READ,
- * so no two reads share a key and no Poly1305 key ever signs two messages. A party that
+ * so no two reads share a key and no Poly1305 key ever signs two messages. The head range
+ * is bound too: a slice's bytes cannot pass as another slice's. A party that
  * can put bytes into a read's receives (a peer that guessed its xfer id) but does not
  * hold the token cannot produce a tag the consumer accepts.
  *
@@ -41,7 +43,7 @@ void xf_mac_destroy(xf_mac_t *m);
  * PKV_ERR_IO (an OpenSSL failure). */
 int xf_mac_keys(xf_mac_t *m, const uint8_t token[PKV_XFER_TOKEN_BYTES],
                 const uint8_t nonce[XF_MAC_NONCE_BYTES], uint64_t request_id, uint32_t n_blocks,
-                uint32_t layers, uint8_t *keys);
+                uint32_t layers, uint32_t head_lo, uint32_t head_n, uint8_t *keys);
 
 /* One tag: begin with a layer's key, update over its bytes in stream order (any split),
  * end. xf_mac_end is false when OpenSSL failed anywhere in between (the tag is then

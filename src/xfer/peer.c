@@ -28,6 +28,7 @@
 int xf_sockaddr_parse(const char *addr, struct sockaddr_storage *ss, socklen_t *len);
 
 static void peer_drop_queued(xf_peer_t *p);
+static void send_hello(pkv_xfer_agent_t *a, xf_peer_t *p);
 
 static void peer_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
 {
@@ -89,6 +90,7 @@ xf_peer_t *xf_peer_connect(pkv_xfer_agent_t *a, const char *addr)
     }
     peer_link(a, p);
     PKV_LOGD(XF_MOD, "peer %u: connecting to %s", p->id, addr);
+    send_hello(a, p); /* waits in the queue until the server has spoken (its HELLO) */
     return p;
 }
 
@@ -156,6 +158,7 @@ void xf_peer_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const char *why)
     }
     peer_drop_queued(p);
     xf_xfers_peer_lost(a, p);
+    xf_probes_on_peer(a, p, PKV_ERR_PEER_LOST);
     peer_close(a, p);
 }
 
@@ -370,13 +373,18 @@ void xf_send_fail(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, uint64_t 
     xf_send_fail_why(a, p, xfer_id, request_id, reason, 0, text);
 }
 
-/* The accepting side's first message: who we are (before any heartbeat, so a consumer
- * has it with the first message it gets). */
+/* Who we are and our layout. The connecting side's is queued at connect and leaves once
+ * the server has spoken (its first heartbeat); the accepting side answers it with its own.
+ * Not the accepting side's first message: with a layout it is longer than the
+ * shared-memory transport's short limit (100 bytes), and UCX 1.13 replays a message posted
+ * on a server endpoint still wiring up with the short protocol anyway ("Invalid
+ * am_short_iov length: 123 (expected: <= 100)", the endpoint fails: openucx/ucx#6872);
+ * once the client's HELLO arrived, the endpoint is up. */
 static void send_hello(pkv_xfer_agent_t *a, xf_peer_t *p)
 {
-    xf_wire_hello_t h = {.agent_id = a->agent_id};
+    xf_wire_hello_t h = {.agent_id = a->agent_id, .layout = a->layout};
     snprintf(h.identity, sizeof(h.identity), "%s", a->identity);
-    uint8_t buf[XF_WIRE_HEADER_BYTES + 16 + XF_WIRE_MAX_IDENTITY];
+    uint8_t buf[XF_WIRE_HEADER_BYTES + 56 + XF_WIRE_MAX_IDENTITY + XF_WIRE_MAX_MODEL_ID];
     size_t len;
     if (xf_wire_encode_hello(&h, buf, sizeof(buf), &len) == PKV_OK) xf_ctl_send(a, p, buf, len);
     p->hello_sent = true;
@@ -409,11 +417,9 @@ void xf_peers_tick(pkv_xfer_agent_t *a, uint64_t now)
             } else if (xf_since(now, p->last_rx_ns) > a->cfg.peer_timeout_ns) {
                 xf_peer_fail(a, p, "silent past the peer timeout");
             } else if (now >= p->next_hb_ns && p->established) {
-                /* A stalled peer stops completing our sends: don't pile heartbeats up. */
-                if (!p->outgoing && !p->hello_sent)
-                    send_hello(a, p);
-                else if (p->ctl_inflight < 16)
-                    send_heartbeat(a, p);
+                /* A stalled peer stops completing our sends: don't pile heartbeats up. The
+                 * accepting side's first heartbeat goes at once: the client waits for it. */
+                if (p->ctl_inflight < 16) send_heartbeat(a, p);
                 p->next_hb_ns = now + a->cfg.heartbeat_ns;
             }
         }
@@ -481,6 +487,9 @@ ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, voi
     if (!p || p->state != XF_PEER_ACTIVE) return UCS_OK;
     p->rx_seen = true; /* the tick stamps last_rx_ns */
     if (!p->established) peer_established(p);
+    /* The client spoke (its HELLO, or another version's message): the endpoint is up, our
+     * HELLO may go (see send_hello). */
+    if (!p->outgoing && !p->hello_sent) send_hello(a, p);
     xf_wire_msg_t m;
     if (xf_wire_decode(data, length, &m)) {
         xf_wire_foreign_t f = {0, 0, 0};
@@ -494,7 +503,11 @@ ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, voi
                 p->foreign_logged = true;
                 PKV_LOGW(XF_MOD, "peer %u: %s: its transfers end rejected", p->id, why);
             }
-            if (p->outgoing && !p->hello_seen) xf_reads_no_hello(a, p, why);
+            if (p->outgoing && !p->hello_seen && !p->foreign_version) {
+                p->foreign_version = f.version ? f.version : 1;
+                xf_reads_no_hello(a, p, why);
+                xf_probes_on_peer(a, p, PKV_OK); /* answered: another version */
+            }
         } else {
             XF_STAT_ADD(a, proto_errors, 1);
             snprintf(why, sizeof(why), "malformed message (type %u, %zu bytes)", f.type, length);
@@ -528,11 +541,21 @@ ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, voi
         p->remote_agent_id = m.u.hb.agent_id;
         break;
     case XF_WIRE_HELLO:
-        if (!p->outgoing || p->hello_seen) goto wrong_side;
+        if (p->hello_seen) goto wrong_side;
         p->remote_agent_id = m.u.hello.agent_id;
         snprintf(p->identity, sizeof(p->identity), "%s", m.u.hello.identity);
+        p->layout = m.u.hello.layout;
         p->hello_seen = true;
-        xf_reads_on_hello(a, p);
+        if (!xf_layout_compatible(&a->layout, &p->layout, p->layout_why, sizeof(p->layout_why))) {
+            /* Once a connection: every read on it ends rejected (why LAYOUT) before READ. */
+            p->layout_bad = true;
+            PKV_LOGW(XF_MOD, "peer %u (%s, tp %u rank %u): layout incompatible: %s", p->id, p->addr,
+                     p->layout.tp, p->layout.rank, p->layout_why);
+        }
+        if (p->outgoing) {
+            xf_reads_on_hello(a, p);
+            xf_probes_on_peer(a, p, PKV_OK);
+        }
         break;
     case XF_WIRE_CLOSE:
         /* Messages on one endpoint arrive in order: everything the peer sent before its

@@ -9,11 +9,15 @@
  * Checks before anything is allocated: the request is registered and live, the token
  * matches (constant time), the READ's digest of the handle's block ids is the
  * registration's (so ids a partial read or a release does not name are checked too), the
- * geometry equals ours, the planned blocks are registered
- * blocks in registration order (all of them, or a partial read's subset), no other
- * transfer serves it now. A refusal is FAIL rejected. A READ with RELEASE (no blocks)
- * that passes them ends the registration as sent at once and is answered ACK: the
- * token-only release of a consumer that needs none of the blocks.
+ * read index is one of the registration's reads_total (all READs agreeing on it) not being
+ * served or acknowledged, the geometry equals ours and our rank holds the READ's heads
+ * (else FAIL why LAYOUT), the planned blocks are registered blocks in registration order
+ * (all of them, or a partial read's subset). A refusal is FAIL rejected. A READ with
+ * RELEASE (no blocks) that passes them counts as one read, answered ACK: the token-only
+ * release of a consumer that needs none of the blocks.
+ * A registration may be read by several reads (reads_total: decode ranks that each need a
+ * head slice), at once, from different consumers; it ends sent when every one of them was
+ * acknowledged, and keeps its pins until then (or until its lease or unregister ends it).
  * SEATING   staging for the whole transfer on a seat thread, until the consumer's
  *           deadline (its remaining budget from READ, measured on our clock).
  * SENDING   one copy job stages layer after layer (pool -> staging, MACed under the keys
@@ -174,7 +178,21 @@ static void reg_free(pkv_xfer_agent_t *a, xf_reg_t *r)
     pkv_kv_unpin(a->kv, r->blocks, r->n);
     XF_STAT_SUB(a, pinned_blocks, r->n);
     free(r->blocks);
+    free(r->busy); /* done shares its allocation */
     free(r);
+}
+
+static bool bit_get(const uint64_t *m, uint32_t i)
+{
+    return m[i / 64] >> (i % 64) & 1;
+}
+
+static void bit_put(uint64_t *m, uint32_t i, bool on)
+{
+    if (on)
+        m[i / 64] |= 1ull << (i % 64);
+    else
+        m[i / 64] &= ~(1ull << (i % 64));
 }
 
 /* The handle a consumer reads registration `r` with (and our shared arena, where a
@@ -294,6 +312,7 @@ int pkv_xfer_unregister(pkv_xfer_agent_t *a, uint64_t request_id)
 static void serve_finish(pkv_xfer_agent_t *a, xf_serve_t *s, int outcome, bool tell,
                          const char *why);
 static void serve_settle(pkv_xfer_agent_t *a, xf_serve_t *s);
+static xf_reg_t *unlink_reg(pkv_xfer_agent_t *a, xf_reg_t *r);
 
 /* End a registration already removed from the table. */
 static void reg_end(pkv_xfer_agent_t *a, xf_reg_t *r, int outcome)
@@ -302,8 +321,7 @@ static void reg_end(pkv_xfer_agent_t *a, xf_reg_t *r, int outcome)
     r->end_outcome = outcome;
     XF_STAT_SUB(a, registrations, 1);
     if (outcome == PKV_ERR_TIMEOUT) XF_STAT_ADD(a, expired, 1);
-    xf_serve_t *s = r->serving;
-    if (!s) {
+    if (!r->n_serving) {
         /* Nothing copies from its blocks: the pins go back before the callback, so a
          * caller that hears "ended" sees them returned. */
         pkv_xfer_sent_fn fn = r->fn;
@@ -313,13 +331,35 @@ static void reg_end(pkv_xfer_agent_t *a, xf_reg_t *r, int outcome)
         if (fn) fn(arg, id, outcome);
         return;
     }
-    /* A transfer serving it still copies: its pins go back when that serve quiesces. */
+    /* Transfers serving it still copy: its pins go back when the last of them quiesces. */
     if (r->fn) r->fn(r->arg, r->request_id, outcome);
-    if (!s->state_done) {
-        serve_finish(a, s, outcome == PKV_ERR_SHUTDOWN ? PKV_ERR_SHUTDOWN : PKV_ERR_CANCELLED, true,
-                     outcome == PKV_ERR_SHUTDOWN ? "producer shutting down" : "request withdrawn");
-        serve_settle(a, s); /* frees r too once the serve quiesces */
+    for (xf_serve_t *s = a->serves; s; s = s->next)
+        if (s->reg == r && !s->state_done) {
+            serve_finish(
+                a, s, outcome == PKV_ERR_SHUTDOWN ? PKV_ERR_SHUTDOWN : PKV_ERR_CANCELLED, true,
+                outcome == PKV_ERR_SHUTDOWN ? "producer shutting down" : "request withdrawn");
+            s->end_settle = true;
+        }
+    /* Settled apart from the walk above: the last one's settle frees r. */
+    for (xf_serve_t *s = a->serves, *next; s; s = next) {
+        next = s->next;
+        if (!s->end_settle) continue;
+        s->end_settle = false;
+        serve_settle(a, s);
     }
+}
+
+/* Every read of r was acknowledged (the last one now): it ends sent, and the sent
+ * callback may ask for the timings of the last acknowledged serve that moved bytes. */
+static void reg_end_sent(pkv_xfer_agent_t *a, xf_reg_t *r)
+{
+    XF_STAT_ADD(a, sent, 1);
+    if (!r->bytes_done) XF_STAT_ADD(a, released, 1);
+    a->acked.valid = r->have_timings; /* for pkv_xfer_sent_timings inside the callback */
+    a->acked.request_id = r->request_id;
+    a->acked.t = r->t;
+    reg_end(a, unlink_reg(a, r), PKV_OK);
+    a->acked.valid = false;
 }
 
 static xf_reg_t *unlink_reg(pkv_xfer_agent_t *a, xf_reg_t *r)
@@ -346,9 +386,9 @@ void xf_regs_tick(pkv_xfer_agent_t *a, uint64_t now)
     while (a->reg_heap_n && now >= a->reg_heap[0]->expiry_ns) {
         xf_reg_t *r = a->reg_heap[0];
         heap_del(a, r);
-        /* A lease that runs out while a transfer serves it waits for that transfer
-         * (serve_quiesce puts it back in the heap when it ends). */
-        if (r->serving) continue;
+        /* A lease that runs out while transfers serve it waits for them (serve_quiesce
+         * puts it back in the heap when the last ends). */
+        if (r->n_serving) continue;
         reg_remove(a, r);
         r->end_outcome = PKV_ERR_TIMEOUT;
         r->hnext = ending;
@@ -410,10 +450,11 @@ static bool serve_quiesce(pkv_xfer_agent_t *a, xf_serve_t *s)
         XF_STAT_SUB(a, staging_pages_held, s->v.pages);
     }
     xf_reg_t *r = s->reg;
-    r->serving = NULL;
+    if (r->busy) bit_put(r->busy, s->read_index, false); /* readable again unless done */
+    r->n_serving--;
     if (r->ended) {
-        reg_free(a, r);
-    } else {
+        if (!r->n_serving) reg_free(a, r);
+    } else if (!r->n_serving) {
         pthread_mutex_lock(&a->lock); /* its lease may have run out meanwhile */
         heap_add(a, r);
         pthread_mutex_unlock(&a->lock);
@@ -533,12 +574,33 @@ static xf_reg_t *serve_admit(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_re
                    "the handle's block ids are not the registration's");
         return NULL;
     }
-    if (reg->serving) {
-        reject(a, p, r, PKV_ERR_REJECTED, "request busy with another read");
+    /* Its reads: all READs agree on how many; an index is read once (again only after its
+     * serve failed). The first READ admitted fixes the count. */
+    if (reg->reads_total && reg->reads_total != r->reads_total) {
+        char why[96];
+        snprintf(why, sizeof(why), "reads_total %u, but the request is read by %u reads",
+                 r->reads_total, reg->reads_total);
+        reject(a, p, r, PKV_ERR_REJECTED, why);
+        return NULL;
+    }
+    if (reg->reads_total &&
+        (bit_get(reg->busy, r->read_index) || bit_get(reg->done, r->read_index))) {
+        reject(a, p, r, PKV_ERR_REJECTED,
+               bit_get(reg->done, r->read_index) ? "read index already acknowledged"
+                                                 : "request busy with another read of this index");
         return NULL;
     }
     if (!geo_equal(&r->geo, &a->geo)) {
-        reject(a, p, r, PKV_ERR_REJECTED, "geometry differs");
+        reject_why(a, p, r, PKV_ERR_REJECTED, XF_WIRE_WHY_LAYOUT, "geometry differs");
+        return NULL;
+    }
+    if (!(r->flags & XF_WIRE_READ_RELEASE) &&
+        (r->head_lo < a->head_lo ||
+         (uint64_t)r->head_lo + r->head_n > (uint64_t)a->head_lo + a->head_n)) {
+        char why[96];
+        snprintf(why, sizeof(why), "heads [%u, %u) not all held by rank %u ([%u, %u))", r->head_lo,
+                 r->head_lo + r->head_n, a->rank, a->head_lo, a->head_lo + a->head_n);
+        reject_why(a, p, r, PKV_ERR_REJECTED, XF_WIRE_WHY_LAYOUT, why);
         return NULL;
     }
     if ((r->flags & XF_WIRE_READ_SHARED) && a->arena_fd < 0) {
@@ -567,19 +629,29 @@ static xf_reg_t *serve_admit(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_re
         reject(a, p, r, PKV_ERR_REJECTED, "plan names blocks the request did not register");
         return NULL;
     }
+    if (!reg->reads_total) {
+        size_t words = PKV_DIV_UP((size_t)r->reads_total, 64);
+        reg->busy = calloc(2 * words, sizeof(uint64_t));
+        if (!reg->busy) {
+            reject(a, p, r, PKV_ERR_NOFIT, "out of memory");
+            return NULL;
+        }
+        reg->done = reg->busy + words;
+        reg->reads_total = r->reads_total;
+    }
     return reg;
 }
 
-/* A token-only release passed the checks: the registration ends as sent (0 bytes moved),
- * its pins return now, and the consumer hears ACK. */
+/* A token-only release passed the checks: it counts as one of the registration's reads
+ * (0 bytes moved); the last one ends it as sent, its pins returned now; the consumer
+ * hears ACK. */
 static void serve_release(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_read_t *r, xf_reg_t *reg)
 {
     xf_wire_ack_t k = {.xfer_id = r->xfer_id, .request_id = r->request_id, .bytes = 0};
     uint8_t buf[64];
     size_t len;
-    XF_STAT_ADD(a, sent, 1);
-    XF_STAT_ADD(a, released, 1);
-    reg_end(a, unlink_reg(a, reg), PKV_OK);
+    bit_put(reg->done, r->read_index, true);
+    if (++reg->n_done == reg->reads_total) reg_end_sent(a, reg);
     if (xf_wire_encode_ack(&k, buf, sizeof(buf), &len) == PKV_OK) xf_ctl_send(a, p, buf, len);
 }
 
@@ -605,7 +677,7 @@ static xf_serve_t *serve_make(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_r
     xf_serve_t *s = calloc(1, sizeof(*s));
     uint32_t *plan = s ? plan_blocks(r) : NULL;
     int rc = plan ? xf_view_init(&s->v, a, r->n_blocks, plan, r->chunk_bytes,
-                                 r->flags & XF_WIRE_READ_WHOLE)
+                                 r->flags & XF_WIRE_READ_WHOLE, r->head_lo, r->head_n)
                   : PKV_ERR_NOMEM;
     free(plan);
     if (rc) {
@@ -625,7 +697,8 @@ static xf_serve_t *serve_make(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_r
         reject(a, p, r, PKV_ERR_NOFIT, "out of memory");
         return NULL;
     }
-    if (xf_mac_keys(a->mac, reg->token, r->nonce, r->request_id, r->n_blocks, L, s->v.keys)) {
+    if (xf_mac_keys(a->mac, reg->token, r->nonce, r->request_id, r->n_blocks, L, r->head_lo,
+                    r->head_n, s->v.keys)) {
         serve_free(s);
         reject(a, p, r, PKV_ERR_NOFIT, "cannot derive the transfer's MAC keys");
         return NULL;
@@ -649,6 +722,7 @@ void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_read_t *r
     s->reg = reg;
     s->xfer_id = r->xfer_id;
     s->request_id = r->request_id;
+    s->read_index = r->read_index;
     memcpy(s->nonce, r->nonce, sizeof(s->nonce));
     s->deadline_ns = now + r->budget_ns;
     s->shared = r->flags & XF_WIRE_READ_SHARED;
@@ -662,7 +736,8 @@ void xf_serve_on_read(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_read_t *r
     }
     s->state = XF_SERVE_SEATING;
     s->seat_pending = true;
-    reg->serving = s;
+    reg->n_serving++;
+    bit_put(reg->busy, s->read_index, true);
     p->refs++;
     s->next = a->serves;
     a->serves = s;
@@ -700,8 +775,8 @@ static void forge_layer(pkv_xfer_agent_t *a, xf_serve_t *s, xf_mac_t *m, uint32_
     uint8_t *keys = malloc((size_t)s->v.layers * XF_MAC_KEY_BYTES);
     (void)a;
     if (!keys) return;
-    if (xf_mac_keys(m, wrong, s->nonce, s->request_id, s->v.n_blocks, s->v.layers, keys) ==
-        PKV_OK) {
+    if (xf_mac_keys(m, wrong, s->nonce, s->request_id, s->v.n_blocks, s->v.layers, s->v.head_lo,
+                    s->v.head_n, keys) == PKV_OK) {
         /* Flip a staged byte (the bytes the peer sends), MAC what is staged. */
         pkv_xfer_sum_fence();
         xf_view_corrupt(&s->v, l);
@@ -933,7 +1008,7 @@ void xf_serve_event(pkv_xfer_agent_t *a, xf_serve_t *s, xf_event_t *ev)
             if (xf_view_set_grant(&s->v, ev->grant)) {
                 s->v.grant = ev->grant;
                 serve_finish(a, s, PKV_ERR_NOFIT, true, "staging grant smaller than asked");
-            } else if (!s->state_done && xf_small(a, s->v.n_blocks)) {
+            } else if (!s->state_done && xf_small(a, s->v.layer_total * s->v.layers)) {
                 /* Small: stage every layer here, fence once, then let them go out. */
                 s->state = XF_SERVE_SENDING;
                 for (uint32_t l = 0; l < s->v.layers; l++) stage_layer(a, a->mac, s, l);
@@ -983,22 +1058,24 @@ void xf_serve_on_ack(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_ack_t *k)
         serve_settle(a, s);
         return;
     }
-    /* The only place a request becomes sent. */
+    /* One of the registration's reads is done; the last one makes the request sent (the
+     * only place it becomes sent but a release). */
     s->acked = true;
     serve_finish(a, s, PKV_OK, false, "acknowledged");
-    XF_STAT_ADD(a, sent, 1);
     XF_STAT_ADD(a, bytes_sent, total);
     xf_reg_t *r = s->reg;
-    a->acked.valid = true; /* for pkv_xfer_sent_timings inside the callback */
-    a->acked.request_id = r->request_id;
-    a->acked.t = (pkv_xfer_serve_timings_t){.registered_ns = r->registered_ns,
-                                            .accepted_ns = s->t_start,
-                                            .seated_ns = s->t_seated,
-                                            .staged_ns = s->t_last_ready,
-                                            .sent_ns = s->t_all_sent,
-                                            .acked_ns = s->done_ns};
-    if (!r->ended) reg_end(a, unlink_reg(a, r), PKV_OK);
-    a->acked.valid = false;
+    if (!r->ended) {
+        bit_put(r->done, s->read_index, true);
+        r->bytes_done += total;
+        r->have_timings = true;
+        r->t = (pkv_xfer_serve_timings_t){.registered_ns = r->registered_ns,
+                                          .accepted_ns = s->t_start,
+                                          .seated_ns = s->t_seated,
+                                          .staged_ns = s->t_last_ready,
+                                          .sent_ns = s->t_all_sent,
+                                          .acked_ns = s->done_ns};
+        if (++r->n_done == r->reads_total) reg_end_sent(a, r);
+    }
     serve_settle(a, s);
 }
 

@@ -2,10 +2,13 @@
  * xfer views: how a transfer's bytes are laid out in the stream, in staging and in the
  * pool, and the copy plans between them.
  *
- * Stream order (identical on both sides): layer-major, then block in plan order:
- *   stream offset of (layer l, plan block i) = (l * n_blocks + i) * layer_bytes
- * where layer_bytes is one block's slice of one layer (K then V, every head: the pool's
- * block layout [layer][k|v][head][token][dim] makes that slice contiguous). A layer is
+ * Stream order (identical on both sides): layer-major; within a layer K then V, within
+ * each the view's heads [head_lo, head_lo + head_n) in order, within each head that
+ * head's piece (block_tokens x head_dim values) of every block in plan order. A layer is
+ * n_blocks * layer_bytes long, layer_bytes = 2 * head_n * piece: a head slice's bytes
+ * only. The pieces come from (and go to) the agent's pool rank by global head id
+ * (pkv_kv_block_head_rank), so the producer's staging copy gathers a slice out of its
+ * rank's pieces and the consumer's scatters it into its own, with no extra pass. A layer is
  * n_blocks * layer_bytes long and is cut into chunks of chunk_bytes (the last shorter);
  * chunk c of the transfer is chunk (c % chunks_per_layer) of layer (c / chunks_per_layer).
  * A whole-stream view (small transfers, READ flag WHOLE) cuts the stream itself into
@@ -36,11 +39,13 @@
 #include <string.h>
 
 int xf_view_init(xf_view_t *v, pkv_xfer_agent_t *a, uint32_t n_blocks, const uint32_t *blocks,
-                 uint32_t chunk_bytes, bool whole)
+                 uint32_t chunk_bytes, bool whole, uint32_t head_lo, uint32_t head_n)
 {
     memset(v, 0, sizeof(*v));
-    uint64_t lb = a->layer_bytes;
-    if (!n_blocks || n_blocks > XF_WIRE_MAX_BLOCKS) return PKV_ERR_INVALID;
+    if (!n_blocks || n_blocks > XF_WIRE_MAX_BLOCKS || !head_n ||
+        (uint64_t)head_lo + head_n > a->geo.kv_heads)
+        return PKV_ERR_INVALID;
+    uint64_t lb = xf_wire_slice_bytes(&a->geo, head_n);
     uint64_t layer_total = lb * n_blocks; /* lb < 2^47 / layers, n < 2^20: checked below */
     if (layer_total / n_blocks != lb || layer_total > XF_WIRE_MAX_BYTES / a->geo.layers)
         return PKV_ERR_NOFIT;
@@ -57,6 +62,10 @@ int xf_view_init(xf_view_t *v, pkv_xfer_agent_t *a, uint32_t n_blocks, const uin
     memcpy(v->blocks, blocks, sizeof(uint32_t) * n_blocks);
     v->n_blocks = n_blocks;
     v->layers = a->geo.layers;
+    v->head_lo = head_lo;
+    v->head_n = head_n;
+    v->rank = a->rank;
+    v->layer_bytes = lb;
     v->layer_total = layer_total;
     v->chunk_bytes = chunk_bytes;
     v->whole = whole;
@@ -209,14 +218,18 @@ static void seg_copy(const xf_view_t *v, uint64_t off, uint8_t *pool, uint64_t l
     }
 }
 
-/* Blocks [i, j) whose (layer l, which, head h) pieces are adjacent in the pool, from i. */
+/* Blocks [i, j) whose (layer l, which, head h) pieces are adjacent in the rank's range,
+ * from i. h is global: every view's heads are held by its rank (checked when the read or
+ * the serve was admitted). */
 static uint32_t coalesce(const xf_view_t *v, pkv_xfer_agent_t *a, uint32_t l, uint32_t which,
                          uint32_t h, uint32_t i, uint64_t piece, uint8_t **start)
 {
-    *start = pkv_kv_block_head(a->kv, v->blocks[i], l, which, h);
+    *start = pkv_kv_block_head_rank(a->kv, v->rank, v->blocks[i], l, which, h);
+    PKV_ASSERT(*start);
     uint32_t j = i + 1;
-    while (j < v->n_blocks && (uint8_t *)pkv_kv_block_head(a->kv, v->blocks[j], l, which, h) ==
-                                  *start + (uint64_t)(j - i) * piece)
+    while (j < v->n_blocks &&
+           (uint8_t *)pkv_kv_block_head_rank(a->kv, v->rank, v->blocks[j], l, which, h) ==
+               *start + (uint64_t)(j - i) * piece)
         j++;
     return j;
 }
@@ -230,11 +243,10 @@ bool xf_view_copy_layer(const xf_view_t *v, pkv_xfer_agent_t *a, xf_mac_t *m, ui
                         bool to_stage, uint8_t tag[XF_MAC_TAG_BYTES])
 {
     xf_mac_begin(m, v->keys + (size_t)XF_MAC_KEY_BYTES * l);
-    uint32_t heads = a->geo.kv_heads;
-    uint64_t piece = a->layer_bytes / (2 * (uint64_t)heads);
+    uint64_t piece = v->layer_bytes / (2 * (uint64_t)v->head_n);
     uint64_t off = (uint64_t)l * v->layer_total;
     for (uint32_t which = 0; which < 2; which++)
-        for (uint32_t h = 0; h < heads; h++)
+        for (uint32_t h = v->head_lo; h < v->head_lo + v->head_n; h++)
             for (uint32_t i = 0, j; i < v->n_blocks; i = j) {
                 uint8_t *start;
                 j = coalesce(v, a, l, which, h, i, piece, &start);
@@ -297,8 +309,7 @@ bool xf_view_copy_layer_from(const xf_view_t *v, pkv_xfer_agent_t *a, xf_mac_t *
     pkv_xfer_sum_init(&sum);
     _Alignas(64) uint8_t bounce[XF_MAC_STEP];
     xf_mac_begin(m, v->keys + (size_t)XF_MAC_KEY_BYTES * l);
-    uint32_t heads = a->geo.kv_heads;
-    uint64_t piece = a->layer_bytes / (2 * (uint64_t)heads);
+    uint64_t piece = v->layer_bytes / (2 * (uint64_t)v->head_n);
     uint32_t p = 0;     /* current piece */
     uint64_t in = 0;    /* bytes of it already consumed */
     for (; skip; p++) { /* the pieces of the layers before this one */
@@ -310,7 +321,7 @@ bool xf_view_copy_layer_from(const xf_view_t *v, pkv_xfer_agent_t *a, xf_mac_t *
         skip -= pieces[2 * p + 1];
     }
     for (uint32_t which = 0; which < 2; which++)
-        for (uint32_t h = 0; h < heads; h++)
+        for (uint32_t h = v->head_lo; h < v->head_lo + v->head_n; h++)
             for (uint32_t i = 0, j; i < v->n_blocks; i = j) {
                 uint8_t *dst;
                 j = coalesce(v, a, l, which, h, i, piece, &dst);

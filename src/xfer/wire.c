@@ -1,5 +1,5 @@
 /*
- * xfer wire format v4: encoders and the bounds-checked decoder for control messages,
+ * xfer wire format v5: encoders and the bounds-checked decoder for control messages,
  * and the KV handle's byte form (public: pkv_xfer_handle_encode / _decode).
  *
  * Decoding rule: a cursor over [buf, buf + len) hands out fields only after checking
@@ -12,8 +12,10 @@
  *   READ      u64 xfer_id, u64 request_id, u8 token[16], u8 nonce[16], u8 digest[16]
  *             (the handle's block ids: xf_wire_blocks_digest), u64 budget_ns,
  *             u32 layers, u32 kv_heads, u32 head_dim, u32 block_tokens, u32 dtype,
- *             u32 chunk_bytes, u32 flags (SHARED, WHOLE, RELEASE), u32 n_runs,
- *             n_runs x {u32 first_block, u32 count} (n_runs 0 exactly with RELEASE)
+ *             u32 chunk_bytes, u32 flags (SHARED, WHOLE, RELEASE), u32 head_lo,
+ *             u32 head_n, u16 reads_total, u16 read_index, u32 reserved (0), u32 n_runs,
+ *             n_runs x {u32 first_block, u32 count} (n_runs 0 and heads 0, 0 exactly
+ *             with RELEASE)
  *   DATA      u64 xfer_id, u32 layer, u32 flags (SHARED, LAYERS only with SHARED),
  *             u64 bytes (one layer's),
  *             u8 mac[16] (zero with LAYERS),
@@ -22,12 +24,15 @@
  *             if LAYERS: u32 n, u32 reserved (0), n x u8 mac[16] (layers layer..+n-1)
  *   ACK       u64 xfer_id, u64 request_id, u64 bytes
  *   FAIL      u64 xfer_id, u64 request_id, i32 reason, u16 text_len, u16 why (0 through
- *             v3; 0 or XF_WIRE_WHY_*),
+ *             v3; 0 or XF_WIRE_WHY_*: BLOCKS from v4, LAYOUT from v5),
  *             text_len bytes of printable ASCII
  *   HEARTBEAT u64 agent_id, u64 seq
  *   CLOSE     u64 agent_id, u32 flags (REPLY), u32 reserved (0)
- *   HELLO     u64 agent_id, u16 id_len, u16 reserved (0), u32 reserved (0),
- *             id_len bytes of printable ASCII (<= XF_WIRE_MAX_IDENTITY)
+ *   HELLO     u64 agent_id, u16 id_len, u16 model_len, u32 reserved (0), u32 layers,
+ *             u32 kv_heads, u32 head_dim, u32 block_tokens, u32 dtype, u32 tp, u32 rank,
+ *             u32 head_lo, u32 head_n, u32 wire, id_len bytes of printable ASCII
+ *             (<= XF_WIRE_MAX_IDENTITY), model_len bytes of printable ASCII
+ *             (<= XF_WIRE_MAX_MODEL_ID)
  * A flag bit this version does not know is malformed, so a peer that adds one must also
  * change XF_WIRE_VERSION or be rejected. The header, READ / DATA / ACK's leading xfer_id
  * and the whole FAIL and CLOSE stay as they are in every version (wire.h): a FAIL or CLOSE
@@ -46,9 +51,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define READ_FIXED_BYTES   104u
+#define READ_FIXED_BYTES   120u
 #define DATA_BYTES         40u
-#define HELLO_FIXED_BYTES  16u
+#define HELLO_FIXED_BYTES  56u
 #define DATA_PIECES_HDR    8u
 #define HANDLE_LOCAL       1u
 #define HANDLE_LOCAL_BYTES 40u
@@ -169,6 +174,11 @@ int xf_wire_check_geometry(const pkv_geometry_t *g, uint64_t *layer_bytes)
     return PKV_OK;
 }
 
+uint64_t xf_wire_slice_bytes(const pkv_geometry_t *g, uint32_t head_n)
+{
+    return 2ull * head_n * g->block_tokens * g->head_dim * dtype_bytes(g->dtype);
+}
+
 bool xf_wire_reason_valid(int32_t reason)
 {
     switch (reason) {
@@ -239,11 +249,14 @@ void xf_wire_read_run(const xf_wire_read_t *r, uint32_t i, uint32_t *first, uint
     *count = le32(r->runs + 8 * (size_t)i + 4);
 }
 
-/* Bytes of a READ transfer: layers * n_blocks * layer_bytes, bounded; chunk count bounded. */
-static int check_read_sizes(const pkv_geometry_t *g, uint32_t n_blocks, uint32_t chunk_bytes)
+/* Bytes of a READ transfer: layers * n_blocks * the head slice's layer bytes, bounded;
+ * chunk count bounded. */
+static int check_read_sizes(const pkv_geometry_t *g, uint32_t head_n, uint32_t n_blocks,
+                            uint32_t chunk_bytes)
 {
     uint64_t lb, per_layer;
-    if (xf_wire_check_geometry(g, &lb)) return PKV_ERR_PROTO;
+    if (xf_wire_check_geometry(g, &lb) || head_n < 1 || head_n > g->kv_heads) return PKV_ERR_PROTO;
+    lb = xf_wire_slice_bytes(g, head_n);
     if (n_blocks < 1 || n_blocks > XF_WIRE_MAX_BLOCKS) return PKV_ERR_PROTO;
     if (chunk_bytes < XF_WIRE_MIN_CHUNK || chunk_bytes > XF_WIRE_MAX_CHUNK) return PKV_ERR_PROTO;
     if (__builtin_mul_overflow(lb, (uint64_t)n_blocks, &per_layer)) return PKV_ERR_PROTO;
@@ -260,26 +273,49 @@ static bool printable(const char *s, size_t n)
     return true;
 }
 
+bool xf_wire_layout_valid(const pkv_xfer_layout_t *l)
+{
+    uint64_t lb;
+    size_t ml = strnlen(l->model_id, sizeof(l->model_id));
+    return ml <= XF_WIRE_MAX_MODEL_ID && printable(l->model_id, ml) &&
+           !xf_wire_check_geometry(&l->geo, &lb) && l->tp >= 1 && l->tp <= XF_WIRE_MAX_TP &&
+           l->rank < l->tp && l->head_n >= 1 &&
+           (uint64_t)l->head_lo + l->head_n <= l->geo.kv_heads && l->wire == XF_WIRE_VERSION;
+}
+
+/* A READ's head range and read count: a release names no heads, a read names a range
+ * within the geometry's heads; 1 <= reads_total <= the limit, read_index below it. */
+static bool read_heads_valid(const xf_wire_read_t *r, bool release)
+{
+    if (r->reads_total < 1 || r->reads_total > XF_WIRE_MAX_READS || r->read_index >= r->reads_total)
+        return false;
+    if (release) return r->head_lo == 0 && r->head_n == 0;
+    return r->head_n >= 1 && (uint64_t)r->head_lo + r->head_n <= r->geo.kv_heads;
+}
+
 /* ---- decode --------------------------------------------------------------------------- */
 #define READ_FLAGS (XF_WIRE_READ_SHARED | XF_WIRE_READ_WHOLE | XF_WIRE_READ_RELEASE)
 
 static int decode_read(rcur_t *c, xf_wire_read_t *r)
 {
-    uint32_t dtype;
+    uint32_t dtype, reserved;
     if (!get_u64(c, &r->xfer_id) || !get_u64(c, &r->request_id) ||
         !get_bytes(c, r->token, sizeof(r->token)) || !get_bytes(c, r->nonce, sizeof(r->nonce)) ||
         !get_bytes(c, r->digest, sizeof(r->digest)) || !get_u64(c, &r->budget_ns) ||
         !get_u32(c, &r->geo.layers) || !get_u32(c, &r->geo.kv_heads) ||
         !get_u32(c, &r->geo.head_dim) || !get_u32(c, &r->geo.block_tokens) || !get_u32(c, &dtype) ||
-        !get_u32(c, &r->chunk_bytes) || !get_u32(c, &r->flags) || !get_u32(c, &r->n_runs))
+        !get_u32(c, &r->chunk_bytes) || !get_u32(c, &r->flags) || !get_u32(c, &r->head_lo) ||
+        !get_u32(c, &r->head_n) || !get_u16(c, &r->reads_total) || !get_u16(c, &r->read_index) ||
+        !get_u32(c, &reserved) || !get_u32(c, &r->n_runs))
         return PKV_ERR_PROTO;
-    if (r->flags & ~READ_FLAGS) return PKV_ERR_PROTO;
+    if ((r->flags & ~READ_FLAGS) || reserved) return PKV_ERR_PROTO;
     bool release = r->flags & XF_WIRE_READ_RELEASE;
     if (release && (r->flags != XF_WIRE_READ_RELEASE || r->n_runs)) return PKV_ERR_PROTO;
     if (r->xfer_id == 0 || r->xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS)) return PKV_ERR_PROTO;
     if (r->budget_ns > XF_WIRE_MAX_BUDGET_NS) return PKV_ERR_PROTO;
     if (dtype > PKV_DTYPE_BF16) return PKV_ERR_PROTO;
     r->geo.dtype = (pkv_dtype_t)dtype;
+    if (!read_heads_valid(r, release)) return PKV_ERR_PROTO;
     if (release) { /* no plan: the geometry and the chunk size are still checked */
         uint64_t lb;
         if (c->left || xf_wire_check_geometry(&r->geo, &lb) || r->chunk_bytes < XF_WIRE_MIN_CHUNK ||
@@ -302,7 +338,7 @@ static int decode_read(rcur_t *c, xf_wire_read_t *r)
     }
     r->n_blocks = (uint32_t)total;
     c->left = 0;
-    return check_read_sizes(&r->geo, r->n_blocks, r->chunk_bytes);
+    return check_read_sizes(&r->geo, r->head_n, r->n_blocks, r->chunk_bytes);
 }
 
 int xf_wire_decode(const void *buf, size_t len, xf_wire_msg_t *out)
@@ -418,17 +454,34 @@ int xf_wire_decode(const void *buf, size_t len, xf_wire_msg_t *out)
         break;
     }
     case XF_WIRE_HELLO: {
-        uint16_t id_len, r16;
-        uint32_t r32;
+        xf_wire_hello_t *h = &m.u.hello;
+        pkv_xfer_layout_t *l = &h->layout;
+        uint16_t id_len, model_len;
+        uint32_t r32, dtype;
         if (c.left < HELLO_FIXED_BYTES) return PKV_ERR_PROTO;
-        get_u64(&c, &m.u.hello.agent_id);
+        get_u64(&c, &h->agent_id);
         get_u16(&c, &id_len);
-        get_u16(&c, &r16);
+        get_u16(&c, &model_len);
         get_u32(&c, &r32);
-        if (r16 || r32 || id_len > XF_WIRE_MAX_IDENTITY || c.left != id_len) return PKV_ERR_PROTO;
-        get_bytes(&c, m.u.hello.identity, id_len);
-        m.u.hello.identity[id_len] = '\0';
-        if (!printable(m.u.hello.identity, id_len)) return PKV_ERR_PROTO;
+        get_u32(&c, &l->geo.layers);
+        get_u32(&c, &l->geo.kv_heads);
+        get_u32(&c, &l->geo.head_dim);
+        get_u32(&c, &l->geo.block_tokens);
+        get_u32(&c, &dtype);
+        get_u32(&c, &l->tp);
+        get_u32(&c, &l->rank);
+        get_u32(&c, &l->head_lo);
+        get_u32(&c, &l->head_n);
+        get_u32(&c, &l->wire);
+        if (r32 || id_len > XF_WIRE_MAX_IDENTITY || model_len > XF_WIRE_MAX_MODEL_ID ||
+            dtype > PKV_DTYPE_BF16 || c.left != (size_t)id_len + model_len)
+            return PKV_ERR_PROTO;
+        l->geo.dtype = (pkv_dtype_t)dtype;
+        get_bytes(&c, h->identity, id_len);
+        h->identity[id_len] = '\0';
+        get_bytes(&c, l->model_id, model_len);
+        l->model_id[model_len] = '\0';
+        if (!printable(h->identity, id_len) || !xf_wire_layout_valid(l)) return PKV_ERR_PROTO;
         break;
     }
     default:
@@ -484,11 +537,12 @@ int xf_wire_encode_read(const xf_wire_read_t *r, const uint32_t *blocks, uint32_
     uint64_t lb;
     if (r->xfer_id == 0 || r->xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS) ||
         (r->flags & ~READ_FLAGS) || r->budget_ns > XF_WIRE_MAX_BUDGET_NS ||
-        n_runs > XF_WIRE_MAX_RUNS)
+        n_runs > XF_WIRE_MAX_RUNS || (unsigned)r->geo.dtype > PKV_DTYPE_BF16 ||
+        !read_heads_valid(r, release))
         return PKV_ERR_INVALID;
     if (release ? r->flags != XF_WIRE_READ_RELEASE || n || xf_wire_check_geometry(&r->geo, &lb) ||
                       r->chunk_bytes < XF_WIRE_MIN_CHUNK || r->chunk_bytes > XF_WIRE_MAX_CHUNK
-                : n_runs < 1 || check_read_sizes(&r->geo, n, r->chunk_bytes))
+                : n_runs < 1 || check_read_sizes(&r->geo, r->head_n, n, r->chunk_bytes))
         return PKV_ERR_INVALID;
     size_t need = xf_wire_read_bytes(n_runs);
     if (need > XF_WIRE_MAX_MSG) return PKV_ERR_INVALID;
@@ -508,6 +562,11 @@ int xf_wire_encode_read(const xf_wire_read_t *r, const uint32_t *blocks, uint32_
     put_u32(&c, (uint32_t)r->geo.dtype);
     put_u32(&c, r->chunk_bytes);
     put_u32(&c, r->flags);
+    put_u32(&c, r->head_lo);
+    put_u32(&c, r->head_n);
+    put_u16(&c, r->reads_total);
+    put_u16(&c, r->read_index);
+    put_u32(&c, 0);
     put_u32(&c, n_runs);
     for (uint32_t i = 0; i < n;) {
         uint32_t j = i + 1;
@@ -638,17 +697,32 @@ int xf_wire_encode_close(const xf_wire_close_t *cl, void *buf, size_t cap, size_
 int xf_wire_encode_hello(const xf_wire_hello_t *h, void *buf, size_t cap, size_t *len)
 {
     if (!h || !buf || !len) return PKV_ERR_INVALID;
+    const pkv_xfer_layout_t *l = &h->layout;
     size_t il = strnlen(h->identity, XF_WIRE_MAX_IDENTITY + 1);
-    if (il > XF_WIRE_MAX_IDENTITY || !printable(h->identity, il)) return PKV_ERR_INVALID;
-    size_t need = XF_WIRE_HEADER_BYTES + HELLO_FIXED_BYTES + il;
+    size_t ml = strnlen(l->model_id, sizeof(l->model_id));
+    if (il > XF_WIRE_MAX_IDENTITY || !printable(h->identity, il) ||
+        (unsigned)l->geo.dtype > PKV_DTYPE_BF16 || !xf_wire_layout_valid(l))
+        return PKV_ERR_INVALID;
+    size_t need = XF_WIRE_HEADER_BYTES + HELLO_FIXED_BYTES + il + ml;
     if (cap < need) return PKV_ERR_NOSPACE;
     wcur_t c = {buf, cap};
-    put_header(&c, XF_WIRE_HELLO, (uint32_t)(HELLO_FIXED_BYTES + il));
+    put_header(&c, XF_WIRE_HELLO, (uint32_t)(HELLO_FIXED_BYTES + il + ml));
     put_u64(&c, h->agent_id);
     put_u16(&c, (uint16_t)il);
-    put_u16(&c, 0);
+    put_u16(&c, (uint16_t)ml);
     put_u32(&c, 0);
+    put_u32(&c, l->geo.layers);
+    put_u32(&c, l->geo.kv_heads);
+    put_u32(&c, l->geo.head_dim);
+    put_u32(&c, l->geo.block_tokens);
+    put_u32(&c, (uint32_t)l->geo.dtype);
+    put_u32(&c, l->tp);
+    put_u32(&c, l->rank);
+    put_u32(&c, l->head_lo);
+    put_u32(&c, l->head_n);
+    put_u32(&c, l->wire);
     put_bytes(&c, h->identity, il);
+    put_bytes(&c, l->model_id, ml);
     *len = need;
     return PKV_OK;
 }

@@ -1,11 +1,11 @@
 /*
- * xfer wire format, version 4 (internal to src/xfer).
+ * xfer wire format, version 5 (internal to src/xfer).
  *
  * Every control message is one UCX active message whose payload is:
  *
  *   header (12 bytes, little-endian)
  *     u32 magic    0x58564B50 ("PKVX")
- *     u8  version  4; another version is not decoded (see below)
+ *     u8  version  5; another version is not decoded (see below)
  *     u8  type     READ | DATA | ACK | FAIL | HEARTBEAT | CLOSE | HELLO
  *     u16 flags    0
  *     u32 body_len exactly the bytes that follow
@@ -25,10 +25,13 @@
  * derived from the registration's token and the READ's nonce) is in a DATA message, or,
  * for a whole-stream read (XF_WIRE_READ_WHOLE without SHARED), in the stream's trailer.
  *
- * Version 4: per-layer 16-byte MACs instead of v3's u64 checksums (DATA, the LAYERS list
- * and the trailer); READ carries the consumer's nonce, may name any subsequence of the
- * registered blocks, or none (RELEASE: token-only release, answered by an ACK from the
- * producer), and a digest of the handle's whole block list (checked against the
+ * Version 5: READ names a head range (a slice of the KV heads: the stream is the slice's
+ * bytes) and which of a registration's reads_total reads it is; HELLO is sent by both
+ * sides and carries a layout descriptor (model id, geometry, tp, rank, the heads held,
+ * wire version); FAIL why LAYOUT. Version 4: per-layer 16-byte MACs instead of v3's u64 checksums
+ * (DATA, the LAYERS list and the trailer); READ carries the consumer's nonce, may name any
+ * subsequence of the registered blocks, or none (RELEASE: token-only release, answered by an ACK
+ * from the producer), and a digest of the handle's whole block list (checked against the
  * registration's, so ids the plan does not name are checked too; a mismatch is FAIL with
  * why BLOCKS in the u16 that v1-v3 keep 0); HELLO: the accepting side presents its identity before
  * anything else. Version 3: a whole-stream read's checksums in a trailer (v2 sent a DATA with
@@ -44,7 +47,7 @@
 #include <stdint.h>
 
 #define XF_WIRE_MAGIC        0x58564B50u
-#define XF_WIRE_VERSION      4
+#define XF_WIRE_VERSION      5
 #define XF_WIRE_HEADER_BYTES 12u
 
 enum {
@@ -73,6 +76,9 @@ enum {
 #define XF_WIRE_MAX_BUDGET_NS    (24ull * 3600 * 1000000000ull)
 #define XF_WIRE_MAX_TEXT         128u                  /* FAIL reason text */
 #define XF_WIRE_MAX_IDENTITY     PKV_XFER_IDENTITY_MAX /* HELLO identity text */
+#define XF_WIRE_MAX_MODEL_ID     PKV_XFER_MODEL_ID_MAX /* HELLO layout: model id text */
+#define XF_WIRE_MAX_READS        PKV_XFER_MAX_READS    /* reads of one registration */
+#define XF_WIRE_MAX_TP           PKV_KV_MAX_TP         /* HELLO layout: ranks */
 #define XF_WIRE_MAC_BYTES        16u                   /* one layer's Poly1305 tag */
 #define XF_WIRE_NONCE_BYTES      16u
 #define XF_WIRE_DIGEST_BYTES     16u          /* a READ's digest of the handle's block ids */
@@ -98,9 +104,14 @@ typedef struct {
     uint8_t digest[XF_WIRE_DIGEST_BYTES]; /* the handle's whole block list (xf_wire_blocks_digest),
                                              also of blocks the plan does not name */
     uint64_t budget_ns;                   /* time left before the consumer's deadline when sent */
-    pkv_geometry_t geo;   /* the consumer's pool geometry (must equal the producer's) */
+    pkv_geometry_t geo;   /* the consumer's pool geometry, every rank's heads (must equal the
+                             producer's) */
     uint32_t chunk_bytes; /* payload chunk size (tag message size) */
     uint32_t flags;       /* XF_WIRE_READ_SHARED | _WHOLE | _RELEASE */
+    uint32_t head_lo;     /* the KV heads the stream carries: [head_lo, head_lo + head_n) of */
+    uint32_t head_n;      /* geo.kv_heads (global ids); RELEASE: both 0, else head_n >= 1 */
+    uint16_t reads_total; /* the registration is read by this many reads (>= 1) ... */
+    uint16_t read_index;  /* ... of which this is one (< reads_total) */
     uint32_t n_runs;      /* block runs in the plan (0 only with RELEASE) */
     uint32_t n_blocks;    /* sum of run counts (set by the decoder) */
     const uint8_t *runs;  /* n_runs x {u32 first, u32 count}, little-endian (decoder: into buf) */
@@ -150,7 +161,8 @@ typedef struct {
 /* FAIL why: what a refusal was about, where the consumer can name it (0: not said; v1-v3
  * send 0 in this field). Sent only in answer to a READ of this version. */
 #define XF_WIRE_WHY_BLOCKS 1u /* the READ's digest is not the registration's block ids */
-#define XF_WIRE_WHY_MAX    1u
+#define XF_WIRE_WHY_LAYOUT 2u /* geometry, or heads this producer rank does not hold (v5) */
+#define XF_WIRE_WHY_MAX    2u
 
 typedef struct {
     uint64_t xfer_id;
@@ -173,12 +185,16 @@ typedef struct {
     uint32_t flags; /* XF_WIRE_CLOSE_REPLY */
 } xf_wire_close_t;
 
-/* The accepting side's first message: who it is (pkv_xfer_config_t identity; empty when
- * it has none). A consumer whose read names an expected identity sends READ only after
- * this matched. */
+/* Each side's first message: who it is (pkv_xfer_config_t identity; empty when it has
+ * none) and its layout (model id, geometry, tp, rank, the heads its rank holds, wire
+ * version). A consumer sends READ only after the producer's HELLO came, its layout is
+ * compatible and, when the read names one, its identity matched. */
 typedef struct {
     uint64_t agent_id;
     char identity[XF_WIRE_MAX_IDENTITY + 1]; /* printable ASCII, NUL-terminated */
+    pkv_xfer_layout_t layout; /* model_id printable (<= 63), geometry checked, 1 <= tp <= 64,
+                                 rank < tp, 1 <= head_n, head_lo + head_n <= kv_heads,
+                                 wire == XF_WIRE_VERSION */
 } xf_wire_hello_t;
 
 typedef struct {
@@ -221,6 +237,11 @@ bool xf_wire_reason_valid(int32_t reason);
 /* Geometry checks shared by READ and handles: PKV_OK or PKV_ERR_PROTO. On success
  * *layer_bytes is the bytes of one block's slice of one layer (K and V, all heads). */
 int xf_wire_check_geometry(const pkv_geometry_t *g, uint64_t *layer_bytes);
+/* One block's slice of one layer restricted to head_n heads (K and V): for a geometry that
+ * passed xf_wire_check_geometry and head_n <= kv_heads, no overflow. */
+uint64_t xf_wire_slice_bytes(const pkv_geometry_t *g, uint32_t head_n);
+/* Is a layout one HELLO may carry (the decoder's checks)? */
+bool xf_wire_layout_valid(const pkv_xfer_layout_t *l);
 
 /* Is addr a "host:port" we would accept in a handle? */
 bool xf_wire_addr_valid(const char *addr);

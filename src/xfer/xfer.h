@@ -36,16 +36,21 @@ typedef struct {
      * the agent. NULL: no hook. */
     void (*fn)(void *arg, pkv_xfer_fault_point_t point, uint32_t layer);
     void *arg;
-    int32_t corrupt_layer; /* >= 0: the producer flips a staged byte of this layer after
-                              checksumming it (the consumer must report corrupt); -1 none */
-    bool forge_mac;        /* with corrupt_layer: the producer also recomputes that layer's
-                              MAC over the changed bytes, with keys from a wrong token (the
-                              right ids and nonce): what a peer without the token can send;
-                              the consumer must still report corrupt */
-    uint8_t wire_version;  /* != 0: every control message goes out stamped with this wire
-                              version, as an agent of that version would send it */
-    bool malformed_read;   /* READs go out with an unknown flag bit: our version, but a
-                              message the producer cannot decode */
+    int32_t corrupt_layer;      /* >= 0: the producer flips a staged byte of this layer after
+                                   checksumming it (the consumer must report corrupt); -1 none */
+    bool forge_mac;             /* with corrupt_layer: the producer also recomputes that layer's
+                                   MAC over the changed bytes, with keys from a wrong token (the
+                                   right ids and nonce): what a peer without the token can send;
+                                   the consumer must still report corrupt */
+    uint8_t wire_version;       /* != 0: every control message goes out stamped with this wire
+                                   version, as an agent of that version would send it */
+    bool malformed_read;        /* READs go out with an unknown flag bit: our version, but a
+                                   message the producer cannot decode */
+    uint32_t heads_lo, heads_n; /* heads_n != 0: the agent acts as if its rank held only
+                                   heads [heads_lo, heads_lo + heads_n) (its checks, its
+                                   HELLO): a TP=1 pool stands in for a rank of a TP pool */
+    bool hello_all_heads;       /* with heads_n: its HELLO still claims every head (a
+                                   producer whose HELLO is wrong: only its READ check is left) */
 } pkv_xfer_faults_t;
 
 /* Install fault hooks. Call before the agent's first transfer. */

@@ -59,6 +59,21 @@ typedef struct xf_reg xf_reg_t;
 typedef struct xf_event xf_event_t;
 typedef struct xf_chunk xf_chunk_t;
 typedef struct xf_ctl_buf xf_ctl_buf_t;
+typedef struct xf_probe xf_probe_t;
+
+/* pkv_xfer_probe's request: the caller waits on cv until done; the loop sets done last
+ * (under mu) and never touches it afterwards. */
+struct xf_probe {
+    xf_probe_t *next; /* [L] new_probes, then [P] the agent's probes */
+    char addr[PKV_XFER_ADDR_MAX];
+    uint64_t deadline_ns;
+    xf_peer_t *peer; /* [P] */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool done; /* [mu] */
+    int rc;
+    pkv_xfer_layout_t layout;
+};
 
 /* A copy worker's thread argument: its own MAC contexts (OpenSSL's are per thread). */
 typedef struct xf_worker_arg {
@@ -100,7 +115,10 @@ typedef struct {
     uint32_t n_blocks;
     uint32_t *blocks; /* (n_blocks) pool blocks in stream order (src or dst) */
     uint32_t layers;
-    uint64_t layer_total; /* n_blocks * layer_bytes */
+    uint32_t head_lo, head_n; /* the KV heads the stream carries (global ids) */
+    uint32_t rank;            /* the pool rank whose pieces are copied (the agent's) */
+    uint64_t layer_bytes;     /* one block's slice of one layer: K and V of head_n heads */
+    uint64_t layer_total;     /* n_blocks * layer_bytes */
     uint32_t chunk_bytes;
     bool whole;                /* chunks cut the stream across layers (small transfers) */
     uint32_t trailer_bytes;    /* whole: the MACs after the stream (16 x layers), else 0 */
@@ -142,9 +160,14 @@ struct xf_peer { /* every field [P] */
     uint64_t next_hb_ns;
     uint64_t hb_seq;
     uint64_t remote_agent_id;
-    bool hello_sent; /* incoming: our HELLO went out (before any heartbeat) */
-    bool hello_seen; /* outgoing: the producer's HELLO came; `identity` is its own */
+    bool hello_sent; /* our HELLO went out (outgoing: queued at connect, it leaves once the
+                        server has spoken; incoming: the answer to the client's HELLO) */
+    bool hello_seen; /* the other side's HELLO came; `identity` and `layout` are its own */
     char identity[XF_WIRE_MAX_IDENTITY + 1];
+    pkv_xfer_layout_t layout;
+    bool layout_bad;         /* its layout is incompatible with ours (logged once) */
+    char layout_why[192];    /* ... why, naming both values */
+    uint8_t foreign_version; /* it speaks another wire version (no HELLO will come) */
     uint32_t ctl_inflight;   /* control sends not yet completed */
     uint32_t refs;           /* transfers using this peer */
     bool established;        /* the other side has spoken: control sends may go out */
@@ -180,9 +203,17 @@ struct xf_reg {
     uint32_t n;
     uint32_t *blocks;    /* (n) in sequence order */
     bool unregister_req; /* [L] */
-    xf_serve_t *serving; /* [P] */
+    uint32_t n_serving;  /* [P] serves of it not yet quiesced */
     bool ended;          /* [P] removed from the list; pins drop when not serving */
     int end_outcome;     /* [P] */
+    /* [P] its reads: reads_total is fixed by the first READ accepted (0 before); `busy`
+     * and `done` are bitmaps of read indices (ceil(reads_total / 64) words each, one
+     * allocation): being served now, acknowledged. It ends sent when n_done == reads_total. */
+    uint32_t reads_total, n_done;
+    uint64_t *busy, *done;
+    uint64_t bytes_done; /* payload bytes its acknowledged reads moved */
+    bool have_timings;   /* t: the last acknowledged serve that moved bytes */
+    pkv_xfer_serve_timings_t t;
 };
 
 /* ---- producer transfer (one accepted READ) --------------------------------------------- */
@@ -200,6 +231,7 @@ struct xf_serve {
     xf_reg_t *reg;    /* [I] */
     uint64_t xfer_id; /* the consumer's id */
     uint64_t request_id;
+    uint32_t read_index;               /* which of the registration's reads this is */
     uint8_t nonce[XF_MAC_NONCE_BYTES]; /* the READ's: its MAC keys */
     uint64_t deadline_ns;
     xf_view_t v; /* [I] blocks are producer pool blocks */
@@ -223,6 +255,7 @@ struct xf_serve {
     bool posting;         /* inside pump(): serve_settle and all_sent wait */
     bool acked;
     bool zombie;
+    bool end_settle;    /* reg_end finished it: settle it after the walk */
     xf_chunk_t *chunks; /* (n_chunks) */
     xf_event_t ev_seated, ev_job_done;
     xf_event_t *ev_layer; /* (layers) */
@@ -258,8 +291,9 @@ struct pkv_xfer_read {
     char addr[PKV_XFER_ADDR_MAX];
     char identity[XF_WIRE_MAX_IDENTITY + 1]; /* the producer we expect; "" none */
     bool check_identity;
-    bool release;         /* token-only release: no blocks, no staging */
-    uint32_t *src_blocks; /* (n) producer ids from the handle (the subset read) */
+    bool release;                     /* token-only release: no blocks, no staging */
+    uint32_t reads_total, read_index; /* sent in READ */
+    uint32_t *src_blocks;             /* (n) producer ids from the handle (the subset read) */
     uint64_t deadline_ns;
     xf_view_t v; /* blocks are local destination blocks */
     /* [P] */
@@ -318,9 +352,12 @@ struct pkv_xfer_agent {
     pkv_xfer_config_t cfg;
     pkv_kv_t *kv;
     pkv_stage_t *stage;
-    pkv_geometry_t geo;
-    uint64_t layer_bytes; /* one block's slice of one layer */
-    size_t page_bytes;    /* staging page */
+    pkv_geometry_t geo;       /* the model's (kv_heads: every rank's) */
+    uint64_t layer_bytes;     /* one block's slice of one layer, every head */
+    uint32_t tp, rank;        /* the pool's ranks and this agent's */
+    uint32_t head_lo, head_n; /* the heads the rank holds */
+    pkv_xfer_layout_t layout; /* what our HELLO says */
+    size_t page_bytes;        /* staging page */
     char addr[PKV_XFER_ADDR_MAX];
     uint64_t agent_id;
     bool have_boot_id;
@@ -355,6 +392,7 @@ struct pkv_xfer_agent {
     pthread_cond_t idle_cond; /* wait_idle waits here */
     /* [L] */
     pkv_xfer_read_t *new_reads, **new_reads_tail;
+    xf_probe_t *new_probes; /* pkv_xfer_probe: waiting for the loop */
     xf_event_t *events, **events_tail;
     xf_job_t *jobs, **jobs_tail;
     xf_job_t *seats, **seats_tail;
@@ -383,6 +421,7 @@ struct pkv_xfer_agent {
     xf_peer_t *peers;
     pkv_xfer_read_t *reads;
     xf_serve_t *serves;
+    xf_probe_t *probes; /* probes waiting for a HELLO */
     ucp_conn_request_h conn_reqs[64];
     uint32_t n_conn_reqs;
     uint32_t next_peer_id;
@@ -409,9 +448,18 @@ void xf_wake(pkv_xfer_agent_t *a);
 void xf_event_post(pkv_xfer_agent_t *a, xf_event_t *ev);
 void xf_job_post(pkv_xfer_agent_t *a, xf_job_t *job, bool seat);
 void xf_busy_add(pkv_xfer_agent_t *a, int delta);
-/* Is a transfer of n_blocks small (XF_INLINE_COPY_BYTES), so copied on the progress
+/* Is a transfer of `bytes` small (XF_INLINE_COPY_BYTES), so copied on the progress
  * thread and, payload through UCX, read as a whole stream? */
-bool xf_small(const pkv_xfer_agent_t *a, uint32_t n_blocks);
+bool xf_small(const pkv_xfer_agent_t *a, uint64_t bytes);
+/* Are two layouts compatible (model id when both set, layers, kv_heads, head_dim,
+ * block_tokens, dtype)? false: why (cap bytes) names both values. */
+bool xf_layout_compatible(const pkv_xfer_layout_t *ours, const pkv_xfer_layout_t *theirs, char *why,
+                          size_t cap);
+/* Probes (agent.c): take new ones, the HELLO came or the peer is gone, the tick, shutdown. */
+void xf_probes_admit(pkv_xfer_agent_t *a, xf_probe_t *list);
+void xf_probes_on_peer(pkv_xfer_agent_t *a, xf_peer_t *p, int rc);
+void xf_probes_tick(pkv_xfer_agent_t *a, uint64_t now);
+void xf_probes_shutdown(pkv_xfer_agent_t *a);
 int xf_random(void *buf, size_t n);
 
 /* peer.c */
@@ -440,8 +488,9 @@ uint64_t xf_next_read_id(pkv_xfer_agent_t *a);
 int xf_discard_dt_create(pkv_xfer_agent_t *a);
 
 /* view.c: staging views, copy plans, workers */
+/* A view of heads [head_lo, head_lo + head_n) of n_blocks blocks of the agent's rank. */
 int xf_view_init(xf_view_t *v, pkv_xfer_agent_t *a, uint32_t n_blocks, const uint32_t *blocks,
-                 uint32_t chunk_bytes, bool whole);
+                 uint32_t chunk_bytes, bool whole, uint32_t head_lo, uint32_t head_n);
 void xf_view_fini(xf_view_t *v);
 int xf_view_set_grant(xf_view_t *v, pkv_stage_grant_t *grant);
 void xf_chunk_span(const xf_view_t *v, uint32_t c, uint64_t *off, uint64_t *len);
@@ -479,7 +528,8 @@ void xf_read_on_fail(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_fail_t *f)
 void xf_read_on_foreign(pkv_xfer_agent_t *a, xf_peer_t *p, uint64_t xfer_id, const char *why);
 void xf_read_job(pkv_xfer_agent_t *a, xf_mac_t *m, pkv_xfer_read_t *rd, uint32_t layer);
 void xf_read_on_ack(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_ack_t *k);
-/* The producer's HELLO came on p: reads waiting for it send READ or end rejected. */
+/* The producer's HELLO came on p: reads waiting for it send READ or end rejected (an
+ * incompatible layout, another identity). */
 void xf_reads_on_hello(pkv_xfer_agent_t *a, xf_peer_t *p);
 /* p speaks another wire version (it will send no HELLO): reads waiting for one end
  * rejected with `why` now. */

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write the seed corpus for tests/fuzz/fuzz_wire.c: an independent encoding of wire v4.
+"""Write the seed corpus for tests/fuzz/fuzz_wire.c: an independent encoding of wire v5.
 
 ok-*   must decode (tests/test_xfer_wire.c asserts it)
 bad-*  must be rejected
@@ -16,16 +16,20 @@ READ, DATA, ACK, FAIL, HB, CLOSE, HELLO = 1, 2, 3, 4, 5, 6, 7
 TIMEOUT, PEER_LOST, NOFIT, REJECTED, CANCELLED, CORRUPT, SHUTDOWN = -5, -11, -4, -12, -7, -13, -6
 
 
-def msg(t, body, version=4, flags=0, body_len=None):
+def msg(t, body, version=5, flags=0, body_len=None):
     bl = len(body) if body_len is None else body_len
     return struct.pack('<IBBHI', MAGIC, version, t, flags, bl) + body
 
 
 def read_body(xfer=7, req=42, token=bytes(range(16)), budget=10**9, geo=(4, 2, 64, 16, 1),
               chunk=1 << 20, runs=((10, 3), (20, 1)), flags=0, nonce=bytes(range(16, 32)),
-              digest=bytes(range(32, 48))):
+              digest=bytes(range(32, 48)), heads=None, reads=(1, 0), reserved=0):
+    if heads is None:  # v5: every head, or none for a release
+        heads = (0, 0) if flags & 4 else (0, geo[1])
     b = struct.pack('<QQ', xfer, req) + token + nonce + digest + struct.pack('<Q', budget)
-    b += struct.pack('<5I', *geo) + struct.pack('<III', chunk, flags, len(runs))
+    b += struct.pack('<5I', *geo) + struct.pack('<II', chunk, flags)
+    b += struct.pack('<IIHHI', heads[0], heads[1], reads[0], reads[1], reserved)
+    b += struct.pack('<I', len(runs))
     for f, c in runs:
         b += struct.pack('<II', f, c)
     return b
@@ -40,8 +44,13 @@ def mac(x):
     return struct.pack('<QQ', x, x ^ 0x5a5a) if x else bytes(16)
 
 
-def hello_body(agent=0xabcdef, ident=b'pagekv-0123456789abcdef0123456789abcdef', r16=0, r32=0):
-    return struct.pack('<QHHI', agent, len(ident), r16, r32) + ident
+def hello_body(agent=0xabcdef, ident=b'pagekv-0123456789abcdef0123456789abcdef', r32=0,
+               model=b'llama-3.2-1b', geo=(16, 8, 64, 16, 2), tp=2, rank=1, heads=(4, 4), wire=5,
+               model_len=None):
+    ml = len(model) if model_len is None else model_len
+    b = struct.pack('<QHHI', agent, len(ident), ml, r32) + struct.pack('<5I', *geo)
+    b += struct.pack('<5I', tp, rank, heads[0], heads[1], wire)
+    return b + ident + model
 
 
 def data_body(xfer=7, layer=3, flags=0, nbytes=65536, checksum=0x1234, pieces=None, reserved=0,
@@ -89,11 +98,39 @@ def main(out):
         'bad-read-release-whole': msg(READ, read_body(flags=6, runs=())),
         'bad-read-release-chunk': msg(READ, read_body(flags=4, runs=(), chunk=100)),
         'ok-hello': msg(HELLO, hello_body()),
-        'ok-hello-empty': msg(HELLO, hello_body(ident=b'')),
+        'ok-hello-empty': msg(HELLO, hello_body(ident=b'', model=b'')),
+        'ok-hello-tp1': msg(HELLO, hello_body(tp=1, rank=0, heads=(0, 8))),
+        'ok-hello-replicated': msg(HELLO, hello_body(geo=(4, 2, 64, 16, 0), tp=8, rank=7,
+                                                     heads=(1, 1))),
         'bad-hello-long': msg(HELLO, hello_body(ident=b'x' * 64)),
         'bad-hello-unprintable': msg(HELLO, hello_body(ident=b'a\tb')),
-        'bad-hello-reserved': msg(HELLO, hello_body(r16=1)),
+        'bad-hello-reserved': msg(HELLO, hello_body(r32=1)),
         'bad-hello-len-lies': msg(HELLO, hello_body()[:-1]),
+        # v5: the layout descriptor
+        'bad-hello-model-long': msg(HELLO, hello_body(model=b'm' * 64)),
+        'bad-hello-model-unprintable': msg(HELLO, hello_body(model=b'a\x7fb')),
+        'bad-hello-model-len-lies': msg(HELLO, hello_body(model_len=13)),
+        'bad-hello-tp-zero': msg(HELLO, hello_body(tp=0, rank=0)),
+        'bad-hello-tp-above-cap': msg(HELLO, hello_body(tp=65, rank=0)),
+        'bad-hello-rank': msg(HELLO, hello_body(tp=2, rank=2)),
+        'bad-hello-no-heads': msg(HELLO, hello_body(heads=(0, 0))),
+        'bad-hello-heads-beyond': msg(HELLO, hello_body(heads=(6, 4))),
+        'bad-hello-geometry': msg(HELLO, hello_body(geo=(0, 8, 64, 16, 2))),
+        'bad-hello-dtype': msg(HELLO, hello_body(geo=(16, 8, 64, 16, 3))),
+        'bad-hello-wire': msg(HELLO, hello_body(wire=4)),
+        'foreign-hello-v4': msg(HELLO, struct.pack('<QHHI', 1, 3, 0, 0) + b'abc', version=4),
+        'ok-read-heads': msg(READ, read_body(heads=(2, 3), geo=(4, 8, 64, 16, 1))),
+        'ok-read-reads': msg(READ, read_body(reads=(8, 7))),
+        'ok-read-release-reads': msg(READ, read_body(flags=4, runs=(), reads=(2, 1))),
+        'bad-read-heads-none': msg(READ, read_body(heads=(0, 0))),
+        'bad-read-heads-beyond': msg(READ, read_body(heads=(1, 2))),
+        'bad-read-heads-wrap': msg(READ, read_body(heads=(0xFFFFFFFF, 2))),
+        'bad-read-release-heads': msg(READ, read_body(flags=4, runs=(), heads=(0, 2))),
+        'bad-read-reads-zero': msg(READ, read_body(reads=(0, 0))),
+        'bad-read-reads-index': msg(READ, read_body(reads=(2, 2))),
+        'bad-read-reads-above-cap': msg(READ, read_body(reads=(1025, 0))),
+        'bad-read-reserved': msg(READ, read_body(reserved=1)),
+        'ok-fail-why-layout': msg(FAIL, fail_body(why=2, text=b'layout')),
         'foreign-hello-v3': msg(HELLO, hello_body(), version=3),
         # v3: LAYERS only with SHARED (a whole stream through UCX has a checksum trailer)
         'bad-data-layers-without-shared': msg(DATA, data_body(layer=0, flags=2, checksum=0,
@@ -121,7 +158,7 @@ def main(out):
         'ok-fail': msg(FAIL, fail_body()),
         # v4: READ carries a digest of the handle's block ids; FAIL's why (0 through v3)
         'ok-fail-why-blocks': msg(FAIL, fail_body(why=1, text=b'block ids')),
-        'bad-fail-why-unknown': msg(FAIL, fail_body(why=2)),
+        'bad-fail-why-unknown': msg(FAIL, fail_body(why=3)),
         'bad-read-no-digest': msg(READ, read_body()[:48] + read_body()[64:]),
         'ok-fail-empty': msg(FAIL, fail_body(reason=TIMEOUT, text=b'')),
         'ok-fail-shutdown': msg(FAIL, fail_body(xfer=0, reason=SHUTDOWN, text=b'bye')),
@@ -139,14 +176,16 @@ def main(out):
         'bad-version-1': msg(HB, struct.pack('<QQ', 1, 1), version=1),
         'bad-version-2': msg(HB, struct.pack('<QQ', 1, 1), version=2),
         'bad-version-3': msg(HB, struct.pack('<QQ', 1, 1), version=3),
-        'bad-version-5': msg(HB, struct.pack('<QQ', 1, 1), version=5),
+        'bad-version-4': msg(HB, struct.pack('<QQ', 1, 1), version=4),
+        'bad-version-6': msg(HB, struct.pack('<QQ', 1, 1), version=6),
         'bad-version-0': msg(HB, struct.pack('<QQ', 1, 1), version=0),
         'foreign-read-v2': msg(READ, read_body(), version=2),
         'foreign-data-v2-layers': msg(DATA, data_body(layer=0, flags=2, checksum=0,
                                                       sums=(1, 2, 3, 4)), version=2),
         'foreign-data-v1': msg(DATA, data_body(), version=1),
         'foreign-ack-v9-id-beyond': msg(ACK, struct.pack('<QQQ', 1 << 40, 42, 1), version=9),
-        'foreign-read-v5-short': msg(READ, b'\1\2\3', version=5),
+        'foreign-read-v6-short': msg(READ, b'\1\2\3', version=6),
+        'foreign-read-v4': msg(READ, read_body()[:96] + read_body()[112:], version=4),
         'foreign-read-v3': msg(READ, read_body()[:32] + read_body()[64:], version=3),
         'ok-fail-v1': msg(FAIL, fail_body(), version=1),
         'ok-fail-v200': msg(FAIL, fail_body(text=b'wire version 2'), version=200),
