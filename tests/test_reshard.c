@@ -43,10 +43,13 @@ static void serve(cluster_proc_t *p, const char *name, const char *role, const c
 {
     char tps[16];
     snprintf(tps, sizeof(tps), "%u", tp);
-    char *argv[48] = {BIN,      "serve",      "--port",       "0",    "--threads",
-                      "1",      "--preset",   (char *)preset, "--tp", tps,
-                      "--role", (char *)role, "--kv-dtype",   "bf16"};
-    int n = 14;
+    char *argv[48] = {BIN, "serve", "--port", "0", "--threads", "1", "--preset", (char *)preset,
+                      "--tp", tps, "--role", (char *)role, "--kv-dtype", "bf16",
+                      /* the tiny preset's automatic cap (a quarter of 8 MiB) is below one
+                         granule of a replicated pool (tp x the rank's share): the digests
+                         need the prompt's blocks to stay cached */
+                      "--prefix-cache-max-bytes", "64M"};
+    int n = 16;
     for (; extra && *extra; extra++) argv[n++] = (char *)*extra;
     argv[n] = NULL;
     char err[4096];
