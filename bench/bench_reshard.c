@@ -70,6 +70,10 @@ typedef struct {
     double lck_peak, rss_peak, res_peak, fly_peak;
     double rank_pin_peak[PKV_KV_MAX_TP], rank_res_peak[PKV_KV_MAX_TP];
     uint32_t tp;
+    /* from the stages' own high-water marks at the end (exact, not sampled): per rank,
+     * resident peak / pages-in-use peak; the node's worst; and the sum of the ranks' peaks
+     * in use (bytes) */
+    double res_over_fly, fly_rank_sum;
 } br_node_t;
 
 typedef struct {
@@ -105,6 +109,25 @@ static void br_sample_node(br_sampler_t *s, br_node_t *n)
         if (rr > 0) n->rank_res_peak[r] = PKV_MAX(n->rank_res_peak[r], (double)rr);
     }
     pthread_mutex_unlock(&s->lock);
+    json_decref(st);
+}
+
+/* The stages' peaks once the load is over. */
+static void br_node_peaks(br_node_t *n)
+{
+    json_t *st = cluster_http_get_json(n->proc->url, "/v1/cache/stats", 5000);
+    json_t *kvt = json_object_get(st, "kv_transfer");
+    long long page = cluster_json_int(kvt, "staging.page_bytes");
+    json_t *ranks = json_object_get(kvt, "ranks");
+    n->res_over_fly = 0;
+    n->fly_rank_sum = 0;
+    for (size_t r = 0; page > 0 && r < json_array_size(ranks); r++) {
+        json_t *rk = json_array_get(ranks, r);
+        double used = (double)cluster_json_int(rk, "staging.pages_peak_used") * (double)page;
+        double res = (double)cluster_json_int(rk, "staging.resident_peak_bytes");
+        n->fly_rank_sum += used > 0 ? used : 0;
+        if (used > 0) n->res_over_fly = PKV_MAX(n->res_over_fly, res / used);
+    }
     json_decref(st);
 }
 
@@ -331,6 +354,7 @@ static void br_one(const br_opts_t *o, const br_env_t *e, const cluster_proc_t *
     pthread_join(s.th, NULL);
     pthread_mutex_destroy(&s.lock);
     memcpy(r->node, s.node, sizeof(r->node));
+    for (int k = 0; k < 2; k++) br_node_peaks(&r->node[k]);
     r->requests = o->requests;
     for (uint32_t i = 0; i < o->requests; i++) {
         if (reqs[i].status == 200)
@@ -469,7 +493,8 @@ static json_t *br_json(const br_opts_t *o, const br_result_t *res, uint32_t n)
         json_array_append_new(
             pairs,
             json_pack("{s:i, s:i, s:s, s:b, s:{s:I, s:I}, s:{s:o, s:o}, s:{s:I, s:I}, "
-                      "s:{s:I, s:I}, s:I, s:f, s:f, s:{s:i, s:i}, s:i, s:i, s:{s:I, s:I}}",
+                      "s:{s:I, s:I}, s:I, s:f, s:f, s:{s:i, s:i}, s:i, s:i, s:{s:I, s:I}, "
+                      "s:{s:f, s:f}}",
                       "p", (int)r->p, "d", (int)r->d, "design", br_design_names[r->design], "ok",
                       r->ok, "pinned_peak_bytes", "prefill", (json_int_t)r->node[0].lck_peak,
                       "decode", (json_int_t)r->node[1].lck_peak, "pinned_peak_bytes_per_rank",
@@ -503,7 +528,7 @@ static void br_table(const br_result_t *res, uint32_t n)
     }
     /* per pair: the ratios the targets name */
     printf("\n| P -> D | mirror / per-plan pins (decode) | TTFT per-plan / mirror | per-plan "
-           "resident / in-flight (decode) |\n|---|---:|---:|---:|\n");
+           "resident / in-use peak, worst rank, prefill / decode |\n|---|---:|---:|---:|\n");
     for (uint32_t i = 0; i < n; i++) {
         if (res[i].design != BR_PER_PLAN) continue;
         for (uint32_t j = 0; j < n; j++) {
@@ -512,9 +537,8 @@ static void br_table(const br_result_t *res, uint32_t n)
             double pins =
                 res[i].node[1].lck_peak > 0 ? res[j].node[1].lck_peak / res[i].node[1].lck_peak : 0;
             double tt = res[j].ttft_p50 > 0 ? res[i].ttft_p50 / res[j].ttft_p50 : 0;
-            double rf =
-                res[i].node[1].fly_peak > 0 ? res[i].node[1].res_peak / res[i].node[1].fly_peak : 0;
-            printf("| %u -> %u | %.1fx | %.3f | %.3f |\n", res[i].p, res[i].d, pins, tt, rf);
+            printf("| %u -> %u | %.1fx | %.3f | %.3f / %.3f |\n", res[i].p, res[i].d, pins, tt,
+                   res[i].node[0].res_over_fly, res[i].node[1].res_over_fly);
         }
     }
 }

@@ -377,6 +377,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         x->t_arrival = pkv_now_ns();
         *con_cls = x;
         request_id(r, c, x->rid);
+        /* X-Pagekv-Timings goes to the nodes as given (they check it: a bad value is their
+         * 400); anything longer than any valid value is dropped here. */
+        const char *tv = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "X-Pagekv-Timings");
+        if (tv && strlen(tv) < sizeof(x->timings))
+            snprintf(x->timings, sizeof(x->timings), "%s", tv);
         const union MHD_ConnectionInfo *ci =
             MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
         if (ci && ci->socket_context == CONN_OVER) {

@@ -241,6 +241,10 @@ static rt_leg_t *leg_new(pkv_router_t *r, rt_leg_kind_t kind, rt_xchg_t *x, rt_n
         char hv[160];
         snprintf(hv, sizeof(hv), "X-Request-Id: %s", x->rid);
         h = curl_slist_append(h, hv);
+        if (x->timings[0]) {
+            snprintf(hv, sizeof(hv), "X-Pagekv-Timings: %s", x->timings);
+            h = curl_slist_append(h, hv);
+        }
     }
     l->hdrs = h;
     curl_easy_setopt(e, CURLOPT_HTTPHEADER, h);

@@ -123,6 +123,7 @@ struct rt_xchg {
     bool too_large, submitted, answered;
     char path[160];     /* GET passthrough (/v1/models...) */
     char rid[129];      /* X-Request-Id (the client's, or generated) */
+    char timings[8];    /* the client's X-Pagekv-Timings, passed on to every leg ("" none) */
     uint64_t t_arrival; /* monotonic ns */
     atomic_int refs;
     rt_xchg_t *inbox_next; /* r->inbox_lock */
