@@ -333,6 +333,9 @@ json_t *srv_kv_stats_json(const srv_kv_snapshot_t *k)
                   "recomputed", (json_int_t)k->pulls.recomputed, "local",
                   (json_int_t)k->pulls.local, "blocks_pulled", (json_int_t)k->pulls.blocks_pulled,
                   "blocks_adopted", (json_int_t)k->pulls.blocks_adopted));
+    json_t *pl = json_object_get(doc, "pulls");
+    json_object_set_new(pl, "inflight", json_integer((json_int_t)k->pulls.inflight));
+    json_object_set_new(pl, "inflight_peak", json_integer((json_int_t)k->pulls.inflight_peak));
     /* Reads by outcome (consumer), serves acknowledged and failed (producer). */
     static const char *const outcome[8] = {"ok",       "timeout",   "peer_lost", "nofit",
                                            "rejected", "cancelled", "corrupt",   "shutdown"};
@@ -500,6 +503,16 @@ static void pull_phases(srv_kvnode_t *n, const pkv_xfer_read_timings_t *rt, uint
     pthread_mutex_unlock(&n->lock);
 }
 
+/* Reads of decode legs in flight (delta +1 as one starts, -1 as it ends) and their peak. */
+static void pull_inflight(srv_kvnode_t *n, int delta)
+{
+    pthread_mutex_lock(&n->lock);
+    if (delta > 0 && ++n->pulls.inflight > n->pulls.inflight_peak)
+        n->pulls.inflight_peak = n->pulls.inflight;
+    if (delta < 0) n->pulls.inflight--;
+    pthread_mutex_unlock(&n->lock);
+}
+
 /* Read the handle's blocks [have, want) into seq's blocks [have, want), from a producer
  * that must present `engine_id`, by the transfer deadline (have == want: a token-only
  * release, nothing moves); on ok the positions up to want whole blocks are recorded as
@@ -521,16 +534,21 @@ static int pull_into(srv_kvnode_t *n, const pkv_xfer_handle_t *h, const char *en
     uint64_t t0 = pkv_now_ns();
     uint64_t deadline = t0 + (uint64_t)n->transfer_timeout_ms * 1000000ull;
     pkv_xfer_read_t *rd = NULL;
+    pull_inflight(n, +1);
     rc = pkv_xfer_read_ex(n->agent, h, &o, n_pull ? dst + have : NULL, n_pull, deadline, NULL, NULL,
                           &rd);
     free(idx);
-    if (rc) return rc;
+    if (rc) {
+        pull_inflight(n, -1);
+        return rc;
+    }
     int outcome = PKV_ERR_TIMEOUT;
     /* The read ends by its deadline; a second of slack for its outcome to arrive. */
     if (pkv_xfer_read_wait(rd, deadline + 1000000000ull, &outcome)) {
         pkv_xfer_cancel(rd);
         outcome = PKV_ERR_TIMEOUT;
     }
+    pull_inflight(n, -1);
     *why = pkv_xfer_read_why(rd);
     pkv_xfer_read_timings_t rt;
     bool timed = outcome == PKV_OK && n_pull && !pkv_xfer_read_timings(rd, &rt);
