@@ -276,6 +276,7 @@ static void bd_phase_run(const bd_opts_t *o, const bd_load_t *L, int phn, const 
         bool good = x->status == 200 && !x->answer.error_code[0] && x->answer.done;
         if (!good) {
             run->client_errors++;
+            if (answers && !fill) run->parity_requests++; /* asked, never identical */
             const char *why = x->transport[0]           ? "transport"
                               : x->answer.error_code[0] ? x->answer.error_code
                                                         : "http_error";
@@ -337,9 +338,14 @@ static void bd_argv_extra(char **argv, int *n, char *const extra[])
 }
 
 static int bd_start(cluster_proc_t *p, const char *name, char *const argv[], bool tcp,
-                    const char *logdir)
+                    const char *dev, const char *logdir)
 {
-    char *env[] = {tcp ? "UCX_TLS=tcp" : NULL, NULL};
+    char devs[64];
+    snprintf(devs, sizeof(devs), "UCX_NET_DEVICES=%s", dev ? dev : "");
+    char *env[3] = {NULL, NULL, NULL};
+    int ne = 0;
+    if (tcp) env[ne++] = "UCX_TLS=tcp";
+    if (dev) env[ne++] = devs;
     char err[1024];
     if (cluster_proc_start(p, name, argv, env, logdir, pkv_now_ns() + BD_START_NS, err,
                            sizeof(err)) != 0) {
@@ -384,7 +390,7 @@ int pkv_bench_disagg_serve(const char *bin, const char *logdir, const char *name
         bd_argv_extra(argv, &n, r);
     }
     bd_argv_extra(argv, &n, extra);
-    return bd_start(p, name, argv, tcp, logdir);
+    return bd_start(p, name, argv, tcp, at ? at->kv_dev : NULL, logdir);
 }
 
 int pkv_bench_disagg_route(const char *bin, const char *logdir, const cluster_proc_t *pre,
@@ -394,7 +400,7 @@ int pkv_bench_disagg_route(const char *bin, const char *logdir, const cluster_pr
                                "--prefill", (char *)pre->url, "--decode", (char *)dec->url};
     int n = 8;
     bd_argv_extra(argv, &n, extra);
-    return bd_start(p, "router", argv, false, logdir);
+    return bd_start(p, "router", argv, false, NULL, logdir);
 }
 
 /* A node of this bench: its load's queue and connections, a small prefix cache, and with a
@@ -432,7 +438,8 @@ static int bd_serve(const bd_env_t *e, const bd_opts_t *o, const bd_load_t *L, c
     /* --tcp: prefill and decode in the two namespaces, their HTTP on the links to this
        one (the router and the load driver stay here), their agents on the link between */
     int k = role && !strcmp(role, "decode");
-    pkv_bench_disagg_place_t at = {e->net.ip_bin, e->net.ns[k], e->net.root_ip[k], e->net.ip[k]};
+    pkv_bench_disagg_place_t at = {e->net.ip_bin, e->net.ns[k], e->net.root_ip[k], e->net.ip[k],
+                                   e->net.dev[k]};
     return pkv_bench_disagg_serve(e->bin, e->logdir, name, o->preset, L->context, role, argv,
                                   o->tcp, role && e->net_up ? &at : NULL, p);
 }

@@ -20,9 +20,11 @@
 int pkv_bench_disagg_latency(int argc, char **argv);
 
 /* Where a node runs: inside network namespace `netns` (through `IP_BIN netns exec`), its
- * HTTP on `host` and its transfer agent on `kv_host` (port 0 each). */
+ * HTTP on `host`, its transfer agent on `kv_host` (port 0 each), UCX on interface
+ * `kv_dev` only (UCX_NET_DEVICES: a namespace with a second link would otherwise
+ * advertise that one's address too, which the peer cannot reach). */
 typedef struct {
-    const char *ip_bin, *netns, *host, *kv_host;
+    const char *ip_bin, *netns, *host, *kv_host, *kv_dev;
 } pkv_bench_disagg_place_t;
 
 /* Start a node: `BIN serve --port 0 --preset PRESET --max-context CTX --kv-cache-budget

@@ -119,6 +119,8 @@ static void ns_names(netns_pair_t *np, bool root_links)
     snprintf(np->ip[0], sizeof(np->ip[0]), "10.%d.%d.1", o1, o2);
     snprintf(np->ip[1], sizeof(np->ip[1]), "10.%d.%d.2", o1, o2);
     snprintf(np->veth[0], sizeof(np->veth[0]), "pkva%d", id);
+    snprintf(np->dev[0], sizeof(np->dev[0]), "pkva%d", id);
+    snprintf(np->dev[1], sizeof(np->dev[1]), "pkvb%d", id);
     if (root_links) {
         snprintf(np->root_ip[0], sizeof(np->root_ip[0]), "10.%d.%d.6", o1, o2);
         snprintf(np->root_ip[1], sizeof(np->root_ip[1]), "10.%d.%d.10", o1, o2);

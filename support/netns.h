@@ -34,6 +34,8 @@ typedef struct {
     char ip[2][NETNS_IP_MAX];      /* each namespace's address on the link between them */
     char root_ip[2][NETNS_IP_MAX]; /* with root links: each namespace's address on its link
                                       to the creator's namespace; "" without */
+    char dev[2][NETNS_NAME_MAX];   /* each namespace's end of the link between them (for
+                                      UCX_NET_DEVICES: with root links a namespace has two) */
     char veth[3][NETNS_NAME_MAX];  /* ends made in the creator's namespace (cleanup) */
     int home_fd;                   /* the creator's network namespace (netns_pair_enter) */
     int guard_fd;                  /* write end of the guard's pipe, -1 once destroyed */
