@@ -15,6 +15,7 @@
 #include "support/cluster.h"
 #include "support/footprint.h"
 #include "support/loadgen.h"
+#include "support/netns.h"
 
 #include "core/core.h"
 #include "prim/prim.h"
@@ -69,7 +70,15 @@ typedef struct {
 typedef struct {
     double t;                              /* seconds since the design's start */
     double lck[2], rss[2], res[2], fly[2]; /* prefill, decode: bytes */
+    double anon[2], shm[2];                /* RssAnon, RssShmem (RssFile: the rest) */
+    double com[2];                         /* the KV pool's committed bytes */
+    double act[2];                         /* the agent's active transfers (a count) */
 } bd_sample_t;
+
+/* What a paced phase's RSS drift is made of, per node: the windows' means, last - first. */
+enum { BD_G_RSS, BD_G_STAGING, BD_G_POOL, BD_G_ANON, BD_G_SHMEM, BD_G_FILE, BD_NG };
+static const char *const bd_growth_names[BD_NG] = {
+    "rss", "staging_resident", "pool_committed", "anon", "shmem", "file"};
 
 typedef struct {
     uint32_t requests, ok;
@@ -91,6 +100,13 @@ typedef struct {
     bool have_paced;
     json_t *paced_phases;   /* per node: the transfer phases' mean ms over the paced phase */
     double paced_rss_drift; /* max over the two nodes */
+    double paced_rss_drift_less_staging; /* the same of RSS - staging resident */
+    double drift[2], drift_less[2];      /* per node */
+    double growth[2][BD_NG];             /* per node, bytes (last window - first) */
+    double first_rss[2];                 /* the first window's mean RSS */
+    /* transfers in flight at once: decode the exact high-water of its reads
+       (pulls.inflight_peak), prefill the sampler's largest transfers.active */
+    double inflight_transfers_peak[2];
     bool staging_idle_zero;
     uint32_t parity_requests, parity_identical;
     bd_sample_t *samples;
@@ -173,11 +189,18 @@ static void bd_sample_once(bd_sampler_t *s)
         const cluster_proc_t *p = s->node[k];
         if (!p) continue;
         pkv_prim_mem_t m;
+        json_t *st = cluster_http_get_json(p->url, "/v1/cache/stats", 2000);
+        /* read right after the node's counters, so RSS - staging is of one instant */
         if (p->pid > 0 && pkv_prim_mem_read(p->pid, &m) == PKV_OK) {
             x.lck[k] = (double)m.locked_bytes;
             x.rss[k] = (double)m.rss_bytes;
+            x.anon[k] = (double)m.rss_anon_bytes;
+            x.shm[k] = (double)m.rss_shmem_bytes;
         }
-        json_t *st = cluster_http_get_json(p->url, "/v1/cache/stats", 2000);
+        long long com = cluster_json_int(st, "committed_bytes");
+        long long act = cluster_json_int(st, "kv_transfer.transfers.active");
+        x.com[k] = com > 0 ? (double)com : 0;
+        x.act[k] = act > 0 ? (double)act : 0;
         long long page = cluster_json_int(st, "kv_transfer.staging.page_bytes");
         long long held = cluster_json_int(st, "kv_transfer.staging.pages_held_by_transfers");
         long long res = cluster_json_int(st, "kv_transfer.staging.resident_bytes");
@@ -253,6 +276,7 @@ static void bd_phase_run(const bd_opts_t *o, const bd_load_t *L, int phn, const 
         bool good = x->status == 200 && !x->answer.error_code[0] && x->answer.done;
         if (!good) {
             run->client_errors++;
+            if (answers && !fill) run->parity_requests++; /* asked, never identical */
             const char *why = x->transport[0]           ? "transport"
                               : x->answer.error_code[0] ? x->answer.error_code
                                                         : "http_error";
@@ -300,6 +324,8 @@ out:
 typedef struct {
     char bin[4096];
     char logdir[96];
+    bool net_up;      /* --tcp: the nodes' namespaces exist */
+    netns_pair_t net; /* prefill in net.ns[0], decode in net.ns[1] */
 } bd_env_t;
 
 #define BD_ARGV_MAX 48
@@ -312,9 +338,14 @@ static void bd_argv_extra(char **argv, int *n, char *const extra[])
 }
 
 static int bd_start(cluster_proc_t *p, const char *name, char *const argv[], bool tcp,
-                    const char *logdir)
+                    const char *dev, const char *logdir)
 {
-    char *env[] = {tcp ? "UCX_TLS=tcp" : NULL, NULL};
+    char devs[64];
+    snprintf(devs, sizeof(devs), "UCX_NET_DEVICES=%s", dev ? dev : "");
+    char *env[3] = {NULL, NULL, NULL};
+    int ne = 0;
+    if (tcp) env[ne++] = "UCX_TLS=tcp";
+    if (dev) env[ne++] = devs;
     char err[1024];
     if (cluster_proc_start(p, name, argv, env, logdir, pkv_now_ns() + BD_START_NS, err,
                            sizeof(err)) != 0) {
@@ -326,21 +357,40 @@ static int bd_start(cluster_proc_t *p, const char *name, char *const argv[], boo
 
 int pkv_bench_disagg_serve(const char *bin, const char *logdir, const char *name,
                            const char *preset, uint32_t ctx, const char *role, char *const extra[],
-                           bool tcp, cluster_proc_t *p)
+                           bool tcp, const pkv_bench_disagg_place_t *at, cluster_proc_t *p)
 {
-    char cs[16];
+    char cs[16], kv[64];
     snprintf(cs, sizeof(cs), "%u", ctx);
-    char *argv[BD_ARGV_MAX] = {(char *)bin,         "serve",        "--port",        "0",
-                               "--preset",          (char *)preset, "--max-context", cs,
-                               "--kv-cache-budget", "none"};
-    int n = 10;
+    char *argv[BD_ARGV_MAX];
+    int n = 0;
+    if (at) {
+        snprintf(kv, sizeof(kv), "%s:0", at->kv_host);
+        char *pre[] = {(char *)at->ip_bin, "netns", "exec", (char *)at->netns, NULL};
+        bd_argv_extra(argv, &n, pre);
+    }
+    char *base[] = {(char *)bin,
+                    "serve",
+                    "--port",
+                    "0",
+                    "--preset",
+                    (char *)preset,
+                    "--max-context",
+                    cs,
+                    "--kv-cache-budget",
+                    "none",
+                    NULL};
+    bd_argv_extra(argv, &n, base);
+    if (at) {
+        char *place[] = {"--host", (char *)at->host, "--kv-listen", kv, NULL};
+        bd_argv_extra(argv, &n, place);
+    }
     if (role) {
         char *r[] = {"--role", (char *)role, "--kv-lease-ms", "600000", "--kv-transfer-timeout-ms",
                      "60000",  NULL};
         bd_argv_extra(argv, &n, r);
     }
     bd_argv_extra(argv, &n, extra);
-    return bd_start(p, name, argv, tcp, logdir);
+    return bd_start(p, name, argv, tcp, at ? at->kv_dev : NULL, logdir);
 }
 
 int pkv_bench_disagg_route(const char *bin, const char *logdir, const cluster_proc_t *pre,
@@ -350,7 +400,7 @@ int pkv_bench_disagg_route(const char *bin, const char *logdir, const cluster_pr
                                "--prefill", (char *)pre->url, "--decode", (char *)dec->url};
     int n = 8;
     bd_argv_extra(argv, &n, extra);
-    return bd_start(p, "router", argv, false, logdir);
+    return bd_start(p, "router", argv, false, NULL, logdir);
 }
 
 /* A node of this bench: its load's queue and connections, a small prefix cache, and with a
@@ -385,8 +435,13 @@ static int bd_serve(const bd_env_t *e, const bd_opts_t *o, const bd_load_t *L, c
         }
     }
     argv[n] = NULL;
+    /* --tcp: prefill and decode in the two namespaces, their HTTP on the links to this
+       one (the router and the load driver stay here), their agents on the link between */
+    int k = role && !strcmp(role, "decode");
+    pkv_bench_disagg_place_t at = {e->net.ip_bin, e->net.ns[k], e->net.root_ip[k], e->net.ip[k],
+                                   e->net.dev[k]};
     return pkv_bench_disagg_serve(e->bin, e->logdir, name, o->preset, L->context, role, argv,
-                                  o->tcp, p);
+                                  o->tcp, role && e->net_up ? &at : NULL, p);
 }
 
 static int bd_route(const bd_env_t *e, const cluster_proc_t *pre, const cluster_proc_t *dec,
@@ -470,27 +525,38 @@ static void bd_peaks(bd_run_t *r)
         }
 }
 
-/* RSS drift of each node between the paced phase's first and last window (60 s, or a
- * fifth of a shorter phase): the larger of the two. */
-static double bd_drift(const bd_run_t *r)
+/* Each node's RSS drift between the paced phase's first and last window (60 s, or a fifth
+ * of a shorter phase), the same of RSS minus the node's staging resident bytes (read at the
+ * same instant), and what the change is made of: staging, the KV pool's committed bytes,
+ * and RssAnon / RssShmem / RssFile. Drift = |last - first| / first of the windows' means. */
+static void bd_drift(bd_run_t *r)
 {
     const bd_phase_t *p = &r->ph[BD_PACED];
     double len = p->t1 - p->t0, w = len >= 300 ? 60 : len / 5;
-    double worst = 0;
     for (int k = 0; k < 2; k++) {
-        double a = 0, b = 0;
+        double a[BD_NG] = {0}, b[BD_NG] = {0};
         int na = 0, nb = 0;
         for (size_t i = 0; i < r->ns; i++) {
-            double t = r->samples[i].t;
-            if (t >= p->t0 && t < p->t0 + w) a += r->samples[i].rss[k], na++;
-            if (t > p->t1 - w && t <= p->t1) b += r->samples[i].rss[k], nb++;
+            const bd_sample_t *x = &r->samples[i];
+            double v[BD_NG] = {x->rss[k],  x->res[k], x->com[k],
+                               x->anon[k], x->shm[k], x->rss[k] - x->anon[k] - x->shm[k]};
+            bool in_a = x->t >= p->t0 && x->t<p->t0 + w, in_b = x->t> p->t1 - w && x->t <= p->t1;
+            for (int g = 0; g < BD_NG; g++) {
+                if (in_a) a[g] += v[g];
+                if (in_b) b[g] += v[g];
+            }
+            na += in_a, nb += in_b;
         }
-        if (na && nb && a > 0) {
-            double d = fabs(b / nb - a / na) / (a / na);
-            if (d > worst) worst = d;
-        }
+        if (!na || !nb || a[BD_G_RSS] <= 0) continue;
+        for (int g = 0; g < BD_NG; g++) r->growth[k][g] = b[g] / nb - a[g] / na;
+        double rss0 = a[BD_G_RSS] / na, less0 = rss0 - a[BD_G_STAGING] / na;
+        r->first_rss[k] = rss0;
+        r->drift[k] = fabs(r->growth[k][BD_G_RSS]) / rss0;
+        r->drift_less[k] =
+            less0 > 0 ? fabs(r->growth[k][BD_G_RSS] - r->growth[k][BD_G_STAGING]) / less0 : 0;
+        r->paced_rss_drift = fmax(r->paced_rss_drift, r->drift[k]);
+        r->paced_rss_drift_less_staging = fmax(r->paced_rss_drift_less_staging, r->drift_less[k]);
     }
-    return worst;
 }
 
 static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t *L, int d,
@@ -500,6 +566,7 @@ static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t
     run->reasons = json_object();
     run->failure_samples = json_array();
     run->have_paced = (d == D_FIXED || d == D_FIXED_REPEAT || d == D_PER_TRANSFER);
+    run->slots = d == D_FIXED_SMALL ? 4 : BD_SLOTS;
     cluster_proc_t pre = {0}, dec = {0}, rt = {0};
     bool up = false;
     fprintf(stderr, "design %s:\n", run->name);
@@ -555,7 +622,10 @@ static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t
     }
     pthread_mutex_destroy(&smp.lock);
     bd_peaks(run);
-    if (run->have_paced && run->ns) run->paced_rss_drift = bd_drift(run);
+    if (run->have_paced && run->ns) bd_drift(run);
+    for (size_t i = 0; i < run->ns; i++)
+        run->inflight_transfers_peak[0] =
+            fmax(run->inflight_transfers_peak[0], run->samples[i].act[0]);
     json_t *ds = cluster_http_get_json(dec.url, "/v1/cache/stats", 5000);
     json_t *ps = cluster_http_get_json(pre.url, "/v1/cache/stats", 5000);
     /* in flight: the stage's own peak of pages held (exact; a 100 ms sampler misses
@@ -566,6 +636,8 @@ static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t
         long long page = cluster_json_int(ks, "kv_transfer.staging.page_bytes");
         run->inflight_peak[k] = peak > 0 && page > 0 ? (double)(peak * page) : 0;
     }
+    long long fly = cluster_json_int(ds, "kv_transfer.pulls.inflight_peak");
+    run->inflight_transfers_peak[1] = fly > 0 ? (double)fly : 0;
     run->failed_reads = cluster_json_int(ds, "kv_transfer.pulls.failed");
     run->recomputes = cluster_json_int(ds, "kv_transfer.pulls.recomputed");
     run->transfers = cluster_json_int(ps, "kv_transfer.leases.sent");
@@ -607,7 +679,10 @@ static void bd_usage(FILE *f)
             "  --paced-rps R        the paced phase's arrival rate (default: 0.6 x the\n"
             "                       unified server's closed-loop rate on the mix)\n"
             "  --paced-transfers N  requests in the paced phase (default 1800)\n"
-            "  --tcp                UCX_TLS=tcp in the nodes (one host; no network namespaces)\n");
+            "  --tcp                prefill and decode nodes in two network namespaces joined\n"
+            "                       by a veth pair, UCX_TLS=tcp (needs root and iproute2;\n"
+            "                       exit 2 where they cannot be made); the router and the\n"
+            "                       load stay here, on a veth to each namespace\n");
 }
 
 static int bd_parse(int argc, char **argv, bd_opts_t *o)
@@ -746,8 +821,28 @@ static json_t *bd_json(const bd_opts_t *o, const bd_load_t *L, double rate, cons
             (int)r->parity_requests, "identical", (int)r->parity_identical);
         json_object_set(j, "failure_samples", r->failure_samples);
         if (r->paced_phases) json_object_set(j, "paced_phase_means_ms", r->paced_phases);
+        json_object_set_new(j, "inflight_transfers_peak", bd_pair(r->inflight_transfers_peak));
+        json_object_set_new(j, "inflight_transfers_peak_source",
+                            json_pack("{s:s, s:s}", "prefill",
+                                      "sampled every 100 ms (transfers.active): a lower bound",
+                                      "decode", "pulls.inflight_peak: exact high-water"));
         if (r->have_paced) {
             json_object_set_new(j, "paced_rss_drift", json_real(r->paced_rss_drift));
+            json_object_set_new(j, "paced_rss_drift_less_staging",
+                                json_real(r->paced_rss_drift_less_staging));
+            json_t *pd = json_object();
+            for (int k = 0; k < 2; k++) {
+                json_t *g = json_object();
+                for (int x = 0; x < BD_NG; x++)
+                    json_object_set_new(g, bd_growth_names[x],
+                                        json_integer((json_int_t)r->growth[k][x]));
+                json_object_set_new(pd, k ? "decode" : "prefill",
+                                    json_pack("{s:f, s:f, s:I, s:o}", "rss_drift", r->drift[k],
+                                              "rss_less_staging_drift", r->drift_less[k],
+                                              "first_window_rss_bytes", (json_int_t)r->first_rss[k],
+                                              "growth_bytes", g));
+            }
+            json_object_set_new(j, "paced_drift", pd);
             json_object_set_new(j, "staging_idle_zero", json_boolean(r->staging_idle_zero));
         }
         json_array_append_new(ds, j);
@@ -795,6 +890,71 @@ static void bd_table(const bd_run_t *u, const bd_run_t *runs)
                 printf(" - |");
         printf(" %.1f |\n", r->ph[BD_LONG].tpot);
     }
+}
+
+/* Per node: transfers in flight at their peak, and the paced phase's RSS drift with what it
+ * is made of. */
+static void bd_table_nodes(const bd_run_t *runs)
+{
+    printf(
+        "\n| design | node | transfers in flight, peak | paced RSS drift | RSS - staging drift | "
+        "paced growth MiB (last 60 s - first 60 s): RSS | staging | KV pool committed | anon "
+        "| shmem | file |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for (int d = 0; d < BD_ND; d++) {
+        const bd_run_t *r = &runs[d];
+        if (!r->name) continue;
+        for (int k = 0; k < 2; k++) {
+            printf("| %s | %s | %.0f%s |", r->name, k ? "decode" : "prefill",
+                   r->inflight_transfers_peak[k], k ? "" : " (sampled)");
+            if (!r->have_paced || !r->first_rss[k]) {
+                printf(" - | - | - | - | - | - | - | - |\n");
+                continue;
+            }
+            printf(" %.2f %% | %.2f %% |", 100 * r->drift[k], 100 * r->drift_less[k]);
+            for (int g = 0; g < BD_NG; g++) printf(" %+.1f |", r->growth[k][g] / BD_MIB);
+            printf("\n");
+        }
+    }
+}
+
+/* The planner check's input from the designs that ran (bench_disagg_plan.c). */
+static json_t *bd_plan(const bd_opts_t *o, const bd_load_t *L, const bd_run_t *runs)
+{
+    pkv_bd_plan_design_t pd[BD_ND];
+    size_t n = 0;
+    for (int d = 0; d < BD_ND; d++) {
+        const bd_run_t *r = &runs[d];
+        if (!r->name || !r->ran) continue;
+        pkv_bd_plan_design_t *x = &pd[n++];
+        memset(x, 0, sizeof(*x));
+        x->design = r->name;
+        x->fixed = d == D_FIXED || d == D_FIXED_REPEAT || d == D_FIXED_SMALL;
+        x->slots = r->slots;
+        x->pool_pages = r->pool_pages;
+        x->page_bytes = r->page_bytes;
+        x->context = L->context;
+        /* every prompt the design's phases sent, by length; each transfer has both ends,
+           so the count is the decode node's exact peak (it bounds the prefill node's) */
+        x->in_flight = (uint64_t)r->inflight_transfers_peak[1];
+        for (int ph = 0; ph < BD_NPH; ph++) {
+            if (ph == BD_PACED && !r->have_paced) continue;
+            for (uint32_t i = 0; i < (ph == BD_PACED ? 4u : 1u); i++) {
+                uint32_t tok = ph == BD_PACED ? L->mix[i] : L->len[ph];
+                uint32_t cnt = ph == BD_PACED ? (L->n[ph] + 3 - i) / 4 : L->n[ph];
+                uint32_t m = 0;
+                while (m < x->n_mix && x->mix_tokens[m] != tok) m++;
+                if (m == x->n_mix && m == PKV_BD_PLAN_MIX) continue;
+                if (m == x->n_mix) x->mix_tokens[x->n_mix++] = tok;
+                x->mix_weight[m] += cnt;
+            }
+        }
+        for (int k = 0; k < 2; k++) {
+            x->pinned_peak[k] = r->pinned_peak[k];
+            x->inflight_peak[k] = r->inflight_peak[k];
+        }
+    }
+    return n ? pkv_bd_plan_check(o->preset, pd, n, stdout) : NULL;
 }
 
 /* The targets, each printed with its verdict; the count that failed. */
@@ -915,7 +1075,7 @@ int pkv_bench_disagg(int argc, char **argv)
     if (prc) return prc == 1 ? 0 : prc;
     bd_load_t L;
     bd_sizes(&o, &L);
-    bd_env_t e;
+    bd_env_t e = {.net_up = false};
     ssize_t bl = readlink("/proc/self/exe", e.bin, sizeof(e.bin) - 1);
     if (bl <= 0) return 2;
     e.bin[bl] = '\0';
@@ -926,6 +1086,21 @@ int pkv_bench_disagg(int argc, char **argv)
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
+    if (o.tcp) {
+        char err[512];
+        if (netns_pair_create(&e.net, true, err, sizeof(err)) != 0) {
+            netns_pair_destroy(&e.net);
+            fprintf(stderr, "pagekv bench disagg: --tcp: cannot make the network namespaces: %s\n",
+                    err);
+            return 2;
+        }
+        e.net_up = true;
+        fprintf(stderr,
+                "pagekv bench disagg: --tcp: prefill in %s (HTTP %s, KV %s), decode in %s (HTTP "
+                "%s, KV %s), UCX_TLS=tcp; router and load here\n",
+                e.net.ns[0], e.net.root_ip[0], e.net.ip[0], e.net.ns[1], e.net.root_ip[1],
+                e.net.ip[1]);
+    }
     curl_global_init(CURL_GLOBAL_DEFAULT);
     fprintf(stderr,
             "pagekv bench disagg: %s, scale %g (context %u tokens = %u staging pages; prompts "
@@ -1006,12 +1181,17 @@ int pkv_bench_disagg(int argc, char **argv)
     printf("pagekv bench disagg: %s, scale %g, context %u tokens, paced %.2f req/s x %u%s\n",
            o.preset, o.scale, L.context, rate, L.n[BD_PACED], o.quick ? " (quick)" : "");
     bd_table(&u, runs);
+    bd_table_nodes(runs);
+    json_t *plan = bd_plan(&o, &L, runs);
     int bad = bd_targets(runs);
     if (o.json_path) {
         json_t *j = bd_json(&o, &L, rate, &u, runs);
+        json_object_set_new(j, "plan", plan ? plan : json_array());
+        plan = NULL;
         if (pkv_bench_write_json(o.json_path, j) != 0) rc = 1;
         json_decref(j);
     }
+    json_decref(plan);
     if (o.svg_dir) bd_svg(o.svg_dir, runs);
     /* the exit code says whether the runs held (every process up and exiting 0, parity);
        the targets are figures, printed above */
@@ -1035,6 +1215,7 @@ out:
         free(runs[d].samples);
     }
     curl_global_cleanup();
+    if (e.net_up) netns_pair_destroy(&e.net); /* every node has been stopped */
     fprintf(stderr, "logs: %s\n", e.logdir);
     return rc;
 }

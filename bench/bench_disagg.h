@@ -8,6 +8,9 @@
 
 #include "support/cluster.h"
 
+#include <jansson.h>
+#include <stdio.h>
+
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -16,15 +19,46 @@
  * options), 130 (interrupted). */
 int pkv_bench_disagg_latency(int argc, char **argv);
 
+/* Where a node runs: inside network namespace `netns` (through `IP_BIN netns exec`), its
+ * HTTP on `host`, its transfer agent on `kv_host` (port 0 each), UCX on interface
+ * `kv_dev` only (UCX_NET_DEVICES: a namespace with a second link would otherwise
+ * advertise that one's address too, which the peer cannot reach). */
+typedef struct {
+    const char *ip_bin, *netns, *host, *kv_host, *kv_dev;
+} pkv_bench_disagg_place_t;
+
 /* Start a node: `BIN serve --port 0 --preset PRESET --max-context CTX --kv-cache-budget
  * none`, with a role `--role ROLE --kv-lease-ms 600000 --kv-transfer-timeout-ms 60000`,
  * then `extra` (NULL-terminated, may be NULL); its log LOGDIR/NAME.log; UCX_TLS=tcp when
- * tcp. 0, or -1 with the reason on stderr. */
+ * tcp; in a namespace when `at` is not NULL (else here, on 127.0.0.1). 0, or -1 with the
+ * reason on stderr. */
 int pkv_bench_disagg_serve(const char *bin, const char *logdir, const char *name,
                            const char *preset, uint32_t ctx, const char *role, char *const extra[],
-                           bool tcp, cluster_proc_t *p);
+                           bool tcp, const pkv_bench_disagg_place_t *at, cluster_proc_t *p);
 /* Start `BIN route --port 0 --prefill PRE --decode DEC` then `extra`; 0 or -1 as above. */
 int pkv_bench_disagg_route(const char *bin, const char *logdir, const cluster_proc_t *pre,
                            const cluster_proc_t *dec, char *const extra[], cluster_proc_t *p);
+
+/* One design's figures for the planner check (bench_disagg_plan.c). */
+#define PKV_BD_PLAN_MIX 8
+typedef struct {
+    const char *design;
+    bool fixed;          /* fixed slots (else per-transfer staging) */
+    uint32_t slots;      /* fixed: the slots */
+    uint32_t pool_pages; /* the staging's pages (per-transfer: the arena) */
+    uint64_t page_bytes;
+    uint32_t context; /* the longest context, tokens */
+    uint32_t mix_tokens[PKV_BD_PLAN_MIX], mix_weight[PKV_BD_PLAN_MIX];
+    uint32_t n_mix;
+    uint64_t in_flight;      /* the measured peak of transfers in flight */
+    double pinned_peak[2];   /* prefill, decode: VmLck peak, bytes */
+    double inflight_peak[2]; /* the stage's peak pages in use x page bytes */
+} pkv_bd_plan_design_t;
+
+/* The planner (src/plan, preset's geometry, 64-token pages) against each design's
+ * measured peaks: prints the "planner vs measured" table to out and returns the JSON rows
+ * [{design, node, figure, in_flight, predicted_bytes, measured_bytes, ratio, within_10pct,
+ * note}] (new reference; NULL when the planner refused the geometry, said on stderr). */
+json_t *pkv_bd_plan_check(const char *preset, const pkv_bd_plan_design_t *d, size_t n, FILE *out);
 
 #endif

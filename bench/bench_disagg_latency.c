@@ -107,7 +107,7 @@ static int bl_serve(const bl_env_t *e, const bl_opts_t *o, const char *role, uin
 {
     char *staging[] = {"--staging", "per_transfer", NULL};
     return pkv_bench_disagg_serve(e->bin, e->logdir, role ? role : "unified", o->preset, ctx, role,
-                                  role ? staging : NULL, false, p);
+                                  role ? staging : NULL, false, NULL, p);
 }
 
 static int bl_route(const bl_env_t *e, const cluster_proc_t *pre, const cluster_proc_t *dec,

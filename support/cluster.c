@@ -84,7 +84,12 @@ static bool log_listening(cluster_proc_t *p)
         uint16_t port = parse_addr(l + 13, addr, sizeof(addr));
         if (port) {
             p->port = port;
-            snprintf(p->url, sizeof(p->url), "http://127.0.0.1:%u", port);
+            /* the address it listens on; a wildcard one is reached on loopback */
+            bool any = !strncmp(addr, "0.0.0.0:", 8) || !strncmp(addr, "[::]:", 5);
+            if (any)
+                snprintf(p->url, sizeof(p->url), "http://127.0.0.1:%u", port);
+            else
+                snprintf(p->url, sizeof(p->url), "http://%s", addr);
             ok = true;
         }
     }

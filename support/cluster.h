@@ -31,7 +31,8 @@ typedef struct {
     char log[256];                     /* its stdout + stderr */
     pid_t pid;                         /* 0 once reaped */
     uint16_t port;                     /* HTTP port from its listening line */
-    char url[CLUSTER_ADDR_MAX];        /* "http://127.0.0.1:PORT" */
+    char url[CLUSTER_ADDR_MAX + 8];    /* "http://HOST:PORT" as it listens (a wildcard
+                                          host: 127.0.0.1) */
     char kv_address[CLUSTER_ADDR_MAX]; /* transfer agent "HOST:PORT", "" without one */
     int wstatus;                       /* waitpid status once reaped */
     bool reaped;

@@ -1,14 +1,21 @@
 /*
- * `pagekv bench disagg --latency` as a real subprocess on the tiny model: it runs, its
- * tables and --json carry every figure, and bad options run nothing. No timing is asserted
- * (the figures are what the bench is for, not what a test checks).
+ * `pagekv bench disagg` as a real subprocess on the tiny model: `--latency` runs, its
+ * tables and --json carry every figure, and bad options run nothing; the load mode's
+ * `--quick --tcp` runs two designs with the nodes in two network namespaces (skipped with
+ * the reason where they cannot be made), reports the planner check, the in-flight peaks and
+ * the paced drift with and without staging, and leaves no namespace behind, SIGINT
+ * included. No timing is asserted (the figures are what the bench is for, not what a test
+ * checks).
  */
 #include "support/srvtest.h"
 #include "support/testutil.h"
 
 #include <jansson.h>
+#include <signal.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -81,6 +88,143 @@ START_TEST(latency_bad_options_exit_2)
 }
 END_TEST
 
+/* The namespace named after `key` in the bench's output ("prefill in NAME (HTTP"), "" if
+ * none; true when /var/run/netns/NAME exists. */
+static bool netns_left(const char *out, const char *key, char *name, size_t cap)
+{
+    const char *p = strstr(out, key);
+    name[0] = '\0';
+    if (!p) return false;
+    p += strlen(key);
+    size_t n = strcspn(p, " ");
+    snprintf(name, cap, "%.*s", (int)n, p);
+    char path[128];
+    snprintf(path, sizeof(path), "/var/run/netns/%s", name);
+    struct stat st;
+    return stat(path, &st) == 0;
+}
+
+static const char *const quick_tcp_args =
+    "--quick --tcp --preset tiny --designs fixed,per_transfer --paced-transfers 24 "
+    "--paced-rps 20";
+
+/* Prefill and decode in two namespaces over tcp: exit 0, parity, every new figure in the
+ * table and the JSON, the planner's rows, and both namespaces gone at the end. */
+START_TEST(quick_tcp_runs_and_cleans_up)
+{
+    char path[] = "/tmp/pagekv-test-disagg-XXXXXX";
+    int fd = mkstemp(path);
+    ck_assert_int_ge(fd, 0);
+    close(fd);
+    char args[512];
+    snprintf(args, sizeof(args), "%s --json %s", quick_tcp_args, path);
+    static char out[1 << 18];
+    int rc = run_bench(args, out, sizeof(out));
+    if (rc == 2 && strstr(out, "cannot make the network namespaces")) {
+        fprintf(stderr, "quick_tcp_runs_and_cleans_up: skipped (%s)\n", strstr(out, "cannot make"));
+        unlink(path);
+        return;
+    }
+    ck_assert_msg(rc == 0, "exit %d\n%s", rc, out);
+    char a[64], b[64];
+    ck_assert_msg(!netns_left(out, "prefill in ", a, sizeof(a)) && a[0], "%s left: %s", a, out);
+    ck_assert_msg(!netns_left(out, "decode in ", b, sizeof(b)) && b[0], "%s left", b);
+    static const char *const lines[] = {"planner vs measured", "| fixed | decode | fixed |",
+                                        "| per_transfer | decode | per_transfer_tail |",
+                                        "RSS - staging drift", "transfers in flight, peak"};
+    for (size_t i = 0; i < sizeof(lines) / sizeof(lines[0]); i++)
+        ck_assert_msg(strstr(out, lines[i]), "no '%s' in\n%s", lines[i], out);
+    json_error_t je;
+    json_t *doc = json_load_file(path, 0, &je);
+    unlink(path);
+    ck_assert_msg(doc, "--json: %s", je.text);
+    json_t *ds = json_object_get(doc, "designs");
+    ck_assert_int_eq((int)json_array_size(ds), 2);
+    for (size_t i = 0; i < 2; i++) {
+        json_t *d = json_array_get(ds, i);
+        json_t *par = json_object_get(d, "parity");
+        ck_assert_int_eq((int)jnum(par, "requests"), 8); /* --quick: 4 before, 4 after */
+        ck_assert_int_eq((int)jnum(par, "identical"), 8);
+        json_t *fly = json_object_get(d, "inflight_transfers_peak");
+        ck_assert(jnum(fly, "decode") >= 1); /* exact: every pull counts */
+        ck_assert(jnum(fly, "prefill") >= 0);
+        ck_assert(jnum(d, "paced_rss_drift") >= 0);
+        ck_assert(jnum(d, "paced_rss_drift_less_staging") >= 0);
+        json_t *g = json_object_get(json_object_get(json_object_get(d, "paced_drift"), "decode"),
+                                    "growth_bytes");
+        ck_assert(json_is_integer(json_object_get(g, "pool_committed")));
+        ck_assert(json_is_integer(json_object_get(g, "staging_resident")));
+    }
+    json_t *plan = json_object_get(doc, "plan");
+    /* fixed: the fixed figure per node; per_transfer: the mean and the tail per node */
+    ck_assert_int_eq((int)json_array_size(plan), 6);
+    size_t i;
+    json_t *r;
+    json_array_foreach(plan, i, r)
+    {
+        ck_assert(jnum(r, "predicted_bytes") > 0);
+        ck_assert(jnum(r, "measured_bytes") >= 0);
+        ck_assert(json_is_string(json_object_get(r, "design")));
+        ck_assert(json_is_string(json_object_get(r, "node")));
+        bool within = json_is_true(json_object_get(r, "within_10pct"));
+        ck_assert(within || strlen(json_string_value(json_object_get(r, "note"))) > 0);
+        if (!strcmp(json_string_value(json_object_get(r, "figure")), "fixed"))
+            ck_assert_msg(within, "fixed slots: planner %f measured %f", jnum(r, "predicted_bytes"),
+                          jnum(r, "measured_bytes"));
+    }
+    json_decref(doc);
+}
+END_TEST
+
+/* SIGINT while the first design runs: exit 130 and both namespaces gone. */
+START_TEST(quick_tcp_sigint_cleans_up)
+{
+    char bin[2048], log[] = "/tmp/pagekv-test-disagg-log-XXXXXX";
+    ts_pagekv_path(bin, sizeof(bin));
+    int fd = mkstemp(log);
+    ck_assert_int_ge(fd, 0);
+    pid_t pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid == 0) {
+        dup2(fd, 1);
+        dup2(fd, 2);
+        char cmd[4096];
+        snprintf(cmd, sizeof(cmd), "exec '%s' bench disagg %s", bin, quick_tcp_args);
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    close(fd);
+    static char out[1 << 18];
+    for (int t = 0; t < 1200; t++) { /* until the first design starts (or the bench ends) */
+        FILE *f = fopen(log, "r");
+        size_t n = f ? fread(out, 1, sizeof(out) - 1, f) : 0;
+        if (f) fclose(f);
+        out[n] = '\0';
+        if (strstr(out, "design fixed:") || waitpid(pid, NULL, WNOHANG) == pid) break;
+        usleep(100000);
+    }
+    int st = 0;
+    if (strstr(out, "cannot make the network namespaces")) {
+        waitpid(pid, &st, 0);
+        unlink(log);
+        fprintf(stderr, "quick_tcp_sigint_cleans_up: skipped (%s)\n", strstr(out, "cannot make"));
+        return;
+    }
+    ck_assert_msg(strstr(out, "design fixed:"), "the first design never started:\n%s", out);
+    kill(pid, SIGINT);
+    ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+    FILE *f = fopen(log, "r");
+    size_t n = f ? fread(out, 1, sizeof(out) - 1, f) : 0;
+    if (f) fclose(f);
+    out[n] = '\0';
+    unlink(log);
+    ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 130, "status %d\n%s", st, out);
+    char a[64], b[64];
+    ck_assert_msg(!netns_left(out, "prefill in ", a, sizeof(a)) && a[0], "%s left", a);
+    ck_assert_msg(!netns_left(out, "decode in ", b, sizeof(b)) && b[0], "%s left", b);
+}
+END_TEST
+
 static Suite *bench_disagg_suite(void)
 {
     Suite *s = suite_create("bench_disagg");
@@ -89,6 +233,11 @@ static Suite *bench_disagg_suite(void)
     tcase_add_test(lat, latency_runs_and_reports);
     tcase_add_test(lat, latency_bad_options_exit_2);
     suite_add_tcase(s, lat);
+    TCase *tcp = tcase_create("tcp");
+    tcase_set_timeout(tcp, 300);
+    tcase_add_test(tcp, quick_tcp_runs_and_cleans_up);
+    tcase_add_test(tcp, quick_tcp_sigint_cleans_up);
+    suite_add_tcase(s, tcp);
     return s;
 }
 

@@ -11,12 +11,14 @@
  * producer's `sent` equals the consumers' acknowledged reads. Case `netns`: the pair in two
  * network namespaces joined by a veth pair, UCX over tcp only.
  */
+#include "support/netns.h"
 #include "support/srvtest.h"
 #include "support/testutil.h"
 
 #include "pagekv/server.h"
 
 #include <dirent.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <sched.h>
@@ -257,21 +259,17 @@ static void node_start(nodes_t *n, int i)
     ts_node_start(&n->node[i], n->netns[i], n->host[i], n->tcp_only, true, args);
 }
 
-/* Network namespace `name` for this thread's new sockets (NULL: the test's own). */
-static int own_netns = -1;
+/* Network namespace `name` of the netns case's pair for this thread's new sockets (NULL:
+ * the test's own; without a pair, only NULL). */
+static const netns_pair_t *g_pair;
 static void enter_netns(const char *name)
 {
-    if (own_netns < 0 && !name) return;
-    if (own_netns < 0) own_netns = open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC);
-    int fd = own_netns;
-    char path[128];
-    if (name) {
-        snprintf(path, sizeof(path), "/var/run/netns/%s", name);
-        fd = open(path, O_RDONLY | O_CLOEXEC);
-        ck_assert_int_ge(fd, 0);
+    if (!g_pair) {
+        ck_assert_ptr_null(name);
+        return;
     }
-    ck_assert_int_eq(setns(fd, CLONE_NEWNET), 0);
-    if (name) close(fd);
+    ck_assert_msg(netns_pair_enter(g_pair, name) == 0, "setns %s: %s", name ? name : "(own)",
+                  strerror(errno));
 }
 
 static json_t *kv_stats(nodes_t *n, int i)
@@ -896,54 +894,23 @@ END_TEST
 
 /* ---- two network namespaces ------------------------------------------------------------------ */
 
-static int sh(const char *cmd)
-{
-    int rc = system(cmd);
-    return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-}
-
-/* The prefill node in one namespace, both decode nodes in another, joined by a veth pair;
- * UCX over tcp only; --kv-listen on the veth addresses. Answers equal a unified node's. */
+/* The prefill node in one namespace, both decode nodes in another, joined by a veth pair
+ * (support/netns.h); UCX over tcp only; --kv-listen on the veth addresses. Answers equal a unified
+ * node's. */
 START_TEST(pair_across_network_namespaces)
 {
-    char a[32], b[32], va[32], vb[32], cmd[1024];
-    int id = (int)getpid() % 100000;
-    snprintf(a, sizeof(a), "pkv-a-%d", id);
-    snprintf(b, sizeof(b), "pkv-b-%d", id);
-    snprintf(va, sizeof(va), "pkva%d", id);
-    snprintf(vb, sizeof(vb), "pkvb%d", id);
-    int o1 = (id / 250) % 250 + 1, o2 = id % 250 + 1;
-    char ipa[32], ipb[32];
-    snprintf(ipa, sizeof(ipa), "10.%d.%d.1", o1, o2);
-    snprintf(ipb, sizeof(ipb), "10.%d.%d.2", o1, o2);
-    snprintf(cmd, sizeof(cmd),
-             "ip netns add %s && ip netns add %s && ip link add %s type veth peer name %s && "
-             "ip link set %s netns %s && ip link set %s netns %s && "
-             "ip -n %s addr add %s/24 dev %s && ip -n %s addr add %s/24 dev %s && "
-             "ip -n %s link set %s up && ip -n %s link set %s up && "
-             "ip -n %s link set lo up && ip -n %s link set lo up",
-             a, b, va, vb, va, a, vb, b, a, ipa, va, b, ipb, vb, a, va, b, vb, a, b);
-    if (sh(cmd) != 0) {
-        snprintf(cmd, sizeof(cmd),
-                 "ip link del %s 2>/dev/null; ip netns del %s 2>/dev/null; "
-                 "ip netns del %s 2>/dev/null",
-                 va, a, b);
-        sh(cmd);
-        fprintf(stderr, "pair_across_network_namespaces: skipped (cannot create network "
-                        "namespaces here: not root or no iproute2)\n");
+    static netns_pair_t pair;
+    char err[512];
+    if (netns_pair_create(&pair, false, err, sizeof(err)) != 0) {
+        netns_pair_destroy(&pair);
+        fprintf(stderr,
+                "pair_across_network_namespaces: skipped (cannot create network "
+                "namespaces here: %s)\n",
+                err);
         return;
     }
-    /* Torn down whatever happens: a child that fails the test still runs this. */
-    pid_t guard = fork();
-    ck_assert_int_ge(guard, 0);
-    if (guard == 0) {
-        /* Waits for the test process to end, then deletes the namespaces (the veth goes
-         * with them). */
-        pid_t test = getppid();
-        while (kill(test, 0) == 0) usleep(100000);
-        snprintf(cmd, sizeof(cmd), "ip netns del %s; ip netns del %s", a, b);
-        _exit(sh(cmd));
-    }
+    g_pair = &pair;
+    const char *a = pair.ns[0], *b = pair.ns[1], *ipa = pair.ip[0], *ipb = pair.ip[1];
     char la[48], lb[48];
     snprintf(la, sizeof(la), "%s:0", ipa);
     snprintf(lb, sizeof(lb), "%s:0", ipb);
@@ -992,10 +959,9 @@ START_TEST(pair_across_network_namespaces)
     nodes_settled(&n, "across namespaces");
     for (int i = 0; i < 3; i++) ts_node_stop(&n.node[i]);
     pkv_server_destroy(n.unified);
-    snprintf(cmd, sizeof(cmd), "ip netns del %s; ip netns del %s", a, b);
-    ck_assert_int_eq(sh(cmd), 0);
-    kill(guard, SIGKILL);
-    waitpid(guard, NULL, 0);
+    enter_netns(NULL);
+    g_pair = NULL;
+    netns_pair_destroy(&pair);
 }
 END_TEST
 

@@ -2268,6 +2268,11 @@ START_TEST(decode_leg_equals_unified)
     json_t *kv = kv_stats(ports[1]);
     ck_assert_int_eq(ji(kv, "pulls.failed"), 0);
     ck_assert_int_eq(ji(kv, "leases.pinned_blocks"), 0);
+    /* one leg at a time: never two reads in flight, none left */
+    ck_assert_int_eq(ji(kv, "pulls.inflight"), 0);
+    ck_assert_int_eq(ji(kv, "pulls.inflight_peak"), 1);
+    ck_assert_int_eq(metric(ports[1], "pagekv_kv_pulls_inflight_peak"), 1);
+    ck_assert_int_eq(metric(ports[1], "pagekv_kv_pulls_inflight"), 0);
     json_decref(kv);
     leases_settle(ports[0], 8);
     /* Forged params are refused when nothing would move too: a wrong token (the producer

@@ -515,6 +515,9 @@ json_t *srv_kv_stats_json(const srv_kv_snapshot_t *k)
                   "recomputed", (json_int_t)k->pulls.recomputed, "local",
                   (json_int_t)k->pulls.local, "blocks_pulled", (json_int_t)k->pulls.blocks_pulled,
                   "blocks_adopted", (json_int_t)k->pulls.blocks_adopted));
+    json_t *pl = json_object_get(doc, "pulls");
+    json_object_set_new(pl, "inflight", json_integer((json_int_t)k->pulls.inflight));
+    json_object_set_new(pl, "inflight_peak", json_integer((json_int_t)k->pulls.inflight_peak));
     /* Reads by outcome (consumer), serves acknowledged and failed (producer). */
     static const char *const outcome[8] = {"ok",       "timeout",   "peer_lost", "nofit",
                                            "rejected", "cancelled", "corrupt",   "shutdown"};
@@ -790,6 +793,16 @@ static void pull_phases(srv_kvnode_t *n, const pkv_xfer_read_timings_t *rt, uint
     pthread_mutex_unlock(&n->lock);
 }
 
+/* Decode legs' pulls in flight (delta +1 as one starts, -1 as it ends) and their peak. */
+static void pull_inflight(srv_kvnode_t *n, int delta)
+{
+    pthread_mutex_lock(&n->lock);
+    if (delta > 0 && ++n->pulls.inflight > n->pulls.inflight_peak)
+        n->pulls.inflight_peak = n->pulls.inflight;
+    if (delta < 0) n->pulls.inflight--;
+    pthread_mutex_unlock(&n->lock);
+}
+
 /* The reads of one pull: each one's outcome arrives on its agent's progress thread. */
 typedef struct {
     pthread_mutex_t mu;
@@ -864,6 +877,7 @@ static int pull_into(srv_kvnode_t *n, pkv_xfer_handle_t *const *hs, uint32_t P,
     uint64_t t0 = pkv_now_ns();
     uint64_t deadline = t0 + (uint64_t)n->transfer_timeout_ms * 1000000ull;
     pl.left = m;
+    pull_inflight(n, +1);
     for (; started < m && !rc; started++) {
         const kvn_read_t *r = &plan[started];
         bool moves = r->head_n > 0;
@@ -908,6 +922,7 @@ static int pull_into(srv_kvnode_t *n, pkv_xfer_handle_t *const *hs, uint32_t P,
         bytes += pkv_xfer_read_bytes(rd[i]);
         pkv_xfer_read_free(rd[i]);
     }
+    pull_inflight(n, -1);
     free(plan);
     free(rd);
     pthread_cond_destroy(&pl.cv);

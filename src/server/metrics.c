@@ -242,6 +242,10 @@ static void render_kvt_flow(FILE *f, const srv_kv_snapshot_t *k)
             (unsigned long long)k->pulls.blocks_pulled);
     fprintf(f, "pagekv_kv_pull_blocks_total{source=\"adopted\"} %llu\n",
             (unsigned long long)k->pulls.blocks_adopted);
+    one(f, "pagekv_kv_pulls_inflight", "gauge",
+        "Decode legs' reads from a producer started and not yet ended.", k->pulls.inflight);
+    one(f, "pagekv_kv_pulls_inflight_peak", "gauge",
+        "High-water of pagekv_kv_pulls_inflight since the node started.", k->pulls.inflight_peak);
     family(f, "pagekv_kv_transfer_phase_seconds", "histogram",
            "Phases of disaggregated requests on the node where each happens (prefill: "
            "prefill_queue, prefill_compute, lease_wait, staging_wait, wire; decode: handshake, "

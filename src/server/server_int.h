@@ -124,6 +124,8 @@ typedef struct {
     uint64_t local;          /* requests without kv_transfer_params, computed here */
     uint64_t blocks_pulled;  /* of ok legs: blocks read from the producer */
     uint64_t blocks_adopted; /* of ok and released legs: blocks the local prefix cache held */
+    uint64_t inflight;       /* reads of decode legs started and not yet ended */
+    uint64_t inflight_peak;  /* high-water of inflight since the node started */
 } srv_pull_counts_t;
 
 /* One tensor-parallel rank of a node in a snapshot. */
