@@ -291,7 +291,7 @@ static int br_node_start(const br_opts_t *o, const br_env_t *e, const char *name
                      "256",
                      NULL};
     return pkv_bench_disagg_serve(e->bin, e->logdir, name, o->preset, BR_CONTEXT, role, extra,
-                                  false, p);
+                                  false, NULL, p);
 }
 
 static uint64_t br_bytes_received(const cluster_proc_t *dec)
@@ -583,7 +583,7 @@ int pkv_bench_reshard(int argc, char **argv)
     cluster_proc_t uni = {0};
     char *ux[] = {"--kv-dtype", "bf16", NULL};
     if (pkv_bench_disagg_serve(e.bin, e.logdir, "unified", o.preset, BR_CONTEXT, NULL, ux, false,
-                               &uni))
+                               NULL, &uni))
         return 1;
     br_result_t res[BR_MAX_PAIRS * BR_ND];
     uint32_t n = 0;
