@@ -7,6 +7,8 @@
 #define OPENSSL_API_COMPAT 0x10101000L /* SHA256_Init: ~100 ns a block vs ~150 via EVP */
 #include "kv/kv_int.h"
 
+#include "prim/prim.h"
+
 #include <openssl/sha.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -400,6 +402,20 @@ int pkv_kv_blocks_alloc(pkv_kv_t *kv, uint32_t n, uint32_t *ids)
 void pkv_kv_blocks_free(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
 {
     pkv_kv_unpin(kv, ids, n);
+}
+
+int pkv_kv_pages(const pkv_kv_t *kv, uint64_t *resident_bytes, uint64_t *huge_bytes)
+{
+    if (!kv || !kv->ops->storage) return PKV_ERR_UNSUPPORTED;
+    const void *addr;
+    size_t bytes;
+    kv->ops->storage(kv, &addr, &bytes);
+    pkv_prim_range_pages_t pg;
+    int rc = pkv_prim_range_pages(addr, bytes, &pg);
+    if (rc) return rc;
+    if (resident_bytes) *resident_bytes = pg.resident_bytes;
+    if (huge_bytes) *huge_bytes = pg.huge_bytes;
+    return PKV_OK;
 }
 
 /* ---- cache control, stats, validation --------------------------------------------- */

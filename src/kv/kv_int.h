@@ -17,7 +17,7 @@
 #include <stdlib.h>
 
 /* A backend. Every entry is required except the paged-only block access (seq_blocks to
- * blocks_alloc): a backend without it leaves them NULL and kv.c answers
+ * storage): a backend without it leaves them NULL and kv.c answers
  * PKV_ERR_UNSUPPORTED (NULL from pkv_kv_block_head; unpin does nothing). */
 typedef struct {
     void (*destroy)(pkv_kv_t *kv);
@@ -45,6 +45,8 @@ typedef struct {
     int (*pin)(pkv_kv_t *kv, const uint32_t *ids, uint32_t n);
     void (*unpin)(pkv_kv_t *kv, const uint32_t *ids, uint32_t n);
     int (*blocks_alloc)(pkv_kv_t *kv, uint32_t n, uint32_t *ids);
+    /* the reserved range the backend's KV lives in (fixed for its life) */
+    void (*storage)(const pkv_kv_t *kv, const void **addr, size_t *bytes);
 } kv_ops_t;
 
 struct pkv_kv {

@@ -906,6 +906,13 @@ static void pool_cache_pressure(pkv_kv_t *kv, uint64_t limit_bytes)
     pthread_mutex_unlock(&p->lock);
 }
 
+static void pool_storage(const pkv_kv_t *kv, const void **addr, size_t *bytes)
+{
+    const pool_t *p = (const pool_t *)kv;
+    *addr = p->addr;
+    *bytes = p->reserved;
+}
+
 static void pool_stats(pkv_kv_t *kv, pkv_kv_stats_t *o)
 {
     pool_t *p = pool_of(kv);
@@ -1174,4 +1181,5 @@ static const kv_ops_t pool_ops = {
     .pin = pool_pin,
     .unpin = pool_unpin,
     .blocks_alloc = pool_blocks_alloc,
+    .storage = pool_storage,
 };
