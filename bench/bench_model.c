@@ -20,7 +20,9 @@
  *
  * --fast-fill builds the batch-8 decode contexts by prefilling one sequence and copying
  * its K/V bytes into the other seven (their own memory), skipping the batch-8 prefill
- * cell: a quicker way to repeat the decode comparison.
+ * cell, and the long and mixed cases' contexts by writing a fixed pseudo-random K/V
+ * pattern instead of prefilling (the prefix still adopted from the cache): a quicker way
+ * to repeat the decode comparison.
  *
  * The prefix cache is disabled (no_prefix_cache): every sequence computes and reads its
  * own K/V. Tokens are seeded random ids. The paged pool asks for transparent huge pages
@@ -469,6 +471,30 @@ static void case_tokens(const mcase_t *c, uint32_t i, uint32_t V, int32_t *out)
         out[j] = (int32_t)(pkv_splitmix64(j < c->prefix ? &ps : &os) % V);
 }
 
+/* --fast-fill: positions [from, to) of seq get K/V values of a fixed pseudo-random pattern
+ * (the same on both backends, in [-1, 1)) written in place of a prefill, and their tokens
+ * appended; decode then reads them as it reads computed ones. */
+static void fill_positions(pkv_model_t *m, pkv_dtype_t dt, pkv_seq_t *seq, const int32_t *toks,
+                           uint32_t from, uint32_t to, uint64_t seed)
+{
+    const pkv_model_config_t *c = pkv_model_config(m);
+    size_t es = pkv_dtype_size(dt);
+    float row[512];
+    for (uint32_t p = from; p < to; p++)
+        for (uint32_t l = 0; l < c->n_layers; l++) {
+            void *k, *v;
+            size_t hs;
+            pkv_seq_slot(seq, p, l, &k, &v, &hs);
+            for (uint32_t h = 0; h < c->n_kv_heads; h++)
+                for (int kv = 0; kv < 2; kv++) {
+                    for (uint32_t d = 0; d < c->head_dim && d < 512; d++)
+                        row[d] = (float)(pkv_splitmix64(&seed) >> 40) / (float)(1 << 23) - 1.0f;
+                    pkv_dtype_from_f32(dt, (char *)(kv ? v : k) + h * hs * es, row, c->head_dim);
+                }
+        }
+    pkv_seq_append(seq, toks + from, to - from);
+}
+
 /* The case's contexts on one backend: sequence 0 prefilled alone (its full blocks enter
  * the prefix cache), then the others admitted (adopting the prefix) and their remaining
  * tokens prefilled in one batched forward call. 0, or -1 (st holds what was built). */
@@ -503,6 +529,10 @@ static int case_build(pkv_model_t *m, const opts_t *o, const mcase_t *c, pkv_bac
                                       .tokens = toks[i] + cached,
                                       .n_tokens = c->lens[i] - cached,
                                       .logits = logits + (size_t)i * V};
+        if (o->fast_fill) {
+            fill_positions(m, o->dt, st->seq[i], toks[i], cached, c->lens[i], 3000 + i);
+            continue;
+        }
         /* The first alone (it fills the cache), the rest together. */
         if ((i == 0 || i + 1 == c->n) &&
             pkv_model_forward(m, st->kv, items + (i ? 1 : 0), i ? c->n - 1 : 1))
