@@ -91,8 +91,7 @@ static uint32_t block_tokens = 16;
 static int make_kv_cache(pkv_model_t *m, pkv_backend_t be, pkv_dtype_t dt, bool prefix_cache,
                          pkv_kv_t **out)
 {
-    pkv_kv_config_t kc = {
-        .backend = be, .no_prefix_cache = !prefix_cache, .hugepages = use_thp};
+    pkv_kv_config_t kc = {.backend = be, .no_prefix_cache = !prefix_cache, .hugepages = use_thp};
     pkv_model_geometry(m, dt, block_tokens, &kc.geo);
     return pkv_kv_create(&kc, out);
 }
@@ -253,12 +252,12 @@ typedef struct {
 enum { CASE_LONG, CASE_MIXED, N_CASES };
 
 typedef struct {
-    double ratio[MAX_PAIRS];       /* paged / dense decode speed, one per pair */
-    double tok_s[2][MAX_PAIRS];    /* decode tok/s per backend and pair */
-    double prefill_s[2];           /* seconds to build the contexts, per backend */
-    uint32_t adopted[2];           /* prompt tokens adopted from the prefix cache */
-    uint64_t tokens;               /* context tokens over all sequences */
-    bool pages_ok;                 /* the paged pool's range was read from smaps */
+    double ratio[MAX_PAIRS];             /* paged / dense decode speed, one per pair */
+    double tok_s[2][MAX_PAIRS];          /* decode tok/s per backend and pair */
+    double prefill_s[2];                 /* seconds to build the contexts, per backend */
+    uint32_t adopted[2];                 /* prompt tokens adopted from the prefix cache */
+    uint64_t tokens;                     /* context tokens over all sequences */
+    bool pages_ok;                       /* the paged pool's range was read from smaps */
     uint64_t resident_bytes, huge_bytes; /* of it, after the prefill */
 } mcase_res_t;
 
@@ -756,8 +755,8 @@ static json_t *print_cases(const opts_t *o, const results_t *res)
         char name[32];
         snprintf(name, sizeof(name), "ctx%u_b%u", o->ctxs[c], B);
         const cell_t *p = &res->cells[0][c], *d = &res->cells[1][c];
-        json_array_append_new(a, case_row(o, name, B, (uint64_t)B * o->ctxs[c],
-                                          res->ratio_ctx[c], B > 1 ? p->decode8 : p->decode1,
+        json_array_append_new(a, case_row(o, name, B, (uint64_t)B * o->ctxs[c], res->ratio_ctx[c],
+                                          B > 1 ? p->decode8 : p->decode1,
                                           B > 1 ? d->decode8 : d->decode1));
     }
     for (int k = 0; k < N_CASES; k++) {
@@ -773,7 +772,8 @@ static json_t *print_cases(const opts_t *o, const results_t *res)
         json_object_set_new(row, "prefill_s_paged", json_real(r->prefill_s[0]));
         json_object_set_new(row, "prefill_s_dense", json_real(r->prefill_s[1]));
         if (r->pages_ok) {
-            json_object_set_new(row, "paged_resident_bytes", json_integer((json_int_t)r->resident_bytes));
+            json_object_set_new(row, "paged_resident_bytes",
+                                json_integer((json_int_t)r->resident_bytes));
             json_object_set_new(row, "paged_huge_bytes", json_integer((json_int_t)r->huge_bytes));
         }
         json_array_append_new(a, row);

@@ -469,8 +469,8 @@ static void check_hugepages(pkv_server_config_t cfg, pkv_prim_thp_mode_t mode)
     pkv_server_t *s = start(cfg);
     uint16_t port = pkv_server_port(s);
     bool paged = cfg.backend == PKV_BACKEND_PAGED;
-    bool want = paged && !cfg.no_hugepages &&
-                (mode == PKV_PRIM_THP_ALWAYS || mode == PKV_PRIM_THP_MADVISE);
+    bool want =
+        paged && !cfg.no_hugepages && (mode == PKV_PRIM_THP_ALWAYS || mode == PKV_PRIM_THP_MADVISE);
     pkv_server_info_t info;
     pkv_server_info(s, &info);
     ck_assert_int_eq(info.hugepages, want);

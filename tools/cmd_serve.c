@@ -360,7 +360,7 @@ static void print_listening(pkv_server_t *srv, const pkv_server_config_t *cfg)
         fprintf(stderr, "pagekv serve: KV huge pages %s (THP %s%s)\n",
                 info.hugepages ? (info.huge_probe ? "on" : "asked, not given") : "off",
                 info.thp_mode,
-                !info.hugepages ? ""
+                !info.hugepages   ? ""
                 : info.huge_probe ? "; a 2 MiB probe got a huge page"
                                   : "; a 2 MiB probe got 4 KiB pages");
     if (info.kv_address)

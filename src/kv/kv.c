@@ -351,8 +351,8 @@ void *pkv_kv_block_head_rank(const pkv_kv_t *kv, uint32_t rank, uint32_t block, 
     return rank == 0 ? pkv_kv_block_head(kv, block, layer, which, head) : NULL;
 }
 
-void pkv_seq_slot_rank(const pkv_seq_t *seq, uint32_t rank, uint32_t pos, uint32_t layer,
-                       void **k, void **v, size_t *head_stride)
+void pkv_seq_slot_rank(const pkv_seq_t *seq, uint32_t rank, uint32_t pos, uint32_t layer, void **k,
+                       void **v, size_t *head_stride)
 {
     PKV_ASSERT(rank == 0);
     pkv_seq_slot(seq, pos, layer, k, v, head_stride);

@@ -507,8 +507,7 @@ AVX2_FN static void softmax_avx2(float *s, uint32_t n)
  * dims [d0, d0 + 8 NV): the accumulators round-trip through memory between runs, which
  * changes no bit. */
 AVX2_INLINE void av1_run(const float *p, uint32_t p0, uint32_t n, const char *base, size_t ts,
-                         size_t es, pkv_dtype_t dt, float *acc, const int NV,
-                         const pf_stream_t *ps)
+                         size_t es, pkv_dtype_t dt, float *acc, const int NV, const pf_stream_t *ps)
 {
     __m256 a[8];
 #pragma GCC unroll 8

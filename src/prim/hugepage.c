@@ -25,10 +25,14 @@
 const char *pkv_prim_thp_mode_name(pkv_prim_thp_mode_t m)
 {
     switch (m) {
-    case PKV_PRIM_THP_ALWAYS: return "always";
-    case PKV_PRIM_THP_MADVISE: return "madvise";
-    case PKV_PRIM_THP_NEVER: return "never";
-    case PKV_PRIM_THP_UNKNOWN: break;
+    case PKV_PRIM_THP_ALWAYS:
+        return "always";
+    case PKV_PRIM_THP_MADVISE:
+        return "madvise";
+    case PKV_PRIM_THP_NEVER:
+        return "never";
+    case PKV_PRIM_THP_UNKNOWN:
+        break;
     }
     return "unknown";
 }

@@ -346,13 +346,12 @@ char *srv_metrics_render(const srv_snapshot_t *snap, size_t *len)
  * startup probe, and the pool's range in smaps now: null when not read). */
 static json_t *hugepages_json(const srv_snapshot_t *snap)
 {
-    return json_pack("{s:b, s:s, s:b, s:o, s:o}", "requested", snap->huge, "thp_mode",
-                     snap->thp_mode, "probe_huge", snap->huge_probe, "pool_resident_bytes",
-                     snap->pages_ok ? json_integer((json_int_t)snap->pool_resident_bytes)
-                                    : json_null(),
-                     "pool_huge_bytes",
-                     snap->pages_ok ? json_integer((json_int_t)snap->pool_huge_bytes)
-                                    : json_null());
+    return json_pack(
+        "{s:b, s:s, s:b, s:o, s:o}", "requested", snap->huge, "thp_mode", snap->thp_mode,
+        "probe_huge", snap->huge_probe, "pool_resident_bytes",
+        snap->pages_ok ? json_integer((json_int_t)snap->pool_resident_bytes) : json_null(),
+        "pool_huge_bytes",
+        snap->pages_ok ? json_integer((json_int_t)snap->pool_huge_bytes) : json_null());
 }
 
 json_t *srv_cache_stats_json(const srv_snapshot_t *snap)

@@ -1267,9 +1267,9 @@ static void hugepage_policy(pkv_server_t *s, const pkv_server_config_t *cfg)
     s->huge_probe = false;
     if (s->huge && pkv_prim_huge_probe(&s->huge_probe)) s->huge_probe = false;
     const char *why = cfg->backend != PKV_BACKEND_PAGED ? "dense backend"
-                      : cfg->no_hugepages             ? "--no-hugepages"
-                      : !s->huge                      ? "the kernel's THP mode"
-                      : s->huge_probe ? "a 2 MiB probe got a huge page"
+                      : cfg->no_hugepages               ? "--no-hugepages"
+                      : !s->huge                        ? "the kernel's THP mode"
+                      : s->huge_probe                   ? "a 2 MiB probe got a huge page"
                                       : "a 2 MiB probe got 4 KiB pages (none free?)";
     PKV_LOGI("server", "huge pages for the KV pool: %s (THP %s; %s)", s->huge ? "asked" : "off",
              pkv_prim_thp_mode_name(s->thp), why);

@@ -232,7 +232,7 @@ typedef struct {
     const char *thp_mode;  /* the kernel's THP mode at startup */
     bool pages_ok;         /* paged: the pool's range read from smaps (pkv_kv_pages) */
     uint64_t pool_resident_bytes, pool_huge_bytes; /* of which in huge pages */
-    bool has_kv; /* a prefill or decode node: kv filled */
+    bool has_kv;                                   /* a prefill or decode node: kv filled */
     srv_kv_snapshot_t kv;
     srv_memwatch_stats_t mw; /* the cache policy's watcher */
 } srv_snapshot_t;
