@@ -20,7 +20,9 @@
  *
  * --fast-fill builds the batch-8 decode contexts by prefilling one sequence and copying
  * its K/V bytes into the other seven (their own memory), skipping the batch-8 prefill
- * cell: a quicker way to repeat the decode comparison.
+ * cell, and the long and mixed cases' contexts by writing a fixed pseudo-random K/V
+ * pattern instead of prefilling (the prefix still adopted from the cache): a quicker way
+ * to repeat the decode comparison.
  *
  * The prefix cache is disabled (no_prefix_cache): every sequence computes and reads its
  * own K/V. Tokens are seeded random ids. The paged pool asks for transparent huge pages
@@ -33,6 +35,7 @@
 #include "support/bench.h"
 
 #include "core/core.h"
+#include "kv/kv.h"
 #include "prim/prim.h"
 
 #include "pagekv/model.h"
@@ -85,11 +88,17 @@ static void progress(const char *fmt, ...)
 static bool use_thp = true;
 static uint32_t block_tokens = 16;
 
-static int make_kv(pkv_model_t *m, pkv_backend_t be, pkv_dtype_t dt, pkv_kv_t **out)
+static int make_kv_cache(pkv_model_t *m, pkv_backend_t be, pkv_dtype_t dt, bool prefix_cache,
+                         pkv_kv_t **out)
 {
-    pkv_kv_config_t kc = {.backend = be, .no_prefix_cache = true, .hugepages = use_thp};
+    pkv_kv_config_t kc = {.backend = be, .no_prefix_cache = !prefix_cache, .hugepages = use_thp};
     pkv_model_geometry(m, dt, block_tokens, &kc.geo);
     return pkv_kv_create(&kc, out);
+}
+
+static int make_kv(pkv_model_t *m, pkv_backend_t be, pkv_dtype_t dt, pkv_kv_t **out)
+{
+    return make_kv_cache(m, be, dt, false, out);
 }
 
 /* Prefill n sequences of `len` tokens in one forward call; seconds, or < 0. */
@@ -222,7 +231,35 @@ typedef struct {
     uint32_t ctxs[MAX_CTX];
     int n_ctx;
     bool do8, fast_fill;
+    unsigned cases;        /* CASES_GRID | CASES_LONG | CASES_MIXED */
+    uint32_t long_context; /* the long case's context */
+    uint32_t mixed_prefix; /* the mixed case's shared prefix */
 } opts_t;
+
+#define CASES_GRID  1u
+#define CASES_LONG  2u
+#define CASES_MIXED 4u
+
+/* A case: n sequences of lens[i] tokens (prompt length, the prefix included); the first
+ * `prefix` tokens are the same for all and, after the first sequence is prefilled, adopted
+ * from the prefix cache by the others (whole blocks); the rest of each prompt is its own. */
+typedef struct {
+    const char *name;
+    uint32_t n, prefix;
+    uint32_t lens[MAX_B];
+} mcase_t;
+
+enum { CASE_LONG, CASE_MIXED, N_CASES };
+
+typedef struct {
+    double ratio[MAX_PAIRS];             /* paged / dense decode speed, one per pair */
+    double tok_s[2][MAX_PAIRS];          /* decode tok/s per backend and pair */
+    double prefill_s[2];                 /* seconds to build the contexts, per backend */
+    uint32_t adopted[2];                 /* prompt tokens adopted from the prefix cache */
+    uint64_t tokens;                     /* context tokens over all sequences */
+    bool pages_ok;                       /* the paged pool's range was read from smaps */
+    uint64_t resident_bytes, huge_bytes; /* of it, after the prefill */
+} mcase_res_t;
 
 /* Everything measured. */
 typedef struct {
@@ -230,6 +267,8 @@ typedef struct {
     double ratio4096[MAX_PAIRS], ratio_ctx[MAX_CTX][MAX_PAIRS];
     double p3700[2][16], p3700cpu[2][16];
     double load0, load1;
+    mcase_t mcases[N_CASES];
+    mcase_res_t mres[N_CASES];
 } results_t;
 
 /* The figures derived from the results for the metrics table and the JSON. */
@@ -237,6 +276,27 @@ typedef struct {
     bool have4096;
     double r4096, p_paged, p_dense, pc_paged, pc_dense;
 } summary_t;
+
+/* "grid,long,mixed" (any of them) into a CASES_ mask; 0 or -1. */
+static int parse_cases(const char *s, unsigned *out)
+{
+    unsigned m = 0;
+    char buf[64];
+    snprintf(buf, sizeof(buf), "%s", s);
+    for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+        if (!strcmp(tok, "grid"))
+            m |= CASES_GRID;
+        else if (!strcmp(tok, "long"))
+            m |= CASES_LONG;
+        else if (!strcmp(tok, "mixed"))
+            m |= CASES_MIXED;
+        else
+            return -1;
+    }
+    if (!m) return -1;
+    *out = m;
+    return 0;
+}
 
 /* -1: parsed, run; otherwise the exit code (usage printed). */
 static int parse_opts(int argc, char **argv, opts_t *o)
@@ -248,7 +308,10 @@ static int parse_opts(int argc, char **argv, opts_t *o)
                   .dt = PKV_DTYPE_BF16,
                   .ctxs = {512, 4096},
                   .n_ctx = 2,
-                  .do8 = true};
+                  .do8 = true,
+                  .cases = CASES_GRID | CASES_LONG | CASES_MIXED,
+                  .long_context = 16384,
+                  .mixed_prefix = 192};
     for (int i = 1; i < argc; i++) {
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(argv[i], "--json") && v)
@@ -273,6 +336,19 @@ static int parse_opts(int argc, char **argv, opts_t *o)
         } else if (!strcmp(argv[i], "--contexts") && v) {
             if ((o->n_ctx = parse_list(argv[++i], o->ctxs, MAX_CTX, 16, 32000)) < 0)
                 return pkv_cli_usage_error("bench model", "--contexts: e.g. 512,4096");
+        } else if (!strcmp(argv[i], "--cases") && v) {
+            if (parse_cases(argv[++i], &o->cases))
+                return pkv_cli_usage_error("bench model", "--cases: grid,long,mixed");
+        } else if (!strcmp(argv[i], "--long-context") && v) {
+            uint64_t n;
+            if (pkv_cli_parse_u64(argv[++i], 16, 30000, &n))
+                return pkv_cli_usage_error("bench model", "--long-context: 16..30000");
+            o->long_context = (uint32_t)n;
+        } else if (!strcmp(argv[i], "--mixed-prefix") && v) {
+            uint64_t n;
+            if (pkv_cli_parse_u64(argv[++i], 0, 255, &n))
+                return pkv_cli_usage_error("bench model", "--mixed-prefix: 0..255");
+            o->mixed_prefix = (uint32_t)n;
         } else if (!strcmp(argv[i], "--no-batch8")) {
             o->do8 = false;
         } else if (!strcmp(argv[i], "--fast-fill")) {
@@ -288,7 +364,8 @@ static int parse_opts(int argc, char **argv, opts_t *o)
             printf("usage: pagekv bench model [--json FILE] [--preset NAME] [--runs N]\n"
                    "         [--decode-pairs N] [--decode-steps N] [--threads N] [--dtype bf16] "
                    "[--contexts 512,4096] [--no-batch8]\n"
-                   "         [--block-tokens N] [--no-hugepages] [--fast-fill]\n");
+                   "         [--block-tokens N] [--no-hugepages] [--fast-fill]\n"
+                   "         [--cases grid,long,mixed] [--long-context N] [--mixed-prefix N]\n");
             return strcmp(argv[i], "--help") ? 2 : 0;
         }
     }
@@ -383,6 +460,116 @@ static int bench_context(pkv_model_t *m, const opts_t *o, int c, results_t *res)
     return rc;
 }
 
+/* ---- the cases beyond the grid: one long context, mixed lengths over a shared prefix --- */
+
+/* Prompt of sequence i: the shared prefix (seed 1000) then its own tokens (seed 2000 + i). */
+static void case_tokens(const mcase_t *c, uint32_t i, uint32_t V, int32_t *out)
+{
+    uint64_t ps = 1000, os = 2000 + i;
+    for (uint32_t j = 0; j < c->lens[i]; j++)
+        out[j] = (int32_t)(pkv_splitmix64(j < c->prefix ? &ps : &os) % V);
+}
+
+/* --fast-fill: positions [from, to) of seq get K/V values of a fixed pseudo-random pattern
+ * (the same on both backends, in [-1, 1)) written in place of a prefill, and their tokens
+ * appended; decode then reads them as it reads computed ones. */
+static void fill_positions(pkv_model_t *m, pkv_dtype_t dt, pkv_seq_t *seq, const int32_t *toks,
+                           uint32_t from, uint32_t to, uint64_t seed)
+{
+    const pkv_model_config_t *c = pkv_model_config(m);
+    size_t es = pkv_dtype_size(dt);
+    float row[512];
+    for (uint32_t p = from; p < to; p++)
+        for (uint32_t l = 0; l < c->n_layers; l++) {
+            void *k, *v;
+            size_t hs;
+            pkv_seq_slot(seq, p, l, &k, &v, &hs);
+            for (uint32_t h = 0; h < c->n_kv_heads; h++)
+                for (int kv = 0; kv < 2; kv++) {
+                    for (uint32_t d = 0; d < c->head_dim && d < 512; d++)
+                        row[d] = (float)(pkv_splitmix64(&seed) >> 40) / (float)(1 << 23) - 1.0f;
+                    pkv_dtype_from_f32(dt, (char *)(kv ? v : k) + h * hs * es, row, c->head_dim);
+                }
+        }
+    pkv_seq_append(seq, toks + from, to - from);
+}
+
+/* The case's contexts on one backend: sequence 0 prefilled alone (its full blocks enter
+ * the prefix cache), then the others admitted (adopting the prefix) and their remaining
+ * tokens prefilled in one batched forward call. 0, or -1 (st holds what was built). */
+static int case_build(pkv_model_t *m, const opts_t *o, const mcase_t *c, pkv_backend_t be,
+                      ctx_state_t *st, mcase_res_t *res)
+{
+    uint32_t V = pkv_model_config(m)->vocab_size, extra = (uint32_t)(2 * o->pairs * o->steps + 4);
+    if (make_kv_cache(m, be, o->dt, c->prefix > 0, &st->kv)) return -1;
+    int32_t *toks[MAX_B] = {0};
+    float *logits = malloc((size_t)c->n * V * sizeof(float));
+    pkv_model_item_t items[MAX_B];
+    int rc = logits ? 0 : -1;
+    uint64_t t0 = pkv_now_ns();
+    for (uint32_t i = 0; i < c->n && !rc; i++) {
+        progress("bench model: %s %s, sequence %u of %u (%u tokens)...", c->name,
+                 pkv_backend_name(be), i + 1, c->n, c->lens[i]);
+        if (!(toks[i] = malloc((size_t)c->lens[i] * sizeof(int32_t)))) {
+            rc = -1;
+            break;
+        }
+        case_tokens(c, i, V, toks[i]);
+        pkv_seq_params_t sp = {
+            .tokens = toks[i], .n_tokens = c->lens[i], .reserve_tokens = c->lens[i] + extra};
+        uint32_t cached = 0;
+        if (pkv_seq_create(st->kv, &sp, &st->seq[i], &cached)) {
+            rc = -1;
+            break;
+        }
+        st->n = i + 1;
+        res->adopted[be] += cached;
+        items[i] = (pkv_model_item_t){.seq = st->seq[i],
+                                      .tokens = toks[i] + cached,
+                                      .n_tokens = c->lens[i] - cached,
+                                      .logits = logits + (size_t)i * V};
+        if (o->fast_fill) {
+            fill_positions(m, o->dt, st->seq[i], toks[i], cached, c->lens[i], 3000 + i);
+            continue;
+        }
+        /* The first alone (it fills the cache), the rest together. */
+        if ((i == 0 || i + 1 == c->n) &&
+            pkv_model_forward(m, st->kv, items + (i ? 1 : 0), i ? c->n - 1 : 1))
+            rc = -1;
+    }
+    res->prefill_s[be] = secs(t0);
+    for (uint32_t i = 0; i < c->n; i++) free(toks[i]);
+    free(logits);
+    if (!rc && be == PKV_BACKEND_PAGED)
+        res->pages_ok = pkv_kv_pages(st->kv, &res->resident_bytes, &res->huge_bytes) == PKV_OK;
+    return rc;
+}
+
+/* Prefill once per backend, then --decode-pairs pairs of decode bursts (--decode-steps
+ * steps of every sequence) on the same contexts, which backend goes first alternating. */
+static int bench_case(pkv_model_t *m, const opts_t *o, const mcase_t *c, mcase_res_t *res)
+{
+    ctx_state_t st[2] = {0};
+    int rc = 0;
+    for (uint32_t i = 0; i < c->n; i++) res->tokens += c->lens[i];
+    for (int be = 0; be < 2 && !rc; be++) rc = case_build(m, o, c, be, &st[be], res);
+    for (uint64_t r = 0; r < o->pairs && !rc; r++) {
+        double t[2];
+        for (int k = 0; k < 2 && !rc; k++) {
+            int be = (int)(r & 1) ^ k; /* odd pairs: dense first */
+            progress("bench model: %s %s decode, pair %u...", c->name, pkv_backend_name(be),
+                     (unsigned)r + 1);
+            t[be] = decode(m, st[be].kv, st[be].seq, c->n, (uint32_t)o->steps);
+            if (t[be] < 0) rc = -1;
+        }
+        if (rc) break;
+        for (int be = 0; be < 2; be++) res->tok_s[be][r] = (double)c->n * o->steps / t[be];
+        res->ratio[r] = t[1] / t[0];
+    }
+    free_contexts(st);
+    return rc;
+}
+
 /* --runs prefills of 3700 tokens on the llama-3.2-1b preset, per backend. */
 static int bench_prefill3700(pkv_model_t *llama, const opts_t *o, results_t *res)
 {
@@ -428,7 +615,7 @@ static json_t *print_cells(const opts_t *o, const results_t *res)
 static summary_t summarize(const opts_t *o, const results_t *res)
 {
     summary_t s = {0};
-    for (int c = 0; c < o->n_ctx; c++) s.have4096 |= o->ctxs[c] == 4096;
+    for (int c = 0; (o->cases & CASES_GRID) && c < o->n_ctx; c++) s.have4096 |= o->ctxs[c] == 4096;
     if (s.have4096) s.r4096 = pkv_bench_median(res->ratio4096, o->pairs);
     s.p_paged = pkv_bench_median(res->p3700[0], o->runs);
     s.p_dense = pkv_bench_median(res->p3700[1], o->runs);
@@ -457,9 +644,9 @@ static void print_metrics(const opts_t *o, const results_t *res, const summary_t
            s->pc_paged, s->pc_dense);
 }
 
-/* --json FILE (takes jcells); 0 or 1. */
+/* --json FILE (takes jcells and jcases); 0 or 1. */
 static int write_json(pkv_model_t *m, const opts_t *o, const results_t *res, const summary_t *s,
-                      json_t *jcells)
+                      json_t *jcells, json_t *jcases)
 {
     json_t *j =
         json_pack("{s:s, s:s, s:s, s:i, s:i, s:i, s:o, s:f, s:f, s:f, s:f}", "bench", "model",
@@ -480,6 +667,7 @@ static int write_json(pkv_model_t *m, const opts_t *o, const results_t *res, con
     json_object_set_new(j, "prefill_3700_llama_cpu_s", json_real(s->pc_paged));
     json_object_set_new(j, "prefill_3700_llama_cpu_s_dense", json_real(s->pc_dense));
     json_object_set_new(j, "paged_hugepages", json_boolean(use_thp));
+    json_object_set_new(j, "cases", jcases);
     int rc = pkv_bench_write_json(o->json, j) ? 1 : 0;
     json_decref(j);
     return rc;
@@ -498,22 +686,137 @@ static void print_header(pkv_model_t *m, const opts_t *o, const results_t *res)
 }
 
 /* Measure, then report; the exit code. */
+/* The long and mixed cases of this run into res->mcases; 0, or 1 when the model's
+ * length cannot hold one (said on stderr). */
+static int set_cases(pkv_model_t *m, const opts_t *o, results_t *res)
+{
+    res->mcases[CASE_LONG] = (mcase_t){"long", 1, 0, {o->long_context}};
+    res->mcases[CASE_MIXED] = (mcase_t){
+        "mixed8_prefix", 8, o->mixed_prefix, {256, 512, 1024, 2048, 3072, 4096, 6144, 8192}};
+    uint32_t S = pkv_model_config(m)->max_seq_len, extra = (uint32_t)(2 * o->pairs * o->steps + 4);
+    for (int k = 0; k < N_CASES; k++) {
+        const mcase_t *c = &res->mcases[k];
+        if (!(o->cases & (CASES_LONG << k))) continue;
+        for (uint32_t i = 0; i < c->n; i++)
+            if (c->lens[i] + extra > S) {
+                fprintf(stderr,
+                        "pagekv bench model: case %s needs %u positions; preset %s holds %u\n",
+                        c->name, c->lens[i] + extra, o->preset, S);
+                return 1;
+            }
+    }
+    return 0;
+}
+
+static void ratio_range(const double *v, size_t n, double *lo, double *hi)
+{
+    *lo = n ? v[0] : 0;
+    *hi = *lo;
+    for (size_t i = 1; i < n; i++) {
+        *lo = v[i] < *lo ? v[i] : *lo;
+        *hi = v[i] > *hi ? v[i] : *hi;
+    }
+}
+
+static json_t *pairs_json(const double *v, size_t n)
+{
+    json_t *a = json_array();
+    for (size_t i = 0; i < n; i++) json_array_append_new(a, json_real(v[i]));
+    return a;
+}
+
+/* One row of the paged/dense table and its JSON. */
+static json_t *case_row(const opts_t *o, const char *name, uint32_t nseq, uint64_t tokens,
+                        const double *ratio, const double *paged, const double *dense)
+{
+    double lo, hi, med = pkv_bench_median(ratio, o->pairs);
+    ratio_range(ratio, o->pairs, &lo, &hi);
+    double tp = pkv_bench_median(paged, o->pairs), td = pkv_bench_median(dense, o->pairs);
+    printf("| %s | %u | %llu | %.1f | %.1f | **%.3f** | %.3f | %.3f | %llu |\n", name, nseq,
+           (unsigned long long)tokens, tp, td, med, lo, hi, (unsigned long long)o->pairs);
+    return json_pack("{s:s, s:i, s:I, s:f, s:f, s:f, s:f, s:f, s:i, s:o}", "case", name,
+                     "sequences", (int)nseq, "context_tokens", (json_int_t)tokens,
+                     "paged_decode_tok_s", tp, "dense_decode_tok_s", td, "ratio_median", med,
+                     "ratio_min", lo, "ratio_max", hi, "pairs", (int)o->pairs, "ratios",
+                     pairs_json(ratio, o->pairs));
+}
+
+/* The paged/dense table over every case measured; returns it as JSON. */
+static json_t *print_cases(const opts_t *o, const results_t *res)
+{
+    printf("\npaged / dense decode speed by case (median of pairs; each pair: one burst of %llu "
+           "steps per backend on the same prefilled contexts):\n\n"
+           "| case | sequences | context tokens | paged tok/s | dense tok/s | paged/dense "
+           "| min | max | pairs |\n|---|---|---|---|---|---|---|---|---|\n",
+           (unsigned long long)o->steps);
+    json_t *a = json_array();
+    uint32_t B = o->do8 ? 8 : 1;
+    for (int c = 0; (o->cases & CASES_GRID) && c < o->n_ctx; c++) {
+        char name[32];
+        snprintf(name, sizeof(name), "ctx%u_b%u", o->ctxs[c], B);
+        const cell_t *p = &res->cells[0][c], *d = &res->cells[1][c];
+        json_array_append_new(a, case_row(o, name, B, (uint64_t)B * o->ctxs[c], res->ratio_ctx[c],
+                                          B > 1 ? p->decode8 : p->decode1,
+                                          B > 1 ? d->decode8 : d->decode1));
+    }
+    for (int k = 0; k < N_CASES; k++) {
+        if (!(o->cases & (CASES_LONG << k))) continue;
+        const mcase_t *c = &res->mcases[k];
+        const mcase_res_t *r = &res->mres[k];
+        char name[48];
+        snprintf(name, sizeof(name), k == CASE_LONG ? "%s_%u" : "%s", c->name, c->lens[0]);
+        json_t *row = case_row(o, name, c->n, r->tokens, r->ratio, r->tok_s[0], r->tok_s[1]);
+        json_object_set_new(row, "prefix_tokens", json_integer(c->prefix));
+        json_object_set_new(row, "adopted_tokens_paged", json_integer(r->adopted[0]));
+        json_object_set_new(row, "adopted_tokens_dense", json_integer(r->adopted[1]));
+        json_object_set_new(row, "prefill_s_paged", json_real(r->prefill_s[0]));
+        json_object_set_new(row, "prefill_s_dense", json_real(r->prefill_s[1]));
+        if (r->pages_ok) {
+            json_object_set_new(row, "paged_resident_bytes",
+                                json_integer((json_int_t)r->resident_bytes));
+            json_object_set_new(row, "paged_huge_bytes", json_integer((json_int_t)r->huge_bytes));
+        }
+        json_array_append_new(a, row);
+    }
+    for (int k = 0; k < N_CASES; k++) {
+        if (!(o->cases & (CASES_LONG << k))) continue;
+        const mcase_t *c = &res->mcases[k];
+        const mcase_res_t *r = &res->mres[k];
+        printf("\n%s: prefill %.1f s paged, %.1f s dense; prefix %u tokens, adopted %u (paged) / "
+               "%u (dense) tokens",
+               c->name, r->prefill_s[0], r->prefill_s[1], c->prefix, r->adopted[0], r->adopted[1]);
+        if (r->pages_ok)
+            printf("; paged pool %.0f MiB resident, %.0f MiB of it in huge pages (smaps)",
+                   (double)r->resident_bytes / (1 << 20), (double)r->huge_bytes / (1 << 20));
+        printf("\n");
+    }
+    return a;
+}
+
+/* Measure, then report; the exit code (-1: a run failed). */
 static int run_bench(pkv_model_t *m, pkv_model_t *llama, const opts_t *o)
 {
     static results_t res;
     memset(&res, 0, sizeof(res));
+    if (set_cases(m, o, &res)) return 1;
     res.load0 = loadavg1();
-    for (int c = 0; c < o->n_ctx; c++)
+    bool grid = o->cases & CASES_GRID;
+    for (int c = 0; grid && c < o->n_ctx; c++)
         if (bench_context(m, o, c, &res)) return -1;
-    if (bench_prefill3700(llama, o, &res)) return -1;
+    for (int k = 0; k < N_CASES; k++)
+        if ((o->cases & (CASES_LONG << k)) && bench_case(m, o, &res.mcases[k], &res.mres[k]))
+            return -1;
+    if (grid && bench_prefill3700(llama, o, &res)) return -1;
     if (pkv_cli_progress_enabled()) fprintf(stderr, "\r%70s\r", "");
     res.load1 = loadavg1();
     print_header(m, o, &res);
-    json_t *jcells = print_cells(o, &res);
+    json_t *jcells = grid ? print_cells(o, &res) : json_array();
     summary_t s = summarize(o, &res);
-    print_metrics(o, &res, &s);
-    if (o->json) return write_json(m, o, &res, &s, jcells);
+    if (grid) print_metrics(o, &res, &s);
+    json_t *jcases = print_cases(o, &res);
+    if (o->json) return write_json(m, o, &res, &s, jcells, jcases);
     json_decref(jcells);
+    json_decref(jcases);
     return 0;
 }
 

@@ -643,6 +643,92 @@ START_TEST(invariant_to_batch_composition)
 }
 END_TEST
 
+/* The shapes of `pagekv bench model`'s long and mixed cases, short: paged and dense give
+ * the same logits bit for bit at every step. A small granule (16 KiB) makes the paged reads
+ * jump between granules every few blocks, as a long context does in 2 MiB granules. */
+typedef struct {
+    uint32_t n, prefix, lens[8];
+} shape_t;
+
+/* Prefill the shape on one backend (sequence 0 alone, the others adopting the prefix from
+ * the cache, then together), then `steps` batched decode steps; logits of the last prefill
+ * and of every step into out[(step + 1) * n + i]. */
+static void run_shape(pkv_model_t *m, pkv_backend_t be, const shape_t *sh, uint32_t steps,
+                      uint64_t seed, float *out)
+{
+    uint32_t V = pkv_model_config(m)->vocab_size;
+    pkv_kv_config_t kc = {.backend = be, .granule_bytes = 16384, .hugepages = true};
+    pkv_model_geometry(m, PKV_DTYPE_BF16, 16, &kc.geo);
+    pkv_kv_t *kv = NULL;
+    ck_assert_int_eq(pkv_kv_create(&kc, &kv), PKV_OK);
+    pkv_seq_t *seq[8];
+    int32_t toks[8][1600];
+    pkv_model_item_t it[8];
+    for (uint32_t i = 0; i < sh->n; i++) {
+        uint64_t ps = seed, os = seed + 1 + i;
+        for (uint32_t j = 0; j < sh->lens[i]; j++)
+            toks[i][j] = (int32_t)(pkv_splitmix64(j < sh->prefix ? &ps : &os) % V);
+        pkv_seq_params_t sp = {
+            .tokens = toks[i], .n_tokens = sh->lens[i], .reserve_tokens = sh->lens[i] + steps};
+        uint32_t cached = 99;
+        ck_assert_int_eq(pkv_seq_create(kv, &sp, &seq[i], &cached), PKV_OK);
+        ck_assert_uint_eq(cached, (i ? sh->prefix / 16 * 16 : 0));
+        it[i] = (pkv_model_item_t){.seq = seq[i],
+                                   .tokens = toks[i] + cached,
+                                   .n_tokens = sh->lens[i] - cached,
+                                   .logits = out + (size_t)i * V};
+        if (i == 0) ck_assert_int_eq(pkv_model_forward(m, kv, it, 1), PKV_OK);
+    }
+    if (sh->n > 1) ck_assert_int_eq(pkv_model_forward(m, kv, it + 1, sh->n - 1), PKV_OK);
+    int32_t next[8];
+    for (uint32_t s = 0; s < steps; s++) {
+        for (uint32_t i = 0; i < sh->n; i++) {
+            next[i] = (int32_t)((s * 31 + i * 7) % V);
+            ck_assert_int_eq(pkv_seq_reserve(seq[i], pkv_seq_length(seq[i]) + 1), PKV_OK);
+            it[i] = (pkv_model_item_t){.seq = seq[i],
+                                       .tokens = &next[i],
+                                       .n_tokens = 1,
+                                       .logits = out + ((size_t)(s + 1) * sh->n + i) * V};
+        }
+        ck_assert_int_eq(pkv_model_forward(m, kv, it, sh->n), PKV_OK);
+    }
+    for (uint32_t i = 0; i < sh->n; i++) pkv_seq_free(seq[i]);
+    pkv_kv_destroy(kv);
+}
+
+START_TEST(paged_equals_dense_long_and_mixed)
+{
+    uint64_t seed = pkv_test_seed(0x10c4);
+    const shape_t shapes[2] = {{1, 0, {SANITIZED ? 600 : 1500}},
+                               {8, 48, {64, 80, 100, 130, 150, 200, 260, 300}}};
+    enum { STEPS = 6 };
+    for (int preset = 0; preset < 2; preset++) {
+        pkv_model_config_t c;
+        /* tiny: 2 query heads per KV head, head dim 16; llama-3.2-1b's attention shape
+         * (head dim 64, 8 KV heads) on 2 layers. */
+        ck_assert_int_eq(pkv_model_preset(preset ? "llama-3.2-1b" : "tiny", &c), PKV_OK);
+        c.vocab_size = 128;
+        c.n_layers = 2;
+        pkv_model_runtime_t rt = {.threads = 2};
+        pkv_model_t *m = NULL;
+        ck_assert_int_eq(pkv_model_create_builtin(&c, 5, &rt, &m), PKV_OK);
+        for (int sh = 0; sh < 2; sh++) {
+            size_t nf = (size_t)(STEPS + 1) * shapes[sh].n * c.vocab_size;
+            float *a = calloc(nf, sizeof(float)), *b = calloc(nf, sizeof(float));
+            ck_assert(a && b);
+            run_shape(m, PKV_BACKEND_PAGED, &shapes[sh], STEPS, seed, a);
+            run_shape(m, PKV_BACKEND_DENSE, &shapes[sh], STEPS, seed, b);
+            ck_assert_msg(!memcmp(a, b, nf * sizeof(float)),
+                          "seed %llu: paged and dense logits differ (preset %d, shape %d)",
+                          (unsigned long long)seed, preset, sh);
+            free(a);
+            free(b);
+        }
+        pkv_model_destroy(m);
+    }
+}
+END_TEST
+
 static TCase *tcase(Suite *s, const char *name)
 {
     TCase *tc = tcase_create(name);
@@ -666,6 +752,7 @@ static Suite *model_suite(void)
     tcase_add_test(tc, invariant_to_backend_blocks_chunks_threads);
     tc = tcase(s, "batch");
     tcase_add_test(tc, invariant_to_batch_composition);
+    tcase_add_test(tc, paged_equals_dense_long_and_mixed);
     return s;
 }
 

@@ -7,6 +7,7 @@
 #include "support/testutil.h"
 
 #include "kv/kv_int.h"
+#include "prim/prim.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -447,6 +448,47 @@ START_TEST(counters_agree_with_vmrss)
     ck_assert_uint_le(s2.committed_bytes, s2.granule_bytes);
     free(tok);
     pkv_kv_destroy(kv);
+}
+END_TEST
+
+/* pkv_kv_pages reads the pool's own range: what it commits is resident there, in huge pages
+ * only where the pool asks (or the kernel gives them to everything); dense has no range. */
+START_TEST(pages_of_the_pool_range_measured)
+{
+    pkv_prim_thp_mode_t mode = PKV_PRIM_THP_UNKNOWN;
+    (void)pkv_prim_thp_mode(NULL, &mode);
+    int32_t *tok = iota_tokens(256, 0);
+    for (int huge = 0; huge < 2; huge++) {
+        pkv_kv_config_t cfg = {.geo = llama_geo, .backend = PKV_BACKEND_PAGED, .hugepages = huge};
+        pkv_kv_t *kv;
+        ck_assert_int_eq(pkv_kv_create(&cfg, &kv), PKV_OK);
+        uint64_t res = 1, hp = 1;
+        ck_assert_int_eq(pkv_kv_pages(kv, &res, &hp), PKV_OK);
+        ck_assert_uint_eq(res, 0);
+        ck_assert_uint_eq(hp, 0);
+        pkv_seq_params_t p = {.tokens = tok, .n_tokens = 256}; /* 8 MiB: 4 granules */
+        pkv_seq_t *s;
+        ck_assert_int_eq(pkv_seq_create(kv, &p, &s, NULL), PKV_OK);
+        pkv_kv_stats_t st;
+        pkv_kv_stats(kv, &st);
+        ck_assert_int_eq(pkv_kv_pages(kv, &res, &hp), PKV_OK);
+        ck_assert_uint_eq(res, st.committed_bytes);
+        ck_assert_uint_le(hp, res);
+        ck_assert_uint_eq(hp % PKV_PRIM_HUGE, 0);
+        if (!huge && mode != PKV_PRIM_THP_ALWAYS) ck_assert_uint_eq(hp, 0);
+        if (mode == PKV_PRIM_THP_NEVER) ck_assert_uint_eq(hp, 0);
+        pkv_seq_free(s);
+        pkv_kv_destroy(kv);
+    }
+    pkv_kv_config_t dc = {.geo = llama_geo, .backend = PKV_BACKEND_DENSE};
+    pkv_kv_t *dense;
+    ck_assert_int_eq(pkv_kv_create(&dc, &dense), PKV_OK);
+    uint64_t res = 7;
+    ck_assert_int_eq(pkv_kv_pages(dense, &res, NULL), PKV_ERR_UNSUPPORTED);
+    ck_assert_uint_eq(res, 7);
+    ck_assert_int_eq(pkv_kv_pages(NULL, &res, NULL), PKV_ERR_UNSUPPORTED);
+    pkv_kv_destroy(dense);
+    free(tok);
 }
 END_TEST
 
@@ -1197,6 +1239,7 @@ static Suite *pool_suite(void)
     tc = tcase_create("properties");
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, counters_agree_with_vmrss);
+    tcase_add_test(tc, pages_of_the_pool_range_measured);
     tcase_add_test(tc, growth_never_moves_a_block);
     tcase_add_test(tc, admission_beyond_budget_paged);
     tcase_add_test(tc, admission_beyond_budget_dense);

@@ -13,6 +13,7 @@
 
 #include "pagekv/server.h"
 #include "pagekv/xfer.h"
+#include "prim/prim.h"
 #include "server/gen.h"
 #include "server/request.h"
 
@@ -457,6 +458,63 @@ START_TEST(dense_backend_same_text)
     pkv_server_destroy(dense);
     free(a);
     free(b);
+}
+END_TEST
+
+/* The paged pool asks for huge pages where the kernel's mode allows and reports what it got:
+ * the startup probe, and the pool's range in smaps (AnonHugePages within its Rss, whole
+ * 2 MiB pages); --no-hugepages asks for none; dense has no pool range. */
+static void check_hugepages(pkv_server_config_t cfg, pkv_prim_thp_mode_t mode)
+{
+    pkv_server_t *s = start(cfg);
+    uint16_t port = pkv_server_port(s);
+    bool paged = cfg.backend == PKV_BACKEND_PAGED;
+    bool want =
+        paged && !cfg.no_hugepages && (mode == PKV_PRIM_THP_ALWAYS || mode == PKV_PRIM_THP_MADVISE);
+    pkv_server_info_t info;
+    pkv_server_info(s, &info);
+    ck_assert_int_eq(info.hugepages, want);
+    ck_assert_str_eq(info.thp_mode, pkv_prim_thp_mode_name(mode));
+    if (!want) ck_assert(!info.huge_probe);
+    free(complete(port, "Huge pages are asked for, and then measured.", 4, NULL));
+    json_t *st = get_json(port, "/v1/cache/stats");
+    ck_assert_int_eq(json_is_true(jp(st, "hugepages.requested")), want);
+    ck_assert_int_eq(json_is_true(jp(st, "hugepages.probe_huge")), info.huge_probe);
+    ck_assert_str_eq(js(st, "hugepages.thp_mode"), info.thp_mode);
+    resp_t r;
+    ck_assert_int_eq(http(port, "GET", "/metrics", NULL, 0, &r), CURLE_OK);
+    char line[96];
+    snprintf(line, sizeof(line), "\npagekv_kv_hugepages_requested %d\n", want);
+    ck_assert_ptr_nonnull(strstr(r.body, line));
+    if (paged) {
+        long long res = ji(st, "hugepages.pool_resident_bytes");
+        long long hp = ji(st, "hugepages.pool_huge_bytes");
+        ck_assert_int_eq(res, ji(st, "committed_bytes"));
+        ck_assert_int_gt(res, 0);
+        ck_assert(hp >= 0 && hp <= res && hp % PKV_PRIM_HUGE == 0);
+        if (!want && mode != PKV_PRIM_THP_ALWAYS) ck_assert_int_eq(hp, 0);
+        snprintf(line, sizeof(line), "\npagekv_kv_pool_hugepage_bytes %lld\n", hp);
+        ck_assert_ptr_nonnull(strstr(r.body, line));
+    } else {
+        ck_assert(json_is_null(jp(st, "hugepages.pool_huge_bytes")));
+        ck_assert_ptr_null(strstr(r.body, "pagekv_kv_pool_hugepage_bytes"));
+    }
+    resp_free(&r);
+    json_decref(st);
+    pkv_server_destroy(s);
+}
+
+START_TEST(hugepages_asked_and_measured)
+{
+    pkv_prim_thp_mode_t mode = PKV_PRIM_THP_UNKNOWN;
+    (void)pkv_prim_thp_mode(NULL, &mode);
+    pkv_server_config_t cfg = base_config();
+    check_hugepages(cfg, mode);
+    cfg.no_hugepages = true;
+    check_hugepages(cfg, mode);
+    cfg = base_config();
+    cfg.backend = PKV_BACKEND_DENSE;
+    check_hugepages(cfg, mode);
 }
 END_TEST
 
@@ -2690,6 +2748,7 @@ static Suite *server_suite(void)
     tcase_add_test(tc, completions_and_chat);
     tcase_add_test(tc, streaming_matches_non_streaming);
     tcase_add_test(tc, dense_backend_same_text);
+    tcase_add_test(tc, hugepages_asked_and_measured);
     tcase_add_test(tc, eight_concurrent_requests);
     tcase_add_test(tc, prefix_hit_reported);
     tcase_add_test(tc, errors_change_nothing);

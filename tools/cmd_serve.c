@@ -53,6 +53,8 @@ static void usage(FILE *f)
             "                            agent (rank r on the --kv-listen port + r); N divides\n"
             "                            the KV heads or is a multiple of them, <= 64 (default 1)\n"
             "  --no-prefix-cache         disable automatic prefix caching\n"
+            "  --no-hugepages            do not ask for transparent huge pages for the paged\n"
+            "                            pool (default: asked where THP is always/madvise)\n"
             "  --prefix-cache-max-bytes BYTES|auto|none   committed memory only cached\n"
             "                            prefix blocks may hold (default auto: a quarter of\n"
             "                            the KV budget)\n"
@@ -323,6 +325,10 @@ static int parse_args(int argc, char **argv, pkv_server_config_t *cfg, uint32_t 
             usage(stdout);
             return 0;
         }
+        if (!strcmp(a, "--no-hugepages")) {
+            cfg->no_hugepages = true;
+            continue;
+        }
         if (!strcmp(a, "--no-prefix-cache")) {
             cfg->no_prefix_cache = true;
             continue;
@@ -370,6 +376,13 @@ static void print_listening(pkv_server_t *srv, const pkv_server_config_t *cfg)
             v6 ? "[" : "", host, v6 ? "]" : "", pkv_server_port(srv), info.model_name, info.kernels,
             pkv_backend_name(info.backend), (unsigned long long)info.budget_bytes,
             (unsigned long long)info.token_bytes, info.max_context, info.max_batch_size);
+    if (info.backend == PKV_BACKEND_PAGED)
+        fprintf(stderr, "pagekv serve: KV huge pages %s (THP %s%s)\n",
+                info.hugepages ? (info.huge_probe ? "on" : "asked, not given") : "off",
+                info.thp_mode,
+                !info.hugepages   ? ""
+                : info.huge_probe ? "; a 2 MiB probe got a huge page"
+                                  : "; a 2 MiB probe got 4 KiB pages");
     if (info.kv_address)
         fprintf(stderr, "pagekv serve: role %s, transfer agent on %s\n",
                 pkv_server_role_name(info.role), info.kv_address);

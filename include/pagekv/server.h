@@ -79,6 +79,8 @@ typedef struct {
     uint32_t tp; /* tensor-parallel ranks of the KV (pkv_kv_tp_check against the model's KV
                     heads); 0 -> 1. Prefill and decode nodes run one transfer agent and
                     staging per rank (rank r on kv_listen_port + r when a port is given) */
+    bool no_hugepages; /* paged: do not ask for transparent huge pages (by default the pool
+                          asks where the kernel's THP mode is `always` or `madvise`) */
     /* engine */
     uint32_t max_batch_size;     /* 0 -> 8 */
     uint32_t max_queue;          /* requests waiting beyond the batch; 0 -> 256 */
@@ -145,6 +147,10 @@ typedef struct {
     uint32_t block_tokens;
     pkv_server_role_t role;
     const char *kv_address; /* the transfer agent's bound "host:port"; NULL when unified */
+    bool hugepages;         /* the paged pool asks for transparent huge pages on commit */
+    const char *thp_mode;   /* the kernel's THP mode: "always", "madvise", "never", "unknown" */
+    bool huge_probe;        /* measured at startup: a 2 MiB page committed as the pool
+                               commits one was a huge page (false when not asked) */
 } pkv_server_info_t;
 PKV_API void pkv_server_info(const pkv_server_t *s, pkv_server_info_t *out);
 

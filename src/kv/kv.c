@@ -7,6 +7,8 @@
 #define OPENSSL_API_COMPAT 0x10101000L /* SHA256_Init: ~100 ns a block vs ~150 via EVP */
 #include "kv/kv_int.h"
 
+#include "prim/prim.h"
+
 #include <openssl/sha.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -423,6 +425,24 @@ int pkv_kv_blocks_alloc(pkv_kv_t *kv, uint32_t n, uint32_t *ids)
 void pkv_kv_blocks_free(pkv_kv_t *kv, const uint32_t *ids, uint32_t n)
 {
     pkv_kv_unpin(kv, ids, n);
+}
+
+int pkv_kv_pages(const pkv_kv_t *kv, uint64_t *resident_bytes, uint64_t *huge_bytes)
+{
+    if (!kv || !kv->ops->rank) return PKV_ERR_UNSUPPORTED;
+    uint64_t res = 0, huge = 0;
+    for (uint32_t r = 0; r < kv->tp; r++) { /* every rank's range */
+        pkv_kv_rank_t rk;
+        pkv_prim_range_pages_t pg;
+        kv->ops->rank(kv, r, &rk);
+        int rc = pkv_prim_range_pages(rk.base, rk.bytes, &pg);
+        if (rc) return rc;
+        res += pg.resident_bytes;
+        huge += pg.huge_bytes;
+    }
+    if (resident_bytes) *resident_bytes = res;
+    if (huge_bytes) *huge_bytes = huge;
+    return PKV_OK;
 }
 
 /* ---- cache control, stats, validation --------------------------------------------- */

@@ -38,4 +38,11 @@ int pkv_kv_blocks_alloc(pkv_kv_t *kv, uint32_t n, uint32_t *ids);
 /* Drop the reference taken by pkv_kv_blocks_alloc (same as pkv_kv_unpin). */
 void pkv_kv_blocks_free(pkv_kv_t *kv, const uint32_t *ids, uint32_t n);
 
+/* Paged only (PKV_ERR_UNSUPPORTED on dense, whose buffers are the C heap's): what the
+ * kernel holds for the pool's reserved ranges (every rank's), measured in /proc/self/smaps
+ * (pkv_prim_range_pages): resident bytes and the part of them in transparent huge pages.
+ * Slow (reads every mapping's entry; no lock held): for stats endpoints and benchmarks.
+ * PKV_OK with the outputs, PKV_ERR_IO when smaps cannot be read. */
+int pkv_kv_pages(const pkv_kv_t *kv, uint64_t *resident_bytes, uint64_t *huge_bytes);
+
 #endif

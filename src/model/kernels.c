@@ -291,6 +291,49 @@ AVX2_INLINE void prefetch_run_start(const void *base, size_t head_stride, uint32
     for (int l = 0; l < PREFETCH_LINES; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
 }
 
+/* A decode read as one stream: the piece being read (one run's tokens of one head), then
+ * the piece read after it (the next head of the run, or the next run's first head of the
+ * task). The hardware prefetcher follows a piece but restarts cold at every jump to the
+ * next one: in a paged pool that is every 64 tokens (a granule's slots of one head, 8 KiB
+ * in bf16 at head dim 64), and a long context at batch 1 then waits on memory at every
+ * jump (paged decode ~0.7x dense at 16k; docs/design/model.md). pf_ahead keeps lines
+ * PF_AHEAD bytes ahead of the reads in flight, across the jump. Prefetches change no
+ * value: the arithmetic and its order are untouched. */
+#define PF_AHEAD 4096
+typedef struct {
+    const char *cur, *next; /* next: NULL at the end of the task's reads */
+    size_t len;             /* bytes of cur that are read */
+} pf_stream_t;
+
+/* Prefetch the `lines` cache lines at offset off + PF_AHEAD of the stream. */
+AVX2_INLINE void pf_ahead(const pf_stream_t *ps, size_t off, int lines)
+{
+    for (int l = 0; l < lines; l++) {
+        size_t o = off + PF_AHEAD + 64 * (size_t)l;
+        const char *p = o < ps->len ? ps->cur + o : ps->next ? ps->next + (o - ps->len) : NULL;
+        if (p) _mm_prefetch(p, _MM_HINT_T0);
+    }
+}
+
+/* The stream of run i, head h (of nh from h0) for K (which 0) or V (1): its piece of
+ * tokens [p0, p1) and the piece after it. */
+AVX2_INLINE pf_stream_t pf_piece(const pkv_kv_run_t *runs, uint32_t nruns, uint32_t i, uint32_t h,
+                                 uint32_t h0, uint32_t nh, uint32_t n, size_t ts, size_t es,
+                                 int which)
+{
+    const pkv_kv_run_t *r = &runs[i];
+    const char *b = which ? (const char *)r->v : (const char *)r->k;
+    uint32_t p1 = r->pos + r->n_tokens < n ? r->pos + r->n_tokens : n;
+    pf_stream_t ps = {.cur = b + (size_t)(h0 + h) * r->head_stride * es,
+                      .len = (size_t)(p1 - r->pos) * ts};
+    if (h + 1 < nh)
+        ps.next = b + (size_t)(h0 + h + 1) * r->head_stride * es;
+    else if (i + 1 < nruns && runs[i + 1].pos < n)
+        ps.next = (const char *)(which ? runs[i + 1].v : runs[i + 1].k) +
+                  (size_t)h0 * runs[i + 1].head_stride * es;
+    return ps;
+}
+
 /* One query against up to 8 tokens: lanes of missing tokens read token 0, dropped. */
 AVX2_INLINE void s_1x8(const float *q, const char *k, uint32_t nt, uint32_t hd, size_t es,
                        pkv_dtype_t dt, __m256 scale, float *out)
@@ -388,6 +431,14 @@ AVX2_INLINE void scores_dt(const float *qa, const float *qb, uint32_t na, uint32
                     for (uint32_t t = e > p0 ? e : p0; t < p1; t += 8)
                         s_1x8(q2, base + (t - p0) * ts, p1 - t < 8 ? p1 - t : 8, hd, es, dt, sc,
                               o2 + t);
+                } else if (j == 0) { /* the first query of the group reads K from memory */
+                    pf_stream_t ps = pf_piece(runs, nruns, i, h, h0, nh, n, ts, es, 0);
+                    int lines = (int)(8 * ts / 64);
+                    for (uint32_t t = p0; t < p1; t += 8) {
+                        pf_ahead(&ps, (t - p0) * ts, lines);
+                        s_1x8(q1, base + (t - p0) * ts, p1 - t < 8 ? p1 - t : 8, hd, es, dt, sc,
+                              o1 + t);
+                    }
                 } else {
                     for (uint32_t t = p0; t < p1; t += 8)
                         s_1x8(q1, base + (t - p0) * ts, p1 - t < 8 ? p1 - t : 8, hd, es, dt, sc,
@@ -456,12 +507,14 @@ AVX2_FN static void softmax_avx2(float *s, uint32_t n)
  * dims [d0, d0 + 8 NV): the accumulators round-trip through memory between runs, which
  * changes no bit. */
 AVX2_INLINE void av1_run(const float *p, uint32_t p0, uint32_t n, const char *base, size_t ts,
-                         size_t es, pkv_dtype_t dt, float *acc, const int NV)
+                         size_t es, pkv_dtype_t dt, float *acc, const int NV, const pf_stream_t *ps)
 {
     __m256 a[8];
 #pragma GCC unroll 8
     for (int j = 0; j < NV; j++) a[j] = _mm256_loadu_ps(acc + 8 * j);
+    int lines = (int)(8 * ts / 64);
     for (uint32_t t = 0; t < n; t++) {
+        if (ps && !(t & 7)) pf_ahead(ps, t * ts, lines);
         __m256 pv = _mm256_broadcast_ss(p + p0 + t);
         const char *vt = base + t * ts;
 #pragma GCC unroll 8
@@ -539,12 +592,16 @@ AVX2_INLINE void av_dt(const float *pa, const float *pb, uint32_t na, uint32_t n
                                 acc_b + d, 1);
                 } else {
                     uint32_t nn = p1 - p0, d = 0;
-                    for (; d + 64 <= hd; d += 64)
-                        av1_run(p1a, p0, nn, base + d * es, ts, es, dt, acc_a + d, 8);
-                    for (; d + 16 <= hd; d += 16)
-                        av1_run(p1a, p0, nn, base + d * es, ts, es, dt, acc_a + d, 2);
-                    for (; d < hd; d += 8)
-                        av1_run(p1a, p0, nn, base + d * es, ts, es, dt, acc_a + d, 1);
+                    /* The first pass over the piece (first query, first dims) reads V
+                     * from memory: it carries the prefetch stream. */
+                    pf_stream_t ps = pf_piece(runs, nruns, i, h, h0, nh, n, ts, es, 1);
+                    const pf_stream_t *pp = j == 0 ? &ps : NULL;
+                    for (; d + 64 <= hd; d += 64, pp = NULL)
+                        av1_run(p1a, p0, nn, base + d * es, ts, es, dt, acc_a + d, 8, pp);
+                    for (; d + 16 <= hd; d += 16, pp = NULL)
+                        av1_run(p1a, p0, nn, base + d * es, ts, es, dt, acc_a + d, 2, pp);
+                    for (; d < hd; d += 8, pp = NULL)
+                        av1_run(p1a, p0, nn, base + d * es, ts, es, dt, acc_a + d, 1, pp);
                 }
             }
         }

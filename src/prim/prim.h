@@ -76,6 +76,37 @@ int pkv_prim_smaps_rollup(int pid, pkv_prim_smaps_t *out);
  * it cannot be read; *out is written only on success. */
 int pkv_prim_loadavg(double *out);
 
+/* ---- transparent huge pages (hugepage.c) -------------------------------------------- */
+
+typedef enum {
+    PKV_PRIM_THP_UNKNOWN = 0, /* the file is missing or unreadable */
+    PKV_PRIM_THP_ALWAYS,
+    PKV_PRIM_THP_MADVISE, /* huge pages where a mapping asks (MADV_HUGEPAGE) */
+    PKV_PRIM_THP_NEVER,
+} pkv_prim_thp_mode_t;
+const char *pkv_prim_thp_mode_name(pkv_prim_thp_mode_t m);
+/* The kernel's THP mode, from ROOT/sys/kernel/mm/transparent_hugepage/enabled (root NULL
+ * or "/": the real file; tests point it at a fake). PKV_ERR_IO when it cannot be read or
+ * names no mode, PKV_ERR_INVALID for a root too long; *out is written only on success. */
+int pkv_prim_thp_mode(const char *root, pkv_prim_thp_mode_t *out);
+
+/* What the kernel holds for the mappings of this process that overlap a range. */
+typedef struct {
+    uint64_t resident_bytes; /* Rss */
+    uint64_t huge_bytes;     /* AnonHugePages: resident in transparent huge pages */
+    uint32_t mappings;       /* mappings (VMAs) overlapping the range */
+} pkv_prim_range_pages_t;
+/* Sum /proc/self/smaps over the mappings that overlap [addr, addr + size). A mapping that
+ * reaches past the range (the kernel merged it with a neighbour of the same kind) counts
+ * whole. Slow (reads every mapping's entry): for stats, not for hot paths. PKV_ERR_IO when
+ * smaps cannot be read; *out is written only on success. */
+int pkv_prim_range_pages(const void *addr, size_t size, pkv_prim_range_pages_t *out);
+/* Whether the kernel gives this process a transparent huge page now: one 2 MiB-aligned
+ * page committed as pkv_prim_commit(huge) does, measured in smaps, then released. A
+ * measured answer (the mode may allow it and the kernel still find no free huge page).
+ * PKV_OK with *got, or PKV_ERR_NOMEM / PKV_ERR_IO (nothing left mapped). */
+int pkv_prim_huge_probe(bool *got);
+
 /* ---- the memory left to this process (memroom.c; the server's memory watcher) ------- */
 
 typedef struct {

@@ -304,6 +304,22 @@ static void render_kvt(FILE *f, const srv_kv_snapshot_t *k)
     render_kvt_flow(f, k);
 }
 
+static void render_hugepages(FILE *f, const srv_snapshot_t *snap)
+{
+    one(f, "pagekv_kv_hugepages_requested", "gauge",
+        "1 when the paged pool asks for transparent huge pages on commit.", snap->huge);
+    one(f, "pagekv_kv_hugepages_probe", "gauge",
+        "1 when a 2 MiB page committed at startup as the pool commits was a huge page.",
+        snap->huge_probe);
+    if (!snap->pages_ok) return;
+    one(f, "pagekv_kv_pool_resident_bytes", "gauge",
+        "Resident bytes of the paged pool's range (smaps Rss).", snap->pool_resident_bytes);
+    one(f, "pagekv_kv_pool_hugepage_bytes", "gauge",
+        "Resident bytes of the paged pool's range in transparent huge pages (smaps "
+        "AnonHugePages).",
+        snap->pool_huge_bytes);
+}
+
 char *srv_metrics_render(const srv_snapshot_t *snap, size_t *len)
 {
     char *buf = NULL;
@@ -315,6 +331,7 @@ char *srv_metrics_render(const srv_snapshot_t *snap, size_t *len)
     render_kv(f, &snap->ks);
     srv_cache_policy_render(f, &snap->ks, &snap->mw);
     if (snap->has_kv) render_kvt(f, &snap->kv);
+    render_hugepages(f, snap);
     if (snap->rss_bytes)
         one(f, "pagekv_process_resident_memory_bytes", "gauge", "VmRSS of the server process.",
             snap->rss_bytes);
@@ -328,6 +345,18 @@ char *srv_metrics_render(const srv_snapshot_t *snap, size_t *len)
     }
     *len = n;
     return buf;
+}
+
+/* The "hugepages" section: what was asked, what the kernel allows, and what it gave (the
+ * startup probe, and the pool's range in smaps now: null when not read). */
+static json_t *hugepages_json(const srv_snapshot_t *snap)
+{
+    return json_pack(
+        "{s:b, s:s, s:b, s:o, s:o}", "requested", snap->huge, "thp_mode", snap->thp_mode,
+        "probe_huge", snap->huge_probe, "pool_resident_bytes",
+        snap->pages_ok ? json_integer((json_int_t)snap->pool_resident_bytes) : json_null(),
+        "pool_huge_bytes",
+        snap->pages_ok ? json_integer((json_int_t)snap->pool_huge_bytes) : json_null());
 }
 
 json_t *srv_cache_stats_json(const srv_snapshot_t *snap)
@@ -365,6 +394,7 @@ json_t *srv_cache_stats_json(const srv_snapshot_t *snap)
         "requests", "in_flight", (json_int_t)c->in_flight, "running", (json_int_t)es->running,
         "queued", (json_int_t)es->queued, "submitted", (json_int_t)es->submitted);
     if (doc) srv_cache_policy_json(doc, ks, &snap->mw);
+    if (doc) json_object_set_new(doc, "hugepages", hugepages_json(snap));
     return doc;
 }
 

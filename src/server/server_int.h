@@ -244,7 +244,11 @@ typedef struct {
     uint64_t locked_bytes; /* its VmLck (mlocked memory), beside the staging's pinned bytes */
     pkv_backend_t backend;
     uint32_t block_tokens;
-    bool has_kv; /* a prefill or decode node: kv filled */
+    bool huge, huge_probe; /* the pool asks for THP; the startup probe got a huge page */
+    const char *thp_mode;  /* the kernel's THP mode at startup */
+    bool pages_ok;         /* paged: the pool's range read from smaps (pkv_kv_pages) */
+    uint64_t pool_resident_bytes, pool_huge_bytes; /* of which in huge pages */
+    bool has_kv;                                   /* a prefill or decode node: kv filled */
     srv_kv_snapshot_t kv;
     srv_memwatch_stats_t mw; /* the cache policy's watcher */
 } srv_snapshot_t;
