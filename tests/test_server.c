@@ -1670,7 +1670,7 @@ START_TEST(roles_cli_rejects_bad_values)
         {{"--role", "prefill", "--kv-listen", ":5000"}, "--kv-listen wants HOST:PORT"},
         {{"--role", "decode", "--kv-advertise", "bad host!"}, "--kv-advertise wants"},
         {{"--role", "decode", "--kv-advertise", ""}, "--kv-advertise wants"},
-        {{"--role", "prefill", "--staging", "slots"}, "--staging wants per_transfer or fixed"},
+        {{"--role", "prefill", "--staging", "slots"}, "--staging wants per_transfer, fixed or mirror"},
         {{"--role", "prefill", "--staging-pages", "0"}, "--staging-pages wants an integer"},
         {{"--role", "prefill", "--staging-pages", "many"}, "--staging-pages wants an integer"},
         {{"--role", "prefill", "--staging", "fixed", "--staging-slots", "0"},
