@@ -264,6 +264,7 @@ typedef struct {
     uint32_t requests, answered, parity_n, parity_same, failed;
     double plan_bytes[2]; /* the planner's host staging per node for this design */
     double plan_tail[2];  /* per-transfer tail of the same load */
+    uint64_t pulls_peak;  /* the decode node's pulls in flight at their peak (exact) */
 } br_result_t;
 
 static int br_node_start(const br_opts_t *o, const br_env_t *e, const char *name, const char *role,
@@ -294,10 +295,11 @@ static int br_node_start(const br_opts_t *o, const br_env_t *e, const char *name
                                   false, NULL, p);
 }
 
-static uint64_t br_bytes_received(const cluster_proc_t *dec)
+/* A counter of the decode node's kv_transfer stats (0 when absent). */
+static uint64_t br_dec_stat(const cluster_proc_t *dec, const char *path)
 {
     json_t *st = cluster_http_get_json(dec->url, "/v1/cache/stats", 5000);
-    long long b = cluster_json_int(st, "kv_transfer.transfers.bytes_received");
+    long long b = cluster_json_int(st, path);
     json_decref(st);
     return b > 0 ? (uint64_t)b : 0;
 }
@@ -313,6 +315,9 @@ static void br_plan(const br_opts_t *o, const br_env_t *e, br_result_t *r)
     in.page_tokens = BR_PAGE_TOK;
     in.context = BR_CONTEXT;
     in.concurrency = o->concurrency;
+    /* the transfers in flight at once: the decode node's exact high-water of its pulls */
+    in.in_flight = PKV_MAX(r->pulls_peak, 1);
+    in.in_flight_set = true;
     in.n_mix = 4;
     for (int i = 0; i < 4; i++) in.mix[i] = (pkv_plan_mix_t){.tokens = br_mix[i], .weight = 1};
     uint64_t pool = 0;
@@ -347,9 +352,10 @@ static void br_one(const br_opts_t *o, const br_env_t *e, const cluster_proc_t *
     br_sampler_t s = {.node = {{.proc = &pre}, {.proc = &dec}}};
     pthread_mutex_init(&s.lock, NULL);
     pthread_create(&s.th, NULL, br_sampler_main, &s);
-    uint64_t b0 = br_bytes_received(&dec);
+    uint64_t b0 = br_dec_stat(&dec, "kv_transfer.transfers.bytes_received");
     r->wall_s = br_run_load(rt.url, reqs, o->requests, o->concurrency);
-    r->bytes_moved = br_bytes_received(&dec) - b0;
+    r->bytes_moved = br_dec_stat(&dec, "kv_transfer.transfers.bytes_received") - b0;
+    r->pulls_peak = br_dec_stat(&dec, "kv_transfer.pulls.inflight_peak");
     s.stop = 1;
     pthread_join(s.th, NULL);
     pthread_mutex_destroy(&s.lock);
@@ -490,22 +496,29 @@ static json_t *br_json(const br_opts_t *o, const br_result_t *res, uint32_t n)
             for (uint32_t q = 0; q < r->node[k].tp; q++)
                 json_array_append_new(pr[k], json_integer((json_int_t)r->node[k].rank_pin_peak[q]));
         }
-        json_array_append_new(
-            pairs,
-            json_pack("{s:i, s:i, s:s, s:b, s:{s:I, s:I}, s:{s:o, s:o}, s:{s:I, s:I}, "
-                      "s:{s:I, s:I}, s:I, s:f, s:f, s:{s:i, s:i}, s:i, s:i, s:{s:I, s:I}, "
-                      "s:{s:f, s:f}}",
-                      "p", (int)r->p, "d", (int)r->d, "design", br_design_names[r->design], "ok",
-                      r->ok, "pinned_peak_bytes", "prefill", (json_int_t)r->node[0].lck_peak,
-                      "decode", (json_int_t)r->node[1].lck_peak, "pinned_peak_bytes_per_rank",
-                      "prefill", pr[0], "decode", pr[1], "resident_peak_bytes", "prefill",
-                      (json_int_t)r->node[0].res_peak, "decode", (json_int_t)r->node[1].res_peak,
-                      "inflight_peak_bytes", "prefill", (json_int_t)r->node[0].fly_peak, "decode",
-                      (json_int_t)r->node[1].fly_peak, "bytes_moved", (json_int_t)r->bytes_moved,
-                      "transfer_ms_p50", r->transfer_p50, "ttft_ms_p50", r->ttft_p50, "parity",
-                      "requests", (int)r->parity_n, "identical", (int)r->parity_same, "requests",
-                      (int)r->requests, "failed", (int)r->failed, "planned_bytes", "prefill",
-                      (json_int_t)r->plan_bytes[0], "decode", (json_int_t)r->plan_bytes[1]));
+        json_t *pj = json_pack(
+            "{s:i, s:i, s:s, s:b, s:{s:I, s:I}, s:{s:o, s:o}, s:{s:I, s:I}, s:{s:I, s:I}, s:I, "
+            "s:f, s:f, s:{s:i, s:i}, s:i, s:i}",
+            "p", (int)r->p, "d", (int)r->d, "design", br_design_names[r->design], "ok", r->ok,
+            "pinned_peak_bytes", "prefill", (json_int_t)r->node[0].lck_peak, "decode",
+            (json_int_t)r->node[1].lck_peak, "pinned_peak_bytes_per_rank", "prefill", pr[0],
+            "decode", pr[1], "resident_peak_bytes", "prefill", (json_int_t)r->node[0].res_peak,
+            "decode", (json_int_t)r->node[1].res_peak, "inflight_peak_bytes", "prefill",
+            (json_int_t)r->node[0].fly_peak, "decode", (json_int_t)r->node[1].fly_peak,
+            "bytes_moved", (json_int_t)r->bytes_moved, "transfer_ms_p50", r->transfer_p50,
+            "ttft_ms_p50", r->ttft_p50, "parity", "requests", (int)r->parity_n, "identical",
+            (int)r->parity_same, "requests", (int)r->requests, "failed", (int)r->failed);
+        json_object_set_new(pj, "planned_bytes",
+                            json_pack("{s:I, s:I}", "prefill", (json_int_t)r->plan_bytes[0],
+                                      "decode", (json_int_t)r->plan_bytes[1]));
+        json_object_set_new(pj, "planned_tail_bytes",
+                            json_pack("{s:I, s:I}", "prefill", (json_int_t)r->plan_tail[0],
+                                      "decode", (json_int_t)r->plan_tail[1]));
+        json_object_set_new(pj, "transfers_inflight_peak", json_integer((json_int_t)r->pulls_peak));
+        json_object_set_new(pj, "resident_over_inuse_rank_max",
+                            json_pack("{s:f, s:f}", "prefill", r->node[0].res_over_fly, "decode",
+                                      r->node[1].res_over_fly));
+        json_array_append_new(pairs, pj);
     }
     return json_pack("{s:s, s:s, s:i, s:i, s:o}", "preset", o->preset, "pool", o->pool, "requests",
                      (int)o->requests, "concurrency", (int)o->concurrency, "pairs", pairs);
@@ -514,15 +527,21 @@ static json_t *br_json(const br_opts_t *o, const br_result_t *res, uint32_t n)
 static void br_table(const br_result_t *res, uint32_t n)
 {
     printf("\n| P -> D | design | pinned MiB (OS) prefill / decode | resident peak / in-flight "
-           "peak MiB, decode | planned MiB prefill / decode | moved MiB | transfer p50 ms | "
-           "TTFT p50 ms | failed | parity |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+           "peak MiB, decode | transfers in flight, peak | planned MiB prefill / decode (per-plan: "
+           "mean, tail) | moved MiB | transfer p50 ms | TTFT p50 ms | failed | parity "
+           "|\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (uint32_t i = 0; i < n; i++) {
         const br_result_t *r = &res[i];
-        printf("| %u -> %u | %s | %.1f / %.1f | %.1f / %.1f | %.1f / %.1f | %.1f | %.1f | %.1f | "
-               "%u | %u/%u |\n",
+        char tail[48] = "";
+        if (r->design == BR_PER_PLAN)
+            snprintf(tail, sizeof(tail), " (tail %.1f / %.1f)", r->plan_tail[0] / BR_MIB,
+                     r->plan_tail[1] / BR_MIB);
+        printf("| %u -> %u | %s | %.1f / %.1f | %.1f / %.1f | %llu | %.1f / %.1f%s | %.1f | %.1f | "
+               "%.1f | %u | %u/%u |\n",
                r->p, r->d, br_design_names[r->design], r->node[0].lck_peak / BR_MIB,
                r->node[1].lck_peak / BR_MIB, r->node[1].res_peak / BR_MIB,
-               r->node[1].fly_peak / BR_MIB, r->plan_bytes[0] / BR_MIB, r->plan_bytes[1] / BR_MIB,
+               r->node[1].fly_peak / BR_MIB, (unsigned long long)r->pulls_peak,
+               r->plan_bytes[0] / BR_MIB, r->plan_bytes[1] / BR_MIB, tail,
                (double)r->bytes_moved / BR_MIB, r->transfer_p50, r->ttft_p50, r->failed,
                r->parity_same, r->parity_n);
     }
