@@ -1020,26 +1020,23 @@ START_TEST(two_producer_ranks_feed_one_consumer)
         wait_calls(&sent[k], 1);
         pkv_xfer_handle_free(h[k]);
     }
-    /* a rank whose HELLO claims every head: its own READ check refuses (why LAYOUT) */
-    agent_heads(&p[1], 4, 4, true);
-    pkv_xfer_agent_destroy(c.a); /* a new connection, so the new HELLO is heard */
-    pkv_xfer_config_t xc = {.kv = c.kv,
-                            .stage = c.st,
-                            .chunk_bytes = 4096,
-                            .max_inflight = 256,
-                            .no_shared = true,
-                            .model_id = "m"};
-    ck_assert_int_eq(pkv_xfer_agent_create(&xc, &c.a), PKV_OK);
-    ck_assert_int_eq(pkv_xfer_register(p[1].a, 51, sids, sn, PKV_DEADLINE_NEVER, NULL, NULL, &h[1]),
+    /* a rank whose HELLO claims every head (a third agent over the pool, holding [4, 8)):
+     * its own READ check refuses (why LAYOUT) */
+    side_t liar;
+    agent_on(&liar, p[0].kv, false, "m");
+    agent_heads(&liar, 4, 4, true);
+    ck_assert_int_eq(pkv_xfer_register(liar.a, 51, sids, sn, PKV_DEADLINE_NEVER, NULL, NULL, &h[1]),
                      PKV_OK);
     why = PKV_XFER_WHY_NONE;
     ck_assert_int_eq(read_ex_outcome(c.a, h[1], &wrong, dids, dn, &why, NULL), PKV_ERR_REJECTED);
     ck_assert_int_eq(why, PKV_XFER_WHY_LAYOUT);
-    pkv_xfer_stats(p[1].a, &ps);
+    pkv_xfer_stats(liar.a, &ps);
     ck_assert_uint_eq(ps.rejected, 1);
     ck_assert_uint_eq(ps.registrations, 1); /* the registration stays */
-    ck_assert_int_eq(pkv_xfer_unregister(p[1].a, 51), PKV_OK);
+    ck_assert_int_eq(pkv_xfer_unregister(liar.a, 51), PKV_OK);
+    ck_assert_int_eq(pkv_xfer_wait_idle(liar.a, pkv_deadline_after_ns(3000000000ull)), PKV_OK);
     pkv_xfer_handle_free(h[1]);
+    agent_off(&liar);
     pkv_seq_free(src);
     pkv_seq_free(dst);
     agent_off(&c);
