@@ -441,17 +441,60 @@ START_TEST(streaming_matches_non_streaming)
 }
 END_TEST
 
+/* POST /v1/cache/digest: a bad body is 400 (as the lookup's); on a paged node, one
+ * digest per KV head of the rank, over the prompt's cached whole blocks, stable across
+ * calls; on a dense node 400 unsupported. */
+static void digest_checks(uint16_t port, bool paged)
+{
+    const char *prompt =
+        "A digest names the bytes of every KV head over the blocks of a prompt that "
+        "the prefix cache holds, so that two nodes can be compared exactly.";
+    free(complete(port, prompt, 2, NULL));
+    resp_t r;
+    const char *bad = "{\"model\": \"tiny\"}";
+    ck_assert_int_eq(http(port, "POST", "/v1/cache/digest", bad, strlen(bad), &r), CURLE_OK);
+    ck_assert_int_eq(r.status, 400);
+    resp_free(&r);
+    char body[512];
+    snprintf(body, sizeof(body), "{\"model\": \"tiny\", \"prompt\": \"%s\"}", prompt);
+    char *first = NULL;
+    for (int k = 0; k < 2; k++) {
+        ck_assert_int_eq(http(port, "POST", "/v1/cache/digest", body, strlen(body), &r), CURLE_OK);
+        if (!paged) {
+            ck_assert_int_eq(r.status, 400);
+            ck_assert_ptr_nonnull(strstr(r.body, "\"unsupported\""));
+            resp_free(&r);
+            return;
+        }
+        ck_assert_int_eq(r.status, 200);
+        json_t *d = json_loads(r.body, 0, NULL);
+        ck_assert_int_eq(ji(d, "tp"), 1);
+        ck_assert_int_gt(ji(d, "blocks"), 0);
+        ck_assert_int_eq(json_array_size(jp(d, "ranks.0.heads")), 2); /* tiny: 2 KV heads */
+        ck_assert_uint_eq(strlen(js(d, "ranks.0.heads.0")), 64);
+        if (!first)
+            first = strdup(js(d, "ranks.0.heads.1"));
+        else
+            ck_assert_str_eq(first, js(d, "ranks.0.heads.1"));
+        json_decref(d);
+        resp_free(&r);
+    }
+    free(first);
+}
+
 START_TEST(dense_backend_same_text)
 {
     pkv_server_config_t cfg = base_config();
     pkv_server_t *paged = start(cfg);
     char *a = complete(pkv_server_port(paged), "Paged and dense give the same tokens", 30, NULL);
+    digest_checks(pkv_server_port(paged), true);
     pkv_server_destroy(paged);
     cfg.backend = PKV_BACKEND_DENSE;
     pkv_server_t *dense = start(cfg);
     char *b = complete(pkv_server_port(dense), "Paged and dense give the same tokens", 30, NULL);
     ck_assert_str_eq(a, b);
     stream_vs_plain(dense, false, "Dense streaming");
+    digest_checks(pkv_server_port(dense), false);
     json_t *st = get_json(pkv_server_port(dense), "/v1/cache/stats");
     ck_assert_str_eq(js(st, "backend"), "dense");
     json_decref(st);
@@ -1670,7 +1713,8 @@ START_TEST(roles_cli_rejects_bad_values)
         {{"--role", "prefill", "--kv-listen", ":5000"}, "--kv-listen wants HOST:PORT"},
         {{"--role", "decode", "--kv-advertise", "bad host!"}, "--kv-advertise wants"},
         {{"--role", "decode", "--kv-advertise", ""}, "--kv-advertise wants"},
-        {{"--role", "prefill", "--staging", "slots"}, "--staging wants per_transfer, fixed or mirror"},
+        {{"--role", "prefill", "--staging", "slots"},
+         "--staging wants per_transfer, fixed or mirror"},
         {{"--role", "prefill", "--staging-pages", "0"}, "--staging-pages wants an integer"},
         {{"--role", "prefill", "--staging-pages", "many"}, "--staging-pages wants an integer"},
         {{"--role", "prefill", "--staging", "fixed", "--staging-slots", "0"},

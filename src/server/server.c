@@ -343,22 +343,40 @@ static enum MHD_Result handle_cache_reset(pkv_server_t *s, struct MHD_Connection
                                  (json_int_t)after.committed_bytes));
 }
 
+/* The prompt of a /v1/cache/lookup or /v1/cache/digest body: true with *r (free with
+ * srv_request_free) and *ids / *n (free ids), or false with *ret the error answered. */
+static bool cache_prompt(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr,
+                         srv_request_t *r, int32_t **ids, uint32_t *n, enum MHD_Result *ret)
+{
+    srv_limits_t lim = {.max_context = s->max_context};
+    srv_error_t err;
+    uint32_t mt = 0;
+    *ids = NULL;
+    *n = 0;
+    if (srv_request_parse_lookup(hr->body, hr->len, s->served_name, &lim, r, &err)) {
+        *ret = answer_error(s, c, hr, &err);
+        return false;
+    }
+    if (srv_request_prompt(r, s->tok, &lim, s->default_max_tokens, ids, n, &mt, &err)) {
+        *ret = answer_error(s, c, hr, &err);
+        free(*ids);
+        srv_request_free(r);
+        return false;
+    }
+    return true;
+}
+
 /* POST /v1/cache/lookup: how many of the prompt's tokens this node's prefix cache holds
  * under the request's salt (the router's cache_aware policy asks; it changes nothing). */
 static enum MHD_Result handle_cache_lookup(pkv_server_t *s, struct MHD_Connection *c,
                                            http_req_t *hr)
 {
-    srv_limits_t lim = {.max_context = s->max_context};
     srv_request_t r;
-    srv_error_t err;
-    if (srv_request_parse_lookup(hr->body, hr->len, s->served_name, &lim, &r, &err))
-        return answer_error(s, c, hr, &err);
-    int32_t *ids = NULL;
-    uint32_t n = 0, mt = 0, matched = 0;
+    int32_t *ids;
+    uint32_t n, matched = 0;
     enum MHD_Result ret;
-    if (srv_request_prompt(&r, s->tok, &lim, s->default_max_tokens, &ids, &n, &mt, &err))
-        ret = answer_error(s, c, hr, &err);
-    else if (pkv_kv_prefix_match(s->kv, r.salt, ids, n, &matched))
+    if (!cache_prompt(s, c, hr, &r, &ids, &n, &ret)) return ret;
+    if (pkv_kv_prefix_match(s->kv, r.salt, ids, n, &matched))
         ret = answer_errorf(s, c, hr, 500, "server_error", "out_of_memory", "out of memory");
     else
         ret = answer_json(
@@ -399,18 +417,13 @@ static void head_digest(pkv_kv_t *kv, uint32_t r, uint32_t h, const uint32_t *id
 static enum MHD_Result handle_cache_digest(pkv_server_t *s, struct MHD_Connection *c,
                                            http_req_t *hr)
 {
-    srv_limits_t lim = {.max_context = s->max_context};
     srv_request_t r;
-    srv_error_t err;
-    if (srv_request_parse_lookup(hr->body, hr->len, s->served_name, &lim, &r, &err))
-        return answer_error(s, c, hr, &err);
-    int32_t *ids = NULL;
-    uint32_t n = 0, mt = 0, nb = 0, *blocks = NULL;
+    int32_t *ids;
+    uint32_t n, nb = 0, *blocks = NULL;
     enum MHD_Result ret;
     int rc;
-    if (srv_request_prompt(&r, s->tok, &lim, s->default_max_tokens, &ids, &n, &mt, &err)) {
-        ret = answer_error(s, c, hr, &err);
-    } else if ((rc = pkv_kv_prefix_pin(s->kv, r.salt, ids, n, &blocks, &nb))) {
+    if (!cache_prompt(s, c, hr, &r, &ids, &n, &ret)) return ret;
+    if ((rc = pkv_kv_prefix_pin(s->kv, r.salt, ids, n, &blocks, &nb))) {
         ret = rc == PKV_ERR_UNSUPPORTED
                   ? answer_errorf(s, c, hr, 400, "invalid_request_error", "unsupported",
                                   "/v1/cache/digest needs the paged KV backend")
