@@ -1076,16 +1076,8 @@ int pkv_bench_disagg(int argc, char **argv)
     bd_load_t L;
     bd_sizes(&o, &L);
     bd_env_t e = {.net_up = false};
-    ssize_t bl = readlink("/proc/self/exe", e.bin, sizeof(e.bin) - 1);
-    if (bl <= 0) return 2;
-    e.bin[bl] = '\0';
     snprintf(e.logdir, sizeof(e.logdir), "/tmp/pagekv-bench-disagg-XXXXXX");
-    if (!mkdtemp(e.logdir)) return 2;
-    struct sigaction sa = {.sa_handler = on_signal};
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    if (cluster_env_init(e.bin, sizeof(e.bin), e.logdir, on_signal)) return 2;
     if (o.tcp) {
         char err[512];
         if (netns_pair_create(&e.net, true, err, sizeof(err)) != 0) {

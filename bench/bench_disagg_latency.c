@@ -756,16 +756,8 @@ int pkv_bench_disagg_latency(int argc, char **argv)
     int prc = bl_parse(argc, argv, &o);
     if (prc) return prc == 1 ? 0 : prc;
     bl_env_t e;
-    ssize_t bl = readlink("/proc/self/exe", e.bin, sizeof(e.bin) - 1);
-    if (bl <= 0) return 2;
-    e.bin[bl] = '\0';
     snprintf(e.logdir, sizeof(e.logdir), "/tmp/pagekv-bench-latency-XXXXXX");
-    if (!mkdtemp(e.logdir)) return 2;
-    struct sigaction sa = {.sa_handler = on_signal};
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    if (cluster_env_init(e.bin, sizeof(e.bin), e.logdir, on_signal)) return 2;
     curl_global_init(CURL_GLOBAL_DEFAULT);
     cluster_proc_t p[4];
     memset(p, 0, sizeof(p));

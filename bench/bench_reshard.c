@@ -568,9 +568,6 @@ int pkv_bench_reshard(int argc, char **argv)
     int prc = br_parse(argc, argv, &o);
     if (prc) return prc == 1 ? 0 : prc;
     br_env_t e;
-    ssize_t bl = readlink("/proc/self/exe", e.bin, sizeof(e.bin) - 1);
-    if (bl <= 0) return 2;
-    e.bin[bl] = '\0';
     pkv_model_config_t mc;
     if (pkv_model_preset(o.preset, &mc)) {
         fprintf(stderr, "pagekv bench reshard: unknown preset '%s'\n", o.preset);
@@ -588,12 +585,7 @@ int pkv_bench_reshard(int argc, char **argv)
     }
     e.cpt = pkv_fp_chars_per_token();
     snprintf(e.logdir, sizeof(e.logdir), "/tmp/pagekv-bench-reshard-XXXXXX");
-    if (!mkdtemp(e.logdir)) return 2;
-    struct sigaction sa = {.sa_handler = on_signal};
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    if (cluster_env_init(e.bin, sizeof(e.bin), e.logdir, on_signal)) return 2;
     curl_global_init(CURL_GLOBAL_DEFAULT);
     fprintf(stderr,
             "pagekv bench reshard: %s, pool %s per node, %u requests x %u in flight, prompts "

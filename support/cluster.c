@@ -434,3 +434,23 @@ long long cluster_json_int(const json_t *doc, const char *path)
     }
     return json_is_integer(cur) ? (long long)json_integer_value(cur) : -1;
 }
+
+int cluster_env_init(char *bin, size_t bin_cap, char *logdir, void (*on_signal)(int))
+{
+    ssize_t n = readlink("/proc/self/exe", bin, bin_cap - 1);
+    if (n <= 0) {
+        fprintf(stderr, "cannot find this executable: %s\n", strerror(errno));
+        return -1;
+    }
+    bin[n] = '\0';
+    if (!mkdtemp(logdir)) {
+        fprintf(stderr, "cannot make a log directory %s: %s\n", logdir, strerror(errno));
+        return -1;
+    }
+    struct sigaction sa = {.sa_handler = on_signal};
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    return 0;
+}

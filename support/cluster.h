@@ -38,6 +38,12 @@ typedef struct {
     bool reaped;
 } cluster_proc_t;
 
+/* For a command that starts children: bin = this executable (/proc/self/exe, bin_cap
+ * bytes), logdir = a new directory from its template ("/tmp/NAME-XXXXXX", edited in
+ * place), SIGINT and SIGTERM to on_signal, SIGPIPE ignored. 0, or -1 with a message on
+ * stderr. */
+int cluster_env_init(char *bin, size_t bin_cap, char *logdir, void (*on_signal)(int));
+
 /* Fork and exec argv[0] (argv NULL-terminated) with extra environment entries env
  * ("K=V", NULL-terminated, may be NULL) and its output in LOGDIR/NAME.log; wait up to
  * deadline_ns for its listening line. 0 on success; -1 with a message in err (the log's
