@@ -76,9 +76,9 @@ typedef struct {
     pkv_server_budget_t budget_mode;
     uint64_t budget_bytes; /* with PKV_SERVER_BUDGET_BYTES */
     bool no_prefix_cache;
-    uint32_t tp; /* tensor-parallel ranks of the KV (pkv_kv_tp_check against the model's KV
-                    heads); 0 -> 1. Prefill and decode nodes run one transfer agent and
-                    staging per rank (rank r on kv_listen_port + r when a port is given) */
+    uint32_t tp;       /* tensor-parallel ranks of the KV (pkv_kv_tp_check against the model's KV
+                          heads); 0 -> 1. Prefill and decode nodes run one transfer agent and
+                          staging per rank (rank r on kv_listen_port + r when a port is given) */
     bool no_hugepages; /* paged: do not ask for transparent huge pages (by default the pool
                           asks where the kernel's THP mode is `always` or `madvise`) */
     /* engine */

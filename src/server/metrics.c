@@ -12,10 +12,17 @@
 #include <stdlib.h>
 #include <string.h>
 
-const char *const srv_route_label[SRV_ROUTE_COUNT] = {
-    "/v1/completions", "/v1/chat/completions", "/v1/models",      "/v1/models/{id}",  "/health",
-    "/metrics",        "/v1/cache/stats",      "/v1/cache/reset", "/v1/cache/lookup", "/v1/cache/digest",
-    "other"};
+const char *const srv_route_label[SRV_ROUTE_COUNT] = {"/v1/completions",
+                                                      "/v1/chat/completions",
+                                                      "/v1/models",
+                                                      "/v1/models/{id}",
+                                                      "/health",
+                                                      "/metrics",
+                                                      "/v1/cache/stats",
+                                                      "/v1/cache/reset",
+                                                      "/v1/cache/lookup",
+                                                      "/v1/cache/digest",
+                                                      "other"};
 
 const int srv_codes[SRV_N_CODES] = {200, 400, 404, 405, 413, 429, 500, 503, 0};
 
