@@ -41,15 +41,25 @@ typedef struct {
 static const pkv_geometry_t SMALL = {
     .layers = 3, .kv_heads = 2, .head_dim = 32, .block_tokens = 8, .dtype = PKV_DTYPE_BF16};
 
-/* An agent over its own pool and stage; `layered`: small reads too go layer by layer,
- * one DATA a layer (no_inline_copy), instead of a whole stream. */
-static void side_make_full(side_t *s, const pkv_geometry_t *g, bool layered, const char *identity)
+/* A new pool of geometry g (no prefix cache). */
+static pkv_kv_t *pool_new(const pkv_geometry_t *g)
 {
     pkv_kv_config_t kc;
     memset(&kc, 0, sizeof(kc));
     kc.geo = *g;
     kc.no_prefix_cache = true;
-    ck_assert_int_eq(pkv_kv_create(&kc, &s->kv), PKV_OK);
+    pkv_kv_t *kv;
+    ck_assert_int_eq(pkv_kv_create(&kc, &kv), PKV_OK);
+    return kv;
+}
+
+/* An agent of rank `rank` (with its own stage) over the pool kv, which the side does not
+ * own unless the caller says so; `layered`: small reads too go layer by layer, one DATA a
+ * layer (no_inline_copy), instead of a whole stream. */
+static void agent_rank(side_t *s, pkv_kv_t *kv, bool layered, const char *identity,
+                       const char *model_id, uint32_t rank)
+{
+    s->kv = kv;
     pkv_stage_config_t sc;
     pkv_stage_config_default(&sc);
     sc.page_bytes = 4096;
@@ -58,14 +68,22 @@ static void side_make_full(side_t *s, const pkv_geometry_t *g, bool layered, con
     ck_assert_int_eq(pkv_stage_create(&sc, &s->st), PKV_OK);
     pkv_xfer_config_t xc;
     memset(&xc, 0, sizeof(xc));
-    xc.kv = s->kv;
+    xc.kv = kv;
     xc.stage = s->st;
     xc.chunk_bytes = 4096;
     xc.max_inflight = 256;
     xc.no_shared = true;
     xc.no_inline_copy = layered;
     xc.identity = identity;
+    xc.model_id = model_id;
+    xc.rank = rank;
     ck_assert_int_eq(pkv_xfer_agent_create(&xc, &s->a), PKV_OK);
+}
+
+/* An agent over its own pool and stage. */
+static void side_make_full(side_t *s, const pkv_geometry_t *g, bool layered, const char *identity)
+{
+    agent_rank(s, pool_new(g), layered, identity, NULL, 0);
 }
 
 static void side_make_with(side_t *s, const pkv_geometry_t *g, bool layered)
@@ -635,35 +653,13 @@ static const pkv_geometry_t HEADS8 = {
  * agent over the same pool (with faults.heads_* standing in for that rank's heads). */
 static void agent_on(side_t *s, pkv_kv_t *kv, bool layered, const char *model_id)
 {
-    s->kv = kv;
-    pkv_stage_config_t sc;
-    pkv_stage_config_default(&sc);
-    sc.page_bytes = 4096;
-    sc.pool_pages = 1024;
-    sc.pin = false;
-    ck_assert_int_eq(pkv_stage_create(&sc, &s->st), PKV_OK);
-    pkv_xfer_config_t xc;
-    memset(&xc, 0, sizeof(xc));
-    xc.kv = kv;
-    xc.stage = s->st;
-    xc.chunk_bytes = 4096;
-    xc.max_inflight = 256;
-    xc.no_shared = true;
-    xc.no_inline_copy = layered;
-    xc.model_id = model_id;
-    ck_assert_int_eq(pkv_xfer_agent_create(&xc, &s->a), PKV_OK);
+    agent_rank(s, kv, layered, NULL, model_id, 0);
 }
 
 /* An agent over its own new pool of geometry g. */
 static void side_model(side_t *s, const pkv_geometry_t *g, bool layered, const char *model_id)
 {
-    pkv_kv_config_t kc;
-    memset(&kc, 0, sizeof(kc));
-    kc.geo = *g;
-    kc.no_prefix_cache = true;
-    pkv_kv_t *kv;
-    ck_assert_int_eq(pkv_kv_create(&kc, &kv), PKV_OK);
-    agent_on(s, kv, layered, model_id);
+    agent_on(s, pool_new(g), layered, model_id);
 }
 
 static void agent_off(side_t *s)
@@ -1168,16 +1164,7 @@ START_TEST(tp2_pools_move_slices_between_ranks)
     /* producer: TP=2, one agent a rank; consumer: TP=1 (2 -> 1) */
     side_t p[2], c;
     for (int k = 0; k < 2; k++) {
-        agent_on(&p[k], kv[0], false, "m");
-        pkv_xfer_agent_destroy(p[k].a);
-        pkv_xfer_config_t xc = {.kv = kv[0],
-                                .stage = p[k].st,
-                                .chunk_bytes = 4096,
-                                .max_inflight = 256,
-                                .no_shared = true,
-                                .rank = (uint32_t)k,
-                                .model_id = "m"};
-        ck_assert_int_eq(pkv_xfer_agent_create(&xc, &p[k].a), PKV_OK);
+        agent_rank(&p[k], kv[0], false, NULL, "m", (uint32_t)k);
         pkv_xfer_layout_t l;
         pkv_xfer_agent_layout(p[k].a, &l);
         ck_assert_uint_eq(l.tp, 2);
