@@ -179,27 +179,13 @@ END_TEST
 /* SIGINT while the first design runs: exit 130 and both namespaces gone. */
 START_TEST(quick_tcp_sigint_cleans_up)
 {
-    char bin[2048], log[] = "/tmp/pagekv-test-disagg-log-XXXXXX";
-    ts_pagekv_path(bin, sizeof(bin));
-    int fd = mkstemp(log);
-    ck_assert_int_ge(fd, 0);
-    pid_t pid = fork();
-    ck_assert_int_ge(pid, 0);
-    if (pid == 0) {
-        dup2(fd, 1);
-        dup2(fd, 2);
-        char cmd[4096];
-        snprintf(cmd, sizeof(cmd), "exec '%s' bench disagg %s", bin, quick_tcp_args);
-        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
-        _exit(127);
-    }
-    close(fd);
+    char log[] = "/tmp/pagekv-test-disagg-log-XXXXXX";
+    char args[1024];
+    snprintf(args, sizeof(args), "bench disagg %s", quick_tcp_args);
+    pid_t pid = ts_pagekv_spawn(args, log);
     static char out[1 << 18];
     for (int t = 0; t < 1200; t++) { /* until the first design starts (or the bench ends) */
-        FILE *f = fopen(log, "r");
-        size_t n = f ? fread(out, 1, sizeof(out) - 1, f) : 0;
-        if (f) fclose(f);
-        out[n] = '\0';
+        ts_read_file(log, out, sizeof(out));
         if (strstr(out, "design fixed:") || waitpid(pid, NULL, WNOHANG) == pid) break;
         usleep(100000);
     }
@@ -213,10 +199,7 @@ START_TEST(quick_tcp_sigint_cleans_up)
     ck_assert_msg(strstr(out, "design fixed:"), "the first design never started:\n%s", out);
     kill(pid, SIGINT);
     ck_assert_int_eq(waitpid(pid, &st, 0), pid);
-    FILE *f = fopen(log, "r");
-    size_t n = f ? fread(out, 1, sizeof(out) - 1, f) : 0;
-    if (f) fclose(f);
-    out[n] = '\0';
+    ts_read_file(log, out, sizeof(out));
     unlink(log);
     ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 130, "status %d\n%s", st, out);
     char a[64], b[64];

@@ -89,33 +89,14 @@ END_TEST
 /* SIGINT while a request waits on the router: exit 130 and every process it started is
  * gone. The router is stopped (SIGSTOP) once it is up, so the first request hangs until
  * the interrupt; the demo stops a stopped child too. */
-static void read_log(const char *log, char *out, size_t cap)
-{
-    FILE *f = fopen(log, "r");
-    size_t n = f ? fread(out, 1, cap - 1, f) : 0;
-    if (f) fclose(f);
-    out[n] = 0;
-}
-
 START_TEST(demo_interrupted_stops_everything)
 {
-    char bin[2048], log[] = "/tmp/pkv-demo-int-XXXXXX";
-    ts_pagekv_path(bin, sizeof(bin));
-    int fd = mkstemp(log);
-    ck_assert_int_ge(fd, 0);
-    pid_t pid = fork();
-    ck_assert_int_ge(pid, 0);
-    if (pid == 0) {
-        dup2(fd, 1);
-        dup2(fd, 2);
-        execl(bin, bin, "demo", "--preset", "tiny", (char *)NULL);
-        _exit(127);
-    }
-    close(fd);
+    char log[] = "/tmp/pkv-demo-int-XXXXXX";
+    pid_t pid = ts_pagekv_spawn("demo --preset tiny", log);
     static char out[1 << 16];
     const char *r = NULL;
     for (int i = 0; i < 3000 && !r; i++) {
-        read_log(log, out, sizeof(out));
+        ts_read_file(log, out, sizeof(out));
         r = strstr(out, "  router   pid ");
         if (!r) {
             struct timespec ts = {0, 2000000};
@@ -127,14 +108,14 @@ START_TEST(demo_interrupted_stops_everything)
     for (int i = 0; i < 1000 && !strstr(out, "requests through the router"); i++) {
         struct timespec ts = {0, 10000000};
         nanosleep(&ts, NULL);
-        read_log(log, out, sizeof(out));
+        ts_read_file(log, out, sizeof(out));
     }
     struct timespec ts = {0, 200000000};
     nanosleep(&ts, NULL);
     kill(pid, SIGINT);
     int st;
     ck_assert_int_eq(waitpid(pid, &st, 0), pid);
-    read_log(log, out, sizeof(out));
+    ts_read_file(log, out, sizeof(out));
     unlink(log);
     ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 130, "status %d:\n%s", st, out);
     ck_assert_ptr_nonnull(strstr(out, "interrupted"));

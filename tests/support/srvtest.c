@@ -120,6 +120,33 @@ int ts_pagekv_run(const char *args, char *out, size_t cap)
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 
+pid_t ts_pagekv_spawn(const char *args, char *log)
+{
+    char bin[2048], cmd[4096];
+    ts_pagekv_path(bin, sizeof(bin));
+    snprintf(cmd, sizeof(cmd), "exec '%s' %s", bin, args);
+    int fd = mkstemp(log);
+    ck_assert_int_ge(fd, 0);
+    pid_t pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid == 0) {
+        dup2(fd, 1);
+        dup2(fd, 2);
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    close(fd);
+    return pid;
+}
+
+void ts_read_file(const char *path, char *out, size_t cap)
+{
+    FILE *f = fopen(path, "r");
+    size_t n = f ? fread(out, 1, cap - 1, f) : 0;
+    if (f) fclose(f);
+    out[n] = 0;
+}
+
 void ts_node_read(ts_node_t *c, int timeout_ms)
 {
     struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};

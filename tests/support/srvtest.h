@@ -53,6 +53,12 @@ void ts_pagekv_path(char *out, size_t n);
 /* Run `BUILD/pagekv ARGS` (a shell word list) to its end: its exit code (-1 if it did not
  * exit), stdout and stderr together in out (at most cap - 1 bytes, NUL-terminated). */
 int ts_pagekv_run(const char *args, char *out, size_t cap);
+/* Start `BUILD/pagekv ARGS` (a shell word list) in the background with its stdout and
+ * stderr in a new file made from the template log ("/tmp/NAME-XXXXXX", edited in place):
+ * its pid (the pagekv process itself). */
+pid_t ts_pagekv_spawn(const char *args, char *log);
+/* A file's contents (at most cap - 1 bytes, NUL-terminated; "" when it cannot be read). */
+void ts_read_file(const char *path, char *out, size_t cap);
 /* Start `pagekv serve --host host --port 0 args...` (args NULL-terminated), inside network
  * namespace `netns` through `ip netns exec` when not NULL, with UCX_TLS=tcp when tcp_only,
  * and wait (30 s) until it printed its HTTP port and, if `agent`, its agent address. The
