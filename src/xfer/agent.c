@@ -803,18 +803,12 @@ static int config_resolve(const pkv_xfer_config_t *in, pkv_xfer_config_t *c)
     if (!c->peer_timeout_ns) c->peer_timeout_ns = 1000000000ull;
     if (!c->chunk_bytes) c->chunk_bytes = PKV_XFER_WHOLE_CHUNK_BYTES; /* one eager segment */
     if (!c->max_inflight) c->max_inflight = 8;
-    size_t il = c->identity ? strnlen(c->identity, PKV_XFER_IDENTITY_MAX + 1) : 0;
-    for (size_t i = 0; i < il && il <= PKV_XFER_IDENTITY_MAX; i++) /* stops at a bad one */
-        if (c->identity[i] < 0x20 || c->identity[i] > 0x7e) il = PKV_XFER_IDENTITY_MAX + 1;
-    if (il > PKV_XFER_IDENTITY_MAX) {
+    if (!xf_wire_text_ok(c->identity, PKV_XFER_IDENTITY_MAX)) {
         PKV_LOGE(XF_MOD, "config: identity must be printable ASCII of at most %d characters",
                  PKV_XFER_IDENTITY_MAX);
         return PKV_ERR_INVALID;
     }
-    size_t ml = c->model_id ? strnlen(c->model_id, PKV_XFER_MODEL_ID_MAX + 1) : 0;
-    for (size_t i = 0; i < ml && ml <= PKV_XFER_MODEL_ID_MAX; i++) /* stops at a bad one */
-        if (c->model_id[i] < 0x20 || c->model_id[i] > 0x7e) ml = PKV_XFER_MODEL_ID_MAX + 1;
-    if (ml > PKV_XFER_MODEL_ID_MAX) {
+    if (!xf_wire_text_ok(c->model_id, PKV_XFER_MODEL_ID_MAX)) {
         PKV_LOGE(XF_MOD, "config: model_id must be printable ASCII of at most %d characters",
                  PKV_XFER_MODEL_ID_MAX);
         return PKV_ERR_INVALID;

@@ -135,12 +135,8 @@ static int opts_check(const pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h,
             if (o->idx[i] >= h->n_blocks || (i && o->idx[i] <= o->idx[i - 1]))
                 return PKV_ERR_INVALID;
     }
-    if (o && o->identity) {
-        size_t il = strnlen(o->identity, XF_WIRE_MAX_IDENTITY + 1);
-        if (il > XF_WIRE_MAX_IDENTITY) return PKV_ERR_INVALID;
-        for (size_t i = 0; i < il; i++)
-            if (o->identity[i] < 0x20 || o->identity[i] > 0x7e) return PKV_ERR_INVALID;
-    }
+    if (o && o->identity && !xf_wire_text_ok(o->identity, XF_WIRE_MAX_IDENTITY))
+        return PKV_ERR_INVALID;
     return PKV_OK;
 }
 

@@ -273,6 +273,12 @@ static bool printable(const char *s, size_t n)
     return true;
 }
 
+bool xf_wire_text_ok(const char *s, size_t max)
+{
+    size_t n = s ? strnlen(s, max + 1) : 0;
+    return n <= max && printable(s, n);
+}
+
 bool xf_wire_layout_valid(const pkv_xfer_layout_t *l)
 {
     uint64_t lb;

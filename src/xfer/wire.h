@@ -240,6 +240,11 @@ int xf_wire_check_geometry(const pkv_geometry_t *g, uint64_t *layer_bytes);
 /* One block's slice of one layer restricted to head_n heads (K and V): for a geometry that
  * passed xf_wire_check_geometry and head_n <= kv_heads, no overflow. */
 uint64_t xf_wire_slice_bytes(const pkv_geometry_t *g, uint32_t head_n);
+
+/* s (NULL: "") is printable ASCII of at most max characters: an identity or a model id an
+ * agent may present. Reads at most max + 1 bytes of s. */
+bool xf_wire_text_ok(const char *s, size_t max);
+
 /* Is a layout one HELLO may carry (the decoder's checks)? */
 bool xf_wire_layout_valid(const pkv_xfer_layout_t *l);
 
