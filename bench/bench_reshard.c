@@ -16,6 +16,7 @@
 #include "support/cluster.h"
 #include "support/filler.h"
 #include "support/footprint.h"
+#include "support/loadgen.h"
 
 #include "pagekv/kv.h"
 #include "pagekv/model.h"
@@ -67,13 +68,12 @@ typedef struct {
 /* What the sampler keeps of one node. */
 typedef struct {
     const cluster_proc_t *proc;
-    double lck_peak, rss_peak, res_peak, fly_peak;
-    double rank_pin_peak[PKV_KV_MAX_TP], rank_res_peak[PKV_KV_MAX_TP];
+    double lck_peak, res_peak, fly_peak;
+    double rank_pin_peak[PKV_KV_MAX_TP];
     uint32_t tp;
-    /* from the stages' own high-water marks at the end (exact, not sampled): per rank,
-     * resident peak / pages-in-use peak; the node's worst; and the sum of the ranks' peaks
-     * in use (bytes) */
-    double res_over_fly, fly_rank_sum;
+    /* from the stages' own high-water marks at the end (exact, not sampled): the worst
+     * rank's resident peak / pages-in-use peak */
+    double res_over_fly;
 } br_node_t;
 
 typedef struct {
@@ -94,19 +94,14 @@ static void br_sample_node(br_sampler_t *s, br_node_t *n)
     long long res = cluster_json_int(kvt, "staging.resident_bytes");
     json_t *ranks = json_object_get(kvt, "ranks");
     pthread_mutex_lock(&s->lock);
-    if (mem) {
-        n->lck_peak = PKV_MAX(n->lck_peak, (double)m.locked_bytes);
-        n->rss_peak = PKV_MAX(n->rss_peak, (double)m.rss_bytes);
-    }
+    if (mem) n->lck_peak = PKV_MAX(n->lck_peak, (double)m.locked_bytes);
     if (res > 0) n->res_peak = PKV_MAX(n->res_peak, (double)res);
     if (page > 0 && held > 0) n->fly_peak = PKV_MAX(n->fly_peak, (double)(page * held));
     n->tp = (uint32_t)json_array_size(ranks);
     for (size_t r = 0; r < json_array_size(ranks) && r < PKV_KV_MAX_TP; r++) {
         json_t *rk = json_array_get(ranks, r);
         long long pin = cluster_json_int(rk, "staging.pinned_bytes");
-        long long rr = cluster_json_int(rk, "staging.resident_bytes");
         if (pin > 0) n->rank_pin_peak[r] = PKV_MAX(n->rank_pin_peak[r], (double)pin);
-        if (rr > 0) n->rank_res_peak[r] = PKV_MAX(n->rank_res_peak[r], (double)rr);
     }
     pthread_mutex_unlock(&s->lock);
     json_decref(st);
@@ -120,12 +115,10 @@ static void br_node_peaks(br_node_t *n)
     long long page = cluster_json_int(kvt, "staging.page_bytes");
     json_t *ranks = json_object_get(kvt, "ranks");
     n->res_over_fly = 0;
-    n->fly_rank_sum = 0;
     for (size_t r = 0; page > 0 && r < json_array_size(ranks); r++) {
         json_t *rk = json_array_get(ranks, r);
         double used = (double)cluster_json_int(rk, "staging.pages_peak_used") * (double)page;
         double res = (double)cluster_json_int(rk, "staging.resident_peak_bytes");
-        n->fly_rank_sum += used > 0 ? used : 0;
         if (used > 0) n->res_over_fly = PKV_MAX(n->res_over_fly, res / used);
     }
     json_decref(st);
@@ -144,111 +137,51 @@ static void *br_sampler_main(void *arg)
 
 /* ---- the load -------------------------------------------------------------------------- */
 
-typedef struct {
-    json_t *body; /* the chat request */
-    uint32_t tokens;
-    /* results */
-    long status;
-    double ttft_ms, transfer_ms; /* transfer: handshake + staging wait + wire + commit */
-    char *text;
-} br_req_t;
-
-typedef struct {
-    const char *url;
-    br_req_t *reqs;
-    uint32_t n;
-    uint32_t next; /* guarded by lock */
-    pthread_mutex_t lock;
-} br_load_t;
-
-/* The streamed answer's text and the pagekv_timings of its last chunk. */
-static void br_parse_answer(br_req_t *q, const cluster_http_reply_t *r)
+/* The transfer phases (handshake + staging wait + wire + commit) a streamed answer's
+ * pagekv_timings carry in its last chunk, in ms; 0 when absent. */
+static double br_transfer_ms(const char *body)
 {
-    cluster_answer_t a;
-    if (cluster_answer_parse(r->body, true, &a) == 0) {
-        q->text = a.text;
-        a.text = NULL;
-        cluster_answer_free(&a);
-    }
-    const char *t = r->body ? strstr(r->body, "\"pagekv_timings\"") : NULL;
-    const char *line = t;
-    while (line && line > r->body && line[-1] != '\n') line--;
-    if (!line || strncmp(line, "data: ", 6)) return;
+    const char *line = body ? strstr(body, "\"pagekv_timings\"") : NULL;
+    while (line && line > body && line[-1] != '\n') line--;
+    if (!line || strncmp(line, "data: ", 6)) return 0;
     const char *end = strchr(line, '\n');
     json_t *ev = json_loadb(line + 6, end ? (size_t)(end - line - 6) : strlen(line + 6), 0, NULL);
     json_t *ph = json_object_get(json_object_get(ev, "pagekv_timings"), "phases_seconds");
     static const char *const names[] = {"handshake", "staging_wait", "wire", "commit"};
     double sum = 0;
-    bool any = false;
     for (size_t i = 0; i < 4; i++) {
         json_t *v = json_object_get(ph, names[i]);
-        if (json_is_number(v)) sum += json_number_value(v), any = true;
+        if (json_is_number(v)) sum += json_number_value(v);
     }
-    if (any) q->transfer_ms = sum * 1e3;
     json_decref(ev);
+    return sum * 1e3;
 }
 
-static void *br_worker(void *arg)
-{
-    br_load_t *L = arg;
-    static const char *const hdr[] = {"X-Pagekv-Timings: 1", NULL};
-    for (;;) {
-        pthread_mutex_lock(&L->lock);
-        uint32_t i = L->next < L->n ? L->next++ : L->n;
-        pthread_mutex_unlock(&L->lock);
-        if (i >= L->n || br_stop) return NULL;
-        br_req_t *q = &L->reqs[i];
-        cluster_http_reply_t r;
-        if (cluster_http(L->url, "/v1/chat/completions", q->body, hdr, 120000, &br_stop, &r) == 0) {
-            q->status = r.status;
-            q->ttft_ms = r.ttfb_seconds * 1e3;
-            if (r.status == 200) br_parse_answer(q, &r);
-        }
-        cluster_http_reply_free(&r);
-    }
-}
-
-static double br_run_load(const char *url, br_req_t *reqs, uint32_t n, uint32_t conc)
-{
-    br_load_t L = {.url = url, .reqs = reqs, .n = n};
-    pthread_mutex_init(&L.lock, NULL);
-    pthread_t th[64];
-    conc = PKV_MIN(conc, 64u);
-    uint64_t t0 = pkv_now_ns();
-    for (uint32_t i = 0; i < conc; i++) pthread_create(&th[i], NULL, br_worker, &L);
-    for (uint32_t i = 0; i < conc; i++) pthread_join(th[i], NULL);
-    pthread_mutex_destroy(&L.lock);
-    return (double)(pkv_now_ns() - t0) / 1e9;
-}
-
-static void br_reqs_make(const br_opts_t *o, const br_env_t *e, br_req_t *reqs, uint64_t seed0)
+/* Streamed chat requests at temperature 0 over the mix's prompt lengths in turn. */
+static void br_reqs_make(const br_opts_t *o, const br_env_t *e, lg_req_t *reqs, uint64_t seed0)
 {
     for (uint32_t i = 0; i < o->requests; i++) {
-        uint32_t tok = br_mix[i % 4];
-        char *text = pkv_filler_alloc((size_t)(tok * e->cpt), seed0 + i, 1);
-        reqs[i] = (br_req_t){.tokens = tok};
-        reqs[i].body = json_pack("{s:s, s:[{s:s, s:s}], s:i, s:f, s:b}", "model", o->preset,
+        char *text = pkv_filler_alloc((size_t)(br_mix[i % 4] * e->cpt), seed0 + i, 1);
+        json_t *body = json_pack("{s:s, s:[{s:s, s:s}], s:i, s:f, s:b}", "model", o->preset,
                                  "messages", "role", "user", "content", text ? text : "",
                                  "max_tokens", 8, "temperature", 0.0, "stream", 1);
+        reqs[i] = (lg_req_t){
+            .path = "/v1/chat/completions", .body = json_dumps(body, JSON_COMPACT), .stream = true};
+        json_decref(body);
         free(text);
     }
 }
 
-static void br_reqs_free(br_req_t *reqs, uint32_t n)
-{
-    for (uint32_t i = 0; i < n; i++) {
-        json_decref(reqs[i].body);
-        free(reqs[i].text);
-    }
-}
-
-static double br_p50(const br_req_t *q, uint32_t n, bool transfer)
+/* Median over the answered requests of the TTFT, or of the transfer time where there is one. */
+static double br_p50(const lg_result_t *q, uint32_t n, bool transfer)
 {
     double v[BR_MAX_REQ];
     uint32_t k = 0;
-    for (uint32_t i = 0; i < n; i++)
-        if (q[i].status == 200 && (!transfer || q[i].transfer_ms > 0))
-            v[k++] = transfer ? q[i].transfer_ms : q[i].ttft_ms;
+    for (uint32_t i = 0; i < n; i++) {
+        if (q[i].status != 200) continue;
+        double x = transfer ? br_transfer_ms(q[i].body) : q[i].ttft_s * 1e3;
+        if (!transfer || x > 0) v[k++] = x;
+    }
     return k ? pkv_bench_median(v, k) : 0;
 }
 
@@ -260,8 +193,8 @@ typedef struct {
     bool ok;
     br_node_t node[2];
     uint64_t bytes_moved;
-    double transfer_p50, ttft_p50, wall_s;
-    uint32_t requests, answered, parity_n, parity_same, failed;
+    double transfer_p50, ttft_p50;
+    uint32_t requests, parity_n, parity_same, failed;
     double plan_bytes[2]; /* the planner's host staging per node for this design */
     double plan_tail[2];  /* per-transfer tail of the same load */
     uint64_t pulls_peak;  /* the decode node's pulls in flight at their peak (exact) */
@@ -305,7 +238,7 @@ static uint64_t br_dec_stat(const cluster_proc_t *dec, const char *path)
 }
 
 /* The planner's figure for this design, per node (host = the node's ranks). */
-static void br_plan(const br_opts_t *o, const br_env_t *e, br_result_t *r)
+static void br_plan(const br_opts_t *o, br_result_t *r)
 {
     pkv_plan_input_t in;
     memset(&in, 0, sizeof(in));
@@ -332,7 +265,6 @@ static void br_plan(const br_opts_t *o, const br_env_t *e, br_result_t *r)
             (double)(r->design == BR_MIRROR ? sd->host.mirror_bytes : sd->host.per_plan_bytes);
         r->plan_tail[k] = (double)sd->host.per_transfer_tail_bytes;
     }
-    (void)e;
 }
 
 static void br_one(const br_opts_t *o, const br_env_t *e, const cluster_proc_t *uni, br_result_t *r)
@@ -347,13 +279,26 @@ static void br_one(const br_opts_t *o, const br_env_t *e, const cluster_proc_t *
         br_node_start(o, e, dn, "decode", r->d, r->design, &dec) ||
         pkv_bench_disagg_route(e->bin, e->logdir, &pre, &dec, NULL, &rt))
         goto out;
-    br_req_t *reqs = calloc(o->requests, sizeof(*reqs));
+    lg_req_t *reqs = calloc(o->requests, sizeof(*reqs));
+    lg_result_t *res = calloc(o->requests, sizeof(*res));
+    if (!reqs || !res) {
+        free(reqs);
+        free(res);
+        goto out;
+    }
     br_reqs_make(o, e, reqs, 1000 * (uint64_t)(r->p * 100 + r->d) + (uint64_t)r->design);
     br_sampler_t s = {.node = {{.proc = &pre}, {.proc = &dec}}};
     pthread_mutex_init(&s.lock, NULL);
     pthread_create(&s.th, NULL, br_sampler_main, &s);
     uint64_t b0 = br_dec_stat(&dec, "kv_transfer.transfers.bytes_received");
-    r->wall_s = br_run_load(rt.url, reqs, o->requests, o->concurrency);
+    static const char *const hdr[] = {"X-Pagekv-Timings: 1", NULL};
+    lg_config_t lc = {.base_url = rt.url,
+                      .concurrency = o->concurrency,
+                      .timeout_ms = 120000,
+                      .headers = hdr,
+                      .stop = &br_stop,
+                      .keep_body = true};
+    lg_run(&lc, reqs, o->requests, res);
     r->bytes_moved = br_dec_stat(&dec, "kv_transfer.transfers.bytes_received") - b0;
     r->pulls_peak = br_dec_stat(&dec, "kv_transfer.pulls.inflight_peak");
     s.stop = 1;
@@ -362,32 +307,27 @@ static void br_one(const br_opts_t *o, const br_env_t *e, const cluster_proc_t *
     memcpy(r->node, s.node, sizeof(r->node));
     for (int k = 0; k < 2; k++) br_node_peaks(&r->node[k]);
     r->requests = o->requests;
-    for (uint32_t i = 0; i < o->requests; i++) {
-        if (reqs[i].status == 200)
-            r->answered++;
-        else
-            r->failed++;
-    }
-    r->ttft_p50 = br_p50(reqs, o->requests, false);
-    r->transfer_p50 = br_p50(reqs, o->requests, true);
+    for (uint32_t i = 0; i < o->requests; i++) r->failed += res[i].status != 200;
+    r->ttft_p50 = br_p50(res, o->requests, false);
+    r->transfer_p50 = br_p50(res, o->requests, true);
     /* parity: the first requests again on the unified TP=1 node */
-    for (uint32_t i = 0; i < PKV_MIN(BR_PARITY, o->requests) && !br_stop; i++) {
-        json_t *body = json_deep_copy(reqs[i].body);
-        cluster_http_reply_t u;
-        if (cluster_http(uni->url, "/v1/chat/completions", body, NULL, 120000, &br_stop, &u) == 0) {
-            cluster_answer_t a;
-            if (u.status == 200 && cluster_answer_parse(u.body, true, &a) == 0) {
-                r->parity_n++;
-                r->parity_same += reqs[i].text && a.text && !strcmp(a.text, reqs[i].text);
-                cluster_answer_free(&a);
-            }
-        }
-        cluster_http_reply_free(&u);
-        json_decref(body);
+    lg_config_t uc = {
+        .base_url = uni->url, .concurrency = 1, .timeout_ms = 120000, .stop = &br_stop};
+    uint32_t np = PKV_MIN(BR_PARITY, o->requests);
+    lg_result_t ures[BR_PARITY];
+    lg_run(&uc, reqs, np, ures);
+    for (uint32_t i = 0; i < np; i++) {
+        if (ures[i].status != 200) continue;
+        r->parity_n++;
+        r->parity_same +=
+            res[i].status == 200 && cluster_answer_equal(&res[i].answer, &ures[i].answer);
     }
-    br_reqs_free(reqs, o->requests);
+    lg_results_free(ures, np);
+    lg_results_free(res, o->requests);
+    for (uint32_t i = 0; i < o->requests; i++) free(reqs[i].body);
     free(reqs);
-    br_plan(o, e, r);
+    free(res);
+    br_plan(o, r);
     r->ok = !br_stop;
 out:
     cluster_proc_stop(&rt, SIGTERM, pkv_deadline_after_ns(30000000000ull));

@@ -74,7 +74,8 @@ static int lg_start(CURLM *m, const lg_config_t *cfg, const lg_req_t *r, size_t 
     return curl_multi_add_handle(m, s->easy) == CURLM_OK ? 0 : -1;
 }
 
-static void lg_finish(CURLM *m, lg_slot_t *s, CURLcode rc, const lg_req_t *r, lg_result_t *res)
+static void lg_finish(CURLM *m, lg_slot_t *s, CURLcode rc, const lg_req_t *r, lg_result_t *res,
+                      bool keep_body)
 {
     uint64_t now = pkv_now_ns();
     res->total_s = secs(s->t0_ns, now);
@@ -91,6 +92,10 @@ static void lg_finish(CURLM *m, lg_slot_t *s, CURLcode rc, const lg_req_t *r, lg
         }
         if (res->status != 200 || res->answer.error_code[0] || !res->answer.done)
             snprintf(res->excerpt, sizeof(res->excerpt), "%s", s->buf ? s->buf : "");
+        if (keep_body) {
+            res->body = s->buf;
+            s->buf = NULL;
+        }
     }
     curl_multi_remove_handle(m, s->easy);
     curl_easy_cleanup(s->easy);
@@ -138,7 +143,7 @@ double lg_run(const lg_config_t *cfg, const lg_req_t *reqs, size_t n, lg_result_
             if (msg->msg != CURLMSG_DONE) continue;
             lg_slot_t *s;
             curl_easy_getinfo(msg->easy_handle, CURLINFO_PRIVATE, (char **)&s);
-            lg_finish(m, s, msg->data.result, &reqs[s->idx], &results[s->idx]);
+            lg_finish(m, s, msg->data.result, &reqs[s->idx], &results[s->idx], cfg->keep_body);
             done++;
             inflight--;
         }
@@ -158,7 +163,8 @@ double lg_run(const lg_config_t *cfg, const lg_req_t *reqs, size_t n, lg_result_
     }
     for (size_t i = 0; i < next; i++)
         if (slots[i].easy)
-            lg_finish(m, &slots[i], CURLE_ABORTED_BY_CALLBACK, &reqs[i], &results[i]);
+            lg_finish(m, &slots[i], CURLE_ABORTED_BY_CALLBACK, &reqs[i], &results[i],
+                      cfg->keep_body);
     double wall = secs(run0, pkv_now_ns());
     free(slots);
     curl_multi_cleanup(m);
@@ -167,7 +173,11 @@ double lg_run(const lg_config_t *cfg, const lg_req_t *reqs, size_t n, lg_result_
 
 void lg_results_free(lg_result_t *results, size_t n)
 {
-    for (size_t i = 0; results && i < n; i++) cluster_answer_free(&results[i].answer);
+    for (size_t i = 0; results && i < n; i++) {
+        cluster_answer_free(&results[i].answer);
+        free(results[i].body);
+        results[i].body = NULL;
+    }
 }
 
 static int cmp_double(const void *a, const void *b)

@@ -33,6 +33,7 @@ typedef struct {
         answer; /* text, finish, usage, error code (parse failures: error_code "unreadable") */
     char transport[96]; /* curl's error, "" when an answer came */
     char excerpt[256];  /* the body's start when it is not a good answer, else "" */
+    char *body;         /* the whole body when the run asked for it (keep_body), else NULL */
 } lg_result_t;
 
 typedef struct {
@@ -41,6 +42,7 @@ typedef struct {
     uint32_t timeout_ms;               /* per request */
     const char *const *headers;        /* extra headers, NULL-terminated, may be NULL */
     const volatile sig_atomic_t *stop; /* ends the run early (results not sent: status 0) */
+    bool keep_body;                    /* keep each answer's whole body in its result */
     void (*tick)(void *arg); /* called about every 50 ms from the driving thread; may be NULL */
     void *tick_arg;
 } lg_config_t;
