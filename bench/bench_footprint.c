@@ -60,7 +60,9 @@ static void fp_usage(FILE *f)
                "  --preset NAME       the server's model preset (default llama-3.2-1b)\n"
                "  --prefix-tokens N   shared system prompt length in tokens (default 3700;\n"
                "                      4200 with --preset qwen3-0.6b)\n"
-               "  --churn-budget B    --kv-cache-budget for churn (default 64M; 0: none)\n"
+               "  --churn-budget B    --kv-cache-budget for churn (default 64M, 2048 tokens of\n"
+               "                      llama-3.2-1b; as many tokens of another preset: 224M\n"
+               "                      with qwen3-0.6b; 0: none)\n"
                "  --cache-idle S      --prefix-cache-idle-s for churn_then_idle and hangups,\n"
                "                      whose settle phase lasts this much longer (default 10)\n"
                "  --request-timeout S per HTTP request (default 1800)\n"
@@ -173,6 +175,24 @@ static int fp_parse_valued(const char *cmd, const char *a, const char *v, fp_opt
     return 0;
 }
 
+/* KV bytes per token of a preset's layers (f16, the bench's --kv-dtype). */
+static uint64_t fp_token_bytes(const char *preset)
+{
+    pkv_model_config_t mc;
+    if (pkv_model_preset(preset, &mc)) return 0;
+    return (uint64_t)mc.n_layers * 2 * mc.n_kv_heads * mc.head_dim * 2;
+}
+
+/* churn's --kv-cache-budget: 64 MiB for llama-3.2-1b (32 KiB a token: 2048 tokens), the
+ * same tokens for another preset (qwen3-0.6b: 112 KiB a token, 224 MiB), whole MiB. */
+static uint64_t fp_churn_budget_default(const char *preset)
+{
+    uint64_t llama = fp_token_bytes("llama-3.2-1b"), mine = fp_token_bytes(preset);
+    if (!llama || !mine) return 64ull << 20;
+    uint64_t mib = (64ull * mine + llama - 1) / llama;
+    return mib << 20;
+}
+
 /* 0: run; 1: --help printed; otherwise the usage error's exit code. */
 static int fp_parse_opts(int argc, char **argv, fp_opts_t *o)
 {
@@ -183,7 +203,7 @@ static int fp_parse_opts(int argc, char **argv, fp_opts_t *o)
                      .settle_s = 8,
                      .idle_s = 20,
                      .preset = "llama-3.2-1b",
-                     .churn_budget = 64ull << 20,
+                     .churn_budget = UINT64_MAX, /* unset: scaled to the preset below */
                      .cache_idle_s = 10,
                      .request_timeout_s = 1800};
     o->backend[0] = o->backend[1] = true;
@@ -210,6 +230,7 @@ static int fp_parse_opts(int argc, char **argv, fp_opts_t *o)
         if (rc) return rc;
     }
     if (!o->prefix_tokens) o->prefix_tokens = strcmp(o->preset, "qwen3-0.6b") ? 3700 : 4200;
+    if (o->churn_budget == UINT64_MAX) o->churn_budget = fp_churn_budget_default(o->preset);
     bool any_sc = false;
     for (int s = 0; s < SC_N; s++) any_sc |= o->scenario[s];
     if (!any_sc)
