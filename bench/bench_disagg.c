@@ -107,6 +107,10 @@ typedef struct {
     /* transfers in flight at once: decode the exact high-water of its reads
        (pulls.inflight_peak), prefill the sampler's largest transfers.active */
     double inflight_transfers_peak[2];
+    /* transfers holding staging pages at once: each stage's exact high-water */
+    double staging_transfers_peak[2];
+    /* the prompts served (usage.prompt_tokens), for the planner: see pkv_bd_plan_design_t */
+    uint32_t mix_tokens[PKV_BD_PLAN_MIX], mix_weight[PKV_BD_PLAN_MIX], n_mix;
     bool staging_idle_zero;
     uint32_t parity_requests, parity_identical;
     bd_sample_t *samples;
@@ -293,6 +297,7 @@ static void bd_phase_run(const bd_opts_t *o, const bd_load_t *L, int phn, const 
         }
         ttft[ph->ok++] = x->ttft_s * 1e3;
         tsum += x->ttft_s * 1e3;
+        pkv_bd_mix_add(run->mix_tokens, run->mix_weight, &run->n_mix, x->answer.prompt_tokens);
         if (x->answer.completion_tokens > 1) {
             tpot_sum += (x->total_s - x->ttft_s) * 1e3 / (double)(x->answer.completion_tokens - 1);
             tpot_n++;
@@ -635,6 +640,8 @@ static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t
         long long peak = cluster_json_int(ks, "kv_transfer.staging.pages_peak_used");
         long long page = cluster_json_int(ks, "kv_transfer.staging.page_bytes");
         run->inflight_peak[k] = peak > 0 && page > 0 ? (double)(peak * page) : 0;
+        long long tp = cluster_json_int(ks, "kv_transfer.staging.transfers_peak");
+        run->staging_transfers_peak[k] = tp > 0 ? (double)tp : 0;
     }
     long long fly = cluster_json_int(ds, "kv_transfer.pulls.inflight_peak");
     run->inflight_transfers_peak[1] = fly > 0 ? (double)fly : 0;
@@ -822,6 +829,7 @@ static json_t *bd_json(const bd_opts_t *o, const bd_load_t *L, double rate, cons
         json_object_set(j, "failure_samples", r->failure_samples);
         if (r->paced_phases) json_object_set(j, "paced_phase_means_ms", r->paced_phases);
         json_object_set_new(j, "inflight_transfers_peak", bd_pair(r->inflight_transfers_peak));
+        json_object_set_new(j, "staging_transfers_peak", bd_pair(r->staging_transfers_peak));
         json_object_set_new(j, "inflight_transfers_peak_source",
                             json_pack("{s:s, s:s}", "prefill",
                                       "sampled every 100 ms (transfers.active): a lower bound",
@@ -934,22 +942,13 @@ static json_t *bd_plan(const bd_opts_t *o, const bd_load_t *L, const bd_run_t *r
         x->pool_pages = r->pool_pages;
         x->page_bytes = r->page_bytes;
         x->context = L->context;
-        /* every prompt the design's phases sent, by length; each transfer has both ends,
-           so the count is the decode node's exact peak (it bounds the prefill node's) */
-        x->in_flight = (uint64_t)r->inflight_transfers_peak[1];
-        for (int ph = 0; ph < BD_NPH; ph++) {
-            if (ph == BD_PACED && !r->have_paced) continue;
-            for (uint32_t i = 0; i < (ph == BD_PACED ? 4u : 1u); i++) {
-                uint32_t tok = ph == BD_PACED ? L->mix[i] : L->len[ph];
-                uint32_t cnt = ph == BD_PACED ? (L->n[ph] + 3 - i) / 4 : L->n[ph];
-                uint32_t m = 0;
-                while (m < x->n_mix && x->mix_tokens[m] != tok) m++;
-                if (m == x->n_mix && m == PKV_BD_PLAN_MIX) continue;
-                if (m == x->n_mix) x->mix_tokens[x->n_mix++] = tok;
-                x->mix_weight[m] += cnt;
-            }
-        }
+        /* every prompt the design's nodes served, by its real token count; in flight per
+           node: its stage's exact peak of transfers holding pages */
+        x->n_mix = r->n_mix;
+        memcpy(x->mix_tokens, r->mix_tokens, sizeof(x->mix_tokens));
+        memcpy(x->mix_weight, r->mix_weight, sizeof(x->mix_weight));
         for (int k = 0; k < 2; k++) {
+            x->in_flight[k] = (uint64_t)r->staging_transfers_peak[k];
             x->pinned_peak[k] = r->pinned_peak[k];
             x->inflight_peak[k] = r->inflight_peak[k];
         }

@@ -40,7 +40,10 @@ int pkv_bench_disagg_route(const char *bin, const char *logdir, const cluster_pr
                            const cluster_proc_t *dec, char *const extra[], cluster_proc_t *p);
 
 /* One design's figures for the planner check (bench_disagg_plan.c). */
-#define PKV_BD_PLAN_MIX 8
+#define PKV_BD_PLAN_MIX 64
+/* The nodes' pool block (pagekv serve's --block-tokens default): a decode leg pulls the
+ * whole blocks before the prompt's last token. */
+#define PKV_BD_BLOCK_TOKENS 16
 typedef struct {
     const char *design;
     bool fixed;          /* fixed slots (else per-transfer staging) */
@@ -48,12 +51,20 @@ typedef struct {
     uint32_t pool_pages; /* the staging's pages (per-transfer: the arena) */
     uint64_t page_bytes;
     uint32_t context; /* the longest context, tokens */
+    /* the prompts the design's nodes served, by token count (each the shortest count that
+       pulls as many blocks), weighted by how many */
     uint32_t mix_tokens[PKV_BD_PLAN_MIX], mix_weight[PKV_BD_PLAN_MIX];
     uint32_t n_mix;
-    uint64_t in_flight;      /* the measured peak of transfers in flight */
+    uint64_t in_flight[2];   /* prefill, decode: the stage's peak of transfers holding pages */
     double pinned_peak[2];   /* prefill, decode: VmLck peak, bytes */
     double inflight_peak[2]; /* the stage's peak pages in use x page bytes */
 } pkv_bd_plan_design_t;
+
+/* Count a served prompt of n tokens (usage.prompt_tokens; <= 0: not counted) into a mix
+ * of at most PKV_BD_PLAN_MIX entries, as the shortest count that pulls as many whole
+ * PKV_BD_BLOCK_TOKENS blocks (a full mix adds it to the entry nearest above, else the
+ * longest). */
+void pkv_bd_mix_add(uint32_t *tokens, uint32_t *weight, uint32_t *n_mix, long n);
 
 /* The planner (src/plan, preset's geometry, 64-token pages) against each design's
  * measured peaks: prints the "planner vs measured" table to out and returns the JSON rows

@@ -3,10 +3,12 @@
  * "Predictions against measured runs"): the memory planner (src/plan, called as a library)
  * on each design's geometry and load beside the peaks the design's nodes reached.
  *
- * Per design the planner gets the preset's geometry, TP 1 on both sides, 64-token pages,
- * the bench's longest context, the design's slots as the concurrency (64 for per-transfer
- * designs), the load's mix (every prompt length the design's phases sent, weighted by how
- * many) and, as the transfers in flight, the measured peak count. Rows:
+ * Per design and node the planner gets the preset's geometry, TP 1 on both sides, 64-token
+ * pages, pulls of the whole 16-token blocks before a prompt's last token (the nodes'
+ * blocks), the bench's longest context, the design's slots as the concurrency (64 for
+ * per-transfer designs), the load's mix (the real token count of every prompt the nodes
+ * served, weighted by how many) and, as the transfers in flight, the node's stage's exact
+ * peak count of transfers holding pages. Rows:
  *   - fixed designs: `fixed` (slots x the longest context) vs the pinned peak (VmLck);
  *   - per-transfer designs: `per_transfer_mean` and `per_transfer_tail` vs the pinned peak
  *     (the arena caps it: transfers past the arena wait).
@@ -16,6 +18,7 @@
  */
 #include "bench/bench_disagg.h"
 
+#include "core/core.h"
 #include "plan/plan.h"
 
 #include <math.h>
@@ -47,17 +50,24 @@ static const char *bdp_note(const pkv_bd_plan_design_t *d, int k, const char *fi
                  meas / BDP_MIB, d->inflight_peak[k] / BDP_MIB);
     } else if (pred < meas) {
         snprintf(buf, cap,
-                 "more pages in flight than independent draws from the whole mix give: the "
-                 "peak count came in a phase of long prompts (the long phase sends only the "
-                 "longest), which the mix weighs by its few requests");
+                 "more pages at once than %llu transfers of the mix's %s hold: the peak count "
+                 "came in a phase of long prompts (the long phase sends only the longest), "
+                 "which the whole run's mix weighs by its few requests",
+                 (unsigned long long)d->in_flight[k],
+                 strcmp(figure, "per_transfer_mean") ? "tail" : "mean");
+    } else if (!strcmp(figure, "per_transfer_tail")) {
+        snprintf(buf, cap,
+                 "the tail draws the %llu transfers in flight independently from the mix, so "
+                 "several long ones at once; here one prefill engine finishes prompts a batch "
+                 "at a time and a long prompt's prefill takes ~10x its pull, so long transfers "
+                 "rarely overlap: the peak count came with short prompts",
+                 (unsigned long long)d->in_flight[k]);
     } else {
         snprintf(buf, cap,
-                 "fewer pages than predicted: the planner counts ceil(prompt / 64) pages a "
-                 "transfer, a pull moves only the whole blocks before the prompt's last token "
-                 "(none under 65 tokens), a page less each, most of the gap at short prompts; "
-                 "and the peak count came with short prompts (burst, medium at 32/64-way) more "
-                 "than with the mix's mean%s",
-                 strcmp(figure, "per_transfer_mean") ? "" : "; a mean beside a peak");
+                 "fewer pages at the peak than %llu transfers of the mix's mean: the peak count "
+                 "of transfers came with short prompts (the burst and medium phases), the pages' "
+                 "peak with fewer, longer ones",
+                 (unsigned long long)d->in_flight[k]);
     }
     return buf;
 }
@@ -71,12 +81,32 @@ static json_t *bdp_row(const pkv_bd_plan_design_t *d, int k, const char *figure,
     const char *note = within ? "" : bdp_note(d, k, figure, pred, meas, buf, sizeof(buf));
     const char *node = k ? "decode" : "prefill";
     fprintf(out, "| %s | %s | %s | %llu | %.1f | %.1f | %.3f | %s |\n", d->design, node, figure,
-            (unsigned long long)d->in_flight, pred / BDP_MIB, meas / BDP_MIB, ratio,
+            (unsigned long long)d->in_flight[k], pred / BDP_MIB, meas / BDP_MIB, ratio,
             within ? "yes" : "NO");
     return json_pack("{s:s, s:s, s:s, s:I, s:I, s:I, s:f, s:b, s:s}", "design", d->design, "node",
-                     node, "figure", figure, "in_flight", (json_int_t)d->in_flight,
+                     node, "figure", figure, "in_flight", (json_int_t)d->in_flight[k],
                      "predicted_bytes", (json_int_t)pred, "measured_bytes", (json_int_t)meas,
                      "ratio", ratio, "within_10pct", within, "note", note);
+}
+
+void pkv_bd_mix_add(uint32_t *tokens, uint32_t *weight, uint32_t *n_mix, long n)
+{
+    if (n <= 0) return;
+    uint32_t b = PKV_BD_BLOCK_TOKENS, t = (uint32_t)(n - 1) / b * b + 1, m = 0;
+    while (m < *n_mix && tokens[m] != t) m++;
+    if (m == *n_mix && m == PKV_BD_PLAN_MIX) {
+        uint32_t best = 0; /* the nearest entry above t, else the longest */
+        for (uint32_t i = 1; i < *n_mix; i++) {
+            bool above = tokens[i] >= t, best_above = tokens[best] >= t;
+            if (above != best_above ? above
+                                    : (above ? tokens[i] < tokens[best] : tokens[i] > tokens[best]))
+                best = i;
+        }
+        m = best;
+    } else if (m == *n_mix) {
+        tokens[(*n_mix)++] = t;
+    }
+    weight[m]++;
 }
 
 json_t *pkv_bd_plan_check(const char *preset, const pkv_bd_plan_design_t *d, size_t n, FILE *out)
@@ -89,45 +119,46 @@ json_t *pkv_bd_plan_check(const char *preset, const pkv_bd_plan_design_t *d, siz
     }
     json_t *rows = json_array();
     fprintf(out,
-            "\nplanner vs measured (src/plan: %s, TP 1, 64-token pages; in flight = the "
-            "measured peak count of transfers):\n\n",
-            preset);
+            "\nplanner vs measured (src/plan: %s, TP 1, 64-token pages, pulls of whole %d-token "
+            "blocks; mix = the prompts served, by real token count; in flight = the node's "
+            "stage's peak count of transfers holding pages):\n\n",
+            preset, PKV_BD_BLOCK_TOKENS);
     fprintf(out, "| design | node | figure | in flight | planner MiB | measured MiB | planner / "
                  "measured | within 10 %% |\n|---|---|---|---|---|---|---|---|\n");
     for (size_t i = 0; i < n; i++) {
-        pkv_plan_input_t in = geo;
-        in.prefill_tp = in.decode_tp = 1;
-        in.page_tokens = 64;
-        in.context = d[i].context;
-        in.concurrency = d[i].fixed ? d[i].slots : 64;
-        for (uint32_t m = 0; m < d[i].n_mix && m < PKV_PLAN_MAX_MIX; m++) {
-            in.mix[m].tokens = d[i].mix_tokens[m];
-            in.mix[m].weight = d[i].mix_weight[m];
-            in.n_mix = m + 1;
-        }
-        in.in_flight = d[i].in_flight ? d[i].in_flight : 1;
-        in.in_flight_set = true;
-        pkv_plan_t pl;
-        if (pkv_plan_compute(&in, &pl) != 0) {
-            fprintf(stderr, "pagekv bench disagg: planner (%s): %s\n", d[i].design, pl.err);
-            continue;
-        }
-        if (pl.decode.rank.page_bytes != d[i].page_bytes)
-            fprintf(out, "(%s: the planner's page is %llu bytes, the nodes' %llu)\n", d[i].design,
-                    (unsigned long long)pl.decode.rank.page_bytes,
-                    (unsigned long long)d[i].page_bytes);
         for (int k = 0; k < 2; k++) {
+            pkv_plan_input_t in = geo;
+            in.prefill_tp = in.decode_tp = 1;
+            in.page_tokens = 64;
+            in.pull_block_tokens = PKV_BD_BLOCK_TOKENS;
+            in.context = d[i].context;
+            in.concurrency = d[i].fixed ? d[i].slots : 64;
+            for (uint32_t m = 0; m < d[i].n_mix && m < PKV_PLAN_MAX_MIX; m++) {
+                in.mix[m].tokens = PKV_MIN(d[i].mix_tokens[m], d[i].context);
+                in.mix[m].weight = d[i].mix_weight[m];
+                in.n_mix = m + 1;
+            }
+            in.in_flight = d[i].in_flight[k] ? d[i].in_flight[k] : 1;
+            in.in_flight_set = true;
+            pkv_plan_t pl;
+            if (pkv_plan_compute(&in, &pl) != 0) {
+                fprintf(stderr, "pagekv bench disagg: planner (%s): %s\n", d[i].design, pl.err);
+                continue;
+            }
+            if (k == 0 && pl.decode.rank.page_bytes != d[i].page_bytes)
+                fprintf(out, "(%s: the planner's page is %llu bytes, the nodes' %llu)\n",
+                        d[i].design, (unsigned long long)pl.decode.rank.page_bytes,
+                        (unsigned long long)d[i].page_bytes);
             const pkv_plan_bytes_t *b = k ? &pl.decode.rank : &pl.prefill.rank;
+            double meas = d[i].pinned_peak[k];
             if (d[i].fixed) {
-                json_array_append_new(rows, bdp_row(&d[i], k, "fixed", (double)b->fixed_bytes,
-                                                    d[i].pinned_peak[k], out));
+                json_array_append_new(
+                    rows, bdp_row(&d[i], k, "fixed", (double)b->fixed_bytes, meas, out));
             } else {
                 json_array_append_new(rows, bdp_row(&d[i], k, "per_transfer_mean",
-                                                    (double)b->per_transfer_mean_bytes,
-                                                    d[i].pinned_peak[k], out));
+                                                    (double)b->per_transfer_mean_bytes, meas, out));
                 json_array_append_new(rows, bdp_row(&d[i], k, "per_transfer_tail",
-                                                    (double)b->per_transfer_tail_bytes,
-                                                    d[i].pinned_peak[k], out));
+                                                    (double)b->per_transfer_tail_bytes, meas, out));
             }
         }
     }

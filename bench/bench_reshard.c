@@ -162,9 +162,10 @@ static void br_reqs_make(const br_opts_t *o, const br_env_t *e, lg_req_t *reqs, 
 {
     for (uint32_t i = 0; i < o->requests; i++) {
         char *text = pkv_filler_alloc((size_t)(br_mix[i % 4] * e->cpt), seed0 + i, 1);
-        json_t *body = json_pack("{s:s, s:[{s:s, s:s}], s:i, s:f, s:b}", "model", o->preset,
-                                 "messages", "role", "user", "content", text ? text : "",
-                                 "max_tokens", 8, "temperature", 0.0, "stream", 1);
+        json_t *body =
+            json_pack("{s:s, s:[{s:s, s:s}], s:i, s:f, s:b, s:{s:b}}", "model", o->preset,
+                      "messages", "role", "user", "content", text ? text : "", "max_tokens", 8,
+                      "temperature", 0.0, "stream", 1, "stream_options", "include_usage", 1);
         reqs[i] = (lg_req_t){
             .path = "/v1/chat/completions", .body = json_dumps(body, JSON_COMPACT), .stream = true};
         json_decref(body);
@@ -198,6 +199,9 @@ typedef struct {
     double plan_bytes[2]; /* the planner's host staging per node for this design */
     double plan_tail[2];  /* per-transfer tail of the same load */
     uint64_t pulls_peak;  /* the decode node's pulls in flight at their peak (exact) */
+    uint64_t staging_transfers_peak[2]; /* per node: transfers holding staging at once */
+    /* the prompts served, by real token count (pkv_bd_mix_add), for the planner */
+    uint32_t mix_tokens[PKV_BD_PLAN_MIX], mix_weight[PKV_BD_PLAN_MIX], n_mix;
 } br_result_t;
 
 static int br_node_start(const br_opts_t *o, const br_env_t *e, const char *name, const char *role,
@@ -228,10 +232,10 @@ static int br_node_start(const br_opts_t *o, const br_env_t *e, const char *name
                                   false, NULL, p);
 }
 
-/* A counter of the decode node's kv_transfer stats (0 when absent). */
-static uint64_t br_dec_stat(const cluster_proc_t *dec, const char *path)
+/* A counter of a node's kv_transfer stats (0 when absent). */
+static uint64_t br_node_stat(const cluster_proc_t *node, const char *path)
 {
-    json_t *st = cluster_http_get_json(dec->url, "/v1/cache/stats", 5000);
+    json_t *st = cluster_http_get_json(node->url, "/v1/cache/stats", 5000);
     long long b = cluster_json_int(st, path);
     json_decref(st);
     return b > 0 ? (uint64_t)b : 0;
@@ -248,16 +252,22 @@ static void br_plan(const br_opts_t *o, br_result_t *r)
     in.page_tokens = BR_PAGE_TOK;
     in.context = BR_CONTEXT;
     in.concurrency = o->concurrency;
-    /* the transfers in flight at once: the decode node's exact high-water of its pulls */
-    in.in_flight = PKV_MAX(r->pulls_peak, 1);
+    in.pull_block_tokens = PKV_BD_BLOCK_TOKENS;
+    /* the mix: every prompt served, by its real token count */
+    for (uint32_t m = 0; m < r->n_mix && m < PKV_PLAN_MAX_MIX; m++) {
+        in.mix[m] = (pkv_plan_mix_t){.tokens = PKV_MIN(r->mix_tokens[m], BR_CONTEXT),
+                                     .weight = r->mix_weight[m]};
+        in.n_mix = m + 1;
+    }
     in.in_flight_set = true;
-    in.n_mix = 4;
-    for (int i = 0; i < 4; i++) in.mix[i] = (pkv_plan_mix_t){.tokens = br_mix[i], .weight = 1};
     uint64_t pool = 0;
     pkv_cli_parse_bytes(o->pool, &pool);
     pkv_plan_t pl;
     for (int k = 0; k < 2; k++) {
         uint32_t tp = k ? r->d : r->p;
+        /* the transfers in flight at once: the node's stages' exact high-water of transfers
+           holding pages */
+        in.in_flight = PKV_MAX(r->staging_transfers_peak[k], 1);
         in.device_pool_bytes = pool / tp;
         if (pkv_plan_compute(&in, &pl)) return;
         const pkv_plan_side_t *sd = k ? &pl.decode : &pl.prefill;
@@ -290,7 +300,7 @@ static void br_one(const br_opts_t *o, const br_env_t *e, const cluster_proc_t *
     br_sampler_t s = {.node = {{.proc = &pre}, {.proc = &dec}}};
     pthread_mutex_init(&s.lock, NULL);
     pthread_create(&s.th, NULL, br_sampler_main, &s);
-    uint64_t b0 = br_dec_stat(&dec, "kv_transfer.transfers.bytes_received");
+    uint64_t b0 = br_node_stat(&dec, "kv_transfer.transfers.bytes_received");
     static const char *const hdr[] = {"X-Pagekv-Timings: 1", NULL};
     lg_config_t lc = {.base_url = rt.url,
                       .concurrency = o->concurrency,
@@ -299,8 +309,13 @@ static void br_one(const br_opts_t *o, const br_env_t *e, const cluster_proc_t *
                       .stop = &br_stop,
                       .keep_body = true};
     lg_run(&lc, reqs, o->requests, res);
-    r->bytes_moved = br_dec_stat(&dec, "kv_transfer.transfers.bytes_received") - b0;
-    r->pulls_peak = br_dec_stat(&dec, "kv_transfer.pulls.inflight_peak");
+    r->bytes_moved = br_node_stat(&dec, "kv_transfer.transfers.bytes_received") - b0;
+    r->pulls_peak = br_node_stat(&dec, "kv_transfer.pulls.inflight_peak");
+    r->staging_transfers_peak[0] = br_node_stat(&pre, "kv_transfer.staging.transfers_peak");
+    r->staging_transfers_peak[1] = br_node_stat(&dec, "kv_transfer.staging.transfers_peak");
+    for (uint32_t i = 0; i < o->requests; i++)
+        if (res[i].status == 200)
+            pkv_bd_mix_add(r->mix_tokens, r->mix_weight, &r->n_mix, res[i].answer.prompt_tokens);
     s.stop = 1;
     pthread_join(s.th, NULL);
     pthread_mutex_destroy(&s.lock);
@@ -455,6 +470,10 @@ static json_t *br_json(const br_opts_t *o, const br_result_t *res, uint32_t n)
                             json_pack("{s:I, s:I}", "prefill", (json_int_t)r->plan_tail[0],
                                       "decode", (json_int_t)r->plan_tail[1]));
         json_object_set_new(pj, "transfers_inflight_peak", json_integer((json_int_t)r->pulls_peak));
+        json_object_set_new(pj, "staging_transfers_peak",
+                            json_pack("{s:I, s:I}", "prefill",
+                                      (json_int_t)r->staging_transfers_peak[0], "decode",
+                                      (json_int_t)r->staging_transfers_peak[1]));
         json_object_set_new(pj, "resident_over_inuse_rank_max",
                             json_pack("{s:f, s:f}", "prefill", r->node[0].res_over_fly, "decode",
                                       r->node[1].res_over_fly));
@@ -467,7 +486,8 @@ static json_t *br_json(const br_opts_t *o, const br_result_t *res, uint32_t n)
 static void br_table(const br_result_t *res, uint32_t n)
 {
     printf("\n| P -> D | design | pinned MiB (OS) prefill / decode | resident peak / in-flight "
-           "peak MiB, decode | transfers in flight, peak | planned MiB prefill / decode (per-plan: "
+           "peak MiB, decode | transfers holding staging, peak, prefill / decode | planned MiB "
+           "prefill / decode (per-plan: "
            "mean, tail) | moved MiB | transfer p50 ms | TTFT p50 ms | failed | parity "
            "|\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (uint32_t i = 0; i < n; i++) {
@@ -476,14 +496,15 @@ static void br_table(const br_result_t *res, uint32_t n)
         if (r->design == BR_PER_PLAN)
             snprintf(tail, sizeof(tail), " (tail %.1f / %.1f)", r->plan_tail[0] / BR_MIB,
                      r->plan_tail[1] / BR_MIB);
-        printf("| %u -> %u | %s | %.1f / %.1f | %.1f / %.1f | %llu | %.1f / %.1f%s | %.1f | %.1f | "
+        printf("| %u -> %u | %s | %.1f / %.1f | %.1f / %.1f | %llu / %llu | %.1f / %.1f%s | %.1f | "
+               "%.1f | "
                "%.1f | %u | %u/%u |\n",
                r->p, r->d, br_design_names[r->design], r->node[0].lck_peak / BR_MIB,
                r->node[1].lck_peak / BR_MIB, r->node[1].res_peak / BR_MIB,
-               r->node[1].fly_peak / BR_MIB, (unsigned long long)r->pulls_peak,
-               r->plan_bytes[0] / BR_MIB, r->plan_bytes[1] / BR_MIB, tail,
-               (double)r->bytes_moved / BR_MIB, r->transfer_p50, r->ttft_p50, r->failed,
-               r->parity_same, r->parity_n);
+               r->node[1].fly_peak / BR_MIB, (unsigned long long)r->staging_transfers_peak[0],
+               (unsigned long long)r->staging_transfers_peak[1], r->plan_bytes[0] / BR_MIB,
+               r->plan_bytes[1] / BR_MIB, tail, (double)r->bytes_moved / BR_MIB, r->transfer_p50,
+               r->ttft_p50, r->failed, r->parity_same, r->parity_n);
     }
     /* per pair: the ratios the targets name */
     printf("\n| P -> D | mirror / per-plan pins (decode) | TTFT per-plan / mirror | per-plan "

@@ -349,6 +349,52 @@ START_TEST(bad_input_is_a_clear_error)
 }
 END_TEST
 
+/* pagekv's decode node pulls the whole blocks before a prompt's last token (kvnode.c:
+ * want = (n_prompt - 1) / block_tokens); the field's connectors move every token. */
+START_TEST(a_pull_moves_the_whole_blocks_before_the_last_token)
+{
+    pkv_plan_input_t in = {.layers = 16,
+                           .kv_heads = 8,
+                           .head_dim = 64,
+                           .dtype = PKV_DTYPE_BF16, /* llama-3.2-1b: 32 KiB a token */
+                           .prefill_tp = 1,
+                           .decode_tp = 1,
+                           .page_tokens = 64,
+                           .context = 1024,
+                           .concurrency = 1,
+                           .in_flight = 1,
+                           .in_flight_set = true,
+                           .n_mix = 1};
+    /* tokens -> pages: the pull's tokens (16-token blocks) over 64-token pages */
+    static const uint64_t tok[][3] = {{16, 0, 1}, {17, 1, 1},  {64, 1, 1},    {80, 1, 2},
+                                      {81, 2, 2}, {529, 9, 9}, {1024, 16, 16}};
+    for (size_t i = 0; i < sizeof(tok) / sizeof(tok[0]); i++) {
+        pkv_plan_t p;
+        in.mix[0] = (pkv_plan_mix_t){tok[i][0], 1};
+        in.pull_block_tokens = 16;
+        ck_assert_int_eq(pkv_plan_compute(&in, &p), PKV_OK);
+        ck_assert_msg(p.decode.mean_pages == tok[i][1] && p.decode.tail_pages == tok[i][1],
+                      "%llu tokens: %llu pages (mean), %llu (tail), want %llu",
+                      (unsigned long long)tok[i][0], (unsigned long long)p.decode.mean_pages,
+                      (unsigned long long)p.decode.tail_pages, (unsigned long long)tok[i][1]);
+        in.pull_block_tokens = 0;
+        ck_assert_int_eq(pkv_plan_compute(&in, &p), PKV_OK);
+        ck_assert_uint_eq(p.decode.mean_pages, tok[i][2]);
+    }
+    /* a long transfer follows the same rule; fixed slots hold the whole context */
+    pkv_plan_t p;
+    in.mix[0] = (pkv_plan_mix_t){16, 1};
+    in.n_long = 1;
+    in.longs[0] = (pkv_plan_long_t){1024, 2};
+    in.pull_block_tokens = 16;
+    ck_assert_int_eq(pkv_plan_compute(&in, &p), PKV_OK);
+    ck_assert_uint_eq(p.decode.mean_pages, 2 * 16);
+    ck_assert_uint_eq(p.decode.slot_pages, 16);
+    in.pull_block_tokens = 2048; /* a block longer than the context */
+    expect_invalid(&in, "larger than the context");
+}
+END_TEST
+
 START_TEST(allocation_failure_is_nomem_with_a_reason)
 {
     pkv_plan_input_t in = field_8k();
@@ -404,6 +450,9 @@ START_TEST(cli_bad_input_exits_2)
         "--preset gpt-oss-120b --mix 128:x",
         "--preset gpt-oss-120b --long 9k --context 8k",
         "--preset gpt-oss-120b --device-pool lots",
+        "--preset gpt-oss-120b --pull-block-tokens 16k --context 8k",
+        "--preset gpt-oss-120b --pull-block-tokens -1",
+        "--table field --pull-block-tokens 0",
         "--preset no-such-model",
         "--layers 36 --kv-heads 8",
         "--preset gpt-oss-120b --tp 8 --prefill-tp 8 --decode-tp 8",
@@ -484,6 +533,7 @@ static Suite *plan_suite(void)
     tcase_add_test(tc, plan_per_rank_and_per_host);
     tcase_add_test(tc, tp_sides_replication_and_hosts);
     tcase_add_test(tc, staging_pages_match_the_allocator);
+    tcase_add_test(tc, a_pull_moves_the_whole_blocks_before_the_last_token);
     tcase_add_test(tc, paged_peak_matches_the_pool);
     tcase_add_test(tc, bad_input_is_a_clear_error);
     tcase_add_test(tc, allocation_failure_is_nomem_with_a_reason);

@@ -534,6 +534,8 @@ static void check_hugepages(pkv_server_config_t cfg, pkv_prim_thp_mode_t mode)
         long long hp = ji(st, "hugepages.pool_huge_bytes");
         ck_assert_int_eq(res, ji(st, "committed_bytes"));
         ck_assert_int_gt(res, 0);
+        long long age = ji(st, "hugepages.pool_read_age_ms");
+        ck_assert(age >= 0 && age <= 5000); /* read at most SRV_PAGES_MAX_AGE_NS ago */
         ck_assert(hp >= 0 && hp <= res && hp % PKV_PRIM_HUGE == 0);
         if (!want && mode != PKV_PRIM_THP_ALWAYS) ck_assert_int_eq(hp, 0);
         snprintf(line, sizeof(line), "\npagekv_kv_pool_hugepage_bytes %lld\n", hp);

@@ -224,6 +224,7 @@ START_TEST(acquire_gives_exact_pages_in_few_runs)
     for (uint64_t i = 0; i < 64; i++)
         ck_assert_int_eq(pkv_stage_acquire(st, 100 + i, 0, 1, PKV_DEADLINE_NEVER, &one[i]), PKV_OK);
     ck_assert_uint_eq(stats_of(st).pages_free, 0);
+    ck_assert_uint_eq(stats_of(st).transfers_peak, 64); /* the 64 at once, not 65 in all */
     /* Free pages by page index: [10,15) [20,23) [30,32). */
     uint32_t holes[][2] = {{10, 5}, {20, 3}, {30, 2}};
     for (size_t h = 0; h < 3; h++)
@@ -262,6 +263,7 @@ START_TEST(acquire_gives_exact_pages_in_few_runs)
     pkv_stage_stats_t e = stats_of(st);
     ck_assert_uint_eq(e.pages_free, e.pages_total);
     ck_assert_uint_eq(e.transfers_live, 0);
+    ck_assert_uint_eq(e.transfers_peak, 64);
     ck_assert_uint_eq(e.pages_asked_inflight, 0);
     stage_done(st);
 }

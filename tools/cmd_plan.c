@@ -25,6 +25,8 @@
 #include <string.h>
 
 #define CMD "plan"
+/* pagekv serve's --block-tokens default: what its decode node pulls in */
+#define PLAN_PULL_BLOCK_TOKENS 16
 
 typedef struct {
     pkv_plan_input_t in;
@@ -39,11 +41,15 @@ static void usage(void)
             "         [--dtype f32|f16|bf16] [--tp N | --prefill-tp N --decode-tp N]\n"
             "         [--ranks-per-host N] [--page-tokens N] [--context T] [--concurrency N]\n"
             "         [--mix T:W,...] [--in-flight N] [--long T[:COUNT]]...\n"
-            "         [--device-pool BYTES] [--table field] [--json FILE]\n"
+            "         [--pull-block-tokens N] [--device-pool BYTES] [--table field]\n"
+            "         [--json FILE]\n"
             "token counts take K / M suffixes (x 1024): 8k, 128k, 1M\n"
             "defaults: bf16, TP 1, ranks per host = TP, 64-token pages, context = the longest of\n"
             "  the mix and --long (else 8k), concurrency 64, in flight = concurrency, mix = the\n"
             "  context alone, device pool = concurrency x context\n"
+            "--pull-block-tokens N: a transfer moves the whole N-token blocks before the\n"
+            "  prompt's last token, as pagekv's decode node pulls them (pagekv serve\n"
+            "  --block-tokens; default 16); 0: every token, as the field's connectors do\n"
             "--table field: the second field report's rows at 8k / 128k / 1M (geometry flags\n"
             "  only; default gpt-oss-120b at TP8)\n"
             "presets: gpt-oss-120b");
@@ -174,6 +180,10 @@ static int set_load(plan_opts_t *o, const char *a, const char *v)
         rc = parse_mix(v, in);
     } else if (!strcmp(a, "--long")) {
         rc = parse_long(v, in);
+    } else if (!strcmp(a, "--pull-block-tokens")) {
+        rc = pkv_cli_parse_u64(v, 0, UINT32_MAX, &in->pull_block_tokens)
+                 ? pkv_cli_usage_error(CMD, "--pull-block-tokens: 0..%u, got '%s'", UINT32_MAX, v)
+                 : 0;
     } else if (!strcmp(a, "--device-pool")) {
         rc = pkv_cli_parse_bytes(v, &in->device_pool_bytes) || !in->device_pool_bytes
                  ? pkv_cli_usage_error(CMD, "--device-pool: bytes (e.g. 56.5G), got '%s'", v)
@@ -228,6 +238,7 @@ static int parse_args(int argc, char **argv, plan_opts_t *o)
 {
     memset(o, 0, sizeof(*o));
     o->in.dtype = PKV_DTYPE_BF16;
+    o->in.pull_block_tokens = PLAN_PULL_BLOCK_TOKENS;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -423,6 +434,11 @@ static void print_load(const pkv_plan_input_t *in, const pkv_plan_t *p)
     for (uint32_t i = 0; i < in->n_long; i++)
         printf(" + %llu x %llu", (unsigned long long)in->longs[i].count,
                (unsigned long long)in->longs[i].tokens);
+    if (in->pull_block_tokens)
+        printf("; a transfer moves the whole %llu-token blocks before its last token",
+               (unsigned long long)in->pull_block_tokens);
+    else
+        printf("; a transfer moves every token");
     printf("; pages in flight: mean %.1f -> %llu, tail %llu (%s)\n", p->mean_pages_exact,
            (unsigned long long)p->decode.mean_pages, (unsigned long long)p->decode.tail_pages,
            p->decode.tail_exact ? "exact distribution" : "normal approximation");
@@ -516,13 +532,14 @@ static json_t *input_json(const pkv_plan_input_t *in)
     for (uint32_t i = 0; i < in->n_long; i++)
         json_array_append_new(lng, json_pack("{s:o, s:o}", "tokens", jbytes(in->longs[i].tokens),
                                              "count", jbytes(in->longs[i].count)));
-    return json_pack("{s:i, s:i, s:i, s:s, s:i, s:i, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}",
+    return json_pack("{s:i, s:i, s:i, s:s, s:i, s:i, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}",
                      "layers", (int)in->layers, "kv_heads", (int)in->kv_heads, "head_dim",
                      (int)in->head_dim, "dtype", pkv_dtype_name(in->dtype), "prefill_tp",
                      (int)in->prefill_tp, "decode_tp", (int)in->decode_tp, "page_tokens",
                      jbytes(in->page_tokens), "granule_bytes", jbytes(in->granule_bytes),
                      "context_tokens", jbytes(in->context), "concurrency", jbytes(in->concurrency),
-                     "in_flight", jbytes(in->in_flight), "mix", mix, "long", lng,
+                     "in_flight", jbytes(in->in_flight), "pull_block_tokens",
+                     jbytes(in->pull_block_tokens), "mix", mix, "long", lng,
                      "device_pool_bytes_per_rank", jbytes(in->device_pool_bytes));
 }
 

@@ -187,6 +187,7 @@ typedef struct {
     uint64_t committed_pages;  /* cumulative commits */
     uint64_t released_pages;   /* cumulative returns to the OS */
     uint32_t transfers_live;   /* holding, or released with leases open */
+    uint32_t transfers_peak;   /* high-water of transfers_live */
     uint32_t waiting;          /* acquires parked now */
     uint64_t acquires;         /* successful */
     uint64_t releases;

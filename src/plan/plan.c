@@ -135,6 +135,10 @@ static int plan_input(plan_ctx_t *c, pkv_plan_input_t *in)
         return plan_fail(c, "granule of %llu bytes is not a multiple of 4 KiB",
                          (unsigned long long)in->granule_bytes);
     if (!in->context) return plan_fail(c, "the context must be at least 1 token");
+    if (in->pull_block_tokens > in->context)
+        return plan_fail(c, "a block of %llu tokens is larger than the context (%llu tokens)",
+                         (unsigned long long)in->pull_block_tokens,
+                         (unsigned long long)in->context);
     if (in->page_tokens > in->context)
         return plan_fail(c, "a page of %llu tokens is larger than the context (%llu tokens)",
                          (unsigned long long)in->page_tokens, (unsigned long long)in->context);
@@ -159,6 +163,14 @@ static int plan_input(plan_ctx_t *c, pkv_plan_input_t *in)
 
 /* ---- the per-transfer load (pages; the same on both sides) --------------------------- */
 
+/* Staging pages of one transfer of an n-token context (see pull_block_tokens). */
+static uint64_t transfer_pages(const pkv_plan_input_t *in, uint64_t n)
+{
+    uint64_t b = in->pull_block_tokens;
+    uint64_t moved = b ? (n - 1) / b * b : n;
+    return div_up(moved, in->page_tokens);
+}
+
 typedef struct {
     uint64_t pages[PKV_PLAN_MAX_MIX]; /* per mix entry */
     uint64_t max_pages;
@@ -176,6 +188,7 @@ static int tail_exact(const pkv_plan_input_t *in, const plan_load_t *l, uint64_t
                       uint64_t *out)
 {
     uint64_t n = in->in_flight;
+    if (l->max_pages == 0) return *out = 0, 1; /* no transfer moves a page */
     if (n >= PLAN_TAIL_MAX_BINS / l->max_pages) return 0;
     uint64_t bins = n * l->max_pages + 1; /* < 2^22 */
     if (n * bins * in->n_mix > PLAN_TAIL_MAX_WORK) return 0;
@@ -213,7 +226,7 @@ static int plan_load(plan_ctx_t *c, const pkv_plan_input_t *in, plan_load_t *l)
     uint64_t wsum = 0, wpages = 0;
     double m2 = 0.0;
     for (uint32_t i = 0; i < in->n_mix; i++) {
-        l->pages[i] = div_up(in->mix[i].tokens, in->page_tokens);
+        l->pages[i] = transfer_pages(in, in->mix[i].tokens);
         l->max_pages = PKV_MAX(l->max_pages, l->pages[i]);
         wsum = ck_add(c, wsum, in->mix[i].weight, "the mix's weights");
         wpages = ck_add(c, wpages, ck_mul(c, in->mix[i].weight, l->pages[i], "a mix entry's pages"),
@@ -223,7 +236,7 @@ static int plan_load(plan_ctx_t *c, const pkv_plan_input_t *in, plan_load_t *l)
     for (uint32_t i = 0; i < in->n_long; i++)
         l->long_pages =
             ck_add(c, l->long_pages,
-                   ck_mul(c, in->longs[i].count, div_up(in->longs[i].tokens, in->page_tokens),
+                   ck_mul(c, in->longs[i].count, transfer_pages(in, in->longs[i].tokens),
                           "the long transfers' pages"),
                    "the long transfers' pages");
     uint64_t worst = ck_mul(c, in->in_flight, l->max_pages, "the pages in flight");
@@ -368,6 +381,7 @@ int pkv_plan_field(const pkv_plan_input_t *geo, pkv_plan_field_row_t rows[PKV_PL
         in.in_flight = 64;
         in.in_flight_set = true;
         in.device_pool_bytes = 113ull << 29; /* 56.5 GiB */
+        in.pull_block_tokens = 0;            /* the field's connectors move every token */
         in.n_mix = i == 2 ? 1 : (uint32_t)PKV_ARRAY_LEN(field_mix);
         memcpy(in.mix, i == 2 ? &field_mix[3] : field_mix, in.n_mix * sizeof(in.mix[0]));
         in.n_long = i == 0 ? 0 : 1;

@@ -10,7 +10,9 @@
  *   - the paged pool's growth peak (live rounded up to the pool's granules: at most live +
  *     one granule per range) vs a copy-on-grow pool (pool x 2, weights not counted).
  * Pages follow the staging's arithmetic (a transfer of B bytes takes ceil(B / page_bytes)
- * pages; a fixed slot is the pages of the longest context), granules the pool's
+ * pages; a fixed slot is the pages of the longest context), a transfer's bytes the pull's
+ * (pull_block_tokens: the whole blocks before the prompt's last token, as pagekv's decode
+ * node pulls; 0: every token, as the field's connectors move), granules the pool's
  * (blocks_per_granule = max(1, granule / block), granule stride rounded up to 4 KiB).
  *
  * Pure arithmetic: no printing, no global state. Every product is checked for 64-bit
@@ -26,7 +28,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define PKV_PLAN_MAX_MIX  16
+#define PKV_PLAN_MAX_MIX  64
 #define PKV_PLAN_MAX_LONG 8
 #define PKV_PLAN_ERR_LEN  200
 /* The tail of per-transfer staging: the pages in flight exceeded at this fraction of
@@ -52,6 +54,11 @@ typedef struct {
     uint32_t ranks_per_host; /* 0 -> each side's TP */
     uint64_t page_tokens;    /* tokens per staging page and per pool block; 0 -> 64 */
     uint64_t granule_bytes;  /* pool commit unit; 0 -> 2 MiB */
+    /* What a transfer of an n-token context moves: 0 -> all n tokens (the field's
+     * connectors; `bench staging`'s transfers); B -> the whole B-token blocks before the
+     * context's last token, floor((n - 1) / B) x B tokens (pagekv's decode node computes
+     * the last token itself: `pagekv serve --block-tokens`, default 16). */
+    uint64_t pull_block_tokens;
     /* load */
     uint64_t context;     /* the longest context, tokens */
     uint64_t concurrency; /* requests at once = fixed slots */

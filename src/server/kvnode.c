@@ -324,6 +324,8 @@ static void ss_add(pkv_stage_stats_t *sum, const pkv_stage_stats_t *s)
     sum->resident_peak_bytes += s->resident_peak_bytes;
     sum->pinned_bytes += s->pinned_bytes;
     sum->waits += s->waits;
+    /* every rank stages its slice of each transfer: the ranks' largest */
+    sum->transfers_peak = PKV_MAX(sum->transfers_peak, s->transfers_peak);
 }
 
 void srv_kvnode_snapshot(srv_kvnode_t *n, srv_kv_snapshot_t *out)
@@ -508,6 +510,10 @@ json_t *srv_kv_stats_json(const srv_kv_snapshot_t *k)
         "resident_bytes", (json_int_t)s->resident_bytes, "pinned_bytes",
         (json_int_t)s->pinned_bytes, "pages_held_by_transfers", (json_int_t)x->staging_pages_held);
     if (!doc) return NULL;
+    /* transfers holding staging pages at once, high-water (fixed slots and the mirror: their
+       commit at start took every slot once) */
+    json_object_set_new(json_object_get(doc, "staging"), "transfers_peak",
+                        json_integer((json_int_t)s->transfers_peak));
     json_object_set_new(
         doc, "pulls",
         json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "ok", (json_int_t)k->pulls.ok, "released",

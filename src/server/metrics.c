@@ -355,15 +355,17 @@ char *srv_metrics_render(const srv_snapshot_t *snap, size_t *len)
 }
 
 /* The "hugepages" section: what was asked, what the kernel allows, and what it gave (the
- * startup probe, and the pool's range in smaps now: null when not read). */
+ * startup probe, and the pool's range in smaps, read at most SRV_PAGES_MAX_AGE_NS ago:
+ * null when not read). */
 static json_t *hugepages_json(const srv_snapshot_t *snap)
 {
+    bool ok = snap->pages_ok;
     return json_pack(
-        "{s:b, s:s, s:b, s:o, s:o}", "requested", snap->huge, "thp_mode", snap->thp_mode,
+        "{s:b, s:s, s:b, s:o, s:o, s:o}", "requested", snap->huge, "thp_mode", snap->thp_mode,
         "probe_huge", snap->huge_probe, "pool_resident_bytes",
-        snap->pages_ok ? json_integer((json_int_t)snap->pool_resident_bytes) : json_null(),
-        "pool_huge_bytes",
-        snap->pages_ok ? json_integer((json_int_t)snap->pool_huge_bytes) : json_null());
+        ok ? json_integer((json_int_t)snap->pool_resident_bytes) : json_null(), "pool_huge_bytes",
+        ok ? json_integer((json_int_t)snap->pool_huge_bytes) : json_null(), "pool_read_age_ms",
+        ok ? json_integer((json_int_t)(snap->pages_age_ns / 1000000)) : json_null());
 }
 
 json_t *srv_cache_stats_json(const srv_snapshot_t *snap)

@@ -167,6 +167,8 @@ void srv_kvnode_destroy(srv_kvnode_t *n);
 const char *srv_kvnode_address(const srv_kvnode_t *n);
 /* A progress loop that has not begun a round for this long is stuck (/health 503). */
 #define SRV_AGENT_STALL_NS 2000000000ull
+/* The pool's smaps reading (hugepages.pool_*) is reused for this long (server.c). */
+#define SRV_PAGES_MAX_AGE_NS 5000000000ull
 /* Whether the agent can serve (for /health): it runs, is not shutting down, and its
  * progress thread beat within SRV_AGENT_STALL_NS. *age_ns: since that beat. */
 bool srv_kvnode_healthy(srv_kvnode_t *n, uint64_t *age_ns);
@@ -247,6 +249,7 @@ typedef struct {
     bool huge, huge_probe; /* the pool asks for THP; the startup probe got a huge page */
     const char *thp_mode;  /* the kernel's THP mode at startup */
     bool pages_ok;         /* paged: the pool's range read from smaps (pkv_kv_pages) */
+    uint64_t pages_age_ns; /* how old that reading is (at most SRV_PAGES_MAX_AGE_NS) */
     uint64_t pool_resident_bytes, pool_huge_bytes; /* of which in huge pages */
     bool has_kv;                                   /* a prefill or decode node: kv filled */
     srv_kv_snapshot_t kv;

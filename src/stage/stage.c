@@ -271,6 +271,7 @@ static uint32_t stage_grant(pkv_stage_t *st, uint64_t id, uint32_t peer, uint32_
     pkv_stage_stats_t *k = &st->stats;
     k->acquires++;
     k->transfers_live++;
+    k->transfers_peak = PKV_MAX(k->transfers_peak, k->transfers_live);
     k->pages_asked_inflight += asked;
     k->pages_asked_peak = PKV_MAX(k->pages_asked_peak, k->pages_asked_inflight);
     uint32_t used = st->npages - st->alloc.free_pages;
