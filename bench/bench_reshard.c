@@ -267,7 +267,10 @@ static void br_plan(const br_opts_t *o, br_result_t *r)
         uint32_t tp = k ? r->d : r->p;
         /* the transfers in flight at once: the node's stages' exact high-water of transfers
            holding pages */
-        in.in_flight = PKV_MAX(r->staging_transfers_peak[k], 1);
+        /* a decode rank reads each transfer from every prefill rank whose heads it needs
+           (P / D of them when P > D), and its stage counts each read */
+        uint64_t reads = k && r->p > r->d ? r->p / r->d : 1;
+        in.in_flight = PKV_MAX(r->staging_transfers_peak[k] / reads, 1);
         in.device_pool_bytes = pool / tp;
         if (pkv_plan_compute(&in, &pl)) return;
         const pkv_plan_side_t *sd = k ? &pl.decode : &pl.prefill;
