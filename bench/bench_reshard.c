@@ -268,8 +268,9 @@ static void br_plan(const br_opts_t *o, br_result_t *r)
         /* the transfers in flight at once: the node's stages' exact high-water of transfers
            holding pages */
         /* a decode rank reads each transfer from every prefill rank whose heads it needs
-           (P / D of them when P > D), and its stage counts each read */
-        uint64_t reads = k && r->p > r->d ? r->p / r->d : 1;
+           (P / D of them when P > D), a prefill rank serves every decode rank that needs
+           its heads (D / P when D > P), and a stage counts each read */
+        uint64_t reads = k ? (r->p > r->d ? r->p / r->d : 1) : (r->d > r->p ? r->d / r->p : 1);
         in.in_flight = PKV_MAX(r->staging_transfers_peak[k] / reads, 1);
         in.device_pool_bytes = pool / tp;
         if (pkv_plan_compute(&in, &pl)) return;
