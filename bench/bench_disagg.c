@@ -109,8 +109,7 @@ typedef struct {
     double inflight_transfers_peak[2];
     /* transfers holding staging pages at once: each stage's exact high-water */
     double staging_transfers_peak[2];
-    /* the prompts served (usage.prompt_tokens), for the planner: see pkv_bd_plan_design_t */
-    uint32_t mix_tokens[PKV_BD_PLAN_MIX], mix_weight[PKV_BD_PLAN_MIX], n_mix;
+    pkv_bd_mix_t mix; /* the prompts served (usage.prompt_tokens), for the planner */
     bool staging_idle_zero;
     uint32_t parity_requests, parity_identical;
     bd_sample_t *samples;
@@ -297,7 +296,7 @@ static void bd_phase_run(const bd_opts_t *o, const bd_load_t *L, int phn, const 
         }
         ttft[ph->ok++] = x->ttft_s * 1e3;
         tsum += x->ttft_s * 1e3;
-        pkv_bd_mix_add(run->mix_tokens, run->mix_weight, &run->n_mix, x->answer.prompt_tokens);
+        pkv_bd_mix_add(&run->mix, x->answer.prompt_tokens);
         if (x->answer.completion_tokens > 1) {
             tpot_sum += (x->total_s - x->ttft_s) * 1e3 / (double)(x->answer.completion_tokens - 1);
             tpot_n++;
@@ -944,9 +943,7 @@ static json_t *bd_plan(const bd_opts_t *o, const bd_load_t *L, const bd_run_t *r
         x->context = L->context;
         /* every prompt the design's nodes served, by its real token count; in flight per
            node: its stage's exact peak of transfers holding pages */
-        x->n_mix = r->n_mix;
-        memcpy(x->mix_tokens, r->mix_tokens, sizeof(x->mix_tokens));
-        memcpy(x->mix_weight, r->mix_weight, sizeof(x->mix_weight));
+        x->mix = r->mix;
         for (int k = 0; k < 2; k++) {
             x->in_flight[k] = (uint64_t)r->staging_transfers_peak[k];
             x->pinned_peak[k] = r->pinned_peak[k];

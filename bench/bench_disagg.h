@@ -6,6 +6,7 @@
 #ifndef PKV_BENCH_DISAGG_H
 #define PKV_BENCH_DISAGG_H
 
+#include "plan/plan.h"
 #include "support/cluster.h"
 
 #include <jansson.h>
@@ -44,6 +45,13 @@ int pkv_bench_disagg_route(const char *bin, const char *logdir, const cluster_pr
 /* The nodes' pool block (pagekv serve's --block-tokens default): a decode leg pulls the
  * whole blocks before the prompt's last token. */
 #define PKV_BD_BLOCK_TOKENS 16
+/* The prompts the nodes served, by token count (each the shortest count that pulls as
+ * many blocks), weighted by how many. */
+typedef struct {
+    uint32_t tokens[PKV_BD_PLAN_MIX], weight[PKV_BD_PLAN_MIX];
+    uint32_t n;
+} pkv_bd_mix_t;
+
 typedef struct {
     const char *design;
     bool fixed;          /* fixed slots (else per-transfer staging) */
@@ -51,20 +59,20 @@ typedef struct {
     uint32_t pool_pages; /* the staging's pages (per-transfer: the arena) */
     uint64_t page_bytes;
     uint32_t context; /* the longest context, tokens */
-    /* the prompts the design's nodes served, by token count (each the shortest count that
-       pulls as many blocks), weighted by how many */
-    uint32_t mix_tokens[PKV_BD_PLAN_MIX], mix_weight[PKV_BD_PLAN_MIX];
-    uint32_t n_mix;
+    pkv_bd_mix_t mix;
     uint64_t in_flight[2];   /* prefill, decode: the stage's peak of transfers holding pages */
     double pinned_peak[2];   /* prefill, decode: VmLck peak, bytes */
     double inflight_peak[2]; /* the stage's peak pages in use x page bytes */
 } pkv_bd_plan_design_t;
 
-/* Count a served prompt of n tokens (usage.prompt_tokens; <= 0: not counted) into a mix
- * of at most PKV_BD_PLAN_MIX entries, as the shortest count that pulls as many whole
- * PKV_BD_BLOCK_TOKENS blocks (a full mix adds it to the entry nearest above, else the
- * longest). */
-void pkv_bd_mix_add(uint32_t *tokens, uint32_t *weight, uint32_t *n_mix, long n);
+/* Count a served prompt of n tokens (usage.prompt_tokens; <= 0: not counted) into the
+ * mix, as the shortest count that pulls as many whole PKV_BD_BLOCK_TOKENS blocks (a full
+ * mix adds it to the entry nearest above, else the longest). */
+void pkv_bd_mix_add(pkv_bd_mix_t *mix, long n);
+
+/* The planner's load from the mix: its entries (each at most `context` tokens) and pulls
+ * of whole PKV_BD_BLOCK_TOKENS blocks. */
+void pkv_bd_mix_plan(const pkv_bd_mix_t *mix, uint64_t context, pkv_plan_input_t *in);
 
 /* The planner (src/plan, preset's geometry, 64-token pages) against each design's
  * measured peaks: prints the "planner vs measured" table to out and returns the JSON rows

@@ -19,7 +19,6 @@
 #include "bench/bench_disagg.h"
 
 #include "core/core.h"
-#include "plan/plan.h"
 
 #include <math.h>
 #include <string.h>
@@ -89,24 +88,32 @@ static json_t *bdp_row(const pkv_bd_plan_design_t *d, int k, const char *figure,
                      "ratio", ratio, "within_10pct", within, "note", note);
 }
 
-void pkv_bd_mix_add(uint32_t *tokens, uint32_t *weight, uint32_t *n_mix, long n)
+void pkv_bd_mix_add(pkv_bd_mix_t *mix, long n)
 {
     if (n <= 0) return;
     uint32_t b = PKV_BD_BLOCK_TOKENS, t = (uint32_t)(n - 1) / b * b + 1, m = 0;
-    while (m < *n_mix && tokens[m] != t) m++;
-    if (m == *n_mix && m == PKV_BD_PLAN_MIX) {
-        uint32_t best = 0; /* the nearest entry above t, else the longest */
-        for (uint32_t i = 1; i < *n_mix; i++) {
-            bool above = tokens[i] >= t, best_above = tokens[best] >= t;
-            if (above != best_above ? above
-                                    : (above ? tokens[i] < tokens[best] : tokens[i] > tokens[best]))
-                best = i;
+    while (m < mix->n && mix->tokens[m] != t) m++;
+    if (m == PKV_BD_PLAN_MIX) { /* full: the nearest entry above t, else the longest */
+        uint32_t above = UINT32_MAX, top = 0;
+        for (uint32_t i = 0; i < mix->n; i++) {
+            if (mix->tokens[i] >= t && (above == UINT32_MAX || mix->tokens[i] < mix->tokens[above]))
+                above = i;
+            if (mix->tokens[i] > mix->tokens[top]) top = i;
         }
-        m = best;
-    } else if (m == *n_mix) {
-        tokens[(*n_mix)++] = t;
+        m = above != UINT32_MAX ? above : top;
+    } else if (m == mix->n) {
+        mix->tokens[mix->n++] = t;
     }
-    weight[m]++;
+    mix->weight[m]++;
+}
+
+void pkv_bd_mix_plan(const pkv_bd_mix_t *mix, uint64_t context, pkv_plan_input_t *in)
+{
+    in->pull_block_tokens = PKV_BD_BLOCK_TOKENS;
+    in->n_mix = 0;
+    for (uint32_t m = 0; m < mix->n && m < PKV_PLAN_MAX_MIX; m++)
+        in->mix[in->n_mix++] =
+            (pkv_plan_mix_t){.tokens = PKV_MIN(mix->tokens[m], context), .weight = mix->weight[m]};
 }
 
 json_t *pkv_bd_plan_check(const char *preset, const pkv_bd_plan_design_t *d, size_t n, FILE *out)
@@ -130,14 +137,9 @@ json_t *pkv_bd_plan_check(const char *preset, const pkv_bd_plan_design_t *d, siz
             pkv_plan_input_t in = geo;
             in.prefill_tp = in.decode_tp = 1;
             in.page_tokens = 64;
-            in.pull_block_tokens = PKV_BD_BLOCK_TOKENS;
             in.context = d[i].context;
             in.concurrency = d[i].fixed ? d[i].slots : 64;
-            for (uint32_t m = 0; m < d[i].n_mix && m < PKV_PLAN_MAX_MIX; m++) {
-                in.mix[m].tokens = PKV_MIN(d[i].mix_tokens[m], d[i].context);
-                in.mix[m].weight = d[i].mix_weight[m];
-                in.n_mix = m + 1;
-            }
+            pkv_bd_mix_plan(&d[i].mix, d[i].context, &in);
             in.in_flight = d[i].in_flight[k] ? d[i].in_flight[k] : 1;
             in.in_flight_set = true;
             pkv_plan_t pl;

@@ -180,7 +180,8 @@ static uint64_t fp_token_bytes(const char *preset)
 {
     pkv_model_config_t mc;
     if (pkv_model_preset(preset, &mc)) return 0;
-    return (uint64_t)mc.n_layers * 2 * mc.n_kv_heads * mc.head_dim * 2;
+    pkv_geometry_t g = {mc.n_layers, mc.n_kv_heads, mc.head_dim, 0, PKV_DTYPE_F16};
+    return pkv_geometry_token_bytes(&g);
 }
 
 /* churn's --kv-cache-budget: 64 MiB for llama-3.2-1b (32 KiB a token: 2048 tokens), the

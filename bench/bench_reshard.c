@@ -200,8 +200,7 @@ typedef struct {
     double plan_tail[2];  /* per-transfer tail of the same load */
     uint64_t pulls_peak;  /* the decode node's pulls in flight at their peak (exact) */
     uint64_t staging_transfers_peak[2]; /* per node: transfers holding staging at once */
-    /* the prompts served, by real token count (pkv_bd_mix_add), for the planner */
-    uint32_t mix_tokens[PKV_BD_PLAN_MIX], mix_weight[PKV_BD_PLAN_MIX], n_mix;
+    pkv_bd_mix_t mix; /* the prompts served, by real token count, for the planner */
 } br_result_t;
 
 static int br_node_start(const br_opts_t *o, const br_env_t *e, const char *name, const char *role,
@@ -252,13 +251,7 @@ static void br_plan(const br_opts_t *o, br_result_t *r)
     in.page_tokens = BR_PAGE_TOK;
     in.context = BR_CONTEXT;
     in.concurrency = o->concurrency;
-    in.pull_block_tokens = PKV_BD_BLOCK_TOKENS;
-    /* the mix: every prompt served, by its real token count */
-    for (uint32_t m = 0; m < r->n_mix && m < PKV_PLAN_MAX_MIX; m++) {
-        in.mix[m] = (pkv_plan_mix_t){.tokens = PKV_MIN(r->mix_tokens[m], BR_CONTEXT),
-                                     .weight = r->mix_weight[m]};
-        in.n_mix = m + 1;
-    }
+    pkv_bd_mix_plan(&r->mix, BR_CONTEXT, &in); /* every prompt served, by real token count */
     in.in_flight_set = true;
     uint64_t pool = 0;
     pkv_cli_parse_bytes(o->pool, &pool);
@@ -266,10 +259,9 @@ static void br_plan(const br_opts_t *o, br_result_t *r)
     for (int k = 0; k < 2; k++) {
         uint32_t tp = k ? r->d : r->p;
         /* the transfers in flight at once: the node's stages' exact high-water of transfers
-           holding pages */
-        /* a decode rank reads each transfer from every prefill rank whose heads it needs
-           (P / D of them when P > D), a prefill rank serves every decode rank that needs
-           its heads (D / P when D > P), and a stage counts each read */
+           holding pages, where a stage counts each read: a decode rank reads each transfer
+           from every prefill rank whose heads it needs (P / D of them when P > D), a prefill
+           rank serves every decode rank that needs its heads (D / P when D > P) */
         uint64_t reads = k ? (r->p > r->d ? r->p / r->d : 1) : (r->d > r->p ? r->d / r->p : 1);
         in.in_flight = PKV_MAX(r->staging_transfers_peak[k] / reads, 1);
         in.device_pool_bytes = pool / tp;
@@ -318,8 +310,7 @@ static void br_one(const br_opts_t *o, const br_env_t *e, const cluster_proc_t *
     r->staging_transfers_peak[0] = br_node_stat(&pre, "kv_transfer.staging.transfers_peak");
     r->staging_transfers_peak[1] = br_node_stat(&dec, "kv_transfer.staging.transfers_peak");
     for (uint32_t i = 0; i < o->requests; i++)
-        if (res[i].status == 200)
-            pkv_bd_mix_add(r->mix_tokens, r->mix_weight, &r->n_mix, res[i].answer.prompt_tokens);
+        if (res[i].status == 200) pkv_bd_mix_add(&r->mix, res[i].answer.prompt_tokens);
     s.stop = 1;
     pthread_join(s.th, NULL);
     pthread_mutex_destroy(&s.lock);

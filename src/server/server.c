@@ -299,7 +299,6 @@ static json_t *model_doc(pkv_server_t *s)
                      (int)s->max_context);
 }
 
-/* One snapshot of what /metrics and /v1/cache/stats render. */
 /* The pool's pages from smaps, read again when the last reading is older than
  * SRV_PAGES_MAX_AGE_NS. */
 static void pool_pages(pkv_server_t *s, srv_snapshot_t *out)
@@ -317,6 +316,7 @@ static void pool_pages(pkv_server_t *s, srv_snapshot_t *out)
     pthread_mutex_unlock(&s->pages_mu);
 }
 
+/* One snapshot of what /metrics and /v1/cache/stats render. */
 static void snapshot(pkv_server_t *s, srv_snapshot_t *out)
 {
     pkv_engine_stats(s->engine, &out->es);
