@@ -44,7 +44,7 @@ static const char *bdp_note(const pkv_bd_plan_design_t *d, int k, const char *fi
     } else if (!d->fixed && meas > 1.05 * d->inflight_peak[k]) {
         snprintf(buf, cap,
                  "pinned (%.0f MiB) beyond the pages in use at their peak (%.0f MiB): freed pages "
-                 "stay committed for the stage's 1 s idle period, so resident memory holds an "
+                 "stay committed for the node's staging idle period, so resident memory holds an "
                  "earlier peak's pages",
                  meas / BDP_MIB, d->inflight_peak[k] / BDP_MIB);
     } else if (pred < meas) {

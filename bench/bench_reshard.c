@@ -39,6 +39,7 @@
 #define BR_PARITY    4
 #define BR_CONTEXT   4096
 #define BR_PAGE_TOK  64 /* a staging page: 64 tokens of one rank's heads */
+#define BR_MAX_REP   9  /* --repeats */
 
 static const uint32_t br_mix[] = {256, 512, 1024, 2048};
 enum { BR_PER_PLAN, BR_MIRROR, BR_ND };
@@ -54,7 +55,7 @@ static void on_signal(int sig)
 typedef struct {
     uint32_t p[BR_MAX_PAIRS], d[BR_MAX_PAIRS], n_pairs;
     bool design[BR_ND];
-    uint32_t requests, concurrency;
+    uint32_t requests, concurrency, repeats;
     const char *preset, *json_path, *pool;
 } br_opts_t;
 
@@ -201,7 +202,55 @@ typedef struct {
     uint64_t pulls_peak;  /* the decode node's pulls in flight at their peak (exact) */
     uint64_t staging_transfers_peak[2]; /* per node: transfers holding staging at once */
     pkv_bd_mix_t mix; /* the prompts served, by real token count, for the planner */
+    json_t *phases;   /* one run: {"prefill", "decode"}, each node's mean ms per phase;
+                         merged: [the runs' {"ttft_ms_p50", "transfer_ms_p50", "phase_means_ms"}] */
+    uint32_t runs;    /* merged: the repeats */
+    double ttft_run[BR_MAX_REP], transfer_run[BR_MAX_REP];
 } br_result_t;
+
+/* Fold one run into the pair and design's figures: peaks are the runs' highest, counts
+ * add up, TTFT and transfer p50 are the median of the runs' (br_merge_done). */
+static void br_merge(br_result_t *m, br_result_t *run)
+{
+    m->ok = (m->runs ? m->ok : true) && run->ok;
+    for (int k = 0; k < 2; k++) {
+        br_node_t *a = &m->node[k];
+        const br_node_t *b = &run->node[k];
+        a->lck_peak = PKV_MAX(a->lck_peak, b->lck_peak);
+        a->res_peak = PKV_MAX(a->res_peak, b->res_peak);
+        a->fly_peak = PKV_MAX(a->fly_peak, b->fly_peak);
+        a->res_over_fly = PKV_MAX(a->res_over_fly, b->res_over_fly);
+        a->tp = b->tp;
+        for (uint32_t q = 0; q < PKV_KV_MAX_TP; q++)
+            a->rank_pin_peak[q] = PKV_MAX(a->rank_pin_peak[q], b->rank_pin_peak[q]);
+        m->staging_transfers_peak[k] =
+            PKV_MAX(m->staging_transfers_peak[k], run->staging_transfers_peak[k]);
+    }
+    m->bytes_moved += run->bytes_moved;
+    m->requests += run->requests;
+    m->parity_n += run->parity_n;
+    m->parity_same += run->parity_same;
+    m->failed += run->failed;
+    m->pulls_peak = PKV_MAX(m->pulls_peak, run->pulls_peak);
+    for (uint32_t i = 0; i < run->mix.n; i++)
+        for (uint32_t w = 0; w < run->mix.weight[i]; w++) pkv_bd_mix_add(&m->mix, run->mix.tokens[i]);
+    if (!m->phases) m->phases = json_array();
+    json_t *one = json_pack("{s:f, s:f}", "ttft_ms_p50", run->ttft_p50, "transfer_ms_p50",
+                            run->transfer_p50);
+    if (run->phases) json_object_set(one, "phase_means_ms", run->phases);
+    json_array_append_new(m->phases, one);
+    json_decref(run->phases);
+    run->phases = NULL;
+    m->ttft_run[m->runs] = run->ttft_p50;
+    m->transfer_run[m->runs++] = run->transfer_p50;
+}
+
+static void br_merge_done(br_result_t *m)
+{
+    m->ttft_p50 = m->runs ? pkv_bench_median(m->ttft_run, m->runs) : 0;
+    m->transfer_p50 = m->runs ? pkv_bench_median(m->transfer_run, m->runs) : 0;
+    m->bytes_moved = m->runs ? m->bytes_moved / m->runs : 0;
+}
 
 static int br_node_start(const br_opts_t *o, const br_env_t *e, const char *name, const char *role,
                          uint32_t tp, int design, cluster_proc_t *p)
@@ -297,6 +346,7 @@ static void br_one(const br_opts_t *o, const br_env_t *e, const cluster_proc_t *
     pthread_mutex_init(&s.lock, NULL);
     pthread_create(&s.th, NULL, br_sampler_main, &s);
     uint64_t b0 = br_node_stat(&dec, "kv_transfer.transfers.bytes_received");
+    json_t *ph0[2] = {cluster_phase_sums(pre.url), cluster_phase_sums(dec.url)};
     static const char *const hdr[] = {"X-Pagekv-Timings: 1", NULL};
     lg_config_t lc = {.base_url = rt.url,
                       .concurrency = o->concurrency,
@@ -305,6 +355,15 @@ static void br_one(const br_opts_t *o, const br_env_t *e, const cluster_proc_t *
                       .stop = &br_stop,
                       .keep_body = true};
     lg_run(&lc, reqs, o->requests, res);
+    json_t *ph1[2] = {cluster_phase_sums(pre.url), cluster_phase_sums(dec.url)};
+    if (ph0[0] && ph0[1] && ph1[0] && ph1[1]) {
+        r->phases = json_pack("{s:o, s:o}", "prefill", cluster_phase_means(ph0[0], ph1[0]),
+                              "decode", cluster_phase_means(ph0[1], ph1[1]));
+        char *txt = json_dumps(r->phases, JSON_COMPACT | JSON_REAL_PRECISION(4));
+        fprintf(stderr, "    phases, mean ms: %s\n", txt ? txt : "");
+        free(txt);
+    }
+    for (int k = 0; k < 2; k++) json_decref(ph0[k]), json_decref(ph1[k]);
     r->bytes_moved = br_node_stat(&dec, "kv_transfer.transfers.bytes_received") - b0;
     r->pulls_peak = br_node_stat(&dec, "kv_transfer.pulls.inflight_peak");
     r->staging_transfers_peak[0] = br_node_stat(&pre, "kv_transfer.staging.transfers_peak");
@@ -337,7 +396,6 @@ static void br_one(const br_opts_t *o, const br_env_t *e, const cluster_proc_t *
     for (uint32_t i = 0; i < o->requests; i++) free(reqs[i].body);
     free(reqs);
     free(res);
-    br_plan(o, r);
     r->ok = !br_stop;
 out:
     cluster_proc_stop(&rt, SIGTERM, pkv_deadline_after_ns(30000000000ull));
@@ -354,6 +412,8 @@ static void br_usage(FILE *f)
                "2:2,8:8,1:2,2:1,4:2,2:4,8:1,1:8)\n"
                "  --designs LIST      per_plan,mirror (default both)\n"
                "  --requests N        requests per run (default 24)\n"
+               "  --repeats N         runs per pair and design, interleaved (default 2: per_plan,\n"
+               "                      mirror, then mirror, per_plan; TTFT = the runs' median)\n"
                "  --concurrency N     requests in flight (default 6)\n"
                "  --pool BYTES        each node's KV pool (default 2G: the mirror pins it whole)\n"
                "  --preset NAME       model preset (default llama-3.2-1b)\n"
@@ -383,7 +443,8 @@ static int br_parse_pairs(const char *v, br_opts_t *o)
 
 static int br_parse(int argc, char **argv, br_opts_t *o)
 {
-    *o = (br_opts_t){.requests = 24, .concurrency = 6, .preset = "llama-3.2-1b", .pool = "2G"};
+    *o = (br_opts_t){
+        .requests = 24, .concurrency = 6, .repeats = 2, .preset = "llama-3.2-1b", .pool = "2G"};
     br_parse_pairs("2:2,8:8,1:2,2:1,4:2,2:4,8:1,1:8", o);
     o->design[BR_PER_PLAN] = o->design[BR_MIRROR] = true;
     for (int i = 1; i < argc; i++) {
@@ -396,6 +457,7 @@ static int br_parse(int argc, char **argv, br_opts_t *o)
             br_parse_pairs("1:2,2:1", o);
             o->requests = 8;
             o->concurrency = 4;
+            o->repeats = 1;
             continue;
         }
         if (!v) {
@@ -418,6 +480,8 @@ static int br_parse(int argc, char **argv, br_opts_t *o)
             }
         } else if (!strcmp(a, "--requests") && !pkv_cli_parse_u64(v, 1, BR_MAX_REQ, &x)) {
             o->requests = (uint32_t)x;
+        } else if (!strcmp(a, "--repeats") && !pkv_cli_parse_u64(v, 1, BR_MAX_REP, &x)) {
+            o->repeats = (uint32_t)x;
         } else if (!strcmp(a, "--concurrency") && !pkv_cli_parse_u64(v, 1, 64, &x)) {
             o->concurrency = (uint32_t)x;
         } else if (!strcmp(a, "--pool") && !pkv_cli_parse_bytes(v, &x) && x >= (64u << 20)) {
@@ -472,6 +536,8 @@ static json_t *br_json(const br_opts_t *o, const br_result_t *res, uint32_t n)
         json_object_set_new(pj, "resident_over_inuse_rank_max",
                             json_pack("{s:f, s:f}", "prefill", r->node[0].res_over_fly, "decode",
                                       r->node[1].res_over_fly));
+        json_object_set_new(pj, "repeats", json_integer((json_int_t)r->runs));
+        if (r->phases) json_object_set(pj, "runs", r->phases);
         json_array_append_new(pairs, pj);
     }
     return json_pack("{s:s, s:s, s:i, s:i, s:o}", "preset", o->preset, "pool", o->pool, "requests",
@@ -545,8 +611,8 @@ int pkv_bench_reshard(int argc, char **argv)
     curl_global_init(CURL_GLOBAL_DEFAULT);
     fprintf(stderr,
             "pagekv bench reshard: %s, pool %s per node, %u requests x %u in flight, prompts "
-            "256/512/1024/2048 tokens, logs in %s\n",
-            o.preset, o.pool, o.requests, o.concurrency, e.logdir);
+            "256/512/1024/2048 tokens, %u run(s) per pair and design, logs in %s\n",
+            o.preset, o.pool, o.requests, o.concurrency, o.repeats, e.logdir);
     cluster_proc_t uni = {0};
     char *ux[] = {"--kv-dtype", "bf16", NULL};
     if (pkv_bench_disagg_serve(e.bin, e.logdir, "unified", o.preset, BR_CONTEXT, NULL, ux, false,
@@ -554,13 +620,28 @@ int pkv_bench_reshard(int argc, char **argv)
         return 1;
     br_result_t res[BR_MAX_PAIRS * BR_ND];
     uint32_t n = 0;
-    for (uint32_t i = 0; i < o.n_pairs && !br_stop; i++)
-        for (int d = 0; d < BR_ND && !br_stop; d++) {
+    for (uint32_t i = 0; i < o.n_pairs && !br_stop; i++) {
+        uint32_t at[BR_ND];
+        for (int d = 0; d < BR_ND; d++) {
             if (!o.design[d]) continue;
-            res[n] = (br_result_t){.p = o.p[i], .d = o.d[i], .design = d};
-            br_one(&o, &e, &uni, &res[n]);
-            n++;
+            at[d] = n;
+            res[n++] = (br_result_t){.p = o.p[i], .d = o.d[i], .design = d};
         }
+        /* interleaved, so drift on a shared machine falls on both designs alike */
+        for (uint32_t rep = 0; rep < o.repeats && !br_stop; rep++)
+            for (int k = 0; k < BR_ND && !br_stop; k++) {
+                int d = rep % 2 ? BR_ND - 1 - k : k;
+                if (!o.design[d]) continue;
+                br_result_t run = {.p = o.p[i], .d = o.d[i], .design = d};
+                br_one(&o, &e, &uni, &run);
+                br_merge(&res[at[d]], &run);
+            }
+        for (int d = 0; d < BR_ND; d++)
+            if (o.design[d]) {
+                br_merge_done(&res[at[d]]);
+                br_plan(&o, &res[at[d]]);
+            }
+    }
     cluster_proc_stop(&uni, SIGTERM, pkv_deadline_after_ns(30000000000ull));
     br_table(res, n);
     int rc = br_stop ? 130 : 0;
@@ -571,6 +652,7 @@ int pkv_bench_reshard(int argc, char **argv)
         if (pkv_bench_write_json(o.json_path, doc)) rc = rc ? rc : 1;
         json_decref(doc);
     }
+    for (uint32_t i = 0; i < n; i++) json_decref(res[i].phases);
     curl_global_cleanup();
     return rc;
 }

@@ -454,3 +454,49 @@ int cluster_env_init(char *bin, size_t bin_cap, char *logdir, void (*on_signal)(
     signal(SIGPIPE, SIG_IGN);
     return 0;
 }
+
+/* The node's pagekv_kv_transfer_phase_seconds{phase} sums and counts, as
+ * {"phase": [sum_s, count], ...}; NULL when unreadable. */
+json_t *cluster_phase_sums(const char *url)
+{
+    cluster_http_reply_t r;
+    if (cluster_http(url, "/metrics", NULL, NULL, 5000, NULL, &r) != 0) return NULL;
+    json_t *o = json_object();
+    static const char pre[] = "pagekv_kv_transfer_phase_seconds_";
+    for (const char *l = r.body; l && *l;) {
+        size_t n = strcspn(l, "\n");
+        const char *q = strstr(l, "{phase=\"");
+        bool sum = !strncmp(l, pre, sizeof(pre) - 1) && !strncmp(l + sizeof(pre) - 1, "sum{", 4);
+        bool cnt = !strncmp(l, pre, sizeof(pre) - 1) && !strncmp(l + sizeof(pre) - 1, "count{", 6);
+        if ((sum || cnt) && q && q < l + n) {
+            char name[32];
+            const char *e = strchr(q + 8, '"');
+            const char *v = e ? strchr(e, ' ') : NULL;
+            if (e && v && v < l + n && (size_t)(e - q - 8) < sizeof(name)) {
+                snprintf(name, sizeof(name), "%.*s", (int)(e - q - 8), q + 8);
+                json_t *a = json_object_get(o, name);
+                if (!a) json_object_set_new(o, name, a = json_pack("[f, f]", 0.0, 0.0));
+                json_array_set_new(a, sum ? 0 : 1, json_real(strtod(v + 1, NULL)));
+            }
+        }
+        l += n + (l[n] == '\n');
+    }
+    cluster_http_reply_free(&r);
+    return o;
+}
+
+/* Mean ms per phase between two cluster_phase_sums readings. */
+json_t *cluster_phase_means(const json_t *before, const json_t *after)
+{
+    json_t *m = json_object();
+    const char *k;
+    json_t *a;
+    json_object_foreach((json_t *)after, k, a)
+    {
+        const json_t *b = json_object_get(before, k);
+        double ds = json_real_value(json_array_get(a, 0)) - json_real_value(json_array_get(b, 0));
+        double dc = json_real_value(json_array_get(a, 1)) - json_real_value(json_array_get(b, 1));
+        if (dc > 0) json_object_set_new(m, k, json_real(1e3 * ds / dc));
+    }
+    return m;
+}

@@ -101,4 +101,10 @@ bool cluster_answer_equal(const cluster_answer_t *a, const cluster_answer_t *b);
  * -1 when absent or not an integer. */
 long long cluster_json_int(const json_t *doc, const char *path);
 
+/* A node's pagekv_kv_transfer_phase_seconds{phase} sums and counts from /metrics, as
+ * {"phase": [sum_s, count], ...}; NULL when unreadable. */
+json_t *cluster_phase_sums(const char *url);
+/* Mean ms per phase between two cluster_phase_sums readings (phases counted between). */
+json_t *cluster_phase_means(const json_t *before, const json_t *after);
+
 #endif

@@ -1723,6 +1723,9 @@ START_TEST(roles_cli_rejects_bad_values)
          "--staging-slots wants an integer"},
         {{"--role", "prefill", "--staging-slots", "2"}, "--staging-slots needs --staging fixed"},
         {{"--role", "prefill", "--staging-peer-cap", "-1"}, "--staging-peer-cap wants an integer"},
+        {{"--role", "prefill", "--staging-idle-ms", "0"}, "--staging-idle-ms wants an integer"},
+        {{"--role", "prefill", "--staging", "mirror", "--staging-idle-ms", "100"},
+         "--staging-idle-ms needs --staging per_transfer"},
         {{"--role", "prefill", "--kv-lease-ms", "0"}, "--kv-lease-ms wants an integer"},
         {{"--role", "prefill", "--kv-lease-ms", "10s"}, "--kv-lease-ms wants an integer"},
         {{"--role", "decode", "--kv-transfer-timeout-ms", "0"},
@@ -1835,6 +1838,7 @@ START_TEST(roles_health_and_agent_address)
     /* fixed: the whole carve-out committed at start */
     ck_assert_int_eq(ji(st, "kv_transfer.staging.resident_bytes"),
                      6 * ji(st, "kv_transfer.staging.page_bytes"));
+    ck_assert(json_is_null(jp(st, "kv_transfer.staging.idle_release_ms"))); /* never returned */
     json_decref(st);
 
     /* A decode node on a chosen port, advertising another host. */
@@ -1854,6 +1858,8 @@ START_TEST(roles_health_and_agent_address)
                      "decode-7.example",
                      "--kv-transfer-timeout-ms",
                      "2500",
+                     "--staging-idle-ms",
+                     "750",
                      NULL};
     role_child(&d, dargv, dagent, sizeof(dagent));
     snprintf(want, sizeof(want), "%s", listen);
@@ -1866,6 +1872,7 @@ START_TEST(roles_health_and_agent_address)
     ck_assert_str_eq(js(st, "kv_transfer.remote_host"), "decode-7.example");
     ck_assert_int_eq(ji(st, "kv_transfer.transfer_timeout_ms"), 2500);
     ck_assert_str_eq(js(st, "kv_transfer.staging.mode"), "per_transfer");
+    ck_assert_int_eq(ji(st, "kv_transfer.staging.idle_release_ms"), 750);
     json_decref(st);
     role_child_stop(&d);
     role_child_stop(&p);

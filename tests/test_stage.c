@@ -193,6 +193,53 @@ START_TEST(bad_config_is_rejected)
 }
 END_TEST
 
+/* Committed pages sitting free in pieces are reused before a cold page is committed, so
+ * resident memory stays at the peak of pages in use even when no one piece fits. */
+START_TEST(warm_pieces_are_used_before_cold_pages)
+{
+    pkv_stage_config_t c;
+    pkv_stage_config_default(&c);
+    c.page_bytes = 4096;
+    c.pool_pages = 64;
+    c.pin = false;
+    c.idle_release_ns = PKV_DEADLINE_NEVER;
+    pkv_stage_t *st = NULL;
+    ck_assert_int_eq(pkv_stage_create(&c, &st), PKV_OK);
+    pkv_stage_grant_t *g[4];
+    for (uint64_t i = 0; i < 4; i++) /* pages [0,16) warm in four transfers of 4 */
+        ck_assert_int_eq(pkv_stage_acquire(st, 10 + i, 0, 4, PKV_DEADLINE_NEVER, &g[i]), PKV_OK);
+    ck_assert_uint_eq(stats_of(st).committed_pages, 16);
+    for (uint64_t i = 0; i < 4; i += 2) { /* warm holes of 4 at [0,4) and [8,12) */
+        ck_assert_int_eq(pkv_stage_release(st, 10 + i), PKV_OK);
+        pkv_stage_grant_free(g[i]);
+    }
+    /* 8 pages: no warm piece holds them, the cold [16,64) does; the two holes serve it. */
+    pkv_stage_grant_t *big;
+    ck_assert_int_eq(pkv_stage_acquire(st, 20, 0, 8, PKV_DEADLINE_NEVER, &big), PKV_OK);
+    ck_assert_uint_eq(big->nruns, 2);
+    for (uint32_t r = 0; r < big->nruns; r++) {
+        ck_assert_uint_eq(big->runs[r].count, 4);
+        ck_assert_uint_lt(big->runs[r].page, 16);
+    }
+    pkv_stage_stats_t s = stats_of(st);
+    ck_assert_uint_eq(s.committed_pages, 16);
+    ck_assert_uint_eq(s.resident_bytes, 16 * 4096);
+    ck_assert_uint_eq(s.pages_used, 16);
+    /* With no warm page free, the next one is committed from the cold extent, in one run. */
+    pkv_stage_grant_t *more;
+    ck_assert_int_eq(pkv_stage_acquire(st, 21, 0, 6, PKV_DEADLINE_NEVER, &more), PKV_OK);
+    ck_assert_uint_eq(more->nruns, 1);
+    ck_assert_uint_eq(stats_of(st).committed_pages, 22);
+    uint64_t held[] = {11, 13, 20, 21};
+    for (size_t i = 0; i < 4; i++) ck_assert_int_eq(pkv_stage_release(st, held[i]), PKV_OK);
+    pkv_stage_grant_free(g[1]);
+    pkv_stage_grant_free(g[3]);
+    pkv_stage_grant_free(big);
+    pkv_stage_grant_free(more);
+    stage_done(st);
+}
+END_TEST
+
 START_TEST(acquire_gives_exact_pages_in_few_runs)
 {
     pkv_stage_t *st = mk_stage(PKV_STAGE_PER_TRANSFER, 64, 0, 0, 0);
@@ -1029,6 +1076,28 @@ static uint32_t model_largest(const uint8_t *used, uint32_t n)
     return best;
 }
 
+/* Pages in the k largest runs of warm free pages in the model. */
+static uint32_t model_warm_pieces(const stage_alloc_t *a, const uint8_t *used, uint32_t n, uint32_t k)
+{
+    uint32_t top[STAGE_WARM_RUNS] = {0}, cur = 0;
+    for (uint32_t p = 0; p <= n; p++) {
+        if (p < n && !used[p] && a->warm[p] != STAGE_COLD) {
+            cur++;
+            continue;
+        }
+        for (uint32_t i = 0; i < k && cur; i++)
+            if (cur > top[i]) {
+                uint32_t t = top[i];
+                top[i] = cur;
+                cur = t;
+            }
+        cur = 0;
+    }
+    uint32_t sum = 0;
+    for (uint32_t i = 0; i < k; i++) sum += top[i];
+    return sum;
+}
+
 START_TEST(allocator_matches_reference_model)
 {
     uint64_t seed = pkv_test_seed(0xa110cull);
@@ -1053,20 +1122,28 @@ START_TEST(allocator_matches_reference_model)
                 ck_assert_uint_eq(model_free, a.free_pages);
                 if (!stage_alloc_fits(&a, need)) continue;
                 uint32_t largest = model_largest(used, N);
+                uint32_t warm8 = model_warm_pieces(&a, used, N, STAGE_WARM_RUNS);
                 uint32_t n = stage_alloc_take(&a, need, spans, N);
                 ck_assert_msg(n <= 8, "seed %#llx: %u runs", (unsigned long long)seed, n);
-                if (largest >= need) ck_assert_msg(n == 1, "seed %#llx", (unsigned long long)seed);
-                uint32_t total = 0;
+                uint32_t total = 0, cold = 0;
                 for (uint32_t r = 0; r < n; r++) {
                     for (uint32_t p = spans[r].page; p < spans[r].page + spans[r].count; p++) {
                         ck_assert_msg(!used[p], "seed %#llx: page %u given twice",
                                       (unsigned long long)seed, p);
                         used[p] = 1;
+                        cold += a.warm[p] == STAGE_COLD;
                     }
                     total += spans[r].count;
                     live[nlive][r] = spans[r];
                 }
                 ck_assert_uint_eq(total, need);
+                /* One run whenever one extent fits, unless warm pieces served it all; cold
+                 * pages only when the largest warm pieces fall short. */
+                if (largest >= need && n > 1)
+                    ck_assert_msg(cold == 0 && n <= STAGE_WARM_RUNS, "seed %#llx: %u runs, %u cold",
+                                  (unsigned long long)seed, n, cold);
+                if (cold && !round) ck_assert_msg(warm8 < need, "seed %#llx: %u cold pages taken, %u warm free",
+                                        (unsigned long long)seed, cold, warm8);
                 live_n[nlive++] = n;
             } else if (dice < 9 && nlive) {
                 uint32_t k = pkv_test_below(&seed, nlive);
@@ -1236,6 +1313,7 @@ static Suite *stage_suite(void)
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, bad_config_is_rejected);
     tcase_add_test(tc, acquire_gives_exact_pages_in_few_runs);
+    tcase_add_test(tc, warm_pieces_are_used_before_cold_pages);
     tcase_add_test(tc, duplicate_id_is_busy);
     tcase_add_test(tc, abort_flag_keeps_an_early_cancel);
     tcase_add_test(tc, nofit_at_once_in_both_modes);

@@ -83,6 +83,8 @@ static void usage(FILE *f)
             "  --staging-page-bytes BYTES   staging page size, K/M suffixes (default 64K)\n"
             "  --staging-peer-cap N      most staging pages one peer holds (default: none)\n"
             "  --staging-shared          a memfd arena same-host peers may map\n"
+            "  --staging-idle-ms N       per_transfer: a free page goes back to the OS after\n"
+            "                            N ms free (default 5000)\n"
             "  --kv-lease-ms N           prefill: pins wait for a decode leg (default 30000)\n"
             "  --kv-transfer-timeout-ms N   decode: a pull's deadline (default 10000)\n"
             "  --kv-load-failure fail|recompute   decode: a failed pull is an error (default)\n"
@@ -210,6 +212,8 @@ static int set_kv_option(const char *a, const char *v, pkv_server_config_t *cfg)
         return parse_u32(cmd, a, v, 1, 4096, &cfg->staging_slots);
     else if (!strcmp(a, "--staging-peer-cap"))
         return parse_u32(cmd, a, v, 1, 1u << 24, &cfg->staging_peer_cap);
+    else if (!strcmp(a, "--staging-idle-ms"))
+        return parse_u32(cmd, a, v, 1, 3600000, &cfg->staging_idle_ms);
     else if (!strcmp(a, "--kv-lease-ms"))
         return parse_u32(cmd, a, v, 1, 3600000, &cfg->kv_lease_ms);
     else if (!strcmp(a, "--kv-transfer-timeout-ms"))
@@ -235,6 +239,8 @@ static int check_kv_options(const pkv_server_config_t *cfg, const char *kv_flag)
                                    pkv_server_role_name(cfg->role));
     if (cfg->staging_slots && cfg->staging_mode != PKV_STAGE_FIXED_SLOTS)
         return pkv_cli_usage_error(cmd, "--staging-slots needs --staging fixed");
+    if (cfg->staging_idle_ms && (cfg->staging_mode != PKV_STAGE_PER_TRANSFER || cfg->staging_mirror))
+        return pkv_cli_usage_error(cmd, "--staging-idle-ms needs --staging per_transfer");
     pkv_model_config_t mc;
     char why[128];
     if (cfg->tp > 1 && cfg->backend != PKV_BACKEND_PAGED)

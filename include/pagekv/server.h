@@ -99,6 +99,8 @@ typedef struct {
     uint32_t staging_slots;          /* fixed: slots; 0 -> 4 */
     uint64_t staging_page_bytes;     /* staging page size, a multiple of 4096; 0 -> 64 KiB */
     uint32_t staging_peer_cap;       /* pages one peer may hold; 0 = no cap */
+    uint32_t staging_idle_ms;        /* per_transfer: a free staging page goes back to the
+                                        OS after this long free; 0 -> 5000 */
     bool staging_shared;             /* memfd arena same-host peers may map */
     bool staging_mirror;             /* the field's host mirror (to compare): each rank's
                                         staging is its share of the whole device pool,

@@ -26,6 +26,10 @@
 #include <sys/random.h>
 
 #define KVN_FIXED_SLOTS      4
+/* Per-transfer staging's default hysteresis: longer than the gap between transfers of a
+ * steady load (a page freed and taken again stays committed and pinned), short enough
+ * that an idle node holds no staging within seconds. */
+#define KVN_STAGE_IDLE_MS 5000
 #define KVN_STAGE_DESTROY_NS 2000000000ull /* staging returned by the agent's close */
 
 /* One tensor-parallel rank of the node: its staging and its agent, which registers, serves
@@ -46,6 +50,7 @@ struct srv_kvnode {
     kvn_rank_t *rank;   /* [tp] */
     char engine_id[40]; /* "pagekv-" + 16 random bytes in hex, presented by every rank */
     uint32_t lease_ms, transfer_timeout_ms;
+    int64_t staging_idle_ms; /* -1: staging never returned (fixed slots, the mirror) */
     bool recompute; /* --kv-load-failure recompute */
     atomic_bool stopping;
     /* Test hook (PKV_TEST_RANK_FAULT=hang:R): rank R's agent stops for good once it has
@@ -67,6 +72,13 @@ static void hex(const uint8_t *b, size_t n, char *out)
     out[2 * n] = 0;
 }
 
+/* How long a free staging page stays committed: -1, never (fixed slots, the mirror). */
+static int64_t kvn_stage_idle_ms(const pkv_server_config_t *cfg)
+{
+    if (cfg->staging_mode == PKV_STAGE_FIXED_SLOTS || cfg->staging_mirror) return -1;
+    return cfg->staging_idle_ms ? (int64_t)cfg->staging_idle_ms : KVN_STAGE_IDLE_MS;
+}
+
 /* The staging: per_transfer, or fixed slots committed (and pinned) at once and never
  * returned to the OS, as the field's carve-outs are. */
 static int kvn_stage(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max_context,
@@ -85,6 +97,7 @@ static int kvn_stage(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max_
     if (pages > UINT32_MAX) pages = UINT32_MAX;
     sc.mode = cfg->staging_mode;
     sc.peer_cap_pages = cfg->staging_peer_cap;
+    sc.idle_release_ns = (uint64_t)kvn_stage_idle_ms(cfg) * 1000000ull; /* fixed, mirror: below */
     sc.shared = cfg->staging_shared;
     sc.name = cfg->role == PKV_SERVER_ROLE_PREFILL ? "pkv-prefill" : "pkv-decode";
     if (cfg->staging_mirror) {
@@ -224,6 +237,7 @@ int srv_kvnode_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max
     n->kv = kv;
     n->lease_ms = cfg->kv_lease_ms ? cfg->kv_lease_ms : 30000;
     n->transfer_timeout_ms = cfg->kv_transfer_timeout_ms ? cfg->kv_transfer_timeout_ms : 10000;
+    n->staging_idle_ms = kvn_stage_idle_ms(cfg);
     n->recompute = cfg->kv_load_recompute;
     atomic_init(&n->stopping, false);
     uint8_t rnd[16];
@@ -339,6 +353,7 @@ void srv_kvnode_snapshot(srv_kvnode_t *n, srv_kv_snapshot_t *out)
     out->engine_id = n->engine_id;
     out->lease_ms = n->lease_ms;
     out->transfer_timeout_ms = n->transfer_timeout_ms;
+    out->staging_idle_ms = n->staging_idle_ms;
     for (uint32_t r = 0; r < n->tp; r++) {
         const kvn_rank_t *k = &n->rank[r];
         pkv_xfer_stats_t xs;
@@ -512,8 +527,11 @@ json_t *srv_kv_stats_json(const srv_kv_snapshot_t *k)
     if (!doc) return NULL;
     /* transfers holding staging pages at once, high-water (fixed slots and the mirror: their
        commit at start took every slot once) */
-    json_object_set_new(json_object_get(doc, "staging"), "transfers_peak",
-                        json_integer((json_int_t)s->transfers_peak));
+    json_t *stg = json_object_get(doc, "staging");
+    json_object_set_new(stg, "transfers_peak", json_integer((json_int_t)s->transfers_peak));
+    /* how long a free page stays committed; null: never returned */
+    json_object_set_new(stg, "idle_release_ms",
+                        k->staging_idle_ms < 0 ? json_null() : json_integer(k->staging_idle_ms));
     json_object_set_new(
         doc, "pulls",
         json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "ok", (json_int_t)k->pulls.ok, "released",

@@ -146,6 +146,7 @@ typedef struct {
     uint16_t port;         /* remote_port */
     const char *engine_id; /* remote_engine_id */
     uint32_t lease_ms, transfer_timeout_ms;
+    int64_t staging_idle_ms; /* -1: never returned */
     pkv_xfer_stats_t xs;
     pkv_stage_stats_t ss;
     srv_lease_counts_t leases;

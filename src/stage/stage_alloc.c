@@ -121,17 +121,44 @@ static void extent_insert(stage_alloc_t *a, uint32_t s, uint32_t len, bool at_ta
     }
 }
 
-/* A free extent with len >= n, or STAGE_NONE. */
-static uint32_t extent_find_fit(const stage_alloc_t *a, uint32_t n)
+/* First page a carve of n pages from free extent s takes: the warm end, so cold pages
+ * stay cold as long as possible. */
+static uint32_t carve_from(const stage_alloc_t *a, uint32_t s, uint32_t n)
 {
-    uint32_t b = bin_of(n);
+    uint32_t len = a->len[s];
+    if (n < len && a->warm[s + len - 1] != STAGE_COLD && a->warm[s] == STAGE_COLD)
+        return s + len - n;
+    return s;
+}
+
+/* Cold pages among the n a carve from s would take, counting no further than `stop`. */
+static uint32_t carve_cold(const stage_alloc_t *a, uint32_t s, uint32_t n, uint32_t stop)
+{
+    uint32_t from = carve_from(a, s, n), c = 0;
+    for (uint32_t p = from; p < from + n && c < stop; p++) c += a->warm[p] == STAGE_COLD;
+    return c;
+}
+
+/* A free extent with len >= n, or STAGE_NONE: among a few of the request's own size class
+ * and the head of each larger class, the one whose carve takes the fewest cold pages
+ * (the first all-warm one ends the search); *cold says how many. */
+static uint32_t extent_find_fit(const stage_alloc_t *a, uint32_t n, uint32_t *cold)
+{
+    uint32_t b = bin_of(n), best = STAGE_NONE, best_cold = UINT32_MAX;
     uint32_t s = a->bin_head[b];
-    for (int i = 0; s != STAGE_NONE && i < STAGE_FIT_SCAN; i++, s = a->bin_next[s])
-        if (a->len[s] >= n) return s;
-    if (b + 1 >= STAGE_BINS) return STAGE_NONE;
-    uint32_t above = a->bin_mask & ~((2u << b) - 1u);
-    if (!above) return STAGE_NONE;
-    return a->bin_head[__builtin_ctz(above)];
+    for (int i = 0; s != STAGE_NONE && i < STAGE_FIT_SCAN && best_cold; i++, s = a->bin_next[s]) {
+        if (a->len[s] < n) continue;
+        uint32_t c = carve_cold(a, s, n, best_cold);
+        if (c < best_cold) best = s, best_cold = c;
+    }
+    uint32_t above = b + 1 < STAGE_BINS ? a->bin_mask & ~((2u << b) - 1u) : 0;
+    for (; above && best_cold; above &= above - 1) {
+        s = a->bin_head[__builtin_ctz(above)];
+        uint32_t c = carve_cold(a, s, n, best_cold);
+        if (c < best_cold) best = s, best_cold = c;
+    }
+    *cold = best_cold;
+    return best;
 }
 
 /* The largest free extent (scanning the highest non-empty bin). */
@@ -152,23 +179,52 @@ static void mark_used(stage_alloc_t *a, uint32_t s, uint32_t n)
     a->free_pages -= n;
 }
 
-/* Take n pages out of free extent s (len >= n); returns the first page taken. */
-static uint32_t extent_carve(stage_alloc_t *a, uint32_t s, uint32_t n)
+/* Take the n pages at `from` out of free extent s that holds them (STAGE_NONE: find it);
+ * what is left of the extent on either side stays free. */
+static void extent_take(stage_alloc_t *a, uint32_t s, uint32_t from, uint32_t n)
 {
+    if (s == STAGE_NONE)
+        for (s = from; s > 0 && a->state[s - 1] == STAGE_PAGE_FREE;) s--; /* maximal */
     uint32_t len = a->len[s];
+    PKV_ASSERT(a->state[s] == STAGE_PAGE_FREE && from + n <= s + len);
     bin_remove(a, s);
-    uint32_t taken = s;
-    if (n < len) {
-        /* Take the warm end, so cold pages stay cold as long as possible. */
-        if (a->warm[s + len - 1] != STAGE_COLD && a->warm[s] == STAGE_COLD) {
-            taken = s + len - n;
-            extent_insert(a, s, len - n, false);
-        } else {
-            extent_insert(a, s + n, len - n, false);
+    if (from > s) extent_insert(a, s, from - s, false);
+    if (from + n < s + len) extent_insert(a, from + n, s + len - from - n, false);
+    mark_used(a, from, n);
+}
+
+/* Serve need pages from warm free pages alone, in at most STAGE_WARM_RUNS (and cap) runs (the
+ * largest warm pieces first), so that nothing is committed while enough committed pages
+ * sit free in pieces no single extent holds. Returns the runs, or 0 (nothing taken) when
+ * the largest pieces do not add up to need. O(npages). */
+static uint32_t take_warm(stage_alloc_t *a, uint32_t need, stage_span_t *out, uint32_t cap)
+{
+    stage_span_t top[STAGE_WARM_RUNS];
+    uint32_t most = PKV_MIN(cap, STAGE_WARM_RUNS);
+    uint32_t ntop = 0;
+    for (uint32_t p = 0; p < a->npages; p += a->len[p]) {
+        if (a->state[p] != STAGE_PAGE_FREE) continue;
+        for (uint32_t q = p, end = p + a->len[p]; q < end;) {
+            uint32_t r = q;
+            while (r < end && a->warm[r] != STAGE_COLD) r++;
+            if (r > q && (ntop < most || r - q > top[ntop - 1].count)) {
+                uint32_t k = ntop < most ? ntop++ : ntop - 1;
+                for (; k > 0 && top[k - 1].count < r - q; k--) top[k] = top[k - 1];
+                top[k] = (stage_span_t){q, r - q};
+            }
+            q = r + 1;
         }
     }
-    mark_used(a, taken, n);
-    return taken;
+    uint32_t sum = 0, n = 0;
+    for (uint32_t k = 0; k < ntop && sum < need; k++) sum += top[k].count, n++;
+    if (sum < need) return 0;
+    for (uint32_t k = 0, left = need; k < n; k++) {
+        uint32_t m = PKV_MIN(top[k].count, left);
+        extent_take(a, STAGE_NONE, top[k].page, m);
+        out[k] = (stage_span_t){top[k].page, m};
+        left -= m;
+    }
+    return n;
 }
 
 uint32_t stage_alloc_need(const stage_alloc_t *a, uint32_t asked)
@@ -192,13 +248,23 @@ uint32_t stage_alloc_take(stage_alloc_t *a, uint32_t need, stage_span_t *out, ui
         mark_used(a, out[0].page, a->slot_pages);
         return 1;
     }
-    uint32_t n = 0, left = need;
+    /* One extent when one fits without committing; else warm pieces when they suffice
+     * (in few runs); else one extent committing the fewest; else the largest first. */
+    uint32_t cold, s = extent_find_fit(a, need, &cold);
+    if (s != STAGE_NONE && cold == 0) {
+        out[0] = (stage_span_t){carve_from(a, s, need), need};
+        extent_take(a, s, out[0].page, need);
+        return 1;
+    }
+    uint32_t n = take_warm(a, need, out, cap);
+    if (n) return n;
+    uint32_t left = need;
     while (left) {
         PKV_ASSERT(n < cap);
-        uint32_t s = extent_find_fit(a, left);
+        s = n ? extent_find_fit(a, left, &cold) : s;
         if (s != STAGE_NONE) {
-            out[n].page = extent_carve(a, s, left);
-            out[n++].count = left;
+            out[n] = (stage_span_t){carve_from(a, s, left), left};
+            extent_take(a, s, out[n++].page, left);
             break;
         }
         s = extent_largest(a);

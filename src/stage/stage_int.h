@@ -10,11 +10,13 @@
  * Per-transfer mode: free pages form maximal extents (boundary tags: the length at the
  * first page, the start at the last page), kept in 32 size-class bins by floor(log2
  * length). A request is served by one extent when any extent is large enough (the
- * smallest size class that surely fits, after a short scan of the request's own class),
- * otherwise by the largest extents first, which gives the fewest runs the free space
- * allows. Freed extents go to the head of their bin and extents coming back cold from
- * the OS to the tail, so warm memory is found first; when an extent is split, the piece
- * taken is the end that is warm.
+ * candidates: a short scan of the request's own class and the head of each larger one)
+ * whose carve takes no cold page; else by warm pieces alone when at most STAGE_WARM_RUNS
+ * of them add up to the request (so nothing is committed while committed pages sit free
+ * in pieces); else by the fitting extent whose carve takes the fewest cold pages; else by
+ * the largest extents first, the fewest runs the free space allows. Freed extents go to
+ * the head of their bin and extents coming back cold from the OS to the tail; when an
+ * extent is split, the piece taken is the end that is warm.
  *
  * Fixed-slot mode: a stack of free slots; freed (warm) slots are pushed on top, slots
  * coming back cold go to the bottom.
@@ -32,6 +34,8 @@
 
 #define STAGE_NONE UINT32_MAX
 #define STAGE_BINS 32
+/* Most runs a grant served from warm pieces alone may have (stage_alloc_take). */
+#define STAGE_WARM_RUNS 8
 
 enum { STAGE_PAGE_FREE = 0, STAGE_PAGE_USED = 1, STAGE_PAGE_OFF = 2 };
 enum { STAGE_COLD = 0, STAGE_WARM = 1, STAGE_WARM_PINNED = 2 };
