@@ -351,6 +351,41 @@ END_TEST
 
 /* pagekv's decode node pulls the whole blocks before a prompt's last token (kvnode.c:
  * want = (n_prompt - 1) / block_tokens); the field's connectors move every token. */
+/* A mix of requests: the transfers in flight at an instant are drawn by weight x pages. */
+START_TEST(a_mix_of_requests_weighs_transfers_by_their_time_in_flight)
+{
+    pkv_plan_input_t in = {.layers = 16,
+                           .kv_heads = 8,
+                           .head_dim = 64,
+                           .dtype = PKV_DTYPE_BF16,
+                           .prefill_tp = 1,
+                           .decode_tp = 1,
+                           .page_tokens = 64,
+                           .context = 192,
+                           .concurrency = 2,
+                           .in_flight = 2,
+                           .in_flight_set = true,
+                           .n_mix = 2,
+                           .mix = {{64, 1}, {192, 1}}}; /* 1 page and 3 pages, as many of each */
+    pkv_plan_t p;
+    ck_assert_int_eq(pkv_plan_compute(&in, &p), PKV_OK);
+    ck_assert_double_eq_tol(p.mean_pages_exact, 2 * 2.0, 1e-9); /* of transfers in flight */
+    ck_assert_uint_eq(p.decode.mean_pages, 4);
+    ck_assert_uint_eq(p.decode.tail_pages, 6);
+    in.mix_of_requests = true;
+    ck_assert_int_eq(pkv_plan_compute(&in, &p), PKV_OK);
+    /* in flight: 1 page with weight 1 x 1, 3 pages with weight 1 x 3 -> mean 10 / 4 */
+    ck_assert_double_eq_tol(p.mean_pages_exact, 2 * 2.5, 1e-9);
+    ck_assert_uint_eq(p.decode.mean_pages, 5);
+    ck_assert_uint_eq(p.decode.tail_pages, 6);
+    /* an entry that moves nothing is never caught holding pages */
+    in.mix[0] = (pkv_plan_mix_t){16, 5};
+    in.pull_block_tokens = 16;
+    ck_assert_int_eq(pkv_plan_compute(&in, &p), PKV_OK);
+    ck_assert_double_eq_tol(p.mean_pages_exact, 2 * 3.0, 1e-9);
+}
+END_TEST
+
 START_TEST(a_pull_moves_the_whole_blocks_before_the_last_token)
 {
     pkv_plan_input_t in = {.layers = 16,
@@ -452,6 +487,7 @@ START_TEST(cli_bad_input_exits_2)
         "--preset gpt-oss-120b --device-pool lots",
         "--preset gpt-oss-120b --pull-block-tokens 16k --context 8k",
         "--preset gpt-oss-120b --pull-block-tokens -1",
+        "--preset gpt-oss-120b --mix-of everything",
         "--table field --pull-block-tokens 0",
         "--preset no-such-model",
         "--layers 36 --kv-heads 8",
@@ -534,6 +570,7 @@ static Suite *plan_suite(void)
     tcase_add_test(tc, tp_sides_replication_and_hosts);
     tcase_add_test(tc, staging_pages_match_the_allocator);
     tcase_add_test(tc, a_pull_moves_the_whole_blocks_before_the_last_token);
+    tcase_add_test(tc, a_mix_of_requests_weighs_transfers_by_their_time_in_flight);
     tcase_add_test(tc, paged_peak_matches_the_pool);
     tcase_add_test(tc, bad_input_is_a_clear_error);
     tcase_add_test(tc, allocation_failure_is_nomem_with_a_reason);

@@ -40,7 +40,8 @@ static void usage(void)
             "usage: pagekv plan (--preset NAME | --layers N --kv-heads N --head-dim N)\n"
             "         [--dtype f32|f16|bf16] [--tp N | --prefill-tp N --decode-tp N]\n"
             "         [--ranks-per-host N] [--page-tokens N] [--context T] [--concurrency N]\n"
-            "         [--mix T:W,...] [--in-flight N] [--long T[:COUNT]]...\n"
+            "         [--mix T:W,...] [--mix-of in-flight|requests] [--in-flight N]\n"
+            "         [--long T[:COUNT]]...\n"
             "         [--pull-block-tokens N] [--device-pool BYTES] [--table field]\n"
             "         [--json FILE]\n"
             "token counts take K / M suffixes (x 1024): 8k, 128k, 1M\n"
@@ -50,6 +51,10 @@ static void usage(void)
             "--pull-block-tokens N: a transfer moves the whole N-token blocks before the\n"
             "  prompt's last token, as pagekv's decode node pulls them (pagekv serve\n"
             "  --block-tokens; default 16); 0: every token, as the field's connectors do\n"
+            "--mix-of requests: the mix counts requests sent; a transfer is caught in flight\n"
+            "  in proportion to its pages (its time in flight), so the in-flight draw weighs\n"
+            "  each entry by weight x pages; in-flight (default): the mix is of transfers in\n"
+            "  flight, as the field's table counts\n"
             "--table field: the second field report's rows at 8k / 128k / 1M (geometry flags\n"
             "  only; default gpt-oss-120b at TP8)\n"
             "presets: gpt-oss-120b");
@@ -178,6 +183,11 @@ static int set_load(plan_opts_t *o, const char *a, const char *v)
                  : 0;
     } else if (!strcmp(a, "--mix")) {
         rc = parse_mix(v, in);
+    } else if (!strcmp(a, "--mix-of")) {
+        in->mix_of_requests = !strcmp(v, "requests");
+        rc = in->mix_of_requests || !strcmp(v, "in-flight")
+                 ? 0
+                 : pkv_cli_usage_error(CMD, "--mix-of: requests or in-flight, got '%s'", v);
     } else if (!strcmp(a, "--long")) {
         rc = parse_long(v, in);
     } else if (!strcmp(a, "--pull-block-tokens")) {
@@ -424,10 +434,11 @@ static void print_cell(const pkv_plan_bytes_t *b, const plan_row_t *r)
 static void print_load(const pkv_plan_input_t *in, const pkv_plan_t *p)
 {
     printf("load: context %llu, %llu-way concurrency (%llu fixed slots of %llu pages), %llu "
-           "transfers in flight of the mix",
+           "transfers in flight of the %s",
            (unsigned long long)in->context, (unsigned long long)in->concurrency,
            (unsigned long long)in->concurrency, (unsigned long long)p->decode.slot_pages,
-           (unsigned long long)in->in_flight);
+           (unsigned long long)in->in_flight,
+           in->mix_of_requests ? "requests' mix (each weighed by its pages in flight)" : "mix");
     for (uint32_t i = 0; i < in->n_mix; i++)
         printf("%s%llu:%llu", i ? "," : " ", (unsigned long long)in->mix[i].tokens,
                (unsigned long long)in->mix[i].weight);
@@ -532,7 +543,7 @@ static json_t *input_json(const pkv_plan_input_t *in)
     for (uint32_t i = 0; i < in->n_long; i++)
         json_array_append_new(lng, json_pack("{s:o, s:o}", "tokens", jbytes(in->longs[i].tokens),
                                              "count", jbytes(in->longs[i].count)));
-    return json_pack("{s:i, s:i, s:i, s:s, s:i, s:i, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}",
+    json_t *j = json_pack("{s:i, s:i, s:i, s:s, s:i, s:i, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}",
                      "layers", (int)in->layers, "kv_heads", (int)in->kv_heads, "head_dim",
                      (int)in->head_dim, "dtype", pkv_dtype_name(in->dtype), "prefill_tp",
                      (int)in->prefill_tp, "decode_tp", (int)in->decode_tp, "page_tokens",
@@ -541,6 +552,8 @@ static json_t *input_json(const pkv_plan_input_t *in)
                      "in_flight", jbytes(in->in_flight), "pull_block_tokens",
                      jbytes(in->pull_block_tokens), "mix", mix, "long", lng,
                      "device_pool_bytes_per_rank", jbytes(in->device_pool_bytes));
+    json_object_set_new(j, "mix_of", json_string(in->mix_of_requests ? "requests" : "in_flight"));
+    return j;
 }
 
 static json_t *plan_json(const pkv_plan_t *p)

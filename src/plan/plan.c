@@ -172,7 +172,8 @@ static uint64_t transfer_pages(const pkv_plan_input_t *in, uint64_t n)
 }
 
 typedef struct {
-    uint64_t pages[PKV_PLAN_MAX_MIX]; /* per mix entry */
+    uint64_t pages[PKV_PLAN_MAX_MIX];  /* per mix entry */
+    uint64_t weight[PKV_PLAN_MAX_MIX]; /* per mix entry: its weight among transfers in flight */
     uint64_t max_pages;
     uint64_t long_pages; /* sum over the long transfers */
     uint64_t mean_pages; /* in_flight x mix mean, rounded up, + long_pages */
@@ -202,7 +203,7 @@ static int tail_exact(const pkv_plan_input_t *in, const plan_load_t *l, uint64_t
         for (uint64_t s = 0; s <= top; s++) {
             if (cur[s] == 0.0) continue;
             for (uint32_t i = 0; i < in->n_mix; i++)
-                nxt[s + l->pages[i]] += cur[s] * ((double)in->mix[i].weight / (double)wsum);
+                nxt[s + l->pages[i]] += cur[s] * ((double)l->weight[i] / (double)wsum);
         }
         top += l->max_pages;
         double *tmp = cur;
@@ -225,13 +226,20 @@ static int plan_load(plan_ctx_t *c, const pkv_plan_input_t *in, plan_load_t *l)
     memset(l, 0, sizeof(*l));
     uint64_t wsum = 0, wpages = 0;
     double m2 = 0.0;
+    bool moves = false; /* some entry moves a page */
     for (uint32_t i = 0; i < in->n_mix; i++) {
         l->pages[i] = transfer_pages(in, in->mix[i].tokens);
-        l->max_pages = PKV_MAX(l->max_pages, l->pages[i]);
-        wsum = ck_add(c, wsum, in->mix[i].weight, "the mix's weights");
-        wpages = ck_add(c, wpages, ck_mul(c, in->mix[i].weight, l->pages[i], "a mix entry's pages"),
+        moves |= l->pages[i] > 0;
+    }
+    for (uint32_t i = 0; i < in->n_mix; i++) {
+        l->weight[i] = in->mix_of_requests && moves
+                           ? ck_mul(c, in->mix[i].weight, l->pages[i], "a mix entry's weight")
+                           : in->mix[i].weight;
+        if (l->weight[i]) l->max_pages = PKV_MAX(l->max_pages, l->pages[i]);
+        wsum = ck_add(c, wsum, l->weight[i], "the mix's weights");
+        wpages = ck_add(c, wpages, ck_mul(c, l->weight[i], l->pages[i], "a mix entry's pages"),
                         "the mix's pages");
-        m2 += (double)in->mix[i].weight * (double)l->pages[i] * (double)l->pages[i];
+        m2 += (double)l->weight[i] * (double)l->pages[i] * (double)l->pages[i];
     }
     for (uint32_t i = 0; i < in->n_long; i++)
         l->long_pages =

@@ -64,6 +64,11 @@ typedef struct {
     uint64_t concurrency; /* requests at once = fixed slots */
     pkv_plan_mix_t mix[PKV_PLAN_MAX_MIX];
     uint32_t n_mix; /* 0 -> every transfer is `context` long */
+    /* false: the mix is of the transfers in flight (the field's table); true: of the
+     * requests sent, and a transfer is in flight for a time that grows with its pages,
+     * so at an instant the transfers in flight are drawn with weight x pages (the
+     * inspection paradox: a long transfer is more likely to be caught in flight) */
+    bool mix_of_requests;
     uint64_t in_flight;
     bool in_flight_set; /* false -> in_flight = concurrency */
     pkv_plan_long_t longs[PKV_PLAN_MAX_LONG];

@@ -193,11 +193,26 @@ static void extent_take(stage_alloc_t *a, uint32_t s, uint32_t from, uint32_t n)
     mark_used(a, from, n);
 }
 
-/* Serve need pages from warm free pages alone, in at most STAGE_WARM_RUNS (and cap) runs (the
- * largest warm pieces first), so that nothing is committed while enough committed pages
- * sit free in pieces no single extent holds. Returns the runs, or 0 (nothing taken) when
- * the largest pieces do not add up to need. O(npages). */
-static uint32_t take_warm(stage_alloc_t *a, uint32_t need, stage_span_t *out, uint32_t cap)
+/* Record the n pages at `page` (just taken) as the grant's next run, or as the end of its
+ * last run when they follow it (a used span keeps its length at its first page). */
+static void run_emit(stage_alloc_t *a, stage_span_t *out, uint32_t *nruns, uint32_t page,
+                     uint32_t n)
+{
+    stage_span_t *last = *nruns ? &out[*nruns - 1] : NULL;
+    if (last && last->page + last->count == page) {
+        last->count += n;
+        a->len[last->page] = last->count;
+        return;
+    }
+    out[(*nruns)++] = (stage_span_t){page, n};
+}
+
+/* Take up to need warm free pages from the largest warm pieces, at most STAGE_WARM_RUNS
+ * (and cap) of them, largest first, so that nothing is committed while committed pages
+ * sit free in pieces no single extent holds. Returns the pages taken (runs in out[0..*n)).
+ * O(npages). */
+static uint32_t take_warm(stage_alloc_t *a, uint32_t need, stage_span_t *out, uint32_t cap,
+                          uint32_t *n)
 {
     stage_span_t top[STAGE_WARM_RUNS];
     uint32_t most = PKV_MIN(cap, STAGE_WARM_RUNS);
@@ -215,16 +230,15 @@ static uint32_t take_warm(stage_alloc_t *a, uint32_t need, stage_span_t *out, ui
             q = r + 1;
         }
     }
-    uint32_t sum = 0, n = 0;
-    for (uint32_t k = 0; k < ntop && sum < need; k++) sum += top[k].count, n++;
-    if (sum < need) return 0;
-    for (uint32_t k = 0, left = need; k < n; k++) {
-        uint32_t m = PKV_MIN(top[k].count, left);
+    uint32_t taken = 0;
+    *n = 0;
+    for (uint32_t k = 0; k < ntop && taken < need; k++) {
+        uint32_t m = PKV_MIN(top[k].count, need - taken);
         extent_take(a, STAGE_NONE, top[k].page, m);
-        out[k] = (stage_span_t){top[k].page, m};
-        left -= m;
+        run_emit(a, out, n, top[k].page, m);
+        taken += m;
     }
-    return n;
+    return taken;
 }
 
 uint32_t stage_alloc_need(const stage_alloc_t *a, uint32_t asked)
@@ -248,31 +262,30 @@ uint32_t stage_alloc_take(stage_alloc_t *a, uint32_t need, stage_span_t *out, ui
         mark_used(a, out[0].page, a->slot_pages);
         return 1;
     }
-    /* One extent when one fits without committing; else warm pieces when they suffice
-     * (in few runs); else one extent committing the fewest; else the largest first. */
+    /* One extent when one fits without committing; else the warm pieces (up to 8), and
+     * the rest from one extent committing the fewest, else the largest first. */
     uint32_t cold, s = extent_find_fit(a, need, &cold);
     if (s != STAGE_NONE && cold == 0) {
         out[0] = (stage_span_t){carve_from(a, s, need), need};
         extent_take(a, s, out[0].page, need);
         return 1;
     }
-    uint32_t n = take_warm(a, need, out, cap);
-    if (n) return n;
-    uint32_t left = need;
+    uint32_t n;
+    uint32_t left = need - take_warm(a, need, out, cap, &n);
     while (left) {
         PKV_ASSERT(n < cap);
-        s = n ? extent_find_fit(a, left, &cold) : s;
+        s = extent_find_fit(a, left, &cold);
         if (s != STAGE_NONE) {
-            out[n] = (stage_span_t){carve_from(a, s, left), left};
-            extent_take(a, s, out[n++].page, left);
+            uint32_t from = carve_from(a, s, left);
+            extent_take(a, s, from, left);
+            run_emit(a, out, &n, from, left);
             break;
         }
         s = extent_largest(a);
         uint32_t len = a->len[s];
         bin_remove(a, s);
         mark_used(a, s, len);
-        out[n].page = s;
-        out[n++].count = len;
+        run_emit(a, out, &n, s, len);
         left -= len;
     }
     return n;
