@@ -71,8 +71,8 @@ typedef struct {
 void pkv_bd_mix_add(pkv_bd_mix_t *mix, long n);
 
 /* The planner's load from the mix: its entries (each at most `context` tokens) and pulls
- * of whole PKV_BD_BLOCK_TOKENS blocks, as a mix of requests (pkv_plan_input_t's
- * mix_of_requests: in flight, each weighs by its pages). */
+ * of whole PKV_BD_BLOCK_TOKENS blocks (the mix as one of transfers in flight; a caller
+ * whose prompts arrive mixed sets in->mix_of_requests). */
 void pkv_bd_mix_plan(const pkv_bd_mix_t *mix, uint64_t context, pkv_plan_input_t *in);
 
 /* The planner (src/plan, preset's geometry, 64-token pages) against each design's

@@ -110,7 +110,6 @@ void pkv_bd_mix_add(pkv_bd_mix_t *mix, long n)
 void pkv_bd_mix_plan(const pkv_bd_mix_t *mix, uint64_t context, pkv_plan_input_t *in)
 {
     in->pull_block_tokens = PKV_BD_BLOCK_TOKENS;
-    in->mix_of_requests = true; /* the prompts sent; in flight, a long one is caught longer */
     in->n_mix = 0;
     for (uint32_t m = 0; m < mix->n && m < PKV_PLAN_MAX_MIX; m++)
         in->mix[in->n_mix++] =

@@ -301,6 +301,10 @@ static void br_plan(const br_opts_t *o, br_result_t *r)
     in.context = BR_CONTEXT;
     in.concurrency = o->concurrency;
     pkv_bd_mix_plan(&r->mix, BR_CONTEXT, &in); /* every prompt served, by real token count */
+    /* the lengths come mixed in one stream: at an instant a long transfer is the more
+       likely to be in flight (its pull lasts longer), so the draw weighs each by its pages
+       (disagg's phases each send one length: there the mix stays one of transfers) */
+    in.mix_of_requests = true;
     in.in_flight_set = true;
     uint64_t pool = 0;
     pkv_cli_parse_bytes(o->pool, &pool);

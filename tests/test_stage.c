@@ -1110,6 +1110,37 @@ static uint32_t model_warm_pieces(const stage_alloc_t *a, const uint8_t *used, u
     return sum;
 }
 
+/* Warm and cold pages in turn, W C W C W C: the whole arena in one grant takes the warm
+ * pieces, then the cold ones, and hands back one run (it once needed 6 runs where the
+ * stage allowed 3, and aborted). */
+START_TEST(alternating_warm_and_cold_pages_make_one_run)
+{
+    stage_alloc_t a;
+    ck_assert_int_eq(stage_alloc_init(&a, PKV_STAGE_PER_TRANSFER, 6, 0), PKV_OK);
+    stage_span_t one[6], off[6], out[6];
+    for (int i = 0; i < 6; i++) {
+        ck_assert_uint_eq(stage_alloc_take(&a, 1, &one[i], 1), 1);
+        a.warm[one[i].page] = STAGE_WARM;
+    }
+    for (int i = 0; i < 6; i++)
+        if (one[i].page % 2) stage_alloc_give(&a, one[i].page, 1, 1);
+    uint64_t next;
+    uint32_t noff = stage_alloc_collect_idle(&a, 1, off, 6, &next);
+    ck_assert_uint_eq(noff, 3);
+    for (uint32_t r = 0; r < noff; r++) stage_alloc_return_cold(&a, off[r].page, off[r].count);
+    for (int i = 0; i < 6; i++)
+        if (one[i].page % 2 == 0) stage_alloc_give(&a, one[i].page, 1, 2);
+    stage_alloc_check(&a);
+    ck_assert_uint_eq(stage_alloc_take(&a, 6, out, 6), 1);
+    ck_assert_uint_eq(out[0].page, 0);
+    ck_assert_uint_eq(out[0].count, 6);
+    stage_alloc_check(&a);
+    stage_alloc_give(&a, 0, 6, 3);
+    stage_alloc_check(&a);
+    stage_alloc_fini(&a);
+}
+END_TEST
+
 START_TEST(allocator_matches_reference_model)
 {
     uint64_t seed = pkv_test_seed(0xa110cull);
@@ -1136,7 +1167,7 @@ START_TEST(allocator_matches_reference_model)
                 uint32_t largest = model_largest(used, N);
                 uint32_t warm8 = model_warm_pieces(&a, used, N, STAGE_WARM_RUNS);
                 uint32_t warm_all = model_warm_pieces(&a, used, N, 1) ? 1 : 0; /* any warm free */
-                uint32_t n = stage_alloc_take(&a, need, spans, N);
+                uint32_t n = stage_alloc_take(&a, need, spans, need); /* stage.c's grant */
                 ck_assert_msg(n <= STAGE_WARM_RUNS + 8, "seed %#llx: %u runs",
                               (unsigned long long)seed, n);
                 uint32_t total = 0, cold = 0;
@@ -1151,6 +1182,11 @@ START_TEST(allocator_matches_reference_model)
                     live[nlive][r] = spans[r];
                 }
                 ck_assert_uint_eq(total, need);
+                for (uint32_t r = 0; r < n; r++) /* runs that touch are one run */
+                    for (uint32_t q = 0; q < n; q++)
+                        ck_assert_msg(spans[r].page + spans[r].count != spans[q].page,
+                                      "seed %#llx: runs %u and %u touch", (unsigned long long)seed,
+                                      r, q);
                 /* One run whenever one extent fits and no warm page is free; cold pages
                  * only for what the largest warm pieces cannot cover (per-transfer). */
                 if (largest >= need && !warm_all)
@@ -1329,6 +1365,7 @@ static Suite *stage_suite(void)
     tcase_add_test(tc, bad_config_is_rejected);
     tcase_add_test(tc, acquire_gives_exact_pages_in_few_runs);
     tcase_add_test(tc, warm_pieces_are_used_before_cold_pages);
+    tcase_add_test(tc, alternating_warm_and_cold_pages_make_one_run);
     tcase_add_test(tc, duplicate_id_is_busy);
     tcase_add_test(tc, abort_flag_keeps_an_early_cancel);
     tcase_add_test(tc, nofit_at_once_in_both_modes);

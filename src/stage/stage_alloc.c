@@ -193,18 +193,37 @@ static void extent_take(stage_alloc_t *a, uint32_t s, uint32_t from, uint32_t n)
     mark_used(a, from, n);
 }
 
-/* Record the n pages at `page` (just taken) as the grant's next run, or as the end of its
- * last run when they follow it (a used span keeps its length at its first page). */
-static void run_emit(stage_alloc_t *a, stage_span_t *out, uint32_t *nruns, uint32_t page,
-                     uint32_t n)
+/* Take n pages from free extent s (its warm end) as the grant's next run. */
+static void carve_into(stage_alloc_t *a, uint32_t s, uint32_t n, stage_span_t *out,
+                       uint32_t *nruns)
 {
-    stage_span_t *last = *nruns ? &out[*nruns - 1] : NULL;
-    if (last && last->page + last->count == page) {
-        last->count += n;
-        a->len[last->page] = last->count;
-        return;
+    uint32_t from = carve_from(a, s, n);
+    extent_take(a, s, from, n);
+    out[(*nruns)++] = (stage_span_t){from, n};
+}
+
+static int span_cmp(const void *x, const void *y)
+{
+    const stage_span_t *a = x, *b = y;
+    return a->page < b->page ? -1 : a->page > b->page;
+}
+
+/* The grant's runs in page order, runs that touch merged into one (a used span keeps its
+ * length at its first page). Returns the runs left. */
+static uint32_t runs_merge(stage_alloc_t *a, stage_span_t *out, uint32_t n)
+{
+    if (n < 2) return n;
+    qsort(out, n, sizeof(*out), span_cmp);
+    uint32_t m = 0;
+    for (uint32_t r = 1; r < n; r++) {
+        if (out[m].page + out[m].count == out[r].page) {
+            out[m].count += out[r].count;
+            a->len[out[m].page] = out[m].count;
+        } else {
+            out[++m] = out[r];
+        }
     }
-    out[(*nruns)++] = (stage_span_t){page, n};
+    return m + 1;
 }
 
 /* Take up to need warm free pages from the largest warm pieces, at most STAGE_WARM_RUNS
@@ -235,7 +254,7 @@ static uint32_t take_warm(stage_alloc_t *a, uint32_t need, stage_span_t *out, ui
     for (uint32_t k = 0; k < ntop && taken < need; k++) {
         uint32_t m = PKV_MIN(top[k].count, need - taken);
         extent_take(a, STAGE_NONE, top[k].page, m);
-        run_emit(a, out, n, top[k].page, m);
+        out[(*n)++] = (stage_span_t){top[k].page, m};
         taken += m;
     }
     return taken;
@@ -264,31 +283,21 @@ uint32_t stage_alloc_take(stage_alloc_t *a, uint32_t need, stage_span_t *out, ui
     }
     /* One extent when one fits without committing; else the warm pieces (up to 8), and
      * the rest from one extent committing the fewest, else the largest first. */
-    uint32_t cold, s = extent_find_fit(a, need, &cold);
+    uint32_t cold, s = extent_find_fit(a, need, &cold), n = 0;
     if (s != STAGE_NONE && cold == 0) {
-        out[0] = (stage_span_t){carve_from(a, s, need), need};
-        extent_take(a, s, out[0].page, need);
+        carve_into(a, s, need, out, &n);
         return 1;
     }
-    uint32_t n;
     uint32_t left = need - take_warm(a, need, out, cap, &n);
     while (left) {
         PKV_ASSERT(n < cap);
         s = extent_find_fit(a, left, &cold);
-        if (s != STAGE_NONE) {
-            uint32_t from = carve_from(a, s, left);
-            extent_take(a, s, from, left);
-            run_emit(a, out, &n, from, left);
-            break;
-        }
-        s = extent_largest(a);
-        uint32_t len = a->len[s];
-        bin_remove(a, s);
-        mark_used(a, s, len);
-        run_emit(a, out, &n, s, len);
-        left -= len;
+        if (s == STAGE_NONE) s = extent_largest(a);
+        uint32_t m = PKV_MIN(a->len[s], left); /* the largest may fit: a class's short scan */
+        carve_into(a, s, m, out, &n);
+        left -= m;
     }
-    return n;
+    return runs_merge(a, out, n);
 }
 
 /* Put [s, s+n) back as free, merging with free neighbours. */

@@ -11,10 +11,10 @@
  * first page, the start at the last page), kept in 32 size-class bins by floor(log2
  * length). A request is served by one extent when any extent is large enough (the
  * candidates: a short scan of the request's own class and the head of each larger one)
- * whose carve takes no cold page; else by warm pieces alone when at most STAGE_WARM_RUNS
- * of them add up to the request (so nothing is committed while committed pages sit free
- * in pieces); else by the fitting extent whose carve takes the fewest cold pages; else by
- * the largest extents first, the fewest runs the free space allows. Freed extents go to
+ * whose carve takes no cold page; else by the largest warm pieces (up to STAGE_WARM_RUNS
+ * of them and the request: nothing is committed while committed pages sit free in
+ * pieces) and the rest from one fitting extent, else from the largest extents first.
+ * Runs that touch are merged; a grant has at most `need` runs. Freed extents go to
  * the head of their bin and extents coming back cold from the OS to the tail; when an
  * extent is split, the piece taken is the end that is warm.
  *
