@@ -572,8 +572,9 @@ static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t
         if (ph == BD_PACED) {
             json_t *ps1 = cluster_phase_sums(pre.url), *ds1 = cluster_phase_sums(dec.url);
             if (ps0 && ps1 && ds0 && ds1) {
-                run->paced_phases = json_pack("{s:o, s:o}", "prefill", cluster_phase_means(ps0, ps1),
-                                              "decode", cluster_phase_means(ds0, ds1));
+                run->paced_phases =
+                    json_pack("{s:o, s:o}", "prefill", cluster_phase_means(ps0, ps1), "decode",
+                              cluster_phase_means(ds0, ds1));
                 char *txt = json_dumps(run->paced_phases, JSON_COMPACT | JSON_REAL_PRECISION(4));
                 fprintf(stderr, "    paced phases, mean ms: %s\n", txt ? txt : "");
                 free(txt);

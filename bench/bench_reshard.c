@@ -233,10 +233,11 @@ static void br_merge(br_result_t *m, br_result_t *run)
     m->failed += run->failed;
     m->pulls_peak = PKV_MAX(m->pulls_peak, run->pulls_peak);
     for (uint32_t i = 0; i < run->mix.n; i++)
-        for (uint32_t w = 0; w < run->mix.weight[i]; w++) pkv_bd_mix_add(&m->mix, run->mix.tokens[i]);
+        for (uint32_t w = 0; w < run->mix.weight[i]; w++)
+            pkv_bd_mix_add(&m->mix, run->mix.tokens[i]);
     if (!m->phases) m->phases = json_array();
-    json_t *one = json_pack("{s:f, s:f}", "ttft_ms_p50", run->ttft_p50, "transfer_ms_p50",
-                            run->transfer_p50);
+    json_t *one =
+        json_pack("{s:f, s:f}", "ttft_ms_p50", run->ttft_p50, "transfer_ms_p50", run->transfer_p50);
     if (run->phases) json_object_set(one, "phase_means_ms", run->phases);
     json_array_append_new(m->phases, one);
     json_decref(run->phases);

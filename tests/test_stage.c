@@ -1089,7 +1089,8 @@ static uint32_t model_largest(const uint8_t *used, uint32_t n)
 }
 
 /* Pages in the k largest runs of warm free pages in the model. */
-static uint32_t model_warm_pieces(const stage_alloc_t *a, const uint8_t *used, uint32_t n, uint32_t k)
+static uint32_t model_warm_pieces(const stage_alloc_t *a, const uint8_t *used, uint32_t n,
+                                  uint32_t k)
 {
     uint32_t top[STAGE_WARM_RUNS] = {0}, cur = 0;
     for (uint32_t p = 0; p <= n; p++) {
@@ -1167,7 +1168,7 @@ START_TEST(allocator_matches_reference_model)
                 uint32_t largest = model_largest(used, N);
                 uint32_t warm8 = model_warm_pieces(&a, used, N, STAGE_WARM_RUNS);
                 uint32_t warm_all = model_warm_pieces(&a, used, N, 1) ? 1 : 0; /* any warm free */
-                uint32_t n = stage_alloc_take(&a, need, spans, need); /* stage.c's grant */
+                uint32_t n = stage_alloc_take(&a, need, spans, need);          /* stage.c's grant */
                 ck_assert_msg(n <= STAGE_WARM_RUNS + 8, "seed %#llx: %u runs",
                               (unsigned long long)seed, n);
                 uint32_t total = 0, cold = 0;

@@ -543,15 +543,15 @@ static json_t *input_json(const pkv_plan_input_t *in)
     for (uint32_t i = 0; i < in->n_long; i++)
         json_array_append_new(lng, json_pack("{s:o, s:o}", "tokens", jbytes(in->longs[i].tokens),
                                              "count", jbytes(in->longs[i].count)));
-    json_t *j = json_pack("{s:i, s:i, s:i, s:s, s:i, s:i, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}",
-                     "layers", (int)in->layers, "kv_heads", (int)in->kv_heads, "head_dim",
-                     (int)in->head_dim, "dtype", pkv_dtype_name(in->dtype), "prefill_tp",
-                     (int)in->prefill_tp, "decode_tp", (int)in->decode_tp, "page_tokens",
-                     jbytes(in->page_tokens), "granule_bytes", jbytes(in->granule_bytes),
-                     "context_tokens", jbytes(in->context), "concurrency", jbytes(in->concurrency),
-                     "in_flight", jbytes(in->in_flight), "pull_block_tokens",
-                     jbytes(in->pull_block_tokens), "mix", mix, "long", lng,
-                     "device_pool_bytes_per_rank", jbytes(in->device_pool_bytes));
+    json_t *j = json_pack(
+        "{s:i, s:i, s:i, s:s, s:i, s:i, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}", "layers",
+        (int)in->layers, "kv_heads", (int)in->kv_heads, "head_dim", (int)in->head_dim, "dtype",
+        pkv_dtype_name(in->dtype), "prefill_tp", (int)in->prefill_tp, "decode_tp",
+        (int)in->decode_tp, "page_tokens", jbytes(in->page_tokens), "granule_bytes",
+        jbytes(in->granule_bytes), "context_tokens", jbytes(in->context), "concurrency",
+        jbytes(in->concurrency), "in_flight", jbytes(in->in_flight), "pull_block_tokens",
+        jbytes(in->pull_block_tokens), "mix", mix, "long", lng, "device_pool_bytes_per_rank",
+        jbytes(in->device_pool_bytes));
     json_object_set_new(j, "mix_of", json_string(in->mix_of_requests ? "requests" : "in_flight"));
     return j;
 }

@@ -239,7 +239,8 @@ static int check_kv_options(const pkv_server_config_t *cfg, const char *kv_flag)
                                    pkv_server_role_name(cfg->role));
     if (cfg->staging_slots && cfg->staging_mode != PKV_STAGE_FIXED_SLOTS)
         return pkv_cli_usage_error(cmd, "--staging-slots needs --staging fixed");
-    if (cfg->staging_idle_ms && (cfg->staging_mode != PKV_STAGE_PER_TRANSFER || cfg->staging_mirror))
+    if (cfg->staging_idle_ms &&
+        (cfg->staging_mode != PKV_STAGE_PER_TRANSFER || cfg->staging_mirror))
         return pkv_cli_usage_error(cmd, "--staging-idle-ms needs --staging per_transfer");
     pkv_model_config_t mc;
     char why[128];

@@ -25,11 +25,11 @@
 #include <time.h>
 #include <sys/random.h>
 
-#define KVN_FIXED_SLOTS      4
+#define KVN_FIXED_SLOTS 4
 /* Per-transfer staging's default hysteresis: longer than the gap between transfers of a
  * steady load (a page freed and taken again stays committed and pinned), short enough
  * that an idle node holds no staging within seconds. */
-#define KVN_STAGE_IDLE_MS 5000
+#define KVN_STAGE_IDLE_MS    5000
 #define KVN_STAGE_DESTROY_NS 2000000000ull /* staging returned by the agent's close */
 
 /* One tensor-parallel rank of the node: its staging and its agent, which registers, serves
@@ -51,7 +51,7 @@ struct srv_kvnode {
     char engine_id[40]; /* "pagekv-" + 16 random bytes in hex, presented by every rank */
     uint32_t lease_ms, transfer_timeout_ms;
     int64_t staging_idle_ms; /* -1: staging never returned (fixed slots, the mirror) */
-    bool recompute; /* --kv-load-failure recompute */
+    bool recompute;          /* --kv-load-failure recompute */
     atomic_bool stopping;
     /* Test hook (PKV_TEST_RANK_FAULT=hang:R): rank R's agent stops for good once it has
      * sent a layer, as a rank that died would (no messages, no heartbeats), until destroy. */

@@ -194,8 +194,7 @@ static void extent_take(stage_alloc_t *a, uint32_t s, uint32_t from, uint32_t n)
 }
 
 /* Take n pages from free extent s (its warm end) as the grant's next run. */
-static void carve_into(stage_alloc_t *a, uint32_t s, uint32_t n, stage_span_t *out,
-                       uint32_t *nruns)
+static void carve_into(stage_alloc_t *a, uint32_t s, uint32_t n, stage_span_t *out, uint32_t *nruns)
 {
     uint32_t from = carve_from(a, s, n);
     extent_take(a, s, from, n);
