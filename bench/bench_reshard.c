@@ -381,7 +381,12 @@ static void br_one(const br_opts_t *o, const br_env_t *e, const cluster_proc_t *
     memcpy(r->node, s.node, sizeof(r->node));
     for (int k = 0; k < 2; k++) br_node_peaks(&r->node[k]);
     r->requests = o->requests;
-    for (uint32_t i = 0; i < o->requests; i++) r->failed += res[i].status != 200;
+    for (uint32_t i = 0; i < o->requests; i++) {
+        if (res[i].status == 200) continue;
+        if (!r->failed++) /* the first failure's reason, once per run */
+            fprintf(stderr, "    request %u failed: status %ld %s%s\n", i, res[i].status,
+                    res[i].transport, res[i].excerpt);
+    }
     r->ttft_p50 = br_p50(res, o->requests, false);
     r->transfer_p50 = br_p50(res, o->requests, true);
     /* parity: the first requests again on the unified TP=1 node */
