@@ -44,6 +44,12 @@ static const char *const bd_phase_names[BD_NPH] = {"parity_before", "burst", "me
                                                    "long",          "paced", "parity_after"};
 
 enum { D_FIXED, D_FIXED_REPEAT, D_PER_TRANSFER, D_PER_TRANSFER_EIGHTH, D_FIXED_SMALL, BD_ND };
+
+/* Fixed slots: committed and pinned at start, never returned. */
+static bool bd_fixed(int d)
+{
+    return d == D_FIXED || d == D_FIXED_REPEAT || d == D_FIXED_SMALL;
+}
 static const char *const bd_design_names[BD_ND] = {"fixed", "fixed_repeat", "per_transfer",
                                                    "per_transfer_eighth", "fixed_small"};
 
@@ -587,8 +593,7 @@ static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t
         if (ph == BD_PACED) {
             /* idle: per-transfer staging goes back to the OS within the nodes' idle
              * period (kv_transfer.staging.idle_release_ms) and a second of slack */
-            bool fixed = d == D_FIXED || d == D_FIXED_REPEAT;
-            run->staging_idle_zero = !fixed && bd_staging_idle(pre.url, dec.url);
+            run->staging_idle_zero = !bd_fixed(d) && bd_staging_idle(pre.url, dec.url);
         }
     }
     if (sampling) {
@@ -822,9 +827,8 @@ static json_t *bd_json(const bd_opts_t *o, const bd_load_t *L, double rate, cons
             }
             json_object_set_new(j, "paced_drift", pd);
             /* fixed slots stay committed by design: null */
-            bool fixed = d == D_FIXED || d == D_FIXED_REPEAT;
             json_object_set_new(j, "staging_idle_zero",
-                                fixed ? json_null() : json_boolean(r->staging_idle_zero));
+                                bd_fixed(d) ? json_null() : json_boolean(r->staging_idle_zero));
         }
         json_array_append_new(ds, j);
     }
@@ -910,7 +914,7 @@ static json_t *bd_plan(const bd_opts_t *o, const bd_load_t *L, const bd_run_t *r
         pkv_bd_plan_design_t *x = &pd[n++];
         memset(x, 0, sizeof(*x));
         x->design = r->name;
-        x->fixed = d == D_FIXED || d == D_FIXED_REPEAT || d == D_FIXED_SMALL;
+        x->fixed = bd_fixed(d);
         x->slots = r->slots;
         x->pool_pages = r->pool_pages;
         x->page_bytes = r->page_bytes;
@@ -991,8 +995,7 @@ static int bd_targets(const bd_run_t *runs)
         if (!r->name || !r->have_paced || !r->ph[BD_PACED].requests) continue;
         BD_T(r->paced_rss_drift < 0.01, "%s paced RSS drift %.2f%% < 1%%", r->name,
              100 * r->paced_rss_drift);
-        if (d != D_FIXED && d != D_FIXED_REPEAT)
-            BD_T(r->staging_idle_zero, "%s staging back to zero when idle", r->name);
+        if (!bd_fixed(d)) BD_T(r->staging_idle_zero, "%s staging back to zero when idle", r->name);
     }
     return bad;
 #undef BD_T

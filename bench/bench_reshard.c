@@ -202,8 +202,8 @@ typedef struct {
     uint64_t pulls_peak;  /* the decode node's pulls in flight at their peak (exact) */
     uint64_t staging_transfers_peak[2]; /* per node: transfers holding staging at once */
     pkv_bd_mix_t mix; /* the prompts served, by real token count, for the planner */
-    json_t *phases;   /* one run: {"prefill", "decode"}, each node's mean ms per phase;
-                         merged: [the runs' {"ttft_ms_p50", "transfer_ms_p50", "phase_means_ms"}] */
+    json_t *phases;   /* one run: {"prefill", "decode"}, each node's mean ms per phase */
+    json_t *runs_doc; /* merged: [the runs' {"ttft_ms_p50", "transfer_ms_p50", "phase_means_ms"}] */
     uint32_t runs;    /* merged: the repeats */
     double ttft_run[BR_MAX_REP], transfer_run[BR_MAX_REP];
 } br_result_t;
@@ -235,12 +235,11 @@ static void br_merge(br_result_t *m, br_result_t *run)
     for (uint32_t i = 0; i < run->mix.n; i++)
         for (uint32_t w = 0; w < run->mix.weight[i]; w++)
             pkv_bd_mix_add(&m->mix, run->mix.tokens[i]);
-    if (!m->phases) m->phases = json_array();
+    if (!m->runs_doc) m->runs_doc = json_array();
     json_t *one =
         json_pack("{s:f, s:f}", "ttft_ms_p50", run->ttft_p50, "transfer_ms_p50", run->transfer_p50);
-    if (run->phases) json_object_set(one, "phase_means_ms", run->phases);
-    json_array_append_new(m->phases, one);
-    json_decref(run->phases);
+    if (run->phases) json_object_set_new(one, "phase_means_ms", run->phases);
+    json_array_append_new(m->runs_doc, one);
     run->phases = NULL;
     m->ttft_run[m->runs] = run->ttft_p50;
     m->transfer_run[m->runs++] = run->transfer_p50;
@@ -547,7 +546,7 @@ static json_t *br_json(const br_opts_t *o, const br_result_t *res, uint32_t n)
                             json_pack("{s:f, s:f}", "prefill", r->node[0].res_over_fly, "decode",
                                       r->node[1].res_over_fly));
         json_object_set_new(pj, "repeats", json_integer((json_int_t)r->runs));
-        if (r->phases) json_object_set(pj, "runs", r->phases);
+        if (r->runs_doc) json_object_set(pj, "runs", r->runs_doc);
         json_array_append_new(pairs, pj);
     }
     return json_pack("{s:s, s:s, s:i, s:i, s:o}", "preset", o->preset, "pool", o->pool, "requests",
@@ -662,7 +661,7 @@ int pkv_bench_reshard(int argc, char **argv)
         if (pkv_bench_write_json(o.json_path, doc)) rc = rc ? rc : 1;
         json_decref(doc);
     }
-    for (uint32_t i = 0; i < n; i++) json_decref(res[i].phases);
+    for (uint32_t i = 0; i < n; i++) json_decref(res[i].runs_doc);
     curl_global_cleanup();
     return rc;
 }

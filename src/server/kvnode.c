@@ -97,7 +97,8 @@ static int kvn_stage(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max_
     if (pages > UINT32_MAX) pages = UINT32_MAX;
     sc.mode = cfg->staging_mode;
     sc.peer_cap_pages = cfg->staging_peer_cap;
-    sc.idle_release_ns = (uint64_t)kvn_stage_idle_ms(cfg) * 1000000ull; /* fixed, mirror: below */
+    int64_t idle_ms = kvn_stage_idle_ms(cfg);
+    sc.idle_release_ns = idle_ms < 0 ? PKV_DEADLINE_NEVER : (uint64_t)idle_ms * 1000000ull;
     sc.shared = cfg->staging_shared;
     sc.name = cfg->role == PKV_SERVER_ROLE_PREFILL ? "pkv-prefill" : "pkv-decode";
     if (cfg->staging_mirror) {
@@ -106,13 +107,11 @@ static int kvn_stage(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max_
         pages = PKV_DIV_UP(rank->bytes, sc.page_bytes);
         if (pages > UINT32_MAX) pages = UINT32_MAX;
         sc.mode = PKV_STAGE_PER_TRANSFER;
-        sc.idle_release_ns = PKV_DEADLINE_NEVER;
     }
     if (sc.mode == PKV_STAGE_FIXED_SLOTS) {
         sc.slots = cfg->staging_slots ? cfg->staging_slots : KVN_FIXED_SLOTS;
         sc.slot_pages = (uint32_t)pages;
         sc.pool_pages = 0;
-        sc.idle_release_ns = PKV_DEADLINE_NEVER;
     } else {
         sc.pool_pages = (uint32_t)pages;
     }

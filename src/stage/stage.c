@@ -652,8 +652,9 @@ int pkv_stage_create(const pkv_stage_config_t *cfg, pkv_stage_t **out)
     bool fixed = cfg->mode == PKV_STAGE_FIXED_SLOTS;
     st->req_max = fixed ? cfg->slot_pages : npages;
     st->max_live = fixed ? cfg->slots : npages;
-    /* each run is at least a page; cut from warm pieces, two runs may touch across a
-       cold page left between them, so half the arena is not a bound */
+    /* stage_alloc_take's scratch: before its runs are merged, warm pieces cut from one
+       extent and the cold pages between them are separate runs, each at least a page,
+       so half the arena is not a bound */
     st->runs_cap = fixed ? 1 : npages;
     st->hash_cap = 16;
     while (st->hash_cap < 2 * st->max_live) st->hash_cap *= 2;

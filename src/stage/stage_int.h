@@ -34,7 +34,7 @@
 
 #define STAGE_NONE UINT32_MAX
 #define STAGE_BINS 32
-/* Most runs a grant served from warm pieces alone may have (stage_alloc_take). */
+/* Most warm pieces one grant takes before committing cold pages (stage_alloc_take). */
 #define STAGE_WARM_RUNS 8
 
 enum { STAGE_PAGE_FREE = 0, STAGE_PAGE_USED = 1, STAGE_PAGE_OFF = 2 };
