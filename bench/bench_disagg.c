@@ -115,7 +115,11 @@ typedef struct {
     double inflight_transfers_peak[2];
     /* transfers holding staging pages at once: each stage's exact high-water */
     double staging_transfers_peak[2];
-    pkv_bd_mix_t mix; /* the prompts served (usage.prompt_tokens), for the planner */
+    pkv_bd_mix_t mix[BD_NPH]; /* per phase: the prompts served (usage.prompt_tokens) */
+    /* per phase, prefill / decode: the stage's peak pages in use x page bytes and peak
+       count of transfers holding pages, the decode node's peak of pulls in flight (each
+       node's high-water marks are read and restarted at every phase's end) */
+    double ph_pages_peak[BD_NPH][2], ph_transfers_peak[BD_NPH][2], ph_pulls_peak[BD_NPH];
     bool staging_idle_zero;
     uint32_t parity_requests, parity_identical;
     bd_sample_t *samples;
@@ -302,7 +306,7 @@ static void bd_phase_run(const bd_opts_t *o, const bd_load_t *L, int phn, const 
         }
         ttft[ph->ok++] = x->ttft_s * 1e3;
         tsum += x->ttft_s * 1e3;
-        pkv_bd_mix_add(&run->mix, x->answer.prompt_tokens);
+        pkv_bd_mix_add(&run->mix[phn], x->answer.prompt_tokens);
         if (x->answer.completion_tokens > 1) {
             tpot_sum += (x->total_s - x->ttft_s) * 1e3 / (double)(x->answer.completion_tokens - 1);
             tpot_n++;
@@ -546,6 +550,29 @@ static void bd_drift(bd_run_t *r)
     }
 }
 
+/* The nodes' high-water marks of the window that ends now (node k: prefill 0, decode 1),
+ * restarted for the next one; into phase ph's figures (ph < 0: dropped). */
+static void bd_peaks_window(const cluster_proc_t *node[2], int ph, bd_run_t *run)
+{
+    json_t *empty = json_object();
+    for (int k = 0; k < 2; k++) {
+        json_t *w = cluster_http_json(node[k]->url, "/v1/kv_transfer/peaks/reset", empty, 5000);
+        long long pages = cluster_json_int(w, "staging.pages_peak_used");
+        long long page = cluster_json_int(w, "staging.page_bytes");
+        long long tp = cluster_json_int(w, "staging.transfers_peak");
+        long long fly = cluster_json_int(w, "pulls.inflight_peak");
+        if (!w)
+            fprintf(stderr, "  peaks reset: no answer from the %s node\n",
+                    k ? "decode" : "prefill");
+        json_decref(w);
+        if (ph < 0) continue;
+        run->ph_pages_peak[ph][k] = pages > 0 && page > 0 ? (double)(pages * page) : 0;
+        run->ph_transfers_peak[ph][k] = tp > 0 ? (double)tp : 0;
+        if (k) run->ph_pulls_peak[ph] = fly > 0 ? (double)fly : 0;
+    }
+    json_decref(empty);
+}
+
 static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t *L, int d,
                           double rate, cluster_answer_t *parity, bd_run_t *run)
 {
@@ -565,6 +592,8 @@ static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t
     run->page_bytes = (uint64_t)cluster_json_int(st, "kv_transfer.staging.page_bytes");
     run->pool_pages = (uint32_t)cluster_json_int(st, "kv_transfer.staging.pages_total");
     json_decref(st);
+    const cluster_proc_t *nodes[2] = {&pre, &dec};
+    bd_peaks_window(nodes, -1, run); /* startup's window: nothing moved yet */
     bd_sampler_t smp = {.run = run, .node = {&pre, &dec}, .t0_ns = pkv_now_ns()};
     pthread_mutex_init(&smp.lock, NULL);
     bool sampling = pthread_create(&smp.th, NULL, bd_sampler_main, &smp) == 0;
@@ -575,6 +604,7 @@ static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t
         json_t *ps0 = ph == BD_PACED ? cluster_phase_sums(pre.url) : NULL;
         json_t *ds0 = ph == BD_PACED ? cluster_phase_sums(dec.url) : NULL;
         bd_phase_run(o, L, ph, rt.url, rate, &smp, run, par ? parity : NULL, false);
+        bd_peaks_window(nodes, ph, run);
         if (ph == BD_PACED) {
             json_t *ps1 = cluster_phase_sums(pre.url), *ds1 = cluster_phase_sums(dec.url);
             if (ps0 && ps1 && ds0 && ds1) {
@@ -608,18 +638,17 @@ static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t
             fmax(run->inflight_transfers_peak[0], run->samples[i].act[0]);
     json_t *ds = cluster_http_get_json(dec.url, "/v1/cache/stats", 5000);
     json_t *ps = cluster_http_get_json(pre.url, "/v1/cache/stats", 5000);
-    /* in flight: the stage's own peak of pages held (exact; a 100 ms sampler misses
-       transfers of a few ms) */
-    for (int k = 0; k < 2; k++) {
-        json_t *ks = k ? ds : ps;
-        long long peak = cluster_json_int(ks, "kv_transfer.staging.pages_peak_used");
-        long long page = cluster_json_int(ks, "kv_transfer.staging.page_bytes");
-        run->inflight_peak[k] = peak > 0 && page > 0 ? (double)(peak * page) : 0;
-        long long tp = cluster_json_int(ks, "kv_transfer.staging.transfers_peak");
-        run->staging_transfers_peak[k] = tp > 0 ? (double)tp : 0;
+    /* in flight: the stages' own peaks of pages held (exact; a 100 ms sampler misses
+       transfers of a few ms), the largest phase's */
+    for (int ph = 0; ph < BD_NPH; ph++) {
+        for (int k = 0; k < 2; k++) {
+            run->inflight_peak[k] = fmax(run->inflight_peak[k], run->ph_pages_peak[ph][k]);
+            run->staging_transfers_peak[k] =
+                fmax(run->staging_transfers_peak[k], run->ph_transfers_peak[ph][k]);
+        }
+        run->inflight_transfers_peak[1] =
+            fmax(run->inflight_transfers_peak[1], run->ph_pulls_peak[ph]);
     }
-    long long fly = cluster_json_int(ds, "kv_transfer.pulls.inflight_peak");
-    run->inflight_transfers_peak[1] = fly > 0 ? (double)fly : 0;
     run->failed_reads = cluster_json_int(ds, "kv_transfer.pulls.failed");
     run->recomputes = cluster_json_int(ds, "kv_transfer.pulls.recomputed");
     run->transfers = cluster_json_int(ps, "kv_transfer.leases.sent");
@@ -762,6 +791,11 @@ static void bd_sizes(const bd_opts_t *o, bd_load_t *L)
 }
 
 /* ---- report ------------------------------------------------------------------------------ */
+static json_t *bd_pair(const double v[2])
+{
+    return json_pack("{s:I, s:I}", "prefill", (json_int_t)v[0], "decode", (json_int_t)v[1]);
+}
+
 static json_t *bd_phases_json(const bd_run_t *r)
 {
     json_t *a = json_array();
@@ -773,13 +807,11 @@ static json_t *bd_phases_json(const bd_run_t *r)
                                            (int)x->ok, "req_s", x->req_s, "ttft_mean_ms",
                                            x->ttft_mean, "ttft_p50_ms", x->ttft_p50, "ttft_p99_ms",
                                            x->ttft_p99, "tpot_ms", x->tpot));
+        json_t *j = json_array_get(a, json_array_size(a) - 1);
+        json_object_set_new(j, "staging_pages_peak_bytes", bd_pair(r->ph_pages_peak[p]));
+        json_object_set_new(j, "staging_transfers_peak", bd_pair(r->ph_transfers_peak[p]));
     }
     return a;
-}
-
-static json_t *bd_pair(const double v[2])
-{
-    return json_pack("{s:I, s:I}", "prefill", (json_int_t)v[0], "decode", (json_int_t)v[1]);
 }
 
 static json_t *bd_json(const bd_opts_t *o, const bd_load_t *L, double rate, const bd_run_t *u,
@@ -919,11 +951,20 @@ static json_t *bd_plan(const bd_opts_t *o, const bd_load_t *L, const bd_run_t *r
         x->pool_pages = r->pool_pages;
         x->page_bytes = r->page_bytes;
         x->context = L->context;
-        /* every prompt the design's nodes served, by its real token count; in flight per
-           node: its stage's exact peak of transfers holding pages */
-        x->mix = r->mix;
+        /* per phase: every prompt the design's nodes served in it, by its real token
+           count; in flight per node: its stage's exact peak of transfers holding pages */
+        _Static_assert(BD_NPH == PKV_BD_PLAN_PHASES, "one planner phase per load phase");
+        for (int p = 0; p < BD_NPH; p++) {
+            pkv_bd_plan_phase_t *ph = &x->phase[p];
+            ph->name = bd_phase_names[p];
+            ph->mixed = p == BD_PACED;
+            ph->mix = r->mix[p];
+            for (int k = 0; k < 2; k++) {
+                ph->in_flight[k] = (uint64_t)r->ph_transfers_peak[p][k];
+                ph->inflight_peak[k] = r->ph_pages_peak[p][k];
+            }
+        }
         for (int k = 0; k < 2; k++) {
-            x->in_flight[k] = (uint64_t)r->staging_transfers_peak[k];
             x->pinned_peak[k] = r->pinned_peak[k];
             x->inflight_peak[k] = r->inflight_peak[k];
         }

@@ -52,17 +52,27 @@ typedef struct {
     uint32_t n;
 } pkv_bd_mix_t;
 
+/* The load's phases as the planner check sees them: each one's own mix and peaks (the
+ * nodes' high-water marks are read and restarted at every phase's end). */
+#define PKV_BD_PLAN_PHASES 6
+typedef struct {
+    const char *name;
+    bool mixed;              /* its prompts' lengths arrive interleaved (the paced phase) */
+    pkv_bd_mix_t mix;        /* n == 0: the phase did not run */
+    uint64_t in_flight[2];   /* prefill, decode: the stage's peak of transfers holding pages */
+    double inflight_peak[2]; /* the stage's peak pages in use x page bytes */
+} pkv_bd_plan_phase_t;
+
 typedef struct {
     const char *design;
     bool fixed;          /* fixed slots (else per-transfer staging) */
     uint32_t slots;      /* fixed: the slots */
     uint32_t pool_pages; /* the staging's pages (per-transfer: the arena) */
     uint64_t page_bytes;
-    uint32_t context; /* the longest context, tokens */
-    pkv_bd_mix_t mix;
-    uint64_t in_flight[2];   /* prefill, decode: the stage's peak of transfers holding pages */
-    double pinned_peak[2];   /* prefill, decode: VmLck peak, bytes */
-    double inflight_peak[2]; /* the stage's peak pages in use x page bytes */
+    uint32_t context;        /* the longest context, tokens */
+    double pinned_peak[2];   /* prefill, decode: VmLck peak over the run, bytes */
+    double inflight_peak[2]; /* the stage's peak pages in use over the run x page bytes */
+    pkv_bd_plan_phase_t phase[PKV_BD_PLAN_PHASES];
 } pkv_bd_plan_design_t;
 
 /* Count a served prompt of n tokens (usage.prompt_tokens; <= 0: not counted) into the
@@ -77,8 +87,12 @@ void pkv_bd_mix_plan(const pkv_bd_mix_t *mix, uint64_t context, pkv_plan_input_t
 
 /* The planner (src/plan, preset's geometry, 64-token pages) against each design's
  * measured peaks: prints the "planner vs measured" table to out and returns the JSON rows
- * [{design, node, figure, in_flight, predicted_bytes, measured_bytes, ratio, within_10pct,
- * note}] (new reference; NULL when the planner refused the geometry, said on stderr). */
+ * [{design, node, phase, figure, in_flight, predicted_bytes, measured_bytes, ratio,
+ * within_10pct, note}] (new reference; NULL when the planner refused the geometry, said
+ * on stderr). Fixed designs: one row per node, slots x the longest context vs the pinned
+ * peak. Per-transfer designs: per phase, the mean of its mix's transfers at the phase's
+ * peak count (and the tail, for a mixed phase) vs the phase's peak pages in use; then
+ * "run": the largest phase prediction vs the run's pinned peak (the OS). */
 json_t *pkv_bd_plan_check(const char *preset, const pkv_bd_plan_design_t *d, size_t n, FILE *out);
 
 #endif

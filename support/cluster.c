@@ -315,8 +315,14 @@ void cluster_http_reply_free(cluster_http_reply_t *r)
 
 json_t *cluster_http_get_json(const char *base_url, const char *path, uint32_t timeout_ms)
 {
+    return cluster_http_json(base_url, path, NULL, timeout_ms);
+}
+
+json_t *cluster_http_json(const char *base_url, const char *path, const json_t *body,
+                          uint32_t timeout_ms)
+{
     cluster_http_reply_t r;
-    if (cluster_http(base_url, path, NULL, NULL, timeout_ms, NULL, &r) != 0) return NULL;
+    if (cluster_http(base_url, path, body, NULL, timeout_ms, NULL, &r) != 0) return NULL;
     json_t *doc = r.status == 200 ? json_loads(r.body, 0, NULL) : NULL;
     cluster_http_reply_free(&r);
     return doc;

@@ -76,7 +76,11 @@ int cluster_http(const char *base_url, const char *path, const json_t *body,
                  const char *const headers[], uint32_t timeout_ms,
                  const volatile sig_atomic_t *abort_flag, cluster_http_reply_t *out);
 void cluster_http_reply_free(cluster_http_reply_t *r);
-/* GET base_url + path and parse the body as JSON: NULL unless 200 and valid JSON. */
+/* POST body (NULL: GET) to base_url + path and parse the answer as JSON: NULL unless 200
+ * and valid JSON. */
+json_t *cluster_http_json(const char *base_url, const char *path, const json_t *body,
+                          uint32_t timeout_ms);
+/* cluster_http_json's GET. */
 json_t *cluster_http_get_json(const char *base_url, const char *path, uint32_t timeout_ms);
 
 /* What a parity check compares between two answers. */

@@ -679,6 +679,21 @@ static void staging_too_small(nodes_t *n, int rep)
     json_decref(req);
 }
 
+/* POST /v1/kv_transfer/peaks/reset on node i: its window's peaks (200 asserted). */
+static json_t *peaks_reset(nodes_t *n, int i)
+{
+    ts_resp_t r;
+    ck_assert_int_eq(
+        ts_http(LOCAL, n->node[i].port, "POST", "/v1/kv_transfer/peaks/reset", "{}", NULL, 2, &r),
+        CURLE_OK);
+    ck_assert_msg(r.status == 200, "peaks reset on node %d: %ld %s", i, r.status,
+                  r.body ? r.body : "");
+    json_t *doc = json_loadb(r.body, r.len, 0, NULL);
+    ck_assert_ptr_nonnull(doc);
+    ts_resp_free(&r);
+    return doc;
+}
+
 /* The lease ran out before the decode leg, and forged params: the client's 400 under both
  * policies; nothing submitted on the decode node; the genuine params still work. */
 static void lease_and_forged(nodes_t *n, int rep)
@@ -752,6 +767,25 @@ static void lease_and_forged(nodes_t *n, int rep)
     json_decref(dec);
     json_decref(kt);
     nodes_settled(n, "expired and forged params");
+    /* The high-water marks of a window: the genuine pull is in this one (both sides staged
+     * it), the next window starts from what is held now, which is nothing. */
+    for (int i = 0; i < 2; i++) {
+        json_t *w = peaks_reset(n, i);
+        ck_assert_int_ge(ts_ji(w, "staging.transfers_peak"), 1);
+        ck_assert_int_ge(ts_ji(w, "staging.pages_peak_used"), 1);
+        ck_assert_int_gt(ts_ji(w, "staging.page_bytes"), 0);
+        ck_assert_int_ge(ts_ji(w, "window_ms"), 0);
+        if (i) ck_assert_int_ge(ts_ji(w, "pulls.inflight_peak"), 1);
+        json_decref(w);
+        w = peaks_reset(n, i);
+        ck_assert_int_eq(ts_ji(w, "staging.transfers_peak"), 0);
+        ck_assert_int_eq(ts_ji(w, "staging.pages_peak_used"), 0);
+        ck_assert_int_eq(ts_ji(w, "pulls.inflight_peak"), 0);
+        json_decref(w);
+        json_t *kv = kv_stats(n, i); /* the stats show the open window's */
+        ck_assert_int_eq(ts_ji(kv, "staging.transfers_peak"), 0);
+        json_decref(kv);
+    }
     leg_free(&u);
     json_decref(req);
 }

@@ -252,6 +252,49 @@ START_TEST(warm_pieces_are_used_before_cold_pages)
 }
 END_TEST
 
+START_TEST(peaks_reset_reports_the_window_and_starts_the_next_from_now)
+{
+    pkv_stage_t *st = mk_stage(PKV_STAGE_PER_TRANSFER, 64, 0, 0, 0);
+    pkv_stage_grant_t *g[3];
+    /* window 1: three transfers of 8, 4 and 2 pages at once, then two end */
+    uint32_t pages[3] = {8, 4, 2};
+    for (uint64_t i = 0; i < 3; i++)
+        ck_assert_int_eq(pkv_stage_acquire(st, 1 + i, 0, pages[i], PKV_DEADLINE_NEVER, &g[i]),
+                         PKV_OK);
+    for (uint64_t i = 0; i < 2; i++) {
+        ck_assert_int_eq(pkv_stage_release(st, 1 + i), PKV_OK);
+        pkv_stage_grant_free(g[i]);
+    }
+    pkv_stage_stats_t w;
+    ck_assert_int_eq(pkv_stage_peaks_reset(st, &w), PKV_OK);
+    ck_assert_uint_eq(w.transfers_peak, 3);
+    ck_assert_uint_eq(w.pages_peak_used, 14);
+    ck_assert_uint_eq(w.pages_asked_peak, 14);
+    ck_assert_uint_eq(w.resident_peak_bytes, 14 * 4096);
+    ck_assert_uint_eq(w.transfers_live, 1);
+    ck_assert_uint_eq(w.acquires, 3);
+    /* the new window starts at what is held now, not at zero: the 2-page transfer */
+    pkv_stage_stats_t s = stats_of(st);
+    ck_assert_uint_eq(s.transfers_peak, 1);
+    ck_assert_uint_eq(s.pages_asked_peak, 2);
+    ck_assert_uint_eq(s.acquires, 3); /* counters are untouched */
+    /* window 2: one more of 4 beside it (warm pages, nothing committed) */
+    pkv_stage_grant_t *h;
+    ck_assert_int_eq(pkv_stage_acquire(st, 9, 0, 4, PKV_DEADLINE_NEVER, &h), PKV_OK);
+    ck_assert_int_eq(pkv_stage_peaks_reset(st, &w), PKV_OK);
+    ck_assert_uint_eq(w.transfers_peak, 2);
+    ck_assert_uint_eq(w.pages_asked_peak, 6);
+    ck_assert_uint_eq(w.resident_peak_bytes, 14 * 4096); /* the warm pages stayed committed */
+    ck_assert_int_eq(pkv_stage_peaks_reset(NULL, &w), PKV_ERR_INVALID);
+    ck_assert_int_eq(pkv_stage_peaks_reset(st, NULL), PKV_ERR_INVALID);
+    ck_assert_int_eq(pkv_stage_release(st, 3), PKV_OK);
+    ck_assert_int_eq(pkv_stage_release(st, 9), PKV_OK);
+    pkv_stage_grant_free(g[2]);
+    pkv_stage_grant_free(h);
+    stage_done(st);
+}
+END_TEST
+
 START_TEST(acquire_gives_exact_pages_in_few_runs)
 {
     pkv_stage_t *st = mk_stage(PKV_STAGE_PER_TRANSFER, 64, 0, 0, 0);
@@ -1367,6 +1410,7 @@ static Suite *stage_suite(void)
     tcase_add_test(tc, acquire_gives_exact_pages_in_few_runs);
     tcase_add_test(tc, warm_pieces_are_used_before_cold_pages);
     tcase_add_test(tc, alternating_warm_and_cold_pages_make_one_run);
+    tcase_add_test(tc, peaks_reset_reports_the_window_and_starts_the_next_from_now);
     tcase_add_test(tc, duplicate_id_is_busy);
     tcase_add_test(tc, abort_flag_keeps_an_early_cancel);
     tcase_add_test(tc, nofit_at_once_in_both_modes);

@@ -203,6 +203,11 @@ typedef struct {
 } pkv_stage_stats_t;
 
 PKV_API int pkv_stage_stats(pkv_stage_t *st, pkv_stage_stats_t *out);
+/* The stats as pkv_stage_stats gives them, then, in the same hold of the lock, a new window
+ * for the high-water marks: pages_peak_used, pages_asked_peak, resident_peak_bytes and
+ * transfers_peak restart from the values now (so `out` holds the peaks of the window that
+ * ends here: since creation or the previous call). Counters are untouched. */
+PKV_API int pkv_stage_peaks_reset(pkv_stage_t *st, pkv_stage_stats_t *out);
 
 typedef struct {
     uint32_t peer;

@@ -59,7 +59,8 @@ struct srv_kvnode {
     pthread_mutex_t hang_mu;
     pthread_cond_t hang_cv;
     bool hang_release;
-    pthread_mutex_t lock; /* guards leases, pulls, phases */
+    pthread_mutex_t lock;    /* guards leases, pulls, phases, peaks_since_ns */
+    uint64_t peaks_since_ns; /* the high-water marks' window began (creation or a reset) */
     srv_lease_counts_t leases;
     srv_pull_counts_t pulls;
     srv_hist_t phases[SRV_PHASE_COUNT];
@@ -229,6 +230,7 @@ int srv_kvnode_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max
         free(n);
         return PKV_ERR_NOMEM;
     }
+    n->peaks_since_ns = pkv_now_ns();
     pthread_mutex_init(&n->hang_mu, NULL);
     pthread_cond_init(&n->hang_cv, NULL);
     n->hang_rank = hang_rank_of_env(n->tp);
@@ -380,6 +382,29 @@ void srv_kvnode_snapshot(srv_kvnode_t *n, srv_kv_snapshot_t *out)
     out->pulls = n->pulls;
     memcpy(out->phases, n->phases, sizeof(out->phases));
     pthread_mutex_unlock(&n->lock);
+}
+
+json_t *srv_kvnode_peaks_reset(srv_kvnode_t *n)
+{
+    pkv_stage_stats_t sum;
+    memset(&sum, 0, sizeof(sum));
+    for (uint32_t r = 0; r < n->tp; r++) {
+        pkv_stage_stats_t ss;
+        pkv_stage_peaks_reset(n->rank[r].stage, &ss);
+        ss_add(&sum, &ss);
+    }
+    uint64_t now = pkv_now_ns();
+    pthread_mutex_lock(&n->lock);
+    uint64_t fly = n->pulls.inflight_peak, since = n->peaks_since_ns;
+    n->pulls.inflight_peak = n->pulls.inflight;
+    n->peaks_since_ns = now;
+    pthread_mutex_unlock(&n->lock);
+    return json_pack("{s:I, s:{s:I, s:I, s:I, s:I}, s:{s:I}}", "window_ms",
+                     (json_int_t)((now - since) / 1000000), "staging", "page_bytes",
+                     (json_int_t)sum.page_bytes, "pages_peak_used", (json_int_t)sum.pages_peak_used,
+                     "transfers_peak", (json_int_t)sum.transfers_peak, "resident_peak_bytes",
+                     (json_int_t)sum.resident_peak_bytes, "pulls", "inflight_peak",
+                     (json_int_t)fly);
 }
 
 /* The agent's callback when a registration ends (its progress thread; quick). */

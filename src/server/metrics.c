@@ -22,6 +22,7 @@ const char *const srv_route_label[SRV_ROUTE_COUNT] = {"/v1/completions",
                                                       "/v1/cache/reset",
                                                       "/v1/cache/lookup",
                                                       "/v1/cache/digest",
+                                                      "/v1/kv_transfer/peaks/reset",
                                                       "other"};
 
 const int srv_codes[SRV_N_CODES] = {200, 400, 404, 405, 413, 429, 500, 503, 0};
@@ -252,7 +253,8 @@ static void render_kvt_flow(FILE *f, const srv_kv_snapshot_t *k)
     one(f, "pagekv_kv_pulls_inflight", "gauge",
         "Decode legs' reads from a producer started and not yet ended.", k->pulls.inflight);
     one(f, "pagekv_kv_pulls_inflight_peak", "gauge",
-        "High-water of pagekv_kv_pulls_inflight since the node started.", k->pulls.inflight_peak);
+        "High-water of pagekv_kv_pulls_inflight since the node started or the last peaks reset.",
+        k->pulls.inflight_peak);
     family(f, "pagekv_kv_transfer_phase_seconds", "histogram",
            "Phases of disaggregated requests on the node where each happens (prefill: "
            "prefill_queue, prefill_compute, lease_wait, staging_wait, wire; decode: handshake, "

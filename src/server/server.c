@@ -281,6 +281,7 @@ static const struct {
     {"/v1/cache/reset", SRV_ROUTE_CACHE_RESET, "POST"},
     {"/v1/cache/lookup", SRV_ROUTE_CACHE_LOOKUP, "POST"},
     {"/v1/cache/digest", SRV_ROUTE_CACHE_DIGEST, "POST"},
+    {"/v1/kv_transfer/peaks/reset", SRV_ROUTE_PEAKS_RESET, "POST"},
 };
 
 static bool method_allowed(const char *allow, const char *method)
@@ -339,18 +340,38 @@ static void snapshot(pkv_server_t *s, srv_snapshot_t *out)
     srv_memwatch_stats(s->mw, &out->mw);
 }
 
+/* An empty body or an empty JSON object: endpoints that take no parameters. */
+static bool body_empty(const http_req_t *hr)
+{
+    if (!hr->len) return true;
+    json_t *doc = json_loadb(hr->body, hr->len, 0, NULL);
+    bool empty = json_is_object(doc) && json_object_size(doc) == 0;
+    json_decref(doc);
+    return empty;
+}
+
+static enum MHD_Result handle_peaks_reset(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr)
+{
+    if (!body_empty(hr)) {
+        count_rejection(s, SRV_REJ_INVALID);
+        return answer_errorf(s, c, hr, 400, "invalid_request_error", "invalid_json",
+                             "/v1/kv_transfer/peaks/reset takes no parameters (empty body or {})");
+    }
+    if (!s->kvn)
+        return answer_errorf(s, c, hr, 404, "not_found_error", "not_a_kv_node",
+                             "/v1/kv_transfer/peaks/reset is for prefill and decode nodes "
+                             "(this server runs unified)");
+    json_t *doc = srv_kvnode_peaks_reset(s->kvn);
+    if (!doc) return MHD_NO;
+    return answer_json(s, c, hr, 200, doc);
+}
+
 static enum MHD_Result handle_cache_reset(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr)
 {
-    if (hr->len) {
-        /* The endpoint takes no parameters: an empty body or an empty JSON object. */
-        json_t *doc = json_loadb(hr->body, hr->len, 0, NULL);
-        bool empty = json_is_object(doc) && json_object_size(doc) == 0;
-        json_decref(doc);
-        if (!empty) {
-            count_rejection(s, SRV_REJ_INVALID);
-            return answer_errorf(s, c, hr, 400, "invalid_request_error", "invalid_json",
-                                 "/v1/cache/reset takes no parameters (empty body or {})");
-        }
+    if (!body_empty(hr)) {
+        count_rejection(s, SRV_REJ_INVALID);
+        return answer_errorf(s, c, hr, 400, "invalid_request_error", "invalid_json",
+                             "/v1/cache/reset takes no parameters (empty body or {})");
     }
     pkv_kv_stats_t before, after;
     pkv_kv_stats(s->kv, &before);
@@ -554,6 +575,8 @@ static enum MHD_Result handle_simple(pkv_server_t *s, struct MHD_Connection *c, 
         return handle_cache_lookup(s, c, hr);
     case SRV_ROUTE_CACHE_DIGEST:
         return handle_cache_digest(s, c, hr);
+    case SRV_ROUTE_PEAKS_RESET:
+        return handle_peaks_reset(s, c, hr);
     default:
         return answer_errorf(s, c, hr, 500, "server_error", "internal_error", "unrouted request");
     }

@@ -28,6 +28,7 @@ typedef enum {
     SRV_ROUTE_CACHE_RESET,
     SRV_ROUTE_CACHE_LOOKUP,
     SRV_ROUTE_CACHE_DIGEST,
+    SRV_ROUTE_PEAKS_RESET,
     SRV_ROUTE_OTHER,
     SRV_ROUTE_COUNT
 } srv_route_t;
@@ -125,7 +126,7 @@ typedef struct {
     uint64_t blocks_pulled;  /* of ok legs: blocks read from the producer */
     uint64_t blocks_adopted; /* of ok and released legs: blocks the local prefix cache held */
     uint64_t inflight;       /* reads of decode legs started and not yet ended */
-    uint64_t inflight_peak;  /* high-water of inflight since the node started */
+    uint64_t inflight_peak;  /* high-water of inflight in the peaks' window */
 } srv_pull_counts_t;
 
 /* One tensor-parallel rank of a node in a snapshot. */
@@ -196,6 +197,12 @@ int srv_kvnode_pull(srv_kvnode_t *n, const json_t *params, const int32_t *ids, u
                     uint64_t salt, pkv_seq_t **out, srv_timings_t *t, srv_error_t *err);
 /* A decode node computes a request that came without kv_transfer_params (counted). */
 void srv_kvnode_count_local(srv_kvnode_t *n);
+/* POST /v1/kv_transfer/peaks/reset: the high-water marks of the window that ends now
+ * (since the node started or the previous reset) as {window_ms, staging: {page_bytes,
+ * pages_peak_used, transfers_peak, resident_peak_bytes} (summed over ranks as
+ * /v1/cache/stats sums them), pulls: {inflight_peak}}, and a new window starting from the
+ * values now (new reference; NULL on no memory). /v1/cache/stats reports the open window's. */
+json_t *srv_kvnode_peaks_reset(srv_kvnode_t *n);
 /* The kv_transfer_params section of /v1/cache/stats (new reference; NULL on no memory). */
 json_t *srv_kv_stats_json(const srv_kv_snapshot_t *k);
 

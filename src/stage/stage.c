@@ -1126,15 +1126,36 @@ int pkv_stage_memfd(const pkv_stage_t *st)
     return st ? st->memfd : -1;
 }
 
-int pkv_stage_stats(pkv_stage_t *st, pkv_stage_stats_t *out)
+/* The stats now; the caller holds st->lock. */
+static void stats_locked(const pkv_stage_t *st, pkv_stage_stats_t *out)
 {
-    if (!st || !out) return PKV_ERR_INVALID;
-    pthread_mutex_lock(&st->lock);
     *out = st->stats;
     out->pages_free = st->alloc.free_pages;
     out->pages_returning = st->returning;
     out->pages_used = st->npages - st->alloc.free_pages - st->returning;
     out->waiting = st->nwaiting;
+}
+
+int pkv_stage_stats(pkv_stage_t *st, pkv_stage_stats_t *out)
+{
+    if (!st || !out) return PKV_ERR_INVALID;
+    pthread_mutex_lock(&st->lock);
+    stats_locked(st, out);
+    pthread_mutex_unlock(&st->lock);
+    return PKV_OK;
+}
+
+int pkv_stage_peaks_reset(pkv_stage_t *st, pkv_stage_stats_t *out)
+{
+    if (!st || !out) return PKV_ERR_INVALID;
+    pthread_mutex_lock(&st->lock);
+    stats_locked(st, out);
+    pkv_stage_stats_t *k = &st->stats;
+    /* the acquire path's measure of pages in use (returning pages count until freed) */
+    k->pages_peak_used = st->npages - st->alloc.free_pages;
+    k->pages_asked_peak = k->pages_asked_inflight;
+    k->resident_peak_bytes = k->resident_bytes;
+    k->transfers_peak = k->transfers_live;
     pthread_mutex_unlock(&st->lock);
     return PKV_OK;
 }
