@@ -804,14 +804,13 @@ static json_t *bd_phases_json(const bd_run_t *r)
     for (int p = 0; p < BD_NPH; p++) {
         const bd_phase_t *x = &r->ph[p];
         if (!x->requests) continue;
-        json_array_append_new(a, json_pack("{s:s, s:i, s:i, s:f, s:f, s:f, s:f, s:f}", "name",
-                                           bd_phase_names[p], "requests", (int)x->requests, "ok",
-                                           (int)x->ok, "req_s", x->req_s, "ttft_mean_ms",
-                                           x->ttft_mean, "ttft_p50_ms", x->ttft_p50, "ttft_p99_ms",
-                                           x->ttft_p99, "tpot_ms", x->tpot));
-        json_t *j = json_array_get(a, json_array_size(a) - 1);
-        json_object_set_new(j, "staging_pages_peak_bytes", bd_pair(r->ph_pages_peak[p]));
-        json_object_set_new(j, "staging_transfers_peak", bd_pair(r->ph_transfers_peak[p]));
+        json_array_append_new(
+            a, json_pack("{s:s, s:i, s:i, s:f, s:f, s:f, s:f, s:f, s:o, s:o}", "name",
+                         bd_phase_names[p], "requests", (int)x->requests, "ok", (int)x->ok, "req_s",
+                         x->req_s, "ttft_mean_ms", x->ttft_mean, "ttft_p50_ms", x->ttft_p50,
+                         "ttft_p99_ms", x->ttft_p99, "tpot_ms", x->tpot, "staging_pages_peak_bytes",
+                         bd_pair(r->ph_pages_peak[p]), "staging_transfers_peak",
+                         bd_pair(r->ph_transfers_peak[p])));
     }
     return a;
 }

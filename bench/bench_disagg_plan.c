@@ -170,10 +170,9 @@ json_t *pkv_bd_plan_check(const char *preset, const pkv_bd_plan_design_t *d, siz
         for (int k = 0; k < 2; k++) {
             pkv_plan_bytes_t b;
             if (x->fixed) {
-                /* slots x the longest context: the mix does not enter (any phase's) */
-                int p0 = 0;
-                while (p0 + 1 < PKV_BD_PLAN_PHASES && !x->phase[p0].mix.n) p0++;
-                if (bdp_plan(&geo, x, &x->phase[p0].mix, false, x->slots, k, &b)) continue;
+                /* slots x the longest context: no mix enters (the planner's empty mix) */
+                static const pkv_bd_mix_t none;
+                if (bdp_plan(&geo, x, &none, false, x->slots, k, &b)) continue;
                 if (k == 0 && b.page_bytes != x->page_bytes)
                     fprintf(out, "(%s: the planner's page is %llu bytes, the nodes' %llu)\n",
                             x->design, (unsigned long long)b.page_bytes,
