@@ -2,12 +2,13 @@
  * `pagekv bench reshard`: prefill and decode nodes of different tensor parallelism, per-plan
  * staging against the field's host mirror, through `pagekv route` (docs/design/bench_reshard.md).
  *
- * Per pair P -> D and design: fresh `pagekv serve --role prefill --tp P`, `--role decode
- * --tp D` (each a 2 GiB KV pool) and `pagekv route`; a closed loop of concurrent streamed
- * chat requests over a mix of prompt lengths, each with X-Pagekv-Timings so the decode
- * leg's transfer phases come back in the answer; a sampler thread reads each node's VmLck
- * and VmRSS from /proc and its per-rank staging from /v1/cache/stats every 100 ms. A
- * unified TP=1 node answers the first requests of every run for parity. The planner
+ * Per pair P -> D, both designs at once: each a fresh `pagekv serve --role prefill --tp P`,
+ * `--role decode --tp D` (each a 2 GiB KV pool) and `pagekv route`; waves of concurrent
+ * streamed chat requests over a mix of prompt lengths, each wave sent to one design and then
+ * to the other, each request with X-Pagekv-Timings so the decode leg's transfer phases come
+ * back in the answer; a sampler thread per design reads each node's VmLck and VmRSS from
+ * /proc and its per-rank staging from /v1/cache/stats every 100 ms. A unified TP=1 node
+ * answers the first requests of every pair for parity. The planner
  * (src/plan) predicts each design's host staging per node from the same geometry and load.
  */
 #include "bench/bench_disagg.h"
@@ -35,11 +36,14 @@
 
 #define BR_MIB       (1024.0 * 1024.0)
 #define BR_MAX_PAIRS 16
-#define BR_MAX_REQ   512
 #define BR_PARITY    4
 #define BR_CONTEXT   4096
 #define BR_PAGE_TOK  64 /* a staging page: 64 tokens of one rank's heads */
-#define BR_MAX_REP   9  /* --repeats */
+#define BR_MAX_WAVES 64 /* --waves */
+/* A wave's requests arrive this far apart, in a fixed order: the prefill engine admits in
+ * arrival order, so both designs see the same schedule (all at once, the order would be
+ * whichever connection the kernel delivered first, and a request's TTFT with it). */
+#define BR_STAGGER_S 0.02
 
 static const uint32_t br_mix[] = {256, 512, 1024, 2048};
 enum { BR_PER_PLAN, BR_MIRROR, BR_ND };
@@ -55,7 +59,7 @@ static void on_signal(int sig)
 typedef struct {
     uint32_t p[BR_MAX_PAIRS], d[BR_MAX_PAIRS], n_pairs;
     bool design[BR_ND];
-    uint32_t requests, concurrency, repeats;
+    uint32_t waves, concurrency; /* a wave: `concurrency` requests at once */
     const char *preset, *json_path, *pool;
 } br_opts_t;
 
@@ -159,16 +163,19 @@ static double br_transfer_ms(const char *body)
 }
 
 /* Streamed chat requests at temperature 0 over the mix's prompt lengths in turn. */
-static void br_reqs_make(const br_opts_t *o, const br_env_t *e, lg_req_t *reqs, uint64_t seed0)
+static void br_reqs_make(const br_opts_t *o, const br_env_t *e, lg_req_t *reqs, uint32_t n,
+                         uint64_t seed0)
 {
-    for (uint32_t i = 0; i < o->requests; i++) {
+    for (uint32_t i = 0; i < n; i++) {
         char *text = pkv_filler_alloc((size_t)(br_mix[i % 4] * e->cpt), seed0 + i, 1);
         json_t *body =
             json_pack("{s:s, s:[{s:s, s:s}], s:i, s:f, s:b, s:{s:b}}", "model", o->preset,
                       "messages", "role", "user", "content", text ? text : "", "max_tokens", 8,
                       "temperature", 0.0, "stream", 1, "stream_options", "include_usage", 1);
-        reqs[i] = (lg_req_t){
-            .path = "/v1/chat/completions", .body = json_dumps(body, JSON_COMPACT), .stream = true};
+        reqs[i] = (lg_req_t){.path = "/v1/chat/completions",
+                             .body = json_dumps(body, JSON_COMPACT),
+                             .stream = true,
+                             .at_s = (i % o->concurrency) * BR_STAGGER_S};
         json_decref(body);
         free(text);
     }
@@ -177,17 +184,19 @@ static void br_reqs_make(const br_opts_t *o, const br_env_t *e, lg_req_t *reqs, 
 /* Median over the answered requests of the TTFT, or of the transfer time where there is one. */
 static double br_p50(const lg_result_t *q, uint32_t n, bool transfer)
 {
-    double v[BR_MAX_REQ];
+    double *v = malloc((n ? n : 1) * sizeof(*v)), m = 0;
     uint32_t k = 0;
-    for (uint32_t i = 0; i < n; i++) {
+    for (uint32_t i = 0; v && i < n; i++) {
         if (q[i].status != 200) continue;
         double x = transfer ? br_transfer_ms(q[i].body) : q[i].ttft_s * 1e3;
         if (!transfer || x > 0) v[k++] = x;
     }
-    return k ? pkv_bench_median(v, k) : 0;
+    if (k) m = pkv_bench_median(v, k);
+    free(v);
+    return m;
 }
 
-/* ---- one pair and design ----------------------------------------------------------------- */
+/* ---- one pair: both designs side by side -------------------------------------------- */
 
 typedef struct {
     uint32_t p, d;
@@ -199,58 +208,25 @@ typedef struct {
     uint32_t requests, parity_n, parity_same, failed;
     double plan_bytes[2]; /* the planner's host staging per node for this design */
     double plan_tail[2];  /* per-transfer tail of the same load */
+    double plan_peak[2];  /* the planner's peak: the mirror, or per-plan's tail */
+    double ttft_paired;   /* per_plan: median over prompts of its TTFT / the mirror's */
     uint64_t pulls_peak;  /* the decode node's pulls in flight at their peak (exact) */
     uint64_t staging_transfers_peak[2]; /* per node: transfers holding staging at once */
-    pkv_bd_mix_t mix; /* the prompts served, by real token count, for the planner */
-    json_t *phases;   /* one run: {"prefill", "decode"}, each node's mean ms per phase */
-    json_t *runs_doc; /* merged: [the runs' {"ttft_ms_p50", "transfer_ms_p50", "phase_means_ms"}] */
-    uint32_t runs;    /* merged: the repeats */
-    double ttft_run[BR_MAX_REP], transfer_run[BR_MAX_REP];
+    pkv_bd_mix_t mix;  /* the prompts served, by real token count, for the planner */
+    json_t *phases;    /* {"prefill", "decode"}: each node's mean ms per phase over the load */
+    json_t *waves_doc; /* [each wave's {"ttft_ms_p50", "transfer_ms_p50"}] */
 } br_result_t;
 
-/* Fold one run into the pair and design's figures: peaks are the runs' highest, counts
- * add up, TTFT and transfer p50 are the median of the runs' (br_merge_done). */
-static void br_merge(br_result_t *m, br_result_t *run)
-{
-    m->ok = (m->runs ? m->ok : true) && run->ok;
-    for (int k = 0; k < 2; k++) {
-        br_node_t *a = &m->node[k];
-        const br_node_t *b = &run->node[k];
-        a->lck_peak = PKV_MAX(a->lck_peak, b->lck_peak);
-        a->res_peak = PKV_MAX(a->res_peak, b->res_peak);
-        a->fly_peak = PKV_MAX(a->fly_peak, b->fly_peak);
-        a->res_over_fly = PKV_MAX(a->res_over_fly, b->res_over_fly);
-        a->tp = b->tp;
-        for (uint32_t q = 0; q < PKV_KV_MAX_TP; q++)
-            a->rank_pin_peak[q] = PKV_MAX(a->rank_pin_peak[q], b->rank_pin_peak[q]);
-        m->staging_transfers_peak[k] =
-            PKV_MAX(m->staging_transfers_peak[k], run->staging_transfers_peak[k]);
-    }
-    m->bytes_moved += run->bytes_moved;
-    m->requests += run->requests;
-    m->parity_n += run->parity_n;
-    m->parity_same += run->parity_same;
-    m->failed += run->failed;
-    m->pulls_peak = PKV_MAX(m->pulls_peak, run->pulls_peak);
-    for (uint32_t i = 0; i < run->mix.n; i++)
-        for (uint32_t w = 0; w < run->mix.weight[i]; w++)
-            pkv_bd_mix_add(&m->mix, run->mix.tokens[i]);
-    if (!m->runs_doc) m->runs_doc = json_array();
-    json_t *one =
-        json_pack("{s:f, s:f}", "ttft_ms_p50", run->ttft_p50, "transfer_ms_p50", run->transfer_p50);
-    if (run->phases) json_object_set_new(one, "phase_means_ms", run->phases);
-    json_array_append_new(m->runs_doc, one);
-    run->phases = NULL;
-    m->ttft_run[m->runs] = run->ttft_p50;
-    m->transfer_run[m->runs++] = run->transfer_p50;
-}
-
-static void br_merge_done(br_result_t *m)
-{
-    m->ttft_p50 = m->runs ? pkv_bench_median(m->ttft_run, m->runs) : 0;
-    m->transfer_p50 = m->runs ? pkv_bench_median(m->transfer_run, m->runs) : 0;
-    m->bytes_moved = m->runs ? m->bytes_moved / m->runs : 0;
-}
+/* One design's processes and measurements while its pair runs. */
+typedef struct {
+    br_result_t *r;
+    cluster_proc_t pre, dec, rt;
+    br_sampler_t s;
+    bool sampling;
+    lg_result_t *res; /* every request of every wave */
+    uint64_t b0;
+    json_t *ph0[2];
+} br_set_t;
 
 static int br_node_start(const br_opts_t *o, const br_env_t *e, const char *name, const char *role,
                          uint32_t tp, int design, cluster_proc_t *p)
@@ -323,111 +299,188 @@ static void br_plan(const br_opts_t *o, br_result_t *r)
         r->plan_bytes[k] =
             (double)(r->design == BR_MIRROR ? sd->host.mirror_bytes : sd->host.per_plan_bytes);
         r->plan_tail[k] = (double)sd->host.per_transfer_tail_bytes;
+        /* a run's peak is a maximum over its transfers: the tail at the peak count (the
+           longest transfer when one is in flight), not the mean */
+        r->plan_peak[k] = r->design == BR_MIRROR ? r->plan_bytes[k] : r->plan_tail[k];
     }
 }
 
-static void br_one(const br_opts_t *o, const br_env_t *e, const cluster_proc_t *uni, br_result_t *r)
+static int br_set_start(const br_opts_t *o, const br_env_t *e, br_set_t *st)
 {
-    cluster_proc_t pre = {0}, dec = {0}, rt = {0};
+    br_result_t *r = st->r;
     char pn[32], dn[32];
     snprintf(pn, sizeof(pn), "prefill-%u-%u-%s", r->p, r->d, br_design_names[r->design]);
     snprintf(dn, sizeof(dn), "decode-%u-%u-%s", r->p, r->d, br_design_names[r->design]);
     fprintf(stderr, "pagekv bench reshard: %u -> %u %s: starting\n", r->p, r->d,
             br_design_names[r->design]);
-    if (br_node_start(o, e, pn, "prefill", r->p, r->design, &pre) ||
-        br_node_start(o, e, dn, "decode", r->d, r->design, &dec) ||
-        pkv_bench_disagg_route(e->bin, e->logdir, &pre, &dec, NULL, &rt))
-        goto out;
-    lg_req_t *reqs = calloc(o->requests, sizeof(*reqs));
-    lg_result_t *res = calloc(o->requests, sizeof(*res));
-    if (!reqs || !res) {
-        free(reqs);
-        free(res);
-        goto out;
-    }
-    br_reqs_make(o, e, reqs, 1000 * (uint64_t)(r->p * 100 + r->d) + (uint64_t)r->design);
-    br_sampler_t s = {.node = {{.proc = &pre}, {.proc = &dec}}};
-    pthread_mutex_init(&s.lock, NULL);
-    pthread_create(&s.th, NULL, br_sampler_main, &s);
-    uint64_t b0 = br_node_stat(&dec, "kv_transfer.transfers.bytes_received");
-    json_t *ph0[2] = {cluster_phase_sums(pre.url), cluster_phase_sums(dec.url)};
-    static const char *const hdr[] = {"X-Pagekv-Timings: 1", NULL};
-    lg_config_t lc = {.base_url = rt.url,
-                      .concurrency = o->concurrency,
-                      .timeout_ms = 120000,
-                      .headers = hdr,
-                      .stop = &br_stop,
-                      .keep_body = true};
-    lg_run(&lc, reqs, o->requests, res);
-    json_t *ph1[2] = {cluster_phase_sums(pre.url), cluster_phase_sums(dec.url)};
-    if (ph0[0] && ph0[1] && ph1[0] && ph1[1]) {
-        r->phases = json_pack("{s:o, s:o}", "prefill", cluster_phase_means(ph0[0], ph1[0]),
-                              "decode", cluster_phase_means(ph0[1], ph1[1]));
+    if (br_node_start(o, e, pn, "prefill", r->p, r->design, &st->pre) ||
+        br_node_start(o, e, dn, "decode", r->d, r->design, &st->dec) ||
+        pkv_bench_disagg_route(e->bin, e->logdir, &st->pre, &st->dec, NULL, &st->rt))
+        return -1;
+    st->res = calloc((size_t)o->waves * o->concurrency, sizeof(*st->res));
+    return st->res ? 0 : -1;
+}
+
+static void br_set_begin(br_set_t *st)
+{
+    st->s = (br_sampler_t){.node = {{.proc = &st->pre}, {.proc = &st->dec}}};
+    pthread_mutex_init(&st->s.lock, NULL);
+    pthread_create(&st->s.th, NULL, br_sampler_main, &st->s);
+    st->sampling = true;
+    st->b0 = br_node_stat(&st->dec, "kv_transfer.transfers.bytes_received");
+    st->ph0[0] = cluster_phase_sums(st->pre.url);
+    st->ph0[1] = cluster_phase_sums(st->dec.url);
+}
+
+static void br_set_sampler_join(br_set_t *st)
+{
+    if (!st->sampling) return;
+    st->s.stop = 1;
+    pthread_join(st->s.th, NULL);
+    pthread_mutex_destroy(&st->s.lock);
+    st->sampling = false;
+}
+
+/* After the last wave: the nodes' counters, peaks and phase means, the requests' figures. */
+static void br_set_end(const br_opts_t *o, br_set_t *st)
+{
+    br_result_t *r = st->r;
+    uint32_t n = o->waves * o->concurrency;
+    json_t *ph1[2] = {cluster_phase_sums(st->pre.url), cluster_phase_sums(st->dec.url)};
+    if (st->ph0[0] && st->ph0[1] && ph1[0] && ph1[1]) {
+        r->phases = json_pack("{s:o, s:o}", "prefill", cluster_phase_means(st->ph0[0], ph1[0]),
+                              "decode", cluster_phase_means(st->ph0[1], ph1[1]));
         char *txt = json_dumps(r->phases, JSON_COMPACT | JSON_REAL_PRECISION(4));
-        fprintf(stderr, "    phases, mean ms: %s\n", txt ? txt : "");
+        fprintf(stderr, "    %u -> %u %s phases, mean ms: %s\n", r->p, r->d,
+                br_design_names[r->design], txt ? txt : "");
         free(txt);
     }
-    for (int k = 0; k < 2; k++) json_decref(ph0[k]), json_decref(ph1[k]);
-    r->bytes_moved = br_node_stat(&dec, "kv_transfer.transfers.bytes_received") - b0;
-    r->pulls_peak = br_node_stat(&dec, "kv_transfer.pulls.inflight_peak");
-    r->staging_transfers_peak[0] = br_node_stat(&pre, "kv_transfer.staging.transfers_peak");
-    r->staging_transfers_peak[1] = br_node_stat(&dec, "kv_transfer.staging.transfers_peak");
-    for (uint32_t i = 0; i < o->requests; i++)
-        if (res[i].status == 200) pkv_bd_mix_add(&r->mix, res[i].answer.prompt_tokens);
-    s.stop = 1;
-    pthread_join(s.th, NULL);
-    pthread_mutex_destroy(&s.lock);
-    memcpy(r->node, s.node, sizeof(r->node));
+    for (int k = 0; k < 2; k++) json_decref(st->ph0[k]), json_decref(ph1[k]);
+    r->bytes_moved = br_node_stat(&st->dec, "kv_transfer.transfers.bytes_received") - st->b0;
+    r->pulls_peak = br_node_stat(&st->dec, "kv_transfer.pulls.inflight_peak");
+    r->staging_transfers_peak[0] = br_node_stat(&st->pre, "kv_transfer.staging.transfers_peak");
+    r->staging_transfers_peak[1] = br_node_stat(&st->dec, "kv_transfer.staging.transfers_peak");
+    br_set_sampler_join(st);
+    memcpy(r->node, st->s.node, sizeof(r->node));
     for (int k = 0; k < 2; k++) br_node_peaks(&r->node[k]);
-    r->requests = o->requests;
-    for (uint32_t i = 0; i < o->requests; i++) {
-        if (res[i].status == 200) continue;
-        if (!r->failed++) /* the first failure's reason, once per run */
-            fprintf(stderr, "    request %u failed: status %ld %s%s\n", i, res[i].status,
-                    res[i].transport, res[i].excerpt);
+    r->requests = n;
+    for (uint32_t i = 0; i < n; i++) {
+        if (st->res[i].status == 200) {
+            pkv_bd_mix_add(&r->mix, st->res[i].answer.prompt_tokens);
+            continue;
+        }
+        if (!r->failed++) /* the first failure's reason, once per design */
+            fprintf(stderr, "    %s request %u failed: status %ld %s%s\n",
+                    br_design_names[r->design], i, st->res[i].status, st->res[i].transport,
+                    st->res[i].excerpt);
     }
-    r->ttft_p50 = br_p50(res, o->requests, false);
-    r->transfer_p50 = br_p50(res, o->requests, true);
+    r->ttft_p50 = br_p50(st->res, n, false);
+    r->transfer_p50 = br_p50(st->res, n, true);
+}
+
+static void br_set_stop(const br_opts_t *o, br_set_t *st)
+{
+    br_set_sampler_join(st);
+    if (st->res) lg_results_free(st->res, (size_t)o->waves * o->concurrency);
+    free(st->res);
+    cluster_proc_stop(&st->rt, SIGTERM, pkv_deadline_after_ns(30000000000ull));
+    cluster_proc_stop(&st->dec, SIGTERM, pkv_deadline_after_ns(30000000000ull));
+    cluster_proc_stop(&st->pre, SIGTERM, pkv_deadline_after_ns(30000000000ull));
+}
+
+/* One pair: every design's nodes up at once, then waves of `concurrency` requests, each
+ * wave's prompts sent to one design and then the same prompts to the other, the order
+ * alternating (per_plan, mirror, then mirror, per_plan, ...), so the machine's drift falls
+ * on both designs alike; the other design's nodes idle while a wave runs. */
+static void br_pair(const br_opts_t *o, const br_env_t *e, const cluster_proc_t *uni,
+                    br_result_t *out[BR_ND])
+{
+    br_set_t set[BR_ND];
+    memset(set, 0, sizeof(set));
+    uint32_t n = o->waves * o->concurrency, p = 0, d = 0;
+    lg_req_t *reqs = calloc(n, sizeof(*reqs));
+    bool up = reqs != NULL;
+    for (int k = 0; k < BR_ND; k++) {
+        set[k].r = out[k];
+        if (out[k]) p = out[k]->p, d = out[k]->d;
+        if (up && out[k] && br_set_start(o, e, &set[k])) up = false;
+    }
+    if (!up) goto out;
+    br_reqs_make(o, e, reqs, n, 1000 * (uint64_t)(p * 100 + d));
+    static const char *const hdr[] = {"X-Pagekv-Timings: 1", NULL};
+    for (int k = 0; k < BR_ND; k++)
+        if (out[k]) br_set_begin(&set[k]);
+    for (uint32_t w = 0; w < o->waves && !br_stop; w++)
+        for (int k = 0; k < BR_ND && !br_stop; k++) {
+            int dz = w % 2 ? BR_ND - 1 - k : k;
+            if (!out[dz]) continue;
+            lg_config_t lc = {.base_url = set[dz].rt.url,
+                              .concurrency = 0, /* open loop: at_s */
+                              .timeout_ms = 120000,
+                              .headers = hdr,
+                              .stop = &br_stop,
+                              .keep_body = true};
+            lg_result_t *q = set[dz].res + (size_t)w * o->concurrency;
+            lg_run(&lc, reqs + (size_t)w * o->concurrency, o->concurrency, q);
+            if (!out[dz]->waves_doc) out[dz]->waves_doc = json_array();
+            json_array_append_new(out[dz]->waves_doc,
+                                  json_pack("{s:f, s:f}", "ttft_ms_p50",
+                                            br_p50(q, o->concurrency, false), "transfer_ms_p50",
+                                            br_p50(q, o->concurrency, true)));
+        }
+    for (int k = 0; k < BR_ND; k++)
+        if (out[k]) br_set_end(o, &set[k]);
+    if (out[BR_PER_PLAN] && out[BR_MIRROR]) { /* the same prompt, the same place in its wave */
+        double *v = malloc(n * sizeof(*v));
+        uint32_t m = 0;
+        for (uint32_t i = 0; v && i < n; i++) {
+            const lg_result_t *a = &set[BR_PER_PLAN].res[i], *b = &set[BR_MIRROR].res[i];
+            if (a->status == 200 && b->status == 200 && b->ttft_s > 0)
+                v[m++] = a->ttft_s / b->ttft_s;
+        }
+        out[BR_PER_PLAN]->ttft_paired = m ? pkv_bench_median(v, m) : 0;
+        free(v);
+    }
     /* parity: the first requests again on the unified TP=1 node */
     lg_config_t uc = {
         .base_url = uni->url, .concurrency = 1, .timeout_ms = 120000, .stop = &br_stop};
-    uint32_t np = PKV_MIN(BR_PARITY, o->requests);
+    uint32_t np = PKV_MIN(BR_PARITY, n);
     lg_result_t ures[BR_PARITY];
     lg_run(&uc, reqs, np, ures);
-    for (uint32_t i = 0; i < np; i++) {
-        if (ures[i].status != 200) continue;
-        r->parity_n++;
-        r->parity_same +=
-            res[i].status == 200 && cluster_answer_equal(&res[i].answer, &ures[i].answer);
+    for (int k = 0; k < BR_ND; k++) {
+        if (!out[k]) continue;
+        for (uint32_t i = 0; i < np; i++) {
+            if (ures[i].status != 200) continue;
+            out[k]->parity_n++;
+            out[k]->parity_same += set[k].res[i].status == 200 &&
+                                   cluster_answer_equal(&set[k].res[i].answer, &ures[i].answer);
+        }
+        out[k]->ok = !br_stop;
     }
     lg_results_free(ures, np);
-    lg_results_free(res, o->requests);
-    for (uint32_t i = 0; i < o->requests; i++) free(reqs[i].body);
-    free(reqs);
-    free(res);
-    r->ok = !br_stop;
 out:
-    cluster_proc_stop(&rt, SIGTERM, pkv_deadline_after_ns(30000000000ull));
-    cluster_proc_stop(&dec, SIGTERM, pkv_deadline_after_ns(30000000000ull));
-    cluster_proc_stop(&pre, SIGTERM, pkv_deadline_after_ns(30000000000ull));
+    for (int k = 0; k < BR_ND; k++)
+        if (out[k]) br_set_stop(o, &set[k]);
+    for (uint32_t i = 0; reqs && i < n; i++) free(reqs[i].body);
+    free(reqs);
 }
 
 /* ---- options and output ------------------------------------------------------------------ */
 
 static void br_usage(FILE *f)
 {
-    fprintf(f, "usage: pagekv bench reshard [options]\n"
-               "  --pairs P:D,...     prefill -> decode TP pairs (default "
-               "2:2,8:8,1:2,2:1,4:2,2:4,8:1,1:8)\n"
-               "  --designs LIST      per_plan,mirror (default both)\n"
-               "  --requests N        requests per run (default 24)\n"
-               "  --repeats N         runs per pair and design, interleaved (default 2: per_plan,\n"
-               "                      mirror, then mirror, per_plan; TTFT = the runs' median)\n"
-               "  --concurrency N     requests in flight (default 6)\n"
-               "  --pool BYTES        each node's KV pool (default 2G: the mirror pins it whole)\n"
-               "  --preset NAME       model preset (default llama-3.2-1b)\n"
-               "  --quick             pairs 1:2,2:1, 8 requests, concurrency 4 (a smoke test)\n"
-               "  --json FILE         write the figures as JSON\n");
+    fprintf(f,
+            "usage: pagekv bench reshard [options]\n"
+            "  --pairs P:D,...     prefill -> decode TP pairs (default "
+            "2:2,8:8,1:2,2:1,4:2,2:4,8:1,1:8)\n"
+            "  --designs LIST      per_plan,mirror (default both)\n"
+            "  --waves N           waves of requests per pair (default 6); each wave's prompts go\n"
+            "                      to both designs, alternating which goes first\n"
+            "  --concurrency N     requests per wave, sent at once (default 6)\n"
+            "  --pool BYTES        each node's KV pool (default 2G: the mirror pins it whole)\n"
+            "  --preset NAME       model preset (default llama-3.2-1b)\n"
+            "  --quick             pairs 1:2,2:1, 2 waves of 4 (a smoke test)\n"
+            "  --json FILE         write the figures as JSON\n");
 }
 
 static int br_parse_pairs(const char *v, br_opts_t *o)
@@ -452,8 +505,7 @@ static int br_parse_pairs(const char *v, br_opts_t *o)
 
 static int br_parse(int argc, char **argv, br_opts_t *o)
 {
-    *o = (br_opts_t){
-        .requests = 24, .concurrency = 6, .repeats = 2, .preset = "llama-3.2-1b", .pool = "2G"};
+    *o = (br_opts_t){.waves = 6, .concurrency = 6, .preset = "llama-3.2-1b", .pool = "2G"};
     br_parse_pairs("2:2,8:8,1:2,2:1,4:2,2:4,8:1,1:8", o);
     o->design[BR_PER_PLAN] = o->design[BR_MIRROR] = true;
     for (int i = 1; i < argc; i++) {
@@ -464,9 +516,8 @@ static int br_parse(int argc, char **argv, br_opts_t *o)
             return 1;
         } else if (!strcmp(a, "--quick")) {
             br_parse_pairs("1:2,2:1", o);
-            o->requests = 8;
+            o->waves = 2;
             o->concurrency = 4;
-            o->repeats = 1;
             continue;
         }
         if (!v) {
@@ -487,10 +538,8 @@ static int br_parse(int argc, char **argv, br_opts_t *o)
                 fprintf(stderr, "pagekv bench reshard: --designs wants per_plan,mirror\n");
                 return 2;
             }
-        } else if (!strcmp(a, "--requests") && !pkv_cli_parse_u64(v, 1, BR_MAX_REQ, &x)) {
-            o->requests = (uint32_t)x;
-        } else if (!strcmp(a, "--repeats") && !pkv_cli_parse_u64(v, 1, BR_MAX_REP, &x)) {
-            o->repeats = (uint32_t)x;
+        } else if (!strcmp(a, "--waves") && !pkv_cli_parse_u64(v, 1, BR_MAX_WAVES, &x)) {
+            o->waves = (uint32_t)x;
         } else if (!strcmp(a, "--concurrency") && !pkv_cli_parse_u64(v, 1, 64, &x)) {
             o->concurrency = (uint32_t)x;
         } else if (!strcmp(a, "--pool") && !pkv_cli_parse_bytes(v, &x) && x >= (64u << 20)) {
@@ -537,6 +586,11 @@ static json_t *br_json(const br_opts_t *o, const br_result_t *res, uint32_t n)
         json_object_set_new(pj, "planned_tail_bytes",
                             json_pack("{s:I, s:I}", "prefill", (json_int_t)r->plan_tail[0],
                                       "decode", (json_int_t)r->plan_tail[1]));
+        json_object_set_new(pj, "planned_peak_bytes",
+                            json_pack("{s:I, s:I}", "prefill", (json_int_t)r->plan_peak[0],
+                                      "decode", (json_int_t)r->plan_peak[1]));
+        if (r->design == BR_PER_PLAN)
+            json_object_set_new(pj, "ttft_paired_over_mirror", json_real(r->ttft_paired));
         json_object_set_new(pj, "transfers_inflight_peak", json_integer((json_int_t)r->pulls_peak));
         json_object_set_new(pj, "staging_transfers_peak",
                             json_pack("{s:I, s:I}", "prefill",
@@ -545,12 +599,12 @@ static json_t *br_json(const br_opts_t *o, const br_result_t *res, uint32_t n)
         json_object_set_new(pj, "resident_over_inuse_rank_max",
                             json_pack("{s:f, s:f}", "prefill", r->node[0].res_over_fly, "decode",
                                       r->node[1].res_over_fly));
-        json_object_set_new(pj, "repeats", json_integer((json_int_t)r->runs));
-        if (r->runs_doc) json_object_set(pj, "runs", r->runs_doc);
+        if (r->waves_doc) json_object_set(pj, "waves", r->waves_doc);
+        if (r->phases) json_object_set(pj, "phase_means_ms", r->phases);
         json_array_append_new(pairs, pj);
     }
-    return json_pack("{s:s, s:s, s:i, s:i, s:o}", "preset", o->preset, "pool", o->pool, "requests",
-                     (int)o->requests, "concurrency", (int)o->concurrency, "pairs", pairs);
+    return json_pack("{s:s, s:s, s:i, s:i, s:o}", "preset", o->preset, "pool", o->pool, "waves",
+                     (int)o->waves, "concurrency", (int)o->concurrency, "pairs", pairs);
 }
 
 static void br_table(const br_result_t *res, uint32_t n)
@@ -577,18 +631,27 @@ static void br_table(const br_result_t *res, uint32_t n)
                r->ttft_p50, r->failed, r->parity_same, r->parity_n);
     }
     /* per pair: the ratios the targets name */
-    printf("\n| P -> D | mirror / per-plan pins (decode) | TTFT per-plan / mirror | per-plan "
-           "resident / in-use peak, worst rank, prefill / decode |\n|---|---:|---:|---:|\n");
+    printf("\n| P -> D | mirror / per-plan pins (decode) | TTFT per-plan / mirror (medians) | "
+           "TTFT per-plan / mirror, paired (median over prompts) | per-plan resident / in-use "
+           "peak, worst rank, prefill / decode | planner / pinned, per-plan (tail), prefill / "
+           "decode | planner / pinned, mirror, prefill / decode |\n"
+           "|---|---:|---:|---:|---:|---:|---:|\n");
     for (uint32_t i = 0; i < n; i++) {
         if (res[i].design != BR_PER_PLAN) continue;
         for (uint32_t j = 0; j < n; j++) {
-            if (res[j].design != BR_MIRROR || res[j].p != res[i].p || res[j].d != res[i].d)
-                continue;
-            double pins =
-                res[i].node[1].lck_peak > 0 ? res[j].node[1].lck_peak / res[i].node[1].lck_peak : 0;
-            double tt = res[j].ttft_p50 > 0 ? res[i].ttft_p50 / res[j].ttft_p50 : 0;
-            printf("| %u -> %u | %.1fx | %.3f | %.3f / %.3f |\n", res[i].p, res[i].d, pins, tt,
-                   res[i].node[0].res_over_fly, res[i].node[1].res_over_fly);
+            const br_result_t *a = &res[i], *b = &res[j];
+            if (b->design != BR_MIRROR || b->p != a->p || b->d != a->d) continue;
+            double pins = a->node[1].lck_peak > 0 ? b->node[1].lck_peak / a->node[1].lck_peak : 0;
+            double tt = b->ttft_p50 > 0 ? a->ttft_p50 / b->ttft_p50 : 0;
+            double q[4];
+            for (int k = 0; k < 2; k++) {
+                q[k] = a->node[k].lck_peak > 0 ? a->plan_peak[k] / a->node[k].lck_peak : 0;
+                q[2 + k] = b->node[k].lck_peak > 0 ? b->plan_peak[k] / b->node[k].lck_peak : 0;
+            }
+            printf("| %u -> %u | %.1fx | %.3f | %.3f | %.3f / %.3f | %.3f / %.3f | %.3f / %.3f "
+                   "|\n",
+                   a->p, a->d, pins, tt, a->ttft_paired, a->node[0].res_over_fly,
+                   a->node[1].res_over_fly, q[0], q[1], q[2], q[3]);
         }
     }
 }
@@ -619,9 +682,9 @@ int pkv_bench_reshard(int argc, char **argv)
     if (cluster_env_init(e.bin, sizeof(e.bin), e.logdir, on_signal)) return 2;
     curl_global_init(CURL_GLOBAL_DEFAULT);
     fprintf(stderr,
-            "pagekv bench reshard: %s, pool %s per node, %u requests x %u in flight, prompts "
-            "256/512/1024/2048 tokens, %u run(s) per pair and design, logs in %s\n",
-            o.preset, o.pool, o.requests, o.concurrency, o.repeats, e.logdir);
+            "pagekv bench reshard: %s, pool %s per node, %u waves of %u requests per pair, prompts "
+            "256/512/1024/2048 tokens, logs in %s\n",
+            o.preset, o.pool, o.waves, o.concurrency, e.logdir);
     cluster_proc_t uni = {0};
     char *ux[] = {"--kv-dtype", "bf16", NULL};
     if (pkv_bench_disagg_serve(e.bin, e.logdir, "unified", o.preset, BR_CONTEXT, NULL, ux, false,
@@ -630,26 +693,15 @@ int pkv_bench_reshard(int argc, char **argv)
     br_result_t res[BR_MAX_PAIRS * BR_ND];
     uint32_t n = 0;
     for (uint32_t i = 0; i < o.n_pairs && !br_stop; i++) {
-        uint32_t at[BR_ND];
+        br_result_t *at[BR_ND] = {0};
         for (int d = 0; d < BR_ND; d++) {
             if (!o.design[d]) continue;
-            at[d] = n;
-            res[n++] = (br_result_t){.p = o.p[i], .d = o.d[i], .design = d};
+            at[d] = &res[n++];
+            *at[d] = (br_result_t){.p = o.p[i], .d = o.d[i], .design = d};
         }
-        /* interleaved, so drift on a shared machine falls on both designs alike */
-        for (uint32_t rep = 0; rep < o.repeats && !br_stop; rep++)
-            for (int k = 0; k < BR_ND && !br_stop; k++) {
-                int d = rep % 2 ? BR_ND - 1 - k : k;
-                if (!o.design[d]) continue;
-                br_result_t run = {.p = o.p[i], .d = o.d[i], .design = d};
-                br_one(&o, &e, &uni, &run);
-                br_merge(&res[at[d]], &run);
-            }
+        br_pair(&o, &e, &uni, at);
         for (int d = 0; d < BR_ND; d++)
-            if (o.design[d]) {
-                br_merge_done(&res[at[d]]);
-                br_plan(&o, &res[at[d]]);
-            }
+            if (at[d]) br_plan(&o, at[d]);
     }
     cluster_proc_stop(&uni, SIGTERM, pkv_deadline_after_ns(30000000000ull));
     br_table(res, n);
@@ -661,7 +713,7 @@ int pkv_bench_reshard(int argc, char **argv)
         if (pkv_bench_write_json(o.json_path, doc)) rc = rc ? rc : 1;
         json_decref(doc);
     }
-    for (uint32_t i = 0; i < n; i++) json_decref(res[i].runs_doc);
+    for (uint32_t i = 0; i < n; i++) json_decref(res[i].waves_doc), json_decref(res[i].phases);
     curl_global_cleanup();
     return rc;
 }

@@ -155,8 +155,10 @@ START_TEST(tp_sides_replication_and_hosts)
     ck_assert_uint_eq(p.decode.rank.page_bytes, 576 * KIB);
     ck_assert_uint_eq(p.prefill.host.page_bytes, 4 * p.prefill.rank.page_bytes);
     ck_assert_uint_eq(p.decode.host.fixed_bytes, 4 * p.decode.rank.fixed_bytes);
-    /* pages are the same on both sides; bytes follow each side's heads */
-    ck_assert_uint_eq(p.prefill.mean_pages, p.decode.mean_pages);
+    /* a prefill rank (4 heads) serves 8 decode ranks a head each, every head twice: its
+       staging holds 8 slices, each a quarter of its heads, so twice the decode side's bytes
+       and at least twice its pages */
+    ck_assert_uint_ge(p.prefill.mean_pages, 2 * p.decode.mean_pages);
     /* the normal approximation takes over for a large in-flight count */
     in.in_flight = 1000000;
     in.in_flight_set = true;
@@ -164,6 +166,50 @@ START_TEST(tp_sides_replication_and_hosts)
     ck_assert(!p.decode.tail_exact);
     ck_assert(p.decode.tail_pages > p.decode.mean_pages);
     ck_assert(p.decode.tail_pages < 1000000ull * 128);
+}
+END_TEST
+
+/* Staging is per read: a rank holds one slice per peer rank it reads from or serves, each
+ * rounded up to whole pages of its own heads (xf_view_init: ceil(slice bytes / page)). */
+START_TEST(per_read_slices_round_up_apart)
+{
+    pkv_plan_input_t in;
+    memset(&in, 0, sizeof(in));
+    ck_assert_int_eq(pkv_plan_preset("llama-3.2-1b", &in), PKV_OK); /* 8 KV heads */
+    in.dtype = PKV_DTYPE_BF16;
+    in.page_tokens = 64;
+    in.context = 4096;
+    in.concurrency = 6;
+    in.n_mix = 1;
+    in.mix[0] = (pkv_plan_mix_t){2080, 1}; /* moves 2064 tokens (16-token pull blocks) */
+    in.in_flight = 1;
+    in.in_flight_set = true;
+    pkv_plan_t p;
+    static const struct {
+        uint32_t p, d;
+        uint64_t pre_pages, dec_pages;
+    } cases[] = {
+        {1, 1, 33, 33}, /* ceil(2064 / 64) */
+        {2, 2, 33, 33},
+        {1, 8, 40, 33}, /* 8 slices of 1 of 8 heads: 8 x ceil(2064 / 512) */
+        {8, 1, 33, 40},
+        {2, 4, 34, 33}, /* 2 slices of 2 of 4 heads: 2 x ceil(2064 / 128) */
+        {4, 2, 33, 34},
+        {2, 16, 72, 33}, /* 8 reads of 1 of 4 heads (each head twice): 8 x ceil(2064 / 256) */
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        in.prefill_tp = cases[i].p;
+        in.decode_tp = cases[i].d;
+        ck_assert_int_eq(pkv_plan_compute(&in, &p), PKV_OK);
+        ck_assert_msg(
+            p.prefill.mean_pages == cases[i].pre_pages && p.decode.mean_pages == cases[i].dec_pages,
+            "%u -> %u: pages %llu / %llu, want %llu / %llu", cases[i].p, cases[i].d,
+            (unsigned long long)p.prefill.mean_pages, (unsigned long long)p.decode.mean_pages,
+            (unsigned long long)cases[i].pre_pages, (unsigned long long)cases[i].dec_pages);
+        ck_assert_uint_eq(p.prefill.tail_pages, p.prefill.mean_pages); /* one in flight */
+        ck_assert_uint_eq(p.decode.host.per_plan_bytes,
+                          p.decode.mean_pages * p.decode.rank.page_bytes * cases[i].d);
+    }
 }
 END_TEST
 
@@ -568,6 +614,7 @@ static Suite *plan_suite(void)
     tcase_add_test(tc, field_table_from_the_geometry_alone);
     tcase_add_test(tc, plan_per_rank_and_per_host);
     tcase_add_test(tc, tp_sides_replication_and_hosts);
+    tcase_add_test(tc, per_read_slices_round_up_apart);
     tcase_add_test(tc, staging_pages_match_the_allocator);
     tcase_add_test(tc, a_pull_moves_the_whole_blocks_before_the_last_token);
     tcase_add_test(tc, a_mix_of_requests_weighs_transfers_by_their_time_in_flight);

@@ -450,9 +450,17 @@ static void print_load(const pkv_plan_input_t *in, const pkv_plan_t *p)
                (unsigned long long)in->pull_block_tokens);
     else
         printf("; a transfer moves every token");
-    printf("; pages in flight: mean %.1f -> %llu, tail %llu (%s)\n", p->mean_pages_exact,
-           (unsigned long long)p->decode.mean_pages, (unsigned long long)p->decode.tail_pages,
+    printf("; pages in flight per decode rank: mean %.1f -> %llu, tail %llu (%s)",
+           p->mean_pages_exact, (unsigned long long)p->decode.mean_pages,
+           (unsigned long long)p->decode.tail_pages,
            p->decode.tail_exact ? "exact distribution" : "normal approximation");
+    if (p->prefill.mean_pages != p->decode.mean_pages ||
+        p->prefill.tail_pages != p->decode.tail_pages)
+        printf("; per prefill rank (its reads' slices, each rounded up to whole pages): mean "
+               "%llu, tail %llu",
+               (unsigned long long)p->prefill.mean_pages,
+               (unsigned long long)p->prefill.tail_pages);
+    printf("\n");
 }
 
 static void print_pool_line(const char *side, const pkv_plan_side_t *s, bool given)

@@ -161,14 +161,41 @@ static int plan_input(plan_ctx_t *c, pkv_plan_input_t *in)
     return PKV_OK;
 }
 
-/* ---- the per-transfer load (pages; the same on both sides) --------------------------- */
+/* ---- the per-transfer load (pages, per side) ------------------------------------------ */
 
-/* Staging pages of one transfer of an n-token context (see pull_block_tokens). */
-static uint64_t transfer_pages(const pkv_plan_input_t *in, uint64_t n)
+static uint64_t heads_per_rank(const pkv_plan_input_t *in, uint32_t tp)
+{
+    return tp <= in->kv_heads ? in->kv_heads / tp : 1;
+}
+
+/* How one rank of a side holds a transfer in staging: staging is per read, so a rank holds
+ * `reads` slices (one per peer rank it reads from or serves), each of `slice_heads` of its
+ * `rank_heads` heads and rounded up to whole pages apart. A decode rank reads its heads
+ * from every prefill rank holding part of them (P / D when P > D); a prefill rank serves
+ * every decode rank reading its heads (D / P when D > P, replicas included). Exact when
+ * one TP divides the other. */
+typedef struct {
+    uint64_t reads, slice_heads, rank_heads;
+} plan_slices_t;
+
+static plan_slices_t side_slices(const pkv_plan_input_t *in, bool decode)
+{
+    uint64_t hp = heads_per_rank(in, in->prefill_tp), hd = heads_per_rank(in, in->decode_tp);
+    uint64_t p = in->prefill_tp, d = in->decode_tp;
+    if (decode) return hp < hd ? (plan_slices_t){hd / hp, hp, hd} : (plan_slices_t){1, hd, hd};
+    return d > p ? (plan_slices_t){d / p, hd, hp} : (plan_slices_t){1, hp, hp};
+}
+
+/* Staging pages on one rank of a side for a transfer of an n-token context (see
+ * pull_block_tokens). */
+static uint64_t transfer_pages(plan_ctx_t *c, const pkv_plan_input_t *in, const plan_slices_t *sl,
+                               uint64_t n)
 {
     uint64_t b = in->pull_block_tokens;
     uint64_t moved = b ? (n - 1) / b * b : n;
-    return div_up(moved, in->page_tokens);
+    uint64_t one = div_up(ck_mul(c, moved, sl->slice_heads, "a slice's tokens"),
+                          ck_mul(c, in->page_tokens, sl->rank_heads, "a page's head tokens"));
+    return ck_mul(c, sl->reads, one, "a transfer's pages");
 }
 
 typedef struct {
@@ -221,14 +248,15 @@ out:
     return rc;
 }
 
-static int plan_load(plan_ctx_t *c, const pkv_plan_input_t *in, plan_load_t *l)
+static int plan_load(plan_ctx_t *c, const pkv_plan_input_t *in, bool decode, plan_load_t *l)
 {
     memset(l, 0, sizeof(*l));
+    plan_slices_t sl = side_slices(in, decode);
     uint64_t wsum = 0, wpages = 0;
     double m2 = 0.0;
     bool moves = false; /* some entry moves a page */
     for (uint32_t i = 0; i < in->n_mix; i++) {
-        l->pages[i] = transfer_pages(in, in->mix[i].tokens);
+        l->pages[i] = transfer_pages(c, in, &sl, in->mix[i].tokens);
         moves |= l->pages[i] > 0;
     }
     for (uint32_t i = 0; i < in->n_mix; i++) {
@@ -244,7 +272,7 @@ static int plan_load(plan_ctx_t *c, const pkv_plan_input_t *in, plan_load_t *l)
     for (uint32_t i = 0; i < in->n_long; i++)
         l->long_pages =
             ck_add(c, l->long_pages,
-                   ck_mul(c, in->longs[i].count, transfer_pages(in, in->longs[i].tokens),
+                   ck_mul(c, in->longs[i].count, transfer_pages(c, in, &sl, in->longs[i].tokens),
                           "the long transfers' pages"),
                    "the long transfers' pages");
     uint64_t worst = ck_mul(c, in->in_flight, l->max_pages, "the pages in flight");
@@ -311,7 +339,7 @@ static int plan_side(plan_ctx_t *c, const pkv_plan_input_t *in, const plan_load_
 {
     memset(s, 0, sizeof(*s));
     s->tp = tp;
-    s->heads_per_rank = tp <= in->kv_heads ? in->kv_heads / tp : 1;
+    s->heads_per_rank = heads_per_rank(in, tp);
     s->replicas = tp <= in->kv_heads ? 1 : tp / in->kv_heads;
     s->ranks_per_host = in->ranks_per_host ? in->ranks_per_host : tp;
     plan_rank(c, in, l, s);
@@ -346,14 +374,15 @@ int pkv_plan_compute(const pkv_plan_input_t *in, pkv_plan_t *out)
     memset(&p, 0, sizeof(p));
     p.in = *in;
     plan_ctx_t c = {out->err, sizeof(out->err), false};
-    plan_load_t l;
+    plan_load_t lp, ld;
     int rc = plan_input(&c, &p.in);
-    if (!rc) rc = plan_load(&c, &p.in, &l);
-    if (!rc) rc = plan_side(&c, &p.in, &l, p.in.prefill_tp, &p.prefill);
-    if (!rc) rc = plan_side(&c, &p.in, &l, p.in.decode_tp, &p.decode);
+    if (!rc) rc = plan_load(&c, &p.in, false, &lp);
+    if (!rc) rc = plan_load(&c, &p.in, true, &ld);
+    if (!rc) rc = plan_side(&c, &p.in, &lp, p.in.prefill_tp, &p.prefill);
+    if (!rc) rc = plan_side(&c, &p.in, &ld, p.in.decode_tp, &p.decode);
     if (rc) return rc;
     const pkv_plan_bytes_t *d = &p.decode.rank;
-    p.mean_pages_exact = l.mean_exact;
+    p.mean_pages_exact = ld.mean_exact;
     p.fixed_over_per_transfer = ratio(d->fixed_bytes, d->per_transfer_mean_bytes);
     p.mirror_over_per_plan = ratio(d->mirror_bytes, d->per_plan_bytes);
     p.copy_grow_over_paged = ratio(d->copy_grow_bytes, d->paged_peak_bytes);

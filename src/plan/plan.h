@@ -110,7 +110,7 @@ typedef struct {
 typedef struct {
     pkv_plan_input_t in; /* the input with every default filled in */
     pkv_plan_side_t prefill, decode;
-    double mean_pages_exact; /* per transfer load, before rounding (both sides alike) */
+    double mean_pages_exact; /* the decode rank's pages in flight, mean, before rounding */
     /* ratios (per rank and per host alike), decode side */
     double fixed_over_per_transfer, mirror_over_per_plan, copy_grow_over_paged;
     char err[PKV_PLAN_ERR_LEN]; /* the reason when compute failed */
