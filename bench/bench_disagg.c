@@ -407,14 +407,15 @@ int pkv_bench_disagg_serve(const char *bin, const char *logdir, const char *name
     return bd_start(p, name, argv, tcp, at ? at->kv_dev : NULL, logdir);
 }
 
-int pkv_bench_disagg_route(const char *bin, const char *logdir, const cluster_proc_t *pre,
-                           const cluster_proc_t *dec, char *const extra[], cluster_proc_t *p)
+int pkv_bench_disagg_route(const char *bin, const char *logdir, const char *name,
+                           const cluster_proc_t *pre, const cluster_proc_t *dec,
+                           char *const extra[], cluster_proc_t *p)
 {
     char *argv[BD_ARGV_MAX] = {(char *)bin, "route",          "--port",   "0",
                                "--prefill", (char *)pre->url, "--decode", (char *)dec->url};
     int n = 8;
     bd_argv_extra(argv, &n, extra);
-    return bd_start(p, "router", argv, false, NULL, logdir);
+    return bd_start(p, name, argv, false, NULL, logdir);
 }
 
 /* A node of this bench: its load's queue and connections, a small prefix cache, and with a
@@ -462,7 +463,7 @@ static int bd_route(const bd_env_t *e, const cluster_proc_t *pre, const cluster_
                     cluster_proc_t *p)
 {
     char *extra[] = {"--max-connections", "1024", NULL};
-    return pkv_bench_disagg_route(e->bin, e->logdir, pre, dec, extra, p);
+    return pkv_bench_disagg_route(e->bin, e->logdir, "router", pre, dec, extra, p);
 }
 
 /* Sum of every sample line of a Prometheus text whose name contains `part`. */

@@ -36,9 +36,11 @@ typedef struct {
 int pkv_bench_disagg_serve(const char *bin, const char *logdir, const char *name,
                            const char *preset, uint32_t ctx, const char *role, char *const extra[],
                            bool tcp, const pkv_bench_disagg_place_t *at, cluster_proc_t *p);
-/* Start `BIN route --port 0 --prefill PRE --decode DEC` then `extra`; 0 or -1 as above. */
-int pkv_bench_disagg_route(const char *bin, const char *logdir, const cluster_proc_t *pre,
-                           const cluster_proc_t *dec, char *const extra[], cluster_proc_t *p);
+/* Start `BIN route --port 0 --prefill PRE --decode DEC` then `extra`, its log LOGDIR/NAME.log;
+ * 0 or -1 as above. */
+int pkv_bench_disagg_route(const char *bin, const char *logdir, const char *name,
+                           const cluster_proc_t *pre, const cluster_proc_t *dec,
+                           char *const extra[], cluster_proc_t *p);
 
 /* One design's figures for the planner check (bench_disagg_plan.c). */
 #define PKV_BD_PLAN_MIX 64

@@ -113,7 +113,7 @@ static int bl_serve(const bl_env_t *e, const bl_opts_t *o, const char *role, uin
 static int bl_route(const bl_env_t *e, const cluster_proc_t *pre, const cluster_proc_t *dec,
                     cluster_proc_t *p)
 {
-    return pkv_bench_disagg_route(e->bin, e->logdir, pre, dec, NULL, p);
+    return pkv_bench_disagg_route(e->bin, e->logdir, "router", pre, dec, NULL, p);
 }
 
 /* ---- requests ----------------------------------------------------------------------------- */

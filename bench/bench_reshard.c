@@ -29,6 +29,7 @@
 #include <curl/curl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -85,7 +86,7 @@ typedef struct {
     br_node_t node[2]; /* prefill, decode */
     pthread_mutex_t lock;
     pthread_t th;
-    volatile int stop;
+    atomic_int stop;
 } br_sampler_t;
 
 static void br_sample_node(br_sampler_t *s, br_node_t *n)
@@ -132,7 +133,7 @@ static void br_node_peaks(br_node_t *n)
 static void *br_sampler_main(void *arg)
 {
     br_sampler_t *s = arg;
-    while (!s->stop) {
+    while (!atomic_load(&s->stop)) {
         for (int k = 0; k < 2; k++) br_sample_node(s, &s->node[k]);
         usleep(100000);
     }
@@ -308,14 +309,15 @@ static void br_plan(const br_opts_t *o, br_result_t *r)
 static int br_set_start(const br_opts_t *o, const br_env_t *e, br_set_t *st)
 {
     br_result_t *r = st->r;
-    char pn[32], dn[32];
+    char pn[32], dn[32], rn[32];
     snprintf(pn, sizeof(pn), "prefill-%u-%u-%s", r->p, r->d, br_design_names[r->design]);
     snprintf(dn, sizeof(dn), "decode-%u-%u-%s", r->p, r->d, br_design_names[r->design]);
+    snprintf(rn, sizeof(rn), "router-%u-%u-%s", r->p, r->d, br_design_names[r->design]);
     fprintf(stderr, "pagekv bench reshard: %u -> %u %s: starting\n", r->p, r->d,
             br_design_names[r->design]);
     if (br_node_start(o, e, pn, "prefill", r->p, r->design, &st->pre) ||
         br_node_start(o, e, dn, "decode", r->d, r->design, &st->dec) ||
-        pkv_bench_disagg_route(e->bin, e->logdir, &st->pre, &st->dec, NULL, &st->rt))
+        pkv_bench_disagg_route(e->bin, e->logdir, rn, &st->pre, &st->dec, NULL, &st->rt))
         return -1;
     st->res = calloc((size_t)o->waves * o->concurrency, sizeof(*st->res));
     return st->res ? 0 : -1;
@@ -335,7 +337,7 @@ static void br_set_begin(br_set_t *st)
 static void br_set_sampler_join(br_set_t *st)
 {
     if (!st->sampling) return;
-    st->s.stop = 1;
+    atomic_store(&st->s.stop, 1);
     pthread_join(st->s.th, NULL);
     pthread_mutex_destroy(&st->s.lock);
     st->sampling = false;
