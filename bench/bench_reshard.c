@@ -634,10 +634,10 @@ static void br_table(const br_result_t *res, uint32_t n)
     }
     /* per pair: the ratios the targets name */
     printf("\n| P -> D | mirror / per-plan pins (decode) | TTFT per-plan / mirror (medians) | "
-           "TTFT per-plan / mirror, paired: median over prompts (the target) | per-plan resident / "
-           "in-use "
-           "peak, worst rank, prefill / decode | planner / pinned, per-plan (tail), prefill / "
-           "decode | planner / pinned, mirror, prefill / decode |\n"
+           "TTFT per-plan / mirror, paired: median over prompts (the target) | "
+           "per-plan resident / in-use peak, worst rank, prefill / decode | "
+           "planner / pinned, per-plan (tail), prefill / decode | "
+           "planner / pinned, mirror, prefill / decode |\n"
            "|---|---:|---:|---:|---:|---:|---:|\n");
     for (uint32_t i = 0; i < n; i++) {
         if (res[i].design != BR_PER_PLAN) continue;
