@@ -172,7 +172,8 @@ static int copy_contexts(pkv_model_t *m, pkv_kv_t *kv, pkv_seq_t **seqs, uint32_
 }
 
 /* `steps` decode steps over n sequences (greedy); seconds, or < 0. */
-static double decode(pkv_model_t *m, pkv_kv_t *kv, pkv_seq_t **seqs, uint32_t n, uint32_t steps)
+static double decode(pkv_model_t *m, pkv_kv_t *kv, pkv_seq_t **seqs, uint32_t n, uint32_t steps,
+                     double *cpu)
 {
     uint32_t V = pkv_model_config(m)->vocab_size;
     float *logits = malloc((size_t)n * V * sizeof(float));
@@ -180,7 +181,7 @@ static double decode(pkv_model_t *m, pkv_kv_t *kv, pkv_seq_t **seqs, uint32_t n,
     pkv_model_item_t items[MAX_B];
     if (!logits) return -1;
     for (uint32_t i = 0; i < n; i++) next[i] = (int32_t)(i * 7 % V);
-    double t = -1;
+    double t = -1, c0 = cpu_secs();
     uint64_t t0 = pkv_now_ns();
     for (uint32_t s = 0; s < steps; s++) {
         for (uint32_t i = 0; i < n; i++) {
@@ -200,6 +201,7 @@ static double decode(pkv_model_t *m, pkv_kv_t *kv, pkv_seq_t **seqs, uint32_t n,
         }
     }
     t = secs(t0);
+    *cpu = cpu_secs() - c0;
 out:
     free(logits);
     return t;
@@ -253,6 +255,7 @@ enum { CASE_LONG, CASE_MIXED, N_CASES };
 
 typedef struct {
     double ratio[MAX_PAIRS];             /* paged / dense decode speed, one per pair */
+    double cpu_ratio[MAX_PAIRS];         /* dense / paged CPU seconds, one per pair */
     double tok_s[2][MAX_PAIRS];          /* decode tok/s per backend and pair */
     double prefill_s[2];                 /* seconds to build the contexts, per backend */
     uint32_t adopted[2];                 /* prompt tokens adopted from the prefix cache */
@@ -265,8 +268,10 @@ typedef struct {
 typedef struct {
     cell_t cells[2][MAX_CTX];
     double ratio4096[MAX_PAIRS], ratio_ctx[MAX_CTX][MAX_PAIRS];
+    double cpu_ratio_ctx[MAX_CTX][MAX_PAIRS]; /* dense / paged CPU seconds per pair */
     double p3700[2][16], p3700cpu[2][16];
     double load0, load1;
+    double steal; /* the machine's CPU time a hypervisor took over the run, share; -1 unread */
     mcase_t mcases[N_CASES];
     mcase_res_t mres[N_CASES];
 } results_t;
@@ -406,19 +411,23 @@ static int decode_pairs(pkv_model_t *m, const opts_t *o, int c, ctx_state_t st[2
 {
     uint32_t C = o->ctxs[c], steps = (uint32_t)o->steps;
     for (uint64_t r = 0; r < o->pairs; r++) {
+        double cpu[2];
         for (int k = 0; k < 2; k++) {
             int be = (int)(r & 1) ^ k; /* odd pairs: dense first */
             progress("bench model: %s decode at %u, pair %u...", pkv_backend_name(be), C,
                      (unsigned)r + 1);
-            double t8 = o->do8 ? decode(m, st[be].kv, st[be].seq, 8, steps) : 1;
-            double t1 = decode(m, st[be].kv, st[be].seq, 1, steps);
+            double c8 = 1, c1;
+            double t8 = o->do8 ? decode(m, st[be].kv, st[be].seq, 8, steps, &c8) : 1;
+            double t1 = decode(m, st[be].kv, st[be].seq, 1, steps, &c1);
             if (t8 < 0 || t1 < 0) return -1;
+            cpu[be] = o->do8 ? c8 : c1;
             res->cells[be][c].decode8[r] = o->do8 ? 8.0 * steps / t8 : 0;
             res->cells[be][c].decode1[r] = (double)steps / t1;
         }
         cell_t *p = &res->cells[0][c], *d = &res->cells[1][c];
         res->ratio_ctx[c][r] =
             o->do8 ? p->decode8[r] / d->decode8[r] : p->decode1[r] / d->decode1[r];
+        res->cpu_ratio_ctx[c][r] = cpu[1] / cpu[0];
         if (C == 4096) res->ratio4096[r] = res->ratio_ctx[c][r];
     }
     return 0;
@@ -554,17 +563,18 @@ static int bench_case(pkv_model_t *m, const opts_t *o, const mcase_t *c, mcase_r
     for (uint32_t i = 0; i < c->n; i++) res->tokens += c->lens[i];
     for (int be = 0; be < 2 && !rc; be++) rc = case_build(m, o, c, be, &st[be], res);
     for (uint64_t r = 0; r < o->pairs && !rc; r++) {
-        double t[2];
+        double t[2], cpu[2];
         for (int k = 0; k < 2 && !rc; k++) {
             int be = (int)(r & 1) ^ k; /* odd pairs: dense first */
             progress("bench model: %s %s decode, pair %u...", c->name, pkv_backend_name(be),
                      (unsigned)r + 1);
-            t[be] = decode(m, st[be].kv, st[be].seq, c->n, (uint32_t)o->steps);
+            t[be] = decode(m, st[be].kv, st[be].seq, c->n, (uint32_t)o->steps, &cpu[be]);
             if (t[be] < 0) rc = -1;
         }
         if (rc) break;
         for (int be = 0; be < 2; be++) res->tok_s[be][r] = (double)c->n * o->steps / t[be];
         res->ratio[r] = t[1] / t[0];
+        res->cpu_ratio[r] = cpu[1] / cpu[0];
     }
     free_contexts(st);
     return rc;
@@ -654,6 +664,7 @@ static int write_json(pkv_model_t *m, const opts_t *o, const results_t *res, con
                   (int)pkv_model_threads(m), "runs", (int)o->runs, "decode_steps", (int)o->steps,
                   "cells", jcells, "prefill_3700_llama_s", s->p_paged, "prefill_3700_llama_s_dense",
                   s->p_dense, "loadavg_before", res->load0, "loadavg_after", res->load1);
+    json_object_set_new(j, "steal_share", json_real(res->steal));
     if (s->have4096) {
         json_object_set_new(j, "decode_paged_over_dense_4096", json_real(s->r4096));
         json_t *pr = json_array();
@@ -678,11 +689,11 @@ static void print_header(pkv_model_t *m, const opts_t *o, const results_t *res)
     const pkv_model_config_t *c0 = pkv_model_config(m);
     printf("pagekv bench model: preset %s (%u layers, %u KV heads x %u, %u query heads, dim %u, "
            "hidden %u, vocab %u), KV %s, kernels %s, %u threads, %llu runs, %llu decode steps; "
-           "load average %.2f -> %.2f\n\n",
+           "load average %.2f -> %.2f; steal %.0f %% of the machine's CPU time (/proc/stat)\n\n",
            o->preset, c0->n_layers, c0->n_kv_heads, c0->head_dim, c0->n_heads, c0->dim,
            c0->hidden_dim, c0->vocab_size, pkv_dtype_name(o->dt), pkv_model_kernels(m),
            pkv_model_threads(m), (unsigned long long)o->runs, (unsigned long long)o->steps,
-           res->load0, res->load1);
+           res->load0, res->load1, res->steal * 100);
 }
 
 /* Measure, then report; the exit code. */
@@ -727,27 +738,37 @@ static json_t *pairs_json(const double *v, size_t n)
 
 /* One row of the paged/dense table and its JSON. */
 static json_t *case_row(const opts_t *o, const char *name, uint32_t nseq, uint64_t tokens,
-                        const double *ratio, const double *paged, const double *dense)
+                        const double *ratio, const double *cpu, const double *paged,
+                        const double *dense)
 {
     double lo, hi, med = pkv_bench_median(ratio, o->pairs);
+    double clo, chi, cmed = pkv_bench_median(cpu, o->pairs);
     ratio_range(ratio, o->pairs, &lo, &hi);
+    ratio_range(cpu, o->pairs, &clo, &chi);
     double tp = pkv_bench_median(paged, o->pairs), td = pkv_bench_median(dense, o->pairs);
-    printf("| %s | %u | %llu | %.1f | %.1f | **%.3f** | %.3f | %.3f | %llu |\n", name, nseq,
-           (unsigned long long)tokens, tp, td, med, lo, hi, (unsigned long long)o->pairs);
-    return json_pack("{s:s, s:i, s:I, s:f, s:f, s:f, s:f, s:f, s:i, s:o}", "case", name,
-                     "sequences", (int)nseq, "context_tokens", (json_int_t)tokens,
-                     "paged_decode_tok_s", tp, "dense_decode_tok_s", td, "ratio_median", med,
-                     "ratio_min", lo, "ratio_max", hi, "pairs", (int)o->pairs, "ratios",
-                     pairs_json(ratio, o->pairs));
+    printf("| %s | %u | %llu | %.1f | %.1f | **%.3f** | %.3f | %.3f | **%.3f** | %.3f | %.3f | "
+           "%llu |\n",
+           name, nseq, (unsigned long long)tokens, tp, td, med, lo, hi, cmed, clo, chi,
+           (unsigned long long)o->pairs);
+    json_t *row =
+        json_pack("{s:s, s:i, s:I, s:f, s:f, s:f, s:f, s:f, s:i, s:o}", "case", name, "sequences",
+                  (int)nseq, "context_tokens", (json_int_t)tokens, "paged_decode_tok_s", tp,
+                  "dense_decode_tok_s", td, "ratio_median", med, "ratio_min", lo, "ratio_max", hi,
+                  "pairs", (int)o->pairs, "ratios", pairs_json(ratio, o->pairs));
+    json_object_set_new(row, "cpu_ratio_median", json_real(cmed));
+    json_object_set_new(row, "cpu_ratios", pairs_json(cpu, o->pairs));
+    return row;
 }
 
 /* The paged/dense table over every case measured; returns it as JSON. */
 static json_t *print_cases(const opts_t *o, const results_t *res)
 {
     printf("\npaged / dense decode speed by case (median of pairs; each pair: one burst of %llu "
-           "steps per backend on the same prefilled contexts):\n\n"
-           "| case | sequences | context tokens | paged tok/s | dense tok/s | paged/dense "
-           "| min | max | pairs |\n|---|---|---|---|---|---|---|---|---|\n",
+           "steps per backend on the same prefilled contexts; wall: tokens per second, CPU: "
+           "dense / paged CPU seconds of the process, which leave out steal):\n\n"
+           "| case | sequences | context tokens | paged tok/s | dense tok/s | paged/dense wall "
+           "| min | max | paged/dense CPU | min | max | pairs |\n"
+           "|---|---|---|---|---|---|---|---|---|---|---|---|\n",
            (unsigned long long)o->steps);
     json_t *a = json_array();
     uint32_t B = o->do8 ? 8 : 1;
@@ -756,7 +777,7 @@ static json_t *print_cases(const opts_t *o, const results_t *res)
         snprintf(name, sizeof(name), "ctx%u_b%u", o->ctxs[c], B);
         const cell_t *p = &res->cells[0][c], *d = &res->cells[1][c];
         json_array_append_new(a, case_row(o, name, B, (uint64_t)B * o->ctxs[c], res->ratio_ctx[c],
-                                          B > 1 ? p->decode8 : p->decode1,
+                                          res->cpu_ratio_ctx[c], B > 1 ? p->decode8 : p->decode1,
                                           B > 1 ? d->decode8 : d->decode1));
     }
     for (int k = 0; k < N_CASES; k++) {
@@ -765,7 +786,8 @@ static json_t *print_cases(const opts_t *o, const results_t *res)
         const mcase_res_t *r = &res->mres[k];
         char name[48];
         snprintf(name, sizeof(name), k == CASE_LONG ? "%s_%u" : "%s", c->name, c->lens[0]);
-        json_t *row = case_row(o, name, c->n, r->tokens, r->ratio, r->tok_s[0], r->tok_s[1]);
+        json_t *row =
+            case_row(o, name, c->n, r->tokens, r->ratio, r->cpu_ratio, r->tok_s[0], r->tok_s[1]);
         json_object_set_new(row, "prefix_tokens", json_integer(c->prefix));
         json_object_set_new(row, "adopted_tokens_paged", json_integer(r->adopted[0]));
         json_object_set_new(row, "adopted_tokens_dense", json_integer(r->adopted[1]));
@@ -800,6 +822,8 @@ static int run_bench(pkv_model_t *m, pkv_model_t *llama, const opts_t *o)
     memset(&res, 0, sizeof(res));
     if (set_cases(m, o, &res)) return 1;
     res.load0 = loadavg1();
+    uint64_t tot0, st0, tot1, st1;
+    int ticks = pkv_prim_cpu_ticks(&tot0, &st0);
     bool grid = o->cases & CASES_GRID;
     for (int c = 0; grid && c < o->n_ctx; c++)
         if (bench_context(m, o, c, &res)) return -1;
@@ -809,6 +833,9 @@ static int run_bench(pkv_model_t *m, pkv_model_t *llama, const opts_t *o)
     if (grid && bench_prefill3700(llama, o, &res)) return -1;
     if (pkv_cli_progress_enabled()) fprintf(stderr, "\r%70s\r", "");
     res.load1 = loadavg1();
+    res.steal = !ticks && !pkv_prim_cpu_ticks(&tot1, &st1) && tot1 > tot0
+                    ? (double)(st1 - st0) / (double)(tot1 - tot0)
+                    : -1;
     print_header(m, o, &res);
     json_t *jcells = grid ? print_cells(o, &res) : json_array();
     summary_t s = summarize(o, &res);

@@ -251,6 +251,22 @@ int pkv_prim_loadavg(double *out)
     return PKV_OK;
 }
 
+int pkv_prim_cpu_ticks(uint64_t *total, uint64_t *steal)
+{
+    FILE *f = fopen("/proc/stat", "re");
+    if (!f) return PKV_ERR_IO;
+    unsigned long long v[8] = {0};
+    int n = fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &v[0], &v[1], &v[2], &v[3],
+                   &v[4], &v[5], &v[6], &v[7]);
+    fclose(f);
+    if (n != 8) return PKV_ERR_IO;
+    uint64_t sum = 0;
+    for (int i = 0; i < 8; i++) sum += v[i];
+    *total = sum;
+    *steal = v[7];
+    return PKV_OK;
+}
+
 int pkv_prim_boot_id(uint8_t out[16])
 {
     char txt[64] = {0};

@@ -76,6 +76,11 @@ int pkv_prim_smaps_rollup(int pid, pkv_prim_smaps_t *out);
  * it cannot be read; *out is written only on success. */
 int pkv_prim_loadavg(double *out);
 
+/* The machine's CPU time so far, from the first line of /proc/stat, in clock ticks: all of
+ * it (every field) and of it the time a hypervisor ran something else (steal). PKV_ERR_IO
+ * when it cannot be read; the outputs are written only on success. */
+int pkv_prim_cpu_ticks(uint64_t *total, uint64_t *steal);
+
 /* ---- transparent huge pages (hugepage.c) -------------------------------------------- */
 
 typedef enum {
