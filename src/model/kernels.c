@@ -280,10 +280,13 @@ AVX2_FN static void matmul_avx2(const float *x, size_t ldx, uint32_t rows, uint3
     }
 }
 
-/* Prime the next run's region for heads from h0: its first 1 KiB. A paged block
- * holds a layer's heads back to back, so the hardware prefetcher then streams the rest;
- * without this every 16-token block starts with exposed misses. (Prefetching whole
- * runs fills the miss buffers and stalls; measured slower.) */
+/* Prime the next run's region for heads from h0: its first 1 KiB, for the two-row
+ * (prefill) reads, which have no prefetch stream. A paged block holds a layer's heads
+ * back to back, so the hardware prefetcher then streams the rest; without this every
+ * run starts with exposed misses. (Prefetching whole runs fills the miss buffers and
+ * stalls; measured slower.) The one-row (decode) reads do not use it: their stream
+ * (pf_ahead) reaches the next run anyway, and these extra prefetches cost paged decode
+ * at 16k ~1.5 % (they wait on fill buffers the stream needs). */
 #define PREFETCH_LINES 16
 AVX2_INLINE void prefetch_run_start(const void *base, size_t head_stride, uint32_t h0, size_t es)
 {
@@ -305,12 +308,25 @@ typedef struct {
     size_t len;             /* bytes of cur that are read */
 } pf_stream_t;
 
-/* Prefetch the `lines` cache lines at offset off + PF_AHEAD of the stream. */
+/* Prefetch the `lines` cache lines at offset off + PF_AHEAD of the stream. They nearly
+ * always lie in one piece, so the address is found once per call; the walk line by line
+ * is for a span that crosses the end of the piece. */
 AVX2_INLINE void pf_ahead(const pf_stream_t *ps, size_t off, int lines)
 {
-    for (int l = 0; l < lines; l++) {
-        size_t o = off + PF_AHEAD + 64 * (size_t)l;
-        const char *p = o < ps->len ? ps->cur + o : ps->next ? ps->next + (o - ps->len) : NULL;
+    size_t o = off + PF_AHEAD, span = 64 * (size_t)lines;
+    const char *p = NULL;
+    if (o + span <= ps->len || o >= ps->len) {
+        if (o + span <= ps->len)
+            p = ps->cur + o;
+        else if (ps->next)
+            p = ps->next + (o - ps->len);
+        else
+            return;
+        for (int l = 0; l < lines; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
+        return;
+    }
+    for (int l = 0; l < lines; l++, o += 64) {
+        p = o < ps->len ? ps->cur + o : ps->next ? ps->next + (o - ps->len) : NULL;
         if (p) _mm_prefetch(p, _MM_HINT_T0);
     }
 }
@@ -413,7 +429,7 @@ AVX2_INLINE void scores_dt(const float *qa, const float *qb, uint32_t na, uint32
     for (uint32_t i = 0; i < nruns && runs[i].pos < n; i++) {
         uint32_t p0 = runs[i].pos;
         uint32_t p1 = p0 + runs[i].n_tokens < n ? p0 + runs[i].n_tokens : n;
-        if (i + 1 < nruns) prefetch_run_start(runs[i + 1].k, runs[i + 1].head_stride, h0, es);
+        if (qb && i + 1 < nruns) prefetch_run_start(runs[i + 1].k, runs[i + 1].head_stride, h0, es);
         for (uint32_t h = 0; h < nh; h++) {
             const char *base =
                 (const char *)runs[i].k + (size_t)(h0 + h) * runs[i].head_stride * es;
@@ -570,7 +586,7 @@ AVX2_INLINE void av_dt(const float *pa, const float *pb, uint32_t na, uint32_t n
     for (uint32_t i = 0; i < nruns && runs[i].pos < n; i++) {
         uint32_t p0 = runs[i].pos;
         uint32_t p1 = p0 + runs[i].n_tokens < n ? p0 + runs[i].n_tokens : n;
-        if (i + 1 < nruns) prefetch_run_start(runs[i + 1].v, runs[i + 1].head_stride, h0, es);
+        if (pb && i + 1 < nruns) prefetch_run_start(runs[i + 1].v, runs[i + 1].head_stride, h0, es);
         for (uint32_t h = 0; h < nh; h++) {
             const char *base =
                 (const char *)runs[i].v + (size_t)(h0 + h) * runs[i].head_stride * es;
