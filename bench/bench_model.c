@@ -40,10 +40,12 @@
 
 #include "pagekv/model.h"
 
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 
 #define MAX_B     8
@@ -272,6 +274,9 @@ typedef struct {
     double p3700[2][16], p3700cpu[2][16];
     double load0, load1;
     double steal; /* the machine's CPU time a hypervisor took over the run, share; -1 unread */
+    size_t kv_token_bytes; /* K+V of one token, every layer */
+    double stream_gbs;     /* the bare stream over the long case's K/V bytes; 0 not run */
+    uint32_t stream_threads;
     mcase_t mcases[N_CASES];
     mcase_res_t mres[N_CASES];
 } results_t;
@@ -665,6 +670,7 @@ static int write_json(pkv_model_t *m, const opts_t *o, const results_t *res, con
                   "cells", jcells, "prefill_3700_llama_s", s->p_paged, "prefill_3700_llama_s_dense",
                   s->p_dense, "loadavg_before", res->load0, "loadavg_after", res->load1);
     json_object_set_new(j, "steal_share", json_real(res->steal));
+    if (res->stream_gbs > 0) json_object_set_new(j, "bare_stream_gbs", json_real(res->stream_gbs));
     if (s->have4096) {
         json_object_set_new(j, "decode_paged_over_dense_4096", json_real(s->r4096));
         json_t *pr = json_array();
@@ -811,8 +817,67 @@ static json_t *print_cases(const opts_t *o, const results_t *res)
             printf("; paged pool %.0f MiB resident, %.0f MiB of it in huge pages (smaps)",
                    (double)r->resident_bytes / (1 << 20), (double)r->huge_bytes / (1 << 20));
         printf("\n");
+        if (k == CASE_LONG && res->stream_gbs > 0) {
+            double step = (double)res->kv_token_bytes * c->lens[0]; /* K/V bytes read a step */
+            printf("long: one decode step reads %.0f MiB of K/V: paged %.1f GB/s, dense %.1f GB/s "
+                   "(whole steps, median); a bare %u-thread stream of the same bytes (read "
+                   "once, 4 KiB prefetch ahead): %.1f GB/s\n",
+                   step / (1 << 20), pkv_bench_median(r->tok_s[0], o->pairs) * step / 1e9,
+                   pkv_bench_median(r->tok_s[1], o->pairs) * step / 1e9, res->stream_threads,
+                   res->stream_gbs);
+        }
     }
     return a;
+}
+
+/* ---- the bound: a bare stream over as many bytes as one long decode step reads ---- */
+
+typedef struct {
+    const uint64_t *p;
+    size_t n; /* words */
+    uint64_t sum;
+} stream_part_t;
+
+static void *stream_part(void *arg)
+{
+    stream_part_t *a = arg;
+    uint64_t s = 0;
+    for (size_t i = 0; i < a->n; i += 8) {  /* n is a multiple of 8 words: whole lines */
+        __builtin_prefetch(a->p + i + 512); /* 4 KiB ahead, as the decode stream */
+        const uint64_t *l = a->p + i;
+        s += (l[0] ^ l[1]) + (l[2] ^ l[3]) + (l[4] ^ l[5]) + (l[6] ^ l[7]);
+    }
+    a->sum = s;
+    return NULL;
+}
+
+/* GB/s of `threads` threads reading `bytes` once (each a contiguous share), the median of
+ * 5 passes over a buffer of its own, touched first; 0 when it cannot run. */
+static double bare_stream(size_t bytes, uint32_t threads)
+{
+    enum { PASSES = 5, MAX_T = 64 };
+    if (threads > MAX_T) threads = MAX_T;
+    size_t words = bytes / 8, per = words / threads & ~(size_t)7;
+    uint64_t *buf = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (buf == MAP_FAILED) return 0;
+    for (size_t i = 0; i < words; i++) buf[i] = i;
+    double gbs[PASSES];
+    int done = 0;
+    for (; done < PASSES; done++) {
+        stream_part_t part[MAX_T];
+        pthread_t th[MAX_T];
+        uint32_t started = 0;
+        uint64_t t0 = pkv_now_ns();
+        for (; started < threads; started++) {
+            part[started] = (stream_part_t){.p = buf + (size_t)started * per, .n = per};
+            if (pthread_create(&th[started], NULL, stream_part, &part[started])) break;
+        }
+        for (uint32_t i = 0; i < started; i++) pthread_join(th[i], NULL);
+        if (started < threads) break;
+        gbs[done] = (double)per * threads * 8 / secs(t0) / 1e9;
+    }
+    munmap(buf, bytes);
+    return done == PASSES ? pkv_bench_median(gbs, PASSES) : 0;
 }
 
 /* Measure, then report; the exit code (-1: a run failed). */
@@ -831,6 +896,15 @@ static int run_bench(pkv_model_t *m, pkv_model_t *llama, const opts_t *o)
         if ((o->cases & (CASES_LONG << k)) && bench_case(m, o, &res.mcases[k], &res.mres[k]))
             return -1;
     if (grid && bench_prefill3700(llama, o, &res)) return -1;
+    if (o->cases & CASES_LONG) {
+        pkv_geometry_t g;
+        pkv_model_geometry(m, o->dt, block_tokens, &g);
+        res.kv_token_bytes = pkv_geometry_token_bytes(&g);
+        progress("bench model: bare stream...");
+        res.stream_threads = pkv_model_threads(m);
+        res.stream_gbs =
+            bare_stream(res.kv_token_bytes * res.mcases[CASE_LONG].lens[0], res.stream_threads);
+    }
     if (pkv_cli_progress_enabled()) fprintf(stderr, "\r%70s\r", "");
     res.load1 = loadavg1();
     res.steal = !ticks && !pkv_prim_cpu_ticks(&tot1, &st1) && tot1 > tot0
