@@ -314,21 +314,20 @@ typedef struct {
 AVX2_INLINE void pf_ahead(const pf_stream_t *ps, size_t off, int lines)
 {
     size_t o = off + PF_AHEAD, span = 64 * (size_t)lines;
-    const char *p = NULL;
-    if (o + span <= ps->len || o >= ps->len) {
-        if (o + span <= ps->len)
-            p = ps->cur + o;
-        else if (ps->next)
-            p = ps->next + (o - ps->len);
-        else
-            return;
-        for (int l = 0; l < lines; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
+    const char *p;
+    if (o + span <= ps->len) {
+        p = ps->cur + o;
+    } else if (o >= ps->len) {
+        if (!ps->next) return;
+        p = ps->next + (o - ps->len);
+    } else {
+        for (int l = 0; l < lines; l++, o += 64) {
+            p = o < ps->len ? ps->cur + o : ps->next ? ps->next + (o - ps->len) : NULL;
+            if (p) _mm_prefetch(p, _MM_HINT_T0);
+        }
         return;
     }
-    for (int l = 0; l < lines; l++, o += 64) {
-        p = o < ps->len ? ps->cur + o : ps->next ? ps->next + (o - ps->len) : NULL;
-        if (p) _mm_prefetch(p, _MM_HINT_T0);
-    }
+    for (int l = 0; l < lines; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
 }
 
 /* The stream of run i, head h (of nh from h0) for K (which 0) or V (1): its piece of
