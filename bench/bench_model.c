@@ -274,9 +274,9 @@ typedef struct {
     double p3700[2][16], p3700cpu[2][16];
     double load0, load1;
     double steal; /* the machine's CPU time a hypervisor took over the run, share; -1 unread */
-    size_t kv_token_bytes; /* K+V of one token, every layer */
-    double stream_gbs;     /* the bare stream over the long case's K/V bytes; 0 not run */
-    uint32_t stream_threads;
+    size_t stream_bytes;     /* K/V one long decode step reads, which the bare stream reads */
+    double stream_gbs;       /* the bare stream's GB/s; 0 not run */
+    uint32_t stream_threads; /* the model's */
     mcase_t mcases[N_CASES];
     mcase_res_t mres[N_CASES];
 } results_t;
@@ -818,7 +818,7 @@ static json_t *print_cases(const opts_t *o, const results_t *res)
                    (double)r->resident_bytes / (1 << 20), (double)r->huge_bytes / (1 << 20));
         printf("\n");
         if (k == CASE_LONG && res->stream_gbs > 0) {
-            double step = (double)res->kv_token_bytes * c->lens[0]; /* K/V bytes read a step */
+            double step = (double)res->stream_bytes;
             printf("long: one decode step reads %.0f MiB of K/V: paged %.1f GB/s, dense %.1f GB/s "
                    "(whole steps, median); a bare %u-thread stream of the same bytes (read "
                    "once, 4 KiB prefetch ahead): %.1f GB/s\n",
@@ -899,11 +899,10 @@ static int run_bench(pkv_model_t *m, pkv_model_t *llama, const opts_t *o)
     if (o->cases & CASES_LONG) {
         pkv_geometry_t g;
         pkv_model_geometry(m, o->dt, block_tokens, &g);
-        res.kv_token_bytes = pkv_geometry_token_bytes(&g);
-        progress("bench model: bare stream...");
+        res.stream_bytes = pkv_geometry_token_bytes(&g) * res.mcases[CASE_LONG].lens[0];
         res.stream_threads = pkv_model_threads(m);
-        res.stream_gbs =
-            bare_stream(res.kv_token_bytes * res.mcases[CASE_LONG].lens[0], res.stream_threads);
+        progress("bench model: bare stream...");
+        res.stream_gbs = bare_stream(res.stream_bytes, res.stream_threads);
     }
     if (pkv_cli_progress_enabled()) fprintf(stderr, "\r%70s\r", "");
     res.load1 = loadavg1();
