@@ -88,12 +88,17 @@ static void progress(const char *fmt, ...)
 }
 
 static bool use_thp = true;
+/* --null: the second side ("dense" in the tables) is a second paged pool, so the pairs
+ * compare two identical backends and show what the instrument reads at parity. */
+static bool null_pairs = false;
 static uint32_t block_tokens = 16;
 
 static int make_kv_cache(pkv_model_t *m, pkv_backend_t be, pkv_dtype_t dt, bool prefix_cache,
                          pkv_kv_t **out)
 {
-    pkv_kv_config_t kc = {.backend = be, .no_prefix_cache = !prefix_cache, .hugepages = use_thp};
+    pkv_kv_config_t kc = {.backend = null_pairs ? PKV_BACKEND_PAGED : be,
+                          .no_prefix_cache = !prefix_cache,
+                          .hugepages = use_thp};
     pkv_model_geometry(m, dt, block_tokens, &kc.geo);
     return pkv_kv_create(&kc, out);
 }
@@ -361,6 +366,8 @@ static int parse_opts(int argc, char **argv, opts_t *o)
             o->mixed_prefix = (uint32_t)n;
         } else if (!strcmp(argv[i], "--no-batch8")) {
             o->do8 = false;
+        } else if (!strcmp(argv[i], "--null")) {
+            null_pairs = true;
         } else if (!strcmp(argv[i], "--fast-fill")) {
             o->fast_fill = true;
         } else if (!strcmp(argv[i], "--no-hugepages")) {
@@ -374,7 +381,7 @@ static int parse_opts(int argc, char **argv, opts_t *o)
             printf("usage: pagekv bench model [--json FILE] [--preset NAME] [--runs N]\n"
                    "         [--decode-pairs N] [--decode-steps N] [--threads N] [--dtype bf16] "
                    "[--contexts 512,4096] [--no-batch8]\n"
-                   "         [--block-tokens N] [--no-hugepages] [--fast-fill]\n"
+                   "         [--block-tokens N] [--no-hugepages] [--fast-fill] [--null]\n"
                    "         [--cases grid,long,mixed] [--long-context N] [--mixed-prefix N]\n");
             return strcmp(argv[i], "--help") ? 2 : 0;
         }
@@ -684,6 +691,7 @@ static int write_json(pkv_model_t *m, const opts_t *o, const results_t *res, con
     json_object_set_new(j, "prefill_3700_llama_cpu_s", json_real(s->pc_paged));
     json_object_set_new(j, "prefill_3700_llama_cpu_s_dense", json_real(s->pc_dense));
     json_object_set_new(j, "paged_hugepages", json_boolean(use_thp));
+    json_object_set_new(j, "null_pairs", json_boolean(null_pairs));
     json_object_set_new(j, "cases", jcases);
     int rc = pkv_bench_write_json(o->json, j) ? 1 : 0;
     json_decref(j);
@@ -700,6 +708,9 @@ static void print_header(pkv_model_t *m, const opts_t *o, const results_t *res)
            c0->hidden_dim, c0->vocab_size, pkv_dtype_name(o->dt), pkv_model_kernels(m),
            pkv_model_threads(m), (unsigned long long)o->runs, (unsigned long long)o->steps,
            res->load0, res->load1, res->steal * 100);
+    if (null_pairs)
+        printf("--null: both sides are paged pools (the second is labelled dense below); the "
+               "paged/dense figures are what this instrument reads at parity\n\n");
 }
 
 /* Measure, then report; the exit code. */
@@ -752,10 +763,19 @@ static json_t *case_row(const opts_t *o, const char *name, uint32_t nseq, uint64
     ratio_range(ratio, o->pairs, &lo, &hi);
     ratio_range(cpu, o->pairs, &clo, &chi);
     double tp = pkv_bench_median(paged, o->pairs), td = pkv_bench_median(dense, o->pairs);
-    printf("| %s | %u | %llu | %.1f | %.1f | **%.3f** | %.3f | %.3f | **%.3f** | %.3f | %.3f | "
-           "%llu |\n",
-           name, nseq, (unsigned long long)tokens, tp, td, med, lo, hi, cmed, clo, chi,
-           (unsigned long long)o->pairs);
+    /* The CPU median's 95 % interval says whether the pairs tell the backends apart. */
+    double cilo = 0, cihi = 0, cover = 0;
+    bool ci = pkv_bench_median_ci(cpu, o->pairs, &cilo, &cihi, &cover) == 0;
+    char cis[48] = "- (under 6 pairs)";
+    const char *verdict = "-";
+    if (ci) {
+        snprintf(cis, sizeof(cis), "%.3f - %.3f", cilo, cihi);
+        verdict = cilo > 1 ? "paged faster" : cihi < 1 ? "paged slower" : "not told apart";
+    }
+    printf("| %s | %u | %llu | %.1f | %.1f | **%.3f** | %.3f | %.3f | **%.3f** | %s | %s | %.3f | "
+           "%.3f | %llu |\n",
+           name, nseq, (unsigned long long)tokens, tp, td, med, lo, hi, cmed, cis, verdict, clo,
+           chi, (unsigned long long)o->pairs);
     json_t *row =
         json_pack("{s:s, s:i, s:I, s:f, s:f, s:f, s:f, s:f, s:i, s:o}", "case", name, "sequences",
                   (int)nseq, "context_tokens", (json_int_t)tokens, "paged_decode_tok_s", tp,
@@ -763,6 +783,11 @@ static json_t *case_row(const opts_t *o, const char *name, uint32_t nseq, uint64
                   "pairs", (int)o->pairs, "ratios", pairs_json(ratio, o->pairs));
     json_object_set_new(row, "cpu_ratio_median", json_real(cmed));
     json_object_set_new(row, "cpu_ratios", pairs_json(cpu, o->pairs));
+    if (ci) {
+        json_object_set_new(row, "cpu_ratio_ci_lo", json_real(cilo));
+        json_object_set_new(row, "cpu_ratio_ci_hi", json_real(cihi));
+        json_object_set_new(row, "cpu_ratio_ci_cover", json_real(cover));
+    }
     return row;
 }
 
@@ -771,10 +796,11 @@ static json_t *print_cases(const opts_t *o, const results_t *res)
 {
     printf("\npaged / dense decode speed by case (median of pairs; each pair: one burst of %llu "
            "steps per backend on the same prefilled contexts; wall: tokens per second, CPU: "
-           "dense / paged CPU seconds of the process, which leave out steal):\n\n"
+           "dense / paged CPU seconds of the process, which leave out steal; 95 %% CI: the "
+           "distribution-free interval of the CPU median, order statistics of the pairs):\n\n"
            "| case | sequences | context tokens | paged tok/s | dense tok/s | paged/dense wall "
-           "| min | max | paged/dense CPU | min | max | pairs |\n"
-           "|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+           "| min | max | paged/dense CPU | 95 %% CI | CPU says | min | max | pairs |\n"
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
            (unsigned long long)o->steps);
     json_t *a = json_array();
     uint32_t B = o->do8 ? 8 : 1;

@@ -11,6 +11,11 @@
 
 /* Median of n values (sorts a copy). */
 double pkv_bench_median(const double *v, size_t n);
+/* A distribution-free 95 % confidence interval for the median of n values: the order
+ * statistics x(j) and x(n + 1 - j) of the sorted values, j the largest with
+ * P(Bin(n, 1/2) < j) <= 2.5 %; *cover gets its exact coverage (>= 95 %). 0, or -1 when
+ * n < 6 (no such interval; lo, hi and cover untouched). */
+int pkv_bench_median_ci(const double *v, size_t n, double *lo, double *hi, double *cover);
 /* Write obj to path (pretty, sorted keys); 0 or -1 with a message on stderr. */
 int pkv_bench_write_json(const char *path, json_t *obj);
 /* VmRSS / VmHWM of this process, bytes. */

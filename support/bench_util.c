@@ -24,6 +24,32 @@ double pkv_bench_median(const double *v, size_t n)
     return m;
 }
 
+int pkv_bench_median_ci(const double *v, size_t n, double *lo, double *hi, double *cover)
+{
+    /* cdf = P(B <= j - 1) for B ~ Bin(n, 1/2), grown while the next term keeps it <= 2.5 % */
+    double term = 1, cdf;
+    for (size_t i = 0; i < n; i++) term /= 2;
+    cdf = term; /* P(B <= 0) */
+    if (n < 6 || cdf > 0.025) return -1;
+    size_t j = 1;
+    for (;;) {
+        double next = term * (double)(n - j + 1) / (double)j; /* P(B = j) */
+        if (cdf + next > 0.025) break;
+        term = next;
+        cdf += next;
+        j++;
+    }
+    double *c = malloc(n * sizeof(double));
+    if (!c) return -1;
+    memcpy(c, v, n * sizeof(double));
+    qsort(c, n, sizeof(double), cmp_double);
+    *lo = c[j - 1];
+    *hi = c[n - j];
+    *cover = 1 - 2 * cdf;
+    free(c);
+    return 0;
+}
+
 int pkv_bench_write_json(const char *path, json_t *obj)
 {
     if (json_dump_file(obj, path, JSON_INDENT(2) | JSON_SORT_KEYS) != 0) {

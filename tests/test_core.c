@@ -1,4 +1,6 @@
-/* core: status names, deadlines, log sink and levels; prim's load average and huge pages. */
+/* core: status names, deadlines, log sink and levels; prim's load average and huge pages;
+ * the benchmarks' median interval. */
+#include "support/bench.h"
 #include "support/testutil.h"
 
 #include "core/core.h"
@@ -181,6 +183,32 @@ START_TEST(prim_measures_huge_pages_of_a_range)
 }
 END_TEST
 
+/* The median's 95 % interval: order statistics 7 and 18 of 24 (coverage 1 - 2 P(B <= 6)),
+ * 1 and 6 of 6, none under 6; the input order does not matter. */
+START_TEST(bench_median_ci_takes_the_binomial_order_statistics)
+{
+    double v[24], lo = -1, hi = -1, cover = -1;
+    for (int i = 0; i < 24; i++) v[i] = (double)((i * 7) % 24 + 1); /* 1..24, shuffled */
+    ck_assert_int_eq(pkv_bench_median_ci(v, 24, &lo, &hi, &cover), 0);
+    ck_assert_double_eq(lo, 7);
+    ck_assert_double_eq(hi, 18);
+    double p = 0, t = 1.0 / (1 << 24); /* P(B <= 6), B ~ Bin(24, 1/2) */
+    for (int k = 0; k <= 6; k++) {
+        p += t;
+        t = t * (24 - k) / (k + 1);
+    }
+    ck_assert_double_eq_tol(cover, 1 - 2 * p, 1e-12);
+    ck_assert(cover >= 0.95 && cover < 0.98);
+    ck_assert_int_eq(pkv_bench_median_ci(v, 6, &lo, &hi, &cover), 0); /* 1 8 15 22 5 12 */
+    ck_assert_double_eq(lo, 1);
+    ck_assert_double_eq(hi, 22);
+    ck_assert_double_eq_tol(cover, 1 - 2.0 / 64, 1e-12);
+    lo = hi = cover = -7;
+    ck_assert_int_eq(pkv_bench_median_ci(v, 5, &lo, &hi, &cover), -1);
+    ck_assert(lo == -7 && hi == -7 && cover == -7);
+}
+END_TEST
+
 static Suite *core_suite(void)
 {
     Suite *s = suite_create("core");
@@ -192,6 +220,7 @@ static Suite *core_suite(void)
     tcase_add_test(tc, prim_reads_the_load_average);
     tcase_add_test(tc, prim_reads_the_thp_mode);
     tcase_add_test(tc, prim_measures_huge_pages_of_a_range);
+    tcase_add_test(tc, bench_median_ci_takes_the_binomial_order_statistics);
     suite_add_tcase(s, tc);
     return s;
 }
