@@ -12,13 +12,21 @@ static int cmp_double(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+/* A sorted copy of v (the caller frees it), or NULL. */
+static double *sorted_copy(const double *v, size_t n)
+{
+    double *c = malloc(n * sizeof(double));
+    if (!c) return NULL;
+    memcpy(c, v, n * sizeof(double));
+    qsort(c, n, sizeof(double), cmp_double);
+    return c;
+}
+
 double pkv_bench_median(const double *v, size_t n)
 {
     if (n == 0) return 0;
-    double *c = malloc(n * sizeof(double));
+    double *c = sorted_copy(v, n);
     if (!c) return v[0];
-    memcpy(c, v, n * sizeof(double));
-    qsort(c, n, sizeof(double), cmp_double);
     double m = n % 2 ? c[n / 2] : (c[n / 2 - 1] + c[n / 2]) / 2;
     free(c);
     return m;
@@ -29,8 +37,8 @@ int pkv_bench_median_ci(const double *v, size_t n, double *lo, double *hi, doubl
     /* cdf = P(B <= j - 1) for B ~ Bin(n, 1/2), grown while the next term keeps it <= 2.5 % */
     double term = 1, cdf;
     for (size_t i = 0; i < n; i++) term /= 2;
-    cdf = term; /* P(B <= 0) */
-    if (n < 6 || cdf > 0.025) return -1;
+    cdf = term;                 /* P(B <= 0) */
+    if (cdf > 0.025) return -1; /* n < 6 */
     size_t j = 1;
     for (;;) {
         double next = term * (double)(n - j + 1) / (double)j; /* P(B = j) */
@@ -39,10 +47,8 @@ int pkv_bench_median_ci(const double *v, size_t n, double *lo, double *hi, doubl
         cdf += next;
         j++;
     }
-    double *c = malloc(n * sizeof(double));
+    double *c = sorted_copy(v, n);
     if (!c) return -1;
-    memcpy(c, v, n * sizeof(double));
-    qsort(c, n, sizeof(double), cmp_double);
     *lo = c[j - 1];
     *hi = c[n - j];
     *cover = 1 - 2 * cdf;
