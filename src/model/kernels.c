@@ -300,9 +300,13 @@ AVX2_INLINE void prefetch_run_start(const void *base, size_t head_stride, uint32
  * next one: in a paged pool that is every 64 tokens (a granule's slots of one head, 8 KiB
  * in bf16 at head dim 64), and a long context at batch 1 then waits on memory at every
  * jump (paged decode ~0.7x dense at 16k; docs/design/model.md). pf_ahead keeps lines
- * PF_AHEAD bytes ahead of the reads in flight, across the jump. Prefetches change no
- * value: the arithmetic and its order are untouched. */
+ * PF_AHEAD bytes ahead of the reads in flight, across the jump, into L2 (prefetcht1):
+ * with prefetcht0 decode at 16k ran ~0.8x as fast, with either backend (measured, Xeon;
+ * likely because a t0 prefetch holds one of the core's few L1 miss buffers, which the
+ * loads then wait for; docs/design/model.md). Prefetches change no value: the
+ * arithmetic and its order are untouched. */
 #define PF_AHEAD 4096
+#define PF_HINT  _MM_HINT_T1
 typedef struct {
     const char *cur, *next; /* next: NULL at the end of the task's reads */
     size_t len;             /* bytes of cur that are read */
@@ -323,11 +327,11 @@ AVX2_INLINE void pf_ahead(const pf_stream_t *ps, size_t off, int lines)
     } else {
         for (int l = 0; l < lines; l++, o += 64) {
             p = o < ps->len ? ps->cur + o : ps->next ? ps->next + (o - ps->len) : NULL;
-            if (p) _mm_prefetch(p, _MM_HINT_T0);
+            if (p) _mm_prefetch(p, PF_HINT);
         }
         return;
     }
-    for (int l = 0; l < lines; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
+    for (int l = 0; l < lines; l++) _mm_prefetch(p + 64 * l, PF_HINT);
 }
 
 /* The stream of run i, head h (of nh from h0) for K (which 0) or V (1): its piece of
