@@ -271,6 +271,15 @@ typedef struct {
     uint64_t resident_bytes, huge_bytes; /* of it, after the prefill */
 } mcase_res_t;
 
+/* The bare reads' layouts (the bound; see bare_stream). */
+enum { BARE_DENSE, BARE_HUGE, BARE_PIECES, N_BARE };
+static const char *const bare_names[N_BARE] = {"contiguous on 4 KiB pages (dense's layout)",
+                                               "contiguous on 2 MiB pages",
+                                               "pieces one per 2 MiB granule (paged's reads)"};
+static const char *const bare_keys[N_BARE] = {"bare_stream_gbs", "bare_huge_gbs",
+                                              "bare_pieces_gbs"};
+#define BARE_GRANULE ((size_t)2 << 20)
+
 /* Everything measured. */
 typedef struct {
     cell_t cells[2][MAX_CTX];
@@ -279,9 +288,10 @@ typedef struct {
     double p3700[2][16], p3700cpu[2][16];
     double load0, load1;
     double steal; /* the machine's CPU time a hypervisor took over the run, share; -1 unread */
-    size_t stream_bytes;     /* K/V one long decode step reads, which the bare stream reads */
-    double stream_gbs;       /* the bare stream's GB/s; 0 not run */
-    uint32_t stream_threads; /* the model's */
+    size_t stream_bytes;       /* K/V one long decode step reads, which the bare streams read */
+    size_t stream_piece;       /* BARE_PIECES' piece */
+    double stream_gbs[N_BARE]; /* GB/s of each BARE_ layout; 0 not run */
+    uint32_t stream_threads;   /* the model's */
     mcase_t mcases[N_CASES];
     mcase_res_t mres[N_CASES];
 } results_t;
@@ -677,7 +687,9 @@ static int write_json(pkv_model_t *m, const opts_t *o, const results_t *res, con
                   "cells", jcells, "prefill_3700_llama_s", s->p_paged, "prefill_3700_llama_s_dense",
                   s->p_dense, "loadavg_before", res->load0, "loadavg_after", res->load1);
     json_object_set_new(j, "steal_share", json_real(res->steal));
-    if (res->stream_gbs > 0) json_object_set_new(j, "bare_stream_gbs", json_real(res->stream_gbs));
+    for (int k = 0; k < N_BARE; k++)
+        if (res->stream_gbs[k] > 0)
+            json_object_set_new(j, bare_keys[k], json_real(res->stream_gbs[k]));
     if (s->have4096) {
         json_object_set_new(j, "decode_paged_over_dense_4096", json_real(s->r4096));
         json_t *pr = json_array();
@@ -843,50 +855,87 @@ static json_t *print_cases(const opts_t *o, const results_t *res)
             printf("; paged pool %.0f MiB resident, %.0f MiB of it in huge pages (smaps)",
                    (double)r->resident_bytes / (1 << 20), (double)r->huge_bytes / (1 << 20));
         printf("\n");
-        if (k == CASE_LONG && res->stream_gbs > 0) {
+        if (k == CASE_LONG && res->stream_gbs[BARE_DENSE] > 0) {
             double step = (double)res->stream_bytes;
             printf("long: one decode step reads %.0f MiB of K/V: paged %.1f GB/s, dense %.1f GB/s "
-                   "(whole steps, median); a bare %u-thread stream of the same bytes (read "
-                   "once, 4 KiB prefetch ahead into L2): %.1f GB/s\n",
+                   "(whole steps, median); bare %u-thread reads of the same bytes (once, 4 KiB "
+                   "prefetch ahead into L2, no arithmetic):",
                    step / (1 << 20), pkv_bench_median(r->tok_s[0], o->pairs) * step / 1e9,
-                   pkv_bench_median(r->tok_s[1], o->pairs) * step / 1e9, res->stream_threads,
-                   res->stream_gbs);
+                   pkv_bench_median(r->tok_s[1], o->pairs) * step / 1e9, res->stream_threads);
+            for (int b = 0; b < N_BARE; b++)
+                printf("%s %s %.1f GB/s", b ? ";" : "", bare_names[b], res->stream_gbs[b]);
+            printf(" (%zu KiB pieces)\n", res->stream_piece >> 10);
         }
     }
     return a;
 }
 
-/* ---- the bound: a bare stream over as many bytes as one long decode step reads ---- */
+/* ---- the bound: bare reads of as many bytes as one long decode step reads ---- */
+
+/* The same bytes in three layouts, each read once by the model's threads with the decode
+ * stream's prefetch (4 KiB ahead into L2, across jumps): contiguous on 4 KiB pages (the
+ * dense buffer's), contiguous on 2 MiB pages, and pieces one per 2 MiB granule (the paged
+ * pool's reads in the long case: a task's heads of one granule's tokens, then the next
+ * granule). What each layout can deliver on this machine, with no arithmetic. */
 
 typedef struct {
-    const uint64_t *p;
-    size_t n; /* words */
+    const char *base;
+    size_t piece;   /* bytes read in one go (whole lines) */
+    size_t npieces; /* read by this thread */
+    size_t ngran;   /* granules the pieces are spread over; 1: one contiguous share */
+    uint32_t t, threads;
     uint64_t sum;
 } stream_part_t;
+
+/* Piece k of thread t: in granule k % ngran, slot (k / ngran) * threads + t of it. */
+static const char *piece_at(const stream_part_t *a, size_t k)
+{
+    return a->base + k % a->ngran * BARE_GRANULE + (k / a->ngran * a->threads + a->t) * a->piece;
+}
 
 static void *stream_part(void *arg)
 {
     stream_part_t *a = arg;
     uint64_t s = 0;
-    for (size_t i = 0; i < a->n; i += 8) {        /* n is a multiple of 8 words: whole lines */
-        __builtin_prefetch(a->p + i + 512, 0, 2); /* 4 KiB ahead into L2, as decode */
-        const uint64_t *l = a->p + i;
-        s += (l[0] ^ l[1]) + (l[2] ^ l[3]) + (l[4] ^ l[5]) + (l[6] ^ l[7]);
+    for (size_t k = 0; k < a->npieces; k++) {
+        const char *p = piece_at(a, k), *next = k + 1 < a->npieces ? piece_at(a, k + 1) : NULL;
+        for (size_t o = 0; o < a->piece; o += 64) {
+            size_t f = o + 4096;
+            if (f < a->piece)
+                __builtin_prefetch(p + f, 0, 2);
+            else if (next)
+                __builtin_prefetch(next + (f - a->piece), 0, 2);
+            const uint64_t *l = (const uint64_t *)(p + o);
+            s += (l[0] ^ l[1]) + (l[2] ^ l[3]) + (l[4] ^ l[5]) + (l[6] ^ l[7]);
+        }
     }
     a->sum = s;
     return NULL;
 }
 
-/* GB/s of `threads` threads reading `bytes` once (each a contiguous share), the median of
- * 5 passes over a buffer of its own, touched first; 0 when it cannot run. */
-static double bare_stream(size_t bytes, uint32_t threads)
+/* GB/s of `threads` threads reading about `bytes` once in layout `kind` (BARE_PIECES:
+ * pieces of `piece` bytes), the median of 5 passes over a buffer of its own, touched
+ * first; 0 when it cannot run. */
+static double bare_stream(size_t bytes, uint32_t threads, int kind, size_t piece)
 {
     enum { PASSES = 5, MAX_T = 64 };
     if (threads > MAX_T) threads = MAX_T;
-    size_t words = bytes / 8, per = words / threads & ~(size_t)7;
-    uint64_t *buf = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (buf == MAP_FAILED) return 0;
-    for (size_t i = 0; i < words; i++) buf[i] = i;
+    stream_part_t a = {
+        .piece = bytes / threads & ~(size_t)63, .npieces = 1, .ngran = 1, .threads = threads};
+    if (kind == BARE_PIECES) {
+        if (piece < 64 || piece % 64 || piece * threads > BARE_GRANULE) return 0;
+        a.piece = piece;
+        a.ngran = bytes / BARE_GRANULE ? bytes / BARE_GRANULE : 1;
+        a.npieces = a.ngran * (BARE_GRANULE / (piece * threads));
+    }
+    size_t len = kind == BARE_PIECES ? a.ngran * BARE_GRANULE : a.piece * threads;
+    size_t map = len + BARE_GRANULE; /* room to start on a 2 MiB boundary */
+    char *m = mmap(NULL, map, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return 0;
+    char *buf = (char *)(((uintptr_t)m + BARE_GRANULE - 1) & ~(uintptr_t)(BARE_GRANULE - 1));
+    madvise(buf, len, kind == BARE_DENSE ? MADV_NOHUGEPAGE : MADV_HUGEPAGE);
+    memset(buf, 1, len);
+    a.base = buf;
     double gbs[PASSES];
     int done = 0;
     for (; done < PASSES; done++) {
@@ -895,15 +944,29 @@ static double bare_stream(size_t bytes, uint32_t threads)
         uint32_t started = 0;
         uint64_t t0 = pkv_now_ns();
         for (; started < threads; started++) {
-            part[started] = (stream_part_t){.p = buf + (size_t)started * per, .n = per};
+            part[started] = a;
+            part[started].t = started;
             if (pthread_create(&th[started], NULL, stream_part, &part[started])) break;
         }
         for (uint32_t i = 0; i < started; i++) pthread_join(th[i], NULL);
         if (started < threads) break;
-        gbs[done] = (double)per * threads * 8 / secs(t0) / 1e9;
+        gbs[done] = (double)(a.npieces * a.piece * threads) / secs(t0) / 1e9;
     }
-    munmap(buf, bytes);
+    munmap(m, map);
     return done == PASSES ? pkv_bench_median(gbs, PASSES) : 0;
+}
+
+/* The paged long case's piece: the heads of one attention task (at batch 1 the model
+ * splits a layer's KV heads into 2 x threads tasks where they divide) times one granule's
+ * tokens of one head. */
+static size_t paged_piece(const pkv_geometry_t *g, uint32_t threads)
+{
+    size_t head_tok = (size_t)g->head_dim * pkv_dtype_size(g->dtype);
+    size_t block = pkv_geometry_token_bytes(g) * block_tokens;
+    size_t blocks = BARE_GRANULE / block ? BARE_GRANULE / block : 1;
+    uint32_t splits = 1;
+    while (splits < 2 * threads && g->kv_heads % (splits * 2) == 0) splits *= 2;
+    return (size_t)(g->kv_heads / splits) * blocks * block_tokens * head_tok;
 }
 
 /* Measure, then report; the exit code (-1: a run failed). */
@@ -927,8 +990,12 @@ static int run_bench(pkv_model_t *m, pkv_model_t *llama, const opts_t *o)
         pkv_model_geometry(m, o->dt, block_tokens, &g);
         res.stream_bytes = pkv_geometry_token_bytes(&g) * res.mcases[CASE_LONG].lens[0];
         res.stream_threads = pkv_model_threads(m);
-        progress("bench model: bare stream...");
-        res.stream_gbs = bare_stream(res.stream_bytes, res.stream_threads);
+        res.stream_piece = paged_piece(&g, res.stream_threads);
+        for (int k = 0; k < N_BARE; k++) {
+            progress("bench model: bare stream, %s...", bare_names[k]);
+            res.stream_gbs[k] =
+                bare_stream(res.stream_bytes, res.stream_threads, k, res.stream_piece);
+        }
     }
     if (pkv_cli_progress_enabled()) fprintf(stderr, "\r%70s\r", "");
     res.load1 = loadavg1();
