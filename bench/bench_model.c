@@ -992,7 +992,7 @@ static int run_bench(pkv_model_t *m, pkv_model_t *llama, const opts_t *o)
         res.stream_threads = pkv_model_threads(m);
         res.stream_piece = paged_piece(&g, res.stream_threads);
         for (int k = 0; k < N_BARE; k++) {
-            progress("bench model: bare stream, %s...", bare_names[k]);
+            progress("bench model: bare reads, layout %d of %d...", k + 1, N_BARE);
             res.stream_gbs[k] =
                 bare_stream(res.stream_bytes, res.stream_threads, k, res.stream_piece);
         }
