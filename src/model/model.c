@@ -32,8 +32,11 @@
 
 #define LOGIT_ROWS 16u
 /* Below this many multiply-adds a parallel loop runs on the calling thread: waking a
- * worker costs more than it saves (and results do not depend on it). */
-#define PARALLEL_MIN_MACS (1u << 19)
+ * worker costs more than it saves (and results do not depend on it). Low enough that at
+ * batch 1 the QKV, output and W1|W3 matrix-vector products run on the pool: they read
+ * ~1.4 MiB of weights per layer, faster on two threads than on one (docs/design/model.md,
+ * "Speed"). */
+#define PARALLEL_MIN_MACS (1u << 16)
 #define MM_ROW_BLOCK      32u
 #define MM_COL_BLOCK      64u
 
