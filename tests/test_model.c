@@ -592,7 +592,10 @@ START_TEST(invariant_to_backend_blocks_chunks_threads)
 }
 END_TEST
 
-/* Several sequences in one forward call give each the logits it gets alone. */
+/* Several sequences in one forward call give each the logits it gets alone. Geometry 1:
+ * 32 queries per KV head of 64 dims, so a task's queries (2048 floats for one head, 4096
+ * for two) are split for the bf16 kernels all at once alone and one head at a time in a
+ * batch (kernels.c, EO_MAX_Q). */
 START_TEST(invariant_to_batch_composition)
 {
     uint64_t seed = pkv_test_seed(0xba7c);
@@ -600,6 +603,10 @@ START_TEST(invariant_to_batch_composition)
     pkv_model_config_t c;
     ck_assert_int_eq(pkv_model_preset("tiny", &c), PKV_OK);
     c.vocab_size = 64;
+    if (_i == 1) {
+        c.n_heads = 64;
+        c.head_dim = 64;
+    }
     pkv_model_runtime_t rt = {.chunk_tokens = 24};
     pkv_model_t *m = NULL;
     ck_assert_int_eq(pkv_model_create_builtin(&c, 3, &rt, &m), PKV_OK);
@@ -608,8 +615,11 @@ START_TEST(invariant_to_batch_composition)
     float alone[NS][64];
     for (int s = 0; s < NS; s++) {
         for (int i = 0; i < LEN; i++) toks[s][i] = (int32_t)pkv_test_below(&rs, 64);
-        uint32_t ch[1] = {LEN};
-        run_schedule(m, PKV_BACKEND_PAGED, PKV_DTYPE_BF16, 16, toks[s], ch, 1, alone[s]);
+        /* The last token alone: one query row, heads split across the threads. */
+        uint32_t ch[2] = {LEN - 1, 1};
+        float rows[2][64];
+        run_schedule(m, PKV_BACKEND_PAGED, PKV_DTYPE_BF16, 16, toks[s], ch, 2, rows[0]);
+        memcpy(alone[s], rows[1], sizeof(alone[s]));
     }
     for (int be = 0; be < 2; be++) {
         pkv_kv_t *kv = make_kv(m, be, PKV_DTYPE_BF16, 4);
@@ -751,7 +761,7 @@ static Suite *model_suite(void)
     tc = tcase(s, "invariance");
     tcase_add_test(tc, invariant_to_backend_blocks_chunks_threads);
     tc = tcase(s, "batch");
-    tcase_add_test(tc, invariant_to_batch_composition);
+    tcase_add_loop_test(tc, invariant_to_batch_composition, 0, 2);
     tcase_add_test(tc, paged_equals_dense_long_and_mixed);
     return s;
 }

@@ -353,9 +353,53 @@ AVX2_INLINE pf_stream_t pf_piece(const pkv_kv_run_t *runs, uint32_t nruns, uint3
     return ps;
 }
 
+/* bf16 rows (head dims a multiple of 16) are read 16 values per load: as 32-bit lanes, a
+ * lane's low half is the even value and its high half the odd one, so a shift and a mask
+ * make them f32 (one load and two integer operations per 16 values, against a load, a
+ * widen and a shift per 8). The other operand is split to match:
+ * a query's 16 dims as their 8 even then 8 odd (split_q), so a score sums its products in
+ * a fixed order per head dim (not the 8-dim order of f16 / f32); the V accumulators are
+ * held split and restored to dim order on the way out, where each dim sums the same
+ * products in the same order as ld_bf16 would. */
+AVX2_INLINE void ld_bf16x16(const void *p, __m256 *even, __m256 *odd)
+{
+    __m256i w = _mm256_loadu_si256((const __m256i *)p);
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
+}
+/* dims [0, 16) in order (lo: 0-7, hi: 8-15) -> even dims, odd dims; and back. */
+AVX2_INLINE void split16(__m256 lo, __m256 hi, __m256 *even, __m256 *odd)
+{
+    *even = _mm256_castpd_ps(
+        _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0x88)), 0xd8));
+    *odd = _mm256_castpd_ps(
+        _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0xdd)), 0xd8));
+}
+AVX2_INLINE void join16(__m256 even, __m256 odd, __m256 *lo, __m256 *hi)
+{
+    __m256 a = _mm256_unpacklo_ps(even, odd), b = _mm256_unpackhi_ps(even, odd);
+    *lo = _mm256_permute2f128_ps(a, b, 0x20);
+    *hi = _mm256_permute2f128_ps(a, b, 0x31);
+}
+
+/* A query for bf16 keys read split (ld_bf16x16): each 16 dims as their even dims, then
+ * their odd ones. */
+#define EO_MAX_Q                                                                                   \
+    2048 /* floats of a task's queries split on the stack (>= 1024, the largest head) */
+AVX2_INLINE const float *split_q(const float *q, size_t n, float *out)
+{
+    for (size_t d = 0; d < n; d += 16) {
+        __m256 e, o;
+        split16(_mm256_loadu_ps(q + d), _mm256_loadu_ps(q + d + 8), &e, &o);
+        _mm256_storeu_ps(out + d, e);
+        _mm256_storeu_ps(out + d + 8, o);
+    }
+    return out;
+}
+
 /* One query against up to 8 tokens: lanes of missing tokens read token 0, dropped. */
 AVX2_INLINE void s_1x8(const float *q, const char *k, uint32_t nt, uint32_t hd, size_t es,
-                       pkv_dtype_t dt, __m256 scale, float *out)
+                       pkv_dtype_t dt, bool eo, __m256 scale, float *out)
 {
     size_t ts = (size_t)hd * es;
     const char *k0 = k, *k1 = k + (nt > 1) * ts, *k2 = k + (nt > 2) * 2 * ts;
@@ -363,7 +407,23 @@ AVX2_INLINE void s_1x8(const float *q, const char *k, uint32_t nt, uint32_t hd, 
     const char *k5 = k + (nt > 5) * 5 * ts, *k6 = k + (nt > 6) * 6 * ts;
     const char *k7 = k + (nt > 7) * 7 * ts;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    for (uint32_t d = 0; d < hd; d += 8) {
+    for (uint32_t d = 0; eo && d < hd; d += 16) {
+        __m256 qe = _mm256_loadu_ps(q + d), qo = _mm256_loadu_ps(q + d + 8), e, o;
+        size_t b = d * 2;
+#define EO_FMA(kx, ax)                                                                             \
+    ld_bf16x16(kx + b, &e, &o);                                                                    \
+    ax = _mm256_fmadd_ps(qo, o, _mm256_fmadd_ps(qe, e, ax))
+        EO_FMA(k0, a0);
+        EO_FMA(k1, a1);
+        EO_FMA(k2, a2);
+        EO_FMA(k3, a3);
+        EO_FMA(k4, a4);
+        EO_FMA(k5, a5);
+        EO_FMA(k6, a6);
+        EO_FMA(k7, a7);
+#undef EO_FMA
+    }
+    for (uint32_t d = 0; !eo && d < hd; d += 8) {
         __m256 qv = _mm256_loadu_ps(q + d);
         size_t o = d * es;
         a0 = _mm256_fmadd_ps(qv, ld_dt(k0 + o, dt), a0);
@@ -385,13 +445,27 @@ AVX2_INLINE void s_1x8(const float *q, const char *k, uint32_t nt, uint32_t hd, 
 
 /* Two queries against up to 4 tokens (each K load feeds both). */
 AVX2_INLINE void s_2x4(const float *qa, const float *qb, const char *k, uint32_t nt, uint32_t hd,
-                       size_t es, pkv_dtype_t dt, __m256 scale, float *oa, float *ob)
+                       size_t es, pkv_dtype_t dt, bool eo, __m256 scale, float *oa, float *ob)
 {
     size_t ts = (size_t)hd * es;
     const char *k0 = k, *k1 = k + (nt > 1) * ts, *k2 = k + (nt > 2) * 2 * ts;
     const char *k3 = k + (nt > 3) * 3 * ts;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    for (uint32_t d = 0; d < hd; d += 8) {
+    for (uint32_t d = 0; eo && d < hd; d += 16) {
+        __m256 qae = _mm256_loadu_ps(qa + d), qao = _mm256_loadu_ps(qa + d + 8);
+        __m256 qbe = _mm256_loadu_ps(qb + d), qbo = _mm256_loadu_ps(qb + d + 8), e, o;
+        size_t b = d * 2;
+#define EO_FMA2(kx, ax, bx)                                                                        \
+    ld_bf16x16(kx + b, &e, &o);                                                                    \
+    ax = _mm256_fmadd_ps(qao, o, _mm256_fmadd_ps(qae, e, ax));                                     \
+    bx = _mm256_fmadd_ps(qbo, o, _mm256_fmadd_ps(qbe, e, bx))
+        EO_FMA2(k0, a0, b0);
+        EO_FMA2(k1, a1, b1);
+        EO_FMA2(k2, a2, b2);
+        EO_FMA2(k3, a3, b3);
+#undef EO_FMA2
+    }
+    for (uint32_t d = 0; !eo && d < hd; d += 8) {
         __m256 qav = _mm256_loadu_ps(qa + d), qbv = _mm256_loadu_ps(qb + d);
         size_t o = d * es;
         __m256 kv = ld_dt(k0 + o, dt);
@@ -429,6 +503,15 @@ AVX2_INLINE void scores_dt(const float *qa, const float *qb, uint32_t na, uint32
     size_t ts = (size_t)hd * es;
     __m256 sc = _mm256_set1_ps(scale);
     uint32_t n = qb ? nb : na;
+    /* bf16 keys are read split (ld_bf16x16), so the queries are split to match: all at
+     * once where they fit on the stack, else one head at a time (the same values). */
+    size_t nq = (size_t)nh * group * hd;
+    bool eo = dt == PKV_DTYPE_BF16 && hd % 16 == 0 && hd <= EO_MAX_Q, whole = eo && nq <= EO_MAX_Q;
+    float qpa[EO_MAX_Q], qpb[EO_MAX_Q];
+    if (whole) {
+        qa = split_q(qa, nq, qpa);
+        if (qb) qb = split_q(qb, nq, qpb);
+    }
     for (uint32_t i = 0; i < nruns && runs[i].pos < n; i++) {
         uint32_t p0 = runs[i].pos;
         uint32_t p1 = p0 + runs[i].n_tokens < n ? p0 + runs[i].n_tokens : n;
@@ -439,28 +522,30 @@ AVX2_INLINE void scores_dt(const float *qa, const float *qb, uint32_t na, uint32
             for (uint32_t j = 0; j < group; j++) {
                 size_t qi = (size_t)h * group + j;
                 const float *q1 = qa + qi * hd;
+                if (eo && !whole) q1 = split_q(q1, hd, qpa);
                 float *o1 = oa + qi * ostride;
                 if (qb) {
                     const float *q2 = qb + qi * hd;
+                    if (eo && !whole) q2 = split_q(q2, hd, qpb);
                     float *o2 = ob + qi * ostride;
                     uint32_t e = p1 < na ? p1 : na;
                     for (uint32_t t = p0; t < e; t += 4)
-                        s_2x4(q1, q2, base + (t - p0) * ts, e - t < 4 ? e - t : 4, hd, es, dt, sc,
-                              o1 + t, o2 + t);
+                        s_2x4(q1, q2, base + (t - p0) * ts, e - t < 4 ? e - t : 4, hd, es, dt, eo,
+                              sc, o1 + t, o2 + t);
                     for (uint32_t t = e > p0 ? e : p0; t < p1; t += 8)
-                        s_1x8(q2, base + (t - p0) * ts, p1 - t < 8 ? p1 - t : 8, hd, es, dt, sc,
+                        s_1x8(q2, base + (t - p0) * ts, p1 - t < 8 ? p1 - t : 8, hd, es, dt, eo, sc,
                               o2 + t);
                 } else if (j == 0) { /* the first query of the group reads K from memory */
                     pf_stream_t ps = pf_piece(runs, nruns, i, h, h0, nh, n, ts, es, 0);
                     int lines = (int)(8 * ts / 64);
                     for (uint32_t t = p0; t < p1; t += 8) {
                         pf_ahead(&ps, (t - p0) * ts, lines);
-                        s_1x8(q1, base + (t - p0) * ts, p1 - t < 8 ? p1 - t : 8, hd, es, dt, sc,
+                        s_1x8(q1, base + (t - p0) * ts, p1 - t < 8 ? p1 - t : 8, hd, es, dt, eo, sc,
                               o1 + t);
                     }
                 } else {
                     for (uint32_t t = p0; t < p1; t += 8)
-                        s_1x8(q1, base + (t - p0) * ts, p1 - t < 8 ? p1 - t : 8, hd, es, dt, sc,
+                        s_1x8(q1, base + (t - p0) * ts, p1 - t < 8 ? p1 - t : 8, hd, es, dt, eo, sc,
                               o1 + t);
                 }
             }
@@ -543,6 +628,36 @@ AVX2_INLINE void av1_run(const float *p, uint32_t p0, uint32_t n, const char *ba
     for (int j = 0; j < NV; j++) _mm256_storeu_ps(acc + 8 * j, a[j]);
 }
 
+/* av1_run for bf16, dims [d0, d0 + 16 NC). */
+AVX2_INLINE void av1_run_bf16(const float *p, uint32_t p0, uint32_t n, const char *base, size_t ts,
+                              float *acc, const int NC, const pf_stream_t *ps)
+{
+    __m256 e[4], o[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; c++)
+        split16(_mm256_loadu_ps(acc + 16 * c), _mm256_loadu_ps(acc + 16 * c + 8), &e[c], &o[c]);
+    int lines = (int)(8 * ts / 64);
+    for (uint32_t t = 0; t < n; t++) {
+        if (ps && !(t & 7)) pf_ahead(ps, t * ts, lines);
+        __m256 pv = _mm256_broadcast_ss(p + p0 + t);
+        const char *vt = base + t * ts;
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) {
+            __m256 ve, vo;
+            ld_bf16x16(vt + 32 * c, &ve, &vo);
+            e[c] = _mm256_fmadd_ps(pv, ve, e[c]);
+            o[c] = _mm256_fmadd_ps(pv, vo, o[c]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) {
+        __m256 lo, hi;
+        join16(e[c], o[c], &lo, &hi);
+        _mm256_storeu_ps(acc + 16 * c, lo);
+        _mm256_storeu_ps(acc + 16 * c + 8, hi);
+    }
+}
+
 /* Two queries: tokens [0, e) feed both, [e, n) only b. */
 AVX2_INLINE void av2_run(const float *pa, const float *pb, uint32_t p0, uint32_t e, uint32_t n,
                          const char *base, size_t ts, size_t es, pkv_dtype_t dt, float *aa,
@@ -615,6 +730,12 @@ AVX2_INLINE void av_dt(const float *pa, const float *pb, uint32_t na, uint32_t n
                      * from memory: it carries the prefetch stream. */
                     pf_stream_t ps = pf_piece(runs, nruns, i, h, h0, nh, n, ts, es, 1);
                     const pf_stream_t *pp = j == 0 ? &ps : NULL;
+                    if (dt == PKV_DTYPE_BF16) {
+                        for (; d + 64 <= hd; d += 64, pp = NULL)
+                            av1_run_bf16(p1a, p0, nn, base + d * es, ts, acc_a + d, 4, pp);
+                        for (; d + 16 <= hd; d += 16, pp = NULL)
+                            av1_run_bf16(p1a, p0, nn, base + d * es, ts, acc_a + d, 1, pp);
+                    }
                     for (; d + 64 <= hd; d += 64, pp = NULL)
                         av1_run(p1a, p0, nn, base + d * es, ts, es, dt, acc_a + d, 8, pp);
                     for (; d + 16 <= hd; d += 16, pp = NULL)
