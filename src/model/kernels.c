@@ -613,48 +613,45 @@ AVX2_FN static void softmax_avx2(float *s, uint32_t n)
 AVX2_INLINE void av1_run(const float *p, uint32_t p0, uint32_t n, const char *base, size_t ts,
                          size_t es, pkv_dtype_t dt, float *acc, const int NV, const pf_stream_t *ps)
 {
+    /* bf16 in 16-dim chunks (ld_bf16x16): a[2c] holds chunk c's even dims, a[2c + 1] its
+     * odd ones. */
+    const bool eo = dt == PKV_DTYPE_BF16 && NV % 2 == 0;
     __m256 a[8];
 #pragma GCC unroll 8
-    for (int j = 0; j < NV; j++) a[j] = _mm256_loadu_ps(acc + 8 * j);
-    int lines = (int)(8 * ts / 64);
-    for (uint32_t t = 0; t < n; t++) {
-        if (ps && !(t & 7)) pf_ahead(ps, t * ts, lines);
-        __m256 pv = _mm256_broadcast_ss(p + p0 + t);
-        const char *vt = base + t * ts;
-#pragma GCC unroll 8
-        for (int j = 0; j < NV; j++) a[j] = _mm256_fmadd_ps(pv, ld_dt(vt + 8 * j * es, dt), a[j]);
+    for (int j = 0; j < NV; j++) {
+        if (eo && j % 2 == 0)
+            split16(_mm256_loadu_ps(acc + 8 * j), _mm256_loadu_ps(acc + 8 * j + 8), &a[j],
+                    &a[j + 1]);
+        else if (!eo)
+            a[j] = _mm256_loadu_ps(acc + 8 * j);
     }
-#pragma GCC unroll 8
-    for (int j = 0; j < NV; j++) _mm256_storeu_ps(acc + 8 * j, a[j]);
-}
-
-/* av1_run for bf16, dims [d0, d0 + 16 NC). */
-AVX2_INLINE void av1_run_bf16(const float *p, uint32_t p0, uint32_t n, const char *base, size_t ts,
-                              float *acc, const int NC, const pf_stream_t *ps)
-{
-    __m256 e[4], o[4];
-#pragma GCC unroll 4
-    for (int c = 0; c < NC; c++)
-        split16(_mm256_loadu_ps(acc + 16 * c), _mm256_loadu_ps(acc + 16 * c + 8), &e[c], &o[c]);
     int lines = (int)(8 * ts / 64);
     for (uint32_t t = 0; t < n; t++) {
         if (ps && !(t & 7)) pf_ahead(ps, t * ts, lines);
         __m256 pv = _mm256_broadcast_ss(p + p0 + t);
         const char *vt = base + t * ts;
-#pragma GCC unroll 4
-        for (int c = 0; c < NC; c++) {
-            __m256 ve, vo;
-            ld_bf16x16(vt + 32 * c, &ve, &vo);
-            e[c] = _mm256_fmadd_ps(pv, ve, e[c]);
-            o[c] = _mm256_fmadd_ps(pv, vo, o[c]);
+#pragma GCC unroll 8
+        for (int j = 0; j < NV; j++) {
+            if (eo && j % 2 == 0) {
+                __m256 ve, vo;
+                ld_bf16x16(vt + 8 * j * es, &ve, &vo);
+                a[j] = _mm256_fmadd_ps(pv, ve, a[j]);
+                a[j + 1] = _mm256_fmadd_ps(pv, vo, a[j + 1]);
+            } else if (!eo) {
+                a[j] = _mm256_fmadd_ps(pv, ld_dt(vt + 8 * j * es, dt), a[j]);
+            }
         }
     }
-#pragma GCC unroll 4
-    for (int c = 0; c < NC; c++) {
-        __m256 lo, hi;
-        join16(e[c], o[c], &lo, &hi);
-        _mm256_storeu_ps(acc + 16 * c, lo);
-        _mm256_storeu_ps(acc + 16 * c + 8, hi);
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; j++) {
+        if (eo && j % 2 == 0) {
+            __m256 lo, hi;
+            join16(a[j], a[j + 1], &lo, &hi);
+            _mm256_storeu_ps(acc + 8 * j, lo);
+            _mm256_storeu_ps(acc + 8 * j + 8, hi);
+        } else if (!eo) {
+            _mm256_storeu_ps(acc + 8 * j, a[j]);
+        }
     }
 }
 
@@ -730,12 +727,6 @@ AVX2_INLINE void av_dt(const float *pa, const float *pb, uint32_t na, uint32_t n
                      * from memory: it carries the prefetch stream. */
                     pf_stream_t ps = pf_piece(runs, nruns, i, h, h0, nh, n, ts, es, 1);
                     const pf_stream_t *pp = j == 0 ? &ps : NULL;
-                    if (dt == PKV_DTYPE_BF16) {
-                        for (; d + 64 <= hd; d += 64, pp = NULL)
-                            av1_run_bf16(p1a, p0, nn, base + d * es, ts, acc_a + d, 4, pp);
-                        for (; d + 16 <= hd; d += 16, pp = NULL)
-                            av1_run_bf16(p1a, p0, nn, base + d * es, ts, acc_a + d, 1, pp);
-                    }
                     for (; d + 64 <= hd; d += 64, pp = NULL)
                         av1_run(p1a, p0, nn, base + d * es, ts, es, dt, acc_a + d, 8, pp);
                     for (; d + 16 <= hd; d += 16, pp = NULL)
