@@ -356,11 +356,11 @@ AVX2_INLINE pf_stream_t pf_piece(const pkv_kv_run_t *runs, uint32_t nruns, uint3
 /* bf16 rows (head dims a multiple of 16) are read 16 values per load: as 32-bit lanes, a
  * lane's low half is the even value and its high half the odd one, so a shift and a mask
  * make them f32 (one load and two integer operations per 16 values, against a load, a
- * widen and a shift per 8). The other operand is split to match:
- * a query's 16 dims as their 8 even then 8 odd (split_q), so a score sums its products in
- * a fixed order per head dim (not the 8-dim order of f16 / f32); the V accumulators are
- * held split and restored to dim order on the way out, where each dim sums the same
- * products in the same order as ld_bf16 would. */
+ * widen and a shift per 8). The other operand is split to match: a query's 16 dims as
+ * their 8 even then 8 odd (split_q), so a score sums its products in a fixed order per
+ * head dim (not the 8-dim order of f16 / f32); the V accumulators are held split and
+ * restored to dim order on the way out (av1_run), where each dim sums the same products
+ * in the same order as with ld_bf16. */
 AVX2_INLINE void ld_bf16x16(const void *p, __m256 *even, __m256 *odd)
 {
     __m256i w = _mm256_loadu_si256((const __m256i *)p);
@@ -383,9 +383,9 @@ AVX2_INLINE void join16(__m256 even, __m256 odd, __m256 *lo, __m256 *hi)
 }
 
 /* A query for bf16 keys read split (ld_bf16x16): each 16 dims as their even dims, then
- * their odd ones. */
-#define EO_MAX_Q                                                                                   \
-    2048 /* floats of a task's queries split on the stack (>= 1024, the largest head) */
+ * their odd ones. EO_MAX_Q: floats of a task's queries split at once on the stack (at
+ * least 1024, the largest head, for the one-head-at-a-time case). */
+#define EO_MAX_Q 2048
 AVX2_INLINE const float *split_q(const float *q, size_t n, float *out)
 {
     for (size_t d = 0; d < n; d += 16) {
