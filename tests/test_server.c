@@ -505,8 +505,9 @@ START_TEST(dense_backend_same_text)
 END_TEST
 
 /* The paged pool asks for huge pages where the kernel's mode allows and reports what it got:
- * the startup probe, and the pool's range in smaps (AnonHugePages within its Rss, whole
- * 2 MiB pages); --no-hugepages asks for none; dense has no pool range. */
+ * the startup probe, whether its granules are whole 2 MiB pages (none where not), and the
+ * pool's range in smaps (AnonHugePages within its Rss, whole 2 MiB pages); --no-hugepages
+ * asks for none; dense has no pool range. */
 static void check_hugepages(pkv_server_config_t cfg, pkv_prim_thp_mode_t mode)
 {
     pkv_server_t *s = start(cfg);
@@ -523,6 +524,7 @@ static void check_hugepages(pkv_server_config_t cfg, pkv_prim_thp_mode_t mode)
     json_t *st = get_json(port, "/v1/cache/stats");
     ck_assert_int_eq(json_is_true(jp(st, "hugepages.requested")), want);
     ck_assert_int_eq(json_is_true(jp(st, "hugepages.probe_huge")), info.huge_probe);
+    ck_assert_int_eq(json_is_true(jp(st, "hugepages.granules_fit")), info.huge_granules);
     ck_assert_str_eq(js(st, "hugepages.thp_mode"), info.thp_mode);
     resp_t r;
     ck_assert_int_eq(http(port, "GET", "/metrics", NULL, 0, &r), CURLE_OK);
@@ -537,7 +539,7 @@ static void check_hugepages(pkv_server_config_t cfg, pkv_prim_thp_mode_t mode)
         long long age = ji(st, "hugepages.pool_read_age_ms");
         ck_assert(age >= 0 && age <= 5000); /* read at most SRV_PAGES_MAX_AGE_NS ago */
         ck_assert(hp >= 0 && hp <= res && hp % PKV_PRIM_HUGE == 0);
-        if (!want && mode != PKV_PRIM_THP_ALWAYS) ck_assert_int_eq(hp, 0);
+        if ((!want && mode != PKV_PRIM_THP_ALWAYS) || !info.huge_granules) ck_assert_int_eq(hp, 0);
         snprintf(line, sizeof(line), "\npagekv_kv_pool_hugepage_bytes %lld\n", hp);
         ck_assert_ptr_nonnull(strstr(r.body, line));
     } else {

@@ -96,6 +96,35 @@ static pkv_seq_t *seq_of(pkv_kv_t *kv, const int32_t *tok, uint32_t n, uint32_t 
     return s;
 }
 
+/* pkv_kv_stats_t.huge_granules: 2 MiB pages can back a granule only where every range's
+ * granule is a multiple of 2 MiB (512 KiB blocks, four to a granule, one range); not with
+ * two ranks (1 MiB each), nor with 1.75 MiB blocks (qwen3-0.6b's bf16 geometry). */
+START_TEST(huge_granules_says_when_2mib_pages_fit)
+{
+    pkv_geometry_t qwen = {
+        .layers = 28, .kv_heads = 8, .head_dim = 128, .block_tokens = 16, .dtype = PKV_DTYPE_BF16};
+    struct {
+        pkv_geometry_t geo;
+        uint32_t tp;
+        bool fits;
+    } cases[] = {{llama_geo, 1, true}, {llama_geo, 2, false}, {qwen, 1, false}};
+    for (unsigned i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        pkv_kv_config_t cfg = {.geo = cases[i].geo,
+                               .backend = PKV_BACKEND_PAGED,
+                               .tp = cases[i].tp,
+                               .budget_bytes = 64 << 20,
+                               .hugepages = true};
+        pkv_kv_t *kv = NULL;
+        ck_assert_int_eq(pkv_kv_create(&cfg, &kv), PKV_OK);
+        pkv_kv_stats_t st;
+        pkv_kv_stats(kv, &st);
+        ck_assert_msg(st.huge_granules == cases[i].fits, "case %u: granule %llu over %u ranges", i,
+                      (unsigned long long)st.granule_bytes, st.storage_ranges);
+        pkv_kv_destroy(kv);
+    }
+}
+END_TEST
+
 START_TEST(create_checks_tp)
 {
     pkv_kv_config_t cfg = {.geo = llama_geo, .backend = PKV_BACKEND_PAGED, .tp = 3};
@@ -519,6 +548,7 @@ static Suite *tp_suite(void)
     tc = tcase_create("pool");
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, create_checks_tp);
+    tcase_add_test(tc, huge_granules_says_when_2mib_pages_fit);
     tcase_add_test(tc, ranks_have_their_own_ranges);
     tcase_add_test(tc, same_block_ids_any_tp);
     tcase_add_test(tc, committed_bytes_agree_with_vmrss);

@@ -384,12 +384,17 @@ static void print_listening(pkv_server_t *srv, const pkv_server_config_t *cfg)
             pkv_backend_name(info.backend), (unsigned long long)info.budget_bytes,
             (unsigned long long)info.token_bytes, info.max_context, info.max_batch_size);
     if (info.backend == PKV_BACKEND_PAGED)
-        fprintf(stderr, "pagekv serve: KV huge pages %s (THP %s%s)\n",
-                info.hugepages ? (info.huge_probe ? "on" : "asked, not given") : "off",
+        fprintf(stderr, "pagekv serve: KV huge pages %s (THP %s%s%s)\n",
+                !info.hugepages                         ? "off"
+                : info.huge_probe && info.huge_granules ? "on"
+                                                        : "asked, not given",
                 info.thp_mode,
                 !info.hugepages   ? ""
                 : info.huge_probe ? "; a 2 MiB probe got a huge page"
-                                  : "; a 2 MiB probe got 4 KiB pages");
+                                  : "; a 2 MiB probe got 4 KiB pages",
+                info.hugepages && !info.huge_granules
+                    ? "; the pool's granules are not whole 2 MiB pages"
+                    : "");
     if (info.kv_address)
         fprintf(stderr, "pagekv serve: role %s, transfer agent on %s\n",
                 pkv_server_role_name(info.role), info.kv_address);

@@ -220,6 +220,8 @@ typedef struct {
     uint64_t budget_bytes;   /* 0 = none */
     uint64_t granule_bytes;  /* paged: commit unit; dense: 0 */
     uint32_t storage_ranges; /* separately reserved ranges (paged: one per rank) */
+    bool huge_granules;      /* paged: every range's granule is a multiple of 2 MiB, so 2 MiB
+                                pages can back it (false: 4 KiB pages whatever is asked) */
     uint32_t tp;             /* tensor-parallel ranks (1: dense or a plain pool) */
     /* One block / one position over every rank. With tp > kv_heads each replica of a head
      * costs its bytes: this is tp / kv_heads times pkv_kv_block_bytes. committed_bytes,

@@ -153,6 +153,8 @@ typedef struct {
     const char *thp_mode;   /* the kernel's THP mode: "always", "madvise", "never", "unknown" */
     bool huge_probe;        /* measured at startup: a 2 MiB page committed as the pool
                                commits one was a huge page (false when not asked) */
+    bool huge_granules;     /* paged: the pool's granules are whole 2 MiB pages, so huge
+                               pages can back them (pkv_kv_stats_t.huge_granules) */
 } pkv_server_info_t;
 PKV_API void pkv_server_info(const pkv_server_t *s, pkv_server_info_t *out);
 

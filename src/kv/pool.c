@@ -1025,6 +1025,15 @@ static void pool_cache_pressure(pkv_kv_t *kv, uint64_t limit_bytes)
     pthread_mutex_unlock(&p->lock);
 }
 
+/* Whether 2 MiB pages can back a granule: each rank's granule must be a multiple of them
+ * (its ranges are reserved 2 MiB-aligned). */
+static bool pool_huge_granules(const pool_t *p)
+{
+    for (uint32_t r = 0; r < p->tp; r++)
+        if (p->rk[r].stride % PKV_PRIM_HUGE) return false;
+    return true;
+}
+
 static void pool_stats(pkv_kv_t *kv, pkv_kv_stats_t *o)
 {
     pool_t *p = pool_of(kv);
@@ -1035,6 +1044,7 @@ static void pool_stats(pkv_kv_t *kv, pkv_kv_stats_t *o)
     o->budget_bytes = p->budget;
     o->granule_bytes = p->gbytes;
     o->storage_ranges = p->tp;
+    o->huge_granules = pool_huge_granules(p);
     o->tp = p->tp;
     o->block_bytes = p->blk_bytes;
     o->token_bytes = p->blk_bytes / kv->geo.block_tokens;
@@ -1302,6 +1312,11 @@ int kv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
     p->retain = cfg->retain_granules ? cfg->retain_granules : 1;
     p->prefix_cache = !cfg->no_prefix_cache;
     p->huge = cfg->hugepages;
+    if (p->huge && !pool_huge_granules(p))
+        PKV_LOGW("pool",
+                 "huge pages asked, but a granule is %zu bytes per range (not a multiple of 2 "
+                 "MiB): the kernel backs it with 4 KiB pages",
+                 p->rk[0].stride);
     p->cache_cap = cfg->cache_max_bytes;
     p->idle_ns = (uint64_t)cfg->cache_idle_ms * 1000000;
     p->pressure_limit = PKV_KV_NO_LIMIT;

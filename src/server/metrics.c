@@ -363,8 +363,9 @@ static json_t *hugepages_json(const srv_snapshot_t *snap)
 {
     bool ok = snap->pages_ok;
     return json_pack(
-        "{s:b, s:s, s:b, s:o, s:o, s:o}", "requested", snap->huge, "thp_mode", snap->thp_mode,
-        "probe_huge", snap->huge_probe, "pool_resident_bytes",
+        "{s:b, s:s, s:b, s:b, s:o, s:o, s:o}", "requested", snap->huge, "thp_mode", snap->thp_mode,
+        "probe_huge", snap->huge_probe, "granules_fit", snap->ks.huge_granules,
+        "pool_resident_bytes",
         ok ? json_integer((json_int_t)snap->pool_resident_bytes) : json_null(), "pool_huge_bytes",
         ok ? json_integer((json_int_t)snap->pool_huge_bytes) : json_null(), "pool_read_age_ms",
         ok ? json_integer((json_int_t)(snap->pages_age_ns / 1000000)) : json_null());

@@ -77,6 +77,7 @@ struct pkv_server {
     uint64_t max_body, budget_bytes, token_bytes;
     pkv_backend_t backend;
     bool huge, huge_probe;   /* the pool asks for THP; the startup probe got a huge page */
+    bool huge_granules;      /* paged: 2 MiB pages can back the pool's granules */
     pkv_prim_thp_mode_t thp; /* the kernel's THP mode at startup */
     time_t created;
     atomic_bool stopping;
@@ -1456,6 +1457,7 @@ static int build_stack(pkv_server_t *s, const pkv_server_config_t *cfg)
     pkv_kv_stats_t ks;
     pkv_kv_stats(s->kv, &ks);
     s->budget_bytes = ks.budget_bytes;
+    s->huge_granules = ks.huge_granules;
     /* Every id that ends a turn ends a generation: EOS, and the builtin's <|end|>. */
     int32_t eos[PKV_ENGINE_MAX_EOS];
     uint32_t n_eos = 0;
@@ -1666,6 +1668,7 @@ void pkv_server_info(const pkv_server_t *s, pkv_server_info_t *out)
     out->hugepages = s->huge;
     out->thp_mode = pkv_prim_thp_mode_name(s->thp);
     out->huge_probe = s->huge_probe;
+    out->huge_granules = s->huge_granules;
 }
 
 const char *pkv_server_role_name(pkv_server_role_t role)
