@@ -6,6 +6,9 @@
  * prefill rank that dies mid-pull, one decode rank's pull rejected, an incompatible layout.
  * Bad --tp values exit 2.
  */
+#include "pagekv/server.h"
+
+#include "core/core.h"
 #include "support/cluster.h"
 #include "support/filler.h"
 #include "support/srvtest.h"
@@ -257,11 +260,11 @@ END_TEST
 /* ---- faults --------------------------------------------------------------------------- */
 
 /* The prefill leg's kv_transfer_params for req (new reference). */
-static json_t *prefill_leg(const cluster_proc_t *pre, const json_t *req)
+static json_t *prefill_leg(const char *url, const json_t *req)
 {
     json_t *body = json_deep_copy(req);
     json_object_set_new(body, "kv_transfer_params", json_pack("{s:b}", "do_remote_decode", 1));
-    json_t *doc = post_json(pre->url, "/v1/chat/completions", body, 200);
+    json_t *doc = post_json(url, "/v1/chat/completions", body, 200);
     json_t *kt = json_incref(json_object_get(doc, "kv_transfer_params"));
     ck_assert_ptr_nonnull(kt);
     json_decref(doc);
@@ -288,23 +291,33 @@ static void error_code_is(const cluster_http_reply_t *r, long status, const char
     json_decref(doc);
 }
 
-/* A prefill rank dies mid-pull (its agent stops once it has sent a layer: no more messages,
- * no heartbeats): the request ends typed, within the transfer deadline + 1 s, on every
- * decode rank, and the decode node holds nothing afterwards. */
+/* A prefill rank dies mid-pull (fault site PKV_FAULT_XFER_HANG: the first of its agents to
+ * send a layer stops, no more messages, no heartbeats): the request ends typed, within the
+ * transfer deadline + 1 s, on every decode rank, and the decode node holds nothing
+ * afterwards. The prefill node runs in this process, so the site is armed here. */
 START_TEST(prefill_rank_dies_mid_pull)
 {
-    cluster_proc_t pre, dec;
-    char *env[] = {"PKV_TEST_RANK_FAULT=hang:1", NULL};
-    serve(&pre, "prefill", "prefill", "llama-3.2-1b", 2, NULL, env);
+    cluster_proc_t dec;
+    pkv_server_config_t cfg = {.threads = 1,
+                               .preset = "llama-3.2-1b",
+                               .tp = 2,
+                               .role = PKV_SERVER_ROLE_PREFILL,
+                               .kv_dtype = PKV_DTYPE_BF16};
+    pkv_server_t *pre = NULL;
+    ck_assert_int_eq(pkv_server_create(&cfg, &pre), PKV_OK);
+    char pre_url[64];
+    snprintf(pre_url, sizeof(pre_url), "http://127.0.0.1:%u", pkv_server_port(pre));
     const char *dx[] = {"--kv-transfer-timeout-ms", "4000", NULL};
     serve(&dec, "decode", "decode", "llama-3.2-1b", 2, dx, NULL);
     json_t *req = chat("llama-3.2-1b", 2900, 3, 4);
-    json_t *kt = prefill_leg(&pre, req);
+    json_t *kt = prefill_leg(pre_url, req);
+    pkv_fault_arm(PKV_FAULT_XFER_HANG, 0, 1);
     uint64_t t0 = pkv_now_ns();
     cluster_http_reply_t r = decode_leg(&dec, req, kt);
     double s = (double)(pkv_now_ns() - t0) / 1e9;
     error_code_is(&r, 503, "peer_lost timeout");
     ck_assert_msg(s < 4.0 + 1.0, "the failed pull took %.2f s (deadline 4 s)", s);
+    ck_assert_uint_eq(pkv_fault_fired(PKV_FAULT_XFER_HANG), 1);
     cluster_http_reply_free(&r);
     json_t *k = kv_stats(&dec);
     ck_assert_int_eq(cluster_json_int(k, "pulls.failed"), 1);
@@ -313,7 +326,7 @@ START_TEST(prefill_rank_dies_mid_pull)
     json_decref(kt);
     json_decref(req);
     stop(&dec);
-    cluster_proc_stop(&pre, SIGKILL, pkv_deadline_after_ns(10000000000ull));
+    pkv_server_destroy(pre);
 }
 END_TEST
 
@@ -327,7 +340,7 @@ START_TEST(one_rank_rejected_fails_the_request)
     serve(&pre, "prefill", "prefill", "llama-3.2-1b", 2, NULL, NULL);
     serve(&dec, "decode", "decode", "llama-3.2-1b", 2, NULL, NULL);
     json_t *req = chat("llama-3.2-1b", 2900, 5, 6);
-    json_t *kt = prefill_leg(&pre, req);
+    json_t *kt = prefill_leg(pre.url, req);
     json_t *bad = json_deep_copy(kt);
     json_t *r1 = json_array_get(json_object_get(bad, "pagekv_ranks"), 1);
     ck_assert_ptr_nonnull(r1);
@@ -341,7 +354,7 @@ START_TEST(one_rank_rejected_fails_the_request)
     ck_assert_int_eq(cluster_json_int(k, "pulls.ok"), 0);
     json_decref(k);
     /* A fresh prefill leg: the pull succeeds and the answer is the unified node's. */
-    json_t *kt2 = prefill_leg(&pre, req);
+    json_t *kt2 = prefill_leg(pre.url, req);
     r = decode_leg(&dec, req, kt2);
     ck_assert_msg(r.status == 200, "%ld %s", r.status, r.body ? r.body : "");
     cluster_answer_t a, u;
@@ -370,7 +383,7 @@ START_TEST(incompatible_layout_refused_at_handshake)
     serve(&pre, "prefill", "prefill", "llama-3.2-1b", 2, px, NULL);
     serve(&dec, "decode", "decode", "llama-3.2-1b", 2, NULL, NULL);
     json_t *req = chat("llama-3.2-1b", 301, 9, 4);
-    json_t *kt = prefill_leg(&pre, req);
+    json_t *kt = prefill_leg(pre.url, req);
     cluster_http_reply_t r = decode_leg(&dec, req, kt);
     error_code_is(&r, 400, "incompatible_layout");
     cluster_http_reply_free(&r);

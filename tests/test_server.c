@@ -15,7 +15,7 @@
 #include "pagekv/xfer.h"
 #include "prim/prim.h"
 #include "server/gen.h"
-#include "server/request.h"
+#include "openai/openai.h"
 
 #include <curl/curl.h>
 #include <jansson.h>

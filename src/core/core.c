@@ -169,3 +169,12 @@ _Noreturn void pkv_panic(const char *file, int line, const char *what)
     fprintf(stderr, "pagekv: invariant broken at %s:%d: %s\n", file, line, what);
     abort();
 }
+
+void pkv_hist_add(pkv_hist_t *h, const double *bounds, int n, double seconds)
+{
+    int b = 0;
+    while (b < n && seconds > bounds[b]) b++;
+    h->bucket[b]++;
+    h->count++;
+    h->sum += seconds;
+}

@@ -106,6 +106,18 @@ int pkv_cond_init_monotonic(pthread_cond_t *cond);
 struct timespec pkv_deadline_to_monotonic(uint64_t deadline_ns);
 struct timespec pkv_deadline_to_realtime(uint64_t deadline_ns);
 
+/* ---- histograms --------------------------------------------------------------------
+ * A latency histogram over caller-given ascending bounds (seconds), as Prometheus exposes
+ * it. Not synchronized: the owner's lock guards it. */
+#define PKV_HIST_MAX_BUCKETS 18
+typedef struct {
+    uint64_t bucket[PKV_HIST_MAX_BUCKETS + 1]; /* per bucket (not cumulative); then +Inf */
+    uint64_t count;
+    double sum;
+} pkv_hist_t;
+/* Count `seconds` in h over bounds[0..n) (n <= PKV_HIST_MAX_BUCKETS). */
+void pkv_hist_add(pkv_hist_t *h, const double *bounds, int n, double seconds);
+
 /* ---- fault simulation ---------------------------------------------------------------
  * A step that can fail in the field (an allocation of bookkeeping, committing memory,
  * pinning it, creating a thread) asks pkv_fault_hit(site) first; when a test armed that
@@ -121,6 +133,9 @@ typedef enum {
     PKV_FAULT_MLOCK,      /* pkv_prim_lock */
     PKV_FAULT_THREAD,     /* pthread_create */
     PKV_FAULT_XFER_STALL, /* not a failure: each hit holds xfer's progress loop 100 ms */
+    PKV_FAULT_XFER_HANG,  /* not a failure: the producer whose progress loop hits it, once a
+                             layer is sent, stops for good (no messages, no heartbeats) until
+                             its agent is destroyed, as a rank that died would */
     PKV_FAULT_SITES
 } pkv_fault_site_t;
 

@@ -22,7 +22,7 @@
 
 #include "core/core.h"
 #include "router/router_int.h"
-#include "server/server.h"
+#include "openai/openai.h"
 
 #include <errno.h>
 #include <netdb.h>
@@ -131,7 +131,7 @@ static enum MHD_Result answer_text(pkv_router_t *r, rt_xchg_t *x, int status, ch
 static enum MHD_Result answer_error(pkv_router_t *r, rt_xchg_t *x, int status, const char *type,
                                     const char *code, const char *param, const char *msg)
 {
-    char *text = pkv_server_error_json(type, code, param, msg);
+    char *text = pkv_openai_error_json(type, code, param, msg);
     PKV_LOGI("router", "%s: %d %s: %s", rt_route_label[x->route], status, code, msg);
     return answer_text(r, x, status, text, text ? strlen(text) : 0, "application/json",
                        status == 503 ? "5" : NULL);
@@ -143,7 +143,7 @@ static enum MHD_Result answer_busy(pkv_router_t *r, rt_xchg_t *x, rt_rejection_t
     pthread_mutex_lock(&r->lock);
     r->ctr.rejected[why]++;
     pthread_mutex_unlock(&r->lock);
-    char *text = pkv_server_error_json("service_unavailable", code, NULL, msg);
+    char *text = pkv_openai_error_json("service_unavailable", code, NULL, msg);
     struct MHD_Response *resp =
         text ? MHD_create_response_from_buffer(strlen(text), text, MHD_RESPMEM_MUST_FREE) : NULL;
     if (!resp) {
@@ -285,7 +285,7 @@ static enum MHD_Result on_first_call(pkv_router_t *r, rt_xchg_t *x, const char *
         snprintf(msg, sizeof(msg), "method %.16s is not allowed on %s (allowed: %s)", method, url,
                  allow);
         char *text =
-            pkv_server_error_json("invalid_request_error", "method_not_allowed", NULL, msg);
+            pkv_openai_error_json("invalid_request_error", "method_not_allowed", NULL, msg);
         struct MHD_Response *resp =
             text ? MHD_create_response_from_buffer(strlen(text), text, MHD_RESPMEM_MUST_FREE)
                  : NULL;

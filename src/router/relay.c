@@ -2,7 +2,7 @@
  * router relay: the node side of `pagekv route`, one thread ("pkv-route-io") running a
  * libcurl multi handle for every transfer to the nodes (design: docs/design/router.md).
  *
- * An exchange's path: the body checked as serve checks it (server/server.h) -> the
+ * An exchange's path: the body checked as serve checks it (openai/openai.h) -> the
  * prefill node chosen (cache_aware: a /v1/cache/lookup to every candidate, the most
  * matched tokens wins, ties and misses to the least loaded) -> the prefill leg -> a
  * decode node -> the decode leg, whose answer is relayed: whole, or as SSE events, only
@@ -25,7 +25,7 @@
  */
 #include "core/core.h"
 #include "router/router_int.h"
-#include "server/server.h"
+#include "openai/openai.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -384,7 +384,7 @@ static void finish_error(pkv_router_t *r, rt_xchg_t *x, int status, const char *
                          const char *code, const char *param, const char *msg)
 {
     PKV_LOGI("router", "%s %s: %d %s: %s", rt_route_label[x->route], x->rid, status, code, msg);
-    char *text = pkv_server_error_json(type, code, param, msg);
+    char *text = pkv_openai_error_json(type, code, param, msg);
     finish(r, x, status, text, text ? strlen(text) : 0, status == 503 ? "5" : NULL);
 }
 
@@ -423,7 +423,7 @@ static void stream_broken(pkv_router_t *r, rt_xchg_t *x, rt_leg_t *l, const char
     char msg[320];
     snprintf(msg, sizeof(msg), "the decode node %s failed mid-stream (%.200s)", l->node->url, what);
     PKV_LOGW("router", "%s: %s", x->rid, msg);
-    char *err = pkv_server_error_json("server_error", "upstream_lost", NULL, msg);
+    char *err = pkv_openai_error_json("server_error", "upstream_lost", NULL, msg);
     pthread_mutex_lock(&x->lock);
     if (err) {
         buf_put(&x->obuf, &x->olen, &x->ocap, "data: ", 6, RT_BODY_MAX + 4096);
@@ -617,10 +617,10 @@ static void gen_begin(pkv_router_t *r, rt_xchg_t *x)
     memcpy(model, r->model, sizeof(model));
     uint32_t max_ctx = r->max_context;
     pthread_mutex_unlock(&r->lock);
-    pkv_server_req_shape_t shape;
+    pkv_openai_shape_t shape;
     int status = 0;
     char *ej = NULL;
-    int rc = pkv_server_request_check(x->route == RT_ROUTE_CHAT, x->body, x->len, model, max_ctx,
+    int rc = pkv_openai_request_check(x->route == RT_ROUTE_CHAT, x->body, x->len, model, max_ctx,
                                       &shape, &status, &ej);
     if (rc == PKV_ERR_INVALID) {
         count(r, &r->ctr.rejected[RT_REJ_INVALID]);

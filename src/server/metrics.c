@@ -41,26 +41,9 @@ const char *const srv_rejection_label[SRV_REJ_COUNT] = {
 const double srv_hist_bounds[SRV_HIST_BUCKETS] = {0.005, 0.01, 0.025, 0.05, 0.1,  0.25, 0.5,
                                                   1.0,   2.5,  5.0,   10.0, 30.0, 60.0, 300.0};
 
-const double srv_phase_bounds[SRV_PHASE_BUCKETS] = {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
-                                                    0.01,   0.025,   0.05,   0.1,   0.25,   0.5,
-                                                    1.0,    2.5,     5.0,    10.0,  30.0,   60.0};
-
-const char *const srv_phase_label[SRV_PHASE_COUNT] = {
-    "prefill_queue", "prefill_compute", "lease_wait", "handshake", "staging_wait",
-    "wire",          "commit",          "decode"};
-
-void srv_hist_add_in(srv_hist_t *h, const double *bounds, int n, double seconds)
+void srv_hist_add(pkv_hist_t *h, double seconds)
 {
-    int b = 0;
-    while (b < n && seconds > bounds[b]) b++;
-    h->bucket[b]++;
-    h->count++;
-    h->sum += seconds;
-}
-
-void srv_hist_add(srv_hist_t *h, double seconds)
-{
-    srv_hist_add_in(h, srv_hist_bounds, SRV_HIST_BUCKETS, seconds);
+    pkv_hist_add(h, srv_hist_bounds, SRV_HIST_BUCKETS, seconds);
 }
 
 static void family(FILE *f, const char *name, const char *type, const char *help)
@@ -75,7 +58,7 @@ static void one(FILE *f, const char *name, const char *type, const char *help, u
 }
 
 /* One histogram's samples; `label` ("" or `key="value",`) goes before each sample's le. */
-static void hist_samples(FILE *f, const char *name, const char *label, const srv_hist_t *h,
+static void hist_samples(FILE *f, const char *name, const char *label, const pkv_hist_t *h,
                          const double *bounds, int n)
 {
     uint64_t cum = 0;
@@ -95,7 +78,7 @@ static void hist_samples(FILE *f, const char *name, const char *label, const srv
                 (unsigned long long)h->count);
 }
 
-static void hist(FILE *f, const char *name, const char *help, const srv_hist_t *h)
+static void hist(FILE *f, const char *name, const char *help, const pkv_hist_t *h)
 {
     family(f, name, "histogram", help);
     hist_samples(f, name, "", h, srv_hist_bounds, SRV_HIST_BUCKETS);
@@ -211,7 +194,7 @@ static const char *const outcome_label[8] = {"ok",       "timeout",   "peer_lost
                                              "rejected", "cancelled", "corrupt",   "shutdown"};
 
 /* Transfers by outcome, pulls, blocks, the phase histograms and the agent's liveness. */
-static void render_kvt_flow(FILE *f, const srv_kv_snapshot_t *k)
+static void render_kvt_flow(FILE *f, const pkv_disagg_snapshot_t *k)
 {
     const pkv_xfer_stats_t *x = &k->xs;
     family(f, "pagekv_kv_transfer_reads_total", "counter",
@@ -259,11 +242,11 @@ static void render_kvt_flow(FILE *f, const srv_kv_snapshot_t *k)
            "Phases of disaggregated requests on the node where each happens (prefill: "
            "prefill_queue, prefill_compute, lease_wait, staging_wait, wire; decode: handshake, "
            "staging_wait, wire, commit, decode).");
-    for (int p = 0; p < SRV_PHASE_COUNT; p++) {
+    for (int p = 0; p < PKV_DISAGG_PHASE_COUNT; p++) {
         char label[48];
-        snprintf(label, sizeof(label), "phase=\"%s\",", srv_phase_label[p]);
-        hist_samples(f, "pagekv_kv_transfer_phase_seconds", label, &k->phases[p], srv_phase_bounds,
-                     SRV_PHASE_BUCKETS);
+        snprintf(label, sizeof(label), "phase=\"%s\",", pkv_disagg_phase_label[p]);
+        hist_samples(f, "pagekv_kv_transfer_phase_seconds", label, &k->phases[p],
+                     pkv_disagg_phase_bounds, PKV_DISAGG_PHASE_BUCKETS);
     }
     one(f, "pagekv_kv_agent_up", "gauge",
         "1 while the transfer agent serves and its progress thread beats.", k->agent_alive);
@@ -273,7 +256,7 @@ static void render_kvt_flow(FILE *f, const srv_kv_snapshot_t *k)
 }
 
 /* Prefill and decode roles: the transfer agent's leases, transfers and staging. */
-static void render_kvt(FILE *f, const srv_kv_snapshot_t *k)
+static void render_kvt(FILE *f, const pkv_disagg_snapshot_t *k)
 {
     const pkv_xfer_stats_t *x = &k->xs;
     family(f, "pagekv_kv_leases_total", "counter",
@@ -410,12 +393,12 @@ json_t *srv_cache_stats_json(const srv_snapshot_t *snap)
     return doc;
 }
 
-json_t *srv_timings_json(const srv_timings_t *t, pkv_server_role_t role)
+json_t *srv_timings_json(const pkv_disagg_timings_t *t, pkv_server_role_t role)
 {
     json_t *ph = json_object();
-    for (int p = 0; ph && p < SRV_PHASE_COUNT; p++)
+    for (int p = 0; ph && p < PKV_DISAGG_PHASE_COUNT; p++)
         if (t->have & (1u << p))
-            json_object_set_new(ph, srv_phase_label[p], json_real((double)t->ns[p] / 1e9));
+            json_object_set_new(ph, pkv_disagg_phase_label[p], json_real((double)t->ns[p] / 1e9));
     json_t *doc =
         json_pack("{s:s, s:o*}", "role", pkv_server_role_name(role), "phases_seconds", ph);
     if (doc && t->pulled) {
@@ -423,5 +406,87 @@ json_t *srv_timings_json(const srv_timings_t *t, pkv_server_role_t role)
         json_object_set_new(doc, "kv_pulled_blocks", json_integer((json_int_t)t->pulled_blocks));
         json_object_set_new(doc, "kv_adopted_blocks", json_integer((json_int_t)t->adopted_blocks));
     }
+    return doc;
+}
+
+/* The kv_transfer_params section of /v1/cache/stats. */
+json_t *srv_kv_stats_json(const pkv_disagg_snapshot_t *k)
+{
+    const pkv_xfer_stats_t *x = &k->xs;
+    const pkv_stage_stats_t *s = &k->ss;
+    json_t *doc = json_pack(
+        "{s:s, s:s, s:s, s:i, s:s, s:i, s:i,"
+        " s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I},"
+        " s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I},"
+        " s:{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I}}",
+        "role", pkv_server_role_name(k->role), "address", k->address, "remote_host", k->advertise,
+        "remote_port", (int)k->port, "engine_id", k->engine_id, "lease_ms", (int)k->lease_ms,
+        "transfer_timeout_ms", (int)k->transfer_timeout_ms, "leases", "offered",
+        (json_int_t)k->leases.offered, "live", (json_int_t)x->registrations, "sent",
+        (json_int_t)k->leases.sent, "expired", (json_int_t)k->leases.expired, "cancelled",
+        (json_int_t)k->leases.cancelled, "shutdown", (json_int_t)k->leases.shutdown,
+        "pinned_blocks", (json_int_t)x->pinned_blocks, "transfers", "reads_started",
+        (json_int_t)x->reads_started, "reads_ok", (json_int_t)x->reads_done[0], "bytes_received",
+        (json_int_t)x->bytes_received, "serves_started", (json_int_t)x->serves_started,
+        "serves_failed", (json_int_t)x->serves_failed, "bytes_sent", (json_int_t)x->bytes_sent,
+        "rejected", (json_int_t)x->rejected, "released", (json_int_t)x->released, "peers",
+        (json_int_t)x->peers, "staging", "mode", pkv_stage_mode_name(s->mode), "page_bytes",
+        (json_int_t)s->page_bytes, "pages_total", (json_int_t)s->pages_total, "pages_used",
+        (json_int_t)s->pages_used, "pages_peak_used", (json_int_t)s->pages_peak_used,
+        "resident_bytes", (json_int_t)s->resident_bytes, "pinned_bytes",
+        (json_int_t)s->pinned_bytes, "pages_held_by_transfers", (json_int_t)x->staging_pages_held);
+    if (!doc) return NULL;
+    /* transfers holding staging pages at once, high-water (fixed slots and the mirror: their
+       commit at start took every slot once) */
+    json_t *stg = json_object_get(doc, "staging");
+    json_object_set_new(stg, "transfers_peak", json_integer((json_int_t)s->transfers_peak));
+    /* how long a free page stays committed; null: never returned */
+    json_object_set_new(stg, "idle_release_ms",
+                        k->staging_idle_ms < 0 ? json_null() : json_integer(k->staging_idle_ms));
+    json_object_set_new(
+        doc, "pulls",
+        json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "ok", (json_int_t)k->pulls.ok, "released",
+                  (json_int_t)k->pulls.released, "failed", (json_int_t)k->pulls.failed,
+                  "recomputed", (json_int_t)k->pulls.recomputed, "local",
+                  (json_int_t)k->pulls.local, "blocks_pulled", (json_int_t)k->pulls.blocks_pulled,
+                  "blocks_adopted", (json_int_t)k->pulls.blocks_adopted));
+    json_t *pl = json_object_get(doc, "pulls");
+    json_object_set_new(pl, "inflight", json_integer((json_int_t)k->pulls.inflight));
+    json_object_set_new(pl, "inflight_peak", json_integer((json_int_t)k->pulls.inflight_peak));
+    /* Reads by outcome (consumer), serves acknowledged and failed (producer). */
+    static const char *const outcome[8] = {"ok",       "timeout",   "peer_lost", "nofit",
+                                           "rejected", "cancelled", "corrupt",   "shutdown"};
+    json_t *t = json_object_get(doc, "transfers"), *by = json_object();
+    for (int i = 0; i < 8; i++)
+        json_object_set_new(by, outcome[i], json_integer((json_int_t)x->reads_done[i]));
+    json_object_set_new(t, "reads_by_outcome", by);
+    json_object_set_new(t, "sent", json_integer((json_int_t)x->sent));
+    json_object_set_new(t, "active", json_integer((json_int_t)x->active_transfers));
+    json_object_set_new(t, "peers_lost", json_integer((json_int_t)x->peers_lost));
+    json_t *st = json_object_get(doc, "staging");
+    json_object_set_new(st, "waits", json_integer((json_int_t)s->waits));
+    json_object_set_new(
+        st, "pages_resident",
+        json_integer(s->page_bytes ? (json_int_t)(s->resident_bytes / s->page_bytes) : 0));
+    json_t *ranks = json_array();
+    for (uint32_t r = 0; ranks && r < k->tp; r++) {
+        const pkv_disagg_rank_snapshot_t *q = &k->ranks[r];
+        json_array_append_new(
+            ranks,
+            json_pack("{s:i, s:s, s:i, s:i, s:i, s:{s:I, s:I, s:I, s:i, s:i}, s:{s:I, "
+                      "s:I, s:I}}",
+                      "rank", (int)r, "address", q->address, "remote_port", (int)q->port, "head_lo",
+                      (int)q->head_lo, "head_n", (int)q->head_n, "staging", "pinned_bytes",
+                      (json_int_t)q->pinned_bytes, "resident_bytes", (json_int_t)q->resident_bytes,
+                      "resident_peak_bytes", (json_int_t)q->resident_peak_bytes, "pages_used",
+                      (int)q->pages_used, "pages_peak_used", (int)q->pages_peak_used, "transfers",
+                      "bytes_sent", (json_int_t)q->bytes_sent, "bytes_received",
+                      (json_int_t)q->bytes_received, "active", (json_int_t)q->active_transfers));
+    }
+    json_object_set_new(doc, "tp", json_integer((json_int_t)k->tp));
+    if (ranks) json_object_set_new(doc, "ranks", ranks);
+    json_object_set_new(doc, "agent",
+                        json_pack("{s:b, s:I}", "alive", k->agent_alive, "progress_age_us",
+                                  (json_int_t)(k->agent_age_ns / 1000)));
     return doc;
 }

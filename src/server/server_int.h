@@ -1,8 +1,10 @@
 /*
  * Private to src/server/ and its tests; internals prefixed srv_ / SRV_; no module interface.
  *
- * server internals shared by server.c and metrics.c: the server's own counters and the
- * renderers of /metrics and /v1/cache/stats.
+ * server internals shared by its files: the server object and one HTTP request (server.c
+ * assembles the stack; http.c routes and answers; completions.c serves the generation
+ * endpoints; cache.c the cache admin endpoints; metrics.c renders /metrics and
+ * /v1/cache/stats; memwatch.c lets the cache yield memory).
  */
 #ifndef PKV_SERVER_INT_H
 #define PKV_SERVER_INT_H
@@ -12,9 +14,15 @@
 #include "pagekv/server.h"
 #include "pagekv/stage.h"
 #include "pagekv/xfer.h"
-#include "server/request.h"
+#include "disagg/disagg.h"
+#include "openai/openai.h"
+
+#include "prim/prim.h"
 
 #include <jansson.h>
+#include <microhttpd.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 
 typedef enum {
@@ -53,45 +61,8 @@ extern const char *const srv_rejection_label[SRV_REJ_COUNT];
 
 #define SRV_HIST_BUCKETS 14
 extern const double srv_hist_bounds[SRV_HIST_BUCKETS]; /* seconds, ascending */
-/* Transfer phases are sub-millisecond to seconds: finer buckets. */
-#define SRV_PHASE_BUCKETS 18
-extern const double srv_phase_bounds[SRV_PHASE_BUCKETS];
-#define SRV_HIST_MAX_BUCKETS 18
-typedef struct {
-    uint64_t bucket[SRV_HIST_MAX_BUCKETS + 1]; /* per bucket (not cumulative); then +Inf */
-    uint64_t count;
-    double sum;
-} srv_hist_t;
-/* Count `seconds` in h over the default bounds (srv_hist_add) or the given ones. */
-void srv_hist_add(srv_hist_t *h, double seconds);
-void srv_hist_add_in(srv_hist_t *h, const double *bounds, int n, double seconds);
-
-/* The phases of a disaggregated request, each measured on the node where it happens
- * (docs/design/server.md, "Observability"). */
-typedef enum {
-    SRV_PHASE_PREFILL_QUEUE = 0, /* prefill: submission -> admission */
-    SRV_PHASE_PREFILL_COMPUTE,   /* prefill: admission -> the first token */
-    SRV_PHASE_LEASE_WAIT,        /* prefill: registered -> the decode leg's READ accepted */
-    SRV_PHASE_HANDSHAKE,         /* decode: pull started -> endpoint to the producer up */
-    SRV_PHASE_STAGING_WAIT,      /* both: waiting for this node's staging pages */
-    SRV_PHASE_WIRE,              /* decode: READ sent -> last payload in; prefill: staged,
-                                    sent and acknowledged (seated -> ACK) */
-    SRV_PHASE_COMMIT,            /* decode: last payload -> every layer stored and recorded */
-    SRV_PHASE_DECODE,            /* decode: the leg's submission -> its last token */
-    SRV_PHASE_COUNT
-} srv_phase_t;
-extern const char *const srv_phase_label[SRV_PHASE_COUNT];
-
-/* One request's phases on this node, for the X-Pagekv-Timings opt-in. */
-typedef struct {
-    uint64_t ns[SRV_PHASE_COUNT];
-    uint32_t have; /* bit per phase measured */
-    bool pulled;   /* a decode leg that pulled: the figures below */
-    uint64_t pulled_bytes;
-    uint32_t pulled_blocks, adopted_blocks;
-} srv_timings_t;
-/* The timings object of a response (new reference; NULL on no memory). */
-json_t *srv_timings_json(const srv_timings_t *t, pkv_server_role_t role);
+/* Count `seconds` in h over the default bounds. */
+void srv_hist_add(pkv_hist_t *h, double seconds);
 
 typedef struct {
     uint64_t http[SRV_ROUTE_COUNT][SRV_N_CODES];
@@ -100,111 +71,17 @@ typedef struct {
     uint64_t in_flight;   /* generation requests being served */
     uint64_t streams;     /* streamed responses started */
     uint64_t cache_resets;
-    srv_hist_t ttft; /* submit -> first token read */
-    srv_hist_t e2e;  /* submit -> finished */
+    pkv_hist_t ttft; /* submit -> first token read */
+    pkv_hist_t e2e;  /* submit -> finished */
 } srv_counters_t;
 
-/* ---- roles (kvnode.c): the transfer agent and staging of a prefill or decode node ---- */
-typedef struct srv_kvnode srv_kvnode_t;
-
-/* Leases (prefill legs' registrations) by how they ended. */
-typedef struct {
-    uint64_t offered;   /* registered under a lease */
-    uint64_t sent;      /* a decode leg read and acknowledged them */
-    uint64_t expired;   /* no decode leg within the lease: the pins returned */
-    uint64_t cancelled; /* unregistered */
-    uint64_t shutdown;  /* ended by the agent's destroy */
-} srv_lease_counts_t;
-
-/* Decode legs' pulls. */
-typedef struct {
-    uint64_t ok;             /* legs that pulled the blocks the local prefix cache lacked */
-    uint64_t released;       /* legs that needed none: a token-only release */
-    uint64_t failed;         /* the read (or the sequence for it) failed */
-    uint64_t recomputed;     /* of those, computed here instead (--kv-load-failure recompute) */
-    uint64_t local;          /* requests without kv_transfer_params, computed here */
-    uint64_t blocks_pulled;  /* of ok legs: blocks read from the producer */
-    uint64_t blocks_adopted; /* of ok and released legs: blocks the local prefix cache held */
-    uint64_t inflight;       /* reads of decode legs started and not yet ended */
-    uint64_t inflight_peak;  /* high-water of inflight in the peaks' window */
-} srv_pull_counts_t;
-
-/* One tensor-parallel rank of a node in a snapshot. */
-typedef struct {
-    const char *address; /* its agent's bound "host:port" */
-    uint16_t port;       /* its remote_port */
-    uint32_t head_lo, head_n;
-    uint64_t pinned_bytes, resident_bytes, resident_peak_bytes; /* its staging */
-    uint32_t pages_used, pages_peak_used;
-    uint64_t bytes_sent, bytes_received, active_transfers; /* its agent */
-} srv_kv_rank_snapshot_t;
-
-typedef struct {
-    pkv_server_role_t role;
-    uint32_t tp;           /* ranks; xs and ss sum them */
-    const char *address;   /* rank 0's agent's bound "host:port" (valid for the node's life) */
-    const char *advertise; /* remote_host */
-    uint16_t port;         /* remote_port */
-    const char *engine_id; /* remote_engine_id */
-    uint32_t lease_ms, transfer_timeout_ms;
-    int64_t staging_idle_ms; /* -1: never returned */
-    pkv_xfer_stats_t xs;
-    pkv_stage_stats_t ss;
-    srv_lease_counts_t leases;
-    srv_pull_counts_t pulls;
-    srv_hist_t phases[SRV_PHASE_COUNT];
-    uint64_t agent_age_ns; /* since the oldest rank's progress loop last began a round */
-    bool agent_alive;      /* every rank's */
-    srv_kv_rank_snapshot_t ranks[PKV_KV_MAX_TP]; /* [tp] (last: filled only up to tp) */
-} srv_kv_snapshot_t;
-
-/* Create the staging and the agent of each tensor-parallel rank of a prefill or decode node
- * over the paged pool kv (model_id: the layout descriptor's model, checked at handshakes).
- * PKV_ERR_INVALID (logged) for a dense pool or a bad staging configuration; the agent's
- * PKV_ERR_IO when its address cannot be bound. */
-int srv_kvnode_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max_context,
-                      const char *model_id, srv_kvnode_t **out);
-/* Destroy the agent (its registrations end, their pins return), then the staging. */
-void srv_kvnode_destroy(srv_kvnode_t *n);
-const char *srv_kvnode_address(const srv_kvnode_t *n);
-/* A progress loop that has not begun a round for this long is stuck (/health 503). */
-#define SRV_AGENT_STALL_NS 2000000000ull
-/* The pool's smaps reading (hugepages.pool_*) is reused for this long (server.c). */
+/* The pool's smaps reading (hugepages.pool_*) is reused for this long (http.c). */
 #define SRV_PAGES_MAX_AGE_NS 5000000000ull
-/* Whether the agent can serve (for /health): it runs, is not shutting down, and its
- * progress thread beat within SRV_AGENT_STALL_NS. *age_ns: since that beat. */
-bool srv_kvnode_healthy(srv_kvnode_t *n, uint64_t *age_ns);
-/* Count phase ph of one request, [from_ns, to_ns), in the node's histogram and (t not
- * NULL) in the request's timings. */
-void srv_kvnode_observe(srv_kvnode_t *n, srv_timings_t *t, srv_phase_t ph, uint64_t from_ns,
-                        uint64_t to_ns);
-void srv_kvnode_snapshot(srv_kvnode_t *n, srv_kv_snapshot_t *out);
-/* Prefill leg: register blocks[0..nb) (the prompt ids[0..n_prompt), in sequence order)
- * until now + the lease under an id bound to pagekv's own request serial and the prompt
- * (never the client's X-Request-Id), and build the response's kv_transfer_params (new
- * reference). PKV_OK, or the agent's error (nothing registered). */
-int srv_kvnode_offer(srv_kvnode_t *n, uint64_t serial, const uint32_t *blocks, uint32_t nb,
-                     const int32_t *ids, uint32_t n_prompt, json_t **params);
-/* Decode leg: the handle `params` (a kv_transfer_params object) describe, checked against
- * this node and the prompt ids[0..n_prompt), pulled by the transfer deadline into a new
- * sequence of the pool (salt: the request's) whose full blocks the engine then adopts as
- * a prefix hit. PKV_OK with *out (the caller frees it once the request is admitted; NULL
- * when the pull failed and --kv-load-failure recompute says to compute the prompt), or
- * *err: 400 for params that are wrong or that the producer refused, 503/502 for transfer
- * failures. A pull that succeeded puts its phases (handshake, staging wait, wire, commit)
- * in the node's histograms and in *t (may be NULL). */
-int srv_kvnode_pull(srv_kvnode_t *n, const json_t *params, const int32_t *ids, uint32_t n_prompt,
-                    uint64_t salt, pkv_seq_t **out, srv_timings_t *t, srv_error_t *err);
-/* A decode node computes a request that came without kv_transfer_params (counted). */
-void srv_kvnode_count_local(srv_kvnode_t *n);
-/* POST /v1/kv_transfer/peaks/reset: the high-water marks of the window that ends now
- * (since the node started or the previous reset) as {window_ms, staging: {page_bytes,
- * pages_peak_used, transfers_peak, resident_peak_bytes} (summed over ranks as
- * /v1/cache/stats sums them), pulls: {inflight_peak}}, and a new window starting from the
- * values now (new reference; NULL on no memory). /v1/cache/stats reports the open window's. */
-json_t *srv_kvnode_peaks_reset(srv_kvnode_t *n);
+
+/* The timings object of a response (new reference; NULL on no memory). */
+json_t *srv_timings_json(const pkv_disagg_timings_t *t, pkv_server_role_t role);
 /* The kv_transfer_params section of /v1/cache/stats (new reference; NULL on no memory). */
-json_t *srv_kv_stats_json(const srv_kv_snapshot_t *k);
+json_t *srv_kv_stats_json(const pkv_disagg_snapshot_t *k);
 
 /* ---- the cache yields memory (memwatch.c) ------------------------------------------- */
 
@@ -260,7 +137,7 @@ typedef struct {
     uint64_t pages_age_ns; /* how old that reading is (at most SRV_PAGES_MAX_AGE_NS) */
     uint64_t pool_resident_bytes, pool_huge_bytes; /* of which in huge pages */
     bool has_kv;                                   /* a prefill or decode node: kv filled */
-    srv_kv_snapshot_t kv;
+    pkv_disagg_snapshot_t kv;
     srv_memwatch_stats_t mw; /* the cache policy's watcher */
 } srv_snapshot_t;
 
@@ -269,5 +146,97 @@ typedef struct {
 char *srv_metrics_render(const srv_snapshot_t *snap, size_t *len);
 /* The /v1/cache/stats document (new reference; NULL on allocation failure). */
 json_t *srv_cache_stats_json(const srv_snapshot_t *snap);
+
+/* ---- the server object (server.c builds it) --------------------------------------------
+ * Locking. s->lock guards s->ctr (every counter and histogram), s->draining, s->next_id
+ * and s->rng; s->idle_cv signals ctr.in_flight reaching 0. s->stopping is atomic (read
+ * by waiting threads between slices). Nothing blocks, allocates from the OS or calls
+ * into the engine or MHD under s->lock. */
+struct pkv_server {
+    char *host, *served_name;
+    pkv_tok_t *tok;
+    pkv_model_t *model;
+    pkv_kv_t *kv;
+    pkv_engine_t *engine;
+    pkv_server_role_t role;
+    pkv_disagg_node_t *kvn; /* prefill and decode roles: the transfer agents (disagg) */
+    srv_memwatch_t *mw;     /* the cache policy's timer and memory watcher (memwatch.c) */
+    struct MHD_Daemon *mhd;
+    MHD_socket quiesced_fd; /* the listening socket after quiesce: closed after stop */
+    uint16_t port;
+    uint32_t max_context, max_batch, block_tokens, default_max_tokens, retry_after_s;
+    uint64_t max_body, budget_bytes, token_bytes;
+    pkv_backend_t backend;
+    bool huge, huge_probe;   /* the pool asks for THP; the startup probe got a huge page */
+    bool huge_granules;      /* paged: 2 MiB pages can back the pool's granules */
+    pkv_prim_thp_mode_t thp; /* the kernel's THP mode at startup */
+    time_t created;
+    atomic_bool stopping;
+
+    pthread_mutex_t lock; /* guards: ctr, draining, next_id, rng (see the top comment) */
+    pthread_cond_t idle_cv;
+    /* The pool's range in /proc/self/smaps (pkv_kv_pages), read at most every
+     * SRV_PAGES_MAX_AGE_NS: the kernel builds the whole file, walking every mapping's page
+     * tables (~60 ms with 2 GiB of 4 KiB staging pages), so stats polled every 100 ms
+     * must not read it each time. pages_mu is held across the read. */
+    pthread_mutex_t pages_mu;
+    uint64_t pages_at_ns; /* when last read; 0: never */
+    bool pages_ok;
+    uint64_t pool_resident_bytes, pool_huge_bytes;
+    srv_counters_t ctr;
+    bool draining;
+    uint64_t next_id;
+    uint64_t rng;
+};
+
+/* One HTTP request (MHD's con_cls): created on the first call, freed when MHD reports
+ * the request completed. */
+typedef struct {
+    srv_route_t route;
+    char *body;
+    size_t len, cap;
+    bool too_large;
+    bool in_flight; /* counted in ctr.in_flight: released in the completed callback */
+    bool answered;
+} http_req_t;
+
+/* ---- http.c: answers, shared by the handlers ------------------------------------------ */
+
+/* Make *buf hold at least `need` bytes: the capacity at least doubles, with `slack` bytes
+ * beyond the need, and stays within `limit` (0: none; the caller keeps need <= limit). */
+bool srv_buf_grow(char **buf, size_t *cap, size_t need, size_t slack, size_t limit);
+void srv_count_rejection(pkv_server_t *s, srv_rejection_t why);
+/* A generation request stops counting in ctr.in_flight (idle_cv at 0). */
+void srv_in_flight_done(pkv_server_t *s);
+/* Queue response r (NULL: out of memory, the connection is closed) with status; marks hr
+ * answered and counts the status. */
+enum MHD_Result srv_queue(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr, int status,
+                          struct MHD_Response *r);
+/* A response that owns text (malloc'd; freed with the response). */
+struct MHD_Response *srv_text_response(char *text, size_t len, const char *type);
+/* doc (a new reference, taken; NULL: out of memory) as the JSON answer. */
+enum MHD_Result srv_answer_json(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr,
+                                int status, json_t *doc);
+/* The error document as a response (NULL on allocation failure). */
+struct MHD_Response *srv_error_response(const pkv_openai_error_t *err);
+enum MHD_Result srv_answer_error(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr,
+                                 const pkv_openai_error_t *err);
+enum MHD_Result srv_answer_errorf(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr,
+                                  int status, const char *type, const char *code, const char *msg);
+/* An empty body or an empty JSON object: endpoints that take no parameters. */
+bool srv_body_empty(const http_req_t *hr);
+/* Start libmicrohttpd on cfg's host and port (s->port: the bound one). */
+int srv_http_start(pkv_server_t *s, const pkv_server_config_t *cfg);
+
+/* ---- the endpoints -------------------------------------------------------------------- */
+
+/* completions.c: POST /v1/completions and /v1/chat/completions. */
+enum MHD_Result srv_handle_generate(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr);
+/* cache.c: POST /v1/kv_transfer/peaks/reset, /v1/cache/reset, /v1/cache/lookup and
+ * /v1/cache/digest. */
+enum MHD_Result srv_handle_peaks_reset(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr);
+enum MHD_Result srv_handle_cache_reset(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr);
+enum MHD_Result srv_handle_cache_lookup(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr);
+enum MHD_Result srv_handle_cache_digest(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr);
 
 #endif

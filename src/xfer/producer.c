@@ -39,6 +39,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 static bool token_equal(const uint8_t *x, const uint8_t *y)
@@ -48,8 +49,22 @@ static bool token_equal(const uint8_t *x, const uint8_t *y)
     return d == 0;
 }
 
+/* Fault site PKV_FAULT_XFER_HANG: the progress thread stops until destroy begins. */
+static void hang_until_destroy(pkv_xfer_agent_t *a)
+{
+    PKV_LOGW("xfer", "fault site: the agent at %s stops (PKV_FAULT_XFER_HANG)", a->addr);
+    for (bool stop = false; !stop;) {
+        nanosleep(&(struct timespec){0, 10000000}, NULL);
+        pthread_mutex_lock(&a->lock);
+        stop = a->stopping;
+        pthread_mutex_unlock(&a->lock);
+    }
+}
+
 static void fault(pkv_xfer_agent_t *a, pkv_xfer_fault_point_t pt, uint32_t layer)
 {
+    if (pt == PKV_XFER_FAULT_SERVE_LAYER_SENT && pkv_fault_hit(PKV_FAULT_XFER_HANG))
+        hang_until_destroy(a);
     if (a->faults.fn) a->faults.fn(a->faults.arg, pt, layer);
 }
 

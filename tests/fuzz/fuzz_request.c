@@ -1,7 +1,7 @@
 /*
- * Fuzz target for the server's request parser: an HTTP body -> srv_request_t
- * (srv_request_parse), then the prompt step with the builtin tokenizer
- * (srv_request_prompt). The first input byte picks the endpoint (even:
+ * Fuzz target for the server's request parser: an HTTP body -> pkv_openai_request_t
+ * (pkv_openai_request_parse), then the prompt step with the builtin tokenizer
+ * (pkv_openai_request_prompt). The first input byte picks the endpoint (even:
  * /v1/completions, odd: /v1/chat/completions; the corpus uses 'p' and 'm'); the rest is
  * the body. Any broken property aborts (a crash for libFuzzer); refusals are expected.
  * The properties are in props_request.c, which the suite links too.

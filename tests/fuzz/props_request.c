@@ -1,7 +1,7 @@
 /* The server request parser's fuzz properties (see tests/fuzz/props.h, fuzz_request.c). */
 #include "props.h"
 
-#include "server/request.h"
+#include "openai/openai.h"
 
 #include <jansson.h>
 #include <stdio.h>
@@ -18,7 +18,7 @@ static const pkv_tok_t *fuzz_tok(void)
 }
 
 /* An error must be a well-formed client error that can always be sent as JSON. */
-static void check_error(const srv_error_t *err)
+static void check_error(const pkv_openai_error_t *err)
 {
     if (err->status != 400 && err->status != 404) abort();
     if (!err->type || !err->code || !err->message[0]) abort();
@@ -31,22 +31,22 @@ static void check_error(const srv_error_t *err)
 
 int pkv_fuzz_request_one(bool chat, const char *body, size_t len)
 {
-    srv_req_kind_t kind = chat ? SRV_REQ_CHAT : SRV_REQ_COMPLETIONS;
-    srv_limits_t lim = {.max_context = FUZZ_MAX_CONTEXT};
-    srv_request_t r;
-    srv_error_t err;
+    pkv_openai_kind_t kind = chat ? PKV_OPENAI_CHAT : PKV_OPENAI_COMPLETIONS;
+    pkv_openai_limits_t lim = {.max_context = FUZZ_MAX_CONTEXT};
+    pkv_openai_request_t r;
+    pkv_openai_error_t err;
     memset(&err, 0, sizeof(err));
-    if (srv_request_parse(kind, body, len, "tiny", &lim, &r, &err) != PKV_OK) {
+    if (pkv_openai_request_parse(kind, body, len, "tiny", &lim, &r, &err) != PKV_OK) {
         check_error(&err);
         return 0;
     }
     /* What the parser promises. */
     if (r.kind != kind || !r.model || strcmp(r.model, "tiny")) abort();
-    if (kind == SRV_REQ_COMPLETIONS && !!r.prompt_text == !!r.prompt_ids) abort();
-    if (kind == SRV_REQ_COMPLETIONS && r.prompt_text && !r.prompt_len) abort();
-    if (kind == SRV_REQ_COMPLETIONS && r.prompt_ids && !r.n_prompt_ids) abort();
-    if (kind == SRV_REQ_CHAT && (!r.msgs || !r.n_msgs)) abort();
-    for (size_t i = 0; kind == SRV_REQ_CHAT && i < r.n_msgs; i++)
+    if (kind == PKV_OPENAI_COMPLETIONS && !!r.prompt_text == !!r.prompt_ids) abort();
+    if (kind == PKV_OPENAI_COMPLETIONS && r.prompt_text && !r.prompt_len) abort();
+    if (kind == PKV_OPENAI_COMPLETIONS && r.prompt_ids && !r.n_prompt_ids) abort();
+    if (kind == PKV_OPENAI_CHAT && (!r.msgs || !r.n_msgs)) abort();
+    for (size_t i = 0; kind == PKV_OPENAI_CHAT && i < r.n_msgs; i++)
         if ((unsigned)r.msgs[i].role > PKV_CHAT_ASSISTANT ||
             (!r.msgs[i].content && r.msgs[i].content_len))
             abort();
@@ -63,7 +63,7 @@ int pkv_fuzz_request_one(bool chat, const char *body, size_t len)
     int32_t *ids = NULL;
     uint32_t n = 0, mt = 0;
     int outcome = 1;
-    if (srv_request_prompt(&r, fuzz_tok(), &lim, 16, &ids, &n, &mt, &err) == PKV_OK) {
+    if (pkv_openai_request_prompt(&r, fuzz_tok(), &lim, 16, &ids, &n, &mt, &err) == PKV_OK) {
         if (n < 1 || mt < 1 || (uint64_t)n + mt > FUZZ_MAX_CONTEXT) abort();
         for (uint32_t i = 0; i < n; i++)
             if (ids[i] < 0 || ids[i] >= pkv_tok_vocab_size(fuzz_tok())) abort();
@@ -73,7 +73,7 @@ int pkv_fuzz_request_one(bool chat, const char *body, size_t len)
         if (err.status == 500) abort(); /* only allocation failures may say 500 */
         check_error(&err);
     }
-    srv_request_free(&r);
+    pkv_openai_request_free(&r);
     return outcome;
 }
 

@@ -1,9 +1,9 @@
 /*
- * server request parsing (see request.h). JSON through jansson; every field of the body
+ * openai: request parsing (see openai.h). JSON through jansson; every field of the body
  * is looked up in one table per endpoint so that unknown fields are refused and known
  * ones are checked in one place.
  */
-#include "server/request.h"
+#include "openai/openai.h"
 
 #include "core/core.h"
 
@@ -20,8 +20,8 @@
 #define UNSUPPORTED "unsupported_parameter"
 #define REQ_ERR     "invalid_request_error"
 
-void srv_error_set(srv_error_t *err, int status, const char *type, const char *code,
-                   const char *param, const char *fmt, ...)
+void pkv_openai_error_set(pkv_openai_error_t *err, int status, const char *type, const char *code,
+                          const char *param, const char *fmt, ...)
 {
     if (!err) return;
     err->status = status;
@@ -38,30 +38,30 @@ void srv_error_set(srv_error_t *err, int status, const char *type, const char *c
         if ((unsigned char)*p < 0x20 || (unsigned char)*p >= 0x7f) *p = '?';
 }
 
-static int bad(srv_error_t *err, const char *code, const char *param, const char *fmt, ...)
+static int bad(pkv_openai_error_t *err, const char *code, const char *param, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
-static int bad(srv_error_t *err, const char *code, const char *param, const char *fmt, ...)
+static int bad(pkv_openai_error_t *err, const char *code, const char *param, const char *fmt, ...)
 {
     char msg[sizeof(err->message)];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
-    srv_error_set(err, 400, REQ_ERR, code, param, "%s", msg);
+    pkv_openai_error_set(err, 400, REQ_ERR, code, param, "%s", msg);
     return PKV_ERR_INVALID;
 }
 
 /* ---- field checkers: each returns PKV_OK or fills err ------------------------------ */
 
 typedef struct field field_t;
-typedef int (*field_fn)(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                        srv_error_t *err);
+typedef int (*field_fn)(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                        const pkv_openai_limits_t *lim, pkv_openai_error_t *err);
 struct field {
     const char *name;
     field_fn check;
 };
 
-static int want_bool(const field_t *f, json_t *v, bool *out, srv_error_t *err)
+static int want_bool(const field_t *f, json_t *v, bool *out, pkv_openai_error_t *err)
 {
     if (!json_is_boolean(v)) return bad(err, BAD_TYPE, f->name, "'%s' must be a boolean", f->name);
     *out = json_is_true(v);
@@ -69,7 +69,7 @@ static int want_bool(const field_t *f, json_t *v, bool *out, srv_error_t *err)
 }
 
 static int want_number(const field_t *f, json_t *v, double lo, double hi, double *out,
-                       srv_error_t *err)
+                       pkv_openai_error_t *err)
 {
     if (!json_is_number(v)) return bad(err, BAD_TYPE, f->name, "'%s' must be a number", f->name);
     double d = json_number_value(v);
@@ -79,37 +79,37 @@ static int want_number(const field_t *f, json_t *v, double lo, double hi, double
     return PKV_OK;
 }
 
-static int f_string_ignored(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                            srv_error_t *err)
+static int f_string_ignored(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                            const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     if (!json_is_string(v)) return bad(err, BAD_TYPE, f->name, "'%s' must be a string", f->name);
     return PKV_OK;
 }
 
-static int f_object_ignored(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                            srv_error_t *err)
+static int f_object_ignored(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                            const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     if (!json_is_object(v)) return bad(err, BAD_TYPE, f->name, "'%s' must be an object", f->name);
     return PKV_OK;
 }
 
-static int f_bool_ignored(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                          srv_error_t *err)
+static int f_bool_ignored(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                          const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     bool b = false;
     return want_bool(f, v, &b, err);
 }
 
-static int f_model(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                   srv_error_t *err)
+static int f_model(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                   const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     if (!json_is_string(v)) return bad(err, BAD_TYPE, f->name, "'model' must be a string");
     r->model = json_string_value(v);
     return PKV_OK;
 }
 
-static int f_max_tokens(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                        srv_error_t *err)
+static int f_max_tokens(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                        const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     if (!json_is_integer(v)) return bad(err, BAD_TYPE, f->name, "'%s' must be an integer", f->name);
     json_int_t n = json_integer_value(v);
@@ -123,8 +123,8 @@ static int f_max_tokens(const field_t *f, json_t *v, srv_request_t *r, const srv
     return PKV_OK;
 }
 
-static int f_temperature(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                         srv_error_t *err)
+static int f_temperature(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                         const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     double d = 0;
     int rc = want_number(f, v, 0.0, 2.0, &d, err);
@@ -132,8 +132,8 @@ static int f_temperature(const field_t *f, json_t *v, srv_request_t *r, const sr
     return rc;
 }
 
-static int f_top_p(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                   srv_error_t *err)
+static int f_top_p(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                   const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     double d = 0;
     int rc = want_number(f, v, 0.0, 1.0, &d, err);
@@ -143,8 +143,8 @@ static int f_top_p(const field_t *f, json_t *v, srv_request_t *r, const srv_limi
     return PKV_OK;
 }
 
-static int f_seed(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                  srv_error_t *err)
+static int f_seed(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                  const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     if (!json_is_integer(v)) return bad(err, BAD_TYPE, f->name, "'seed' must be an integer");
     r->has_seed = true;
@@ -152,7 +152,7 @@ static int f_seed(const field_t *f, json_t *v, srv_request_t *r, const srv_limit
     return PKV_OK;
 }
 
-static int stop_one(json_t *s, srv_request_t *r, srv_error_t *err)
+static int stop_one(json_t *s, pkv_openai_request_t *r, pkv_openai_error_t *err)
 {
     if (!json_is_string(s))
         return bad(err, BAD_TYPE, "stop", "'stop' must be a string or an array of strings");
@@ -166,8 +166,8 @@ static int stop_one(json_t *s, srv_request_t *r, srv_error_t *err)
     return PKV_OK;
 }
 
-static int f_stop(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                  srv_error_t *err)
+static int f_stop(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                  const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     if (json_is_string(v)) return stop_one(v, r, err);
     if (!json_is_array(v))
@@ -184,14 +184,14 @@ static int f_stop(const field_t *f, json_t *v, srv_request_t *r, const srv_limit
     return PKV_OK;
 }
 
-static int f_stream(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                    srv_error_t *err)
+static int f_stream(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                    const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     return want_bool(f, v, &r->stream, err);
 }
 
-static int f_stream_options(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                            srv_error_t *err)
+static int f_stream_options(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                            const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     if (!json_is_object(v))
         return bad(err, BAD_TYPE, f->name, "'stream_options' must be an object");
@@ -219,8 +219,8 @@ static int f_stream_options(const field_t *f, json_t *v, srv_request_t *r, const
 }
 
 /* Accepted only at their no-op values. */
-static int f_n(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-               srv_error_t *err)
+static int f_n(const field_t *f, json_t *v, pkv_openai_request_t *r, const pkv_openai_limits_t *lim,
+               pkv_openai_error_t *err)
 {
     if (!json_is_integer(v)) return bad(err, BAD_TYPE, f->name, "'%s' must be an integer", f->name);
     if (json_integer_value(v) != 1)
@@ -228,8 +228,8 @@ static int f_n(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t
     return PKV_OK;
 }
 
-static int f_logprobs(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                      srv_error_t *err)
+static int f_logprobs(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                      const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     if (!json_is_boolean(v) && !json_is_integer(v))
         return bad(err, BAD_TYPE, f->name, "'%s' must be a boolean or an integer", f->name);
@@ -238,8 +238,8 @@ static int f_logprobs(const field_t *f, json_t *v, srv_request_t *r, const srv_l
     return PKV_OK;
 }
 
-static int f_top_logprobs(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                          srv_error_t *err)
+static int f_top_logprobs(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                          const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     if (!json_is_integer(v))
         return bad(err, BAD_TYPE, f->name, "'top_logprobs' must be an integer");
@@ -248,8 +248,8 @@ static int f_top_logprobs(const field_t *f, json_t *v, srv_request_t *r, const s
     return PKV_OK;
 }
 
-static int f_false_only(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                        srv_error_t *err)
+static int f_false_only(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                        const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     bool b = false;
     if (want_bool(f, v, &b, err)) return PKV_ERR_INVALID;
@@ -257,8 +257,8 @@ static int f_false_only(const field_t *f, json_t *v, srv_request_t *r, const srv
     return PKV_OK;
 }
 
-static int f_penalty(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                     srv_error_t *err)
+static int f_penalty(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                     const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     double d = 0;
     if (want_number(f, v, -2.0, 2.0, &d, err)) return PKV_ERR_INVALID;
@@ -267,8 +267,8 @@ static int f_penalty(const field_t *f, json_t *v, srv_request_t *r, const srv_li
     return PKV_OK;
 }
 
-static int f_empty_object(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                          srv_error_t *err)
+static int f_empty_object(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                          const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     if (!json_is_object(v)) return bad(err, BAD_TYPE, f->name, "'%s' must be an object", f->name);
     if (json_object_size(v))
@@ -276,16 +276,16 @@ static int f_empty_object(const field_t *f, json_t *v, srv_request_t *r, const s
     return PKV_OK;
 }
 
-static int f_empty_array(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                         srv_error_t *err)
+static int f_empty_array(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                         const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     if (!json_is_array(v)) return bad(err, BAD_TYPE, f->name, "'%s' must be an array", f->name);
     if (json_array_size(v)) return bad(err, UNSUPPORTED, f->name, "'%s' is not supported", f->name);
     return PKV_OK;
 }
 
-static int f_choice_none(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                         srv_error_t *err)
+static int f_choice_none(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                         const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     if (!json_is_string(v))
         return bad(err, UNSUPPORTED, f->name,
@@ -297,16 +297,16 @@ static int f_choice_none(const field_t *f, json_t *v, srv_request_t *r, const sr
     return PKV_OK;
 }
 
-static int f_suffix(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                    srv_error_t *err)
+static int f_suffix(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                    const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     if (!json_is_string(v)) return bad(err, BAD_TYPE, f->name, "'suffix' must be a string");
     if (json_string_length(v)) return bad(err, UNSUPPORTED, f->name, "'suffix' is not supported");
     return PKV_OK;
 }
 
-static int f_response_format(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                             srv_error_t *err)
+static int f_response_format(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                             const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     if (!json_is_object(v))
         return bad(err, BAD_TYPE, f->name, "'response_format' must be an object");
@@ -317,14 +317,14 @@ static int f_response_format(const field_t *f, json_t *v, srv_request_t *r, cons
     return PKV_OK;
 }
 
-static int f_ignore_eos(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                        srv_error_t *err)
+static int f_ignore_eos(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                        const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     return want_bool(f, v, &r->ignore_eos, err);
 }
 
-static int f_priority(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                      srv_error_t *err)
+static int f_priority(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                      const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     if (!json_is_integer(v)) return bad(err, BAD_TYPE, f->name, "'priority' must be an integer");
     json_int_t p = json_integer_value(v);
@@ -334,8 +334,8 @@ static int f_priority(const field_t *f, json_t *v, srv_request_t *r, const srv_l
     return PKV_OK;
 }
 
-static int f_cache_salt(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                        srv_error_t *err)
+static int f_cache_salt(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                        const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     if (!json_is_string(v)) return bad(err, BAD_TYPE, f->name, "'cache_salt' must be a string");
     size_t len = json_string_length(v);
@@ -351,14 +351,14 @@ static int f_cache_salt(const field_t *f, json_t *v, srv_request_t *r, const srv
     return PKV_OK;
 }
 
-static int f_add_generation_prompt(const field_t *f, json_t *v, srv_request_t *r,
-                                   const srv_limits_t *lim, srv_error_t *err)
+static int f_add_generation_prompt(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                                   const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     return want_bool(f, v, &r->add_generation_prompt, err);
 }
 
-static int f_prompt(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                    srv_error_t *err)
+static int f_prompt(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                    const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     static const char *types = "'prompt' must be a string, an array of token ids, or an array "
                                "holding one string or one array of token ids";
@@ -380,12 +380,12 @@ static int f_prompt(const field_t *f, json_t *v, srv_request_t *r, const srv_lim
     if (!json_is_array(v)) return bad(err, BAD_TYPE, "prompt", "%s", types);
     size_t n = json_array_size(v);
     if (n == 0) return bad(err, BAD_VALUE, "prompt", "the prompt is empty");
-    if (n > SRV_REQ_MAX_PROMPT_IDS)
+    if (n > PKV_OPENAI_MAX_PROMPT_IDS)
         return bad(err, BAD_VALUE, "prompt", "the prompt has %zu token ids (at most %u)", n,
-                   SRV_REQ_MAX_PROMPT_IDS);
+                   PKV_OPENAI_MAX_PROMPT_IDS);
     int32_t *ids = malloc(n * sizeof(*ids));
     if (!ids) {
-        srv_error_set(err, 500, "server_error", "out_of_memory", NULL, "out of memory");
+        pkv_openai_error_set(err, 500, "server_error", "out_of_memory", NULL, "out of memory");
         return PKV_ERR_NOMEM;
     }
     for (size_t i = 0; i < n; i++) {
@@ -409,8 +409,8 @@ static int f_prompt(const field_t *f, json_t *v, srv_request_t *r, const srv_lim
 
 /* content: a string, null (assistant only), or an array of {"type": "text", "text": s}
  * parts (joined). */
-static int message_content(size_t i, json_t *c, pkv_chat_role_t role, srv_request_t *r,
-                           srv_error_t *err)
+static int message_content(size_t i, json_t *c, pkv_chat_role_t role, pkv_openai_request_t *r,
+                           pkv_openai_error_t *err)
 {
     pkv_chat_msg_t *m = &r->msgs[i];
     if (json_is_string(c)) {
@@ -446,7 +446,7 @@ static int message_content(size_t i, json_t *c, pkv_chat_role_t role, srv_reques
     }
     char *buf = malloc(total + 1);
     if (!buf) {
-        srv_error_set(err, 500, "server_error", "out_of_memory", NULL, "out of memory");
+        pkv_openai_error_set(err, 500, "server_error", "out_of_memory", NULL, "out of memory");
         return PKV_ERR_NOMEM;
     }
     size_t at = 0;
@@ -463,19 +463,19 @@ static int message_content(size_t i, json_t *c, pkv_chat_role_t role, srv_reques
     return PKV_OK;
 }
 
-static int f_messages(const field_t *f, json_t *v, srv_request_t *r, const srv_limits_t *lim,
-                      srv_error_t *err)
+static int f_messages(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                      const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     if (!json_is_array(v)) return bad(err, BAD_TYPE, "messages", "'messages' must be an array");
     size_t n = json_array_size(v);
     if (n == 0) return bad(err, BAD_VALUE, "messages", "'messages' is empty");
-    if (n > SRV_REQ_MAX_MESSAGES)
+    if (n > PKV_OPENAI_MAX_MESSAGES)
         return bad(err, BAD_VALUE, "messages", "%zu messages (at most %u)", n,
-                   SRV_REQ_MAX_MESSAGES);
+                   PKV_OPENAI_MAX_MESSAGES);
     r->msgs = calloc(n, sizeof(*r->msgs));
     r->parts = calloc(n, sizeof(*r->parts));
     if (!r->msgs || !r->parts) {
-        srv_error_set(err, 500, "server_error", "out_of_memory", NULL, "out of memory");
+        pkv_openai_error_set(err, 500, "server_error", "out_of_memory", NULL, "out of memory");
         return PKV_ERR_NOMEM; /* the caller frees what was allocated */
     }
     r->n_msgs = n;
@@ -518,7 +518,7 @@ static int f_messages(const field_t *f, json_t *v, srv_request_t *r, const srv_l
 /* kv_transfer_params: the field's keys are type-checked (null = absent); other keys are
  * ignored (proxies add their own) except pagekv's, which only a decode leg may carry. A
  * prefill leg (do_remote_decode) must not name a producer. */
-static int kvt_key(const char *key, json_t *x, srv_request_t *r, srv_error_t *err)
+static int kvt_key(const char *key, json_t *x, pkv_openai_request_t *r, pkv_openai_error_t *err)
 {
     static const struct {
         const char *key, *param;
@@ -541,30 +541,30 @@ static int kvt_key(const char *key, json_t *x, srv_request_t *r, srv_error_t *er
                        : keys[i].type == JSON_STRING ? "a string"
                        : keys[i].type == JSON_ARRAY  ? "an array of block ids"
                                                      : "an integer");
-        if (i == 0 && json_is_true(x)) r->kvt |= SRV_KVT_PREFILL;
-        if (i == 1 && json_is_true(x)) r->kvt |= SRV_KVT_DECODE;
+        if (i == 0 && json_is_true(x)) r->kvt |= PKV_OPENAI_KVT_PREFILL;
+        if (i == 1 && json_is_true(x)) r->kvt |= PKV_OPENAI_KVT_DECODE;
         return PKV_OK;
     }
     return PKV_OK;
 }
 
-static int f_kv_transfer_params(const field_t *f, json_t *v, srv_request_t *r,
-                                const srv_limits_t *lim, srv_error_t *err)
+static int f_kv_transfer_params(const field_t *f, json_t *v, pkv_openai_request_t *r,
+                                const pkv_openai_limits_t *lim, pkv_openai_error_t *err)
 {
     if (!json_is_object(v))
         return bad(err, BAD_TYPE, f->name, "'kv_transfer_params' must be an object");
     const char *key;
     json_t *x;
-    r->kvt = SRV_KVT_NONE;
+    r->kvt = PKV_OPENAI_KVT_NONE;
     json_object_foreach(v, key, x)
     {
         if (kvt_key(key, x, r, err)) return PKV_ERR_INVALID;
     }
     unsigned mode = r->kvt;
-    if (mode == (SRV_KVT_PREFILL | SRV_KVT_DECODE))
+    if (mode == (PKV_OPENAI_KVT_PREFILL | PKV_OPENAI_KVT_DECODE))
         return bad(err, BAD_VALUE, f->name,
                    "'kv_transfer_params' sets both do_remote_decode and do_remote_prefill");
-    if (mode == SRV_KVT_PREFILL) {
+    if (mode == PKV_OPENAI_KVT_PREFILL) {
         json_object_foreach(v, key, x)
         {
             bool names_producer = !strncmp(key, "remote_", 7) || !strncmp(key, "pagekv_", 7);
@@ -575,7 +575,7 @@ static int f_kv_transfer_params(const field_t *f, json_t *v, srv_request_t *r,
                            key);
         }
     }
-    r->kvt_params = mode == SRV_KVT_NONE ? NULL : v;
+    r->kvt_params = mode == PKV_OPENAI_KVT_NONE ? NULL : v;
     return PKV_OK;
 }
 
@@ -632,7 +632,7 @@ static const field_t *find_field(const field_t *t, size_t n, const char *name)
     return NULL;
 }
 
-void srv_request_free(srv_request_t *r)
+void pkv_openai_request_free(pkv_openai_request_t *r)
 {
     if (!r) return;
     if (r->parts)
@@ -644,11 +644,13 @@ void srv_request_free(srv_request_t *r)
     memset(r, 0, sizeof(*r));
 }
 
-int srv_request_parse(srv_req_kind_t kind, const char *body, size_t len, const char *model_name,
-                      const srv_limits_t *lim, srv_request_t *out, srv_error_t *err)
+int pkv_openai_request_parse(pkv_openai_kind_t kind, const char *body, size_t len,
+                             const char *model_name, const pkv_openai_limits_t *lim,
+                             pkv_openai_request_t *out, pkv_openai_error_t *err)
 {
-    if ((!body && len) || !lim || !out || (kind != SRV_REQ_COMPLETIONS && kind != SRV_REQ_CHAT)) {
-        srv_error_set(err, 500, "server_error", "internal_error", NULL, "bad parser call");
+    if ((!body && len) || !lim || !out ||
+        (kind != PKV_OPENAI_COMPLETIONS && kind != PKV_OPENAI_CHAT)) {
+        pkv_openai_error_set(err, 500, "server_error", "internal_error", NULL, "bad parser call");
         return PKV_ERR_INVALID;
     }
     if (len == 0)
@@ -658,7 +660,7 @@ int srv_request_parse(srv_req_kind_t kind, const char *body, size_t len, const c
     if (!doc)
         return bad(err, "invalid_json", NULL, "malformed JSON at line %d column %d: %.120s",
                    je.line, je.column, je.text);
-    srv_request_t r;
+    pkv_openai_request_t r;
     memset(&r, 0, sizeof(r));
     r.kind = kind;
     r.doc = doc;
@@ -670,13 +672,13 @@ int srv_request_parse(srv_req_kind_t kind, const char *body, size_t len, const c
         rc = bad(err, "invalid_json", NULL, "the request body must be a JSON object");
         goto fail;
     }
-    const field_t *kt = kind == SRV_REQ_CHAT ? chat_fields : completion_fields;
+    const field_t *kt = kind == PKV_OPENAI_CHAT ? chat_fields : completion_fields;
     size_t kn =
-        kind == SRV_REQ_CHAT ? PKV_ARRAY_LEN(chat_fields) : PKV_ARRAY_LEN(completion_fields);
+        kind == PKV_OPENAI_CHAT ? PKV_ARRAY_LEN(chat_fields) : PKV_ARRAY_LEN(completion_fields);
     const char *key;
     json_t *v;
     /* max_completion_tokens wins over max_tokens: check it last. */
-    json_t *mct = kind == SRV_REQ_CHAT ? json_object_get(doc, "max_completion_tokens") : NULL;
+    json_t *mct = kind == PKV_OPENAI_CHAT ? json_object_get(doc, "max_completion_tokens") : NULL;
     json_object_foreach(doc, key, v)
     {
         const field_t *f = find_field(common_fields, PKV_ARRAY_LEN(common_fields), key);
@@ -697,11 +699,11 @@ int srv_request_parse(srv_req_kind_t kind, const char *body, size_t len, const c
         rc = bad(err, "missing_field", "model", "'model' is required");
         goto fail;
     }
-    if (kind == SRV_REQ_COMPLETIONS && !r.prompt_text && !r.prompt_ids) {
+    if (kind == PKV_OPENAI_COMPLETIONS && !r.prompt_text && !r.prompt_ids) {
         rc = bad(err, "missing_field", "prompt", "'prompt' is required");
         goto fail;
     }
-    if (kind == SRV_REQ_CHAT && !r.msgs) {
+    if (kind == PKV_OPENAI_CHAT && !r.msgs) {
         rc = bad(err, "missing_field", "messages", "'messages' is required");
         goto fail;
     }
@@ -711,9 +713,9 @@ int srv_request_parse(srv_req_kind_t kind, const char *body, size_t len, const c
         goto fail;
     }
     if (model_name && strcmp(r.model, model_name)) {
-        srv_error_set(err, 404, REQ_ERR, "model_not_found", "model",
-                      "the model '%.100s' does not exist (this server serves '%.100s')", r.model,
-                      model_name);
+        pkv_openai_error_set(err, 404, REQ_ERR, "model_not_found", "model",
+                             "the model '%.100s' does not exist (this server serves '%.100s')",
+                             r.model, model_name);
         rc = PKV_ERR_INVALID;
         goto fail;
     }
@@ -721,28 +723,30 @@ int srv_request_parse(srv_req_kind_t kind, const char *body, size_t len, const c
     return PKV_OK;
 
 fail:
-    srv_request_free(&r);
+    pkv_openai_request_free(&r);
     return rc ? rc : PKV_ERR_INVALID;
 }
 
-int srv_request_parse_lookup(const char *body, size_t len, const char *model_name,
-                             const srv_limits_t *lim, srv_request_t *out, srv_error_t *err)
+int pkv_openai_lookup_parse(const char *body, size_t len, const char *model_name,
+                            const pkv_openai_limits_t *lim, pkv_openai_request_t *out,
+                            pkv_openai_error_t *err)
 {
     json_t *doc = body && len ? json_loadb(body, len, JSON_ALLOW_NUL, NULL) : NULL;
     bool chat = json_is_object(doc) && json_object_get(doc, "messages");
     json_decref(doc);
-    return srv_request_parse(chat ? SRV_REQ_CHAT : SRV_REQ_COMPLETIONS, body, len, model_name, lim,
-                             out, err);
+    return pkv_openai_request_parse(chat ? PKV_OPENAI_CHAT : PKV_OPENAI_COMPLETIONS, body, len,
+                                    model_name, lim, out, err);
 }
 
-int srv_request_prompt(const srv_request_t *r, const pkv_tok_t *tok, const srv_limits_t *lim,
-                       uint32_t default_max_tokens, int32_t **ids_out, uint32_t *n_out,
-                       uint32_t *max_tokens_out, srv_error_t *err)
+int pkv_openai_request_prompt(const pkv_openai_request_t *r, const pkv_tok_t *tok,
+                              const pkv_openai_limits_t *lim, uint32_t default_max_tokens,
+                              int32_t **ids_out, uint32_t *n_out, uint32_t *max_tokens_out,
+                              pkv_openai_error_t *err)
 {
     int32_t *ids = NULL;
     size_t n = 0;
     int rc;
-    if (r->kind == SRV_REQ_CHAT) {
+    if (r->kind == PKV_OPENAI_CHAT) {
         rc = pkv_tok_chat_template(tok, r->msgs, r->n_msgs, r->add_generation_prompt, &ids, &n);
         if (rc == PKV_ERR_INVALID)
             return bad(
@@ -763,11 +767,11 @@ int srv_request_prompt(const srv_request_t *r, const pkv_tok_t *tok, const srv_l
         rc = pkv_tok_encode_alloc(tok, r->prompt_text, r->prompt_len, true, &ids, &n);
     }
     if (rc) {
-        srv_error_set(err, 500, "server_error", "internal_error", NULL,
-                      "tokenizing the prompt failed: %s", pkv_status_str(rc));
+        pkv_openai_error_set(err, 500, "server_error", "internal_error", NULL,
+                             "tokenizing the prompt failed: %s", pkv_status_str(rc));
         return rc;
     }
-    const char *param = r->kind == SRV_REQ_CHAT ? "messages" : "prompt";
+    const char *param = r->kind == PKV_OPENAI_CHAT ? "messages" : "prompt";
     uint32_t ctx = lim->max_context, mt;
     if (n == 0) {
         free(ids);
@@ -791,7 +795,7 @@ int srv_request_prompt(const srv_request_t *r, const pkv_tok_t *tok, const srv_l
                        ctx, n);
         }
         uint32_t room = ctx - (uint32_t)n;
-        mt = r->kind == SRV_REQ_CHAT ? room : PKV_MIN(PKV_MAX(default_max_tokens, 1u), room);
+        mt = r->kind == PKV_OPENAI_CHAT ? room : PKV_MIN(PKV_MAX(default_max_tokens, 1u), room);
     }
     *ids_out = ids;
     *n_out = (uint32_t)n;

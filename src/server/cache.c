@@ -1,0 +1,167 @@
+/*
+ * server: the cache admin endpoints (design in docs/design/server.md, "Endpoints"):
+ * POST /v1/cache/reset, /v1/cache/lookup (the router's cache-aware question),
+ * /v1/cache/digest (a hash of the KV bytes a prompt's cached blocks hold, per rank and
+ * head) and /v1/kv_transfer/peaks/reset. None of them computes or changes KV beyond
+ * dropping the cache (reset) or pinning blocks while they are read (digest).
+ */
+#include "kv/kv.h"
+#include "server/server_int.h"
+
+#include <openssl/evp.h>
+#include <openssl/sha.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum MHD_Result srv_handle_peaks_reset(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr)
+{
+    if (!srv_body_empty(hr)) {
+        srv_count_rejection(s, SRV_REJ_INVALID);
+        return srv_answer_errorf(s, c, hr, 400, "invalid_request_error", "invalid_json",
+                             "/v1/kv_transfer/peaks/reset takes no parameters (empty body or {})");
+    }
+    if (!s->kvn)
+        return srv_answer_errorf(s, c, hr, 404, "not_found_error", "not_a_kv_node",
+                             "/v1/kv_transfer/peaks/reset is for prefill and decode nodes "
+                             "(this server runs unified)");
+    json_t *doc = pkv_disagg_node_peaks_reset(s->kvn);
+    if (!doc) return MHD_NO;
+    return srv_answer_json(s, c, hr, 200, doc);
+}
+
+enum MHD_Result srv_handle_cache_reset(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr)
+{
+    if (!srv_body_empty(hr)) {
+        srv_count_rejection(s, SRV_REJ_INVALID);
+        return srv_answer_errorf(s, c, hr, 400, "invalid_request_error", "invalid_json",
+                             "/v1/cache/reset takes no parameters (empty body or {})");
+    }
+    pkv_kv_stats_t before, after;
+    pkv_kv_stats(s->kv, &before);
+    pkv_kv_reset_cache(s->kv);
+    pkv_kv_stats(s->kv, &after);
+    pthread_mutex_lock(&s->lock);
+    s->ctr.cache_resets++;
+    pthread_mutex_unlock(&s->lock);
+    uint64_t dropped =
+        before.blocks_cached > after.blocks_cached ? before.blocks_cached - after.blocks_cached : 0;
+    return srv_answer_json(s, c, hr, 200,
+                       json_pack("{s:b, s:I, s:I, s:I}", "reset", 1, "dropped_blocks",
+                                 (json_int_t)dropped, "committed_bytes_before",
+                                 (json_int_t)before.committed_bytes, "committed_bytes_after",
+                                 (json_int_t)after.committed_bytes));
+}
+
+/* The prompt of a /v1/cache/lookup or /v1/cache/digest body: true with *r (free with
+ * pkv_openai_request_free) and *ids / *n (free ids), or false with *ret the error answered. */
+static bool cache_prompt(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr,
+                         pkv_openai_request_t *r, int32_t **ids, uint32_t *n, enum MHD_Result *ret)
+{
+    pkv_openai_limits_t lim = {.max_context = s->max_context};
+    pkv_openai_error_t err;
+    uint32_t mt = 0;
+    *ids = NULL;
+    *n = 0;
+    if (pkv_openai_lookup_parse(hr->body, hr->len, s->served_name, &lim, r, &err)) {
+        *ret = srv_answer_error(s, c, hr, &err);
+        return false;
+    }
+    if (pkv_openai_request_prompt(r, s->tok, &lim, s->default_max_tokens, ids, n, &mt, &err)) {
+        *ret = srv_answer_error(s, c, hr, &err);
+        free(*ids);
+        pkv_openai_request_free(r);
+        return false;
+    }
+    return true;
+}
+
+/* POST /v1/cache/lookup: how many of the prompt's tokens this node's prefix cache holds
+ * under the request's salt (the router's cache_aware policy asks; it changes nothing). */
+enum MHD_Result srv_handle_cache_lookup(pkv_server_t *s, struct MHD_Connection *c,
+                                           http_req_t *hr)
+{
+    pkv_openai_request_t r;
+    int32_t *ids;
+    uint32_t n, matched = 0;
+    enum MHD_Result ret;
+    if (!cache_prompt(s, c, hr, &r, &ids, &n, &ret)) return ret;
+    if (pkv_kv_prefix_match(s->kv, r.salt, ids, n, &matched))
+        ret = srv_answer_errorf(s, c, hr, 500, "server_error", "out_of_memory", "out of memory");
+    else
+        ret = srv_answer_json(
+            s, c, hr, 200,
+            json_pack("{s:i, s:i}", "matched_tokens", (int)matched, "prompt_tokens", (int)n));
+    free(ids);
+    pkv_openai_request_free(&r);
+    return ret;
+}
+
+/* The SHA-256 of head h's K/V on rank r over blocks ids[0..n): for each block, each layer,
+ * its K piece then its V piece. */
+static void head_digest(pkv_kv_t *kv, uint32_t r, uint32_t h, const uint32_t *ids, uint32_t n,
+                        char hexout[65])
+{
+    const pkv_geometry_t *g = pkv_kv_geometry(kv);
+    size_t piece = (size_t)g->block_tokens * g->head_dim * pkv_dtype_size(g->dtype);
+    uint8_t d[SHA256_DIGEST_LENGTH] = {0};
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    if (ctx && EVP_DigestInit_ex(ctx, EVP_sha256(), NULL)) {
+        for (uint32_t b = 0; b < n; b++)
+            for (uint32_t l = 0; l < g->layers; l++)
+                for (uint32_t w = 0; w < 2; w++)
+                    EVP_DigestUpdate(ctx, pkv_kv_block_head_rank(kv, r, ids[b], l, w, h), piece);
+        EVP_DigestFinal_ex(ctx, d, NULL);
+    }
+    EVP_MD_CTX_free(ctx);
+    static const char x[] = "0123456789abcdef";
+    for (int i = 0; i < SHA256_DIGEST_LENGTH; i++)
+        hexout[2 * i] = x[d[i] >> 4], hexout[2 * i + 1] = x[d[i] & 15];
+    hexout[64] = 0;
+}
+
+/* POST /v1/cache/digest (the lookup's body): the SHA-256 of each KV head's bytes over the
+ * blocks of the prompt this node's prefix cache holds, per tensor-parallel rank, so two
+ * nodes (or a node's ranks and a TP=1 node) can be shown to hold the same KV. It pins the
+ * blocks while it reads them and changes nothing else. */
+enum MHD_Result srv_handle_cache_digest(pkv_server_t *s, struct MHD_Connection *c,
+                                           http_req_t *hr)
+{
+    pkv_openai_request_t r;
+    int32_t *ids;
+    uint32_t n, nb = 0, *blocks = NULL;
+    enum MHD_Result ret;
+    int rc;
+    if (!cache_prompt(s, c, hr, &r, &ids, &n, &ret)) return ret;
+    if ((rc = pkv_kv_prefix_pin(s->kv, r.salt, ids, n, &blocks, &nb))) {
+        ret = rc == PKV_ERR_UNSUPPORTED
+                  ? srv_answer_errorf(s, c, hr, 400, "invalid_request_error", "unsupported",
+                                  "/v1/cache/digest needs the paged KV backend")
+                  : srv_answer_errorf(s, c, hr, 500, "server_error", "out_of_memory", "out of memory");
+    } else {
+        uint32_t tp = pkv_kv_tp(s->kv);
+        json_t *ranks = json_array();
+        for (uint32_t k = 0; ranks && k < tp; k++) {
+            pkv_kv_rank_t info;
+            pkv_kv_rank(s->kv, k, &info);
+            json_t *heads = json_array();
+            for (uint32_t h = info.head_lo; heads && h < info.head_lo + info.head_n; h++) {
+                char hx[65];
+                head_digest(s->kv, k, h, blocks, nb, hx);
+                json_array_append_new(heads, json_string(hx));
+            }
+            json_array_append_new(ranks, json_pack("{s:i, s:i, s:i, s:o*}", "rank", (int)k,
+                                                   "head_lo", (int)info.head_lo, "head_n",
+                                                   (int)info.head_n, "heads", heads));
+        }
+        if (nb) pkv_kv_unpin(s->kv, blocks, nb);
+        uint32_t bt = pkv_kv_geometry(s->kv)->block_tokens;
+        ret = srv_answer_json(s, c, hr, 200,
+                          json_pack("{s:i, s:i, s:i, s:i, s:o*}", "matched_tokens", (int)(nb * bt),
+                                    "prompt_tokens", (int)n, "blocks", (int)nb, "tp", (int)tp,
+                                    "ranks", ranks));
+    }
+    free(blocks);
+    free(ids);
+    pkv_openai_request_free(&r);
+    return ret;
+}
