@@ -14,6 +14,8 @@
 #include "support/cli.h"
 #include "support/cluster.h"
 #include "support/footprint.h"
+#include "support/http.h"
+#include "support/launch.h"
 #include "support/loadgen.h"
 #include "support/netns.h"
 
@@ -32,7 +34,6 @@
 #include <unistd.h>
 
 #define BD_MIB         (1024.0 * 1024.0)
-#define BD_START_NS    120000000000ull
 #define BD_STOP_NS     30000000000ull
 #define BD_SAMPLE_NS   100000000ull
 #define BD_PARITY      8
@@ -188,7 +189,7 @@ static void bd_reqs_free(lg_req_t *r, uint32_t n)
 /* ---- the sampler thread ------------------------------------------------------------------ */
 typedef struct {
     bd_run_t *run;
-    const cluster_proc_t *node[2]; /* prefill, decode; NULL: none (unified) */
+    const launch_proc_t *node[2]; /* prefill, decode; NULL: none (unified) */
     uint64_t t0_ns;
     pthread_mutex_t lock; /* guards run->samples / ns / cap */
     pthread_t th;
@@ -199,10 +200,10 @@ static void bd_sample_once(bd_sampler_t *s)
 {
     bd_sample_t x = {.t = (double)(pkv_now_ns() - s->t0_ns) / 1e9};
     for (int k = 0; k < 2; k++) {
-        const cluster_proc_t *p = s->node[k];
+        const launch_proc_t *p = s->node[k];
         if (!p) continue;
         pkv_prim_mem_t m;
-        json_t *st = cluster_http_get_json(p->url, "/v1/cache/stats", 2000);
+        json_t *st = http_get_json(p->url, "/v1/cache/stats", 2000);
         /* read right after the node's counters, so RSS - staging is of one instant */
         if (p->pid > 0 && pkv_prim_mem_read(p->pid, &m) == PKV_OK) {
             x.lck[k] = (double)m.locked_bytes;
@@ -342,86 +343,10 @@ typedef struct {
     netns_pair_t net; /* prefill in net.ns[0], decode in net.ns[1] */
 } bd_env_t;
 
-#define BD_ARGV_MAX 48
-
-/* argv[*n...] = extra (NULL-terminated, may be NULL), within BD_ARGV_MAX. */
-static void bd_argv_extra(char **argv, int *n, char *const extra[])
-{
-    for (size_t i = 0; extra && extra[i] && *n < BD_ARGV_MAX - 1; i++) argv[(*n)++] = extra[i];
-    argv[*n] = NULL;
-}
-
-static int bd_start(cluster_proc_t *p, const char *name, char *const argv[], bool tcp,
-                    const char *dev, const char *logdir)
-{
-    char devs[64];
-    snprintf(devs, sizeof(devs), "UCX_NET_DEVICES=%s", dev ? dev : "");
-    char *env[3] = {NULL, NULL, NULL};
-    int ne = 0;
-    if (tcp) env[ne++] = "UCX_TLS=tcp";
-    if (dev) env[ne++] = devs;
-    char err[1024];
-    if (cluster_proc_start(p, name, argv, env, logdir, pkv_now_ns() + BD_START_NS, err,
-                           sizeof(err)) != 0) {
-        fprintf(stderr, "pagekv bench disagg: %s\n", err);
-        return -1;
-    }
-    return 0;
-}
-
-int pkv_bench_disagg_serve(const char *bin, const char *logdir, const char *name,
-                           const char *preset, uint32_t ctx, const char *role, char *const extra[],
-                           bool tcp, const pkv_bench_disagg_place_t *at, cluster_proc_t *p)
-{
-    char cs[16], kv[64];
-    snprintf(cs, sizeof(cs), "%u", ctx);
-    char *argv[BD_ARGV_MAX];
-    int n = 0;
-    if (at) {
-        snprintf(kv, sizeof(kv), "%s:0", at->kv_host);
-        char *pre[] = {(char *)at->ip_bin, "netns", "exec", (char *)at->netns, NULL};
-        bd_argv_extra(argv, &n, pre);
-    }
-    char *base[] = {(char *)bin,
-                    "serve",
-                    "--port",
-                    "0",
-                    "--preset",
-                    (char *)preset,
-                    "--max-context",
-                    cs,
-                    "--kv-cache-budget",
-                    "none",
-                    NULL};
-    bd_argv_extra(argv, &n, base);
-    if (at) {
-        char *place[] = {"--host", (char *)at->host, "--kv-listen", kv, NULL};
-        bd_argv_extra(argv, &n, place);
-    }
-    if (role) {
-        char *r[] = {"--role", (char *)role, "--kv-lease-ms", "600000", "--kv-transfer-timeout-ms",
-                     "60000",  NULL};
-        bd_argv_extra(argv, &n, r);
-    }
-    bd_argv_extra(argv, &n, extra);
-    return bd_start(p, name, argv, tcp, at ? at->kv_dev : NULL, logdir);
-}
-
-int pkv_bench_disagg_route(const char *bin, const char *logdir, const char *name,
-                           const cluster_proc_t *pre, const cluster_proc_t *dec,
-                           char *const extra[], cluster_proc_t *p)
-{
-    char *argv[BD_ARGV_MAX] = {(char *)bin, "route",          "--port",   "0",
-                               "--prefill", (char *)pre->url, "--decode", (char *)dec->url};
-    int n = 8;
-    bd_argv_extra(argv, &n, extra);
-    return bd_start(p, name, argv, false, NULL, logdir);
-}
-
 /* A node of this bench: its load's queue and connections, a small prefix cache, and with a
  * role the design's staging. */
 static int bd_serve(const bd_env_t *e, const bd_opts_t *o, const bd_load_t *L, const char *name,
-                    const char *role, int design, cluster_proc_t *p)
+                    const char *role, int design, launch_proc_t *p)
 {
     char page[32], pages[16], slots[16];
     snprintf(page, sizeof(page), "%llu", (unsigned long long)L->page_bytes);
@@ -453,24 +378,24 @@ static int bd_serve(const bd_env_t *e, const bd_opts_t *o, const bd_load_t *L, c
     /* --tcp: prefill and decode in the two namespaces, their HTTP on the links to this
        one (the router and the load driver stay here), their agents on the link between */
     int k = role && !strcmp(role, "decode");
-    pkv_bench_disagg_place_t at = {e->net.ip_bin, e->net.ns[k], e->net.root_ip[k], e->net.ip[k],
-                                   e->net.dev[k]};
-    return pkv_bench_disagg_serve(e->bin, e->logdir, name, o->preset, L->context, role, argv,
-                                  o->tcp, role && e->net_up ? &at : NULL, p);
+    launch_place_t at = {e->net.ip_bin, e->net.ns[k], e->net.root_ip[k], e->net.ip[k],
+                         e->net.dev[k]};
+    return launch_serve(e->bin, e->logdir, name, o->preset, L->context, role, argv, o->tcp,
+                        role && e->net_up ? &at : NULL, p);
 }
 
-static int bd_route(const bd_env_t *e, const cluster_proc_t *pre, const cluster_proc_t *dec,
-                    cluster_proc_t *p)
+static int bd_route(const bd_env_t *e, const launch_proc_t *pre, const launch_proc_t *dec,
+                    launch_proc_t *p)
 {
     char *extra[] = {"--max-connections", "1024", NULL};
-    return pkv_bench_disagg_route(e->bin, e->logdir, "router", pre, dec, extra, p);
+    return launch_route(e->bin, e->logdir, "router", pre, dec, extra, p);
 }
 
 /* Sum of every sample line of a Prometheus text whose name contains `part`. */
 static long long bd_metric_sum(const char *url, const char *part)
 {
-    cluster_http_reply_t r;
-    if (cluster_http(url, "/metrics", NULL, NULL, 5000, NULL, &r) != 0) return -1;
+    http_reply_t r;
+    if (http_call(url, "/metrics", NULL, NULL, 5000, NULL, &r) != 0) return -1;
     long long sum = 0;
     for (const char *l = r.body; l && *l;) {
         size_t n = strcspn(l, "\n");
@@ -479,7 +404,7 @@ static long long bd_metric_sum(const char *url, const char *part)
             sum += (long long)strtod(sp + 1, NULL);
         l += n + (l[n] == '\n');
     }
-    cluster_http_reply_free(&r);
+    http_reply_free(&r);
     return sum;
 }
 
@@ -487,7 +412,7 @@ static long long bd_metric_sum(const char *url, const char *part)
  * second, polled every 250 ms. */
 static bool bd_staging_idle(const char *pre_url, const char *dec_url)
 {
-    json_t *ks = cluster_http_get_json(pre_url, "/v1/cache/stats", 5000);
+    json_t *ks = http_get_json(pre_url, "/v1/cache/stats", 5000);
     long long idle_ms = cluster_json_int(ks, "kv_transfer.staging.idle_release_ms");
     json_decref(ks);
     if (idle_ms < 0) return false;
@@ -495,7 +420,7 @@ static bool bd_staging_idle(const char *pre_url, const char *dec_url)
     for (;;) {
         bool zero = true;
         for (int k = 0; k < 2; k++) {
-            ks = cluster_http_get_json(k ? dec_url : pre_url, "/v1/cache/stats", 5000);
+            ks = http_get_json(k ? dec_url : pre_url, "/v1/cache/stats", 5000);
             zero &= cluster_json_int(ks, "kv_transfer.staging.resident_bytes") == 0;
             json_decref(ks);
         }
@@ -553,11 +478,11 @@ static void bd_drift(bd_run_t *r)
 
 /* The nodes' high-water marks of the window that ends now (node k: prefill 0, decode 1),
  * restarted for the next one; into phase ph's figures (ph < 0: dropped). */
-static void bd_peaks_window(const cluster_proc_t *node[2], int ph, bd_run_t *run)
+static void bd_peaks_window(const launch_proc_t *node[2], int ph, bd_run_t *run)
 {
     json_t *empty = json_object();
     for (int k = 0; k < 2; k++) {
-        json_t *w = cluster_http_json(node[k]->url, "/v1/kv_transfer/peaks/reset", empty, 5000);
+        json_t *w = http_json(node[k]->url, "/v1/kv_transfer/peaks/reset", empty, 5000);
         long long pages = cluster_json_int(w, "staging.pages_peak_used");
         long long page = cluster_json_int(w, "staging.page_bytes");
         long long tp = cluster_json_int(w, "staging.transfers_peak");
@@ -584,18 +509,18 @@ static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t
        closed phases' run-to-run spread (an open loop's req/s is its offered rate) */
     run->have_paced = (d == D_FIXED || d == D_PER_TRANSFER);
     run->slots = d == D_FIXED_SMALL ? 4 : BD_SLOTS;
-    cluster_proc_t pre = {0}, dec = {0}, rt = {0};
+    launch_proc_t pre = {0}, dec = {0}, rt = {0};
     bool up = false;
     fprintf(stderr, "design %s:\n", run->name);
     if (bd_serve(e, o, L, "prefill", "prefill", d, &pre) ||
         bd_serve(e, o, L, "decode", "decode", d, &dec) || bd_route(e, &pre, &dec, &rt))
         goto stop;
     up = true;
-    json_t *st = cluster_http_get_json(pre.url, "/v1/cache/stats", 5000);
+    json_t *st = http_get_json(pre.url, "/v1/cache/stats", 5000);
     run->page_bytes = (uint64_t)cluster_json_int(st, "kv_transfer.staging.page_bytes");
     run->pool_pages = (uint32_t)cluster_json_int(st, "kv_transfer.staging.pages_total");
     json_decref(st);
-    const cluster_proc_t *nodes[2] = {&pre, &dec};
+    const launch_proc_t *nodes[2] = {&pre, &dec};
     bd_peaks_window(nodes, -1, run); /* startup's window: nothing moved yet */
     bd_sampler_t smp = {.run = run, .node = {&pre, &dec}, .t0_ns = pkv_now_ns()};
     pthread_mutex_init(&smp.lock, NULL);
@@ -639,8 +564,8 @@ static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t
     for (size_t i = 0; i < run->ns; i++)
         run->inflight_transfers_peak[0] =
             fmax(run->inflight_transfers_peak[0], run->samples[i].act[0]);
-    json_t *ds = cluster_http_get_json(dec.url, "/v1/cache/stats", 5000);
-    json_t *ps = cluster_http_get_json(pre.url, "/v1/cache/stats", 5000);
+    json_t *ds = http_get_json(dec.url, "/v1/cache/stats", 5000);
+    json_t *ps = http_get_json(pre.url, "/v1/cache/stats", 5000);
     /* in flight: the stages' own peaks of pages held (exact; a 100 ms sampler misses
        transfers of a few ms), the largest phase's */
     for (int ph = 0; ph < BD_NPH; ph++) {
@@ -661,9 +586,9 @@ static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t
     run->ran = !g_stop;
 stop:
     if (!up) run->client_errors++;
-    int c1 = cluster_proc_stop(&rt, SIGTERM, pkv_now_ns() + BD_STOP_NS);
-    int c2 = cluster_proc_stop(&dec, SIGTERM, pkv_now_ns() + BD_STOP_NS);
-    int c3 = cluster_proc_stop(&pre, SIGTERM, pkv_now_ns() + BD_STOP_NS);
+    int c1 = launch_stop(&rt, SIGTERM, pkv_now_ns() + BD_STOP_NS);
+    int c2 = launch_stop(&dec, SIGTERM, pkv_now_ns() + BD_STOP_NS);
+    int c3 = launch_stop(&pre, SIGTERM, pkv_now_ns() + BD_STOP_NS);
     run->ok = up && run->ran && c1 == 0 && c2 == 0 && c3 == 0;
     if (up && (c1 || c2 || c3))
         fprintf(stderr, "  exits: router %d, decode %d, prefill %d (logs in %s)\n", c1, c2, c3,
@@ -1090,10 +1015,8 @@ static void bd_svg(const char *dir, const bd_run_t *runs)
     }
 }
 
-int pkv_bench_disagg(int argc, char **argv)
+int pkv_bench_disagg_load(int argc, char **argv)
 {
-    for (int i = 1; i < argc; i++)
-        if (!strcmp(argv[i], "--latency")) return pkv_bench_disagg_latency(argc, argv);
     bd_opts_t o;
     int prc = bd_parse(argc, argv, &o);
     if (prc) return prc == 1 ? 0 : prc;
@@ -1101,7 +1024,7 @@ int pkv_bench_disagg(int argc, char **argv)
     bd_sizes(&o, &L);
     bd_env_t e = {.net_up = false};
     snprintf(e.logdir, sizeof(e.logdir), "/tmp/pagekv-bench-disagg-XXXXXX");
-    if (cluster_env_init(e.bin, sizeof(e.bin), e.logdir, on_signal)) return 2;
+    if (launch_env_init(e.bin, sizeof(e.bin), e.logdir, on_signal)) return 2;
     if (o.tcp) {
         char err[512];
         if (netns_pair_create(&e.net, true, err, sizeof(err)) != 0) {
@@ -1130,13 +1053,13 @@ int pkv_bench_disagg(int argc, char **argv)
     memset(runs, 0, sizeof(runs));
     cluster_answer_t parity[BD_PARITY + 4];
     memset(parity, 0, sizeof(parity));
-    cluster_proc_t un = {0};
+    launch_proc_t un = {0};
     double rate = o.paced_rps;
     if (bd_serve(&e, &o, &L, "unified", NULL, 0, &un) != 0) {
         rc = 2;
         goto out;
     }
-    json_t *ust = cluster_http_get_json(un.url, "/v1/cache/stats", 5000);
+    json_t *ust = http_get_json(un.url, "/v1/cache/stats", 5000);
     long long token_bytes = cluster_json_int(ust, "token_bytes");
     json_decref(ust);
     if (token_bytes <= 0) {
@@ -1191,7 +1114,7 @@ int pkv_bench_disagg(int argc, char **argv)
         U.n[BD_PACED] = PKV_MAX(L.n[BD_PACED] / 3, 1);
         bd_phase_run(&o, &U, BD_PACED, un.url, rate, NULL, &u, NULL, false);
     }
-    cluster_proc_stop(&un, SIGTERM, pkv_now_ns() + BD_STOP_NS);
+    launch_stop(&un, SIGTERM, pkv_now_ns() + BD_STOP_NS);
     for (int d = 0; d < BD_ND && !g_stop; d++)
         if (o.design[d]) bd_run_design(&e, &o, &L, d, rate, parity, &runs[d]);
     if (g_stop) {
@@ -1225,7 +1148,7 @@ int pkv_bench_disagg(int argc, char **argv)
     printf("\n%d target%s not met%s\n", bad, bad == 1 ? "" : "s",
            o.quick ? " (--quick: a smoke test; the targets are for the full run)" : "");
 out:
-    cluster_proc_stop(&un, SIGTERM, pkv_now_ns() + BD_STOP_NS);
+    launch_stop(&un, SIGTERM, pkv_now_ns() + BD_STOP_NS);
     for (size_t i = 0; i < sizeof(parity) / sizeof(parity[0]); i++) cluster_answer_free(&parity[i]);
     json_decref(u.reasons);
     json_decref(u.failure_samples);
