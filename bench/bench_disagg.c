@@ -1015,6 +1015,136 @@ static void bd_svg(const char *dir, const bd_run_t *runs)
     }
 }
 
+/* The log directory, signals and (--tcp) the nodes' namespaces. 0, or 2 (said on stderr). */
+static int bd_env_setup(const bd_opts_t *o, bd_env_t *e)
+{
+    *e = (bd_env_t){.net_up = false};
+    snprintf(e->logdir, sizeof(e->logdir), "/tmp/pagekv-bench-disagg-XXXXXX");
+    if (launch_env_init(e->bin, sizeof(e->bin), e->logdir, on_signal)) return 2;
+    if (!o->tcp) return 0;
+    char err[512];
+    if (netns_pair_create(&e->net, true, err, sizeof(err)) != 0) {
+        netns_pair_destroy(&e->net);
+        fprintf(stderr, "pagekv bench disagg: --tcp: cannot make the network namespaces: %s\n",
+                err);
+        return 2;
+    }
+    e->net_up = true;
+    fprintf(stderr,
+            "pagekv bench disagg: --tcp: prefill in %s (HTTP %s, KV %s), decode in %s (HTTP "
+            "%s, KV %s), UCX_TLS=tcp; router and load here\n",
+            e->net.ns[0], e->net.root_ip[0], e->net.ip[0], e->net.ns[1], e->net.root_ip[1],
+            e->net.ip[1]);
+    return 0;
+}
+
+/* The staging page from the unified node's token bytes into L->page_bytes; 0, or 2 when
+ * it reports none or fixed staging would pin more than half of the memory available. */
+static int bd_page_bytes(const bd_opts_t *o, bd_load_t *L, const launch_proc_t *un)
+{
+    json_t *ust = http_get_json(un->url, "/v1/cache/stats", 5000);
+    long long token_bytes = cluster_json_int(ust, "token_bytes");
+    json_decref(ust);
+    if (token_bytes <= 0) {
+        fprintf(stderr, "pagekv bench disagg: the unified node reports no token_bytes\n");
+        return 2;
+    }
+    L->page_bytes = (uint64_t)token_bytes * BD_PAGE_TOKENS;
+    /* fixed pins 64 slots of the longest context on each node */
+    uint64_t fixed_pin = 2ull * BD_SLOTS * L->ctx_pages * L->page_bytes, avail = 0;
+    pkv_prim_room_t room;
+    if (pkv_prim_room_read(NULL, &room) == PKV_OK) {
+        const pkv_prim_room_src_t *src = room.cgroup_version ? &room.cgroup : &room.machine;
+        if (src->present && src->limit_bytes > src->usage_bytes)
+            avail = src->limit_bytes - src->usage_bytes;
+    }
+    if (avail && fixed_pin > avail / 2 && (o->design[D_FIXED] || o->design[D_FIXED_REPEAT])) {
+        fprintf(stderr,
+                "pagekv bench disagg: scale %g: fixed staging would pin %.1f GiB on the two nodes "
+                "(64 slots x %u pages x %.1f MiB each), more than half of the %.1f GiB available\n",
+                o->scale, (double)fixed_pin / (1 << 30), L->ctx_pages,
+                (double)L->page_bytes / BD_MIB, (double)avail / (1 << 30));
+        return 2;
+    }
+    return 0;
+}
+
+/* The paced phase's rate: 0.6 x the unified server's closed-loop rate on the mix at
+ * 16-way. */
+static double bd_paced_rate(const bd_opts_t *o, const bd_load_t *L, const char *url)
+{
+    bd_load_t C = *L;
+    C.n[BD_PACED] = o->quick ? 16 : 48;
+    C.conc[BD_PACED] = 16;
+    lg_req_t *reqs = bd_reqs(o, &C, BD_PACED, 0);
+    lg_result_t *res = calloc(C.n[BD_PACED], sizeof(*res));
+    lg_config_t lc = {.base_url = url, .concurrency = 16, .timeout_ms = 600000, .stop = &g_stop};
+    double wall = reqs && res ? lg_run(&lc, reqs, C.n[BD_PACED], res) : -1;
+    double rate = wall > 0 ? 0.6 * C.n[BD_PACED] / wall : 1.0;
+    if (res) lg_results_free(res, C.n[BD_PACED]);
+    free(res);
+    bd_reqs_free(reqs, C.n[BD_PACED]);
+    fprintf(stderr,
+            "  paced rate: %.2f req/s (0.6 x the unified server's closed-loop rate on the mix)\n",
+            rate);
+    return rate;
+}
+
+/* The unified baseline: its phases into u, the parity answers, L->page_bytes and (unless
+ * --paced-rps gave it) the paced rate. 0, or 2 (said on stderr). */
+static int bd_unified(const bd_env_t *e, const bd_opts_t *o, bd_load_t *L, bd_run_t *u,
+                      cluster_answer_t *parity, double *rate)
+{
+    launch_proc_t un = {0};
+    int rc = bd_serve(e, o, L, "unified", NULL, 0, &un) != 0 ? 2 : bd_page_bytes(o, L, &un);
+    if (!rc) {
+        fprintf(stderr, "unified:\n");
+        bd_phase_run(o, L, BD_PARITY_BEFORE, un.url, 0, NULL, u, parity, true);
+        for (int ph = BD_BURST; ph <= BD_LONG && !g_stop; ph++)
+            bd_phase_run(o, L, ph, un.url, 0, NULL, u, NULL, false);
+        if (!*rate && !g_stop) *rate = bd_paced_rate(o, L, un.url);
+    }
+    if (!rc && !g_stop) {
+        /* unified moves no transfer: a third of the requests is its TTFT at the rate */
+        bd_load_t U = *L;
+        U.n[BD_PACED] = PKV_MAX(L->n[BD_PACED] / 3, 1);
+        bd_phase_run(o, &U, BD_PACED, un.url, *rate, NULL, u, NULL, false);
+    }
+    launch_stop(&un, SIGTERM, pkv_now_ns() + BD_STOP_NS);
+    return rc;
+}
+
+/* The tables, plan check, targets, --json and --svg of the runs; 1 when a run did not
+ * hold (a process not up or not exiting 0, parity) or --json could not be written. */
+static int bd_report(const bd_opts_t *o, const bd_load_t *L, double rate, const bd_run_t *u,
+                     const bd_run_t *runs)
+{
+    int rc = 0;
+    printf("pagekv bench disagg: %s, scale %g, context %u tokens, paced %.2f req/s x %u%s\n",
+           o->preset, o->scale, L->context, rate, L->n[BD_PACED], o->quick ? " (quick)" : "");
+    bd_table(u, runs);
+    bd_table_nodes(runs);
+    json_t *plan = bd_plan(o, L, runs);
+    int bad = bd_targets(runs);
+    if (o->json_path) {
+        json_t *j = bd_json(o, L, rate, u, runs);
+        json_object_set_new(j, "plan", plan ? plan : json_array());
+        plan = NULL;
+        if (pkv_bench_write_json(o->json_path, j) != 0) rc = 1;
+        json_decref(j);
+    }
+    json_decref(plan);
+    if (o->svg_dir) bd_svg(o->svg_dir, runs);
+    /* the exit code says whether the runs held (every process up and exiting 0, parity);
+       the targets are figures, printed above */
+    for (int d = 0; d < BD_ND; d++)
+        if (runs[d].name && (!runs[d].ok || runs[d].parity_identical != runs[d].parity_requests))
+            rc = 1;
+    printf("\n%d target%s not met%s\n", bad, bad == 1 ? "" : "s",
+           o->quick ? " (--quick: a smoke test; the targets are for the full run)" : "");
+    return rc;
+}
+
 int pkv_bench_disagg_load(int argc, char **argv)
 {
     bd_opts_t o;
@@ -1022,24 +1152,8 @@ int pkv_bench_disagg_load(int argc, char **argv)
     if (prc) return prc == 1 ? 0 : prc;
     bd_load_t L;
     bd_sizes(&o, &L);
-    bd_env_t e = {.net_up = false};
-    snprintf(e.logdir, sizeof(e.logdir), "/tmp/pagekv-bench-disagg-XXXXXX");
-    if (launch_env_init(e.bin, sizeof(e.bin), e.logdir, on_signal)) return 2;
-    if (o.tcp) {
-        char err[512];
-        if (netns_pair_create(&e.net, true, err, sizeof(err)) != 0) {
-            netns_pair_destroy(&e.net);
-            fprintf(stderr, "pagekv bench disagg: --tcp: cannot make the network namespaces: %s\n",
-                    err);
-            return 2;
-        }
-        e.net_up = true;
-        fprintf(stderr,
-                "pagekv bench disagg: --tcp: prefill in %s (HTTP %s, KV %s), decode in %s (HTTP "
-                "%s, KV %s), UCX_TLS=tcp; router and load here\n",
-                e.net.ns[0], e.net.root_ip[0], e.net.ip[0], e.net.ns[1], e.net.root_ip[1],
-                e.net.ip[1]);
-    }
+    bd_env_t e;
+    if ((prc = bd_env_setup(&o, &e)) != 0) return prc;
     curl_global_init(CURL_GLOBAL_DEFAULT);
     fprintf(stderr,
             "pagekv bench disagg: %s, scale %g (context %u tokens = %u staging pages; prompts "
@@ -1047,108 +1161,20 @@ int pkv_bench_disagg_load(int argc, char **argv)
             o.preset, o.scale, L.context, L.ctx_pages, L.len[BD_BURST], L.len[BD_MEDIUM],
             L.len[BD_LONG], L.mix[0], L.mix[1], L.mix[2], L.mix[3], e.logdir);
 
-    int rc = 0;
     bd_run_t u = {.name = "unified", .reasons = json_object(), .failure_samples = json_array()};
     bd_run_t runs[BD_ND];
     memset(runs, 0, sizeof(runs));
     cluster_answer_t parity[BD_PARITY + 4];
     memset(parity, 0, sizeof(parity));
-    launch_proc_t un = {0};
     double rate = o.paced_rps;
-    if (bd_serve(&e, &o, &L, "unified", NULL, 0, &un) != 0) {
-        rc = 2;
-        goto out;
-    }
-    json_t *ust = http_get_json(un.url, "/v1/cache/stats", 5000);
-    long long token_bytes = cluster_json_int(ust, "token_bytes");
-    json_decref(ust);
-    if (token_bytes <= 0) {
-        fprintf(stderr, "pagekv bench disagg: the unified node reports no token_bytes\n");
-        rc = 2;
-        goto out;
-    }
-    L.page_bytes = (uint64_t)token_bytes * BD_PAGE_TOKENS;
-    /* fixed pins 64 slots of the longest context on each node */
-    uint64_t fixed_pin = 2ull * BD_SLOTS * L.ctx_pages * L.page_bytes, avail = 0;
-    pkv_prim_room_t room;
-    if (pkv_prim_room_read(NULL, &room) == PKV_OK) {
-        const pkv_prim_room_src_t *src = room.cgroup_version ? &room.cgroup : &room.machine;
-        if (src->present && src->limit_bytes > src->usage_bytes)
-            avail = src->limit_bytes - src->usage_bytes;
-    }
-    if (avail && fixed_pin > avail / 2 && (o.design[D_FIXED] || o.design[D_FIXED_REPEAT])) {
-        fprintf(stderr,
-                "pagekv bench disagg: scale %g: fixed staging would pin %.1f GiB on the two nodes "
-                "(64 slots x %u pages x %.1f MiB each), more than half of the %.1f GiB available\n",
-                o.scale, (double)fixed_pin / (1 << 30), L.ctx_pages, (double)L.page_bytes / BD_MIB,
-                (double)avail / (1 << 30));
-        rc = 2;
-        goto out;
-    }
-    fprintf(stderr, "unified:\n");
-    bd_phase_run(&o, &L, BD_PARITY_BEFORE, un.url, 0, NULL, &u, parity, true);
-    for (int ph = BD_BURST; ph <= BD_LONG && !g_stop; ph++)
-        bd_phase_run(&o, &L, ph, un.url, 0, NULL, &u, NULL, false);
-    if (!rate && !g_stop) {
-        /* the mix closed-loop at 16-way: the unified server's rate on it */
-        bd_load_t C = L;
-        C.n[BD_PACED] = o.quick ? 16 : 48;
-        C.conc[BD_PACED] = 16;
-        lg_req_t *reqs = bd_reqs(&o, &C, BD_PACED, 0);
-        lg_result_t *res = calloc(C.n[BD_PACED], sizeof(*res));
-        lg_config_t lc = {
-            .base_url = un.url, .concurrency = 16, .timeout_ms = 600000, .stop = &g_stop};
-        double wall = reqs && res ? lg_run(&lc, reqs, C.n[BD_PACED], res) : -1;
-        rate = wall > 0 ? 0.6 * C.n[BD_PACED] / wall : 1.0;
-        if (res) lg_results_free(res, C.n[BD_PACED]);
-        free(res);
-        bd_reqs_free(reqs, C.n[BD_PACED]);
-        fprintf(
-            stderr,
-            "  paced rate: %.2f req/s (0.6 x the unified server's closed-loop rate on the mix)\n",
-            rate);
-    }
-    if (!g_stop) {
-        /* unified moves no transfer: a third of the requests is its TTFT at the rate */
-        bd_load_t U = L;
-        U.n[BD_PACED] = PKV_MAX(L.n[BD_PACED] / 3, 1);
-        bd_phase_run(&o, &U, BD_PACED, un.url, rate, NULL, &u, NULL, false);
-    }
-    launch_stop(&un, SIGTERM, pkv_now_ns() + BD_STOP_NS);
-    for (int d = 0; d < BD_ND && !g_stop; d++)
+    int rc = bd_unified(&e, &o, &L, &u, parity, &rate);
+    for (int d = 0; d < BD_ND && !rc && !g_stop; d++)
         if (o.design[d]) bd_run_design(&e, &o, &L, d, rate, parity, &runs[d]);
-    if (g_stop) {
+    if (!rc && g_stop) {
         fprintf(stderr, "pagekv bench disagg: interrupted\n");
         rc = 130;
-        goto out;
     }
-    printf("pagekv bench disagg: %s, scale %g, context %u tokens, paced %.2f req/s x %u%s\n",
-           o.preset, o.scale, L.context, rate, L.n[BD_PACED], o.quick ? " (quick)" : "");
-    bd_table(&u, runs);
-    bd_table_nodes(runs);
-    json_t *plan = bd_plan(&o, &L, runs);
-    int bad = bd_targets(runs);
-    if (o.json_path) {
-        json_t *j = bd_json(&o, &L, rate, &u, runs);
-        json_object_set_new(j, "plan", plan ? plan : json_array());
-        plan = NULL;
-        if (pkv_bench_write_json(o.json_path, j) != 0) rc = 1;
-        json_decref(j);
-    }
-    json_decref(plan);
-    if (o.svg_dir) bd_svg(o.svg_dir, runs);
-    /* the exit code says whether the runs held (every process up and exiting 0, parity);
-       the targets are figures, printed above */
-    if (!rc) {
-        for (int d = 0; d < BD_ND; d++)
-            if (runs[d].name &&
-                (!runs[d].ok || runs[d].parity_identical != runs[d].parity_requests))
-                rc = 1;
-    }
-    printf("\n%d target%s not met%s\n", bad, bad == 1 ? "" : "s",
-           o.quick ? " (--quick: a smoke test; the targets are for the full run)" : "");
-out:
-    launch_stop(&un, SIGTERM, pkv_now_ns() + BD_STOP_NS);
+    if (!rc) rc = bd_report(&o, &L, rate, &u, runs);
     for (size_t i = 0; i < sizeof(parity) / sizeof(parity[0]); i++) cluster_answer_free(&parity[i]);
     json_decref(u.reasons);
     json_decref(u.failure_samples);
