@@ -899,7 +899,7 @@ static json_t *bd_plan(const bd_opts_t *o, const bd_load_t *L, const bd_run_t *r
     return n ? pkv_bd_plan_check(o->preset, pd, n, stdout) : NULL;
 }
 
-/* The issue's targets, each printed with its verdict; the count that failed. */
+/* The targets, each printed with its verdict; the count that failed. */
 static int bd_targets(const bd_run_t *runs)
 {
     int bad = 0;
@@ -939,7 +939,7 @@ static int bd_targets(const bd_run_t *runs)
                        hi = two ? fmax(f->ph[p].req_s, fr->ph[p].req_s) : f->ph[p].req_s;
                 double mid = (lo + hi) / 2, tol = fmax(hi - lo, 0.2 * mid) / 2;
                 double x = pt->ph[p].req_s;
-                /* two-sided as the issue states it; the direction says which way it missed */
+                /* two-sided as the target states it; the direction says which way it missed */
                 BD_T(fabs(x - mid) <= tol,
                      "per_transfer %s req/s %.2f within fixed's spread or 10%% (%.2f..%.2f)%s",
                      bd_phase_names[p], x, mid - tol, mid + tol,

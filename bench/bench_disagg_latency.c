@@ -533,7 +533,7 @@ static bool bl_met(const double *m)
 
 static void bl_print(const bl_opts_t *o, const bl_size_t *S, uint32_t ns)
 {
-    printf("\n### issue 22: the decode leg minus a unified node's decode (medians of %u, ms)\n\n",
+    printf("\n### decode leg: the decode leg minus a unified node's decode (medians of %u, ms)\n\n",
            o->runs);
     printf("| size | prompt tokens | unified TTFT | unified decode | decode leg | decode leg - "
            "unified decode | handshake | staging_wait | wire | commit | decode | first token "
@@ -548,7 +548,7 @@ static void bl_print(const bl_opts_t *o, const bl_size_t *S, uint32_t ns)
                m[F_D_PH0], m[F_D_PH0 + 1], m[F_D_PH0 + 2], m[F_D_PH0 + 3], m[F_D_PH0 + 4],
                m[F_D_DECODE_OVER], m[F_D_TTFB], m[F_D_FIRST], m[F_D_PREPULL]);
     }
-    printf("\n### issue 22: bytes moved per request (medians of %u)\n\n", o->runs);
+    printf("\n### decode leg: bytes moved per request (medians of %u)\n\n", o->runs);
     printf("| size | no prefix hit: MiB pulled | blocks pulled | with a decode-side prefix hit: "
            "MiB pulled | blocks pulled | blocks adopted |\n");
     printf("|---|---|---|---|---|---|\n");
@@ -557,8 +557,9 @@ static void bl_print(const bl_opts_t *o, const bl_size_t *S, uint32_t ns)
         printf("| %u | %.3f | %.0f | %.3f | %.0f | %.0f |\n", S[s].size, m[F_BYTES] / 1048576.0,
                m[F_BLOCKS], m[F_X_BYTES] / 1048576.0, m[F_X_BLOCKS], m[F_X_ADOPTED]);
     }
-    printf("\n### issue 27: TTFT through the router minus a unified node's (medians of %u, ms)\n\n",
-           o->runs);
+    printf(
+        "\n### routed TTFT: TTFT through the router minus a unified node's (medians of %u, ms)\n\n",
+        o->runs);
     printf(
         "| size | unified TTFT | router TTFT | added | client hop | router own | prefill leg | "
         "prefill leg - unified TTFT | prefill_queue | prefill_compute | handshake | "
@@ -574,7 +575,7 @@ static void bl_print(const bl_opts_t *o, const bl_size_t *S, uint32_t ns)
                m[F_R_PH0 + 2], m[F_R_PH0 + 3], m[F_R_DEC_TTFB], m[F_R_FIRST], m[F_R_FIRST_TOKEN],
                m[F_R_PREPULL], m[F_R_BYTES] / 1048576.0);
     }
-    printf("\ntarget (issue 27): added TTFT <= the KV's wire time + 5 ms\n");
+    printf("\ntarget (routed TTFT): added TTFT <= the KV's wire time + 5 ms\n");
     for (uint32_t s = 0; s < ns; s++) {
         const double *m = S[s].med;
         bool ok = bl_met(m);
@@ -608,17 +609,18 @@ static json_t *bl_json(const bl_opts_t *o, double cpt, const double load[2], con
         for (uint32_t i = 0; i < S[s].n; i++) {
             double v[BL_NF];
             bl_values(&S[s].rounds[i], v);
-            json_array_append_new(
-                rounds, json_pack("{s:o, s:o}", "issue22", bl_figures_json(v, F_TOKENS, F_UB_TTFT),
-                                  "issue27", bl_figures_json(v, F_UB_TTFT, BL_NF)));
+            json_array_append_new(rounds,
+                                  json_pack("{s:o, s:o}", "decode_leg",
+                                            bl_figures_json(v, F_TOKENS, F_UB_TTFT), "routed_ttft",
+                                            bl_figures_json(v, F_UB_TTFT, BL_NF)));
         }
-        json_t *i27 = bl_figures_json(m, F_UB_TTFT, BL_NF);
-        json_object_set_new(i27, "target_ms", json_real(m[F_R_PH0 + PH_WIRE] + 5.0));
-        json_object_set_new(i27, "target_met", json_boolean(bl_met(m)));
+        json_t *routed = bl_figures_json(m, F_UB_TTFT, BL_NF);
+        json_object_set_new(routed, "target_ms", json_real(m[F_R_PH0 + PH_WIRE] + 5.0));
+        json_object_set_new(routed, "target_met", json_boolean(bl_met(m)));
         json_array_append_new(sizes, json_pack("{s:i, s:i, s:o, s:o, s:o}", "size", (int)S[s].size,
-                                               "runs", (int)S[s].n, "issue22",
-                                               bl_figures_json(m, F_TOKENS, F_UB_TTFT), "issue27",
-                                               i27, "rounds", rounds));
+                                               "runs", (int)S[s].n, "decode_leg",
+                                               bl_figures_json(m, F_TOKENS, F_UB_TTFT),
+                                               "routed_ttft", routed, "rounds", rounds));
     }
     return json_pack("{s:s, s:s, s:i, s:i, s:f, s:[f,f], s:s, s:o}", "mode", "latency", "preset",
                      o->preset, "runs", (int)o->runs, "max_tokens", BL_MAX_TOKENS,
@@ -636,12 +638,12 @@ static void bl_usage(FILE *f)
             "a unified node, a prefill node, a decode node (per_transfer staging) and\n"
             "pagekv route; per size N rounds of distinct chat prompts, temperature 0,\n"
             "max_tokens %d, ignore_eos. Prints (and writes to --json) the medians of\n"
-            "  issue 22: the decode leg (driven here, X-Pagekv-Timings) minus the unified\n"
-            "            node's decode (its total - its TTFT), by phase; bytes pulled with\n"
-            "            and without a decode-side prefix hit\n"
-            "  issue 27: TTFT through the router minus the unified node's, split into the\n"
-            "            router's own time (its /metrics) and the nodes' phases; target:\n"
-            "            added <= the KV's wire time + 5 ms\n"
+            "  decode leg:  the decode leg (driven here, X-Pagekv-Timings) minus the unified\n"
+            "               node's decode (its total - its TTFT), by phase; bytes pulled with\n"
+            "               and without a decode-side prefix hit\n"
+            "  routed TTFT: TTFT through the router minus the unified node's, split into the\n"
+            "               router's own time (its /metrics) and the nodes' phases; target:\n"
+            "               added <= the KV's wire time + 5 ms\n"
             "  --runs N       rounds per size (default 20)\n"
             "  --sizes LIST   prompt tokens, comma-separated (default 512,2048)\n"
             "  --preset NAME  model preset (default llama-3.2-1b)\n",

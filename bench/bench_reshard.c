@@ -1,6 +1,7 @@
 /*
  * `pagekv bench reshard`: prefill and decode nodes of different tensor parallelism, per-plan
- * staging against the field's host mirror, through `pagekv route` (docs/design/bench_reshard.md).
+ * staging against the field's host mirror, through `pagekv route` (docs/design/reshard.md,
+ * "Benchmark").
  *
  * Per pair P -> D, both designs at once: each a fresh `pagekv serve --role prefill --tp P`,
  * `--role decode --tp D` (each a 2 GiB KV pool) and `pagekv route`; waves of concurrent
@@ -634,7 +635,7 @@ static void br_table(const br_result_t *res, uint32_t n)
                r->plan_bytes[1] / BR_MIB, tail, (double)r->bytes_moved / BR_MIB, r->transfer_p50,
                r->ttft_p50, r->failed, r->parity_same, r->parity_n);
     }
-    /* per pair: the ratios the targets name */
+    /* per pair: the ratios the targets name */
     printf("\n| P -> D | mirror / per-plan pins (decode) | TTFT per-plan / mirror (medians) | "
            "TTFT per-plan / mirror, paired: median over prompts (the target) | "
            "per-plan resident / in-use peak, worst rank, prefill / decode | "
