@@ -499,6 +499,54 @@ static void bd_peaks_window(const launch_proc_t *node[2], int ph, bd_run_t *run)
     json_decref(empty);
 }
 
+/* The paced phase's mean ms per transfer phase on each node, from the sums before it
+ * (ps0, ds0) and now, into run->paced_phases. */
+static void bd_paced_phases(bd_run_t *run, const json_t *ps0, const json_t *ds0,
+                            const char *pre_url, const char *dec_url)
+{
+    json_t *ps1 = cluster_phase_sums(pre_url), *ds1 = cluster_phase_sums(dec_url);
+    if (ps0 && ps1 && ds0 && ds1) {
+        run->paced_phases = json_pack("{s:o, s:o}", "prefill", cluster_phase_means(ps0, ps1),
+                                      "decode", cluster_phase_means(ds0, ds1));
+        char *txt = json_dumps(run->paced_phases, JSON_COMPACT | JSON_REAL_PRECISION(4));
+        fprintf(stderr, "    paced phases, mean ms: %s\n", txt ? txt : "");
+        free(txt);
+    }
+    json_decref(ps1);
+    json_decref(ds1);
+}
+
+/* A design's figures once its phases ran: peaks, drift, in-flight peaks and the nodes' and
+ * the router's counters. */
+static void bd_run_counters(bd_run_t *run, const char *pre_url, const char *dec_url,
+                            const char *rt_url)
+{
+    bd_peaks(run);
+    if (run->have_paced && run->ns) bd_drift(run);
+    for (size_t i = 0; i < run->ns; i++)
+        run->inflight_transfers_peak[0] =
+            fmax(run->inflight_transfers_peak[0], run->samples[i].act[0]);
+    json_t *ds = http_get_json(dec_url, "/v1/cache/stats", 5000);
+    json_t *ps = http_get_json(pre_url, "/v1/cache/stats", 5000);
+    /* in flight: the stages' own peaks of pages held (exact; a 100 ms sampler misses
+       transfers of a few ms), the largest phase's */
+    for (int ph = 0; ph < BD_NPH; ph++) {
+        for (int k = 0; k < 2; k++) {
+            run->inflight_peak[k] = fmax(run->inflight_peak[k], run->ph_pages_peak[ph][k]);
+            run->staging_transfers_peak[k] =
+                fmax(run->staging_transfers_peak[k], run->ph_transfers_peak[ph][k]);
+        }
+        run->inflight_transfers_peak[1] =
+            fmax(run->inflight_transfers_peak[1], run->ph_pulls_peak[ph]);
+    }
+    run->failed_reads = cluster_json_int(ds, "kv_transfer.pulls.failed");
+    run->recomputes = cluster_json_int(ds, "kv_transfer.pulls.recomputed");
+    run->transfers = cluster_json_int(ps, "kv_transfer.leases.sent");
+    json_decref(ds);
+    json_decref(ps);
+    run->router_retries = bd_metric_sum(rt_url, "retries_total");
+}
+
 static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t *L, int d,
                           double rate, cluster_answer_t *parity, bd_run_t *run)
 {
@@ -533,19 +581,7 @@ static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t
         json_t *ds0 = ph == BD_PACED ? cluster_phase_sums(dec.url) : NULL;
         bd_phase_run(o, L, ph, rt.url, rate, &smp, run, par ? parity : NULL, false);
         bd_peaks_window(nodes, ph, run);
-        if (ph == BD_PACED) {
-            json_t *ps1 = cluster_phase_sums(pre.url), *ds1 = cluster_phase_sums(dec.url);
-            if (ps0 && ps1 && ds0 && ds1) {
-                run->paced_phases =
-                    json_pack("{s:o, s:o}", "prefill", cluster_phase_means(ps0, ps1), "decode",
-                              cluster_phase_means(ds0, ds1));
-                char *txt = json_dumps(run->paced_phases, JSON_COMPACT | JSON_REAL_PRECISION(4));
-                fprintf(stderr, "    paced phases, mean ms: %s\n", txt ? txt : "");
-                free(txt);
-            }
-            json_decref(ps1);
-            json_decref(ds1);
-        }
+        if (ph == BD_PACED) bd_paced_phases(run, ps0, ds0, pre.url, dec.url);
         json_decref(ps0);
         json_decref(ds0);
         if (ph == BD_PACED) {
@@ -559,30 +595,7 @@ static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t
         pthread_join(smp.th, NULL);
     }
     pthread_mutex_destroy(&smp.lock);
-    bd_peaks(run);
-    if (run->have_paced && run->ns) bd_drift(run);
-    for (size_t i = 0; i < run->ns; i++)
-        run->inflight_transfers_peak[0] =
-            fmax(run->inflight_transfers_peak[0], run->samples[i].act[0]);
-    json_t *ds = http_get_json(dec.url, "/v1/cache/stats", 5000);
-    json_t *ps = http_get_json(pre.url, "/v1/cache/stats", 5000);
-    /* in flight: the stages' own peaks of pages held (exact; a 100 ms sampler misses
-       transfers of a few ms), the largest phase's */
-    for (int ph = 0; ph < BD_NPH; ph++) {
-        for (int k = 0; k < 2; k++) {
-            run->inflight_peak[k] = fmax(run->inflight_peak[k], run->ph_pages_peak[ph][k]);
-            run->staging_transfers_peak[k] =
-                fmax(run->staging_transfers_peak[k], run->ph_transfers_peak[ph][k]);
-        }
-        run->inflight_transfers_peak[1] =
-            fmax(run->inflight_transfers_peak[1], run->ph_pulls_peak[ph]);
-    }
-    run->failed_reads = cluster_json_int(ds, "kv_transfer.pulls.failed");
-    run->recomputes = cluster_json_int(ds, "kv_transfer.pulls.recomputed");
-    run->transfers = cluster_json_int(ps, "kv_transfer.leases.sent");
-    json_decref(ds);
-    json_decref(ps);
-    run->router_retries = bd_metric_sum(rt.url, "retries_total");
+    bd_run_counters(run, pre.url, dec.url, rt.url);
     run->ran = !g_stop;
 stop:
     if (!up) run->client_errors++;
