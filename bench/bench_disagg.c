@@ -14,6 +14,8 @@
 #include "support/cli.h"
 #include "support/cluster.h"
 #include "support/footprint.h"
+#include "support/http.h"
+#include "support/launch.h"
 #include "support/loadgen.h"
 #include "support/netns.h"
 
@@ -32,7 +34,6 @@
 #include <unistd.h>
 
 #define BD_MIB         (1024.0 * 1024.0)
-#define BD_START_NS    120000000000ull
 #define BD_STOP_NS     30000000000ull
 #define BD_SAMPLE_NS   100000000ull
 #define BD_PARITY      8
@@ -188,7 +189,7 @@ static void bd_reqs_free(lg_req_t *r, uint32_t n)
 /* ---- the sampler thread ------------------------------------------------------------------ */
 typedef struct {
     bd_run_t *run;
-    const cluster_proc_t *node[2]; /* prefill, decode; NULL: none (unified) */
+    const launch_proc_t *node[2]; /* prefill, decode; NULL: none (unified) */
     uint64_t t0_ns;
     pthread_mutex_t lock; /* guards run->samples / ns / cap */
     pthread_t th;
@@ -199,10 +200,10 @@ static void bd_sample_once(bd_sampler_t *s)
 {
     bd_sample_t x = {.t = (double)(pkv_now_ns() - s->t0_ns) / 1e9};
     for (int k = 0; k < 2; k++) {
-        const cluster_proc_t *p = s->node[k];
+        const launch_proc_t *p = s->node[k];
         if (!p) continue;
         pkv_prim_mem_t m;
-        json_t *st = cluster_http_get_json(p->url, "/v1/cache/stats", 2000);
+        json_t *st = http_get_json(p->url, "/v1/cache/stats", 2000);
         /* read right after the node's counters, so RSS - staging is of one instant */
         if (p->pid > 0 && pkv_prim_mem_read(p->pid, &m) == PKV_OK) {
             x.lck[k] = (double)m.locked_bytes;
@@ -342,86 +343,10 @@ typedef struct {
     netns_pair_t net; /* prefill in net.ns[0], decode in net.ns[1] */
 } bd_env_t;
 
-#define BD_ARGV_MAX 48
-
-/* argv[*n...] = extra (NULL-terminated, may be NULL), within BD_ARGV_MAX. */
-static void bd_argv_extra(char **argv, int *n, char *const extra[])
-{
-    for (size_t i = 0; extra && extra[i] && *n < BD_ARGV_MAX - 1; i++) argv[(*n)++] = extra[i];
-    argv[*n] = NULL;
-}
-
-static int bd_start(cluster_proc_t *p, const char *name, char *const argv[], bool tcp,
-                    const char *dev, const char *logdir)
-{
-    char devs[64];
-    snprintf(devs, sizeof(devs), "UCX_NET_DEVICES=%s", dev ? dev : "");
-    char *env[3] = {NULL, NULL, NULL};
-    int ne = 0;
-    if (tcp) env[ne++] = "UCX_TLS=tcp";
-    if (dev) env[ne++] = devs;
-    char err[1024];
-    if (cluster_proc_start(p, name, argv, env, logdir, pkv_now_ns() + BD_START_NS, err,
-                           sizeof(err)) != 0) {
-        fprintf(stderr, "pagekv bench disagg: %s\n", err);
-        return -1;
-    }
-    return 0;
-}
-
-int pkv_bench_disagg_serve(const char *bin, const char *logdir, const char *name,
-                           const char *preset, uint32_t ctx, const char *role, char *const extra[],
-                           bool tcp, const pkv_bench_disagg_place_t *at, cluster_proc_t *p)
-{
-    char cs[16], kv[64];
-    snprintf(cs, sizeof(cs), "%u", ctx);
-    char *argv[BD_ARGV_MAX];
-    int n = 0;
-    if (at) {
-        snprintf(kv, sizeof(kv), "%s:0", at->kv_host);
-        char *pre[] = {(char *)at->ip_bin, "netns", "exec", (char *)at->netns, NULL};
-        bd_argv_extra(argv, &n, pre);
-    }
-    char *base[] = {(char *)bin,
-                    "serve",
-                    "--port",
-                    "0",
-                    "--preset",
-                    (char *)preset,
-                    "--max-context",
-                    cs,
-                    "--kv-cache-budget",
-                    "none",
-                    NULL};
-    bd_argv_extra(argv, &n, base);
-    if (at) {
-        char *place[] = {"--host", (char *)at->host, "--kv-listen", kv, NULL};
-        bd_argv_extra(argv, &n, place);
-    }
-    if (role) {
-        char *r[] = {"--role", (char *)role, "--kv-lease-ms", "600000", "--kv-transfer-timeout-ms",
-                     "60000",  NULL};
-        bd_argv_extra(argv, &n, r);
-    }
-    bd_argv_extra(argv, &n, extra);
-    return bd_start(p, name, argv, tcp, at ? at->kv_dev : NULL, logdir);
-}
-
-int pkv_bench_disagg_route(const char *bin, const char *logdir, const char *name,
-                           const cluster_proc_t *pre, const cluster_proc_t *dec,
-                           char *const extra[], cluster_proc_t *p)
-{
-    char *argv[BD_ARGV_MAX] = {(char *)bin, "route",          "--port",   "0",
-                               "--prefill", (char *)pre->url, "--decode", (char *)dec->url};
-    int n = 8;
-    bd_argv_extra(argv, &n, extra);
-    return bd_start(p, name, argv, false, NULL, logdir);
-}
-
 /* A node of this bench: its load's queue and connections, a small prefix cache, and with a
  * role the design's staging. */
 static int bd_serve(const bd_env_t *e, const bd_opts_t *o, const bd_load_t *L, const char *name,
-                    const char *role, int design, cluster_proc_t *p)
+                    const char *role, int design, launch_proc_t *p)
 {
     char page[32], pages[16], slots[16];
     snprintf(page, sizeof(page), "%llu", (unsigned long long)L->page_bytes);
@@ -453,24 +378,24 @@ static int bd_serve(const bd_env_t *e, const bd_opts_t *o, const bd_load_t *L, c
     /* --tcp: prefill and decode in the two namespaces, their HTTP on the links to this
        one (the router and the load driver stay here), their agents on the link between */
     int k = role && !strcmp(role, "decode");
-    pkv_bench_disagg_place_t at = {e->net.ip_bin, e->net.ns[k], e->net.root_ip[k], e->net.ip[k],
-                                   e->net.dev[k]};
-    return pkv_bench_disagg_serve(e->bin, e->logdir, name, o->preset, L->context, role, argv,
-                                  o->tcp, role && e->net_up ? &at : NULL, p);
+    launch_place_t at = {e->net.ip_bin, e->net.ns[k], e->net.root_ip[k], e->net.ip[k],
+                         e->net.dev[k]};
+    return launch_serve(e->bin, e->logdir, name, o->preset, L->context, role, argv, o->tcp,
+                        role && e->net_up ? &at : NULL, p);
 }
 
-static int bd_route(const bd_env_t *e, const cluster_proc_t *pre, const cluster_proc_t *dec,
-                    cluster_proc_t *p)
+static int bd_route(const bd_env_t *e, const launch_proc_t *pre, const launch_proc_t *dec,
+                    launch_proc_t *p)
 {
     char *extra[] = {"--max-connections", "1024", NULL};
-    return pkv_bench_disagg_route(e->bin, e->logdir, "router", pre, dec, extra, p);
+    return launch_route(e->bin, e->logdir, "router", pre, dec, extra, p);
 }
 
 /* Sum of every sample line of a Prometheus text whose name contains `part`. */
 static long long bd_metric_sum(const char *url, const char *part)
 {
-    cluster_http_reply_t r;
-    if (cluster_http(url, "/metrics", NULL, NULL, 5000, NULL, &r) != 0) return -1;
+    http_reply_t r;
+    if (http_call(url, "/metrics", NULL, NULL, 5000, NULL, &r) != 0) return -1;
     long long sum = 0;
     for (const char *l = r.body; l && *l;) {
         size_t n = strcspn(l, "\n");
@@ -479,7 +404,7 @@ static long long bd_metric_sum(const char *url, const char *part)
             sum += (long long)strtod(sp + 1, NULL);
         l += n + (l[n] == '\n');
     }
-    cluster_http_reply_free(&r);
+    http_reply_free(&r);
     return sum;
 }
 
@@ -487,7 +412,7 @@ static long long bd_metric_sum(const char *url, const char *part)
  * second, polled every 250 ms. */
 static bool bd_staging_idle(const char *pre_url, const char *dec_url)
 {
-    json_t *ks = cluster_http_get_json(pre_url, "/v1/cache/stats", 5000);
+    json_t *ks = http_get_json(pre_url, "/v1/cache/stats", 5000);
     long long idle_ms = cluster_json_int(ks, "kv_transfer.staging.idle_release_ms");
     json_decref(ks);
     if (idle_ms < 0) return false;
@@ -495,7 +420,7 @@ static bool bd_staging_idle(const char *pre_url, const char *dec_url)
     for (;;) {
         bool zero = true;
         for (int k = 0; k < 2; k++) {
-            ks = cluster_http_get_json(k ? dec_url : pre_url, "/v1/cache/stats", 5000);
+            ks = http_get_json(k ? dec_url : pre_url, "/v1/cache/stats", 5000);
             zero &= cluster_json_int(ks, "kv_transfer.staging.resident_bytes") == 0;
             json_decref(ks);
         }
@@ -553,11 +478,11 @@ static void bd_drift(bd_run_t *r)
 
 /* The nodes' high-water marks of the window that ends now (node k: prefill 0, decode 1),
  * restarted for the next one; into phase ph's figures (ph < 0: dropped). */
-static void bd_peaks_window(const cluster_proc_t *node[2], int ph, bd_run_t *run)
+static void bd_peaks_window(const launch_proc_t *node[2], int ph, bd_run_t *run)
 {
     json_t *empty = json_object();
     for (int k = 0; k < 2; k++) {
-        json_t *w = cluster_http_json(node[k]->url, "/v1/kv_transfer/peaks/reset", empty, 5000);
+        json_t *w = http_json(node[k]->url, "/v1/kv_transfer/peaks/reset", empty, 5000);
         long long pages = cluster_json_int(w, "staging.pages_peak_used");
         long long page = cluster_json_int(w, "staging.page_bytes");
         long long tp = cluster_json_int(w, "staging.transfers_peak");
@@ -574,73 +499,35 @@ static void bd_peaks_window(const cluster_proc_t *node[2], int ph, bd_run_t *run
     json_decref(empty);
 }
 
-static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t *L, int d,
-                          double rate, cluster_answer_t *parity, bd_run_t *run)
+/* The paced phase's mean ms per transfer phase on each node, from the sums before it
+ * (ps0, ds0) and now, into run->paced_phases. */
+static void bd_paced_phases(bd_run_t *run, const json_t *ps0, const json_t *ds0,
+                            const char *pre_url, const char *dec_url)
 {
-    run->name = bd_design_names[d];
-    run->reasons = json_object();
-    run->failure_samples = json_array();
-    /* the paced phase in the two designs the field compared; fixed_repeat measures the
-       closed phases' run-to-run spread (an open loop's req/s is its offered rate) */
-    run->have_paced = (d == D_FIXED || d == D_PER_TRANSFER);
-    run->slots = d == D_FIXED_SMALL ? 4 : BD_SLOTS;
-    cluster_proc_t pre = {0}, dec = {0}, rt = {0};
-    bool up = false;
-    fprintf(stderr, "design %s:\n", run->name);
-    if (bd_serve(e, o, L, "prefill", "prefill", d, &pre) ||
-        bd_serve(e, o, L, "decode", "decode", d, &dec) || bd_route(e, &pre, &dec, &rt))
-        goto stop;
-    up = true;
-    json_t *st = cluster_http_get_json(pre.url, "/v1/cache/stats", 5000);
-    run->page_bytes = (uint64_t)cluster_json_int(st, "kv_transfer.staging.page_bytes");
-    run->pool_pages = (uint32_t)cluster_json_int(st, "kv_transfer.staging.pages_total");
-    json_decref(st);
-    const cluster_proc_t *nodes[2] = {&pre, &dec};
-    bd_peaks_window(nodes, -1, run); /* startup's window: nothing moved yet */
-    bd_sampler_t smp = {.run = run, .node = {&pre, &dec}, .t0_ns = pkv_now_ns()};
-    pthread_mutex_init(&smp.lock, NULL);
-    bool sampling = pthread_create(&smp.th, NULL, bd_sampler_main, &smp) == 0;
-    if (sampling) pthread_setname_np(smp.th, "pkv-bd-sample");
-    for (int ph = 0; ph < BD_NPH && !g_stop; ph++) {
-        if (ph == BD_PACED && !run->have_paced) continue;
-        bool par = ph == BD_PARITY_BEFORE || ph == BD_PARITY_AFTER;
-        json_t *ps0 = ph == BD_PACED ? cluster_phase_sums(pre.url) : NULL;
-        json_t *ds0 = ph == BD_PACED ? cluster_phase_sums(dec.url) : NULL;
-        bd_phase_run(o, L, ph, rt.url, rate, &smp, run, par ? parity : NULL, false);
-        bd_peaks_window(nodes, ph, run);
-        if (ph == BD_PACED) {
-            json_t *ps1 = cluster_phase_sums(pre.url), *ds1 = cluster_phase_sums(dec.url);
-            if (ps0 && ps1 && ds0 && ds1) {
-                run->paced_phases =
-                    json_pack("{s:o, s:o}", "prefill", cluster_phase_means(ps0, ps1), "decode",
-                              cluster_phase_means(ds0, ds1));
-                char *txt = json_dumps(run->paced_phases, JSON_COMPACT | JSON_REAL_PRECISION(4));
-                fprintf(stderr, "    paced phases, mean ms: %s\n", txt ? txt : "");
-                free(txt);
-            }
-            json_decref(ps1);
-            json_decref(ds1);
-        }
-        json_decref(ps0);
-        json_decref(ds0);
-        if (ph == BD_PACED) {
-            /* idle: per-transfer staging goes back to the OS within the nodes' idle
-             * period (kv_transfer.staging.idle_release_ms) and a second of slack */
-            run->staging_idle_zero = !bd_fixed(d) && bd_staging_idle(pre.url, dec.url);
-        }
+    json_t *ps1 = cluster_phase_sums(pre_url), *ds1 = cluster_phase_sums(dec_url);
+    if (ps0 && ps1 && ds0 && ds1) {
+        run->paced_phases = json_pack("{s:o, s:o}", "prefill", cluster_phase_means(ps0, ps1),
+                                      "decode", cluster_phase_means(ds0, ds1));
+        char *txt = json_dumps(run->paced_phases, JSON_COMPACT | JSON_REAL_PRECISION(4));
+        fprintf(stderr, "    paced phases, mean ms: %s\n", txt ? txt : "");
+        free(txt);
     }
-    if (sampling) {
-        smp.stop = 1;
-        pthread_join(smp.th, NULL);
-    }
-    pthread_mutex_destroy(&smp.lock);
+    json_decref(ps1);
+    json_decref(ds1);
+}
+
+/* A design's figures once its phases ran: peaks, drift, in-flight peaks and the nodes' and
+ * the router's counters. */
+static void bd_run_counters(bd_run_t *run, const char *pre_url, const char *dec_url,
+                            const char *rt_url)
+{
     bd_peaks(run);
     if (run->have_paced && run->ns) bd_drift(run);
     for (size_t i = 0; i < run->ns; i++)
         run->inflight_transfers_peak[0] =
             fmax(run->inflight_transfers_peak[0], run->samples[i].act[0]);
-    json_t *ds = cluster_http_get_json(dec.url, "/v1/cache/stats", 5000);
-    json_t *ps = cluster_http_get_json(pre.url, "/v1/cache/stats", 5000);
+    json_t *ds = http_get_json(dec_url, "/v1/cache/stats", 5000);
+    json_t *ps = http_get_json(pre_url, "/v1/cache/stats", 5000);
     /* in flight: the stages' own peaks of pages held (exact; a 100 ms sampler misses
        transfers of a few ms), the largest phase's */
     for (int ph = 0; ph < BD_NPH; ph++) {
@@ -657,13 +544,64 @@ static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t
     run->transfers = cluster_json_int(ps, "kv_transfer.leases.sent");
     json_decref(ds);
     json_decref(ps);
-    run->router_retries = bd_metric_sum(rt.url, "retries_total");
+    run->router_retries = bd_metric_sum(rt_url, "retries_total");
+}
+
+static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t *L, int d,
+                          double rate, cluster_answer_t *parity, bd_run_t *run)
+{
+    run->name = bd_design_names[d];
+    run->reasons = json_object();
+    run->failure_samples = json_array();
+    /* the paced phase in the two designs the field compared; fixed_repeat measures the
+       closed phases' run-to-run spread (an open loop's req/s is its offered rate) */
+    run->have_paced = (d == D_FIXED || d == D_PER_TRANSFER);
+    run->slots = d == D_FIXED_SMALL ? 4 : BD_SLOTS;
+    launch_proc_t pre = {0}, dec = {0}, rt = {0};
+    bool up = false;
+    fprintf(stderr, "design %s:\n", run->name);
+    if (bd_serve(e, o, L, "prefill", "prefill", d, &pre) ||
+        bd_serve(e, o, L, "decode", "decode", d, &dec) || bd_route(e, &pre, &dec, &rt))
+        goto stop;
+    up = true;
+    json_t *st = http_get_json(pre.url, "/v1/cache/stats", 5000);
+    run->page_bytes = (uint64_t)cluster_json_int(st, "kv_transfer.staging.page_bytes");
+    run->pool_pages = (uint32_t)cluster_json_int(st, "kv_transfer.staging.pages_total");
+    json_decref(st);
+    const launch_proc_t *nodes[2] = {&pre, &dec};
+    bd_peaks_window(nodes, -1, run); /* startup's window: nothing moved yet */
+    bd_sampler_t smp = {.run = run, .node = {&pre, &dec}, .t0_ns = pkv_now_ns()};
+    pthread_mutex_init(&smp.lock, NULL);
+    bool sampling = pthread_create(&smp.th, NULL, bd_sampler_main, &smp) == 0;
+    if (sampling) pthread_setname_np(smp.th, "pkv-bd-sample");
+    for (int ph = 0; ph < BD_NPH && !g_stop; ph++) {
+        if (ph == BD_PACED && !run->have_paced) continue;
+        bool par = ph == BD_PARITY_BEFORE || ph == BD_PARITY_AFTER;
+        json_t *ps0 = ph == BD_PACED ? cluster_phase_sums(pre.url) : NULL;
+        json_t *ds0 = ph == BD_PACED ? cluster_phase_sums(dec.url) : NULL;
+        bd_phase_run(o, L, ph, rt.url, rate, &smp, run, par ? parity : NULL, false);
+        bd_peaks_window(nodes, ph, run);
+        if (ph == BD_PACED) bd_paced_phases(run, ps0, ds0, pre.url, dec.url);
+        json_decref(ps0);
+        json_decref(ds0);
+        if (ph == BD_PACED) {
+            /* idle: per-transfer staging goes back to the OS within the nodes' idle
+             * period (kv_transfer.staging.idle_release_ms) and a second of slack */
+            run->staging_idle_zero = !bd_fixed(d) && bd_staging_idle(pre.url, dec.url);
+        }
+    }
+    if (sampling) {
+        smp.stop = 1;
+        pthread_join(smp.th, NULL);
+    }
+    pthread_mutex_destroy(&smp.lock);
+    bd_run_counters(run, pre.url, dec.url, rt.url);
     run->ran = !g_stop;
 stop:
     if (!up) run->client_errors++;
-    int c1 = cluster_proc_stop(&rt, SIGTERM, pkv_now_ns() + BD_STOP_NS);
-    int c2 = cluster_proc_stop(&dec, SIGTERM, pkv_now_ns() + BD_STOP_NS);
-    int c3 = cluster_proc_stop(&pre, SIGTERM, pkv_now_ns() + BD_STOP_NS);
+    int c1 = launch_stop(&rt, SIGTERM, pkv_now_ns() + BD_STOP_NS);
+    int c2 = launch_stop(&dec, SIGTERM, pkv_now_ns() + BD_STOP_NS);
+    int c3 = launch_stop(&pre, SIGTERM, pkv_now_ns() + BD_STOP_NS);
     run->ok = up && run->ran && c1 == 0 && c2 == 0 && c3 == 0;
     if (up && (c1 || c2 || c3))
         fprintf(stderr, "  exits: router %d, decode %d, prefill %d (logs in %s)\n", c1, c2, c3,
@@ -974,7 +912,7 @@ static json_t *bd_plan(const bd_opts_t *o, const bd_load_t *L, const bd_run_t *r
     return n ? pkv_bd_plan_check(o->preset, pd, n, stdout) : NULL;
 }
 
-/* The issue's targets, each printed with its verdict; the count that failed. */
+/* The targets, each printed with its verdict; the count that failed. */
 static int bd_targets(const bd_run_t *runs)
 {
     int bad = 0;
@@ -1014,7 +952,7 @@ static int bd_targets(const bd_run_t *runs)
                        hi = two ? fmax(f->ph[p].req_s, fr->ph[p].req_s) : f->ph[p].req_s;
                 double mid = (lo + hi) / 2, tol = fmax(hi - lo, 0.2 * mid) / 2;
                 double x = pt->ph[p].req_s;
-                /* two-sided as the issue states it; the direction says which way it missed */
+                /* two-sided as the target states it; the direction says which way it missed */
                 BD_T(fabs(x - mid) <= tol,
                      "per_transfer %s req/s %.2f within fixed's spread or 10%% (%.2f..%.2f)%s",
                      bd_phase_names[p], x, mid - tol, mid + tol,
@@ -1090,33 +1028,145 @@ static void bd_svg(const char *dir, const bd_run_t *runs)
     }
 }
 
-int pkv_bench_disagg(int argc, char **argv)
+/* The log directory, signals and (--tcp) the nodes' namespaces. 0, or 2 (said on stderr). */
+static int bd_env_setup(const bd_opts_t *o, bd_env_t *e)
 {
-    for (int i = 1; i < argc; i++)
-        if (!strcmp(argv[i], "--latency")) return pkv_bench_disagg_latency(argc, argv);
+    *e = (bd_env_t){.net_up = false};
+    snprintf(e->logdir, sizeof(e->logdir), "/tmp/pagekv-bench-disagg-XXXXXX");
+    if (launch_env_init(e->bin, sizeof(e->bin), e->logdir, on_signal)) return 2;
+    if (!o->tcp) return 0;
+    char err[512];
+    if (netns_pair_create(&e->net, true, err, sizeof(err)) != 0) {
+        netns_pair_destroy(&e->net);
+        fprintf(stderr, "pagekv bench disagg: --tcp: cannot make the network namespaces: %s\n",
+                err);
+        return 2;
+    }
+    e->net_up = true;
+    fprintf(stderr,
+            "pagekv bench disagg: --tcp: prefill in %s (HTTP %s, KV %s), decode in %s (HTTP "
+            "%s, KV %s), UCX_TLS=tcp; router and load here\n",
+            e->net.ns[0], e->net.root_ip[0], e->net.ip[0], e->net.ns[1], e->net.root_ip[1],
+            e->net.ip[1]);
+    return 0;
+}
+
+/* The staging page from the unified node's token bytes into L->page_bytes; 0, or 2 when
+ * it reports none or fixed staging would pin more than half of the memory available. */
+static int bd_page_bytes(const bd_opts_t *o, bd_load_t *L, const launch_proc_t *un)
+{
+    json_t *ust = http_get_json(un->url, "/v1/cache/stats", 5000);
+    long long token_bytes = cluster_json_int(ust, "token_bytes");
+    json_decref(ust);
+    if (token_bytes <= 0) {
+        fprintf(stderr, "pagekv bench disagg: the unified node reports no token_bytes\n");
+        return 2;
+    }
+    L->page_bytes = (uint64_t)token_bytes * BD_PAGE_TOKENS;
+    /* fixed pins 64 slots of the longest context on each node */
+    uint64_t fixed_pin = 2ull * BD_SLOTS * L->ctx_pages * L->page_bytes, avail = 0;
+    pkv_prim_room_t room;
+    if (pkv_prim_room_read(NULL, &room) == PKV_OK) {
+        const pkv_prim_room_src_t *src = room.cgroup_version ? &room.cgroup : &room.machine;
+        if (src->present && src->limit_bytes > src->usage_bytes)
+            avail = src->limit_bytes - src->usage_bytes;
+    }
+    if (avail && fixed_pin > avail / 2 && (o->design[D_FIXED] || o->design[D_FIXED_REPEAT])) {
+        fprintf(stderr,
+                "pagekv bench disagg: scale %g: fixed staging would pin %.1f GiB on the two nodes "
+                "(64 slots x %u pages x %.1f MiB each), more than half of the %.1f GiB available\n",
+                o->scale, (double)fixed_pin / (1 << 30), L->ctx_pages,
+                (double)L->page_bytes / BD_MIB, (double)avail / (1 << 30));
+        return 2;
+    }
+    return 0;
+}
+
+/* The paced phase's rate: 0.6 x the unified server's closed-loop rate on the mix at
+ * 16-way. */
+static double bd_paced_rate(const bd_opts_t *o, const bd_load_t *L, const char *url)
+{
+    bd_load_t C = *L;
+    C.n[BD_PACED] = o->quick ? 16 : 48;
+    C.conc[BD_PACED] = 16;
+    lg_req_t *reqs = bd_reqs(o, &C, BD_PACED, 0);
+    lg_result_t *res = calloc(C.n[BD_PACED], sizeof(*res));
+    lg_config_t lc = {.base_url = url, .concurrency = 16, .timeout_ms = 600000, .stop = &g_stop};
+    double wall = reqs && res ? lg_run(&lc, reqs, C.n[BD_PACED], res) : -1;
+    double rate = wall > 0 ? 0.6 * C.n[BD_PACED] / wall : 1.0;
+    if (res) lg_results_free(res, C.n[BD_PACED]);
+    free(res);
+    bd_reqs_free(reqs, C.n[BD_PACED]);
+    fprintf(stderr,
+            "  paced rate: %.2f req/s (0.6 x the unified server's closed-loop rate on the mix)\n",
+            rate);
+    return rate;
+}
+
+/* The unified baseline: its phases into u, the parity answers, L->page_bytes and (unless
+ * --paced-rps gave it) the paced rate. 0, or 2 (said on stderr). */
+static int bd_unified(const bd_env_t *e, const bd_opts_t *o, bd_load_t *L, bd_run_t *u,
+                      cluster_answer_t *parity, double *rate)
+{
+    launch_proc_t un = {0};
+    int rc = bd_serve(e, o, L, "unified", NULL, 0, &un) != 0 ? 2 : bd_page_bytes(o, L, &un);
+    if (!rc) {
+        fprintf(stderr, "unified:\n");
+        bd_phase_run(o, L, BD_PARITY_BEFORE, un.url, 0, NULL, u, parity, true);
+        for (int ph = BD_BURST; ph <= BD_LONG && !g_stop; ph++)
+            bd_phase_run(o, L, ph, un.url, 0, NULL, u, NULL, false);
+        if (!*rate && !g_stop) *rate = bd_paced_rate(o, L, un.url);
+    }
+    if (!rc && !g_stop) {
+        /* unified moves no transfer: a third of the requests is its TTFT at the rate */
+        bd_load_t U = *L;
+        U.n[BD_PACED] = PKV_MAX(L->n[BD_PACED] / 3, 1);
+        bd_phase_run(o, &U, BD_PACED, un.url, *rate, NULL, u, NULL, false);
+    }
+    launch_stop(&un, SIGTERM, pkv_now_ns() + BD_STOP_NS);
+    return rc;
+}
+
+/* The tables, plan check, targets, --json and --svg of the runs; 1 when a run did not
+ * hold (a process not up or not exiting 0, parity) or --json could not be written. */
+static int bd_report(const bd_opts_t *o, const bd_load_t *L, double rate, const bd_run_t *u,
+                     const bd_run_t *runs)
+{
+    int rc = 0;
+    printf("pagekv bench disagg: %s, scale %g, context %u tokens, paced %.2f req/s x %u%s\n",
+           o->preset, o->scale, L->context, rate, L->n[BD_PACED], o->quick ? " (quick)" : "");
+    bd_table(u, runs);
+    bd_table_nodes(runs);
+    json_t *plan = bd_plan(o, L, runs);
+    int bad = bd_targets(runs);
+    if (o->json_path) {
+        json_t *j = bd_json(o, L, rate, u, runs);
+        json_object_set_new(j, "plan", plan ? plan : json_array());
+        plan = NULL;
+        if (pkv_bench_write_json(o->json_path, j) != 0) rc = 1;
+        json_decref(j);
+    }
+    json_decref(plan);
+    if (o->svg_dir) bd_svg(o->svg_dir, runs);
+    /* the exit code says whether the runs held (every process up and exiting 0, parity);
+       the targets are figures, printed above */
+    for (int d = 0; d < BD_ND; d++)
+        if (runs[d].name && (!runs[d].ok || runs[d].parity_identical != runs[d].parity_requests))
+            rc = 1;
+    printf("\n%d target%s not met%s\n", bad, bad == 1 ? "" : "s",
+           o->quick ? " (--quick: a smoke test; the targets are for the full run)" : "");
+    return rc;
+}
+
+int pkv_bench_disagg_load(int argc, char **argv)
+{
     bd_opts_t o;
     int prc = bd_parse(argc, argv, &o);
     if (prc) return prc == 1 ? 0 : prc;
     bd_load_t L;
     bd_sizes(&o, &L);
-    bd_env_t e = {.net_up = false};
-    snprintf(e.logdir, sizeof(e.logdir), "/tmp/pagekv-bench-disagg-XXXXXX");
-    if (cluster_env_init(e.bin, sizeof(e.bin), e.logdir, on_signal)) return 2;
-    if (o.tcp) {
-        char err[512];
-        if (netns_pair_create(&e.net, true, err, sizeof(err)) != 0) {
-            netns_pair_destroy(&e.net);
-            fprintf(stderr, "pagekv bench disagg: --tcp: cannot make the network namespaces: %s\n",
-                    err);
-            return 2;
-        }
-        e.net_up = true;
-        fprintf(stderr,
-                "pagekv bench disagg: --tcp: prefill in %s (HTTP %s, KV %s), decode in %s (HTTP "
-                "%s, KV %s), UCX_TLS=tcp; router and load here\n",
-                e.net.ns[0], e.net.root_ip[0], e.net.ip[0], e.net.ns[1], e.net.root_ip[1],
-                e.net.ip[1]);
-    }
+    bd_env_t e;
+    if ((prc = bd_env_setup(&o, &e)) != 0) return prc;
     curl_global_init(CURL_GLOBAL_DEFAULT);
     fprintf(stderr,
             "pagekv bench disagg: %s, scale %g (context %u tokens = %u staging pages; prompts "
@@ -1124,108 +1174,20 @@ int pkv_bench_disagg(int argc, char **argv)
             o.preset, o.scale, L.context, L.ctx_pages, L.len[BD_BURST], L.len[BD_MEDIUM],
             L.len[BD_LONG], L.mix[0], L.mix[1], L.mix[2], L.mix[3], e.logdir);
 
-    int rc = 0;
     bd_run_t u = {.name = "unified", .reasons = json_object(), .failure_samples = json_array()};
     bd_run_t runs[BD_ND];
     memset(runs, 0, sizeof(runs));
     cluster_answer_t parity[BD_PARITY + 4];
     memset(parity, 0, sizeof(parity));
-    cluster_proc_t un = {0};
     double rate = o.paced_rps;
-    if (bd_serve(&e, &o, &L, "unified", NULL, 0, &un) != 0) {
-        rc = 2;
-        goto out;
-    }
-    json_t *ust = cluster_http_get_json(un.url, "/v1/cache/stats", 5000);
-    long long token_bytes = cluster_json_int(ust, "token_bytes");
-    json_decref(ust);
-    if (token_bytes <= 0) {
-        fprintf(stderr, "pagekv bench disagg: the unified node reports no token_bytes\n");
-        rc = 2;
-        goto out;
-    }
-    L.page_bytes = (uint64_t)token_bytes * BD_PAGE_TOKENS;
-    /* fixed pins 64 slots of the longest context on each node */
-    uint64_t fixed_pin = 2ull * BD_SLOTS * L.ctx_pages * L.page_bytes, avail = 0;
-    pkv_prim_room_t room;
-    if (pkv_prim_room_read(NULL, &room) == PKV_OK) {
-        const pkv_prim_room_src_t *src = room.cgroup_version ? &room.cgroup : &room.machine;
-        if (src->present && src->limit_bytes > src->usage_bytes)
-            avail = src->limit_bytes - src->usage_bytes;
-    }
-    if (avail && fixed_pin > avail / 2 && (o.design[D_FIXED] || o.design[D_FIXED_REPEAT])) {
-        fprintf(stderr,
-                "pagekv bench disagg: scale %g: fixed staging would pin %.1f GiB on the two nodes "
-                "(64 slots x %u pages x %.1f MiB each), more than half of the %.1f GiB available\n",
-                o.scale, (double)fixed_pin / (1 << 30), L.ctx_pages, (double)L.page_bytes / BD_MIB,
-                (double)avail / (1 << 30));
-        rc = 2;
-        goto out;
-    }
-    fprintf(stderr, "unified:\n");
-    bd_phase_run(&o, &L, BD_PARITY_BEFORE, un.url, 0, NULL, &u, parity, true);
-    for (int ph = BD_BURST; ph <= BD_LONG && !g_stop; ph++)
-        bd_phase_run(&o, &L, ph, un.url, 0, NULL, &u, NULL, false);
-    if (!rate && !g_stop) {
-        /* the mix closed-loop at 16-way: the unified server's rate on it */
-        bd_load_t C = L;
-        C.n[BD_PACED] = o.quick ? 16 : 48;
-        C.conc[BD_PACED] = 16;
-        lg_req_t *reqs = bd_reqs(&o, &C, BD_PACED, 0);
-        lg_result_t *res = calloc(C.n[BD_PACED], sizeof(*res));
-        lg_config_t lc = {
-            .base_url = un.url, .concurrency = 16, .timeout_ms = 600000, .stop = &g_stop};
-        double wall = reqs && res ? lg_run(&lc, reqs, C.n[BD_PACED], res) : -1;
-        rate = wall > 0 ? 0.6 * C.n[BD_PACED] / wall : 1.0;
-        if (res) lg_results_free(res, C.n[BD_PACED]);
-        free(res);
-        bd_reqs_free(reqs, C.n[BD_PACED]);
-        fprintf(
-            stderr,
-            "  paced rate: %.2f req/s (0.6 x the unified server's closed-loop rate on the mix)\n",
-            rate);
-    }
-    if (!g_stop) {
-        /* unified moves no transfer: a third of the requests is its TTFT at the rate */
-        bd_load_t U = L;
-        U.n[BD_PACED] = PKV_MAX(L.n[BD_PACED] / 3, 1);
-        bd_phase_run(&o, &U, BD_PACED, un.url, rate, NULL, &u, NULL, false);
-    }
-    cluster_proc_stop(&un, SIGTERM, pkv_now_ns() + BD_STOP_NS);
-    for (int d = 0; d < BD_ND && !g_stop; d++)
+    int rc = bd_unified(&e, &o, &L, &u, parity, &rate);
+    for (int d = 0; d < BD_ND && !rc && !g_stop; d++)
         if (o.design[d]) bd_run_design(&e, &o, &L, d, rate, parity, &runs[d]);
-    if (g_stop) {
+    if (!rc && g_stop) {
         fprintf(stderr, "pagekv bench disagg: interrupted\n");
         rc = 130;
-        goto out;
     }
-    printf("pagekv bench disagg: %s, scale %g, context %u tokens, paced %.2f req/s x %u%s\n",
-           o.preset, o.scale, L.context, rate, L.n[BD_PACED], o.quick ? " (quick)" : "");
-    bd_table(&u, runs);
-    bd_table_nodes(runs);
-    json_t *plan = bd_plan(&o, &L, runs);
-    int bad = bd_targets(runs);
-    if (o.json_path) {
-        json_t *j = bd_json(&o, &L, rate, &u, runs);
-        json_object_set_new(j, "plan", plan ? plan : json_array());
-        plan = NULL;
-        if (pkv_bench_write_json(o.json_path, j) != 0) rc = 1;
-        json_decref(j);
-    }
-    json_decref(plan);
-    if (o.svg_dir) bd_svg(o.svg_dir, runs);
-    /* the exit code says whether the runs held (every process up and exiting 0, parity);
-       the targets are figures, printed above */
-    if (!rc) {
-        for (int d = 0; d < BD_ND; d++)
-            if (runs[d].name &&
-                (!runs[d].ok || runs[d].parity_identical != runs[d].parity_requests))
-                rc = 1;
-    }
-    printf("\n%d target%s not met%s\n", bad, bad == 1 ? "" : "s",
-           o.quick ? " (--quick: a smoke test; the targets are for the full run)" : "");
-out:
-    cluster_proc_stop(&un, SIGTERM, pkv_now_ns() + BD_STOP_NS);
+    if (!rc) rc = bd_report(&o, &L, rate, &u, runs);
     for (size_t i = 0; i < sizeof(parity) / sizeof(parity[0]); i++) cluster_answer_free(&parity[i]);
     json_decref(u.reasons);
     json_decref(u.failure_samples);

@@ -1,13 +1,12 @@
 /*
- * What the two modes of `pagekv bench disagg` share: the load mode (bench_disagg.c) hands
- * `--latency` to the latency mode (bench_disagg_latency.c); both size prompts with
- * pkv_fp_chars_per_token (support/footprint.h).
+ * `pagekv bench disagg`: its two modes, and the planner check of the load mode
+ * (bench_disagg_plan.c). Both modes start their nodes with support/launch.h and size
+ * prompts with pkv_fp_chars_per_token (support/footprint.h).
  */
 #ifndef PKV_BENCH_DISAGG_H
 #define PKV_BENCH_DISAGG_H
 
 #include "plan/plan.h"
-#include "support/cluster.h"
 
 #include <jansson.h>
 #include <stdio.h>
@@ -15,32 +14,12 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-/* `pagekv bench disagg --latency ...` (docs/design/bench_disagg.md, "Latency mode"):
- * argv[0] is "disagg". Exit code as the load mode's: 0, 1 (a run did not hold), 2 (bad
- * options), 130 (interrupted). */
+/* The two modes of `pagekv bench disagg` (argv[0] "disagg"; bench_disagg_cmd.c picks one):
+ * the load mode (bench_disagg.c) and, with `--latency`, the latency mode
+ * (bench_disagg_latency.c; docs/design/bench_disagg.md, "Latency mode"). Exit code 0, 1
+ * (a run did not hold), 2 (bad options), 130 (interrupted). */
+int pkv_bench_disagg_load(int argc, char **argv);
 int pkv_bench_disagg_latency(int argc, char **argv);
-
-/* Where a node runs: inside network namespace `netns` (through `IP_BIN netns exec`), its
- * HTTP on `host`, its transfer agent on `kv_host` (port 0 each), UCX on interface
- * `kv_dev` only (UCX_NET_DEVICES: a namespace with a second link would otherwise
- * advertise that one's address too, which the peer cannot reach). */
-typedef struct {
-    const char *ip_bin, *netns, *host, *kv_host, *kv_dev;
-} pkv_bench_disagg_place_t;
-
-/* Start a node: `BIN serve --port 0 --preset PRESET --max-context CTX --kv-cache-budget
- * none`, with a role `--role ROLE --kv-lease-ms 600000 --kv-transfer-timeout-ms 60000`,
- * then `extra` (NULL-terminated, may be NULL); its log LOGDIR/NAME.log; UCX_TLS=tcp when
- * tcp; in a namespace when `at` is not NULL (else here, on 127.0.0.1). 0, or -1 with the
- * reason on stderr. */
-int pkv_bench_disagg_serve(const char *bin, const char *logdir, const char *name,
-                           const char *preset, uint32_t ctx, const char *role, char *const extra[],
-                           bool tcp, const pkv_bench_disagg_place_t *at, cluster_proc_t *p);
-/* Start `BIN route --port 0 --prefill PRE --decode DEC` then `extra`, its log LOGDIR/NAME.log;
- * 0 or -1 as above. */
-int pkv_bench_disagg_route(const char *bin, const char *logdir, const char *name,
-                           const cluster_proc_t *pre, const cluster_proc_t *dec,
-                           char *const extra[], cluster_proc_t *p);
 
 /* One design's figures for the planner check (bench_disagg_plan.c). */
 #define PKV_BD_PLAN_MIX 64

@@ -22,6 +22,8 @@
 #include "support/cli.h"
 #include "support/cluster.h"
 #include "support/footprint.h"
+#include "support/http.h"
+#include "support/launch.h"
 
 #include "core/core.h"
 
@@ -103,17 +105,17 @@ static void on_signal(int sig)
 
 /* ---- processes ---------------------------------------------------------------------------- */
 static int bl_serve(const bl_env_t *e, const bl_opts_t *o, const char *role, uint32_t ctx,
-                    cluster_proc_t *p)
+                    launch_proc_t *p)
 {
     char *staging[] = {"--staging", "per_transfer", NULL};
-    return pkv_bench_disagg_serve(e->bin, e->logdir, role ? role : "unified", o->preset, ctx, role,
-                                  role ? staging : NULL, false, NULL, p);
+    return launch_serve(e->bin, e->logdir, role ? role : "unified", o->preset, ctx, role,
+                        role ? staging : NULL, false, NULL, p);
 }
 
-static int bl_route(const bl_env_t *e, const cluster_proc_t *pre, const cluster_proc_t *dec,
-                    cluster_proc_t *p)
+static int bl_route(const bl_env_t *e, const launch_proc_t *pre, const launch_proc_t *dec,
+                    launch_proc_t *p)
 {
-    return pkv_bench_disagg_route(e->bin, e->logdir, "router", pre, dec, NULL, p);
+    return launch_route(e->bin, e->logdir, "router", pre, dec, NULL, p);
 }
 
 /* ---- requests ----------------------------------------------------------------------------- */
@@ -131,12 +133,12 @@ static json_t *bl_body(const char *model, size_t chars, uint64_t seed)
 }
 
 /* POST body; 0 when a 200 came with a complete answer (ans filled when non-NULL). */
-static int bl_post(const char *url, const json_t *body, bool timings, cluster_http_reply_t *rep,
+static int bl_post(const char *url, const json_t *body, bool timings, http_reply_t *rep,
                    cluster_answer_t *ans)
 {
     const char *const hdr[] = {"X-Pagekv-Timings: 1", NULL};
-    int rc = cluster_http(url, "/v1/chat/completions", body, timings ? hdr : NULL, BL_HTTP_MS,
-                          &g_stop, rep);
+    int rc = http_call(url, "/v1/chat/completions", body, timings ? hdr : NULL, BL_HTTP_MS, &g_stop,
+                       rep);
     if (rc != 0 || rep->status != 200) {
         fprintf(stderr, "    %s: %s HTTP %ld %.200s\n", url, rep->error, rep->status,
                 rep->body ? rep->body : "");
@@ -179,7 +181,7 @@ static json_t *bl_prefill_leg(const char *url, const json_t *req, double *ms)
                         json_pack("{s:b, s:b, s:n, s:n, s:n, s:n}", "do_remote_decode", 1,
                                   "do_remote_prefill", 0, "remote_engine_id", "remote_block_ids",
                                   "remote_host", "remote_port"));
-    cluster_http_reply_t rep;
+    http_reply_t rep;
     json_t *kt = NULL;
     if (bl_post(url, pre, false, &rep, NULL) == 0) {
         json_t *doc = json_loads(rep.body, 0, NULL);
@@ -187,7 +189,7 @@ static json_t *bl_prefill_leg(const char *url, const json_t *req, double *ms)
         json_decref(doc);
         *ms = rep.seconds * 1e3;
     }
-    cluster_http_reply_free(&rep);
+    http_reply_free(&rep);
     json_decref(pre);
     return kt;
 }
@@ -200,7 +202,7 @@ static int bl_legs(const char *pre_url, const char *dec_url, const json_t *req, 
     if (!kt) return -1;
     json_t *dec = json_deep_copy(req);
     json_object_set_new(dec, "kv_transfer_params", kt);
-    cluster_http_reply_t rep;
+    http_reply_t rep;
     int rc = bl_post(dec_url, dec, true, &rep, NULL);
     json_t *t = rc == 0 ? bl_timings(rep.body) : NULL;
     json_t *phs = json_object_get(t, "phases_seconds");
@@ -220,7 +222,7 @@ static int bl_legs(const char *pre_url, const char *dec_url, const json_t *req, 
         pulled[2] = cluster_json_int(t, "kv_adopted_blocks");
     }
     json_decref(t);
-    cluster_http_reply_free(&rep);
+    http_reply_free(&rep);
     json_decref(dec);
     return rc;
 }
@@ -230,9 +232,9 @@ static int bl_legs(const char *pre_url, const char *dec_url, const json_t *req, 
  * that is absent reads 0. 0, or -1 when the scrape failed. */
 static int bl_scrape(const char *url, const char *const *names, int n, double *out)
 {
-    cluster_http_reply_t r;
-    if (cluster_http(url, "/metrics", NULL, NULL, 5000, NULL, &r) != 0 || r.status != 200) {
-        cluster_http_reply_free(&r);
+    http_reply_t r;
+    if (http_call(url, "/metrics", NULL, NULL, 5000, NULL, &r) != 0 || r.status != 200) {
+        http_reply_free(&r);
         return -1;
     }
     for (int k = 0; k < n; k++) {
@@ -247,7 +249,7 @@ static int bl_scrape(const char *url, const char *const *names, int n, double *o
             l += len + (l[len] == '\n');
         }
     }
-    cluster_http_reply_free(&r);
+    http_reply_free(&r);
     return 0;
 }
 
@@ -283,7 +285,7 @@ static int bl_scrape_after(const char *rt, const char *pre, const char *dec,
 /* ---- one round ---------------------------------------------------------------------------- */
 typedef struct {
     const bl_opts_t *o;
-    const cluster_proc_t *un, *pre, *dec, *rt;
+    const launch_proc_t *un, *pre, *dec, *rt;
     double cpt;
 } bl_ctx_t;
 
@@ -291,7 +293,7 @@ typedef struct {
 static int bl_unified(const bl_ctx_t *c, const json_t *req, double *ttft, double *total,
                       long *prompt_tokens)
 {
-    cluster_http_reply_t rep;
+    http_reply_t rep;
     cluster_answer_t a;
     int rc = bl_post(c->un->url, req, false, &rep, &a);
     if (rc == 0) {
@@ -300,7 +302,7 @@ static int bl_unified(const bl_ctx_t *c, const json_t *req, double *ttft, double
         if (prompt_tokens) *prompt_tokens = a.prompt_tokens;
         cluster_answer_free(&a);
     }
-    cluster_http_reply_free(&rep);
+    http_reply_free(&rep);
     return rc;
 }
 
@@ -309,13 +311,13 @@ static int bl_routed(const bl_ctx_t *c, const json_t *req, bl_round_t *x)
 {
     bl_scrape_t b, a;
     if (bl_scrape_all(c->rt->url, c->pre->url, c->dec->url, &b) != 0) return -1;
-    cluster_http_reply_t rep;
+    http_reply_t rep;
     int rc = bl_post(c->rt->url, req, false, &rep, NULL);
     if (rc == 0) {
         x->r_ttft = rep.ttfb_seconds * 1e3;
         x->r_total = rep.seconds * 1e3;
     }
-    cluster_http_reply_free(&rep);
+    http_reply_free(&rep);
     if (rc != 0) return -1;
     if (bl_scrape_after(c->rt->url, c->pre->url, c->dec->url, &b, &a) != 0) {
         fprintf(stderr, "    the nodes' /metrics did not count the routed request\n");
@@ -531,7 +533,7 @@ static bool bl_met(const double *m)
 
 static void bl_print(const bl_opts_t *o, const bl_size_t *S, uint32_t ns)
 {
-    printf("\n### issue 22: the decode leg minus a unified node's decode (medians of %u, ms)\n\n",
+    printf("\n### decode leg: the decode leg minus a unified node's decode (medians of %u, ms)\n\n",
            o->runs);
     printf("| size | prompt tokens | unified TTFT | unified decode | decode leg | decode leg - "
            "unified decode | handshake | staging_wait | wire | commit | decode | first token "
@@ -546,7 +548,7 @@ static void bl_print(const bl_opts_t *o, const bl_size_t *S, uint32_t ns)
                m[F_D_PH0], m[F_D_PH0 + 1], m[F_D_PH0 + 2], m[F_D_PH0 + 3], m[F_D_PH0 + 4],
                m[F_D_DECODE_OVER], m[F_D_TTFB], m[F_D_FIRST], m[F_D_PREPULL]);
     }
-    printf("\n### issue 22: bytes moved per request (medians of %u)\n\n", o->runs);
+    printf("\n### decode leg: bytes moved per request (medians of %u)\n\n", o->runs);
     printf("| size | no prefix hit: MiB pulled | blocks pulled | with a decode-side prefix hit: "
            "MiB pulled | blocks pulled | blocks adopted |\n");
     printf("|---|---|---|---|---|---|\n");
@@ -555,8 +557,9 @@ static void bl_print(const bl_opts_t *o, const bl_size_t *S, uint32_t ns)
         printf("| %u | %.3f | %.0f | %.3f | %.0f | %.0f |\n", S[s].size, m[F_BYTES] / 1048576.0,
                m[F_BLOCKS], m[F_X_BYTES] / 1048576.0, m[F_X_BLOCKS], m[F_X_ADOPTED]);
     }
-    printf("\n### issue 27: TTFT through the router minus a unified node's (medians of %u, ms)\n\n",
-           o->runs);
+    printf(
+        "\n### routed TTFT: TTFT through the router minus a unified node's (medians of %u, ms)\n\n",
+        o->runs);
     printf(
         "| size | unified TTFT | router TTFT | added | client hop | router own | prefill leg | "
         "prefill leg - unified TTFT | prefill_queue | prefill_compute | handshake | "
@@ -572,7 +575,7 @@ static void bl_print(const bl_opts_t *o, const bl_size_t *S, uint32_t ns)
                m[F_R_PH0 + 2], m[F_R_PH0 + 3], m[F_R_DEC_TTFB], m[F_R_FIRST], m[F_R_FIRST_TOKEN],
                m[F_R_PREPULL], m[F_R_BYTES] / 1048576.0);
     }
-    printf("\ntarget (issue 27): added TTFT <= the KV's wire time + 5 ms\n");
+    printf("\ntarget (routed TTFT): added TTFT <= the KV's wire time + 5 ms\n");
     for (uint32_t s = 0; s < ns; s++) {
         const double *m = S[s].med;
         bool ok = bl_met(m);
@@ -606,17 +609,18 @@ static json_t *bl_json(const bl_opts_t *o, double cpt, const double load[2], con
         for (uint32_t i = 0; i < S[s].n; i++) {
             double v[BL_NF];
             bl_values(&S[s].rounds[i], v);
-            json_array_append_new(
-                rounds, json_pack("{s:o, s:o}", "issue22", bl_figures_json(v, F_TOKENS, F_UB_TTFT),
-                                  "issue27", bl_figures_json(v, F_UB_TTFT, BL_NF)));
+            json_array_append_new(rounds,
+                                  json_pack("{s:o, s:o}", "decode_leg",
+                                            bl_figures_json(v, F_TOKENS, F_UB_TTFT), "routed_ttft",
+                                            bl_figures_json(v, F_UB_TTFT, BL_NF)));
         }
-        json_t *i27 = bl_figures_json(m, F_UB_TTFT, BL_NF);
-        json_object_set_new(i27, "target_ms", json_real(m[F_R_PH0 + PH_WIRE] + 5.0));
-        json_object_set_new(i27, "target_met", json_boolean(bl_met(m)));
+        json_t *routed = bl_figures_json(m, F_UB_TTFT, BL_NF);
+        json_object_set_new(routed, "target_ms", json_real(m[F_R_PH0 + PH_WIRE] + 5.0));
+        json_object_set_new(routed, "target_met", json_boolean(bl_met(m)));
         json_array_append_new(sizes, json_pack("{s:i, s:i, s:o, s:o, s:o}", "size", (int)S[s].size,
-                                               "runs", (int)S[s].n, "issue22",
-                                               bl_figures_json(m, F_TOKENS, F_UB_TTFT), "issue27",
-                                               i27, "rounds", rounds));
+                                               "runs", (int)S[s].n, "decode_leg",
+                                               bl_figures_json(m, F_TOKENS, F_UB_TTFT),
+                                               "routed_ttft", routed, "rounds", rounds));
     }
     return json_pack("{s:s, s:s, s:i, s:i, s:f, s:[f,f], s:s, s:o}", "mode", "latency", "preset",
                      o->preset, "runs", (int)o->runs, "max_tokens", BL_MAX_TOKENS,
@@ -634,12 +638,12 @@ static void bl_usage(FILE *f)
             "a unified node, a prefill node, a decode node (per_transfer staging) and\n"
             "pagekv route; per size N rounds of distinct chat prompts, temperature 0,\n"
             "max_tokens %d, ignore_eos. Prints (and writes to --json) the medians of\n"
-            "  issue 22: the decode leg (driven here, X-Pagekv-Timings) minus the unified\n"
-            "            node's decode (its total - its TTFT), by phase; bytes pulled with\n"
-            "            and without a decode-side prefix hit\n"
-            "  issue 27: TTFT through the router minus the unified node's, split into the\n"
-            "            router's own time (its /metrics) and the nodes' phases; target:\n"
-            "            added <= the KV's wire time + 5 ms\n"
+            "  decode leg:  the decode leg (driven here, X-Pagekv-Timings) minus the unified\n"
+            "               node's decode (its total - its TTFT), by phase; bytes pulled with\n"
+            "               and without a decode-side prefix hit\n"
+            "  routed TTFT: TTFT through the router minus the unified node's, split into the\n"
+            "               router's own time (its /metrics) and the nodes' phases; target:\n"
+            "               added <= the KV's wire time + 5 ms\n"
             "  --runs N       rounds per size (default 20)\n"
             "  --sizes LIST   prompt tokens, comma-separated (default 512,2048)\n"
             "  --preset NAME  model preset (default llama-3.2-1b)\n",
@@ -738,7 +742,7 @@ static int bl_measure(const bl_ctx_t *c, bl_size_t *S)
     return g_stop ? -1 : 0;
 }
 
-static int bl_start(const bl_env_t *e, const bl_opts_t *o, cluster_proc_t p[4])
+static int bl_start(const bl_env_t *e, const bl_opts_t *o, launch_proc_t p[4])
 {
     uint32_t max = 0;
     for (uint32_t s = 0; s < o->n_sizes; s++)
@@ -757,9 +761,9 @@ int pkv_bench_disagg_latency(int argc, char **argv)
     if (prc) return prc == 1 ? 0 : prc;
     bl_env_t e;
     snprintf(e.logdir, sizeof(e.logdir), "/tmp/pagekv-bench-latency-XXXXXX");
-    if (cluster_env_init(e.bin, sizeof(e.bin), e.logdir, on_signal)) return 2;
+    if (launch_env_init(e.bin, sizeof(e.bin), e.logdir, on_signal)) return 2;
     curl_global_init(CURL_GLOBAL_DEFAULT);
-    cluster_proc_t p[4];
+    launch_proc_t p[4];
     memset(p, 0, sizeof(p));
     bl_size_t S[BL_MAX_SIZES];
     memset(S, 0, sizeof(S));
@@ -789,7 +793,7 @@ int pkv_bench_disagg_latency(int argc, char **argv)
     }
 out:
     for (int k = 3; k >= 0; k--) {
-        int ec = cluster_proc_stop(&p[k], SIGTERM, pkv_now_ns() + BL_STOP_NS);
+        int ec = launch_stop(&p[k], SIGTERM, pkv_now_ns() + BL_STOP_NS);
         if (p[k].name[0] && ec != 0) {
             fprintf(stderr, "pagekv bench disagg: %s exited %d (log %s)\n", p[k].name, ec,
                     p[k].log);

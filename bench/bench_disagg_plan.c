@@ -1,5 +1,5 @@
 /*
- * `pagekv bench disagg`'s "planner vs measured" (issue 24's check, docs/design/plan.md,
+ * `pagekv bench disagg`'s "planner vs measured" (the planner's check, docs/design/plan.md,
  * "Predictions against measured runs"): the memory planner (src/plan, called as a library)
  * on each design's geometry and load beside the peaks the design's nodes reached.
  *

@@ -1,6 +1,7 @@
 /*
  * `pagekv bench reshard`: prefill and decode nodes of different tensor parallelism, per-plan
- * staging against the field's host mirror, through `pagekv route` (docs/design/bench_reshard.md).
+ * staging against the field's host mirror, through `pagekv route` (docs/design/reshard.md,
+ * "Benchmark").
  *
  * Per pair P -> D, both designs at once: each a fresh `pagekv serve --role prefill --tp P`,
  * `--role decode --tp D` (each a 2 GiB KV pool) and `pagekv route`; waves of concurrent
@@ -17,6 +18,8 @@
 #include "support/cluster.h"
 #include "support/filler.h"
 #include "support/footprint.h"
+#include "support/http.h"
+#include "support/launch.h"
 #include "support/loadgen.h"
 
 #include "pagekv/kv.h"
@@ -73,7 +76,7 @@ typedef struct {
 
 /* What the sampler keeps of one node. */
 typedef struct {
-    const cluster_proc_t *proc;
+    const launch_proc_t *proc;
     double lck_peak, res_peak, fly_peak;
     double rank_pin_peak[PKV_KV_MAX_TP];
     uint32_t tp;
@@ -93,7 +96,7 @@ static void br_sample_node(br_sampler_t *s, br_node_t *n)
 {
     pkv_prim_mem_t m;
     bool mem = n->proc->pid > 0 && pkv_prim_mem_read(n->proc->pid, &m) == PKV_OK;
-    json_t *st = cluster_http_get_json(n->proc->url, "/v1/cache/stats", 2000);
+    json_t *st = http_get_json(n->proc->url, "/v1/cache/stats", 2000);
     json_t *kvt = json_object_get(st, "kv_transfer");
     long long page = cluster_json_int(kvt, "staging.page_bytes");
     long long held = cluster_json_int(kvt, "staging.pages_held_by_transfers");
@@ -116,7 +119,7 @@ static void br_sample_node(br_sampler_t *s, br_node_t *n)
 /* The stages' peaks once the load is over. */
 static void br_node_peaks(br_node_t *n)
 {
-    json_t *st = cluster_http_get_json(n->proc->url, "/v1/cache/stats", 5000);
+    json_t *st = http_get_json(n->proc->url, "/v1/cache/stats", 5000);
     json_t *kvt = json_object_get(st, "kv_transfer");
     long long page = cluster_json_int(kvt, "staging.page_bytes");
     json_t *ranks = json_object_get(kvt, "ranks");
@@ -221,7 +224,7 @@ typedef struct {
 /* One design's processes and measurements while its pair runs. */
 typedef struct {
     br_result_t *r;
-    cluster_proc_t pre, dec, rt;
+    launch_proc_t pre, dec, rt;
     br_sampler_t s;
     bool sampling;
     lg_result_t *res; /* every request of every wave */
@@ -230,7 +233,7 @@ typedef struct {
 } br_set_t;
 
 static int br_node_start(const br_opts_t *o, const br_env_t *e, const char *name, const char *role,
-                         uint32_t tp, int design, cluster_proc_t *p)
+                         uint32_t tp, int design, launch_proc_t *p)
 {
     char tps[16], page[32];
     snprintf(tps, sizeof(tps), "%u", tp);
@@ -253,14 +256,14 @@ static int br_node_start(const br_opts_t *o, const br_env_t *e, const char *name
                      "--max-connections",
                      "256",
                      NULL};
-    return pkv_bench_disagg_serve(e->bin, e->logdir, name, o->preset, BR_CONTEXT, role, extra,
-                                  false, NULL, p);
+    return launch_serve(e->bin, e->logdir, name, o->preset, BR_CONTEXT, role, extra, false, NULL,
+                        p);
 }
 
 /* A counter of a node's kv_transfer stats (0 when absent). */
-static uint64_t br_node_stat(const cluster_proc_t *node, const char *path)
+static uint64_t br_node_stat(const launch_proc_t *node, const char *path)
 {
-    json_t *st = cluster_http_get_json(node->url, "/v1/cache/stats", 5000);
+    json_t *st = http_get_json(node->url, "/v1/cache/stats", 5000);
     long long b = cluster_json_int(st, path);
     json_decref(st);
     return b > 0 ? (uint64_t)b : 0;
@@ -317,7 +320,7 @@ static int br_set_start(const br_opts_t *o, const br_env_t *e, br_set_t *st)
             br_design_names[r->design]);
     if (br_node_start(o, e, pn, "prefill", r->p, r->design, &st->pre) ||
         br_node_start(o, e, dn, "decode", r->d, r->design, &st->dec) ||
-        pkv_bench_disagg_route(e->bin, e->logdir, rn, &st->pre, &st->dec, NULL, &st->rt))
+        launch_route(e->bin, e->logdir, rn, &st->pre, &st->dec, NULL, &st->rt))
         return -1;
     st->res = calloc((size_t)o->waves * o->concurrency, sizeof(*st->res));
     return st->res ? 0 : -1;
@@ -385,16 +388,16 @@ static void br_set_stop(const br_opts_t *o, br_set_t *st)
     br_set_sampler_join(st);
     if (st->res) lg_results_free(st->res, (size_t)o->waves * o->concurrency);
     free(st->res);
-    cluster_proc_stop(&st->rt, SIGTERM, pkv_deadline_after_ns(30000000000ull));
-    cluster_proc_stop(&st->dec, SIGTERM, pkv_deadline_after_ns(30000000000ull));
-    cluster_proc_stop(&st->pre, SIGTERM, pkv_deadline_after_ns(30000000000ull));
+    launch_stop(&st->rt, SIGTERM, pkv_deadline_after_ns(30000000000ull));
+    launch_stop(&st->dec, SIGTERM, pkv_deadline_after_ns(30000000000ull));
+    launch_stop(&st->pre, SIGTERM, pkv_deadline_after_ns(30000000000ull));
 }
 
 /* One pair: every design's nodes up at once, then waves of `concurrency` requests, each
  * wave's prompts sent to one design and then the same prompts to the other, the order
  * alternating (per_plan, mirror, then mirror, per_plan, ...), so the machine's drift falls
  * on both designs alike; the other design's nodes idle while a wave runs. */
-static void br_pair(const br_opts_t *o, const br_env_t *e, const cluster_proc_t *uni,
+static void br_pair(const br_opts_t *o, const br_env_t *e, const launch_proc_t *uni,
                     br_result_t *out[BR_ND])
 {
     br_set_t set[BR_ND];
@@ -632,7 +635,7 @@ static void br_table(const br_result_t *res, uint32_t n)
                r->plan_bytes[1] / BR_MIB, tail, (double)r->bytes_moved / BR_MIB, r->transfer_p50,
                r->ttft_p50, r->failed, r->parity_same, r->parity_n);
     }
-    /* per pair: the ratios the targets name */
+    /* per pair: the ratios the targets name */
     printf("\n| P -> D | mirror / per-plan pins (decode) | TTFT per-plan / mirror (medians) | "
            "TTFT per-plan / mirror, paired: median over prompts (the target) | "
            "per-plan resident / in-use peak, worst rank, prefill / decode | "
@@ -682,16 +685,15 @@ int pkv_bench_reshard(int argc, char **argv)
     }
     e.cpt = pkv_fp_chars_per_token();
     snprintf(e.logdir, sizeof(e.logdir), "/tmp/pagekv-bench-reshard-XXXXXX");
-    if (cluster_env_init(e.bin, sizeof(e.bin), e.logdir, on_signal)) return 2;
+    if (launch_env_init(e.bin, sizeof(e.bin), e.logdir, on_signal)) return 2;
     curl_global_init(CURL_GLOBAL_DEFAULT);
     fprintf(stderr,
             "pagekv bench reshard: %s, pool %s per node, %u waves of %u requests per pair, prompts "
             "256/512/1024/2048 tokens, logs in %s\n",
             o.preset, o.pool, o.waves, o.concurrency, e.logdir);
-    cluster_proc_t uni = {0};
+    launch_proc_t uni = {0};
     char *ux[] = {"--kv-dtype", "bf16", NULL};
-    if (pkv_bench_disagg_serve(e.bin, e.logdir, "unified", o.preset, BR_CONTEXT, NULL, ux, false,
-                               NULL, &uni))
+    if (launch_serve(e.bin, e.logdir, "unified", o.preset, BR_CONTEXT, NULL, ux, false, NULL, &uni))
         return 1;
     br_result_t res[BR_MAX_PAIRS * BR_ND];
     uint32_t n = 0;
@@ -706,7 +708,7 @@ int pkv_bench_reshard(int argc, char **argv)
         for (int d = 0; d < BR_ND; d++)
             if (at[d]) br_plan(&o, at[d]);
     }
-    cluster_proc_stop(&uni, SIGTERM, pkv_deadline_after_ns(30000000000ull));
+    launch_stop(&uni, SIGTERM, pkv_deadline_after_ns(30000000000ull));
     br_table(res, n);
     int rc = br_stop ? 130 : 0;
     for (uint32_t i = 0; i < n; i++)

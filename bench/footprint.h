@@ -1,8 +1,8 @@
 /*
  * `pagekv bench footprint` (bench/bench_footprint.c: options and the main loop), its
  * shared types and the functions its files give each other:
- *   footprint_http.c      the HTTP client (curl) and the server's /v1/cache/stats fields
- *   footprint_server.c    starting, watching and stopping `pagekv serve`
+ *   footprint_http.c      JSON requests (support/http.h) and the server's /v1/cache/stats fields
+ *   footprint_server.c    starting, watching and stopping `pagekv serve` (support/launch.h)
  *   footprint_sampler.c   the memory and counter samplers, a run's phases and progress
  *   footprint_scenarios.c chat requests and the scenarios
  *   footprint_run.c       one (scenario, backend, repeat) run from spawn to summary
@@ -14,11 +14,12 @@
 #define PKV_BENCH_FOOTPRINT_H
 
 #include "support/footprint.h"
+#include "support/http.h"
+#include "support/launch.h"
 
 #include "pagekv/kv.h"
 #include "prim/prim.h"
 
-#include <curl/curl.h>
 #include <jansson.h>
 #include <pthread.h>
 #include <stdbool.h>
@@ -131,39 +132,15 @@ typedef struct {
     double return_kv_s;       /* scenario end -> committed <= one granule per range; -1 never */
     double return_rss_s;      /* scenario end -> RSS within the tolerance of baseline; -1 never */
     uint32_t hangups;         /* streams the client cut */
-    int exit_status;          /* the server's wait status after SIGTERM; -1: killed by us */
+    int exit_status;          /* fp_server_stop's code: 0 a clean exit after SIGTERM */
     char exit_text[48];
 } fp_run_t;
 
 /* ---- HTTP (footprint_http.c) ----------------------------------------------------------- */
 
-typedef struct {
-    char *p;
-    size_t len, cap;
-    bool oom;
-} fp_buf_t;
-
-/* One HTTP exchange on its own easy handle. */
-typedef struct {
-    CURL *h;
-    struct curl_slist *hdr;
-    char url[128];
-    char *body; /* owned; NULL for GET */
-    fp_buf_t resp;
-    long status;
-    CURLcode cc;
-    char errbuf[CURL_ERROR_SIZE];
-    uint64_t t0, t1;
-    /* chat results */
-    uint32_t prompt, completion, cached;
-    char *content; /* the assistant's reply (owned) */
-} fp_call_t;
-
-/* Set up an exchange with 127.0.0.1:port (takes body; POST sends it as JSON). */
-int fp_call_init(fp_call_t *c, int port, const char *method, const char *path, char *body,
-                 double timeout_s);
-void fp_call_fini(fp_call_t *c);
-/* A blocking exchange; the response JSON in *out (caller decrefs). */
+/* GET or POST (method) 127.0.0.1:port + path, no body, with the HTTP client
+ * (support/http.h): the 200 answer's JSON in *out (caller decrefs); else an error code
+ * and the reason in err. */
 int fp_http_json(int port, const char *method, const char *path, double timeout_s, json_t **out,
                  char *err, size_t errlen);
 
@@ -180,23 +157,19 @@ extern const char *const K_COMMITTED[],
 
 /* ---- the server process (footprint_server.c) ------------------------------------------- */
 
-typedef struct {
-    pid_t pid;
-    int pidfd; /* -1 where pidfd_open is missing */
-    int port;
-} fp_server_t;
-
-/* fork + exec the server with stdout/stderr to run->log_path. On failure run->error says
- * why. */
-int fp_server_spawn(const fp_opts_t *o, fp_run_t *run, const char *const *argv, fp_server_t *out);
-/* Wait for the port line in the log, then for /health. On failure the server is gone
+/* fp_server_stop's code for a server that had to be killed. */
+#define FP_SERVER_KILLED (-1)
+/* Start the server (argv[0] is replaced by o->server_bin) with stdout/stderr to
+ * run->log_path. On failure run->error says why. */
+int fp_server_spawn(const fp_opts_t *o, fp_run_t *run, const char *const *argv, launch_proc_t *out);
+/* Wait for its listening line, then for /health. On failure the server is gone
  * (killed if it was still there) and run->error says why. */
-int fp_server_wait_ready(fp_run_t *run, fp_server_t *srv);
-/* SIGTERM (the server drains and exits), SIGKILL after 30 s. Returns the wait status, or
- * -1 when it had to be killed. */
-int fp_server_stop(fp_server_t *s);
-/* "exit 0", "signal 9", ... for a status from fp_server_stop. */
-void fp_exit_text(int status, char *out, size_t cap);
+int fp_server_wait_ready(fp_run_t *run, launch_proc_t *srv);
+/* SIGTERM (the server drains and exits), SIGKILL after 30 s. Returns its exit code
+ * (launch_stop's), or FP_SERVER_KILLED when it had to be killed. */
+int fp_server_stop(launch_proc_t *s);
+/* "exit 0", "signal 9", ... for a code from fp_server_stop. */
+void fp_exit_text(int code, char *out, size_t cap);
 
 /* ---- samplers and phases (footprint_sampler.c) ----------------------------------------- */
 
@@ -232,7 +205,7 @@ typedef struct {
     const fp_opts_t *o;
     fp_run_t *run;
     fp_sampler_t *sp;
-    fp_server_t *srv;
+    launch_proc_t *srv;
     char model[128];
     const char *phase;
     uint64_t phase_t0;

@@ -206,7 +206,7 @@ void fp_run_one(const fp_opts_t *o, fp_run_t *r, unsigned index, unsigned total,
     char budget[32], idle[32];
     const char *argv[FP_MAX_PASS + 24];
     fp_server_argv(o, r, argv, budget, idle);
-    fp_server_t srv;
+    launch_proc_t srv;
     if (fp_server_spawn(o, r, argv, &srv)) return;
     fp_sampler_t sp;
     fp_ctx_t c = {.o = o,

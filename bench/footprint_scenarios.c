@@ -1,6 +1,6 @@
 /*
- * pagekv bench footprint: the chat requests (curl multi for a concurrent group) and the
- * scenarios (docs/design/footprint.md has the table).
+ * pagekv bench footprint: the chat requests (a batch of the HTTP client, support/http.h,
+ * for a concurrent group) and the scenarios (docs/design/footprint.md has the table).
  */
 #include "footprint.h"
 
@@ -32,7 +32,13 @@ static json_t *fp_msgs(const char *system, const char *user)
     return a;
 }
 
-static int fp_record(fp_ctx_t *c, const fp_call_t *call, uint32_t group, bool shared)
+/* A chat completion's figures and reply. */
+typedef struct {
+    uint32_t prompt, completion, cached;
+    char *content; /* the assistant's reply (owned) */
+} fp_chat_t;
+
+static int fp_record(fp_ctx_t *c, const fp_chat_t *chat, double wall_s, uint32_t group, bool shared)
 {
     fp_run_t *r = c->run;
     if (r->n_reqs == r->cap_reqs) {
@@ -45,21 +51,21 @@ static int fp_record(fp_ctx_t *c, const fp_call_t *call, uint32_t group, bool sh
         r->req_wall_s = w;
         r->cap_reqs = cap;
     }
-    r->reqs[r->n_reqs] = (pkv_fp_req_t){.prompt_tokens = call->prompt,
-                                        .completion_tokens = call->completion,
-                                        .cached_tokens = call->cached,
+    r->reqs[r->n_reqs] = (pkv_fp_req_t){.prompt_tokens = chat->prompt,
+                                        .completion_tokens = chat->completion,
+                                        .cached_tokens = chat->cached,
                                         .group = group,
                                         .shared_prefix = shared};
-    r->req_wall_s[r->n_reqs] = (double)(call->t1 - call->t0) / FP_NS;
+    r->req_wall_s[r->n_reqs] = wall_s;
     r->n_reqs++;
     return PKV_OK;
 }
 
-/* Parse a chat completion response into call->prompt/completion/cached/content. */
-static int fp_parse_chat(fp_ctx_t *c, fp_call_t *call)
+/* Parse a chat completion response into *chat. */
+static int fp_parse_chat(fp_ctx_t *c, const http_reply_t *rep, fp_chat_t *chat)
 {
     json_error_t je;
-    json_t *j = json_loadb(call->resp.p ? call->resp.p : "", call->resp.len, 0, &je);
+    json_t *j = json_loadb(rep->body, rep->len, 0, &je);
     json_t *usage = json_object_get(j, "usage");
     json_t *choice = json_array_get(json_object_get(j, "choices"), 0);
     json_t *content = json_object_get(json_object_get(choice, "message"), "content");
@@ -70,89 +76,96 @@ static int fp_parse_chat(fp_ctx_t *c, fp_call_t *call)
     if (!j || !json_is_integer(pt) || !json_is_integer(ct) || !json_is_string(content)) {
         snprintf(c->run->error, sizeof(c->run->error),
                  "chat completion: unexpected response (%s): %.300s",
-                 j ? "missing usage or choices[0].message.content" : je.text,
-                 call->resp.p ? call->resp.p : "");
+                 j ? "missing usage or choices[0].message.content" : je.text, rep->body);
         json_decref(j);
         return PKV_ERR_PROTO;
     }
-    call->prompt = (uint32_t)json_integer_value(pt);
-    call->completion = (uint32_t)json_integer_value(ct);
-    call->cached = json_is_integer(cached) ? (uint32_t)json_integer_value(cached) : 0;
-    call->content = strdup(json_string_value(content));
+    chat->prompt = (uint32_t)json_integer_value(pt);
+    chat->completion = (uint32_t)json_integer_value(ct);
+    chat->cached = json_is_integer(cached) ? (uint32_t)json_integer_value(cached) : 0;
+    chat->content = strdup(json_string_value(content));
     json_decref(j);
-    return call->content ? PKV_OK : PKV_ERR_NOMEM;
+    return chat->content ? PKV_OK : PKV_ERR_NOMEM;
 }
 
-/* Send n chat bodies at once (curl multi) and wait for all; records each in `group`
- * (or group + i when sequential callers pass n = 1). Takes ownership of bodies[]. On
- * success replies[i] (optional) receives the assistant's text (caller frees). */
+/* A batch of requests to the server, the progress line kept while it runs. */
+typedef struct {
+    fp_ctx_t *c;
+    uint32_t done0; /* c->done_reqs before the batch */
+} fp_batch_t;
+
+static void fp_batch_tick(void *arg, size_t done)
+{
+    fp_batch_t *t = arg;
+    t->c->done_reqs = t->done0 + (uint32_t)done;
+    fp_progress(t->c, false);
+}
+
+/* Send the n bodies (POST /v1/chat/completions) at once and wait for all. */
+static void fp_batch_run(fp_ctx_t *c, char *const *bodies, size_t n, bool hang_up,
+                         http_request_t *rq, http_reply_t *rep)
+{
+    char base[32];
+    snprintf(base, sizeof(base), "http://127.0.0.1:%u", c->srv->port);
+    for (size_t i = 0; i < n; i++)
+        rq[i] = (http_request_t){.base_url = base,
+                                 .path = "/v1/chat/completions",
+                                 .body = bodies[i],
+                                 .timeout_ms = (uint32_t)(c->o->request_timeout_s * 1000),
+                                 .connect_timeout_ms = 5000,
+                                 .hang_up = hang_up};
+    fp_batch_t t = {.c = c, .done0 = c->done_reqs};
+    http_batch_t b = {.concurrency = (uint32_t)n, .tick = fp_batch_tick, .tick_arg = &t};
+    http_batch_run(&b, rq, n, rep);
+    c->done_reqs = t.done0 + (uint32_t)n;
+    fp_progress(c, false);
+}
+
+/* Check, parse and record the n replies of a chat group. */
+static int fp_chat_take(fp_ctx_t *c, const http_reply_t *rep, size_t n, uint32_t group, bool shared,
+                        char **replies)
+{
+    for (size_t i = 0; i < n; i++) {
+        const http_reply_t *k = &rep[i];
+        if (k->error[0] || k->status != 200) {
+            snprintf(c->run->error, sizeof(c->run->error), "chat completion %zu: %s%ld: %.300s", i,
+                     k->error[0] ? k->error : "HTTP ", k->status, k->body ? k->body : "");
+            return PKV_ERR_IO;
+        }
+        fp_chat_t chat = {0};
+        int rc = fp_parse_chat(c, k, &chat);
+        if (!rc) rc = fp_record(c, &chat, (double)(k->end_ns - k->start_ns) / FP_NS, group, shared);
+        if (!rc && replies) {
+            replies[i] = chat.content;
+            chat.content = NULL;
+        }
+        free(chat.content);
+        if (rc) return rc;
+    }
+    return PKV_OK;
+}
+
+/* Send n chat bodies at once and wait for all; records each in `group` (or group + i when
+ * sequential callers pass n = 1). Takes ownership of bodies[]. On success replies[i]
+ * (optional) receives the assistant's text (caller frees). */
 static int fp_chat_group(fp_ctx_t *c, char **bodies, size_t n, uint32_t group, bool shared,
                          char **replies)
 {
-    fp_call_t *calls = calloc(n, sizeof(*calls));
-    CURLM *m = curl_multi_init();
-    int rc = PKV_OK;
-    size_t inited = 0;
-    if (!calls || !m) rc = PKV_ERR_NOMEM;
-    for (size_t i = 0; i < n; i++) {
-        if (rc || !bodies[i]) {
-            free(bodies[i]);
-            if (!rc) rc = PKV_ERR_NOMEM;
-            continue;
-        }
-        rc = fp_call_init(&calls[i], c->srv->port, "POST", "/v1/chat/completions", bodies[i],
-                          c->o->request_timeout_s);
-        inited = i + 1;
-        if (rc) continue;
-        calls[i].t0 = pkv_now_ns();
-        curl_multi_add_handle(m, calls[i].h);
-    }
+    http_request_t *rq = calloc(n, sizeof(*rq));
+    http_reply_t *rep = calloc(n, sizeof(*rep));
+    int rc = rq && rep ? PKV_OK : PKV_ERR_NOMEM;
+    for (size_t i = 0; i < n; i++)
+        if (!bodies[i]) rc = PKV_ERR_NOMEM;
     if (rc) {
         snprintf(c->run->error, sizeof(c->run->error), "out of memory building requests");
-        goto out;
+    } else {
+        fp_batch_run(c, bodies, n, false, rq, rep);
+        rc = fp_chat_take(c, rep, n, group, shared, replies);
+        http_replies_free(rep, n);
     }
-    int running = (int)n;
-    while (running > 0) {
-        if (curl_multi_perform(m, &running) != CURLM_OK) break;
-        CURLMsg *msg;
-        int left;
-        while ((msg = curl_multi_info_read(m, &left))) {
-            if (msg->msg != CURLMSG_DONE) continue;
-            for (size_t i = 0; i < n; i++)
-                if (calls[i].h == msg->easy_handle) {
-                    calls[i].cc = msg->data.result;
-                    calls[i].t1 = pkv_now_ns();
-                    curl_easy_getinfo(calls[i].h, CURLINFO_RESPONSE_CODE, &calls[i].status);
-                    c->done_reqs++;
-                }
-        }
-        fp_progress(c, false);
-        if (running > 0) curl_multi_poll(m, NULL, 0, 250, NULL);
-    }
-    for (size_t i = 0; i < n && !rc; i++) {
-        fp_call_t *k = &calls[i];
-        if (k->cc != CURLE_OK || k->status != 200) {
-            snprintf(c->run->error, sizeof(c->run->error), "chat completion %zu: %s%ld: %.300s", i,
-                     k->cc != CURLE_OK ? (k->errbuf[0] ? k->errbuf : curl_easy_strerror(k->cc))
-                                       : "HTTP ",
-                     k->status, k->resp.p ? k->resp.p : "");
-            rc = PKV_ERR_IO;
-            break;
-        }
-        if ((rc = fp_parse_chat(c, k))) break;
-        if ((rc = fp_record(c, k, group, shared))) break;
-        if (replies) {
-            replies[i] = k->content;
-            k->content = NULL;
-        }
-    }
-out:
-    for (size_t i = 0; i < inited; i++) {
-        if (calls[i].h) curl_multi_remove_handle(m, calls[i].h);
-        fp_call_fini(&calls[i]);
-    }
-    if (m) curl_multi_cleanup(m);
-    free(calls);
+    for (size_t i = 0; i < n; i++) free(bodies[i]);
+    free(rep);
+    free(rq);
     return rc;
 }
 
@@ -299,28 +312,14 @@ static int fp_sc_distinct(fp_ctx_t *c)
     return fp_chat_group(c, bodies, 8, 0, false, NULL);
 }
 
-/* hangups: one streaming request whose client cuts the connection at its first bytes. */
-typedef struct {
-    fp_call_t call;
-    bool got_data;
-} fp_hangup_t;
-
-static size_t fp_hangup_write(char *data, size_t size, size_t nmemb, void *arg)
-{
-    (void)data;
-    fp_hangup_t *h = arg;
-    h->got_data = size * nmemb > 0;
-    return 0; /* abort the transfer: the client is gone */
-}
-
 /* N concurrent streaming chat requests, each with its own ~1300-char prompt (filler seeds
  * seed0..) and room for 256 tokens; each client hangs up as soon as its stream starts. */
 static int fp_hangup_group(fp_ctx_t *c, size_t N, uint64_t seed0)
 {
-    fp_hangup_t *h = calloc(N, sizeof(*h));
-    CURLM *m = curl_multi_init();
-    int rc = h && m ? PKV_OK : PKV_ERR_NOMEM;
-    size_t inited = 0;
+    char **bodies = calloc(N, sizeof(*bodies));
+    http_request_t *rq = calloc(N, sizeof(*rq));
+    http_reply_t *rep = calloc(N, sizeof(*rep));
+    int rc = bodies && rq && rep ? PKV_OK : PKV_ERR_NOMEM;
     for (size_t i = 0; i < N && !rc; i++) {
         char *user = pkv_fp_filler_alloc(1300, seed0 + i);
         json_t *msgs = user ? fp_msgs(NULL, user) : NULL;
@@ -328,48 +327,30 @@ static int fp_hangup_group(fp_ctx_t *c, size_t N, uint64_t seed0)
             msgs ? json_pack("{s:s, s:O, s:i, s:f, s:b, s:b}", "model", c->model, "messages", msgs,
                              "max_tokens", 256, "temperature", 0.0, "stream", 1, "ignore_eos", 1)
                  : NULL;
-        char *body = o ? json_dumps(o, JSON_COMPACT) : NULL;
+        bodies[i] = o ? json_dumps(o, JSON_COMPACT) : NULL;
         json_decref(o);
         json_decref(msgs);
         free(user);
-        if (!body || fp_call_init(&h[i].call, c->srv->port, "POST", "/v1/chat/completions", body,
-                                  c->o->request_timeout_s)) {
-            if (!h[i].call.h) free(body);
-            rc = PKV_ERR_NOMEM;
-            break;
-        }
-        inited = i + 1;
-        curl_easy_setopt(h[i].call.h, CURLOPT_WRITEFUNCTION, fp_hangup_write);
-        curl_easy_setopt(h[i].call.h, CURLOPT_WRITEDATA, &h[i]);
-        curl_multi_add_handle(m, h[i].call.h);
+        if (!bodies[i]) rc = PKV_ERR_NOMEM;
     }
-    int running = rc ? 0 : (int)N;
-    while (running > 0) {
-        if (curl_multi_perform(m, &running) != CURLM_OK) break;
-        CURLMsg *msg;
-        int left;
-        while ((msg = curl_multi_info_read(m, &left)))
-            if (msg->msg == CURLMSG_DONE) c->done_reqs++;
-        fp_progress(c, false);
-        if (running > 0) curl_multi_poll(m, NULL, 0, 250, NULL);
-    }
-    for (size_t i = 0; i < inited; i++) {
-        long status = 0;
-        curl_easy_getinfo(h[i].call.h, CURLINFO_RESPONSE_CODE, &status);
-        if (h[i].got_data && status == 200)
+    bool ran = !rc;
+    if (ran) fp_batch_run(c, bodies, N, true, rq, rep);
+    for (size_t i = 0; ran && i < N; i++) {
+        if (rep[i].got_data && rep[i].status == 200) {
             c->run->hangups++;
-        else if (!rc) {
+        } else if (!rc) {
             snprintf(c->run->error, sizeof(c->run->error),
-                     "hangups: stream %zu never started (HTTP %ld)", i, status);
+                     "hangups: stream %zu never started (HTTP %ld)", i, rep[i].status);
             rc = PKV_ERR_IO;
         }
-        curl_multi_remove_handle(m, h[i].call.h);
-        fp_call_fini(&h[i].call);
     }
     if (rc == PKV_ERR_NOMEM)
         snprintf(c->run->error, sizeof(c->run->error), "out of memory building requests");
-    if (m) curl_multi_cleanup(m);
-    free(h);
+    http_replies_free(rep, rep ? N : 0);
+    for (size_t i = 0; bodies && i < N; i++) free(bodies[i]);
+    free(bodies);
+    free(rep);
+    free(rq);
     return rc;
 }
 

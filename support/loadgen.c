@@ -1,174 +1,77 @@
 /*
- * HTTP load driver (support/loadgen.h): libcurl multi, one thread.
+ * HTTP load driver (support/loadgen.h): a batch of the HTTP client (support/http.h), its
+ * replies read as answers.
  */
 #include "support/loadgen.h"
 
 #include "core/core.h"
+#include "support/http.h"
 
-#include <curl/curl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-typedef struct {
-    CURL *easy;
-    struct curl_slist *hdrs;
-    size_t idx;
-    uint64_t t0_ns;    /* sent */
-    uint64_t first_ns; /* first body byte */
-    char *buf;
-    size_t len, cap;
-    bool oom;
-} lg_slot_t;
-
-static size_t lg_on_body(char *data, size_t size, size_t nmemb, void *arg)
-{
-    lg_slot_t *s = arg;
-    size_t n = size * nmemb;
-    if (!s->first_ns) s->first_ns = pkv_now_ns();
-    if (s->len + n + 1 > s->cap) {
-        size_t cap = s->cap ? s->cap : 4096;
-        while (cap < s->len + n + 1) cap *= 2;
-        char *nb = realloc(s->buf, cap);
-        if (!nb) {
-            s->oom = true;
-            return 0;
-        }
-        s->buf = nb;
-        s->cap = cap;
-    }
-    memcpy(s->buf + s->len, data, n);
-    s->len += n;
-    s->buf[s->len] = '\0';
-    return n;
-}
 
 static double secs(uint64_t a, uint64_t b)
 {
     return b > a ? (double)(b - a) / 1e9 : 0.0;
 }
 
-static int lg_start(CURLM *m, const lg_config_t *cfg, const lg_req_t *r, size_t idx, lg_slot_t *s,
-                    uint64_t run0, lg_result_t *res)
+/* reqs[i]'s result from its reply (whose body moves to the result or is freed). */
+static void lg_result(const lg_req_t *r, http_reply_t *rep, uint64_t run0, bool keep_body,
+                      lg_result_t *res)
 {
-    memset(s, 0, sizeof(*s));
-    s->idx = idx;
-    s->easy = curl_easy_init();
-    if (!s->easy) return -1;
-    char url[512];
-    snprintf(url, sizeof(url), "%s%s", cfg->base_url, r->path);
-    s->hdrs = curl_slist_append(NULL, "Content-Type: application/json");
-    for (size_t i = 0; cfg->headers && cfg->headers[i]; i++)
-        s->hdrs = curl_slist_append(s->hdrs, cfg->headers[i]);
-    curl_easy_setopt(s->easy, CURLOPT_URL, url);
-    curl_easy_setopt(s->easy, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(s->easy, CURLOPT_NOPROXY, "*");
-    curl_easy_setopt(s->easy, CURLOPT_TIMEOUT_MS, (long)cfg->timeout_ms);
-    curl_easy_setopt(s->easy, CURLOPT_HTTPHEADER, s->hdrs);
-    curl_easy_setopt(s->easy, CURLOPT_POSTFIELDS, r->body);
-    curl_easy_setopt(s->easy, CURLOPT_WRITEFUNCTION, lg_on_body);
-    curl_easy_setopt(s->easy, CURLOPT_WRITEDATA, s);
-    curl_easy_setopt(s->easy, CURLOPT_PRIVATE, s);
-    s->t0_ns = pkv_now_ns();
-    res->start_s = secs(run0, s->t0_ns);
-    return curl_multi_add_handle(m, s->easy) == CURLM_OK ? 0 : -1;
-}
-
-static void lg_finish(CURLM *m, lg_slot_t *s, CURLcode rc, const lg_req_t *r, lg_result_t *res,
-                      bool keep_body)
-{
-    uint64_t now = pkv_now_ns();
-    res->total_s = secs(s->t0_ns, now);
-    res->ttft_s = s->first_ns ? secs(s->t0_ns, s->first_ns) : res->total_s;
-    if (rc != CURLE_OK || s->oom) {
-        snprintf(res->transport, sizeof(res->transport), "%s",
-                 s->oom ? "out of memory" : curl_easy_strerror(rc));
-    } else {
-        curl_easy_getinfo(s->easy, CURLINFO_RESPONSE_CODE, &res->status);
-        if (cluster_answer_parse(s->buf ? s->buf : "", r->stream && res->status == 200,
-                                 &res->answer) != 0) {
-            res->answer = (cluster_answer_t){.prompt_tokens = -1, .completion_tokens = -1};
-            snprintf(res->answer.error_code, sizeof(res->answer.error_code), "unreadable");
-        }
-        if (res->status != 200 || res->answer.error_code[0] || !res->answer.done)
-            snprintf(res->excerpt, sizeof(res->excerpt), "%s", s->buf ? s->buf : "");
-        if (keep_body) {
-            res->body = s->buf;
-            s->buf = NULL;
-        }
+    res->answer = (cluster_answer_t){.prompt_tokens = -1, .completion_tokens = -1};
+    if (!rep->start_ns) return; /* never sent */
+    res->start_s = secs(run0, rep->start_ns);
+    res->total_s = secs(rep->start_ns, rep->end_ns);
+    res->ttft_s = rep->first_byte_ns ? secs(rep->start_ns, rep->first_byte_ns) : res->total_s;
+    if (rep->error[0]) {
+        snprintf(res->transport, sizeof(res->transport), "%s", rep->error);
+        return;
     }
-    curl_multi_remove_handle(m, s->easy);
-    curl_easy_cleanup(s->easy);
-    curl_slist_free_all(s->hdrs);
-    free(s->buf);
-    s->easy = NULL;
-    s->buf = NULL;
+    res->status = rep->status;
+    if (cluster_answer_parse(rep->body, r->stream && res->status == 200, &res->answer) != 0) {
+        res->answer = (cluster_answer_t){.prompt_tokens = -1, .completion_tokens = -1};
+        snprintf(res->answer.error_code, sizeof(res->answer.error_code), "unreadable");
+    }
+    if (res->status != 200 || res->answer.error_code[0] || !res->answer.done)
+        snprintf(res->excerpt, sizeof(res->excerpt), "%s", rep->body);
+    if (keep_body) {
+        res->body = rep->body;
+        rep->body = NULL;
+    }
 }
 
 double lg_run(const lg_config_t *cfg, const lg_req_t *reqs, size_t n, lg_result_t *results)
 {
     memset(results, 0, n * sizeof(*results));
-    for (size_t i = 0; i < n; i++)
-        results[i].answer = (cluster_answer_t){.prompt_tokens = -1, .completion_tokens = -1};
-    CURLM *m = curl_multi_init();
-    lg_slot_t *slots = calloc(n ? n : 1, sizeof(*slots));
-    if (!m || !slots) {
-        curl_multi_cleanup(m);
-        free(slots);
-        return -1.0;
+    http_request_t *rq = calloc(n ? n : 1, sizeof(*rq));
+    http_reply_t *rep = calloc(n ? n : 1, sizeof(*rep));
+    double *at = calloc(n ? n : 1, sizeof(*at));
+    double wall = -1.0;
+    if (!rq || !rep || !at) goto out;
+    for (size_t i = 0; i < n; i++) {
+        rq[i] = (http_request_t){.base_url = cfg->base_url,
+                                 .path = reqs[i].path,
+                                 .body = reqs[i].body,
+                                 .headers = cfg->headers,
+                                 .timeout_ms = cfg->timeout_ms};
+        at[i] = reqs[i].at_s;
     }
-    curl_multi_setopt(m, CURLMOPT_MAX_TOTAL_CONNECTIONS, 0L);
-    uint64_t run0 = pkv_now_ns(), last_tick = run0;
-    size_t next = 0, done = 0, inflight = 0;
-    bool failed = false;
-    while (done < n && !failed) {
-        if (cfg->stop && *cfg->stop) break;
-        uint64_t now = pkv_now_ns();
-        while (next < n) {
-            bool go =
-                cfg->concurrency ? inflight < cfg->concurrency : reqs[next].at_s <= secs(run0, now);
-            if (!go) break;
-            if (lg_start(m, cfg, &reqs[next], next, &slots[next], run0, &results[next]) != 0) {
-                failed = true;
-                break;
-            }
-            next++;
-            inflight++;
-        }
-        int running;
-        curl_multi_perform(m, &running);
-        CURLMsg *msg;
-        int left;
-        while ((msg = curl_multi_info_read(m, &left))) {
-            if (msg->msg != CURLMSG_DONE) continue;
-            lg_slot_t *s;
-            curl_easy_getinfo(msg->easy_handle, CURLINFO_PRIVATE, (char **)&s);
-            lg_finish(m, s, msg->data.result, &reqs[s->idx], &results[s->idx], cfg->keep_body);
-            done++;
-            inflight--;
-        }
-        /* wait for activity, at most until the next arrival or tick */
-        int wait_ms = 50;
-        if (!cfg->concurrency && next < n) {
-            double dt = reqs[next].at_s - secs(run0, pkv_now_ns());
-            int ms = dt <= 0 ? 0 : (int)(dt * 1e3) + 1;
-            if (ms < wait_ms) wait_ms = ms;
-        }
-        curl_multi_poll(m, NULL, 0, wait_ms, NULL);
-        now = pkv_now_ns();
-        if (cfg->tick && now - last_tick >= 50000000ull) {
-            cfg->tick(cfg->tick_arg);
-            last_tick = now;
-        }
-    }
-    for (size_t i = 0; i < next; i++)
-        if (slots[i].easy)
-            lg_finish(m, &slots[i], CURLE_ABORTED_BY_CALLBACK, &reqs[i], &results[i],
-                      cfg->keep_body);
-    double wall = secs(run0, pkv_now_ns());
-    free(slots);
-    curl_multi_cleanup(m);
-    return failed ? -1.0 : wall;
+    http_batch_t b = {.concurrency = cfg->concurrency,
+                      .at_s = at,
+                      .stop = cfg->stop,
+                      .tick = cfg->tick,
+                      .tick_arg = cfg->tick_arg};
+    uint64_t run0 = pkv_now_ns();
+    wall = http_batch_run(&b, rq, n, rep);
+    for (size_t i = 0; i < n; i++) lg_result(&reqs[i], &rep[i], run0, cfg->keep_body, &results[i]);
+    http_replies_free(rep, n);
+out:
+    free(at);
+    free(rep);
+    free(rq);
+    return wall;
 }
 
 void lg_results_free(lg_result_t *results, size_t n)

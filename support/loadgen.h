@@ -1,12 +1,11 @@
 /*
  * An HTTP load driver for the serving benchmarks (support/: build/libpkvsupport.a).
  *
- * One thread, libcurl's multi interface: up to `concurrency` requests in flight (closed
- * loop: the next starts when one ends), or each request sent at its own time offset
- * (open loop: arrivals never wait for answers). Per request it records the status, the
- * time to the first body byte (for a streamed answer: the first event, which the servers
- * send once the first token exists: the TTFT), the total time, and the answer as
- * cluster_answer_parse reads it.
+ * One thread, the HTTP client's batch (support/http.h): up to `concurrency` requests in flight
+ * (closed loop: the next starts when one ends), or each request sent at its own time offset (open
+ * loop: arrivals never wait for answers). Per request it records the status, the time to the first
+ * body byte (for a streamed answer: the first event, which the servers send once the first token
+ * exists: the TTFT), the total time, and the answer as cluster_answer_parse reads it.
  */
 #ifndef PKV_SUPPORT_LOADGEN_H
 #define PKV_SUPPORT_LOADGEN_H
@@ -38,12 +37,13 @@ typedef struct {
 
 typedef struct {
     const char *base_url;
-    uint32_t concurrency;              /* closed loop: in flight at once; 0: open loop (at_s) */
-    uint32_t timeout_ms;               /* per request */
-    const char *const *headers;        /* extra headers, NULL-terminated, may be NULL */
-    const volatile sig_atomic_t *stop; /* ends the run early (results not sent: status 0) */
-    bool keep_body;                    /* keep each answer's whole body in its result */
-    void (*tick)(void *arg); /* called about every 50 ms from the driving thread; may be NULL */
+    uint32_t concurrency;                 /* closed loop: in flight at once; 0: open loop (at_s) */
+    uint32_t timeout_ms;                  /* per request */
+    const char *const *headers;           /* extra headers, NULL-terminated, may be NULL */
+    const volatile sig_atomic_t *stop;    /* ends the run early (results not sent: status 0) */
+    bool keep_body;                       /* keep each answer's whole body in its result */
+    void (*tick)(void *arg, size_t done); /* about every 50 ms from the driving thread (done:
+                                             requests ended so far); may be NULL */
     void *tick_arg;
 } lg_config_t;
 

@@ -168,9 +168,4 @@ void xh_case_default(xh_case_t *c);
 /* Run one case. Returns 0 when the harness itself worked (see r->ok / r->error). */
 int xh_run(const xh_case_t *c, xh_result_t *r);
 
-/* Two network namespaces joined by a veth pair (10.250.0.1 / 10.250.0.2). Names are
- * written to a and b (16 bytes each). Returns 0, or -1 with a reason in why. */
-int xh_netns_create(char a[16], char b[16], char *why, size_t why_len);
-void xh_netns_destroy(const char *a, const char *b);
-
 #endif

@@ -24,8 +24,6 @@
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
-#include <sys/prctl.h>
-#include <sys/select.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -449,46 +447,13 @@ END_TEST
 
 /* ---- server ------------------------------------------------------------------------------ */
 
-typedef struct {
-    long status;
-    char *body;
-    size_t len;
-} resp_t;
-
-static size_t on_body(char *p, size_t sz, size_t n, void *arg)
-{
-    resp_t *r = arg;
-    size_t k = sz * n;
-    char *nb = realloc(r->body, r->len + k + 1);
-    if (!nb) return 0;
-    memcpy(nb + r->len, p, k);
-    r->body = nb;
-    r->len += k;
-    nb[r->len] = 0;
-    return k;
-}
+typedef ts_resp_t resp_t;
 
 static resp_t http(uint16_t port, const char *method, const char *path, const char *body)
 {
-    resp_t r = {0};
-    CURL *c = curl_easy_init();
-    PKV_CHECK(c != NULL);
-    char url[256];
-    snprintf(url, sizeof(url), "http://127.0.0.1:%u%s", port, path);
-    curl_easy_setopt(c, CURLOPT_URL, url);
-    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(c, CURLOPT_TIMEOUT, 120L);
-    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_body);
-    curl_easy_setopt(c, CURLOPT_WRITEDATA, &r);
-    struct curl_slist *h = curl_slist_append(NULL, "Content-Type: application/json");
-    curl_easy_setopt(c, CURLOPT_HTTPHEADER, h);
-    curl_easy_setopt(c, CURLOPT_CUSTOMREQUEST, method);
-    if (body) curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
-    CURLcode cc = curl_easy_perform(c);
+    resp_t r;
+    CURLcode cc = ts_http("127.0.0.1", port, method, path, body, NULL, 120, &r);
     ck_assert_msg(cc == CURLE_OK, "%s %s: %s", method, path, curl_easy_strerror(cc));
-    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &r.status);
-    curl_slist_free_all(h);
-    curl_easy_cleanup(c);
     return r;
 }
 
@@ -718,86 +683,50 @@ END_TEST
 
 /* ---- the CLI and a real memory cgroup -------------------------------------------------------- */
 
+/* A `pagekv` child (support/launch.h) and what it logged, once reaped. */
 typedef struct {
+    launch_proc_t p;
     pid_t pid;
-    int err_fd;
     char log[32768];
-    size_t log_len;
 } child_t;
 
-static void child_read(child_t *c, int timeout_ms)
-{
-    struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
-    fd_set fds;
-    FD_ZERO(&fds);
-    FD_SET(c->err_fd, &fds);
-    if (select(c->err_fd + 1, &fds, NULL, NULL, &tv) <= 0) return;
-    ssize_t k = read(c->err_fd, c->log + c->log_len, sizeof(c->log) - 1 - c->log_len);
-    if (k > 0) c->log_len += (size_t)k;
-    c->log[c->log_len] = 0;
-}
-
-/* fork + exec argv, stderr to a pipe; the child first joins `procs` (a cgroup's
+/* Start argv (its output in a file of its own); the child first joins `procs` (a cgroup's
  * cgroup.procs) when given. */
 static void child_start(child_t *c, char *const argv[], const char *procs)
 {
     memset(c, 0, sizeof(*c));
-    int fds[2];
-    ck_assert_int_eq(pipe(fds), 0);
-    pid_t parent = getpid();
-    c->pid = fork();
-    ck_assert_int_ge(c->pid, 0);
-    if (c->pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        if (getppid() != parent) _exit(99);
-        dup2(fds[1], 2);
-        close(fds[0]);
-        close(fds[1]);
-        if (procs) {
-            FILE *f = fopen(procs, "w");
-            if (!f || fprintf(f, "%d\n", getpid()) < 0 || fclose(f)) _exit(97);
-        }
-        execv(argv[0], argv);
-        _exit(98);
-    }
-    close(fds[1]);
-    c->err_fd = fds[0];
+    char log[] = "/tmp/pkv-test-cache-XXXXXX";
+    int fd = mkstemp(log);
+    ck_assert_int_ge(fd, 0);
+    close(fd);
+    launch_spec_t spec = {.name = "pagekv", .argv = argv, .log_path = log, .cgroup_procs = procs};
+    char err[512];
+    ck_assert_msg(launch_spawn(&c->p, &spec, err, sizeof(err)) == 0, "%s", err);
+    c->pid = c->p.pid;
 }
 
+/* Reap it within timeout_s (SIGKILL after): its exit code (launch_stop's); its log in
+ * c->log. */
 static int child_wait(child_t *c, int timeout_s)
 {
-    uint64_t deadline = pkv_deadline_after_ns((uint64_t)timeout_s * 1000000000ull);
-    int status = 0;
-    for (;;) {
-        if (waitpid(c->pid, &status, WNOHANG) == c->pid) break;
-        child_read(c, 10);
-        if (pkv_now_ns() > deadline) {
-            kill(c->pid, SIGKILL);
-            waitpid(c->pid, &status, 0);
-            status = -1;
-            break;
-        }
-    }
-    for (ssize_t k;
-         c->log_len < sizeof(c->log) - 1 &&
-         (k = read(c->err_fd, c->log + c->log_len, sizeof(c->log) - 1 - c->log_len)) > 0;)
-        c->log_len += (size_t)k;
-    c->log[c->log_len] = 0;
-    close(c->err_fd);
-    return status;
+    int code = launch_stop(&c->p, 0, pkv_deadline_after_ns((uint64_t)timeout_s * 1000000000ull));
+    char *log = launch_log_read(&c->p);
+    snprintf(c->log, sizeof(c->log), "%s", log ? log : "");
+    free(log);
+    unlink(c->p.log);
+    return code;
 }
 
-/* The port from "listening on 127.0.0.1:PORT", within 60 s; 0 if it never came. */
+/* The port it listens on, within 60 s; 0 if it never came. */
 static uint16_t child_port(child_t *c)
 {
-    uint64_t deadline = pkv_deadline_after_ns(60000000000ull);
-    while (pkv_now_ns() < deadline) {
-        child_read(c, 100);
-        const char *p = strstr(c->log, "listening on 127.0.0.1:");
-        if (p) return (uint16_t)atoi(p + 23);
-        if (waitpid(c->pid, NULL, WNOHANG) == c->pid) return 0;
+    char err[1024];
+    if (launch_wait_listening(&c->p, false, pkv_deadline_after_ns(60000000000ull), err,
+                              sizeof(err)) != 0) {
+        fprintf(stderr, "%s\n", err);
+        return 0;
     }
-    return 0;
+    return c->p.port;
 }
 
 START_TEST(cli_rejects_bad_cache_flags)
@@ -813,9 +742,8 @@ START_TEST(cli_rejects_bad_cache_flags)
         char *argv[] = {bin, "serve", (char *)cases[i][0], (char *)cases[i][1], NULL};
         child_t c;
         child_start(&c, argv, NULL);
-        int status = child_wait(&c, 30);
-        ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 2, "%s %s: status %d: %s",
-                      cases[i][0], cases[i][1], status, c.log);
+        int code = child_wait(&c, 30);
+        ck_assert_msg(code == 2, "%s %s: exit code %d: %s", cases[i][0], cases[i][1], code, c.log);
         ck_assert_msg(strstr(c.log, cases[i][0]), "the message does not name %s: %s", cases[i][0],
                       c.log);
     }
@@ -947,7 +875,7 @@ START_TEST(server_in_a_real_memory_cgroup)
         read_u64(path, &max_usage);
         kill(c.pid, SIGTERM);
     }
-    int status = child_wait(&c, 60);
+    int code = child_wait(&c, 60);
     rmdir(cg); /* empty once the server is gone */
     fprintf(stderr,
             "server_in_a_real_memory_cgroup: idle %.1f MiB, limit %.1f MiB, max usage %.1f MiB, "
@@ -956,8 +884,7 @@ START_TEST(server_in_a_real_memory_cgroup)
             (unsigned long long)failcnt, pressure_ev, episodes, cached_after);
     ck_assert_msg(port, "the server did not start: %s", c.log);
     ck_assert_msg(limit_set, "cannot set memory.limit_in_bytes in %s", cg);
-    ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "server status %d: %s", status,
-                  c.log);
+    ck_assert_msg(code == 0, "server exit code %d: %s", code, c.log);
     ck_assert_str_eq(source, "cgroup_v1");
     ck_assert_msg(pressure_ev > 0, "no pressure evictions; log: %s", c.log);
     ck_assert_int_ge(episodes, 1);

@@ -11,6 +11,8 @@
 #include "core/core.h"
 #include "support/cluster.h"
 #include "support/filler.h"
+#include "support/http.h"
+#include "support/launch.h"
 #include "support/srvtest.h"
 #include "support/testutil.h"
 
@@ -41,7 +43,7 @@ static void teardown(void)
 
 /* `pagekv serve --role ROLE --preset PRESET --tp TP` plus extra arguments (NULL-terminated,
  * may be NULL) and environment entries (may be NULL). */
-static void serve(cluster_proc_t *p, const char *name, const char *role, const char *preset,
+static void serve(launch_proc_t *p, const char *name, const char *role, const char *preset,
                   unsigned tp, const char *const *extra, char *const *env)
 {
     char tps[16];
@@ -56,27 +58,27 @@ static void serve(cluster_proc_t *p, const char *name, const char *role, const c
     for (; extra && *extra; extra++) argv[n++] = (char *)*extra;
     argv[n] = NULL;
     char err[4096];
-    int rc = cluster_proc_start(p, name, argv, env, LOGDIR, pkv_deadline_after_ns(60000000000ull),
-                                err, sizeof(err));
+    int rc = launch_start(p, name, argv, env, LOGDIR, pkv_deadline_after_ns(60000000000ull), err,
+                          sizeof(err));
     ck_assert_msg(rc == 0, "%s: %s", name, err);
 }
 
-static void route(cluster_proc_t *rt, const cluster_proc_t *pre, const cluster_proc_t *dec)
+static void route(launch_proc_t *rt, const launch_proc_t *pre, const launch_proc_t *dec)
 {
     char *argv[] = {BIN,        "route",          "--port", "0", "--prefill", (char *)pre->url,
                     "--decode", (char *)dec->url, NULL};
     char err[4096];
-    int rc = cluster_proc_start(rt, "router", argv, NULL, LOGDIR,
-                                pkv_deadline_after_ns(30000000000ull), err, sizeof(err));
+    int rc = launch_start(rt, "router", argv, NULL, LOGDIR, pkv_deadline_after_ns(30000000000ull),
+                          err, sizeof(err));
     ck_assert_msg(rc == 0, "router: %s", err);
 }
 
-static void stop(cluster_proc_t *p)
+static void stop(launch_proc_t *p)
 {
-    int rc = cluster_proc_stop(p, SIGTERM, pkv_deadline_after_ns(30000000000ull));
+    int rc = launch_stop(p, SIGTERM, pkv_deadline_after_ns(30000000000ull));
     if (rc != 0) {
         char tail[4096];
-        cluster_proc_log_tail(p, tail, sizeof(tail));
+        launch_log_tail(p, tail, sizeof(tail));
         ck_abort_msg("%s exited %d\n%s", p->name, rc, tail);
     }
 }
@@ -93,30 +95,30 @@ static json_t *chat(const char *preset, size_t chars, uint64_t seed, int max_tok
 }
 
 /* POST body to url + path; returns the reply (status checked by the caller). */
-static cluster_http_reply_t post(const char *url, const char *path, const json_t *body)
+static http_reply_t post(const char *url, const char *path, const json_t *body)
 {
-    cluster_http_reply_t r;
-    int rc = cluster_http(url, path, body, NULL, 60000, NULL, &r);
+    http_reply_t r;
+    int rc = http_call(url, path, body, NULL, 60000, NULL, &r);
     ck_assert_msg(rc == 0, "POST %s%s: %s", url, path, r.error);
     return r;
 }
 
 static void answer(const char *url, const json_t *req, cluster_answer_t *a)
 {
-    cluster_http_reply_t r = post(url, "/v1/chat/completions", req);
+    http_reply_t r = post(url, "/v1/chat/completions", req);
     ck_assert_msg(r.status == 200, "%s: %ld %s", url, r.status, r.body ? r.body : "");
     ck_assert_int_eq(cluster_answer_parse(r.body, false, a), 0);
-    cluster_http_reply_free(&r);
+    http_reply_free(&r);
 }
 
 static json_t *post_json(const char *url, const char *path, const json_t *body, long want)
 {
-    cluster_http_reply_t r = post(url, path, body);
+    http_reply_t r = post(url, path, body);
     ck_assert_msg(r.status == want, "%s%s: %ld (want %ld) %s", url, path, r.status, want,
                   r.body ? r.body : "");
     json_t *doc = json_loads(r.body ? r.body : "", 0, NULL);
     ck_assert_ptr_nonnull(doc);
-    cluster_http_reply_free(&r);
+    http_reply_free(&r);
     return doc;
 }
 
@@ -151,9 +153,9 @@ static long digests(const char *url, const json_t *req, unsigned kv_heads, char 
     return blocks;
 }
 
-static json_t *kv_stats(const cluster_proc_t *p)
+static json_t *kv_stats(const launch_proc_t *p)
 {
-    json_t *doc = cluster_http_get_json(p->url, "/v1/cache/stats", 10000);
+    json_t *doc = http_get_json(p->url, "/v1/cache/stats", 10000);
     ck_assert_ptr_nonnull(doc);
     json_t *kvt = json_incref(json_object_get(doc, "kv_transfer"));
     json_decref(doc);
@@ -163,7 +165,7 @@ static json_t *kv_stats(const cluster_proc_t *p)
 
 /* Nothing staged, pinned or in flight on any rank of the node (polled: a transfer's last
  * references go a moment after its outcome). */
-static void nothing_held(const cluster_proc_t *p, bool pins_too)
+static void nothing_held(const launch_proc_t *p, bool pins_too)
 {
     uint64_t deadline = pkv_deadline_after_ns(5000000000ull);
     for (;;) {
@@ -212,7 +214,7 @@ START_TEST(pair_equals_unified)
 {
     const char *preset = PAIRS[_i].preset;
     unsigned P = PAIRS[_i].p, D = PAIRS[_i].d, H = PAIRS[_i].kv_heads;
-    cluster_proc_t uni, pre, dec, rt;
+    launch_proc_t uni, pre, dec, rt;
     serve(&uni, "unified", "unified", preset, 1, NULL, NULL);
     serve(&pre, "prefill", "prefill", preset, P, NULL, NULL);
     serve(&dec, "decode", "decode", preset, D, NULL, NULL);
@@ -273,16 +275,16 @@ static json_t *prefill_leg(const char *url, const json_t *req)
 }
 
 /* The decode leg with kt: its reply. */
-static cluster_http_reply_t decode_leg(const cluster_proc_t *dec, const json_t *req, json_t *kt)
+static http_reply_t decode_leg(const launch_proc_t *dec, const json_t *req, json_t *kt)
 {
     json_t *body = json_deep_copy(req);
     json_object_set(body, "kv_transfer_params", kt);
-    cluster_http_reply_t r = post(dec->url, "/v1/chat/completions", body);
+    http_reply_t r = post(dec->url, "/v1/chat/completions", body);
     json_decref(body);
     return r;
 }
 
-static void error_code_is(const cluster_http_reply_t *r, long status, const char *codes)
+static void error_code_is(const http_reply_t *r, long status, const char *codes)
 {
     json_t *doc = json_loads(r->body ? r->body : "", 0, NULL);
     const char *code = json_string_value(json_object_get(json_object_get(doc, "error"), "code"));
@@ -297,7 +299,7 @@ static void error_code_is(const cluster_http_reply_t *r, long status, const char
  * afterwards. The prefill node runs in this process, so the site is armed here. */
 START_TEST(prefill_rank_dies_mid_pull)
 {
-    cluster_proc_t dec;
+    launch_proc_t dec;
     pkv_server_config_t cfg = {.threads = 1,
                                .preset = "llama-3.2-1b",
                                .tp = 2,
@@ -313,12 +315,12 @@ START_TEST(prefill_rank_dies_mid_pull)
     json_t *kt = prefill_leg(pre_url, req);
     pkv_fault_arm(PKV_FAULT_XFER_HANG, 0, 1);
     uint64_t t0 = pkv_now_ns();
-    cluster_http_reply_t r = decode_leg(&dec, req, kt);
+    http_reply_t r = decode_leg(&dec, req, kt);
     double s = (double)(pkv_now_ns() - t0) / 1e9;
     error_code_is(&r, 503, "peer_lost timeout");
     ck_assert_msg(s < 4.0 + 1.0, "the failed pull took %.2f s (deadline 4 s)", s);
     ck_assert_uint_eq(pkv_fault_fired(PKV_FAULT_XFER_HANG), 1);
-    cluster_http_reply_free(&r);
+    http_reply_free(&r);
     json_t *k = kv_stats(&dec);
     ck_assert_int_eq(cluster_json_int(k, "pulls.failed"), 1);
     json_decref(k);
@@ -335,7 +337,7 @@ END_TEST
  * the unified node does), nothing is held. */
 START_TEST(one_rank_rejected_fails_the_request)
 {
-    cluster_proc_t pre, dec, uni;
+    launch_proc_t pre, dec, uni;
     serve(&uni, "unified", "unified", "llama-3.2-1b", 1, NULL, NULL);
     serve(&pre, "prefill", "prefill", "llama-3.2-1b", 2, NULL, NULL);
     serve(&dec, "decode", "decode", "llama-3.2-1b", 2, NULL, NULL);
@@ -345,9 +347,9 @@ START_TEST(one_rank_rejected_fails_the_request)
     json_t *r1 = json_array_get(json_object_get(bad, "pagekv_ranks"), 1);
     ck_assert_ptr_nonnull(r1);
     json_object_set_new(r1, "pagekv_token", json_string("00112233445566778899aabbccddeeff"));
-    cluster_http_reply_t r = decode_leg(&dec, req, bad);
+    http_reply_t r = decode_leg(&dec, req, bad);
     error_code_is(&r, 400, "rejected");
-    cluster_http_reply_free(&r);
+    http_reply_free(&r);
     nothing_held(&dec, true);
     json_t *k = kv_stats(&dec);
     ck_assert_int_eq(cluster_json_int(k, "pulls.failed"), 1);
@@ -363,7 +365,7 @@ START_TEST(one_rank_rejected_fails_the_request)
     ck_assert(cluster_answer_equal(&a, &u));
     cluster_answer_free(&a);
     cluster_answer_free(&u);
-    cluster_http_reply_free(&r);
+    http_reply_free(&r);
     json_decref(kt2);
     json_decref(bad);
     json_decref(kt);
@@ -378,15 +380,15 @@ END_TEST
  * READ reaches the producer: 400 incompatible_layout, no serve started. */
 START_TEST(incompatible_layout_refused_at_handshake)
 {
-    cluster_proc_t pre, dec;
+    launch_proc_t pre, dec;
     const char *px[] = {"--seed", "2", NULL};
     serve(&pre, "prefill", "prefill", "llama-3.2-1b", 2, px, NULL);
     serve(&dec, "decode", "decode", "llama-3.2-1b", 2, NULL, NULL);
     json_t *req = chat("llama-3.2-1b", 301, 9, 4);
     json_t *kt = prefill_leg(pre.url, req);
-    cluster_http_reply_t r = decode_leg(&dec, req, kt);
+    http_reply_t r = decode_leg(&dec, req, kt);
     error_code_is(&r, 400, "incompatible_layout");
-    cluster_http_reply_free(&r);
+    http_reply_free(&r);
     json_t *k = kv_stats(&pre);
     ck_assert_int_eq(cluster_json_int(k, "transfers.serves_started"), 0);
     json_decref(k);

@@ -14,6 +14,7 @@
 #include "support/testutil.h"
 
 #include "support/lean_pull.h"
+#include "support/netns.h"
 #include "support/xfer_harness.h"
 
 #include "xfer/xfer_int.h"
@@ -2211,7 +2212,7 @@ static void random_case(xh_case_t *c, uint64_t *seed)
     c->deadline_ms = 10000;
 }
 
-static void run_random_rounds(int rounds, bool tcp, const char *ns_a, const char *ns_b)
+static void run_random_rounds(int rounds, bool tcp, const netns_pair_t *np)
 {
     uint64_t seed = pkv_test_seed(0x7e57);
     uint64_t first = seed;
@@ -2221,9 +2222,9 @@ static void run_random_rounds(int rounds, bool tcp, const char *ns_a, const char
         c.tcp = tcp;
         c.shared = !tcp && (round % 2); /* same host: alternate UCX and shared arena */
         c.fixed_slots = round % 3 == 2; /* and now and then fixed-slot staging */
-        c.netns_prod = ns_a;
-        c.netns_cons = ns_b;
-        c.prod_host = ns_a ? "10.250.0.1" : NULL;
+        c.netns_prod = np ? np->ns[0] : NULL;
+        c.netns_cons = np ? np->ns[1] : NULL;
+        c.prod_host = np ? np->ip[0] : NULL;
         xh_result_t r;
         ck_assert_int_eq(xh_run(&c, &r), 0);
         if (!r.ok || r.outcome[0] != PKV_OK || r.sent != c.n_requests)
@@ -2246,19 +2247,21 @@ static void run_random_rounds(int rounds, bool tcp, const char *ns_a, const char
 
 START_TEST(loopback_random_geometries)
 {
-    run_random_rounds((int)env_u64("PKV_XFER_ROUNDS", 5), false, NULL, NULL);
+    run_random_rounds((int)env_u64("PKV_XFER_ROUNDS", 5), false, NULL);
 }
 END_TEST
 
 START_TEST(netns_veth_tcp)
 {
-    char a[16], b[16], why[128];
-    if (xh_netns_create(a, b, why, sizeof(why))) {
+    netns_pair_t pair;
+    char why[512];
+    if (netns_pair_create(&pair, false, why, sizeof(why))) {
+        netns_pair_destroy(&pair);
         fprintf(stderr, "netns_veth_tcp: SKIPPED: %s\n", why);
         return;
     }
-    run_random_rounds(2, true, a, b);
-    xh_netns_destroy(a, b);
+    run_random_rounds(2, true, &pair);
+    netns_pair_destroy(&pair);
 }
 END_TEST
 

@@ -14,6 +14,8 @@
  */
 #include "support/cli.h"
 #include "support/cluster.h"
+#include "support/http.h"
+#include "support/launch.h"
 
 #include "core/core.h"
 
@@ -143,7 +145,7 @@ typedef struct {
     demo_opts_t o;
     char bin[4096];
     char logdir[64];
-    cluster_proc_t p[N_PROCS];
+    launch_proc_t p[N_PROCS];
     bool started[N_PROCS];
 } demo_t;
 
@@ -184,8 +186,8 @@ static int demo_start(demo_t *d, int i)
     argv[n] = NULL;
     char *env[] = {d->o.tcp ? "UCX_TLS=tcp" : NULL, NULL};
     char err[768];
-    if (cluster_proc_start(&d->p[i], demo_names[i], argv, env, d->logdir,
-                           pkv_now_ns() + DEMO_START_NS, err, sizeof(err)) != 0) {
+    if (launch_start(&d->p[i], demo_names[i], argv, env, d->logdir, pkv_now_ns() + DEMO_START_NS,
+                     err, sizeof(err)) != 0) {
         fprintf(stderr, "pagekv demo: %s\n", err);
         return -1;
     }
@@ -204,7 +206,7 @@ static bool demo_stop_all(demo_t *d, bool report)
     for (int k = 0; k < N_PROCS; k++) {
         int i = order[k];
         if (!d->started[i]) continue;
-        int code = cluster_proc_stop(&d->p[i], SIGTERM, pkv_now_ns() + DEMO_STOP_NS);
+        int code = launch_stop(&d->p[i], SIGTERM, pkv_now_ns() + DEMO_STOP_NS);
         d->started[i] = false;
         if (code != 0) ok = false;
         if (report) printf("  %-8s exited %d%s\n", demo_names[i], code, code ? "  FAILED" : "");
@@ -235,8 +237,8 @@ static int demo_ask(const char *base_url, const char *who, const demo_req_t *r, 
     char hdr[96];
     snprintf(hdr, sizeof(hdr), "X-Request-Id: %s", rid);
     const char *headers[] = {hdr, NULL};
-    cluster_http_reply_t rep;
-    if (cluster_http(base_url, r->path, body, headers, DEMO_HTTP_MS, &g_stop, &rep) != 0) {
+    http_reply_t rep;
+    if (http_call(base_url, r->path, body, headers, DEMO_HTTP_MS, &g_stop, &rep) != 0) {
         if (!g_stop) fprintf(stderr, "pagekv demo: %s: %s: %s\n", who, r->what, rep.error);
         return -1;
     }
@@ -253,7 +255,7 @@ static int demo_ask(const char *base_url, const char *who, const demo_req_t *r, 
         rc = 0;
     if (rc && a->text) cluster_answer_free(a);
     *secs = rep.seconds;
-    cluster_http_reply_free(&rep);
+    http_reply_free(&rep);
     return rc;
 }
 
@@ -309,10 +311,10 @@ static double mib(long long b)
 
 /* The transfer phases a node reports in /metrics: the means of its
  * pagekv_kv_transfer_phase_seconds{phase="..."} histograms that counted something. */
-static void demo_print_phases(const cluster_proc_t *p)
+static void demo_print_phases(const launch_proc_t *p)
 {
-    cluster_http_reply_t rep;
-    if (cluster_http(p->url, "/metrics", NULL, NULL, 5000, NULL, &rep) != 0) return;
+    http_reply_t rep;
+    if (http_call(p->url, "/metrics", NULL, NULL, 5000, NULL, &rep) != 0) return;
     static const char pre[] = "pagekv_kv_transfer_phase_seconds_sum{phase=\"";
     bool any = false;
     for (const char *l = strstr(rep.body, pre); l; l = strstr(l + 1, pre)) {
@@ -332,7 +334,7 @@ static void demo_print_phases(const cluster_proc_t *p)
         }
     }
     if (any) printf("\n");
-    cluster_http_reply_free(&rep);
+    http_reply_free(&rep);
 }
 
 /* Print each node's figures and check that nothing is held; true if all hold. */
@@ -344,7 +346,7 @@ static bool demo_accounting(demo_t *d, uint32_t legs)
     for (uint64_t end = pkv_now_ns() + 3000000000ull;;) {
         for (int i = N_PREFILL; i <= N_DECODE; i++) {
             json_decref(st[i]);
-            st[i] = cluster_http_get_json(d->p[i].url, "/v1/cache/stats", 5000);
+            st[i] = http_get_json(d->p[i].url, "/v1/cache/stats", 5000);
         }
         long long live = cluster_json_int(st[N_PREFILL], "kv_transfer.leases.live");
         long long held =
@@ -354,8 +356,8 @@ static bool demo_accounting(demo_t *d, uint32_t legs)
         nanosleep(&ts, NULL);
     }
     for (int i = 0; i < N_PROCS; i++) {
-        const cluster_proc_t *p = &d->p[i];
-        printf("  %-8s VmRSS %7.1f MiB", demo_names[i], mib((long long)cluster_proc_rss(p)));
+        const launch_proc_t *p = &d->p[i];
+        printf("  %-8s VmRSS %7.1f MiB", demo_names[i], mib((long long)launch_rss(p)));
         if (i != N_PREFILL && i != N_DECODE) {
             printf("\n");
             continue;

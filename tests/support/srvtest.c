@@ -1,56 +1,34 @@
-/* Test support: HTTP client and `pagekv serve` children (srvtest.h). */
+/* Test support: thin test wrappers over the HTTP client (support/http.h) and the launcher
+ * (support/launch.h) (srvtest.h). */
 #include "srvtest.h"
 
 #include "testutil.h"
 
+#include "support/http.h"
+
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
-#include <sys/prctl.h>
-#include <sys/select.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-static size_t on_body(char *p, size_t sz, size_t n, void *arg)
-{
-    ts_resp_t *r = arg;
-    size_t k = sz * n;
-    char *nb = realloc(r->body, r->len + k + 1);
-    if (!nb) return 0;
-    memcpy(nb + r->len, p, k);
-    r->body = nb;
-    r->len += k;
-    nb[r->len] = 0;
-    return k;
-}
 
 CURLcode ts_http(const char *host, uint16_t port, const char *method, const char *path,
                  const char *body, const char *extra_header, long timeout_s, ts_resp_t *r)
 {
-    memset(r, 0, sizeof(*r));
-    CURL *c = curl_easy_init();
-    PKV_CHECK(c != NULL);
-    char url[256];
-    snprintf(url, sizeof(url), "http://%s:%u%s", host, port, path);
-    curl_easy_setopt(c, CURLOPT_URL, url);
-    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(c, CURLOPT_TIMEOUT, timeout_s);
-    curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT, 10L);
-    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_body);
-    curl_easy_setopt(c, CURLOPT_WRITEDATA, r);
-    struct curl_slist *h = curl_slist_append(NULL, "Content-Type: application/json");
-    h = curl_slist_append(h, "Expect:");
-    if (extra_header) h = curl_slist_append(h, extra_header);
-    curl_easy_setopt(c, CURLOPT_HTTPHEADER, h);
-    curl_easy_setopt(c, CURLOPT_CUSTOMREQUEST, method);
-    if (body) {
-        curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
-        curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)strlen(body));
-    }
-    r->cc = curl_easy_perform(c);
-    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &r->status);
-    curl_slist_free_all(h);
-    curl_easy_cleanup(c);
+    char base[128];
+    snprintf(base, sizeof(base), "http://%s:%u", host, port);
+    const char *headers[] = {"Expect:", extra_header, NULL};
+    http_request_t rq = {.base_url = base,
+                         .path = path,
+                         .method = method,
+                         .body = body,
+                         .headers = headers,
+                         .timeout_ms = (uint32_t)timeout_s * 1000u,
+                         .connect_timeout_ms = 10000};
+    http_reply_t rep;
+    http_send(&rq, &rep);
+    *r = (ts_resp_t){
+        .status = rep.status, .cc = (CURLcode)rep.curl_code, .body = rep.body, .len = rep.len};
     return r->cc;
 }
 
@@ -147,20 +125,15 @@ void ts_read_file(const char *path, char *out, size_t cap)
     out[n] = 0;
 }
 
-void ts_node_read(ts_node_t *c, int timeout_ms)
+/* What the child logged so far into c->log (its tail, when longer). */
+static void node_log_load(ts_node_t *c)
 {
-    struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
-    fd_set fds;
-    FD_ZERO(&fds);
-    FD_SET(c->err_fd, &fds);
-    if (c->log_len + 1 >= sizeof(c->log)) { /* keep the tail */
-        memmove(c->log, c->log + sizeof(c->log) / 2, c->log_len - sizeof(c->log) / 2);
-        c->log_len -= sizeof(c->log) / 2;
-    }
-    if (select(c->err_fd + 1, &fds, NULL, NULL, &tv) <= 0) return;
-    ssize_t k = read(c->err_fd, c->log + c->log_len, sizeof(c->log) - 1 - c->log_len);
-    if (k > 0) c->log_len += (size_t)k;
-    c->log[c->log_len] = 0;
+    char *log = launch_log_read(&c->proc);
+    if (!log) return;
+    size_t len = strlen(log), from = len >= sizeof(c->log) ? len - (sizeof(c->log) - 1) : 0;
+    c->log_len = len - from;
+    memcpy(c->log, log + from, c->log_len + 1);
+    free(log);
 }
 
 void ts_node_start(ts_node_t *c, const char *netns, const char *host, bool tcp_only, bool agent,
@@ -189,71 +162,38 @@ void ts_node_start(ts_node_t *c, const char *netns, const char *host, bool tcp_o
         argv[n++] = args[i];
     }
     argv[n] = NULL;
-    int fds[2];
-    ck_assert_int_eq(pipe(fds), 0);
-    pid_t parent = getpid();
-    c->pid = fork();
-    ck_assert_int_ge(c->pid, 0);
-    if (c->pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive a failed test */
-        if (getppid() != parent) _exit(99);
-        if (tcp_only) setenv("UCX_TLS", "tcp", 1);
-        dup2(fds[1], 1); /* UCX logs to stdout */
-        dup2(fds[1], 2);
-        close(fds[0]);
-        close(fds[1]);
-        execv(argv[0], (char *const *)argv);
-        _exit(98);
-    }
-    close(fds[1]);
-    c->err_fd = fds[0];
-    char want[96];
-    snprintf(want, sizeof(want), "listening on %s:", host);
-    uint64_t deadline = pkv_deadline_after_ns(30ull * 1000000000);
-    const char *at, *kv = NULL;
-    while (!(at = strstr(c->log, want)) ||
-           (agent && !(kv = strstr(c->log, "transfer agent on ")))) {
-        ck_assert_msg(pkv_now_ns() < deadline, "no listening line; log:\n%s", c->log);
-        ck_assert_msg(waitpid(c->pid, &c->status, WNOHANG) == 0, "pagekv serve exited: %s", c->log);
-        ts_node_read(c, 50);
-    }
-    c->port = (uint16_t)atoi(at + strlen(want));
-    if (agent) {
-        kv += strlen("transfer agent on ");
-        size_t len = strcspn(kv, "\n");
-        ck_assert_uint_lt(len, sizeof(c->agent));
-        memcpy(c->agent, kv, len);
-        c->agent[len] = 0;
-    }
+    char log[] = "/tmp/pkv-test-node-XXXXXX";
+    int fd = mkstemp(log);
+    ck_assert_int_ge(fd, 0);
+    close(fd);
+    char *env[] = {tcp_only ? "UCX_TLS=tcp" : NULL, NULL};
+    launch_spec_t spec = {
+        .name = "pagekv serve", .argv = (char *const *)argv, .env = env, .log_path = log};
+    char err[1024];
+    ck_assert_msg(launch_spawn(&c->proc, &spec, err, sizeof(err)) == 0, "%s", err);
+    c->pid = c->proc.pid;
+    int rc = launch_wait_listening(&c->proc, agent, pkv_deadline_after_ns(30ull * 1000000000), err,
+                                   sizeof(err));
+    node_log_load(c);
+    if (rc != 0) unlink(log);
+    ck_assert_msg(rc == 0, "%s; log:\n%s", err, c->log);
+    c->port = c->proc.port;
+    snprintf(c->agent, sizeof(c->agent), "%s", c->proc.kv_address);
 }
 
 int ts_node_wait(ts_node_t *c, int timeout_s)
 {
     if (c->reaped) return c->status;
     uint64_t deadline = pkv_deadline_after_ns((uint64_t)timeout_s * 1000000000ull);
-    for (;;) {
-        pid_t w = waitpid(c->pid, &c->status, WNOHANG);
-        if (w == c->pid) break;
-        ts_node_read(c, 10);
-        if (pkv_now_ns() > deadline) {
-            kill(c->pid, SIGKILL);
-            waitpid(c->pid, &c->status, 0);
-            c->reaped = true;
-            ck_abort_msg("pagekv serve did not exit within %d s; log:\n%s", timeout_s, c->log);
-        }
-    }
+    launch_stop(&c->proc, 0, deadline);
+    c->status = c->proc.wstatus;
     c->reaped = true;
-    for (;;) {
-        if (c->log_len + 1 >= sizeof(c->log)) break;
-        ssize_t k = read(c->err_fd, c->log + c->log_len, sizeof(c->log) - 1 - c->log_len);
-        if (k <= 0) break;
-        c->log_len += (size_t)k;
-    }
-    c->log[c->log_len] = 0;
-    close(c->err_fd);
+    node_log_load(c);
+    unlink(c->proc.log);
+    ck_assert_msg(!c->proc.killed, "pagekv serve did not exit within %d s; log:\n%s", timeout_s,
+                  c->log);
     return c->status;
 }
-
 void ts_node_stop(ts_node_t *c)
 {
     kill(c->pid, SIGCONT); /* a stopped child must see its SIGTERM */

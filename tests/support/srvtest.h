@@ -1,7 +1,8 @@
 /*
- * Test support for tests that drive `pagekv serve` processes over real HTTP: a libcurl
- * client, JSON member access by path, and child processes (optionally inside a network
- * namespace) whose HTTP port and transfer agent address are read from their log.
+ * Test support for tests that drive `pagekv serve` processes over real HTTP: thin test
+ * wrappers over the HTTP client (support/http.h) and the launcher (support/launch.h),
+ * JSON member access by path, and nodes (optionally inside a network namespace) whose
+ * HTTP port and transfer agent address are read from their log.
  * Prefix ts_. Every helper asserts (Check) on what must not fail; network errors of a
  * request are returned, since fault tests expect them.
  */
@@ -9,6 +10,7 @@
 #define PKV_TEST_SRVTEST_H
 
 #include "pagekv/xfer.h"
+#include "support/launch.h"
 
 #include <curl/curl.h>
 #include <jansson.h>
@@ -19,7 +21,7 @@
 typedef struct {
     long status; /* 0 when no answer came */
     CURLcode cc;
-    char *body; /* NUL-terminated (malloc'd; NULL when empty) */
+    char *body; /* NUL-terminated (malloc'd; NULL when no answer came) */
     size_t len;
 } ts_resp_t;
 
@@ -37,14 +39,14 @@ long long ts_ji(json_t *doc, const char *path);   /* asserts an integer */
 const char *ts_js(json_t *doc, const char *path); /* asserts a string */
 
 typedef struct {
+    launch_proc_t proc;
     pid_t pid;
-    int err_fd; /* the child's stderr */
     char host[64];
     uint16_t port;                 /* its HTTP port */
     char agent[PKV_XFER_ADDR_MAX]; /* its transfer agent's address ("" for unified) */
     bool reaped;
-    int status; /* wait status once reaped */
-    char log[32768];
+    int status;      /* wait status once reaped */
+    char log[32768]; /* what it logged (the tail): at start and once reaped */
     size_t log_len;
 } ts_node_t;
 
@@ -65,8 +67,6 @@ void ts_read_file(const char *path, char *out, size_t cap);
  * child dies with the test (PR_SET_PDEATHSIG). */
 void ts_node_start(ts_node_t *c, const char *netns, const char *host, bool tcp_only, bool agent,
                    const char *const args[]);
-/* Read what the child logged (up to timeout_ms). */
-void ts_node_read(ts_node_t *c, int timeout_ms);
 /* Reap the child within timeout_s (SIGKILL and fail the test after it): its wait status. */
 int ts_node_wait(ts_node_t *c, int timeout_s);
 /* SIGTERM, then assert it exits 0 within 30 s. */

@@ -1,0 +1,15 @@
+/*
+ * `pagekv bench disagg`: the load mode, or with `--latency` the latency mode
+ * (bench/bench_disagg.h).
+ */
+#include "bench/bench_disagg.h"
+#include "support/cli.h"
+
+#include <string.h>
+
+int pkv_bench_disagg(int argc, char **argv)
+{
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--latency")) return pkv_bench_disagg_latency(argc, argv);
+    return pkv_bench_disagg_load(argc, argv);
+}
