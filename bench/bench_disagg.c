@@ -16,6 +16,7 @@
 #include "support/footprint.h"
 #include "support/loadgen.h"
 #include "support/netns.h"
+#include "tools/commands.h"
 
 #include "core/core.h"
 #include "prim/prim.h"

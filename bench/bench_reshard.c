@@ -18,6 +18,7 @@
 #include "support/filler.h"
 #include "support/footprint.h"
 #include "support/loadgen.h"
+#include "tools/commands.h"
 
 #include "pagekv/kv.h"
 #include "pagekv/model.h"

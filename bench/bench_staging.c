@@ -22,6 +22,7 @@
  * pages on a warm per_transfer stage, median over 21 batches of 2000.
  */
 #include "support/cli.h"
+#include "tools/commands.h"
 
 #include "core/core.h"
 #include "pagekv/stage.h"

@@ -29,6 +29,7 @@
 #include "support/bench.h"
 #include "support/lean_pull.h"
 #include "support/xfer_harness.h"
+#include "tools/commands.h"
 
 #include "core/core.h"
 #include "pagekv/xfer.h"

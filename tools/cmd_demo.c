@@ -14,6 +14,7 @@
  */
 #include "support/cli.h"
 #include "support/cluster.h"
+#include "tools/commands.h"
 
 #include "core/core.h"
 
