@@ -13,6 +13,7 @@
 #include "support/xfer_harness.h"
 
 #include "support/bench.h"
+#include "support/rtt_probe.h"
 
 #include "core/core.h"
 #include "pagekv/stage.h"
@@ -22,7 +23,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
-#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -161,90 +161,6 @@ double xh_memcpy_gbps(int samples, bool cold)
     free(a);
     free(b);
     return pkv_bench_median(v, (size_t)samples);
-}
-
-/* ---- CPU-to-CPU round trip -------------------------------------------------------------- */
-enum { RTT_BATCHES = 9, RTT_ROUNDS = 2000 };
-typedef struct {
-    _Alignas(64) atomic_ulong ping;
-    _Alignas(64) atomic_ulong pong;
-    _Alignas(64) atomic_bool quit;
-    atomic_bool unpinned; /* a thread could not be pinned: the figure would mean nothing */
-    int cpu[2];
-    double batch_ns[RTT_BATCHES];
-    int batches; /* completed */
-} rtt_t;
-_Static_assert(sizeof(rtt_t) % 64 == 0, "aligned_alloc wants a multiple of the alignment");
-
-static void pin_self(rtt_t *t, int cpu)
-{
-    cpu_set_t cs;
-    CPU_ZERO(&cs);
-    CPU_SET(cpu, &cs);
-    if (pthread_setaffinity_np(pthread_self(), sizeof(cs), &cs)) atomic_store(&t->unpinned, true);
-}
-
-static void *rtt_echo(void *arg)
-{
-    rtt_t *t = arg;
-    pin_self(t, t->cpu[1]);
-    unsigned long seen = 0;
-    while (!atomic_load_explicit(&t->quit, memory_order_relaxed)) {
-        unsigned long v = atomic_load_explicit(&t->ping, memory_order_acquire);
-        if (v != seen) atomic_store_explicit(&t->pong, seen = v, memory_order_release);
-    }
-    return NULL;
-}
-
-/* Batches of RTT_ROUNDS round trips; gives up (keeping the batches done) after 200 ms. */
-static void *rtt_send(void *arg)
-{
-    rtt_t *t = arg;
-    pin_self(t, t->cpu[0]);
-    uint64_t give_up = pkv_now_ns() + 200000000ull;
-    unsigned long seq = 0;
-    bool late = false;
-    for (int b = 0; b < RTT_BATCHES && !late; b++) {
-        uint64_t t0 = pkv_now_ns();
-        for (int i = 0; i < RTT_ROUNDS && !late; i++) {
-            atomic_store_explicit(&t->ping, ++seq, memory_order_release);
-            for (uint32_t spin = 0; atomic_load_explicit(&t->pong, memory_order_acquire) != seq;)
-                if (++spin % 4096 == 0 && (late = pkv_now_ns() > give_up)) break;
-        }
-        if (!late) t->batch_ns[t->batches++] = (double)(pkv_now_ns() - t0) / RTT_ROUNDS;
-    }
-    atomic_store(&t->quit, true);
-    return NULL;
-}
-
-double xh_cpu_round_trip_ns(void)
-{
-    cpu_set_t cs;
-    rtt_t *t = aligned_alloc(64, sizeof(*t));
-    if (!t || sched_getaffinity(0, sizeof(cs), &cs)) {
-        free(t);
-        return 0;
-    }
-    memset(t, 0, sizeof(*t));
-    int n = 0;
-    for (int c = 0; c < CPU_SETSIZE && n < 2; c++)
-        if (CPU_ISSET(c, &cs)) t->cpu[n++] = c;
-    pthread_t th[2];
-    bool ok = n == 2 && pthread_create(&th[0], NULL, rtt_echo, t) == 0;
-    if (ok && pthread_create(&th[1], NULL, rtt_send, t) != 0) {
-        atomic_store(&t->quit, true);
-        pthread_join(th[0], NULL);
-        ok = false;
-    } else if (ok) {
-        pthread_join(th[1], NULL);
-        pthread_join(th[0], NULL);
-    }
-    /* The median batch: one preemption of a thread spoils a batch, not the figure. */
-    double ns = ok && !atomic_load(&t->unpinned) && t->batches
-                    ? pkv_bench_median(t->batch_ns, (size_t)t->batches)
-                    : 0;
-    free(t);
-    return ns;
 }
 
 /* ---- pipes ---------------------------------------------------------------------------- */
@@ -742,7 +658,7 @@ static void consumer_main(const xh_case_t *c, int from_parent)
     if (c->memcpy_ref) {
         rep.memcpy_cold_gbps[0] = xh_memcpy_gbps(5, true);
         rep.memcpy_gbps[0] = xh_memcpy_gbps(5, false);
-        rep.cpu_rtt_ns[0] = xh_cpu_round_trip_ns();
+        rep.cpu_rtt_ns[0] = pkv_rtt_probe_ns();
     }
     for (uint32_t r = 0; r < nreq; r++) {
         const uint32_t *ids;
@@ -781,7 +697,7 @@ static void consumer_main(const xh_case_t *c, int from_parent)
         }
     }
     if (c->memcpy_ref) {
-        rep.cpu_rtt_ns[1] = xh_cpu_round_trip_ns();
+        rep.cpu_rtt_ns[1] = pkv_rtt_probe_ns();
         rep.memcpy_gbps[1] = xh_memcpy_gbps(5, false);
         rep.memcpy_cold_gbps[1] = xh_memcpy_gbps(5, true);
     }

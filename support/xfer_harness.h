@@ -100,8 +100,9 @@ typedef struct {
     uint64_t bytes[XH_MAX_REQ];
     double memcpy_gbps[2];      /* memcpy_ref: before the first read, after the last */
     double memcpy_cold_gbps[2]; /* the same, out of cache (xh_memcpy_gbps cold) */
-    double cpu_rtt_ns[2];       /* memcpy_ref: xh_cpu_round_trip_ns() right before the first
-                                   read and right after the last one (0: not measured) */
+    double cpu_rtt_ns[2];       /* memcpy_ref: pkv_rtt_probe_ns() (support/rtt_probe.h) right
+                                   before the first read and right after the last one (0:
+                                   not measured) */
     uint64_t cons_active_left, cons_staging_left, cons_pins_left, cons_blocks_live;
     int cons_stage_rc;
     uint64_t cons_stage_leaked;
@@ -118,15 +119,6 @@ typedef struct {
  * keep much of it in cache). Cold: each copy to and from the next 16 MiB of two 128 MiB
  * regions, as a transfer between two pools much bigger than the cache does. */
 double xh_memcpy_gbps(int samples, bool cold);
-
-/* Round trip of one cache line between the first two CPUs this process may run on: two
- * threads pinned there, the median of 9 batches of 2,000 round trips, in ns; 0 when it
- * cannot measure (fewer than two CPUs, a thread not created or not pinned, 200 ms
- * passed without a batch). On a VM it shows how far apart the host placed the vCPUs at
- * that moment: on this 2-vCPU machine it moves between ~55 ns (hyperthreads of one
- * core), ~95-350 ns and ~500-900 ns as the host places them after they idle, and a 64
- * KiB transfer's rate follows it. */
-double xh_cpu_round_trip_ns(void);
 
 /* The UCX settings of the tcp references (ucx_perftest and the tcp lean pull), as
  * "NAME=value " pairs: the engine's own tcp settings (agent.c ucx_config). */
