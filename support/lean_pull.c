@@ -11,6 +11,7 @@
  */
 #include "support/lean_pull.h"
 #include "support/xfer_harness.h"
+#include "support/xfer_proc.h"
 
 #include "core/core.h"
 #include "prim/prim.h"
