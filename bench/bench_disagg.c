@@ -18,6 +18,7 @@
 #include "support/launch.h"
 #include "support/loadgen.h"
 #include "support/netns.h"
+#include "tools/commands.h"
 
 #include "core/core.h"
 #include "prim/prim.h"

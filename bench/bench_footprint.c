@@ -25,6 +25,7 @@
  */
 #include "footprint.h"
 #include "support/cli.h"
+#include "tools/commands.h"
 
 #include "core/core.h"
 #include "pagekv/model.h"

@@ -33,6 +33,7 @@
  */
 #include "support/cli.h"
 #include "support/bench.h"
+#include "tools/commands.h"
 
 #include "core/core.h"
 #include "kv/kv.h"

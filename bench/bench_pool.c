@@ -13,6 +13,7 @@
  */
 #include "support/cli.h"
 #include "support/bench.h"
+#include "tools/commands.h"
 
 #include "kv/kv.h"
 #include "prim/prim.h"

@@ -21,6 +21,7 @@
 #include "support/http.h"
 #include "support/launch.h"
 #include "support/loadgen.h"
+#include "tools/commands.h"
 
 #include "pagekv/kv.h"
 #include "pagekv/model.h"

@@ -22,6 +22,7 @@
  * pages on a warm per_transfer stage, median over 21 batches of 2000.
  */
 #include "support/cli.h"
+#include "tools/commands.h"
 
 #include "core/core.h"
 #include "pagekv/stage.h"
@@ -197,6 +198,116 @@ typedef struct {
     uint64_t stage_timeouts, stage_nofit;
 } bs_result_t;
 
+/* Start the BS_STREAMS streams (they wait for run->go); *started gets how many run. On a
+ * failure the started ones are told to stop at once. */
+static int bs_streams_start(bs_run_t *run, const bs_opts_t *o, int *started)
+{
+    size_t cap = (size_t)(o->seconds * 1e6 / (double)PKV_MAX(o->copy_us / 2, 1)) + 1024;
+    int rc = PKV_OK;
+    *started = 0;
+    for (int i = 0; i < BS_STREAMS; i++) {
+        bs_stream_t *s = &run->s[i];
+        s->run = run;
+        s->idx = i;
+        s->rng = o->seed * 1000003ull + (uint64_t)i;
+        s->cap = cap;
+        s->waits_ns = malloc(cap * sizeof(uint64_t));
+        if (!s->waits_ns || pthread_create(&s->th, NULL, bs_stream_main, s)) {
+            rc = PKV_ERR_NOMEM;
+            break;
+        }
+        pthread_setname_np(s->th, "bench-stream");
+        (*started)++;
+    }
+    if (rc) atomic_store(&run->stop, 1); /* the started streams leave at once */
+    return rc;
+}
+
+/* The streams' counts and waits (p50, p99, max) into res. */
+static void bs_collect_streams(const bs_run_t *run, bs_result_t *res)
+{
+    size_t nw = 0;
+    for (int i = 0; i < BS_STREAMS; i++) nw += run->s[i].nwaits;
+    uint64_t *all = malloc((nw ? nw : 1) * sizeof(uint64_t));
+    nw = 0;
+    for (int i = 0; i < BS_STREAMS; i++) {
+        const bs_stream_t *s = &run->s[i];
+        res->transfers += s->done;
+        res->failed += s->failed;
+        for (int k = 0; k < 16; k++) res->by_rc[k] += s->by_rc[k];
+        if (all) memcpy(all + nw, s->waits_ns, s->nwaits * sizeof(uint64_t));
+        nw += s->nwaits;
+    }
+    if (all && nw) {
+        qsort(all, nw, sizeof(uint64_t), bs_cmp_u64);
+        res->wait_p50_us = (double)all[nw / 2] / 1e3;
+        res->wait_p99_us = (double)all[(nw * 99) / 100] / 1e3;
+        res->wait_max_us = (double)all[nw - 1] / 1e3;
+    }
+    free(all);
+}
+
+/* The memory figures: the OS's peak over the baseline m0 (m1 read after the streams
+ * stopped) and the stage's own counters. */
+static void bs_collect_memory(const bs_opts_t *o, const pkv_prim_mem_t *m0,
+                              const pkv_prim_mem_t *m1, const pkv_stage_stats_t *ss,
+                              bs_result_t *res)
+{
+    res->peak_resident_os = m1->hwm_bytes > m0->rss_bytes ? m1->hwm_bytes - m0->rss_bytes : 0;
+    res->peak_resident_counter = ss->resident_peak_bytes;
+    res->peak_inflight = (uint64_t)ss->pages_asked_peak * o->page_bytes;
+    res->peak_used_pages = ss->pages_peak_used;
+    res->pool_bytes = (uint64_t)ss->pages_total * o->page_bytes;
+    res->pinned_bytes = ss->pinned_bytes;
+    res->pin_failed_pages = ss->pin_failed_pages;
+    res->stage_timeouts = ss->timeouts;
+    res->stage_nofit = ss->nofit;
+}
+
+/* The stage's failure lines logged during the mode: the first few move into res. */
+static void bs_take_lines(bs_result_t *res)
+{
+    pthread_mutex_lock(&bs_log_lock);
+    res->nlines = bs_nlines;
+    for (size_t i = 0; i < PKV_MIN(bs_nlines, PKV_ARRAY_LEN(res->lines)); i++) {
+        res->lines[i] = bs_lines[i];
+        bs_lines[i] = NULL;
+    }
+    pthread_mutex_unlock(&bs_log_lock);
+    bs_lines_clear();
+}
+
+/* Let the started streams run for o->seconds (none when rc says the start failed), then
+ * stop and join them; the memory baseline, the end and the stage's counters into res. */
+static void bs_run_streams(bs_run_t *run, const bs_opts_t *o, int started, int rc, bs_result_t *res)
+{
+    bs_lines_clear();
+    pkv_prim_mem_t m0;
+    pkv_prim_mem_read(0, &m0);
+    pkv_prim_hwm_reset();
+    pkv_prim_mem_read(0, &m0); /* after the reset: baseline == hwm */
+    uint64_t t0 = pkv_now_ns();
+    pthread_mutex_lock(&run->start_lock);
+    run->go = true;
+    pthread_cond_broadcast(&run->start_cond);
+    pthread_mutex_unlock(&run->start_lock);
+    if (!rc) {
+        bs_sleep_ns((uint64_t)(o->seconds * 1e9));
+        atomic_store(&run->stop, 1);
+    }
+    for (int i = 0; i < started; i++) pthread_join(run->s[i].th, NULL);
+    uint64_t t1 = pkv_now_ns();
+    pkv_prim_mem_t m1;
+    pkv_prim_mem_read(0, &m1);
+    pkv_stage_stats_t ss;
+    pkv_stage_stats(run->st, &ss);
+    if (rc) return;
+    bs_collect_streams(run, res);
+    res->seconds = (double)(t1 - t0) / 1e9;
+    res->transfers_per_s = (double)res->transfers / res->seconds;
+    bs_collect_memory(o, &m0, &m1, &ss, res);
+}
+
 static int bs_run_mode(const bs_opts_t *o, const bs_mode_t *m, bs_result_t *res)
 {
     pkv_stage_config_t c;
@@ -222,91 +333,16 @@ static int bs_run_mode(const bs_opts_t *o, const bs_mode_t *m, bs_result_t *res)
     run->o = o;
     pthread_mutex_init(&run->start_lock, NULL);
     pthread_cond_init(&run->start_cond, NULL);
-    size_t cap = (size_t)(o->seconds * 1e6 / (double)PKV_MAX(o->copy_us / 2, 1)) + 1024;
-    int started = 0;
-    for (int i = 0; i < BS_STREAMS; i++) {
-        bs_stream_t *s = &run->s[i];
-        s->run = run;
-        s->idx = i;
-        s->rng = o->seed * 1000003ull + (uint64_t)i;
-        s->cap = cap;
-        s->waits_ns = malloc(cap * sizeof(uint64_t));
-        if (!s->waits_ns || pthread_create(&s->th, NULL, bs_stream_main, s)) {
-            rc = PKV_ERR_NOMEM;
-            break;
-        }
-        pthread_setname_np(s->th, "bench-stream");
-        started++;
-    }
-    if (rc) atomic_store(&run->stop, 1); /* the started streams leave at once */
-    bs_lines_clear();
-    pkv_prim_mem_t m0;
-    pkv_prim_mem_read(0, &m0);
-    pkv_prim_hwm_reset();
-    pkv_prim_mem_read(0, &m0); /* after the reset: baseline == hwm */
-    uint64_t t0 = pkv_now_ns();
-    pthread_mutex_lock(&run->start_lock);
-    run->go = true;
-    pthread_cond_broadcast(&run->start_cond);
-    pthread_mutex_unlock(&run->start_lock);
-    if (!rc) {
-        bs_sleep_ns((uint64_t)(o->seconds * 1e9));
-        atomic_store(&run->stop, 1);
-    }
-    for (int i = 0; i < started; i++) pthread_join(run->s[i].th, NULL);
-    uint64_t t1 = pkv_now_ns();
-    pkv_prim_mem_t m1;
-    pkv_prim_mem_read(0, &m1);
-    pkv_stage_stats_t ss;
-    pkv_stage_stats(run->st, &ss);
-
-    if (!rc) {
-        size_t nw = 0;
-        for (int i = 0; i < BS_STREAMS; i++) nw += run->s[i].nwaits;
-        uint64_t *all = malloc((nw ? nw : 1) * sizeof(uint64_t));
-        nw = 0;
-        for (int i = 0; i < BS_STREAMS; i++) {
-            bs_stream_t *s = &run->s[i];
-            res->transfers += s->done;
-            res->failed += s->failed;
-            for (int k = 0; k < 16; k++) res->by_rc[k] += s->by_rc[k];
-            if (all) memcpy(all + nw, s->waits_ns, s->nwaits * sizeof(uint64_t));
-            nw += s->nwaits;
-        }
-        if (all && nw) {
-            qsort(all, nw, sizeof(uint64_t), bs_cmp_u64);
-            res->wait_p50_us = (double)all[nw / 2] / 1e3;
-            res->wait_p99_us = (double)all[(nw * 99) / 100] / 1e3;
-            res->wait_max_us = (double)all[nw - 1] / 1e3;
-        }
-        free(all);
-        res->seconds = (double)(t1 - t0) / 1e9;
-        res->transfers_per_s = (double)res->transfers / res->seconds;
-        res->peak_resident_os = m1.hwm_bytes > m0.rss_bytes ? m1.hwm_bytes - m0.rss_bytes : 0;
-        res->peak_resident_counter = ss.resident_peak_bytes;
-        res->peak_inflight = (uint64_t)ss.pages_asked_peak * o->page_bytes;
-        res->peak_used_pages = ss.pages_peak_used;
-        res->pool_bytes = (uint64_t)ss.pages_total * o->page_bytes;
-        res->pinned_bytes = ss.pinned_bytes;
-        res->pin_failed_pages = ss.pin_failed_pages;
-        res->stage_timeouts = ss.timeouts;
-        res->stage_nofit = ss.nofit;
-    }
+    int started;
+    rc = bs_streams_start(run, o, &started);
+    bs_run_streams(run, o, started, rc, res);
     for (int i = 0; i < BS_STREAMS; i++) free(run->s[i].waits_ns);
     size_t leaked = 0;
     int drc = pkv_stage_destroy(run->st, pkv_deadline_after_ns(2000000000ull), &leaked);
     pthread_cond_destroy(&run->start_cond);
     pthread_mutex_destroy(&run->start_lock);
     free(run);
-
-    pthread_mutex_lock(&bs_log_lock);
-    res->nlines = bs_nlines;
-    for (size_t i = 0; i < PKV_MIN(bs_nlines, PKV_ARRAY_LEN(res->lines)); i++) {
-        res->lines[i] = bs_lines[i];
-        bs_lines[i] = NULL;
-    }
-    pthread_mutex_unlock(&bs_log_lock);
-    bs_lines_clear();
+    bs_take_lines(res);
     if (!rc && (drc || leaked)) rc = PKV_ERR_BUSY;
     return rc;
 }
@@ -450,15 +486,10 @@ static void bs_usage(void)
                     "            --copy-us 2000 --deadline-ms 2000 --seed 1\n");
 }
 
-int pkv_bench_staging(int argc, char **argv)
+/* The options into o and *json_path: -1 to go on, else the exit code (0 after --help, 2 on
+ * a usage error). */
+static int bs_parse(int argc, char **argv, bs_opts_t *o, const char **json_path)
 {
-    bs_opts_t o = {.page_bytes = 72 * 1024,
-                   .seconds = 2.0,
-                   .copy_us = 2000,
-                   .deadline_ms = 2000,
-                   .seed = 1,
-                   .pin = true};
-    const char *json_path = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -467,73 +498,64 @@ int pkv_bench_staging(int argc, char **argv)
             bs_usage();
             return 0;
         } else if (!strcmp(a, "--json") && v) {
-            json_path = v;
+            *json_path = v;
             i++;
         } else if (!strcmp(a, "--seconds") && v) {
             if (pkv_cli_parse_u64(v, 1, 600, &x))
                 return pkv_cli_usage_error("bench staging", "--seconds: 1..600, got '%s'", v);
-            o.seconds = (double)x;
+            o->seconds = (double)x;
             i++;
         } else if (!strcmp(a, "--page-bytes") && v) {
             if (pkv_cli_parse_bytes(v, &x) || x == 0 || x % 4096 || x > (64ull << 20))
                 return pkv_cli_usage_error("bench staging",
                                            "--page-bytes: a multiple of 4K up to 64M, got '%s'", v);
-            o.page_bytes = x;
+            o->page_bytes = x;
             i++;
         } else if (!strcmp(a, "--copy-us") && v) {
             if (pkv_cli_parse_u64(v, 1, 10000000, &x))
                 return pkv_cli_usage_error("bench staging", "--copy-us: 1..10000000, got '%s'", v);
-            o.copy_us = x;
+            o->copy_us = x;
             i++;
         } else if (!strcmp(a, "--deadline-ms") && v) {
             if (pkv_cli_parse_u64(v, 1, 3600000, &x))
                 return pkv_cli_usage_error("bench staging", "--deadline-ms: 1..3600000, got '%s'",
                                            v);
-            o.deadline_ms = x;
+            o->deadline_ms = x;
             i++;
         } else if (!strcmp(a, "--seed") && v) {
             if (pkv_cli_parse_u64(v, 0, UINT64_MAX, &x))
                 return pkv_cli_usage_error("bench staging", "--seed: an integer, got '%s'", v);
-            o.seed = x;
+            o->seed = x;
             i++;
         } else if (!strcmp(a, "--memfd")) {
-            o.shared = true;
+            o->shared = true;
         } else if (!strcmp(a, "--no-pin")) {
-            o.pin = false;
+            o->pin = false;
         } else {
             bs_usage();
             return pkv_cli_usage_error("bench staging", "unknown or incomplete option '%s'", a);
         }
     }
+    return -1;
+}
 
-    pkv_log_set_level(PKV_LOG_WARN);
-    pkv_log_set_sink(bs_sink, NULL);
-    bs_result_t res[PKV_ARRAY_LEN(bs_modes)];
-    size_t nres = 0;
-    int rc = PKV_OK;
-    for (size_t i = 0; i < PKV_ARRAY_LEN(bs_modes) && !rc; i++) {
-        if (pkv_cli_progress_enabled())
-            fprintf(stderr, "bench staging: %s (%.0f s)...\n", bs_modes[i].name, o.seconds);
-        rc = bs_run_mode(&o, &bs_modes[i], &res[i]);
-        if (!rc) nres++;
-    }
-    pkv_log_set_sink(NULL, NULL);
-    double ar_median = 0, ar_min = 0;
-    if (!rc) rc = bs_acquire_release_128(&o, &ar_median, &ar_min);
-    if (rc) {
-        fprintf(stderr, "pagekv bench staging: %s\n", pkv_status_str(rc));
-        for (size_t i = 0; i < nres; i++)
-            for (size_t k = 0; k < PKV_ARRAY_LEN(res[i].lines); k++) free(res[i].lines[k]);
-        return 1;
-    }
+static void bs_free_lines(bs_result_t *res, size_t nres)
+{
+    for (size_t i = 0; i < nres; i++)
+        for (size_t k = 0; k < PKV_ARRAY_LEN(res[i].lines); k++) free(res[i].lines[k]);
+}
 
+/* The table: one row per mode, then the uncontended acquire + release. */
+static void bs_print_table(const bs_opts_t *o, const bs_result_t *res, size_t nres,
+                           double ar_median, double ar_min)
+{
     printf("## pagekv bench staging\n\n");
     printf("64 streams (transfers in flight), contexts 128/512/4096/8192 tokens weighted "
            "55/30/10/5, 64-token pages of %zu bytes, copy %llu us +-25%%, deadline %llu ms, "
            "%.0f s per mode, seed %llu, %s, %s.\n\n",
-           o.page_bytes, (unsigned long long)o.copy_us, (unsigned long long)o.deadline_ms,
-           o.seconds, (unsigned long long)o.seed, o.pin ? "pinned" : "not pinned",
-           o.shared ? "memfd" : "anonymous");
+           o->page_bytes, (unsigned long long)o->copy_us, (unsigned long long)o->deadline_ms,
+           o->seconds, (unsigned long long)o->seed, o->pin ? "pinned" : "not pinned",
+           o->shared ? "memfd" : "anonymous");
     printf("| mode | pool pages | pool MiB | transfers | failed | peak resident MiB (OS) | "
            "counter MiB | peak in-flight MiB | resident / in-flight | wait p50 us | wait p99 us "
            "| transfers/s |\n");
@@ -552,6 +574,12 @@ int pkv_bench_staging(int argc, char **argv)
     printf("\nacquire + release of 128 pages, uncontended: median %.0f ns (min %.0f ns) over 21 "
            "batches of 2000\n",
            ar_median, ar_min);
+}
+
+/* Under the table: where the OS and the counter disagree, pages not pinned, and each
+ * mode's failed acquisitions with the first lines the stage logged. */
+static void bs_print_notes(const bs_result_t *res, size_t nres)
+{
     for (size_t i = 0; i < nres; i++) {
         const bs_result_t *x = &res[i];
         double os = (double)x->peak_resident_os, ctr = (double)x->peak_resident_counter;
@@ -573,11 +601,45 @@ int pkv_bench_staging(int argc, char **argv)
         for (size_t k = 0; k < PKV_ARRAY_LEN(x->lines); k++)
             if (x->lines[k]) printf("    %s\n", x->lines[k]);
     }
+}
+
+int pkv_bench_staging(int argc, char **argv)
+{
+    bs_opts_t o = {.page_bytes = 72 * 1024,
+                   .seconds = 2.0,
+                   .copy_us = 2000,
+                   .deadline_ms = 2000,
+                   .seed = 1,
+                   .pin = true};
+    const char *json_path = NULL;
+    int exit_code = bs_parse(argc, argv, &o, &json_path);
+    if (exit_code >= 0) return exit_code;
+
+    pkv_log_set_level(PKV_LOG_WARN);
+    pkv_log_set_sink(bs_sink, NULL);
+    bs_result_t res[PKV_ARRAY_LEN(bs_modes)];
+    size_t nres = 0;
+    int rc = PKV_OK;
+    for (size_t i = 0; i < PKV_ARRAY_LEN(bs_modes) && !rc; i++) {
+        if (pkv_cli_progress_enabled())
+            fprintf(stderr, "bench staging: %s (%.0f s)...\n", bs_modes[i].name, o.seconds);
+        rc = bs_run_mode(&o, &bs_modes[i], &res[i]);
+        if (!rc) nres++;
+    }
+    pkv_log_set_sink(NULL, NULL);
+    double ar_median = 0, ar_min = 0;
+    if (!rc) rc = bs_acquire_release_128(&o, &ar_median, &ar_min);
+    if (rc) {
+        fprintf(stderr, "pagekv bench staging: %s\n", pkv_status_str(rc));
+        bs_free_lines(res, nres);
+        return 1;
+    }
+    bs_print_table(&o, res, nres, ar_median, ar_min);
+    bs_print_notes(res, nres);
     if (json_path && bs_write_json(json_path, &o, res, nres, ar_median, ar_min)) {
         fprintf(stderr, "pagekv bench staging: cannot write %s\n", json_path);
         rc = 1;
     }
-    for (size_t i = 0; i < nres; i++)
-        for (size_t k = 0; k < PKV_ARRAY_LEN(res[i].lines); k++) free(res[i].lines[k]);
+    bs_free_lines(res, nres);
     return rc ? 1 : 0;
 }

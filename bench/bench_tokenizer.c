@@ -6,6 +6,7 @@
  */
 #include "support/cli.h"
 #include "support/filler.h"
+#include "tools/commands.h"
 
 #include "core/core.h"
 #include "pagekv/tokenizer.h"

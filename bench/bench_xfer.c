@@ -29,6 +29,7 @@
 #include "support/bench.h"
 #include "support/lean_pull.h"
 #include "support/xfer_harness.h"
+#include "tools/commands.h"
 
 #include "core/core.h"
 #include "pagekv/xfer.h"
@@ -122,7 +123,7 @@ static void size_case(xh_case_t *c, size_t bytes, int path)
  * ~30 ms after the agents sat idle (here: while the consumer measured memcpy) ran at a
  * run's lowest rate; the warm-up takes them, and the timed reads last long enough (~0.1 s
  * at 64 KiB, was ~25 ms) to average what is left. Where a run's level comes from on this
- * VM (the host's placement of the two vCPUs) is measured by xh_cpu_round_trip_ns. */
+ * VM (the host's placement of the two vCPUs) is measured by pkv_rtt_probe_ns. */
 static uint32_t warmup_reads(size_t bytes)
 {
     return (uint32_t)((128u << 20) / bytes);
@@ -144,8 +145,8 @@ typedef struct {
                                   and of the runs' own ratios (-1: not run) */
     double lean_gbps, vs_lean; /* the lean pull (same_host: bench/lean_pull.c through shared
                                   memory; tcp: its UCX tcp twin), the same way */
-    double rtt_ns; /* median over runs of xh_cpu_round_trip_ns (each run: the mean of those
-                      before its first read and after its last that measured; 0: none) */
+    double rtt_ns;             /* median over runs of pkv_rtt_probe_ns (each run: the mean of those
+                                  before its first read and after its last that measured; 0: none) */
     double run_gbps[100], run_rtt_ns[100]; /* each run's batch GB/s and round trip */
     int runs, reads;
     bool ok;

@@ -1,6 +1,6 @@
 /*
  * Shared pieces of the benchmarks: medians, the process's memory from the OS, and
- * writing a jansson object to --json FILE.
+ * writing a jansson object to --json FILE (through support/report.h).
  */
 #ifndef PKV_SUPPORT_BENCH_H
 #define PKV_SUPPORT_BENCH_H
@@ -16,7 +16,7 @@ double pkv_bench_median(const double *v, size_t n);
  * P(Bin(n, 1/2) < j) <= 2.5 %; *cover gets its exact coverage (>= 95 %). 0, or -1 when
  * n < 6 (no such interval; lo, hi and cover untouched). */
 int pkv_bench_median_ci(const double *v, size_t n, double *lo, double *hi, double *cover);
-/* Write obj to path (pretty, sorted keys); 0 or -1 with a message on stderr. */
+/* pkv_report_write_json() for a benchmark: 0, or -1 with "pagekv bench: cannot write PATH". */
 int pkv_bench_write_json(const char *path, json_t *obj);
 /* VmRSS / VmHWM of this process, bytes. */
 uint64_t pkv_bench_rss(void);

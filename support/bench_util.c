@@ -1,4 +1,5 @@
 #include "support/bench.h"
+#include "support/report.h"
 
 #include "prim/prim.h"
 
@@ -58,11 +59,7 @@ int pkv_bench_median_ci(const double *v, size_t n, double *lo, double *hi, doubl
 
 int pkv_bench_write_json(const char *path, json_t *obj)
 {
-    if (json_dump_file(obj, path, JSON_INDENT(2) | JSON_SORT_KEYS) != 0) {
-        fprintf(stderr, "pagekv bench: cannot write %s\n", path);
-        return -1;
-    }
-    return 0;
+    return pkv_report_write_json("bench", path, obj);
 }
 
 uint64_t pkv_bench_rss(void)

@@ -11,6 +11,7 @@
  */
 #include "support/lean_pull.h"
 #include "support/xfer_harness.h"
+#include "support/xfer_proc.h"
 
 #include "core/core.h"
 #include "prim/prim.h"
@@ -418,6 +419,29 @@ static void lt_recv_done(void *req, ucs_status_t status, const ucp_tag_recv_info
     ucp_request_free(req);
 }
 
+/* The consumer's endpoint to the producer at loopback `port`, wired up: 0 or -1. */
+static int lt_connect(lt_t *t, uint16_t port)
+{
+    struct sockaddr_in sa = {
+        .sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                                        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                                        UCP_EP_PARAM_FIELD_ERR_HANDLER,
+                          .flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER,
+                          .sockaddr = {.addr = (struct sockaddr *)&sa, .addrlen = sizeof(sa)},
+                          .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+                          .err_handler = {.cb = lt_ep_err, .arg = t}};
+    if (ucp_ep_create(t->worker, &ep, &t->ep) != UCS_OK) return -1;
+    /* wire-up done before the first message (UCX 1.13 refuses some during it) */
+    ucp_request_param_t fp = {0};
+    void *fr = ucp_ep_flush_nbx(t->ep, &fp);
+    while (fr && !UCS_PTR_IS_ERR(fr) && ucp_request_check_status(fr) == UCS_INPROGRESS)
+        ucp_worker_progress(t->worker);
+    if (UCS_PTR_IS_ERR(fr)) return -1;
+    if (fr) ucp_request_free(fr);
+    return 0;
+}
+
 /* The consumer: 8 reads in flight through the producer at `port`; GB/s or -1. */
 static double lt_consumer(const lp_geo_t *g, uint32_t warm_reads, uint32_t timed_reads,
                           uint16_t port)
@@ -428,24 +452,7 @@ static double lt_consumer(const lp_geo_t *g, uint32_t warm_reads, uint32_t timed
     uint8_t *stage = malloc(LP_SLOTS * g->read_bytes);
     lt_slot_t *slot = calloc(LP_SLOTS, sizeof(*slot));
     ucp_dt_iov_t(*iov)[2] = calloc((size_t)LP_SLOTS * n_chunks, sizeof(*iov));
-    if (!pool || !stage || !slot || !iov || lt_open(&t)) return -1;
-    struct sockaddr_in sa = {
-        .sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                                        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                                        UCP_EP_PARAM_FIELD_ERR_HANDLER,
-                          .flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER,
-                          .sockaddr = {.addr = (struct sockaddr *)&sa, .addrlen = sizeof(sa)},
-                          .err_mode = UCP_ERR_HANDLING_MODE_PEER,
-                          .err_handler = {.cb = lt_ep_err, .arg = &t}};
-    if (ucp_ep_create(t.worker, &ep, &t.ep) != UCS_OK) return -1;
-    /* wire-up done before the first message (UCX 1.13 refuses some during it) */
-    ucp_request_param_t fp = {0};
-    void *fr = ucp_ep_flush_nbx(t.ep, &fp);
-    while (fr && !UCS_PTR_IS_ERR(fr) && ucp_request_check_status(fr) == UCS_INPROGRESS)
-        ucp_worker_progress(t.worker);
-    if (UCS_PTR_IS_ERR(fr)) return -1;
-    if (fr) ucp_request_free(fr);
+    if (!pool || !stage || !slot || !iov || lt_open(&t) || lt_connect(&t, port)) return -1;
     uint64_t give_up = pkv_now_ns() + LP_GIVE_UP_NS, t0 = pkv_now_ns();
     uint32_t issued = 0, done = 0;
     double gbps = -1;

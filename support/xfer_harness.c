@@ -6,13 +6,20 @@
  *   parent --fork--> producer: builds pool + stage + agent, registers, sends HANDLES,
  *                              waits for FINISH, sends PREPORT, exits
  *   parent --fork--> consumer: receives HANDLES, reads, verifies, sends CREPORT, exits
- * A producer that kills or stops itself first sends KILLTIME (its clock at the signal);
- * CLOCK_MONOTONIC is system-wide, so the consumer's outcome times compare directly.
- * The parent bounds every wait and kills both children when a bound passes.
+ * The result is one xh_result_t in memory the three processes share (MAP_SHARED, mapped
+ * before the forks): each child writes its own fields and then sends its report message,
+ * which only says "done"; the parent writes the rest and copies the whole to the caller.
+ * A child that kills or stops itself first writes its clock at the signal (kill_at_ns) and
+ * sends KILLTIME; CLOCK_MONOTONIC is system-wide, so the consumer's outcome times compare
+ * directly. A fault the parent acts on waits for its event: a stopped consumer is killed
+ * once the producer says its serves failed (SERVES_FAILED). The parent bounds every wait
+ * and kills both children when a bound passes.
  */
 #include "support/xfer_harness.h"
 
 #include "support/bench.h"
+#include "support/rtt_probe.h"
+#include "support/xfer_proc.h"
 
 #include "core/core.h"
 #include "pagekv/stage.h"
@@ -22,117 +29,18 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
-#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/mount.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-enum { M_HANDLES = 1, M_KILLTIME, M_PREPORT, M_CREPORT, M_SETUP_FAIL };
-
-static const char *const fault_names[XH_NFAULTS] = {
-    [XH_NONE] = "none",
-    [XH_PRODUCER_KILLED_BEFORE] = "producer killed before data",
-    [XH_PRODUCER_KILLED_DURING] = "producer killed during data",
-    [XH_PRODUCER_KILLED_AFTER] = "producer killed after data",
-    [XH_CONSUMER_KILLED_DURING] = "consumer killed during data",
-    [XH_PRODUCER_STOPPED] = "producer SIGSTOPped",
-    [XH_STAGING_FULL_CONSUMER] = "staging exhausted (consumer)",
-    [XH_STAGING_FULL_PRODUCER] = "staging exhausted (producer)",
-    [XH_NOFIT_CONSUMER] = "staging too small (consumer)",
-    [XH_NOFIT_PRODUCER] = "staging too small (producer)",
-    [XH_DEADLINE] = "deadline expiry",
-    [XH_WRONG_TOKEN] = "wrong token",
-    [XH_UNKNOWN_REQUEST] = "unknown request",
-    [XH_CORRUPT] = "corrupted payload",
-    [XH_SHUTDOWN_CONSUMER] = "shutdown mid-transfer (consumer)",
-    [XH_SHUTDOWN_PRODUCER] = "shutdown mid-transfer (producer)",
-    [XH_CANCEL] = "cancel mid-transfer",
-    [XH_CONSUMER_STOPPED] = "consumer SIGSTOPped",
-    [XH_PRODUCER_KILLED_STAGING] = "producer killed while staging",
-    [XH_FORGED] = "forged payload (MAC without the token)",
-};
-
-const char *xh_fault_name(xh_fault_t f)
-{
-    return f < XH_NFAULTS ? fault_names[f] : "?";
-}
-
-bool xh_outcome_expected(const xh_case_t *c, int oc)
-{
-    switch (c->fault) {
-    case XH_NONE:
-        return oc == PKV_OK;
-    case XH_PRODUCER_KILLED_BEFORE:
-    case XH_PRODUCER_KILLED_DURING:
-    case XH_PRODUCER_KILLED_STAGING:
-    case XH_PRODUCER_STOPPED:
-    case XH_SHUTDOWN_PRODUCER:
-        return oc == PKV_ERR_PEER_LOST;
-    /* The producer dies after its last chunk left (its DATAs may still be queued in its
-     * UCX) and before the ACK: the consumer may store every byte first (ok, and
-     * check_accounting / fault_check then compare every byte) or see the death first
-     * (peer_lost). Both are right; what it must never do is end ok with wrong bytes. */
-    case XH_PRODUCER_KILLED_AFTER:
-        return oc == PKV_OK || oc == PKV_ERR_PEER_LOST;
-    case XH_CONSUMER_KILLED_DURING:
-    case XH_CONSUMER_STOPPED:
-        return false; /* the consumer reports nothing */
-    /* Shared arena: the consumer copies from the producer's staging and needs none. */
-    case XH_STAGING_FULL_CONSUMER:
-        return oc == (c->shared ? PKV_OK : PKV_ERR_TIMEOUT);
-    case XH_NOFIT_CONSUMER:
-        return oc == (c->shared ? PKV_OK : PKV_ERR_NOFIT);
-    case XH_STAGING_FULL_PRODUCER:
-    case XH_DEADLINE:
-        return oc == PKV_ERR_TIMEOUT;
-    case XH_NOFIT_PRODUCER:
-        return oc == PKV_ERR_NOFIT;
-    case XH_WRONG_TOKEN:
-    case XH_UNKNOWN_REQUEST:
-        return oc == PKV_ERR_REJECTED;
-    case XH_CORRUPT:
-    case XH_FORGED:
-        return oc == PKV_ERR_CORRUPT;
-    case XH_SHUTDOWN_CONSUMER:
-        return oc == PKV_ERR_SHUTDOWN;
-    case XH_CANCEL:
-        return oc == PKV_ERR_CANCELLED;
-    default:
-        return false;
-    }
-}
-
-bool xh_producer_reports(xh_fault_t f)
-{
-    return f != XH_PRODUCER_KILLED_BEFORE && f != XH_PRODUCER_KILLED_DURING &&
-           f != XH_PRODUCER_KILLED_AFTER && f != XH_PRODUCER_STOPPED &&
-           f != XH_PRODUCER_KILLED_STAGING;
-}
-
-bool xh_consumer_reports(xh_fault_t f)
-{
-    return f != XH_CONSUMER_KILLED_DURING && f != XH_CONSUMER_STOPPED;
-}
-
-void xh_case_default(xh_case_t *c)
-{
-    memset(c, 0, sizeof(*c));
-    c->geo = (pkv_geometry_t){
-        .layers = 8, .kv_heads = 2, .head_dim = 64, .block_tokens = 16, .dtype = PKV_DTYPE_F16};
-    c->n_tokens = 512; /* 32 blocks of 64 KiB: 2 MiB, 256 KiB per layer */
-    c->n_requests = 1;
-    c->chunk_bytes = 0; /* the agent's default */
-    c->page_bytes = 64 << 10;
-    c->deadline_ms = 4000;
-    c->seed = 1;
-}
+enum { M_HANDLES = 1, M_KILLTIME, M_PREPORT, M_CREPORT, M_SETUP_FAIL, M_SERVES_FAILED };
 
 double xh_memcpy_gbps(int samples, bool cold)
 {
@@ -163,131 +71,12 @@ double xh_memcpy_gbps(int samples, bool cold)
     return pkv_bench_median(v, (size_t)samples);
 }
 
-/* ---- CPU-to-CPU round trip -------------------------------------------------------------- */
-enum { RTT_BATCHES = 9, RTT_ROUNDS = 2000 };
-typedef struct {
-    _Alignas(64) atomic_ulong ping;
-    _Alignas(64) atomic_ulong pong;
-    _Alignas(64) atomic_bool quit;
-    atomic_bool unpinned; /* a thread could not be pinned: the figure would mean nothing */
-    int cpu[2];
-    double batch_ns[RTT_BATCHES];
-    int batches; /* completed */
-} rtt_t;
-_Static_assert(sizeof(rtt_t) % 64 == 0, "aligned_alloc wants a multiple of the alignment");
-
-static void pin_self(rtt_t *t, int cpu)
-{
-    cpu_set_t cs;
-    CPU_ZERO(&cs);
-    CPU_SET(cpu, &cs);
-    if (pthread_setaffinity_np(pthread_self(), sizeof(cs), &cs)) atomic_store(&t->unpinned, true);
-}
-
-static void *rtt_echo(void *arg)
-{
-    rtt_t *t = arg;
-    pin_self(t, t->cpu[1]);
-    unsigned long seen = 0;
-    while (!atomic_load_explicit(&t->quit, memory_order_relaxed)) {
-        unsigned long v = atomic_load_explicit(&t->ping, memory_order_acquire);
-        if (v != seen) atomic_store_explicit(&t->pong, seen = v, memory_order_release);
-    }
-    return NULL;
-}
-
-/* Batches of RTT_ROUNDS round trips; gives up (keeping the batches done) after 200 ms. */
-static void *rtt_send(void *arg)
-{
-    rtt_t *t = arg;
-    pin_self(t, t->cpu[0]);
-    uint64_t give_up = pkv_now_ns() + 200000000ull;
-    unsigned long seq = 0;
-    bool late = false;
-    for (int b = 0; b < RTT_BATCHES && !late; b++) {
-        uint64_t t0 = pkv_now_ns();
-        for (int i = 0; i < RTT_ROUNDS && !late; i++) {
-            atomic_store_explicit(&t->ping, ++seq, memory_order_release);
-            for (uint32_t spin = 0; atomic_load_explicit(&t->pong, memory_order_acquire) != seq;)
-                if (++spin % 4096 == 0 && (late = pkv_now_ns() > give_up)) break;
-        }
-        if (!late) t->batch_ns[t->batches++] = (double)(pkv_now_ns() - t0) / RTT_ROUNDS;
-    }
-    atomic_store(&t->quit, true);
-    return NULL;
-}
-
-double xh_cpu_round_trip_ns(void)
-{
-    cpu_set_t cs;
-    rtt_t *t = aligned_alloc(64, sizeof(*t));
-    if (!t || sched_getaffinity(0, sizeof(cs), &cs)) {
-        free(t);
-        return 0;
-    }
-    memset(t, 0, sizeof(*t));
-    int n = 0;
-    for (int c = 0; c < CPU_SETSIZE && n < 2; c++)
-        if (CPU_ISSET(c, &cs)) t->cpu[n++] = c;
-    pthread_t th[2];
-    bool ok = n == 2 && pthread_create(&th[0], NULL, rtt_echo, t) == 0;
-    if (ok && pthread_create(&th[1], NULL, rtt_send, t) != 0) {
-        atomic_store(&t->quit, true);
-        pthread_join(th[0], NULL);
-        ok = false;
-    } else if (ok) {
-        pthread_join(th[1], NULL);
-        pthread_join(th[0], NULL);
-    }
-    /* The median batch: one preemption of a thread spoils a batch, not the figure. */
-    double ns = ok && !atomic_load(&t->unpinned) && t->batches
-                    ? pkv_bench_median(t->batch_ns, (size_t)t->batches)
-                    : 0;
-    free(t);
-    return ns;
-}
-
-/* ---- pipes ---------------------------------------------------------------------------- */
-int xh_write_all(int fd, const void *p, size_t n)
-{
-    const uint8_t *b = p;
-    while (n) {
-        ssize_t w = write(fd, b, n);
-        if (w < 0) {
-            if (errno == EINTR) continue;
-            return -1;
-        }
-        b += w;
-        n -= (size_t)w;
-    }
-    return 0;
-}
-
+/* ---- messages between the processes --------------------------------------------------- */
 static int send_msg(int fd, uint32_t type, const void *p, uint32_t len)
 {
     uint32_t hdr[2] = {type, len};
     if (xh_write_all(fd, hdr, sizeof(hdr))) return -1;
     return len ? xh_write_all(fd, p, len) : 0;
-}
-
-int xh_read_all(int fd, void *p, size_t n, uint64_t deadline_ns)
-{
-    uint8_t *b = p;
-    while (n) {
-        uint64_t now = pkv_now_ns();
-        if (now >= deadline_ns) return -2;
-        struct pollfd pfd = {.fd = fd, .events = POLLIN};
-        int ms = (int)PKV_MIN((deadline_ns - now) / 1000000 + 1, 1000);
-        int pr = poll(&pfd, 1, ms);
-        if (pr < 0 && errno != EINTR) return -1;
-        if (pr <= 0) continue;
-        ssize_t r = read(fd, b, n);
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) return -1;
-        b += r;
-        n -= (size_t)r;
-    }
-    return 0;
 }
 
 /* One message; *payload is malloc'd (free it). */
@@ -309,50 +98,6 @@ static int recv_msg(int fd, uint32_t *type, void **payload, uint32_t *len, uint6
     return 0;
 }
 
-/* ---- the data pattern ----------------------------------------------------------------- */
-/* Bytes of one head row (K or V) of position pos in layer l of request r. */
-static void pattern_row(uint64_t seed, uint32_t r, uint32_t pos, uint32_t l, uint32_t kv,
-                        uint32_t h, uint8_t *out, size_t n)
-{
-    uint64_t s = seed ^ ((uint64_t)r << 48) ^ ((uint64_t)pos << 20) ^ ((uint64_t)l << 8) ^
-                 ((uint64_t)kv << 7) ^ h;
-    pkv_splitmix64(&s);
-    for (size_t i = 0; i < n; i += 8) {
-        uint64_t w = pkv_splitmix64(&s);
-        memcpy(out + i, &w, PKV_MIN((size_t)8, n - i));
-    }
-}
-
-uint32_t xh_pattern_apply(pkv_seq_t *seq, const pkv_geometry_t *g, uint64_t seed, uint32_t r,
-                          uint32_t n_tokens, bool fill)
-{
-    size_t es = pkv_dtype_size(g->dtype), row = (size_t)g->head_dim * es;
-    uint8_t *buf = malloc(row);
-    uint32_t bad = 0;
-    for (uint32_t pos = 0; pos < n_tokens; pos++) {
-        bool pos_bad = false;
-        for (uint32_t l = 0; l < g->layers; l++) {
-            void *k, *v;
-            size_t hs;
-            pkv_seq_slot(seq, pos, l, &k, &v, &hs);
-            for (uint32_t kv = 0; kv < 2; kv++) {
-                uint8_t *base = kv ? v : k;
-                for (uint32_t h = 0; h < g->kv_heads; h++) {
-                    uint8_t *dst = base + (size_t)h * hs * es;
-                    pattern_row(seed, r, pos, l, kv, h, buf, row);
-                    if (fill)
-                        memcpy(dst, buf, row);
-                    else if (memcmp(dst, buf, row))
-                        pos_bad = true;
-                }
-            }
-        }
-        bad += pos_bad;
-    }
-    free(buf);
-    return bad;
-}
-
 /* ---- child plumbing -------------------------------------------------------------------- */
 static int enter_netns(const char *name)
 {
@@ -371,26 +116,10 @@ static int enter_netns(const char *name)
     return mount("sysfs", "/sys", "sysfs", 0, NULL);
 }
 
-typedef struct {
-    uint64_t sent, serves_started, serves_failed, rejected, registrations_left, written_off;
-    uint64_t active_left, staging_left, pins_left, blocks_live;
-    int32_t stage_rc;
-    uint64_t stage_leaked;
-} prod_report_t;
-
-typedef struct {
-    int32_t outcome[XH_MAX_REQ];
-    uint64_t elapsed_ns[XH_MAX_REQ], done_at_ns[XH_MAX_REQ], bytes[XH_MAX_REQ];
-    uint32_t mismatched[XH_MAX_REQ];
-    uint64_t active_left, staging_left, pins_left, blocks_live;
-    int32_t stage_rc;
-    uint64_t stage_leaked;
-    double memcpy_gbps[2], memcpy_cold_gbps[2];
-    double cpu_rtt_ns[2];
-} cons_report_t;
-
 /* Globals of a child process (each child has its own copy after fork). */
 static const xh_case_t *g_case;
+static xh_result_t *g_res; /* the result, shared with the parent: each child fills its own
+                              fields, then says so (M_PREPORT / M_CREPORT) */
 static int g_report_fd = -1;
 static atomic_int g_trigger; /* the hook saw its point: the main thread acts */
 
@@ -402,12 +131,12 @@ static void child_fail(const char *what, int rc)
     exit(3);
 }
 
-/* A child's fault: tell the parent when (its clock, for the detection time), then take
- * the signal. */
+/* A child's fault: note when (its clock, for the detection time), tell the parent, then
+ * take the signal. */
 static void signal_self(int sig)
 {
-    uint64_t now = pkv_now_ns();
-    send_msg(g_report_fd, M_KILLTIME, &now, sizeof(now));
+    g_res->kill_at_ns = pkv_now_ns();
+    send_msg(g_report_fd, M_KILLTIME, NULL, 0);
     raise(sig);
 }
 
@@ -592,29 +321,64 @@ static uint64_t stage_used(pkv_stage_t *st)
     return ss.pages_used;
 }
 
-static void producer_main(const xh_case_t *c, int from_parent)
+/* One side's pool, staging and agent. */
+typedef struct {
+    pkv_kv_t *kv;
+    pkv_seq_t **seqs; /* n of them */
+    uint32_t n;
+    pkv_stage_t *st;
+    pkv_stage_grant_t *hog;
+    pkv_xfer_agent_t *a; /* NULL once destroyed */
+} side_t;
+
+/* Tears down what side_setup built but the agent (the caller ends that first, reading its
+ * counters); the side's leftovers go to the result. */
+static void side_teardown(side_t *s, uint64_t *staging_left, uint64_t *blocks, int *stage_rc,
+                          uint64_t *stage_leaked)
+{
+    hog_release(s->st, s->hog);
+    *staging_left = stage_used(s->st);
+    for (uint32_t r = 0; r < s->n; r++) pkv_seq_free(s->seqs[r]);
+    free(s->seqs);
+    *blocks = blocks_live(s->kv);
+    size_t leaked = 0;
+    *stage_rc = pkv_stage_destroy(s->st, pkv_deadline_after_ns(2000000000ull), &leaked);
+    *stage_leaked = leaked;
+    pkv_kv_destroy(s->kv);
+}
+
+/* Each side's pool holds n requests (the producer's filled with the pattern), its staging
+ * sized (or starved) as the case says, and its agent. */
+static void side_setup(const xh_case_t *c, side_t *s, uint32_t n, bool producer)
 {
     xh_fault_t f = c->fault;
-    if (enter_netns(c->netns_prod)) child_fail("setns (producer)", PKV_ERR_IO);
-    if (c->tcp) setenv("UCX_TLS", "tcp", 1);
-    pkv_kv_t *kv = make_kv(c);
-    pkv_seq_t *seqs[XH_MAX_REQ];
-    for (uint32_t r = 0; r < c->n_requests; r++) seqs[r] = make_seq(kv, r, c->n_tokens, true);
-    pkv_stage_grant_t *hog;
-    pkv_stage_t *st =
-        side_stage(c, c->prod_pages, f == XH_NOFIT_PRODUCER, f == XH_STAGING_FULL_PRODUCER, &hog);
-    pkv_xfer_agent_t *a = make_agent(c, kv, st, c->prod_host, true);
+    s->kv = make_kv(c);
+    s->n = n;
+    s->seqs = calloc(n, sizeof(*s->seqs));
+    if (!s->seqs) child_fail("seqs", PKV_ERR_NOMEM);
+    for (uint32_t r = 0; r < n; r++) s->seqs[r] = make_seq(s->kv, r, c->n_tokens, producer);
+    if (producer)
+        s->st = side_stage(c, c->prod_pages, f == XH_NOFIT_PRODUCER, f == XH_STAGING_FULL_PRODUCER,
+                           &s->hog);
+    else
+        s->st = side_stage(c, c->cons_pages, f == XH_NOFIT_CONSUMER, f == XH_STAGING_FULL_CONSUMER,
+                           &s->hog);
+    s->a = make_agent(c, s->kv, s->st, producer ? c->prod_host : NULL, producer);
+}
 
-    /* Handles: u32 count, then per handle u32 length + bytes. */
+/* Register every request (and the idle ones) and send the parent the handles: u32 count,
+ * then per handle u32 length + bytes. */
+static void producer_send_handles(const xh_case_t *c, side_t *s)
+{
     size_t off = 4;
     uint8_t *msg = malloc(4);
     memcpy(msg, &c->n_requests, 4);
     for (uint32_t r = 0; r < c->n_requests; r++) {
         const uint32_t *ids;
         uint32_t n;
-        pkv_seq_blocks(seqs[r], &ids, &n);
+        pkv_seq_blocks(s->seqs[r], &ids, &n);
         pkv_xfer_handle_t *h;
-        int rc = pkv_xfer_register(a, 1000 + r, ids, n, pkv_deadline_after_ns(120000000000ull),
+        int rc = pkv_xfer_register(s->a, 1000 + r, ids, n, pkv_deadline_after_ns(120000000000ull),
                                    NULL, NULL, &h);
         if (rc) child_fail("register", rc);
         size_t hb = pkv_xfer_handle_bytes(h), len = 0;
@@ -627,62 +391,89 @@ static void producer_main(const xh_case_t *c, int from_parent)
     }
     const uint32_t *idle_ids;
     uint32_t idle_n;
-    pkv_seq_blocks(seqs[0], &idle_ids, &idle_n);
+    pkv_seq_blocks(s->seqs[0], &idle_ids, &idle_n);
     for (uint32_t k = 0; k < c->idle_regs; k++) {
         pkv_xfer_handle_t *h;
-        int rc = pkv_xfer_register(a, (1ull << 40) + k, idle_ids, idle_n, PKV_DEADLINE_NEVER, NULL,
-                                   NULL, &h);
+        int rc = pkv_xfer_register(s->a, (1ull << 40) + k, idle_ids, idle_n, PKV_DEADLINE_NEVER,
+                                   NULL, NULL, &h);
         if (rc) child_fail("register (idle)", rc);
         pkv_xfer_handle_free(h);
     }
     send_msg(g_report_fd, M_HANDLES, msg, (uint32_t)off);
     free(msg);
+}
 
-    /* Wait for the parent's FINISH (or, for SHUTDOWN_PRODUCER, the hook's trigger). */
+/* Every serve the producer started has failed and given its sends back: what the parent
+ * waits for before it kills a stopped consumer. */
+static bool serves_all_failed(pkv_xfer_agent_t *a)
+{
+    pkv_xfer_stats_t s;
+    pkv_xfer_stats(a, &s);
+    return s.serves_started && s.serves_failed == s.serves_started && !s.active_transfers;
+}
+
+/* Wait for the parent's FINISH, acting on the case's events meanwhile: the hook's trigger
+ * (SHUTDOWN_PRODUCER destroys the agent), the serves to a stopped consumer failing
+ * (CONSUMER_STOPPED: M_SERVES_FAILED to the parent). */
+static void producer_wait_finish(const xh_case_t *c, side_t *s, int from_parent)
+{
     uint64_t until = pkv_now_ns() + (c->deadline_ms + 60000) * 1000000ull;
-    bool destroyed = false;
+    bool told = false;
     for (;;) {
-        if (f == XH_SHUTDOWN_PRODUCER && !destroyed && atomic_load(&g_trigger)) {
-            pkv_xfer_agent_destroy(a);
-            destroyed = true;
+        if (c->fault == XH_SHUTDOWN_PRODUCER && s->a && atomic_load(&g_trigger)) {
+            pkv_xfer_agent_destroy(s->a);
+            s->a = NULL;
+        }
+        if (c->fault == XH_CONSUMER_STOPPED && !told && s->a && serves_all_failed(s->a)) {
+            send_msg(g_report_fd, M_SERVES_FAILED, NULL, 0);
+            told = true;
         }
         struct pollfd pfd = {.fd = from_parent, .events = POLLIN};
         if (poll(&pfd, 1, 5) > 0 || pkv_now_ns() > until) break;
     }
-    prod_report_t rep;
-    memset(&rep, 0, sizeof(rep));
-    if (!destroyed) {
-        pkv_xfer_wait_idle(a, pkv_deadline_after_ns(3000000000ull));
-        pkv_xfer_stats_t s;
-        pkv_xfer_stats(a, &s);
-        uint64_t left = s.registrations - c->idle_regs; /* the real ones still held */
-        for (uint32_t k = 0; k < c->idle_regs; k++) pkv_xfer_unregister(a, (1ull << 40) + k);
-        uint64_t idle_until = pkv_deadline_after_ns(3000000000ull);
-        while (c->idle_regs && s.registrations > left && pkv_now_ns() < idle_until) {
-            usleep(1000);
-            pkv_xfer_stats(a, &s); /* unregister ends them on the agent's next tick */
-        }
-        rep.sent = s.sent;
-        rep.serves_started = s.serves_started;
-        rep.serves_failed = s.serves_failed;
-        rep.rejected = s.rejected;
-        rep.registrations_left = s.registrations;
-        rep.active_left = s.active_transfers;
-        rep.pins_left = s.pinned_blocks;
-        rep.written_off = s.written_off;
-        pkv_xfer_agent_destroy(a);
-    } else {
-        rep.registrations_left = UINT64_MAX; /* unknown: the agent is gone */
+}
+
+/* The agent's counters once it is idle and the idle registrations are gone, into the
+ * result; then the agent ends. */
+static void producer_count(const xh_case_t *c, pkv_xfer_agent_t *a, xh_result_t *res)
+{
+    pkv_xfer_wait_idle(a, pkv_deadline_after_ns(3000000000ull));
+    pkv_xfer_stats_t s;
+    pkv_xfer_stats(a, &s);
+    uint64_t left = s.registrations - c->idle_regs; /* the real ones still held */
+    for (uint32_t k = 0; k < c->idle_regs; k++) pkv_xfer_unregister(a, (1ull << 40) + k);
+    uint64_t idle_until = pkv_deadline_after_ns(3000000000ull);
+    while (c->idle_regs && s.registrations > left && pkv_now_ns() < idle_until) {
+        usleep(1000);
+        pkv_xfer_stats(a, &s); /* unregister ends them on the agent's next tick */
     }
-    hog_release(st, hog);
-    rep.staging_left = stage_used(st);
-    for (uint32_t r = 0; r < c->n_requests; r++) pkv_seq_free(seqs[r]);
-    rep.blocks_live = blocks_live(kv);
-    size_t leaked = 0;
-    rep.stage_rc = pkv_stage_destroy(st, pkv_deadline_after_ns(2000000000ull), &leaked);
-    rep.stage_leaked = leaked;
-    pkv_kv_destroy(kv);
-    send_msg(g_report_fd, M_PREPORT, &rep, sizeof(rep));
+    res->sent = s.sent;
+    res->serves_started = s.serves_started;
+    res->serves_failed = s.serves_failed;
+    res->rejected = s.rejected;
+    res->registrations_left = s.registrations;
+    res->prod_active_left = s.active_transfers;
+    res->prod_pins_left = s.pinned_blocks;
+    res->written_off = s.written_off;
+    pkv_xfer_agent_destroy(a);
+}
+
+static void producer_main(const xh_case_t *c, int from_parent)
+{
+    if (enter_netns(c->netns_prod)) child_fail("setns (producer)", PKV_ERR_IO);
+    if (c->tcp) setenv("UCX_TLS", "tcp", 1);
+    side_t s;
+    side_setup(c, &s, c->n_requests, true);
+    producer_send_handles(c, &s);
+    producer_wait_finish(c, &s, from_parent);
+    xh_result_t *res = g_res;
+    if (s.a)
+        producer_count(c, s.a, res);
+    else
+        res->registrations_left = UINT64_MAX; /* unknown: the agent is gone */
+    side_teardown(&s, &res->prod_staging_left, &res->prod_blocks_live, &res->prod_stage_rc,
+                  &res->prod_stage_leaked);
+    send_msg(g_report_fd, M_PREPORT, NULL, 0);
 }
 
 typedef struct {
@@ -700,124 +491,156 @@ static void on_done(void *arg, pkv_xfer_read_t *rd, int outcome)
     atomic_store(&d->done, 1);
 }
 
-static void consumer_main(const xh_case_t *c, int from_parent)
+/* The consumer's reads: request r's handle, read, start time and completion. */
+typedef struct {
+    const xh_case_t *c;
+    side_t s; /* s.n requests */
+    pkv_xfer_handle_t *h[XH_MAX_REQ];
+    pkv_xfer_read_t *rd[XH_MAX_REQ];
+    uint64_t start[XH_MAX_REQ];
+    done_slot_t slot[XH_MAX_REQ];
+} reads_t;
+
+/* The handles from the parent (the producer's message), decoded into x->h (tampered with
+ * as the case says); returns their count. */
+static uint32_t consumer_recv_handles(reads_t *x, int from_parent)
 {
-    xh_fault_t f = c->fault;
-    uint32_t type, len;
+    xh_fault_t f = x->c->fault;
+    uint32_t type, len, nreq;
     void *p;
     if (recv_msg(from_parent, &type, &p, &len, pkv_deadline_after_ns(60000000000ull)) ||
         type != M_HANDLES)
         child_fail("handles from parent", PKV_ERR_IO);
-    if (enter_netns(c->netns_cons)) child_fail("setns (consumer)", PKV_ERR_IO);
-    if (c->tcp) setenv("UCX_TLS", "tcp", 1);
-    uint32_t nreq;
     memcpy(&nreq, p, 4);
-    pkv_xfer_handle_t *h[XH_MAX_REQ];
     size_t off = 4;
     for (uint32_t r = 0; r < nreq; r++) {
         uint32_t hl;
         memcpy(&hl, (uint8_t *)p + off, 4);
-        int rc = pkv_xfer_handle_decode((uint8_t *)p + off + 4, hl, &h[r]);
+        int rc = pkv_xfer_handle_decode((uint8_t *)p + off + 4, hl, &x->h[r]);
         if (rc) child_fail("handle decode", rc);
         off += 4 + hl;
-        if (f == XH_WRONG_TOKEN) h[r]->token[5] ^= 0x20;
-        if (f == XH_UNKNOWN_REQUEST) h[r]->request_id += 1000000;
+        if (f == XH_WRONG_TOKEN) x->h[r]->token[5] ^= 0x20;
+        if (f == XH_UNKNOWN_REQUEST) x->h[r]->request_id += 1000000;
     }
     free(p);
+    return nreq;
+}
 
-    pkv_kv_t *kv = make_kv(c);
-    pkv_seq_t *seqs[XH_MAX_REQ];
-    for (uint32_t r = 0; r < nreq; r++) seqs[r] = make_seq(kv, r, c->n_tokens, false);
-    pkv_stage_grant_t *hog;
-    pkv_stage_t *st =
-        side_stage(c, c->cons_pages, f == XH_NOFIT_CONSUMER, f == XH_STAGING_FULL_CONSUMER, &hog);
-    pkv_xfer_agent_t *a = make_agent(c, kv, st, NULL, false);
-
-    cons_report_t rep;
-    memset(&rep, 0, sizeof(rep));
-    static done_slot_t slot[XH_MAX_REQ];
-    pkv_xfer_read_t *rd[XH_MAX_REQ];
-    uint64_t start[XH_MAX_REQ];
-    bool destroyed = false;
-    if (c->memcpy_ref) {
-        rep.memcpy_cold_gbps[0] = xh_memcpy_gbps(5, true);
-        rep.memcpy_gbps[0] = xh_memcpy_gbps(5, false);
-        rep.cpu_rtt_ns[0] = xh_cpu_round_trip_ns();
+/* Wait until reads [first, last] have ended (or give up), acting on the hook's trigger:
+ * CANCEL cancels reads [0, r], SHUTDOWN_CONSUMER destroys the agent. */
+static void consumer_wait(reads_t *x, uint32_t first, uint32_t last, uint32_t r)
+{
+    xh_fault_t f = x->c->fault;
+    uint64_t give_up = pkv_now_ns() + (x->c->deadline_ms + 10000) * 1000000ull;
+    for (uint32_t q = first; q <= last; q++) {
+        while (!atomic_load(&x->slot[q].done) && pkv_now_ns() < give_up) {
+            if (atomic_load(&g_trigger)) {
+                atomic_store(&g_trigger, 0);
+                if (f == XH_CANCEL)
+                    for (uint32_t k = 0; k <= r; k++) pkv_xfer_cancel(x->rd[k]);
+                if (f == XH_SHUTDOWN_CONSUMER && x->s.a) {
+                    pkv_xfer_agent_destroy(x->s.a);
+                    x->s.a = NULL;
+                }
+            }
+            int oc;
+            pkv_xfer_read_wait(x->rd[q], pkv_deadline_after_ns(2000000ull), &oc);
+        }
     }
+}
+
+/* Start every read. Batches [0, warmup) then [warmup, nreq): read one by one, all at
+ * once, or keeping a window of reads outstanding (wait for the oldest; at a batch's end,
+ * for all, so the timed reads start and end with nothing else in flight). */
+static void consumer_read_all(reads_t *x)
+{
+    const xh_case_t *c = x->c;
+    uint32_t nreq = x->s.n;
     for (uint32_t r = 0; r < nreq; r++) {
         const uint32_t *ids;
         uint32_t n;
-        pkv_seq_blocks(seqs[r], &ids, &n);
-        atomic_init(&slot[r].done, 0);
-        start[r] = pkv_now_ns();
-        int rc = pkv_xfer_read(a, h[r], ids, n, start[r] + c->deadline_ms * 1000000ull, on_done,
-                               &slot[r], &rd[r]);
+        pkv_seq_blocks(x->s.seqs[r], &ids, &n);
+        atomic_init(&x->slot[r].done, 0);
+        x->start[r] = pkv_now_ns();
+        int rc = pkv_xfer_read(x->s.a, x->h[r], ids, n, x->start[r] + c->deadline_ms * 1000000ull,
+                               on_done, &x->slot[r], &x->rd[r]);
         if (rc) child_fail("read", rc);
-        /* Batches [0, warmup) then [warmup, nreq): read one by one, all at once, or
-         * keeping a window of reads outstanding (wait for the oldest; at a batch's end,
-         * for all, so the timed reads start and end with nothing else in flight). */
         bool batch_end = r + 1 == nreq || r + 1 == c->warmup;
         uint32_t base = r < c->warmup ? 0 : c->warmup;
         if (!c->sequential && !batch_end && (!c->window || r + 1 - base < c->window)) continue;
         uint32_t first = c->sequential ? r : base;
         if (c->window && r + 1 - base >= c->window) first = r + 1 - c->window;
         uint32_t last = c->window && !batch_end ? first : r;
-        /* Wait for this read or the whole batch, acting on the hook's trigger. */
-        uint64_t give_up = pkv_now_ns() + (c->deadline_ms + 10000) * 1000000ull;
-        for (uint32_t q = first; q <= last; q++) {
-            while (!atomic_load(&slot[q].done) && pkv_now_ns() < give_up) {
-                if (atomic_load(&g_trigger)) {
-                    atomic_store(&g_trigger, 0);
-                    if (f == XH_CANCEL)
-                        for (uint32_t k = 0; k <= r; k++) pkv_xfer_cancel(rd[k]);
-                    if (f == XH_SHUTDOWN_CONSUMER && !destroyed) {
-                        pkv_xfer_agent_destroy(a);
-                        destroyed = true;
-                    }
-                }
-                int oc;
-                pkv_xfer_read_wait(rd[q], pkv_deadline_after_ns(2000000ull), &oc);
-            }
-        }
+        consumer_wait(x, first, last, r); /* this read, or the whole batch */
     }
-    if (c->memcpy_ref) {
-        rep.cpu_rtt_ns[1] = xh_cpu_round_trip_ns();
-        rep.memcpy_gbps[1] = xh_memcpy_gbps(5, false);
-        rep.memcpy_cold_gbps[1] = xh_memcpy_gbps(5, true);
-    }
-    for (uint32_t r = 0; r < nreq; r++) {
+}
+
+/* Each read's outcome, timing and bytes (checked against the pattern) into the result;
+ * then the agent's leftovers once it is idle, and the agent ends. */
+static void consumer_count(reads_t *x, xh_result_t *res)
+{
+    const xh_case_t *c = x->c;
+    for (uint32_t r = 0; r < x->s.n; r++) {
         int oc = -999;
-        if (pkv_xfer_read_wait(rd[r], pkv_deadline_after_ns(1000000000ull), &oc)) oc = -999;
-        rep.outcome[r] = oc;
-        rep.done_at_ns[r] = slot[r].at_ns;
-        rep.elapsed_ns[r] = slot[r].at_ns > start[r] ? slot[r].at_ns - start[r] : 0;
-        rep.bytes[r] = pkv_xfer_read_bytes(rd[r]);
+        if (pkv_xfer_read_wait(x->rd[r], pkv_deadline_after_ns(1000000000ull), &oc)) oc = -999;
+        uint64_t at = x->slot[r].at_ns;
+        res->outcome[r] = oc;
+        res->done_at_ns[r] = at;
+        res->elapsed_ns[r] = at > x->start[r] ? at - x->start[r] : 0;
+        res->bytes[r] = pkv_xfer_read_bytes(x->rd[r]);
         if (oc == PKV_OK)
-            rep.mismatched[r] = xh_pattern_apply(seqs[r], &c->geo, c->seed, r, c->n_tokens, false);
-        pkv_xfer_read_free(rd[r]);
-        pkv_xfer_handle_free(h[r]);
+            res->mismatched_positions[r] =
+                xh_pattern_apply(x->s.seqs[r], &c->geo, c->seed, r, c->n_tokens, false);
+        pkv_xfer_read_free(x->rd[r]);
+        pkv_xfer_handle_free(x->h[r]);
     }
-    if (!destroyed) {
-        pkv_xfer_wait_idle(a, pkv_deadline_after_ns(3000000000ull));
-        pkv_xfer_stats_t s;
-        pkv_xfer_stats(a, &s);
-        rep.active_left = s.active_transfers;
-        rep.pins_left = s.pinned_blocks;
-        pkv_xfer_agent_destroy(a);
+    if (!x->s.a) return;
+    pkv_xfer_wait_idle(x->s.a, pkv_deadline_after_ns(3000000000ull));
+    pkv_xfer_stats_t s;
+    pkv_xfer_stats(x->s.a, &s);
+    res->cons_active_left = s.active_transfers;
+    res->cons_pins_left = s.pinned_blocks;
+    pkv_xfer_agent_destroy(x->s.a);
+}
+
+/* memcpy_ref: the machine's references, right before the first read (at 0) or right
+ * after the last (at 1; the same probes in the opposite order). */
+static void consumer_refs(xh_result_t *res, int at)
+{
+    if (!at) {
+        res->memcpy_cold_gbps[0] = xh_memcpy_gbps(5, true);
+        res->memcpy_gbps[0] = xh_memcpy_gbps(5, false);
+        res->cpu_rtt_ns[0] = pkv_rtt_probe_ns();
+    } else {
+        res->cpu_rtt_ns[1] = pkv_rtt_probe_ns();
+        res->memcpy_gbps[1] = xh_memcpy_gbps(5, false);
+        res->memcpy_cold_gbps[1] = xh_memcpy_gbps(5, true);
     }
-    hog_release(st, hog);
-    rep.staging_left = stage_used(st);
-    for (uint32_t r = 0; r < nreq; r++) pkv_seq_free(seqs[r]);
-    rep.blocks_live = blocks_live(kv);
-    size_t leaked = 0;
-    rep.stage_rc = pkv_stage_destroy(st, pkv_deadline_after_ns(2000000000ull), &leaked);
-    rep.stage_leaked = leaked;
-    pkv_kv_destroy(kv);
-    send_msg(g_report_fd, M_CREPORT, &rep, sizeof(rep));
+}
+
+static void consumer_main(const xh_case_t *c, int from_parent)
+{
+    reads_t *x = calloc(1, sizeof(*x));
+    if (!x) child_fail("consumer state", PKV_ERR_NOMEM);
+    x->c = c;
+    uint32_t nreq = consumer_recv_handles(x, from_parent);
+    if (enter_netns(c->netns_cons)) child_fail("setns (consumer)", PKV_ERR_IO);
+    if (c->tcp) setenv("UCX_TLS", "tcp", 1);
+    side_setup(c, &x->s, nreq, false);
+    xh_result_t *res = g_res;
+    if (c->memcpy_ref) consumer_refs(res, 0);
+    consumer_read_all(x);
+    if (c->memcpy_ref) consumer_refs(res, 1);
+    consumer_count(x, res);
+    side_teardown(&x->s, &res->cons_staging_left, &res->cons_blocks_live, &res->cons_stage_rc,
+                  &res->cons_stage_leaked);
+    free(x);
+    send_msg(g_report_fd, M_CREPORT, NULL, 0);
 }
 
 /* ---- the parent ------------------------------------------------------------------------ */
-static pid_t spawn(const xh_case_t *c, bool producer, int *to_child, int *from_child)
+static pid_t spawn(const xh_case_t *c, xh_result_t *res, bool producer, int *to_child,
+                   int *from_child)
 {
     int down[2], up[2];
     if (pipe2(down, O_CLOEXEC) || pipe2(up, O_CLOEXEC)) return -1;
@@ -831,6 +654,7 @@ static pid_t spawn(const xh_case_t *c, bool producer, int *to_child, int *from_c
         close(up[0]);
         signal(SIGPIPE, SIG_IGN);
         g_case = c;
+        g_res = res;
         g_report_fd = up[1];
         atomic_init(&g_trigger, 0);
         if (producer)
@@ -846,36 +670,154 @@ static pid_t spawn(const xh_case_t *c, bool producer, int *to_child, int *from_c
     return pid;
 }
 
-void xh_child_detach(pid_t parent)
-{
-    setpgid(0, 0);
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (getppid() != parent) _exit(3);
-}
-
-void xh_reap(pid_t pid, int *wstatus, uint64_t deadline_ns)
-{
-    if (pid <= 0) return;
-    for (;;) {
-        int st;
-        pid_t w = waitpid(pid, &st, WNOHANG | WUNTRACED);
-        if (w == pid && !WIFSTOPPED(st)) {
-            *wstatus = st;
-            return;
-        }
-        if (w < 0 && errno == ECHILD) return; /* not ours, or already reaped: *wstatus stays */
-        if (w == pid && WIFSTOPPED(st)) kill(pid, SIGKILL);
-        if (pkv_now_ns() > deadline_ns) {
-            kill(pid, SIGKILL);
-            deadline_ns = UINT64_MAX;
-        }
-        usleep(2000);
-    }
-}
-
 static void set_error(xh_result_t *r, const char *what)
 {
     if (!r->error[0]) snprintf(r->error, sizeof(r->error), "%s", what);
+}
+
+/* One run, as the parent sees it. r is the result the children fill too (shared memory). */
+typedef struct {
+    const xh_case_t *c;
+    xh_result_t *r;
+    uint64_t t_end; /* the parent gives up here */
+    pid_t ppid, cpid;
+    int p_in, p_out, c_in, c_out; /* pipes to and from the producer and the consumer */
+} run_t;
+
+/* Read messages from fd until one of type `want` (0, others dropped), or -1 at deadline,
+ * EOF or error. */
+static int wait_msg(int fd, uint32_t want, uint64_t deadline_ns)
+{
+    for (;;) {
+        uint32_t type, len;
+        void *pl;
+        if (recv_msg(fd, &type, &pl, &len, deadline_ns)) return -1;
+        free(pl);
+        if (type == want) return 0;
+    }
+}
+
+/* The producer up with its handles (killed right away for PRODUCER_KILLED_BEFORE), then
+ * the consumer with them. 0; -1 when the producer was not forked, -2 when a later step
+ * failed (the error set either way). */
+static int run_start(run_t *x)
+{
+    const xh_case_t *c = x->c;
+    x->ppid = spawn(c, x->r, true, &x->p_in, &x->p_out);
+    if (x->ppid < 0) {
+        set_error(x->r, "fork producer");
+        return -1;
+    }
+    uint32_t type = 0, len = 0;
+    void *handles = NULL;
+    if (recv_msg(x->p_out, &type, &handles, &len, x->t_end) || type != M_HANDLES) {
+        if (handles && type == M_SETUP_FAIL) set_error(x->r, handles);
+        set_error(x->r, "producer sent no handles");
+        free(handles);
+        return -2;
+    }
+    if (c->fault == XH_PRODUCER_KILLED_BEFORE) {
+        kill(x->ppid, SIGKILL);
+        x->r->kill_at_ns = pkv_now_ns();
+        xh_reap(x->ppid, &x->r->prod_wstatus, x->t_end);
+        x->ppid = -1;
+    }
+    x->cpid = spawn(c, x->r, false, &x->c_in, &x->c_out);
+    if (x->cpid < 0) {
+        set_error(x->r, "fork consumer");
+        free(handles);
+        return -2;
+    }
+    send_msg(x->c_in, M_HANDLES, handles, len);
+    free(handles);
+    return 0;
+}
+
+/* CONSUMER_STOPPED: the consumer stops itself mid-transfer; the producer must notice on its
+ * own (heartbeats), fail the serve and get its sends back; then the consumer dies. The
+ * kill waits for the producer to say so (bounded: a producer that never notices leaves its
+ * serve for the accounting check to find). */
+static void run_stop_consumer(run_t *x)
+{
+    if (wait_msg(x->c_out, M_KILLTIME, x->t_end) == 0)
+        wait_msg(x->p_out, M_SERVES_FAILED,
+                 PKV_MIN(x->t_end, pkv_deadline_after_ns(10000000000ull)));
+    kill(x->cpid, SIGKILL);
+}
+
+/* The consumer's report (or its death). */
+static void run_consumer_report(run_t *x)
+{
+    uint32_t type, len;
+    void *pl = NULL;
+    int rc = recv_msg(x->c_out, &type, &pl, &len, x->t_end);
+    if (rc == 0 && type == M_CREPORT)
+        x->r->cons_report = true;
+    else if (rc == 0 && type == M_SETUP_FAIL)
+        set_error(x->r, pl);
+    else if (rc == -2)
+        set_error(x->r, "consumer report timed out");
+    free(pl);
+}
+
+/* Why the producer's report did not come: it died (how), or is still there after FINISH. */
+static void producer_missing(run_t *x, uint64_t fin_ns)
+{
+    int st;
+    char why[96];
+    if (waitpid(x->ppid, &st, WNOHANG) == x->ppid) {
+        x->r->prod_wstatus = st;
+        x->ppid = -1; /* reaped */
+        if (WIFSIGNALED(st))
+            snprintf(why, sizeof(why), "producer report missing: killed by signal %d",
+                     WTERMSIG(st));
+        else
+            snprintf(why, sizeof(why), "producer report missing: exited with %d", WEXITSTATUS(st));
+    } else {
+        snprintf(why, sizeof(why), "producer report missing: still running %.0f s after FINISH",
+                 (double)(pkv_now_ns() - fin_ns) / 1e9);
+    }
+    set_error(x->r, why);
+}
+
+/* Drain what the producer sent meanwhile (KILLTIME if it killed or stopped itself), kill a
+ * stopped one, send FINISH, then wait for its report where the case leaves it one. */
+static void run_producer_report(run_t *x)
+{
+    const xh_case_t *c = x->c;
+    uint32_t type = 0, len;
+    void *pl;
+    for (;;) {
+        struct pollfd pfd = {.fd = x->p_out, .events = POLLIN};
+        if (poll(&pfd, 1, 0) <= 0) break;
+        if (recv_msg(x->p_out, &type, &pl, &len, x->t_end)) break;
+        free(pl);
+        if (type == M_PREPORT) break;
+    }
+    if (c->fault == XH_PRODUCER_STOPPED) kill(x->ppid, SIGKILL);
+    uint8_t fin = 1;
+    xh_write_all(x->p_in, &fin, 1);
+    uint64_t fin_ns = pkv_now_ns();
+    if (!xh_producer_reports(c->fault)) return;
+    if (type != M_PREPORT &&
+        wait_msg(x->p_out, M_PREPORT, PKV_MIN(x->t_end, fin_ns + 20000000000ull))) {
+        producer_missing(x, fin_ns);
+        return;
+    }
+    x->r->prod_report = true;
+}
+
+/* Reap both children, close the pipes, and judge the run. */
+static void run_end(run_t *x)
+{
+    xh_result_t *r = x->r;
+    xh_reap(x->cpid, &r->cons_wstatus, pkv_now_ns() + 10000000000ull);
+    xh_reap(x->ppid, &r->prod_wstatus, pkv_now_ns() + 10000000000ull);
+    int fds[4] = {x->p_in, x->p_out, x->c_in, x->c_out};
+    for (int i = 0; i < 4; i++)
+        if (fds[i] >= 0) close(fds[i]);
+    r->ok = !r->error[0] && (r->cons_report || !xh_consumer_reports(x->c->fault)) &&
+            (r->prod_report || !xh_producer_reports(x->c->fault));
 }
 
 int xh_run(const xh_case_t *c, xh_result_t *r)
@@ -883,151 +825,30 @@ int xh_run(const xh_case_t *c, xh_result_t *r)
     memset(r, 0, sizeof(*r));
     r->prod_wstatus = r->cons_wstatus = -1;
     if (c->n_requests < 1 || c->n_requests > XH_MAX_REQ) return -1;
+    /* The children fill their fields of the result in place. */
+    xh_result_t *res =
+        mmap(NULL, sizeof(*res), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (res == MAP_FAILED) {
+        set_error(r, "mmap result");
+        return -1;
+    }
+    memcpy(res, r, sizeof(*r));
     /* A child may be dead when we write to it: EPIPE, not a signal. */
     struct sigaction ign = {.sa_handler = SIG_IGN}, old_pipe;
     sigaction(SIGPIPE, &ign, &old_pipe);
-    uint64_t t_end =
-        pkv_now_ns() +
-        (c->timeout_ms ? c->timeout_ms : c->deadline_ms * c->n_requests + 20000) * 1000000ull;
-    int p_in = -1, p_out = -1, c_in = -1, c_out = -1;
-    pid_t cpid = -1;
-    pid_t ppid = spawn(c, true, &p_in, &p_out);
-    if (ppid < 0) {
-        set_error(r, "fork producer");
-        return -1;
+    run_t x = {
+        .c = c, .r = res, .ppid = -1, .cpid = -1, .p_in = -1, .p_out = -1, .c_in = -1, .c_out = -1};
+    x.t_end = pkv_now_ns() +
+              (c->timeout_ms ? c->timeout_ms : c->deadline_ms * c->n_requests + 20000) * 1000000ull;
+    int rc = run_start(&x);
+    if (rc == 0) {
+        if (c->fault == XH_CONSUMER_STOPPED) run_stop_consumer(&x);
+        run_consumer_report(&x);
+        if (x.ppid > 0) run_producer_report(&x);
     }
-    uint32_t type, len;
-    void *handles = NULL;
-    uint32_t handles_len = 0;
-    if (recv_msg(p_out, &type, &handles, &handles_len, t_end) || type != M_HANDLES) {
-        if (handles && type == M_SETUP_FAIL) set_error(r, handles);
-        set_error(r, "producer sent no handles");
-        goto out;
-    }
-    if (c->fault == XH_PRODUCER_KILLED_BEFORE) {
-        kill(ppid, SIGKILL);
-        r->kill_at_ns = pkv_now_ns();
-        xh_reap(ppid, &r->prod_wstatus, t_end);
-        ppid = -1;
-    }
-    cpid = spawn(c, false, &c_in, &c_out);
-    if (cpid < 0) {
-        set_error(r, "fork consumer");
-        goto out;
-    }
-    send_msg(c_in, M_HANDLES, handles, handles_len);
-    void *pl = NULL;
-    if (c->fault == XH_CONSUMER_STOPPED) {
-        /* The consumer stops itself mid-transfer: the producer must notice on its own
-         * (heartbeats), fail the serve and get its sends back; then the consumer dies. */
-        if (recv_msg(c_out, &type, &pl, &len, t_end) == 0 && type == M_KILLTIME && len == 8)
-            memcpy(&r->kill_at_ns, pl, 8);
-        free(pl);
-        pl = NULL;
-        usleep(3000000);
-        kill(cpid, SIGKILL);
-    }
-    /* The consumer's report (or its death). */
-    int rc = recv_msg(c_out, &type, &pl, &len, t_end);
-    if (rc == 0 && type == M_CREPORT && len == sizeof(cons_report_t)) {
-        cons_report_t cr;
-        memcpy(&cr, pl, sizeof(cr));
-        r->cons_report = true;
-        memcpy(r->outcome, cr.outcome, sizeof(r->outcome));
-        memcpy(r->elapsed_ns, cr.elapsed_ns, sizeof(r->elapsed_ns));
-        memcpy(r->done_at_ns, cr.done_at_ns, sizeof(r->done_at_ns));
-        memcpy(r->mismatched_positions, cr.mismatched, sizeof(r->mismatched_positions));
-        memcpy(r->bytes, cr.bytes, sizeof(r->bytes));
-        r->cons_active_left = cr.active_left;
-        r->cons_staging_left = cr.staging_left;
-        r->cons_pins_left = cr.pins_left;
-        r->cons_blocks_live = cr.blocks_live;
-        r->cons_stage_rc = cr.stage_rc;
-        r->cons_stage_leaked = cr.stage_leaked;
-        memcpy(r->memcpy_gbps, cr.memcpy_gbps, sizeof(r->memcpy_gbps));
-        memcpy(r->memcpy_cold_gbps, cr.memcpy_cold_gbps, sizeof(r->memcpy_cold_gbps));
-        memcpy(r->cpu_rtt_ns, cr.cpu_rtt_ns, sizeof(r->cpu_rtt_ns));
-    } else if (rc == 0 && type == M_SETUP_FAIL) {
-        set_error(r, pl);
-    } else if (rc == -2) {
-        set_error(r, "consumer report timed out");
-    }
-    free(pl);
-
-    /* Producer: KILLTIME if it killed or stopped itself, then its report after FINISH. */
-    if (ppid > 0) {
-        uint8_t fin = 1;
-        bool stopped = false;
-        for (;;) {
-            struct pollfd pfd = {.fd = p_out, .events = POLLIN};
-            if (poll(&pfd, 1, 0) <= 0) break;
-            if (recv_msg(p_out, &type, &pl, &len, t_end)) break;
-            if (type == M_KILLTIME && len == 8) {
-                memcpy(&r->kill_at_ns, pl, 8);
-                stopped = c->fault == XH_PRODUCER_STOPPED;
-            }
-            free(pl);
-            if (type == M_PREPORT) break;
-        }
-        if (stopped || c->fault == XH_PRODUCER_STOPPED) kill(ppid, SIGKILL);
-        xh_write_all(p_in, &fin, 1);
-        uint64_t fin_ns = pkv_now_ns();
-        uint64_t p_end = PKV_MIN(t_end, fin_ns + 20000000000ull);
-        while (xh_producer_reports(c->fault)) {
-            if (recv_msg(p_out, &type, &pl, &len, p_end)) {
-                /* Say whether it died (and how) or is still there after FINISH. */
-                int st;
-                char why[96];
-                if (waitpid(ppid, &st, WNOHANG) == ppid) {
-                    r->prod_wstatus = st;
-                    ppid = -1; /* reaped */
-                    if (WIFSIGNALED(st))
-                        snprintf(why, sizeof(why), "producer report missing: killed by signal %d",
-                                 WTERMSIG(st));
-                    else
-                        snprintf(why, sizeof(why), "producer report missing: exited with %d",
-                                 WEXITSTATUS(st));
-                } else {
-                    snprintf(why, sizeof(why),
-                             "producer report missing: still running %.0f s after FINISH",
-                             (double)(pkv_now_ns() - fin_ns) / 1e9);
-                }
-                set_error(r, why);
-                break;
-            }
-            if (type == M_PREPORT && len == sizeof(prod_report_t)) {
-                prod_report_t pr;
-                memcpy(&pr, pl, sizeof(pr));
-                free(pl);
-                r->prod_report = true;
-                r->sent = pr.sent;
-                r->serves_started = pr.serves_started;
-                r->serves_failed = pr.serves_failed;
-                r->rejected = pr.rejected;
-                r->registrations_left = pr.registrations_left;
-                r->written_off = pr.written_off;
-                r->prod_active_left = pr.active_left;
-                r->prod_staging_left = pr.staging_left;
-                r->prod_pins_left = pr.pins_left;
-                r->prod_blocks_live = pr.blocks_live;
-                r->prod_stage_rc = pr.stage_rc;
-                r->prod_stage_leaked = pr.stage_leaked;
-                break;
-            }
-            if (type == M_KILLTIME && len == 8) memcpy(&r->kill_at_ns, pl, 8);
-            free(pl);
-        }
-    }
-out:
-    free(handles);
-    xh_reap(cpid, &r->cons_wstatus, pkv_now_ns() + 10000000000ull);
-    xh_reap(ppid, &r->prod_wstatus, pkv_now_ns() + 10000000000ull);
-    if (p_in >= 0) close(p_in);
-    if (p_out >= 0) close(p_out);
-    if (c_in >= 0) close(c_in);
-    if (c_out >= 0) close(c_out);
-    r->ok = !r->error[0] && (r->cons_report || !xh_consumer_reports(c->fault)) &&
-            (r->prod_report || !xh_producer_reports(c->fault));
+    run_end(&x);
+    memcpy(r, res, sizeof(*r));
+    munmap(res, sizeof(*res));
     sigaction(SIGPIPE, &old_pipe, NULL);
-    return 0;
+    return rc == -1 ? -1 : 0; /* -1: no producer; a run that went wrong later says so in r */
 }

@@ -1,16 +1,17 @@
 /*
  * Two-process transfer harness shared by `pagekv bench xfer` and tests/test_xfer.c
  * (support/: compiled once into build/libpkvsupport.a). The fault matrix's oracle
- * (xh_outcome_expected, xh_*_reports) is here too.
+ * (xh_outcome_expected, xh_*_reports) and the data pattern are declared here too; they
+ * live in support/xfer_oracle.c, the processes and pipes in support/xfer_proc.c.
  *
  * xh_run() forks a producer and a consumer process. The calling process never touches
  * UCX (UCX and fork do not mix): each child builds its own pool, stage and agent after
  * the fork. The producer fills its pool with a seeded pattern, registers the requests
  * and hands the encoded handles to the consumer (through the parent); the consumer reads
- * them, checks every byte through its own pool's addressing, and both report their
- * accounting back over pipes. Faults are injected at exact points by the children's
- * fault hooks (raise(SIGKILL) / raise(SIGSTOP) / sleeps) or by the parent (kill -9
- * before the read, network namespaces).
+ * them, checks every byte through its own pool's addressing, and both write their
+ * accounting into the result (shared memory) and say so over pipes. Faults are injected at exact
+ * points by the children's fault hooks (raise(SIGKILL) / raise(SIGSTOP) / sleeps) or by the parent
+ * (kill -9 before the read, network namespaces).
  *
  * Each child runs in a process group of its own and is killed when the thread that forked
  * it exits (PR_SET_PDEATHSIG): call xh_run() from a thread that outlives the run.
@@ -87,11 +88,14 @@ typedef struct {
                               n_requests + 20 s */
 } xh_case_t;
 
+/* The result of a run, filled where it is written: the consumer process writes the
+ * consumer's fields, the producer process the producer's (each valid once its report
+ * arrived: cons_report, prod_report), the parent the rest. */
 typedef struct {
     bool ok;         /* both sides ran the protocol (a child that crashed or hung: false) */
     char error[160]; /* what went wrong in the harness itself */
     int prod_wstatus, cons_wstatus; /* waitpid statuses (-1 not reaped) */
-    bool prod_report, cons_report;  /* final reports received */
+    bool prod_report, cons_report;  /* each side said its fields are written */
     /* consumer */
     int32_t outcome[XH_MAX_REQ];
     uint64_t elapsed_ns[XH_MAX_REQ]; /* read() call to outcome */
@@ -100,13 +104,15 @@ typedef struct {
     uint64_t bytes[XH_MAX_REQ];
     double memcpy_gbps[2];      /* memcpy_ref: before the first read, after the last */
     double memcpy_cold_gbps[2]; /* the same, out of cache (xh_memcpy_gbps cold) */
-    double cpu_rtt_ns[2];       /* memcpy_ref: xh_cpu_round_trip_ns() right before the first
-                                   read and right after the last one (0: not measured) */
+    double cpu_rtt_ns[2];       /* memcpy_ref: pkv_rtt_probe_ns() (support/rtt_probe.h) right
+                                   before the first read and right after the last one (0:
+                                   not measured) */
     uint64_t cons_active_left, cons_staging_left, cons_pins_left, cons_blocks_live;
     int cons_stage_rc;
     uint64_t cons_stage_leaked;
     /* producer */
-    uint64_t kill_at_ns; /* when the producer was killed (self or parent), 0 if not */
+    uint64_t kill_at_ns; /* when the producer was killed (self or parent) or a child stopped
+                            itself, 0 if not */
     uint64_t sent, serves_started, serves_failed, rejected, registrations_left, written_off;
     uint64_t prod_active_left, prod_staging_left, prod_pins_left, prod_blocks_live;
     int prod_stage_rc;
@@ -119,37 +125,10 @@ typedef struct {
  * regions, as a transfer between two pools much bigger than the cache does. */
 double xh_memcpy_gbps(int samples, bool cold);
 
-/* Round trip of one cache line between the first two CPUs this process may run on: two
- * threads pinned there, the median of 9 batches of 2,000 round trips, in ns; 0 when it
- * cannot measure (fewer than two CPUs, a thread not created or not pinned, 200 ms
- * passed without a batch). On a VM it shows how far apart the host placed the vCPUs at
- * that moment: on this 2-vCPU machine it moves between ~55 ns (hyperthreads of one
- * core), ~95-350 ns and ~500-900 ns as the host places them after they idle, and a 64
- * KiB transfer's rate follows it. */
-double xh_cpu_round_trip_ns(void);
-
 /* The UCX settings of the tcp references (ucx_perftest and the tcp lean pull), as
  * "NAME=value " pairs: the engine's own tcp settings (agent.c ucx_config). */
 #define XH_TCP_REF_ENV                                                                             \
     "UCX_TLS=tcp UCX_ZCOPY_THRESH=inf UCX_TCP_TX_SEG_SIZE=64k UCX_TCP_RX_SEG_SIZE=64k "
-
-/* Pipes between the processes: write all n bytes (0, or -1 on error); read exactly n bytes
- * by deadline_ns (0, -1 on EOF or error, -2 on timeout). */
-int xh_write_all(int fd, const void *p, size_t n);
-int xh_read_all(int fd, void *p, size_t n, uint64_t deadline_ns);
-
-/* In a child just forked from `parent`: a process group of its own, and death with its
- * parent (exits at once when the parent is already gone). The parent (in another group)
- * keeps the group from being orphaned: when the caller's group is orphaned (run in the
- * background from a shell that left), a child stopped by a fault case would otherwise
- * bring the kernel's SIGHUP + SIGCONT to the whole group, resuming it early and switching
- * UCX to debug logging (UCX_DEBUG_SIGNO). */
-void xh_child_detach(pid_t parent);
-
-/* Wait for child `pid` (<= 0: nothing to do) and store its wait status; a child still
- * there at deadline_ns, or stopped, is killed with SIGKILL and then waited for. A pid that
- * is not a child (or was reaped already) returns at once, *wstatus untouched. */
-void xh_reap(pid_t pid, int *wstatus, uint64_t deadline_ns);
 
 /* The seeded data pattern of request r: write (fill) or compare (check) every K/V row of
  * positions [0, n_tokens) of seq. Returns the positions that mismatched. */

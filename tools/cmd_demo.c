@@ -16,6 +16,7 @@
 #include "support/cluster.h"
 #include "support/http.h"
 #include "support/launch.h"
+#include "tools/commands.h"
 
 #include "core/core.h"
 

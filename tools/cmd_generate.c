@@ -10,6 +10,7 @@
  * newline only when stdout is a terminal); errors and --stats go to stderr.
  */
 #include "support/cli.h"
+#include "tools/commands.h"
 
 #include "pagekv/engine.h"
 #include "pagekv/tokenizer.h"

@@ -11,8 +11,9 @@
  * A Markdown table on stdout; --json FILE writes the same figures. Bad input: a message
  * on stderr and exit 2.
  */
-#include "support/bench.h"
 #include "support/cli.h"
+#include "support/report.h"
+#include "tools/commands.h"
 
 #include "pagekv/model.h"
 #include "plan/plan.h"
@@ -347,7 +348,7 @@ static int run_field(const plan_opts_t *o)
     }
     int rc = 0;
     json_t *root = json_pack("{s:o}", "rows", jr);
-    if (o->json && pkv_bench_write_json(o->json, root)) rc = 1;
+    if (o->json && pkv_report_write_json(CMD, o->json, root)) rc = 1;
     json_decref(root);
     return rc;
 }
@@ -373,7 +374,7 @@ int pkv_cmd_plan(int argc, char **argv)
     print_plan(&o, p);
     if (o.json) {
         json_t *root = plan_json(p);
-        if (pkv_bench_write_json(o.json, root)) rc = 1;
+        if (pkv_report_write_json(CMD, o.json, root)) rc = 1;
         json_decref(root);
     }
     free(p);

@@ -8,6 +8,7 @@
  * 0 after a full teardown.
  */
 #include "support/cli.h"
+#include "tools/commands.h"
 
 #include "pagekv/pagekv.h"
 #include "pagekv/router.h"

@@ -8,6 +8,7 @@
  * 0. A second signal during the drain cancels what is left at once.
  */
 #include "support/cli.h"
+#include "tools/commands.h"
 
 #include "pagekv/model.h"
 #include "pagekv/server.h"

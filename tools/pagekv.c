@@ -1,7 +1,7 @@
 /*
  * pagekv: the command-line entry point. `pagekv help` lists the commands.
  */
-#include "support/cli.h"
+#include "tools/commands.h"
 
 #include "pagekv/pagekv.h"
 
@@ -23,7 +23,7 @@ static int cmd_version(int argc, char **argv)
 
 static int cmd_help(int argc, char **argv);
 
-static const pkv_cli_cmd_t commands[] = {
+static const pkv_cmd_entry_t commands[] = {
     {"version", cmd_version, "print the version"},
     {"serve", pkv_cmd_serve, "OpenAI-compatible HTTP server: pagekv serve [--port N] ..."},
     {"route", pkv_cmd_route,
@@ -50,11 +50,7 @@ static int cmd_help(int argc, char **argv)
     return 0;
 }
 
-static const struct {
-    const char *name;
-    int (*run)(int argc, char **argv);
-    const char *summary;
-} benches[] = {
+static const pkv_cmd_entry_t benches[] = {
     {"pool", pkv_bench_pool, "KV pool: alloc/free, prefix hashing, commit, growth, reset"},
     {"footprint", pkv_bench_footprint,
      "server memory over HTTP workloads, paged vs dense (starts `pagekv serve`)"},

@@ -11,6 +11,7 @@
  * re-pushed with their current count when they surface.
  */
 #include "support/cli.h"
+#include "tools/commands.h"
 
 #include "pagekv/tokenizer.h"
 #include "tokenizer/tokenizer.h"
