@@ -4,6 +4,7 @@
  */
 #include "bench/bench_disagg.h"
 #include "support/cli.h"
+#include "tools/commands.h"
 
 #include <string.h>
 
