@@ -552,9 +552,9 @@ static void after_sample(pkv_engine_t *e, pkv_request_t *r, int32_t tok, const f
     if (r->notify) r->notify(r->notify_arg);
 }
 
-static int engine_step(pkv_engine_t *e)
+/* Step 1: requests their callers cancelled end now. */
+static void finish_cancelled(pkv_engine_t *e)
 {
-    /* 1. cancellations */
     for (uint32_t i = 0; i < e->n_running;) {
         pkv_request_t *r = e->running[i];
         pthread_mutex_lock(&e->lock);
@@ -565,26 +565,34 @@ static int engine_step(pkv_engine_t *e)
         else
             i++;
     }
-    /* 2. admission */
-    admit_queued(e);
-    if (!e->n_running) return PKV_OK;
+}
 
-    /* 3. plan: decodes first (each 1 token), then prompt chunks within the budget; best
-     *    requests reserve first so that preemption falls on the others. */
+/* A snapshot of the running requests in e->order, best rank first (preemption edits
+ * e->running while the plan walks it). Returns how many. */
+static uint32_t running_by_rank(pkv_engine_t *e)
+{
+    pkv_request_t **order = e->order;
+    uint32_t n = e->n_running;
+    memcpy(order, e->running, n * sizeof(*order));
+    for (uint32_t i = 1; i < n; i++)
+        for (uint32_t j = i; j > 0 && ranks_before(order[j], order[j - 1]); j--) {
+            pkv_request_t *t = order[j];
+            order[j] = order[j - 1];
+            order[j - 1] = t;
+        }
+    return n;
+}
+
+/* Step 3, the plan: decodes first (each 1 token), then prompt chunks within the budget;
+ * best requests reserve first so that preemption falls on the others. Fills e->items and
+ * e->item_req; returns how many items. */
+static uint32_t plan_step(pkv_engine_t *e)
+{
     uint32_t n_items = 0, budget = e->cfg.step_tokens;
     for (int pass = 0; pass < 2; pass++) {
-        /* Iterate over a snapshot in rank order: preemption edits e->running. */
-        pkv_request_t **order = e->order;
-        uint32_t n = e->n_running;
-        memcpy(order, e->running, n * sizeof(*order));
-        for (uint32_t i = 1; i < n; i++)
-            for (uint32_t j = i; j > 0 && ranks_before(order[j], order[j - 1]); j--) {
-                pkv_request_t *t = order[j];
-                order[j] = order[j - 1];
-                order[j - 1] = t;
-            }
+        uint32_t n = running_by_rank(e);
         for (uint32_t i = 0; i < n; i++) {
-            pkv_request_t *r = order[i];
+            pkv_request_t *r = e->order[i];
             /* Preempted meanwhile? Compare pointers only: a preempted request is queued
              * and may already be cancelled and freed by its caller. */
             bool live = false;
@@ -608,12 +616,24 @@ static int engine_step(pkv_engine_t *e)
             budget = budget > take ? budget - take : 0;
         }
     }
-    if (!n_items) return PKV_OK;
     for (uint32_t i = 0; i < n_items; i++) {
         pkv_request_t *r = e->item_req[i];
         if (r->computed + e->items[i].n_tokens == r->n_prompt + r->n_gen)
             e->items[i].logits = e->logits + (size_t)i * e->vocab;
     }
+    return n_items;
+}
+
+static int engine_step(pkv_engine_t *e)
+{
+    /* 1. cancellations */
+    finish_cancelled(e);
+    /* 2. admission */
+    admit_queued(e);
+    if (!e->n_running) return PKV_OK;
+    /* 3. plan */
+    uint32_t n_items = plan_step(e);
+    if (!n_items) return PKV_OK;
 
     /* 4. forward */
     uint64_t t0 = pkv_now_ns();
