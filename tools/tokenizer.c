@@ -296,162 +296,234 @@ static void count_piece(struct trainer *tr, struct piece_map *pm, size_t *words_
 /* Pieces longer than this are left out of training (ASCII art, long rules). */
 #define TRAIN_MAX_PIECE 64
 
-static int cmd_train(int argc, char **argv)
+/* `tokenizer train`'s command line; argv[first_file..argc) are the corpus files. */
+struct train_args {
+    uint64_t merges;
+    const char *out_path;
+    bool seed_digits;
+    int first_file;
+};
+
+/* The corpus as read: its size and FNV-1a-64 over every file in order. */
+struct corpus_sum {
+    uint64_t bytes, hash;
+};
+
+/* The merge table: merge r makes id 256 + r from pair[r], seen count[r] times when made. */
+struct merge_table {
+    uint16_t (*pair)[2];
+    uint64_t *count;
+    uint64_t cap; /* --merges */
+    uint32_t n;   /* merges made */
+};
+
+/* 0, or the exit status of the usage error it printed. */
+static int train_parse(int argc, char **argv, struct train_args *a)
 {
-    uint64_t merges = 0;
-    const char *out_path = NULL;
-    bool seed_digits = false;
-    int first_file = argc;
+    *a = (struct train_args){.first_file = argc};
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--merges") && i + 1 < argc) {
-            if (pkv_cli_parse_u64(argv[++i], 1, 60000, &merges))
+            if (pkv_cli_parse_u64(argv[++i], 1, 60000, &a->merges))
                 return pkv_cli_usage_error("tokenizer train", "bad --merges %s", argv[i]);
         } else if (!strcmp(argv[i], "--out") && i + 1 < argc) {
-            out_path = argv[++i];
+            a->out_path = argv[++i];
         } else if (!strcmp(argv[i], "--seed-digits")) {
-            seed_digits = true;
+            a->seed_digits = true;
         } else if (argv[i][0] == '-' && argv[i][1] == '-') {
             return pkv_cli_usage_error("tokenizer train", "unknown option %s", argv[i]);
         } else {
-            first_file = i;
+            a->first_file = i;
             break;
         }
     }
-    if (!merges || !out_path || first_file >= argc)
+    if (!a->merges || !a->out_path || a->first_file >= argc)
         return pkv_cli_usage_error("tokenizer train",
                                    "usage: pagekv tokenizer train --merges N --out FILE "
                                    "[--seed-digits] CORPUS...");
+    return 0;
+}
 
-    struct trainer tr = {0};
+/* Every corpus file cut into pieces and counted into tr's words; then every word's pairs
+ * counted and heaped. 0, or 1 with the error printed. */
+static int train_read_corpus(struct trainer *tr, char **files, int n_files, struct corpus_sum *cs)
+{
     struct piece_map pm = {0};
     size_t words_cap = 0;
-    uint64_t corpus_bytes = 0, corpus_hash = 0xcbf29ce484222325ull;
-    for (int i = first_file; i < argc; i++) {
+    for (int i = 0; i < n_files; i++) {
         uint8_t *data;
         size_t len;
-        if (read_file(argv[i], &data, &len)) {
-            fprintf(stderr, "pagekv tokenizer train: cannot read %s: %s\n", argv[i],
+        if (read_file(files[i], &data, &len)) {
+            fprintf(stderr, "pagekv tokenizer train: cannot read %s: %s\n", files[i],
                     strerror(errno));
+            free(pm.slots);
             return 1;
         }
-        for (size_t k = 0; k < len; k++) corpus_hash = (corpus_hash ^ data[k]) * 0x100000001b3ull;
-        corpus_bytes += len;
+        for (size_t k = 0; k < len; k++) cs->hash = (cs->hash ^ data[k]) * 0x100000001b3ull;
+        cs->bytes += len;
         for (size_t k = 0; k < len;) {
             size_t m = pkv_tokenizer_piece_len(data, len, k);
-            if (m >= 2 && m <= TRAIN_MAX_PIECE) count_piece(&tr, &pm, &words_cap, data + k, m);
+            if (m >= 2 && m <= TRAIN_MAX_PIECE) count_piece(tr, &pm, &words_cap, data + k, m);
             k += m;
         }
         free(data);
     }
     free(pm.slots);
-    fprintf(stderr, "train: %llu bytes, %zu distinct pieces\n", (unsigned long long)corpus_bytes,
-            tr.nwords);
+    fprintf(stderr, "train: %llu bytes, %zu distinct pieces\n", (unsigned long long)cs->bytes,
+            tr->nwords);
+    for (size_t w = 0; w < tr->nwords; w++) word_pairs(tr, (int32_t)w, +1, 0);
+    for (size_t i = 0; i < tr->touched_n; i++)
+        heap_push(tr, (struct heap_entry){tr->pairs[tr->touched[i]].count,
+                                          tr->pairs[tr->touched[i]].key});
+    tr->touched_n = 0;
+    return 0;
+}
 
-    for (size_t w = 0; w < tr.nwords; w++) word_pairs(&tr, (int32_t)w, +1, 0);
-    for (size_t i = 0; i < tr.touched_n; i++)
-        heap_push(&tr,
-                  (struct heap_entry){tr.pairs[tr.touched[i]].count, tr.pairs[tr.touched[i]].key});
-    tr.touched_n = 0;
+/* Merge (left, right) as the table's next entry, whatever its count. */
+static void train_merge_pair(struct trainer *tr, struct merge_table *mt, uint32_t left,
+                             uint32_t right)
+{
+    uint32_t r = mt->n++;
+    mt->pair[r][0] = (uint16_t)left;
+    mt->pair[r][1] = (uint16_t)right;
+    struct pair_stat *p = pair_get(tr, pkv_tokenizer_pair_key(left, right), true);
+    mt->count[r] = p->count > 0 ? (uint64_t)p->count : 0;
+    apply_merge(tr, p, r);
+}
 
-    uint16_t(*table)[2] = xrealloc(NULL, merges * sizeof(*table));
-    uint64_t *table_count = xrealloc(NULL, merges * sizeof(uint64_t));
-    uint32_t r = 0;
-    if (seed_digits) {
-        /* Every group of 1-3 digits, with or without its leading space, is one token
-         * (as in GPT-4 / Llama 3 style vocabularies): 2210 merges ranked first, each
-         * built from the pair the encoder forms first (the lower-ranked of "ab"/"bc"). */
-        uint32_t dd[100], ddd[1000];
-        uint32_t seeds[2210][2], ns = 0, next = 256;
-        for (uint32_t v = 0; v < 100; v++) {
-            seeds[ns][0] = '0' + v / 10, seeds[ns++][1] = '0' + v % 10;
-            dd[v] = next++;
-        }
-        for (uint32_t v = 0; v < 1000; v++) {
-            uint32_t a = v / 100, b = v / 10 % 10, c = v % 10;
-            if (10 * a + b <= 10 * b + c)
-                seeds[ns][0] = dd[10 * a + b], seeds[ns++][1] = '0' + c;
-            else
-                seeds[ns][0] = '0' + a, seeds[ns++][1] = dd[10 * b + c];
-            ddd[v] = next++;
-        }
-        for (uint32_t v = 0; v < 10; v++) seeds[ns][0] = ' ', seeds[ns++][1] = '0' + v;
-        for (uint32_t v = 0; v < 100; v++) seeds[ns][0] = ' ', seeds[ns++][1] = dd[v];
-        for (uint32_t v = 0; v < 1000; v++) seeds[ns][0] = ' ', seeds[ns++][1] = ddd[v];
-        if (ns > merges) {
-            fprintf(stderr, "pagekv tokenizer train: --seed-digits needs --merges >= %u\n", ns);
-            return 1;
-        }
-        for (; r < ns; r++) {
-            table[r][0] = (uint16_t)seeds[r][0];
-            table[r][1] = (uint16_t)seeds[r][1];
-            struct pair_stat *p =
-                pair_get(&tr, pkv_tokenizer_pair_key(seeds[r][0], seeds[r][1]), true);
-            table_count[r] = p->count > 0 ? (uint64_t)p->count : 0;
-            apply_merge(&tr, p, r);
-        }
+/* --seed-digits: every group of 1-3 digits, with or without its leading space, is one token
+ * (as in GPT-4 / Llama 3 style vocabularies): 2210 merges ranked first, each built from the
+ * pair the encoder forms first (the lower-ranked of "ab"/"bc"). 0, or 1 with the error
+ * printed. */
+static int train_seed_digits(struct trainer *tr, struct merge_table *mt)
+{
+    uint32_t dd[100], ddd[1000];
+    uint32_t seeds[2210][2], ns = 0, next = 256;
+    for (uint32_t v = 0; v < 100; v++) {
+        seeds[ns][0] = '0' + v / 10, seeds[ns++][1] = '0' + v % 10;
+        dd[v] = next++;
     }
-    for (; r < merges; r++) {
-        struct pair_stat *best = NULL;
-        while (tr.heap_n) {
-            struct heap_entry e = heap_pop(&tr);
-            struct pair_stat *p = pair_get(&tr, e.key, false);
-            if (!p || p->count <= 0) continue;
-            if (p->count != e.count) {
-                heap_push(&tr, (struct heap_entry){p->count, p->key});
-                continue;
-            }
-            best = p;
-            break;
-        }
-        if (!best || best->count < 2) break;
-        table[r][0] = (uint16_t)(best->key >> 32);
-        table[r][1] = (uint16_t)best->key;
-        table_count[r] = (uint64_t)best->count;
-        apply_merge(&tr, best, r);
+    for (uint32_t v = 0; v < 1000; v++) {
+        uint32_t a = v / 100, b = v / 10 % 10, c = v % 10;
+        if (10 * a + b <= 10 * b + c)
+            seeds[ns][0] = dd[10 * a + b], seeds[ns++][1] = '0' + c;
+        else
+            seeds[ns][0] = '0' + a, seeds[ns++][1] = dd[10 * b + c];
+        ddd[v] = next++;
     }
-    uint64_t done = r;
-    if (done < merges) {
-        fprintf(stderr, "pagekv tokenizer train: only %llu merges with count >= 2 (asked %llu)\n",
-                (unsigned long long)done, (unsigned long long)merges);
+    for (uint32_t v = 0; v < 10; v++) seeds[ns][0] = ' ', seeds[ns++][1] = '0' + v;
+    for (uint32_t v = 0; v < 100; v++) seeds[ns][0] = ' ', seeds[ns++][1] = dd[v];
+    for (uint32_t v = 0; v < 1000; v++) seeds[ns][0] = ' ', seeds[ns++][1] = ddd[v];
+    if (ns > mt->cap) {
+        fprintf(stderr, "pagekv tokenizer train: --seed-digits needs --merges >= %u\n", ns);
         return 1;
     }
+    for (uint32_t s = 0; s < ns; s++) train_merge_pair(tr, mt, seeds[s][0], seeds[s][1]);
+    return 0;
+}
 
-    FILE *f = fopen(out_path, "w");
+/* The most frequent pair (the heap's order breaks ties), stale heap entries re-pushed with
+ * their current count on the way; NULL when no pair is left. */
+static struct pair_stat *train_best_pair(struct trainer *tr)
+{
+    while (tr->heap_n) {
+        struct heap_entry e = heap_pop(tr);
+        struct pair_stat *p = pair_get(tr, e.key, false);
+        if (!p || p->count <= 0) continue;
+        if (p->count != e.count) {
+            heap_push(tr, (struct heap_entry){p->count, p->key});
+            continue;
+        }
+        return p;
+    }
+    return NULL;
+}
+
+/* Merge the best pair until the table is full or no pair is seen twice. 0, or 1 with the
+ * error printed when the table could not be filled. */
+static int train_merges(struct trainer *tr, struct merge_table *mt)
+{
+    while (mt->n < mt->cap) {
+        struct pair_stat *best = train_best_pair(tr);
+        if (!best || best->count < 2) break;
+        uint32_t r = mt->n++;
+        mt->pair[r][0] = (uint16_t)(best->key >> 32);
+        mt->pair[r][1] = (uint16_t)best->key;
+        mt->count[r] = (uint64_t)best->count;
+        apply_merge(tr, best, r);
+    }
+    if (mt->n < mt->cap) {
+        fprintf(stderr, "pagekv tokenizer train: only %llu merges with count >= 2 (asked %llu)\n",
+                (unsigned long long)mt->n, (unsigned long long)mt->cap);
+        return 1;
+    }
+    return 0;
+}
+
+/* The generated C file (bpe_merges.c's form). 0, or 1 with the error printed. */
+static int train_write(const struct train_args *a, char **argv, int argc,
+                       const struct corpus_sum *cs, const struct merge_table *mt)
+{
+    FILE *f = fopen(a->out_path, "w");
     if (!f) {
-        fprintf(stderr, "pagekv tokenizer train: cannot write %s: %s\n", out_path, strerror(errno));
+        fprintf(stderr, "pagekv tokenizer train: cannot write %s: %s\n", a->out_path,
+                strerror(errno));
         return 1;
     }
     fprintf(f, "/*\n * GENERATED by `pagekv tokenizer train` (scripts/gen-bpe-merges.sh); do not "
                "edit.\n *\n");
     fprintf(f, " * The builtin BPE's merge table: merge r makes id 256 + r from (left, right).\n");
-    fprintf(f, " * Corpus: %d files, %llu bytes, FNV-1a-64 %016llx:\n", argc - first_file,
-            (unsigned long long)corpus_bytes, (unsigned long long)corpus_hash);
-    for (int i = first_file; i < argc; i++) fprintf(f, " *   %s\n", argv[i]);
-    if (seed_digits)
+    fprintf(f, " * Corpus: %d files, %llu bytes, FNV-1a-64 %016llx:\n", argc - a->first_file,
+            (unsigned long long)cs->bytes, (unsigned long long)cs->hash);
+    for (int i = a->first_file; i < argc; i++) fprintf(f, " *   %s\n", argv[i]);
+    if (a->seed_digits)
         fprintf(f, " * Merges 256..2465 are the seeded digit groups (--seed-digits).\n");
     fprintf(f, " */\n#include \"tokenizer/tokenizer_int.h\"\n\n");
-    fprintf(f, "const uint32_t tok_bpe_merge_count = %llu;\n\n", (unsigned long long)merges);
+    fprintf(f, "const uint32_t tok_bpe_merge_count = %llu;\n\n", (unsigned long long)mt->cap);
     fprintf(f, "/* clang-format off */\nconst uint16_t tok_bpe_merges[][2] = {\n");
-    for (uint64_t m = 0; m < merges; m++)
-        fprintf(f, "    {%u, %u}, /* %llu: count %llu */\n", table[m][0], table[m][1],
-                (unsigned long long)m + 256, (unsigned long long)table_count[m]);
+    for (uint64_t m = 0; m < mt->cap; m++)
+        fprintf(f, "    {%u, %u}, /* %llu: count %llu */\n", mt->pair[m][0], mt->pair[m][1],
+                (unsigned long long)m + 256, (unsigned long long)mt->count[m]);
     fprintf(f, "};\n/* clang-format on */\n");
     if (fclose(f) != 0) {
-        fprintf(stderr, "pagekv tokenizer train: write %s failed\n", out_path);
+        fprintf(stderr, "pagekv tokenizer train: write %s failed\n", a->out_path);
         return 1;
     }
     fprintf(stderr, "train: wrote %llu merges to %s (last count %llu)\n",
-            (unsigned long long)merges, out_path, (unsigned long long)table_count[merges - 1]);
-    for (size_t w = 0; w < tr.nwords; w++) free(tr.words[w].sym);
-    for (size_t p = 0; p < tr.npairs; p++) free(tr.pairs[p].where);
-    free(tr.words);
-    free(tr.pairs);
-    free(tr.slots);
-    free(tr.heap);
-    free(tr.touched);
-    free(table);
-    free(table_count);
+            (unsigned long long)mt->cap, a->out_path, (unsigned long long)mt->count[mt->cap - 1]);
     return 0;
+}
+
+static void trainer_free(struct trainer *tr)
+{
+    for (size_t w = 0; w < tr->nwords; w++) free(tr->words[w].sym);
+    for (size_t p = 0; p < tr->npairs; p++) free(tr->pairs[p].where);
+    free(tr->words);
+    free(tr->pairs);
+    free(tr->slots);
+    free(tr->heap);
+    free(tr->touched);
+}
+
+static int cmd_train(int argc, char **argv)
+{
+    struct train_args a;
+    int rc = train_parse(argc, argv, &a);
+    if (rc) return rc;
+    struct trainer tr = {0};
+    struct corpus_sum cs = {0, 0xcbf29ce484222325ull};
+    struct merge_table mt = {.cap = a.merges};
+    rc = train_read_corpus(&tr, argv + a.first_file, argc - a.first_file, &cs);
+    if (rc) goto done;
+    mt.pair = xrealloc(NULL, mt.cap * sizeof(*mt.pair));
+    mt.count = xrealloc(NULL, mt.cap * sizeof(uint64_t));
+    if (a.seed_digits && (rc = train_seed_digits(&tr, &mt))) goto done;
+    rc = train_merges(&tr, &mt);
+    if (!rc) rc = train_write(&a, argv, argc, &cs, &mt);
+done:
+    free(mt.count);
+    free(mt.pair);
+    trainer_free(&tr);
+    return rc;
 }
 
 /* ---- encode ------------------------------------------------------------------------------ */

@@ -552,9 +552,9 @@ static void after_sample(pkv_engine_t *e, pkv_request_t *r, int32_t tok, const f
     if (r->notify) r->notify(r->notify_arg);
 }
 
-static int engine_step(pkv_engine_t *e)
+/* Step 1: requests their callers cancelled end now. */
+static void finish_cancelled(pkv_engine_t *e)
 {
-    /* 1. cancellations */
     for (uint32_t i = 0; i < e->n_running;) {
         pkv_request_t *r = e->running[i];
         pthread_mutex_lock(&e->lock);
@@ -565,26 +565,34 @@ static int engine_step(pkv_engine_t *e)
         else
             i++;
     }
-    /* 2. admission */
-    admit_queued(e);
-    if (!e->n_running) return PKV_OK;
+}
 
-    /* 3. plan: decodes first (each 1 token), then prompt chunks within the budget; best
-     *    requests reserve first so that preemption falls on the others. */
+/* A snapshot of the running requests in e->order, best rank first (preemption edits
+ * e->running while the plan walks it). Returns how many. */
+static uint32_t running_by_rank(pkv_engine_t *e)
+{
+    pkv_request_t **order = e->order;
+    uint32_t n = e->n_running;
+    memcpy(order, e->running, n * sizeof(*order));
+    for (uint32_t i = 1; i < n; i++)
+        for (uint32_t j = i; j > 0 && ranks_before(order[j], order[j - 1]); j--) {
+            pkv_request_t *t = order[j];
+            order[j] = order[j - 1];
+            order[j - 1] = t;
+        }
+    return n;
+}
+
+/* Step 3, the plan: decodes first (each 1 token), then prompt chunks within the budget;
+ * best requests reserve first so that preemption falls on the others. Fills e->items and
+ * e->item_req; returns how many items. */
+static uint32_t plan_step(pkv_engine_t *e)
+{
     uint32_t n_items = 0, budget = e->cfg.step_tokens;
     for (int pass = 0; pass < 2; pass++) {
-        /* Iterate over a snapshot in rank order: preemption edits e->running. */
-        pkv_request_t **order = e->order;
-        uint32_t n = e->n_running;
-        memcpy(order, e->running, n * sizeof(*order));
-        for (uint32_t i = 1; i < n; i++)
-            for (uint32_t j = i; j > 0 && ranks_before(order[j], order[j - 1]); j--) {
-                pkv_request_t *t = order[j];
-                order[j] = order[j - 1];
-                order[j - 1] = t;
-            }
+        uint32_t n = running_by_rank(e);
         for (uint32_t i = 0; i < n; i++) {
-            pkv_request_t *r = order[i];
+            pkv_request_t *r = e->order[i];
             /* Preempted meanwhile? Compare pointers only: a preempted request is queued
              * and may already be cancelled and freed by its caller. */
             bool live = false;
@@ -608,12 +616,24 @@ static int engine_step(pkv_engine_t *e)
             budget = budget > take ? budget - take : 0;
         }
     }
-    if (!n_items) return PKV_OK;
     for (uint32_t i = 0; i < n_items; i++) {
         pkv_request_t *r = e->item_req[i];
         if (r->computed + e->items[i].n_tokens == r->n_prompt + r->n_gen)
             e->items[i].logits = e->logits + (size_t)i * e->vocab;
     }
+    return n_items;
+}
+
+static int engine_step(pkv_engine_t *e)
+{
+    /* 1. cancellations */
+    finish_cancelled(e);
+    /* 2. admission */
+    admit_queued(e);
+    if (!e->n_running) return PKV_OK;
+    /* 3. plan */
+    uint32_t n_items = plan_step(e);
+    if (!n_items) return PKV_OK;
 
     /* 4. forward */
     uint64_t t0 = pkv_now_ns();
@@ -792,35 +812,36 @@ void pkv_engine_destroy(pkv_engine_t *e)
     if (last) engine_core_free(e);
 }
 
-int pkv_engine_submit(pkv_engine_t *e, const pkv_request_params_t *p, pkv_request_t **out)
+/* Why the engine refuses a request's parameters, or NULL when they are valid. */
+static const char *request_params_why(const pkv_engine_t *e, const pkv_request_params_t *p)
 {
-    if (!e || !p || !out) return PKV_ERR_INVALID;
-    const char *why = NULL;
-    if (!p->prompt || !p->n_prompt)
-        why = "empty prompt";
-    else if (!p->max_tokens)
-        why = "max_tokens must be >= 1";
-    else if ((uint64_t)p->n_prompt + p->max_tokens > e->max_seq)
-        why = "prompt + max_tokens exceeds the model's context";
-    else if (!isfinite(p->temperature) || p->temperature < 0)
-        why = "temperature must be >= 0";
-    else if (!(p->top_p >= 0.0f && p->top_p <= 1.0f))
-        why = "top_p must be in [0, 1]";
-    else if (p->n_stop > PKV_ENGINE_MAX_STOP)
-        why = "too many stop strings";
-    else if (p->n_stop && !e->cfg.detok)
-        why = "stop strings need a detokenizer";
-    else if (p->want_logits && (uint64_t)p->max_tokens * e->vocab > (1ull << 26))
-        why = "want_logits: max_tokens x vocab too large";
-    else if (p->keep_blocks && pkv_kv_backend(e->cfg.kv) != PKV_BACKEND_PAGED)
-        why = "keep_blocks needs the paged backend";
-    for (uint32_t i = 0; !why && i < p->n_stop; i++) {
+    if (!p->prompt || !p->n_prompt) return "empty prompt";
+    if (!p->max_tokens) return "max_tokens must be >= 1";
+    if ((uint64_t)p->n_prompt + p->max_tokens > e->max_seq)
+        return "prompt + max_tokens exceeds the model's context";
+    if (!isfinite(p->temperature) || p->temperature < 0) return "temperature must be >= 0";
+    if (!(p->top_p >= 0.0f && p->top_p <= 1.0f)) return "top_p must be in [0, 1]";
+    if (p->n_stop > PKV_ENGINE_MAX_STOP) return "too many stop strings";
+    if (p->n_stop && !e->cfg.detok) return "stop strings need a detokenizer";
+    if (p->want_logits && (uint64_t)p->max_tokens * e->vocab > (1ull << 26))
+        return "want_logits: max_tokens x vocab too large";
+    if (p->keep_blocks && pkv_kv_backend(e->cfg.kv) != PKV_BACKEND_PAGED)
+        return "keep_blocks needs the paged backend";
+    for (uint32_t i = 0; i < p->n_stop; i++) {
         size_t l = p->stop && p->stop[i] ? strlen(p->stop[i]) : 0;
-        if (!l || l >= PKV_ENGINE_MAX_STOP_LEN) why = "stop strings must be 1..127 bytes";
+        if (!l || l >= PKV_ENGINE_MAX_STOP_LEN) return "stop strings must be 1..127 bytes";
     }
-    for (uint32_t i = 0; !why && i < p->n_prompt; i++)
+    for (uint32_t i = 0; i < p->n_prompt; i++)
         if (p->prompt[i] < 0 || (uint32_t)p->prompt[i] >= e->vocab)
-            why = "prompt token out of range";
+            return "prompt token out of range";
+    return NULL;
+}
+
+/* PKV_OK, PKV_ERR_INVALID for bad parameters, or PKV_ERR_NOFIT for a prompt the KV
+ * budget cannot hold even alone (each logged). */
+static int request_check(pkv_engine_t *e, const pkv_request_params_t *p)
+{
+    const char *why = request_params_why(e, p);
     if (why) {
         PKV_LOGE("engine", "request rejected: %s", why);
         return PKV_ERR_INVALID;
@@ -833,26 +854,12 @@ int pkv_engine_submit(pkv_engine_t *e, const pkv_request_params_t *p, pkv_reques
                  (unsigned long long)ks.budget_bytes);
         return PKV_ERR_NOFIT;
     }
-    pkv_request_t *r = engine_calloc(1, sizeof(*r));
-    if (!r) return PKV_ERR_NOMEM;
-    if (pkv_cond_init_monotonic(&r->cv)) {
-        free(r);
-        return PKV_ERR_NOMEM;
-    }
-    r->tokens = engine_malloc(((size_t)p->n_prompt + p->max_tokens) * sizeof(int32_t));
-    if (p->want_logits) r->logits = engine_malloc((size_t)p->max_tokens * e->vocab * sizeof(float));
-    if (p->keep_blocks) {
-        r->n_kept_max = PKV_DIV_UP(p->n_prompt, pkv_kv_geometry(e->cfg.kv)->block_tokens);
-        r->kept = engine_malloc(r->n_kept_max * sizeof(uint32_t));
-    }
-    if (!r->tokens || (p->want_logits && !r->logits) || (p->keep_blocks && !r->kept)) {
-        free(r->tokens);
-        free(r->logits);
-        free(r->kept);
-        pthread_cond_destroy(&r->cv);
-        free(r);
-        return PKV_ERR_NOMEM;
-    }
+    return PKV_OK;
+}
+
+/* The request's fields from its (checked) parameters; its buffers are allocated. */
+static void request_fill(pkv_request_t *r, pkv_engine_t *e, const pkv_request_params_t *p)
+{
     memcpy(r->tokens, p->prompt, p->n_prompt * sizeof(int32_t));
     r->e = e;
     r->priority = p->priority;
@@ -872,7 +879,12 @@ int pkv_engine_submit(pkv_engine_t *e, const pkv_request_params_t *p, pkv_reques
     r->notify = p->notify;
     r->notify_arg = p->notify_arg;
     r->refs = 2; /* caller + engine */
+}
 
+/* Queue r: PKV_OK, or PKV_ERR_SHUTDOWN (stopping or draining) or PKV_ERR_BUSY (the queue
+ * is full), r untouched. */
+static int engine_enqueue(pkv_engine_t *e, pkv_request_t *r)
+{
     pthread_mutex_lock(&e->lock);
     int rc = PKV_OK;
     if (e->stopping || e->draining)
@@ -889,16 +901,41 @@ int pkv_engine_submit(pkv_engine_t *e, const pkv_request_params_t *p, pkv_reques
         pthread_cond_signal(&e->work_cv);
     }
     pthread_mutex_unlock(&e->lock);
-    if (rc) {
-        free(r->tokens);
-        free(r->logits);
-        free(r->kept);
-        pthread_cond_destroy(&r->cv);
-        free(r);
-        return rc;
+    return rc;
+}
+
+int pkv_engine_submit(pkv_engine_t *e, const pkv_request_params_t *p, pkv_request_t **out)
+{
+    if (!e || !p || !out) return PKV_ERR_INVALID;
+    int rc = request_check(e, p);
+    if (rc) return rc;
+    pkv_request_t *r = engine_calloc(1, sizeof(*r));
+    if (!r) return PKV_ERR_NOMEM;
+    rc = PKV_ERR_NOMEM;
+    if (pkv_cond_init_monotonic(&r->cv)) goto fail_cv;
+    /* every buffer is asked for before any is checked (each ask is a fault-site hit) */
+    r->tokens = engine_malloc(((size_t)p->n_prompt + p->max_tokens) * sizeof(int32_t));
+    if (p->want_logits) r->logits = engine_malloc((size_t)p->max_tokens * e->vocab * sizeof(float));
+    if (p->keep_blocks) {
+        r->n_kept_max = PKV_DIV_UP(p->n_prompt, pkv_kv_geometry(e->cfg.kv)->block_tokens);
+        r->kept = engine_malloc(r->n_kept_max * sizeof(uint32_t));
     }
+    if (!r->tokens || (p->want_logits && !r->logits) || (p->keep_blocks && !r->kept))
+        goto fail_buffers;
+    request_fill(r, e, p);
+    rc = engine_enqueue(e, r);
+    if (rc) goto fail_buffers;
     *out = r;
     return PKV_OK;
+
+fail_buffers:
+    free(r->kept);
+    free(r->logits);
+    free(r->tokens);
+    pthread_cond_destroy(&r->cv);
+fail_cv:
+    free(r);
+    return rc;
 }
 
 int pkv_request_read(pkv_request_t *r, uint64_t deadline_ns, pkv_request_output_t *out)

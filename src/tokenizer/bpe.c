@@ -87,6 +87,53 @@ static int32_t pair_lookup(const struct pkv_tok *t, uint32_t a, uint32_t b)
     }
 }
 
+/* Merge (a, b) -> id into the pair table. */
+static void builtin_pair_insert(struct pkv_tok *t, uint32_t a, uint32_t b, uint32_t id)
+{
+    uint64_t key = pkv_tokenizer_pair_key(a, b) + 1;
+    uint32_t h = (uint32_t)pkv_tokenizer_mix64(key) & t->pair_mask;
+    while (t->pair_keys[h] != 0) {
+        /* a pair merged twice would make the table ambiguous: generator bug */
+        PKV_ASSERT(t->pair_keys[h] != key);
+        h = (h + 1) & t->pair_mask;
+    }
+    t->pair_keys[h] = key;
+    t->pair_ids[h] = (int32_t)id;
+}
+
+/* The pieces into the arena: the 256 bytes, each merge's (its parts' bytes, lens[id] of
+ * them, and its pair), then the specials (never decoded). */
+static void builtin_fill(struct pkv_tok *t, const uint32_t *lens, uint32_t merges)
+{
+    size_t off = 0;
+    for (int32_t i = 0; i < 256; i++) {
+        t->arena[off] = (char)i;
+        t->dec_off[i] = t->piece_off[i] = (uint32_t)off;
+        t->dec_len[i] = t->piece_len[i] = 1;
+        off++;
+    }
+    for (uint32_t r = 0; r < merges; r++) {
+        uint32_t a = tok_bpe_merges[r][0], b = tok_bpe_merges[r][1], id = 256 + r;
+        memcpy(t->arena + off, t->arena + t->dec_off[a], t->dec_len[a]);
+        memcpy(t->arena + off + t->dec_len[a], t->arena + t->dec_off[b], t->dec_len[b]);
+        t->dec_off[id] = t->piece_off[id] = (uint32_t)off;
+        t->dec_len[id] = t->piece_len[id] = lens[id];
+        off += lens[id];
+        builtin_pair_insert(t, a, b, id);
+    }
+    for (int i = 0; i < TOK_BPE_SPECIAL_COUNT; i++) {
+        int32_t id = (int32_t)(256 + merges) + i;
+        size_t l = strlen(special_names[i]);
+        memcpy(t->arena + off, special_names[i], l);
+        t->piece_off[id] = (uint32_t)off;
+        t->piece_len[id] = (uint32_t)l;
+        t->dec_off[id] = (uint32_t)off;
+        t->dec_len[id] = 0;
+        t->special[id] = 1;
+        off += l;
+    }
+}
+
 int pkv_tok_create_builtin(pkv_tok_t **out)
 {
     if (!out) return PKV_ERR_INVALID;
@@ -121,42 +168,7 @@ int pkv_tok_create_builtin(pkv_tok_t **out)
         goto fail_pairs;
     }
     t->pair_mask = cap - 1;
-
-    size_t off = 0;
-    for (int32_t i = 0; i < 256; i++) {
-        t->arena[off] = (char)i;
-        t->dec_off[i] = t->piece_off[i] = (uint32_t)off;
-        t->dec_len[i] = t->piece_len[i] = 1;
-        off++;
-    }
-    for (uint32_t r = 0; r < merges; r++) {
-        uint32_t a = tok_bpe_merges[r][0], b = tok_bpe_merges[r][1], id = 256 + r;
-        memcpy(t->arena + off, t->arena + t->dec_off[a], t->dec_len[a]);
-        memcpy(t->arena + off + t->dec_len[a], t->arena + t->dec_off[b], t->dec_len[b]);
-        t->dec_off[id] = t->piece_off[id] = (uint32_t)off;
-        t->dec_len[id] = t->piece_len[id] = lens[id];
-        off += lens[id];
-        uint64_t key = pkv_tokenizer_pair_key(a, b) + 1;
-        uint32_t h = (uint32_t)pkv_tokenizer_mix64(key) & t->pair_mask;
-        while (t->pair_keys[h] != 0) {
-            /* a pair merged twice would make the table ambiguous: generator bug */
-            PKV_ASSERT(t->pair_keys[h] != key);
-            h = (h + 1) & t->pair_mask;
-        }
-        t->pair_keys[h] = key;
-        t->pair_ids[h] = (int32_t)id;
-    }
-    for (int i = 0; i < TOK_BPE_SPECIAL_COUNT; i++) {
-        int32_t id = (int32_t)(256 + merges) + i;
-        size_t l = strlen(special_names[i]);
-        memcpy(t->arena + off, special_names[i], l);
-        t->piece_off[id] = (uint32_t)off;
-        t->piece_len[id] = (uint32_t)l;
-        t->dec_off[id] = (uint32_t)off;
-        t->dec_len[id] = 0;
-        t->special[id] = 1;
-        off += l;
-    }
+    builtin_fill(t, lens, merges);
     t->bos = (int32_t)(256 + merges) + TOK_BPE_SPECIAL_BOS;
     t->eos = (int32_t)(256 + merges) + TOK_BPE_SPECIAL_EOS;
     t->space_id = -1;

@@ -92,10 +92,10 @@ static float rd_f32(const uint8_t *p)
     return f;
 }
 
-int pkv_tok_load_llama2c_mem(const void *data, size_t len, int32_t vocab_size, pkv_tok_t **out)
+/* Pass 1: the header and every entry validated against the file size; the file ends
+ * exactly after the last piece. PKV_OK and *max_len, or an error (logged). */
+static int llama2c_check(const uint8_t *d, size_t len, int32_t vocab_size, int32_t *max_len)
 {
-    const uint8_t *d = data;
-    if ((!d && len) || !out) return PKV_ERR_INVALID;
     if (vocab_size < 3 || vocab_size > LLAMA2C_MAX_VOCAB) {
         PKV_LOGE(TOK_LOG, "llama2c tokenizer: vocab size %d outside [3, %d]", (int)vocab_size,
                  LLAMA2C_MAX_VOCAB);
@@ -105,13 +105,12 @@ int pkv_tok_load_llama2c_mem(const void *data, size_t len, int32_t vocab_size, p
         PKV_LOGE(TOK_LOG, "llama2c tokenizer: %zu bytes, too short for the header", len);
         return PKV_ERR_CORRUPT;
     }
-    int32_t max_len = rd_i32(d);
-    if (max_len <= 0 || max_len > LLAMA2C_MAX_PIECE) {
-        PKV_LOGE(TOK_LOG, "llama2c tokenizer: max_token_length %d outside [1, %d]", (int)max_len,
+    int32_t ml = rd_i32(d);
+    if (ml <= 0 || ml > LLAMA2C_MAX_PIECE) {
+        PKV_LOGE(TOK_LOG, "llama2c tokenizer: max_token_length %d outside [1, %d]", (int)ml,
                  LLAMA2C_MAX_PIECE);
         return PKV_ERR_CORRUPT;
     }
-    /* pass 1: validate every entry against the file size and the header */
     size_t off = 4;
     for (int32_t i = 0; i < vocab_size; i++) {
         if (len - off < 8) {
@@ -127,11 +126,11 @@ int pkv_tok_load_llama2c_mem(const void *data, size_t len, int32_t vocab_size, p
                      (int)i, off);
             return PKV_ERR_CORRUPT;
         }
-        if (l < 0 || l > max_len) {
+        if (l < 0 || l > ml) {
             PKV_LOGE(TOK_LOG,
                      "llama2c tokenizer: token %d has length %d outside [0, max_token_length %d] "
                      "(offset %zu)",
-                     (int)i, (int)l, (int)max_len, off + 4);
+                     (int)i, (int)l, (int)ml, off + 4);
             return PKV_ERR_CORRUPT;
         }
         off += 8;
@@ -150,11 +149,78 @@ int pkv_tok_load_llama2c_mem(const void *data, size_t len, int32_t vocab_size, p
                  len - off, (int)vocab_size);
         return PKV_ERR_CORRUPT;
     }
+    *max_len = ml;
+    return PKV_OK;
+}
+
+/* Every piece and score from the checked file into the arena; returns the arena bytes
+ * used. */
+static size_t llama2c_copy_pieces(struct pkv_tok *t, const uint8_t *d, int32_t vocab_size)
+{
+    size_t aoff = 0, off = 4;
+    for (int32_t i = 0; i < vocab_size; i++) {
+        t->scores[i] = rd_f32(d + off);
+        uint32_t l = (uint32_t)rd_i32(d + off + 4);
+        off += 8;
+        memcpy(t->arena + aoff, d + off, l);
+        off += l;
+        t->piece_off[i] = t->dec_off[i] = (uint32_t)aoff;
+        t->piece_len[i] = t->dec_len[i] = l;
+        aoff += l;
+    }
+    return aoff;
+}
+
+/* Piece i into the string table, unless an equal piece with a lower id is there. */
+static void llama2c_index_piece(struct pkv_tok *t, int32_t i)
+{
+    const char *p = t->arena + t->piece_off[i];
+    uint32_t h = (uint32_t)str_hash2((const uint8_t *)p, t->piece_len[i], NULL, 0) & t->str_mask;
+    while (t->str_slots[h] != 0) {
+        int32_t o = t->str_slots[h] - 1;
+        if (t->piece_len[o] == t->piece_len[i] &&
+            !memcmp(t->arena + t->piece_off[o], p, t->piece_len[i]))
+            return;
+        h = (h + 1) & t->str_mask;
+    }
+    t->str_slots[h] = i + 1;
+}
+
+/* Ids 0..2 are specials (decode to nothing); a <0xXX> piece decodes to its byte (stored
+ * after the pieces, from aoff) and is never matched; every other non-empty piece goes
+ * into the string table. Returns the arena bytes used. */
+static size_t llama2c_index_pieces(struct pkv_tok *t, int32_t vocab_size, size_t aoff)
+{
+    for (int32_t i = 0; i < 3; i++) {
+        t->special[i] = 1;
+        t->dec_len[i] = 0;
+    }
+    for (int32_t i = 3; i < vocab_size; i++) {
+        int bv = byte_piece_value(t->arena + t->piece_off[i], t->piece_len[i]);
+        if (bv >= 0) {
+            if (t->byte_id[bv] < 0) t->byte_id[bv] = i;
+            t->arena[aoff] = (char)bv;
+            t->dec_off[i] = (uint32_t)aoff++;
+            t->dec_len[i] = 1;
+            continue;
+        }
+        if (t->piece_len[i] != 0) llama2c_index_piece(t, i);
+    }
+    return aoff;
+}
+
+int pkv_tok_load_llama2c_mem(const void *data, size_t len, int32_t vocab_size, pkv_tok_t **out)
+{
+    const uint8_t *d = data;
+    if ((!d && len) || !out) return PKV_ERR_INVALID;
+    int32_t max_len;
+    int rc = llama2c_check(d, len, vocab_size, &max_len);
+    if (rc) return rc;
 
     /* pass 2: build the tables. Arena: every piece, plus one byte per byte piece. */
     struct pkv_tok *t = calloc(1, sizeof(*t));
     if (!t) return PKV_ERR_NOMEM;
-    int rc = tok_alloc_tables(t, vocab_size, len + 256);
+    rc = tok_alloc_tables(t, vocab_size, len + 256);
     if (rc) goto fail;
     t->kind = PKV_TOK_KIND_LLAMA2C;
     t->bos = 1;
@@ -170,48 +236,8 @@ int pkv_tok_load_llama2c_mem(const void *data, size_t len, int32_t vocab_size, p
     }
     t->str_mask = cap - 1;
     t->space_id = -1;
-    size_t aoff = 0;
-    off = 4;
-    for (int32_t i = 0; i < vocab_size; i++) {
-        t->scores[i] = rd_f32(d + off);
-        uint32_t l = (uint32_t)rd_i32(d + off + 4);
-        off += 8;
-        memcpy(t->arena + aoff, d + off, l);
-        off += l;
-        t->piece_off[i] = t->dec_off[i] = (uint32_t)aoff;
-        t->piece_len[i] = t->dec_len[i] = l;
-        aoff += l;
-    }
-    for (int32_t i = 0; i < 3; i++) {
-        t->special[i] = 1;
-        t->dec_len[i] = 0;
-    }
-    for (int32_t i = 3; i < vocab_size; i++) {
-        const char *p = t->arena + t->piece_off[i];
-        int bv = byte_piece_value(p, t->piece_len[i]);
-        if (bv >= 0) {
-            /* decodes to its byte; never matched against text */
-            if (t->byte_id[bv] < 0) t->byte_id[bv] = i;
-            t->arena[aoff] = (char)bv;
-            t->dec_off[i] = (uint32_t)aoff++;
-            t->dec_len[i] = 1;
-            continue;
-        }
-        if (t->piece_len[i] == 0) continue;
-        uint32_t h =
-            (uint32_t)str_hash2((const uint8_t *)p, t->piece_len[i], NULL, 0) & t->str_mask;
-        bool dup = false;
-        while (t->str_slots[h] != 0) {
-            int32_t o = t->str_slots[h] - 1;
-            if (t->piece_len[o] == t->piece_len[i] &&
-                !memcmp(t->arena + t->piece_off[o], p, t->piece_len[i])) {
-                dup = true;
-                break;
-            }
-            h = (h + 1) & t->str_mask;
-        }
-        if (!dup) t->str_slots[h] = i + 1;
-    }
+    size_t aoff = llama2c_copy_pieces(t, d, vocab_size);
+    aoff = llama2c_index_pieces(t, vocab_size, aoff);
     PKV_ASSERT(aoff <= len + 256);
     t->space_id = str_lookup2(t, (const uint8_t *)" ", 1, NULL, 0);
     *out = t;

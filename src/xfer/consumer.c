@@ -174,23 +174,13 @@ static int read_view(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, const pkv_xfer_ha
     return rc;
 }
 
-int pkv_xfer_read_ex(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h,
-                     const pkv_xfer_read_opts_t *opts, const uint32_t *dst, uint32_t n,
-                     uint64_t deadline_ns, pkv_xfer_done_fn fn, void *arg, pkv_xfer_read_t **out)
+/* The read's fields from the handle and the options: the shared-arena choice, the
+ * identity to check, which of the registration's reads this is, the source blocks, the
+ * token and the handle's block digest. PKV_OK or the digest's error. */
+static int read_from_handle(const pkv_xfer_agent_t *a, pkv_xfer_read_t *rd,
+                            const pkv_xfer_handle_t *h, const pkv_xfer_read_opts_t *opts,
+                            uint32_t n)
 {
-    if (!a || !h || !out || !deadline_ns || opts_check(a, h, opts, dst, n)) return PKV_ERR_INVALID;
-    int rc = read_check(a, h);
-    if (rc) return rc;
-
-    rc = PKV_ERR_NOMEM;
-    pkv_xfer_read_t *rd = calloc(1, sizeof(*rd));
-    if (!rd) return PKV_ERR_NOMEM;
-    if (pthread_mutex_init(&rd->mu, NULL)) goto fail_rd;
-    if (pkv_cond_init_monotonic(&rd->cv)) goto fail_mu;
-    rc = read_view(a, rd, h, opts, dst, n);
-    if (rc) goto fail_cv;
-    rc = PKV_ERR_NOMEM;
-    if (read_tables(rd, n)) goto fail_mem;
     /* Same host and boot: we may copy straight from the producer's shared arena. */
     rd->want_shared = n && h->local.present && !a->cfg.no_shared && a->have_boot_id &&
                       !memcmp(h->local.boot_id, a->boot_id, sizeof(a->boot_id));
@@ -208,9 +198,56 @@ int pkv_xfer_read_ex(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h,
         rd->src_blocks[i] = h->blocks[opts && opts->idx ? opts->idx[i] : i];
     rd->request_id = h->request_id;
     memcpy(rd->token, h->token, sizeof(rd->token));
-    rc = xf_wire_blocks_digest(h->blocks, h->n_blocks, rd->digest);
-    if (rc) goto fail_mem;
+    int rc = xf_wire_blocks_digest(h->blocks, h->n_blocks, rd->digest);
+    if (rc) return rc;
     snprintf(rd->addr, sizeof(rd->addr), "%s", h->addr);
+    return PKV_OK;
+}
+
+/* Hand the built read to the agent (its destination blocks pinned): PKV_OK and *out, or
+ * PKV_ERR_SHUTDOWN with the pins returned. */
+static int read_enqueue(pkv_xfer_agent_t *a, pkv_xfer_read_t *rd, const uint32_t *dst, uint32_t n,
+                        pkv_xfer_read_t **out)
+{
+    pthread_mutex_lock(&a->lock);
+    if (a->stopping) {
+        pthread_mutex_unlock(&a->lock);
+        if (n) pkv_kv_unpin(a->kv, dst, n);
+        return PKV_ERR_SHUTDOWN;
+    }
+    rd->agent = a;
+    rd->next_new = NULL;
+    *out = rd; /* before the agent can see it: the callback may run before we return */
+    *a->new_reads_tail = rd;
+    a->new_reads_tail = &rd->next_new;
+    a->busy++;
+    XF_STAT_ADD(a, active_transfers, 1);
+    pthread_mutex_unlock(&a->lock);
+    XF_STAT_ADD(a, reads_started, 1);
+    XF_STAT_ADD(a, pinned_blocks, n);
+    xf_wake(a);
+    return PKV_OK;
+}
+
+int pkv_xfer_read_ex(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h,
+                     const pkv_xfer_read_opts_t *opts, const uint32_t *dst, uint32_t n,
+                     uint64_t deadline_ns, pkv_xfer_done_fn fn, void *arg, pkv_xfer_read_t **out)
+{
+    if (!a || !h || !out || !deadline_ns || opts_check(a, h, opts, dst, n)) return PKV_ERR_INVALID;
+    int rc = read_check(a, h);
+    if (rc) return rc;
+
+    rc = PKV_ERR_NOMEM;
+    pkv_xfer_read_t *rd = calloc(1, sizeof(*rd));
+    if (!rd) return PKV_ERR_NOMEM;
+    if (pthread_mutex_init(&rd->mu, NULL)) goto fail_rd;
+    if (pkv_cond_init_monotonic(&rd->cv)) goto fail_mu;
+    rc = read_view(a, rd, h, opts, dst, n);
+    if (rc) goto fail_cv;
+    rc = PKV_ERR_NOMEM;
+    if (read_tables(rd, n)) goto fail_mem;
+    rc = read_from_handle(a, rd, h, opts, n);
+    if (rc) goto fail_mem;
     rd->deadline_ns = deadline_ns;
     rd->fn = fn;
     rd->arg = arg;
@@ -227,24 +264,8 @@ int pkv_xfer_read_ex(pkv_xfer_agent_t *a, const pkv_xfer_handle_t *h,
                  (unsigned long long)h->request_id, pkv_status_str(rc));
         goto fail_mem;
     }
-    pthread_mutex_lock(&a->lock);
-    if (a->stopping) {
-        pthread_mutex_unlock(&a->lock);
-        if (n) pkv_kv_unpin(a->kv, dst, n);
-        rc = PKV_ERR_SHUTDOWN;
-        goto fail_mem;
-    }
-    rd->agent = a;
-    rd->next_new = NULL;
-    *out = rd; /* before the agent can see it: the callback may run before we return */
-    *a->new_reads_tail = rd;
-    a->new_reads_tail = &rd->next_new;
-    a->busy++;
-    XF_STAT_ADD(a, active_transfers, 1);
-    pthread_mutex_unlock(&a->lock);
-    XF_STAT_ADD(a, reads_started, 1);
-    XF_STAT_ADD(a, pinned_blocks, n);
-    xf_wake(a);
+    rc = read_enqueue(a, rd, dst, n, out);
+    if (rc) goto fail_mem;
     return PKV_OK;
 
 fail_mem:

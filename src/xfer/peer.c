@@ -471,6 +471,108 @@ static void on_unreadable(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_forei
         xf_serve_on_foreign(a, p, f->xfer_id, why);
 }
 
+/* A message xf_wire_decode refused. Another version's is counted and logged once a peer;
+ * on a client still waiting for the producer's HELLO it ends the reads that wait (the peer
+ * answered, in another version). A malformed one of ours is a protocol error. Either way
+ * a transfer it names ends now (on_unreadable). */
+static void on_undecodable(pkv_xfer_agent_t *a, xf_peer_t *p, const void *data, size_t length)
+{
+    xf_wire_foreign_t f = {0, 0, 0};
+    char why[64];
+    bool peeked = xf_wire_peek(data, length, &f) == PKV_OK;
+    if (peeked && f.version != XF_WIRE_VERSION) {
+        XF_STAT_ADD(a, foreign_msgs, 1);
+        snprintf(why, sizeof(why), "wire version %u (this agent speaks %u)", f.version,
+                 XF_WIRE_VERSION);
+        if (!p->foreign_logged) {
+            p->foreign_logged = true;
+            PKV_LOGW(XF_MOD, "peer %u: %s: its transfers end rejected", p->id, why);
+        }
+        if (p->outgoing && !p->hello_seen && !p->foreign_version) {
+            p->foreign_version = f.version ? f.version : 1;
+            xf_reads_no_hello(a, p, why);
+            xf_probes_on_peer(a, p, PKV_OK); /* answered: another version */
+        }
+    } else {
+        XF_STAT_ADD(a, proto_errors, 1);
+        snprintf(why, sizeof(why), "malformed message (type %u, %zu bytes)", f.type, length);
+        PKV_LOGW(XF_MOD, "peer %u: %s", p->id, why);
+    }
+    if (peeked) on_unreadable(a, p, &f, why);
+}
+
+/* The peer's HELLO (once a connection): who it is and its layout. An incompatible layout
+ * is kept on the peer; a client's reads waiting for the HELLO go on (or end) now. */
+static void on_hello(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_hello_t *h)
+{
+    p->remote_agent_id = h->agent_id;
+    snprintf(p->identity, sizeof(p->identity), "%s", h->identity);
+    p->layout = h->layout;
+    p->hello_seen = true;
+    if (!xf_layout_compatible(&a->layout, &p->layout, p->layout_why, sizeof(p->layout_why))) {
+        /* Once a connection: every read on it ends rejected (why LAYOUT) before READ. */
+        p->layout_bad = true;
+        PKV_LOGW(XF_MOD, "peer %u (%s, tp %u rank %u): layout incompatible: %s", p->id, p->addr,
+                 p->layout.tp, p->layout.rank, p->layout_why);
+    }
+    if (p->outgoing) {
+        xf_reads_on_hello(a, p);
+        xf_probes_on_peer(a, p, PKV_OK);
+    }
+}
+
+/* Messages on one endpoint arrive in order: everything the peer sent before its CLOSE has
+ * been handled by now, so answering tells it so. Its disconnect is then expected (not a
+ * lost peer), and new reads to it open a new connection. */
+static void on_close(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_close_t *c)
+{
+    if (c->flags & XF_WIRE_CLOSE_REPLY) {
+        p->close_acked = true;
+    } else {
+        p->remote_closing = true;
+        send_close(a, p, XF_WIRE_CLOSE_REPLY);
+    }
+}
+
+/* A decoded message to its handler. false: a type this side of the connection never
+ * receives (or a second HELLO), dropped by the caller. */
+static bool on_message(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_msg_t *m)
+{
+    switch (m->type) {
+    case XF_WIRE_READ:
+        if (p->outgoing) return false;
+        xf_serve_on_read(a, p, &m->u.read);
+        break;
+    case XF_WIRE_ACK: /* a consumer's; a producer's answers a token-only release */
+        if (p->outgoing)
+            xf_read_on_ack(a, p, &m->u.ack);
+        else
+            xf_serve_on_ack(a, p, &m->u.ack);
+        break;
+    case XF_WIRE_DATA:
+        if (!p->outgoing) return false;
+        xf_read_on_data(a, p, &m->u.data);
+        break;
+    case XF_WIRE_FAIL:
+        if (p->outgoing)
+            xf_read_on_fail(a, p, &m->u.fail);
+        else
+            xf_serve_on_fail(a, p, &m->u.fail);
+        break;
+    case XF_WIRE_HEARTBEAT:
+        p->remote_agent_id = m->u.hb.agent_id;
+        break;
+    case XF_WIRE_HELLO:
+        if (p->hello_seen) return false;
+        on_hello(a, p, &m->u.hello);
+        break;
+    case XF_WIRE_CLOSE:
+        on_close(a, p, &m->u.close);
+        break;
+    }
+    return true;
+}
+
 ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, void *data,
                         size_t length, const ucp_am_recv_param_t *param)
 {
@@ -492,88 +594,14 @@ ucs_status_t xf_am_ctrl(void *arg, const void *header, size_t header_length, voi
     if (!p->outgoing && !p->hello_sent) send_hello(a, p);
     xf_wire_msg_t m;
     if (xf_wire_decode(data, length, &m)) {
-        xf_wire_foreign_t f = {0, 0, 0};
-        char why[64];
-        bool peeked = xf_wire_peek(data, length, &f) == PKV_OK;
-        if (peeked && f.version != XF_WIRE_VERSION) {
-            XF_STAT_ADD(a, foreign_msgs, 1);
-            snprintf(why, sizeof(why), "wire version %u (this agent speaks %u)", f.version,
-                     XF_WIRE_VERSION);
-            if (!p->foreign_logged) {
-                p->foreign_logged = true;
-                PKV_LOGW(XF_MOD, "peer %u: %s: its transfers end rejected", p->id, why);
-            }
-            if (p->outgoing && !p->hello_seen && !p->foreign_version) {
-                p->foreign_version = f.version ? f.version : 1;
-                xf_reads_no_hello(a, p, why);
-                xf_probes_on_peer(a, p, PKV_OK); /* answered: another version */
-            }
-        } else {
-            XF_STAT_ADD(a, proto_errors, 1);
-            snprintf(why, sizeof(why), "malformed message (type %u, %zu bytes)", f.type, length);
-            PKV_LOGW(XF_MOD, "peer %u: %s", p->id, why);
-        }
-        if (peeked) on_unreadable(a, p, &f, why);
+        on_undecodable(a, p, data, length);
         return UCS_OK;
     }
-    switch (m.type) {
-    case XF_WIRE_READ:
-        if (p->outgoing) goto wrong_side;
-        xf_serve_on_read(a, p, &m.u.read);
-        break;
-    case XF_WIRE_ACK: /* a consumer's; a producer's answers a token-only release */
-        if (p->outgoing)
-            xf_read_on_ack(a, p, &m.u.ack);
-        else
-            xf_serve_on_ack(a, p, &m.u.ack);
-        break;
-    case XF_WIRE_DATA:
-        if (!p->outgoing) goto wrong_side;
-        xf_read_on_data(a, p, &m.u.data);
-        break;
-    case XF_WIRE_FAIL:
-        if (p->outgoing)
-            xf_read_on_fail(a, p, &m.u.fail);
-        else
-            xf_serve_on_fail(a, p, &m.u.fail);
-        break;
-    case XF_WIRE_HEARTBEAT:
-        p->remote_agent_id = m.u.hb.agent_id;
-        break;
-    case XF_WIRE_HELLO:
-        if (p->hello_seen) goto wrong_side;
-        p->remote_agent_id = m.u.hello.agent_id;
-        snprintf(p->identity, sizeof(p->identity), "%s", m.u.hello.identity);
-        p->layout = m.u.hello.layout;
-        p->hello_seen = true;
-        if (!xf_layout_compatible(&a->layout, &p->layout, p->layout_why, sizeof(p->layout_why))) {
-            /* Once a connection: every read on it ends rejected (why LAYOUT) before READ. */
-            p->layout_bad = true;
-            PKV_LOGW(XF_MOD, "peer %u (%s, tp %u rank %u): layout incompatible: %s", p->id, p->addr,
-                     p->layout.tp, p->layout.rank, p->layout_why);
-        }
-        if (p->outgoing) {
-            xf_reads_on_hello(a, p);
-            xf_probes_on_peer(a, p, PKV_OK);
-        }
-        break;
-    case XF_WIRE_CLOSE:
-        /* Messages on one endpoint arrive in order: everything the peer sent before its
-         * CLOSE has been handled by now, so answering tells it so. Its disconnect is then
-         * expected (not a lost peer), and new reads to it open a new connection. */
-        if (m.u.close.flags & XF_WIRE_CLOSE_REPLY) {
-            p->close_acked = true;
-        } else {
-            p->remote_closing = true;
-            send_close(a, p, XF_WIRE_CLOSE_REPLY);
-        }
-        break;
+    if (!on_message(a, p, &m)) {
+        XF_STAT_ADD(a, proto_errors, 1);
+        PKV_LOGW(XF_MOD, "peer %u: message type %u on the wrong side of the connection dropped",
+                 p->id, m.type);
     }
-    return UCS_OK;
-wrong_side:
-    XF_STAT_ADD(a, proto_errors, 1);
-    PKV_LOGW(XF_MOD, "peer %u: message type %u on the wrong side of the connection dropped", p->id,
-             m.type);
     return UCS_OK;
 }
 

@@ -550,11 +550,12 @@ static bool geo_equal(const pkv_geometry_t *x, const pkv_geometry_t *y)
            x->block_tokens == y->block_tokens && x->dtype == y->dtype;
 }
 
-/* A READ this agent may serve: not shutting down, a live registration with the right
- * token, time left, not already serving, the same geometry and exactly its blocks.
- * NULL: refused (the peer was told why). */
-static xf_reg_t *serve_admit(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_read_t *r,
-                             uint64_t now)
+/* The registration a READ names, if it may be read now: not shutting down, not a transfer
+ * id this peer already has served, a live registration with the right token, its lease
+ * not over, and the handle's block ids the registration's. NULL: refused (the peer was
+ * told why). */
+static xf_reg_t *admit_registration(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_read_t *r,
+                                    uint64_t now)
 {
     if (a->stop_started) {
         xf_send_fail(a, p, r->xfer_id, r->request_id, PKV_ERR_SHUTDOWN, "producer shutting down");
@@ -589,25 +590,38 @@ static xf_reg_t *serve_admit(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_re
                    "the handle's block ids are not the registration's");
         return NULL;
     }
-    /* Its reads: all READs agree on how many; an index is read once (again only after its
-     * serve failed). The first READ admitted fixes the count. */
+    return reg;
+}
+
+/* Its reads: all READs agree on how many; an index is read once (again only after its
+ * serve failed). The first READ admitted fixes the count. false: refused. */
+static bool admit_read_index(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_read_t *r,
+                             const xf_reg_t *reg)
+{
     if (reg->reads_total && reg->reads_total != r->reads_total) {
         char why[96];
         snprintf(why, sizeof(why), "reads_total %u, but the request is read by %u reads",
                  r->reads_total, reg->reads_total);
         reject(a, p, r, PKV_ERR_REJECTED, why);
-        return NULL;
+        return false;
     }
     if (reg->reads_total &&
         (bit_get(reg->busy, r->read_index) || bit_get(reg->done, r->read_index))) {
         reject(a, p, r, PKV_ERR_REJECTED,
                bit_get(reg->done, r->read_index) ? "read index already acknowledged"
                                                  : "request busy with another read of this index");
-        return NULL;
+        return false;
     }
+    return true;
+}
+
+/* What this agent can serve: its geometry, heads its rank holds, a shared arena when the
+ * READ asks for one, and time left. false: refused. */
+static bool admit_layout(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_read_t *r)
+{
     if (!geo_equal(&r->geo, &a->geo)) {
         reject_why(a, p, r, PKV_ERR_REJECTED, XF_WIRE_WHY_LAYOUT, "geometry differs");
-        return NULL;
+        return false;
     }
     if (!(r->flags & XF_WIRE_READ_RELEASE) &&
         (r->head_lo < a->head_lo ||
@@ -616,21 +630,25 @@ static xf_reg_t *serve_admit(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_re
         snprintf(why, sizeof(why), "heads [%u, %u) not all held by rank %u ([%u, %u))", r->head_lo,
                  r->head_lo + r->head_n, a->rank, a->head_lo, a->head_lo + a->head_n);
         reject_why(a, p, r, PKV_ERR_REJECTED, XF_WIRE_WHY_LAYOUT, why);
-        return NULL;
+        return false;
     }
     if ((r->flags & XF_WIRE_READ_SHARED) && a->arena_fd < 0) {
         reject(a, p, r, PKV_ERR_REJECTED, "no shared staging arena here");
-        return NULL;
+        return false;
     }
     if (r->budget_ns == 0) {
         reject(a, p, r, PKV_ERR_TIMEOUT, "no time left");
-        return NULL;
+        return false;
     }
+    return true;
+}
 
-    /* The plan must name registered blocks in registration order, each once: all of them,
-     * or the subset a partial read needs (an ACK ends the registration as sent either way:
-     * the consumer said it holds the rest). Registered blocks are distinct, so a walk that
-     * only moves forward finds a subsequence or nothing. */
+/* The plan must name registered blocks in registration order, each once: all of them, or
+ * the subset a partial read needs (an ACK ends the registration as sent either way: the
+ * consumer said it holds the rest). Registered blocks are distinct, so a walk that only
+ * moves forward finds a subsequence or nothing. */
+static bool plan_within(const xf_reg_t *reg, const xf_wire_read_t *r)
+{
     bool within = r->n_blocks <= reg->n;
     for (uint32_t i = 0, k = 0; within && i < r->n_runs; i++) {
         uint32_t first, count;
@@ -640,7 +658,18 @@ static xf_reg_t *serve_admit(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_re
             within = k++ < reg->n;
         }
     }
-    if (!within) {
+    return within;
+}
+
+/* A READ this agent may serve: not shutting down, a live registration with the right
+ * token, time left, not already serving, the same geometry and exactly its blocks.
+ * NULL: refused (the peer was told why). */
+static xf_reg_t *serve_admit(pkv_xfer_agent_t *a, xf_peer_t *p, const xf_wire_read_t *r,
+                             uint64_t now)
+{
+    xf_reg_t *reg = admit_registration(a, p, r, now);
+    if (!reg || !admit_read_index(a, p, r, reg) || !admit_layout(a, p, r)) return NULL;
+    if (!plan_within(reg, r)) {
         reject(a, p, r, PKV_ERR_REJECTED, "plan names blocks the request did not register");
         return NULL;
     }

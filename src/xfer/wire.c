@@ -347,6 +347,167 @@ static int decode_read(rcur_t *c, xf_wire_read_t *r)
     return check_read_sizes(&r->geo, r->head_n, r->n_blocks, r->chunk_bytes);
 }
 
+/* DATA with SHARED: the arena pieces, each in range, covering every layer the message
+ * announces (with LAYERS n_macs of them). */
+static bool data_pieces_valid(const xf_wire_data_t *d, bool layers)
+{
+    uint64_t sum = 0;
+    for (uint32_t i = 0; i < d->n_pieces; i++) {
+        uint64_t off, plen;
+        xf_wire_data_piece(d, i, &off, &plen);
+        if (plen < 1 || off >= XF_WIRE_MAX_ARENA || plen > XF_WIRE_MAX_ARENA - off) return false;
+        sum += plen; /* each < 2^44, at most 2^15 of them: no overflow */
+    }
+    /* the pieces cover every layer the message announces (< 2^40 * 2^12 bytes) */
+    return sum == d->bytes * (layers ? d->n_macs : 1);
+}
+
+static int decode_data(rcur_t *c, xf_wire_data_t *d)
+{
+    if (c->left < DATA_BYTES) return PKV_ERR_PROTO;
+    get_u64(c, &d->xfer_id);
+    get_u32(c, &d->layer);
+    get_u32(c, &d->flags);
+    get_u64(c, &d->bytes);
+    get_bytes(c, d->mac, sizeof(d->mac));
+    if ((d->flags & ~(XF_WIRE_DATA_SHARED | XF_WIRE_DATA_LAYERS)) || d->xfer_id == 0 ||
+        d->xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS) || d->layer >= XF_WIRE_MAX_LAYERS ||
+        d->bytes > XF_WIRE_MAX_BYTES)
+        return PKV_ERR_PROTO;
+    bool shared = d->flags & XF_WIRE_DATA_SHARED, layers = d->flags & XF_WIRE_DATA_LAYERS;
+    uint32_t reserved;
+    if (layers && !shared) return PKV_ERR_PROTO; /* v3: a trailer carries those sums */
+    if (shared) {
+        if (!get_u32(c, &d->n_pieces) || !get_u32(c, &reserved) || reserved || d->n_pieces < 1 ||
+            d->n_pieces > XF_WIRE_MAX_PIECES || c->left < 16 * (size_t)d->n_pieces)
+            return PKV_ERR_PROTO;
+        d->pieces = c->p;
+        c->p += 16 * (size_t)d->n_pieces;
+        c->left -= 16 * (size_t)d->n_pieces;
+    }
+    if (layers) {
+        static const uint8_t zero[XF_WIRE_MAC_BYTES];
+        if (!get_u32(c, &d->n_macs) || !get_u32(c, &reserved) || reserved ||
+            memcmp(d->mac, zero, sizeof(zero)) || d->n_macs < 1 ||
+            d->n_macs > XF_WIRE_MAX_LAYERS - d->layer ||
+            c->left != XF_WIRE_MAC_BYTES * (size_t)d->n_macs)
+            return PKV_ERR_PROTO;
+        d->macs = c->p;
+        c->left = 0;
+    }
+    if (c->left) return PKV_ERR_PROTO;
+    if (shared && !data_pieces_valid(d, layers)) return PKV_ERR_PROTO;
+    return PKV_OK;
+}
+
+static int decode_ack(rcur_t *c, xf_wire_ack_t *a)
+{
+    if (c->left != ACK_BYTES) return PKV_ERR_PROTO;
+    get_u64(c, &a->xfer_id);
+    get_u64(c, &a->request_id);
+    get_u64(c, &a->bytes);
+    if (a->xfer_id == 0 || a->xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS) ||
+        a->bytes > XF_WIRE_MAX_BYTES)
+        return PKV_ERR_PROTO;
+    return PKV_OK;
+}
+
+static int decode_fail(rcur_t *c, xf_wire_fail_t *f)
+{
+    uint32_t reason;
+    uint16_t text_len;
+    if (c->left < FAIL_FIXED_BYTES) return PKV_ERR_PROTO;
+    get_u64(c, &f->xfer_id);
+    get_u64(c, &f->request_id);
+    get_u32(c, &reason);
+    get_u16(c, &text_len);
+    get_u16(c, &f->why);
+    f->reason = (int32_t)reason;
+    if (f->why > XF_WIRE_WHY_MAX || text_len > XF_WIRE_MAX_TEXT || c->left != text_len)
+        return PKV_ERR_PROTO;
+    if (f->xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS)) return PKV_ERR_PROTO;
+    if (!xf_wire_reason_valid(f->reason)) return PKV_ERR_PROTO;
+    get_bytes(c, f->text, text_len);
+    f->text[text_len] = '\0';
+    if (!printable(f->text, text_len)) return PKV_ERR_PROTO;
+    return PKV_OK;
+}
+
+static int decode_heartbeat(rcur_t *c, xf_wire_heartbeat_t *hb)
+{
+    if (c->left != HB_BYTES) return PKV_ERR_PROTO;
+    get_u64(c, &hb->agent_id);
+    get_u64(c, &hb->seq);
+    return PKV_OK;
+}
+
+static int decode_close(rcur_t *c, xf_wire_close_t *cl)
+{
+    uint32_t reserved;
+    if (c->left != CLOSE_BYTES) return PKV_ERR_PROTO;
+    get_u64(c, &cl->agent_id);
+    get_u32(c, &cl->flags);
+    get_u32(c, &reserved);
+    if (reserved || (cl->flags & ~XF_WIRE_CLOSE_REPLY)) return PKV_ERR_PROTO;
+    return PKV_OK;
+}
+
+static int decode_hello(rcur_t *c, xf_wire_hello_t *h)
+{
+    pkv_xfer_layout_t *l = &h->layout;
+    uint16_t id_len, model_len;
+    uint32_t r32, dtype;
+    if (c->left < HELLO_FIXED_BYTES) return PKV_ERR_PROTO;
+    get_u64(c, &h->agent_id);
+    get_u16(c, &id_len);
+    get_u16(c, &model_len);
+    get_u32(c, &r32);
+    get_u32(c, &l->geo.layers);
+    get_u32(c, &l->geo.kv_heads);
+    get_u32(c, &l->geo.head_dim);
+    get_u32(c, &l->geo.block_tokens);
+    get_u32(c, &dtype);
+    get_u32(c, &l->tp);
+    get_u32(c, &l->rank);
+    get_u32(c, &l->head_lo);
+    get_u32(c, &l->head_n);
+    get_u32(c, &l->wire);
+    if (r32 || id_len > XF_WIRE_MAX_IDENTITY || model_len > XF_WIRE_MAX_MODEL_ID ||
+        dtype > PKV_DTYPE_BF16 || c->left != (size_t)id_len + model_len)
+        return PKV_ERR_PROTO;
+    l->geo.dtype = (pkv_dtype_t)dtype;
+    get_bytes(c, h->identity, id_len);
+    h->identity[id_len] = '\0';
+    get_bytes(c, l->model_id, model_len);
+    l->model_id[model_len] = '\0';
+    if (!printable(h->identity, id_len) || !xf_wire_layout_valid(l)) return PKV_ERR_PROTO;
+    return PKV_OK;
+}
+
+/* The body after a checked header: one decoder per type, each checking its own lengths
+ * before it reads. */
+static int decode_body(rcur_t *c, xf_wire_msg_t *m)
+{
+    switch (m->type) {
+    case XF_WIRE_READ:
+        return decode_read(c, &m->u.read);
+    case XF_WIRE_DATA:
+        return decode_data(c, &m->u.data);
+    case XF_WIRE_ACK:
+        return decode_ack(c, &m->u.ack);
+    case XF_WIRE_FAIL:
+        return decode_fail(c, &m->u.fail);
+    case XF_WIRE_HEARTBEAT:
+        return decode_heartbeat(c, &m->u.hb);
+    case XF_WIRE_CLOSE:
+        return decode_close(c, &m->u.close);
+    case XF_WIRE_HELLO:
+        return decode_hello(c, &m->u.hello);
+    default:
+        return PKV_ERR_PROTO;
+    }
+}
+
 int xf_wire_decode(const void *buf, size_t len, xf_wire_msg_t *out)
 {
     if (!buf || len < XF_WIRE_HEADER_BYTES || len > XF_WIRE_MAX_MSG || !out) return PKV_ERR_PROTO;
@@ -365,134 +526,7 @@ int xf_wire_decode(const void *buf, size_t len, xf_wire_msg_t *out)
     xf_wire_msg_t m;
     memset(&m, 0, sizeof(m));
     m.type = type;
-    switch (type) {
-    case XF_WIRE_READ:
-        if (decode_read(&c, &m.u.read)) return PKV_ERR_PROTO;
-        break;
-    case XF_WIRE_DATA: {
-        xf_wire_data_t *d = &m.u.data;
-        if (c.left < DATA_BYTES) return PKV_ERR_PROTO;
-        get_u64(&c, &d->xfer_id);
-        get_u32(&c, &d->layer);
-        get_u32(&c, &d->flags);
-        get_u64(&c, &d->bytes);
-        get_bytes(&c, d->mac, sizeof(d->mac));
-        if ((d->flags & ~(XF_WIRE_DATA_SHARED | XF_WIRE_DATA_LAYERS)) || d->xfer_id == 0 ||
-            d->xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS) || d->layer >= XF_WIRE_MAX_LAYERS ||
-            d->bytes > XF_WIRE_MAX_BYTES)
-            return PKV_ERR_PROTO;
-        bool shared = d->flags & XF_WIRE_DATA_SHARED, layers = d->flags & XF_WIRE_DATA_LAYERS;
-        uint32_t reserved;
-        if (layers && !shared) return PKV_ERR_PROTO; /* v3: a trailer carries those sums */
-        if (shared) {
-            if (!get_u32(&c, &d->n_pieces) || !get_u32(&c, &reserved) || reserved ||
-                d->n_pieces < 1 || d->n_pieces > XF_WIRE_MAX_PIECES ||
-                c.left < 16 * (size_t)d->n_pieces)
-                return PKV_ERR_PROTO;
-            d->pieces = c.p;
-            c.p += 16 * (size_t)d->n_pieces;
-            c.left -= 16 * (size_t)d->n_pieces;
-        }
-        if (layers) {
-            static const uint8_t zero[XF_WIRE_MAC_BYTES];
-            if (!get_u32(&c, &d->n_macs) || !get_u32(&c, &reserved) || reserved ||
-                memcmp(d->mac, zero, sizeof(zero)) || d->n_macs < 1 ||
-                d->n_macs > XF_WIRE_MAX_LAYERS - d->layer ||
-                c.left != XF_WIRE_MAC_BYTES * (size_t)d->n_macs)
-                return PKV_ERR_PROTO;
-            d->macs = c.p;
-            c.left = 0;
-        }
-        if (c.left) return PKV_ERR_PROTO;
-        if (!shared) break;
-        uint64_t sum = 0;
-        for (uint32_t i = 0; i < d->n_pieces; i++) {
-            uint64_t off, plen;
-            xf_wire_data_piece(d, i, &off, &plen);
-            if (plen < 1 || off >= XF_WIRE_MAX_ARENA || plen > XF_WIRE_MAX_ARENA - off)
-                return PKV_ERR_PROTO;
-            sum += plen; /* each < 2^44, at most 2^15 of them: no overflow */
-        }
-        /* the pieces cover every layer the message announces (< 2^40 * 2^12 bytes) */
-        if (sum != d->bytes * (layers ? d->n_macs : 1)) return PKV_ERR_PROTO;
-        break;
-    }
-    case XF_WIRE_ACK:
-        if (c.left != ACK_BYTES) return PKV_ERR_PROTO;
-        get_u64(&c, &m.u.ack.xfer_id);
-        get_u64(&c, &m.u.ack.request_id);
-        get_u64(&c, &m.u.ack.bytes);
-        if (m.u.ack.xfer_id == 0 || m.u.ack.xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS) ||
-            m.u.ack.bytes > XF_WIRE_MAX_BYTES)
-            return PKV_ERR_PROTO;
-        break;
-    case XF_WIRE_FAIL: {
-        uint32_t reason;
-        uint16_t text_len;
-        if (c.left < FAIL_FIXED_BYTES) return PKV_ERR_PROTO;
-        get_u64(&c, &m.u.fail.xfer_id);
-        get_u64(&c, &m.u.fail.request_id);
-        get_u32(&c, &reason);
-        get_u16(&c, &text_len);
-        get_u16(&c, &m.u.fail.why);
-        m.u.fail.reason = (int32_t)reason;
-        if (m.u.fail.why > XF_WIRE_WHY_MAX || text_len > XF_WIRE_MAX_TEXT || c.left != text_len)
-            return PKV_ERR_PROTO;
-        if (m.u.fail.xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS)) return PKV_ERR_PROTO;
-        if (!xf_wire_reason_valid(m.u.fail.reason)) return PKV_ERR_PROTO;
-        get_bytes(&c, m.u.fail.text, text_len);
-        m.u.fail.text[text_len] = '\0';
-        if (!printable(m.u.fail.text, text_len)) return PKV_ERR_PROTO;
-        break;
-    }
-    case XF_WIRE_HEARTBEAT:
-        if (c.left != HB_BYTES) return PKV_ERR_PROTO;
-        get_u64(&c, &m.u.hb.agent_id);
-        get_u64(&c, &m.u.hb.seq);
-        break;
-    case XF_WIRE_CLOSE: {
-        uint32_t reserved;
-        if (c.left != CLOSE_BYTES) return PKV_ERR_PROTO;
-        get_u64(&c, &m.u.close.agent_id);
-        get_u32(&c, &m.u.close.flags);
-        get_u32(&c, &reserved);
-        if (reserved || (m.u.close.flags & ~XF_WIRE_CLOSE_REPLY)) return PKV_ERR_PROTO;
-        break;
-    }
-    case XF_WIRE_HELLO: {
-        xf_wire_hello_t *h = &m.u.hello;
-        pkv_xfer_layout_t *l = &h->layout;
-        uint16_t id_len, model_len;
-        uint32_t r32, dtype;
-        if (c.left < HELLO_FIXED_BYTES) return PKV_ERR_PROTO;
-        get_u64(&c, &h->agent_id);
-        get_u16(&c, &id_len);
-        get_u16(&c, &model_len);
-        get_u32(&c, &r32);
-        get_u32(&c, &l->geo.layers);
-        get_u32(&c, &l->geo.kv_heads);
-        get_u32(&c, &l->geo.head_dim);
-        get_u32(&c, &l->geo.block_tokens);
-        get_u32(&c, &dtype);
-        get_u32(&c, &l->tp);
-        get_u32(&c, &l->rank);
-        get_u32(&c, &l->head_lo);
-        get_u32(&c, &l->head_n);
-        get_u32(&c, &l->wire);
-        if (r32 || id_len > XF_WIRE_MAX_IDENTITY || model_len > XF_WIRE_MAX_MODEL_ID ||
-            dtype > PKV_DTYPE_BF16 || c.left != (size_t)id_len + model_len)
-            return PKV_ERR_PROTO;
-        l->geo.dtype = (pkv_dtype_t)dtype;
-        get_bytes(&c, h->identity, id_len);
-        h->identity[id_len] = '\0';
-        get_bytes(&c, l->model_id, model_len);
-        l->model_id[model_len] = '\0';
-        if (!printable(h->identity, id_len) || !xf_wire_layout_valid(l)) return PKV_ERR_PROTO;
-        break;
-    }
-    default:
-        return PKV_ERR_PROTO;
-    }
+    if (decode_body(&c, &m)) return PKV_ERR_PROTO;
     *out = m;
     return PKV_OK;
 }
