@@ -883,12 +883,12 @@ START_TEST(server_in_a_real_memory_cgroup)
 #if defined(__SANITIZE_THREAD__)
     /* TSan's shadow memory (several times the application's) fills any limit sized for
      * the server itself: the kernel kills it before the cache matters. */
-    fprintf(stderr, "server_in_a_real_memory_cgroup: SKIPPED under ThreadSanitizer\n");
+    PKV_TEST_SKIP("under ThreadSanitizer (its shadow memory fills the limit)");
     return;
 #endif
     char cg[1600], why[1800], path[1700];
     if (!cgroup_v1_make(cg, sizeof(cg), why, sizeof(why))) {
-        fprintf(stderr, "server_in_a_real_memory_cgroup: SKIPPED: %s\n", why);
+        PKV_TEST_SKIP("%s", why);
         return;
     }
     char bin[4096];

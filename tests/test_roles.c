@@ -937,10 +937,7 @@ START_TEST(pair_across_network_namespaces)
     char err[512];
     if (netns_pair_create(&pair, false, err, sizeof(err)) != 0) {
         netns_pair_destroy(&pair);
-        fprintf(stderr,
-                "pair_across_network_namespaces: skipped (cannot create network "
-                "namespaces here: %s)\n",
-                err);
+        PKV_TEST_SKIP("cannot create network namespaces here: %s", err);
         return;
     }
     g_pair = &pair;

@@ -1436,7 +1436,7 @@ END_TEST
 START_TEST(openai_sdk_through_router)
 {
     if (system("command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1")) {
-        fprintf(stderr, "openai_sdk_through_router: SKIPPED: node or npm is not installed\n");
+        PKV_TEST_SKIP("node or npm is not installed");
         return;
     }
     char sdk[4200], cmd[9000];
@@ -1450,8 +1450,7 @@ START_TEST(openai_sdk_through_router)
                  "--silent openai@4 >/dev/null 2>&1",
                  sdk, sdk);
         if (system(cmd)) {
-            fprintf(stderr, "openai_sdk_through_router: SKIPPED: `npm install openai@4` failed "
-                            "(no registry?)\n");
+            PKV_TEST_SKIP("`npm install openai@4` failed (no registry?)");
             return;
         }
     }

@@ -2254,7 +2254,7 @@ START_TEST(netns_veth_tcp)
 {
     char a[16], b[16], why[128];
     if (xh_netns_create(a, b, why, sizeof(why))) {
-        fprintf(stderr, "netns_veth_tcp: SKIPPED: %s\n", why);
+        PKV_TEST_SKIP("%s", why);
         return;
     }
     run_random_rounds(2, true, a, b);

@@ -4,6 +4,10 @@
  *   Check's timeout), prints Check's summary line, exits non-zero on failure.
  * Seeds: tests that draw random numbers take PKV_TEST_SEED from the environment
  * when set, and print the seed they used on failure.
+ * Skips: Check has no skip status. A test that cannot run here (no root, no `ip`, no
+ *   node/npm, no cgroup v1 memory controller, a sanitizer it cannot run under) calls
+ *   PKV_TEST_SKIP("why %s", ...) and returns: Check counts it passed, and
+ *   scripts/run-tests.sh moves it to the skipped count (see the runner's header).
  */
 #ifndef PKV_TESTUTIL_H
 #define PKV_TESTUTIL_H
@@ -49,6 +53,13 @@ static inline uint32_t pkv_test_below(uint64_t *state, uint32_t n)
 }
 /* The seed for this run: PKV_TEST_SEED or `fallback`. */
 uint64_t pkv_test_seed(uint64_t fallback);
+/* Report the running test as skipped: writes one line "SKIP <test>: <why>" to stderr
+ * and, when the runner names a file in PKV_TEST_SKIP_FILE, appends it there too (one
+ * write, so forked tests and parallel binaries do not interleave). The caller then
+ * returns from the test; call it at most once per test. `test` is the test's name (a
+ * trailing "_fn", which START_TEST's function carries, is dropped). */
+void pkv_test_skip(const char *test, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+#define PKV_TEST_SKIP(...) pkv_test_skip(__func__, __VA_ARGS__)
 /* VmRSS of this process in bytes. */
 uint64_t pkv_test_rss(void);
 
