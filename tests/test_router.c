@@ -11,6 +11,7 @@
  * paused stream, the OpenAI Node SDK's calls (when node and npm are there), and the
  * lookup's count (pkv_kv_prefix_match) against what admission adopts.
  */
+#include "fuzz/props.h"
 #include "support/srvtest.h"
 #include "support/testutil.h"
 
@@ -1471,6 +1472,27 @@ START_TEST(openai_sdk_through_router)
 }
 END_TEST
 
+/* ---- the SSE framing's fuzz corpus ------------------------------------------------------- */
+
+/* tests/fuzz/corpus/sse replayed through the framing's fuzz properties: every stream
+ * passes them, and the complete ones are relayed whole. */
+static void replay_sse(const char *name, const uint8_t *buf, size_t n, void *arg)
+{
+    size_t relayed = pkv_fuzz_sse(buf, n); /* aborts on a broken property */
+    if (!strcmp(name, "stream-complete")) ck_assert_uint_eq(relayed, n - 1);
+    *(size_t *)arg += relayed;
+}
+
+START_TEST(sse_fuzz_corpus_replays)
+{
+    size_t relayed = 0;
+    uint32_t files =
+        pkv_test_corpus_each("PKV_SSE_CORPUS", "tests/fuzz/corpus/sse", replay_sse, &relayed);
+    ck_assert_uint_ge(files, 5);
+    ck_assert_uint_gt(relayed, 0);
+}
+END_TEST
+
 static Suite *router_suite(void)
 {
     Suite *s = suite_create("router");
@@ -1491,6 +1513,7 @@ static Suite *router_suite(void)
     ADD(tc, over_the_connection_limit_503);
     ADD(tc, thousand_concurrent_streams);
     ADD(tc, openai_sdk_through_router);
+    ADD(tc, sse_fuzz_corpus_replays);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -86,3 +86,26 @@ uint32_t pkv_test_corpus_each(const char *env, const char *dir, pkv_test_corpus_
     free(buf);
     return files;
 }
+
+typedef struct {
+    int (*target)(const uint8_t *data, size_t len);
+    uint32_t accepted;
+} corpus_status_t;
+
+static void corpus_status_one(const char *name, const uint8_t *data, size_t len, void *arg)
+{
+    corpus_status_t *c = arg;
+    int rc = c->target(data, len);
+    if (!strncmp(name, "ok-", 3)) ck_assert_msg(rc == PKV_OK, "%s: %s", name, pkv_status_str(rc));
+    if (!strncmp(name, "bad-", 4)) ck_assert_msg(rc != PKV_OK, "%s: accepted", name);
+    c->accepted += rc == PKV_OK;
+}
+
+uint32_t pkv_test_corpus_status(const char *env, const char *dir,
+                                int (*target)(const uint8_t *data, size_t len), uint32_t min_files)
+{
+    corpus_status_t c = {target, 0};
+    uint32_t files = pkv_test_corpus_each(env, dir, corpus_status_one, &c);
+    ck_assert_msg(files >= min_files, "%s: %u files, expected at least %u", dir, files, min_files);
+    return c.accepted;
+}

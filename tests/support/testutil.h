@@ -78,5 +78,11 @@ uint32_t pkv_test_fault_sweep(pkv_fault_site_t site, int (*step)(void *arg), voi
 #define PKV_TEST_CORPUS_MAX (1u << 16)
 typedef void (*pkv_test_corpus_fn)(const char *name, const uint8_t *data, size_t len, void *arg);
 uint32_t pkv_test_corpus_each(const char *env, const char *dir, pkv_test_corpus_fn fn, void *arg);
+/* The same for a fuzz target whose property returns the parser's status (aborting on a
+ * broken property): the files named ok-* must be accepted (PKV_OK), those named bad-*
+ * refused; other names (inputs a fuzzer added) only have to pass the properties. Fails
+ * the test with fewer than min_files files. Returns how many inputs were accepted. */
+uint32_t pkv_test_corpus_status(const char *env, const char *dir,
+                                int (*target)(const uint8_t *data, size_t len), uint32_t min_files);
 
 #endif
