@@ -43,6 +43,16 @@ int pkv_fuzz_tokbin(const uint8_t *data, size_t size);
  * Returns the number of bytes relayed. */
 size_t pkv_fuzz_sse(const uint8_t *data, size_t size);
 
+/* A fuzz_*.c target's libFuzzer entry point: each input through `prop` (whose result,
+ * if any, is for the suite's replays). */
+#define PKV_FUZZ_TARGET(prop)                                                                      \
+    int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);                                  \
+    int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)                                   \
+    {                                                                                              \
+        (void)prop(data, size);                                                                    \
+        return 0;                                                                                  \
+    }
+
 /* Silence the library's log lines (refusals log warnings) while on. */
 static inline void pkv_fuzz_log_drop(void *arg, pkv_log_level_t level, const char *module,
                                      const char *line)
