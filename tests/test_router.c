@@ -921,7 +921,7 @@ START_TEST(sigterm_drains)
     }
     stop_process(d.pid); /* hold the stream in flight */
     kill(rt.pid, SIGTERM);
-    usleep(200000);
+    health_is(rt.port, 503); /* draining */
     json_t *req = completion_req("Too late", 3, false, -1);
     answer_t *a = malloc(sizeof(*a));
     ask(rt.port, "/v1/completions", req, NULL, a);
@@ -1324,7 +1324,12 @@ START_TEST(over_the_connection_limit_503)
     const char *extra[] = {"--max-connections", "4", NULL};
     router_start(&rt, &p, 1, &d, 1, extra);
     health_is(rt.port, 200);
-    usleep(300000); /* the router counts a connection until it has seen it close */
+    /* the router counts a connection until it has seen it close: until it closed them all */
+    uint64_t deadline = pkv_deadline_after_ns(10 * SEC);
+    while (pkv_test_tcp_conns(rt.pid, rt.port, NULL) > 0) {
+        ck_assert_msg(pkv_now_ns() < deadline, "the router kept a connection open");
+        usleep(2000);
+    }
     if (getenv("PKV_TEST_DEBUG"))
         fprintf(stderr, "connections before: %lld\n", metric(rt.port, "pagekv_router_connections"));
     stop_process(p.pid);
@@ -1334,10 +1339,15 @@ START_TEST(over_the_connection_limit_503)
         s[i] = (streamer_t){.port = rt.port};
         pthread_create(&th[i], NULL, streamer_main, &s[i]);
     }
-    /* Once the four streams hold their connections (give them the time to connect first:
-     * a probe that came before them would take one's place), a fifth connection is over. */
-    usleep(500000);
-    uint64_t deadline = pkv_deadline_after_ns(20 * SEC);
+    /* Once the four streams hold their connections (connected first: a probe that came
+     * before them would take one's place; the router accepts in arrival order), a fifth
+     * connection is over. */
+    deadline = pkv_deadline_after_ns(10 * SEC);
+    while (pkv_test_tcp_conns(rt.pid, rt.port, NULL) < 4) {
+        ck_assert_msg(pkv_now_ns() < deadline, "the four streams never connected");
+        usleep(2000);
+    }
+    deadline = pkv_deadline_after_ns(20 * SEC);
     resp_t r;
     for (;;) {
         http(rt.port, "GET", "/health", NULL, 0, NULL, &r);

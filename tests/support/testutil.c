@@ -44,6 +44,31 @@ uint64_t pkv_test_rss(void)
     return m.rss_bytes;
 }
 
+uint32_t pkv_test_tcp_conns(pid_t pid, uint16_t port, uint64_t *unread)
+{
+    uint32_t conns = 0;
+    uint64_t rx_sum = 0;
+    for (int v6 = 0; v6 < 2; v6++) {
+        char path[64], line[512];
+        snprintf(path, sizeof(path), "/proc/%d/net/tcp%s", (int)pid, v6 ? "6" : "");
+        FILE *f = fopen(path, "r");
+        while (f && fgets(line, sizeof(line), f)) {
+            unsigned lport, st;
+            unsigned long rx;
+            if (sscanf(line, " %*d: %*[0-9A-Fa-f]:%x %*[0-9A-Fa-f]:%*x %x %*x:%lx", &lport, &st,
+                       &rx) != 3 ||
+                lport != port || (st != 0x01 && st != 0x08 && st != 0x09))
+                /* established, close-wait, last-ack */
+                continue;
+            conns++;
+            rx_sum += rx;
+        }
+        if (f) fclose(f);
+    }
+    if (unread) *unread = rx_sum;
+    return conns;
+}
+
 uint32_t pkv_test_fault_sweep(pkv_fault_site_t site, int (*step)(void *arg), void *arg, int want_rc,
                               void (*after_fail)(void *arg))
 {

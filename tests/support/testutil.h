@@ -17,6 +17,7 @@
 #include <check.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <sys/types.h>
 
 #define PKV_TEST_MAIN(make_suite)                                                                  \
     int main(void)                                                                                 \
@@ -62,6 +63,12 @@ void pkv_test_skip(const char *test, const char *fmt, ...) __attribute__((format
 #define PKV_TEST_SKIP(...) pkv_test_skip(__func__, __VA_ARGS__)
 /* VmRSS of this process in bytes. */
 uint64_t pkv_test_rss(void);
+
+/* TCP connections to local port `port` in the network namespace of process `pid` (its
+ * /proc/PID/net/tcp and tcp6) that the server side has not done with (established,
+ * close-wait, last-ack); *unread (optional) gets the bytes they hold unread. The same
+ * whether or not the process runs: a stopped server's queued requests show here. */
+uint32_t pkv_test_tcp_conns(pid_t pid, uint16_t port, uint64_t *unread);
 
 /* Fault sweep: run step(arg) with the k-th hit of `site` failing, for k = 0, 1, ...,
  * until a run reaches no more hits. Each run that failed must return `want_rc`, and
