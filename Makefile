@@ -111,7 +111,7 @@ $(BUILD)/obj/tests/test_router.o: CPPFLAGS += -DPKV_TEST_SRCDIR='"$(CURDIR)"'
 $(BUILD)/obj/tests/test_router.o: Makefile
 
 # Each test binary forks every test (Check's default) with its own timeout.
-# scripts/run-tests.sh prints one line per binary and a closing "N passed, N failed".
+# scripts/run-tests.sh prints one line per binary and a closing "N passed, N failed, N skipped".
 check: all $(TEST_BIN)
 	@BUILD=$(BUILD) SAN=$(SAN) scripts/run-tests.sh $(TEST_BIN)
 

@@ -5,6 +5,7 @@
  * presets; forward input validation; bitwise invariance to backend, block size,
  * chunking, batch composition and thread count.
  */
+#include "fuzz/props.h"
 #include "support/testutil.h"
 
 #include "pagekv/model.h"
@@ -739,6 +740,16 @@ START_TEST(paged_equals_dense_long_and_mixed)
 }
 END_TEST
 
+/* The checkpoint fuzz corpus (tests/fuzz/corpus/checkpoint) replayed through the fuzz
+ * target's properties: every input passes them, ok-* files load, bad-* files do not. */
+START_TEST(llama2c_fuzz_corpus_replays)
+{
+    uint32_t loaded = pkv_test_corpus_status(
+        "PKV_CHECKPOINT_CORPUS", "tests/fuzz/corpus/checkpoint", pkv_fuzz_checkpoint, 10);
+    ck_assert_uint_ge(loaded, 4);
+}
+END_TEST
+
 static TCase *tcase(Suite *s, const char *name)
 {
     TCase *tc = tcase_create(name);
@@ -754,6 +765,7 @@ static Suite *model_suite(void)
     tcase_add_test(tc, llama2c_matches_reference);
     tcase_add_test(tc, llama2c_odd_head_size);
     tcase_add_test(tc, llama2c_rejects_bad_files);
+    tcase_add_test(tc, llama2c_fuzz_corpus_replays);
     tc = tcase(s, "builtin");
     tcase_add_test(tc, builtin_presets);
     tcase_add_test(tc, builtin_is_deterministic);

@@ -283,12 +283,28 @@ static json_t *kv_stats(nodes_t *n, int i)
     return kv;
 }
 
-static long long reads_ok(nodes_t *n, int i)
+/* A number from node i's kv_transfer stats (`path` as ts_ji takes it). */
+static long long kv_count(nodes_t *n, int i, const char *path)
 {
     json_t *kv = kv_stats(n, i);
-    long long v = ts_ji(kv, "transfers.reads_by_outcome.ok");
+    long long v = ts_ji(kv, path);
     json_decref(kv);
     return v;
+}
+
+static long long reads_ok(nodes_t *n, int i)
+{
+    return kv_count(n, i, "transfers.reads_by_outcome.ok");
+}
+
+/* Until node i's `path` exceeds `before` (10 s at most): the event a test waits for. */
+static void await_count(nodes_t *n, int i, const char *path, long long before)
+{
+    uint64_t deadline = pkv_deadline_after_ns(10000000000ull);
+    while (kv_count(n, i, path) <= before) {
+        ck_assert_msg(pkv_now_ns() < deadline, "node %d: %s stayed at %lld", i, path, before);
+        usleep(2000);
+    }
 }
 
 static void nodes_rebase(nodes_t *n)
@@ -703,9 +719,10 @@ static void lease_and_forged(nodes_t *n, int rep)
     json_t *req = request(prompt, 5, false);
     leg_t u, d;
     unified(n, req, &u);
+    long long expired = kv_count(n, 0, "leases.expired");
     json_t *kts[3] = {NULL, prefill_leg(LOCAL, n->node[0].port, req),
                       prefill_leg(LOCAL, n->node[0].port, req)};
-    usleep((LEASE_MS + 300) * 1000);
+    await_count(n, 0, "leases.expired", expired + 1); /* both leases ran out */
     for (int i = 1; i < 3; i++) {
         json_t *dec = decode_body(req, kts[i]);
         leg_post(LOCAL, n->node[i].port, dec, &d);
@@ -937,10 +954,7 @@ START_TEST(pair_across_network_namespaces)
     char err[512];
     if (netns_pair_create(&pair, false, err, sizeof(err)) != 0) {
         netns_pair_destroy(&pair);
-        fprintf(stderr,
-                "pair_across_network_namespaces: skipped (cannot create network "
-                "namespaces here: %s)\n",
-                err);
+        PKV_TEST_SKIP("cannot create network namespaces here: %s", err);
         return;
     }
     g_pair = &pair;

@@ -11,6 +11,7 @@
  * paused stream, the OpenAI Node SDK's calls (when node and npm are there), and the
  * lookup's count (pkv_kv_prefix_match) against what admission adopts.
  */
+#include "fuzz/props.h"
 #include "support/srvtest.h"
 #include "support/testutil.h"
 
@@ -920,7 +921,7 @@ START_TEST(sigterm_drains)
     }
     stop_process(d.pid); /* hold the stream in flight */
     kill(rt.pid, SIGTERM);
-    usleep(200000);
+    health_is(rt.port, 503); /* draining */
     json_t *req = completion_req("Too late", 3, false, -1);
     answer_t *a = malloc(sizeof(*a));
     ask(rt.port, "/v1/completions", req, NULL, a);
@@ -1323,7 +1324,12 @@ START_TEST(over_the_connection_limit_503)
     const char *extra[] = {"--max-connections", "4", NULL};
     router_start(&rt, &p, 1, &d, 1, extra);
     health_is(rt.port, 200);
-    usleep(300000); /* the router counts a connection until it has seen it close */
+    /* the router counts a connection until it has seen it close: until it closed them all */
+    uint64_t deadline = pkv_deadline_after_ns(10 * SEC);
+    while (pkv_test_tcp_conns(rt.pid, rt.port, NULL) > 0) {
+        ck_assert_msg(pkv_now_ns() < deadline, "the router kept a connection open");
+        usleep(2000);
+    }
     if (getenv("PKV_TEST_DEBUG"))
         fprintf(stderr, "connections before: %lld\n", metric(rt.port, "pagekv_router_connections"));
     stop_process(p.pid);
@@ -1333,10 +1339,15 @@ START_TEST(over_the_connection_limit_503)
         s[i] = (streamer_t){.port = rt.port};
         pthread_create(&th[i], NULL, streamer_main, &s[i]);
     }
-    /* Once the four streams hold their connections (give them the time to connect first:
-     * a probe that came before them would take one's place), a fifth connection is over. */
-    usleep(500000);
-    uint64_t deadline = pkv_deadline_after_ns(20 * SEC);
+    /* Once the four streams hold their connections (connected first: a probe that came
+     * before them would take one's place; the router accepts in arrival order), a fifth
+     * connection is over. */
+    deadline = pkv_deadline_after_ns(10 * SEC);
+    while (pkv_test_tcp_conns(rt.pid, rt.port, NULL) < 4) {
+        ck_assert_msg(pkv_now_ns() < deadline, "the four streams never connected");
+        usleep(2000);
+    }
+    deadline = pkv_deadline_after_ns(20 * SEC);
     resp_t r;
     for (;;) {
         http(rt.port, "GET", "/health", NULL, 0, NULL, &r);
@@ -1436,7 +1447,7 @@ END_TEST
 START_TEST(openai_sdk_through_router)
 {
     if (system("command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1")) {
-        fprintf(stderr, "openai_sdk_through_router: SKIPPED: node or npm is not installed\n");
+        PKV_TEST_SKIP("node or npm is not installed");
         return;
     }
     char sdk[4200], cmd[9000];
@@ -1450,8 +1461,7 @@ START_TEST(openai_sdk_through_router)
                  "--silent openai@4 >/dev/null 2>&1",
                  sdk, sdk);
         if (system(cmd)) {
-            fprintf(stderr, "openai_sdk_through_router: SKIPPED: `npm install openai@4` failed "
-                            "(no registry?)\n");
+            PKV_TEST_SKIP("`npm install openai@4` failed (no registry?)");
             return;
         }
     }
@@ -1469,6 +1479,27 @@ START_TEST(openai_sdk_through_router)
     proc_stop(&rt, 30);
     proc_stop(&d, 30);
     proc_stop(&p, 30);
+}
+END_TEST
+
+/* ---- the SSE framing's fuzz corpus ------------------------------------------------------- */
+
+/* tests/fuzz/corpus/sse replayed through the framing's fuzz properties: every stream
+ * passes them, and the complete ones are relayed whole. */
+static void replay_sse(const char *name, const uint8_t *buf, size_t n, void *arg)
+{
+    size_t relayed = pkv_fuzz_sse(buf, n); /* aborts on a broken property */
+    if (!strcmp(name, "stream-complete")) ck_assert_uint_eq(relayed, n - 1);
+    *(size_t *)arg += relayed;
+}
+
+START_TEST(sse_fuzz_corpus_replays)
+{
+    size_t relayed = 0;
+    uint32_t files =
+        pkv_test_corpus_each("PKV_SSE_CORPUS", "tests/fuzz/corpus/sse", replay_sse, &relayed);
+    ck_assert_uint_ge(files, 5);
+    ck_assert_uint_gt(relayed, 0);
 }
 END_TEST
 
@@ -1492,6 +1523,7 @@ static Suite *router_suite(void)
     ADD(tc, over_the_connection_limit_503);
     ADD(tc, thousand_concurrent_streams);
     ADD(tc, openai_sdk_through_router);
+    ADD(tc, sse_fuzz_corpus_replays);
     suite_add_tcase(s, tc);
     return s;
 }

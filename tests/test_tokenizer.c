@@ -976,6 +976,16 @@ START_TEST(fuzz_corpus_replays)
 }
 END_TEST
 
+/* The tokenizer.bin fuzz corpus (tests/fuzz/corpus/tokbin) replayed through the loader's
+ * fuzz properties: every input passes them, ok-* files load, bad-* files do not. */
+START_TEST(llama2c_fuzz_corpus_replays)
+{
+    uint32_t loaded = pkv_test_corpus_status("PKV_TOKBIN_CORPUS", "tests/fuzz/corpus/tokbin",
+                                             pkv_fuzz_tokbin, 10);
+    ck_assert_uint_ge(loaded, 5);
+}
+END_TEST
+
 static Suite *tokenizer_suite(void)
 {
     Suite *s = suite_create("tokenizer");
@@ -998,6 +1008,7 @@ static Suite *tokenizer_suite(void)
     TCase *l2 = tcase_create("llama2c");
     tcase_set_timeout(l2, 60);
     tcase_add_test(l2, llama2c_load_and_encode_known);
+    tcase_add_test(l2, llama2c_fuzz_corpus_replays);
     tcase_add_test(l2, llama2c_matches_reference_and_round_trips);
     tcase_add_test(l2, llama2c_rejects_truncated_and_corrupt);
     tcase_add_test(l2, llama2c_random_files_never_crash);

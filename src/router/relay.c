@@ -156,6 +156,14 @@ static size_t on_header(char *p, size_t sz, size_t n, void *arg)
     return sz * n;
 }
 
+size_t rt_sse_complete_end(const char *buf, size_t len, size_t old)
+{
+    size_t end = 0;
+    for (size_t i = old ? old - 1 : 0; i + 1 < len; i++)
+        if (buf[i] == '\n' && buf[i + 1] == '\n') end = i + 2;
+    return end;
+}
+
 /* The stream's complete SSE events (up to the last blank line) go to the client. */
 static size_t relay_stream(rt_leg_t *l, const char *p, size_t k)
 {
@@ -173,9 +181,7 @@ static size_t relay_stream(rt_leg_t *l, const char *p, size_t k)
     }
     size_t old = l->len;
     if (!buf_put(&l->buf, &l->len, &l->cap, p, k, RT_BODY_MAX)) return 0;
-    size_t end = 0;
-    for (size_t i = old ? old - 1 : 0; i + 1 < l->len; i++)
-        if (l->buf[i] == '\n' && l->buf[i + 1] == '\n') end = i + 2;
+    size_t end = rt_sse_complete_end(l->buf, l->len, old);
     if (!end) return k;
     pthread_mutex_lock(&x->lock);
     bool ok = buf_put(&x->obuf, &x->olen, &x->ocap, l->buf, end, RT_BODY_MAX);

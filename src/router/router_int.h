@@ -236,6 +236,12 @@ void rt_io_stop(pkv_router_t *r); /* ends every exchange, joins the thread */
 bool rt_io_push(pkv_router_t *r, rt_xchg_t *x);
 void rt_xchg_unref(rt_xchg_t *x);
 
+/* ---- relay.c: the SSE framing of a decode node's stream (fuzzed: tests/fuzz/fuzz_sse.c) ---- */
+/* The end of the last complete SSE event in buf[0, len): just past its blank line
+ * ("\n\n"), or 0 when none is complete. buf[0, old) held no complete event (it is what
+ * an earlier call left), so the scan starts where a boundary can straddle old. */
+size_t rt_sse_complete_end(const char *buf, size_t len, size_t old);
+
 /* ---- relay.c -> front.c ---- */
 /* x->lock held: the connection may go on (called whenever out fields changed). Returns
  * whether the caller must MHD_resume_connection(x->conn) after unlocking. */

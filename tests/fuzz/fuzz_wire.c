@@ -13,13 +13,7 @@
  */
 #include "props.h"
 
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
-{
-    pkv_fuzz_wire(data, size);
-    return 0;
-}
+PKV_FUZZ_TARGET(pkv_fuzz_wire)
 
 #ifdef PKV_FUZZ_REPLAY_MAIN
 #include "replay_main.h"

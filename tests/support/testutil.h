@@ -4,6 +4,10 @@
  *   Check's timeout), prints Check's summary line, exits non-zero on failure.
  * Seeds: tests that draw random numbers take PKV_TEST_SEED from the environment
  * when set, and print the seed they used on failure.
+ * Skips: Check has no skip status. A test that cannot run here (no root, no `ip`, no
+ *   node/npm, no cgroup v1 memory controller, a sanitizer it cannot run under) calls
+ *   PKV_TEST_SKIP("why %s", ...) and returns: Check counts it passed, and
+ *   scripts/run-tests.sh moves it to the skipped count (see the runner's header).
  */
 #ifndef PKV_TESTUTIL_H
 #define PKV_TESTUTIL_H
@@ -13,6 +17,7 @@
 #include <check.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <sys/types.h>
 
 #define PKV_TEST_MAIN(make_suite)                                                                  \
     int main(void)                                                                                 \
@@ -49,8 +54,21 @@ static inline uint32_t pkv_test_below(uint64_t *state, uint32_t n)
 }
 /* The seed for this run: PKV_TEST_SEED or `fallback`. */
 uint64_t pkv_test_seed(uint64_t fallback);
+/* Report the running test as skipped: writes one line "SKIP <test>: <why>" to stderr
+ * and, when the runner names a file in PKV_TEST_SKIP_FILE, appends it there too (one
+ * write, so forked tests and parallel binaries do not interleave). The caller then
+ * returns from the test; call it at most once per test. `test` is the test's name (a
+ * trailing "_fn", which START_TEST's function carries, is dropped). */
+void pkv_test_skip(const char *test, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+#define PKV_TEST_SKIP(...) pkv_test_skip(__func__, __VA_ARGS__)
 /* VmRSS of this process in bytes. */
 uint64_t pkv_test_rss(void);
+
+/* TCP connections to local port `port` in the network namespace of process `pid` (its
+ * /proc/PID/net/tcp and tcp6) that the server side has not done with (established,
+ * close-wait, last-ack); *unread (optional) gets the bytes they hold unread. The same
+ * whether or not the process runs: a stopped server's queued requests show here. */
+uint32_t pkv_test_tcp_conns(pid_t pid, uint16_t port, uint64_t *unread);
 
 /* Fault sweep: run step(arg) with the k-th hit of `site` failing, for k = 0, 1, ...,
  * until a run reaches no more hits. Each run that failed must return `want_rc`, and
@@ -67,5 +85,11 @@ uint32_t pkv_test_fault_sweep(pkv_fault_site_t site, int (*step)(void *arg), voi
 #define PKV_TEST_CORPUS_MAX (1u << 16)
 typedef void (*pkv_test_corpus_fn)(const char *name, const uint8_t *data, size_t len, void *arg);
 uint32_t pkv_test_corpus_each(const char *env, const char *dir, pkv_test_corpus_fn fn, void *arg);
+/* The same for a fuzz target whose property returns the parser's status (aborting on a
+ * broken property): the files named ok-* must be accepted (PKV_OK), those named bad-*
+ * refused; other names (inputs a fuzzer added) only have to pass the properties. Fails
+ * the test with fewer than min_files files. Returns how many inputs were accepted. */
+uint32_t pkv_test_corpus_status(const char *env, const char *dir,
+                                int (*target)(const uint8_t *data, size_t len), uint32_t min_files);
 
 #endif
