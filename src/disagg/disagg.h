@@ -37,8 +37,8 @@ typedef enum {
     PKV_DISAGG_PHASE_STAGING_WAIT,      /* both: waiting for this node's staging pages */
     PKV_DISAGG_PHASE_WIRE,              /* decode: READ sent -> last payload in; prefill: staged,
                                     sent and acknowledged (seated -> ACK) */
-    PKV_DISAGG_PHASE_COMMIT,            /* decode: last payload -> every layer stored and recorded */
-    PKV_DISAGG_PHASE_DECODE,            /* decode: the leg's submission -> its last token */
+    PKV_DISAGG_PHASE_COMMIT, /* decode: last payload -> every layer stored and recorded */
+    PKV_DISAGG_PHASE_DECODE, /* decode: the leg's submission -> its last token */
     PKV_DISAGG_PHASE_COUNT
 } pkv_disagg_phase_t;
 extern const char *const pkv_disagg_phase_label[PKV_DISAGG_PHASE_COUNT];
@@ -54,7 +54,6 @@ typedef struct {
     uint64_t pulled_bytes;
     uint32_t pulled_blocks, adopted_blocks;
 } pkv_disagg_timings_t;
-
 
 /* ---- the node: the transfer agent and staging of each rank of a prefill or decode node */
 typedef struct pkv_disagg_node pkv_disagg_node_t;
@@ -115,7 +114,7 @@ typedef struct {
  * PKV_ERR_INVALID (logged) for a dense pool or a bad staging configuration; the agent's
  * PKV_ERR_IO when its address cannot be bound. */
 int pkv_disagg_node_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max_context,
-                      const char *model_id, pkv_disagg_node_t **out);
+                           const char *model_id, pkv_disagg_node_t **out);
 /* Destroy the agent (its registrations end, their pins return), then the staging. */
 void pkv_disagg_node_destroy(pkv_disagg_node_t *n);
 const char *pkv_disagg_node_address(const pkv_disagg_node_t *n);
@@ -126,15 +125,15 @@ const char *pkv_disagg_node_address(const pkv_disagg_node_t *n);
 bool pkv_disagg_node_healthy(pkv_disagg_node_t *n, uint64_t *age_ns);
 /* Count phase ph of one request, [from_ns, to_ns), in the node's histogram and (t not
  * NULL) in the request's timings. */
-void pkv_disagg_node_observe(pkv_disagg_node_t *n, pkv_disagg_timings_t *t, pkv_disagg_phase_t ph, uint64_t from_ns,
-                        uint64_t to_ns);
+void pkv_disagg_node_observe(pkv_disagg_node_t *n, pkv_disagg_timings_t *t, pkv_disagg_phase_t ph,
+                             uint64_t from_ns, uint64_t to_ns);
 void pkv_disagg_node_snapshot(pkv_disagg_node_t *n, pkv_disagg_snapshot_t *out);
 /* Prefill leg: register blocks[0..nb) (the prompt ids[0..n_prompt), in sequence order)
  * until now + the lease under an id bound to pagekv's own request serial and the prompt
  * (never the client's X-Request-Id), and build the response's kv_transfer_params (new
  * reference). PKV_OK, or the agent's error (nothing registered). */
-int pkv_disagg_node_offer(pkv_disagg_node_t *n, uint64_t serial, const uint32_t *blocks, uint32_t nb,
-                     const int32_t *ids, uint32_t n_prompt, json_t **params);
+int pkv_disagg_node_offer(pkv_disagg_node_t *n, uint64_t serial, const uint32_t *blocks,
+                          uint32_t nb, const int32_t *ids, uint32_t n_prompt, json_t **params);
 /* Decode leg: the handle `params` (a kv_transfer_params object) describe, checked against
  * this node and the prompt ids[0..n_prompt), pulled by the transfer deadline into a new
  * sequence of the pool (salt: the request's) whose full blocks the engine then adopts as
@@ -143,8 +142,9 @@ int pkv_disagg_node_offer(pkv_disagg_node_t *n, uint64_t serial, const uint32_t 
  * *err: 400 for params that are wrong or that the producer refused, 503/502 for transfer
  * failures. A pull that succeeded puts its phases (handshake, staging wait, wire, commit)
  * in the node's histograms and in *t (may be NULL). */
-int pkv_disagg_node_pull(pkv_disagg_node_t *n, const json_t *params, const int32_t *ids, uint32_t n_prompt,
-                    uint64_t salt, pkv_seq_t **out, pkv_disagg_timings_t *t, pkv_openai_error_t *err);
+int pkv_disagg_node_pull(pkv_disagg_node_t *n, const json_t *params, const int32_t *ids,
+                         uint32_t n_prompt, uint64_t salt, pkv_seq_t **out, pkv_disagg_timings_t *t,
+                         pkv_openai_error_t *err);
 /* A decode node computes a request that came without kv_transfer_params (counted). */
 void pkv_disagg_node_count_local(pkv_disagg_node_t *n);
 /* POST /v1/kv_transfer/peaks/reset: the high-water marks of the window that ends now

@@ -29,7 +29,7 @@ struct pkv_disagg_node {
     pkv_server_role_t role;
     pkv_kv_t *kv;
     uint32_t tp;        /* ranks: the pool's */
-    dg_rank_t *rank;   /* [tp] */
+    dg_rank_t *rank;    /* [tp] */
     char engine_id[40]; /* "pagekv-" + 16 random bytes in hex, presented by every rank */
     uint32_t lease_ms, transfer_timeout_ms;
     int64_t staging_idle_ms; /* -1: staging never returned (fixed slots, the mirror) */

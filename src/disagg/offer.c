@@ -101,8 +101,8 @@ static json_t *offer_doc(const pkv_disagg_node_t *n, pkv_xfer_handle_t *const *h
     return doc;
 }
 
-int pkv_disagg_node_offer(pkv_disagg_node_t *n, uint64_t serial, const uint32_t *blocks, uint32_t nb,
-                     const int32_t *ids, uint32_t n_prompt, json_t **params)
+int pkv_disagg_node_offer(pkv_disagg_node_t *n, uint64_t serial, const uint32_t *blocks,
+                          uint32_t nb, const int32_t *ids, uint32_t n_prompt, json_t **params)
 {
     pkv_xfer_handle_t *h[PKV_KV_MAX_TP] = {0};
     uint64_t request_id = dg_bound_id(serial, ids, n_prompt);

@@ -64,7 +64,7 @@ static int kvt_geometry(const pkv_disagg_node_t *n, const json_t *o, pkv_openai_
  * field's keys; checked against this node and the prompt). *out: free with
  * pkv_xfer_handle_free. */
 int dg_params_handle(const pkv_disagg_node_t *n, const json_t *o, const int32_t *prompt,
-                      uint32_t n_prompt, pkv_xfer_handle_t **out, pkv_openai_error_t *err)
+                     uint32_t n_prompt, pkv_xfer_handle_t **out, pkv_openai_error_t *err)
 {
     json_int_t port, rid, serial, np;
     const char *host = json_string_value(json_object_get(o, "remote_host"));
@@ -76,8 +76,8 @@ int dg_params_handle(const pkv_disagg_node_t *n, const json_t *o, const int32_t 
     if (kvt_int(o, "remote_port", DG_KVT_P("remote_port"), 1, 65535, &port, err) ||
         kvt_int(o, "pagekv_request_id", DG_KVT_P("pagekv_request_id"), 1, INT64_MAX, &rid, err) ||
         kvt_int(o, "pagekv_serial", DG_KVT_P("pagekv_serial"), 1, INT64_MAX, &serial, err) ||
-        kvt_int(o, "pagekv_prompt_tokens", DG_KVT_P("pagekv_prompt_tokens"), n_prompt, n_prompt, &np,
-                err) ||
+        kvt_int(o, "pagekv_prompt_tokens", DG_KVT_P("pagekv_prompt_tokens"), n_prompt, n_prompt,
+                &np, err) ||
         kvt_geometry(n, o, err))
         return PKV_ERR_INVALID;
     if ((uint64_t)rid != dg_bound_id((uint64_t)serial, prompt, n_prompt))
@@ -114,7 +114,7 @@ int dg_params_handle(const pkv_disagg_node_t *n, const json_t *o, const int32_t 
  * address, token and heads (which must be the heads TP P gives that rank). hs[p] is
  * rank p's handle (hs[0] = h0, taken over; the caller frees all *P of them). */
 int dg_params_ranks(const pkv_disagg_node_t *n, const json_t *o, pkv_xfer_handle_t *h0,
-                     pkv_xfer_handle_t **hs, uint32_t *P, pkv_openai_error_t *err)
+                    pkv_xfer_handle_t **hs, uint32_t *P, pkv_openai_error_t *err)
 {
     hs[0] = h0;
     *P = 1;

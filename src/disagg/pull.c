@@ -224,8 +224,9 @@ static void count_pull(pkv_disagg_node_t *n, int outcome, uint32_t pulled, uint3
     pthread_mutex_unlock(&n->lock);
 }
 
-int pkv_disagg_node_pull(pkv_disagg_node_t *n, const json_t *params, const int32_t *ids, uint32_t n_prompt,
-                    uint64_t salt, pkv_seq_t **out, pkv_disagg_timings_t *t, pkv_openai_error_t *err)
+int pkv_disagg_node_pull(pkv_disagg_node_t *n, const json_t *params, const int32_t *ids,
+                         uint32_t n_prompt, uint64_t salt, pkv_seq_t **out, pkv_disagg_timings_t *t,
+                         pkv_openai_error_t *err)
 {
     pkv_xfer_handle_t *h = NULL, *hs[PKV_KV_MAX_TP] = {0};
     uint32_t P = 0;

@@ -17,13 +17,14 @@ enum MHD_Result srv_handle_peaks_reset(pkv_server_t *s, struct MHD_Connection *c
 {
     if (!srv_body_empty(hr)) {
         srv_count_rejection(s, SRV_REJ_INVALID);
-        return srv_answer_errorf(s, c, hr, 400, "invalid_request_error", "invalid_json",
-                             "/v1/kv_transfer/peaks/reset takes no parameters (empty body or {})");
+        return srv_answer_errorf(
+            s, c, hr, 400, "invalid_request_error", "invalid_json",
+            "/v1/kv_transfer/peaks/reset takes no parameters (empty body or {})");
     }
     if (!s->kvn)
         return srv_answer_errorf(s, c, hr, 404, "not_found_error", "not_a_kv_node",
-                             "/v1/kv_transfer/peaks/reset is for prefill and decode nodes "
-                             "(this server runs unified)");
+                                 "/v1/kv_transfer/peaks/reset is for prefill and decode nodes "
+                                 "(this server runs unified)");
     json_t *doc = pkv_disagg_node_peaks_reset(s->kvn);
     if (!doc) return MHD_NO;
     return srv_answer_json(s, c, hr, 200, doc);
@@ -34,7 +35,7 @@ enum MHD_Result srv_handle_cache_reset(pkv_server_t *s, struct MHD_Connection *c
     if (!srv_body_empty(hr)) {
         srv_count_rejection(s, SRV_REJ_INVALID);
         return srv_answer_errorf(s, c, hr, 400, "invalid_request_error", "invalid_json",
-                             "/v1/cache/reset takes no parameters (empty body or {})");
+                                 "/v1/cache/reset takes no parameters (empty body or {})");
     }
     pkv_kv_stats_t before, after;
     pkv_kv_stats(s->kv, &before);
@@ -46,10 +47,10 @@ enum MHD_Result srv_handle_cache_reset(pkv_server_t *s, struct MHD_Connection *c
     uint64_t dropped =
         before.blocks_cached > after.blocks_cached ? before.blocks_cached - after.blocks_cached : 0;
     return srv_answer_json(s, c, hr, 200,
-                       json_pack("{s:b, s:I, s:I, s:I}", "reset", 1, "dropped_blocks",
-                                 (json_int_t)dropped, "committed_bytes_before",
-                                 (json_int_t)before.committed_bytes, "committed_bytes_after",
-                                 (json_int_t)after.committed_bytes));
+                           json_pack("{s:b, s:I, s:I, s:I}", "reset", 1, "dropped_blocks",
+                                     (json_int_t)dropped, "committed_bytes_before",
+                                     (json_int_t)before.committed_bytes, "committed_bytes_after",
+                                     (json_int_t)after.committed_bytes));
 }
 
 /* The prompt of a /v1/cache/lookup or /v1/cache/digest body: true with *r (free with
@@ -77,8 +78,7 @@ static bool cache_prompt(pkv_server_t *s, struct MHD_Connection *c, http_req_t *
 
 /* POST /v1/cache/lookup: how many of the prompt's tokens this node's prefix cache holds
  * under the request's salt (the router's cache_aware policy asks; it changes nothing). */
-enum MHD_Result srv_handle_cache_lookup(pkv_server_t *s, struct MHD_Connection *c,
-                                           http_req_t *hr)
+enum MHD_Result srv_handle_cache_lookup(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr)
 {
     pkv_openai_request_t r;
     int32_t *ids;
@@ -123,8 +123,7 @@ static void head_digest(pkv_kv_t *kv, uint32_t r, uint32_t h, const uint32_t *id
  * blocks of the prompt this node's prefix cache holds, per tensor-parallel rank, so two
  * nodes (or a node's ranks and a TP=1 node) can be shown to hold the same KV. It pins the
  * blocks while it reads them and changes nothing else. */
-enum MHD_Result srv_handle_cache_digest(pkv_server_t *s, struct MHD_Connection *c,
-                                           http_req_t *hr)
+enum MHD_Result srv_handle_cache_digest(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr)
 {
     pkv_openai_request_t r;
     int32_t *ids;
@@ -135,8 +134,9 @@ enum MHD_Result srv_handle_cache_digest(pkv_server_t *s, struct MHD_Connection *
     if ((rc = pkv_kv_prefix_pin(s->kv, r.salt, ids, n, &blocks, &nb))) {
         ret = rc == PKV_ERR_UNSUPPORTED
                   ? srv_answer_errorf(s, c, hr, 400, "invalid_request_error", "unsupported",
-                                  "/v1/cache/digest needs the paged KV backend")
-                  : srv_answer_errorf(s, c, hr, 500, "server_error", "out_of_memory", "out of memory");
+                                      "/v1/cache/digest needs the paged KV backend")
+                  : srv_answer_errorf(s, c, hr, 500, "server_error", "out_of_memory",
+                                      "out of memory");
     } else {
         uint32_t tp = pkv_kv_tp(s->kv);
         json_t *ranks = json_array();
@@ -156,9 +156,9 @@ enum MHD_Result srv_handle_cache_digest(pkv_server_t *s, struct MHD_Connection *
         if (nb) pkv_kv_unpin(s->kv, blocks, nb);
         uint32_t bt = pkv_kv_geometry(s->kv)->block_tokens;
         ret = srv_answer_json(s, c, hr, 200,
-                          json_pack("{s:i, s:i, s:i, s:i, s:o*}", "matched_tokens", (int)(nb * bt),
-                                    "prompt_tokens", (int)n, "blocks", (int)nb, "tp", (int)tp,
-                                    "ranks", ranks));
+                              json_pack("{s:i, s:i, s:i, s:i, s:o*}", "matched_tokens",
+                                        (int)(nb * bt), "prompt_tokens", (int)n, "blocks", (int)nb,
+                                        "tp", (int)tp, "ranks", ranks));
     }
     free(blocks);
     free(ids);

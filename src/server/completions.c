@@ -199,8 +199,8 @@ static json_t *completion_doc(pkv_server_t *s, pkv_openai_kind_t kind, const cha
 
 /* Phase ph of one request: in the node's histograms when `counted` (a leg on a node with
  * an agent), and in *tm for the X-Pagekv-Timings opt-in either way. */
-static void phase(pkv_server_t *s, pkv_disagg_timings_t *tm, bool counted, pkv_disagg_phase_t ph, uint64_t from,
-                  uint64_t to)
+static void phase(pkv_server_t *s, pkv_disagg_timings_t *tm, bool counted, pkv_disagg_phase_t ph,
+                  uint64_t from, uint64_t to)
 {
     if (counted && s->kvn) {
         pkv_disagg_node_observe(s->kvn, tm, ph, from, to);
@@ -220,7 +220,8 @@ static void engine_phases(pkv_server_t *s, pkv_disagg_timings_t *tm, leg_t leg, 
 {
     if (leg != LEG_DECODE && admitted) {
         phase(s, tm, leg == LEG_PREFILL, PKV_DISAGG_PHASE_PREFILL_QUEUE, t_submit, admitted);
-        if (first) phase(s, tm, leg == LEG_PREFILL, PKV_DISAGG_PHASE_PREFILL_COMPUTE, admitted, first);
+        if (first)
+            phase(s, tm, leg == LEG_PREFILL, PKV_DISAGG_PHASE_PREFILL_COMPUTE, admitted, first);
     }
     if (leg != LEG_PREFILL) phase(s, tm, leg == LEG_DECODE, PKV_DISAGG_PHASE_DECODE, t_submit, end);
 }
@@ -361,13 +362,13 @@ typedef struct {
     MHD_socket fd;
     srv_gen_t gen;
     bool first_seen;
-    uint64_t rid;       /* pagekv's own request id (never the client's X-Request-Id) */
-    uint64_t seed;      /* the request's sampling seed */
-    const int32_t *ids; /* the prompt (n_prompt) */
-    bool prefill_leg;   /* kv_transfer_params do_remote_decode on a prefill node */
-    bool decode_leg;    /* a decode leg whose pull succeeded (not recomputed) */
-    bool want_timings;  /* X-Pagekv-Timings: the answer carries pagekv_timings */
-    pkv_disagg_timings_t tm;   /* this request's phases on this node */
+    uint64_t rid;            /* pagekv's own request id (never the client's X-Request-Id) */
+    uint64_t seed;           /* the request's sampling seed */
+    const int32_t *ids;      /* the prompt (n_prompt) */
+    bool prefill_leg;        /* kv_transfer_params do_remote_decode on a prefill node */
+    bool decode_leg;         /* a decode leg whose pull succeeded (not recomputed) */
+    bool want_timings;       /* X-Pagekv-Timings: the answer carries pagekv_timings */
+    pkv_disagg_timings_t tm; /* this request's phases on this node */
     uint64_t admitted_ns, first_ns;
 } gen_run_t;
 
@@ -667,13 +668,13 @@ enum MHD_Result srv_handle_generate(pkv_server_t *s, struct MHD_Connection *c, h
     if (pkv_openai_request_prompt(&r, s->tok, &lim, s->default_max_tokens, &ids, &run.n_prompt,
                                   &run.max_tokens, &err)) {
         srv_count_rejection(s, !strcmp(err.code, "context_length_exceeded") ? SRV_REJ_CONTEXT
-                                                                        : SRV_REJ_INVALID);
+                                                                            : SRV_REJ_INVALID);
         ret = srv_answer_error(s, c, hr, &err);
     } else if (gen_enter(s, hr, &r, &run, &err)) {
         ret = srv_answer_error(s, c, hr, &err);
     } else if (r.kvt == PKV_OPENAI_KVT_DECODE &&
-               pkv_disagg_node_pull(s->kvn, r.kvt_params, ids, run.n_prompt, r.salt, &pulled, &run.tm,
-                               &err)) {
+               pkv_disagg_node_pull(s->kvn, r.kvt_params, ids, run.n_prompt, r.salt, &pulled,
+                                    &run.tm, &err)) {
         if (err.status == 400) srv_count_rejection(s, SRV_REJ_INVALID); /* else: pulls.failed */
         ret = srv_answer_error(s, c, hr, &err);
     } else if (gen_submit(s, &r, ids, &run, &err)) {

@@ -51,7 +51,7 @@ void srv_in_flight_done(pkv_server_t *s)
 /* ---- responses ------------------------------------------------------------------------- */
 
 enum MHD_Result srv_queue(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr, int status,
-                             struct MHD_Response *resp)
+                          struct MHD_Response *resp)
 {
     if (!resp) return MHD_NO;
     enum MHD_Result ok = MHD_queue_response(c, (unsigned)status, resp);
@@ -76,7 +76,7 @@ struct MHD_Response *srv_text_response(char *text, size_t len, const char *type)
 
 /* Answer with a JSON document (the reference is consumed). */
 enum MHD_Result srv_answer_json(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr,
-                                   int status, json_t *doc)
+                                int status, json_t *doc)
 {
     char *text = doc ? json_dumps(doc, JSON_COMPACT) : NULL;
     json_decref(doc);
@@ -101,7 +101,7 @@ struct MHD_Response *srv_error_response(const pkv_openai_error_t *err)
 }
 
 enum MHD_Result srv_answer_error(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr,
-                                    const pkv_openai_error_t *err)
+                                 const pkv_openai_error_t *err)
 {
     PKV_LOGI("server", "%s: %d %s: %s", srv_route_label[hr->route], err->status, err->code,
              err->message);
@@ -116,8 +116,7 @@ enum MHD_Result srv_answer_error(pkv_server_t *s, struct MHD_Connection *c, http
 }
 
 enum MHD_Result srv_answer_errorf(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr,
-                                     int status, const char *type, const char *code,
-                                     const char *msg)
+                                  int status, const char *type, const char *code, const char *msg)
 {
     pkv_openai_error_t err;
     pkv_openai_error_set(&err, status, type, code, NULL, "%s", msg);
@@ -213,7 +212,7 @@ static enum MHD_Result handle_simple(pkv_server_t *s, struct MHD_Connection *c, 
     switch (hr->route) {
     case SRV_ROUTE_MODELS:
         return srv_answer_json(s, c, hr, 200,
-                           json_pack("{s:s, s:[o]}", "object", "list", "data", model_doc(s)));
+                               json_pack("{s:s, s:[o]}", "object", "list", "data", model_doc(s)));
     case SRV_ROUTE_MODEL: {
         const char *id = url + strlen("/v1/models/");
         if (strcmp(id, s->served_name)) {
@@ -230,16 +229,16 @@ static enum MHD_Result handle_simple(pkv_server_t *s, struct MHD_Connection *c, 
         pthread_mutex_unlock(&s->lock);
         if (!s->kvn)
             return srv_answer_json(s, c, hr, draining ? 503 : 200,
-                               json_pack("{s:s}", "status", draining ? "draining" : "ok"));
+                                   json_pack("{s:s}", "status", draining ? "draining" : "ok"));
         uint64_t age = 0;
         bool agent_ok = pkv_disagg_node_healthy(s->kvn, &age);
         const char *status = draining ? "draining" : agent_ok ? "ok" : "kv_agent_down";
         return srv_answer_json(s, c, hr, draining || !agent_ok ? 503 : 200,
-                           json_pack("{s:s, s:s, s:s, s:s, s:I}", "status", status, "role",
-                                     pkv_server_role_name(s->role), "kv_agent",
-                                     agent_ok ? "ok" : "down", "kv_address",
-                                     pkv_disagg_node_address(s->kvn), "kv_agent_progress_age_ms",
-                                     (json_int_t)(age / 1000000)));
+                               json_pack("{s:s, s:s, s:s, s:s, s:I}", "status", status, "role",
+                                         pkv_server_role_name(s->role), "kv_agent",
+                                         agent_ok ? "ok" : "down", "kv_address",
+                                         pkv_disagg_node_address(s->kvn),
+                                         "kv_agent_progress_age_ms", (json_int_t)(age / 1000000)));
     }
     case SRV_ROUTE_METRICS: {
         srv_snapshot_t snap;
@@ -248,7 +247,7 @@ static enum MHD_Result handle_simple(pkv_server_t *s, struct MHD_Connection *c, 
         char *text = srv_metrics_render(&snap, &len);
         if (!text) return MHD_NO;
         return srv_queue(s, c, hr, 200,
-                     srv_text_response(text, len, "text/plain; version=0.0.4; charset=utf-8"));
+                         srv_text_response(text, len, "text/plain; version=0.0.4; charset=utf-8"));
     }
     case SRV_ROUTE_CACHE_STATS: {
         srv_snapshot_t snap;
@@ -271,7 +270,8 @@ static enum MHD_Result handle_simple(pkv_server_t *s, struct MHD_Connection *c, 
     case SRV_ROUTE_PEAKS_RESET:
         return srv_handle_peaks_reset(s, c, hr);
     default:
-        return srv_answer_errorf(s, c, hr, 500, "server_error", "internal_error", "unrouted request");
+        return srv_answer_errorf(s, c, hr, 500, "server_error", "internal_error",
+                                 "unrouted request");
     }
 }
 
