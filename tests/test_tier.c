@@ -51,7 +51,8 @@ static void fixture_init(fixture_t *f, uint32_t n, uint32_t max_len, uint64_t se
         if (i) memcpy(r->parent, f->rec[i - 1].key, sizeof(r->parent));
         r->payload_len = max_len ? pkv_splitmix64(&rng) % (max_len + 1) : 0;
         f->payload[i] = malloc(r->payload_len ? r->payload_len : 1);
-        for (uint64_t b = 0; b < r->payload_len; b++) f->payload[i][b] = (uint8_t)pkv_splitmix64(&rng);
+        for (uint64_t b = 0; b < r->payload_len; b++)
+            f->payload[i][b] = (uint8_t)pkv_splitmix64(&rng);
     }
 }
 
@@ -151,7 +152,8 @@ START_TEST(sealed_segment_round_trips)
     /* A wrong key or layout is never handed out. */
     int fd = openat(f.dirfd, seg1(), O_RDONLY);
     uint8_t *buf = malloc(5001), other[PKV_TIER_HASH_BYTES] = {1};
-    ck_assert_int_eq(pkv_tier_record_read(fd, &in.entries[3], f.layout, other, buf), PKV_ERR_CORRUPT);
+    ck_assert_int_eq(pkv_tier_record_read(fd, &in.entries[3], f.layout, other, buf),
+                     PKV_ERR_CORRUPT);
     ck_assert_int_eq(pkv_tier_record_read(fd, &in.entries[3], other, f.rec[3].key, buf),
                      PKV_ERR_CORRUPT);
     free(buf);
@@ -238,12 +240,11 @@ START_TEST(flipped_bytes_are_never_served)
                 ck_assert_uint_eq(in.n, 10);
                 int fd = openat(f.dirfd, seg1(), O_RDONLY);
                 uint8_t *buf = malloc(1000);
-                ck_assert_int_eq(pkv_tier_record_read(fd, &in.entries[4], f.layout,
-                                                      f.rec[4].key, buf),
-                                 PKV_ERR_CORRUPT);
-                ck_assert_int_eq(pkv_tier_record_read(fd, &in.entries[5], f.layout,
-                                                      f.rec[5].key, buf),
-                                 PKV_OK);
+                ck_assert_int_eq(
+                    pkv_tier_record_read(fd, &in.entries[4], f.layout, f.rec[4].key, buf),
+                    PKV_ERR_CORRUPT);
+                ck_assert_int_eq(
+                    pkv_tier_record_read(fd, &in.entries[5], f.layout, f.rec[5].key, buf), PKV_OK);
                 free(buf);
                 close(fd);
             }
@@ -261,9 +262,9 @@ START_TEST(damaged_index_is_rescanned)
         fixture_t f;
         fixture_init(&f, 12, 600, 20 + (uint64_t)how);
         uint64_t size = write_segment(&f, true), records = record_off(&f, f.n);
-        if (how == 0) flip(&f, records + 5);     /* an index entry */
-        if (how == 1) flip(&f, size - 20);       /* the footer's checksum */
-        if (how == 2) {                          /* the footer cut off */
+        if (how == 0) flip(&f, records + 5); /* an index entry */
+        if (how == 1) flip(&f, size - 20);   /* the footer's checksum */
+        if (how == 2) {                      /* the footer cut off */
             char path[128];
             snprintf(path, sizeof(path), "%s/%s", f.dir, seg1());
             ck_assert_int_eq(truncate(path, (off_t)(size - 30)), 0);
@@ -287,7 +288,7 @@ START_TEST(names_and_bad_input)
     ck_assert_str_eq(name, "seg-0000000000000abc.pkv");
     ck_assert(pkv_tier_seg_seq(name, &seq));
     ck_assert_uint_eq(seq, 0xabc);
-    const char *bad[] = {"seg-0000000000000abc.pk", "seg-000000000000abc.pkv", "LOCK",
+    const char *bad[] = {"seg-0000000000000abc.pk",  "seg-000000000000abc.pkv",  "LOCK",
                          "seg-0000000000000ABC.pkv", "xseg-000000000000abc.pkv", ""};
     for (size_t i = 0; i < PKV_ARRAY_LEN(bad); i++) ck_assert(!pkv_tier_seg_seq(bad[i], &seq));
     /* An empty or garbage file holds no record; a record of another layout is not appended. */
@@ -316,6 +317,253 @@ START_TEST(names_and_bad_input)
 }
 END_TEST
 
+/* ---- the tier: directory, index, writer, capacity -------------------------------------- */
+
+#define REC 3000u /* a record's payload */
+
+typedef struct {
+    uint8_t gone[256]; /* keys whose first byte is listed here "left memory" */
+} source_t;
+
+/* The block bytes a key stands for (a function of the key, so any load can be checked). */
+static void block_of(const uint8_t *key, uint8_t *buf)
+{
+    uint64_t x;
+    memcpy(&x, key, sizeof(x));
+    for (uint32_t i = 0; i < REC; i++) buf[i] = (uint8_t)pkv_splitmix64(&x);
+}
+
+static int source(void *arg, const uint8_t *key, void *buf, uint64_t len)
+{
+    source_t *src = arg;
+    ck_assert_uint_eq(len, REC);
+    if (src && src->gone[key[0]]) return PKV_ERR_NOTFOUND;
+    block_of(key, buf);
+    return PKV_OK;
+}
+
+static void key_of(uint32_t i, uint8_t *key)
+{
+    uint64_t x = 0x5eed0000u + i;
+    for (uint32_t b = 0; b < PKV_TIER_HASH_BYTES; b++) key[b] = (uint8_t)pkv_splitmix64(&x);
+}
+
+static pkv_tier_t *tier_open(const char *dir, uint64_t max, const uint8_t *layout, source_t *src)
+{
+    pkv_tier_config_t c = {.dir = dir,
+                           .max_bytes = max,
+                           .segment_bytes = 64u << 10,
+                           .record_bytes = REC,
+                           .source = source,
+                           .source_arg = src};
+    memcpy(c.layout, layout, PKV_TIER_HASH_BYTES);
+    pkv_tier_t *t = NULL;
+    ck_assert_int_eq(pkv_tier_open(&c, &t), PKV_OK);
+    return t;
+}
+
+/* Keys [lo, hi) queued and written. */
+static void put_range(pkv_tier_t *t, uint32_t lo, uint32_t hi)
+{
+    for (uint32_t i = lo; i < hi; i++) {
+        uint8_t k[PKV_TIER_HASH_BYTES], p[PKV_TIER_HASH_BYTES] = {0};
+        key_of(i, k);
+        ck_assert_int_eq(pkv_tier_put(t, k, p), PKV_OK);
+    }
+    ck_assert_int_eq(pkv_tier_flush(t, pkv_deadline_after_ns(30000000000ull)), PKV_OK);
+}
+
+static bool loads(pkv_tier_t *t, uint32_t i)
+{
+    uint8_t k[PKV_TIER_HASH_BYTES], want[REC], got[REC];
+    key_of(i, k);
+    int rc = pkv_tier_load(t, k, got);
+    if (rc == PKV_ERR_NOTFOUND) return false;
+    ck_assert_int_eq(rc, PKV_OK);
+    block_of(k, want);
+    ck_assert_mem_eq(got, want, REC);
+    return true;
+}
+
+/* The sizes of every file in dir, as the OS reports them. */
+static uint64_t dir_bytes(const char *dir)
+{
+    char cmd[160];
+    snprintf(cmd, sizeof(cmd), "find %s -type f -printf '%%s\\n' | awk '{s+=$1} END {print s+0}'",
+             dir);
+    FILE *p = popen(cmd, "r");
+    unsigned long long v = 0;
+    ck_assert_int_eq(fscanf(p, "%llu", &v), 1);
+    pclose(p);
+    return v;
+}
+
+START_TEST(tier_writes_loads_and_is_warm_after_restart)
+{
+    fixture_t f;
+    fixture_init(&f, 0, 0, 40);
+    pkv_tier_t *t = tier_open(f.dir, 64u << 20, f.layout, NULL);
+    put_range(t, 0, 100);
+    pkv_tier_stats_t st;
+    pkv_tier_stats(t, &st);
+    ck_assert_uint_eq(st.records, 100);
+    ck_assert_uint_eq(st.written_records, 100);
+    ck_assert_uint_eq(st.bytes, dir_bytes(f.dir));
+    ck_assert_uint_gt(st.segments, 1); /* 64 KiB segments */
+    for (uint32_t i = 0; i < 100; i++) ck_assert(loads(t, i));
+    ck_assert(!loads(t, 100));
+    /* A key on disk is not queued again. */
+    uint8_t k[PKV_TIER_HASH_BYTES], p[PKV_TIER_HASH_BYTES] = {0};
+    key_of(5, k);
+    ck_assert_int_eq(pkv_tier_put(t, k, p), PKV_OK);
+    ck_assert_int_eq(pkv_tier_flush(t, pkv_deadline_after_ns(10000000000ull)), PKV_OK);
+    pkv_tier_stats(t, &st);
+    ck_assert_uint_eq(st.written_records, 100);
+    /* A second server on the directory is refused while the first lives. */
+    pkv_tier_config_t c = {
+        .dir = f.dir, .max_bytes = 1u << 20, .record_bytes = REC, .source = source};
+    pkv_tier_t *t2 = NULL;
+    ck_assert_int_eq(pkv_tier_open(&c, &t2), PKV_ERR_BUSY);
+    pkv_tier_close(t);
+    /* Warm after a restart: every record, from the segments' indexes. */
+    t = tier_open(f.dir, 64u << 20, f.layout, NULL);
+    pkv_tier_stats(t, &st);
+    ck_assert_uint_eq(st.records, 100);
+    ck_assert_uint_eq(st.corrupt, 0);
+    ck_assert_uint_eq(st.bytes, dir_bytes(f.dir));
+    uint8_t keys[100][PKV_TIER_HASH_BYTES];
+    for (uint32_t i = 0; i < 100; i++) key_of(i, keys[i]);
+    ck_assert_uint_eq(pkv_tier_match(t, (const uint8_t(*)[PKV_TIER_HASH_BYTES])keys, 100), 100);
+    for (uint32_t i = 0; i < 100; i++) ck_assert(loads(t, i));
+    /* drop_all: nothing left but the directory. */
+    ck_assert_int_eq(pkv_tier_drop_all(t), PKV_OK);
+    pkv_tier_stats(t, &st);
+    ck_assert_uint_eq(st.records + st.bytes + st.segments, 0);
+    ck_assert_uint_eq(dir_bytes(f.dir), 0);
+    ck_assert(!loads(t, 3));
+    pkv_tier_close(t);
+    fixture_fini(&f);
+}
+END_TEST
+
+/* The directory never holds more than the cap; the oldest segments go first. */
+START_TEST(tier_capacity_is_exact)
+{
+    fixture_t f;
+    fixture_init(&f, 0, 0, 41);
+    uint64_t cap = 300u << 10;
+    pkv_tier_t *t = tier_open(f.dir, cap, f.layout, NULL);
+    pkv_tier_stats_t st;
+    for (uint32_t round = 0; round < 10; round++) {
+        put_range(t, round * 40, round * 40 + 40);
+        pkv_tier_stats(t, &st);
+        uint64_t du = dir_bytes(f.dir);
+        ck_assert_uint_eq(st.bytes, du);
+        ck_assert_msg(du + st.reserved <= cap, "round %u: %llu + %llu > %llu", round,
+                      (unsigned long long)du, (unsigned long long)st.reserved,
+                      (unsigned long long)cap);
+    }
+    ck_assert_uint_gt(st.evicted_segments, 0);
+    ck_assert(loads(t, 399));
+    ck_assert(!loads(t, 0));
+    /* A record larger than the whole cap is never written. */
+    pkv_tier_close(t);
+    t = tier_open(f.dir, 2000, f.layout, NULL);
+    pkv_tier_stats(t, &st);
+    ck_assert_uint_le(st.bytes, 2000);
+    put_range(t, 1000, 1001);
+    pkv_tier_stats(t, &st);
+    ck_assert_uint_eq(st.dropped[PKV_TIER_DROP_NO_ROOM], 1);
+    pkv_tier_close(t);
+    fixture_fini(&f);
+}
+END_TEST
+
+/* A block that left memory before its write is a dropped write; a damaged record is
+ * quarantined on its first load; another layout's segments are left alone. */
+START_TEST(tier_drops_quarantines_and_leaves_foreign_alone)
+{
+    fixture_t f;
+    fixture_init(&f, 0, 0, 42);
+    source_t src = {{0}};
+    for (uint32_t i = 0; i < 256; i += 2) src.gone[i] = 1; /* about half the keys */
+    pkv_tier_t *t = tier_open(f.dir, 64u << 20, f.layout, &src);
+    put_range(t, 0, 50);
+    pkv_tier_stats_t st;
+    pkv_tier_stats(t, &st);
+    ck_assert_uint_eq(st.records + st.dropped[PKV_TIER_DROP_EVICTED], 50);
+    ck_assert_uint_gt(st.dropped[PKV_TIER_DROP_EVICTED], 0);
+    uint32_t first = 0;
+    uint8_t k[PKV_TIER_HASH_BYTES];
+    for (;; first++) {
+        key_of(first, k);
+        if (!src.gone[k[0]]) break;
+    }
+    ck_assert(loads(t, first));
+    pkv_tier_close(t);
+    /* Flip a payload byte of the first record on disk (segment 1, offset 0). */
+    flip(&f, PKV_TIER_HEADER_BYTES + 10);
+    t = tier_open(f.dir, 64u << 20, f.layout, &src);
+    uint8_t buf[REC];
+    ck_assert_int_eq(pkv_tier_load(t, k, buf), PKV_ERR_CORRUPT);
+    ck_assert_int_eq(pkv_tier_load(t, k, buf), PKV_ERR_NOTFOUND);
+    pkv_tier_stats(t, &st);
+    ck_assert_uint_eq(st.corrupt, 1);
+    uint64_t before = dir_bytes(f.dir);
+    pkv_tier_close(t);
+    /* Another layout: nothing loads, nothing is removed. */
+    uint8_t other[PKV_TIER_HASH_BYTES];
+    memset(other, 7, sizeof(other));
+    t = tier_open(f.dir, 64u << 20, other, &src);
+    pkv_tier_stats(t, &st);
+    ck_assert_uint_eq(st.records, 0);
+    ck_assert_uint_gt(st.foreign, 0);
+    ck_assert_uint_eq(st.bytes, before);
+    ck_assert(!loads(t, first + 1));
+    pkv_tier_close(t);
+    ck_assert_uint_eq(dir_bytes(f.dir), before);
+    fixture_fini(&f);
+}
+END_TEST
+
+/* A crash leaves the open segment unsealed with a torn record: the restart keeps every
+ * whole record of it. */
+START_TEST(tier_restart_after_a_crash)
+{
+    fixture_t f;
+    fixture_init(&f, 20, 2000, 43);
+    for (uint32_t i = 0; i < f.n; i++) { /* every block of one size, as a pool's are */
+        free(f.payload[i]);
+        f.rec[i].payload_len = 2000;
+        f.payload[i] = calloc(1, 2000);
+        f.payload[i][0] = (uint8_t)i;
+    }
+    write_segment(&f, false);
+    char path[128];
+    snprintf(path, sizeof(path), "%s/%s", f.dir, seg1());
+    uint64_t size = dir_bytes(f.dir);
+    ck_assert_int_eq(truncate(path, (off_t)(size - 5)), 0);
+    pkv_tier_config_t c = {
+        .dir = f.dir, .max_bytes = 64u << 20, .record_bytes = 2000, .source = source};
+    memcpy(c.layout, f.layout, PKV_TIER_HASH_BYTES);
+    pkv_tier_t *t = NULL;
+    ck_assert_int_eq(pkv_tier_open(&c, &t), PKV_OK);
+    pkv_tier_stats_t st;
+    pkv_tier_stats(t, &st);
+    ck_assert_uint_eq(st.corrupt, 1);
+    ck_assert_uint_eq(st.bytes, dir_bytes(f.dir));
+    ck_assert_uint_eq(st.records, 19);
+    uint8_t buf[2000];
+    for (uint32_t i = 0; i < 19; i++) {
+        ck_assert_int_eq(pkv_tier_load(t, f.rec[i].key, buf), PKV_OK);
+        ck_assert_mem_eq(buf, f.payload[i], 2000);
+    }
+    ck_assert_int_eq(pkv_tier_load(t, f.rec[19].key, buf), PKV_ERR_NOTFOUND);
+    pkv_tier_close(t);
+    fixture_fini(&f);
+}
+END_TEST
+
 static void replay_tier(const char *name, const uint8_t *data, size_t len, void *arg)
 {
     (void)name;
@@ -327,7 +575,8 @@ START_TEST(fuzz_corpus_replays)
 {
     uint32_t n = 0;
     pkv_fuzz_quiet_logs(true);
-    uint32_t files = pkv_test_corpus_each("PKV_TIER_CORPUS", "tests/fuzz/corpus/tier", replay_tier, &n);
+    uint32_t files =
+        pkv_test_corpus_each("PKV_TIER_CORPUS", "tests/fuzz/corpus/tier", replay_tier, &n);
     pkv_fuzz_quiet_logs(false);
     ck_assert_uint_ge(files, 4);
     ck_assert_uint_eq(files, n);
@@ -346,6 +595,13 @@ int main(void)
     tcase_add_test(tc, names_and_bad_input);
     tcase_add_test(tc, fuzz_corpus_replays);
     suite_add_tcase(s, tc);
+    TCase *tt = tcase_create("tier");
+    tcase_set_timeout(tt, 60);
+    tcase_add_test(tt, tier_writes_loads_and_is_warm_after_restart);
+    tcase_add_test(tt, tier_capacity_is_exact);
+    tcase_add_test(tt, tier_drops_quarantines_and_leaves_foreign_alone);
+    tcase_add_test(tt, tier_restart_after_a_crash);
+    suite_add_tcase(s, tt);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
     int failed = srunner_ntests_failed(sr);

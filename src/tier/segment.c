@@ -92,8 +92,7 @@ int pkv_tier_record_parse(const uint8_t hdr[PKV_TIER_HEADER_BYTES], uint64_t max
 {
     uint64_t len = get64(hdr + 8);
     if (get32(hdr) != REC_MAGIC || get16(hdr + 4) != PKV_TIER_FORMAT ||
-        get16(hdr + 6) != PKV_TIER_HEADER_BYTES || len > max_payload ||
-        len > PKV_TIER_MAX_PAYLOAD)
+        get16(hdr + 6) != PKV_TIER_HEADER_BYTES || len > max_payload || len > PKV_TIER_MAX_PAYLOAD)
         return PKV_ERR_CORRUPT;
     memcpy(out->layout, hdr + 16, PKV_TIER_HASH_BYTES);
     memcpy(out->key, hdr + 48, PKV_TIER_HASH_BYTES);
