@@ -56,6 +56,15 @@ static void fixture_init(fixture_t *f, uint32_t n, uint32_t max_len, uint64_t se
     }
 }
 
+/* Record i's payload becomes len bytes of a pattern. */
+static void set_len(fixture_t *f, uint32_t i, uint32_t len)
+{
+    free(f->payload[i]);
+    f->rec[i].payload_len = len;
+    f->payload[i] = malloc(len ? len : 1);
+    for (uint32_t b = 0; b < len; b++) f->payload[i][b] = (uint8_t)(b * 31 + i);
+}
+
 static void fixture_fini(fixture_t *f)
 {
     for (uint32_t i = 0; i < f->n; i++) free(f->payload[i]);
@@ -193,7 +202,7 @@ START_TEST(torn_tail_keeps_every_whole_record)
 {
     fixture_t f;
     fixture_init(&f, 6, 700, 13);
-    f.rec[5].payload_len = 500;
+    set_len(&f, 5, 500);
     uint64_t size = write_segment(&f, false), last = record_off(&f, 5);
     for (uint64_t cut = last + 1; cut < size; cut += 37) {
         char path[128];
@@ -227,7 +236,7 @@ START_TEST(flipped_bytes_are_never_served)
         for (int where = 0; where < 2; where++) {
             fixture_t f;
             fixture_init(&f, 10, 900, 14 + (uint64_t)(sealed * 2 + where));
-            f.rec[4].payload_len = 800;
+            set_len(&f, 4, 800);
             write_segment(&f, sealed);
             uint64_t off = record_off(&f, 4) + (where ? PKV_TIER_HEADER_BYTES + 400 : 60);
             flip(&f, off);
@@ -532,12 +541,7 @@ START_TEST(tier_restart_after_a_crash)
 {
     fixture_t f;
     fixture_init(&f, 20, 2000, 43);
-    for (uint32_t i = 0; i < f.n; i++) { /* every block of one size, as a pool's are */
-        free(f.payload[i]);
-        f.rec[i].payload_len = 2000;
-        f.payload[i] = calloc(1, 2000);
-        f.payload[i][0] = (uint8_t)i;
-    }
+    for (uint32_t i = 0; i < f.n; i++) set_len(&f, i, 2000); /* one size, as a pool's blocks */
     write_segment(&f, false);
     char path[128];
     snprintf(path, sizeof(path), "%s/%s", f.dir, seg1());

@@ -29,8 +29,8 @@
 
 #define SYNC_EVERY_BYTES (8ull << 20)
 
-const char *const pkv_tier_drop_name[PKV_TIER_DROP_COUNT] = {
-    "queue_full", "evicted", "no_room", "disk_full", "io_error", "read_only"};
+const char *const pkv_tier_drop_name[PKV_TIER_DROP_COUNT] = {"queue_full", "evicted",  "no_room",
+                                                             "disk_full",  "io_error", "read_only"};
 
 typedef struct seg {
     uint64_t seq, bytes;
@@ -203,8 +203,9 @@ static void seal_active(pkv_tier_t *t)
     t->st.reserved = 0;
     t->active = NULL;
     pthread_mutex_unlock(&t->lock);
-    if (rc) PKV_LOGE("tier", "sealing segment %llu failed: %s", (unsigned long long)g->seq,
-                     pkv_status_str(rc));
+    if (rc)
+        PKV_LOGE("tier", "sealing segment %llu failed: %s", (unsigned long long)g->seq,
+                 pkv_status_str(rc));
     pkv_tier_seg_close(t->w);
     t->w = NULL;
 }
@@ -514,8 +515,7 @@ static void tidy(pkv_tier_t *t)
 
 static int config_check(const pkv_tier_config_t *c, pkv_tier_config_t *out)
 {
-    if (!c->dir || !c->source || !c->max_bytes || !c->record_bytes ||
-        c->record_bytes > UINT32_MAX)
+    if (!c->dir || !c->source || !c->max_bytes || !c->record_bytes || c->record_bytes > UINT32_MAX)
         return PKV_ERR_INVALID;
     *out = *c;
     if (!out->segment_bytes) {
@@ -534,8 +534,8 @@ int pkv_tier_open(const pkv_tier_config_t *cfg, pkv_tier_t **out)
     int rc = config_check(cfg, &t->cfg);
     if (rc) goto fail_free;
     rc = PKV_ERR_NOMEM;
-    if (!(t->dir = strdup(cfg->dir)) ||
-        !(t->queue = calloc(t->cfg.queue_max, sizeof(*t->queue))) || index_grow(t))
+    if (!(t->dir = strdup(cfg->dir)) || !(t->queue = calloc(t->cfg.queue_max, sizeof(*t->queue))) ||
+        index_grow(t))
         goto fail_free;
     t->dirfd = open(cfg->dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (t->dirfd < 0) {
