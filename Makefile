@@ -17,7 +17,7 @@ CC      ?= cc
 PREFIX  ?= /usr/local
 SAN     ?=
 WERROR  ?= $(if $(CI),-Werror,)
-PKGS    := ucx jansson libmicrohttpd openssl libcurl
+PKGS    := ucx jansson libmicrohttpd openssl libcurl libxxhash
 
 comma   := ,
 ifeq ($(SAN),)

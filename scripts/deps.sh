@@ -2,7 +2,7 @@
 # Install the Debian packages pagekv needs, only those missing. Safe to run repeatedly.
 set -eu
 PKGS="build-essential pkg-config check libucx-dev ucx-utils libjansson-dev libmicrohttpd-dev \
-libssl-dev libcurl4-openssl-dev curl iproute2 clang-format"
+libssl-dev libcurl4-openssl-dev libxxhash-dev curl iproute2 clang-format"
 missing=""
 for p in $PKGS; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

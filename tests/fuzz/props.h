@@ -2,8 +2,9 @@
  * The fuzz targets' properties, compiled once (tests/fuzz/props_*.c into
  * build/libpkvfuzz.a) and linked into both the libFuzzer binaries (tests/fuzz/fuzz_*.c,
  * `make fuzz`) and the test binaries that replay each corpus (test_server,
- * test_xfer_wire, test_tokenizer, test_model, test_router). Each pkv_fuzz_<target>() takes one
- * input; a broken property aborts or traps (a crash for libFuzzer, a failed test in the suite).
+ * test_xfer_wire, test_tokenizer, test_model, test_router, test_tier). Each pkv_fuzz_<target>()
+ * takes one input; a broken property aborts or traps (a crash for libFuzzer, a failed test in
+ * the suite).
  */
 #ifndef PKV_TESTS_FUZZ_PROPS_H
 #define PKV_TESTS_FUZZ_PROPS_H
@@ -26,6 +27,9 @@ void pkv_fuzz_wire(const uint8_t *data, size_t size);
 /* Tokenizer: the first byte picks the mode (builtin BPE round trip, llama2.c parser, chat
  * template), the rest is the payload. */
 void pkv_fuzz_tokenizer(const uint8_t *data, size_t size);
+
+/* Disk tier segment parser: any bytes as a segment file. */
+void pkv_fuzz_tier(const uint8_t *data, size_t size);
 
 /* llama2.c checkpoint loader: the input is the file (loaded from a memfd); the result
  * agrees with a reference reading of the format and a loaded model holds the file's
