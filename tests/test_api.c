@@ -9,7 +9,7 @@
  * build/, build/san-address-undefined/ and build/san-thread/ each check their own.
  * Nothing here skips: a missing tool or library is a failure.
  */
-#include "support/testutil.h"
+#include "tests/support/testutil.h"
 
 #include <glob.h>
 #include <limits.h>

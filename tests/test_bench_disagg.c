@@ -7,8 +7,8 @@
  * included. No timing is asserted (the figures are what the bench is for, not what a test
  * checks).
  */
-#include "support/srvtest.h"
-#include "support/testutil.h"
+#include "tests/support/srvtest.h"
+#include "tests/support/testutil.h"
 
 #include <jansson.h>
 #include <signal.h>

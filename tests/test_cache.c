@@ -10,8 +10,8 @@
  * none can be made, e.g. a v2-only host), whose cached blocks
  * go before the limit is reached.
  */
-#include "support/srvtest.h"
-#include "support/testutil.h"
+#include "tests/support/srvtest.h"
+#include "tests/support/testutil.h"
 
 #include "kv/kv.h"
 #include "pagekv/server.h"

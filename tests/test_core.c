@@ -1,7 +1,7 @@
 /* core: status names, deadlines, log sink and levels; prim's load average and huge pages;
  * the benchmarks' median interval. */
 #include "support/bench.h"
-#include "support/testutil.h"
+#include "tests/support/testutil.h"
 
 #include "core/core.h"
 #include "prim/prim.h"

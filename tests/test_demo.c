@@ -3,8 +3,8 @@
  * node, the router and a unified node, each a process. Its exit code and report, bad
  * options, and that an interrupted demo leaves no process behind.
  */
-#include "support/srvtest.h"
-#include "support/testutil.h"
+#include "tests/support/srvtest.h"
+#include "tests/support/testutil.h"
 
 #include <errno.h>
 #include <signal.h>

@@ -5,7 +5,7 @@
  * notify callbacks, drain and destroy with live requests, the sampler itself, and
  * create and submit under simulated allocation and thread-creation failures.
  */
-#include "support/testutil.h"
+#include "tests/support/testutil.h"
 
 #include "engine/engine.h"
 #include "pagekv/engine.h"

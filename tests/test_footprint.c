@@ -9,7 +9,7 @@
 #include "support/footprint.h"
 
 #include "pagekv/tokenizer.h"
-#include "support/testutil.h"
+#include "tests/support/testutil.h"
 
 #include <ctype.h>
 #include <math.h>

@@ -5,8 +5,8 @@
  * presets; forward input validation; bitwise invariance to backend, block size,
  * chunking, batch composition and thread count.
  */
-#include "fuzz/props.h"
-#include "support/testutil.h"
+#include "tests/fuzz/props.h"
+#include "tests/support/testutil.h"
 
 #include "pagekv/model.h"
 

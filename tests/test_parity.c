@@ -7,7 +7,7 @@
  * with forced preemption and recompute, and with the threaded run loop and concurrent
  * submitters. Seeds come from PKV_TEST_SEED when set and are printed on failure.
  */
-#include "support/testutil.h"
+#include "tests/support/testutil.h"
 
 #include "pagekv/engine.h"
 

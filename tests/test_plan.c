@@ -4,7 +4,7 @@
  * allocator's and the pool's own arithmetic (deterministic: no timing), every bad input
  * through the library and through the CLI (exit 2), and the JSON shapes.
  */
-#include "support/testutil.h"
+#include "tests/support/testutil.h"
 
 #include "pagekv/kv.h"
 #include "pagekv/stage.h"
@@ -395,7 +395,7 @@ START_TEST(bad_input_is_a_clear_error)
 }
 END_TEST
 
-/* pagekv's decode node pulls the whole blocks before a prompt's last token (kvnode.c:
+/* pagekv's decode node pulls the whole blocks before a prompt's last token (src/disagg/pull.c:
  * want = (n_prompt - 1) / block_tokens); the field's connectors move every token. */
 /* A mix of requests: the transfers in flight at an instant are drawn by weight x pages. */
 START_TEST(a_mix_of_requests_weighs_transfers_by_their_time_in_flight)

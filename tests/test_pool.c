@@ -4,7 +4,7 @@
  * growth never moves a block, admission beyond the budget fails without side effects,
  * prefix adoption, copy-on-write, pins, reset.
  */
-#include "support/testutil.h"
+#include "tests/support/testutil.h"
 
 #include "kv/kv_int.h"
 #include "prim/prim.h"

@@ -13,8 +13,8 @@
 #include "support/filler.h"
 #include "support/http.h"
 #include "support/launch.h"
-#include "support/srvtest.h"
-#include "support/testutil.h"
+#include "tests/support/srvtest.h"
+#include "tests/support/testutil.h"
 
 #include <check.h>
 #include <jansson.h>

@@ -12,8 +12,8 @@
  * network namespaces joined by a veth pair, UCX over tcp only.
  */
 #include "support/netns.h"
-#include "support/srvtest.h"
-#include "support/testutil.h"
+#include "tests/support/srvtest.h"
+#include "tests/support/testutil.h"
 
 #include "pagekv/server.h"
 

@@ -11,9 +11,9 @@
  * paused stream, the OpenAI Node SDK's calls (when node and npm are there), and the
  * lookup's count (pkv_kv_prefix_match) against what admission adopts.
  */
-#include "fuzz/props.h"
-#include "support/srvtest.h"
-#include "support/testutil.h"
+#include "tests/fuzz/props.h"
+#include "tests/support/srvtest.h"
+#include "tests/support/testutil.h"
 
 #include "kv/kv.h"
 #include "pagekv/kv.h"

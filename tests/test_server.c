@@ -8,8 +8,8 @@
  * mid-stream, /metrics through a strict Prometheus parser, SIGTERM drain; plus the
  * output assembler (finish reasons, UTF-8) and the fuzz corpus replay.
  */
-#include "support/srvtest.h"
-#include "support/testutil.h"
+#include "tests/support/srvtest.h"
+#include "tests/support/testutil.h"
 
 #include "pagekv/server.h"
 #include "pagekv/xfer.h"
@@ -34,7 +34,7 @@
 #include <unistd.h>
 
 /* The fuzz target's properties: their checks abort on a violation. */
-#include "fuzz/props.h"
+#include "tests/fuzz/props.h"
 
 /* ---- HTTP client ------------------------------------------------------------------------ */
 

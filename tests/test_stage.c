@@ -6,7 +6,7 @@
  * map, a seeded property test of the page allocator against a reference model, and
  * create and acquire under simulated allocation, commit, pin and thread failures.
  */
-#include "support/testutil.h"
+#include "tests/support/testutil.h"
 
 #include "core/core.h"
 #include "pagekv/stage.h"

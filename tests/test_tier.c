@@ -5,10 +5,10 @@
  * each found, counted and never served; repair seals a scanned segment so the next open
  * reads its index; the parser survives its fuzz corpus.
  */
-#include "fuzz/props.h"
+#include "tests/fuzz/props.h"
 
 #include "core/core.h"
-#include "support/testutil.h"
+#include "tests/support/testutil.h"
 #include "tier/tier.h"
 
 #include <check.h>

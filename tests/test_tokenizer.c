@@ -6,12 +6,12 @@
  * truncated and corrupt files rejected).
  */
 #include "support/filler.h"
-#include "support/testutil.h"
+#include "tests/support/testutil.h"
 
 #include "pagekv/tokenizer.h"
 
 /* The fuzz target's properties: their checks abort on a violation. */
-#include "fuzz/props.h"
+#include "tests/fuzz/props.h"
 
 #include <math.h>
 #include <pthread.h>

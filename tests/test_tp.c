@@ -6,7 +6,7 @@
  * and greedy tokens bitwise equal to tp = 1, each rank's K/V equal to the matching head
  * slice of the tp = 1 pool. The seeded property run at tp 2/4/8 is in test_pool.c.
  */
-#include "support/testutil.h"
+#include "tests/support/testutil.h"
 
 #include "pagekv/model.h"
 

@@ -11,7 +11,7 @@
  *     repeated matrix is `pagekv bench xfer --fault-matrix N`.
  * The two-process harness lives in support/xfer_harness.c (shared with the benchmark).
  */
-#include "support/testutil.h"
+#include "tests/support/testutil.h"
 
 #include "support/lean_pull.h"
 #include "support/netns.h"

@@ -1,5 +1,5 @@
 /* xfer wire format, handles, payload checksum and MAC; replays the fuzz corpus. */
-#include "support/testutil.h"
+#include "tests/support/testutil.h"
 
 #include "xfer/sum.h"
 #include "xfer/wire.h"
@@ -8,7 +8,7 @@
 #include <string.h>
 
 /* The fuzz target's properties: its round-trip checks trap on a violation. */
-#include "fuzz/props.h"
+#include "tests/fuzz/props.h"
 
 static const pkv_geometry_t GEO = {
     .layers = 4, .kv_heads = 2, .head_dim = 64, .block_tokens = 16, .dtype = PKV_DTYPE_F16};

@@ -10,7 +10,7 @@
  *                 -max_total_time=60 tests/fuzz/corpus/request
  *   replay:     cc -DPKV_FUZZ_REPLAY_MAIN -g -fsanitize=address,undefined -Iinclude -Isrc \
  *                 -D_GNU_SOURCE tests/fuzz/fuzz_request.c tests/fuzz/props_request.c \
- *                 src/server/request.c src/tokenizer/[a-z]*.c src/core/core.c \
+ *                 src/openai/request.c src/tokenizer/[a-z]*.c src/core/core.c \
  *                 -o /tmp/fuzz_request_replay -ljansson -lcrypto -lm -pthread
  *               /tmp/fuzz_request_replay tests/fuzz/corpus/request   (files or directories)
  * The suite replays the corpus too (tests/test_server.c): files named ok-* must be

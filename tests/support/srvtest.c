@@ -1,8 +1,8 @@
 /* Test support: thin test wrappers over the HTTP client (support/http.h) and the launcher
  * (support/launch.h) (srvtest.h). */
-#include "srvtest.h"
+#include "tests/support/srvtest.h"
 
-#include "testutil.h"
+#include "tests/support/testutil.h"
 
 #include "support/http.h"
 
