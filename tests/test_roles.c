@@ -307,6 +307,18 @@ static void await_count(nodes_t *n, int i, const char *path, long long before)
     }
 }
 
+/* Until a request waits, unread, on node i's HTTP port (a stopped node's kernel queues it). */
+static void await_request_queued(nodes_t *n, int i)
+{
+    uint64_t deadline = pkv_deadline_after_ns(10000000000ull), unread = 0;
+    for (;;) {
+        pkv_test_tcp_conns(n->node[i].pid, n->node[i].port, &unread); /* its namespace */
+        if (unread) return;
+        ck_assert_msg(pkv_now_ns() < deadline, "node %d: no request arrived", i);
+        usleep(2000);
+    }
+}
+
 static void nodes_rebase(nodes_t *n)
 {
     for (int i = 1; i < 3; i++) n->base_acks[i] = reads_ok(n, i);
@@ -498,7 +510,7 @@ static void prefill_killed(nodes_t *n, int rep)
     node_pause(n, 0);
     async_leg_t a;
     async_start(&a, LOCAL, n->node[0].port, prefill_body(req));
-    usleep(100000);
+    await_request_queued(n, 0);
     node_restart_killed(n, 0, 0);
     async_join(&a);
     ck_assert_msg(a.out.status == 0 && a.out.cc != CURLE_OK, "a killed prefill node answered");
@@ -538,7 +550,7 @@ static void prefill_killed(nodes_t *n, int rep)
     async_leg_t legs[3];
     for (int i = 1; i < 3; i++)
         async_start(&legs[i], LOCAL, n->node[i].port, decode_body(req, kts[i]));
-    usleep(300000);
+    for (int i = 1; i < 3; i++) await_count(n, i, "pulls.inflight", 0);
     ts_node_kill(&n->node[0]);
     for (int i = 1; i < 3; i++) {
         async_join(&legs[i]);
@@ -577,7 +589,8 @@ static void prefill_stopped(nodes_t *n, int rep)
         async_start(&legs[i], LOCAL, n->node[i].port, decode_body(req, kts[i]));
     /* A second leg on the one-page node: its staging is exhausted (the first read holds
      * the page), so it waits for it, and ends with the first. */
-    usleep(100000);
+    for (int i = 1; i < 3; i++) await_count(n, i, "pulls.inflight", 0);
+    await_count(n, 1, "staging.pages_used", 0);
     async_start(&legs[0], LOCAL, n->node[1].port, decode_body(req, kts[0]));
     for (int i = 0; i < 3; i++) {
         async_join(&legs[i]);
@@ -644,7 +657,7 @@ static void decode_killed(nodes_t *n, int rep)
     must_pull(kt); /* node 1 has not seen this prompt: a pull */
     node_pause(n, 0);
     async_start(&a, LOCAL, n->node[1].port, decode_body(req, kt));
-    usleep(200000);
+    await_count(n, 1, "pulls.inflight", 0);
     node_restart_killed(n, 1, -1);
     kill(n->node[0].pid, SIGCONT);
     async_join(&a);
@@ -826,7 +839,7 @@ static void sigterm_each_role(nodes_t *n, int rep)
     async_leg_t legs[3];
     for (int i = 1; i < 3; i++)
         async_start(&legs[i], LOCAL, n->node[i].port, decode_body(req, kts[i]));
-    usleep(200000);
+    for (int i = 1; i < 3; i++) await_count(n, i, "pulls.inflight", 0);
     /* SIGTERM while stopped, then SIGCONT: the drain and the waiting READ race, so the
      * pull completes or ends peer_lost. */
     kill(n->node[0].pid, SIGTERM);
@@ -857,7 +870,7 @@ static void sigterm_each_role(nodes_t *n, int rep)
     node_pause(n, 0);
     for (int i = 1; i < 3; i++)
         async_start(&legs[i], LOCAL, n->node[i].port, decode_body(req, kts[i]));
-    usleep(200000);
+    for (int i = 1; i < 3; i++) await_count(n, i, "pulls.inflight", 0);
     for (int i = 1; i < 3; i++) kill(n->node[i].pid, SIGTERM);
     for (int i = 1; i < 3; i++) {
         async_join(&legs[i]);
