@@ -110,8 +110,15 @@ START_TEST(demo_interrupted_stops_everything)
         nanosleep(&ts, NULL);
         ts_read_file(log, out, sizeof(out));
     }
-    struct timespec ts = {0, 200000000};
-    nanosleep(&ts, NULL);
+    /* The demo's request is on its way to the stopped router: a connection to its port. */
+    const char *port = strstr(r, "http://");
+    port = port ? strchr(port + 7, ':') : NULL;
+    ck_assert_ptr_nonnull(port);
+    for (int i = 0; i < 5000 && !pkv_test_tcp_conns(atoi(r + 15), (uint16_t)atoi(port + 1), NULL);
+         i++) {
+        struct timespec ts = {0, 2000000};
+        nanosleep(&ts, NULL);
+    }
     kill(pid, SIGINT);
     int st;
     ck_assert_int_eq(waitpid(pid, &st, 0), pid);
