@@ -111,6 +111,12 @@ static bool netns_left(const char *out, const char *key, char *name, size_t cap)
     return stat(path, &st) == 0;
 }
 
+#if defined(__SANITIZE_ADDRESS__)
+#define PKV_ASAN 1
+#else
+#define PKV_ASAN 0
+#endif
+
 static const char *const quick_tcp_args =
     "--quick --tcp --preset tiny --designs fixed,per_transfer --paced-transfers 24 "
     "--paced-rps 20";
@@ -188,7 +194,9 @@ START_TEST(quick_tcp_runs_and_cleans_up)
         ck_assert(json_is_string(json_object_get(r, "node")));
         bool within = json_is_true(json_object_get(r, "within_10pct"));
         ck_assert(within || strlen(json_string_value(json_object_get(r, "note"))) > 0);
-        if (!strcmp(json_string_value(json_object_get(r, "figure")), "fixed"))
+        /* The fixed rows' measured side is the OS's VmLck; ASan's mlock interceptor locks
+           nothing (it returns 0), so under ASan there is nothing to compare. */
+        if (!strcmp(json_string_value(json_object_get(r, "figure")), "fixed") && !PKV_ASAN)
             ck_assert_msg(within, "fixed slots: planner %f measured %f", jnum(r, "predicted_bytes"),
                           jnum(r, "measured_bytes"));
     }
