@@ -27,6 +27,7 @@
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -194,7 +195,7 @@ typedef struct {
     uint64_t t0_ns;
     pthread_mutex_t lock; /* guards run->samples / ns / cap */
     pthread_t th;
-    volatile int stop;
+    atomic_int stop; /* set by the main thread, read by the sampler */
 } bd_sampler_t;
 
 static void bd_sample_once(bd_sampler_t *s)
@@ -242,10 +243,10 @@ static void bd_sample_once(bd_sampler_t *s)
 static void *bd_sampler_main(void *arg)
 {
     bd_sampler_t *s = arg;
-    while (!s->stop) {
+    while (!atomic_load(&s->stop)) {
         uint64_t next = pkv_now_ns() + BD_SAMPLE_NS;
         bd_sample_once(s);
-        while (!s->stop && pkv_now_ns() < next) {
+        while (!atomic_load(&s->stop) && pkv_now_ns() < next) {
             struct timespec ts = {0, 10000000};
             nanosleep(&ts, NULL);
         }
@@ -592,7 +593,7 @@ static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t
         }
     }
     if (sampling) {
-        smp.stop = 1;
+        atomic_store(&smp.stop, 1);
         pthread_join(smp.th, NULL);
     }
     pthread_mutex_destroy(&smp.lock);

@@ -172,7 +172,10 @@ static int pull_into(pkv_disagg_node_t *n, pkv_xfer_handle_t *const *hs, uint32_
     uint64_t bytes = 0, last = 0;
     pkv_xfer_read_timings_t rt = {0};
     bool timed = true;
-    if (pl.failed || pl.left) /* all or nothing: end the others now */
+    pthread_mutex_lock(&pl.mu); /* outcomes may still be arriving on the agents' threads */
+    bool cancel_all = pl.failed || pl.left;
+    pthread_mutex_unlock(&pl.mu);
+    if (cancel_all) /* all or nothing: end the others now */
         for (uint32_t i = 0; i < started; i++) pkv_xfer_cancel(rd[i]);
     for (uint32_t i = 0; i < started; i++) {
         int oc = PKV_ERR_TIMEOUT;
