@@ -19,7 +19,7 @@ typedef struct {
     struct curl_slist *hdrs;
     const http_request_t *rq;
     http_reply_t *out;
-    size_t cap;
+    size_t cap, hcap, hlen;
     bool oom;
     char url[512];
     char errbuf[CURL_ERROR_SIZE];
@@ -50,6 +50,28 @@ static size_t on_body(char *data, size_t size, size_t nmemb, void *arg)
     return n;
 }
 
+static size_t on_header(char *data, size_t size, size_t nmemb, void *arg)
+{
+    http_xfer_t *x = arg;
+    http_reply_t *r = x->out;
+    size_t n = size * nmemb;
+    if (x->hlen + n + 1 > x->hcap) {
+        size_t cap = x->hcap ? x->hcap : 1024;
+        while (cap < x->hlen + n + 1) cap *= 2;
+        char *nb = realloc(r->headers, cap);
+        if (!nb) {
+            x->oom = true;
+            return 0;
+        }
+        r->headers = nb;
+        x->hcap = cap;
+    }
+    memcpy(r->headers + x->hlen, data, n);
+    x->hlen += n;
+    r->headers[x->hlen] = '\0';
+    return n;
+}
+
 static int on_progress(void *arg, curl_off_t dt, curl_off_t dn, curl_off_t ut, curl_off_t un)
 {
     const volatile sig_atomic_t *stop = arg;
@@ -75,8 +97,14 @@ static void xfer_options(http_xfer_t *x, const http_request_t *rq)
         curl_easy_setopt(c, CURLOPT_XFERINFODATA, (void *)rq->abort_flag);
         curl_easy_setopt(c, CURLOPT_NOPROGRESS, 0L);
     }
+    if (rq->keep_headers) {
+        curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, on_header);
+        curl_easy_setopt(c, CURLOPT_HEADERDATA, x);
+    }
     bool post = rq->method ? !strcmp(rq->method, "POST") : rq->body != NULL;
-    if (rq->method && strcmp(rq->method, "GET") && !post)
+    if (rq->method && !strcmp(rq->method, "HEAD"))
+        curl_easy_setopt(c, CURLOPT_NOBODY, 1L);
+    else if (rq->method && strcmp(rq->method, "GET") && !post)
         curl_easy_setopt(c, CURLOPT_CUSTOMREQUEST, rq->method);
     if (post || rq->body) {
         const char *b = rq->body ? rq->body : "";
@@ -145,7 +173,9 @@ void http_reply_free(http_reply_t *r)
 {
     if (!r) return;
     free(r->body);
+    free(r->headers);
     r->body = NULL;
+    r->headers = NULL;
     r->len = 0;
 }
 
