@@ -19,11 +19,31 @@ typedef struct {
     struct curl_slist *hdrs;
     const http_request_t *rq;
     http_reply_t *out;
-    size_t cap;
+    size_t cap, hcap, hlen;
     bool oom;
     char url[512];
     char errbuf[CURL_ERROR_SIZE];
 } http_xfer_t;
+
+/* Append n bytes to a NUL-terminated growing buffer: n, or 0 when out of memory. */
+static size_t buf_add(http_xfer_t *x, char **buf, size_t *len, size_t *cap, const char *d, size_t n)
+{
+    if (*len + n + 1 > *cap) {
+        size_t c = *cap ? *cap : 4096;
+        while (c < *len + n + 1) c *= 2;
+        char *nb = realloc(*buf, c);
+        if (!nb) {
+            x->oom = true;
+            return 0;
+        }
+        *buf = nb;
+        *cap = c;
+    }
+    memcpy(*buf + *len, d, n);
+    *len += n;
+    (*buf)[*len] = '\0';
+    return n;
+}
 
 static size_t on_body(char *data, size_t size, size_t nmemb, void *arg)
 {
@@ -33,21 +53,15 @@ static size_t on_body(char *data, size_t size, size_t nmemb, void *arg)
     if (!r->first_byte_ns) r->first_byte_ns = pkv_now_ns();
     r->got_data = r->got_data || n > 0;
     if (x->rq->hang_up) return 0; /* the client is gone */
-    if (r->len + n + 1 > x->cap) {
-        size_t cap = x->cap ? x->cap : 4096;
-        while (cap < r->len + n + 1) cap *= 2;
-        char *nb = realloc(r->body, cap);
-        if (!nb) {
-            x->oom = true;
-            return 0;
-        }
-        r->body = nb;
-        x->cap = cap;
-    }
-    memcpy(r->body + r->len, data, n);
-    r->len += n;
-    r->body[r->len] = '\0';
-    return n;
+    return buf_add(x, &r->body, &r->len, &x->cap, data, n);
+}
+
+static size_t on_header(char *data, size_t size, size_t nmemb, void *arg)
+{
+    http_xfer_t *x = arg;
+    http_reply_t *r = x->out;
+    size_t n = size * nmemb;
+    return buf_add(x, &r->headers, &x->hlen, &x->hcap, data, n);
 }
 
 static int on_progress(void *arg, curl_off_t dt, curl_off_t dn, curl_off_t ut, curl_off_t un)
@@ -75,8 +89,14 @@ static void xfer_options(http_xfer_t *x, const http_request_t *rq)
         curl_easy_setopt(c, CURLOPT_XFERINFODATA, (void *)rq->abort_flag);
         curl_easy_setopt(c, CURLOPT_NOPROGRESS, 0L);
     }
+    if (rq->keep_headers) {
+        curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, on_header);
+        curl_easy_setopt(c, CURLOPT_HEADERDATA, x);
+    }
     bool post = rq->method ? !strcmp(rq->method, "POST") : rq->body != NULL;
-    if (rq->method && strcmp(rq->method, "GET") && !post)
+    if (rq->method && !strcmp(rq->method, "HEAD"))
+        curl_easy_setopt(c, CURLOPT_NOBODY, 1L);
+    else if (rq->method && strcmp(rq->method, "GET") && !post)
         curl_easy_setopt(c, CURLOPT_CUSTOMREQUEST, rq->method);
     if (post || rq->body) {
         const char *b = rq->body ? rq->body : "";
@@ -145,7 +165,9 @@ void http_reply_free(http_reply_t *r)
 {
     if (!r) return;
     free(r->body);
+    free(r->headers);
     r->body = NULL;
+    r->headers = NULL;
     r->len = 0;
 }
 

@@ -18,7 +18,8 @@
 typedef struct {
     const char *base_url;                    /* "http://HOST:PORT" */
     const char *path;                        /* "/v1/chat/completions", ... */
-    const char *method;                      /* NULL: POST with a body, else GET */
+    const char *method;                      /* NULL: POST with a body, else GET; "HEAD" asks
+                                                for no body; any other is sent as named */
     const char *body;                        /* NULL: none; a body (and any POST) is sent with
                                                 Content-Type: application/json */
     size_t body_len;                         /* 0: strlen(body) */
@@ -28,12 +29,15 @@ typedef struct {
     const volatile sig_atomic_t *abort_flag; /* ends it early once nonzero; may be NULL */
     bool hang_up;                            /* end it at the first body bytes (a client
                                                 that goes away: got_data says they came) */
+    bool keep_headers;                       /* keep the response headers in out->headers */
 } http_request_t;
 
 typedef struct {
     long status;   /* HTTP status; 0 when no answer came */
     int curl_code; /* libcurl's CURLcode, 0 (CURLE_OK) when the exchange completed */
     char *body;    /* the whole body, NUL-terminated; NULL when none (http_reply_free) */
+    char *headers; /* the response headers as received, NUL-terminated, when the request
+                      asked to keep them; else NULL (http_reply_free) */
     size_t len;
     double seconds;                           /* libcurl's total time */
     double ttfb_seconds;                      /* libcurl's time to the first response byte */

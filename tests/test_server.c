@@ -10,6 +10,7 @@
  */
 #include "tests/support/srvtest.h"
 #include "tests/support/testutil.h"
+#include "support/http.h"
 
 #include "pagekv/server.h"
 #include "pagekv/xfer.h"
@@ -43,7 +44,6 @@ typedef struct {
     char *body;
     size_t len;
     char headers[8192];
-    size_t hlen;
     CURLcode cc;
 } resp_t;
 
@@ -66,18 +66,6 @@ static size_t on_body(char *p, size_t sz, size_t n, void *arg)
     return buf_append(&r->body, &r->len, p, k) ? k : 0;
 }
 
-static size_t on_header(char *p, size_t sz, size_t n, void *arg)
-{
-    resp_t *r = arg;
-    size_t k = sz * n;
-    if (r->hlen + k < sizeof(r->headers)) {
-        memcpy(r->headers + r->hlen, p, k);
-        r->hlen += k;
-        r->headers[r->hlen] = 0;
-    }
-    return k;
-}
-
 static void resp_free(resp_t *r)
 {
     free(r->body);
@@ -92,34 +80,27 @@ static CURLcode http(uint16_t port, const char *method, const char *path, const 
                      size_t body_len, resp_t *r)
 {
     memset(r, 0, sizeof(*r));
-    CURL *c = curl_easy_init();
-    PKV_CHECK(c != NULL);
-    char url[256];
-    snprintf(url, sizeof(url), "http://127.0.0.1:%u%s", port, path);
-    curl_easy_setopt(c, CURLOPT_URL, url);
-    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(c, CURLOPT_TIMEOUT, 60L);
-    curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT, 10L);
-    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_body);
-    curl_easy_setopt(c, CURLOPT_WRITEDATA, r);
-    curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, on_header);
-    curl_easy_setopt(c, CURLOPT_HEADERDATA, r);
-    struct curl_slist *h = curl_slist_append(NULL, "Content-Type: application/json");
-    h = curl_slist_append(h, "Expect:");
-    if (http_extra_header) h = curl_slist_append(h, http_extra_header);
-    curl_easy_setopt(c, CURLOPT_HTTPHEADER, h);
-    if (!strcmp(method, "HEAD"))
-        curl_easy_setopt(c, CURLOPT_NOBODY, 1L);
-    else
-        curl_easy_setopt(c, CURLOPT_CUSTOMREQUEST, method);
-    if (body) {
-        curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
-        curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)body_len);
-    }
-    r->cc = curl_easy_perform(c);
-    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &r->status);
-    curl_slist_free_all(h);
-    curl_easy_cleanup(c);
+    char base[64];
+    snprintf(base, sizeof(base), "http://127.0.0.1:%u", port);
+    const char *hdrs[] = {"Content-Type: application/json", "Expect:", http_extra_header, NULL};
+    http_request_t rq = {.base_url = base,
+                         .path = path,
+                         .method = method,
+                         .body = body,
+                         .body_len = body_len,
+                         .headers = body ? hdrs + 1 : hdrs,
+                         .timeout_ms = 60000,
+                         .connect_timeout_ms = 10000,
+                         .keep_headers = true};
+    http_reply_t rep;
+    http_send(&rq, &rep);
+    r->status = rep.status;
+    r->cc = (CURLcode)rep.curl_code;
+    r->body = rep.body;
+    r->len = rep.len;
+    rep.body = NULL;
+    snprintf(r->headers, sizeof(r->headers), "%s", rep.headers ? rep.headers : "");
+    http_reply_free(&rep);
     return r->cc;
 }
 
