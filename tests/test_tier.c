@@ -371,15 +371,20 @@ static pkv_tier_t *tier_open(const char *dir, uint64_t max, const uint8_t *layou
     return t;
 }
 
-/* Keys [lo, hi) queued and written. */
-static void put_range(pkv_tier_t *t, uint32_t lo, uint32_t hi)
+/* Keys [lo, hi) of `tenant` queued and written. */
+static void put_tenant(pkv_tier_t *t, uint32_t lo, uint32_t hi, uint64_t tenant)
 {
     for (uint32_t i = lo; i < hi; i++) {
         uint8_t k[PKV_TIER_HASH_BYTES], p[PKV_TIER_HASH_BYTES] = {0};
         key_of(i, k);
-        ck_assert_int_eq(pkv_tier_put(t, k, p), PKV_OK);
+        ck_assert_int_eq(pkv_tier_put(t, k, p, tenant), PKV_OK);
     }
     ck_assert_int_eq(pkv_tier_flush(t, pkv_deadline_after_ns(30000000000ull)), PKV_OK);
+}
+
+static void put_range(pkv_tier_t *t, uint32_t lo, uint32_t hi)
+{
+    put_tenant(t, lo, hi, 0);
 }
 
 static bool loads(pkv_tier_t *t, uint32_t i)
@@ -424,7 +429,7 @@ START_TEST(tier_writes_loads_and_is_warm_after_restart)
     /* A key on disk is not queued again. */
     uint8_t k[PKV_TIER_HASH_BYTES], p[PKV_TIER_HASH_BYTES] = {0};
     key_of(5, k);
-    ck_assert_int_eq(pkv_tier_put(t, k, p), PKV_OK);
+    ck_assert_int_eq(pkv_tier_put(t, k, p, 1), PKV_OK);
     ck_assert_int_eq(pkv_tier_flush(t, pkv_deadline_after_ns(10000000000ull)), PKV_OK);
     pkv_tier_stats(t, &st);
     ck_assert_uint_eq(st.written_records, 100);
@@ -450,6 +455,34 @@ START_TEST(tier_writes_loads_and_is_warm_after_restart)
     ck_assert_uint_eq(st.records + st.bytes + st.segments, 0);
     ck_assert_uint_eq(dir_bytes(f.dir), 0);
     ck_assert(!loads(t, 3));
+    pkv_tier_close(t);
+    fixture_fini(&f);
+}
+END_TEST
+
+/* A tenant's purge removes every segment holding one of its records, for good. */
+START_TEST(tier_purges_a_tenant)
+{
+    fixture_t f;
+    fixture_init(&f, 0, 0, 40);
+    pkv_tier_t *t = tier_open(f.dir, 64u << 20, f.layout, NULL);
+    put_tenant(t, 0, 60, 7);
+    put_tenant(t, 60, 80, 9);
+    put_tenant(t, 80, 140, 7);
+    pkv_tier_stats_t st;
+    pkv_tier_stats(t, &st);
+    uint32_t segs = st.segments;
+    ck_assert_uint_gt(segs, 4);
+    ck_assert_int_eq(pkv_tier_drop_tenant(t, 9), PKV_OK);
+    pkv_tier_stats(t, &st);
+    ck_assert_uint_lt(st.segments, segs);
+    ck_assert_uint_eq(st.bytes, dir_bytes(f.dir));
+    for (uint32_t i = 60; i < 80; i++) ck_assert(!loads(t, i));
+    ck_assert(loads(t, 0) && loads(t, 139)); /* segments without tenant 9 stay */
+    pkv_tier_close(t);
+    t = tier_open(f.dir, 64u << 20, f.layout, NULL);
+    for (uint32_t i = 60; i < 80; i++) ck_assert(!loads(t, i));
+    ck_assert(loads(t, 0) && loads(t, 139));
     pkv_tier_close(t);
     fixture_fini(&f);
 }
@@ -602,6 +635,7 @@ int main(void)
     TCase *tt = tcase_create("tier");
     tcase_set_timeout(tt, 60);
     tcase_add_test(tt, tier_writes_loads_and_is_warm_after_restart);
+    tcase_add_test(tt, tier_purges_a_tenant);
     tcase_add_test(tt, tier_capacity_is_exact);
     tcase_add_test(tt, tier_drops_quarantines_and_leaves_foreign_alone);
     tcase_add_test(tt, tier_restart_after_a_crash);

@@ -128,14 +128,17 @@ void pkv_hist_add(pkv_hist_t *h, const double *bounds, int n, double seconds);
  * test arms sites in its own process. Arming, hitting and reading are atomic; a site
  * nobody armed costs one relaxed load. */
 typedef enum {
-    PKV_FAULT_ALLOC,      /* malloc / calloc / realloc of a module's bookkeeping */
-    PKV_FAULT_COMMIT,     /* pkv_prim_commit / pkv_prim_shared_commit */
-    PKV_FAULT_MLOCK,      /* pkv_prim_lock */
-    PKV_FAULT_THREAD,     /* pthread_create */
-    PKV_FAULT_XFER_STALL, /* not a failure: each hit holds xfer's progress loop 100 ms */
-    PKV_FAULT_XFER_HANG,  /* not a failure: the producer whose progress loop hits it, once a
-                             layer is sent, stops for good (no messages, no heartbeats) until
-                             its agent is destroyed, as a rank that died would */
+    PKV_FAULT_ALLOC,           /* malloc / calloc / realloc of a module's bookkeeping */
+    PKV_FAULT_COMMIT,          /* pkv_prim_commit / pkv_prim_shared_commit */
+    PKV_FAULT_MLOCK,           /* pkv_prim_lock */
+    PKV_FAULT_THREAD,          /* pthread_create */
+    PKV_FAULT_XFER_STALL,      /* not a failure: each hit holds xfer's progress loop 100 ms */
+    PKV_FAULT_XFER_HANG,       /* not a failure: the producer whose progress loop hits it, once a
+                                  layer is sent, stops for good (no messages, no heartbeats) until
+                                  its agent is destroyed, as a rank that died would */
+    PKV_FAULT_TIER_READ_SLOW,  /* not a failure: each hit holds a disk-tier record read 250 ms */
+    PKV_FAULT_TIER_READ_IO,    /* a disk-tier record read fails as EIO would */
+    PKV_FAULT_TIER_WRITE_FULL, /* a disk-tier append fails as ENOSPC would (a full disk) */
     PKV_FAULT_SITES
 } pkv_fault_site_t;
 

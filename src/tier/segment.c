@@ -21,7 +21,7 @@
 
 #define REC_MAGIC  0x52564b50u /* "PKVR" little-endian */
 #define FOOT_MAGIC 0x46564b50u /* "PKVF" */
-#define SUM_OFF    112u        /* the record's checksum: the last 16 header bytes */
+#define SUM_OFF    128u        /* the record's checksum: the last 16 header bytes */
 #define FOOT_SUM   64u         /* the footer's checksum: its last 16 bytes */
 
 static void put16(uint8_t *p, uint16_t v)
@@ -84,6 +84,7 @@ void pkv_tier_record_header(const pkv_tier_record_t *r, const void *payload,
     memcpy(out + 16, r->layout, PKV_TIER_HASH_BYTES);
     memcpy(out + 48, r->key, PKV_TIER_HASH_BYTES);
     memcpy(out + 80, r->parent, PKV_TIER_HASH_BYTES);
+    put64(out + 112, r->tenant); /* 120..128: zero */
     sum128(out, SUM_OFF, payload, (size_t)r->payload_len, out + SUM_OFF);
 }
 
@@ -97,6 +98,7 @@ int pkv_tier_record_parse(const uint8_t hdr[PKV_TIER_HEADER_BYTES], uint64_t max
     memcpy(out->layout, hdr + 16, PKV_TIER_HASH_BYTES);
     memcpy(out->key, hdr + 48, PKV_TIER_HASH_BYTES);
     memcpy(out->parent, hdr + 80, PKV_TIER_HASH_BYTES);
+    out->tenant = get64(hdr + 112);
     out->payload_len = len;
     return PKV_OK;
 }
@@ -152,6 +154,7 @@ static uint8_t *seal_bytes(const pkv_tier_entry_t *e, uint32_t n, uint64_t index
         memcpy(p, e[i].key, PKV_TIER_HASH_BYTES);
         put64(p + 32, e[i].offset);
         put32(p + 40, e[i].payload_len);
+        put64(p + 48, e[i].tenant);
     }
     uint8_t *f = b + ni;
     put32(f, FOOT_MAGIC);
@@ -234,6 +237,7 @@ static int read_sealed(const src_t *s, pkv_tier_seg_info_t *in)
         memcpy(e->key, p, PKV_TIER_HASH_BYTES);
         e->offset = get64(p + 32);
         e->payload_len = get32(p + 40);
+        e->tenant = get64(p + 48);
         if (e->offset != at || ioff - at < PKV_TIER_HEADER_BYTES + (uint64_t)e->payload_len)
             goto out; /* not back to back, or past the index */
         at += PKV_TIER_HEADER_BYTES + (uint64_t)e->payload_len;
@@ -279,7 +283,8 @@ static int scan(const src_t *s, pkv_tier_seg_info_t *in, uint64_t *end)
         if (pkv_tier_record_check(h, buf, r.payload_len, &r)) break;
         if (in->n && memcmp(r.layout, in->layout, PKV_TIER_HASH_BYTES)) break;
         memcpy(in->layout, r.layout, PKV_TIER_HASH_BYTES);
-        pkv_tier_entry_t e = {.offset = off, .payload_len = (uint32_t)r.payload_len};
+        pkv_tier_entry_t e = {
+            .offset = off, .payload_len = (uint32_t)r.payload_len, .tenant = r.tenant};
         memcpy(e.key, r.key, PKV_TIER_HASH_BYTES);
         if ((rc = entries_push(in, &cap, &e))) break;
         off += PKV_TIER_HEADER_BYTES + r.payload_len;
@@ -392,7 +397,8 @@ int pkv_tier_seg_append(pkv_tier_seg_t *s, const pkv_tier_record_t *r, const voi
         s->broken = true;
         return PKV_ERR_IO;
     }
-    pkv_tier_entry_t x = {.offset = s->size, .payload_len = (uint32_t)r->payload_len};
+    pkv_tier_entry_t x = {
+        .offset = s->size, .payload_len = (uint32_t)r->payload_len, .tenant = r->tenant};
     memcpy(x.key, r->key, PKV_TIER_HASH_BYTES);
     s->entries[s->n++] = x;
     s->size += sizeof(h) + r->payload_len;

@@ -25,6 +25,7 @@
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <time.h>
 #include <unistd.h>
 
 #define SYNC_EVERY_BYTES (8ull << 20)
@@ -50,6 +51,7 @@ typedef struct {
 
 typedef struct {
     uint8_t key[PKV_TIER_HASH_BYTES], parent[PKV_TIER_HASH_BYTES];
+    uint64_t tenant;
 } job_t;
 
 struct pkv_tier {
@@ -59,10 +61,13 @@ struct pkv_tier {
     pthread_t writer;
     bool writer_started;
 
-    pthread_mutex_t lock; /* guards everything below */
+    pthread_mutex_t drop_mu; /* one drop request at a time (callers of drop_all/_tenant) */
+    pthread_mutex_t lock;    /* guards everything below */
     pthread_cond_t work_cv, idle_cv;
     bool stop, busy; /* busy: the writer holds a job */
     uint32_t drop_req, drop_done;
+    bool drop_one; /* the pending drop is one tenant's (drop_tenant), not everything */
+    uint64_t drop_tenant;
     slot_t *slots; /* open addressing by the key's first 8 bytes; a power of two */
     uint32_t nslots, nused;
     seg_t *segs, *active; /* segs in sequence order; active: the open one (the last) */
@@ -323,7 +328,9 @@ static void write_one(pkv_tier_t *t, const job_t *j, void *buf)
     memcpy(r.layout, t->cfg.layout, PKV_TIER_HASH_BYTES);
     memcpy(r.key, j->key, PKV_TIER_HASH_BYTES);
     memcpy(r.parent, j->parent, PKV_TIER_HASH_BYTES);
+    r.tenant = j->tenant;
     pkv_tier_entry_t e;
+    if (pkv_fault_hit(PKV_FAULT_TIER_WRITE_FULL)) return drop_job(t, j, PKV_TIER_DROP_DISK_FULL);
     int rc = pkv_tier_seg_append(t->w, &r, buf, &e);
     pthread_mutex_lock(&t->lock);
     seg_t *g = t->active;
@@ -350,29 +357,65 @@ static void write_one(pkv_tier_t *t, const job_t *j, void *buf)
     if (now >= t->cfg.segment_bytes) seal_active(t);
 }
 
-/* /v1/cache/reset's disk part: every segment goes, the open one included. Writer thread. */
-static void drop_everything(pkv_tier_t *t)
+/* Whether segment g holds a record (synced or not) of the tenant. Under t->lock. */
+static bool seg_has_tenant(const seg_t *g, uint64_t tenant)
 {
-    if (t->w) {
+    for (uint32_t i = 0; i < g->n; i++)
+        if (g->entries[i].tenant == tenant) return true;
+    return false;
+}
+
+/* Take the tenant's queued keys off the queue (they are never written). Under t->lock. */
+static void queue_drop_tenant(pkv_tier_t *t, uint64_t tenant)
+{
+    uint32_t kept = 0, q = t->cfg.queue_max;
+    for (uint32_t i = 0; i < t->qlen; i++) {
+        job_t j = t->queue[(t->qhead + i) % q];
+        if (j.tenant == tenant) {
+            slot_t *s = slot_find(t, j.key);
+            if (s && !s->seg) slot_remove(t, s);
+            continue;
+        }
+        t->queue[(t->qhead + kept++) % q] = j;
+    }
+    t->qlen = kept;
+}
+
+/* The disk part of a reset (one: every segment, the open one included) or of a tenant's
+ * purge (every segment holding one of its records: the other records in them go too, a
+ * cache may forget; the files are gone, so nothing of the tenant's comes back after a
+ * restart). Writer thread. */
+static void drop_segments(pkv_tier_t *t, bool one, uint64_t tenant)
+{
+    pthread_mutex_lock(&t->lock);
+    if (one) queue_drop_tenant(t, tenant);
+    bool active = t->active && (!one || seg_has_tenant(t->active, tenant));
+    pthread_mutex_unlock(&t->lock);
+    if (active) {
         pkv_tier_seg_close(t->w);
         t->w = NULL;
     }
     pthread_mutex_lock(&t->lock);
-    seg_t *all = NULL, **tail = &all;
-    while (t->segs) {
-        seg_t *g = t->segs;
-        seg_detach(t, g);
-        g->next = NULL;
-        *tail = g, tail = &g->next;
+    seg_t *all = NULL, **tail = &all, *g = t->segs;
+    while (g) {
+        seg_t *next = g->next;
+        if (g == t->active ? active : !one || seg_has_tenant(g, tenant)) {
+            seg_detach(t, g);
+            g->next = NULL;
+            *tail = g, tail = &g->next;
+        }
+        g = next;
     }
-    t->active = NULL;
-    t->st.reserved = 0;
-    t->unsynced = 0;
+    if (active) {
+        t->active = NULL;
+        t->st.reserved = 0;
+        t->unsynced = 0;
+    }
     pthread_mutex_unlock(&t->lock);
     while (all) {
-        seg_t *g = all;
-        all = g->next;
-        seg_unlink(t, g);
+        seg_t *d = all;
+        all = d->next;
+        seg_unlink(t, d);
     }
 }
 
@@ -385,8 +428,10 @@ static void *writer_main(void *arg)
     while (!t->stop) {
         if (t->drop_req != t->drop_done) {
             uint32_t req = t->drop_req;
+            bool one = t->drop_one;
+            uint64_t tenant = t->drop_tenant;
             pthread_mutex_unlock(&t->lock);
-            drop_everything(t);
+            drop_segments(t, one, tenant);
             pthread_mutex_lock(&t->lock);
             t->drop_done = req;
             pthread_cond_broadcast(&t->idle_cv);
@@ -553,6 +598,7 @@ int pkv_tier_open(const pkv_tier_config_t *cfg, pkv_tier_t **out)
     if ((rc = scan_dir(t))) goto fail_segs;
     tidy(t);
     pthread_mutex_init(&t->lock, NULL);
+    pthread_mutex_init(&t->drop_mu, NULL);
     pkv_cond_init_monotonic(&t->work_cv);
     pkv_cond_init_monotonic(&t->idle_cv);
     if (t->st.writable) {
@@ -568,6 +614,7 @@ fail_sync:
     pthread_cond_destroy(&t->idle_cv);
     pthread_cond_destroy(&t->work_cv);
     pthread_mutex_destroy(&t->lock);
+    pthread_mutex_destroy(&t->drop_mu);
 fail_segs:
     while (t->segs) {
         seg_t *g = t->segs;
@@ -601,6 +648,7 @@ void pkv_tier_close(pkv_tier_t *t)
     pthread_cond_destroy(&t->idle_cv);
     pthread_cond_destroy(&t->work_cv);
     pthread_mutex_destroy(&t->lock);
+    pthread_mutex_destroy(&t->drop_mu);
     free(t->slots);
     free(t->queue);
     free(t->dir);
@@ -610,7 +658,7 @@ void pkv_tier_close(pkv_tier_t *t)
 /* ---- using it ----------------------------------------------------------------------------- */
 
 int pkv_tier_put(pkv_tier_t *t, const uint8_t key[PKV_TIER_HASH_BYTES],
-                 const uint8_t parent[PKV_TIER_HASH_BYTES])
+                 const uint8_t parent[PKV_TIER_HASH_BYTES], uint64_t tenant)
 {
     int rc = PKV_OK;
     pthread_mutex_lock(&t->lock);
@@ -624,6 +672,7 @@ int pkv_tier_put(pkv_tier_t *t, const uint8_t key[PKV_TIER_HASH_BYTES],
     job_t *j = &t->queue[(t->qhead + t->qlen++) % t->cfg.queue_max];
     memcpy(j->key, key, PKV_TIER_HASH_BYTES);
     memcpy(j->parent, parent, PKV_TIER_HASH_BYTES);
+    j->tenant = tenant;
     pthread_cond_signal(&t->work_cv);
 out:
     pthread_mutex_unlock(&t->lock);
@@ -655,7 +704,11 @@ int pkv_tier_load(pkv_tier_t *t, const uint8_t key[PKV_TIER_HASH_BYTES], void *b
     memcpy(e.key, key, PKV_TIER_HASH_BYTES);
     g->refs++;
     pthread_mutex_unlock(&t->lock);
-    int rc = g->fd < 0 ? PKV_ERR_IO : pkv_tier_record_read(g->fd, &e, t->cfg.layout, key, buf);
+    while (pkv_fault_hit(PKV_FAULT_TIER_READ_SLOW))
+        nanosleep(&(struct timespec){.tv_nsec = 250000000}, NULL);
+    int rc = g->fd < 0 || pkv_fault_hit(PKV_FAULT_TIER_READ_IO)
+                 ? PKV_ERR_IO
+                 : pkv_tier_record_read(g->fd, &e, t->cfg.layout, key, buf);
     pthread_mutex_lock(&t->lock);
     if (rc == PKV_ERR_CORRUPT) { /* quarantined: never read again */
         s = slot_find(t, key);
@@ -687,18 +740,32 @@ int pkv_tier_flush(pkv_tier_t *t, uint64_t deadline_ns)
     return rc;
 }
 
-int pkv_tier_drop_all(pkv_tier_t *t)
+static int drop_request(pkv_tier_t *t, bool one, uint64_t tenant)
 {
+    pthread_mutex_lock(&t->drop_mu);
     pthread_mutex_lock(&t->lock);
     if (!t->writer_started) {
         pthread_mutex_unlock(&t->lock);
+        pthread_mutex_unlock(&t->drop_mu);
         return PKV_ERR_UNSUPPORTED; /* read-only: nothing can be removed */
     }
+    t->drop_one = one, t->drop_tenant = tenant;
     uint32_t req = ++t->drop_req;
     pthread_cond_signal(&t->work_cv);
     while ((int32_t)(t->drop_done - req) < 0) pthread_cond_wait(&t->idle_cv, &t->lock);
     pthread_mutex_unlock(&t->lock);
+    pthread_mutex_unlock(&t->drop_mu);
     return PKV_OK;
+}
+
+int pkv_tier_drop_all(pkv_tier_t *t)
+{
+    return drop_request(t, false, 0);
+}
+
+int pkv_tier_drop_tenant(pkv_tier_t *t, uint64_t tenant)
+{
+    return drop_request(t, true, tenant);
 }
 
 void pkv_tier_stats(pkv_tier_t *t, pkv_tier_stats_t *out)

@@ -20,8 +20,8 @@
 #include <stdint.h>
 
 #define PKV_TIER_HASH_BYTES   32u /* a key, a parent key, a layout digest: SHA-256 */
-#define PKV_TIER_HEADER_BYTES 128u
-#define PKV_TIER_ENTRY_BYTES  48u
+#define PKV_TIER_HEADER_BYTES 144u
+#define PKV_TIER_ENTRY_BYTES  56u
 #define PKV_TIER_FOOTER_BYTES 80u
 #define PKV_TIER_MAX_PAYLOAD  (1ull << 32) /* a block of one rank is far below */
 #define PKV_TIER_FORMAT       1u
@@ -34,6 +34,7 @@ typedef struct {
     uint8_t layout[PKV_TIER_HASH_BYTES]; /* the layout digest: what the bytes mean */
     uint8_t key[PKV_TIER_HASH_BYTES];    /* the block's chained prefix key */
     uint8_t parent[PKV_TIER_HASH_BYTES]; /* its parent's key */
+    uint64_t tenant;                     /* the cache salt it was computed under (purges) */
     uint64_t payload_len;
 } pkv_tier_record_t;
 
@@ -42,6 +43,7 @@ typedef struct {
     uint8_t key[PKV_TIER_HASH_BYTES];
     uint64_t offset;
     uint32_t payload_len;
+    uint64_t tenant;
 } pkv_tier_entry_t;
 
 /* The header for record r over payload (r->payload_len bytes), checksum included. */
@@ -188,10 +190,11 @@ int pkv_tier_open(const pkv_tier_config_t *cfg, pkv_tier_t **out);
 /* Stop the writer (what is queued is dropped, not counted), seal the open segment, release
  * the lock. NULL is a no-op. */
 void pkv_tier_close(pkv_tier_t *t);
-/* Queue the block `key` (child of `parent`) for writing; a key already on disk or queued is
- * a no-op. Never blocks on I/O. PKV_OK, or PKV_ERR_BUSY (queue full: a dropped write). */
+/* Queue the block `key` (child of `parent`, computed under the cache salt `tenant`) for writing; a
+ * key already on disk or queued is a no-op. Never blocks on I/O. PKV_OK, or PKV_ERR_BUSY (queue
+ * full: a dropped write). */
 int pkv_tier_put(pkv_tier_t *t, const uint8_t key[PKV_TIER_HASH_BYTES],
-                 const uint8_t parent[PKV_TIER_HASH_BYTES]);
+                 const uint8_t parent[PKV_TIER_HASH_BYTES], uint64_t tenant);
 /* How many of keys[0..n), from the first, are loadable. */
 uint32_t pkv_tier_match(pkv_tier_t *t, const uint8_t (*keys)[PKV_TIER_HASH_BYTES], uint32_t n);
 /* Read the block `key` into buf (cfg->record_bytes) and verify it (checksum, key, layout).
@@ -203,6 +206,10 @@ int pkv_tier_load(pkv_tier_t *t, const uint8_t key[PKV_TIER_HASH_BYTES], void *b
 int pkv_tier_flush(pkv_tier_t *t, uint64_t deadline_ns);
 /* Remove every segment of this layout (the records on disk and in the index). */
 int pkv_tier_drop_all(pkv_tier_t *t);
+/* Remove every segment that holds a record of `tenant` (the others' records in them go
+ * too), and its queued keys: nothing of the tenant's is loadable now or after a restart.
+ * Both: PKV_OK, or PKV_ERR_UNSUPPORTED on a read-only tier. */
+int pkv_tier_drop_tenant(pkv_tier_t *t, uint64_t tenant);
 void pkv_tier_stats(pkv_tier_t *t, pkv_tier_stats_t *out);
 
 #endif

@@ -28,6 +28,7 @@ static uint8_t *segment(int dirfd, uint64_t seq, uint32_t n, uint32_t max_len, b
     uint8_t payload[4096];
     for (uint32_t i = 0; i < n; i++) {
         memcpy(r.parent, r.key, sizeof(r.key));
+        r.tenant = i % 3;
         for (int b = 0; b < 32; b++) r.key[b] = (uint8_t)pkv_splitmix64(&rng);
         r.payload_len = pkv_splitmix64(&rng) % (max_len + 1);
         for (uint64_t b = 0; b < r.payload_len; b++) payload[b] = (uint8_t)pkv_splitmix64(&rng);
