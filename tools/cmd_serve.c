@@ -64,6 +64,13 @@ static void usage(FILE *f)
             "  --memory-reserve BYTES    memory the cache leaves to the machine (default: a\n"
             "                            tenth of the cgroup limit or RAM, 32M..1G)\n"
             "  --no-memory-watch         do not drop cached blocks under memory pressure\n"
+            "disk tier (cached blocks spill to files and load back; paged backend):\n"
+            "  --kv-disk-dir DIR         the tier's directory (created 0700; off without it)\n"
+            "  --kv-disk-bytes BYTES     the directory's cap, K/M/G suffixes (default 1G)\n"
+            "  --kv-disk-min-free BYTES  writes stop while the filesystem has less free\n"
+            "                            (default 1G or 5 %% of it, the smaller; 0 = none)\n"
+            "  --kv-disk-load-ms N       a load's deadline; past it the rest is recomputed\n"
+            "                            (default 1000)\n"
             "engine:\n"
             "  --max-batch-size N        sequences running at once (default 8)\n"
             "  --max-queue-depth N       requests waiting; beyond it 429 (default 256)\n"
@@ -163,6 +170,22 @@ static int set_cache_option(const char *a, const char *v, pkv_server_config_t *c
             return pkv_cli_usage_error(
                 cmd, "--prefix-cache-idle-s wants seconds in [0.001, 2592000], or 0, got '%s'", v);
         cfg->cache_idle_ms = sec == 0 ? PKV_SERVER_NEVER : (uint32_t)(sec * 1000 + 0.5);
+    } else if (!strcmp(a, "--kv-disk-dir")) {
+        if (!*v) return pkv_cli_usage_error(cmd, "--kv-disk-dir wants a directory");
+        cfg->kv_disk_dir = v;
+    } else if (!strcmp(a, "--kv-disk-bytes")) {
+        if (pkv_cli_parse_bytes(v, &cfg->kv_disk_bytes) || cfg->kv_disk_bytes < (1u << 20))
+            return pkv_cli_usage_error(cmd, "--kv-disk-bytes wants BYTES >= 1M (K/M/G), got '%s'",
+                                       v);
+    } else if (!strcmp(a, "--kv-disk-min-free")) {
+        if (pkv_cli_parse_bytes(v, &cfg->kv_disk_min_free))
+            return pkv_cli_usage_error(cmd, "--kv-disk-min-free wants BYTES (K/M/G), got '%s'", v);
+        if (!cfg->kv_disk_min_free) cfg->kv_disk_min_free = UINT64_MAX;
+    } else if (!strcmp(a, "--kv-disk-load-ms")) {
+        uint64_t ms;
+        if (pkv_cli_parse_u64(v, 1, 600000, &ms))
+            return pkv_cli_usage_error(cmd, "--kv-disk-load-ms wants 1..600000, got '%s'", v);
+        cfg->kv_disk_load_ms = (uint32_t)ms;
     } else if (!strcmp(a, "--memory-reserve")) {
         if (pkv_cli_parse_bytes(v, &cfg->memory_reserve_bytes) || !cfg->memory_reserve_bytes)
             return pkv_cli_usage_error(cmd, "--memory-reserve wants BYTES > 0 (K/M/G), got '%s'",
@@ -240,6 +263,12 @@ static int check_kv_options(const pkv_server_config_t *cfg, const char *kv_flag)
                                    pkv_server_role_name(cfg->role));
     if (cfg->staging_slots && cfg->staging_mode != PKV_STAGE_FIXED_SLOTS)
         return pkv_cli_usage_error(cmd, "--staging-slots needs --staging fixed");
+    if (!cfg->kv_disk_dir && (cfg->kv_disk_bytes || cfg->kv_disk_min_free || cfg->kv_disk_load_ms))
+        return pkv_cli_usage_error(cmd,
+                                   "--kv-disk-bytes, -min-free and -load-ms need --kv-disk-dir");
+    if (cfg->kv_disk_dir && (cfg->backend != PKV_BACKEND_PAGED || cfg->no_prefix_cache))
+        return pkv_cli_usage_error(cmd, "--kv-disk-dir needs --kv-backend paged and the prefix "
+                                        "cache");
     if (cfg->staging_idle_ms &&
         (cfg->staging_mode != PKV_STAGE_PER_TRANSFER || cfg->staging_mirror))
         return pkv_cli_usage_error(cmd, "--staging-idle-ms needs --staging per_transfer");

@@ -124,6 +124,14 @@ typedef struct {
     uint32_t memory_poll_ms;            /* the watcher's period; 0 -> 250 */
     const char *memory_root;            /* tests: a directory standing for "/" for the
                                            memory readings (prim); NULL: the real files */
+    /* the disk tier (docs/design/tier.md; paged backend with the prefix cache): cached
+       blocks are written to segment files in kv_disk_dir and loaded back instead of
+       recomputed; off when kv_disk_dir is NULL */
+    const char *kv_disk_dir;   /* created 0700 when missing; one live server per directory */
+    uint64_t kv_disk_bytes;    /* the directory's cap; 0 -> 1 GiB */
+    uint64_t kv_disk_min_free; /* writes stop while the filesystem has less free; 0 -> 1 GiB
+                                  or 5 % of the filesystem, the smaller; UINT64_MAX: none */
+    uint32_t kv_disk_load_ms;  /* a load's deadline, then the rest is recomputed; 0 -> 1000 */
 } pkv_server_config_t;
 #define PKV_SERVER_NEVER UINT32_MAX
 

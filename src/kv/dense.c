@@ -326,7 +326,8 @@ static int dense_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens)
     return PKV_OK;
 }
 
-static void dense_publish(struct pkv_seq *seq, uint32_t block, const pkv_kv_key_t *key, void *arg)
+static void dense_publish(struct pkv_seq *seq, uint32_t block, const pkv_kv_key_t *key,
+                          const pkv_kv_key_t *parent, void *arg)
 {
     dense_seq_t *s = (dense_seq_t *)seq;
     dense_t *d = arg;

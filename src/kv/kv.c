@@ -179,10 +179,10 @@ void kv_seq_base_append(struct pkv_seq *s, const int32_t *tokens, uint32_t n, kv
         s->tail[s->length % T] = tokens[i];
         s->length++;
         if (s->length % T == 0) {
-            pkv_kv_key_t key;
-            kv_prefix_next(&s->last_key, s->tail, T, &key);
+            pkv_kv_key_t key, parent = s->last_key;
+            kv_prefix_next(&parent, s->tail, T, &key);
             s->last_key = key;
-            if (full) full(s, s->length / T - 1, &key, arg);
+            if (full) full(s, s->length / T - 1, &key, &parent, arg);
         }
     }
 }
@@ -517,4 +517,60 @@ void pkv_kv_stats(pkv_kv_t *kv, pkv_kv_stats_t *out)
 int pkv_kv_validate(pkv_kv_t *kv)
 {
     return kv->ops->validate(kv);
+}
+
+/* ---- a lower tier's hooks ---------------------------------------------------------------- */
+
+void pkv_kv_on_full(pkv_kv_t *kv, pkv_kv_full_fn fn, void *arg)
+{
+    kv->on_full = fn;
+    kv->on_full_arg = arg;
+}
+
+int pkv_kv_key_pin(pkv_kv_t *kv, const pkv_kv_key_t *key, uint32_t *id)
+{
+    return kv->ops->key_pin ? kv->ops->key_pin(kv, key, id) : PKV_ERR_UNSUPPORTED;
+}
+
+/* Each (layer, K|V, head) piece of a block: block_tokens x head_dim values, contiguous in
+ * the pool (its rank's range) and in the canonical buffer. */
+static size_t piece_bytes(const pkv_kv_t *kv)
+{
+    return (size_t)kv->geo.block_tokens * kv->geo.head_dim * kv->elem_bytes;
+}
+
+void pkv_kv_block_read(const pkv_kv_t *kv, uint32_t id, void *buf)
+{
+    size_t pb = piece_bytes(kv);
+    uint8_t *o = buf;
+    for (uint32_t l = 0; l < kv->geo.layers; l++)
+        for (uint32_t w = 0; w < 2; w++)
+            for (uint32_t h = 0; h < kv->geo.kv_heads; h++, o += pb)
+                memcpy(o, kv->ops->block_head(kv, id, l, w, h), pb);
+}
+
+void pkv_kv_block_write(pkv_kv_t *kv, uint32_t id, const void *buf)
+{
+    size_t pb = piece_bytes(kv);
+    uint32_t H = kv->geo.kv_heads;
+    for (uint32_t r = 0; r < kv->tp; r++) { /* every copy of a replicated head */
+        uint32_t lo, n;
+        pkv_kv_tp_heads(H, kv->tp, r, &lo, &n);
+        for (uint32_t l = 0; l < kv->geo.layers; l++)
+            for (uint32_t w = 0; w < 2; w++)
+                for (uint32_t h = lo; h < lo + n; h++)
+                    memcpy(kv->ops->block_head_rank(kv, r, id, l, w, h),
+                           (const uint8_t *)buf + ((size_t)(l * 2 + w) * H + h) * pb, pb);
+    }
+}
+
+uint32_t pkv_kv_blocks_publish(pkv_kv_t *kv, const uint32_t *ids, const pkv_kv_key_t *keys,
+                               uint32_t n, uint64_t salt)
+{
+    return kv->ops->blocks_publish ? kv->ops->blocks_publish(kv, ids, keys, n, salt) : 0;
+}
+
+uint64_t pkv_kv_purge_salt(pkv_kv_t *kv, uint64_t salt)
+{
+    return kv->ops->purge_salt ? kv->ops->purge_salt(kv, salt) : 0;
 }

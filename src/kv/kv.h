@@ -45,4 +45,31 @@ void pkv_kv_blocks_free(pkv_kv_t *kv, const uint32_t *ids, uint32_t n);
  * PKV_OK with the outputs, PKV_ERR_IO when smaps cannot be read. */
 int pkv_kv_pages(const pkv_kv_t *kv, uint64_t *resident_bytes, uint64_t *huge_bytes);
 
+/* ---- a lower tier's hooks (paged only: PKV_ERR_UNSUPPORTED / no-ops on dense) --------
+ * A block's bytes leave and enter the pool in one canonical order whatever the ranks:
+ * [layer][K, V][KV head][token][dim] (pkv_kv_block_bytes of them, kv->block_bytes). */
+
+/* Called (outside the pool's lock, on the appending thread) each time a block becomes a
+ * prefix-cache block: its key, its parent's key and the salt it was computed under. Set
+ * once, before any sequence exists; must not block. */
+typedef void (*pkv_kv_full_fn)(void *arg, const pkv_kv_key_t *key, const pkv_kv_key_t *parent,
+                               uint64_t salt);
+void pkv_kv_on_full(pkv_kv_t *kv, pkv_kv_full_fn fn, void *arg);
+/* Pin the live or cached block whose prefix key is key: *id (unpin with pkv_kv_unpin).
+ * PKV_ERR_NOTFOUND when no block has it. */
+int pkv_kv_key_pin(pkv_kv_t *kv, const pkv_kv_key_t *key, uint32_t *id);
+/* Copy block id (pinned by the caller) out to / in from buf, in the canonical order. */
+void pkv_kv_block_read(const pkv_kv_t *kv, uint32_t id, void *buf);
+void pkv_kv_block_write(pkv_kv_t *kv, uint32_t id, const void *buf);
+/* Give blocks ids[0..n) (from pkv_kv_blocks_alloc, written) the prefix keys keys[] under
+ * salt: they become prefix-cache blocks (cached once unpinned). A key some block already
+ * has is skipped (that block is unchanged; this one stays unkeyed and frees on unpin).
+ * Returns how many were keyed. */
+uint32_t pkv_kv_blocks_publish(pkv_kv_t *kv, const uint32_t *ids, const pkv_kv_key_t *keys,
+                               uint32_t n, uint64_t salt);
+/* Forget every prefix-cache block computed under salt: cached ones are evicted, live ones
+ * lose their key (no later admission adopts them; they free when released). Returns the
+ * blocks forgotten. */
+uint64_t pkv_kv_purge_salt(pkv_kv_t *kv, uint64_t salt);
+
 #endif

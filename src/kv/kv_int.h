@@ -57,16 +57,23 @@ typedef struct {
     uint32_t (*seq_runs_rank)(const pkv_seq_t *seq, uint32_t rank, uint32_t layer, uint32_t begin,
                               uint32_t end, pkv_kv_run_t *out, uint32_t max, uint32_t *next);
     void (*rank)(const pkv_kv_t *kv, uint32_t rank, pkv_kv_rank_t *out);
+    /* a lower tier's (kv/tier.c) */
+    int (*key_pin)(pkv_kv_t *kv, const pkv_kv_key_t *key, uint32_t *id);
+    uint32_t (*blocks_publish)(pkv_kv_t *kv, const uint32_t *ids, const pkv_kv_key_t *keys,
+                               uint32_t n, uint64_t salt);
+    uint64_t (*purge_salt)(pkv_kv_t *kv, uint64_t salt);
 } kv_ops_t;
 
 struct pkv_kv {
     const kv_ops_t *ops;
     pkv_geometry_t geo; /* block_tokens filled in */
     pkv_backend_t backend;
-    size_t elem_bytes;  /* dtype size */
-    size_t token_bytes; /* K+V, all layers, one position */
-    size_t block_bytes; /* token_bytes * block_tokens */
-    uint32_t tp;        /* tensor-parallel ranks (1: dense, or a plain pool) */
+    size_t elem_bytes;      /* dtype size */
+    size_t token_bytes;     /* K+V, all layers, one position */
+    size_t block_bytes;     /* token_bytes * block_tokens */
+    uint32_t tp;            /* tensor-parallel ranks (1: dense, or a plain pool) */
+    pkv_kv_full_fn on_full; /* set once before use (pkv_kv_on_full) */
+    void *on_full_arg;
 };
 
 /* The part of a sequence every backend keeps. Owned by one thread at a time. */
@@ -114,14 +121,14 @@ static inline int kv_key_eq(const pkv_kv_key_t *a, const pkv_kv_key_t *b)
 }
 
 /* Common sequence bookkeeping: init (allocates tail), fini, and the token side of
- * append: writes tokens to the tail; calls `full(seq, block_index, key, arg)` for each
+ * append: writes tokens to the tail; calls `full(seq, block_index, key, parent, arg)` for each
  * block that fills. */
 int kv_seq_base_init(struct pkv_seq *s, pkv_kv_t *kv, uint64_t salt);
 void kv_seq_base_fini(struct pkv_seq *s);
 /* Copy the token side of src into dst (initialized by kv_seq_base_init). */
 void kv_seq_base_copy(struct pkv_seq *dst, const struct pkv_seq *src);
 typedef void (*kv_seq_full_fn)(struct pkv_seq *s, uint32_t block, const pkv_kv_key_t *key,
-                               void *arg);
+                               const pkv_kv_key_t *parent, void *arg);
 void kv_seq_base_append(struct pkv_seq *s, const int32_t *tokens, uint32_t n, kv_seq_full_fn full,
                         void *arg);
 

@@ -37,6 +37,7 @@ typedef struct {
     uint32_t lru_prev, lru_next; /* CACHED: LRU list (head = oldest) */
     uint32_t hnext;              /* hashed: hash chain */
     uint64_t t_cached;           /* CACHED: when it became cached (pkv_now_ns) */
+    uint64_t salt;               /* hashed: the salt its key was computed under */
     uint8_t state;
     uint8_t hashed; /* full, keyed, in the hash table */
 } pool_block_t;
@@ -799,18 +800,27 @@ static int pool_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens)
     return PKV_OK;
 }
 
-static void pool_publish(struct pkv_seq *seq, uint32_t block, const pkv_kv_key_t *key, void *arg)
+/* Key block id under salt (lock held): false when it is keyed already or another block
+ * has the key. */
+static bool block_key(pool_t *p, uint32_t id, const pkv_kv_key_t *key, uint64_t salt)
+{
+    if (p->blk[id].hashed || htab_find(p, key) != NONE) return false;
+    p->blk[id].key = *key;
+    p->blk[id].salt = salt;
+    htab_insert(p, id);
+    return true;
+}
+
+static void pool_publish(struct pkv_seq *seq, uint32_t block, const pkv_kv_key_t *key,
+                         const pkv_kv_key_t *parent, void *arg)
 {
     pool_seq_t *s = (pool_seq_t *)seq;
     pool_t *p = arg;
     if (!p->prefix_cache) return;
     pthread_mutex_lock(&p->lock);
-    uint32_t id = s->blocks[block];
-    if (!p->blk[id].hashed && htab_find(p, key) == NONE) {
-        p->blk[id].key = *key;
-        htab_insert(p, id);
-    }
+    bool keyed = block_key(p, s->blocks[block], key, seq->salt);
     pthread_mutex_unlock(&p->lock);
+    if (keyed && p->base.on_full) p->base.on_full(p->base.on_full_arg, key, parent, seq->salt);
 }
 
 static int pool_seq_append(pkv_seq_t *seq, const int32_t *tokens, uint32_t n)
@@ -987,6 +997,53 @@ static int pool_blocks_alloc(pkv_kv_t *kv, uint32_t n, uint32_t *ids)
 }
 
 /* ---- cache control, stats, validation --------------------------------------------- */
+
+static int pool_key_pin(pkv_kv_t *kv, const pkv_kv_key_t *key, uint32_t *id)
+{
+    pool_t *p = pool_of(kv);
+    pthread_mutex_lock(&p->lock);
+    uint32_t b = htab_find(p, key);
+    if (b != NONE) block_ref(p, b);
+    pthread_mutex_unlock(&p->lock);
+    if (b == NONE) return PKV_ERR_NOTFOUND;
+    *id = b;
+    return PKV_OK;
+}
+
+static uint32_t pool_blocks_publish(pkv_kv_t *kv, const uint32_t *ids, const pkv_kv_key_t *keys,
+                                    uint32_t n, uint64_t salt)
+{
+    pool_t *p = pool_of(kv);
+    uint32_t keyed = 0;
+    if (!p->prefix_cache) return 0;
+    pthread_mutex_lock(&p->lock);
+    for (uint32_t i = 0; i < n; i++) {
+        PKV_ASSERT(ids[i] < p->n_granules * p->bpg && p->blk[ids[i]].state == BLK_LIVE);
+        keyed += block_key(p, ids[i], &keys[i], salt);
+    }
+    pthread_mutex_unlock(&p->lock);
+    return keyed;
+}
+
+static uint64_t pool_purge_salt(pkv_kv_t *kv, uint64_t salt)
+{
+    pool_t *p = pool_of(kv);
+    uint64_t n = 0;
+    pthread_mutex_lock(&p->lock);
+    for (uint32_t id = 0; id < p->n_granules * p->bpg; id++) {
+        pool_block_t *b = &p->blk[id];
+        if (!b->hashed || b->salt != salt) continue;
+        n++;
+        if (b->state == BLK_CACHED) {
+            evict_block(p, id, false, EV_RESET);
+        } else {
+            htab_remove(p, id);
+        }
+    }
+    pool_settle(p);
+    pthread_mutex_unlock(&p->lock);
+    return n;
+}
 
 static void pool_reset_cache(pkv_kv_t *kv)
 {
@@ -1379,4 +1436,7 @@ static const kv_ops_t pool_ops = {
     .pin = pool_pin,
     .unpin = pool_unpin,
     .blocks_alloc = pool_blocks_alloc,
+    .key_pin = pool_key_pin,
+    .blocks_publish = pool_blocks_publish,
+    .purge_salt = pool_purge_salt,
 };

@@ -88,7 +88,7 @@ typedef struct {
     bool include_usage; /* stream_options.include_usage */
     bool ignore_eos;
     int32_t priority;
-    uint64_t salt; /* SHA-256 of cache_salt (first 8 bytes); 0 when absent */
+    uint64_t salt; /* pkv_openai_salt of cache_salt; 0 when absent */
     pkv_openai_kvt_t kvt;
     const void *kvt_params; /* json_t * (in doc): the kv_transfer_params object, or NULL */
 
@@ -147,5 +147,9 @@ int pkv_openai_request_check(bool chat, const char *body, size_t len, const char
 json_t *pkv_openai_error_doc(const pkv_openai_error_t *err);
 char *pkv_openai_error_json(const char *type, const char *code, const char *param,
                             const char *message);
+
+/* The prefix-cache salt of a cache_salt string (len bytes): the first 8 bytes of its
+ * SHA-256, never 0 (0 is the request without a cache_salt). */
+uint64_t pkv_openai_salt(const char *cache_salt, size_t len);
 
 #endif

@@ -341,14 +341,19 @@ static int f_cache_salt(const field_t *f, json_t *v, pkv_openai_request_t *r,
     size_t len = json_string_length(v);
     if (len == 0 || len > 1024)
         return bad(err, BAD_VALUE, f->name, "'cache_salt' must be 1..1024 bytes");
+    r->salt = pkv_openai_salt(json_string_value(v), len);
+    return PKV_OK;
+}
+
+uint64_t pkv_openai_salt(const char *cache_salt, size_t len)
+{
     /* The salt enters the prefix keys (SHA-256 chains): derive it with SHA-256 too so
      * that no tenant can pick a string that collides with another tenant's salt. */
     unsigned char md[SHA256_DIGEST_LENGTH];
-    SHA256((const unsigned char *)json_string_value(v), len, md);
+    SHA256((const unsigned char *)cache_salt, len, md);
     uint64_t s = 0;
     for (int i = 0; i < 8; i++) s = s << 8 | md[i];
-    r->salt = s ? s : 1;
-    return PKV_OK;
+    return s ? s : 1;
 }
 
 static int f_add_generation_prompt(const field_t *f, json_t *v, pkv_openai_request_t *r,

@@ -10,6 +10,7 @@
 
 #include <openssl/evp.h>
 #include <openssl/sha.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -30,27 +31,104 @@ enum MHD_Result srv_handle_peaks_reset(pkv_server_t *s, struct MHD_Connection *c
     return srv_answer_json(s, c, hr, 200, doc);
 }
 
+/* A cache admin body: empty, or a JSON object with only the given keys (NULL-terminated).
+ * NULL with *msg set when it is not; json_object() for an empty body. */
+static json_t *admin_body(const http_req_t *hr, const char *const *keys, const char **msg)
+{
+    if (srv_body_empty(hr)) return json_object();
+    json_t *doc = json_loadb(hr->body, hr->len, 0, NULL);
+    const char *k;
+    json_t *v;
+    *msg = "the body must be a JSON object";
+    if (!json_is_object(doc)) goto bad;
+    json_object_foreach(doc, k, v)
+    {
+        const char *const *p = keys;
+        while (*p && strcmp(*p, k)) p++;
+        if (!*p) {
+            *msg = "the body has a field this endpoint does not take";
+            goto bad;
+        }
+    }
+    return doc;
+bad:
+    json_decref(doc);
+    return NULL;
+}
+
+/* POST /v1/cache/reset: drop the memory tier's cached blocks; with {"disk": true} the disk
+ * tier's records too. */
 enum MHD_Result srv_handle_cache_reset(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr)
 {
-    if (!srv_body_empty(hr)) {
+    static const char *const keys[] = {"disk", NULL};
+    const char *msg;
+    json_t *body = admin_body(hr, keys, &msg), *disk = body ? json_object_get(body, "disk") : NULL;
+    if (!body || (disk && !json_is_boolean(disk))) {
+        json_decref(body);
         srv_count_rejection(s, SRV_REJ_INVALID);
-        return srv_answer_errorf(s, c, hr, 400, "invalid_request_error", "invalid_json",
-                                 "/v1/cache/reset takes no parameters (empty body or {})");
+        char m[200];
+        snprintf(m, sizeof(m),
+                 "/v1/cache/reset takes an empty body, {} or {\"disk\": true|false} (%s)",
+                 body ? "'disk' must be a boolean" : msg);
+        return srv_answer_errorf(s, c, hr, 400, "invalid_request_error", "invalid_json", m);
     }
+    bool drop_disk = json_is_true(disk);
+    json_decref(body);
+    if (drop_disk && !s->tier)
+        return srv_answer_errorf(s, c, hr, 400, "invalid_request_error", "no_disk_tier",
+                                 "this server has no disk tier (--kv-disk-dir)");
     pkv_kv_stats_t before, after;
     pkv_kv_stats(s->kv, &before);
     pkv_kv_reset_cache(s->kv);
     pkv_kv_stats(s->kv, &after);
+    pkv_kvtier_stats_t tb = {0};
+    if (drop_disk) {
+        pkv_kvtier_stats(s->tier, &tb);
+        if (pkv_kvtier_drop_disk(s->tier))
+            return srv_answer_errorf(s, c, hr, 409, "invalid_request_error", "read_only",
+                                     "the disk tier's directory is read-only: nothing dropped");
+    }
     pthread_mutex_lock(&s->lock);
     s->ctr.cache_resets++;
     pthread_mutex_unlock(&s->lock);
     uint64_t dropped =
         before.blocks_cached > after.blocks_cached ? before.blocks_cached - after.blocks_cached : 0;
+    json_t *doc =
+        json_pack("{s:b, s:I, s:I, s:I}", "reset", 1, "dropped_blocks", (json_int_t)dropped,
+                  "committed_bytes_before", (json_int_t)before.committed_bytes,
+                  "committed_bytes_after", (json_int_t)after.committed_bytes);
+    if (doc && drop_disk)
+        json_object_set_new(doc, "disk_dropped_blocks", json_integer((json_int_t)tb.disk.records));
+    return srv_answer_json(s, c, hr, 200, doc);
+}
+
+/* POST /v1/cache/purge {"cache_salt": "..."}: forget one tenant in both tiers (its cached
+ * blocks, the keys of its live ones, every segment on disk holding one of its records). */
+enum MHD_Result srv_handle_cache_purge(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr)
+{
+    static const char *const keys[] = {"cache_salt", NULL};
+    const char *msg = "'cache_salt' (a string of 1..1024 bytes) is required";
+    json_t *body = admin_body(hr, keys, &msg),
+           *v = body ? json_object_get(body, "cache_salt") : NULL;
+    size_t len = json_is_string(v) ? json_string_length(v) : 0;
+    if (!len || len > 1024) {
+        json_decref(body);
+        srv_count_rejection(s, SRV_REJ_INVALID);
+        char m[160];
+        snprintf(m, sizeof(m), "/v1/cache/purge: %s", msg);
+        return srv_answer_errorf(s, c, hr, 400, "invalid_request_error", "invalid_value", m);
+    }
+    uint64_t salt = pkv_openai_salt(json_string_value(v), len);
+    json_decref(body);
+    uint64_t mem = pkv_kv_purge_salt(s->kv, salt);
+    int rc = s->tier ? pkv_kvtier_purge_disk(s->tier, salt) : PKV_OK;
+    if (rc)
+        return srv_answer_errorf(s, c, hr, 409, "invalid_request_error", "read_only",
+                                 "the memory tier was purged; the disk tier's directory is "
+                                 "read-only: its records stay");
     return srv_answer_json(s, c, hr, 200,
-                           json_pack("{s:b, s:I, s:I, s:I}", "reset", 1, "dropped_blocks",
-                                     (json_int_t)dropped, "committed_bytes_before",
-                                     (json_int_t)before.committed_bytes, "committed_bytes_after",
-                                     (json_int_t)after.committed_bytes));
+                           json_pack("{s:b, s:I, s:b}", "purged", 1, "memory_blocks",
+                                     (json_int_t)mem, "disk", s->tier != NULL));
 }
 
 /* The prompt of a /v1/cache/lookup or /v1/cache/digest body: true with *r (free with
@@ -82,15 +160,20 @@ enum MHD_Result srv_handle_cache_lookup(pkv_server_t *s, struct MHD_Connection *
 {
     pkv_openai_request_t r;
     int32_t *ids;
-    uint32_t n, matched = 0;
+    uint32_t n, matched = 0, disk = 0;
     enum MHD_Result ret;
     if (!cache_prompt(s, c, hr, &r, &ids, &n, &ret)) return ret;
-    if (pkv_kv_prefix_match(s->kv, r.salt, ids, n, &matched))
+    int rc = PKV_OK;
+    if (s->tier)
+        pkv_kvtier_lookup(s->tier, r.salt, ids, n, &matched, &disk);
+    else
+        rc = pkv_kv_prefix_match(s->kv, r.salt, ids, n, &matched);
+    if (rc)
         ret = srv_answer_errorf(s, c, hr, 500, "server_error", "out_of_memory", "out of memory");
     else
-        ret = srv_answer_json(
-            s, c, hr, 200,
-            json_pack("{s:i, s:i}", "matched_tokens", (int)matched, "prompt_tokens", (int)n));
+        ret = srv_answer_json(s, c, hr, 200,
+                              json_pack("{s:i, s:i, s:i}", "matched_tokens", (int)matched,
+                                        "disk_matched_tokens", (int)disk, "prompt_tokens", (int)n));
     free(ids);
     pkv_openai_request_free(&r);
     return ret;

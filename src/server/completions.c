@@ -83,10 +83,15 @@ static void request_id_of(struct MHD_Connection *c, char out[129])
 
 static json_t *usage_doc(const srv_gen_t *g)
 {
-    return json_pack("{s:i, s:i, s:i, s:{s:i}}", "prompt_tokens", (int)g->prompt_tokens,
-                     "completion_tokens", (int)g->completion_tokens, "total_tokens",
-                     (int)(g->prompt_tokens + g->completion_tokens), "prompt_tokens_details",
-                     "cached_tokens", (int)g->cached_tokens);
+    json_t *u = json_pack("{s:i, s:i, s:i, s:{s:i}}", "prompt_tokens", (int)g->prompt_tokens,
+                          "completion_tokens", (int)g->completion_tokens, "total_tokens",
+                          (int)(g->prompt_tokens + g->completion_tokens), "prompt_tokens_details",
+                          "cached_tokens", (int)g->cached_tokens);
+    json_t *d = u ? json_object_get(u, "prompt_tokens_details") : NULL;
+    if (d && g->tier) /* of cached_tokens, those the disk tier gave */
+        json_object_set_new(d, "cached_tokens_disk",
+                            json_integer(PKV_MIN(g->disk_tokens, g->cached_tokens)));
+    return u;
 }
 
 /* The error a request that ended without stop/length reports. */
@@ -370,6 +375,7 @@ typedef struct {
     bool want_timings;       /* X-Pagekv-Timings: the answer carries pagekv_timings */
     pkv_disagg_timings_t tm; /* this request's phases on this node */
     uint64_t admitted_ns, first_ns;
+    pkv_kvtier_lease_t lease; /* the disk tier: the prefix pinned until admission */
 } gen_run_t;
 
 /* Take an id and a seed and count the request in flight; false when draining. */
@@ -448,7 +454,9 @@ static int gen_submit(pkv_server_t *s, const pkv_openai_request_t *r, const int3
                               .stop = r->stop,
                               .n_stop = r->n_stop,
                               .ignore_eos = r->ignore_eos};
-    run->t_submit = pkv_now_ns();
+    run->t_submit = pkv_now_ns(); /* a load from disk is part of the time to first token */
+    if (s->tier && r->kvt != PKV_OPENAI_KVT_DECODE)
+        pkv_kvtier_prepare(s->tier, r->salt, ids, run->n_prompt, &run->lease);
     int rc = pkv_engine_submit(s->engine, &p, &run->req);
     if (rc) {
         submit_error(s, rc, run, err);
@@ -640,6 +648,18 @@ static int want_timings(struct MHD_Connection *c, bool *on, pkv_openai_error_t *
     return PKV_ERR_INVALID;
 }
 
+/* The first output: the request was admitted (its lease adopted, released here), and the
+ * prompt's computed part teaches the tier's recompute estimate. */
+static void tier_admitted(pkv_server_t *s, gen_run_t *run, const pkv_request_output_t *o)
+{
+    run->gen.tier = true;
+    run->gen.disk_tokens = run->lease.disk_blocks * s->block_tokens;
+    pkv_kvtier_release(s->tier, &run->lease);
+    uint32_t computed = o->prompt_tokens - PKV_MIN(o->cached_tokens, o->prompt_tokens);
+    if (o->admitted_ns && computed >= s->block_tokens && !o->preemptions)
+        pkv_kvtier_note_prefill(s->tier, computed, pkv_now_ns() - o->admitted_ns);
+}
+
 /* POST /v1/completions and /v1/chat/completions (the flow in the top comment). */
 enum MHD_Result srv_handle_generate(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr)
 {
@@ -698,6 +718,7 @@ enum MHD_Result srv_handle_generate(pkv_server_t *s, struct MHD_Connection *c, h
         int wrc = wait_output(s, run.req, run.fd, &o);
         pkv_seq_free(pulled); /* admitted: the engine adopted what it pulled */
         pulled = NULL;
+        if (s->tier && !wrc) tier_admitted(s, &run, &o);
         if (wrc) {
             /* The client went away (or the server is being destroyed): cancel at once. */
             pkv_request_release(run.req);
@@ -708,6 +729,7 @@ enum MHD_Result srv_handle_generate(pkv_server_t *s, struct MHD_Connection *c, h
         }
     }
     pkv_seq_free(pulled);
+    if (s->tier) pkv_kvtier_release(s->tier, &run.lease);
     free(ids);
     pkv_openai_request_free(&r);
     return ret;

@@ -21,6 +21,8 @@ typedef struct {
     pkv_finish_t finish; /* the engine's */
     int status;
     uint32_t prompt_tokens, cached_tokens, completion_tokens, preemptions;
+    bool tier;            /* the server has a disk tier: usage says what came from it */
+    uint32_t disk_tokens; /* prompt tokens loaded from the disk tier for this request */
 } srv_gen_t;
 
 void srv_gen_init(srv_gen_t *g);

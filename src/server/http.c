@@ -139,6 +139,7 @@ static const struct {
     {"/v1/cache/reset", SRV_ROUTE_CACHE_RESET, "POST"},
     {"/v1/cache/lookup", SRV_ROUTE_CACHE_LOOKUP, "POST"},
     {"/v1/cache/digest", SRV_ROUTE_CACHE_DIGEST, "POST"},
+    {"/v1/cache/purge", SRV_ROUTE_CACHE_PURGE, "POST"},
     {"/v1/kv_transfer/peaks/reset", SRV_ROUTE_PEAKS_RESET, "POST"},
 };
 
@@ -194,6 +195,8 @@ static void snapshot(pkv_server_t *s, srv_snapshot_t *out)
     out->has_kv = s->kvn != NULL;
     if (s->kvn) pkv_disagg_node_snapshot(s->kvn, &out->kv);
     srv_memwatch_stats(s->mw, &out->mw);
+    out->has_tier = s->tier != NULL;
+    if (s->tier) pkv_kvtier_stats(s->tier, &out->tier);
 }
 
 /* An empty body or an empty JSON object: endpoints that take no parameters. */
@@ -267,6 +270,8 @@ static enum MHD_Result handle_simple(pkv_server_t *s, struct MHD_Connection *c, 
         return srv_handle_cache_lookup(s, c, hr);
     case SRV_ROUTE_CACHE_DIGEST:
         return srv_handle_cache_digest(s, c, hr);
+    case SRV_ROUTE_CACHE_PURGE:
+        return srv_handle_cache_purge(s, c, hr);
     case SRV_ROUTE_PEAKS_RESET:
         return srv_handle_peaks_reset(s, c, hr);
     default:

@@ -298,28 +298,17 @@ void srv_cache_policy_json(json_t *doc, const pkv_kv_stats_t *ks, const srv_memw
             "pressure_episodes", (json_int_t)m->episodes, "readings", (json_int_t)m->readings));
 }
 
-static void mw_family(FILE *f, const char *name, const char *type, const char *help)
-{
-    fprintf(f, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
-}
-
-static void mw_one(FILE *f, const char *name, const char *type, const char *help, uint64_t v)
-{
-    mw_family(f, name, type, help);
-    fprintf(f, "%s %llu\n", name, (unsigned long long)v);
-}
-
 void srv_cache_policy_render(FILE *f, const pkv_kv_stats_t *ks, const srv_memwatch_stats_t *m)
 {
-    mw_one(f, "pagekv_kv_cache_bytes", "gauge",
-           "Committed KV memory held only by cached prefix blocks.", ks->cache_bytes);
-    mw_one(f, "pagekv_kv_cache_max_bytes", "gauge", "Cap on pagekv_kv_cache_bytes (0: none).",
-           ks->cache_max_bytes);
-    mw_family(f, "pagekv_kv_cache_idle_seconds", "gauge",
-              "Idle time after which a cached block is evicted (0: never).");
+    srv_metric_one(f, "pagekv_kv_cache_bytes", "gauge",
+                   "Committed KV memory held only by cached prefix blocks.", ks->cache_bytes);
+    srv_metric_one(f, "pagekv_kv_cache_max_bytes", "gauge",
+                   "Cap on pagekv_kv_cache_bytes (0: none).", ks->cache_max_bytes);
+    srv_metric_family(f, "pagekv_kv_cache_idle_seconds", "gauge",
+                      "Idle time after which a cached block is evicted (0: never).");
     fprintf(f, "pagekv_kv_cache_idle_seconds %.3f\n", (double)ks->cache_idle_ms / 1e3);
-    mw_family(f, "pagekv_kv_cache_evictions_total", "counter",
-              "Cached prefix blocks evicted, by cause.");
+    srv_metric_family(f, "pagekv_kv_cache_evictions_total", "counter",
+                      "Cached prefix blocks evicted, by cause.");
     const struct {
         const char *cause;
         uint64_t v;
@@ -332,13 +321,13 @@ void srv_cache_policy_render(FILE *f, const pkv_kv_stats_t *ks, const srv_memwat
         fprintf(f, "pagekv_kv_cache_evictions_total{cause=\"%s\"} %llu\n", ev[i].cause,
                 (unsigned long long)ev[i].v);
     if (!m->watching) return;
-    mw_one(f, "pagekv_memory_room_bytes", "gauge",
-           "Memory left to the process (the tightest of its cgroup and the machine).",
-           m->room_bytes);
-    mw_one(f, "pagekv_memory_reserve_bytes", "gauge",
-           "Memory the prefix cache leaves to the machine.", m->reserve_bytes);
-    mw_one(f, "pagekv_memory_pressure", "gauge",
-           "1 while the prefix cache is held out of the reserve.", m->guarding);
-    mw_one(f, "pagekv_memory_pressure_episodes_total", "counter",
-           "Memory pressure episodes (each logged once).", m->episodes);
+    srv_metric_one(f, "pagekv_memory_room_bytes", "gauge",
+                   "Memory left to the process (the tightest of its cgroup and the machine).",
+                   m->room_bytes);
+    srv_metric_one(f, "pagekv_memory_reserve_bytes", "gauge",
+                   "Memory the prefix cache leaves to the machine.", m->reserve_bytes);
+    srv_metric_one(f, "pagekv_memory_pressure", "gauge",
+                   "1 while the prefix cache is held out of the reserve.", m->guarding);
+    srv_metric_one(f, "pagekv_memory_pressure_episodes_total", "counter",
+                   "Memory pressure episodes (each logged once).", m->episodes);
 }

@@ -22,6 +22,7 @@ const char *const srv_route_label[SRV_ROUTE_COUNT] = {"/v1/completions",
                                                       "/v1/cache/reset",
                                                       "/v1/cache/lookup",
                                                       "/v1/cache/digest",
+                                                      "/v1/cache/purge",
                                                       "/v1/kv_transfer/peaks/reset",
                                                       "other"};
 
@@ -46,20 +47,20 @@ void srv_hist_add(pkv_hist_t *h, double seconds)
     pkv_hist_add(h, srv_hist_bounds, SRV_HIST_BUCKETS, seconds);
 }
 
-static void family(FILE *f, const char *name, const char *type, const char *help)
+void srv_metric_family(FILE *f, const char *name, const char *type, const char *help)
 {
     fprintf(f, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
 }
 
-static void one(FILE *f, const char *name, const char *type, const char *help, uint64_t v)
+void srv_metric_one(FILE *f, const char *name, const char *type, const char *help, uint64_t v)
 {
-    family(f, name, type, help);
+    srv_metric_family(f, name, type, help);
     fprintf(f, "%s %llu\n", name, (unsigned long long)v);
 }
 
 /* One histogram's samples; `label` ("" or `key="value",`) goes before each sample's le. */
-static void hist_samples(FILE *f, const char *name, const char *label, const pkv_hist_t *h,
-                         const double *bounds, int n)
+void srv_metric_hist_samples(FILE *f, const char *name, const char *label, const pkv_hist_t *h,
+                             const double *bounds, int n)
 {
     uint64_t cum = 0;
     for (int b = 0; b < n; b++) {
@@ -80,15 +81,15 @@ static void hist_samples(FILE *f, const char *name, const char *label, const pkv
 
 static void hist(FILE *f, const char *name, const char *help, const pkv_hist_t *h)
 {
-    family(f, name, "histogram", help);
-    hist_samples(f, name, "", h, srv_hist_bounds, SRV_HIST_BUCKETS);
+    srv_metric_family(f, name, "histogram", help);
+    srv_metric_hist_samples(f, name, "", h, srv_hist_bounds, SRV_HIST_BUCKETS);
 }
 
 /* The HTTP layer's own families. */
 static void render_http(FILE *f, const srv_counters_t *c)
 {
-    family(f, "pagekv_http_requests_total", "counter",
-           "HTTP requests answered, by route and status code.");
+    srv_metric_family(f, "pagekv_http_requests_total", "counter",
+                      "HTTP requests answered, by route and status code.");
     for (int r = 0; r < SRV_ROUTE_COUNT; r++)
         for (int k = 0; k < SRV_N_CODES; k++) {
             if (!c->http[r][k] && !(k == 0 && r <= SRV_ROUTE_CHAT)) continue;
@@ -99,19 +100,21 @@ static void render_http(FILE *f, const srv_counters_t *c)
                 fprintf(f, "pagekv_http_requests_total{route=\"%s\",code=\"other\"} %llu\n",
                         srv_route_label[r], (unsigned long long)c->http[r][k]);
         }
-    family(f, "pagekv_requests_rejected_total", "counter",
-           "Generation requests refused before reaching the engine, by reason.");
+    srv_metric_family(f, "pagekv_requests_rejected_total", "counter",
+                      "Generation requests refused before reaching the engine, by reason.");
     for (int r = 0; r < SRV_REJ_COUNT; r++)
         fprintf(f, "pagekv_requests_rejected_total{reason=\"%s\"} %llu\n", srv_rejection_label[r],
                 (unsigned long long)c->rejected[r]);
-    one(f, "pagekv_client_disconnects_total", "counter",
+    srv_metric_one(
+        f, "pagekv_client_disconnects_total", "counter",
         "Generation requests whose client went away before the response ended (request cancelled).",
         c->disconnects);
-    one(f, "pagekv_stream_responses_total", "counter",
-        "Streamed (server-sent events) responses started.", c->streams);
-    one(f, "pagekv_requests_in_flight", "gauge",
-        "Generation requests being served by the HTTP layer.", c->in_flight);
-    one(f, "pagekv_cache_resets_total", "counter", "POST /v1/cache/reset calls.", c->cache_resets);
+    srv_metric_one(f, "pagekv_stream_responses_total", "counter",
+                   "Streamed (server-sent events) responses started.", c->streams);
+    srv_metric_one(f, "pagekv_requests_in_flight", "gauge",
+                   "Generation requests being served by the HTTP layer.", c->in_flight);
+    srv_metric_one(f, "pagekv_cache_resets_total", "counter", "POST /v1/cache/reset calls.",
+                   c->cache_resets);
     hist(f, "pagekv_time_to_first_token_seconds",
          "Time from submission to the first generated token.", &c->ttft);
     hist(f, "pagekv_request_duration_seconds", "Time from submission to the last generated token.",
@@ -120,13 +123,16 @@ static void render_http(FILE *f, const srv_counters_t *c)
 
 static void render_engine(FILE *f, const pkv_engine_stats_t *es)
 {
-    one(f, "pagekv_requests_running", "gauge", "Requests in the running batch.", es->running);
-    one(f, "pagekv_requests_queued", "gauge", "Requests waiting for admission.", es->queued);
-    one(f, "pagekv_requests_submitted_total", "counter", "Requests accepted by the engine.",
-        es->submitted);
-    one(f, "pagekv_engine_queue_full_total", "counter",
-        "Submissions refused because the queue was full.", es->rejected_busy);
-    family(f, "pagekv_requests_finished_total", "counter", "Requests finished, by reason.");
+    srv_metric_one(f, "pagekv_requests_running", "gauge", "Requests in the running batch.",
+                   es->running);
+    srv_metric_one(f, "pagekv_requests_queued", "gauge", "Requests waiting for admission.",
+                   es->queued);
+    srv_metric_one(f, "pagekv_requests_submitted_total", "counter",
+                   "Requests accepted by the engine.", es->submitted);
+    srv_metric_one(f, "pagekv_engine_queue_full_total", "counter",
+                   "Submissions refused because the queue was full.", es->rejected_busy);
+    srv_metric_family(f, "pagekv_requests_finished_total", "counter",
+                      "Requests finished, by reason.");
     fprintf(f, "pagekv_requests_finished_total{reason=\"stop\"} %llu\n",
             (unsigned long long)es->finished_stop);
     fprintf(f, "pagekv_requests_finished_total{reason=\"length\"} %llu\n",
@@ -135,55 +141,62 @@ static void render_engine(FILE *f, const pkv_engine_stats_t *es)
             (unsigned long long)es->finished_cancelled);
     fprintf(f, "pagekv_requests_finished_total{reason=\"error\"} %llu\n",
             (unsigned long long)es->finished_error);
-    one(f, "pagekv_preemptions_total", "counter", "Running requests preempted by recompute.",
-        es->preemptions);
-    one(f, "pagekv_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.",
-        es->prompt_tokens);
-    one(f, "pagekv_prompt_cached_tokens_total", "counter",
-        "Prompt tokens adopted from the prefix cache at admission.", es->cached_tokens);
-    one(f, "pagekv_recompute_tokens_total", "counter", "Tokens re-prefilled after preemption.",
-        es->recompute_tokens);
-    one(f, "pagekv_generation_tokens_total", "counter", "Tokens generated.", es->generated_tokens);
-    one(f, "pagekv_engine_steps_total", "counter", "Engine steps (forward passes).", es->steps);
-    family(f, "pagekv_engine_forward_seconds_total", "counter",
-           "Time spent in the model's forward pass.");
+    srv_metric_one(f, "pagekv_preemptions_total", "counter",
+                   "Running requests preempted by recompute.", es->preemptions);
+    srv_metric_one(f, "pagekv_prompt_tokens_total", "counter",
+                   "Prompt tokens of admitted requests.", es->prompt_tokens);
+    srv_metric_one(f, "pagekv_prompt_cached_tokens_total", "counter",
+                   "Prompt tokens adopted from the prefix cache at admission.", es->cached_tokens);
+    srv_metric_one(f, "pagekv_recompute_tokens_total", "counter",
+                   "Tokens re-prefilled after preemption.", es->recompute_tokens);
+    srv_metric_one(f, "pagekv_generation_tokens_total", "counter", "Tokens generated.",
+                   es->generated_tokens);
+    srv_metric_one(f, "pagekv_engine_steps_total", "counter", "Engine steps (forward passes).",
+                   es->steps);
+    srv_metric_family(f, "pagekv_engine_forward_seconds_total", "counter",
+                      "Time spent in the model's forward pass.");
     fprintf(f, "pagekv_engine_forward_seconds_total %.9g\n", (double)es->forward_ns / 1e9);
 }
 
 static void render_kv(FILE *f, const pkv_kv_stats_t *ks)
 {
-    one(f, "pagekv_kv_committed_bytes", "gauge", "KV memory held from the OS.",
-        ks->committed_bytes);
-    one(f, "pagekv_kv_peak_committed_bytes", "gauge", "Peak of pagekv_kv_committed_bytes.",
-        ks->peak_committed_bytes);
-    one(f, "pagekv_kv_reserved_bytes", "gauge", "Address space reserved for the paged pool.",
-        ks->reserved_bytes);
-    one(f, "pagekv_kv_budget_bytes", "gauge", "Cap on committed KV memory (0: none).",
-        ks->budget_bytes);
-    one(f, "pagekv_kv_block_bytes", "gauge", "Bytes of one KV block.", ks->block_bytes);
-    one(f, "pagekv_kv_token_bytes", "gauge", "KV bytes of one token in every layer.",
-        ks->token_bytes);
-    one(f, "pagekv_kv_blocks_capacity", "gauge", "Blocks the budget or reservation allows.",
-        ks->blocks_capacity);
-    family(f, "pagekv_kv_blocks", "gauge", "KV blocks by state.");
+    srv_metric_one(f, "pagekv_kv_committed_bytes", "gauge", "KV memory held from the OS.",
+                   ks->committed_bytes);
+    srv_metric_one(f, "pagekv_kv_peak_committed_bytes", "gauge",
+                   "Peak of pagekv_kv_committed_bytes.", ks->peak_committed_bytes);
+    srv_metric_one(f, "pagekv_kv_reserved_bytes", "gauge",
+                   "Address space reserved for the paged pool.", ks->reserved_bytes);
+    srv_metric_one(f, "pagekv_kv_budget_bytes", "gauge", "Cap on committed KV memory (0: none).",
+                   ks->budget_bytes);
+    srv_metric_one(f, "pagekv_kv_block_bytes", "gauge", "Bytes of one KV block.", ks->block_bytes);
+    srv_metric_one(f, "pagekv_kv_token_bytes", "gauge", "KV bytes of one token in every layer.",
+                   ks->token_bytes);
+    srv_metric_one(f, "pagekv_kv_blocks_capacity", "gauge",
+                   "Blocks the budget or reservation allows.", ks->blocks_capacity);
+    srv_metric_family(f, "pagekv_kv_blocks", "gauge", "KV blocks by state.");
     fprintf(f, "pagekv_kv_blocks{state=\"live\"} %llu\n", (unsigned long long)ks->blocks_live);
     fprintf(f, "pagekv_kv_blocks{state=\"cached\"} %llu\n", (unsigned long long)ks->blocks_cached);
     fprintf(f, "pagekv_kv_blocks{state=\"free\"} %llu\n", (unsigned long long)ks->blocks_free);
-    one(f, "pagekv_kv_sequences", "gauge", "Live sequences.", ks->sequences);
-    one(f, "pagekv_kv_live_tokens", "gauge", "Positions held by live sequences.", ks->live_tokens);
-    one(f, "pagekv_kv_prefix_queries_total", "counter",
-        "Admissions that looked up the prefix cache.", ks->prefix_queries);
-    one(f, "pagekv_kv_prefix_query_tokens_total", "counter",
-        "Prompt tokens looked up in the prefix cache.", ks->prefix_query_tokens);
-    one(f, "pagekv_kv_prefix_hit_tokens_total", "counter",
-        "Prompt tokens adopted from the prefix cache.", ks->prefix_hit_tokens);
-    one(f, "pagekv_kv_evictions_total", "counter", "Cached blocks evicted.", ks->evictions);
-    one(f, "pagekv_kv_cow_copies_total", "counter", "Copy-on-write block copies.", ks->cow_copies);
-    one(f, "pagekv_kv_granule_commits_total", "counter", "Granules committed.", ks->commits);
-    one(f, "pagekv_kv_granule_decommits_total", "counter", "Granules returned to the OS.",
-        ks->decommits);
-    family(f, "pagekv_kv_admission_rejections_total", "counter",
-           "Sequence admissions refused by the KV cache, by reason (nospace is retried later).");
+    srv_metric_one(f, "pagekv_kv_sequences", "gauge", "Live sequences.", ks->sequences);
+    srv_metric_one(f, "pagekv_kv_live_tokens", "gauge", "Positions held by live sequences.",
+                   ks->live_tokens);
+    srv_metric_one(f, "pagekv_kv_prefix_queries_total", "counter",
+                   "Admissions that looked up the prefix cache.", ks->prefix_queries);
+    srv_metric_one(f, "pagekv_kv_prefix_query_tokens_total", "counter",
+                   "Prompt tokens looked up in the prefix cache.", ks->prefix_query_tokens);
+    srv_metric_one(f, "pagekv_kv_prefix_hit_tokens_total", "counter",
+                   "Prompt tokens adopted from the prefix cache.", ks->prefix_hit_tokens);
+    srv_metric_one(f, "pagekv_kv_evictions_total", "counter", "Cached blocks evicted.",
+                   ks->evictions);
+    srv_metric_one(f, "pagekv_kv_cow_copies_total", "counter", "Copy-on-write block copies.",
+                   ks->cow_copies);
+    srv_metric_one(f, "pagekv_kv_granule_commits_total", "counter", "Granules committed.",
+                   ks->commits);
+    srv_metric_one(f, "pagekv_kv_granule_decommits_total", "counter",
+                   "Granules returned to the OS.", ks->decommits);
+    srv_metric_family(
+        f, "pagekv_kv_admission_rejections_total", "counter",
+        "Sequence admissions refused by the KV cache, by reason (nospace is retried later).");
     fprintf(f, "pagekv_kv_admission_rejections_total{reason=\"nofit\"} %llu\n",
             (unsigned long long)ks->rejected_nofit);
     fprintf(f, "pagekv_kv_admission_rejections_total{reason=\"nospace\"} %llu\n",
@@ -197,24 +210,26 @@ static const char *const outcome_label[8] = {"ok",       "timeout",   "peer_lost
 static void render_kvt_flow(FILE *f, const pkv_disagg_snapshot_t *k)
 {
     const pkv_xfer_stats_t *x = &k->xs;
-    family(f, "pagekv_kv_transfer_reads_total", "counter",
-           "Reads of a prompt's KV from a producer (this node consuming), by outcome.");
+    srv_metric_family(f, "pagekv_kv_transfer_reads_total", "counter",
+                      "Reads of a prompt's KV from a producer (this node consuming), by outcome.");
     for (int i = 0; i < 8; i++)
         fprintf(f, "pagekv_kv_transfer_reads_total{outcome=\"%s\"} %llu\n", outcome_label[i],
                 (unsigned long long)x->reads_done[i]);
-    family(f, "pagekv_kv_transfer_serves_total", "counter",
-           "Reads served to consumers (this node producing): acknowledged (sent), accepted and "
-           "ended without ACK (failed), refused at once (refused).");
+    srv_metric_family(
+        f, "pagekv_kv_transfer_serves_total", "counter",
+        "Reads served to consumers (this node producing): acknowledged (sent), accepted and "
+        "ended without ACK (failed), refused at once (refused).");
     fprintf(f, "pagekv_kv_transfer_serves_total{outcome=\"sent\"} %llu\n",
             (unsigned long long)x->sent);
     fprintf(f, "pagekv_kv_transfer_serves_total{outcome=\"failed\"} %llu\n",
             (unsigned long long)x->serves_failed);
     fprintf(f, "pagekv_kv_transfer_serves_total{outcome=\"refused\"} %llu\n",
             (unsigned long long)x->rejected);
-    family(f, "pagekv_kv_pulls_total", "counter",
-           "Decode legs: pulled the blocks the local prefix cache lacked (ok), needed none "
-           "(released: the token alone went to the producer), failed, failed and computed here "
-           "(recomputed), and requests without params computed here (local).");
+    srv_metric_family(
+        f, "pagekv_kv_pulls_total", "counter",
+        "Decode legs: pulled the blocks the local prefix cache lacked (ok), needed none "
+        "(released: the token alone went to the producer), failed, failed and computed here "
+        "(recomputed), and requests without params computed here (local).");
     const struct {
         const char *what;
         uint64_t v;
@@ -226,32 +241,37 @@ static void render_kvt_flow(FILE *f, const pkv_disagg_snapshot_t *k)
     for (size_t i = 0; i < PKV_ARRAY_LEN(pulls); i++)
         fprintf(f, "pagekv_kv_pulls_total{outcome=\"%s\"} %llu\n", pulls[i].what,
                 (unsigned long long)pulls[i].v);
-    family(f, "pagekv_kv_pull_blocks_total", "counter",
-           "Prompt blocks of decode legs: read from the producer, or already held by the local "
-           "prefix cache.");
+    srv_metric_family(
+        f, "pagekv_kv_pull_blocks_total", "counter",
+        "Prompt blocks of decode legs: read from the producer, or already held by the local "
+        "prefix cache.");
     fprintf(f, "pagekv_kv_pull_blocks_total{source=\"pulled\"} %llu\n",
             (unsigned long long)k->pulls.blocks_pulled);
     fprintf(f, "pagekv_kv_pull_blocks_total{source=\"adopted\"} %llu\n",
             (unsigned long long)k->pulls.blocks_adopted);
-    one(f, "pagekv_kv_pulls_inflight", "gauge",
-        "Decode legs' reads from a producer started and not yet ended.", k->pulls.inflight);
-    one(f, "pagekv_kv_pulls_inflight_peak", "gauge",
+    srv_metric_one(f, "pagekv_kv_pulls_inflight", "gauge",
+                   "Decode legs' reads from a producer started and not yet ended.",
+                   k->pulls.inflight);
+    srv_metric_one(
+        f, "pagekv_kv_pulls_inflight_peak", "gauge",
         "High-water of pagekv_kv_pulls_inflight since the node started or the last peaks reset.",
         k->pulls.inflight_peak);
-    family(f, "pagekv_kv_transfer_phase_seconds", "histogram",
-           "Phases of disaggregated requests on the node where each happens (prefill: "
-           "prefill_queue, prefill_compute, lease_wait, staging_wait, wire; decode: handshake, "
-           "staging_wait, wire, commit, decode).");
+    srv_metric_family(
+        f, "pagekv_kv_transfer_phase_seconds", "histogram",
+        "Phases of disaggregated requests on the node where each happens (prefill: "
+        "prefill_queue, prefill_compute, lease_wait, staging_wait, wire; decode: handshake, "
+        "staging_wait, wire, commit, decode).");
     for (int p = 0; p < PKV_DISAGG_PHASE_COUNT; p++) {
         char label[48];
         snprintf(label, sizeof(label), "phase=\"%s\",", pkv_disagg_phase_label[p]);
-        hist_samples(f, "pagekv_kv_transfer_phase_seconds", label, &k->phases[p],
-                     pkv_disagg_phase_bounds, PKV_DISAGG_PHASE_BUCKETS);
+        srv_metric_hist_samples(f, "pagekv_kv_transfer_phase_seconds", label, &k->phases[p],
+                                pkv_disagg_phase_bounds, PKV_DISAGG_PHASE_BUCKETS);
     }
-    one(f, "pagekv_kv_agent_up", "gauge",
-        "1 while the transfer agent serves and its progress thread beats.", k->agent_alive);
-    family(f, "pagekv_kv_agent_progress_age_seconds", "gauge",
-           "Time since the transfer agent's progress loop last began a round.");
+    srv_metric_one(f, "pagekv_kv_agent_up", "gauge",
+                   "1 while the transfer agent serves and its progress thread beats.",
+                   k->agent_alive);
+    srv_metric_family(f, "pagekv_kv_agent_progress_age_seconds", "gauge",
+                      "Time since the transfer agent's progress loop last began a round.");
     fprintf(f, "pagekv_kv_agent_progress_age_seconds %.6f\n", (double)k->agent_age_ns / 1e9);
 }
 
@@ -259,8 +279,8 @@ static void render_kvt_flow(FILE *f, const pkv_disagg_snapshot_t *k)
 static void render_kvt(FILE *f, const pkv_disagg_snapshot_t *k)
 {
     const pkv_xfer_stats_t *x = &k->xs;
-    family(f, "pagekv_kv_leases_total", "counter",
-           "Prefill legs' block registrations: offered, and ended by outcome.");
+    srv_metric_family(f, "pagekv_kv_leases_total", "counter",
+                      "Prefill legs' block registrations: offered, and ended by outcome.");
     const struct {
         const char *what;
         uint64_t v;
@@ -272,44 +292,46 @@ static void render_kvt(FILE *f, const pkv_disagg_snapshot_t *k)
     for (size_t i = 0; i < PKV_ARRAY_LEN(leases); i++)
         fprintf(f, "pagekv_kv_leases_total{outcome=\"%s\"} %llu\n", leases[i].what,
                 (unsigned long long)leases[i].v);
-    one(f, "pagekv_kv_leases_live", "gauge", "Registrations waiting for their decode leg.",
-        x->registrations);
-    one(f, "pagekv_kv_transfer_pinned_blocks", "gauge",
-        "KV blocks pinned by the transfer agent (leases and running reads).", x->pinned_blocks);
-    one(f, "pagekv_kv_transfer_sent_bytes_total", "counter",
-        "Payload bytes of acknowledged transfers served.", x->bytes_sent);
-    one(f, "pagekv_kv_transfer_received_bytes_total", "counter",
-        "Payload bytes pulled, verified and stored.", x->bytes_received);
-    one(f, "pagekv_kv_staging_pages_held", "gauge", "Staging pages held by transfers.",
-        x->staging_pages_held);
-    one(f, "pagekv_kv_staging_peak_pages", "gauge", "Peak of staging pages in use.",
-        k->ss.pages_peak_used);
-    one(f, "pagekv_kv_staging_resident_bytes", "gauge", "Staging memory committed.",
-        k->ss.resident_bytes);
-    one(f, "pagekv_kv_staging_pinned_bytes", "gauge", "Staging memory locked in RAM.",
-        k->ss.pinned_bytes);
-    one(f, "pagekv_kv_staging_waits_total", "counter",
-        "Staging acquires that had to wait for pages (staging exhausted for a while).",
-        k->ss.waits);
-    one(f, "pagekv_kv_staging_resident_pages", "gauge", "Staging pages committed.",
-        k->ss.page_bytes ? k->ss.resident_bytes / k->ss.page_bytes : 0);
+    srv_metric_one(f, "pagekv_kv_leases_live", "gauge",
+                   "Registrations waiting for their decode leg.", x->registrations);
+    srv_metric_one(f, "pagekv_kv_transfer_pinned_blocks", "gauge",
+                   "KV blocks pinned by the transfer agent (leases and running reads).",
+                   x->pinned_blocks);
+    srv_metric_one(f, "pagekv_kv_transfer_sent_bytes_total", "counter",
+                   "Payload bytes of acknowledged transfers served.", x->bytes_sent);
+    srv_metric_one(f, "pagekv_kv_transfer_received_bytes_total", "counter",
+                   "Payload bytes pulled, verified and stored.", x->bytes_received);
+    srv_metric_one(f, "pagekv_kv_staging_pages_held", "gauge", "Staging pages held by transfers.",
+                   x->staging_pages_held);
+    srv_metric_one(f, "pagekv_kv_staging_peak_pages", "gauge", "Peak of staging pages in use.",
+                   k->ss.pages_peak_used);
+    srv_metric_one(f, "pagekv_kv_staging_resident_bytes", "gauge", "Staging memory committed.",
+                   k->ss.resident_bytes);
+    srv_metric_one(f, "pagekv_kv_staging_pinned_bytes", "gauge", "Staging memory locked in RAM.",
+                   k->ss.pinned_bytes);
+    srv_metric_one(f, "pagekv_kv_staging_waits_total", "counter",
+                   "Staging acquires that had to wait for pages (staging exhausted for a while).",
+                   k->ss.waits);
+    srv_metric_one(f, "pagekv_kv_staging_resident_pages", "gauge", "Staging pages committed.",
+                   k->ss.page_bytes ? k->ss.resident_bytes / k->ss.page_bytes : 0);
     render_kvt_flow(f, k);
 }
 
 static void render_hugepages(FILE *f, const srv_snapshot_t *snap)
 {
-    one(f, "pagekv_kv_hugepages_requested", "gauge",
-        "1 when the paged pool asks for transparent huge pages on commit.", snap->huge);
-    one(f, "pagekv_kv_hugepages_probe", "gauge",
-        "1 when a 2 MiB page committed at startup as the pool commits was a huge page.",
-        snap->huge_probe);
+    srv_metric_one(f, "pagekv_kv_hugepages_requested", "gauge",
+                   "1 when the paged pool asks for transparent huge pages on commit.", snap->huge);
+    srv_metric_one(f, "pagekv_kv_hugepages_probe", "gauge",
+                   "1 when a 2 MiB page committed at startup as the pool commits was a huge page.",
+                   snap->huge_probe);
     if (!snap->pages_ok) return;
-    one(f, "pagekv_kv_pool_resident_bytes", "gauge",
-        "Resident bytes of the paged pool's range (smaps Rss).", snap->pool_resident_bytes);
-    one(f, "pagekv_kv_pool_hugepage_bytes", "gauge",
-        "Resident bytes of the paged pool's range in transparent huge pages (smaps "
-        "AnonHugePages).",
-        snap->pool_huge_bytes);
+    srv_metric_one(f, "pagekv_kv_pool_resident_bytes", "gauge",
+                   "Resident bytes of the paged pool's range (smaps Rss).",
+                   snap->pool_resident_bytes);
+    srv_metric_one(f, "pagekv_kv_pool_hugepage_bytes", "gauge",
+                   "Resident bytes of the paged pool's range in transparent huge pages (smaps "
+                   "AnonHugePages).",
+                   snap->pool_huge_bytes);
 }
 
 char *srv_metrics_render(const srv_snapshot_t *snap, size_t *len)
@@ -323,14 +345,15 @@ char *srv_metrics_render(const srv_snapshot_t *snap, size_t *len)
     render_kv(f, &snap->ks);
     srv_cache_policy_render(f, &snap->ks, &snap->mw);
     if (snap->has_kv) render_kvt(f, &snap->kv);
+    if (snap->has_tier) srv_tier_render(f, &snap->tier);
     render_hugepages(f, snap);
     if (snap->rss_bytes)
-        one(f, "pagekv_process_resident_memory_bytes", "gauge", "VmRSS of the server process.",
-            snap->rss_bytes);
+        srv_metric_one(f, "pagekv_process_resident_memory_bytes", "gauge",
+                       "VmRSS of the server process.", snap->rss_bytes);
     if (snap->rss_bytes && snap->has_kv)
-        one(f, "pagekv_process_locked_memory_bytes", "gauge",
-            "VmLck of the server process (compare pagekv_kv_staging_pinned_bytes).",
-            snap->locked_bytes);
+        srv_metric_one(f, "pagekv_process_locked_memory_bytes", "gauge",
+                       "VmLck of the server process (compare pagekv_kv_staging_pinned_bytes).",
+                       snap->locked_bytes);
     if (fclose(f)) {
         free(buf);
         return NULL;
@@ -390,6 +413,8 @@ json_t *srv_cache_stats_json(const srv_snapshot_t *snap)
         "queued", (json_int_t)es->queued, "submitted", (json_int_t)es->submitted);
     if (doc) srv_cache_policy_json(doc, ks, &snap->mw);
     if (doc) json_object_set_new(doc, "hugepages", hugepages_json(snap));
+    if (doc)
+        json_object_set_new(doc, "disk", snap->has_tier ? srv_tier_json(&snap->tier) : json_null());
     return doc;
 }
 

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/statvfs.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -116,6 +117,50 @@ static void hugepage_policy(pkv_server_t *s, const pkv_server_config_t *cfg)
              pkv_prim_thp_mode_name(s->thp), why);
 }
 
+/* The free-space watermark: the flag, or 1 GiB or 5 % of the filesystem, the smaller. */
+static uint64_t tier_min_free(const pkv_server_config_t *cfg)
+{
+    struct statvfs v;
+    if (cfg->kv_disk_min_free == UINT64_MAX) return 0;
+    if (cfg->kv_disk_min_free) return cfg->kv_disk_min_free;
+    uint64_t fs = statvfs(cfg->kv_disk_dir, &v) ? 0 : (uint64_t)v.f_blocks * v.f_frsize;
+    return fs ? PKV_MIN(1ull << 30, fs / 20) : 1ull << 30;
+}
+
+/* The disk tier over the pool: its layout digest names the model (a preset and its seed,
+ * or the checkpoint's content), the kernels that compute K/V, and the KV's geometry. */
+static int open_tier(pkv_server_t *s, const pkv_server_config_t *cfg)
+{
+    char id[256], hex[33];
+    const char *kernels = pkv_model_kernels(s->model);
+    if (cfg->model_path) {
+        if (pkv_kvtier_file_hash(cfg->model_path, hex)) {
+            PKV_LOGE("server", "cannot read %s for the disk tier's layout", cfg->model_path);
+            return PKV_ERR_IO;
+        }
+        snprintf(id, sizeof(id), "llama2c xxh3-128 %s kernels %s", hex, kernels);
+    } else {
+        snprintf(id, sizeof(id), "preset %.32s seed %llu kernels %s",
+                 cfg->preset ? cfg->preset : "tiny",
+                 (unsigned long long)(cfg->weight_seed ? cfg->weight_seed : 1), kernels);
+    }
+    pkv_kvtier_config_t tc = {.dir = cfg->kv_disk_dir,
+                              .max_bytes = cfg->kv_disk_bytes ? cfg->kv_disk_bytes : 1ull << 30,
+                              .min_free_bytes = tier_min_free(cfg),
+                              .load_ms = cfg->kv_disk_load_ms};
+    pkv_kvtier_layout(s->kv, id, tc.layout);
+    int rc = pkv_kvtier_open(s->kv, &tc, &s->tier);
+    if (rc == PKV_ERR_BUSY)
+        PKV_LOGE("server", "the disk tier %s is in use by another live server", cfg->kv_disk_dir);
+    else if (rc)
+        PKV_LOGE("server", "opening the disk tier %s failed: %s", cfg->kv_disk_dir,
+                 pkv_status_str(rc));
+    else
+        PKV_LOGI("server", "disk tier: %s, at most %llu bytes", cfg->kv_disk_dir,
+                 (unsigned long long)tc.max_bytes);
+    return rc;
+}
+
 static int build_stack(pkv_server_t *s, const pkv_server_config_t *cfg)
 {
     int rc = load_model(s, cfg);
@@ -171,6 +216,7 @@ static int build_stack(pkv_server_t *s, const pkv_server_config_t *cfg)
                               .n_eos_ids = n_eos,
                               .detok = detok,
                               .detok_arg = s->tok};
+    if (cfg->kv_disk_dir && (rc = open_tier(s, cfg))) return rc;
     if ((rc = pkv_engine_create(&ec, &s->engine))) {
         PKV_LOGE("server", "creating the engine failed: %s", pkv_status_str(rc));
         return rc;
@@ -186,6 +232,7 @@ static void free_stack(pkv_server_t *s)
 {
     srv_memwatch_destroy(s->mw); /* before the pool it trims */
     pkv_engine_destroy(s->engine);
+    pkv_kvtier_close(s->tier); /* after the engine (its hooks), before the pool (its pins) */
     pkv_kv_destroy(s->kv);
     pkv_model_destroy(s->model);
     pkv_tok_destroy(s->tok);

@@ -16,6 +16,7 @@
 #include "pagekv/xfer.h"
 #include "disagg/disagg.h"
 #include "openai/openai.h"
+#include "tier/kvtier.h"
 
 #include "prim/prim.h"
 
@@ -36,6 +37,7 @@ typedef enum {
     SRV_ROUTE_CACHE_RESET,
     SRV_ROUTE_CACHE_LOOKUP,
     SRV_ROUTE_CACHE_DIGEST,
+    SRV_ROUTE_CACHE_PURGE,
     SRV_ROUTE_PEAKS_RESET,
     SRV_ROUTE_OTHER,
     SRV_ROUTE_COUNT
@@ -139,7 +141,19 @@ typedef struct {
     bool has_kv;                                   /* a prefill or decode node: kv filled */
     pkv_disagg_snapshot_t kv;
     srv_memwatch_stats_t mw; /* the cache policy's watcher */
+    bool has_tier;           /* the disk tier is on: tier filled */
+    pkv_kvtier_stats_t tier;
 } srv_snapshot_t;
+
+/* Prometheus text: a family's HELP and TYPE lines; one family with one sample; a
+ * histogram's samples (`label`: "" or `key="value",`, put before each sample's le). */
+void srv_metric_family(FILE *f, const char *name, const char *type, const char *help);
+void srv_metric_one(FILE *f, const char *name, const char *type, const char *help, uint64_t v);
+void srv_metric_hist_samples(FILE *f, const char *name, const char *label, const pkv_hist_t *h,
+                             const double *bounds, int n);
+/* The disk tier's /metrics families and its /v1/cache/stats "disk" object (tier.c). */
+void srv_tier_render(FILE *f, const pkv_kvtier_stats_t *t);
+json_t *srv_tier_json(const pkv_kvtier_stats_t *t);
 
 /* Prometheus text exposition (malloc'd, NUL-terminated; *len without the NUL). NULL on
  * allocation failure. */
@@ -161,6 +175,7 @@ struct pkv_server {
     pkv_server_role_t role;
     pkv_disagg_node_t *kvn; /* prefill and decode roles: the transfer agents (disagg) */
     srv_memwatch_t *mw;     /* the cache policy's timer and memory watcher (memwatch.c) */
+    pkv_kvtier_t *tier;     /* the disk tier (NULL: off) */
     struct MHD_Daemon *mhd;
     MHD_socket quiesced_fd; /* the listening socket after quiesce: closed after stop */
     uint16_t port;
@@ -237,6 +252,7 @@ enum MHD_Result srv_handle_generate(pkv_server_t *s, struct MHD_Connection *c, h
 enum MHD_Result srv_handle_peaks_reset(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr);
 enum MHD_Result srv_handle_cache_reset(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr);
 enum MHD_Result srv_handle_cache_lookup(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr);
+enum MHD_Result srv_handle_cache_purge(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr);
 enum MHD_Result srv_handle_cache_digest(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr);
 
 #endif
