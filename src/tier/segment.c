@@ -408,7 +408,11 @@ int pkv_tier_seg_append(pkv_tier_seg_t *s, const pkv_tier_record_t *r, const voi
 
 int pkv_tier_seg_sync(pkv_tier_seg_t *s)
 {
-    return fdatasync(s->fd) ? PKV_ERR_IO : PKV_OK;
+    if (fdatasync(s->fd)) return PKV_ERR_IO;
+    /* Durable now: the page cache need not keep it (the server's memory, its cgroup's,
+     * stays the pool's; a load reads it back from the disk). */
+    posix_fadvise(s->fd, 0, (off_t)s->size, POSIX_FADV_DONTNEED);
+    return PKV_OK;
 }
 
 /* Append the index and footer of entries e[0..n) at off to fd, and sync. */
@@ -500,6 +504,8 @@ int pkv_tier_record_read(int fd, const pkv_tier_entry_t *e,
     pkv_tier_record_t r;
     int rc = src_read(&s, e->offset, h, sizeof(h));
     if (!rc) rc = src_read(&s, e->offset + sizeof(h), payload, e->payload_len);
+    /* The block now lives in the pool: no second copy in the page cache. */
+    posix_fadvise(fd, (off_t)e->offset, (off_t)(sizeof(h) + e->payload_len), POSIX_FADV_DONTNEED);
     if (rc) return rc;
     if (pkv_tier_record_check(h, payload, e->payload_len, &r) ||
         memcmp(r.key, key, PKV_TIER_HASH_BYTES) || memcmp(r.layout, layout, PKV_TIER_HASH_BYTES))
