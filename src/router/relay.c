@@ -453,9 +453,9 @@ static uint32_t load_of(const rt_node_t *n)
 }
 
 /* The node of `role` to try among the candidates (bit i: node i), or NULL. matched (or
- * NULL): lookup answers; the most matched tokens wins, ties and misses the least loaded.
+ * NULL): lookup scores (lookup_score); the highest wins, ties and misses the least loaded.
  * Nodes that are up come first. */
-static rt_node_t *choose(pkv_router_t *r, rt_role_t role, uint64_t cands, const int32_t *matched)
+static rt_node_t *choose(pkv_router_t *r, rt_role_t role, uint64_t cands, const int64_t *matched)
 {
     uint32_t N = r->n_nodes[role];
     uint64_t up = 0;
@@ -464,7 +464,7 @@ static rt_node_t *choose(pkv_router_t *r, rt_role_t role, uint64_t cands, const 
     if (up) cands = up;
     if (!cands) return NULL;
     if (matched) {
-        int32_t best = 0;
+        int64_t best = 0;
         for (uint32_t i = 0; i < N; i++)
             if ((cands >> i & 1) && matched[i] > best) best = matched[i];
         if (best > 0) {
@@ -571,7 +571,8 @@ static void lookup_decide(pkv_router_t *r, rt_xchg_t *x)
     if (pkv_log_get_level() >= PKV_LOG_INFO) {
         char m[256] = "";
         for (uint32_t i = 0, k = 0; i < r->n_nodes[RT_PREFILL] && k + 16 < sizeof(m); i++)
-            k += (size_t)snprintf(m + k, sizeof(m) - k, "%s%d", i ? "," : "", x->matched[i]);
+            k += (size_t)snprintf(m + k, sizeof(m) - k, "%s%lld", i ? "," : "",
+                                  x->matched[i] < 0 ? -1 : (long long)(x->matched[i] >> 20));
         PKV_LOGI("router", "%s: lookups matched [%s]: prefill leg to %s", x->rid, m, n->url);
     }
     if (!main_leg(r, x, RT_LEG_PREFILL, n, x->pbody))
@@ -729,6 +730,21 @@ static void error_code(const rt_leg_t *l, char *out, size_t n)
     json_decref(doc);
 }
 
+/* A node's /v1/cache/lookup answer as one score: the tokens it holds in either tier first,
+ * then, among equal totals, those in memory (a memory hit beats a disk hit of equal length).
+ * -1: no usable answer. */
+static int64_t lookup_score(json_t *doc)
+{
+    json_t *m = json_object_get(doc, "matched_tokens"),
+           *d = json_object_get(doc, "disk_matched_tokens");
+    if (!json_is_integer(m) || json_integer_value(m) < 0 || json_integer_value(m) > INT32_MAX)
+        return -1;
+    int64_t mem = json_integer_value(m), disk = 0;
+    if (json_is_integer(d) && json_integer_value(d) >= 0 && json_integer_value(d) <= INT32_MAX)
+        disk = json_integer_value(d);
+    return (mem + disk) << 20 | PKV_MIN(mem, (int64_t)0xfffff);
+}
+
 static void lookup_done(pkv_router_t *r, rt_leg_t *l, CURLcode cc)
 {
     rt_xchg_t *x = l->x;
@@ -740,8 +756,7 @@ static void lookup_done(pkv_router_t *r, rt_leg_t *l, CURLcode cc)
     pthread_mutex_unlock(&r->lock);
     if (cc == CURLE_OK && l->status == 200) {
         json_t *doc = json_loadb(l->buf ? l->buf : "", l->len, 0, NULL);
-        json_t *m = json_object_get(doc, "matched_tokens");
-        x->matched[n->index] = json_is_integer(m) ? (int32_t)json_integer_value(m) : -1;
+        x->matched[n->index] = lookup_score(doc);
         json_decref(doc);
     } else if (cc != CURLE_OK) {
         char detail[CURL_ERROR_SIZE + 16];

@@ -141,7 +141,7 @@ struct rt_xchg {
     rt_node_t *pnode;
     rt_leg_t *legs; /* this exchange's legs (main leg or lookups) */
     uint32_t lookups_pending;
-    int32_t matched[PKV_ROUTER_MAX_NODES]; /* lookup answers (-1: none) */
+    int64_t matched[PKV_ROUTER_MAX_NODES]; /* lookup scores (relay.c lookup_score; -1: none) */
     char reason[600];                      /* the failures so far, for a 503 */
     rt_xchg_t *live_prev, *live_next;      /* r->live */
     bool waiting_model;

@@ -376,6 +376,7 @@ typedef struct {
     pkv_disagg_timings_t tm; /* this request's phases on this node */
     uint64_t admitted_ns, first_ns;
     pkv_kvtier_lease_t lease; /* the disk tier: the prefix pinned until admission */
+    uint64_t t_lease;         /* when the lease was prepared (0: no tier) */
 } gen_run_t;
 
 /* Take an id and a seed and count the request in flight; false when draining. */
@@ -416,10 +417,11 @@ static void submit_error(pkv_server_t *s, int rc, const gen_run_t *run, pkv_open
 }
 
 /* Check the KV budget and count the request in flight (run->rid and run->seed taken):
- * from here on drain waits for it, a decode leg's pull included. PKV_OK, or *err (the
- * refusal counted). */
-static int gen_enter(pkv_server_t *s, http_req_t *hr, const pkv_openai_request_t *r, gen_run_t *run,
-                     pkv_openai_error_t *err)
+ * from here on drain waits for it, a decode leg's pull included. With a disk tier, the
+ * prompt's prefix is then pinned in memory and loaded from disk where that pays (a decode
+ * leg's pull adopts it and reads only the rest). PKV_OK, or *err (the refusal counted). */
+static int gen_enter(pkv_server_t *s, http_req_t *hr, const pkv_openai_request_t *r,
+                     const int32_t *ids, gen_run_t *run, pkv_openai_error_t *err)
 {
     if (!kv_fits(s, run->n_prompt, run->max_tokens, err)) {
         srv_count_rejection(s, SRV_REJ_KV_BUDGET);
@@ -432,6 +434,10 @@ static int gen_enter(pkv_server_t *s, http_req_t *hr, const pkv_openai_request_t
         return PKV_ERR_SHUTDOWN;
     }
     hr->in_flight = true;
+    if (s->tier) {
+        run->t_lease = pkv_now_ns();
+        pkv_kvtier_prepare(s->tier, r->salt, ids, run->n_prompt, &run->lease);
+    }
     return PKV_OK;
 }
 
@@ -454,9 +460,9 @@ static int gen_submit(pkv_server_t *s, const pkv_openai_request_t *r, const int3
                               .stop = r->stop,
                               .n_stop = r->n_stop,
                               .ignore_eos = r->ignore_eos};
-    run->t_submit = pkv_now_ns(); /* a load from disk is part of the time to first token */
-    if (s->tier && r->kvt != PKV_OPENAI_KVT_DECODE)
-        pkv_kvtier_prepare(s->tier, r->salt, ids, run->n_prompt, &run->lease);
+    /* A load from disk (gen_enter) is part of the time to first token; a decode leg's
+     * phases start after its pull. */
+    run->t_submit = run->t_lease && r->kvt != PKV_OPENAI_KVT_DECODE ? run->t_lease : pkv_now_ns();
     int rc = pkv_engine_submit(s->engine, &p, &run->req);
     if (rc) {
         submit_error(s, rc, run, err);
@@ -690,7 +696,7 @@ enum MHD_Result srv_handle_generate(pkv_server_t *s, struct MHD_Connection *c, h
         srv_count_rejection(s, !strcmp(err.code, "context_length_exceeded") ? SRV_REJ_CONTEXT
                                                                             : SRV_REJ_INVALID);
         ret = srv_answer_error(s, c, hr, &err);
-    } else if (gen_enter(s, hr, &r, &run, &err)) {
+    } else if (gen_enter(s, hr, &r, ids, &run, &err)) {
         ret = srv_answer_error(s, c, hr, &err);
     } else if (r.kvt == PKV_OPENAI_KVT_DECODE &&
                pkv_disagg_node_pull(s->kvn, r.kvt_params, ids, run.n_prompt, r.salt, &pulled,
