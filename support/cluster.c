@@ -47,13 +47,21 @@ static int answer_take(const json_t *o, cluster_answer_t *a, size_t *len)
                *ct = json_object_get(u, "completion_tokens");
         if (json_is_integer(pt)) a->prompt_tokens = (long)json_integer_value(pt);
         if (json_is_integer(ct)) a->completion_tokens = (long)json_integer_value(ct);
+        json_t *d = json_object_get(u, "prompt_tokens_details");
+        json_t *c = json_object_get(d, "cached_tokens"),
+               *cd = json_object_get(d, "cached_tokens_disk");
+        if (json_is_integer(c)) a->cached_tokens = (long)json_integer_value(c);
+        if (json_is_integer(cd)) a->cached_tokens_disk = (long)json_integer_value(cd);
     }
     return 0;
 }
 
 int cluster_answer_parse(const char *body, bool stream, cluster_answer_t *out)
 {
-    cluster_answer_t a = {.prompt_tokens = -1, .completion_tokens = -1};
+    cluster_answer_t a = {.prompt_tokens = -1,
+                          .completion_tokens = -1,
+                          .cached_tokens = -1,
+                          .cached_tokens_disk = -1};
     size_t len = 0;
     a.text = calloc(1, 1);
     if (!a.text || !body) goto fail;

@@ -22,6 +22,7 @@ typedef struct {
     char finish[24];    /* finish_reason, "" if none */
     long prompt_tokens; /* usage, -1 if absent */
     long completion_tokens;
+    long cached_tokens, cached_tokens_disk; /* usage.prompt_tokens_details, -1 if absent */
     char error_code[32]; /* error.code of an error body or an SSE error event, "" if none */
     bool done;           /* a stream ended with data: [DONE] (non-streamed: true) */
 } cluster_answer_t;

@@ -5,6 +5,8 @@
  * handful of requests go through the router (chat with a shared long system prompt,
  * streamed and not, seeded sampling, a completion); every answer is compared bitwise with
  * the unified node's. Then each node's VmRSS, staging and transfer accounting is printed,
+ * the unified node (which keeps its cached prefixes on disk, --kv-disk-dir) is restarted and
+ * the first request asked again: a returning user served from disk, answer unchanged;
  * every process is stopped with SIGTERM and must exit 0.
  *
  * Exit: 0 every answer identical, every lease sent, no pins or staging pages held, every
@@ -148,6 +150,8 @@ typedef struct {
     char logdir[64];
     launch_proc_t p[N_PROCS];
     bool started[N_PROCS];
+    char diskdir[96 + 16];
+    double first_secs; /* the unified node's answer to the first request */
 } demo_t;
 
 static const char *const demo_names[N_PROCS] = {"unified", "prefill", "decode", "router"};
@@ -182,6 +186,12 @@ static int demo_start(demo_t *d, int i)
             argv[n++] = "--staging";
             argv[n++] = (char *)d->o.staging;
             if (d->o.shared) argv[n++] = "--staging-shared";
+        } else { /* the reference node keeps its cached prefixes on disk too */
+            snprintf(d->diskdir, sizeof(d->diskdir), "%s/kv-disk", d->logdir);
+            argv[n++] = "--kv-disk-dir";
+            argv[n++] = d->diskdir;
+            argv[n++] = "--kv-disk-bytes";
+            argv[n++] = "256M";
         }
     }
     argv[n] = NULL;
@@ -288,6 +298,7 @@ static uint32_t demo_requests(demo_t *d, int *err)
             cluster_answer_free(&via);
             continue;
         }
+        if (i == 0) d->first_secs = tu;
         bool eq = cluster_answer_equal(&via, &ref);
         same += eq;
         printf("  [%zu] %-24s router %6.3f s  unified %6.3f s  %ld+%ld tokens  %s\n      ", i + 1,
@@ -302,6 +313,35 @@ static uint32_t demo_requests(demo_t *d, int *err)
         cluster_answer_free(&ref);
     }
     return same;
+}
+
+/* A returning user: the unified node is restarted (SIGTERM, then a new process on the same
+ * disk tier) and the first request asked again: its shared prefix comes back from disk, and
+ * the answer must be the router's. True when it held. */
+static bool demo_returning(demo_t *d)
+{
+    int code = launch_stop(&d->p[N_UNIFIED], SIGTERM, pkv_now_ns() + DEMO_STOP_NS);
+    d->started[N_UNIFIED] = false;
+    if (code != 0 || demo_start(d, N_UNIFIED) != 0) {
+        printf("  returning user: the unified node did not restart (exit %d)  FAILED\n", code);
+        return false;
+    }
+    const demo_req_t *r = &demo_reqs[0];
+    json_t *body = demo_body(&d->o, r);
+    cluster_answer_t via = {0}, ref = {0};
+    double tv = 0, tu = 0;
+    int rc = demo_ask(d->p[N_UNIFIED].url, "unified", r, body, "pagekv-demo-return", &ref, &tu);
+    if (!rc) rc = demo_ask(d->p[N_ROUTER].url, "router", r, body, "pagekv-demo-return", &via, &tv);
+    json_decref(body);
+    bool ok = !rc && cluster_answer_equal(&via, &ref) && ref.cached_tokens_disk > 0;
+    if (!rc)
+        printf("  returning user after a restart: %ld of %ld prompt tokens served from disk, "
+               "%.3f s (%.3f s the first time), %s\n",
+               ref.cached_tokens_disk, ref.prompt_tokens, tu, d->first_secs,
+               ok ? "identical to the router's answer" : "FAILED");
+    cluster_answer_free(&via);
+    cluster_answer_free(&ref);
+    return ok;
 }
 
 /* ---- the accounting -------------------------------------------------------------------- */
@@ -443,7 +483,7 @@ int pkv_cmd_demo(int argc, char **argv)
     for (int i = 0; i < N_PROCS && !rc && !g_stop; i++)
         if (demo_start(&d, i) != 0) rc = 2;
     uint32_t same = 0;
-    bool held = false, stopped = false;
+    bool held = false, stopped = false, returned = false;
     int req_err = 0;
     if (!rc && !g_stop) {
         printf("requests through the router (%zu), each compared with the unified node's answer:\n",
@@ -453,6 +493,10 @@ int pkv_cmd_demo(int argc, char **argv)
             printf("accounting:\n");
             held = demo_accounting(&d, (uint32_t)N_REQS);
         }
+        if (!g_stop) {
+            printf("the disk tier (the unified node's --kv-disk-dir):\n");
+            returned = demo_returning(&d);
+        }
     }
     if (!rc || g_stop) printf("stopping:\n");
     stopped = demo_stop_all(&d, !rc);
@@ -460,10 +504,12 @@ int pkv_cmd_demo(int argc, char **argv)
         fprintf(stderr, "pagekv demo: interrupted; every process stopped\n");
         rc = 130;
     } else if (!rc) {
-        bool all = same == N_REQS && !req_err && held && stopped;
-        printf("  result   %s: %u/%zu answers identical to the unified node's, %s, %s (%.1f s)\n",
+        bool all = same == N_REQS && !req_err && held && stopped && returned;
+        printf("  result   %s: %u/%zu answers identical to the unified node's, %s, %s, %s "
+               "(%.1f s)\n",
                all ? "ok" : "FAILED", same, N_REQS,
                held ? "every lease sent and nothing held" : "ACCOUNTING FAILED",
+               returned ? "a returning prompt served from disk" : "DISK TIER FAILED",
                stopped ? "every process exited 0" : "A PROCESS FAILED",
                (double)(pkv_now_ns() - t0) / 1e9);
         rc = all ? 0 : 1;
