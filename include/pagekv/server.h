@@ -137,7 +137,8 @@ typedef struct {
 
 /* Build the stack and start listening. Errors: PKV_ERR_INVALID (bad configuration,
  * logged), PKV_ERR_IO (files, or the address cannot be bound), PKV_ERR_CORRUPT (bad
- * checkpoint), PKV_ERR_NOFIT (budget below one block), PKV_ERR_NOMEM. */
+ * checkpoint), PKV_ERR_NOFIT (budget below one block), PKV_ERR_BUSY (another live server
+ * owns kv_disk_dir), PKV_ERR_NOMEM. */
 PKV_API int pkv_server_create(const pkv_server_config_t *cfg, pkv_server_t **out);
 /* Cancel what is still in flight, stop the daemon (its threads joined), free
  * everything. NULL is a no-op. */
