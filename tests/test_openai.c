@@ -106,7 +106,8 @@ START_TEST(bad_bodies_refused_with_their_documents)
                          c->code);
         const char *msg =
             json_string_value(json_object_get(json_object_get(doc, "error"), "message"));
-        const char *type = json_string_value(json_object_get(json_object_get(doc, "error"), "type"));
+        const char *type =
+            json_string_value(json_object_get(json_object_get(doc, "error"), "type"));
         ck_assert_msg(msg && msg[0] && type && type[0], "case %zu: no message or type", i);
         if (!strcmp(c->code, "context_length_exceeded")) ck_assert_ptr_nonnull(strstr(msg, "256"));
         /* The front's check: the same refusal for what it decides (before tokenizing). */

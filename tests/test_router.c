@@ -574,22 +574,16 @@ static bool streamer_body(void *arg, const char *body, size_t len, size_t added)
 static void *streamer_main(void *arg)
 {
     streamer_t *s = arg;
-    char base[64];
-    snprintf(base, sizeof(base), "http://127.0.0.1:%u", s->port);
-    http_request_t rq = {.base_url = base,
-                         .path = "/v1/completions",
-                         .body =
-                             "{\"model\":\"tiny\",\"prompt\":\"A long story\",\"max_tokens\":400,"
-                             "\"ignore_eos\":true,\"temperature\":0,\"stream\":true}",
-                         .timeout_ms = 60000,
-                         .on_body = streamer_body,
-                         .on_body_arg = s};
-    http_reply_t rep;
-    http_send(&rq, &rep);
-    s->cc = (CURLcode)rep.curl_code;
-    s->status = rep.status;
-    s->body = rep.body;
-    s->len = rep.len;
+    ts_resp_t r;
+    s->cc = ts_http_watch("127.0.0.1", s->port, "/v1/completions",
+                          "{\"model\":\"tiny\",\"prompt\":\"A long story\",\"max_tokens\":400,"
+                          "\"ignore_eos\":true,\"temperature\":0,\"stream\":true}",
+                          60, streamer_body, s, &r);
+    s->status = r.status;
+    s->body = r.body; /* kept: the caller frees it */
+    s->len = r.len;
+    r.body = NULL;
+    ts_resp_free(&r);
     if (getenv("PKV_TEST_DEBUG"))
         fprintf(stderr, "streamer: cc %d status %ld %.200s\n", s->cc, s->status, s->body);
     return NULL;

@@ -757,20 +757,14 @@ static bool streamer_body(void *arg, const char *all, size_t len, size_t added)
 static void *streamer_main(void *arg)
 {
     streamer_t *st = arg;
-    char base[64];
-    snprintf(base, sizeof(base), "http://127.0.0.1:%u", st->port);
-    http_request_t rq = {.base_url = base,
-                         .path = "/v1/completions",
-                         .body = st->body,
-                         .timeout_ms = 120000,
-                         .on_body = streamer_body,
-                         .on_body_arg = st};
-    http_reply_t rep;
-    http_send(&rq, &rep);
-    st->cc = (CURLcode)rep.curl_code;
-    st->status = rep.status;
-    st->all = rep.body;
-    st->len = rep.len;
+    ts_resp_t r;
+    st->cc = ts_http_watch("127.0.0.1", st->port, "/v1/completions", st->body, 120, streamer_body,
+                           st, &r);
+    st->status = r.status;
+    st->all = r.body; /* kept: the caller frees it */
+    st->len = r.len;
+    r.body = NULL;
+    ts_resp_free(&r);
     return NULL;
 }
 

@@ -13,22 +13,18 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-CURLcode ts_http(const char *host, uint16_t port, const char *method, const char *path,
-                 const char *body, const char *extra_header, long timeout_s, ts_resp_t *r)
+/* The request to http://host:port (timeout_s; connect within 10 s) into r. */
+static CURLcode send_to(const char *host, uint16_t port, http_request_t *rq, long timeout_s,
+                        ts_resp_t *r)
 {
     char base[128];
     snprintf(base, sizeof(base), "http://%s:%u", host, port);
-    const char *headers[] = {"Expect:", extra_header, NULL};
-    http_request_t rq = {.base_url = base,
-                         .path = path,
-                         .method = method,
-                         .body = body,
-                         .headers = headers,
-                         .timeout_ms = (uint32_t)timeout_s * 1000u,
-                         .connect_timeout_ms = 10000};
-    rq.keep_headers = true;
+    rq->base_url = base;
+    rq->timeout_ms = (uint32_t)timeout_s * 1000u;
+    rq->connect_timeout_ms = 10000;
+    rq->keep_headers = true;
     http_reply_t rep;
-    http_send(&rq, &rep);
+    http_send(rq, &rep);
     *r = (ts_resp_t){.status = rep.status,
                      .cc = (CURLcode)rep.curl_code,
                      .body = rep.body,
@@ -36,6 +32,22 @@ CURLcode ts_http(const char *host, uint16_t port, const char *method, const char
                      .headers = rep.headers ? rep.headers : calloc(1, 1)};
     ck_assert_ptr_nonnull(r->headers);
     return r->cc;
+}
+
+CURLcode ts_http(const char *host, uint16_t port, const char *method, const char *path,
+                 const char *body, const char *extra_header, long timeout_s, ts_resp_t *r)
+{
+    const char *headers[] = {"Expect:", extra_header, NULL};
+    http_request_t rq = {.path = path, .method = method, .body = body, .headers = headers};
+    return send_to(host, port, &rq, timeout_s, r);
+}
+
+CURLcode ts_http_watch(const char *host, uint16_t port, const char *path, const char *body,
+                       long timeout_s, bool (*on_body)(void *, const char *, size_t, size_t),
+                       void *arg, ts_resp_t *r)
+{
+    http_request_t rq = {.path = path, .body = body, .on_body = on_body, .on_body_arg = arg};
+    return send_to(host, port, &rq, timeout_s, r);
 }
 
 void ts_resp_free(ts_resp_t *r)

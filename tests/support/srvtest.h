@@ -30,6 +30,11 @@ typedef struct {
  * bounded by timeout_s. Returns the curl code (also in r->cc); free r with ts_resp_free. */
 CURLcode ts_http(const char *host, uint16_t port, const char *method, const char *path,
                  const char *body, const char *extra_header, long timeout_s, ts_resp_t *r);
+/* ts_http's POST of body to path, with on_body (support/http.h's hook: false hangs up)
+ * called on each piece of the answer as it comes. */
+CURLcode ts_http_watch(const char *host, uint16_t port, const char *path, const char *body,
+                       long timeout_s, bool (*on_body)(void *, const char *, size_t, size_t),
+                       void *arg, ts_resp_t *r);
 void ts_resp_free(ts_resp_t *r);
 /* GET path, asserting 200 and a JSON body (new reference). */
 json_t *ts_get_json(const char *host, uint16_t port, const char *path);
