@@ -27,6 +27,7 @@
  */
 #include "support/cli.h"
 #include "support/bench.h"
+#include "support/launch.h"
 #include "support/lean_pull.h"
 #include "support/xfer_harness.h"
 #include "tools/commands.h"
@@ -67,13 +68,12 @@ static double perftest_gbps(size_t size, int port)
     size_t iters = PKV_MIN((size_t)20000, PKV_MAX((size_t)128, ((size_t)2 << 30) / size));
     char cmd[512];
     snprintf(cmd, sizeof(cmd), XH_TCP_REF_ENV "exec ucx_perftest -p %d >/dev/null 2>&1", port);
+    char *argv[] = {"/bin/sh", "-c", cmd, NULL};
+    launch_spec_t spec = {.name = "ucx_perftest", .argv = argv, .log_path = "/dev/null"};
+    launch_proc_t srv;
+    char err[256];
     fflush(NULL);
-    pid_t srv = fork();
-    if (srv < 0) return -1;
-    if (srv == 0) {
-        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
-        _exit(127);
-    }
+    if (launch_spawn(&srv, &spec, err, sizeof(err)) != 0) return -1;
     double gbps = -1;
     for (int attempt = 0; attempt < 10 && gbps < 0; attempt++) {
         usleep(300000);
@@ -92,8 +92,7 @@ static double perftest_gbps(size_t size, int port)
         }
         pclose(f);
     }
-    kill(srv, SIGKILL);
-    waitpid(srv, NULL, 0);
+    launch_stop(&srv, SIGKILL, pkv_now_ns());
     return gbps;
 }
 

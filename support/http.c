@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 
 #define BATCH_TICK_NS 50000000ull /* the batch's tick, and its longest wait for activity */
 
@@ -53,7 +54,9 @@ static size_t on_body(char *data, size_t size, size_t nmemb, void *arg)
     if (!r->first_byte_ns) r->first_byte_ns = pkv_now_ns();
     r->got_data = r->got_data || n > 0;
     if (x->rq->hang_up) return 0; /* the client is gone */
-    return buf_add(x, &r->body, &r->len, &x->cap, data, n);
+    if (buf_add(x, &r->body, &r->len, &x->cap, data, n) != n) return 0;
+    if (x->rq->on_body && n && !x->rq->on_body(x->rq->on_body_arg, r->body, r->len, n)) return 0;
+    return n;
 }
 
 static size_t on_header(char *data, size_t size, size_t nmemb, void *arg)
@@ -68,6 +71,14 @@ static int on_progress(void *arg, curl_off_t dt, curl_off_t dn, curl_off_t ut, c
 {
     const volatile sig_atomic_t *stop = arg;
     return *stop ? 1 : 0;
+}
+
+static int on_socket(void *arg, curl_socket_t fd, curlsocktype purpose)
+{
+    const http_request_t *rq = arg;
+    int v = rq->recv_buffer_bytes;
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &v, sizeof(v));
+    return CURL_SOCKOPT_OK;
 }
 
 static void xfer_options(http_xfer_t *x, const http_request_t *rq)
@@ -88,6 +99,10 @@ static void xfer_options(http_xfer_t *x, const http_request_t *rq)
         curl_easy_setopt(c, CURLOPT_XFERINFOFUNCTION, on_progress);
         curl_easy_setopt(c, CURLOPT_XFERINFODATA, (void *)rq->abort_flag);
         curl_easy_setopt(c, CURLOPT_NOPROGRESS, 0L);
+    }
+    if (rq->recv_buffer_bytes > 0) {
+        curl_easy_setopt(c, CURLOPT_SOCKOPTFUNCTION, on_socket);
+        curl_easy_setopt(c, CURLOPT_SOCKOPTDATA, (void *)rq);
     }
     if (rq->keep_headers) {
         curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, on_header);

@@ -30,6 +30,13 @@ typedef struct {
     bool hang_up;                            /* end it at the first body bytes (a client
                                                 that goes away: got_data says they came) */
     bool keep_headers;                       /* keep the response headers in out->headers */
+    int recv_buffer_bytes;                   /* the socket's SO_RCVBUF (a client that reads
+                                                slowly fills it soon); 0: the system's */
+    /* Called on the sending thread after each piece of body is kept: body[0..len) so far,
+     * the last `added` bytes new. Returning false ends the exchange there (a client that
+     * goes away: CURLE_WRITE_ERROR). May be NULL. */
+    bool (*on_body)(void *arg, const char *body, size_t len, size_t added);
+    void *on_body_arg;
 } http_request_t;
 
 typedef struct {

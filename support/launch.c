@@ -90,10 +90,10 @@ static bool log_listening(launch_proc_t *p, bool want_agent)
     char *log = launch_log_read(p);
     if (!log) return false;
     bool ok = false;
-    const char *l = strstr(log, "listening on ");
+    const char *l = strstr(log, p->ready);
     if (l) {
         char addr[LAUNCH_ADDR_MAX];
-        uint16_t port = parse_addr(l + 13, addr, sizeof(addr));
+        uint16_t port = parse_addr(l + strlen(p->ready), addr, sizeof(addr));
         if (port) {
             p->port = port;
             /* the address it listens on; a wildcard one is reached on loopback */
@@ -157,6 +157,7 @@ int launch_spawn(launch_proc_t *p, const launch_spec_t *s, char *err, size_t err
     memset(p, 0, sizeof(*p));
     snprintf(p->name, sizeof(p->name), "%s", s->name);
     snprintf(p->log, sizeof(p->log), "%s", s->log_path);
+    snprintf(p->ready, sizeof(p->ready), "%s", s->ready ? s->ready : "listening on ");
     int fd = open(p->log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) {
         snprintf(err, errcap, "%s: cannot create %s: %s", s->name, p->log, strerror(errno));

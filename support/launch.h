@@ -9,10 +9,11 @@
  * thread that started it exits (PR_SET_PDEATHSIG): start and stop children from one thread
  * that outlives them.
  * launch_wait_listening: polls the log for the listening line ("... listening on
- * [http://]HOST:PORT") and, when asked, the transfer agent's ("transfer agent on
- * HOST:PORT"). launch_stop: a signal, reaped by a deadline, SIGKILL after it.
- * launch_serve / launch_route (launch_node.c): the node command lines the disaggregation
- * benchmarks and the resharding bench and test share.
+ * [http://]HOST:PORT", or the readiness prefix the spec names, such as "pagekv route:
+ * listening on ") and, when asked, the transfer agent's ("transfer agent on HOST:PORT").
+ * launch_stop: a signal, reaped by a deadline, SIGKILL after it. launch_serve / launch_route
+ * (launch_node.c): the node command lines the disaggregation benchmarks and the resharding bench
+ * and test share.
  */
 #ifndef PKV_SUPPORT_LAUNCH_H
 #define PKV_SUPPORT_LAUNCH_H
@@ -22,12 +23,14 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#define LAUNCH_NAME_MAX 32
-#define LAUNCH_ADDR_MAX 64
+#define LAUNCH_NAME_MAX  32
+#define LAUNCH_ADDR_MAX  64
+#define LAUNCH_READY_MAX 64
 
 typedef struct {
     char name[LAUNCH_NAME_MAX];       /* for reports: "prefill", "decode", "router", ... */
     char log[256];                    /* its stdout + stderr */
+    char ready[LAUNCH_READY_MAX];     /* the text before HOST:PORT in its listening line */
     pid_t pid;                        /* 0 once stopped (launch_stop) */
     uint16_t port;                    /* HTTP port from its listening line */
     char url[LAUNCH_ADDR_MAX + 8];    /* "http://HOST:PORT" as it listens (a wildcard
@@ -46,6 +49,9 @@ typedef struct {
     const char *cgroup_procs; /* a cgroup's cgroup.procs the child joins before exec (exit
                                  97 when it cannot); NULL: none */
     int death_signal;         /* sent to the child when its starting thread exits; 0: SIGKILL */
+    const char *ready;        /* the text before HOST:PORT in the listening line (one a
+                                 debug log line cannot also hold, such as "pagekv serve:
+                                 listening on "); NULL: "listening on " */
 } launch_spec_t;
 
 /* Fork and exec s->argv. 0, or -1 with a message in err (p is then not started). */

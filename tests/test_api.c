@@ -9,6 +9,7 @@
  * build/, build/san-address-undefined/ and build/san-thread/ each check their own.
  * Nothing here skips: a missing tool or library is a failure.
  */
+#include "tests/support/srvtest.h"
 #include "tests/support/testutil.h"
 
 #include <glob.h>
@@ -73,31 +74,12 @@ static void names_print(const char *label, names_t *l)
     fprintf(stderr, "\n");
 }
 
-/* Run `cmd` under sh with stderr joined to stdout; *out gets the output (caller frees).
- * Returns the exit status, -1 when it did not exit normally. */
+/* Run `cmd` under sh (srvtest's ts_proc_run: the one launcher) with stderr joined to
+ * stdout; *out gets the output (caller frees). Returns the exit code (128 + N for signal N). */
 static int run_capture(const char *cmd, char **out)
 {
-    char *full = NULL;
-    ck_assert_int_ge(asprintf(&full, "(%s) 2>&1", cmd), 0);
-    FILE *p = popen(full, "r");
-    ck_assert_msg(p != NULL, "popen failed: %s", cmd);
-    size_t len = 0, cap = 4096;
-    char *buf = malloc(cap);
-    ck_assert_ptr_nonnull(buf);
-    size_t got;
-    while ((got = fread(buf + len, 1, cap - len - 1, p)) > 0) {
-        len += got;
-        if (cap - len < 2) {
-            cap *= 2;
-            buf = realloc(buf, cap);
-            ck_assert_ptr_nonnull(buf);
-        }
-    }
-    buf[len] = '\0';
-    int st = pclose(p);
-    free(full);
-    *out = buf;
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    char *argv[] = {"/bin/sh", "-c", (char *)cmd, NULL};
+    return ts_proc_run(argv, 600, out);
 }
 
 /* The build directory of this binary (<BUILD>/tests/test_api -> <BUILD>). */

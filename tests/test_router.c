@@ -15,134 +15,43 @@
 #include "tests/support/srvtest.h"
 #include "tests/support/testutil.h"
 
+#include "support/http.h"
+
 #include "kv/kv.h"
 #include "pagekv/kv.h"
 #include "pagekv/server.h"
 
 #include <curl/curl.h>
-#include <dirent.h>
-#include <fcntl.h>
 #include <jansson.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
-#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #define SEC 1000000000ull
 
-/* ---- HTTP client ------------------------------------------------------------------------ */
+/* ---- HTTP ------------------------------------------------------------------------------- */
 
-typedef struct {
-    long status;
-    char *body;
-    size_t len;
-    char headers[8192];
-    size_t hlen;
-    CURLcode cc;
-} resp_t;
-
-static bool buf_append(char **buf, size_t *len, const char *p, size_t k)
-{
-    char *nb = realloc(*buf, *len + k + 1);
-    if (!nb) return false;
-    *buf = nb;
-    memcpy(nb + *len, p, k);
-    *len += k;
-    nb[*len] = 0;
-    return true;
-}
-
-static size_t on_body(char *p, size_t sz, size_t n, void *arg)
-{
-    resp_t *r = arg;
-    return buf_append(&r->body, &r->len, p, sz * n) ? sz * n : 0;
-}
-
-static size_t on_header(char *p, size_t sz, size_t n, void *arg)
-{
-    resp_t *r = arg;
-    size_t k = sz * n;
-    if (r->hlen + k < sizeof(r->headers)) {
-        memcpy(r->headers + r->hlen, p, k);
-        r->hlen += k;
-        r->headers[r->hlen] = 0;
-    }
-    return k;
-}
-
-static void resp_free(resp_t *r)
-{
-    free(r->body);
-    memset(r, 0, sizeof(*r));
-}
-
-/* One request (body NULL: none; xrid NULL: no X-Request-Id). */
+/* One request to this host's port through srvtest's client (body NULL: none; xrid NULL:
+ * no X-Request-Id), within 60 s. */
 static CURLcode http(uint16_t port, const char *method, const char *path, const char *body,
-                     size_t body_len, const char *xrid, resp_t *r)
+                     const char *xrid, ts_resp_t *r)
 {
-    memset(r, 0, sizeof(*r));
-    CURL *c = curl_easy_init();
-    PKV_CHECK(c != NULL);
-    char url[256];
-    snprintf(url, sizeof(url), "http://127.0.0.1:%u%s", port, path);
-    curl_easy_setopt(c, CURLOPT_URL, url);
-    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(c, CURLOPT_NOPROXY, "*");
-    curl_easy_setopt(c, CURLOPT_TIMEOUT, 60L);
-    curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT, 10L);
-    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_body);
-    curl_easy_setopt(c, CURLOPT_WRITEDATA, r);
-    curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, on_header);
-    curl_easy_setopt(c, CURLOPT_HEADERDATA, r);
-    struct curl_slist *h = curl_slist_append(NULL, "Content-Type: application/json");
-    h = curl_slist_append(h, "Expect:");
     char xh[200];
-    if (xrid) {
-        snprintf(xh, sizeof(xh), "X-Request-Id: %s", xrid);
-        h = curl_slist_append(h, xh);
-    }
-    curl_easy_setopt(c, CURLOPT_HTTPHEADER, h);
-    curl_easy_setopt(c, CURLOPT_CUSTOMREQUEST, method);
-    if (body) {
-        curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
-        curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)body_len);
-    }
-    r->cc = curl_easy_perform(c);
-    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &r->status);
-    curl_slist_free_all(h);
-    curl_easy_cleanup(c);
-    return r->cc;
-}
-
-static json_t *jp(json_t *doc, const char *path)
-{
-    char buf[256];
-    snprintf(buf, sizeof(buf), "%s", path);
-    json_t *v = doc;
-    for (char *save = NULL, *t = strtok_r(buf, ".", &save); t && v; t = strtok_r(NULL, ".", &save))
-        v = json_is_array(v) ? json_array_get(v, strtoul(t, NULL, 10)) : json_object_get(v, t);
-    return v;
-}
-
-static long long ji(json_t *doc, const char *path)
-{
-    json_t *v = jp(doc, path);
-    ck_assert_msg(json_is_integer(v), "%s is not an integer", path);
-    return json_integer_value(v);
+    if (xrid) snprintf(xh, sizeof(xh), "X-Request-Id: %s", xrid);
+    return ts_http("127.0.0.1", port, method, path, body, xrid ? xh : NULL, 60, r);
 }
 
 /* The value of a Prometheus sample line "NAME{LABELS} V" (exact prefix), -1 if absent. */
 static long long metric(uint16_t port, const char *sample)
 {
-    resp_t r;
-    if (http(port, "GET", "/metrics", NULL, 0, NULL, &r) != CURLE_OK || r.status != 200) {
-        resp_free(&r);
+    ts_resp_t r;
+    if (http(port, "GET", "/metrics", NULL, NULL, &r) != CURLE_OK || r.status != 200) {
+        ts_resp_free(&r);
         return -1;
     }
     long long v = -1;
@@ -152,7 +61,7 @@ static long long metric(uint16_t port, const char *sample)
             v = atoll(p + n + 1);
             break;
         }
-    resp_free(&r);
+    ts_resp_free(&r);
     return v;
 }
 
@@ -186,8 +95,9 @@ static void sse_take(const char *body, size_t len, bool chat, answer_t *a)
             ck_assert_msg(ev != NULL, "event is not JSON: %.*s", (int)elen, body + i);
             a->events++;
             if (json_object_get(ev, "error")) a->error_event = true;
-            json_t *ch = jp(ev, "choices.0");
-            json_t *t = ch ? (chat ? jp(ch, "delta.content") : json_object_get(ch, "text")) : NULL;
+            json_t *ch = ts_jp(ev, "choices.0");
+            json_t *t =
+                ch ? (chat ? ts_jp(ch, "delta.content") : json_object_get(ch, "text")) : NULL;
             if (json_is_string(t)) {
                 size_t k = strlen(a->text);
                 snprintf(a->text + k, sizeof(a->text) - k, "%s", json_string_value(t));
@@ -197,8 +107,8 @@ static void sse_take(const char *body, size_t len, bool chat, answer_t *a)
                 snprintf(a->finish, sizeof(a->finish), "%s", json_string_value(f));
             json_t *u = json_object_get(ev, "usage");
             if (json_is_object(u)) {
-                a->prompt = ji(u, "prompt_tokens");
-                a->completion = ji(u, "completion_tokens");
+                a->prompt = ts_ji(u, "prompt_tokens");
+                a->completion = ts_ji(u, "completion_tokens");
             }
             json_decref(ev);
         }
@@ -227,8 +137,8 @@ static void ask(uint16_t port, const char *path, json_t *req, const char *xrid, 
     bool chat = strstr(path, "chat") != NULL;
     bool stream = json_is_true(json_object_get(req, "stream"));
     char *body = json_dumps(req, JSON_COMPACT);
-    resp_t r;
-    CURLcode cc = http(port, "POST", path, body, strlen(body), xrid, &r);
+    ts_resp_t r;
+    CURLcode cc = http(port, "POST", path, body, xrid, &r);
     free(body);
     ck_assert_msg(cc == CURLE_OK, "curl: %s", curl_easy_strerror(cc));
     a->status = r.status;
@@ -239,15 +149,15 @@ static void ask(uint16_t port, const char *path, json_t *req, const char *xrid, 
     } else if (r.status == 200) {
         json_t *doc = json_loadb(r.body, r.len, 0, NULL);
         ck_assert_ptr_nonnull(doc);
-        json_t *t = jp(doc, chat ? "choices.0.message.content" : "choices.0.text");
+        json_t *t = ts_jp(doc, chat ? "choices.0.message.content" : "choices.0.text");
         snprintf(a->text, sizeof(a->text), "%s", json_string_value(t));
         snprintf(a->finish, sizeof(a->finish), "%s",
-                 json_string_value(jp(doc, "choices.0.finish_reason")));
-        a->prompt = ji(doc, "usage.prompt_tokens");
-        a->completion = ji(doc, "usage.completion_tokens");
+                 json_string_value(ts_jp(doc, "choices.0.finish_reason")));
+        a->prompt = ts_ji(doc, "usage.prompt_tokens");
+        a->completion = ts_ji(doc, "usage.completion_tokens");
         json_decref(doc);
     }
-    resp_free(&r);
+    ts_resp_free(&r);
 }
 
 static void same_answer(const answer_t *got, const answer_t *want, const char *what)
@@ -262,37 +172,7 @@ static void same_answer(const answer_t *got, const answer_t *want, const char *w
     ck_assert(!got->error_event);
 }
 
-/* ---- processes ------------------------------------------------------------------------------ */
-
-/* A child process whose stdout and stderr go to a file (read back as its log). */
-typedef struct {
-    pid_t pid;
-    uint16_t port;
-    char log_path[64];
-} proc_t;
-
-static char *proc_log(const proc_t *p)
-{
-    FILE *f = fopen(p->log_path, "r");
-    ck_assert_ptr_nonnull(f);
-    char *buf = NULL;
-    size_t len = 0, cap = 0;
-    char chunk[65536];
-    size_t k;
-    while ((k = fread(chunk, 1, sizeof(chunk), f)) > 0) {
-        if (len + k + 1 > cap) {
-            cap = (len + k + 1) * 2;
-            buf = realloc(buf, cap);
-            ck_assert_ptr_nonnull(buf);
-        }
-        memcpy(buf + len, chunk, k);
-        len += k;
-    }
-    fclose(f);
-    if (!buf) buf = calloc(1, 1);
-    buf[len] = 0;
-    return buf;
-}
+/* ---- processes (srvtest's, over support/launch.h) -------------------------------------------- */
 
 static int count_in(const char *hay, const char *needle)
 {
@@ -301,140 +181,41 @@ static int count_in(const char *hay, const char *needle)
     return n;
 }
 
-static int log_count(const proc_t *p, const char *needle)
+static int log_count(const launch_proc_t *p, const char *needle)
 {
-    char *log = proc_log(p);
+    char *log = ts_proc_log(p);
     int n = count_in(log, needle);
     free(log);
     return n;
 }
 
-/* Start argv (NULL-terminated) and wait for `ready` in its log; the port follows it. */
-static void proc_start(proc_t *p, char *const argv[], const char *ready)
-{
-    memset(p, 0, sizeof(*p));
-    snprintf(p->log_path, sizeof(p->log_path), "/tmp/pkv-test-router-XXXXXX");
-    int fd = mkstemp(p->log_path);
-    ck_assert_int_ge(fd, 0);
-    pid_t parent = getpid();
-    p->pid = fork();
-    ck_assert_int_ge(p->pid, 0);
-    if (p->pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        if (getppid() != parent) _exit(99);
-        setenv("PKV_LOG", "info", 1);
-        dup2(fd, 1);
-        dup2(fd, 2);
-        close(fd);
-        execv(argv[0], argv);
-        _exit(98);
-    }
-    close(fd);
-    uint64_t deadline = pkv_deadline_after_ns(30 * SEC);
-    for (;;) {
-        char *log = proc_log(p);
-        const char *at = strstr(log, ready);
-        if (at) p->port = (uint16_t)atoi(at + strlen(ready));
-        int status;
-        bool dead = waitpid(p->pid, &status, WNOHANG) == p->pid;
-        if (at || dead || pkv_now_ns() > deadline) {
-            ck_assert_msg(at, "%s did not start; log:\n%s", argv[1], log);
-            free(log);
-            return;
-        }
-        free(log);
-        usleep(20000);
-    }
-}
-
-/* SIGTERM and wait: the exit status. */
-static int proc_stop(proc_t *p, int timeout_s)
-{
-    if (!p->pid) return 0;
-    kill(p->pid, SIGCONT);
-    kill(p->pid, SIGTERM);
-    uint64_t deadline = pkv_deadline_after_ns((uint64_t)timeout_s * SEC);
-    int status = 0;
-    while (waitpid(p->pid, &status, WNOHANG) != p->pid) {
-        if (pkv_now_ns() > deadline) {
-            kill(p->pid, SIGKILL);
-            waitpid(p->pid, &status, 0);
-            ck_abort_msg("pid %d did not exit within %d s", (int)p->pid, timeout_s);
-        }
-        usleep(10000);
-    }
-    p->pid = 0;
-    unlink(p->log_path);
-    return status;
-}
-
-static void proc_kill(proc_t *p)
-{
-    kill(p->pid, SIGKILL);
-    waitpid(p->pid, NULL, 0);
-    p->pid = 0;
-    unlink(p->log_path);
-}
-
 static char BIN[4096];
-
-/* SIGSTOP pid and wait until every thread of it is stopped (a thread already running
- * when the signal came may still answer a request it was serving). */
-static void stop_process(pid_t pid)
-{
-    kill(pid, SIGSTOP);
-    uint64_t deadline = pkv_deadline_after_ns(10 * SEC);
-    for (;;) {
-        char path[64];
-        snprintf(path, sizeof(path), "/proc/%d/task", (int)pid);
-        DIR *dir = opendir(path);
-        ck_assert_ptr_nonnull(dir);
-        bool all = true;
-        for (struct dirent *e; (e = readdir(dir));) {
-            if (e->d_name[0] == '.') continue;
-            char sp[400], buf[512];
-            snprintf(sp, sizeof(sp), "%s/%s/stat", path, e->d_name);
-            FILE *f = fopen(sp, "r");
-            if (!f) continue;
-            size_t k = fread(buf, 1, sizeof(buf) - 1, f);
-            fclose(f);
-            buf[k] = 0;
-            const char *rp = strrchr(buf, ')');
-            if (rp && rp[1] == ' ' && rp[2] != 'T' && rp[2] != 't') all = false;
-        }
-        closedir(dir);
-        if (all) return;
-        ck_assert_msg(pkv_now_ns() < deadline, "pid %d did not stop", (int)pid);
-        usleep(1000);
-    }
-}
+static char *const LOG_INFO[] = {"PKV_LOG=info", NULL};
 
 /* A `pagekv serve --role ROLE` child; extra: more arguments (NULL-terminated) or NULL. */
-static void node_start(proc_t *p, const char *role, const char *const *extra)
+static void node_start(launch_proc_t *p, const char *role, const char *const *extra)
 {
     char *argv[40] = {BIN, "serve", "--port", "0", "--threads", "1", "--role", (char *)role};
     int n = 8;
     for (; extra && *extra; extra++) argv[n++] = (char *)*extra;
     argv[n] = NULL;
-    proc_start(p, argv, "pagekv serve: listening on 127.0.0.1:");
+    ts_proc_start(p, argv, LOG_INFO, "pagekv serve: listening on ", false);
 }
 
 /* A `pagekv route` child over the nodes; extra arguments as above. */
-static void router_start(proc_t *rt, const proc_t *pre, int np, const proc_t *dec, int nd,
-                         const char *const *extra)
+static void router_start(launch_proc_t *rt, const launch_proc_t *pre, int np,
+                         const launch_proc_t *dec, int nd, const char *const *extra)
 {
-    static char urls[16][64];
     char *argv[64] = {BIN, "route", "--port", "0"};
-    int n = 4, u = 0;
-    for (int i = 0; i < np + nd; i++, u++) {
-        const proc_t *node = i < np ? &pre[i] : &dec[i - np];
-        snprintf(urls[u], sizeof(urls[u]), "http://127.0.0.1:%u", node->port);
+    int n = 4;
+    for (int i = 0; i < np + nd; i++) {
+        const launch_proc_t *node = i < np ? &pre[i] : &dec[i - np];
         argv[n++] = i < np ? "--prefill" : "--decode";
-        argv[n++] = urls[u];
+        argv[n++] = (char *)node->url;
     }
     for (; extra && *extra; extra++) argv[n++] = (char *)*extra;
     argv[n] = NULL;
-    proc_start(rt, argv, "pagekv route: listening on http://127.0.0.1:");
+    ts_proc_start(rt, argv, LOG_INFO, "pagekv route: listening on ", false);
 }
 
 /* Wait for the router's /health to answer `want`. */
@@ -443,10 +224,10 @@ static void health_is(uint16_t port, long want)
     if (getenv("PKV_TEST_DEBUG")) fprintf(stderr, "health_is port %u\n", port);
     uint64_t deadline = pkv_deadline_after_ns(15 * SEC);
     for (;;) {
-        resp_t r;
-        http(port, "GET", "/health", NULL, 0, NULL, &r);
+        ts_resp_t r;
+        http(port, "GET", "/health", NULL, NULL, &r);
         long st = r.status;
-        resp_free(&r);
+        ts_resp_free(&r);
         if (st == want) return;
         if (pkv_now_ns() >= deadline && getenv("PKV_TEST_DEBUG")) sleep(600);
         ck_assert_msg(pkv_now_ns() < deadline, "/health stayed %ld (want %ld)", st, want);
@@ -523,7 +304,7 @@ static void *par_main(void *arg)
  * client's, or one the router made up and answers with). */
 START_TEST(answers_equal_unified)
 {
-    proc_t p, d, rt;
+    launch_proc_t p, d, rt;
     node_start(&p, "prefill", NULL);
     node_start(&d, "decode", NULL);
     router_start(&rt, &p, 1, &d, 1, NULL);
@@ -567,21 +348,20 @@ START_TEST(answers_equal_unified)
     free(a);
     json_decref(req);
     /* /v1/models comes from the nodes. */
-    resp_t r;
-    http(rt.port, "GET", "/v1/models", NULL, 0, NULL, &r);
+    ts_resp_t r;
+    http(rt.port, "GET", "/v1/models", NULL, NULL, &r);
     ck_assert_int_eq(r.status, 200);
     ck_assert_ptr_nonnull(strstr(r.body, "\"id\":\"tiny\""));
-    resp_free(&r);
-    http(rt.port, "GET", "/v1/models/tiny", NULL, 0, NULL, &r);
+    ts_resp_free(&r);
+    http(rt.port, "GET", "/v1/models/tiny", NULL, NULL, &r);
     ck_assert_int_eq(r.status, 200);
-    resp_free(&r);
+    ts_resp_free(&r);
     ck_assert_int_eq(metric(rt.port, "pagekv_router_leg_seconds_count{role=\"prefill\"}"), 17);
     ck_assert_int_eq(metric(rt.port, "pagekv_router_leg_seconds_count{role=\"decode\"}"), 17);
     pkv_server_destroy(u);
-    int st = proc_stop(&rt, 30);
-    ck_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0);
-    proc_stop(&d, 30);
-    proc_stop(&p, 30);
+    ck_assert_int_eq(ts_proc_stop(&rt, 30), 0);
+    ts_proc_stop(&d, 30);
+    ts_proc_stop(&p, 30);
 }
 END_TEST
 
@@ -589,7 +369,7 @@ END_TEST
 
 START_TEST(round_robin_spreads)
 {
-    proc_t p[2], d[2], rt;
+    launch_proc_t p[2], d[2], rt;
     for (int i = 0; i < 2; i++) node_start(&p[i], "prefill", NULL);
     for (int i = 0; i < 2; i++) node_start(&d[i], "decode", NULL);
     const char *extra[] = {"--policy", "round_robin", NULL};
@@ -607,8 +387,8 @@ START_TEST(round_robin_spreads)
         ck_assert_int_eq(log_count(&p[i], "(prefill leg)"), 4);
         ck_assert_int_eq(log_count(&d[i], "(decode leg)"), 4);
     }
-    proc_stop(&rt, 30);
-    for (int i = 0; i < 2; i++) proc_stop(&p[i], 30), proc_stop(&d[i], 30);
+    ts_proc_stop(&rt, 30);
+    for (int i = 0; i < 2; i++) ts_proc_stop(&p[i], 30), ts_proc_stop(&d[i], 30);
 }
 END_TEST
 
@@ -621,7 +401,7 @@ static const char *LONG_PREFIX =
  * one of two prefill nodes holds to that node. */
 START_TEST(cache_aware_finds_the_prefix)
 {
-    proc_t p[2], d, rt;
+    launch_proc_t p[2], d, rt;
     for (int i = 0; i < 2; i++) node_start(&p[i], "prefill", NULL);
     node_start(&d, "decode", NULL);
     router_start(&rt, p, 2, &d, 1, NULL);
@@ -635,33 +415,33 @@ START_TEST(cache_aware_finds_the_prefix)
     ck_assert_int_eq(a->status, 200);
     /* The lookup: p[1] holds whole blocks of it, p[0] nothing, another tenant nothing. */
     char *body = json_dumps(req, JSON_COMPACT);
-    resp_t r;
-    http(p[1].port, "POST", "/v1/cache/lookup", body, strlen(body), NULL, &r);
+    ts_resp_t r;
+    http(p[1].port, "POST", "/v1/cache/lookup", body, NULL, &r);
     ck_assert_int_eq(r.status, 200);
     json_t *doc = json_loads(r.body, 0, NULL);
-    long long matched = ji(doc, "matched_tokens"), prompt_tokens = ji(doc, "prompt_tokens");
+    long long matched = ts_ji(doc, "matched_tokens"), prompt_tokens = ts_ji(doc, "prompt_tokens");
     ck_assert_int_eq(prompt_tokens, a->prompt);
     ck_assert_int_eq(matched, (prompt_tokens - 1) / 16 * 16);
     ck_assert_int_gt(matched, 32);
     json_decref(doc);
-    resp_free(&r);
+    ts_resp_free(&r);
     free(body);
-    http(p[0].port, "POST", "/v1/cache/lookup", "{\"model\":\"tiny\",\"prompt\":\"abc\"}", 31, NULL,
+    http(p[0].port, "POST", "/v1/cache/lookup", "{\"model\":\"tiny\",\"prompt\":\"abc\"}", NULL,
          &r);
     ck_assert_int_eq(r.status, 200);
     ck_assert_ptr_nonnull(strstr(r.body, "\"matched_tokens\":0"));
-    resp_free(&r);
+    ts_resp_free(&r);
     json_t *other = json_deep_copy(req);
     json_object_set_new(other, "cache_salt", json_string("tenant-b"));
     body = json_dumps(other, JSON_COMPACT);
-    http(p[1].port, "POST", "/v1/cache/lookup", body, strlen(body), NULL, &r);
+    http(p[1].port, "POST", "/v1/cache/lookup", body, NULL, &r);
     ck_assert_ptr_nonnull(strstr(r.body, "\"matched_tokens\":0"));
-    resp_free(&r);
+    ts_resp_free(&r);
     free(body);
     json_decref(other);
-    http(p[1].port, "POST", "/v1/cache/lookup", "{\"model\":\"tiny\"}", 16, NULL, &r);
+    http(p[1].port, "POST", "/v1/cache/lookup", "{\"model\":\"tiny\"}", NULL, &r);
     ck_assert_int_eq(r.status, 400);
-    resp_free(&r);
+    ts_resp_free(&r);
     json_decref(req);
     /* Through the router: every request with the prefix goes to p[1]. */
     for (int i = 0; i < 3; i++) {
@@ -676,14 +456,14 @@ START_TEST(cache_aware_finds_the_prefix)
     ck_assert_int_ge(metric(rt.port, "pagekv_router_lookups_total"), 6);
     /* The holder stopped: its lookup gets no answer within --lookup-timeout-ms (or its
      * probe marked it down first), the other node serves the request. */
-    stop_process(p[1].pid);
+    ts_proc_freeze(p[1].pid);
     snprintf(prompt, sizeof(prompt), "%sQuestion five, holder stopped.", LONG_PREFIX);
     req = completion_req(prompt, 4, true, -1);
     uint64_t t0 = pkv_now_ns();
     ask(rt.port, "/v1/completions", req, NULL, a);
     ck_assert_msg(a->status == 200 && a->done, "%ld %s", a->status, a->body);
     if (pkv_now_ns() - t0 >= 10 * SEC && getenv("PKV_TEST_DEBUG")) {
-        char *log = proc_log(&rt);
+        char *log = ts_proc_log(&rt);
         fprintf(stderr, "p0 %u p1 %u router log:\n%s\n", p[0].port, p[1].port, log);
         free(log);
     }
@@ -692,9 +472,9 @@ START_TEST(cache_aware_finds_the_prefix)
     json_decref(req);
     kill(p[1].pid, SIGCONT);
     free(a);
-    proc_stop(&rt, 30);
-    proc_stop(&d, 30);
-    for (int i = 0; i < 2; i++) proc_stop(&p[i], 30);
+    ts_proc_stop(&rt, 30);
+    ts_proc_stop(&d, 30);
+    for (int i = 0; i < 2; i++) ts_proc_stop(&p[i], 30);
 }
 END_TEST
 
@@ -717,7 +497,7 @@ static void ask_ok_within(uint16_t port, uint64_t bound_ns, const char *what)
  * nobody can reach (peer_lost): both legs again elsewhere; no decode node left: 503. */
 START_TEST(dead_and_stopped_nodes_skipped)
 {
-    proc_t p[3], d[2], rt;
+    launch_proc_t p[3], d[2], rt;
     for (int i = 0; i < 2; i++) node_start(&p[i], "prefill", NULL);
     /* p[2] advertises an address where nothing listens: its decode legs fail peer_lost. */
     const char *bad[] = {"--kv-advertise", "127.0.0.2", NULL};
@@ -739,17 +519,17 @@ START_TEST(dead_and_stopped_nodes_skipped)
     for (int i = 0; i < 3; i++) ask_ok_within(rt.port, 8 * SEC, "peer lost");
     ck_assert_int_ge(metric(rt.port, "pagekv_router_retries_total{cause=\"peer_lost\"}"), 1);
     /* A killed prefill node (before the router noticed) and a stopped decode node. */
-    proc_kill(&p[0]);
+    ts_proc_kill(&p[0]);
     for (int i = 0; i < 3; i++) ask_ok_within(rt.port, 8 * SEC, "prefill killed");
-    stop_process(d[1].pid);
+    ts_proc_freeze(d[1].pid);
     for (int i = 0; i < 3; i++) ask_ok_within(rt.port, 8 * SEC, "decode stopped");
     ck_assert_int_ge(
         metric(rt.port, "pagekv_router_errors_total{role=\"decode\",cause=\"timeout\"}") +
             metric(rt.port, "pagekv_router_errors_total{role=\"prefill\",cause=\"connect\"}"),
         1);
     /* No decode node left: 503 with the reason, and /health 503. */
-    proc_kill(&d[0]);
-    proc_kill(&d[1]);
+    ts_proc_kill(&d[0]);
+    ts_proc_kill(&d[1]);
     json_t *req = completion_req("Nobody decodes", 3, false, -1);
     answer_t *a = malloc(sizeof(*a));
     uint64_t t0 = pkv_now_ns();
@@ -761,57 +541,49 @@ START_TEST(dead_and_stopped_nodes_skipped)
     free(a);
     json_decref(req);
     health_is(rt.port, 503);
-    proc_stop(&rt, 30);
-    proc_stop(&p[1], 30);
-    proc_stop(&p[2], 30);
+    ts_proc_stop(&rt, 30);
+    ts_proc_stop(&p[1], 30);
+    ts_proc_stop(&p[2], 30);
 }
 END_TEST
 
-typedef struct streamer streamer_t;
-static void *streamer_main(void *arg);
-struct streamer {
+/* A streaming client (one completion of 400 tokens) on its own thread. */
+typedef struct {
     uint16_t port;
     pid_t kill_pid; /* killed (SIGKILL) after the first events, when set */
     int kill_after;
-    char *body;
+    char *body; /* the whole answer once it ended (malloc'd) */
     size_t len;
     atomic_int events;
     CURLcode cc;
     long status;
-};
+} streamer_t;
 
-static size_t streamer_write(char *p, size_t sz, size_t n, void *arg)
+static bool streamer_body(void *arg, const char *body, size_t len, size_t added)
 {
     streamer_t *s = arg;
-    size_t k = sz * n;
-    buf_append(&s->body, &s->len, p, k);
-    int ev = count_in(s->body, "\n\n");
+    int ev = count_in(body, "\n\n");
     atomic_store(&s->events, ev);
     if (s->kill_pid && ev >= s->kill_after) {
         kill(s->kill_pid, SIGKILL);
         s->kill_pid = 0;
     }
-    return k;
+    return true;
 }
 
 static void *streamer_main(void *arg)
 {
     streamer_t *s = arg;
-    CURL *c = curl_easy_init();
-    char url[128];
-    snprintf(url, sizeof(url), "http://127.0.0.1:%u/v1/completions", s->port);
-    const char *body = "{\"model\":\"tiny\",\"prompt\":\"A long story\",\"max_tokens\":400,"
-                       "\"ignore_eos\":true,\"temperature\":0,\"stream\":true}";
-    curl_easy_setopt(c, CURLOPT_URL, url);
-    curl_easy_setopt(c, CURLOPT_NOPROXY, "*");
-    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(c, CURLOPT_TIMEOUT, 60L);
-    curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
-    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, streamer_write);
-    curl_easy_setopt(c, CURLOPT_WRITEDATA, s);
-    s->cc = curl_easy_perform(c);
-    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &s->status);
-    curl_easy_cleanup(c);
+    ts_resp_t r;
+    s->cc = ts_http_watch("127.0.0.1", s->port, "/v1/completions",
+                          "{\"model\":\"tiny\",\"prompt\":\"A long story\",\"max_tokens\":400,"
+                          "\"ignore_eos\":true,\"temperature\":0,\"stream\":true}",
+                          60, streamer_body, s, &r);
+    s->status = r.status;
+    s->body = r.body; /* kept: the caller frees it */
+    s->len = r.len;
+    r.body = NULL;
+    ts_resp_free(&r);
     if (getenv("PKV_TEST_DEBUG"))
         fprintf(stderr, "streamer: cc %d status %ld %.200s\n", s->cc, s->status, s->body);
     return NULL;
@@ -822,7 +594,7 @@ static void *streamer_main(void *arg)
  * whole answer. */
 START_TEST(prefill_killed_mid_request)
 {
-    proc_t p[2], d, rt;
+    launch_proc_t p[2], d, rt;
     for (int i = 0; i < 2; i++) node_start(&p[i], "prefill", NULL);
     node_start(&d, "decode", NULL);
     const char *extra[] = {"--policy", "round_robin", NULL};
@@ -832,7 +604,7 @@ START_TEST(prefill_killed_mid_request)
     snprintf(sample, sizeof(sample),
              "pagekv_router_node_in_flight{role=\"prefill\",node=\"http://127.0.0.1:%u\"}",
              p[0].port);
-    stop_process(p[0].pid);
+    ts_proc_freeze(p[0].pid);
     streamer_t s[2] = {{.port = rt.port}, {.port = rt.port}};
     pthread_t th[2];
     int started = 0;
@@ -846,7 +618,7 @@ START_TEST(prefill_killed_mid_request)
         }
         usleep(20000);
     }
-    proc_kill(&p[0]);
+    ts_proc_kill(&p[0]);
     for (int i = 0; i < started; i++) {
         pthread_join(th[i], NULL);
         ck_assert_int_eq(s[i].cc, CURLE_OK);
@@ -861,9 +633,9 @@ START_TEST(prefill_killed_mid_request)
     ck_assert_int_ge(metric(rt.port, "pagekv_router_retries_total{cause=\"connect\"}") +
                          metric(rt.port, "pagekv_router_retries_total{cause=\"broken\"}"),
                      1);
-    proc_stop(&rt, 30);
-    proc_stop(&d, 30);
-    proc_stop(&p[1], 30);
+    ts_proc_stop(&rt, 30);
+    ts_proc_stop(&d, 30);
+    ts_proc_stop(&p[1], 30);
 }
 END_TEST
 
@@ -871,7 +643,7 @@ END_TEST
  * silence, no retry, nothing repeated). */
 START_TEST(decode_killed_mid_stream)
 {
-    proc_t p, d[2], rt;
+    launch_proc_t p, d[2], rt;
     node_start(&p, "prefill", NULL);
     for (int i = 0; i < 2; i++) node_start(&d[i], "decode", NULL);
     const char *extra[] = {"--policy", "round_robin", NULL};
@@ -881,9 +653,7 @@ START_TEST(decode_killed_mid_stream)
     pthread_t th;
     pthread_create(&th, NULL, streamer_main, &s);
     pthread_join(th, NULL);
-    waitpid(d[0].pid, NULL, 0);
-    unlink(d[0].log_path);
-    d[0].pid = 0;
+    ts_proc_kill(&d[0]); /* killed by the streamer: reaped */
     ck_assert_int_eq(s.cc, CURLE_OK);
     ck_assert_int_eq(s.status, 200);
     answer_t *a = calloc(1, sizeof(*a));
@@ -896,9 +666,9 @@ START_TEST(decode_killed_mid_stream)
     ck_assert_int_eq(log_count(&d[1], "(decode leg)"), 0); /* not retried */
     free(a);
     free(s.body);
-    proc_stop(&rt, 30);
-    proc_stop(&d[1], 30);
-    proc_stop(&p, 30);
+    ts_proc_stop(&rt, 30);
+    ts_proc_stop(&d[1], 30);
+    ts_proc_stop(&p, 30);
 }
 END_TEST
 
@@ -906,7 +676,7 @@ END_TEST
  * the router exits 0. */
 START_TEST(sigterm_drains)
 {
-    proc_t p, d, rt;
+    launch_proc_t p, d, rt;
     node_start(&p, "prefill", NULL);
     node_start(&d, "decode", NULL);
     router_start(&rt, &p, 1, &d, 1, NULL);
@@ -919,7 +689,7 @@ START_TEST(sigterm_drains)
         ck_assert(pkv_now_ns() < deadline);
         usleep(1000);
     }
-    stop_process(d.pid); /* hold the stream in flight */
+    ts_proc_freeze(d.pid); /* hold the stream in flight */
     kill(rt.pid, SIGTERM);
     health_is(rt.port, 503); /* draining */
     json_t *req = completion_req("Too late", 3, false, -1);
@@ -927,10 +697,10 @@ START_TEST(sigterm_drains)
     ask(rt.port, "/v1/completions", req, NULL, a);
     ck_assert_int_eq(a->status, 503);
     ck_assert_ptr_nonnull(strstr(a->body, "shutting_down"));
-    resp_t r;
-    http(rt.port, "GET", "/health", NULL, 0, NULL, &r);
+    ts_resp_t r;
+    http(rt.port, "GET", "/health", NULL, NULL, &r);
     ck_assert_int_eq(r.status, 503);
-    resp_free(&r);
+    ts_resp_free(&r);
     kill(d.pid, SIGCONT);
     pthread_join(th, NULL);
     ck_assert_int_eq(s.cc, CURLE_OK);
@@ -938,19 +708,12 @@ START_TEST(sigterm_drains)
     sse_take(s.body, s.len, false, a);
     ck_assert(a->done && !a->error_event);
     ck_assert_str_eq(a->finish, "length");
-    int status = 0;
-    deadline = pkv_deadline_after_ns(20 * SEC);
-    while (waitpid(rt.pid, &status, WNOHANG) != rt.pid) {
-        ck_assert_msg(pkv_now_ns() < deadline, "the router did not exit");
-        usleep(10000);
-    }
-    ck_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-    rt.pid = 0;
+    ck_assert_int_eq(ts_proc_wait(&rt, 20, NULL), 0);
     free(a);
     free(s.body);
     json_decref(req);
-    proc_stop(&d, 30);
-    proc_stop(&p, 30);
+    ts_proc_stop(&d, 30);
+    ts_proc_stop(&p, 30);
 }
 END_TEST
 
@@ -958,51 +721,30 @@ END_TEST
  * the client is full (bounded memory) and resumes it when the client reads again; the
  * answer arrives whole and equal to a unified node's. */
 typedef struct {
-    CURL *c;
-    char *body;
-    size_t len;
+    http_request_t rq;
+    http_reply_t rep;
     atomic_bool hold;
-    bool paused;
 } slow_t;
 
-static size_t slow_write(char *p, size_t sz, size_t n, void *arg)
+/* Stops reading (blocks the client's only thread) while hold is set, once the first bytes
+ * came: the socket's small receive buffer fills and the router's send blocks. */
+static bool slow_body(void *arg, const char *body, size_t len, size_t added)
 {
     slow_t *s = arg;
-    if (atomic_load(&s->hold) && s->len > 0) {
-        s->paused = true;
-        return CURL_WRITEFUNC_PAUSE;
-    }
-    buf_append(&s->body, &s->len, p, sz * n);
-    return sz * n;
-}
-
-static int slow_progress(void *arg, curl_off_t a, curl_off_t b, curl_off_t c, curl_off_t d)
-{
-    slow_t *s = arg;
-    if (s->paused && !atomic_load(&s->hold)) {
-        s->paused = false;
-        curl_easy_pause(s->c, CURLPAUSE_CONT);
-    }
-    return 0;
-}
-
-static int small_rcvbuf(void *arg, curl_socket_t fd, curlsocktype purpose)
-{
-    int v = 4096;
-    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &v, sizeof(v));
-    return CURL_SOCKOPT_OK;
+    while (atomic_load(&s->hold)) usleep(10000);
+    return true;
 }
 
 static void *slow_main(void *arg)
 {
     slow_t *s = arg;
-    curl_easy_perform(s->c);
+    http_send(&s->rq, &s->rep);
     return NULL;
 }
 
 START_TEST(slow_client_pauses_the_node)
 {
-    proc_t p, d, rt;
+    launch_proc_t p, d, rt;
     node_start(&p, "prefill", NULL);
     node_start(&d, "decode", NULL);
     /* a small stream buffer: a loaded machine coalesces tokens into fewer, larger events,
@@ -1014,22 +756,16 @@ START_TEST(slow_client_pauses_the_node)
     json_t *req = completion_req("A client that reads slowly", 3000, true, -1);
     json_object_set_new(req, "ignore_eos", json_true());
     char *body = json_dumps(req, JSON_COMPACT);
-    slow_t s = {.c = curl_easy_init()};
+    char base[64];
+    snprintf(base, sizeof(base), "http://127.0.0.1:%u", rt.port);
+    slow_t s = {.rq = {.base_url = base,
+                       .path = "/v1/completions",
+                       .body = body,
+                       .timeout_ms = 90000,
+                       .recv_buffer_bytes = 4096,
+                       .on_body_arg = &s}};
+    s.rq.on_body = slow_body;
     atomic_init(&s.hold, true);
-    char url[128];
-    snprintf(url, sizeof(url), "http://127.0.0.1:%u/v1/completions", rt.port);
-    curl_easy_setopt(s.c, CURLOPT_URL, url);
-    curl_easy_setopt(s.c, CURLOPT_NOPROXY, "*");
-    curl_easy_setopt(s.c, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(s.c, CURLOPT_TIMEOUT, 90L);
-    curl_easy_setopt(s.c, CURLOPT_POSTFIELDS, body);
-    curl_easy_setopt(s.c, CURLOPT_WRITEFUNCTION, slow_write);
-    curl_easy_setopt(s.c, CURLOPT_WRITEDATA, &s);
-    curl_easy_setopt(s.c, CURLOPT_NOPROGRESS, 0L);
-    curl_easy_setopt(s.c, CURLOPT_XFERINFOFUNCTION, slow_progress);
-    curl_easy_setopt(s.c, CURLOPT_XFERINFODATA, &s);
-    curl_easy_setopt(s.c, CURLOPT_SOCKOPTFUNCTION, small_rcvbuf);
-    curl_easy_setopt(s.c, CURLOPT_BUFFERSIZE, 1024L);
     pthread_t th;
     pthread_create(&th, NULL, slow_main, &s);
     uint64_t deadline = pkv_deadline_after_ns(60 * SEC);
@@ -1039,12 +775,10 @@ START_TEST(slow_client_pauses_the_node)
     }
     atomic_store(&s.hold, false);
     pthread_join(th, NULL);
-    long status = 0;
-    curl_easy_getinfo(s.c, CURLINFO_RESPONSE_CODE, &status);
-    curl_easy_cleanup(s.c);
-    ck_assert_int_eq(status, 200);
+    ck_assert_int_eq(s.rep.curl_code, CURLE_OK);
+    ck_assert_int_eq(s.rep.status, 200);
     answer_t *got = calloc(1, sizeof(*got)), *want = malloc(sizeof(*want));
-    sse_take(s.body, s.len, false, got);
+    sse_take(s.rep.body, s.rep.len, false, got);
     ask(pkv_server_port(u), "/v1/completions", req, NULL, want);
     ck_assert(got->done && !got->error_event);
     ck_assert_int_eq(got->completion, 0); /* no usage chunk asked for */
@@ -1052,13 +786,13 @@ START_TEST(slow_client_pauses_the_node)
     ck_assert_msg(!strcmp(got->text, want->text), "the relayed text differs");
     free(got);
     free(want);
-    free(s.body);
+    http_reply_free(&s.rep);
     free(body);
     json_decref(req);
     pkv_server_destroy(u);
-    proc_stop(&rt, 30);
-    proc_stop(&d, 30);
-    proc_stop(&p, 30);
+    ts_proc_stop(&rt, 30);
+    ts_proc_stop(&d, 30);
+    ts_proc_stop(&p, 30);
 }
 END_TEST
 
@@ -1067,7 +801,7 @@ END_TEST
 /* Bad input: the same status and error document as serve's, and no node called. */
 START_TEST(bad_input_as_serve_no_node_called)
 {
-    proc_t p, d, rt;
+    launch_proc_t p, d, rt;
     node_start(&p, "prefill", NULL);
     node_start(&d, "decode", NULL);
     const char *extra[] = {"--max-body-bytes", "4K", NULL};
@@ -1115,34 +849,33 @@ START_TEST(bad_input_as_serve_no_node_called)
         {"POST", "/v1/completions", big},
     };
     for (size_t i = 0; i < PKV_ARRAY_LEN(cases); i++) {
-        resp_t want, got;
-        size_t len = cases[i].body ? strlen(cases[i].body) : 0;
-        http(up, cases[i].method, cases[i].path, cases[i].body, len, NULL, &want);
-        http(rt.port, cases[i].method, cases[i].path, cases[i].body, len, NULL, &got);
+        ts_resp_t want, got;
+        http(up, cases[i].method, cases[i].path, cases[i].body, NULL, &want);
+        http(rt.port, cases[i].method, cases[i].path, cases[i].body, NULL, &got);
         ck_assert_msg(got.status == want.status && got.status >= 400,
                       "case %zu: %ld vs serve's %ld: %s", i, got.status, want.status, got.body);
         ck_assert_msg(!strcmp(got.body ? got.body : "", want.body ? want.body : ""),
                       "case %zu:\n%s\n%s", i, got.body, want.body);
-        resp_free(&want);
-        resp_free(&got);
+        ts_resp_free(&want);
+        ts_resp_free(&got);
     }
     /* kv_transfer_params are the router's to set: 400 as on a unified node. */
-    resp_t got;
+    ts_resp_t got;
     const char *kvt = "{\"model\":\"tiny\",\"prompt\":\"x\",\"kv_transfer_params\":{"
                       "\"do_remote_decode\":true}}";
-    http(rt.port, "POST", "/v1/completions", kvt, strlen(kvt), NULL, &got);
+    http(rt.port, "POST", "/v1/completions", kvt, NULL, &got);
     ck_assert_int_eq(got.status, 400);
     ck_assert_ptr_nonnull(strstr(got.body, "\"code\":\"unsupported_parameter\""));
     ck_assert_ptr_nonnull(strstr(got.body, "\"param\":\"kv_transfer_params\""));
-    resp_free(&got);
+    ts_resp_free(&got);
     ck_assert_int_eq(log_count(&p, "X-Request-Id"), p_before);
     ck_assert_int_eq(log_count(&d, "X-Request-Id"), d_before);
     ck_assert_int_ge(metric(rt.port, "pagekv_router_rejected_total{reason=\"invalid_request\"}"),
                      15);
     pkv_server_destroy(u);
-    proc_stop(&rt, 30);
-    proc_stop(&d, 30);
-    proc_stop(&p, 30);
+    ts_proc_stop(&rt, 30);
+    ts_proc_stop(&d, 30);
+    ts_proc_stop(&p, 30);
 }
 END_TEST
 
@@ -1165,34 +898,14 @@ START_TEST(cli_rejects_bad_flags)
         for (int k = 0; k < 6 && cases[i][k]; k++) argv[n++] = (char *)cases[i][k];
         if (tails[i][0]) argv[n++] = (char *)tails[i][0];
         argv[n] = NULL;
-        pid_t pid = fork();
-        if (pid == 0) {
-            int null = open("/dev/null", O_WRONLY);
-            dup2(null, 2);
-            execv(BIN, argv);
-            _exit(98);
-        }
-        int st;
-        waitpid(pid, &st, 0);
-        ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 2, "case %zu: status %d", i, st);
+        int code = ts_proc_run(argv, 30, NULL);
+        ck_assert_msg(code == 2, "case %zu: exit code %d", i, code);
     }
 }
 END_TEST
 
 /* ---- many clients -----------------------------------------------------------------------------
  */
-
-typedef struct {
-    char *body;
-    size_t len;
-    long status;
-} load_conn_t;
-
-static size_t load_write(char *p, size_t sz, size_t n, void *arg)
-{
-    load_conn_t *c = arg;
-    return buf_append(&c->body, &c->len, p, sz * n) ? sz * n : 0;
-}
 
 static uint64_t vm_kb(pid_t pid, const char *field)
 {
@@ -1207,73 +920,64 @@ static uint64_t vm_kb(pid_t pid, const char *field)
     return v;
 }
 
+/* A load run in progress: once the router holds all n connections (checked on the batch's
+ * tick), its VmRSS is taken and the prefill node resumed. */
+typedef struct {
+    uint16_t port;
+    pid_t router, prefill;
+    int n;
+    bool resumed;
+    uint64_t rss_kb, open_peak, last_check;
+} load_t;
+
+static void load_tick(void *arg, size_t done)
+{
+    load_t *l = arg;
+    if (l->resumed || pkv_now_ns() - l->last_check <= SEC / 5) return;
+    l->last_check = pkv_now_ns();
+    long long open = metric(l->port, "pagekv_router_connections"); /* + this one */
+    if (open >= l->n + 1) {
+        l->rss_kb = vm_kb(l->router, "VmRSS:");
+        l->open_peak = (uint64_t)open - 1;
+        kill(l->prefill, SIGCONT);
+        l->resumed = true;
+    }
+}
+
 /* Open n streaming requests at once (the prefill node stopped so they all stay open),
  * wait until the router holds them all, then let them run: returns how many completed
  * with [DONE]; *rss_kb the router's VmRSS with all of them open. */
 static int load_run(uint16_t port, pid_t router, pid_t prefill, int n, uint64_t *rss_kb,
                     uint64_t *open_peak)
 {
-    CURLM *m = curl_multi_init();
-    load_conn_t *conns = calloc((size_t)n, sizeof(*conns));
-    CURL **easy = calloc((size_t)n, sizeof(*easy));
-    char url[128];
-    snprintf(url, sizeof(url), "http://127.0.0.1:%u/v1/completions", port);
-    const char *body = "{\"model\":\"tiny\",\"prompt\":\"one of a thousand\",\"max_tokens\":4,"
-                       "\"temperature\":0,\"stream\":true}";
-    stop_process(prefill);
-    for (int i = 0; i < n; i++) {
-        CURL *c = easy[i] = curl_easy_init();
-        curl_easy_setopt(c, CURLOPT_URL, url);
-        curl_easy_setopt(c, CURLOPT_NOPROXY, "*");
-        curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
-        curl_easy_setopt(c, CURLOPT_TIMEOUT, 100L);
-        curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
-        curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, load_write);
-        curl_easy_setopt(c, CURLOPT_WRITEDATA, &conns[i]);
-        curl_easy_setopt(c, CURLOPT_FORBID_REUSE, 1L);
-        curl_multi_add_handle(m, c);
-    }
-    int running = n;
-    bool resumed = false;
-    uint64_t deadline = pkv_deadline_after_ns(100 * SEC);
-    uint64_t last_check = 0;
-    while (running && pkv_now_ns() < deadline) {
-        curl_multi_perform(m, &running);
-        curl_multi_poll(m, NULL, 0, 20, NULL);
-        if (!resumed && pkv_now_ns() - last_check > SEC / 5) {
-            last_check = pkv_now_ns();
-            long long open = metric(port, "pagekv_router_connections"); /* + this one */
-            if (open >= n + 1) {
-                *rss_kb = vm_kb(router, "VmRSS:");
-                *open_peak = (uint64_t)open - 1;
-                kill(prefill, SIGCONT);
-                resumed = true;
-            }
-        }
-    }
+    char base[64];
+    snprintf(base, sizeof(base), "http://127.0.0.1:%u", port);
+    http_request_t *reqs = calloc((size_t)n, sizeof(*reqs));
+    http_reply_t *reps = calloc((size_t)n, sizeof(*reps));
+    ck_assert(reqs && reps);
+    for (int i = 0; i < n; i++)
+        reqs[i] = (http_request_t){
+            .base_url = base,
+            .path = "/v1/completions",
+            .body = "{\"model\":\"tiny\",\"prompt\":\"one of a thousand\",\"max_tokens\":4,"
+                    "\"temperature\":0,\"stream\":true}",
+            .timeout_ms = 100000};
+    load_t l = {.port = port, .router = router, .prefill = prefill, .n = n};
+    http_batch_t batch = {.concurrency = (uint32_t)n, .tick = load_tick, .tick_arg = &l};
+    ts_proc_freeze(prefill);
+    http_batch_run(&batch, reqs, (size_t)n, reps);
     kill(prefill, SIGCONT);
-    CURLMsg *msg;
-    int q, completed = 0;
-    while ((msg = curl_multi_info_read(m, &q)))
-        if (msg->msg == CURLMSG_DONE) {
-            for (int i = 0; i < n; i++)
-                if (easy[i] == msg->easy_handle) {
-                    curl_easy_getinfo(easy[i], CURLINFO_RESPONSE_CODE, &conns[i].status);
-                    if (msg->data.result == CURLE_OK && conns[i].status == 200 && conns[i].body &&
-                        strstr(conns[i].body, "data: [DONE]\n\n") &&
-                        !strstr(conns[i].body, "\"error\""))
-                        completed++;
-                }
-        }
-    for (int i = 0; i < n; i++) {
-        curl_multi_remove_handle(m, easy[i]);
-        curl_easy_cleanup(easy[i]);
-        free(conns[i].body);
-    }
-    free(conns);
-    free(easy);
-    curl_multi_cleanup(m);
-    ck_assert_msg(resumed, "the router never held all %d connections at once", n);
+    int completed = 0;
+    for (int i = 0; i < n; i++)
+        if (reps[i].curl_code == CURLE_OK && reps[i].status == 200 && reps[i].body &&
+            strstr(reps[i].body, "data: [DONE]\n\n") && !strstr(reps[i].body, "\"error\""))
+            completed++;
+    http_replies_free(reps, (size_t)n);
+    free(reps);
+    free(reqs);
+    ck_assert_msg(l.resumed, "the router never held all %d connections at once", n);
+    *rss_kb = l.rss_kb;
+    *open_peak = l.open_peak;
     return completed;
 }
 
@@ -1287,7 +991,7 @@ START_TEST(thousand_concurrent_streams)
     setrlimit(RLIMIT_NOFILE, &rl);
     ck_assert_msg(rl.rlim_cur >= 2500, "RLIMIT_NOFILE hard limit %llu is too low",
                   (unsigned long long)rl.rlim_max);
-    proc_t p, d, rt;
+    launch_proc_t p, d, rt;
     const char *nodes[] = {"--max-batch-size", "64", "--max-connections", "512", NULL};
     node_start(&p, "prefill", nodes);
     node_start(&d, "decode", nodes);
@@ -1309,16 +1013,16 @@ START_TEST(thousand_concurrent_streams)
             (unsigned long long)rss, (unsigned long long)hwm, threads);
     ck_assert_int_eq(done, n);
     ck_assert_int_le(threads, 8); /* no thread per connection */
-    proc_stop(&rt, 30);
-    proc_stop(&d, 30);
-    proc_stop(&p, 30);
+    ts_proc_stop(&rt, 30);
+    ts_proc_stop(&d, 30);
+    ts_proc_stop(&p, 30);
 }
 END_TEST
 
 /* Beyond --max-connections: 503 with Retry-After, not a dropped connection. */
 START_TEST(over_the_connection_limit_503)
 {
-    proc_t p, d, rt;
+    launch_proc_t p, d, rt;
     node_start(&p, "prefill", NULL);
     node_start(&d, "decode", NULL);
     const char *extra[] = {"--max-connections", "4", NULL};
@@ -1332,7 +1036,7 @@ START_TEST(over_the_connection_limit_503)
     }
     if (getenv("PKV_TEST_DEBUG"))
         fprintf(stderr, "connections before: %lld\n", metric(rt.port, "pagekv_router_connections"));
-    stop_process(p.pid);
+    ts_proc_freeze(p.pid);
     streamer_t s[4];
     pthread_t th[4];
     for (int i = 0; i < 4; i++) {
@@ -1348,20 +1052,20 @@ START_TEST(over_the_connection_limit_503)
         usleep(2000);
     }
     deadline = pkv_deadline_after_ns(20 * SEC);
-    resp_t r;
+    ts_resp_t r;
     for (;;) {
-        http(rt.port, "GET", "/health", NULL, 0, NULL, &r);
+        http(rt.port, "GET", "/health", NULL, NULL, &r);
         ck_assert_int_eq(r.cc, CURLE_OK);
         if (getenv("PKV_TEST_DEBUG")) fprintf(stderr, "health: %ld %s\n", r.status, r.body);
         if (r.status == 503 && strstr(r.body, "too_many_connections")) break;
         ck_assert(pkv_now_ns() < deadline);
-        resp_free(&r);
+        ts_resp_free(&r);
         usleep(20000);
     }
     char ra[16];
     header_value(r.headers, "Retry-After", ra, sizeof(ra));
     ck_assert_str_eq(ra, "1");
-    resp_free(&r);
+    ts_resp_free(&r);
     kill(p.pid, SIGCONT);
     for (int i = 0; i < 4; i++) {
         pthread_join(th[i], NULL);
@@ -1374,9 +1078,9 @@ START_TEST(over_the_connection_limit_503)
         ck_assert(pkv_now_ns() < deadline);
         usleep(20000);
     }
-    proc_stop(&rt, 30);
-    proc_stop(&d, 30);
-    proc_stop(&p, 30);
+    ts_proc_stop(&rt, 30);
+    ts_proc_stop(&d, 30);
+    ts_proc_stop(&p, 30);
 }
 END_TEST
 
@@ -1465,7 +1169,7 @@ START_TEST(openai_sdk_through_router)
             return;
         }
     }
-    proc_t p, d, rt;
+    launch_proc_t p, d, rt;
     node_start(&p, "prefill", NULL);
     node_start(&d, "decode", NULL);
     router_start(&rt, &p, 1, &d, 1, NULL);
@@ -1476,9 +1180,9 @@ START_TEST(openai_sdk_through_router)
              sdk, PKV_TEST_SRCDIR, rt.port);
     ck_assert_int_eq(system(cmd), 0);
     ck_assert_int_ge(log_count(&d, "(decode leg)"), 4);
-    proc_stop(&rt, 30);
-    proc_stop(&d, 30);
-    proc_stop(&p, 30);
+    ts_proc_stop(&rt, 30);
+    ts_proc_stop(&d, 30);
+    ts_proc_stop(&p, 30);
 }
 END_TEST
 

@@ -3,10 +3,11 @@
  * ports, in-process through include/pagekv/server.h, and as a child `pagekv serve`
  * process for the CLI and SIGTERM. Completions, chat, streaming (the same text streamed
  * and not at temperature 0, paged and dense alike), 8 concurrent requests, prefix hits
- * in cached_tokens, every error class (and that nothing changed), queue full (429 with
+ * in cached_tokens, every rejection reason and the HTTP layer's refusals (and that
+ * nothing changed; the request schema's every refusal: test_openai), queue full (429 with
  * Retry-After), a prompt that can never fit the KV budget, a client disconnecting
  * mid-stream, /metrics through a strict Prometheus parser, SIGTERM drain; plus the
- * output assembler (finish reasons, UTF-8) and the fuzz corpus replay.
+ * output assembler (finish reasons, UTF-8).
  */
 #include "tests/support/srvtest.h"
 #include "tests/support/testutil.h"
@@ -26,135 +27,35 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
-#include <sys/prctl.h>
-#include <sys/select.h>
 #include <sys/wait.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
-/* The fuzz target's properties: their checks abort on a violation. */
-#include "tests/fuzz/props.h"
+/* ---- HTTP ------------------------------------------------------------------------------- */
 
-/* ---- HTTP client ------------------------------------------------------------------------ */
-
-typedef struct {
-    long status;
-    char *body;
-    size_t len;
-    char headers[8192];
-    CURLcode cc;
-} resp_t;
-
-/* Append k bytes to a NUL-terminated growing buffer; false when out of memory. */
-static bool buf_append(char **buf, size_t *len, const char *p, size_t k)
-{
-    char *nb = realloc(*buf, *len + k + 1);
-    if (!nb) return false;
-    *buf = nb;
-    memcpy(nb + *len, p, k);
-    *len += k;
-    nb[*len] = 0;
-    return true;
-}
-
-static size_t on_body(char *p, size_t sz, size_t n, void *arg)
-{
-    resp_t *r = arg;
-    size_t k = sz * n;
-    return buf_append(&r->body, &r->len, p, k) ? k : 0;
-}
-
-static void resp_free(resp_t *r)
-{
-    free(r->body);
-    memset(r, 0, sizeof(*r));
-}
-
-/* One request; body NULL for none. Returns the curl code (the status is in r). */
 /* One more request header for every request (NULL: none). */
 static const char *http_extra_header;
 
+/* One request to this host's port through srvtest's client (body NULL: none), within
+ * 60 s, with http_extra_header. Returns the curl code (the status is in r). */
 static CURLcode http(uint16_t port, const char *method, const char *path, const char *body,
-                     size_t body_len, resp_t *r)
+                     ts_resp_t *r)
 {
-    memset(r, 0, sizeof(*r));
-    char base[64];
-    snprintf(base, sizeof(base), "http://127.0.0.1:%u", port);
-    const char *hdrs[] = {"Content-Type: application/json", "Expect:", http_extra_header, NULL};
-    http_request_t rq = {.base_url = base,
-                         .path = path,
-                         .method = method,
-                         .body = body,
-                         .body_len = body_len,
-                         .headers = body ? hdrs + 1 : hdrs,
-                         .timeout_ms = 60000,
-                         .connect_timeout_ms = 10000,
-                         .keep_headers = true};
-    http_reply_t rep;
-    http_send(&rq, &rep);
-    r->status = rep.status;
-    r->cc = (CURLcode)rep.curl_code;
-    r->body = rep.body;
-    r->len = rep.len;
-    rep.body = NULL;
-    snprintf(r->headers, sizeof(r->headers), "%s", rep.headers ? rep.headers : "");
-    http_reply_free(&rep);
-    return r->cc;
+    return ts_http("127.0.0.1", port, method, path, body, http_extra_header, 60, r);
 }
 
 static json_t *post_json(uint16_t port, const char *path, const char *body, long *status)
 {
-    resp_t r;
-    ck_assert_int_eq(http(port, "POST", path, body, strlen(body), &r), CURLE_OK);
+    ts_resp_t r;
+    ck_assert_int_eq(http(port, "POST", path, body, &r), CURLE_OK);
     *status = r.status;
     json_error_t je;
     json_t *doc = json_loadb(r.body ? r.body : "", r.len, JSON_ALLOW_NUL, &je);
     ck_assert_msg(doc != NULL, "response is not JSON (%s): %.300s", je.text, r.body ? r.body : "");
-    resp_free(&r);
+    ts_resp_free(&r);
     return doc;
-}
-
-static json_t *get_json(uint16_t port, const char *path)
-{
-    resp_t r;
-    ck_assert_int_eq(http(port, "GET", path, NULL, 0, &r), CURLE_OK);
-    ck_assert_int_eq(r.status, 200);
-    json_t *doc = json_loadb(r.body, r.len, JSON_ALLOW_NUL, NULL);
-    ck_assert_ptr_nonnull(doc);
-    resp_free(&r);
-    return doc;
-}
-
-/* A member by path: "a.b.0.c" (numbers index arrays). NULL when absent. */
-static json_t *jp(json_t *doc, const char *path)
-{
-    char buf[256];
-    snprintf(buf, sizeof(buf), "%s", path);
-    json_t *v = doc;
-    for (char *save = NULL, *t = strtok_r(buf, ".", &save); t && v;
-         t = strtok_r(NULL, ".", &save)) {
-        if (json_is_array(v))
-            v = json_array_get(v, strtoul(t, NULL, 10));
-        else
-            v = json_object_get(v, t);
-    }
-    return v;
-}
-
-static long long ji(json_t *doc, const char *path)
-{
-    json_t *v = jp(doc, path);
-    ck_assert_msg(json_is_integer(v), "%s is not an integer", path);
-    return json_integer_value(v);
-}
-
-static const char *js(json_t *doc, const char *path)
-{
-    json_t *v = jp(doc, path);
-    ck_assert_msg(json_is_string(v), "%s is not a string", path);
-    return json_string_value(v);
 }
 
 /* ---- servers ------------------------------------------------------------------------------ */
@@ -204,9 +105,9 @@ static void sse_parse(const char *body, size_t len, bool chat, sse_t *out)
             ck_assert_int_lt(out->n, 4096);
             out->events[out->n++] = ev;
             ck_assert_msg(!json_object_get(ev, "error"), "error event: %.*s", (int)elen, body + i);
-            json_t *ch = jp(ev, "choices.0");
+            json_t *ch = ts_jp(ev, "choices.0");
             if (ch) {
-                json_t *t = chat ? jp(ch, "delta.content") : json_object_get(ch, "text");
+                json_t *t = chat ? ts_jp(ch, "delta.content") : json_object_get(ch, "text");
                 if (json_is_string(t)) {
                     size_t tl = json_string_length(t);
                     ck_assert_uint_lt(out->text_len + tl, sizeof(out->text));
@@ -235,12 +136,12 @@ static void sse_free(sse_t *s)
 static void check_usage(json_t *usage, long long completion)
 {
     ck_assert_ptr_nonnull(usage);
-    long long p = ji(usage, "prompt_tokens"), c = ji(usage, "completion_tokens");
+    long long p = ts_ji(usage, "prompt_tokens"), c = ts_ji(usage, "completion_tokens");
     ck_assert_int_gt(p, 0);
     if (completion >= 0) ck_assert_int_eq(c, completion);
-    ck_assert_int_eq(ji(usage, "total_tokens"), p + c);
-    ck_assert_int_ge(ji(usage, "prompt_tokens_details.cached_tokens"), 0);
-    ck_assert_int_le(ji(usage, "prompt_tokens_details.cached_tokens"), p);
+    ck_assert_int_eq(ts_ji(usage, "total_tokens"), p + c);
+    ck_assert_int_ge(ts_ji(usage, "prompt_tokens_details.cached_tokens"), 0);
+    ck_assert_int_le(ts_ji(usage, "prompt_tokens_details.cached_tokens"), p);
 }
 
 /* A completion's text (malloc'd) at temperature 0. */
@@ -256,7 +157,7 @@ static char *complete(uint16_t port, const char *prompt, int max_tokens, json_t 
     long st;
     json_t *doc = post_json(port, "/v1/completions", body, &st);
     ck_assert_msg(st == 200, "status %ld", st);
-    char *text = strdup(js(doc, "choices.0.text"));
+    char *text = strdup(ts_js(doc, "choices.0.text"));
     if (doc_out)
         *doc_out = doc;
     else
@@ -279,13 +180,13 @@ START_TEST(completions_and_chat)
                   "\"temperature\":0,\"ignore_eos\":true}",
                   &st);
     ck_assert_int_eq(st, 200);
-    ck_assert_str_eq(js(d, "object"), "text_completion");
-    ck_assert_str_eq(js(d, "model"), "tiny");
-    ck_assert(!strncmp(js(d, "id"), "cmpl-", 5));
-    ck_assert_str_eq(js(d, "choices.0.finish_reason"), "length");
-    ck_assert_int_eq(ji(d, "choices.0.index"), 0);
-    check_usage(jp(d, "usage"), 12);
-    char *first = strdup(js(d, "choices.0.text"));
+    ck_assert_str_eq(ts_js(d, "object"), "text_completion");
+    ck_assert_str_eq(ts_js(d, "model"), "tiny");
+    ck_assert(!strncmp(ts_js(d, "id"), "cmpl-", 5));
+    ck_assert_str_eq(ts_js(d, "choices.0.finish_reason"), "length");
+    ck_assert_int_eq(ts_ji(d, "choices.0.index"), 0);
+    check_usage(ts_jp(d, "usage"), 12);
+    char *first = strdup(ts_js(d, "choices.0.text"));
     ck_assert_uint_gt(strlen(first), 0);
     json_decref(d);
     /* Deterministic at temperature 0. */
@@ -300,15 +201,15 @@ START_TEST(completions_and_chat)
         "{\"role\":\"user\",\"content\":\"Hello there\"}],\"max_tokens\":9,\"temperature\":0}",
         &st);
     ck_assert_int_eq(st, 200);
-    ck_assert_str_eq(js(d, "object"), "chat.completion");
-    ck_assert(!strncmp(js(d, "id"), "chatcmpl-", 9));
-    ck_assert_str_eq(js(d, "choices.0.message.role"), "assistant");
-    const char *fr = js(d, "choices.0.finish_reason");
+    ck_assert_str_eq(ts_js(d, "object"), "chat.completion");
+    ck_assert(!strncmp(ts_js(d, "id"), "chatcmpl-", 9));
+    ck_assert_str_eq(ts_js(d, "choices.0.message.role"), "assistant");
+    const char *fr = ts_js(d, "choices.0.finish_reason");
     ck_assert(!strcmp(fr, "length") || !strcmp(fr, "stop"));
-    check_usage(jp(d, "usage"), -1);
-    ck_assert_int_le(ji(d, "usage.completion_tokens"), 9);
-    char *chat_text = strdup(js(d, "choices.0.message.content"));
-    long long chat_prompt = ji(d, "usage.prompt_tokens");
+    check_usage(ts_jp(d, "usage"), -1);
+    ck_assert_int_le(ts_ji(d, "usage.completion_tokens"), 9);
+    char *chat_text = strdup(ts_js(d, "choices.0.message.content"));
+    long long chat_prompt = ts_ji(d, "usage.prompt_tokens");
     json_decref(d);
     /* Content as text parts renders the same prompt and text. */
     d = post_json(
@@ -318,8 +219,8 @@ START_TEST(completions_and_chat)
         "{\"type\":\"text\",\"text\":\"there\"}]}],\"max_tokens\":9,\"temperature\":0}",
         &st);
     ck_assert_int_eq(st, 200);
-    ck_assert_int_eq(ji(d, "usage.prompt_tokens"), chat_prompt);
-    ck_assert_str_eq(js(d, "choices.0.message.content"), chat_text);
+    ck_assert_int_eq(ts_ji(d, "usage.prompt_tokens"), chat_prompt);
+    ck_assert_str_eq(ts_js(d, "choices.0.message.content"), chat_text);
     json_decref(d);
     free(chat_text);
 
@@ -337,7 +238,7 @@ START_TEST(completions_and_chat)
     d = post_json(port, "/v1/completions", body, &st);
     ck_assert_int_eq(st, 200);
     char *by_text = complete(port, "The quick brown fox", 12, NULL);
-    ck_assert_str_eq(js(d, "choices.0.text"), by_text);
+    ck_assert_str_eq(ts_js(d, "choices.0.text"), by_text);
     free(by_text);
     json_decref(d);
     free(body);
@@ -346,21 +247,21 @@ START_TEST(completions_and_chat)
     pkv_tok_destroy(tok);
 
     /* models, health */
-    d = get_json(port, "/v1/models");
-    ck_assert_str_eq(js(d, "object"), "list");
-    ck_assert_str_eq(js(d, "data.0.id"), "tiny");
-    ck_assert_int_eq(ji(d, "data.0.max_model_len"), 4096);
+    d = ts_get_json("127.0.0.1", port, "/v1/models");
+    ck_assert_str_eq(ts_js(d, "object"), "list");
+    ck_assert_str_eq(ts_js(d, "data.0.id"), "tiny");
+    ck_assert_int_eq(ts_ji(d, "data.0.max_model_len"), 4096);
     json_decref(d);
-    d = get_json(port, "/v1/models/tiny");
-    ck_assert_str_eq(js(d, "id"), "tiny");
+    d = ts_get_json("127.0.0.1", port, "/v1/models/tiny");
+    ck_assert_str_eq(ts_js(d, "id"), "tiny");
     json_decref(d);
-    d = get_json(port, "/health");
-    ck_assert_str_eq(js(d, "status"), "ok");
+    d = ts_get_json("127.0.0.1", port, "/health");
+    ck_assert_str_eq(ts_js(d, "status"), "ok");
     json_decref(d);
-    resp_t r;
-    ck_assert_int_eq(http(port, "HEAD", "/health", NULL, 0, &r), CURLE_OK);
+    ts_resp_t r;
+    ck_assert_int_eq(http(port, "HEAD", "/health", NULL, &r), CURLE_OK);
     ck_assert_int_eq(r.status, 200);
-    resp_free(&r);
+    ts_resp_free(&r);
     pkv_server_destroy(s);
 }
 END_TEST
@@ -382,12 +283,12 @@ static void stream_vs_plain(pkv_server_t *s, bool chat, const char *what)
     long st;
     json_t *d = post_json(port, path, plain, &st);
     ck_assert_int_eq(st, 200);
-    const char *text = js(d, chat ? "choices.0.message.content" : "choices.0.text");
+    const char *text = ts_js(d, chat ? "choices.0.message.content" : "choices.0.text");
     size_t text_len =
-        json_string_length(jp(d, chat ? "choices.0.message.content" : "choices.0.text"));
+        json_string_length(ts_jp(d, chat ? "choices.0.message.content" : "choices.0.text"));
 
-    resp_t r;
-    ck_assert_int_eq(http(port, "POST", path, streamed, strlen(streamed), &r), CURLE_OK);
+    ts_resp_t r;
+    ck_assert_int_eq(http(port, "POST", path, streamed, &r), CURLE_OK);
     ck_assert_int_eq(r.status, 200);
     ck_assert_ptr_nonnull(strcasestr(r.headers, "content-type: text/event-stream"));
     sse_t sse;
@@ -399,15 +300,15 @@ static void stream_vs_plain(pkv_server_t *s, bool chat, const char *what)
     ck_assert_msg(!memcmp(sse.text, text, sse.text_len), "streamed text differs:\n%s\n%.*s", text,
                   (int)sse.text_len, sse.text);
     check_usage(sse.usage, 40);
-    ck_assert_int_eq(ji(sse.usage, "prompt_tokens"), ji(d, "usage.prompt_tokens"));
+    ck_assert_int_eq(ts_ji(sse.usage, "prompt_tokens"), ts_ji(d, "usage.prompt_tokens"));
     for (int i = 0; i < sse.n; i++) {
-        ck_assert_str_eq(js(sse.events[i], "object"),
+        ck_assert_str_eq(ts_js(sse.events[i], "object"),
                          chat ? "chat.completion.chunk" : "text_completion");
-        ck_assert_str_eq(js(sse.events[i], "id"), js(sse.events[0], "id"));
+        ck_assert_str_eq(ts_js(sse.events[i], "id"), ts_js(sse.events[0], "id"));
     }
-    if (chat) ck_assert_str_eq(js(sse.events[0], "choices.0.delta.role"), "assistant");
+    if (chat) ck_assert_str_eq(ts_js(sse.events[0], "choices.0.delta.role"), "assistant");
     sse_free(&sse);
-    resp_free(&r);
+    ts_resp_free(&r);
     json_decref(d);
     free(plain);
     free(streamed);
@@ -431,34 +332,34 @@ static void digest_checks(uint16_t port, bool paged)
         "A digest names the bytes of every KV head over the blocks of a prompt that "
         "the prefix cache holds, so that two nodes can be compared exactly.";
     free(complete(port, prompt, 2, NULL));
-    resp_t r;
+    ts_resp_t r;
     const char *bad = "{\"model\": \"tiny\"}";
-    ck_assert_int_eq(http(port, "POST", "/v1/cache/digest", bad, strlen(bad), &r), CURLE_OK);
+    ck_assert_int_eq(http(port, "POST", "/v1/cache/digest", bad, &r), CURLE_OK);
     ck_assert_int_eq(r.status, 400);
-    resp_free(&r);
+    ts_resp_free(&r);
     char body[512];
     snprintf(body, sizeof(body), "{\"model\": \"tiny\", \"prompt\": \"%s\"}", prompt);
     char *first = NULL;
     for (int k = 0; k < 2; k++) {
-        ck_assert_int_eq(http(port, "POST", "/v1/cache/digest", body, strlen(body), &r), CURLE_OK);
+        ck_assert_int_eq(http(port, "POST", "/v1/cache/digest", body, &r), CURLE_OK);
         if (!paged) {
             ck_assert_int_eq(r.status, 400);
             ck_assert_ptr_nonnull(strstr(r.body, "\"unsupported\""));
-            resp_free(&r);
+            ts_resp_free(&r);
             return;
         }
         ck_assert_int_eq(r.status, 200);
         json_t *d = json_loads(r.body, 0, NULL);
-        ck_assert_int_eq(ji(d, "tp"), 1);
-        ck_assert_int_gt(ji(d, "blocks"), 0);
-        ck_assert_int_eq(json_array_size(jp(d, "ranks.0.heads")), 2); /* tiny: 2 KV heads */
-        ck_assert_uint_eq(strlen(js(d, "ranks.0.heads.0")), 64);
+        ck_assert_int_eq(ts_ji(d, "tp"), 1);
+        ck_assert_int_gt(ts_ji(d, "blocks"), 0);
+        ck_assert_int_eq(json_array_size(ts_jp(d, "ranks.0.heads")), 2); /* tiny: 2 KV heads */
+        ck_assert_uint_eq(strlen(ts_js(d, "ranks.0.heads.0")), 64);
         if (!first)
-            first = strdup(js(d, "ranks.0.heads.1"));
+            first = strdup(ts_js(d, "ranks.0.heads.1"));
         else
-            ck_assert_str_eq(first, js(d, "ranks.0.heads.1"));
+            ck_assert_str_eq(first, ts_js(d, "ranks.0.heads.1"));
         json_decref(d);
-        resp_free(&r);
+        ts_resp_free(&r);
     }
     free(first);
 }
@@ -476,8 +377,8 @@ START_TEST(dense_backend_same_text)
     ck_assert_str_eq(a, b);
     stream_vs_plain(dense, false, "Dense streaming");
     digest_checks(pkv_server_port(dense), false);
-    json_t *st = get_json(pkv_server_port(dense), "/v1/cache/stats");
-    ck_assert_str_eq(js(st, "backend"), "dense");
+    json_t *st = ts_get_json("127.0.0.1", pkv_server_port(dense), "/v1/cache/stats");
+    ck_assert_str_eq(ts_js(st, "backend"), "dense");
     json_decref(st);
     pkv_server_destroy(dense);
     free(a);
@@ -502,32 +403,32 @@ static void check_hugepages(pkv_server_config_t cfg, pkv_prim_thp_mode_t mode)
     ck_assert_str_eq(info.thp_mode, pkv_prim_thp_mode_name(mode));
     if (!want) ck_assert(!info.huge_probe);
     free(complete(port, "Huge pages are asked for, and then measured.", 4, NULL));
-    json_t *st = get_json(port, "/v1/cache/stats");
-    ck_assert_int_eq(json_is_true(jp(st, "hugepages.requested")), want);
-    ck_assert_int_eq(json_is_true(jp(st, "hugepages.probe_huge")), info.huge_probe);
-    ck_assert_int_eq(json_is_true(jp(st, "hugepages.granules_fit")), info.huge_granules);
-    ck_assert_str_eq(js(st, "hugepages.thp_mode"), info.thp_mode);
-    resp_t r;
-    ck_assert_int_eq(http(port, "GET", "/metrics", NULL, 0, &r), CURLE_OK);
+    json_t *st = ts_get_json("127.0.0.1", port, "/v1/cache/stats");
+    ck_assert_int_eq(json_is_true(ts_jp(st, "hugepages.requested")), want);
+    ck_assert_int_eq(json_is_true(ts_jp(st, "hugepages.probe_huge")), info.huge_probe);
+    ck_assert_int_eq(json_is_true(ts_jp(st, "hugepages.granules_fit")), info.huge_granules);
+    ck_assert_str_eq(ts_js(st, "hugepages.thp_mode"), info.thp_mode);
+    ts_resp_t r;
+    ck_assert_int_eq(http(port, "GET", "/metrics", NULL, &r), CURLE_OK);
     char line[96];
     snprintf(line, sizeof(line), "\npagekv_kv_hugepages_requested %d\n", want);
     ck_assert_ptr_nonnull(strstr(r.body, line));
     if (paged) {
-        long long res = ji(st, "hugepages.pool_resident_bytes");
-        long long hp = ji(st, "hugepages.pool_huge_bytes");
-        ck_assert_int_eq(res, ji(st, "committed_bytes"));
+        long long res = ts_ji(st, "hugepages.pool_resident_bytes");
+        long long hp = ts_ji(st, "hugepages.pool_huge_bytes");
+        ck_assert_int_eq(res, ts_ji(st, "committed_bytes"));
         ck_assert_int_gt(res, 0);
-        long long age = ji(st, "hugepages.pool_read_age_ms");
+        long long age = ts_ji(st, "hugepages.pool_read_age_ms");
         ck_assert(age >= 0 && age <= 5000); /* read at most SRV_PAGES_MAX_AGE_NS ago */
         ck_assert(hp >= 0 && hp <= res && hp % PKV_PRIM_HUGE == 0);
         if ((!want && mode != PKV_PRIM_THP_ALWAYS) || !info.huge_granules) ck_assert_int_eq(hp, 0);
         snprintf(line, sizeof(line), "\npagekv_kv_pool_hugepage_bytes %lld\n", hp);
         ck_assert_ptr_nonnull(strstr(r.body, line));
     } else {
-        ck_assert(json_is_null(jp(st, "hugepages.pool_huge_bytes")));
+        ck_assert(json_is_null(ts_jp(st, "hugepages.pool_huge_bytes")));
         ck_assert_ptr_null(strstr(r.body, "pagekv_kv_pool_hugepage_bytes"));
     }
-    resp_free(&r);
+    ts_resp_free(&r);
     json_decref(st);
     pkv_server_destroy(s);
 }
@@ -561,16 +462,16 @@ static void *conc_main(void *arg)
              "{\"model\":\"tiny\",\"prompt\":\"Concurrent request number %d asks for text\","
              "\"max_tokens\":%d,\"temperature\":0,\"ignore_eos\":true}",
              c->i, 20 + c->i);
-    resp_t r;
-    if (http(c->port, "POST", "/v1/completions", body, strlen(body), &r) == CURLE_OK) {
+    ts_resp_t r;
+    if (http(c->port, "POST", "/v1/completions", body, &r) == CURLE_OK) {
         c->status = r.status;
         json_t *d = json_loadb(r.body, r.len, JSON_ALLOW_NUL, NULL);
-        json_t *t = jp(d, "choices.0.text");
-        long long ct = json_integer_value(jp(d, "usage.completion_tokens"));
+        json_t *t = ts_jp(d, "choices.0.text");
+        long long ct = json_integer_value(ts_jp(d, "usage.completion_tokens"));
         if (json_is_string(t) && ct == 20 + c->i) c->text = strdup(json_string_value(t));
         json_decref(d);
     }
-    resp_free(&r);
+    ts_resp_free(&r);
     return NULL;
 }
 
@@ -597,10 +498,10 @@ START_TEST(eight_concurrent_requests)
         free(one.text);
     }
     wait_quiet(port);
-    json_t *st = get_json(port, "/v1/cache/stats");
-    ck_assert_int_eq(ji(st, "requests.submitted"), 11);
-    ck_assert_int_eq(ji(st, "sequences"), 0);
-    ck_assert_int_eq(ji(st, "requests.in_flight"), 0);
+    json_t *st = ts_get_json("127.0.0.1", port, "/v1/cache/stats");
+    ck_assert_int_eq(ts_ji(st, "requests.submitted"), 11);
+    ck_assert_int_eq(ts_ji(st, "sequences"), 0);
+    ck_assert_int_eq(ts_ji(st, "requests.in_flight"), 0);
     json_decref(st);
     for (int i = 0; i < 8; i++) free(c[i].text);
     pkv_server_destroy(s);
@@ -617,28 +518,28 @@ START_TEST(prefix_hit_reported)
     json_t *d1, *d2, *d3;
     char *t1 = complete(port, prompt, 8, &d1);
     char *t2 = complete(port, prompt, 8, &d2);
-    long long n = ji(d1, "usage.prompt_tokens");
+    long long n = ts_ji(d1, "usage.prompt_tokens");
     ck_assert_int_gt(n, 200);
-    ck_assert_int_eq(ji(d1, "usage.prompt_tokens_details.cached_tokens"), 0);
+    ck_assert_int_eq(ts_ji(d1, "usage.prompt_tokens_details.cached_tokens"), 0);
     /* Every whole block but the one holding the last prompt token is adopted. */
-    ck_assert_int_eq(ji(d2, "usage.prompt_tokens_details.cached_tokens"), (n - 1) / 16 * 16);
+    ck_assert_int_eq(ts_ji(d2, "usage.prompt_tokens_details.cached_tokens"), (n - 1) / 16 * 16);
     ck_assert_str_eq(t1, t2); /* same tokens with or without the cache */
-    json_t *st = get_json(port, "/v1/cache/stats");
-    ck_assert_int_eq(ji(st, "prefix_cache.hit_tokens"), (n - 1) / 16 * 16);
-    ck_assert_int_gt(ji(st, "blocks.cached"), 0);
+    json_t *st = ts_get_json("127.0.0.1", port, "/v1/cache/stats");
+    ck_assert_int_eq(ts_ji(st, "prefix_cache.hit_tokens"), (n - 1) / 16 * 16);
+    ck_assert_int_gt(ts_ji(st, "blocks.cached"), 0);
     json_decref(st);
     /* After a reset the prefix is gone. */
     long code;
     json_t *rd = post_json(port, "/v1/cache/reset", "", &code);
     ck_assert_int_eq(code, 200);
-    ck_assert_int_gt(ji(rd, "dropped_blocks"), 0);
+    ck_assert_int_gt(ts_ji(rd, "dropped_blocks"), 0);
     json_decref(rd);
-    st = get_json(port, "/v1/cache/stats");
-    ck_assert_int_eq(ji(st, "blocks.cached"), 0);
-    ck_assert_int_eq(ji(st, "cache_resets"), 1);
+    st = ts_get_json("127.0.0.1", port, "/v1/cache/stats");
+    ck_assert_int_eq(ts_ji(st, "blocks.cached"), 0);
+    ck_assert_int_eq(ts_ji(st, "cache_resets"), 1);
     json_decref(st);
     char *t3 = complete(port, prompt, 8, &d3);
-    ck_assert_int_eq(ji(d3, "usage.prompt_tokens_details.cached_tokens"), 0);
+    ck_assert_int_eq(ts_ji(d3, "usage.prompt_tokens_details.cached_tokens"), 0);
     ck_assert_str_eq(t3, t1);
     /* A different cache_salt does not share the prefix. */
     json_t *req = json_pack("{s:s, s:s, s:i, s:i, s:s}", "model", "tiny", "prompt", prompt,
@@ -646,7 +547,7 @@ START_TEST(prefix_hit_reported)
     char *body = json_dumps(req, 0);
     json_t *d4 = post_json(port, "/v1/completions", body, &code);
     ck_assert_int_eq(code, 200);
-    ck_assert_int_eq(ji(d4, "usage.prompt_tokens_details.cached_tokens"), 0);
+    ck_assert_int_eq(ts_ji(d4, "usage.prompt_tokens_details.cached_tokens"), 0);
     json_decref(d4);
     free(body);
     json_decref(req);
@@ -667,9 +568,9 @@ static void wait_quiet(uint16_t port)
 {
     uint64_t deadline = pkv_deadline_after_ns(10ull * 1000000000);
     for (;;) {
-        json_t *st = get_json(port, "/v1/cache/stats");
-        bool quiet = ji(st, "requests.in_flight") == 0 && ji(st, "requests.running") == 0 &&
-                     ji(st, "sequences") == 0;
+        json_t *st = ts_get_json("127.0.0.1", port, "/v1/cache/stats");
+        bool quiet = ts_ji(st, "requests.in_flight") == 0 && ts_ji(st, "requests.running") == 0 &&
+                     ts_ji(st, "sequences") == 0;
         json_decref(st);
         if (quiet) return;
         ck_assert_msg(pkv_now_ns() < deadline, "requests still in flight after 10 s");
@@ -681,7 +582,7 @@ static void wait_quiet(uint16_t port)
 static void state_of(uint16_t port, long long out[12])
 {
     wait_quiet(port);
-    json_t *st = get_json(port, "/v1/cache/stats");
+    json_t *st = ts_get_json("127.0.0.1", port, "/v1/cache/stats");
     static const char *keys[] = {"committed_bytes",
                                  "blocks.live",
                                  "blocks.cached",
@@ -694,7 +595,7 @@ static void state_of(uint16_t port, long long out[12])
                                  "requests.submitted",
                                  "requests.running",
                                  "requests.in_flight"};
-    for (int i = 0; i < 12; i++) out[i] = ji(st, keys[i]);
+    for (int i = 0; i < 12; i++) out[i] = ts_ji(st, keys[i]);
     json_decref(st);
 }
 
@@ -725,56 +626,17 @@ START_TEST(errors_change_nothing)
     memcpy(huge, "{\"model\":\"tiny\",\"prompt\":\"", 26);
     memcpy(huge + sizeof(huge) - 3, "\"}", 3);
 
+    /* One request body per rejection reason the server counts (the schema's every
+     * refusal, with its error document: test_openai), and the HTTP layer's own refusals. */
     const bad_case_t cases[] = {
         {"POST", "/v1/completions", "{", 400, "invalid_json", "invalid_request"},
-        {"POST", "/v1/completions", "", 400, "invalid_json", "invalid_request"},
-        {"POST", "/v1/completions", "[1,2]", 400, "invalid_json", "invalid_request"},
-        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":\"a\",\"prompt\":\"b\"}", 400,
-         "invalid_json", "invalid_request"},
-        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":\"\xff\"}", 400, "invalid_json",
-         "invalid_request"},
-        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":\"x\",\"max_tokens\":\"5\"}",
-         400, "invalid_type", "invalid_request"},
-        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":\"x\",\"temperature\":\"hot\"}",
-         400, "invalid_type", "invalid_request"},
-        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":\"x\",\"stream\":1}", 400,
-         "invalid_type", "invalid_request"},
-        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":7}", 400, "invalid_type",
-         "invalid_request"},
         {"POST", "/v1/chat/completions", "{\"model\":\"tiny\",\"messages\":\"hi\"}", 400,
          "invalid_type", "invalid_request"},
-        {"POST", "/v1/completions", "{\"prompt\":\"x\"}", 400, "missing_field", "invalid_request"},
-        {"POST", "/v1/completions", "{\"model\":\"tiny\"}", 400, "missing_field",
-         "invalid_request"},
-        {"POST", "/v1/chat/completions", "{\"model\":\"tiny\"}", 400, "missing_field",
-         "invalid_request"},
-        {"POST", "/v1/chat/completions", "{\"model\":\"tiny\",\"messages\":[{\"role\":\"user\"}]}",
-         400, "missing_field", "invalid_request"},
-        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":\"x\",\"bogus\":1}", 400,
-         "unknown_parameter", "invalid_request"},
         {"POST", "/v1/completions", "{\"model\":\"gpt-4o\",\"prompt\":\"x\"}", 404,
          "model_not_found", "model_not_found"},
-        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":\"\"}", 400, "invalid_value",
-         "invalid_request"},
-        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":[]}", 400, "invalid_value",
-         "invalid_request"},
-        {"POST", "/v1/chat/completions", "{\"model\":\"tiny\",\"messages\":[]}", 400,
-         "invalid_value", "invalid_request"},
-        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":\"x\",\"max_tokens\":-1}", 400,
-         "invalid_value", "invalid_request"},
-        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":\"x\",\"max_tokens\":0}", 400,
-         "invalid_value", "invalid_request"},
-        {"POST", "/v1/completions",
-         "{\"model\":\"tiny\",\"prompt\":\"x\",\"max_tokens\":1000000000000}", 400, "invalid_value",
-         "invalid_request"},
         {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":\"x\",\"max_tokens\":255}", 400,
          "context_length_exceeded", "context_length"},
         {"POST", "/v1/completions", long_prompt, 400, "context_length_exceeded", "context_length"},
-        {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":\"x\",\"n\":3}", 400,
-         "unsupported_parameter", "invalid_request"},
-        {"POST", "/v1/chat/completions",
-         "{\"model\":\"tiny\",\"messages\":[{\"role\":\"wizard\",\"content\":\"x\"}]}", 400,
-         "invalid_value", "invalid_request"},
         {"POST", "/v1/completions", "{\"model\":\"tiny\",\"prompt\":[5,99999]}", 400,
          "invalid_value", "invalid_request"},
         {"POST", "/v1/completions", huge, 413, "body_too_large", "body_too_large"},
@@ -792,39 +654,38 @@ START_TEST(errors_change_nothing)
     };
     long long before[12], after[12];
     state_of(port, before);
-    json_t *st0 = get_json(port, "/v1/cache/stats");
+    json_t *st0 = ts_get_json("127.0.0.1", port, "/v1/cache/stats");
     long long rej_expect[8] = {0};
     static const char *rej_names[] = {"invalid_request", "model_not_found", "context_length",
                                       "kv_budget",       "queue_full",      "body_too_large",
                                       "shutting_down"};
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         const bad_case_t *c = &cases[i];
-        resp_t r;
-        ck_assert_int_eq(http(port, c->method, c->path, c->body, c->body ? strlen(c->body) : 0, &r),
-                         CURLE_OK);
+        ts_resp_t r;
+        ck_assert_int_eq(http(port, c->method, c->path, c->body, &r), CURLE_OK);
         ck_assert_msg(r.status == c->status, "case %zu (%s %s): status %ld, want %ld: %s", i,
                       c->method, c->path, r.status, c->status, r.body ? r.body : "");
         json_t *d = json_loadb(r.body ? r.body : "", r.len, JSON_ALLOW_NUL, NULL);
         ck_assert_msg(d != NULL, "case %zu: error body is not JSON", i);
-        ck_assert_str_eq(js(d, "error.code"), c->code);
-        ck_assert_uint_gt(strlen(js(d, "error.message")), 0);
-        ck_assert_uint_gt(strlen(js(d, "error.type")), 0);
+        ck_assert_str_eq(ts_js(d, "error.code"), c->code);
+        ck_assert_uint_gt(strlen(ts_js(d, "error.message")), 0);
+        ck_assert_uint_gt(strlen(ts_js(d, "error.type")), 0);
         if (c->status == 405) ck_assert_ptr_nonnull(strcasestr(r.headers, "\nAllow: "));
         if (!strcmp(c->code, "context_length_exceeded"))
-            ck_assert_ptr_nonnull(strstr(js(d, "error.message"), "256"));
+            ck_assert_ptr_nonnull(strstr(ts_js(d, "error.message"), "256"));
         json_decref(d);
-        resp_free(&r);
+        ts_resp_free(&r);
         for (int k = 0; c->rejection && k < 7; k++)
             if (!strcmp(rej_names[k], c->rejection)) rej_expect[k]++;
     }
     state_of(port, after);
     for (int i = 0; i < 12; i++) ck_assert_int_eq(after[i], before[i]);
-    json_t *st1 = get_json(port, "/v1/cache/stats");
+    json_t *st1 = ts_get_json("127.0.0.1", port, "/v1/cache/stats");
     for (int k = 0; k < 7; k++) {
         char key[64];
         snprintf(key, sizeof(key), "rejections.%s", rej_names[k]);
-        ck_assert_msg(ji(st1, key) - ji(st0, key) == rej_expect[k], "%s: %lld, want %lld", key,
-                      ji(st1, key) - ji(st0, key), rej_expect[k]);
+        ck_assert_msg(ts_ji(st1, key) - ts_ji(st0, key) == rej_expect[k], "%s: %lld, want %lld",
+                      key, ts_ji(st1, key) - ts_ji(st0, key), rej_expect[k]);
     }
     json_decref(st0);
     json_decref(st1);
@@ -851,16 +712,16 @@ START_TEST(prompt_never_fits_budget)
     long st;
     json_t *d = post_json(port, "/v1/completions", body, &st);
     ck_assert_int_eq(st, 400);
-    ck_assert_str_eq(js(d, "error.code"), "kv_budget_exceeded");
-    const char *msg = js(d, "error.message");
+    ck_assert_str_eq(ts_js(d, "error.code"), "kv_budget_exceeded");
+    const char *msg = ts_js(d, "error.message");
     ck_assert_ptr_nonnull(strstr(msg, "65536"));     /* the budget */
     ck_assert_ptr_nonnull(strstr(msg, "positions")); /* what the request needs */
     json_decref(d);
     state_of(port, after);
     for (int i = 0; i < 12; i++) ck_assert_int_eq(after[i], before[i]);
-    json_t *sd = get_json(port, "/v1/cache/stats");
-    ck_assert_int_eq(ji(sd, "rejections.kv_budget"), 1);
-    ck_assert_int_eq(ji(sd, "budget_bytes"), 65536);
+    json_t *sd = ts_get_json("127.0.0.1", port, "/v1/cache/stats");
+    ck_assert_int_eq(ts_ji(sd, "rejections.kv_budget"), 1);
+    ck_assert_int_eq(ts_ji(sd, "budget_bytes"), 65536);
     json_decref(sd);
     free(complete(port, "A short prompt fits", 8, NULL));
     pkv_server_destroy(s);
@@ -880,44 +741,37 @@ typedef struct {
     size_t len;
 } streamer_t;
 
-static size_t streamer_write(char *p, size_t sz, size_t n, void *arg)
+/* Counts event ends in the new bytes only (one may straddle the previous piece). */
+static bool streamer_body(void *arg, const char *all, size_t len, size_t added)
 {
     streamer_t *st = arg;
-    size_t k = sz * n;
-    if (!buf_append(&st->all, &st->len, p, k)) return 0;
-    /* Count event ends in the new bytes only (one may straddle the previous write). */
-    size_t from = st->len - k > 0 ? st->len - k - 1 : 0;
+    size_t from = len - added > 0 ? len - added - 1 : 0;
     int ev = atomic_load(&st->events);
-    for (size_t i = from; i + 1 < st->len; i++)
-        if (st->all[i] == '\n' && st->all[i + 1] == '\n') ev++;
+    for (size_t i = from; i + 1 < len; i++)
+        if (all[i] == '\n' && all[i + 1] == '\n') ev++;
     atomic_store(&st->events, ev);
     int stop = atomic_load(&st->stop_after);
-    if (stop && ev >= stop) return 0; /* abort: curl closes the socket */
-    return k;
+    return !(stop && ev >= stop); /* false: hang up (the client closes the socket) */
 }
 
 static void *streamer_main(void *arg)
 {
     streamer_t *st = arg;
-    CURL *c = curl_easy_init();
-    char url[128];
-    snprintf(url, sizeof(url), "http://127.0.0.1:%u/v1/completions", st->port);
-    curl_easy_setopt(c, CURLOPT_URL, url);
-    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(c, CURLOPT_TIMEOUT, 120L);
-    curl_easy_setopt(c, CURLOPT_POSTFIELDS, st->body);
-    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, streamer_write);
-    curl_easy_setopt(c, CURLOPT_WRITEDATA, st);
-    st->cc = curl_easy_perform(c);
-    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &st->status);
-    curl_easy_cleanup(c);
+    ts_resp_t r;
+    st->cc = ts_http_watch("127.0.0.1", st->port, "/v1/completions", st->body, 120, streamer_body,
+                           st, &r);
+    st->status = r.status;
+    st->all = r.body; /* kept: the caller frees it */
+    st->len = r.len;
+    r.body = NULL;
+    ts_resp_free(&r);
     return NULL;
 }
 
 static long long metric(uint16_t port, const char *sample)
 {
-    resp_t r;
-    ck_assert_int_eq(http(port, "GET", "/metrics", NULL, 0, &r), CURLE_OK);
+    ts_resp_t r;
+    ck_assert_int_eq(http(port, "GET", "/metrics", NULL, &r), CURLE_OK);
     ck_assert_int_eq(r.status, 200);
     long long v = -1;
     size_t sl = strlen(sample);
@@ -926,7 +780,7 @@ static long long metric(uint16_t port, const char *sample)
         if (!strncmp(line, sample, sl) && line[sl] == ' ') v = atoll(line + sl + 1);
         line = nl ? nl + 1 : NULL;
     }
-    resp_free(&r);
+    ts_resp_free(&r);
     ck_assert_msg(v >= 0, "metric %s missing", sample);
     return v;
 }
@@ -946,9 +800,9 @@ START_TEST(disconnect_mid_stream_frees_sequence)
      * that is generous for a loaded machine yet far below generating 4000 tokens. */
     uint64_t deadline = pkv_deadline_after_ns(5ull * 1000000000);
     for (;;) {
-        json_t *cs = get_json(port, "/v1/cache/stats");
-        bool freed = ji(cs, "sequences") == 0 && ji(cs, "requests.running") == 0 &&
-                     ji(cs, "requests.in_flight") == 0;
+        json_t *cs = ts_get_json("127.0.0.1", port, "/v1/cache/stats");
+        bool freed = ts_ji(cs, "sequences") == 0 && ts_ji(cs, "requests.running") == 0 &&
+                     ts_ji(cs, "requests.in_flight") == 0;
         json_decref(cs);
         if (freed) break;
         ck_assert_msg(pkv_now_ns() < deadline, "the sequence was not freed within 5 s");
@@ -960,22 +814,17 @@ START_TEST(disconnect_mid_stream_frees_sequence)
     ck_assert_int_lt(metric(port, "pagekv_generation_tokens_total"), 4000);
     free(st.all);
     /* The same for a non-streaming request whose client gives up. */
-    resp_t r;
-    memset(&r, 0, sizeof(r));
-    CURL *c = curl_easy_init();
-    char url[128];
-    snprintf(url, sizeof(url), "http://127.0.0.1:%u/v1/completions", port);
-    curl_easy_setopt(c, CURLOPT_URL, url);
-    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, 300L);
-    curl_easy_setopt(
-        c, CURLOPT_POSTFIELDS,
-        "{\"model\":\"tiny\",\"prompt\":\"Wait for it\",\"max_tokens\":4000,\"ignore_eos\":true}");
-    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_body);
-    curl_easy_setopt(c, CURLOPT_WRITEDATA, &r);
-    CURLcode cc = curl_easy_perform(c);
-    curl_easy_cleanup(c);
-    resp_free(&r);
+    char base[64];
+    snprintf(base, sizeof(base), "http://127.0.0.1:%u", port);
+    http_request_t rq = {.base_url = base,
+                         .path = "/v1/completions",
+                         .body = "{\"model\":\"tiny\",\"prompt\":\"Wait for "
+                                 "it\",\"max_tokens\":4000,\"ignore_eos\":true}",
+                         .timeout_ms = 300};
+    http_reply_t rep;
+    http_send(&rq, &rep);
+    CURLcode cc = (CURLcode)rep.curl_code;
+    http_reply_free(&rep);
     if (cc == CURLE_OPERATION_TIMEDOUT) {
         deadline = pkv_deadline_after_ns(5ull * 1000000000);
         while (metric(port, "pagekv_requests_finished_total{reason=\"cancelled\"}") < 2) {
@@ -1010,21 +859,21 @@ START_TEST(queue_full_gets_429)
         .stop_after = 0};
     ck_assert_int_eq(pthread_create(&tb, NULL, streamer_main, &b), 0);
     for (;;) {
-        json_t *cs = get_json(port, "/v1/cache/stats");
-        long long q = ji(cs, "requests.queued");
+        json_t *cs = ts_get_json("127.0.0.1", port, "/v1/cache/stats");
+        long long q = ts_ji(cs, "requests.queued");
         json_decref(cs);
         if (q == 1) break;
         usleep(1000);
     }
-    resp_t r;
+    ts_resp_t r;
     const char *body = "{\"model\":\"tiny\",\"prompt\":\"No room\",\"max_tokens\":2}";
-    ck_assert_int_eq(http(port, "POST", "/v1/completions", body, strlen(body), &r), CURLE_OK);
+    ck_assert_int_eq(http(port, "POST", "/v1/completions", body, &r), CURLE_OK);
     ck_assert_int_eq(r.status, 429);
     ck_assert_ptr_nonnull(strcasestr(r.headers, "\nRetry-After: 3"));
     json_t *d = json_loadb(r.body, r.len, JSON_ALLOW_NUL, NULL);
-    ck_assert_str_eq(js(d, "error.code"), "queue_full");
+    ck_assert_str_eq(ts_js(d, "error.code"), "queue_full");
     json_decref(d);
-    resp_free(&r);
+    ts_resp_free(&r);
     /* Free the slot by hanging up A: B then runs to completion. */
     atomic_store(&a.stop_after, atomic_load(&a.events) + 1);
     pthread_join(ta, NULL);
@@ -1034,9 +883,9 @@ START_TEST(queue_full_gets_429)
     sse_parse(b.all, b.len, false, &sse);
     ck_assert(sse.done);
     sse_free(&sse);
-    json_t *cs = get_json(port, "/v1/cache/stats");
-    ck_assert_int_eq(ji(cs, "rejections.queue_full"), 1);
-    ck_assert_int_eq(ji(cs, "requests.submitted"), 2);
+    json_t *cs = ts_get_json("127.0.0.1", port, "/v1/cache/stats");
+    ck_assert_int_eq(ts_ji(cs, "rejections.queue_full"), 1);
+    ck_assert_int_eq(ts_ji(cs, "requests.submitted"), 2);
     json_decref(cs);
     free(a.all);
     free(b.all);
@@ -1107,28 +956,28 @@ START_TEST(llama2c_checkpoint_serves)
     unlink(model);
     unlink(tok);
     uint16_t port = pkv_server_port(s);
-    json_t *m = get_json(port, "/v1/models");
-    ck_assert_str_eq(js(m, "data.0.id"), "story");
-    ck_assert_int_eq(ji(m, "data.0.max_model_len"), 128);
+    json_t *m = ts_get_json("127.0.0.1", port, "/v1/models");
+    ck_assert_str_eq(ts_js(m, "data.0.id"), "story");
+    ck_assert_int_eq(ts_ji(m, "data.0.max_model_len"), 128);
     json_decref(m);
     long st;
     json_t *d = post_json(
         port, "/v1/completions",
         "{\"model\":\"story\",\"prompt\":\"hello the\",\"max_tokens\":10,\"temperature\":0}", &st);
     ck_assert_int_eq(st, 200);
-    check_usage(jp(d, "usage"), -1);
+    check_usage(ts_jp(d, "usage"), -1);
     json_decref(d);
     d = post_json(port, "/v1/chat/completions",
                   "{\"model\":\"story\",\"messages\":[{\"role\":\"user\",\"content\":\"hello\"}],"
                   "\"max_tokens\":5,\"temperature\":0}",
                   &st);
     ck_assert_int_eq(st, 200);
-    ck_assert_ptr_nonnull(jp(d, "choices.0.message.content"));
+    ck_assert_ptr_nonnull(ts_jp(d, "choices.0.message.content"));
     json_decref(d);
     d = post_json(port, "/v1/completions",
                   "{\"model\":\"story\",\"prompt\":\"hello\",\"max_tokens\":127}", &st);
     ck_assert_int_eq(st, 400);
-    ck_assert_str_eq(js(d, "error.code"), "context_length_exceeded");
+    ck_assert_str_eq(ts_js(d, "error.code"), "context_length_exceeded");
     json_decref(d);
     pkv_server_destroy(s);
     /* Bad combinations are refused at creation. */
@@ -1363,10 +1212,10 @@ START_TEST(metrics_parse_as_prometheus)
     }
     free(complete(port, "Some traffic before scraping", 6, NULL));
     stream_vs_plain(s, false, "and a stream");
-    resp_t r;
-    ck_assert_int_eq(http(port, "GET", "/nope", NULL, 0, &r), CURLE_OK);
-    resp_free(&r);
-    ck_assert_int_eq(http(port, "GET", "/metrics", NULL, 0, &r), CURLE_OK);
+    ts_resp_t r;
+    ck_assert_int_eq(http(port, "GET", "/nope", NULL, &r), CURLE_OK);
+    ts_resp_free(&r);
+    ck_assert_int_eq(http(port, "GET", "/metrics", NULL, &r), CURLE_OK);
     ck_assert_int_eq(r.status, 200);
     ck_assert_ptr_nonnull(strcasestr(r.headers, "content-type: text/plain; version=0.0.4"));
     int n = prom_check(r.body);
@@ -1376,87 +1225,24 @@ START_TEST(metrics_parse_as_prometheus)
     ck_assert_ptr_nonnull(
         strstr(r.body, "pagekv_http_requests_total{route=\"other\",code=\"404\"} 1\n"));
     ck_assert_ptr_nonnull(strstr(r.body, "pagekv_time_to_first_token_seconds_count 3\n"));
-    resp_free(&r);
+    ts_resp_free(&r);
     /* The process's RSS (read through prim), and /metrics and /v1/cache/stats rendering the
      * same snapshot fields (the server is idle, so two scrapes agree). */
     ck_assert_int_gt(metric(port, "pagekv_process_resident_memory_bytes"), 0);
-    json_t *cs = get_json(port, "/v1/cache/stats");
-    ck_assert_int_eq(ji(cs, "committed_bytes"), metric(port, "pagekv_kv_committed_bytes"));
-    ck_assert_int_eq(ji(cs, "blocks.cached"), metric(port, "pagekv_kv_blocks{state=\"cached\"}"));
-    ck_assert_int_eq(ji(cs, "prefix_cache.hit_tokens"),
+    json_t *cs = ts_get_json("127.0.0.1", port, "/v1/cache/stats");
+    ck_assert_int_eq(ts_ji(cs, "committed_bytes"), metric(port, "pagekv_kv_committed_bytes"));
+    ck_assert_int_eq(ts_ji(cs, "blocks.cached"),
+                     metric(port, "pagekv_kv_blocks{state=\"cached\"}"));
+    ck_assert_int_eq(ts_ji(cs, "prefix_cache.hit_tokens"),
                      metric(port, "pagekv_kv_prefix_hit_tokens_total"));
-    ck_assert_int_eq(ji(cs, "requests.submitted"), metric(port, "pagekv_requests_submitted_total"));
+    ck_assert_int_eq(ts_ji(cs, "requests.submitted"),
+                     metric(port, "pagekv_requests_submitted_total"));
     json_decref(cs);
     pkv_server_destroy(s);
 }
 END_TEST
 
 /* ---- the CLI as a child process ------------------------------------------------------------- */
-
-typedef struct {
-    pid_t pid;
-    int err_fd; /* the child's stderr */
-    uint16_t port;
-    char log[16384];
-    size_t log_len;
-} child_t;
-
-static void child_read(child_t *c, int timeout_ms)
-{
-    struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
-    fd_set fds;
-    FD_ZERO(&fds);
-    FD_SET(c->err_fd, &fds);
-    if (select(c->err_fd + 1, &fds, NULL, NULL, &tv) <= 0) return;
-    ssize_t k = read(c->err_fd, c->log + c->log_len, sizeof(c->log) - 1 - c->log_len);
-    if (k > 0) c->log_len += (size_t)k;
-    c->log[c->log_len] = 0;
-}
-
-static void child_start(child_t *c, char *const argv[])
-{
-    memset(c, 0, sizeof(*c));
-    int fds[2];
-    ck_assert_int_eq(pipe(fds), 0);
-    pid_t parent = getpid();
-    c->pid = fork();
-    ck_assert_int_ge(c->pid, 0);
-    if (c->pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive a failed test */
-        if (getppid() != parent) _exit(99);
-        dup2(fds[1], 2);
-        close(fds[0]);
-        close(fds[1]);
-        execv(argv[0], argv);
-        _exit(98);
-    }
-    close(fds[1]);
-    c->err_fd = fds[0];
-}
-
-static int child_wait(child_t *c, int timeout_s)
-{
-    uint64_t deadline = pkv_deadline_after_ns((uint64_t)timeout_s * 1000000000ull);
-    int status = 0;
-    for (;;) {
-        pid_t w = waitpid(c->pid, &status, WNOHANG);
-        if (w == c->pid) break;
-        child_read(c, 10);
-        if (pkv_now_ns() > deadline) {
-            kill(c->pid, SIGKILL);
-            waitpid(c->pid, &status, 0);
-            ck_abort_msg("pagekv serve did not exit within %d s; log:\n%s", timeout_s, c->log);
-        }
-    }
-    while (c->log_len < sizeof(c->log) - 1) {
-        ssize_t k = read(c->err_fd, c->log + c->log_len, sizeof(c->log) - 1 - c->log_len);
-        if (k <= 0) break;
-        c->log_len += (size_t)k;
-    }
-    c->log[c->log_len] = 0;
-    close(c->err_fd);
-    return status;
-}
 
 START_TEST(cli_rejects_bad_flags)
 {
@@ -1470,12 +1256,11 @@ START_TEST(cli_rejects_bad_flags)
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         char *argv[5] = {cases[i][0], cases[i][1], cases[i][2], cases[i][3], NULL};
-        child_t c;
-        child_start(&c, argv);
-        int status = child_wait(&c, 30);
-        ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 2, "case %zu: status %d, log %s",
-                      i, status, c.log);
-        ck_assert_ptr_nonnull(strstr(c.log, "pagekv serve: "));
+        char *log;
+        int code = ts_proc_run(argv, 30, &log);
+        ck_assert_msg(code == 2, "case %zu: exit code %d, log %s", i, code, log);
+        ck_assert_ptr_nonnull(strstr(log, "pagekv serve: "));
+        free(log);
     }
 }
 END_TEST
@@ -1486,20 +1271,12 @@ START_TEST(sigterm_drains_in_flight)
     ts_pagekv_path(bin, sizeof(bin));
     curl_global_init(CURL_GLOBAL_DEFAULT);
     char *argv[] = {bin, "serve", "--port", "0", "--threads", "1", NULL};
-    child_t c;
-    child_start(&c, argv);
-    uint64_t deadline = pkv_deadline_after_ns(30ull * 1000000000);
-    const char *at;
-    while (!(at = strstr(c.log, "listening on 127.0.0.1:"))) {
-        ck_assert_msg(pkv_now_ns() < deadline, "no listening line; log:\n%s", c.log);
-        child_read(&c, 100);
-    }
-    c.port = (uint16_t)atoi(at + strlen("listening on 127.0.0.1:"));
-    ck_assert_uint_gt(c.port, 0);
+    launch_proc_t c;
+    ts_proc_start(&c, argv, NULL, "pagekv serve: listening on ", false);
 
     /* `pagekv serve` with no model files answers. */
-    json_t *h = get_json(c.port, "/health");
-    ck_assert_str_eq(js(h, "status"), "ok");
+    json_t *h = ts_get_json("127.0.0.1", c.port, "/health");
+    ck_assert_str_eq(ts_js(h, "status"), "ok");
     json_decref(h);
 
     streamer_t st = {.port = c.port,
@@ -1513,11 +1290,11 @@ START_TEST(sigterm_drains_in_flight)
     while (atomic_load(&st.events) < 2) usleep(1000);
     ck_assert_int_eq(kill(c.pid, SIGTERM), 0);
     /* Draining: new connections are refused (the listening socket is closed). */
-    deadline = pkv_deadline_after_ns(10ull * 1000000000);
+    uint64_t deadline = pkv_deadline_after_ns(10ull * 1000000000);
     for (;;) {
-        resp_t r;
-        CURLcode cc = http(c.port, "GET", "/health", NULL, 0, &r);
-        resp_free(&r);
+        ts_resp_t r;
+        CURLcode cc = http(c.port, "GET", "/health", NULL, &r);
+        ts_resp_free(&r);
         if (cc == CURLE_COULDNT_CONNECT) break;
         ck_assert_msg(pkv_now_ns() < deadline, "still accepting 10 s after SIGTERM");
         usleep(5000);
@@ -1533,22 +1310,22 @@ START_TEST(sigterm_drains_in_flight)
     sse_parse(st.all, st.len, false, &sse);
     ck_assert(sse.done);
     ck_assert_str_eq(sse.finish, "length");
-    ck_assert_int_eq(ji(sse.usage, "completion_tokens"), 500);
+    ck_assert_int_eq(ts_ji(sse.usage, "completion_tokens"), 500);
     sse_free(&sse);
     free(st.all);
-    int status = child_wait(&c, 60);
-    ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "exit status %d; log:\n%s", status,
-                  c.log);
-    ck_assert_ptr_nonnull(strstr(c.log, "draining"));
-    ck_assert_ptr_nonnull(strstr(c.log, "stopped"));
-    ck_assert_msg(!strstr(c.log, "Sanitizer") && !strstr(c.log, "runtime error"),
-                  "sanitizer report:\n%s", c.log);
-    ck_assert_ptr_null(strstr(c.log, "cancelling"));
+    char *log;
+    int code = ts_proc_wait(&c, 60, &log);
+    ck_assert_msg(code == 0, "exit code %d; log:\n%s", code, log);
+    ck_assert_ptr_nonnull(strstr(log, "draining"));
+    ck_assert_ptr_nonnull(strstr(log, "stopped"));
+    ck_assert_msg(!strstr(log, "Sanitizer") && !strstr(log, "runtime error"),
+                  "sanitizer report:\n%s", log);
+    ck_assert_ptr_null(strstr(log, "cancelling"));
+    free(log);
 }
 END_TEST
 
-/* ---- pure pieces: output assembly, UTF-8, the fuzz corpus -------------------------------------
- */
+/* ---- pure pieces: output assembly, UTF-8 ----------------------------------------------------- */
 
 START_TEST(gen_finish_and_figures)
 {
@@ -1652,38 +1429,6 @@ START_TEST(utf8_sanitize_piecewise_equals_whole)
 }
 END_TEST
 
-typedef struct {
-    int ok, bad;
-} corpus_tally_t;
-
-static void replay_request(const char *name, const uint8_t *buf, size_t n, void *arg)
-{
-    corpus_tally_t *t = arg;
-    pkv_fuzz_request(buf, n); /* aborts on a broken property */
-    ck_assert_uint_ge(n, 1);
-    pkv_fuzz_quiet_logs(true);
-    int outcome = pkv_fuzz_request_one(buf[0] & 1, (const char *)buf + 1, n - 1);
-    pkv_fuzz_quiet_logs(false);
-    if (!strncmp(name, "ok-", 3)) {
-        ck_assert_msg(outcome == 2, "%s should be accepted (outcome %d)", name, outcome);
-        t->ok++;
-    } else if (!strncmp(name, "bad-", 4)) {
-        ck_assert_msg(outcome < 2, "%s should be refused", name);
-        t->bad++;
-    }
-}
-
-START_TEST(fuzz_corpus_replays)
-{
-    corpus_tally_t t = {0, 0};
-    uint32_t files =
-        pkv_test_corpus_each("PKV_REQUEST_CORPUS", "tests/fuzz/corpus/request", replay_request, &t);
-    ck_assert_uint_ge(files, (uint32_t)(t.ok + t.bad));
-    ck_assert_int_ge(t.ok, 10);
-    ck_assert_int_ge(t.bad, 50);
-}
-END_TEST
-
 /* ---- roles (prefill / decode nodes with a transfer agent) ---------------------------------- */
 
 START_TEST(roles_cli_rejects_bad_values)
@@ -1730,13 +1475,12 @@ START_TEST(roles_cli_rejects_bad_values)
         char *argv[9] = {bin, "serve"};
         int n = 2;
         for (int k = 0; k < 6 && cases[i].args[k]; k++) argv[n++] = (char *)cases[i].args[k];
-        child_t c;
-        child_start(&c, argv);
-        int status = child_wait(&c, 30);
-        ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 2, "case %zu: status %d, log %s",
-                      i, status, c.log);
-        ck_assert_msg(strstr(c.log, cases[i].says), "case %zu: log lacks '%s': %s", i,
-                      cases[i].says, c.log);
+        char *log;
+        int code = ts_proc_run(argv, 30, &log);
+        ck_assert_msg(code == 2, "case %zu: exit code %d, log %s", i, code, log);
+        ck_assert_msg(strstr(log, cases[i].says), "case %zu: log lacks '%s': %s", i, cases[i].says,
+                      log);
+        free(log);
     }
 }
 END_TEST
@@ -1755,32 +1499,18 @@ static uint16_t free_port(void)
 
 /* A `pagekv serve` child: its HTTP port and (roles with an agent) the agent's address,
  * both from its log. */
-static void role_child(child_t *c, char *const argv[], char *agent, size_t agent_cap)
+static void role_child(launch_proc_t *c, char *const argv[], char *agent, size_t agent_cap)
 {
-    child_start(c, argv);
-    uint64_t deadline = pkv_deadline_after_ns(30ull * 1000000000);
-    const char *at, *kv = NULL;
-    while (!(at = strstr(c->log, "listening on 127.0.0.1:")) ||
-           (agent && !(kv = strstr(c->log, "transfer agent on ")))) {
-        ck_assert_msg(pkv_now_ns() < deadline, "no listening line; log:\n%s", c->log);
-        child_read(c, 100);
-    }
-    c->port = (uint16_t)atoi(at + strlen("listening on 127.0.0.1:"));
+    ts_proc_start(c, argv, NULL, "pagekv serve: listening on ", agent != NULL);
     if (agent) {
-        kv += strlen("transfer agent on ");
-        size_t n = strcspn(kv, "\n");
-        ck_assert_uint_lt(n, agent_cap);
-        memcpy(agent, kv, n);
-        agent[n] = 0;
+        ck_assert_uint_lt(strlen(c->kv_address), agent_cap);
+        snprintf(agent, agent_cap, "%s", c->kv_address);
     }
 }
 
-static void role_child_stop(child_t *c)
+static void role_child_stop(launch_proc_t *c)
 {
-    kill(c->pid, SIGTERM);
-    int status = child_wait(c, 30);
-    ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "status %d, log %s", status,
-                  c->log);
+    ck_assert_int_eq(ts_proc_stop(c, 30), 0);
 }
 
 /* /health per role, the agent's address printed and reported, --kv-listen, --kv-advertise,
@@ -1790,15 +1520,15 @@ START_TEST(roles_health_and_agent_address)
     char bin[4096];
     ts_pagekv_path(bin, sizeof(bin));
     curl_global_init(CURL_GLOBAL_DEFAULT);
-    child_t u, p, d;
+    launch_proc_t u, p, d;
     char *uargv[] = {bin, "serve", "--port", "0", "--threads", "1", NULL};
     role_child(&u, uargv, NULL, 0);
-    json_t *h = get_json(u.port, "/health");
-    ck_assert_str_eq(js(h, "status"), "ok");
-    ck_assert_ptr_null(jp(h, "role")); /* unified answers as before */
+    json_t *h = ts_get_json("127.0.0.1", u.port, "/health");
+    ck_assert_str_eq(ts_js(h, "status"), "ok");
+    ck_assert_ptr_null(ts_jp(h, "role")); /* unified answers as before */
     json_decref(h);
-    json_t *st = get_json(u.port, "/v1/cache/stats");
-    ck_assert_ptr_null(jp(st, "kv_transfer"));
+    json_t *st = ts_get_json("127.0.0.1", u.port, "/v1/cache/stats");
+    ck_assert_ptr_null(ts_jp(st, "kv_transfer"));
     json_decref(st);
     role_child_stop(&u);
 
@@ -1808,23 +1538,23 @@ START_TEST(roles_health_and_agent_address)
         "--staging", "fixed", "--staging-slots", "2", "--staging-pages", "3", NULL};
     role_child(&p, pargv, pagent, sizeof(pagent));
     ck_assert_ptr_nonnull(strstr(pagent, "127.0.0.1:"));
-    h = get_json(p.port, "/health");
-    ck_assert_str_eq(js(h, "status"), "ok");
-    ck_assert_str_eq(js(h, "role"), "prefill");
-    ck_assert_str_eq(js(h, "kv_agent"), "ok");
-    ck_assert_str_eq(js(h, "kv_address"), pagent);
+    h = ts_get_json("127.0.0.1", p.port, "/health");
+    ck_assert_str_eq(ts_js(h, "status"), "ok");
+    ck_assert_str_eq(ts_js(h, "role"), "prefill");
+    ck_assert_str_eq(ts_js(h, "kv_agent"), "ok");
+    ck_assert_str_eq(ts_js(h, "kv_address"), pagent);
     json_decref(h);
-    st = get_json(p.port, "/v1/cache/stats");
-    ck_assert_str_eq(js(st, "kv_transfer.address"), pagent);
-    ck_assert_str_eq(js(st, "kv_transfer.remote_host"), "127.0.0.1");
-    ck_assert_int_eq(ji(st, "kv_transfer.remote_port"), atoi(strrchr(pagent, ':') + 1));
-    ck_assert_int_eq(ji(st, "kv_transfer.lease_ms"), 30000);
-    ck_assert_str_eq(js(st, "kv_transfer.staging.mode"), "fixed_slots");
-    ck_assert_int_eq(ji(st, "kv_transfer.staging.pages_total"), 6);
+    st = ts_get_json("127.0.0.1", p.port, "/v1/cache/stats");
+    ck_assert_str_eq(ts_js(st, "kv_transfer.address"), pagent);
+    ck_assert_str_eq(ts_js(st, "kv_transfer.remote_host"), "127.0.0.1");
+    ck_assert_int_eq(ts_ji(st, "kv_transfer.remote_port"), atoi(strrchr(pagent, ':') + 1));
+    ck_assert_int_eq(ts_ji(st, "kv_transfer.lease_ms"), 30000);
+    ck_assert_str_eq(ts_js(st, "kv_transfer.staging.mode"), "fixed_slots");
+    ck_assert_int_eq(ts_ji(st, "kv_transfer.staging.pages_total"), 6);
     /* fixed: the whole carve-out committed at start */
-    ck_assert_int_eq(ji(st, "kv_transfer.staging.resident_bytes"),
-                     6 * ji(st, "kv_transfer.staging.page_bytes"));
-    ck_assert(json_is_null(jp(st, "kv_transfer.staging.idle_release_ms"))); /* never returned */
+    ck_assert_int_eq(ts_ji(st, "kv_transfer.staging.resident_bytes"),
+                     6 * ts_ji(st, "kv_transfer.staging.page_bytes"));
+    ck_assert(json_is_null(ts_jp(st, "kv_transfer.staging.idle_release_ms"))); /* never returned */
     json_decref(st);
 
     /* A decode node on a chosen port, advertising another host. */
@@ -1850,20 +1580,31 @@ START_TEST(roles_health_and_agent_address)
     role_child(&d, dargv, dagent, sizeof(dagent));
     snprintf(want, sizeof(want), "%s", listen);
     ck_assert_str_eq(dagent, want);
-    h = get_json(d.port, "/health");
-    ck_assert_str_eq(js(h, "role"), "decode");
+    h = ts_get_json("127.0.0.1", d.port, "/health");
+    ck_assert_str_eq(ts_js(h, "role"), "decode");
     json_decref(h);
-    st = get_json(d.port, "/v1/cache/stats");
-    ck_assert_str_eq(js(st, "kv_transfer.address"), listen);
-    ck_assert_str_eq(js(st, "kv_transfer.remote_host"), "decode-7.example");
-    ck_assert_int_eq(ji(st, "kv_transfer.transfer_timeout_ms"), 2500);
-    ck_assert_str_eq(js(st, "kv_transfer.staging.mode"), "per_transfer");
-    ck_assert_int_eq(ji(st, "kv_transfer.staging.idle_release_ms"), 750);
+    st = ts_get_json("127.0.0.1", d.port, "/v1/cache/stats");
+    ck_assert_str_eq(ts_js(st, "kv_transfer.address"), listen);
+    ck_assert_str_eq(ts_js(st, "kv_transfer.remote_host"), "decode-7.example");
+    ck_assert_int_eq(ts_ji(st, "kv_transfer.transfer_timeout_ms"), 2500);
+    ck_assert_str_eq(ts_js(st, "kv_transfer.staging.mode"), "per_transfer");
+    ck_assert_int_eq(ts_ji(st, "kv_transfer.staging.idle_release_ms"), 750);
     json_decref(st);
     role_child_stop(&d);
     role_child_stop(&p);
 }
 END_TEST
+
+/* libcurl's body callback into a fixed buffer (the one exchange below that needs an easy
+ * handle of its own: two requests on one kept-alive connection). */
+static size_t keep_body(char *p, size_t sz, size_t n, void *arg)
+{
+    char *buf = arg;
+    size_t have = strlen(buf), k = PKV_MIN(sz * n, 4095 - have);
+    memcpy(buf + have, p, k);
+    buf[have + k] = 0;
+    return sz * n;
+}
 
 /* /health of a role with an agent is 503 while the node drains. */
 START_TEST(roles_health_503_while_draining)
@@ -1876,28 +1617,27 @@ START_TEST(roles_health_503_while_draining)
     pkv_server_info(s, &info);
     ck_assert_int_eq(info.role, PKV_SERVER_ROLE_PREFILL);
     ck_assert_ptr_nonnull(info.kv_address);
-    json_t *h = get_json(port, "/health");
-    ck_assert_str_eq(js(h, "kv_agent"), "ok");
+    json_t *h = ts_get_json("127.0.0.1", port, "/health");
+    ck_assert_str_eq(ts_js(h, "kv_agent"), "ok");
     json_decref(h);
     /* The listening socket closes on quiesce; an open connection still gets the answer. */
     CURL *c = curl_easy_init();
     char url[64];
     snprintf(url, sizeof(url), "http://127.0.0.1:%u/health", port);
     curl_easy_setopt(c, CURLOPT_URL, url);
-    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_body);
-    resp_t r = {0};
-    curl_easy_setopt(c, CURLOPT_WRITEDATA, &r);
+    curl_easy_setopt(c, CURLOPT_NOPROXY, "*");
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, keep_body);
+    char body[4096] = "";
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, body);
     ck_assert_int_eq(curl_easy_perform(c), CURLE_OK); /* keep-alive connection */
-    free(r.body);
-    memset(&r, 0, sizeof(r));
+    body[0] = 0;
     pkv_server_quiesce(s);
     ck_assert_int_eq(curl_easy_perform(c), CURLE_OK);
     long status = 0;
     curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &status);
     ck_assert_int_eq(status, 503);
-    ck_assert_ptr_nonnull(strstr(r.body, "\"draining\""));
-    ck_assert_ptr_nonnull(strstr(r.body, "\"prefill\""));
-    free(r.body);
+    ck_assert_ptr_nonnull(strstr(body, "\"draining\""));
+    ck_assert_ptr_nonnull(strstr(body, "\"prefill\""));
     curl_easy_cleanup(c);
     pkv_server_destroy(s);
 }
@@ -1915,8 +1655,8 @@ END_TEST
 
 static json_t *kv_stats(uint16_t port)
 {
-    json_t *st = get_json(port, "/v1/cache/stats");
-    json_t *kv = json_incref(jp(st, "kv_transfer"));
+    json_t *st = ts_get_json("127.0.0.1", port, "/v1/cache/stats");
+    json_t *kv = json_incref(ts_jp(st, "kv_transfer"));
     ck_assert_ptr_nonnull(kv);
     json_decref(st);
     return kv;
@@ -1949,71 +1689,71 @@ START_TEST(prefill_leg_answer_and_lease_expiry)
     }
     http_extra_header = NULL;
     json_t *doc = docs[0];
-    ck_assert_str_eq(js(doc, "object"), "text_completion");
-    ck_assert_int_eq(ji(doc, "usage.prompt_tokens"), 40);
-    ck_assert_int_eq(ji(doc, "usage.completion_tokens"), 1);
-    ck_assert_str_eq(js(doc, "choices.0.finish_reason"), "length");
-    json_t *kt = jp(doc, "kv_transfer_params");
-    ck_assert(json_is_true(jp(kt, "do_remote_prefill")));
-    ck_assert(json_is_false(jp(kt, "do_remote_decode")));
-    ck_assert_str_eq(js(kt, "remote_engine_id"), js(kv0, "engine_id"));
-    ck_assert_str_eq(js(kt, "remote_host"), "127.0.0.1");
-    ck_assert_int_eq(ji(kt, "remote_port"), atoi(strrchr(info.kv_address, ':') + 1));
-    json_t *ids = jp(kt, "remote_block_ids");
+    ck_assert_str_eq(ts_js(doc, "object"), "text_completion");
+    ck_assert_int_eq(ts_ji(doc, "usage.prompt_tokens"), 40);
+    ck_assert_int_eq(ts_ji(doc, "usage.completion_tokens"), 1);
+    ck_assert_str_eq(ts_js(doc, "choices.0.finish_reason"), "length");
+    json_t *kt = ts_jp(doc, "kv_transfer_params");
+    ck_assert(json_is_true(ts_jp(kt, "do_remote_prefill")));
+    ck_assert(json_is_false(ts_jp(kt, "do_remote_decode")));
+    ck_assert_str_eq(ts_js(kt, "remote_engine_id"), ts_js(kv0, "engine_id"));
+    ck_assert_str_eq(ts_js(kt, "remote_host"), "127.0.0.1");
+    ck_assert_int_eq(ts_ji(kt, "remote_port"), atoi(strrchr(info.kv_address, ':') + 1));
+    json_t *ids = ts_jp(kt, "remote_block_ids");
     ck_assert_uint_eq(json_array_size(ids), 3);
     for (size_t i = 0; i < 3; i++) ck_assert(json_is_integer(json_array_get(ids, i)));
-    ck_assert_int_eq(ji(kt, "pagekv_prompt_tokens"), 40);
-    ck_assert_uint_eq(strlen(js(kt, "pagekv_token")), 2 * PKV_XFER_TOKEN_BYTES);
-    ck_assert_int_eq(ji(kt, "pagekv_geometry.block_tokens"), 16);
-    ck_assert_str_eq(js(kt, "pagekv_geometry.dtype"), "f16");
-    ck_assert_int_ne(ji(kt, "pagekv_request_id"),
-                     ji(docs[1], "kv_transfer_params.pagekv_request_id"));
+    ck_assert_int_eq(ts_ji(kt, "pagekv_prompt_tokens"), 40);
+    ck_assert_uint_eq(strlen(ts_js(kt, "pagekv_token")), 2 * PKV_XFER_TOKEN_BYTES);
+    ck_assert_int_eq(ts_ji(kt, "pagekv_geometry.block_tokens"), 16);
+    ck_assert_str_eq(ts_js(kt, "pagekv_geometry.dtype"), "f16");
+    ck_assert_int_ne(ts_ji(kt, "pagekv_request_id"),
+                     ts_ji(docs[1], "kv_transfer_params.pagekv_request_id"));
     /* The second leg adopted the first one's full blocks: the same ids first. */
-    json_t *ids1 = jp(docs[1], "kv_transfer_params.remote_block_ids");
+    json_t *ids1 = ts_jp(docs[1], "kv_transfer_params.remote_block_ids");
     for (size_t i = 0; i < 2; i++)
         ck_assert_int_eq(json_integer_value(json_array_get(ids, i)),
                          json_integer_value(json_array_get(ids1, i)));
 
     json_t *kv = kv_stats(port);
-    ck_assert_int_eq(ji(kv, "leases.offered"), 2);
-    ck_assert_int_eq(ji(kv, "leases.live"), 2);
-    ck_assert_int_ge(ji(kv, "leases.pinned_blocks"), 4);
+    ck_assert_int_eq(ts_ji(kv, "leases.offered"), 2);
+    ck_assert_int_eq(ts_ji(kv, "leases.live"), 2);
+    ck_assert_int_ge(ts_ji(kv, "leases.pinned_blocks"), 4);
     json_decref(kv);
-    json_t *st = get_json(port, "/v1/cache/stats");
-    ck_assert_int_eq(ji(st, "sequences"), 0);
-    ck_assert_int_ge(ji(st, "blocks.live"), 4); /* pinned by the leases */
+    json_t *st = ts_get_json("127.0.0.1", port, "/v1/cache/stats");
+    ck_assert_int_eq(ts_ji(st, "sequences"), 0);
+    ck_assert_int_ge(ts_ji(st, "blocks.live"), 4); /* pinned by the leases */
     json_decref(st);
 
     /* No decode leg: the leases expire and the blocks return. */
     uint64_t deadline = pkv_deadline_after_ns(10ull * 1000000000);
     for (;;) {
         kv = kv_stats(port);
-        bool ended = ji(kv, "leases.expired") == 2;
+        bool ended = ts_ji(kv, "leases.expired") == 2;
         if (ended) break;
         json_decref(kv);
         ck_assert_msg(pkv_now_ns() < deadline, "the leases did not expire");
         usleep(20000);
     }
-    ck_assert_int_eq(ji(kv, "leases.live"), 0);
-    ck_assert_int_eq(ji(kv, "leases.pinned_blocks"), 0);
+    ck_assert_int_eq(ts_ji(kv, "leases.live"), 0);
+    ck_assert_int_eq(ts_ji(kv, "leases.pinned_blocks"), 0);
     json_decref(kv);
-    st = get_json(port, "/v1/cache/stats");
-    ck_assert_int_eq(ji(st, "blocks.live"), 0);
-    ck_assert_int_eq(ji(st, "blocks.cached"), 2); /* the full blocks, now prefix cache */
+    st = ts_get_json("127.0.0.1", port, "/v1/cache/stats");
+    ck_assert_int_eq(ts_ji(st, "blocks.live"), 0);
+    ck_assert_int_eq(ts_ji(st, "blocks.cached"), 2); /* the full blocks, now prefix cache */
     json_decref(st);
     ck_assert_int_eq(metric(port, "pagekv_kv_leases_total{outcome=\"expired\"}"), 2);
     ck_assert_int_eq(metric(port, "pagekv_kv_leases_live"), 0);
     ck_assert_int_eq(metric(port, "pagekv_kv_transfer_pinned_blocks"), 0);
-    resp_t mr;
-    ck_assert_int_eq(http(port, "GET", "/metrics", NULL, 0, &mr), CURLE_OK);
+    ts_resp_t mr;
+    ck_assert_int_eq(http(port, "GET", "/metrics", NULL, &mr), CURLE_OK);
     ck_assert_int_gt(prom_check(mr.body), 40); /* the roles' families parse too */
-    resp_free(&mr);
+    ts_resp_free(&mr);
     /* Ordinary prefix-cache blocks: a plain request adopts them. */
     doc = post_json(port, "/v1/completions",
                     "{\"model\": \"tiny\", \"prompt\": " PROMPT40 ", \"max_tokens\": 1}", &status);
     ck_assert_int_eq(status, 200);
-    ck_assert_int_eq(ji(doc, "usage.prompt_tokens_details.cached_tokens"), 32);
-    ck_assert_ptr_null(jp(doc, "kv_transfer_params"));
+    ck_assert_int_eq(ts_ji(doc, "usage.prompt_tokens_details.cached_tokens"), 32);
+    ck_assert_ptr_null(ts_jp(doc, "kv_transfer_params"));
     json_decref(doc);
 
     /* Chat takes a prefill leg too. */
@@ -2022,8 +1762,8 @@ START_TEST(prefill_leg_answer_and_lease_expiry)
                     "\"hello there\"}], \"max_tokens\": 1, " PREFILL_LEG "}",
                     &status);
     ck_assert_int_eq(status, 200);
-    ck_assert_str_eq(js(doc, "object"), "chat.completion");
-    ck_assert(json_is_true(jp(doc, "kv_transfer_params.do_remote_prefill")));
+    ck_assert_str_eq(ts_js(doc, "object"), "chat.completion");
+    ck_assert(json_is_true(ts_jp(doc, "kv_transfer_params.do_remote_prefill")));
     json_decref(doc);
     json_decref(docs[0]);
     json_decref(docs[1]);
@@ -2045,10 +1785,10 @@ static void kvt_refusals(uint16_t port, const char *path, const kvt_case_t *case
         long status;
         json_t *doc = post_json(port, path, cases[i].body, &status);
         ck_assert_msg(status == 400, "case %zu: status %ld", i, status);
-        ck_assert_msg(!strcmp(js(doc, "error.code"), cases[i].code), "case %zu: code %s", i,
-                      js(doc, "error.code"));
-        ck_assert_msg(!strcmp(js(doc, "error.param"), cases[i].param), "case %zu: param %s", i,
-                      js(doc, "error.param"));
+        ck_assert_msg(!strcmp(ts_js(doc, "error.code"), cases[i].code), "case %zu: code %s", i,
+                      ts_js(doc, "error.code"));
+        ck_assert_msg(!strcmp(ts_js(doc, "error.param"), cases[i].param), "case %zu: param %s", i,
+                      ts_js(doc, "error.param"));
         json_decref(doc);
     }
     state_of(port, after);
@@ -2102,9 +1842,9 @@ START_TEST(kv_transfer_params_refused_by_role_and_shape)
     json_t *kv0 = kv_stats(port);
     kvt_refusals(port, "/v1/completions", prefill_cases, PKV_ARRAY_LEN(prefill_cases));
     json_t *kv1 = kv_stats(port);
-    ck_assert_int_eq(ji(kv1, "leases.offered"), ji(kv0, "leases.offered"));
-    ck_assert_int_eq(ji(kv1, "leases.live"), ji(kv0, "leases.live"));
-    ck_assert_int_eq(ji(kv1, "leases.pinned_blocks"), ji(kv0, "leases.pinned_blocks"));
+    ck_assert_int_eq(ts_ji(kv1, "leases.offered"), ts_ji(kv0, "leases.offered"));
+    ck_assert_int_eq(ts_ji(kv1, "leases.live"), ts_ji(kv0, "leases.live"));
+    ck_assert_int_eq(ts_ji(kv1, "leases.pinned_blocks"), ts_ji(kv0, "leases.pinned_blocks"));
     json_decref(kv0);
     json_decref(kv1);
     pkv_server_destroy(s);
@@ -2142,8 +1882,8 @@ static void leg_post(uint16_t port, const char *path, json_t *req, leg_t *out)
     bool chat = strstr(path, "chat") != NULL;
     bool stream = json_is_true(json_object_get(req, "stream"));
     char *body = json_dumps(req, 0);
-    resp_t r;
-    ck_assert_int_eq(http(port, "POST", path, body, strlen(body), &r), CURLE_OK);
+    ts_resp_t r;
+    ck_assert_int_eq(http(port, "POST", path, body, &r), CURLE_OK);
     free(body);
     out->status = r.status;
     json_t *usage = NULL;
@@ -2161,18 +1901,18 @@ static void leg_post(uint16_t port, const char *path, json_t *req, leg_t *out)
         out->doc = json_loadb(r.body ? r.body : "", r.len, JSON_ALLOW_NUL, NULL);
         ck_assert_ptr_nonnull(out->doc);
         if (r.status == 200) {
-            json_t *t = jp(out->doc, chat ? "choices.0.message.content" : "choices.0.text");
+            json_t *t = ts_jp(out->doc, chat ? "choices.0.message.content" : "choices.0.text");
             snprintf(out->text, sizeof(out->text), "%s", json_string_value(t));
             snprintf(out->finish, sizeof(out->finish), "%s",
-                     js(out->doc, "choices.0.finish_reason"));
-            usage = json_incref(jp(out->doc, "usage"));
+                     ts_js(out->doc, "choices.0.finish_reason"));
+            usage = json_incref(ts_jp(out->doc, "usage"));
         }
     }
-    resp_free(&r);
+    ts_resp_free(&r);
     if (usage) {
-        out->prompt = ji(usage, "prompt_tokens");
-        out->completion = ji(usage, "completion_tokens");
-        out->cached = ji(usage, "prompt_tokens_details.cached_tokens");
+        out->prompt = ts_ji(usage, "prompt_tokens");
+        out->completion = ts_ji(usage, "completion_tokens");
+        out->cached = ts_ji(usage, "prompt_tokens_details.cached_tokens");
         json_decref(usage);
     }
 }
@@ -2192,7 +1932,7 @@ static json_t *prefill_leg(uint16_t port, const char *path, json_t *req)
     leg_post(port, path, pre, &p);
     json_decref(pre);
     ck_assert_int_eq(p.status, 200);
-    json_t *kt = json_incref(jp(p.doc, "kv_transfer_params"));
+    json_t *kt = json_incref(ts_jp(p.doc, "kv_transfer_params"));
     ck_assert_ptr_nonnull(kt);
     json_decref(p.doc);
     return kt;
@@ -2248,8 +1988,8 @@ static void leases_settle(uint16_t port, long long sent)
     uint64_t deadline = pkv_deadline_after_ns(10ull * 1000000000);
     for (;;) {
         json_t *kv = kv_stats(port);
-        bool done = ji(kv, "leases.sent") == sent && ji(kv, "leases.pinned_blocks") == 0 &&
-                    ji(kv, "leases.live") == 0;
+        bool done = ts_ji(kv, "leases.sent") == sent && ts_ji(kv, "leases.pinned_blocks") == 0 &&
+                    ts_ji(kv, "leases.live") == 0;
         json_decref(kv);
         if (done) return;
         ck_assert_msg(pkv_now_ns() < deadline, "leases did not settle at %lld sent", sent);
@@ -2265,12 +2005,12 @@ typedef struct {
 static void pull_counts(const uint16_t ports[3], pull_counts_t *c)
 {
     json_t *d = kv_stats(ports[1]), *p = kv_stats(ports[0]);
-    c->ok = ji(d, "pulls.ok");
-    c->released = ji(d, "pulls.released");
-    c->pulled = ji(d, "pulls.blocks_pulled");
-    c->adopted = ji(d, "pulls.blocks_adopted");
-    c->received = ji(d, "transfers.bytes_received");
-    c->sent = ji(p, "transfers.bytes_sent");
+    c->ok = ts_ji(d, "pulls.ok");
+    c->released = ts_ji(d, "pulls.released");
+    c->pulled = ts_ji(d, "pulls.blocks_pulled");
+    c->adopted = ts_ji(d, "pulls.blocks_adopted");
+    c->received = ts_ji(d, "transfers.bytes_received");
+    c->sent = ts_ji(p, "transfers.bytes_sent");
     ck_assert_int_eq(c->pulled, metric(ports[1], "pagekv_kv_pull_blocks_total{source=\"pulled\"}"));
     ck_assert_int_eq(c->adopted,
                      metric(ports[1], "pagekv_kv_pull_blocks_total{source=\"adopted\"}"));
@@ -2358,16 +2098,16 @@ START_TEST(decode_leg_equals_unified)
     ck_assert_int_eq(a.received, b.received);
     ck_assert_int_eq(a.sent, b.sent);
     json_t *pk = kv_stats(ports[0]);
-    ck_assert_int_eq(ji(pk, "leases.sent"), 8);
-    ck_assert_int_eq(ji(pk, "leases.live") + ji(pk, "leases.pinned_blocks"), 0);
-    ck_assert_int_eq(ji(pk, "transfers.released"), a.released); /* one for each */
+    ck_assert_int_eq(ts_ji(pk, "leases.sent"), 8);
+    ck_assert_int_eq(ts_ji(pk, "leases.live") + ts_ji(pk, "leases.pinned_blocks"), 0);
+    ck_assert_int_eq(ts_ji(pk, "transfers.released"), a.released); /* one for each */
     json_decref(pk);
     json_t *kv = kv_stats(ports[1]);
-    ck_assert_int_eq(ji(kv, "pulls.failed"), 0);
-    ck_assert_int_eq(ji(kv, "leases.pinned_blocks"), 0);
+    ck_assert_int_eq(ts_ji(kv, "pulls.failed"), 0);
+    ck_assert_int_eq(ts_ji(kv, "leases.pinned_blocks"), 0);
     /* one leg at a time: never two reads in flight, none left */
-    ck_assert_int_eq(ji(kv, "pulls.inflight"), 0);
-    ck_assert_int_eq(ji(kv, "pulls.inflight_peak"), 1);
+    ck_assert_int_eq(ts_ji(kv, "pulls.inflight"), 0);
+    ck_assert_int_eq(ts_ji(kv, "pulls.inflight_peak"), 1);
     ck_assert_int_eq(metric(ports[1], "pagekv_kv_pulls_inflight_peak"), 1);
     ck_assert_int_eq(metric(ports[1], "pagekv_kv_pulls_inflight"), 0);
     json_decref(kv);
@@ -2377,8 +2117,8 @@ START_TEST(decode_leg_equals_unified)
      * not the registration's (none is pulled: the release carries their digest), each 400
      * naming what is wrong, nothing submitted; the genuine params then release the lease. */
     json_t *kt = prefill_leg(ports[0], paths[0], reqs[0]);
-    json_t *st = get_json(ports[1], "/v1/cache/stats");
-    long long submitted = ji(st, "requests.submitted");
+    json_t *st = ts_get_json("127.0.0.1", ports[1], "/v1/cache/stats");
+    long long submitted = ts_ji(st, "requests.submitted");
     json_decref(st);
     const struct {
         const char *key, *value, *code, *param;
@@ -2394,28 +2134,28 @@ START_TEST(decode_leg_equals_unified)
         decode_leg(ports[1], paths[0], reqs[0], bad, &d);
         json_decref(bad);
         ck_assert_int_eq(d.status, 400);
-        ck_assert_str_eq(js(d.doc, "error.code"), forged[i].code);
-        ck_assert_str_eq(js(d.doc, "error.param"), forged[i].param);
+        ck_assert_str_eq(ts_js(d.doc, "error.code"), forged[i].code);
+        ck_assert_str_eq(ts_js(d.doc, "error.param"), forged[i].param);
         json_decref(d.doc);
     }
     /* A block id that is not the registration's, though the release names none: the
      * READ's digest of the whole list is refused (400 naming remote_block_ids). */
-    for (size_t k = 0; k < json_array_size(jp(kt, "remote_block_ids")); k++) {
-        json_t *bad = json_deep_copy(kt), *ids = jp(bad, "remote_block_ids");
+    for (size_t k = 0; k < json_array_size(ts_jp(kt, "remote_block_ids")); k++) {
+        json_t *bad = json_deep_copy(kt), *ids = ts_jp(bad, "remote_block_ids");
         json_array_set_new(ids, k, json_integer(json_integer_value(json_array_get(ids, k)) + 1000));
         leg_t d;
         decode_leg(ports[1], paths[0], reqs[0], bad, &d);
         json_decref(bad);
         ck_assert_int_eq(d.status, 400);
-        ck_assert_str_eq(js(d.doc, "error.code"), "rejected");
-        ck_assert_str_eq(js(d.doc, "error.param"), "kv_transfer_params.remote_block_ids");
+        ck_assert_str_eq(ts_js(d.doc, "error.code"), "rejected");
+        ck_assert_str_eq(ts_js(d.doc, "error.param"), "kv_transfer_params.remote_block_ids");
         json_decref(d.doc);
     }
-    st = get_json(ports[1], "/v1/cache/stats");
-    ck_assert_int_eq(ji(st, "requests.submitted"), submitted); /* nothing generated */
+    st = ts_get_json("127.0.0.1", ports[1], "/v1/cache/stats");
+    ck_assert_int_eq(ts_ji(st, "requests.submitted"), submitted); /* nothing generated */
     json_decref(st);
     pk = kv_stats(ports[0]);
-    ck_assert_int_eq(ji(pk, "leases.live"), 1); /* the registration stays */
+    ck_assert_int_eq(ts_ji(pk, "leases.live"), 1); /* the registration stays */
     json_decref(pk);
     leg_t d;
     decode_leg(ports[1], paths[0], reqs[0], kt, &d);
@@ -2443,7 +2183,7 @@ START_TEST(decode_leg_bad_params)
                   "max_tokens", 8, "temperature", 0.0);
     const char *path = "/v1/completions";
     json_t *kt = prefill_leg(ports[0], path, req);
-    ck_assert_uint_eq(json_array_size(jp(kt, "remote_block_ids")), 2); /* as the cases assume */
+    ck_assert_uint_eq(json_array_size(ts_jp(kt, "remote_block_ids")), 2); /* as the cases assume */
     static const struct {
         const char *key;
         const char *json; /* the new value; NULL: removed */
@@ -2483,38 +2223,38 @@ START_TEST(decode_leg_bad_params)
         decode_leg(ports[1], path, req, bad, &d);
         json_decref(bad);
         ck_assert_msg(d.status == cases[i].status, "case %zu: %ld", i, d.status);
-        ck_assert_msg(!strcmp(js(d.doc, "error.code"), cases[i].code), "case %zu: %s", i,
-                      js(d.doc, "error.code"));
-        ck_assert_msg(!strcmp(js(d.doc, "error.param"), cases[i].param), "case %zu: %s", i,
-                      js(d.doc, "error.param"));
+        ck_assert_msg(!strcmp(ts_js(d.doc, "error.code"), cases[i].code), "case %zu: %s", i,
+                      ts_js(d.doc, "error.code"));
+        ck_assert_msg(!strcmp(ts_js(d.doc, "error.param"), cases[i].param), "case %zu: %s", i,
+                      ts_js(d.doc, "error.param"));
         json_decref(d.doc);
     }
     /* The last block is never pulled (the engine computes the last prompt token): a forged
      * id there is refused all the same, by the READ's digest of the whole list. */
     {
-        json_t *bad = json_deep_copy(kt), *ids = jp(bad, "remote_block_ids");
+        json_t *bad = json_deep_copy(kt), *ids = ts_jp(bad, "remote_block_ids");
         json_array_set_new(ids, 1, json_integer(json_integer_value(json_array_get(ids, 1)) + 1000));
         leg_t d;
         decode_leg(ports[1], path, req, bad, &d);
         json_decref(bad);
         ck_assert_int_eq(d.status, 400);
-        ck_assert_str_eq(js(d.doc, "error.code"), "rejected");
-        ck_assert_str_eq(js(d.doc, "error.param"), "kv_transfer_params.remote_block_ids");
+        ck_assert_str_eq(ts_js(d.doc, "error.code"), "rejected");
+        ck_assert_str_eq(ts_js(d.doc, "error.param"), "kv_transfer_params.remote_block_ids");
         json_decref(d.doc);
         json_t *pk = kv_stats(ports[0]);
-        ck_assert_int_eq(ji(pk, "leases.live"), 1); /* the registration stays */
+        ck_assert_int_eq(ts_ji(pk, "leases.live"), 1); /* the registration stays */
         json_decref(pk);
     }
     /* The KV under another prompt of the same length: refused before any read. */
     json_t *other = json_deep_copy(req), *other_ids = json_array();
-    for (long long i = 0; i < ji(kt, "pagekv_prompt_tokens"); i++)
+    for (long long i = 0; i < ts_ji(kt, "pagekv_prompt_tokens"); i++)
         json_array_append_new(other_ids, json_integer(5 + i));
     json_object_set_new(other, "prompt", other_ids);
     leg_t d;
     decode_leg(ports[1], path, other, kt, &d);
     json_decref(other);
     ck_assert_int_eq(d.status, 400);
-    ck_assert_str_eq(js(d.doc, "error.param"), "kv_transfer_params.pagekv_request_id");
+    ck_assert_str_eq(ts_js(d.doc, "error.param"), "kv_transfer_params.pagekv_request_id");
     json_decref(d.doc);
     /* Nobody listens at the producer's address: peer_lost, within the deadline + 1 s. */
     json_t *lost = json_deep_copy(kt);
@@ -2523,15 +2263,15 @@ START_TEST(decode_leg_bad_params)
     decode_leg(ports[1], path, req, lost, &d);
     json_decref(lost);
     ck_assert_int_eq(d.status, 503);
-    ck_assert_str_eq(js(d.doc, "error.code"), "peer_lost");
+    ck_assert_str_eq(ts_js(d.doc, "error.code"), "peer_lost");
     ck_assert_uint_lt(pkv_now_ns() - t0, 3000000000ull);
     json_decref(d.doc);
     json_t *dkv = kv_stats(ports[1]);
-    ck_assert_int_eq(ji(dkv, "pulls.ok"), 0);
+    ck_assert_int_eq(ts_ji(dkv, "pulls.ok"), 0);
     json_decref(dkv);
-    json_t *st = get_json(ports[1], "/v1/cache/stats");
-    ck_assert_int_eq(ji(st, "requests.submitted"), 0); /* nothing generated from wrong KV */
-    ck_assert_int_eq(ji(st, "blocks.cached"), 0);
+    json_t *st = ts_get_json("127.0.0.1", ports[1], "/v1/cache/stats");
+    ck_assert_int_eq(ts_ji(st, "requests.submitted"), 0); /* nothing generated from wrong KV */
+    ck_assert_int_eq(ts_ji(st, "blocks.cached"), 0);
     json_decref(st);
     /* The genuine params still pull and decode. */
     decode_leg(ports[1], path, req, kt, &d);
@@ -2552,7 +2292,7 @@ START_TEST(disagg_across_processes)
     char bin[4096];
     ts_pagekv_path(bin, sizeof(bin));
     curl_global_init(CURL_GLOBAL_DEFAULT);
-    child_t p, d;
+    launch_proc_t p, d;
     char pagent[PKV_XFER_ADDR_MAX], dagent[PKV_XFER_ADDR_MAX];
     char *pargv[] = {bin,      "serve",   "--port",    "0",     "--threads", "1",
                      "--role", "prefill", "--staging", "fixed", NULL};
@@ -2582,8 +2322,8 @@ START_TEST(disagg_across_processes)
     }
     leases_settle(p.port, 2);
     json_t *kv = kv_stats(d.port);
-    ck_assert_int_eq(ji(kv, "pulls.ok"), 2);
-    ck_assert_int_gt(ji(kv, "transfers.bytes_received"), 0);
+    ck_assert_int_eq(ts_ji(kv, "pulls.ok"), 2);
+    ck_assert_int_gt(ts_ji(kv, "transfers.bytes_received"), 0);
     json_decref(kv);
     pkv_server_destroy(u);
     role_child_stop(&d);
@@ -2619,16 +2359,16 @@ START_TEST(decode_leg_recompute_policy)
     decode_leg(ports[1], path, req, forged, &d);
     json_decref(forged);
     ck_assert_int_eq(d.status, 400);
-    ck_assert_str_eq(js(d.doc, "error.code"), "rejected");
+    ck_assert_str_eq(ts_js(d.doc, "error.code"), "rejected");
     json_decref(d.doc);
     leg_post(ports[1], path, req, &d); /* no params: computed here */
     ck_assert_int_eq(d.status, 200);
     ck_assert_str_eq(d.text, u.text);
     json_decref(d.doc);
     json_t *kv = kv_stats(ports[1]);
-    ck_assert_int_eq(ji(kv, "pulls.recomputed"), 1);
-    ck_assert_int_eq(ji(kv, "pulls.failed"), 2);
-    ck_assert_int_eq(ji(kv, "pulls.local"), 1);
+    ck_assert_int_eq(ts_ji(kv, "pulls.recomputed"), 1);
+    ck_assert_int_eq(ts_ji(kv, "pulls.failed"), 2);
+    ck_assert_int_eq(ts_ji(kv, "pulls.local"), 1);
     json_decref(kv);
     json_decref(u.doc);
     json_decref(kt);
@@ -2677,7 +2417,7 @@ START_TEST(phases_move_by_one)
     leg_t p, d;
     leg_post(ports[0], path, pre, &p);
     ck_assert_int_eq(p.status, 200);
-    json_t *kt = jp(p.doc, "kv_transfer_params");
+    json_t *kt = ts_jp(p.doc, "kv_transfer_params");
     decode_leg(ports[1], path, req, kt, &d);
     http_extra_header = NULL;
     ck_assert_int_eq(d.status, 200);
@@ -2689,50 +2429,51 @@ START_TEST(phases_move_by_one)
                           phase_count(ports[n], phase_names[k]) - before[n][k]);
     /* Each answer's own phases: the prefill leg's engine phases, the decode leg's pull and
      * decode, with what the pull moved. */
-    ck_assert_str_eq(js(p.doc, "pagekv_timings.role"), "prefill");
+    ck_assert_str_eq(ts_js(p.doc, "pagekv_timings.role"), "prefill");
     for (int k = 0; k < 8; k++) {
         char key[64];
         snprintf(key, sizeof(key), "pagekv_timings.phases_seconds.%s", phase_names[k]);
         bool pre_has = k <= 1, dec_has = on_node[1][k];
-        ck_assert_msg((jp(p.doc, key) != NULL) == pre_has, "prefill leg: %s", key);
-        ck_assert_msg((jp(d.doc, key) != NULL) == dec_has, "decode leg: %s", key);
-        if (dec_has) ck_assert(json_real_value(jp(d.doc, key)) >= 0);
+        ck_assert_msg((ts_jp(p.doc, key) != NULL) == pre_has, "prefill leg: %s", key);
+        ck_assert_msg((ts_jp(d.doc, key) != NULL) == dec_has, "decode leg: %s", key);
+        if (dec_has) ck_assert(json_real_value(ts_jp(d.doc, key)) >= 0);
     }
     /* the whole blocks the engine adopts: all but the last prompt token's */
-    ck_assert_int_eq(ji(d.doc, "pagekv_timings.kv_pulled_blocks"),
-                     (ji(kt, "pagekv_prompt_tokens") - 1) / ji(kt, "pagekv_geometry.block_tokens"));
-    ck_assert_int_ge(ji(d.doc, "pagekv_timings.kv_pulled_blocks"), 1);
-    ck_assert_int_gt(ji(d.doc, "pagekv_timings.kv_pulled_bytes"), 0);
+    ck_assert_int_eq(ts_ji(d.doc, "pagekv_timings.kv_pulled_blocks"),
+                     (ts_ji(kt, "pagekv_prompt_tokens") - 1) /
+                         ts_ji(kt, "pagekv_geometry.block_tokens"));
+    ck_assert_int_ge(ts_ji(d.doc, "pagekv_timings.kv_pulled_blocks"), 1);
+    ck_assert_int_gt(ts_ji(d.doc, "pagekv_timings.kv_pulled_bytes"), 0);
     /* No timings unless asked. */
     leg_t plain;
     leg_post(ports[2], path, req, &plain);
-    ck_assert_ptr_null(jp(plain.doc, "pagekv_timings"));
+    ck_assert_ptr_null(ts_jp(plain.doc, "pagekv_timings"));
     json_decref(plain.doc);
     /* Streamed: the last chunk carries them. */
     json_t *sreq = json_deep_copy(req);
     json_object_set_new(sreq, "stream", json_true());
     char *body = json_dumps(sreq, 0);
     http_extra_header = "X-Pagekv-Timings: true";
-    resp_t r;
-    ck_assert_int_eq(http(ports[2], "POST", path, body, strlen(body), &r), CURLE_OK);
+    ts_resp_t r;
+    ck_assert_int_eq(http(ports[2], "POST", path, body, &r), CURLE_OK);
     ck_assert_int_eq(r.status, 200);
     ck_assert_ptr_nonnull(strstr(r.body, "\"pagekv_timings\""));
-    resp_free(&r);
+    ts_resp_free(&r);
     http_extra_header = "X-Pagekv-Timings: maybe";
-    ck_assert_int_eq(http(ports[2], "POST", path, body, strlen(body), &r), CURLE_OK);
+    ck_assert_int_eq(http(ports[2], "POST", path, body, &r), CURLE_OK);
     http_extra_header = NULL;
     ck_assert_int_eq(r.status, 400);
     ck_assert_ptr_nonnull(strstr(r.body, "X-Pagekv-Timings"));
-    resp_free(&r);
+    ts_resp_free(&r);
     free(body);
     json_decref(sreq);
-    ck_assert_int_eq(http(ports[1], "GET", "/metrics", NULL, 0, &r), CURLE_OK);
+    ck_assert_int_eq(http(ports[1], "GET", "/metrics", NULL, &r), CURLE_OK);
     ck_assert_int_gt(prom_check(r.body), 40); /* the phase histograms parse */
-    resp_free(&r);
+    ts_resp_free(&r);
     /* The unified node has no transfer families. */
-    ck_assert_int_eq(http(ports[2], "GET", "/metrics", NULL, 0, &r), CURLE_OK);
+    ck_assert_int_eq(http(ports[2], "GET", "/metrics", NULL, &r), CURLE_OK);
     ck_assert_ptr_null(strstr(r.body, "pagekv_kv_transfer_phase_seconds"));
-    resp_free(&r);
+    ts_resp_free(&r);
     json_decref(p.doc);
     json_decref(d.doc);
     json_decref(pre);
@@ -2749,29 +2490,29 @@ START_TEST(health_503_while_agent_stalls)
     cfg.role = PKV_SERVER_ROLE_DECODE;
     pkv_server_t *s = start(cfg);
     uint16_t port = pkv_server_port(s);
-    resp_t r;
-    ck_assert_int_eq(http(port, "GET", "/health", NULL, 0, &r), CURLE_OK);
+    ts_resp_t r;
+    ck_assert_int_eq(http(port, "GET", "/health", NULL, &r), CURLE_OK);
     ck_assert_int_eq(r.status, 200);
-    resp_free(&r);
+    ts_resp_free(&r);
     ck_assert_int_eq(metric(port, "pagekv_kv_agent_up"), 1);
     pkv_fault_arm(PKV_FAULT_XFER_STALL, 0, 40);
     uint64_t t0 = pkv_now_ns();
     bool seen_503 = false;
     while (pkv_now_ns() - t0 < 10000000000ull) {
-        ck_assert_int_eq(http(port, "GET", "/health", NULL, 0, &r), CURLE_OK);
+        ck_assert_int_eq(http(port, "GET", "/health", NULL, &r), CURLE_OK);
         bool down = r.status == 503;
         if (down) {
             ck_assert_ptr_nonnull(strstr(r.body, "\"kv_agent\":\"down\""));
             seen_503 = true;
         }
-        resp_free(&r);
+        ts_resp_free(&r);
         if (down) {
             /* The held loop is one episode: a metric read between two 503s was read while
              * the agent was down (one after the episode ended proves nothing). */
             long long up = metric(port, "pagekv_kv_agent_up");
-            ck_assert_int_eq(http(port, "GET", "/health", NULL, 0, &r), CURLE_OK);
+            ck_assert_int_eq(http(port, "GET", "/health", NULL, &r), CURLE_OK);
             bool still = r.status == 503;
-            resp_free(&r);
+            ts_resp_free(&r);
             if (still && up != 0) ck_abort_msg("agent_up while 503");
         }
         if (seen_503 && !down) break;
@@ -2779,9 +2520,9 @@ START_TEST(health_503_while_agent_stalls)
     }
     ck_assert_msg(seen_503, "/health never went 503 while the progress loop was held");
     ck_assert_int_eq(pkv_fault_fired(PKV_FAULT_XFER_STALL), 40);
-    ck_assert_int_eq(http(port, "GET", "/health", NULL, 0, &r), CURLE_OK);
+    ck_assert_int_eq(http(port, "GET", "/health", NULL, &r), CURLE_OK);
     ck_assert_int_eq(r.status, 200); /* back */
-    resp_free(&r);
+    ts_resp_free(&r);
     pkv_fault_disarm_all();
     pkv_server_destroy(s);
 }
@@ -2824,7 +2565,6 @@ static Suite *server_suite(void)
     TCase *pure = tcase_create("pure");
     tcase_add_test(pure, gen_finish_and_figures);
     tcase_add_test(pure, utf8_sanitize_piecewise_equals_whole);
-    tcase_add_test(pure, fuzz_corpus_replays);
     suite_add_tcase(s, pure);
     return s;
 }

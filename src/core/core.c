@@ -170,6 +170,13 @@ _Noreturn void pkv_panic(const char *file, int line, const char *what)
     abort();
 }
 
+void pkv_hex_encode(const uint8_t *b, size_t n, char *out)
+{
+    static const char d[] = "0123456789abcdef";
+    for (size_t i = 0; i < n; i++) out[2 * i] = d[b[i] >> 4], out[2 * i + 1] = d[b[i] & 15];
+    out[2 * n] = 0;
+}
+
 void pkv_hist_add(pkv_hist_t *h, const double *bounds, int n, double seconds)
 {
     int b = 0;
@@ -177,4 +184,24 @@ void pkv_hist_add(pkv_hist_t *h, const double *bounds, int n, double seconds)
     h->bucket[b]++;
     h->count++;
     h->sum += seconds;
+}
+
+void pkv_hist_write_prom(FILE *f, const char *name, const char *labels, const pkv_hist_t *h,
+                         const double *bounds, int n)
+{
+    uint64_t cum = 0;
+    const char *sep = labels[0] ? "," : "";
+    for (int b = 0; b < n; b++) {
+        cum += h->bucket[b];
+        fprintf(f, "%s_bucket{%s%sle=\"%g\"} %llu\n", name, labels, sep, bounds[b],
+                (unsigned long long)cum);
+    }
+    cum += h->bucket[n];
+    fprintf(f, "%s_bucket{%s%sle=\"+Inf\"} %llu\n", name, labels, sep, (unsigned long long)cum);
+    if (labels[0])
+        fprintf(f, "%s_sum{%s} %.9g\n%s_count{%s} %llu\n", name, labels, h->sum, name, labels,
+                (unsigned long long)h->count);
+    else
+        fprintf(f, "%s_sum %.9g\n%s_count %llu\n", name, h->sum, name,
+                (unsigned long long)h->count);
 }

@@ -7,6 +7,7 @@
 #include "pagekv/pagekv.h"
 
 #include <pthread.h>
+#include <stdio.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <time.h>
@@ -106,6 +107,9 @@ int pkv_cond_init_monotonic(pthread_cond_t *cond);
 struct timespec pkv_deadline_to_monotonic(uint64_t deadline_ns);
 struct timespec pkv_deadline_to_realtime(uint64_t deadline_ns);
 
+/* Lowercase hex of b[0..n) into out (2n digits and a NUL: 2n + 1 bytes). */
+void pkv_hex_encode(const uint8_t *b, size_t n, char *out);
+
 /* ---- histograms --------------------------------------------------------------------
  * A latency histogram over caller-given ascending bounds (seconds), as Prometheus exposes
  * it. Not synchronized: the owner's lock guards it. */
@@ -117,6 +121,11 @@ typedef struct {
 } pkv_hist_t;
 /* Count `seconds` in h over bounds[0..n) (n <= PKV_HIST_MAX_BUCKETS). */
 void pkv_hist_add(pkv_hist_t *h, const double *bounds, int n, double seconds);
+/* h's samples in Prometheus text (NAME_bucket{LABELS,le=...} cumulative, then +Inf,
+ * NAME_sum and NAME_count), over the bounds it was counted with. labels: "" or
+ * `key="value"[,...]` (no trailing comma). The family's HELP and TYPE are the caller's. */
+void pkv_hist_write_prom(FILE *f, const char *name, const char *labels, const pkv_hist_t *h,
+                         const double *bounds, int n);
 
 /* ---- fault simulation ---------------------------------------------------------------
  * A step that can fail in the field (an allocation of bookkeeping, committing memory,

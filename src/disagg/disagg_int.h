@@ -45,8 +45,6 @@ struct pkv_disagg_node {
 /* The field's key path of a kv_transfer_params member, for error messages. */
 #define DG_KVT_P(k) "kv_transfer_params." k
 
-/* b[0..n) as 2n lowercase hex digits and a NUL in out. */
-void dg_hex(const uint8_t *b, size_t n, char *out);
 /* Count phase ph, [from_ns, to_ns), in n's histogram and (t not NULL) in t. Under n->lock. */
 void dg_observe_locked(pkv_disagg_node_t *n, pkv_disagg_timings_t *t, pkv_disagg_phase_t ph,
                        uint64_t from_ns, uint64_t to_ns);

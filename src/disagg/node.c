@@ -29,13 +29,6 @@ const char *const pkv_disagg_phase_label[PKV_DISAGG_PHASE_COUNT] = {
     "prefill_queue", "prefill_compute", "lease_wait", "handshake", "staging_wait",
     "wire",          "commit",          "decode"};
 
-void dg_hex(const uint8_t *b, size_t n, char *out)
-{
-    static const char d[] = "0123456789abcdef";
-    for (size_t i = 0; i < n; i++) out[2 * i] = d[b[i] >> 4], out[2 * i + 1] = d[b[i] & 15];
-    out[2 * n] = 0;
-}
-
 /* How long a free staging page stays committed: -1, never (fixed slots, the mirror). */
 static int64_t stage_idle_ms(const pkv_server_config_t *cfg)
 {
@@ -180,7 +173,7 @@ int pkv_disagg_node_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_
         for (size_t i = 0; i < sizeof(rnd); i++) rnd[i] = (uint8_t)pkv_splitmix64(&x);
     }
     memcpy(n->engine_id, "pagekv-", 7);
-    dg_hex(rnd, sizeof(rnd), n->engine_id + 7);
+    pkv_hex_encode(rnd, sizeof(rnd), n->engine_id + 7);
     int rc = PKV_OK;
     for (uint32_t r = 0; r < n->tp && !rc; r++) rc = rank_start(n, cfg, max_context, model_id, r);
     if (rc) {

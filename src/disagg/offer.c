@@ -69,7 +69,7 @@ static json_t *offer_doc(const pkv_disagg_node_t *n, pkv_xfer_handle_t *const *h
         }
     if (!ids) return NULL;
     char token[2 * PKV_XFER_TOKEN_BYTES + 1];
-    dg_hex(h0->token, PKV_XFER_TOKEN_BYTES, token);
+    pkv_hex_encode(h0->token, PKV_XFER_TOKEN_BYTES, token);
     json_t *doc = json_pack(
         "{s:b, s:b, s:s, s:o, s:s, s:i, s:I, s:I, s:s, s:i,"
         " s:{s:i, s:i, s:i, s:i, s:s}}",
@@ -83,7 +83,7 @@ static json_t *offer_doc(const pkv_disagg_node_t *n, pkv_xfer_handle_t *const *h
     if (!doc || n->tp == 1) return doc;
     json_t *ranks = json_array();
     for (uint32_t r = 0; ranks && r < n->tp; r++) {
-        dg_hex(h[r]->token, PKV_XFER_TOKEN_BYTES, token);
+        pkv_hex_encode(h[r]->token, PKV_XFER_TOKEN_BYTES, token);
         if (json_array_append_new(ranks, json_pack("{s:s, s:i, s:s, s:i, s:i}", "remote_host",
                                                    n->rank[r].host, "remote_port",
                                                    (int)n->rank[r].port, "pagekv_token", token,

@@ -34,15 +34,6 @@ int rt_code_index(int status)
 const double rt_hist_bounds[RT_HIST_BUCKETS] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                                                 0.25,  0.5,    1.0,   2.5,  5.0,   10.0, 60.0};
 
-void rt_hist_add(rt_hist_t *h, double seconds)
-{
-    int b = 0;
-    while (b < RT_HIST_BUCKETS && seconds > rt_hist_bounds[b]) b++;
-    h->bucket[b]++;
-    h->count++;
-    h->sum += seconds;
-}
-
 typedef struct {
     rt_counters_t ctr;
     bool draining;
@@ -71,24 +62,9 @@ static void family(FILE *f, const char *name, const char *type, const char *help
     fprintf(f, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
 }
 
-static void hist_lines(FILE *f, const char *name, const char *labels, const rt_hist_t *h)
+static void hist_lines(FILE *f, const char *name, const char *labels, const pkv_hist_t *h)
 {
-    uint64_t cum = 0;
-    const char *sep = labels[0] ? "," : "";
-    for (int b = 0; b < RT_HIST_BUCKETS; b++) {
-        cum += h->bucket[b];
-        fprintf(f, "%s_bucket{%s%sle=\"%g\"} %llu\n", name, labels, sep, rt_hist_bounds[b],
-                (unsigned long long)cum);
-    }
-    cum += h->bucket[RT_HIST_BUCKETS];
-    fprintf(f, "%s_bucket{%s%sle=\"+Inf\"} %llu\n", name, labels, sep, (unsigned long long)cum);
-    if (labels[0]) {
-        fprintf(f, "%s_sum{%s} %.9g\n%s_count{%s} %llu\n", name, labels, h->sum, name, labels,
-                (unsigned long long)h->count);
-    } else {
-        fprintf(f, "%s_sum %.9g\n%s_count %llu\n", name, h->sum, name,
-                (unsigned long long)h->count);
-    }
+    pkv_hist_write_prom(f, name, labels, h, rt_hist_bounds, RT_HIST_BUCKETS);
 }
 
 static void render_requests(FILE *f, const rt_snap_t *s)

@@ -99,11 +99,11 @@ static void count(pkv_router_t *r, uint64_t *ctr)
     pthread_mutex_unlock(&r->lock);
 }
 
-static void hist(pkv_router_t *r, rt_hist_t *h, uint64_t t0)
+static void hist(pkv_router_t *r, pkv_hist_t *h, uint64_t t0)
 {
     double s = (double)(pkv_now_ns() - t0) / 1e9;
     pthread_mutex_lock(&r->lock);
-    rt_hist_add(h, s);
+    pkv_hist_add(h, rt_hist_bounds, RT_HIST_BUCKETS, s);
     pthread_mutex_unlock(&r->lock);
 }
 

@@ -68,14 +68,9 @@ extern const char *const rt_rejection_label[RT_REJ_COUNT];
 extern const int rt_codes[RT_N_CODES]; /* the statuses counted; the last slot: others */
 int rt_code_index(int status);
 
-#define RT_HIST_BUCKETS 14
+#define RT_HIST_BUCKETS 14 /* the router's histograms (pkv_hist_t) count over rt_hist_bounds */
 extern const double rt_hist_bounds[RT_HIST_BUCKETS];
-typedef struct {
-    uint64_t bucket[RT_HIST_BUCKETS + 1]; /* per bucket; last: +Inf */
-    uint64_t count;
-    double sum;
-} rt_hist_t;
-void rt_hist_add(rt_hist_t *h, double seconds);
+_Static_assert(RT_HIST_BUCKETS <= PKV_HIST_MAX_BUCKETS, "rt_hist_bounds fits a pkv_hist_t");
 
 /* Counters, under r->lock. */
 typedef struct {
@@ -89,10 +84,10 @@ typedef struct {
     uint64_t in_flight;   /* client requests handed to the nodes, not yet completed */
     uint64_t connections; /* open client connections */
     uint64_t connections_peak;
-    rt_hist_t leg[RT_ROLES]; /* a successful leg: sent -> its answer's end */
-    rt_hist_t lookup;        /* cache lookups */
-    rt_hist_t ttft;          /* the request's arrival -> its first answer byte ready */
-    rt_hist_t e2e;           /* arrival -> the answer's end */
+    pkv_hist_t leg[RT_ROLES]; /* a successful leg: sent -> its answer's end */
+    pkv_hist_t lookup;        /* cache lookups */
+    pkv_hist_t ttft;          /* the request's arrival -> its first answer byte ready */
+    pkv_hist_t e2e;           /* arrival -> the answer's end */
 } rt_counters_t;
 
 typedef struct rt_leg rt_leg_t;

@@ -196,10 +196,7 @@ static void head_digest(pkv_kv_t *kv, uint32_t r, uint32_t h, const uint32_t *id
         EVP_DigestFinal_ex(ctx, d, NULL);
     }
     EVP_MD_CTX_free(ctx);
-    static const char x[] = "0123456789abcdef";
-    for (int i = 0; i < SHA256_DIGEST_LENGTH; i++)
-        hexout[2 * i] = x[d[i] >> 4], hexout[2 * i + 1] = x[d[i] & 15];
-    hexout[64] = 0;
+    pkv_hex_encode(d, SHA256_DIGEST_LENGTH, hexout);
 }
 
 /* POST /v1/cache/digest (the lookup's body): the SHA-256 of each KV head's bytes over the

@@ -58,31 +58,10 @@ void srv_metric_one(FILE *f, const char *name, const char *type, const char *hel
     fprintf(f, "%s %llu\n", name, (unsigned long long)v);
 }
 
-/* One histogram's samples; `label` ("" or `key="value",`) goes before each sample's le. */
-void srv_metric_hist_samples(FILE *f, const char *name, const char *label, const pkv_hist_t *h,
-                             const double *bounds, int n)
-{
-    uint64_t cum = 0;
-    for (int b = 0; b < n; b++) {
-        cum += h->bucket[b];
-        fprintf(f, "%s_bucket{%sle=\"%g\"} %llu\n", name, label, bounds[b],
-                (unsigned long long)cum);
-    }
-    cum += h->bucket[n];
-    fprintf(f, "%s_bucket{%sle=\"+Inf\"} %llu\n", name, label, (unsigned long long)cum);
-    size_t ll = strlen(label);
-    if (ll) /* the same label without its trailing comma */
-        fprintf(f, "%s_sum{%.*s} %.9g\n%s_count{%.*s} %llu\n", name, (int)ll - 1, label, h->sum,
-                name, (int)ll - 1, label, (unsigned long long)h->count);
-    else
-        fprintf(f, "%s_sum %.9g\n%s_count %llu\n", name, h->sum, name,
-                (unsigned long long)h->count);
-}
-
 static void hist(FILE *f, const char *name, const char *help, const pkv_hist_t *h)
 {
     srv_metric_family(f, name, "histogram", help);
-    srv_metric_hist_samples(f, name, "", h, srv_hist_bounds, SRV_HIST_BUCKETS);
+    pkv_hist_write_prom(f, name, "", h, srv_hist_bounds, SRV_HIST_BUCKETS);
 }
 
 /* The HTTP layer's own families. */
@@ -263,9 +242,9 @@ static void render_kvt_flow(FILE *f, const pkv_disagg_snapshot_t *k)
         "staging_wait, wire, commit, decode).");
     for (int p = 0; p < PKV_DISAGG_PHASE_COUNT; p++) {
         char label[48];
-        snprintf(label, sizeof(label), "phase=\"%s\",", pkv_disagg_phase_label[p]);
-        srv_metric_hist_samples(f, "pagekv_kv_transfer_phase_seconds", label, &k->phases[p],
-                                pkv_disagg_phase_bounds, PKV_DISAGG_PHASE_BUCKETS);
+        snprintf(label, sizeof(label), "phase=\"%s\"", pkv_disagg_phase_label[p]);
+        pkv_hist_write_prom(f, "pagekv_kv_transfer_phase_seconds", label, &k->phases[p],
+                            pkv_disagg_phase_bounds, PKV_DISAGG_PHASE_BUCKETS);
     }
     srv_metric_one(f, "pagekv_kv_agent_up", "gauge",
                    "1 while the transfer agent serves and its progress thread beats.",

@@ -145,12 +145,10 @@ typedef struct {
     pkv_kvtier_stats_t tier;
 } srv_snapshot_t;
 
-/* Prometheus text: a family's HELP and TYPE lines; one family with one sample; a
- * histogram's samples (`label`: "" or `key="value",`, put before each sample's le). */
+/* Prometheus text: a family's HELP and TYPE lines; one family with one sample (a
+ * histogram's samples: pkv_hist_write_prom in core). */
 void srv_metric_family(FILE *f, const char *name, const char *type, const char *help);
 void srv_metric_one(FILE *f, const char *name, const char *type, const char *help, uint64_t v);
-void srv_metric_hist_samples(FILE *f, const char *name, const char *label, const pkv_hist_t *h,
-                             const double *bounds, int n);
 /* The disk tier's /metrics families and its /v1/cache/stats "disk" object (tier.c). */
 void srv_tier_render(FILE *f, const pkv_kvtier_stats_t *t);
 json_t *srv_tier_json(const pkv_kvtier_stats_t *t);

@@ -53,8 +53,8 @@ void srv_tier_render(FILE *f, const pkv_kvtier_stats_t *t)
                    t->load_timeouts);
     srv_metric_family(f, "pagekv_kv_tier_load_seconds", "histogram",
                       "Time a request waited for its blocks from disk.");
-    srv_metric_hist_samples(f, "pagekv_kv_tier_load_seconds", "", &t->load_seconds,
-                            pkv_kvtier_hist_bounds, PKV_KVTIER_HIST_BUCKETS);
+    pkv_hist_write_prom(f, "pagekv_kv_tier_load_seconds", "", &t->load_seconds,
+                        pkv_kvtier_hist_bounds, PKV_KVTIER_HIST_BUCKETS);
 }
 
 json_t *srv_tier_json(const pkv_kvtier_stats_t *t)

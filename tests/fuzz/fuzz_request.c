@@ -13,7 +13,7 @@
  *                 src/openai/request.c src/tokenizer/[a-z]*.c src/core/core.c \
  *                 -o /tmp/fuzz_request_replay -ljansson -lcrypto -lm -pthread
  *               /tmp/fuzz_request_replay tests/fuzz/corpus/request   (files or directories)
- * The suite replays the corpus too (tests/test_server.c): files named ok-* must be
+ * The suite replays the corpus too (tests/test_openai.c): files named ok-* must be
  * accepted by both steps, bad-* refused by one of them.
  */
 #include "props.h"

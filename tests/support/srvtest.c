@@ -6,35 +6,54 @@
 
 #include "support/http.h"
 
+#include <dirent.h>
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-CURLcode ts_http(const char *host, uint16_t port, const char *method, const char *path,
-                 const char *body, const char *extra_header, long timeout_s, ts_resp_t *r)
+/* The request to http://host:port (timeout_s; connect within 10 s) into r. */
+static CURLcode send_to(const char *host, uint16_t port, http_request_t *rq, long timeout_s,
+                        ts_resp_t *r)
 {
     char base[128];
     snprintf(base, sizeof(base), "http://%s:%u", host, port);
-    const char *headers[] = {"Expect:", extra_header, NULL};
-    http_request_t rq = {.base_url = base,
-                         .path = path,
-                         .method = method,
-                         .body = body,
-                         .headers = headers,
-                         .timeout_ms = (uint32_t)timeout_s * 1000u,
-                         .connect_timeout_ms = 10000};
+    rq->base_url = base;
+    rq->timeout_ms = (uint32_t)timeout_s * 1000u;
+    rq->connect_timeout_ms = 10000;
+    rq->keep_headers = true;
     http_reply_t rep;
-    http_send(&rq, &rep);
-    *r = (ts_resp_t){
-        .status = rep.status, .cc = (CURLcode)rep.curl_code, .body = rep.body, .len = rep.len};
+    http_send(rq, &rep);
+    *r = (ts_resp_t){.status = rep.status,
+                     .cc = (CURLcode)rep.curl_code,
+                     .body = rep.body,
+                     .len = rep.len,
+                     .headers = rep.headers ? rep.headers : calloc(1, 1)};
+    ck_assert_ptr_nonnull(r->headers);
     return r->cc;
+}
+
+CURLcode ts_http(const char *host, uint16_t port, const char *method, const char *path,
+                 const char *body, const char *extra_header, long timeout_s, ts_resp_t *r)
+{
+    const char *headers[] = {"Expect:", extra_header, NULL};
+    http_request_t rq = {.path = path, .method = method, .body = body, .headers = headers};
+    return send_to(host, port, &rq, timeout_s, r);
+}
+
+CURLcode ts_http_watch(const char *host, uint16_t port, const char *path, const char *body,
+                       long timeout_s, bool (*on_body)(void *, const char *, size_t, size_t),
+                       void *arg, ts_resp_t *r)
+{
+    http_request_t rq = {.path = path, .body = body, .on_body = on_body, .on_body_arg = arg};
+    return send_to(host, port, &rq, timeout_s, r);
 }
 
 void ts_resp_free(ts_resp_t *r)
 {
     free(r->body);
+    free(r->headers);
     memset(r, 0, sizeof(*r));
 }
 
@@ -85,36 +104,41 @@ void ts_pagekv_path(char *out, size_t n)
     ck_assert_msg(access(out, X_OK) == 0, "%s not built", out);
 }
 
+/* argv for `sh -c "exec BUILD/pagekv ARGS"` in cmd (the shell splits the words). */
+static void pagekv_sh_argv(const char *args, char *cmd, size_t cap, char *argv[4])
+{
+    char bin[2048];
+    ts_pagekv_path(bin, sizeof(bin));
+    snprintf(cmd, cap, "exec '%s' %s", bin, args);
+    argv[0] = "/bin/sh";
+    argv[1] = "-c";
+    argv[2] = cmd;
+    argv[3] = NULL;
+}
+
 int ts_pagekv_run(const char *args, char *out, size_t cap)
 {
-    char bin[2048], cmd[4096];
-    ts_pagekv_path(bin, sizeof(bin));
-    snprintf(cmd, sizeof(cmd), "exec '%s' %s 2>&1", bin, args);
-    FILE *f = popen(cmd, "r");
-    ck_assert_ptr_nonnull(f);
-    size_t n = fread(out, 1, cap - 1, f);
-    out[n] = 0;
-    int st = pclose(f);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    char cmd[4096], *argv[4], *log;
+    pagekv_sh_argv(args, cmd, sizeof(cmd), argv);
+    /* the test's own timeout ends a command that hangs first */
+    int code = ts_proc_run(argv, 3600, &log);
+    snprintf(out, cap, "%s", log);
+    free(log);
+    return code;
 }
 
 pid_t ts_pagekv_spawn(const char *args, char *log)
 {
-    char bin[2048], cmd[4096];
-    ts_pagekv_path(bin, sizeof(bin));
-    snprintf(cmd, sizeof(cmd), "exec '%s' %s", bin, args);
+    char cmd[4096], *argv[4];
+    pagekv_sh_argv(args, cmd, sizeof(cmd), argv);
     int fd = mkstemp(log);
     ck_assert_int_ge(fd, 0);
-    pid_t pid = fork();
-    ck_assert_int_ge(pid, 0);
-    if (pid == 0) {
-        dup2(fd, 1);
-        dup2(fd, 2);
-        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
-        _exit(127);
-    }
     close(fd);
-    return pid;
+    launch_spec_t spec = {.name = "pagekv", .argv = argv, .log_path = log};
+    launch_proc_t p;
+    char err[1024];
+    ck_assert_msg(launch_spawn(&p, &spec, err, sizeof(err)) == 0, "%s", err);
+    return p.pid;
 }
 
 void ts_read_file(const char *path, char *out, size_t cap)
@@ -125,10 +149,115 @@ void ts_read_file(const char *path, char *out, size_t cap)
     out[n] = 0;
 }
 
-/* What the child logged so far into c->log (its tail, when longer). */
-static void node_log_load(ts_node_t *c)
+/* ---- child processes ---- */
+
+void ts_proc_spawn(launch_proc_t *p, char *const argv[], char *const env[], const char *ready)
 {
-    char *log = launch_log_read(&c->proc);
+    char log[] = "/tmp/pkv-test-proc-XXXXXX";
+    int fd = mkstemp(log);
+    ck_assert_int_ge(fd, 0);
+    close(fd);
+    const char *name = strrchr(argv[0], '/') ? strrchr(argv[0], '/') + 1 : argv[0];
+    launch_spec_t spec = {.name = name, .argv = argv, .env = env, .log_path = log, .ready = ready};
+    char err[1024];
+    ck_assert_msg(launch_spawn(p, &spec, err, sizeof(err)) == 0, "%s", err);
+}
+
+void ts_proc_start(launch_proc_t *p, char *const argv[], char *const env[], const char *ready,
+                   bool want_agent)
+{
+    ts_proc_spawn(p, argv, env, ready);
+    char err[1024];
+    int rc = launch_wait_listening(p, want_agent, pkv_deadline_after_ns(30ull * 1000000000), err,
+                                   sizeof(err));
+    if (rc == 0) return;
+    char *log = launch_log_read(p);
+    unlink(p->log);
+    ck_abort_msg("%s; log:\n%s", err, log ? log : "(none)");
+}
+
+int ts_proc_wait(launch_proc_t *p, int timeout_s, char **log)
+{
+    launch_stop(p, 0, pkv_deadline_after_ns((uint64_t)timeout_s * 1000000000ull));
+    char *text = launch_log_read(p);
+    unlink(p->log);
+    ck_assert_msg(!p->killed, "%s did not exit within %d s; log:\n%s", p->name, timeout_s,
+                  text ? text : "(none)");
+    if (log)
+        *log = text ? text : calloc(1, 1);
+    else
+        free(text);
+    return launch_exit_code(p->wstatus);
+}
+
+int ts_proc_run(char *const argv[], int timeout_s, char **log)
+{
+    launch_proc_t p;
+    ts_proc_spawn(&p, argv, NULL, NULL);
+    return ts_proc_wait(&p, timeout_s, log);
+}
+
+int ts_proc_stop(launch_proc_t *p, int timeout_s)
+{
+    if (p->pid > 0) {
+        kill(p->pid, SIGCONT); /* a stopped child must see its SIGTERM */
+        kill(p->pid, SIGTERM);
+    }
+    return ts_proc_wait(p, timeout_s, NULL);
+}
+
+void ts_proc_kill(launch_proc_t *p)
+{
+    launch_stop(p, SIGKILL, pkv_deadline_after_ns(30ull * 1000000000));
+    unlink(p->log);
+}
+
+char *ts_proc_log(const launch_proc_t *p)
+{
+    char *log = launch_log_read(p);
+    ck_assert_msg(log != NULL, "cannot read %s", p->log);
+    return log;
+}
+
+/* True when every thread of pid is stopped (state T or t in /proc/PID/task/TID/stat). */
+static bool proc_all_stopped(pid_t pid)
+{
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%d/task", (int)pid);
+    DIR *dir = opendir(path);
+    ck_assert_ptr_nonnull(dir);
+    bool all = true;
+    for (struct dirent *e; (e = readdir(dir));) {
+        if (e->d_name[0] == '.') continue;
+        char sp[400], buf[512];
+        snprintf(sp, sizeof(sp), "%s/%s/stat", path, e->d_name);
+        FILE *f = fopen(sp, "r");
+        if (!f) continue;
+        size_t k = fread(buf, 1, sizeof(buf) - 1, f);
+        fclose(f);
+        buf[k] = 0;
+        const char *rp = strrchr(buf, ')');
+        if (rp && rp[1] == ' ' && rp[2] != 'T' && rp[2] != 't') all = false;
+    }
+    closedir(dir);
+    return all;
+}
+
+void ts_proc_freeze(pid_t pid)
+{
+    kill(pid, SIGSTOP);
+    uint64_t deadline = pkv_deadline_after_ns(10ull * 1000000000);
+    while (!proc_all_stopped(pid)) {
+        ck_assert_msg(pkv_now_ns() < deadline, "pid %d did not stop", (int)pid);
+        usleep(1000);
+    }
+}
+
+/* ---- nodes ---- */
+
+/* log (may be NULL) into c->log (its tail, when longer); frees it. */
+static void node_log_take(ts_node_t *c, char *log)
+{
     if (!log) return;
     size_t len = strlen(log), from = len >= sizeof(c->log) ? len - (sizeof(c->log) - 1) : 0;
     c->log_len = len - from;
@@ -162,21 +291,10 @@ void ts_node_start(ts_node_t *c, const char *netns, const char *host, bool tcp_o
         argv[n++] = args[i];
     }
     argv[n] = NULL;
-    char log[] = "/tmp/pkv-test-node-XXXXXX";
-    int fd = mkstemp(log);
-    ck_assert_int_ge(fd, 0);
-    close(fd);
     char *env[] = {tcp_only ? "UCX_TLS=tcp" : NULL, NULL};
-    launch_spec_t spec = {
-        .name = "pagekv serve", .argv = (char *const *)argv, .env = env, .log_path = log};
-    char err[1024];
-    ck_assert_msg(launch_spawn(&c->proc, &spec, err, sizeof(err)) == 0, "%s", err);
+    ts_proc_start(&c->proc, (char *const *)argv, env, "pagekv serve: listening on ", agent);
     c->pid = c->proc.pid;
-    int rc = launch_wait_listening(&c->proc, agent, pkv_deadline_after_ns(30ull * 1000000000), err,
-                                   sizeof(err));
-    node_log_load(c);
-    if (rc != 0) unlink(log);
-    ck_assert_msg(rc == 0, "%s; log:\n%s", err, c->log);
+    node_log_take(c, launch_log_read(&c->proc));
     c->port = c->proc.port;
     snprintf(c->agent, sizeof(c->agent), "%s", c->proc.kv_address);
 }
@@ -184,14 +302,11 @@ void ts_node_start(ts_node_t *c, const char *netns, const char *host, bool tcp_o
 int ts_node_wait(ts_node_t *c, int timeout_s)
 {
     if (c->reaped) return c->status;
-    uint64_t deadline = pkv_deadline_after_ns((uint64_t)timeout_s * 1000000000ull);
-    launch_stop(&c->proc, 0, deadline);
+    char *log = NULL;
+    ts_proc_wait(&c->proc, timeout_s, &log);
     c->status = c->proc.wstatus;
     c->reaped = true;
-    node_log_load(c);
-    unlink(c->proc.log);
-    ck_assert_msg(!c->proc.killed, "pagekv serve did not exit within %d s; log:\n%s", timeout_s,
-                  c->log);
+    node_log_take(c, log);
     return c->status;
 }
 void ts_node_stop(ts_node_t *c)

@@ -23,12 +23,18 @@ typedef struct {
     CURLcode cc;
     char *body; /* NUL-terminated (malloc'd; NULL when no answer came) */
     size_t len;
+    char *headers; /* the response headers, NUL-terminated ("" when none; malloc'd) */
 } ts_resp_t;
 
 /* One request to http://host:port/path (body NULL: none; extra_header NULL: none),
- * bounded by timeout_s. Returns the curl code (also in r->cc). */
+ * bounded by timeout_s. Returns the curl code (also in r->cc); free r with ts_resp_free. */
 CURLcode ts_http(const char *host, uint16_t port, const char *method, const char *path,
                  const char *body, const char *extra_header, long timeout_s, ts_resp_t *r);
+/* ts_http's POST of body to path, with on_body (support/http.h's hook: false hangs up)
+ * called on each piece of the answer as it comes. */
+CURLcode ts_http_watch(const char *host, uint16_t port, const char *path, const char *body,
+                       long timeout_s, bool (*on_body)(void *, const char *, size_t, size_t),
+                       void *arg, ts_resp_t *r);
 void ts_resp_free(ts_resp_t *r);
 /* GET path, asserting 200 and a JSON body (new reference). */
 json_t *ts_get_json(const char *host, uint16_t port, const char *path);
@@ -37,6 +43,33 @@ json_t *ts_get_json(const char *host, uint16_t port, const char *path);
 json_t *ts_jp(json_t *doc, const char *path);
 long long ts_ji(json_t *doc, const char *path);   /* asserts an integer */
 const char *ts_js(json_t *doc, const char *path); /* asserts a string */
+
+/* ---- child processes: thin test wrappers over support/launch.h ---- */
+
+/* Start argv (argv[0] a path, NULL-terminated) with the extra environment entries env
+ * (NULL-terminated, may be NULL), its stdout and stderr in a new /tmp file, without
+ * waiting for it. ready: its listening line's text before HOST:PORT (see launch_spec_t;
+ * NULL: "listening on "). */
+void ts_proc_spawn(launch_proc_t *p, char *const argv[], char *const env[], const char *ready);
+/* ts_proc_spawn, then wait (30 s) for the listening line (p->port, p->url) and, with
+ * want_agent, the transfer agent's (p->kv_address); asserts, with the log, that it came. */
+void ts_proc_start(launch_proc_t *p, char *const argv[], char *const env[], const char *ready,
+                   bool want_agent);
+/* Reap it within timeout_s (asserting it exited in time, else SIGKILL and fail): its exit
+ * code (launch_exit_code: 128 + N for signal N). log: when not NULL, the whole log
+ * (malloc'd; the caller frees). The log file is removed. */
+int ts_proc_wait(launch_proc_t *p, int timeout_s, char **log);
+/* ts_proc_spawn then ts_proc_wait: run argv to its end (a command that is to fail). */
+int ts_proc_run(char *const argv[], int timeout_s, char **log);
+/* SIGTERM (and SIGCONT, for a stopped child), then ts_proc_wait: its exit code. */
+int ts_proc_stop(launch_proc_t *p, int timeout_s);
+/* SIGKILL, reap and remove its log. */
+void ts_proc_kill(launch_proc_t *p);
+/* Its log so far (asserted readable; malloc'd, the caller frees). */
+char *ts_proc_log(const launch_proc_t *p);
+/* SIGSTOP pid and wait (10 s) until every thread of it is stopped (a thread already
+ * running when the signal came may still answer a request it was serving). */
+void ts_proc_freeze(pid_t pid);
 
 typedef struct {
     launch_proc_t proc;
@@ -52,12 +85,14 @@ typedef struct {
 
 /* BUILD/pagekv next to this test binary (BUILD/tests/). */
 void ts_pagekv_path(char *out, size_t n);
-/* Run `BUILD/pagekv ARGS` (a shell word list) to its end: its exit code (-1 if it did not
- * exit), stdout and stderr together in out (at most cap - 1 bytes, NUL-terminated). */
+/* Run `BUILD/pagekv ARGS` (a shell word list) to its end: its exit code (128 + N when
+ * signal N ended it), stdout and stderr together in out (at most cap - 1 bytes,
+ * NUL-terminated). */
 int ts_pagekv_run(const char *args, char *out, size_t cap);
-/* Start `BUILD/pagekv ARGS` (a shell word list) in the background with its stdout and
+/* Start `BUILD/pagekv ARGS` (a shell word list) in the background (support/launch.h's
+ * launch_spawn: a process group of its own, killed with the test) with its stdout and
  * stderr in a new file made from the template log ("/tmp/NAME-XXXXXX", edited in place):
- * its pid (the pagekv process itself). */
+ * its pid (the pagekv process itself), for the caller to signal and reap. */
 pid_t ts_pagekv_spawn(const char *args, char *log);
 /* A file's contents (at most cap - 1 bytes, NUL-terminated; "" when it cannot be read). */
 void ts_read_file(const char *path, char *out, size_t cap);
