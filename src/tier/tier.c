@@ -469,11 +469,18 @@ static void *writer_main(void *arg)
 
 /* ---- opening: the directory's segments ------------------------------------------------- */
 
-/* Add segment `name` (its records to the index) or count it as foreign. */
+/* Add segment `name` (its records to the index) or count it as foreign. Only this layout's
+ * unsealed segment (the one a crash left open) is repaired: another layout's is left as it
+ * is, its owner repairs it. */
 static int load_segment(pkv_tier_t *t, const char *name, uint64_t seq)
 {
     pkv_tier_seg_info_t in;
-    int rc = pkv_tier_seg_open(t->dirfd, name, t->st.writable, &in);
+    int rc = pkv_tier_seg_open(t->dirfd, name, false, &in);
+    if (!rc && !in.sealed && t->st.writable &&
+        (!in.n || !memcmp(in.layout, t->cfg.layout, PKV_TIER_HASH_BYTES))) {
+        pkv_tier_seg_info_fini(&in);
+        rc = pkv_tier_seg_open(t->dirfd, name, true, &in);
+    }
     if (rc == PKV_ERR_NOMEM) return rc;
     t->next_seq = PKV_MAX(t->next_seq, seq + 1);
     if (rc) { /* unreadable (logged): its bytes still count */
@@ -482,13 +489,13 @@ static int load_segment(pkv_tier_t *t, const char *name, uint64_t seq)
         return PKV_OK;
     }
     t->st.bytes += in.bytes; /* after any repair */
-    t->st.corrupt += in.corrupt;
     if (in.n && memcmp(in.layout, t->cfg.layout, PKV_TIER_HASH_BYTES)) {
         PKV_LOGW("tier", "segment %s holds another model's or layout's KV: left alone", name);
         t->st.foreign++;
         pkv_tier_seg_info_fini(&in);
         return PKV_OK;
     }
+    t->st.corrupt += in.corrupt;
     seg_t *g = calloc(1, sizeof(*g));
     if (!g) {
         pkv_tier_seg_info_fini(&in);
