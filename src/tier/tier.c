@@ -513,7 +513,15 @@ static int load_segment(pkv_tier_t *t, const char *name, uint64_t seq)
             t->st.corrupt++;
             continue;
         }
-        if (slot_find(t, g->entries[i].key)) continue; /* written twice: one is enough */
+        /* Written twice (an earlier copy was quarantined, then the block written again): the
+         * newest copy wins, the largest sequence and the last in its segment, in whatever
+         * order the directory lists the segments. */
+        slot_t *s = slot_find(t, g->entries[i].key);
+        if (s && (s->seg == g || s->seg->seq < seq)) {
+            s->seg = g, s->offset = g->entries[i].offset;
+            continue;
+        }
+        if (s) continue;
         if (!slot_insert(t, g->entries[i].key, g, g->entries[i].offset)) return PKV_ERR_NOMEM;
         t->st.records++;
     }
