@@ -578,11 +578,8 @@ static int config_check(const pkv_tier_config_t *c, pkv_tier_config_t *out)
     if (!c->dir || !c->source || !c->max_bytes || !c->record_bytes || c->record_bytes > UINT32_MAX)
         return PKV_ERR_INVALID;
     *out = *c;
-    if (!out->segment_bytes) {
-        out->segment_bytes = c->max_bytes / 8;
-        out->segment_bytes = PKV_MAX(out->segment_bytes, 1ull << 20);
-        out->segment_bytes = PKV_MIN(out->segment_bytes, 256ull << 20);
-    }
+    if (!out->segment_bytes) /* an eighth of the cap: eviction gives up an eighth at a time */
+        out->segment_bytes = PKV_MAX(PKV_MIN(c->max_bytes / 8, 256ull << 20), 1);
     if (!out->queue_max) out->queue_max = 4096;
     return PKV_OK;
 }

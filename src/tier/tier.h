@@ -143,7 +143,7 @@ typedef struct {
     const char *dir;                     /* must exist */
     uint64_t max_bytes;                  /* the directory's bytes never exceed it */
     uint64_t segment_bytes;              /* seal a segment past this (0: max_bytes / 8,
-                                            within [1 MiB, 256 MiB]) */
+                                            at most 256 MiB) */
     uint64_t min_free_bytes;             /* writes stop while the filesystem has less free
                                             (0: none) */
     uint32_t queue_max;                  /* keys waiting to be written (0: 4096) */
