@@ -1007,6 +1007,7 @@ START_TEST(read_error_is_recomputed)
     ck_assert_int_eq(disk(st, "load_failures"), 1);
     ck_assert_int_eq(disk(st, "corrupt"), 0);
     ck_assert_int_eq(disk(st, "hit_blocks"), 1);
+    ck_assert_int_eq(disk(st, "written_blocks"), 1); /* quarantined, so written again */
     json_decref(st);
     reset(v.port, "{}", 200);
     a = ask_same(&r, v.port, 0, NULL);

@@ -722,12 +722,12 @@ int pkv_tier_load(pkv_tier_t *t, const uint8_t key[PKV_TIER_HASH_BYTES], void *b
                  ? PKV_ERR_IO
                  : pkv_tier_record_read(g->fd, &e, t->cfg.layout, key, buf);
     pthread_mutex_lock(&t->lock);
-    if (rc == PKV_ERR_CORRUPT) { /* quarantined: never read again */
+    if (rc == PKV_ERR_CORRUPT || rc == PKV_ERR_IO) { /* quarantined: never read again */
         s = slot_find(t, key);
         if (s && s->seg == g && s->offset == e.offset) slot_remove(t, s);
-        t->st.corrupt++;
-        PKV_LOGW("tier", "a record of segment %llu failed its check: quarantined",
-                 (unsigned long long)g->seq);
+        if (rc == PKV_ERR_CORRUPT) t->st.corrupt++;
+        PKV_LOGW("tier", "a record of segment %llu %s: quarantined", (unsigned long long)g->seq,
+                 rc == PKV_ERR_CORRUPT ? "failed its check" : "could not be read");
     } else if (!rc) {
         t->st.loaded_records++;
         t->st.loaded_bytes += PKV_TIER_HEADER_BYTES + e.payload_len;
