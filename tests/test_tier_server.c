@@ -858,7 +858,7 @@ static char *file_read(const char *path, size_t *len)
     return b;
 }
 
-/* Segments of another block size and of another KV dtype, sealed and unsealed (as a crash
+/* Segments of another block size, KV dtype or model, sealed and unsealed (as a crash
  * leaves one): each logged once, none loaded, none touched (an unsealed one is not
  * repaired: that is its owner's business); their owner still loads them after. */
 START_TEST(another_layouts_directory_is_left_alone)
@@ -881,12 +881,14 @@ START_TEST(another_layouts_directory_is_left_alone)
 
     logs_t logs = {.mu = PTHREAD_MUTEX_INITIALIZER};
     pkv_log_set_sink(log_sink, &logs);
-    for (int k = 0; k < 2; k++) {
+    for (int k = 0; k < 3; k++) {
         pkv_server_config_t c = config(dir);
         if (k == 0)
             c.block_tokens = 128; /* another block size */
-        else
+        else if (k == 1)
             c.kv_dtype = PKV_DTYPE_F32; /* another KV dtype */
+        else
+            c.weight_seed = 2; /* another model: the same preset's other weights */
         logs.foreign_lines = 0;
         srv_t v;
         srv_start(&v, &c);
