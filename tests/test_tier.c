@@ -601,6 +601,44 @@ START_TEST(tier_restart_after_a_crash)
 }
 END_TEST
 
+/* One key in several segments (a record quarantined on a load, then written again): startup
+ * indexes the newest copy (the largest sequence, the last in its segment), whatever order
+ * the directory lists the segments in, so a damaged older copy is not read again after a
+ * restart. */
+START_TEST(tier_indexes_the_newest_copy_of_a_key)
+{
+    fixture_t f;
+    fixture_init(&f, 1, 0, 44);
+    set_len(&f, 0, 2000);
+    enum { COPIES = 12 };
+    for (uint32_t seq = 1; seq <= COPIES; seq++) {
+        pkv_tier_seg_t *s;
+        pkv_tier_entry_t e;
+        ck_assert_int_eq(pkv_tier_seg_create(f.dirfd, seq, f.layout, &s), PKV_OK);
+        for (uint32_t k = 0; k < (seq == COPIES ? 2u : 1u); k++) { /* the last: two copies */
+            for (uint32_t b = 0; b < 2000; b++) f.payload[0][b] = (uint8_t)(b * 7 + seq + k);
+            ck_assert_int_eq(pkv_tier_seg_append(s, &f.rec[0], f.payload[0], &e), PKV_OK);
+        }
+        ck_assert_int_eq(pkv_tier_seg_seal(s), PKV_OK);
+        pkv_tier_seg_close(s);
+    }
+    pkv_tier_config_t c = {
+        .dir = f.dir, .max_bytes = 64u << 20, .record_bytes = 2000, .source = source};
+    memcpy(c.layout, f.layout, PKV_TIER_HASH_BYTES);
+    pkv_tier_t *t = NULL;
+    ck_assert_int_eq(pkv_tier_open(&c, &t), PKV_OK);
+    pkv_tier_stats_t st;
+    pkv_tier_stats(t, &st);
+    ck_assert_uint_eq(st.records, 1);
+    ck_assert_uint_eq(st.segments, COPIES);
+    uint8_t buf[2000];
+    ck_assert_int_eq(pkv_tier_load(t, f.rec[0].key, buf), PKV_OK);
+    ck_assert_mem_eq(buf, f.payload[0], 2000); /* the last one written */
+    pkv_tier_close(t);
+    fixture_fini(&f);
+}
+END_TEST
+
 static void replay_tier(const char *name, const uint8_t *data, size_t len, void *arg)
 {
     (void)name;
@@ -639,6 +677,7 @@ int main(void)
     tcase_add_test(tt, tier_capacity_is_exact);
     tcase_add_test(tt, tier_drops_quarantines_and_leaves_foreign_alone);
     tcase_add_test(tt, tier_restart_after_a_crash);
+    tcase_add_test(tt, tier_indexes_the_newest_copy_of_a_key);
     suite_add_tcase(s, tt);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);

@@ -77,17 +77,19 @@ enum MHD_Result srv_handle_cache_reset(pkv_server_t *s, struct MHD_Connection *c
     if (drop_disk && !s->tier)
         return srv_answer_errorf(s, c, hr, 400, "invalid_request_error", "no_disk_tier",
                                  "this server has no disk tier (--kv-disk-dir)");
+    /* Refused before anything is dropped: a refused reset changes nothing. */
+    pkv_kvtier_stats_t tb = {0};
+    if (drop_disk) pkv_kvtier_stats(s->tier, &tb);
+    if (drop_disk && !tb.disk.writable)
+        return srv_answer_errorf(s, c, hr, 409, "invalid_request_error", "read_only",
+                                 "the disk tier's directory is read-only: nothing dropped");
     pkv_kv_stats_t before, after;
     pkv_kv_stats(s->kv, &before);
     pkv_kv_reset_cache(s->kv);
     pkv_kv_stats(s->kv, &after);
-    pkv_kvtier_stats_t tb = {0};
-    if (drop_disk) {
-        pkv_kvtier_stats(s->tier, &tb);
-        if (pkv_kvtier_drop_disk(s->tier))
-            return srv_answer_errorf(s, c, hr, 409, "invalid_request_error", "read_only",
-                                     "the disk tier's directory is read-only: nothing dropped");
-    }
+    if (drop_disk && pkv_kvtier_drop_disk(s->tier)) /* only a read-only tier refuses */
+        return srv_answer_errorf(s, c, hr, 500, "server_error", "internal_error",
+                                 "dropping the disk tier failed");
     pthread_mutex_lock(&s->lock);
     s->ctr.cache_resets++;
     pthread_mutex_unlock(&s->lock);

@@ -469,11 +469,18 @@ static void *writer_main(void *arg)
 
 /* ---- opening: the directory's segments ------------------------------------------------- */
 
-/* Add segment `name` (its records to the index) or count it as foreign. */
+/* Add segment `name` (its records to the index) or count it as foreign. Only this layout's
+ * unsealed segment (the one a crash left open) is repaired: another layout's is left as it
+ * is, its owner repairs it. */
 static int load_segment(pkv_tier_t *t, const char *name, uint64_t seq)
 {
     pkv_tier_seg_info_t in;
-    int rc = pkv_tier_seg_open(t->dirfd, name, t->st.writable, &in);
+    int rc = pkv_tier_seg_open(t->dirfd, name, false, &in);
+    if (!rc && !in.sealed && t->st.writable &&
+        (!in.n || !memcmp(in.layout, t->cfg.layout, PKV_TIER_HASH_BYTES))) {
+        pkv_tier_seg_info_fini(&in);
+        rc = pkv_tier_seg_open(t->dirfd, name, true, &in);
+    }
     if (rc == PKV_ERR_NOMEM) return rc;
     t->next_seq = PKV_MAX(t->next_seq, seq + 1);
     if (rc) { /* unreadable (logged): its bytes still count */
@@ -482,13 +489,13 @@ static int load_segment(pkv_tier_t *t, const char *name, uint64_t seq)
         return PKV_OK;
     }
     t->st.bytes += in.bytes; /* after any repair */
-    t->st.corrupt += in.corrupt;
     if (in.n && memcmp(in.layout, t->cfg.layout, PKV_TIER_HASH_BYTES)) {
         PKV_LOGW("tier", "segment %s holds another model's or layout's KV: left alone", name);
         t->st.foreign++;
         pkv_tier_seg_info_fini(&in);
         return PKV_OK;
     }
+    t->st.corrupt += in.corrupt;
     seg_t *g = calloc(1, sizeof(*g));
     if (!g) {
         pkv_tier_seg_info_fini(&in);
@@ -506,7 +513,15 @@ static int load_segment(pkv_tier_t *t, const char *name, uint64_t seq)
             t->st.corrupt++;
             continue;
         }
-        if (slot_find(t, g->entries[i].key)) continue; /* written twice: one is enough */
+        /* Written twice (an earlier copy was quarantined, then the block written again): the
+         * newest copy wins, the largest sequence and the last in its segment, in whatever
+         * order the directory lists the segments. */
+        slot_t *s = slot_find(t, g->entries[i].key);
+        if (s && (s->seg == g || s->seg->seq < seq)) {
+            s->seg = g, s->offset = g->entries[i].offset;
+            continue;
+        }
+        if (s) continue;
         if (!slot_insert(t, g->entries[i].key, g, g->entries[i].offset)) return PKV_ERR_NOMEM;
         t->st.records++;
     }
@@ -563,11 +578,8 @@ static int config_check(const pkv_tier_config_t *c, pkv_tier_config_t *out)
     if (!c->dir || !c->source || !c->max_bytes || !c->record_bytes || c->record_bytes > UINT32_MAX)
         return PKV_ERR_INVALID;
     *out = *c;
-    if (!out->segment_bytes) {
-        out->segment_bytes = c->max_bytes / 8;
-        out->segment_bytes = PKV_MAX(out->segment_bytes, 1ull << 20);
-        out->segment_bytes = PKV_MIN(out->segment_bytes, 256ull << 20);
-    }
+    if (!out->segment_bytes) /* an eighth of the cap: eviction gives up an eighth at a time */
+        out->segment_bytes = PKV_MAX(PKV_MIN(c->max_bytes / 8, 256ull << 20), 1);
     if (!out->queue_max) out->queue_max = 4096;
     return PKV_OK;
 }
@@ -710,12 +722,12 @@ int pkv_tier_load(pkv_tier_t *t, const uint8_t key[PKV_TIER_HASH_BYTES], void *b
                  ? PKV_ERR_IO
                  : pkv_tier_record_read(g->fd, &e, t->cfg.layout, key, buf);
     pthread_mutex_lock(&t->lock);
-    if (rc == PKV_ERR_CORRUPT) { /* quarantined: never read again */
+    if (rc == PKV_ERR_CORRUPT || rc == PKV_ERR_IO) { /* quarantined: never read again */
         s = slot_find(t, key);
         if (s && s->seg == g && s->offset == e.offset) slot_remove(t, s);
-        t->st.corrupt++;
-        PKV_LOGW("tier", "a record of segment %llu failed its check: quarantined",
-                 (unsigned long long)g->seq);
+        if (rc == PKV_ERR_CORRUPT) t->st.corrupt++;
+        PKV_LOGW("tier", "a record of segment %llu %s: quarantined", (unsigned long long)g->seq,
+                 rc == PKV_ERR_CORRUPT ? "failed its check" : "could not be read");
     } else if (!rc) {
         t->st.loaded_records++;
         t->st.loaded_bytes += PKV_TIER_HEADER_BYTES + e.payload_len;

@@ -143,7 +143,7 @@ typedef struct {
     const char *dir;                     /* must exist */
     uint64_t max_bytes;                  /* the directory's bytes never exceed it */
     uint64_t segment_bytes;              /* seal a segment past this (0: max_bytes / 8,
-                                            within [1 MiB, 256 MiB]) */
+                                            at most 256 MiB) */
     uint64_t min_free_bytes;             /* writes stop while the filesystem has less free
                                             (0: none) */
     uint32_t queue_max;                  /* keys waiting to be written (0: 4096) */
@@ -199,7 +199,8 @@ int pkv_tier_put(pkv_tier_t *t, const uint8_t key[PKV_TIER_HASH_BYTES],
 uint32_t pkv_tier_match(pkv_tier_t *t, const uint8_t (*keys)[PKV_TIER_HASH_BYTES], uint32_t n);
 /* Read the block `key` into buf (cfg->record_bytes) and verify it (checksum, key, layout).
  * PKV_ERR_NOTFOUND: not on disk; PKV_ERR_CORRUPT: it failed a check (quarantined: never
- * read again, counted); PKV_ERR_IO. buf's contents are unspecified unless PKV_OK. */
+ * read again, counted as corrupt); PKV_ERR_IO: the read failed (quarantined too: a bad
+ * sector is not retried on every request). buf's contents are unspecified unless PKV_OK. */
 int pkv_tier_load(pkv_tier_t *t, const uint8_t key[PKV_TIER_HASH_BYTES], void *buf);
 /* Wait until every queued key is written and synced (or dropped), or the deadline:
  * PKV_OK / PKV_ERR_TIMEOUT. */
