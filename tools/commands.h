@@ -31,5 +31,6 @@ int pkv_bench_model(int argc, char **argv);
 int pkv_bench_xfer(int argc, char **argv);
 int pkv_bench_disagg(int argc, char **argv);
 int pkv_bench_reshard(int argc, char **argv);
+int pkv_bench_tiers(int argc, char **argv);
 
 #endif
