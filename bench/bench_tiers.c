@@ -36,30 +36,29 @@ static void bt_on_signal(int sig)
 
 static void bt_usage(FILE *f)
 {
-    fprintf(f,
-            "usage: pagekv bench tiers [options]\n"
-            "The disk tier on the field's multi-round QA workload: a reference pass (ample KV,\n"
-            "no tier), then arms on one small KV budget: recompute (no tier), disk (the tier),\n"
-            "restart (the tier; SIGKILL after round R/2, a new server on the same directory);\n"
-            "then the long-document tile order (D documents, each asked twice, 1..D 1..D).\n"
-            "  --preset NAME          the servers' model preset (default llama-3.2-1b)\n"
-            "  --users U              conversations, taking turns (default 8, at most 64)\n"
-            "  --rounds R             rounds of each (default 6, 2..32)\n"
-            "  --system-tokens N      the shared system prompt (default 1000)\n"
-            "  --history-tokens N     each user's history to start (default 1500)\n"
-            "  --question-tokens N    each question (default 32)\n"
-            "  --out-tokens MIN-MAX   tokens out per answer (default 16-32)\n"
-            "  --docs D               tile: documents (default 4; 0: no tile)\n"
-            "  --doc-tokens N         tile: each document (default 4000)\n"
-            "  --kv-budget BYTES      the arms' --kv-cache-budget (default 1.25 x the longest\n"
-            "                         request's KV, whole 2 MiB\n"
-            "                         granules)\n"
-            "  --kv-disk-bytes BYTES  the disk arms' --kv-disk-bytes (default 1G)\n"
-            "  --json FILE            every round of every arm, the targets\n"
-            "  --svg FILE             TTFT per round, the arms side by side\n"
-            "  --request-timeout S    per request (default 600)\n"
-            "  --server-bin PATH      the pagekv binary to serve (default this one)\n"
-            "  --keep-logs            keep the servers' logs (failed runs' too)\n");
+    fprintf(f, "usage: pagekv bench tiers [options]\n"
+               "The disk tier on the field's multi-round QA workload: a reference pass (ample KV,\n"
+               "no tier), then arms on one small KV budget: recompute (no tier), disk (the tier),\n"
+               "restart (the tier; SIGKILL after round R/2, a new server on the same directory);\n"
+               "then the long-document tile order (D documents, each asked twice, 1..D 1..D).\n"
+               "  --preset NAME          the servers' model preset (default llama-3.2-1b)\n"
+               "  --users U              conversations, taking turns (default 8, at most 64)\n"
+               "  --rounds R             rounds of each (default 6, 2..32)\n"
+               "  --system-tokens N      the shared system prompt (default 1000)\n"
+               "  --history-tokens N     each user's history to start (default 1500)\n"
+               "  --question-tokens N    each question (default 32)\n"
+               "  --out-tokens MIN-MAX   tokens out per answer (default 16-32)\n"
+               "  --docs D               tile: documents (default 4; 0: no tile)\n"
+               "  --doc-tokens N         tile: each document (default 4000)\n"
+               "  --kv-budget BYTES      the arms' --kv-cache-budget (default 1.25 x the longest\n"
+               "                         request's KV, whole 2 MiB\n"
+               "                         granules)\n"
+               "  --kv-disk-bytes BYTES  the disk arms' --kv-disk-bytes (default 1G)\n"
+               "  --json FILE            every round of every arm, the targets\n"
+               "  --svg FILE             TTFT per round, the arms side by side\n"
+               "  --request-timeout S    per request (default 600)\n"
+               "  --server-bin PATH      the pagekv binary to serve (default this one)\n"
+               "  --keep-logs            keep the servers' logs (failed runs' too)\n");
 }
 
 static int bt_parse_u32(const char *a, const char *v, uint64_t lo, uint64_t hi, uint32_t *out)
@@ -78,8 +77,10 @@ static int bt_parse_out(const char *v, bt_opts_t *o)
     unsigned lo, hi;
     char tail;
     if (sscanf(v, "%u-%u%c", &lo, &hi, &tail) != 2 || lo < 1 || lo > hi || hi > 4096)
-        return pkv_cli_usage_error(bt_cmd, "--out-tokens: '%s' is not MIN-MAX, 1 <= MIN <= MAX "
-                                           "<= 4096", v);
+        return pkv_cli_usage_error(bt_cmd,
+                                   "--out-tokens: '%s' is not MIN-MAX, 1 <= MIN <= MAX "
+                                   "<= 4096",
+                                   v);
     o->out_min = lo;
     o->out_max = hi;
     return 0;
@@ -206,11 +207,10 @@ static int bt_part_run(const bt_env_t *e, bt_part_t *p)
         fprintf(stderr, "%s %s: starting\n", p->w.name, bt_arm_names[k]);
         bt_arm_run(e, &p->w, k, a);
         if (a->ok)
-            fprintf(stderr, "%s %s: %u/%u answers identical, %.1f s\n", p->w.name,
-                    bt_arm_names[k], a->identical, a->requests, a->wall_s);
+            fprintf(stderr, "%s %s: %u/%u answers identical, %.1f s\n", p->w.name, bt_arm_names[k],
+                    a->identical, a->requests, a->wall_s);
         else
-            fprintf(stderr, "%s %s: FAILED: %s\n", p->w.name, bt_arm_names[k], a->error),
-                failed++;
+            fprintf(stderr, "%s %s: FAILED: %s\n", p->w.name, bt_arm_names[k], a->error), failed++;
     }
     return failed;
 }
@@ -255,7 +255,7 @@ int pkv_bench_tiers(int argc, char **argv)
     bt_target_t t[BT_N_TARGETS];
     bt_targets(&e, &mr, o.docs ? &tile : NULL, t);
     bt_print_report(&e, &mr, o.docs ? &tile : NULL, t);
-    int rc = failed || bt_stop ? 1 : 0;
+    int rc = bt_stop ? 130 : failed ? 1 : 0; /* 130: interrupted, as a shell reports it */
     if (o.json_path && bt_write_json(&e, &mr, o.docs ? &tile : NULL, t, wall)) rc = 1;
     if (o.svg_path && bt_write_svg(&e, &mr)) rc = 1;
     bt_env_cleanup(&e, o.keep_logs || failed);

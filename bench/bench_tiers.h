@@ -40,16 +40,16 @@ typedef struct {
 /* One workload: `users` conversations (multi-round) or documents (tile), each asked `rounds`
  * times, users taking turns (round 1: users 1..U, round 2: users 1..U, ...). */
 typedef struct {
-    const char *name;        /* "multiround", "tile" */
+    const char *name; /* "multiround", "tile" */
     uint32_t users, rounds;
-    char *system;            /* the shared system prompt; NULL: none */
-    char **context;          /* [users]: the history's start, or the document */
-    char **question;         /* [rounds * users], index r * users + u */
-    uint32_t *max_tokens;    /* [rounds * users] */
-    bool grows;              /* past questions and answers join the history */
-    char **answer;           /* [rounds * users]: the reference pass's answers, which every
-                                arm's history carries (so every arm sends the same prompts) */
-    uint32_t restart_round;  /* rounds / 2 + 1: the first round after the restart */
+    char *system;           /* the shared system prompt; NULL: none */
+    char **context;         /* [users]: the history's start, or the document */
+    char **question;        /* [rounds * users], index r * users + u */
+    uint32_t *max_tokens;   /* [rounds * users] */
+    bool grows;             /* past questions and answers join the history */
+    char **answer;          /* [rounds * users]: the reference pass's answers, which every
+                               arm's history carries (so every arm sends the same prompts) */
+    uint32_t restart_round; /* rounds / 2 + 1: the first round after the restart */
 } bt_work_t;
 
 /* One round of one arm: client figures (TTFT, usage), /metrics deltas, samples. */
@@ -57,11 +57,11 @@ typedef struct {
     uint32_t requests, identical;
     double ttft_p50_ms, ttft_max_ms;
     uint64_t prompt_tokens, cached_memory, cached_disk;
-    uint64_t loaded_bytes;           /* pagekv_kv_tier_loaded_bytes_total delta */
-    double load_s;                   /* pagekv_kv_tier_load_seconds_sum delta */
+    uint64_t loaded_bytes; /* pagekv_kv_tier_loaded_bytes_total delta */
+    double load_s;         /* pagekv_kv_tier_load_seconds_sum delta */
     uint64_t decide_load, decide_recompute;
-    uint64_t rss_peak, rss_end;      /* VmRSS sampled over the round */
-    uint64_t disk_peak, disk_end;    /* the directory's file sizes, sampled */
+    uint64_t rss_peak, rss_end;   /* VmRSS sampled over the round */
+    uint64_t disk_peak, disk_end; /* the directory's file sizes, sampled */
 } bt_round_t;
 
 typedef struct {
@@ -71,15 +71,15 @@ typedef struct {
     bt_round_t round[BT_MAX_ROUNDS];
     double *ttft_ms; /* [rounds * users] */
     uint32_t requests, identical;
-    uint64_t rss_idle;    /* VmRSS of the ready server before its first request (the first) */
-    uint64_t rss_peak;    /* every sample of every server of the arm */
+    uint64_t rss_idle; /* VmRSS of the ready server before its first request (the first) */
+    uint64_t rss_peak; /* every sample of every server of the arm */
     uint64_t disk_peak, disk_cap, disk_samples, disk_over; /* samples above the cap */
-    uint64_t tier_bytes_max;           /* pagekv_kv_tier_bytes at the round ends, largest */
-    uint64_t corrupt, load_timeouts;   /* summed over the arm's servers */
-    uint64_t past_deadline;            /* loads in load_seconds above BT_LOAD_MS */
-    uint64_t dropped_evicted;          /* writes dropped because the block left first */
-    uint64_t kill_queued;              /* restart: blocks still queued at the SIGKILL */
-    uint64_t budget;                   /* its --kv-cache-budget, 0: none */
+    uint64_t tier_bytes_max;         /* pagekv_kv_tier_bytes at the round ends, largest */
+    uint64_t corrupt, load_timeouts; /* summed over the arm's servers */
+    uint64_t past_deadline;          /* loads in load_seconds above BT_LOAD_MS */
+    uint64_t dropped_evicted;        /* writes dropped because the block left first */
+    uint64_t kill_queued;            /* restart: blocks still queued at the SIGKILL */
+    uint64_t budget;                 /* its --kv-cache-budget, 0: none */
     double wall_s;
 } bt_arm_t;
 
@@ -91,10 +91,10 @@ typedef struct {
 /* What every arm shares. */
 typedef struct {
     const bt_opts_t *o;
-    char bin[4096];   /* the pagekv binary the servers run */
-    char dir[64];     /* the temporary directory: logs and the disk tiers' directories */
-    double cpt;       /* filler characters per token */
-    uint64_t budget;  /* the arms' --kv-cache-budget */
+    char bin[4096];  /* the pagekv binary the servers run */
+    char dir[64];    /* the temporary directory: logs and the disk tiers' directories */
+    double cpt;      /* filler characters per token */
+    uint64_t budget; /* the arms' --kv-cache-budget */
     uint32_t max_context;
     const volatile sig_atomic_t *stop; /* SIGINT / SIGTERM seen */
 } bt_env_t;

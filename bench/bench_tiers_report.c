@@ -134,10 +134,10 @@ static void bt_target_identical(const bt_part_t *mr, const bt_part_t *tile, bt_t
         req += a->requests;
         same += a->identical;
         if (a->identical != a->requests && off < sizeof(t->detail))
-            off += (size_t)snprintf(t->detail + off, sizeof(t->detail) - off, "%s%s %s: %u of %u; ",
-                                    off ? "" : "not met: differing: ",
-                                    bt_p_ ? "tile" : "multiround", bt_arm_names[a->kind],
-                                    a->requests - a->identical, a->requests);
+            off +=
+                (size_t)snprintf(t->detail + off, sizeof(t->detail) - off, "%s%s %s: %u of %u; ",
+                                 off ? "" : "not met: differing: ", bt_p_ ? "tile" : "multiround",
+                                 bt_arm_names[a->kind], a->requests - a->identical, a->requests);
     }
     if (!req) return;
     t->value = (double)(req - same);
@@ -183,13 +183,15 @@ static void bt_target_rss(const bt_part_t *mr, const bt_part_t *tile, bt_target_
         uint64_t over = a->rss_peak > a->rss_idle ? a->rss_peak - a->rss_idle : 0;
         if (over >= worst) worst = over, where = bt_arm_names[a->kind];
     }
-    snprintf(name, sizeof(name), "the server's RSS above its idle RSS within its KV budget + 64 MiB");
+    snprintf(name, sizeof(name),
+             "the server's RSS above its idle RSS within its KV budget + 64 MiB");
     if (!budget) return;
     double bound = bt_mib(budget) + 64;
     snprintf(t->target, sizeof(t->target), "<= %.0f MiB", bound);
     t->value = bt_mib(worst);
     t->met = t->value <= bound;
-    snprintf(t->detail, sizeof(t->detail), "%slargest: %.1f MiB above idle (%s arm), budget %.0f MiB",
+    snprintf(t->detail, sizeof(t->detail),
+             "%slargest: %.1f MiB above idle (%s arm), budget %.0f MiB",
              t->met ? "" : "not met: ", t->value, where, bt_mib(budget));
 }
 
@@ -206,9 +208,8 @@ static void bt_target_counts(const bt_part_t *mr, const bt_part_t *tile, bt_targ
         timeouts += a->load_timeouts;
     }
     t[0] = (bt_target_t){.name = "0 corrupt records in a clean run", .met = -1, .target = "== 0"};
-    t[1] = (bt_target_t){.name = "0 requests waiting on the disk past their deadline",
-                         .met = -1,
-                         .target = "== 0"};
+    t[1] = (bt_target_t){
+        .name = "0 requests waiting on the disk past their deadline", .met = -1, .target = "== 0"};
     if (!arms) return;
     t[0].value = (double)corrupt;
     t[0].met = corrupt == 0;
@@ -273,10 +274,10 @@ static void bt_print_part(const bt_part_t *p)
             continue;
         }
         printf("| %s | %u | %u | %.1f | %.1f | %.1f | %.0f | %llu | %llu | %llu | %.1f |\n",
-               bt_arm_names[k], a->requests, a->identical, bt_mib(a->rss_idle),
-               bt_mib(a->rss_peak), bt_mib(a->disk_peak), bt_mib(a->disk_cap),
-               (unsigned long long)a->corrupt, (unsigned long long)a->load_timeouts,
-               (unsigned long long)a->dropped_evicted, a->wall_s);
+               bt_arm_names[k], a->requests, a->identical, bt_mib(a->rss_idle), bt_mib(a->rss_peak),
+               bt_mib(a->disk_peak), bt_mib(a->disk_cap), (unsigned long long)a->corrupt,
+               (unsigned long long)a->load_timeouts, (unsigned long long)a->dropped_evicted,
+               a->wall_s);
     }
 }
 
@@ -286,48 +287,48 @@ void bt_print_report(const bt_env_t *e, const bt_part_t *mr, const bt_part_t *ti
     const bt_opts_t *o = e->o;
     printf("## pagekv bench tiers (%s preset; %u users x %u rounds: system %u, history %u, "
            "question %u tokens, %u-%u out; KV budget %.0f MiB; disk cap %.0f MiB)\n",
-           o->preset, o->users, o->rounds, o->system_tokens, o->history_tokens,
-           o->question_tokens, o->out_min, o->out_max, bt_mib(e->budget), bt_mib(o->disk_bytes));
+           o->preset, o->users, o->rounds, o->system_tokens, o->history_tokens, o->question_tokens,
+           o->out_min, o->out_max, bt_mib(e->budget), bt_mib(o->disk_bytes));
     bt_print_part(mr);
     if (tile) bt_print_part(tile);
     printf("\n### targets\n\n");
     for (int i = 0; i < BT_N_TARGETS; i++)
         printf("- %s: %s: %.3g (target %s)%s%s\n", t[i].name,
-               t[i].met < 0 ? "not measured" : t[i].met ? "met" : "NOT MET", t[i].value,
-               t[i].target, t[i].detail[0] ? "; " : "", t[i].detail);
+               t[i].met < 0 ? "not measured"
+               : t[i].met   ? "met"
+                            : "NOT MET",
+               t[i].value, t[i].target, t[i].detail[0] ? "; " : "", t[i].detail);
 }
 
 /* ---- JSON -------------------------------------------------------------------------------- */
 
 static json_t *bt_round_json(uint32_t r, const bt_round_t *x)
 {
-    return json_pack("{s:I, s:I, s:I, s:f, s:f, s:I, s:I, s:I, s:I, s:f, s:f, s:{s:I, s:I}, "
-                     "s:I, s:I, s:I, s:I}",
-                     "round", (json_int_t)r + 1, "requests", (json_int_t)x->requests, "identical",
-                     (json_int_t)x->identical, "ttft_p50_ms", x->ttft_p50_ms, "ttft_max_ms",
-                     x->ttft_max_ms, "prompt_tokens", (json_int_t)x->prompt_tokens,
-                     "cached_tokens_memory", (json_int_t)x->cached_memory, "cached_tokens_disk",
-                     (json_int_t)x->cached_disk, "loaded_bytes", (json_int_t)x->loaded_bytes,
-                     "load_seconds", x->load_s, "read_bytes_per_s",
-                     x->load_s > 0 ? (double)x->loaded_bytes / x->load_s : 0.0, "load_decisions",
-                     "load", (json_int_t)x->decide_load, "recompute",
-                     (json_int_t)x->decide_recompute, "rss_peak_bytes", (json_int_t)x->rss_peak,
-                     "rss_end_bytes", (json_int_t)x->rss_end, "disk_bytes_peak",
-                     (json_int_t)x->disk_peak, "disk_bytes_end", (json_int_t)x->disk_end);
+    return json_pack(
+        "{s:I, s:I, s:I, s:f, s:f, s:I, s:I, s:I, s:I, s:f, s:f, s:{s:I, s:I}, "
+        "s:I, s:I, s:I, s:I}",
+        "round", (json_int_t)r + 1, "requests", (json_int_t)x->requests, "identical",
+        (json_int_t)x->identical, "ttft_p50_ms", x->ttft_p50_ms, "ttft_max_ms", x->ttft_max_ms,
+        "prompt_tokens", (json_int_t)x->prompt_tokens, "cached_tokens_memory",
+        (json_int_t)x->cached_memory, "cached_tokens_disk", (json_int_t)x->cached_disk,
+        "loaded_bytes", (json_int_t)x->loaded_bytes, "load_seconds", x->load_s, "read_bytes_per_s",
+        x->load_s > 0 ? (double)x->loaded_bytes / x->load_s : 0.0, "load_decisions", "load",
+        (json_int_t)x->decide_load, "recompute", (json_int_t)x->decide_recompute, "rss_peak_bytes",
+        (json_int_t)x->rss_peak, "rss_end_bytes", (json_int_t)x->rss_end, "disk_bytes_peak",
+        (json_int_t)x->disk_peak, "disk_bytes_end", (json_int_t)x->disk_end);
 }
 
 static json_t *bt_arm_json(const bt_work_t *w, const bt_arm_t *a)
 {
-    json_t *o = json_pack("{s:s, s:b, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f}",
-                          "name", bt_arm_names[a->kind], "ok", a->ok, "requests",
-                          (json_int_t)a->requests, "identical", (json_int_t)a->identical,
-                          "rss_idle_bytes", (json_int_t)a->rss_idle, "rss_peak_bytes",
-                          (json_int_t)a->rss_peak, "disk_bytes_peak", (json_int_t)a->disk_peak,
-                          "disk_bytes_cap", (json_int_t)a->disk_cap, "corrupt",
-                          (json_int_t)a->corrupt, "load_timeouts", (json_int_t)a->load_timeouts,
-                          "loads_past_deadline", (json_int_t)a->past_deadline,
-                          "dropped_writes_evicted", (json_int_t)a->dropped_evicted,
-                          "kv_budget_bytes", (json_int_t)a->budget, "wall_s", a->wall_s);
+    json_t *o = json_pack(
+        "{s:s, s:b, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f}", "name",
+        bt_arm_names[a->kind], "ok", a->ok, "requests", (json_int_t)a->requests, "identical",
+        (json_int_t)a->identical, "rss_idle_bytes", (json_int_t)a->rss_idle, "rss_peak_bytes",
+        (json_int_t)a->rss_peak, "disk_bytes_peak", (json_int_t)a->disk_peak, "disk_bytes_cap",
+        (json_int_t)a->disk_cap, "corrupt", (json_int_t)a->corrupt, "load_timeouts",
+        (json_int_t)a->load_timeouts, "loads_past_deadline", (json_int_t)a->past_deadline,
+        "dropped_writes_evicted", (json_int_t)a->dropped_evicted, "kv_budget_bytes",
+        (json_int_t)a->budget, "wall_s", a->wall_s);
     if (!o) return NULL;
     if (!a->ok) json_object_set_new(o, "error", json_string(a->error));
     if (a->kind == BT_RESTART)
@@ -346,8 +347,8 @@ static json_t *bt_part_json(const bt_part_t *p)
     for (int k = BT_RECOMPUTE; k < BT_ARMS; k++)
         if (p->arm[k].ran) json_array_append_new(arms, bt_arm_json(&p->w, &p->arm[k]));
     json_t *o = json_pack("{s:o, s:I, s:I, s:I}", "arms", arms, "restart_round",
-                          (json_int_t)p->w.restart_round, "users", (json_int_t)p->w.users,
-                          "rounds", (json_int_t)p->w.rounds);
+                          (json_int_t)p->w.restart_round, "users", (json_int_t)p->w.users, "rounds",
+                          (json_int_t)p->w.rounds);
     if (o && p->arm[BT_REF].ran)
         json_object_set_new(o, "reference", bt_arm_json(&p->w, &p->arm[BT_REF]));
     return o;
@@ -361,12 +362,11 @@ int bt_write_json(const bt_env_t *e, const bt_part_t *mr, const bt_part_t *tile,
     if (!root || !ta) return json_decref(root), json_decref(ta), -1;
     for (int i = 0; i < BT_N_TARGETS; i++)
         json_array_append_new(
-            ta, json_pack("{s:s, s:o, s:s, s:o, s:s}", "name", t[i].name, "value",
-                          t[i].met < 0 || !isfinite(t[i].value) ? json_null()
-                                                                : json_real(t[i].value),
-                          "target", t[i].target, "met",
-                          t[i].met < 0 ? json_null() : json_boolean(t[i].met), "detail",
-                          t[i].detail));
+            ta,
+            json_pack("{s:s, s:o, s:s, s:o, s:s}", "name", t[i].name, "value",
+                      t[i].met < 0 || !isfinite(t[i].value) ? json_null() : json_real(t[i].value),
+                      "target", t[i].target, "met",
+                      t[i].met < 0 ? json_null() : json_boolean(t[i].met), "detail", t[i].detail));
     json_object_set_new(root, "targets", ta);
     json_object_set_new(root, "tile", tile ? bt_part_json(tile) : json_null());
     json_object_set_new(
@@ -377,10 +377,10 @@ int bt_write_json(const bt_env_t *e, const bt_part_t *mr, const bt_part_t *tile,
                   "history_tokens", (json_int_t)o->history_tokens, "question_tokens",
                   (json_int_t)o->question_tokens, "out_tokens_min", (json_int_t)o->out_min,
                   "out_tokens_max", (json_int_t)o->out_max, "docs", (json_int_t)o->docs,
-                  "doc_tokens", (json_int_t)o->doc_tokens, "kv_budget_bytes",
-                  (json_int_t)e->budget, "kv_disk_bytes", (json_int_t)o->disk_bytes,
-                  "max_context", (json_int_t)e->max_context, "load_deadline_ms",
-                  (json_int_t)BT_LOAD_MS, "chars_per_token", e->cpt));
+                  "doc_tokens", (json_int_t)o->doc_tokens, "kv_budget_bytes", (json_int_t)e->budget,
+                  "kv_disk_bytes", (json_int_t)o->disk_bytes, "max_context",
+                  (json_int_t)e->max_context, "load_deadline_ms", (json_int_t)BT_LOAD_MS,
+                  "chars_per_token", e->cpt));
     json_object_set_new(root, "wall_s", json_real(wall_s));
     int rc = pkv_bench_write_json(o->json_path, root);
     json_decref(root);
@@ -402,14 +402,16 @@ int bt_write_svg(const bt_env_t *e, const bt_part_t *mr)
         for (int m = 0; a && m < 2; m++, ns++) {
             for (uint32_t r = 0; r < mr->w.rounds; r++)
                 y[ns][r] = m ? a->round[r].ttft_max_ms : a->round[r].ttft_p50_ms;
-            snprintf(label[ns], sizeof(label[ns]), "%s TTFT %s", bt_arm_names[k], m ? "max" : "p50");
+            snprintf(label[ns], sizeof(label[ns]), "%s TTFT %s", bt_arm_names[k],
+                     m ? "max" : "p50");
             s[ns] = (pkv_fp_series_t){label[ns], color[k], m == 1, x, y[ns], mr->w.rounds};
         }
     }
     pkv_fp_mark_t mark = {(double)mr->w.restart_round - 0.5, "restart", "#2a9d3a"};
     char title[160];
-    snprintf(title, sizeof(title), "pagekv bench tiers: TTFT per round (%s, %u users, budget %.0f MiB)",
-             e->o->preset, mr->w.users, bt_mib(e->budget));
+    snprintf(title, sizeof(title),
+             "pagekv bench tiers: TTFT per round (%s, %u users, budget %.0f MiB)", e->o->preset,
+             mr->w.users, bt_mib(e->budget));
     FILE *f = fopen(e->o->svg_path, "w");
     int rc = f ? pkv_fp_svg_plot(f, title, "round", "TTFT (ms)", s, ns, &mark, 1) : -1;
     if (f && fclose(f)) rc = -1;

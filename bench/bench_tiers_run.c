@@ -186,8 +186,8 @@ static uint64_t bt_dir_bytes(const char *dir)
 typedef struct {
     pthread_mutex_t lock; /* guards every field below but th */
     bool stop;
-    pid_t pid;       /* the server's, 0 between servers */
-    const char *dir; /* the tier's directory, NULL: none */
+    pid_t pid;         /* the server's, 0 between servers */
+    const char *dir;   /* the tier's directory, NULL: none */
     bt_round_t *round; /* the round in progress, NULL between rounds */
     bt_arm_t *arm;
     pthread_t th;
@@ -317,17 +317,22 @@ static int bt_server_start(bt_run_t *x)
     snprintf(cap, sizeof(cap), "%llu", (unsigned long long)e->o->disk_bytes);
     snprintf(load_ms, sizeof(load_ms), "%d", BT_LOAD_MS);
     snprintf(name, sizeof(name), "%s-%s-%d", x->w->name, bt_arm_names[x->a->kind], ++x->servers);
-    char *extra[16] = {"--kv-cache-budget", x->a->budget ? budget : "none",
-                       "--prefix-cache-max-bytes", "none", "--prefix-cache-idle-s", "0", NULL};
+    char *extra[16] = {"--kv-cache-budget",
+                       x->a->budget ? budget : "none",
+                       "--prefix-cache-max-bytes",
+                       "none",
+                       "--prefix-cache-idle-s",
+                       "0",
+                       NULL};
     if (x->disk_dir[0]) {
         char *tier[] = {"--kv-disk-dir", x->disk_dir, "--kv-disk-bytes", cap, "--kv-disk-load-ms",
-                        load_ms, NULL};
+                        load_ms,         NULL};
         memcpy(extra + 6, tier, sizeof(tier));
     }
     if (launch_serve(e->bin, e->dir, name, e->o->preset, e->max_context, NULL, extra, false, NULL,
                      &x->srv) != 0) {
-        snprintf(x->a->error, sizeof(x->a->error), "%s did not start (log %s/%s.log)", name,
-                 e->dir, name);
+        snprintf(x->a->error, sizeof(x->a->error), "%s did not start (log %s/%s.log)", name, e->dir,
+                 name);
         return -1;
     }
     struct timespec ts = {0, 300000000}; /* settle: the idle RSS after the model's load */
@@ -367,6 +372,7 @@ static int bt_round_send(bt_run_t *x, uint32_t r, lg_result_t *res)
     }
     lg_config_t cfg = {.base_url = x->srv.url,
                        .concurrency = 1,
+                       .stop = x->e->stop,
                        .timeout_ms = (uint32_t)(x->e->o->request_timeout_s * 1000)};
     if (!rc && lg_run(&cfg, req, w->users, res) < 0) rc = -1;
     for (uint32_t u = 0; u < w->users; u++) free(req[u].body);
@@ -374,8 +380,8 @@ static int bt_round_send(bt_run_t *x, uint32_t r, lg_result_t *res)
         const lg_result_t *g = &res[u];
         if (g->status != 200 || g->answer.error_code[0] || !g->answer.done) {
             snprintf(x->a->error, sizeof(x->a->error),
-                     "round %u user %u: HTTP %ld %.90s %.120s (log %.200s)", r + 1, u + 1, g->status,
-                     g->transport, g->excerpt, x->srv.log);
+                     "round %u user %u: HTTP %ld %.90s %.120s (log %.200s)", r + 1, u + 1,
+                     g->status, g->transport, g->excerpt, x->srv.log);
             rc = -1;
         }
     }
