@@ -237,11 +237,16 @@ int pkv_bench_tiers(int argc, char **argv)
     if (prc) return prc == 1 ? 0 : prc;
     bt_env_t e;
     if (curl_global_init(CURL_GLOBAL_DEFAULT) || bt_env_init(&e, &o)) return 1;
+    double ws = (double)bt_working_set_bytes(&o) / (double)e.budget;
     fprintf(stderr,
-            "bench tiers: %s, %u users x %u rounds, KV budget %.0f MiB, disk cap %.0f MiB, "
-            "temporary directory %s\n",
-            o.preset, o.users, o.rounds, (double)e.budget / 1048576.0,
+            "bench tiers: %s, %u users x %u rounds, KV budget %.0f MiB (the multi-round working "
+            "set ~%.1f x it), disk cap %.0f MiB, temporary directory %s\n",
+            o.preset, o.users, o.rounds, (double)e.budget / 1048576.0, ws,
             (double)o.disk_bytes / 1048576.0, e.dir);
+    if (ws < 2)
+        fprintf(stderr, "bench tiers: the working set is under 2 x the budget: most returning "
+                        "users stay in memory and the disk arm has little to load (more --users "
+                        "or a smaller --kv-budget)\n");
     static bt_part_t mr, tile;
     uint64_t t0 = pkv_now_ns();
     int failed = 0;

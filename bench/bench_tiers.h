@@ -102,6 +102,8 @@ typedef struct {
 /* ---- bench_tiers_run.c ------------------------------------------------------------------ */
 /* The KV bytes one token of the preset takes (f16, the servers' default dtype); 0 unknown. */
 uint64_t bt_token_bytes(const char *preset);
+/* The multi-round workload's KV at its end (every user's whole history), an estimate. */
+uint64_t bt_working_set_bytes(const bt_opts_t *o);
 /* The arms' default budget: 1.25 x the longest request's tokens, whole granules. */
 uint64_t bt_budget_default(const bt_opts_t *o);
 /* The longest request in tokens (prompt and answer), an estimate from the options. */

@@ -71,8 +71,11 @@ static void bt_cause(const bt_arm_t *a, uint32_t from, uint32_t to, char *out, s
                      (unsigned long long)computed, bt_mib(s.loaded_bytes), s.load_s,
                      (unsigned long long)s.decide_load, (unsigned long long)s.decide_recompute);
     if (n > 0 && (size_t)n < cap && a->dropped_evicted)
-        snprintf(out + n, cap - (size_t)n, "; %llu writes dropped (left memory first)",
-                 (unsigned long long)a->dropped_evicted);
+        n += snprintf(out + n, cap - (size_t)n, "; %llu writes dropped (left memory first)",
+                      (unsigned long long)a->dropped_evicted);
+    if (n > 0 && (size_t)n < cap && !s.cached_disk && s.cached_memory)
+        snprintf(out + n, cap - (size_t)n,
+                 "; nothing left memory: the working set fits the KV budget");
 }
 
 static void bt_target_ttft(const bt_part_t *mr, bt_target_t *t)

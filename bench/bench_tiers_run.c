@@ -64,6 +64,14 @@ uint32_t bt_longest_tokens(const bt_opts_t *o)
     return PKV_MAX(mr, tile);
 }
 
+uint64_t bt_working_set_bytes(const bt_opts_t *o)
+{
+    uint64_t per_round = o->question_tokens + (o->out_min + o->out_max) / 2 + BT_OVERHEAD_TOK;
+    uint64_t tokens =
+        o->system_tokens + (uint64_t)o->users * (o->history_tokens + o->rounds * per_round);
+    return tokens * bt_token_bytes(o->preset);
+}
+
 uint64_t bt_budget_default(const bt_opts_t *o)
 {
     uint64_t bytes = bt_token_bytes(o->preset) * bt_longest_tokens(o) * 5 / 4;

@@ -72,8 +72,8 @@ static void check_part(json_t *p, int users, int rounds)
         for (int r = 0; r < rounds; r++) check_round(json_array_get(rs, (size_t)r), r + 1, users);
     }
     /* the restarted server's memory is empty: its first round comes from disk */
-    json_t *rr = json_array_get(json_object_get(json_array_get(arms, 2), "rounds"),
-                                (size_t)(rounds / 2));
+    json_t *rr =
+        json_array_get(json_object_get(json_array_get(arms, 2), "rounds"), (size_t)(rounds / 2));
     ck_assert(jnum(rr, "cached_tokens_disk") > 0 && jnum(rr, "loaded_bytes") > 0);
     json_t *ref = json_object_get(p, "reference");
     ck_assert_int_eq((int)jnum(ref, "identical"), users * rounds);
