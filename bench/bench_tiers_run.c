@@ -355,7 +355,9 @@ static int bt_server_restart(bt_run_t *x)
 {
     double m[M_N];
     uint64_t end = pkv_now_ns() + BT_DRAIN_NS;
-    while (bt_scrape(x, m) == 0 && m[M_QUEUED] > 0 && pkv_now_ns() < end) {
+    for (;;) {
+        if (bt_scrape(x, m)) return -1;
+        if (m[M_QUEUED] <= 0 || pkv_now_ns() >= end) break;
         struct timespec ts = {0, 20000000};
         nanosleep(&ts, NULL);
     }
