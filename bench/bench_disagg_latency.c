@@ -228,40 +228,15 @@ static int bl_legs(const char *pre_url, const char *dec_url, const json_t *req, 
 }
 
 /* ---- /metrics ----------------------------------------------------------------------------- */
-/* The values of the named series (exact name and labels) in one /metrics scrape; a series
- * that is absent reads 0. 0, or -1 when the scrape failed. */
-static int bl_scrape(const char *url, const char *const *names, int n, double *out)
-{
-    http_reply_t r;
-    if (http_call(url, "/metrics", NULL, NULL, 5000, NULL, &r) != 0 || r.status != 200) {
-        http_reply_free(&r);
-        return -1;
-    }
-    for (int k = 0; k < n; k++) {
-        out[k] = 0;
-        size_t nl = strlen(names[k]);
-        for (const char *l = r.body; l && *l;) {
-            size_t len = strcspn(l, "\n");
-            if (len > nl && !strncmp(l, names[k], nl) && l[nl] == ' ') {
-                out[k] = strtod(l + nl + 1, NULL);
-                break;
-            }
-            l += len + (l[len] == '\n');
-        }
-    }
-    http_reply_free(&r);
-    return 0;
-}
-
 typedef struct {
     double r[BL_NRS], p[BL_NPS], d[BL_NDS];
 } bl_scrape_t;
 
 static int bl_scrape_all(const char *rt, const char *pre, const char *dec, bl_scrape_t *s)
 {
-    return bl_scrape(rt, bl_router_series, BL_NRS, s->r) |
-           bl_scrape(pre, bl_prefill_series, BL_NPS, s->p) |
-           bl_scrape(dec, bl_decode_series, BL_NDS, s->d);
+    return cluster_metrics_scrape(rt, bl_router_series, BL_NRS, s->r) |
+           cluster_metrics_scrape(pre, bl_prefill_series, BL_NPS, s->p) |
+           cluster_metrics_scrape(dec, bl_decode_series, BL_NDS, s->d);
 }
 
 /* After a routed request: scrape until each node counted it (the router its request, the

@@ -91,10 +91,8 @@ static void drop_page_cache(void)
 static double time_open(const char *dir, const startup_opts_t *o, pkv_tier_stats_t *st)
 {
     if (o->drop_caches) drop_page_cache();
-    pkv_tier_config_t cfg = {.dir = dir,
-                             .max_bytes = cap_for(o),
-                             .record_bytes = o->record_bytes,
-                             .source = no_source};
+    pkv_tier_config_t cfg = {
+        .dir = dir, .max_bytes = cap_for(o), .record_bytes = o->record_bytes, .source = no_source};
     memcpy(cfg.layout, layout, sizeof layout);
     pkv_tier_t *t;
     uint64_t t0 = pkv_now_ns();
@@ -164,10 +162,10 @@ static int report(const startup_opts_t *o, const double *full, const double *emp
            (unsigned long long)o->records, (unsigned long long)o->record_bytes, segments,
            (double)st->bytes / 1048576.0, o->drop_caches ? "dropped before each open" : "warm");
     printf("| metric | value | target | met |\n|---|---|---|---|\n");
-    printf("| open, %llu records (median of %llu) | %.3f s | | |\n",
-           (unsigned long long)o->records, (unsigned long long)o->runs, mf);
-    printf("| open, empty directory (median of %llu) | %.3f s | | |\n",
-           (unsigned long long)o->runs, me);
+    printf("| open, %llu records (median of %llu) | %.3f s | | |\n", (unsigned long long)o->records,
+           (unsigned long long)o->runs, mf);
+    printf("| open, empty directory (median of %llu) | %.3f s | | |\n", (unsigned long long)o->runs,
+           me);
     printf("| added by the records | %.3f s | <= 1 s | %s |\n", added, met ? "yes" : "no");
     if (!o->json) return 0;
     json_t *runs_full = json_array(), *runs_empty = json_array();
@@ -175,12 +173,11 @@ static int report(const startup_opts_t *o, const double *full, const double *emp
         json_array_append_new(runs_full, json_real(full[i]));
         json_array_append_new(runs_empty, json_real(empty[i]));
     }
-    json_t *doc = json_pack("{s:I,s:I,s:i,s:I,s:b,s:o,s:o,s:f,s:f,s:f,s:b}", "records",
-                            (json_int_t)o->records, "record_bytes", (json_int_t)o->record_bytes,
-                            "segments", (int)segments, "bytes", (json_int_t)st->bytes,
-                            "drop_caches", o->drop_caches, "open_s", runs_full, "empty_open_s",
-                            runs_empty, "open_s_median", mf, "empty_open_s_median", me,
-                            "added_s", added, "met", met);
+    json_t *doc = json_pack(
+        "{s:I,s:I,s:i,s:I,s:b,s:o,s:o,s:f,s:f,s:f,s:b}", "records", (json_int_t)o->records,
+        "record_bytes", (json_int_t)o->record_bytes, "segments", (int)segments, "bytes",
+        (json_int_t)st->bytes, "drop_caches", o->drop_caches, "open_s", runs_full, "empty_open_s",
+        runs_empty, "open_s_median", mf, "empty_open_s_median", me, "added_s", added, "met", met);
     int rc = pkv_report_write_json(CMD, o->json, doc);
     json_decref(doc);
     return rc ? 1 : 0;
@@ -208,7 +205,8 @@ int pkv_bench_tier_startup(int argc, char **argv)
     for (uint64_t i = 0; rc == PKV_OK && i < o.runs; i++) {
         empty[i] = time_open(empty_dir, &o, &st_empty);
         full[i] = time_open(full_dir, &o, &st);
-        if (empty[i] < 0 || full[i] < 0) rc = PKV_ERR_IO;
+        if (empty[i] < 0 || full[i] < 0)
+            rc = PKV_ERR_IO;
         else if (st.records != o.records) {
             fprintf(stderr, "pagekv " CMD ": the tier indexed %llu of %llu records\n",
                     (unsigned long long)st.records, (unsigned long long)o.records);

@@ -176,3 +176,26 @@ json_t *cluster_phase_means(const json_t *before, const json_t *after)
     }
     return m;
 }
+
+int cluster_metrics_scrape(const char *url, const char *const *names, int n, double *out)
+{
+    http_reply_t r;
+    if (http_call(url, "/metrics", NULL, NULL, 5000, NULL, &r) != 0 || r.status != 200) {
+        http_reply_free(&r);
+        return -1;
+    }
+    for (int k = 0; k < n; k++) {
+        out[k] = 0;
+        size_t nl = strlen(names[k]);
+        for (const char *l = r.body; l && *l;) {
+            size_t len = strcspn(l, "\n");
+            if (len > nl && !strncmp(l, names[k], nl) && l[nl] == ' ') {
+                out[k] = strtod(l + nl + 1, NULL);
+                break;
+            }
+            l += len + (l[len] == '\n');
+        }
+    }
+    http_reply_free(&r);
+    return 0;
+}

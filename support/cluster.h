@@ -4,7 +4,8 @@
  * are started with support/launch.h and asked with support/http.h):
  * cluster_answer_parse reads an OpenAI completion or chat completion, streamed (SSE) or
  * not, into the figures a parity check compares; cluster_json_int reads a stats field;
- * cluster_phase_* read a node's transfer phase times from /metrics.
+ * cluster_phase_* read a node's transfer phase times from /metrics; cluster_metrics_scrape
+ * reads named series from it.
  */
 #ifndef PKV_SUPPORT_CLUSTER_H
 #define PKV_SUPPORT_CLUSTER_H
@@ -42,5 +43,10 @@ long long cluster_json_int(const json_t *doc, const char *path);
 json_t *cluster_phase_sums(const char *url);
 /* Mean ms per phase between two cluster_phase_sums readings (phases counted between). */
 json_t *cluster_phase_means(const json_t *before, const json_t *after);
+
+/* The values of the named series (exact name and labels, as in
+ * "pagekv_kv_tier_bytes{tier=\"disk\"}") in one scrape of url's /metrics: out[k] for
+ * names[k], 0 for a series that is absent. 0, or -1 when the scrape failed. */
+int cluster_metrics_scrape(const char *url, const char *const *names, int n, double *out);
 
 #endif

@@ -155,7 +155,8 @@ static svg_axes_t svg_axes(const pkv_fp_series_t *s, size_t ns, const pkv_fp_mar
 }
 
 /* Header, title, grid, axes and their labels. */
-static void svg_frame(FILE *f, const char *title, const svg_axes_t *ax)
+static void svg_frame(FILE *f, const char *title, const char *xlabel, const char *ylabel,
+                      const svg_axes_t *ax)
 {
     fprintf(f,
             "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
@@ -183,11 +184,15 @@ static void svg_frame(FILE *f, const char *title, const svg_axes_t *ax)
     fprintf(f,
             "<rect x=\"%d\" y=\"%d\" width=\"%.0f\" height=\"%.0f\" fill=\"none\" "
             "stroke=\"#333333\"/>\n"
-            "<text x=\"%.1f\" y=\"%d\" text-anchor=\"middle\">seconds since the server was "
-            "ready</text>\n"
-            "<text transform=\"translate(20,%.1f) rotate(-90)\" text-anchor=\"middle\">VmRSS / "
-            "KV committed (MiB)</text>\n",
-            SVG_L, SVG_T, ax->pw, ax->ph, SVG_L + ax->pw / 2, SVG_H - 15, SVG_T + ax->ph / 2);
+            "<text x=\"%.1f\" y=\"%d\" text-anchor=\"middle\">",
+            SVG_L, SVG_T, ax->pw, ax->ph, SVG_L + ax->pw / 2, SVG_H - 15);
+    svg_text(f, xlabel);
+    fprintf(f,
+            "</text>\n<text transform=\"translate(20,%.1f) rotate(-90)\" "
+            "text-anchor=\"middle\">",
+            SVG_T + ax->ph / 2);
+    svg_text(f, ylabel);
+    fputs("</text>\n", f);
 }
 
 /* Vertical phase marks (those at a non-finite x are skipped). */
@@ -233,8 +238,15 @@ static void svg_series(FILE *f, const svg_axes_t *ax, const pkv_fp_series_t *s, 
 int pkv_fp_svg_write(FILE *f, const char *title, const pkv_fp_series_t *s, size_t ns,
                      const pkv_fp_mark_t *m, size_t nm)
 {
+    return pkv_fp_svg_plot(f, title, "seconds since the server was ready",
+                           "VmRSS / KV committed (MiB)", s, ns, m, nm);
+}
+
+int pkv_fp_svg_plot(FILE *f, const char *title, const char *xlabel, const char *ylabel,
+                    const pkv_fp_series_t *s, size_t ns, const pkv_fp_mark_t *m, size_t nm)
+{
     svg_axes_t ax = svg_axes(s, ns, m, nm);
-    svg_frame(f, title, &ax);
+    svg_frame(f, title, xlabel, ylabel, &ax);
     svg_marks(f, &ax, m, nm);
     svg_series(f, &ax, s, ns);
     fputs("</svg>\n", f);

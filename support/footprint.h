@@ -65,7 +65,7 @@ typedef struct {
     const char *label;
     const char *color; /* "#rrggbb" */
     bool dashed;
-    const double *x, *y; /* seconds, MiB */
+    const double *x, *y; /* seconds, MiB (pkv_fp_svg_plot: its axes' units) */
     size_t n;
 } pkv_fp_series_t;
 
@@ -79,6 +79,10 @@ typedef struct {
  * vertical marks. Labels are XML-escaped. Returns 0, or -1 when writing failed. */
 int pkv_fp_svg_write(FILE *f, const char *title, const pkv_fp_series_t *s, size_t ns,
                      const pkv_fp_mark_t *m, size_t nm);
+/* The same plot with other axis titles (x and y from 0 whatever their unit): pkv_fp_svg_write
+ * is this with "seconds since the server was ready" and "VmRSS / KV committed (MiB)". */
+int pkv_fp_svg_plot(FILE *f, const char *title, const char *xlabel, const char *ylabel,
+                    const pkv_fp_series_t *s, size_t ns, const pkv_fp_mark_t *m, size_t nm);
 
 /* A "nice" axis step (1, 2 or 5 times a power of ten) giving about `ticks` ticks over
  * [0, max]. */

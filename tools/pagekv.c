@@ -63,8 +63,8 @@ static const pkv_cmd_entry_t benches[] = {
      "the field's load through pagekv route and prefill/decode servers, per staging design"},
     {"reshard", pkv_bench_reshard,
      "prefill and decode of different TP: per-plan staging vs a host mirror, through route"},
-    {"tiers", pkv_bench_tier_startup,
-     "disk tier: what N records on disk add to startup (--startup)"},
+    {"tiers", pkv_bench_tiers,
+     "the disk tier on multi-round QA: recompute, disk and restart arms against a reference"},
 };
 
 int pkv_cmd_bench(int argc, char **argv)
