@@ -62,6 +62,7 @@ typedef struct {
     uint64_t decide_load, decide_recompute;
     uint64_t rss_peak, rss_end;   /* VmRSS sampled over the round */
     uint64_t disk_peak, disk_end; /* the directory's file sizes, sampled */
+    uint64_t cg_peak;             /* the server's memory cgroup's usage, sampled (0: none) */
 } bt_round_t;
 
 typedef struct {
@@ -73,6 +74,7 @@ typedef struct {
     uint32_t requests, identical;
     uint64_t rss_idle; /* VmRSS of the ready server before its first request (the first) */
     uint64_t rss_peak; /* every sample of every server of the arm */
+    uint64_t cg_peak, cg_cache_peak; /* its memory cgroup's usage and page cache (0: none) */
     uint64_t disk_peak, disk_cap, disk_samples, disk_over; /* samples above the cap */
     uint64_t tier_bytes_max;         /* pagekv_kv_tier_bytes at the round ends, largest */
     uint64_t corrupt, load_timeouts; /* summed over the arm's servers */

@@ -266,9 +266,10 @@ static void bt_print_part(const bt_part_t *p)
                    bt_mib(x->disk_peak), x->identical, x->requests);
         }
     }
-    printf("\n| arm | requests | identical | RSS idle MiB | RSS peak MiB | disk peak MiB | cap MiB "
-           "| corrupt | load timeouts | writes dropped (evicted) | wall s |\n"
-           "|---|---|---|---|---|---|---|---|---|---|---|\n");
+    printf("\n| arm | requests | identical | RSS idle MiB | RSS peak MiB | cgroup peak MiB (page "
+           "cache) | disk peak MiB | cap MiB | corrupt | load timeouts | writes dropped (evicted) "
+           "| wall s |\n"
+           "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (int k = 0; k < BT_ARMS; k++) {
         const bt_arm_t *a = &p->arm[k];
         if (!a->ran) continue;
@@ -276,9 +277,11 @@ static void bt_print_part(const bt_part_t *p)
             printf("| %s | FAILED: %s |||||||||\n", bt_arm_names[k], a->error);
             continue;
         }
-        printf("| %s | %u | %u | %.1f | %.1f | %.1f | %.0f | %llu | %llu | %llu | %.1f |\n",
+        printf("| %s | %u | %u | %.1f | %.1f | %.1f (%.1f) | %.1f | %.0f | %llu | %llu | %llu | "
+               "%.1f |\n",
                bt_arm_names[k], a->requests, a->identical, bt_mib(a->rss_idle), bt_mib(a->rss_peak),
-               bt_mib(a->disk_peak), bt_mib(a->disk_cap), (unsigned long long)a->corrupt,
+               bt_mib(a->cg_peak), bt_mib(a->cg_cache_peak), bt_mib(a->disk_peak),
+               bt_mib(a->disk_cap), (unsigned long long)a->corrupt,
                (unsigned long long)a->load_timeouts, (unsigned long long)a->dropped_evicted,
                a->wall_s);
     }
@@ -309,7 +312,7 @@ static json_t *bt_round_json(uint32_t r, const bt_round_t *x)
 {
     return json_pack(
         "{s:I, s:I, s:I, s:f, s:f, s:I, s:I, s:I, s:I, s:f, s:f, s:{s:I, s:I}, "
-        "s:I, s:I, s:I, s:I}",
+        "s:I, s:I, s:I, s:I, s:I}",
         "round", (json_int_t)r + 1, "requests", (json_int_t)x->requests, "identical",
         (json_int_t)x->identical, "ttft_p50_ms", x->ttft_p50_ms, "ttft_max_ms", x->ttft_max_ms,
         "prompt_tokens", (json_int_t)x->prompt_tokens, "cached_tokens_memory",
@@ -318,7 +321,8 @@ static json_t *bt_round_json(uint32_t r, const bt_round_t *x)
         x->load_s > 0 ? (double)x->loaded_bytes / x->load_s : 0.0, "load_decisions", "load",
         (json_int_t)x->decide_load, "recompute", (json_int_t)x->decide_recompute, "rss_peak_bytes",
         (json_int_t)x->rss_peak, "rss_end_bytes", (json_int_t)x->rss_end, "disk_bytes_peak",
-        (json_int_t)x->disk_peak, "disk_bytes_end", (json_int_t)x->disk_end);
+        (json_int_t)x->disk_peak, "disk_bytes_end", (json_int_t)x->disk_end, "cgroup_bytes_peak",
+        (json_int_t)x->cg_peak);
 }
 
 static json_t *bt_arm_json(const bt_work_t *w, const bt_arm_t *a)
@@ -332,6 +336,11 @@ static json_t *bt_arm_json(const bt_work_t *w, const bt_arm_t *a)
         (json_int_t)a->load_timeouts, "loads_past_deadline", (json_int_t)a->past_deadline,
         "dropped_writes_evicted", (json_int_t)a->dropped_evicted, "kv_budget_bytes",
         (json_int_t)a->budget, "wall_s", a->wall_s);
+    if (o) {
+        json_object_set_new(o, "cgroup_bytes_peak", json_integer((json_int_t)a->cg_peak));
+        json_object_set_new(o, "cgroup_cache_bytes_peak",
+                            json_integer((json_int_t)a->cg_cache_peak));
+    }
     if (!o) return NULL;
     if (!a->ok) json_object_set_new(o, "error", json_string(a->error));
     if (a->kind == BT_RESTART)

@@ -21,6 +21,7 @@
 #include "pagekv/kv.h"
 #include "pagekv/model.h"
 #include "prim/prim.h"
+#include "support/cgroup.h"
 #include "support/cluster.h"
 #include "support/footprint.h"
 #include "support/launch.h"
@@ -196,6 +197,7 @@ typedef struct {
     bool stop;
     pid_t pid;         /* the server's, 0 between servers */
     const char *dir;   /* the tier's directory, NULL: none */
+    const char *cg;    /* the server's memory cgroup, NULL: none */
     bt_round_t *round; /* the round in progress, NULL between rounds */
     bt_arm_t *arm;
     pthread_t th;
@@ -209,13 +211,19 @@ static void bt_sample(bt_sampler_t *sp)
     pthread_mutex_unlock(&sp->lock);
     pkv_prim_mem_t m;
     uint64_t rss = pid > 0 && pkv_prim_mem_read(pid, &m) == PKV_OK ? m.rss_bytes : 0;
-    uint64_t disk = bt_dir_bytes(dir);
+    uint64_t disk = bt_dir_bytes(dir), cg = 0, cache = 0;
     pthread_mutex_lock(&sp->lock);
+    bool in_cg = sp->cg && cgroup_v1_read(sp->cg, &cg, &cache) == 0;
     bt_arm_t *a = sp->arm;
     if (sp->pid == pid && rss) { /* not a server replaced meanwhile */
         a->rss_peak = PKV_MAX(a->rss_peak, rss);
         if (sp->round) sp->round->rss_peak = PKV_MAX(sp->round->rss_peak, rss);
         if (sp->round) sp->round->rss_end = rss;
+    }
+    if (in_cg) {
+        a->cg_peak = PKV_MAX(a->cg_peak, cg);
+        a->cg_cache_peak = PKV_MAX(a->cg_cache_peak, cache);
+        if (sp->round) sp->round->cg_peak = PKV_MAX(sp->round->cg_peak, cg);
     }
     if (dir) {
         a->disk_samples++;
@@ -294,6 +302,7 @@ typedef struct {
     launch_proc_t srv;
     bt_sampler_t sp;
     char disk_dir[128]; /* "" without a tier */
+    char cg[1400];      /* the server's memory cgroup, "" without one */
     int servers;        /* started so far */
 } bt_run_t;
 
@@ -346,8 +355,33 @@ static int bt_server_start(bt_run_t *x)
     struct timespec ts = {0, 300000000}; /* settle: the idle RSS after the model's load */
     nanosleep(&ts, NULL);
     if (x->servers == 1) x->a->rss_idle = launch_rss(&x->srv);
+    char why[1600];
+    if (cgroup_v1_make("pkv-bench-tiers", x->cg, sizeof(x->cg), why, sizeof(why)) != 0) {
+        x->cg[0] = 0;
+        if (x->servers == 1)
+            fprintf(stderr, "bench tiers: %s has no memory cgroup of its own (%s)\n", name, why);
+    } else if (cgroup_v1_adopt(x->cg, x->srv.pid) != 0) {
+        fprintf(stderr, "bench tiers: cannot move %s into %s\n", name, x->cg);
+        cgroup_v1_remove(x->cg);
+        x->cg[0] = 0;
+    }
+    pthread_mutex_lock(&x->sp.lock);
+    x->sp.cg = x->cg[0] ? x->cg : NULL;
+    pthread_mutex_unlock(&x->sp.lock);
     bt_sampler_set(&x->sp, x->srv.pid, NULL);
     return 0;
+}
+
+/* Stop the server (sig, then SIGKILL at the deadline) and remove its cgroup. */
+static void bt_server_stop(bt_run_t *x, int sig, uint64_t deadline_ns)
+{
+    bt_sampler_set(&x->sp, 0, NULL);
+    pthread_mutex_lock(&x->sp.lock);
+    x->sp.cg = NULL;
+    pthread_mutex_unlock(&x->sp.lock);
+    launch_stop(&x->srv, sig, deadline_ns);
+    if (x->cg[0]) cgroup_v1_remove(x->cg);
+    x->cg[0] = 0;
 }
 
 /* Restart: wait (bounded) for the writer's queue to drain, then SIGKILL and start anew. */
@@ -363,8 +397,7 @@ static int bt_server_restart(bt_run_t *x)
     }
     x->a->kill_queued = (uint64_t)m[M_QUEUED];
     if (bt_server_account(x)) return -1;
-    bt_sampler_set(&x->sp, 0, NULL);
-    launch_stop(&x->srv, SIGKILL, pkv_now_ns() + 10 * BT_NS);
+    bt_server_stop(x, SIGKILL, pkv_now_ns() + 10 * BT_NS);
     return bt_server_start(x);
 }
 
@@ -495,10 +528,7 @@ void bt_arm_run(const bt_env_t *e, bt_work_t *w, int kind, bt_arm_t *a)
     int rc = sampling ? bt_server_start(&x) : -1;
     if (!sampling) snprintf(a->error, sizeof(a->error), "cannot start the sampler thread");
     if (!rc) rc = bt_rounds(&x);
-    if (x.srv.pid > 0) {
-        bt_sampler_set(&x.sp, 0, NULL);
-        launch_stop(&x.srv, SIGTERM, pkv_now_ns() + 30 * BT_NS);
-    }
+    if (x.srv.pid > 0) bt_server_stop(&x, SIGTERM, pkv_now_ns() + 30 * BT_NS);
     if (sampling) {
         pthread_mutex_lock(&x.sp.lock);
         x.sp.stop = true;

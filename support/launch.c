@@ -157,7 +157,7 @@ int launch_spawn(launch_proc_t *p, const launch_spec_t *s, char *err, size_t err
     memset(p, 0, sizeof(*p));
     snprintf(p->name, sizeof(p->name), "%s", s->name);
     snprintf(p->log, sizeof(p->log), "%s", s->log_path);
-    snprintf(p->ready, sizeof(p->ready), "%s", s->ready ? s->ready : "listening on ");
+    snprintf(p->ready, sizeof(p->ready), "%s", s->ready ? s->ready : ": listening on ");
     int fd = open(p->log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) {
         snprintf(err, errcap, "%s: cannot create %s: %s", s->name, p->log, strerror(errno));

@@ -8,7 +8,7 @@
  * in a process group of its own and gets a signal (SIGKILL unless asked otherwise) when the
  * thread that started it exits (PR_SET_PDEATHSIG): start and stop children from one thread
  * that outlives them.
- * launch_wait_listening: polls the log for the listening line ("... listening on
+ * launch_wait_listening: polls the log for the listening line ("pagekv NAME: listening on
  * [http://]HOST:PORT", or the readiness prefix the spec names, such as "pagekv route:
  * listening on ") and, when asked, the transfer agent's ("transfer agent on HOST:PORT").
  * launch_stop: a signal, reaped by a deadline, SIGKILL after it. launch_serve / launch_route
@@ -51,7 +51,8 @@ typedef struct {
     int death_signal;         /* sent to the child when its starting thread exits; 0: SIGKILL */
     const char *ready;        /* the text before HOST:PORT in the listening line (one a
                                  debug log line cannot also hold, such as "pagekv serve:
-                                 listening on "); NULL: "listening on " */
+                                 listening on "); NULL: ": listening on " (the CLI's
+                                 "pagekv NAME: listening on ", never the agent's log line) */
 } launch_spec_t;
 
 /* Fork and exec s->argv. 0, or -1 with a message in err (p is then not started). */

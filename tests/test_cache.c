@@ -11,6 +11,7 @@
  * go before the limit is reached.
  */
 #include "tests/support/srvtest.h"
+#include "support/cgroup.h"
 #include "tests/support/testutil.h"
 
 #include "kv/kv.h"
@@ -371,13 +372,6 @@ static void fake_root(char *dir, size_t n)
     ck_assert_ptr_nonnull(mkdtemp(dir));
 }
 
-static void rm_tree(const char *dir)
-{
-    char cmd[1100];
-    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
-    ck_assert_int_eq(system(cmd), 0);
-}
-
 #define MIB (1ull << 20)
 
 START_TEST(room_reads_v2_v1_psi_and_meminfo)
@@ -410,7 +404,7 @@ START_TEST(room_reads_v2_v1_psi_and_meminfo)
     ck_assert_uint_eq(r.machine.usage_bytes, 768 * MIB);
     ck_assert(r.have_psi);
     ck_assert(r.psi_some_avg10 > 12.49 && r.psi_some_avg10 < 12.51);
-    rm_tree(root);
+    pkv_test_rm_tree(root);
 
     /* v1: the memory controller's line; the tighter of the cgroup and an ancestor. */
     fake_root(root, sizeof(root));
@@ -427,7 +421,7 @@ START_TEST(room_reads_v2_v1_psi_and_meminfo)
     ck_assert_uint_eq(r.cgroup.limit_bytes, 200 * MIB);
     ck_assert_uint_eq(r.cgroup.usage_bytes, 96 * MIB);
     ck_assert(!r.machine.present && !r.have_psi);
-    rm_tree(root);
+    pkv_test_rm_tree(root);
 
     /* A container: its cgroup path is not under the mount; the mount's root is its own. */
     fake_root(root, sizeof(root));
@@ -437,7 +431,7 @@ START_TEST(room_reads_v2_v1_psi_and_meminfo)
     ck_assert_int_eq(pkv_prim_room_read(root, &r), PKV_OK);
     ck_assert_uint_eq(r.cgroup_version, 1);
     ck_assert_uint_eq(r.cgroup.limit_bytes, 100 * MIB);
-    rm_tree(root);
+    pkv_test_rm_tree(root);
 
     /* The real files of this machine read without error. */
     ck_assert_int_eq(pkv_prim_room_read(NULL, &r), PKV_OK);
@@ -677,7 +671,7 @@ START_TEST(server_pressure_from_injected_readings)
     ck_assert_ptr_nonnull(strstr(m.body, "\npagekv_memory_pressure_episodes_total 3\n"));
     free(m.body);
     pkv_server_destroy(s);
-    rm_tree(root);
+    pkv_test_rm_tree(root);
 }
 END_TEST
 
@@ -769,38 +763,6 @@ static bool write_text(const char *path, const char *text)
     return fclose(f) == 0 && ok;
 }
 
-/* A new v1 memory cgroup under this process's own (so the harness's accounting still
- * holds it): dir filled on success; false (with why) when not permitted here. */
-static bool cgroup_v1_make(char *dir, size_t n, char *why, size_t wn)
-{
-    char buf[4096] = "", own[1024] = "";
-    FILE *f = fopen("/proc/self/cgroup", "r");
-    if (f) {
-        while (fgets(buf, sizeof(buf), f)) {
-            char *c1 = strchr(buf, ':'), *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
-            if (c2 && strstr(c1, ":memory:") == c1) {
-                snprintf(own, sizeof(own), "%s", c2 + 1);
-                own[strcspn(own, "\n")] = 0;
-            }
-        }
-        fclose(f);
-    }
-    struct stat sb;
-    if (stat("/sys/fs/cgroup/memory/memory.limit_in_bytes", &sb)) {
-        snprintf(why, wn, "no cgroup v1 memory controller at /sys/fs/cgroup/memory");
-        return false;
-    }
-    char parent[1400];
-    snprintf(parent, sizeof(parent), "/sys/fs/cgroup/memory%s", own);
-    if (stat(parent, &sb)) snprintf(parent, sizeof(parent), "/sys/fs/cgroup/memory");
-    snprintf(dir, n, "%s/pkv-test-%d", parent, (int)getpid());
-    if (mkdir(dir, 0755)) {
-        snprintf(why, wn, "mkdir %s: %s", dir, strerror(errno));
-        return false;
-    }
-    return true;
-}
-
 static bool cache_dropped_under_pressure(json_t *d)
 {
     return jev(d, "pressure") > 0;
@@ -832,7 +794,7 @@ START_TEST(server_in_a_real_memory_cgroup)
     return;
 #endif
     char cg[1600], why[1800], path[1700];
-    if (!cgroup_v1_make(cg, sizeof(cg), why, sizeof(why))) {
+    if (cgroup_v1_make("pkv-test", cg, sizeof(cg), why, sizeof(why))) {
         PKV_TEST_SKIP("%s", why);
         return;
     }
@@ -893,7 +855,7 @@ START_TEST(server_in_a_real_memory_cgroup)
         kill(c.pid, SIGTERM);
     }
     int code = child_wait(&c, 60);
-    rmdir(cg); /* empty once the server is gone */
+    cgroup_v1_remove(cg); /* empty once the server is gone */
     fprintf(stderr,
             "server_in_a_real_memory_cgroup: idle %.1f MiB, limit %.1f MiB, max usage %.1f MiB, "
             "failcnt %llu, pressure evictions %lld, episodes %lld, cached at the end %lld\n",

@@ -480,6 +480,99 @@ END_TEST
 
 /* ---- failures ------------------------------------------------------------------------------ */
 
+/* The lookup's two counts on a node for body: tokens in memory and on disk. */
+static void lookup_counts(uint16_t port, const char *body, long long *mem, long long *disk)
+{
+    ts_resp_t r;
+    http(port, "POST", "/v1/cache/lookup", body, NULL, &r);
+    ck_assert_msg(r.status == 200, "%ld %s", r.status, r.body);
+    json_t *doc = json_loads(r.body, 0, NULL);
+    *mem = ts_ji(doc, "matched_tokens");
+    *disk = ts_ji(doc, "disk_matched_tokens");
+    json_decref(doc);
+    ts_resp_free(&r);
+}
+
+/* Wait (10 s at most) until a node's disk tier has written everything queued. */
+static void tier_written(uint16_t port)
+{
+    uint64_t end = pkv_now_ns() + 10 * SEC;
+    while (metric(port, "pagekv_kv_tier_queued_blocks") != 0 ||
+           metric(port, "pagekv_kv_tier_blocks{tier=\"disk\"}") < 2) {
+        ck_assert_msg(pkv_now_ns() < end, "the disk tier did not write the prefix");
+        usleep(20000);
+    }
+}
+
+/* cache_aware with disk tiers: of two prefill nodes holding a prefix, one in memory and the
+ * other only on disk (its memory reset after the write), the lookup reports the disk holder's
+ * tokens as disk_matched_tokens and the router sends the request to the memory holder; then
+ * the two swap (the disk holder loads it back, the other drops its memory). */
+START_TEST(cache_aware_prefers_memory_to_disk)
+{
+    char dirs[2][64];
+    launch_proc_t p[2], d, rt;
+    for (int i = 0; i < 2; i++) {
+        snprintf(dirs[i], sizeof(dirs[i]), "/tmp/pkv-test-router-XXXXXX");
+        ck_assert_ptr_nonnull(mkdtemp(dirs[i]));
+        const char *extra[] = {"--kv-disk-dir", dirs[i], "--kv-disk-bytes", "64M", NULL};
+        node_start(&p[i], "prefill", extra);
+    }
+    node_start(&d, "decode", NULL);
+    router_start(&rt, p, 2, &d, 1, NULL);
+    health_is(rt.port, 200);
+    char prompt[1024];
+    snprintf(prompt, sizeof(prompt), "%sQuestion one.", LONG_PREFIX);
+    json_t *req = completion_req(prompt, 2, false, -1);
+    char *body = json_dumps(req, JSON_COMPACT);
+    answer_t *a = malloc(sizeof(*a));
+    for (int i = 0; i < 2; i++) {
+        ask(p[i].port, "/v1/completions", req, NULL, a);
+        ck_assert_int_eq(a->status, 200);
+        tier_written(p[i].port);
+    }
+    int legs[2] = {0, 0};
+    for (int round = 0; round < 2; round++) {
+        int mem = round == 0 ? 1 : 0, dsk = 1 - mem;
+        if (round == 1) { /* the disk holder of round 0 loads the prefix back into memory */
+            ask(p[mem].port, "/v1/completions", req, NULL, a);
+            ck_assert_int_eq(a->status, 200);
+        }
+        ts_resp_t r;
+        http(p[dsk].port, "POST", "/v1/cache/reset", "{}", NULL, &r);
+        ck_assert_msg(r.status == 200, "%ld %s", r.status, r.body);
+        ts_resp_free(&r);
+        long long mm, md, dm, dd;
+        lookup_counts(p[mem].port, body, &mm, &md);
+        lookup_counts(p[dsk].port, body, &dm, &dd);
+        ck_assert_int_gt(mm, 32);
+        ck_assert_int_eq(md, 0);
+        ck_assert_int_eq(dm, 0);
+        ck_assert_int_eq(dd, mm);
+        for (int i = 0; i < 2; i++) {
+            char q[1024];
+            snprintf(q, sizeof(q), "%sQuestion %d of round %d.", LONG_PREFIX, i + 2, round);
+            json_t *qr = completion_req(q, 2, i == 1, -1);
+            ask(rt.port, "/v1/completions", qr, NULL, a);
+            ck_assert_msg(a->status == 200, "%s", a->body);
+            json_decref(qr);
+        }
+        legs[mem] += 2;
+        ck_assert_int_eq(log_count(&p[mem], "(prefill leg)"), legs[mem]);
+        ck_assert_int_eq(log_count(&p[dsk], "(prefill leg)"), legs[dsk]);
+    }
+    free(a);
+    free(body);
+    json_decref(req);
+    ts_proc_stop(&rt, 30);
+    ts_proc_stop(&d, 30);
+    for (int i = 0; i < 2; i++) {
+        ts_proc_stop(&p[i], 30);
+        pkv_test_rm_tree(dirs[i]);
+    }
+}
+END_TEST
+
 static void ask_ok_within(uint16_t port, uint64_t bound_ns, const char *what)
 {
     json_t *req = completion_req("Skip the node that is gone", 3, true, -1);
@@ -1218,6 +1311,7 @@ static Suite *router_suite(void)
     ADD(tc, answers_equal_unified);
     ADD(tc, round_robin_spreads);
     ADD(tc, cache_aware_finds_the_prefix);
+    ADD(tc, cache_aware_prefers_memory_to_disk);
     ADD(tc, dead_and_stopped_nodes_skipped);
     ADD(tc, prefill_killed_mid_request);
     ADD(tc, decode_killed_mid_stream);

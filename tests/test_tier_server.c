@@ -96,11 +96,14 @@ static void tmpdir(char *dir, size_t n)
     snprintf(dir, n, "%s/kv", base);
 }
 
+/* Remove a tmpdir() directory with its base. */
 static void rm_tree(const char *dir)
 {
-    char cmd[300];
-    snprintf(cmd, sizeof(cmd), "rm -rf '%s' && rmdir \"$(dirname '%s')\" 2>/dev/null", dir, dir);
-    ck_assert_int_ne(system(cmd), -1);
+    char base[300];
+    snprintf(base, sizeof(base), "%s", dir);
+    char *slash = strrchr(base, '/');
+    if (slash) *slash = 0;
+    pkv_test_rm_tree(base);
 }
 
 /* ---- requests ------------------------------------------------------------------------------ */

@@ -504,8 +504,11 @@ int pkv_tier_record_read(int fd, const pkv_tier_entry_t *e,
     pkv_tier_record_t r;
     int rc = src_read(&s, e->offset, h, sizeof(h));
     if (!rc) rc = src_read(&s, e->offset + sizeof(h), payload, e->payload_len);
-    /* The block now lives in the pool: no second copy in the page cache. */
-    posix_fadvise(fd, (off_t)e->offset, (off_t)(sizeof(h) + e->payload_len), POSIX_FADV_DONTNEED);
+    /* The block now lives in the pool: no second copy in the page cache (the range widened
+     * to whole pages: the page a record shares with its neighbour goes too). */
+    uint64_t lo = e->offset & ~4095ull,
+             hi = (e->offset + sizeof(h) + e->payload_len + 4095) & ~4095ull;
+    posix_fadvise(fd, (off_t)lo, (off_t)(hi - lo), POSIX_FADV_DONTNEED);
     if (rc) return rc;
     if (pkv_tier_record_check(h, payload, e->payload_len, &r) ||
         memcmp(r.key, key, PKV_TIER_HASH_BYTES) || memcmp(r.layout, layout, PKV_TIER_HASH_BYTES))

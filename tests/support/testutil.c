@@ -4,6 +4,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <ftw.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -133,4 +134,16 @@ uint32_t pkv_test_corpus_status(const char *env, const char *dir,
     uint32_t files = pkv_test_corpus_each(env, dir, corpus_status_one, &c);
     ck_assert_msg(files >= min_files, "%s: %u files, expected at least %u", dir, files, min_files);
     return c.accepted;
+}
+
+static int rm_one(const char *path, const struct stat *st, int flag, struct FTW *ftw)
+{
+    (void)st, (void)flag, (void)ftw;
+    remove(path);
+    return 0;
+}
+
+void pkv_test_rm_tree(const char *path)
+{
+    nftw(path, rm_one, 16, FTW_DEPTH | FTW_PHYS);
 }

@@ -63,6 +63,8 @@ void pkv_test_skip(const char *test, const char *fmt, ...) __attribute__((format
 #define PKV_TEST_SKIP(...) pkv_test_skip(__func__, __VA_ARGS__)
 /* VmRSS of this process in bytes. */
 uint64_t pkv_test_rss(void);
+/* Remove the directory tree at path (files, links, directories; nothing outside it). */
+void pkv_test_rm_tree(const char *path);
 
 /* TCP connections to local port `port` in the network namespace of process `pid` (its
  * /proc/PID/net/tcp and tcp6) that the server side has not done with (established,
