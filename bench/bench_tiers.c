@@ -64,16 +64,6 @@ static void bt_usage(FILE *f)
                "  what N records on disk (default 100000 of 4 KiB) add to the tier's open\n");
 }
 
-static int bt_parse_u32(const char *a, const char *v, uint64_t lo, uint64_t hi, uint32_t *out)
-{
-    uint64_t u;
-    if (pkv_cli_parse_u64(v, lo, hi, &u))
-        return pkv_cli_usage_error(bt_cmd, "%s: '%s' is not an integer in [%llu, %llu]", a, v,
-                                   (unsigned long long)lo, (unsigned long long)hi);
-    *out = (uint32_t)u;
-    return 0;
-}
-
 /* --out-tokens MIN-MAX. */
 static int bt_parse_out(const char *v, bt_opts_t *o)
 {
@@ -93,13 +83,16 @@ static int bt_parse_out(const char *v, bt_opts_t *o)
  * exit code. */
 static int bt_parse_number(const char *a, const char *v, bt_opts_t *o)
 {
-    if (!strcmp(a, "--users")) return bt_parse_u32(a, v, 1, BT_MAX_USERS, &o->users);
-    if (!strcmp(a, "--rounds")) return bt_parse_u32(a, v, 2, BT_MAX_ROUNDS, &o->rounds);
-    if (!strcmp(a, "--system-tokens")) return bt_parse_u32(a, v, 0, 30000, &o->system_tokens);
-    if (!strcmp(a, "--history-tokens")) return bt_parse_u32(a, v, 1, 30000, &o->history_tokens);
-    if (!strcmp(a, "--question-tokens")) return bt_parse_u32(a, v, 1, 4096, &o->question_tokens);
-    if (!strcmp(a, "--docs")) return bt_parse_u32(a, v, 0, BT_MAX_USERS, &o->docs);
-    if (!strcmp(a, "--doc-tokens")) return bt_parse_u32(a, v, 1, 30000, &o->doc_tokens);
+    if (!strcmp(a, "--users")) return pkv_cli_flag_u32(bt_cmd, a, v, 1, BT_MAX_USERS, &o->users);
+    if (!strcmp(a, "--rounds")) return pkv_cli_flag_u32(bt_cmd, a, v, 2, BT_MAX_ROUNDS, &o->rounds);
+    if (!strcmp(a, "--system-tokens"))
+        return pkv_cli_flag_u32(bt_cmd, a, v, 0, 30000, &o->system_tokens);
+    if (!strcmp(a, "--history-tokens"))
+        return pkv_cli_flag_u32(bt_cmd, a, v, 1, 30000, &o->history_tokens);
+    if (!strcmp(a, "--question-tokens"))
+        return pkv_cli_flag_u32(bt_cmd, a, v, 1, 4096, &o->question_tokens);
+    if (!strcmp(a, "--docs")) return pkv_cli_flag_u32(bt_cmd, a, v, 0, BT_MAX_USERS, &o->docs);
+    if (!strcmp(a, "--doc-tokens")) return pkv_cli_flag_u32(bt_cmd, a, v, 1, 30000, &o->doc_tokens);
     if (!strcmp(a, "--out-tokens")) return bt_parse_out(v, o);
     if (!strcmp(a, "--kv-budget")) {
         if (pkv_cli_parse_bytes(v, &o->kv_budget) || o->kv_budget == 0)

@@ -76,3 +76,14 @@ bool pkv_cli_progress_enabled(void)
 {
     return isatty(STDERR_FILENO);
 }
+
+int pkv_cli_flag_u32(const char *cmd, const char *flag, const char *v, uint64_t lo, uint64_t hi,
+                     uint32_t *out)
+{
+    uint64_t x;
+    if (pkv_cli_parse_u64(v, lo, hi, &x))
+        return pkv_cli_usage_error(cmd, "%s wants an integer in [%llu, %llu], got '%s'", flag,
+                                   (unsigned long long)lo, (unsigned long long)hi, v);
+    *out = (uint32_t)x;
+    return 0;
+}

@@ -27,20 +27,6 @@ static int run_bench(const char *args, char *out, size_t cap)
     return ts_pagekv_run(cmd, out, cap);
 }
 
-/* The end of a long output: a Check message must stay under its 4 KiB. */
-static const char *tail(const char *s)
-{
-    size_t n = strlen(s);
-    return n > 3000 ? s + n - 3000 : s;
-}
-
-static double jnum(json_t *o, const char *k)
-{
-    json_t *v = json_object_get(o, k);
-    ck_assert_msg(json_is_number(v), "%s: not a number", k);
-    return json_number_value(v);
-}
-
 /* Two rounds of 64 tokens: exit 0, both measures' tables and the target line; the JSON has
  * the medians and every round, bytes pulled, and fewer blocks pulled with a prefix hit. */
 START_TEST(latency_runs_and_reports)
@@ -53,27 +39,27 @@ START_TEST(latency_runs_and_reports)
     snprintf(args, sizeof(args), "--latency --runs 2 --sizes 64 --preset tiny --json %s", path);
     static char out[1 << 16];
     int rc = run_bench(args, out, sizeof(out));
-    ck_assert_msg(rc == 0, "exit %d\n%s", rc, tail(out));
+    ck_assert_msg(rc == 0, "exit %d\n%s", rc, ts_tail(out));
     static const char *const lines[] = {"### decode leg: the decode leg minus", "| 64 | ",
                                         "### decode leg: bytes moved", "### routed TTFT: TTFT",
                                         "target (routed TTFT): added TTFT <= the KV's wire time"};
     for (size_t i = 0; i < sizeof(lines) / sizeof(lines[0]); i++)
-        ck_assert_msg(strstr(out, lines[i]), "no '%s' in\n%s", lines[i], tail(out));
+        ck_assert_msg(strstr(out, lines[i]), "no '%s' in\n%s", lines[i], ts_tail(out));
     json_error_t je;
     json_t *doc = json_load_file(path, 0, &je);
     unlink(path);
     ck_assert_msg(doc, "--json: %s", je.text);
     ck_assert_str_eq(json_string_value(json_object_get(doc, "mode")), "latency");
     json_t *sz = json_array_get(json_object_get(doc, "sizes"), 0);
-    ck_assert_int_eq((int)jnum(sz, "size"), 64);
-    ck_assert_int_eq((int)jnum(sz, "runs"), 2);
+    ck_assert_int_eq((int)ts_jnum(sz, "size"), 64);
+    ck_assert_int_eq((int)ts_jnum(sz, "runs"), 2);
     ck_assert_int_eq((int)json_array_size(json_object_get(sz, "rounds")), 2);
     json_t *a = json_object_get(sz, "decode_leg"), *b = json_object_get(sz, "routed_ttft");
-    ck_assert(jnum(a, "bytes_pulled") > 0);
-    ck_assert(jnum(a, "blocks_pulled") > jnum(a, "prefix_hit_blocks_pulled"));
-    ck_assert(jnum(a, "prefix_hit_blocks_adopted") > 0);
-    ck_assert(jnum(b, "bytes_received") > 0);
-    ck_assert(jnum(b, "wire_ms") >= 0 && jnum(b, "router_ttft_ms") > 0);
+    ck_assert(ts_jnum(a, "bytes_pulled") > 0);
+    ck_assert(ts_jnum(a, "blocks_pulled") > ts_jnum(a, "prefix_hit_blocks_pulled"));
+    ck_assert(ts_jnum(a, "prefix_hit_blocks_adopted") > 0);
+    ck_assert(ts_jnum(b, "bytes_received") > 0);
+    ck_assert(ts_jnum(b, "wire_ms") >= 0 && ts_jnum(b, "router_ttft_ms") > 0);
     ck_assert(json_is_boolean(json_object_get(b, "target_met")));
     json_decref(doc);
 }
@@ -87,8 +73,8 @@ START_TEST(latency_bad_options_exit_2)
     static char out[1 << 14];
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         int rc = run_bench(bad[i], out, sizeof(out));
-        ck_assert_msg(rc == 2, "%s: exit %d\n%s", bad[i], rc, tail(out));
-        ck_assert_msg(strstr(out, "bench disagg --latency: "), "%s: %s", bad[i], tail(out));
+        ck_assert_msg(rc == 2, "%s: exit %d\n%s", bad[i], rc, ts_tail(out));
+        ck_assert_msg(strstr(out, "bench disagg --latency: "), "%s: %s", bad[i], ts_tail(out));
     }
     ck_assert_int_eq(run_bench("--latency --help", out, sizeof(out)), 0);
     ck_assert_ptr_nonnull(strstr(out, "usage: pagekv bench disagg --latency"));
@@ -138,10 +124,10 @@ START_TEST(quick_tcp_runs_and_cleans_up)
         unlink(path);
         return;
     }
-    ck_assert_msg(rc == 0, "exit %d\n%s", rc, tail(out));
+    ck_assert_msg(rc == 0, "exit %d\n%s", rc, ts_tail(out));
     char a[64], b[64];
     ck_assert_msg(!netns_left(out, "prefill in ", a, sizeof(a)) && a[0], "%s left: %s", a,
-                  tail(out));
+                  ts_tail(out));
     ck_assert_msg(!netns_left(out, "decode in ", b, sizeof(b)) && b[0], "%s left", b);
     static const char *const lines[] = {"planner vs measured",
                                         "| fixed | decode | run | fixed |",
@@ -150,7 +136,7 @@ START_TEST(quick_tcp_runs_and_cleans_up)
                                         "RSS - staging drift",
                                         "transfers in flight, peak"};
     for (size_t i = 0; i < sizeof(lines) / sizeof(lines[0]); i++)
-        ck_assert_msg(strstr(out, lines[i]), "no '%s' in\n%s", lines[i], tail(out));
+        ck_assert_msg(strstr(out, lines[i]), "no '%s' in\n%s", lines[i], ts_tail(out));
     json_error_t je;
     json_t *doc = json_load_file(path, 0, &je);
     unlink(path);
@@ -160,13 +146,13 @@ START_TEST(quick_tcp_runs_and_cleans_up)
     for (size_t i = 0; i < 2; i++) {
         json_t *d = json_array_get(ds, i);
         json_t *par = json_object_get(d, "parity");
-        ck_assert_int_eq((int)jnum(par, "requests"), 8); /* --quick: 4 before, 4 after */
-        ck_assert_int_eq((int)jnum(par, "identical"), 8);
+        ck_assert_int_eq((int)ts_jnum(par, "requests"), 8); /* --quick: 4 before, 4 after */
+        ck_assert_int_eq((int)ts_jnum(par, "identical"), 8);
         json_t *fly = json_object_get(d, "inflight_transfers_peak");
-        ck_assert(jnum(fly, "decode") >= 1); /* exact: every pull counts */
-        ck_assert(jnum(fly, "prefill") >= 0);
-        ck_assert(jnum(d, "paced_rss_drift") >= 0);
-        ck_assert(jnum(d, "paced_rss_drift_less_staging") >= 0);
+        ck_assert(ts_jnum(fly, "decode") >= 1); /* exact: every pull counts */
+        ck_assert(ts_jnum(fly, "prefill") >= 0);
+        ck_assert(ts_jnum(d, "paced_rss_drift") >= 0);
+        ck_assert(ts_jnum(d, "paced_rss_drift_less_staging") >= 0);
         json_t *g = json_object_get(json_object_get(json_object_get(d, "paced_drift"), "decode"),
                                     "growth_bytes");
         ck_assert(json_is_integer(json_object_get(g, "pool_committed")));
@@ -188,8 +174,8 @@ START_TEST(quick_tcp_runs_and_cleans_up)
         run_rows += !strcmp(fig, "per_transfer_mean") && !strcmp(phase, "run");
         tail_rows += !strcmp(fig, "per_transfer_tail") && !strcmp(phase, "paced");
         ck_assert(strcmp(fig, "per_transfer_tail") || !strcmp(phase, "paced"));
-        ck_assert(jnum(r, "predicted_bytes") > 0);
-        ck_assert(jnum(r, "measured_bytes") >= 0);
+        ck_assert(ts_jnum(r, "predicted_bytes") > 0);
+        ck_assert(ts_jnum(r, "measured_bytes") >= 0);
         ck_assert(json_is_string(json_object_get(r, "design")));
         ck_assert(json_is_string(json_object_get(r, "node")));
         bool within = json_is_true(json_object_get(r, "within_10pct"));
@@ -197,8 +183,8 @@ START_TEST(quick_tcp_runs_and_cleans_up)
         /* The fixed rows' measured side is the OS's VmLck; ASan's mlock interceptor locks
            nothing (it returns 0), so under ASan there is nothing to compare. */
         if (!strcmp(json_string_value(json_object_get(r, "figure")), "fixed") && !PKV_ASAN)
-            ck_assert_msg(within, "fixed slots: planner %f measured %f", jnum(r, "predicted_bytes"),
-                          jnum(r, "measured_bytes"));
+            ck_assert_msg(within, "fixed slots: planner %f measured %f",
+                          ts_jnum(r, "predicted_bytes"), ts_jnum(r, "measured_bytes"));
     }
     ck_assert_int_eq(fixed_rows, 2);
     ck_assert_int_eq(run_rows, 2);
@@ -227,12 +213,13 @@ START_TEST(quick_tcp_sigint_cleans_up)
         PKV_TEST_SKIP("%s", strstr(out, "cannot make"));
         return;
     }
-    ck_assert_msg(strstr(out, "design fixed:"), "the first design never started:\n%s", tail(out));
+    ck_assert_msg(strstr(out, "design fixed:"), "the first design never started:\n%s",
+                  ts_tail(out));
     kill(pid, SIGINT);
     ck_assert_int_eq(waitpid(pid, &st, 0), pid);
     ts_read_file(log, out, sizeof(out));
     unlink(log);
-    ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 130, "status %d\n%s", st, tail(out));
+    ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 130, "status %d\n%s", st, ts_tail(out));
     char a[64], b[64];
     ck_assert_msg(!netns_left(out, "prefill in ", a, sizeof(a)) && a[0], "%s left", a);
     ck_assert_msg(!netns_left(out, "decode in ", b, sizeof(b)) && b[0], "%s left", b);

@@ -22,33 +22,20 @@ static int run_bench(const char *args, char *out, size_t cap)
     return ts_pagekv_run(cmd, out, cap);
 }
 
-/* The end of a long output: a Check message must stay under its 4 KiB. */
-static const char *tail(const char *s)
-{
-    size_t n = strlen(s);
-    return n > 3000 ? s + n - 3000 : s;
-}
-
-static double jnum(json_t *o, const char *k)
-{
-    json_t *v = json_object_get(o, k);
-    ck_assert_msg(json_is_number(v), "%s: not a number", k);
-    return json_number_value(v);
-}
-
 /* One round's keys, and its figures consistent. */
 static void check_round(json_t *rd, int round, int users)
 {
-    ck_assert_int_eq((int)jnum(rd, "round"), round);
-    ck_assert_int_eq((int)jnum(rd, "requests"), users);
+    ck_assert_int_eq((int)ts_jnum(rd, "round"), round);
+    ck_assert_int_eq((int)ts_jnum(rd, "requests"), users);
     static const char *const keys[] = {"ttft_p50_ms",        "ttft_max_ms",  "cached_tokens_memory",
                                        "cached_tokens_disk", "loaded_bytes", "rss_peak_bytes",
                                        "disk_bytes_peak"};
-    for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++) ck_assert(jnum(rd, keys[i]) >= 0);
-    ck_assert(jnum(rd, "ttft_max_ms") >= jnum(rd, "ttft_p50_ms"));
-    ck_assert(jnum(rd, "ttft_p50_ms") > 0);
+    for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++)
+        ck_assert(ts_jnum(rd, keys[i]) >= 0);
+    ck_assert(ts_jnum(rd, "ttft_max_ms") >= ts_jnum(rd, "ttft_p50_ms"));
+    ck_assert(ts_jnum(rd, "ttft_p50_ms") > 0);
     json_t *d = json_object_get(rd, "load_decisions");
-    ck_assert(jnum(d, "load") >= 0 && jnum(d, "recompute") >= 0);
+    ck_assert(ts_jnum(d, "load") >= 0 && ts_jnum(d, "recompute") >= 0);
 }
 
 /* A workload's object: its three arms in order, each answer identical, restart_round. */
@@ -57,16 +44,16 @@ static void check_part(json_t *p, int users, int rounds)
     static const char *const names[] = {"recompute", "disk", "restart"};
     json_t *arms = json_object_get(p, "arms");
     ck_assert_int_eq((int)json_array_size(arms), 3);
-    ck_assert_int_eq((int)jnum(p, "restart_round"), rounds / 2 + 1);
+    ck_assert_int_eq((int)ts_jnum(p, "restart_round"), rounds / 2 + 1);
     for (int k = 0; k < 3; k++) {
         json_t *a = json_array_get(arms, (size_t)k);
         ck_assert_str_eq(json_string_value(json_object_get(a, "name")), names[k]);
-        ck_assert_int_eq((int)jnum(a, "requests"), users * rounds);
-        ck_assert_int_eq((int)jnum(a, "identical"), users * rounds);
-        ck_assert(jnum(a, "rss_peak_bytes") > 0);
-        ck_assert_int_eq((int)jnum(a, "corrupt"), 0);
-        ck_assert(jnum(a, "disk_bytes_peak") <= jnum(a, "disk_bytes_cap"));
-        ck_assert(k == 0 ? jnum(a, "disk_bytes_cap") == 0 : jnum(a, "disk_bytes_peak") > 0);
+        ck_assert_int_eq((int)ts_jnum(a, "requests"), users * rounds);
+        ck_assert_int_eq((int)ts_jnum(a, "identical"), users * rounds);
+        ck_assert(ts_jnum(a, "rss_peak_bytes") > 0);
+        ck_assert_int_eq((int)ts_jnum(a, "corrupt"), 0);
+        ck_assert(ts_jnum(a, "disk_bytes_peak") <= ts_jnum(a, "disk_bytes_cap"));
+        ck_assert(k == 0 ? ts_jnum(a, "disk_bytes_cap") == 0 : ts_jnum(a, "disk_bytes_peak") > 0);
         json_t *rs = json_object_get(a, "rounds");
         ck_assert_int_eq((int)json_array_size(rs), rounds);
         for (int r = 0; r < rounds; r++) check_round(json_array_get(rs, (size_t)r), r + 1, users);
@@ -74,9 +61,9 @@ static void check_part(json_t *p, int users, int rounds)
     /* the restarted server's memory is empty: its first round comes from disk */
     json_t *rr =
         json_array_get(json_object_get(json_array_get(arms, 2), "rounds"), (size_t)(rounds / 2));
-    ck_assert(jnum(rr, "cached_tokens_disk") > 0 && jnum(rr, "loaded_bytes") > 0);
+    ck_assert(ts_jnum(rr, "cached_tokens_disk") > 0 && ts_jnum(rr, "loaded_bytes") > 0);
     json_t *ref = json_object_get(p, "reference");
-    ck_assert_int_eq((int)jnum(ref, "identical"), users * rounds);
+    ck_assert_int_eq((int)ts_jnum(ref, "identical"), users * rounds);
 }
 
 static void check_targets(json_t *t)
@@ -111,13 +98,13 @@ START_TEST(tiny_runs_and_reports)
              path, svg);
     static char out[1 << 17];
     int rc = run_bench(args, out, sizeof(out));
-    ck_assert_msg(rc == 0, "exit %d\n%s", rc, tail(out));
+    ck_assert_msg(rc == 0, "exit %d\n%s", rc, ts_tail(out));
     static const char *const lines[] = {"### multiround (2 users x 3 rounds; restart_round 2)",
                                         "### tile (2 documents x 2 rounds; restart_round 2)",
                                         "| restart | 2 (restart) |", "### targets",
                                         "bitwise equal to the reference pass's: met"};
     for (size_t i = 0; i < sizeof(lines) / sizeof(lines[0]); i++)
-        ck_assert_msg(strstr(out, lines[i]), "no '%s' in\n%s", lines[i], tail(out));
+        ck_assert_msg(strstr(out, lines[i]), "no '%s' in\n%s", lines[i], ts_tail(out));
     json_error_t je;
     json_t *doc = json_load_file(path, 0, &je);
     unlink(path);
@@ -155,10 +142,10 @@ START_TEST(bad_options_exit_2)
     static char out[1 << 14];
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         int rc = run_bench(bad[i][0], out, sizeof(out));
-        ck_assert_msg(rc == 2, "%s: exit %d\n%s", bad[i][0], rc, tail(out));
+        ck_assert_msg(rc == 2, "%s: exit %d\n%s", bad[i][0], rc, ts_tail(out));
         ck_assert_msg(strstr(out, "pagekv bench tiers: ") && strstr(out, bad[i][1]), "%s: %s",
-                      bad[i][0], tail(out));
-        ck_assert_msg(!strstr(out, "starting"), "%s ran: %s", bad[i][0], tail(out));
+                      bad[i][0], ts_tail(out));
+        ck_assert_msg(!strstr(out, "starting"), "%s ran: %s", bad[i][0], ts_tail(out));
     }
     ck_assert_int_eq(run_bench("--help", out, sizeof(out)), 0);
     ck_assert_ptr_nonnull(strstr(out, "usage: pagekv bench tiers"));

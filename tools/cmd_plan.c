@@ -70,15 +70,6 @@ static int parse_tokens(const char *s, uint64_t *out)
     return pkv_cli_parse_bytes(s, out);
 }
 
-static int parse_u32(const char *flag, const char *v, uint32_t *out)
-{
-    uint64_t x;
-    if (pkv_cli_parse_u64(v, 0, UINT32_MAX, &x))
-        return pkv_cli_usage_error(CMD, "%s: an integer 0..%u, got '%s'", flag, UINT32_MAX, v);
-    *out = (uint32_t)x;
-    return 0;
-}
-
 /* "T:W,T:W,..." (W defaults to 1). */
 static int parse_mix(const char *v, pkv_plan_input_t *in)
 {
@@ -127,30 +118,30 @@ static int set_geometry(plan_opts_t *o, const char *a, const char *v)
         return 0;
     } else if (!strcmp(a, "--layers")) {
         o->layers_set = true;
-        return parse_u32(a, v, &in->layers);
+        return pkv_cli_flag_u32(CMD, a, v, 0, UINT32_MAX, &in->layers);
     } else if (!strcmp(a, "--kv-heads")) {
         o->heads_set = true;
-        return parse_u32(a, v, &in->kv_heads);
+        return pkv_cli_flag_u32(CMD, a, v, 0, UINT32_MAX, &in->kv_heads);
     } else if (!strcmp(a, "--head-dim")) {
         o->dim_set = true;
-        return parse_u32(a, v, &in->head_dim);
+        return pkv_cli_flag_u32(CMD, a, v, 0, UINT32_MAX, &in->head_dim);
     } else if (!strcmp(a, "--dtype")) {
         if (pkv_dtype_parse(v, &in->dtype))
             return pkv_cli_usage_error(CMD, "--dtype: f32, f16 or bf16, got '%s'", v);
         return 0;
     } else if (!strcmp(a, "--tp")) {
         o->tp_set = true;
-        int rc = parse_u32(a, v, &tp);
+        int rc = pkv_cli_flag_u32(CMD, a, v, 0, UINT32_MAX, &tp);
         in->prefill_tp = in->decode_tp = tp;
         return rc;
     } else if (!strcmp(a, "--prefill-tp")) {
         o->ptp_set = true;
-        return parse_u32(a, v, &in->prefill_tp);
+        return pkv_cli_flag_u32(CMD, a, v, 0, UINT32_MAX, &in->prefill_tp);
     } else if (!strcmp(a, "--decode-tp")) {
         o->dtp_set = true;
-        return parse_u32(a, v, &in->decode_tp);
+        return pkv_cli_flag_u32(CMD, a, v, 0, UINT32_MAX, &in->decode_tp);
     } else if (!strcmp(a, "--ranks-per-host")) {
-        int rc = parse_u32(a, v, &in->ranks_per_host);
+        int rc = pkv_cli_flag_u32(CMD, a, v, 0, UINT32_MAX, &in->ranks_per_host);
         if (!rc && !in->ranks_per_host)
             return pkv_cli_usage_error(CMD, "--ranks-per-host: at least 1");
         return rc;

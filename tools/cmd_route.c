@@ -54,16 +54,6 @@ static void usage(FILE *f)
            "  --drain-timeout SECONDS   on SIGTERM, wait this long for requests (default 30)\n");
 }
 
-static int parse_u32(const char *flag, const char *v, uint64_t lo, uint64_t hi, uint32_t *out)
-{
-    uint64_t x;
-    if (pkv_cli_parse_u64(v, lo, hi, &x))
-        return pkv_cli_usage_error("route", "%s wants an integer in [%llu, %llu], got '%s'", flag,
-                                   (unsigned long long)lo, (unsigned long long)hi, v);
-    *out = (uint32_t)x;
-    return 0;
-}
-
 static bool url_ok(const char *v)
 {
     size_t n = strlen(v);
@@ -93,34 +83,34 @@ static int set_option(const char *a, const char *v, route_args_t *ra)
     } else if (!strcmp(a, "--host"))
         cfg->host = v;
     else if (!strcmp(a, "--port"))
-        return parse_u32(a, v, 0, 65535, &ra->port);
+        return pkv_cli_flag_u32("route", a, v, 0, 65535, &ra->port);
     else if (!strcmp(a, "--policy")) {
         if (pkv_router_policy_parse(v, &cfg->policy))
             return pkv_cli_usage_error(
                 "route", "--policy wants cache_aware, least_loaded or round_robin, got '%s'", v);
     } else if (!strcmp(a, "--max-connections"))
-        return parse_u32(a, v, 1, 1u << 20, &cfg->max_connections);
+        return pkv_cli_flag_u32("route", a, v, 1, 1u << 20, &cfg->max_connections);
     else if (!strcmp(a, "--max-body-bytes")) {
         if (pkv_cli_parse_bytes(v, &cfg->max_body_bytes) || cfg->max_body_bytes < 64)
             return pkv_cli_usage_error("route",
                                        "--max-body-bytes wants a size >= 64 bytes, got '%s'", v);
     } else if (!strcmp(a, "--request-timeout-ms"))
-        return parse_u32(a, v, 1, 86400000, &cfg->request_timeout_ms);
+        return pkv_cli_flag_u32("route", a, v, 1, 86400000, &cfg->request_timeout_ms);
     else if (!strcmp(a, "--node-timeout-ms"))
-        return parse_u32(a, v, 1, 86400000, &cfg->node_timeout_ms);
+        return pkv_cli_flag_u32("route", a, v, 1, 86400000, &cfg->node_timeout_ms);
     else if (!strcmp(a, "--lookup-timeout-ms"))
-        return parse_u32(a, v, 1, 600000, &cfg->lookup_timeout_ms);
+        return pkv_cli_flag_u32("route", a, v, 1, 600000, &cfg->lookup_timeout_ms);
     else if (!strcmp(a, "--health-interval-ms"))
-        return parse_u32(a, v, 10, 3600000, &cfg->health_interval_ms);
+        return pkv_cli_flag_u32("route", a, v, 10, 3600000, &cfg->health_interval_ms);
     else if (!strcmp(a, "--stream-buffer-bytes")) {
         if (pkv_cli_parse_bytes(v, &cfg->stream_buffer_bytes) || cfg->stream_buffer_bytes < 4096 ||
             cfg->stream_buffer_bytes > (64u << 20))
             return pkv_cli_usage_error(
                 "route", "--stream-buffer-bytes wants a size in 4K..64M, got '%s'", v);
     } else if (!strcmp(a, "--node-max-in-flight"))
-        return parse_u32(a, v, 1, 1u << 20, &cfg->node_max_in_flight);
+        return pkv_cli_flag_u32("route", a, v, 1, 1u << 20, &cfg->node_max_in_flight);
     else if (!strcmp(a, "--drain-timeout"))
-        return parse_u32(a, v, 0, 86400, &ra->drain_s);
+        return pkv_cli_flag_u32("route", a, v, 0, 86400, &ra->drain_s);
     else
         return pkv_cli_usage_error("route", "unknown option %s (see pagekv route --help)", a);
     return 0;

@@ -131,17 +131,6 @@ static bool advertise_ok(const char *v)
     return true;
 }
 
-static int parse_u32(const char *cmd, const char *flag, const char *v, uint64_t lo, uint64_t hi,
-                     uint32_t *out)
-{
-    uint64_t x;
-    if (pkv_cli_parse_u64(v, lo, hi, &x))
-        return pkv_cli_usage_error(cmd, "%s wants an integer in [%llu, %llu], got '%s'", flag,
-                                   (unsigned long long)lo, (unsigned long long)hi, v);
-    *out = (uint32_t)x;
-    return 0;
-}
-
 #define PROCEED   (-1) /* parse_args: run the server (otherwise: the exit code) */
 #define NOT_KV    (-2) /* set_kv_option: not one of the roles' options */
 #define NOT_CACHE (-3) /* set_cache_option: not one of the cache policy's options */
@@ -223,7 +212,7 @@ static int set_kv_option(const char *a, const char *v, pkv_server_config_t *cfg)
                 cmd, "--staging wants per_transfer, fixed or mirror, got '%s'", v);
         cfg->staging_mirror = !strcmp(v, "mirror");
     } else if (!strcmp(a, "--staging-pages"))
-        return parse_u32(cmd, a, v, 1, 1u << 24, &cfg->staging_pages);
+        return pkv_cli_flag_u32(cmd, a, v, 1, 1u << 24, &cfg->staging_pages);
     else if (!strcmp(a, "--staging-page-bytes")) {
         uint64_t b;
         if (pkv_cli_parse_bytes(v, &b) || b < 4096 || b > (64u << 20) || b % 4096)
@@ -233,15 +222,15 @@ static int set_kv_option(const char *a, const char *v, pkv_server_config_t *cfg)
                                        v);
         cfg->staging_page_bytes = b;
     } else if (!strcmp(a, "--staging-slots"))
-        return parse_u32(cmd, a, v, 1, 4096, &cfg->staging_slots);
+        return pkv_cli_flag_u32(cmd, a, v, 1, 4096, &cfg->staging_slots);
     else if (!strcmp(a, "--staging-peer-cap"))
-        return parse_u32(cmd, a, v, 1, 1u << 24, &cfg->staging_peer_cap);
+        return pkv_cli_flag_u32(cmd, a, v, 1, 1u << 24, &cfg->staging_peer_cap);
     else if (!strcmp(a, "--staging-idle-ms"))
-        return parse_u32(cmd, a, v, 1, 3600000, &cfg->staging_idle_ms);
+        return pkv_cli_flag_u32(cmd, a, v, 1, 3600000, &cfg->staging_idle_ms);
     else if (!strcmp(a, "--kv-lease-ms"))
-        return parse_u32(cmd, a, v, 1, 3600000, &cfg->kv_lease_ms);
+        return pkv_cli_flag_u32(cmd, a, v, 1, 3600000, &cfg->kv_lease_ms);
     else if (!strcmp(a, "--kv-transfer-timeout-ms"))
-        return parse_u32(cmd, a, v, 1, 3600000, &cfg->kv_transfer_timeout_ms);
+        return pkv_cli_flag_u32(cmd, a, v, 1, 3600000, &cfg->kv_transfer_timeout_ms);
     else if (!strcmp(a, "--kv-load-failure")) {
         if (strcmp(v, "fail") && strcmp(v, "recompute"))
             return pkv_cli_usage_error(cmd, "--kv-load-failure wants fail or recompute, got '%s'",
@@ -292,15 +281,15 @@ static int set_option(const char *a, const char *v, pkv_server_config_t *cfg, ui
     if (!strcmp(a, "--host"))
         cfg->host = v;
     else if (!strcmp(a, "--port"))
-        bad = parse_u32(cmd, a, v, 0, 65535, port);
+        bad = pkv_cli_flag_u32(cmd, a, v, 0, 65535, port);
     else if (!strcmp(a, "--max-connections"))
-        bad = parse_u32(cmd, a, v, 1, 65536, &cfg->max_connections);
+        bad = pkv_cli_flag_u32(cmd, a, v, 1, 65536, &cfg->max_connections);
     else if (!strcmp(a, "--max-body-bytes")) {
         if (pkv_cli_parse_bytes(v, &cfg->max_body_bytes) || cfg->max_body_bytes < 64)
             return pkv_cli_usage_error(cmd, "--max-body-bytes wants a size >= 64 bytes, got '%s'",
                                        v);
     } else if (!strcmp(a, "--drain-timeout"))
-        bad = parse_u32(cmd, a, v, 0, 86400, drain_s);
+        bad = pkv_cli_flag_u32(cmd, a, v, 0, 86400, drain_s);
     else if (!strcmp(a, "--preset"))
         cfg->preset = v;
     else if (!strcmp(a, "--model"))
@@ -313,7 +302,7 @@ static int set_option(const char *a, const char *v, pkv_server_config_t *cfg, ui
         if (pkv_cli_parse_u64(v, 0, UINT64_MAX, &cfg->weight_seed))
             return pkv_cli_usage_error(cmd, "--seed wants an integer, got '%s'", v);
     } else if (!strcmp(a, "--threads"))
-        bad = parse_u32(cmd, a, v, 1, 256, &cfg->threads);
+        bad = pkv_cli_flag_u32(cmd, a, v, 1, 256, &cfg->threads);
     else if (!strcmp(a, "--kv-backend")) {
         if (pkv_backend_parse(v, &cfg->backend))
             return pkv_cli_usage_error(cmd, "--kv-backend wants paged or dense, got '%s'", v);
@@ -331,19 +320,19 @@ static int set_option(const char *a, const char *v, pkv_server_config_t *cfg, ui
             return pkv_cli_usage_error(
                 cmd, "--kv-cache-budget wants BYTES (K/M/G), auto or none, got '%s'", v);
     } else if (!strcmp(a, "--tp"))
-        return parse_u32(cmd, a, v, 1, PKV_KV_MAX_TP, &cfg->tp);
+        return pkv_cli_flag_u32(cmd, a, v, 1, PKV_KV_MAX_TP, &cfg->tp);
     else if (!strcmp(a, "--block-tokens"))
-        bad = parse_u32(cmd, a, v, 1, 4096, &cfg->block_tokens);
+        bad = pkv_cli_flag_u32(cmd, a, v, 1, 4096, &cfg->block_tokens);
     else if (!strcmp(a, "--max-batch-size"))
-        bad = parse_u32(cmd, a, v, 1, 1024, &cfg->max_batch_size);
+        bad = pkv_cli_flag_u32(cmd, a, v, 1, 1024, &cfg->max_batch_size);
     else if (!strcmp(a, "--max-queue-depth"))
-        bad = parse_u32(cmd, a, v, 1, 1u << 20, &cfg->max_queue);
+        bad = pkv_cli_flag_u32(cmd, a, v, 1, 1u << 20, &cfg->max_queue);
     else if (!strcmp(a, "--max-context"))
-        bad = parse_u32(cmd, a, v, 2, 1u << 22, &cfg->max_context);
+        bad = pkv_cli_flag_u32(cmd, a, v, 2, 1u << 22, &cfg->max_context);
     else if (!strcmp(a, "--prefill-chunk"))
-        bad = parse_u32(cmd, a, v, 1, 1u << 20, &cfg->prefill_chunk);
+        bad = pkv_cli_flag_u32(cmd, a, v, 1, 1u << 20, &cfg->prefill_chunk);
     else if (!strcmp(a, "--default-max-tokens"))
-        bad = parse_u32(cmd, a, v, 1, 1u << 22, &cfg->default_max_tokens);
+        bad = pkv_cli_flag_u32(cmd, a, v, 1, 1u << 22, &cfg->default_max_tokens);
     else
         return pkv_cli_usage_error(cmd, "unknown option %s (see pagekv serve --help)", a);
     return bad;

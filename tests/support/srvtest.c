@@ -324,3 +324,16 @@ void ts_node_kill(ts_node_t *c)
     int status = ts_node_wait(c, 30);
     ck_assert_msg(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL, "status %d", status);
 }
+
+double ts_jnum(json_t *o, const char *key)
+{
+    json_t *v = json_object_get(o, key);
+    ck_assert_msg(json_is_number(v), "%s: not a number", key);
+    return json_number_value(v);
+}
+
+const char *ts_tail(const char *s)
+{
+    size_t n = strlen(s);
+    return n > 3000 ? s + n - 3000 : s;
+}

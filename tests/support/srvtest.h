@@ -41,7 +41,10 @@ json_t *ts_get_json(const char *host, uint16_t port, const char *path);
 
 /* A member by path "a.b.0.c" (numbers index arrays); NULL when absent. */
 json_t *ts_jp(json_t *doc, const char *path);
-long long ts_ji(json_t *doc, const char *path);   /* asserts an integer */
+long long ts_ji(json_t *doc, const char *path); /* asserts an integer */
+double ts_jnum(json_t *o, const char *key);     /* o's member key; asserts a number */
+/* The end of a long output (its last 3000 bytes): a Check message stays under its 4 KiB. */
+const char *ts_tail(const char *s);
 const char *ts_js(json_t *doc, const char *path); /* asserts a string */
 
 /* ---- child processes: thin test wrappers over support/launch.h ---- */
