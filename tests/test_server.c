@@ -2169,6 +2169,68 @@ START_TEST(decode_leg_equals_unified)
 }
 END_TEST
 
+/* A decode node's disk tier is its own cache: a prompt whose blocks it wrote after an
+ * earlier decode leg, then dropped from memory, is loaded from its disk before the pull;
+ * the pull adopts those blocks and moves only the rest, and the answer equals the unified
+ * node's. */
+START_TEST(decode_leg_adopts_its_disk_tier)
+{
+    char dir[] = "/dev/shm/pkv-test-server-XXXXXX", kvdir[64];
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    snprintf(kvdir, sizeof(kvdir), "%s/kv", dir);
+    pkv_server_role_t roles[3] = {PKV_SERVER_ROLE_PREFILL, PKV_SERVER_ROLE_DECODE,
+                                  PKV_SERVER_ROLE_UNIFIED};
+    pkv_server_t *s[3];
+    uint16_t ports[3];
+    for (int i = 0; i < 3; i++) {
+        pkv_server_config_t cfg = base_config();
+        cfg.role = roles[i];
+        cfg.kv_transfer_timeout_ms = 5000;
+        if (i == 1) cfg.kv_disk_dir = kvdir, cfg.kv_disk_bytes = 64ull << 20;
+        s[i] = start(cfg);
+        ports[i] = pkv_server_port(s[i]);
+    }
+    const char *text = "A decode node keeps what it pulled on its own disk: the blocks of this "
+                       "prompt, sixteen tokens each, come back from the files after its memory "
+                       "was reset, and only the new ones move over the wire";
+    json_t *req = json_pack("{s:s, s:s, s:i, s:f}", "model", "tiny", "prompt", text, "max_tokens",
+                            8, "temperature", 0.0);
+    disagg_equals_unified(ports, "/v1/completions", req);
+    uint64_t deadline = pkv_deadline_after_ns(10ull * 1000000000);
+    while (metric(ports[1], "pagekv_kv_tier_queued_blocks") != 0 ||
+           metric(ports[1], "pagekv_kv_tier_blocks{tier=\"disk\"}") < 2) {
+        ck_assert_msg(pkv_now_ns() < deadline, "the decode node's tier wrote nothing");
+        usleep(10000);
+    }
+    wait_quiet(ports[1]);
+    ts_resp_t r;
+    http(ports[1], "POST", "/v1/cache/reset", "{}", &r);
+    ck_assert_int_eq(r.status, 200);
+    ts_resp_free(&r);
+    pull_counts_t a, b;
+    pull_counts(ports, &a);
+    long long disk0 = metric(ports[1], "pagekv_kv_tier_hit_blocks_total{tier=\"disk\"}");
+    char longer[512];
+    snprintf(longer, sizeof(longer), "%s, and then some more words that no node has seen yet",
+             text);
+    json_object_set_new(req, "prompt", json_string(longer));
+    disagg_equals_unified(ports, "/v1/completions", req);
+    pull_counts(ports, &b);
+    long long disk = metric(ports[1], "pagekv_kv_tier_hit_blocks_total{tier=\"disk\"}") - disk0;
+    ck_assert_int_ge(disk, 2);
+    ck_assert_int_eq(b.adopted - a.adopted, disk); /* what the disk gave, the pull adopted */
+    ck_assert_int_gt(b.pulled, a.pulled);          /* and it read only the rest */
+    ck_assert_int_eq(b.received - a.received,
+                     (b.pulled - a.pulled) * metric(ports[1], "pagekv_kv_block_bytes"));
+    ck_assert_int_eq(metric(ports[1], "pagekv_kv_tier_corrupt_total{tier=\"disk\"}"), 0);
+    leases_settle(ports[0], 2);
+    wait_quiet(ports[1]);
+    json_decref(req);
+    for (int i = 0; i < 3; i++) pkv_server_destroy(s[i]);
+    pkv_test_rm_tree(dir);
+}
+END_TEST
+
 /* A decode leg whose params are wrong or forged gets a 4xx naming the field and pulls
  * nothing from wrong KV; an unreachable producer is 503 peer_lost within the deadline;
  * the genuine params still work afterwards (the registration survived). */
@@ -2556,6 +2618,7 @@ static Suite *server_suite(void)
     tcase_add_test(roles, prefill_leg_answer_and_lease_expiry);
     tcase_add_test(roles, kv_transfer_params_refused_by_role_and_shape);
     tcase_add_test(roles, decode_leg_equals_unified);
+    tcase_add_test(roles, decode_leg_adopts_its_disk_tier);
     tcase_add_test(roles, decode_leg_bad_params);
     tcase_add_test(roles, disagg_across_processes);
     tcase_add_test(roles, decode_leg_recompute_policy);
