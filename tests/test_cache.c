@@ -457,7 +457,7 @@ static json_t *cache_stats(uint16_t port)
     ck_assert_int_eq(r.status, 200);
     json_t *doc = json_loads(r.body, 0, NULL);
     ck_assert_ptr_nonnull(doc);
-    free(r.body);
+    ts_resp_free(&r);
     return doc;
 }
 
@@ -490,7 +490,7 @@ static void complete_ids(uint16_t port, const char *model, uint32_t seed, uint32
     json_decref(req);
     resp_t r = http(port, "POST", "/v1/completions", body);
     ck_assert_msg(r.status == 200, "status %ld: %s", r.status, r.body ? r.body : "");
-    free(r.body);
+    ts_resp_free(&r);
     free(body);
 }
 
@@ -583,7 +583,7 @@ START_TEST(server_cap_and_its_figures)
     ck_assert_ptr_nonnull(strstr(m.body, "\n# TYPE pagekv_kv_cache_bytes gauge\n"));
     ck_assert_ptr_nonnull(strstr(m.body, "pagekv_kv_cache_evictions_total{cause=\"idle\"} 0\n"));
     ck_assert_ptr_null(strstr(m.body, "pagekv_memory_room_bytes")); /* the watch is off */
-    free(m.body);
+    ts_resp_free(&m);
     pkv_server_destroy(s);
 }
 END_TEST
@@ -669,7 +669,7 @@ START_TEST(server_pressure_from_injected_readings)
     resp_t m = http(port, "GET", "/metrics", NULL);
     ck_assert_ptr_nonnull(strstr(m.body, "\npagekv_memory_pressure 1\n"));
     ck_assert_ptr_nonnull(strstr(m.body, "\npagekv_memory_pressure_episodes_total 3\n"));
-    free(m.body);
+    ts_resp_free(&m);
     pkv_server_destroy(s);
     pkv_test_rm_tree(root);
 }
