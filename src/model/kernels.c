@@ -294,23 +294,30 @@ AVX2_INLINE void prefetch_run_start(const void *base, size_t head_stride, uint32
     for (int l = 0; l < PREFETCH_LINES; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
 }
 
-/* A decode read as one stream: the piece being read (one run's tokens of one head), then
- * the piece read after it (the next head of the run, or the next run's first head of the
- * task). The hardware prefetcher follows a piece but restarts cold at every jump to the
- * next one: in a paged pool that is every 64 tokens (a granule's slots of one head, 8 KiB
- * in bf16 at head dim 64), and a long context at batch 1 then waits on memory at every
- * jump (paged decode ~0.7x dense at 16k; docs/design/model.md). pf_ahead keeps lines
- * PF_AHEAD bytes ahead of the reads in flight, across the jump, into L2 (prefetcht1):
- * with prefetcht0 decode at 16k ran ~0.8x as fast, with either backend (measured, Xeon;
- * likely because a t0 prefetch holds one of the core's few L1 miss buffers, which the
- * loads then wait for; docs/design/model.md). Prefetches change no value: the
- * arithmetic and its order are untouched. */
+/* A decode piece read as one stream: the piece (one run's tokens of one head), then the
+ * same head's piece in the next run. The hardware prefetcher follows a piece but
+ * restarts cold at every jump to the next one: in a paged pool that is every 64 tokens
+ * (a granule's slots of one head, 8 KiB in bf16 at head dim 64). pf_ahead keeps lines
+ * PF_AHEAD bytes ahead of the reads, across the jump. Where they go depends on the CPU
+ * (model_kernels_avx2 picks): into L2 (prefetcht1) on Intel, where prefetcht0 made
+ * decode at 16k ~0.8x as fast with either backend (measured on a Xeon VM; likely a t0
+ * prefetch holding one of the few L1 miss buffers the loads then wait for); into L1
+ * (prefetcht0) on AMD, where bare reads of paged pieces ran ~2x as fast with t0 as with
+ * t1 (AMD EPYC family 26; docs/design/model.md, "Speed"). Prefetches change no value. */
 #define PF_AHEAD 4096
-#define PF_HINT  _MM_HINT_T1
 typedef struct {
-    const char *cur, *next; /* next: NULL at the end of the task's reads */
+    const char *cur, *next; /* next: NULL at the end of the head's reads */
     size_t len;             /* bytes of cur that are read */
+    bool t0;                /* prefetcht0, else prefetcht1 */
 } pf_stream_t;
+
+AVX2_INLINE void pf_line(const char *p, bool t0)
+{
+    if (t0)
+        _mm_prefetch(p, _MM_HINT_T0);
+    else
+        _mm_prefetch(p, _MM_HINT_T1);
+}
 
 /* Prefetch the `lines` cache lines at offset off + PF_AHEAD of the stream. They nearly
  * always lie in one piece, so the address is found once per call; the walk line by line
@@ -327,30 +334,11 @@ AVX2_INLINE void pf_ahead(const pf_stream_t *ps, size_t off, int lines)
     } else {
         for (int l = 0; l < lines; l++, o += 64) {
             p = o < ps->len ? ps->cur + o : ps->next ? ps->next + (o - ps->len) : NULL;
-            if (p) _mm_prefetch(p, PF_HINT);
+            if (p) pf_line(p, ps->t0);
         }
         return;
     }
-    for (int l = 0; l < lines; l++) _mm_prefetch(p + 64 * l, PF_HINT);
-}
-
-/* The stream of run i, head h (of nh from h0) for K (which 0) or V (1): its piece of
- * tokens [p0, p1) and the piece after it. */
-AVX2_INLINE pf_stream_t pf_piece(const pkv_kv_run_t *runs, uint32_t nruns, uint32_t i, uint32_t h,
-                                 uint32_t h0, uint32_t nh, uint32_t n, size_t ts, size_t es,
-                                 int which)
-{
-    const pkv_kv_run_t *r = &runs[i];
-    const char *b = which ? (const char *)r->v : (const char *)r->k;
-    uint32_t p1 = r->pos + r->n_tokens < n ? r->pos + r->n_tokens : n;
-    pf_stream_t ps = {.cur = b + (size_t)(h0 + h) * r->head_stride * es,
-                      .len = (size_t)(p1 - r->pos) * ts};
-    if (h + 1 < nh)
-        ps.next = b + (size_t)(h0 + h + 1) * r->head_stride * es;
-    else if (i + 1 < nruns && runs[i + 1].pos < n)
-        ps.next = (const char *)(which ? runs[i + 1].v : runs[i + 1].k) +
-                  (size_t)h0 * runs[i + 1].head_stride * es;
-    return ps;
+    for (int l = 0; l < lines; l++) pf_line(p + 64 * l, ps->t0);
 }
 
 /* bf16 rows (head dims a multiple of 16) are read 16 values per load: as 32-bit lanes, a
@@ -494,83 +482,141 @@ AVX2_INLINE void s_2x4(const float *qa, const float *qb, const char *k, uint32_t
     }
 }
 
-AVX2_INLINE void scores_dt(const float *qa, const float *qb, uint32_t na, uint32_t nb,
-                           const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0, uint32_t nh,
-                           uint32_t group, uint32_t hd, pkv_dtype_t dt, float scale, float *oa,
-                           float *ob, size_t ostride)
+/* ---- decode: one query row, two heads' pieces in flight ---------------------------
+ * A paged pool holds a head's tokens of one granule as one piece (64 tokens, 8 KiB in
+ * bf16 at head dim 64) and the next piece of the same head in another granule. Read one
+ * piece at a time, every jump to the next granule restarts the hardware prefetcher cold;
+ * read two at once, in two granules, the two restarts overlap (on an AMD EPYC, family
+ * 26, bare reads of 16 KiB pieces reach ~1.7x the rate of one stream, about what a
+ * contiguous buffer gives; docs/design/model.md, "Speed"). So a decode task walks its
+ * heads in pairs, skewed by one run: at step s head A reads run s and head B run s - 1.
+ * Each head still folds its runs in ascending order (V) and every score is its own
+ * (K), so no value changes. */
+typedef struct {
+    const char *base; /* the piece's first row, NULL: no piece at this step */
+    uint32_t p0, n;   /* first position, tokens */
+    pf_stream_t ps;   /* the piece, then the same head's piece in the next run */
+} dpiece_t;
+
+AVX2_INLINE dpiece_t dpiece(const pkv_kv_run_t *runs, uint32_t nr, int64_t i, uint32_t h,
+                            uint32_t n, size_t ts, size_t es, int which, const bool t0)
 {
-    size_t es = dt == PKV_DTYPE_F32 ? 4 : 2;
-    size_t ts = (size_t)hd * es;
-    __m256 sc = _mm256_set1_ps(scale);
-    uint32_t n = qb ? nb : na;
-    /* bf16 keys are read split (ld_bf16x16), so the queries are split to match: all at
-     * once where they fit on the stack, else one head at a time (the same values). */
-    size_t nq = (size_t)nh * group * hd;
-    bool eo = dt == PKV_DTYPE_BF16 && hd % 16 == 0 && hd <= EO_MAX_Q, whole = eo && nq <= EO_MAX_Q;
-    float qpa[EO_MAX_Q], qpb[EO_MAX_Q];
-    if (whole) {
-        qa = split_q(qa, nq, qpa);
-        if (qb) qb = split_q(qb, nq, qpb);
+    dpiece_t d = {.ps.t0 = t0};
+    if (i < 0 || i >= nr) return d;
+    const pkv_kv_run_t *r = &runs[i];
+    const char *b = which ? (const char *)r->v : (const char *)r->k;
+    uint32_t p1 = r->pos + r->n_tokens < n ? r->pos + r->n_tokens : n;
+    d.base = b + (size_t)h * r->head_stride * es;
+    d.p0 = r->pos;
+    d.n = p1 - r->pos;
+    d.ps.cur = d.base;
+    d.ps.len = (size_t)d.n * ts;
+    if (i + 1 < nr)
+        d.ps.next = (const char *)(which ? runs[i + 1].v : runs[i + 1].k) +
+                    (size_t)h * runs[i + 1].head_stride * es;
+    return d;
+}
+
+/* The runs a decode row of n positions reads. */
+AVX2_INLINE uint32_t runs_below(const pkv_kv_run_t *runs, uint32_t nruns, uint32_t n)
+{
+    uint32_t nr = 0;
+    while (nr < nruns && runs[nr].pos < n) nr++;
+    return nr;
+}
+
+/* Scores of 8 tokens from token t of piece d for the group's queries of its head. */
+AVX2_INLINE void s1_chunk(const dpiece_t *d, uint32_t t, const float *q, uint32_t group,
+                          uint32_t hd, size_t ts, size_t es, pkv_dtype_t dt, bool eo, bool split,
+                          __m256 sc, float *o, size_t ostride, int lines)
+{
+    pf_ahead(&d->ps, (size_t)t * ts, lines);
+    uint32_t nt = d->n - t < 8 ? d->n - t : 8;
+    float qp[EO_MAX_Q];
+    for (uint32_t j = 0; j < group; j++) {
+        const float *qj = q + (size_t)j * hd;
+        if (split) qj = split_q(qj, hd, qp);
+        s_1x8(qj, d->base + t * ts, nt, hd, es, dt, eo, sc, o + j * ostride + d->p0 + t);
     }
-    for (uint32_t i = 0; i < nruns && runs[i].pos < n; i++) {
-        uint32_t p0 = runs[i].pos;
-        uint32_t p1 = p0 + runs[i].n_tokens < n ? p0 + runs[i].n_tokens : n;
-        if (qb && i + 1 < nruns) prefetch_run_start(runs[i + 1].k, runs[i + 1].head_stride, h0, es);
-        for (uint32_t h = 0; h < nh; h++) {
-            const char *base =
-                (const char *)runs[i].k + (size_t)(h0 + h) * runs[i].head_stride * es;
-            for (uint32_t j = 0; j < group; j++) {
-                size_t qi = (size_t)h * group + j;
-                const float *q1 = qa + qi * hd;
-                if (eo && !whole) q1 = split_q(q1, hd, qpa);
-                float *o1 = oa + qi * ostride;
-                if (qb) {
-                    const float *q2 = qb + qi * hd;
-                    if (eo && !whole) q2 = split_q(q2, hd, qpb);
-                    float *o2 = ob + qi * ostride;
-                    uint32_t e = p1 < na ? p1 : na;
-                    for (uint32_t t = p0; t < e; t += 4)
-                        s_2x4(q1, q2, base + (t - p0) * ts, e - t < 4 ? e - t : 4, hd, es, dt, eo,
-                              sc, o1 + t, o2 + t);
-                    for (uint32_t t = e > p0 ? e : p0; t < p1; t += 8)
-                        s_1x8(q2, base + (t - p0) * ts, p1 - t < 8 ? p1 - t : 8, hd, es, dt, eo, sc,
-                              o2 + t);
-                } else if (j == 0) { /* the first query of the group reads K from memory */
-                    pf_stream_t ps = pf_piece(runs, nruns, i, h, h0, nh, n, ts, es, 0);
-                    int lines = (int)(8 * ts / 64);
-                    for (uint32_t t = p0; t < p1; t += 8) {
-                        pf_ahead(&ps, (t - p0) * ts, lines);
-                        s_1x8(q1, base + (t - p0) * ts, p1 - t < 8 ? p1 - t : 8, hd, es, dt, eo, sc,
-                              o1 + t);
-                    }
-                } else {
-                    for (uint32_t t = p0; t < p1; t += 8)
-                        s_1x8(q1, base + (t - p0) * ts, p1 - t < 8 ? p1 - t : 8, hd, es, dt, eo, sc,
-                              o1 + t);
-                }
+}
+
+/* One row's scores, heads in skewed pairs. bf16 keys read split need split queries: a
+ * pair's at once where they fit on the stack, else each query per chunk (the same
+ * values). */
+AVX2_INLINE void scores1_dt(const float *q, uint32_t n, const pkv_kv_run_t *runs, uint32_t nruns,
+                            uint32_t h0, uint32_t nh, uint32_t group, uint32_t hd, pkv_dtype_t dt,
+                            bool eo, __m256 sc, float *o, size_t ostride, const bool t0)
+{
+    size_t es = dt == PKV_DTYPE_F32 ? 4 : 2, ts = (size_t)hd * es, qs = (size_t)group * hd;
+    int lines = (int)(8 * ts / 64);
+    uint32_t nr = runs_below(runs, nruns, n);
+    float qp[EO_MAX_Q];
+    for (uint32_t h = 0; h < nh; h += 2) {
+        bool two = h + 1 < nh, each = eo && (1 + two) * qs > EO_MAX_Q;
+        const float *qa = q + h * qs, *qb = qa + qs;
+        if (eo && !each) {
+            qa = split_q(qa, (1 + two) * qs, qp);
+            qb = qa + qs;
+        }
+        float *oa = o + (size_t)h * group * ostride, *ob = oa + (size_t)group * ostride;
+        for (int64_t s = 0; s < (int64_t)nr + two; s++) {
+            dpiece_t a = dpiece(runs, nr, s, h0 + h, n, ts, es, 0, t0);
+            dpiece_t b = two ? dpiece(runs, nr, s - 1, h0 + h + 1, n, ts, es, 0, t0) : (dpiece_t){0};
+            uint32_t m = a.n > b.n ? a.n : b.n;
+            for (uint32_t t = 0; t < m; t += 8) {
+                if (t < a.n) s1_chunk(&a, t, qa, group, hd, ts, es, dt, eo, each, sc, oa, ostride, lines);
+                if (t < b.n) s1_chunk(&b, t, qb, group, hd, ts, es, dt, eo, each, sc, ob, ostride, lines);
             }
         }
     }
 }
 
-AVX2_FN static void scores_avx2(const float *qa, const float *qb, uint32_t na, uint32_t nb,
-                                const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0, uint32_t nh,
-                                uint32_t group, uint32_t hd, pkv_dtype_t dt, float scale, float *oa,
-                                float *ob, size_t ostride)
+AVX2_INLINE void scores_dt(const float *qa, const float *qb, uint32_t na, uint32_t nb,
+                           const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0, uint32_t nh,
+                           uint32_t group, uint32_t hd, pkv_dtype_t dt, float scale, float *oa,
+                           float *ob, size_t ostride, const bool t0)
 {
-    switch (dt) {
-    case PKV_DTYPE_F32:
-        scores_dt(qa, qb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F32, scale, oa, ob,
-                  ostride);
-        break;
-    case PKV_DTYPE_F16:
-        scores_dt(qa, qb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F16, scale, oa, ob,
-                  ostride);
-        break;
-    case PKV_DTYPE_BF16:
-        scores_dt(qa, qb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_BF16, scale, oa, ob,
-                  ostride);
-        break;
+    size_t es = dt == PKV_DTYPE_F32 ? 4 : 2;
+    size_t ts = (size_t)hd * es;
+    __m256 sc = _mm256_set1_ps(scale);
+    uint32_t n = nb;
+    /* bf16 keys are read split (ld_bf16x16), so the queries are split to match: all at
+     * once where they fit on the stack, else one head at a time (the same values). */
+    size_t nq = (size_t)nh * group * hd;
+    bool eo = dt == PKV_DTYPE_BF16 && hd % 16 == 0 && hd <= EO_MAX_Q, whole = eo && nq <= EO_MAX_Q;
+    if (!qb) {
+        scores1_dt(qa, na, runs, nruns, h0, nh, group, hd, dt, eo, sc, oa, ostride, t0);
+        return;
+    }
+    float qpa[EO_MAX_Q], qpb[EO_MAX_Q];
+    if (whole) {
+        qa = split_q(qa, nq, qpa);
+        qb = split_q(qb, nq, qpb);
+    }
+    for (uint32_t i = 0; i < nruns && runs[i].pos < n; i++) {
+        uint32_t p0 = runs[i].pos;
+        uint32_t p1 = p0 + runs[i].n_tokens < n ? p0 + runs[i].n_tokens : n;
+        if (i + 1 < nruns) prefetch_run_start(runs[i + 1].k, runs[i + 1].head_stride, h0, es);
+        for (uint32_t h = 0; h < nh; h++) {
+            const char *base =
+                (const char *)runs[i].k + (size_t)(h0 + h) * runs[i].head_stride * es;
+            for (uint32_t j = 0; j < group; j++) {
+                size_t qi = (size_t)h * group + j;
+                const float *q1 = qa + qi * hd, *q2 = qb + qi * hd;
+                if (eo && !whole) {
+                    q1 = split_q(q1, hd, qpa);
+                    q2 = split_q(q2, hd, qpb);
+                }
+                float *o1 = oa + qi * ostride, *o2 = ob + qi * ostride;
+                uint32_t e = p1 < na ? p1 : na;
+                for (uint32_t t = p0; t < e; t += 4)
+                    s_2x4(q1, q2, base + (t - p0) * ts, e - t < 4 ? e - t : 4, hd, es, dt, eo, sc,
+                          o1 + t, o2 + t);
+                for (uint32_t t = e > p0 ? e : p0; t < p1; t += 8)
+                    s_1x8(q2, base + (t - p0) * ts, p1 - t < 8 ? p1 - t : 8, hd, es, dt, eo, sc,
+                          o2 + t);
+            }
+        }
     }
 }
 
@@ -690,72 +736,196 @@ AVX2_INLINE void av2_run(const float *pa, const float *pb, uint32_t p0, uint32_t
     }
 }
 
-AVX2_INLINE void av_dt(const float *pa, const float *pb, uint32_t na, uint32_t nb,
-                       const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0, uint32_t nh,
-                       uint32_t group, uint32_t hd, pkv_dtype_t dt, size_t pstride, float *aa,
-                       float *ab)
+/* Two heads' pieces at once (see scores1_dt): dims [d0, d0 + 8 NV) of head A over
+ * piece a and of head B over piece b, token by token; a piece with no base is skipped.
+ * The accumulators round-trip through memory between calls, which changes no bit; the
+ * streams are carried where `stream` is set (the first dims of the first query). */
+AVX2_INLINE void av1_pair(const dpiece_t *a, const float *pa, float *acc_a, const dpiece_t *b,
+                          const float *pb, float *acc_b, uint32_t d0, size_t ts, size_t es,
+                          pkv_dtype_t dt, bool stream, const int NV)
 {
-    size_t es = dt == PKV_DTYPE_F32 ? 4 : 2;
-    size_t ts = (size_t)hd * es;
-    uint32_t n = pb ? nb : na;
-    for (uint32_t i = 0; i < nruns && runs[i].pos < n; i++) {
-        uint32_t p0 = runs[i].pos;
-        uint32_t p1 = p0 + runs[i].n_tokens < n ? p0 + runs[i].n_tokens : n;
-        if (pb && i + 1 < nruns) prefetch_run_start(runs[i + 1].v, runs[i + 1].head_stride, h0, es);
-        for (uint32_t h = 0; h < nh; h++) {
-            const char *base =
-                (const char *)runs[i].v + (size_t)(h0 + h) * runs[i].head_stride * es;
+    const bool eo = dt == PKV_DTYPE_BF16 && NV % 2 == 0;
+    __m256 x[4], y[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; j++) {
+        if (eo && j % 2 == 0) {
+            split16(_mm256_loadu_ps(acc_a + 8 * j), _mm256_loadu_ps(acc_a + 8 * j + 8), &x[j],
+                    &x[j + 1]);
+            split16(_mm256_loadu_ps(acc_b + 8 * j), _mm256_loadu_ps(acc_b + 8 * j + 8), &y[j],
+                    &y[j + 1]);
+        } else if (!eo) {
+            x[j] = _mm256_loadu_ps(acc_a + 8 * j);
+            y[j] = _mm256_loadu_ps(acc_b + 8 * j);
+        }
+    }
+    const char *va = a->base + d0 * es, *vb = b->base + d0 * es;
+    const float *qa = pa + a->p0, *qb = pb + b->p0;
+    int lines = (int)(8 * ts / 64);
+    uint32_t both = a->n < b->n ? a->n : b->n;
+    for (uint32_t t = 0; t < both; t++) {
+        if (stream && !(t & 7)) {
+            pf_ahead(&a->ps, t * ts, lines);
+            pf_ahead(&b->ps, t * ts, lines);
+        }
+        __m256 pva = _mm256_broadcast_ss(qa + t), pvb = _mm256_broadcast_ss(qb + t);
+        const char *ra = va + t * ts, *rb = vb + t * ts;
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++) {
+            if (eo && j % 2 == 0) {
+                __m256 e, o;
+                ld_bf16x16(ra + 8 * j * es, &e, &o);
+                x[j] = _mm256_fmadd_ps(pva, e, x[j]);
+                x[j + 1] = _mm256_fmadd_ps(pva, o, x[j + 1]);
+                ld_bf16x16(rb + 8 * j * es, &e, &o);
+                y[j] = _mm256_fmadd_ps(pvb, e, y[j]);
+                y[j + 1] = _mm256_fmadd_ps(pvb, o, y[j + 1]);
+            } else if (!eo) {
+                x[j] = _mm256_fmadd_ps(pva, ld_dt(ra + 8 * j * es, dt), x[j]);
+                y[j] = _mm256_fmadd_ps(pvb, ld_dt(rb + 8 * j * es, dt), y[j]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; j++) {
+        if (eo && j % 2 == 0) {
+            __m256 lo, hi;
+            join16(x[j], x[j + 1], &lo, &hi);
+            _mm256_storeu_ps(acc_a + 8 * j, lo);
+            _mm256_storeu_ps(acc_a + 8 * j + 8, hi);
+            join16(y[j], y[j + 1], &lo, &hi);
+            _mm256_storeu_ps(acc_b + 8 * j, lo);
+            _mm256_storeu_ps(acc_b + 8 * j + 8, hi);
+        } else if (!eo) {
+            _mm256_storeu_ps(acc_a + 8 * j, x[j]);
+            _mm256_storeu_ps(acc_b + 8 * j, y[j]);
+        }
+    }
+    /* The longer piece's tail alone. */
+    if (a->n > both)
+        av1_run(pa, a->p0 + both, a->n - both, a->base + both * ts + d0 * es, ts, es, dt, acc_a,
+                NV, NULL);
+    if (b->n > both)
+        av1_run(pb, b->p0 + both, b->n - both, b->base + both * ts + d0 * es, ts, es, dt, acc_b,
+                NV, NULL);
+}
+
+/* All dims of one piece for one query (the first dims carry the stream). */
+AVX2_INLINE void av1_piece(const dpiece_t *d, const float *p, float *acc, uint32_t hd, size_t ts,
+                           size_t es, pkv_dtype_t dt, bool stream)
+{
+    const pf_stream_t *pp = stream ? &d->ps : NULL;
+    uint32_t k = 0;
+    for (; k + 64 <= hd; k += 64, pp = NULL)
+        av1_run(p, d->p0, d->n, d->base + k * es, ts, es, dt, acc + k, 8, pp);
+    for (; k + 16 <= hd; k += 16, pp = NULL)
+        av1_run(p, d->p0, d->n, d->base + k * es, ts, es, dt, acc + k, 2, pp);
+    for (; k < hd; k += 8, pp = NULL)
+        av1_run(p, d->p0, d->n, d->base + k * es, ts, es, dt, acc + k, 1, pp);
+}
+
+/* One row's V, heads in skewed pairs (as scores1_dt). */
+AVX2_INLINE void av1_dt(const float *p, uint32_t n, const pkv_kv_run_t *runs, uint32_t nruns,
+                        uint32_t h0, uint32_t nh, uint32_t group, uint32_t hd, pkv_dtype_t dt,
+                        size_t pstride, float *acc, const bool t0)
+{
+    size_t es = dt == PKV_DTYPE_F32 ? 4 : 2, ts = (size_t)hd * es;
+    uint32_t nr = runs_below(runs, nruns, n);
+    for (uint32_t h = 0; h < nh; h += 2) {
+        bool two = h + 1 < nh;
+        for (int64_t s = 0; s < (int64_t)nr + two; s++) {
+            dpiece_t a = dpiece(runs, nr, s, h0 + h, n, ts, es, 1, t0);
+            dpiece_t b = two ? dpiece(runs, nr, s - 1, h0 + h + 1, n, ts, es, 1, t0) : (dpiece_t){0};
             for (uint32_t j = 0; j < group; j++) {
-                size_t qi = (size_t)h * group + j;
-                const float *p1a = pa + qi * pstride;
-                float *acc_a = aa + qi * hd;
-                if (pb) {
-                    const float *p1b = pb + qi * pstride;
-                    float *acc_b = ab + qi * hd;
-                    uint32_t e = p1 < na ? p1 : na;
-                    uint32_t ne = e > p0 ? e - p0 : 0, nn = p1 - p0;
-                    uint32_t d = 0;
-                    for (; d + 32 <= hd; d += 32)
-                        av2_run(p1a, p1b, p0, ne, nn, base + d * es, ts, es, dt, acc_a + d,
-                                acc_b + d, 4);
-                    for (; d < hd; d += 8)
-                        av2_run(p1a, p1b, p0, ne, nn, base + d * es, ts, es, dt, acc_a + d,
-                                acc_b + d, 1);
-                } else {
-                    uint32_t nn = p1 - p0, d = 0;
-                    /* The first pass over the piece (first query, first dims) reads V
-                     * from memory: it carries the prefetch stream. */
-                    pf_stream_t ps = pf_piece(runs, nruns, i, h, h0, nh, n, ts, es, 1);
-                    const pf_stream_t *pp = j == 0 ? &ps : NULL;
-                    for (; d + 64 <= hd; d += 64, pp = NULL)
-                        av1_run(p1a, p0, nn, base + d * es, ts, es, dt, acc_a + d, 8, pp);
-                    for (; d + 16 <= hd; d += 16, pp = NULL)
-                        av1_run(p1a, p0, nn, base + d * es, ts, es, dt, acc_a + d, 2, pp);
-                    for (; d < hd; d += 8, pp = NULL)
-                        av1_run(p1a, p0, nn, base + d * es, ts, es, dt, acc_a + d, 1, pp);
+                size_t qa = (size_t)h * group + j, qb = qa + group;
+                const float *pa = p + qa * pstride, *pb = p + qb * pstride;
+                float *aa = acc + qa * hd, *ab = acc + qb * hd;
+                if (!a.base || !b.base) {
+                    if (a.base) av1_piece(&a, pa, aa, hd, ts, es, dt, j == 0);
+                    if (b.base) av1_piece(&b, pb, ab, hd, ts, es, dt, j == 0);
+                    continue;
                 }
+                uint32_t d = 0;
+                for (; d + 32 <= hd; d += 32)
+                    av1_pair(&a, pa, aa + d, &b, pb, ab + d, d, ts, es, dt, j == 0 && d == 0, 4);
+                for (; d + 16 <= hd; d += 16)
+                    av1_pair(&a, pa, aa + d, &b, pb, ab + d, d, ts, es, dt, j == 0 && d == 0, 2);
+                for (; d < hd; d += 8)
+                    av1_pair(&a, pa, aa + d, &b, pb, ab + d, d, ts, es, dt, j == 0 && d == 0, 1);
             }
         }
     }
 }
 
-AVX2_FN static void av_avx2(const float *pa, const float *pb, uint32_t na, uint32_t nb,
-                            const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0, uint32_t nh,
-                            uint32_t group, uint32_t hd, pkv_dtype_t dt, size_t pstride, float *aa,
-                            float *ab)
+AVX2_INLINE void av_dt(const float *pa, const float *pb, uint32_t na, uint32_t nb,
+                       const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0, uint32_t nh,
+                       uint32_t group, uint32_t hd, pkv_dtype_t dt, size_t pstride, float *aa,
+                       float *ab, const bool t0)
 {
-    switch (dt) {
-    case PKV_DTYPE_F32:
-        av_dt(pa, pb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F32, pstride, aa, ab);
-        break;
-    case PKV_DTYPE_F16:
-        av_dt(pa, pb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F16, pstride, aa, ab);
-        break;
-    case PKV_DTYPE_BF16:
-        av_dt(pa, pb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_BF16, pstride, aa, ab);
-        break;
+    size_t es = dt == PKV_DTYPE_F32 ? 4 : 2;
+    size_t ts = (size_t)hd * es;
+    if (!pb) {
+        av1_dt(pa, na, runs, nruns, h0, nh, group, hd, dt, pstride, aa, t0);
+        return;
+    }
+    for (uint32_t i = 0; i < nruns && runs[i].pos < nb; i++) {
+        uint32_t p0 = runs[i].pos;
+        uint32_t p1 = p0 + runs[i].n_tokens < nb ? p0 + runs[i].n_tokens : nb;
+        if (i + 1 < nruns) prefetch_run_start(runs[i + 1].v, runs[i + 1].head_stride, h0, es);
+        for (uint32_t h = 0; h < nh; h++) {
+            const char *base =
+                (const char *)runs[i].v + (size_t)(h0 + h) * runs[i].head_stride * es;
+            for (uint32_t j = 0; j < group; j++) {
+                size_t qi = (size_t)h * group + j;
+                const float *p1a = pa + qi * pstride, *p1b = pb + qi * pstride;
+                float *acc_a = aa + qi * hd, *acc_b = ab + qi * hd;
+                uint32_t e = p1 < na ? p1 : na;
+                uint32_t ne = e > p0 ? e - p0 : 0, nn = p1 - p0;
+                uint32_t d = 0;
+                for (; d + 32 <= hd; d += 32)
+                    av2_run(p1a, p1b, p0, ne, nn, base + d * es, ts, es, dt, acc_a + d, acc_b + d,
+                            4);
+                for (; d < hd; d += 8)
+                    av2_run(p1a, p1b, p0, ne, nn, base + d * es, ts, es, dt, acc_a + d, acc_b + d,
+                            1);
+            }
+        }
     }
 }
+
+#define ATT_KERNELS(suffix, T0)                                                                    \
+    AVX2_FN static void scores_##suffix(const float *qa, const float *qb, uint32_t na,           \
+                                        uint32_t nb, const pkv_kv_run_t *runs, uint32_t nruns,   \
+                                        uint32_t h0, uint32_t nh, uint32_t group, uint32_t hd,   \
+                                        pkv_dtype_t dt, float scale, float *oa, float *ob,       \
+                                        size_t ostride)                                          \
+    {                                                                                              \
+        if (dt == PKV_DTYPE_F32)                                                                   \
+            scores_dt(qa, qb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F32, scale, oa,   \
+                      ob, ostride, T0);                                                            \
+        else if (dt == PKV_DTYPE_F16)                                                              \
+            scores_dt(qa, qb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F16, scale, oa,   \
+                      ob, ostride, T0);                                                            \
+        else                                                                                       \
+            scores_dt(qa, qb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_BF16, scale, oa,  \
+                      ob, ostride, T0);                                                            \
+    }                                                                                              \
+    AVX2_FN static void av_##suffix(const float *pa, const float *pb, uint32_t na, uint32_t nb,  \
+                                    const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0,       \
+                                    uint32_t nh, uint32_t group, uint32_t hd, pkv_dtype_t dt,    \
+                                    size_t pstride, float *aa, float *ab)                        \
+    {                                                                                              \
+        if (dt == PKV_DTYPE_F32)                                                                   \
+            av_dt(pa, pb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F32, pstride, aa, ab, \
+                  T0);                                                                             \
+        else if (dt == PKV_DTYPE_F16)                                                              \
+            av_dt(pa, pb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F16, pstride, aa, ab, \
+                  T0);                                                                             \
+        else                                                                                       \
+            av_dt(pa, pb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_BF16, pstride, aa,    \
+                  ab, T0);                                                                         \
+    }
+ATT_KERNELS(avx2_l2, false) /* decode streams prefetched into L2 (Intel) */
+ATT_KERNELS(avx2_l1, true)  /* into L1 (AMD) */
 
 AVX2_FN static float sumsq_avx2(const float *x, uint32_t n)
 {
@@ -772,13 +942,19 @@ AVX2_FN static float sumsq_avx2(const float *x, uint32_t n)
     return reduce1(a);
 }
 
-static const model_kernels_t kernels_avx2 = {
-    .name = "avx2",
-    .matmul = matmul_avx2,
-    .scores = scores_avx2,
-    .softmax = softmax_avx2,
-    .av = av_avx2,
-    .sumsq = sumsq_avx2,
+static const model_kernels_t kernels_avx2[2] = {
+    {.name = "avx2",
+     .matmul = matmul_avx2,
+     .scores = scores_avx2_l2,
+     .softmax = softmax_avx2,
+     .av = av_avx2_l2,
+     .sumsq = sumsq_avx2},
+    {.name = "avx2 (decode prefetch to L1)",
+     .matmul = matmul_avx2,
+     .scores = scores_avx2_l1,
+     .softmax = softmax_avx2,
+     .av = av_avx2_l1,
+     .sumsq = sumsq_avx2},
 };
 
 const model_kernels_t *model_kernels_avx2(uint32_t head_dim)
@@ -789,7 +965,9 @@ const model_kernels_t *model_kernels_avx2(uint32_t head_dim)
     __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
     if (!(c & (1u << 29))) return NULL; /* F16C */
     if (head_dim % 8) return NULL;
-    return &kernels_avx2;
+    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
+    bool amd = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163; /* "AuthenticAMD" */
+    return &kernels_avx2[amd];
 }
 #else
 const model_kernels_t *model_kernels_avx2(uint32_t head_dim)
