@@ -273,12 +273,13 @@ typedef struct {
 } mcase_res_t;
 
 /* The bare reads' layouts (the bound; see bare_stream). */
-enum { BARE_DENSE, BARE_HUGE, BARE_PIECES, N_BARE };
-static const char *const bare_names[N_BARE] = {"contiguous on 4 KiB pages (dense's layout)",
-                                               "contiguous on 2 MiB pages",
-                                               "pieces one per 2 MiB granule (paged's reads)"};
+enum { BARE_DENSE, BARE_HUGE, BARE_PIECES, BARE_PIECES2, N_BARE };
+static const char *const bare_names[N_BARE] = {
+    "contiguous on 4 KiB pages (dense's layout)", "contiguous on 2 MiB pages",
+    "pieces one per 2 MiB granule, one at a time",
+    "the same pieces two granules at once (paged's decode walk)"};
 static const char *const bare_keys[N_BARE] = {"bare_stream_gbs", "bare_huge_gbs",
-                                              "bare_pieces_gbs"};
+                                              "bare_pieces_gbs", "bare_pieces2_gbs"};
 #define BARE_GRANULE ((size_t)2 << 20)
 
 /* Everything measured. */
@@ -700,6 +701,9 @@ static int write_json(pkv_model_t *m, const opts_t *o, const results_t *res, con
     }
     json_object_set_new(j, "decode_pairs", json_integer((json_int_t)o->pairs));
     json_object_set_new(j, "kernels", json_string(pkv_model_kernels(m)));
+    char cpu[200];
+    pkv_prim_cpu_model(cpu, sizeof(cpu));
+    json_object_set_new(j, "cpu_model", json_string(cpu));
     json_object_set_new(j, "block_tokens", json_integer(block_tokens));
     json_object_set_new(j, "prefill_3700_llama_cpu_s", json_real(s->pc_paged));
     json_object_set_new(j, "prefill_3700_llama_cpu_s_dense", json_real(s->pc_dense));
@@ -714,10 +718,12 @@ static int write_json(pkv_model_t *m, const opts_t *o, const results_t *res, con
 static void print_header(pkv_model_t *m, const opts_t *o, const results_t *res)
 {
     const pkv_model_config_t *c0 = pkv_model_config(m);
-    printf("pagekv bench model: preset %s (%u layers, %u KV heads x %u, %u query heads, dim %u, "
+    char cpu[200];
+    pkv_prim_cpu_model(cpu, sizeof(cpu));
+    printf("pagekv bench model on %s: preset %s (%u layers, %u KV heads x %u, %u query heads, dim %u, "
            "hidden %u, vocab %u), KV %s, kernels %s, %u threads, %llu runs, %llu decode steps; "
            "load average %.2f -> %.2f; steal %.0f %% of the machine's CPU time (/proc/stat)\n\n",
-           o->preset, c0->n_layers, c0->n_kv_heads, c0->head_dim, c0->n_heads, c0->dim,
+           cpu, o->preset, c0->n_layers, c0->n_kv_heads, c0->head_dim, c0->n_heads, c0->dim,
            c0->hidden_dim, c0->vocab_size, pkv_dtype_name(o->dt), pkv_model_kernels(m),
            pkv_model_threads(m), (unsigned long long)o->runs, (unsigned long long)o->steps,
            res->load0, res->load1, res->steal * 100);
@@ -860,9 +866,10 @@ static json_t *print_cases(const opts_t *o, const results_t *res)
             double step = (double)res->stream_bytes;
             printf("long: one decode step reads %.0f MiB of K/V: paged %.1f GB/s, dense %.1f GB/s "
                    "(whole steps, median); bare %u-thread reads of the same bytes (once, 4 KiB "
-                   "prefetch ahead into L2, no arithmetic):",
+                   "prefetch ahead into %s as the kernels, no arithmetic):",
                    step / (1 << 20), pkv_bench_median(r->tok_s[0], o->pairs) * step / 1e9,
-                   pkv_bench_median(r->tok_s[1], o->pairs) * step / 1e9, res->stream_threads);
+                   pkv_bench_median(r->tok_s[1], o->pairs) * step / 1e9, res->stream_threads,
+                   pkv_prim_cpu_amd() ? "L1" : "L2");
             for (int b = 0; b < N_BARE; b++)
                 printf("%s %s %.1f GB/s", b ? ";" : "", bare_names[b], res->stream_gbs[b]);
             printf(" (%zu KiB pieces)\n", res->stream_piece >> 10);
@@ -873,11 +880,14 @@ static json_t *print_cases(const opts_t *o, const results_t *res)
 
 /* ---- the bound: bare reads of as many bytes as one long decode step reads ---- */
 
-/* The same bytes in three layouts, each read once by the model's threads with the decode
- * stream's prefetch (4 KiB ahead into L2, across jumps): contiguous on 4 KiB pages (the
- * dense buffer's), contiguous on 2 MiB pages, and pieces one per 2 MiB granule (the paged
- * pool's reads in the long case: a task's heads of one granule's tokens, then the next
- * granule). What each layout can deliver on this machine, with no arithmetic. */
+/* The same bytes in four layouts, each read once by the model's threads with the decode
+ * stream's prefetch (4 KiB ahead, across jumps, into L1 on AMD and L2 elsewhere, as the
+ * kernels): contiguous on 4 KiB pages (the dense buffer's), contiguous on 2 MiB pages,
+ * pieces one per 2 MiB granule (the paged pool's reads in the long case: a task's heads
+ * of one granule's tokens, then the next granule) read one at a time, and the same
+ * pieces read as the decode kernels walk them: a task's two heads skewed by one granule,
+ * so that the first half of piece k and the second half of piece k - 1 are read line by
+ * line together. What each layout can deliver on this machine, with no arithmetic. */
 
 typedef struct {
     const char *base;
@@ -885,6 +895,7 @@ typedef struct {
     size_t npieces; /* read by this thread */
     size_t ngran;   /* granules the pieces are spread over; 1: one contiguous share */
     uint32_t t, threads;
+    bool two, t0; /* BARE_PIECES2; prefetcht0 (else t1) */
     uint64_t sum;
 } stream_part_t;
 
@@ -894,20 +905,36 @@ static const char *piece_at(const stream_part_t *a, size_t k)
     return a->base + k % a->ngran * BARE_GRANULE + (k / a->ngran * a->threads + a->t) * a->piece;
 }
 
+/* One stream's line at offset o of [p, p + len), prefetching 4 KiB ahead (into next). */
+static inline uint64_t stream_line(const char *p, const char *next, size_t len, size_t o, bool t0)
+{
+    size_t f = o + 4096;
+    const char *q = f < len ? p + f : next ? next + (f - len) : NULL;
+    if (q && t0)
+        __builtin_prefetch(q, 0, 3);
+    else if (q)
+        __builtin_prefetch(q, 0, 2);
+    const uint64_t *l = (const uint64_t *)(p + o);
+    return (l[0] ^ l[1]) + (l[2] ^ l[3]) + (l[4] ^ l[5]) + (l[6] ^ l[7]);
+}
+
 static void *stream_part(void *arg)
 {
     stream_part_t *a = arg;
     uint64_t s = 0;
-    for (size_t k = 0; k < a->npieces; k++) {
+    size_t half = a->piece / 2;
+    for (size_t k = 0; !a->two && k < a->npieces; k++) {
         const char *p = piece_at(a, k), *next = k + 1 < a->npieces ? piece_at(a, k + 1) : NULL;
-        for (size_t o = 0; o < a->piece; o += 64) {
-            size_t f = o + 4096;
-            if (f < a->piece)
-                __builtin_prefetch(p + f, 0, 2);
-            else if (next)
-                __builtin_prefetch(next + (f - a->piece), 0, 2);
-            const uint64_t *l = (const uint64_t *)(p + o);
-            s += (l[0] ^ l[1]) + (l[2] ^ l[3]) + (l[4] ^ l[5]) + (l[6] ^ l[7]);
+        for (size_t o = 0; o < a->piece; o += 64) s += stream_line(p, next, a->piece, o, a->t0);
+    }
+    for (size_t k = 0; a->two && k <= a->npieces; k++) { /* step k: A in piece k, B in k - 1 */
+        const char *pa = k < a->npieces ? piece_at(a, k) : NULL;
+        const char *pb = k ? piece_at(a, k - 1) + half : NULL;
+        const char *na = k + 1 < a->npieces ? piece_at(a, k + 1) : NULL;
+        const char *nb = k < a->npieces ? piece_at(a, k) + half : NULL;
+        for (size_t o = 0; o < half; o += 64) {
+            if (pa) s += stream_line(pa, na, half, o, a->t0);
+            if (pb) s += stream_line(pb, nb, half, o, a->t0);
         }
     }
     a->sum = s;
@@ -922,14 +949,16 @@ static double bare_stream(size_t bytes, uint32_t threads, int kind, size_t piece
     enum { PASSES = 5, MAX_T = 64 };
     if (threads > MAX_T) threads = MAX_T;
     stream_part_t a = {
-        .piece = bytes / threads & ~(size_t)63, .npieces = 1, .ngran = 1, .threads = threads};
-    if (kind == BARE_PIECES) {
-        if (piece < 64 || piece % 64 || piece * threads > BARE_GRANULE) return 0;
+        .piece = bytes / threads & ~(size_t)63, .npieces = 1, .ngran = 1, .threads = threads,
+        .two = kind == BARE_PIECES2, .t0 = pkv_prim_cpu_amd()};
+    bool pieces = kind == BARE_PIECES || kind == BARE_PIECES2;
+    if (pieces) {
+        if (piece < 128 || piece % 128 || piece * threads > BARE_GRANULE) return 0;
         a.piece = piece;
         a.ngran = bytes / BARE_GRANULE ? bytes / BARE_GRANULE : 1;
         a.npieces = a.ngran * (BARE_GRANULE / (piece * threads));
     }
-    size_t len = kind == BARE_PIECES ? a.ngran * BARE_GRANULE : a.piece * threads;
+    size_t len = pieces ? a.ngran * BARE_GRANULE : a.piece * threads;
     size_t map = len + BARE_GRANULE; /* room to start on a 2 MiB boundary */
     char *m = mmap(NULL, map, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (m == MAP_FAILED) return 0;

@@ -93,6 +93,19 @@ START_TEST(prim_reads_the_load_average)
     double l = -1;
     ck_assert_int_eq(pkv_prim_loadavg(&l), PKV_OK);
     ck_assert(l >= 0 && l < 1e6);
+    /* The CPU's name: family and model where /proc/cpuinfo has them, cut to the buffer. */
+    char cpu[200], small[8];
+    pkv_prim_cpu_model(cpu, sizeof(cpu));
+    ck_assert(strlen(cpu) > 0 && strcmp(cpu, "unknown"));
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    char line[256];
+    bool fam = false;
+    while (f && fgets(line, sizeof(line), f) && !fam) fam = !strncmp(line, "cpu family", 10);
+    if (f) fclose(f);
+    if (fam) ck_assert_ptr_nonnull(strstr(cpu, "(family "));
+    pkv_prim_cpu_model(small, sizeof(small));
+    ck_assert_uint_eq(strlen(small), 7);
+    ck_assert(!strncmp(small, cpu, 7));
 }
 END_TEST
 

@@ -5,6 +5,7 @@
 #include "model/kernels.h"
 
 #include "core/core.h"
+#include "prim/prim.h"
 
 #include <math.h>
 #include <string.h>
@@ -965,9 +966,7 @@ const model_kernels_t *model_kernels_avx2(uint32_t head_dim)
     __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
     if (!(c & (1u << 29))) return NULL; /* F16C */
     if (head_dim % 8) return NULL;
-    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
-    bool amd = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163; /* "AuthenticAMD" */
-    return &kernels_avx2[amd];
+    return &kernels_avx2[pkv_prim_cpu_amd()];
 }
 #else
 const model_kernels_t *model_kernels_avx2(uint32_t head_dim)

@@ -14,6 +14,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <malloc.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -265,6 +266,45 @@ int pkv_prim_cpu_ticks(uint64_t *total, uint64_t *steal)
     *total = sum;
     *steal = v[7];
     return PKV_OK;
+}
+
+void pkv_prim_cpu_model(char *buf, size_t n)
+{
+    char name[128] = "", line[256];
+    int family = -1, model = -1;
+    FILE *f = fopen("/proc/cpuinfo", "re");
+    while (f && fgets(line, sizeof(line), f) && strcmp(line, "\n")) { /* the first CPU */
+        char *v = strchr(line, ':');
+        if (!v) continue;
+        v += strspn(v + 1, " \t") + 1;
+        v[strcspn(v, "\n")] = 0;
+        if (!strncmp(line, "model name", 10))
+            snprintf(name, sizeof(name), "%s", v);
+        else if (!strncmp(line, "cpu family", 10))
+            family = atoi(v);
+        else if (!strncmp(line, "model\t", 6))
+            model = atoi(v);
+    }
+    if (f) fclose(f);
+    if (!n) return;
+    if (!name[0])
+        snprintf(buf, n, "unknown");
+    else if (family < 0 || model < 0)
+        snprintf(buf, n, "%s", name);
+    else
+        snprintf(buf, n, "%s (family %d, model %d)", name, family, model);
+}
+
+bool pkv_prim_cpu_amd(void)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    unsigned a, b, c, d;
+    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
+    (void)a;
+    return b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;
+#else
+    return false;
+#endif
 }
 
 int pkv_prim_boot_id(uint8_t out[16])

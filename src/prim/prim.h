@@ -81,6 +81,14 @@ int pkv_prim_loadavg(double *out);
  * when it cannot be read; the outputs are written only on success. */
 int pkv_prim_cpu_ticks(uint64_t *total, uint64_t *steal);
 
+/* The CPU's name with its family and model from /proc/cpuinfo, as "AMD EPYC (family 26,
+ * model 2)", into buf (always terminated; "unknown" when it cannot be read). */
+void pkv_prim_cpu_model(char *buf, size_t n);
+
+/* Whether the CPU says "AuthenticAMD" (CPUID leaf 0); false off x86-64. The decode
+ * kernels prefetch into L1 there and into L2 elsewhere (docs/design/model.md, "Speed"). */
+bool pkv_prim_cpu_amd(void);
+
 /* ---- transparent huge pages (hugepage.c) -------------------------------------------- */
 
 typedef enum {
