@@ -672,9 +672,9 @@ AVX2_INLINE void av1_run(const float *p, uint32_t p0, uint32_t n, const char *ba
         else if (!eo)
             a[j] = _mm256_loadu_ps(acc + 8 * j);
     }
-    int lines = (int)(8 * ts / 64);
+    int lines = (int)(ts / 64);
     for (uint32_t t = 0; t < n; t++) {
-        if (ps && !(t & 7)) pf_ahead(ps, t * ts, lines);
+        if (ps) pf_ahead(ps, t * ts, lines);
         __m256 pv = _mm256_broadcast_ss(p + p0 + t);
         const char *vt = base + t * ts;
 #pragma GCC unroll 8
@@ -761,10 +761,10 @@ AVX2_INLINE void av1_pair(const dpiece_t *a, const float *pa, float *acc_a, cons
     }
     const char *va = a->base + d0 * es, *vb = b->base + d0 * es;
     const float *qa = pa + a->p0, *qb = pb + b->p0;
-    int lines = (int)(8 * ts / 64);
+    int lines = (int)(ts / 64);
     uint32_t both = a->n < b->n ? a->n : b->n;
     for (uint32_t t = 0; t < both; t++) {
-        if (stream && !(t & 7)) {
+        if (stream) {
             pf_ahead(&a->ps, t * ts, lines);
             pf_ahead(&b->ps, t * ts, lines);
         }
