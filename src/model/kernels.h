@@ -30,8 +30,9 @@ typedef struct {
      * multiples of 16, w has ldw >= c1 columns. */
     void (*matmul)(const float *x, size_t ldx, uint32_t rows, uint32_t K, const float *w,
                    size_t ldw, uint32_t c0, uint32_t c1, float *y, size_t ldy);
-    /* Attention scores for KV heads [h0, h0 + nh) of the runs (in position order,
-     * contiguous from position 0), `group` query heads per KV head. Query head j of KV
+    /* Attention scores for KV heads [h0, h0 + nh) of the runs (in position order and
+     * contiguous, from any position: a window of a sequence's runs, each clipped to it,
+     * reads as well as the whole list), `group` query heads per KV head. Query head j of KV
      * head h (j < group) of query a is at qa + ((h - h0) * group + j) * hd and writes
      * its scores to oa + ((h - h0) * group + j) * ostride: oa[..][t] = scale * dot(q,
      * k_t) for t < na. Likewise query b (qb, ob, nb) when qb is not NULL (na <= nb).
@@ -43,7 +44,7 @@ typedef struct {
                    size_t ostride);
     /* s[0..n) <- softmax(s[0..n)). */
     void (*softmax)(float *s, uint32_t n);
-    /* For the same heads: aa[..][d] += sum over t < na ascending of pa[..][t] * v_t[d]
+    /* For the same heads: aa[..][d] += sum over the runs' t < na ascending of pa[..][t] * v_t[d]
      * (pa rows at pstride, aa rows at hd), and likewise ab with pb over t < nb. */
     void (*av)(const float *pa, const float *pb, uint32_t na, uint32_t nb, const pkv_kv_run_t *runs,
                uint32_t nruns, uint32_t h0, uint32_t nh, uint32_t group, uint32_t hd,

@@ -39,6 +39,11 @@
 #define PARALLEL_MIN_MACS (1u << 16)
 #define MM_ROW_BLOCK      32u
 #define MM_COL_BLOCK      64u
+/* Attention: row pairs per task, and the K (or V) bytes of a task's heads per window
+ * (att_task), in at most WINDOW_RUNS runs. */
+#define BLOCK_PAIRS  4u
+#define WINDOW_BYTES ((size_t)256 << 10)
+#define WINDOW_RUNS  64u
 
 struct pkv_model_row {
     uint32_t seg;
@@ -178,6 +183,7 @@ void pkv_model_destroy(pkv_model_t *m)
     model_tpool_destroy(m->pool);
     free(m->runs);
     free(m->pairs);
+    free(m->blocks);
     free(m->segs);
     free(m->rows);
     free(m->scores);
@@ -255,9 +261,11 @@ int model_alloc(const pkv_model_config_t *cfg, const pkv_model_runtime_t *rt, pk
         !(m->hid = alloc_floats(C * H)) || !(m->rope = alloc_floats(C * c->head_dim)) ||
         !(m->lrows = alloc_floats(LOGIT_ROWS * m->ld_d)) ||
         !(m->lout = alloc_floats(LOGIT_ROWS * (size_t)m->ld_v)) ||
-        !(m->scores = alloc_floats((size_t)m->threads * 2 * c->n_heads * c->max_seq_len)) ||
+        !(m->scores = alloc_floats((size_t)m->threads * 2 * BLOCK_PAIRS * c->n_heads *
+                                   c->max_seq_len)) ||
         !(m->rows = calloc(C, sizeof(*m->rows))) || !(m->segs = calloc(C, sizeof(*m->segs))) ||
-        !(m->pairs = calloc(C, sizeof(*m->pairs))))
+        !(m->pairs = calloc(C, sizeof(*m->pairs))) ||
+        !(m->blocks = calloc(C + 1, sizeof(*m->blocks))))
         goto fail;
     if ((rc = model_tpool_create(m->threads, "pkv-model", &m->pool))) goto fail;
     *out = m;
@@ -413,44 +421,110 @@ typedef struct {
     pkv_dtype_t dt;
     size_t es;
     float scale;
-    uint32_t splits;         /* head groups per row pair */
+    uint32_t splits;         /* head groups per block */
     uint32_t heads_per_task; /* KV heads per group */
 } att_job_t;
 
-/* A task is one or two rows of one segment (adjacent positions share K/V loads) and a
- * group of KV heads with their query heads. Whole groups of heads per task let a paged
- * block's K (then V) region of one layer be read front to back. */
+/* The runs of [w0, *w1) from runs[*at] on (*at: advanced to the first reaching w0), each
+ * clipped to the window, at most WINDOW_RUNS; where they run out, *w1 is cut back to the
+ * end of the last. */
+static uint32_t window_runs(const pkv_kv_run_t *runs, uint32_t nruns, uint32_t *at, uint32_t w0,
+                            uint32_t *w1, size_t ts, pkv_kv_run_t *out)
+{
+    uint32_t i = *at, got = 0;
+    while (i < nruns && runs[i].pos + runs[i].n_tokens <= w0) i++;
+    *at = i;
+    for (; i < nruns && runs[i].pos < *w1 && got < WINDOW_RUNS; i++) {
+        const pkv_kv_run_t *r = &runs[i];
+        uint32_t p0 = r->pos > w0 ? r->pos : w0, e = r->pos + r->n_tokens;
+        size_t skip = (size_t)(p0 - r->pos) * ts;
+        out[got++] = (pkv_kv_run_t){.k = (const char *)r->k + skip,
+                                    .v = (const char *)r->v + skip,
+                                    .pos = p0,
+                                    .n_tokens = (e < *w1 ? e : *w1) - p0,
+                                    .head_stride = r->head_stride};
+    }
+    if (got == WINDOW_RUNS && i < nruns && runs[i].pos < *w1) *w1 = runs[i].pos;
+    return got;
+}
+
+/* A task is a block of up to BLOCK_PAIRS row pairs of one segment (a pair: one or two
+ * rows at adjacent positions, which share each K/V load) and a group of KV heads with
+ * their query heads. A block walks the positions in windows of about WINDOW_BYTES of its
+ * heads' K (then V), every pair reading a window while it is in L2: at long context the
+ * pairs of a prefill chunk read K/V from memory once per block rather than once each.
+ * Whole groups of heads per task let a paged block's K (then V) region of one layer be
+ * read front to back. The windows change no value: scores are per position, the softmax
+ * runs once all are in, and V folds the windows in ascending order into accumulators
+ * that round-trip through memory (kernels.h). */
 static void att_task(void *arg, uint32_t task, uint32_t thread)
 {
     const att_job_t *j = arg;
     pkv_model_t *m = j->m;
     const pkv_model_config_t *c = &m->cfg;
     uint32_t hd = c->head_dim, group = c->n_heads / c->n_kv_heads, S = c->max_seq_len;
-    uint32_t pr = task / j->splits, h0 = (task % j->splits) * j->heads_per_task;
+    uint32_t blk = task / j->splits, h0 = (task % j->splits) * j->heads_per_task;
     uint32_t nh = j->heads_per_task, nq = nh * group;
-    uint32_t ra = m->pairs[pr].row, rb = ra + 1;
-    bool two = m->pairs[pr].two;
-    const struct pkv_model_seg *seg = &m->segs[m->rows[ra].seg];
+    uint32_t pr0 = m->blocks[blk], np = m->blocks[blk + 1] - pr0;
+    const struct pkv_model_seg *seg = &m->segs[m->rows[m->pairs[pr0].row].seg];
     /* The task's heads lie in one group (splits is a multiple of kv_groups): read the
      * group's rank, whose runs point at its first head. */
     uint32_t per_group = c->n_kv_heads / m->kv_groups, grp = h0 / per_group;
     const pkv_kv_run_t *runs = m->runs + seg->run0 + (size_t)grp * seg->nruns;
     uint32_t kh0 = h0 - grp * per_group; /* the rank-local head of h0 */
-    uint32_t na = m->rows[ra].pos + 1, nb = two ? m->rows[rb].pos + 1 : 0;
-    float *sa = m->scores + (size_t)thread * 2 * c->n_heads * S, *sb = sa + (size_t)c->n_heads * S;
-    const float *qa = m->qkv + (size_t)ra * m->ld_qkv + (size_t)h0 * group * hd;
-    const float *qb = two ? qa + m->ld_qkv : NULL;
-    float *oa = m->att + (size_t)ra * m->ld_q + (size_t)h0 * group * hd, *ob = oa + m->ld_q;
-    m->kern->scores(qa, qb, na, nb, runs, seg->nruns, kh0, nh, group, hd, j->dt, j->scale, sa, sb,
-                    S);
-    for (uint32_t q = 0; q < nq; q++) {
-        m->kern->softmax(sa + (size_t)q * S, na);
-        if (two) m->kern->softmax(sb + (size_t)q * S, nb);
+    size_t plane = (size_t)c->n_heads * S;
+    float *scr = m->scores + (size_t)thread * 2 * BLOCK_PAIRS * plane;
+    uint32_t na[BLOCK_PAIRS], nb[BLOCK_PAIRS], end = 0;
+    const float *qa[BLOCK_PAIRS], *qb[BLOCK_PAIRS];
+    float *oa[BLOCK_PAIRS], *ob[BLOCK_PAIRS];
+    for (uint32_t k = 0; k < np; k++) {
+        const struct pkv_model_pair *pr = &m->pairs[pr0 + k];
+        uint32_t ra = pr->row;
+        na[k] = m->rows[ra].pos + 1;
+        nb[k] = pr->two ? na[k] + 1 : 0;
+        end = pr->two ? nb[k] : na[k];
+        qa[k] = m->qkv + (size_t)ra * m->ld_qkv + (size_t)h0 * group * hd;
+        qb[k] = pr->two ? qa[k] + m->ld_qkv : NULL;
+        oa[k] = m->att + (size_t)ra * m->ld_q + (size_t)h0 * group * hd;
+        ob[k] = oa[k] + m->ld_q;
     }
-    memset(oa, 0, (size_t)nq * hd * sizeof(float));
-    if (two) memset(ob, 0, (size_t)nq * hd * sizeof(float));
-    m->kern->av(sa, two ? sb : NULL, na, nb, runs, seg->nruns, kh0, nh, group, hd, j->dt, S, oa,
-                two ? ob : NULL);
+    /* A lone pair (decode) reads everything once anyway: one window, the runs as they are. */
+    size_t wt = WINDOW_BYTES / ((size_t)nh * hd * j->es);
+    if (wt < 16) wt = 16;
+    if (np == 1 || wt >= end) wt = end;
+    pkv_kv_run_t win[WINDOW_RUNS];
+    for (int pass = 0; pass < 2; pass++) { /* scores, then V */
+        uint32_t at = 0;
+        for (uint32_t w0 = 0; w0 < end;) {
+            uint32_t w1 = end - w0 > wt ? w0 + (uint32_t)wt : end, nw = seg->nruns;
+            const pkv_kv_run_t *wr = runs;
+            if (w1 - w0 < end) {
+                nw = window_runs(runs, seg->nruns, &at, w0, &w1, hd * j->es, win);
+                wr = win;
+            }
+            for (uint32_t k = 0; k < np; k++) {
+                float *sa = scr + 2 * k * plane, *sb = sa + plane;
+                bool two = qb[k] != NULL;
+                if (w0 >= (two ? nb[k] : na[k])) continue;
+                if (pass == 0)
+                    m->kern->scores(qa[k], qb[k], na[k], nb[k], wr, nw, kh0, nh, group, hd, j->dt,
+                                    j->scale, sa, sb, S);
+                else
+                    m->kern->av(sa, two ? sb : NULL, na[k], nb[k], wr, nw, kh0, nh, group, hd,
+                                j->dt, S, oa[k], two ? ob[k] : NULL);
+            }
+            w0 = w1;
+        }
+        for (uint32_t k = 0; pass == 0 && k < np; k++) {
+            float *sa = scr + 2 * k * plane, *sb = sa + plane;
+            for (uint32_t q = 0; q < nq; q++) {
+                m->kern->softmax(sa + (size_t)q * S, na[k]);
+                if (qb[k]) m->kern->softmax(sb + (size_t)q * S, nb[k]);
+            }
+            memset(oa[k], 0, (size_t)nq * hd * sizeof(float));
+            if (qb[k]) memset(ob[k], 0, (size_t)nq * hd * sizeof(float));
+        }
+    }
 }
 
 /* Append the runs of [0, end) of one segment in `rank` at m->runs + *used. */
@@ -559,7 +633,7 @@ static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg
         }
     }
     att_job_t aj = {.m = m, .dt = dt, .es = es, .scale = 1.0f / sqrtf((float)hd)};
-    uint32_t npairs = 0;
+    uint32_t npairs = 0, nblocks = 0;
     /* Split heads into groups only as far as needed to give every thread work, and at least
      * into the groups the ranks hold (a task reads one rank). */
     aj.splits = m->kv_groups;
@@ -569,10 +643,12 @@ static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg
         for (uint32_t r = 0; r < m->segs[sg].n; r += 2) {
             m->pairs[npairs].row = m->segs[sg].row0 + r;
             m->pairs[npairs].two = r + 1 < m->segs[sg].n;
+            if (r % (2 * BLOCK_PAIRS) == 0) m->blocks[nblocks++] = npairs;
             npairs++;
         }
     }
-    while (npairs * aj.splits < 2 * m->threads && c->n_kv_heads % (aj.splits * 2) == 0)
+    m->blocks[nblocks] = npairs;
+    while (nblocks * aj.splits < 2 * m->threads && c->n_kv_heads % (aj.splits * 2) == 0)
         aj.splits *= 2;
     aj.heads_per_task = c->n_kv_heads / aj.splits;
     for (uint32_t l = 0; l < c->n_layers; l++) {
@@ -589,9 +665,9 @@ static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg
         int rc = collect_runs(m, nseg, l);
         if (rc) return rc;
         if (att_macs < PARALLEL_MIN_MACS) {
-            for (uint32_t t = 0; t < npairs * aj.splits; t++) att_task(&aj, t, 0);
+            for (uint32_t t = 0; t < nblocks * aj.splits; t++) att_task(&aj, t, 0);
         } else {
-            model_tpool_run(m->pool, att_task, &aj, npairs * aj.splits);
+            model_tpool_run(m->pool, att_task, &aj, nblocks * aj.splits);
         }
         matmul(m, m->att, m->ld_q, rows, m->qdim, ly->wo, m->ld_d, m->tmp, m->ld_d);
         for (uint32_t r = 0; r < rows; r++) {

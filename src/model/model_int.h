@@ -52,10 +52,11 @@ struct pkv_model {
     float *rope;                  /* (chunk, head_dim): cos, sin per pair */
     float *lrows;                 /* (LOGIT_ROWS, ld_d) */
     float *lout;                  /* (LOGIT_ROWS, ld_v) */
-    float *scores;                /* (threads, 2, max_seq_len) */
+    float *scores;                /* (threads, 2 BLOCK_PAIRS, n_heads, max_seq_len) */
     struct pkv_model_row *rows;   /* (chunk) */
     struct pkv_model_seg *segs;   /* (chunk) */
     struct pkv_model_pair *pairs; /* (chunk) */
+    uint32_t *blocks;             /* (chunk + 1): block b is pairs [blocks[b], blocks[b + 1]) */
     pkv_kv_run_t *runs;           /* per segment: kv_groups x nruns (group-major) */
     size_t runs_cap;
     /* The cache of the current forward: its ranks, and the head groups attention reads,
