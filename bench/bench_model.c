@@ -278,8 +278,8 @@ static const char *const bare_names[N_BARE] = {
     "contiguous on 4 KiB pages (dense's layout)", "contiguous on 2 MiB pages",
     "pieces one per 2 MiB granule, one at a time",
     "the same pieces two granules at once (paged's decode walk)"};
-static const char *const bare_keys[N_BARE] = {"bare_stream_gbs", "bare_huge_gbs",
-                                              "bare_pieces_gbs", "bare_pieces2_gbs"};
+static const char *const bare_keys[N_BARE] = {"bare_stream_gbs", "bare_huge_gbs", "bare_pieces_gbs",
+                                              "bare_pieces2_gbs"};
 #define BARE_GRANULE ((size_t)2 << 20)
 
 /* Everything measured. */
@@ -720,13 +720,14 @@ static void print_header(pkv_model_t *m, const opts_t *o, const results_t *res)
     const pkv_model_config_t *c0 = pkv_model_config(m);
     char cpu[200];
     pkv_prim_cpu_model(cpu, sizeof(cpu));
-    printf("pagekv bench model on %s: preset %s (%u layers, %u KV heads x %u, %u query heads, dim %u, "
-           "hidden %u, vocab %u), KV %s, kernels %s, %u threads, %llu runs, %llu decode steps; "
-           "load average %.2f -> %.2f; steal %.0f %% of the machine's CPU time (/proc/stat)\n\n",
-           cpu, o->preset, c0->n_layers, c0->n_kv_heads, c0->head_dim, c0->n_heads, c0->dim,
-           c0->hidden_dim, c0->vocab_size, pkv_dtype_name(o->dt), pkv_model_kernels(m),
-           pkv_model_threads(m), (unsigned long long)o->runs, (unsigned long long)o->steps,
-           res->load0, res->load1, res->steal * 100);
+    printf(
+        "pagekv bench model on %s: preset %s (%u layers, %u KV heads x %u, %u query heads, dim %u, "
+        "hidden %u, vocab %u), KV %s, kernels %s, %u threads, %llu runs, %llu decode steps; "
+        "load average %.2f -> %.2f; steal %.0f %% of the machine's CPU time (/proc/stat)\n\n",
+        cpu, o->preset, c0->n_layers, c0->n_kv_heads, c0->head_dim, c0->n_heads, c0->dim,
+        c0->hidden_dim, c0->vocab_size, pkv_dtype_name(o->dt), pkv_model_kernels(m),
+        pkv_model_threads(m), (unsigned long long)o->runs, (unsigned long long)o->steps, res->load0,
+        res->load1, res->steal * 100);
     if (null_pairs)
         printf("--null: both sides are paged pools (the second is labelled dense below); the "
                "paged/dense figures are what this instrument reads at parity\n\n");
@@ -948,9 +949,12 @@ static double bare_stream(size_t bytes, uint32_t threads, int kind, size_t piece
 {
     enum { PASSES = 5, MAX_T = 64 };
     if (threads > MAX_T) threads = MAX_T;
-    stream_part_t a = {
-        .piece = bytes / threads & ~(size_t)63, .npieces = 1, .ngran = 1, .threads = threads,
-        .two = kind == BARE_PIECES2, .t0 = pkv_prim_cpu_amd()};
+    stream_part_t a = {.piece = bytes / threads & ~(size_t)63,
+                       .npieces = 1,
+                       .ngran = 1,
+                       .threads = threads,
+                       .two = kind == BARE_PIECES2,
+                       .t0 = pkv_prim_cpu_amd()};
     bool pieces = kind == BARE_PIECES || kind == BARE_PIECES2;
     if (pieces) {
         if (piece < 128 || piece % 128 || piece * threads > BARE_GRANULE) return 0;

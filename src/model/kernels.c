@@ -562,11 +562,14 @@ AVX2_INLINE void scores1_dt(const float *q, uint32_t n, const pkv_kv_run_t *runs
         float *oa = o + (size_t)h * group * ostride, *ob = oa + (size_t)group * ostride;
         for (int64_t s = 0; s < (int64_t)nr + two; s++) {
             dpiece_t a = dpiece(runs, nr, s, h0 + h, n, ts, es, 0, t0);
-            dpiece_t b = two ? dpiece(runs, nr, s - 1, h0 + h + 1, n, ts, es, 0, t0) : (dpiece_t){0};
+            dpiece_t b =
+                two ? dpiece(runs, nr, s - 1, h0 + h + 1, n, ts, es, 0, t0) : (dpiece_t){0};
             uint32_t m = a.n > b.n ? a.n : b.n;
             for (uint32_t t = 0; t < m; t += 8) {
-                if (t < a.n) s1_chunk(&a, t, qa, group, hd, ts, es, dt, eo, each, sc, oa, ostride, lines);
-                if (t < b.n) s1_chunk(&b, t, qb, group, hd, ts, es, dt, eo, each, sc, ob, ostride, lines);
+                if (t < a.n)
+                    s1_chunk(&a, t, qa, group, hd, ts, es, dt, eo, each, sc, oa, ostride, lines);
+                if (t < b.n)
+                    s1_chunk(&b, t, qb, group, hd, ts, es, dt, eo, each, sc, ob, ostride, lines);
             }
         }
     }
@@ -803,11 +806,11 @@ AVX2_INLINE void av1_pair(const dpiece_t *a, const float *pa, float *acc_a, cons
     }
     /* The longer piece's tail alone. */
     if (a->n > both)
-        av1_run(pa, a->p0 + both, a->n - both, a->base + both * ts + d0 * es, ts, es, dt, acc_a,
-                NV, NULL);
+        av1_run(pa, a->p0 + both, a->n - both, a->base + both * ts + d0 * es, ts, es, dt, acc_a, NV,
+                NULL);
     if (b->n > both)
-        av1_run(pb, b->p0 + both, b->n - both, b->base + both * ts + d0 * es, ts, es, dt, acc_b,
-                NV, NULL);
+        av1_run(pb, b->p0 + both, b->n - both, b->base + both * ts + d0 * es, ts, es, dt, acc_b, NV,
+                NULL);
 }
 
 /* All dims of one piece for one query (the first dims carry the stream). */
@@ -835,7 +838,8 @@ AVX2_INLINE void av1_dt(const float *p, uint32_t n, const pkv_kv_run_t *runs, ui
         bool two = h + 1 < nh;
         for (int64_t s = 0; s < (int64_t)nr + two; s++) {
             dpiece_t a = dpiece(runs, nr, s, h0 + h, n, ts, es, 1, t0);
-            dpiece_t b = two ? dpiece(runs, nr, s - 1, h0 + h + 1, n, ts, es, 1, t0) : (dpiece_t){0};
+            dpiece_t b =
+                two ? dpiece(runs, nr, s - 1, h0 + h + 1, n, ts, es, 1, t0) : (dpiece_t){0};
             for (uint32_t j = 0; j < group; j++) {
                 size_t qa = (size_t)h * group + j, qb = qa + group;
                 const float *pa = p + qa * pstride, *pb = p + qb * pstride;
@@ -894,36 +898,35 @@ AVX2_INLINE void av_dt(const float *pa, const float *pb, uint32_t na, uint32_t n
 }
 
 #define ATT_KERNELS(suffix, T0)                                                                    \
-    AVX2_FN static void scores_##suffix(const float *qa, const float *qb, uint32_t na,           \
-                                        uint32_t nb, const pkv_kv_run_t *runs, uint32_t nruns,   \
-                                        uint32_t h0, uint32_t nh, uint32_t group, uint32_t hd,   \
-                                        pkv_dtype_t dt, float scale, float *oa, float *ob,       \
-                                        size_t ostride)                                          \
+    AVX2_FN static void scores_##suffix(                                                           \
+        const float *qa, const float *qb, uint32_t na, uint32_t nb, const pkv_kv_run_t *runs,      \
+        uint32_t nruns, uint32_t h0, uint32_t nh, uint32_t group, uint32_t hd, pkv_dtype_t dt,     \
+        float scale, float *oa, float *ob, size_t ostride)                                         \
     {                                                                                              \
         if (dt == PKV_DTYPE_F32)                                                                   \
-            scores_dt(qa, qb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F32, scale, oa,   \
+            scores_dt(qa, qb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F32, scale, oa,    \
                       ob, ostride, T0);                                                            \
         else if (dt == PKV_DTYPE_F16)                                                              \
-            scores_dt(qa, qb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F16, scale, oa,   \
+            scores_dt(qa, qb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F16, scale, oa,    \
                       ob, ostride, T0);                                                            \
         else                                                                                       \
-            scores_dt(qa, qb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_BF16, scale, oa,  \
+            scores_dt(qa, qb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_BF16, scale, oa,   \
                       ob, ostride, T0);                                                            \
     }                                                                                              \
-    AVX2_FN static void av_##suffix(const float *pa, const float *pb, uint32_t na, uint32_t nb,  \
-                                    const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0,       \
-                                    uint32_t nh, uint32_t group, uint32_t hd, pkv_dtype_t dt,    \
-                                    size_t pstride, float *aa, float *ab)                        \
+    AVX2_FN static void av_##suffix(const float *pa, const float *pb, uint32_t na, uint32_t nb,    \
+                                    const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0,         \
+                                    uint32_t nh, uint32_t group, uint32_t hd, pkv_dtype_t dt,      \
+                                    size_t pstride, float *aa, float *ab)                          \
     {                                                                                              \
         if (dt == PKV_DTYPE_F32)                                                                   \
-            av_dt(pa, pb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F32, pstride, aa, ab, \
+            av_dt(pa, pb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F32, pstride, aa, ab,  \
                   T0);                                                                             \
         else if (dt == PKV_DTYPE_F16)                                                              \
-            av_dt(pa, pb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F16, pstride, aa, ab, \
+            av_dt(pa, pb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F16, pstride, aa, ab,  \
                   T0);                                                                             \
         else                                                                                       \
-            av_dt(pa, pb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_BF16, pstride, aa,    \
-                  ab, T0);                                                                         \
+            av_dt(pa, pb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_BF16, pstride, aa, ab, \
+                  T0);                                                                             \
     }
 ATT_KERNELS(avx2_l2, false) /* decode streams prefetched into L2 (Intel) */
 ATT_KERNELS(avx2_l1, true)  /* into L1 (AMD) */

@@ -261,8 +261,8 @@ int model_alloc(const pkv_model_config_t *cfg, const pkv_model_runtime_t *rt, pk
         !(m->hid = alloc_floats(C * H)) || !(m->rope = alloc_floats(C * c->head_dim)) ||
         !(m->lrows = alloc_floats(LOGIT_ROWS * m->ld_d)) ||
         !(m->lout = alloc_floats(LOGIT_ROWS * (size_t)m->ld_v)) ||
-        !(m->scores = alloc_floats((size_t)m->threads * 2 * BLOCK_PAIRS * c->n_heads *
-                                   c->max_seq_len)) ||
+        !(m->scores =
+              alloc_floats((size_t)m->threads * 2 * BLOCK_PAIRS * c->n_heads * c->max_seq_len)) ||
         !(m->rows = calloc(C, sizeof(*m->rows))) || !(m->segs = calloc(C, sizeof(*m->segs))) ||
         !(m->pairs = calloc(C, sizeof(*m->pairs))) ||
         !(m->blocks = calloc(C + 1, sizeof(*m->blocks))))
