@@ -657,16 +657,10 @@ AVX2_FN static void softmax_avx2(float *s, uint32_t n)
     }
 }
 
-/* One query over the tokens [0, n) of one run (base: its first row for this head),
- * dims [d0, d0 + 8 NV): the accumulators round-trip through memory between runs, which
- * changes no bit. */
-AVX2_INLINE void av1_run(const float *p, uint32_t p0, uint32_t n, const char *base, size_t ts,
-                         size_t es, pkv_dtype_t dt, float *acc, const int NV, const pf_stream_t *ps)
+/* V accumulators of dims [0, 8 NV) in registers: bf16 (eo) in 16-dim chunks (ld_bf16x16),
+ * a[2c] holding chunk c's even dims and a[2c + 1] its odd ones, else in dim order. */
+AVX2_INLINE void acc_load(const float *acc, __m256 *a, bool eo, const int NV)
 {
-    /* bf16 in 16-dim chunks (ld_bf16x16): a[2c] holds chunk c's even dims, a[2c + 1] its
-     * odd ones. */
-    const bool eo = dt == PKV_DTYPE_BF16 && NV % 2 == 0;
-    __m256 a[8];
 #pragma GCC unroll 8
     for (int j = 0; j < NV; j++) {
         if (eo && j % 2 == 0)
@@ -675,23 +669,9 @@ AVX2_INLINE void av1_run(const float *p, uint32_t p0, uint32_t n, const char *ba
         else if (!eo)
             a[j] = _mm256_loadu_ps(acc + 8 * j);
     }
-    int lines = (int)(ts / 64);
-    for (uint32_t t = 0; t < n; t++) {
-        if (ps) pf_ahead(ps, t * ts, lines);
-        __m256 pv = _mm256_broadcast_ss(p + p0 + t);
-        const char *vt = base + t * ts;
-#pragma GCC unroll 8
-        for (int j = 0; j < NV; j++) {
-            if (eo && j % 2 == 0) {
-                __m256 ve, vo;
-                ld_bf16x16(vt + 8 * j * es, &ve, &vo);
-                a[j] = _mm256_fmadd_ps(pv, ve, a[j]);
-                a[j + 1] = _mm256_fmadd_ps(pv, vo, a[j + 1]);
-            } else if (!eo) {
-                a[j] = _mm256_fmadd_ps(pv, ld_dt(vt + 8 * j * es, dt), a[j]);
-            }
-        }
-    }
+}
+AVX2_INLINE void acc_store(float *acc, const __m256 *a, bool eo, const int NV)
+{
 #pragma GCC unroll 8
     for (int j = 0; j < NV; j++) {
         if (eo && j % 2 == 0) {
@@ -703,6 +683,39 @@ AVX2_INLINE void av1_run(const float *p, uint32_t p0, uint32_t n, const char *ba
             _mm256_storeu_ps(acc + 8 * j, a[j]);
         }
     }
+}
+/* a += pv * the row's dims [0, 8 NV). */
+AVX2_INLINE void acc_fma(__m256 *a, __m256 pv, const char *row, size_t es, pkv_dtype_t dt, bool eo,
+                         const int NV)
+{
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; j++) {
+        if (eo && j % 2 == 0) {
+            __m256 ve, vo;
+            ld_bf16x16(row + 8 * j * es, &ve, &vo);
+            a[j] = _mm256_fmadd_ps(pv, ve, a[j]);
+            a[j + 1] = _mm256_fmadd_ps(pv, vo, a[j + 1]);
+        } else if (!eo) {
+            a[j] = _mm256_fmadd_ps(pv, ld_dt(row + 8 * j * es, dt), a[j]);
+        }
+    }
+}
+
+/* One query over the tokens [0, n) of one run (base: its first row for this head),
+ * dims [d0, d0 + 8 NV): the accumulators round-trip through memory between runs, which
+ * changes no bit. */
+AVX2_INLINE void av1_run(const float *p, uint32_t p0, uint32_t n, const char *base, size_t ts,
+                         size_t es, pkv_dtype_t dt, float *acc, const int NV, const pf_stream_t *ps)
+{
+    const bool eo = dt == PKV_DTYPE_BF16 && NV % 2 == 0;
+    __m256 a[8];
+    acc_load(acc, a, eo, NV);
+    int lines = (int)(ts / 64);
+    for (uint32_t t = 0; t < n; t++) {
+        if (ps) pf_ahead(ps, t * ts, lines);
+        acc_fma(a, _mm256_broadcast_ss(p + p0 + t), base + t * ts, es, dt, eo, NV);
+    }
+    acc_store(acc, a, eo, NV);
 }
 
 /* Two queries: tokens [0, e) feed both, [e, n) only b. */
@@ -741,7 +754,7 @@ AVX2_INLINE void av2_run(const float *pa, const float *pb, uint32_t p0, uint32_t
 }
 
 /* Two heads' pieces at once (see scores1_dt): dims [d0, d0 + 8 NV) of head A over
- * piece a and of head B over piece b, token by token; a piece with no base is skipped.
+ * piece a and of head B over piece b, token by token, then the longer piece's tail alone.
  * The accumulators round-trip through memory between calls, which changes no bit; the
  * streams are carried where `stream` is set (the first dims of the first query). */
 AVX2_INLINE void av1_pair(const dpiece_t *a, const float *pa, float *acc_a, const dpiece_t *b,
@@ -750,18 +763,8 @@ AVX2_INLINE void av1_pair(const dpiece_t *a, const float *pa, float *acc_a, cons
 {
     const bool eo = dt == PKV_DTYPE_BF16 && NV % 2 == 0;
     __m256 x[4], y[4];
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; j++) {
-        if (eo && j % 2 == 0) {
-            split16(_mm256_loadu_ps(acc_a + 8 * j), _mm256_loadu_ps(acc_a + 8 * j + 8), &x[j],
-                    &x[j + 1]);
-            split16(_mm256_loadu_ps(acc_b + 8 * j), _mm256_loadu_ps(acc_b + 8 * j + 8), &y[j],
-                    &y[j + 1]);
-        } else if (!eo) {
-            x[j] = _mm256_loadu_ps(acc_a + 8 * j);
-            y[j] = _mm256_loadu_ps(acc_b + 8 * j);
-        }
-    }
+    acc_load(acc_a, x, eo, NV);
+    acc_load(acc_b, y, eo, NV);
     const char *va = a->base + d0 * es, *vb = b->base + d0 * es;
     const float *qa = pa + a->p0, *qb = pb + b->p0;
     int lines = (int)(ts / 64);
@@ -771,40 +774,11 @@ AVX2_INLINE void av1_pair(const dpiece_t *a, const float *pa, float *acc_a, cons
             pf_ahead(&a->ps, t * ts, lines);
             pf_ahead(&b->ps, t * ts, lines);
         }
-        __m256 pva = _mm256_broadcast_ss(qa + t), pvb = _mm256_broadcast_ss(qb + t);
-        const char *ra = va + t * ts, *rb = vb + t * ts;
-#pragma GCC unroll 4
-        for (int j = 0; j < NV; j++) {
-            if (eo && j % 2 == 0) {
-                __m256 e, o;
-                ld_bf16x16(ra + 8 * j * es, &e, &o);
-                x[j] = _mm256_fmadd_ps(pva, e, x[j]);
-                x[j + 1] = _mm256_fmadd_ps(pva, o, x[j + 1]);
-                ld_bf16x16(rb + 8 * j * es, &e, &o);
-                y[j] = _mm256_fmadd_ps(pvb, e, y[j]);
-                y[j + 1] = _mm256_fmadd_ps(pvb, o, y[j + 1]);
-            } else if (!eo) {
-                x[j] = _mm256_fmadd_ps(pva, ld_dt(ra + 8 * j * es, dt), x[j]);
-                y[j] = _mm256_fmadd_ps(pvb, ld_dt(rb + 8 * j * es, dt), y[j]);
-            }
-        }
+        acc_fma(x, _mm256_broadcast_ss(qa + t), va + t * ts, es, dt, eo, NV);
+        acc_fma(y, _mm256_broadcast_ss(qb + t), vb + t * ts, es, dt, eo, NV);
     }
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; j++) {
-        if (eo && j % 2 == 0) {
-            __m256 lo, hi;
-            join16(x[j], x[j + 1], &lo, &hi);
-            _mm256_storeu_ps(acc_a + 8 * j, lo);
-            _mm256_storeu_ps(acc_a + 8 * j + 8, hi);
-            join16(y[j], y[j + 1], &lo, &hi);
-            _mm256_storeu_ps(acc_b + 8 * j, lo);
-            _mm256_storeu_ps(acc_b + 8 * j + 8, hi);
-        } else if (!eo) {
-            _mm256_storeu_ps(acc_a + 8 * j, x[j]);
-            _mm256_storeu_ps(acc_b + 8 * j, y[j]);
-        }
-    }
-    /* The longer piece's tail alone. */
+    acc_store(acc_a, x, eo, NV);
+    acc_store(acc_b, y, eo, NV);
     if (a->n > both)
         av1_run(pa, a->p0 + both, a->n - both, a->base + both * ts + d0 * es, ts, es, dt, acc_a, NV,
                 NULL);
