@@ -289,7 +289,8 @@ typedef struct {
     double cpu_ratio_ctx[MAX_CTX][MAX_PAIRS]; /* dense / paged CPU seconds per pair */
     double p3700[2][16], p3700cpu[2][16];
     double load0, load1;
-    double steal; /* the machine's CPU time a hypervisor took over the run, share; -1 unread */
+    char cpu[200]; /* pkv_prim_cpu_model */
+    double steal;  /* the machine's CPU time a hypervisor took over the run, share; -1 unread */
     size_t stream_bytes;       /* K/V one long decode step reads, which the bare streams read */
     size_t stream_piece;       /* BARE_PIECES' piece */
     double stream_gbs[N_BARE]; /* GB/s of each BARE_ layout; 0 not run */
@@ -701,9 +702,7 @@ static int write_json(pkv_model_t *m, const opts_t *o, const results_t *res, con
     }
     json_object_set_new(j, "decode_pairs", json_integer((json_int_t)o->pairs));
     json_object_set_new(j, "kernels", json_string(pkv_model_kernels(m)));
-    char cpu[200];
-    pkv_prim_cpu_model(cpu, sizeof(cpu));
-    json_object_set_new(j, "cpu_model", json_string(cpu));
+    json_object_set_new(j, "cpu_model", json_string(res->cpu));
     json_object_set_new(j, "block_tokens", json_integer(block_tokens));
     json_object_set_new(j, "prefill_3700_llama_cpu_s", json_real(s->pc_paged));
     json_object_set_new(j, "prefill_3700_llama_cpu_s_dense", json_real(s->pc_dense));
@@ -718,13 +717,11 @@ static int write_json(pkv_model_t *m, const opts_t *o, const results_t *res, con
 static void print_header(pkv_model_t *m, const opts_t *o, const results_t *res)
 {
     const pkv_model_config_t *c0 = pkv_model_config(m);
-    char cpu[200];
-    pkv_prim_cpu_model(cpu, sizeof(cpu));
     printf(
         "pagekv bench model on %s: preset %s (%u layers, %u KV heads x %u, %u query heads, dim %u, "
         "hidden %u, vocab %u), KV %s, kernels %s, %u threads, %llu runs, %llu decode steps; "
         "load average %.2f -> %.2f; steal %.0f %% of the machine's CPU time (/proc/stat)\n\n",
-        cpu, o->preset, c0->n_layers, c0->n_kv_heads, c0->head_dim, c0->n_heads, c0->dim,
+        res->cpu, o->preset, c0->n_layers, c0->n_kv_heads, c0->head_dim, c0->n_heads, c0->dim,
         c0->hidden_dim, c0->vocab_size, pkv_dtype_name(o->dt), pkv_model_kernels(m),
         pkv_model_threads(m), (unsigned long long)o->runs, (unsigned long long)o->steps, res->load0,
         res->load1, res->steal * 100);
@@ -1010,6 +1007,7 @@ static int run_bench(pkv_model_t *m, pkv_model_t *llama, const opts_t *o)
     memset(&res, 0, sizeof(res));
     if (set_cases(m, o, &res)) return 1;
     res.load0 = loadavg1();
+    pkv_prim_cpu_model(res.cpu, sizeof(res.cpu));
     uint64_t tot0, st0, tot1, st1;
     int ticks = pkv_prim_cpu_ticks(&tot0, &st0);
     bool grid = o->cases & CASES_GRID;
