@@ -43,12 +43,8 @@ START_TEST(latency_runs_and_reports)
     static const char *const lines[] = {"### decode leg: the decode leg minus", "| 64 | ",
                                         "### decode leg: bytes moved", "### routed TTFT: TTFT",
                                         "target (routed TTFT): added TTFT <= the KV's wire time"};
-    for (size_t i = 0; i < sizeof(lines) / sizeof(lines[0]); i++)
-        ck_assert_msg(strstr(out, lines[i]), "no '%s' in\n%s", lines[i], ts_tail(out));
-    json_error_t je;
-    json_t *doc = json_load_file(path, 0, &je);
-    unlink(path);
-    ck_assert_msg(doc, "--json: %s", je.text);
+    ts_has_lines(out, lines, sizeof(lines) / sizeof(lines[0]));
+    json_t *doc = ts_json_take(path);
     ck_assert_str_eq(json_string_value(json_object_get(doc, "mode")), "latency");
     json_t *sz = json_array_get(json_object_get(doc, "sizes"), 0);
     ck_assert_int_eq((int)ts_jnum(sz, "size"), 64);
@@ -135,12 +131,8 @@ START_TEST(quick_tcp_runs_and_cleans_up)
                                         "| per_transfer | decode | run | per_transfer_mean |",
                                         "RSS - staging drift",
                                         "transfers in flight, peak"};
-    for (size_t i = 0; i < sizeof(lines) / sizeof(lines[0]); i++)
-        ck_assert_msg(strstr(out, lines[i]), "no '%s' in\n%s", lines[i], ts_tail(out));
-    json_error_t je;
-    json_t *doc = json_load_file(path, 0, &je);
-    unlink(path);
-    ck_assert_msg(doc, "--json: %s", je.text);
+    ts_has_lines(out, lines, sizeof(lines) / sizeof(lines[0]));
+    json_t *doc = ts_json_take(path);
     json_t *ds = json_object_get(doc, "designs");
     ck_assert_int_eq((int)json_array_size(ds), 2);
     for (size_t i = 0; i < 2; i++) {

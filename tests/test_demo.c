@@ -63,8 +63,7 @@ START_TEST(demo_runs_as_processes)
                                         "prompt tokens served from disk",
                                         "a returning prompt served from disk",
                                         "  result   ok: 5/5"};
-    for (size_t i = 0; i < sizeof(lines) / sizeof(lines[0]); i++)
-        ck_assert_msg(strstr(out, lines[i]), "no '%s' in:\n%s", lines[i], out);
+    ts_has_lines(out, lines, sizeof(lines) / sizeof(lines[0]));
     ck_assert_msg(!strstr(out, "DIFFERENT") && !strstr(out, "FAILED"), "%s", out);
     pid_t pids[8]; /* the four processes, and the unified node restarted on its disk tier */
     ck_assert_int_eq(demo_pids(out, pids, 8), 5);

@@ -337,3 +337,18 @@ const char *ts_tail(const char *s)
     size_t n = strlen(s);
     return n > 3000 ? s + n - 3000 : s;
 }
+
+void ts_has_lines(const char *out, const char *const *lines, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        ck_assert_msg(strstr(out, lines[i]), "no '%s' in\n%s", lines[i], ts_tail(out));
+}
+
+json_t *ts_json_take(const char *path)
+{
+    json_error_t je;
+    json_t *doc = json_load_file(path, 0, &je);
+    unlink(path);
+    ck_assert_msg(doc, "%s: %s", path, je.text);
+    return doc;
+}

@@ -45,6 +45,10 @@ long long ts_ji(json_t *doc, const char *path); /* asserts an integer */
 double ts_jnum(json_t *o, const char *key);     /* o's member key; asserts a number */
 /* The end of a long output (its last 3000 bytes): a Check message stays under its 4 KiB. */
 const char *ts_tail(const char *s);
+/* Assert that out holds each of lines[0..n) (the message: the missing line, out's tail). */
+void ts_has_lines(const char *out, const char *const *lines, size_t n);
+/* The JSON file at path, loaded and then removed; asserts it parsed. */
+json_t *ts_json_take(const char *path);
 const char *ts_js(json_t *doc, const char *path); /* asserts a string */
 
 /* ---- child processes: thin test wrappers over support/launch.h ---- */
