@@ -149,7 +149,7 @@ static int copy_contexts(pkv_model_t *m, pkv_kv_t *kv, pkv_seq_t **seqs, uint32_
                          uint32_t extra, uint64_t seed)
 {
     const pkv_model_config_t *c = pkv_model_config(m);
-    size_t es = pkv_dtype_size(pkv_kv_geometry(kv)->dtype), row = (size_t)c->head_dim * es;
+    size_t row = pkv_dtype_row_bytes(pkv_kv_geometry(kv)->dtype, c->head_dim);
     uint32_t V = c->vocab_size;
     int32_t *toks = malloc((size_t)len * sizeof(int32_t));
     if (!toks) return -1;
@@ -169,8 +169,8 @@ static int copy_contexts(pkv_model_t *m, pkv_kv_t *kv, pkv_seq_t **seqs, uint32_
                 pkv_seq_slot(seqs[0], p, l, &sk, &sv, &ss);
                 pkv_seq_slot(seqs[i], p, l, &dk, &dv, &ds);
                 for (uint32_t h = 0; h < c->n_kv_heads; h++) {
-                    memcpy((char *)dk + h * ds * es, (char *)sk + h * ss * es, row);
-                    memcpy((char *)dv + h * ds * es, (char *)sv + h * ss * es, row);
+                    memcpy((char *)dk + h * ds, (char *)sk + h * ss, row);
+                    memcpy((char *)dv + h * ds, (char *)sv + h * ss, row);
                 }
             }
         pkv_seq_append(seqs[i], toks, len);
@@ -511,7 +511,6 @@ static void fill_positions(pkv_model_t *m, pkv_dtype_t dt, pkv_seq_t *seq, const
                            uint32_t from, uint32_t to, uint64_t seed)
 {
     const pkv_model_config_t *c = pkv_model_config(m);
-    size_t es = pkv_dtype_size(dt);
     float row[512];
     for (uint32_t p = from; p < to; p++)
         for (uint32_t l = 0; l < c->n_layers; l++) {
@@ -522,7 +521,7 @@ static void fill_positions(pkv_model_t *m, pkv_dtype_t dt, pkv_seq_t *seq, const
                 for (int kv = 0; kv < 2; kv++) {
                     for (uint32_t d = 0; d < c->head_dim && d < 512; d++)
                         row[d] = (float)(pkv_splitmix64(&seed) >> 40) / (float)(1 << 23) - 1.0f;
-                    pkv_dtype_from_f32(dt, (char *)(kv ? v : k) + h * hs * es, row, c->head_dim);
+                    pkv_dtype_from_f32(dt, (char *)(kv ? v : k) + h * hs, row, c->head_dim);
                 }
         }
     pkv_seq_append(seq, toks + from, to - from);
@@ -992,7 +991,7 @@ static double bare_stream(size_t bytes, uint32_t threads, int kind, size_t piece
  * tokens of one head. */
 static size_t paged_piece(const pkv_geometry_t *g, uint32_t threads)
 {
-    size_t head_tok = (size_t)g->head_dim * pkv_dtype_size(g->dtype);
+    size_t head_tok = pkv_dtype_row_bytes(g->dtype, g->head_dim);
     size_t block = pkv_geometry_token_bytes(g) * block_tokens;
     size_t blocks = BARE_GRANULE / block ? BARE_GRANULE / block : 1;
     uint32_t splits = 1;

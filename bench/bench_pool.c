@@ -121,7 +121,7 @@ static int bench_growth(pkv_backend_t b, growth_t *g)
     if (pkv_seq_create(kv, &p, &s, NULL)) return -1;
     pkv_prim_hwm_reset();
     const pkv_geometry_t *geo = pkv_kv_geometry(kv);
-    size_t row = geo->head_dim * pkv_dtype_size(geo->dtype);
+    size_t row = pkv_dtype_row_bytes(geo->dtype, geo->head_dim);
     for (uint32_t pos = 0; pos < N; pos++) {
         if (pkv_seq_reserve(s, pos + 1)) return -1;
         for (uint32_t l = 0; l < geo->layers; l++) {
@@ -129,8 +129,8 @@ static int bench_growth(pkv_backend_t b, growth_t *g)
             size_t hs;
             pkv_seq_slot(s, pos, l, &k, &v, &hs);
             for (uint32_t h = 0; h < geo->kv_heads; h++) {
-                memset((char *)k + h * hs * 2, (int)(pos + l), row);
-                memset((char *)v + h * hs * 2, (int)(pos + h), row);
+                memset((char *)k + h * hs, (int)(pos + l), row);
+                memset((char *)v + h * hs, (int)(pos + h), row);
             }
         }
         int32_t tok = (int32_t)pos;

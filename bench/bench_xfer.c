@@ -184,7 +184,7 @@ typedef struct {
 /* The lean pull beside a run of `path` (-1: not run). */
 static double lean_pull_ref(const xh_case_t *c, size_t bytes, int path)
 {
-    size_t piece = (size_t)c->geo.block_tokens * c->geo.head_dim * pkv_dtype_size(c->geo.dtype);
+    size_t piece = (size_t)c->geo.block_tokens * pkv_dtype_row_bytes(c->geo.dtype, c->geo.head_dim);
     if (path == PATH_SAME_HOST && g_lean_pull)
         return xh_lean_pull_gbps(bytes, c->geo.layers, piece, warmup_reads(bytes),
                                  timed_reads(bytes));

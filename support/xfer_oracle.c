@@ -125,7 +125,7 @@ static void pattern_row(uint64_t seed, uint32_t r, uint32_t pos, uint32_t l, uin
 uint32_t xh_pattern_apply(pkv_seq_t *seq, const pkv_geometry_t *g, uint64_t seed, uint32_t r,
                           uint32_t n_tokens, bool fill)
 {
-    size_t es = pkv_dtype_size(g->dtype), row = (size_t)g->head_dim * es;
+    size_t row = pkv_dtype_row_bytes(g->dtype, g->head_dim);
     uint8_t *buf = malloc(row);
     uint32_t bad = 0;
     for (uint32_t pos = 0; pos < n_tokens; pos++) {
@@ -137,7 +137,7 @@ uint32_t xh_pattern_apply(pkv_seq_t *seq, const pkv_geometry_t *g, uint64_t seed
             for (uint32_t kv = 0; kv < 2; kv++) {
                 uint8_t *base = kv ? v : k;
                 for (uint32_t h = 0; h < g->kv_heads; h++) {
-                    uint8_t *dst = base + (size_t)h * hs * es;
+                    uint8_t *dst = base + (size_t)h * hs;
                     pattern_row(seed, r, pos, l, kv, h, buf, row);
                     if (fill)
                         memcpy(dst, buf, row);

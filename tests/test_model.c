@@ -124,12 +124,15 @@ static void ref_rmsnorm(float *o, const float *x, const float *w, int n)
     for (int i = 0; i < n; i++) o[i] = w[i] * (inv * x[i]);
 }
 
-static void ref_round(pkv_dtype_t dt, float *v, int n)
+/* K/V as the cache holds them: each head's row through the dtype and back. */
+static void ref_round(pkv_dtype_t dt, float *v, int n, int hs)
 {
-    uint16_t tmp[256];
+    uint8_t tmp[4 * 256 + 4];
     if (dt == PKV_DTYPE_F32) return;
-    pkv_dtype_from_f32(dt, tmp, v, (size_t)n);
-    pkv_dtype_to_f32(dt, v, tmp, (size_t)n);
+    for (int h = 0; h < n; h += hs) {
+        pkv_dtype_from_f32(dt, tmp, v + h, (size_t)hs);
+        pkv_dtype_to_f32(dt, v + h, tmp, (size_t)hs);
+    }
 }
 
 static void ref_forward(ref_t *r, int token, int pos, float *logits)
@@ -156,8 +159,8 @@ static void ref_forward(ref_t *r, int token, int pos, float *logits)
                 vec[i + 1] = (float)(v0 * fci + v1 * fcr);
             }
         }
-        ref_round(r->dt, kr, kvd);
-        ref_round(r->dt, vr, kvd);
+        ref_round(r->dt, kr, kvd, hs);
+        ref_round(r->dt, vr, kvd, hs);
         for (int h = 0; h < nh; h++) {
             const float *qh = q + h * hs;
             double mx = -1e30;
@@ -284,6 +287,8 @@ START_TEST(llama2c_matches_reference)
             check_against_reference(&k, path, portable, PKV_BACKEND_PAGED, PKV_DTYPE_F16, 5, 2e-3);
             check_against_reference(&k, path, portable, PKV_BACKEND_DENSE, PKV_DTYPE_BF16, 40,
                                     3e-2);
+            check_against_reference(&k, path, portable, PKV_BACKEND_PAGED, PKV_DTYPE_INT8, 9, 3e-2);
+            check_against_reference(&k, path, portable, PKV_BACKEND_DENSE, PKV_DTYPE_FP8, 11, 6e-2);
         }
         ck_free(&k);
     }
@@ -616,7 +621,7 @@ START_TEST(invariant_to_attention_windows)
     ck_assert_int_eq(pkv_model_create_builtin(&c, 9, &rw, &wide), PKV_OK);
     ck_assert_int_eq(pkv_model_create_builtin(&c, 9, &rp, &pairs), PKV_OK);
     static float ref[5 * 128], got[5 * 128];
-    for (int dt = 0; dt < 3; dt++) {
+    for (int dt = 0; dt < PKV_DTYPE_COUNT; dt++) {
         run_schedule(pairs, PKV_BACKEND_DENSE, dt, 16, toks, sched, 5, ref);
         for (int be = 0; be < 2; be++) {
             for (uint32_t bt = 1; bt <= 16; bt += 15) {
@@ -644,10 +649,11 @@ START_TEST(invariant_to_batch_composition)
     pkv_model_config_t c;
     ck_assert_int_eq(pkv_model_preset("tiny", &c), PKV_OK);
     c.vocab_size = 64;
-    if (_i == 1) {
+    if (_i % 2 == 1) {
         c.n_heads = 64;
         c.head_dim = 64;
     }
+    pkv_dtype_t dt = _i < 2 ? PKV_DTYPE_BF16 : _i == 2 ? PKV_DTYPE_INT8 : PKV_DTYPE_FP8;
     pkv_model_runtime_t rt = {.chunk_tokens = 24};
     pkv_model_t *m = NULL;
     ck_assert_int_eq(pkv_model_create_builtin(&c, 3, &rt, &m), PKV_OK);
@@ -659,11 +665,11 @@ START_TEST(invariant_to_batch_composition)
         /* The last token alone: one query row, heads split across the threads. */
         uint32_t ch[2] = {LEN - 1, 1};
         float rows[2][64];
-        run_schedule(m, PKV_BACKEND_PAGED, PKV_DTYPE_BF16, 16, toks[s], ch, 2, rows[0]);
+        run_schedule(m, PKV_BACKEND_PAGED, dt, 16, toks[s], ch, 2, rows[0]);
         memcpy(alone[s], rows[1], sizeof(alone[s]));
     }
     for (int be = 0; be < 2; be++) {
-        pkv_kv_t *kv = make_kv(m, be, PKV_DTYPE_BF16, 4);
+        pkv_kv_t *kv = make_kv(m, be, dt, 4);
         pkv_seq_t *seqs[NS];
         uint32_t done[NS] = {0};
         for (int s = 0; s < NS; s++) seqs[s] = make_seq(kv, toks[s], 1, LEN);
@@ -704,12 +710,12 @@ typedef struct {
 /* Prefill the shape on one backend (sequence 0 alone, the others adopting the prefix from
  * the cache, then together), then `steps` batched decode steps; logits of the last prefill
  * and of every step into out[(step + 1) * n + i]. */
-static void run_shape(pkv_model_t *m, pkv_backend_t be, const shape_t *sh, uint32_t steps,
-                      uint64_t seed, float *out)
+static void run_shape(pkv_model_t *m, pkv_backend_t be, pkv_dtype_t dt, const shape_t *sh,
+                      uint32_t steps, uint64_t seed, float *out)
 {
     uint32_t V = pkv_model_config(m)->vocab_size;
     pkv_kv_config_t kc = {.backend = be, .granule_bytes = 16384, .hugepages = true};
-    pkv_model_geometry(m, PKV_DTYPE_BF16, 16, &kc.geo);
+    pkv_model_geometry(m, dt, 16, &kc.geo);
     pkv_kv_t *kv = NULL;
     ck_assert_int_eq(pkv_kv_create(&kc, &kv), PKV_OK);
     pkv_seq_t *seq[8];
@@ -763,15 +769,18 @@ START_TEST(paged_equals_dense_long_and_mixed)
         pkv_model_runtime_t rt = {.threads = 2};
         pkv_model_t *m = NULL;
         ck_assert_int_eq(pkv_model_create_builtin(&c, 5, &rt, &m), PKV_OK);
-        for (int sh = 0; sh < 2; sh++) {
+        /* bf16 on both; the scaled dtypes on llama's shape (head dim 64: the AVX2 paths) */
+        for (int sd = 0; sd < (preset ? 6 : 2); sd++) {
+            int sh = sd % 2;
+            pkv_dtype_t dt = sd < 2 ? PKV_DTYPE_BF16 : sd < 4 ? PKV_DTYPE_INT8 : PKV_DTYPE_FP8;
             size_t nf = (size_t)(STEPS + 1) * shapes[sh].n * c.vocab_size;
             float *a = calloc(nf, sizeof(float)), *b = calloc(nf, sizeof(float));
             ck_assert(a && b);
-            run_shape(m, PKV_BACKEND_PAGED, &shapes[sh], STEPS, seed, a);
-            run_shape(m, PKV_BACKEND_DENSE, &shapes[sh], STEPS, seed, b);
+            run_shape(m, PKV_BACKEND_PAGED, dt, &shapes[sh], STEPS, seed, a);
+            run_shape(m, PKV_BACKEND_DENSE, dt, &shapes[sh], STEPS, seed, b);
             ck_assert_msg(!memcmp(a, b, nf * sizeof(float)),
-                          "seed %llu: paged and dense logits differ (preset %d, shape %d)",
-                          (unsigned long long)seed, preset, sh);
+                          "seed %llu: paged and dense logits differ (preset %d, shape %d, %s)",
+                          (unsigned long long)seed, preset, sh, pkv_dtype_name(dt));
             free(a);
             free(b);
         }
@@ -813,7 +822,7 @@ static Suite *model_suite(void)
     tc = tcase(s, "invariance");
     tcase_add_test(tc, invariant_to_backend_blocks_chunks_threads);
     tc = tcase(s, "batch");
-    tcase_add_loop_test(tc, invariant_to_batch_composition, 0, 2);
+    tcase_add_loop_test(tc, invariant_to_batch_composition, 0, 4);
     tcase_add_test(tc, paged_equals_dense_long_and_mixed);
     tcase_add_test(tc, invariant_to_attention_windows);
     return s;

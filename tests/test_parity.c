@@ -88,7 +88,7 @@ static void make_scenario(uint64_t *rs, scenario_t *sc, uint32_t n, bool long_pr
 {
     memset(sc, 0, sizeof(*sc));
     sc->n = n;
-    sc->dt = (pkv_dtype_t)pkv_test_below(rs, 3);
+    sc->dt = (pkv_dtype_t)pkv_test_below(rs, PKV_DTYPE_COUNT); /* the callers may pick */
     static const uint32_t bts[3] = {4, 8, 16};
     sc->block_tokens = bts[pkv_test_below(rs, 3)];
     int32_t bases[3][MAX_PROMPT];
@@ -298,6 +298,7 @@ START_TEST(paged_equals_dense_random_workloads)
     uint64_t rs = seed;
     scenario_t sc;
     make_scenario(&rs, &sc, 10, false);
+    if (_i < 2) sc.dt = _i ? PKV_DTYPE_FP8 : PKV_DTYPE_INT8; /* the scaled dtypes every run */
     run_alone(&sc, ref_res);
     uint64_t hits = 0;
     for (int cache = 0; cache < 2; cache++) {
@@ -324,6 +325,7 @@ START_TEST(paged_equals_dense_under_pressure)
     uint64_t rs = seed;
     scenario_t sc;
     make_scenario(&rs, &sc, 8, true);
+    if (_i == 0) sc.dt = PKV_DTYPE_INT8;
     run_alone(&sc, ref_res);
     pkv_geometry_t g;
     pkv_model_geometry(model, sc.dt, sc.block_tokens, &g);

@@ -9,6 +9,7 @@
 #include "kv/kv_int.h"
 #include "prim/prim.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -25,7 +26,7 @@ static uint64_t mix(uint64_t h, int32_t tok)
 static void fill_pos(pkv_seq_t *s, uint32_t pos, uint64_t h)
 {
     const pkv_geometry_t *g = pkv_kv_geometry(s->kv);
-    size_t es = pkv_dtype_size(g->dtype), row = g->head_dim * es;
+    size_t row = pkv_dtype_row_bytes(g->dtype, g->head_dim);
     uint32_t tp = pkv_kv_tp(s->kv);
     for (uint32_t lr = 0; lr < g->layers * tp; lr++) { /* every (layer, rank) */
         uint32_t l = lr / tp, r = lr % tp;
@@ -35,8 +36,8 @@ static void fill_pos(pkv_seq_t *s, uint32_t pos, uint64_t h)
         pkv_kv_tp_heads(g->kv_heads, tp, r, &lo, &n);
         pkv_seq_slot_rank(s, r, pos, l, &k, &v, &hs);
         for (uint32_t hd = lo; hd < lo + n; hd++) {
-            uint8_t *kp = (uint8_t *)k + (hd - lo) * hs * es;
-            uint8_t *vp = (uint8_t *)v + (hd - lo) * hs * es;
+            uint8_t *kp = (uint8_t *)k + (hd - lo) * hs;
+            uint8_t *vp = (uint8_t *)v + (hd - lo) * hs;
             uint64_t st = h + l * 131 + hd * 7;
             for (size_t i = 0; i < row; i += 8) {
                 uint64_t a = pkv_test_rand(&st), b = ~a;
@@ -51,7 +52,7 @@ static void fill_pos(pkv_seq_t *s, uint32_t pos, uint64_t h)
 static int check_pos(const pkv_seq_t *s, uint32_t pos, uint64_t h)
 {
     const pkv_geometry_t *g = pkv_kv_geometry(s->kv);
-    size_t es = pkv_dtype_size(g->dtype), row = g->head_dim * es;
+    size_t row = pkv_dtype_row_bytes(g->dtype, g->head_dim);
     uint32_t tp = pkv_kv_tp(s->kv);
     for (uint32_t lr = 0; lr < g->layers * tp; lr++) { /* every (layer, rank) */
         uint32_t l = lr / tp, r = lr % tp;
@@ -60,8 +61,8 @@ static int check_pos(const pkv_seq_t *s, uint32_t pos, uint64_t h)
         pkv_kv_tp_heads(g->kv_heads, tp, r, &lo, &n);
         PKV_CHECK_EQ(pkv_seq_runs_rank(s, r, l, pos, pos + 1, &run, 1, &next), 1);
         for (uint32_t hd = lo; hd < lo + n; hd++) {
-            const uint8_t *kp = (const uint8_t *)run.k + (hd - lo) * run.head_stride * es;
-            const uint8_t *vp = (const uint8_t *)run.v + (hd - lo) * run.head_stride * es;
+            const uint8_t *kp = (const uint8_t *)run.k + (hd - lo) * run.head_stride;
+            const uint8_t *vp = (const uint8_t *)run.v + (hd - lo) * run.head_stride;
             uint64_t st = h + l * 131 + hd * 7;
             for (size_t i = 0; i < row; i += 8) {
                 uint64_t a = pkv_test_rand(&st), b = ~a;
@@ -747,6 +748,151 @@ START_TEST(dtype_round_trip)
 }
 END_TEST
 
+/* fp8 e4m3: all 256 codes decode to the OCP definition, computed here another way (in
+ * double, from the spec's fields and its named points), and every finite code encodes
+ * back to itself. */
+START_TEST(fp8_codes_match_the_definition)
+{
+    for (int c = 0; c < 256; c++) {
+        int s = c >> 7, e = (c >> 3) & 15, m = c & 7;
+        float got = pkv_fp8_to_f32((uint8_t)c);
+        if (e == 15 && m == 7) {
+            ck_assert_msg(isnan(got), "code 0x%02x should be NaN", c);
+            continue;
+        }
+        double want = e ? ldexp(1.0 + m / 8.0, e - 7) : ldexp(m / 8.0, -6);
+        if (s) want = -want;
+        ck_assert_msg((double)got == want, "code 0x%02x: %g, want %g", c, (double)got, want);
+        ck_assert_msg(pkv_f32_to_fp8(got) == (uint8_t)c || (c == 0x80 && got == 0.0f),
+                      "code 0x%02x does not encode back", c);
+    }
+    ck_assert(pkv_fp8_to_f32(0x7e) == 448.0f && pkv_fp8_to_f32(0x08) == 0x1p-6f);
+    ck_assert(pkv_fp8_to_f32(0x01) == 0x1p-9f && pkv_fp8_to_f32(0xfe) == -448.0f);
+}
+END_TEST
+
+/* The encoder rounds to the nearest code, ties to even, saturates at +-448 (inf too) and
+ * never writes a NaN code (NaN in gives 0). */
+START_TEST(fp8_encoder_rounds_saturates_and_never_writes_nan)
+{
+    uint64_t rs = pkv_test_seed(0xf8e4);
+    for (int i = 0; i < 200000; i++) {
+        uint32_t bits = (uint32_t)pkv_test_rand(&rs);
+        float x;
+        memcpy(&x, &bits, 4);
+        uint8_t c = pkv_f32_to_fp8(x);
+        ck_assert_msg((c & 0x7f) != 0x7f, "NaN code for bits 0x%08x", bits);
+        if (isnan(x)) {
+            ck_assert_uint_eq(c, 0);
+            continue;
+        }
+        if (fabsf(x) >= 448.0f) {
+            ck_assert_uint_eq(c, x > 0 ? 0x7e : 0xfe);
+            continue;
+        }
+        /* the nearest of the finite codes of x's sign, ties to the even code */
+        double best = INFINITY;
+        int bc = -1;
+        for (int k = 0; k < 0x7f; k++) {
+            double v = pkv_fp8_to_f32((uint8_t)k), d = fabs(fabs((double)x) - v);
+            if (d < best || (d == best && !(k & 1))) best = d, bc = k;
+        }
+        ck_assert_msg((c & 0x7f) == bc, "bits 0x%08x (%g): code 0x%02x, want 0x%02x", bits,
+                      (double)x, c, bc);
+    }
+    ck_assert_uint_eq(pkv_f32_to_fp8(INFINITY), 0x7e);
+    ck_assert_uint_eq(pkv_f32_to_fp8(-INFINITY), 0xfe);
+    ck_assert_uint_eq(pkv_f32_to_fp8(NAN), 0);
+    ck_assert_uint_eq(pkv_f32_to_fp8(464.0f), 0x7e); /* past the top code's half step */
+    ck_assert_uint_eq(pkv_f32_to_fp8(0x1p-10f), 0);  /* tie between 0 and 2^-9: even */
+    ck_assert_uint_eq(pkv_f32_to_fp8(3 * 0x1p-10f), 2);
+}
+END_TEST
+
+/* A scaled row: head_dim codes then the f32 scale (amax / 127 or / 448); every value comes
+ * back within half a step (int8) or half an fp8 ulp times the scale; a row of zeros has
+ * scale 0; NaN is stored as 0; inf saturates. */
+START_TEST(scaled_rows_encode_and_decode)
+{
+    enum { D = 64 };
+    uint64_t rs = pkv_test_seed(0x5ca1);
+    uint8_t row[D + 4];
+    float in[D], out[D];
+    ck_assert_uint_eq(pkv_dtype_row_bytes(PKV_DTYPE_INT8, D), D + 4);
+    ck_assert_uint_eq(pkv_dtype_row_bytes(PKV_DTYPE_FP8, D), D + 4);
+    ck_assert_uint_eq(pkv_dtype_row_bytes(PKV_DTYPE_BF16, D), 2 * D);
+    for (int dt = PKV_DTYPE_INT8; dt <= PKV_DTYPE_FP8; dt++) {
+        float top = dt == PKV_DTYPE_INT8 ? 127.0f : 448.0f;
+        for (int trial = 0; trial < 200; trial++) {
+            float mag = ldexpf(1.0f, (int)pkv_test_below(&rs, 40) - 20), amax = 0;
+            for (int i = 0; i < D; i++) {
+                in[i] = mag * ((float)(pkv_test_rand(&rs) >> 40) / (float)(1 << 23) - 1.0f);
+                amax = fmaxf(amax, fabsf(in[i]));
+            }
+            pkv_dtype_from_f32(dt, row, in, D);
+            float sc;
+            memcpy(&sc, row + D, 4);
+            ck_assert(sc == amax / top);
+            pkv_dtype_to_f32(dt, out, row, D);
+            for (int i = 0; i < D; i++) {
+                double err = fabs((double)out[i] - in[i]);
+                double bound = dt == PKV_DTYPE_INT8 ? 0.5 * sc * 1.0001
+                                                    : fabs((double)in[i]) / 16 + 0x1p-10 * sc;
+                ck_assert_msg(err <= bound, "%s: %g -> %g (scale %g)", pkv_dtype_name(dt),
+                              (double)in[i], (double)out[i], (double)sc);
+                if (dt == PKV_DTYPE_INT8) ck_assert((int8_t)row[i] >= -127);
+            }
+        }
+        memset(in, 0, sizeof(in));
+        pkv_dtype_from_f32(dt, row, in, D);
+        pkv_dtype_to_f32(dt, out, row, D);
+        for (int i = 0; i < D; i++) ck_assert(out[i] == 0.0f && row[i] == 0);
+        in[0] = NAN;
+        in[1] = 2.0f;
+        in[2] = -INFINITY;
+        pkv_dtype_from_f32(dt, row, in, D);
+        pkv_dtype_to_f32(dt, out, row, D);
+        ck_assert(out[0] == 0.0f && out[1] == 2.0f && out[2] == -2.0f);
+    }
+    pkv_dtype_t p;
+    ck_assert_int_eq(pkv_dtype_parse("int8", &p), PKV_OK);
+    ck_assert_int_eq(p, PKV_DTYPE_INT8);
+    ck_assert_int_eq(pkv_dtype_parse("fp8_e4m3", &p), PKV_OK);
+    ck_assert_str_eq(pkv_dtype_name(p), "fp8");
+    ck_assert_int_eq(pkv_dtype_parse("int4", &p), PKV_ERR_INVALID);
+}
+END_TEST
+
+/* A quantized pool's blocks pack its granules: at llama-3.2-1b's geometry a block is 272
+ * KiB (17/16 of the int8 values), so the pool takes 4 MiB granules of 15 blocks, two whole
+ * huge pages (2 MiB would hold 7 and leave 7 % idle); positions written through slots read
+ * back through runs, rows of head_dim + 4 bytes. */
+START_TEST(quantized_pool_packs_huge_granules)
+{
+    pkv_kv_config_t cfg = {.geo = llama_geo, .budget_bytes = 64ull << 20, .hugepages = true};
+    cfg.geo.dtype = PKV_DTYPE_INT8;
+    pkv_kv_t *kv = NULL;
+    ck_assert_int_eq(pkv_kv_create(&cfg, &kv), PKV_OK);
+    pkv_kv_stats_t st;
+    pkv_kv_stats(kv, &st);
+    ck_assert_uint_eq(st.block_bytes, 2ull * 16 * 8 * 16 * (64 + 4));
+    ck_assert_uint_eq(st.granule_bytes, 4u << 20);
+    ck_assert(st.huge_granules);
+    ck_assert_uint_eq(st.blocks_capacity, 16 * 15);
+    int32_t *tok = iota_tokens(100, 1);
+    pkv_seq_params_t sp = {.tokens = tok, .n_tokens = 100};
+    pkv_seq_t *s;
+    ck_assert_int_eq(pkv_seq_create(kv, &sp, &s, NULL), PKV_OK);
+    for (uint32_t pos = 0; pos < 100; pos++) fill_pos(s, pos, pos * 3 + 1);
+    ck_assert_int_eq(pkv_seq_append(s, tok, 100), PKV_OK);
+    for (uint32_t pos = 0; pos < 100; pos++) ck_assert(check_pos(s, pos, pos * 3 + 1));
+    ck_assert_int_eq(pkv_kv_validate(kv), PKV_OK);
+    pkv_seq_free(s);
+    free(tok);
+    pkv_kv_destroy(kv);
+}
+END_TEST
+
 START_TEST(bad_config_rejected)
 {
     pkv_kv_t *kv = NULL;
@@ -1249,6 +1395,10 @@ static Suite *pool_suite(void)
     tcase_add_test(tc, pins_keep_blocks_alive);
     tcase_add_test(tc, dtype_round_trip);
     tcase_add_test(tc, bad_config_rejected);
+    tcase_add_test(tc, fp8_codes_match_the_definition);
+    tcase_add_test(tc, fp8_encoder_rounds_saturates_and_never_writes_nan);
+    tcase_add_test(tc, scaled_rows_encode_and_decode);
+    tcase_add_test(tc, quantized_pool_packs_huge_granules);
     tcase_add_test(tc, allocation_prefers_dense_granules_and_decommits_with_hysteresis);
     tcase_add_test(tc, eviction_prefers_sparse_granules);
     tcase_add_test(tc, pins_from_worker_threads_while_engine_runs);

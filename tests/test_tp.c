@@ -173,7 +173,7 @@ static void ranks_isolated(const pkv_geometry_t *g, uint32_t tp)
     const uint32_t *ids;
     uint32_t nb;
     ck_assert_int_eq(pkv_seq_blocks(s, &ids, &nb), PKV_OK);
-    size_t es = pkv_dtype_size(g->dtype), piece = (size_t)g->block_tokens * g->head_dim * es;
+    size_t row = pkv_dtype_row_bytes(g->dtype, g->head_dim), piece = g->block_tokens * row;
     pkv_kv_rank_t rk[PKV_KV_MAX_TP];
     uint64_t committed = 0;
     for (uint32_t r = 0; r < tp; r++) {
@@ -233,7 +233,7 @@ static void ranks_isolated(const pkv_geometry_t *g, uint32_t tp)
         uint32_t L = g->layers - 1;
         pkv_seq_slot_rank(s, r, 37, L, &k, &v, &hs);
         uint8_t *pk = pkv_kv_block_head_rank(kv, r, ids[37 / g->block_tokens], L, 0, rk[r].head_lo);
-        ck_assert_ptr_eq(k, pk + (37 % g->block_tokens) * g->head_dim * es);
+        ck_assert_ptr_eq(k, pk + (37 % g->block_tokens) * row);
         pkv_kv_run_t run0[32], run[32];
         uint32_t n0 = pkv_seq_runs(s, L, 0, 200, run0, 32, NULL);
         uint32_t n = pkv_seq_runs_rank(s, r, L, 0, 200, run, 32, NULL);
@@ -357,7 +357,7 @@ END_TEST
 static void cow_all_ranks(const pkv_geometry_t *g, uint32_t tp)
 {
     pkv_kv_t *kv = tp_pool(g, tp, 64ull << 20);
-    size_t es = pkv_dtype_size(g->dtype), piece = (size_t)g->block_tokens * g->head_dim * es;
+    size_t row = pkv_dtype_row_bytes(g->dtype, g->head_dim), piece = g->block_tokens * row;
     int32_t *tok = iota_tokens(40, 3);
     pkv_seq_t *p = seq_of(kv, tok, 40, 0); /* blocks 0, 1 full; block 2 holds 8 of 16 */
     const uint32_t *ids;
@@ -462,7 +462,7 @@ static void tp_run_free(tp_run_t *r)
 static void kv_slices_equal(const tp_run_t *ref, const tp_run_t *got, uint32_t tp)
 {
     const pkv_geometry_t *g = pkv_kv_geometry(got->kv);
-    size_t piece = (size_t)g->block_tokens * g->head_dim * pkv_dtype_size(g->dtype);
+    size_t piece = (size_t)g->block_tokens * pkv_dtype_row_bytes(g->dtype, g->head_dim);
     const uint32_t *ia, *ib;
     uint32_t na, nb;
     ck_assert_int_eq(pkv_seq_blocks(ref->seq, &ia, &na), PKV_OK);

@@ -824,7 +824,7 @@ START_TEST(hello_layout_roundtrip_and_bounds)
         size_t off;
         uint8_t v;
     } bad[] = {
-        {b + 10, 13}, {b + 10, 64}, {b + 12, 1},     {b + 16, 0}, {b + 32, 3},
+        {b + 10, 13}, {b + 10, 64}, {b + 12, 1},     {b + 16, 0}, {b + 32, 5},
         {b + 36, 0},  {b + 36, 65}, {b + 40, 2},     {b + 48, 0}, {b + 44, 5},
         {b + 52, 4},  {b + 52, 6},  {len - 1, 0x7f}, /* the model id's last character */
     };

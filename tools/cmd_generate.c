@@ -2,7 +2,7 @@
  * pagekv generate: run one prompt through the engine and print the completion text.
  *
  *   pagekv generate --prompt TEXT [--preset NAME | --model CKPT --tokenizer FILE]
- *                   [--kv-backend paged|dense] [--dtype f32|f16|bf16] [--max-tokens N]
+ *                   [--kv-backend paged|dense] [--kv-dtype f32|f16|bf16|int8|fp8] [--max-tokens N]
  *                   [--temperature T] [--top-p P] [--seed S] [--stop STR]... [--chat]
  *                   [--threads N] [--weights-seed S] [--stats]
  *
@@ -27,12 +27,13 @@ static int detok(void *arg, int32_t prev, int32_t id, const char **bytes, size_t
 
 static void usage(void)
 {
-    fprintf(stderr,
-            "usage: pagekv generate --prompt TEXT [--preset NAME | --model CKPT --tokenizer FILE]\n"
-            "         [--kv-backend paged|dense] [--dtype f32|f16|bf16] [--max-tokens N]\n"
-            "         [--temperature T] [--top-p P] [--seed S] [--stop STR]... [--chat]\n"
-            "         [--threads N] [--weights-seed S] [--stats]\n"
-            "presets:");
+    fprintf(
+        stderr,
+        "usage: pagekv generate --prompt TEXT [--preset NAME | --model CKPT --tokenizer FILE]\n"
+        "         [--kv-backend paged|dense] [--kv-dtype f32|f16|bf16|int8|fp8] [--max-tokens N]\n"
+        "         [--temperature T] [--top-p P] [--seed S] [--stop STR]... [--chat]\n"
+        "         [--threads N] [--weights-seed S] [--stats]\n"
+        "presets:");
     for (const char *const *n = pkv_model_preset_names(); *n; n++) fprintf(stderr, " %s", *n);
     fprintf(stderr, " (default llama-3.2-1b)\n");
 }
@@ -86,9 +87,10 @@ static int set_option(gen_opts_t *o, const char *a, const char *v)
     } else if (!strcmp(a, "--kv-backend")) {
         if (pkv_backend_parse(v, &o->backend))
             return pkv_cli_usage_error("generate", "--kv-backend: paged or dense, not '%s'", v);
-    } else if (!strcmp(a, "--dtype")) {
+    } else if (!strcmp(a, "--kv-dtype") || !strcmp(a, "--dtype")) { /* --dtype: the old name */
         if (pkv_dtype_parse(v, &o->dtype))
-            return pkv_cli_usage_error("generate", "--dtype: f32, f16 or bf16, not '%s'", v);
+            return pkv_cli_usage_error("generate", "%s: f32, f16, bf16, int8 or fp8, not '%s'", a,
+                                       v);
         o->dtype_set = true;
     } else if (!strcmp(a, "--max-tokens")) {
         if (pkv_cli_parse_u64(v, 1, 1u << 20, &o->max_tokens))

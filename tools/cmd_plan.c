@@ -2,7 +2,7 @@
  * pagekv plan: the memory each KV design needs, from a model's KV geometry and a
  * deployment, per rank and per host (the arithmetic is src/plan/; docs/design/plan.md).
  *
- *   pagekv plan (--preset NAME | --layers N --kv-heads N --head-dim N) [--dtype D]
+ *   pagekv plan (--preset NAME | --layers N --kv-heads N --head-dim N) [--kv-dtype D]
  *               [--tp N | --prefill-tp N --decode-tp N] [--ranks-per-host N]
  *               [--page-tokens N] [--context T] [--concurrency N] [--mix T:W,...]
  *               [--in-flight N] [--long T[:COUNT]]... [--device-pool BYTES]
@@ -39,7 +39,7 @@ static void usage(void)
 {
     fprintf(stderr,
             "usage: pagekv plan (--preset NAME | --layers N --kv-heads N --head-dim N)\n"
-            "         [--dtype f32|f16|bf16] [--tp N | --prefill-tp N --decode-tp N]\n"
+            "         [--kv-dtype f32|f16|bf16|int8|fp8] [--tp N | --prefill-tp N --decode-tp N]\n"
             "         [--ranks-per-host N] [--page-tokens N] [--context T] [--concurrency N]\n"
             "         [--mix T:W,...] [--mix-of in-flight|requests] [--in-flight N]\n"
             "         [--long T[:COUNT]]...\n"
@@ -125,9 +125,9 @@ static int set_geometry(plan_opts_t *o, const char *a, const char *v)
     } else if (!strcmp(a, "--head-dim")) {
         o->dim_set = true;
         return pkv_cli_flag_u32(CMD, a, v, 0, UINT32_MAX, &in->head_dim);
-    } else if (!strcmp(a, "--dtype")) {
+    } else if (!strcmp(a, "--kv-dtype") || !strcmp(a, "--dtype")) {
         if (pkv_dtype_parse(v, &in->dtype))
-            return pkv_cli_usage_error(CMD, "--dtype: f32, f16 or bf16, got '%s'", v);
+            return pkv_cli_usage_error(CMD, "%s: f32, f16, bf16, int8 or fp8, got '%s'", a, v);
         return 0;
     } else if (!strcmp(a, "--tp")) {
         o->tp_set = true;

@@ -3,10 +3,12 @@
  * (PKV_BACKEND_PAGED, the product) or in one contiguous buffer per sequence
  * (PKV_BACKEND_DENSE, the honest baseline). Both sit behind one sequence interface.
  *
- * Memory layout of one position range ("run"): for layer l and KV head h, K of token t
- * is at  run.k + h * run.head_stride + t * head_dim  (elements of the cache dtype), V
- * likewise from run.v. Paged: a run is one block (head_stride = block_tokens * head_dim);
- * dense: a run is the whole sequence (head_stride = capacity * head_dim).
+ * Memory layout of one position range ("run"): for layer l and KV head h, the row of K
+ * of token t (head_dim values of the cache dtype, then for a scaled dtype its f32 scale:
+ * pkv_dtype_row_bytes bytes) is at  run.k + h * run.head_stride + t * row_bytes  (bytes),
+ * V likewise from run.v. Paged: a run is one block or several adjacent ones (head_stride =
+ * the granule's slots of one head); dense: a run is the whole sequence (head_stride =
+ * capacity * row_bytes).
  *
  * Writing protocol: pkv_seq_reserve() makes positions [length, n) writable (allocating
  * blocks and copying a shared partial block first: copy-on-write); the caller writes
@@ -34,11 +36,33 @@
 extern "C" {
 #endif
 
-typedef enum { PKV_DTYPE_F32 = 0, PKV_DTYPE_F16 = 1, PKV_DTYPE_BF16 = 2 } pkv_dtype_t;
+/* The KV cache's formats. f32, f16, bf16: plain values. int8 and fp8 (OCP FP8 e4m3) are
+ * scaled: every row (one token's one KV head) is head_dim one-byte codes followed by its
+ * own f32 scale, value = code * scale, the scale computed when the row is written from
+ * the row's largest magnitude (int8: amax / 127; fp8: amax / 448). See
+ * docs/design/pool.md, "Quantized KV". */
+typedef enum {
+    PKV_DTYPE_F32 = 0,
+    PKV_DTYPE_F16 = 1,
+    PKV_DTYPE_BF16 = 2,
+    PKV_DTYPE_INT8 = 3,
+    PKV_DTYPE_FP8 = 4,
+} pkv_dtype_t;
+#define PKV_DTYPE_COUNT 5
+/* Bytes of one value (1 for int8 and fp8). */
 PKV_API size_t pkv_dtype_size(pkv_dtype_t dt);
+/* Whether rows carry a scale (int8, fp8). */
+PKV_API bool pkv_dtype_scaled(pkv_dtype_t dt);
+/* Bytes of one row of head_dim values: head_dim * size, + 4 (the f32 scale) when scaled. */
+PKV_API size_t pkv_dtype_row_bytes(pkv_dtype_t dt, uint32_t head_dim);
 PKV_API const char *pkv_dtype_name(pkv_dtype_t dt);
+/* "f32", "f16", "bf16", "int8", "fp8" (also "fp8_e4m3"). */
 PKV_API int pkv_dtype_parse(const char *s, pkv_dtype_t *out);
-/* Convert n values between f32 and the dtype (round to nearest even). */
+/* Encode one row of n f32 values into pkv_dtype_row_bytes(dt, n) bytes at dst (round to
+ * nearest even; int8 codes in [-127, 127]; fp8 saturates at +-448 and never writes a NaN
+ * code; a NaN input is stored as 0), and decode one such row back to f32 (exact for the
+ * stored codes). The one quantizer: every writer of KV (dense, paged, a prefill node, a
+ * benchmark) calls it, so equal inputs give equal bytes everywhere. */
 PKV_API void pkv_dtype_from_f32(pkv_dtype_t dt, void *dst, const float *src, size_t n);
 PKV_API void pkv_dtype_to_f32(pkv_dtype_t dt, float *dst, const void *src, size_t n);
 
@@ -63,7 +87,9 @@ typedef struct {
     uint64_t budget_bytes;    /* cap on committed KV bytes; 0 = none */
     uint64_t reserve_bytes;   /* address space to reserve when no budget; 0 -> 64 GiB */
     uint32_t retain_granules; /* empty granules kept committed (hysteresis); default 1 */
-    uint64_t granule_bytes;   /* paged commit unit, multiple of 4 KiB; 0 -> 2 MiB */
+    uint64_t granule_bytes;   /* paged commit unit, multiple of 4 KiB; 0 -> 2 MiB, or for
+                                 blocks that do not fill it the multiple of 2 MiB up to 8 MiB
+                                 that wastes least (a quantized dtype at head dim 64: 4 MiB) */
     bool no_prefix_cache;     /* disable prefix caching */
     bool hugepages;           /* paged: ask for THP on commit */
     /* Prefix-cache policy (paged; the dense baseline ignores it). Cached blocks are full,
@@ -117,8 +143,8 @@ PKV_API int pkv_seq_fork(pkv_seq_t *parent, pkv_seq_t **out);
 PKV_API uint32_t pkv_seq_length(const pkv_seq_t *seq);
 PKV_API uint32_t pkv_seq_capacity(const pkv_seq_t *seq);
 
-/* Where K/V of position pos (< capacity) in layer sits: *k and *v point at head 0;
- * head h is at + h * *head_stride elements. Write only positions >= length. */
+/* Where K/V of position pos (< capacity) in layer sits: *k and *v point at head 0's row;
+ * head h's row is at + h * *head_stride bytes. Write only positions >= length. */
 PKV_API void pkv_seq_slot(const pkv_seq_t *seq, uint32_t pos, uint32_t layer, void **k, void **v,
                           size_t *head_stride);
 
@@ -126,7 +152,7 @@ typedef struct {
     const void *k, *v;  /* head 0, first token of the run */
     uint32_t pos;       /* first position */
     uint32_t n_tokens;  /* positions in the run */
-    size_t head_stride; /* elements between heads */
+    size_t head_stride; /* bytes between heads */
 } pkv_kv_run_t;
 /* Fill out[] with the runs covering positions [begin, end) of layer, in order; end may
  * reach capacity, so a forward pass can read K/V it wrote but has not appended yet. Returns
@@ -140,8 +166,8 @@ PKV_API int pkv_seq_blocks(const pkv_seq_t *seq, const uint32_t **ids, uint32_t 
 /* One block's K/V over every KV head, one copy of each (what a TP=1 pool stores per
  * block); a TP pool that replicates heads stores pkv_kv_stats_t.block_bytes per block. */
 PKV_API size_t pkv_kv_block_bytes(const pkv_kv_t *kv);
-/* A block's K (which = 0) or V (which = 1) of one layer and KV head: block_tokens x
- * head_dim values, block_bytes / (2 * layers * kv_heads) bytes. Within a commit granule
+/* A block's K (which = 0) or V (which = 1) of one layer and KV head: block_tokens rows
+ * (pkv_dtype_row_bytes each), block_bytes / (2 * layers * kv_heads) bytes. Within a commit granule
  * the pieces of one (layer, k|v, head) of every block lie side by side in slot order:
  * blocks b and b + 1 of one granule have adjacent pieces. NULL when out of range. */
 PKV_API void *pkv_kv_block_head(const pkv_kv_t *kv, uint32_t block, uint32_t layer, uint32_t which,
@@ -186,7 +212,7 @@ PKV_API int pkv_kv_rank(const pkv_kv_t *kv, uint32_t rank, pkv_kv_rank_t *out);
 PKV_API void *pkv_kv_block_head_rank(const pkv_kv_t *kv, uint32_t rank, uint32_t block,
                                      uint32_t layer, uint32_t which, uint32_t head);
 /* As pkv_seq_slot / pkv_seq_runs, in rank's range: *k / run.k point at the rank's first head
- * (head_lo); held head h is at + (h - head_lo) * head_stride elements. Every rank has the
+ * (head_lo); held head h is at + (h - head_lo) * head_stride bytes. Every rank has the
  * same runs (positions and lengths); pkv_seq_slot / pkv_seq_runs are rank 0's. */
 PKV_API void pkv_seq_slot_rank(const pkv_seq_t *seq, uint32_t rank, uint32_t pos, uint32_t layer,
                                void **k, void **v, size_t *head_stride);

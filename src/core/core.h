@@ -90,6 +90,45 @@ static inline uint16_t pkv_f32_to_bf16(float f)
     return (uint16_t)(x >> 16);
 }
 
+/* ---- fp8 e4m3 (OCP FP8, "E4M3": bias 7, no infinities, S.1111.111 is NaN) <-> f32 ----
+ * To f32 is exact: code e.m = (1 + m/8) * 2^(e-7), e = 0: m * 2^-9; 0x7f / 0xff: NaN.
+ * From f32 rounds to nearest even and saturates at +-448 (0x7e); NaN gives +0: the
+ * encoder never writes a NaN code. */
+static inline float pkv_fp8_to_f32(uint8_t c)
+{
+    uint32_t e = (c >> 3) & 0xfu, m = c & 7u;
+    float v;
+    if (e == 15 && m == 7) return __builtin_nanf("");
+    if (e == 0)
+        v = (float)m * 0x1p-9f;
+    else
+        v = (float)(8 + m) * 0x1p-3f * __builtin_ldexpf(1.0f, (int)e - 7);
+    return c & 0x80 ? -v : v;
+}
+
+static inline uint8_t pkv_f32_to_fp8(float f)
+{
+    uint32_t x;
+    __builtin_memcpy(&x, &f, 4);
+    uint8_t sign = (uint8_t)((x >> 24) & 0x80u);
+    uint32_t a = x & 0x7fffffffu;
+    if (a > 0x7f800000u) return 0;                       /* NaN */
+    if (a >= 0x43e00000u) return (uint8_t)(sign | 0x7e); /* >= 448 (and inf): saturate */
+    uint32_t code;
+    if (a < 0x3c800000u) { /* below 2^-6: subnormal steps of 2^-9 (8 of them reach 2^-6) */
+        float af;
+        __builtin_memcpy(&af, &a, 4);
+        code = (uint32_t)__builtin_rintf(af * 0x1p9f); /* exact scaling, then RNE */
+    } else {
+        uint32_t e = (a >> 23) - 127 + 7, m = a & 0x7fffffu;
+        uint32_t q = m >> 20, rem = m & 0xfffffu;
+        code = (e << 3) + q;
+        if (rem > 0x80000u || (rem == 0x80000u && (q & 1))) code++; /* may carry: ok */
+        if (code > 0x7e) code = 0x7e;
+    }
+    return (uint8_t)(sign | code);
+}
+
 /* Broken invariant: print where and abort. Never used for bad input. */
 #define PKV_ASSERT(cond)                                                                           \
     do {                                                                                           \

@@ -185,7 +185,7 @@ static void rows_copy(const dense_t *d, uint8_t *dst, uint32_t dst_cap, const ui
                       uint32_t src_cap, uint32_t n)
 {
     const pkv_geometry_t *g = &d->base.geo;
-    size_t rows = 2ull * g->layers * g->kv_heads, tok = (size_t)g->head_dim * d->base.elem_bytes;
+    size_t rows = 2ull * g->layers * g->kv_heads, tok = d->base.row_bytes;
     for (size_t r = 0; r < rows; r++)
         memcpy(dst + r * dst_cap * tok, src + r * src_cap * tok, n * tok);
 }
@@ -318,7 +318,7 @@ static int dense_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens)
     }
     /* Spread the rows out, last first, so no row overwrites one not yet moved. */
     const pkv_geometry_t *g = &seq->kv->geo;
-    size_t rows = 2ull * g->layers * g->kv_heads, tok = (size_t)g->head_dim * seq->kv->elem_bytes;
+    size_t rows = 2ull * g->layers * g->kv_heads, tok = seq->kv->row_bytes;
     for (size_t r = rows; r-- > 1;) memmove(data + r * cap * tok, data + r * old * tok, old * tok);
     b->data = data;
     b->cap = cap;
@@ -407,11 +407,11 @@ static void dense_seq_slot(const pkv_seq_t *seq, uint32_t pos, uint32_t layer, v
 {
     const dense_buf_t *b = ((const dense_seq_t *)seq)->buf;
     const pkv_geometry_t *g = &seq->kv->geo;
-    size_t es = seq->kv->elem_bytes, D = g->head_dim, H = g->kv_heads, cap = b->cap;
-    uint8_t *base = b->data + (((size_t)layer * 2 * H) * cap + pos) * D * es;
+    size_t row = seq->kv->row_bytes, H = g->kv_heads, cap = b->cap;
+    uint8_t *base = b->data + (((size_t)layer * 2 * H) * cap + pos) * row;
     *k = base;
-    *v = base + H * cap * D * es;
-    *head_stride = cap * D;
+    *v = base + H * cap * row;
+    *head_stride = cap * row;
 }
 
 static uint32_t dense_seq_runs(const pkv_seq_t *seq, uint32_t layer, uint32_t begin, uint32_t end,

@@ -9,6 +9,8 @@
 
 #include "prim/prim.h"
 
+#include <float.h>
+#include <math.h>
 #include <openssl/sha.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,30 +18,36 @@
 
 size_t pkv_dtype_size(pkv_dtype_t dt)
 {
-    return dt == PKV_DTYPE_F32 ? 4 : 2;
+    return dt == PKV_DTYPE_F32 ? 4 : dt == PKV_DTYPE_F16 || dt == PKV_DTYPE_BF16 ? 2 : 1;
 }
+
+bool pkv_dtype_scaled(pkv_dtype_t dt)
+{
+    return dt == PKV_DTYPE_INT8 || dt == PKV_DTYPE_FP8;
+}
+
+size_t pkv_dtype_row_bytes(pkv_dtype_t dt, uint32_t head_dim)
+{
+    return (size_t)head_dim * pkv_dtype_size(dt) + (pkv_dtype_scaled(dt) ? sizeof(float) : 0);
+}
+
+static const struct {
+    const char *name;
+    pkv_dtype_t dt;
+} dtype_names[] = {{"f32", PKV_DTYPE_F32},   {"f16", PKV_DTYPE_F16}, {"bf16", PKV_DTYPE_BF16},
+                   {"int8", PKV_DTYPE_INT8}, {"fp8", PKV_DTYPE_FP8}, {"fp8_e4m3", PKV_DTYPE_FP8}};
 
 const char *pkv_dtype_name(pkv_dtype_t dt)
 {
-    switch (dt) {
-    case PKV_DTYPE_F32:
-        return "f32";
-    case PKV_DTYPE_F16:
-        return "f16";
-    case PKV_DTYPE_BF16:
-        return "bf16";
-    }
+    for (size_t i = 0; i < PKV_ARRAY_LEN(dtype_names); i++)
+        if (dtype_names[i].dt == dt) return dtype_names[i].name;
     return "?";
 }
 
 int pkv_dtype_parse(const char *s, pkv_dtype_t *out)
 {
-    static const struct {
-        const char *name;
-        pkv_dtype_t dt;
-    } names[] = {{"f32", PKV_DTYPE_F32}, {"f16", PKV_DTYPE_F16}, {"bf16", PKV_DTYPE_BF16}};
-    for (size_t i = 0; s && i < PKV_ARRAY_LEN(names); i++)
-        if (!strcmp(s, names[i].name)) return *out = names[i].dt, PKV_OK;
+    for (size_t i = 0; s && i < PKV_ARRAY_LEN(dtype_names); i++)
+        if (!strcmp(s, dtype_names[i].name)) return *out = dtype_names[i].dt, PKV_OK;
     return PKV_ERR_INVALID;
 }
 
@@ -55,6 +63,29 @@ int pkv_backend_parse(const char *s, pkv_backend_t *out)
     return PKV_ERR_INVALID;
 }
 
+/* A scaled row: the codes, then the f32 scale (max |x| over the row's finite values /
+ * the format's largest code; 0 for a row of zeros, whose codes are then all 0). */
+static void scaled_from_f32(pkv_dtype_t dt, uint8_t *dst, const float *src, size_t n)
+{
+    float amax = 0.0f, top = dt == PKV_DTYPE_INT8 ? 127.0f : 448.0f;
+    for (size_t i = 0; i < n; i++) {
+        float a = fabsf(src[i]);
+        if (a > amax && a <= FLT_MAX) amax = a;
+    }
+    float scale = amax / top, inv = amax > 0.0f ? top / amax : 0.0f;
+    for (size_t i = 0; i < n; i++) {
+        float y = src[i] * inv; /* inf stays inf (saturates); NaN (also inf * 0) -> 0 */
+        if (isnan(y)) y = 0.0f;
+        if (dt == PKV_DTYPE_FP8) {
+            dst[i] = pkv_f32_to_fp8(y);
+        } else {
+            y = rintf(y); /* to nearest even */
+            dst[i] = (uint8_t)(int8_t)(y > 127.0f ? 127 : y < -127.0f ? -127 : (int)y);
+        }
+    }
+    memcpy(dst + n, &scale, sizeof(scale));
+}
+
 void pkv_dtype_from_f32(pkv_dtype_t dt, void *dst, const float *src, size_t n)
 {
     uint16_t *d16 = dst;
@@ -68,12 +99,18 @@ void pkv_dtype_from_f32(pkv_dtype_t dt, void *dst, const float *src, size_t n)
     case PKV_DTYPE_BF16:
         for (size_t i = 0; i < n; i++) d16[i] = pkv_f32_to_bf16(src[i]);
         break;
+    case PKV_DTYPE_INT8:
+    case PKV_DTYPE_FP8:
+        scaled_from_f32(dt, dst, src, n);
+        break;
     }
 }
 
 void pkv_dtype_to_f32(pkv_dtype_t dt, float *dst, const void *src, size_t n)
 {
     const uint16_t *s16 = src;
+    const uint8_t *s8 = src;
+    float scale;
     switch (dt) {
     case PKV_DTYPE_F32:
         memcpy(dst, src, n * 4);
@@ -84,12 +121,20 @@ void pkv_dtype_to_f32(pkv_dtype_t dt, float *dst, const void *src, size_t n)
     case PKV_DTYPE_BF16:
         for (size_t i = 0; i < n; i++) dst[i] = pkv_bf16_to_f32(s16[i]);
         break;
+    case PKV_DTYPE_INT8:
+        memcpy(&scale, s8 + n, sizeof(scale));
+        for (size_t i = 0; i < n; i++) dst[i] = (float)(int8_t)s8[i] * scale;
+        break;
+    case PKV_DTYPE_FP8:
+        memcpy(&scale, s8 + n, sizeof(scale));
+        for (size_t i = 0; i < n; i++) dst[i] = pkv_fp8_to_f32(s8[i]) * scale;
+        break;
     }
 }
 
 size_t pkv_geometry_token_bytes(const pkv_geometry_t *g)
 {
-    return 2ull * g->layers * g->kv_heads * g->head_dim * pkv_dtype_size(g->dtype);
+    return 2ull * g->layers * g->kv_heads * pkv_dtype_row_bytes(g->dtype, g->head_dim);
 }
 
 void kv_base_init(struct pkv_kv *kv, const pkv_kv_config_t *cfg, const kv_ops_t *ops)
@@ -98,7 +143,7 @@ void kv_base_init(struct pkv_kv *kv, const pkv_kv_config_t *cfg, const kv_ops_t 
     kv->geo = cfg->geo;
     kv->geo.block_tokens = cfg->geo.block_tokens ? cfg->geo.block_tokens : 16;
     kv->backend = cfg->backend;
-    kv->elem_bytes = pkv_dtype_size(cfg->geo.dtype);
+    kv->row_bytes = pkv_dtype_row_bytes(cfg->geo.dtype, cfg->geo.head_dim);
     kv->token_bytes = pkv_geometry_token_bytes(&kv->geo);
     kv->block_bytes = kv->token_bytes * kv->geo.block_tokens;
     kv->tp = cfg->tp ? cfg->tp : 1;
@@ -195,7 +240,7 @@ int pkv_kv_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
     const pkv_geometry_t *g = &cfg->geo;
     uint32_t T = g->block_tokens ? g->block_tokens : 16;
     if (!g->layers || !g->kv_heads || !g->head_dim || g->layers > 1024 || g->kv_heads > 1024 ||
-        g->head_dim > 4096 || T > 4096 || g->dtype > PKV_DTYPE_BF16) {
+        g->head_dim > 4096 || T > 4096 || (unsigned)g->dtype >= PKV_DTYPE_COUNT) {
         PKV_LOGE("kv", "invalid geometry: layers %u kv_heads %u head_dim %u block_tokens %u",
                  g->layers, g->kv_heads, g->head_dim, T);
         return PKV_ERR_INVALID;
@@ -532,11 +577,11 @@ int pkv_kv_key_pin(pkv_kv_t *kv, const pkv_kv_key_t *key, uint32_t *id)
     return kv->ops->key_pin ? kv->ops->key_pin(kv, key, id) : PKV_ERR_UNSUPPORTED;
 }
 
-/* Each (layer, K|V, head) piece of a block: block_tokens x head_dim values, contiguous in
- * the pool (its rank's range) and in the canonical buffer. */
+/* Each (layer, K|V, head) piece of a block: block_tokens rows, contiguous in the pool (its
+ * rank's range) and in the canonical buffer. */
 static size_t piece_bytes(const pkv_kv_t *kv)
 {
-    return (size_t)kv->geo.block_tokens * kv->geo.head_dim * kv->elem_bytes;
+    return (size_t)kv->geo.block_tokens * kv->row_bytes;
 }
 
 void pkv_kv_block_read(const pkv_kv_t *kv, uint32_t id, void *buf)

@@ -68,7 +68,7 @@ struct pkv_kv {
     const kv_ops_t *ops;
     pkv_geometry_t geo; /* block_tokens filled in */
     pkv_backend_t backend;
-    size_t elem_bytes;      /* dtype size */
+    size_t row_bytes;       /* one token's one head: pkv_dtype_row_bytes */
     size_t token_bytes;     /* K+V, all layers, one position */
     size_t block_bytes;     /* token_bytes * block_tokens */
     uint32_t tp;            /* tensor-parallel ranks (1: dense, or a plain pool) */

@@ -72,7 +72,7 @@ typedef struct {
     size_t gbytes;         /* bytes of one granule over every rank: the commit accounting */
     size_t blk_bytes;      /* one block over every rank (replicated heads in each copy) */
     uint32_t bpg;          /* blocks per granule (from the TP=1 block size: same ids any tp) */
-    size_t piece;          /* one (block, layer, k|v, head): block_tokens x head_dim values */
+    size_t piece;          /* one (block, layer, k|v, head): block_tokens rows */
     uint32_t n_granules;   /* granules in the reservation */
     uint32_t max_granules; /* granules the budget allows */
     uint32_t retain;       /* empty granules kept committed */
@@ -863,12 +863,12 @@ static inline void slot_in(const pkv_seq_t *seq, const pool_rank_t *r, uint32_t 
     const pool_seq_t *s = (const pool_seq_t *)seq;
     const pool_t *p = pool_of(seq->kv);
     const pkv_geometry_t *g = &seq->kv->geo;
-    size_t es = seq->kv->elem_bytes, T = g->block_tokens, D = g->head_dim;
+    size_t T = g->block_tokens;
     uint32_t id = s->blocks[pos / T];
-    size_t row = (size_t)(pos % T) * D * es;
+    size_t row = (size_t)(pos % T) * seq->kv->row_bytes;
     *k = rank_head_addr(p, r, id, layer, 0, 0) + row;
     *v = rank_head_addr(p, r, id, layer, 1, 0) + row;
-    *head_stride = (size_t)p->bpg * T * D;
+    *head_stride = (size_t)p->bpg * p->piece;
 }
 
 static void pool_seq_slot(const pkv_seq_t *seq, uint32_t pos, uint32_t layer, void **k, void **v,
@@ -1157,7 +1157,7 @@ static int validate_ranks(const pool_t *p)
         size_t share = p->piece * 2 * g->layers * n;
         CHECK(rk->head_lo == lo && rk->head_n == n, "rank %u holds heads [%u, +%u), not [%u, +%u)",
               r, rk->head_lo, rk->head_n, lo, n);
-        CHECK(rk->stride == PKV_ALIGN_UP((size_t)p->bpg * share, PKV_PRIM_PAGE) &&
+        CHECK(rk->stride == pkv_prim_granule_stride((size_t)p->bpg * share) &&
                   rk->reserved == (size_t)p->n_granules * rk->stride,
               "rank %u stride %zu / reserved %zu inconsistent", r, rk->stride, rk->reserved);
         for (uint32_t q = 0; q < r; q++)
@@ -1328,7 +1328,7 @@ static void pool_layout_ranks(pool_t *p)
         pool_rank_t *rk = &p->rk[r];
         pkv_kv_tp_heads(g->kv_heads, p->tp, r, &rk->head_lo, &rk->head_n);
         size_t share = p->piece * 2 * g->layers * rk->head_n; /* the rank's part of a block */
-        rk->stride = PKV_ALIGN_UP((size_t)p->bpg * share, PKV_PRIM_PAGE);
+        rk->stride = pkv_prim_granule_stride((size_t)p->bpg * share);
         p->gbytes += rk->stride;
         p->blk_bytes += share;
     }
@@ -1341,14 +1341,14 @@ int kv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
     int rc = PKV_ERR_NOMEM;
     kv_base_init(&p->base, cfg, &pool_ops);
     size_t bb = p->base.block_bytes;
-    uint64_t gran = cfg->granule_bytes ? cfg->granule_bytes : PKV_PRIM_HUGE;
+    uint64_t gran = cfg->granule_bytes ? cfg->granule_bytes : pkv_prim_granule_for(bb);
     if (gran % PKV_PRIM_PAGE) {
         PKV_LOGE("pool", "granule_bytes %llu is not a multiple of 4 KiB", (unsigned long long)gran);
         free(p);
         return PKV_ERR_INVALID;
     }
     p->bpg = (uint32_t)PKV_MAX(1, gran / bb);
-    p->piece = (size_t)p->base.geo.block_tokens * p->base.geo.head_dim * p->base.elem_bytes;
+    p->piece = (size_t)p->base.geo.block_tokens * p->base.row_bytes;
     p->tp = p->base.tp;
     pool_layout_ranks(p);
     p->budget = cfg->budget_bytes;

@@ -18,7 +18,7 @@
 
 static inline void row_to_f32(const void *src, pkv_dtype_t dt, uint32_t n, float *dst)
 {
-    switch (dt) {
+    switch (dt) { /* scaled dtypes: the codes' values; the row scale is applied by the caller */
     case PKV_DTYPE_F32:
         memcpy(dst, src, n * sizeof(float));
         break;
@@ -28,12 +28,34 @@ static inline void row_to_f32(const void *src, pkv_dtype_t dt, uint32_t n, float
     case PKV_DTYPE_BF16:
         for (uint32_t i = 0; i < n; i++) dst[i] = pkv_bf16_to_f32(((const uint16_t *)src)[i]);
         break;
+    case PKV_DTYPE_INT8:
+        for (uint32_t i = 0; i < n; i++) dst[i] = (float)((const int8_t *)src)[i];
+        break;
+    case PKV_DTYPE_FP8:
+        for (uint32_t i = 0; i < n; i++) dst[i] = pkv_fp8_to_f32(((const uint8_t *)src)[i]);
+        break;
     }
 }
 
+/* Bytes of one value and of one row (values, then a scaled dtype's f32 scale). */
 static inline size_t dt_size(pkv_dtype_t dt)
 {
-    return dt == PKV_DTYPE_F32 ? 4 : 2;
+    return dt == PKV_DTYPE_F32 ? 4 : dt == PKV_DTYPE_F16 || dt == PKV_DTYPE_BF16 ? 2 : 1;
+}
+static inline bool dt_scaled(pkv_dtype_t dt)
+{
+    return dt == PKV_DTYPE_INT8 || dt == PKV_DTYPE_FP8;
+}
+static inline size_t row_size(pkv_dtype_t dt, uint32_t hd)
+{
+    return (size_t)hd * dt_size(dt) + (dt_scaled(dt) ? sizeof(float) : 0);
+}
+/* The scale of the row whose values start at row (hd values of one byte). */
+static inline float row_scale(const char *row, uint32_t hd)
+{
+    float s;
+    memcpy(&s, row + hd, sizeof(s));
+    return s;
 }
 
 /* ---- portable set ---------------------------------------------------------------- */
@@ -66,20 +88,22 @@ static void scores_portable(const float *qa, const float *qb, uint32_t na, uint3
                             float *ob, size_t ostride)
 {
     float kt[1024];
-    size_t es = dt_size(dt);
+    size_t rb = row_size(dt, hd);
     uint32_t n = qb ? nb : na;
     for (uint32_t i = 0; i < nruns && runs[i].pos < n; i++) {
         uint32_t p1 = runs[i].pos + runs[i].n_tokens < n ? runs[i].pos + runs[i].n_tokens : n;
         for (uint32_t h = 0; h < nh; h++) {
-            const char *base =
-                (const char *)runs[i].k + (size_t)(h0 + h) * runs[i].head_stride * es;
+            const char *base = (const char *)runs[i].k + (size_t)(h0 + h) * runs[i].head_stride;
             for (uint32_t p = runs[i].pos; p < p1; p++) {
-                row_to_f32(base + (size_t)(p - runs[i].pos) * hd * es, dt, hd, kt);
+                const char *row = base + (size_t)(p - runs[i].pos) * rb;
+                row_to_f32(row, dt, hd, kt);
+                float rs = dt_scaled(dt) ? row_scale(row, hd) : 1.0f; /* x * 1 is x */
                 for (uint32_t j = 0; j < group; j++) {
                     size_t qi = (size_t)h * group + j;
-                    if (p < na) oa[qi * ostride + p] = dot_portable(qa + qi * hd, kt, hd) * scale;
+                    if (p < na)
+                        oa[qi * ostride + p] = dot_portable(qa + qi * hd, kt, hd) * rs * scale;
                     if (qb && p < nb)
-                        ob[qi * ostride + p] = dot_portable(qb + qi * hd, kt, hd) * scale;
+                        ob[qi * ostride + p] = dot_portable(qb + qi * hd, kt, hd) * rs * scale;
                 }
             }
         }
@@ -105,23 +129,24 @@ static void av_portable(const float *pa, const float *pb, uint32_t na, uint32_t 
                         float *ab)
 {
     float vt[1024];
-    size_t es = dt_size(dt);
+    size_t rb = row_size(dt, hd);
     uint32_t n = pb ? nb : na;
     for (uint32_t i = 0; i < nruns && runs[i].pos < n; i++) {
         uint32_t p1 = runs[i].pos + runs[i].n_tokens < n ? runs[i].pos + runs[i].n_tokens : n;
         for (uint32_t h = 0; h < nh; h++) {
-            const char *base =
-                (const char *)runs[i].v + (size_t)(h0 + h) * runs[i].head_stride * es;
+            const char *base = (const char *)runs[i].v + (size_t)(h0 + h) * runs[i].head_stride;
             for (uint32_t p = runs[i].pos; p < p1; p++) {
-                row_to_f32(base + (size_t)(p - runs[i].pos) * hd * es, dt, hd, vt);
+                const char *row = base + (size_t)(p - runs[i].pos) * rb;
+                row_to_f32(row, dt, hd, vt);
+                float rs = dt_scaled(dt) ? row_scale(row, hd) : 1.0f;
                 for (uint32_t j = 0; j < group; j++) {
                     size_t qi = (size_t)h * group + j;
                     if (p < na) {
-                        float pt = pa[qi * pstride + p], *acc = aa + qi * hd;
+                        float pt = pa[qi * pstride + p] * rs, *acc = aa + qi * hd;
                         for (uint32_t d = 0; d < hd; d++) acc[d] = acc[d] + pt * vt[d];
                     }
                     if (pb && p < nb) {
-                        float pt = pb[qi * pstride + p], *acc = ab + qi * hd;
+                        float pt = pb[qi * pstride + p] * rs, *acc = ab + qi * hd;
                         for (uint32_t d = 0; d < hd; d++) acc[d] = acc[d] + pt * vt[d];
                     }
                 }
@@ -171,9 +196,48 @@ AVX2_INLINE __m256 ld_bf16(const void *p)
     __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
+AVX2_INLINE __m256 ld_i8(const void *p)
+{
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+/* e4m3 codes as f16 bits: sign to bit 15, exponent and mantissa to bits 7-13. Both normal
+ * and subnormal codes then read as the code's value times 2^-8 (exactly), which the row
+ * scale undoes (rscale). */
+AVX2_INLINE __m256 ld_fp8(const void *p)
+{
+    __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                             _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
+    return _mm256_cvtph_ps(h);
+}
 AVX2_INLINE __m256 ld_dt(const void *p, pkv_dtype_t dt)
 {
-    return dt == PKV_DTYPE_F32 ? ld_f32(p) : dt == PKV_DTYPE_F16 ? ld_f16(p) : ld_bf16(p);
+    switch (dt) {
+    case PKV_DTYPE_F32:
+        return ld_f32(p);
+    case PKV_DTYPE_F16:
+        return ld_f16(p);
+    case PKV_DTYPE_INT8:
+        return ld_i8(p);
+    case PKV_DTYPE_FP8:
+        return ld_fp8(p);
+    default:
+        return ld_bf16(p);
+    }
+}
+/* The factor a row's ld_dt values take: its scale (fp8: times 2^8, see ld_fp8); 1 for a
+ * plain dtype, where the callers skip it. */
+AVX2_INLINE float rscale(const char *row, uint32_t hd, pkv_dtype_t dt)
+{
+    float s = dt_scaled(dt) ? row_scale(row, hd) : 1.0f;
+    return dt == PKV_DTYPE_FP8 ? s * 256.0f : s;
+}
+/* A V row's weight: p_t, times the row's factor for a scaled dtype (sp: the row's values
+ * from dim d0, so its scale is at sp + soff, soff = hd - d0). */
+AVX2_INLINE __m256 pweight(const float *p, const char *sp, size_t soff, pkv_dtype_t dt)
+{
+    if (!dt_scaled(dt)) return _mm256_broadcast_ss(p);
+    return _mm256_set1_ps(*p * rscale(sp + soff, 0, dt));
 }
 
 /* r[i] = ((a_i0 + a_i1) + (a_i2 + a_i3)) + ((a_i4 + a_i5) + (a_i6 + a_i7)) for each of
@@ -289,9 +353,9 @@ AVX2_FN static void matmul_avx2(const float *x, size_t ldx, uint32_t rows, uint3
  * (pf_ahead) reaches the next run anyway, and these extra prefetches cost paged decode
  * at 16k ~1.5 % (they wait on fill buffers the stream needs). */
 #define PREFETCH_LINES 16
-AVX2_INLINE void prefetch_run_start(const void *base, size_t head_stride, uint32_t h0, size_t es)
+AVX2_INLINE void prefetch_run_start(const void *base, size_t head_stride, uint32_t h0)
 {
-    const char *p = (const char *)base + (size_t)h0 * head_stride * es;
+    const char *p = (const char *)base + (size_t)h0 * head_stride;
     for (int l = 0; l < PREFETCH_LINES; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
 }
 
@@ -390,7 +454,7 @@ AVX2_INLINE const float *split_q(const float *q, size_t n, float *out)
 AVX2_INLINE void s_1x8(const float *q, const char *k, uint32_t nt, uint32_t hd, size_t es,
                        pkv_dtype_t dt, bool eo, __m256 scale, float *out)
 {
-    size_t ts = (size_t)hd * es;
+    size_t ts = row_size(dt, hd);
     const char *k0 = k, *k1 = k + (nt > 1) * ts, *k2 = k + (nt > 2) * 2 * ts;
     const char *k3 = k + (nt > 3) * 3 * ts, *k4 = k + (nt > 4) * 4 * ts;
     const char *k5 = k + (nt > 5) * 5 * ts, *k6 = k + (nt > 6) * 6 * ts;
@@ -425,7 +489,13 @@ AVX2_INLINE void s_1x8(const float *q, const char *k, uint32_t nt, uint32_t hd, 
         a7 = _mm256_fmadd_ps(qv, ld_dt(k7 + o, dt), a7);
     }
     __m256 a[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
-    __m256 s = _mm256_mul_ps(reduce8(a), scale);
+    __m256 s = reduce8(a);
+    if (dt_scaled(dt))
+        s = _mm256_mul_ps(s,
+                          _mm256_set_ps(rscale(k7, hd, dt), rscale(k6, hd, dt), rscale(k5, hd, dt),
+                                        rscale(k4, hd, dt), rscale(k3, hd, dt), rscale(k2, hd, dt),
+                                        rscale(k1, hd, dt), rscale(k0, hd, dt)));
+    s = _mm256_mul_ps(s, scale);
     if (nt == 8)
         _mm256_storeu_ps(out, s);
     else
@@ -436,7 +506,7 @@ AVX2_INLINE void s_1x8(const float *q, const char *k, uint32_t nt, uint32_t hd, 
 AVX2_INLINE void s_2x4(const float *qa, const float *qb, const char *k, uint32_t nt, uint32_t hd,
                        size_t es, pkv_dtype_t dt, bool eo, __m256 scale, float *oa, float *ob)
 {
-    size_t ts = (size_t)hd * es;
+    size_t ts = row_size(dt, hd);
     const char *k0 = k, *k1 = k + (nt > 1) * ts, *k2 = k + (nt > 2) * 2 * ts;
     const char *k3 = k + (nt > 3) * 3 * ts;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
@@ -471,7 +541,13 @@ AVX2_INLINE void s_2x4(const float *qa, const float *qb, const char *k, uint32_t
         b3 = _mm256_fmadd_ps(qbv, kv, b3);
     }
     __m256 a[8] = {a0, a1, a2, a3, b0, b1, b2, b3};
-    __m256 s = _mm256_mul_ps(reduce8(a), scale);
+    __m256 s = reduce8(a);
+    if (dt_scaled(dt)) {
+        float r0 = rscale(k0, hd, dt), r1 = rscale(k1, hd, dt), r2 = rscale(k2, hd, dt);
+        float r3 = rscale(k3, hd, dt);
+        s = _mm256_mul_ps(s, _mm256_set_ps(r3, r2, r1, r0, r3, r2, r1, r0));
+    }
+    s = _mm256_mul_ps(s, scale);
     __m128 sa = _mm256_castps256_ps128(s), sb = _mm256_extractf128_ps(s, 1);
     if (nt == 4) {
         _mm_storeu_ps(oa, sa);
@@ -500,21 +576,21 @@ typedef struct {
 } dpiece_t;
 
 AVX2_INLINE dpiece_t dpiece(const pkv_kv_run_t *runs, uint32_t nr, int64_t i, uint32_t h,
-                            uint32_t n, size_t ts, size_t es, int which, const bool t0)
+                            uint32_t n, size_t ts, int which, const bool t0)
 {
     dpiece_t d = {.ps.t0 = t0};
     if (i < 0 || i >= nr) return d;
     const pkv_kv_run_t *r = &runs[i];
     const char *b = which ? (const char *)r->v : (const char *)r->k;
     uint32_t p1 = r->pos + r->n_tokens < n ? r->pos + r->n_tokens : n;
-    d.base = b + (size_t)h * r->head_stride * es;
+    d.base = b + (size_t)h * r->head_stride;
     d.p0 = r->pos;
     d.n = p1 - r->pos;
     d.ps.cur = d.base;
     d.ps.len = (size_t)d.n * ts;
     if (i + 1 < nr)
         d.ps.next = (const char *)(which ? runs[i + 1].v : runs[i + 1].k) +
-                    (size_t)h * runs[i + 1].head_stride * es;
+                    (size_t)h * runs[i + 1].head_stride;
     return d;
 }
 
@@ -548,7 +624,7 @@ AVX2_INLINE void scores1_dt(const float *q, uint32_t n, const pkv_kv_run_t *runs
                             uint32_t h0, uint32_t nh, uint32_t group, uint32_t hd, pkv_dtype_t dt,
                             bool eo, __m256 sc, float *o, size_t ostride, const bool t0)
 {
-    size_t es = dt == PKV_DTYPE_F32 ? 4 : 2, ts = (size_t)hd * es, qs = (size_t)group * hd;
+    size_t es = dt_size(dt), ts = row_size(dt, hd), qs = (size_t)group * hd;
     int lines = (int)(8 * ts / 64);
     uint32_t nr = runs_below(runs, nruns, n);
     float qp[EO_MAX_Q];
@@ -561,9 +637,8 @@ AVX2_INLINE void scores1_dt(const float *q, uint32_t n, const pkv_kv_run_t *runs
         }
         float *oa = o + (size_t)h * group * ostride, *ob = oa + (size_t)group * ostride;
         for (int64_t s = 0; s < (int64_t)nr + two; s++) {
-            dpiece_t a = dpiece(runs, nr, s, h0 + h, n, ts, es, 0, t0);
-            dpiece_t b =
-                two ? dpiece(runs, nr, s - 1, h0 + h + 1, n, ts, es, 0, t0) : (dpiece_t){0};
+            dpiece_t a = dpiece(runs, nr, s, h0 + h, n, ts, 0, t0);
+            dpiece_t b = two ? dpiece(runs, nr, s - 1, h0 + h + 1, n, ts, 0, t0) : (dpiece_t){0};
             uint32_t m = a.n > b.n ? a.n : b.n;
             for (uint32_t t = 0; t < m; t += 8) {
                 if (t < a.n)
@@ -580,8 +655,7 @@ AVX2_INLINE void scores_dt(const float *qa, const float *qb, uint32_t na, uint32
                            uint32_t group, uint32_t hd, pkv_dtype_t dt, float scale, float *oa,
                            float *ob, size_t ostride, const bool t0)
 {
-    size_t es = dt == PKV_DTYPE_F32 ? 4 : 2;
-    size_t ts = (size_t)hd * es;
+    size_t es = dt_size(dt), ts = row_size(dt, hd);
     __m256 sc = _mm256_set1_ps(scale);
     uint32_t n = nb;
     /* bf16 keys are read split (ld_bf16x16), so the queries are split to match: all at
@@ -600,10 +674,9 @@ AVX2_INLINE void scores_dt(const float *qa, const float *qb, uint32_t na, uint32
     for (uint32_t i = 0; i < nruns && runs[i].pos < n; i++) {
         uint32_t p0 = runs[i].pos;
         uint32_t p1 = p0 + runs[i].n_tokens < n ? p0 + runs[i].n_tokens : n;
-        if (i + 1 < nruns) prefetch_run_start(runs[i + 1].k, runs[i + 1].head_stride, h0, es);
+        if (i + 1 < nruns) prefetch_run_start(runs[i + 1].k, runs[i + 1].head_stride, h0);
         for (uint32_t h = 0; h < nh; h++) {
-            const char *base =
-                (const char *)runs[i].k + (size_t)(h0 + h) * runs[i].head_stride * es;
+            const char *base = (const char *)runs[i].k + (size_t)(h0 + h) * runs[i].head_stride;
             for (uint32_t j = 0; j < group; j++) {
                 size_t qi = (size_t)h * group + j;
                 const float *q1 = qa + qi * hd, *q2 = qb + qi * hd;
@@ -705,7 +778,8 @@ AVX2_INLINE void acc_fma(__m256 *a, __m256 pv, const char *row, size_t es, pkv_d
  * dims [d0, d0 + 8 NV): the accumulators round-trip through memory between runs, which
  * changes no bit. */
 AVX2_INLINE void av1_run(const float *p, uint32_t p0, uint32_t n, const char *base, size_t ts,
-                         size_t es, pkv_dtype_t dt, float *acc, const int NV, const pf_stream_t *ps)
+                         size_t soff, size_t es, pkv_dtype_t dt, float *acc, const int NV,
+                         const pf_stream_t *ps)
 {
     const bool eo = dt == PKV_DTYPE_BF16 && NV % 2 == 0;
     __m256 a[8];
@@ -713,15 +787,15 @@ AVX2_INLINE void av1_run(const float *p, uint32_t p0, uint32_t n, const char *ba
     int lines = (int)(ts / 64);
     for (uint32_t t = 0; t < n; t++) {
         if (ps) pf_ahead(ps, t * ts, lines);
-        acc_fma(a, _mm256_broadcast_ss(p + p0 + t), base + t * ts, es, dt, eo, NV);
+        acc_fma(a, pweight(p + p0 + t, base + t * ts, soff, dt), base + t * ts, es, dt, eo, NV);
     }
     acc_store(acc, a, eo, NV);
 }
 
 /* Two queries: tokens [0, e) feed both, [e, n) only b. */
 AVX2_INLINE void av2_run(const float *pa, const float *pb, uint32_t p0, uint32_t e, uint32_t n,
-                         const char *base, size_t ts, size_t es, pkv_dtype_t dt, float *aa,
-                         float *ab, const int NV)
+                         const char *base, size_t ts, size_t soff, size_t es, pkv_dtype_t dt,
+                         float *aa, float *ab, const int NV)
 {
     __m256 a[4], b[4];
 #pragma GCC unroll 4
@@ -731,8 +805,8 @@ AVX2_INLINE void av2_run(const float *pa, const float *pb, uint32_t p0, uint32_t
     }
     uint32_t t = 0;
     for (; t < e; t++) {
-        __m256 pva = _mm256_broadcast_ss(pa + p0 + t), pvb = _mm256_broadcast_ss(pb + p0 + t);
         const char *vt = base + t * ts;
+        __m256 pva = pweight(pa + p0 + t, vt, soff, dt), pvb = pweight(pb + p0 + t, vt, soff, dt);
 #pragma GCC unroll 4
         for (int j = 0; j < NV; j++) {
             __m256 v = ld_dt(vt + 8 * j * es, dt);
@@ -741,8 +815,8 @@ AVX2_INLINE void av2_run(const float *pa, const float *pb, uint32_t p0, uint32_t
         }
     }
     for (; t < n; t++) {
-        __m256 pvb = _mm256_broadcast_ss(pb + p0 + t);
         const char *vt = base + t * ts;
+        __m256 pvb = pweight(pb + p0 + t, vt, soff, dt);
 #pragma GCC unroll 4
         for (int j = 0; j < NV; j++) b[j] = _mm256_fmadd_ps(pvb, ld_dt(vt + 8 * j * es, dt), b[j]);
     }
@@ -758,8 +832,8 @@ AVX2_INLINE void av2_run(const float *pa, const float *pb, uint32_t p0, uint32_t
  * The accumulators round-trip through memory between calls, which changes no bit; the
  * streams are carried where `stream` is set (the first dims of the first query). */
 AVX2_INLINE void av1_pair(const dpiece_t *a, const float *pa, float *acc_a, const dpiece_t *b,
-                          const float *pb, float *acc_b, uint32_t d0, size_t ts, size_t es,
-                          pkv_dtype_t dt, bool stream, const int NV)
+                          const float *pb, float *acc_b, uint32_t d0, uint32_t hd, size_t ts,
+                          size_t es, pkv_dtype_t dt, bool stream, const int NV)
 {
     const bool eo = dt == PKV_DTYPE_BF16 && NV % 2 == 0;
     __m256 x[4], y[4];
@@ -767,6 +841,7 @@ AVX2_INLINE void av1_pair(const dpiece_t *a, const float *pa, float *acc_a, cons
     acc_load(acc_b, y, eo, NV);
     const char *va = a->base + d0 * es, *vb = b->base + d0 * es;
     const float *qa = pa + a->p0, *qb = pb + b->p0;
+    size_t soff = hd - d0;
     int lines = (int)(ts / 64);
     uint32_t both = a->n < b->n ? a->n : b->n;
     for (uint32_t t = 0; t < both; t++) {
@@ -774,17 +849,17 @@ AVX2_INLINE void av1_pair(const dpiece_t *a, const float *pa, float *acc_a, cons
             pf_ahead(&a->ps, t * ts, lines);
             pf_ahead(&b->ps, t * ts, lines);
         }
-        acc_fma(x, _mm256_broadcast_ss(qa + t), va + t * ts, es, dt, eo, NV);
-        acc_fma(y, _mm256_broadcast_ss(qb + t), vb + t * ts, es, dt, eo, NV);
+        acc_fma(x, pweight(qa + t, va + t * ts, soff, dt), va + t * ts, es, dt, eo, NV);
+        acc_fma(y, pweight(qb + t, vb + t * ts, soff, dt), vb + t * ts, es, dt, eo, NV);
     }
     acc_store(acc_a, x, eo, NV);
     acc_store(acc_b, y, eo, NV);
     if (a->n > both)
-        av1_run(pa, a->p0 + both, a->n - both, a->base + both * ts + d0 * es, ts, es, dt, acc_a, NV,
-                NULL);
+        av1_run(pa, a->p0 + both, a->n - both, a->base + both * ts + d0 * es, ts, soff, es, dt,
+                acc_a, NV, NULL);
     if (b->n > both)
-        av1_run(pb, b->p0 + both, b->n - both, b->base + both * ts + d0 * es, ts, es, dt, acc_b, NV,
-                NULL);
+        av1_run(pb, b->p0 + both, b->n - both, b->base + both * ts + d0 * es, ts, soff, es, dt,
+                acc_b, NV, NULL);
 }
 
 /* All dims of one piece for one query (the first dims carry the stream). */
@@ -794,11 +869,11 @@ AVX2_INLINE void av1_piece(const dpiece_t *d, const float *p, float *acc, uint32
     const pf_stream_t *pp = stream ? &d->ps : NULL;
     uint32_t k = 0;
     for (; k + 64 <= hd; k += 64, pp = NULL)
-        av1_run(p, d->p0, d->n, d->base + k * es, ts, es, dt, acc + k, 8, pp);
+        av1_run(p, d->p0, d->n, d->base + k * es, ts, hd - k, es, dt, acc + k, 8, pp);
     for (; k + 16 <= hd; k += 16, pp = NULL)
-        av1_run(p, d->p0, d->n, d->base + k * es, ts, es, dt, acc + k, 2, pp);
+        av1_run(p, d->p0, d->n, d->base + k * es, ts, hd - k, es, dt, acc + k, 2, pp);
     for (; k < hd; k += 8, pp = NULL)
-        av1_run(p, d->p0, d->n, d->base + k * es, ts, es, dt, acc + k, 1, pp);
+        av1_run(p, d->p0, d->n, d->base + k * es, ts, hd - k, es, dt, acc + k, 1, pp);
 }
 
 /* One row's V, heads in skewed pairs (as scores1_dt). */
@@ -806,14 +881,13 @@ AVX2_INLINE void av1_dt(const float *p, uint32_t n, const pkv_kv_run_t *runs, ui
                         uint32_t h0, uint32_t nh, uint32_t group, uint32_t hd, pkv_dtype_t dt,
                         size_t pstride, float *acc, const bool t0)
 {
-    size_t es = dt == PKV_DTYPE_F32 ? 4 : 2, ts = (size_t)hd * es;
+    size_t es = dt_size(dt), ts = row_size(dt, hd);
     uint32_t nr = runs_below(runs, nruns, n);
     for (uint32_t h = 0; h < nh; h += 2) {
         bool two = h + 1 < nh;
         for (int64_t s = 0; s < (int64_t)nr + two; s++) {
-            dpiece_t a = dpiece(runs, nr, s, h0 + h, n, ts, es, 1, t0);
-            dpiece_t b =
-                two ? dpiece(runs, nr, s - 1, h0 + h + 1, n, ts, es, 1, t0) : (dpiece_t){0};
+            dpiece_t a = dpiece(runs, nr, s, h0 + h, n, ts, 1, t0);
+            dpiece_t b = two ? dpiece(runs, nr, s - 1, h0 + h + 1, n, ts, 1, t0) : (dpiece_t){0};
             for (uint32_t j = 0; j < group; j++) {
                 size_t qa = (size_t)h * group + j, qb = qa + group;
                 const float *pa = p + qa * pstride, *pb = p + qb * pstride;
@@ -825,11 +899,14 @@ AVX2_INLINE void av1_dt(const float *p, uint32_t n, const pkv_kv_run_t *runs, ui
                 }
                 uint32_t d = 0;
                 for (; d + 32 <= hd; d += 32)
-                    av1_pair(&a, pa, aa + d, &b, pb, ab + d, d, ts, es, dt, j == 0 && d == 0, 4);
+                    av1_pair(&a, pa, aa + d, &b, pb, ab + d, d, hd, ts, es, dt, j == 0 && d == 0,
+                             4);
                 for (; d + 16 <= hd; d += 16)
-                    av1_pair(&a, pa, aa + d, &b, pb, ab + d, d, ts, es, dt, j == 0 && d == 0, 2);
+                    av1_pair(&a, pa, aa + d, &b, pb, ab + d, d, hd, ts, es, dt, j == 0 && d == 0,
+                             2);
                 for (; d < hd; d += 8)
-                    av1_pair(&a, pa, aa + d, &b, pb, ab + d, d, ts, es, dt, j == 0 && d == 0, 1);
+                    av1_pair(&a, pa, aa + d, &b, pb, ab + d, d, hd, ts, es, dt, j == 0 && d == 0,
+                             1);
             }
         }
     }
@@ -840,8 +917,7 @@ AVX2_INLINE void av_dt(const float *pa, const float *pb, uint32_t na, uint32_t n
                        uint32_t group, uint32_t hd, pkv_dtype_t dt, size_t pstride, float *aa,
                        float *ab, const bool t0)
 {
-    size_t es = dt == PKV_DTYPE_F32 ? 4 : 2;
-    size_t ts = (size_t)hd * es;
+    size_t es = dt_size(dt), ts = row_size(dt, hd);
     if (!pb) {
         av1_dt(pa, na, runs, nruns, h0, nh, group, hd, dt, pstride, aa, t0);
         return;
@@ -849,10 +925,9 @@ AVX2_INLINE void av_dt(const float *pa, const float *pb, uint32_t na, uint32_t n
     for (uint32_t i = 0; i < nruns && runs[i].pos < nb; i++) {
         uint32_t p0 = runs[i].pos;
         uint32_t p1 = p0 + runs[i].n_tokens < nb ? p0 + runs[i].n_tokens : nb;
-        if (i + 1 < nruns) prefetch_run_start(runs[i + 1].v, runs[i + 1].head_stride, h0, es);
+        if (i + 1 < nruns) prefetch_run_start(runs[i + 1].v, runs[i + 1].head_stride, h0);
         for (uint32_t h = 0; h < nh; h++) {
-            const char *base =
-                (const char *)runs[i].v + (size_t)(h0 + h) * runs[i].head_stride * es;
+            const char *base = (const char *)runs[i].v + (size_t)(h0 + h) * runs[i].head_stride;
             for (uint32_t j = 0; j < group; j++) {
                 size_t qi = (size_t)h * group + j;
                 const float *p1a = pa + qi * pstride, *p1b = pb + qi * pstride;
@@ -861,47 +936,55 @@ AVX2_INLINE void av_dt(const float *pa, const float *pb, uint32_t na, uint32_t n
                 uint32_t ne = e > p0 ? e - p0 : 0, nn = p1 - p0;
                 uint32_t d = 0;
                 for (; d + 32 <= hd; d += 32)
-                    av2_run(p1a, p1b, p0, ne, nn, base + d * es, ts, es, dt, acc_a + d, acc_b + d,
-                            4);
+                    av2_run(p1a, p1b, p0, ne, nn, base + d * es, ts, hd - d, es, dt, acc_a + d,
+                            acc_b + d, 4);
                 for (; d < hd; d += 8)
-                    av2_run(p1a, p1b, p0, ne, nn, base + d * es, ts, es, dt, acc_a + d, acc_b + d,
-                            1);
+                    av2_run(p1a, p1b, p0, ne, nn, base + d * es, ts, hd - d, es, dt, acc_a + d,
+                            acc_b + d, 1);
             }
         }
     }
 }
 
+/* One instance per dtype (dt a constant in each), prefetch target T0. */
+#define DT_CASES(call)                                                                             \
+    switch (dt) {                                                                                  \
+    case PKV_DTYPE_F32:                                                                            \
+        call(PKV_DTYPE_F32);                                                                       \
+        break;                                                                                     \
+    case PKV_DTYPE_F16:                                                                            \
+        call(PKV_DTYPE_F16);                                                                       \
+        break;                                                                                     \
+    case PKV_DTYPE_BF16:                                                                           \
+        call(PKV_DTYPE_BF16);                                                                      \
+        break;                                                                                     \
+    case PKV_DTYPE_INT8:                                                                           \
+        call(PKV_DTYPE_INT8);                                                                      \
+        break;                                                                                     \
+    case PKV_DTYPE_FP8:                                                                            \
+        call(PKV_DTYPE_FP8);                                                                       \
+        break;                                                                                     \
+    }
 #define ATT_KERNELS(suffix, T0)                                                                    \
     AVX2_FN static void scores_##suffix(                                                           \
         const float *qa, const float *qb, uint32_t na, uint32_t nb, const pkv_kv_run_t *runs,      \
         uint32_t nruns, uint32_t h0, uint32_t nh, uint32_t group, uint32_t hd, pkv_dtype_t dt,     \
         float scale, float *oa, float *ob, size_t ostride)                                         \
     {                                                                                              \
-        if (dt == PKV_DTYPE_F32)                                                                   \
-            scores_dt(qa, qb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F32, scale, oa,    \
-                      ob, ostride, T0);                                                            \
-        else if (dt == PKV_DTYPE_F16)                                                              \
-            scores_dt(qa, qb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F16, scale, oa,    \
-                      ob, ostride, T0);                                                            \
-        else                                                                                       \
-            scores_dt(qa, qb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_BF16, scale, oa,   \
-                      ob, ostride, T0);                                                            \
+        const bool t0 = T0;                                                                        \
+        DT_CASES(SCORES_CALL)                                                                      \
     }                                                                                              \
     AVX2_FN static void av_##suffix(const float *pa, const float *pb, uint32_t na, uint32_t nb,    \
                                     const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0,         \
                                     uint32_t nh, uint32_t group, uint32_t hd, pkv_dtype_t dt,      \
                                     size_t pstride, float *aa, float *ab)                          \
     {                                                                                              \
-        if (dt == PKV_DTYPE_F32)                                                                   \
-            av_dt(pa, pb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F32, pstride, aa, ab,  \
-                  T0);                                                                             \
-        else if (dt == PKV_DTYPE_F16)                                                              \
-            av_dt(pa, pb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_F16, pstride, aa, ab,  \
-                  T0);                                                                             \
-        else                                                                                       \
-            av_dt(pa, pb, na, nb, runs, nruns, h0, nh, group, hd, PKV_DTYPE_BF16, pstride, aa, ab, \
-                  T0);                                                                             \
+        const bool t0 = T0;                                                                        \
+        DT_CASES(AV_CALL)                                                                          \
     }
+#define SCORES_CALL(D)                                                                             \
+    scores_dt(qa, qb, na, nb, runs, nruns, h0, nh, group, hd, D, scale, oa, ob, ostride, t0)
+#define AV_CALL(D) av_dt(pa, pb, na, nb, runs, nruns, h0, nh, group, hd, D, pstride, aa, ab, t0)
 ATT_KERNELS(avx2_l2, false) /* decode streams prefetched into L2 (Intel) */
 ATT_KERNELS(avx2_l1, true)  /* into L1 (AMD) */
 

@@ -419,7 +419,7 @@ static void rope_apply(float *v, uint32_t n_heads, uint32_t hd, const float *cs)
 typedef struct {
     pkv_model_t *m;
     pkv_dtype_t dt;
-    size_t es;
+    size_t rb; /* bytes of one K/V row (pkv_dtype_row_bytes) */
     float scale;
     uint32_t splits;         /* head groups per block */
     uint32_t heads_per_task; /* KV heads per group */
@@ -489,7 +489,7 @@ static void att_task(void *arg, uint32_t task, uint32_t thread)
         ob[k] = oa[k] + m->ld_q;
     }
     /* A lone pair (decode) reads everything once anyway: one window, the runs as they are. */
-    size_t wt = WINDOW_BYTES / ((size_t)nh * hd * j->es);
+    size_t wt = WINDOW_BYTES / ((size_t)nh * j->rb);
     if (wt < 16) wt = 16;
     if (np == 1 || wt >= end) wt = end;
     pkv_kv_run_t win[WINDOW_RUNS];
@@ -499,7 +499,7 @@ static void att_task(void *arg, uint32_t task, uint32_t thread)
             uint32_t w1 = end - w0 > wt ? w0 + (uint32_t)wt : end, nw = seg->nruns;
             const pkv_kv_run_t *wr = runs;
             if (w1 - w0 < end) {
-                nw = window_runs(runs, seg->nruns, &at, w0, &w1, hd * j->es, win);
+                nw = window_runs(runs, seg->nruns, &at, w0, &w1, j->rb, win);
                 wr = win;
             }
             for (uint32_t k = 0; k < np; k++) {
@@ -582,7 +582,7 @@ static int collect_runs(pkv_model_t *m, uint32_t nseg, uint32_t layer)
     return PKV_OK;
 }
 
-static void write_kv(pkv_model_t *m, uint32_t rows, uint32_t layer, pkv_dtype_t dt, size_t es)
+static void write_kv(pkv_model_t *m, uint32_t rows, uint32_t layer, pkv_dtype_t dt)
 {
     const pkv_model_config_t *c = &m->cfg;
     uint32_t hd = c->head_dim;
@@ -595,10 +595,8 @@ static void write_kv(pkv_model_t *m, uint32_t rows, uint32_t layer, pkv_dtype_t 
         if (m->kv_tp == 1) {
             pkv_seq_slot(seq, m->rows[r].pos, layer, &kp, &vp, &stride);
             for (uint32_t g = 0; g < c->n_kv_heads; g++) {
-                pkv_dtype_from_f32(dt, (char *)kp + (size_t)g * stride * es, k + (size_t)g * hd,
-                                   hd);
-                pkv_dtype_from_f32(dt, (char *)vp + (size_t)g * stride * es, v + (size_t)g * hd,
-                                   hd);
+                pkv_dtype_from_f32(dt, (char *)kp + (size_t)g * stride, k + (size_t)g * hd, hd);
+                pkv_dtype_from_f32(dt, (char *)vp + (size_t)g * stride, v + (size_t)g * hd, hd);
             }
             continue;
         }
@@ -608,8 +606,8 @@ static void write_kv(pkv_model_t *m, uint32_t rows, uint32_t layer, pkv_dtype_t 
             pkv_seq_slot_rank(seq, rank, m->rows[r].pos, layer, &kp, &vp, &stride);
             for (uint32_t h = 0; h < n; h++) {
                 size_t g = lo + h;
-                pkv_dtype_from_f32(dt, (char *)kp + (size_t)h * stride * es, k + g * hd, hd);
-                pkv_dtype_from_f32(dt, (char *)vp + (size_t)h * stride * es, v + g * hd, hd);
+                pkv_dtype_from_f32(dt, (char *)kp + (size_t)h * stride, k + g * hd, hd);
+                pkv_dtype_from_f32(dt, (char *)vp + (size_t)h * stride, v + g * hd, hd);
             }
         }
     }
@@ -620,7 +618,7 @@ static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg
 {
     const pkv_model_config_t *c = &m->cfg;
     uint32_t D = c->dim, H = c->hidden_dim, hd = c->head_dim;
-    size_t es = pkv_dtype_size(dt);
+    size_t rb = pkv_dtype_row_bytes(dt, hd);
     for (uint32_t r = 0; r < rows; r++) {
         memcpy(m->x + (size_t)r * m->ld_d, m->emb + (size_t)m->rows[r].token * D,
                D * sizeof(float));
@@ -632,7 +630,7 @@ static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg
             cs[i + 1] = sinf(val);
         }
     }
-    att_job_t aj = {.m = m, .dt = dt, .es = es, .scale = 1.0f / sqrtf((float)hd)};
+    att_job_t aj = {.m = m, .dt = dt, .rb = rb, .scale = 1.0f / sqrtf((float)hd)};
     uint32_t npairs = 0, nblocks = 0;
     /* Split heads into groups only as far as needed to give every thread work, and at least
      * into the groups the ranks hold (a task reads one rank). */
@@ -661,7 +659,7 @@ static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg
             rope_apply(q, c->n_heads, hd, m->rope + (size_t)r * hd);
             rope_apply(q + m->qdim, c->n_kv_heads, hd, m->rope + (size_t)r * hd);
         }
-        write_kv(m, rows, l, dt, es);
+        write_kv(m, rows, l, dt);
         int rc = collect_runs(m, nseg, l);
         if (rc) return rc;
         if (att_macs < PARALLEL_MIN_MACS) {

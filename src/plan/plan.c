@@ -124,13 +124,12 @@ static int plan_input(plan_ctx_t *c, pkv_plan_input_t *in)
     if (!in->layers || !in->kv_heads || !in->head_dim)
         return plan_fail(c, "layers, KV heads and head dim must all be at least 1 (got %u, %u, %u)",
                          in->layers, in->kv_heads, in->head_dim);
-    if (in->dtype != PKV_DTYPE_F32 && in->dtype != PKV_DTYPE_F16 && in->dtype != PKV_DTYPE_BF16)
+    if ((unsigned)in->dtype >= PKV_DTYPE_COUNT)
         return plan_fail(c, "unknown dtype %d", (int)in->dtype);
     if (check_tp(c, "prefill", in->prefill_tp, in->kv_heads) ||
         check_tp(c, "decode", in->decode_tp, in->kv_heads))
         return PKV_ERR_INVALID;
     if (!in->page_tokens) in->page_tokens = PLAN_DEFAULT_PAGE_TOKENS;
-    if (!in->granule_bytes) in->granule_bytes = PKV_PRIM_HUGE;
     if (in->granule_bytes % PKV_PRIM_PAGE)
         return plan_fail(c, "granule of %llu bytes is not a multiple of 4 KiB",
                          (unsigned long long)in->granule_bytes);
@@ -303,10 +302,10 @@ static void plan_rank(plan_ctx_t *c, const pkv_plan_input_t *in, const plan_load
                       pkv_plan_side_t *s)
 {
     pkv_plan_bytes_t *r = &s->rank;
-    uint64_t elem = pkv_dtype_size(in->dtype);
+    uint64_t row = pkv_dtype_row_bytes(in->dtype, in->head_dim); /* head_dim <= 2^16: no wrap */
     r->token_bytes =
-        ck_mul(c, ck_mul(c, (uint64_t)in->layers * 2, s->heads_per_rank, "token bytes"),
-               ck_mul(c, in->head_dim, elem, "token bytes"), "token bytes");
+        ck_mul(c, ck_mul(c, (uint64_t)in->layers * 2, s->heads_per_rank, "token bytes"), row,
+               "token bytes");
     r->page_bytes = ck_mul(c, in->page_tokens, r->token_bytes, "page bytes");
     uint64_t ctx_bytes = ck_mul(c, in->context, r->token_bytes, "the context's bytes");
     if (c->failed) return;
@@ -324,10 +323,10 @@ static void plan_rank(plan_ctx_t *c, const pkv_plan_input_t *in, const plan_load
     /* The pool: a block is one page of this rank; granules as kv_pool_create cuts them. */
     s->block_bytes = r->page_bytes;
     if (c->failed) return;
-    s->blocks_per_granule = PKV_MAX(1, in->granule_bytes / s->block_bytes);
+    uint64_t gran = in->granule_bytes ? in->granule_bytes : pkv_prim_granule_for(s->block_bytes);
+    s->blocks_per_granule = PKV_MAX(1, gran / s->block_bytes);
     s->granule_bytes = ck_mul(c, s->blocks_per_granule, s->block_bytes, "the granule");
-    s->granule_bytes =
-        ck_mul(c, div_up(s->granule_bytes, PKV_PRIM_PAGE), PKV_PRIM_PAGE, "the granule");
+    if (!c->failed) s->granule_bytes = pkv_prim_granule_stride(s->granule_bytes);
     s->pool_blocks = div_up(r->device_pool_bytes, s->block_bytes);
     r->paged_peak_bytes = ck_mul(c, div_up(s->pool_blocks, s->blocks_per_granule), s->granule_bytes,
                                  "the paged pool's peak");

@@ -53,7 +53,7 @@ typedef struct {
     uint32_t prefill_tp, decode_tp;
     uint32_t ranks_per_host; /* 0 -> each side's TP */
     uint64_t page_tokens;    /* tokens per staging page and per pool block; 0 -> 64 */
-    uint64_t granule_bytes;  /* pool commit unit; 0 -> 2 MiB */
+    uint64_t granule_bytes;  /* pool commit unit; 0 -> as the pool picks (pkv_prim_granule_for) */
     /* What a transfer of an n-token context moves: 0 -> all n tokens (the field's
      * connectors; `bench staging`'s transfers); B -> the whole B-token blocks before the
      * context's last token, floor((n - 1) / B) x B tokens (pagekv's decode node computes

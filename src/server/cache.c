@@ -187,7 +187,7 @@ static void head_digest(pkv_kv_t *kv, uint32_t r, uint32_t h, const uint32_t *id
                         char hexout[65])
 {
     const pkv_geometry_t *g = pkv_kv_geometry(kv);
-    size_t piece = (size_t)g->block_tokens * g->head_dim * pkv_dtype_size(g->dtype);
+    size_t piece = (size_t)g->block_tokens * pkv_dtype_row_bytes(g->dtype, g->head_dim);
     uint8_t d[SHA256_DIGEST_LENGTH] = {0};
     EVP_MD_CTX *ctx = EVP_MD_CTX_new();
     if (ctx && EVP_DigestInit_ex(ctx, EVP_sha256(), NULL)) {

@@ -152,10 +152,12 @@ static void put_header(wcur_t *c, uint8_t type, uint32_t body_len)
 }
 
 /* ---- shared checks -------------------------------------------------------------------- */
-/* Element size of a wire dtype (kept here so the decoder depends on nothing else). */
-static uint64_t dtype_bytes(pkv_dtype_t dt)
+/* Bytes of one row (one token's one head) of a wire dtype: its values, then a scaled
+ * dtype's f32 scale (kept here so the decoder depends on nothing else). */
+static uint64_t row_bytes(const pkv_geometry_t *g)
 {
-    return dt == PKV_DTYPE_F32 ? 4 : 2;
+    uint64_t d = g->head_dim;
+    return g->dtype == PKV_DTYPE_F32 ? 4 * d : g->dtype <= PKV_DTYPE_BF16 ? 2 * d : d + 4;
 }
 
 int xf_wire_check_geometry(const pkv_geometry_t *g, uint64_t *layer_bytes)
@@ -164,9 +166,9 @@ int xf_wire_check_geometry(const pkv_geometry_t *g, uint64_t *layer_bytes)
     if (g->kv_heads < 1 || g->kv_heads > XF_WIRE_MAX_HEADS) return PKV_ERR_PROTO;
     if (g->head_dim < 1 || g->head_dim > XF_WIRE_MAX_HEAD_DIM) return PKV_ERR_PROTO;
     if (g->block_tokens < 1 || g->block_tokens > XF_WIRE_MAX_BLOCK_TOKENS) return PKV_ERR_PROTO;
-    if ((unsigned)g->dtype > PKV_DTYPE_BF16) return PKV_ERR_PROTO;
-    /* 2 * 2^12 * 2^16 * 2^16 * 4 = 2^47: no overflow in 64 bits. */
-    uint64_t lb = 2ull * g->kv_heads * g->block_tokens * g->head_dim * dtype_bytes(g->dtype);
+    if ((unsigned)g->dtype > PKV_DTYPE_FP8) return PKV_ERR_PROTO;
+    /* 2 * 2^12 * 2^16 * (2^16 * 4) = 2^47: no overflow in 64 bits. */
+    uint64_t lb = 2ull * g->kv_heads * g->block_tokens * row_bytes(g);
     uint64_t block;
     if (__builtin_mul_overflow(lb, (uint64_t)g->layers, &block) || block > XF_WIRE_MAX_BYTES)
         return PKV_ERR_PROTO;
@@ -176,7 +178,7 @@ int xf_wire_check_geometry(const pkv_geometry_t *g, uint64_t *layer_bytes)
 
 uint64_t xf_wire_slice_bytes(const pkv_geometry_t *g, uint32_t head_n)
 {
-    return 2ull * head_n * g->block_tokens * g->head_dim * dtype_bytes(g->dtype);
+    return 2ull * head_n * g->block_tokens * row_bytes(g);
 }
 
 bool xf_wire_reason_valid(int32_t reason)
@@ -319,7 +321,7 @@ static int decode_read(rcur_t *c, xf_wire_read_t *r)
     if (release && (r->flags != XF_WIRE_READ_RELEASE || r->n_runs)) return PKV_ERR_PROTO;
     if (r->xfer_id == 0 || r->xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS)) return PKV_ERR_PROTO;
     if (r->budget_ns > XF_WIRE_MAX_BUDGET_NS) return PKV_ERR_PROTO;
-    if (dtype > PKV_DTYPE_BF16) return PKV_ERR_PROTO;
+    if (dtype > PKV_DTYPE_FP8) return PKV_ERR_PROTO;
     r->geo.dtype = (pkv_dtype_t)dtype;
     if (!read_heads_valid(r, release)) return PKV_ERR_PROTO;
     if (release) { /* no plan: the geometry and the chunk size are still checked */
@@ -473,7 +475,7 @@ static int decode_hello(rcur_t *c, xf_wire_hello_t *h)
     get_u32(c, &l->head_n);
     get_u32(c, &l->wire);
     if (r32 || id_len > XF_WIRE_MAX_IDENTITY || model_len > XF_WIRE_MAX_MODEL_ID ||
-        dtype > PKV_DTYPE_BF16 || c->left != (size_t)id_len + model_len)
+        dtype > PKV_DTYPE_FP8 || c->left != (size_t)id_len + model_len)
         return PKV_ERR_PROTO;
     l->geo.dtype = (pkv_dtype_t)dtype;
     get_bytes(c, h->identity, id_len);
@@ -577,7 +579,7 @@ int xf_wire_encode_read(const xf_wire_read_t *r, const uint32_t *blocks, uint32_
     uint64_t lb;
     if (r->xfer_id == 0 || r->xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS) ||
         (r->flags & ~READ_FLAGS) || r->budget_ns > XF_WIRE_MAX_BUDGET_NS ||
-        n_runs > XF_WIRE_MAX_RUNS || (unsigned)r->geo.dtype > PKV_DTYPE_BF16 ||
+        n_runs > XF_WIRE_MAX_RUNS || (unsigned)r->geo.dtype > PKV_DTYPE_FP8 ||
         !read_heads_valid(r, release))
         return PKV_ERR_INVALID;
     if (release ? r->flags != XF_WIRE_READ_RELEASE || n || xf_wire_check_geometry(&r->geo, &lb) ||
@@ -741,7 +743,7 @@ int xf_wire_encode_hello(const xf_wire_hello_t *h, void *buf, size_t cap, size_t
     size_t il = strnlen(h->identity, XF_WIRE_MAX_IDENTITY + 1);
     size_t ml = strnlen(l->model_id, sizeof(l->model_id));
     if (il > XF_WIRE_MAX_IDENTITY || !printable(h->identity, il) ||
-        (unsigned)l->geo.dtype > PKV_DTYPE_BF16 || !xf_wire_layout_valid(l))
+        (unsigned)l->geo.dtype > PKV_DTYPE_FP8 || !xf_wire_layout_valid(l))
         return PKV_ERR_INVALID;
     size_t need = XF_WIRE_HEADER_BYTES + HELLO_FIXED_BYTES + il + ml;
     if (cap < need) return PKV_ERR_NOSPACE;
@@ -897,7 +899,7 @@ int pkv_xfer_handle_decode(const void *buf, size_t len, pkv_xfer_handle_t **out)
         tmp.local.fd = (int32_t)fd;
         if (!local_valid(&tmp)) return PKV_ERR_PROTO;
     }
-    if (al >= PKV_XFER_ADDR_MAX || dtype > PKV_DTYPE_BF16) return PKV_ERR_PROTO;
+    if (al >= PKV_XFER_ADDR_MAX || dtype > PKV_DTYPE_FP8) return PKV_ERR_PROTO;
     if (n < 1 || n > XF_WIRE_MAX_BLOCKS) return PKV_ERR_PROTO;
     if (c.left != al + 4 * (size_t)n) return PKV_ERR_PROTO;
     tmp.geo.dtype = (pkv_dtype_t)dtype;
