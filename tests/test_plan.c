@@ -1,8 +1,9 @@
 /*
  * plan: the memory planner (src/plan/, `pagekv plan`). The second field report's table
  * from the geometry alone, the planner's pages and granules against the staging
- * allocator's and the pool's own arithmetic (deterministic: no timing), every bad input
- * through the library and through the CLI (exit 2), and the JSON shapes.
+ * allocator's and the pool's own arithmetic (deterministic: no timing), the scaled KV
+ * dtypes' bytes (a 4-byte scale per row) beside bf16's, every bad input through the
+ * library and through the CLI (exit 2), and the JSON shapes.
  */
 #include "tests/support/testutil.h"
 
@@ -100,6 +101,72 @@ START_TEST(field_table_from_the_geometry_alone)
     ck_assert_uint_eq(r[0].per_plan_host_bytes, r[0].per_transfer_host_bytes);
     ck_assert(r[0].mirror_host_bytes / r[0].per_plan_host_bytes >= 98);
     ck_assert(near((double)r[0].per_plan_host_bytes, 2 * 2.3 * GIB, 0.01));
+}
+END_TEST
+
+/* A row of a scaled dtype is head_dim one-byte codes + a 4-byte f32 scale; the plan counts
+ * token and page bytes from it, and page counts (tokens per page) do not change. */
+START_TEST(scaled_dtypes_count_a_four_byte_scale_per_row)
+{
+    static const struct {
+        pkv_dtype_t dt;
+        uint64_t token; /* llama-3.2-1b, one rank: 2 x 16 layers x 8 heads x row */
+    } llama[] = {{PKV_DTYPE_F32, 2 * 16 * 8 * 256},
+                 {PKV_DTYPE_F16, 2 * 16 * 8 * 128},
+                 {PKV_DTYPE_BF16, 32768},
+                 {PKV_DTYPE_INT8, 2 * 16 * 8 * 68},
+                 {PKV_DTYPE_FP8, 2 * 16 * 8 * 68}};
+    pkv_plan_input_t in = {.layers = 16,
+                           .kv_heads = 8,
+                           .head_dim = 64,
+                           .prefill_tp = 1,
+                           .decode_tp = 1,
+                           .context = 8192,
+                           .concurrency = 4};
+    pkv_plan_t p;
+    for (size_t i = 0; i < sizeof(llama) / sizeof(llama[0]); i++) {
+        in.dtype = llama[i].dt;
+        ck_assert_int_eq(pkv_plan_compute(&in, &p), PKV_OK);
+        ck_assert_uint_eq(p.decode.rank.token_bytes, llama[i].token);
+        ck_assert_uint_eq(p.decode.rank.page_bytes, 64 * llama[i].token);
+        ck_assert_uint_eq(p.decode.slot_pages, 128); /* 8192 / 64 whatever the dtype */
+        ck_assert_uint_eq(p.decode.rank.fixed_bytes, 4 * 128 * 64 * llama[i].token);
+    }
+    ck_assert_uint_eq(llama[3].token, 17408);
+
+    /* gpt-oss-120b TP8, fp8: 36 x K,V x 1 head x 68 B per rank */
+    pkv_plan_input_t g = field_8k();
+    g.dtype = PKV_DTYPE_FP8;
+    ck_assert_int_eq(pkv_plan_compute(&g, &p), PKV_OK);
+    ck_assert_uint_eq(p.decode.rank.token_bytes, 4896);
+    ck_assert_uint_eq(p.decode.host.token_bytes, 8 * 4896);
+    ck_assert_uint_eq(p.decode.rank.page_bytes, 313344); /* 306 KiB vs bf16's 576 KiB */
+    ck_assert_uint_eq(p.decode.mean_pages, 1044);        /* as at bf16 */
+    ck_assert_uint_eq(p.decode.tail_pages, 2312);
+
+    /* the field's table at fp8: the same pages, 68 / 128 of bf16's bytes; the mirror is
+     * the 56.5 GiB device pool either way */
+    pkv_plan_field_row_t r[PKV_PLAN_FIELD_ROWS], b[PKV_PLAN_FIELD_ROWS];
+    char err[PKV_PLAN_ERR_LEN];
+    pkv_plan_input_t geo = gpt_oss_tp8();
+    ck_assert_int_eq(pkv_plan_field(&geo, b, err, sizeof(err)), PKV_OK);
+    geo.dtype = PKV_DTYPE_FP8;
+    ck_assert_int_eq(pkv_plan_field(&geo, r, err, sizeof(err)), PKV_OK);
+    const uint64_t host_page = 8 * 313344ull;
+    static const uint64_t slot_pages[] = {128, 2048, 16384};
+    static const uint64_t transfer_pages[] = {1044, 1044 + 2048, 64 * 128 + 16384};
+    for (int i = 0; i < PKV_PLAN_FIELD_ROWS; i++) {
+        ck_assert_uint_eq(b[i].token_bytes_per_rank, 9216);
+        ck_assert_uint_eq(r[i].token_bytes_per_rank, 4896);
+        ck_assert_uint_eq(r[i].page_bytes_per_rank, 313344);
+        ck_assert_uint_eq(r[i].fixed_host_bytes, 64 * slot_pages[i] * host_page);
+        ck_assert_uint_eq(r[i].per_transfer_host_bytes, transfer_pages[i] * host_page);
+        ck_assert_uint_eq(r[i].per_plan_host_bytes, r[i].per_transfer_host_bytes);
+        ck_assert_uint_eq(r[i].mirror_host_bytes, 452 * GIB);
+        ck_assert_uint_eq(r[i].fixed_host_bytes * 128, b[i].fixed_host_bytes * 68);
+        ck_assert_uint_eq(r[i].per_transfer_host_bytes * 128, b[i].per_transfer_host_bytes * 68);
+    }
+    ck_assert_uint_eq(r[0].fixed_host_bytes, 19 * GIB + GIB / 8); /* 36 GiB x 68 / 128 */
 }
 END_TEST
 
@@ -286,12 +353,12 @@ END_TEST
 
 /* The planner's paged growth peak against the pool: a sequence holding the device
  * pool's tokens commits exactly the planner's granules. */
-static void check_pool(uint32_t layers, uint32_t head_dim, uint32_t tokens)
+static void check_pool(uint32_t layers, uint32_t head_dim, uint32_t tokens, pkv_dtype_t dt)
 {
     pkv_plan_input_t in = {.layers = layers,
                            .kv_heads = 1,
                            .head_dim = head_dim,
-                           .dtype = PKV_DTYPE_BF16,
+                           .dtype = dt,
                            .prefill_tp = 1,
                            .decode_tp = 1,
                            .context = tokens,
@@ -302,7 +369,7 @@ static void check_pool(uint32_t layers, uint32_t head_dim, uint32_t tokens)
                                   .kv_heads = 1,
                                   .head_dim = head_dim,
                                   .block_tokens = 64,
-                                  .dtype = PKV_DTYPE_BF16},
+                                  .dtype = dt},
                           .reserve_bytes = 1ull << 30};
     pkv_kv_t *kv;
     ck_assert_int_eq(pkv_kv_create(&kc, &kv), PKV_OK);
@@ -326,8 +393,11 @@ static void check_pool(uint32_t layers, uint32_t head_dim, uint32_t tokens)
 
 START_TEST(paged_peak_matches_the_pool)
 {
-    check_pool(36, 64, 1000); /* gpt-oss-120b per TP8 rank: 3 blocks per granule */
-    check_pool(36, 8, 5000);  /* 72 KiB blocks: 28 per granule */
+    check_pool(36, 64, 1000, PKV_DTYPE_BF16); /* gpt-oss-120b per TP8 rank: 3 per granule */
+    check_pool(36, 8, 5000, PKV_DTYPE_BF16);  /* 72 KiB blocks: 28 per granule */
+    /* fp8 / int8: 306 KiB blocks of 68-byte rows, 13 per 4 MiB granule */
+    check_pool(36, 64, 1000, PKV_DTYPE_FP8);
+    check_pool(36, 64, 1000, PKV_DTYPE_INT8);
 }
 END_TEST
 
@@ -517,6 +587,100 @@ static int run_cli(const char *args)
     return WEXITSTATUS(st);
 }
 
+/* Run `pagekv plan ARGS`; its stdout and stderr (together) into out. The exit code. */
+static int run_cli_out(const char *args, char *out, size_t len)
+{
+    char file[] = "/tmp/pkv-plan-out-XXXXXX", cmd[2048];
+    int fd = mkstemp(file);
+    ck_assert(fd >= 0);
+    close(fd);
+    snprintf(cmd, sizeof(cmd), "%s plan %s >%s 2>&1", cli(), args, file);
+    int st = system(cmd);
+    ck_assert(st != -1 && WIFEXITED(st));
+    FILE *f = fopen(file, "r");
+    ck_assert(f);
+    size_t n = fread(out, 1, len - 1, f);
+    out[n] = '\0';
+    fclose(f);
+    unlink(file);
+    return WEXITSTATUS(st);
+}
+
+static void expect_lines(const char *out, const char *const *want, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        ck_assert_msg(strstr(out, want[i]), "output lacks '%s':\n%s", want[i], out);
+}
+
+START_TEST(cli_scaled_dtypes_beside_bf16)
+{
+    static char out[16384];
+    ck_assert_int_eq(run_cli_out("--preset gpt-oss-120b --tp 8 --kv-dtype fp8", out, sizeof(out)),
+                     0);
+    static const char *const plan[] = {
+        "geometry: gpt-oss-120b: 36 layers, 8 KV heads x 64, fp8\n",
+        "KV bytes, fp8: a row (one token's one KV head) = head_dim 64 x 1 B + 4-byte scale = "
+        "68 B; bf16: 64 x 2 B = 128 B (fp8 / bf16 = 0.531x)\n",
+        "per rank (1 KV head): 4896 B (4.781 KiB) per token = 36 layers x K,V x 1 head x 68 B, "
+        "313344 B (306 KiB) per 64-token page; bf16: 9216 B (9 KiB), 589824 B (0.5625 MiB)\n",
+        "| KV per token | 4.781 KiB | 38.25 KiB |\n",
+        "| KV per page | 306 KiB | 2.391 MiB |\n",
+        "pagekv plan --table field --kv-dtype fp8 --preset gpt-oss-120b --tp 8\n"};
+    expect_lines(out, plan, sizeof(plan) / sizeof(plan[0]));
+
+    ck_assert_int_eq(run_cli_out("--table field --kv-dtype fp8", out, sizeof(out)), 0);
+    static const char *const field[] = {
+        "per decode rank (1 KV head): 4896 B (4.781 KiB) per token",
+        "| context | KV dtype | page per rank | fixed slots | per-transfer | fixed / per-transfer "
+        "| host mirror | per-plan | mirror / per-plan | fixed vs bf16 | per-transfer vs bf16 | "
+        "assumptions |\n",
+        "| 8192 | bf16 | 0.5625 MiB | 36 GiB | 4.588 GiB | 7.85x | 452 GiB | 4.588 GiB | 98.5x | "
+        "1x | 1x | 64 slots of 8k;",
+        "| 8192 | fp8 | 306 KiB | 19.12 GiB | 2.437 GiB | 7.85x | 452 GiB | 2.437 GiB | 185x | "
+        "0.531x | 0.531x | the same load |\n",
+        "| 131072 | bf16 | 0.5625 MiB | 576 GiB | 13.59 GiB |",
+        "| 131072 | fp8 | 306 KiB | 306 GiB | 7.219 GiB | 42.4x | 452 GiB | 7.219 GiB | 62.6x | "
+        "0.531x | 0.531x |",
+        "| 1048576 | bf16 | 0.5625 MiB | 4608 GiB | 108 GiB |",
+        "| 1048576 | fp8 | 306 KiB | 2448 GiB | 57.38 GiB | 42.7x | 452 GiB | 57.38 GiB | 7.88x | "
+        "0.531x | 0.531x |"};
+    expect_lines(out, field, sizeof(field) / sizeof(field[0]));
+
+    /* llama-3.2-1b int8, two TPs: each side's rank */
+    ck_assert_int_eq(run_cli_out("--preset llama-3.2-1b --prefill-tp 1 --decode-tp 8 --dtype int8",
+                                 out, sizeof(out)),
+                     0);
+    static const char *const two[] = {
+        "per prefill rank (8 KV heads): 17408 B (17 KiB) per token = 16 layers x K,V x 8 heads x "
+        "68 B, 1114112 B (1.062 MiB) per 64-token page; bf16: 32768 B (32 KiB), 2097152 B (2 MiB)",
+        "per decode rank (1 KV head): 2176 B (2.125 KiB) per token"};
+    expect_lines(out, two, 2);
+
+    /* an unscaled dtype prints no bf16 comparison */
+    ck_assert_int_eq(run_cli_out("--table field --kv-dtype f16", out, sizeof(out)), 0);
+    ck_assert(!strstr(out, "KV bytes") && !strstr(out, "KV dtype"));
+}
+END_TEST
+
+START_TEST(cli_bad_dtype_names_the_accepted_ones)
+{
+    static char out[4096];
+    static const char *const bad[] = {"--kv-dtype int4", "--dtype fp16", "--kv-dtype ''",
+                                      "--kv-dtype FP8"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        char args[256];
+        snprintf(args, sizeof(args), "--preset gpt-oss-120b %s", bad[i]);
+        ck_assert_int_eq(run_cli_out(args, out, sizeof(out)), 2);
+        ck_assert_msg(strstr(out, "one of f32, f16, bf16, int8, fp8 (or fp8_e4m3), got '"),
+                      "`pagekv plan %s`: %s", args, out);
+    }
+    ck_assert_int_eq(run_cli_out("--preset gpt-oss-120b --dtype int4", out, sizeof(out)), 2);
+    ck_assert(strstr(out, "pagekv plan: --dtype: one of") && strstr(out, "got 'int4'"));
+    ck_assert_int_eq(run_cli_out("--help", out, sizeof(out)), 0);
+    ck_assert(strstr(out, "[--kv-dtype f32|f16|bf16|int8|fp8]") && strstr(out, "4-byte f32 scale"));
+}
+END_TEST
+
 START_TEST(cli_bad_input_exits_2)
 {
     static const char *const bad[] = {
@@ -602,6 +766,63 @@ START_TEST(cli_field_json_shape)
     ck_assert_int_eq(json_integer_value(json_object_get(h, "per_transfer_mean_bytes")),
                      1044ll * 8 * 576 * 1024);
     ck_assert_int_eq(json_integer_value(json_object_get(d, "tail_pages")), 2312);
+    json_t *kb = json_object_get(root, "kv_bytes");
+    ck_assert_int_eq(json_integer_value(json_object_get(kb, "row_bytes")), 128);
+    ck_assert_int_eq(json_integer_value(json_object_get(kb, "scale_bytes")), 0);
+    ck_assert(!json_object_get(root, "bf16"));
+    json_decref(root);
+}
+END_TEST
+
+static long long jint(json_t *o, const char *key)
+{
+    json_t *v = json_object_get(o, key);
+    ck_assert_msg(json_is_integer(v), "%s", key);
+    return json_integer_value(v);
+}
+
+START_TEST(cli_scaled_dtype_json_beside_bf16)
+{
+    json_t *root = run_json("--preset llama-3.2-1b --kv-dtype int8");
+    json_t *kb = json_object_get(root, "kv_bytes");
+    ck_assert_str_eq(json_string_value(json_object_get(kb, "dtype")), "int8");
+    ck_assert_int_eq(jint(kb, "value_bytes"), 1);
+    ck_assert_int_eq(jint(kb, "scale_bytes"), 4);
+    ck_assert_int_eq(jint(kb, "row_bytes"), 68);
+    ck_assert_int_eq(jint(kb, "bf16_row_bytes"), 128);
+    ck_assert_double_eq(json_real_value(json_object_get(kb, "over_bf16")), 68.0 / 128);
+    json_t *r = json_object_get(json_object_get(root, "decode"), "per_rank");
+    json_t *b =
+        json_object_get(json_object_get(json_object_get(root, "bf16"), "decode"), "per_rank");
+    ck_assert_int_eq(jint(r, "token_bytes"), 17408);
+    ck_assert_int_eq(jint(r, "page_bytes"), 64 * 17408);
+    ck_assert_int_eq(jint(b, "token_bytes"), 32768);
+    ck_assert_int_eq(jint(b, "page_bytes"), 64 * 32768);
+    json_decref(root);
+
+    root = run_json("--table field --kv-dtype fp8");
+    ck_assert_str_eq(json_string_value(json_object_get(root, "dtype")), "fp8");
+    ck_assert_int_eq(jint(root, "row_bytes"), 68);
+    ck_assert_int_eq(jint(root, "bf16_row_bytes"), 128);
+    json_t *rows = json_object_get(root, "rows"), *bf = json_object_get(root, "bf16_rows");
+    ck_assert(json_array_size(rows) == 3 && json_array_size(bf) == 3);
+    static const long long fixed_bf16[] = {36ll << 30, 576ll << 30, 4608ll << 30};
+    for (size_t i = 0; i < 3; i++) {
+        json_t *f = json_array_get(rows, i), *g = json_array_get(bf, i);
+        ck_assert_str_eq(json_string_value(json_object_get(f, "dtype")), "fp8");
+        ck_assert_str_eq(json_string_value(json_object_get(g, "dtype")), "bf16");
+        ck_assert_int_eq(jint(f, "token_bytes_per_rank"), 4896);
+        ck_assert_int_eq(jint(g, "token_bytes_per_rank"), 9216);
+        ck_assert_int_eq(jint(f, "page_bytes_per_rank"), 313344);
+        ck_assert_int_eq(jint(g, "page_bytes_per_rank"), 589824);
+        ck_assert_int_eq(jint(g, "fixed_host_bytes"), fixed_bf16[i]);
+        ck_assert_int_eq(jint(f, "fixed_host_bytes"), fixed_bf16[i] / 128 * 68);
+        ck_assert_int_eq(jint(f, "mirror_host_bytes"), 452ll << 30);
+        ck_assert_double_eq(json_real_value(json_object_get(f, "fixed_over_bf16")), 68.0 / 128);
+        ck_assert_double_eq(json_real_value(json_object_get(f, "per_transfer_over_bf16")),
+                            68.0 / 128);
+        ck_assert(!json_object_get(g, "fixed_over_bf16"));
+    }
     json_decref(root);
 }
 END_TEST
@@ -613,6 +834,7 @@ static Suite *plan_suite(void)
     tcase_set_timeout(tc, 60);
     tcase_add_test(tc, presets_give_the_real_geometry);
     tcase_add_test(tc, field_table_from_the_geometry_alone);
+    tcase_add_test(tc, scaled_dtypes_count_a_four_byte_scale_per_row);
     tcase_add_test(tc, plan_per_rank_and_per_host);
     tcase_add_test(tc, tp_sides_replication_and_hosts);
     tcase_add_test(tc, per_read_slices_round_up_apart);
@@ -624,6 +846,9 @@ static Suite *plan_suite(void)
     tcase_add_test(tc, allocation_failure_is_nomem_with_a_reason);
     tcase_add_test(tc, cli_bad_input_exits_2);
     tcase_add_test(tc, cli_field_json_shape);
+    tcase_add_test(tc, cli_scaled_dtypes_beside_bf16);
+    tcase_add_test(tc, cli_bad_dtype_names_the_accepted_ones);
+    tcase_add_test(tc, cli_scaled_dtype_json_beside_bf16);
     suite_add_tcase(s, tc);
     return s;
 }

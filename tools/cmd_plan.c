@@ -9,7 +9,9 @@
  *               [--table field] [--json FILE]
  *
  * A Markdown table on stdout; --json FILE writes the same figures. Bad input: a message
- * on stderr and exit 2.
+ * on stderr and exit 2. With a scaled KV dtype (int8, fp8: each row is head_dim one-byte
+ * codes and a 4-byte f32 scale) the output also prints the bytes of a row, a token and a
+ * page beside bf16's, and the field table a bf16 row before each of the dtype's.
  */
 #include "support/cli.h"
 #include "support/report.h"
@@ -49,6 +51,9 @@ static void usage(void)
             "defaults: bf16, TP 1, ranks per host = TP, 64-token pages, context = the longest of\n"
             "  the mix and --long (else 8k), concurrency 64, in flight = concurrency, mix = the\n"
             "  context alone, device pool = concurrency x context\n"
+            "--kv-dtype D (or --dtype D): the KV's format; int8 and fp8 (e4m3) rows are head_dim\n"
+            "  one-byte codes + a 4-byte f32 scale, printed beside bf16 (bytes per token and per\n"
+            "  page; with --table field a bf16 row before each of theirs, and the ratios)\n"
             "--pull-block-tokens N: a transfer moves the whole N-token blocks before the\n"
             "  prompt's last token, as pagekv's decode node pulls them (pagekv serve\n"
             "  --block-tokens; default 16); 0: every token, as the field's connectors do\n"
@@ -127,7 +132,10 @@ static int set_geometry(plan_opts_t *o, const char *a, const char *v)
         return pkv_cli_flag_u32(CMD, a, v, 0, UINT32_MAX, &in->head_dim);
     } else if (!strcmp(a, "--kv-dtype") || !strcmp(a, "--dtype")) {
         if (pkv_dtype_parse(v, &in->dtype))
-            return pkv_cli_usage_error(CMD, "%s: f32, f16, bf16, int8 or fp8, got '%s'", a, v);
+            return pkv_cli_usage_error(CMD,
+                                       "%s: one of f32, f16, bf16, int8, fp8 (or fp8_e4m3), "
+                                       "got '%s'",
+                                       a, v);
         return 0;
     } else if (!strcmp(a, "--tp")) {
         o->tp_set = true;
@@ -302,51 +310,159 @@ static int plan_error(int rc, const char *err)
     return 1;
 }
 
+/* A scaled dtype's row beside bf16's: "head_dim 64 x 1 B + 4-byte scale = 68 B". */
+static void print_row_bytes(const pkv_plan_input_t *in)
+{
+    size_t row = pkv_dtype_row_bytes(in->dtype, in->head_dim);
+    size_t bf = pkv_dtype_row_bytes(PKV_DTYPE_BF16, in->head_dim);
+    char q[32];
+    printf("KV bytes, %s: a row (one token's one KV head) = head_dim %u x %zu B + %zu-byte scale "
+           "= %zu B; bf16: %u x 2 B = %zu B (%s / bf16 = %s)\n",
+           pkv_dtype_name(in->dtype), in->head_dim, pkv_dtype_size(in->dtype),
+           row - (size_t)in->head_dim * pkv_dtype_size(in->dtype), row, in->head_dim, bf,
+           pkv_dtype_name(in->dtype), fmt_ratio((double)row / (double)bf, q));
+}
+
+/* One rank's bytes per token and per page at the scaled dtype and at bf16. */
+static void print_rank_bytes(const char *rank, const pkv_plan_input_t *in, uint64_t heads,
+                             uint64_t token, uint64_t page, uint64_t bf_token, uint64_t bf_page)
+{
+    char b[4][32];
+    const char *h = heads == 1 ? "" : "s";
+    printf("%s (%llu KV head%s): %llu B (%s) per token = %u layers x K,V x %llu head%s x %zu B, "
+           "%llu B (%s) per %llu-token page; bf16: %llu B (%s), %llu B (%s)\n",
+           rank, (unsigned long long)heads, h, (unsigned long long)token, fmt_bytes(token, b[0]),
+           in->layers, (unsigned long long)heads, h, pkv_dtype_row_bytes(in->dtype, in->head_dim),
+           (unsigned long long)page, fmt_bytes(page, b[1]), (unsigned long long)(page / token),
+           (unsigned long long)bf_token, fmt_bytes(bf_token, b[2]), (unsigned long long)bf_page,
+           fmt_bytes(bf_page, b[3]));
+}
+
+/* One row of the field table. Beside bf16 (`dt` set): the dtype column and the ratios to
+ * `bf`, the bf16 row of the same context (NULL on that row itself). */
+static void field_row_print(const pkv_plan_field_row_t *r, const char *dt,
+                            const pkv_plan_field_row_t *bf)
+{
+    char b[6][32], q[4][32];
+    printf("| %llu |", (unsigned long long)r->context_tokens);
+    if (dt) printf(" %s |", dt);
+    printf(" %s | %s | %s | %s | %s | %s | %s |", fmt_bytes(r->page_bytes_per_rank, b[0]),
+           fmt_bytes(r->fixed_host_bytes, b[1]), fmt_bytes(r->per_transfer_host_bytes, b[2]),
+           fmt_ratio((double)r->fixed_host_bytes / (double)r->per_transfer_host_bytes, q[0]),
+           fmt_bytes(r->mirror_host_bytes, b[3]), fmt_bytes(r->per_plan_host_bytes, b[4]),
+           fmt_ratio((double)r->mirror_host_bytes / (double)r->per_plan_host_bytes, q[1]));
+    if (dt) {
+        const pkv_plan_field_row_t *d = bf ? bf : r;
+        printf(" %s | %s |",
+               fmt_ratio((double)r->fixed_host_bytes / (double)d->fixed_host_bytes, q[2]),
+               fmt_ratio((double)r->per_transfer_host_bytes / (double)d->per_transfer_host_bytes,
+                         q[3]));
+    }
+    printf(" %s |\n", bf ? "the same load" : r->assumptions);
+}
+
+/* The row's JSON: the report's seven keys, and beside bf16 the dtype, the token's bytes
+ * and (on the scaled dtype's rows) the ratios to the bf16 row `bf`. */
+static json_t *field_row_json(const pkv_plan_field_row_t *r, const char *dt,
+                              const pkv_plan_field_row_t *bf)
+{
+    json_t *j = json_pack(
+        "{s:o, s:o, s:o, s:o, s:o, s:o, s:s}", "context_tokens", jbytes(r->context_tokens),
+        "page_bytes_per_rank", jbytes(r->page_bytes_per_rank), "fixed_host_bytes",
+        jbytes(r->fixed_host_bytes), "per_transfer_host_bytes", jbytes(r->per_transfer_host_bytes),
+        "mirror_host_bytes", jbytes(r->mirror_host_bytes), "per_plan_host_bytes",
+        jbytes(r->per_plan_host_bytes), "assumptions", r->assumptions);
+    if (dt) {
+        json_object_set_new(j, "dtype", json_string(dt));
+        json_object_set_new(j, "token_bytes_per_rank", jbytes(r->token_bytes_per_rank));
+    }
+    if (bf) {
+        json_object_set_new(j, "fixed_over_bf16",
+                            json_real((double)r->fixed_host_bytes / (double)bf->fixed_host_bytes));
+        json_object_set_new(
+            j, "per_transfer_over_bf16",
+            json_real((double)r->per_transfer_host_bytes / (double)bf->per_transfer_host_bytes));
+        json_object_set_new(
+            j, "per_plan_over_bf16",
+            json_real((double)r->per_plan_host_bytes / (double)bf->per_plan_host_bytes));
+    }
+    return j;
+}
+
+/* The field rows at the chosen dtype, and at bf16 into `bf` when the dtype is scaled. */
+static int field_rows(const pkv_plan_input_t *in, pkv_plan_field_row_t *rows,
+                      pkv_plan_field_row_t *bf)
+{
+    char err[PKV_PLAN_ERR_LEN];
+    pkv_plan_input_t g = *in;
+    g.dtype = PKV_DTYPE_BF16;
+    int prc = pkv_plan_field(in, rows, err, sizeof(err));
+    if (prc) return plan_error(prc, err);
+    if (pkv_dtype_scaled(in->dtype) && (prc = pkv_plan_field(&g, bf, err, sizeof(err)))) {
+        char why[PKV_PLAN_ERR_LEN + 32];
+        snprintf(why, sizeof(why), "at bf16 (printed beside): %s", err);
+        return plan_error(prc, why);
+    }
+    return 0;
+}
+
 static int run_field(const plan_opts_t *o)
 {
-    pkv_plan_field_row_t rows[PKV_PLAN_FIELD_ROWS];
-    char err[PKV_PLAN_ERR_LEN], b[6][32];
-    int prc = pkv_plan_field(&o->in, rows, err, sizeof(err));
-    if (prc) return plan_error(prc, err);
-    uint32_t rph = o->in.ranks_per_host ? o->in.ranks_per_host : o->in.decode_tp;
+    pkv_plan_field_row_t rows[PKV_PLAN_FIELD_ROWS], bf[PKV_PLAN_FIELD_ROWS];
+    const pkv_plan_input_t *in = &o->in;
+    bool beside = pkv_dtype_scaled(in->dtype);
+    const char *dt = beside ? pkv_dtype_name(in->dtype) : NULL;
+    int rc = field_rows(in, rows, bf);
+    if (rc) return rc;
+    uint32_t rph = in->ranks_per_host ? in->ranks_per_host : in->decode_tp;
+    uint64_t page_tokens = in->page_tokens ? in->page_tokens : 64;
     printf("## pagekv plan --table field\n\n");
-    geometry_line(&o->in, o->preset);
-    printf("TP %u (prefill) / %u (decode), %u ranks per host, %llu-token pages; per host\n\n",
-           o->in.prefill_tp, o->in.decode_tp, rph,
-           (unsigned long long)(o->in.page_tokens ? o->in.page_tokens : 64));
-    printf("| context | page per rank | fixed slots | per-transfer | fixed / per-transfer | "
-           "host mirror | per-plan | mirror / per-plan | assumptions |\n"
-           "|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
-    json_t *jr = json_array();
-    for (int i = 0; i < PKV_PLAN_FIELD_ROWS; i++) {
-        const pkv_plan_field_row_t *r = &rows[i];
-        char q1[32], q2[32];
-        printf("| %llu | %s | %s | %s | %s | %s | %s | %s | %s |\n",
-               (unsigned long long)r->context_tokens, fmt_bytes(r->page_bytes_per_rank, b[0]),
-               fmt_bytes(r->fixed_host_bytes, b[1]), fmt_bytes(r->per_transfer_host_bytes, b[2]),
-               fmt_ratio((double)r->fixed_host_bytes / (double)r->per_transfer_host_bytes, q1),
-               fmt_bytes(r->mirror_host_bytes, b[3]), fmt_bytes(r->per_plan_host_bytes, b[4]),
-               fmt_ratio((double)r->mirror_host_bytes / (double)r->per_plan_host_bytes, q2),
-               r->assumptions);
-        json_array_append_new(jr, json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:s}", "context_tokens",
-                                            jbytes(r->context_tokens), "page_bytes_per_rank",
-                                            jbytes(r->page_bytes_per_rank), "fixed_host_bytes",
-                                            jbytes(r->fixed_host_bytes), "per_transfer_host_bytes",
-                                            jbytes(r->per_transfer_host_bytes), "mirror_host_bytes",
-                                            jbytes(r->mirror_host_bytes), "per_plan_host_bytes",
-                                            jbytes(r->per_plan_host_bytes), "assumptions",
-                                            r->assumptions));
+    geometry_line(in, o->preset);
+    if (beside) {
+        uint64_t t = rows[0].token_bytes_per_rank;
+        print_row_bytes(in);
+        print_rank_bytes("per decode rank", in,
+                         t / (2ull * in->layers * pkv_dtype_row_bytes(in->dtype, in->head_dim)), t,
+                         rows[0].page_bytes_per_rank, bf[0].token_bytes_per_rank,
+                         bf[0].page_bytes_per_rank);
     }
-    int rc = 0;
+    printf("TP %u (prefill) / %u (decode), %u ranks per host, %llu-token pages; per host%s%s\n\n",
+           in->prefill_tp, in->decode_tp, rph, (unsigned long long)page_tokens,
+           beside ? "; each context at bf16, then at " : "", dt ? dt : "");
+    printf("| context |%s page per rank | fixed slots | per-transfer | fixed / per-transfer | "
+           "host mirror | per-plan | mirror / per-plan |%s assumptions |\n"
+           "|---:|%s---:|---:|---:|---:|---:|---:|---:|%s---|\n",
+           beside ? " KV dtype |" : "", beside ? " fixed vs bf16 | per-transfer vs bf16 |" : "",
+           beside ? "---|" : "", beside ? "---:|---:|" : "");
+    json_t *jr = json_array(), *jb = json_array();
+    for (int i = 0; i < PKV_PLAN_FIELD_ROWS; i++) {
+        if (beside) {
+            field_row_print(&bf[i], "bf16", NULL);
+            json_array_append_new(jb, field_row_json(&bf[i], "bf16", NULL));
+        }
+        field_row_print(&rows[i], dt, beside ? &bf[i] : NULL);
+        json_array_append_new(jr, field_row_json(&rows[i], dt, beside ? &bf[i] : NULL));
+    }
     json_t *root = json_pack("{s:o}", "rows", jr);
+    if (beside) {
+        json_object_set_new(root, "dtype", json_string(dt));
+        json_object_set_new(root, "row_bytes",
+                            jbytes(pkv_dtype_row_bytes(in->dtype, in->head_dim)));
+        json_object_set_new(root, "bf16_row_bytes",
+                            jbytes(pkv_dtype_row_bytes(PKV_DTYPE_BF16, in->head_dim)));
+        json_object_set_new(root, "bf16_rows", jb);
+    } else {
+        json_decref(jb);
+    }
     if (o->json && pkv_report_write_json(CMD, o->json, root)) rc = 1;
     json_decref(root);
     return rc;
 }
 
-/* Defined below: the plan's Markdown and JSON. */
-static void print_plan(const plan_opts_t *o, const pkv_plan_t *p);
-static json_t *plan_json(const pkv_plan_t *p);
+/* Defined below: the plan's Markdown and JSON (`bf`: the same plan at bf16 beside a scaled
+ * dtype's, or NULL). */
+static void print_plan(const plan_opts_t *o, const pkv_plan_t *p, const pkv_plan_t *bf);
+static json_t *plan_json(const pkv_plan_t *p, const pkv_plan_t *bf);
 
 int pkv_cmd_plan(int argc, char **argv)
 {
@@ -354,20 +470,32 @@ int pkv_cmd_plan(int argc, char **argv)
     int rc = parse_args(argc, argv, &o);
     if (rc != PROCEED) return rc;
     if (o.table) return run_field(&o);
-    pkv_plan_t *p = malloc(sizeof(*p));
-    if (!p) return fprintf(stderr, "pagekv plan: out of memory\n"), 1;
+    bool beside = pkv_dtype_scaled(o.in.dtype);
+    pkv_plan_t *p = malloc(sizeof(*p)), *bf = beside ? malloc(sizeof(*bf)) : NULL;
+    if (!p || (beside && !bf)) {
+        free(p);
+        free(bf);
+        return fprintf(stderr, "pagekv plan: out of memory\n"), 1;
+    }
     int prc = pkv_plan_compute(&o.in, p);
+    if (!prc && beside) {
+        pkv_plan_input_t g = o.in;
+        g.dtype = PKV_DTYPE_BF16;
+        if ((prc = pkv_plan_compute(&g, bf)))
+            snprintf(p->err, sizeof(p->err), "at bf16 (printed beside): %.150s", bf->err);
+    }
     if (prc) {
         rc = plan_error(prc, p->err);
-        free(p);
-        return rc;
+        goto out;
     }
-    print_plan(&o, p);
+    print_plan(&o, p, bf);
     if (o.json) {
-        json_t *root = plan_json(p);
+        json_t *root = plan_json(p, bf);
         if (pkv_report_write_json(CMD, o.json, root)) rc = 1;
         json_decref(root);
     }
+out:
+    free(bf);
     free(p);
     return rc == PROCEED ? 0 : rc;
 }
@@ -465,12 +593,46 @@ static void print_pool_line(const char *side, const pkv_plan_side_t *s, bool giv
            fmt_bytes(s->granule_bytes, b3));
 }
 
-static void print_plan(const plan_opts_t *o, const pkv_plan_t *p)
+/* Beside bf16: the bytes of a row, and a token and a page on each side's rank. */
+static void print_kv_bytes(const pkv_plan_t *p, const pkv_plan_t *bf, bool two)
+{
+    const pkv_plan_input_t *in = &p->in;
+    print_row_bytes(in);
+    if (two)
+        print_rank_bytes("per prefill rank", in, p->prefill.heads_per_rank,
+                         p->prefill.rank.token_bytes, p->prefill.rank.page_bytes,
+                         bf->prefill.rank.token_bytes, bf->prefill.rank.page_bytes);
+    print_rank_bytes(two ? "per decode rank" : "per rank", in, p->decode.heads_per_rank,
+                     p->decode.rank.token_bytes, p->decode.rank.page_bytes,
+                     bf->decode.rank.token_bytes, bf->decode.rank.page_bytes);
+}
+
+/* The command that prints the field's table for this geometry beside bf16. */
+static void print_field_hint(const plan_opts_t *o, const pkv_plan_input_t *in)
+{
+    printf("the field's table (8k / 128k / 1M) at %s beside bf16: pagekv plan --table field "
+           "--kv-dtype %s",
+           pkv_dtype_name(in->dtype), pkv_dtype_name(in->dtype));
+    if (o->preset && !o->layers_set && !o->heads_set && !o->dim_set)
+        printf(" --preset %s", o->preset);
+    else
+        printf(" --layers %u --kv-heads %u --head-dim %u", in->layers, in->kv_heads, in->head_dim);
+    if (in->prefill_tp == in->decode_tp)
+        printf(" --tp %u", in->decode_tp);
+    else
+        printf(" --prefill-tp %u --decode-tp %u", in->prefill_tp, in->decode_tp);
+    if (o->in.ranks_per_host) printf(" --ranks-per-host %u", o->in.ranks_per_host);
+    if (in->page_tokens != 64) printf(" --page-tokens %llu", (unsigned long long)in->page_tokens);
+    printf("\n");
+}
+
+static void print_plan(const plan_opts_t *o, const pkv_plan_t *p, const pkv_plan_t *bf)
 {
     const pkv_plan_input_t *in = &p->in;
     bool two = in->prefill_tp != in->decode_tp;
     printf("## pagekv plan\n\n");
     geometry_line(in, o->preset);
+    if (bf) print_kv_bytes(p, bf, two);
     printf("deployment: prefill TP%u x %u heads per rank, decode TP%u x %u heads per rank; "
            "%u / %u ranks per host; %llu-token pages\n",
            p->prefill.tp, p->prefill.heads_per_rank, p->decode.tp, p->decode.heads_per_rank,
@@ -494,6 +656,7 @@ static void print_plan(const plan_opts_t *o, const pkv_plan_t *p)
     printf("\n");
     if (two) print_pool_line("prefill", &p->prefill, in->device_pool_bytes != 0);
     print_pool_line(two ? "decode" : "device", &p->decode, in->device_pool_bytes != 0);
+    if (bf) print_field_hint(o, in);
 }
 
 static json_t *bytes_json(const pkv_plan_bytes_t *b)
@@ -556,12 +719,34 @@ static json_t *input_json(const pkv_plan_input_t *in)
     return j;
 }
 
-static json_t *plan_json(const pkv_plan_t *p)
+/* "kv_bytes": a row's bytes (values + scale); beside bf16 also bf16's row and the ratio. */
+static json_t *kv_bytes_json(const pkv_plan_input_t *in, bool beside)
 {
-    return json_pack("{s:o, s:f, s:f, s:{s:f, s:f, s:f}, s:o, s:o}", "input", input_json(&p->in),
-                     "mean_pages_exact", p->mean_pages_exact, "tail_exceed", PKV_PLAN_TAIL_EXCEED,
-                     "ratios", "fixed_over_per_transfer", p->fixed_over_per_transfer,
-                     "mirror_over_per_plan", p->mirror_over_per_plan, "copy_grow_over_paged",
-                     p->copy_grow_over_paged, "prefill", side_json(&p->prefill), "decode",
-                     side_json(&p->decode));
+    size_t row = pkv_dtype_row_bytes(in->dtype, in->head_dim);
+    size_t bf = pkv_dtype_row_bytes(PKV_DTYPE_BF16, in->head_dim);
+    json_t *j = json_pack(
+        "{s:s, s:o, s:o, s:o, s:o}", "dtype", pkv_dtype_name(in->dtype), "head_dim",
+        jbytes(in->head_dim), "value_bytes", jbytes(pkv_dtype_size(in->dtype)), "scale_bytes",
+        jbytes(row - (size_t)in->head_dim * pkv_dtype_size(in->dtype)), "row_bytes", jbytes(row));
+    if (beside) {
+        json_object_set_new(j, "bf16_row_bytes", jbytes(bf));
+        json_object_set_new(j, "over_bf16", json_real((double)row / (double)bf));
+    }
+    return j;
+}
+
+static json_t *plan_json(const pkv_plan_t *p, const pkv_plan_t *bf)
+{
+    json_t *j =
+        json_pack("{s:o, s:f, s:f, s:{s:f, s:f, s:f}, s:o, s:o, s:o}", "input", input_json(&p->in),
+                  "mean_pages_exact", p->mean_pages_exact, "tail_exceed", PKV_PLAN_TAIL_EXCEED,
+                  "ratios", "fixed_over_per_transfer", p->fixed_over_per_transfer,
+                  "mirror_over_per_plan", p->mirror_over_per_plan, "copy_grow_over_paged",
+                  p->copy_grow_over_paged, "prefill", side_json(&p->prefill), "decode",
+                  side_json(&p->decode), "kv_bytes", kv_bytes_json(&p->in, bf != NULL));
+    if (bf)
+        json_object_set_new(j, "bf16",
+                            json_pack("{s:o, s:o}", "prefill", side_json(&bf->prefill), "decode",
+                                      side_json(&bf->decode)));
+    return j;
 }

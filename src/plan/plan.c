@@ -427,13 +427,15 @@ int pkv_plan_field(const pkv_plan_input_t *geo, pkv_plan_field_row_t rows[PKV_PL
             snprintf(err, err_len, "%s", p->err);
             break;
         }
-        rows[i] = (pkv_plan_field_row_t){ctx[i],
-                                         p->decode.rank.page_bytes,
-                                         p->decode.host.fixed_bytes,
-                                         p->decode.host.per_transfer_mean_bytes,
-                                         p->decode.host.mirror_bytes,
-                                         p->decode.host.per_plan_bytes,
-                                         assume[i]};
+        rows[i] = (pkv_plan_field_row_t){.context_tokens = ctx[i],
+                                         .token_bytes_per_rank = p->decode.rank.token_bytes,
+                                         .page_bytes_per_rank = p->decode.rank.page_bytes,
+                                         .fixed_host_bytes = p->decode.host.fixed_bytes,
+                                         .per_transfer_host_bytes =
+                                             p->decode.host.per_transfer_mean_bytes,
+                                         .mirror_host_bytes = p->decode.host.mirror_bytes,
+                                         .per_plan_host_bytes = p->decode.host.per_plan_bytes,
+                                         .assumptions = assume[i]};
     }
     free(p);
     return rc;

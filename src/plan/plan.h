@@ -46,7 +46,8 @@ typedef struct {
 } pkv_plan_long_t;
 
 typedef struct {
-    /* geometry of the whole model */
+    /* geometry of the whole model; a token's one KV head is pkv_dtype_row_bytes(dtype,
+     * head_dim) bytes: head_dim values, + a 4-byte f32 scale for int8 and fp8 */
     uint32_t layers, kv_heads, head_dim;
     pkv_dtype_t dtype;
     /* deployment */
@@ -78,7 +79,7 @@ typedef struct {
 
 /* Bytes of one rank, or of one host (a rank's x ranks_per_host). */
 typedef struct {
-    uint64_t token_bytes;       /* K+V of one token in every layer */
+    uint64_t token_bytes;       /* K+V of one token in every layer: layers x 2 x heads x row */
     uint64_t page_bytes;        /* page_tokens tokens */
     uint64_t device_pool_bytes; /* the pool the load fills */
     uint64_t fixed_bytes;       /* fixed-slot staging */
@@ -129,6 +130,7 @@ int pkv_plan_compute(const pkv_plan_input_t *in, pkv_plan_t *out);
 #define PKV_PLAN_FIELD_ROWS 3
 typedef struct {
     uint64_t context_tokens;
+    uint64_t token_bytes_per_rank; /* K+V of one token in every layer, one decode rank */
     uint64_t page_bytes_per_rank;
     uint64_t fixed_host_bytes;
     uint64_t per_transfer_host_bytes;
