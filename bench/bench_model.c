@@ -34,6 +34,7 @@
 #include "support/cli.h"
 #include "support/bench.h"
 #include "tools/commands.h"
+#include "bench/bench_model.h"
 
 #include "core/core.h"
 #include "kv/kv.h"
@@ -180,7 +181,7 @@ static int copy_contexts(pkv_model_t *m, pkv_kv_t *kv, pkv_seq_t **seqs, uint32_
 }
 
 /* `steps` decode steps over n sequences (greedy); seconds, or < 0. */
-static double decode(pkv_model_t *m, pkv_kv_t *kv, pkv_seq_t **seqs, uint32_t n, uint32_t steps,
+double pkv_bm_decode(pkv_model_t *m, pkv_kv_t *kv, pkv_seq_t **seqs, uint32_t n, uint32_t steps,
                      double *cpu)
 {
     uint32_t V = pkv_model_config(m)->vocab_size;
@@ -442,8 +443,8 @@ static int decode_pairs(pkv_model_t *m, const opts_t *o, int c, ctx_state_t st[2
             progress("bench model: %s decode at %u, pair %u...", pkv_backend_name(be), C,
                      (unsigned)r + 1);
             double c8 = 1, c1;
-            double t8 = o->do8 ? decode(m, st[be].kv, st[be].seq, 8, steps, &c8) : 1;
-            double t1 = decode(m, st[be].kv, st[be].seq, 1, steps, &c1);
+            double t8 = o->do8 ? pkv_bm_decode(m, st[be].kv, st[be].seq, 8, steps, &c8) : 1;
+            double t1 = pkv_bm_decode(m, st[be].kv, st[be].seq, 1, steps, &c1);
             if (t8 < 0 || t1 < 0) return -1;
             cpu[be] = o->do8 ? c8 : c1;
             res->cells[be][c].decode8[r] = o->do8 ? 8.0 * steps / t8 : 0;
@@ -507,7 +508,7 @@ static void case_tokens(const mcase_t *c, uint32_t i, uint32_t V, int32_t *out)
 /* --fast-fill: positions [from, to) of seq get K/V values of a fixed pseudo-random pattern
  * (the same on both backends, in [-1, 1)) written in place of a prefill, and their tokens
  * appended; decode then reads them as it reads computed ones. */
-static void fill_positions(pkv_model_t *m, pkv_dtype_t dt, pkv_seq_t *seq, const int32_t *toks,
+void pkv_bm_fill_positions(pkv_model_t *m, pkv_dtype_t dt, pkv_seq_t *seq, const int32_t *toks,
                            uint32_t from, uint32_t to, uint64_t seed)
 {
     const pkv_model_config_t *c = pkv_model_config(m);
@@ -562,7 +563,7 @@ static int case_build(pkv_model_t *m, const opts_t *o, const mcase_t *c, pkv_bac
                                       .n_tokens = c->lens[i] - cached,
                                       .logits = logits + (size_t)i * V};
         if (o->fast_fill) {
-            fill_positions(m, o->dt, st->seq[i], toks[i], cached, c->lens[i], 3000 + i);
+            pkv_bm_fill_positions(m, o->dt, st->seq[i], toks[i], cached, c->lens[i], 3000 + i);
             continue;
         }
         /* The first alone (it fills the cache), the rest together. */
@@ -592,7 +593,7 @@ static int bench_case(pkv_model_t *m, const opts_t *o, const mcase_t *c, mcase_r
             int be = (int)(r & 1) ^ k; /* odd pairs: dense first */
             progress("bench model: %s %s decode, pair %u...", c->name, pkv_backend_name(be),
                      (unsigned)r + 1);
-            t[be] = decode(m, st[be].kv, st[be].seq, c->n, (uint32_t)o->steps, &cpu[be]);
+            t[be] = pkv_bm_decode(m, st[be].kv, st[be].seq, c->n, (uint32_t)o->steps, &cpu[be]);
             if (t[be] < 0) rc = -1;
         }
         if (rc) break;

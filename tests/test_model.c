@@ -124,14 +124,19 @@ static void ref_rmsnorm(float *o, const float *x, const float *w, int n)
     for (int i = 0; i < n; i++) o[i] = w[i] * (inv * x[i]);
 }
 
-/* K/V as the cache holds them: each head's row through the dtype and back. */
-static void ref_round(pkv_dtype_t dt, float *v, int n, int hs)
+/* K/V as the cache holds them: each head's row through the dtype and back; keys of a
+ * dtype that stores them rotated go through it rotated and come back unrotated (the
+ * normalized Hadamard transform is its own inverse), as the model's q.k sees them. */
+static void ref_round(pkv_dtype_t dt, float *v, int n, int hs, bool key)
 {
     uint8_t tmp[4 * 256 + 4];
+    bool rot = key && pkv_dtype_rotates_keys(dt, (uint32_t)hs);
     if (dt == PKV_DTYPE_F32) return;
     for (int h = 0; h < n; h += hs) {
+        if (rot) pkv_hadamard(v + h, (uint32_t)hs);
         pkv_dtype_from_f32(dt, tmp, v + h, (size_t)hs);
         pkv_dtype_to_f32(dt, v + h, tmp, (size_t)hs);
+        if (rot) pkv_hadamard(v + h, (uint32_t)hs);
     }
 }
 
@@ -159,8 +164,8 @@ static void ref_forward(ref_t *r, int token, int pos, float *logits)
                 vec[i + 1] = (float)(v0 * fci + v1 * fcr);
             }
         }
-        ref_round(r->dt, kr, kvd, hs);
-        ref_round(r->dt, vr, kvd, hs);
+        ref_round(r->dt, kr, kvd, hs, true);
+        ref_round(r->dt, vr, kvd, hs, false);
         for (int h = 0; h < nh; h++) {
             const float *qh = q + h * hs;
             double mx = -1e30;

@@ -863,6 +863,34 @@ START_TEST(scaled_rows_encode_and_decode)
 }
 END_TEST
 
+/* The key rotation: orthogonal (dot products kept), its own inverse, chosen for int8 at a
+ * power-of-two head dim only. */
+START_TEST(hadamard_rotation_keeps_dot_products)
+{
+    uint64_t rs = pkv_test_seed(0x4ada);
+    float a[64], b[64], a0[64];
+    double d0 = 0, d1 = 0;
+    for (int i = 0; i < 64; i++) {
+        a[i] = a0[i] = (float)pkv_test_below(&rs, 2001) / 1000.0f - 1.0f;
+        b[i] = (float)pkv_test_below(&rs, 2001) / 1000.0f - 1.0f;
+        d0 += (double)a[i] * b[i];
+    }
+    a[3] *= 20.0f, a0[3] *= 20.0f, d0 += (double)a0[3] * b[3] * (19.0 / 20.0);
+    pkv_hadamard(a, 64);
+    pkv_hadamard(b, 64);
+    float amax = 0;
+    for (int i = 0; i < 64; i++) d1 += (double)a[i] * b[i], amax = fmaxf(amax, fabsf(a[i]));
+    ck_assert_msg(fabs(d0 - d1) < 1e-4, "dot %g -> %g", d0, d1);
+    ck_assert(amax < fabsf(a0[3]) / 2); /* the outlier spread over every dim */
+    pkv_hadamard(a, 64);
+    for (int i = 0; i < 64; i++) ck_assert(fabsf(a[i] - a0[i]) < 1e-5f);
+    ck_assert(pkv_dtype_rotates_keys(PKV_DTYPE_INT8, 64));
+    ck_assert(!pkv_dtype_rotates_keys(PKV_DTYPE_INT8, 48));
+    ck_assert(!pkv_dtype_rotates_keys(PKV_DTYPE_FP8, 64));
+    ck_assert(!pkv_dtype_rotates_keys(PKV_DTYPE_BF16, 64));
+}
+END_TEST
+
 /* A quantized pool's blocks pack its granules: at llama-3.2-1b's geometry a block is 272
  * KiB (17/16 of the int8 values), so the pool takes 4 MiB granules of 15 blocks, two whole
  * huge pages (2 MiB would hold 7 and leave 7 % idle); positions written through slots read
@@ -1399,6 +1427,7 @@ static Suite *pool_suite(void)
     tcase_add_test(tc, fp8_encoder_rounds_saturates_and_never_writes_nan);
     tcase_add_test(tc, scaled_rows_encode_and_decode);
     tcase_add_test(tc, quantized_pool_packs_huge_granules);
+    tcase_add_test(tc, hadamard_rotation_keeps_dot_products);
     tcase_add_test(tc, allocation_prefers_dense_granules_and_decommits_with_hysteresis);
     tcase_add_test(tc, eviction_prefers_sparse_granules);
     tcase_add_test(tc, pins_from_worker_threads_while_engine_runs);

@@ -65,6 +65,8 @@ static const pkv_cmd_entry_t benches[] = {
      "prefill and decode of different TP: per-plan staging vs a host mirror, through route"},
     {"tiers", pkv_bench_tiers,
      "the disk tier on multi-round QA: recompute, disk and restart arms against a reference"},
+    {"kvquant", pkv_bench_kvquant,
+     "int8 / fp8 KV: error against bf16 (flat, outliers, sharp) and decode speed over bf16"},
 };
 
 int pkv_cmd_bench(int argc, char **argv)

@@ -53,6 +53,16 @@ typedef enum {
 PKV_API size_t pkv_dtype_size(pkv_dtype_t dt);
 /* Whether rows carry a scale (int8, fp8). */
 PKV_API bool pkv_dtype_scaled(pkv_dtype_t dt);
+/* Whether keys of this dtype are stored rotated: int8 at a power-of-two head_dim. Its
+ * writers store each K row times the normalized Walsh-Hadamard matrix (pkv_hadamard) and
+ * its readers rotate their queries alike: q.k is unchanged (an orthogonal rotation) while
+ * a few outlier channels spread over every dim instead of setting the row's scale alone.
+ * V rows are never rotated. (fp8 keeps its own per-value exponent, which outlier channels
+ * do not hurt; rotated, it measured worse: docs/design/pool.md, "Quantized KV".) */
+PKV_API bool pkv_dtype_rotates_keys(pkv_dtype_t dt, uint32_t head_dim);
+/* x <- x H / sqrt(n) in place, n a power of two (the normalized Walsh-Hadamard transform,
+ * its own inverse): the rotation of pkv_dtype_rotates_keys. */
+PKV_API void pkv_hadamard(float *x, uint32_t n);
 /* Bytes of one row of head_dim values: head_dim * size, + 4 (the f32 scale) when scaled. */
 PKV_API size_t pkv_dtype_row_bytes(pkv_dtype_t dt, uint32_t head_dim);
 PKV_API const char *pkv_dtype_name(pkv_dtype_t dt);

@@ -43,6 +43,12 @@ typedef struct {
     uint32_t max_seq_len; /* positions the model accepts */
     float rope_theta;
     float norm_eps;
+    /* Built-in weights only (0 = 1 = none): scale the last two dims of every K head (one
+     * RoPE pair) by k_outlier_gain, as real models' keys carry a few outlier channels; and
+     * the queries by q_gain, which sharpens attention. Measurement knobs for quantized KV
+     * (`pagekv bench kvquant`); a checkpoint's weights are never changed. */
+    float k_outlier_gain;
+    float q_gain;
 } pkv_model_config_t;
 
 /* Names of the built-in presets, NULL-terminated ("tiny" first: the default). */
@@ -55,6 +61,14 @@ typedef struct {
     uint32_t threads;      /* 0 -> online CPUs, at most 8 */
     uint32_t chunk_tokens; /* tokens computed together per pass; 0 -> 128 */
     bool portable;         /* force the portable kernels (no AVX2) */
+    /* Measurement hook (NULL: none): after each layer's attention, called once per row
+     * computed with the layer, the row's position, its queries q (after RoPE, and rotated
+     * where the KV dtype rotates keys: pkv_dtype_rotates_keys) and its attention output
+     * att (n = query heads x head dim floats each, before the output projection), on the
+     * calling thread. */
+    void (*att_probe)(void *arg, uint32_t layer, uint32_t pos, const float *q, const float *att,
+                      uint32_t n);
+    void *att_probe_arg;
 } pkv_model_runtime_t;
 
 typedef struct pkv_model pkv_model_t;

@@ -26,6 +26,24 @@ bool pkv_dtype_scaled(pkv_dtype_t dt)
     return dt == PKV_DTYPE_INT8 || dt == PKV_DTYPE_FP8;
 }
 
+bool pkv_dtype_rotates_keys(pkv_dtype_t dt, uint32_t head_dim)
+{
+    return dt == PKV_DTYPE_INT8 && head_dim && (head_dim & (head_dim - 1)) == 0;
+}
+
+void pkv_hadamard(float *x, uint32_t n)
+{
+    for (uint32_t len = 1; len < n; len <<= 1)
+        for (uint32_t i = 0; i < n; i += 2 * len)
+            for (uint32_t j = i; j < i + len; j++) {
+                float a = x[j], b = x[j + len];
+                x[j] = a + b;
+                x[j + len] = a - b;
+            }
+    float norm = 1.0f / sqrtf((float)n);
+    for (uint32_t i = 0; i < n; i++) x[i] *= norm;
+}
+
 size_t pkv_dtype_row_bytes(pkv_dtype_t dt, uint32_t head_dim)
 {
     return (size_t)head_dim * pkv_dtype_size(dt) + (pkv_dtype_scaled(dt) ? sizeof(float) : 0);

@@ -162,6 +162,9 @@ static int config_check(const pkv_model_config_t *c)
         why = "norm_eps must be in (0, 1)";
     else if ((uint64_t)c->n_heads * c->head_dim > 65536)
         why = "n_heads * head_dim too large";
+    else if (!(c->k_outlier_gain >= 0.0f && c->k_outlier_gain <= 1000.0f) ||
+             !(c->q_gain >= 0.0f && c->q_gain <= 1000.0f))
+        why = "k_outlier_gain and q_gain must be in [0, 1000]";
     if (why) {
         PKV_LOGE("model", "bad model config: %s", why);
         return PKV_ERR_INVALID;
@@ -224,6 +227,7 @@ int model_alloc(const pkv_model_config_t *cfg, const pkv_model_runtime_t *rt, pk
     }
     m->threads = r.threads;
     m->chunk = r.chunk_tokens ? r.chunk_tokens : 128;
+    m->rt = r;
     m->qdim = c->n_heads * c->head_dim;
     m->kvdim = c->n_kv_heads * c->head_dim;
     m->ld_d = pad16(c->dim);
@@ -290,6 +294,22 @@ static void fill_uniform(float *w, size_t rows, size_t cols, size_t ld, uint64_t
         }
 }
 
+/* The config's measurement knobs on a layer's QKV columns (pkv_model_config_t). */
+static void synthetic_gains(pkv_model_t *m, float *wqkv)
+{
+    const pkv_model_config_t *c = &m->cfg;
+    float qg = c->q_gain, kg = c->k_outlier_gain;
+    for (size_t r = 0; r < c->dim; r++) {
+        float *w = wqkv + r * m->ld_qkv;
+        for (uint32_t i = 0; qg != 0.0f && qg != 1.0f && i < m->qdim; i++) w[i] *= qg;
+        for (uint32_t h = 0; kg != 0.0f && kg != 1.0f && h < c->n_kv_heads; h++) {
+            float *k = w + m->qdim + (size_t)h * c->head_dim;
+            k[c->head_dim - 2] *= kg;
+            k[c->head_dim - 1] *= kg;
+        }
+    }
+}
+
 int pkv_model_create_builtin(const pkv_model_config_t *cfg, uint64_t seed,
                              const pkv_model_runtime_t *rt, pkv_model_t **out)
 {
@@ -309,6 +329,7 @@ int pkv_model_create_builtin(const pkv_model_config_t *cfg, uint64_t seed,
         model_layer_t *ly = &m->layers[l];
         for (size_t i = 0; i < D; i++) ly->rms_att[i] = ly->rms_ffn[i] = 1.0f;
         fill_uniform(ly->wqkv, D, m->qdim + 2 * m->kvdim, m->ld_qkv, seed, t++, s_d);
+        synthetic_gains(m, ly->wqkv);
         fill_uniform(ly->wo, m->qdim, D, m->ld_d, seed, t++, s_q * depth);
         fill_uniform(ly->w13, D, 2 * H, m->ld_h2, seed, t++, s_d);
         fill_uniform(ly->w2, H, D, m->ld_d, seed, t++, s_h * depth);
@@ -619,6 +640,7 @@ static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg
     const pkv_model_config_t *c = &m->cfg;
     uint32_t D = c->dim, H = c->hidden_dim, hd = c->head_dim;
     size_t rb = pkv_dtype_row_bytes(dt, hd);
+    bool rotate = pkv_dtype_rotates_keys(dt, hd);
     for (uint32_t r = 0; r < rows; r++) {
         memcpy(m->x + (size_t)r * m->ld_d, m->emb + (size_t)m->rows[r].token * D,
                D * sizeof(float));
@@ -658,6 +680,8 @@ static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg
             float *q = m->qkv + (size_t)r * m->ld_qkv;
             rope_apply(q, c->n_heads, hd, m->rope + (size_t)r * hd);
             rope_apply(q + m->qdim, c->n_kv_heads, hd, m->rope + (size_t)r * hd);
+            for (uint32_t h = 0; rotate && h < c->n_heads + c->n_kv_heads; h++)
+                pkv_hadamard(q + (size_t)h * hd, hd); /* the queries, then the keys */
         }
         write_kv(m, rows, l, dt);
         int rc = collect_runs(m, nseg, l);
@@ -667,6 +691,9 @@ static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg
         } else {
             model_tpool_run(m->pool, att_task, &aj, nblocks * aj.splits);
         }
+        for (uint32_t r = 0; m->rt.att_probe && r < rows; r++)
+            m->rt.att_probe(m->rt.att_probe_arg, l, m->rows[r].pos, m->qkv + (size_t)r * m->ld_qkv,
+                            m->att + (size_t)r * m->ld_q, m->qdim);
         matmul(m, m->att, m->ld_q, rows, m->qdim, ly->wo, m->ld_d, m->tmp, m->ld_d);
         for (uint32_t r = 0; r < rows; r++) {
             float *x = m->x + (size_t)r * m->ld_d;

@@ -30,7 +30,8 @@ struct pkv_model {
     const model_kernels_t *kern;
     model_tpool_t *pool;
     uint32_t threads;
-    uint32_t chunk; /* rows per pass */
+    pkv_model_runtime_t rt; /* as given (threads and chunk resolved below) */
+    uint32_t chunk;         /* rows per pass */
     uint32_t qdim, kvdim;
     uint32_t ld_d, ld_qkv, ld_q, ld_h2, ld_v;
 
