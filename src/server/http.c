@@ -157,6 +157,18 @@ static json_t *model_doc(pkv_server_t *s)
                      (int)s->max_context);
 }
 
+/* A prefill or decode node's KV format, in /health: what a router compares before it
+ * pairs nodes (kv_transfer_params' pagekv_geometry, plus the node's TP degree, which may
+ * differ between a pair: resharding). */
+static json_t *kv_layout_doc(pkv_server_t *s)
+{
+    const pkv_geometry_t *g = pkv_kv_geometry(s->kv);
+    return json_pack("{s:i, s:i, s:i, s:i, s:s, s:i}", "layers", (int)g->layers, "kv_heads",
+                     (int)g->kv_heads, "head_dim", (int)g->head_dim, "block_tokens",
+                     (int)g->block_tokens, "dtype", pkv_dtype_name(g->dtype), "tp",
+                     (int)pkv_kv_tp(s->kv));
+}
+
 /* The pool's pages from smaps, read again when the last reading is older than
  * SRV_PAGES_MAX_AGE_NS. */
 static void pool_pages(pkv_server_t *s, srv_snapshot_t *out)
@@ -236,12 +248,12 @@ static enum MHD_Result handle_simple(pkv_server_t *s, struct MHD_Connection *c, 
         uint64_t age = 0;
         bool agent_ok = pkv_disagg_node_healthy(s->kvn, &age);
         const char *status = draining ? "draining" : agent_ok ? "ok" : "kv_agent_down";
-        return srv_answer_json(s, c, hr, draining || !agent_ok ? 503 : 200,
-                               json_pack("{s:s, s:s, s:s, s:s, s:I}", "status", status, "role",
-                                         pkv_server_role_name(s->role), "kv_agent",
-                                         agent_ok ? "ok" : "down", "kv_address",
-                                         pkv_disagg_node_address(s->kvn),
-                                         "kv_agent_progress_age_ms", (json_int_t)(age / 1000000)));
+        return srv_answer_json(
+            s, c, hr, draining || !agent_ok ? 503 : 200,
+            json_pack("{s:s, s:s, s:s, s:s, s:I, s:o}", "status", status, "role",
+                      pkv_server_role_name(s->role), "kv_agent", agent_ok ? "ok" : "down",
+                      "kv_address", pkv_disagg_node_address(s->kvn), "kv_agent_progress_age_ms",
+                      (json_int_t)(age / 1000000), "kv_layout", kv_layout_doc(s)));
     }
     case SRV_ROUTE_METRICS: {
         srv_snapshot_t snap;
