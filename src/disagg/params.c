@@ -40,7 +40,9 @@ static int unhex(const char *s, uint8_t *out, size_t n)
     return PKV_OK;
 }
 
-/* The producer's geometry must be this pool's. */
+/* The producer's geometry must be this pool's. Another KV dtype is a node of another KV
+ * format, not a malformed field: 400 incompatible_layout naming both dtypes, as the
+ * handshake would refuse it (pull.c), before anything is asked of the producer. */
 static int kvt_geometry(const pkv_disagg_node_t *n, const json_t *o, pkv_openai_error_t *err)
 {
     const pkv_geometry_t *g = pkv_kv_geometry(n->kv);
@@ -55,8 +57,15 @@ static int kvt_geometry(const pkv_disagg_node_t *n, const json_t *o, pkv_openai_
         kvt_int(v, "head_dim", p, g->head_dim, g->head_dim, &dim, err) ||
         kvt_int(v, "block_tokens", p, g->block_tokens, g->block_tokens, &bt, err))
         return kvt_bad(err, "invalid_value", p, "differs from this node's KV geometry");
-    if (!dt || pkv_dtype_parse(dt, &dtype) || dtype != g->dtype)
+    if (!dt || pkv_dtype_parse(dt, &dtype))
         return kvt_bad(err, "invalid_value", p, "differs from this node's KV dtype");
+    if (dtype != g->dtype) {
+        pkv_openai_error_set(err, 400, "invalid_request_error", "incompatible_layout", p,
+                             "the prefill node's KV dtype is %s, this node's is %s: nodes of "
+                             "different KV formats cannot share KV",
+                             pkv_dtype_name(dtype), pkv_dtype_name(g->dtype));
+        return PKV_ERR_INVALID;
+    }
     return PKV_OK;
 }
 

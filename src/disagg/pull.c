@@ -8,12 +8,15 @@
 #include "disagg/disagg_int.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 /* A read's outcome as the client's error (transfer failures are not the client's, but
- * for `rejected`: forged or stale params). */
-static void pull_error(int outcome, pkv_xfer_why_t why, pkv_openai_error_t *err)
+ * for `rejected`: forged or stale params). layout: what differs between the two nodes'
+ * layouts when the handshake refused the producer's ("" when not known). */
+static void pull_error(int outcome, pkv_xfer_why_t why, const char *layout, pkv_openai_error_t *err)
 {
     const char *p = "kv_transfer_params";
     if (outcome == PKV_ERR_REJECTED && why == PKV_XFER_WHY_IDENTITY)
@@ -26,6 +29,9 @@ static void pull_error(int outcome, pkv_xfer_why_t why, pkv_openai_error_t *err)
                              DG_KVT_P("remote_block_ids"),
                              "'%s' are not the blocks the prefill node registered for this request",
                              DG_KVT_P("remote_block_ids"));
+    else if (outcome == PKV_ERR_REJECTED && why == PKV_XFER_WHY_LAYOUT && *layout)
+        pkv_openai_error_set(err, 400, "invalid_request_error", "incompatible_layout", p,
+                             "the prefill node's KV layout does not match this node's: %s", layout);
     else if (outcome == PKV_ERR_REJECTED && why == PKV_XFER_WHY_LAYOUT)
         pkv_openai_error_set(
             err, 400, "invalid_request_error", "incompatible_layout", p,
@@ -117,11 +123,12 @@ static int worse(int a, int b)
  * cancelled and the pull fails (the caller frees seq: every page and pin returns). On ok
  * the positions up to want whole blocks are recorded as written (the first `cached`
  * already were: adopted). Returns the outcome; *why says whether a refusal was the engine
- * id, the block list or the layout. A pull that moved blocks counts its phases (and fills
- * t) from its slowest read. */
+ * id, the block list or the layout, and *refused is the read it ended. A pull that moved
+ * blocks counts its phases (and fills t) from its slowest read. */
 static int pull_into(pkv_disagg_node_t *n, pkv_xfer_handle_t *const *hs, uint32_t P,
                      const char *engine_id, pkv_seq_t *seq, const int32_t *ids, uint32_t cached,
-                     uint32_t want, pkv_xfer_why_t *why, pkv_disagg_timings_t *t)
+                     uint32_t want, pkv_xfer_why_t *why, dg_read_t *refused,
+                     pkv_disagg_timings_t *t)
 {
     const uint32_t *dst;
     uint32_t nd, bt = hs[0]->geo.block_tokens, have = cached / bt;
@@ -184,7 +191,10 @@ static int pull_into(pkv_disagg_node_t *n, pkv_xfer_handle_t *const *hs, uint32_
             oc = PKV_ERR_TIMEOUT;
         }
         outcome = worse(outcome, oc);
-        if (oc == PKV_ERR_REJECTED && *why == PKV_XFER_WHY_NONE) *why = pkv_xfer_read_why(rd[i]);
+        if (oc == PKV_ERR_REJECTED && *why == PKV_XFER_WHY_NONE) {
+            *why = pkv_xfer_read_why(rd[i]);
+            *refused = plan[i];
+        }
         pkv_xfer_read_timings_t ri;
         if (oc == PKV_OK && plan[i].head_n && !pkv_xfer_read_timings(rd[i], &ri)) {
             if (ri.last_ns >= last) last = ri.last_ns, rt = ri;
@@ -209,6 +219,37 @@ static int pull_into(pkv_disagg_node_t *n, pkv_xfer_handle_t *const *hs, uint32_
         t->pulled_blocks = n_pull;
     }
     return outcome;
+}
+
+/* What differs between local rank d's layout and the producer's at addr, for the client's
+ * error when the handshake refused it ("" when the producer cannot be asked again by
+ * until_ns or their layouts agree: the read asked for heads its rank does not hold). The
+ * producer's HELLO is asked again on the endpoint the refused read used (nothing else is
+ * sent to it), so the answer is at hand. */
+static void layout_difference(pkv_disagg_node_t *n, uint32_t d, const char *addr, uint64_t until_ns,
+                              char *out, size_t cap)
+{
+    pkv_xfer_layout_t here, there;
+    out[0] = 0;
+    uint64_t soon = pkv_deadline_after_ns(1000000000ull);
+    if (pkv_xfer_agent_layout(n->rank[d].agent, &here)) return;
+    int rc = pkv_xfer_probe(n->rank[d].agent, addr, PKV_MIN(soon, until_ns), &there);
+    if (rc != PKV_OK && rc != PKV_ERR_REJECTED) return;
+    const pkv_geometry_t *g = &here.geo, *h = &there.geo;
+    if (there.wire != here.wire)
+        snprintf(out, cap, "wire version %u there, %u here", there.wire, here.wire);
+    else if (here.model_id[0] && there.model_id[0] && strcmp(here.model_id, there.model_id))
+        snprintf(out, cap, "model '%s' there, '%s' here", there.model_id, here.model_id);
+    else if (h->layers != g->layers || h->kv_heads != g->kv_heads || h->head_dim != g->head_dim ||
+             h->block_tokens != g->block_tokens)
+        snprintf(out, cap,
+                 "geometry (layers, kv_heads, head_dim, block_tokens) %u, %u, %u, %u there, "
+                 "%u, %u, %u, %u here",
+                 h->layers, h->kv_heads, h->head_dim, h->block_tokens, g->layers, g->kv_heads,
+                 g->head_dim, g->block_tokens);
+    else if (h->dtype != g->dtype)
+        snprintf(out, cap, "KV dtype %s there, %s here", pkv_dtype_name(h->dtype),
+                 pkv_dtype_name(g->dtype));
 }
 
 static void count_pull(pkv_disagg_node_t *n, int outcome, uint32_t pulled, uint32_t adopted)
@@ -254,9 +295,15 @@ int pkv_disagg_node_pull(pkv_disagg_node_t *n, const json_t *params, const int32
     pkv_seq_t *seq = NULL;
     uint32_t cached = 0, bt = hs[0]->geo.block_tokens, want = (n_prompt - 1) / bt;
     pkv_xfer_why_t why = PKV_XFER_WHY_NONE;
+    dg_read_t refused = {0};
+    char layout[192] = "";
+    uint64_t until = pkv_deadline_after_ns(((uint64_t)n->transfer_timeout_ms + 1000) * 1000000ull);
     rc = pkv_seq_create(n->kv, &sp, &seq, &cached);
     uint32_t have = PKV_MIN(cached / bt, want);
-    int outcome = rc ? rc : pull_into(n, hs, P, engine_id, seq, ids, have * bt, want, &why, t);
+    int outcome =
+        rc ? rc : pull_into(n, hs, P, engine_id, seq, ids, have * bt, want, &why, &refused, t);
+    if (outcome == PKV_ERR_REJECTED && why == PKV_XFER_WHY_LAYOUT && refused.p < P)
+        layout_difference(n, refused.d, hs[refused.p]->addr, until, layout, sizeof(layout));
     for (uint32_t p = 0; p < P; p++) pkv_xfer_handle_free(hs[p]);
     if (outcome == PKV_OK && t) t->adopted_blocks = have;
     count_pull(n, outcome, want - have, have);
@@ -271,7 +318,7 @@ int pkv_disagg_node_pull(pkv_disagg_node_t *n, const json_t *params, const int32
             *out = NULL;
             return PKV_OK;
         }
-        pull_error(outcome, why, err);
+        pull_error(outcome, why, layout, err);
         return outcome;
     }
     *out = seq;
