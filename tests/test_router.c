@@ -8,8 +8,9 @@
  * (503), a decode node killed mid-stream (an error event ends the stream), SIGTERM
  * draining, bad input answered as serve answers it with no node called, 1,000 concurrent
  * streams (count and the router's VmRSS), the connection limit's 503, a slow client's
- * paused stream, the OpenAI Node SDK's calls (when node and npm are there), and the
- * lookup's count (pkv_kv_prefix_match) against what admission adopts.
+ * paused stream, the OpenAI Node SDK's calls (when node and npm are there), the
+ * lookup's count (pkv_kv_prefix_match) against what admission adopts, and nodes of
+ * different KV formats refused at the router's start.
  */
 #include "tests/fuzz/props.h"
 #include "tests/support/srvtest.h"
@@ -997,6 +998,65 @@ START_TEST(cli_rejects_bad_flags)
 }
 END_TEST
 
+/* ---- the nodes' KV formats ------------------------------------------------------------------ */
+
+/* `pagekv route` over pre and dec[0..nd) run to its end: its exit code, its log in *log. */
+static int route_run(const launch_proc_t *pre, const launch_proc_t *const *dec, int nd,
+                     const char *extra_decode, char **log)
+{
+    char *argv[16] = {BIN, "route", "--port", "0", "--prefill", (char *)pre->url};
+    int n = 6;
+    for (int i = 0; i < nd; i++) argv[n++] = "--decode", argv[n++] = (char *)dec[i]->url;
+    if (extra_decode) argv[n++] = "--decode", argv[n++] = (char *)extra_decode;
+    argv[n] = NULL;
+    return ts_proc_run(argv, 10, log);
+}
+
+/* At start the router asks every node's /health for its KV format: a prefill node and a
+ * decode node of different --kv-dtype are refused (exit 1, a message naming both nodes and
+ * both dtypes, never listening), also when another decode node matches; nodes of one
+ * format start it and answer; a node that does not answer at start is not checked. */
+START_TEST(kv_formats_must_match_at_start)
+{
+    launch_proc_t p, d8, d16, rt;
+    const char *bf16[] = {"--kv-dtype", "bf16", NULL}, *int8[] = {"--kv-dtype", "int8", NULL};
+    node_start(&p, "prefill", bf16);
+    node_start(&d8, "decode", int8);
+    node_start(&d16, "decode", bf16);
+    const launch_proc_t *mixed[][2] = {{&d8, NULL}, {&d16, &d8}};
+    for (int k = 0; k < 2; k++) {
+        char *log = NULL;
+        int code = route_run(&p, mixed[k], k + 1, NULL, &log);
+        ck_assert_msg(code == 1, "case %d: exit %d\n%s", k, code, ts_tail(log));
+        ck_assert_msg(strstr(log, "different formats") && strstr(log, "dtype bf16") &&
+                          strstr(log, "dtype int8") && strstr(log, p.url) && strstr(log, d8.url),
+                      "case %d: %s", k, ts_tail(log));
+        ck_assert_ptr_null(strstr(log, "listening on"));
+        free(log);
+    }
+    ck_assert_int_eq(log_count(&p, "X-Request-Id"), 0); /* nothing was sent to a node */
+    /* One format, and a decode node nobody answers for (not checked): it starts. */
+    char nobody[64];
+    snprintf(nobody, sizeof(nobody), "http://127.0.0.1:%u", 1u);
+    char *argv[] = {BIN,        "route",         "--port",   "0",    "--prefill", (char *)p.url,
+                    "--decode", (char *)d16.url, "--decode", nobody, NULL};
+    ts_proc_start(&rt, argv, LOG_INFO, "pagekv route: listening on ", false);
+    char *log = ts_proc_log(&rt);
+    ck_assert_msg(strstr(log, "did not describe its KV layout"), "%s", ts_tail(log));
+    free(log);
+    json_t *req = completion_req("One format for both nodes", 4, false, -1);
+    answer_t *a = malloc(sizeof(*a));
+    ask(rt.port, "/v1/completions", req, NULL, a);
+    ck_assert_msg(a->status == 200, "%ld %s", a->status, a->body);
+    free(a);
+    json_decref(req);
+    ts_proc_stop(&rt, 30);
+    ts_proc_stop(&d16, 30);
+    ts_proc_stop(&d8, 30);
+    ts_proc_stop(&p, 30);
+}
+END_TEST
+
 /* ---- many clients -----------------------------------------------------------------------------
  */
 
@@ -1307,6 +1367,7 @@ static Suite *router_suite(void)
     tcase_add_checked_fixture(tc, setup, NULL);
     tcase_set_timeout(tc, 120);
     ADD(tc, cli_rejects_bad_flags);
+    ADD(tc, kv_formats_must_match_at_start);
     ADD(tc, prefix_match_is_what_admission_adopts);
     ADD(tc, answers_equal_unified);
     ADD(tc, round_robin_spreads);

@@ -569,6 +569,7 @@ int pkv_router_create(const pkv_router_config_t *cfg, pkv_router_t **out)
         r->rid_salt = pkv_now_ns();
     if (!(r->host = strdup(cfg->host ? cfg->host : "127.0.0.1"))) goto fail_nodes;
     if ((rc = init_nodes(r, cfg))) goto fail_nodes;
+    if ((rc = rt_layouts_check(r))) goto fail_nodes;
     if ((rc = rt_io_start(r))) goto fail_nodes;
     if ((rc = start_http(r))) goto fail_http;
     *out = r;

@@ -3,8 +3,9 @@
  * include/pagekv/router.h.
  *
  * router internals shared by front.c (the client side: libmicrohttpd, one event-loop
- * thread), relay.c (the node side: libcurl multi on the thread "pkv-route-io") and
- * metrics.c (the /metrics text and /health document).
+ * thread), relay.c (the node side: libcurl multi on the thread "pkv-route-io"),
+ * metrics.c (the /metrics text and /health document) and layout.c (the nodes' KV formats,
+ * checked at start).
  *
  * Ownership of an exchange (one client request that goes to nodes): front.c creates it
  * with one reference (the connection's, dropped when MHD reports the request
@@ -241,6 +242,13 @@ size_t rt_sse_complete_end(const char *buf, size_t len, size_t old);
 /* x->lock held: the connection may go on (called whenever out fields changed). Returns
  * whether the caller must MHD_resume_connection(x->conn) after unlocking. */
 bool rt_xchg_wake_locked(rt_xchg_t *x);
+
+/* ---- layout.c ---- */
+/* Before the router starts: ask every node's /health for its KV format (within
+ * lookup_timeout_ms) and refuse, PKV_ERR_INVALID (logged, naming both nodes and formats), a
+ * prefill node and a decode node that describe different ones; nodes that do not describe
+ * one are not checked. PKV_ERR_NOMEM. */
+int rt_layouts_check(pkv_router_t *r);
 
 /* ---- metrics.c ---- */
 char *rt_metrics_render(pkv_router_t *r, size_t *len);
