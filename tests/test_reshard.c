@@ -1,8 +1,9 @@
 /*
  * Resharding between prefill and decode nodes of different tensor parallelism, as real
- * processes through `pagekv route`: for each P -> D pair the answer equals a unified TP=1
- * node's bitwise, and every decode rank's KV (and every prefill rank's) equals the matching
- * head slice of the unified node's KV (POST /v1/cache/digest: SHA-256 per head). Faults: a
+ * processes through `pagekv route`: for each P -> D pair (bf16; int8 and fp8 on tiny) the
+ * answer equals a unified TP=1 node's of the same KV dtype bitwise, and every decode rank's
+ * KV (and every prefill rank's) equals the matching head slice of the unified node's KV
+ * (POST /v1/cache/digest: SHA-256 per head). Faults: a
  * prefill rank that dies mid-pull, one decode rank's pull rejected, an incompatible layout.
  * Bad --tp values exit 2.
  */
@@ -41,15 +42,15 @@ static void teardown(void)
     }
 }
 
-/* `pagekv serve --role ROLE --preset PRESET --tp TP` plus extra arguments (NULL-terminated,
- * may be NULL) and environment entries (may be NULL). */
-static void serve(launch_proc_t *p, const char *name, const char *role, const char *preset,
-                  unsigned tp, const char *const *extra, char *const *env)
+/* `pagekv serve --role ROLE --preset PRESET --tp TP --kv-dtype DTYPE` plus extra arguments
+ * (NULL-terminated, may be NULL) and environment entries (may be NULL). */
+static void serve_dt(launch_proc_t *p, const char *name, const char *role, const char *preset,
+                     unsigned tp, const char *dtype, const char *const *extra, char *const *env)
 {
     char tps[16];
     snprintf(tps, sizeof(tps), "%u", tp);
     char *argv[48] = {BIN, "serve", "--port", "0", "--threads", "1", "--preset", (char *)preset,
-                      "--tp", tps, "--role", (char *)role, "--kv-dtype", "bf16",
+                      "--tp", tps, "--role", (char *)role, "--kv-dtype", (char *)dtype,
                       /* the tiny preset's automatic cap (a quarter of 8 MiB) is below one
                          granule of a replicated pool (tp x the rank's share): the digests
                          need the prompt's blocks to stay cached */
@@ -61,6 +62,13 @@ static void serve(launch_proc_t *p, const char *name, const char *role, const ch
     int rc = launch_start(p, name, argv, env, LOGDIR, pkv_deadline_after_ns(60000000000ull), err,
                           sizeof(err));
     ck_assert_msg(rc == 0, "%s: %s", name, err);
+}
+
+/* serve_dt with bf16 KV. */
+static void serve(launch_proc_t *p, const char *name, const char *role, const char *preset,
+                  unsigned tp, const char *const *extra, char *const *env)
+{
+    serve_dt(p, name, role, preset, tp, "bf16", extra, env);
 }
 
 static void route(launch_proc_t *rt, const launch_proc_t *pre, const launch_proc_t *dec)
@@ -207,17 +215,15 @@ static const struct {
     {"tiny", 2, 4, 2},
 };
 
-/* The answer through the router equals the unified TP=1 node's, and the decode node's and
- * the prefill node's per-head KV digests equal the unified node's. Two prompts: one that
- * ends inside a block, one long enough for several granules. */
-START_TEST(pair_equals_unified)
+/* The answer through the router equals the unified TP=1 node's (same KV dtype), and the
+ * decode node's and the prefill node's per-head KV digests equal the unified node's. Two
+ * prompts: one that ends inside a block, one long enough for several granules. */
+static void pair_check(const char *preset, const char *dtype, unsigned P, unsigned D, unsigned H)
 {
-    const char *preset = PAIRS[_i].preset;
-    unsigned P = PAIRS[_i].p, D = PAIRS[_i].d, H = PAIRS[_i].kv_heads;
     launch_proc_t uni, pre, dec, rt;
-    serve(&uni, "unified", "unified", preset, 1, NULL, NULL);
-    serve(&pre, "prefill", "prefill", preset, P, NULL, NULL);
-    serve(&dec, "decode", "decode", preset, D, NULL, NULL);
+    serve_dt(&uni, "unified", "unified", preset, 1, dtype, NULL, NULL);
+    serve_dt(&pre, "prefill", "prefill", preset, P, dtype, NULL, NULL);
+    serve_dt(&dec, "decode", "decode", preset, D, dtype, NULL, NULL);
     route(&rt, &pre, &dec);
     static const size_t chars[] = {301, 2900};
     for (int q = 0; q < 2; q++) {
@@ -225,8 +231,8 @@ START_TEST(pair_equals_unified)
         cluster_answer_t a, u;
         answer(rt.url, req, &a);
         answer(uni.url, req, &u);
-        ck_assert_msg(cluster_answer_equal(&a, &u), "%s %u->%u prompt %d: '%s' vs unified '%s'",
-                      preset, P, D, q, a.text, u.text);
+        ck_assert_msg(cluster_answer_equal(&a, &u), "%s %s %u->%u prompt %d: '%s' vs unified '%s'",
+                      preset, dtype, P, D, q, a.text, u.text);
         char hu[64][65], hd[64][65], hp[64][65];
         long bu = digests(uni.url, req, H, hu);
         long bd = digests(dec.url, req, H, hd);
@@ -236,10 +242,10 @@ START_TEST(pair_equals_unified)
                       "prefill %ld",
                       bu, bd, bp);
         for (unsigned h = 0; h < H; h++) {
-            ck_assert_msg(!strcmp(hd[h], hu[h]), "%s %u->%u: decode head %u KV differs", preset, P,
-                          D, h);
-            ck_assert_msg(!strcmp(hp[h], hu[h]), "%s %u->%u: prefill head %u KV differs", preset, P,
-                          D, h);
+            ck_assert_msg(!strcmp(hd[h], hu[h]), "%s %s %u->%u: decode head %u KV differs", preset,
+                          dtype, P, D, h);
+            ck_assert_msg(!strcmp(hp[h], hu[h]), "%s %s %u->%u: prefill head %u KV differs", preset,
+                          dtype, P, D, h);
         }
         cluster_answer_free(&a);
         cluster_answer_free(&u);
@@ -256,6 +262,25 @@ START_TEST(pair_equals_unified)
     stop(&dec);
     stop(&pre);
     stop(&uni);
+}
+
+START_TEST(pair_equals_unified)
+{
+    pair_check(PAIRS[_i].preset, "bf16", PAIRS[_i].p, PAIRS[_i].d, PAIRS[_i].kv_heads);
+}
+END_TEST
+
+/* The scaled formats (rows of head_dim one-byte codes and an f32 scale) through the router:
+ * int8 and fp8 at TP 1 -> 1, and int8 resharded 1 -> 2 (each decode rank reads its head's
+ * slice of the rows, scales included). tiny: 2 KV heads of 16. */
+static const struct {
+    const char *dtype;
+    unsigned p, d;
+} SCALED_PAIRS[] = {{"int8", 1, 1}, {"fp8", 1, 1}, {"int8", 1, 2}};
+
+START_TEST(scaled_pair_equals_unified)
+{
+    pair_check("tiny", SCALED_PAIRS[_i].dtype, SCALED_PAIRS[_i].p, SCALED_PAIRS[_i].d, 2);
 }
 END_TEST
 
@@ -428,6 +453,8 @@ static Suite *reshard_suite(void)
     tcase_add_checked_fixture(tc, setup, teardown);
     tcase_set_timeout(tc, 240);
     tcase_add_loop_test(tc, pair_equals_unified, 0, (int)(sizeof(PAIRS) / sizeof(PAIRS[0])));
+    tcase_add_loop_test(tc, scaled_pair_equals_unified, 0,
+                        (int)(sizeof(SCALED_PAIRS) / sizeof(SCALED_PAIRS[0])));
     suite_add_tcase(s, tc);
     TCase *f = tcase_create("faults");
     tcase_add_checked_fixture(f, setup, teardown);
