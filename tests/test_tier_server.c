@@ -10,7 +10,8 @@
  * in a payload and in a header (quarantined, and still after a restart); a segment
  * truncated mid-record; a full disk (fault site, watermark, a cap below a record, a small
  * cap); a read-only directory (a read-only bind mount in a mount namespace of the test's
- * own); another layout's directory (left alone); reads past the load deadline and the
+ * own); another layout's directory (left alone), an int8 server's beside a bf16 server's
+ * records; reads past the load deadline and the
  * load-or-recompute
  * decision; an I/O error on read; two servers on one directory; tenants (cache_salt),
  * purge and reset.
@@ -51,12 +52,13 @@ typedef struct {
     uint16_t port;
 } srv_t;
 
-static pkv_server_config_t config(const char *dir)
+/* A tier server on dir (NULL: no tier) with KV of dtype dt. */
+static pkv_server_config_t config_dt(const char *dir, pkv_dtype_t dt)
 {
     return (pkv_server_config_t){.threads = 1,
                                  .preset = "tiny",
                                  .block_tokens = BT,
-                                 .kv_dtype = PKV_DTYPE_F16,
+                                 .kv_dtype = dt,
                                  .max_context = 2048,
                                  .budget_mode = PKV_SERVER_BUDGET_BYTES,
                                  .budget_bytes = 32u << 20,
@@ -66,6 +68,11 @@ static pkv_server_config_t config(const char *dir)
                                  .kv_disk_dir = dir,
                                  .kv_disk_bytes = 64u << 20,
                                  .kv_disk_min_free = UINT64_MAX};
+}
+
+static pkv_server_config_t config(const char *dir)
+{
+    return config_dt(dir, PKV_DTYPE_F16);
 }
 
 static void srv_start(srv_t *v, const pkv_server_config_t *cfg)
@@ -177,10 +184,15 @@ typedef struct {
     srv_t ref;
 } ref_t;
 
+static void ref_start_dt(ref_t *r, pkv_dtype_t dt)
+{
+    pkv_server_config_t c = config_dt(NULL, dt);
+    srv_start(&r->ref, &c);
+}
+
 static void ref_start(ref_t *r)
 {
-    pkv_server_config_t c = config(NULL);
-    srv_start(&r->ref, &c);
+    ref_start_dt(r, PKV_DTYPE_F16);
 }
 
 /* Prompt `id` asked of the tier server `port`: the answer, and the KV of its full blocks,
@@ -362,10 +374,11 @@ static uint64_t file_size(const char *path)
     return (uint64_t)sb.st_size;
 }
 
-/* A server on dir that wrote prompts [lo, hi) (each written, then a clean stop: sealed). */
-static void seed_dir(ref_t *r, const char *dir, uint32_t lo, uint32_t hi)
+/* A server of KV dtype dt on dir that wrote prompts [lo, hi) (each written, then a clean
+ * stop: sealed); r: the reference of that dtype. */
+static void seed_dir_dt(ref_t *r, const char *dir, uint32_t lo, uint32_t hi, pkv_dtype_t dt)
 {
-    pkv_server_config_t c = config(dir);
+    pkv_server_config_t c = config_dt(dir, dt);
     srv_t a;
     srv_start(&a, &c);
     long long start = disk_now(a.port, "blocks");
@@ -376,6 +389,11 @@ static void seed_dir(ref_t *r, const char *dir, uint32_t lo, uint32_t hi)
     }
     json_decref(settled(a.port));
     srv_stop(&a);
+}
+
+static void seed_dir(ref_t *r, const char *dir, uint32_t lo, uint32_t hi)
+{
+    seed_dir_dt(r, dir, lo, hi, PKV_DTYPE_F16);
 }
 
 /* ---- 1, 2: back from disk, and warm after a restart --------------------------------------- */
@@ -941,6 +959,82 @@ START_TEST(another_layouts_directory_is_left_alone)
 }
 END_TEST
 
+/* A scaled format beside another format's records: an int8 server on a directory a bf16
+ * server wrote never loads a bf16 record (the segment is another layout's: counted, logged
+ * once, left byte for byte) and answers as an int8 server without the tier, its KV too;
+ * restarted on the directory it loads its own records (disk hits) and answers the same;
+ * the bf16 owner still loads its records, passing over int8's. */
+START_TEST(int8_server_leaves_bf16_records_alone)
+{
+    char dir[128];
+    tmpdir(dir, sizeof(dir));
+    ref_t r16, r8;
+    ref_start_dt(&r16, PKV_DTYPE_BF16);
+    ref_start_dt(&r8, PKV_DTYPE_INT8);
+    seed_dir_dt(&r16, dir, 0, 1, PKV_DTYPE_BF16);
+    ck_assert_int_eq(seg_count(dir), 1);
+    char s1[256];
+    seg_path(dir, 0, s1, sizeof(s1));
+    size_t len;
+    char *before = file_read(s1, &len);
+
+    logs_t logs = {.mu = PTHREAD_MUTEX_INITIALIZER};
+    pkv_log_set_sink(log_sink, &logs);
+    pkv_server_config_t c8 = config_dt(dir, PKV_DTYPE_INT8);
+    srv_t v;
+    srv_start(&v, &c8);
+    json_t *st = stats(v.port);
+    ck_assert_int_eq(disk(st, "foreign_segments"), 1);
+    ck_assert_int_eq(disk(st, "blocks"), 0);
+    json_decref(st);
+    ck_assert_uint_eq(logs.foreign_lines, 1);
+    answer_t first = ask_same(&r8, v.port, 0, NULL);
+    ck_assert_int_eq(first.cached, 0);
+    ck_assert_int_eq(first.disk, 0);
+    wait_blocks(v.port, BLOCKS); /* its own records */
+    st = settled(v.port);
+    ck_assert_int_eq(disk(st, "hit_blocks"), 0);
+    ck_assert_int_eq(disk(st, "loaded_blocks"), 0);
+    json_decref(st);
+    srv_stop(&v);
+    pkv_log_set_sink(NULL, NULL);
+    size_t l;
+    char *now = file_read(s1, &l);
+    ck_assert_msg(l == len && !memcmp(now, before, l), "the bf16 segment was changed");
+    free(now);
+    free(before);
+    ck_assert_int_eq(seg_count(dir), 2);
+
+    /* Restarted: its own records load. */
+    srv_start(&v, &c8);
+    st = stats(v.port);
+    ck_assert_int_eq(disk(st, "blocks"), BLOCKS);
+    ck_assert_int_eq(disk(st, "foreign_segments"), 1);
+    json_decref(st);
+    answer_t again = ask_same(&r8, v.port, 0, NULL);
+    ck_assert_int_eq(again.disk, BLOCKS * BT);
+    ck_assert_str_eq(again.text, first.text);
+    st = settled(v.port);
+    ck_assert_int_gt(disk(st, "hit_blocks"), 0);
+    ck_assert_int_eq(disk(st, "hit_blocks"), BLOCKS);
+    ck_assert_int_eq(disk(st, "corrupt"), 0);
+    json_decref(st);
+    srv_stop(&v);
+
+    /* The bf16 owner: its records, not int8's. */
+    pkv_server_config_t c16 = config_dt(dir, PKV_DTYPE_BF16);
+    srv_start(&v, &c16);
+    ck_assert_int_eq(disk_now(v.port, "blocks"), BLOCKS);
+    ck_assert_int_eq(disk_now(v.port, "foreign_segments"), 1);
+    ck_assert_int_eq(ask_same(&r16, v.port, 0, NULL).disk, BLOCKS * BT);
+    json_decref(settled(v.port));
+    srv_stop(&v);
+    srv_stop(&r8.ref);
+    srv_stop(&r16.ref);
+    rm_tree(dir);
+}
+END_TEST
+
 /* ---- 9, 10, 13: slow reads, failed reads, the decision ---------------------------------------
  */
 
@@ -1141,6 +1235,7 @@ static Suite *tier_server_suite(void)
     ADD(s, small_cap_evicts_oldest_segments);
     ADD(s, read_only_directory);
     ADD(s, another_layouts_directory_is_left_alone);
+    ADD(s, int8_server_leaves_bf16_records_alone);
     ADD(s, slow_reads_become_a_recompute_within_the_deadline);
     ADD(s, read_error_is_recomputed);
     ADD(s, second_server_refused_until_the_first_dies);
