@@ -361,7 +361,7 @@ static int parse_opts(int argc, char **argv, opts_t *o)
                 return pkv_cli_usage_error("bench model", "--threads: 1..64");
         } else if (!strcmp(argv[i], "--dtype") && v) {
             if (pkv_dtype_parse(argv[++i], &o->dt))
-                return pkv_cli_usage_error("bench model", "--dtype: f32, f16 or bf16");
+                return pkv_cli_usage_error("bench model", "--dtype: f32, f16, bf16, int8 or fp8");
         } else if (!strcmp(argv[i], "--contexts") && v) {
             if ((o->n_ctx = parse_list(argv[++i], o->ctxs, MAX_CTX, 16, 32000)) < 0)
                 return pkv_cli_usage_error("bench model", "--contexts: e.g. 512,4096");
@@ -393,7 +393,8 @@ static int parse_opts(int argc, char **argv, opts_t *o)
             block_tokens = (uint32_t)bt;
         } else {
             printf("usage: pagekv bench model [--json FILE] [--preset NAME] [--runs N]\n"
-                   "         [--decode-pairs N] [--decode-steps N] [--threads N] [--dtype bf16] "
+                   "         [--decode-pairs N] [--decode-steps N] [--threads N] [--dtype "
+                   "bf16|int8|fp8] "
                    "[--contexts 512,4096] [--no-batch8]\n"
                    "         [--block-tokens N] [--no-hugepages] [--fast-fill] [--null]\n"
                    "         [--cases grid,long,mixed] [--long-context N] [--mixed-prefix N]\n");
