@@ -202,13 +202,13 @@ AVX2_INLINE __m256 ld_i8(const void *p)
 }
 /* e4m3 codes as f16 bits: sign to bit 15, exponent and mantissa to bits 7-13. Both normal
  * and subnormal codes then read as the code's value times 2^-8 (exactly), which the row
- * scale undoes (rscale). */
+ * scale undoes (rscale). Sign-extended to 16 bits and shifted by 7, a code lands its
+ * exponent and mantissa in place and its sign in bits 14 and 15; the mask clears bit 14
+ * (three operations before the conversion). */
 AVX2_INLINE __m256 ld_fp8(const void *p)
 {
-    __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
-    __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
-                             _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
-    return _mm256_cvtph_ps(h);
+    __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16((short)0xbf80)));
 }
 AVX2_INLINE __m256 ld_dt(const void *p, pkv_dtype_t dt)
 {
