@@ -242,6 +242,127 @@ START_TEST(idle_blocks_go_at_trim_not_at_the_next_request)
 }
 END_TEST
 
+/* ---- the warm floor --------------------------------------------------------------------- */
+
+static pkv_kv_t *warm_pool(uint64_t warm_max, bool prefix_cache)
+{
+    pkv_kv_config_t c = {
+        .geo = {.layers = 1, .kv_heads = 1, .head_dim = 16, .dtype = PKV_DTYPE_F32},
+        .reserve_bytes = 1u << 20,
+        .granule_bytes = GRAN,
+        .no_prefix_cache = !prefix_cache,
+        .warm_max_bytes = warm_max,
+        .warm_idle_ms = 1000};
+    pkv_kv_t *kv = NULL;
+    ck_assert_int_eq(pkv_kv_create(&c, &kv), PKV_OK);
+    return kv;
+}
+
+/* A sequence of n_tokens tokens of its own (base + i), all appended: n_tokens / 64 granules. */
+static pkv_seq_t *seq_tokens(pkv_kv_t *kv, int32_t base, uint32_t n_tokens)
+{
+    int32_t tok[1024];
+    ck_assert_uint_le(n_tokens, 1024);
+    for (uint32_t i = 0; i < n_tokens; i++) tok[i] = base + (int32_t)i;
+    pkv_seq_params_t sp = {.tokens = tok, .n_tokens = n_tokens};
+    pkv_seq_t *s = NULL;
+    ck_assert_int_eq(pkv_seq_create(kv, &sp, &s, NULL), PKV_OK);
+    ck_assert_int_eq(pkv_seq_append(s, tok, n_tokens), PKV_OK);
+    return s;
+}
+
+static void count_kick(void *arg)
+{
+    ++*(int *)arg;
+}
+
+/* The floor keeps the granules of the largest recent allocation committed when they empty,
+ * so the next allocation as large commits nothing (pkv_seq_commit_ns 0); an allocation that
+ * takes from it kicks its owner, whose trim commits the floor again; it is bounded by
+ * warm_max_bytes, and once no allocation as large came within warm_idle_ms a trim returns
+ * it (down to retain_granules). */
+START_TEST(warm_floor_serves_allocations_and_lapses)
+{
+    int kicks = 0;
+    pkv_kv_t *kv = warm_pool(4 * GRAN, false);
+    pkv_kv_on_warm_low(kv, count_kick, &kicks);
+    pkv_seq_t *s1 = seq_tokens(kv, 1000, 192); /* 12 blocks: 3 granules */
+    ck_assert_uint_gt(pkv_seq_commit_ns(s1), 0);
+    pkv_kv_stats_t st = stats(kv);
+    ck_assert_uint_eq(st.commits, 3);
+    ck_assert_uint_eq(st.warm_bytes, 3 * GRAN);
+    ck_assert_uint_eq(st.warm_max_bytes, 4 * GRAN);
+    ck_assert_uint_eq(st.commit_ns, pkv_seq_commit_ns(s1));
+    pkv_seq_free(s1);
+    st = stats(kv);
+    ck_assert_uint_eq(st.committed_bytes, 3 * GRAN); /* kept: the floor, not retain's 1 */
+    ck_assert_uint_eq(st.empty_bytes, 3 * GRAN);
+
+    int k0 = kicks;
+    pkv_seq_t *s2 = seq_tokens(kv, 2000, 192);
+    ck_assert_uint_eq(pkv_seq_commit_ns(s2), 0); /* served by the floor */
+    ck_assert_uint_eq(stats(kv).commits, 3);
+    ck_assert_int_eq(kicks, k0 + 1);
+    uint64_t next = 0, now = pkv_now_ns();
+    ck_assert_uint_eq(pkv_kv_trim(kv, now, &next), 0); /* the owner's trim refills it */
+    ck_assert_uint_le(next, now + 1000000000ull);
+    st = stats(kv);
+    ck_assert_uint_eq(st.warm_refills, 3);
+    ck_assert_uint_eq(st.committed_bytes, 6 * GRAN);
+    ck_assert_uint_eq(st.empty_bytes, 3 * GRAN);
+    pkv_seq_free(s2); /* six empty: three beyond the floor go back at once */
+    ck_assert_uint_eq(stats(kv).committed_bytes, 3 * GRAN);
+
+    /* Bounded: a 6-granule allocation sets a floor of warm_max's 4. */
+    pkv_seq_t *s3 = seq_tokens(kv, 3000, 384);
+    ck_assert_uint_eq(stats(kv).warm_bytes, 4 * GRAN);
+    pkv_seq_free(s3);
+    ck_assert_uint_eq(stats(kv).committed_bytes, 4 * GRAN);
+
+    /* Small allocations (a decode step's block) keep the floor while it is recent... */
+    pkv_seq_free(seq_tokens(kv, 4000, 16));
+    ck_assert_uint_eq(stats(kv).warm_bytes, 4 * GRAN);
+    /* ...and once nothing as large came within warm_idle_ms, a trim returns it. */
+    ck_assert_uint_eq(pkv_kv_trim(kv, pkv_now_ns() + 2000000000ull, &next), 0);
+    st = stats(kv);
+    ck_assert_uint_eq(st.warm_bytes, 0);
+    ck_assert_uint_eq(st.committed_bytes, 1 * GRAN); /* retain_granules */
+    ck_assert_uint_eq(next, UINT64_MAX);
+    pkv_kv_on_warm_low(kv, NULL, NULL);
+    pkv_kv_destroy(kv);
+
+    /* With the prefix cache the blocks stay cached, their granules full: the trim after
+     * the kick commits fresh empty ones, which serve the next prompt. */
+    kv = warm_pool(4 * GRAN, true);
+    pkv_kv_on_warm_low(kv, count_kick, &kicks);
+    pkv_seq_free(seq_tokens(kv, 1000, 193));
+    ck_assert_uint_eq(stats(kv).blocks_cached, 12);
+    pkv_kv_trim(kv, pkv_now_ns(), NULL);
+    st = stats(kv);
+    /* 13 blocks: a floor of 4 granules, one of them the request's fourth (its partial
+     * block was freed, not cached), three committed by the trim */
+    ck_assert_uint_eq(st.empty_bytes, 4 * GRAN);
+    ck_assert_uint_eq(st.warm_refills, 3);
+    ck_assert_uint_eq(st.committed_bytes, 7 * GRAN);
+    pkv_seq_t *s4 = seq_tokens(kv, 5000, 190);
+    ck_assert_uint_eq(pkv_seq_commit_ns(s4), 0);
+    ck_assert_uint_eq(stats(kv).blocks_cached, 12); /* nothing evicted for it */
+    pkv_seq_free(s4);
+    pkv_kv_on_warm_low(kv, NULL, NULL);
+    pkv_kv_destroy(kv);
+
+    /* No floor (the default): an emptied granule beyond retain goes back, trim commits
+     * nothing. */
+    kv = warm_pool(0, false);
+    pkv_seq_free(seq_tokens(kv, 1000, 192));
+    pkv_kv_trim(kv, pkv_now_ns(), NULL);
+    st = stats(kv);
+    ck_assert_uint_eq(st.committed_bytes, 1 * GRAN);
+    ck_assert_uint_eq(st.warm_bytes + st.warm_refills, 0);
+    pkv_kv_destroy(kv);
+}
+END_TEST
+
 START_TEST(pressure_limit_holds_until_lifted)
 {
     pkv_kv_t *kv = small_pool(0, 0);
@@ -292,7 +413,9 @@ START_TEST(policy_property_run)
         .budget_bytes = 24 * GRAN,
         .granule_bytes = GRAN,
         .cache_max_bytes = 6 * GRAN,
-        .cache_idle_ms = 50};
+        .cache_idle_ms = 50,
+        .warm_max_bytes = 3 * GRAN,
+        .warm_idle_ms = 80};
     pkv_kv_t *kv = NULL;
     ck_assert_int_eq(pkv_kv_create(&c, &kv), PKV_OK);
     enum { MAXS = 8 };
@@ -888,6 +1011,7 @@ static Suite *cache_suite(void)
     tcase_add_test(pool, cap_counts_committed_granules_not_blocks);
     tcase_add_test(pool, idle_blocks_go_at_trim_not_at_the_next_request);
     tcase_add_test(pool, pressure_limit_holds_until_lifted);
+    tcase_add_test(pool, warm_floor_serves_allocations_and_lapses);
     tcase_add_test(pool, policy_property_run);
     tcase_add_test(pool, room_reads_v2_v1_psi_and_meminfo);
     suite_add_tcase(s, pool);

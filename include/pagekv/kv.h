@@ -111,6 +111,13 @@ typedef struct {
     uint64_t cache_max_bytes;
     /* Cached blocks not used for this long are evicted by pkv_kv_trim. 0 = never. */
     uint32_t cache_idle_ms;
+    /* The warm floor (paged; 0 = none): empty granules kept committed so an allocation
+     * does not wait for the OS, as many as the largest single allocation (admission or
+     * reserve) of the last warm_idle_ms (0 -> 30 s) spans, at most warm_max_bytes.
+     * pkv_kv_trim commits again what allocations took from it, and lets it go once no
+     * allocation asked for that much within warm_idle_ms. */
+    uint64_t warm_max_bytes;
+    uint32_t warm_idle_ms;
     /* Tensor-parallel ranks (paged only; dense: 0 or 1); 0 -> 1. See "tensor parallelism". */
     uint32_t tp;
 } pkv_kv_config_t;
@@ -235,11 +242,13 @@ PKV_API uint32_t pkv_seq_runs_rank(const pkv_seq_t *seq, uint32_t rank, uint32_t
 PKV_API void pkv_kv_reset_cache(pkv_kv_t *kv);
 /* The idle time-to-live, applied at now_ns (monotonic, as pkv_now_ns): evict the cached
  * blocks released at or before now_ns - cache_idle_ms and return the granules that empty
- * to the OS (beyond retain_granules). The pool owns no thread: a caller that wants idle
- * blocks to go without new requests calls this from a timer (`pagekv serve`'s memory
- * watcher does). *next_ns (optional) is when the oldest remaining cached block expires,
- * UINT64_MAX when none will (no TTL, nothing cached). Returns the blocks evicted. Dense:
- * 0, *next_ns = UINT64_MAX. */
+ * to the OS (beyond retain_granules and the warm floor). The warm floor too: lapsed (no
+ * allocation as large within warm_idle_ms) its empty granules go back; otherwise the
+ * granules allocations took from it are committed again, on the caller's thread. The pool
+ * owns no thread: a caller that wants idle blocks to go without new requests calls this
+ * from a timer (`pagekv serve`'s memory watcher does). *next_ns (optional) is when the
+ * oldest remaining cached block or the floor expires, UINT64_MAX when nothing will.
+ * Returns the blocks evicted. Dense: 0, *next_ns = UINT64_MAX. */
 PKV_API uint64_t pkv_kv_trim(pkv_kv_t *kv, uint64_t now_ns, uint64_t *next_ns);
 /* Memory pressure: hold the cache's committed bytes (cache_bytes) at or below
  * limit_bytes from now on: whole granules are emptied at once (the sparsest among the
@@ -286,6 +295,12 @@ typedef struct {
      * idle (pkv_kv_trim), pressure (pkv_kv_cache_pressure), reset (pkv_kv_reset_cache) */
     uint64_t evictions_budget, evictions_cap, evictions_idle, evictions_pressure;
     uint64_t evictions_reset;
+    /* the warm floor (paged; 0 on dense) */
+    uint64_t empty_bytes;    /* committed granules without a used block (the floor's) */
+    uint64_t warm_bytes;     /* the floor now: empty bytes kept and refilled */
+    uint64_t warm_max_bytes; /* the configured bound, whole granules */
+    uint64_t warm_refills;   /* granules pkv_kv_trim committed to refill it */
+    uint64_t commit_ns;      /* OS time spent committing granules, every caller's */
 } pkv_kv_stats_t;
 PKV_API void pkv_kv_stats(pkv_kv_t *kv, pkv_kv_stats_t *out);
 

@@ -590,6 +590,17 @@ void pkv_kv_on_full(pkv_kv_t *kv, pkv_kv_full_fn fn, void *arg)
     kv->on_full_arg = arg;
 }
 
+void pkv_kv_on_warm_low(pkv_kv_t *kv, void (*fn)(void *arg), void *arg)
+{
+    kv->on_warm_low = fn;
+    kv->on_warm_low_arg = arg;
+}
+
+uint64_t pkv_seq_commit_ns(const pkv_seq_t *seq)
+{
+    return seq->commit_ns;
+}
+
 int pkv_kv_key_pin(pkv_kv_t *kv, const pkv_kv_key_t *key, uint32_t *id)
 {
     return kv->ops->key_pin ? kv->ops->key_pin(kv, key, id) : PKV_ERR_UNSUPPORTED;

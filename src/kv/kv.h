@@ -55,6 +55,16 @@ int pkv_kv_pages(const pkv_kv_t *kv, uint64_t *resident_bytes, uint64_t *huge_by
 typedef void (*pkv_kv_full_fn)(void *arg, const pkv_kv_key_t *key, const pkv_kv_key_t *parent,
                                uint64_t salt);
 void pkv_kv_on_full(pkv_kv_t *kv, pkv_kv_full_fn fn, void *arg);
+
+/* ---- the warm floor's owner (paged; pkv_kv_config_t.warm_max_bytes) ---------------------
+ * Called (outside the pool's lock, on the allocating thread) when an allocation leaves the
+ * warm floor short of committed empty granules: the owner should call pkv_kv_trim soon,
+ * off the allocating path, to commit them again. Set once, before any sequence exists
+ * (NULL to clear, after the last); must not block. */
+void pkv_kv_on_warm_low(pkv_kv_t *kv, void (*fn)(void *arg), void *arg);
+/* The OS time (ns) seq's allocations spent committing granules, since it was created:
+ * what a request waited for memory (0 when the warm floor or free blocks served it). */
+uint64_t pkv_seq_commit_ns(const pkv_seq_t *seq);
 /* Pin the live or cached block whose prefix key is key: *id (unpin with pkv_kv_unpin).
  * PKV_ERR_NOTFOUND when no block has it. */
 int pkv_kv_key_pin(pkv_kv_t *kv, const pkv_kv_key_t *key, uint32_t *id);

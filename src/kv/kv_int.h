@@ -74,6 +74,8 @@ struct pkv_kv {
     uint32_t tp;            /* tensor-parallel ranks (1: dense, or a plain pool) */
     pkv_kv_full_fn on_full; /* set once before use (pkv_kv_on_full) */
     void *on_full_arg;
+    void (*on_warm_low)(void *arg); /* set once before use (pkv_kv_on_warm_low) */
+    void *on_warm_low_arg;
 };
 
 /* The part of a sequence every backend keeps. Owned by one thread at a time. */
@@ -84,6 +86,7 @@ struct pkv_seq {
     uint64_t salt;
     pkv_kv_key_t last_key; /* key of the last full block (or the root key) */
     int32_t *tail;         /* tokens of the current partial block [block_tokens] */
+    uint64_t commit_ns;    /* OS time its allocations spent committing granules */
 };
 
 /* Fill in the common part of a backend's cache object from a checked config. */

@@ -24,6 +24,7 @@
 #define POOL_MAX_BLOCKS      (16u << 20)
 #define POOL_EVICT_WINDOW    16
 #define POOL_DEFAULT_RESERVE (64ull << 30)
+#define POOL_WARM_LIFE_MS    30000u
 
 enum { BLK_FREE = 0, BLK_LIVE, BLK_CACHED };
 enum { GR_UNCOMMITTED = 0, GR_COMMITTING, GR_COMMITTED, GR_DECOMMITTING };
@@ -80,6 +81,8 @@ typedef struct {
     uint64_t budget;
     uint64_t cache_cap; /* bytes of cache-only granules allowed; 0: none */
     uint64_t idle_ns;   /* time-to-live of a cached block; 0: none */
+    uint32_t warm_max;  /* the warm floor's granules at most; 0: no floor */
+    uint64_t warm_life; /* ns the floor outlives the demand that set it */
 
     pthread_mutex_t lock;  /* guards everything below */
     pool_block_t *blk;     /* [n_granules * bpg] */
@@ -103,6 +106,14 @@ typedef struct {
     uint32_t cache_granules; /* COMMITTED granules with cached blocks and no live one */
     uint64_t pressure_limit; /* bytes of cache-only granules allowed now; PKV_KV_NO_LIMIT */
     uint64_t ev[EV_N];       /* evictions by cause */
+    /* The warm floor ("Policies" in docs/design/pool.md): `warm` empty granules kept
+     * committed, refilled by pkv_kv_trim, sized by the largest allocation of the last
+     * warm_life ns (set at warm_t); warm_low: an allocation took from it (kick the owner). */
+    uint32_t warm;
+    uint64_t warm_t;
+    bool warm_low;
+    uint64_t warm_refills; /* granules committed by pkv_kv_trim to refill the floor */
+    uint64_t commit_ns;    /* time spent in the OS committing granules */
 
     pool_rank_t rk[PKV_KV_MAX_TP]; /* [tp], immutable after create; rk[0] alone when tp = 1 */
 } pool_t;
@@ -287,8 +298,14 @@ static void granule_retire(pool_t *p, uint32_t g)
     p->decommit_head = g;
 }
 
+/* Empty granules kept committed: retain_granules, or the warm floor when larger. */
+static inline uint32_t pool_keep_empty(const pool_t *p)
+{
+    return PKV_MAX(p->retain, p->warm);
+}
+
 /* Return a block (ref 0, not cached) to its granule; queue the granule for decommit
- * when it empties and more than `retain` empty granules exist (unless `keep`). */
+ * when it empties and more empty granules than pool_keep_empty exist (unless `keep`). */
 static void block_put(pool_t *p, uint32_t id, bool keep)
 {
     uint32_t g = id / p->bpg;
@@ -304,7 +321,7 @@ static void block_put(pool_t *p, uint32_t id, bool keep)
     gr->nfree++;
     bucket_insert(p, g);
     p->n_free++;
-    if (gr->used == 0 && !keep && p->n_empty > p->retain) granule_retire(p, g);
+    if (gr->used == 0 && !keep && p->n_empty > pool_keep_empty(p)) granule_retire(p, g);
 }
 
 /* Drop one reference; at zero the block becomes cached (hashed, cache on) or free
@@ -467,9 +484,10 @@ static void pool_flush_decommits(pool_t *p)
     }
 }
 
-/* Commit up to `want` granules. Lock held; dropped around the OS calls. Returns the
- * number committed (0 with rc NOMEM when the OS refused all). */
-static uint32_t pool_commit(pool_t *p, uint32_t want)
+/* Commit up to `want` granules. Lock held; dropped around the OS calls, whose time is
+ * added to p->commit_ns and to *ns (optional). Returns the number committed (0 when the
+ * OS refused all). */
+static uint32_t pool_commit(pool_t *p, uint32_t want, uint64_t *ns)
 {
     uint32_t ids[64], n = 0, ok = 0;
     want = PKV_MIN(want, (uint32_t)PKV_ARRAY_LEN(ids));
@@ -482,8 +500,12 @@ static uint32_t pool_commit(pool_t *p, uint32_t want)
     pool_note_peak(p);
     pthread_mutex_unlock(&p->lock);
     int rc[64];
+    uint64_t t0 = pkv_now_ns();
     for (uint32_t i = 0; i < n; i++) rc[i] = granule_commit(p, ids[i]);
+    uint64_t dt = pkv_now_ns() - t0;
     pthread_mutex_lock(&p->lock);
+    p->commit_ns += dt;
+    if (ns) *ns += dt;
     for (uint32_t i = 0; i < n; i++) {
         uint32_t g = ids[i];
         pool_granule_t *gr = &p->gr[g];
@@ -538,21 +560,55 @@ static void pool_settle(pool_t *p)
     pool_flush_decommits(p);
 }
 
-/* Allocate n blocks into ids[], all or nothing. Lock held (may be dropped to commit).
- * Prefers free committed blocks, then new granules, then eviction. On failure the
- * granules it committed go back. */
-static int pool_alloc(pool_t *p, uint32_t n, uint32_t *ids)
+/* An allocation of n blocks at now: the warm floor becomes the granules it spans when
+ * that is more, or when the demand that set the floor is older than warm_life (so the
+ * floor follows the largest allocation of the last warm_life ns), at most warm_max. */
+static void warm_note(pool_t *p, uint32_t n)
+{
+    if (!p->warm_max) return;
+    uint64_t now = pkv_now_ns();
+    uint32_t g = (uint32_t)PKV_MIN(PKV_DIV_UP(n, p->bpg), p->warm_max);
+    if (g >= p->warm || now - p->warm_t >= p->warm_life) {
+        p->warm = g;
+        p->warm_t = now;
+    }
+}
+
+/* Whether the floor lacks granules that pkv_kv_trim could commit. */
+static bool warm_short(const pool_t *p)
+{
+    return p->n_empty < p->warm && p->n_uncommitted && p->committed < p->max_granules;
+}
+
+/* Drop the lock; then, when an allocation left the warm floor short, kick its owner
+ * (pkv_kv_on_warm_low), outside the lock. */
+static void pool_unlock(pool_t *p)
+{
+    bool kick = p->warm_low && p->base.on_warm_low;
+    p->warm_low = false;
+    pthread_mutex_unlock(&p->lock);
+    if (kick) p->base.on_warm_low(p->base.on_warm_low_arg);
+}
+
+/* Allocate n blocks into ids[], all or nothing. Lock held (may be dropped to commit; the
+ * OS time is added to *commit_ns, optional). Prefers free committed blocks (the warm floor
+ * among them), then new granules, then eviction. On failure the granules it committed go
+ * back. Sets warm_low when it leaves the floor short. */
+static int pool_alloc(pool_t *p, uint32_t n, uint32_t *ids, uint64_t *commit_ns)
 {
     uint64_t commits0 = p->commits;
     int rc;
+    warm_note(p, n);
     for (;;) {
         if (p->n_free >= n) {
             for (uint32_t i = 0; i < n; i++) ids[i] = block_take(p);
+            p->warm_low |= warm_short(p);
             return PKV_OK;
         }
         uint64_t deficit = n - p->n_free;
         if (p->n_uncommitted && p->committed < p->max_granules) {
-            if (pool_commit(p, (uint32_t)PKV_MIN(PKV_DIV_UP(deficit, p->bpg), 64)) == 0) {
+            if (pool_commit(p, (uint32_t)PKV_MIN(PKV_DIV_UP(deficit, p->bpg), 64), commit_ns) ==
+                0) {
                 rc = PKV_ERR_NOMEM;
                 break;
             }
@@ -671,7 +727,7 @@ static int pool_seq_create(pkv_kv_t *kv, const pkv_seq_params_t *prm, pkv_seq_t 
         goto fail;
     }
     for (uint32_t i = 0; i < hits; i++) block_ref(p, s->blocks[i]);
-    rc = pool_alloc(p, need, s->blocks + hits);
+    rc = pool_alloc(p, need, s->blocks + hits, &s->base.commit_ns);
     if (rc) {
         for (uint32_t i = 0; i < hits; i++) block_unref(p, s->blocks[i]);
         if (rc == PKV_ERR_NOSPACE) p->rej_nospace++;
@@ -688,7 +744,7 @@ static int pool_seq_create(pkv_kv_t *kv, const pkv_seq_params_t *prm, pkv_seq_t 
     p->q_count++;
     p->q_tokens += prm->n_tokens;
     p->hit_tokens += (uint64_t)hits * T;
-    pthread_mutex_unlock(&p->lock);
+    pool_unlock(p);
     free(keys);
     *out = &s->base;
     if (n_cached) *n_cached = hits * T;
@@ -762,10 +818,10 @@ static int pool_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens)
     }
     /* New table entries first, the COW copy's block last (into fresh[0]). */
     uint64_t commits0 = p->commits;
-    rc = pool_alloc(p, nb - s->nb, s->blocks + s->nb);
+    rc = pool_alloc(p, nb - s->nb, s->blocks + s->nb, &seq->commit_ns);
     if (rc == PKV_OK && cow) {
         uint64_t entry_commits = p->commits - commits0;
-        rc = pool_alloc(p, 1, fresh);
+        rc = pool_alloc(p, 1, fresh, &seq->commit_ns);
         if (rc) { /* hand back the entries and what was committed for them */
             for (uint32_t i = s->nb; i < nb; i++) block_drop(p, s->blocks[i], true);
             pool_return_fresh(p, entry_commits);
@@ -776,7 +832,7 @@ static int pool_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens)
         pthread_mutex_unlock(&p->lock);
         return rc;
     }
-    pthread_mutex_unlock(&p->lock);
+    pool_unlock(p);
     if (cow) {
         /* We hold a reference on the shared block: no sharer writes it (each copies
          * first, as we do), so the copy runs unlocked. */
@@ -991,8 +1047,8 @@ static int pool_blocks_alloc(pkv_kv_t *kv, uint32_t n, uint32_t *ids)
 {
     pool_t *p = pool_of(kv);
     pthread_mutex_lock(&p->lock);
-    int rc = n > pool_available(p, 0) ? PKV_ERR_NOSPACE : pool_alloc(p, n, ids);
-    pthread_mutex_unlock(&p->lock);
+    int rc = n > pool_available(p, 0) ? PKV_ERR_NOSPACE : pool_alloc(p, n, ids, NULL);
+    pool_unlock(p);
     return rc;
 }
 
@@ -1065,10 +1121,20 @@ static uint64_t pool_trim(pkv_kv_t *kv, uint64_t now_ns, uint64_t *next_ns)
         evict_block(p, p->lru_head, false, EV_IDLE);
         n++;
     }
+    /* The warm floor: lapsed, it goes back with the empty granules beyond retain;
+     * otherwise what allocations took from it is committed again, here, off their path. */
+    if (p->warm && now_ns >= p->warm_t + p->warm_life) p->warm = 0;
+    while (p->n_empty > pool_keep_empty(p)) granule_retire(p, p->bucket[0]);
     pool_settle(p);
-    if (next_ns)
-        *next_ns = p->idle_ns && p->lru_head != NONE ? p->blk[p->lru_head].t_cached + p->idle_ns
-                                                     : UINT64_MAX;
+    while (warm_short(p)) {
+        uint32_t got = pool_commit(p, PKV_MIN(p->warm - p->n_empty, 64), NULL);
+        if (!got) break;
+        p->warm_refills += got;
+    }
+    uint64_t next =
+        p->idle_ns && p->lru_head != NONE ? p->blk[p->lru_head].t_cached + p->idle_ns : UINT64_MAX;
+    if (p->warm) next = PKV_MIN(next, p->warm_t + p->warm_life);
+    if (next_ns) *next_ns = next;
     pthread_mutex_unlock(&p->lock);
     return n;
 }
@@ -1129,6 +1195,11 @@ static void pool_stats(pkv_kv_t *kv, pkv_kv_stats_t *o)
     o->evictions_idle = p->ev[EV_IDLE];
     o->evictions_pressure = p->ev[EV_PRESSURE];
     o->evictions_reset = p->ev[EV_RESET];
+    o->empty_bytes = (uint64_t)p->n_empty * p->gbytes;
+    o->warm_bytes = (uint64_t)p->warm * p->gbytes;
+    o->warm_max_bytes = (uint64_t)p->warm_max * p->gbytes;
+    o->warm_refills = p->warm_refills;
+    o->commit_ns = p->commit_ns;
     pthread_mutex_unlock(&p->lock);
 }
 
@@ -1376,6 +1447,8 @@ int kv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
                  p->rk[0].stride);
     p->cache_cap = cfg->cache_max_bytes;
     p->idle_ns = (uint64_t)cfg->cache_idle_ms * 1000000;
+    p->warm_max = (uint32_t)PKV_MIN(cfg->warm_max_bytes / p->gbytes, p->max_granules);
+    p->warm_life = (uint64_t)(cfg->warm_idle_ms ? cfg->warm_idle_ms : POOL_WARM_LIFE_MS) * 1000000;
     p->pressure_limit = PKV_KV_NO_LIMIT;
     uint32_t nblk = p->n_granules * p->bpg, hsize = 64;
     while (hsize < nblk / 2) hsize <<= 1;
