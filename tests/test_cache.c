@@ -675,6 +675,58 @@ START_TEST(server_idle_timer_without_requests)
 }
 END_TEST
 
+static long long jwarm(json_t *d, const char *key)
+{
+    return jint(d, "warm", key);
+}
+
+static bool warm_refilled(json_t *d)
+{
+    return jwarm(d, "bytes") > 0 && jwarm(d, "empty_bytes") >= jwarm(d, "bytes");
+}
+
+static bool warm_lapsed(json_t *d)
+{
+    return jwarm(d, "bytes") == 0 && jint(d, "blocks", "cached") == 0 &&
+           jint(d, "committed_bytes", NULL) <= jint(d, "granule_bytes", NULL);
+}
+
+/* The warm floor in a server: after an admission of 10 blocks (3 granules) the watcher,
+ * kicked, commits the floor again with no request (the blocks stay cached), and once the
+ * cache's idle time passes both go: one granule stays. A unified node's auto is none. */
+START_TEST(server_warm_floor_refilled_then_returned)
+{
+    pkv_server_config_t cfg = llama_config();
+    cfg.cache_idle_ms = 1500;
+    pkv_server_t *s = start(&cfg);
+    json_t *d = cache_stats(pkv_server_port(s));
+    ck_assert_int_eq(jwarm(d, "max_bytes"), 0); /* auto: none on a unified node */
+    json_decref(d);
+    pkv_server_destroy(s);
+
+    cfg.kv_warm_max_bytes = 64 * MIB;
+    s = start(&cfg);
+    uint16_t port = pkv_server_port(s);
+    complete_ids(port, "llama-3.2-1b", 7, 150);
+    d = wait_stats(port, warm_refilled, 10);
+    ck_assert_int_eq(jwarm(d, "max_bytes"), 64 * MIB);
+    ck_assert_int_eq(jwarm(d, "bytes"), 3 * 2 * MIB);
+    ck_assert_int_eq(jwarm(d, "empty_bytes"), 3 * 2 * MIB);
+    ck_assert_int_ge(jwarm(d, "refilled_granules"), 2);
+    ck_assert_int_gt(jint(d, "blocks", "cached"), 0);
+    json_decref(d);
+    resp_t m = http(port, "GET", "/metrics", NULL);
+    ck_assert_ptr_nonnull(strstr(m.body, "\npagekv_kv_warm_bytes 6291456\n"));
+    ck_assert_ptr_nonnull(strstr(m.body, "\n# TYPE pagekv_kv_commit_seconds_total counter\n"));
+    ts_resp_free(&m);
+    d = wait_stats(port, warm_lapsed, 30);
+    ck_assert_msg(warm_lapsed(d), "warm %lld, committed %lld", jwarm(d, "bytes"),
+                  jint(d, "committed_bytes", NULL));
+    json_decref(d);
+    pkv_server_destroy(s);
+}
+END_TEST
+
 START_TEST(server_cap_and_its_figures)
 {
     pkv_server_config_t cfg = llama_config();
@@ -850,11 +902,15 @@ START_TEST(cli_rejects_bad_cache_flags)
 {
     char bin[4096];
     ts_pagekv_path(bin, sizeof(bin));
-    const char *cases[][2] = {
-        {"--prefix-cache-max-bytes", "0"},   {"--prefix-cache-max-bytes", "lots"},
-        {"--prefix-cache-idle-s", "-1"},     {"--prefix-cache-idle-s", "1x"},
-        {"--prefix-cache-idle-s", "0.0001"}, {"--memory-reserve", "0"},
-        {"--memory-reserve", "12Q"}};
+    const char *cases[][2] = {{"--prefix-cache-max-bytes", "0"},
+                              {"--prefix-cache-max-bytes", "lots"},
+                              {"--prefix-cache-idle-s", "-1"},
+                              {"--prefix-cache-idle-s", "1x"},
+                              {"--prefix-cache-idle-s", "0.0001"},
+                              {"--memory-reserve", "0"},
+                              {"--memory-reserve", "12Q"},
+                              {"--kv-warm-max", "0"},
+                              {"--kv-warm-max", "some"}};
     for (size_t i = 0; i < PKV_ARRAY_LEN(cases); i++) {
         char *argv[] = {bin, "serve", (char *)cases[i][0], (char *)cases[i][1], NULL};
         child_t c;
@@ -1019,6 +1075,7 @@ static Suite *cache_suite(void)
     tcase_set_timeout(srv, 240);
     tcase_add_test(srv, server_idle_timer_without_requests);
     tcase_add_test(srv, server_cap_and_its_figures);
+    tcase_add_test(srv, server_warm_floor_refilled_then_returned);
     tcase_add_test(srv, server_pressure_from_injected_readings);
     tcase_add_test(srv, cli_rejects_bad_cache_flags);
     tcase_add_test(srv, server_in_a_real_memory_cgroup);

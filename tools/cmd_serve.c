@@ -65,6 +65,10 @@ static void usage(FILE *f)
         "  --memory-reserve BYTES    memory the cache leaves to the machine (default: a\n"
         "                            tenth of the cgroup limit or RAM, 32M..1G)\n"
         "  --no-memory-watch         do not drop cached blocks under memory pressure\n"
+        "  --kv-warm-max BYTES|auto|none   empty KV memory kept committed for the next\n"
+        "                            admission, refilled in the background (default auto:\n"
+        "                            decode role a quarter of the KV budget, at most 256M;\n"
+        "                            other roles none)\n"
         "disk tier (cached blocks spill to files and load back; paged backend):\n"
         "  --kv-disk-dir DIR         the tier's directory (created 0700; off without it)\n"
         "  --kv-disk-bytes BYTES     the directory's cap, K/M/G suffixes (default 1G)\n"
@@ -151,6 +155,15 @@ static int set_cache_option(const char *a, const char *v, pkv_server_config_t *c
         else
             return pkv_cli_usage_error(
                 cmd, "--prefix-cache-max-bytes wants BYTES > 0 (K/M/G), auto or none, got '%s'", v);
+    } else if (!strcmp(a, "--kv-warm-max")) {
+        if (!strcmp(v, "auto"))
+            cfg->kv_warm_max_bytes = 0;
+        else if (!strcmp(v, "none"))
+            cfg->kv_warm_max_bytes = UINT64_MAX;
+        else if (pkv_cli_parse_bytes(v, &cfg->kv_warm_max_bytes) || !cfg->kv_warm_max_bytes ||
+                 cfg->kv_warm_max_bytes == UINT64_MAX)
+            return pkv_cli_usage_error(
+                cmd, "--kv-warm-max wants BYTES > 0 (K/M/G), auto or none, got '%s'", v);
     } else if (!strcmp(a, "--prefix-cache-idle-s")) {
         char *end;
         errno = 0;

@@ -35,6 +35,8 @@
 #define MW_PSI_HIGH        10.0 /* % of the last 10 s some task stalled on memory */
 #define MW_PSI_LOW         5.0
 #define MW_MIN_WAIT_NS     (10ull * 1000 * 1000)
+#define MW_WARM_DEFAULT    (256ull << 20)
+#define MW_WARM_LIFE_MS    30000u
 
 struct srv_memwatch {
     pkv_kv_t *kv;
@@ -46,6 +48,7 @@ struct srv_memwatch {
     pthread_mutex_t lock; /* guards stop, st */
     pthread_cond_t cv;
     bool stop;
+    bool kicked; /* an allocation left the warm floor short: trim without waiting */
     srv_memwatch_stats_t st;
     uint64_t ep_start_ns, ep_evictions0; /* this thread's own */
 };
@@ -73,6 +76,20 @@ int srv_cache_policy(const pkv_server_config_t *cfg, uint64_t budget, pkv_kv_con
     kc->cache_idle_ms = cfg->cache_idle_ms == PKV_SERVER_NEVER ? 0
                         : cfg->cache_idle_ms                   ? cfg->cache_idle_ms
                                                                : MW_IDLE_DEFAULT_MS;
+    /* The warm floor lives on the watcher's trims: none without the thread (no TTL and no
+     * watch), and it lapses no later than the cache's idle blocks do. auto: a decode node
+     * only, which admits a whole pulled prompt at once on its TTFT's path; a unified or
+     * prefill node commits while it computes the prompt (its floor would be memory held
+     * for a few percent of a prefill). */
+    bool thread = kc->cache_idle_ms || !cfg->no_memory_watch;
+    uint64_t want = cfg->kv_warm_max_bytes;
+    if (!want)
+        want = cfg->role == PKV_SERVER_ROLE_DECODE
+                   ? PKV_MIN(MW_WARM_DEFAULT, budget ? budget / 4 : UINT64_MAX)
+                   : 0;
+    kc->warm_max_bytes = thread && want != UINT64_MAX ? want : 0;
+    kc->warm_idle_ms =
+        kc->cache_idle_ms ? PKV_MIN(kc->cache_idle_ms, MW_WARM_LIFE_MS) : MW_WARM_LIFE_MS;
     return PKV_OK;
 }
 
@@ -196,8 +213,11 @@ static void *mw_main(void *arg)
         pthread_mutex_lock(&w->lock);
         w->st.trim_evictions += n;
         if (w->stop) break;
-        struct timespec ts = pkv_deadline_to_monotonic(deadline);
-        pthread_cond_timedwait(&w->cv, &w->lock, &ts);
+        if (!w->kicked) {
+            struct timespec ts = pkv_deadline_to_monotonic(deadline);
+            pthread_cond_timedwait(&w->cv, &w->lock, &ts);
+        }
+        w->kicked = false;
     }
     pthread_mutex_unlock(&w->lock);
     return NULL;
@@ -246,6 +266,15 @@ void srv_memwatch_destroy(srv_memwatch_t *w)
     pthread_cond_destroy(&w->cv);
     pthread_mutex_destroy(&w->lock);
     free(w);
+}
+
+void srv_memwatch_kick(void *arg)
+{
+    srv_memwatch_t *w = arg;
+    pthread_mutex_lock(&w->lock);
+    w->kicked = true;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->lock);
 }
 
 void srv_memwatch_stats(srv_memwatch_t *w, srv_memwatch_stats_t *out)

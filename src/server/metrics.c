@@ -148,6 +148,14 @@ static void render_kv(FILE *f, const pkv_kv_stats_t *ks)
     srv_metric_one(f, "pagekv_kv_budget_bytes", "gauge", "Cap on committed KV memory (0: none).",
                    ks->budget_bytes);
     srv_metric_one(f, "pagekv_kv_block_bytes", "gauge", "Bytes of one KV block.", ks->block_bytes);
+    srv_metric_one(f, "pagekv_kv_warm_bytes", "gauge",
+                   "The warm floor: empty KV memory kept committed for the next admission.",
+                   ks->warm_bytes);
+    srv_metric_one(f, "pagekv_kv_empty_bytes", "gauge",
+                   "Committed KV memory in granules without a used block.", ks->empty_bytes);
+    srv_metric_family(f, "pagekv_kv_commit_seconds_total", "counter",
+                      "Time spent committing KV memory from the OS.");
+    fprintf(f, "pagekv_kv_commit_seconds_total %.9g\n", (double)ks->commit_ns / 1e9);
     srv_metric_one(f, "pagekv_kv_token_bytes", "gauge", "KV bytes of one token in every layer.",
                    ks->token_bytes);
     srv_metric_one(f, "pagekv_kv_blocks_capacity", "gauge",
@@ -392,6 +400,13 @@ json_t *srv_cache_stats_json(const srv_snapshot_t *snap)
         "queued", (json_int_t)es->queued, "submitted", (json_int_t)es->submitted);
     if (doc) srv_cache_policy_json(doc, ks, &snap->mw);
     if (doc) json_object_set_new(doc, "hugepages", hugepages_json(snap));
+    if (doc)
+        json_object_set_new(
+            doc, "warm",
+            json_pack("{s:I, s:I, s:I, s:I, s:f}", "max_bytes", (json_int_t)ks->warm_max_bytes,
+                      "bytes", (json_int_t)ks->warm_bytes, "empty_bytes",
+                      (json_int_t)ks->empty_bytes, "refilled_granules",
+                      (json_int_t)ks->warm_refills, "commit_seconds", (double)ks->commit_ns / 1e9));
     if (doc)
         json_object_set_new(doc, "disk", snap->has_tier ? srv_tier_json(&snap->tier) : json_null());
     return doc;

@@ -225,11 +225,13 @@ static int build_stack(pkv_server_t *s, const pkv_server_config_t *cfg)
         PKV_LOGE("server", "starting the memory watcher failed: %s", pkv_status_str(rc));
         return rc;
     }
+    if (s->mw) pkv_kv_on_warm_low(s->kv, srv_memwatch_kick, s->mw);
     return PKV_OK;
 }
 
 static void free_stack(pkv_server_t *s)
 {
+    if (s->kv) pkv_kv_on_warm_low(s->kv, NULL, NULL);
     srv_memwatch_destroy(s->mw); /* before the pool it trims */
     pkv_engine_destroy(s->engine);
     pkv_kvtier_close(s->tier); /* after the engine (its hooks), before the pool (its pins) */

@@ -88,8 +88,9 @@ json_t *srv_kv_stats_json(const pkv_disagg_snapshot_t *k);
 /* ---- the cache yields memory (memwatch.c) ------------------------------------------- */
 
 /* The pool's prefix-cache policy from the server's configuration: kc->cache_max_bytes
- * (auto: budget / 4, or an eighth of the machine's memory with no budget) and
- * kc->cache_idle_ms. PKV_ERR_INVALID (logged) for a cap of 0 bytes. */
+ * (auto: budget / 4, or an eighth of the machine's memory with no budget),
+ * kc->cache_idle_ms and the warm floor (kc->warm_max_bytes, kc->warm_idle_ms).
+ * PKV_ERR_INVALID (logged) for a cap of 0 bytes. */
 int srv_cache_policy(const pkv_server_config_t *cfg, uint64_t budget, pkv_kv_config_t *kc);
 
 /* The watcher: thread "pkv-memwatch" applies the idle time-to-live (pkv_kv_trim) on a timer
@@ -116,6 +117,9 @@ typedef struct {
 int srv_memwatch_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, srv_memwatch_t **out);
 /* Stop and join the thread. NULL is a no-op. */
 void srv_memwatch_destroy(srv_memwatch_t *w);
+/* pkv_kv_on_warm_low's callback (arg: the watcher): trim now, to refill the warm floor
+ * off the allocating thread. Never blocks beyond the watcher's lock. */
+void srv_memwatch_kick(void *w);
 /* NULL w: a stats block saying nothing runs. */
 void srv_memwatch_stats(srv_memwatch_t *w, srv_memwatch_stats_t *out);
 /* The "memory" section of /v1/cache/stats and the cache policy fields of its
