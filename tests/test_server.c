@@ -2442,9 +2442,10 @@ END_TEST
 /* ---- observability ----------------------------------------------------------------------------
  */
 
-static const char *const phase_names[8] = {"prefill_queue", "prefill_compute", "lease_wait",
-                                           "handshake",     "staging_wait",    "wire",
-                                           "commit",        "decode"};
+#define N_PHASES 10
+static const char *const phase_names[N_PHASES] = {
+    "prefill_queue", "prefill_compute", "lease_wait", "kv_alloc", "kv_commit",
+    "handshake",     "staging_wait",    "wire",       "commit",   "decode"};
 
 static long long phase_count(uint16_t port, const char *phase)
 {
@@ -2461,10 +2462,11 @@ START_TEST(phases_move_by_one)
     pkv_server_t *s[3];
     uint16_t ports[3];
     three_nodes(s, ports, 5000, false);
-    static const bool on_node[2][8] = {{1, 1, 1, 0, 1, 1, 0, 0}, {0, 0, 0, 1, 1, 1, 1, 1}};
-    long long before[2][8];
+    static const bool on_node[2][N_PHASES] = {{1, 1, 1, 0, 0, 0, 1, 1, 0, 0},
+                                              {0, 0, 0, 1, 1, 1, 1, 1, 1, 1}};
+    long long before[2][N_PHASES];
     for (int n = 0; n < 2; n++)
-        for (int p = 0; p < 8; p++) before[n][p] = phase_count(ports[n], phase_names[p]);
+        for (int p = 0; p < N_PHASES; p++) before[n][p] = phase_count(ports[n], phase_names[p]);
     json_t *req = json_pack("{s:s, s:s, s:i, s:f}", "model", "tiny", "prompt",
                             "Every phase of one request, counted once where it happens: the "
                             "prompt spans several blocks, so the decode leg pulls the ones its "
@@ -2485,14 +2487,14 @@ START_TEST(phases_move_by_one)
     ck_assert_int_eq(d.status, 200);
     leases_settle(ports[0], 1);
     for (int n = 0; n < 2; n++)
-        for (int k = 0; k < 8; k++)
+        for (int k = 0; k < N_PHASES; k++)
             ck_assert_msg(phase_count(ports[n], phase_names[k]) - before[n][k] == on_node[n][k],
                           "node %d phase %s moved by %lld", n, phase_names[k],
                           phase_count(ports[n], phase_names[k]) - before[n][k]);
     /* Each answer's own phases: the prefill leg's engine phases, the decode leg's pull and
      * decode, with what the pull moved. */
     ck_assert_str_eq(ts_js(p.doc, "pagekv_timings.role"), "prefill");
-    for (int k = 0; k < 8; k++) {
+    for (int k = 0; k < N_PHASES; k++) {
         char key[64];
         snprintf(key, sizeof(key), "pagekv_timings.phases_seconds.%s", phase_names[k]);
         bool pre_has = k <= 1, dec_has = on_node[1][k];

@@ -33,12 +33,15 @@ typedef enum {
     PKV_DISAGG_PHASE_PREFILL_QUEUE = 0, /* prefill: submission -> admission */
     PKV_DISAGG_PHASE_PREFILL_COMPUTE,   /* prefill: admission -> the first token */
     PKV_DISAGG_PHASE_LEASE_WAIT,        /* prefill: registered -> the decode leg's READ accepted */
-    PKV_DISAGG_PHASE_HANDSHAKE,         /* decode: pull started -> endpoint to the producer up */
-    PKV_DISAGG_PHASE_STAGING_WAIT,      /* both: waiting for this node's staging pages */
-    PKV_DISAGG_PHASE_WIRE,              /* decode: READ sent -> last payload in; prefill: staged,
-                                    sent and acknowledged (seated -> ACK) */
-    PKV_DISAGG_PHASE_COMMIT, /* decode: last payload -> every layer stored and recorded */
-    PKV_DISAGG_PHASE_DECODE, /* decode: the leg's submission -> its last token */
+    PKV_DISAGG_PHASE_KV_ALLOC,  /* decode: the prompt's admission to the pool, its commit aside */
+    PKV_DISAGG_PHASE_KV_COMMIT, /* decode: that admission's wait for the OS to commit granules
+                                   (0 when free blocks or the warm floor served it) */
+    PKV_DISAGG_PHASE_HANDSHAKE, /* decode: pull started -> endpoint to the producer up */
+    PKV_DISAGG_PHASE_STAGING_WAIT, /* both: waiting for this node's staging pages */
+    PKV_DISAGG_PHASE_WIRE,         /* decode: READ sent -> last payload in; prefill: staged,
+                               sent and acknowledged (seated -> ACK) */
+    PKV_DISAGG_PHASE_COMMIT,       /* decode: last payload -> every layer stored and recorded */
+    PKV_DISAGG_PHASE_DECODE,       /* decode: the leg's submission -> its last token */
     PKV_DISAGG_PHASE_COUNT
 } pkv_disagg_phase_t;
 extern const char *const pkv_disagg_phase_label[PKV_DISAGG_PHASE_COUNT];

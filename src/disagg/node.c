@@ -26,8 +26,8 @@ const double pkv_disagg_phase_bounds[PKV_DISAGG_PHASE_BUCKETS] = {
     0.1,    0.25,    0.5,    1.0,   2.5,    5.0,   10.0, 30.0,  60.0};
 
 const char *const pkv_disagg_phase_label[PKV_DISAGG_PHASE_COUNT] = {
-    "prefill_queue", "prefill_compute", "lease_wait", "handshake", "staging_wait",
-    "wire",          "commit",          "decode"};
+    "prefill_queue", "prefill_compute", "lease_wait", "kv_alloc", "kv_commit",
+    "handshake",     "staging_wait",    "wire",       "commit",   "decode"};
 
 /* How long a free staging page stays committed: -1, never (fixed slots, the mirror). */
 static int64_t stage_idle_ms(const pkv_server_config_t *cfg)

@@ -6,6 +6,7 @@
  * computed here), never as an answer over wrong KV.
  */
 #include "disagg/disagg_int.h"
+#include "kv/kv.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -298,7 +299,15 @@ int pkv_disagg_node_pull(pkv_disagg_node_t *n, const json_t *params, const int32
     dg_read_t refused = {0};
     char layout[192] = "";
     uint64_t until = pkv_deadline_after_ns(((uint64_t)n->transfer_timeout_ms + 1000) * 1000000ull);
+    uint64_t t_alloc = pkv_now_ns();
     rc = pkv_seq_create(n->kv, &sp, &seq, &cached);
+    if (!rc) { /* the histograms always, t when asked */
+        uint64_t took = pkv_now_ns() - t_alloc, commit = pkv_seq_commit_ns(seq);
+        pthread_mutex_lock(&n->lock);
+        dg_observe_locked(n, t, PKV_DISAGG_PHASE_KV_ALLOC, commit, PKV_MAX(took, commit));
+        dg_observe_locked(n, t, PKV_DISAGG_PHASE_KV_COMMIT, 0, commit);
+        pthread_mutex_unlock(&n->lock);
+    }
     uint32_t have = PKV_MIN(cached / bt, want);
     int outcome =
         rc ? rc : pull_into(n, hs, P, engine_id, seq, ids, have * bt, want, &why, &refused, t);
