@@ -26,6 +26,7 @@
 #include "support/launch.h"
 
 #include "core/core.h"
+#include "prim/prim.h"
 
 #include <curl/curl.h>
 #include <math.h>
@@ -54,9 +55,20 @@ typedef struct {
 } bl_env_t;
 
 /* The decode leg's phases as X-Pagekv-Timings and the phase histograms name them. */
-enum { PH_HANDSHAKE, PH_STAGING_WAIT, PH_WIRE, PH_COMMIT, PH_DECODE, BL_NPH };
-static const char *const bl_ph_names[BL_NPH] = {"handshake", "staging_wait", "wire", "commit",
-                                                "decode"};
+/* The decode leg's phases as X-Pagekv-Timings and the phase histograms name them: the
+ * prompt's admission (kv_alloc, kv_commit), the pull (handshake .. commit), the decode. */
+enum {
+    PH_KV_ALLOC,
+    PH_KV_COMMIT,
+    PH_HANDSHAKE,
+    PH_STAGING_WAIT,
+    PH_WIRE,
+    PH_COMMIT,
+    PH_DECODE,
+    BL_NPH
+};
+static const char *const bl_ph_names[BL_NPH] = {
+    "kv_alloc", "kv_commit", "handshake", "staging_wait", "wire", "commit", "decode"};
 
 /* /metrics series read around a routed request, per process. */
 enum { RS_TTFB, RS_E2E, RS_E2E_COUNT, RS_LEG_P, RS_LEG_D, RS_LOOKUP, BL_NRS };
@@ -74,6 +86,8 @@ static const char *const bl_prefill_series[BL_NPS] = {
     "pagekv_kv_transfer_phase_seconds_count{phase=\"wire\"}"};
 enum { DS_PH0, DS_DECODE_COUNT = BL_NPH, DS_BYTES, BL_NDS };
 static const char *const bl_decode_series[BL_NDS] = {
+    "pagekv_kv_transfer_phase_seconds_sum{phase=\"kv_alloc\"}",
+    "pagekv_kv_transfer_phase_seconds_sum{phase=\"kv_commit\"}",
     "pagekv_kv_transfer_phase_seconds_sum{phase=\"handshake\"}",
     "pagekv_kv_transfer_phase_seconds_sum{phase=\"staging_wait\"}",
     "pagekv_kv_transfer_phase_seconds_sum{phase=\"wire\"}",
@@ -358,8 +372,8 @@ enum {
     F_P_EXTRA,
     F_P_QUEUE,
     F_P_COMPUTE,
-    F_R_PH0,
-    F_R_PULL = F_R_PH0 + 4,
+    F_R_PH0, /* kv_alloc .. commit through the router */
+    F_R_PULL = F_R_PH0 + PH_DECODE,
     F_R_DEC_TTFB,
     F_R_FIRST,
     F_R_FIRST_TOKEN, /* decode phase - the unified node's decode of B_i */
@@ -372,6 +386,8 @@ static const char *const bl_f_names[BL_NF] = {"prompt_tokens",
                                               "unified_decode_ms",
                                               "decode_leg_ms",
                                               "decode_leg_minus_unified_decode_ms",
+                                              "kv_alloc_ms",
+                                              "kv_commit_ms",
                                               "handshake_ms",
                                               "staging_wait_ms",
                                               "wire_ms",
@@ -395,6 +411,8 @@ static const char *const bl_f_names[BL_NF] = {"prompt_tokens",
                                               "prefill_leg_minus_unified_ttft_ms",
                                               "prefill_queue_ms",
                                               "prefill_compute_ms",
+                                              "kv_alloc_ms",
+                                              "kv_commit_ms",
                                               "handshake_ms",
                                               "staging_wait_ms",
                                               "wire_ms",
@@ -408,8 +426,8 @@ static const char *const bl_f_names[BL_NF] = {"prompt_tokens",
 
 static void bl_values(const bl_round_t *x, double f[BL_NF])
 {
-    double pull =
-        x->d_ph[PH_HANDSHAKE] + x->d_ph[PH_STAGING_WAIT] + x->d_ph[PH_WIRE] + x->d_ph[PH_COMMIT];
+    double pull = 0;
+    for (int k = PH_HANDSHAKE; k <= PH_COMMIT; k++) pull += x->d_ph[k];
     f[F_TOKENS] = (double)x->prompt_tokens;
     f[F_U_TTFT] = x->u_ttft;
     f[F_U_DECODE] = x->u_total - x->u_ttft;
@@ -428,7 +446,7 @@ static void bl_values(const bl_round_t *x, double f[BL_NF])
     /* through the router: its own time is what its request took outside its legs */
     double own = x->rs[RS_E2E] - x->rs[RS_LEG_P] - x->rs[RS_LEG_D] - x->rs[RS_LOOKUP];
     double rpull = 0;
-    for (int k = 0; k < 4; k++) rpull += x->ds[DS_PH0 + k];
+    for (int k = PH_HANDSHAKE; k <= PH_COMMIT; k++) rpull += x->ds[DS_PH0 + k];
     f[F_UB_TTFT] = x->ub_ttft;
     f[F_R_TTFT] = x->r_ttft;
     f[F_ADDED] = x->r_ttft - x->ub_ttft;
@@ -438,7 +456,7 @@ static void bl_values(const bl_round_t *x, double f[BL_NF])
     f[F_P_EXTRA] = x->rs[RS_LEG_P] - x->ub_ttft;
     f[F_P_QUEUE] = x->ps[PS_QUEUE];
     f[F_P_COMPUTE] = x->ps[PS_COMPUTE];
-    for (int k = 0; k < 4; k++) f[F_R_PH0 + k] = x->ds[DS_PH0 + k];
+    for (int k = 0; k < PH_DECODE; k++) f[F_R_PH0 + k] = x->ds[DS_PH0 + k];
     f[F_R_PULL] = rpull;
     /* the decode leg's first byte: the router's first byte less what came before the leg */
     f[F_R_DEC_TTFB] = x->rs[RS_TTFB] - own - x->rs[RS_LEG_P] - x->rs[RS_LOOKUP];
@@ -479,9 +497,11 @@ static void bl_limits(const double *m, char *out, size_t cap)
         double ms;
     } part_t;
     part_t p[] = {
-        {"the decode node before its pull (the leg's HTTP, tokenizing, the params' check, the "
-         "sequence's KV blocks allocated)",
-         m[F_R_PREPULL]},
+        {"the decode node before its pull, its admission aside (the leg's HTTP, tokenizing, the "
+         "params' check)",
+         m[F_R_PREPULL] - m[F_R_PH0 + PH_KV_ALLOC] - m[F_R_PH0 + PH_KV_COMMIT]},
+        {"the decode node's admission of the prompt (kv_alloc + kv_commit)",
+         m[F_R_PH0 + PH_KV_ALLOC] + m[F_R_PH0 + PH_KV_COMMIT]},
         {"the decode node's first token after the pull (decode phase - unified decode)",
          m[F_R_FIRST_TOKEN]},
         {"the prefill leg's own round trip (prefill leg - unified TTFT)", m[F_P_EXTRA]},
@@ -511,17 +531,19 @@ static void bl_print(const bl_opts_t *o, const bl_size_t *S, uint32_t ns)
     printf("\n### decode leg: the decode leg minus a unified node's decode (medians of %u, ms)\n\n",
            o->runs);
     printf("| size | prompt tokens | unified TTFT | unified decode | decode leg | decode leg - "
-           "unified decode | handshake | staging_wait | wire | commit | decode | first token "
-           "(decode - unified decode) | decode leg TTFB | TTFB - pull | before the pull (TTFB - "
-           "pull - first token) |\n");
-    printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+           "unified decode |");
+    for (int k = 0; k < BL_NPH; k++) printf(" %s |", bl_ph_names[k]);
+    printf(" first token (decode - unified decode) | decode leg TTFB | TTFB - pull | before the "
+           "pull (TTFB - pull - first token) |\n|");
+    for (int k = 0; k < 10 + BL_NPH; k++) printf("---|");
+    printf("\n");
     for (uint32_t s = 0; s < ns; s++) {
         const double *m = S[s].med;
-        printf("| %u | %.0f | %.1f | %.1f | %.1f | **%.1f** | %.2f | %.2f | %.2f | %.2f | %.1f | "
-               "%.1f | %.1f | %.1f | %.1f |\n",
-               S[s].size, m[F_TOKENS], m[F_U_TTFT], m[F_U_DECODE], m[F_D_TOTAL], m[F_A_DIFF],
-               m[F_D_PH0], m[F_D_PH0 + 1], m[F_D_PH0 + 2], m[F_D_PH0 + 3], m[F_D_PH0 + 4],
-               m[F_D_DECODE_OVER], m[F_D_TTFB], m[F_D_FIRST], m[F_D_PREPULL]);
+        printf("| %u | %.0f | %.1f | %.1f | %.1f | **%.1f** |", S[s].size, m[F_TOKENS], m[F_U_TTFT],
+               m[F_U_DECODE], m[F_D_TOTAL], m[F_A_DIFF]);
+        for (int k = 0; k < BL_NPH; k++) printf(" %.2f |", m[F_D_PH0 + k]);
+        printf(" %.1f | %.1f | %.1f | %.1f |\n", m[F_D_DECODE_OVER], m[F_D_TTFB], m[F_D_FIRST],
+               m[F_D_PREPULL]);
     }
     printf("\n### decode leg: bytes moved per request (medians of %u)\n\n", o->runs);
     printf("| size | no prefix hit: MiB pulled | blocks pulled | with a decode-side prefix hit: "
@@ -535,20 +557,20 @@ static void bl_print(const bl_opts_t *o, const bl_size_t *S, uint32_t ns)
     printf(
         "\n### routed TTFT: TTFT through the router minus a unified node's (medians of %u, ms)\n\n",
         o->runs);
-    printf(
-        "| size | unified TTFT | router TTFT | added | client hop | router own | prefill leg | "
-        "prefill leg - unified TTFT | prefill_queue | prefill_compute | handshake | "
-        "staging_wait | wire | commit | decode leg TTFB | TTFB - pull | first token | before the "
-        "pull | MiB received |\n");
-    printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    printf("| size | unified TTFT | router TTFT | added | client hop | router own | prefill leg | "
+           "prefill leg - unified TTFT | prefill_queue | prefill_compute |");
+    for (int k = 0; k < PH_DECODE; k++) printf(" %s |", bl_ph_names[k]);
+    printf(" decode leg TTFB | TTFB - pull | first token | before the pull | MiB received |\n|");
+    for (int k = 0; k < 15 + PH_DECODE; k++) printf("---|");
+    printf("\n");
     for (uint32_t s = 0; s < ns; s++) {
         const double *m = S[s].med;
-        printf("| %u | %.1f | %.1f | **%.1f** | %.2f | %.2f | %.1f | %.1f | %.2f | %.1f | %.2f | "
-               "%.2f | %.2f | %.2f | %.1f | %.1f | %.1f | %.1f | %.3f |\n",
+        printf("| %u | %.1f | %.1f | **%.1f** | %.2f | %.2f | %.1f | %.1f | %.2f | %.1f |",
                S[s].size, m[F_UB_TTFT], m[F_R_TTFT], m[F_ADDED], m[F_HOP], m[F_R_OWN], m[F_P_LEG],
-               m[F_P_EXTRA], m[F_P_QUEUE], m[F_P_COMPUTE], m[F_R_PH0], m[F_R_PH0 + 1],
-               m[F_R_PH0 + 2], m[F_R_PH0 + 3], m[F_R_DEC_TTFB], m[F_R_FIRST], m[F_R_FIRST_TOKEN],
-               m[F_R_PREPULL], m[F_R_BYTES] / 1048576.0);
+               m[F_P_EXTRA], m[F_P_QUEUE], m[F_P_COMPUTE]);
+        for (int k = 0; k < PH_DECODE; k++) printf(" %.2f |", m[F_R_PH0 + k]);
+        printf(" %.1f | %.1f | %.1f | %.1f | %.3f |\n", m[F_R_DEC_TTFB], m[F_R_FIRST],
+               m[F_R_FIRST_TOKEN], m[F_R_PREPULL], m[F_R_BYTES] / 1048576.0);
     }
     printf("\ntarget (routed TTFT): added TTFT <= the KV's wire time + 5 ms\n");
     for (uint32_t s = 0; s < ns; s++) {
@@ -566,18 +588,24 @@ static void bl_print(const bl_opts_t *o, const bl_size_t *S, uint32_t ns)
     }
 }
 
+static json_t *bl_num(double v)
+{
+    return isfinite(v) ? json_real(v) : json_null();
+}
+
 static json_t *bl_figures_json(const double *v, int from, int to)
 {
     json_t *j = json_object();
-    for (int k = from; k < to; k++)
-        json_object_set_new(j, bl_f_names[k], isfinite(v[k]) ? json_real(v[k]) : json_null());
+    for (int k = from; k < to; k++) json_object_set_new(j, bl_f_names[k], bl_num(v[k]));
     return j;
 }
 
 static json_t *bl_json(const bl_opts_t *o, double cpt, const double load[2], const bl_size_t *S,
                        uint32_t ns)
 {
-    json_t *sizes = json_array();
+    char cpu[200];
+    pkv_prim_cpu_model(cpu, sizeof(cpu));
+    json_t *sizes = json_array(), *targets = json_array();
     for (uint32_t s = 0; s < ns; s++) {
         const double *m = S[s].med;
         json_t *rounds = json_array();
@@ -589,18 +617,26 @@ static json_t *bl_json(const bl_opts_t *o, double cpt, const double load[2], con
                                             bl_figures_json(v, F_TOKENS, F_UB_TTFT), "routed_ttft",
                                             bl_figures_json(v, F_UB_TTFT, BL_NF)));
         }
-        json_t *routed = bl_figures_json(m, F_UB_TTFT, BL_NF);
-        json_object_set_new(routed, "target_ms", json_real(m[F_R_PH0 + PH_WIRE] + 5.0));
-        json_object_set_new(routed, "target_met", json_boolean(bl_met(m)));
-        json_array_append_new(sizes, json_pack("{s:i, s:i, s:o, s:o, s:o}", "size", (int)S[s].size,
-                                               "runs", (int)S[s].n, "decode_leg",
-                                               bl_figures_json(m, F_TOKENS, F_UB_TTFT),
-                                               "routed_ttft", routed, "rounds", rounds));
+        /* every routed figure but the two headline ones, which the size carries itself */
+        json_t *phases = bl_figures_json(m, F_UB_TTFT, BL_NF);
+        json_object_del(phases, "added_ms");
+        json_object_del(phases, "wire_ms");
+        json_array_append_new(
+            sizes,
+            json_pack("{s:i, s:f, s:i, s:o, s:o, s:o, s:o, s:o}", "tokens", (int)S[s].size,
+                      "prompt_tokens", m[F_TOKENS], "runs", (int)S[s].n, "added_ms",
+                      bl_num(m[F_ADDED]), "wire_ms", bl_num(m[F_R_PH0 + PH_WIRE]), "phases", phases,
+                      "decode_leg", bl_figures_json(m, F_TOKENS, F_UB_TTFT), "rounds", rounds));
+        char name[64];
+        snprintf(name, sizeof(name), "added_ttft_%u_tokens_ms", S[s].size);
+        json_array_append_new(
+            targets, json_pack("{s:s, s:o, s:o, s:b}", "name", name, "value", bl_num(m[F_ADDED]),
+                               "target", bl_num(m[F_R_PH0 + PH_WIRE] + 5.0), "met", bl_met(m)));
     }
-    return json_pack("{s:s, s:s, s:i, s:i, s:f, s:[f,f], s:s, s:o}", "mode", "latency", "preset",
-                     o->preset, "runs", (int)o->runs, "max_tokens", BL_MAX_TOKENS,
-                     "chars_per_token", cpt, "load_average_1m", load[0], load[1], "statistic",
-                     "median over the rounds", "sizes", sizes);
+    return json_pack("{s:s, s:s, s:s, s:i, s:i, s:f, s:[f,f], s:s, s:o, s:o}", "mode", "latency",
+                     "cpu_model", cpu, "preset", o->preset, "runs", (int)o->runs, "max_tokens",
+                     BL_MAX_TOKENS, "chars_per_token", cpt, "load_average_1m", load[0], load[1],
+                     "statistic", "median over the rounds", "sizes", sizes, "targets", targets);
 }
 
 /* ---- options ------------------------------------------------------------------------------ */
@@ -756,9 +792,11 @@ int pkv_bench_disagg_latency(int argc, char **argv)
     if (bl_measure(&c, S) != 0) rc = g_stop ? 130 : 1;
     load[1] = bl_loadavg();
     if (rc == 0) {
+        char cpu[200];
+        pkv_prim_cpu_model(cpu, sizeof(cpu));
         printf("pagekv bench disagg --latency: %s, one request at a time, max_tokens %d, "
-               "medians of %u; load average (1 min) %.2f at the start, %.2f at the end\n",
-               o.preset, BL_MAX_TOKENS, o.runs, load[0], load[1]);
+               "medians of %u; load average (1 min) %.2f at the start, %.2f at the end\nCPU: %s\n",
+               o.preset, BL_MAX_TOKENS, o.runs, load[0], load[1], cpu);
         bl_print(&o, S, o.n_sizes);
         if (o.json_path) {
             json_t *j = bl_json(&o, cpt, load, S, o.n_sizes);

@@ -46,17 +46,26 @@ START_TEST(latency_runs_and_reports)
     ts_has_lines(out, lines, sizeof(lines) / sizeof(lines[0]));
     json_t *doc = ts_json_take(path);
     ck_assert_str_eq(json_string_value(json_object_get(doc, "mode")), "latency");
+    ck_assert(json_is_string(json_object_get(doc, "cpu_model")));
     json_t *sz = json_array_get(json_object_get(doc, "sizes"), 0);
-    ck_assert_int_eq((int)ts_jnum(sz, "size"), 64);
+    ck_assert_int_eq((int)ts_jnum(sz, "tokens"), 64);
     ck_assert_int_eq((int)ts_jnum(sz, "runs"), 2);
     ck_assert_int_eq((int)json_array_size(json_object_get(sz, "rounds")), 2);
-    json_t *a = json_object_get(sz, "decode_leg"), *b = json_object_get(sz, "routed_ttft");
+    json_t *a = json_object_get(sz, "decode_leg"), *b = json_object_get(sz, "phases");
     ck_assert(ts_jnum(a, "bytes_pulled") > 0);
     ck_assert(ts_jnum(a, "blocks_pulled") > ts_jnum(a, "prefix_hit_blocks_pulled"));
     ck_assert(ts_jnum(a, "prefix_hit_blocks_adopted") > 0);
+    ck_assert(ts_jnum(a, "kv_alloc_ms") >= 0 && ts_jnum(a, "kv_commit_ms") >= 0);
     ck_assert(ts_jnum(b, "bytes_received") > 0);
-    ck_assert(ts_jnum(b, "wire_ms") >= 0 && ts_jnum(b, "router_ttft_ms") > 0);
-    ck_assert(json_is_boolean(json_object_get(b, "target_met")));
+    ck_assert(ts_jnum(b, "router_ttft_ms") > 0 && ts_jnum(b, "kv_alloc_ms") >= 0);
+    ck_assert(ts_jnum(b, "kv_commit_ms") >= 0 && ts_jnum(b, "handshake_ms") >= 0);
+    ck_assert(ts_jnum(sz, "wire_ms") >= 0);
+    ck_assert(json_is_number(json_object_get(sz, "added_ms")));
+    json_t *t = json_array_get(json_object_get(doc, "targets"), 0);
+    ck_assert_str_eq(json_string_value(json_object_get(t, "name")), "added_ttft_64_tokens_ms");
+    ck_assert(ts_jnum(t, "value") == ts_jnum(sz, "added_ms"));
+    ck_assert(ts_jnum(t, "target") == ts_jnum(sz, "wire_ms") + 5.0);
+    ck_assert(json_is_boolean(json_object_get(t, "met")));
     json_decref(doc);
 }
 END_TEST
