@@ -8,9 +8,9 @@
  * pulls every read by one deadline into a new sequence, all or nothing, and hands the
  * sequence to the engine to adopt as a prefix hit. Each phase of a transfer is measured.
  *
- * Threads: every function may be called from any HTTP connection thread; the agents'
- * callbacks run on their progress threads. The node's counters and histograms are under
- * its lock (node.c).
+ * Threads: every function may be called from any HTTP thread; the agents' callbacks run on
+ * their progress threads, a decode node's pulls on its pull worker (pull.c). The node's
+ * counters and histograms are under its lock (node.c).
  */
 #ifndef PKV_DISAGG_DISAGG_H
 #define PKV_DISAGG_DISAGG_H
@@ -137,17 +137,37 @@ void pkv_disagg_node_snapshot(pkv_disagg_node_t *n, pkv_disagg_snapshot_t *out);
  * reference). PKV_OK, or the agent's error (nothing registered). */
 int pkv_disagg_node_offer(pkv_disagg_node_t *n, uint64_t serial, const uint32_t *blocks,
                           uint32_t nb, const int32_t *ids, uint32_t n_prompt, json_t **params);
-/* Decode leg: the handle `params` (a kv_transfer_params object) describe, checked against
- * this node and the prompt ids[0..n_prompt), pulled by the transfer deadline into a new
- * sequence of the pool (salt: the request's) whose full blocks the engine then adopts as
- * a prefix hit. PKV_OK with *out (the caller frees it once the request is admitted; NULL
- * when the pull failed and --kv-load-failure recompute says to compute the prompt), or
- * *err: 400 for params that are wrong or that the producer refused, 503/502 for transfer
- * failures. A pull that succeeded puts its phases (handshake, staging wait, wire, commit)
- * in the node's histograms and in *t (may be NULL). */
-int pkv_disagg_node_pull(pkv_disagg_node_t *n, const json_t *params, const int32_t *ids,
-                         uint32_t n_prompt, uint64_t salt, pkv_seq_t **out, pkv_disagg_timings_t *t,
+/* ---- a decode leg's pull, which holds no caller thread while it runs
+ * The handle `params` (a kv_transfer_params object) describe is checked against this node
+ * and the prompt ids[0..n_prompt) on the caller's thread; the rest runs on the node's pull
+ * worker ("pkv-pull") and the agents' progress threads: a new sequence of the pool (salt:
+ * the request's) for the prompt, adopting what the prefix cache holds, the plan's reads by
+ * the transfer deadline, all or nothing. done(arg) is called exactly once when the pull
+ * has ended (unless it was abandoned first), on the pull worker, with no lock held; it
+ * must not block and must not call back into the pull (it wakes the caller, who takes the
+ * result). A pull always ends by its deadline + 1 s. */
+typedef struct pkv_disagg_pull pkv_disagg_pull_t;
+typedef void (*pkv_disagg_pull_done_fn)(void *arg);
+/* PKV_OK with *out (the pull is queued), or *err: 400 for params that are wrong, 503
+ * shutting_down when the node is being destroyed, 500 out of memory. ids are copied. */
+int pkv_disagg_pull_start(pkv_disagg_node_t *n, const json_t *params, const int32_t *ids,
+                          uint32_t n_prompt, uint64_t salt, pkv_disagg_pull_done_fn done, void *arg,
+                          pkv_disagg_pull_t **out, pkv_openai_error_t *err);
+/* Whether the pull has ended (never blocks). */
+bool pkv_disagg_pull_ended(pkv_disagg_pull_t *pl);
+/* The result of a pull that has ended, and the pull freed. PKV_OK with *out (the caller
+ * frees it once the request is admitted; NULL when the pull failed and --kv-load-failure
+ * recompute says to compute the prompt here), or *err: 400 for params the producer
+ * refused, 503/502 for transfer failures. A pull that succeeded put its phases (kv_alloc,
+ * kv_commit, handshake, staging wait, wire, commit) in the node's histograms; they and its
+ * figures are added to *t (may be NULL). */
+int pkv_disagg_pull_take(pkv_disagg_pull_t *pl, pkv_seq_t **out, pkv_disagg_timings_t *t,
                          pkv_openai_error_t *err);
+/* The caller gives up on a pull (its client went away, the server stops) instead of taking
+ * it: its reads are cancelled and what it holds returns (the pull is freed once they have
+ * ended). A done call already under way may still run: its arg must outlive the node's
+ * pulls (the server's wakers do). NULL is a no-op. */
+void pkv_disagg_pull_abandon(pkv_disagg_pull_t *pl);
 /* A decode node computes a request that came without kv_transfer_params (counted). */
 void pkv_disagg_node_count_local(pkv_disagg_node_t *n);
 /* POST /v1/kv_transfer/peaks/reset: the high-water marks of the window that ends now

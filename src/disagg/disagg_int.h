@@ -5,6 +5,9 @@
  *
  * Locking: n->lock guards leases, pulls, phases and peaks_since_ns; the agents' callbacks
  * (their progress threads) and the HTTP threads take it briefly; nothing blocks under it.
+ * n->pq_mu guards the decode legs' pulls in flight (pq_head and every pull's state,
+ * pull.c); taken briefly by the HTTP threads, the agents' read callbacks and the pull
+ * worker; never held with n->lock nor across a call into an agent or the pool.
  */
 #ifndef PKV_DISAGG_INT_H
 #define PKV_DISAGG_INT_H
@@ -40,6 +43,15 @@ struct pkv_disagg_node {
     pkv_disagg_lease_counts_t leases;
     pkv_disagg_pull_counts_t pulls;
     pkv_hist_t phases[PKV_DISAGG_PHASE_COUNT];
+    /* Decode legs' pulls (pull.c): the worker "pkv-pull" starts each, ends it when its
+     * reads' outcomes are in (or at its deadline + 1 s) and calls its done callback. */
+    pthread_mutex_t pq_mu;           /* guards pq_head, pq_stop and every pull in flight */
+    pthread_cond_t pq_cv;            /* the worker's wake-up: a pull queued, an outcome, the stop */
+    struct pkv_disagg_pull *pq_head; /* pulls not yet ended, newest first */
+    bool pq_stop;
+    bool pq_ready;   /* pq_mu and pq_cv initialized */
+    bool pq_running; /* the worker was started (decode role) */
+    pthread_t pq_thread;
 };
 
 /* The field's key path of a kv_transfer_params member, for error messages. */
@@ -48,6 +60,11 @@ struct pkv_disagg_node {
 /* Count phase ph, [from_ns, to_ns), in n's histogram and (t not NULL) in t. Under n->lock. */
 void dg_observe_locked(pkv_disagg_node_t *n, pkv_disagg_timings_t *t, pkv_disagg_phase_t ph,
                        uint64_t from_ns, uint64_t to_ns);
+
+/* pull.c: the decode legs' pull worker, started by a decode node's create and stopped by
+ * its destroy before the agents go (every pull in flight ends, cancelled). */
+int dg_pulls_start(pkv_disagg_node_t *n);
+void dg_pulls_stop(pkv_disagg_node_t *n);
 
 /* offer.c: the id a prefill leg's blocks are registered under (see there). */
 uint64_t dg_bound_id(uint64_t serial, const int32_t *ids, uint32_t n);

@@ -174,7 +174,7 @@ int pkv_disagg_node_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_
     }
     memcpy(n->engine_id, "pagekv-", 7);
     pkv_hex_encode(rnd, sizeof(rnd), n->engine_id + 7);
-    int rc = PKV_OK;
+    int rc = dg_pulls_start(n);
     for (uint32_t r = 0; r < n->tp && !rc; r++) rc = rank_start(n, cfg, max_context, model_id, r);
     if (rc) {
         pkv_disagg_node_destroy(n);
@@ -188,6 +188,7 @@ void pkv_disagg_node_destroy(pkv_disagg_node_t *n)
 {
     if (!n) return;
     atomic_store(&n->stopping, true);
+    dg_pulls_stop(n); /* every pull in flight ends (cancelled) while the agents still run */
     for (uint32_t r = 0; r < n->tp; r++) pkv_xfer_agent_destroy(n->rank[r].agent);
     for (uint32_t r = 0; r < n->tp; r++)
         if (n->rank[r].stage)

@@ -2,18 +2,21 @@
  * server: the generation endpoints, POST /v1/completions and /v1/chat/completions (design
  * in docs/design/server.md, "Request flow"), whole and streamed (SSE), on every role.
  *
- * A connection's thread may block, but only in pkv_request_read with a short deadline
- * (WAIT_SLICE_NS) in a loop that checks, between slices, whether the client is gone (poll:
- * POLLRDHUP/POLLHUP/POLLERR on the connection's socket) and whether the server is being
- * destroyed. A gone client's request is cancelled at once (pkv_request_release), so its
- * sequence is freed at the engine's next step; the engine bounds every request by
- * max_tokens, so no thread waits forever.
+ * No handler blocks (http.c: a few event-loop threads serve every connection). A request
+ * that waits parks its connection and is woken by what it waits for: a decode leg's pull
+ * by its end (the node's pull worker), the engine's output by the request's notify (the run
+ * loop). Each time it is woken it looks again, and first whether the client is gone (poll:
+ * POLLRDHUP/POLLHUP/POLLERR on the connection's socket) or the server is being destroyed:
+ * then the request is cancelled at once (pkv_request_release), its pull abandoned, so its
+ * sequence is freed at the engine's next step. A parked client's departure is seen at its
+ * next wake (a token, the pull's end), not before: libmicrohttpd watches no parked socket.
  *
  * Flow: parse (openai; pure), tokenize and check the context, check the KV budget (400
- * with the numbers), count the request in flight, submit (429 with Retry-After when the
- * queue is full, 503 when draining); wait for the first output (an admission failure
- * still gets a proper status); then read to the end and answer once, or answer 200 with
- * a callback response whose reader turns each engine read into SSE events. Refusals
+ * with the numbers), count the request in flight, pull a decode leg's KV (parked), submit
+ * (429 with Retry-After when the queue is full, 503 when draining); wait (parked) for the
+ * first output (an admission failure still gets a proper status); then collect to the end
+ * and answer once, or answer 200 with a callback response whose reader turns each engine
+ * read into SSE events and parks the connection when there is none. Refusals
  * happen before submission, so a refused request changes nothing but the rejection
  * counters.
  */
@@ -28,8 +31,7 @@
 #include <string.h>
 #include <time.h>
 
-#define WAIT_SLICE_NS (100ull * 1000 * 1000)
-#define SSE_BLOCK     16384
+#define SSE_BLOCK 16384
 
 /* A streamed response (the content reader's state), owned by the MHD response. */
 typedef struct {
@@ -41,6 +43,7 @@ typedef struct {
     char id[48];
     time_t created;
     MHD_socket fd;
+    srv_waker_t *w; /* its connection's (the request's notify wakes it) */
     uint64_t t_submit;
     bool first_seen;
     char *buf; /* SSE bytes not yet handed to MHD */
@@ -142,18 +145,6 @@ static bool kv_fits(pkv_server_t *s, uint32_t n_prompt, uint32_t max_tokens,
                                                                  : positions * ks.token_bytes),
             (unsigned long long)ks.budget_bytes, (unsigned long long)ks.blocks_capacity);
     return fits;
-}
-
-/* Wait for the next output, watching the client and the server. PKV_OK with *o;
- * PKV_ERR_CANCELLED (client gone) or PKV_ERR_SHUTDOWN (server destroyed). */
-static int wait_output(pkv_server_t *s, pkv_request_t *req, MHD_socket fd, pkv_request_output_t *o)
-{
-    for (;;) {
-        if (atomic_load(&s->stopping)) return PKV_ERR_SHUTDOWN;
-        if (client_gone(fd)) return PKV_ERR_CANCELLED;
-        int rc = pkv_request_read(req, pkv_deadline_after_ns(WAIT_SLICE_NS), o);
-        if (rc != PKV_ERR_TIMEOUT) return rc;
-    }
 }
 
 static void note_first(pkv_server_t *s, uint64_t t_submit, bool *seen,
@@ -319,6 +310,8 @@ static int stream_take(stream_t *st, const pkv_request_output_t *o)
     return sse_append(st, "data: [DONE]\n\n", 14);
 }
 
+/* The stream's reader: the events there are; with none, the engine's output not read yet;
+ * with none, the connection parks until the request's notify. */
 static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
 {
     stream_t *st = cls;
@@ -332,12 +325,15 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
             return (ssize_t)n;
         }
         if (st->done) return MHD_CONTENT_READER_END_OF_STREAM;
-        pkv_request_output_t o;
-        int rc = wait_output(st->s, st->req, st->fd, &o);
-        if (rc) {
+        if (atomic_load(&st->s->stopping) || client_gone(st->fd)) {
             /* Client gone or server going away: cancel now, not when MHD frees us. */
             pkv_request_cancel(st->req);
             return MHD_CONTENT_READER_END_WITH_ERROR;
+        }
+        pkv_request_output_t o;
+        if (pkv_request_read(st->req, 0, &o) == PKV_ERR_TIMEOUT) {
+            if (srv_waker_park(st->w)) return 0; /* resumed by the next output */
+            continue;
         }
         if (stream_take(st, &o)) {
             pkv_request_cancel(st->req);
@@ -365,6 +361,7 @@ typedef struct {
     char id[48];
     time_t created;
     MHD_socket fd;
+    srv_waker_t *w; /* the connection's: the engine's notify and the pull's end wake it */
     srv_gen_t gen;
     bool first_seen;
     uint64_t rid;            /* pagekv's own request id (never the client's X-Request-Id) */
@@ -459,7 +456,9 @@ static int gen_submit(pkv_server_t *s, const pkv_openai_request_t *r, const int3
                               .salt = r->salt,
                               .stop = r->stop,
                               .n_stop = r->n_stop,
-                              .ignore_eos = r->ignore_eos};
+                              .ignore_eos = r->ignore_eos,
+                              .notify = srv_waker_wake,
+                              .notify_arg = run->w};
     /* A load from disk (gen_enter) is part of the time to first token; a decode leg's
      * phases start after its pull. */
     run->t_submit = run->t_lease && r->kvt != PKV_OPENAI_KVT_DECODE ? run->t_lease : pkv_now_ns();
@@ -475,25 +474,19 @@ static int gen_submit(pkv_server_t *s, const pkv_openai_request_t *r, const int3
     return PKV_OK;
 }
 
-/* Read to the end from *o on, appending the text to *acc. PKV_OK; PKV_ERR_NOMEM; or
- * wait_output's error (client gone, server destroyed). */
-static int gen_collect(pkv_server_t *s, gen_run_t *run, pkv_request_output_t *o, char **acc,
-                       size_t *acc_len)
+/* One output of a non-streamed answer: its text appended to *acc. PKV_ERR_NOMEM. */
+static int gen_take_whole(pkv_server_t *s, gen_run_t *run, const pkv_request_output_t *o,
+                          char **acc, size_t *acc_len, size_t *acc_cap)
 {
-    size_t acc_cap = 0;
-    for (;;) {
-        const char *text;
-        size_t len;
-        srv_gen_feed(&run->gen, o, &text, &len);
-        note_first(s, run->t_submit, &run->first_seen, o);
-        note_times(o, &run->admitted_ns, &run->first_ns);
-        if (!srv_buf_grow(acc, &acc_cap, *acc_len + len, 256, 0)) return PKV_ERR_NOMEM;
-        if (len) memcpy(*acc + *acc_len, text, len);
-        *acc_len += len;
-        if (o->finished) return PKV_OK;
-        int rc = wait_output(s, run->req, run->fd, o);
-        if (rc) return rc;
-    }
+    const char *text;
+    size_t len;
+    srv_gen_feed(&run->gen, o, &text, &len);
+    note_first(s, run->t_submit, &run->first_seen, o);
+    note_times(o, &run->admitted_ns, &run->first_ns);
+    if (!srv_buf_grow(acc, acc_cap, *acc_len + len, 256, 0)) return PKV_ERR_NOMEM;
+    if (len) memcpy(*acc + *acc_len, text, len);
+    *acc_len += len;
+    return PKV_OK;
 }
 
 /* A finished prefill leg: its prompt blocks (kept pinned by the engine until the release)
@@ -507,20 +500,18 @@ static int prefill_offer(pkv_server_t *s, gen_run_t *run, json_t **kvt)
     return pkv_disagg_node_offer(s->kvn, run->rid, blocks, nb, run->ids, run->n_prompt, kvt);
 }
 
-/* Non-streaming: read to the end and answer once. Releases run->req. */
+/* Non-streaming: the whole text is in (rc PKV_OK) or could not be kept (PKV_ERR_NOMEM);
+ * answer once. Releases run->req; takes acc. */
 static enum MHD_Result answer_whole(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr,
-                                    gen_run_t *run, pkv_request_output_t *o)
+                                    gen_run_t *run, char *acc, size_t acc_len, int rc)
 {
-    char *acc = NULL;
-    size_t acc_len = 0;
-    int rc = gen_collect(s, run, o, &acc, &acc_len);
     const char *finish = rc ? NULL : srv_gen_finish_reason(&run->gen);
     json_t *kvt = NULL;
     int offer_rc = finish && run->prefill_leg ? prefill_offer(s, run, &kvt) : PKV_OK;
-    pkv_request_release(run->req); /* a gone client's request is cancelled at once */
+    pkv_request_release(run->req);
+    run->req = NULL;
     if (rc) {
         free(acc);
-        if (rc != PKV_ERR_NOMEM) return MHD_NO; /* MHD closes the connection */
         return srv_answer_errorf(s, c, hr, 500, "server_error", "out_of_memory", "out of memory");
     }
     note_end(s, run->t_submit);
@@ -567,6 +558,7 @@ static enum MHD_Result answer_stream(pkv_server_t *s, struct MHD_Connection *c, 
         size_t len;
         srv_gen_feed(&run->gen, o, &text, &len);
         pkv_request_release(run->req);
+        run->req = NULL;
         pkv_openai_error_t err;
         gen_error(s, &run->gen, run->n_prompt, run->max_tokens, &err);
         return srv_answer_error(s, c, hr, &err);
@@ -574,16 +566,19 @@ static enum MHD_Result answer_stream(pkv_server_t *s, struct MHD_Connection *c, 
     stream_t *st = calloc(1, sizeof(*st));
     if (!st) {
         pkv_request_release(run->req);
+        run->req = NULL;
         return MHD_NO;
     }
     st->s = s;
     st->req = run->req;
+    run->req = NULL; /* the stream's now */
     st->gen = run->gen;
     st->kind = run->kind;
     st->include_usage = include_usage;
     memcpy(st->id, run->id, sizeof(st->id));
     st->created = run->created;
     st->fd = run->fd;
+    st->w = run->w;
     st->t_submit = run->t_submit;
     st->first_seen = run->first_seen;
     st->decode_leg = run->decode_leg;
@@ -666,77 +661,192 @@ static void tier_admitted(pkv_server_t *s, gen_run_t *run, const pkv_request_out
         pkv_kvtier_note_prefill(s->tier, computed, pkv_now_ns() - o->admitted_ns);
 }
 
-/* POST /v1/completions and /v1/chat/completions (the flow in the top comment). */
-enum MHD_Result srv_handle_generate(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr)
+/* ---- a generation request across its parks ------------------------------------------- */
+
+typedef enum {
+    GEN_PULLING, /* a decode leg's pull runs (pkv-pull and the agents): nothing submitted */
+    GEN_FIRST,   /* submitted: waiting for the first output (admission errors get a status) */
+    GEN_WHOLE,   /* non-streamed: collecting the text to the finish */
+} gen_stage_t;
+
+/* A generation request from its parse to its answer (http_req_t.gen; freed when the request
+ * completes): what every call of the handler after a park needs. */
+struct srv_gen_req {
+    gen_run_t run; /* run.req: ours until the answer releases it or the stream takes it */
+    pkv_openai_request_t r;
+    int32_t *ids;
+    gen_stage_t stage;
+    pkv_disagg_pull_t *pull; /* GEN_PULLING */
+    pkv_seq_t *pulled;       /* a decode leg's pulled prompt, until the request is admitted */
+    char *acc;               /* GEN_WHOLE: the text so far */
+    size_t acc_len, acc_cap;
+};
+typedef struct srv_gen_req srv_gen_req_t;
+
+/* Let go of what is in flight: the pull (abandoned: its reads cancelled), the request
+ * (released: cancelled if unfinished), the pulled sequence, the tier's lease. */
+static void gen_drop(pkv_server_t *s, srv_gen_req_t *g)
+{
+    pkv_disagg_pull_abandon(g->pull);
+    g->pull = NULL;
+    pkv_request_release(g->run.req);
+    g->run.req = NULL;
+    pkv_seq_free(g->pulled);
+    g->pulled = NULL;
+    if (s->tier) pkv_kvtier_release(s->tier, &g->run.lease);
+}
+
+void srv_generate_free(pkv_server_t *s, http_req_t *hr)
+{
+    srv_gen_req_t *g = hr->gen;
+    if (!g) return;
+    hr->gen = NULL;
+    gen_drop(s, g);
+    srv_waker_give(s, g->run.w);
+    free(g->acc);
+    free(g->ids);
+    pkv_openai_request_free(&g->r);
+    free(g);
+}
+
+/* Submit (a decode leg: after its pull; pulled NULL: computed here) and log it. */
+static int gen_start(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr, srv_gen_req_t *g,
+                     pkv_openai_error_t *err)
+{
+    int rc = gen_submit(s, &g->r, g->ids, &g->run, err);
+    if (rc) return rc;
+    if (s->role == PKV_SERVER_ROLE_DECODE && g->r.kvt == PKV_OPENAI_KVT_NONE)
+        pkv_disagg_node_count_local(s->kvn); /* a router's fallback: computed here */
+    g->run.decode_leg = g->pulled != NULL;
+    char xrid[129];
+    request_id_of(c, xrid);
+    PKV_LOGI("server", "%s: request %llu (%s), X-Request-Id %s", srv_route_label[hr->route],
+             (unsigned long long)g->run.rid,
+             g->r.kvt == PKV_OPENAI_KVT_PREFILL  ? "prefill leg"
+             : g->r.kvt == PKV_OPENAI_KVT_DECODE ? "decode leg"
+                                                 : "whole",
+             xrid);
+    srv_gen_init(&g->run.gen);
+    g->stage = GEN_FIRST;
+    return PKV_OK;
+}
+
+/* One look at what the request waits for, never blocking. true: answered (*ret says how);
+ * false: nothing more to do now (park and look again when woken). */
+static bool gen_step(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr, srv_gen_req_t *g,
+                     enum MHD_Result *ret)
+{
+    pkv_openai_error_t err;
+    pkv_request_output_t o;
+    if (g->stage == GEN_PULLING) {
+        if (!pkv_disagg_pull_ended(g->pull)) return false;
+        int rc = pkv_disagg_pull_take(g->pull, &g->pulled, &g->run.tm, &err);
+        g->pull = NULL;
+        if (rc && err.status == 400) srv_count_rejection(s, SRV_REJ_INVALID); /* else: failed */
+        if (rc || gen_start(s, c, hr, g, &err)) {
+            *ret = srv_answer_error(s, c, hr, &err);
+            return true;
+        }
+    }
+    if (g->stage == GEN_FIRST) {
+        if (pkv_request_read(g->run.req, 0, &o) == PKV_ERR_TIMEOUT) return false;
+        pkv_seq_free(g->pulled); /* admitted: the engine adopted what it pulled */
+        g->pulled = NULL;
+        if (s->tier) tier_admitted(s, &g->run, &o);
+        if (g->r.stream) {
+            *ret = answer_stream(s, c, hr, &g->run, &o, g->r.include_usage);
+            return true;
+        }
+        g->stage = GEN_WHOLE;
+    } else if (pkv_request_read(g->run.req, 0, &o) == PKV_ERR_TIMEOUT) {
+        return false;
+    }
+    for (;;) { /* GEN_WHOLE: o is an output not taken yet */
+        int rc = gen_take_whole(s, &g->run, &o, &g->acc, &g->acc_len, &g->acc_cap);
+        if (rc || o.finished) {
+            char *acc = g->acc;
+            g->acc = NULL;
+            *ret = answer_whole(s, c, hr, &g->run, acc, g->acc_len, rc);
+            return true;
+        }
+        if (pkv_request_read(g->run.req, 0, &o) == PKV_ERR_TIMEOUT) return false;
+    }
+}
+
+/* Look, and park until woken while there is nothing to do. A client that went away (seen
+ * whenever the request is woken) or a server being destroyed ends it at once: MHD closes
+ * the connection, the request is cancelled. */
+static enum MHD_Result gen_continue(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr)
+{
+    srv_gen_req_t *g = hr->gen;
+    for (;;) {
+        if (atomic_load(&s->stopping) || client_gone(g->run.fd)) {
+            gen_drop(s, g);
+            return MHD_NO;
+        }
+        enum MHD_Result ret;
+        if (gen_step(s, c, hr, g, &ret)) return ret;
+        if (srv_waker_park(g->run.w)) return MHD_YES;
+    }
+}
+
+enum MHD_Result srv_generate_resume(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr)
+{
+    return gen_continue(s, c, hr);
+}
+
+/* The checks before anything is counted: the body, the role, the timings header, the
+ * prompt. PKV_OK with g->r, g->ids and the run's figures; otherwise *err (counted). */
+static int gen_parse(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr, srv_gen_req_t *g,
+                     pkv_openai_error_t *err)
 {
     pkv_openai_kind_t kind = hr->route == SRV_ROUTE_CHAT ? PKV_OPENAI_CHAT : PKV_OPENAI_COMPLETIONS;
     pkv_openai_limits_t lim = {.max_context = s->max_context};
-    pkv_openai_request_t r;
+    if (pkv_openai_request_parse(kind, hr->body, hr->len, s->served_name, &lim, &g->r, err)) {
+        srv_count_rejection(s, err->status == 404 ? SRV_REJ_MODEL : SRV_REJ_INVALID);
+        return PKV_ERR_INVALID;
+    }
+    g->run.kind = kind;
+    g->run.prefill_leg = g->r.kvt == PKV_OPENAI_KVT_PREFILL;
+    if (kv_role_refuses(s, &g->r, err) || want_timings(c, &g->run.want_timings, err)) {
+        srv_count_rejection(s, SRV_REJ_INVALID);
+        return PKV_ERR_INVALID;
+    }
+    if (pkv_openai_request_prompt(&g->r, s->tok, &lim, s->default_max_tokens, &g->ids,
+                                  &g->run.n_prompt, &g->run.max_tokens, err)) {
+        srv_count_rejection(s, !strcmp(err->code, "context_length_exceeded") ? SRV_REJ_CONTEXT
+                                                                             : SRV_REJ_INVALID);
+        return PKV_ERR_INVALID;
+    }
+    return PKV_OK;
+}
+
+/* POST /v1/completions and /v1/chat/completions (the flow in the top comment). */
+enum MHD_Result srv_handle_generate(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr)
+{
     pkv_openai_error_t err;
-    if (pkv_openai_request_parse(kind, hr->body, hr->len, s->served_name, &lim, &r, &err)) {
-        srv_count_rejection(s, err.status == 404 ? SRV_REJ_MODEL : SRV_REJ_INVALID);
-        return srv_answer_error(s, c, hr, &err);
+    srv_gen_req_t *g = calloc(1, sizeof(*g));
+    srv_waker_t *w = g ? srv_waker_take(s, c) : NULL;
+    if (!w) {
+        free(g);
+        return srv_answer_errorf(s, c, hr, 503, "service_unavailable", "overloaded",
+                                 "no room for another request");
     }
-    if (kv_role_refuses(s, &r, &err)) {
-        srv_count_rejection(s, SRV_REJ_INVALID);
-        pkv_openai_request_free(&r);
+    hr->gen = g; /* from here on srv_generate_free (the request's completion) ends it */
+    g->run.w = w;
+    g->run.fd = conn_fd(c);
+    if (gen_parse(s, c, hr, g, &err) || gen_enter(s, hr, &g->r, g->ids, &g->run, &err))
         return srv_answer_error(s, c, hr, &err);
-    }
-    gen_run_t run = {.kind = kind, .prefill_leg = r.kvt == PKV_OPENAI_KVT_PREFILL};
-    if (want_timings(c, &run.want_timings, &err)) {
-        srv_count_rejection(s, SRV_REJ_INVALID);
-        pkv_openai_request_free(&r);
-        return srv_answer_error(s, c, hr, &err);
-    }
-    int32_t *ids = NULL;
-    pkv_seq_t *pulled = NULL; /* a decode leg's pulled prompt, until the request is admitted */
-    enum MHD_Result ret;
-    if (pkv_openai_request_prompt(&r, s->tok, &lim, s->default_max_tokens, &ids, &run.n_prompt,
-                                  &run.max_tokens, &err)) {
-        srv_count_rejection(s, !strcmp(err.code, "context_length_exceeded") ? SRV_REJ_CONTEXT
-                                                                            : SRV_REJ_INVALID);
-        ret = srv_answer_error(s, c, hr, &err);
-    } else if (gen_enter(s, hr, &r, ids, &run, &err)) {
-        ret = srv_answer_error(s, c, hr, &err);
-    } else if (r.kvt == PKV_OPENAI_KVT_DECODE &&
-               pkv_disagg_node_pull(s->kvn, r.kvt_params, ids, run.n_prompt, r.salt, &pulled,
-                                    &run.tm, &err)) {
-        if (err.status == 400) srv_count_rejection(s, SRV_REJ_INVALID); /* else: pulls.failed */
-        ret = srv_answer_error(s, c, hr, &err);
-    } else if (gen_submit(s, &r, ids, &run, &err)) {
-        ret = srv_answer_error(s, c, hr, &err);
-    } else {
-        if (s->role == PKV_SERVER_ROLE_DECODE && r.kvt == PKV_OPENAI_KVT_NONE)
-            pkv_disagg_node_count_local(s->kvn); /* a router's fallback: computed here */
-        run.decode_leg = pulled != NULL;
-        char xrid[129];
-        request_id_of(c, xrid);
-        PKV_LOGI("server", "%s: request %llu (%s), X-Request-Id %s", srv_route_label[hr->route],
-                 (unsigned long long)run.rid,
-                 r.kvt == PKV_OPENAI_KVT_PREFILL  ? "prefill leg"
-                 : r.kvt == PKV_OPENAI_KVT_DECODE ? "decode leg"
-                                                  : "whole",
-                 xrid);
-        run.fd = conn_fd(c);
-        srv_gen_init(&run.gen);
-        /* The first output (or the finish): admission errors still get a status. */
-        pkv_request_output_t o;
-        int wrc = wait_output(s, run.req, run.fd, &o);
-        pkv_seq_free(pulled); /* admitted: the engine adopted what it pulled */
-        pulled = NULL;
-        if (s->tier && !wrc) tier_admitted(s, &run, &o);
-        if (wrc) {
-            /* The client went away (or the server is being destroyed): cancel at once. */
-            pkv_request_release(run.req);
-            ret = MHD_NO; /* MHD closes the connection */
-        } else {
-            ret = r.stream ? answer_stream(s, c, hr, &run, &o, r.include_usage)
-                           : answer_whole(s, c, hr, &run, &o);
+    if (g->r.kvt == PKV_OPENAI_KVT_DECODE) {
+        /* The pull runs without this thread; its end wakes the connection. */
+        if (pkv_disagg_pull_start(s->kvn, g->r.kvt_params, g->ids, g->run.n_prompt, g->r.salt,
+                                  srv_waker_wake, w, &g->pull, &err)) {
+            if (err.status == 400) srv_count_rejection(s, SRV_REJ_INVALID);
+            return srv_answer_error(s, c, hr, &err);
         }
+        g->stage = GEN_PULLING;
+    } else if (gen_start(s, c, hr, g, &err)) {
+        return srv_answer_error(s, c, hr, &err);
     }
-    pkv_seq_free(pulled);
-    if (s->tier) pkv_kvtier_release(s->tier, &run.lease);
-    free(ids);
-    pkv_openai_request_free(&r);
-    return ret;
+    return gen_continue(s, c, hr);
 }

@@ -3,9 +3,18 @@
  * routing table, the answers every handler uses, and the simple GET endpoints (models,
  * health, /metrics, /v1/cache/stats).
  *
- * Threads. libmicrohttpd runs one listening thread and one thread per connection
- * (MHD_USE_THREAD_PER_CONNECTION, connections capped). A connection's thread runs the
- * access handler and, for a streamed response, the content reader (completions.c).
+ * Threads. libmicrohttpd runs SRV_HTTP_THREADS event-loop threads (an internal thread pool,
+ * epoll, MHD_ALLOW_SUSPEND_RESUME), each serving its share of the connections: no handler
+ * blocks. A generation request that waits (a decode leg's pull, the engine's next output)
+ * parks its connection (MHD_suspend_connection) and is resumed through its waker by what
+ * it waits for (below); the thread serves the other connections meanwhile. So the threads
+ * are as many with 256 legs pulling as with none.
+ *
+ * Wakers. A waker's mu is taken by the event-loop threads (park, from the handler or the
+ * content reader of its connection), the engine's run loop and the decode node's pull
+ * worker (wake); MHD_suspend_connection and MHD_resume_connection are called under it, so
+ * a wake never resumes a connection that is not parked or already completed. Order:
+ * waker mu, then libmicrohttpd's own locks; nothing else is taken under it.
  *
  * Request flow: the first call routes and checks the method (405), the path (404) and
  * Content-Length (413); body chunks accumulate up to max_body_bytes (more: 413 at the
@@ -364,6 +373,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         *upload_size = 0; /* answered early: discard whatever body follows */
         return MHD_YES;
     }
+    if (hr->gen) return srv_generate_resume(s, c, hr); /* resumed from its park */
     if (*upload_size) {
         size_t n = *upload_size;
         *upload_size = 0;
@@ -382,6 +392,99 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     return handle_simple(s, c, hr, url);
 }
 
+/* ---- wakers ---------------------------------------------------------------------------- */
+
+srv_waker_t *srv_waker_take(pkv_server_t *s, struct MHD_Connection *c)
+{
+    pthread_mutex_lock(&s->wakers_mu);
+    srv_waker_t *w = s->wakers_free;
+    if (w) s->wakers_free = w->next_free;
+    pthread_mutex_unlock(&s->wakers_mu);
+    if (!w) return NULL;
+    pthread_mutex_lock(&w->mu);
+    w->conn = c;
+    w->parked = w->woken = false;
+    pthread_mutex_unlock(&w->mu);
+    return w;
+}
+
+void srv_waker_give(pkv_server_t *s, srv_waker_t *w)
+{
+    if (!w) return;
+    pthread_mutex_lock(&w->mu);
+    PKV_ASSERT(!w->parked);
+    w->conn = NULL;
+    pthread_mutex_unlock(&w->mu);
+    pthread_mutex_lock(&s->wakers_mu);
+    w->next_free = s->wakers_free;
+    s->wakers_free = w;
+    pthread_mutex_unlock(&s->wakers_mu);
+}
+
+bool srv_waker_park(srv_waker_t *w)
+{
+    pthread_mutex_lock(&w->mu);
+    bool park = !w->woken && !atomic_load(&w->s->stopping);
+    w->woken = false;
+    if (park) {
+        w->parked = true;
+        MHD_suspend_connection(w->conn);
+    }
+    pthread_mutex_unlock(&w->mu);
+    return park;
+}
+
+void srv_waker_wake(void *arg)
+{
+    srv_waker_t *w = arg;
+    pthread_mutex_lock(&w->mu);
+    if (w->parked) {
+        w->parked = false;
+        MHD_resume_connection(w->conn);
+    } else if (w->conn) {
+        w->woken = true;
+    }
+    pthread_mutex_unlock(&w->mu);
+}
+
+void srv_http_unpark_all(pkv_server_t *s)
+{
+    for (uint32_t i = 0; i < s->n_wakers; i++) srv_waker_wake(&s->wakers[i]);
+}
+
+static int wakers_init(pkv_server_t *s, uint32_t n)
+{
+    s->wakers = calloc(n, sizeof(*s->wakers));
+    if (!s->wakers || pthread_mutex_init(&s->wakers_mu, NULL)) {
+        free(s->wakers);
+        s->wakers = NULL;
+        return PKV_ERR_NOMEM;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        srv_waker_t *w = &s->wakers[i];
+        w->s = s;
+        if (pthread_mutex_init(&w->mu, NULL)) {
+            s->n_wakers = i;
+            srv_http_free(s);
+            return PKV_ERR_NOMEM;
+        }
+        w->next_free = i + 1 < n ? &s->wakers[i + 1] : NULL;
+    }
+    s->n_wakers = n;
+    s->wakers_free = &s->wakers[0];
+    return PKV_OK;
+}
+
+void srv_http_free(pkv_server_t *s)
+{
+    if (!s->wakers) return;
+    for (uint32_t i = 0; i < s->n_wakers; i++) pthread_mutex_destroy(&s->wakers[i].mu);
+    pthread_mutex_destroy(&s->wakers_mu);
+    free(s->wakers);
+    s->wakers = NULL;
+    s->n_wakers = 0;
+}
+
 static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
                          enum MHD_RequestTerminationCode toe)
 {
@@ -390,6 +493,7 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
     (void)c;
     if (!hr) return;
     *con_cls = NULL;
+    srv_generate_free(s, hr); /* a pull abandoned, a request released, its waker back */
     if (hr->in_flight) {
         if (toe != MHD_REQUEST_TERMINATED_COMPLETED_OK &&
             toe != MHD_REQUEST_TERMINATED_DAEMON_SHUTDOWN) {
@@ -424,16 +528,23 @@ int srv_http_start(pkv_server_t *s, const pkv_server_config_t *cfg)
         PKV_LOGE("server", "cannot resolve --host '%s': %s", s->host, gai_strerror(gai));
         return PKV_ERR_INVALID;
     }
-    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION |
-                     MHD_USE_POLL | MHD_USE_ITC | MHD_USE_ERROR_LOG;
+    unsigned limit = cfg->max_connections ? cfg->max_connections : 256;
+    if (wakers_init(s, limit)) {
+        freeaddrinfo(ai);
+        return PKV_ERR_NOMEM;
+    }
+    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME |
+                     MHD_USE_ITC | MHD_USE_ERROR_LOG;
     if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
-    s->mhd = MHD_start_daemon(
-        flags, cfg->port, NULL, NULL, on_request, s, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-        MHD_OPTION_CONNECTION_LIMIT, (unsigned)(cfg->max_connections ? cfg->max_connections : 256),
-        MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)120, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
-        MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, s, MHD_OPTION_END);
+    s->mhd = MHD_start_daemon(flags, cfg->port, NULL, NULL, on_request, s, MHD_OPTION_SOCK_ADDR,
+                              ai->ai_addr, MHD_OPTION_THREAD_POOL_SIZE, (unsigned)SRV_HTTP_THREADS,
+                              MHD_OPTION_CONNECTION_LIMIT, limit, MHD_OPTION_LISTEN_BACKLOG_SIZE,
+                              (unsigned)1024, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)120,
+                              MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
+                              MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, s, MHD_OPTION_END);
     freeaddrinfo(ai);
     if (!s->mhd) {
+        srv_http_free(s);
         PKV_LOGE("server", "cannot listen on %s:%u (address in use or not local?)", s->host,
                  cfg->port);
         return PKV_ERR_IO;

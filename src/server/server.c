@@ -352,11 +352,13 @@ int pkv_server_wait_idle(pkv_server_t *s, uint64_t deadline_ns)
 void pkv_server_destroy(pkv_server_t *s)
 {
     if (!s) return;
-    atomic_store(&s->stopping, true); /* waiting handlers give up within one slice */
-    MHD_stop_daemon(s->mhd);          /* joins every connection thread */
+    atomic_store(&s->stopping, true); /* no connection parks any more */
+    srv_http_unpark_all(s);           /* libmicrohttpd must not stop with one parked */
+    MHD_stop_daemon(s->mhd);          /* joins its threads; every request completed */
     if (s->quiesced_fd != MHD_INVALID_SOCKET) close(s->quiesced_fd);
     pkv_disagg_node_destroy(s->kvn); /* registrations end: their pins return before the pool goes */
     free_stack(s);
+    srv_http_free(s); /* no wake can come now: the engine and the pull worker are gone */
     free(s->served_name);
     free(s->host);
     pthread_cond_destroy(&s->idle_cv);

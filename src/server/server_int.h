@@ -77,6 +77,11 @@ typedef struct {
     pkv_hist_t e2e;  /* submit -> finished */
 } srv_counters_t;
 
+/* libmicrohttpd's event-loop threads (http.c): a handler never blocks, so a few serve every
+ * connection; more than one so that a slow endpoint (/metrics reading smaps, a digest, a
+ * disk-tier load) stalls only its share. */
+#define SRV_HTTP_THREADS 4
+
 /* The pool's smaps reading (hugepages.pool_*) is reused for this long (http.c). */
 #define SRV_PAGES_MAX_AGE_NS 5000000000ull
 
@@ -163,6 +168,34 @@ char *srv_metrics_render(const srv_snapshot_t *snap, size_t *len);
 /* The /v1/cache/stats document (new reference; NULL on allocation failure). */
 json_t *srv_cache_stats_json(const srv_snapshot_t *snap);
 
+/* ---- wakers: how a suspended connection is resumed (http.c) ------------------------------
+ * A generation request parks its connection (MHD_suspend_connection) whenever it waits:
+ * for its pull, for the engine's next output. What it waits for calls srv_waker_wake (the
+ * pull worker, the engine's run loop), which resumes the connection; libmicrohttpd then
+ * calls the handler (or the stream's reader) again, which looks and parks again if it must.
+ * Wakers live as long as the server (freed after the engine and the transfer agents), so a
+ * late wake (a request released, a pull abandoned) finds a waker, never freed memory; at
+ * worst it wakes the connection that owns the waker now, which looks and parks again. */
+typedef struct srv_waker {
+    struct pkv_server *s;
+    pthread_mutex_t mu;          /* guards conn, parked, woken, next_free */
+    struct MHD_Connection *conn; /* the owner's connection; NULL: free */
+    bool parked;                 /* the connection is suspended, waiting for a wake */
+    bool woken;                  /* a wake came while it was not parked */
+    struct srv_waker *next_free;
+} srv_waker_t;
+/* Take a free waker for connection c (NULL when none is free: cannot happen while every
+ * connection holds at most one). */
+srv_waker_t *srv_waker_take(struct pkv_server *s, struct MHD_Connection *c);
+/* Give it back (from the request's completion: its connection is not parked). */
+void srv_waker_give(struct pkv_server *s, srv_waker_t *w);
+/* From an MHD callback of w's connection: park it unless a wake came since it last
+ * parked or the server stops. true: parked (return from the callback now); false: look
+ * again. */
+bool srv_waker_park(srv_waker_t *w);
+/* Wake w's connection (any thread; never blocks beyond w->mu). void * for callbacks. */
+void srv_waker_wake(void *w);
+
 /* ---- the server object (server.c builds it) --------------------------------------------
  * Locking. s->lock guards s->ctr (every counter and histogram), s->draining, s->next_id
  * and s->rng; s->idle_cv signals ctr.in_flight reaching 0. s->stopping is atomic (read
@@ -204,6 +237,12 @@ struct pkv_server {
     bool draining;
     uint64_t next_id;
     uint64_t rng;
+    /* Wakers (http.c): one per connection the daemon may hold. wakers_mu guards
+     * wakers_free; each waker's own mu the rest. */
+    srv_waker_t *wakers; /* [n_wakers] */
+    uint32_t n_wakers;
+    pthread_mutex_t wakers_mu;
+    srv_waker_t *wakers_free;
 };
 
 /* One HTTP request (MHD's con_cls): created on the first call, freed when MHD reports
@@ -215,6 +254,7 @@ typedef struct {
     bool too_large;
     bool in_flight; /* counted in ctr.in_flight: released in the completed callback */
     bool answered;
+    struct srv_gen_req *gen; /* a generation request under way (completions.c) */
 } http_req_t;
 
 /* ---- http.c: answers, shared by the handlers ------------------------------------------ */
@@ -242,13 +282,23 @@ enum MHD_Result srv_answer_errorf(pkv_server_t *s, struct MHD_Connection *c, htt
                                   int status, const char *type, const char *code, const char *msg);
 /* An empty body or an empty JSON object: endpoints that take no parameters. */
 bool srv_body_empty(const http_req_t *hr);
-/* Start libmicrohttpd on cfg's host and port (s->port: the bound one). */
+/* Start libmicrohttpd on cfg's host and port (s->port: the bound one), with its wakers. */
 int srv_http_start(pkv_server_t *s, const pkv_server_config_t *cfg);
+/* Before MHD_stop_daemon (s->stopping set): resume every parked connection; none parks
+ * again. */
+void srv_http_unpark_all(pkv_server_t *s);
+/* Free the wakers: after the engine and the node are destroyed (no wake can come). */
+void srv_http_free(pkv_server_t *s);
 
 /* ---- the endpoints -------------------------------------------------------------------- */
 
-/* completions.c: POST /v1/completions and /v1/chat/completions. */
+/* completions.c: POST /v1/completions and /v1/chat/completions. srv_handle_generate takes
+ * the whole request; while it waits (hr->gen set) its connection is parked and
+ * srv_generate_resume is called each time libmicrohttpd calls the handler again;
+ * srv_generate_free ends what is left of it when the request completes. */
 enum MHD_Result srv_handle_generate(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr);
+enum MHD_Result srv_generate_resume(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr);
+void srv_generate_free(pkv_server_t *s, http_req_t *hr);
 /* cache.c: POST /v1/kv_transfer/peaks/reset, /v1/cache/reset, /v1/cache/lookup and
  * /v1/cache/digest. */
 enum MHD_Result srv_handle_peaks_reset(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr);
