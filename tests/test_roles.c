@@ -956,6 +956,179 @@ START_TEST(faults_sigterm)
 }
 END_TEST
 
+/* ---- many legs parked on one decode node -------------------------------------------------------
+ */
+
+#define PARKED_LEGS       256
+#define PARKED_TIMEOUT_MS 6000 /* the decode node's --kv-transfer-timeout-ms */
+
+/* Threads: in /proc/pid/status. */
+static long proc_threads(pid_t pid)
+{
+    char path[64], buf[4096];
+    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+    ts_read_file(path, buf, sizeof(buf));
+    const char *t = strstr(buf, "\nThreads:");
+    ck_assert_ptr_nonnull(t);
+    return atol(t + 9);
+}
+
+/* A 64-token prompt of ids, its first two ids leg k's own (no two legs share a block). */
+static json_t *parked_request(int k, int round, bool stream)
+{
+    json_t *ids = json_array();
+    json_array_append_new(ids, json_integer(3 + k % 200));
+    json_array_append_new(ids, json_integer(3 + k / 200 + 2 * round));
+    for (int i = 2; i < 64; i++) json_array_append_new(ids, json_integer(3 + (i * 7 + k) % 200));
+    return json_pack("{s:s, s:o, s:i, s:f, s:b, s:b}", "model", "tiny", "prompt", ids, "max_tokens",
+                     4, "temperature", 0.0, "stream", stream, "ignore_eos", 1);
+}
+
+typedef struct {
+    uint16_t port;
+    int round, from, step;
+    json_t **kts; /* [PARKED_LEGS] */
+} parked_prefill_t;
+
+static void *parked_prefill_main(void *arg)
+{
+    parked_prefill_t *p = arg;
+    for (int k = p->from; k < PARKED_LEGS; k += p->step) {
+        json_t *req = parked_request(k, p->round, false);
+        p->kts[k] = prefill_leg(LOCAL, p->port, req);
+        json_decref(req);
+    }
+    return NULL;
+}
+
+/* Every leg's prefill leg on the prefill node (8 at a time). */
+static void parked_prefill(uint16_t port, int round, json_t **kts)
+{
+    parked_prefill_t w[8];
+    pthread_t th[8];
+    for (int i = 0; i < 8; i++) {
+        w[i] = (parked_prefill_t){.port = port, .round = round, .from = i, .step = 8, .kts = kts};
+        ck_assert_int_eq(pthread_create(&th[i], NULL, parked_prefill_main, &w[i]), 0);
+    }
+    for (int i = 0; i < 8; i++) pthread_join(th[i], NULL);
+    for (int k = 0; k < PARKED_LEGS; k++) must_pull(kts[k]);
+}
+
+/* GET path on the decode node answers 200 (a hang or a refusal fails the test). */
+static void parked_answers(uint16_t port, const char *path)
+{
+    ts_resp_t r;
+    CURLcode cc = ts_http(LOCAL, port, "GET", path, NULL, NULL, 10, &r);
+    ck_assert_msg(cc == CURLE_OK && r.status == 200, "%s: curl %d, %ld", path, cc, r.status);
+    ts_resp_free(&r);
+}
+
+/* One round: PARKED_LEGS decode legs (every other one streamed) in flight at once on the
+ * decode node dec while the prefill node pre is stopped; meanwhile the decode node's
+ * threads stay as many as before the legs came, and /health, /v1/models and a request it
+ * computes itself answer. Then the prefill node resumes (kill false) or is killed: every
+ * leg ends, an answer or a typed 503, within the transfer deadline + 1 s. */
+static void parked_round(ts_node_t *pre, ts_node_t *dec, int round, bool kill_it)
+{
+    static json_t *kts[PARKED_LEGS];
+    static async_leg_t legs[PARKED_LEGS];
+    parked_prefill(pre->port, round, kts);
+    json_t *warm_req = parked_request(PARKED_LEGS + round, round, false);
+    json_t *kt = prefill_leg(LOCAL, pre->port, warm_req); /* the endpoint up */
+    json_t *wb = decode_body(warm_req, kt);
+    leg_t w;
+    leg_post(LOCAL, dec->port, wb, &w);
+    ck_assert_msg(w.status == 200, "warm-up leg: %ld %s", w.status, w.code);
+    leg_free(&w);
+    json_decref(wb);
+    json_decref(kt);
+    json_decref(warm_req);
+    long before = proc_threads(dec->pid), most = before;
+    ts_proc_freeze(pre->pid);
+    for (int k = 0; k < PARKED_LEGS; k++) {
+        json_t *req = parked_request(k, round, k % 2);
+        async_start(&legs[k], LOCAL, dec->port, decode_body(req, kts[k]));
+        json_decref(req);
+    }
+    /* Until every leg's pull is in flight at once (the node counts them exactly). */
+    nodes_t one = {.host = {LOCAL, LOCAL, LOCAL}};
+    one.node[1] = *dec;
+    long long inflight = 0;
+    uint64_t deadline = pkv_deadline_after_ns(30000000000ull);
+    while ((inflight = kv_count(&one, 1, "pulls.inflight")) < PARKED_LEGS) {
+        most = PKV_MAX(most, proc_threads(dec->pid));
+        ck_assert_msg(pkv_now_ns() < deadline, "round %d: only %lld legs in flight", round,
+                      inflight);
+        usleep(5000);
+    }
+    most = PKV_MAX(most, proc_threads(dec->pid));
+    parked_answers(dec->port, "/health");
+    parked_answers(dec->port, "/v1/models");
+    leg_t local;
+    json_t *lr = request("computed here while the legs wait", 4, false);
+    leg_post(LOCAL, dec->port, lr, &local);
+    ck_assert_msg(local.status == 200, "a local request: %ld", local.status);
+    leg_free(&local);
+    json_decref(lr);
+    most = PKV_MAX(most, proc_threads(dec->pid));
+    ck_assert_int_eq(kv_count(&one, 1, "pulls.inflight"), PARKED_LEGS); /* still parked */
+    if (kill_it)
+        ts_node_kill(pre);
+    else
+        kill(pre->pid, SIGCONT);
+    uint64_t slowest = 0;
+    int ok = 0, typed = 0;
+    for (int k = 0; k < PARKED_LEGS; k++) {
+        async_join(&legs[k]);
+        leg_t *d = &legs[k].out;
+        ck_assert_msg(d->cc == CURLE_OK, "leg %d: curl %d", k, d->cc);
+        ck_assert_msg(d->ms <= PARKED_TIMEOUT_MS + 1000, "leg %d ended after %llu ms", k,
+                      (unsigned long long)d->ms);
+        slowest = PKV_MAX(slowest, d->ms);
+        if (d->status == 200) {
+            ck_assert_str_eq(d->finish, "length");
+            ok++;
+        } else {
+            ck_assert_msg(d->status == 503 && d->code[0] && strstr("peer_lost timeout", d->code),
+                          "leg %d: %ld '%s'", k, d->status, d->code);
+            typed++;
+        }
+        leg_free(d);
+        json_decref(kts[k]);
+    }
+    printf("parked legs, round %d (prefill %s): %d legs in flight, decode node threads %ld "
+           "before, at most %ld while they waited; %d answered, %d typed errors; slowest leg "
+           "%llu ms (deadline %d ms + 1 s)\n",
+           round, kill_it ? "killed" : "resumed", PARKED_LEGS, before, most, ok, typed,
+           (unsigned long long)slowest, PARKED_TIMEOUT_MS);
+    fflush(stdout);
+    /* The legs hold no thread: the node runs as many threads with them as without. */
+    ck_assert_msg(most <= before, "threads %ld with the legs parked, %ld before", most, before);
+    ck_assert_int_eq(kv_count(&one, 1, "pulls.inflight"), 0);
+    if (!kill_it) ck_assert_int_gt(ok, 0);
+}
+
+START_TEST(parked_legs_hold_no_thread)
+{
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    char timeout[16];
+    snprintf(timeout, sizeof(timeout), "%d", PARKED_TIMEOUT_MS);
+    const char *pre_args[] = {"--threads",     "1",      "--role", "prefill",
+                              "--kv-lease-ms", "120000", NULL};
+    const char *dec_args[] = {
+        "--threads",         "1",    "--role", "decode", "--kv-transfer-timeout-ms", timeout,
+        "--max-connections", "1024", NULL};
+    static ts_node_t pre, dec;
+    memset(&pre, 0, sizeof(pre));
+    memset(&dec, 0, sizeof(dec));
+    ts_node_start(&pre, NULL, LOCAL, false, true, pre_args);
+    ts_node_start(&dec, NULL, LOCAL, false, true, dec_args);
+    parked_round(&pre, &dec, 0, false);
+    parked_round(&pre, &dec, 1, true);
+    ts_node_stop(&dec);
+}
+END_TEST
+
 /* ---- two network namespaces ------------------------------------------------------------------ */
 
 /* The prefill node in one namespace, both decode nodes in another, joined by a veth pair
@@ -1037,6 +1210,10 @@ static Suite *roles_suite(void)
     tcase_add_test(tc, faults_staging_lease_forged);
     tcase_add_test(tc, faults_sigterm);
     suite_add_tcase(s, tc);
+    TCase *pk = tcase_create("parked");
+    tcase_set_timeout(pk, 120);
+    tcase_add_test(pk, parked_legs_hold_no_thread);
+    suite_add_tcase(s, pk);
     TCase *ns = tcase_create("netns");
     tcase_set_timeout(ns, 60);
     tcase_add_test(ns, pair_across_network_namespaces);
