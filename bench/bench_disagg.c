@@ -136,25 +136,6 @@ static void on_signal(int sig)
 }
 
 /* ---- prompts ---------------------------------------------------------------------------- */
-/* A distinct chat request of about `tokens` prompt tokens (filler from its own seed, so no
- * two share a prefix beyond the template's few tokens). */
-static char *bd_body(const char *model, uint32_t tokens, uint64_t seed, uint32_t max_tokens,
-                     double cpt)
-{
-    size_t chars = (size_t)((double)tokens * cpt);
-    if (chars < 8) chars = 8;
-    char *text = pkv_fp_filler_alloc(chars, seed);
-    if (!text) return NULL;
-    json_t *b = json_pack("{s:s, s:[{s:s, s:s}], s:i, s:f, s:b, s:b}", "model", model, "messages",
-                          "role", "user", "content", text, "max_tokens", (int)max_tokens,
-                          "temperature", 0.0, "stream", 1, "ignore_eos", 1);
-    if (b) json_object_set_new(b, "stream_options", json_pack("{s:b}", "include_usage", 1));
-    free(text);
-    char *s = b ? json_dumps(b, JSON_COMPACT) : NULL;
-    json_decref(b);
-    return s;
-}
-
 /* The requests of one phase (bodies malloc'd; free with bd_reqs_free). */
 static lg_req_t *bd_reqs(const bd_opts_t *o, const bd_load_t *L, int ph, double rate)
 {
@@ -170,7 +151,7 @@ static lg_req_t *bd_reqs(const bd_opts_t *o, const bd_load_t *L, int ph, double 
         uint64_t st = seed;
         uint32_t max_tokens = 16 + (uint32_t)(pkv_splitmix64(&st) % 17); /* 16..32 */
         r[i].path = "/v1/chat/completions";
-        r[i].body = bd_body(o->preset, len, seed, max_tokens, L->cpt);
+        r[i].body = lg_chat_body(o->preset, len, seed, max_tokens, L->cpt);
         r[i].stream = true;
         r[i].at_s = ph == BD_PACED && rate > 0 ? (double)i / rate : 0;
         if (!r[i].body) {

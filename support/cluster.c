@@ -102,6 +102,17 @@ fail:
     return -1;
 }
 
+bool cluster_event_has_text(const char *data, size_t n)
+{
+    cluster_answer_t a = {.text = NULL};
+    size_t len = 0;
+    json_t *o = json_loadb(data, n, JSON_ALLOW_NUL, NULL);
+    bool text = json_is_object(o) && answer_take(o, &a, &len) == 0 && len > 0;
+    json_decref(o);
+    free(a.text);
+    return text;
+}
+
 void cluster_answer_free(cluster_answer_t *a)
 {
     if (!a) return;

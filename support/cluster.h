@@ -31,6 +31,10 @@ typedef struct {
 /* Parse an answer body (stream: SSE events). 0, or -1 for a body that is neither. */
 int cluster_answer_parse(const char *body, bool stream, cluster_answer_t *out);
 void cluster_answer_free(cluster_answer_t *a);
+/* One streamed event's data (the JSON after "data: ", n bytes): true when it carries
+ * output text (a non-empty choices[0] text or delta content), as cluster_answer_parse
+ * reads it. */
+bool cluster_event_has_text(const char *data, size_t n);
 /* Text, finish reason and token counts equal. */
 bool cluster_answer_equal(const cluster_answer_t *a, const cluster_answer_t *b);
 

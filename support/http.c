@@ -211,6 +211,7 @@ typedef struct {
 static bool batch_send(batch_t *t)
 {
     uint64_t now = pkv_now_ns();
+    if (t->b->drain && atomic_load(t->b->drain)) return true;
     while (t->next < t->n) {
         bool go = t->b->concurrency ? t->inflight < t->b->concurrency
                                     : t->b->at_s[t->next] <= secs(t->run0, now);
@@ -239,10 +240,17 @@ static void batch_wait(batch_t *t)
     curl_multi_poll(t->m, NULL, 0, wait_ms, NULL);
 }
 
+/* Every request sent has ended, and none is left to send (or the batch drains). */
+static bool batch_over(const batch_t *t)
+{
+    if (t->done == t->n) return true;
+    return t->done == t->next && t->b->drain && atomic_load(t->b->drain);
+}
+
 static void batch_loop(batch_t *t, bool *failed)
 {
     uint64_t last_tick = t->run0;
-    while (t->done < t->n && !*failed) {
+    while (!batch_over(t) && !*failed) {
         if (t->b->stop && *t->b->stop) break;
         if (!batch_send(t)) *failed = true;
         int running;
@@ -257,7 +265,7 @@ static void batch_loop(batch_t *t, bool *failed)
             t->done++;
             t->inflight--;
         }
-        if (t->done < t->n && !*failed) batch_wait(t);
+        if (!batch_over(t) && !*failed) batch_wait(t);
         uint64_t now = pkv_now_ns();
         if (t->b->tick && now - last_tick >= BATCH_TICK_NS) {
             t->b->tick(t->b->tick_arg, t->done);

@@ -11,6 +11,7 @@
 
 #include <jansson.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -65,6 +66,9 @@ typedef struct {
     const double *at_s;   /* open loop: request i is sent at_s[i] seconds after the start */
     const volatile sig_atomic_t *stop;    /* ends the run early: requests not sent keep
                                              start_ns 0; those in flight are aborted */
+    const atomic_int *drain;              /* once nonzero (any thread may set it): nothing
+                                             more is sent (start_ns stays 0), those in
+                                             flight run to their end; may be NULL */
     void (*tick)(void *arg, size_t done); /* about every 50 ms (done: requests ended so far);
                                              may be NULL */
     void *tick_arg;
