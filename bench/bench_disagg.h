@@ -14,12 +14,17 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-/* The two modes of `pagekv bench disagg` (argv[0] "disagg"; bench_disagg_cmd.c picks one):
- * the load mode (bench_disagg.c) and, with `--latency`, the latency mode
- * (bench_disagg_latency.c; docs/design/bench_disagg.md, "Latency mode"). Exit code 0, 1
- * (a run did not hold), 2 (bad options), 130 (interrupted). */
+/* The modes of `pagekv bench disagg` (argv[0] "disagg"; bench_disagg_cmd.c picks one):
+ * the load mode (bench_disagg.c), with `--latency` the latency mode
+ * (bench_disagg_latency.c; docs/design/bench_disagg.md, "Latency mode"), with
+ * `--interference` the interference mode. Exit code 0, 1 (a run did not hold), 2 (bad
+ * options), 130 (interrupted). */
 int pkv_bench_disagg_load(int argc, char **argv);
 int pkv_bench_disagg_latency(int argc, char **argv);
+/* `--interference` (bench_disagg_interference.c; docs/design/bench_disagg.md,
+ * "Interference mode"): decoding streams' inter-token latency while long prompts arrive, a
+ * unified node against prefill + decode nodes behind the router. */
+int pkv_bench_disagg_interference(int argc, char **argv);
 
 /* One design's figures for the planner check (bench_disagg_plan.c). */
 #define PKV_BD_PLAN_MIX 64

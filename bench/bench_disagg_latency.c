@@ -661,21 +661,6 @@ static void bl_usage(FILE *f)
             BL_MAX_TOKENS);
 }
 
-static int bl_sizes_parse(const char *v, bl_opts_t *o)
-{
-    char buf[256];
-    if (strlen(v) >= sizeof(buf)) return -1;
-    snprintf(buf, sizeof(buf), "%s", v);
-    o->n_sizes = 0;
-    char *save = NULL;
-    for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
-        uint64_t n;
-        if (o->n_sizes == BL_MAX_SIZES || pkv_cli_parse_u64(t, 16, 32768, &n)) return -1;
-        o->sizes[o->n_sizes++] = (uint32_t)n;
-    }
-    return o->n_sizes ? 0 : -1;
-}
-
 /* 0, 1 for --help, or 2 after a usage error. */
 static int bl_parse(int argc, char **argv, bl_opts_t *o)
 {
@@ -695,7 +680,7 @@ static int bl_parse(int argc, char **argv, bl_opts_t *o)
                 return pkv_cli_usage_error(cmd, "--runs: 1..10000, got '%s'", v);
             o->runs = (uint32_t)n;
         } else if (!strcmp(a, "--sizes")) {
-            if (bl_sizes_parse(v, o))
+            if (pkv_cli_parse_u32_list(v, 16, 32768, o->sizes, BL_MAX_SIZES, &o->n_sizes))
                 return pkv_cli_usage_error(
                     cmd, "--sizes: 1..%d comma-separated token counts in 16..32768, got '%s'",
                     BL_MAX_SIZES, v);

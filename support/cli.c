@@ -8,6 +8,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 int pkv_cli_parse_u64(const char *s, uint64_t lo, uint64_t hi, uint64_t *out)
@@ -19,6 +20,22 @@ int pkv_cli_parse_u64(const char *s, uint64_t lo, uint64_t hi, uint64_t *out)
     if (errno || *end || v < lo || v > hi) return -1;
     *out = v;
     return 0;
+}
+
+int pkv_cli_parse_u32_list(const char *s, uint64_t lo, uint64_t hi, uint32_t *out, uint32_t cap,
+                           uint32_t *n)
+{
+    char buf[256];
+    if (!s || strlen(s) >= sizeof(buf)) return -1;
+    snprintf(buf, sizeof(buf), "%s", s);
+    *n = 0;
+    char *save = NULL;
+    for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        uint64_t v;
+        if (*n == cap || pkv_cli_parse_u64(t, lo, hi, &v)) return -1;
+        out[(*n)++] = (uint32_t)v;
+    }
+    return *n ? 0 : -1;
 }
 
 int pkv_cli_parse_bytes(const char *s, uint64_t *out)

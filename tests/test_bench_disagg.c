@@ -1,11 +1,12 @@
 /*
  * `pagekv bench disagg` as a real subprocess on the tiny model: `--latency` runs, its
- * tables and --json carry every figure, and bad options run nothing; the load mode's
- * `--quick --tcp` runs two designs with the nodes in two network namespaces (skipped with
- * the reason where they cannot be made), reports the planner check, the in-flight peaks and
- * the paced drift with and without staging, and leaves no namespace behind, SIGINT
- * included. No timing is asserted (the figures are what the bench is for, not what a test
- * checks).
+ * tables and --json carry every figure, and bad options run nothing; `--interference
+ * --quick` runs both arms with every compared answer identical, and bad options run
+ * nothing; the load mode's `--quick --tcp` runs two designs with the nodes in two network
+ * namespaces (skipped with the reason where they cannot be made), reports the planner
+ * check, the in-flight peaks and the paced drift with and without staging, and leaves no
+ * namespace behind, SIGINT included. No timing is asserted (the figures are what the bench is for,
+ * not what a test checks).
  */
 #include "tests/support/srvtest.h"
 #include "tests/support/testutil.h"
@@ -70,19 +71,100 @@ START_TEST(latency_runs_and_reports)
 }
 END_TEST
 
+/* Each of bad[0..n) (options of `mode`) exits 2 with "bench disagg MODE: " and the
+ * reason, running nothing; `MODE --help` exits 0 with the usage. */
+static void bad_options_exit_2(const char *mode, const char *const *bad, size_t n)
+{
+    static char out[1 << 14];
+    char args[256], prefix[64];
+    snprintf(prefix, sizeof(prefix), "bench disagg %s: ", mode);
+    for (size_t i = 0; i < n; i++) {
+        snprintf(args, sizeof(args), "%s %s", mode, bad[i]);
+        int rc = run_bench(args, out, sizeof(out));
+        ck_assert_msg(rc == 2, "%s: exit %d\n%s", args, rc, ts_tail(out));
+        ck_assert_msg(strstr(out, prefix), "%s: %s", args, ts_tail(out));
+    }
+    snprintf(args, sizeof(args), "%s --help", mode);
+    ck_assert_int_eq(run_bench(args, out, sizeof(out)), 0);
+    snprintf(prefix, sizeof(prefix), "usage: pagekv bench disagg %s", mode);
+    ck_assert_ptr_nonnull(strstr(out, prefix));
+}
+
 START_TEST(latency_bad_options_exit_2)
 {
-    static const char *const bad[] = {"--latency --runs 0", "--latency --sizes 8",
-                                      "--latency --sizes 64,x", "--latency --bogus 1",
-                                      "--latency --runs"};
-    static char out[1 << 14];
-    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
-        int rc = run_bench(bad[i], out, sizeof(out));
-        ck_assert_msg(rc == 2, "%s: exit %d\n%s", bad[i], rc, ts_tail(out));
-        ck_assert_msg(strstr(out, "bench disagg --latency: "), "%s: %s", bad[i], ts_tail(out));
+    static const char *const bad[] = {"--runs 0", "--sizes 8", "--sizes 64,x", "--bogus 1",
+                                      "--runs"};
+    bad_options_exit_2("--latency", bad, sizeof(bad) / sizeof(bad[0]));
+}
+END_TEST
+
+/* --interference --quick on tiny: exit 0, the table with both arms and the CPU, the
+ * targets; the JSON's arms [{name, tpot_p50_ms, tpot_p99_ms, ttft_p50_ms, ttft_p99_ms,
+ * goodput_rps, requests, identical}] with every compared answer identical, and its targets
+ * [{name, value, target, met}]. No figure is checked against a bound. */
+START_TEST(interference_runs_and_reports)
+{
+    char path[] = "/tmp/pagekv-test-interference-XXXXXX";
+    int fd = mkstemp(path);
+    ck_assert_int_ge(fd, 0);
+    close(fd);
+    char args[256];
+    snprintf(args, sizeof(args), "--interference --quick --threads 2 --preset tiny --json %s",
+             path);
+    static char out[1 << 16];
+    int rc = run_bench(args, out, sizeof(out));
+    ck_assert_msg(rc == 0, "exit %d\n%s", rc, ts_tail(out));
+    static const char *const lines[] = {"CPU: ",
+                                        "| arm | model threads | prefill chunk |",
+                                        "| unified | 2 | 256 |",
+                                        "| disaggregated | 1 + 1 |",
+                                        "disaggregated tpot p99 / unified",
+                                        "identical answers"};
+    ts_has_lines(out, lines, sizeof(lines) / sizeof(lines[0]));
+    json_t *doc = ts_json_take(path);
+    ck_assert_str_eq(json_string_value(json_object_get(doc, "mode")), "interference");
+    ck_assert(json_is_string(json_object_get(doc, "cpu_model")));
+    json_t *arms = json_object_get(doc, "arms");
+    ck_assert_int_eq((int)json_array_size(arms), 2);
+    static const char *const names[] = {"unified", "disaggregated"};
+    static const char *const figs[] = {"tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms",
+                                       "goodput_rps"};
+    for (size_t k = 0; k < 2; k++) {
+        json_t *a = json_array_get(arms, k);
+        ck_assert_str_eq(json_string_value(json_object_get(a, "name")), names[k]);
+        for (size_t f = 0; f < sizeof(figs) / sizeof(figs[0]); f++)
+            ck_assert_msg(ts_jnum(a, figs[f]) >= 0, "%s %s", names[k], figs[f]);
+        json_t *n = json_object_get(a, "requests"), *same = json_object_get(a, "identical");
+        ck_assert(json_is_integer(n) && json_is_integer(same));
+        ck_assert_int_gt((int)json_integer_value(n), 4); /* the 4 long prompts and streams */
+        ck_assert_int_eq((int)json_integer_value(same), (int)json_integer_value(n));
     }
-    ck_assert_int_eq(run_bench("--latency --help", out, sizeof(out)), 0);
-    ck_assert_ptr_nonnull(strstr(out, "usage: pagekv bench disagg --latency"));
+    json_t *t = json_object_get(doc, "targets");
+    ck_assert_int_eq((int)json_array_size(t), 2);
+    for (size_t k = 0; k < 2; k++) {
+        json_t *x = json_array_get(t, k);
+        ck_assert(json_is_string(json_object_get(x, "name")));
+        ck_assert(json_is_number(json_object_get(x, "value")));
+        ck_assert(json_is_number(json_object_get(x, "target")));
+        ck_assert(json_is_boolean(json_object_get(x, "met")));
+    }
+    ck_assert(json_is_true(json_object_get(json_array_get(t, 1), "met")));
+    json_decref(doc);
+}
+END_TEST
+
+START_TEST(interference_bad_options_exit_2)
+{
+    static const char *const bad[] = {"--streams 0",
+                                      "--prompt-rate 0",
+                                      "--prompt-rate x",
+                                      "--prompt-tokens 4096-2048",
+                                      "--prefill-chunk 64,0",
+                                      "--threads 1",
+                                      "--duration -1",
+                                      "--bogus 1",
+                                      "--duration"};
+    bad_options_exit_2("--interference", bad, sizeof(bad) / sizeof(bad[0]));
 }
 END_TEST
 
@@ -235,6 +317,11 @@ static Suite *bench_disagg_suite(void)
     tcase_add_test(lat, latency_runs_and_reports);
     tcase_add_test(lat, latency_bad_options_exit_2);
     suite_add_tcase(s, lat);
+    TCase *itf = tcase_create("interference");
+    tcase_set_timeout(itf, 120);
+    tcase_add_test(itf, interference_runs_and_reports);
+    tcase_add_test(itf, interference_bad_options_exit_2);
+    suite_add_tcase(s, itf);
     TCase *tcp = tcase_create("tcp");
     tcase_set_timeout(tcp, 300);
     tcase_add_test(tcp, quick_tcp_runs_and_cleans_up);

@@ -23,6 +23,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -179,12 +180,14 @@ typedef struct {
     uint16_t port;
     json_t *body;
     leg_t out;
+    atomic_bool ended; /* out is final */
 } async_leg_t;
 
 static void *async_main(void *arg)
 {
     async_leg_t *a = arg;
     leg_post(a->host, a->port, a->body, &a->out);
+    atomic_store(&a->ended, true);
     return NULL;
 }
 
@@ -1057,6 +1060,9 @@ static void parked_round(ts_node_t *pre, ts_node_t *dec, int round, bool kill_it
     uint64_t deadline = pkv_deadline_after_ns(30000000000ull);
     while ((inflight = kv_count(&one, 1, "pulls.inflight")) < PARKED_LEGS) {
         most = PKV_MAX(most, proc_threads(dec->pid));
+        for (int k = 0; k < PARKED_LEGS; k++) /* none may end while its producer is stopped */
+            ck_assert_msg(!atomic_load(&legs[k].ended), "round %d: leg %d ended early: %ld '%s'",
+                          round, k, legs[k].out.status, legs[k].out.code);
         ck_assert_msg(pkv_now_ns() < deadline, "round %d: only %lld legs in flight", round,
                       inflight);
         usleep(5000);
