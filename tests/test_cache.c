@@ -304,8 +304,11 @@ START_TEST(warm_floor_serves_allocations_and_lapses)
     ck_assert_uint_eq(stats(kv).commits, 3);
     ck_assert_int_eq(kicks, k0 + 1);
     uint64_t next = 0, now = pkv_now_ns();
-    ck_assert_uint_eq(pkv_kv_trim(kv, now, &next), 0); /* the owner's trim refills it */
+    ck_assert_uint_eq(pkv_kv_trim(kv, now, &next), 0); /* a trim commits nothing... */
     ck_assert_uint_le(next, now + 1000000000ull);
+    ck_assert_uint_eq(stats(kv).warm_refills, 0);
+    ck_assert_uint_eq(pkv_kv_warm_refill(kv), 3); /* ...the owner's refill does */
+    ck_assert_uint_eq(pkv_kv_warm_refill(kv), 0);
     st = stats(kv);
     ck_assert_uint_eq(st.warm_refills, 3);
     ck_assert_uint_eq(st.committed_bytes, 6 * GRAN);
@@ -331,16 +334,16 @@ START_TEST(warm_floor_serves_allocations_and_lapses)
     pkv_kv_on_warm_low(kv, NULL, NULL);
     pkv_kv_destroy(kv);
 
-    /* With the prefix cache the blocks stay cached, their granules full: the trim after
+    /* With the prefix cache the blocks stay cached, their granules full: the refill after
      * the kick commits fresh empty ones, which serve the next prompt. */
     kv = warm_pool(4 * GRAN, true);
     pkv_kv_on_warm_low(kv, count_kick, &kicks);
     pkv_seq_free(seq_tokens(kv, 1000, 193));
     ck_assert_uint_eq(stats(kv).blocks_cached, 12);
-    pkv_kv_trim(kv, pkv_now_ns(), NULL);
+    pkv_kv_warm_refill(kv);
     st = stats(kv);
     /* 13 blocks: a floor of 4 granules, one of them the request's fourth (its partial
-     * block was freed, not cached), three committed by the trim */
+     * block was freed, not cached), three committed by the refill */
     ck_assert_uint_eq(st.empty_bytes, 4 * GRAN);
     ck_assert_uint_eq(st.warm_refills, 3);
     ck_assert_uint_eq(st.committed_bytes, 7 * GRAN);
@@ -356,6 +359,7 @@ START_TEST(warm_floor_serves_allocations_and_lapses)
     kv = warm_pool(0, false);
     pkv_seq_free(seq_tokens(kv, 1000, 192));
     pkv_kv_trim(kv, pkv_now_ns(), NULL);
+    ck_assert_uint_eq(pkv_kv_warm_refill(kv), 0);
     st = stats(kv);
     ck_assert_uint_eq(st.committed_bytes, 1 * GRAN);
     ck_assert_uint_eq(st.warm_bytes + st.warm_refills, 0);
@@ -452,6 +456,7 @@ START_TEST(policy_property_run)
         } else if (op == 7) {
             now += pkv_test_below(&rng, 40) * 1000000ull;
             pkv_kv_trim(kv, now, NULL);
+            pkv_kv_warm_refill(kv);
         } else if (op == 8) {
             uint32_t k = pkv_test_below(&rng, 4);
             pkv_kv_cache_pressure(kv, k == 3 ? PKV_KV_NO_LIMIT : k * GRAN);

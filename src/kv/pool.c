@@ -1121,20 +1121,32 @@ static uint64_t pool_trim(pkv_kv_t *kv, uint64_t now_ns, uint64_t *next_ns)
         evict_block(p, p->lru_head, false, EV_IDLE);
         n++;
     }
-    /* The warm floor: lapsed, it goes back with the empty granules beyond retain;
-     * otherwise what allocations took from it is committed again, here, off their path. */
+    /* The warm floor, lapsed, goes back with the empty granules beyond retain (what
+     * allocations took from a live floor pool_warm_refill commits again). */
     if (p->warm && now_ns >= p->warm_t + p->warm_life) p->warm = 0;
     while (p->n_empty > pool_keep_empty(p)) granule_retire(p, p->bucket[0]);
     pool_settle(p);
-    while (warm_short(p)) {
-        uint32_t got = pool_commit(p, PKV_MIN(p->warm - p->n_empty, 64), NULL);
-        if (!got) break;
-        p->warm_refills += got;
-    }
     uint64_t next =
         p->idle_ns && p->lru_head != NONE ? p->blk[p->lru_head].t_cached + p->idle_ns : UINT64_MAX;
     if (p->warm) next = PKV_MIN(next, p->warm_t + p->warm_life);
     if (next_ns) *next_ns = next;
+    pthread_mutex_unlock(&p->lock);
+    return n;
+}
+
+/* Commit again the empty granules allocations took from the warm floor, off their path
+ * (the lock is dropped around each commit). */
+static uint32_t pool_warm_refill(pkv_kv_t *kv)
+{
+    pool_t *p = pool_of(kv);
+    uint32_t n = 0;
+    pthread_mutex_lock(&p->lock);
+    while (warm_short(p)) {
+        uint32_t got = pool_commit(p, PKV_MIN(p->warm - p->n_empty, 64), NULL);
+        if (!got) break;
+        p->warm_refills += got;
+        n += got;
+    }
     pthread_mutex_unlock(&p->lock);
     return n;
 }
@@ -1495,6 +1507,7 @@ static const kv_ops_t pool_ops = {
     .seq_runs = pool_seq_runs,
     .reset_cache = pool_reset_cache,
     .trim = pool_trim,
+    .warm_refill = pool_warm_refill,
     .cache_pressure = pool_cache_pressure,
     .prefix_match = pool_prefix_match,
     .prefix_pin = pool_prefix_pin,

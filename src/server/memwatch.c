@@ -16,8 +16,16 @@
  *     lifts at 3 x reserve of room and PSI below 5 %. Each guarded period is one episode:
  *     counted and logged once when it starts and once when it ends.
  *
- * Locking: w->lock guards stop and the figures in w->st; the thread calls into the pool
- * and prim without it. Nothing else runs on this thread.
+ * With a warm floor (pkv_kv_config_t.warm_max_bytes) a second thread, "pkv-warm", commits
+ * again what allocations took from it (pkv_kv_warm_refill), woken by the allocation's kick
+ * (pkv_kv_on_warm_low). It runs under SCHED_IDLE: the kernel zeroes each granule it commits
+ * (~1 ms of CPU per MiB on a VM), and at normal priority that work took a core from the
+ * model threads while the request that kicked it was still pulling and decoding; idle, it
+ * runs only on a core nothing else wants, and under full load it waits (allocations then
+ * commit on their own path, as without a floor).
+ *
+ * Locking: w->lock guards stop, kicked and the figures in w->st; the threads call into the
+ * pool and prim without it. Nothing else runs on these threads.
  */
 #include "server/server_int.h"
 
@@ -25,6 +33,7 @@
 #include "prim/prim.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -45,10 +54,12 @@ struct srv_memwatch {
     uint64_t poll_ns;
     bool watch;
     pthread_t thread;
-    pthread_mutex_t lock; /* guards stop, st */
-    pthread_cond_t cv;
+    pthread_t warm_thread; /* started when the pool has a warm floor */
+    bool warm;
+    pthread_mutex_t lock; /* guards stop, kicked, st */
+    pthread_cond_t cv, warm_cv;
     bool stop;
-    bool kicked; /* an allocation left the warm floor short: trim without waiting */
+    bool kicked; /* an allocation left the warm floor short: refill it */
     srv_memwatch_stats_t st;
     uint64_t ep_start_ns, ep_evictions0; /* this thread's own */
 };
@@ -213,14 +224,45 @@ static void *mw_main(void *arg)
         pthread_mutex_lock(&w->lock);
         w->st.trim_evictions += n;
         if (w->stop) break;
-        if (!w->kicked) {
-            struct timespec ts = pkv_deadline_to_monotonic(deadline);
-            pthread_cond_timedwait(&w->cv, &w->lock, &ts);
-        }
-        w->kicked = false;
+        struct timespec ts = pkv_deadline_to_monotonic(deadline);
+        pthread_cond_timedwait(&w->cv, &w->lock, &ts);
     }
     pthread_mutex_unlock(&w->lock);
     return NULL;
+}
+
+static void *mw_warm_main(void *arg)
+{
+    srv_memwatch_t *w = arg;
+    pthread_setname_np(pthread_self(), "pkv-warm");
+    struct sched_param sp = {0};
+    int rc = pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp);
+    if (rc)
+        PKV_LOGW("server", "warm floor refills at normal priority (SCHED_IDLE: %s)", strerror(rc));
+    pthread_mutex_lock(&w->lock);
+    while (!w->stop) {
+        if (!w->kicked) {
+            pthread_cond_wait(&w->warm_cv, &w->lock);
+            continue;
+        }
+        w->kicked = false;
+        pthread_mutex_unlock(&w->lock);
+        pkv_kv_warm_refill(w->kv);
+        pthread_mutex_lock(&w->lock);
+    }
+    pthread_mutex_unlock(&w->lock);
+    return NULL;
+}
+
+/* Stop both threads and join the watcher's (the caller joins pkv-warm when it runs). */
+static void mw_stop(srv_memwatch_t *w)
+{
+    pthread_mutex_lock(&w->lock);
+    w->stop = true;
+    pthread_cond_signal(&w->cv);
+    pthread_cond_signal(&w->warm_cv);
+    pthread_mutex_unlock(&w->lock);
+    pthread_join(w->thread, NULL);
 }
 
 int srv_memwatch_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, srv_memwatch_t **out)
@@ -243,10 +285,20 @@ int srv_memwatch_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, srv_memwat
         .running = true, .watching = w->watch, .source = "none", .cache_limit = PKV_KV_NO_LIMIT};
     if (pthread_mutex_init(&w->lock, NULL)) goto fail_lock;
     if (pkv_cond_init_monotonic(&w->cv)) goto fail_cv;
+    if (pthread_cond_init(&w->warm_cv, NULL)) goto fail_warm_cv;
     if (pthread_create(&w->thread, NULL, mw_main, w)) goto fail_thread;
+    if (ks.warm_max_bytes) {
+        if (pthread_create(&w->warm_thread, NULL, mw_warm_main, w)) {
+            mw_stop(w);
+            goto fail_thread;
+        }
+        w->warm = true;
+    }
     *out = w;
     return PKV_OK;
 fail_thread:
+    pthread_cond_destroy(&w->warm_cv);
+fail_warm_cv:
     pthread_cond_destroy(&w->cv);
 fail_cv:
     pthread_mutex_destroy(&w->lock);
@@ -258,11 +310,9 @@ fail_lock:
 void srv_memwatch_destroy(srv_memwatch_t *w)
 {
     if (!w) return;
-    pthread_mutex_lock(&w->lock);
-    w->stop = true;
-    pthread_cond_signal(&w->cv);
-    pthread_mutex_unlock(&w->lock);
-    pthread_join(w->thread, NULL);
+    mw_stop(w);
+    if (w->warm) pthread_join(w->warm_thread, NULL);
+    pthread_cond_destroy(&w->warm_cv);
     pthread_cond_destroy(&w->cv);
     pthread_mutex_destroy(&w->lock);
     free(w);
@@ -273,7 +323,7 @@ void srv_memwatch_kick(void *arg)
     srv_memwatch_t *w = arg;
     pthread_mutex_lock(&w->lock);
     w->kicked = true;
-    pthread_cond_signal(&w->cv);
+    pthread_cond_signal(&w->warm_cv);
     pthread_mutex_unlock(&w->lock);
 }
 

@@ -100,7 +100,8 @@ int srv_cache_policy(const pkv_server_config_t *cfg, uint64_t budget, pkv_kv_con
 
 /* The watcher: thread "pkv-memwatch" applies the idle time-to-live (pkv_kv_trim) on a timer
  * and, unless cfg->no_memory_watch, reads the memory left (prim) every poll and holds the
- * cache out of the reserve (pkv_kv_cache_pressure). */
+ * cache out of the reserve (pkv_kv_cache_pressure); with a warm floor, thread "pkv-warm"
+ * (SCHED_IDLE) refills it when kicked (pkv_kv_warm_refill). */
 typedef struct srv_memwatch srv_memwatch_t;
 typedef struct {
     bool running;       /* a watcher thread runs (a paged pool with a TTL or the watch on) */
@@ -122,8 +123,8 @@ typedef struct {
 int srv_memwatch_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, srv_memwatch_t **out);
 /* Stop and join the thread. NULL is a no-op. */
 void srv_memwatch_destroy(srv_memwatch_t *w);
-/* pkv_kv_on_warm_low's callback (arg: the watcher): trim now, to refill the warm floor
- * off the allocating thread. Never blocks beyond the watcher's lock. */
+/* pkv_kv_on_warm_low's callback (arg: the watcher): wake pkv-warm to refill the warm
+ * floor off the allocating thread. Never blocks beyond the watcher's lock. */
 void srv_memwatch_kick(void *w);
 /* NULL w: a stats block saying nothing runs. */
 void srv_memwatch_stats(srv_memwatch_t *w, srv_memwatch_stats_t *out);
