@@ -18,6 +18,10 @@
  *
  * Contexts are per thread (the progress thread and each copy worker own one): OpenSSL
  * contexts are not shared between threads.
+ *
+ * Part of the module interface (xfer/xfer.h includes it): the lean pull
+ * (support/lean_pull.c) moves its reference flow with the same keys, MAC and copy loops,
+ * so its figure is the bound of a flow that must MAC.
  */
 #ifndef PKV_XFER_MAC_H
 #define PKV_XFER_MAC_H
@@ -51,6 +55,20 @@ int xf_mac_keys(xf_mac_t *m, const uint8_t token[PKV_XFER_TOKEN_BYTES],
 void xf_mac_begin(xf_mac_t *m, const uint8_t key[XF_MAC_KEY_BYTES]);
 void xf_mac_update(xf_mac_t *m, const void *p, size_t n);
 bool xf_mac_end(xf_mac_t *m, uint8_t tag[XF_MAC_TAG_BYTES]);
+
+/* Bytes copied, then MACed, at a time: the MAC reads them while they are in L1. */
+#define XF_MAC_STEP 4096u
+
+/* dst <- src (n bytes) with the source's bytes MACed into the current tag in stream order,
+ * XF_MAC_STEP bytes at a time right after they were copied (the producer's staging copy:
+ * the pool is its own). Streaming stores when `nt`: the caller fences
+ * (pkv_xfer_sum_fence) before anyone is told the bytes are there. */
+void xf_mac_copy(xf_mac_t *m, void *dst, const void *src, size_t n, bool nt);
+
+/* dst <- src (n bytes) through an L1 bounce buffer, MACing the bounced bytes: what is MACed
+ * is exactly what is stored even while another process writes src (a peer's shared
+ * arena). Streaming stores into dst (fence as above). */
+void xf_mac_copy_in(xf_mac_t *m, void *dst, const void *src, size_t n);
 
 /* Constant-time tag comparison. */
 bool xf_mac_equal(const uint8_t *x, const uint8_t *y);

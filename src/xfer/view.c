@@ -17,12 +17,12 @@
  * 16-byte MAC, so no DATA message is needed (the trailer lives in the owner's layer_mac,
  * not in staging).
  *
- * MACs (xfer/mac.h) are computed in the copies, in steps of XF_MAC_STEP bytes so the bytes
- * are still in the L1 cache when the MAC reads them: the producer MACs what it read from
- * its pool right after copying it; the consumer MACs its staging before it copies each
- * step out (nothing writes its staging once the receives completed), and copies from a
- * producer's shared arena (which other processes can map) through an L1 bounce buffer:
- * the bytes it MACs are exactly the bytes it stores.
+ * MACs (xfer/mac.h) are computed in the copies (xf_mac_copy, xf_mac_copy_in), in steps of
+ * XF_MAC_STEP bytes so the bytes are still in the L1 cache when the MAC reads them: the
+ * producer MACs what it read from its pool right after copying it; the consumer MACs its
+ * staging right after copying each step out (nothing writes its staging once the receives
+ * completed), and copies from a producer's shared arena (which other processes can map)
+ * through an L1 bounce buffer: the bytes it MACs are exactly the bytes it stores.
  *
  * Staging is the grant's runs walked in order; a stream range may cross runs, so copies
  * and payload buffers are split (payload buffers become a UCX iov).
@@ -188,30 +188,21 @@ int xf_chunk_buffer(const xf_view_t *v, xf_chunk_t *ch, uint64_t off, uint64_t l
     return PKV_OK;
 }
 
-/* Bytes copied, then MACed, at a time: the MAC reads them from L1. */
-#define XF_MAC_STEP 4096u
-
 /* Copy pool <-> staging for stream range [off, off+len) starting at pool address `pool`,
- * MACing the bytes in stream order (stores around the cache: pool copies, v->stage_nt). */
+ * MACing the bytes in stream order (stores around the cache: pool copies, v->stage_nt).
+ * Either way the MAC reads the source right after the copy did: our staging once the
+ * receives completed (nothing writes it then), or our pool. */
 static void seg_copy(const xf_view_t *v, uint64_t off, uint8_t *pool, uint64_t len, bool to_stage,
                      xf_mac_t *m)
 {
-    pkv_xfer_sum_t sum; /* the copy loops' checksum, not used: the MAC is the check */
-    pkv_xfer_sum_init(&sum);
     while (len) {
         uint64_t contig;
         uint8_t *st = stage_at(v, off, &contig);
-        uint64_t k = PKV_MIN(PKV_MIN(contig, len), XF_MAC_STEP);
-        if (!to_stage) {
-            xf_mac_update(m, st, k);
-            pkv_xfer_sum_copy_nt(&sum, pool, st, k);
-        } else {
-            if (v->stage_nt)
-                pkv_xfer_sum_copy_nt(&sum, st, pool, k);
-            else
-                pkv_xfer_sum_copy(&sum, st, pool, k);
-            xf_mac_update(m, pool, k);
-        }
+        uint64_t k = PKV_MIN(contig, len);
+        if (to_stage)
+            xf_mac_copy(m, st, pool, k, v->stage_nt);
+        else
+            xf_mac_copy(m, pool, st, k, true);
         off += k;
         pool += k;
         len -= k;
@@ -305,9 +296,6 @@ bool xf_view_copy_layer_from(const xf_view_t *v, pkv_xfer_agent_t *a, xf_mac_t *
                              const uint8_t *arena, const uint64_t *pieces, uint32_t n,
                              uint64_t skip, uint8_t tag[XF_MAC_TAG_BYTES])
 {
-    pkv_xfer_sum_t sum; /* the copy loop's checksum, not used: the MAC is the check */
-    pkv_xfer_sum_init(&sum);
-    _Alignas(64) uint8_t bounce[XF_MAC_STEP];
     xf_mac_begin(m, v->keys + (size_t)XF_MAC_KEY_BYTES * l);
     uint64_t piece = v->layer_bytes / (2 * (uint64_t)v->head_n);
     uint32_t p = 0;     /* current piece */
@@ -328,11 +316,9 @@ bool xf_view_copy_layer_from(const xf_view_t *v, pkv_xfer_agent_t *a, xf_mac_t *
                 uint64_t len = (uint64_t)(j - i) * piece;
                 while (len) {
                     PKV_ASSERT(p < n); /* the pieces were checked to cover the layer */
-                    uint64_t k = PKV_MIN(PKV_MIN(pieces[2 * p + 1] - in, len), XF_MAC_STEP);
-                    /* once out of the shared mapping: what is MACed is what is stored */
-                    memcpy(bounce, arena + pieces[2 * p] + in, k);
-                    xf_mac_update(m, bounce, k);
-                    pkv_xfer_sum_copy_nt(&sum, dst, bounce, k);
+                    uint64_t k = PKV_MIN(pieces[2 * p + 1] - in, len);
+                    /* what is MACed is what is stored, whatever the arena's owner does */
+                    xf_mac_copy_in(m, dst, arena + pieces[2 * p] + in, k);
                     dst += k;
                     len -= k;
                     in += k;

@@ -1,12 +1,14 @@
 /*
  * xfer's module interface: what other parts of pagekv (support code, benchmarks, tests)
- * may use beyond the public header: the copy + checksum loops (xfer/sum.h), the chunk and
- * staging-store thresholds the engine chose, and fault injection. Not installed.
+ * may use beyond the public header: the copy + checksum loops (xfer/sum.h), the payload
+ * MAC with its copy loops (xfer/mac.h), the chunk and staging-store thresholds the engine
+ * chose, and fault injection. Not installed.
  */
 #ifndef PKV_XFER_XFER_H
 #define PKV_XFER_XFER_H
 
 #include "pagekv/xfer.h"
+#include "xfer/mac.h"
 #include "xfer/sum.h"
 
 /* Payload chunks are at most this by default (config chunk_bytes 0; a small transfer's
