@@ -16,14 +16,17 @@
  *                `ucx_perftest -t tag_bw -O 8 -e` over tcp at each size with the same UCX
  *                tcp settings, run right before each of our tcp runs of that size (it
  *                varies by 2x between minutes here: each run's ratio uses its own), and
- *                beside same_host runs the lean pull (bench/lean_pull.c: the same two
- *                copies with no engine), run right before each of them
+ *                beside same_host runs the lean pull (support/lean_pull.c: the same two
+ *                copies with no engine), unkeyed (Fletcher sums) and keyed (the engine's
+ *                per-layer MACs: the integrity bound), run right before each of them
  *   kill detect  kill -9 of a producer mid-transfer to the consumer's peer_lost, both paths
  *   fault matrix (--fault-matrix N) every fault case N times; see the table's columns
  *
  * Output: Markdown on stdout; --json FILE adds results [{path, size, gbps, ...}],
- * memcpy_gbps (median of the runs' references), ucx_perftest_tcp_gbps (1 MiB),
- * kill_detect_ms (slowest path's median) and the details.
+ * integrity [{size_bytes, gbps, bound_gbps, vs_bound, fletcher_gbps, target, met}]
+ * (same_host: the engine against the keyed lean pull), memcpy_gbps (median of the runs'
+ * references), ucx_perftest_tcp_gbps (1 MiB), kill_detect_ms (slowest path's median) and
+ * the details.
  */
 #include "support/cli.h"
 #include "support/bench.h"
@@ -123,13 +126,14 @@ static void size_case(xh_case_t *c, size_t bytes, int path)
  * run's lowest rate; the warm-up takes them, and the timed reads last long enough (~0.1 s
  * at 64 KiB, was ~25 ms) to average what is left. Where a run's level comes from on this
  * VM (the host's placement of the two vCPUs) is measured by pkv_rtt_probe_ns. */
+static bool g_quick; /* --quick: 16 MiB of warm-up and 32 MiB timed (the suite's smoke run) */
 static uint32_t warmup_reads(size_t bytes)
 {
-    return (uint32_t)((128u << 20) / bytes);
+    return (uint32_t)((g_quick ? 16u << 20 : 128u << 20) / bytes);
 }
 static uint32_t timed_reads(size_t bytes)
 {
-    return (uint32_t)((384u << 20) / bytes);
+    return (uint32_t)((g_quick ? 32u << 20 : 384u << 20) / bytes);
 }
 _Static_assert(((128u + 384u) << 20) / (64u << 10) <= XH_MAX_REQ,
                "the pools hold every request of a 64 KiB run");
@@ -139,13 +143,15 @@ typedef struct {
     double memcpy_gbps; /* median over runs of the memcpy measured around the reads */
     double vs_memcpy;   /* median over runs of batch GB/s / that run's memcpy GB/s */
     double memcpy_cold_gbps, vs_memcpy_cold; /* the same against the out-of-cache memcpy */
-    double single_gbps;        /* median over reads of bytes / read time, one at a time */
-    double ref_gbps, vs_ref;   /* ucx_perftest (tcp) run right before each run: median of it
-                                  and of the runs' own ratios (-1: not run) */
-    double lean_gbps, vs_lean; /* the lean pull (same_host: bench/lean_pull.c through shared
-                                  memory; tcp: its UCX tcp twin), the same way */
-    double rtt_ns;             /* median over runs of pkv_rtt_probe_ns (each run: the mean of those
-                                  before its first read and after its last that measured; 0: none) */
+    double single_gbps;          /* median over reads of bytes / read time, one at a time */
+    double ref_gbps, vs_ref;     /* ucx_perftest (tcp) run right before each run: median of it
+                                    and of the runs' own ratios (-1: not run) */
+    double lean_gbps, vs_lean;   /* the lean pull (same_host: bench/lean_pull.c through shared
+                                    memory; tcp: its UCX tcp twin), the same way */
+    double bound_gbps, vs_bound; /* same_host: the keyed lean pull (the same flow MACed and
+                                    verified as the engine does), the same way */
+    double rtt_ns; /* median over runs of pkv_rtt_probe_ns (each run: the mean of those
+                      before its first read and after its last that measured; 0: none) */
     double run_gbps[100], run_rtt_ns[100]; /* each run's batch GB/s and round trip */
     int runs, reads;
     bool ok;
@@ -177,8 +183,8 @@ static bool g_lean_pull = true; /* --no-lean-pull */
 /* The per-run figures measure() takes medians of. */
 typedef struct {
     double batch[100], mc[100], ratio[100], mcc[100], ratio_c[100], pt[100], ratio_pt[100], ln[100],
-        ratio_ln[100];
-    int nb, npt, nln;
+        ratio_ln[100], bd[100], ratio_bd[100];
+    int nb, npt, nln, nbd;
 } tput_acc_t;
 
 /* The lean pull beside a run of `path` (-1: not run). */
@@ -194,6 +200,16 @@ static double lean_pull_ref(const xh_case_t *c, size_t bytes, int path)
     return -1;
 }
 
+/* The keyed lean pull beside a same_host run: the bound of the flow with its MACs (-1: not
+ * run). */
+static double mac_bound_ref(const xh_case_t *c, size_t bytes, int path)
+{
+    size_t piece = (size_t)c->geo.block_tokens * pkv_dtype_row_bytes(c->geo.dtype, c->geo.head_dim);
+    if (path != PATH_SAME_HOST || !g_lean_pull) return -1;
+    return xh_lean_pull_mac_gbps(bytes, c->geo.layers, piece, warmup_reads(bytes),
+                                 timed_reads(bytes));
+}
+
 /* One 8-in-flight run (its references right before it) into a and t's per-run arrays;
  * false (t->why set) when it failed. */
 static bool window_run(size_t bytes, int path, int run, int perftest_port, tput_t *t, tput_acc_t *a)
@@ -202,7 +218,7 @@ static bool window_run(size_t bytes, int path, int run, int perftest_port, tput_
     xh_result_t r;
     size_case(&c, bytes, path);
     double ref = perftest_port ? perftest_gbps(bytes, perftest_port + run) : -1;
-    double lean = lean_pull_ref(&c, bytes, path);
+    double lean = lean_pull_ref(&c, bytes, path), bound = mac_bound_ref(&c, bytes, path);
     c.idle_regs = g_idle_regs;
     c.seed = 7 + (uint64_t)run;
     c.timeout_ms = RUN_TIMEOUT_MS;
@@ -235,6 +251,10 @@ static bool window_run(size_t bytes, int path, int run, int perftest_port, tput_
         a->ln[a->nln] = lean;
         a->ratio_ln[a->nln++] = a->batch[nb] / lean;
     }
+    if (bound > 0) {
+        a->bd[a->nbd] = bound;
+        a->ratio_bd[a->nbd++] = a->batch[nb] / bound;
+    }
     a->nb++;
     return true;
 }
@@ -262,7 +282,13 @@ static int single_reads_run(size_t bytes, int path, int n, double *single, char 
 
 static tput_t measure(size_t bytes, int path, int runs, int single_reads, int perftest_port)
 {
-    tput_t t = {.ok = true, .ref_gbps = -1, .vs_ref = -1, .lean_gbps = -1, .vs_lean = -1};
+    tput_t t = {.ok = true,
+                .ref_gbps = -1,
+                .vs_ref = -1,
+                .lean_gbps = -1,
+                .vs_lean = -1,
+                .bound_gbps = -1,
+                .vs_bound = -1};
     tput_acc_t a = {0};
     double single[64];
     int ns = 0;
@@ -288,6 +314,10 @@ static tput_t measure(size_t bytes, int path, int runs, int single_reads, int pe
     if (a.nln) {
         t.lean_gbps = pkv_bench_median(a.ln, (size_t)a.nln);
         t.vs_lean = pkv_bench_median(a.ratio_ln, (size_t)a.nln);
+    }
+    if (a.nbd) {
+        t.bound_gbps = pkv_bench_median(a.bd, (size_t)a.nbd);
+        t.vs_bound = pkv_bench_median(a.ratio_bd, (size_t)a.nbd);
     }
     t.runs = a.nb;
     t.reads = ns;
@@ -432,7 +462,7 @@ static int usage(void)
             "usage: pagekv bench xfer [--runs N] [--kill-runs N] [--fault-matrix N]\n"
             "                         [--no-perftest] [--no-lean-pull] [--no-throughput]\n"
             "                         [--path P] [--size S]\n"
-            "                         [--idle-registrations N] [--json FILE]\n"
+            "                         [--idle-registrations N] [--quick] [--json FILE]\n"
             "  --runs N          8-in-flight runs per size and path (default 3)\n"
             "  --kill-runs N     kill -9 runs per path for the detection time (default 5)\n"
             "  --fault-matrix N  run every fault case N times (default 0: skip)\n"
@@ -442,7 +472,9 @@ static int usage(void)
             "  --no-lean-pull    skip the lean-pull references beside same_host and tcp runs\n"
             "  --no-throughput   skip the transfers (and the references paired with them)\n"
             "  --idle-registrations N  the producer also holds N registered requests that\n"
-            "                    nobody reads, during the throughput runs (default 0)\n");
+            "                    nobody reads, during the throughput runs (default 0)\n"
+            "  --quick           16 MiB of warm-up and 32 MiB timed per run (a smoke run:\n"
+            "                    its figures are not for the results page)\n");
     return 2;
 }
 
@@ -519,6 +551,8 @@ static int parse_opts(int argc, char **argv, opts_t *o)
             g_lean_pull = false;
         } else if (!strcmp(a, "--no-throughput")) {
             o->throughput = false;
+        } else if (!strcmp(a, "--quick")) {
+            g_quick = true;
         } else {
             int rc = parse_valued(argc, argv, &i, o);
             if (rc > 0) return rc;
@@ -664,6 +698,52 @@ static void report_throughput(const opts_t *o, tput_t tp[NPATHS][NS], json_t *ro
     json_object_set_new(root, "ucx_perftest_tcp_gbps_by_size", ptj);
 }
 
+/* The integrity table: the same_host engine (every layer MACed) against the keyed lean
+ * pull, with the unkeyed lean pull (v3's Fletcher sums) beside it; JSON `integrity`. */
+static void report_integrity(const opts_t *o, tput_t tp[NPATHS][NS], json_t *root)
+{
+    json_t *list = json_array();
+    bool any = false;
+    for (int s = 0; s < NS && o->throughput; s++) {
+        const tput_t *t = &tp[PATH_SAME_HOST][s];
+        if ((o->only >= 0 && o->only != PATH_SAME_HOST) || (o->only_size >= 0 && s != o->only_size))
+            continue;
+        if (!t->ok || t->bound_gbps <= 0) continue;
+        if (!any)
+            printf("Integrity, same_host: the engine (wire v5: every layer's Poly1305 MAC made in "
+                   "the producer's copy, verified in the consumer's) against the bound of that "
+                   "flow, the keyed lean pull (the same two copies with the engine's keys, MAC "
+                   "and copy loops, nothing else), and the unkeyed lean pull (Fletcher sums, as "
+                   "wire v3 checked the payload) beside them.\n\n"
+                   "| size | engine GB/s | bound (keyed lean pull) GB/s | engine vs bound | "
+                   "lean pull, Fletcher GB/s | bound vs Fletcher | target | met |\n"
+                   "|---|---|---|---|---|---|---|---|\n");
+        any = true;
+        char fl[32] = "", vf[32] = "";
+        if (t->lean_gbps > 0) {
+            snprintf(fl, sizeof(fl), "%.2f", t->lean_gbps);
+            snprintf(vf, sizeof(vf), "%.2fx", t->bound_gbps / t->lean_gbps);
+        }
+        bool met = t->vs_bound >= 0.85;
+        printf("| %s | %.2f | %.2f | %.2fx | %s | %s | >= 0.85x bound | %s |\n", size_names[s],
+               t->batch_gbps, t->bound_gbps, t->vs_bound, fl, vf, met ? "yes" : "no");
+        json_t *j = json_object();
+        json_object_set_new(j, "size_bytes", json_integer((json_int_t)sizes[s]));
+        json_object_set_new(j, "gbps", json_real(t->batch_gbps));
+        json_object_set_new(j, "bound_gbps", json_real(t->bound_gbps));
+        json_object_set_new(j, "vs_bound", json_real(t->vs_bound));
+        if (t->lean_gbps > 0) json_object_set_new(j, "fletcher_gbps", json_real(t->lean_gbps));
+        json_object_set_new(j, "target", json_real(0.85));
+        json_object_set_new(j, "met", json_boolean(met));
+        json_array_append_new(list, j);
+    }
+    if (any)
+        printf("\nMedians over the runs; engine vs bound is the median of each run's own ratio "
+               "(the keyed lean pull runs right before each run). Target: engine >= 0.85x "
+               "bound.\n\n");
+    json_object_set_new(root, "integrity", list);
+}
+
 static void report_kill(const opts_t *o, const kill_t kd[NPATHS], json_t *root)
 {
     printf("| kill -9 of the producer mid-transfer | runs | median ms | max ms |\n"
@@ -779,6 +859,7 @@ int pkv_bench_xfer(int argc, char **argv)
            "columns give the median over runs and the median of the runs' own ratios.\n\n",
            mc);
     report_throughput(&o, tp, root);
+    report_integrity(&o, tp, root);
     if (o.kill_runs) report_kill(&o, kd, root);
     int failures = o.fm_runs ? run_fault_matrix(&o, root) : 0;
     if (o.json_path && json_dump_file(root, o.json_path, JSON_INDENT(2))) {

@@ -8,6 +8,12 @@
  * the same kind as the engine's: pools committed with transparent huge pages (as the kv
  * pool does; with 4 KiB pages the consumer's copy ran at half the speed), staging in a
  * memfd. What it reaches is what this flow can reach on this machine.
+ *
+ * The keyed variant (xh_lean_pull_mac_gbps) is the same flow with the engine's integrity
+ * instead of the checksum: both sides derive the read's per-layer Poly1305 keys as the
+ * engine does, the producer MACs each layer in its copy and the consumer verifies each
+ * as it copies it out of the arena, with the engine's own loops (xf_mac_copy,
+ * xf_mac_copy_in): the bound of a flow that must MAC.
  */
 #include "support/lean_pull.h"
 #include "support/xfer_harness.h"
@@ -36,7 +42,10 @@ enum { LP_WINDOW = 8, LP_SLOTS = 2 * LP_WINDOW, LP_RING = 64, LP_MAX_LAYERS = 16
 
 typedef struct {
     uint32_t slot, read;
-    uint64_t sum[LP_MAX_LAYERS];
+    union {
+        uint64_t sum[LP_MAX_LAYERS];                  /* Fletcher sums (the unkeyed flow) */
+        uint8_t tag[LP_MAX_LAYERS][XF_MAC_TAG_BYTES]; /* per-layer MACs (the keyed flow) */
+    };
 } lp_entry_t;
 
 typedef struct {
@@ -53,6 +62,7 @@ typedef struct {
 typedef struct {
     size_t read_bytes, layer_bytes, piece;
     uint32_t layers;
+    bool mac; /* the keyed flow: Poly1305 tags instead of Fletcher sums */
 } lp_geo_t;
 
 static int lp_geo_init(lp_geo_t *g, size_t read_bytes, uint32_t layers, size_t piece)
@@ -128,12 +138,48 @@ static void lp_copy(const lp_geo_t *g, uint8_t *dst, const uint8_t *src, uint64_
     lp_copy_as(g, dst, src, sums, false);
 }
 
+/* The keyed flow's per-layer keys of read `read`, derived as the engine derives a read's
+ * (xf_mac_keys: a registration token, the read's nonce, its ids and geometry), on both
+ * sides for every read. */
+static int lp_keys(xf_mac_t *m, const lp_geo_t *g, uint32_t read, uint8_t *keys)
+{
+    uint8_t token[PKV_XFER_TOKEN_BYTES] = {0x5a}, nonce[XF_MAC_NONCE_BYTES] = {0};
+    memcpy(nonce, &read, sizeof(read));
+    return xf_mac_keys(m, token, nonce, read, (uint32_t)(g->layer_bytes / g->piece), g->layers, 0,
+                       1, keys);
+}
+
+/* One read's copy in the keyed flow, layer by layer in head-sized pieces, each layer's
+ * bytes MACed in the copy (xf_mac_copy: cache-hot steps; `in`: xf_mac_copy_in, through
+ * an L1 bounce buffer, as a consumer copies out of a peer's shared arena) and fenced.
+ * False when a key or tag computation failed. */
+static bool lp_mac_copy(xf_mac_t *m, const lp_geo_t *g, uint32_t read, uint8_t *dst,
+                        const uint8_t *src, uint8_t (*tags)[XF_MAC_TAG_BYTES], bool in)
+{
+    uint8_t keys[LP_MAX_LAYERS * XF_MAC_KEY_BYTES];
+    if (lp_keys(m, g, read, keys)) return false;
+    bool ok = true;
+    for (uint32_t l = 0; l < g->layers; l++) {
+        xf_mac_begin(m, keys + (size_t)XF_MAC_KEY_BYTES * l);
+        size_t base = l * g->layer_bytes;
+        for (size_t o = 0; o < g->layer_bytes; o += g->piece)
+            if (in)
+                xf_mac_copy_in(m, dst + base + o, src + base + o, g->piece);
+            else
+                xf_mac_copy(m, dst + base + o, src + base + o, g->piece, true);
+        pkv_xfer_sum_fence();
+        ok = xf_mac_end(m, tags[l]) && ok;
+    }
+    return ok;
+}
+
 static void lp_producer(lp_shared_t *sh, uint8_t *arena, const lp_geo_t *g, uint32_t reads,
                         pid_t parent)
 {
     xh_child_detach(parent);
     uint8_t *pool = lp_source_pool(g->read_bytes * reads);
-    if (!pool) _exit(2);
+    xf_mac_t *m = g->mac ? xf_mac_create() : NULL;
+    if (!pool || (g->mac && !m)) _exit(2);
     atomic_store(&sh->ready, true);
     uint64_t give_up = pkv_now_ns() + LP_GIVE_UP_NS, idle = 0;
     for (;;) {
@@ -143,8 +189,12 @@ static void lp_producer(lp_shared_t *sh, uint8_t *arena, const lp_geo_t *g, uint
             continue;
         }
         if (e.slot == LP_QUIT) _exit(0);
-        lp_copy(g, arena + (size_t)e.slot * g->read_bytes, pool + (size_t)e.read * g->read_bytes,
-                e.sum);
+        uint8_t *dst = arena + (size_t)e.slot * g->read_bytes;
+        const uint8_t *src = pool + (size_t)e.read * g->read_bytes;
+        if (!m)
+            lp_copy(g, dst, src, e.sum);
+        else if (!lp_mac_copy(m, g, e.read, dst, src, e.tag, false))
+            _exit(3);
         if (!lp_push(&sh->done, &e, give_up)) _exit(3);
     }
 }
@@ -158,27 +208,43 @@ static bool lp_alive(pid_t *pid)
     return false;
 }
 
-double xh_lean_pull_gbps(size_t read_bytes, uint32_t layers, size_t piece, uint32_t warm_reads,
-                         uint32_t timed_reads)
+/* The consumer's side of one read the producer handed back: copy it arena -> pool and
+ * check it (Fletcher sums, or MACs as the engine's consumer checks a shared-arena read). */
+static bool lp_store(xf_mac_t *m, const lp_geo_t *g, const lp_entry_t *e, uint8_t *dst,
+                     const uint8_t *src)
 {
-    lp_geo_t g;
+    if (!m) {
+        uint64_t mine[LP_MAX_LAYERS];
+        lp_copy(g, dst, src, mine);
+        return memcmp(mine, e->sum, g->layers * sizeof(uint64_t)) == 0;
+    }
+    uint8_t tags[LP_MAX_LAYERS][XF_MAC_TAG_BYTES];
+    if (!lp_mac_copy(m, g, e->read, dst, src, tags, true)) return false;
+    for (uint32_t l = 0; l < g->layers; l++)
+        if (!xf_mac_equal(tags[l], e->tag[l])) return false;
+    return true;
+}
+
+/* The same-host lean pull of geometry g: GB/s or -1 (xh_lean_pull_gbps). */
+static double lp_run(const lp_geo_t *g, uint32_t warm_reads, uint32_t timed_reads)
+{
     uint32_t reads = warm_reads + timed_reads;
-    if (lp_geo_init(&g, read_bytes, layers, piece) || !timed_reads) return -1;
-    size_t head = PKV_ALIGN_UP(sizeof(lp_shared_t), 4096), map_bytes = head + LP_SLOTS * read_bytes;
+    size_t rb = g->read_bytes, head = PKV_ALIGN_UP(sizeof(lp_shared_t), 4096);
+    size_t map_bytes = head + LP_SLOTS * rb;
     int fd;
     void *map;
     if (pkv_prim_shared_create("pkv-lean-pull", map_bytes, &fd, &map)) return -1;
     lp_shared_t *sh = map;
     memset(sh, 0, sizeof(*sh));
-    uint8_t *arena = (uint8_t *)map + head;
-    uint8_t *pool = NULL;
+    uint8_t *arena = (uint8_t *)map + head, *pool = NULL;
+    xf_mac_t *m = NULL;
     double gbps = -1;
     fflush(NULL);
     pid_t parent = getpid(), pid = fork();
-    if (pid == 0) lp_producer(sh, arena, &g, reads, parent);
+    if (pid == 0) lp_producer(sh, arena, g, reads, parent);
     if (pid < 0) goto out;
-    pool = lp_pool(read_bytes * reads);
-    if (!pool) goto out;
+    pool = lp_pool(rb * reads);
+    if (!pool || (g->mac && !(m = xf_mac_create()))) goto out;
     uint64_t give_up = pkv_now_ns() + LP_GIVE_UP_NS;
     while (!atomic_load(&sh->ready))
         if (pkv_now_ns() > give_up || !lp_alive(&pid)) goto out;
@@ -196,22 +262,38 @@ double xh_lean_pull_gbps(size_t read_bytes, uint32_t layers, size_t piece, uint3
             if (++idle % 65536 == 0 && (pkv_now_ns() > give_up || !lp_alive(&pid))) goto out;
             continue;
         }
-        uint64_t mine[LP_MAX_LAYERS];
-        lp_copy(&g, pool + (size_t)e.read * read_bytes, arena + (size_t)e.slot * read_bytes, mine);
-        bad = memcmp(mine, e.sum, layers * sizeof(uint64_t)) != 0;
+        bad = !lp_store(m, g, &e, pool + (size_t)e.read * rb, arena + (size_t)e.slot * rb);
         free_slot[n_free++] = e.slot;
         if (++done == warm_reads) t0 = pkv_now_ns();
     }
     if (!bad && done == reads)
-        gbps = (double)timed_reads * (double)read_bytes / (double)(pkv_now_ns() - t0);
+        gbps = (double)timed_reads * (double)rb / (double)(pkv_now_ns() - t0);
     lp_entry_t quit = {.slot = LP_QUIT};
     lp_push(&sh->req, &quit, pkv_now_ns() + 1000000000ull);
 out:;
     int st;
     xh_reap(pid, &st, pkv_now_ns() + 1000000000ull); /* it exits on QUIT; else killed */
-    if (pool) pkv_prim_release(pool, read_bytes * reads);
+    xf_mac_destroy(m);
+    if (pool) pkv_prim_release(pool, rb * reads);
     pkv_prim_shared_close(fd, map, map_bytes);
     return gbps;
+}
+
+double xh_lean_pull_gbps(size_t read_bytes, uint32_t layers, size_t piece, uint32_t warm_reads,
+                         uint32_t timed_reads)
+{
+    lp_geo_t g;
+    if (lp_geo_init(&g, read_bytes, layers, piece) || !timed_reads) return -1;
+    return lp_run(&g, warm_reads, timed_reads);
+}
+
+double xh_lean_pull_mac_gbps(size_t read_bytes, uint32_t layers, size_t piece, uint32_t warm_reads,
+                             uint32_t timed_reads)
+{
+    lp_geo_t g;
+    if (lp_geo_init(&g, read_bytes, layers, piece) || !timed_reads) return -1;
+    g.mac = true;
+    return lp_run(&g, warm_reads, timed_reads);
 }
 
 /* ---- the same flow over UCX tcp --------------------------------------------------------

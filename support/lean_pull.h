@@ -18,6 +18,14 @@
 double xh_lean_pull_gbps(size_t read_bytes, uint32_t layers, size_t piece, uint32_t warm_reads,
                          uint32_t timed_reads);
 
+/* The same with the engine's integrity instead of the checksum: per read, both processes
+ * derive its per-layer Poly1305 keys (xf_mac_keys), the producer MACs each layer as it
+ * copies it (xf_mac_copy) and the consumer verifies each as it copies it out of the arena
+ * (xf_mac_copy_in, tags compared). The bound of a same-host flow that must MAC. -1 on a
+ * tag mismatch, else as xh_lean_pull_gbps. */
+double xh_lean_pull_mac_gbps(size_t read_bytes, uint32_t layers, size_t piece, uint32_t warm_reads,
+                             uint32_t timed_reads);
+
 /* GB/s of the leanest pull of this flow over loopback tcp (support/lean_pull.c): a forked
  * consumer and its forked producer, UCX with ucx_perftest's tcp settings, 8 reads in
  * flight, each READ (active message) -> pool -> staging copy -> the stream and its

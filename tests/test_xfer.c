@@ -11,6 +11,7 @@
  *     repeated matrix is `pagekv bench xfer --fault-matrix N`.
  * The two-process harness lives in support/xfer_harness.c (shared with the benchmark).
  */
+#include "tests/support/srvtest.h"
 #include "tests/support/testutil.h"
 
 #include "support/lean_pull.h"
@@ -19,6 +20,7 @@
 
 #include "xfer/xfer_int.h"
 
+#include <jansson.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -2320,6 +2322,45 @@ START_TEST(lean_pull_references_run)
     ck_assert_double_gt(xh_lean_pull_tcp_gbps(64 << 10, 8, 2048, 16, 64), 0);
     ck_assert_double_gt(xh_lean_pull_tcp_gbps(1 << 20, 8, 2048, 4, 16), 0);
     ck_assert_double_eq(xh_lean_pull_tcp_gbps(1000, 8, 2048, 4, 16), -1); /* bad geometry */
+    /* the keyed flow: tags made by the producer, verified by the consumer */
+    ck_assert_double_gt(xh_lean_pull_mac_gbps(64 << 10, 8, 2048, 16, 64), 0);
+    ck_assert_double_gt(xh_lean_pull_mac_gbps(1 << 20, 4, 2048, 4, 16), 0);
+    ck_assert_double_eq(xh_lean_pull_mac_gbps(1000, 8, 2048, 4, 16), -1);
+}
+END_TEST
+
+/* `pagekv bench xfer` on the same-host path at 1 MiB (a --quick run) reports the integrity
+ * figures: one `integrity` entry {size_bytes, gbps, bound_gbps, ...} with positive rates
+ * (the engine's and the keyed lean pull's) and its Markdown table. No timing asserted. */
+START_TEST(bench_xfer_reports_integrity)
+{
+    char path[] = "/tmp/pagekv-test-xfer-XXXXXX";
+    int fd = mkstemp(path);
+    ck_assert_int_ge(fd, 0);
+    close(fd);
+    char cmd[256];
+    snprintf(cmd, sizeof(cmd),
+             "bench xfer --path same_host --size 1m --runs 1 --kill-runs 0 --quick --json %s",
+             path);
+    static char out[1 << 16];
+    int rc = ts_pagekv_run(cmd, out, sizeof(out));
+    ck_assert_msg(rc == 0, "exit %d\n%s", rc, ts_tail(out));
+    ck_assert_msg(strstr(out, "Integrity, same_host"), "no integrity table:\n%s", ts_tail(out));
+    json_t *doc = ts_json_take(path);
+    json_t *list = json_object_get(doc, "integrity");
+    ck_assert_msg(json_is_array(list) && json_array_size(list) == 1, "integrity: not one entry");
+    json_t *e = json_array_get(list, 0);
+    ck_assert_int_eq((int)ts_jnum(e, "size_bytes"), 1 << 20);
+    double gbps = ts_jnum(e, "gbps"), bound = ts_jnum(e, "bound_gbps");
+    ck_assert_double_gt(gbps, 0);
+    ck_assert_double_gt(bound, 0);
+    ck_assert_double_lt(bound, 1000); /* bytes per ns: a unit slip would show */
+    ck_assert_double_gt(ts_jnum(e, "vs_bound"), 0);
+    ck_assert_double_gt(ts_jnum(e, "fletcher_gbps"), 0);
+    ck_assert(json_is_boolean(json_object_get(e, "met")));
+    json_t *res = json_array_get(json_object_get(doc, "results"), 0);
+    ck_assert_double_eq_tol(ts_jnum(res, "gbps"), gbps, 1e-9); /* the same engine figure */
+    json_decref(doc);
 }
 END_TEST
 
@@ -2391,6 +2432,7 @@ static Suite *xfer_suite(void)
     tcase_add_loop_test(two, fault_case, XH_NONE, 4 * XH_NFAULTS);
     tcase_add_loop_test(two, producer_lost_mid_read_over_tcp, 0, 4);
     tcase_add_test(two, lean_pull_references_run);
+    tcase_add_test(two, bench_xfer_reports_integrity);
     suite_add_tcase(s, two);
     return s;
 }
