@@ -1116,6 +1116,14 @@ static void parked_round(ts_node_t *pre, ts_node_t *dec, int round, bool kill_it
 
 START_TEST(parked_legs_hold_no_thread)
 {
+#if defined(__SANITIZE_THREAD__)
+    /* The stopped producer is declared lost after the agent's 1 s peer timeout; under
+     * TSan 256 instrumented client threads take longer than that to put every leg in
+     * flight, so the legs end peer_lost before the property can be observed. */
+    PKV_TEST_SKIP("under ThreadSanitizer (256 legs take longer to start than the 1 s peer "
+                  "timeout)");
+    return;
+#endif
     curl_global_init(CURL_GLOBAL_DEFAULT);
     char timeout[16];
     snprintf(timeout, sizeof(timeout), "%d", PARKED_TIMEOUT_MS);
