@@ -1,6 +1,6 @@
 /*
- * pagekv bench tiers: the disk tier on the field's multi-round QA workload (issue 43,
- * docs/design/bench_tiers.md). Options and the main loop; bench_tiers.h lists the files.
+ * pagekv bench tiers: the disk tier on the field's multi-round QA workload
+ * (docs/design/bench_tiers.md). Options and the main loop; bench_tiers.h lists the files.
  *
  * For each workload (multiround, then tile) a reference pass on a server with ample KV and no
  * tier gives every answer, then the arms run on fresh servers with one small

@@ -1,5 +1,5 @@
 /*
- * pagekv bench tiers: the targets (issue 43 section 7, each met or not with its cause), the
+ * pagekv bench tiers: the targets (each met or not with its cause), the
  * Markdown tables, the JSON (--json) and the SVG of TTFT per round (--svg).
  */
 #include "bench_tiers.h"
