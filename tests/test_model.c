@@ -292,8 +292,11 @@ START_TEST(llama2c_matches_reference)
             check_against_reference(&k, path, portable, PKV_BACKEND_PAGED, PKV_DTYPE_F16, 5, 2e-3);
             check_against_reference(&k, path, portable, PKV_BACKEND_DENSE, PKV_DTYPE_BF16, 40,
                                     3e-2);
-            check_against_reference(&k, path, portable, PKV_BACKEND_PAGED, PKV_DTYPE_INT8, 9, 3e-2);
-            check_against_reference(&k, path, portable, PKV_BACKEND_DENSE, PKV_DTYPE_FP8, 11, 6e-2);
+            /* the reference stores K/V through the same quantizer, so only the order of
+             * the float operations differs (worst ~5e-6): a scale applied to the wrong
+             * dims or rows shows far above 1e-3 */
+            check_against_reference(&k, path, portable, PKV_BACKEND_PAGED, PKV_DTYPE_INT8, 9, 1e-3);
+            check_against_reference(&k, path, portable, PKV_BACKEND_DENSE, PKV_DTYPE_FP8, 11, 1e-3);
         }
         ck_free(&k);
     }

@@ -9,6 +9,7 @@
 #include "kv/kv_int.h"
 #include "prim/prim.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -809,9 +810,52 @@ START_TEST(fp8_encoder_rounds_saturates_and_never_writes_nan)
 }
 END_TEST
 
-/* A scaled row: head_dim codes then the f32 scale (amax / 127 or / 448); every value comes
- * back within half a step (int8) or half an fp8 ulp times the scale; a row of zeros has
- * scale 0; NaN is stored as 0; inf saturates. */
+/* Scaled rows. fp8: head_dim codes then the f32 scale amax / 448, every value back within
+ * half an fp8 ulp times the scale. int8: head_dim codes then the scale word (core.h): 2^E
+ * is the least power of two with 127 * 2^E >= amax, each lane group (d mod 8) has the
+ * smallest of its 8 scales that covers its largest value or one up to two steps coarser
+ * that stores it with less error, and every value comes back within half its group's
+ * scale. Both: a row of zeros gives zeros; NaN is stored as 0; an
+ * infinity saturates at the row's top (amax for fp8, 127 * 2^E >= amax for int8). */
+static void check_int8_row(const uint8_t *row, const float *in, const float *out, int D)
+{
+    uint32_t w = pkv_i8_word(row + D);
+    int e = (int8_t)(w & 0xff);
+    float amax = 0, gmax[8] = {0};
+    for (int i = 0; i < D; i++)
+        if (fabsf(in[i]) <= FLT_MAX) {
+            amax = fmaxf(amax, fabsf(in[i]));
+            gmax[i & 7] = fmaxf(gmax[i & 7], fabsf(in[i]));
+        }
+    ck_assert(127.0f * ldexpf(1.0f, e) >= amax * (1 - 1e-6f));
+    ck_assert(127.0f * ldexpf(1.0f, e - 1) < amax);
+    for (int j = 0; j < 8; j++) {
+        unsigned k = (w >> (8 + 3 * j)) & 7;
+        float f = pkv_i8_group_scale(w, (unsigned)j);
+        ck_assert(f == ldexpf(pkv_i8_steps()[k], e) && f >= 0x1p-126f);
+        ck_assert(127.0f * f >= gmax[j] * (1 - 1e-6f));
+        /* at most two steps coarser than the finest step that covers the group, and then
+         * only where that stores the group with less squared error */
+        unsigned kc = k;
+        while (kc < 7 && 127.0f * ldexpf(pkv_i8_steps()[kc + 1], e) >= gmax[j]) kc++;
+        ck_assert(kc - k <= 2);
+        float fc = ldexpf(pkv_i8_steps()[kc], e);
+        double got = 0, at_kc = 0;
+        for (int i = j; i < D; i += 8) {
+            got += ((double)out[i] - in[i]) * ((double)out[i] - in[i]);
+            at_kc +=
+                ((double)rintf(in[i] / fc) * fc - in[i]) * ((double)rintf(in[i] / fc) * fc - in[i]);
+        }
+        ck_assert(kc == k || got < at_kc * (1 + 1e-5));
+    }
+    for (int i = 0; i < D; i++) {
+        float f = pkv_i8_group_scale(w, (unsigned)(i & 7));
+        ck_assert_msg(fabs((double)out[i] - in[i]) <= 0.5 * f * 1.0001, "int8: %g -> %g (scale %g)",
+                      (double)in[i], (double)out[i], (double)f);
+        ck_assert((int8_t)row[i] >= -127);
+    }
+}
+
 START_TEST(scaled_rows_encode_and_decode)
 {
     enum { D = 64 };
@@ -822,25 +866,27 @@ START_TEST(scaled_rows_encode_and_decode)
     ck_assert_uint_eq(pkv_dtype_row_bytes(PKV_DTYPE_FP8, D), D + 4);
     ck_assert_uint_eq(pkv_dtype_row_bytes(PKV_DTYPE_BF16, D), 2 * D);
     for (int dt = PKV_DTYPE_INT8; dt <= PKV_DTYPE_FP8; dt++) {
-        float top = dt == PKV_DTYPE_INT8 ? 127.0f : 448.0f;
         for (int trial = 0; trial < 200; trial++) {
             float mag = ldexpf(1.0f, (int)pkv_test_below(&rs, 40) - 20), amax = 0;
             for (int i = 0; i < D; i++) {
-                in[i] = mag * ((float)(pkv_test_rand(&rs) >> 40) / (float)(1 << 23) - 1.0f);
+                /* every 8th trial: lane groups of very different sizes */
+                float gm = trial % 8 ? 1.0f : ldexpf(1.0f, -(i & 7));
+                in[i] = gm * mag * ((float)(pkv_test_rand(&rs) >> 40) / (float)(1 << 23) - 1.0f);
                 amax = fmaxf(amax, fabsf(in[i]));
             }
             pkv_dtype_from_f32(dt, row, in, D);
+            pkv_dtype_to_f32(dt, out, row, D);
+            if (dt == PKV_DTYPE_INT8) {
+                check_int8_row(row, in, out, D);
+                continue;
+            }
             float sc;
             memcpy(&sc, row + D, 4);
-            ck_assert(sc == amax / top);
-            pkv_dtype_to_f32(dt, out, row, D);
+            ck_assert(sc == amax / 448.0f);
             for (int i = 0; i < D; i++) {
                 double err = fabs((double)out[i] - in[i]);
-                double bound = dt == PKV_DTYPE_INT8 ? 0.5 * sc * 1.0001
-                                                    : fabs((double)in[i]) / 16 + 0x1p-10 * sc;
-                ck_assert_msg(err <= bound, "%s: %g -> %g (scale %g)", pkv_dtype_name(dt),
-                              (double)in[i], (double)out[i], (double)sc);
-                if (dt == PKV_DTYPE_INT8) ck_assert((int8_t)row[i] >= -127);
+                ck_assert_msg(err <= fabs((double)in[i]) / 16 + 0x1p-10 * sc, "fp8: %g -> %g",
+                              (double)in[i], (double)out[i]);
             }
         }
         memset(in, 0, sizeof(in));
@@ -852,7 +898,12 @@ START_TEST(scaled_rows_encode_and_decode)
         in[2] = -INFINITY;
         pkv_dtype_from_f32(dt, row, in, D);
         pkv_dtype_to_f32(dt, out, row, D);
-        ck_assert(out[0] == 0.0f && out[1] == 2.0f && out[2] == -2.0f);
+        ck_assert(out[0] == 0.0f);
+        if (dt == PKV_DTYPE_FP8) ck_assert(out[1] == 2.0f && out[2] == -2.0f);
+        if (dt == PKV_DTYPE_INT8) {
+            ck_assert(fabsf(out[1] - 2.0f) <= 0.5f * pkv_i8_group_scale(pkv_i8_word(row + D), 1));
+            ck_assert(out[2] == -127.0f * ldexpf(1.0f, (int8_t)row[D]) && out[2] <= -2.0f);
+        }
     }
     pkv_dtype_t p;
     ck_assert_int_eq(pkv_dtype_parse("int8", &p), PKV_OK);

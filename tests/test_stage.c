@@ -860,8 +860,9 @@ static void rss_falls_back(bool shared)
     ck_assert_uint_eq(stats_of(st).committed_pages, pages);
     ck_assert_int_eq(pkv_stage_release(st, 2), PKV_OK);
     pkv_stage_grant_free(g);
-    /* Judge the fall from the peak: under TSan the shadow of the arena stays resident
-     * (the sanitizer's, not ours), so "back to the baseline" only holds without it. */
+    /* Judge the fall from the peak: under TSan and ASan the shadow of the arena stays
+     * resident (the sanitizer's, not ours: 1/8 of the arena under ASan), so "back to the
+     * baseline" only holds without them. */
     uint64_t end = pkv_now_ns() + 5000 * MS, rss = held;
     while (pkv_now_ns() < end) {
         rss = pkv_test_rss();
@@ -871,7 +872,7 @@ static void rss_falls_back(bool shared)
     ck_assert_msg(rss + arena * 15 / 16 <= held,
                   "VmRSS stayed at %.1f MiB (held %.1f MiB, base %.1f MiB)", rss / 1048576.0,
                   held / 1048576.0, base / 1048576.0);
-#if !defined(__SANITIZE_THREAD__)
+#if !defined(__SANITIZE_THREAD__) && !defined(__SANITIZE_ADDRESS__)
     ck_assert_msg(rss < base + arena / 16, "VmRSS %.1f MiB did not come back to base %.1f MiB",
                   rss / 1048576.0, base / 1048576.0);
 #endif

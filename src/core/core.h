@@ -129,6 +129,28 @@ static inline uint8_t pkv_f32_to_fp8(float f)
     return (uint8_t)(sign | code);
 }
 
+/* ---- int8 KV rows ---------------------------------------------------------------------
+ * head_dim int8 codes in [-127, 127], then a 4-byte scale word, byte 0 first: w = b0 |
+ * b1 << 8 | b2 << 16 | b3 << 24. Bits 0-7: the row exponent E (two's complement, in
+ * [-124, 121]); bits 8 + 3j to 10 + 3j: the step k_j of lane group j (j = 0..7). Dim d is
+ * in group d mod 8, whose scale is 2^E * 2^(-k_j / 5): always a normal f32, and the
+ * table's value times 2^E is exact (an exponent shift), so every path computes the same
+ * scale. See docs/design/pool.md, "Quantized KV". */
+static inline const float *pkv_i8_steps(void)
+{
+    static const float t[8] = {0x1p+0f,        0x1.bdb8cep-1f, 0x1.8406p-1f,   0x1.51cb46p-1f,
+                               0x1.261118p-1f, 0x1p-1f,        0x1.bdb8cep-2f, 0x1.8406p-2f};
+    return t;
+}
+static inline uint32_t pkv_i8_word(const uint8_t *w)
+{
+    return (uint32_t)w[0] | (uint32_t)w[1] << 8 | (uint32_t)w[2] << 16 | (uint32_t)w[3] << 24;
+}
+static inline float pkv_i8_group_scale(uint32_t w, unsigned j)
+{
+    return __builtin_ldexpf(pkv_i8_steps()[(w >> (8 + 3 * j)) & 7u], (int8_t)(w & 0xffu));
+}
+
 /* Broken invariant: print where and abort. Never used for bad input. */
 #define PKV_ASSERT(cond)                                                                           \
     do {                                                                                           \

@@ -81,27 +81,81 @@ int pkv_backend_parse(const char *s, pkv_backend_t *out)
     return PKV_ERR_INVALID;
 }
 
-/* A scaled row: the codes, then the f32 scale (max |x| over the row's finite values /
- * the format's largest code; 0 for a row of zeros, whose codes are then all 0). */
-static void scaled_from_f32(pkv_dtype_t dt, uint8_t *dst, const float *src, size_t n)
+/* An fp8 row: the codes, then the f32 scale (max |x| over the row's finite values / 448;
+ * 0 for a row of zeros, whose codes are then all 0). */
+static void fp8_from_f32(uint8_t *dst, const float *src, size_t n)
 {
-    float amax = 0.0f, top = dt == PKV_DTYPE_INT8 ? 127.0f : 448.0f;
+    float amax = 0.0f;
     for (size_t i = 0; i < n; i++) {
         float a = fabsf(src[i]);
         if (a > amax && a <= FLT_MAX) amax = a;
     }
-    float scale = amax / top, inv = amax > 0.0f ? top / amax : 0.0f;
+    float scale = amax / 448.0f, inv = amax > 0.0f ? 448.0f / amax : 0.0f;
     for (size_t i = 0; i < n; i++) {
         float y = src[i] * inv; /* inf stays inf (saturates); NaN (also inf * 0) -> 0 */
-        if (isnan(y)) y = 0.0f;
-        if (dt == PKV_DTYPE_FP8) {
-            dst[i] = pkv_f32_to_fp8(y);
-        } else {
-            y = rintf(y); /* to nearest even */
-            dst[i] = (uint8_t)(int8_t)(y > 127.0f ? 127 : y < -127.0f ? -127 : (int)y);
-        }
+        dst[i] = pkv_f32_to_fp8(isnan(y) ? 0.0f : y);
     }
     memcpy(dst + n, &scale, sizeof(scale));
+}
+
+/* Squared error of lane group j of an int8 row stored with scale f (codes: x / f rounded to
+ * nearest even, clamped to +-127; non-finite values left out). */
+static float i8_group_sse(const float *src, size_t n, unsigned j, float f)
+{
+    float e = 0.0f;
+    for (size_t i = j; i < n; i += 8) {
+        if (!(fabsf(src[i]) <= FLT_MAX)) continue;
+        float y = rintf(src[i] / f);
+        y = y > 127.0f ? 127.0f : y < -127.0f ? -127.0f : y;
+        e += (src[i] - y * f) * (src[i] - y * f);
+    }
+    return e;
+}
+
+/* An int8 row (the scale word: src/core/core.h). E is the least exponent with 2^E * 127 >=
+ * the row's largest finite |x|. Each lane group's step: the largest k (smallest scale)
+ * whose 127 * scale still covers the group's largest finite |x|, or one or two steps
+ * coarser where that stores the group with less squared error (the rounding of 8 values
+ * at a given scale is luck: the best of three is ~10 % below the first); a group holding
+ * an infinity takes k = 0 (it saturates at 127 * 2^E). Codes are x / scale rounded to
+ * nearest even, NaN stored as 0. */
+static void int8_from_f32(uint8_t *dst, const float *src, size_t n)
+{
+    float gmax[8] = {0}, amax = 0.0f, f[8];
+    bool ginf[8] = {0};
+    for (size_t i = 0; i < n; i++) {
+        float a = fabsf(src[i]);
+        if (a > FLT_MAX)
+            ginf[i & 7] = true;
+        else if (a > gmax[i & 7])
+            gmax[i & 7] = a;
+    }
+    for (int j = 0; j < 8; j++) amax = gmax[j] > amax ? gmax[j] : amax;
+    int e = -124;
+    if (amax > 0.0f) {
+        int x;
+        float m = frexpf(amax / 127.0f, &x); /* amax / 127 = m * 2^x, m in [0.5, 1) */
+        e = m == 0.5f ? x - 1 : x;
+        e = e < -124 ? -124 : e > 121 ? 121 : e;
+    }
+    uint32_t w = (uint8_t)(int8_t)e;
+    for (unsigned j = 0; j < 8; j++) {
+        unsigned k = 7;
+        while (k > 0 && (ginf[j] || 127.0f * ldexpf(pkv_i8_steps()[k], e) < gmax[j])) k--;
+        float best = i8_group_sse(src, n, j, ldexpf(pkv_i8_steps()[k], e));
+        for (unsigned c = k, t = 0; c > 0 && t < 2 && best > 0.0f; t++) {
+            float err = i8_group_sse(src, n, j, ldexpf(pkv_i8_steps()[--c], e));
+            if (err < best) best = err, k = c;
+        }
+        w |= (uint32_t)k << (8 + 3 * j);
+        f[j] = pkv_i8_group_scale(w, j);
+    }
+    for (size_t i = 0; i < n; i++) {
+        float y = rintf(src[i] / f[i & 7]); /* to nearest even; inf saturates below */
+        if (isnan(y)) y = 0.0f;
+        dst[i] = (uint8_t)(int8_t)(y > 127.0f ? 127 : y < -127.0f ? -127 : (int)y);
+    }
+    for (int b = 0; b < 4; b++) dst[n + b] = (uint8_t)(w >> (8 * b));
 }
 
 void pkv_dtype_from_f32(pkv_dtype_t dt, void *dst, const float *src, size_t n)
@@ -118,8 +172,10 @@ void pkv_dtype_from_f32(pkv_dtype_t dt, void *dst, const float *src, size_t n)
         for (size_t i = 0; i < n; i++) d16[i] = pkv_f32_to_bf16(src[i]);
         break;
     case PKV_DTYPE_INT8:
+        int8_from_f32(dst, src, n);
+        break;
     case PKV_DTYPE_FP8:
-        scaled_from_f32(dt, dst, src, n);
+        fp8_from_f32(dst, src, n);
         break;
     }
 }
@@ -140,8 +196,8 @@ void pkv_dtype_to_f32(pkv_dtype_t dt, float *dst, const void *src, size_t n)
         for (size_t i = 0; i < n; i++) dst[i] = pkv_bf16_to_f32(s16[i]);
         break;
     case PKV_DTYPE_INT8:
-        memcpy(&scale, s8 + n, sizeof(scale));
-        for (size_t i = 0; i < n; i++) dst[i] = (float)(int8_t)s8[i] * scale;
+        for (size_t i = 0; i < n; i++)
+            dst[i] = (float)(int8_t)s8[i] * pkv_i8_group_scale(pkv_i8_word(s8 + n), i & 7);
         break;
     case PKV_DTYPE_FP8:
         memcpy(&scale, s8 + n, sizeof(scale));

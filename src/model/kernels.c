@@ -18,7 +18,7 @@
 
 static inline void row_to_f32(const void *src, pkv_dtype_t dt, uint32_t n, float *dst)
 {
-    switch (dt) { /* scaled dtypes: the codes' values; the row scale is applied by the caller */
+    switch (dt) { /* fp8: the codes' values; the row scale is applied by the caller */
     case PKV_DTYPE_F32:
         memcpy(dst, src, n * sizeof(float));
         break;
@@ -28,8 +28,10 @@ static inline void row_to_f32(const void *src, pkv_dtype_t dt, uint32_t n, float
     case PKV_DTYPE_BF16:
         for (uint32_t i = 0; i < n; i++) dst[i] = pkv_bf16_to_f32(((const uint16_t *)src)[i]);
         break;
-    case PKV_DTYPE_INT8:
-        for (uint32_t i = 0; i < n; i++) dst[i] = (float)((const int8_t *)src)[i];
+    case PKV_DTYPE_INT8: /* codes times their group's scale (scale word after the codes) */
+        for (uint32_t i = 0; i < n; i++)
+            dst[i] = (float)((const int8_t *)src)[i] *
+                     pkv_i8_group_scale(pkv_i8_word((const uint8_t *)src + n), i & 7);
         break;
     case PKV_DTYPE_FP8:
         for (uint32_t i = 0; i < n; i++) dst[i] = pkv_fp8_to_f32(((const uint8_t *)src)[i]);
@@ -37,7 +39,7 @@ static inline void row_to_f32(const void *src, pkv_dtype_t dt, uint32_t n, float
     }
 }
 
-/* Bytes of one value and of one row (values, then a scaled dtype's f32 scale). */
+/* Bytes of one value and of one row (values, then a scaled dtype's 4-byte scale). */
 static inline size_t dt_size(pkv_dtype_t dt)
 {
     return dt == PKV_DTYPE_F32 ? 4 : dt == PKV_DTYPE_F16 || dt == PKV_DTYPE_BF16 ? 2 : 1;
@@ -50,11 +52,12 @@ static inline size_t row_size(pkv_dtype_t dt, uint32_t hd)
 {
     return (size_t)hd * dt_size(dt) + (dt_scaled(dt) ? sizeof(float) : 0);
 }
-/* The scale of the row whose values start at row (hd values of one byte). */
-static inline float row_scale(const char *row, uint32_t hd)
+/* The f32 scale of an fp8 row whose values start at row (hd values of one byte); int8
+ * rows scale per lane group (pkv_i8_group_scale), and the caller sees 1 here. */
+static inline float row_scale(const char *row, uint32_t hd, pkv_dtype_t dt)
 {
-    float s;
-    memcpy(&s, row + hd, sizeof(s));
+    float s = 1.0f;
+    if (dt == PKV_DTYPE_FP8) memcpy(&s, row + hd, sizeof(s));
     return s;
 }
 
@@ -97,7 +100,7 @@ static void scores_portable(const float *qa, const float *qb, uint32_t na, uint3
             for (uint32_t p = runs[i].pos; p < p1; p++) {
                 const char *row = base + (size_t)(p - runs[i].pos) * rb;
                 row_to_f32(row, dt, hd, kt);
-                float rs = dt_scaled(dt) ? row_scale(row, hd) : 1.0f; /* x * 1 is x */
+                float rs = row_scale(row, hd, dt); /* x * 1 is x */
                 for (uint32_t j = 0; j < group; j++) {
                     size_t qi = (size_t)h * group + j;
                     if (p < na)
@@ -138,7 +141,7 @@ static void av_portable(const float *pa, const float *pb, uint32_t na, uint32_t 
             for (uint32_t p = runs[i].pos; p < p1; p++) {
                 const char *row = base + (size_t)(p - runs[i].pos) * rb;
                 row_to_f32(row, dt, hd, vt);
-                float rs = dt_scaled(dt) ? row_scale(row, hd) : 1.0f;
+                float rs = row_scale(row, hd, dt);
                 for (uint32_t j = 0; j < group; j++) {
                     size_t qi = (size_t)h * group + j;
                     if (p < na) {
@@ -229,13 +232,28 @@ AVX2_INLINE __m256 ld_dt(const void *p, pkv_dtype_t dt)
  * plain dtype, where the callers skip it. */
 AVX2_INLINE float rscale(const char *row, uint32_t hd, pkv_dtype_t dt)
 {
-    float s = dt_scaled(dt) ? row_scale(row, hd) : 1.0f;
-    return dt == PKV_DTYPE_FP8 ? s * 256.0f : s;
+    return row_scale(row, hd, PKV_DTYPE_FP8) * 256.0f;
+}
+/* An int8 row's 8 group scales (sw: its scale word): lane j is group j, the dims d with
+ * d mod 8 = j, i.e. lane j of every 8-dim vector of the row. The step table permuted by
+ * the 3-bit fields (permutevar reads an index's low 3 bits), then 2^E added to the
+ * exponents: the same bits as pkv_i8_group_scale. */
+AVX2_INLINE __m256 i8_scales(const char *sw)
+{
+    uint32_t w;
+    memcpy(&w, sw, sizeof(w)); /* little-endian: the word's byte order */
+    __m256i k = _mm256_srlv_epi32(_mm256_set1_epi32((int32_t)(w >> 8)),
+                                  _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21));
+    __m256 t = _mm256_permutevar8x32_ps(_mm256_loadu_ps(pkv_i8_steps()), k);
+    __m256i e = _mm256_set1_epi32((int32_t)(int8_t)(w & 0xffu) * (1 << 23));
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(t), e));
 }
 /* A V row's weight: p_t, times the row's factor for a scaled dtype (sp: the row's values
- * from dim d0, so its scale is at sp + soff, soff = hd - d0). */
+ * from dim d0, a multiple of 8, so its scale is at sp + soff, soff = hd - d0): for int8 a
+ * vector, lane j's dims being group j's. */
 AVX2_INLINE __m256 pweight(const float *p, const char *sp, size_t soff, pkv_dtype_t dt)
 {
+    if (dt == PKV_DTYPE_INT8) return _mm256_mul_ps(_mm256_broadcast_ss(p), i8_scales(sp + soff));
     if (!dt_scaled(dt)) return _mm256_broadcast_ss(p);
     return _mm256_set1_ps(*p * rscale(sp + soff, 0, dt));
 }
@@ -488,9 +506,19 @@ AVX2_INLINE void s_1x8(const float *q, const char *k, uint32_t nt, uint32_t hd, 
         a6 = _mm256_fmadd_ps(qv, ld_dt(k6 + o, dt), a6);
         a7 = _mm256_fmadd_ps(qv, ld_dt(k7 + o, dt), a7);
     }
+    if (dt == PKV_DTYPE_INT8) { /* lane j summed group j's dims: its scale, then the tree */
+        a0 = _mm256_mul_ps(a0, i8_scales(k0 + hd));
+        a1 = _mm256_mul_ps(a1, i8_scales(k1 + hd));
+        a2 = _mm256_mul_ps(a2, i8_scales(k2 + hd));
+        a3 = _mm256_mul_ps(a3, i8_scales(k3 + hd));
+        a4 = _mm256_mul_ps(a4, i8_scales(k4 + hd));
+        a5 = _mm256_mul_ps(a5, i8_scales(k5 + hd));
+        a6 = _mm256_mul_ps(a6, i8_scales(k6 + hd));
+        a7 = _mm256_mul_ps(a7, i8_scales(k7 + hd));
+    }
     __m256 a[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
     __m256 s = reduce8(a);
-    if (dt_scaled(dt))
+    if (dt == PKV_DTYPE_FP8)
         s = _mm256_mul_ps(s,
                           _mm256_set_ps(rscale(k7, hd, dt), rscale(k6, hd, dt), rscale(k5, hd, dt),
                                         rscale(k4, hd, dt), rscale(k3, hd, dt), rscale(k2, hd, dt),
@@ -540,9 +568,17 @@ AVX2_INLINE void s_2x4(const float *qa, const float *qb, const char *k, uint32_t
         a3 = _mm256_fmadd_ps(qav, kv, a3);
         b3 = _mm256_fmadd_ps(qbv, kv, b3);
     }
+    if (dt == PKV_DTYPE_INT8) { /* as s_1x8 */
+        __m256 f0 = i8_scales(k0 + hd), f1 = i8_scales(k1 + hd), f2 = i8_scales(k2 + hd);
+        __m256 f3 = i8_scales(k3 + hd);
+        a0 = _mm256_mul_ps(a0, f0), b0 = _mm256_mul_ps(b0, f0);
+        a1 = _mm256_mul_ps(a1, f1), b1 = _mm256_mul_ps(b1, f1);
+        a2 = _mm256_mul_ps(a2, f2), b2 = _mm256_mul_ps(b2, f2);
+        a3 = _mm256_mul_ps(a3, f3), b3 = _mm256_mul_ps(b3, f3);
+    }
     __m256 a[8] = {a0, a1, a2, a3, b0, b1, b2, b3};
     __m256 s = reduce8(a);
-    if (dt_scaled(dt)) {
+    if (dt == PKV_DTYPE_FP8) {
         float r0 = rscale(k0, hd, dt), r1 = rscale(k1, hd, dt), r2 = rscale(k2, hd, dt);
         float r3 = rscale(k3, hd, dt);
         s = _mm256_mul_ps(s, _mm256_set_ps(r3, r2, r1, r0, r3, r2, r1, r0));

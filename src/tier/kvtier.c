@@ -65,7 +65,10 @@ void pkv_kvtier_layout(const pkv_kv_t *kv, const char *model_identity,
                      "pagekv kv block layout 1 (canonical [layer][k,v][head][token][dim])\n"
                      "model %s\nlayers %u kv_heads %u head_dim %u dtype %s block_tokens %u tp %u\n",
                      model_identity ? model_identity : "", g->layers, g->kv_heads, g->head_dim,
-                     pkv_dtype_name(g->dtype), g->block_tokens, pkv_kv_tp(kv));
+                     /* int8 rows carry lane-group scales (format 2): records of the
+                        earlier per-row f32 scale read as another layout */
+                     g->dtype == PKV_DTYPE_INT8 ? "int8 format 2" : pkv_dtype_name(g->dtype),
+                     g->block_tokens, pkv_kv_tp(kv));
     SHA256((const unsigned char *)s, (size_t)PKV_MIN(n, (int)sizeof(s) - 1), out);
 }
 
