@@ -839,12 +839,12 @@ static void check_int8_row(const uint8_t *row, const float *in, const float *out
         unsigned kc = k;
         while (kc < 7 && 127.0f * ldexpf(pkv_i8_steps()[kc + 1], e) >= gmax[j]) kc++;
         ck_assert(kc - k <= 2);
-        float fc = ldexpf(pkv_i8_steps()[kc], e);
+        float fc = ldexpf(pkv_i8_steps()[kc], e), ic = 1.0f / fc;
         double got = 0, at_kc = 0;
-        for (int i = j; i < D; i += 8) {
+        for (int i = j; i < D; i += 8) { /* the codes: rint(x * (1 / scale)) */
+            double d = (double)rintf(in[i] * ic) * fc - in[i];
             got += ((double)out[i] - in[i]) * ((double)out[i] - in[i]);
-            at_kc +=
-                ((double)rintf(in[i] / fc) * fc - in[i]) * ((double)rintf(in[i] / fc) * fc - in[i]);
+            at_kc += d * d;
         }
         ck_assert(kc == k || got < at_kc * (1 + 1e-5));
     }

@@ -98,39 +98,72 @@ static void fp8_from_f32(uint8_t *dst, const float *src, size_t n)
     memcpy(dst + n, &scale, sizeof(scale));
 }
 
-/* Squared error of lane group j of an int8 row stored with scale f (codes: x / f rounded to
- * nearest even, clamped to +-127; non-finite values left out). */
-static float i8_group_sse(const float *src, size_t n, unsigned j, float f)
+/* The int8 encoder works on lanes (GCC vector types: per-lane IEEE operations, so the
+ * result is the scalar definition's on any target): lane j of every 8 values of a row is
+ * lane group j, held as two vectors of 4 (lanes 0-3, 4-7). */
+typedef float i8v_f __attribute__((vector_size(16)));
+typedef int32_t i8v_i __attribute__((vector_size(16)));
+
+static inline i8v_f i8v_sel(i8v_i m, i8v_f a, i8v_f b) /* m ? a : b, per lane */
 {
-    float e = 0.0f;
-    for (size_t i = j; i < n; i += 8) {
-        if (!(fabsf(src[i]) <= FLT_MAX)) continue;
-        float y = rintf(src[i] / f);
-        y = y > 127.0f ? 127.0f : y < -127.0f ? -127.0f : y;
-        e += (src[i] - y * f) * (src[i] - y * f);
-    }
-    return e;
+    return (i8v_f)(((i8v_i)a & m) | ((i8v_i)b & ~m));
+}
+
+/* Values [c, c + 4) of a row of n (zeros past its end). */
+static inline i8v_f i8v_load(const float *src, size_t c, size_t n)
+{
+    i8v_f x = {0};
+    if (c + 4 <= n)
+        memcpy(&x, src + c, sizeof(x));
+    else
+        for (size_t i = c; i < n; i++) x[i - c] = src[i];
+    return x;
+}
+
+/* Codes: y = x times the reciprocal of its group's scale, clamped to +-127, rounded to
+ * nearest even (adding 1.5 * 2^23: exact for |y| <= 127, as rint in the default rounding
+ * mode); NaN gives 0. */
+static inline i8v_f i8v_code(i8v_f x, i8v_f inv)
+{
+    const i8v_f top = {127, 127, 127, 127}, zero = {0};
+    const i8v_f rnd = {0x1.8p23f, 0x1.8p23f, 0x1.8p23f, 0x1.8p23f};
+    i8v_f y = x * inv;
+    y = i8v_sel(y > top, top, y);
+    y = i8v_sel(y < -top, -top, y);
+    y = i8v_sel(y == y, y, zero);
+    return (y + rnd) - rnd;
+}
+
+/* Lanes [4h, 4h + 4) of v (8 floats). */
+static inline i8v_f i8v_half(const float *v, int h)
+{
+    i8v_f x;
+    memcpy(&x, v + 4 * h, sizeof(x));
+    return x;
 }
 
 /* An int8 row (the scale word: src/core/core.h). E is the least exponent with 2^E * 127 >=
  * the row's largest finite |x|. Each lane group's step: the largest k (smallest scale)
  * whose 127 * scale still covers the group's largest finite |x|, or one or two steps
- * coarser where that stores the group with less squared error (the rounding of 8 values
- * at a given scale is luck: the best of three is ~10 % below the first); a group holding
- * an infinity takes k = 0 (it saturates at 127 * 2^E). Codes are x / scale rounded to
- * nearest even, NaN stored as 0. */
+ * coarser where that stores the group with less squared error (which scale rounds 8 given
+ * values best is luck: the best of three is ~10 % below the first); a group holding an
+ * infinity takes k = 0 (it saturates at 127 * 2^E). Codes: i8v_code. Lane vectors
+ * throughout (two of 4 lanes: h = 0, 1); scalars only where a lane's step picks its scale
+ * from the table. */
 static void int8_from_f32(uint8_t *dst, const float *src, size_t n)
 {
-    float gmax[8] = {0}, amax = 0.0f, f[8];
-    bool ginf[8] = {0};
-    for (size_t i = 0; i < n; i++) {
-        float a = fabsf(src[i]);
-        if (a > FLT_MAX)
-            ginf[i & 7] = true;
-        else if (a > gmax[i & 7])
-            gmax[i & 7] = a;
-    }
-    for (int j = 0; j < 8; j++) amax = gmax[j] > amax ? gmax[j] : amax;
+    const i8v_f big = {FLT_MAX, FLT_MAX, FLT_MAX, FLT_MAX}, zero = {0};
+    const i8v_i absm = {INT32_MAX, INT32_MAX, INT32_MAX, INT32_MAX}, none = {0};
+    i8v_f g[2] = {{0}, {0}};
+    i8v_i inf[2] = {{0}, {0}};
+    for (size_t c = 0; c < n; c += 8)
+        for (int h = 0; h < 2; h++) {
+            i8v_f a = (i8v_f)((i8v_i)i8v_load(src, c + 4 * h, n) & absm);
+            inf[h] |= a > big; /* NaN compares false */
+            g[h] = i8v_sel((a <= big) & (a > g[h]), a, g[h]);
+        }
+    float amax = 0.0f, sc[8], inv[8];
+    for (int j = 0; j < 8; j++) amax = g[j / 4][j % 4] > amax ? g[j / 4][j % 4] : amax;
     int e = -124;
     if (amax > 0.0f) {
         int x;
@@ -138,22 +171,53 @@ static void int8_from_f32(uint8_t *dst, const float *src, size_t n)
         e = m == 0.5f ? x - 1 : x;
         e = e < -124 ? -124 : e > 121 ? 121 : e;
     }
-    uint32_t w = (uint8_t)(int8_t)e;
-    for (unsigned j = 0; j < 8; j++) {
-        unsigned k = 7;
-        while (k > 0 && (ginf[j] || 127.0f * ldexpf(pkv_i8_steps()[k], e) < gmax[j])) k--;
-        float best = i8_group_sse(src, n, j, ldexpf(pkv_i8_steps()[k], e));
-        for (unsigned c = k, t = 0; c > 0 && t < 2 && best > 0.0f; t++) {
-            float err = i8_group_sse(src, n, j, ldexpf(pkv_i8_steps()[--c], e));
-            if (err < best) best = err, k = c;
+    float p2 = ldexpf(1.0f, e); /* a step times 2^E is exact: every scale is normal */
+    for (int k = 0; k < 8; k++) sc[k] = pkv_i8_steps()[k] * p2, inv[k] = 1.0f / sc[k];
+    /* kc: how many of steps 1..7 cover the group (the scales fall with k); 0 with an
+     * infinity. Then the SSE of steps kc, kc - 1, kc - 2 (where >= 0), the best kept. */
+    i8v_i kc[2] = {{0}, {0}}, kb[2];
+    for (int k = 1; k < 8; k++)
+        for (int h = 0; h < 2; h++) {
+            i8v_f cover = {127.0f * sc[k], 127.0f * sc[k], 127.0f * sc[k], 127.0f * sc[k]};
+            kc[h] -= (cover >= g[h]) & ~inf[h];
         }
-        w |= (uint32_t)k << (8 + 3 * j);
-        f[j] = pkv_i8_group_scale(w, j);
+    i8v_f best[2] = {{0}, {0}};
+    kb[0] = kc[0], kb[1] = kc[1];
+    for (int t = 0; t < 3; t++) {
+        float li[8], ls[8];
+        for (int j = 0; j < 8; j++) {
+            int k = kc[j / 4][j % 4] - t;
+            li[j] = inv[k < 0 ? 0 : k], ls[j] = sc[k < 0 ? 0 : k];
+        }
+        for (int h = 0; h < 2; h++) {
+            i8v_f l = i8v_half(li, h), s = i8v_half(ls, h), err = {0};
+            for (size_t c = 4 * (size_t)h; c < n; c += 8) { /* non-finite values left out */
+                i8v_f x = i8v_load(src, c, n);
+                x = i8v_sel((i8v_f)((i8v_i)x & absm) <= big, x, zero);
+                i8v_f d = x - i8v_code(x, l) * s;
+                err += d * d;
+            }
+            i8v_i tv = {t, t, t, t}, take = t == 0 ? ~none : (kc[h] >= tv) & (err < best[h]);
+            best[h] = i8v_sel(take, err, best[h]);
+            kb[h] = (kb[h] & ~take) | ((kc[h] - tv) & take);
+        }
     }
-    for (size_t i = 0; i < n; i++) {
-        float y = rintf(src[i] / f[i & 7]); /* to nearest even; inf saturates below */
-        if (isnan(y)) y = 0.0f;
-        dst[i] = (uint8_t)(int8_t)(y > 127.0f ? 127 : y < -127.0f ? -127 : (int)y);
+    uint32_t w = (uint8_t)(int8_t)e;
+    float li[8];
+    for (int j = 0; j < 8; j++) {
+        w |= (uint32_t)kb[j / 4][j % 4] << (8 + 3 * j);
+        li[j] = inv[kb[j / 4][j % 4]];
+    }
+    for (size_t c = 0; c < n; c += 4) {
+        i8v_i q = __builtin_convertvector(
+            i8v_code(i8v_load(src, c, n), i8v_half(li, (int)(c / 4 % 2))), i8v_i);
+        if (c + 4 <= n) {
+            typedef int8_t i8v_b __attribute__((vector_size(4)));
+            i8v_b b = __builtin_convertvector(q, i8v_b);
+            memcpy(dst + c, &b, 4);
+        } else {
+            for (size_t j = 0; c + j < n; j++) dst[c + j] = (uint8_t)(int8_t)q[j];
+        }
     }
     for (int b = 0; b < 4; b++) dst[n + b] = (uint8_t)(w >> (8 * b));
 }

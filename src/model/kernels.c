@@ -235,17 +235,18 @@ AVX2_INLINE float rscale(const char *row, uint32_t hd, pkv_dtype_t dt)
     return row_scale(row, hd, PKV_DTYPE_FP8) * 256.0f;
 }
 /* An int8 row's 8 group scales (sw: its scale word): lane j is group j, the dims d with
- * d mod 8 = j, i.e. lane j of every 8-dim vector of the row. The step table permuted by
- * the 3-bit fields (permutevar reads an index's low 3 bits), then 2^E added to the
- * exponents: the same bits as pkv_i8_group_scale. */
+ * d mod 8 = j, i.e. lane j of every 8-dim vector of the row. The word broadcast, the step
+ * table permuted by each lane's 3-bit field shifted down (permutevar reads an index's low
+ * 3 bits), then E (the low byte, sign-extended into bits 23-31) added to the exponents:
+ * the same bits as pkv_i8_group_scale, in six vector operations. */
 AVX2_INLINE __m256 i8_scales(const char *sw)
 {
-    uint32_t w;
+    int32_t w;
     memcpy(&w, sw, sizeof(w)); /* little-endian: the word's byte order */
-    __m256i k = _mm256_srlv_epi32(_mm256_set1_epi32((int32_t)(w >> 8)),
-                                  _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21));
+    __m256i v = _mm256_set1_epi32(w);
+    __m256i k = _mm256_srlv_epi32(v, _mm256_setr_epi32(8, 11, 14, 17, 20, 23, 26, 29));
     __m256 t = _mm256_permutevar8x32_ps(_mm256_loadu_ps(pkv_i8_steps()), k);
-    __m256i e = _mm256_set1_epi32((int32_t)(int8_t)(w & 0xffu) * (1 << 23));
+    __m256i e = _mm256_srai_epi32(_mm256_slli_epi32(v, 24), 1);
     return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(t), e));
 }
 /* A V row's weight: p_t, times the row's factor for a scaled dtype (sp: the row's values
@@ -928,7 +929,9 @@ AVX2_INLINE void av1_dt(const float *p, uint32_t n, const pkv_kv_run_t *runs, ui
                 size_t qa = (size_t)h * group + j, qb = qa + group;
                 const float *pa = p + qa * pstride, *pb = p + qb * pstride;
                 float *aa = acc + qa * hd, *ab = acc + qb * hd;
-                if (!a.base || !b.base) {
+                /* int8 reads a piece whole (its 8 group scales once per token, as in
+                 * av1_run with 8 vectors), still in the skewed order: the same bits */
+                if (!a.base || !b.base || (dt == PKV_DTYPE_INT8 && hd % 64 == 0)) {
                     if (a.base) av1_piece(&a, pa, aa, hd, ts, es, dt, j == 0);
                     if (b.base) av1_piece(&b, pb, ab, hd, ts, es, dt, j == 0);
                     continue;

@@ -603,11 +603,13 @@ static int collect_runs(pkv_model_t *m, uint32_t nseg, uint32_t layer)
     return PKV_OK;
 }
 
-static void write_kv(pkv_model_t *m, uint32_t rows, uint32_t layer, pkv_dtype_t dt)
+/* K/V of rows [r0, r1) of this pass into their slots of layer `layer`, converted to dt
+ * (every rank holding a head gets it). */
+static void write_kv_rows(pkv_model_t *m, uint32_t r0, uint32_t r1, uint32_t layer, pkv_dtype_t dt)
 {
     const pkv_model_config_t *c = &m->cfg;
     uint32_t hd = c->head_dim;
-    for (uint32_t r = 0; r < rows; r++) {
+    for (uint32_t r = r0; r < r1; r++) {
         const float *k = m->qkv + (size_t)r * m->ld_qkv + m->qdim;
         const float *v = k + m->kvdim;
         void *kp, *vp;
@@ -632,6 +634,35 @@ static void write_kv(pkv_model_t *m, uint32_t rows, uint32_t layer, pkv_dtype_t 
             }
         }
     }
+}
+
+enum { WKV_ROWS = 16 }; /* rows per write task */
+typedef struct {
+    pkv_model_t *m;
+    uint32_t rows, layer;
+    pkv_dtype_t dt;
+} wkv_job_t;
+
+static void wkv_task(void *arg, uint32_t task, uint32_t thread)
+{
+    (void)thread;
+    const wkv_job_t *j = arg;
+    uint32_t r0 = task * WKV_ROWS;
+    write_kv_rows(j->m, r0, PKV_MIN(j->rows, r0 + WKV_ROWS), j->layer, j->dt);
+}
+
+/* A prefill pass's rows are written in parallel (each row its own slots: disjoint outputs,
+ * and a row's bytes depend on its values alone); the conversion of a quantized dtype
+ * costs ~0.3 us a row, which one thread would add to every prefilled token. */
+static void write_kv(pkv_model_t *m, uint32_t rows, uint32_t layer, pkv_dtype_t dt)
+{
+    wkv_job_t j = {.m = m, .rows = rows, .layer = layer, .dt = dt};
+    uint32_t n = PKV_DIV_UP(rows, WKV_ROWS);
+    if (n < 2) {
+        write_kv_rows(m, 0, rows, layer, dt);
+        return;
+    }
+    model_tpool_run(m->pool, wkv_task, &j, n);
 }
 
 static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg, uint32_t rows,
