@@ -641,6 +641,54 @@ START_TEST(prefix_hits_reported)
 }
 END_TEST
 
+/* params.seq: a sequence holding the prompt's first 39 of 41 positions (9 whole blocks of
+ * 4 and a partial one, written by the model, as a decode leg's pull leaves it) is taken at
+ * admission: the engine computes only the rest, and the tokens are the ones computed from
+ * scratch. A given sequence that leaves nothing to compute is refused (the caller keeps
+ * it); one whose request is cancelled before admission is freed with it. */
+START_TEST(given_sequence_continues_the_prompt)
+{
+    rig_t r;
+    rig_init(&r, PKV_BACKEND_PAGED, 0, (pkv_engine_config_t){0});
+    int32_t prompt[41], want[6];
+    make_prompt(prompt, 41, 11);
+    direct_greedy(r.m, prompt, 41, 6, want);
+    pkv_seq_params_t sp = {.tokens = prompt, .n_tokens = 41};
+    pkv_seq_t *seq;
+    uint32_t cached;
+    ck_assert_int_eq(pkv_seq_create(r.kv, &sp, &seq, &cached), PKV_OK);
+    ck_assert_uint_eq(cached, 0);
+    pkv_model_item_t it = {.seq = seq, .tokens = prompt, .n_tokens = 39};
+    ck_assert_int_eq(pkv_model_forward(r.m, r.kv, &it, 1), PKV_OK);
+    ck_assert_uint_eq(pkv_seq_length(seq), 39);
+    pkv_request_params_t p = {.prompt = prompt, .n_prompt = 39, .max_tokens = 6, .seq = seq};
+    pkv_request_t *q;
+    ck_assert_int_eq(pkv_engine_submit(r.e, &p, &q), PKV_ERR_INVALID); /* nothing left */
+    p.n_prompt = 41;
+    ck_assert_int_eq(pkv_engine_submit(r.e, &p, &q), PKV_OK);
+    collected_t c;
+    collect(q, &c);
+    pkv_request_release(q);
+    ck_assert_uint_eq(c.n, 6);
+    ck_assert_mem_eq(c.toks, want, sizeof(want));
+    ck_assert_uint_eq(c.last.cached_tokens, 39);
+    pkv_engine_stats_t st;
+    pkv_engine_stats(r.e, &st);
+    ck_assert_uint_eq(st.cached_tokens, 39);
+    rig_fini(&r);
+
+    rig_init(&r, PKV_BACKEND_PAGED, 0, (pkv_engine_config_t){.manual = true});
+    ck_assert_int_eq(pkv_seq_create(r.kv, &sp, &seq, &cached), PKV_OK);
+    p.seq = seq;
+    ck_assert_int_eq(pkv_engine_submit(r.e, &p, &q), PKV_OK);
+    pkv_request_release(q); /* queued, never admitted: the sequence goes with it */
+    pkv_kv_stats_t ks;
+    pkv_kv_stats(r.kv, &ks);
+    ck_assert_uint_eq(ks.sequences, 0);
+    rig_fini(&r);
+}
+END_TEST
+
 /* keep_blocks: a finished request's prompt blocks stay pinned until its release, then
  * the full ones are ordinary prefix-cache blocks; cancelled requests and the dense
  * backend keep nothing. */
@@ -935,6 +983,7 @@ static Suite *engine_suite(void)
     tcase_add_test(tc, preemption_fewest_generated_then_newest);
     tcase_add_test(tc, seeded_sampling_is_reproducible);
     tcase_add_test(tc, prefix_hits_reported);
+    tcase_add_test(tc, given_sequence_continues_the_prompt);
     tcase_add_test(tc, keep_blocks_pins_until_release);
     tcase_add_test(tc, notify_and_destroy_with_live_requests);
     tcase_add_test(tc, concurrent_clients);

@@ -396,7 +396,7 @@ static long long pulled_bytes(const char *preset, pkv_dtype_t dt, long long *blo
     pkv_server_t *pre = node(PKV_SERVER_ROLE_PREFILL, preset, dt);
     pkv_server_t *dec = node(PKV_SERVER_ROLE_DECODE, preset, dt);
     json_t *req = json_pack("{s:s, s:s, s:i, s:f}", "model", preset, "prompt",
-                            "The same prompt for both formats: the decode leg pulls its whole "
+                            "The same prompt for both formats: the decode leg pulls its "
                             "blocks, and the bytes that cross the wire are the blocks' bytes in "
                             "the node's KV format, no more",
                             "max_tokens", 2, "temperature", 0.0);
@@ -406,6 +406,12 @@ static long long pulled_bytes(const char *preset, pkv_dtype_t dt, long long *blo
     ck_assert_int_eq(d.status, 200);
     long long bytes = ts_ji(d.doc, "pagekv_timings.kv_pulled_bytes");
     *blocks = ts_ji(d.doc, "pagekv_timings.kv_pulled_blocks");
+    /* The decode node computes the last prompt token only: every other position came by
+     * the pull, the last block partial (this prompt does not end a block). */
+    long long np = ts_ji(d.doc, "usage.prompt_tokens");
+    ck_assert_int_ne((np - 1) % 16, 0);
+    ck_assert_int_eq(ts_ji(d.doc, "usage.prompt_tokens_details.cached_tokens"), np - 1);
+    ck_assert_int_eq(*blocks, (np - 1 + 15) / 16);
     json_t *k = kv_stats(port_of(dec)), *p = kv_stats(port_of(pre));
     ck_assert_int_eq(ts_ji(k, "transfers.bytes_received"), bytes);
     ck_assert_int_eq(ts_ji(p, "transfers.bytes_sent"), bytes);

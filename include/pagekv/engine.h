@@ -98,6 +98,14 @@ typedef struct {
      * request's last reference (pkv_request_release), so the KV cache must outlive it.
      * Full blocks are prefix-cache blocks as usual once unpinned. */
     bool keep_blocks;
+    /* Optional: a sequence of this engine's KV cache that holds the K/V of the prompt's first
+     * pkv_seq_length(seq) tokens (fewer than n_prompt; made with the prompt's tokens and
+     * salt, as a disaggregated decode leg's pull makes it, its last block possibly
+     * partial). The first admission takes it in place of the prefix cache's match and
+     * computes from there (a preempted request recomputes as any other). On PKV_OK the
+     * engine owns it, freed with the request whatever its outcome; otherwise the caller
+     * still does. */
+    pkv_seq_t *seq;
     /* Called from the run loop after new output or the finish was published, outside
      * every lock. Must not block; may call pkv_request_read/cancel/release. */
     void (*notify)(void *arg);

@@ -168,7 +168,8 @@ struct pkv_disagg_pull {
     void *arg;
     /* the worker's alone, from begin to the end */
     pkv_seq_t *seq;
-    uint32_t have, want; /* whole blocks adopted locally; whole blocks the engine adopts */
+    uint32_t have, want; /* whole blocks adopted locally; blocks holding the prompt but its
+                            last token (the last one possibly partial) */
     dg_read_t *plan;
     pkv_xfer_read_t **rd; /* [m]: the first `started` were started */
     uint32_t m, started;
@@ -220,11 +221,14 @@ static void pull_read_done(void *arg, pkv_xfer_read_t *rd, int outcome)
 }
 
 /* The worker starts a queued pull: its sequence, adopting what this node's prefix cache
- * holds, then its reads. Of the whole blocks the engine will adopt at admission (all but
- * the last prompt token's: it computes at least that one) only those the cache lacks are
- * pulled; when it lacks none, the token alone goes to the producer (a release), which
- * returns its pins at once. Every local rank pulls the heads it holds from the prefill
- * ranks that hold them, all at once, by one deadline. */
+ * holds, then its reads. The sequence goes to the engine whole (pkv_request_params_t.seq)
+ * holding every prompt position but the last (the engine computes that one, and with it
+ * the first token), so the blocks of positions [0, n_prompt - 1) the cache lacks are
+ * pulled, the last of them partial unless n_prompt - 1 is a multiple of the block size
+ * (the producer registered it: keep_blocks pins ceil(n_prompt / block_tokens)). When the
+ * cache lacks none, the token alone goes to the producer (a release), which returns its
+ * pins at once. Every local rank pulls the heads it holds from the prefill ranks that
+ * hold them, all at once, by one deadline. */
 static void pull_begin(pkv_disagg_pull_t *pl, bool stopping)
 {
     pkv_disagg_node_t *n = pl->n;
@@ -236,7 +240,7 @@ static void pull_begin(pkv_disagg_pull_t *pl, bool stopping)
     }
     pkv_seq_params_t sp = {.salt = pl->salt, .tokens = pl->ids, .n_tokens = pl->n_prompt};
     uint32_t cached = 0, bt = pl->hs[0]->geo.block_tokens, kvh = pl->hs[0]->geo.kv_heads;
-    pl->want = (pl->n_prompt - 1) / bt;
+    pl->want = PKV_DIV_UP(pl->n_prompt - 1, bt);
     int rc = pkv_seq_create(n->kv, &sp, &pl->seq, &cached);
     if (rc) {
         pl->rc = rc;
@@ -296,8 +300,8 @@ static void pull_begin(pkv_disagg_pull_t *pl, bool stopping)
 }
 
 /* The worker ends a pull: every read's outcome (a read still without one by the deadline +
- * 1 s is a timeout), the worst of them the pull's; on ok the positions up to `want` whole
- * blocks recorded as written (the first `have` already were: adopted) and the phases
+ * 1 s is a timeout), the worst of them the pull's; on ok the positions [0, n_prompt - 1)
+ * recorded as written (the first `have` blocks' already were: adopted) and the phases
  * counted from the slowest read; otherwise the sequence freed (every page and pin returns)
  * and the client's error, or, by --kv-load-failure recompute, no sequence and ok. */
 static void pull_end(pkv_disagg_pull_t *pl, bool all_in)
@@ -336,7 +340,7 @@ static void pull_end(pkv_disagg_pull_t *pl, bool all_in)
     if (pl->m) pull_inflight(n, -1);
     uint32_t cached = pl->have * bt;
     if (outcome == PKV_OK && n_pull)
-        outcome = pkv_seq_append(pl->seq, pl->ids + cached, pl->want * bt - cached);
+        outcome = pkv_seq_append(pl->seq, pl->ids + cached, pl->n_prompt - 1 - cached);
     if (outcome == PKV_OK && timed && n_pull && last)
         pull_phases(n, &rt, pl->t0, pkv_now_ns(), &pl->tm);
     if (outcome == PKV_OK) {

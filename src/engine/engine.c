@@ -17,7 +17,8 @@
  *   1. finish running requests whose cancel flag is set (sequence freed);
  *   2. admit queued requests (best first: priority, then arrival) while fewer than
  *      max_batch_size run: pkv_seq_create pre-sizes the prompt (+ reserve_ahead) and
- *      adopts a cached prefix; NOSPACE puts the request back and ends admission;
+ *      adopts a cached prefix (or the sequence the caller gave is taken and reserved);
+ *      NOSPACE puts the request back and ends admission;
  *   3. plan: every running request whose next token is its last known one decodes 1
  *      token; the others get prompt chunks (<= prefill_chunk) within step_tokens; each
  *      sequence reserves its positions, preempting victims on NOSPACE;
@@ -71,7 +72,8 @@ struct pkv_request {
     size_t text_len, text_cap;
     retired_text_t *retired;
     bool admitted;
-    uint32_t *kept; /* (n_kept_max) keep_blocks: pinned at a stop/length finish */
+    pkv_seq_t *given; /* params.seq until the first admission takes it */
+    uint32_t *kept;   /* (n_kept_max) keep_blocks: pinned at a stop/length finish */
     uint32_t n_kept;
 
     /* e->lock */
@@ -158,6 +160,7 @@ static void request_free(pkv_request_t *r)
         free(t);
     }
     if (r->n_kept) pkv_kv_unpin(e->cfg.kv, r->kept, r->n_kept);
+    pkv_seq_free(r->given); /* finished before an admission took it */
     free(r->kept);
     free(r->text);
     free(r->logits);
@@ -289,6 +292,8 @@ static void run_finish(pkv_engine_t *e, pkv_request_t *r, pkv_finish_t why, int 
         pkv_seq_free(r->seq);
         r->seq = NULL;
     }
+    pkv_seq_free(r->given); /* not admitted: its KV goes now, not with the last reference */
+    r->given = NULL;
     if (was_running) running_remove(e, r);
     pthread_mutex_lock(&e->lock);
     finish_locked(e, r, why, status, text_end);
@@ -346,14 +351,23 @@ static int admit(pkv_engine_t *e, pkv_request_t *r)
     if (reserve < n_total) reserve = n_total;
     pkv_seq_params_t sp = {
         .salt = r->salt, .tokens = r->tokens, .n_tokens = n_total, .reserve_tokens = reserve};
-    pkv_seq_t *seq = NULL;
+    pkv_seq_t *seq = r->given;
     uint32_t cached = 0;
-    int rc = pkv_seq_create(e->cfg.kv, &sp, &seq, &cached);
-    if (rc == PKV_ERR_NOSPACE && reserve > n_total) {
-        sp.reserve_tokens = n_total;
+    int rc;
+    if (seq) { /* the caller's KV of the prompt's start: reserve the rest, compute from there */
+        cached = pkv_seq_length(seq);
+        rc = pkv_seq_reserve(seq, reserve);
+        if (rc == PKV_ERR_NOSPACE && reserve > n_total) rc = pkv_seq_reserve(seq, n_total);
+        if (rc) return rc; /* still given: a retry (NOSPACE) or the finish frees it */
+        r->given = NULL;
+    } else {
         rc = pkv_seq_create(e->cfg.kv, &sp, &seq, &cached);
+        if (rc == PKV_ERR_NOSPACE && reserve > n_total) {
+            sp.reserve_tokens = n_total;
+            rc = pkv_seq_create(e->cfg.kv, &sp, &seq, &cached);
+        }
+        if (rc) return rc;
     }
-    if (rc) return rc;
     PKV_ASSERT(cached < n_total);
     r->seq = seq;
     r->computed = cached;
@@ -827,6 +841,8 @@ static const char *request_params_why(const pkv_engine_t *e, const pkv_request_p
         return "want_logits: max_tokens x vocab too large";
     if (p->keep_blocks && pkv_kv_backend(e->cfg.kv) != PKV_BACKEND_PAGED)
         return "keep_blocks needs the paged backend";
+    if (p->seq && pkv_seq_length(p->seq) >= p->n_prompt)
+        return "a given sequence must leave a prompt token to compute";
     for (uint32_t i = 0; i < p->n_stop; i++) {
         size_t l = p->stop && p->stop[i] ? strlen(p->stop[i]) : 0;
         if (!l || l >= PKV_ENGINE_MAX_STOP_LEN) return "stop strings must be 1..127 bytes";
@@ -878,6 +894,7 @@ static void request_fill(pkv_request_t *r, pkv_engine_t *e, const pkv_request_pa
     }
     r->notify = p->notify;
     r->notify_arg = p->notify_arg;
+    r->given = p->seq;
     r->refs = 2; /* caller + engine */
 }
 

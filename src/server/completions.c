@@ -438,14 +438,16 @@ static int gen_enter(pkv_server_t *s, http_req_t *hr, const pkv_openai_request_t
     return PKV_OK;
 }
 
-/* Submit a request gen_enter counted. PKV_OK with run->req, run->id and run->created;
- * otherwise *err (the refusal counted). */
+/* Submit a request gen_enter counted (seq: a decode leg's pulled prompt, the engine's on
+ * PKV_OK; NULL otherwise). PKV_OK with run->req, run->id and run->created; otherwise *err
+ * (the refusal counted). */
 static int gen_submit(pkv_server_t *s, const pkv_openai_request_t *r, const int32_t *ids,
-                      gen_run_t *run, pkv_openai_error_t *err)
+                      pkv_seq_t *seq, gen_run_t *run, pkv_openai_error_t *err)
 {
     uint64_t id = run->rid, seed = run->seed;
     run->ids = ids;
     pkv_request_params_t p = {.keep_blocks = run->prefill_leg,
+                              .seq = seq,
                               .prompt = ids,
                               .n_prompt = run->n_prompt,
                               .max_tokens = run->max_tokens,
@@ -677,7 +679,7 @@ struct srv_gen_req {
     int32_t *ids;
     gen_stage_t stage;
     pkv_disagg_pull_t *pull; /* GEN_PULLING */
-    pkv_seq_t *pulled;       /* a decode leg's pulled prompt, until the request is admitted */
+    pkv_seq_t *pulled;       /* a decode leg's pulled prompt, until it is submitted */
     char *acc;               /* GEN_WHOLE: the text so far */
     size_t acc_len, acc_cap;
 };
@@ -713,11 +715,12 @@ void srv_generate_free(pkv_server_t *s, http_req_t *hr)
 static int gen_start(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr, srv_gen_req_t *g,
                      pkv_openai_error_t *err)
 {
-    int rc = gen_submit(s, &g->r, g->ids, &g->run, err);
+    int rc = gen_submit(s, &g->r, g->ids, g->pulled, &g->run, err);
     if (rc) return rc;
     if (s->role == PKV_SERVER_ROLE_DECODE && g->r.kvt == PKV_OPENAI_KVT_NONE)
         pkv_disagg_node_count_local(s->kvn); /* a router's fallback: computed here */
     g->run.decode_leg = g->pulled != NULL;
+    g->pulled = NULL; /* the engine's now: it computes from the pulled prompt's end */
     char xrid[129];
     request_id_of(c, xrid);
     PKV_LOGI("server", "%s: request %llu (%s), X-Request-Id %s", srv_route_label[hr->route],
@@ -750,8 +753,6 @@ static bool gen_step(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr, 
     }
     if (g->stage == GEN_FIRST) {
         if (pkv_request_read(g->run.req, 0, &o) == PKV_ERR_TIMEOUT) return false;
-        pkv_seq_free(g->pulled); /* admitted: the engine adopted what it pulled */
-        g->pulled = NULL;
         if (s->tier) tier_admitted(s, &g->run, &o);
         if (g->r.stream) {
             *ret = answer_stream(s, c, hr, &g->run, &o, g->r.include_usage);
