@@ -13,6 +13,10 @@ set -u
 # exit (glibc madvises its stack) then crashes inside the hook. Tests need no UCX memory
 # events, so turn them off for TSan runs.
 case "${SAN:-}" in *thread*) export UCX_MEM_EVENTS="${UCX_MEM_EVENTS:-no}" ;; esac
+# Check's per-test timeouts (a hang's kill, not an assertion) stretched under a sanitizer,
+# which runs the same work several times slower (test_xfer's 18 agent pairs of one test
+# took past its 60 s under TSan).
+[ -n "${SAN:-}" ] && export CK_TIMEOUT_MULTIPLIER="${CK_TIMEOUT_MULTIPLIER:-3}"
 # LeakSanitizer: leaks inside UCX itself are suppressed (tests/lsan.supp says which); the
 # children the tests spawn (pagekv serve, pagekv route) inherit it.
 case "${SAN:-}" in *address*) export LSAN_OPTIONS="suppressions=$(cd "$(dirname "$0")/.." && pwd)/tests/lsan.supp${LSAN_OPTIONS:+:$LSAN_OPTIONS}" ;; esac
