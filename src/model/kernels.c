@@ -929,9 +929,9 @@ AVX2_INLINE void av1_dt(const float *p, uint32_t n, const pkv_kv_run_t *runs, ui
                 size_t qa = (size_t)h * group + j, qb = qa + group;
                 const float *pa = p + qa * pstride, *pb = p + qb * pstride;
                 float *aa = acc + qa * hd, *ab = acc + qb * hd;
-                /* int8 reads a piece whole (its 8 group scales once per token, as in
-                 * av1_run with 8 vectors), still in the skewed order: the same bits */
-                if (!a.base || !b.base || (dt == PKV_DTYPE_INT8 && hd % 64 == 0)) {
+                /* int8 and fp8 read a piece whole (a row's scale work once per token, as
+                 * in av1_run with 8 vectors), still in the skewed order: the same bits */
+                if (!a.base || !b.base || (dt_scaled(dt) && hd % 64 == 0)) {
                     if (a.base) av1_piece(&a, pa, aa, hd, ts, es, dt, j == 0);
                     if (b.base) av1_piece(&b, pb, ab, hd, ts, es, dt, j == 0);
                     continue;
