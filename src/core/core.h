@@ -150,6 +150,12 @@ static inline float pkv_i8_group_scale(uint32_t w, unsigned j)
 {
     return __builtin_ldexpf(pkv_i8_steps()[(w >> (8 + 3 * j)) & 7u], (int8_t)(w & 0xffu));
 }
+/* The 8 group scales of the row whose scale word is at sw. */
+static inline void pkv_i8_scales(const uint8_t *sw, float f[8])
+{
+    uint32_t w = pkv_i8_word(sw);
+    for (unsigned j = 0; j < 8; j++) f[j] = pkv_i8_group_scale(w, j);
+}
 
 /* Broken invariant: print where and abort. Never used for bad input. */
 #define PKV_ASSERT(cond)                                                                           \

@@ -248,7 +248,7 @@ void pkv_dtype_to_f32(pkv_dtype_t dt, float *dst, const void *src, size_t n)
 {
     const uint16_t *s16 = src;
     const uint8_t *s8 = src;
-    float scale;
+    float scale, f[8];
     switch (dt) {
     case PKV_DTYPE_F32:
         memcpy(dst, src, n * 4);
@@ -260,8 +260,8 @@ void pkv_dtype_to_f32(pkv_dtype_t dt, float *dst, const void *src, size_t n)
         for (size_t i = 0; i < n; i++) dst[i] = pkv_bf16_to_f32(s16[i]);
         break;
     case PKV_DTYPE_INT8:
-        for (size_t i = 0; i < n; i++)
-            dst[i] = (float)(int8_t)s8[i] * pkv_i8_group_scale(pkv_i8_word(s8 + n), i & 7);
+        pkv_i8_scales(s8 + n, f);
+        for (size_t i = 0; i < n; i++) dst[i] = (float)(int8_t)s8[i] * f[i & 7];
         break;
     case PKV_DTYPE_FP8:
         memcpy(&scale, s8 + n, sizeof(scale));

@@ -28,11 +28,12 @@ static inline void row_to_f32(const void *src, pkv_dtype_t dt, uint32_t n, float
     case PKV_DTYPE_BF16:
         for (uint32_t i = 0; i < n; i++) dst[i] = pkv_bf16_to_f32(((const uint16_t *)src)[i]);
         break;
-    case PKV_DTYPE_INT8: /* codes times their group's scale (scale word after the codes) */
-        for (uint32_t i = 0; i < n; i++)
-            dst[i] = (float)((const int8_t *)src)[i] *
-                     pkv_i8_group_scale(pkv_i8_word((const uint8_t *)src + n), i & 7);
+    case PKV_DTYPE_INT8: { /* codes times their group's scale (scale word after the codes) */
+        float f[8];
+        pkv_i8_scales((const uint8_t *)src + n, f);
+        for (uint32_t i = 0; i < n; i++) dst[i] = (float)((const int8_t *)src)[i] * f[i & 7];
         break;
+    }
     case PKV_DTYPE_FP8:
         for (uint32_t i = 0; i < n; i++) dst[i] = pkv_fp8_to_f32(((const uint8_t *)src)[i]);
         break;
@@ -228,9 +229,9 @@ AVX2_INLINE __m256 ld_dt(const void *p, pkv_dtype_t dt)
         return ld_bf16(p);
     }
 }
-/* The factor a row's ld_dt values take: its scale (fp8: times 2^8, see ld_fp8); 1 for a
- * plain dtype, where the callers skip it. */
-AVX2_INLINE float rscale(const char *row, uint32_t hd, pkv_dtype_t dt)
+/* The factor an fp8 row's ld_dt values take: its scale times 2^8 (see ld_fp8); plain
+ * dtypes take none and int8 rows take their group scales (i8_scales). */
+AVX2_INLINE float rscale(const char *row, uint32_t hd)
 {
     return row_scale(row, hd, PKV_DTYPE_FP8) * 256.0f;
 }
@@ -256,7 +257,7 @@ AVX2_INLINE __m256 pweight(const float *p, const char *sp, size_t soff, pkv_dtyp
 {
     if (dt == PKV_DTYPE_INT8) return _mm256_mul_ps(_mm256_broadcast_ss(p), i8_scales(sp + soff));
     if (!dt_scaled(dt)) return _mm256_broadcast_ss(p);
-    return _mm256_set1_ps(*p * rscale(sp + soff, 0, dt));
+    return _mm256_set1_ps(*p * rscale(sp + soff, 0));
 }
 
 /* r[i] = ((a_i0 + a_i1) + (a_i2 + a_i3)) + ((a_i4 + a_i5) + (a_i6 + a_i7)) for each of
@@ -520,10 +521,9 @@ AVX2_INLINE void s_1x8(const float *q, const char *k, uint32_t nt, uint32_t hd, 
     __m256 a[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
     __m256 s = reduce8(a);
     if (dt == PKV_DTYPE_FP8)
-        s = _mm256_mul_ps(s,
-                          _mm256_set_ps(rscale(k7, hd, dt), rscale(k6, hd, dt), rscale(k5, hd, dt),
-                                        rscale(k4, hd, dt), rscale(k3, hd, dt), rscale(k2, hd, dt),
-                                        rscale(k1, hd, dt), rscale(k0, hd, dt)));
+        s = _mm256_mul_ps(s, _mm256_set_ps(rscale(k7, hd), rscale(k6, hd), rscale(k5, hd),
+                                           rscale(k4, hd), rscale(k3, hd), rscale(k2, hd),
+                                           rscale(k1, hd), rscale(k0, hd)));
     s = _mm256_mul_ps(s, scale);
     if (nt == 8)
         _mm256_storeu_ps(out, s);
@@ -580,8 +580,8 @@ AVX2_INLINE void s_2x4(const float *qa, const float *qb, const char *k, uint32_t
     __m256 a[8] = {a0, a1, a2, a3, b0, b1, b2, b3};
     __m256 s = reduce8(a);
     if (dt == PKV_DTYPE_FP8) {
-        float r0 = rscale(k0, hd, dt), r1 = rscale(k1, hd, dt), r2 = rscale(k2, hd, dt);
-        float r3 = rscale(k3, hd, dt);
+        float r0 = rscale(k0, hd), r1 = rscale(k1, hd), r2 = rscale(k2, hd);
+        float r3 = rscale(k3, hd);
         s = _mm256_mul_ps(s, _mm256_set_ps(r3, r2, r1, r0, r3, r2, r1, r0));
     }
     s = _mm256_mul_ps(s, scale);
