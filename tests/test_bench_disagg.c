@@ -33,9 +33,7 @@ static int run_bench(const char *args, char *out, size_t cap)
 START_TEST(latency_runs_and_reports)
 {
     char path[] = "/tmp/pagekv-test-latency-XXXXXX";
-    int fd = mkstemp(path);
-    ck_assert_int_ge(fd, 0);
-    close(fd);
+    pkv_test_tmpfile(path);
     char args[256];
     snprintf(args, sizeof(args), "--latency --runs 2 --sizes 64 --preset tiny --json %s", path);
     static char out[1 << 16];
@@ -105,9 +103,7 @@ END_TEST
 START_TEST(interference_runs_and_reports)
 {
     char path[] = "/tmp/pagekv-test-interference-XXXXXX";
-    int fd = mkstemp(path);
-    ck_assert_int_ge(fd, 0);
-    close(fd);
+    pkv_test_tmpfile(path);
     char args[256];
     snprintf(args, sizeof(args), "--interference --quick --threads 2 --preset tiny --json %s",
              path);
@@ -201,9 +197,7 @@ static const char *const quick_tcp_args =
 START_TEST(quick_tcp_runs_and_cleans_up)
 {
     char path[] = "/tmp/pagekv-test-disagg-XXXXXX";
-    int fd = mkstemp(path);
-    ck_assert_int_ge(fd, 0);
-    close(fd);
+    pkv_test_tmpfile(path);
     char args[512];
     snprintf(args, sizeof(args), "%s --json %s", quick_tcp_args, path);
     static char out[1 << 18];

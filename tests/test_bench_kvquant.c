@@ -36,9 +36,7 @@ static json_t *find_case(json_t *cases, const char *dtype, const char *variant)
 START_TEST(tiny_error_part)
 {
     char path[] = "/tmp/pagekv-test-kvquant-XXXXXX";
-    int fd = mkstemp(path);
-    ck_assert_int_ge(fd, 0);
-    close(fd);
+    pkv_test_tmpfile(path);
     char args[256];
     snprintf(args, sizeof(args),
              "--preset tiny --layers 1 --contexts 64 --steps 8 --probe-rows 4 --no-decode "

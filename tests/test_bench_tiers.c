@@ -87,9 +87,7 @@ static void check_targets(json_t *t)
 START_TEST(tiny_runs_and_reports)
 {
     char path[] = "/tmp/pagekv-test-tiers-XXXXXX", svg[64];
-    int fd = mkstemp(path);
-    ck_assert_int_ge(fd, 0);
-    close(fd);
+    pkv_test_tmpfile(path);
     snprintf(svg, sizeof(svg), "%s.svg", path);
     char args[512];
     snprintf(args, sizeof(args),

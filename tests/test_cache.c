@@ -870,9 +870,7 @@ static void child_start(child_t *c, char *const argv[], const char *procs)
 {
     memset(c, 0, sizeof(*c));
     char log[] = "/tmp/pkv-test-cache-XXXXXX";
-    int fd = mkstemp(log);
-    ck_assert_int_ge(fd, 0);
-    close(fd);
+    pkv_test_tmpfile(log);
     launch_spec_t spec = {.name = "pagekv", .argv = argv, .log_path = log, .cgroup_procs = procs};
     char err[512];
     ck_assert_msg(launch_spawn(&c->p, &spec, err, sizeof(err)) == 0, "%s", err);

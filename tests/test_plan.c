@@ -591,9 +591,7 @@ static int run_cli(const char *args)
 static int run_cli_out(const char *args, char *out, size_t len)
 {
     char file[] = "/tmp/pkv-plan-out-XXXXXX", cmd[2048];
-    int fd = mkstemp(file);
-    ck_assert(fd >= 0);
-    close(fd);
+    pkv_test_tmpfile(file);
     snprintf(cmd, sizeof(cmd), "%s plan %s >%s 2>&1", cli(), args, file);
     int st = system(cmd);
     ck_assert(st != -1 && WIFEXITED(st));
@@ -720,9 +718,7 @@ END_TEST
 static json_t *run_json(const char *args)
 {
     char file[] = "/tmp/pkv-plan-XXXXXX", cmd[1024];
-    int fd = mkstemp(file);
-    ck_assert(fd >= 0);
-    close(fd);
+    pkv_test_tmpfile(file);
     snprintf(cmd, sizeof(cmd), "%s plan %s --json %s >/dev/null", cli(), args, file);
     ck_assert_int_eq(system(cmd), 0);
     json_error_t je;

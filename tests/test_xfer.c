@@ -2335,9 +2335,7 @@ END_TEST
 START_TEST(bench_xfer_reports_integrity)
 {
     char path[] = "/tmp/pagekv-test-xfer-XXXXXX";
-    int fd = mkstemp(path);
-    ck_assert_int_ge(fd, 0);
-    close(fd);
+    pkv_test_tmpfile(path);
     char cmd[256];
     snprintf(cmd, sizeof(cmd),
              "bench xfer --path same_host --size 1m --runs 1 --kill-runs 0 --quick --json %s",

@@ -147,3 +147,10 @@ void pkv_test_rm_tree(const char *path)
 {
     nftw(path, rm_one, 16, FTW_DEPTH | FTW_PHYS);
 }
+
+void pkv_test_tmpfile(char *tmpl)
+{
+    int fd = mkstemp(tmpl);
+    ck_assert_msg(fd >= 0, "mkstemp %s", tmpl);
+    close(fd);
+}

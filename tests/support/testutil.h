@@ -54,6 +54,9 @@ static inline uint32_t pkv_test_below(uint64_t *state, uint32_t n)
 }
 /* The seed for this run: PKV_TEST_SEED or `fallback`. */
 uint64_t pkv_test_seed(uint64_t fallback);
+/* mkstemp(tmpl), asserted, and the descriptor closed: tmpl then names an empty file of
+ * this test's (a command's --json or log target). */
+void pkv_test_tmpfile(char *tmpl);
 /* Report the running test as skipped: writes one line "SKIP <test>: <why>" to stderr
  * and, when the runner names a file in PKV_TEST_SKIP_FILE, appends it there too (one
  * write, so forked tests and parallel binaries do not interleave). The caller then
