@@ -689,6 +689,107 @@ START_TEST(given_sequence_continues_the_prompt)
 }
 END_TEST
 
+/* A sequence of the whole prompt with its first token sampled elsewhere (a disaggregated
+ * prefill node's): the output is the one the engine gives computing the prompt itself,
+ * greedy and seeded (the RNG advanced past the first draw); EOS and max_tokens 1 finish at
+ * admission; bad combinations are refused. */
+static void run_plain(rig_t *r, const int32_t *prompt, uint32_t n, float temp, uint64_t seed,
+                      collected_t *c)
+{
+    pkv_request_params_t p = {.prompt = prompt,
+                              .n_prompt = n,
+                              .max_tokens = 6,
+                              .temperature = temp,
+                              .seed = seed,
+                              .ignore_eos = true};
+    pkv_request_t *q;
+    ck_assert_int_eq(pkv_engine_submit(r->e, &p, &q), PKV_OK);
+    collect(q, c);
+    pkv_request_release(q);
+}
+
+static void run_given_first(rig_t *r, const int32_t *prompt, uint32_t n, float temp, uint64_t seed,
+                            int32_t first, uint32_t max_tokens, bool ignore_eos, collected_t *c)
+{
+    pkv_seq_params_t sp = {.tokens = prompt, .n_tokens = n};
+    pkv_seq_t *seq;
+    uint32_t cached;
+    ck_assert_int_eq(pkv_seq_create(r->kv, &sp, &seq, &cached), PKV_OK);
+    pkv_model_item_t it = {.seq = seq, .tokens = prompt + cached, .n_tokens = n - cached};
+    ck_assert_int_eq(pkv_model_forward(r->m, r->kv, &it, 1), PKV_OK);
+    pkv_request_params_t p = {.prompt = prompt,
+                              .n_prompt = n,
+                              .max_tokens = max_tokens,
+                              .temperature = temp,
+                              .seed = seed,
+                              .ignore_eos = ignore_eos,
+                              .seq = seq,
+                              .first_given = true,
+                              .first_token = first};
+    pkv_request_t *q;
+    ck_assert_int_eq(pkv_engine_submit(r->e, &p, &q), PKV_OK);
+    collect(q, c);
+    pkv_request_release(q);
+}
+
+START_TEST(given_first_token_continues_as_sampled)
+{
+    rig_t r;
+    int32_t eos = 2;
+    rig_init(&r, PKV_BACKEND_PAGED, 0, (pkv_engine_config_t){.eos_ids = &eos, .n_eos_ids = 1});
+    int32_t prompt[41];
+    make_prompt(prompt, 41, 13);
+    collected_t a, b;
+    for (int k = 0; k < 2; k++) {
+        float temp = k ? 0.9f : 0.0f;
+        run_plain(&r, prompt, 41, temp, 77, &a);
+        ck_assert_uint_eq(a.n, 6);
+        run_given_first(&r, prompt, 41, temp, 77, a.toks[0], 6, true, &b);
+        ck_assert_uint_eq(b.n, 6);
+        ck_assert_mem_eq(b.toks, a.toks, sizeof(int32_t) * 6);
+        ck_assert_int_eq(b.last.finish, PKV_FINISH_LENGTH);
+        ck_assert_uint_eq(b.last.cached_tokens, 41);
+        ck_assert_uint_eq(b.last.completion_tokens, 6);
+    }
+    /* A first token that is not what the prompt gives still starts the output (the engine
+     * trusts its caller, whose check binds the token to the prompt). */
+    run_given_first(&r, prompt, 41, 0.0f, 0, 5, 6, true, &b);
+    ck_assert_int_eq(b.toks[0], 5);
+    run_given_first(&r, prompt, 41, 0.0f, 0, eos, 6, false, &b);
+    ck_assert_uint_eq(b.n, 1);
+    ck_assert_int_eq(b.last.finish, PKV_FINISH_STOP);
+    run_given_first(&r, prompt, 41, 0.0f, 0, a.toks[0], 1, true, &b);
+    ck_assert_uint_eq(b.n, 1);
+    ck_assert_int_eq(b.last.finish, PKV_FINISH_LENGTH);
+    pkv_kv_stats_t ks;
+    pkv_kv_stats(r.kv, &ks);
+    ck_assert_uint_eq(ks.sequences, 0);
+
+    /* Refused: no sequence, a sequence short of the prompt, a token outside the vocabulary,
+     * want_logits. */
+    pkv_seq_params_t sp = {.tokens = prompt, .n_tokens = 40};
+    pkv_seq_t *seq;
+    uint32_t cached;
+    ck_assert_int_eq(pkv_seq_create(r.kv, &sp, &seq, &cached), PKV_OK);
+    pkv_model_item_t it = {.seq = seq, .tokens = prompt + cached, .n_tokens = 40 - cached};
+    ck_assert_int_eq(pkv_model_forward(r.m, r.kv, &it, 1), PKV_OK);
+    pkv_request_params_t p = {
+        .prompt = prompt, .n_prompt = 41, .max_tokens = 4, .first_given = true, .first_token = 1};
+    pkv_request_t *q;
+    ck_assert_int_eq(pkv_engine_submit(r.e, &p, &q), PKV_ERR_INVALID);
+    p.seq = seq; /* 40 of 41 positions */
+    ck_assert_int_eq(pkv_engine_submit(r.e, &p, &q), PKV_ERR_INVALID);
+    p.n_prompt = 40, p.first_token = (int32_t)VOCAB;
+    ck_assert_int_eq(pkv_engine_submit(r.e, &p, &q), PKV_ERR_INVALID);
+    p.first_token = -1;
+    ck_assert_int_eq(pkv_engine_submit(r.e, &p, &q), PKV_ERR_INVALID);
+    p.first_token = 1, p.want_logits = true;
+    ck_assert_int_eq(pkv_engine_submit(r.e, &p, &q), PKV_ERR_INVALID);
+    pkv_seq_free(seq);
+    rig_fini(&r);
+}
+END_TEST
+
 /* keep_blocks: a finished request's prompt blocks stay pinned until its release, then
  * the full ones are ordinary prefix-cache blocks; cancelled requests and the dense
  * backend keep nothing. */
@@ -984,6 +1085,7 @@ static Suite *engine_suite(void)
     tcase_add_test(tc, seeded_sampling_is_reproducible);
     tcase_add_test(tc, prefix_hits_reported);
     tcase_add_test(tc, given_sequence_continues_the_prompt);
+    tcase_add_test(tc, given_first_token_continues_as_sampled);
     tcase_add_test(tc, keep_blocks_pins_until_release);
     tcase_add_test(tc, notify_and_destroy_with_live_requests);
     tcase_add_test(tc, concurrent_clients);

@@ -116,10 +116,11 @@ static json_t *request(const char *prompt, int max_tokens, bool stream)
                      1);
 }
 
-/* A decode leg pulls only whole blocks [have, (n - 1) / block_tokens) (block_tokens 16 on
- * tiny); a prompt of one block or less is a token-only release, which takes no staging and
- * moves no KV. Prompts whose KV must move get this tail: ~60 tokens with the head, three
- * blocks to pull, well inside the one-page decode node's staging (16 blocks). */
+/* A decode leg pulls the blocks [have, ceil(n / block_tokens)) it lacks (block_tokens 16
+ * on tiny; with the prefill leg's first token, as here, the block of the last position
+ * always). Prompts whose KV must move in several blocks get this tail: ~60 tokens with the
+ * head, three or four blocks to pull, well inside the one-page decode node's staging (16
+ * blocks). */
 #define SPANS_BLOCKS                                                                               \
     " - this prompt spans several blocks of sixteen tokens, so that the decode leg pulls whole "   \
     "blocks from the prefill node instead of releasing its lease with the token alone, and the "   \

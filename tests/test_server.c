@@ -1950,14 +1950,20 @@ static void decode_leg(uint16_t port, const char *path, json_t *req, json_t *kt,
 }
 
 /* Both legs driven as a proxy does, and the answer compared with the unified node's. */
-/* The answer of req through the prefill and decode nodes equals the unified node's, and the
- * decode leg computed its last prompt token only. Returns the prompt's token count. */
-static long long disagg_equals_unified(const uint16_t ports[3], const char *path, json_t *req)
+/* The answer of req through the prefill and decode nodes equals the unified node's. first:
+ * the decode leg takes the prefill leg's first token (pagekv_first) and computes no prompt
+ * position; otherwise pagekv_first is dropped from the params and the decode leg computes
+ * the last prompt position only. Returns the prompt's token count. */
+static long long disagg_equals_unified(const uint16_t ports[3], const char *path, json_t *req,
+                                       bool first)
 {
     leg_t u, d;
     leg_post(ports[2], path, req, &u);
     ck_assert_int_eq(u.status, 200);
     json_t *kt = prefill_leg(ports[0], path, req);
+    ck_assert(json_is_integer(ts_jp(kt, "pagekv_first.token")));
+    ck_assert_int_gt(ts_ji(kt, "pagekv_first.check"), 0);
+    if (!first) json_object_del(kt, "pagekv_first");
     decode_leg(ports[1], path, req, kt, &d);
     json_decref(kt);
     ck_assert_msg(d.status == 200, "decode leg: %ld %s", d.status,
@@ -1966,7 +1972,8 @@ static long long disagg_equals_unified(const uint16_t ports[3], const char *path
     ck_assert_str_eq(d.finish, u.finish);
     ck_assert_int_eq(d.prompt, u.prompt);
     ck_assert_int_eq(d.completion, u.completion);
-    if (d.prompt > 0) ck_assert_int_eq(d.cached, d.prompt - 1); /* 0: a stream without usage */
+    if (d.prompt > 0) /* 0: a stream without usage */
+        ck_assert_int_eq(d.cached, first ? d.prompt : d.prompt - 1);
     json_decref(u.doc);
     json_decref(d.doc);
     return d.prompt;
@@ -2004,7 +2011,7 @@ static void leases_settle(uint16_t port, long long sent)
 
 /* The decode leg's pull counts and both nodes' byte counters. */
 typedef struct {
-    long long ok, released, pulled, adopted, received, sent;
+    long long ok, released, pulled, adopted, received, sent, first_used, first_ignored;
 } pull_counts_t;
 
 static void pull_counts(const uint16_t ports[3], pull_counts_t *c)
@@ -2014,6 +2021,12 @@ static void pull_counts(const uint16_t ports[3], pull_counts_t *c)
     c->released = ts_ji(d, "pulls.released");
     c->pulled = ts_ji(d, "pulls.blocks_pulled");
     c->adopted = ts_ji(d, "pulls.blocks_adopted");
+    c->first_used = ts_ji(d, "pulls.first_token.used");
+    c->first_ignored = ts_ji(d, "pulls.first_token.ignored");
+    ck_assert_int_eq(c->first_used,
+                     metric(ports[1], "pagekv_kv_pull_first_token_total{taken=\"used\"}"));
+    ck_assert_int_eq(c->first_ignored,
+                     metric(ports[1], "pagekv_kv_pull_first_token_total{taken=\"ignored\"}"));
     c->received = ts_ji(d, "transfers.bytes_received");
     c->sent = ts_ji(p, "transfers.bytes_sent");
     ck_assert_int_eq(c->pulled, metric(ports[1], "pagekv_kv_pull_blocks_total{source=\"pulled\"}"));
@@ -2065,14 +2078,18 @@ START_TEST(decode_leg_equals_unified)
     const char *paths[] = {"/v1/completions", "/v1/completions",      "/v1/completions",
                            "/v1/completions", "/v1/chat/completions", "/v1/chat/completions"};
     for (size_t i = 0; i < PKV_ARRAY_LEN(reqs); i++)
-        disagg_equals_unified(ports, paths[i], reqs[i]);
+        disagg_equals_unified(ports, paths[i], reqs[i], true);
     pull_counts_t a, b;
     pull_counts(ports, &a);
-    ck_assert_int_eq(a.ok + a.released, 6);
-    /* the second request's prompt was cached: its whole blocks adopted here, only the
-     * partial block of its last positions pulled (the engine computes the last token) */
+    /* With the first token every leg pulls at least the block of the last prompt position
+     * (the local cache never holds it): no token-only release. The second request's prompt
+     * was cached: its whole blocks adopted here, only the block of its last positions
+     * pulled. */
+    ck_assert_int_eq(a.ok, 6);
+    ck_assert_int_eq(a.released, 0);
+    ck_assert_int_eq(a.first_used, 6);
+    ck_assert_int_eq(a.first_ignored, 0);
     ck_assert_int_ge(a.adopted, 1);
-    ck_assert_int_ge(a.ok, 4);
     ck_assert_int_gt(a.pulled, 0);
     ck_assert_int_eq(a.received, a.sent); /* what moved, counted alike on both nodes */
     ck_assert_int_eq(a.received % a.pulled, 0);
@@ -2085,7 +2102,7 @@ START_TEST(decode_leg_equals_unified)
                         json_string("The quick brown fox jumps over the lazy dog and keeps "
                                     "running far away, past the river and the old mill, until "
                                     "the evening comes and the stars are out"));
-    disagg_equals_unified(ports, paths[0], longer);
+    disagg_equals_unified(ports, paths[0], longer, true);
     pull_counts(ports, &b);
     ck_assert_int_eq(b.ok, a.ok + 1);
     ck_assert_int_gt(b.adopted, a.adopted);
@@ -2093,21 +2110,56 @@ START_TEST(decode_leg_equals_unified)
     ck_assert_int_eq(b.received - a.received, (b.pulled - a.pulled) * block_bytes);
     ck_assert_int_eq(b.sent - a.sent, b.received - a.received);
     json_decref(longer);
-    /* A prompt held whole: the first request again moves at most the partial block of its
-     * last positions (nothing, a token-only release, where they end a block); the
-     * producer's pins are back at once (not at the lease's end). */
+    /* A prompt held whole, without the first token: the first request again moves at most
+     * the partial block of its last positions (nothing, a token-only release, where they
+     * end a block); the producer's pins are back at once (not at the lease's end). With
+     * the first token it moves exactly the block of its last position. */
     leases_settle(ports[0], 7);
-    long long n = disagg_equals_unified(ports, paths[0], reqs[0]);
+    long long n = disagg_equals_unified(ports, paths[0], reqs[0], false);
     long long moved = (n - 1) % 16 != 0;
     pull_counts(ports, &a);
     ck_assert_int_eq(a.released, b.released + !moved);
     ck_assert_int_eq(a.pulled, b.pulled + moved);
     ck_assert_int_eq(a.received, b.received + moved * block_bytes);
     ck_assert_int_eq(a.sent, b.sent + moved * block_bytes);
+    ck_assert_int_eq(a.first_used, b.first_used);
+    leases_settle(ports[0], 8);
+    disagg_equals_unified(ports, paths[0], reqs[0], true);
+    pull_counts(ports, &b);
+    ck_assert_int_eq(b.pulled, a.pulled + 1);
+    ck_assert_int_eq(b.released, a.released);
+    ck_assert_int_eq(b.received, a.received + block_bytes);
+    ck_assert_int_eq(b.first_used, a.first_used + 1);
+    a = b;
+    /* A first token that does not match the decode leg's sampling (another seed; a token
+     * changed in transit) is ignored: the leg computes its last prompt position, and the
+     * answer is the unified node's for the leg's own request. */
+    for (int k = 0; k < 2; k++) {
+        json_t *kt = prefill_leg(ports[0], paths[2], reqs[2]);
+        json_t *dreq = json_deep_copy(reqs[2]);
+        if (k == 0)
+            json_object_set_new(dreq, "seed", json_integer(12));
+        else
+            json_object_set_new(json_object_get(kt, "pagekv_first"), "token",
+                                json_integer((ts_ji(kt, "pagekv_first.token") + 1) % 32));
+        leg_t u, d;
+        leg_post(ports[2], paths[2], dreq, &u);
+        decode_leg(ports[1], paths[2], dreq, kt, &d);
+        ck_assert_int_eq(d.status, 200);
+        ck_assert_str_eq(d.text, u.text);
+        ck_assert_int_eq(d.cached, d.prompt - 1);
+        json_decref(u.doc);
+        json_decref(d.doc);
+        json_decref(dreq);
+        json_decref(kt);
+    }
+    pull_counts(ports, &b);
+    ck_assert_int_eq(b.first_ignored, a.first_ignored + 2);
+    ck_assert_int_eq(b.first_used, a.first_used);
     json_t *pk = kv_stats(ports[0]);
-    ck_assert_int_eq(ts_ji(pk, "leases.sent"), 8);
+    ck_assert_int_eq(ts_ji(pk, "leases.sent"), 11);
     ck_assert_int_eq(ts_ji(pk, "leases.live") + ts_ji(pk, "leases.pinned_blocks"), 0);
-    ck_assert_int_eq(ts_ji(pk, "transfers.released"), a.released); /* one for each */
+    ck_assert_int_eq(ts_ji(pk, "transfers.released"), b.released); /* one for each */
     json_decref(pk);
     json_t *kv = kv_stats(ports[1]);
     ck_assert_int_eq(ts_ji(kv, "pulls.failed"), 0);
@@ -2118,12 +2170,13 @@ START_TEST(decode_leg_equals_unified)
     ck_assert_int_eq(metric(ports[1], "pagekv_kv_pulls_inflight_peak"), 1);
     ck_assert_int_eq(metric(ports[1], "pagekv_kv_pulls_inflight"), 0);
     json_decref(kv);
-    leases_settle(ports[0], 8);
+    leases_settle(ports[0], 11);
     /* Forged params are refused when nothing would move too: a wrong token (the producer
      * refuses the release), another engine id (no release is sent) and block ids that are
      * not the registration's (none is pulled: the release carries their digest), each 400
      * naming what is wrong, nothing submitted; the genuine params then release the lease. */
     json_t *kt = prefill_leg(ports[0], paths[0], reqs[0]);
+    json_object_del(kt, "pagekv_first"); /* the held prompt's release, as above */
     json_t *st = ts_get_json("127.0.0.1", ports[1], "/v1/cache/stats");
     long long submitted = ts_ji(st, "requests.submitted");
     json_decref(st);
@@ -2133,6 +2186,7 @@ START_TEST(decode_leg_equals_unified)
         {"pagekv_token", "00000000000000000000000000000000", "rejected", "kv_transfer_params"},
         {"remote_engine_id", "pagekv-0123456789abcdef0123456789abcdef", "invalid_value",
          "kv_transfer_params.remote_engine_id"},
+        {"pagekv_first", "not an object", "invalid_value", "kv_transfer_params.pagekv_first"},
     };
     for (size_t i = 0; i < PKV_ARRAY_LEN(forged); i++) {
         json_t *bad = json_deep_copy(kt);
@@ -2169,7 +2223,7 @@ START_TEST(decode_leg_equals_unified)
     ck_assert_int_eq(d.status, 200);
     json_decref(d.doc);
     json_decref(kt);
-    leases_settle(ports[0], 9);
+    leases_settle(ports[0], 12);
     wait_quiet(ports[1]);
     for (size_t i = 0; i < PKV_ARRAY_LEN(reqs); i++) json_decref(reqs[i]);
     for (int i = 0; i < 3; i++) pkv_server_destroy(s[i]);
@@ -2202,7 +2256,7 @@ START_TEST(decode_leg_adopts_its_disk_tier)
                        "was reset, and only the new ones move over the wire";
     json_t *req = json_pack("{s:s, s:s, s:i, s:f}", "model", "tiny", "prompt", text, "max_tokens",
                             8, "temperature", 0.0);
-    disagg_equals_unified(ports, "/v1/completions", req);
+    disagg_equals_unified(ports, "/v1/completions", req, true);
     uint64_t deadline = pkv_deadline_after_ns(10ull * 1000000000);
     while (metric(ports[1], "pagekv_kv_tier_queued_blocks") != 0 ||
            metric(ports[1], "pagekv_kv_tier_blocks{tier=\"disk\"}") < 2) {
@@ -2221,7 +2275,7 @@ START_TEST(decode_leg_adopts_its_disk_tier)
     snprintf(longer, sizeof(longer), "%s, and then some more words that no node has seen yet",
              text);
     json_object_set_new(req, "prompt", json_string(longer));
-    disagg_equals_unified(ports, "/v1/completions", req);
+    disagg_equals_unified(ports, "/v1/completions", req, true);
     pull_counts(ports, &b);
     long long disk = metric(ports[1], "pagekv_kv_tier_hit_blocks_total{tier=\"disk\"}") - disk0;
     ck_assert_int_ge(disk, 2);
@@ -2386,7 +2440,7 @@ START_TEST(disagg_across_processes)
     };
     const char *paths[] = {"/v1/completions", "/v1/chat/completions"};
     for (size_t i = 0; i < PKV_ARRAY_LEN(reqs); i++) {
-        disagg_equals_unified(ports, paths[i], reqs[i]);
+        disagg_equals_unified(ports, paths[i], reqs[i], i == 0);
         json_decref(reqs[i]);
     }
     leases_settle(p.port, 2);
@@ -2509,10 +2563,10 @@ START_TEST(phases_move_by_one)
         ck_assert_msg((ts_jp(d.doc, key) != NULL) == dec_has, "decode leg: %s", key);
         if (dec_has) ck_assert(json_real_value(ts_jp(d.doc, key)) >= 0);
     }
-    /* the blocks of every prompt position but the last (the last one partial or not) */
+    /* the blocks of every prompt position (the leg took the prefill leg's first token) */
     long long n_prompt = ts_ji(kt, "pagekv_prompt_tokens");
     long long bt = ts_ji(kt, "pagekv_geometry.block_tokens");
-    ck_assert_int_eq(ts_ji(d.doc, "pagekv_timings.kv_pulled_blocks"), (n_prompt - 1 + bt - 1) / bt);
+    ck_assert_int_eq(ts_ji(d.doc, "pagekv_timings.kv_pulled_blocks"), (n_prompt + bt - 1) / bt);
     ck_assert_int_ge(ts_ji(d.doc, "pagekv_timings.kv_pulled_blocks"), 1);
     ck_assert_int_gt(ts_ji(d.doc, "pagekv_timings.kv_pulled_bytes"), 0);
     /* No timings unless asked. */

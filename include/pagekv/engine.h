@@ -106,6 +106,15 @@ typedef struct {
      * engine owns it, freed with the request whatever its outcome; otherwise the caller
      * still does. */
     pkv_seq_t *seq;
+    /* Optional, with seq holding every prompt position (pkv_seq_length(seq) == n_prompt):
+     * the first output token, sampled elsewhere from the prompt's last logits with this
+     * request's temperature, top_p and seed (a disaggregated prefill node's). The first
+     * admission emits it as if the engine had sampled it (the RNG advanced past its draw,
+     * EOS, stop strings and max_tokens checked) and computes on from it, so the output is
+     * the one the engine would give computing the last prompt position itself. Not with
+     * want_logits. */
+    bool first_given;
+    int32_t first_token;
     /* Called from the run loop after new output or the finish was published, outside
      * every lock. Must not block; may call pkv_request_read/cancel/release. */
     void (*notify)(void *arg);

@@ -79,6 +79,8 @@ typedef struct {
     uint64_t local;          /* requests without kv_transfer_params, computed here */
     uint64_t blocks_pulled;  /* of ok legs: blocks read from the producer */
     uint64_t blocks_adopted; /* of ok and released legs: blocks the local prefix cache held */
+    uint64_t first_used;     /* of ok legs: the prefill node's first token emitted */
+    uint64_t first_ignored;  /* legs whose pagekv_first did not match their sampling */
     uint64_t inflight;       /* reads of decode legs started and not yet ended */
     uint64_t inflight_peak;  /* high-water of inflight in the peaks' window */
 } pkv_disagg_pull_counts_t;
@@ -131,12 +133,32 @@ bool pkv_disagg_node_healthy(pkv_disagg_node_t *n, uint64_t *age_ns);
 void pkv_disagg_node_observe(pkv_disagg_node_t *n, pkv_disagg_timings_t *t, pkv_disagg_phase_t ph,
                              uint64_t from_ns, uint64_t to_ns);
 void pkv_disagg_node_snapshot(pkv_disagg_node_t *n, pkv_disagg_snapshot_t *out);
+/* A request's sampling as the first-token handoff binds it (docs/design/disagg.md, "The
+ * first token"). A prefill leg's seed is the one it sampled with; a decode leg's is the
+ * client's when has_seed. */
+typedef struct {
+    float temperature, top_p;
+    bool has_seed;
+    uint64_t seed;
+} pkv_disagg_sampling_t;
+
+/* What a decode leg takes with its sequence: given, the prefill leg's first token, which
+ * the engine emits (pkv_request_params_t.first_given) with `seed` as the request's seed;
+ * otherwise the engine computes the last prompt position. */
+typedef struct {
+    bool given;
+    int32_t token;
+    uint64_t seed;
+} pkv_disagg_first_t;
+
 /* Prefill leg: register blocks[0..nb) (the prompt ids[0..n_prompt), in sequence order)
  * until now + the lease under an id bound to pagekv's own request serial and the prompt
  * (never the client's X-Request-Id), and build the response's kv_transfer_params (new
- * reference). PKV_OK, or the agent's error (nothing registered). */
+ * reference), with first_token (>= 0; -1: none) bound to the registration and smp as
+ * pagekv_first. PKV_OK, or the agent's error (nothing registered). */
 int pkv_disagg_node_offer(pkv_disagg_node_t *n, uint64_t serial, const uint32_t *blocks,
-                          uint32_t nb, const int32_t *ids, uint32_t n_prompt, json_t **params);
+                          uint32_t nb, const int32_t *ids, uint32_t n_prompt, int32_t first_token,
+                          const pkv_disagg_sampling_t *smp, json_t **params);
 /* ---- a decode leg's pull, which holds no caller thread while it runs
  * The handle `params` (a kv_transfer_params object) describe is checked against this node
  * and the prompt ids[0..n_prompt) on the caller's thread; the rest runs on the node's pull
@@ -149,10 +171,13 @@ int pkv_disagg_node_offer(pkv_disagg_node_t *n, uint64_t serial, const uint32_t 
 typedef struct pkv_disagg_pull pkv_disagg_pull_t;
 typedef void (*pkv_disagg_pull_done_fn)(void *arg);
 /* PKV_OK with *out (the pull is queued), or *err: 400 for params that are wrong, 503
- * shutting_down when the node is being destroyed, 500 out of memory. ids are copied. */
+ * shutting_down when the node is being destroyed, 500 out of memory. ids are copied. A
+ * pagekv_first that matches smp (the request's sampling) makes the pull read every prompt
+ * position and the take hand over the first token; one that does not is ignored. */
 int pkv_disagg_pull_start(pkv_disagg_node_t *n, const json_t *params, const int32_t *ids,
-                          uint32_t n_prompt, uint64_t salt, pkv_disagg_pull_done_fn done, void *arg,
-                          pkv_disagg_pull_t **out, pkv_openai_error_t *err);
+                          uint32_t n_prompt, uint64_t salt, const pkv_disagg_sampling_t *smp,
+                          pkv_disagg_pull_done_fn done, void *arg, pkv_disagg_pull_t **out,
+                          pkv_openai_error_t *err);
 /* Whether the pull has ended (never blocks). */
 bool pkv_disagg_pull_ended(pkv_disagg_pull_t *pl);
 /* The result of a pull that has ended, and the pull freed. PKV_OK with *out (the caller
@@ -161,8 +186,8 @@ bool pkv_disagg_pull_ended(pkv_disagg_pull_t *pl);
  * refused, 503/502 for transfer failures. A pull that succeeded put its phases (kv_alloc,
  * kv_commit, handshake, staging wait, wire, commit) in the node's histograms; they and its
  * figures are added to *t (may be NULL). */
-int pkv_disagg_pull_take(pkv_disagg_pull_t *pl, pkv_seq_t **out, pkv_disagg_timings_t *t,
-                         pkv_openai_error_t *err);
+int pkv_disagg_pull_take(pkv_disagg_pull_t *pl, pkv_seq_t **out, pkv_disagg_first_t *first,
+                         pkv_disagg_timings_t *t, pkv_openai_error_t *err);
 /* The caller gives up on a pull (its client went away, the server stops) instead of taking
  * it: its reads are cancelled and what it holds returns (the pull is freed once they have
  * ended). A done call already under way may still run: its arg must outlive the node's

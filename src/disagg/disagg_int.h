@@ -68,6 +68,8 @@ void dg_pulls_stop(pkv_disagg_node_t *n);
 
 /* offer.c: the id a prefill leg's blocks are registered under (see there). */
 uint64_t dg_bound_id(uint64_t serial, const int32_t *ids, uint32_t n);
+/* offer.c: the check binding a prefill leg's first token to its registration and sampling. */
+uint64_t dg_first_check(uint64_t request_id, int32_t token, const pkv_disagg_sampling_t *smp);
 
 /* params.c: a decode leg's kv_transfer_params, checked against the node and the prompt. */
 /* remote_engine_id: what an agent can present, or NULL with *err. */
@@ -75,6 +77,11 @@ const char *dg_params_engine_id(const json_t *o, pkv_openai_error_t *err);
 /* The handle for the producer's rank 0 (free with pkv_xfer_handle_free), or *err. */
 int dg_params_handle(const pkv_disagg_node_t *n, const json_t *o, const int32_t *prompt,
                      uint32_t n_prompt, pkv_xfer_handle_t **out, pkv_openai_error_t *err);
+/* pagekv_first (optional): *out->given when it is there and its check matches the request's
+ * sampling smp and the registration request_id (*ignored when there and not matching), or
+ * *err for one that is malformed. */
+int dg_params_first(const json_t *o, uint64_t request_id, const pkv_disagg_sampling_t *smp,
+                    pkv_disagg_first_t *out, bool *ignored, pkv_openai_error_t *err);
 /* The producer's ranks: hs[0..*P) (hs[0] = h0, taken over; the caller frees all of them). */
 int dg_params_ranks(const pkv_disagg_node_t *n, const json_t *o, pkv_xfer_handle_t *h0,
                     pkv_xfer_handle_t **hs, uint32_t *P, pkv_openai_error_t *err);

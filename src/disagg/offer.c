@@ -10,6 +10,7 @@
 
 #include <openssl/sha.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* The agent's callback when a registration ends (its progress thread; quick). */
 static void dg_lease_ended(void *arg, uint64_t request_id, int outcome)
@@ -54,11 +55,36 @@ uint64_t dg_bound_id(uint64_t serial, const int32_t *ids, uint32_t n)
     return id ? id : 1;
 }
 
+/* The check that binds a prefill leg's first token to its registration and sampling: 63
+ * bits of SHA-256("pagekv-first", request_id, token, and for a sampled (temperature > 0)
+ * token the temperature's and top_p's bits and the seed), never 0. A decode leg computes
+ * it from its own sampling: equal, the token is what its engine would have sampled. */
+uint64_t dg_first_check(uint64_t request_id, int32_t token, const pkv_disagg_sampling_t *smp)
+{
+    bool sampled = smp->temperature > 0.0f;
+    uint32_t tb = 0, pb = 0;
+    if (sampled) {
+        memcpy(&tb, &smp->temperature, 4);
+        memcpy(&pb, &smp->top_p, 4);
+    }
+    uint64_t words[4] = {request_id, (uint32_t)token, (uint64_t)tb << 32 | pb,
+                         sampled ? smp->seed : 0};
+    uint8_t buf[12 + sizeof(words)], d[SHA256_DIGEST_LENGTH];
+    memcpy(buf, "pagekv-first", 12);
+    for (size_t w = 0; w < 4; w++)
+        for (int i = 0; i < 8; i++) buf[12 + 8 * w + i] = (uint8_t)(words[w] >> (8 * i));
+    SHA256(buf, sizeof(buf), d);
+    uint64_t c = 0;
+    for (int i = 0; i < 8; i++) c |= (uint64_t)d[i] << (8 * i);
+    c &= (uint64_t)INT64_MAX;
+    return c ? c : 1;
+}
+
 /* The response's kv_transfer_params for a request registered on every rank (h[r]: rank
  * r's handle): the field's keys (rank 0's address), then pagekv's; with TP > 1 also
  * pagekv_tp and pagekv_ranks, each rank's address, token and heads. */
 static json_t *offer_doc(const pkv_disagg_node_t *n, pkv_xfer_handle_t *const *h, uint64_t serial,
-                         uint32_t n_prompt)
+                         uint32_t n_prompt, int32_t first, const pkv_disagg_sampling_t *smp)
 {
     const pkv_xfer_handle_t *h0 = h[0];
     json_t *ids = json_array();
@@ -80,6 +106,14 @@ static json_t *offer_doc(const pkv_disagg_node_t *n, pkv_xfer_handle_t *const *h
         "pagekv_geometry", "layers", (int)h0->geo.layers, "kv_heads", (int)h0->geo.kv_heads,
         "head_dim", (int)h0->geo.head_dim, "block_tokens", (int)h0->geo.block_tokens, "dtype",
         pkv_dtype_name(h0->geo.dtype));
+    if (doc && first >= 0 &&
+        json_object_set_new(doc, "pagekv_first",
+                            json_pack("{s:i, s:I, s:I}", "token", (int)first, "seed",
+                                      (json_int_t)smp->seed, "check",
+                                      (json_int_t)dg_first_check(h0->request_id, first, smp)))) {
+        json_decref(doc);
+        return NULL;
+    }
     if (!doc || n->tp == 1) return doc;
     json_t *ranks = json_array();
     for (uint32_t r = 0; ranks && r < n->tp; r++) {
@@ -102,7 +136,8 @@ static json_t *offer_doc(const pkv_disagg_node_t *n, pkv_xfer_handle_t *const *h
 }
 
 int pkv_disagg_node_offer(pkv_disagg_node_t *n, uint64_t serial, const uint32_t *blocks,
-                          uint32_t nb, const int32_t *ids, uint32_t n_prompt, json_t **params)
+                          uint32_t nb, const int32_t *ids, uint32_t n_prompt, int32_t first_token,
+                          const pkv_disagg_sampling_t *smp, json_t **params)
 {
     pkv_xfer_handle_t *h[PKV_KV_MAX_TP] = {0};
     uint64_t request_id = dg_bound_id(serial, ids, n_prompt);
@@ -113,7 +148,7 @@ int pkv_disagg_node_offer(pkv_disagg_node_t *n, uint64_t serial, const uint32_t 
         rc = pkv_xfer_register(n->rank[done].agent, request_id, blocks, nb, expiry, dg_lease_ended,
                                &n->rank[done], &h[done]);
     if (rc) done--; /* the one that failed registered nothing */
-    json_t *doc = rc ? NULL : offer_doc(n, h, serial, n_prompt);
+    json_t *doc = rc ? NULL : offer_doc(n, h, serial, n_prompt, first_token, smp);
     if (!rc && !doc) rc = PKV_ERR_NOMEM;
     for (uint32_t r = 0; r < n->tp; r++) pkv_xfer_handle_free(h[r]);
     if (rc) {

@@ -171,6 +171,31 @@ int dg_params_ranks(const pkv_disagg_node_t *n, const json_t *o, pkv_xfer_handle
     return PKV_OK;
 }
 
+int dg_params_first(const json_t *o, uint64_t request_id, const pkv_disagg_sampling_t *smp,
+                    pkv_disagg_first_t *out, bool *ignored, pkv_openai_error_t *err)
+{
+    *out = (pkv_disagg_first_t){.seed = smp->seed};
+    *ignored = false;
+    json_t *f = json_object_get(o, "pagekv_first");
+    if (!f || json_is_null(f)) return PKV_OK;
+    const char *p = DG_KVT_P("pagekv_first");
+    json_t *seed = json_object_get(f, "seed");
+    json_int_t token, check;
+    if (!json_is_object(f) || !json_is_integer(seed))
+        return kvt_bad(err, "invalid_value", p, "must be an object {token, seed, check}");
+    if (kvt_int(f, "token", p, 0, INT32_MAX, &token, err) ||
+        kvt_int(f, "check", p, 1, INT64_MAX, &check, err))
+        return PKV_ERR_INVALID;
+    pkv_disagg_sampling_t mine = *smp;
+    if (!mine.has_seed) mine.seed = (uint64_t)json_integer_value(seed);
+    if ((uint64_t)check != dg_first_check(request_id, (int32_t)token, &mine)) {
+        *ignored = true;
+        return PKV_OK;
+    }
+    *out = (pkv_disagg_first_t){.given = true, .token = (int32_t)token, .seed = mine.seed};
+    return PKV_OK;
+}
+
 /* remote_engine_id: required, what an agent can present (printable, <= 63 characters). */
 const char *dg_params_engine_id(const json_t *o, pkv_openai_error_t *err)
 {

@@ -124,7 +124,8 @@ static void layout_difference(pkv_disagg_node_t *n, uint32_t d, const char *addr
                  pkv_dtype_name(g->dtype));
 }
 
-static void count_pull(pkv_disagg_node_t *n, int outcome, uint32_t pulled, uint32_t adopted)
+static void count_pull(pkv_disagg_node_t *n, int outcome, uint32_t pulled, uint32_t adopted,
+                       bool first_used, bool first_ignored)
 {
     pthread_mutex_lock(&n->lock);
     if (outcome != PKV_OK) {
@@ -136,7 +137,9 @@ static void count_pull(pkv_disagg_node_t *n, int outcome, uint32_t pulled, uint3
             n->pulls.released++;
         n->pulls.blocks_pulled += pulled;
         n->pulls.blocks_adopted += adopted;
+        n->pulls.first_used += first_used;
     }
+    n->pulls.first_ignored += first_ignored;
     pthread_mutex_unlock(&n->lock);
 }
 
@@ -164,12 +167,14 @@ struct pkv_disagg_pull {
     int32_t *ids; /* the prompt [n_prompt] */
     uint32_t n_prompt;
     uint64_t salt;
+    pkv_disagg_first_t first; /* given: the prefill leg's first token, checked */
+    bool first_ignored;       /* a pagekv_first that did not match the request's sampling */
     pkv_disagg_pull_done_fn done;
     void *arg;
     /* the worker's alone, from begin to the end */
     pkv_seq_t *seq;
-    uint32_t have, want; /* whole blocks adopted locally; blocks holding the prompt but its
-                            last token (the last one possibly partial) */
+    uint32_t have, want; /* whole blocks adopted locally; blocks holding the positions the
+                            engine takes (the last one possibly partial) */
     dg_read_t *plan;
     pkv_xfer_read_t **rd; /* [m]: the first `started` were started */
     uint32_t m, started;
@@ -220,15 +225,23 @@ static void pull_read_done(void *arg, pkv_xfer_read_t *rd, int outcome)
     if (unused) pull_free(pl);
 }
 
+/* Prompt positions the engine takes with the sequence: all of them with the prefill leg's
+ * first token; otherwise all but the last, which the engine computes (its logits give the
+ * first token). */
+static uint32_t pull_positions(const pkv_disagg_pull_t *pl)
+{
+    return pl->first.given ? pl->n_prompt : pl->n_prompt - 1;
+}
+
 /* The worker starts a queued pull: its sequence, adopting what this node's prefix cache
  * holds, then its reads. The sequence goes to the engine whole (pkv_request_params_t.seq)
- * holding every prompt position but the last (the engine computes that one, and with it
- * the first token), so the blocks of positions [0, n_prompt - 1) the cache lacks are
- * pulled, the last of them partial unless n_prompt - 1 is a multiple of the block size
- * (the producer registered it: keep_blocks pins ceil(n_prompt / block_tokens)). When the
- * cache lacks none, the token alone goes to the producer (a release), which returns its
- * pins at once. Every local rank pulls the heads it holds from the prefill ranks that
- * hold them, all at once, by one deadline. */
+ * holding pull_positions(), so the blocks of those positions the cache lacks are pulled,
+ * the last of them partial unless the count is a multiple of the block size (the producer
+ * registered it: keep_blocks pins ceil(n_prompt / block_tokens)). When the cache lacks
+ * none (only without the first token: the cache never adopts the last prompt position),
+ * the token alone goes to the producer (a release), which returns its pins at once. Every
+ * local rank pulls the heads it holds from the prefill ranks that hold them, all at once,
+ * by one deadline. */
 static void pull_begin(pkv_disagg_pull_t *pl, bool stopping)
 {
     pkv_disagg_node_t *n = pl->n;
@@ -240,7 +253,7 @@ static void pull_begin(pkv_disagg_pull_t *pl, bool stopping)
     }
     pkv_seq_params_t sp = {.salt = pl->salt, .tokens = pl->ids, .n_tokens = pl->n_prompt};
     uint32_t cached = 0, bt = pl->hs[0]->geo.block_tokens, kvh = pl->hs[0]->geo.kv_heads;
-    pl->want = PKV_DIV_UP(pl->n_prompt - 1, bt);
+    pl->want = PKV_DIV_UP(pull_positions(pl), bt);
     int rc = pkv_seq_create(n->kv, &sp, &pl->seq, &cached);
     if (rc) {
         pl->rc = rc;
@@ -300,7 +313,7 @@ static void pull_begin(pkv_disagg_pull_t *pl, bool stopping)
 }
 
 /* The worker ends a pull: every read's outcome (a read still without one by the deadline +
- * 1 s is a timeout), the worst of them the pull's; on ok the positions [0, n_prompt - 1)
+ * 1 s is a timeout), the worst of them the pull's; on ok the positions [0, pull_positions)
  * recorded as written (the first `have` blocks' already were: adopted) and the phases
  * counted from the slowest read; otherwise the sequence freed (every page and pin returns)
  * and the client's error, or, by --kv-load-failure recompute, no sequence and ok. */
@@ -340,7 +353,7 @@ static void pull_end(pkv_disagg_pull_t *pl, bool all_in)
     if (pl->m) pull_inflight(n, -1);
     uint32_t cached = pl->have * bt;
     if (outcome == PKV_OK && n_pull)
-        outcome = pkv_seq_append(pl->seq, pl->ids + cached, pl->n_prompt - 1 - cached);
+        outcome = pkv_seq_append(pl->seq, pl->ids + cached, pull_positions(pl) - cached);
     if (outcome == PKV_OK && timed && n_pull && last)
         pull_phases(n, &rt, pl->t0, pkv_now_ns(), &pl->tm);
     if (outcome == PKV_OK) {
@@ -352,7 +365,7 @@ static void pull_end(pkv_disagg_pull_t *pl, bool all_in)
     char layout[192] = "";
     if (outcome == PKV_ERR_REJECTED && why == PKV_XFER_WHY_LAYOUT && refused.p < pl->P)
         layout_difference(n, refused.d, pl->hs[refused.p]->addr, pl->until, layout, sizeof(layout));
-    count_pull(n, outcome, n_pull, pl->have);
+    count_pull(n, outcome, n_pull, pl->have, pl->first.given, pl->first_ignored);
     pl->rc = outcome;
     if (outcome == PKV_OK) return;
     pkv_seq_free(pl->seq);
@@ -505,8 +518,9 @@ void dg_pulls_stop(pkv_disagg_node_t *n)
 }
 
 int pkv_disagg_pull_start(pkv_disagg_node_t *n, const json_t *params, const int32_t *ids,
-                          uint32_t n_prompt, uint64_t salt, pkv_disagg_pull_done_fn done, void *arg,
-                          pkv_disagg_pull_t **out, pkv_openai_error_t *err)
+                          uint32_t n_prompt, uint64_t salt, const pkv_disagg_sampling_t *smp,
+                          pkv_disagg_pull_done_fn done, void *arg, pkv_disagg_pull_t **out,
+                          pkv_openai_error_t *err)
 {
     const char *engine_id = dg_params_engine_id(params, err);
     if (!engine_id) return PKV_ERR_INVALID;
@@ -516,6 +530,9 @@ int pkv_disagg_pull_start(pkv_disagg_node_t *n, const json_t *params, const int3
     int rc = pl && copy ? PKV_OK : PKV_ERR_NOMEM;
     if (!rc) rc = dg_params_handle(n, params, ids, n_prompt, &h, err);
     if (!rc) rc = dg_params_ranks(n, params, h, pl->hs, &pl->P, err);
+    if (!rc)
+        rc = dg_params_first(params, pl->hs[0]->request_id, smp, &pl->first, &pl->first_ignored,
+                             err);
     if (rc == PKV_ERR_NOMEM)
         pkv_openai_error_set(err, 500, "server_error", "out_of_memory", NULL, "out of memory");
     if (rc) {
@@ -571,8 +588,8 @@ static void timings_add(pkv_disagg_timings_t *t, const pkv_disagg_timings_t *fro
     t->adopted_blocks = from->adopted_blocks;
 }
 
-int pkv_disagg_pull_take(pkv_disagg_pull_t *pl, pkv_seq_t **out, pkv_disagg_timings_t *t,
-                         pkv_openai_error_t *err)
+int pkv_disagg_pull_take(pkv_disagg_pull_t *pl, pkv_seq_t **out, pkv_disagg_first_t *first,
+                         pkv_disagg_timings_t *t, pkv_openai_error_t *err)
 {
     pkv_disagg_node_t *n = pl->n;
     pthread_mutex_lock(&n->pq_mu);
@@ -582,10 +599,13 @@ int pkv_disagg_pull_take(pkv_disagg_pull_t *pl, pkv_seq_t **out, pkv_disagg_timi
     pthread_mutex_unlock(&n->pq_mu);
     int rc = pl->rc;
     if (t) timings_add(t, &pl->tm);
-    if (rc)
+    if (rc) {
         *err = pl->err;
-    else
+    } else {
         *out = pl->seq;
+        *first = pl->first;
+        first->given &= pl->seq != NULL; /* recomputed here: the engine samples it */
+    }
     if (unused) pull_free(pl);
     return rc;
 }

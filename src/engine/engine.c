@@ -17,7 +17,8 @@
  *   1. finish running requests whose cancel flag is set (sequence freed);
  *   2. admit queued requests (best first: priority, then arrival) while fewer than
  *      max_batch_size run: pkv_seq_create pre-sizes the prompt (+ reserve_ahead) and
- *      adopts a cached prefix (or the sequence the caller gave is taken and reserved);
+ *      adopts a cached prefix (or the sequence the caller gave is taken and reserved,
+ *      and a first token given with it is emitted as if sampled here);
  *      NOSPACE puts the request back and ends admission;
  *   3. plan: every running request whose next token is its last known one decodes 1
  *      token; the others get prompt chunks (<= prefill_chunk) within step_tokens; each
@@ -72,8 +73,10 @@ struct pkv_request {
     size_t text_len, text_cap;
     retired_text_t *retired;
     bool admitted;
-    pkv_seq_t *given; /* params.seq until the first admission takes it */
-    uint32_t *kept;   /* (n_kept_max) keep_blocks: pinned at a stop/length finish */
+    pkv_seq_t *given;   /* params.seq until the first admission takes it */
+    bool first_pending; /* params.first_given until the first admission emits it */
+    int32_t first_token;
+    uint32_t *kept; /* (n_kept_max) keep_blocks: pinned at a stop/length finish */
     uint32_t n_kept;
 
     /* e->lock */
@@ -368,7 +371,7 @@ static int admit(pkv_engine_t *e, pkv_request_t *r)
         }
         if (rc) return rc;
     }
-    PKV_ASSERT(cached < n_total);
+    PKV_ASSERT(cached < n_total || (r->first_pending && cached == n_total));
     r->seq = seq;
     r->computed = cached;
     pthread_mutex_lock(&e->lock);
@@ -384,6 +387,8 @@ static int admit(pkv_engine_t *e, pkv_request_t *r)
     r->admitted = true;
     return PKV_OK;
 }
+
+static void after_sample(pkv_engine_t *e, pkv_request_t *r, int32_t tok, const float *logits);
 
 static void admit_queued(pkv_engine_t *e)
 {
@@ -402,6 +407,11 @@ static void admit_queued(pkv_engine_t *e)
             pthread_mutex_lock(&e->lock);
             e->running_pub = e->n_running;
             pthread_mutex_unlock(&e->lock);
+            if (r->first_pending) { /* the token sampled elsewhere: as if sampled here */
+                r->first_pending = false;
+                pkv_engine_sample_skip(e->vocab, r->temperature, &r->rng);
+                after_sample(e, r, r->first_token, NULL);
+            }
             continue;
         }
         if (rc == PKV_ERR_NOSPACE && e->n_running > 0) {
@@ -841,7 +851,11 @@ static const char *request_params_why(const pkv_engine_t *e, const pkv_request_p
         return "want_logits: max_tokens x vocab too large";
     if (p->keep_blocks && pkv_kv_backend(e->cfg.kv) != PKV_BACKEND_PAGED)
         return "keep_blocks needs the paged backend";
-    if (p->seq && pkv_seq_length(p->seq) >= p->n_prompt)
+    if (p->first_given && (!p->seq || pkv_seq_length(p->seq) != p->n_prompt || p->want_logits ||
+                           p->first_token < 0 || (uint32_t)p->first_token >= e->vocab))
+        return "a given first token needs a sequence of the whole prompt, a token id in the "
+               "vocabulary and no want_logits";
+    if (!p->first_given && p->seq && pkv_seq_length(p->seq) >= p->n_prompt)
         return "a given sequence must leave a prompt token to compute";
     for (uint32_t i = 0; i < p->n_stop; i++) {
         size_t l = p->stop && p->stop[i] ? strlen(p->stop[i]) : 0;
@@ -895,6 +909,8 @@ static void request_fill(pkv_request_t *r, pkv_engine_t *e, const pkv_request_pa
     r->notify = p->notify;
     r->notify_arg = p->notify_arg;
     r->given = p->seq;
+    r->first_pending = p->first_given;
+    r->first_token = p->first_token;
     r->refs = 2; /* caller + engine */
 }
 

@@ -21,5 +21,8 @@ int32_t pkv_engine_sample_argmax(const float *logits, uint32_t n);
  * are scratch of n entries. */
 int32_t pkv_engine_sample(const float *logits, uint32_t n, float temperature, float top_p,
                           uint64_t *rng, float *probs, pkv_engine_sample_cand_t *cand);
+/* Advance rng as pkv_engine_sample over n logits would (one draw when it samples): a token
+ * sampled elsewhere from the same state then leaves the same state here. */
+void pkv_engine_sample_skip(uint32_t n, float temperature, uint64_t *rng);
 
 #endif

@@ -26,10 +26,20 @@ static int cand_cmp(const void *a, const void *b)
     return x->id < y->id ? -1 : x->id > y->id;
 }
 
+static bool draws(uint32_t n, float temperature)
+{
+    return temperature > 0.0f && n > 1;
+}
+
+void pkv_engine_sample_skip(uint32_t n, float temperature, uint64_t *rng)
+{
+    if (draws(n, temperature)) (void)pkv_engine_sample_rand01(rng);
+}
+
 int32_t pkv_engine_sample(const float *logits, uint32_t n, float temperature, float top_p,
                           uint64_t *rng, float *probs, pkv_engine_sample_cand_t *cand)
 {
-    if (!(temperature > 0.0f) || n == 1) return pkv_engine_sample_argmax(logits, n);
+    if (!draws(n, temperature)) return pkv_engine_sample_argmax(logits, n);
     float mx = logits[pkv_engine_sample_argmax(logits, n)];
     double sum = 0.0;
     for (uint32_t i = 0; i < n; i++) {

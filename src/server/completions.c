@@ -364,9 +364,11 @@ typedef struct {
     srv_waker_t *w; /* the connection's: the engine's notify and the pull's end wake it */
     srv_gen_t gen;
     bool first_seen;
-    uint64_t rid;            /* pagekv's own request id (never the client's X-Request-Id) */
-    uint64_t seed;           /* the request's sampling seed */
-    const int32_t *ids;      /* the prompt (n_prompt) */
+    uint64_t rid;       /* pagekv's own request id (never the client's X-Request-Id) */
+    uint64_t seed;      /* the request's sampling seed */
+    const int32_t *ids; /* the prompt (n_prompt) */
+    bool has_first;     /* first_token: the first token generated (a prefill leg's offer) */
+    int32_t first_token;
     bool prefill_leg;        /* kv_transfer_params do_remote_decode on a prefill node */
     bool decode_leg;         /* a decode leg whose pull succeeded (not recomputed) */
     bool want_timings;       /* X-Pagekv-Timings: the answer carries pagekv_timings */
@@ -438,16 +440,30 @@ static int gen_enter(pkv_server_t *s, http_req_t *hr, const pkv_openai_request_t
     return PKV_OK;
 }
 
-/* Submit a request gen_enter counted (seq: a decode leg's pulled prompt, the engine's on
- * PKV_OK; NULL otherwise). PKV_OK with run->req, run->id and run->created; otherwise *err
- * (the refusal counted). */
-static int gen_submit(pkv_server_t *s, const pkv_openai_request_t *r, const int32_t *ids,
-                      pkv_seq_t *seq, gen_run_t *run, pkv_openai_error_t *err)
+/* The request's sampling as the first-token handoff binds it (seed: the one it samples with;
+ * has_seed: the client named it). */
+static pkv_disagg_sampling_t gen_sampling(const pkv_openai_request_t *r, bool has_seed,
+                                          uint64_t seed)
 {
+    return (pkv_disagg_sampling_t){
+        .temperature = r->temperature, .top_p = r->top_p, .has_seed = has_seed, .seed = seed};
+}
+
+/* Submit a request gen_enter counted (seq: a decode leg's pulled prompt, the engine's on
+ * PKV_OK; NULL otherwise; first: what came with it). PKV_OK with run->req, run->id and
+ * run->created; otherwise *err (the refusal counted). */
+static int gen_submit(pkv_server_t *s, const pkv_openai_request_t *r, const int32_t *ids,
+                      pkv_seq_t *seq, const pkv_disagg_first_t *first, gen_run_t *run,
+                      pkv_openai_error_t *err)
+{
+    bool given = seq && first && first->given;
+    if (given) run->seed = first->seed; /* the prefill leg's, when the client named none */
     uint64_t id = run->rid, seed = run->seed;
     run->ids = ids;
     pkv_request_params_t p = {.keep_blocks = run->prefill_leg,
                               .seq = seq,
+                              .first_given = given,
+                              .first_token = given ? first->token : 0,
                               .prompt = ids,
                               .n_prompt = run->n_prompt,
                               .max_tokens = run->max_tokens,
@@ -483,6 +499,7 @@ static int gen_take_whole(pkv_server_t *s, gen_run_t *run, const pkv_request_out
     const char *text;
     size_t len;
     srv_gen_feed(&run->gen, o, &text, &len);
+    if (o->n_tokens && !run->has_first) run->has_first = true, run->first_token = o->tokens[0];
     note_first(s, run->t_submit, &run->first_seen, o);
     note_times(o, &run->admitted_ns, &run->first_ns);
     if (!srv_buf_grow(acc, acc_cap, *acc_len + len, 256, 0)) return PKV_ERR_NOMEM;
@@ -492,24 +509,29 @@ static int gen_take_whole(pkv_server_t *s, gen_run_t *run, const pkv_request_out
 }
 
 /* A finished prefill leg: its prompt blocks (kept pinned by the engine until the release)
- * registered with the agent under a lease; *kvt the response's kv_transfer_params. */
-static int prefill_offer(pkv_server_t *s, gen_run_t *run, json_t **kvt)
+ * registered with the agent under a lease; *kvt the response's kv_transfer_params, with
+ * its first token bound to them and to its sampling. */
+static int prefill_offer(pkv_server_t *s, const pkv_openai_request_t *r, gen_run_t *run,
+                         json_t **kvt)
 {
     const uint32_t *blocks;
     uint32_t nb;
     int rc = pkv_request_kept_blocks(run->req, &blocks, &nb);
     if (rc) return rc;
-    return pkv_disagg_node_offer(s->kvn, run->rid, blocks, nb, run->ids, run->n_prompt, kvt);
+    pkv_disagg_sampling_t smp = gen_sampling(r, true, run->seed);
+    return pkv_disagg_node_offer(s->kvn, run->rid, blocks, nb, run->ids, run->n_prompt,
+                                 run->has_first ? run->first_token : -1, &smp, kvt);
 }
 
 /* Non-streaming: the whole text is in (rc PKV_OK) or could not be kept (PKV_ERR_NOMEM);
  * answer once. Releases run->req; takes acc. */
 static enum MHD_Result answer_whole(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr,
-                                    gen_run_t *run, char *acc, size_t acc_len, int rc)
+                                    const pkv_openai_request_t *r, gen_run_t *run, char *acc,
+                                    size_t acc_len, int rc)
 {
     const char *finish = rc ? NULL : srv_gen_finish_reason(&run->gen);
     json_t *kvt = NULL;
-    int offer_rc = finish && run->prefill_leg ? prefill_offer(s, run, &kvt) : PKV_OK;
+    int offer_rc = finish && run->prefill_leg ? prefill_offer(s, r, run, &kvt) : PKV_OK;
     pkv_request_release(run->req);
     run->req = NULL;
     if (rc) {
@@ -678,9 +700,10 @@ struct srv_gen_req {
     pkv_openai_request_t r;
     int32_t *ids;
     gen_stage_t stage;
-    pkv_disagg_pull_t *pull; /* GEN_PULLING */
-    pkv_seq_t *pulled;       /* a decode leg's pulled prompt, until it is submitted */
-    char *acc;               /* GEN_WHOLE: the text so far */
+    pkv_disagg_pull_t *pull;  /* GEN_PULLING */
+    pkv_seq_t *pulled;        /* a decode leg's pulled prompt, until it is submitted */
+    pkv_disagg_first_t first; /* and the prefill leg's first token with it */
+    char *acc;                /* GEN_WHOLE: the text so far */
     size_t acc_len, acc_cap;
 };
 typedef struct srv_gen_req srv_gen_req_t;
@@ -715,7 +738,7 @@ void srv_generate_free(pkv_server_t *s, http_req_t *hr)
 static int gen_start(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr, srv_gen_req_t *g,
                      pkv_openai_error_t *err)
 {
-    int rc = gen_submit(s, &g->r, g->ids, g->pulled, &g->run, err);
+    int rc = gen_submit(s, &g->r, g->ids, g->pulled, &g->first, &g->run, err);
     if (rc) return rc;
     if (s->role == PKV_SERVER_ROLE_DECODE && g->r.kvt == PKV_OPENAI_KVT_NONE)
         pkv_disagg_node_count_local(s->kvn); /* a router's fallback: computed here */
@@ -743,7 +766,7 @@ static bool gen_step(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr, 
     pkv_request_output_t o;
     if (g->stage == GEN_PULLING) {
         if (!pkv_disagg_pull_ended(g->pull)) return false;
-        int rc = pkv_disagg_pull_take(g->pull, &g->pulled, &g->run.tm, &err);
+        int rc = pkv_disagg_pull_take(g->pull, &g->pulled, &g->first, &g->run.tm, &err);
         g->pull = NULL;
         if (rc && err.status == 400) srv_count_rejection(s, SRV_REJ_INVALID); /* else: failed */
         if (rc || gen_start(s, c, hr, g, &err)) {
@@ -767,7 +790,7 @@ static bool gen_step(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr, 
         if (rc || o.finished) {
             char *acc = g->acc;
             g->acc = NULL;
-            *ret = answer_whole(s, c, hr, &g->run, acc, g->acc_len, rc);
+            *ret = answer_whole(s, c, hr, &g->r, &g->run, acc, g->acc_len, rc);
             return true;
         }
         if (pkv_request_read(g->run.req, 0, &o) == PKV_ERR_TIMEOUT) return false;
@@ -840,7 +863,8 @@ enum MHD_Result srv_handle_generate(pkv_server_t *s, struct MHD_Connection *c, h
         return srv_answer_error(s, c, hr, &err);
     if (g->r.kvt == PKV_OPENAI_KVT_DECODE) {
         /* The pull runs without this thread; its end wakes the connection. */
-        if (pkv_disagg_pull_start(s->kvn, g->r.kvt_params, g->ids, g->run.n_prompt, g->r.salt,
+        pkv_disagg_sampling_t smp = gen_sampling(&g->r, g->r.has_seed, g->run.seed);
+        if (pkv_disagg_pull_start(s->kvn, g->r.kvt_params, g->ids, g->run.n_prompt, g->r.salt, &smp,
                                   srv_waker_wake, w, &g->pull, &err)) {
             if (err.status == 400) srv_count_rejection(s, SRV_REJ_INVALID);
             return srv_answer_error(s, c, hr, &err);

@@ -236,6 +236,13 @@ static void render_kvt_flow(FILE *f, const pkv_disagg_snapshot_t *k)
             (unsigned long long)k->pulls.blocks_pulled);
     fprintf(f, "pagekv_kv_pull_blocks_total{source=\"adopted\"} %llu\n",
             (unsigned long long)k->pulls.blocks_adopted);
+    srv_metric_family(f, "pagekv_kv_pull_first_token_total", "counter",
+                      "Decode legs given the prefill node's first token: emitted, or ignored "
+                      "(it did not match the leg's sampling; the leg computed it).");
+    fprintf(f, "pagekv_kv_pull_first_token_total{taken=\"used\"} %llu\n",
+            (unsigned long long)k->pulls.first_used);
+    fprintf(f, "pagekv_kv_pull_first_token_total{taken=\"ignored\"} %llu\n",
+            (unsigned long long)k->pulls.first_ignored);
     srv_metric_one(f, "pagekv_kv_pulls_inflight", "gauge",
                    "Decode legs' reads from a producer started and not yet ended.",
                    k->pulls.inflight);
@@ -470,6 +477,9 @@ json_t *srv_kv_stats_json(const pkv_disagg_snapshot_t *k)
                   (json_int_t)k->pulls.local, "blocks_pulled", (json_int_t)k->pulls.blocks_pulled,
                   "blocks_adopted", (json_int_t)k->pulls.blocks_adopted));
     json_t *pl = json_object_get(doc, "pulls");
+    json_object_set_new(pl, "first_token",
+                        json_pack("{s:I, s:I}", "used", (json_int_t)k->pulls.first_used, "ignored",
+                                  (json_int_t)k->pulls.first_ignored));
     json_object_set_new(pl, "inflight", json_integer((json_int_t)k->pulls.inflight));
     json_object_set_new(pl, "inflight_peak", json_integer((json_int_t)k->pulls.inflight_peak));
     /* Reads by outcome (consumer), serves acknowledged and failed (producer). */
