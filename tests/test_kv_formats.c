@@ -406,8 +406,6 @@ static long long pulled_bytes(const char *preset, pkv_dtype_t dt, long long *blo
     ck_assert_int_eq(d.status, 200);
     long long bytes = ts_ji(d.doc, "pagekv_timings.kv_pulled_bytes");
     *blocks = ts_ji(d.doc, "pagekv_timings.kv_pulled_blocks");
-    /* The decode node computes the last prompt token only: every other position came by
-     * the pull, the last block partial (this prompt does not end a block). */
     /* The decode leg takes the prefill leg's first token and computes no prompt position:
      * every position came by the pull, the last block partial (this prompt does not end a
      * block). */

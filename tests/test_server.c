@@ -2199,6 +2199,17 @@ START_TEST(decode_leg_equals_unified)
         ck_assert_str_eq(ts_js(d.doc, "error.param"), forged[i].param);
         json_decref(d.doc);
     }
+    { /* a first token outside the vocabulary: malformed, whatever its check says */
+        json_t *bad = json_deep_copy(kt);
+        json_object_set_new(bad, "pagekv_first",
+                            json_pack("{s:i, s:i, s:i}", "token", 1 << 30, "seed", 1, "check", 1));
+        leg_t d;
+        decode_leg(ports[1], paths[0], reqs[0], bad, &d);
+        json_decref(bad);
+        ck_assert_int_eq(d.status, 400);
+        ck_assert_str_eq(ts_js(d.doc, "error.param"), "kv_transfer_params.pagekv_first");
+        json_decref(d.doc);
+    }
     /* A block id that is not the registration's, though the release names none: the
      * READ's digest of the whole list is refused (400 naming remote_block_ids). */
     for (size_t k = 0; k < json_array_size(ts_jp(kt, "remote_block_ids")); k++) {

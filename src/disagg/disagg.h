@@ -79,7 +79,7 @@ typedef struct {
     uint64_t local;          /* requests without kv_transfer_params, computed here */
     uint64_t blocks_pulled;  /* of ok legs: blocks read from the producer */
     uint64_t blocks_adopted; /* of ok and released legs: blocks the local prefix cache held */
-    uint64_t first_used;     /* of ok legs: the prefill node's first token emitted */
+    uint64_t first_used;     /* of ok legs: the pull took the prefill node's first token */
     uint64_t first_ignored;  /* legs whose pagekv_first did not match their sampling */
     uint64_t inflight;       /* reads of decode legs started and not yet ended */
     uint64_t inflight_peak;  /* high-water of inflight in the peaks' window */
@@ -140,6 +140,7 @@ typedef struct {
     float temperature, top_p;
     bool has_seed;
     uint64_t seed;
+    uint32_t vocab; /* decode leg: the model's; a first token at or past it is malformed */
 } pkv_disagg_sampling_t;
 
 /* What a decode leg takes with its sequence: given, the prefill leg's first token, which
@@ -188,6 +189,7 @@ bool pkv_disagg_pull_ended(pkv_disagg_pull_t *pl);
  * figures are added to *t (may be NULL). */
 int pkv_disagg_pull_take(pkv_disagg_pull_t *pl, pkv_seq_t **out, pkv_disagg_first_t *first,
                          pkv_disagg_timings_t *t, pkv_openai_error_t *err);
+/* (first is never NULL: on PKV_OK it says whether the engine emits the prefill's token.) */
 /* The caller gives up on a pull (its client went away, the server stops) instead of taking
  * it: its reads are cancelled and what it holds returns (the pull is freed once they have
  * ended). A done call already under way may still run: its arg must outlive the node's

@@ -183,7 +183,7 @@ int dg_params_first(const json_t *o, uint64_t request_id, const pkv_disagg_sampl
     json_int_t token, check;
     if (!json_is_object(f) || !json_is_integer(seed))
         return kvt_bad(err, "invalid_value", p, "must be an object {token, seed, check}");
-    if (kvt_int(f, "token", p, 0, INT32_MAX, &token, err) ||
+    if (kvt_int(f, "token", p, 0, (json_int_t)smp->vocab - 1, &token, err) ||
         kvt_int(f, "check", p, 1, INT64_MAX, &check, err))
         return PKV_ERR_INVALID;
     pkv_disagg_sampling_t mine = *smp;

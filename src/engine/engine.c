@@ -407,7 +407,10 @@ static void admit_queued(pkv_engine_t *e)
             pthread_mutex_lock(&e->lock);
             e->running_pub = e->n_running;
             pthread_mutex_unlock(&e->lock);
-            if (r->first_pending) { /* the token sampled elsewhere: as if sampled here */
+            pthread_mutex_lock(&e->lock);
+            bool cancelled = r->cancel; /* finished by the next step's finish_cancelled */
+            pthread_mutex_unlock(&e->lock);
+            if (r->first_pending && !cancelled) { /* sampled elsewhere: as if sampled here */
                 r->first_pending = false;
                 pkv_engine_sample_skip(e->vocab, r->temperature, &r->rng);
                 after_sample(e, r, r->first_token, NULL);

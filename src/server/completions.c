@@ -442,11 +442,14 @@ static int gen_enter(pkv_server_t *s, http_req_t *hr, const pkv_openai_request_t
 
 /* The request's sampling as the first-token handoff binds it (seed: the one it samples with;
  * has_seed: the client named it). */
-static pkv_disagg_sampling_t gen_sampling(const pkv_openai_request_t *r, bool has_seed,
-                                          uint64_t seed)
+static pkv_disagg_sampling_t gen_sampling(const pkv_server_t *s, const pkv_openai_request_t *r,
+                                          bool has_seed, uint64_t seed)
 {
-    return (pkv_disagg_sampling_t){
-        .temperature = r->temperature, .top_p = r->top_p, .has_seed = has_seed, .seed = seed};
+    return (pkv_disagg_sampling_t){.temperature = r->temperature,
+                                   .top_p = r->top_p,
+                                   .has_seed = has_seed,
+                                   .seed = seed,
+                                   .vocab = pkv_model_config(s->model)->vocab_size};
 }
 
 /* Submit a request gen_enter counted (seq: a decode leg's pulled prompt, the engine's on
@@ -518,7 +521,7 @@ static int prefill_offer(pkv_server_t *s, const pkv_openai_request_t *r, gen_run
     uint32_t nb;
     int rc = pkv_request_kept_blocks(run->req, &blocks, &nb);
     if (rc) return rc;
-    pkv_disagg_sampling_t smp = gen_sampling(r, true, run->seed);
+    pkv_disagg_sampling_t smp = gen_sampling(s, r, true, run->seed);
     return pkv_disagg_node_offer(s->kvn, run->rid, blocks, nb, run->ids, run->n_prompt,
                                  run->has_first ? run->first_token : -1, &smp, kvt);
 }
@@ -863,7 +866,7 @@ enum MHD_Result srv_handle_generate(pkv_server_t *s, struct MHD_Connection *c, h
         return srv_answer_error(s, c, hr, &err);
     if (g->r.kvt == PKV_OPENAI_KVT_DECODE) {
         /* The pull runs without this thread; its end wakes the connection. */
-        pkv_disagg_sampling_t smp = gen_sampling(&g->r, g->r.has_seed, g->run.seed);
+        pkv_disagg_sampling_t smp = gen_sampling(s, &g->r, g->r.has_seed, g->run.seed);
         if (pkv_disagg_pull_start(s->kvn, g->r.kvt_params, g->ids, g->run.n_prompt, g->r.salt, &smp,
                                   srv_waker_wake, w, &g->pull, &err)) {
             if (err.status == 400) srv_count_rejection(s, SRV_REJ_INVALID);

@@ -237,8 +237,9 @@ static void render_kvt_flow(FILE *f, const pkv_disagg_snapshot_t *k)
     fprintf(f, "pagekv_kv_pull_blocks_total{source=\"adopted\"} %llu\n",
             (unsigned long long)k->pulls.blocks_adopted);
     srv_metric_family(f, "pagekv_kv_pull_first_token_total", "counter",
-                      "Decode legs given the prefill node's first token: emitted, or ignored "
-                      "(it did not match the leg's sampling; the leg computed it).");
+                      "Decode legs given the prefill node's first token: taken by the pull (the "
+                      "engine emits it), or ignored (it did not match the leg's sampling; the "
+                      "leg computes it).");
     fprintf(f, "pagekv_kv_pull_first_token_total{taken=\"used\"} %llu\n",
             (unsigned long long)k->pulls.first_used);
     fprintf(f, "pagekv_kv_pull_first_token_total{taken=\"ignored\"} %llu\n",
