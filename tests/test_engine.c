@@ -693,30 +693,19 @@ END_TEST
  * prefill node's): the output is the one the engine gives computing the prompt itself,
  * greedy and seeded (the RNG advanced past the first draw); EOS and max_tokens 1 finish at
  * admission; bad combinations are refused. */
-static void run_plain(rig_t *r, const int32_t *prompt, uint32_t n, float temp, uint64_t seed,
-                      collected_t *c)
-{
-    pkv_request_params_t p = {.prompt = prompt,
-                              .n_prompt = n,
-                              .max_tokens = 6,
-                              .temperature = temp,
-                              .seed = seed,
-                              .ignore_eos = true};
-    pkv_request_t *q;
-    ck_assert_int_eq(pkv_engine_submit(r->e, &p, &q), PKV_OK);
-    collect(q, c);
-    pkv_request_release(q);
-}
-
+/* One request, collected: first < 0 computes the prompt; otherwise a sequence of the whole
+ * prompt is given with first as its first token. */
 static void run_given_first(rig_t *r, const int32_t *prompt, uint32_t n, float temp, uint64_t seed,
                             int32_t first, uint32_t max_tokens, bool ignore_eos, collected_t *c)
 {
-    pkv_seq_params_t sp = {.tokens = prompt, .n_tokens = n};
-    pkv_seq_t *seq;
-    uint32_t cached;
-    ck_assert_int_eq(pkv_seq_create(r->kv, &sp, &seq, &cached), PKV_OK);
-    pkv_model_item_t it = {.seq = seq, .tokens = prompt + cached, .n_tokens = n - cached};
-    ck_assert_int_eq(pkv_model_forward(r->m, r->kv, &it, 1), PKV_OK);
+    pkv_seq_t *seq = NULL;
+    if (first >= 0) {
+        pkv_seq_params_t sp = {.tokens = prompt, .n_tokens = n};
+        uint32_t cached;
+        ck_assert_int_eq(pkv_seq_create(r->kv, &sp, &seq, &cached), PKV_OK);
+        pkv_model_item_t it = {.seq = seq, .tokens = prompt + cached, .n_tokens = n - cached};
+        ck_assert_int_eq(pkv_model_forward(r->m, r->kv, &it, 1), PKV_OK);
+    }
     pkv_request_params_t p = {.prompt = prompt,
                               .n_prompt = n,
                               .max_tokens = max_tokens,
@@ -724,7 +713,7 @@ static void run_given_first(rig_t *r, const int32_t *prompt, uint32_t n, float t
                               .seed = seed,
                               .ignore_eos = ignore_eos,
                               .seq = seq,
-                              .first_given = true,
+                              .first_given = first >= 0,
                               .first_token = first};
     pkv_request_t *q;
     ck_assert_int_eq(pkv_engine_submit(r->e, &p, &q), PKV_OK);
@@ -742,7 +731,7 @@ START_TEST(given_first_token_continues_as_sampled)
     collected_t a, b;
     for (int k = 0; k < 2; k++) {
         float temp = k ? 0.9f : 0.0f;
-        run_plain(&r, prompt, 41, temp, 77, &a);
+        run_given_first(&r, prompt, 41, temp, 77, -1, 6, true, &a);
         ck_assert_uint_eq(a.n, 6);
         run_given_first(&r, prompt, 41, temp, 77, a.toks[0], 6, true, &b);
         ck_assert_uint_eq(b.n, 6);

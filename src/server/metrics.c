@@ -58,6 +58,14 @@ void srv_metric_one(FILE *f, const char *name, const char *type, const char *hel
     fprintf(f, "%s %llu\n", name, (unsigned long long)v);
 }
 
+/* A counter family's two samples, label=a and label=b. */
+static void two_samples(FILE *f, const char *name, const char *label, const char *a, uint64_t va,
+                        const char *b, uint64_t vb)
+{
+    fprintf(f, "%s{%s=\"%s\"} %llu\n", name, label, a, (unsigned long long)va);
+    fprintf(f, "%s{%s=\"%s\"} %llu\n", name, label, b, (unsigned long long)vb);
+}
+
 static void hist(FILE *f, const char *name, const char *help, const pkv_hist_t *h)
 {
     srv_metric_family(f, name, "histogram", help);
@@ -232,18 +240,14 @@ static void render_kvt_flow(FILE *f, const pkv_disagg_snapshot_t *k)
         f, "pagekv_kv_pull_blocks_total", "counter",
         "Prompt blocks of decode legs: read from the producer, or already held by the local "
         "prefix cache.");
-    fprintf(f, "pagekv_kv_pull_blocks_total{source=\"pulled\"} %llu\n",
-            (unsigned long long)k->pulls.blocks_pulled);
-    fprintf(f, "pagekv_kv_pull_blocks_total{source=\"adopted\"} %llu\n",
-            (unsigned long long)k->pulls.blocks_adopted);
+    two_samples(f, "pagekv_kv_pull_blocks_total", "source", "pulled", k->pulls.blocks_pulled,
+                "adopted", k->pulls.blocks_adopted);
     srv_metric_family(f, "pagekv_kv_pull_first_token_total", "counter",
                       "Decode legs given the prefill node's first token: taken by the pull (the "
                       "engine emits it), or ignored (it did not match the leg's sampling; the "
                       "leg computes it).");
-    fprintf(f, "pagekv_kv_pull_first_token_total{taken=\"used\"} %llu\n",
-            (unsigned long long)k->pulls.first_used);
-    fprintf(f, "pagekv_kv_pull_first_token_total{taken=\"ignored\"} %llu\n",
-            (unsigned long long)k->pulls.first_ignored);
+    two_samples(f, "pagekv_kv_pull_first_token_total", "taken", "used", k->pulls.first_used,
+                "ignored", k->pulls.first_ignored);
     srv_metric_one(f, "pagekv_kv_pulls_inflight", "gauge",
                    "Decode legs' reads from a producer started and not yet ended.",
                    k->pulls.inflight);
