@@ -776,6 +776,20 @@ START_TEST(read_heads_and_reads_roundtrip_and_bounds)
 }
 END_TEST
 
+/* Patch the first little-endian u32 `from` in buf[0..len) to `to`; false if absent. */
+static bool patch_u32(uint8_t *buf, size_t len, uint32_t from, uint32_t to)
+{
+    for (size_t i = 0; i + 4 <= len; i++) {
+        uint32_t v;
+        memcpy(&v, buf + i, 4);
+        if (v == from) {
+            memcpy(buf + i, &to, 4);
+            return true;
+        }
+    }
+    return false;
+}
+
 static xf_wire_hello_t sample_hello(void)
 {
     xf_wire_hello_t h;
@@ -792,6 +806,36 @@ static xf_wire_hello_t sample_hello(void)
     h.layout.wire = XF_WIRE_VERSION;
     return h;
 }
+
+/* int8 goes on the wire with its row format (2: eight lane-group scales) in the dtype word:
+ * READ and HELLO round-trip it, and the plain int8 code of a format-1 agent is refused
+ * (PROTO), so two agents of different int8 formats never read each other's rows. */
+START_TEST(int8_carries_its_row_format)
+{
+    uint8_t buf[512];
+    size_t len;
+    xf_wire_msg_t m;
+    uint32_t blocks[] = {1, 2};
+    xf_wire_read_t r = sample_read();
+    r.geo.dtype = PKV_DTYPE_INT8;
+    ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len), PKV_OK);
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_OK);
+    ck_assert_int_eq(m.u.read.geo.dtype, PKV_DTYPE_INT8);
+    ck_assert(patch_u32(buf, len, 0x203, PKV_DTYPE_INT8));
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    xf_wire_hello_t h = sample_hello();
+    h.layout.geo.dtype = PKV_DTYPE_INT8;
+    ck_assert_int_eq(xf_wire_encode_hello(&h, buf, sizeof(buf), &len), PKV_OK);
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_OK);
+    ck_assert_int_eq(m.u.hello.layout.geo.dtype, PKV_DTYPE_INT8);
+    ck_assert(patch_u32(buf, len, 0x203, PKV_DTYPE_INT8));
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+    /* fp8 carries no revision: one there is refused too */
+    ck_assert_int_eq(xf_wire_encode_read(&r, blocks, 2, buf, sizeof(buf), &len), PKV_OK);
+    ck_assert(patch_u32(buf, len, 0x203, PKV_DTYPE_FP8 | 2u << 8));
+    ck_assert_int_eq(xf_wire_decode(buf, len, &m), PKV_ERR_PROTO);
+}
+END_TEST
 
 /* v5 HELLO: the layout descriptor round-trips; every bad value is refused by the encoder
  * and rejected by the decoder (model id too long or unprintable, geometry, tp 0 or above
@@ -902,6 +946,7 @@ static Suite *wire_suite(void)
     tcase_add_test(tc, blocks_digest_covers_ids_order_and_count);
     tcase_add_test(tc, read_heads_and_reads_roundtrip_and_bounds);
     tcase_add_test(tc, hello_layout_roundtrip_and_bounds);
+    tcase_add_test(tc, int8_carries_its_row_format);
     suite_add_tcase(s, tc);
     return s;
 }

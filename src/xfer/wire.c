@@ -152,6 +152,24 @@ static void put_header(wcur_t *c, uint8_t type, uint32_t body_len)
 }
 
 /* ---- shared checks -------------------------------------------------------------------- */
+/* A KV dtype on the wire: its pkv_dtype_t, and for int8 its row format's revision in bits
+ * 8-15 (format 2: eight lane-group scales, docs/design/pool.md "Quantized KV"). An agent of
+ * int8 format 1 sent a plain 3: the two refuse each other's messages (PKV_ERR_PROTO) rather
+ * than read each other's rows with the wrong scales. */
+#define WIRE_INT8_FORMAT 2u
+static uint32_t dtype_to_wire(pkv_dtype_t dt)
+{
+    return dt == PKV_DTYPE_INT8 ? (uint32_t)dt | WIRE_INT8_FORMAT << 8 : (uint32_t)dt;
+}
+
+static int dtype_from_wire(uint32_t w, pkv_dtype_t *dt)
+{
+    uint32_t base = w & 0xff;
+    if (base > PKV_DTYPE_FP8 || w != dtype_to_wire((pkv_dtype_t)base)) return PKV_ERR_PROTO;
+    *dt = (pkv_dtype_t)base;
+    return PKV_OK;
+}
+
 /* Bytes of one row (one token's one head) of a wire dtype: its values, then a scaled
  * dtype's f32 scale (kept here so the decoder depends on nothing else). */
 static uint64_t row_bytes(const pkv_geometry_t *g)
@@ -321,8 +339,7 @@ static int decode_read(rcur_t *c, xf_wire_read_t *r)
     if (release && (r->flags != XF_WIRE_READ_RELEASE || r->n_runs)) return PKV_ERR_PROTO;
     if (r->xfer_id == 0 || r->xfer_id >= (1ull << XF_WIRE_XFER_ID_BITS)) return PKV_ERR_PROTO;
     if (r->budget_ns > XF_WIRE_MAX_BUDGET_NS) return PKV_ERR_PROTO;
-    if (dtype > PKV_DTYPE_FP8) return PKV_ERR_PROTO;
-    r->geo.dtype = (pkv_dtype_t)dtype;
+    if (dtype_from_wire(dtype, &r->geo.dtype)) return PKV_ERR_PROTO;
     if (!read_heads_valid(r, release)) return PKV_ERR_PROTO;
     if (release) { /* no plan: the geometry and the chunk size are still checked */
         uint64_t lb;
@@ -475,9 +492,8 @@ static int decode_hello(rcur_t *c, xf_wire_hello_t *h)
     get_u32(c, &l->head_n);
     get_u32(c, &l->wire);
     if (r32 || id_len > XF_WIRE_MAX_IDENTITY || model_len > XF_WIRE_MAX_MODEL_ID ||
-        dtype > PKV_DTYPE_FP8 || c->left != (size_t)id_len + model_len)
+        dtype_from_wire(dtype, &l->geo.dtype) || c->left != (size_t)id_len + model_len)
         return PKV_ERR_PROTO;
-    l->geo.dtype = (pkv_dtype_t)dtype;
     get_bytes(c, h->identity, id_len);
     h->identity[id_len] = '\0';
     get_bytes(c, l->model_id, model_len);
@@ -601,7 +617,7 @@ int xf_wire_encode_read(const xf_wire_read_t *r, const uint32_t *blocks, uint32_
     put_u32(&c, r->geo.kv_heads);
     put_u32(&c, r->geo.head_dim);
     put_u32(&c, r->geo.block_tokens);
-    put_u32(&c, (uint32_t)r->geo.dtype);
+    put_u32(&c, dtype_to_wire(r->geo.dtype));
     put_u32(&c, r->chunk_bytes);
     put_u32(&c, r->flags);
     put_u32(&c, r->head_lo);
@@ -757,7 +773,7 @@ int xf_wire_encode_hello(const xf_wire_hello_t *h, void *buf, size_t cap, size_t
     put_u32(&c, l->geo.kv_heads);
     put_u32(&c, l->geo.head_dim);
     put_u32(&c, l->geo.block_tokens);
-    put_u32(&c, (uint32_t)l->geo.dtype);
+    put_u32(&c, dtype_to_wire(l->geo.dtype));
     put_u32(&c, l->tp);
     put_u32(&c, l->rank);
     put_u32(&c, l->head_lo);
@@ -857,7 +873,7 @@ int pkv_xfer_handle_encode(const pkv_xfer_handle_t *h, void *buf, size_t cap, si
     put_u32(&c, h->geo.kv_heads);
     put_u32(&c, h->geo.head_dim);
     put_u32(&c, h->geo.block_tokens);
-    put_u32(&c, (uint32_t)h->geo.dtype);
+    put_u32(&c, dtype_to_wire(h->geo.dtype));
     put_u32(&c, h->n_blocks);
     if (h->local.present) {
         put_u32(&c, h->local.pid);
@@ -899,10 +915,9 @@ int pkv_xfer_handle_decode(const void *buf, size_t len, pkv_xfer_handle_t **out)
         tmp.local.fd = (int32_t)fd;
         if (!local_valid(&tmp)) return PKV_ERR_PROTO;
     }
-    if (al >= PKV_XFER_ADDR_MAX || dtype > PKV_DTYPE_FP8) return PKV_ERR_PROTO;
+    if (al >= PKV_XFER_ADDR_MAX || dtype_from_wire(dtype, &tmp.geo.dtype)) return PKV_ERR_PROTO;
     if (n < 1 || n > XF_WIRE_MAX_BLOCKS) return PKV_ERR_PROTO;
     if (c.left != al + 4 * (size_t)n) return PKV_ERR_PROTO;
-    tmp.geo.dtype = (pkv_dtype_t)dtype;
     tmp.n_blocks = n;
     uint64_t lb;
     if (xf_wire_check_geometry(&tmp.geo, &lb)) return PKV_ERR_PROTO;
