@@ -4,6 +4,8 @@
 #   make check                build and run every test binary (Check), print a summary
 #   make check SAN=address,undefined   the same under ASan+UBSan (build dir build/san-address-undefined)
 #   make check SAN=thread     the same under TSan
+#   make GPU=1                the GPU part too (src/gpu against CUDA's cuda.h, the driver
+#                             found at run time; build dir build/gpu; docs/design/gpu.md)
 #   make install PREFIX=/usr/local
 #   make format / make format-check
 #
@@ -16,15 +18,17 @@
 CC      ?= cc
 PREFIX  ?= /usr/local
 SAN     ?=
+GPU     ?=
+CUDA    ?= /usr/local/cuda
 WERROR  ?= $(if $(CI),-Werror,)
 PKGS    := ucx jansson libmicrohttpd openssl libcurl libxxhash
 
 comma   := ,
 ifeq ($(SAN),)
-BUILD   ?= build
+BUILD   ?= build$(if $(GPU),/gpu,)
 SANFLAGS :=
 else
-BUILD   ?= build/san-$(subst $(comma),-,$(SAN))
+BUILD   ?= build/$(if $(GPU),gpu-,)san-$(subst $(comma),-,$(SAN))
 SANFLAGS := -fsanitize=$(SAN) -fno-omit-frame-pointer -fno-sanitize-recover=all
 endif
 
@@ -34,10 +38,11 @@ WARN     := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wfo
 CPPFLAGS += -Iinclude -Isrc -I. -D_GNU_SOURCE $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 CFLAGS   += -std=c11 -g $(OPT) -fPIC -pthread $(WARN) $(SANFLAGS)
 LDFLAGS  += -pthread -Wl,--as-needed $(SANFLAGS)
-LDLIBS   += $(shell pkg-config --libs $(PKGS) 2>/dev/null) -lm
+LDLIBS   += $(shell pkg-config --libs $(PKGS) 2>/dev/null) -lm $(if $(GPU),-ldl,)
 TEST_LIBS := $(shell pkg-config --libs check 2>/dev/null) $(shell pkg-config --libs libcurl 2>/dev/null)
 
-LIB_SRC   := $(sort $(wildcard src/*/*.c))
+# src/gpu: driver.c (cuda.h, GPU=1) or gpu_none.c (no CUDA anywhere), never both.
+LIB_SRC   := $(filter-out $(if $(GPU),src/gpu/gpu_none.c,src/gpu/driver.c),$(sort $(wildcard src/*/*.c)))
 SUP_SRC   := $(sort $(wildcard support/*.c))
 CLI_SRC   := $(sort $(wildcard tools/*.c bench/*.c))
 TSUP_SRC  := $(sort $(wildcard tests/support/*.c))
@@ -71,6 +76,22 @@ demo:
 	$(MAKE) --no-print-directory all
 	$(BUILD)/pagekv demo
 all: $(ALIB) $(SLIB) $(CLI)
+# GPU=1 also builds `pagekv bench gpu` alone (libc, libdl and the driver at run time):
+# what scripts/gpu-check.sh builds on a GPU machine, built here the same way.
+# GPU=1 also builds `pagekv bench gpu` and the GPU tests alone (libc, libdl and the driver
+# at run time): what scripts/gpu-check.sh builds on a GPU machine, built here the same way.
+GPU_CORE_SRC := src/gpu/driver.c src/gpu/arena.c src/core/core.c src/core/fault.c
+GPU_BENCH_SRC := tools/standalone/pagekv_gpu.c bench/bench_gpu.c $(GPU_CORE_SRC)
+GPU_TEST_SRC := tests/gpu/main.c tests/support/gpu_cases.c $(GPU_CORE_SRC)
+ifneq ($(GPU),)
+all: $(BUILD)/pagekv-gpu $(BUILD)/pagekv-gpu-test
+$(BUILD)/pagekv-gpu: $(GPU_BENCH_SRC) $(wildcard src/gpu/*.h src/core/*.h) Makefile
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) -DPKV_GPU=1 -I$(CUDA)/include $(CFLAGS) -o $@ $(GPU_BENCH_SRC) -ldl -lm
+$(BUILD)/pagekv-gpu-test: $(GPU_TEST_SRC) $(wildcard src/gpu/*.h src/core/*.h tests/support/gpu_cases.h) Makefile
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) -DPKV_GPU=1 -I$(CUDA)/include $(CFLAGS) -o $@ $(GPU_TEST_SRC) -ldl -lm
+endif
 
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -80,6 +101,7 @@ $(BUILD)/obj/%.o: %.c
 # include/pagekv/export.h and docs/design/api.md); tests/test_api checks it.
 # (objects built before that flag must be rebuilt: they depend on the Makefile).
 $(LIB_OBJ): CFLAGS += -fvisibility=hidden
+$(BUILD)/obj/src/gpu/driver.o: CPPFLAGS += -DPKV_GPU=1 -I$(CUDA)/include
 $(LIB_OBJ): Makefile
 
 $(ALIB): $(LIB_OBJ)

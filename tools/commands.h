@@ -33,6 +33,7 @@ int pkv_bench_disagg(int argc, char **argv);
 int pkv_bench_reshard(int argc, char **argv);
 int pkv_bench_tiers(int argc, char **argv);
 int pkv_bench_kvquant(int argc, char **argv);
+int pkv_bench_gpu(int argc, char **argv);
 int pkv_bench_tier_startup(int argc, char **argv); /* `bench tiers --startup` */
 
 #endif

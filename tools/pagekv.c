@@ -67,6 +67,8 @@ static const pkv_cmd_entry_t benches[] = {
      "the disk tier on multi-round QA: recompute, disk and restart arms against a reference"},
     {"kvquant", pkv_bench_kvquant,
      "int8 / fp8 KV: error against bf16 (flat, outliers, sharp) and decode speed over bf16"},
+    {"gpu", pkv_bench_gpu,
+     "the device granule arena on an NVIDIA GPU (make GPU=1): VMM costs, counters, memory back"},
 };
 
 int pkv_cmd_bench(int argc, char **argv)

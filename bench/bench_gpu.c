@@ -1,0 +1,380 @@
+/*
+ * pagekv bench gpu: the device granule arena on an NVIDIA GPU (docs/design/gpu.md,
+ * docs/design/bench_gpu.md). Depends on src/gpu and src/core alone, so that
+ * scripts/gpu-check.sh can build it on a GPU machine with nothing but cc and the driver
+ * (tools/standalone/pagekv_gpu.c is its main there). Without a device it prints why and
+ * exits 1.
+ */
+#include "gpu/gpu.h"
+#include "tools/commands.h"
+
+#include "core/core.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+typedef struct {
+    double p50, p99, max;
+} bg_q_t;
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Quantiles of n samples in ns, as us. */
+static bg_q_t quant(uint64_t *ns, uint32_t n)
+{
+    bg_q_t q = {0};
+    if (!n) return q;
+    qsort(ns, n, sizeof(*ns), cmp_u64);
+    q.p50 = ns[n / 2] / 1e3;
+    q.p99 = ns[(uint32_t)((n - 1) * 0.99)] / 1e3;
+    q.max = ns[n - 1] / 1e3;
+    return q;
+}
+
+typedef struct {
+    FILE *json;
+    bool first;
+} bg_out_t;
+
+static void out_q(bg_out_t *o, const char *name, bg_q_t q, const char *what)
+{
+    printf("| %-34s | %9.1f | %9.1f | %9.1f | %s |\n", name, q.p50, q.p99, q.max, what);
+    if (o->json)
+        fprintf(o->json, "%s\n    {\"name\": \"%s\", \"p50_us\": %.2f, \"p99_us\": %.2f, \"max_us\": %.2f}",
+                o->first ? "" : ",", name, q.p50, q.p99, q.max);
+    o->first = false;
+}
+
+#define BG_CHECK(expr)                                                                             \
+    do {                                                                                           \
+        int bg_rc_ = (expr);                                                                       \
+        if (bg_rc_) {                                                                              \
+            fprintf(stderr, "bench gpu: %s: %s\n", #expr, pkv_status_str(bg_rc_));                 \
+            goto fail;                                                                             \
+        }                                                                                          \
+    } while (0)
+
+/* Each VMM call on its own, n granules: create, map, set access (per granule and once over
+ * all of them), unmap, release. */
+static int raw_ops(pkv_gpu_t *g, uint64_t gb, uint32_t n, bg_out_t *o)
+{
+    uint64_t *h = calloc(n, sizeof(*h)), *t[5];
+    for (int k = 0; k < 5; k++) t[k] = calloc(n, sizeof(uint64_t));
+    uint64_t va = 0, all_ns = 0, t0;
+    uint32_t made = 0, mapped = 0, unmapped = 0, released = 0;
+    int rc = PKV_ERR_NOMEM;
+    if (!h || !t[0] || !t[1] || !t[2] || !t[3] || !t[4]) goto fail;
+    BG_CHECK(pkv_gpu_va_reserve(g, gb * n, &va));
+    for (; made < n; made++) {
+        t0 = pkv_now_ns();
+        BG_CHECK(pkv_gpu_phys_create(g, gb, &h[made]));
+        t[0][made] = pkv_now_ns() - t0;
+    }
+    for (; mapped < n; mapped++) {
+        t0 = pkv_now_ns();
+        BG_CHECK(pkv_gpu_map(g, va + mapped * gb, gb, h[mapped]));
+        uint64_t t1 = pkv_now_ns();
+        BG_CHECK(pkv_gpu_set_access(g, va + mapped * gb, gb));
+        t[1][mapped] = t1 - t0;
+        t[2][mapped] = pkv_now_ns() - t1;
+    }
+    t0 = pkv_now_ns();
+    BG_CHECK(pkv_gpu_set_access(g, va, gb * n)); /* one call over every mapping */
+    all_ns = pkv_now_ns() - t0;
+    BG_CHECK(pkv_gpu_memset(g, va, 0x5a, gb * n)); /* the range is usable */
+    BG_CHECK(pkv_gpu_sync(g));
+    for (; unmapped < n; unmapped++) {
+        t0 = pkv_now_ns();
+        BG_CHECK(pkv_gpu_unmap(g, va + unmapped * gb, gb));
+        t[3][unmapped] = pkv_now_ns() - t0;
+    }
+    for (; released < n; released++) {
+        t0 = pkv_now_ns();
+        BG_CHECK(pkv_gpu_phys_release(g, h[released]));
+        t[4][released] = pkv_now_ns() - t0;
+    }
+    out_q(o, "create (cuMemCreate)", quant(t[0], n), "per granule");
+    out_q(o, "map (cuMemMap)", quant(t[1], n), "per granule");
+    out_q(o, "set access (cuMemSetAccess)", quant(t[2], n), "per granule");
+    double one = all_ns / 1e3 / n;
+    out_q(o, "set access, one call over all", (bg_q_t){one, one, one}, "per granule, one call");
+    out_q(o, "unmap (cuMemUnmap)", quant(t[3], n), "per granule");
+    out_q(o, "release (cuMemRelease)", quant(t[4], n), "per granule");
+    rc = PKV_OK;
+fail:
+    for (uint32_t i = unmapped; i < mapped; i++) pkv_gpu_unmap(g, va + i * gb, gb);
+    for (uint32_t i = released; i < made; i++) pkv_gpu_phys_release(g, h[i]);
+    if (va) pkv_gpu_va_free(g, va, gb * n);
+    for (int k = 0; k < 5; k++) free(t[k]);
+    free(h);
+    return rc;
+}
+
+/* Growing by one granule through the arena: with a spare ready (refilled between
+ * commits, as the refill thread does off the hot path) and with none. */
+static int grow_by_one(pkv_gpu_t *g, uint32_t n, bool spare, bg_out_t *o, double *p99)
+{
+    pkv_gpu_arena_config_t c = {.n_granules = n, .spare_min = spare ? 4 : 0, .spare_max = spare ? 8 : 0};
+    pkv_gpu_arena_t *a = NULL;
+    uint64_t *t = calloc(n, sizeof(*t));
+    int rc = PKV_ERR_NOMEM;
+    if (!t) return rc;
+    BG_CHECK(pkv_gpu_arena_create(g, &c, &a));
+    for (uint32_t i = 0; i < n; i++) {
+        if (spare) BG_CHECK(pkv_gpu_arena_fill_spares(a));
+        uint64_t t0 = pkv_now_ns();
+        BG_CHECK(pkv_gpu_arena_commit(a, i));
+        t[i] = pkv_now_ns() - t0;
+    }
+    bg_q_t q = quant(t, n);
+    *p99 = q.p99;
+    out_q(o, spare ? "grow by one, a spare ready" : "grow by one, no spare", q,
+          spare ? "arena commit: map + set access" : "arena commit: create + map + set access");
+    rc = PKV_OK;
+fail:
+    pkv_gpu_arena_destroy(a);
+    free(t);
+    return rc;
+}
+
+/* The arena's counters against cuMemGetInfo's free bytes: after committing n granules,
+ * after decommitting them (spares kept), and after a trim. */
+static int counters(pkv_gpu_t *g, uint32_t n, bg_out_t *o, double *worst)
+{
+    pkv_gpu_arena_config_t c = {.n_granules = n, .spare_min = 0, .spare_max = n};
+    pkv_gpu_arena_t *a = NULL;
+    uint64_t free0, free1, total;
+    pkv_gpu_arena_stats_t st;
+    int rc = PKV_ERR_IO;
+    *worst = 0;
+    BG_CHECK(pkv_gpu_mem_info(g, &free0, &total));
+    BG_CHECK(pkv_gpu_arena_create(g, &c, &a));
+    const char *phase[3] = {"committed", "decommitted (spares kept)", "trimmed"};
+    for (int p = 0; p < 3; p++) {
+        for (uint32_t i = 0; i < n; i++) {
+            if (p == 0) BG_CHECK(pkv_gpu_arena_commit(a, i));
+            if (p == 1) BG_CHECK(pkv_gpu_arena_decommit(a, i));
+        }
+        if (p == 2) pkv_gpu_arena_trim(a);
+        BG_CHECK(pkv_gpu_mem_info(g, &free1, &total));
+        pkv_gpu_arena_stats(a, &st);
+        double used = (double)free0 - (double)free1;
+        double diff = used - (double)st.created_bytes;
+        double rel = st.created_bytes ? diff / (double)st.created_bytes : diff / (double)(2u << 20);
+        if (rel < 0) rel = -rel;
+        if (rel > *worst) *worst = rel;
+        printf("  %-26s arena created %8.1f MiB (mapped %8.1f, spare %8.1f); cuMemGetInfo used "
+               "%8.1f MiB\n",
+               phase[p], st.created_bytes / 1048576.0, st.mapped_bytes / 1048576.0,
+               st.spare_bytes / 1048576.0, used / 1048576.0);
+        if (o->json)
+            fprintf(o->json,
+                    "%s\n    {\"phase\": \"%s\", \"created_bytes\": %llu, \"mapped_bytes\": %llu, "
+                    "\"spare_bytes\": %llu, \"driver_used_bytes\": %.0f}",
+                    p ? "," : "", phase[p], (unsigned long long)st.created_bytes,
+                    (unsigned long long)st.mapped_bytes, (unsigned long long)st.spare_bytes, used);
+    }
+    rc = PKV_OK;
+fail:
+    pkv_gpu_arena_destroy(a);
+    return rc;
+}
+
+/* A child forked before this process touched the driver: it waits for a byte count, then
+ * creates that much device memory in its own context and reports what it got. */
+typedef struct {
+    pid_t pid;
+    int to, from;
+} bg_child_t;
+
+static void child_main(int in, int out)
+{
+    uint64_t want = 0, got = 0;
+    if (read(in, &want, sizeof(want)) != sizeof(want)) _exit(1);
+    pkv_gpu_t *g = NULL;
+    char why[256];
+    if (want && pkv_gpu_open(NULL, 0, &g, why, sizeof(why)) == PKV_OK) {
+        pkv_gpu_info_t in_;
+        pkv_gpu_info(g, &in_);
+        uint64_t gb = PKV_MAX(in_.granule_rec, (uint64_t)2 << 20), h;
+        while (got + gb <= want && pkv_gpu_phys_create(g, gb, &h) == PKV_OK) got += gb;
+        pkv_gpu_close(g); /* the context goes, and its memory with it */
+    }
+    if (write(out, &got, sizeof(got)) != sizeof(got)) _exit(1);
+    _exit(0);
+}
+
+static int child_start(bg_child_t *c)
+{
+    int a[2], b[2];
+    if (pipe(a) || pipe(b)) return PKV_ERR_IO;
+    c->pid = fork();
+    if (c->pid < 0) return PKV_ERR_IO;
+    if (c->pid == 0) {
+        close(a[1]);
+        close(b[0]);
+        child_main(a[0], b[1]);
+    }
+    close(a[0]);
+    close(b[1]);
+    c->to = a[1];
+    c->from = b[0];
+    return PKV_OK;
+}
+
+/* Ask the child for `bytes`; what it got (0 on any failure); the child is reaped. */
+static uint64_t child_alloc(bg_child_t *c, uint64_t bytes)
+{
+    uint64_t got = 0;
+    if (write(c->to, &bytes, sizeof(bytes)) != sizeof(bytes) ||
+        read(c->from, &got, sizeof(got)) != sizeof(got))
+        got = 0;
+    close(c->to);
+    close(c->from);
+    waitpid(c->pid, NULL, 0);
+    return got;
+}
+
+/* Fill the device through the arena until cuMemCreate refuses (a typed PKV_ERR_NOMEM,
+ * no crash), give everything back, and have another process take that memory. */
+static int full_device(pkv_gpu_t *g, bg_child_t *child, bg_out_t *o, bool *back_ok)
+{
+    pkv_gpu_info_t in;
+    pkv_gpu_info(g, &in);
+    uint64_t gb = PKV_MAX(in.granule_rec, (uint64_t)2 << 20);
+    uint32_t n = (uint32_t)(in.total_bytes / gb) + 1, committed = 0;
+    pkv_gpu_arena_config_t c = {.n_granules = n};
+    pkv_gpu_arena_t *a = NULL;
+    int rc = PKV_ERR_IO, last = PKV_OK;
+    *back_ok = false;
+    BG_CHECK(pkv_gpu_arena_create(g, &c, &a));
+    uint64_t t0 = pkv_now_ns();
+    while (committed < n && (last = pkv_gpu_arena_commit(a, committed)) == PKV_OK) committed++;
+    double fill_s = (pkv_now_ns() - t0) / 1e9;
+    uint64_t base_before = pkv_gpu_arena_base(a);
+    for (uint32_t i = 0; i < committed; i++) BG_CHECK(pkv_gpu_arena_decommit(a, i));
+    pkv_gpu_arena_destroy(a);
+    a = NULL;
+    uint64_t want = (uint64_t)committed * gb - 64 * gb; /* a margin for the child's context */
+    uint64_t got = child_alloc(child, want);
+    child->pid = 0;
+    *back_ok = last == PKV_ERR_NOMEM && got >= want;
+    printf("  filled the device: %u granules (%.1f GiB) in %.1f s, then the commit answered %s; "
+           "given back, another process created %.1f of %.1f GiB: %s (the range stayed at 0x%llx)\n",
+           committed, committed * (double)gb / 1073741824.0, fill_s, pkv_status_str(last),
+           got / 1073741824.0, want / 1073741824.0, *back_ok ? "ok" : "NOT ok",
+           (unsigned long long)base_before);
+    if (o->json)
+        fprintf(o->json,
+                "\n  \"full_device\": {\"granules\": %u, \"commit_when_full\": \"%s\", "
+                "\"given_back_bytes\": %llu, \"other_process_got_bytes\": %llu, \"ok\": %s},",
+                committed, pkv_status_str(last), (unsigned long long)want,
+                (unsigned long long)got, *back_ok ? "true" : "false");
+    rc = PKV_OK;
+fail:
+    pkv_gpu_arena_destroy(a);
+    return rc;
+}
+
+static int usage(void)
+{
+    fprintf(stderr,
+            "usage: pagekv bench gpu [--json FILE] [--granules N] [--no-fill]\n"
+            "The device granule arena on an NVIDIA GPU: each VMM call's cost per granule,\n"
+            "growing by one granule with and without a spare, the arena's counters against\n"
+            "cuMemGetInfo, and the device filled, given back and taken by another process.\n"
+            "  --granules N  granules per timing (default 256: 512 MiB of 2 MiB)\n"
+            "  --no-fill     skip filling the whole device\n"
+            "Exit 0 when every part ran, 1 without a device or on an error, 2 for bad options.\n");
+    return 2;
+}
+
+int pkv_bench_gpu(int argc, char **argv)
+{
+    const char *json_path = NULL;
+    uint32_t n = 256;
+    bool fill = true;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--json") && i + 1 < argc) {
+            json_path = argv[++i];
+        } else if (!strcmp(argv[i], "--granules") && i + 1 < argc) {
+            char *end;
+            unsigned long v = strtoul(argv[++i], &end, 10);
+            if (*end || v < 16 || v > 65536) return usage();
+            n = (uint32_t)v;
+        } else if (!strcmp(argv[i], "--no-fill")) {
+            fill = false;
+        } else {
+            return usage();
+        }
+    }
+    bg_child_t child = {0};
+    if (fill && pkv_gpu_built() && child_start(&child)) return 1; /* before the driver */
+    pkv_gpu_t *g = NULL;
+    char why[320];
+    if (pkv_gpu_open(NULL, 0, &g, why, sizeof(why))) {
+        printf("pagekv bench gpu: %s\n", why);
+        if (child.pid > 0) child_alloc(&child, 0);
+        return 1;
+    }
+    pkv_gpu_info_t in;
+    pkv_gpu_info(g, &in);
+    uint64_t freeb, total;
+    pkv_gpu_mem_info(g, &freeb, &total);
+    uint64_t gb = PKV_MAX(in.granule_rec, (uint64_t)2 << 20);
+    printf("pagekv bench gpu: %s (device %d, sm_%d%d, %d SMs), driver %d.%d (%s), %.1f GiB, %.1f "
+           "free; VMM granularity min %llu KiB, recommended %llu KiB; granule %llu KiB\n",
+           in.name, in.ordinal, in.cc_major, in.cc_minor, in.sm_count, in.driver_version / 1000,
+           in.driver_version % 1000 / 10, in.driver_path, total / 1073741824.0,
+           freeb / 1073741824.0, (unsigned long long)in.granule_min >> 10,
+           (unsigned long long)in.granule_rec >> 10, (unsigned long long)gb >> 10);
+    bg_out_t o = {.first = true};
+    if (json_path && !(o.json = fopen(json_path, "w"))) {
+        fprintf(stderr, "bench gpu: cannot write %s\n", json_path);
+        pkv_gpu_close(g);
+        return 1;
+    }
+    if (o.json)
+        fprintf(o.json,
+                "{\n  \"device\": \"%s\", \"cc\": \"%d.%d\", \"driver_version\": %d, "
+                "\"total_bytes\": %llu, \"granule_bytes\": %llu,\n  \"ops\": [",
+                in.name, in.cc_major, in.cc_minor, in.driver_version,
+                (unsigned long long)total, (unsigned long long)gb);
+    printf("\n| op | p50 us | p99 us | max us | |\n|---|---:|---:|---:|---|\n");
+    double p99_spare = 0, p99_none = 0, worst = 0;
+    bool back_ok = false;
+    int rc = raw_ops(g, gb, n, &o);
+    if (!rc) rc = grow_by_one(g, n, true, &o, &p99_spare);
+    if (!rc) rc = grow_by_one(g, n, false, &o, &p99_none);
+    if (o.json) fprintf(o.json, "\n  ],\n  \"counters\": [");
+    if (!rc) printf("\ncounters against the driver (cuMemGetInfo deltas):\n");
+    if (!rc) rc = counters(g, 64, &o, &worst);
+    if (o.json) fprintf(o.json, "\n  ],");
+    if (!rc && fill) rc = full_device(g, &child, &o, &back_ok);
+    bool spare_met = p99_spare <= 50.0, count_met = worst <= 0.02;
+    printf("\ntargets:\n- grow by one granule with a spare ready, p99 <= 50 us: %.1f us: %s "
+           "(without one: %.1f us)\n- arena counters within 2 %% of cuMemGetInfo: worst %.2f %%: %s\n",
+           p99_spare, spare_met ? "met" : "NOT met", p99_none, worst * 100,
+           count_met ? "met" : "NOT met");
+    if (fill)
+        printf("- memory given back is usable by another process: %s\n", back_ok ? "yes" : "NO");
+    printf("- decode attention, footprint replay, staging: not built yet (docs/design/gpu.md)\n");
+    if (o.json) {
+        fprintf(o.json,
+                "\n  \"targets\": [{\"name\": \"grow_by_one_p99_us_with_spare\", \"value\": %.2f, "
+                "\"target\": 50, \"met\": %s}, {\"name\": \"counters_vs_driver\", \"value\": %.4f, "
+                "\"target\": 0.02, \"met\": %s}]\n}\n",
+                p99_spare, spare_met ? "true" : "false", worst, count_met ? "true" : "false");
+        fclose(o.json);
+    }
+    if (child.pid > 0) child_alloc(&child, 0);
+    pkv_gpu_close(g);
+    return rc ? 1 : 0;
+}

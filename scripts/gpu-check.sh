@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# scripts/gpu-check.sh [OUTDIR] -- the whole GPU check on an H100/H200 machine
+# (docs/design/gpu.md). Run from the repository root. It builds the GPU part alone with the
+# machine's cc against CUDA's cuda.h (nothing of Debian's is needed there: the binaries use
+# libc, libdl and the driver, found at run time), prints the driver and the device, runs
+# the GPU tests (tests/support/gpu_cases.c) and `pagekv bench gpu`, and writes their
+# output under OUTDIR (default: $OUT, else ./gpu-check-out). About 1-2 minutes on an H100;
+# bounded by timeouts well under 5. Exit 0 when the tests pass and the bench ran.
+set -u
+out=${1:-${OUT:-gpu-check-out}}
+mkdir -p "$out" || exit 1
+cuda=${CUDA:-/usr/local/cuda}
+if [ ! -f "$cuda/include/cuda.h" ] && command -v nvcc >/dev/null; then
+    cuda=$(dirname "$(dirname "$(command -v nvcc)")")
+fi
+{
+    echo "== $(date -u '+%Y-%m-%d %H:%M:%S UTC') $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv 2>&1
+    command -v nvcc >/dev/null && nvcc --version | tail -2
+    echo "cuda.h: $cuda/include/cuda.h"
+} | tee "$out/device.txt"
+bin=$(mktemp -d)
+flags=(-std=c11 -O2 -g -pthread -D_GNU_SOURCE -DPKV_GPU=1 -Iinclude -Isrc -I. "-I$cuda/include")
+core=(src/gpu/driver.c src/gpu/arena.c src/core/core.c src/core/fault.c)
+if ! cc "${flags[@]}" -o "$bin/pagekv-gpu-test" tests/gpu/main.c tests/support/gpu_cases.c \
+        "${core[@]}" -ldl -lm 2>"$out/build.txt" ||
+   ! cc "${flags[@]}" -o "$bin/pagekv-gpu" tools/standalone/pagekv_gpu.c bench/bench_gpu.c \
+        "${core[@]}" -ldl -lm 2>>"$out/build.txt"; then
+    cat "$out/build.txt"
+    echo "gpu-check: the build failed (above)"
+    exit 1
+fi
+echo "== GPU tests"
+timeout 150 "$bin/pagekv-gpu-test" 2>&1 | tee "$out/gpu-tests.txt"
+tests_rc=${PIPESTATUS[0]}
+echo "== pagekv bench gpu"
+timeout 200 "$bin/pagekv-gpu" --json "$out/bench-gpu.json" 2>&1 | tee "$out/bench-gpu.txt"
+bench_rc=${PIPESTATUS[0]}
+echo "gpu-check: tests exit $tests_rc, bench exit $bench_rc; output in $out"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

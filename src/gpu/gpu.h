@@ -1,0 +1,114 @@
+/*
+ * gpu: an NVIDIA device through CUDA's driver API, loaded at run time, and a device granule
+ * arena on its virtual memory API (docs/design/gpu.md). This header includes no CUDA header:
+ * a plain build (`make`, no CUDA anywhere) compiles gpu_none.c, whose pkv_gpu_open says
+ * why there is no device; `make GPU=1` compiles driver.c and arena.c against cuda.h, and
+ * the binary finds libcuda.so.1 when it runs (none there: no device, said why).
+ *
+ * Device addresses are uint64_t (CUdeviceptr); physical handles are uint64_t
+ * (CUmemGenericAllocationHandle). Every call returns PKV_OK or a pkv status; a driver
+ * error is logged with its name.
+ */
+#ifndef PKV_GPU_GPU_H
+#define PKV_GPU_GPU_H
+
+#include "pagekv/pagekv.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct pkv_gpu pkv_gpu_t;
+
+typedef struct {
+    char name[128];          /* cuDeviceGetName */
+    int ordinal;             /* the device's index */
+    int driver_version;      /* cuDriverGetVersion: 1000 * major + 10 * minor */
+    int cc_major, cc_minor;  /* compute capability */
+    int sm_count;            /* multiprocessors */
+    uint64_t total_bytes;    /* cuDeviceTotalMem */
+    uint64_t granule_min;    /* cuMemGetAllocationGranularity, MINIMUM */
+    uint64_t granule_rec;    /* ... RECOMMENDED */
+    char driver_path[256];   /* the library loaded */
+} pkv_gpu_info_t;
+
+/* Whether this build has the GPU part (make GPU=1). */
+bool pkv_gpu_built(void);
+/* Load the driver (driver: a path, or NULL for "libcuda.so.1"), initialize it and retain
+ * device `ordinal`'s primary context, current on the calling thread. PKV_ERR_UNSUPPORTED
+ * with why (NUL-terminated, cap bytes) when there is no device to use: a build without
+ * GPU=1, no driver library, CUDA's stub library, cuInit failing, no such device. Other
+ * threads that call into g make the context current themselves (every call does). */
+int pkv_gpu_open(const char *driver, int ordinal, pkv_gpu_t **out, char *why, size_t cap);
+/* Release the context and unload the driver. NULL is a no-op. */
+void pkv_gpu_close(pkv_gpu_t *g);
+void pkv_gpu_info(const pkv_gpu_t *g, pkv_gpu_info_t *out);
+/* cuMemGetInfo: device-wide free and total bytes. */
+int pkv_gpu_mem_info(pkv_gpu_t *g, uint64_t *free_bytes, uint64_t *total_bytes);
+/* Wait for every piece of work launched in the context (cuCtxSynchronize). */
+int pkv_gpu_sync(pkv_gpu_t *g);
+/* Copies and fills of device memory (synchronous): for tests and checks. */
+int pkv_gpu_memset(pkv_gpu_t *g, uint64_t va, uint8_t value, uint64_t bytes);
+int pkv_gpu_copy_to_host(pkv_gpu_t *g, void *dst, uint64_t va, uint64_t bytes);
+int pkv_gpu_copy_from_host(pkv_gpu_t *g, uint64_t va, const void *src, uint64_t bytes);
+
+/* ---- the virtual memory API, one call each (the arena below is made of them) ------------
+ * Physical memory of `bytes` (a multiple of the granule) on the device: PKV_ERR_NOMEM when
+ * the device has no room (CUDA_ERROR_OUT_OF_MEMORY), never a crash. */
+int pkv_gpu_phys_create(pkv_gpu_t *g, uint64_t bytes, uint64_t *handle);
+int pkv_gpu_phys_release(pkv_gpu_t *g, uint64_t handle);
+int pkv_gpu_va_reserve(pkv_gpu_t *g, uint64_t bytes, uint64_t *va);
+int pkv_gpu_va_free(pkv_gpu_t *g, uint64_t va, uint64_t bytes);
+/* Map a handle at va (offset 0, its whole size); the mapping has no access until set. */
+int pkv_gpu_map(pkv_gpu_t *g, uint64_t va, uint64_t bytes, uint64_t handle);
+/* Read and write access for this device over [va, va + bytes) (one or several mappings). */
+int pkv_gpu_set_access(pkv_gpu_t *g, uint64_t va, uint64_t bytes);
+int pkv_gpu_unmap(pkv_gpu_t *g, uint64_t va, uint64_t bytes);
+
+/* ---- a device granule arena ---------------------------------------------------------------
+ * One virtual range of n_granules granules (the device's recommended granularity, at least
+ * 2 MiB), reserved once: a granule's address never moves. commit maps a physical handle
+ * there with access; decommit unmaps it after the context's work has completed (so no
+ * launched kernel can still read it) and keeps the handle as a spare or releases it.
+ * Handles are created ahead of need: a spare set between spare_min and spare_max,
+ * refilled by the arena's thread ("pkv-gpu-spare") when it falls under spare_min, so the
+ * hot path of a commit is map + set access; with no spare at hand a commit creates one
+ * itself (counted). Thread-safe: one mutex; driver calls run outside it but for the spare
+ * set's own bookkeeping. */
+typedef struct pkv_gpu_arena pkv_gpu_arena_t;
+
+typedef struct {
+    uint32_t n_granules; /* the range; >= 1 */
+    uint32_t spare_min;  /* the refill thread keeps at least this many (0: no thread) */
+    uint32_t spare_max;  /* a decommitted handle above this many spares is released */
+} pkv_gpu_arena_config_t;
+
+typedef struct {
+    uint64_t granule_bytes;
+    uint64_t reserved_bytes; /* the virtual range */
+    uint64_t created_bytes;  /* physical memory held: mapped + spare */
+    uint64_t mapped_bytes;
+    uint64_t spare_bytes;
+    uint64_t commits, decommits;
+    uint64_t spare_hits;      /* commits that took a spare */
+    uint64_t spare_misses;    /* commits that created their handle */
+    uint64_t create_failures; /* cuMemCreate refused (the device is full) */
+    uint64_t refills;         /* handles the refill thread created */
+} pkv_gpu_arena_stats_t;
+
+int pkv_gpu_arena_create(pkv_gpu_t *g, const pkv_gpu_arena_config_t *cfg, pkv_gpu_arena_t **out);
+/* Unmap and release everything, free the range, stop the thread. NULL is a no-op. */
+void pkv_gpu_arena_destroy(pkv_gpu_arena_t *a);
+uint64_t pkv_gpu_arena_base(const pkv_gpu_arena_t *a);
+/* PKV_ERR_NOMEM: no spare and the device is full (nothing changed); PKV_ERR_INVALID: out of
+ * range or already mapped. */
+int pkv_gpu_arena_commit(pkv_gpu_arena_t *a, uint32_t granule);
+int pkv_gpu_arena_decommit(pkv_gpu_arena_t *a, uint32_t granule);
+bool pkv_gpu_arena_mapped(pkv_gpu_arena_t *a, uint32_t granule);
+/* Block until the spare set holds spare_min handles or creation fails (tests, benches). */
+int pkv_gpu_arena_fill_spares(pkv_gpu_arena_t *a);
+/* Release every spare handle (memory back to the device). */
+void pkv_gpu_arena_trim(pkv_gpu_arena_t *a);
+void pkv_gpu_arena_stats(pkv_gpu_arena_t *a, pkv_gpu_arena_stats_t *out);
+
+#endif
