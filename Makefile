@@ -76,15 +76,18 @@ demo:
 	$(MAKE) --no-print-directory all
 	$(BUILD)/pagekv demo
 all: $(ALIB) $(SLIB) $(CLI)
-# GPU=1 also builds `pagekv bench gpu` alone (libc, libdl and the driver at run time):
-# what scripts/gpu-check.sh builds on a GPU machine, built here the same way.
 # GPU=1 also builds `pagekv bench gpu` and the GPU tests alone (libc, libdl and the driver
 # at run time): what scripts/gpu-check.sh builds on a GPU machine, built here the same way.
-GPU_CORE_SRC := src/gpu/driver.c src/gpu/arena.c src/core/core.c src/core/fault.c
+GPU_CORE_SRC := src/gpu/driver.c src/gpu/arena.c src/gpu/attn.c src/core/core.c src/core/fault.c
 GPU_BENCH_SRC := tools/standalone/pagekv_gpu.c bench/bench_gpu.c $(GPU_CORE_SRC)
 GPU_TEST_SRC := tests/gpu/main.c tests/support/gpu_cases.c $(GPU_CORE_SRC)
 ifneq ($(GPU),)
-all: $(BUILD)/pagekv-gpu $(BUILD)/pagekv-gpu-test
+NVCC ?= $(CUDA)/bin/nvcc
+all: $(BUILD)/pagekv-gpu $(BUILD)/pagekv-gpu-test $(BUILD)/pagekv-kernels.fatbin
+# The kernels, for H100 / H200 (sm_90), loaded at run time by pkv_gpu_attn_load.
+$(BUILD)/pagekv-kernels.fatbin: src/gpu/kernels.cu Makefile
+	@mkdir -p $(dir $@)
+	$(NVCC) -fatbin -O3 -gencode arch=compute_90,code=sm_90 -o $@ $<
 $(BUILD)/pagekv-gpu: $(GPU_BENCH_SRC) $(wildcard src/gpu/*.h src/core/*.h) Makefile
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) -DPKV_GPU=1 -I$(CUDA)/include $(CFLAGS) -o $@ $(GPU_BENCH_SRC) -ldl -lm

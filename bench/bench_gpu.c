@@ -47,7 +47,8 @@ static void out_q(bg_out_t *o, const char *name, bg_q_t q, const char *what)
 {
     printf("| %-34s | %9.1f | %9.1f | %9.1f | %s |\n", name, q.p50, q.p99, q.max, what);
     if (o->json)
-        fprintf(o->json, "%s\n    {\"name\": \"%s\", \"p50_us\": %.2f, \"p99_us\": %.2f, \"max_us\": %.2f}",
+        fprintf(o->json,
+                "%s\n    {\"name\": \"%s\", \"p50_us\": %.2f, \"p99_us\": %.2f, \"max_us\": %.2f}",
                 o->first ? "" : ",", name, q.p50, q.p99, q.max);
     o->first = false;
 }
@@ -121,7 +122,8 @@ fail:
  * commits, as the refill thread does off the hot path) and with none. */
 static int grow_by_one(pkv_gpu_t *g, uint32_t n, bool spare, bg_out_t *o, double *p99)
 {
-    pkv_gpu_arena_config_t c = {.n_granules = n, .spare_min = spare ? 4 : 0, .spare_max = spare ? 8 : 0};
+    pkv_gpu_arena_config_t c = {
+        .n_granules = n, .spare_min = spare ? 4 : 0, .spare_max = spare ? 8 : 0};
     pkv_gpu_arena_t *a = NULL;
     uint64_t *t = calloc(n, sizeof(*t));
     int rc = PKV_ERR_NOMEM;
@@ -266,32 +268,163 @@ static int full_device(pkv_gpu_t *g, bg_child_t *child, bg_out_t *o, bool *back_
     uint64_t got = child_alloc(child, want);
     child->pid = 0;
     *back_ok = last == PKV_ERR_NOMEM && got >= want;
-    printf("  filled the device: %u granules (%.1f GiB) in %.1f s, then the commit answered %s; "
-           "given back, another process created %.1f of %.1f GiB: %s (the range stayed at 0x%llx)\n",
-           committed, committed * (double)gb / 1073741824.0, fill_s, pkv_status_str(last),
-           got / 1073741824.0, want / 1073741824.0, *back_ok ? "ok" : "NOT ok",
-           (unsigned long long)base_before);
+    printf(
+        "  filled the device: %u granules (%.1f GiB) in %.1f s, then the commit answered %s; "
+        "given back, another process created %.1f of %.1f GiB: %s (the range stayed at 0x%llx)\n",
+        committed, committed * (double)gb / 1073741824.0, fill_s, pkv_status_str(last),
+        got / 1073741824.0, want / 1073741824.0, *back_ok ? "ok" : "NOT ok",
+        (unsigned long long)base_before);
     if (o->json)
         fprintf(o->json,
                 "\n  \"full_device\": {\"granules\": %u, \"commit_when_full\": \"%s\", "
                 "\"given_back_bytes\": %llu, \"other_process_got_bytes\": %llu, \"ok\": %s},",
-                committed, pkv_status_str(last), (unsigned long long)want,
-                (unsigned long long)got, *back_ok ? "true" : "false");
+                committed, pkv_status_str(last), (unsigned long long)want, (unsigned long long)got,
+                *back_ok ? "true" : "false");
     rc = PKV_OK;
 fail:
     pkv_gpu_arena_destroy(a);
     return rc;
 }
 
+/* Device copy bandwidth: cuMemcpyDtoD of half of `bytes` into the other half, counting the
+ * bytes read and written (median of 5). */
+static double copy_gbps(pkv_gpu_t *g, uint64_t va, uint64_t bytes)
+{
+    uint64_t half = bytes / 2, ns[5];
+    pkv_gpu_copy_device(g, va + half, va, half); /* warm-up */
+    pkv_gpu_sync(g);
+    for (int r = 0; r < 5; r++) {
+        uint64_t t0 = pkv_now_ns();
+        pkv_gpu_copy_device(g, va + half, va, half);
+        pkv_gpu_sync(g);
+        ns[r] = pkv_now_ns() - t0;
+    }
+    return 2.0 * half / (quant(ns, 5).p50 * 1e3);
+}
+
+typedef struct {
+    const char *name;
+    uint32_t kvh, hd, G, n_seq, len;
+} bg_dec_t;
+
+/* Decode attention, one layer: K/V bytes read per second, paged (each sequence's blocks
+ * scattered over the pool) and contiguous (in order), against the device's copy bandwidth;
+ * the median of 5 timings of 20 back-to-back launches. */
+static int decode_bench(pkv_gpu_t *g, const char *fatbin, bg_out_t *o, double *worst_ratio,
+                        double *worst_of_copy)
+{
+    static const bg_dec_t cases[] = {
+        {"llama-3.2-1b 4096x8", 8, 64, 4, 8, 4096},
+        {"llama-3.2-1b 16384x1", 8, 64, 4, 1, 16384},
+        {"qwen3-0.6b 4096x8", 8, 128, 2, 8, 4096},
+        {"qwen3-0.6b 16384x1", 8, 128, 2, 1, 16384},
+    };
+    const uint32_t bt = 16;
+    pkv_gpu_attn_t *at = NULL;
+    pkv_gpu_arena_t *a = NULL;
+    uint32_t *tp = NULL, *tc = NULL;
+    int rc = PKV_ERR_NOMEM;
+    *worst_ratio = *worst_of_copy = 1e9;
+    BG_CHECK(pkv_gpu_attn_load(g, fatbin, &at));
+    uint64_t most = 2ull * 8 * 16384 * 128 * 2; /* the largest case's K + V */
+    pkv_gpu_arena_config_t c = {.n_granules = (uint32_t)(2 * most / (2u << 20)) + 64};
+    BG_CHECK(pkv_gpu_arena_create(g, &c, &a));
+    for (uint32_t i = 0; i < c.n_granules; i++) BG_CHECK(pkv_gpu_arena_commit(a, i));
+    uint64_t base = pkv_gpu_arena_base(a);
+    pkv_gpu_arena_stats_t st;
+    pkv_gpu_arena_stats(a, &st);
+    double copy = copy_gbps(g, base, 2 * most);
+    printf("\ndecode attention, one layer, bf16 K/V (device copy %.0f GB/s, read + written):\n"
+           "| case | paged GB/s | contiguous GB/s | paged / contiguous | paged / copy |\n"
+           "|---|---:|---:|---:|---:|\n",
+           copy);
+    for (size_t ci = 0; ci < sizeof(cases) / sizeof(cases[0]); ci++) {
+        const bg_dec_t *k = &cases[ci];
+        uint32_t nbs = k->len / bt, nb = nbs * k->n_seq, nq = k->kvh * k->G;
+        uint64_t piece = (uint64_t)bt * k->hd * 2, bstride = piece * k->kvh, pool = bstride * nb;
+        uint64_t kb = base, vb = base + pool, tb = vb + pool, tcb = tb + nb * 4ull,
+                 lb = tcb + nb * 4ull, qb = lb + 256, ob = qb + (uint64_t)k->n_seq * nq * k->hd * 4,
+                 pb = ob + (uint64_t)k->n_seq * nq * k->hd * 4;
+        uint32_t splits = pkv_gpu_decode_splits(at, k->n_seq, k->kvh, k->len);
+        uint64_t end = pb + (uint64_t)k->n_seq * nq * splits * (k->hd + 2) * 4;
+        if (end > base + st.reserved_bytes) goto fail;
+        free(tp), free(tc);
+        tp = malloc(nb * 4ull), tc = malloc(nb * 4ull);
+        uint32_t lens[8];
+        if (!tp || !tc) goto fail;
+        uint64_t seed = 7;
+        for (uint32_t i = 0; i < nb; i++) tc[i] = tp[i] = i;
+        for (uint32_t i = nb; i > 1; i--) {
+            uint32_t j = (uint32_t)(pkv_splitmix64(&seed) % i), t = tp[i - 1];
+            tp[i - 1] = tp[j];
+            tp[j] = t;
+        }
+        for (uint32_t s2 = 0; s2 < k->n_seq; s2++) lens[s2] = k->len;
+        BG_CHECK(pkv_gpu_memset(g, kb, 0x3c, 2 * pool)); /* ~0.0115 in bf16, K and V */
+        BG_CHECK(pkv_gpu_memset(g, qb, 0, (uint64_t)k->n_seq * nq * k->hd * 4));
+        BG_CHECK(pkv_gpu_copy_from_host(g, tb, tp, nb * 4ull));
+        BG_CHECK(pkv_gpu_copy_from_host(g, tcb, tc, nb * 4ull));
+        BG_CHECK(pkv_gpu_copy_from_host(g, lb, lens, sizeof(lens)));
+        double gbps[2];
+        for (int paged = 1; paged >= 0; paged--) {
+            pkv_gpu_decode_t p = {.q = qb,
+                                  .out = ob,
+                                  .part = pb,
+                                  .k_base = kb,
+                                  .v_base = vb,
+                                  .block_stride = bstride,
+                                  .head_stride = piece,
+                                  .table = paged ? tb : tcb,
+                                  .lens = lb,
+                                  .max_blocks = nbs,
+                                  .n_seq = k->n_seq,
+                                  .block_tokens = bt,
+                                  .kv_heads = k->kvh,
+                                  .group = k->G,
+                                  .head_dim = k->hd,
+                                  .scale = 0.125f,
+                                  .n_split = splits};
+            uint64_t ns[5];
+            BG_CHECK(pkv_gpu_decode_attn(at, &p));
+            BG_CHECK(pkv_gpu_sync(g));
+            for (int r = 0; r < 5; r++) {
+                uint64_t t0 = pkv_now_ns();
+                for (int it = 0; it < 20; it++) BG_CHECK(pkv_gpu_decode_attn(at, &p));
+                BG_CHECK(pkv_gpu_sync(g));
+                ns[r] = pkv_now_ns() - t0;
+            }
+            gbps[paged] = 20.0 * 2 * pool / (quant(ns, 5).p50 * 1e3);
+        }
+        double ratio = gbps[1] / gbps[0], of_copy = gbps[1] / copy;
+        *worst_ratio = ratio < *worst_ratio ? ratio : *worst_ratio;
+        *worst_of_copy = of_copy < *worst_of_copy ? of_copy : *worst_of_copy;
+        printf("| %s (%u splits) | %.0f | %.0f | %.3f | %.2f |\n", k->name, splits, gbps[1],
+               gbps[0], ratio, of_copy);
+        if (o->json)
+            fprintf(o->json,
+                    "%s\n    {\"case\": \"%s\", \"paged_gbps\": %.1f, \"contiguous_gbps\": %.1f, "
+                    "\"copy_gbps\": %.1f}",
+                    ci ? "," : "", k->name, gbps[1], gbps[0], copy);
+    }
+    rc = PKV_OK;
+fail:
+    free(tp);
+    free(tc);
+    pkv_gpu_arena_destroy(a);
+    pkv_gpu_attn_unload(at);
+    return rc;
+}
+
 static int usage(void)
 {
     fprintf(stderr,
-            "usage: pagekv bench gpu [--json FILE] [--granules N] [--no-fill]\n"
+            "usage: pagekv bench gpu [--json FILE] [--granules N] [--no-fill] [--kernels FATBIN]\n"
             "The device granule arena on an NVIDIA GPU: each VMM call's cost per granule,\n"
             "growing by one granule with and without a spare, the arena's counters against\n"
             "cuMemGetInfo, and the device filled, given back and taken by another process.\n"
             "  --granules N  granules per timing (default 256: 512 MiB of 2 MiB)\n"
             "  --no-fill     skip filling the whole device\n"
+            "  --kernels F   the kernels' fatbin (default build/gpu/pagekv-kernels.fatbin)\n"
             "Exit 0 when every part ran, 1 without a device or on an error, 2 for bad options.\n");
     return 2;
 }
@@ -301,6 +434,7 @@ int pkv_bench_gpu(int argc, char **argv)
     const char *json_path = NULL;
     uint32_t n = 256;
     bool fill = true;
+    const char *fatbin = "build/gpu/pagekv-kernels.fatbin";
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--json") && i + 1 < argc) {
             json_path = argv[++i];
@@ -311,6 +445,8 @@ int pkv_bench_gpu(int argc, char **argv)
             n = (uint32_t)v;
         } else if (!strcmp(argv[i], "--no-fill")) {
             fill = false;
+        } else if (!strcmp(argv[i], "--kernels") && i + 1 < argc) {
+            fatbin = argv[++i];
         } else {
             return usage();
         }
@@ -345,8 +481,8 @@ int pkv_bench_gpu(int argc, char **argv)
         fprintf(o.json,
                 "{\n  \"device\": \"%s\", \"cc\": \"%d.%d\", \"driver_version\": %d, "
                 "\"total_bytes\": %llu, \"granule_bytes\": %llu,\n  \"ops\": [",
-                in.name, in.cc_major, in.cc_minor, in.driver_version,
-                (unsigned long long)total, (unsigned long long)gb);
+                in.name, in.cc_major, in.cc_minor, in.driver_version, (unsigned long long)total,
+                (unsigned long long)gb);
     printf("\n| op | p50 us | p99 us | max us | |\n|---|---:|---:|---:|---|\n");
     double p99_spare = 0, p99_none = 0, worst = 0;
     bool back_ok = false;
@@ -357,21 +493,42 @@ int pkv_bench_gpu(int argc, char **argv)
     if (!rc) printf("\ncounters against the driver (cuMemGetInfo deltas):\n");
     if (!rc) rc = counters(g, 64, &o, &worst);
     if (o.json) fprintf(o.json, "\n  ],");
+    double dec_ratio = 0, dec_copy = 0;
+    bool have_kernels = access(fatbin, R_OK) == 0;
+    if (o.json) fprintf(o.json, "\n  \"decode\": [");
+    if (!rc && have_kernels) rc = decode_bench(g, fatbin, &o, &dec_ratio, &dec_copy);
+    if (o.json) fprintf(o.json, "\n  ],");
     if (!rc && fill) rc = full_device(g, &child, &o, &back_ok);
     bool spare_met = p99_spare <= 50.0, count_met = worst <= 0.02;
-    printf("\ntargets:\n- grow by one granule with a spare ready, p99 <= 50 us: %.1f us: %s "
-           "(without one: %.1f us)\n- arena counters within 2 %% of cuMemGetInfo: worst %.2f %%: %s\n",
-           p99_spare, spare_met ? "met" : "NOT met", p99_none, worst * 100,
-           count_met ? "met" : "NOT met");
+    printf(
+        "\ntargets:\n- grow by one granule with a spare ready, p99 <= 50 us: %.1f us: %s "
+        "(without one: %.1f us)\n- arena counters within 2 %% of cuMemGetInfo: worst %.2f %%: %s\n",
+        p99_spare, spare_met ? "met" : "NOT met", p99_none, worst * 100,
+        count_met ? "met" : "NOT met");
     if (fill)
         printf("- memory given back is usable by another process: %s\n", back_ok ? "yes" : "NO");
-    printf("- decode attention, footprint replay, staging: not built yet (docs/design/gpu.md)\n");
+    if (have_kernels)
+        printf("- decode attention, paged >= 0.95x contiguous: worst %.3f: %s; paged >= 60 %% of "
+               "the copy bandwidth: worst %.0f %%: %s\n",
+               dec_ratio, dec_ratio >= 0.95 ? "met" : "NOT met", dec_copy * 100,
+               dec_copy >= 0.6 ? "met" : "NOT met");
+    else
+        printf("- decode attention: no kernels at %s (make GPU=1)\n", fatbin);
+    printf("- footprint replay, staging: not built yet (docs/design/gpu.md)\n");
     if (o.json) {
         fprintf(o.json,
                 "\n  \"targets\": [{\"name\": \"grow_by_one_p99_us_with_spare\", \"value\": %.2f, "
                 "\"target\": 50, \"met\": %s}, {\"name\": \"counters_vs_driver\", \"value\": %.4f, "
-                "\"target\": 0.02, \"met\": %s}]\n}\n",
+                "\"target\": 0.02, \"met\": %s}",
                 p99_spare, spare_met ? "true" : "false", worst, count_met ? "true" : "false");
+        if (have_kernels)
+            fprintf(o.json,
+                    ", {\"name\": \"decode_paged_over_contiguous\", \"value\": %.4f, \"target\": "
+                    "0.95, \"met\": %s}, {\"name\": \"decode_paged_of_copy\", \"value\": %.4f, "
+                    "\"target\": 0.6, \"met\": %s}",
+                    dec_ratio, dec_ratio >= 0.95 ? "true" : "false", dec_copy,
+                    dec_copy >= 0.6 ? "true" : "false");
+        fprintf(o.json, "]\n}\n");
         fclose(o.json);
     }
     if (child.pid > 0) child_alloc(&child, 0);

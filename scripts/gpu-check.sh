@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # scripts/gpu-check.sh [OUTDIR] -- the whole GPU check on an H100/H200 machine
 # (docs/design/gpu.md). Run from the repository root. It builds the GPU part alone with the
-# machine's cc against CUDA's cuda.h (nothing of Debian's is needed there: the binaries use
-# libc, libdl and the driver, found at run time), prints the driver and the device, runs
+# machine's cc against CUDA's cuda.h and the kernels with its nvcc (nothing of Debian's is
+# needed there: the binaries use libc, libdl and the driver, found at run time), prints the driver and the device, runs
 # the GPU tests (tests/support/gpu_cases.c) and `pagekv bench gpu`, and writes their
 # output under OUTDIR (default: $OUT, else ./gpu-check-out). About 1-2 minutes on an H100;
 # bounded by timeouts well under 5. Exit 0 when the tests pass and the bench ran.
@@ -21,9 +21,12 @@ fi
 } | tee "$out/device.txt"
 bin=$(mktemp -d)
 flags=(-std=c11 -O2 -g -pthread -D_GNU_SOURCE -DPKV_GPU=1 -Iinclude -Isrc -I. "-I$cuda/include")
-core=(src/gpu/driver.c src/gpu/arena.c src/core/core.c src/core/fault.c)
-if ! cc "${flags[@]}" -o "$bin/pagekv-gpu-test" tests/gpu/main.c tests/support/gpu_cases.c \
-        "${core[@]}" -ldl -lm 2>"$out/build.txt" ||
+core=(src/gpu/driver.c src/gpu/arena.c src/gpu/attn.c src/core/core.c src/core/fault.c)
+nvcc=${NVCC:-$cuda/bin/nvcc}
+if ! "$nvcc" -fatbin -O3 -gencode arch=compute_90,code=sm_90 -o "$bin/pagekv-kernels.fatbin" \
+        src/gpu/kernels.cu 2>"$out/build.txt" ||
+   ! cc "${flags[@]}" -o "$bin/pagekv-gpu-test" tests/gpu/main.c tests/support/gpu_cases.c \
+        "${core[@]}" -ldl -lm 2>>"$out/build.txt" ||
    ! cc "${flags[@]}" -o "$bin/pagekv-gpu" tools/standalone/pagekv_gpu.c bench/bench_gpu.c \
         "${core[@]}" -ldl -lm 2>>"$out/build.txt"; then
     cat "$out/build.txt"
@@ -31,10 +34,11 @@ if ! cc "${flags[@]}" -o "$bin/pagekv-gpu-test" tests/gpu/main.c tests/support/g
     exit 1
 fi
 echo "== GPU tests"
-timeout 150 "$bin/pagekv-gpu-test" 2>&1 | tee "$out/gpu-tests.txt"
+timeout 150 "$bin/pagekv-gpu-test" "$bin/pagekv-kernels.fatbin" 2>&1 | tee "$out/gpu-tests.txt"
 tests_rc=${PIPESTATUS[0]}
 echo "== pagekv bench gpu"
-timeout 200 "$bin/pagekv-gpu" --json "$out/bench-gpu.json" 2>&1 | tee "$out/bench-gpu.txt"
+timeout 200 "$bin/pagekv-gpu" --kernels "$bin/pagekv-kernels.fatbin" --json "$out/bench-gpu.json" \
+    2>&1 | tee "$out/bench-gpu.txt"
 bench_rc=${PIPESTATUS[0]}
 echo "gpu-check: tests exit $tests_rc, bench exit $bench_rc; output in $out"
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -44,7 +44,14 @@
     X(cuMemMap, "cuMemMap",                                                                        \
       (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long))             \
     X(cuMemUnmap, "cuMemUnmap", (CUdeviceptr, size_t))                                             \
-    X(cuMemSetAccess, "cuMemSetAccess", (CUdeviceptr, size_t, const CUmemAccessDesc *, size_t))
+    X(cuMemSetAccess, "cuMemSetAccess", (CUdeviceptr, size_t, const CUmemAccessDesc *, size_t))    \
+    X(cuMemcpyDtoD, "cuMemcpyDtoD_v2", (CUdeviceptr, CUdeviceptr, size_t))                         \
+    X(cuModuleLoad, "cuModuleLoad", (CUmodule *, const char *))                                    \
+    X(cuModuleUnload, "cuModuleUnload", (CUmodule))                                                \
+    X(cuModuleGetFunction, "cuModuleGetFunction", (CUfunction *, CUmodule, const char *))          \
+    X(cuLaunchKernel, "cuLaunchKernel",                                                            \
+      (CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, \
+       void **, void **))
 
 struct pkv_gpu {
     void *lib;
@@ -94,9 +101,9 @@ static int load(pkv_gpu_t *g, const char *path, char *why, size_t cap)
         return PKV_ERR_UNSUPPORTED;
     }
     snprintf(g->info.driver_path, sizeof(g->info.driver_path), "%s", path);
-#define GPU_LOAD(name, sym, params)                                                                  \
+#define GPU_LOAD(name, sym, params)                                                                \
     if (!(*(void **)&g->name = dlsym(g->lib, sym))) {                                              \
-        snprintf(why, cap, "no CUDA device: the driver %s has no %s (too old)", path, sym);       \
+        snprintf(why, cap, "no CUDA device: the driver %s has no %s (too old)", path, sym);        \
         return PKV_ERR_UNSUPPORTED;                                                                \
     }
     GPU_FNS(GPU_LOAD)
@@ -240,15 +247,17 @@ int pkv_gpu_phys_create(pkv_gpu_t *g, uint64_t bytes, uint64_t *handle)
 int pkv_gpu_phys_release(pkv_gpu_t *g, uint64_t handle)
 {
     int rc = cur(g);
-    return rc ? rc : gpu_rc(g, g->cuMemRelease((CUmemGenericAllocationHandle)handle), "cuMemRelease");
+    return rc ? rc
+              : gpu_rc(g, g->cuMemRelease((CUmemGenericAllocationHandle)handle), "cuMemRelease");
 }
 
 int pkv_gpu_va_reserve(pkv_gpu_t *g, uint64_t bytes, uint64_t *va)
 {
     CUdeviceptr p = 0;
     int rc = cur(g);
-    if (!rc) rc = gpu_rc(g, g->cuMemAddressReserve(&p, bytes, g->info.granule_rec, 0, 0),
-                         "cuMemAddressReserve");
+    if (!rc)
+        rc = gpu_rc(g, g->cuMemAddressReserve(&p, bytes, g->info.granule_rec, 0, 0),
+                    "cuMemAddressReserve");
     if (!rc) *va = (uint64_t)p;
     return rc;
 }
@@ -263,8 +272,10 @@ int pkv_gpu_map(pkv_gpu_t *g, uint64_t va, uint64_t bytes, uint64_t handle)
 {
     int rc = cur(g);
     return rc ? rc
-              : gpu_rc(g, g->cuMemMap((CUdeviceptr)va, bytes, 0, (CUmemGenericAllocationHandle)handle, 0),
-                       "cuMemMap");
+              : gpu_rc(
+                    g,
+                    g->cuMemMap((CUdeviceptr)va, bytes, 0, (CUmemGenericAllocationHandle)handle, 0),
+                    "cuMemMap");
 }
 
 int pkv_gpu_set_access(pkv_gpu_t *g, uint64_t va, uint64_t bytes)
@@ -278,4 +289,46 @@ int pkv_gpu_unmap(pkv_gpu_t *g, uint64_t va, uint64_t bytes)
 {
     int rc = cur(g);
     return rc ? rc : gpu_rc(g, g->cuMemUnmap((CUdeviceptr)va, bytes), "cuMemUnmap");
+}
+
+int pkv_gpu_copy_device(pkv_gpu_t *g, uint64_t dst, uint64_t src, uint64_t bytes)
+{
+    int rc = cur(g);
+    return rc ? rc
+              : gpu_rc(g, g->cuMemcpyDtoD((CUdeviceptr)dst, (CUdeviceptr)src, bytes),
+                       "cuMemcpyDtoD");
+}
+
+int pkv_gpu_module_load(pkv_gpu_t *g, const char *path, void **module)
+{
+    CUmodule m = NULL;
+    int rc = cur(g);
+    if (!rc) rc = gpu_rc(g, g->cuModuleLoad(&m, path), path);
+    if (!rc) *module = m;
+    return rc;
+}
+
+void pkv_gpu_module_unload(pkv_gpu_t *g, void *module)
+{
+    if (module && !cur(g)) g->cuModuleUnload((CUmodule)module);
+}
+
+int pkv_gpu_function(pkv_gpu_t *g, void *module, const char *name, void **fn)
+{
+    CUfunction f = NULL;
+    int rc = cur(g);
+    if (!rc) rc = gpu_rc(g, g->cuModuleGetFunction(&f, (CUmodule)module, name), name);
+    if (!rc) *fn = f;
+    return rc;
+}
+
+int pkv_gpu_launch(pkv_gpu_t *g, void *fn, const uint32_t grid[3], const uint32_t block[3],
+                   void **args)
+{
+    int rc = cur(g);
+    return rc ? rc
+              : gpu_rc(g,
+                       g->cuLaunchKernel((CUfunction)fn, grid[0], grid[1], grid[2], block[0],
+                                         block[1], block[2], 0, NULL, args, NULL),
+                       "cuLaunchKernel");
 }

@@ -21,15 +21,15 @@
 typedef struct pkv_gpu pkv_gpu_t;
 
 typedef struct {
-    char name[128];          /* cuDeviceGetName */
-    int ordinal;             /* the device's index */
-    int driver_version;      /* cuDriverGetVersion: 1000 * major + 10 * minor */
-    int cc_major, cc_minor;  /* compute capability */
-    int sm_count;            /* multiprocessors */
-    uint64_t total_bytes;    /* cuDeviceTotalMem */
-    uint64_t granule_min;    /* cuMemGetAllocationGranularity, MINIMUM */
-    uint64_t granule_rec;    /* ... RECOMMENDED */
-    char driver_path[256];   /* the library loaded */
+    char name[128];         /* cuDeviceGetName */
+    int ordinal;            /* the device's index */
+    int driver_version;     /* cuDriverGetVersion: 1000 * major + 10 * minor */
+    int cc_major, cc_minor; /* compute capability */
+    int sm_count;           /* multiprocessors */
+    uint64_t total_bytes;   /* cuDeviceTotalMem */
+    uint64_t granule_min;   /* cuMemGetAllocationGranularity, MINIMUM */
+    uint64_t granule_rec;   /* ... RECOMMENDED */
+    char driver_path[256];  /* the library loaded */
 } pkv_gpu_info_t;
 
 /* Whether this build has the GPU part (make GPU=1). */
@@ -51,6 +51,15 @@ int pkv_gpu_sync(pkv_gpu_t *g);
 int pkv_gpu_memset(pkv_gpu_t *g, uint64_t va, uint8_t value, uint64_t bytes);
 int pkv_gpu_copy_to_host(pkv_gpu_t *g, void *dst, uint64_t va, uint64_t bytes);
 int pkv_gpu_copy_from_host(pkv_gpu_t *g, uint64_t va, const void *src, uint64_t bytes);
+
+int pkv_gpu_copy_device(pkv_gpu_t *g, uint64_t dst, uint64_t src, uint64_t bytes);
+/* Kernels: a module file (cubin or fatbin: build/gpu/pagekv-kernels.fatbin), a function of
+ * it, a launch on the default stream (asynchronous; pkv_gpu_sync waits). */
+int pkv_gpu_module_load(pkv_gpu_t *g, const char *path, void **module);
+void pkv_gpu_module_unload(pkv_gpu_t *g, void *module);
+int pkv_gpu_function(pkv_gpu_t *g, void *module, const char *name, void **fn);
+int pkv_gpu_launch(pkv_gpu_t *g, void *fn, const uint32_t grid[3], const uint32_t block[3],
+                   void **args);
 
 /* ---- the virtual memory API, one call each (the arena below is made of them) ------------
  * Physical memory of `bytes` (a multiple of the granule) on the device: PKV_ERR_NOMEM when
@@ -110,5 +119,34 @@ int pkv_gpu_arena_fill_spares(pkv_gpu_arena_t *a);
 /* Release every spare handle (memory back to the device). */
 void pkv_gpu_arena_trim(pkv_gpu_arena_t *a);
 void pkv_gpu_arena_stats(pkv_gpu_arena_t *a, pkv_gpu_arena_stats_t *out);
+
+/* ---- attention kernels (src/gpu/kernels.cu) ------------------------------------------------
+ * Paged decode attention, bf16 K/V: one query token per sequence, G query heads per KV
+ * head served from one read of K and V, online softmax in fp32, the sequence split across
+ * CTAs when there are few sequences x KV heads for the SMs, the splits merged in order. */
+typedef struct pkv_gpu_attn pkv_gpu_attn_t;
+int pkv_gpu_attn_load(pkv_gpu_t *g, const char *fatbin, pkv_gpu_attn_t **out);
+void pkv_gpu_attn_unload(pkv_gpu_attn_t *a);
+
+typedef struct {
+    uint64_t q;    /* device: float [n_seq][kv_heads * group][head_dim] */
+    uint64_t out;  /* device: float, the same shape */
+    uint64_t part; /* device scratch: float [n_seq * kv_heads * group][n_split][head_dim + 2] */
+    /* Token t of sequence s, KV head h lies at k_base + table[s * max_blocks + t / block_tokens]
+     * * block_stride + h * head_stride + (t % block_tokens) * head_dim * 2 (V: v_base). */
+    uint64_t k_base, v_base, block_stride, head_stride;
+    uint64_t table; /* device: uint32 [n_seq][max_blocks] */
+    uint64_t lens;  /* device: uint32 [n_seq], each >= 1 */
+    uint32_t max_blocks, n_seq, block_tokens, kv_heads, group, head_dim;
+    float scale;
+    uint32_t n_split; /* >= 1: pkv_gpu_decode_splits */
+} pkv_gpu_decode_t;
+
+/* Splits for n_seq x kv_heads CTAs to fill the SMs twice over, at least 256 tokens each. */
+uint32_t pkv_gpu_decode_splits(const pkv_gpu_attn_t *a, uint32_t n_seq, uint32_t kv_heads,
+                               uint32_t max_len);
+/* Launch (asynchronous): PKV_ERR_INVALID for a head_dim other than 64 / 128, a group other
+ * than 1, 2, 4, 8, or n_split 0. */
+int pkv_gpu_decode_attn(pkv_gpu_attn_t *a, const pkv_gpu_decode_t *p);
 
 #endif

@@ -92,3 +92,26 @@ int pkv_gpu_unmap(pkv_gpu_t *g, uint64_t va, uint64_t bytes)
 {
     return PKV_ERR_UNSUPPORTED;
 }
+
+int pkv_gpu_copy_device(pkv_gpu_t *g, uint64_t dst, uint64_t src, uint64_t bytes)
+{
+    return PKV_ERR_UNSUPPORTED;
+}
+
+int pkv_gpu_module_load(pkv_gpu_t *g, const char *path, void **module)
+{
+    return PKV_ERR_UNSUPPORTED;
+}
+
+void pkv_gpu_module_unload(pkv_gpu_t *g, void *module) {}
+
+int pkv_gpu_function(pkv_gpu_t *g, void *module, const char *name, void **fn)
+{
+    return PKV_ERR_UNSUPPORTED;
+}
+
+int pkv_gpu_launch(pkv_gpu_t *g, void *fn, const uint32_t grid[3], const uint32_t block[3],
+                   void **args)
+{
+    return PKV_ERR_UNSUPPORTED;
+}

@@ -6,6 +6,7 @@
 
 #include "gpu/gpu.h"
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -161,8 +162,8 @@ static int arena_counters_match_driver(char *why, size_t cap)
         double used = (double)free0 - (double)free1, want = (double)st.created_bytes;
         double slack = want * 0.02 > (double)st.granule_bytes ? want * 0.02 : st.granule_bytes;
         if (used - want > slack || want - used > slack) {
-            snprintf(why, cap, "phase %d: the driver says %.1f MiB used, the arena %.1f MiB",
-                     phase, used / 1048576.0, want / 1048576.0);
+            snprintf(why, cap, "phase %d: the driver says %.1f MiB used, the arena %.1f MiB", phase,
+                     used / 1048576.0, want / 1048576.0);
             rc = GPU_CASE_FAIL;
             goto out;
         }
@@ -173,11 +174,242 @@ out:
     return rc;
 }
 
+/* ---- paged decode attention ---------------------------------------------------------- */
+const char *gpu_cases_fatbin = "build/gpu/pagekv-kernels.fatbin";
+
+static uint16_t to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static float from_bf16(uint16_t b)
+{
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static uint64_t rng_next(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static float rng_unit(uint64_t *s)
+{
+    return (float)((rng_next(s) >> 40) * (1.0 / 16777216.0)) * 2.f - 1.f;
+}
+
+typedef struct {
+    uint32_t hd, G, kvh, bt, n_seq, lens[4];
+} dec_geo_t;
+
+/* Device memory for one check: a bump allocator over a committed arena. */
+typedef struct {
+    pkv_gpu_arena_t *a;
+    uint64_t base, used, cap;
+} bump_t;
+
+static uint64_t bump(bump_t *b, uint64_t bytes)
+{
+    uint64_t at = b->used;
+    b->used += (bytes + 255) & ~255ull;
+    return b->used <= b->cap ? b->base + at : 0;
+}
+
+/* One geometry: K/V of n_seq sequences placed in blocks twice, shuffled (paged) and in
+ * order (contiguous), the unused tail of each last block NaN; the output of both against a
+ * double-precision reference, and paged == contiguous bitwise. */
+static int decode_one(pkv_gpu_t *g, pkv_gpu_attn_t *at, const dec_geo_t *ge, char *why, size_t cap)
+{
+    int rc = GPU_CASE_PASS;
+    uint32_t hd = ge->hd, G = ge->G, kvh = ge->kvh, bt = ge->bt, ns = ge->n_seq, maxb = 0, nb = 0;
+    for (uint32_t s = 0; s < ns; s++) {
+        uint32_t b = (ge->lens[s] + bt - 1) / bt;
+        maxb = b > maxb ? b : maxb;
+        nb += b;
+    }
+    uint64_t piece = (uint64_t)bt * hd * 2, bstride = piece * kvh, pool = bstride * nb;
+    uint32_t nq = kvh * G, max_len = 0;
+    for (uint32_t s = 0; s < ns; s++) max_len = ge->lens[s] > max_len ? ge->lens[s] : max_len;
+    uint16_t *kp = malloc(pool), *vp = malloc(pool), *kc = malloc(pool), *vc = malloc(pool);
+    uint32_t *tp = calloc((size_t)ns * maxb, 4), *tc = calloc((size_t)ns * maxb, 4);
+    uint32_t *perm = malloc(nb * 4);
+    float *q = malloc((size_t)ns * nq * hd * 4), *o1 = malloc((size_t)ns * nq * hd * 4),
+          *o2 = malloc((size_t)ns * nq * hd * 4);
+    double *ref = malloc((size_t)ns * nq * hd * 8), *sc = malloc((size_t)max_len * 8);
+    pkv_gpu_arena_t *a = NULL;
+    CASE_CHECK(kp && vp && kc && vc && tp && tc && perm && q && o1 && o2 && ref && sc);
+    uint64_t seed = 0x5eed + hd * 31 + G;
+    for (uint32_t i = 0; i < nb; i++) perm[i] = i;
+    for (uint32_t i = nb; i > 1; i--) { /* Fisher-Yates: the paged placement */
+        uint32_t j = (uint32_t)(rng_next(&seed) % i), t = perm[i - 1];
+        perm[i - 1] = perm[j];
+        perm[j] = t;
+    }
+    for (size_t i = 0; i < pool / 2; i++) kp[i] = vp[i] = kc[i] = vc[i] = 0x7fc0; /* NaN */
+    uint32_t blk = 0;
+    for (uint32_t s = 0; s < ns; s++) {
+        for (uint32_t b = 0; b < (ge->lens[s] + bt - 1) / bt; b++, blk++) {
+            tc[s * maxb + b] = blk;
+            tp[s * maxb + b] = perm[blk];
+        }
+        for (uint32_t t = 0; t < ge->lens[s]; t++)
+            for (uint32_t h = 0; h < kvh; h++)
+                for (uint32_t d = 0; d < hd; d++) {
+                    uint16_t kv = to_bf16(rng_unit(&seed)), vv = to_bf16(rng_unit(&seed));
+                    size_t in = ((size_t)h * bt + t % bt) * hd + d;
+                    size_t ci = tc[s * maxb + t / bt] * (bstride / 2) + in;
+                    size_t pi = tp[s * maxb + t / bt] * (bstride / 2) + in;
+                    kc[ci] = kp[pi] = kv;
+                    vc[ci] = vp[pi] = vv;
+                }
+    }
+    for (size_t i = 0; i < (size_t)ns * nq * hd; i++) q[i] = rng_unit(&seed);
+    float scale = 1.0f / sqrtf((float)hd);
+    for (uint32_t s = 0; s < ns; s++) /* the reference, from the contiguous copy */
+        for (uint32_t qh = 0; qh < nq; qh++) {
+            uint32_t h = qh / G, n = ge->lens[s];
+            const float *qq = q + ((size_t)s * nq + qh) * hd;
+            double mx = -1e300, sum = 0;
+            for (uint32_t t = 0; t < n; t++) {
+                size_t base =
+                    tc[s * maxb + t / bt] * (bstride / 2) + ((size_t)h * bt + t % bt) * hd;
+                double d = 0;
+                for (uint32_t k = 0; k < hd; k++)
+                    d += (double)qq[k] * scale * from_bf16(kc[base + k]);
+                sc[t] = d;
+                mx = d > mx ? d : mx;
+            }
+            for (uint32_t t = 0; t < n; t++) sum += (sc[t] = exp(sc[t] - mx));
+            for (uint32_t k = 0; k < hd; k++) {
+                double acc = 0;
+                for (uint32_t t = 0; t < n; t++)
+                    acc += sc[t] * from_bf16(vc[tc[s * maxb + t / bt] * (bstride / 2) +
+                                                ((size_t)h * bt + t % bt) * hd + k]);
+                ref[((size_t)s * nq + qh) * hd + k] = acc / sum;
+            }
+        }
+    uint32_t lens[4];
+    memcpy(lens, ge->lens, sizeof(lens));
+    uint32_t splits[2] = {1, pkv_gpu_decode_splits(at, ns, kvh, max_len)};
+    uint64_t part_bytes = (uint64_t)ns * nq * (splits[1] > 1 ? splits[1] : 1) * (hd + 2) * 4;
+    uint64_t need = 4 * pool + 2 * (uint64_t)ns * maxb * 4 + 16 + 2 * (uint64_t)ns * nq * hd * 4 +
+                    part_bytes + 16 * 256;
+    pkv_gpu_arena_config_t c = {.n_granules = (uint32_t)(need / (2u << 20)) + 2};
+    CASE_CHECK(pkv_gpu_arena_create(g, &c, &a) == PKV_OK);
+    for (uint32_t i = 0; i < c.n_granules; i++) CASE_CHECK(pkv_gpu_arena_commit(a, i) == PKV_OK);
+    pkv_gpu_arena_stats_t st;
+    pkv_gpu_arena_stats(a, &st);
+    bump_t bm = {a, pkv_gpu_arena_base(a), 0, st.reserved_bytes};
+    uint64_t dkp = bump(&bm, pool), dvp = bump(&bm, pool), dkc = bump(&bm, pool),
+             dvc = bump(&bm, pool), dtp = bump(&bm, (uint64_t)ns * maxb * 4),
+             dtc = bump(&bm, (uint64_t)ns * maxb * 4), dl = bump(&bm, 16),
+             dq = bump(&bm, (uint64_t)ns * nq * hd * 4),
+             dout = bump(&bm, (uint64_t)ns * nq * hd * 4), dpart = bump(&bm, part_bytes);
+    CASE_CHECK(dpart != 0);
+    CASE_CHECK(pkv_gpu_copy_from_host(g, dkp, kp, pool) == PKV_OK &&
+               pkv_gpu_copy_from_host(g, dvp, vp, pool) == PKV_OK &&
+               pkv_gpu_copy_from_host(g, dkc, kc, pool) == PKV_OK &&
+               pkv_gpu_copy_from_host(g, dvc, vc, pool) == PKV_OK &&
+               pkv_gpu_copy_from_host(g, dtp, tp, (uint64_t)ns * maxb * 4) == PKV_OK &&
+               pkv_gpu_copy_from_host(g, dtc, tc, (uint64_t)ns * maxb * 4) == PKV_OK &&
+               pkv_gpu_copy_from_host(g, dl, lens, 16) == PKV_OK &&
+               pkv_gpu_copy_from_host(g, dq, q, (uint64_t)ns * nq * hd * 4) == PKV_OK);
+    for (int si = 0; si < 2; si++) {
+        for (int paged = 0; paged < 2; paged++) {
+            pkv_gpu_decode_t p = {.q = dq,
+                                  .out = dout,
+                                  .part = dpart,
+                                  .k_base = paged ? dkp : dkc,
+                                  .v_base = paged ? dvp : dvc,
+                                  .block_stride = bstride,
+                                  .head_stride = piece,
+                                  .table = paged ? dtp : dtc,
+                                  .lens = dl,
+                                  .max_blocks = maxb,
+                                  .n_seq = ns,
+                                  .block_tokens = bt,
+                                  .kv_heads = kvh,
+                                  .group = G,
+                                  .head_dim = hd,
+                                  .scale = scale,
+                                  .n_split = splits[si]};
+            CASE_CHECK(pkv_gpu_decode_attn(at, &p) == PKV_OK && pkv_gpu_sync(g) == PKV_OK);
+            CASE_CHECK(pkv_gpu_copy_to_host(g, paged ? o2 : o1, dout, (uint64_t)ns * nq * hd * 4) ==
+                       PKV_OK);
+        }
+        if (memcmp(o1, o2, (size_t)ns * nq * hd * 4)) {
+            snprintf(why, cap, "hd %u G %u splits %u: paged and contiguous differ", hd, G,
+                     splits[si]);
+            rc = GPU_CASE_FAIL;
+            goto out;
+        }
+        for (size_t r = 0; r < (size_t)ns * nq; r++) {
+            double mx = 0, err = 0;
+            for (uint32_t k = 0; k < hd; k++) {
+                double x = ref[r * hd + k], y = o1[r * hd + k];
+                mx = fabs(x) > mx ? fabs(x) : mx;
+                double e = y != y ? INFINITY : fabs(x - y);
+                err = e > err ? e : err;
+            }
+            if (!(err <= 2e-4 * mx + 1e-6)) {
+                snprintf(why, cap, "hd %u G %u splits %u row %zu: error %.3g against max %.3g", hd,
+                         G, splits[si], r, err, mx);
+                rc = GPU_CASE_FAIL;
+                goto out;
+            }
+        }
+    }
+out:
+    pkv_gpu_arena_destroy(a);
+    free(kp), free(vp), free(kc), free(vc), free(tp), free(tc), free(perm);
+    free(q), free(o1), free(o2), free(ref), free(sc);
+    return rc;
+}
+
+/* Paged decode attention (kernels.cu) against a double-precision reference on random bf16
+ * K/V, head dims 64 and 128, groups 1, 2, 4 and 8, lengths that end mid-block (1, 17, 300,
+ * 1000), NaN past each length, without and with a split; paged == contiguous bitwise. */
+static int decode_attention_matches_reference(char *why, size_t cap)
+{
+    pkv_gpu_t *g = NULL;
+    pkv_gpu_attn_t *at = NULL;
+    int rc = open_or_skip(&g, why, cap);
+    if (rc) return rc;
+    if (access(gpu_cases_fatbin, R_OK)) {
+        snprintf(why, cap, "no kernels at %s (make GPU=1, or scripts/gpu-check.sh)",
+                 gpu_cases_fatbin);
+        pkv_gpu_close(g);
+        return GPU_CASE_SKIP;
+    }
+    CASE_CHECK(pkv_gpu_attn_load(g, gpu_cases_fatbin, &at) == PKV_OK);
+    static const dec_geo_t geos[] = {
+        {64, 4, 2, 16, 4, {1, 17, 300, 1000}},
+        {128, 2, 2, 16, 4, {1, 17, 300, 1000}},
+        {64, 1, 3, 16, 4, {5, 16, 33, 700}},
+        {128, 8, 1, 16, 4, {2, 31, 257, 999}},
+    };
+    for (size_t i = 0; i < sizeof(geos) / sizeof(geos[0]) && rc == GPU_CASE_PASS; i++)
+        rc = decode_one(g, at, &geos[i], why, cap);
+out:
+    pkv_gpu_attn_unload(at);
+    pkv_gpu_close(g);
+    return rc;
+}
+
 const gpu_case_t gpu_cases[] = {
     {"no_device_says_why", no_device_says_why},
     {"no_such_device", no_such_device},
     {"arena_maps_in_place", arena_maps_in_place},
     {"arena_spares_bounded", arena_spares_bounded},
     {"arena_counters_match_driver", arena_counters_match_driver},
+    {"decode_attention_matches_reference", decode_attention_matches_reference},
 };
 const size_t gpu_n_cases = sizeof(gpu_cases) / sizeof(gpu_cases[0]);

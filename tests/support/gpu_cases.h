@@ -18,5 +18,7 @@ typedef struct {
 
 extern const gpu_case_t gpu_cases[];
 extern const size_t gpu_n_cases;
+/* The kernels' fatbin the attention case loads (default build/gpu/pagekv-kernels.fatbin). */
+extern const char *gpu_cases_fatbin;
 
 #endif

@@ -1,0 +1,70 @@
+/*
+ * gpu: the attention kernels' host side (gpu.h, docs/design/gpu.md "Kernels"): the module
+ * (a fatbin nvcc built from kernels.cu), the launch geometry, the arguments. Built on the
+ * gpu.h calls only, so it compiles in every build.
+ */
+#include "gpu/gpu.h"
+
+#include "core/core.h"
+
+#include <stdlib.h>
+
+struct pkv_gpu_attn {
+    pkv_gpu_t *g;
+    void *module, *decode, *merge;
+    uint32_t sm_count;
+};
+
+int pkv_gpu_attn_load(pkv_gpu_t *g, const char *fatbin, pkv_gpu_attn_t **out)
+{
+    pkv_gpu_attn_t *a = calloc(1, sizeof(*a));
+    if (!a) return PKV_ERR_NOMEM;
+    a->g = g;
+    pkv_gpu_info_t in;
+    pkv_gpu_info(g, &in);
+    a->sm_count = in.sm_count > 0 ? (uint32_t)in.sm_count : 1;
+    int rc = pkv_gpu_module_load(g, fatbin, &a->module);
+    if (!rc) rc = pkv_gpu_function(g, a->module, "pkv_decode_attn_bf16", &a->decode);
+    if (!rc) rc = pkv_gpu_function(g, a->module, "pkv_decode_attn_merge", &a->merge);
+    if (rc) {
+        pkv_gpu_attn_unload(a);
+        return rc;
+    }
+    *out = a;
+    return PKV_OK;
+}
+
+void pkv_gpu_attn_unload(pkv_gpu_attn_t *a)
+{
+    if (!a) return;
+    pkv_gpu_module_unload(a->g, a->module);
+    free(a);
+}
+
+uint32_t pkv_gpu_decode_splits(const pkv_gpu_attn_t *a, uint32_t n_seq, uint32_t kv_heads,
+                               uint32_t max_len)
+{
+    uint64_t ctas = (uint64_t)n_seq * kv_heads, want = 2ull * a->sm_count;
+    uint64_t s = ctas >= want ? 1 : PKV_DIV_UP(want, ctas);
+    uint64_t cap = PKV_MAX(1u, max_len / 256);
+    return (uint32_t)PKV_MIN(s, cap);
+}
+
+int pkv_gpu_decode_attn(pkv_gpu_attn_t *a, const pkv_gpu_decode_t *p)
+{
+    uint32_t G = p->group, hd = p->head_dim;
+    if ((hd != 64 && hd != 128) || (G != 1 && G != 2 && G != 4 && G != 8) || !p->n_split ||
+        !p->n_seq || !p->kv_heads || !p->block_tokens)
+        return PKV_ERR_INVALID;
+    void *args[] = {(void *)&p->q,          (void *)&p->part,         (void *)&p->k_base,
+                    (void *)&p->v_base,     (void *)&p->block_stride, (void *)&p->head_stride,
+                    (void *)&p->table,      (void *)&p->max_blocks,   (void *)&p->lens,
+                    (void *)&p->block_tokens, (void *)&p->kv_heads,   (void *)&p->group,
+                    (void *)&p->head_dim,   (void *)&p->scale,        (void *)&p->n_split};
+    uint32_t grid[3] = {p->n_seq * p->kv_heads, p->n_split, 1}, block[3] = {128, 1, 1};
+    int rc = pkv_gpu_launch(a->g, a->decode, grid, block, args);
+    if (rc) return rc;
+    void *margs[] = {(void *)&p->part, (void *)&p->out, (void *)&p->head_dim, (void *)&p->n_split};
+    uint32_t mgrid[3] = {p->n_seq * p->kv_heads * G, 1, 1}, mblock[3] = {hd, 1, 1};
+    return pkv_gpu_launch(a->g, a->merge, mgrid, mblock, margs);
+}
