@@ -17,15 +17,21 @@ fi
     echo "== $(date -u '+%Y-%m-%d %H:%M:%S UTC') $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
     nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv 2>&1
     command -v nvcc >/dev/null && nvcc --version | tail -2
+    cc --version | head -1
     echo "cuda.h: $cuda/include/cuda.h"
 } | tee "$out/device.txt"
 bin=$(mktemp -d)
 flags=(-std=c11 -O2 -g -pthread -D_GNU_SOURCE -DPKV_GPU=1 -Iinclude -Isrc -I. "-I$cuda/include")
 core=(src/gpu/driver.c src/gpu/arena.c src/gpu/attn.c src/core/core.c src/core/fault.c)
+# The kernels: without them the arena tests and parts of the bench still run (the decode
+# test and section say they were skipped).
 nvcc=${NVCC:-$cuda/bin/nvcc}
-if ! "$nvcc" -fatbin -O3 -gencode arch=compute_90,code=sm_90 -o "$bin/pagekv-kernels.fatbin" \
-        src/gpu/kernels.cu 2>"$out/build.txt" ||
-   ! cc "${flags[@]}" -o "$bin/pagekv-gpu-test" tests/gpu/main.c tests/support/gpu_cases.c \
+kflags=(-fatbin -O3 -gencode arch=compute_90,code=sm_90 -o "$bin/pagekv-kernels.fatbin")
+: >"$out/build.txt"
+"$nvcc" "${kflags[@]}" src/gpu/kernels.cu 2>>"$out/build.txt" ||
+    "$nvcc" "${kflags[@]}" -allow-unsupported-compiler src/gpu/kernels.cu 2>>"$out/build.txt" ||
+    echo "gpu-check: nvcc could not build the kernels (build.txt); going on without them"
+if ! cc "${flags[@]}" -o "$bin/pagekv-gpu-test" tests/gpu/main.c tests/support/gpu_cases.c \
         "${core[@]}" -ldl -lm 2>>"$out/build.txt" ||
    ! cc "${flags[@]}" -o "$bin/pagekv-gpu" tools/standalone/pagekv_gpu.c bench/bench_gpu.c \
         "${core[@]}" -ldl -lm 2>>"$out/build.txt"; then

@@ -29,6 +29,7 @@ struct pkv_gpu_arena {
     pthread_cond_t fill_cv; /* fill_spares: a refill ended */
     pthread_t thread;
     bool thread_started, stop, refill_failed;
+    bool paused; /* a trim gave the spares back: no refill until the next commit or fill */
     pkv_gpu_arena_stats_t st;
 };
 
@@ -40,7 +41,8 @@ static void *refill_main(void *arg)
     pthread_setname_np(pthread_self(), "pkv-gpu-spare");
     pthread_mutex_lock(&a->mu);
     for (;;) {
-        while (!a->stop && (a->refill_failed || a->n_spare + a->creating >= a->cfg.spare_min))
+        while (!a->stop &&
+               (a->refill_failed || a->paused || a->n_spare + a->creating >= a->cfg.spare_min))
             pthread_cond_wait(&a->cv, &a->mu);
         if (a->stop) break;
         a->creating++;
@@ -111,6 +113,7 @@ static bool take_spare_locked(pkv_gpu_arena_t *a, uint64_t *h)
 {
     bool hit = a->n_spare > 0;
     if (hit) *h = a->spare[--a->n_spare];
+    a->paused = false;
     if (a->thread_started && a->n_spare + a->creating < a->cfg.spare_min)
         pthread_cond_signal(&a->cv);
     return hit;
@@ -124,6 +127,8 @@ static void put_handle(pkv_gpu_arena_t *a, uint64_t h)
     if (keep) a->spare[a->n_spare++] = h;
     a->refill_failed = false; /* memory came back: the thread may try again */
     if (!keep) a->st.created_bytes -= a->gb;
+    if (a->thread_started && a->n_spare + a->creating < a->cfg.spare_min)
+        pthread_cond_signal(&a->cv);
     pthread_mutex_unlock(&a->mu);
     if (!keep) pkv_gpu_phys_release(a->g, h);
 }
@@ -208,6 +213,7 @@ int pkv_gpu_arena_fill_spares(pkv_gpu_arena_t *a)
 {
     pthread_mutex_lock(&a->mu);
     a->refill_failed = false;
+    a->paused = false;
     pthread_cond_signal(&a->cv);
     while (a->thread_started && !a->refill_failed && a->n_spare < a->cfg.spare_min)
         pthread_cond_wait(&a->fill_cv, &a->mu);
@@ -218,6 +224,10 @@ int pkv_gpu_arena_fill_spares(pkv_gpu_arena_t *a)
 
 void pkv_gpu_arena_trim(pkv_gpu_arena_t *a)
 {
+    pthread_mutex_lock(&a->mu);
+    a->paused = true;                                           /* the refill thread stops here */
+    while (a->creating) pthread_cond_wait(&a->fill_cv, &a->mu); /* one landing is released too */
+    pthread_mutex_unlock(&a->mu);
     for (;;) {
         uint64_t h;
         pthread_mutex_lock(&a->mu);

@@ -7,11 +7,13 @@
 
 #include "core/core.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 
 struct pkv_gpu_attn {
     pkv_gpu_t *g;
-    void *module, *decode, *merge;
+    void *module, *merge;
+    void *decode[2][4]; /* [head dim 64, 128][group 1, 2, 4, 8] */
     uint32_t sm_count;
 };
 
@@ -24,7 +26,12 @@ int pkv_gpu_attn_load(pkv_gpu_t *g, const char *fatbin, pkv_gpu_attn_t **out)
     pkv_gpu_info(g, &in);
     a->sm_count = in.sm_count > 0 ? (uint32_t)in.sm_count : 1;
     int rc = pkv_gpu_module_load(g, fatbin, &a->module);
-    if (!rc) rc = pkv_gpu_function(g, a->module, "pkv_decode_attn_bf16", &a->decode);
+    for (int d = 0; d < 2 && !rc; d++)
+        for (int k = 0; k < 4 && !rc; k++) {
+            char name[64];
+            snprintf(name, sizeof(name), "pkv_decode_attn_bf16_d%d_g%d", 64 << d, 1 << k);
+            rc = pkv_gpu_function(g, a->module, name, &a->decode[d][k]);
+        }
     if (!rc) rc = pkv_gpu_function(g, a->module, "pkv_decode_attn_merge", &a->merge);
     if (rc) {
         pkv_gpu_attn_unload(a);
@@ -56,13 +63,22 @@ int pkv_gpu_decode_attn(pkv_gpu_attn_t *a, const pkv_gpu_decode_t *p)
     if ((hd != 64 && hd != 128) || (G != 1 && G != 2 && G != 4 && G != 8) || !p->n_split ||
         !p->n_seq || !p->kv_heads || !p->block_tokens)
         return PKV_ERR_INVALID;
-    void *args[] = {(void *)&p->q,          (void *)&p->part,         (void *)&p->k_base,
-                    (void *)&p->v_base,     (void *)&p->block_stride, (void *)&p->head_stride,
-                    (void *)&p->table,      (void *)&p->max_blocks,   (void *)&p->lens,
-                    (void *)&p->block_tokens, (void *)&p->kv_heads,   (void *)&p->group,
-                    (void *)&p->head_dim,   (void *)&p->scale,        (void *)&p->n_split};
+    void *args[] = {(void *)&p->q,
+                    (void *)&p->part,
+                    (void *)&p->k_base,
+                    (void *)&p->v_base,
+                    (void *)&p->block_stride,
+                    (void *)&p->head_stride,
+                    (void *)&p->table,
+                    (void *)&p->max_blocks,
+                    (void *)&p->lens,
+                    (void *)&p->block_tokens,
+                    (void *)&p->kv_heads,
+                    (void *)&p->scale,
+                    (void *)&p->n_split};
     uint32_t grid[3] = {p->n_seq * p->kv_heads, p->n_split, 1}, block[3] = {128, 1, 1};
-    int rc = pkv_gpu_launch(a->g, a->decode, grid, block, args);
+    int gk = G == 1 ? 0 : G == 2 ? 1 : G == 4 ? 2 : 3;
+    int rc = pkv_gpu_launch(a->g, a->decode[hd == 128][gk], grid, block, args);
     if (rc) return rc;
     void *margs[] = {(void *)&p->part, (void *)&p->out, (void *)&p->head_dim, (void *)&p->n_split};
     uint32_t mgrid[3] = {p->n_seq * p->kv_heads * G, 1, 1}, mblock[3] = {hd, 1, 1};

@@ -95,7 +95,8 @@ static int cur(const pkv_gpu_t *g)
 
 static int load(pkv_gpu_t *g, const char *path, char *why, size_t cap)
 {
-    g->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    /* never unloaded: the driver's own threads may outlive a close (RTLD_NODELETE) */
+    g->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
     if (!g->lib) {
         snprintf(why, cap, "no CUDA device: no driver (%s cannot be loaded: %s)", path, dlerror());
         return PKV_ERR_UNSUPPORTED;

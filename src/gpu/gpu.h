@@ -116,7 +116,8 @@ int pkv_gpu_arena_decommit(pkv_gpu_arena_t *a, uint32_t granule);
 bool pkv_gpu_arena_mapped(pkv_gpu_arena_t *a, uint32_t granule);
 /* Block until the spare set holds spare_min handles or creation fails (tests, benches). */
 int pkv_gpu_arena_fill_spares(pkv_gpu_arena_t *a);
-/* Release every spare handle (memory back to the device). */
+/* Release every spare handle (memory back to the device); the refill thread makes no new
+ * one until the next commit or fill_spares. */
 void pkv_gpu_arena_trim(pkv_gpu_arena_t *a);
 void pkv_gpu_arena_stats(pkv_gpu_arena_t *a, pkv_gpu_arena_stats_t *out);
 

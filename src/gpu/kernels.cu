@@ -4,7 +4,7 @@
  * that pkv_gpu_module_load loads; launched through the driver API (no cudart).
  *
  * Paged decode attention, bf16 K/V, fp32 arithmetic, one query token per sequence:
- *   pkv_decode_attn_bf16: grid (n_seq * kv_heads, n_split), 128 threads (4 warps). A CTA
+ *   pkv_decode_attn_bf16_d<hd>_g<G>: grid (n_seq * kv_heads, n_split), 128 threads. A CTA
  *     serves the G query heads of one KV head from one read of K and V, over the tokens of
  *     its split [split * per, min(len, (split + 1) * per)); warp w takes the tokens
  *     t = first + w, first + w + 4, ...; lane i holds dims [i * D, i * D + D) (D = hd / 32:
@@ -52,10 +52,14 @@ __device__ __forceinline__ void decode_split(const float *__restrict__ q, float 
     for (uint32_t t = first + warp; t < end; t += WARPS) {
         uint64_t off = (uint64_t)table[(size_t)seq * max_blocks + t / bt] * block_stride +
                        h * head_stride + (uint64_t)(t % bt) * hd * 2 + lane * D * 2;
-        const __nv_bfloat16 *kp = (const __nv_bfloat16 *)(k_base + off);
-        const __nv_bfloat16 *vp = (const __nv_bfloat16 *)(v_base + off);
+        /* one 4- or 8-byte load per row and lane (the lane's dims are aligned to it) */
         float k[D], v[D];
-        for (int d = 0; d < D; d++) k[d] = __bfloat162float(kp[d]), v[d] = __bfloat162float(vp[d]);
+        for (int d = 0; d < D; d += 2) {
+            __nv_bfloat162 kk = *(const __nv_bfloat162 *)(k_base + off + d * 2);
+            __nv_bfloat162 vv = *(const __nv_bfloat162 *)(v_base + off + d * 2);
+            float2 kf = __bfloat1622float2(kk), vf = __bfloat1622float2(vv);
+            k[d] = kf.x, k[d + 1] = kf.y, v[d] = vf.x, v[d + 1] = vf.y;
+        }
         for (int g = 0; g < G; g++) {
             float s = 0.f;
             for (int d = 0; d < D; d++) s = fmaf(qr[g][d], k[d], s);
@@ -91,28 +95,28 @@ __device__ __forceinline__ void decode_split(const float *__restrict__ q, float 
     }
 }
 
-#define DECODE_CASE(D, G)                                                                          \
-    if (hd == 32 * D && group == G)                                                                \
-        return decode_split<D, G>(q, part, k_base, v_base, block_stride, head_stride, table,      \
-                                  max_blocks, lens[blockIdx.x / kv_heads], bt, kv_heads, scale,   \
-                                  n_split, sm, sl, sacc);
+/* One entry point per (head dim, group), each with its own register budget:
+ * pkv_decode_attn_bf16_d<hd>_g<G>. */
+#define DECODE_KERNEL(HD, G)                                                                       \
+    extern "C" __global__ void __launch_bounds__(128) pkv_decode_attn_bf16_d##HD##_g##G(           \
+        const float *q, float *part, const char *k_base, const char *v_base,                      \
+        uint64_t block_stride, uint64_t head_stride, const uint32_t *table, uint32_t max_blocks,  \
+        const uint32_t *lens, uint32_t bt, uint32_t kv_heads, float scale, uint32_t n_split)      \
+    {                                                                                              \
+        __shared__ float sm[WARPS][MAX_G], sl[WARPS][MAX_G], sacc[WARPS][MAX_G][128];              \
+        decode_split<HD / 32, G>(q, part, k_base, v_base, block_stride, head_stride, table,        \
+                                 max_blocks, lens[blockIdx.x / kv_heads], bt, kv_heads, scale,     \
+                                 n_split, sm, sl, sacc);                                           \
+    }
 
-extern "C" __global__ void __launch_bounds__(128)
-    pkv_decode_attn_bf16(const float *q, float *part, const char *k_base, const char *v_base,
-                         uint64_t block_stride, uint64_t head_stride, const uint32_t *table,
-                         uint32_t max_blocks, const uint32_t *lens, uint32_t bt, uint32_t kv_heads,
-                         uint32_t group, uint32_t hd, float scale, uint32_t n_split)
-{
-    __shared__ float sm[WARPS][MAX_G], sl[WARPS][MAX_G], sacc[WARPS][MAX_G][128];
-    DECODE_CASE(2, 1)
-    DECODE_CASE(2, 2)
-    DECODE_CASE(2, 4)
-    DECODE_CASE(2, 8)
-    DECODE_CASE(4, 1)
-    DECODE_CASE(4, 2)
-    DECODE_CASE(4, 4)
-    DECODE_CASE(4, 8)
-}
+DECODE_KERNEL(64, 1)
+DECODE_KERNEL(64, 2)
+DECODE_KERNEL(64, 4)
+DECODE_KERNEL(64, 8)
+DECODE_KERNEL(128, 1)
+DECODE_KERNEL(128, 2)
+DECODE_KERNEL(128, 4)
+DECODE_KERNEL(128, 8)
 
 extern "C" __global__ void pkv_decode_attn_merge(const float *part, float *out, uint32_t hd,
                                                  uint32_t n_split)
