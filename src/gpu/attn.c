@@ -12,7 +12,7 @@
 
 struct pkv_gpu_attn {
     pkv_gpu_t *g;
-    void *module, *merge;
+    void *module, *merge, *write;
     void *decode[2][4]; /* [head dim 64, 128][group 1, 2, 4, 8] */
     uint32_t sm_count;
 };
@@ -33,6 +33,7 @@ int pkv_gpu_attn_load(pkv_gpu_t *g, const char *fatbin, pkv_gpu_attn_t **out)
             rc = pkv_gpu_function(g, a->module, name, &a->decode[d][k]);
         }
     if (!rc) rc = pkv_gpu_function(g, a->module, "pkv_decode_attn_merge", &a->merge);
+    if (!rc) rc = pkv_gpu_function(g, a->module, "pkv_kv_write_bf16", &a->write);
     if (rc) {
         pkv_gpu_attn_unload(a);
         return rc;
@@ -83,4 +84,25 @@ int pkv_gpu_decode_attn(pkv_gpu_attn_t *a, const pkv_gpu_decode_t *p)
     void *margs[] = {(void *)&p->part, (void *)&p->out, (void *)&p->head_dim, (void *)&p->n_split};
     uint32_t mgrid[3] = {p->n_seq * p->kv_heads * G, 1, 1}, mblock[3] = {hd, 1, 1};
     return pkv_gpu_launch(a->g, a->merge, mgrid, mblock, margs);
+}
+
+int pkv_gpu_kv_write(pkv_gpu_attn_t *a, const pkv_gpu_kv_write_t *p)
+{
+    if (!p->n_tokens || !p->kv_heads || !p->head_dim || !p->block_tokens) return PKV_ERR_INVALID;
+    uint64_t n = (uint64_t)p->n_tokens * p->kv_heads * p->head_dim;
+    if (n > 256ull * 0x7fffffff) return PKV_ERR_INVALID;
+    void *args[] = {(void *)&p->k,
+                    (void *)&p->v,
+                    (void *)&p->k_base,
+                    (void *)&p->v_base,
+                    (void *)&p->block_stride,
+                    (void *)&p->head_stride,
+                    (void *)&p->table,
+                    (void *)&p->p0,
+                    (void *)&p->n_tokens,
+                    (void *)&p->block_tokens,
+                    (void *)&p->kv_heads,
+                    (void *)&p->head_dim};
+    uint32_t grid[3] = {(uint32_t)PKV_DIV_UP(n, 256), 1, 1}, block[3] = {256, 1, 1};
+    return pkv_gpu_launch(a->g, a->write, grid, block, args);
 }

@@ -61,6 +61,7 @@ struct pkv_gpu {
     CUdevice dev;
     CUcontext ctx;
     bool ctx_retained;
+    bool initialized; /* cuInit succeeded: the library stays loaded (its threads may run on) */
     CUmemAllocationProp prop; /* pinned device memory on dev */
     pkv_gpu_info_t info;
 };
@@ -95,8 +96,7 @@ static int cur(const pkv_gpu_t *g)
 
 static int load(pkv_gpu_t *g, const char *path, char *why, size_t cap)
 {
-    /* never unloaded: the driver's own threads may outlive a close (RTLD_NODELETE) */
-    g->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
+    g->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!g->lib) {
         snprintf(why, cap, "no CUDA device: no driver (%s cannot be loaded: %s)", path, dlerror());
         return PKV_ERR_UNSUPPORTED;
@@ -123,6 +123,7 @@ static int attr(pkv_gpu_t *g, CUdevice_attribute a)
 static int open_device(pkv_gpu_t *g, int ordinal, char *why, size_t cap)
 {
     CUresult r = g->cuInit(0);
+    g->initialized = r == CUDA_SUCCESS;
     if (r != CUDA_SUCCESS) {
         snprintf(why, cap, "no CUDA device: cuInit failed with %s (%d)%s", err_name(g, r), (int)r,
                  r == CUDA_ERROR_STUB_LIBRARY ? ", the toolkit's stub library, not a driver" : "");
@@ -190,7 +191,10 @@ void pkv_gpu_close(pkv_gpu_t *g)
 {
     if (!g) return;
     if (g->ctx_retained) g->cuDevicePrimaryCtxRelease(g->dev);
-    if (g->lib) dlclose(g->lib);
+    /* A driver that initialized is never unloaded (the process keeps its reference); one
+     * that did not (CUDA's stub: its soname is libcuda.so.1 too) is, so that a later open
+     * finds the real driver rather than the stub still resident. */
+    if (g->lib && !g->initialized) dlclose(g->lib);
     free(g);
 }
 

@@ -150,4 +150,15 @@ uint32_t pkv_gpu_decode_splits(const pkv_gpu_attn_t *a, uint32_t n_seq, uint32_t
  * than 1, 2, 4, 8, or n_split 0. */
 int pkv_gpu_decode_attn(pkv_gpu_attn_t *a, const pkv_gpu_decode_t *p);
 
+/* KV write (asynchronous): n_tokens of one sequence from position p0, float K and V
+ * [n_tokens][kv_heads][head_dim] on the device, into its blocks (table: that sequence's
+ * uint32 block ids) as bf16 rounded to nearest even, the decode kernel's addressing. */
+typedef struct {
+    uint64_t k, v; /* device: float sources */
+    uint64_t k_base, v_base, block_stride, head_stride;
+    uint64_t table; /* device: uint32 block ids of the sequence */
+    uint32_t p0, n_tokens, block_tokens, kv_heads, head_dim;
+} pkv_gpu_kv_write_t;
+int pkv_gpu_kv_write(pkv_gpu_attn_t *a, const pkv_gpu_kv_write_t *p);
+
 #endif

@@ -134,3 +134,24 @@ extern "C" __global__ void pkv_decode_attn_merge(const float *part, float *out, 
     }
     out[row * hd + threadIdx.x] = L > 0.f ? a / L : 0.f;
 }
+
+/* KV write: a chunk of n_tokens of one sequence, from position p0, into its blocks. k and
+ * v are float [n_tokens][kv_heads][hd]; element e (token i, head h, dim d) goes to
+ * base + table[(p0 + i) / bt] * block_stride + h * head_stride + ((p0 + i) % bt) * hd * 2 + d * 2
+ * as bf16, rounded to nearest even. One thread per element, two arrays. */
+extern "C" __global__ void pkv_kv_write_bf16(const float *k, const float *v, char *k_base,
+                                             char *v_base, uint64_t block_stride,
+                                             uint64_t head_stride, const uint32_t *table,
+                                             uint32_t p0, uint32_t n_tokens, uint32_t bt,
+                                             uint32_t kv_heads, uint32_t hd)
+{
+    uint64_t e = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    uint64_t per_token = (uint64_t)kv_heads * hd;
+    if (e >= per_token * n_tokens) return;
+    uint32_t i = (uint32_t)(e / per_token), h = (uint32_t)(e % per_token / hd),
+             d = (uint32_t)(e % hd), p = p0 + i;
+    uint64_t off = (uint64_t)table[p / bt] * block_stride + h * head_stride +
+                   ((uint64_t)(p % bt) * hd + d) * 2;
+    *(__nv_bfloat16 *)(k_base + off) = __float2bfloat16_rn(k[e]);
+    *(__nv_bfloat16 *)(v_base + off) = __float2bfloat16_rn(v[e]);
+}
