@@ -12,7 +12,7 @@
 
 struct pkv_gpu_attn {
     pkv_gpu_t *g;
-    void *module, *merge, *write;
+    void *module, *merge, *write, *gather, *scatter;
     void *decode[2][4]; /* [head dim 64, 128][group 1, 2, 4, 8] */
     uint32_t sm_count;
 };
@@ -34,6 +34,8 @@ int pkv_gpu_attn_load(pkv_gpu_t *g, const char *fatbin, pkv_gpu_attn_t **out)
         }
     if (!rc) rc = pkv_gpu_function(g, a->module, "pkv_decode_attn_merge", &a->merge);
     if (!rc) rc = pkv_gpu_function(g, a->module, "pkv_kv_write_bf16", &a->write);
+    if (!rc) rc = pkv_gpu_function(g, a->module, "pkv_stage_gather", &a->gather);
+    if (!rc) rc = pkv_gpu_function(g, a->module, "pkv_stage_scatter", &a->scatter);
     if (rc) {
         pkv_gpu_attn_unload(a);
         return rc;
@@ -105,4 +107,25 @@ int pkv_gpu_kv_write(pkv_gpu_attn_t *a, const pkv_gpu_kv_write_t *p)
                     (void *)&p->head_dim};
     uint32_t grid[3] = {(uint32_t)PKV_DIV_UP(n, 256), 1, 1}, block[3] = {256, 1, 1};
     return pkv_gpu_launch(a->g, a->write, grid, block, args);
+}
+
+static int stage(pkv_gpu_attn_t *a, void *fn, uint64_t pool, uint64_t buf, uint64_t off, uint32_t n,
+                 uint32_t piece_bytes)
+{
+    if (!n || !piece_bytes || piece_bytes % 16) return PKV_ERR_INVALID;
+    void *args[] = {(void *)&pool, (void *)&buf, (void *)&off, (void *)&piece_bytes};
+    uint32_t grid[3] = {n, 1, 1}, block[3] = {piece_bytes >= 4096 ? 256u : 128u, 1, 1};
+    return pkv_gpu_launch(a->g, fn, grid, block, args);
+}
+
+int pkv_gpu_stage_gather(pkv_gpu_attn_t *a, uint64_t pool, uint64_t buf, uint64_t off, uint32_t n,
+                         uint32_t piece_bytes)
+{
+    return stage(a, a->gather, pool, buf, off, n, piece_bytes);
+}
+
+int pkv_gpu_stage_scatter(pkv_gpu_attn_t *a, uint64_t pool, uint64_t buf, uint64_t off, uint32_t n,
+                          uint32_t piece_bytes)
+{
+    return stage(a, a->scatter, pool, buf, off, n, piece_bytes);
 }

@@ -46,6 +46,10 @@
     X(cuMemUnmap, "cuMemUnmap", (CUdeviceptr, size_t))                                             \
     X(cuMemSetAccess, "cuMemSetAccess", (CUdeviceptr, size_t, const CUmemAccessDesc *, size_t))    \
     X(cuMemcpyDtoD, "cuMemcpyDtoD_v2", (CUdeviceptr, CUdeviceptr, size_t))                         \
+    X(cuMemHostRegister, "cuMemHostRegister_v2", (void *, size_t, unsigned int))                   \
+    X(cuMemHostUnregister, "cuMemHostUnregister", (void *))                                        \
+    X(cuMemHostGetDevicePointer, "cuMemHostGetDevicePointer_v2",                                   \
+      (CUdeviceptr *, void *, unsigned int))                                                       \
     X(cuModuleLoad, "cuModuleLoad", (CUmodule *, const char *))                                    \
     X(cuModuleUnload, "cuModuleUnload", (CUmodule))                                                \
     X(cuModuleGetFunction, "cuModuleGetFunction", (CUfunction *, CUmodule, const char *))          \
@@ -336,4 +340,24 @@ int pkv_gpu_launch(pkv_gpu_t *g, void *fn, const uint32_t grid[3], const uint32_
                        g->cuLaunchKernel((CUfunction)fn, grid[0], grid[1], grid[2], block[0],
                                          block[1], block[2], 0, NULL, args, NULL),
                        "cuLaunchKernel");
+}
+
+int pkv_gpu_host_register(pkv_gpu_t *g, void *p, uint64_t bytes, uint64_t *va)
+{
+    CUdeviceptr d = 0;
+    int rc = cur(g);
+    if (!rc)
+        rc = gpu_rc(g, g->cuMemHostRegister(p, bytes, CU_MEMHOSTREGISTER_DEVICEMAP),
+                    "cuMemHostRegister");
+    if (!rc &&
+        (rc = gpu_rc(g, g->cuMemHostGetDevicePointer(&d, p, 0), "cuMemHostGetDevicePointer")))
+        g->cuMemHostUnregister(p);
+    if (!rc) *va = (uint64_t)d;
+    return rc;
+}
+
+int pkv_gpu_host_unregister(pkv_gpu_t *g, void *p)
+{
+    int rc = cur(g);
+    return rc ? rc : gpu_rc(g, g->cuMemHostUnregister(p), "cuMemHostUnregister");
 }

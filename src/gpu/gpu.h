@@ -53,6 +53,11 @@ int pkv_gpu_copy_to_host(pkv_gpu_t *g, void *dst, uint64_t va, uint64_t bytes);
 int pkv_gpu_copy_from_host(pkv_gpu_t *g, uint64_t va, const void *src, uint64_t bytes);
 
 int pkv_gpu_copy_device(pkv_gpu_t *g, uint64_t dst, uint64_t src, uint64_t bytes);
+/* Pin host memory [p, p + bytes) for DMA and map it for the device (cuMemHostRegister,
+ * DEVICEMAP): *va is the address kernels write and read it at. Register a staging arena
+ * once, never per transfer (registering runs at ~1-2 GB/s). */
+int pkv_gpu_host_register(pkv_gpu_t *g, void *p, uint64_t bytes, uint64_t *va);
+int pkv_gpu_host_unregister(pkv_gpu_t *g, void *p);
 /* Kernels: a module file (cubin or fatbin: build/gpu/pagekv-kernels.fatbin), a function of
  * it, a launch on the default stream (asynchronous; pkv_gpu_sync waits). */
 int pkv_gpu_module_load(pkv_gpu_t *g, const char *path, void **module);
@@ -160,5 +165,13 @@ typedef struct {
     uint32_t p0, n_tokens, block_tokens, kv_heads, head_dim;
 } pkv_gpu_kv_write_t;
 int pkv_gpu_kv_write(pkv_gpu_attn_t *a, const pkv_gpu_kv_write_t *p);
+
+/* Staging (asynchronous): n pieces of piece_bytes (a multiple of 16) each, piece i at
+ * pool + off[i] (off: device uint64 offsets), gathered into buf in order, or scattered from
+ * it; buf is typically a registered host arena's device address (pkv_gpu_host_register). */
+int pkv_gpu_stage_gather(pkv_gpu_attn_t *a, uint64_t pool, uint64_t buf, uint64_t off, uint32_t n,
+                         uint32_t piece_bytes);
+int pkv_gpu_stage_scatter(pkv_gpu_attn_t *a, uint64_t pool, uint64_t buf, uint64_t off, uint32_t n,
+                          uint32_t piece_bytes);
 
 #endif

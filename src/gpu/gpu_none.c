@@ -115,3 +115,13 @@ int pkv_gpu_launch(pkv_gpu_t *g, void *fn, const uint32_t grid[3], const uint32_
 {
     return PKV_ERR_UNSUPPORTED;
 }
+
+int pkv_gpu_host_register(pkv_gpu_t *g, void *p, uint64_t bytes, uint64_t *va)
+{
+    return PKV_ERR_UNSUPPORTED;
+}
+
+int pkv_gpu_host_unregister(pkv_gpu_t *g, void *p)
+{
+    return PKV_ERR_UNSUPPORTED;
+}

@@ -155,3 +155,24 @@ extern "C" __global__ void pkv_kv_write_bf16(const float *k, const float *v, cha
     *(__nv_bfloat16 *)(k_base + off) = __float2bfloat16_rn(k[e]);
     *(__nv_bfloat16 *)(v_base + off) = __float2bfloat16_rn(v[e]);
 }
+
+/* Staging: the pieces of a transfer between the pool's blocks and a contiguous buffer (a
+ * registered host staging arena, mapped for the device: its bytes cross PCIe as the kernel
+ * stores or loads them). Piece i is piece_bytes at src + off[i] (gather) or to dst + off[i]
+ * (scatter), laid out in order in the buffer; piece_bytes a multiple of 16. One CTA per
+ * piece, 16-byte accesses. */
+extern "C" __global__ void pkv_stage_gather(const char *pool, char *buf, const uint64_t *off,
+                                            uint32_t piece_bytes)
+{
+    const uint4 *s = (const uint4 *)(pool + off[blockIdx.x]);
+    uint4 *d = (uint4 *)(buf + (uint64_t)blockIdx.x * piece_bytes);
+    for (uint32_t i = threadIdx.x; i < piece_bytes / 16; i += blockDim.x) d[i] = s[i];
+}
+
+extern "C" __global__ void pkv_stage_scatter(char *pool, const char *buf, const uint64_t *off,
+                                             uint32_t piece_bytes)
+{
+    const uint4 *s = (const uint4 *)(buf + (uint64_t)blockIdx.x * piece_bytes);
+    uint4 *d = (uint4 *)(pool + off[blockIdx.x]);
+    for (uint32_t i = threadIdx.x; i < piece_bytes / 16; i += blockDim.x) d[i] = s[i];
+}

@@ -489,6 +489,73 @@ out:
     return rc;
 }
 
+/* Staging: 200 pieces of 16 KiB scattered over a device pool, gathered by the kernel
+ * straight into a registered host buffer (checked in host memory), then the pool's pieces
+ * wiped and scattered back from it (checked on the device): bytes equal both ways. */
+static int stage_round_trip(char *why, size_t cap)
+{
+    pkv_gpu_t *g = NULL;
+    pkv_gpu_attn_t *at = NULL;
+    pkv_gpu_arena_t *a = NULL;
+    uint8_t *host = NULL, *pool = NULL, *back = NULL;
+    uint64_t *off = NULL, hva = 0;
+    bool registered = false;
+    int rc = open_or_skip(&g, why, cap);
+    if (rc) return rc;
+    if (access(gpu_cases_fatbin, R_OK)) {
+        snprintf(why, cap, "no kernels at %s (make GPU=1, or scripts/gpu-check.sh)",
+                 gpu_cases_fatbin);
+        pkv_gpu_close(g);
+        return GPU_CASE_SKIP;
+    }
+    const uint32_t n = 200, piece = 16384, slots = 256;
+    uint64_t pool_bytes = (uint64_t)slots * piece;
+    CASE_CHECK(posix_memalign((void **)&host, 4096, (size_t)n * piece) == 0);
+    CASE_CHECK((pool = malloc(pool_bytes)) && (back = malloc(pool_bytes)) &&
+               (off = malloc(n * sizeof(*off))));
+    uint64_t seed = 5;
+    for (uint64_t i = 0; i < pool_bytes; i++) pool[i] = (uint8_t)rng_next(&seed);
+    uint32_t *perm = (uint32_t *)back; /* scratch until the read-back */
+    for (uint32_t i = 0; i < slots; i++) perm[i] = i;
+    for (uint32_t i = slots; i > 1; i--) {
+        uint32_t j = (uint32_t)(rng_next(&seed) % i), t = perm[i - 1];
+        perm[i - 1] = perm[j];
+        perm[j] = t;
+    }
+    for (uint32_t i = 0; i < n; i++) off[i] = (uint64_t)perm[i] * piece;
+    CASE_CHECK(pkv_gpu_attn_load(g, gpu_cases_fatbin, &at) == PKV_OK);
+    pkv_gpu_arena_config_t c = {.n_granules = (uint32_t)(pool_bytes / (2u << 20)) + 2};
+    CASE_CHECK(pkv_gpu_arena_create(g, &c, &a) == PKV_OK);
+    for (uint32_t i = 0; i < c.n_granules; i++) CASE_CHECK(pkv_gpu_arena_commit(a, i) == PKV_OK);
+    uint64_t dpool = pkv_gpu_arena_base(a), doff = dpool + pool_bytes;
+    CASE_CHECK(pkv_gpu_copy_from_host(g, dpool, pool, pool_bytes) == PKV_OK);
+    CASE_CHECK(pkv_gpu_copy_from_host(g, doff, off, n * sizeof(*off)) == PKV_OK);
+    memset(host, 0, (size_t)n * piece);
+    CASE_CHECK(pkv_gpu_host_register(g, host, (uint64_t)n * piece, &hva) == PKV_OK);
+    registered = true;
+    CASE_CHECK(pkv_gpu_stage_gather(at, dpool, hva, doff, n, piece) == PKV_OK);
+    CASE_CHECK(pkv_gpu_sync(g) == PKV_OK);
+    for (uint32_t i = 0; i < n; i++)
+        if (memcmp(host + (size_t)i * piece, pool + off[i], piece)) {
+            snprintf(why, cap, "gather: piece %u differs", i);
+            rc = GPU_CASE_FAIL;
+            goto out;
+        }
+    for (uint32_t i = 0; i < n; i++)
+        CASE_CHECK(pkv_gpu_memset(g, dpool + off[i], 0, piece) == PKV_OK);
+    CASE_CHECK(pkv_gpu_stage_scatter(at, dpool, hva, doff, n, piece) == PKV_OK);
+    CASE_CHECK(pkv_gpu_sync(g) == PKV_OK);
+    CASE_CHECK(pkv_gpu_copy_to_host(g, back, dpool, pool_bytes) == PKV_OK);
+    CASE_CHECK(memcmp(back, pool, pool_bytes) == 0); /* every piece back, the rest untouched */
+out:
+    if (registered) pkv_gpu_host_unregister(g, host);
+    pkv_gpu_arena_destroy(a);
+    pkv_gpu_attn_unload(at);
+    free(host), free(pool), free(back), free(off);
+    pkv_gpu_close(g);
+    return rc;
+}
+
 /* no_device_says_why last: it loads CUDA's stub (whose soname is libcuda.so.1 too) and,
  * though a failed open unloads it, the device cases run before it. */
 const gpu_case_t gpu_cases[] = {
@@ -498,6 +565,7 @@ const gpu_case_t gpu_cases[] = {
     {"arena_counters_match_driver", arena_counters_match_driver},
     {"decode_attention_matches_reference", decode_attention_matches_reference},
     {"kv_write_matches_host_rounding", kv_write_matches_host_rounding},
+    {"stage_round_trip", stage_round_trip},
     {"no_device_says_why", no_device_says_why},
 };
 const size_t gpu_n_cases = sizeof(gpu_cases) / sizeof(gpu_cases[0]);
