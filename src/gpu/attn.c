@@ -129,3 +129,10 @@ int pkv_gpu_stage_scatter(pkv_gpu_attn_t *a, uint64_t pool, uint64_t buf, uint64
 {
     return stage(a, a->scatter, pool, buf, off, n, piece_bytes);
 }
+
+int pkv_gpu_prefill_attn(pkv_gpu_attn_t *a, const pkv_gpu_decode_t *p)
+{
+    pkv_gpu_decode_t d = *p;
+    d.max_blocks = 0; /* row s reads table[t / block_tokens]: the chunk's one sequence */
+    return pkv_gpu_decode_attn(a, &d);
+}

@@ -155,6 +155,14 @@ uint32_t pkv_gpu_decode_splits(const pkv_gpu_attn_t *a, uint32_t n_seq, uint32_t
  * than 1, 2, 4, 8, or n_split 0. */
 int pkv_gpu_decode_attn(pkv_gpu_attn_t *a, const pkv_gpu_decode_t *p);
 
+/* Prefill attention for a chunk of one sequence (asynchronous): query rows i = 0..n_seq-1
+ * at positions p0 + i, each attending causally to positions [0, p0 + i] through the one
+ * block table `table`. It runs the decode kernel with one row per query (lens[i] = p0 + i +
+ * 1, filled by the caller; max_blocks 0: every row reads the same table): correct and
+ * bitwise equal to decoding each position, but K/V is read once per query row (no tiling
+ * over queries yet). The fields are pkv_gpu_decode_t's; max_blocks is ignored. */
+int pkv_gpu_prefill_attn(pkv_gpu_attn_t *a, const pkv_gpu_decode_t *p);
+
 /* KV write (asynchronous): n_tokens of one sequence from position p0, float K and V
  * [n_tokens][kv_heads][head_dim] on the device, into its blocks (table: that sequence's
  * uint32 block ids) as bf16 rounded to nearest even, the decode kernel's addressing. */

@@ -489,6 +489,119 @@ out:
     return rc;
 }
 
+/* Prefill attention for a chunk (40 queries at positions 260..299 of a 300-token sequence
+ * in shuffled blocks, head dim 64, group 4): each row equals decoding that position alone,
+ * bitwise, and the first and last rows the double-precision reference. */
+static int prefill_rows_equal_decode(char *why, size_t cap)
+{
+    pkv_gpu_t *g = NULL;
+    pkv_gpu_attn_t *at = NULL;
+    pkv_gpu_arena_t *a = NULL;
+    int rc = open_or_skip(&g, why, cap);
+    if (rc) return rc;
+    if (access(gpu_cases_fatbin, R_OK)) {
+        snprintf(why, cap, "no kernels at %s (make GPU=1, or scripts/gpu-check.sh)",
+                 gpu_cases_fatbin);
+        pkv_gpu_close(g);
+        return GPU_CASE_SKIP;
+    }
+    enum { HD = 64, G = 4, KVH = 2, BT = 16, N = 300, P0 = 260, C = 40, NB = 19, NQ = KVH * G };
+    static uint16_t kv[2][NB * KVH * BT * HD];
+    static float q[C * NQ * HD], op[C * NQ * HD], od[NQ * HD];
+    uint32_t table[NB], lens[C];
+    uint64_t seed = 77;
+    for (uint32_t i = 0; i < NB; i++) table[i] = i;
+    for (uint32_t i = NB; i > 1; i--) {
+        uint32_t j = (uint32_t)(rng_next(&seed) % i), t = table[i - 1];
+        table[i - 1] = table[j];
+        table[j] = t;
+    }
+    for (int k = 0; k < 2; k++)
+        for (size_t i = 0; i < sizeof(kv[k]) / 2; i++) kv[k][i] = to_bf16(rng_unit(&seed));
+    for (size_t i = 0; i < sizeof(q) / 4; i++) q[i] = rng_unit(&seed);
+    for (uint32_t i = 0; i < C; i++) lens[i] = P0 + i + 1;
+    uint64_t piece = (uint64_t)BT * HD * 2, bstride = piece * KVH, bytes = sizeof(kv[0]);
+    CASE_CHECK(pkv_gpu_attn_load(g, gpu_cases_fatbin, &at) == PKV_OK);
+    pkv_gpu_arena_config_t c = {.n_granules = 2};
+    CASE_CHECK(pkv_gpu_arena_create(g, &c, &a) == PKV_OK);
+    for (uint32_t i = 0; i < 2; i++) CASE_CHECK(pkv_gpu_arena_commit(a, i) == PKV_OK);
+    uint64_t kb = pkv_gpu_arena_base(a), vb = kb + bytes, tb = vb + bytes, lb = tb + 256,
+             qb = lb + 256, ob = qb + sizeof(q), pb = ob + sizeof(q);
+    uint32_t splits = pkv_gpu_decode_splits(at, 1, KVH, N);
+    CASE_CHECK(pb + (uint64_t)C * NQ * splits * (HD + 2) * 4 <= kb + 2 * (2u << 20));
+    CASE_CHECK(pkv_gpu_copy_from_host(g, kb, kv[0], bytes) == PKV_OK &&
+               pkv_gpu_copy_from_host(g, vb, kv[1], bytes) == PKV_OK &&
+               pkv_gpu_copy_from_host(g, tb, table, sizeof(table)) == PKV_OK &&
+               pkv_gpu_copy_from_host(g, lb, lens, sizeof(lens)) == PKV_OK &&
+               pkv_gpu_copy_from_host(g, qb, q, sizeof(q)) == PKV_OK);
+    pkv_gpu_decode_t p = {.q = qb,
+                          .out = ob,
+                          .part = pb,
+                          .k_base = kb,
+                          .v_base = vb,
+                          .block_stride = bstride,
+                          .head_stride = piece,
+                          .table = tb,
+                          .lens = lb,
+                          .max_blocks = NB,
+                          .n_seq = C,
+                          .block_tokens = BT,
+                          .kv_heads = KVH,
+                          .group = G,
+                          .head_dim = HD,
+                          .scale = 0.125f,
+                          .n_split = splits};
+    CASE_CHECK(pkv_gpu_prefill_attn(at, &p) == PKV_OK && pkv_gpu_sync(g) == PKV_OK);
+    CASE_CHECK(pkv_gpu_copy_to_host(g, op, ob, sizeof(op)) == PKV_OK);
+    for (uint32_t i = 0; i < C; i++) {
+        pkv_gpu_decode_t d = p;
+        d.q = qb + (uint64_t)i * NQ * HD * 4, d.lens = lb + i * 4ull, d.n_seq = 1;
+        CASE_CHECK(pkv_gpu_decode_attn(at, &d) == PKV_OK && pkv_gpu_sync(g) == PKV_OK);
+        CASE_CHECK(pkv_gpu_copy_to_host(g, od, ob, sizeof(od)) == PKV_OK);
+        if (memcmp(od, op + (size_t)i * NQ * HD, sizeof(od))) {
+            snprintf(why, cap, "prefill row %u differs from decoding position %u", i, P0 + i);
+            rc = GPU_CASE_FAIL;
+            goto out;
+        }
+    }
+    for (uint32_t i = 0; i < C; i += C - 1) /* rows 0 and C - 1 against the reference */
+        for (uint32_t qh = 0; qh < NQ; qh++) {
+            uint32_t h = qh / G, n = P0 + i + 1;
+            static double sc[N];
+            double mx = -1e300, sum = 0, worst = 0, big = 0;
+            const float *qq = q + ((size_t)i * NQ + qh) * HD;
+            for (uint32_t t = 0; t < n; t++) {
+                size_t at_ = table[t / BT] * (bstride / 2) + ((size_t)h * BT + t % BT) * HD;
+                double dsum = 0;
+                for (uint32_t d = 0; d < HD; d++) dsum += qq[d] * 0.125 * from_bf16(kv[0][at_ + d]);
+                sc[t] = dsum;
+                mx = dsum > mx ? dsum : mx;
+            }
+            for (uint32_t t = 0; t < n; t++) sum += (sc[t] = exp(sc[t] - mx));
+            for (uint32_t d = 0; d < HD; d++) {
+                double acc = 0;
+                for (uint32_t t = 0; t < n; t++)
+                    acc += sc[t] * from_bf16(kv[1][table[t / BT] * (bstride / 2) +
+                                                   ((size_t)h * BT + t % BT) * HD + d]);
+                double ref = acc / sum, y = op[((size_t)i * NQ + qh) * HD + d];
+                big = fabs(ref) > big ? fabs(ref) : big;
+                worst =
+                    fabs(ref - y) > worst || y != y ? (y != y ? INFINITY : fabs(ref - y)) : worst;
+            }
+            if (!(worst <= 2e-4 * big + 1e-6)) {
+                snprintf(why, cap, "prefill row %u head %u: error %.3g against %.3g", i, qh, worst,
+                         big);
+                rc = GPU_CASE_FAIL;
+                goto out;
+            }
+        }
+out:
+    pkv_gpu_arena_destroy(a);
+    pkv_gpu_attn_unload(at);
+    pkv_gpu_close(g);
+    return rc;
+}
+
 /* Staging: 200 pieces of 16 KiB scattered over a device pool, gathered by the kernel
  * straight into a registered host buffer (checked in host memory), then the pool's pieces
  * wiped and scattered back from it (checked on the device): bytes equal both ways. */
@@ -565,6 +678,7 @@ const gpu_case_t gpu_cases[] = {
     {"arena_counters_match_driver", arena_counters_match_driver},
     {"decode_attention_matches_reference", decode_attention_matches_reference},
     {"kv_write_matches_host_rounding", kv_write_matches_host_rounding},
+    {"prefill_rows_equal_decode", prefill_rows_equal_decode},
     {"stage_round_trip", stage_round_trip},
     {"no_device_says_why", no_device_says_why},
 };
