@@ -366,11 +366,7 @@ static int decode_bench(pkv_gpu_t *g, const char *fatbin, bg_out_t *o, double *w
         if (!tp || !tc) goto fail;
         uint64_t seed = 7;
         for (uint32_t i = 0; i < nb; i++) tc[i] = tp[i] = i;
-        for (uint32_t i = nb; i > 1; i--) {
-            uint32_t j = (uint32_t)(pkv_splitmix64(&seed) % i), t = tp[i - 1];
-            tp[i - 1] = tp[j];
-            tp[j] = t;
-        }
+        pkv_shuffle_u32(tp, nb, &seed);
         for (uint32_t s2 = 0; s2 < k->n_seq; s2++) lens[s2] = k->len;
         BG_CHECK(pkv_gpu_memset(g, kb, 0x3c, 2 * pool * copies)); /* ~0.0115 in bf16 */
         BG_CHECK(pkv_gpu_memset(g, qb, 0, (uint64_t)k->n_seq * nq * k->hd * 4));
@@ -464,11 +460,7 @@ static int stage_bench(pkv_gpu_t *g, const char *fatbin, bg_out_t *o, double *wo
     uint32_t *perm = malloc(slots * 4ull);
     if (!perm) goto fail;
     for (uint32_t i = 0; i < slots; i++) perm[i] = i;
-    for (uint32_t i = slots; i > 1; i--) {
-        uint32_t j = (uint32_t)(pkv_splitmix64(&seed) % i), t = perm[i - 1];
-        perm[i - 1] = perm[j];
-        perm[j] = t;
-    }
+    pkv_shuffle_u32(perm, slots, &seed);
     for (uint32_t i = 0; i < most; i++) off[i] = (uint64_t)perm[i] * piece;
     free(perm);
     BG_CHECK(pkv_gpu_copy_from_host(g, doff, off, most * 8ull));

@@ -28,6 +28,16 @@ static inline uint64_t pkv_splitmix64(uint64_t *state)
     return z ^ (z >> 31);
 }
 
+/* A seeded Fisher-Yates shuffle of a[0..n) (test and benchmark placements). */
+static inline void pkv_shuffle_u32(uint32_t *a, uint32_t n, uint64_t *state)
+{
+    for (uint32_t i = n; i > 1; i--) {
+        uint32_t j = (uint32_t)(pkv_splitmix64(state) % i), t = a[i - 1];
+        a[i - 1] = a[j];
+        a[j] = t;
+    }
+}
+
 /* ---- f16 / bf16 <-> f32, one value (the KV cache's dtypes and the model's kernels) ----
  * To f32 is exact; from f32 rounds to nearest even (overflow to inf, NaN stays NaN). */
 static inline float pkv_f16_to_f32(uint16_t h)

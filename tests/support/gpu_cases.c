@@ -6,6 +6,8 @@
 
 #include "gpu/gpu.h"
 
+#include "core/core.h"
+
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -177,33 +179,75 @@ out:
 /* ---- paged decode attention ---------------------------------------------------------- */
 const char *gpu_cases_fatbin = "build/gpu/pagekv-kernels.fatbin";
 
-static uint16_t to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
-
-static float from_bf16(uint16_t b)
-{
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static uint64_t rng_next(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 static float rng_unit(uint64_t *s)
 {
-    return (float)((rng_next(s) >> 40) * (1.0 / 16777216.0)) * 2.f - 1.f;
+    return (float)((pkv_splitmix64(s) >> 40) * (1.0 / 16777216.0)) * 2.f - 1.f;
+}
+
+/* Device 0 and the kernels, or GPU_CASE_SKIP with why (no device, no fatbin). */
+static int open_with_kernels(pkv_gpu_t **g, pkv_gpu_attn_t **at, char *why, size_t cap)
+{
+    int rc = open_or_skip(g, why, cap);
+    if (rc) return rc;
+    if (access(gpu_cases_fatbin, R_OK)) {
+        snprintf(why, cap, "no kernels at %s (make GPU=1, or scripts/gpu-check.sh)",
+                 gpu_cases_fatbin);
+    } else if (pkv_gpu_attn_load(*g, gpu_cases_fatbin, at) != PKV_OK) {
+        snprintf(why, cap, "the kernels at %s do not load", gpu_cases_fatbin);
+        pkv_gpu_close(*g);
+        return GPU_CASE_FAIL;
+    } else {
+        return GPU_CASE_PASS;
+    }
+    pkv_gpu_close(*g);
+    return GPU_CASE_SKIP;
+}
+
+/* The double-precision attention of one query row over n positions: K and V rows of token
+ * t at kv[0] / kv[1] + elem(t) (uint16 bf16 elements), scale applied to q. */
+static void ref_row(const float *q, uint32_t hd, double scale, const uint16_t *k, const uint16_t *v,
+                    size_t (*elem)(const void *, uint32_t), const void *ctx, uint32_t n, double *sc,
+                    double *out)
+{
+    double mx = -1e300, sum = 0;
+    for (uint32_t t = 0; t < n; t++) {
+        const uint16_t *kr = k + elem(ctx, t);
+        double d = 0;
+        for (uint32_t i = 0; i < hd; i++) d += (double)q[i] * scale * pkv_bf16_to_f32(kr[i]);
+        sc[t] = d;
+        mx = d > mx ? d : mx;
+    }
+    for (uint32_t t = 0; t < n; t++) sum += (sc[t] = exp(sc[t] - mx));
+    for (uint32_t i = 0; i < hd; i++) {
+        double acc = 0;
+        for (uint32_t t = 0; t < n; t++) acc += sc[t] * pkv_bf16_to_f32(v[elem(ctx, t) + i]);
+        out[i] = acc / sum;
+    }
+}
+
+/* Whether y is within 2e-4 of the row's largest |ref| (+1e-6) everywhere, NaN never. */
+static bool row_close(const double *ref, const float *y, uint32_t hd, double *err, double *big)
+{
+    *err = 0, *big = 0;
+    for (uint32_t i = 0; i < hd; i++) {
+        double e = y[i] != y[i] ? INFINITY : fabs(ref[i] - y[i]);
+        *err = e > *err ? e : *err;
+        *big = fabs(ref[i]) > *big ? fabs(ref[i]) : *big;
+    }
+    return *err <= 2e-4 * *big + 1e-6;
+}
+
+/* The element offset of token t's row in a block layout: table, block elements, head. */
+typedef struct {
+    const uint32_t *table;
+    size_t block_el, head_off;
+    uint32_t bt, hd;
+} row_at_t;
+
+static size_t row_elem(const void *ctx, uint32_t t)
+{
+    const row_at_t *r = ctx;
+    return r->table[t / r->bt] * r->block_el + r->head_off + (size_t)(t % r->bt) * r->hd;
 }
 
 typedef struct {
@@ -248,11 +292,7 @@ static int decode_one(pkv_gpu_t *g, pkv_gpu_attn_t *at, const dec_geo_t *ge, cha
     CASE_CHECK(kp && vp && kc && vc && tp && tc && perm && q && o1 && o2 && ref && sc);
     uint64_t seed = 0x5eed + hd * 31 + G;
     for (uint32_t i = 0; i < nb; i++) perm[i] = i;
-    for (uint32_t i = nb; i > 1; i--) { /* Fisher-Yates: the paged placement */
-        uint32_t j = (uint32_t)(rng_next(&seed) % i), t = perm[i - 1];
-        perm[i - 1] = perm[j];
-        perm[j] = t;
-    }
+    pkv_shuffle_u32(perm, nb, &seed); /* the paged placement */
     for (size_t i = 0; i < pool / 2; i++) kp[i] = vp[i] = kc[i] = vc[i] = 0x7fc0; /* NaN */
     uint32_t blk = 0;
     for (uint32_t s = 0; s < ns; s++) {
@@ -263,7 +303,8 @@ static int decode_one(pkv_gpu_t *g, pkv_gpu_attn_t *at, const dec_geo_t *ge, cha
         for (uint32_t t = 0; t < ge->lens[s]; t++)
             for (uint32_t h = 0; h < kvh; h++)
                 for (uint32_t d = 0; d < hd; d++) {
-                    uint16_t kv = to_bf16(rng_unit(&seed)), vv = to_bf16(rng_unit(&seed));
+                    uint16_t kv = pkv_f32_to_bf16(rng_unit(&seed)),
+                             vv = pkv_f32_to_bf16(rng_unit(&seed));
                     size_t in = ((size_t)h * bt + t % bt) * hd + d;
                     size_t ci = tc[s * maxb + t / bt] * (bstride / 2) + in;
                     size_t pi = tp[s * maxb + t / bt] * (bstride / 2) + in;
@@ -275,26 +316,9 @@ static int decode_one(pkv_gpu_t *g, pkv_gpu_attn_t *at, const dec_geo_t *ge, cha
     float scale = 1.0f / sqrtf((float)hd);
     for (uint32_t s = 0; s < ns; s++) /* the reference, from the contiguous copy */
         for (uint32_t qh = 0; qh < nq; qh++) {
-            uint32_t h = qh / G, n = ge->lens[s];
-            const float *qq = q + ((size_t)s * nq + qh) * hd;
-            double mx = -1e300, sum = 0;
-            for (uint32_t t = 0; t < n; t++) {
-                size_t base =
-                    tc[s * maxb + t / bt] * (bstride / 2) + ((size_t)h * bt + t % bt) * hd;
-                double d = 0;
-                for (uint32_t k = 0; k < hd; k++)
-                    d += (double)qq[k] * scale * from_bf16(kc[base + k]);
-                sc[t] = d;
-                mx = d > mx ? d : mx;
-            }
-            for (uint32_t t = 0; t < n; t++) sum += (sc[t] = exp(sc[t] - mx));
-            for (uint32_t k = 0; k < hd; k++) {
-                double acc = 0;
-                for (uint32_t t = 0; t < n; t++)
-                    acc += sc[t] * from_bf16(vc[tc[s * maxb + t / bt] * (bstride / 2) +
-                                                ((size_t)h * bt + t % bt) * hd + k]);
-                ref[((size_t)s * nq + qh) * hd + k] = acc / sum;
-            }
+            row_at_t at_ = {tc + (size_t)s * maxb, bstride / 2, (size_t)(qh / G) * bt * hd, bt, hd};
+            ref_row(q + ((size_t)s * nq + qh) * hd, hd, scale, kc, vc, row_elem, &at_, ge->lens[s],
+                    sc, ref + ((size_t)s * nq + qh) * hd);
         }
     uint32_t lens[4];
     memcpy(lens, ge->lens, sizeof(lens));
@@ -352,16 +376,10 @@ static int decode_one(pkv_gpu_t *g, pkv_gpu_attn_t *at, const dec_geo_t *ge, cha
             goto out;
         }
         for (size_t r = 0; r < (size_t)ns * nq; r++) {
-            double mx = 0, err = 0;
-            for (uint32_t k = 0; k < hd; k++) {
-                double x = ref[r * hd + k], y = o1[r * hd + k];
-                mx = fabs(x) > mx ? fabs(x) : mx;
-                double e = y != y ? INFINITY : fabs(x - y);
-                err = e > err ? e : err;
-            }
-            if (!(err <= 2e-4 * mx + 1e-6)) {
+            double err, big;
+            if (!row_close(ref + r * hd, o1 + r * hd, hd, &err, &big)) {
                 snprintf(why, cap, "hd %u G %u splits %u row %zu: error %.3g against max %.3g", hd,
-                         G, splits[si], r, err, mx);
+                         G, splits[si], r, err, big);
                 rc = GPU_CASE_FAIL;
                 goto out;
             }
@@ -381,15 +399,8 @@ static int decode_attention_matches_reference(char *why, size_t cap)
 {
     pkv_gpu_t *g = NULL;
     pkv_gpu_attn_t *at = NULL;
-    int rc = open_or_skip(&g, why, cap);
+    int rc = open_with_kernels(&g, &at, why, cap);
     if (rc) return rc;
-    if (access(gpu_cases_fatbin, R_OK)) {
-        snprintf(why, cap, "no kernels at %s (make GPU=1, or scripts/gpu-check.sh)",
-                 gpu_cases_fatbin);
-        pkv_gpu_close(g);
-        return GPU_CASE_SKIP;
-    }
-    CASE_CHECK(pkv_gpu_attn_load(g, gpu_cases_fatbin, &at) == PKV_OK);
     static const dec_geo_t geos[] = {
         {64, 4, 2, 16, 4, {1, 17, 300, 1000}},
         {128, 2, 2, 16, 4, {1, 17, 300, 1000}},
@@ -398,7 +409,6 @@ static int decode_attention_matches_reference(char *why, size_t cap)
     };
     for (size_t i = 0; i < sizeof(geos) / sizeof(geos[0]) && rc == GPU_CASE_PASS; i++)
         rc = decode_one(g, at, &geos[i], why, cap);
-out:
     pkv_gpu_attn_unload(at);
     pkv_gpu_close(g);
     return rc;
@@ -414,14 +424,8 @@ static int kv_write_matches_host_rounding(char *why, size_t cap)
     pkv_gpu_arena_t *a = NULL;
     float *src = NULL;
     uint16_t *pool = NULL;
-    int rc = open_or_skip(&g, why, cap);
+    int rc = open_with_kernels(&g, &at, why, cap);
     if (rc) return rc;
-    if (access(gpu_cases_fatbin, R_OK)) {
-        snprintf(why, cap, "no kernels at %s (make GPU=1, or scripts/gpu-check.sh)",
-                 gpu_cases_fatbin);
-        pkv_gpu_close(g);
-        return GPU_CASE_SKIP;
-    }
     const uint32_t hd = 64, kvh = 2, bt = 16, n = 50, nb = 6; /* 4 blocks used of 6 */
     const uint32_t table[4] = {5, 0, 3, 2};
     uint64_t piece = (uint64_t)bt * hd * 2, bstride = piece * kvh, bytes = bstride * nb;
@@ -429,7 +433,6 @@ static int kv_write_matches_host_rounding(char *why, size_t cap)
     CASE_CHECK((src = malloc(nel * 2 * sizeof(float))) && (pool = malloc(bytes)));
     uint64_t seed = 99;
     for (size_t i = 0; i < 2 * nel; i++) src[i] = rng_unit(&seed) * 3.f;
-    CASE_CHECK(pkv_gpu_attn_load(g, gpu_cases_fatbin, &at) == PKV_OK);
     pkv_gpu_arena_config_t c = {.n_granules = 2};
     CASE_CHECK(pkv_gpu_arena_create(g, &c, &a) == PKV_OK);
     for (uint32_t i = 0; i < 2; i++) CASE_CHECK(pkv_gpu_arena_commit(a, i) == PKV_OK);
@@ -469,8 +472,8 @@ static int kv_write_matches_host_rounding(char *why, size_t cap)
                         uint16_t got = pool[b * (bstride / 2) + (h * bt + t) * hd + d];
                         uint16_t want = 0xabab;
                         if (slot < 4 && pos < n)
-                            want =
-                                to_bf16(src[(size_t)kv * nel + ((size_t)pos * kvh + h) * hd + d]);
+                            want = pkv_f32_to_bf16(
+                                src[(size_t)kv * nel + ((size_t)pos * kvh + h) * hd + d]);
                         if (got != want) {
                             snprintf(why, cap,
                                      "%s block %u head %u slot %u dim %u: 0x%04x, want 0x%04x",
@@ -497,31 +500,20 @@ static int prefill_rows_equal_decode(char *why, size_t cap)
     pkv_gpu_t *g = NULL;
     pkv_gpu_attn_t *at = NULL;
     pkv_gpu_arena_t *a = NULL;
-    int rc = open_or_skip(&g, why, cap);
+    int rc = open_with_kernels(&g, &at, why, cap);
     if (rc) return rc;
-    if (access(gpu_cases_fatbin, R_OK)) {
-        snprintf(why, cap, "no kernels at %s (make GPU=1, or scripts/gpu-check.sh)",
-                 gpu_cases_fatbin);
-        pkv_gpu_close(g);
-        return GPU_CASE_SKIP;
-    }
     enum { HD = 64, G = 4, KVH = 2, BT = 16, N = 300, P0 = 260, C = 40, NB = 19, NQ = KVH * G };
     static uint16_t kv[2][NB * KVH * BT * HD];
     static float q[C * NQ * HD], op[C * NQ * HD], od[NQ * HD];
     uint32_t table[NB], lens[C];
     uint64_t seed = 77;
     for (uint32_t i = 0; i < NB; i++) table[i] = i;
-    for (uint32_t i = NB; i > 1; i--) {
-        uint32_t j = (uint32_t)(rng_next(&seed) % i), t = table[i - 1];
-        table[i - 1] = table[j];
-        table[j] = t;
-    }
+    pkv_shuffle_u32(table, NB, &seed);
     for (int k = 0; k < 2; k++)
-        for (size_t i = 0; i < sizeof(kv[k]) / 2; i++) kv[k][i] = to_bf16(rng_unit(&seed));
+        for (size_t i = 0; i < sizeof(kv[k]) / 2; i++) kv[k][i] = pkv_f32_to_bf16(rng_unit(&seed));
     for (size_t i = 0; i < sizeof(q) / 4; i++) q[i] = rng_unit(&seed);
     for (uint32_t i = 0; i < C; i++) lens[i] = P0 + i + 1;
     uint64_t piece = (uint64_t)BT * HD * 2, bstride = piece * KVH, bytes = sizeof(kv[0]);
-    CASE_CHECK(pkv_gpu_attn_load(g, gpu_cases_fatbin, &at) == PKV_OK);
     pkv_gpu_arena_config_t c = {.n_granules = 2};
     CASE_CHECK(pkv_gpu_arena_create(g, &c, &a) == PKV_OK);
     for (uint32_t i = 0; i < 2; i++) CASE_CHECK(pkv_gpu_arena_commit(a, i) == PKV_OK);
@@ -564,32 +556,15 @@ static int prefill_rows_equal_decode(char *why, size_t cap)
             goto out;
         }
     }
+    static double sc[N], ref[HD];
     for (uint32_t i = 0; i < C; i += C - 1) /* rows 0 and C - 1 against the reference */
         for (uint32_t qh = 0; qh < NQ; qh++) {
-            uint32_t h = qh / G, n = P0 + i + 1;
-            static double sc[N];
-            double mx = -1e300, sum = 0, worst = 0, big = 0;
-            const float *qq = q + ((size_t)i * NQ + qh) * HD;
-            for (uint32_t t = 0; t < n; t++) {
-                size_t at_ = table[t / BT] * (bstride / 2) + ((size_t)h * BT + t % BT) * HD;
-                double dsum = 0;
-                for (uint32_t d = 0; d < HD; d++) dsum += qq[d] * 0.125 * from_bf16(kv[0][at_ + d]);
-                sc[t] = dsum;
-                mx = dsum > mx ? dsum : mx;
-            }
-            for (uint32_t t = 0; t < n; t++) sum += (sc[t] = exp(sc[t] - mx));
-            for (uint32_t d = 0; d < HD; d++) {
-                double acc = 0;
-                for (uint32_t t = 0; t < n; t++)
-                    acc += sc[t] * from_bf16(kv[1][table[t / BT] * (bstride / 2) +
-                                                   ((size_t)h * BT + t % BT) * HD + d]);
-                double ref = acc / sum, y = op[((size_t)i * NQ + qh) * HD + d];
-                big = fabs(ref) > big ? fabs(ref) : big;
-                worst =
-                    fabs(ref - y) > worst || y != y ? (y != y ? INFINITY : fabs(ref - y)) : worst;
-            }
-            if (!(worst <= 2e-4 * big + 1e-6)) {
-                snprintf(why, cap, "prefill row %u head %u: error %.3g against %.3g", i, qh, worst,
+            row_at_t at_ = {table, bstride / 2, (size_t)(qh / G) * BT * HD, BT, HD};
+            ref_row(q + ((size_t)i * NQ + qh) * HD, HD, 0.125, kv[0], kv[1], row_elem, &at_,
+                    P0 + i + 1, sc, ref);
+            double err, big;
+            if (!row_close(ref, op + ((size_t)i * NQ + qh) * HD, HD, &err, &big)) {
+                snprintf(why, cap, "prefill row %u head %u: error %.3g against %.3g", i, qh, err,
                          big);
                 rc = GPU_CASE_FAIL;
                 goto out;
@@ -613,30 +588,19 @@ static int stage_round_trip(char *why, size_t cap)
     uint8_t *host = NULL, *pool = NULL, *back = NULL;
     uint64_t *off = NULL, hva = 0;
     bool registered = false;
-    int rc = open_or_skip(&g, why, cap);
+    int rc = open_with_kernels(&g, &at, why, cap);
     if (rc) return rc;
-    if (access(gpu_cases_fatbin, R_OK)) {
-        snprintf(why, cap, "no kernels at %s (make GPU=1, or scripts/gpu-check.sh)",
-                 gpu_cases_fatbin);
-        pkv_gpu_close(g);
-        return GPU_CASE_SKIP;
-    }
     const uint32_t n = 200, piece = 16384, slots = 256;
     uint64_t pool_bytes = (uint64_t)slots * piece;
     CASE_CHECK(posix_memalign((void **)&host, 4096, (size_t)n * piece) == 0);
     CASE_CHECK((pool = malloc(pool_bytes)) && (back = malloc(pool_bytes)) &&
                (off = malloc(n * sizeof(*off))));
     uint64_t seed = 5;
-    for (uint64_t i = 0; i < pool_bytes; i++) pool[i] = (uint8_t)rng_next(&seed);
+    for (uint64_t i = 0; i < pool_bytes; i++) pool[i] = (uint8_t)pkv_splitmix64(&seed);
     uint32_t *perm = (uint32_t *)back; /* scratch until the read-back */
     for (uint32_t i = 0; i < slots; i++) perm[i] = i;
-    for (uint32_t i = slots; i > 1; i--) {
-        uint32_t j = (uint32_t)(rng_next(&seed) % i), t = perm[i - 1];
-        perm[i - 1] = perm[j];
-        perm[j] = t;
-    }
+    pkv_shuffle_u32(perm, slots, &seed);
     for (uint32_t i = 0; i < n; i++) off[i] = (uint64_t)perm[i] * piece;
-    CASE_CHECK(pkv_gpu_attn_load(g, gpu_cases_fatbin, &at) == PKV_OK);
     pkv_gpu_arena_config_t c = {.n_granules = (uint32_t)(pool_bytes / (2u << 20)) + 2};
     CASE_CHECK(pkv_gpu_arena_create(g, &c, &a) == PKV_OK);
     for (uint32_t i = 0; i < c.n_granules; i++) CASE_CHECK(pkv_gpu_arena_commit(a, i) == PKV_OK);
