@@ -54,9 +54,11 @@ void pkv_gpu_attn_unload(pkv_gpu_attn_t *a)
 uint32_t pkv_gpu_decode_splits(const pkv_gpu_attn_t *a, uint32_t n_seq, uint32_t kv_heads,
                                uint32_t max_len)
 {
-    uint64_t ctas = (uint64_t)n_seq * kv_heads, want = 2ull * a->sm_count;
+    /* ~8 CTAs (32 warps) an SM: a warp has one K and one V row in flight per step, and the
+     * memory system wants ~15 KB in flight per SM to run at its rate */
+    uint64_t ctas = (uint64_t)n_seq * kv_heads, want = 8ull * a->sm_count;
     uint64_t s = ctas >= want ? 1 : PKV_DIV_UP(want, ctas);
-    uint64_t cap = PKV_MAX(1u, max_len / 256);
+    uint64_t cap = PKV_MAX(1u, max_len / 128);
     return (uint32_t)PKV_MIN(s, cap);
 }
 

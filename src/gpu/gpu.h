@@ -148,7 +148,7 @@ typedef struct {
     uint32_t n_split; /* >= 1: pkv_gpu_decode_splits */
 } pkv_gpu_decode_t;
 
-/* Splits for n_seq x kv_heads CTAs to fill the SMs twice over, at least 256 tokens each. */
+/* Splits for n_seq x kv_heads CTAs to give each SM ~8 CTAs, at least 128 tokens each. */
 uint32_t pkv_gpu_decode_splits(const pkv_gpu_attn_t *a, uint32_t n_seq, uint32_t kv_heads,
                                uint32_t max_len);
 /* Launch (asynchronous): PKV_ERR_INVALID for a head_dim other than 64 / 128, a group other
