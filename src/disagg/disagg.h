@@ -183,13 +183,13 @@ int pkv_disagg_pull_start(pkv_disagg_node_t *n, const json_t *params, const int3
 bool pkv_disagg_pull_ended(pkv_disagg_pull_t *pl);
 /* The result of a pull that has ended, and the pull freed. PKV_OK with *out (the caller
  * frees it once the request is admitted; NULL when the pull failed and --kv-load-failure
- * recompute says to compute the prompt here), or *err: 400 for params the producer
+ * recompute says to compute the prompt here) and *first (whether the engine emits the
+ * prefill leg's token; never NULL), or *err: 400 for params the producer
  * refused, 503/502 for transfer failures. A pull that succeeded put its phases (kv_alloc,
  * kv_commit, handshake, staging wait, wire, commit) in the node's histograms; they and its
  * figures are added to *t (may be NULL). */
 int pkv_disagg_pull_take(pkv_disagg_pull_t *pl, pkv_seq_t **out, pkv_disagg_first_t *first,
                          pkv_disagg_timings_t *t, pkv_openai_error_t *err);
-/* (first is never NULL: on PKV_OK it says whether the engine emits the prefill's token.) */
 /* The caller gives up on a pull (its client went away, the server stops) instead of taking
  * it: its reads are cancelled and what it holds returns (the pull is freed once they have
  * ended). A done call already under way may still run: its arg must outlive the node's

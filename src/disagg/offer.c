@@ -43,16 +43,23 @@ static void dg_lease_ended(void *arg, uint64_t request_id, int outcome)
  * counter. The producer serves only that id (with its token) and a decode leg recomputes
  * it from its own prompt, so KV computed for one prompt is never taken for another: a
  * client would need a 63-bit second preimage within the lease. */
-uint64_t dg_bound_id(uint64_t serial, const int32_t *ids, uint32_t n)
+/* 63 bits of SHA-256(buf), little-endian, never 0: a positive JSON integer. */
+static uint64_t id63(const uint8_t *buf, size_t len)
 {
-    uint8_t buf[8 + SHA256_DIGEST_LENGTH], d[SHA256_DIGEST_LENGTH];
-    for (int i = 0; i < 8; i++) buf[i] = (uint8_t)(serial >> (8 * i));
-    SHA256((const unsigned char *)ids, (size_t)n * sizeof(int32_t), buf + 8);
-    SHA256(buf, sizeof(buf), d);
+    uint8_t d[SHA256_DIGEST_LENGTH];
+    SHA256(buf, len, d);
     uint64_t id = 0;
     for (int i = 0; i < 8; i++) id |= (uint64_t)d[i] << (8 * i);
     id &= (uint64_t)INT64_MAX;
     return id ? id : 1;
+}
+
+uint64_t dg_bound_id(uint64_t serial, const int32_t *ids, uint32_t n)
+{
+    uint8_t buf[8 + SHA256_DIGEST_LENGTH];
+    for (int i = 0; i < 8; i++) buf[i] = (uint8_t)(serial >> (8 * i));
+    SHA256((const unsigned char *)ids, (size_t)n * sizeof(int32_t), buf + 8);
+    return id63(buf, sizeof(buf));
 }
 
 /* The check that binds a prefill leg's first token to its registration and sampling: 63
@@ -69,15 +76,11 @@ uint64_t dg_first_check(uint64_t request_id, int32_t token, const pkv_disagg_sam
     }
     uint64_t words[4] = {request_id, (uint32_t)token, (uint64_t)tb << 32 | pb,
                          sampled ? smp->seed : 0};
-    uint8_t buf[12 + sizeof(words)], d[SHA256_DIGEST_LENGTH];
+    uint8_t buf[12 + sizeof(words)];
     memcpy(buf, "pagekv-first", 12);
     for (size_t w = 0; w < 4; w++)
         for (int i = 0; i < 8; i++) buf[12 + 8 * w + i] = (uint8_t)(words[w] >> (8 * i));
-    SHA256(buf, sizeof(buf), d);
-    uint64_t c = 0;
-    for (int i = 0; i < 8; i++) c |= (uint64_t)d[i] << (8 * i);
-    c &= (uint64_t)INT64_MAX;
-    return c ? c : 1;
+    return id63(buf, sizeof(buf));
 }
 
 /* The response's kv_transfer_params for a request registered on every rank (h[r]: rank

@@ -406,8 +406,6 @@ static void admit_queued(pkv_engine_t *e)
             e->running[e->n_running++] = r;
             pthread_mutex_lock(&e->lock);
             e->running_pub = e->n_running;
-            pthread_mutex_unlock(&e->lock);
-            pthread_mutex_lock(&e->lock);
             bool cancelled = r->cancel; /* finished by the next step's finish_cancelled */
             pthread_mutex_unlock(&e->lock);
             if (r->first_pending && !cancelled) { /* sampled elsewhere: as if sampled here */

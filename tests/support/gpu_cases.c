@@ -192,15 +192,13 @@ static int open_with_kernels(pkv_gpu_t **g, pkv_gpu_attn_t **at, char *why, size
     if (access(gpu_cases_fatbin, R_OK)) {
         snprintf(why, cap, "no kernels at %s (make GPU=1, or scripts/gpu-check.sh)",
                  gpu_cases_fatbin);
+        rc = GPU_CASE_SKIP;
     } else if (pkv_gpu_attn_load(*g, gpu_cases_fatbin, at) != PKV_OK) {
         snprintf(why, cap, "the kernels at %s do not load", gpu_cases_fatbin);
-        pkv_gpu_close(*g);
-        return GPU_CASE_FAIL;
-    } else {
-        return GPU_CASE_PASS;
+        rc = GPU_CASE_FAIL;
     }
-    pkv_gpu_close(*g);
-    return GPU_CASE_SKIP;
+    if (rc) pkv_gpu_close(*g);
+    return rc;
 }
 
 /* The double-precision attention of one query row over n positions: K and V rows of token
