@@ -523,30 +523,136 @@ static int usage(void)
     return 2;
 }
 
-int pkv_bench_gpu(int argc, char **argv)
+typedef struct {
+    const char *json_path, *fatbin;
+    uint32_t n;
+    bool fill;
+} bg_opts_t;
+
+typedef struct {
+    double p99_spare, p99_none, worst, dec_ratio, dec_copy, stage_ratio;
+    bool back_ok, have_kernels;
+} bg_res_t;
+
+static int parse_opts(int argc, char **argv, bg_opts_t *op)
 {
-    const char *json_path = NULL;
-    uint32_t n = 256;
-    bool fill = true;
-    const char *fatbin = "build/gpu/pagekv-kernels.fatbin";
+    *op = (bg_opts_t){.n = 256, .fill = true, .fatbin = "build/gpu/pagekv-kernels.fatbin"};
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--json") && i + 1 < argc) {
-            json_path = argv[++i];
+            op->json_path = argv[++i];
         } else if (!strcmp(argv[i], "--granules") && i + 1 < argc) {
             char *end;
             unsigned long v = strtoul(argv[++i], &end, 10);
             if (*end || v < 16 || v > 65536) return usage();
-            n = (uint32_t)v;
+            op->n = (uint32_t)v;
         } else if (!strcmp(argv[i], "--no-fill")) {
-            fill = false;
+            op->fill = false;
         } else if (!strcmp(argv[i], "--kernels") && i + 1 < argc) {
-            fatbin = argv[++i];
+            op->fatbin = argv[++i];
         } else {
             return usage();
         }
     }
+    return 0;
+}
+
+/* The device line; the granule the bench commits (the recommended one, at least 2 MiB). */
+static uint64_t print_device(pkv_gpu_t *g, uint64_t *total)
+{
+    pkv_gpu_info_t in;
+    pkv_gpu_info(g, &in);
+    uint64_t freeb;
+    pkv_gpu_mem_info(g, &freeb, total);
+    uint64_t gb = PKV_MAX(in.granule_rec, (uint64_t)2 << 20);
+    printf("pagekv bench gpu: %s (device %d, sm_%d%d, %d SMs), driver %d.%d (%s), %.1f GiB, %.1f "
+           "free; VMM granularity min %llu KiB, recommended %llu KiB; granule %llu KiB\n",
+           in.name, in.ordinal, in.cc_major, in.cc_minor, in.sm_count, in.driver_version / 1000,
+           in.driver_version % 1000 / 10, in.driver_path, *total / 1073741824.0,
+           freeb / 1073741824.0, (unsigned long long)in.granule_min >> 10,
+           (unsigned long long)in.granule_rec >> 10, (unsigned long long)gb >> 10);
+    return gb;
+}
+
+static void json_begin(pkv_gpu_t *g, FILE *f, uint64_t total, uint64_t gb)
+{
+    pkv_gpu_info_t in;
+    pkv_gpu_info(g, &in);
+    fprintf(f,
+            "{\n  \"device\": \"%s\", \"cc\": \"%d.%d\", \"driver_version\": %d, "
+            "\"total_bytes\": %llu, \"granule_bytes\": %llu,\n  \"ops\": [",
+            in.name, in.cc_major, in.cc_minor, in.driver_version, (unsigned long long)total,
+            (unsigned long long)gb);
+}
+
+/* Every part in order; each JSON list is opened and closed whether its part ran or not. */
+static int run_parts(pkv_gpu_t *g, const bg_opts_t *op, uint64_t gb, bg_child_t *child, bg_out_t *o,
+                     bg_res_t *r)
+{
+    printf("\n| op | p50 us | p99 us | max us | |\n|---|---:|---:|---:|---|\n");
+    int rc = raw_ops(g, gb, op->n, o);
+    if (!rc) rc = grow_by_one(g, op->n, true, o, &r->p99_spare);
+    if (!rc) rc = grow_by_one(g, op->n, false, o, &r->p99_none);
+    if (o->json) fprintf(o->json, "\n  ],\n  \"counters\": [");
+    if (!rc) printf("\ncounters against the driver (cuMemGetInfo deltas):\n");
+    if (!rc) rc = counters(g, 64, o, &r->worst);
+    if (o->json) fprintf(o->json, "\n  ],");
+    r->have_kernels = access(op->fatbin, R_OK) == 0;
+    if (o->json) fprintf(o->json, "\n  \"decode\": [");
+    if (!rc && r->have_kernels) rc = decode_bench(g, op->fatbin, o, &r->dec_ratio, &r->dec_copy);
+    if (o->json) fprintf(o->json, "\n  ],\n  \"staging\": [");
+    if (!rc && r->have_kernels) rc = stage_bench(g, op->fatbin, o, &r->stage_ratio);
+    if (o->json) fprintf(o->json, "\n  ],");
+    if (!rc && op->fill) rc = full_device(g, child, o, &r->back_ok);
+    return rc;
+}
+
+static const char *met(bool m, bool json)
+{
+    return json ? (m ? "true" : "false") : (m ? "met" : "NOT met");
+}
+
+static void print_targets(const bg_opts_t *op, const bg_res_t *r, FILE *json)
+{
+    bool spare = r->p99_spare <= 50.0, count = r->worst <= 0.02, dec = r->dec_ratio >= 0.95,
+         copy = r->dec_copy >= 0.6, stage = r->stage_ratio >= 0.8;
+    printf("\ntargets:\n- grow by one granule with a spare ready, p99 <= 50 us: %.1f us: %s "
+           "(without one: %.1f us)\n- arena counters within 2 %% of cuMemGetInfo: worst %.2f %%: "
+           "%s\n",
+           r->p99_spare, met(spare, false), r->p99_none, r->worst * 100, met(count, false));
+    if (op->fill)
+        printf("- memory given back is usable by another process: %s\n", r->back_ok ? "yes" : "NO");
+    if (r->have_kernels)
+        printf("- decode attention, paged >= 0.95x contiguous: worst %.3f: %s; paged >= 60 %% of "
+               "the copy bandwidth: worst %.0f %%: %s\n- staging through a registered host arena "
+               ">= 0.8x a bulk copy: worst %.2f: %s\n",
+               r->dec_ratio, met(dec, false), r->dec_copy * 100, met(copy, false), r->stage_ratio,
+               met(stage, false));
+    else
+        printf("- decode attention: no kernels at %s (make GPU=1)\n", op->fatbin);
+    printf("- footprint replay: not built yet (docs/design/gpu.md)\n");
+    if (!json) return;
+    fprintf(json,
+            "\n  \"targets\": [{\"name\": \"grow_by_one_p99_us_with_spare\", \"value\": %.2f, "
+            "\"target\": 50, \"met\": %s}, {\"name\": \"counters_vs_driver\", \"value\": %.4f, "
+            "\"target\": 0.02, \"met\": %s}",
+            r->p99_spare, met(spare, true), r->worst, met(count, true));
+    if (r->have_kernels)
+        fprintf(json,
+                ", {\"name\": \"decode_paged_over_contiguous\", \"value\": %.4f, \"target\": "
+                "0.95, \"met\": %s}, {\"name\": \"decode_paged_of_copy\", \"value\": %.4f, "
+                "\"target\": 0.6, \"met\": %s}, {\"name\": \"staging_over_bulk\", \"value\": "
+                "%.4f, \"target\": 0.8, \"met\": %s}",
+                r->dec_ratio, met(dec, true), r->dec_copy, met(copy, true), r->stage_ratio,
+                met(stage, true));
+    fprintf(json, "]\n}\n");
+}
+
+int pkv_bench_gpu(int argc, char **argv)
+{
+    bg_opts_t op;
+    if (parse_opts(argc, argv, &op)) return 2;
     bg_child_t child = {0};
-    if (fill && pkv_gpu_built() && child_start(&child)) return 1; /* before the driver */
+    if (op.fill && pkv_gpu_built() && child_start(&child)) return 1; /* before the driver */
     pkv_gpu_t *g = NULL;
     char why[320];
     if (pkv_gpu_open(NULL, 0, &g, why, sizeof(why))) {
@@ -554,87 +660,19 @@ int pkv_bench_gpu(int argc, char **argv)
         if (child.pid > 0) child_alloc(&child, 0, NULL);
         return 1;
     }
-    pkv_gpu_info_t in;
-    pkv_gpu_info(g, &in);
-    uint64_t freeb, total;
-    pkv_gpu_mem_info(g, &freeb, &total);
-    uint64_t gb = PKV_MAX(in.granule_rec, (uint64_t)2 << 20);
-    printf("pagekv bench gpu: %s (device %d, sm_%d%d, %d SMs), driver %d.%d (%s), %.1f GiB, %.1f "
-           "free; VMM granularity min %llu KiB, recommended %llu KiB; granule %llu KiB\n",
-           in.name, in.ordinal, in.cc_major, in.cc_minor, in.sm_count, in.driver_version / 1000,
-           in.driver_version % 1000 / 10, in.driver_path, total / 1073741824.0,
-           freeb / 1073741824.0, (unsigned long long)in.granule_min >> 10,
-           (unsigned long long)in.granule_rec >> 10, (unsigned long long)gb >> 10);
+    uint64_t total, gb = print_device(g, &total);
     bg_out_t o = {.first = true};
-    if (json_path && !(o.json = fopen(json_path, "w"))) {
-        fprintf(stderr, "bench gpu: cannot write %s\n", json_path);
-        pkv_gpu_close(g);
-        return 1;
+    bg_res_t r = {0};
+    int rc = 0;
+    if (op.json_path && !(o.json = fopen(op.json_path, "w"))) {
+        fprintf(stderr, "bench gpu: cannot write %s\n", op.json_path);
+        rc = 1;
     }
-    if (o.json)
-        fprintf(o.json,
-                "{\n  \"device\": \"%s\", \"cc\": \"%d.%d\", \"driver_version\": %d, "
-                "\"total_bytes\": %llu, \"granule_bytes\": %llu,\n  \"ops\": [",
-                in.name, in.cc_major, in.cc_minor, in.driver_version, (unsigned long long)total,
-                (unsigned long long)gb);
-    printf("\n| op | p50 us | p99 us | max us | |\n|---|---:|---:|---:|---|\n");
-    double p99_spare = 0, p99_none = 0, worst = 0;
-    bool back_ok = false;
-    int rc = raw_ops(g, gb, n, &o);
-    if (!rc) rc = grow_by_one(g, n, true, &o, &p99_spare);
-    if (!rc) rc = grow_by_one(g, n, false, &o, &p99_none);
-    if (o.json) fprintf(o.json, "\n  ],\n  \"counters\": [");
-    if (!rc) printf("\ncounters against the driver (cuMemGetInfo deltas):\n");
-    if (!rc) rc = counters(g, 64, &o, &worst);
-    if (o.json) fprintf(o.json, "\n  ],");
-    double dec_ratio = 0, dec_copy = 0;
-    bool have_kernels = access(fatbin, R_OK) == 0;
-    if (o.json) fprintf(o.json, "\n  \"decode\": [");
-    if (!rc && have_kernels) rc = decode_bench(g, fatbin, &o, &dec_ratio, &dec_copy);
-    if (o.json) fprintf(o.json, "\n  ],\n  \"staging\": [");
-    double stage_ratio = 0;
-    if (!rc && have_kernels) rc = stage_bench(g, fatbin, &o, &stage_ratio);
-    if (o.json) fprintf(o.json, "\n  ],");
-    if (!rc && fill) rc = full_device(g, &child, &o, &back_ok);
-    bool spare_met = p99_spare <= 50.0, count_met = worst <= 0.02;
-    printf(
-        "\ntargets:\n- grow by one granule with a spare ready, p99 <= 50 us: %.1f us: %s "
-        "(without one: %.1f us)\n- arena counters within 2 %% of cuMemGetInfo: worst %.2f %%: %s\n",
-        p99_spare, spare_met ? "met" : "NOT met", p99_none, worst * 100,
-        count_met ? "met" : "NOT met");
-    if (fill)
-        printf("- memory given back is usable by another process: %s\n", back_ok ? "yes" : "NO");
-    if (have_kernels)
-        printf("- decode attention, paged >= 0.95x contiguous: worst %.3f: %s; paged >= 60 %% of "
-               "the copy bandwidth: worst %.0f %%: %s\n",
-               dec_ratio, dec_ratio >= 0.95 ? "met" : "NOT met", dec_copy * 100,
-               dec_copy >= 0.6 ? "met" : "NOT met");
-    else
-        printf("- decode attention: no kernels at %s (make GPU=1)\n", fatbin);
-    if (have_kernels)
-        printf("- staging through a registered host arena >= 0.8x a bulk copy: worst %.2f: %s\n",
-               stage_ratio, stage_ratio >= 0.8 ? "met" : "NOT met");
-    printf("- footprint replay: not built yet (docs/design/gpu.md)\n");
-    if (o.json) {
-        fprintf(o.json,
-                "\n  \"targets\": [{\"name\": \"grow_by_one_p99_us_with_spare\", \"value\": %.2f, "
-                "\"target\": 50, \"met\": %s}, {\"name\": \"counters_vs_driver\", \"value\": %.4f, "
-                "\"target\": 0.02, \"met\": %s}",
-                p99_spare, spare_met ? "true" : "false", worst, count_met ? "true" : "false");
-        if (have_kernels)
-            fprintf(o.json,
-                    ", {\"name\": \"decode_paged_over_contiguous\", \"value\": %.4f, \"target\": "
-                    "0.95, \"met\": %s}, {\"name\": \"decode_paged_of_copy\", \"value\": %.4f, "
-                    "\"target\": 0.6, \"met\": %s}",
-                    dec_ratio, dec_ratio >= 0.95 ? "true" : "false", dec_copy,
-                    dec_copy >= 0.6 ? "true" : "false");
-        if (have_kernels)
-            fprintf(o.json,
-                    ", {\"name\": \"staging_over_bulk\", \"value\": %.4f, \"target\": 0.8, "
-                    "\"met\": %s}",
-                    stage_ratio, stage_ratio >= 0.8 ? "true" : "false");
-        fprintf(o.json, "]\n}\n");
-        fclose(o.json);
+    if (!rc) {
+        if (o.json) json_begin(g, o.json, total, gb);
+        rc = run_parts(g, &op, gb, &child, &o, &r);
+        print_targets(&op, &r, o.json);
+        if (o.json) fclose(o.json);
     }
     if (child.pid > 0) child_alloc(&child, 0, NULL);
     pkv_gpu_close(g);
