@@ -13,6 +13,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
 
 /* ---- K/V contents as a function of the token prefix (like a real model) ------------ */
 
@@ -256,6 +257,81 @@ static void op_pin(model_t *m)
     r->pinned = !r->pinned;
 }
 
+/* ---- a storage backend the pool must go through for every byte ----------------------
+ * Host memory that is inaccessible (PROT_NONE) except between commit and decommit, so a
+ * pool that touched a granule it does not hold, or kept using one it gave back, faults;
+ * a stride unit of 8 KiB (not the host's), so a pool that laid a range out without asking
+ * the backend is caught by validate; commits fail where PKV_FAULT_COMMIT is armed; copies
+ * are counted and can be made to fail. */
+typedef struct {
+    uint64_t committed, reserved, copies, copy_bytes, commits;
+    uint32_t fail_copies; /* the next n copies fail */
+} guard_t;
+
+static size_t guard_stride(void *ctx, size_t used)
+{
+    (void)ctx;
+    return (used + 8191) / 8192 * 8192;
+}
+
+static int guard_reserve(void *ctx, size_t bytes, void **addr)
+{
+    guard_t *g = ctx;
+    void *p = mmap(NULL, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return PKV_ERR_NOMEM;
+    g->reserved += bytes;
+    *addr = p;
+    return PKV_OK;
+}
+
+static void guard_release(void *ctx, void *addr, size_t bytes)
+{
+    guard_t *g = ctx;
+    PKV_CHECK_EQ(munmap(addr, bytes), 0);
+    g->reserved -= bytes;
+}
+
+static int guard_commit(void *ctx, void *addr, size_t bytes, bool huge)
+{
+    guard_t *g = ctx;
+    (void)huge;
+    PKV_CHECK_EQ(bytes % 8192, 0);
+    if (pkv_fault_hit(PKV_FAULT_COMMIT)) return PKV_ERR_NOMEM;
+    PKV_CHECK_EQ(mprotect(addr, bytes, PROT_READ | PROT_WRITE), 0);
+    g->committed += bytes;
+    g->commits++;
+    return PKV_OK;
+}
+
+static void guard_decommit(void *ctx, void *addr, size_t bytes)
+{
+    guard_t *g = ctx;
+    PKV_CHECK_EQ(madvise(addr, bytes, MADV_DONTNEED), 0);
+    PKV_CHECK_EQ(mprotect(addr, bytes, PROT_NONE), 0);
+    PKV_CHECK(g->committed >= bytes);
+    g->committed -= bytes;
+}
+
+static int guard_copy(void *ctx, void *dst, const void *src, size_t bytes)
+{
+    guard_t *g = ctx;
+    if (g->fail_copies) {
+        g->fail_copies--;
+        return PKV_ERR_IO;
+    }
+    memcpy(dst, src, bytes);
+    g->copies++;
+    g->copy_bytes += bytes;
+    return PKV_OK;
+}
+
+static guard_t guard;
+static const pkv_kv_storage_t guard_storage = {
+    "guard",        guard_stride, guard_reserve, guard_release, guard_commit,
+    guard_decommit, guard_copy,   &guard};
+/* Set by a test: the property runs' pools use this storage (NULL: host). */
+static const pkv_kv_storage_t *prop_storage;
+
 static void check_all(model_t *m, uint64_t seed)
 {
     if (pkv_kv_validate(m->kv) != PKV_OK)
@@ -275,6 +351,7 @@ static void check_all(model_t *m, uint64_t seed)
     PKV_CHECK_EQ(st.live_tokens, tokens);
     PKV_CHECK_EQ(st.sequences, m->n);
     if (st.budget_bytes) PKV_CHECK(st.committed_bytes <= st.budget_bytes);
+    if (prop_storage == &guard_storage) PKV_CHECK_EQ(guard.committed, st.committed_bytes);
 }
 
 static const pkv_geometry_t small_geo = {
@@ -306,7 +383,8 @@ static void run_property_tp(pkv_backend_t backend, uint32_t runs, uint32_t steps
                                .backend = backend,
                                .granule_bytes = 32768,
                                .budget_bytes = (4 + pkv_test_below(&m.rng, 16)) * 32768ull,
-                               .no_prefix_cache = pkv_test_below(&m.rng, 8) == 0};
+                               .no_prefix_cache = pkv_test_below(&m.rng, 8) == 0,
+                               .storage = backend == PKV_BACKEND_PAGED ? prop_storage : NULL};
         PKV_CHECK_EQ(pkv_kv_create(&cfg, &m.kv), PKV_OK);
         for (uint32_t step = 0; step < steps; step++) {
             uint32_t op = pkv_test_below(&m.rng, 100);
@@ -370,6 +448,73 @@ START_TEST(property_paged_tp)
     }
     run_property_tp(PKV_BACKEND_PAGED, 150, 40, false, &prop_geo, 4);
     run_property_tp(PKV_BACKEND_PAGED, 60, 40, true, &prop_geo, 4);
+}
+END_TEST
+
+/* A storage backend sees every byte the pool holds and touches: the property runs (tp 1
+ * and 4, with commit faults) on PROT_NONE-guarded memory, its commits equal to the pool's
+ * committed bytes after every step, copy-on-write only through its copy, nothing reserved
+ * after destroy; a failed copy fails the reserve and changes nothing. */
+START_TEST(storage_backend_gets_every_byte_operation)
+{
+    prop_storage = &guard_storage;
+    run_property_tp(PKV_BACKEND_PAGED, 200, 40, false, &prop_geo, 1);
+    run_property_tp(PKV_BACKEND_PAGED, 100, 40, true, &prop_geo, 1);
+    run_property_tp(PKV_BACKEND_PAGED, 100, 40, false, &prop_geo8, 4);
+    prop_storage = NULL;
+    PKV_CHECK_EQ(guard.reserved, 0);
+    PKV_CHECK_EQ(guard.committed, 0);
+    PKV_CHECK(guard.copies > 0 && guard.commits > 0);
+
+    pkv_kv_config_t cfg = {.geo = small_geo, .storage = &guard_storage};
+    pkv_kv_t *kv;
+    ck_assert_int_eq(pkv_kv_create(&cfg, &kv), PKV_OK);
+    pkv_kv_stats_t st;
+    pkv_kv_stats(kv, &st);
+    ck_assert_uint_eq(st.granule_bytes % 8192, 0);
+    int32_t tok[40];
+    for (int i = 0; i < 40; i++) tok[i] = i;
+    pkv_seq_t *a, *b;
+    pkv_seq_params_t p = {.tokens = tok, .n_tokens = 20, .reserve_tokens = 20};
+    ck_assert_int_eq(pkv_seq_create(kv, &p, &a, NULL), PKV_OK);
+    for (uint32_t i = 0; i < 20; i++) fill_pos(a, i, 1000 + i);
+    ck_assert_int_eq(pkv_seq_append(a, tok, 20), PKV_OK);
+    ck_assert_int_eq(pkv_seq_fork(a, &b), PKV_OK);
+    const uint32_t *ib;
+    uint32_t nb;
+    pkv_seq_blocks(b, &ib, &nb);
+    uint32_t shared = ib[1];
+    pkv_kv_stats(kv, &st);
+    uint64_t live = st.blocks_live, copies = guard.copies;
+    guard.fail_copies = 1;
+    ck_assert_int_eq(pkv_seq_reserve(b, 40), PKV_ERR_IO); /* two new blocks and the copy */
+    pkv_seq_blocks(b, &ib, &nb);
+    ck_assert_uint_eq(nb, 2);
+    ck_assert_uint_eq(ib[1], shared);
+    ck_assert_uint_eq(pkv_seq_capacity(b), 20);
+    pkv_kv_stats(kv, &st);
+    ck_assert_uint_eq(st.blocks_live, live);
+    ck_assert_uint_eq(st.cow_copies, 0);
+    ck_assert_uint_eq(guard.copies, copies);
+    ck_assert_int_eq(pkv_kv_validate(kv), PKV_OK);
+    ck_assert_int_eq(pkv_seq_reserve(b, 40), PKV_OK); /* the storage works again */
+    pkv_seq_blocks(b, &ib, &nb);
+    ck_assert_uint_ne(ib[1], shared);
+    /* one piece per (layer, k|v, head) of the block */
+    ck_assert_uint_eq(guard.copies - copies, 2 * small_geo.layers * small_geo.kv_heads);
+    for (uint32_t i = 0; i < 20; i++) ck_assert(check_pos(b, i, 1000 + i));
+    pkv_seq_free(a);
+    pkv_seq_free(b);
+    pkv_kv_destroy(kv);
+    ck_assert_uint_eq(guard.reserved, 0);
+    ck_assert_uint_eq(guard.committed, 0);
+
+    cfg.backend = PKV_BACKEND_DENSE; /* the dense baseline is host memory only */
+    ck_assert_int_eq(pkv_kv_create(&cfg, &kv), PKV_ERR_UNSUPPORTED);
+    pkv_kv_storage_t half = guard_storage;
+    half.copy = NULL;
+    cfg = (pkv_kv_config_t){.geo = small_geo, .storage = &half};
+    ck_assert_int_eq(pkv_kv_create(&cfg, &kv), PKV_ERR_INVALID);
 }
 END_TEST
 
@@ -1455,6 +1600,7 @@ static Suite *pool_suite(void)
     TCase *tc = tcase_create("property");
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, property_paged);
+    tcase_add_test(tc, storage_backend_gets_every_byte_operation);
     tcase_add_test(tc, property_dense);
     tcase_add_test(tc, property_paged_with_faults);
     tcase_add_test(tc, property_dense_with_faults);

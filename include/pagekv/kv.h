@@ -91,9 +91,38 @@ typedef enum { PKV_BACKEND_PAGED = 0, PKV_BACKEND_DENSE = 1 } pkv_backend_t;
 PKV_API const char *pkv_backend_name(pkv_backend_t b);
 PKV_API int pkv_backend_parse(const char *s, pkv_backend_t *out);
 
+/* Where a paged pool's bytes live (docs/design/pool.md, "Storage"). NULL in
+ * pkv_kv_config_t: host memory (address space reserved once, granules committed and
+ * given back with the OS). Another backend (the GPU's device memory, src/gpu) hands out
+ * addresses the pool only computes with: the pool itself reads and writes block bytes
+ * only through `copy` (a shared partial block copied before it is written). Each call
+ * may block; the pool never makes one under its lock. The backend outlives the pool. */
+typedef struct pkv_kv_storage {
+    const char *name; /* "host", "cuda", ... (logs, stats) */
+    /* A range's bytes per granule holding `used` bytes of blocks: a multiple of the
+     * backend's own unit (the host's 4 KiB page, a device's mapping granularity). */
+    size_t (*stride)(void *ctx, size_t used);
+    /* `bytes` (a multiple of stride) of addresses, none of it usable before commit. */
+    int (*reserve)(void *ctx, size_t bytes, void **addr);
+    /* A whole range, every granule of it decommitted first. */
+    void (*release)(void *ctx, void *addr, size_t bytes);
+    /* One granule's part of a range, [addr, addr + bytes): usable after PKV_OK; on an
+     * error (PKV_ERR_NOMEM: no room) nothing stays committed. `huge`: the pool asks for
+     * huge pages (a backend without them ignores it). */
+    int (*commit)(void *ctx, void *addr, size_t bytes, bool huge);
+    /* Give it back at once; no reader may use it after (a device backend waits for the
+     * work it launched first). */
+    void (*decommit)(void *ctx, void *addr, size_t bytes);
+    /* Copy between committed bytes of the storage; an error leaves dst unspecified. */
+    int (*copy)(void *ctx, void *dst, const void *src, size_t bytes);
+    void *ctx;
+} pkv_kv_storage_t;
+
 typedef struct {
     pkv_geometry_t geo;
     pkv_backend_t backend;
+    /* Paged only: NULL -> host memory. The dense baseline (malloc) refuses another one. */
+    const pkv_kv_storage_t *storage;
     uint64_t budget_bytes;    /* cap on committed KV bytes; 0 = none */
     uint64_t reserve_bytes;   /* address space to reserve when no budget; 0 -> 64 GiB */
     uint32_t retain_granules; /* empty granules kept committed (hysteresis); default 1 */

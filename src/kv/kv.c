@@ -397,6 +397,18 @@ int pkv_kv_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
                  cfg->tp);
         return PKV_ERR_UNSUPPORTED;
     }
+    const pkv_kv_storage_t *st = cfg->storage;
+    if (st && cfg->backend == PKV_BACKEND_DENSE) {
+        PKV_LOGE("kv", "storage %s: the dense baseline lives in host memory (paged only)",
+                 st->name ? st->name : "(unnamed)");
+        return PKV_ERR_UNSUPPORTED;
+    }
+    if (st && (!st->stride || !st->reserve || !st->release || !st->commit || !st->decommit ||
+               !st->copy)) {
+        PKV_LOGE("kv", "storage %s: every operation must be given",
+                 st->name ? st->name : "(unnamed)");
+        return PKV_ERR_INVALID;
+    }
     if (cfg->backend == PKV_BACKEND_PAGED) return kv_pool_create(cfg, out);
     if (cfg->backend == PKV_BACKEND_DENSE) return kv_dense_create(cfg, out);
     return PKV_ERR_INVALID;

@@ -83,6 +83,7 @@ typedef struct {
     uint64_t idle_ns;   /* time-to-live of a cached block; 0: none */
     uint32_t warm_max;  /* the warm floor's granules at most; 0: no floor */
     uint64_t warm_life; /* ns the floor outlives the demand that set it */
+    pkv_kv_storage_t st; /* where the bytes live: host memory unless the config names one */
 
     pthread_mutex_t lock;  /* guards everything below */
     pool_block_t *blk;     /* [n_granules * bpg] */
@@ -447,7 +448,7 @@ static void pool_note_peak(pool_t *p)
 static void granule_decommit(const pool_t *p, uint32_t g)
 {
     for (uint32_t r = 0; r < p->tp; r++)
-        pkv_prim_decommit(p->rk[r].addr + (size_t)g * p->rk[r].stride, p->rk[r].stride);
+        p->st.decommit(p->st.ctx, p->rk[r].addr + (size_t)g * p->rk[r].stride, p->rk[r].stride);
 }
 
 /* Commit granule g's part in every rank, all or nothing: when one rank's commit fails the
@@ -456,10 +457,11 @@ static int granule_commit(const pool_t *p, uint32_t g)
 {
     for (uint32_t r = 0; r < p->tp; r++) {
         const pool_rank_t *rk = &p->rk[r];
-        int rc = pkv_prim_commit(rk->addr + (size_t)g * rk->stride, rk->stride, p->huge);
+        int rc = p->st.commit(p->st.ctx, rk->addr + (size_t)g * rk->stride, rk->stride, p->huge);
         if (rc == PKV_OK) continue;
         while (r-- > 0)
-            pkv_prim_decommit(p->rk[r].addr + (size_t)g * p->rk[r].stride, p->rk[r].stride);
+            p->st.decommit(p->st.ctx, p->rk[r].addr + (size_t)g * p->rk[r].stride,
+                           p->rk[r].stride);
         return rc;
     }
     return PKV_OK;
@@ -793,6 +795,22 @@ static void pool_seq_free(pkv_seq_t *seq)
     seq_dealloc(s);
 }
 
+/* Block src's bytes into block dst, every rank's part (replicas included), through the
+ * storage: the pool's only access to block bytes. Unlocked (the caller holds both). */
+static int block_copy(const pool_t *p, uint32_t dst, uint32_t src)
+{
+    const pkv_geometry_t *g = &p->base.geo;
+    for (uint32_t r = 0; r < p->tp; r++)
+        for (uint32_t l = 0; l < g->layers; l++)
+            for (uint32_t kv = 0; kv < 2; kv++)
+                for (uint32_t h = 0; h < p->rk[r].head_n; h++) {
+                    int rc = p->st.copy(p->st.ctx, rank_head_addr(p, &p->rk[r], dst, l, kv, h),
+                                        rank_head_addr(p, &p->rk[r], src, l, kv, h), p->piece);
+                    if (rc) return rc;
+                }
+    return PKV_OK;
+}
+
 static int pool_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens)
 {
     pool_seq_t *s = (pool_seq_t *)seq;
@@ -837,14 +855,15 @@ static int pool_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens)
         /* We hold a reference on the shared block: no sharer writes it (each copies
          * first, as we do), so the copy runs unlocked. */
         uint32_t old = s->blocks[partial];
-        const pkv_geometry_t *g = &seq->kv->geo;
-        for (uint32_t r = 0; r < p->tp; r++) /* every rank's part, replicas included */
-            for (uint32_t l = 0; l < g->layers; l++)
-                for (uint32_t kv = 0; kv < 2; kv++)
-                    for (uint32_t h = 0; h < p->rk[r].head_n; h++)
-                        memcpy(rank_head_addr(p, &p->rk[r], fresh[0], l, kv, h),
-                               rank_head_addr(p, &p->rk[r], old, l, kv, h), p->piece);
+        rc = block_copy(p, fresh[0], old);
         pthread_mutex_lock(&p->lock);
+        if (rc) { /* the storage failed: nothing reserved, the sequence as it was */
+            block_drop(p, fresh[0], true);
+            for (uint32_t i = s->nb; i < nb; i++) block_drop(p, s->blocks[i], true);
+            pool_settle(p);
+            pthread_mutex_unlock(&p->lock);
+            return rc;
+        }
         s->blocks[partial] = fresh[0];
         block_unref(p, old);
         p->cow++;
@@ -1240,7 +1259,7 @@ static int validate_ranks(const pool_t *p)
         size_t share = p->piece * 2 * g->layers * n;
         CHECK(rk->head_lo == lo && rk->head_n == n, "rank %u holds heads [%u, +%u), not [%u, +%u)",
               r, rk->head_lo, rk->head_n, lo, n);
-        CHECK(rk->stride == pkv_prim_granule_stride((size_t)p->bpg * share) &&
+        CHECK(rk->stride == p->st.stride(p->st.ctx, (size_t)p->bpg * share) &&
                   rk->reserved == (size_t)p->n_granules * rk->stride,
               "rank %u stride %zu / reserved %zu inconsistent", r, rk->stride, rk->reserved);
         for (uint32_t q = 0; q < r; q++)
@@ -1390,13 +1409,15 @@ static void pool_free(pool_t *p)
 /* Release the first n ranks' ranges. */
 static void pool_release_ranks(pool_t *p, uint32_t n)
 {
-    for (uint32_t r = 0; r < n; r++) pkv_prim_release(p->rk[r].addr, p->rk[r].reserved);
+    for (uint32_t r = 0; r < n; r++) p->st.release(p->st.ctx, p->rk[r].addr, p->rk[r].reserved);
 }
 
 static void pool_destroy(pkv_kv_t *kv)
 {
     pool_t *p = pool_of(kv);
     PKV_ASSERT(p->n_seqs == 0);
+    for (uint32_t g = 0; g < p->n_granules; g++) /* a backend releases empty ranges only */
+        if (p->gr[g].state != GR_UNCOMMITTED) granule_decommit(p, g);
     pool_release_ranks(p, p->tp);
     pthread_mutex_destroy(&p->lock);
     pool_free(p);
@@ -1411,11 +1432,53 @@ static void pool_layout_ranks(pool_t *p)
         pool_rank_t *rk = &p->rk[r];
         pkv_kv_tp_heads(g->kv_heads, p->tp, r, &rk->head_lo, &rk->head_n);
         size_t share = p->piece * 2 * g->layers * rk->head_n; /* the rank's part of a block */
-        rk->stride = pkv_prim_granule_stride((size_t)p->bpg * share);
+        rk->stride = p->st.stride(p->st.ctx, (size_t)p->bpg * share);
         p->gbytes += rk->stride;
         p->blk_bytes += share;
     }
 }
+
+/* ---- host storage: the OS primitives ------------------------------------------------- */
+
+static size_t host_stride(void *ctx, size_t used)
+{
+    (void)ctx;
+    return pkv_prim_granule_stride(used);
+}
+
+static int host_reserve(void *ctx, size_t bytes, void **addr)
+{
+    (void)ctx;
+    return pkv_prim_reserve(bytes, PKV_PRIM_HUGE, addr);
+}
+
+static void host_release(void *ctx, void *addr, size_t bytes)
+{
+    (void)ctx;
+    pkv_prim_release(addr, bytes);
+}
+
+static int host_commit(void *ctx, void *addr, size_t bytes, bool huge)
+{
+    (void)ctx;
+    return pkv_prim_commit(addr, bytes, huge);
+}
+
+static void host_decommit(void *ctx, void *addr, size_t bytes)
+{
+    (void)ctx;
+    pkv_prim_decommit(addr, bytes);
+}
+
+static int host_copy(void *ctx, void *dst, const void *src, size_t bytes)
+{
+    (void)ctx;
+    memcpy(dst, src, bytes);
+    return PKV_OK;
+}
+
+static const pkv_kv_storage_t host_storage = {"host",      host_stride,   host_reserve, host_release,
+                                              host_commit, host_decommit, host_copy,    NULL};
 
 int kv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
 {
@@ -1423,6 +1486,7 @@ int kv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
     if (!p) return PKV_ERR_NOMEM;
     int rc = PKV_ERR_NOMEM;
     kv_base_init(&p->base, cfg, &pool_ops);
+    p->st = cfg->storage ? *cfg->storage : host_storage;
     size_t bb = p->base.block_bytes;
     uint64_t gran = cfg->granule_bytes ? cfg->granule_bytes : pkv_prim_granule_for(bb);
     if (gran % PKV_PRIM_PAGE) {
@@ -1452,7 +1516,7 @@ int kv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
     p->retain = cfg->retain_granules ? cfg->retain_granules : 1;
     p->prefix_cache = !cfg->no_prefix_cache;
     p->huge = cfg->hugepages;
-    if (p->huge && !pool_huge_granules(p))
+    if (p->huge && !cfg->storage && !pool_huge_granules(p))
         PKV_LOGW("pool",
                  "huge pages asked, but a granule is %zu bytes per range (not a multiple of 2 "
                  "MiB): the kernel backs it with 4 KiB pages",
@@ -1480,7 +1544,7 @@ int kv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
     p->lru_head = p->lru_tail = p->decommit_head = NONE;
     uint32_t ranks = 0;
     for (; ranks < p->tp; ranks++) {
-        rc = pkv_prim_reserve(p->rk[ranks].reserved, PKV_PRIM_HUGE, (void **)&p->rk[ranks].addr);
+        rc = p->st.reserve(p->st.ctx, p->rk[ranks].reserved, (void **)&p->rk[ranks].addr);
         if (rc) goto fail_reserve;
     }
     if (pthread_mutex_init(&p->lock, NULL) != 0) {
