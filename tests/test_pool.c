@@ -326,9 +326,9 @@ static int guard_copy(void *ctx, void *dst, const void *src, size_t bytes)
 }
 
 static guard_t guard;
-static const pkv_kv_storage_t guard_storage = {
-    "guard",        guard_stride, guard_reserve, guard_release, guard_commit,
-    guard_decommit, guard_copy,   &guard};
+static const pkv_kv_storage_t guard_storage = {"guard",       guard_stride, guard_reserve,
+                                               guard_release, guard_commit, guard_decommit,
+                                               guard_copy,    &guard};
 /* Set by a test: the property runs' pools use this storage (NULL: host). */
 static const pkv_kv_storage_t *prop_storage;
 

@@ -79,10 +79,10 @@ typedef struct {
     uint32_t retain;       /* empty granules kept committed */
     bool prefix_cache, huge;
     uint64_t budget;
-    uint64_t cache_cap; /* bytes of cache-only granules allowed; 0: none */
-    uint64_t idle_ns;   /* time-to-live of a cached block; 0: none */
-    uint32_t warm_max;  /* the warm floor's granules at most; 0: no floor */
-    uint64_t warm_life; /* ns the floor outlives the demand that set it */
+    uint64_t cache_cap;  /* bytes of cache-only granules allowed; 0: none */
+    uint64_t idle_ns;    /* time-to-live of a cached block; 0: none */
+    uint32_t warm_max;   /* the warm floor's granules at most; 0: no floor */
+    uint64_t warm_life;  /* ns the floor outlives the demand that set it */
     pkv_kv_storage_t st; /* where the bytes live: host memory unless the config names one */
 
     pthread_mutex_t lock;  /* guards everything below */
@@ -460,8 +460,7 @@ static int granule_commit(const pool_t *p, uint32_t g)
         int rc = p->st.commit(p->st.ctx, rk->addr + (size_t)g * rk->stride, rk->stride, p->huge);
         if (rc == PKV_OK) continue;
         while (r-- > 0)
-            p->st.decommit(p->st.ctx, p->rk[r].addr + (size_t)g * p->rk[r].stride,
-                           p->rk[r].stride);
+            p->st.decommit(p->st.ctx, p->rk[r].addr + (size_t)g * p->rk[r].stride, p->rk[r].stride);
         return rc;
     }
     return PKV_OK;
@@ -1477,8 +1476,8 @@ static int host_copy(void *ctx, void *dst, const void *src, size_t bytes)
     return PKV_OK;
 }
 
-static const pkv_kv_storage_t host_storage = {"host",      host_stride,   host_reserve, host_release,
-                                              host_commit, host_decommit, host_copy,    NULL};
+static const pkv_kv_storage_t host_storage = {
+    "host", host_stride, host_reserve, host_release, host_commit, host_decommit, host_copy, NULL};
 
 int kv_pool_create(const pkv_kv_config_t *cfg, pkv_kv_t **out)
 {
