@@ -78,7 +78,13 @@ demo:
 all: $(ALIB) $(SLIB) $(CLI)
 # GPU=1 also builds `pagekv bench gpu` and the GPU tests alone (libc, libdl and the driver
 # at run time): what scripts/gpu-check.sh builds on a GPU machine, built here the same way.
-GPU_CORE_SRC := src/gpu/driver.c src/gpu/arena.c src/gpu/attn.c src/core/core.c src/core/fault.c
+GPU_CORE_SRC := src/gpu/driver.c src/gpu/arena.c src/gpu/attn.c src/gpu/kv_storage.c \
+    src/kv/kv.c src/kv/pool.c src/kv/dense.c $(wildcard src/prim/*.c) src/core/core.c \
+    src/core/fault.c
+# The pool's prefix keys use OpenSSL's SHA-256: linked in statically, since a GPU machine
+# promises no Debian library (the binaries need glibc 2.34, libdl and the driver).
+GPU_LIBS := -Wl,-Bstatic -lcrypto -Wl,-Bdynamic -ldl -lm -lpthread
+GPU_HDRS := $(wildcard src/gpu/*.h src/core/*.h src/kv/*.h src/prim/*.h include/pagekv/*.h)
 GPU_BENCH_SRC := tools/standalone/pagekv_gpu.c bench/bench_gpu.c $(GPU_CORE_SRC)
 GPU_TEST_SRC := tests/gpu/main.c tests/support/gpu_cases.c $(GPU_CORE_SRC)
 ifneq ($(GPU),)
@@ -88,12 +94,12 @@ all: $(BUILD)/pagekv-gpu $(BUILD)/pagekv-gpu-test $(BUILD)/pagekv-kernels.fatbin
 $(BUILD)/pagekv-kernels.fatbin: src/gpu/kernels.cu Makefile
 	@mkdir -p $(dir $@)
 	$(NVCC) -fatbin -O3 -gencode arch=compute_90,code=sm_90 -o $@ $<
-$(BUILD)/pagekv-gpu: $(GPU_BENCH_SRC) $(wildcard src/gpu/*.h src/core/*.h) Makefile
+$(BUILD)/pagekv-gpu: $(GPU_BENCH_SRC) $(GPU_HDRS) Makefile
 	@mkdir -p $(dir $@)
-	$(CC) $(CPPFLAGS) -DPKV_GPU=1 -I$(CUDA)/include $(CFLAGS) -o $@ $(GPU_BENCH_SRC) -ldl -lm
-$(BUILD)/pagekv-gpu-test: $(GPU_TEST_SRC) $(wildcard src/gpu/*.h src/core/*.h tests/support/gpu_cases.h) Makefile
+	$(CC) $(CPPFLAGS) -DPKV_GPU=1 -I$(CUDA)/include $(CFLAGS) -o $@ $(GPU_BENCH_SRC) $(GPU_LIBS)
+$(BUILD)/pagekv-gpu-test: $(GPU_TEST_SRC) $(GPU_HDRS) tests/support/gpu_cases.h Makefile
 	@mkdir -p $(dir $@)
-	$(CC) $(CPPFLAGS) -DPKV_GPU=1 -I$(CUDA)/include $(CFLAGS) -o $@ $(GPU_TEST_SRC) -ldl -lm
+	$(CC) $(CPPFLAGS) -DPKV_GPU=1 -I$(CUDA)/include $(CFLAGS) -o $@ $(GPU_TEST_SRC) $(GPU_LIBS)
 endif
 
 $(BUILD)/obj/%.o: %.c

@@ -71,9 +71,8 @@ int pkv_gpu_arena_create(pkv_gpu_t *g, const pkv_gpu_arena_config_t *cfg, pkv_gp
         return PKV_ERR_INVALID;
     pkv_gpu_info_t in;
     pkv_gpu_info(g, &in);
-    if (!in.granule_min) return PKV_ERR_UNSUPPORTED;
-    uint64_t gb = PKV_MAX(in.granule_rec, in.granule_min);
-    while (gb < (2u << 20)) gb += in.granule_min; /* at least 2 MiB, a multiple of the minimum */
+    uint64_t gb = pkv_gpu_granule(&in);
+    if (!gb) return PKV_ERR_UNSUPPORTED;
     pkv_gpu_arena_t *a = calloc(1, sizeof(*a));
     if (!a) return PKV_ERR_NOMEM;
     a->g = g;
@@ -101,6 +100,14 @@ int pkv_gpu_arena_create(pkv_gpu_t *g, const pkv_gpu_arena_config_t *cfg, pkv_gp
         a->thread_started = true;
     *out = a;
     return PKV_OK;
+}
+
+uint64_t pkv_gpu_granule(const pkv_gpu_info_t *in)
+{
+    if (!in->granule_min) return 0;
+    uint64_t gb = PKV_MAX(in->granule_rec, in->granule_min);
+    while (gb < (2u << 20)) gb += in->granule_min; /* at least 2 MiB, a multiple of the minimum */
+    return gb;
 }
 
 uint64_t pkv_gpu_arena_base(const pkv_gpu_arena_t *a)

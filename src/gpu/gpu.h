@@ -12,6 +12,7 @@
 #ifndef PKV_GPU_GPU_H
 #define PKV_GPU_GPU_H
 
+#include "pagekv/kv.h"
 #include "pagekv/pagekv.h"
 
 #include <stdbool.h>
@@ -110,6 +111,9 @@ typedef struct {
     uint64_t refills;         /* handles the refill thread created */
 } pkv_gpu_arena_stats_t;
 
+/* The arena's granule on a device: its recommended mapping granularity, at least 2 MiB
+ * and a multiple of the minimum (0: no device). */
+uint64_t pkv_gpu_granule(const pkv_gpu_info_t *in);
 int pkv_gpu_arena_create(pkv_gpu_t *g, const pkv_gpu_arena_config_t *cfg, pkv_gpu_arena_t **out);
 /* Unmap and release everything, free the range, stop the thread. NULL is a no-op. */
 void pkv_gpu_arena_destroy(pkv_gpu_arena_t *a);
@@ -125,6 +129,47 @@ int pkv_gpu_arena_fill_spares(pkv_gpu_arena_t *a);
  * one until the next commit or fill_spares. */
 void pkv_gpu_arena_trim(pkv_gpu_arena_t *a);
 void pkv_gpu_arena_stats(pkv_gpu_arena_t *a, pkv_gpu_arena_stats_t *out);
+
+/* ---- a paged pool's storage in device memory (kv_storage.c) ------------------------------
+ * pkv_kv_storage_t (include/pagekv/kv.h, docs/design/pool.md "Storage") over arenas: each
+ * range a pool reserves is an arena of device granules (its spare set and refill thread
+ * as configured), a commit maps the granules of [addr, addr + bytes), a decommit waits
+ * for the context's work and unmaps them (spares kept as the arena's config says), copy is
+ * a device-to-device copy. A pool's block addresses are then device addresses, which the
+ * pool never dereferences; strides are whole device granules. One storage can serve
+ * several pools; it must outlive them. */
+typedef struct pkv_gpu_kv_storage pkv_gpu_kv_storage_t;
+/* spares: spare_min / spare_max of each range's arena (n_granules is ignored). */
+int pkv_gpu_kv_storage_create(pkv_gpu_t *g, const pkv_gpu_arena_config_t *spares,
+                              pkv_gpu_kv_storage_t **out);
+/* Every range must have been released (its pools destroyed). NULL is a no-op. */
+void pkv_gpu_kv_storage_destroy(pkv_gpu_kv_storage_t *s);
+const pkv_kv_storage_t *pkv_gpu_kv_storage(const pkv_gpu_kv_storage_t *s);
+/* The ranges' arena counters summed (granule_bytes: the device granule). */
+void pkv_gpu_kv_storage_stats(pkv_gpu_kv_storage_t *s, pkv_gpu_arena_stats_t *out);
+/* Release every range's spare handles (pkv_gpu_arena_trim). */
+void pkv_gpu_kv_storage_trim(pkv_gpu_kv_storage_t *s);
+
+/* How the kernels below address a paged pool's blocks (one rank, one layer): the pool puts
+ * a granule's blocks side by side per (layer, K|V, head) (docs/design/pool.md), so token t
+ * of head h (rank-local) in block b lies at k_base + pkv_gpu_pool_index(v, b) *
+ * block_stride + h * head_stride + (t % block_tokens) * row bytes (V: v_base): the
+ * kernels' table holds indices, not block ids. Derived from the pool's own block
+ * addresses (pkv_kv_block_head_rank); PKV_ERR_UNSUPPORTED for a dense cache or a layout
+ * whose granule stride is not whole pieces. */
+typedef struct {
+    uint64_t k_base, v_base; /* block 0's piece of the rank's first head, K and V */
+    uint64_t block_stride;   /* one piece: block_tokens rows of one head */
+    uint64_t head_stride;    /* between the rank's heads */
+    uint32_t bpg;            /* blocks per granule */
+    uint32_t per_granule;    /* indices per granule: its stride in pieces */
+    uint32_t kv_heads;       /* the rank's heads */
+} pkv_gpu_pool_view_t;
+int pkv_gpu_pool_view(const pkv_kv_t *kv, uint32_t rank, uint32_t layer, pkv_gpu_pool_view_t *out);
+static inline uint32_t pkv_gpu_pool_index(const pkv_gpu_pool_view_t *v, uint32_t block)
+{
+    return block / v->bpg * v->per_granule + block % v->bpg;
+}
 
 /* ---- attention kernels (src/gpu/kernels.cu) ------------------------------------------------
  * Paged decode attention, bf16 K/V: one query token per sequence, G query heads per KV

@@ -7,6 +7,7 @@
 #include "gpu/gpu.h"
 
 #include "core/core.h"
+#include "pagekv/kv.h"
 
 #include <math.h>
 #include <stdarg.h>
@@ -631,6 +632,261 @@ out:
     return rc;
 }
 
+/* ---- the pool on the device ------------------------------------------------------------ */
+
+/* pkv_gpu_pool_view against the pool's own block addresses (no device: a host pool has the
+ * same layout): every block, layer, K|V and head of every rank, at llama-3.2-1b's geometry
+ * in bf16 (4 blocks a 2 MiB granule) at tp 1 and 2, with 32 KiB granules (a block a
+ * granule's half), and at qwen3-0.6b's (a block larger than 2 MiB: one a granule). */
+static int pool_view_addresses_every_block(char *why, size_t cap)
+{
+    int rc = GPU_CASE_PASS;
+    pkv_kv_t *kv = NULL;
+    const struct {
+        pkv_geometry_t geo;
+        uint32_t tp;
+        uint64_t granule, budget;
+    } cases[] = {
+        {{16, 8, 64, 16, PKV_DTYPE_BF16}, 1, 0, 64u << 20},
+        {{16, 8, 64, 16, PKV_DTYPE_BF16}, 2, 0, 64u << 20},
+        {{2, 2, 64, 16, PKV_DTYPE_BF16}, 1, 32768, 1u << 20},
+        {{28, 8, 128, 16, PKV_DTYPE_BF16}, 1, 0, 64u << 20},
+    };
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        pkv_kv_config_t cfg = {.geo = cases[c].geo,
+                               .tp = cases[c].tp,
+                               .granule_bytes = cases[c].granule,
+                               .budget_bytes = cases[c].budget};
+        CASE_CHECK(pkv_kv_create(&cfg, &kv) == PKV_OK);
+        pkv_kv_stats_t st;
+        pkv_kv_stats(kv, &st);
+        for (uint32_t r = 0; r < cases[c].tp; r++) {
+            pkv_kv_rank_t rk;
+            CASE_CHECK(pkv_kv_rank(kv, r, &rk) == PKV_OK);
+            for (uint32_t l = 0; l < cfg.geo.layers; l++) {
+                pkv_gpu_pool_view_t v;
+                CASE_CHECK(pkv_gpu_pool_view(kv, r, l, &v) == PKV_OK);
+                CASE_CHECK(v.kv_heads == rk.head_n && v.block_stride == 16u * 2 * cfg.geo.head_dim);
+                for (uint32_t b = 0; b < st.blocks_capacity; b++)
+                    for (uint32_t w = 0; w < 2; w++)
+                        for (uint32_t h = 0; h < rk.head_n; h++) {
+                            uintptr_t want = (uintptr_t)pkv_kv_block_head_rank(kv, r, b, l, w,
+                                                                               rk.head_lo + h),
+                                      got = (uintptr_t)((w ? v.v_base : v.k_base) +
+                                                        pkv_gpu_pool_index(&v, b) * v.block_stride +
+                                                        h * v.head_stride);
+                            if (got != want) {
+                                snprintf(why, cap,
+                                         "case %zu rank %u layer %u block %u %s head %u: view "
+                                         "%#lx, pool %#lx",
+                                         c, r, l, b, w ? "V" : "K", h, (unsigned long)got,
+                                         (unsigned long)want);
+                                rc = GPU_CASE_FAIL;
+                                goto out;
+                            }
+                        }
+            }
+        }
+        pkv_kv_destroy(kv);
+        kv = NULL;
+    }
+    pkv_kv_config_t dense = {
+        .geo = cases[0].geo, .backend = PKV_BACKEND_DENSE, .budget_bytes = 64u << 20};
+    CASE_CHECK(pkv_kv_create(&dense, &kv) == PKV_OK);
+    pkv_gpu_pool_view_t v;
+    CASE_CHECK(pkv_gpu_pool_view(kv, 0, 0, &v) == PKV_ERR_UNSUPPORTED);
+out:
+    pkv_kv_destroy(kv);
+    return rc;
+}
+
+/* The driver's used delta (since free0) against the storage's created bytes: 2 %, at least
+ * one granule of slack. */
+static bool driver_agrees(pkv_gpu_t *g, pkv_gpu_kv_storage_t *ks, uint64_t free0, char *why,
+                          size_t cap, const char *when)
+{
+    uint64_t free1 = 0, total;
+    pkv_gpu_arena_stats_t st;
+    pkv_gpu_kv_storage_stats(ks, &st);
+    if (pkv_gpu_mem_info(g, &free1, &total)) return false;
+    double used = (double)free0 - (double)free1, want = (double)st.created_bytes;
+    double slack = want * 0.02 > (double)st.granule_bytes ? want * 0.02 : st.granule_bytes;
+    if (used - want <= slack && want - used <= slack) return true;
+    snprintf(why, cap, "%s: the driver says %.1f MiB used, the storage %.1f MiB", when,
+             used / 1048576.0, want / 1048576.0);
+    return false;
+}
+
+/* The pool on the device (kv_storage.c), llama-3.2-1b's KV geometry in bf16: the pool's
+ * committed bytes equal the storage's mapped bytes, and the driver's used delta its created
+ * bytes; K/V of a 300-token sequence written by the KV write kernel into the pool's own
+ * blocks (pkv_gpu_pool_view) land where the pool says (one piece read back) and the decode
+ * kernel over them gives the double reference's rows; a fork's shared partial block is
+ * copied on the device (copy-on-write through the storage); freed, reset and trimmed, the
+ * driver holds only the retained granule; destroyed, nothing. */
+static int pool_on_device(char *why, size_t cap)
+{
+    pkv_gpu_t *g = NULL;
+    pkv_gpu_attn_t *at = NULL;
+    pkv_gpu_arena_t *scratch = NULL;
+    pkv_gpu_kv_storage_t *ks = NULL;
+    pkv_kv_t *kv = NULL;
+    pkv_seq_t *a = NULL, *b = NULL;
+    const uint32_t n = 300, L = 16, kvh = 8, hd = 64, bt = 16, layer = 5, nb = (n + bt - 1) / bt;
+    size_t nel = (size_t)n * kvh * hd;
+    float *src = malloc(nel * 2 * sizeof(float)), q[8 * 64], out[8 * 64];
+    uint16_t *kh = calloc((size_t)nb * bt * kvh * hd, 2),
+             *vh = calloc((size_t)nb * bt * kvh * hd, 2);
+    uint16_t *p1 = malloc(bt * hd * 2), *p2 = malloc(bt * hd * 2);
+    int32_t *tok = malloc(n * sizeof(int32_t));
+    uint32_t table[32], ident[32], lens[1] = {n};
+    double ref[64], sc[300];
+    int rc = open_with_kernels(&g, &at, why, cap);
+    if (rc) goto out_free;
+    CASE_CHECK(src && kh && vh && p1 && p2 && tok);
+    pkv_gpu_arena_config_t sp = {.spare_min = 2, .spare_max = 8};
+    CASE_CHECK(pkv_gpu_kv_storage_create(g, &sp, &ks) == PKV_OK);
+    uint64_t free0, total;
+    CASE_CHECK(pkv_gpu_mem_info(g, &free0, &total) == PKV_OK);
+    pkv_kv_config_t cfg = {.geo = {L, kvh, hd, bt, PKV_DTYPE_BF16},
+                           .storage = pkv_gpu_kv_storage(ks),
+                           .reserve_bytes = 1ull << 30};
+    CASE_CHECK(pkv_kv_create(&cfg, &kv) == PKV_OK);
+    for (uint32_t i = 0; i < n; i++) tok[i] = (int32_t)i;
+    pkv_seq_params_t prm = {.tokens = tok, .n_tokens = n, .reserve_tokens = n};
+    CASE_CHECK(pkv_seq_create(kv, &prm, &a, NULL) == PKV_OK);
+    const uint32_t *ids;
+    uint32_t nids;
+    pkv_seq_blocks(a, &ids, &nids);
+    CASE_CHECK(nids == nb);
+    pkv_gpu_pool_view_t v;
+    CASE_CHECK(pkv_gpu_pool_view(kv, 0, layer, &v) == PKV_OK);
+    for (uint32_t i = 0; i < nb; i++) table[i] = pkv_gpu_pool_index(&v, ids[i]), ident[i] = i;
+    uint64_t seed = 2024;
+    for (size_t i = 0; i < 2 * nel; i++) src[i] = rng_unit(&seed);
+    for (uint32_t i = 0; i < kvh * hd; i++) q[i] = rng_unit(&seed);
+    for (uint32_t t = 0; t < n; t++) /* the host's bf16, [block][head][token][dim] */
+        for (uint32_t h = 0; h < kvh; h++)
+            for (uint32_t d = 0; d < hd; d++) {
+                size_t o = (((size_t)(t / bt) * kvh + h) * bt + t % bt) * hd + d;
+                kh[o] = pkv_f32_to_bf16(src[((size_t)t * kvh + h) * hd + d]);
+                vh[o] = pkv_f32_to_bf16(src[nel + ((size_t)t * kvh + h) * hd + d]);
+            }
+    pkv_gpu_arena_config_t c = {.n_granules = 4};
+    CASE_CHECK(pkv_gpu_arena_create(g, &c, &scratch) == PKV_OK);
+    for (uint32_t i = 0; i < c.n_granules; i++)
+        CASE_CHECK(pkv_gpu_arena_commit(scratch, i) == PKV_OK);
+    pkv_gpu_arena_stats_t sst;
+    pkv_gpu_arena_stats(scratch, &sst);
+    bump_t bm = {scratch, pkv_gpu_arena_base(scratch), 0, sst.reserved_bytes};
+    uint32_t splits = pkv_gpu_decode_splits(at, 1, kvh, n);
+    uint64_t dsrc = bump(&bm, nel * 2 * 4), dtab = bump(&bm, sizeof(table)), dlen = bump(&bm, 16),
+             dq = bump(&bm, sizeof(q)), dout = bump(&bm, sizeof(out)),
+             dpart = bump(&bm, (uint64_t)kvh * splits * (hd + 2) * 4);
+    CASE_CHECK(dpart != 0);
+    CASE_CHECK(pkv_gpu_copy_from_host(g, dsrc, src, nel * 2 * 4) == PKV_OK &&
+               pkv_gpu_copy_from_host(g, dtab, table, sizeof(table)) == PKV_OK &&
+               pkv_gpu_copy_from_host(g, dlen, lens, sizeof(lens)) == PKV_OK &&
+               pkv_gpu_copy_from_host(g, dq, q, sizeof(q)) == PKV_OK);
+    pkv_gpu_kv_write_t w = {.k = dsrc,
+                            .v = dsrc + nel * 4,
+                            .k_base = v.k_base,
+                            .v_base = v.v_base,
+                            .block_stride = v.block_stride,
+                            .head_stride = v.head_stride,
+                            .table = dtab,
+                            .p0 = 0,
+                            .n_tokens = n,
+                            .block_tokens = bt,
+                            .kv_heads = kvh,
+                            .head_dim = hd};
+    CASE_CHECK(pkv_gpu_kv_write(at, &w) == PKV_OK && pkv_gpu_sync(g) == PKV_OK);
+    CASE_CHECK(pkv_seq_append(a, tok, n) == PKV_OK);
+    /* one piece where the pool says it is: block 3's, head 2's K of the layer */
+    CASE_CHECK(pkv_gpu_copy_to_host(g, p1, (uintptr_t)pkv_kv_block_head(kv, ids[3], layer, 0, 2),
+                                    (uint64_t)bt * hd * 2) == PKV_OK);
+    CASE_CHECK(memcmp(p1, kh + ((size_t)3 * kvh + 2) * bt * hd, (size_t)bt * hd * 2) == 0);
+    pkv_gpu_decode_t p = {.q = dq,
+                          .out = dout,
+                          .part = dpart,
+                          .k_base = v.k_base,
+                          .v_base = v.v_base,
+                          .block_stride = v.block_stride,
+                          .head_stride = v.head_stride,
+                          .table = dtab,
+                          .lens = dlen,
+                          .max_blocks = nb,
+                          .n_seq = 1,
+                          .block_tokens = bt,
+                          .kv_heads = kvh,
+                          .group = 1,
+                          .head_dim = hd,
+                          .scale = 0.125f,
+                          .n_split = splits};
+    CASE_CHECK(pkv_gpu_decode_attn(at, &p) == PKV_OK && pkv_gpu_sync(g) == PKV_OK);
+    CASE_CHECK(pkv_gpu_copy_to_host(g, out, dout, sizeof(out)) == PKV_OK);
+    for (uint32_t h = 0; h < kvh; h++) {
+        row_at_t ra = {ident, (size_t)kvh * bt * hd, (size_t)h * bt * hd, bt, hd};
+        double err, big;
+        ref_row(q + h * hd, hd, 0.125, kh, vh, row_elem, &ra, n, sc, ref);
+        if (!row_close(ref, out + h * hd, hd, &err, &big)) {
+            snprintf(why, cap, "decode over the pool, head %u: error %.3g against max %.3g", h, err,
+                     big);
+            rc = GPU_CASE_FAIL;
+            goto out;
+        }
+    }
+    /* copy-on-write on the device: b shares a's partial block until it reserves past it */
+    CASE_CHECK(pkv_seq_fork(a, &b) == PKV_OK && pkv_seq_reserve(b, n + 1) == PKV_OK);
+    const uint32_t *bids;
+    uint32_t nbids;
+    pkv_seq_blocks(b, &bids, &nbids);
+    CASE_CHECK(bids[nb - 1] != ids[nb - 1] && bids[0] == ids[0]);
+    CASE_CHECK(
+        pkv_gpu_copy_to_host(g, p1, (uintptr_t)pkv_kv_block_head(kv, ids[nb - 1], layer, 1, 7),
+                             (uint64_t)bt * hd * 2) == PKV_OK &&
+        pkv_gpu_copy_to_host(g, p2, (uintptr_t)pkv_kv_block_head(kv, bids[nb - 1], layer, 1, 7),
+                             (uint64_t)bt * hd * 2) == PKV_OK);
+    CASE_CHECK(memcmp(p1, p2, (size_t)bt * hd * 2) == 0);
+    pkv_kv_stats_t st;
+    pkv_kv_stats(kv, &st);
+    pkv_gpu_arena_stats_t ast;
+    pkv_gpu_kv_storage_stats(ks, &ast);
+    CASE_CHECK(st.cow_copies == 1 && st.committed_bytes == ast.mapped_bytes && ast.mapped_bytes);
+    if (!driver_agrees(g, ks, free0 - sst.reserved_bytes, why, cap, "two sequences")) {
+        rc = GPU_CASE_FAIL;
+        goto out;
+    }
+    pkv_seq_free(a), pkv_seq_free(b);
+    a = b = NULL;
+    pkv_kv_reset_cache(kv);
+    pkv_gpu_kv_storage_trim(ks);
+    pkv_kv_stats(kv, &st);
+    pkv_gpu_kv_storage_stats(ks, &ast);
+    CASE_CHECK(st.committed_bytes <= st.granule_bytes && st.committed_bytes == ast.mapped_bytes);
+    if (!driver_agrees(g, ks, free0 - sst.reserved_bytes, why, cap, "freed and trimmed")) {
+        rc = GPU_CASE_FAIL;
+        goto out;
+    }
+    pkv_kv_destroy(kv);
+    kv = NULL;
+    pkv_gpu_kv_storage_stats(ks, &ast);
+    CASE_CHECK(ast.mapped_bytes == 0 && ast.created_bytes == 0 && ast.reserved_bytes == 0);
+    if (!driver_agrees(g, ks, free0 - sst.reserved_bytes, why, cap, "destroyed"))
+        rc = GPU_CASE_FAIL;
+out:
+    pkv_seq_free(a);
+    pkv_seq_free(b);
+    pkv_kv_destroy(kv);
+    pkv_gpu_kv_storage_destroy(ks);
+    pkv_gpu_arena_destroy(scratch);
+    pkv_gpu_attn_unload(at);
+    pkv_gpu_close(g);
+out_free:
+    free(src), free(kh), free(vh), free(p1), free(p2), free(tok);
+    return rc;
+}
+
 /* no_device_says_why last: it loads CUDA's stub (whose soname is libcuda.so.1 too) and,
  * though a failed open unloads it, the device cases run before it. */
 const gpu_case_t gpu_cases[] = {
@@ -642,6 +898,8 @@ const gpu_case_t gpu_cases[] = {
     {"kv_write_matches_host_rounding", kv_write_matches_host_rounding},
     {"prefill_rows_equal_decode", prefill_rows_equal_decode},
     {"stage_round_trip", stage_round_trip},
+    {"pool_view_addresses_every_block", pool_view_addresses_every_block},
+    {"pool_on_device", pool_on_device},
     {"no_device_says_why", no_device_says_why},
 };
 const size_t gpu_n_cases = sizeof(gpu_cases) / sizeof(gpu_cases[0]);
