@@ -85,7 +85,8 @@ GPU_CORE_SRC := src/gpu/driver.c src/gpu/arena.c src/gpu/attn.c src/gpu/kv_stora
 # promises no Debian library (the binaries need glibc 2.34, libdl and the driver).
 GPU_LIBS := -Wl,-Bstatic -lcrypto -Wl,-Bdynamic -ldl -lm -lpthread
 GPU_HDRS := $(wildcard src/gpu/*.h src/core/*.h src/kv/*.h src/prim/*.h include/pagekv/*.h)
-GPU_BENCH_SRC := tools/standalone/pagekv_gpu.c bench/bench_gpu.c $(GPU_CORE_SRC)
+GPU_BENCH_SRC := tools/standalone/pagekv_gpu.c bench/bench_gpu.c bench/bench_gpu_replay.c \
+    $(GPU_CORE_SRC)
 GPU_TEST_SRC := tests/gpu/main.c tests/support/gpu_cases.c $(GPU_CORE_SRC)
 ifneq ($(GPU),)
 NVCC ?= $(CUDA)/bin/nvcc
@@ -94,7 +95,7 @@ all: $(BUILD)/pagekv-gpu $(BUILD)/pagekv-gpu-test $(BUILD)/pagekv-kernels.fatbin
 $(BUILD)/pagekv-kernels.fatbin: src/gpu/kernels.cu Makefile
 	@mkdir -p $(dir $@)
 	$(NVCC) -fatbin -O3 -gencode arch=compute_90,code=sm_90 -o $@ $<
-$(BUILD)/pagekv-gpu: $(GPU_BENCH_SRC) $(GPU_HDRS) Makefile
+$(BUILD)/pagekv-gpu: $(GPU_BENCH_SRC) $(GPU_HDRS) bench/bench_gpu.h Makefile
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) -DPKV_GPU=1 -I$(CUDA)/include $(CFLAGS) -o $@ $(GPU_BENCH_SRC) $(GPU_LIBS)
 $(BUILD)/pagekv-gpu-test: $(GPU_TEST_SRC) $(GPU_HDRS) tests/support/gpu_cases.h Makefile

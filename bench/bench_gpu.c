@@ -5,6 +5,7 @@
  * (tools/standalone/pagekv_gpu.c is its main there). Without a device it prints why and
  * exits 1.
  */
+#include "bench/bench_gpu.h"
 #include "gpu/gpu.h"
 #include "tools/commands.h"
 
@@ -518,6 +519,7 @@ static int usage(void)
             "cuMemGetInfo, and the device filled, given back and taken by another process.\n"
             "  --granules N  granules per timing (default 256: 512 MiB of 2 MiB)\n"
             "  --no-fill     skip filling the whole device\n"
+            "  --host-replay only the footprint replay, on a host pool (no device needed)\n"
             "  --kernels F   the kernels' fatbin (default build/gpu/pagekv-kernels.fatbin)\n"
             "Exit 0 when every part ran, 1 without a device or on an error, 2 for bad options.\n");
     return 2;
@@ -526,12 +528,13 @@ static int usage(void)
 typedef struct {
     const char *json_path, *fatbin;
     uint32_t n;
-    bool fill;
+    bool fill, host_replay;
 } bg_opts_t;
 
 typedef struct {
     double p99_spare, p99_none, worst, dec_ratio, dec_copy, stage_ratio;
-    bool back_ok, have_kernels;
+    bool back_ok, have_kernels, replayed;
+    bg_replay_t rp;
 } bg_res_t;
 
 static int parse_opts(int argc, char **argv, bg_opts_t *op)
@@ -547,6 +550,8 @@ static int parse_opts(int argc, char **argv, bg_opts_t *op)
             op->n = (uint32_t)v;
         } else if (!strcmp(argv[i], "--no-fill")) {
             op->fill = false;
+        } else if (!strcmp(argv[i], "--host-replay")) {
+            op->host_replay = true;
         } else if (!strcmp(argv[i], "--kernels") && i + 1 < argc) {
             op->fatbin = argv[++i];
         } else {
@@ -602,6 +607,12 @@ static int run_parts(pkv_gpu_t *g, const bg_opts_t *op, uint64_t gb, bg_child_t 
     if (o->json) fprintf(o->json, "\n  ],\n  \"staging\": [");
     if (!rc && r->have_kernels) rc = stage_bench(g, op->fatbin, o, &r->stage_ratio);
     if (o->json) fprintf(o->json, "\n  ],");
+    pkv_gpu_kv_storage_t *ks = NULL;
+    pkv_gpu_arena_config_t sp = {.spare_min = 2, .spare_max = 8};
+    if (!rc) rc = pkv_gpu_kv_storage_create(g, &sp, &ks);
+    if (!rc) rc = bg_replay(g, ks, o->json, &r->rp);
+    r->replayed = !rc;
+    pkv_gpu_kv_storage_destroy(ks);
     if (!rc && op->fill) rc = full_device(g, child, o, &r->back_ok);
     return rc;
 }
@@ -629,7 +640,12 @@ static void print_targets(const bg_opts_t *op, const bg_res_t *r, FILE *json)
                met(stage, false));
     else
         printf("- decode attention: no kernels at %s (make GPU=1)\n", op->fatbin);
-    printf("- footprint replay: not built yet (docs/design/gpu.md)\n");
+    if (r->replayed)
+        printf("- footprint replay on the device pool: burst committed peak <= 1.05 x live + a "
+               "granule: %s; churn within its budget: %s; idle back to a granule: %s; counters "
+               "within 2 %% of the driver: worst %.2f %%: %s\n",
+               met(r->rp.burst_met, false), met(r->rp.churn_met, false), met(r->rp.idle_met, false),
+               r->rp.worst_driver * 100, met(r->rp.worst_driver <= 0.02, false));
     if (!json) return;
     fprintf(json,
             "\n  \"targets\": [{\"name\": \"grow_by_one_p99_us_with_spare\", \"value\": %.2f, "
@@ -644,6 +660,15 @@ static void print_targets(const bg_opts_t *op, const bg_res_t *r, FILE *json)
                 "%.4f, \"target\": 0.8, \"met\": %s}",
                 r->dec_ratio, met(dec, true), r->dec_copy, met(copy, true), r->stage_ratio,
                 met(stage, true));
+    if (r->replayed)
+        fprintf(json,
+                ", {\"name\": \"replay_burst_committed_peak_mib\", \"value\": %.2f, \"target\": "
+                "%.2f, \"met\": %s}, {\"name\": \"replay_idle_mib\", \"value\": %.2f, "
+                "\"target\": %.2f, \"met\": %s}, {\"name\": \"replay_counters_vs_driver\", "
+                "\"value\": %.4f, \"target\": 0.02, \"met\": %s}",
+                r->rp.committed_peak_mib, r->rp.bound_mib, met(r->rp.burst_met, true),
+                r->rp.idle_mib, r->rp.granule_mib, met(r->rp.idle_met, true), r->rp.worst_driver,
+                met(r->rp.worst_driver <= 0.02, true));
     fprintf(json, "]\n}\n");
 }
 
@@ -651,6 +676,10 @@ int pkv_bench_gpu(int argc, char **argv)
 {
     bg_opts_t op;
     if (parse_opts(argc, argv, &op)) return 2;
+    if (op.host_replay) { /* the replay itself, checked without a device */
+        bg_replay_t rp;
+        return bg_replay(NULL, NULL, NULL, &rp) ? 1 : 0;
+    }
     bg_child_t child = {0};
     if (op.fill && pkv_gpu_built() && child_start(&child)) return 1; /* before the driver */
     pkv_gpu_t *g = NULL;

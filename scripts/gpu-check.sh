@@ -39,7 +39,7 @@ kflags=(-fatbin -O3 -gencode arch=compute_90,code=sm_90 -o "$bin/pagekv-kernels.
 # carry build/gpu/pagekv-gpu and build/gpu/pagekv-gpu-test.
 if ! cc "${flags[@]}" -o "$bin/pagekv-gpu-test" tests/gpu/main.c tests/support/gpu_cases.c \
         "${core[@]}" -lcrypto -ldl -lm 2>>"$out/build.txt" ||
-   ! cc "${flags[@]}" -o "$bin/pagekv-gpu" tools/standalone/pagekv_gpu.c bench/bench_gpu.c \
+   ! cc "${flags[@]}" -o "$bin/pagekv-gpu" tools/standalone/pagekv_gpu.c bench/bench_gpu.c bench/bench_gpu_replay.c \
         "${core[@]}" -lcrypto -ldl -lm 2>>"$out/build.txt"; then
     if [ -x build/gpu/pagekv-gpu-test ] && [ -x build/gpu/pagekv-gpu ]; then
         echo "gpu-check: no build here (build.txt); using the carried build/gpu binaries"
