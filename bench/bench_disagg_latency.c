@@ -70,6 +70,13 @@ enum {
 static const char *const bl_ph_names[BL_NPH] = {
     "kv_alloc", "kv_commit", "handshake", "staging_wait", "wire", "commit", "decode"};
 
+/* The decode leg's moments on its node (pagekv_timings.decode_leg_ms: each the ms since
+ * the one before, from the handler's arrival): docs/design/disagg.md, "Observability". */
+enum { BL_NMARK = 8 };
+static const char *const bl_mark_names[BL_NMARK] = {"pull_asked", "pull_begin", "pull_end",
+                                                    "resumed",    "submitted",  "admitted",
+                                                    "seen",       "first_write"};
+
 /* /metrics series read around a routed request, per process. */
 enum { RS_TTFB, RS_E2E, RS_E2E_COUNT, RS_LEG_P, RS_LEG_D, RS_LOOKUP, BL_NRS };
 static const char *const bl_router_series[BL_NRS] = {
@@ -98,11 +105,12 @@ static const char *const bl_decode_series[BL_NDS] = {
 
 /* One round's measurements; times in ms, NAN when not measured. */
 typedef struct {
-    long prompt_tokens;     /* A_i's, from the unified answer's usage */
-    double u_ttft, u_total; /* unified, A_i */
-    double p_leg;           /* direct prefill leg, A_i */
-    double d_ttfb, d_total; /* direct decode leg, A_i */
-    double d_ph[BL_NPH];    /* its pagekv_timings */
+    long prompt_tokens;      /* A_i's, from the unified answer's usage */
+    double u_ttft, u_total;  /* unified, A_i */
+    double p_leg;            /* direct prefill leg, A_i */
+    double d_ttfb, d_total;  /* direct decode leg, A_i */
+    double d_ph[BL_NPH];     /* its pagekv_timings */
+    double d_mark[BL_NMARK]; /* and its moments (decode_leg_ms) */
     long long d_bytes, d_blocks, d_adopted;
     long long x_bytes, x_blocks, x_adopted; /* C_i's decode leg (prefix hit) */
     long x_prompt_tokens;
@@ -210,7 +218,8 @@ static json_t *bl_prefill_leg(const char *url, const json_t *req, double *ms)
 
 /* Both legs of req driven here; the decode leg's figures into the out parameters. */
 static int bl_legs(const char *pre_url, const char *dec_url, const json_t *req, double *p_ms,
-                   double *ttfb, double *total, double ph[BL_NPH], long long pulled[3])
+                   double *ttfb, double *total, double ph[BL_NPH], double mark[BL_NMARK],
+                   long long pulled[3])
 {
     json_t *kt = bl_prefill_leg(pre_url, req, p_ms);
     if (!kt) return -1;
@@ -230,6 +239,11 @@ static int bl_legs(const char *pre_url, const char *dec_url, const json_t *req, 
         for (int k = 0; k < BL_NPH; k++) {
             json_t *v = json_object_get(phs, bl_ph_names[k]);
             ph[k] = json_is_number(v) ? json_number_value(v) * 1e3 : 0;
+        }
+        json_t *mk = json_object_get(t, "decode_leg_ms");
+        for (int k = 0; k < BL_NMARK; k++) {
+            json_t *v = json_object_get(mk, bl_mark_names[k]);
+            mark[k] = json_is_number(v) ? json_number_value(v) : NAN;
         }
         pulled[0] = cluster_json_int(t, "kv_pulled_bytes");
         pulled[1] = cluster_json_int(t, "kv_pulled_blocks");
@@ -326,15 +340,16 @@ static int bl_round(const bl_ctx_t *c, uint32_t size, uint32_t i, bl_round_t *x)
     uint64_t seed = ((uint64_t)size << 24) + 3ull * i + 1;
     json_t *a = bl_body(m, chars, seed), *b = bl_body(m, chars, seed + 1);
     json_t *px = bl_body(m, chars + more, seed); /* A_i's text, then more */
-    double p_ms, ttfb, total, ph[BL_NPH];
+    double p_ms, ttfb, total, ph[BL_NPH], mark[BL_NMARK];
     long long pulled[3];
     int rc = -1;
     if (!a || !b || !px) goto out;
     if (bl_unified(c, a, &x->u_ttft, &x->u_total, &x->prompt_tokens) ||
-        bl_legs(c->pre->url, c->dec->url, a, &x->p_leg, &x->d_ttfb, &x->d_total, x->d_ph, pulled))
+        bl_legs(c->pre->url, c->dec->url, a, &x->p_leg, &x->d_ttfb, &x->d_total, x->d_ph, x->d_mark,
+                pulled))
         goto out;
     x->d_bytes = pulled[0], x->d_blocks = pulled[1], x->d_adopted = pulled[2];
-    if (bl_legs(c->pre->url, c->dec->url, px, &p_ms, &ttfb, &total, ph, pulled)) goto out;
+    if (bl_legs(c->pre->url, c->dec->url, px, &p_ms, &ttfb, &total, ph, mark, pulled)) goto out;
     x->x_bytes = pulled[0], x->x_blocks = pulled[1], x->x_adopted = pulled[2];
     if (bl_unified(c, b, &x->ub_ttft, &x->ub_total, NULL) || bl_routed(c, b, x)) goto out;
     rc = 0;
@@ -358,7 +373,8 @@ enum {
     F_D_TTFB,
     F_D_FIRST,   /* decode leg TTFB; it minus the pull */
     F_D_PREPULL, /* TTFB - pull - the first token after submission */
-    F_BYTES,
+    F_D_MARK0,   /* the moments on the node */
+    F_BYTES = F_D_MARK0 + BL_NMARK,
     F_BLOCKS,
     F_X_BYTES,
     F_X_BLOCKS,
@@ -397,6 +413,14 @@ static const char *const bl_f_names[BL_NF] = {"prompt_tokens",
                                               "decode_leg_ttfb_ms",
                                               "decode_leg_ttfb_minus_pull_ms",
                                               "decode_node_before_pull_ms",
+                                              "node_pull_asked_ms",
+                                              "node_pull_begin_ms",
+                                              "node_pull_end_ms",
+                                              "node_resumed_ms",
+                                              "node_submitted_ms",
+                                              "node_admitted_ms",
+                                              "node_seen_ms",
+                                              "node_first_write_ms",
                                               "bytes_pulled",
                                               "blocks_pulled",
                                               "prefix_hit_bytes_pulled",
@@ -438,6 +462,7 @@ static void bl_values(const bl_round_t *x, double f[BL_NF])
     f[F_D_TTFB] = x->d_ttfb;
     f[F_D_FIRST] = x->d_ttfb - pull;
     f[F_D_PREPULL] = f[F_D_FIRST] - f[F_D_DECODE_OVER];
+    for (int k = 0; k < BL_NMARK; k++) f[F_D_MARK0 + k] = x->d_mark[k];
     f[F_BYTES] = (double)x->d_bytes;
     f[F_BLOCKS] = (double)x->d_blocks;
     f[F_X_BYTES] = (double)x->x_bytes;
@@ -544,6 +569,23 @@ static void bl_print(const bl_opts_t *o, const bl_size_t *S, uint32_t ns)
         for (int k = 0; k < BL_NPH; k++) printf(" %.2f |", m[F_D_PH0 + k]);
         printf(" %.1f | %.1f | %.1f | %.1f |\n", m[F_D_DECODE_OVER], m[F_D_TTFB], m[F_D_FIRST],
                m[F_D_PREPULL]);
+    }
+    printf("\n### decode leg on its node: each moment, ms since the one before (medians of %u; "
+           "from the handler's arrival to the first bytes handed to the socket)\n\n| size |",
+           o->runs);
+    for (int k = 0; k < BL_NMARK; k++) printf(" %s |", bl_mark_names[k]);
+    printf(" sum | decode leg TTFB - sum (HTTP in and out) |\n|");
+    for (int k = 0; k < BL_NMARK + 3; k++) printf("---|");
+    printf("\n");
+    for (uint32_t s = 0; s < ns; s++) {
+        const double *m = S[s].med;
+        double sum = 0;
+        printf("| %u |", S[s].size);
+        for (int k = 0; k < BL_NMARK; k++) {
+            printf(" %.2f |", m[F_D_MARK0 + k]);
+            sum += m[F_D_MARK0 + k];
+        }
+        printf(" %.2f | %.2f |\n", sum, m[F_D_TTFB] - sum);
     }
     printf("\n### decode leg: bytes moved per request (medians of %u)\n\n", o->runs);
     printf("| size | no prefix hit: MiB pulled | blocks pulled | with a decode-side prefix hit: "

@@ -39,8 +39,11 @@ START_TEST(latency_runs_and_reports)
     static char out[1 << 16];
     int rc = run_bench(args, out, sizeof(out));
     ck_assert_msg(rc == 0, "exit %d\n%s", rc, ts_tail(out));
-    static const char *const lines[] = {"### decode leg: the decode leg minus", "| 64 | ",
-                                        "### decode leg: bytes moved", "### routed TTFT: TTFT",
+    static const char *const lines[] = {"### decode leg: the decode leg minus",
+                                        "| 64 | ",
+                                        "### decode leg on its node: each moment",
+                                        "### decode leg: bytes moved",
+                                        "### routed TTFT: TTFT",
                                         "target (routed TTFT): added TTFT <= the KV's wire time"};
     ts_has_lines(out, lines, sizeof(lines) / sizeof(lines[0]));
     json_t *doc = ts_json_take(path);
@@ -55,6 +58,9 @@ START_TEST(latency_runs_and_reports)
     ck_assert(ts_jnum(a, "blocks_pulled") > ts_jnum(a, "prefix_hit_blocks_pulled"));
     ck_assert(ts_jnum(a, "prefix_hit_blocks_adopted") > 0);
     ck_assert(ts_jnum(a, "kv_alloc_ms") >= 0 && ts_jnum(a, "kv_commit_ms") >= 0);
+    /* the moments on the node: the pull takes time; none of them is missing or negative */
+    ck_assert(ts_jnum(a, "node_pull_end_ms") > 0 && ts_jnum(a, "node_first_write_ms") >= 0);
+    ck_assert(ts_jnum(a, "node_pull_asked_ms") >= 0 && ts_jnum(a, "node_seen_ms") >= 0);
     ck_assert(ts_jnum(b, "bytes_received") > 0);
     ck_assert(ts_jnum(b, "router_ttft_ms") > 0 && ts_jnum(b, "kv_alloc_ms") >= 0);
     ck_assert(ts_jnum(b, "kv_commit_ms") >= 0 && ts_jnum(b, "handshake_ms") >= 0);

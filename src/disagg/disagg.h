@@ -49,11 +49,31 @@ extern const char *const pkv_disagg_phase_label[PKV_DISAGG_PHASE_COUNT];
 #define PKV_DISAGG_PHASE_BUCKETS 18
 extern const double pkv_disagg_phase_bounds[PKV_DISAGG_PHASE_BUCKETS];
 
+/* The moments of a decode leg on its node (monotonic ns; 0: not reached), for the
+ * X-Pagekv-Timings breakdown of its time to first byte (`decode_leg_ms`): the handler got
+ * the request, asked for the pull, the pull worker began it and ended it, the connection
+ * resumed with it, the engine took the submission, admitted it (a given first token is
+ * emitted there), the handler saw the first output, its first bytes went to the socket. */
+typedef enum {
+    PKV_DISAGG_MARK_ARRIVAL = 0,
+    PKV_DISAGG_MARK_PULL_ASKED,
+    PKV_DISAGG_MARK_PULL_BEGIN,
+    PKV_DISAGG_MARK_PULL_END,
+    PKV_DISAGG_MARK_RESUMED,
+    PKV_DISAGG_MARK_SUBMITTED,
+    PKV_DISAGG_MARK_ADMITTED,
+    PKV_DISAGG_MARK_SEEN,
+    PKV_DISAGG_MARK_FIRST_WRITE,
+    PKV_DISAGG_MARK_COUNT
+} pkv_disagg_mark_t;
+extern const char *const pkv_disagg_mark_label[PKV_DISAGG_MARK_COUNT];
+
 /* One request's phases on this node, for the X-Pagekv-Timings opt-in. */
 typedef struct {
     uint64_t ns[PKV_DISAGG_PHASE_COUNT];
-    uint32_t have; /* bit per phase measured */
-    bool pulled;   /* a decode leg that pulled: the figures below */
+    uint32_t have;                      /* bit per phase measured */
+    uint64_t at[PKV_DISAGG_MARK_COUNT]; /* a decode leg's moments */
+    bool pulled;                        /* a decode leg that pulled: the figures below */
     uint64_t pulled_bytes;
     uint32_t pulled_blocks, adopted_blocks;
 } pkv_disagg_timings_t;

@@ -29,6 +29,10 @@ const char *const pkv_disagg_phase_label[PKV_DISAGG_PHASE_COUNT] = {
     "prefill_queue", "prefill_compute", "lease_wait", "kv_alloc", "kv_commit",
     "handshake",     "staging_wait",    "wire",       "commit",   "decode"};
 
+const char *const pkv_disagg_mark_label[PKV_DISAGG_MARK_COUNT] = {
+    "arrival",   "pull_asked", "pull_begin", "pull_end",   "resumed",
+    "submitted", "admitted",   "seen",       "first_write"};
+
 /* How long a free staging page stays committed: -1, never (fixed slots, the mirror). */
 static int64_t stage_idle_ms(const pkv_server_config_t *cfg)
 {

@@ -246,6 +246,7 @@ static void pull_begin(pkv_disagg_pull_t *pl, bool stopping)
 {
     pkv_disagg_node_t *n = pl->n;
     pl->t0 = pkv_now_ns();
+    pl->tm.at[PKV_DISAGG_MARK_PULL_BEGIN] = pl->t0;
     pl->deadline = pl->t0 + (uint64_t)n->transfer_timeout_ms * 1000000ull;
     if (stopping) {
         pl->rc = PKV_ERR_SHUTDOWN;
@@ -454,6 +455,7 @@ static void pull_step(pkv_disagg_node_t *n, pkv_disagg_pull_t *pl, pl_do_t what)
     pkv_seq_t *drop = abandoned ? pl->seq : NULL;
     pkv_disagg_pull_done_fn done = pl->done;
     void *arg = pl->arg;
+    pl->tm.at[PKV_DISAGG_MARK_PULL_END] = pkv_now_ns();
     pthread_mutex_unlock(&n->pq_mu);
     pkv_seq_free(drop);
     if (unused) pull_free(pl);
@@ -582,6 +584,8 @@ static void timings_add(pkv_disagg_timings_t *t, const pkv_disagg_timings_t *fro
     for (int ph = 0; ph < PKV_DISAGG_PHASE_COUNT; ph++)
         if (from->have & (1u << ph)) t->ns[ph] = from->ns[ph];
     t->have |= from->have;
+    for (int m = 0; m < PKV_DISAGG_MARK_COUNT; m++)
+        if (from->at[m]) t->at[m] = from->at[m];
     t->pulled = from->pulled;
     t->pulled_bytes = from->pulled_bytes;
     t->pulled_blocks = from->pulled_blocks;

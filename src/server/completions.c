@@ -222,6 +222,14 @@ static void engine_phases(pkv_server_t *s, pkv_disagg_timings_t *tm, leg_t leg, 
     if (leg != LEG_PREFILL) phase(s, tm, leg == LEG_DECODE, PKV_DISAGG_PHASE_DECODE, t_submit, end);
 }
 
+/* A decode leg's engine moments for its decode_leg_ms (the pull's are there already). */
+static void leg_marks(pkv_disagg_timings_t *tm, uint64_t admitted, uint64_t first)
+{
+    if (!tm->at[PKV_DISAGG_MARK_PULL_END]) return;
+    tm->at[PKV_DISAGG_MARK_ADMITTED] = admitted;
+    tm->at[PKV_DISAGG_MARK_SEEN] = first;
+}
+
 /* Track an output's admission and first-output times. */
 static void note_times(const pkv_request_output_t *o, uint64_t *admitted, uint64_t *first)
 {
@@ -290,8 +298,10 @@ static int stream_take(stream_t *st, const pkv_request_output_t *o)
                       st->admitted_ns, st->first_ns, pkv_now_ns());
         json_t *empty = st->kind == PKV_OPENAI_CHAT ? json_object() : json_string("");
         json_t *last = chunk_doc(st, empty, finish);
-        if (last && st->want_timings)
+        if (last && st->want_timings) {
+            leg_marks(&st->tm, st->admitted_ns, st->first_ns);
             json_object_set_new(last, "pagekv_timings", srv_timings_json(&st->tm, st->s->role));
+        }
         if ((rc = sse_event(st, last))) return rc;
         if (st->include_usage) {
             json_t *doc =
@@ -321,6 +331,8 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
             size_t n = PKV_MIN(max, st->len - st->pos);
             memcpy(buf, st->buf + st->pos, n);
             st->pos += n;
+            if (!st->tm.at[PKV_DISAGG_MARK_FIRST_WRITE])
+                st->tm.at[PKV_DISAGG_MARK_FIRST_WRITE] = pkv_now_ns();
             if (st->pos == st->len) st->pos = st->len = 0;
             return (ssize_t)n;
         }
@@ -488,6 +500,7 @@ static int gen_submit(pkv_server_t *s, const pkv_openai_request_t *r, const int3
         submit_error(s, rc, run, err);
         return rc;
     }
+    run->tm.at[PKV_DISAGG_MARK_SUBMITTED] = pkv_now_ns();
     snprintf(run->id, sizeof(run->id), "%s-%016llx",
              run->kind == PKV_OPENAI_CHAT ? "chatcmpl" : "cmpl",
              (unsigned long long)(id ^ ((uint64_t)s->created << 32)));
@@ -568,8 +581,10 @@ static enum MHD_Result answer_whole(pkv_server_t *s, struct MHD_Connection *c, h
                   : run->decode_leg ? LEG_DECODE
                                     : LEG_NONE,
                   run->t_submit, run->admitted_ns, run->first_ns, pkv_now_ns());
-    if (doc && run->want_timings)
+    if (doc && run->want_timings) {
+        leg_marks(&run->tm, run->admitted_ns, run->first_ns);
         json_object_set_new(doc, "pagekv_timings", srv_timings_json(&run->tm, s->role));
+    }
     return srv_answer_json(s, c, hr, 200, doc);
 }
 
@@ -769,6 +784,7 @@ static bool gen_step(pkv_server_t *s, struct MHD_Connection *c, http_req_t *hr, 
     pkv_request_output_t o;
     if (g->stage == GEN_PULLING) {
         if (!pkv_disagg_pull_ended(g->pull)) return false;
+        g->run.tm.at[PKV_DISAGG_MARK_RESUMED] = pkv_now_ns();
         int rc = pkv_disagg_pull_take(g->pull, &g->pulled, &g->first, &g->run.tm, &err);
         g->pull = NULL;
         if (rc && err.status == 400) srv_count_rejection(s, SRV_REJ_INVALID); /* else: failed */
@@ -860,12 +876,14 @@ enum MHD_Result srv_handle_generate(pkv_server_t *s, struct MHD_Connection *c, h
                                  "no room for another request");
     }
     hr->gen = g; /* from here on srv_generate_free (the request's completion) ends it */
+    g->run.tm.at[PKV_DISAGG_MARK_ARRIVAL] = pkv_now_ns();
     g->run.w = w;
     g->run.fd = conn_fd(c);
     if (gen_parse(s, c, hr, g, &err) || gen_enter(s, hr, &g->r, g->ids, &g->run, &err))
         return srv_answer_error(s, c, hr, &err);
     if (g->r.kvt == PKV_OPENAI_KVT_DECODE) {
         /* The pull runs without this thread; its end wakes the connection. */
+        g->run.tm.at[PKV_DISAGG_MARK_PULL_ASKED] = pkv_now_ns();
         pkv_disagg_sampling_t smp = gen_sampling(s, &g->r, g->r.has_seed, g->run.seed);
         if (pkv_disagg_pull_start(s->kvn, g->r.kvt_params, g->ids, g->run.n_prompt, g->r.salt, &smp,
                                   srv_waker_wake, w, &g->pull, &err)) {

@@ -432,6 +432,17 @@ json_t *srv_timings_json(const pkv_disagg_timings_t *t, pkv_server_role_t role)
             json_object_set_new(ph, pkv_disagg_phase_label[p], json_real((double)t->ns[p] / 1e9));
     json_t *doc =
         json_pack("{s:s, s:o*}", "role", pkv_server_role_name(role), "phases_seconds", ph);
+    if (doc && t->at[PKV_DISAGG_MARK_PULL_END]) { /* each moment: ms since the one before */
+        json_t *leg = json_object();
+        uint64_t prev = t->at[PKV_DISAGG_MARK_ARRIVAL];
+        for (int m = PKV_DISAGG_MARK_ARRIVAL + 1; leg && prev && m < PKV_DISAGG_MARK_COUNT; m++) {
+            if (!t->at[m]) continue;
+            json_object_set_new(leg, pkv_disagg_mark_label[m],
+                                json_real((double)(t->at[m] - prev) / 1e6));
+            prev = t->at[m];
+        }
+        json_object_set_new(doc, "decode_leg_ms", leg);
+    }
     if (doc && t->pulled) {
         json_object_set_new(doc, "kv_pulled_bytes", json_integer((json_int_t)t->pulled_bytes));
         json_object_set_new(doc, "kv_pulled_blocks", json_integer((json_int_t)t->pulled_blocks));
