@@ -257,6 +257,19 @@ static void op_pin(model_t *m)
     r->pinned = !r->pinned;
 }
 
+/* a: 20 tokens (ids 0..19, K/V 1000 + position) in capacity `reserve`; *b: its fork (the
+ * partial second block shared). */
+static void fork_at_20(pkv_kv_t *kv, uint32_t reserve, pkv_seq_t **a, pkv_seq_t **b)
+{
+    int32_t tok[20];
+    for (int i = 0; i < 20; i++) tok[i] = i;
+    pkv_seq_params_t p = {.tokens = tok, .n_tokens = 20, .reserve_tokens = reserve};
+    ck_assert_int_eq(pkv_seq_create(kv, &p, a, NULL), PKV_OK);
+    for (uint32_t i = 0; i < 20; i++) fill_pos(*a, i, 1000 + i);
+    ck_assert_int_eq(pkv_seq_append(*a, tok, 20), PKV_OK);
+    ck_assert_int_eq(pkv_seq_fork(*a, b), PKV_OK);
+}
+
 /* ---- a storage backend the pool must go through for every byte ----------------------
  * Host memory that is inaccessible (PROT_NONE) except between commit and decommit, so a
  * pool that touched a granule it does not hold, or kept using one it gave back, faults;
@@ -472,14 +485,8 @@ START_TEST(storage_backend_gets_every_byte_operation)
     pkv_kv_stats_t st;
     pkv_kv_stats(kv, &st);
     ck_assert_uint_eq(st.granule_bytes % 8192, 0);
-    int32_t tok[40];
-    for (int i = 0; i < 40; i++) tok[i] = i;
     pkv_seq_t *a, *b;
-    pkv_seq_params_t p = {.tokens = tok, .n_tokens = 20, .reserve_tokens = 20};
-    ck_assert_int_eq(pkv_seq_create(kv, &p, &a, NULL), PKV_OK);
-    for (uint32_t i = 0; i < 20; i++) fill_pos(a, i, 1000 + i);
-    ck_assert_int_eq(pkv_seq_append(a, tok, 20), PKV_OK);
-    ck_assert_int_eq(pkv_seq_fork(a, &b), PKV_OK);
+    fork_at_20(kv, 20, &a, &b);
     const uint32_t *ib;
     uint32_t nb;
     pkv_seq_blocks(b, &ib, &nb);
@@ -812,14 +819,8 @@ START_TEST(fork_copies_shared_partial_block_on_write)
     pkv_kv_config_t cfg = {.geo = small_geo};
     pkv_kv_t *kv;
     ck_assert_int_eq(pkv_kv_create(&cfg, &kv), PKV_OK);
-    int32_t tok[40];
-    for (int i = 0; i < 40; i++) tok[i] = i;
     pkv_seq_t *a, *b;
-    pkv_seq_params_t p = {.tokens = tok, .n_tokens = 20, .reserve_tokens = 40};
-    ck_assert_int_eq(pkv_seq_create(kv, &p, &a, NULL), PKV_OK);
-    for (uint32_t i = 0; i < 20; i++) fill_pos(a, i, 1000 + i);
-    ck_assert_int_eq(pkv_seq_append(a, tok, 20), PKV_OK);
-    ck_assert_int_eq(pkv_seq_fork(a, &b), PKV_OK);
+    fork_at_20(kv, 40, &a, &b);
     const uint32_t *ia, *ib;
     uint32_t na, nb;
     pkv_seq_blocks(a, &ia, &na);

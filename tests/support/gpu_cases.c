@@ -141,6 +141,24 @@ out:
     return rc;
 }
 
+/* The driver's used delta since free0 against st's created bytes: within 2 %, at least
+ * one granule of slack; false with why (when: the moment) otherwise. */
+static bool driver_agrees(pkv_gpu_t *g, uint64_t free0, const pkv_gpu_arena_stats_t *st, char *why,
+                          size_t cap, const char *when)
+{
+    uint64_t free1 = 0, total;
+    if (pkv_gpu_mem_info(g, &free1, &total)) {
+        snprintf(why, cap, "%s: cuMemGetInfo failed", when);
+        return false;
+    }
+    double used = (double)free0 - (double)free1, want = (double)st->created_bytes;
+    double slack = want * 0.02 > (double)st->granule_bytes ? want * 0.02 : st->granule_bytes;
+    if (used - want <= slack && want - used <= slack) return true;
+    snprintf(why, cap, "%s: the driver says %.1f MiB used, the counters %.1f MiB", when,
+             used / 1048576.0, want / 1048576.0);
+    return false;
+}
+
 /* The arena's created bytes equal cuMemGetInfo's used delta within 2 % (one granule of
  * slack), committed, decommitted with spares kept, and trimmed. */
 static int arena_counters_match_driver(char *why, size_t cap)
@@ -151,22 +169,18 @@ static int arena_counters_match_driver(char *why, size_t cap)
     if (rc) return rc;
     pkv_gpu_arena_config_t c = {.n_granules = 64, .spare_min = 0, .spare_max = 64};
     CASE_CHECK(pkv_gpu_arena_create(g, &c, &a) == PKV_OK);
-    uint64_t free0, free1, total;
+    uint64_t free0, total;
     CASE_CHECK(pkv_gpu_mem_info(g, &free0, &total) == PKV_OK);
+    static const char *const when[3] = {"committed", "decommitted", "trimmed"};
     for (int phase = 0; phase < 3; phase++) {
         for (uint32_t i = 0; i < 64; i++) {
             if (phase == 0) CASE_CHECK(pkv_gpu_arena_commit(a, i) == PKV_OK);
             if (phase == 1) CASE_CHECK(pkv_gpu_arena_decommit(a, i) == PKV_OK);
         }
         if (phase == 2) pkv_gpu_arena_trim(a);
-        CASE_CHECK(pkv_gpu_mem_info(g, &free1, &total) == PKV_OK);
         pkv_gpu_arena_stats_t st;
         pkv_gpu_arena_stats(a, &st);
-        double used = (double)free0 - (double)free1, want = (double)st.created_bytes;
-        double slack = want * 0.02 > (double)st.granule_bytes ? want * 0.02 : st.granule_bytes;
-        if (used - want > slack || want - used > slack) {
-            snprintf(why, cap, "phase %d: the driver says %.1f MiB used, the arena %.1f MiB", phase,
-                     used / 1048576.0, want / 1048576.0);
+        if (!driver_agrees(g, free0, &st, why, cap, when[phase])) {
             rc = GPU_CASE_FAIL;
             goto out;
         }
@@ -700,23 +714,6 @@ out:
     return rc;
 }
 
-/* The driver's used delta (since free0) against the storage's created bytes: 2 %, at least
- * one granule of slack. */
-static bool driver_agrees(pkv_gpu_t *g, pkv_gpu_kv_storage_t *ks, uint64_t free0, char *why,
-                          size_t cap, const char *when)
-{
-    uint64_t free1 = 0, total;
-    pkv_gpu_arena_stats_t st;
-    pkv_gpu_kv_storage_stats(ks, &st);
-    if (pkv_gpu_mem_info(g, &free1, &total)) return false;
-    double used = (double)free0 - (double)free1, want = (double)st.created_bytes;
-    double slack = want * 0.02 > (double)st.granule_bytes ? want * 0.02 : st.granule_bytes;
-    if (used - want <= slack && want - used <= slack) return true;
-    snprintf(why, cap, "%s: the driver says %.1f MiB used, the storage %.1f MiB", when,
-             used / 1048576.0, want / 1048576.0);
-    return false;
-}
-
 /* The pool on the device (kv_storage.c), llama-3.2-1b's KV geometry in bf16: the pool's
  * committed bytes equal the storage's mapped bytes, and the driver's used delta its created
  * bytes; K/V of a 300-token sequence written by the KV write kernel into the pool's own
@@ -853,7 +850,7 @@ static int pool_on_device(char *why, size_t cap)
     pkv_gpu_arena_stats_t ast;
     pkv_gpu_kv_storage_stats(ks, &ast);
     CASE_CHECK(st.cow_copies == 1 && st.committed_bytes == ast.mapped_bytes && ast.mapped_bytes);
-    if (!driver_agrees(g, ks, free0 - sst.reserved_bytes, why, cap, "two sequences")) {
+    if (!driver_agrees(g, free0 - sst.reserved_bytes, &ast, why, cap, "two sequences")) {
         rc = GPU_CASE_FAIL;
         goto out;
     }
@@ -864,7 +861,7 @@ static int pool_on_device(char *why, size_t cap)
     pkv_kv_stats(kv, &st);
     pkv_gpu_kv_storage_stats(ks, &ast);
     CASE_CHECK(st.committed_bytes <= st.granule_bytes && st.committed_bytes == ast.mapped_bytes);
-    if (!driver_agrees(g, ks, free0 - sst.reserved_bytes, why, cap, "freed and trimmed")) {
+    if (!driver_agrees(g, free0 - sst.reserved_bytes, &ast, why, cap, "freed and trimmed")) {
         rc = GPU_CASE_FAIL;
         goto out;
     }
@@ -872,7 +869,7 @@ static int pool_on_device(char *why, size_t cap)
     kv = NULL;
     pkv_gpu_kv_storage_stats(ks, &ast);
     CASE_CHECK(ast.mapped_bytes == 0 && ast.created_bytes == 0 && ast.reserved_bytes == 0);
-    if (!driver_agrees(g, ks, free0 - sst.reserved_bytes, why, cap, "destroyed"))
+    if (!driver_agrees(g, free0 - sst.reserved_bytes, &ast, why, cap, "destroyed"))
         rc = GPU_CASE_FAIL;
 out:
     pkv_seq_free(a);
