@@ -642,10 +642,10 @@ static void print_targets(const bg_opts_t *op, const bg_res_t *r, FILE *json)
         printf("- decode attention: no kernels at %s (make GPU=1)\n", op->fatbin);
     if (r->replayed)
         printf("- footprint replay on the device pool: burst committed peak <= 1.05 x live + a "
-               "granule: %s; churn within its budget: %s; idle back to a granule: %s; counters "
-               "within 2 %% of the driver: worst %.2f %%: %s\n",
-               met(r->rp.burst_met, false), met(r->rp.churn_met, false), met(r->rp.idle_met, false),
-               r->rp.worst_driver * 100, met(r->rp.worst_driver <= 0.02, false));
+               "granule: %s; idle back to a granule: %s; counters within 2 %% (or a granule) of "
+               "the driver: worst %.2f x that: %s\n",
+               met(r->rp.burst_met, false), met(r->rp.idle_met, false), r->rp.worst_driver,
+               met(r->rp.worst_driver <= 1.0, false));
     if (!json) return;
     fprintf(json,
             "\n  \"targets\": [{\"name\": \"grow_by_one_p99_us_with_spare\", \"value\": %.2f, "
@@ -665,10 +665,10 @@ static void print_targets(const bg_opts_t *op, const bg_res_t *r, FILE *json)
                 ", {\"name\": \"replay_burst_committed_peak_mib\", \"value\": %.2f, \"target\": "
                 "%.2f, \"met\": %s}, {\"name\": \"replay_idle_mib\", \"value\": %.2f, "
                 "\"target\": %.2f, \"met\": %s}, {\"name\": \"replay_counters_vs_driver\", "
-                "\"value\": %.4f, \"target\": 0.02, \"met\": %s}",
+                "\"value\": %.4f, \"target\": 1.0, \"met\": %s}",
                 r->rp.committed_peak_mib, r->rp.bound_mib, met(r->rp.burst_met, true),
                 r->rp.idle_mib, r->rp.granule_mib, met(r->rp.idle_met, true), r->rp.worst_driver,
-                met(r->rp.worst_driver <= 0.02, true));
+                met(r->rp.worst_driver <= 1.0, true));
     fprintf(json, "]\n}\n");
 }
 

@@ -15,10 +15,10 @@
  * used delta with the storage's created bytes. */
 typedef struct {
     double kv_min_mib, committed_peak_mib, bound_mib; /* burst: target peak <= bound */
-    double budget_mib, churn_peak_mib;                /* churn: peak <= budget */
+    double budget_mib, churn_peak_mib;                /* churn (the pool holds its budget) */
     double idle_mib, granule_mib;                     /* after the idle time: <= a granule */
-    double worst_driver; /* |driver - created| / created at the checkpoints; -1: no g */
-    bool burst_met, churn_met, idle_met;
+    double worst_driver; /* pkv_gpu_driver_gap at the checkpoints (<= 1: agree); -1: no g */
+    bool burst_met, idle_met;
 } bg_replay_t;
 int bg_replay(pkv_gpu_t *g, pkv_gpu_kv_storage_t *ks, FILE *json, bg_replay_t *out);
 

@@ -479,7 +479,8 @@ START_TEST(storage_backend_gets_every_byte_operation)
     PKV_CHECK_EQ(guard.committed, 0);
     PKV_CHECK(guard.copies > 0 && guard.commits > 0);
 
-    pkv_kv_config_t cfg = {.geo = small_geo, .storage = &guard_storage};
+    /* 32 KiB blocks, two a granule: a's two fill the first, b's reserve commits more */
+    pkv_kv_config_t cfg = {.geo = small_geo, .storage = &guard_storage, .granule_bytes = 65536};
     pkv_kv_t *kv;
     ck_assert_int_eq(pkv_kv_create(&cfg, &kv), PKV_OK);
     pkv_kv_stats_t st;
@@ -492,15 +493,18 @@ START_TEST(storage_backend_gets_every_byte_operation)
     pkv_seq_blocks(b, &ib, &nb);
     uint32_t shared = ib[1];
     pkv_kv_stats(kv, &st);
-    uint64_t live = st.blocks_live, copies = guard.copies;
+    uint64_t live = st.blocks_live, copies = guard.copies, committed = st.committed_bytes;
     guard.fail_copies = 1;
-    ck_assert_int_eq(pkv_seq_reserve(b, 40), PKV_ERR_IO); /* two new blocks and the copy */
+    ck_assert_int_eq(pkv_seq_reserve(b, 40), PKV_ERR_IO); /* a new block and the copy */
     pkv_seq_blocks(b, &ib, &nb);
     ck_assert_uint_eq(nb, 2);
     ck_assert_uint_eq(ib[1], shared);
     ck_assert_uint_eq(pkv_seq_capacity(b), 20);
     pkv_kv_stats(kv, &st);
     ck_assert_uint_eq(st.blocks_live, live);
+    ck_assert_uint_eq(st.committed_bytes, committed); /* what it committed went back */
+    ck_assert_uint_eq(guard.committed, committed);
+    ck_assert(st.commits > 1); /* it did commit (a granule for the new blocks) */
     ck_assert_uint_eq(st.cow_copies, 0);
     ck_assert_uint_eq(guard.copies, copies);
     ck_assert_int_eq(pkv_kv_validate(kv), PKV_OK);

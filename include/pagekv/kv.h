@@ -96,11 +96,13 @@ PKV_API int pkv_backend_parse(const char *s, pkv_backend_t *out);
  * given back with the OS). Another backend (the GPU's device memory, src/gpu) hands out
  * addresses the pool only computes with: the pool itself reads and writes block bytes
  * only through `copy` (a shared partial block copied before it is written). Each call
- * may block; the pool never makes one under its lock. The backend outlives the pool. */
+ * but `stride` may block; the pool never makes one under its lock. The backend outlives
+ * the pool. */
 typedef struct pkv_kv_storage {
     const char *name; /* "host", "cuda", ... (logs, stats) */
     /* A range's bytes per granule holding `used` bytes of blocks: a multiple of the
-     * backend's own unit (the host's 4 KiB page, a device's mapping granularity). */
+     * backend's own unit (the host's 4 KiB page, a device's mapping granularity). A pure
+     * function: the pool's validation calls it under the pool's lock. */
     size_t (*stride)(void *ctx, size_t used);
     /* `bytes` (a multiple of stride) of addresses, none of it usable before commit. */
     int (*reserve)(void *ctx, size_t bytes, void **addr);

@@ -52,8 +52,9 @@ extern const double pkv_disagg_phase_bounds[PKV_DISAGG_PHASE_BUCKETS];
 /* The moments of a decode leg on its node (monotonic ns; 0: not reached), for the
  * X-Pagekv-Timings breakdown of its time to first byte (`decode_leg_ms`): the handler got
  * the request, asked for the pull, the pull worker began it and ended it, the connection
- * resumed with it, the engine took the submission, admitted it (a given first token is
- * emitted there), the handler saw the first output, its first bytes went to the socket. */
+ * resumed with it, the submission, the engine admitted it (a given first token is emitted
+ * there), the handler saw the first output, its first bytes were handed to libmicrohttpd
+ * (a stream that outlives its first output only: the timings ride its last chunk). */
 typedef enum {
     PKV_DISAGG_MARK_ARRIVAL = 0,
     PKV_DISAGG_MARK_PULL_ASKED,

@@ -147,8 +147,14 @@ void pkv_gpu_kv_storage_destroy(pkv_gpu_kv_storage_t *s);
 const pkv_kv_storage_t *pkv_gpu_kv_storage(const pkv_gpu_kv_storage_t *s);
 /* The ranges' arena counters summed (granule_bytes: the device granule). */
 void pkv_gpu_kv_storage_stats(pkv_gpu_kv_storage_t *s, pkv_gpu_arena_stats_t *out);
-/* Release every range's spare handles (pkv_gpu_arena_trim). */
+/* Release every range's spare handles (pkv_gpu_arena_trim). Not concurrent with a pool's
+ * destroy on this storage (its ranges' release). */
 void pkv_gpu_kv_storage_trim(pkv_gpu_kv_storage_t *s);
+
+/* The driver's used bytes since free0 (cuMemGetInfo's free then) against counters st:
+ * |used - created| over the allowance, 2 % of created or one granule, whichever is more
+ * (<= 1: they agree); NAN when the driver cannot say. */
+double pkv_gpu_driver_gap(pkv_gpu_t *g, uint64_t free0, const pkv_gpu_arena_stats_t *st);
 
 /* How the kernels below address a paged pool's blocks (one rank, one layer): the pool puts
  * a granule's blocks side by side per (layer, K|V, head) (docs/design/pool.md), so token t

@@ -10,8 +10,10 @@
 
 #include "core/core.h"
 
+#include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define KS_MAX_RANGES PKV_KV_MAX_TP
 
@@ -19,7 +21,7 @@ struct pkv_gpu_kv_storage {
     pkv_gpu_t *g;
     pkv_gpu_arena_config_t spares;
     uint64_t gb;        /* the device granule: every stride is whole ones */
-    pthread_mutex_t mu; /* the ranges (changed by reserve / release only) */
+    pthread_mutex_t mu; /* the ranges' table (no driver call is made under it) */
     pkv_gpu_arena_t *arena[KS_MAX_RANGES];
     uint64_t base[KS_MAX_RANGES], bytes[KS_MAX_RANGES];
     pkv_kv_storage_t ops;
@@ -52,17 +54,24 @@ static int ks_reserve(void *ctx, size_t bytes, void **addr)
     if (!bytes || bytes % s->gb || bytes / s->gb > UINT32_MAX) return PKV_ERR_INVALID;
     pkv_gpu_arena_config_t c = s->spares;
     c.n_granules = (uint32_t)(bytes / s->gb);
+    pkv_gpu_arena_t *a = NULL;
+    int rc = pkv_gpu_arena_create(s->g, &c, &a);
+    if (rc) return rc;
     pthread_mutex_lock(&s->mu);
     uint32_t r = 0;
     while (r < KS_MAX_RANGES && s->arena[r]) r++;
-    int rc = r < KS_MAX_RANGES ? pkv_gpu_arena_create(s->g, &c, &s->arena[r]) : PKV_ERR_NOMEM;
-    if (!rc) {
-        s->base[r] = pkv_gpu_arena_base(s->arena[r]);
+    if (r < KS_MAX_RANGES) {
+        s->arena[r] = a;
+        s->base[r] = pkv_gpu_arena_base(a);
         s->bytes[r] = bytes;
         *addr = (void *)(uintptr_t)s->base[r];
     }
     pthread_mutex_unlock(&s->mu);
-    return rc;
+    if (r == KS_MAX_RANGES) { /* a pool has at most PKV_KV_MAX_TP ranges: several pools */
+        pkv_gpu_arena_destroy(a);
+        return PKV_ERR_NOMEM;
+    }
+    return PKV_OK;
 }
 
 static void ks_release(void *ctx, void *addr, size_t bytes)
@@ -103,7 +112,12 @@ static void ks_decommit(void *ctx, void *addr, size_t bytes)
     uint32_t i0 = 0;
     pkv_gpu_arena_t *a = ks_find(s, (uintptr_t)addr, bytes, &i0);
     PKV_ASSERT(a && bytes % s->gb == 0);
-    for (uint32_t k = 0; k < bytes / s->gb; k++) pkv_gpu_arena_decommit(a, i0 + k);
+    for (uint32_t k = 0; k < bytes / s->gb; k++) {
+        int rc = pkv_gpu_arena_decommit(a, i0 + k);
+        if (rc) /* the arena keeps it mapped and counted: its next commit is refused */
+            PKV_LOGE("gpu", "decommit of granule %u at %#llx failed (%s): it stays mapped", i0 + k,
+                     (unsigned long long)(uintptr_t)addr, pkv_status_str(rc));
+    }
 }
 
 static int ks_copy(void *ctx, void *dst, const void *src, size_t bytes)
@@ -175,10 +189,21 @@ void pkv_gpu_kv_storage_stats(pkv_gpu_kv_storage_t *s, pkv_gpu_arena_stats_t *ou
 
 void pkv_gpu_kv_storage_trim(pkv_gpu_kv_storage_t *s)
 {
+    pkv_gpu_arena_t *a[KS_MAX_RANGES];
     pthread_mutex_lock(&s->mu);
-    for (uint32_t r = 0; r < KS_MAX_RANGES; r++)
-        if (s->arena[r]) pkv_gpu_arena_trim(s->arena[r]);
+    memcpy(a, s->arena, sizeof(a));
     pthread_mutex_unlock(&s->mu);
+    for (uint32_t r = 0; r < KS_MAX_RANGES; r++) /* the driver outside the lock */
+        if (a[r]) pkv_gpu_arena_trim(a[r]);
+}
+
+double pkv_gpu_driver_gap(pkv_gpu_t *g, uint64_t free0, const pkv_gpu_arena_stats_t *st)
+{
+    uint64_t free1, total;
+    if (pkv_gpu_mem_info(g, &free1, &total)) return NAN;
+    double used = (double)free0 - (double)free1, want = (double)st->created_bytes;
+    double allow = want * 0.02 > (double)st->granule_bytes ? want * 0.02 : st->granule_bytes;
+    return fabs(used - want) / allow;
 }
 
 int pkv_gpu_pool_view(const pkv_kv_t *kv, uint32_t rank, uint32_t layer, pkv_gpu_pool_view_t *out)

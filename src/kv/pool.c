@@ -794,6 +794,16 @@ static void pool_seq_free(pkv_seq_t *seq)
     seq_dealloc(s);
 }
 
+/* Undo a reserve's allocation (lock held): its new table entries blocks[from, to) and the
+ * copy's block `extra` (NONE: none) go back, and as many empty granules as it committed. */
+static void reserve_undo(pool_t *p, const uint32_t *blocks, uint32_t from, uint32_t to,
+                         uint32_t extra, uint64_t commits)
+{
+    if (extra != NONE) block_drop(p, extra, true);
+    for (uint32_t i = from; i < to; i++) block_drop(p, blocks[i], true);
+    pool_return_fresh(p, commits);
+}
+
 /* Block src's bytes into block dst, every rank's part (replicas included), through the
  * storage: the pool's only access to block bytes. Unlocked (the caller holds both). */
 static int block_copy(const pool_t *p, uint32_t dst, uint32_t src)
@@ -839,16 +849,14 @@ static int pool_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens)
     if (rc == PKV_OK && cow) {
         uint64_t entry_commits = p->commits - commits0;
         rc = pool_alloc(p, 1, fresh, &seq->commit_ns);
-        if (rc) { /* hand back the entries and what was committed for them */
-            for (uint32_t i = s->nb; i < nb; i++) block_drop(p, s->blocks[i], true);
-            pool_return_fresh(p, entry_commits);
-        }
+        if (rc) reserve_undo(p, s->blocks, s->nb, nb, NONE, entry_commits);
     }
     if (rc) {
         if (rc == PKV_ERR_NOSPACE) p->rej_nospace++;
         pthread_mutex_unlock(&p->lock);
         return rc;
     }
+    uint64_t commits = p->commits - commits0; /* this reserve's, before others' can add */
     pool_unlock(p);
     if (cow) {
         /* We hold a reference on the shared block: no sharer writes it (each copies
@@ -856,10 +864,8 @@ static int pool_seq_reserve(pkv_seq_t *seq, uint32_t n_tokens)
         uint32_t old = s->blocks[partial];
         rc = block_copy(p, fresh[0], old);
         pthread_mutex_lock(&p->lock);
-        if (rc) { /* the storage failed: nothing reserved, the sequence as it was */
-            block_drop(p, fresh[0], true);
-            for (uint32_t i = s->nb; i < nb; i++) block_drop(p, s->blocks[i], true);
-            pool_settle(p);
+        if (rc) { /* the storage failed: the sequence and the pool as they were */
+            reserve_undo(p, s->blocks, s->nb, nb, fresh[0], commits);
             pthread_mutex_unlock(&p->lock);
             return rc;
         }

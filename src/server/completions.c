@@ -495,12 +495,12 @@ static int gen_submit(pkv_server_t *s, const pkv_openai_request_t *r, const int3
     /* A load from disk (gen_enter) is part of the time to first token; a decode leg's
      * phases start after its pull. */
     run->t_submit = run->t_lease && r->kvt != PKV_OPENAI_KVT_DECODE ? run->t_lease : pkv_now_ns();
+    run->tm.at[PKV_DISAGG_MARK_SUBMITTED] = pkv_now_ns(); /* the engine may admit at once */
     int rc = pkv_engine_submit(s->engine, &p, &run->req);
     if (rc) {
         submit_error(s, rc, run, err);
         return rc;
     }
-    run->tm.at[PKV_DISAGG_MARK_SUBMITTED] = pkv_now_ns();
     snprintf(run->id, sizeof(run->id), "%s-%016llx",
              run->kind == PKV_OPENAI_CHAT ? "chatcmpl" : "cmpl",
              (unsigned long long)(id ^ ((uint64_t)s->created << 32)));

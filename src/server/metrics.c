@@ -437,9 +437,9 @@ json_t *srv_timings_json(const pkv_disagg_timings_t *t, pkv_server_role_t role)
         uint64_t prev = t->at[PKV_DISAGG_MARK_ARRIVAL];
         for (int m = PKV_DISAGG_MARK_ARRIVAL + 1; leg && prev && m < PKV_DISAGG_MARK_COUNT; m++) {
             if (!t->at[m]) continue;
-            json_object_set_new(leg, pkv_disagg_mark_label[m],
-                                json_real((double)(t->at[m] - prev) / 1e6));
-            prev = t->at[m];
+            uint64_t d = t->at[m] > prev ? t->at[m] - prev : 0; /* clocks of two threads */
+            json_object_set_new(leg, pkv_disagg_mark_label[m], json_real((double)d / 1e6));
+            prev = t->at[m] > prev ? t->at[m] : prev;
         }
         json_object_set_new(doc, "decode_leg_ms", leg);
     }
