@@ -71,11 +71,11 @@ static const char *const bl_ph_names[BL_NPH] = {
     "kv_alloc", "kv_commit", "handshake", "staging_wait", "wire", "commit", "decode"};
 
 /* The decode leg's moments on its node (pagekv_timings.decode_leg_ms: each the ms since
- * the one before, from the handler's arrival): docs/design/disagg.md, "Observability". */
-enum { BL_NMARK = 8 };
-static const char *const bl_mark_names[BL_NMARK] = {"pull_asked", "pull_begin", "pull_end",
-                                                    "resumed",    "submitted",  "admitted",
-                                                    "seen",       "first_write"};
+ * the one before, from its headers): docs/design/disagg.md, "Observability". */
+enum { BL_NMARK = 9 };
+static const char *const bl_mark_names[BL_NMARK] = {"arrival",  "pull_asked", "pull_begin",
+                                                    "pull_end", "resumed",    "submitted",
+                                                    "admitted", "seen",       "first_write"};
 
 /* /metrics series read around a routed request, per process. */
 enum { RS_TTFB, RS_E2E, RS_E2E_COUNT, RS_LEG_P, RS_LEG_D, RS_LOOKUP, BL_NRS };
@@ -413,6 +413,7 @@ static const char *const bl_f_names[BL_NF] = {"prompt_tokens",
                                               "decode_leg_ttfb_ms",
                                               "decode_leg_ttfb_minus_pull_ms",
                                               "decode_node_before_pull_ms",
+                                              "node_arrival_ms",
                                               "node_pull_asked_ms",
                                               "node_pull_begin_ms",
                                               "node_pull_end_ms",
@@ -498,9 +499,11 @@ static void bl_medians(const bl_round_t *x, uint32_t n, double med[BL_NF])
     for (int k = 0; k < BL_NF; k++) med[k] = NAN;
     if (!col || !all) goto out;
     for (uint32_t i = 0; i < n; i++) bl_values(&x[i], all[i]);
-    for (int k = 0; k < BL_NF && n; k++) {
-        for (uint32_t i = 0; i < n; i++) col[i] = all[i][k];
-        med[k] = pkv_bench_median(col, n);
+    for (int k = 0; k < BL_NF && n; k++) { /* over the rounds that measured it */
+        uint32_t m = 0;
+        for (uint32_t i = 0; i < n; i++)
+            if (!isnan(all[i][k])) col[m++] = all[i][k];
+        med[k] = m ? pkv_bench_median(col, m) : NAN;
     }
 out:
     free(col);
@@ -571,10 +574,10 @@ static void bl_print(const bl_opts_t *o, const bl_size_t *S, uint32_t ns)
                m[F_D_PREPULL]);
     }
     printf("\n### decode leg on its node: each moment, ms since the one before (medians of %u; "
-           "from the handler's arrival to the first bytes handed to the socket)\n\n| size |",
+           "from its headers to the first bytes handed to libmicrohttpd)\n\n| size |",
            o->runs);
     for (int k = 0; k < BL_NMARK; k++) printf(" %s |", bl_mark_names[k]);
-    printf(" sum | decode leg TTFB - sum (HTTP in and out) |\n|");
+    printf(" sum | decode leg TTFB - sum (connect, headers in, bytes out) |\n|");
     for (int k = 0; k < BL_NMARK + 3; k++) printf("---|");
     printf("\n");
     for (uint32_t s = 0; s < ns; s++) {

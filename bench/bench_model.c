@@ -282,6 +282,9 @@ static const char *const bare_names[N_BARE] = {
 static const char *const bare_keys[N_BARE] = {"bare_stream_gbs", "bare_huge_gbs", "bare_pieces_gbs",
                                               "bare_pieces2_gbs"};
 #define BARE_GRANULE ((size_t)2 << 20)
+/* The piece sizes the sweep reads (one piece per 2 MiB granule, as BARE_PIECES): what a
+ * contiguous run per granule is worth on this CPU. */
+static const size_t bare_piece_kib[5] = {8, 16, 32, 64, 128};
 
 /* Everything measured. */
 typedef struct {
@@ -295,6 +298,7 @@ typedef struct {
     size_t stream_bytes;       /* K/V one long decode step reads, which the bare streams read */
     size_t stream_piece;       /* BARE_PIECES' piece */
     double stream_gbs[N_BARE]; /* GB/s of each BARE_ layout; 0 not run */
+    double piece_gbs[5];       /* BARE_PIECES by piece size (bare_piece_kib); 0 not run */
     uint32_t stream_threads;   /* the model's */
     mcase_t mcases[N_CASES];
     mcase_res_t mres[N_CASES];
@@ -694,6 +698,13 @@ static int write_json(pkv_model_t *m, const opts_t *o, const results_t *res, con
     for (int k = 0; k < N_BARE; k++)
         if (res->stream_gbs[k] > 0)
             json_object_set_new(j, bare_keys[k], json_real(res->stream_gbs[k]));
+    json_t *bp = json_array();
+    for (int k = 0; k < 5; k++)
+        if (res->piece_gbs[k] > 0)
+            json_array_append_new(bp, json_pack("{s:I, s:f}", "piece_bytes",
+                                                (json_int_t)(bare_piece_kib[k] << 10), "gbs",
+                                                res->piece_gbs[k]));
+    json_object_set_new(j, "bare_pieces_by_size", bp);
     if (s->have4096) {
         json_object_set_new(j, "decode_paged_over_dense_4096", json_real(s->r4096));
         json_t *pr = json_array();
@@ -871,7 +882,14 @@ static json_t *print_cases(const opts_t *o, const results_t *res)
                    pkv_prim_cpu_amd() ? "L1" : "L2");
             for (int b = 0; b < N_BARE; b++)
                 printf("%s %s %.1f GB/s", b ? ";" : "", bare_names[b], res->stream_gbs[b]);
-            printf(" (%zu KiB pieces)\n", res->stream_piece >> 10);
+            printf(" (%zu KiB pieces)\nlong: the same bare reads by piece size (one piece a "
+                   "2 MiB granule):",
+                   res->stream_piece >> 10);
+            for (int p = 0; p < 5; p++)
+                if (res->piece_gbs[p] > 0)
+                    printf("%s %zu KiB %.1f GB/s", p ? ";" : "", bare_piece_kib[p],
+                           res->piece_gbs[p]);
+            printf("\n");
         }
     }
     return a;
@@ -1029,6 +1047,9 @@ static int run_bench(pkv_model_t *m, pkv_model_t *llama, const opts_t *o)
             res.stream_gbs[k] =
                 bare_stream(res.stream_bytes, res.stream_threads, k, res.stream_piece);
         }
+        for (int k = 0; k < 5; k++)
+            res.piece_gbs[k] = bare_stream(res.stream_bytes, res.stream_threads, BARE_PIECES,
+                                           bare_piece_kib[k] << 10);
     }
     if (pkv_cli_progress_enabled()) fprintf(stderr, "\r%70s\r", "");
     res.load1 = loadavg1();

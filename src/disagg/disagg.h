@@ -50,13 +50,15 @@ extern const char *const pkv_disagg_phase_label[PKV_DISAGG_PHASE_COUNT];
 extern const double pkv_disagg_phase_bounds[PKV_DISAGG_PHASE_BUCKETS];
 
 /* The moments of a decode leg on its node (monotonic ns; 0: not reached), for the
- * X-Pagekv-Timings breakdown of its time to first byte (`decode_leg_ms`): the handler got
- * the request, asked for the pull, the pull worker began it and ended it, the connection
- * resumed with it, the submission, the engine admitted it (a given first token is emitted
- * there), the handler saw the first output, its first bytes were handed to libmicrohttpd
- * (a stream that outlives its first output only: the timings ride its last chunk). */
+ * X-Pagekv-Timings breakdown of its time to first byte (`decode_leg_ms`): libmicrohttpd
+ * handed over the request's headers, then its whole body, the handler asked for the pull, the pull
+ * worker began it and ended it, the connection resumed with it, the submission, the engine admitted
+ * it (a given first token is emitted there), the handler saw the first output, its first bytes were
+ * handed to libmicrohttpd (a stream that outlives its first output only: the timings ride its last
+ * chunk). */
 typedef enum {
-    PKV_DISAGG_MARK_ARRIVAL = 0,
+    PKV_DISAGG_MARK_HEADERS = 0,
+    PKV_DISAGG_MARK_ARRIVAL,
     PKV_DISAGG_MARK_PULL_ASKED,
     PKV_DISAGG_MARK_PULL_BEGIN,
     PKV_DISAGG_MARK_PULL_END,

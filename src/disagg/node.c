@@ -30,8 +30,8 @@ const char *const pkv_disagg_phase_label[PKV_DISAGG_PHASE_COUNT] = {
     "handshake",     "staging_wait",    "wire",       "commit",   "decode"};
 
 const char *const pkv_disagg_mark_label[PKV_DISAGG_MARK_COUNT] = {
-    "arrival",   "pull_asked", "pull_begin", "pull_end",   "resumed",
-    "submitted", "admitted",   "seen",       "first_write"};
+    "headers", "arrival",   "pull_asked", "pull_begin", "pull_end",
+    "resumed", "submitted", "admitted",   "seen",       "first_write"};
 
 /* How long a free staging page stays committed: -1, never (fixed slots, the mirror). */
 static int64_t stage_idle_ms(const pkv_server_config_t *cfg)

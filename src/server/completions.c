@@ -876,6 +876,7 @@ enum MHD_Result srv_handle_generate(pkv_server_t *s, struct MHD_Connection *c, h
                                  "no room for another request");
     }
     hr->gen = g; /* from here on srv_generate_free (the request's completion) ends it */
+    g->run.tm.at[PKV_DISAGG_MARK_HEADERS] = hr->t_headers;
     g->run.tm.at[PKV_DISAGG_MARK_ARRIVAL] = pkv_now_ns();
     g->run.w = w;
     g->run.fd = conn_fd(c);

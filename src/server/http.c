@@ -366,6 +366,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     if (!hr) {
         hr = calloc(1, sizeof(*hr));
         if (!hr) return MHD_NO;
+        hr->t_headers = pkv_now_ns();
         *con_cls = hr;
         return on_first_call(s, c, hr, url, method);
     }

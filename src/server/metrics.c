@@ -434,8 +434,8 @@ json_t *srv_timings_json(const pkv_disagg_timings_t *t, pkv_server_role_t role)
         json_pack("{s:s, s:o*}", "role", pkv_server_role_name(role), "phases_seconds", ph);
     if (doc && t->at[PKV_DISAGG_MARK_PULL_END]) { /* each moment: ms since the one before */
         json_t *leg = json_object();
-        uint64_t prev = t->at[PKV_DISAGG_MARK_ARRIVAL];
-        for (int m = PKV_DISAGG_MARK_ARRIVAL + 1; leg && prev && m < PKV_DISAGG_MARK_COUNT; m++) {
+        uint64_t prev = t->at[PKV_DISAGG_MARK_HEADERS];
+        for (int m = PKV_DISAGG_MARK_HEADERS + 1; leg && prev && m < PKV_DISAGG_MARK_COUNT; m++) {
             if (!t->at[m]) continue;
             uint64_t d = t->at[m] > prev ? t->at[m] - prev : 0; /* clocks of two threads */
             json_object_set_new(leg, pkv_disagg_mark_label[m], json_real((double)d / 1e6));

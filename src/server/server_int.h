@@ -255,6 +255,7 @@ typedef struct {
     bool too_large;
     bool in_flight; /* counted in ctr.in_flight: released in the completed callback */
     bool answered;
+    uint64_t t_headers;      /* when libmicrohttpd handed over its headers (pkv_now_ns) */
     struct srv_gen_req *gen; /* a generation request under way (completions.c) */
 } http_req_t;
 
