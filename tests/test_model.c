@@ -674,6 +674,44 @@ START_TEST(invariant_to_attention_windows)
 }
 END_TEST
 
+/* A segment whose K/V of one layer reaches 16 MiB is attended in blocks of 16 row pairs
+ * (model.c, BLOCK_PAIRS_LONG), shorter ones in blocks of 4: the logits of a prefill that
+ * crosses that size equal, bit for bit, those of the same tokens two rows at a time. 64 KV
+ * heads of 64 dims make a layer's K/V 32 KiB a token in f32 (long from 512 positions) and
+ * 16 KiB in bf16 (from 1024). */
+START_TEST(invariant_to_long_blocks)
+{
+    uint64_t seed = pkv_test_seed(0x10b1);
+    uint64_t rs = seed;
+    pkv_model_config_t c;
+    ck_assert_int_eq(pkv_model_preset("llama-3.2-1b", &c), PKV_OK);
+    c.vocab_size = 128;
+    c.n_layers = 2;
+    c.n_heads = c.n_kv_heads = 64;
+    enum { N = SANITIZED ? 600 : 1100 };
+    static int32_t toks[N];
+    for (int i = 0; i < N; i++) toks[i] = (int32_t)pkv_test_below(&rs, 128);
+    uint32_t sched[3] = {N - 2, 1, 1};
+    pkv_model_t *wide, *pairs;
+    pkv_model_runtime_t rw = {.threads = 2}, rp = {.threads = 2, .chunk_tokens = 2};
+    ck_assert_int_eq(pkv_model_create_builtin(&c, 9, &rw, &wide), PKV_OK);
+    ck_assert_int_eq(pkv_model_create_builtin(&c, 9, &rp, &pairs), PKV_OK);
+    static float ref[3 * 128], got[3 * 128];
+    pkv_dtype_t dts[2] = {PKV_DTYPE_F32, PKV_DTYPE_BF16};
+    for (int d = 0; d < (SANITIZED ? 1 : 2); d++) {
+        run_schedule(pairs, PKV_BACKEND_DENSE, dts[d], 16, toks, sched, 3, ref);
+        for (int be = 0; be < 2; be++) {
+            run_schedule(wide, be, dts[d], 16, toks, sched, 3, got);
+            ck_assert_msg(!memcmp(ref, got, sizeof(got)),
+                          "seed %llu: logits differ with long blocks (dtype %d backend %d)",
+                          (unsigned long long)seed, dts[d], be);
+        }
+    }
+    pkv_model_destroy(wide);
+    pkv_model_destroy(pairs);
+}
+END_TEST
+
 /* Several sequences in one forward call give each the logits it gets alone. Geometry 1:
  * 32 queries per KV head of 64 dims, so a task's queries (2048 floats for one head, 4096
  * for two) are split for the bf16 kernels all at once alone and one head at a time in a
@@ -862,6 +900,7 @@ static Suite *model_suite(void)
     tcase_add_loop_test(tc, invariant_to_batch_composition, 0, 4);
     tcase_add_test(tc, paged_equals_dense_long_and_mixed);
     tcase_add_test(tc, invariant_to_attention_windows);
+    tcase_add_test(tc, invariant_to_long_blocks);
     return s;
 }
 

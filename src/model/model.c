@@ -40,10 +40,16 @@
 #define MM_ROW_BLOCK      32u
 #define MM_COL_BLOCK      64u
 /* Attention: row pairs per task, and the K (or V) bytes of a task's heads per window
- * (att_task), in at most WINDOW_RUNS runs. */
-#define BLOCK_PAIRS  4u
-#define WINDOW_BYTES ((size_t)256 << 10)
-#define WINDOW_RUNS  64u
+ * (att_task), in at most WINDOW_RUNS runs. A segment whose K/V of one layer reaches
+ * LONG_KV_BYTES (about half a server's L3: the layer no longer stays in cache between the
+ * blocks that read it) takes BLOCK_PAIRS_LONG pairs a block, so a prefill chunk reads it
+ * from memory 4x less often (16k-token prefill, paged: docs/design/model.md, "Speed");
+ * shorter ones keep BLOCK_PAIRS, and with it the scores scratch they touch. */
+#define BLOCK_PAIRS      4u
+#define BLOCK_PAIRS_LONG 16u
+#define LONG_KV_BYTES    ((size_t)16 << 20)
+#define WINDOW_BYTES     ((size_t)256 << 10)
+#define WINDOW_RUNS      64u
 
 struct pkv_model_row {
     uint32_t seg;
@@ -266,9 +272,10 @@ int model_alloc(const pkv_model_config_t *cfg, const pkv_model_runtime_t *rt, pk
         !(m->lrows = alloc_floats(LOGIT_ROWS * m->ld_d)) ||
         !(m->lout = alloc_floats(LOGIT_ROWS * (size_t)m->ld_v)) ||
         !(m->scores =
-              alloc_floats((size_t)m->threads * 2 * BLOCK_PAIRS * c->n_heads * c->max_seq_len)) ||
-        !(m->rows = calloc(C, sizeof(*m->rows))) || !(m->segs = calloc(C, sizeof(*m->segs))) ||
-        !(m->pairs = calloc(C, sizeof(*m->pairs))) ||
+              calloc((size_t)m->threads * 2 * BLOCK_PAIRS_LONG * c->n_heads * c->max_seq_len,
+                     sizeof(float))) || /* untouched until a block uses it */
+        !(m->rows = calloc(C, sizeof(*m->rows))) ||
+        !(m->segs = calloc(C, sizeof(*m->segs))) || !(m->pairs = calloc(C, sizeof(*m->pairs))) ||
         !(m->blocks = calloc(C + 1, sizeof(*m->blocks))))
         goto fail;
     if ((rc = model_tpool_create(m->threads, "pkv-model", &m->pool))) goto fail;
@@ -469,7 +476,7 @@ static uint32_t window_runs(const pkv_kv_run_t *runs, uint32_t nruns, uint32_t *
     return got;
 }
 
-/* A task is a block of up to BLOCK_PAIRS row pairs of one segment (a pair: one or two
+/* A task is a block of up to BLOCK_PAIRS (or _LONG) row pairs of one segment (a pair: one or two
  * rows at adjacent positions, which share each K/V load) and a group of KV heads with
  * their query heads. A block walks the positions in windows of about WINDOW_BYTES of its
  * heads' K (then V), every pair reading a window while it is in L2: at long context the
@@ -494,10 +501,10 @@ static void att_task(void *arg, uint32_t task, uint32_t thread)
     const pkv_kv_run_t *runs = m->runs + seg->run0 + (size_t)grp * seg->nruns;
     uint32_t kh0 = h0 - grp * per_group; /* the rank-local head of h0 */
     size_t plane = (size_t)c->n_heads * S;
-    float *scr = m->scores + (size_t)thread * 2 * BLOCK_PAIRS * plane;
-    uint32_t na[BLOCK_PAIRS], nb[BLOCK_PAIRS], end = 0;
-    const float *qa[BLOCK_PAIRS], *qb[BLOCK_PAIRS];
-    float *oa[BLOCK_PAIRS], *ob[BLOCK_PAIRS];
+    float *scr = m->scores + (size_t)thread * 2 * BLOCK_PAIRS_LONG * plane;
+    uint32_t na[BLOCK_PAIRS_LONG], nb[BLOCK_PAIRS_LONG], end = 0;
+    const float *qa[BLOCK_PAIRS_LONG], *qb[BLOCK_PAIRS_LONG];
+    float *oa[BLOCK_PAIRS_LONG], *ob[BLOCK_PAIRS_LONG];
     for (uint32_t k = 0; k < np; k++) {
         const struct pkv_model_pair *pr = &m->pairs[pr0 + k];
         uint32_t ra = pr->row;
@@ -690,11 +697,16 @@ static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg
     aj.splits = m->kv_groups;
     uint64_t att_macs = 0; /* per layer: positions read x query dims x 2 (scores, V) */
     for (uint32_t r = 0; r < rows; r++) att_macs += (uint64_t)(m->rows[r].pos + 1) * m->qdim * 2;
+    size_t layer_token_bytes = (size_t)c->n_kv_heads * rb * 2;
     for (uint32_t sg = 0; sg < nseg; sg++) {
-        for (uint32_t r = 0; r < m->segs[sg].n; r += 2) {
-            m->pairs[npairs].row = m->segs[sg].row0 + r;
-            m->pairs[npairs].two = r + 1 < m->segs[sg].n;
-            if (r % (2 * BLOCK_PAIRS) == 0) m->blocks[nblocks++] = npairs;
+        const struct pkv_model_seg *g = &m->segs[sg];
+        uint32_t bp = (size_t)(g->pos0 + g->n) * layer_token_bytes >= LONG_KV_BYTES
+                          ? BLOCK_PAIRS_LONG
+                          : BLOCK_PAIRS;
+        for (uint32_t r = 0; r < g->n; r += 2) {
+            m->pairs[npairs].row = g->row0 + r;
+            m->pairs[npairs].two = r + 1 < g->n;
+            if (r % (2 * bp) == 0) m->blocks[nblocks++] = npairs;
             npairs++;
         }
     }
