@@ -712,6 +712,66 @@ START_TEST(invariant_to_long_blocks)
 }
 END_TEST
 
+/* A decode pass whose rows reach past one softmax span (2048 positions, model.c ATT_SPAN)
+ * runs a task per (row, span) and merges the spans after; a prefill block computes the same
+ * spans in its windows. The same tokens give the same logits bit for bit either way: the
+ * last three tokens decoded one at a time (span tasks) against the three in one pass
+ * (blocks), on both backends and 1 or 2 threads, and a batch of a long and a short sequence
+ * (span tasks for both) against each alone (the short one alone takes the block path). */
+START_TEST(invariant_to_decode_spans)
+{
+    uint64_t seed = pkv_test_seed(0xdec5);
+    uint64_t rs = seed;
+    pkv_model_config_t c;
+    ck_assert_int_eq(pkv_model_preset("tiny", &c), PKV_OK);
+    c.vocab_size = 64;
+    enum { N = 2600, SHORT = 300 };
+    static int32_t toks[N], toks2[SHORT];
+    for (int i = 0; i < N; i++) toks[i] = (int32_t)pkv_test_below(&rs, 64);
+    for (int i = 0; i < SHORT; i++) toks2[i] = (int32_t)pkv_test_below(&rs, 64);
+    pkv_model_t *one, *two;
+    pkv_model_runtime_t r1 = {.threads = 1}, r2 = {.threads = 2};
+    ck_assert_int_eq(pkv_model_create_builtin(&c, 5, &r1, &one), PKV_OK);
+    ck_assert_int_eq(pkv_model_create_builtin(&c, 5, &r2, &two), PKV_OK);
+    /* ref: the last three tokens in one pass of three rows (a pair and a lone row: blocks) */
+    uint32_t sched[4] = {N - 3, 1, 1, 1}, sched_ref[2] = {N - 3, 3};
+    static float ref[2 * 64], got[4 * 64];
+    run_schedule(two, PKV_BACKEND_DENSE, PKV_DTYPE_BF16, 16, toks, sched_ref, 2, ref);
+    for (int be = 0; be < 2; be++) {
+        pkv_model_t *ms[2] = {one, two};
+        for (int t = 0; t < 2; t++) {
+            run_schedule(ms[t], be, PKV_DTYPE_BF16, 16, toks, sched, 4, got);
+            ck_assert_msg(!memcmp(ref + 64, got + 3 * 64, 64 * sizeof(float)),
+                          "seed %llu: decode past a span differs (backend %d, %d threads)",
+                          (unsigned long long)seed, be, t + 1);
+        }
+    }
+    /* One batch: the long sequence's last token and the short one's. */
+    uint32_t sched2[2] = {SHORT - 1, 1};
+    float alone_short[2 * 64];
+    run_schedule(two, PKV_BACKEND_PAGED, PKV_DTYPE_BF16, 16, toks2, sched2, 2, alone_short);
+    pkv_kv_t *kv = make_kv(two, PKV_BACKEND_PAGED, PKV_DTYPE_BF16, 16);
+    pkv_seq_t *a = make_seq(kv, toks, 1, N), *b = make_seq(kv, toks2, 1, SHORT);
+    pkv_model_item_t pre[2] = {{.seq = a, .tokens = toks, .n_tokens = N - 1},
+                               {.seq = b, .tokens = toks2, .n_tokens = SHORT - 1}};
+    ck_assert_int_eq(pkv_model_forward(two, kv, pre, 2), PKV_OK);
+    float la[64], lb[64];
+    pkv_model_item_t step[2] = {
+        {.seq = a, .tokens = toks + N - 1, .n_tokens = 1, .logits = la},
+        {.seq = b, .tokens = toks2 + SHORT - 1, .n_tokens = 1, .logits = lb}};
+    ck_assert_int_eq(pkv_model_forward(two, kv, step, 2), PKV_OK);
+    ck_assert_msg(!memcmp(la, ref + 64, sizeof(la)), "seed %llu: the long row in a batch differs",
+                  (unsigned long long)seed);
+    ck_assert_msg(!memcmp(lb, alone_short + 64, sizeof(lb)),
+                  "seed %llu: the short row in a batch differs", (unsigned long long)seed);
+    pkv_seq_free(a);
+    pkv_seq_free(b);
+    pkv_kv_destroy(kv);
+    pkv_model_destroy(one);
+    pkv_model_destroy(two);
+}
+END_TEST
+
 /* Several sequences in one forward call give each the logits it gets alone. Geometry 1:
  * 32 queries per KV head of 64 dims, so a task's queries (2048 floats for one head, 4096
  * for two) are split for the bf16 kernels all at once alone and one head at a time in a
@@ -901,6 +961,7 @@ static Suite *model_suite(void)
     tcase_add_test(tc, paged_equals_dense_long_and_mixed);
     tcase_add_test(tc, invariant_to_attention_windows);
     tcase_add_test(tc, invariant_to_long_blocks);
+    tcase_add_test(tc, invariant_to_decode_spans);
     return s;
 }
 

@@ -114,17 +114,17 @@ static void scores_portable(const float *qa, const float *qb, uint32_t na, uint3
     }
 }
 
-static void softmax_portable(float *s, uint32_t n)
+static void span_exp_portable(float *s, uint32_t n, float *max, float *sum)
 {
     float m = -INFINITY;
     for (uint32_t i = 0; i < n; i++) m = s[i] > m ? s[i] : m;
-    float sum = 0.0f;
+    float t = 0.0f;
     for (uint32_t i = 0; i < n; i++) {
         s[i] = expf(s[i] - m);
-        sum = sum + s[i];
+        t = t + s[i];
     }
-    float inv = 1.0f / sum;
-    for (uint32_t i = 0; i < n; i++) s[i] = s[i] * inv;
+    *max = m;
+    *sum = t;
 }
 
 static void av_portable(const float *pa, const float *pb, uint32_t na, uint32_t nb,
@@ -170,7 +170,7 @@ static const model_kernels_t kernels_portable = {
     .name = "portable",
     .matmul = matmul_portable,
     .scores = scores_portable,
-    .softmax = softmax_portable,
+    .span_exp = span_exp_portable,
     .av = av_portable,
     .sumsq = sumsq_portable,
 };
@@ -734,7 +734,7 @@ AVX2_INLINE void scores_dt(const float *qa, const float *qb, uint32_t na, uint32
     }
 }
 
-AVX2_FN static void softmax_avx2(float *s, uint32_t n)
+AVX2_FN static void span_exp_avx2(float *s, uint32_t n, float *max, float *total)
 {
     uint32_t n8 = n & ~7u;
     __m256 mv = _mm256_set1_ps(-INFINITY);
@@ -758,13 +758,8 @@ AVX2_FN static void softmax_avx2(float *s, uint32_t n)
         _mm256_maskstore_ps(s + n8, mask, e);
         sum = _mm256_add_ps(sum, e);
     }
-    __m256 inv = _mm256_set1_ps(1.0f / reduce1(sum));
-    for (uint32_t i = 0; i < n8; i += 8)
-        _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), inv));
-    if (n8 < n) {
-        __m256i mask = tail_mask(n - n8);
-        _mm256_maskstore_ps(s + n8, mask, _mm256_mul_ps(_mm256_maskload_ps(s + n8, mask), inv));
-    }
+    *max = m;
+    *total = reduce1(sum);
 }
 
 /* V accumulators of dims [0, 8 NV) in registers: bf16 (eo) in 16-dim chunks (ld_bf16x16),
@@ -1046,13 +1041,13 @@ static const model_kernels_t kernels_avx2[2] = {
     {.name = "avx2",
      .matmul = matmul_avx2,
      .scores = scores_avx2_l2,
-     .softmax = softmax_avx2,
+     .span_exp = span_exp_avx2,
      .av = av_avx2_l2,
      .sumsq = sumsq_avx2},
     {.name = "avx2 (decode prefetch to L1)",
      .matmul = matmul_avx2,
      .scores = scores_avx2_l1,
-     .softmax = softmax_avx2,
+     .span_exp = span_exp_avx2,
      .av = av_avx2_l1,
      .sumsq = sumsq_avx2},
 };

@@ -9,9 +9,14 @@
  * never on how the work around it is tiled:
  *   matmul   y[r][c] = fold over k ascending of fma(x[r][k], w[k][c], .) from 0
  *   scores   s_t = scale * tree-sum of 8 lanes, lane j folding d = j, j+8, ... ascending
- *   softmax  elementwise exp(s - max); sum over positions with lane = pos mod 8, then
- *            a fixed tree; p = e * (1 / sum)
- *   av       acc[d] = fold over positions ascending of fma(p_t, v_t[d], .)
+ *   span_exp per span of ATT_SPAN positions (model.c): m = its max; e_t = exp(s_t - m)
+ *            in place; sum over its positions with lane = (pos - span start) mod 8,
+ *            then a fixed tree
+ *   av       acc[d] = fold over positions ascending of fma(e_t, v_t[d], .), a span's
+ *            partial from 0
+ * and, in model.c (one C function for every path), a row's spans merged in ascending
+ * order: M = max of the spans' m, f = expf(m - M), sum = fold of sum * f, out[d] = fold
+ * of partial[d] * f, then out[d] * (1 / sum).
  * A run boundary, a batch of 1 or 8, a tail of 3 tokens: all take the same path per
  * element. The two kernel sets differ from each other (fma vs mul+add, exp
  * polynomial vs libm); a process uses one set for every backend.
@@ -42,8 +47,8 @@ typedef struct {
                    const pkv_kv_run_t *runs, uint32_t nruns, uint32_t h0, uint32_t nh,
                    uint32_t group, uint32_t hd, pkv_dtype_t dt, float scale, float *oa, float *ob,
                    size_t ostride);
-    /* s[0..n) <- softmax(s[0..n)). */
-    void (*softmax)(float *s, uint32_t n);
+    /* s[0..n) <- exp(s[0..n) - m) with *max = m = their max, *sum = their sum (n > 0). */
+    void (*span_exp)(float *s, uint32_t n, float *max, float *sum);
     /* For the same heads: aa[..][d] += sum over the runs' t < na ascending of pa[..][t] * v_t[d]
      * (pa rows at pstride, aa rows at hd), and likewise ab with pb over t < nb. */
     void (*av)(const float *pa, const float *pb, uint32_t na, uint32_t nb, const pkv_kv_run_t *runs,

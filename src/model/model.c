@@ -19,7 +19,8 @@
  * Why results never depend on batching, runs, chunking or threads: each output element
  * has one fixed arithmetic path (kernels.h), each parallel task writes disjoint
  * outputs, attention scores of a query go to a scratch array indexed by position, the
- * softmax runs over that array, and V is folded in position order.
+ * softmax runs over fixed spans of positions, V is folded in position order within a span,
+ * and the spans are merged in order by one function.
  */
 #include "model/model_int.h"
 
@@ -50,6 +51,9 @@
 #define LONG_KV_BYTES    ((size_t)16 << 20)
 #define WINDOW_BYTES     ((size_t)256 << 10)
 #define WINDOW_RUNS      64u
+/* Positions per softmax span (kernels.h): a row's attention is computed span by span and
+ * the spans merged in order, so a decode row's spans can run as tasks of their own. */
+#define ATT_SPAN 2048u
 
 struct pkv_model_row {
     uint32_t seg;
@@ -196,6 +200,11 @@ void pkv_model_destroy(pkv_model_t *m)
     free(m->segs);
     free(m->rows);
     free(m->scores);
+    free(m->att_aux);
+    free(m->dtask0);
+    free(m->dspan0);
+    free(m->dpart);
+    free(m->dstat);
     free(m->lout);
     free(m->lrows);
     free(m->rope);
@@ -265,6 +274,11 @@ int model_alloc(const pkv_model_config_t *cfg, const pkv_model_runtime_t *rt, pk
     PKV_ASSERT((size_t)(p - m->weights) == m->weights_floats);
 
     size_t C = m->chunk;
+    m->max_spans = PKV_DIV_UP(c->max_seq_len, ATT_SPAN);
+    /* att_task's per thread: partials (rows x qdim), then span maxima and sums (rows x
+     * n_heads x max_spans each), then 1 / sum (rows x n_heads) */
+    m->att_aux_floats = (size_t)2 * BLOCK_PAIRS_LONG *
+                        (m->qdim + (size_t)c->n_heads * (2 * (size_t)m->max_spans + 1));
     if (!(m->x = alloc_floats(C * m->ld_d)) || !(m->xb = alloc_floats(C * m->ld_d)) ||
         !(m->qkv = alloc_floats(C * m->ld_qkv)) || !(m->att = alloc_floats(C * m->ld_q)) ||
         !(m->tmp = alloc_floats(C * m->ld_d)) || !(m->h13 = alloc_floats(C * m->ld_h2)) ||
@@ -274,8 +288,11 @@ int model_alloc(const pkv_model_config_t *cfg, const pkv_model_runtime_t *rt, pk
         !(m->scores =
               calloc((size_t)m->threads * 2 * BLOCK_PAIRS_LONG * c->n_heads * c->max_seq_len,
                      sizeof(float))) || /* untouched until a block uses it */
-        !(m->rows = calloc(C, sizeof(*m->rows))) ||
-        !(m->segs = calloc(C, sizeof(*m->segs))) || !(m->pairs = calloc(C, sizeof(*m->pairs))) ||
+        !(m->att_aux = calloc((size_t)m->threads * m->att_aux_floats, sizeof(float))) ||
+        !(m->dtask0 = calloc(C + 1, sizeof(*m->dtask0))) ||
+        !(m->dspan0 = calloc(C + 1, sizeof(*m->dspan0))) ||
+        !(m->rows = calloc(C, sizeof(*m->rows))) || !(m->segs = calloc(C, sizeof(*m->segs))) ||
+        !(m->pairs = calloc(C, sizeof(*m->pairs))) ||
         !(m->blocks = calloc(C + 1, sizeof(*m->blocks))))
         goto fail;
     if ((rc = model_tpool_create(m->threads, "pkv-model", &m->pool))) goto fail;
@@ -449,6 +466,7 @@ typedef struct {
     pkv_dtype_t dt;
     size_t rb; /* bytes of one K/V row (pkv_dtype_row_bytes) */
     float scale;
+    uint64_t macs;           /* per layer (the parallel-loop threshold) */
     uint32_t splits;         /* head groups per block */
     uint32_t heads_per_task; /* KV heads per group */
 } att_job_t;
@@ -476,15 +494,90 @@ static uint32_t window_runs(const pkv_kv_run_t *runs, uint32_t nruns, uint32_t *
     return got;
 }
 
-/* A task is a block of up to BLOCK_PAIRS (or _LONG) row pairs of one segment (a pair: one or two
- * rows at adjacent positions, which share each K/V load) and a group of KV heads with
- * their query heads. A block walks the positions in windows of about WINDOW_BYTES of its
- * heads' K (then V), every pair reading a window while it is in L2: at long context the
- * pairs of a prefill chunk read K/V from memory once per block rather than once each.
- * Whole groups of heads per task let a paged block's K (then V) region of one layer be
- * read front to back. The windows change no value: scores are per position, the softmax
- * runs once all are in, and V folds the windows in ascending order into accumulators
- * that round-trip through memory (kernels.h). */
+/* ---- attention ------------------------------------------------------------------------ */
+
+/* The spans of one query head merged (kernels.h): w[c] holds span c's maximum and becomes
+ * its weight expf(w[c] - M); returns 1 / (the fold of sum[c] * w[c]). One function for
+ * every path, so a row's result does not depend on how its spans were computed. */
+static float span_weights(float *w, const float *sum, size_t sum_stride, uint32_t nsp)
+{
+    float M = -INFINITY, t = 0.0f;
+    for (uint32_t c = 0; c < nsp; c++) M = w[c] > M ? w[c] : M;
+    for (uint32_t c = 0; c < nsp; c++) {
+        w[c] = expf(w[c] - M);
+        t = t + sum[c * sum_stride] * w[c];
+    }
+    return 1.0f / t;
+}
+
+/* acc[d] = acc[d] + part[d] * f (a span's partial folded in), and out[d] * inv. */
+static void span_fold(float *acc, const float *part, float f, uint32_t n)
+{
+    for (uint32_t d = 0; d < n; d++) acc[d] = acc[d] + part[d] * f;
+}
+static void span_scale(float *out, float inv, uint32_t n)
+{
+    for (uint32_t d = 0; d < n; d++) out[d] = out[d] * inv;
+}
+
+/* One row slot of att_task's per-thread scratch: its spans' partials, maxima (then
+ * weights), sums and 1 / sum per query head. */
+typedef struct {
+    float *part; /* nq x hd */
+    float *w;    /* nq x max_spans */
+    float *sum;  /* nq x max_spans */
+    float *inv;  /* nq */
+} span_slot_t;
+
+static span_slot_t span_slot(const pkv_model_t *m, uint32_t thread, uint32_t slot)
+{
+    uint32_t H = m->cfg.n_heads, R = 2 * BLOCK_PAIRS_LONG;
+    float *base = m->att_aux + (size_t)thread * m->att_aux_floats;
+    float *w0 = base + (size_t)R * m->qdim;
+    size_t ws = (size_t)H * m->max_spans;
+    return (span_slot_t){.part = base + (size_t)slot * m->qdim,
+                         .w = w0 + slot * ws,
+                         .sum = w0 + (R + slot) * ws,
+                         .inv = w0 + 2 * R * ws + (size_t)slot * H};
+}
+
+/* After a row's scores (s: query q at s + q S): each span's exp, maximum and sum, and
+ * the row's span weights and 1 / sum per query head. */
+static void row_spans(const pkv_model_t *m, float *s, uint32_t nq, uint32_t n,
+                      const span_slot_t *sl)
+{
+    uint32_t S = m->cfg.max_seq_len, nsp = PKV_DIV_UP(n, ATT_SPAN);
+    for (uint32_t q = 0; q < nq; q++) {
+        float *w = sl->w + (size_t)q * m->max_spans, *sum = sl->sum + (size_t)q * m->max_spans;
+        for (uint32_t c = 0; c < nsp; c++) {
+            uint32_t p0 = c * ATT_SPAN, len = PKV_MIN(ATT_SPAN, n - p0);
+            m->kern->span_exp(s + (size_t)q * S + p0, len, &w[c], &sum[c]);
+        }
+        sl->inv[q] = span_weights(w, sum, 1, nsp);
+    }
+}
+
+/* Span c of a row done: its partials folded into out (weighted), then zeroed. */
+static void row_fold(const pkv_model_t *m, const span_slot_t *sl, uint32_t nq, uint32_t c,
+                     float *out)
+{
+    uint32_t hd = m->cfg.head_dim;
+    for (uint32_t q = 0; q < nq; q++)
+        span_fold(out + (size_t)q * hd, sl->part + (size_t)q * hd,
+                  sl->w[(size_t)q * m->max_spans + c], hd);
+    memset(sl->part, 0, (size_t)nq * hd * sizeof(float));
+}
+
+/* A task is a block of up to BLOCK_PAIRS (or _LONG) row pairs of one segment (a pair:
+ * one or two rows at adjacent positions, which share each K/V load) and a group of KV
+ * heads with their query heads. A block walks the positions in windows of about
+ * WINDOW_BYTES of its heads' K (then V), every pair reading a window while it is in L2:
+ * at long context the pairs of a prefill chunk read K/V from memory once per block rather
+ * than once each. Whole groups of heads per task let a paged block's K (then V) region of
+ * one layer be read front to back. The windows change no value: scores are per position,
+ * the spans' exps run once all are in, and V folds a span's windows in ascending order
+ * into partials that round-trip through memory, folded into the output at the span's
+ * end (kernels.h). */
 static void att_task(void *arg, uint32_t task, uint32_t thread)
 {
     const att_job_t *j = arg;
@@ -505,6 +598,7 @@ static void att_task(void *arg, uint32_t task, uint32_t thread)
     uint32_t na[BLOCK_PAIRS_LONG], nb[BLOCK_PAIRS_LONG], end = 0;
     const float *qa[BLOCK_PAIRS_LONG], *qb[BLOCK_PAIRS_LONG];
     float *oa[BLOCK_PAIRS_LONG], *ob[BLOCK_PAIRS_LONG];
+    span_slot_t sa_[BLOCK_PAIRS_LONG], sb_[BLOCK_PAIRS_LONG];
     for (uint32_t k = 0; k < np; k++) {
         const struct pkv_model_pair *pr = &m->pairs[pr0 + k];
         uint32_t ra = pr->row;
@@ -515,8 +609,10 @@ static void att_task(void *arg, uint32_t task, uint32_t thread)
         qb[k] = pr->two ? qa[k] + m->ld_qkv : NULL;
         oa[k] = m->att + (size_t)ra * m->ld_q + (size_t)h0 * group * hd;
         ob[k] = oa[k] + m->ld_q;
+        sa_[k] = span_slot(m, thread, 2 * k);
+        sb_[k] = span_slot(m, thread, 2 * k + 1);
     }
-    /* A lone pair (decode) reads everything once anyway: one window, the runs as they are. */
+    /* A lone pair (decode) reads everything once anyway: one window a span. */
     size_t wt = WINDOW_BYTES / ((size_t)nh * j->rb);
     if (wt < 16) wt = 16;
     if (np == 1 || wt >= end) wt = end;
@@ -524,7 +620,9 @@ static void att_task(void *arg, uint32_t task, uint32_t thread)
     for (int pass = 0; pass < 2; pass++) { /* scores, then V */
         uint32_t at = 0;
         for (uint32_t w0 = 0; w0 < end;) {
-            uint32_t w1 = end - w0 > wt ? w0 + (uint32_t)wt : end, nw = seg->nruns;
+            uint32_t span_end = (w0 / ATT_SPAN + 1) * ATT_SPAN;
+            uint32_t w1 = PKV_MIN(PKV_MIN(end - w0 > wt ? w0 + (uint32_t)wt : end, span_end), end);
+            uint32_t nw = seg->nruns;
             const pkv_kv_run_t *wr = runs;
             if (w1 - w0 < end) {
                 nw = window_runs(runs, seg->nruns, &at, w0, &w1, j->rb, win);
@@ -539,20 +637,136 @@ static void att_task(void *arg, uint32_t task, uint32_t thread)
                                     j->scale, sa, sb, S);
                 else
                     m->kern->av(sa, two ? sb : NULL, na[k], nb[k], wr, nw, kh0, nh, group, hd,
-                                j->dt, S, oa[k], two ? ob[k] : NULL);
+                                j->dt, S, sa_[k].part, two ? sb_[k].part : NULL);
             }
             w0 = w1;
+            for (uint32_t k = 0; pass == 1 && (w0 == span_end || w0 == end) && k < np; k++) {
+                uint32_t sp = (w0 - 1) / ATT_SPAN; /* the span just finished */
+                if (sp * ATT_SPAN < na[k]) row_fold(m, &sa_[k], nq, sp, oa[k]);
+                if (qb[k] && sp * ATT_SPAN < nb[k]) row_fold(m, &sb_[k], nq, sp, ob[k]);
+            }
         }
         for (uint32_t k = 0; pass == 0 && k < np; k++) {
             float *sa = scr + 2 * k * plane, *sb = sa + plane;
-            for (uint32_t q = 0; q < nq; q++) {
-                m->kern->softmax(sa + (size_t)q * S, na[k]);
-                if (qb[k]) m->kern->softmax(sb + (size_t)q * S, nb[k]);
-            }
+            row_spans(m, sa, nq, na[k], &sa_[k]);
             memset(oa[k], 0, (size_t)nq * hd * sizeof(float));
-            if (qb[k]) memset(ob[k], 0, (size_t)nq * hd * sizeof(float));
+            memset(sa_[k].part, 0, (size_t)nq * hd * sizeof(float));
+            if (!qb[k]) continue;
+            row_spans(m, sb, nq, nb[k], &sb_[k]);
+            memset(ob[k], 0, (size_t)nq * hd * sizeof(float));
+            memset(sb_[k].part, 0, (size_t)nq * hd * sizeof(float));
         }
     }
+    for (uint32_t k = 0; k < np; k++) {
+        for (uint32_t q = 0; q < nq; q++) {
+            span_scale(oa[k] + (size_t)q * hd, sa_[k].inv[q], hd);
+            if (qb[k]) span_scale(ob[k] + (size_t)q * hd, sb_[k].inv[q], hd);
+        }
+    }
+}
+
+/* A decode pass whose rows reach past one span runs a task per (row, head group, span)
+ * (dec_task), each over all of the group's heads: the threads read different spans, and
+ * a task sweeps every head of a paged run. m->dtask0[r]: the first task of row r;
+ * m->dspan0[r]: its first span in dpart / dstat. */
+typedef struct {
+    pkv_model_t *m;
+    pkv_dtype_t dt;
+    size_t rb;
+    float scale;
+    uint32_t rows;
+} dec_job_t;
+
+static void dec_task(void *arg, uint32_t task, uint32_t thread)
+{
+    const dec_job_t *j = arg;
+    pkv_model_t *m = j->m;
+    const pkv_model_config_t *c = &m->cfg;
+    uint32_t lo = 0, hi = j->rows; /* the row: the last with dtask0 <= task */
+    while (hi - lo > 1) {
+        uint32_t mid = (lo + hi) / 2;
+        if (m->dtask0[mid] <= task)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    uint32_t r = lo, t = task - m->dtask0[r], n = m->rows[r].pos + 1;
+    uint32_t nsp = PKV_DIV_UP(n, ATT_SPAN), grp = t / nsp, sp = t % nsp;
+    uint32_t hd = c->head_dim, group = c->n_heads / c->n_kv_heads, S = c->max_seq_len;
+    uint32_t nh = c->n_kv_heads / m->kv_groups, nq = nh * group;
+    const struct pkv_model_seg *seg = &m->segs[m->rows[r].seg];
+    const pkv_kv_run_t *runs = m->runs + seg->run0 + (size_t)grp * seg->nruns;
+    const float *q = m->qkv + (size_t)r * m->ld_qkv + (size_t)grp * nq * hd;
+    float *s = m->scores + (size_t)thread * 2 * BLOCK_PAIRS_LONG * c->n_heads * S;
+    size_t at_span = m->dspan0[r] + sp;
+    float *part = m->dpart + at_span * m->qdim + (size_t)grp * nq * hd;
+    float *st = m->dstat + at_span * 2 * c->n_heads + (size_t)grp * nq;
+    uint32_t p0 = sp * ATT_SPAN, p1 = PKV_MIN(n, p0 + ATT_SPAN);
+    pkv_kv_run_t win[WINDOW_RUNS];
+    for (int pass = 0; pass < 2; pass++) { /* scores, then V */
+        uint32_t at = 0;
+        for (uint32_t w0 = p0; w0 < p1;) {
+            uint32_t w1 = p1, nw = window_runs(runs, seg->nruns, &at, w0, &w1, j->rb, win);
+            if (pass == 0)
+                m->kern->scores(q, NULL, p1, 0, win, nw, 0, nh, group, hd, j->dt, j->scale, s, NULL,
+                                S);
+            else
+                m->kern->av(s, NULL, p1, 0, win, nw, 0, nh, group, hd, j->dt, S, part, NULL);
+            w0 = w1;
+        }
+        for (uint32_t i = 0; pass == 0 && i < nq; i++)
+            m->kern->span_exp(s + (size_t)i * S + p0, p1 - p0, &st[i], &st[c->n_heads + i]);
+        if (pass == 0) memset(part, 0, (size_t)nq * hd * sizeof(float));
+    }
+}
+
+/* The spans of dec_task's rows merged into their attention outputs, as att_task does. */
+static void dec_merge(pkv_model_t *m, uint32_t rows)
+{
+    const pkv_model_config_t *c = &m->cfg;
+    uint32_t H = c->n_heads, hd = c->head_dim;
+    float *w = span_slot(m, 0, 0).w; /* no task runs now */
+    for (uint32_t r = 0; r < rows; r++) {
+        uint32_t nsp = m->dspan0[r + 1] - m->dspan0[r];
+        const float *st = m->dstat + (size_t)m->dspan0[r] * 2 * H;
+        float *out = m->att + (size_t)r * m->ld_q;
+        memset(out, 0, (size_t)m->qdim * sizeof(float));
+        for (uint32_t q = 0; q < H; q++) {
+            for (uint32_t sp = 0; sp < nsp; sp++) w[sp] = st[(size_t)sp * 2 * H + q];
+            float inv = span_weights(w, st + H + q, 2 * (size_t)H, nsp);
+            for (uint32_t sp = 0; sp < nsp; sp++)
+                span_fold(out + (size_t)q * hd,
+                          m->dpart + ((size_t)m->dspan0[r] + sp) * m->qdim + (size_t)q * hd, w[sp],
+                          hd);
+            span_scale(out + (size_t)q * hd, inv, hd);
+        }
+    }
+}
+
+/* Lay out dec_task's tasks and spans for a decode pass of `rows` rows (one per segment). */
+static int dec_plan(pkv_model_t *m, uint32_t rows, uint32_t *ntasks)
+{
+    uint32_t t = 0, sp = 0;
+    for (uint32_t r = 0; r < rows; r++) {
+        uint32_t nsp = PKV_DIV_UP(m->rows[r].pos + 1, ATT_SPAN);
+        m->dtask0[r] = t;
+        m->dspan0[r] = sp;
+        t += nsp * m->kv_groups;
+        sp += nsp;
+    }
+    m->dtask0[rows] = t;
+    m->dspan0[rows] = sp;
+    if (sp > m->dspans_cap) {
+        float *p = realloc(m->dpart, (size_t)sp * m->qdim * sizeof(float));
+        if (!p) return PKV_ERR_NOMEM;
+        m->dpart = p;
+        p = realloc(m->dstat, (size_t)sp * 2 * m->cfg.n_heads * sizeof(float));
+        if (!p) return PKV_ERR_NOMEM;
+        m->dstat = p;
+        m->dspans_cap = sp;
+    }
+    *ntasks = t;
+    return PKV_OK;
 }
 
 /* Append the runs of [0, end) of one segment in `rank` at m->runs + *used. */
@@ -672,6 +886,80 @@ static void write_kv(pkv_model_t *m, uint32_t rows, uint32_t layer, pkv_dtype_t 
     model_tpool_run(m->pool, wkv_task, &j, n);
 }
 
+/* A pass's attention tasks: its row pairs in blocks and the head split (att_task), or,
+ * for a decode pass with a row past one span, tasks by span (dec_task; dj->rows set). */
+static int att_plan(pkv_model_t *m, uint32_t nseg, att_job_t *aj, dec_job_t *dj, uint32_t *ntasks)
+{
+    const pkv_model_config_t *c = &m->cfg;
+    uint32_t rows = dj->rows, npairs = 0, nblocks = 0;
+    /* Split heads into groups only as far as needed to give every thread work, and at least
+     * into the groups the ranks hold (a task reads one rank). */
+    aj->splits = m->kv_groups;
+    aj->macs = 0; /* per layer: positions read x query dims x 2 (scores, V) */
+    for (uint32_t r = 0; r < rows; r++) aj->macs += (uint64_t)(m->rows[r].pos + 1) * m->qdim * 2;
+    size_t layer_token_bytes = (size_t)c->n_kv_heads * aj->rb * 2;
+    for (uint32_t sg = 0; sg < nseg; sg++) {
+        const struct pkv_model_seg *g = &m->segs[sg];
+        uint32_t bp = (size_t)(g->pos0 + g->n) * layer_token_bytes >= LONG_KV_BYTES
+                          ? BLOCK_PAIRS_LONG
+                          : BLOCK_PAIRS;
+        for (uint32_t r = 0; r < g->n; r += 2) {
+            m->pairs[npairs].row = g->row0 + r;
+            m->pairs[npairs].two = r + 1 < g->n;
+            if (r % (2 * bp) == 0) m->blocks[nblocks++] = npairs;
+            npairs++;
+        }
+    }
+    m->blocks[nblocks] = npairs;
+    while (nblocks * aj->splits < 2 * m->threads && c->n_kv_heads % (aj->splits * 2) == 0)
+        aj->splits *= 2;
+    aj->heads_per_task = c->n_kv_heads / aj->splits;
+    *ntasks = nblocks * aj->splits;
+    bool past = false; /* a decode pass (a row per segment) with a row past one span */
+    for (uint32_t r = 0; rows == nseg && r < rows && !past; r++)
+        past = m->rows[r].pos + 1 > ATT_SPAN;
+    if (!past) {
+        dj->rows = 0;
+        return PKV_OK;
+    }
+    return dec_plan(m, rows, ntasks);
+}
+
+/* One layer's attention: the planned tasks, inline when small. */
+static void attention(pkv_model_t *m, att_job_t *aj, dec_job_t *dj, uint32_t ntasks)
+{
+    void (*fn)(void *, uint32_t, uint32_t) = dj->rows ? dec_task : att_task;
+    void *arg = dj->rows ? (void *)dj : (void *)aj;
+    if (aj->macs < PARALLEL_MIN_MACS)
+        for (uint32_t t = 0; t < ntasks; t++) fn(arg, t, 0);
+    else
+        model_tpool_run(m->pool, fn, arg, ntasks);
+    if (dj->rows) dec_merge(m, dj->rows);
+}
+
+/* Logits for segments that end their item, LOGIT_ROWS at a time. */
+static void pass_logits(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg)
+{
+    const pkv_model_config_t *c = &m->cfg;
+    uint32_t D = c->dim;
+    uint32_t s = 0;
+    while (s < nseg) {
+        uint32_t segs_of[LOGIT_ROWS], nl = 0;
+        for (; s < nseg && nl < LOGIT_ROWS; s++) {
+            const struct pkv_model_seg *sg = &m->segs[s];
+            if (!sg->logits) continue;
+            uint32_t r = sg->row0 + sg->n - 1;
+            rmsnorm(m, m->x + (size_t)r * m->ld_d, m->rms_final, m->lrows + (size_t)nl * m->ld_d);
+            segs_of[nl++] = s;
+        }
+        if (!nl) break;
+        matmul(m, m->lrows, m->ld_d, nl, D, m->wcls, m->ld_v, m->lout, m->ld_v);
+        for (uint32_t i = 0; i < nl; i++)
+            memcpy(items[m->segs[segs_of[i]].item].logits, m->lout + (size_t)i * m->ld_v,
+                   c->vocab_size * sizeof(float));
+    }
+}
+
 static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg, uint32_t rows,
                     pkv_dtype_t dt)
 {
@@ -691,29 +979,10 @@ static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg
         }
     }
     att_job_t aj = {.m = m, .dt = dt, .rb = rb, .scale = 1.0f / sqrtf((float)hd)};
-    uint32_t npairs = 0, nblocks = 0;
-    /* Split heads into groups only as far as needed to give every thread work, and at least
-     * into the groups the ranks hold (a task reads one rank). */
-    aj.splits = m->kv_groups;
-    uint64_t att_macs = 0; /* per layer: positions read x query dims x 2 (scores, V) */
-    for (uint32_t r = 0; r < rows; r++) att_macs += (uint64_t)(m->rows[r].pos + 1) * m->qdim * 2;
-    size_t layer_token_bytes = (size_t)c->n_kv_heads * rb * 2;
-    for (uint32_t sg = 0; sg < nseg; sg++) {
-        const struct pkv_model_seg *g = &m->segs[sg];
-        uint32_t bp = (size_t)(g->pos0 + g->n) * layer_token_bytes >= LONG_KV_BYTES
-                          ? BLOCK_PAIRS_LONG
-                          : BLOCK_PAIRS;
-        for (uint32_t r = 0; r < g->n; r += 2) {
-            m->pairs[npairs].row = g->row0 + r;
-            m->pairs[npairs].two = r + 1 < g->n;
-            if (r % (2 * bp) == 0) m->blocks[nblocks++] = npairs;
-            npairs++;
-        }
-    }
-    m->blocks[nblocks] = npairs;
-    while (nblocks * aj.splits < 2 * m->threads && c->n_kv_heads % (aj.splits * 2) == 0)
-        aj.splits *= 2;
-    aj.heads_per_task = c->n_kv_heads / aj.splits;
+    dec_job_t dj = {.m = m, .dt = dt, .rb = rb, .scale = aj.scale, .rows = rows};
+    uint32_t ntasks = 0;
+    int rc = att_plan(m, nseg, &aj, &dj, &ntasks);
+    if (rc) return rc;
     for (uint32_t l = 0; l < c->n_layers; l++) {
         const model_layer_t *ly = &m->layers[l];
         for (uint32_t r = 0; r < rows; r++)
@@ -727,13 +996,8 @@ static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg
                 pkv_hadamard(q + (size_t)h * hd, hd); /* the queries, then the keys */
         }
         write_kv(m, rows, l, dt);
-        int rc = collect_runs(m, nseg, l);
-        if (rc) return rc;
-        if (att_macs < PARALLEL_MIN_MACS) {
-            for (uint32_t t = 0; t < nblocks * aj.splits; t++) att_task(&aj, t, 0);
-        } else {
-            model_tpool_run(m->pool, att_task, &aj, nblocks * aj.splits);
-        }
+        if ((rc = collect_runs(m, nseg, l))) return rc;
+        attention(m, &aj, &dj, ntasks);
         for (uint32_t r = 0; m->rt.att_probe && r < rows; r++)
             m->rt.att_probe(m->rt.att_probe_arg, l, m->rows[r].pos, m->qkv + (size_t)r * m->ld_qkv,
                             m->att + (size_t)r * m->ld_q, m->qdim);
@@ -757,23 +1021,7 @@ static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg
             for (uint32_t i = 0; i < D; i++) x[i] = x[i] + t[i];
         }
     }
-    /* Logits for segments that end their item, LOGIT_ROWS at a time. */
-    uint32_t s = 0;
-    while (s < nseg) {
-        uint32_t segs_of[LOGIT_ROWS], nl = 0;
-        for (; s < nseg && nl < LOGIT_ROWS; s++) {
-            const struct pkv_model_seg *sg = &m->segs[s];
-            if (!sg->logits) continue;
-            uint32_t r = sg->row0 + sg->n - 1;
-            rmsnorm(m, m->x + (size_t)r * m->ld_d, m->rms_final, m->lrows + (size_t)nl * m->ld_d);
-            segs_of[nl++] = s;
-        }
-        if (!nl) break;
-        matmul(m, m->lrows, m->ld_d, nl, D, m->wcls, m->ld_v, m->lout, m->ld_v);
-        for (uint32_t i = 0; i < nl; i++)
-            memcpy(items[m->segs[segs_of[i]].item].logits, m->lout + (size_t)i * m->ld_v,
-                   c->vocab_size * sizeof(float));
-    }
+    pass_logits(m, items, nseg);
     return PKV_OK;
 }
 

@@ -43,17 +43,24 @@ struct pkv_model {
     float *wcls;      /* (dim, ld_v) */
 
     /* Scratch for one pass of up to `chunk` rows (owned by the forward caller). */
-    float *x;                     /* (chunk, ld_d) residual stream */
-    float *xb;                    /* (chunk, ld_d) normed input */
-    float *qkv;                   /* (chunk, ld_qkv) */
-    float *att;                   /* (chunk, ld_q) attention output */
-    float *tmp;                   /* (chunk, ld_d) */
-    float *h13;                   /* (chunk, ld_h2) */
-    float *hid;                   /* (chunk, hidden) */
-    float *rope;                  /* (chunk, head_dim): cos, sin per pair */
-    float *lrows;                 /* (LOGIT_ROWS, ld_d) */
-    float *lout;                  /* (LOGIT_ROWS, ld_v) */
-    float *scores;                /* (threads, 2 BLOCK_PAIRS, n_heads, max_seq_len) */
+    float *x;              /* (chunk, ld_d) residual stream */
+    float *xb;             /* (chunk, ld_d) normed input */
+    float *qkv;            /* (chunk, ld_qkv) */
+    float *att;            /* (chunk, ld_q) attention output */
+    float *tmp;            /* (chunk, ld_d) */
+    float *h13;            /* (chunk, ld_h2) */
+    float *hid;            /* (chunk, hidden) */
+    float *rope;           /* (chunk, head_dim): cos, sin per pair */
+    float *lrows;          /* (LOGIT_ROWS, ld_d) */
+    float *lout;           /* (LOGIT_ROWS, ld_v) */
+    float *scores;         /* (threads, 2 BLOCK_PAIRS_LONG, n_heads, max_seq_len) */
+    float *att_aux;        /* per thread: spans' partials, maxima, sums (att_task) */
+    size_t att_aux_floats; /* per thread */
+    uint32_t max_spans;    /* spans of max_seq_len positions (ATT_SPAN) */
+    /* A decode pass split by span (dec_task): per row, its first task and first span. */
+    uint32_t *dtask0, *dspan0; /* (chunk + 1) */
+    float *dpart, *dstat;      /* per span of a row: partials (qdim), max + sum (n_heads) */
+    size_t dspans_cap;
     struct pkv_model_row *rows;   /* (chunk) */
     struct pkv_model_seg *segs;   /* (chunk) */
     struct pkv_model_pair *pairs; /* (chunk) */
