@@ -278,7 +278,8 @@ enum { BARE_DENSE, BARE_HUGE, BARE_PIECES, BARE_PIECES2, N_BARE };
 static const char *const bare_names[N_BARE] = {
     "contiguous on 4 KiB pages (dense's layout)", "contiguous on 2 MiB pages",
     "pieces one per 2 MiB granule, one at a time",
-    "the same pieces two granules at once (paged's decode walk)"};
+    "the same pieces two granules at once (a decode task's walk; the threads side by side in each "
+    "granule)"};
 static const char *const bare_keys[N_BARE] = {"bare_stream_gbs", "bare_huge_gbs", "bare_pieces_gbs",
                                               "bare_pieces2_gbs"};
 #define BARE_GRANULE ((size_t)2 << 20)
@@ -902,9 +903,11 @@ static json_t *print_cases(const opts_t *o, const results_t *res)
  * kernels): contiguous on 4 KiB pages (the dense buffer's), contiguous on 2 MiB pages,
  * pieces one per 2 MiB granule (the paged pool's reads in the long case: a task's heads
  * of one granule's tokens, then the next granule) read one at a time, and the same
- * pieces read as the decode kernels walk them: a task's two heads skewed by one granule,
+ * pieces read as a decode task walks them: a task's two heads skewed by one granule,
  * so that the first half of piece k and the second half of piece k - 1 are read line by
- * line together. What each layout can deliver on this machine, with no arithmetic. */
+ * line together. The threads read side by side in each granule, as tasks split by heads
+ * do (the long case's decode tasks split by span read different granules). What each
+ * layout can deliver on this machine, with no arithmetic. */
 
 typedef struct {
     const char *base;
