@@ -89,9 +89,10 @@ int srv_cache_policy(const pkv_server_config_t *cfg, uint64_t budget, pkv_kv_con
                                                                : MW_IDLE_DEFAULT_MS;
     /* The warm floor lives on the watcher's trims: none without the thread (no TTL and no
      * watch), and it lapses no later than the cache's idle blocks do. auto: a decode node
-     * only, which admits a whole pulled prompt at once on its TTFT's path; a unified or
-     * prefill node commits while it computes the prompt (its floor would be memory held
-     * for a few percent of a prefill). */
+     * only, which admits a whole pulled prompt at once on its TTFT's path. A unified or
+     * prefill node commits its prompt's granules at admission too (docs/design/server.md,
+     * "The warm floor"), but a floor there would hold memory on every node for each
+     * prefill's 8-15 %; --kv-warm-max gives it one. */
     bool thread = kc->cache_idle_ms || !cfg->no_memory_watch;
     uint64_t want = cfg->kv_warm_max_bytes;
     if (!want)
