@@ -287,7 +287,7 @@ int model_alloc(const pkv_model_config_t *cfg, const pkv_model_runtime_t *rt, pk
         !(m->lout = alloc_floats(LOGIT_ROWS * (size_t)m->ld_v)) ||
         !(m->scores =
               calloc((size_t)m->threads * 2 * BLOCK_PAIRS_LONG * c->n_heads * c->max_seq_len,
-                     sizeof(float))) || /* untouched until a block uses it */
+                     sizeof(float))) ||
         !(m->att_aux = calloc((size_t)m->threads * m->att_aux_floats, sizeof(float))) ||
         !(m->dtask0 = calloc(C + 1, sizeof(*m->dtask0))) ||
         !(m->dspan0 = calloc(C + 1, sizeof(*m->dspan0))) ||
@@ -295,6 +295,13 @@ int model_alloc(const pkv_model_config_t *cfg, const pkv_model_runtime_t *rt, pk
         !(m->pairs = calloc(C, sizeof(*m->pairs))) ||
         !(m->blocks = calloc(C + 1, sizeof(*m->blocks))))
         goto fail;
+    /* Touched now (a model's memory at rest): the scores planes a 4-pair block uses, and the
+     * spans' scratch; the 16-pair blocks' further planes only when a long prompt uses them. */
+    size_t plane = (size_t)c->n_heads * c->max_seq_len;
+    for (uint32_t t = 0; t < m->threads; t++)
+        memset(m->scores + (size_t)t * 2 * BLOCK_PAIRS_LONG * plane, 0,
+               2 * BLOCK_PAIRS * plane * sizeof(float));
+    memset(m->att_aux, 0, (size_t)m->threads * m->att_aux_floats * sizeof(float));
     if ((rc = model_tpool_create(m->threads, "pkv-model", &m->pool))) goto fail;
     *out = m;
     return PKV_OK;
