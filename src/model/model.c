@@ -475,6 +475,7 @@ typedef struct {
     float scale;
     uint64_t macs;           /* per layer (the parallel-loop threshold) */
     uint32_t splits;         /* head groups per block */
+    uint32_t dec_rows;       /* a decode pass by span (dec_task): its rows; else 0 */
     uint32_t heads_per_task; /* KV heads per group */
 } att_job_t;
 
@@ -628,7 +629,7 @@ static void att_task(void *arg, uint32_t task, uint32_t thread)
         uint32_t at = 0;
         for (uint32_t w0 = 0; w0 < end;) {
             uint32_t span_end = (w0 / ATT_SPAN + 1) * ATT_SPAN;
-            uint32_t w1 = PKV_MIN(PKV_MIN(end - w0 > wt ? w0 + (uint32_t)wt : end, span_end), end);
+            uint32_t w1 = PKV_MIN(end - w0 > wt ? w0 + (uint32_t)wt : end, span_end);
             uint32_t nw = seg->nruns;
             const pkv_kv_run_t *wr = runs;
             if (w1 - w0 < end) {
@@ -676,20 +677,12 @@ static void att_task(void *arg, uint32_t task, uint32_t thread)
  * (dec_task), each over all of the group's heads: the threads read different spans, and
  * a task sweeps every head of a paged run. m->dtask0[r]: the first task of row r;
  * m->dspan0[r]: its first span in dpart / dstat. */
-typedef struct {
-    pkv_model_t *m;
-    pkv_dtype_t dt;
-    size_t rb;
-    float scale;
-    uint32_t rows;
-} dec_job_t;
-
 static void dec_task(void *arg, uint32_t task, uint32_t thread)
 {
-    const dec_job_t *j = arg;
+    const att_job_t *j = arg;
     pkv_model_t *m = j->m;
     const pkv_model_config_t *c = &m->cfg;
-    uint32_t lo = 0, hi = j->rows; /* the row: the last with dtask0 <= task */
+    uint32_t lo = 0, hi = j->dec_rows; /* the row: the last with dtask0 <= task */
     while (hi - lo > 1) {
         uint32_t mid = (lo + hi) / 2;
         if (m->dtask0[mid] <= task)
@@ -894,11 +887,11 @@ static void write_kv(pkv_model_t *m, uint32_t rows, uint32_t layer, pkv_dtype_t 
 }
 
 /* A pass's attention tasks: its row pairs in blocks and the head split (att_task), or,
- * for a decode pass with a row past one span, tasks by span (dec_task; dj->rows set). */
-static int att_plan(pkv_model_t *m, uint32_t nseg, att_job_t *aj, dec_job_t *dj, uint32_t *ntasks)
+ * for a decode pass with a row past one span, tasks by span (dec_task; aj->dec_rows set). */
+static int att_plan(pkv_model_t *m, uint32_t nseg, uint32_t rows, att_job_t *aj, uint32_t *ntasks)
 {
     const pkv_model_config_t *c = &m->cfg;
-    uint32_t rows = dj->rows, npairs = 0, nblocks = 0;
+    uint32_t npairs = 0, nblocks = 0;
     /* Split heads into groups only as far as needed to give every thread work, and at least
      * into the groups the ranks hold (a task reads one rank). */
     aj->splits = m->kv_groups;
@@ -925,23 +918,20 @@ static int att_plan(pkv_model_t *m, uint32_t nseg, att_job_t *aj, dec_job_t *dj,
     bool past = false; /* a decode pass (a row per segment) with a row past one span */
     for (uint32_t r = 0; rows == nseg && r < rows && !past; r++)
         past = m->rows[r].pos + 1 > ATT_SPAN;
-    if (!past) {
-        dj->rows = 0;
-        return PKV_OK;
-    }
+    if (!past) return PKV_OK;
+    aj->dec_rows = rows;
     return dec_plan(m, rows, ntasks);
 }
 
 /* One layer's attention: the planned tasks, inline when small. */
-static void attention(pkv_model_t *m, att_job_t *aj, dec_job_t *dj, uint32_t ntasks)
+static void attention(pkv_model_t *m, att_job_t *aj, uint32_t ntasks)
 {
-    void (*fn)(void *, uint32_t, uint32_t) = dj->rows ? dec_task : att_task;
-    void *arg = dj->rows ? (void *)dj : (void *)aj;
+    void (*fn)(void *, uint32_t, uint32_t) = aj->dec_rows ? dec_task : att_task;
     if (aj->macs < PARALLEL_MIN_MACS)
-        for (uint32_t t = 0; t < ntasks; t++) fn(arg, t, 0);
+        for (uint32_t t = 0; t < ntasks; t++) fn(aj, t, 0);
     else
-        model_tpool_run(m->pool, fn, arg, ntasks);
-    if (dj->rows) dec_merge(m, dj->rows);
+        model_tpool_run(m->pool, fn, aj, ntasks);
+    if (aj->dec_rows) dec_merge(m, aj->dec_rows);
 }
 
 /* Logits for segments that end their item, LOGIT_ROWS at a time. */
@@ -986,9 +976,8 @@ static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg
         }
     }
     att_job_t aj = {.m = m, .dt = dt, .rb = rb, .scale = 1.0f / sqrtf((float)hd)};
-    dec_job_t dj = {.m = m, .dt = dt, .rb = rb, .scale = aj.scale, .rows = rows};
     uint32_t ntasks = 0;
-    int rc = att_plan(m, nseg, &aj, &dj, &ntasks);
+    int rc = att_plan(m, nseg, rows, &aj, &ntasks);
     if (rc) return rc;
     for (uint32_t l = 0; l < c->n_layers; l++) {
         const model_layer_t *ly = &m->layers[l];
@@ -1004,7 +993,7 @@ static int run_pass(pkv_model_t *m, const pkv_model_item_t *items, uint32_t nseg
         }
         write_kv(m, rows, l, dt);
         if ((rc = collect_runs(m, nseg, l))) return rc;
-        attention(m, &aj, &dj, ntasks);
+        attention(m, &aj, ntasks);
         for (uint32_t r = 0; m->rt.att_probe && r < rows; r++)
             m->rt.att_probe(m->rt.att_probe_arg, l, m->rows[r].pos, m->qkv + (size_t)r * m->ld_qkv,
                             m->att + (size_t)r * m->ld_q, m->qdim);
