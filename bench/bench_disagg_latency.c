@@ -12,8 +12,15 @@
  *      blocks, so only the new ones move (bytes with a decode-side prefix hit);
  *   4. prompt B_i to the unified node, streamed, and B_i through the router, streamed, each
  *      node's /metrics read before and after (one request at a time: the deltas of the
- *      histogram sums are this request's).
- * A, B, C are distinct filler texts (their own seeds), so nothing else is a prefix hit.
+ *      histogram sums are this request's);
+ *   5. once every round of the size has run 1-4, what streaming the KV during the prefill
+ *      could save here: G_i's two legs, the decode leg (max_tokens 1) alone with the CPU
+ *      both nodes spent on it; D_i's prefill leg (its KV registered), then E_i and F_i as
+ *      plain requests to the prefill node (max_tokens 1: the prefill's compute, nothing
+ *      registered), one alone and one with D_i's decode leg (max_tokens 1) sent halfway
+ *      into it, so the pull's copies on both nodes run while that prefill computes (which
+ *      of the two goes alone alternates by round).
+ * A..F are distinct filler texts (their own seeds), so nothing else is a prefix hit.
  * Interleaving the unified and the disaggregated request of a round compares like with
  * like on a machine whose speed drifts over minutes.
  */
@@ -29,7 +36,9 @@
 #include "prim/prim.h"
 
 #include <curl/curl.h>
+#include <dirent.h>
 #include <math.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -117,6 +126,10 @@ typedef struct {
     double ub_ttft, ub_total;                  /* unified, B_i */
     double r_ttft, r_total;                    /* through the router, B_i (client side) */
     double rs[BL_NRS], ps[BL_NPS], ds[BL_NDS]; /* metric deltas (seconds -> ms; bytes) */
+    double o_alone, o_over;                    /* the prefill alone, with a pull beside it */
+    double o_ph[BL_NPH];                       /* that pull's phases */
+    double o_end;                              /* its decode leg's end - the prefill's end */
+    double o_cpu_p, o_cpu_d, o_ttfb;           /* a decode leg alone: CPU ms per node, TTFB */
 } bl_round_t;
 
 static volatile sig_atomic_t g_stop;
@@ -332,6 +345,147 @@ static int bl_routed(const bl_ctx_t *c, const json_t *req, bl_round_t *x)
     return 0;
 }
 
+/* ---- step 5: a pull beside a prefill ------------------------------------------------------ */
+typedef struct {
+    const char *url;
+    json_t *body;   /* the decode leg */
+    uint64_t at_ns; /* when to send it */
+    int rc;
+    double ph[BL_NPH]; /* its pull's phases, ms */
+    uint64_t end_ns;
+} bl_pull_t;
+
+static void *bl_pull_main(void *arg)
+{
+    bl_pull_t *p = arg;
+    uint64_t now = pkv_now_ns();
+    if (p->at_ns > now) {
+        struct timespec ts = {(time_t)((p->at_ns - now) / 1000000000ull),
+                              (long)((p->at_ns - now) % 1000000000ull)};
+        nanosleep(&ts, NULL);
+    }
+    http_reply_t rep;
+    p->rc = bl_post(p->url, p->body, true, &rep, NULL);
+    p->end_ns = pkv_now_ns();
+    json_t *t = p->rc == 0 ? bl_timings(rep.body) : NULL;
+    json_t *phs = json_object_get(t, "phases_seconds");
+    if (p->rc == 0 && !json_is_object(phs)) p->rc = -1;
+    for (int k = 0; k < BL_NPH && p->rc == 0; k++) {
+        json_t *v = json_object_get(phs, bl_ph_names[k]);
+        p->ph[k] = json_is_number(v) ? json_number_value(v) * 1e3 : 0;
+    }
+    json_decref(t);
+    http_reply_free(&rep);
+    return NULL;
+}
+
+/* CPU time of every live thread of pid, ns (a thread that ended is not counted). */
+static double bl_cpu_ms(pid_t pid)
+{
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%d/task", (int)pid);
+    DIR *d = opendir(path);
+    if (!d) return NAN;
+    unsigned long long ns = 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (e->d_name[0] == '.') continue;
+        char f[96];
+        snprintf(f, sizeof(f), "/proc/%d/task/%.20s/schedstat", (int)pid, e->d_name);
+        FILE *fp = fopen(f, "r");
+        unsigned long long run = 0;
+        if (fp) {
+            if (fscanf(fp, "%llu", &run) != 1) run = 0;
+            fclose(fp);
+        }
+        ns += run;
+    }
+    closedir(d);
+    return (double)ns / 1e6;
+}
+
+/* A plain max_tokens-1 request to the prefill node: its time, ms (NAN when it failed). When
+ * pull is set, that decode leg is sent from a thread half_ms into the prefill. */
+static double bl_prefill_timed(const bl_ctx_t *c, const json_t *req, double half_ms,
+                               bl_pull_t *pull)
+{
+    json_t *b = json_deep_copy(req);
+    json_object_set_new(b, "max_tokens", json_integer(1));
+    json_object_set_new(b, "stream", json_false());
+    json_object_del(b, "stream_options");
+    pthread_t t;
+    bool started = false;
+    if (pull) {
+        pull->at_ns = pkv_now_ns() + (uint64_t)(half_ms * 1e6);
+        started = pthread_create(&t, NULL, bl_pull_main, pull) == 0;
+        if (!started) pull->rc = -1;
+    }
+    http_reply_t rep;
+    double ms = bl_post(c->pre->url, b, false, &rep, NULL) == 0 ? rep.seconds * 1e3 : NAN;
+    uint64_t end = pkv_now_ns();
+    http_reply_free(&rep);
+    json_decref(b);
+    if (started) {
+        pthread_join(t, NULL);
+        if (pull->rc != 0) ms = NAN;
+        pull->end_ns -= PKV_MIN(pull->end_ns, end);
+    }
+    return ms;
+}
+
+/* G's two legs, the decode leg (max_tokens 1) alone: the CPU both nodes spent on it (from
+ * its start to its end; ms) and its TTFB. */
+static int bl_leg_cpu(const bl_ctx_t *c, json_t *g, bl_round_t *x)
+{
+    double p_ms;
+    json_t *kt = bl_prefill_leg(c->pre->url, g, &p_ms);
+    if (!kt) return -1;
+    json_object_set_new(g, "max_tokens", json_integer(1));
+    json_object_set_new(g, "kv_transfer_params", kt);
+    double p0 = bl_cpu_ms(c->pre->pid), d0 = bl_cpu_ms(c->dec->pid);
+    http_reply_t rep;
+    int rc = bl_post(c->dec->url, g, false, &rep, NULL);
+    x->o_cpu_p = bl_cpu_ms(c->pre->pid) - p0;
+    x->o_cpu_d = bl_cpu_ms(c->dec->pid) - d0;
+    x->o_ttfb = rep.ttfb_seconds * 1e3;
+    http_reply_free(&rep);
+    return rc;
+}
+
+/* Step 5 of round i (after every round of steps 1-4 of its size, so that its extra prompts
+ * leave those as they were): four texts with seeds of their own; half: half the size's
+ * median unified TTFT. */
+static int bl_overlap(const bl_ctx_t *c, uint32_t size, uint32_t i, double half, bl_round_t *x)
+{
+    const char *m = c->o->preset;
+    size_t chars = (size_t)((double)size * c->cpt);
+    uint64_t seed = ((uint64_t)size << 24) + (1ull << 40) + 4ull * i;
+    json_t *d = bl_body(m, chars, seed), *e = bl_body(m, chars, seed + 1);
+    json_t *f = bl_body(m, chars, seed + 2), *g = bl_body(m, chars, seed + 3);
+    double p_ms;
+    int rc = -1;
+    if (!d || !e || !f || !g || bl_leg_cpu(c, g, x)) goto out;
+    json_t *kt = bl_prefill_leg(c->pre->url, d, &p_ms);
+    if (!kt) goto out;
+    json_object_set_new(d, "max_tokens", json_integer(1));
+    json_object_set_new(d, "kv_transfer_params", kt);
+    bl_pull_t pull = {.url = c->dec->url, .body = d, .rc = -1};
+    json_t *alone = i % 2 ? f : e, *beside = i % 2 ? e : f;
+    if (i % 2 == 0) x->o_alone = bl_prefill_timed(c, alone, half, NULL);
+    x->o_over = bl_prefill_timed(c, beside, half, &pull);
+    if (i % 2) x->o_alone = bl_prefill_timed(c, alone, half, NULL);
+    if (isnan(x->o_alone) || isnan(x->o_over)) goto out;
+    memcpy(x->o_ph, pull.ph, sizeof(x->o_ph));
+    x->o_end = (double)pull.end_ns / 1e6;
+    rc = 0;
+out:
+    json_decref(d);
+    json_decref(e);
+    json_decref(f);
+    json_decref(g);
+    return rc;
+}
+
 static int bl_round(const bl_ctx_t *c, uint32_t size, uint32_t i, bl_round_t *x)
 {
     const char *m = c->o->preset;
@@ -395,6 +549,16 @@ enum {
     F_R_FIRST_TOKEN, /* decode phase - the unified node's decode of B_i */
     F_R_PREPULL,
     F_R_BYTES,
+    F_O_ALONE, /* step 5: the prefill alone, with a pull beside it, their difference */
+    F_O_OVER,
+    F_O_SLOW,
+    F_O_WIRE,  /* the pull's wire beside the prefill */
+    F_O_END,   /* its decode leg's end after the prefill's (0: before) */
+    F_O_SAVE,  /* the direct decode leg's TTFB (alone) - the prefill's slowdown */
+    F_O_CPU_P, /* a decode leg (max_tokens 1) alone: CPU on the prefill node, the decode node */
+    F_O_CPU_D,
+    F_O_TTFB,     /* its TTFB */
+    F_O_SAVE_CPU, /* its TTFB - its CPU on both nodes / the CPUs */
     BL_NF
 };
 static const char *const bl_f_names[BL_NF] = {"prompt_tokens",
@@ -447,7 +611,17 @@ static const char *const bl_f_names[BL_NF] = {"prompt_tokens",
                                               "decode_leg_ttfb_minus_pull_ms",
                                               "first_token_after_submission_ms",
                                               "decode_node_before_pull_ms",
-                                              "bytes_received"};
+                                              "bytes_received",
+                                              "prefill_alone_ms",
+                                              "prefill_with_pull_ms",
+                                              "prefill_slowdown_ms",
+                                              "wire_beside_prefill_ms",
+                                              "pull_end_after_prefill_ms",
+                                              "saving_bound_ms",
+                                              "leg_cpu_prefill_node_ms",
+                                              "leg_cpu_decode_node_ms",
+                                              "leg_ttfb_ms",
+                                              "saving_bound_cpu_ms"};
 
 static void bl_values(const bl_round_t *x, double f[BL_NF])
 {
@@ -490,6 +664,17 @@ static void bl_values(const bl_round_t *x, double f[BL_NF])
     f[F_R_FIRST_TOKEN] = x->ds[DS_PH0 + PH_DECODE] - (x->ub_total - x->ub_ttft);
     f[F_R_PREPULL] = f[F_R_FIRST] - f[F_R_FIRST_TOKEN];
     f[F_R_BYTES] = x->ds[DS_BYTES];
+    f[F_O_ALONE] = x->o_alone;
+    f[F_O_OVER] = x->o_over;
+    f[F_O_SLOW] = x->o_over - x->o_alone;
+    f[F_O_WIRE] = x->o_ph[PH_WIRE];
+    f[F_O_END] = x->o_end;
+    f[F_O_SAVE] = x->d_ttfb - f[F_O_SLOW];
+    f[F_O_CPU_P] = x->o_cpu_p;
+    f[F_O_CPU_D] = x->o_cpu_d;
+    f[F_O_TTFB] = x->o_ttfb;
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    f[F_O_SAVE_CPU] = x->o_ttfb - (x->o_cpu_p + x->o_cpu_d) / (double)(cpus > 0 ? cpus : 1);
 }
 
 static void bl_medians(const bl_round_t *x, uint32_t n, double med[BL_NF])
@@ -517,7 +702,11 @@ typedef struct {
     double med[BL_NF];
 } bl_size_t;
 
-/* Added time beyond the wire, by part (medians, ms), largest first: what limits it. */
+/* Added time beyond the wire, by part (medians, ms), largest first: what limits it. The parts
+ * partition added - wire (less the lookups, none with one prefill node): the client hop, the
+ * router's own time, the prefill leg beyond the unified TTFT, and the decode leg's TTFB, which
+ * is the pull (its wire and the rest) and what the leg spends outside it. The decode node's
+ * later decode steps are not in the TTFT, so the "first token" column is not a part. */
 static void bl_limits(const double *m, char *out, size_t cap)
 {
     typedef struct {
@@ -525,13 +714,9 @@ static void bl_limits(const double *m, char *out, size_t cap)
         double ms;
     } part_t;
     part_t p[] = {
-        {"the decode node before its pull, its admission aside (the leg's HTTP, tokenizing, the "
-         "params' check)",
-         m[F_R_PREPULL] - m[F_R_PH0 + PH_KV_ALLOC] - m[F_R_PH0 + PH_KV_COMMIT]},
-        {"the decode node's admission of the prompt (kv_alloc + kv_commit)",
-         m[F_R_PH0 + PH_KV_ALLOC] + m[F_R_PH0 + PH_KV_COMMIT]},
-        {"the decode node's first token after the pull (decode phase - unified decode)",
-         m[F_R_FIRST_TOKEN]},
+        {"the decode leg outside its pull (TTFB - pull: its HTTP exchange, tokenizing, the "
+         "params' check, admission, the first token)",
+         m[F_R_FIRST]},
         {"the prefill leg's own round trip (prefill leg - unified TTFT)", m[F_P_EXTRA]},
         {"the pull outside the wire (handshake + staging_wait + commit)",
          m[F_R_PH0 + PH_HANDSHAKE] + m[F_R_PH0 + PH_STAGING_WAIT] + m[F_R_PH0 + PH_COMMIT]},
@@ -617,6 +802,32 @@ static void bl_print(const bl_opts_t *o, const bl_size_t *S, uint32_t ns)
         printf(" %.1f | %.1f | %.1f | %.1f | %.3f |\n", m[F_R_DEC_TTFB], m[F_R_FIRST],
                m[F_R_FIRST_TOKEN], m[F_R_PREPULL], m[F_R_BYTES] / 1048576.0);
     }
+    printf("\n### streaming the KV during the prefill: what it could save here (medians of %u, "
+           "ms)\n\n",
+           o->runs);
+    printf("| size | prefill alone | prefill with a decode leg beside it | slowdown (per round) | "
+           "decode leg TTFB alone | its wire alone | wire beside the prefill | decode leg's end "
+           "after the prefill's | saving bound (TTFB alone - slowdown) |\n|---|---|---|---|---|---|"
+           "---|---|---|\n");
+    for (uint32_t s = 0; s < ns; s++) {
+        const double *m = S[s].med;
+        printf("| %u | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.1f | **%.1f** |\n", S[s].size,
+               m[F_O_ALONE], m[F_O_OVER], m[F_O_SLOW], m[F_D_TTFB], m[F_D_PH0 + PH_WIRE],
+               m[F_O_WIRE], m[F_O_END], m[F_O_SAVE]);
+    }
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    printf("\nThe same from CPU time: a decode leg (max_tokens 1) alone, the CPU its work took on "
+           "each node (every live thread's run time) against its TTFB; a prefill that holds all "
+           "%ld CPUs loses at least that CPU / %ld if the leg runs beside it.\n\n",
+           cpus, cpus);
+    printf("| size | leg TTFB | CPU, prefill node | CPU, decode node | saving bound (TTFB - CPU / "
+           "%ld) |\n|---|---|---|---|---|\n",
+           cpus);
+    for (uint32_t s = 0; s < ns; s++) {
+        const double *m = S[s].med;
+        printf("| %u | %.1f | %.1f | %.1f | **%.1f** |\n", S[s].size, m[F_O_TTFB], m[F_O_CPU_P],
+               m[F_O_CPU_D], m[F_O_SAVE_CPU]);
+    }
     printf("\ntarget (routed TTFT): added TTFT <= the KV's wire time + 5 ms\n");
     for (uint32_t s = 0; s < ns; s++) {
         const double *m = S[s].med;
@@ -658,20 +869,22 @@ static json_t *bl_json(const bl_opts_t *o, double cpt, const double load[2], con
             double v[BL_NF];
             bl_values(&S[s].rounds[i], v);
             json_array_append_new(rounds,
-                                  json_pack("{s:o, s:o}", "decode_leg",
+                                  json_pack("{s:o, s:o, s:o}", "decode_leg",
                                             bl_figures_json(v, F_TOKENS, F_UB_TTFT), "routed_ttft",
-                                            bl_figures_json(v, F_UB_TTFT, BL_NF)));
+                                            bl_figures_json(v, F_UB_TTFT, F_O_ALONE), "streaming",
+                                            bl_figures_json(v, F_O_ALONE, BL_NF)));
         }
         /* every routed figure but the two headline ones, which the size carries itself */
-        json_t *phases = bl_figures_json(m, F_UB_TTFT, BL_NF);
+        json_t *phases = bl_figures_json(m, F_UB_TTFT, F_O_ALONE);
         json_object_del(phases, "added_ms");
         json_object_del(phases, "wire_ms");
         json_array_append_new(
             sizes,
-            json_pack("{s:i, s:f, s:i, s:o, s:o, s:o, s:o, s:o}", "tokens", (int)S[s].size,
+            json_pack("{s:i, s:f, s:i, s:o, s:o, s:o, s:o, s:o, s:o}", "tokens", (int)S[s].size,
                       "prompt_tokens", m[F_TOKENS], "runs", (int)S[s].n, "added_ms",
                       bl_num(m[F_ADDED]), "wire_ms", bl_num(m[F_R_PH0 + PH_WIRE]), "phases", phases,
-                      "decode_leg", bl_figures_json(m, F_TOKENS, F_UB_TTFT), "rounds", rounds));
+                      "decode_leg", bl_figures_json(m, F_TOKENS, F_UB_TTFT), "streaming",
+                      bl_figures_json(m, F_O_ALONE, BL_NF), "rounds", rounds));
         char name[64];
         snprintf(name, sizeof(name), "added_ttft_%u_tokens_ms", S[s].size);
         json_array_append_new(
@@ -700,6 +913,8 @@ static void bl_usage(FILE *f)
             "  routed TTFT: TTFT through the router minus the unified node's, split into the\n"
             "               router's own time (its /metrics) and the nodes' phases; target:\n"
             "               added <= the KV's wire time + 5 ms\n"
+            "  streaming:   a prefill alone and with a decode leg (max_tokens 1) beside it:\n"
+            "               what streaming the KV during the prefill could save here\n"
             "  --runs N       rounds per size (default 20)\n"
             "  --sizes LIST   prompt tokens, comma-separated (default 512,2048)\n"
             "  --preset NAME  model preset (default llama-3.2-1b)\n",
@@ -775,6 +990,16 @@ static int bl_measure(const bl_ctx_t *c, bl_size_t *S)
                 return -1;
             }
             S[s].n++;
+            fprintf(stderr, " %u", i + 1);
+        }
+        bl_medians(S[s].rounds, S[s].n, S[s].med);
+        fprintf(stderr, "; a pull beside a prefill:");
+        for (uint32_t i = 0; i < S[s].n && !g_stop; i++) {
+            if (bl_overlap(c, S[s].size, i, S[s].med[F_U_TTFT] / 2, &S[s].rounds[i]) != 0) {
+                fprintf(stderr, "\npagekv bench disagg: size %u: step 5 of round %u failed\n",
+                        S[s].size, i);
+                return -1;
+            }
             fprintf(stderr, " %u", i + 1);
         }
         fprintf(stderr, "\n");

@@ -44,6 +44,7 @@ START_TEST(latency_runs_and_reports)
                                         "### decode leg on its node: each moment",
                                         "### decode leg: bytes moved",
                                         "### routed TTFT: TTFT",
+                                        "### streaming the KV during the prefill",
                                         "target (routed TTFT): added TTFT <= the KV's wire time"};
     ts_has_lines(out, lines, sizeof(lines) / sizeof(lines[0]));
     json_t *doc = ts_json_take(path);
@@ -67,6 +68,13 @@ START_TEST(latency_runs_and_reports)
     ck_assert(ts_jnum(b, "router_ttft_ms") > 0 && ts_jnum(b, "kv_alloc_ms") >= 0);
     ck_assert(ts_jnum(b, "kv_commit_ms") >= 0 && ts_jnum(b, "handshake_ms") >= 0);
     ck_assert(ts_jnum(sz, "wire_ms") >= 0);
+    /* step 5: both prefills timed, the pull beside one of them moved bytes over its wire */
+    json_t *st = json_object_get(sz, "streaming");
+    ck_assert(ts_jnum(st, "prefill_alone_ms") > 0 && ts_jnum(st, "prefill_with_pull_ms") > 0);
+    ck_assert(ts_jnum(st, "wire_beside_prefill_ms") > 0);
+    ck_assert(json_is_number(json_object_get(st, "saving_bound_ms")));
+    ck_assert(json_is_object(
+        json_object_get(json_array_get(json_object_get(sz, "rounds"), 0), "streaming")));
     ck_assert(json_is_number(json_object_get(sz, "added_ms")));
     json_t *t = json_array_get(json_object_get(doc, "targets"), 0);
     ck_assert_str_eq(json_string_value(json_object_get(t, "name")), "added_ttft_64_tokens_ms");
