@@ -23,6 +23,8 @@
 #include <fcntl.h>
 #include <jansson.h>
 #include <signal.h>
+#include <dirent.h>
+#include <sched.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -307,8 +309,10 @@ START_TEST(warm_floor_serves_allocations_and_lapses)
     ck_assert_uint_eq(pkv_kv_trim(kv, now, &next), 0); /* a trim commits nothing... */
     ck_assert_uint_le(next, now + 1000000000ull);
     ck_assert_uint_eq(stats(kv).warm_refills, 0);
-    ck_assert_uint_eq(pkv_kv_warm_refill(kv), 3); /* ...the owner's refill does */
-    ck_assert_uint_eq(pkv_kv_warm_refill(kv), 0);
+    ck_assert_uint_eq(pkv_kv_warm_refill(kv, 1), 1); /* ...the owner's refill does, */
+    ck_assert_uint_eq(stats(kv).empty_bytes, 1 * GRAN);
+    ck_assert_uint_eq(pkv_kv_warm_refill(kv, 0), 2); /* in steps or all at once */
+    ck_assert_uint_eq(pkv_kv_warm_refill(kv, 0), 0);
     st = stats(kv);
     ck_assert_uint_eq(st.warm_refills, 3);
     ck_assert_uint_eq(st.committed_bytes, 6 * GRAN);
@@ -340,7 +344,7 @@ START_TEST(warm_floor_serves_allocations_and_lapses)
     pkv_kv_on_warm_low(kv, count_kick, &kicks);
     pkv_seq_free(seq_tokens(kv, 1000, 193));
     ck_assert_uint_eq(stats(kv).blocks_cached, 12);
-    pkv_kv_warm_refill(kv);
+    pkv_kv_warm_refill(kv, 0);
     st = stats(kv);
     /* 13 blocks: a floor of 4 granules, one of them the request's fourth (its partial
      * block was freed, not cached), three committed by the refill */
@@ -359,7 +363,7 @@ START_TEST(warm_floor_serves_allocations_and_lapses)
     kv = warm_pool(0, false);
     pkv_seq_free(seq_tokens(kv, 1000, 192));
     pkv_kv_trim(kv, pkv_now_ns(), NULL);
-    ck_assert_uint_eq(pkv_kv_warm_refill(kv), 0);
+    ck_assert_uint_eq(pkv_kv_warm_refill(kv, 0), 0);
     st = stats(kv);
     ck_assert_uint_eq(st.committed_bytes, 1 * GRAN);
     ck_assert_uint_eq(st.warm_bytes + st.warm_refills, 0);
@@ -456,7 +460,7 @@ START_TEST(policy_property_run)
         } else if (op == 7) {
             now += pkv_test_below(&rng, 40) * 1000000ull;
             pkv_kv_trim(kv, now, NULL);
-            pkv_kv_warm_refill(kv);
+            pkv_kv_warm_refill(kv, 0);
         } else if (op == 8) {
             uint32_t k = pkv_test_below(&rng, 4);
             pkv_kv_cache_pressure(kv, k == 3 ? PKV_KV_NO_LIMIT : k * GRAN);
@@ -696,6 +700,33 @@ static bool warm_lapsed(json_t *d)
            jint(d, "committed_bytes", NULL) <= jint(d, "granule_bytes", NULL);
 }
 
+/* The scheduling policy (SCHED_*) of this process's thread named name; -1 when none is. */
+static int thread_policy(const char *name)
+{
+    DIR *d = opendir("/proc/self/task");
+    struct dirent *e;
+    int policy = -1;
+    while (d && policy < 0 && (e = readdir(d))) {
+        char path[64], buf[1024] = {0};
+        snprintf(path, sizeof(path), "/proc/self/task/%.16s/comm", e->d_name);
+        FILE *f = fopen(path, "r");
+        bool match = f && fgets(buf, sizeof(buf), f) && !strncmp(buf, name, strlen(name)) &&
+                     buf[strlen(name)] == '\n';
+        if (f) fclose(f);
+        if (!match) continue;
+        snprintf(path, sizeof(path), "/proc/self/task/%.16s/stat", e->d_name);
+        if (!(f = fopen(path, "r"))) continue;
+        if (fgets(buf, sizeof(buf), f)) {
+            char *p = strrchr(buf, ')'); /* fields after the name: state is field 3 */
+            for (int field = 2; p && field < 41; field++) p = strchr(p + 1, ' ');
+            if (p) policy = atoi(p + 1);
+        }
+        fclose(f);
+    }
+    if (d) closedir(d);
+    return policy;
+}
+
 /* The warm floor in a server: after an admission of 10 blocks (3 granules) the watcher,
  * kicked, commits the floor again with no request (the blocks stay cached), and once the
  * cache's idle time passes both go: one granule stays. A unified node's auto is none. */
@@ -711,6 +742,9 @@ START_TEST(server_warm_floor_refilled_then_returned)
 
     cfg.kv_warm_max_bytes = 64 * MIB;
     s = start(&cfg);
+    /* Not idle priority: a commit holds the address space's lock and the pool's mutex, and a
+     * thread that holds them while waiting for a core stalls every thread that needs them. */
+    ck_assert_int_eq(thread_policy("pkv-warm"), SCHED_OTHER);
     uint16_t port = pkv_server_port(s);
     complete_ids(port, "llama-3.2-1b", 7, 150);
     d = wait_stats(port, warm_refilled, 10);

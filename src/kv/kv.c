@@ -657,9 +657,9 @@ uint64_t pkv_kv_trim(pkv_kv_t *kv, uint64_t now_ns, uint64_t *next_ns)
     return kv->ops->trim ? kv->ops->trim(kv, now_ns, next_ns) : 0;
 }
 
-uint32_t pkv_kv_warm_refill(pkv_kv_t *kv)
+uint32_t pkv_kv_warm_refill(pkv_kv_t *kv, uint32_t max)
 {
-    return kv->ops->warm_refill ? kv->ops->warm_refill(kv) : 0;
+    return kv->ops->warm_refill ? kv->ops->warm_refill(kv, max) : 0;
 }
 
 void pkv_kv_cache_pressure(pkv_kv_t *kv, uint64_t limit_bytes)

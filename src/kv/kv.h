@@ -62,9 +62,10 @@ void pkv_kv_on_full(pkv_kv_t *kv, pkv_kv_full_fn fn, void *arg);
  * soon, off the allocating path, to commit them again. Set once, before any sequence exists
  * (NULL to clear, after the last); must not block. */
 void pkv_kv_on_warm_low(pkv_kv_t *kv, void (*fn)(void *arg), void *arg);
-/* Commit the warm floor's missing empty granules (the pool's lock is not held while the
- * OS commits them): the granules committed. pkv_kv_trim returns a lapsed floor. */
-uint32_t pkv_kv_warm_refill(pkv_kv_t *kv);
+/* Commit the warm floor's missing empty granules, at most max (0: all of them; the pool's
+ * lock is not held while the OS commits them): the granules committed. pkv_kv_trim returns
+ * a lapsed floor. */
+uint32_t pkv_kv_warm_refill(pkv_kv_t *kv, uint32_t max);
 /* The OS time (ns) seq's allocations spent committing granules, since it was created:
  * what a request waited for memory (0 when the warm floor or free blocks served it). */
 uint64_t pkv_seq_commit_ns(const pkv_seq_t *seq);

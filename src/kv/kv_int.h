@@ -35,7 +35,7 @@ typedef struct {
     void (*reset_cache)(pkv_kv_t *kv);
     /* prefix-cache policy: optional (NULL: no cache policy, as dense) */
     uint64_t (*trim)(pkv_kv_t *kv, uint64_t now_ns, uint64_t *next_ns);
-    uint32_t (*warm_refill)(pkv_kv_t *kv);
+    uint32_t (*warm_refill)(pkv_kv_t *kv, uint32_t max);
     void (*cache_pressure)(pkv_kv_t *kv, uint64_t limit_bytes);
     /* How many of keys[0..n) lead the prompt in the prefix cache (0 when it is off). */
     uint32_t (*prefix_match)(pkv_kv_t *kv, const pkv_kv_key_t *keys, uint32_t n);

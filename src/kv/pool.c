@@ -1158,15 +1158,16 @@ static uint64_t pool_trim(pkv_kv_t *kv, uint64_t now_ns, uint64_t *next_ns)
     return n;
 }
 
-/* Commit again the empty granules allocations took from the warm floor, off their path
- * (the lock is dropped around each commit). */
-static uint32_t pool_warm_refill(pkv_kv_t *kv)
+/* Commit again the empty granules allocations took from the warm floor (at most max; 0: all),
+ * off their path (the lock is dropped around each commit). */
+static uint32_t pool_warm_refill(pkv_kv_t *kv, uint32_t max)
 {
     pool_t *p = pool_of(kv);
     uint32_t n = 0;
+    if (!max) max = UINT32_MAX;
     pthread_mutex_lock(&p->lock);
-    while (warm_short(p)) {
-        uint32_t got = pool_commit(p, PKV_MIN(p->warm - p->n_empty, 64), NULL);
+    while (warm_short(p) && n < max) {
+        uint32_t got = pool_commit(p, PKV_MIN(PKV_MIN(p->warm - p->n_empty, 64), max - n), NULL);
         if (!got) break;
         p->warm_refills += got;
         n += got;

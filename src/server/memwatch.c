@@ -18,11 +18,18 @@
  *
  * With a warm floor (pkv_kv_config_t.warm_max_bytes) a second thread, "pkv-warm", commits
  * again what allocations took from it (pkv_kv_warm_refill), woken by the allocation's kick
- * (pkv_kv_on_warm_low). It runs under SCHED_IDLE: the kernel zeroes each granule it commits
- * (~1 ms of CPU per MiB on a VM), and at normal priority that work took a core from the
- * model threads while the request that kicked it was still pulling and decoding; idle, it
- * runs only on a core nothing else wants, and under full load it waits (allocations then
- * commit on their own path, as without a floor).
+ * (pkv_kv_on_warm_low). The refill is real CPU work (the kernel zeroes each granule it
+ * commits, ~1 ms of CPU per MiB on a VM), and run beside a request it took a core from the
+ * model threads while that request was still pulling and decoding; so it runs only while
+ * the node is quiet (the server's busy probe: nothing queued or running in the engine, no
+ * pull in flight), MW_WARM_STEP granules at a time, looking again between steps and every
+ * MW_WARM_WAIT_NS while busy. Under a load that never leaves the node quiet it waits, and
+ * allocations commit on their own path as without a floor. It runs at normal priority: at
+ * SCHED_IDLE a commit (mprotect, MADV_POPULATE_WRITE) holds the address space's lock, and
+ * the pool's mutex around it, for as long as the thread waits for a core, and every thread
+ * of the process that maps, unmaps or commits memory waits with it (4.6 s measured on two
+ * saturated vCPUs; a decode node under bench disagg --interference lost its transfer peer
+ * to the 1 s keepalive that way).
  *
  * Locking: w->lock guards stop, kicked and the figures in w->st; the threads call into the
  * pool and prim without it. Nothing else runs on these threads.
@@ -33,7 +40,6 @@
 #include "prim/prim.h"
 
 #include <pthread.h>
-#include <sched.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -45,6 +51,8 @@
 #define MW_PSI_LOW         5.0
 #define MW_MIN_WAIT_NS     (10ull * 1000 * 1000)
 #define MW_WARM_DEFAULT    (256ull << 20)
+#define MW_WARM_STEP       4u                    /* granules a refill step commits */
+#define MW_WARM_WAIT_NS    (10ull * 1000 * 1000) /* between looks while the node is busy */
 #define MW_WARM_LIFE_MS    30000u
 
 struct srv_memwatch {
@@ -56,6 +64,8 @@ struct srv_memwatch {
     pthread_t thread;
     pthread_t warm_thread; /* started when the pool has a warm floor */
     bool warm;
+    bool (*busy)(void *arg); /* the node is not quiet: no refill now (NULL: always quiet) */
+    void *busy_arg;
     pthread_mutex_t lock; /* guards stop, kicked, st */
     pthread_cond_t cv, warm_cv;
     bool stop;
@@ -236,20 +246,23 @@ static void *mw_warm_main(void *arg)
 {
     srv_memwatch_t *w = arg;
     pthread_setname_np(pthread_self(), "pkv-warm");
-    struct sched_param sp = {0};
-    int rc = pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp);
-    if (rc)
-        PKV_LOGW("server", "warm floor refills at normal priority (SCHED_IDLE: %s)", strerror(rc));
     pthread_mutex_lock(&w->lock);
     while (!w->stop) {
         if (!w->kicked) {
             pthread_cond_wait(&w->warm_cv, &w->lock);
             continue;
         }
-        w->kicked = false;
+        w->kicked = false; /* a kick from now on asks again */
         pthread_mutex_unlock(&w->lock);
-        pkv_kv_warm_refill(w->kv);
+        bool busy = w->busy && w->busy(w->busy_arg);
+        uint32_t got = busy ? 0 : pkv_kv_warm_refill(w->kv, MW_WARM_STEP);
         pthread_mutex_lock(&w->lock);
+        if (!busy && got < MW_WARM_STEP) continue; /* the floor is full (or cannot grow) */
+        w->kicked = true;                          /* more to do: at once, or once quiet */
+        if (busy && !w->stop) {
+            struct timespec ts = pkv_deadline_to_monotonic(pkv_now_ns() + MW_WARM_WAIT_NS);
+            pthread_cond_timedwait(&w->warm_cv, &w->lock, &ts);
+        }
     }
     pthread_mutex_unlock(&w->lock);
     return NULL;
@@ -266,7 +279,8 @@ static void mw_stop(srv_memwatch_t *w)
     pthread_join(w->thread, NULL);
 }
 
-int srv_memwatch_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, srv_memwatch_t **out)
+int srv_memwatch_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, bool (*busy)(void *arg),
+                        void *busy_arg, srv_memwatch_t **out)
 {
     pkv_kv_stats_t ks;
     pkv_kv_stats(kv, &ks);
@@ -276,6 +290,8 @@ int srv_memwatch_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, srv_memwat
     srv_memwatch_t *w = calloc(1, sizeof(*w));
     if (!w) return PKV_ERR_NOMEM;
     w->kv = kv;
+    w->busy = busy;
+    w->busy_arg = busy_arg;
     if (cfg->memory_root && strcmp(cfg->memory_root, "/"))
         snprintf(w->root, sizeof(w->root), "%s", cfg->memory_root);
     w->reserve_cfg = cfg->memory_reserve_bytes;
@@ -286,7 +302,7 @@ int srv_memwatch_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, srv_memwat
         .running = true, .watching = w->watch, .source = "none", .cache_limit = PKV_KV_NO_LIMIT};
     if (pthread_mutex_init(&w->lock, NULL)) goto fail_lock;
     if (pkv_cond_init_monotonic(&w->cv)) goto fail_cv;
-    if (pthread_cond_init(&w->warm_cv, NULL)) goto fail_warm_cv;
+    if (pkv_cond_init_monotonic(&w->warm_cv)) goto fail_warm_cv;
     if (pthread_create(&w->thread, NULL, mw_main, w)) goto fail_thread;
     if (ks.warm_max_bytes) {
         if (pthread_create(&w->warm_thread, NULL, mw_warm_main, w)) {

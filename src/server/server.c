@@ -161,6 +161,17 @@ static int open_tier(pkv_server_t *s, const pkv_server_config_t *cfg)
     return rc;
 }
 
+/* The warm floor's refill waits while this says the node is busy: a request queued or
+ * running in the engine, or a decode leg's pull in flight (s->kvn is set before the first
+ * request, so before any refill asks). */
+static bool node_busy(void *arg)
+{
+    pkv_server_t *s = arg;
+    pkv_engine_stats_t es;
+    pkv_engine_stats(s->engine, &es);
+    return es.queued || es.running || pkv_disagg_node_pulls_inflight(s->kvn);
+}
+
 static int build_stack(pkv_server_t *s, const pkv_server_config_t *cfg)
 {
     int rc = load_model(s, cfg);
@@ -221,7 +232,7 @@ static int build_stack(pkv_server_t *s, const pkv_server_config_t *cfg)
         PKV_LOGE("server", "creating the engine failed: %s", pkv_status_str(rc));
         return rc;
     }
-    if ((rc = srv_memwatch_create(cfg, s->kv, &s->mw))) {
+    if ((rc = srv_memwatch_create(cfg, s->kv, node_busy, s, &s->mw))) {
         PKV_LOGE("server", "starting the memory watcher failed: %s", pkv_status_str(rc));
         return rc;
     }

@@ -101,7 +101,8 @@ int srv_cache_policy(const pkv_server_config_t *cfg, uint64_t budget, pkv_kv_con
 /* The watcher: thread "pkv-memwatch" applies the idle time-to-live (pkv_kv_trim) on a timer
  * and, unless cfg->no_memory_watch, reads the memory left (prim) every poll and holds the
  * cache out of the reserve (pkv_kv_cache_pressure); with a warm floor, thread "pkv-warm"
- * (SCHED_IDLE) refills it when kicked (pkv_kv_warm_refill). */
+ * refills it when kicked (pkv_kv_warm_refill), in steps, only while busy(busy_arg) says
+ * the node is quiet. */
 typedef struct srv_memwatch srv_memwatch_t;
 typedef struct {
     bool running;       /* a watcher thread runs (a paged pool with a TTL or the watch on) */
@@ -120,7 +121,8 @@ typedef struct {
 /* Start the watcher over kv (not started for the dense backend, nor when there is neither a
  * TTL nor a watch: *out is then NULL and PKV_OK). PKV_ERR_NOMEM when the thread cannot
  * start. */
-int srv_memwatch_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, srv_memwatch_t **out);
+int srv_memwatch_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, bool (*busy)(void *arg),
+                        void *busy_arg, srv_memwatch_t **out);
 /* Stop and join the thread. NULL is a no-op. */
 void srv_memwatch_destroy(srv_memwatch_t *w);
 /* pkv_kv_on_warm_low's callback (arg: the watcher): wake pkv-warm to refill the warm
