@@ -10,9 +10,10 @@
  *      `X-Pagekv-Timings: 1` (its phases and bytes pulled come in its last chunk);
  *   3. prompt C_i = A_i's text and more as the two legs again: the decode node holds A_i's
  *      blocks, so only the new ones move (bytes with a decode-side prefix hit);
- *   4. prompt B_i to the unified node, streamed, and B_i through the router, streamed, each
- *      node's /metrics read before and after (one request at a time: the deltas of the
- *      histogram sums are this request's);
+ *   4. once the decode node's warm floor is whole again (its refill runs when the node is
+ *      quiet: not beside the measured requests), prompt B_i to the unified node, streamed,
+ *      and B_i through the router, streamed, each node's /metrics read before and after
+ *      (one request at a time: the deltas of the histogram sums are this request's);
  *   5. once every round of the size has run 1-4, what streaming the KV during the prefill
  *      could save here: G_i's two legs, the decode leg (max_tokens 1) alone with the CPU
  *      both nodes spent on it; D_i's prefill leg (its KV registered), then E_i and F_i as
@@ -322,6 +323,24 @@ static int bl_unified(const bl_ctx_t *c, const json_t *req, double *ttft, double
     return rc;
 }
 
+/* Wait (at most BL_SETTLE_NS) until the decode node's warm floor is whole again: its refill
+ * runs once the node is quiet, and the measured requests of step 4 must not run beside it.
+ * 0 when it is (or the node has none). */
+static int bl_warm_settled(const char *dec_url)
+{
+    uint64_t end = pkv_now_ns() + BL_SETTLE_NS;
+    for (;;) {
+        json_t *d = http_get_json(dec_url, "/v1/cache/stats", 2000);
+        long long want = cluster_json_int(d, "warm.bytes");
+        long long have = cluster_json_int(d, "warm.empty_bytes");
+        json_decref(d);
+        if (want >= 0 && have >= want) return 0;
+        if (pkv_now_ns() >= end) return -1;
+        struct timespec ts = {0, 5000000};
+        nanosleep(&ts, NULL);
+    }
+}
+
 /* B_i through the router, with the metric deltas of its legs. */
 static int bl_routed(const bl_ctx_t *c, const json_t *req, bl_round_t *x)
 {
@@ -505,6 +524,8 @@ static int bl_round(const bl_ctx_t *c, uint32_t size, uint32_t i, bl_round_t *x)
     x->d_bytes = pulled[0], x->d_blocks = pulled[1], x->d_adopted = pulled[2];
     if (bl_legs(c->pre->url, c->dec->url, px, &p_ms, &ttfb, &total, ph, mark, pulled)) goto out;
     x->x_bytes = pulled[0], x->x_blocks = pulled[1], x->x_adopted = pulled[2];
+    if (bl_warm_settled(c->dec->url))
+        fprintf(stderr, "    the decode node's warm floor was not whole within 2 s\n");
     if (bl_unified(c, b, &x->ub_ttft, &x->ub_total, NULL) || bl_routed(c, b, x)) goto out;
     rc = 0;
 out:
