@@ -490,9 +490,13 @@ static int bl_overlap(const bl_ctx_t *c, uint32_t size, uint32_t i, double half,
     json_object_set_new(d, "kv_transfer_params", kt);
     bl_pull_t pull = {.url = c->dec->url, .body = d, .rc = -1};
     json_t *alone = i % 2 ? f : e, *beside = i % 2 ? e : f;
-    if (i % 2 == 0) x->o_alone = bl_prefill_timed(c, alone, half, NULL);
-    x->o_over = bl_prefill_timed(c, beside, half, &pull);
-    if (i % 2) x->o_alone = bl_prefill_timed(c, alone, half, NULL);
+    x->o_alone = x->o_over = NAN; /* until measured */
+    /* each timed prefill starts with the decode node's warm floor whole: no refill runs
+     * beside it but the one its own decode leg causes */
+    if (i % 2 == 0 && !bl_warm_settled(c->dec->url))
+        x->o_alone = bl_prefill_timed(c, alone, half, NULL);
+    if (!bl_warm_settled(c->dec->url)) x->o_over = bl_prefill_timed(c, beside, half, &pull);
+    if (i % 2 && !bl_warm_settled(c->dec->url)) x->o_alone = bl_prefill_timed(c, alone, half, NULL);
     if (isnan(x->o_alone) || isnan(x->o_over)) goto out;
     memcpy(x->o_ph, pull.ph, sizeof(x->o_ph));
     x->o_end = (double)pull.end_ns / 1e6;
