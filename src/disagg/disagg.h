@@ -220,8 +220,6 @@ int pkv_disagg_pull_take(pkv_disagg_pull_t *pl, pkv_seq_t **out, pkv_disagg_firs
 void pkv_disagg_pull_abandon(pkv_disagg_pull_t *pl);
 /* A decode node computes a request that came without kv_transfer_params (counted). */
 void pkv_disagg_node_count_local(pkv_disagg_node_t *n);
-/* Decode legs' pulls in flight now (0 for NULL). */
-uint64_t pkv_disagg_node_pulls_inflight(pkv_disagg_node_t *n);
 /* POST /v1/kv_transfer/peaks/reset: the high-water marks of the window that ends now
  * (since the node started or the previous reset) as {window_ms, staging: {page_bytes,
  * pages_peak_used, transfers_peak, resident_peak_bytes} (summed over ranks as

@@ -635,12 +635,3 @@ void pkv_disagg_node_count_local(pkv_disagg_node_t *n)
     n->pulls.local++;
     pthread_mutex_unlock(&n->lock);
 }
-
-uint64_t pkv_disagg_node_pulls_inflight(pkv_disagg_node_t *n)
-{
-    if (!n) return 0;
-    pthread_mutex_lock(&n->lock);
-    uint64_t v = n->pulls.inflight;
-    pthread_mutex_unlock(&n->lock);
-    return v;
-}

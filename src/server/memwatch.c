@@ -21,9 +21,9 @@
  * (pkv_kv_on_warm_low). The refill is real CPU work (the kernel zeroes each granule it
  * commits, ~1 ms of CPU per MiB on a VM), and run beside a request it took a core from the
  * model threads while that request was still pulling and decoding; so it runs only while
- * the node is quiet (the server's busy probe: nothing queued or running in the engine, no
- * pull in flight), MW_WARM_STEP granules at a time, looking again between steps and every
- * MW_WARM_WAIT_NS while busy. Under a load that never leaves the node quiet it waits, and
+ * the node is quiet (the server's busy probe: no generation request in flight, nothing
+ * queued or running in the engine), MW_WARM_STEP granules at a time, looking again between steps
+ * and every MW_WARM_WAIT_NS while busy. Under a load that never leaves the node quiet it waits, and
  * allocations commit on their own path as without a floor. It runs at normal priority: at
  * SCHED_IDLE a commit (mprotect, MADV_POPULATE_WRITE) holds the address space's lock, and
  * the pool's mutex around it, for as long as the thread waits for a core, and every thread

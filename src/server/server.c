@@ -161,15 +161,18 @@ static int open_tier(pkv_server_t *s, const pkv_server_config_t *cfg)
     return rc;
 }
 
-/* The warm floor's refill waits while this says the node is busy: a request queued or
- * running in the engine, or a decode leg's pull in flight (s->kvn is set before the first
- * request, so before any refill asks). */
+/* The warm floor's refill waits while this says the node is busy: a generation request in
+ * flight (from its arrival to its last byte: a decode leg's pull, admission and decode
+ * included), or one queued or running in the engine. */
 static bool node_busy(void *arg)
 {
     pkv_server_t *s = arg;
+    pthread_mutex_lock(&s->lock);
+    bool busy = s->ctr.in_flight > 0;
+    pthread_mutex_unlock(&s->lock);
     pkv_engine_stats_t es;
     pkv_engine_stats(s->engine, &es);
-    return es.queued || es.running || pkv_disagg_node_pulls_inflight(s->kvn);
+    return busy || es.queued || es.running;
 }
 
 static int build_stack(pkv_server_t *s, const pkv_server_config_t *cfg)
