@@ -728,12 +728,15 @@ static int thread_policy(const char *name)
 }
 
 /* The warm floor in a server: after an admission of 10 blocks (3 granules) the watcher,
- * kicked, commits the floor again with no request (the blocks stay cached), and once the
- * cache's idle time passes both go: one granule stays. A unified node's auto is none. */
+ * kicked, commits the floor again once the request has ended (the blocks stay cached), and
+ * once the cache's idle time passes both go: one granule stays. A unified node's auto is
+ * none. */
 START_TEST(server_warm_floor_refilled_then_returned)
 {
     pkv_server_config_t cfg = llama_config();
-    cfg.cache_idle_ms = 1500;
+    /* The floor lapses this long after the admission that set it, and it is refilled only
+     * once the request has ended: long enough for a slow (sanitizer) build's request. */
+    cfg.cache_idle_ms = 6000;
     pkv_server_t *s = start(&cfg);
     json_t *d = cache_stats(pkv_server_port(s));
     ck_assert_int_eq(jwarm(d, "max_bytes"), 0); /* auto: none on a unified node */
