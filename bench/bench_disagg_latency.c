@@ -230,6 +230,24 @@ static json_t *bl_prefill_leg(const char *url, const json_t *req, double *ms)
     return kt;
 }
 
+/* A decode leg's streamed answer: its pagekv_timings (a new reference) with its phases in ph
+ * (ms), or NULL (said) when it carries no phases. */
+static json_t *bl_leg_phases(const char *body, double ph[BL_NPH])
+{
+    json_t *t = bl_timings(body);
+    json_t *phs = json_object_get(t, "phases_seconds");
+    if (!json_is_object(phs)) {
+        fprintf(stderr, "    decode leg: no pagekv_timings phases in its answer\n");
+        json_decref(t);
+        return NULL;
+    }
+    for (int k = 0; k < BL_NPH; k++) {
+        json_t *v = json_object_get(phs, bl_ph_names[k]);
+        ph[k] = json_is_number(v) ? json_number_value(v) * 1e3 : 0;
+    }
+    return t;
+}
+
 /* Both legs of req driven here; the decode leg's figures into the out parameters. */
 static int bl_legs(const char *pre_url, const char *dec_url, const json_t *req, double *p_ms,
                    double *ttfb, double *total, double ph[BL_NPH], double mark[BL_NMARK],
@@ -241,19 +259,11 @@ static int bl_legs(const char *pre_url, const char *dec_url, const json_t *req, 
     json_object_set_new(dec, "kv_transfer_params", kt);
     http_reply_t rep;
     int rc = bl_post(dec_url, dec, true, &rep, NULL);
-    json_t *t = rc == 0 ? bl_timings(rep.body) : NULL;
-    json_t *phs = json_object_get(t, "phases_seconds");
-    if (rc == 0 && !json_is_object(phs)) {
-        fprintf(stderr, "    decode leg: no pagekv_timings phases in its answer\n");
-        rc = -1;
-    }
+    json_t *t = rc == 0 ? bl_leg_phases(rep.body, ph) : NULL;
+    if (!t) rc = -1;
     if (rc == 0) {
         *ttfb = rep.ttfb_seconds * 1e3;
         *total = rep.seconds * 1e3;
-        for (int k = 0; k < BL_NPH; k++) {
-            json_t *v = json_object_get(phs, bl_ph_names[k]);
-            ph[k] = json_is_number(v) ? json_number_value(v) * 1e3 : 0;
-        }
         json_t *mk = json_object_get(t, "decode_leg_ms");
         for (int k = 0; k < BL_NMARK; k++) {
             json_t *v = json_object_get(mk, bl_mark_names[k]);
@@ -386,19 +396,14 @@ static void *bl_pull_main(void *arg)
     http_reply_t rep;
     p->rc = bl_post(p->url, p->body, true, &rep, NULL);
     p->end_ns = pkv_now_ns();
-    json_t *t = p->rc == 0 ? bl_timings(rep.body) : NULL;
-    json_t *phs = json_object_get(t, "phases_seconds");
-    if (p->rc == 0 && !json_is_object(phs)) p->rc = -1;
-    for (int k = 0; k < BL_NPH && p->rc == 0; k++) {
-        json_t *v = json_object_get(phs, bl_ph_names[k]);
-        p->ph[k] = json_is_number(v) ? json_number_value(v) * 1e3 : 0;
-    }
+    json_t *t = p->rc == 0 ? bl_leg_phases(rep.body, p->ph) : NULL;
+    if (!t) p->rc = -1;
     json_decref(t);
     http_reply_free(&rep);
     return NULL;
 }
 
-/* CPU time of every live thread of pid, ns (a thread that ended is not counted). */
+/* CPU time of every live thread of pid, ms (a thread that ended is not counted). */
 static double bl_cpu_ms(pid_t pid)
 {
     char path[64];
@@ -452,15 +457,23 @@ static double bl_prefill_timed(const bl_ctx_t *c, const json_t *req, double half
     return ms;
 }
 
+/* req's prefill leg, then req made its decode leg (the leg's params, max_tokens 1): 0, or -1
+ * when the prefill leg failed. */
+static int bl_one_token_leg(const bl_ctx_t *c, json_t *req)
+{
+    double p_ms;
+    json_t *kt = bl_prefill_leg(c->pre->url, req, &p_ms);
+    if (!kt) return -1;
+    json_object_set_new(req, "max_tokens", json_integer(1));
+    json_object_set_new(req, "kv_transfer_params", kt);
+    return 0;
+}
+
 /* G's two legs, the decode leg (max_tokens 1) alone: the CPU both nodes spent on it (from
  * its start to its end; ms) and its TTFB. */
 static int bl_leg_cpu(const bl_ctx_t *c, json_t *g, bl_round_t *x)
 {
-    double p_ms;
-    json_t *kt = bl_prefill_leg(c->pre->url, g, &p_ms);
-    if (!kt) return -1;
-    json_object_set_new(g, "max_tokens", json_integer(1));
-    json_object_set_new(g, "kv_transfer_params", kt);
+    if (bl_one_token_leg(c, g)) return -1;
     double p0 = bl_cpu_ms(c->pre->pid), d0 = bl_cpu_ms(c->dec->pid);
     http_reply_t rep;
     int rc = bl_post(c->dec->url, g, false, &rep, NULL);
@@ -481,22 +494,20 @@ static int bl_overlap(const bl_ctx_t *c, uint32_t size, uint32_t i, double half,
     uint64_t seed = ((uint64_t)size << 24) + (1ull << 40) + 4ull * i;
     json_t *d = bl_body(m, chars, seed), *e = bl_body(m, chars, seed + 1);
     json_t *f = bl_body(m, chars, seed + 2), *g = bl_body(m, chars, seed + 3);
-    double p_ms;
     int rc = -1;
-    if (!d || !e || !f || !g || bl_leg_cpu(c, g, x)) goto out;
-    json_t *kt = bl_prefill_leg(c->pre->url, d, &p_ms);
-    if (!kt) goto out;
-    json_object_set_new(d, "max_tokens", json_integer(1));
-    json_object_set_new(d, "kv_transfer_params", kt);
+    if (!d || !e || !f || !g || bl_leg_cpu(c, g, x) || bl_one_token_leg(c, d)) goto out;
     bl_pull_t pull = {.url = c->dec->url, .body = d, .rc = -1};
     json_t *alone = i % 2 ? f : e, *beside = i % 2 ? e : f;
     x->o_alone = x->o_over = NAN; /* until measured */
-    /* each timed prefill starts with the decode node's warm floor whole: no refill runs
-     * beside it but the one its own decode leg causes */
-    if (i % 2 == 0 && !bl_warm_settled(c->dec->url))
-        x->o_alone = bl_prefill_timed(c, alone, half, NULL);
-    if (!bl_warm_settled(c->dec->url)) x->o_over = bl_prefill_timed(c, beside, half, &pull);
-    if (i % 2 && !bl_warm_settled(c->dec->url)) x->o_alone = bl_prefill_timed(c, alone, half, NULL);
+    /* even rounds time the prefill alone first, odd ones the one beside the pull; each
+     * starts with the decode node's warm floor whole: no refill runs beside it but the one
+     * its own decode leg causes */
+    for (uint32_t k = 0; k < 2 && !bl_warm_settled(c->dec->url); k++) {
+        if ((k + i) % 2)
+            x->o_over = bl_prefill_timed(c, beside, half, &pull);
+        else
+            x->o_alone = bl_prefill_timed(c, alone, half, NULL);
+    }
     if (isnan(x->o_alone) || isnan(x->o_over)) goto out;
     memcpy(x->o_ph, pull.ph, sizeof(x->o_ph));
     x->o_end = (double)pull.end_ns / 1e6;
