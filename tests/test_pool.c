@@ -1303,6 +1303,74 @@ START_TEST(runs_span_consecutive_slots_and_match_slots)
 }
 END_TEST
 
+/* Freed blocks go back to their granule's free list last-freed first; a sequence still gets
+ * each granule's blocks in address order (one run per granule for attention to stream), and grows
+ * into the block after its last one rather than into a denser granule. */
+START_TEST(sequences_get_blocks_in_address_order)
+{
+    pkv_kv_config_t cfg = {
+        .geo = prop_geo, .granule_bytes = 32768, .budget_bytes = 16 * 32768, .no_prefix_cache = true};
+    pkv_kv_t *kv;
+    ck_assert_int_eq(pkv_kv_create(&cfg, &kv), PKV_OK); /* 8 KiB blocks: 4 per granule */
+    int32_t tok[16 * 8];
+    for (int i = 0; i < 16 * 8; i++) tok[i] = i;
+    pkv_seq_params_t p8 = {.tokens = tok, .n_tokens = 16 * 8};
+    pkv_seq_t *b;
+    uint32_t eight[8];
+    ck_assert_int_eq(pkv_kv_blocks_alloc(kv, 8, eight), PKV_OK);
+    pkv_kv_blocks_free(kv, eight, 8); /* in ascending order (as the LRU evicts a sequence's
+                                        * blocks): each free list now descends */
+    ck_assert_int_eq(pkv_seq_create(kv, &p8, &b, NULL), PKV_OK);
+    const uint32_t *ids;
+    uint32_t n;
+    ck_assert_int_eq(pkv_seq_blocks(b, &ids, &n), PKV_OK);
+    ck_assert_uint_eq(n, 8);
+    for (uint32_t i = 1; i < n; i++) /* within a granule, each block after the one before */
+        if (ids[i] / 4 == ids[i - 1] / 4) ck_assert_uint_eq(ids[i], ids[i - 1] + 1);
+    pkv_kv_run_t runs[8];
+    uint32_t next;
+    ck_assert_uint_eq(pkv_seq_runs(b, 0, 0, 16 * 8, runs, 8, &next), 2); /* one per granule */
+    pkv_seq_free(b);
+    pkv_kv_destroy(kv);
+
+    /* Growth: c's granule has the block after c's free, another granule is denser. */
+    ck_assert_int_eq(pkv_kv_create(&cfg, &kv), PKV_OK);
+    pkv_seq_params_t p1 = {.tokens = tok, .n_tokens = 16};
+    pkv_seq_t *c;
+    ck_assert_int_eq(pkv_seq_create(kv, &p1, &c, NULL), PKV_OK);
+    ck_assert_int_eq(pkv_seq_blocks(c, &ids, &n), PKV_OK);
+    uint32_t c0 = ids[0], raw[7];
+    ck_assert_int_eq(pkv_kv_blocks_alloc(kv, 7, raw), PKV_OK); /* the rest of c's granule, then 4 */
+    uint32_t mine[3], k = 0, other[2], o = 0;
+    for (int i = 0; i < 7; i++) {
+        if (raw[i] / 4 == c0 / 4)
+            mine[k++] = raw[i];
+        else if (o < 2)
+            other[o++] = raw[i];
+    }
+    ck_assert_uint_eq(k, 3);
+    pkv_kv_blocks_free(kv, mine, 3);  /* c's granule: 1 used */
+    pkv_kv_blocks_free(kv, other, 2); /* the other: 2 used, the densest */
+    ck_assert_int_eq(pkv_seq_reserve(c, 32), PKV_OK);
+    ck_assert_int_eq(pkv_seq_blocks(c, &ids, &n), PKV_OK);
+    ck_assert_uint_eq(n, 2);
+    ck_assert_uint_eq(ids[1], c0 + 1);
+    ck_assert_uint_eq(pkv_seq_runs(c, 0, 0, 32, runs, 8, &next), 1);
+    ck_assert_int_eq(pkv_kv_validate(kv), PKV_OK);
+    pkv_seq_free(c);
+    uint32_t left[5];
+    uint32_t nl = 0;
+    for (int i = 0; i < 7; i++) {
+        bool freed = false;
+        for (uint32_t j = 0; j < k; j++) freed |= raw[i] == mine[j];
+        for (uint32_t j = 0; j < o; j++) freed |= raw[i] == other[j];
+        if (!freed) left[nl++] = raw[i];
+    }
+    pkv_kv_blocks_free(kv, left, nl);
+    pkv_kv_destroy(kv);
+}
+END_TEST
+
 START_TEST(allocation_prefers_dense_granules_and_decommits_with_hysteresis)
 {
     pkv_kv_t *kv = granule_pool(16);
@@ -1631,6 +1699,7 @@ static Suite *pool_suite(void)
     tcase_add_test(tc, quantized_pool_packs_huge_granules);
     tcase_add_test(tc, hadamard_rotation_keeps_dot_products);
     tcase_add_test(tc, allocation_prefers_dense_granules_and_decommits_with_hysteresis);
+    tcase_add_test(tc, sequences_get_blocks_in_address_order);
     tcase_add_test(tc, eviction_prefers_sparse_granules);
     tcase_add_test(tc, pins_from_worker_threads_while_engine_runs);
     suite_add_tcase(s, tc);
