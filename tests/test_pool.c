@@ -1371,6 +1371,55 @@ START_TEST(sequences_get_blocks_in_address_order)
 }
 END_TEST
 
+/* Growth that fills its granule goes on at the first block of an empty granule, not into a
+ * denser granule's hole, so the blocks after it extend one run. */
+START_TEST(growth_past_a_granule_starts_an_empty_one)
+{
+    pkv_kv_config_t cfg = {
+        .geo = prop_geo, .granule_bytes = 32768, .budget_bytes = 16 * 32768, .no_prefix_cache = true};
+    pkv_kv_t *kv;
+    ck_assert_int_eq(pkv_kv_create(&cfg, &kv), PKV_OK); /* 4 blocks per granule */
+    int32_t tok[16 * 6];
+    for (int i = 0; i < 16 * 6; i++) tok[i] = i;
+    pkv_seq_params_t p4 = {.tokens = tok, .n_tokens = 16 * 4};
+    pkv_seq_t *c;
+    ck_assert_int_eq(pkv_seq_create(kv, &p4, &c, NULL), PKV_OK); /* one whole granule */
+    const uint32_t *ids;
+    uint32_t n, raw[8];
+    ck_assert_int_eq(pkv_seq_blocks(c, &ids, &n), PKV_OK);
+    ck_assert_uint_eq(ids[3], ids[0] + 3);
+    ck_assert_int_eq(pkv_kv_blocks_alloc(kv, 8, raw), PKV_OK); /* two more granules */
+    uint32_t g1 = raw[0] / 4, hole = UINT32_MAX, empty[4], ne = 0;
+    for (int i = 0; i < 8; i++) {
+        if (raw[i] / 4 != g1)
+            empty[ne++] = raw[i];
+        else if (hole == UINT32_MAX)
+            hole = raw[i];
+    }
+    ck_assert_uint_eq(ne, 4);
+    pkv_kv_blocks_free(kv, &hole, 1); /* g1: three used, the densest granule with a hole */
+    pkv_kv_blocks_free(kv, empty, 4); /* the other: empty, kept committed (retain 1) */
+    ck_assert_int_eq(pkv_seq_reserve(c, 16 * 5), PKV_OK);
+    ck_assert_int_eq(pkv_seq_blocks(c, &ids, &n), PKV_OK);
+    ck_assert_uint_eq(n, 5);
+    ck_assert_uint_ne(ids[4], hole);
+    ck_assert_uint_eq(ids[4] % 4, 0); /* an empty granule's first block */
+    ck_assert_int_eq(pkv_seq_reserve(c, 16 * 6), PKV_OK);
+    ck_assert_int_eq(pkv_seq_blocks(c, &ids, &n), PKV_OK);
+    ck_assert_uint_eq(ids[5], ids[4] + 1);
+    pkv_kv_run_t runs[8];
+    uint32_t next;
+    ck_assert_uint_eq(pkv_seq_runs(c, 0, 0, 16 * 6, runs, 8, &next), 2);
+    ck_assert_int_eq(pkv_kv_validate(kv), PKV_OK);
+    pkv_seq_free(c);
+    uint32_t left[3], nl = 0;
+    for (int i = 0; i < 8; i++)
+        if (raw[i] / 4 == g1 && raw[i] != hole) left[nl++] = raw[i];
+    pkv_kv_blocks_free(kv, left, nl);
+    pkv_kv_destroy(kv);
+}
+END_TEST
+
 START_TEST(allocation_prefers_dense_granules_and_decommits_with_hysteresis)
 {
     pkv_kv_t *kv = granule_pool(16);
@@ -1700,6 +1749,7 @@ static Suite *pool_suite(void)
     tcase_add_test(tc, hadamard_rotation_keeps_dot_products);
     tcase_add_test(tc, allocation_prefers_dense_granules_and_decommits_with_hysteresis);
     tcase_add_test(tc, sequences_get_blocks_in_address_order);
+    tcase_add_test(tc, growth_past_a_granule_starts_an_empty_one);
     tcase_add_test(tc, eviction_prefers_sparse_granules);
     tcase_add_test(tc, pins_from_worker_threads_while_engine_runs);
     suite_add_tcase(s, tc);

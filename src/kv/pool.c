@@ -602,7 +602,8 @@ static void pool_unlock(pool_t *p)
 
 /* Take n free blocks (n <= n_free) in address order where the pool allows: first the blocks
  * right after `after` (the block before ids[0] in its sequence; NONE: none) while they are
- * free in its granule, then the densest granules' free blocks, granule by granule as taken,
+ * free in its granule, then (growth of fewer than a granule's blocks) an empty granule's
+ * from its first, else the densest granules' free blocks, granule by granule as taken,
  * each granule's ascending. Attention reads a sequence by runs of consecutive blocks, and
  * every run's start restarts the hardware prefetcher: blocks taken from a free list (last
  * freed first) in descending order made every block its own run and a 2k-token decode step
@@ -615,6 +616,13 @@ static void take_ordered(pool_t *p, uint32_t n, uint32_t *ids, uint32_t after)
     for (uint32_t id = after; i < n && id != NONE && (id + 1) % p->bpg &&
                               p->blk[id + 1].state == BLK_FREE;)
         ids[i++] = id = block_claim(p, (id + 1) / p->bpg, id + 1);
+    /* Growth that cannot go on where the sequence ends starts an empty granule at its first
+     * block, so that the growth after it extends the run (a hole in a denser granule would
+     * make each of its blocks a run of its own); new sequences still fill the holes. */
+    if (after != NONE && i < n && n - i < p->bpg && p->n_empty) {
+        uint32_t g = p->bucket[0];
+        for (uint32_t k = 0; i < n; k++) ids[i++] = block_claim(p, g, g * p->bpg + k);
+    }
     for (uint32_t j = i; j < n; j++) {
         uint32_t id = block_take(p), k = j; /* insertion into its granule's group */
         while (k > i && ids[k - 1] / p->bpg == id / p->bpg && ids[k - 1] > id) ids[k] = ids[k - 1], k--;
