@@ -1303,15 +1303,22 @@ START_TEST(runs_span_consecutive_slots_and_match_slots)
 }
 END_TEST
 
+/* A pool of 8 KiB blocks, 4 per granule, no prefix cache: block placement tests. */
+static pkv_kv_t *order_pool(void)
+{
+    pkv_kv_config_t cfg = {
+        .geo = prop_geo, .granule_bytes = 32768, .budget_bytes = 16 * 32768, .no_prefix_cache = true};
+    pkv_kv_t *kv;
+    ck_assert_int_eq(pkv_kv_create(&cfg, &kv), PKV_OK);
+    return kv;
+}
+
 /* Freed blocks go back to their granule's free list last-freed first; a sequence still gets
  * each granule's blocks in address order (one run per granule for attention to stream), and grows
  * into the block after its last one rather than into a denser granule. */
 START_TEST(sequences_get_blocks_in_address_order)
 {
-    pkv_kv_config_t cfg = {
-        .geo = prop_geo, .granule_bytes = 32768, .budget_bytes = 16 * 32768, .no_prefix_cache = true};
-    pkv_kv_t *kv;
-    ck_assert_int_eq(pkv_kv_create(&cfg, &kv), PKV_OK); /* 8 KiB blocks: 4 per granule */
+    pkv_kv_t *kv = order_pool();
     int32_t tok[16 * 8];
     for (int i = 0; i < 16 * 8; i++) tok[i] = i;
     pkv_seq_params_t p8 = {.tokens = tok, .n_tokens = 16 * 8};
@@ -1334,7 +1341,7 @@ START_TEST(sequences_get_blocks_in_address_order)
     pkv_kv_destroy(kv);
 
     /* Growth: c's granule has the block after c's free, another granule is denser. */
-    ck_assert_int_eq(pkv_kv_create(&cfg, &kv), PKV_OK);
+    kv = order_pool();
     pkv_seq_params_t p1 = {.tokens = tok, .n_tokens = 16};
     pkv_seq_t *c;
     ck_assert_int_eq(pkv_seq_create(kv, &p1, &c, NULL), PKV_OK);
@@ -1375,10 +1382,7 @@ END_TEST
  * denser granule's hole, so the blocks after it extend one run. */
 START_TEST(growth_past_a_granule_starts_an_empty_one)
 {
-    pkv_kv_config_t cfg = {
-        .geo = prop_geo, .granule_bytes = 32768, .budget_bytes = 16 * 32768, .no_prefix_cache = true};
-    pkv_kv_t *kv;
-    ck_assert_int_eq(pkv_kv_create(&cfg, &kv), PKV_OK); /* 4 blocks per granule */
+    pkv_kv_t *kv = order_pool();
     int32_t tok[16 * 6];
     for (int i = 0; i < 16 * 6; i++) tok[i] = i;
     pkv_seq_params_t p4 = {.tokens = tok, .n_tokens = 16 * 4};
