@@ -1306,8 +1306,10 @@ END_TEST
 /* A pool of 8 KiB blocks, 4 per granule, no prefix cache: block placement tests. */
 static pkv_kv_t *order_pool(void)
 {
-    pkv_kv_config_t cfg = {
-        .geo = prop_geo, .granule_bytes = 32768, .budget_bytes = 16 * 32768, .no_prefix_cache = true};
+    pkv_kv_config_t cfg = {.geo = prop_geo,
+                           .granule_bytes = 32768,
+                           .budget_bytes = 16 * 32768,
+                           .no_prefix_cache = true};
     pkv_kv_t *kv;
     ck_assert_int_eq(pkv_kv_create(&cfg, &kv), PKV_OK);
     return kv;
@@ -1326,7 +1328,7 @@ START_TEST(sequences_get_blocks_in_address_order)
     uint32_t eight[8];
     ck_assert_int_eq(pkv_kv_blocks_alloc(kv, 8, eight), PKV_OK);
     pkv_kv_blocks_free(kv, eight, 8); /* in ascending order (as the LRU evicts a sequence's
-                                        * blocks): each free list now descends */
+                                       * blocks): each free list now descends */
     ck_assert_int_eq(pkv_seq_create(kv, &p8, &b, NULL), PKV_OK);
     const uint32_t *ids;
     uint32_t n;

@@ -273,7 +273,8 @@ static uint32_t block_claim(pool_t *p, uint32_t g, uint32_t id)
     bucket_remove(p, g);
     uint32_t *link = &gr->free_head;
     if (id != NONE)
-        while (*link != id) link = &p->blk[*link].next; /* id is on the list: the caller saw it free */
+        while (*link != id)
+            link = &p->blk[*link].next; /* id is on the list: the caller saw it free */
     id = *link;
     *link = p->blk[id].next;
     gr->nfree--;
@@ -613,8 +614,8 @@ static void take_ordered(pool_t *p, uint32_t n, uint32_t *ids, uint32_t after)
 {
     uint32_t i = 0;
     /* id + 1 in id's granule, which holds a live block: committed, so BLK_FREE is free */
-    for (uint32_t id = after; i < n && id != NONE && (id + 1) % p->bpg &&
-                              p->blk[id + 1].state == BLK_FREE;)
+    for (uint32_t id = after;
+         i < n && id != NONE && (id + 1) % p->bpg && p->blk[id + 1].state == BLK_FREE;)
         ids[i++] = id = block_claim(p, (id + 1) / p->bpg, id + 1);
     /* Growth that cannot go on where the sequence ends starts an empty granule at its first
      * block, so that the growth after it extends the run (a hole in a denser granule would
@@ -625,7 +626,8 @@ static void take_ordered(pool_t *p, uint32_t n, uint32_t *ids, uint32_t after)
     }
     for (uint32_t j = i; j < n; j++) {
         uint32_t id = block_take(p), k = j; /* insertion into its granule's group */
-        while (k > i && ids[k - 1] / p->bpg == id / p->bpg && ids[k - 1] > id) ids[k] = ids[k - 1], k--;
+        while (k > i && ids[k - 1] / p->bpg == id / p->bpg && ids[k - 1] > id)
+            ids[k] = ids[k - 1], k--;
         ids[k] = id;
     }
 }
