@@ -134,19 +134,22 @@ static void size_case(xh_case_t *c, size_t bytes, int path)
  * where the lean pull's reference reuses the slots its warm-up touched. Where a run's
  * level comes from on this VM (the host's placement of the two vCPUs) is measured by
  * pkv_rtt_probe_ns. */
-enum { WINDOW = 8 };
+enum { WINDOW = 8, WARM_WINDOWS = 3 };
+#define WARM_BYTES  (128u << 20)
+#define TIMED_BYTES (384u << 20)
 static bool g_quick; /* --quick: 16 MiB of warm-up and 32 MiB timed (the suite's smoke run) */
 static uint32_t warmup_reads(size_t bytes)
 {
-    uint32_t n = (uint32_t)((g_quick ? 16u << 20 : 128u << 20) / bytes);
-    return g_quick ? n : PKV_MAX(n, 3u * WINDOW);
+    uint32_t n = (uint32_t)((g_quick ? 16u << 20 : WARM_BYTES) / bytes);
+    return g_quick ? n : PKV_MAX(n, WARM_WINDOWS * WINDOW);
 }
 static uint32_t timed_reads(size_t bytes)
 {
-    return (uint32_t)((g_quick ? 32u << 20 : 384u << 20) / bytes);
+    return (uint32_t)((g_quick ? 32u << 20 : TIMED_BYTES) / bytes);
 }
-_Static_assert(((128u + 384u) << 20) / (64u << 10) <= XH_MAX_REQ && 3 * WINDOW + 24 <= XH_MAX_REQ,
-               "the pools hold every request of a 64 KiB run");
+_Static_assert((WARM_BYTES + TIMED_BYTES) / (64u << 10) <= XH_MAX_REQ &&
+                   WARM_WINDOWS * WINDOW + TIMED_BYTES / (16u << 20) <= XH_MAX_REQ,
+               "the pools hold every request of a 64 KiB and of a 16 MiB run");
 
 typedef struct {
     double batch_gbps;  /* median over runs of (bytes of the timed reads) / (their wall time) */
@@ -659,7 +662,7 @@ static void print_tput_notes(const opts_t *o)
            "on loopback. 8 in flight: "
            "median over %llu runs of bytes / wall time of %u (64 KiB), %u (1 MiB) or %u "
            "(16 MiB) reads, a new read as soon as the oldest ended, after a warm-up of "
-           "128 MiB (16 MiB: 24 reads) through the same window; one at a time: "
+           "%u, %u or %u reads through the same window; one at a time: "
            "median of 8 reads. References, run right before each run (the median of those "
            "runs and the median of the runs' own ratios): for tcp ucx_perftest (tag_bw, 8 "
            "outstanding, the same UCX tcp settings); the lean pull, what this flow can "
@@ -673,7 +676,8 @@ static void print_tput_notes(const opts_t *o)
            "how far apart the host placed the vCPUs during the run. Targets: same host "
            ">= 0.6 x memcpy, tcp >= 0.8 x ucx_perftest.\n\n",
            (unsigned long long)o->runs, timed_reads(sizes[0]), timed_reads(sizes[1]),
-           timed_reads(sizes[2]));
+           timed_reads(sizes[2]), warmup_reads(sizes[0]), warmup_reads(sizes[1]),
+           warmup_reads(sizes[2]));
     if (g_idle_regs)
         printf("The producer also held %u registered requests that nobody read.\n\n", g_idle_regs);
 }
