@@ -42,6 +42,8 @@
 #define BD_SLOTS       64 /* the field's slots and concurrency */
 #define BD_PAGE_TOKENS 64 /* staging page = 64 tokens of llama-3.2-1b (2 MiB) */
 
+#define BD_STAGING_WARM_MS "1000" /* --staging-warm-ms of the per-transfer designs */
+
 enum { BD_PARITY_BEFORE, BD_BURST, BD_MEDIUM, BD_LONG, BD_PACED, BD_PARITY_AFTER, BD_NPH };
 static const char *const bd_phase_names[BD_NPH] = {"parity_before", "burst", "medium",
                                                    "long",          "paced", "parity_after"};
@@ -352,6 +354,12 @@ static int bd_serve(const bd_env_t *e, const bd_opts_t *o, const bd_load_t *L, c
         argv[n++] = pages;
         argv[n++] = "--staging-page-bytes";
         argv[n++] = page;
+        if (!fixed) {
+            /* a short warm floor, so that the idle check below ends in seconds (the
+               serving default, 30 s, would keep one transfer's pages for up to a minute) */
+            argv[n++] = "--staging-warm-ms";
+            argv[n++] = BD_STAGING_WARM_MS;
+        }
         if (fixed) {
             argv[n++] = "--staging-slots";
             argv[n++] = slots;
@@ -391,15 +399,17 @@ static long long bd_metric_sum(const char *url, const char *part)
     return sum;
 }
 
-/* Whether both nodes' staging resident bytes reach zero within their idle period plus a
- * second, polled every 250 ms. */
+/* Whether both nodes' staging resident bytes reach zero within their idle period, two
+ * lives of their warm floor (docs/design/stage.md) and a second, polled every 250 ms. */
 static bool bd_staging_idle(const char *pre_url, const char *dec_url)
 {
     json_t *ks = http_get_json(pre_url, "/v1/cache/stats", 5000);
     long long idle_ms = cluster_json_int(ks, "kv_transfer.staging.idle_release_ms");
+    long long warm_ms = cluster_json_int(ks, "kv_transfer.staging.warm_ms");
     json_decref(ks);
     if (idle_ms < 0) return false;
-    uint64_t until = pkv_now_ns() + (uint64_t)(idle_ms + 1000) * 1000000ull;
+    if (warm_ms < 0) warm_ms = 0; /* null: no floor */
+    uint64_t until = pkv_now_ns() + (uint64_t)(idle_ms + 2 * warm_ms + 1000) * 1000000ull;
     for (;;) {
         bool zero = true;
         for (int k = 0; k < 2; k++) {
@@ -569,7 +579,8 @@ static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t
         json_decref(ds0);
         if (ph == BD_PACED) {
             /* idle: per-transfer staging goes back to the OS within the nodes' idle
-             * period (kv_transfer.staging.idle_release_ms) and a second of slack */
+             * period (kv_transfer.staging.idle_release_ms), two lives of the warm floor
+             * and a second of slack */
             run->staging_idle_zero = !bd_fixed(d) && bd_staging_idle(pre.url, dec.url);
         }
     }

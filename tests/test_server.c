@@ -1458,7 +1458,11 @@ START_TEST(roles_cli_rejects_bad_values)
         {{"--role", "prefill", "--staging-peer-cap", "-1"}, "--staging-peer-cap wants an integer"},
         {{"--role", "prefill", "--staging-idle-ms", "0"}, "--staging-idle-ms wants an integer"},
         {{"--role", "prefill", "--staging", "mirror", "--staging-idle-ms", "100"},
-         "--staging-idle-ms needs --staging per_transfer"},
+         "--staging-idle-ms and --staging-warm-ms need --staging per_transfer"},
+        {{"--role", "prefill", "--staging-warm-ms", "0"}, "--staging-warm-ms wants an integer"},
+        {{"--role", "decode", "--staging-warm-ms", "soon"}, "--staging-warm-ms wants an integer"},
+        {{"--role", "prefill", "--staging", "fixed", "--staging-warm-ms", "none"},
+         "--staging-idle-ms and --staging-warm-ms need --staging per_transfer"},
         {{"--role", "prefill", "--kv-lease-ms", "0"}, "--kv-lease-ms wants an integer"},
         {{"--role", "prefill", "--kv-lease-ms", "10s"}, "--kv-lease-ms wants an integer"},
         {{"--role", "decode", "--kv-transfer-timeout-ms", "0"},
@@ -1557,6 +1561,7 @@ START_TEST(roles_health_and_agent_address)
     ck_assert_int_eq(ts_ji(st, "kv_transfer.staging.resident_bytes"),
                      6 * ts_ji(st, "kv_transfer.staging.page_bytes"));
     ck_assert(json_is_null(ts_jp(st, "kv_transfer.staging.idle_release_ms"))); /* never returned */
+    ck_assert(json_is_null(ts_jp(st, "kv_transfer.staging.warm_ms")));         /* no floor */
     json_decref(st);
 
     /* A decode node on a chosen port, advertising another host. */
@@ -1591,6 +1596,8 @@ START_TEST(roles_health_and_agent_address)
     ck_assert_int_eq(ts_ji(st, "kv_transfer.transfer_timeout_ms"), 2500);
     ck_assert_str_eq(ts_js(st, "kv_transfer.staging.mode"), "per_transfer");
     ck_assert_int_eq(ts_ji(st, "kv_transfer.staging.idle_release_ms"), 750);
+    ck_assert_int_eq(ts_ji(st, "kv_transfer.staging.warm_ms"), 30000); /* the default floor */
+    ck_assert_int_eq(ts_ji(st, "kv_transfer.staging.warm_floor_pages"), 0);
     json_decref(st);
     role_child_stop(&d);
     role_child_stop(&p);

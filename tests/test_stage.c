@@ -170,9 +170,12 @@ START_TEST(bad_config_is_rejected)
     pkv_stage_config_default(&c);
     c.mode = (pkv_stage_mode_t)7;
     ck_assert_int_eq(pkv_stage_create(&c, &st), PKV_ERR_INVALID);
+    pkv_stage_config_default(&c);
+    c.warm_life_ns = UINT64_MAX; /* above a day */
+    ck_assert_int_eq(pkv_stage_create(&c, &st), PKV_ERR_INVALID);
     ck_assert_int_eq(pkv_stage_create(NULL, &st), PKV_ERR_INVALID);
     ck_assert_ptr_eq(st, (pkv_stage_t *)0x1); /* untouched on failure */
-    ck_assert_int_ge(cap_count(), 6);
+    ck_assert_int_ge(cap_count(), 7);
     ck_assert_int_eq(pkv_stage_destroy(NULL, 0, NULL), PKV_OK);
 
     st = mk_stage(PKV_STAGE_PER_TRANSFER, 16, 0, 0, 0);
@@ -895,6 +898,64 @@ START_TEST(resident_memory_falls_back_after_idle_memfd)
 }
 END_TEST
 
+/* Resident pages reach `pages` within 5 s; the stats then. */
+static pkv_stage_stats_t wait_resident_pages(pkv_stage_t *st, uint64_t pages)
+{
+    uint64_t end = pkv_now_ns() + 5000 * MS;
+    pkv_stage_stats_t s = stats_of(st);
+    while (s.resident_bytes != pages * s.page_bytes && pkv_now_ns() < end) {
+        usleep(10000);
+        s = stats_of(st);
+    }
+    ck_assert_uint_eq(s.resident_bytes, pages * s.page_bytes);
+    return s;
+}
+
+/* The warm floor keeps the largest recent transfer's pages (the lowest) past idle release,
+ * returns the rest on time, serves the next such transfer without a commit in one run,
+ * and lapses: then everything goes back. */
+START_TEST(warm_floor_keeps_the_largest_transfer_until_it_lapses)
+{
+    pkv_stage_config_t c;
+    pkv_stage_config_default(&c);
+    c.page_bytes = 4096;
+    c.pool_pages = 64;
+    c.idle_release_ns = 50 * MS;
+    c.warm_life_ns = 1000 * MS;
+    c.pin = false;
+    pkv_stage_t *st;
+    ck_assert_int_eq(pkv_stage_create(&c, &st), PKV_OK);
+    pkv_stage_grant_t *a, *b;
+    ck_assert_int_eq(pkv_stage_acquire(st, 1, 0, 30, PKV_DEADLINE_NEVER, &a), PKV_OK);
+    ck_assert_int_eq(pkv_stage_acquire(st, 2, 0, 20, PKV_DEADLINE_NEVER, &b), PKV_OK);
+    ck_assert_uint_eq(stats_of(st).warm_floor_pages, 30);
+    ck_assert_uint_eq(a->runs[0].page, 0);
+    pkv_stage_grant_free(a);
+    pkv_stage_grant_free(b);
+    ck_assert_int_eq(pkv_stage_release(st, 2), PKV_OK);
+    ck_assert_int_eq(pkv_stage_release(st, 1), PKV_OK);
+    /* the 20 beyond the floor go back after the idle period, the floor's 30 stay */
+    pkv_stage_stats_t s = wait_resident_pages(st, 30);
+    ck_assert_uint_eq(s.released_pages, 20);
+    ck_assert_uint_eq(s.committed_pages, 50);
+    usleep(100000);
+    ck_assert_uint_eq(stats_of(st).resident_bytes, 30 * 4096);
+    /* the next transfer of that size takes the kept pages: one run, nothing committed */
+    ck_assert_int_eq(pkv_stage_acquire(st, 3, 0, 30, PKV_DEADLINE_NEVER, &a), PKV_OK);
+    ck_assert_uint_eq(a->nruns, 1);
+    ck_assert_uint_eq(a->runs[0].page, 0);
+    ck_assert_uint_eq(stats_of(st).committed_pages, 50);
+    pkv_stage_grant_free(a);
+    ck_assert_int_eq(pkv_stage_release(st, 3), PKV_OK);
+    /* the floor lapses warm_life after that demand: everything goes back */
+    s = wait_resident_pages(st, 0);
+    ck_assert_uint_eq(s.warm_floor_pages, 0);
+    ck_assert_uint_eq(s.released_pages, 50);
+    ck_assert_uint_eq(s.pages_free, 64);
+    stage_done(st);
+}
+END_TEST
+
 START_TEST(memfd_pages_are_visible_to_a_peer_mapping)
 {
     pkv_stage_config_t c;
@@ -1155,7 +1216,7 @@ START_TEST(alternating_warm_and_cold_pages_make_one_run)
     for (int i = 0; i < 6; i++)
         if (one[i].page % 2) stage_alloc_give(&a, one[i].page, 1, 1);
     uint64_t next;
-    uint32_t noff = stage_alloc_collect_idle(&a, 1, off, 6, &next);
+    uint32_t noff = stage_alloc_collect_idle(&a, 1, UINT32_MAX, off, 6, &next);
     ck_assert_uint_eq(noff, 3);
     for (uint32_t r = 0; r < noff; r++) stage_alloc_return_cold(&a, off[r].page, off[r].count);
     for (int i = 0; i < 6; i++)
@@ -1239,13 +1300,39 @@ START_TEST(allocator_matches_reference_model)
                 /* Warm up what is used, then idle-release part of what is free. */
                 for (uint32_t p = 0; p < N; p++)
                     if (used[p]) a.warm[p] = STAGE_WARM;
-                uint64_t next;
-                uint32_t n = stage_alloc_collect_idle(&a, now - 20, spans, N, &next);
+                uint64_t next, cutoff = now - 20;
+                uint32_t idle = 0,
+                         most = pkv_test_below(&seed, 2) ? UINT32_MAX : pkv_test_below(&seed, 60);
+                bool was_idle[200];
+                for (uint32_t p = 0; p < N; p++) {
+                    was_idle[p] = !used[p] && a.warm[p] != STAGE_COLD && a.freed_at[p] <= cutoff;
+                    idle += was_idle[p];
+                }
+                uint32_t n = stage_alloc_collect_idle(&a, cutoff, most, spans, N, &next);
+                uint32_t off = 0, lowest_off = N;
                 for (uint32_t r = 0; r < n; r++)
                     for (uint32_t p = spans[r].page; p < spans[r].page + spans[r].count; p++) {
-                        ck_assert(!used[p]);
-                        ck_assert(a.freed_at[p] <= now - 20);
+                        ck_assert(was_idle[p]);
+                        was_idle[p] = false;
+                        lowest_off = PKV_MIN(lowest_off, p);
+                        off++;
                     }
+                /* At most `most`; per-transfer exactly that many (or every idle page), the
+                 * highest: every idle page left lies below every page taken off. */
+                ck_assert_uint_le(off, PKV_MIN(idle, most));
+                if (!round) {
+                    ck_assert_uint_eq(off, PKV_MIN(idle, most));
+                    for (uint32_t p = lowest_off; p < N; p++) ck_assert(!was_idle[p]);
+                } else {
+                    ck_assert_uint_gt(off + a.slot_pages, PKV_MIN(idle, most));
+                }
+                /* next: the earliest free warm page left that is not idle yet */
+                uint64_t want = UINT64_MAX;
+                for (uint32_t p = 0; p < N; p++)
+                    if (!used[p] && a.warm[p] != STAGE_COLD && a.freed_at[p] > cutoff &&
+                        a.state[p] == STAGE_PAGE_FREE)
+                        want = PKV_MIN(want, a.freed_at[p]);
+                ck_assert_uint_eq(next, want);
                 stage_alloc_check(&a);
                 for (uint32_t r = 0; r < n; r++)
                     stage_alloc_return_cold(&a, spans[r].page, spans[r].count);
@@ -1408,6 +1495,7 @@ static Suite *stage_suite(void)
     tcase_add_test(tc, leases_defer_page_return);
     tcase_add_test(tc, destroy_reports_leaks_and_waits_for_copies);
     tcase_add_test(tc, resident_memory_falls_back_after_idle);
+    tcase_add_test(tc, warm_floor_keeps_the_largest_transfer_until_it_lapses);
     tcase_add_test(tc, resident_memory_falls_back_after_idle_memfd);
     tcase_add_test(tc, memfd_pages_are_visible_to_a_peer_mapping);
     tcase_add_test(tc, storm_never_double_owns_a_page);

@@ -98,6 +98,9 @@ static void usage(FILE *f)
         "  --staging-shared          a memfd arena same-host peers may map\n"
         "  --staging-idle-ms N       per_transfer: a free page goes back to the OS after\n"
         "                            N ms free (default 5000)\n"
+        "  --staging-warm-ms N|none  per_transfer: the pages of the largest transfer of\n"
+        "                            the last N ms stay committed past the idle release\n"
+        "                            (default 30000)\n"
         "  --kv-lease-ms N           prefill: pins wait for a decode leg (default 30000)\n"
         "  --kv-transfer-timeout-ms N   decode: a pull's deadline (default 10000)\n"
         "  --kv-load-failure fail|recompute   decode: a failed pull is an error (default)\n"
@@ -241,7 +244,13 @@ static int set_kv_option(const char *a, const char *v, pkv_server_config_t *cfg)
         return pkv_cli_flag_u32(cmd, a, v, 1, 1u << 24, &cfg->staging_peer_cap);
     else if (!strcmp(a, "--staging-idle-ms"))
         return pkv_cli_flag_u32(cmd, a, v, 1, 3600000, &cfg->staging_idle_ms);
-    else if (!strcmp(a, "--kv-lease-ms"))
+    else if (!strcmp(a, "--staging-warm-ms")) {
+        if (v && !strcmp(v, "none")) {
+            cfg->staging_warm_ms = PKV_SERVER_STAGING_WARM_NONE;
+            return 0;
+        }
+        return pkv_cli_flag_u32(cmd, a, v, 1, 3600000, &cfg->staging_warm_ms);
+    } else if (!strcmp(a, "--kv-lease-ms"))
         return pkv_cli_flag_u32(cmd, a, v, 1, 3600000, &cfg->kv_lease_ms);
     else if (!strcmp(a, "--kv-transfer-timeout-ms"))
         return pkv_cli_flag_u32(cmd, a, v, 1, 3600000, &cfg->kv_transfer_timeout_ms);
@@ -272,9 +281,10 @@ static int check_kv_options(const pkv_server_config_t *cfg, const char *kv_flag)
     if (cfg->kv_disk_dir && (cfg->backend != PKV_BACKEND_PAGED || cfg->no_prefix_cache))
         return pkv_cli_usage_error(cmd, "--kv-disk-dir needs --kv-backend paged and the prefix "
                                         "cache");
-    if (cfg->staging_idle_ms &&
+    if ((cfg->staging_idle_ms || cfg->staging_warm_ms) &&
         (cfg->staging_mode != PKV_STAGE_PER_TRANSFER || cfg->staging_mirror))
-        return pkv_cli_usage_error(cmd, "--staging-idle-ms needs --staging per_transfer");
+        return pkv_cli_usage_error(cmd, "--staging-idle-ms and --staging-warm-ms need --staging "
+                                        "per_transfer");
     pkv_model_config_t mc;
     char why[128];
     if (cfg->tp > 1 && cfg->backend != PKV_BACKEND_PAGED)

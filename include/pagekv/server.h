@@ -35,6 +35,9 @@
 extern "C" {
 #endif
 
+/* pkv_server_config_t.staging_warm_ms: no staging warm floor. */
+#define PKV_SERVER_STAGING_WARM_NONE UINT32_MAX
+
 typedef struct pkv_server pkv_server_t;
 
 typedef enum {
@@ -101,6 +104,10 @@ typedef struct {
     uint32_t staging_peer_cap;       /* pages one peer may hold; 0 = no cap */
     uint32_t staging_idle_ms;        /* per_transfer: a free staging page goes back to the
                                         OS after this long free; 0 -> 5000 */
+    uint32_t staging_warm_ms;        /* per_transfer: as many pages as the largest transfer
+                                        of the last this-many ms stay committed past the
+                                        idle release (docs/design/stage.md, warm floor);
+                                        0 -> 30000; PKV_SERVER_STAGING_WARM_NONE: none */
     bool staging_shared;             /* memfd arena same-host peers may map */
     bool staging_mirror;             /* the field's host mirror (to compare): each rank's
                                         staging is its share of the whole device pool,

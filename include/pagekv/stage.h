@@ -74,13 +74,19 @@ typedef struct {
     uint32_t peer_cap_pages;  /* most pages one peer may hold; 0 = no cap */
     uint64_t idle_release_ns; /* a free page is returned to the OS after staying free
                                  this long; 0 = at once; PKV_DEADLINE_NEVER = never */
+    uint64_t warm_life_ns;    /* the warm floor: as many pages as the largest transfer
+                                 seated in the last warm_life_ns stay committed past
+                                 idle_release_ns (the lowest-addressed of the idle ones),
+                                 so the first transfer after a quiet spell commits and
+                                 first-touches nothing; 0 = no floor;
+                                 at most a day */
     bool pin;                 /* mlock committed pages (counted when the OS refuses) */
     bool shared;              /* back the arena with a memfd (pkv_stage_memfd) */
     const char *name;         /* memfd / thread name tag; NULL = "pkv-stage" */
 } pkv_stage_config_t;
 
 /* Defaults: per_transfer, 64 KiB pages, 1024 pages, no peer cap, idle release 1 s,
- * pin on, shared off. */
+ * no warm floor, pin on, shared off. */
 PKV_API void pkv_stage_config_default(pkv_stage_config_t *cfg);
 
 /* Create a stage. On success *out owns the arena and a reclaim thread; free with
@@ -186,6 +192,7 @@ typedef struct {
     uint64_t pin_failed_pages; /* pages the OS refused to mlock (pin asked) */
     uint64_t committed_pages;  /* cumulative commits */
     uint64_t released_pages;   /* cumulative returns to the OS */
+    uint32_t warm_floor_pages; /* the warm floor now (0 when none or lapsed) */
     uint32_t transfers_live;   /* holding, or released with leases open */
     uint32_t transfers_peak;   /* high-water of transfers_live */
     uint32_t waiting;          /* acquires parked now */

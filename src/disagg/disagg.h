@@ -127,6 +127,7 @@ typedef struct {
     const char *engine_id; /* remote_engine_id */
     uint32_t lease_ms, transfer_timeout_ms;
     int64_t staging_idle_ms; /* -1: never returned */
+    int64_t staging_warm_ms; /* the warm floor's life; -1: none */
     pkv_xfer_stats_t xs;
     pkv_stage_stats_t ss;
     pkv_disagg_lease_counts_t leases;

@@ -36,6 +36,7 @@ struct pkv_disagg_node {
     char engine_id[40]; /* "pagekv-" + 16 random bytes in hex, presented by every rank */
     uint32_t lease_ms, transfer_timeout_ms;
     int64_t staging_idle_ms; /* -1: staging never returned (fixed slots, the mirror) */
+    int64_t staging_warm_ms; /* the staging's warm floor life; -1: none */
     bool recompute;          /* --kv-load-failure recompute */
     atomic_bool stopping;
     pthread_mutex_t lock;    /* guards leases, pulls, phases, peaks_since_ns */

@@ -18,7 +18,11 @@
 /* Per-transfer staging's default hysteresis: longer than the gap between transfers of a
  * steady load (a page freed and taken again stays committed and pinned), short enough
  * that an idle node holds no staging within seconds. */
-#define DG_STAGE_IDLE_MS    5000
+#define DG_STAGE_IDLE_MS 5000
+/* The staging's warm floor lives as long as the pool's (POOL_WARM_LIFE_MS): the largest
+ * transfer of the last 30 s keeps its pages, so a request after a quiet spell does not
+ * commit and first-touch them again (docs/design/stage.md). */
+#define DG_STAGE_WARM_MS    30000
 #define DG_STAGE_DESTROY_NS 2000000000ull /* staging returned by the agent's close */
 
 const double pkv_disagg_phase_bounds[PKV_DISAGG_PHASE_BUCKETS] = {
@@ -38,6 +42,13 @@ static int64_t stage_idle_ms(const pkv_server_config_t *cfg)
 {
     if (cfg->staging_mode == PKV_STAGE_FIXED_SLOTS || cfg->staging_mirror) return -1;
     return cfg->staging_idle_ms ? (int64_t)cfg->staging_idle_ms : DG_STAGE_IDLE_MS;
+}
+
+/* The staging's warm floor life: -1, none (none asked, or nothing is ever returned). */
+static int64_t stage_warm_ms(const pkv_server_config_t *cfg)
+{
+    if (stage_idle_ms(cfg) < 0 || cfg->staging_warm_ms == PKV_SERVER_STAGING_WARM_NONE) return -1;
+    return cfg->staging_warm_ms ? (int64_t)cfg->staging_warm_ms : DG_STAGE_WARM_MS;
 }
 
 /* The staging: per_transfer, or fixed slots committed (and pinned) at once and never
@@ -60,6 +71,8 @@ static int rank_stage(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_t max
     sc.peer_cap_pages = cfg->staging_peer_cap;
     int64_t idle_ms = stage_idle_ms(cfg);
     sc.idle_release_ns = idle_ms < 0 ? PKV_DEADLINE_NEVER : (uint64_t)idle_ms * 1000000ull;
+    int64_t warm_ms = stage_warm_ms(cfg);
+    sc.warm_life_ns = warm_ms < 0 ? 0 : (uint64_t)warm_ms * 1000000ull;
     sc.shared = cfg->staging_shared;
     sc.name = cfg->role == PKV_SERVER_ROLE_PREFILL ? "pkv-prefill" : "pkv-decode";
     if (cfg->staging_mirror) {
@@ -169,6 +182,7 @@ int pkv_disagg_node_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, uint32_
     n->lease_ms = cfg->kv_lease_ms ? cfg->kv_lease_ms : 30000;
     n->transfer_timeout_ms = cfg->kv_transfer_timeout_ms ? cfg->kv_transfer_timeout_ms : 10000;
     n->staging_idle_ms = stage_idle_ms(cfg);
+    n->staging_warm_ms = stage_warm_ms(cfg);
     n->recompute = cfg->kv_load_recompute;
     atomic_init(&n->stopping, false);
     uint8_t rnd[16];
@@ -263,6 +277,7 @@ static void ss_add(pkv_stage_stats_t *sum, const pkv_stage_stats_t *s)
     sum->resident_bytes += s->resident_bytes;
     sum->resident_peak_bytes += s->resident_peak_bytes;
     sum->pinned_bytes += s->pinned_bytes;
+    sum->warm_floor_pages += s->warm_floor_pages;
     sum->waits += s->waits;
     /* every rank stages its slice of each transfer: the ranks' largest */
     sum->transfers_peak = PKV_MAX(sum->transfers_peak, s->transfers_peak);
@@ -280,6 +295,7 @@ void pkv_disagg_node_snapshot(pkv_disagg_node_t *n, pkv_disagg_snapshot_t *out)
     out->lease_ms = n->lease_ms;
     out->transfer_timeout_ms = n->transfer_timeout_ms;
     out->staging_idle_ms = n->staging_idle_ms;
+    out->staging_warm_ms = n->staging_warm_ms;
     for (uint32_t r = 0; r < n->tp; r++) {
         const dg_rank_t *k = &n->rank[r];
         pkv_xfer_stats_t xs;

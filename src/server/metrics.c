@@ -313,6 +313,9 @@ static void render_kvt(FILE *f, const pkv_disagg_snapshot_t *k)
                    k->ss.waits);
     srv_metric_one(f, "pagekv_kv_staging_resident_pages", "gauge", "Staging pages committed.",
                    k->ss.page_bytes ? k->ss.resident_bytes / k->ss.page_bytes : 0);
+    srv_metric_one(f, "pagekv_kv_staging_warm_floor_pages", "gauge",
+                   "Staging pages kept committed past the idle release for the next transfer.",
+                   k->ss.warm_floor_pages);
     render_kvt_flow(f, k);
 }
 
@@ -485,6 +488,10 @@ json_t *srv_kv_stats_json(const pkv_disagg_snapshot_t *k)
     /* how long a free page stays committed; null: never returned */
     json_object_set_new(stg, "idle_release_ms",
                         k->staging_idle_ms < 0 ? json_null() : json_integer(k->staging_idle_ms));
+    /* the warm floor: its life (null: none) and the pages it keeps now */
+    json_object_set_new(stg, "warm_ms",
+                        k->staging_warm_ms < 0 ? json_null() : json_integer(k->staging_warm_ms));
+    json_object_set_new(stg, "warm_floor_pages", json_integer((json_int_t)s->warm_floor_pages));
     json_object_set_new(
         doc, "pulls",
         json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "ok", (json_int_t)k->pulls.ok, "released",

@@ -102,6 +102,10 @@ struct pkv_stage {
     stage_span_t *reclaim; /* (npages) reclaimer's scratch (used outside the lock too) */
     uint32_t parked;       /* threads inside a parked acquire (destroy waits for them) */
     uint32_t returning;    /* pages the reclaim thread has taken off to return to the OS */
+    /* The warm floor (cfg.warm_life_ns): the largest transfer seated in the window that
+     * began at floor_t (floor_cur) and in the one before it (floor_prev). */
+    uint32_t floor_cur, floor_prev;
+    uint64_t floor_t;
     pthread_cond_t reclaim_cond;
     bool reclaim_idle; /* reclaimer sleeps with nothing warm and free to watch */
     bool stopping;     /* reclaimer must exit */
@@ -220,6 +224,37 @@ static void wait_hist_add(pkv_stage_t *st, uint64_t wait_ns)
     st->stats.wait_ns_max = PKV_MAX(st->stats.wait_ns_max, wait_ns);
 }
 
+/* The warm floor follows the largest transfer of the last one to two warm_life_ns: windows
+ * of warm_life_ns start with the first transfer after the last one ended; the floor is the
+ * largest transfer of the current window and of the one before it, so traffic that goes
+ * on keeps it and a quiet spell of two windows drops it. */
+static void stage_floor_note(pkv_stage_t *st, uint32_t need)
+{
+    uint64_t life = st->cfg.warm_life_ns, now = pkv_now_ns();
+    if (!life) return;
+    uint64_t age = now - st->floor_t;
+    if (age >= life) {
+        st->floor_prev = age < 2 * life ? st->floor_cur : 0;
+        st->floor_cur = 0;
+        st->floor_t = now;
+    }
+    st->floor_cur = PKV_MAX(st->floor_cur, need);
+}
+
+/* The floor at now, as stage_floor_note would leave it; *end_ns: when it next falls
+ * (UINT64_MAX: it is 0). */
+static uint32_t stage_floor(const pkv_stage_t *st, uint64_t now, uint64_t *end_ns)
+{
+    uint64_t life = st->cfg.warm_life_ns, age = now - st->floor_t;
+    uint32_t f = 0;
+    if (life && age < life)
+        f = PKV_MAX(st->floor_cur, st->floor_prev);
+    else if (life && age < 2 * life)
+        f = st->floor_cur;
+    *end_ns = !f ? UINT64_MAX : st->floor_t + (age < life ? life : 2 * life);
+    return f;
+}
+
 /* Seat a transfer: take its pages, make its record, fill `grant`. The allocator must
  * fit the request. Returns the record index; *fresh_out counts pages to commit. */
 static uint32_t stage_grant(pkv_stage_t *st, uint64_t id, uint32_t peer, uint32_t asked,
@@ -278,6 +313,7 @@ static uint32_t stage_grant(pkv_stage_t *st, uint64_t id, uint32_t peer, uint32_
     k->pages_peak_used = PKV_MAX(k->pages_peak_used, used);
     k->resident_bytes += (uint64_t)fresh * st->page_bytes;
     k->resident_peak_bytes = PKV_MAX(k->resident_peak_bytes, k->resident_bytes);
+    stage_floor_note(st, need);
     *fresh_out = fresh;
     return ri;
 }
@@ -455,9 +491,14 @@ static void *stage_reclaim_main(void *arg)
     uint64_t idle = st->cfg.idle_release_ns;
     pthread_mutex_lock(&st->lock);
     while (!st->stopping) {
-        uint64_t now = pkv_now_ns(), next;
+        uint64_t now = pkv_now_ns(), next, floor_end;
         uint64_t cutoff = now > idle ? now - idle : 0;
-        uint32_t n = stage_alloc_collect_idle(&st->alloc, cutoff, st->reclaim, st->npages, &next);
+        /* the floor stays: only resident pages beyond it go back */
+        uint32_t floor = stage_floor(st, now, &floor_end);
+        uint32_t resident = (uint32_t)(st->stats.resident_bytes / st->page_bytes);
+        uint32_t most = resident > floor ? resident - floor : 0;
+        uint32_t n =
+            stage_alloc_collect_idle(&st->alloc, cutoff, most, st->reclaim, st->npages, &next);
         for (uint32_t i = 0; i < n; i++) st->returning += st->reclaim[i].count;
         if (n) {
             /* The off pages belong to this thread until they come back cold. */
@@ -488,12 +529,20 @@ static void *stage_reclaim_main(void *arg)
             continue;
         }
         if (next == UINT64_MAX) {
-            /* Nothing warm is free: sleep until a release kicks us. */
+            /* Nothing warm is free but what the floor keeps: sleep until a release kicks
+             * us, or until the floor lapses and frees what it kept. */
             st->reclaim_idle = true;
-            while (st->reclaim_idle && !st->stopping)
-                pthread_cond_wait(&st->reclaim_cond, &st->lock);
+            if (floor_end == UINT64_MAX) {
+                while (st->reclaim_idle && !st->stopping)
+                    pthread_cond_wait(&st->reclaim_cond, &st->lock);
+            } else {
+                struct timespec ts = pkv_deadline_to_monotonic(floor_end);
+                pthread_cond_timedwait(&st->reclaim_cond, &st->lock, &ts);
+                st->reclaim_idle = false;
+            }
         } else {
             uint64_t wake = next + idle < next ? PKV_DEADLINE_NEVER : next + idle;
+            wake = PKV_MIN(wake, floor_end); /* the floor's lapse frees what it kept */
             struct timespec ts = pkv_deadline_to_monotonic(wake);
             pthread_cond_timedwait(&st->reclaim_cond, &st->lock, &ts);
         }
@@ -503,6 +552,8 @@ static void *stage_reclaim_main(void *arg)
 }
 
 /* ---- create / destroy -------------------------------------------------------------- */
+
+#define STAGE_WARM_LIFE_MAX (86400ull * 1000000000ull) /* a day */
 
 static int stage_config_check(const pkv_stage_config_t *c, uint32_t *npages)
 {
@@ -529,6 +580,10 @@ static int stage_config_check(const pkv_stage_config_t *c, uint32_t *npages)
         }
     } else {
         PKV_LOGE(STAGE_LOG, "create: unknown mode %d", (int)c->mode);
+        return PKV_ERR_INVALID;
+    }
+    if (c->warm_life_ns > STAGE_WARM_LIFE_MAX) {
+        PKV_LOGE(STAGE_LOG, "create: warm_life_ns %" PRIu64 " is above a day", c->warm_life_ns);
         return PKV_ERR_INVALID;
     }
     if (n > (1u << 30) || n * c->page_bytes > (1ull << 46)) {
@@ -1134,6 +1189,8 @@ static void stats_locked(const pkv_stage_t *st, pkv_stage_stats_t *out)
     out->pages_returning = st->returning;
     out->pages_used = st->npages - st->alloc.free_pages - st->returning;
     out->waiting = st->nwaiting;
+    uint64_t end;
+    out->warm_floor_pages = stage_floor(st, pkv_now_ns(), &end);
 }
 
 int pkv_stage_stats(pkv_stage_t *st, pkv_stage_stats_t *out)

@@ -332,8 +332,32 @@ void stage_alloc_give(stage_alloc_t *a, uint32_t page, uint32_t count, uint64_t 
     extent_free(a, page, count, false);
 }
 
-uint32_t stage_alloc_collect_idle(stage_alloc_t *a, uint64_t cutoff, stage_span_t *out,
-                                  uint32_t cap, uint64_t *next_freed)
+/* A warm free page freed at or before cutoff (the page's state is checked by the caller). */
+static bool page_idle(const stage_alloc_t *a, uint32_t q, uint64_t cutoff)
+{
+    return a->warm[q] != STAGE_COLD && a->freed_at[q] <= cutoff;
+}
+
+/* The first page idle release may take: below it, the lowest idle free pages beyond the
+ * `most` highest stay. 0 when there are at most `most` of them. */
+static uint32_t idle_floor_end(const stage_alloc_t *a, uint64_t cutoff, uint32_t most)
+{
+    uint32_t idle = 0;
+    for (uint32_t p = 0; p < a->npages; p += a->len[p])
+        if (a->state[p] == STAGE_PAGE_FREE)
+            for (uint32_t q = p; q < p + a->len[p]; q++) idle += page_idle(a, q, cutoff);
+    if (idle <= most) return 0;
+    uint32_t skip = idle - most;
+    for (uint32_t p = 0; p < a->npages; p += a->len[p])
+        if (a->state[p] == STAGE_PAGE_FREE)
+            for (uint32_t q = p; q < p + a->len[p]; q++)
+                if (page_idle(a, q, cutoff) && !--skip) return q + 1;
+    PKV_ASSERT(0);
+    return a->npages;
+}
+
+uint32_t stage_alloc_collect_idle(stage_alloc_t *a, uint64_t cutoff, uint32_t most,
+                                  stage_span_t *out, uint32_t cap, uint64_t *next_freed)
 {
     uint64_t next = UINT64_MAX;
     uint32_t n = 0;
@@ -342,22 +366,23 @@ uint32_t stage_alloc_collect_idle(stage_alloc_t *a, uint64_t cutoff, stage_span_
         uint32_t keep = 0;
         for (uint32_t i = 0; i < a->nfree_slots; i++) {
             uint32_t slot = a->slot_free[i], p = slot * a->slot_pages;
-            if (a->warm[p] == STAGE_COLD) {
-                a->slot_free[keep++] = slot;
-            } else if (a->freed_at[p] <= cutoff) {
+            if (page_idle(a, p, cutoff) && most >= a->slot_pages) {
+                most -= a->slot_pages;
                 memset(a->state + p, STAGE_PAGE_OFF, a->slot_pages);
                 a->free_pages -= a->slot_pages;
                 out[n].page = p;
                 out[n++].count = a->slot_pages;
-            } else {
-                next = PKV_MIN(next, a->freed_at[p]);
-                a->slot_free[keep++] = slot;
+                continue;
             }
+            if (a->warm[p] != STAGE_COLD && a->freed_at[p] > cutoff)
+                next = PKV_MIN(next, a->freed_at[p]);
+            a->slot_free[keep++] = slot;
         }
         a->nfree_slots = keep;
         *next_freed = next;
         return n;
     }
+    uint32_t lo = idle_floor_end(a, cutoff, most);
     for (uint32_t p = 0; p < a->npages;) {
         uint32_t len = a->len[p];
         PKV_ASSERT(len > 0 && p + len <= a->npages);
@@ -366,24 +391,14 @@ uint32_t stage_alloc_collect_idle(stage_alloc_t *a, uint64_t cutoff, stage_span_
             continue;
         }
         /* Free extent [p, p+len): split into pieces kept free and pieces taken off. */
-        bool any = false;
-        for (uint32_t q = p; q < p + len; q++)
-            if (a->warm[q] != STAGE_COLD && a->freed_at[q] <= cutoff) {
-                any = true;
-                break;
-            }
-        if (!any) {
-            for (uint32_t q = p; q < p + len; q++)
-                if (a->warm[q] != STAGE_COLD) next = PKV_MIN(next, a->freed_at[q]);
-            p += len;
-            continue;
-        }
-        bin_remove(a, p);
         uint32_t end = p + len;
+        bool any = false;
+        for (uint32_t q = PKV_MAX(p, lo); q < end && !any; q++) any = page_idle(a, q, cutoff);
+        if (any) bin_remove(a, p);
         for (uint32_t q = p; q < end;) {
-            bool off = a->warm[q] != STAGE_COLD && a->freed_at[q] <= cutoff;
+            bool off = q >= lo && page_idle(a, q, cutoff);
             uint32_t r = q + 1;
-            while (r < end && (a->warm[r] != STAGE_COLD && a->freed_at[r] <= cutoff) == off) r++;
+            while (r < end && (r >= lo && page_idle(a, r, cutoff)) == off) r++;
             if (off) {
                 memset(a->state + q, STAGE_PAGE_OFF, r - q);
                 a->len[q] = r - q;
@@ -392,8 +407,9 @@ uint32_t stage_alloc_collect_idle(stage_alloc_t *a, uint64_t cutoff, stage_span_
                 out[n++].count = r - q;
             } else {
                 for (uint32_t k = q; k < r; k++)
-                    if (a->warm[k] != STAGE_COLD) next = PKV_MIN(next, a->freed_at[k]);
-                extent_insert(a, q, r - q, false);
+                    if (a->warm[k] != STAGE_COLD && a->freed_at[k] > cutoff)
+                        next = PKV_MIN(next, a->freed_at[k]);
+                if (any) extent_insert(a, q, r - q, false);
             }
             q = r;
         }

@@ -79,11 +79,13 @@ uint32_t stage_alloc_take(stage_alloc_t *a, uint32_t need, stage_span_t *out, ui
 /* Give a span from stage_alloc_take back (exactly as taken), freed at `now`. */
 void stage_alloc_give(stage_alloc_t *a, uint32_t page, uint32_t count, uint64_t now);
 
-/* Idle release, step 1: take out every warm free page freed at or before `cutoff`
- * (marked off, no longer free), as spans into out (cap >= npages). Sets
- * *next_freed to the earliest freed_at of the warm free pages left (UINT64_MAX: none). */
-uint32_t stage_alloc_collect_idle(stage_alloc_t *a, uint64_t cutoff, stage_span_t *out,
-                                  uint32_t cap, uint64_t *next_freed);
+/* Idle release, step 1: take out the warm free pages freed at or before `cutoff` (marked
+ * off, no longer free), at most `most` of them (the highest-addressed; fixed: whole slots,
+ * in stack order), as spans into out (cap >= npages); returns the spans' count. Sets
+ * *next_freed to the earliest freed_at after cutoff of the warm free pages left
+ * (UINT64_MAX: none): an idle page kept for `most` does not set it. */
+uint32_t stage_alloc_collect_idle(stage_alloc_t *a, uint64_t cutoff, uint32_t most,
+                                  stage_span_t *out, uint32_t cap, uint64_t *next_freed);
 /* Step 2: a collected span comes back cold and free. */
 void stage_alloc_return_cold(stage_alloc_t *a, uint32_t page, uint32_t count);
 
