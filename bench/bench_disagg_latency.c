@@ -20,7 +20,10 @@
  *      plain requests to the prefill node (max_tokens 1: the prefill's compute, nothing
  *      registered), one alone and one with D_i's decode leg (max_tokens 1) sent halfway
  *      into it, so the pull's copies on both nodes run while that prefill computes (which
- *      of the two goes alone alternates by round).
+ *      of the two goes alone alternates by round);
+ *   6. after step 5 of the size, --quiet-pairs pairs: no request for the nodes' staging
+ *      idle period + 2 s, a prompt through the router, 0.5 s, another: what the first
+ *      request after a quiet spell pays (staging the idle release returned to the OS).
  * A..F are distinct filler texts (their own seeds), so nothing else is a prefix hit.
  * Interleaving the unified and the disaggregated request of a round compares like with
  * like on a machine whose speed drifts over minutes.
@@ -47,14 +50,16 @@
 #include <time.h>
 #include <unistd.h>
 
-#define BL_STOP_NS    30000000000ull
-#define BL_HTTP_MS    600000
-#define BL_MAX_TOKENS 8
-#define BL_MAX_SIZES  8
-#define BL_SETTLE_NS  2000000000ull /* a node's histograms count a finished leg by then */
+#define BL_STOP_NS       30000000000ull
+#define BL_HTTP_MS       600000
+#define BL_MAX_TOKENS    8
+#define BL_MAX_SIZES     8
+#define BL_SETTLE_NS     2000000000ull /* a node's histograms count a finished leg by then */
+#define BL_QUIET_MORE_MS 2000          /* step 6's quiet spell: the staging idle period and this */
+#define BL_QUIET_GAP_MS  500           /* and the gap before the pair's second request */
 
 typedef struct {
-    uint32_t runs;
+    uint32_t runs, quiet_pairs;
     uint32_t sizes[BL_MAX_SIZES], n_sizes;
     const char *preset, *json_path;
 } bl_opts_t;
@@ -520,6 +525,51 @@ out:
     return rc;
 }
 
+/* ---- step 6: after a quiet spell ---------------------------------------------------------- */
+/* One pair's routed requests: [0] after the quiet spell, [1] BL_QUIET_GAP_MS later (ms). */
+enum { BQ_TTFT, BQ_WIRE, BQ_STAGING_WAIT, BQ_N };
+static const char *const bl_q_names[BQ_N] = {"router_ttft_ms", "wire_ms", "staging_wait_ms"};
+typedef struct {
+    double v[2][BQ_N];
+} bl_quiet_t;
+
+static void bl_sleep_ms(uint64_t ms)
+{
+    struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
+    while (!g_stop && nanosleep(&ts, &ts) != 0) {
+    }
+}
+
+/* How long step 6 keeps the nodes quiet: the decode node's staging idle period and
+ * BL_QUIET_MORE_MS (0 when it cannot be read or staging is never returned). */
+static uint64_t bl_quiet_ms(const char *dec_url)
+{
+    json_t *d = http_get_json(dec_url, "/v1/cache/stats", 2000);
+    long long idle = cluster_json_int(d, "kv_transfer.staging.idle_release_ms");
+    json_decref(d);
+    return idle < 0 ? 0 : (uint64_t)idle + BL_QUIET_MORE_MS;
+}
+
+static int bl_quiet_pair(const bl_ctx_t *c, uint32_t size, uint32_t i, uint64_t quiet_ms,
+                         bl_quiet_t *q)
+{
+    size_t chars = (size_t)((double)size * c->cpt);
+    uint64_t seed = ((uint64_t)size << 24) + (2ull << 40) + 2ull * i;
+    for (int k = 0; k < 2; k++) {
+        bl_sleep_ms(k ? BL_QUIET_GAP_MS : quiet_ms);
+        json_t *b = bl_body(c->o->preset, chars, seed + (uint64_t)k);
+        bl_round_t x;
+        memset(&x, 0, sizeof(x));
+        int rc = b && !g_stop ? bl_routed(c, b, &x) : -1;
+        json_decref(b);
+        if (rc) return -1;
+        q->v[k][BQ_TTFT] = x.r_ttft;
+        q->v[k][BQ_WIRE] = x.ds[DS_PH0 + PH_WIRE];
+        q->v[k][BQ_STAGING_WAIT] = x.ds[DS_PH0 + PH_STAGING_WAIT];
+    }
+    return 0;
+}
+
 static int bl_round(const bl_ctx_t *c, uint32_t size, uint32_t i, bl_round_t *x)
 {
     const char *m = c->o->preset;
@@ -736,7 +786,23 @@ typedef struct {
     uint32_t size, n; /* rounds that completed */
     bl_round_t *rounds;
     double med[BL_NF];
+    uint32_t nq; /* step 6's pairs that completed */
+    bl_quiet_t *quiet;
+    double qmed[2][BQ_N];
+    uint64_t quiet_ms;
 } bl_size_t;
+
+/* Step 6's medians over its pairs. */
+static void bl_quiet_medians(bl_size_t *S)
+{
+    double col[256];
+    for (int k = 0; k < 2; k++)
+        for (int f = 0; f < BQ_N; f++) {
+            uint32_t m = 0;
+            for (uint32_t i = 0; i < S->nq && m < 256; i++) col[m++] = S->quiet[i].v[k][f];
+            S->qmed[k][f] = m ? pkv_bench_median(col, m) : NAN;
+        }
+}
 
 /* Added time beyond the wire, by part (medians, ms), largest first: what limits it. The parts
  * partition added - wire (less the lookups, none with one prefill node): the client hop, the
@@ -864,6 +930,22 @@ static void bl_print(const bl_opts_t *o, const bl_size_t *S, uint32_t ns)
         printf("| %u | %.1f | %.1f | %.1f | **%.1f** |\n", S[s].size, m[F_O_TTFB], m[F_O_CPU_P],
                m[F_O_CPU_D], m[F_O_SAVE_CPU]);
     }
+    if (o->quiet_pairs) {
+        printf("\n### after a quiet spell: the first routed request after the staging idle period "
+               "+ %d s without requests, and one %d ms later (medians of the pairs, ms)\n\n",
+               BL_QUIET_MORE_MS / 1000, BL_QUIET_GAP_MS);
+        printf(
+            "| size | pairs | quiet s | router TTFT after quiet | %d ms later | wire after quiet "
+            "| %d ms later | staging_wait after quiet | %d ms later |\n|---|---|---|---|---|---|"
+            "---|---|---|\n",
+            BL_QUIET_GAP_MS, BL_QUIET_GAP_MS, BL_QUIET_GAP_MS);
+        for (uint32_t s = 0; s < ns; s++) {
+            const double(*q)[BQ_N] = S[s].qmed;
+            printf("| %u | %u | %.1f | %.1f | %.1f | **%.2f** | %.2f | %.2f | %.2f |\n", S[s].size,
+                   S[s].nq, (double)S[s].quiet_ms / 1e3, q[0][BQ_TTFT], q[1][BQ_TTFT],
+                   q[0][BQ_WIRE], q[1][BQ_WIRE], q[0][BQ_STAGING_WAIT], q[1][BQ_STAGING_WAIT]);
+        }
+    }
     printf("\ntarget (routed TTFT): added TTFT <= the KV's wire time + 5 ms\n");
     for (uint32_t s = 0; s < ns; s++) {
         const double *m = S[s].med;
@@ -914,13 +996,26 @@ static json_t *bl_json(const bl_opts_t *o, double cpt, const double load[2], con
         json_t *phases = bl_figures_json(m, F_UB_TTFT, F_O_ALONE);
         json_object_del(phases, "added_ms");
         json_object_del(phases, "wire_ms");
-        json_array_append_new(
-            sizes,
-            json_pack("{s:i, s:f, s:i, s:o, s:o, s:o, s:o, s:o, s:o}", "tokens", (int)S[s].size,
-                      "prompt_tokens", m[F_TOKENS], "runs", (int)S[s].n, "added_ms",
-                      bl_num(m[F_ADDED]), "wire_ms", bl_num(m[F_R_PH0 + PH_WIRE]), "phases", phases,
-                      "decode_leg", bl_figures_json(m, F_TOKENS, F_UB_TTFT), "streaming",
-                      bl_figures_json(m, F_O_ALONE, BL_NF), "rounds", rounds));
+        json_t *quiet = json_null();
+        if (S[s].nq) {
+            json_t *side[2];
+            for (int k = 0; k < 2; k++) {
+                side[k] = json_object();
+                for (int f = 0; f < BQ_N; f++)
+                    json_object_set_new(side[k], bl_q_names[f], bl_num(S[s].qmed[k][f]));
+            }
+            quiet = json_pack("{s:I, s:i, s:i, s:o, s:o}", "quiet_ms", (json_int_t)S[s].quiet_ms,
+                              "gap_ms", BL_QUIET_GAP_MS, "pairs", (int)S[s].nq, "after_quiet",
+                              side[0], "after_gap", side[1]);
+        }
+        json_array_append_new(sizes,
+                              json_pack("{s:i, s:f, s:i, s:o, s:o, s:o, s:o, s:o, s:o, s:o}",
+                                        "tokens", (int)S[s].size, "prompt_tokens", m[F_TOKENS],
+                                        "runs", (int)S[s].n, "added_ms", bl_num(m[F_ADDED]),
+                                        "wire_ms", bl_num(m[F_R_PH0 + PH_WIRE]), "phases", phases,
+                                        "decode_leg", bl_figures_json(m, F_TOKENS, F_UB_TTFT),
+                                        "streaming", bl_figures_json(m, F_O_ALONE, BL_NF), "rounds",
+                                        rounds, "after_quiet", quiet));
         char name[64];
         snprintf(name, sizeof(name), "added_ttft_%u_tokens_ms", S[s].size);
         json_array_append_new(
@@ -938,7 +1033,7 @@ static void bl_usage(FILE *f)
 {
     fprintf(f,
             "usage: pagekv bench disagg --latency [--runs N] [--sizes LIST] [--preset NAME]\n"
-            "                           [--json FILE]\n"
+            "                           [--quiet-pairs N] [--json FILE]\n"
             "What disaggregation adds to one request at low load (one request at a time):\n"
             "a unified node, a prefill node, a decode node (per_transfer staging) and\n"
             "pagekv route; per size N rounds of distinct chat prompts, temperature 0,\n"
@@ -951,8 +1046,11 @@ static void bl_usage(FILE *f)
             "               added <= the KV's wire time + 5 ms\n"
             "  streaming:   a prefill alone and with a decode leg (max_tokens 1) beside it:\n"
             "               what streaming the KV during the prefill could save here\n"
+            "  after quiet: the first routed request after the staging idle period + 2 s\n"
+            "               without requests, and one 0.5 s later: wire, staging_wait, TTFT\n"
             "  --runs N       rounds per size (default 20)\n"
             "  --sizes LIST   prompt tokens, comma-separated (default 512,2048)\n"
+            "  --quiet-pairs N  after-quiet pairs per size (default 3; 0: none)\n"
             "  --preset NAME  model preset (default llama-3.2-1b)\n",
             BL_MAX_TOKENS);
 }
@@ -960,7 +1058,8 @@ static void bl_usage(FILE *f)
 /* 0, 1 for --help, or 2 after a usage error. */
 static int bl_parse(int argc, char **argv, bl_opts_t *o)
 {
-    *o = (bl_opts_t){.runs = 20, .sizes = {512, 2048}, .n_sizes = 2, .preset = "llama-3.2-1b"};
+    *o = (bl_opts_t){
+        .runs = 20, .quiet_pairs = 3, .sizes = {512, 2048}, .n_sizes = 2, .preset = "llama-3.2-1b"};
     const char *cmd = "bench disagg --latency";
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -975,6 +1074,10 @@ static int bl_parse(int argc, char **argv, bl_opts_t *o)
             if (pkv_cli_parse_u64(v, 1, 10000, &n))
                 return pkv_cli_usage_error(cmd, "--runs: 1..10000, got '%s'", v);
             o->runs = (uint32_t)n;
+        } else if (!strcmp(a, "--quiet-pairs")) {
+            if (pkv_cli_parse_u64(v, 0, 100, &n))
+                return pkv_cli_usage_error(cmd, "--quiet-pairs: 0..100, got '%s'", v);
+            o->quiet_pairs = (uint32_t)n;
         } else if (!strcmp(a, "--sizes")) {
             if (pkv_cli_parse_u32_list(v, 16, 32768, o->sizes, BL_MAX_SIZES, &o->n_sizes))
                 return pkv_cli_usage_error(
@@ -1038,8 +1141,24 @@ static int bl_measure(const bl_ctx_t *c, bl_size_t *S)
             }
             fprintf(stderr, " %u", i + 1);
         }
-        fprintf(stderr, "\n");
         bl_medians(S[s].rounds, S[s].n, S[s].med);
+        if (o->quiet_pairs) {
+            S[s].quiet_ms = bl_quiet_ms(c->dec->url);
+            S[s].quiet = calloc(o->quiet_pairs, sizeof(bl_quiet_t));
+            if (!S[s].quiet) return -1;
+            fprintf(stderr, "; after %.1f s quiet:", (double)S[s].quiet_ms / 1e3);
+        }
+        for (uint32_t i = 0; i < o->quiet_pairs && !g_stop; i++) {
+            if (bl_quiet_pair(c, S[s].size, i, S[s].quiet_ms, &S[s].quiet[S[s].nq]) != 0) {
+                fprintf(stderr, "\npagekv bench disagg: size %u: step 6 pair %u failed\n",
+                        S[s].size, i);
+                return -1;
+            }
+            S[s].nq++;
+            fprintf(stderr, " %u", i + 1);
+        }
+        if (S[s].nq) bl_quiet_medians(&S[s]);
+        fprintf(stderr, "\n");
     }
     return g_stop ? -1 : 0;
 }
@@ -1104,7 +1223,10 @@ out:
             if (!rc) rc = 1;
         }
     }
-    for (uint32_t s = 0; s < BL_MAX_SIZES; s++) free(S[s].rounds);
+    for (uint32_t s = 0; s < BL_MAX_SIZES; s++) {
+        free(S[s].rounds);
+        free(S[s].quiet);
+    }
     curl_global_cleanup();
     if (g_stop) fprintf(stderr, "pagekv bench disagg: interrupted\n");
     fprintf(stderr, "logs: %s\n", e.logdir);

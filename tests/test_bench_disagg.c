@@ -28,14 +28,16 @@ static int run_bench(const char *args, char *out, size_t cap)
     return ts_pagekv_run(cmd, out, cap);
 }
 
-/* Two rounds of 64 tokens: exit 0, both measures' tables and the target line; the JSON has
- * the medians and every round, bytes pulled, and fewer blocks pulled with a prefix hit. */
+/* Two rounds of 64 tokens and one after-quiet pair: exit 0, every measure's table and the
+ * target line; the JSON has the medians and every round, bytes pulled, fewer blocks pulled
+ * with a prefix hit, and the after-quiet pair's figures. */
 START_TEST(latency_runs_and_reports)
 {
     char path[] = "/tmp/pagekv-test-latency-XXXXXX";
     pkv_test_tmpfile(path);
     char args[256];
-    snprintf(args, sizeof(args), "--latency --runs 2 --sizes 64 --preset tiny --json %s", path);
+    snprintf(args, sizeof(args),
+             "--latency --runs 2 --sizes 64 --preset tiny --quiet-pairs 1 --json %s", path);
     static char out[1 << 16];
     int rc = run_bench(args, out, sizeof(out));
     ck_assert_msg(rc == 0, "exit %d\n%s", rc, ts_tail(out));
@@ -45,6 +47,7 @@ START_TEST(latency_runs_and_reports)
                                         "### decode leg: bytes moved",
                                         "### routed TTFT: TTFT",
                                         "### streaming the KV during the prefill",
+                                        "### after a quiet spell: the first routed request",
                                         "target (routed TTFT): added TTFT <= the KV's wire time"};
     ts_has_lines(out, lines, sizeof(lines) / sizeof(lines[0]));
     json_t *doc = ts_json_take(path);
@@ -79,6 +82,13 @@ START_TEST(latency_runs_and_reports)
     ck_assert(json_is_object(
         json_object_get(json_array_get(json_object_get(sz, "rounds"), 0), "streaming")));
     ck_assert(json_is_number(json_object_get(sz, "added_ms")));
+    /* step 6: the serving nodes' 5 s staging idle period + 2 s, one pair, both measured */
+    json_t *q = json_object_get(sz, "after_quiet");
+    ck_assert_int_eq((int)ts_jnum(q, "quiet_ms"), 7000);
+    ck_assert_int_eq((int)ts_jnum(q, "pairs"), 1);
+    ck_assert(ts_jnum(json_object_get(q, "after_quiet"), "router_ttft_ms") > 0);
+    ck_assert(ts_jnum(json_object_get(q, "after_gap"), "router_ttft_ms") > 0);
+    ck_assert(ts_jnum(json_object_get(q, "after_quiet"), "wire_ms") >= 0);
     json_t *t = json_array_get(json_object_get(doc, "targets"), 0);
     ck_assert_str_eq(json_string_value(json_object_get(t, "name")), "added_ttft_64_tokens_ms");
     ck_assert(ts_jnum(t, "value") == ts_jnum(sz, "added_ms"));
@@ -109,8 +119,8 @@ static void bad_options_exit_2(const char *mode, const char *const *bad, size_t 
 
 START_TEST(latency_bad_options_exit_2)
 {
-    static const char *const bad[] = {"--runs 0", "--sizes 8", "--sizes 64,x", "--bogus 1",
-                                      "--runs"};
+    static const char *const bad[] = {"--runs 0",          "--sizes 8", "--sizes 64,x",
+                                      "--quiet-pairs 101", "--bogus 1", "--runs"};
     bad_options_exit_2("--latency", bad, sizeof(bad) / sizeof(bad[0]));
 }
 END_TEST

@@ -177,6 +177,34 @@ void pkv_hex_encode(const uint8_t *b, size_t n, char *out)
     out[2 * n] = 0;
 }
 
+void pkv_recent_max_note(pkv_recent_max_t *r, uint32_t v, uint64_t now_ns, uint64_t life_ns)
+{
+    if (!life_ns) return;
+    uint64_t age = now_ns - PKV_MIN(now_ns, r->t);
+    if (!r->t || age >= life_ns) {
+        r->prev = r->t && age / 2 < life_ns ? r->cur : 0;
+        r->cur = 0;
+        r->t = now_ns;
+    }
+    r->cur = PKV_MAX(r->cur, v);
+}
+
+uint32_t pkv_recent_max_get(const pkv_recent_max_t *r, uint64_t now_ns, uint64_t life_ns,
+                            uint64_t *change_ns)
+{
+    uint64_t age = now_ns - PKV_MIN(now_ns, r->t);
+    uint32_t v = 0;
+    if (life_ns && r->t && age < life_ns)
+        v = PKV_MAX(r->cur, r->prev);
+    else if (life_ns && r->t && age / 2 < life_ns)
+        v = r->cur;
+    if (change_ns) {
+        uint64_t step = age < life_ns ? life_ns : 2 * PKV_MIN(life_ns, UINT64_MAX / 4);
+        *change_ns = v ? r->t + step : UINT64_MAX;
+    }
+    return v;
+}
+
 void pkv_hist_add(pkv_hist_t *h, const double *bounds, int n, double seconds)
 {
     int b = 0;

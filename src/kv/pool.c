@@ -108,10 +108,11 @@ typedef struct {
     uint64_t pressure_limit; /* bytes of cache-only granules allowed now; PKV_KV_NO_LIMIT */
     uint64_t ev[EV_N];       /* evictions by cause */
     /* The warm floor ("Policies" in docs/design/pool.md): `warm` empty granules kept
-     * committed, refilled by pkv_kv_trim, sized by the largest allocation of the last
-     * warm_life ns (set at warm_t); warm_low: an allocation took from it (kick the owner). */
+     * committed, refilled by pkv_kv_trim, sized by the largest allocation of the last one
+     * to two warm_life ns (warm_rm; `warm` is its value at the last note or trim);
+     * warm_low: an allocation took from it (kick the owner). */
     uint32_t warm;
-    uint64_t warm_t;
+    pkv_recent_max_t warm_rm;
     bool warm_low;
     uint64_t warm_refills; /* granules committed by pkv_kv_trim to refill the floor */
     uint64_t commit_ns;    /* time spent in the OS committing granules */
@@ -571,18 +572,15 @@ static void pool_settle(pool_t *p)
     pool_flush_decommits(p);
 }
 
-/* An allocation of n blocks at now: the warm floor becomes the granules it spans when
- * that is more, or when the demand that set the floor is older than warm_life (so the
- * floor follows the largest allocation of the last warm_life ns), at most warm_max. */
+/* An allocation of n blocks at now: the warm floor is the granules of the largest
+ * allocation of the last one to two warm_life ns (pkv_recent_max_t), at most warm_max. */
 static void warm_note(pool_t *p, uint32_t n)
 {
     if (!p->warm_max) return;
     uint64_t now = pkv_now_ns();
     uint32_t g = (uint32_t)PKV_MIN(PKV_DIV_UP(n, p->bpg), p->warm_max);
-    if (g >= p->warm || now - p->warm_t >= p->warm_life) {
-        p->warm = g;
-        p->warm_t = now;
-    }
+    pkv_recent_max_note(&p->warm_rm, g, now, p->warm_life);
+    p->warm = pkv_recent_max_get(&p->warm_rm, now, p->warm_life, NULL);
 }
 
 /* Whether the floor lacks granules that pkv_kv_trim could commit. */
@@ -1189,14 +1187,15 @@ static uint64_t pool_trim(pkv_kv_t *kv, uint64_t now_ns, uint64_t *next_ns)
         evict_block(p, p->lru_head, false, EV_IDLE);
         n++;
     }
-    /* The warm floor, lapsed, goes back with the empty granules beyond retain (what
-     * allocations took from a live floor pool_warm_refill commits again). */
-    if (p->warm && now_ns >= p->warm_t + p->warm_life) p->warm = 0;
+    /* The warm floor, fallen or lapsed, goes back with the empty granules beyond retain
+     * (what allocations took from a live floor pool_warm_refill commits again). */
+    uint64_t warm_change;
+    p->warm = pkv_recent_max_get(&p->warm_rm, now_ns, p->warm_life, &warm_change);
     while (p->n_empty > pool_keep_empty(p)) granule_retire(p, p->bucket[0]);
     pool_settle(p);
     uint64_t next =
         p->idle_ns && p->lru_head != NONE ? p->blk[p->lru_head].t_cached + p->idle_ns : UINT64_MAX;
-    if (p->warm) next = PKV_MIN(next, p->warm_t + p->warm_life);
+    next = PKV_MIN(next, warm_change);
     if (next_ns) *next_ns = next;
     pthread_mutex_unlock(&p->lock);
     return n;

@@ -98,14 +98,11 @@ struct pkv_stage {
     stage_peer_t *peers; /* (hash_cap) linear probing on peer id, held > 0 */
     stage_waiter_t *wait_head, *wait_tail;
     uint32_t nwaiting;
-    stage_span_t *spans;   /* (runs_cap) stage_grant's scratch */
-    stage_span_t *reclaim; /* (npages) reclaimer's scratch (used outside the lock too) */
-    uint32_t parked;       /* threads inside a parked acquire (destroy waits for them) */
-    uint32_t returning;    /* pages the reclaim thread has taken off to return to the OS */
-    /* The warm floor (cfg.warm_life_ns): the largest transfer seated in the window that
-     * began at floor_t (floor_cur) and in the one before it (floor_prev). */
-    uint32_t floor_cur, floor_prev;
-    uint64_t floor_t;
+    stage_span_t *spans;    /* (runs_cap) stage_grant's scratch */
+    stage_span_t *reclaim;  /* (npages) reclaimer's scratch (used outside the lock too) */
+    uint32_t parked;        /* threads inside a parked acquire (destroy waits for them) */
+    uint32_t returning;     /* pages the reclaim thread has taken off to return to the OS */
+    pkv_recent_max_t floor; /* the warm floor (cfg.warm_life_ns): transfers' pages */
     pthread_cond_t reclaim_cond;
     bool reclaim_idle; /* reclaimer sleeps with nothing warm and free to watch */
     bool stopping;     /* reclaimer must exit */
@@ -224,35 +221,16 @@ static void wait_hist_add(pkv_stage_t *st, uint64_t wait_ns)
     st->stats.wait_ns_max = PKV_MAX(st->stats.wait_ns_max, wait_ns);
 }
 
-/* The warm floor follows the largest transfer of the last one to two warm_life_ns: windows
- * of warm_life_ns start with the first transfer after the last one ended; the floor is the
- * largest transfer of the current window and of the one before it, so traffic that goes
- * on keeps it and a quiet spell of two windows drops it. */
+/* The warm floor: the largest transfer of the last one to two warm_life_ns. */
 static void stage_floor_note(pkv_stage_t *st, uint32_t need)
 {
-    uint64_t life = st->cfg.warm_life_ns, now = pkv_now_ns();
-    if (!life) return;
-    uint64_t age = now - st->floor_t;
-    if (age >= life) {
-        st->floor_prev = age < 2 * life ? st->floor_cur : 0;
-        st->floor_cur = 0;
-        st->floor_t = now;
-    }
-    st->floor_cur = PKV_MAX(st->floor_cur, need);
+    pkv_recent_max_note(&st->floor, need, pkv_now_ns(), st->cfg.warm_life_ns);
 }
 
-/* The floor at now, as stage_floor_note would leave it; *end_ns: when it next falls
- * (UINT64_MAX: it is 0). */
+/* The floor at now; *end_ns: when it next falls (UINT64_MAX: it is 0). */
 static uint32_t stage_floor(const pkv_stage_t *st, uint64_t now, uint64_t *end_ns)
 {
-    uint64_t life = st->cfg.warm_life_ns, age = now - st->floor_t;
-    uint32_t f = 0;
-    if (life && age < life)
-        f = PKV_MAX(st->floor_cur, st->floor_prev);
-    else if (life && age < 2 * life)
-        f = st->floor_cur;
-    *end_ns = !f ? UINT64_MAX : st->floor_t + (age < life ? life : 2 * life);
-    return f;
+    return pkv_recent_max_get(&st->floor, now, st->cfg.warm_life_ns, end_ns);
 }
 
 /* Seat a transfer: take its pages, make its record, fill `grant`. The allocator must
