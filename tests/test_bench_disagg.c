@@ -261,6 +261,7 @@ START_TEST(quick_tcp_runs_and_cleans_up)
         ck_assert(ts_jnum(fly, "prefill") >= 0);
         ck_assert(ts_jnum(d, "paced_rss_drift") >= 0);
         ck_assert(ts_jnum(d, "paced_rss_drift_less_staging") >= 0);
+        ck_assert(ts_jnum(d, "paced_unaccounted_drift") >= 0);
         json_t *g = json_object_get(json_object_get(json_object_get(d, "paced_drift"), "decode"),
                                     "growth_bytes");
         ck_assert(json_is_integer(json_object_get(g, "pool_committed")));
