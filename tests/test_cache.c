@@ -260,39 +260,6 @@ static pkv_kv_t *warm_pool(uint64_t warm_max, bool prefix_cache)
     return kv;
 }
 
-/* The warm floors' size: the largest value of the current window and the one before;
- * a smaller value does not reset it; two quiet windows drop it; *change_ns says when. */
-START_TEST(recent_max_follows_the_largest_of_one_to_two_windows)
-{
-    const uint64_t L = 1000, t0 = 5000; /* ns: the arithmetic only */
-    pkv_recent_max_t r = {0};
-    uint64_t ch;
-    ck_assert_uint_eq(pkv_recent_max_get(&r, t0, L, &ch), 0);
-    ck_assert_uint_eq(ch, UINT64_MAX);
-    pkv_recent_max_note(&r, 30, t0, L); /* window 1 starts at t0 */
-    pkv_recent_max_note(&r, 10, t0 + 500, L);
-    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 999, L, &ch), 30);
-    ck_assert_uint_eq(ch, t0 + L);
-    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 1500, L, &ch), 30); /* no note since */
-    ck_assert_uint_eq(ch, t0 + 2 * L);
-    pkv_recent_max_note(&r, 5, t0 + 1500, L); /* window 2: 30 is the one before's */
-    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 2499, L, &ch), 30);
-    ck_assert_uint_eq(ch, t0 + 1500 + L);
-    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 2500, L, NULL), 5); /* window 2's own */
-    pkv_recent_max_note(&r, 7, t0 + 2600, L);                         /* window 3 */
-    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 2600, L, NULL), 7);
-    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 4599, L, NULL), 7);
-    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 4600, L, &ch), 0); /* two quiet windows */
-    ck_assert_uint_eq(ch, UINT64_MAX);
-    pkv_recent_max_note(&r, 9, t0 + 9000, L); /* after a long quiet: nothing carried */
-    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 9000, L, NULL), 9);
-    pkv_recent_max_note(&r, 4, t0 + 10500, L); /* within two windows: 9 carried */
-    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 10500, L, NULL), 9);
-    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 10500, 0, &ch), 0); /* no life: none */
-    ck_assert_uint_eq(ch, UINT64_MAX);
-}
-END_TEST
-
 /* A sequence of n_tokens tokens of its own (base + i), all appended: n_tokens / 64 granules. */
 static pkv_seq_t *seq_tokens(pkv_kv_t *kv, int32_t base, uint32_t n_tokens)
 {
@@ -1140,7 +1107,6 @@ static Suite *cache_suite(void)
     tcase_add_test(pool, cap_counts_committed_granules_not_blocks);
     tcase_add_test(pool, idle_blocks_go_at_trim_not_at_the_next_request);
     tcase_add_test(pool, pressure_limit_holds_until_lifted);
-    tcase_add_test(pool, recent_max_follows_the_largest_of_one_to_two_windows);
     tcase_add_test(pool, warm_floor_serves_allocations_and_lapses);
     tcase_add_test(pool, policy_property_run);
     tcase_add_test(pool, room_reads_v2_v1_psi_and_meminfo);

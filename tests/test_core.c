@@ -198,6 +198,39 @@ END_TEST
 
 /* The median's 95 % interval: order statistics 7 and 18 of 24 (coverage 1 - 2 P(B <= 6)),
  * 1 and 6 of 6, none under 6; the input order does not matter. */
+/* The warm floors' size: the largest value of the current window and the one before;
+ * a smaller value does not reset it; two quiet windows drop it; *change_ns says when. */
+START_TEST(recent_max_follows_the_largest_of_one_to_two_windows)
+{
+    const uint64_t L = 1000, t0 = 5000; /* ns: the arithmetic only */
+    pkv_recent_max_t r = {0};
+    uint64_t ch;
+    ck_assert_uint_eq(pkv_recent_max_get(&r, t0, L, &ch), 0);
+    ck_assert_uint_eq(ch, UINT64_MAX);
+    pkv_recent_max_note(&r, 30, t0, L); /* window 1 starts at t0 */
+    pkv_recent_max_note(&r, 10, t0 + 500, L);
+    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 999, L, &ch), 30);
+    ck_assert_uint_eq(ch, t0 + L);
+    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 1500, L, &ch), 30); /* no note since */
+    ck_assert_uint_eq(ch, t0 + 2 * L);
+    pkv_recent_max_note(&r, 5, t0 + 1500, L); /* window 2: 30 is the one before's */
+    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 2499, L, &ch), 30);
+    ck_assert_uint_eq(ch, t0 + 1500 + L);
+    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 2500, L, NULL), 5); /* window 2's own */
+    pkv_recent_max_note(&r, 7, t0 + 2600, L);                         /* window 3 */
+    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 2600, L, NULL), 7);
+    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 4599, L, NULL), 7);
+    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 4600, L, &ch), 0); /* two quiet windows */
+    ck_assert_uint_eq(ch, UINT64_MAX);
+    pkv_recent_max_note(&r, 9, t0 + 9000, L); /* after a long quiet: nothing carried */
+    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 9000, L, NULL), 9);
+    pkv_recent_max_note(&r, 4, t0 + 10500, L); /* within two windows: 9 carried */
+    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 10500, L, NULL), 9);
+    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 10500, 0, &ch), 0); /* no life: none */
+    ck_assert_uint_eq(ch, UINT64_MAX);
+}
+END_TEST
+
 START_TEST(bench_median_ci_takes_the_binomial_order_statistics)
 {
     double v[24], lo = -1, hi = -1, cover = -1;
@@ -234,6 +267,7 @@ static Suite *core_suite(void)
     tcase_add_test(tc, prim_reads_the_thp_mode);
     tcase_add_test(tc, prim_measures_huge_pages_of_a_range);
     tcase_add_test(tc, bench_median_ci_takes_the_binomial_order_statistics);
+    tcase_add_test(tc, recent_max_follows_the_largest_of_one_to_two_windows);
     suite_add_tcase(s, tc);
     return s;
 }
