@@ -146,11 +146,10 @@ static void on_signal(int sig)
 
 /* ---- processes ---------------------------------------------------------------------------- */
 /* The unified and the prefill node, whose TTFTs the routed figure compares, run with a
- * prefix cache of BL_CACHE_CAP: both reach it within the warm-up round, so neither commits
- * fresh KV granules for a prompt (~100 ms at 2048 tokens here) while the other reuses
- * evicted ones. With the default cap (an eighth of RAM) the prefill node, which also
- * serves step 3's and step 5's prompts, filled its cache at another pace than the unified
- * node, and the difference of their commits entered `added` round by round. */
+ * prefix cache of BL_CACHE_CAP: both reach it within the first rounds and run in the same
+ * regime. With the default cap (an eighth of RAM) the prefill node, which also serves
+ * step 3's and step 5's prompts, reached it rounds before the unified node, and the
+ * difference of their commits entered `added` round by round. */
 #define BL_CACHE_CAP "128M"
 
 static int bl_serve(const bl_env_t *e, const bl_opts_t *o, const char *role, uint32_t ctx,
