@@ -130,6 +130,7 @@ typedef struct {
     long long x_bytes, x_blocks, x_adopted; /* C_i's decode leg (prefix hit) */
     long x_prompt_tokens;
     double ub_ttft, ub_total;                  /* unified, B_i */
+    double ub_queue, ub_compute;               /* its prefill_queue, prefill_compute (timings) */
     double r_ttft, r_total;                    /* through the router, B_i (client side) */
     double rs[BL_NRS], ps[BL_NPS], ds[BL_NDS]; /* metric deltas (seconds -> ms; bytes) */
     double o_alone, o_over;                    /* the prefill alone, with a pull beside it */
@@ -331,18 +332,26 @@ typedef struct {
     double cpt;
 } bl_ctx_t;
 
-/* The unified node's streamed answer to req: TTFT, total, prompt tokens. */
+/* The unified node's streamed answer to req (with X-Pagekv-Timings): TTFT, total, prompt
+ * tokens, and its prefill_queue and prefill_compute (ms; NAN when its timings lack them). */
 static int bl_unified(const bl_ctx_t *c, const json_t *req, double *ttft, double *total,
-                      long *prompt_tokens)
+                      long *prompt_tokens, double *queue, double *compute)
 {
     http_reply_t rep;
     cluster_answer_t a;
-    int rc = bl_post(c->un->url, req, false, &rep, &a);
+    int rc = bl_post(c->un->url, req, true, &rep, &a);
     if (rc == 0) {
         *ttft = rep.ttfb_seconds * 1e3;
         *total = rep.seconds * 1e3;
         if (prompt_tokens) *prompt_tokens = a.prompt_tokens;
         cluster_answer_free(&a);
+        json_t *t = bl_timings(rep.body);
+        json_t *phs = json_object_get(t, "phases_seconds");
+        json_t *q = json_object_get(phs, "prefill_queue"),
+               *k = json_object_get(phs, "prefill_compute");
+        if (queue) *queue = json_is_number(q) ? json_number_value(q) * 1e3 : NAN;
+        if (compute) *compute = json_is_number(k) ? json_number_value(k) * 1e3 : NAN;
+        json_decref(t);
     }
     http_reply_free(&rep);
     return rc;
@@ -592,7 +601,7 @@ static int bl_round(const bl_ctx_t *c, uint32_t size, uint32_t i, bl_round_t *x)
     long long pulled[3];
     int rc = -1;
     if (!a || !b || !px) goto out;
-    if (bl_unified(c, a, &x->u_ttft, &x->u_total, &x->prompt_tokens) ||
+    if (bl_unified(c, a, &x->u_ttft, &x->u_total, &x->prompt_tokens, NULL, NULL) ||
         bl_legs(c->pre->url, c->dec->url, a, &x->p_leg, &x->d_ttfb, &x->d_total, x->d_ph, x->d_mark,
                 pulled))
         goto out;
@@ -601,7 +610,9 @@ static int bl_round(const bl_ctx_t *c, uint32_t size, uint32_t i, bl_round_t *x)
     x->x_bytes = pulled[0], x->x_blocks = pulled[1], x->x_adopted = pulled[2];
     if (bl_warm_settled(c->dec->url))
         fprintf(stderr, "    the decode node's warm floor was not whole within 2 s\n");
-    if (bl_unified(c, b, &x->ub_ttft, &x->ub_total, NULL) || bl_routed(c, b, x)) goto out;
+    if (bl_unified(c, b, &x->ub_ttft, &x->ub_total, NULL, &x->ub_queue, &x->ub_compute) ||
+        bl_routed(c, b, x))
+        goto out;
     rc = 0;
 out:
     json_decref(a);
@@ -638,6 +649,8 @@ enum {
     F_P_EXTRA,
     F_P_QUEUE,
     F_P_COMPUTE,
+    F_UB_QUEUE, /* the unified node's prefill_queue, prefill_compute of B_i */
+    F_UB_COMPUTE,
     F_R_PH0, /* kv_alloc .. commit through the router */
     F_R_PULL = F_R_PH0 + PH_DECODE,
     F_R_DEC_TTFB,
@@ -696,6 +709,8 @@ static const char *const bl_f_names[BL_NF] = {"prompt_tokens",
                                               "prefill_leg_minus_unified_ttft_ms",
                                               "prefill_queue_ms",
                                               "prefill_compute_ms",
+                                              "unified_queue_ms",
+                                              "unified_compute_ms",
                                               "kv_alloc_ms",
                                               "kv_commit_ms",
                                               "handshake_ms",
@@ -752,6 +767,8 @@ static void bl_values(const bl_round_t *x, double f[BL_NF])
     f[F_P_EXTRA] = x->rs[RS_LEG_P] - x->ub_ttft;
     f[F_P_QUEUE] = x->ps[PS_QUEUE];
     f[F_P_COMPUTE] = x->ps[PS_COMPUTE];
+    f[F_UB_QUEUE] = x->ub_queue;
+    f[F_UB_COMPUTE] = x->ub_compute;
     for (int k = 0; k < PH_DECODE; k++) f[F_R_PH0 + k] = x->ds[DS_PH0 + k];
     f[F_R_PULL] = rpull;
     /* the decode leg's first byte: the router's first byte less what came before the leg */
@@ -900,16 +917,18 @@ static void bl_print(const bl_opts_t *o, const bl_size_t *S, uint32_t ns)
         "\n### routed TTFT: TTFT through the router minus a unified node's (medians of %u, ms)\n\n",
         o->runs);
     printf("| size | unified TTFT | router TTFT | added | client hop | router own | prefill leg | "
-           "prefill leg - unified TTFT | prefill_queue | prefill_compute |");
+           "prefill leg - unified TTFT | prefill_queue | prefill_compute | unified queue | unified "
+           "compute |");
     for (int k = 0; k < PH_DECODE; k++) printf(" %s |", bl_ph_names[k]);
     printf(" decode leg TTFB | TTFB - pull | first token | before the pull | MiB received |\n|");
-    for (int k = 0; k < 15 + PH_DECODE; k++) printf("---|");
+    for (int k = 0; k < 17 + PH_DECODE; k++) printf("---|");
     printf("\n");
     for (uint32_t s = 0; s < ns; s++) {
         const double *m = S[s].med;
-        printf("| %u | %.1f | %.1f | **%.1f** | %.2f | %.2f | %.1f | %.1f | %.2f | %.1f |",
+        printf("| %u | %.1f | %.1f | **%.1f** | %.2f | %.2f | %.1f | %.1f | %.2f | %.1f | %.2f | "
+               "%.1f |",
                S[s].size, m[F_UB_TTFT], m[F_R_TTFT], m[F_ADDED], m[F_HOP], m[F_R_OWN], m[F_P_LEG],
-               m[F_P_EXTRA], m[F_P_QUEUE], m[F_P_COMPUTE]);
+               m[F_P_EXTRA], m[F_P_QUEUE], m[F_P_COMPUTE], m[F_UB_QUEUE], m[F_UB_COMPUTE]);
         for (int k = 0; k < PH_DECODE; k++) printf(" %.2f |", m[F_R_PH0 + k]);
         printf(" %.1f | %.1f | %.1f | %.1f | %.3f |\n", m[F_R_DEC_TTFB], m[F_R_FIRST],
                m[F_R_FIRST_TOKEN], m[F_R_PREPULL], m[F_R_BYTES] / 1048576.0);

@@ -70,6 +70,8 @@ START_TEST(latency_runs_and_reports)
     ck_assert(ts_jnum(b, "bytes_received") > 0);
     ck_assert(ts_jnum(b, "router_ttft_ms") > 0 && ts_jnum(b, "kv_alloc_ms") >= 0);
     ck_assert(ts_jnum(b, "kv_commit_ms") >= 0 && ts_jnum(b, "handshake_ms") >= 0);
+    /* the unified node's own admission and prefill, from its X-Pagekv-Timings */
+    ck_assert(ts_jnum(b, "unified_queue_ms") >= 0 && ts_jnum(b, "unified_compute_ms") > 0);
     ck_assert(ts_jnum(sz, "wire_ms") >= 0);
     /* step 5: both prefills timed, the pull beside one of them measured (a small read's
      * payload can land in one message: its wire phase may be 0), the lone decode leg's
