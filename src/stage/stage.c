@@ -227,7 +227,7 @@ static void stage_floor_note(pkv_stage_t *st, uint32_t need)
     pkv_recent_max_note(&st->floor, need, pkv_now_ns(), st->cfg.warm_life_ns);
 }
 
-/* The floor at now; *end_ns: when it next falls (UINT64_MAX: it is 0). */
+/* The floor at now; *end_ns (optional): when it next falls (UINT64_MAX: it is 0). */
 static uint32_t stage_floor(const pkv_stage_t *st, uint64_t now, uint64_t *end_ns)
 {
     return pkv_recent_max_get(&st->floor, now, st->cfg.warm_life_ns, end_ns);
@@ -1167,8 +1167,7 @@ static void stats_locked(const pkv_stage_t *st, pkv_stage_stats_t *out)
     out->pages_returning = st->returning;
     out->pages_used = st->npages - st->alloc.free_pages - st->returning;
     out->waiting = st->nwaiting;
-    uint64_t end;
-    out->warm_floor_pages = stage_floor(st, pkv_now_ns(), &end);
+    out->warm_floor_pages = stage_floor(st, pkv_now_ns(), NULL);
 }
 
 int pkv_stage_stats(pkv_stage_t *st, pkv_stage_stats_t *out)
