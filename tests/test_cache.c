@@ -281,8 +281,9 @@ static void count_kick(void *arg)
 /* The floor keeps the granules of the largest recent allocation committed when they empty,
  * so the next allocation as large commits nothing (pkv_seq_commit_ns 0); an allocation that
  * takes from it kicks its owner, whose trim commits the floor again; it is bounded by
- * warm_max_bytes, and once two warm_idle_ms passed since the window of the largest
- * allocation began, a trim returns it (down to retain_granules). */
+ * warm_max_bytes; a pressure limit on the cache returns it at once and no refill commits
+ * it while the limit holds; once a warm_idle_ms passed without an allocation, a trim returns
+ * it (down to retain_granules), and so does a cache reset at once. */
 START_TEST(warm_floor_serves_allocations_and_lapses)
 {
     int kicks = 0;
@@ -329,8 +330,19 @@ START_TEST(warm_floor_serves_allocations_and_lapses)
     /* Small allocations (a decode step's block) keep the floor while it is recent... */
     pkv_seq_free(seq_tokens(kv, 4000, 16));
     ck_assert_uint_eq(stats(kv).warm_bytes, 4 * GRAN);
-    /* ...and two warm_idle_ms after its window began, a trim returns it. */
-    ck_assert_uint_eq(pkv_kv_trim(kv, pkv_now_ns() + 2000000000ull, &next), 0);
+    /* Memory pressure takes it back at once; nothing refills it while the limit holds... */
+    pkv_kv_cache_pressure(kv, 0);
+    st = stats(kv);
+    ck_assert_uint_eq(st.warm_bytes, 0);
+    ck_assert_uint_eq(st.committed_bytes, 1 * GRAN); /* retain_granules */
+    pkv_seq_free(seq_tokens(kv, 4100, 16));
+    ck_assert_uint_eq(pkv_kv_warm_refill(kv, 0), 0);
+    ck_assert_uint_eq(stats(kv).committed_bytes, 1 * GRAN);
+    pkv_kv_cache_pressure(kv, PKV_KV_NO_LIMIT); /* ...and it is back once it lifts */
+    ck_assert_uint_eq(stats(kv).warm_bytes, 4 * GRAN);
+    ck_assert_uint_eq(pkv_kv_warm_refill(kv, 0), 3);
+    /* A warm_idle_ms without an allocation: a trim returns it. */
+    ck_assert_uint_eq(pkv_kv_trim(kv, pkv_now_ns() + 1000000000ull, &next), 0);
     st = stats(kv);
     ck_assert_uint_eq(st.warm_bytes, 0);
     ck_assert_uint_eq(st.committed_bytes, 1 * GRAN); /* retain_granules */
@@ -355,6 +367,10 @@ START_TEST(warm_floor_serves_allocations_and_lapses)
     ck_assert_uint_eq(pkv_seq_commit_ns(s4), 0);
     ck_assert_uint_eq(stats(kv).blocks_cached, 12); /* nothing evicted for it */
     pkv_seq_free(s4);
+    pkv_kv_reset_cache(kv); /* a reset gives everything back, the floor too */
+    st = stats(kv);
+    ck_assert_uint_eq(st.warm_bytes, 0);
+    ck_assert_uint_eq(st.committed_bytes, 1 * GRAN);
     pkv_kv_on_warm_low(kv, NULL, NULL);
     pkv_kv_destroy(kv);
 
@@ -729,8 +745,8 @@ static int thread_policy(const char *name)
 
 /* The warm floor in a server: after an admission of 10 blocks (3 granules) the watcher,
  * kicked, commits the floor again once the request has ended (the blocks stay cached), and
- * once the cache's idle time passes both go: one granule stays. A unified node's auto is
- * none. */
+ * once the cache's idle time passes both go: one granule stays. A unified node's auto keeps
+ * a floor but does not refill it (no pkv-warm thread). */
 START_TEST(server_warm_floor_refilled_then_returned)
 {
     pkv_server_config_t cfg = llama_config();
@@ -739,7 +755,9 @@ START_TEST(server_warm_floor_refilled_then_returned)
     cfg.cache_idle_ms = 6000;
     pkv_server_t *s = start(&cfg);
     json_t *d = cache_stats(pkv_server_port(s));
-    ck_assert_int_eq(jwarm(d, "max_bytes"), 0); /* auto: none on a unified node */
+    ck_assert_int_eq(jwarm(d, "max_bytes"), 64 * MIB); /* auto, a quarter of the budget: */
+    ck_assert(json_is_false(json_object_get(json_object_get(d, "warm"), "refill")));
+    ck_assert_int_eq(thread_policy("pkv-warm"), -1); /* on a unified node kept, not refilled */
     json_decref(d);
     pkv_server_destroy(s);
 
@@ -752,6 +770,7 @@ START_TEST(server_warm_floor_refilled_then_returned)
     complete_ids(port, "llama-3.2-1b", 7, 150);
     d = wait_stats(port, warm_refilled, 10);
     ck_assert_int_eq(jwarm(d, "max_bytes"), 64 * MIB);
+    ck_assert(json_is_true(json_object_get(json_object_get(d, "warm"), "refill")));
     ck_assert_int_eq(jwarm(d, "bytes"), 3 * 2 * MIB);
     ck_assert_int_eq(jwarm(d, "empty_bytes"), 3 * 2 * MIB);
     ck_assert_int_ge(jwarm(d, "refilled_granules"), 2);
@@ -774,6 +793,7 @@ START_TEST(server_cap_and_its_figures)
     pkv_server_config_t cfg = llama_config();
     cfg.cache_max_mode = PKV_SERVER_BUDGET_BYTES;
     cfg.cache_max_bytes = 2 * MIB; /* one granule */
+    cfg.cache_idle_ms = 600000;    /* the watcher's trims: the warm floor lives on them */
     pkv_server_t *s = start(&cfg);
     uint16_t port = pkv_server_port(s);
     for (uint32_t i = 0; i < 4; i++) {
@@ -787,7 +807,19 @@ START_TEST(server_cap_and_its_figures)
     long long cap_ev = jev(d, "cap");
     ck_assert_int_gt(cap_ev, 0);
     ck_assert_int_gt(jint(d, "blocks", "cached"), 0);
-    ck_assert_int_le(jint(d, "committed_bytes", NULL), 2 * 2 * MIB); /* cache + the kept granule */
+    /* the cache and the warm floor: the empty granules of the largest recent admission */
+    long long warm = jwarm(d, "bytes");
+    ck_assert_int_ge(warm, 2 * 2 * MIB);
+    ck_assert_int_le(jint(d, "committed_bytes", NULL), 2 * MIB + warm);
+    /* At the cap each request's end evicts a prompt's blocks: their granules stay, empty,
+     * for the next admission, which commits nothing. */
+    long long commits = jint(d, "granule_commits", NULL);
+    json_decref(d);
+    complete_ids(port, "llama-3.2-1b", 20, 150);
+    d = cache_stats(port);
+    ck_assert_int_eq(jint(d, "granule_commits", NULL), commits);
+    ck_assert_int_gt(jev(d, "cap"), cap_ev);
+    cap_ev = jev(d, "cap");
     ck_assert_int_eq(jint(d, "evictions", NULL), cap_ev + jev(d, "idle") + jev(d, "pressure") +
                                                      jev(d, "budget") + jev(d, "reset"));
     json_decref(d);

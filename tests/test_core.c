@@ -199,7 +199,7 @@ END_TEST
 /* The median's 95 % interval: order statistics 7 and 18 of 24 (coverage 1 - 2 P(B <= 6)),
  * 1 and 6 of 6, none under 6; the input order does not matter. */
 /* The warm floors' size: the largest value of the current window and the one before;
- * a smaller value does not reset it; two quiet windows drop it; *change_ns says when. */
+ * a smaller value does not reset it; a life without a note drops it; *change_ns says when. */
 START_TEST(recent_max_follows_the_largest_of_one_to_two_windows)
 {
     const uint64_t L = 1000, t0 = 5000; /* ns: the arithmetic only */
@@ -211,22 +211,25 @@ START_TEST(recent_max_follows_the_largest_of_one_to_two_windows)
     pkv_recent_max_note(&r, 10, t0 + 500, L);
     ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 999, L, &ch), 30);
     ck_assert_uint_eq(ch, t0 + L);
-    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 1500, L, &ch), 30); /* no note since */
-    ck_assert_uint_eq(ch, t0 + 2 * L);
-    pkv_recent_max_note(&r, 5, t0 + 1500, L); /* window 2: 30 is the one before's */
-    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 2499, L, &ch), 30);
-    ck_assert_uint_eq(ch, t0 + 1500 + L);
-    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 2500, L, NULL), 5); /* window 2's own */
-    pkv_recent_max_note(&r, 7, t0 + 2600, L);                         /* window 3 */
-    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 2600, L, NULL), 7);
-    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 4599, L, NULL), 7);
-    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 4600, L, &ch), 0); /* two quiet windows */
+    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 1400, L, &ch), 30); /* no note since */
+    ck_assert_uint_eq(ch, t0 + 500 + L);                              /* a life after it */
+    pkv_recent_max_note(&r, 5, t0 + 1400, L); /* window 2: 30 is the one before's */
+    pkv_recent_max_note(&r, 6, t0 + 1900, L);
+    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 2399, L, &ch), 30);
+    ck_assert_uint_eq(ch, t0 + 1400 + L);
+    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 2400, L, &ch), 6); /* window 2's own */
+    ck_assert_uint_eq(ch, t0 + 1900 + L);
+    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 2899, L, NULL), 6);
+    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 2900, L, &ch), 0); /* a life without a note */
     ck_assert_uint_eq(ch, UINT64_MAX);
-    pkv_recent_max_note(&r, 9, t0 + 9000, L); /* after a long quiet: nothing carried */
-    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 9000, L, NULL), 9);
-    pkv_recent_max_note(&r, 4, t0 + 10500, L); /* within two windows: 9 carried */
-    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 10500, L, NULL), 9);
-    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 10500, 0, &ch), 0); /* no life: none */
+    pkv_recent_max_note(&r, 9, t0 + 3000, L); /* after the quiet: nothing carried */
+    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 3000, L, NULL), 9);
+    pkv_recent_max_note(&r, 4, t0 + 3900, L);
+    pkv_recent_max_note(&r, 3, t0 + 4800, L); /* window 4 begins within a life of a note */
+    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 4800, L, NULL), 9); /* 9 carried */
+    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 5799, L, NULL), 9);
+    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 5800, L, NULL), 0);
+    ck_assert_uint_eq(pkv_recent_max_get(&r, t0 + 4800, 0, &ch), 0); /* no life: none */
     ck_assert_uint_eq(ch, UINT64_MAX);
 }
 END_TEST

@@ -127,12 +127,13 @@ typedef struct {
                                            time-to-live */
     bool no_memory_watch;               /* do not watch the memory left to the process */
     uint64_t kv_warm_max_bytes;         /* the pool's warm floor at most (empty granules of
-                                           the largest recent admission, kept committed and
-                                           refilled by the memory watcher): 0 -> auto: a
-                                           decode node a quarter of the KV budget, at most
-                                           256 MiB, other roles none; UINT64_MAX: none.
-                                           Lapses with the cache's idle time, at most 30 s;
-                                           none without a watcher thread */
+                                           the largest recent admission, kept committed; a
+                                           decode node, or any node given a value, also has
+                                           the memory watcher refill it): 0 -> auto: a
+                                           quarter of the KV budget, at most 256 MiB;
+                                           UINT64_MAX: none. Lapses once no admission came
+                                           for the cache's idle time, at most 30 s; none
+                                           without a watcher thread */
     uint64_t memory_reserve_bytes;      /* memory the cache leaves to the machine; 0 -> a
                                            tenth of the limit watched, within [32M, 1G] */
     uint32_t memory_poll_ms;            /* the watcher's period; 0 -> 250 */

@@ -180,27 +180,25 @@ void pkv_hex_encode(const uint8_t *b, size_t n, char *out)
 void pkv_recent_max_note(pkv_recent_max_t *r, uint32_t v, uint64_t now_ns, uint64_t life_ns)
 {
     if (!life_ns) return;
-    uint64_t age = now_ns - PKV_MIN(now_ns, r->t);
-    if (!r->t || age >= life_ns) {
-        r->prev = r->t && age / 2 < life_ns ? r->cur : 0;
+    bool live = r->t && now_ns - PKV_MIN(now_ns, r->last) < life_ns;
+    if (!live || now_ns - PKV_MIN(now_ns, r->t) >= life_ns) {
+        r->prev = live ? r->cur : 0;
         r->cur = 0;
         r->t = now_ns;
     }
     r->cur = PKV_MAX(r->cur, v);
+    r->last = PKV_MAX(r->last, now_ns);
 }
 
 uint32_t pkv_recent_max_get(const pkv_recent_max_t *r, uint64_t now_ns, uint64_t life_ns,
                             uint64_t *change_ns)
 {
     uint64_t age = now_ns - PKV_MIN(now_ns, r->t);
-    uint32_t v = 0;
-    if (life_ns && r->t && age < life_ns)
-        v = PKV_MAX(r->cur, r->prev);
-    else if (life_ns && r->t && age / 2 < life_ns)
-        v = r->cur;
+    bool live = life_ns && r->t && now_ns - PKV_MIN(now_ns, r->last) < life_ns;
+    uint32_t v = !live ? 0 : age < life_ns ? PKV_MAX(r->cur, r->prev) : r->cur;
     if (change_ns) {
-        uint64_t step = age < life_ns ? life_ns : 2 * PKV_MIN(life_ns, UINT64_MAX / 4);
-        *change_ns = v ? r->t + step : UINT64_MAX;
+        uint64_t end = r->last + PKV_MIN(life_ns, UINT64_MAX - r->last);
+        *change_ns = !v ? UINT64_MAX : age < life_ns ? r->t + life_ns : end;
     }
     return v;
 }

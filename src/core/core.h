@@ -188,14 +188,16 @@ struct timespec pkv_deadline_to_realtime(uint64_t deadline_ns);
 void pkv_hex_encode(const uint8_t *b, size_t n, char *out);
 
 /* ---- a recent maximum (the warm floors' size) -----------------------------------------
- * The largest value noted in the last one to two `life` ns: windows of `life` ns start at
- * the first note after the previous window ended, and the value is the largest of the
- * current window and the one before it. A demand that goes on keeps it (a smaller value
- * does not reset it), a quiet spell of two windows drops it to 0. Not synchronized: the
- * owner's lock guards it. Zero-initialized: nothing noted. */
+ * The largest value noted in the last one to two `life` ns, while notes keep coming:
+ * windows of `life` ns start at the first note after the previous window ended, and the
+ * value is the largest of the current window and the one before it, until `life` ns pass
+ * without a note, which drop it to 0. A demand that goes on keeps it (a smaller value does
+ * not reset it); a quiet spell of one life ends it. Not synchronized: the owner's lock
+ * guards it. Zero-initialized: nothing noted. */
 typedef struct {
     uint32_t cur, prev; /* the largest of the current window, of the one before */
     uint64_t t;         /* the current window's start */
+    uint64_t last;      /* the last note */
 } pkv_recent_max_t;
 void pkv_recent_max_note(pkv_recent_max_t *r, uint32_t v, uint64_t now_ns, uint64_t life_ns);
 /* The value at now_ns (0 when life_ns is 0); *change_ns: when it next falls (UINT64_MAX

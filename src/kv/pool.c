@@ -310,10 +310,17 @@ static void granule_retire(pool_t *p, uint32_t g)
     p->decommit_head = g;
 }
 
+/* The warm floor now: none while a pressure limit holds the cache (the memory is wanted
+ * elsewhere, and an empty granule goes back before a cached block does). */
+static inline uint32_t warm_now(const pool_t *p)
+{
+    return p->pressure_limit == PKV_KV_NO_LIMIT ? p->warm : 0;
+}
+
 /* Empty granules kept committed: retain_granules, or the warm floor when larger. */
 static inline uint32_t pool_keep_empty(const pool_t *p)
 {
-    return PKV_MAX(p->retain, p->warm);
+    return PKV_MAX(p->retain, warm_now(p));
 }
 
 /* Return a block (ref 0, not cached) to its granule; queue the granule for decommit
@@ -586,7 +593,7 @@ static void warm_note(pool_t *p, uint32_t n)
 /* Whether the floor lacks granules that pkv_kv_trim could commit. */
 static bool warm_short(const pool_t *p)
 {
-    return p->n_empty < p->warm && p->n_uncommitted && p->committed < p->max_granules;
+    return p->n_empty < warm_now(p) && p->n_uncommitted && p->committed < p->max_granules;
 }
 
 /* Drop the lock; then, when an allocation left the warm floor short, kick its owner
@@ -1172,6 +1179,10 @@ static void pool_reset_cache(pkv_kv_t *kv)
     pool_t *p = pool_of(kv);
     pthread_mutex_lock(&p->lock);
     while (p->n_cached) evict_one(p, false, EV_RESET);
+    /* A reset gives everything back: the warm floor too, until the next allocation. */
+    p->warm_rm = (pkv_recent_max_t){0};
+    p->warm = 0;
+    while (p->n_empty > pool_keep_empty(p)) granule_retire(p, p->bucket[0]);
     pool_flush_decommits(p);
     pthread_mutex_unlock(&p->lock);
 }
@@ -1210,7 +1221,8 @@ static uint32_t pool_warm_refill(pkv_kv_t *kv, uint32_t max)
     if (!max) max = UINT32_MAX;
     pthread_mutex_lock(&p->lock);
     while (warm_short(p) && n < max) {
-        uint32_t got = pool_commit(p, PKV_MIN(PKV_MIN(p->warm - p->n_empty, 64), max - n), NULL);
+        uint32_t got =
+            pool_commit(p, PKV_MIN(PKV_MIN(warm_now(p) - p->n_empty, 64), max - n), NULL);
         if (!got) break;
         p->warm_refills += got;
         n += got;
@@ -1224,6 +1236,7 @@ static void pool_cache_pressure(pkv_kv_t *kv, uint64_t limit_bytes)
     pool_t *p = pool_of(kv);
     pthread_mutex_lock(&p->lock);
     p->pressure_limit = limit_bytes;
+    while (p->n_empty > pool_keep_empty(p)) granule_retire(p, p->bucket[0]);
     pool_settle(p);
     pthread_mutex_unlock(&p->lock);
 }
@@ -1276,7 +1289,7 @@ static void pool_stats(pkv_kv_t *kv, pkv_kv_stats_t *o)
     o->evictions_pressure = p->ev[EV_PRESSURE];
     o->evictions_reset = p->ev[EV_RESET];
     o->empty_bytes = (uint64_t)p->n_empty * p->gbytes;
-    o->warm_bytes = (uint64_t)p->warm * p->gbytes;
+    o->warm_bytes = (uint64_t)warm_now(p) * p->gbytes;
     o->warm_max_bytes = (uint64_t)p->warm_max * p->gbytes;
     o->warm_refills = p->warm_refills;
     o->commit_ns = p->commit_ns;

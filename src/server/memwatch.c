@@ -98,21 +98,25 @@ int srv_cache_policy(const pkv_server_config_t *cfg, uint64_t budget, pkv_kv_con
                         : cfg->cache_idle_ms                   ? cfg->cache_idle_ms
                                                                : MW_IDLE_DEFAULT_MS;
     /* The warm floor lives on the watcher's trims: none without the thread (no TTL and no
-     * watch), and it lapses no later than the cache's idle blocks do. auto: a decode node
-     * only, which admits a whole pulled prompt at once on its TTFT's path. A unified or
-     * prefill node commits its prompt's granules at admission too (docs/design/server.md,
-     * "The warm floor"), but a floor there would hold memory on every node for each
-     * prefill's 8-15 %; --kv-warm-max gives it one. */
+     * watch), and it lapses no later than the cache's idle blocks do. auto: every role keeps
+     * the empty granules of its largest recent admission (up to a quarter of the budget, at
+     * most MW_WARM_DEFAULT): at a full cache each request's end evicts, and the next
+     * admission would commit, a prompt's granules (docs/design/server.md, "The warm
+     * floor"). Only a decode node (or one given --kv-warm-max) also refills it
+     * (srv_warm_refills). */
     bool thread = kc->cache_idle_ms || !cfg->no_memory_watch;
     uint64_t want = cfg->kv_warm_max_bytes;
-    if (!want)
-        want = cfg->role == PKV_SERVER_ROLE_DECODE
-                   ? PKV_MIN(MW_WARM_DEFAULT, budget ? budget / 4 : UINT64_MAX)
-                   : 0;
+    if (!want) want = PKV_MIN(MW_WARM_DEFAULT, budget ? budget / 4 : UINT64_MAX);
     kc->warm_max_bytes = thread && want != UINT64_MAX ? want : 0;
     kc->warm_idle_ms =
         kc->cache_idle_ms ? PKV_MIN(kc->cache_idle_ms, MW_WARM_LIFE_MS) : MW_WARM_LIFE_MS;
     return PKV_OK;
+}
+
+bool srv_warm_refills(const pkv_server_config_t *cfg)
+{
+    return cfg->role == PKV_SERVER_ROLE_DECODE ||
+           (cfg->kv_warm_max_bytes && cfg->kv_warm_max_bytes != UINT64_MAX);
 }
 
 /* ---- the watcher ------------------------------------------------------------------------ */
@@ -304,7 +308,8 @@ int srv_memwatch_create(const pkv_server_config_t *cfg, pkv_kv_t *kv, bool (*bus
     if (pkv_cond_init_monotonic(&w->cv)) goto fail_cv;
     if (pkv_cond_init_monotonic(&w->warm_cv)) goto fail_warm_cv;
     if (pthread_create(&w->thread, NULL, mw_main, w)) goto fail_thread;
-    if (ks.warm_max_bytes) {
+    if (ks.warm_max_bytes && srv_warm_refills(cfg)) {
+        w->st.warm_refill = true;
         if (pthread_create(&w->warm_thread, NULL, mw_warm_main, w)) {
             mw_stop(w);
             goto fail_thread;

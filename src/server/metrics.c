@@ -418,9 +418,9 @@ json_t *srv_cache_stats_json(const srv_snapshot_t *snap)
     if (doc)
         json_object_set_new(
             doc, "warm",
-            json_pack("{s:I, s:I, s:I, s:I, s:f}", "max_bytes", (json_int_t)ks->warm_max_bytes,
-                      "bytes", (json_int_t)ks->warm_bytes, "empty_bytes",
-                      (json_int_t)ks->empty_bytes, "refilled_granules",
+            json_pack("{s:I, s:b, s:I, s:I, s:I, s:f}", "max_bytes", (json_int_t)ks->warm_max_bytes,
+                      "refill", snap->mw.warm_refill, "bytes", (json_int_t)ks->warm_bytes,
+                      "empty_bytes", (json_int_t)ks->empty_bytes, "refilled_granules",
                       (json_int_t)ks->warm_refills, "commit_seconds", (double)ks->commit_ns / 1e9));
     if (doc)
         json_object_set_new(doc, "disk", snap->has_tier ? srv_tier_json(&snap->tier) : json_null());

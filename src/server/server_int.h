@@ -97,6 +97,9 @@ json_t *srv_kv_stats_json(const pkv_disagg_snapshot_t *k);
  * kc->cache_idle_ms and the warm floor (kc->warm_max_bytes, kc->warm_idle_ms).
  * PKV_ERR_INVALID (logged) for a cap of 0 bytes. */
 int srv_cache_policy(const pkv_server_config_t *cfg, uint64_t budget, pkv_kv_config_t *kc);
+/* Whether the watcher refills the warm floor (thread pkv-warm): a decode node, or any node
+ * given --kv-warm-max; other nodes only keep what their admissions leave empty. */
+bool srv_warm_refills(const pkv_server_config_t *cfg);
 
 /* The watcher: thread "pkv-memwatch" applies the idle time-to-live (pkv_kv_trim) on a timer
  * and, unless cfg->no_memory_watch, reads the memory left (prim) every poll and holds the
@@ -106,6 +109,7 @@ int srv_cache_policy(const pkv_server_config_t *cfg, uint64_t budget, pkv_kv_con
 typedef struct srv_memwatch srv_memwatch_t;
 typedef struct {
     bool running;       /* a watcher thread runs (a paged pool with a TTL or the watch on) */
+    bool warm_refill;   /* pkv-warm runs: the warm floor is refilled, not only kept */
     bool watching;      /* memory readings on */
     const char *source; /* tightest source at the last reading: "cgroup_v2", "cgroup_v1",
                            "meminfo" or "none" */
