@@ -643,6 +643,7 @@ enum {
     F_UB_TTFT,
     F_R_TTFT,
     F_ADDED,
+    F_ADDED_SAME, /* added with the two prefills' compute difference taken out */
     F_HOP,
     F_R_OWN,
     F_P_LEG,
@@ -703,6 +704,7 @@ static const char *const bl_f_names[BL_NF] = {"prompt_tokens",
                                               "unified_ttft_ms",
                                               "router_ttft_ms",
                                               "added_ms",
+                                              "added_same_compute_ms",
                                               "client_hop_ms",
                                               "router_own_ms",
                                               "prefill_leg_ms",
@@ -761,6 +763,10 @@ static void bl_values(const bl_round_t *x, double f[BL_NF])
     f[F_UB_TTFT] = x->ub_ttft;
     f[F_R_TTFT] = x->r_ttft;
     f[F_ADDED] = x->r_ttft - x->ub_ttft;
+    /* The prefill node's and the unified node's prefill_compute of the same text differ by
+     * up to ~10 % from one round to the next on a shared VM (tens of ms at 2048 tokens), far
+     * more than the target's margin: TTFT less its own compute, on each path. */
+    f[F_ADDED_SAME] = (x->r_ttft - x->ps[PS_COMPUTE]) - (x->ub_ttft - x->ub_compute);
     f[F_HOP] = x->r_ttft - x->rs[RS_TTFB];
     f[F_R_OWN] = own;
     f[F_P_LEG] = x->rs[RS_LEG_P];
@@ -916,19 +922,21 @@ static void bl_print(const bl_opts_t *o, const bl_size_t *S, uint32_t ns)
     printf(
         "\n### routed TTFT: TTFT through the router minus a unified node's (medians of %u, ms)\n\n",
         o->runs);
-    printf("| size | unified TTFT | router TTFT | added | client hop | router own | prefill leg | "
+    printf("| size | unified TTFT | router TTFT | added | added, same compute | client hop | "
+           "router own | prefill leg | "
            "prefill leg - unified TTFT | prefill_queue | prefill_compute | unified queue | unified "
            "compute |");
     for (int k = 0; k < PH_DECODE; k++) printf(" %s |", bl_ph_names[k]);
     printf(" decode leg TTFB | TTFB - pull | first token | before the pull | MiB received |\n|");
-    for (int k = 0; k < 17 + PH_DECODE; k++) printf("---|");
+    for (int k = 0; k < 18 + PH_DECODE; k++) printf("---|");
     printf("\n");
     for (uint32_t s = 0; s < ns; s++) {
         const double *m = S[s].med;
-        printf("| %u | %.1f | %.1f | **%.1f** | %.2f | %.2f | %.1f | %.1f | %.2f | %.1f | %.2f | "
-               "%.1f |",
-               S[s].size, m[F_UB_TTFT], m[F_R_TTFT], m[F_ADDED], m[F_HOP], m[F_R_OWN], m[F_P_LEG],
-               m[F_P_EXTRA], m[F_P_QUEUE], m[F_P_COMPUTE], m[F_UB_QUEUE], m[F_UB_COMPUTE]);
+        printf("| %u | %.1f | %.1f | **%.1f** | %.1f | %.2f | %.2f | %.1f | %.1f | %.2f | %.1f | "
+               "%.2f | %.1f |",
+               S[s].size, m[F_UB_TTFT], m[F_R_TTFT], m[F_ADDED], m[F_ADDED_SAME], m[F_HOP],
+               m[F_R_OWN], m[F_P_LEG], m[F_P_EXTRA], m[F_P_QUEUE], m[F_P_COMPUTE], m[F_UB_QUEUE],
+               m[F_UB_COMPUTE]);
         for (int k = 0; k < PH_DECODE; k++) printf(" %.2f |", m[F_R_PH0 + k]);
         printf(" %.1f | %.1f | %.1f | %.1f | %.3f |\n", m[F_R_DEC_TTFB], m[F_R_FIRST],
                m[F_R_FIRST_TOKEN], m[F_R_PREPULL], m[F_R_BYTES] / 1048576.0);
@@ -979,9 +987,10 @@ static void bl_print(const bl_opts_t *o, const bl_size_t *S, uint32_t ns)
     for (uint32_t s = 0; s < ns; s++) {
         const double *m = S[s].med;
         bool ok = bl_met(m);
-        printf("- %s: %u tokens: added %.1f ms %s wire %.2f ms + 5 ms = %.2f ms",
+        printf("- %s: %u tokens: added %.1f ms %s wire %.2f ms + 5 ms = %.2f ms (with the "
+               "prefills' compute difference taken out: %.1f ms)",
                ok ? "met" : "NOT MET", S[s].size, m[F_ADDED], ok ? "<=" : ">", m[F_R_PH0 + PH_WIRE],
-               m[F_R_PH0 + PH_WIRE] + 5.0);
+               m[F_R_PH0 + PH_WIRE] + 5.0, m[F_ADDED_SAME]);
         if (!ok) {
             char why[512];
             bl_limits(m, why, sizeof(why));

@@ -12,9 +12,10 @@
 #include "tests/support/testutil.h"
 
 #include <jansson.h>
+#include <math.h>
 #include <signal.h>
-#include <stdlib.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -84,6 +85,12 @@ START_TEST(latency_runs_and_reports)
     ck_assert(json_is_object(
         json_object_get(json_array_get(json_object_get(sz, "rounds"), 0), "streaming")));
     ck_assert(json_is_number(json_object_get(sz, "added_ms")));
+    /* added with the two prefills' compute taken out, per round */
+    json_t *r0 = json_object_get(json_array_get(json_object_get(sz, "rounds"), 0), "routed_ttft");
+    double same = (ts_jnum(r0, "router_ttft_ms") - ts_jnum(r0, "prefill_compute_ms")) -
+                  (ts_jnum(r0, "unified_ttft_ms") - ts_jnum(r0, "unified_compute_ms"));
+    ck_assert(fabs(ts_jnum(r0, "added_same_compute_ms") - same) < 1e-6);
+    ck_assert(json_is_number(json_object_get(b, "added_same_compute_ms")));
     /* step 6: the serving nodes' 5 s staging idle period + 2 s, one pair, both measured */
     json_t *q = json_object_get(sz, "after_quiet");
     ck_assert_int_eq((int)ts_jnum(q, "quiet_ms"), 7000);
