@@ -108,13 +108,13 @@ typedef struct {
     uint64_t pressure_limit; /* bytes of cache-only granules allowed now; PKV_KV_NO_LIMIT */
     uint64_t ev[EV_N];       /* evictions by cause */
     /* The warm floor ("Policies" in docs/design/pool.md): `warm` empty granules kept
-     * committed, refilled by pkv_kv_trim, sized by the largest allocation of the last one
+     * committed, refilled by pkv_kv_warm_refill, sized by the largest allocation of the last one
      * to two warm_life ns (warm_rm; `warm` is its value at the last note or trim);
      * warm_low: an allocation took from it (kick the owner). */
     uint32_t warm;
     pkv_recent_max_t warm_rm;
     bool warm_low;
-    uint64_t warm_refills; /* granules committed by pkv_kv_trim to refill the floor */
+    uint64_t warm_refills; /* granules committed by pkv_kv_warm_refill to refill the floor */
     uint64_t commit_ns;    /* time spent in the OS committing granules */
 
     pool_rank_t rk[PKV_KV_MAX_TP]; /* [tp], immutable after create; rk[0] alone when tp = 1 */
@@ -321,6 +321,13 @@ static inline uint32_t warm_now(const pool_t *p)
 static inline uint32_t pool_keep_empty(const pool_t *p)
 {
     return PKV_MAX(p->retain, warm_now(p));
+}
+
+/* Queue for decommit the empty granules beyond pool_keep_empty (after the floor fell, a
+ * reset or a pressure limit), sparsest bucket first. */
+static void pool_retire_beyond_keep(pool_t *p)
+{
+    while (p->n_empty > pool_keep_empty(p)) granule_retire(p, p->bucket[0]);
 }
 
 /* Return a block (ref 0, not cached) to its granule; queue the granule for decommit
@@ -1182,7 +1189,7 @@ static void pool_reset_cache(pkv_kv_t *kv)
     /* A reset gives everything back: the warm floor too, until the next allocation. */
     p->warm_rm = (pkv_recent_max_t){0};
     p->warm = 0;
-    while (p->n_empty > pool_keep_empty(p)) granule_retire(p, p->bucket[0]);
+    pool_retire_beyond_keep(p);
     pool_flush_decommits(p);
     pthread_mutex_unlock(&p->lock);
 }
@@ -1202,7 +1209,7 @@ static uint64_t pool_trim(pkv_kv_t *kv, uint64_t now_ns, uint64_t *next_ns)
      * (what allocations took from a live floor pool_warm_refill commits again). */
     uint64_t warm_change;
     p->warm = pkv_recent_max_get(&p->warm_rm, now_ns, p->warm_life, &warm_change);
-    while (p->n_empty > pool_keep_empty(p)) granule_retire(p, p->bucket[0]);
+    pool_retire_beyond_keep(p);
     pool_settle(p);
     uint64_t next =
         p->idle_ns && p->lru_head != NONE ? p->blk[p->lru_head].t_cached + p->idle_ns : UINT64_MAX;
@@ -1236,7 +1243,7 @@ static void pool_cache_pressure(pkv_kv_t *kv, uint64_t limit_bytes)
     pool_t *p = pool_of(kv);
     pthread_mutex_lock(&p->lock);
     p->pressure_limit = limit_bytes;
-    while (p->n_empty > pool_keep_empty(p)) granule_retire(p, p->bucket[0]);
+    pool_retire_beyond_keep(p);
     pool_settle(p);
     pthread_mutex_unlock(&p->lock);
 }
