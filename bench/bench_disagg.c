@@ -1,11 +1,12 @@
 /*
  * `pagekv bench disagg`: the field's validation load through real prefill and decode
- * servers and the router, one staging design after another (docs/design/bench_disagg.md).
+ * servers and the router, per staging design (docs/design/bench_disagg.md).
  *
  * Per design: fresh `pagekv serve --role prefill`, `--role decode` and `pagekv route`
- * processes; phases parity-before, burst, medium, long, [paced], parity-after, driven by
- * the curl-multi load driver (support/loadgen.h); a sampler thread reads each node's
- * VmLck / VmRSS from /proc and its staging figures from /v1/cache/stats every 100 ms.
+ * processes, every design up at once; phases parity-before, burst, medium, long, [paced],
+ * parity-after, each run design after design, driven by the curl-multi load driver
+ * (support/loadgen.h); while a design's phase runs a sampler thread reads its nodes'
+ * VmLck / VmRSS from /proc and staging figures from /v1/cache/stats every 100 ms.
  * A unified server runs the same phases first as the baseline and gives the parity
  * answers and the paced phase's rate.
  */
@@ -376,11 +377,11 @@ static int bd_serve(const bd_env_t *e, const bd_opts_t *o, const bd_load_t *L, c
                         role && e->net_up ? &at : NULL, p);
 }
 
-static int bd_route(const bd_env_t *e, const launch_proc_t *pre, const launch_proc_t *dec,
-                    launch_proc_t *p)
+static int bd_route(const bd_env_t *e, const char *name, const launch_proc_t *pre,
+                    const launch_proc_t *dec, launch_proc_t *p)
 {
     char *extra[] = {"--max-connections", "1024", NULL};
-    return launch_route(e->bin, e->logdir, "router", pre, dec, extra, p);
+    return launch_route(e->bin, e->logdir, name, pre, dec, extra, p);
 }
 
 /* Sum of every sample line of a Prometheus text whose name contains `part`. */
@@ -548,8 +549,18 @@ static void bd_run_counters(bd_run_t *run, const char *pre_url, const char *dec_
     run->router_retries = bd_metric_sum(rt_url, "retries_total");
 }
 
-static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t *L, int d,
-                          double rate, cluster_answer_t *parity, bd_run_t *run)
+/* A design's processes while its phases run: every design is up at once and each phase
+ * runs design after design (bd_designs_run), so the minutes a VM drifts over fall between
+ * phases rather than between designs. */
+typedef struct {
+    launch_proc_t pre, dec, rt;
+    bool up;
+    uint64_t t0_ns; /* the design's timeline (samples, phase windows) starts here */
+} bd_live_t;
+
+/* Start design d's prefill, decode and router; false when one did not come up. */
+static bool bd_design_start(const bd_env_t *e, const bd_opts_t *o, const bd_load_t *L, int d,
+                            bd_run_t *run, bd_live_t *lv)
 {
     run->name = bd_design_names[d];
     run->reasons = json_object();
@@ -558,56 +569,95 @@ static void bd_run_design(const bd_env_t *e, const bd_opts_t *o, const bd_load_t
        closed phases' run-to-run spread (an open loop's req/s is its offered rate) */
     run->have_paced = (d == D_FIXED || d == D_PER_TRANSFER);
     run->slots = d == D_FIXED_SMALL ? 4 : BD_SLOTS;
-    launch_proc_t pre = {0}, dec = {0}, rt = {0};
-    bool up = false;
-    fprintf(stderr, "design %s:\n", run->name);
-    if (bd_serve(e, o, L, "prefill", "prefill", d, &pre) ||
-        bd_serve(e, o, L, "decode", "decode", d, &dec) || bd_route(e, &pre, &dec, &rt))
-        goto stop;
-    up = true;
-    json_t *st = http_get_json(pre.url, "/v1/cache/stats", 5000);
+    char np[48], nd[48], nr[48];
+    snprintf(np, sizeof(np), "%s-prefill", run->name);
+    snprintf(nd, sizeof(nd), "%s-decode", run->name);
+    snprintf(nr, sizeof(nr), "%s-router", run->name);
+    fprintf(stderr, "design %s: starting\n", run->name);
+    if (bd_serve(e, o, L, np, "prefill", d, &lv->pre) ||
+        bd_serve(e, o, L, nd, "decode", d, &lv->dec) ||
+        bd_route(e, nr, &lv->pre, &lv->dec, &lv->rt))
+        return false;
+    lv->up = true;
+    json_t *st = http_get_json(lv->pre.url, "/v1/cache/stats", 5000);
     run->page_bytes = (uint64_t)cluster_json_int(st, "kv_transfer.staging.page_bytes");
     run->pool_pages = (uint32_t)cluster_json_int(st, "kv_transfer.staging.pages_total");
     json_decref(st);
-    const launch_proc_t *nodes[2] = {&pre, &dec};
+    const launch_proc_t *nodes[2] = {&lv->pre, &lv->dec};
     bd_peaks_window(nodes, -1, run); /* startup's window: nothing moved yet */
-    bd_sampler_t smp = {.run = run, .node = {&pre, &dec}, .t0_ns = pkv_now_ns()};
+    lv->t0_ns = pkv_now_ns();
+    return true;
+}
+
+/* Phase ph of design d, its nodes sampled while it runs (the other designs idle meanwhile). */
+static void bd_design_phase(const bd_opts_t *o, const bd_load_t *L, int d, int ph, double rate,
+                            cluster_answer_t *parity, bd_run_t *run, bd_live_t *lv)
+{
+    if (ph == BD_PACED && !run->have_paced) return;
+    fprintf(stderr, "design %s:\n", run->name);
+    const launch_proc_t *nodes[2] = {&lv->pre, &lv->dec};
+    bd_sampler_t smp = {.run = run, .node = {&lv->pre, &lv->dec}, .t0_ns = lv->t0_ns};
     pthread_mutex_init(&smp.lock, NULL);
     bool sampling = pthread_create(&smp.th, NULL, bd_sampler_main, &smp) == 0;
     if (sampling) pthread_setname_np(smp.th, "pkv-bd-sample");
-    for (int ph = 0; ph < BD_NPH && !g_stop; ph++) {
-        if (ph == BD_PACED && !run->have_paced) continue;
-        bool par = ph == BD_PARITY_BEFORE || ph == BD_PARITY_AFTER;
-        json_t *ps0 = ph == BD_PACED ? cluster_phase_sums(pre.url) : NULL;
-        json_t *ds0 = ph == BD_PACED ? cluster_phase_sums(dec.url) : NULL;
-        bd_phase_run(o, L, ph, rt.url, rate, &smp, run, par ? parity : NULL, false);
-        bd_peaks_window(nodes, ph, run);
-        if (ph == BD_PACED) bd_paced_phases(run, ps0, ds0, pre.url, dec.url);
-        json_decref(ps0);
-        json_decref(ds0);
-        if (ph == BD_PACED) {
-            /* idle: per-transfer staging goes back to the OS within the nodes' idle
-             * period (kv_transfer.staging.idle_release_ms), two lives of the warm floor
-             * and a second of slack */
-            run->staging_idle_zero = !bd_fixed(d) && bd_staging_idle(pre.url, dec.url);
-        }
-    }
+    bool par = ph == BD_PARITY_BEFORE || ph == BD_PARITY_AFTER;
+    json_t *ps0 = ph == BD_PACED ? cluster_phase_sums(lv->pre.url) : NULL;
+    json_t *ds0 = ph == BD_PACED ? cluster_phase_sums(lv->dec.url) : NULL;
+    bd_phase_run(o, L, ph, lv->rt.url, rate, &smp, run, par ? parity : NULL, false);
+    bd_peaks_window(nodes, ph, run);
+    if (ph == BD_PACED) bd_paced_phases(run, ps0, ds0, lv->pre.url, lv->dec.url);
+    json_decref(ps0);
+    json_decref(ds0);
+    if (ph == BD_PACED)
+        /* idle: per-transfer staging goes back to the OS within the nodes' idle period
+         * (kv_transfer.staging.idle_release_ms), two lives of the warm floor and a second
+         * of slack */
+        run->staging_idle_zero = !bd_fixed(d) && bd_staging_idle(lv->pre.url, lv->dec.url);
     if (sampling) {
         atomic_store(&smp.stop, 1);
         pthread_join(smp.th, NULL);
     }
     pthread_mutex_destroy(&smp.lock);
-    bd_run_counters(run, pre.url, dec.url, rt.url);
-    run->ran = !g_stop;
-stop:
-    if (!up) run->client_errors++;
-    int c1 = launch_stop(&rt, SIGTERM, pkv_now_ns() + BD_STOP_NS);
-    int c2 = launch_stop(&dec, SIGTERM, pkv_now_ns() + BD_STOP_NS);
-    int c3 = launch_stop(&pre, SIGTERM, pkv_now_ns() + BD_STOP_NS);
-    run->ok = up && run->ran && c1 == 0 && c2 == 0 && c3 == 0;
-    if (up && (c1 || c2 || c3))
-        fprintf(stderr, "  exits: router %d, decode %d, prefill %d (logs in %s)\n", c1, c2, c3,
-                e->logdir);
+}
+
+/* Design d's counters once every phase ran, then its processes stop. */
+static void bd_design_stop(const bd_env_t *e, bd_run_t *run, bd_live_t *lv)
+{
+    if (lv->up) {
+        bd_run_counters(run, lv->pre.url, lv->dec.url, lv->rt.url);
+        run->ran = !g_stop;
+    } else {
+        run->client_errors++;
+    }
+    int c1 = launch_stop(&lv->rt, SIGTERM, pkv_now_ns() + BD_STOP_NS);
+    int c2 = launch_stop(&lv->dec, SIGTERM, pkv_now_ns() + BD_STOP_NS);
+    int c3 = launch_stop(&lv->pre, SIGTERM, pkv_now_ns() + BD_STOP_NS);
+    run->ok = lv->up && run->ran && c1 == 0 && c2 == 0 && c3 == 0;
+    if (lv->up && (c1 || c2 || c3))
+        fprintf(stderr, "  %s exits: router %d, decode %d, prefill %d (logs in %s)\n", run->name,
+                c1, c2, c3, e->logdir);
+}
+
+/* Every chosen design up at once, then phase by phase each design in `order`: fixed,
+ * per_transfer, fixed_repeat, ... (the control right before and after the design it is
+ * compared with, within minutes of it), then all stop. */
+static void bd_designs_run(const bd_env_t *e, const bd_opts_t *o, const bd_load_t *L, double rate,
+                           cluster_answer_t *parity, bd_run_t *runs)
+{
+    static const int order[BD_ND] = {D_FIXED, D_PER_TRANSFER, D_FIXED_REPEAT, D_PER_TRANSFER_EIGHTH,
+                                     D_FIXED_SMALL};
+    bd_live_t live[BD_ND];
+    memset(live, 0, sizeof(live));
+    bool all_up = true;
+    for (int i = 0; i < BD_ND && all_up && !g_stop; i++)
+        if (o->design[order[i]])
+            all_up = bd_design_start(e, o, L, order[i], &runs[order[i]], &live[order[i]]);
+    for (int ph = 0; ph < BD_NPH && all_up && !g_stop; ph++)
+        for (int i = 0; i < BD_ND && !g_stop; i++)
+            if (o->design[order[i]])
+                bd_design_phase(o, L, order[i], ph, rate, parity, &runs[order[i]], &live[order[i]]);
+    for (int i = 0; i < BD_ND; i++)
+        if (runs[order[i]].name) bd_design_stop(e, &runs[order[i]], &live[order[i]]);
 }
 
 /* ---- options and sizes --------------------------------------------------------------------- */
@@ -625,8 +675,9 @@ static void bd_usage(FILE *f)
             "  per_transfer         1/8 of fixed's pages, allocated per transfer\n"
             "  per_transfer_eighth  1/64 of fixed's pages\n"
             "  fixed_small          4 slots\n"
-            "and a unified server on the same phases as the baseline; run in the order\n"
-            "fixed, per_transfer, fixed_repeat, per_transfer_eighth, fixed_small.\n"
+            "and a unified server on the same phases as the baseline. Every design is up at\n"
+            "once; each phase runs design after design in the order fixed, per_transfer,\n"
+            "fixed_repeat, per_transfer_eighth, fixed_small.\n"
             "  --scale F            prompt lengths and the longest context (8192) times F\n"
             "                       (default 0.125)\n"
             "  --quick              a smoke test: scale 1/32, few requests, paced 60 transfers\n"
@@ -1194,13 +1245,7 @@ int pkv_bench_disagg_load(int argc, char **argv)
     memset(parity, 0, sizeof(parity));
     double rate = o.paced_rps;
     int rc = bd_unified(&e, &o, &L, &u, parity, &rate);
-    /* fixed, per_transfer, fixed_repeat: the control before and after the design it is
-     * compared with, so that the VM's drift over the minutes between them (often 10-30 %
-     * here) falls inside the control's spread instead of between the two designs */
-    static const int order[BD_ND] = {D_FIXED, D_PER_TRANSFER, D_FIXED_REPEAT, D_PER_TRANSFER_EIGHTH,
-                                     D_FIXED_SMALL};
-    for (int i = 0; i < BD_ND && !rc && !g_stop; i++)
-        if (o.design[order[i]]) bd_run_design(&e, &o, &L, order[i], rate, parity, &runs[order[i]]);
+    if (!rc && !g_stop) bd_designs_run(&e, &o, &L, rate, parity, runs);
     if (!rc && g_stop) {
         fprintf(stderr, "pagekv bench disagg: interrupted\n");
         rc = 130;
