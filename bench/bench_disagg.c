@@ -36,12 +36,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define BD_MIB         (1024.0 * 1024.0)
-#define BD_STOP_NS     30000000000ull
-#define BD_SAMPLE_NS   100000000ull
-#define BD_PARITY      8
-#define BD_SLOTS       64 /* the field's slots and concurrency */
-#define BD_PAGE_TOKENS 64 /* staging page = 64 tokens of llama-3.2-1b (2 MiB) */
+#define BD_MIB          (1024.0 * 1024.0)
+#define BD_STOP_NS      30000000000ull
+#define BD_SAMPLE_NS    100000000ull
+#define BD_PARITY       8
+#define BD_SLOTS        64 /* the field's slots and concurrency */
+#define BD_PAGE_TOKENS  64 /* staging page = 64 tokens of llama-3.2-1b (2 MiB) */
+#define BD_PACED_SLICES 6u /* the paced phase in 6 slices, the designs taking turns */
 
 #define BD_STAGING_WARM_MS "1000" /* --staging-warm-ms of the per-transfer designs */
 
@@ -140,13 +141,14 @@ static void on_signal(int sig)
 }
 
 /* ---- prompts ---------------------------------------------------------------------------- */
-/* The requests of one phase (bodies malloc'd; free with bd_reqs_free). */
-static lg_req_t *bd_reqs(const bd_opts_t *o, const bd_load_t *L, int ph, double rate)
+/* Requests [first, first + n) of one phase (bodies malloc'd; free with bd_reqs_free). */
+static lg_req_t *bd_reqs(const bd_opts_t *o, const bd_load_t *L, int ph, double rate,
+                         uint32_t first, uint32_t n)
 {
-    uint32_t n = L->n[ph];
     lg_req_t *r = calloc(n ? n : 1, sizeof(*r));
     if (!r) return NULL;
-    for (uint32_t i = 0; i < n; i++) {
+    for (uint32_t k = 0; k < n; k++) {
+        uint32_t i = first + k;
         uint32_t len = ph == BD_PACED ? L->mix[i % 4] : L->len[ph];
         /* parity prompts are the same in both parity phases; the others are distinct */
         uint64_t seed = ph == BD_PARITY_BEFORE || ph == BD_PARITY_AFTER
@@ -154,12 +156,12 @@ static lg_req_t *bd_reqs(const bd_opts_t *o, const bd_load_t *L, int ph, double 
                             : ((uint64_t)ph << 32) + i + 1;
         uint64_t st = seed;
         uint32_t max_tokens = 16 + (uint32_t)(pkv_splitmix64(&st) % 17); /* 16..32 */
-        r[i].path = "/v1/chat/completions";
-        r[i].body = lg_chat_body(o->preset, len, seed, max_tokens, L->cpt);
-        r[i].stream = true;
-        r[i].at_s = ph == BD_PACED && rate > 0 ? (double)i / rate : 0;
-        if (!r[i].body) {
-            for (uint32_t k = 0; k < i; k++) free(r[k].body);
+        r[k].path = "/v1/chat/completions";
+        r[k].body = lg_chat_body(o->preset, len, seed, max_tokens, L->cpt);
+        r[k].stream = true;
+        r[k].at_s = ph == BD_PACED && rate > 0 ? (double)k / rate : 0;
+        if (!r[k].body) {
+            for (uint32_t j = 0; j < k; j++) free(r[j].body);
             free(r);
             return NULL;
         }
@@ -245,19 +247,26 @@ static double bd_t(const bd_sampler_t *s)
     return (double)(pkv_now_ns() - s->t0_ns) / 1e9;
 }
 
-/* One phase against url; fills ph, counts client errors and their reasons. answers: if
- * non-NULL, the parity answers to compare with (counts identical into *same), or (with
- * *same == NULL) to fill. */
-static void bd_phase_run(const bd_opts_t *o, const bd_load_t *L, int phn, const char *url,
-                         double rate, bd_sampler_t *smp, bd_run_t *run, cluster_answer_t *answers,
-                         bool fill)
+/* A phase's results so far (a phase may run in slices, bd_phase_slice). */
+typedef struct {
+    double *ttft; /* ms, one per answered request */
+    uint32_t requests, ok, cap, tpot_n;
+    double wall, tsum, tpot_sum, t0;
+    bool started;
+} bd_acc_t;
+
+/* Requests [first, first + n) of phase phn against url, into acc; counts client errors and
+ * their reasons into run. answers: if non-NULL, the parity answers to compare with, or
+ * (fill) to fill. */
+static void bd_phase_slice(const bd_opts_t *o, const bd_load_t *L, int phn, uint32_t first,
+                           uint32_t n, const char *url, double rate, bd_sampler_t *smp,
+                           bd_run_t *run, cluster_answer_t *answers, bool fill, bd_acc_t *acc)
 {
-    bd_phase_t *ph = &run->ph[phn];
-    uint32_t n = L->n[phn];
-    lg_req_t *reqs = bd_reqs(o, L, phn, rate);
+    lg_req_t *reqs = bd_reqs(o, L, phn, rate, first, n);
     lg_result_t *res = calloc(n ? n : 1, sizeof(*res));
-    double *ttft = calloc(n ? n : 1, sizeof(double));
-    if (!reqs || !res || !ttft) {
+    double *grown = realloc(acc->ttft, sizeof(double) * ((size_t)acc->ok + n + 1));
+    if (grown) acc->ttft = grown;
+    if (!reqs || !res || !grown) {
         fprintf(stderr, "pagekv bench disagg: out of memory\n");
         goto out;
     }
@@ -265,15 +274,16 @@ static void bd_phase_run(const bd_opts_t *o, const bd_load_t *L, int phn, const 
                       .concurrency = phn == BD_PACED ? 0 : L->conc[phn],
                       .timeout_ms = 600000,
                       .stop = &g_stop};
-    ph->t0 = smp ? bd_t(smp) : 0;
+    if (!acc->started) acc->t0 = smp ? bd_t(smp) : 0;
+    acc->started = true;
     double wall = lg_run(&lc, reqs, n, res);
-    ph->t1 = smp ? bd_t(smp) : wall;
-    ph->requests = n;
-    ph->wall_s = wall;
-    double tsum = 0, tpot_sum = 0;
-    uint32_t tpot_n = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        lg_result_t *x = &res[i];
+    run->ph[phn].t0 = acc->t0;
+    run->ph[phn].t1 = smp ? bd_t(smp) : acc->wall + wall;
+    acc->requests += n;
+    acc->wall += wall;
+    for (uint32_t k = 0; k < n; k++) {
+        lg_result_t *x = &res[k];
+        uint32_t i = first + k;
         bool good = x->status == 200 && !x->answer.error_code[0] && x->answer.done;
         if (!good) {
             run->client_errors++;
@@ -292,12 +302,13 @@ static void bd_phase_run(const bd_opts_t *o, const bd_load_t *L, int phn, const 
             }
             continue;
         }
-        ttft[ph->ok++] = x->ttft_s * 1e3;
-        tsum += x->ttft_s * 1e3;
+        acc->ttft[acc->ok++] = x->ttft_s * 1e3;
+        acc->tsum += x->ttft_s * 1e3;
         pkv_bd_mix_add(&run->mix[phn], x->answer.prompt_tokens);
         if (x->answer.completion_tokens > 1) {
-            tpot_sum += (x->total_s - x->ttft_s) * 1e3 / (double)(x->answer.completion_tokens - 1);
-            tpot_n++;
+            acc->tpot_sum +=
+                (x->total_s - x->ttft_s) * 1e3 / (double)(x->answer.completion_tokens - 1);
+            acc->tpot_n++;
         }
         if (answers && fill) {
             answers[i] = x->answer;
@@ -307,19 +318,39 @@ static void bd_phase_run(const bd_opts_t *o, const bd_load_t *L, int phn, const 
             run->parity_identical += cluster_answer_equal(&answers[i], &x->answer);
         }
     }
-    ph->req_s = wall > 0 ? (double)ph->ok / wall : 0;
-    ph->ttft_mean = ph->ok ? tsum / ph->ok : 0;
-    ph->ttft_p50 = lg_quantile(ttft, ph->ok, 0.50);
-    ph->ttft_p99 = lg_quantile(ttft, ph->ok, 0.99);
-    ph->tpot = tpot_n ? tpot_sum / tpot_n : 0;
-    fprintf(stderr,
-            "  %-14s %4u/%-4u ok  %6.2f req/s  TTFT p50 %7.1f p99 %7.1f ms  TPOT %5.1f ms\n",
-            bd_phase_names[phn], ph->ok, n, ph->req_s, ph->ttft_p50, ph->ttft_p99, ph->tpot);
 out:
     if (res) lg_results_free(res, n);
     free(res);
-    free(ttft);
     bd_reqs_free(reqs, n);
+}
+
+/* The phase's figures from everything acc gathered (acc freed). */
+static void bd_phase_end(bd_run_t *run, int phn, bd_acc_t *acc)
+{
+    bd_phase_t *ph = &run->ph[phn];
+    ph->requests = acc->requests;
+    ph->ok = acc->ok;
+    ph->wall_s = acc->wall;
+    ph->req_s = acc->wall > 0 ? (double)acc->ok / acc->wall : 0;
+    ph->ttft_mean = acc->ok ? acc->tsum / acc->ok : 0;
+    ph->ttft_p50 = lg_quantile(acc->ttft, acc->ok, 0.50);
+    ph->ttft_p99 = lg_quantile(acc->ttft, acc->ok, 0.99);
+    ph->tpot = acc->tpot_n ? acc->tpot_sum / acc->tpot_n : 0;
+    fprintf(
+        stderr, "  %-14s %4u/%-4u ok  %6.2f req/s  TTFT p50 %7.1f p99 %7.1f ms  TPOT %5.1f ms\n",
+        bd_phase_names[phn], ph->ok, ph->requests, ph->req_s, ph->ttft_p50, ph->ttft_p99, ph->tpot);
+    free(acc->ttft);
+    memset(acc, 0, sizeof(*acc));
+}
+
+/* One whole phase against url (bd_phase_slice of all its requests, then bd_phase_end). */
+static void bd_phase_run(const bd_opts_t *o, const bd_load_t *L, int phn, const char *url,
+                         double rate, bd_sampler_t *smp, bd_run_t *run, cluster_answer_t *answers,
+                         bool fill)
+{
+    bd_acc_t acc = {0};
+    bd_phase_slice(o, L, phn, 0, L->n[phn], url, rate, smp, run, answers, fill, &acc);
+    bd_phase_end(run, phn, &acc);
 }
 
 /* ---- processes --------------------------------------------------------------------------- */
@@ -494,9 +525,11 @@ static void bd_peaks_window(const launch_proc_t *node[2], int ph, bd_run_t *run)
                     k ? "decode" : "prefill");
         json_decref(w);
         if (ph < 0) continue;
-        run->ph_pages_peak[ph][k] = pages > 0 && page > 0 ? (double)(pages * page) : 0;
-        run->ph_transfers_peak[ph][k] = tp > 0 ? (double)tp : 0;
-        if (k) run->ph_pulls_peak[ph] = fly > 0 ? (double)fly : 0;
+        /* the largest of a phase's windows (the paced phase runs in slices) */
+        if (pages > 0 && page > 0)
+            run->ph_pages_peak[ph][k] = fmax(run->ph_pages_peak[ph][k], (double)(pages * page));
+        if (tp > 0) run->ph_transfers_peak[ph][k] = fmax(run->ph_transfers_peak[ph][k], (double)tp);
+        if (k && fly > 0) run->ph_pulls_peak[ph] = fmax(run->ph_pulls_peak[ph], (double)fly);
     }
     json_decref(empty);
 }
@@ -555,7 +588,9 @@ static void bd_run_counters(bd_run_t *run, const char *pre_url, const char *dec_
 typedef struct {
     launch_proc_t pre, dec, rt;
     bool up;
-    uint64_t t0_ns; /* the design's timeline (samples, phase windows) starts here */
+    uint64_t t0_ns;    /* the design's timeline (samples, phase windows) starts here */
+    bd_acc_t acc;      /* the running phase's results over its slices */
+    json_t *ps0, *ds0; /* the paced phase: the nodes' transfer phase sums before it */
 } bd_live_t;
 
 /* Start design d's prefill, decode and router; false when one did not come up. */
@@ -589,30 +624,43 @@ static bool bd_design_start(const bd_env_t *e, const bd_opts_t *o, const bd_load
     return true;
 }
 
-/* Phase ph of design d, its nodes sampled while it runs (the other designs idle meanwhile). */
-static void bd_design_phase(const bd_opts_t *o, const bd_load_t *L, int d, int ph, double rate,
-                            cluster_answer_t *parity, bd_run_t *run, bd_live_t *lv)
+/* Slice `slice` of `slices` of phase ph of design d (the paced phase runs in slices that
+ * alternate between the designs; the others in one), its nodes sampled while it runs (the
+ * other designs idle meanwhile). */
+static void bd_design_phase(const bd_opts_t *o, const bd_load_t *L, int d, int ph, uint32_t slice,
+                            uint32_t slices, double rate, cluster_answer_t *parity, bd_run_t *run,
+                            bd_live_t *lv)
 {
     if (ph == BD_PACED && !run->have_paced) return;
-    fprintf(stderr, "design %s:\n", run->name);
+    bool first = slice == 0, last = slice + 1 == slices;
+    fprintf(stderr, "design %s:", run->name);
+    if (slices > 1) fprintf(stderr, " %s slice %u of %u", bd_phase_names[ph], slice + 1, slices);
+    fprintf(stderr, "\n");
     const launch_proc_t *nodes[2] = {&lv->pre, &lv->dec};
     bd_sampler_t smp = {.run = run, .node = {&lv->pre, &lv->dec}, .t0_ns = lv->t0_ns};
     pthread_mutex_init(&smp.lock, NULL);
     bool sampling = pthread_create(&smp.th, NULL, bd_sampler_main, &smp) == 0;
     if (sampling) pthread_setname_np(smp.th, "pkv-bd-sample");
     bool par = ph == BD_PARITY_BEFORE || ph == BD_PARITY_AFTER;
-    json_t *ps0 = ph == BD_PACED ? cluster_phase_sums(lv->pre.url) : NULL;
-    json_t *ds0 = ph == BD_PACED ? cluster_phase_sums(lv->dec.url) : NULL;
-    bd_phase_run(o, L, ph, lv->rt.url, rate, &smp, run, par ? parity : NULL, false);
+    if (ph == BD_PACED && first) {
+        lv->ps0 = cluster_phase_sums(lv->pre.url);
+        lv->ds0 = cluster_phase_sums(lv->dec.url);
+    }
+    uint32_t n = L->n[ph], lo = n * slice / slices, hi = n * (slice + 1) / slices;
+    bd_phase_slice(o, L, ph, lo, hi - lo, lv->rt.url, rate, &smp, run, par ? parity : NULL, false,
+                   &lv->acc);
     bd_peaks_window(nodes, ph, run);
-    if (ph == BD_PACED) bd_paced_phases(run, ps0, ds0, lv->pre.url, lv->dec.url);
-    json_decref(ps0);
-    json_decref(ds0);
-    if (ph == BD_PACED)
+    if (last) bd_phase_end(run, ph, &lv->acc);
+    if (ph == BD_PACED && last) {
+        bd_paced_phases(run, lv->ps0, lv->ds0, lv->pre.url, lv->dec.url);
+        json_decref(lv->ps0);
+        json_decref(lv->ds0);
+        lv->ps0 = lv->ds0 = NULL;
         /* idle: per-transfer staging goes back to the OS within the nodes' idle period
          * (kv_transfer.staging.idle_release_ms), two lives of the warm floor and a second
          * of slack */
         run->staging_idle_zero = !bd_fixed(d) && bd_staging_idle(lv->pre.url, lv->dec.url);
+    }
     if (sampling) {
         atomic_store(&smp.stop, 1);
         pthread_join(smp.th, NULL);
@@ -652,12 +700,23 @@ static void bd_designs_run(const bd_env_t *e, const bd_opts_t *o, const bd_load_
     for (int i = 0; i < BD_ND && all_up && !g_stop; i++)
         if (o->design[order[i]])
             all_up = bd_design_start(e, o, L, order[i], &runs[order[i]], &live[order[i]]);
-    for (int ph = 0; ph < BD_NPH && all_up && !g_stop; ph++)
-        for (int i = 0; i < BD_ND && !g_stop; i++)
-            if (o->design[order[i]])
-                bd_design_phase(o, L, order[i], ph, rate, parity, &runs[order[i]], &live[order[i]]);
-    for (int i = 0; i < BD_ND; i++)
-        if (runs[order[i]].name) bd_design_stop(e, &runs[order[i]], &live[order[i]]);
+    for (int ph = 0; ph < BD_NPH && all_up && !g_stop; ph++) {
+        /* the open loop in slices, taking turns: one long phase per design would put
+           minutes between the two designs it compares */
+        uint32_t slices = ph == BD_PACED ? PKV_MAX(1u, PKV_MIN(BD_PACED_SLICES, L->n[ph])) : 1;
+        for (uint32_t sl = 0; sl < slices && !g_stop; sl++)
+            for (int i = 0; i < BD_ND && !g_stop; i++)
+                if (o->design[order[i]])
+                    bd_design_phase(o, L, order[i], ph, sl, slices, rate, parity, &runs[order[i]],
+                                    &live[order[i]]);
+    }
+    for (int i = 0; i < BD_ND; i++) {
+        bd_live_t *lv = &live[order[i]];
+        free(lv->acc.ttft);
+        json_decref(lv->ps0);
+        json_decref(lv->ds0);
+        if (runs[order[i]].name) bd_design_stop(e, &runs[order[i]], lv);
+    }
 }
 
 /* ---- options and sizes --------------------------------------------------------------------- */
@@ -677,7 +736,8 @@ static void bd_usage(FILE *f)
             "  fixed_small          4 slots\n"
             "and a unified server on the same phases as the baseline. Every design is up at\n"
             "once; each phase runs design after design in the order fixed, per_transfer,\n"
-            "fixed_repeat, per_transfer_eighth, fixed_small.\n"
+            "fixed_repeat, per_transfer_eighth, fixed_small (the paced phase in 6 slices,\n"
+            "fixed and per_transfer taking turns).\n"
             "  --scale F            prompt lengths and the longest context (8192) times F\n"
             "                       (default 0.125)\n"
             "  --quick              a smoke test: scale 1/32, few requests, paced 60 transfers\n"
@@ -1153,7 +1213,7 @@ static double bd_paced_rate(const bd_opts_t *o, const bd_load_t *L, const char *
     bd_load_t C = *L;
     C.n[BD_PACED] = o->quick ? 16 : 48;
     C.conc[BD_PACED] = 16;
-    lg_req_t *reqs = bd_reqs(o, &C, BD_PACED, 0);
+    lg_req_t *reqs = bd_reqs(o, &C, BD_PACED, 0, 0, C.n[BD_PACED]);
     lg_result_t *res = calloc(C.n[BD_PACED], sizeof(*res));
     lg_config_t lc = {.base_url = url, .concurrency = 16, .timeout_ms = 600000, .stop = &g_stop};
     double wall = reqs && res ? lg_run(&lc, reqs, C.n[BD_PACED], res) : -1;
