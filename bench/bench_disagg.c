@@ -250,9 +250,8 @@ static double bd_t(const bd_sampler_t *s)
 /* A phase's results so far (a phase may run in slices, bd_phase_slice). */
 typedef struct {
     double *ttft; /* ms, one per answered request */
-    uint32_t requests, ok, cap, tpot_n;
-    double wall, tsum, tpot_sum, t0;
-    bool started;
+    uint32_t requests, ok, tpot_n;
+    double wall, tsum, tpot_sum, t0; /* t0: when its first slice began */
 } bd_acc_t;
 
 /* Requests [first, first + n) of phase phn against url, into acc; counts client errors and
@@ -274,8 +273,7 @@ static void bd_phase_slice(const bd_opts_t *o, const bd_load_t *L, int phn, uint
                       .concurrency = phn == BD_PACED ? 0 : L->conc[phn],
                       .timeout_ms = 600000,
                       .stop = &g_stop};
-    if (!acc->started) acc->t0 = smp ? bd_t(smp) : 0;
-    acc->started = true;
+    if (!acc->requests) acc->t0 = smp ? bd_t(smp) : 0;
     double wall = lg_run(&lc, reqs, n, res);
     run->ph[phn].t0 = acc->t0;
     run->ph[phn].t1 = smp ? bd_t(smp) : acc->wall + wall;
