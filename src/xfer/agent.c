@@ -368,15 +368,30 @@ static void on_conn_request(ucp_conn_request_h req, void *arg)
     a->conn_reqs[a->n_conn_reqs++] = req;
 }
 
-static void process_events(pkv_xfer_agent_t *a, xf_event_t *ev)
+/* A round of the progress loop (events, then UCX progress) ends once it has run this long,
+ * after at least one event and one progress call, so the ticks (heartbeats, deadlines)
+ * come at least this often plus one step, however slow the steps: under TSan a producer's
+ * LAYER_READY took 100-250 ms, a consumer's progress call (inline copies) 60-150 ms; one
+ * round of a dozen of either went past the peer timeout (1 s) without a heartbeat, and
+ * the other side dropped the peer as silent. */
+static uint64_t round_budget_ns(const pkv_xfer_agent_t *a)
 {
-    while (ev) {
-        xf_event_t *next = ev->next; /* the handler may free ev's owner */
+    return a->cfg.heartbeat_ns / 4;
+}
+
+/* Handle the held events (a->held, oldest first) until the round's budget is spent; what is
+ * left waits for the next round, ahead of newer events. */
+static void process_events(pkv_xfer_agent_t *a)
+{
+    while (a->held) {
+        xf_event_t *ev = a->held;
+        a->held = ev->next; /* before the handler: it may free ev's owner */
+        if (!a->held) a->held_tail = &a->held;
         if (ev->is_serve)
             xf_serve_event(a, ev->owner, ev);
         else
             xf_read_event(a, ev->owner, ev);
-        ev = next;
+        if (pkv_now_ns() - a->now_ns > round_budget_ns(a)) break;
     }
 }
 
@@ -386,6 +401,7 @@ static bool progress_once(pkv_xfer_agent_t *a)
     for (int i = 0; i < 256; i++) {
         if (!ucp_worker_progress(a->worker)) break;
         any = true;
+        if (pkv_now_ns() - a->now_ns > round_budget_ns(a)) break;
     }
     for (uint32_t i = 0; i < a->n_conn_reqs; i++) xf_peer_accept(a, a->conn_reqs[i]);
     a->n_conn_reqs = 0;
@@ -546,7 +562,6 @@ static void *progress_main(void *arg)
          * the loop polls (interleaved pairs in one process, 64 KiB reads: +4 %). The plain
          * load first keeps the round from writing the flag's cache line when nothing came. */
         pkv_xfer_read_t *nr = NULL;
-        xf_event_t *ev = NULL;
         xf_probe_t *np = NULL;
         /* Test hook: each armed hit holds the loop 100 ms (a stuck progress thread). */
         while (pkv_fault_hit(PKV_FAULT_XFER_STALL))
@@ -562,18 +577,21 @@ static void *progress_main(void *arg)
             nr = a->new_reads;
             a->new_reads = NULL;
             a->new_reads_tail = &a->new_reads;
-            ev = a->events;
-            a->events = NULL;
-            a->events_tail = &a->events;
+            if (a->events) {
+                *a->held_tail = a->events;
+                a->held_tail = a->events_tail;
+                a->events = NULL;
+                a->events_tail = &a->events;
+            }
             np = a->new_probes;
             a->new_probes = NULL;
             stopping = a->stopping; /* never goes back to false */
             pthread_mutex_unlock(&a->lock);
         }
-        bool worked = nr || ev || np;
+        bool worked = nr || a->held || np;
         if (np) xf_probes_admit(a, np);
         if (nr) xf_reads_admit(a, nr);
-        if (ev) process_events(a, ev);
+        process_events(a);
         if (progress_once(a)) worked = true;
 
         uint64_t now = pkv_now_ns();
@@ -583,7 +601,7 @@ static void *progress_main(void *arg)
         xf_probes_tick(a, now);
         xf_drain_stale(a);
 
-        if (stopping && shutdown_step(a, now)) {
+        if (stopping && !a->held && shutdown_step(a, now)) {
             clean = !a->reads && !a->serves && xf_peers_closed(a) && !a->discards_inflight;
             break;
         }
@@ -856,6 +874,7 @@ static int agent_identity(pkv_xfer_agent_t *a, const pkv_xfer_config_t *c)
     atomic_init(&a->loop_ns, pkv_now_ns());
     a->new_reads_tail = &a->new_reads;
     a->events_tail = &a->events;
+    a->held_tail = &a->held;
     a->jobs_tail = &a->jobs;
     a->seats_tail = &a->seats;
     a->next_peer_id = 1;

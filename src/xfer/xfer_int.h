@@ -385,6 +385,8 @@ struct pkv_xfer_agent {
     uint64_t nonce_prefix;                   /* reads' nonces: this and a counter */
     _Atomic uint64_t nonce_ctr;
     xf_mac_t *mac; /* [P] the progress thread's MAC contexts */
+    /* [P] events taken off `events`, not yet handled (a round's budget ran out) */
+    xf_event_t *held, **held_tail;
 
     pthread_mutex_t lock;
     pthread_cond_t job_cond;  /* workers wait here */
