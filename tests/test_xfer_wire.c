@@ -573,13 +573,22 @@ START_TEST(checksum_streams_and_detects_flips)
             else if (trial % 3 == 2)
                 pkv_xfer_sum_copy_nt(&s, b + off, a + off, k);
             else
-                pkv_xfer_sum_update(&s, a + off, k), memcpy(b + off, a + off, k);
+                pkv_xfer_sum_update(&s, a + off, k), pkv_xfer_copy(b + off, a + off, k);
             off += k;
         }
         pkv_xfer_sum_fence();
         ck_assert_uint_eq(pkv_xfer_sum_final(&s), whole);
         ck_assert_mem_eq(a, b, N);
     }
+    /* pkv_xfer_copy writes exactly n bytes, whatever n and the alignments */
+    for (size_t n = 0; n < 600; n += 1 + n / 8)
+        for (size_t mis = 0; mis < 3; mis++) {
+            memset(b0, 0xa5, n + 64);
+            pkv_xfer_copy(b0 + mis, a + 5, n);
+            ck_assert_mem_eq(b0 + mis, a + 5, n);
+            for (size_t i = 0; i < mis; i++) ck_assert_uint_eq(b0[i], 0xa5);
+            for (size_t i = mis + n; i < n + 64; i++) ck_assert_uint_eq(b0[i], 0xa5);
+        }
     for (int trial = 0; trial < 200; trial++) {
         size_t at = pkv_test_below(&seed, N);
         uint8_t bit = (uint8_t)(1u << pkv_test_below(&seed, 8));

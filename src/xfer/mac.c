@@ -141,7 +141,7 @@ void xf_mac_copy_in(xf_mac_t *m, void *dst, const void *src, size_t n)
     const uint8_t *s = src;
     while (n) {
         size_t k = PKV_MIN(n, (size_t)XF_MAC_STEP);
-        memcpy(bounce, s, k); /* once out of the shared mapping */
+        pkv_xfer_copy(bounce, s, k); /* once out of the shared mapping */
         xf_mac_update(m, bounce, k);
         pkv_xfer_sum_copy_nt(&sum, d, bounce, k);
         d += k, s += k, n -= k;

@@ -30,6 +30,11 @@ void pkv_xfer_sum_copy(pkv_xfer_sum_t *s, void *dst, const void *src, size_t n);
  * block being filled). Those stores are weakly ordered: call pkv_xfer_sum_fence() before
  * telling anyone (another thread, process or a UCX send) that the bytes are there. */
 void pkv_xfer_sum_copy_nt(pkv_xfer_sum_t *s, void *dst, const void *src, size_t n);
+/* memcpy(dst, src, n) (no overlap), through vector registers where the CPU has AVX2: for
+ * copies out of a peer's staging. glibc 2.36 copies more than 2112 bytes with `rep movsb`
+ * (its x86_rep_movsb_threshold on this AMD EPYC); a consumer's 4 KiB copies out of the
+ * shared arena ran at about half the rate of this loop there (docs/design/xfer.md). */
+void pkv_xfer_copy(void *dst, const void *src, size_t n);
 /* Order every copy_nt store before the stores that follow (an sfence). */
 void pkv_xfer_sum_fence(void);
 uint64_t pkv_xfer_sum_final(const pkv_xfer_sum_t *s);
